@@ -1,0 +1,31 @@
+# One short command vocabulary; CI calls these verbatim (.ci/run).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: run test lint bench install clean
+
+$(BIN)/kvindex: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+install: $(BIN)/kvindex
+
+run: install ## the main job on the embedded (in-process) store
+	$(BIN)/kvindex demo
+
+test: install ## the whole test suite (starts its own redis-server on a free port)
+	$(BIN)/pytest -q
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+bench: install
+	$(BIN)/python bench/ingest.py --quick
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

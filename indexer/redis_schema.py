@@ -1,0 +1,75 @@
+"""Every Redis key kvindex uses, in one place. Tests import these names too.
+
+Layout (``<p>`` = configurable prefix, ``<v>`` = :data:`SCHEMA_VERSION`)::
+
+    <p>:<v>:streams                 SET   every stream ("replica/rank") with state
+    <p>:<v>:{<replica>/<rank>}:keys  HASH  block key (8 bytes) → counts per tier (3 bytes)
+    <p>:<v>:{<replica>/<rank>}:hash  HASH  engine hash (8 bytes) → block key (8 bytes)
+    <p>:<v>:{<replica>/<rank>}:meta  HASH  wm (watermark), ts, n0/n1/n2 (blocks per tier)
+
+Everything one batch touches shares the stream's hash tag ``{<replica>/<rank>}``, so the
+layout runs unchanged on Redis Cluster: a batch is one single-slot script, and clearing a
+stream deletes its three keys (cost: its own blocks, never a scan).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from indexer.errors import KvIndexError
+from indexer.events import StreamId
+
+SCHEMA_VERSION = "v1"
+DEFAULT_PREFIX = "kvindex"
+
+_SAFE = re.compile(r"^[A-Za-z0-9._:\-]+$")
+
+
+class SchemaError(KvIndexError):
+    """A prefix or replica id that cannot be used in a Redis key."""
+
+
+def check_name(kind: str, value: str) -> str:
+    """Reject names that would break key parsing or Cluster hash tags (``{``, ``}``, ``/``)."""
+    if not _SAFE.match(value):
+        raise SchemaError(f"{kind} {value!r} must match {_SAFE.pattern}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class StreamKeys:
+    keys: str
+    hashes: str
+    meta: str
+
+    def all(self) -> tuple[str, str, str]:
+        return (self.meta, self.keys, self.hashes)
+
+
+@dataclass(frozen=True, slots=True)
+class Schema:
+    """Key names under one prefix."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        check_name("key prefix", self.prefix)
+
+    @property
+    def root(self) -> str:
+        return f"{self.prefix}:{SCHEMA_VERSION}"
+
+    @property
+    def streams(self) -> str:
+        return f"{self.root}:streams"
+
+    def stream(self, stream: StreamId) -> StreamKeys:
+        tag = f"{self.root}:{{{stream}}}"
+        return StreamKeys(keys=f"{tag}:keys", hashes=f"{tag}:hash", meta=f"{tag}:meta")
+
+
+META_WATERMARK = "wm"
+META_TS = "ts"
+META_TIER_PREFIX = "n"
+"""Meta fields ``n0``, ``n1``, ``n2``: distinct blocks held per tier (by Tier value)."""
