@@ -25,7 +25,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeAlias
 
+from indexer.errors import KvIndexError
 from indexer.events import StreamId, Tier
+
+
+class IndexUnavailable(KvIndexError):
+    """The index store cannot be reached (e.g. Redis is down); retry later."""
 
 
 class OpKind(enum.IntEnum):

@@ -75,12 +75,14 @@ def chain_keys(
 
     ``parent`` is the key before the first block (``model_root(model)`` at the start of a
     sequence). A trailing partial block gets no key. ``extra_keys``, when given, has one
-    entry per block.
+    entry per block (fewer raises :class:`BlockKeyError`).
     """
     if block_size <= 0:
         raise BlockKeyError(f"block size must be positive, got {block_size}")
     stride = block_size * _TOKEN_BYTES
     num_blocks = len(token_bytes) // stride
+    if extra_keys is not None and len(extra_keys) < num_blocks:
+        raise BlockKeyError(f"{len(extra_keys)} extra keys for {num_blocks} blocks")
     keys: list[int] = []
     for i in range(num_blocks):
         chunk = token_bytes[i * stride : (i + 1) * stride]

@@ -29,6 +29,7 @@ from indexer.events import (
     EngineHash,
     Event,
     EventBatch,
+    ExtraKeys,
     Tier,
 )
 
@@ -36,6 +37,8 @@ SEQ_BYTES = 8
 END_SEQ = -1
 END_SEQ_BYTES = b"\xff" * SEQ_BYTES
 _U64 = (1 << 64) - 1
+# msgspec raises RecursionError (not DecodeError) for deeply nested input; it is bad data too.
+_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
 
 WireHash = int | bytes
 
@@ -55,7 +58,7 @@ class _StoredMap(msgspec.Struct, tag="BlockStored", gc=False):
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
-    extra_keys: list[Any] | None = None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
 
 
@@ -77,7 +80,7 @@ class _StoredArray(msgspec.Struct, tag="BlockStored", array_like=True, gc=False)
     lora_id: int | None
     medium: str | None = None
     lora_name: str | None = None
-    extra_keys: list[Any] | None = None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
 
 
@@ -139,7 +142,7 @@ def _hashes(values: list[WireHash]) -> tuple[EngineHash, ...]:
     return tuple(normalize_hash(v) for v in values)
 
 
-def _extra_keys(raw: list[Any] | None) -> tuple[object, ...] | None:
+def _extra_keys(raw: list[tuple[Any, ...] | None] | None) -> tuple[ExtraKeys, ...] | None:
     if raw is None:
         return None
     return tuple(raw)
@@ -155,7 +158,7 @@ def _to_domain(event: _WireEvent) -> Event:
             block_size=event.block_size,
             tier=Tier.from_medium(event.medium),
             lora_name=event.lora_name,
-            extra_keys=_extra_keys(event.extra_keys),  # type: ignore[arg-type]
+            extra_keys=_extra_keys(event.extra_keys),
             group_idx=event.group_idx,
         )
     if isinstance(event, _RemovedMap | _RemovedArray):
@@ -176,7 +179,7 @@ def decode_payload(payload: bytes, seq: int) -> EventBatch:
     for decoder in _BATCH_DECODERS:
         try:
             batch = decoder.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except _DECODE_ERRORS:
             continue
         events = tuple(_to_domain(e) for e in batch.events)
         return EventBatch(seq, batch.ts, batch.data_parallel_rank or 0, events)
@@ -187,7 +190,7 @@ def _decode_leniently(payload: bytes, seq: int) -> EventBatch:
     """Slow path: decode event by event so that one bad event does not lose the batch."""
     try:
         raw = _RAW_BATCH.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except _DECODE_ERRORS as exc:
         raise WireError(f"undecodable batch payload (seq {seq}): {exc}") from exc
     events: list[Event] = []
     num_bad = 0
@@ -204,7 +207,7 @@ def _decode_event(raw: msgspec.Raw) -> Event | None:
     for decoder in _EVENT_DECODERS:
         try:
             return _to_domain(decoder.decode(raw))
-        except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError):
+        except (*_DECODE_ERRORS, TypeError, ValueError):
             continue
     return None
 

@@ -1,0 +1,102 @@
+"""The ``kvindex`` command line: a thin shell over the library."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from indexer.errors import KvIndexError
+from indexer.events import Tier
+from indexer.service import IndexerService
+from indexer.settings import IndexerSettings, ReplicaSpec, load_settings
+
+_console = Console()
+
+
+def _replica_option(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> Any:
+    try:
+        return tuple(ReplicaSpec.parse(v) for v in values)
+    except KvIndexError as exc:
+        raise click.BadParameter(str(exc)) from exc
+
+
+@click.group()
+@click.option("-v", "--verbose", is_flag=True, help="Log at DEBUG level.")
+def main(verbose: bool) -> None:
+    """kvindex: where every KV-cache block of a vLLM fleet lives."""
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+@main.command()
+@click.option("--config", "config", type=click.Path(path_type=Path, dir_okay=False),
+              help="TOML settings file.")
+@click.option("--replica", "replicas", multiple=True, callback=_replica_option,
+              help="id=r1,model=M,events=tcp://host:5557[,replay=...][,url=...][,dp_size=N]")
+@click.option("--bind", help="Bind one SUB here for replicas that connect to the indexer.")
+@click.option("--store", type=click.Choice(["memory", "redis"]), help="Index store.")
+@click.option("--redis-url", help="Redis URL (with --store redis).")
+@click.option("--stats-every", default=5.0, show_default=True,
+              help="Print a stats table every N seconds (0: never).")
+def indexer(
+    config: Path | None,
+    replicas: tuple[ReplicaSpec, ...],
+    bind: str | None,
+    store: str | None,
+    redis_url: str | None,
+    stats_every: float,
+) -> None:
+    """Run the write path: subscribe to replicas and keep the block index."""
+    try:
+        settings = load_settings(
+            config,
+            overrides={"bind": bind, "store": store, "redis_url": redis_url},
+            extra_replicas=replicas,
+        )
+    except KvIndexError as exc:
+        raise click.ClickException(str(exc)) from exc
+    _run_indexer(settings, stats_every)
+
+
+def _run_indexer(settings: IndexerSettings, stats_every: float) -> None:
+    service = IndexerService.build(settings)
+    service.start()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    where = service.subscriber.bound_endpoint or "configured replicas"
+    _console.print(f"kvindex indexer ({settings.store} store) listening on {where}")
+    try:
+        while not stop.wait(stats_every if stats_every > 0 else 3600):
+            _console.print(_stats_table(service))
+    finally:
+        service.stop()
+
+
+def _stats_table(service: IndexerService) -> Table:
+    table = Table(title=time.strftime("%H:%M:%S"))
+    for column in ("stream", "state", "seq", "GPU", "CPU", "other", "lag s", "gaps", "replays",
+                   "restarts", "errors"):
+        table.add_column(column)
+    for status in service.registry.statuses():
+        stats = service.index.stats(status.stream)
+        c = status.counters
+        errors = status.num_decode_errors + status.num_bad_events + status.num_store_errors
+        table.add_row(
+            str(status.stream), status.freshness.value, str(status.last_seq),
+            str(stats.blocks_by_tier[Tier.GPU]), str(stats.blocks_by_tier[Tier.CPU]),
+            str(stats.blocks_by_tier[Tier.OTHER]),
+            "-" if status.lag_s is None else f"{status.lag_s:.3f}",
+            str(c.num_gaps), str(c.num_replays), str(c.num_restarts), str(errors),
+        )
+    return table

@@ -1,0 +1,207 @@
+"""The replicas kvindex knows, and the live state of each of their streams.
+
+Replicas come from the settings (config file, command line), from run-time calls
+(:meth:`Registry.add` / :meth:`Registry.remove`, exposed over HTTP by the API) and, in
+bind mode, from the topic ``kv@<replica>@<model>`` of their first event. The subscriber
+thread writes stream status; any thread may read a consistent snapshot.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from indexer.events import StreamId
+from indexer.settings import ReplicaSpec
+from indexer.stream import StreamCounters
+
+
+class Freshness(enum.Enum):
+    """How far a stream's index entries can be trusted right now."""
+
+    LIVE = "live"
+    REPLAYING = "replaying"
+    STALE = "stale"
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStatus:
+    """A snapshot of one stream's ingestion state."""
+
+    stream: StreamId
+    freshness: Freshness
+    connected: bool
+    last_seq: int
+    last_event_ts: float | None
+    """Engine timestamp of the last applied batch."""
+    lag_s: float | None
+    """Receive time minus engine timestamp of the last applied batch."""
+    silent_s: float | None
+    """Seconds since anything was heard from the stream."""
+    counters: StreamCounters
+    num_decode_errors: int = 0
+    num_store_errors: int = 0
+    num_orphan_stores: int = 0
+    num_unknown_removals: int = 0
+    num_misaligned_events: int = 0
+    num_bad_events: int = 0
+
+
+@dataclass(slots=True)
+class _Live:
+    """Mutable per-stream state, written by the subscriber thread under the lock."""
+
+    connected: bool = False
+    replaying: bool = False
+    last_seq: int = -1
+    last_event_ts: float | None = None
+    lag_s: float | None = None
+    last_heard: float | None = None
+    disconnected_at: float | None = None
+    counters: StreamCounters = field(default_factory=StreamCounters)
+    num_decode_errors: int = 0
+    num_store_errors: int = 0
+    num_orphan_stores: int = 0
+    num_unknown_removals: int = 0
+    num_misaligned_events: int = 0
+    num_bad_events: int = 0
+
+
+class Registry:
+    """Thread-safe map of replica id → spec, plus per-stream live state."""
+
+    def __init__(
+        self,
+        replicas: tuple[ReplicaSpec, ...] = (),
+        *,
+        stale_after_s: float = 300.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._lock = threading.Lock()
+        self._replicas: dict[str, ReplicaSpec] = {r.id: r for r in replicas}
+        self._live: dict[StreamId, _Live] = {}
+        self._stale_after_s = stale_after_s
+        self._clock = clock
+        self._version = 0
+
+    # --- replicas ------------------------------------------------------------------------
+
+    def add(self, spec: ReplicaSpec) -> bool:
+        """Register or update a replica; False if an identical spec was already there."""
+        with self._lock:
+            if self._replicas.get(spec.id) == spec:
+                return False
+            self._replicas[spec.id] = spec
+            self._version += 1
+            return True
+
+    def remove(self, replica: str) -> ReplicaSpec | None:
+        """Forget a replica and its streams' state; returns the removed spec."""
+        with self._lock:
+            spec = self._replicas.pop(replica, None)
+            for stream in [s for s in self._live if s.replica == replica]:
+                del self._live[stream]
+            if spec is not None:
+                self._version += 1
+            return spec
+
+    def get(self, replica: str) -> ReplicaSpec | None:
+        with self._lock:
+            return self._replicas.get(replica)
+
+    def replicas(self) -> list[ReplicaSpec]:
+        with self._lock:
+            return sorted(self._replicas.values(), key=lambda r: r.id)
+
+    @property
+    def version(self) -> int:
+        """Bumped on every add/remove, so the subscriber knows to reconcile its sockets."""
+        with self._lock:
+            return self._version
+
+    def models(self) -> list[str]:
+        with self._lock:
+            return sorted({r.model for r in self._replicas.values()})
+
+    # --- stream state (written by the subscriber) ----------------------------------------
+
+    def update(self, stream: StreamId, **changes: object) -> None:
+        """Set fields of a stream's live state (creating it)."""
+        with self._lock:
+            live = self._live.get(stream)
+            if live is None:
+                live = self._live[stream] = _Live()
+            for name, value in changes.items():
+                setattr(live, name, value)
+
+    def count(self, stream: StreamId, **amounts: int) -> None:
+        """Add to ``num_*`` counters of a stream's live state."""
+        with self._lock:
+            live = self._live.get(stream)
+            if live is None:
+                live = self._live[stream] = _Live()
+            for name, amount in amounts.items():
+                setattr(live, name, getattr(live, name) + amount)
+
+    def heard(self, stream: StreamId, *, seq: int, engine_ts: float) -> None:
+        """Record an applied batch: its seq, engine timestamp and the lag behind it."""
+        now = self._clock()
+        with self._lock:
+            live = self._live.get(stream)
+            if live is None:
+                live = self._live[stream] = _Live()
+            live.last_seq = seq
+            live.last_event_ts = engine_ts
+            live.lag_s = max(0.0, now - engine_ts)
+            live.last_heard = now
+
+    # --- reading -------------------------------------------------------------------------
+
+    def status(self, stream: StreamId) -> StreamStatus | None:
+        with self._lock:
+            live = self._live.get(stream)
+            return None if live is None else self._snapshot(stream, live)
+
+    def statuses(self) -> list[StreamStatus]:
+        with self._lock:
+            return [self._snapshot(s, live) for s, live in sorted(self._live.items())]
+
+    def _snapshot(self, stream: StreamId, live: _Live) -> StreamStatus:
+        now = self._clock()
+        silent = None if live.last_heard is None else now - live.last_heard
+        return StreamStatus(
+            stream=stream,
+            freshness=self._freshness(live, silent),
+            connected=live.connected,
+            last_seq=live.last_seq,
+            last_event_ts=live.last_event_ts,
+            lag_s=live.lag_s,
+            silent_s=silent,
+            counters=replace(live.counters),
+            num_decode_errors=live.num_decode_errors,
+            num_store_errors=live.num_store_errors,
+            num_orphan_stores=live.num_orphan_stores,
+            num_unknown_removals=live.num_unknown_removals,
+            num_misaligned_events=live.num_misaligned_events,
+            num_bad_events=live.num_bad_events,
+        )
+
+    def _freshness(self, live: _Live, silent: float | None) -> Freshness:
+        if live.replaying:
+            return Freshness.REPLAYING
+        if silent is not None and silent > self._stale_after_s:
+            return Freshness.STALE
+        if not live.connected and live.disconnected_at is not None:
+            return Freshness.STALE
+        return Freshness.LIVE
+
+    def disconnected_for(self, stream: StreamId) -> float | None:
+        """Seconds a connect-mode stream has been disconnected (None if connected/unknown)."""
+        with self._lock:
+            live = self._live.get(stream)
+            if live is None or live.connected or live.disconnected_at is None:
+                return None
+            return self._clock() - live.disconnected_at

@@ -1,0 +1,45 @@
+"""Assembles an indexer process from its settings: store, registry, subscriber."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from indexer.index import BlockIndex
+from indexer.memory_store import MemoryIndex
+from indexer.redis_schema import Schema
+from indexer.redis_store import RedisIndex, connect
+from indexer.registry import Registry
+from indexer.settings import IndexerSettings
+from indexer.subscriber import Subscriber
+
+
+def open_index(settings: IndexerSettings) -> BlockIndex:
+    """The store the settings name: in-process (default) or Redis."""
+    if settings.store == "redis":
+        return RedisIndex(connect(settings.redis_url), Schema(settings.redis_prefix))
+    return MemoryIndex()
+
+
+@dataclass
+class IndexerService:
+    """A running write path. ``start`` opens sockets; ``stop`` closes everything."""
+
+    settings: IndexerSettings
+    index: BlockIndex
+    registry: Registry
+    subscriber: Subscriber
+
+    @classmethod
+    def build(cls, settings: IndexerSettings, index: BlockIndex | None = None) -> IndexerService:
+        index = index if index is not None else open_index(settings)
+        registry = Registry(settings.replicas, stale_after_s=settings.stale_after_s)
+        return cls(settings, index, registry, Subscriber(settings, index, registry))
+
+    def start(self) -> None:
+        logging.getLogger("kvindex").setLevel(self.settings.log_level.upper())
+        self.subscriber.start()
+
+    def stop(self) -> None:
+        self.subscriber.stop()
+        self.index.close()
