@@ -39,15 +39,28 @@ def main(verbose: bool) -> None:
 
 
 @main.command()
-@click.option("--config", "config", type=click.Path(path_type=Path, dir_okay=False),
-              help="TOML settings file.")
-@click.option("--replica", "replicas", multiple=True, callback=_replica_option,
-              help="id=r1,model=M,events=tcp://host:5557[,replay=...][,url=...][,dp_size=N]")
+@click.option(
+    "--config",
+    "config",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="TOML settings file.",
+)
+@click.option(
+    "--replica",
+    "replicas",
+    multiple=True,
+    callback=_replica_option,
+    help="id=r1,model=M,events=tcp://host:5557[,replay=...][,url=...][,dp_size=N]",
+)
 @click.option("--bind", help="Bind one SUB here for replicas that connect to the indexer.")
 @click.option("--store", type=click.Choice(["memory", "redis"]), help="Index store.")
 @click.option("--redis-url", help="Redis URL (with --store redis).")
-@click.option("--stats-every", default=5.0, show_default=True,
-              help="Print a stats table every N seconds (0: never).")
+@click.option(
+    "--stats-every",
+    default=5.0,
+    show_default=True,
+    help="Print a stats table every N seconds (0: never).",
+)
 def indexer(
     config: Path | None,
     replicas: tuple[ReplicaSpec, ...],
@@ -85,18 +98,35 @@ def _run_indexer(settings: IndexerSettings, stats_every: float) -> None:
 
 def _stats_table(service: IndexerService) -> Table:
     table = Table(title=time.strftime("%H:%M:%S"))
-    for column in ("stream", "state", "seq", "GPU", "CPU", "other", "lag s", "gaps", "replays",
-                   "restarts", "errors"):
+    for column in (
+        "stream",
+        "state",
+        "seq",
+        "GPU",
+        "CPU",
+        "other",
+        "lag s",
+        "gaps",
+        "replays",
+        "restarts",
+        "errors",
+    ):
         table.add_column(column)
     for status in service.registry.statuses():
         stats = service.index.stats(status.stream)
         c = status.counters
         errors = status.num_decode_errors + status.num_bad_events + status.num_store_errors
         table.add_row(
-            str(status.stream), status.freshness.value, str(status.last_seq),
-            str(stats.blocks_by_tier[Tier.GPU]), str(stats.blocks_by_tier[Tier.CPU]),
+            str(status.stream),
+            status.freshness.value,
+            str(status.last_seq),
+            str(stats.blocks_by_tier[Tier.GPU]),
+            str(stats.blocks_by_tier[Tier.CPU]),
             str(stats.blocks_by_tier[Tier.OTHER]),
             "-" if status.lag_s is None else f"{status.lag_s:.3f}",
-            str(c.num_gaps), str(c.num_replays), str(c.num_restarts), str(errors),
+            str(c.num_gaps),
+            str(c.num_replays),
+            str(c.num_restarts),
+            str(errors),
         )
     return table

@@ -55,16 +55,34 @@ def encode_event(event: Event, encoding: Encoding) -> Any:
 
 def _stored(event: BlockStored, encoding: Encoding) -> Any:
     extra = None if event.extra_keys is None else list(event.extra_keys)
-    names = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-             "medium", "lora_name", "extra_keys", "group_idx")
-    fields = [list(event.block_hashes), event.parent_hash, list(event.token_ids),
-              event.block_size, 1 if event.lora_name else None, _MEDIUM[event.tier],
-              event.lora_name, extra, event.group_idx]
+    names = (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+        "group_idx",
+    )
+    fields = [
+        list(event.block_hashes),
+        event.parent_hash,
+        list(event.token_ids),
+        event.block_size,
+        1 if event.lora_name else None,
+        _MEDIUM[event.tier],
+        event.lora_name,
+        extra,
+        event.group_idx,
+    ]
     return _shape("BlockStored", names, fields, encoding, required=7)
 
 
-def _shape(tag: str, names: tuple[str, ...], fields: list[Any], encoding: Encoding,
-           *, required: int) -> Any:
+def _shape(
+    tag: str, names: tuple[str, ...], fields: list[Any], encoding: Encoding, *, required: int
+) -> Any:
     """Array: every field, tag first. Map: ``type`` first; defaulted fields omitted if None."""
     if encoding == "array":
         return [tag, *fields]
@@ -94,7 +112,11 @@ class EventPublisher:
         replay_layout: ReplayLayout = "topic",
         buffer_steps: int = 10_000,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        bind: bool | None = None,
     ) -> None:
+        """``bind`` None follows vLLM's rule for ``endpoint`` (bind iff it has ``*`` or
+        ``::``); True binds exactly there (e.g. a fixed loopback port in tests)."""
+        self._bind = bind
         self._context = context or zmq.Context.instance()
         self.topic = topic.encode()
         self.rank = rank
@@ -105,26 +127,38 @@ class EventPublisher:
         self._next_seq = 0
         self._lock = threading.Lock()
         self._pub = self._context.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.setsockopt(zmq.SNDHWM, 0)
-        self.endpoint = _open(self._pub, endpoint)
         self._router: zmq.Socket[bytes] | None = None
         self.replay_endpoint: str | None = None
+        try:
+            self._open_sockets(endpoint, replay_endpoint)
+        except zmq.ZMQError:
+            self._close_sockets()
+            raise
+        self._thread = threading.Thread(target=self._loop, name="kv-publisher", daemon=True)
+        self._thread.start()
+
+    def _open_sockets(self, endpoint: str, replay_endpoint: str | None) -> None:
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.SNDHWM, 0)
+        self.endpoint = _open(self._pub, endpoint, self._bind)
         if replay_endpoint is not None:
             self._router = self._context.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.setsockopt(zmq.SNDHWM, 0)
             self._router.bind(replay_endpoint)
             self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._drained = threading.Condition()
-        self._thread = threading.Thread(target=self._loop, name="kv-publisher", daemon=True)
-        self._thread.start()
+
+    def _close_sockets(self) -> None:
+        self._pub.close(linger=0)
+        if self._router is not None:
+            self._router.close(linger=0)
 
     def publish(self, events: list[Event], *, ts: float | None = None, drop: bool = False) -> int:
         """Queue one batch; returns its seq. ``drop=True`` buffers it for replay but never
         sends it live (a slow-subscriber drop: the subscriber sees a gap)."""
-        payload = encode_batch(events, ts=time.time() if ts is None else ts, rank=self.rank,
-                               encoding=self.encoding)
+        payload = encode_batch(
+            events, ts=time.time() if ts is None else ts, rank=self.rank, encoding=self.encoding
+        )
         return self.publish_payload(payload, drop=drop)
 
     def publish_payload(self, payload: bytes, *, drop: bool = False) -> int:
@@ -148,9 +182,7 @@ class EventPublisher:
     def close(self) -> None:
         self._outbox.put(None)
         self._thread.join(5)
-        self._pub.close(linger=0)
-        if self._router is not None:
-            self._router.close(linger=0)
+        self._close_sockets()
 
     def _loop(self) -> None:
         while True:
@@ -182,8 +214,9 @@ class EventPublisher:
             identity, start = frames[0], int.from_bytes(frames[2], "big")
             for seq, payload in list(self._buffer):
                 if seq >= start:
-                    router.send_multipart([identity, b"", *self._reply(seq.to_bytes(8, "big"),
-                                                                      payload)])
+                    router.send_multipart(
+                        [identity, b"", *self._reply(seq.to_bytes(8, "big"), payload)]
+                    )
             router.send_multipart([identity, b"", *self._reply(_END_SEQ, b"")])
 
     def _reply(self, seq_bytes: bytes, payload: bytes) -> list[bytes]:
@@ -192,10 +225,12 @@ class EventPublisher:
         return [seq_bytes, payload]
 
 
-def _open(sock: zmq.Socket[bytes], endpoint: str) -> str:
+def _open(sock: zmq.Socket[bytes], endpoint: str, bind: bool | None) -> str:
     """vLLM's rule: bind when the endpoint has ``*`` or ``::`` (or is ipc/inproc), else
     connect (the subscriber has bound)."""
-    if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+    if bind is None:
+        bind = "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+    if bind:
         sock.bind(endpoint)
         return sock.getsockopt_string(zmq.LAST_ENDPOINT)
     sock.connect(endpoint)

@@ -1,11 +1,15 @@
 -- Apply one stream's batch atomically together with its watermark.
 -- KEYS: meta, keys (block key -> 3 count bytes), hash (engine hash -> block key)
 -- ARGV: seq, ts, ops: 18-byte records (kind u8, tier u8, engine hash 8B, key 8B)
--- Returns {applied (0/1), unknown removals, unresolved stores}.
+-- Returns {applied (0/1), unknown removals, unresolved stores, fresh (0/1)}; fresh = the
+-- stream had no watermark before this batch (new, cleared, dropped or lost in a restart),
+-- so the caller must (re)register it in the streams set (another slot: not done here).
 local meta, keys, hashes = KEYS[1], KEYS[2], KEYS[3]
 local seq = tonumber(ARGV[1])
-local wm = tonumber(redis.call('HGET', meta, 'wm') or '-1')
-if seq <= wm then return {0, 0, 0} end
+local stored_wm = redis.call('HGET', meta, 'wm')
+local wm = tonumber(stored_wm or '-1')
+if seq <= wm then return {0, 0, 0, 0} end
+local fresh = stored_wm and 0 or 1
 
 local delta = {0, 0, 0}
 local unknown, unresolved = 0, 0
@@ -61,4 +65,4 @@ redis.call('HSET', meta, 'wm', ARGV[1], 'ts', ARGV[2])
 for t = 1, 3 do
   if delta[t] ~= 0 then redis.call('HINCRBY', meta, 'n' .. (t - 1), delta[t]) end
 end
-return {1, unknown, unresolved}
+return {1, unknown, unresolved, fresh}

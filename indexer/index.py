@@ -29,7 +29,7 @@ from indexer.errors import KvIndexError
 from indexer.events import StreamId, Tier
 
 
-class IndexUnavailable(KvIndexError):
+class IndexUnavailableError(KvIndexError):
     """The index store cannot be reached (e.g. Redis is down); retry later."""
 
 

@@ -98,7 +98,7 @@ class Ingestor:
         ops: list[Op] = []
         for event in batch.events:
             if isinstance(event, BlockStored):
-                self._store_ops(stream, model, event, cache, ops, report)
+                self._store_ops(stream, model, event, cache=cache, ops=ops, report=report)
             elif isinstance(event, BlockRemoved):
                 self._remove_ops(event, ops, report)
             elif isinstance(event, AllBlocksCleared):
@@ -119,6 +119,7 @@ class Ingestor:
         stream: StreamId,
         model: str,
         event: BlockStored,
+        *,
         cache: _KeyCache,
         ops: list[Op],
         report: IngestReport,
@@ -154,9 +155,11 @@ class Ingestor:
         if not aligned or (extras is not None and len(extras) != num_blocks):
             report.num_misaligned_events += 1
             return None
-        parent = self._parent_key(stream, model, event.parent_hash, cache, report)
         try:
-            return chain_keys(parent, tokens_to_bytes(event.token_ids), event.block_size, extras)
+            # Tokens first: a store dropped for bad tokens must not count as an orphan too.
+            token_bytes = tokens_to_bytes(event.token_ids)
+            parent = self._parent_key(stream, model, event.parent_hash, cache, report)
+            return chain_keys(parent, token_bytes, event.block_size, extras)
         except BlockKeyError:
             report.num_bad_events += 1
             return None

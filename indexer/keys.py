@@ -57,7 +57,7 @@ def tokens_to_bytes(token_ids: Sequence[int]) -> bytes:
 
 
 def _extra_bytes(extra: object) -> bytes:
-    if extra is None or extra == () or extra == []:
+    if extra is None or extra in ((), []):
         return b""
     try:
         return _encode(extra)

@@ -60,32 +60,11 @@ class MemoryIndex:
             if seq <= state.watermark:
                 return SKIPPED
             tally = _Tally()
-            for kind, tier, engine_hash, key in ops:
-                self._apply_op(state, tally, kind, tier, engine_hash, key)
+            for op in ops:
+                _apply_op(state, tally, op)
             state.watermark = seq
             state.last_ts = ts
             return ApplyResult(True, tally.num_unknown_removals, tally.num_unresolved_stores)
-
-    def _apply_op(
-        self, state: _Stream, tally: _Tally, kind: int, tier: int, engine_hash: int, key: int
-    ) -> None:
-        if kind == OpKind.STORE:
-            state.hash_to_key[engine_hash] = key
-            _bump(state, key, tier, 1)
-        elif kind == OpKind.STORE_BY_HASH:
-            found = state.hash_to_key.get(engine_hash)
-            if found is None:
-                tally.num_unresolved_stores += 1
-            else:
-                _bump(state, found, tier, 1)
-        elif kind == OpKind.REMOVE:
-            found = state.hash_to_key.get(engine_hash)
-            if found is None or not _bump(state, found, tier, -1):
-                tally.num_unknown_removals += 1
-            elif found not in state.key_to_counts:
-                del state.hash_to_key[engine_hash]
-        elif kind == OpKind.CLEAR:
-            state.reset()
 
     def resolve(self, stream: StreamId, engine_hashes: Sequence[int]) -> list[int | None]:
         with self._lock:
@@ -131,6 +110,27 @@ class MemoryIndex:
 
     def close(self) -> None:
         pass
+
+
+def _apply_op(state: _Stream, tally: _Tally, op: Op) -> None:
+    kind, tier, engine_hash, key = op
+    if kind == OpKind.STORE:
+        state.hash_to_key[engine_hash] = key
+        _bump(state, key, tier, 1)
+    elif kind == OpKind.STORE_BY_HASH:
+        found = state.hash_to_key.get(engine_hash)
+        if found is None:
+            tally.num_unresolved_stores += 1
+        else:
+            _bump(state, found, tier, 1)
+    elif kind == OpKind.REMOVE:
+        found = state.hash_to_key.get(engine_hash)
+        if found is None or not _bump(state, found, tier, -1):
+            tally.num_unknown_removals += 1
+        elif found not in state.key_to_counts:
+            del state.hash_to_key[engine_hash]
+    elif kind == OpKind.CLEAR:
+        state.reset()
 
 
 def _bump(state: _Stream, key: int, tier: int, delta: int) -> bool:

@@ -23,7 +23,7 @@ from indexer.events import StreamId
 SCHEMA_VERSION = "v1"
 DEFAULT_PREFIX = "kvindex"
 
-_SAFE = re.compile(r"^[A-Za-z0-9._:\-]+$")
+_SAFE = re.compile(r"[A-Za-z0-9._:\-]+")
 
 
 class SchemaError(KvIndexError):
@@ -32,7 +32,8 @@ class SchemaError(KvIndexError):
 
 def check_name(kind: str, value: str) -> str:
     """Reject names that would break key parsing or Cluster hash tags (``{``, ``}``, ``/``)."""
-    if not _SAFE.match(value):
+    # fullmatch, not match with "$": "$" also matches before a trailing newline.
+    if not _SAFE.fullmatch(value):
         raise SchemaError(f"{kind} {value!r} must match {_SAFE.pattern}")
     return value
 

@@ -9,16 +9,17 @@ that stream's first miss (``longest_prefix.lua``). Key names live in ``redis_sch
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from importlib import resources
-from typing import Any
+from typing import cast
 
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from indexer.events import StreamId, Tier
-from indexer.index import SKIPPED, ApplyResult, Op, PrefixMatch, StreamStats
+from indexer.index import SKIPPED, ApplyResult, IndexUnavailableError, Op, PrefixMatch, StreamStats
 from indexer.redis_schema import (
     META_TIER_PREFIX,
     META_TS,
@@ -33,6 +34,15 @@ _TIER_OF_BYTE = tuple(Tier)
 
 def _script(name: str) -> str:
     return resources.files("indexer").joinpath(name).read_text("utf-8")
+
+
+@contextmanager
+def _unavailable_on_connection_errors() -> Iterator[None]:
+    """Redis unreachable (after the client's own retries) → :class:`IndexUnavailableError`."""
+    try:
+        yield
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise IndexUnavailableError(f"redis: {exc}") from exc
 
 
 def connect(url: str, *, socket_timeout_s: float = 5.0) -> redis.Redis:
@@ -56,7 +66,10 @@ def encode_ops(ops: Sequence[Op]) -> bytes:
 
 
 class RedisIndex:
-    """Block index in Redis (standalone now; the layout is Cluster-ready)."""
+    """Block index in Redis (standalone now; the layout is Cluster-ready).
+
+    Every method raises :class:`IndexUnavailableError` when Redis cannot be reached.
+    """
 
     def __init__(self, client: redis.Redis, schema: Schema | None = None) -> None:
         self._client = client
@@ -70,15 +83,21 @@ class RedisIndex:
         return cls(connect(url), Schema(prefix))
 
     def apply(self, stream: StreamId, seq: int, ts: float, ops: Sequence[Op]) -> ApplyResult:
-        self._register(stream)
         keys = self._schema.stream(stream)
-        reply = self._apply(keys=keys.all(), args=[seq, repr(ts), encode_ops(ops)])
-        applied, unknown, unresolved = (int(x) for x in reply)
+        with _unavailable_on_connection_errors():
+            self._register(stream)
+            reply = self._apply(keys=keys.all(), args=[seq, repr(ts), encode_ops(ops)])
+            applied, unknown, unresolved, fresh = (int(x) for x in reply)
+            if fresh:
+                # The stream's state was (re)created by this batch: it may have been dropped
+                # by another indexer or lost in a Redis restart since this process listed it.
+                self._client.sadd(self._schema.streams, str(stream))
         if not applied:
             return SKIPPED
         return ApplyResult(True, unknown, unresolved)
 
     def _register(self, stream: StreamId) -> None:
+        """List the stream before its first batch here (a crash then leaves no unlisted keys)."""
         if stream not in self._registered:
             check_name("replica id", stream.replica)
             self._client.sadd(self._schema.streams, str(stream))
@@ -88,24 +107,27 @@ class RedisIndex:
         if not engine_hashes:
             return []
         fields = [h.to_bytes(8, "big") for h in engine_hashes]
-        values = self._client.hmget(self._schema.stream(stream).hashes, fields)
+        with _unavailable_on_connection_errors():
+            reply = self._client.hmget(self._schema.stream(stream).hashes, fields)
+        values = cast("list[bytes | None]", reply)
         return [None if v is None else int.from_bytes(v, "big") for v in values]
 
     def clear(self, stream: StreamId) -> None:
-        keys = self._schema.stream(stream)
-        with self._client.pipeline(transaction=True) as pipe:
-            pipe.delete(keys.keys, keys.hashes)
-            pipe.hset(keys.meta, mapping=_empty_meta())
-            pipe.hdel(keys.meta, META_TS)
-            pipe.execute()
+        # One DEL of the stream's own keys: atomic, single-slot, and it leaves nothing behind
+        # for a stream never seen. An absent meta reads as watermark -1 and no blocks.
+        with _unavailable_on_connection_errors():
+            self._client.delete(*self._schema.stream(stream).all())
 
     def drop(self, stream: StreamId) -> None:
-        self._client.delete(*self._schema.stream(stream).all())
-        self._client.srem(self._schema.streams, str(stream))
+        with _unavailable_on_connection_errors():
+            self._client.delete(*self._schema.stream(stream).all())
+            self._client.srem(self._schema.streams, str(stream))
         self._registered.discard(stream)
 
     def streams(self) -> list[StreamId]:
-        members: set[bytes] = self._client.smembers(self._schema.streams)  # type: ignore[assignment]
+        with _unavailable_on_connection_errors():
+            reply = self._client.smembers(self._schema.streams)
+        members = cast("set[bytes]", reply)
         return sorted(StreamId.parse(m.decode()) for m in members)
 
     def longest_prefix(
@@ -113,7 +135,7 @@ class RedisIndex:
     ) -> dict[StreamId, PrefixMatch]:
         wanted = b"".join(k.to_bytes(8, "big") for k in keys)
         targets = list(streams)
-        with self._client.pipeline(transaction=False) as pipe:
+        with _unavailable_on_connection_errors(), self._client.pipeline(transaction=False) as pipe:
             for stream in targets:
                 self._prefix(keys=[self._schema.stream(stream).keys], args=[wanted], client=pipe)
             replies: list[bytes] = pipe.execute()
@@ -123,7 +145,9 @@ class RedisIndex:
         }
 
     def stats(self, stream: StreamId) -> StreamStats:
-        raw: dict[bytes, bytes] = self._client.hgetall(self._schema.stream(stream).meta)  # type: ignore[assignment]
+        with _unavailable_on_connection_errors():
+            reply = self._client.hgetall(self._schema.stream(stream).meta)
+        raw = cast("dict[bytes, bytes]", reply)
         meta = {k.decode(): v.decode() for k, v in raw.items()}
         by_tier = {t: int(meta.get(f"{META_TIER_PREFIX}{t.value}", 0)) for t in Tier}
         ts = meta.get(META_TS)
@@ -136,10 +160,3 @@ class RedisIndex:
 
     def close(self) -> None:
         self._client.close()
-
-
-def _empty_meta() -> dict[str, Any]:
-    meta: dict[str, Any] = {META_WATERMARK: -1}
-    for tier in Tier:
-        meta[f"{META_TIER_PREFIX}{tier.value}"] = 0
-    return meta

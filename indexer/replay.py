@@ -19,7 +19,7 @@ from indexer.events import EventBatch
 from indexer.wire import ReplayReply, WireError, decode_replay, replay_request
 
 
-class ReplayTimeout(KvIndexError):
+class ReplayTimeoutError(KvIndexError):
     """The replay did not reach its end marker in time."""
 
 
@@ -81,7 +81,7 @@ def fetch_replay(
 ) -> list[EventBatch]:
     """Blocking replay: every batch from ``start_seq`` until the end marker, in order.
 
-    Raises :class:`ReplayTimeout` if the end marker does not come within ``timeout_s`` of
+    Raises :class:`ReplayTimeoutError` if the end marker does not come within ``timeout_s`` of
     the previous reply.
     """
     session = ReplaySession(context, endpoint, start_seq, idle_timeout_s=timeout_s)
@@ -90,7 +90,7 @@ def fetch_replay(
         while True:
             wait_ms = max(0, int((session.deadline - time.monotonic()) * 1000))
             if not session.socket.poll(wait_ms, zmq.POLLIN):
-                raise ReplayTimeout(f"replay from {endpoint} (seq {start_seq}) timed out")
+                raise ReplayTimeoutError(f"replay from {endpoint} (seq {start_seq}) timed out")
             for reply in session.receive():
                 if reply.batch is None:
                     return batches

@@ -7,15 +7,25 @@ subscriber carries the step out. Rules:
 
 * ``seq == last + 1`` → apply. ``seq > last + 1`` → a gap: replay from ``last + 1``,
   buffering live batches meanwhile; they are applied after the replay, deduplicated by seq.
+  A gap found among the buffered batches starts another replay, unless the replay failed
+  or the gap begins where the replay began (it had nothing to give): then it is applied
+  through and counted as unrepaired.
 * ``seq <= last`` on the live stream is a duplicate only if it is a batch already seen
   (same seq *and* same engine timestamp, as after a replay overlap); otherwise the engine
   restarted (vLLM restarts its counter at 0): clear the stream and resync.
 * On start or reconnect the stream resyncs: replay from the oldest available batch (0);
-  batches at or below what was applied are skipped, unless their timestamp shows that the
-  engine restarted meanwhile.
+  batches at or below what was applied are skipped, unless the engine restarted meanwhile,
+  shown by a timestamp that differs from the one remembered for that seq, or by a replay
+  of the whole history (from seq 0) that ends below what was applied: then the stream is
+  cleared and every batch of that replay is applied (they all come from the restarted
+  engine). A batch that revealed a restart is judged once: the replay it started
+  supersedes it.
 * A *rebuild* (to repair orphaned stores) also replays from 0; if the engine still holds
   its whole history (the replay starts at seq 0), the stream is cleared and rebuilt.
-* Without a replay endpoint, gaps are applied through and counted as unrepaired.
+* Without a replay endpoint, gaps are applied through and counted as unrepaired, and a
+  restart clears the stream and applies the batch.
+* A replay that starts later than asked (the engine's buffer no longer reaches back) is
+  counted as truncated; what it returns is applied.
 """
 
 from __future__ import annotations
@@ -62,7 +72,17 @@ class _Replay:
     start: int
     rebuild: bool
     pending: list[EventBatch] = field(default_factory=list)
+    """Live batches that arrived meanwhile, applied (deduplicated) when the replay ends."""
+    skipped: list[EventBatch] = field(default_factory=list)
+    """Replayed batches skipped as already applied. Every replayed batch comes from the
+    engine as it is now, so if the replay reveals a restart these are applied after all."""
+    gap_seq: int | None = None
+    """Seq of the live batch whose gap started this replay (that gap is already counted)."""
+    for_restart: bool = False
+    """Started because ``pending[0]`` revealed a restart; the replay supersedes that batch."""
     num_received: int = 0
+    first_seq: int | None = None
+    max_seq: int = -1
 
 
 class StreamTracker:
@@ -109,17 +129,25 @@ class StreamTracker:
         if self.mode is Mode.NEW and self.can_replay:
             return self._start_replay(0, rebuild=False, pending=[batch])
         self.mode = Mode.LIVE
-        return self._live(batch, during_drain=False)
+        return self._live(batch, repair_above=-1)
 
     def on_replay(self, batch: EventBatch) -> Step:
         replay = self._replay
         if replay is None:
             return Step()  # a late reply of an abandoned replay
         step = Step()
-        if replay.num_received == 0:
+        if replay.first_seq is None:
+            replay.first_seq = batch.seq
             self._first_replayed(replay, batch.seq, step)
         replay.num_received += 1
-        self._accept(batch, step, in_replay=True)
+        replay.max_seq = max(replay.max_seq, batch.seq)
+        if batch.seq > self.last_seq:
+            self._apply(batch, step)
+        elif self._is_known(batch, in_replay=True):
+            replay.skipped.append(batch)
+        else:
+            step = self._restart_with(replay)
+            self._apply(batch, step)
         return step
 
     def on_replay_end(self) -> Step:
@@ -131,8 +159,16 @@ class StreamTracker:
 
     # --- internals -----------------------------------------------------------------------
 
-    def _start_replay(self, start: int, *, rebuild: bool, pending: list[EventBatch]) -> Step:
-        self._replay = _Replay(start, rebuild, pending)
+    def _start_replay(
+        self,
+        start: int,
+        *,
+        rebuild: bool,
+        pending: list[EventBatch],
+        gap_seq: int | None = None,
+        for_restart: bool = False,
+    ) -> Step:
+        self._replay = _Replay(start, rebuild, pending, gap_seq=gap_seq, for_restart=for_restart)
         self.mode = Mode.REPLAYING
         self.counters.num_replays += 1
         return Step(replay_from=start)
@@ -150,46 +186,78 @@ class StreamTracker:
         if replay.rebuild and seq == 0:
             self._reset(step)
 
-    def _live(self, batch: EventBatch, *, during_drain: bool) -> Step:
-        step = Step()
+    def _live(
+        self, batch: EventBatch, *, repair_above: int | None, counted_gap: int | None = None
+    ) -> Step:
+        """Apply a live (or drained) batch.
+
+        A gap starting above ``repair_above`` starts a replay (``None``: never, as after a
+        failed replay); a restart always does when the stream can replay.
+        """
         seq = batch.seq
-        if self.last_seq >= 0 and seq > self.last_seq + 1:
-            self.counters.num_gaps += 1
-            if self.can_replay and not during_drain:
-                return self._start_replay(self.last_seq + 1, rebuild=False, pending=[batch])
+        if seq <= self.last_seq:
+            return self._backwards(batch)
+        # With an endpoint the stream is resynced before it goes live, so even "nothing
+        # applied yet" (-1) is a baseline; without one, a first batch may join mid-stream.
+        baseline = self.last_seq >= 0 or self.can_replay
+        if baseline and seq > self.last_seq + 1:
+            start = self.last_seq + 1
+            if self.can_replay and repair_above is not None and start > repair_above:
+                self.counters.num_gaps += 1
+                return self._start_replay(start, rebuild=False, pending=[batch], gap_seq=seq)
+            if seq != counted_gap:
+                self.counters.num_gaps += 1
             self.counters.num_unrepaired_gaps += 1
-        restarted = self._accept(batch, step, in_replay=False)
-        if restarted and self.can_replay and not during_drain:
-            step.batches.clear()
-            resync = self._start_replay(0, rebuild=False, pending=[batch])
-            step.replay_from = resync.replay_from
+        step = Step()
+        self._apply(batch, step)
         return step
 
-    def _accept(self, batch: EventBatch, step: Step, *, in_replay: bool) -> bool:
-        """Apply, skip as a duplicate, or (for a backwards seq) treat as a restart.
+    def _backwards(self, batch: EventBatch) -> Step:
+        """A live batch at or below ``last_seq``: a duplicate, or the engine restarted."""
+        if self._is_known(batch, in_replay=False):
+            self.counters.num_duplicates += 1
+            return Step()
+        step = self._restart()
+        if self.can_replay:
+            resync = self._start_replay(0, rebuild=False, pending=[batch], for_restart=True)
+            step.replay_from = resync.replay_from
+        else:
+            self._apply(batch, step)
+        return step
 
-        Returns True when a restart was detected (the step then clears the stream).
-        A replayed batch at or below ``last_seq`` whose timestamp is no longer remembered is
-        taken as already applied; on the live stream it means the engine restarted.
+    def _is_known(self, batch: EventBatch, *, in_replay: bool) -> bool:
+        """Whether a batch at or below ``last_seq`` was already applied.
+
+        A replayed batch whose timestamp is no longer remembered is taken as applied; on the
+        live stream it means the engine restarted.
         """
-        restarted = False
-        if batch.seq <= self.last_seq:
-            known_ts = self._seen.get(batch.seq)
-            if known_ts == batch.ts or (known_ts is None and in_replay):
-                self.counters.num_duplicates += 1
-                return False
-            self.counters.num_restarts += 1
-            self._reset(step)
-            restarted = True
-        self._remember(batch)
-        step.batches.append(batch)
-        return restarted
+        known_ts = self._seen.get(batch.seq)
+        return known_ts == batch.ts or (known_ts is None and in_replay)
+
+    def _restart(self) -> Step:
+        self.counters.num_restarts += 1
+        step = Step()
+        self._reset(step)
+        return step
+
+    def _restart_with(self, replay: _Replay) -> Step:
+        """A replay revealed a restart: clear, then apply what it skipped as already applied
+        (every replayed batch comes from the engine as it is now)."""
+        step = self._restart()
+        for skipped in replay.skipped:
+            self._apply(skipped, step)
+        replay.skipped.clear()
+        return step
 
     def _reset(self, step: Step) -> None:
         step.clear = True
         step.batches.clear()
         self.last_seq = -1
         self._seen.clear()
+
+    def _apply(self, batch: EventBatch, step: Step) -> None:
+        self._remember(batch)
+        step.batches.append(batch)
 
     def _remember(self, batch: EventBatch) -> None:
         self.last_seq = batch.seq
@@ -208,10 +276,51 @@ class StreamTracker:
         if failed:
             self.counters.num_replay_failures += 1
         step = Step()
-        for batch in replay.pending:
-            drained = self._live(batch, during_drain=True)
-            if drained.clear:
-                step.clear = True
-                step.batches.clear()
-            step.batches.extend(drained.batches)
+        if not failed and replay.first_seq == 0 and replay.max_seq < self.last_seq:
+            # A running engine replays up to its newest batch, at least ``last_seq``: this
+            # one's whole history ends below it, so its counter went back (as after a
+            # restart while the indexer was down, with a watermark the new engine has not
+            # reached). Only a history from seq 0 is trusted: a replay may lose its tail
+            # (vLLM < 0.33), and then this clear costs a rebuild, never blocks.
+            step = self._restart_with(replay)
+        self.counters.num_duplicates += len(replay.skipped)
+        _then(step, self._drain(replay, failed=failed))
         return step
+
+    def _drain(self, replay: _Replay, *, failed: bool) -> Step:
+        """Apply the batches buffered during a replay, in order.
+
+        A new gap or restart starts another replay (a gap only past where this one started,
+        so an empty reply cannot loop) and the remaining batches wait for it.
+        """
+        step = Step()
+        repair_above = None if failed else replay.start
+        pending = replay.pending
+        if replay.for_restart and self._superseded(replay, failed=failed):
+            self.counters.num_duplicates += 1
+            pending = pending[1:]
+        for i, batch in enumerate(pending):
+            _then(step, self._live(batch, repair_above=repair_above, counted_gap=replay.gap_seq))
+            if self._replay is not None:
+                self._replay.pending.extend(pending[i + 1 :])
+                break
+        return step
+
+    def _superseded(self, replay: _Replay, *, failed: bool) -> bool:
+        """Whether the batch that revealed a restart is covered by the replay it started.
+
+        A replay that came back holds every batch the engine had published, so if the
+        batch is not among them it was stale. Judging it again could restart forever.
+        """
+        revealing = replay.pending[0]
+        return revealing.seq <= self.last_seq or (not failed and replay.num_received > 0)
+
+
+def _then(step: Step, later: Step) -> None:
+    """Fold ``later`` into ``step`` (a clear discards what ``step`` would have applied)."""
+    if later.clear:
+        step.clear = True
+        step.batches.clear()
+    step.batches.extend(later.batches)
+    if later.replay_from is not None:
+        step.replay_from = later.replay_from

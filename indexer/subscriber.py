@@ -28,8 +28,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from indexer.events import EventBatch, StreamId, Topic
-from indexer.index import BlockIndex, IndexUnavailable, drop_replica
-from indexer.ingest import IngestReport, Ingestor
+from indexer.index import BlockIndex, IndexUnavailableError, drop_replica
+from indexer.ingest import Ingestor, IngestReport
 from indexer.redis_schema import SchemaError, check_name
 from indexer.registry import Registry
 from indexer.replay import ReplaySession
@@ -42,6 +42,8 @@ log = logging.getLogger("kvindex.subscriber")
 _POLL_MS = 50
 _MAX_MESSAGES_PER_WAKE = 1024
 _MAINTENANCE_EVERY_S = 1.0
+_UNKNOWN_TS = -1.0
+"""Engine timestamp given to a batch whose payload could not be read."""
 
 
 @dataclass(slots=True)
@@ -212,7 +214,7 @@ class Subscriber:
             self._ingestor.forget(stream)
         try:
             dropped = drop_replica(self._index, replica)
-        except IndexUnavailable as exc:
+        except IndexUnavailableError as exc:
             log.warning("replica %s removed but its blocks could not be purged: %s", replica, exc)
             return
         log.info("replica %s removed; purged %d stream(s)", replica, len(dropped))
@@ -246,7 +248,7 @@ class Subscriber:
         """A tracker that starts from what the index already holds (indexer restart)."""
         try:
             stats = self._index.stats(stream)
-        except IndexUnavailable:
+        except IndexUnavailableError:
             return StreamTracker(can_replay=can_replay)
         return StreamTracker(
             can_replay=can_replay, watermark=stats.watermark, last_ts=stats.last_event_ts
@@ -269,10 +271,13 @@ class Subscriber:
         except WireError as exc:
             self._bad_frame(stream, exc)
             return
-        runtime = self._runtime_for(stream, message.topic, message.batch)
+        self._on_batch(stream, message.topic, message.batch)
+
+    def _on_batch(self, stream: StreamId | None, topic: str, batch: EventBatch) -> None:
+        runtime = self._runtime_for(stream, topic, batch)
         if runtime is None or runtime.broken:
             return
-        self._execute(runtime, runtime.tracker.on_live(message.batch))
+        self._execute(runtime, runtime.tracker.on_live(batch))
 
     def _bad_frame(self, stream: StreamId | None, exc: WireError) -> None:
         runtime = None if stream is None else self._runtimes.get(stream)
@@ -283,6 +288,10 @@ class Subscriber:
             return
         self._registry.count(runtime.stream, num_decode_errors=1)
         self._log_once(runtime, "decode", "undecodable frame (further ones counted): %s", exc)
+        if exc.seq is not None:
+            # Only the payload was bad: move past this seq rather than replay it forever.
+            skipped = EventBatch(exc.seq, _UNKNOWN_TS, runtime.stream.rank, ())
+            self._on_batch(runtime.stream, "", skipped)
 
     def _runtime_for(
         self, stream: StreamId | None, topic: str, batch: EventBatch
@@ -331,7 +340,7 @@ class Subscriber:
                 log.info("stream %s cleared (engine restart or rebuild)", stream)
             for batch in step.batches:
                 self._apply(runtime, batch)
-        except IndexUnavailable as exc:
+        except IndexUnavailableError as exc:
             self._store_failed(runtime, exc)
             return
         if step.replay_from is not None:
@@ -355,8 +364,9 @@ class Subscriber:
         nonzero = {k: v for k, v in amounts.items() if v}
         if nonzero:
             self._registry.count(runtime.stream, **nonzero)
-            self._log_once(runtime, "report", "stream %s: %s (further ones counted)",
-                           runtime.stream, nonzero)
+            self._log_once(
+                runtime, "report", "stream %s: %s (further ones counted)", runtime.stream, nonzero
+            )
 
     def _maybe_rebuild(self, runtime: _Runtime) -> None:
         """Orphaned stores: rebuild from the engine's replay buffer, at most once a while."""
@@ -369,7 +379,7 @@ class Subscriber:
             log.info("stream %s: orphaned stores, rebuilding by replay", runtime.stream)
             self._start_replay(runtime, step.replay_from)
 
-    def _store_failed(self, runtime: _Runtime, exc: IndexUnavailable) -> None:
+    def _store_failed(self, runtime: _Runtime, exc: IndexUnavailableError) -> None:
         runtime.broken = True
         self._end_session(runtime)
         self._registry.count(runtime.stream, num_store_errors=1)
@@ -461,7 +471,7 @@ class Subscriber:
         """The store is back: restart the stream's tracker from the index and resync."""
         try:
             tracker = self._new_tracker_strict(runtime)
-        except IndexUnavailable:
+        except IndexUnavailableError:
             return
         runtime.tracker = tracker
         runtime.broken = False
@@ -488,7 +498,7 @@ class Subscriber:
             return
         try:
             self._index.clear(runtime.stream)
-        except IndexUnavailable:
+        except IndexUnavailableError:
             return
         runtime.purged = True
         self._ingestor.forget(runtime.stream)

@@ -44,7 +44,15 @@ WireHash = int | bytes
 
 
 class WireError(KvIndexError):
-    """A frame or payload that is not vLLM's KV-event format."""
+    """A frame or payload that is not vLLM's KV-event format.
+
+    ``seq`` is set when the message's sequence frame was readable (only its payload was
+    bad), so the stream can move past that batch instead of asking for it again.
+    """
+
+    def __init__(self, message: str, *, seq: int | None = None) -> None:
+        super().__init__(message)
+        self.seq = seq
 
 
 # --- msgspec mirrors of vLLM's structs (vllm/distributed/kv_events.py) -------------------
@@ -191,7 +199,7 @@ def _decode_leniently(payload: bytes, seq: int) -> EventBatch:
     try:
         raw = _RAW_BATCH.decode(payload)
     except _DECODE_ERRORS as exc:
-        raise WireError(f"undecodable batch payload (seq {seq}): {exc}") from exc
+        raise WireError(f"undecodable batch payload (seq {seq}): {exc}", seq=seq) from exc
     events: list[Event] = []
     num_bad = 0
     for item in raw.events:

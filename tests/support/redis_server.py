@@ -56,8 +56,19 @@ def _spawn(port: int, workdir: Path) -> subprocess.Popen[bytes]:
     if binary is None:
         raise RuntimeError("redis-server is not installed (CI installs it: .ci/run)")
     args = [
-        binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-        "--dir", str(workdir), "--protected-mode", "yes",
+        binary,
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(workdir),
+        "--protected-mode",
+        "yes",
     ]
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
