@@ -49,6 +49,9 @@ class OpKind(enum.IntEnum):
 Op: TypeAlias = tuple[OpKind, Tier, int, int]
 """``(kind, tier, engine_hash, key)``; fields an op does not use are 0."""
 
+BatchOps: TypeAlias = tuple[int, float, Sequence[Op]]
+"""One batch ready for the index: ``(seq, engine ts, ops)``."""
+
 
 @dataclass(frozen=True, slots=True)
 class ApplyResult:
@@ -99,6 +102,11 @@ class BlockIndex(Protocol):
 
     def apply(self, stream: StreamId, seq: int, ts: float, ops: Sequence[Op]) -> ApplyResult:
         """Apply one batch atomically with the watermark; ``seq`` ≤ watermark is a no-op."""
+        ...
+
+    def apply_many(self, stream: StreamId, batches: Sequence[BatchOps]) -> list[ApplyResult]:
+        """Apply consecutive batches of one stream in order, each as :meth:`apply` would
+        (one round trip on Redis: how the subscriber keeps up with busy replicas)."""
         ...
 
     def resolve(self, stream: StreamId, engine_hashes: Sequence[int]) -> list[int | None]:

@@ -1,4 +1,4 @@
-"""Domain events → index operations, applied one batch at a time per stream.
+"""Domain events → index operations, applied in order per stream.
 
 Block keys are computed here from token ids (``indexer.keys``), chained from the parent's
 key. The parent's key comes from, in order: a block stored earlier in the same event or
@@ -8,8 +8,9 @@ from the parent's engine hash (so removals and its descendants still apply, but 
 match a request by accident), counted, and reported so the subscriber can repair the stream
 by replay.
 
-Callers must apply a stream's batches in order from one thread; different streams may be
-ingested concurrently.
+Consecutive batches of a stream are applied in one index call (:meth:`Ingestor.apply_many`);
+the pending ones are flushed first whenever a parent must be looked up in the index.
+Callers must apply a stream's batches in order from one thread.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from indexer.events import (
     EventBatch,
     StreamId,
 )
-from indexer.index import ApplyResult, BlockIndex, Op, OpKind
+from indexer.index import ApplyResult, BatchOps, BlockIndex, Op, OpKind
 from indexer.keys import BlockKeyError, chain_keys, model_root, tokens_to_bytes
 
 MAIN_GROUP = 0
@@ -40,9 +41,10 @@ def orphan_root(parent_hash: int) -> int:
 
 @dataclass(slots=True)
 class IngestReport:
-    """What one batch did; the subscriber adds these to the stream's counters."""
+    """What applying some batches did; the subscriber adds these to the stream's counters."""
 
     applied: bool = False
+    """True if at least one batch was above the watermark."""
     num_blocks_stored: int = 0
     num_blocks_removed: int = 0
     num_clears: int = 0
@@ -52,20 +54,49 @@ class IngestReport:
     num_bad_events: int = 0
     num_unknown_removals: int = 0
     num_unresolved_stores: int = 0
+    block_size: int = 0
+    """Block size of the last store with tokens (0: none seen)."""
 
 
 @dataclass(slots=True)
 class _KeyCache:
-    """Recent engine hash → key mappings of one stream, oldest evicted first."""
+    """Recent engine hash → key mappings of one stream; the oldest go first when full."""
 
     capacity: int
     hash_to_key: dict[int, int] = field(default_factory=dict)
 
-    def put(self, engine_hash: int, key: int) -> None:
+    def trim(self) -> None:
         mapping = self.hash_to_key
-        if engine_hash not in mapping and len(mapping) >= self.capacity:
+        while len(mapping) > self.capacity:
             del mapping[next(iter(mapping))]
-        mapping[engine_hash] = key
+
+
+@dataclass(slots=True)
+class _Context:
+    """What translating one batch needs at hand (one object: cheap to pass around)."""
+
+    stream: StreamId
+    model: str
+    cache: _KeyCache
+    ops: list[Op]
+    report: IngestReport
+
+
+@dataclass(slots=True)
+class _Pending:
+    """Translated batches of one stream not yet sent to the index."""
+
+    stream: StreamId
+    batches: list[BatchOps]
+    report: IngestReport
+
+
+_STORE, _STORE_BY_HASH, _REMOVE, _CLEAR = (
+    OpKind.STORE,
+    OpKind.STORE_BY_HASH,
+    OpKind.REMOVE,
+    OpKind.CLEAR,
+)
 
 
 class Ingestor:
@@ -76,6 +107,7 @@ class Ingestor:
         self._cache_size = cache_size
         self._caches: dict[StreamId, _KeyCache] = {}
         self._roots: dict[str, int] = {}
+        self._pending: _Pending | None = None
 
     def forget(self, stream: StreamId) -> None:
         """Drop cached mappings of a stream (after its engine restarted or it was dropped)."""
@@ -83,11 +115,32 @@ class Ingestor:
 
     def apply(self, stream: StreamId, model: str, batch: EventBatch) -> IngestReport:
         """Translate one batch and apply it atomically (a no-op at or below the watermark)."""
-        report = IngestReport(num_bad_events=batch.num_bad_events)
-        ops = self.translate(stream, model, batch, report)
-        result = self._index.apply(stream, batch.seq, batch.ts, ops)
-        _merge(report, result)
+        return self.apply_many(stream, model, [batch])
+
+    def apply_many(
+        self, stream: StreamId, model: str, batches: Sequence[EventBatch]
+    ) -> IngestReport:
+        """Translate consecutive batches of a stream and apply them in order."""
+        report = IngestReport()
+        self._pending = pending = _Pending(stream, [], report)
+        try:
+            for batch in batches:
+                report.num_bad_events += batch.num_bad_events
+                ops = self.translate(stream, model, batch, report)
+                pending.batches.append((batch.seq, batch.ts, ops))
+            self._flush()
+        finally:
+            self._pending = None
         return report
+
+    def _flush(self) -> None:
+        pending = self._pending
+        if pending is None or not pending.batches:
+            return
+        results = self._index.apply_many(pending.stream, pending.batches)
+        pending.batches = []
+        for result in results:
+            _merge(pending.report, result)
 
     def translate(
         self, stream: StreamId, model: str, batch: EventBatch, report: IngestReport
@@ -96,110 +149,99 @@ class Ingestor:
         if cache is None:
             cache = self._caches[stream] = _KeyCache(self._cache_size)
         ops: list[Op] = []
+        context = _Context(stream, model, cache, ops, report)
         for event in batch.events:
-            if isinstance(event, BlockStored):
-                self._store_ops(stream, model, event, cache=cache, ops=ops, report=report)
-            elif isinstance(event, BlockRemoved):
-                self._remove_ops(event, ops, report)
-            elif isinstance(event, AllBlocksCleared):
-                ops.append((OpKind.CLEAR, 0, 0, 0))  # type: ignore[arg-type]
+            kind = type(event)
+            if kind is BlockStored:
+                self._store_ops(event, context)  # type: ignore[arg-type]
+            elif kind is BlockRemoved:
+                _remove_ops(event, ops, report)  # type: ignore[arg-type]
+            elif kind is AllBlocksCleared:
+                ops.append((_CLEAR, 0, 0, 0))  # type: ignore[arg-type]
                 report.num_clears += 1
+        cache.trim()
         return ops
 
-    def _remove_ops(self, event: BlockRemoved, ops: list[Op], report: IngestReport) -> None:
-        if event.group_idx not in (None, MAIN_GROUP):
+    def _store_ops(self, event: BlockStored, context: _Context) -> None:
+        report, ops = context.report, context.ops
+        hashes = event.block_hashes
+        if event.group_idx is not None and event.group_idx != MAIN_GROUP:
             report.num_skipped_group_events += 1
             return
-        tier = event.tier
-        ops.extend((OpKind.REMOVE, tier, h, 0) for h in event.block_hashes)
-        report.num_blocks_removed += len(event.block_hashes)
-
-    def _store_ops(
-        self,
-        stream: StreamId,
-        model: str,
-        event: BlockStored,
-        *,
-        cache: _KeyCache,
-        ops: list[Op],
-        report: IngestReport,
-    ) -> None:
-        if event.group_idx not in (None, MAIN_GROUP):
-            report.num_skipped_group_events += 1
+        block_size = event.block_size
+        tokens = event.token_ids
+        if block_size == 0 and not tokens:  # a tokenless CPU-offload store
+            tier = event.tier
+            ops.extend([(_STORE_BY_HASH, tier, h, 0) for h in hashes])
+            report.num_blocks_stored += len(hashes)
             return
-        if event.is_placeholder:
-            ops.extend((OpKind.STORE_BY_HASH, event.tier, h, 0) for h in event.block_hashes)
-            report.num_blocks_stored += len(event.block_hashes)
-            return
-        keys = self._event_keys(stream, model, event, cache, report)
-        if keys is None:
-            return
-        tier = event.tier
-        for engine_hash, key in zip(event.block_hashes, keys, strict=True):
-            ops.append((OpKind.STORE, tier, engine_hash, key))
-            cache.put(engine_hash, key)
-        report.num_blocks_stored += len(keys)
-
-    def _event_keys(
-        self,
-        stream: StreamId,
-        model: str,
-        event: BlockStored,
-        cache: _KeyCache,
-        report: IngestReport,
-    ) -> list[int] | None:
-        """Keys of an event's blocks, or None (counted) when its tokens do not line up."""
-        num_blocks = len(event.block_hashes)
-        extras = _extras(event, num_blocks)
-        aligned = event.block_size > 0 and len(event.token_ids) == num_blocks * event.block_size
-        if not aligned or (extras is not None and len(extras) != num_blocks):
+        extras = None
+        if event.extra_keys is not None or event.lora_name is not None:
+            extras = _extras(event, len(hashes))
+        if (
+            block_size <= 0
+            or len(tokens) != len(hashes) * block_size
+            or (extras is not None and len(extras) != len(hashes))
+        ):
             report.num_misaligned_events += 1
-            return None
+            return
         try:
             # Tokens first: a store dropped for bad tokens must not count as an orphan too.
-            token_bytes = tokens_to_bytes(event.token_ids)
-            parent = self._parent_key(stream, model, event.parent_hash, cache, report)
-            return chain_keys(parent, token_bytes, event.block_size, extras)
+            token_bytes = tokens_to_bytes(tokens)
         except BlockKeyError:
             report.num_bad_events += 1
-            return None
+            return
+        report.block_size = block_size
+        parent = self._parent_key(event.parent_hash, context)
+        keys = chain_keys(parent, token_bytes, block_size, extras)
+        tier = event.tier
+        mapping = context.cache.hash_to_key
+        for engine_hash, key in zip(hashes, keys, strict=True):
+            ops.append((_STORE, tier, engine_hash, key))
+            mapping[engine_hash] = key
+        report.num_blocks_stored += len(keys)
 
-    def _parent_key(
-        self,
-        stream: StreamId,
-        model: str,
-        parent_hash: int | None,
-        cache: _KeyCache,
-        report: IngestReport,
-    ) -> int:
+    def _parent_key(self, parent_hash: int | None, context: _Context) -> int:
         if parent_hash is None:
-            root = self._roots.get(model)
+            root = self._roots.get(context.model)
             if root is None:
-                root = self._roots[model] = model_root(model)
+                root = self._roots[context.model] = model_root(context.model)
             return root
-        key = cache.hash_to_key.get(parent_hash)
+        key = context.cache.hash_to_key.get(parent_hash)
         if key is not None:
             return key
-        key = self._index.resolve(stream, [parent_hash])[0]
+        self._flush()  # the parent may be in a batch not yet sent to the index
+        key = self._index.resolve(context.stream, [parent_hash])[0]
         if key is not None:
-            cache.put(parent_hash, key)
+            context.cache.hash_to_key[parent_hash] = key
             return key
-        report.num_orphan_stores += 1
+        context.report.num_orphan_stores += 1
         return orphan_root(parent_hash)
+
+
+def _remove_ops(event: BlockRemoved, ops: list[Op], report: IngestReport) -> None:
+    if event.group_idx is not None and event.group_idx != MAIN_GROUP:
+        report.num_skipped_group_events += 1
+        return
+    tier = event.tier
+    hashes = event.block_hashes
+    ops.extend([(_REMOVE, tier, h, 0) for h in hashes])
+    report.num_blocks_removed += len(hashes)
 
 
 def _extras(event: BlockStored, num_blocks: int) -> Sequence[object] | None:
     """Per-block extra keys: as published (vLLM 0.17+), else the LoRA name on every block."""
-    if event.extra_keys is not None:
-        if all(e is None for e in event.extra_keys):
+    extra_keys = event.extra_keys
+    if extra_keys is not None:
+        if extra_keys.count(None) == len(extra_keys):
             return None
-        return event.extra_keys
+        return extra_keys
     if event.lora_name is not None:
         return [(event.lora_name,)] * num_blocks
     return None
 
 
 def _merge(report: IngestReport, result: ApplyResult) -> None:
-    report.applied = result.applied
-    report.num_unknown_removals = result.num_unknown_removals
-    report.num_unresolved_stores = result.num_unresolved_stores
+    report.applied = report.applied or result.applied
+    report.num_unknown_removals += result.num_unknown_removals
+    report.num_unresolved_stores += result.num_unresolved_stores

@@ -84,13 +84,16 @@ def chain_keys(
     if extra_keys is not None and len(extra_keys) < num_blocks:
         raise BlockKeyError(f"{len(extra_keys)} extra keys for {num_blocks} blocks")
     keys: list[int] = []
+    append = keys.append
+    if extra_keys is None:  # the common case: one concatenation and one hash per block
+        for start in range(0, num_blocks * stride, stride):
+            parent = _hash(parent.to_bytes(8, "little") + token_bytes[start : start + stride])
+            append(parent)
+        return keys
     for i in range(num_blocks):
         chunk = token_bytes[i * stride : (i + 1) * stride]
-        data = parent.to_bytes(8, "little") + chunk
-        if extra_keys is not None:
-            data += _extra_bytes(extra_keys[i])
-        parent = _hash(data)
-        keys.append(parent)
+        parent = _hash(parent.to_bytes(8, "little") + chunk + _extra_bytes(extra_keys[i]))
+        append(parent)
     return keys
 
 

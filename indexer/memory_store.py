@@ -15,6 +15,7 @@ from indexer.index import (
     NO_MATCH,
     SKIPPED,
     ApplyResult,
+    BatchOps,
     Op,
     OpKind,
     PrefixMatch,
@@ -22,6 +23,7 @@ from indexer.index import (
 )
 
 _NUM_TIERS = len(Tier)
+_STORE, _STORE_BY_HASH, _REMOVE = int(OpKind.STORE), int(OpKind.STORE_BY_HASH), int(OpKind.REMOVE)
 _TIERS = tuple(Tier)
 
 
@@ -34,15 +36,10 @@ class _Stream:
     last_ts: float | None = None
 
     def reset(self) -> None:
+        """Forget every block (in place: the hot loop holds references to these)."""
         self.key_to_counts.clear()
         self.hash_to_key.clear()
-        self.blocks_by_tier = [0] * _NUM_TIERS
-
-
-@dataclass(slots=True)
-class _Tally:
-    num_unknown_removals: int = 0
-    num_unresolved_stores: int = 0
+        self.blocks_by_tier[:] = [0] * _NUM_TIERS
 
 
 class MemoryIndex:
@@ -53,18 +50,23 @@ class MemoryIndex:
         self._lock = threading.Lock()
 
     def apply(self, stream: StreamId, seq: int, ts: float, ops: Sequence[Op]) -> ApplyResult:
+        return self.apply_many(stream, [(seq, ts, ops)])[0]
+
+    def apply_many(self, stream: StreamId, batches: Sequence[BatchOps]) -> list[ApplyResult]:
+        results: list[ApplyResult] = []
         with self._lock:
             state = self._streams.get(stream)
             if state is None:
                 state = self._streams[stream] = _Stream()
-            if seq <= state.watermark:
-                return SKIPPED
-            tally = _Tally()
-            for op in ops:
-                _apply_op(state, tally, op)
-            state.watermark = seq
-            state.last_ts = ts
-            return ApplyResult(True, tally.num_unknown_removals, tally.num_unresolved_stores)
+            for seq, ts, ops in batches:
+                if seq <= state.watermark:
+                    results.append(SKIPPED)
+                    continue
+                unknown, unresolved = _apply_ops(state, ops)
+                state.watermark = seq
+                state.last_ts = ts
+                results.append(ApplyResult(True, unknown, unresolved))
+        return results
 
     def resolve(self, stream: StreamId, engine_hashes: Sequence[int]) -> list[int | None]:
         with self._lock:
@@ -112,45 +114,49 @@ class MemoryIndex:
         pass
 
 
-def _apply_op(state: _Stream, tally: _Tally, op: Op) -> None:
-    kind, tier, engine_hash, key = op
-    if kind == OpKind.STORE:
-        state.hash_to_key[engine_hash] = key
-        _bump(state, key, tier, 1)
-    elif kind == OpKind.STORE_BY_HASH:
-        found = state.hash_to_key.get(engine_hash)
-        if found is None:
-            tally.num_unresolved_stores += 1
+def _apply_ops(state: _Stream, ops: Sequence[Op]) -> tuple[int, int]:
+    """The hot loop (inlined on purpose): returns (unknown removals, unresolved stores)."""
+    hash_to_key = state.hash_to_key
+    key_to_counts = state.key_to_counts
+    by_tier = state.blocks_by_tier
+    unknown = unresolved = 0
+    for kind, tier, engine_hash, key in ops:
+        if kind == _REMOVE:
+            if not _remove(state, engine_hash, tier):
+                unknown += 1
+            continue
+        if kind == _STORE:
+            hash_to_key[engine_hash] = key
+        elif kind == _STORE_BY_HASH:
+            found = hash_to_key.get(engine_hash)
+            if found is None:
+                unresolved += 1
+                continue
+            key = found
         else:
-            _bump(state, found, tier, 1)
-    elif kind == OpKind.REMOVE:
-        found = state.hash_to_key.get(engine_hash)
-        if found is None or not _bump(state, found, tier, -1):
-            tally.num_unknown_removals += 1
-        elif found not in state.key_to_counts:
-            del state.hash_to_key[engine_hash]
-    elif kind == OpKind.CLEAR:
-        state.reset()
+            state.reset()
+            continue
+        counts = key_to_counts.get(key)
+        if counts is None:
+            key_to_counts[key] = counts = [0] * _NUM_TIERS
+        if not counts[tier]:
+            by_tier[tier] += 1
+        counts[tier] += 1
+    return unknown, unresolved
 
 
-def _bump(state: _Stream, key: int, tier: int, delta: int) -> bool:
-    """Add ``delta`` to a block's count on a tier; False if that would go below zero."""
-    counts = state.key_to_counts.get(key)
-    if counts is None:
-        if delta < 0:
-            return False
-        counts = state.key_to_counts[key] = [0] * _NUM_TIERS
-    before = counts[tier]
-    after = before + delta
-    if after < 0:
+def _remove(state: _Stream, engine_hash: int, tier: int) -> bool:
+    """Count a block once less on a tier; False (nothing changes) if it is not held there."""
+    key = state.hash_to_key.get(engine_hash)
+    counts = None if key is None else state.key_to_counts.get(key)
+    if counts is None or counts[tier] == 0:
         return False
-    counts[tier] = after
-    if before == 0:
-        state.blocks_by_tier[tier] += 1
-    elif after == 0:
+    counts[tier] -= 1
+    if counts[tier] == 0:
         state.blocks_by_tier[tier] -= 1
         if not any(counts):
-            del state.key_to_counts[key]
+            del state.key_to_counts[key]  # type: ignore[arg-type]
+            del state.hash_to_key[engine_hash]
     return True
 
 

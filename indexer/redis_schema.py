@@ -3,9 +3,11 @@
 Layout (``<p>`` = configurable prefix, ``<v>`` = :data:`SCHEMA_VERSION`)::
 
     <p>:<v>:streams                 SET   every stream ("replica/rank") with state
-    <p>:<v>:{<replica>/<rank>}:keys  HASH  block key (8 bytes) → counts per tier (3 bytes)
+    <p>:<v>:{<replica>/<rank>}:keys  HASH  block key (8 bytes) → counts per tier, packed as
+                                          one integer gpu + cpu·2¹⁶ + other·2³² (HINCRBY)
     <p>:<v>:{<replica>/<rank>}:hash  HASH  engine hash (8 bytes) → block key (8 bytes)
     <p>:<v>:{<replica>/<rank>}:meta  HASH  wm (watermark), ts, n0/n1/n2 (blocks per tier)
+    <p>:<v>:load                    HASH  replica id → its latest load (msgspec JSON, ``api.load``)
 
 Everything one batch touches shares the stream's hash tag ``{<replica>/<rank>}``, so the
 layout runs unchanged on Redis Cluster: a batch is one single-slot script, and clearing a
@@ -64,6 +66,11 @@ class Schema:
     @property
     def streams(self) -> str:
         return f"{self.root}:streams"
+
+    @property
+    def load(self) -> str:
+        """The HASH replica id → latest :class:`api.load.Load` (one key: Cluster-safe)."""
+        return f"{self.root}:load"
 
     def stream(self, stream: StreamId) -> StreamKeys:
         tag = f"{self.root}:{{{stream}}}"

@@ -19,7 +19,15 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from indexer.events import StreamId, Tier
-from indexer.index import SKIPPED, ApplyResult, IndexUnavailableError, Op, PrefixMatch, StreamStats
+from indexer.index import (
+    SKIPPED,
+    ApplyResult,
+    BatchOps,
+    IndexUnavailableError,
+    Op,
+    PrefixMatch,
+    StreamStats,
+)
 from indexer.redis_schema import (
     META_TIER_PREFIX,
     META_TS,
@@ -83,18 +91,25 @@ class RedisIndex:
         return cls(connect(url), Schema(prefix))
 
     def apply(self, stream: StreamId, seq: int, ts: float, ops: Sequence[Op]) -> ApplyResult:
-        keys = self._schema.stream(stream)
+        return self.apply_many(stream, [(seq, ts, ops)])[0]
+
+    def apply_many(self, stream: StreamId, batches: Sequence[BatchOps]) -> list[ApplyResult]:
+        if not batches:
+            return []
+        args: list[bytes | int | str] = [len(batches)]
+        for seq, ts, ops in batches:
+            args += (seq, repr(ts), encode_ops(ops))
         with _unavailable_on_connection_errors():
             self._register(stream)
-            reply = self._apply(keys=keys.all(), args=[seq, repr(ts), encode_ops(ops)])
-            applied, unknown, unresolved, fresh = (int(x) for x in reply)
-            if fresh:
-                # The stream's state was (re)created by this batch: it may have been dropped
+            reply = self._apply(keys=self._schema.stream(stream).all(), args=args)
+            if reply[-1]:
+                # The stream's state was (re)created by this call: it may have been dropped
                 # by another indexer or lost in a Redis restart since this process listed it.
                 self._client.sadd(self._schema.streams, str(stream))
-        if not applied:
-            return SKIPPED
-        return ApplyResult(True, unknown, unresolved)
+        return [
+            ApplyResult(True, int(reply[i + 1]), int(reply[i + 2])) if reply[i] else SKIPPED
+            for i in range(0, len(reply) - 1, 3)
+        ]
 
     def _register(self, stream: StreamId) -> None:
         """List the stream before its first batch here (a crash then leaves no unlisted keys)."""

@@ -42,6 +42,8 @@ class StreamStatus:
     silent_s: float | None
     """Seconds since anything was heard from the stream."""
     counters: StreamCounters
+    block_size: int = 0
+    """Tokens per block in this stream's events (0 until a store with tokens is seen)."""
     num_decode_errors: int = 0
     num_store_errors: int = 0
     num_orphan_stores: int = 0
@@ -62,6 +64,7 @@ class _Live:
     last_heard: float | None = None
     disconnected_at: float | None = None
     counters: StreamCounters = field(default_factory=StreamCounters)
+    block_size: int = 0
     num_decode_errors: int = 0
     num_store_errors: int = 0
     num_orphan_stores: int = 0
@@ -181,6 +184,7 @@ class Registry:
             lag_s=live.lag_s,
             silent_s=silent,
             counters=replace(live.counters),
+            block_size=live.block_size,
             num_decode_errors=live.num_decode_errors,
             num_store_errors=live.num_store_errors,
             num_orphan_stores=live.num_orphan_stores,
@@ -197,6 +201,17 @@ class Registry:
         if not live.connected and live.disconnected_at is not None:
             return Freshness.STALE
         return Freshness.LIVE
+
+    def block_size(self, model: str) -> int | None:
+        """The block size the model's replicas publish (the most common one), if seen."""
+        with self._lock:
+            replicas = {r.id for r in self._replicas.values() if r.model == model}
+            sizes = [
+                live.block_size
+                for stream, live in self._live.items()
+                if stream.replica in replicas and live.block_size
+            ]
+        return max(set(sizes), key=sizes.count) if sizes else None
 
     def disconnected_for(self, stream: StreamId) -> float | None:
         """Seconds a connect-mode stream has been disconnected (None if connected/unknown)."""

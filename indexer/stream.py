@@ -124,6 +124,9 @@ class StreamTracker:
         return self._start_replay(0, rebuild=rebuild, pending=[])
 
     def on_live(self, batch: EventBatch) -> Step:
+        if self.mode is Mode.LIVE and batch.seq == self.last_seq + 1 and self._replay is None:
+            self._remember(batch)  # the common case, kept cheap
+            return Step(batches=[batch])
         if self._replay is not None:
             return self._buffer(batch)
         if self.mode is Mode.NEW and self.can_replay:

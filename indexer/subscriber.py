@@ -58,6 +58,11 @@ class _Runtime:
     last_rebuild: float = float("-inf")
     broken: bool = False
     purged: bool = False
+    pending: list[EventBatch] = field(default_factory=list)
+    """In-order live batches not yet applied (flushed at the end of a socket drain)."""
+    queued: bool = False
+    reported_replaying: bool = False
+    block_size: int = 0
     logged: set[str] = field(default_factory=set)
 
 
@@ -257,27 +262,50 @@ class Subscriber:
     # --- live messages -------------------------------------------------------------------
 
     def _drain_sub(self, sock: zmq.Socket[bytes], stream: StreamId | None) -> None:
+        messages: list[list[bytes]] = []
         for _ in range(_MAX_MESSAGES_PER_WAKE):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                messages.append(sock.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
-                return
-            self.handle_live(frames, stream)
+                break
+        self.handle_frames(messages, stream)
 
     def handle_live(self, frames: list[bytes], stream: StreamId | None) -> None:
         """One live message from a known stream (connect mode) or the bound SUB (None)."""
-        try:
-            message = decode_live(frames)
-        except WireError as exc:
-            self._bad_frame(stream, exc)
-            return
-        self._on_batch(stream, message.topic, message.batch)
+        self.handle_frames([frames], stream)
 
-    def _on_batch(self, stream: StreamId | None, topic: str, batch: EventBatch) -> None:
+    def handle_frames(self, messages: list[list[bytes]], stream: StreamId | None) -> None:
+        """Live messages in arrival order, as drained from one socket.
+
+        In-order batches of a stream are applied together (one index round trip); anything
+        else (a gap, a restart) first flushes what is pending, then is carried out.
+        """
+        touched: list[_Runtime] = []
+        for frames in messages:
+            try:
+                message = decode_live(frames)
+            except WireError as exc:
+                self._bad_frame(stream, exc)
+                continue
+            runtime = self._on_batch(stream, message.topic, message.batch)
+            if runtime is not None and runtime.pending and not runtime.queued:
+                runtime.queued = True
+                touched.append(runtime)
+        for runtime in touched:
+            runtime.queued = False
+            self._flush(runtime)
+
+    def _on_batch(self, stream: StreamId | None, topic: str, batch: EventBatch) -> _Runtime | None:
         runtime = self._runtime_for(stream, topic, batch)
         if runtime is None or runtime.broken:
-            return
-        self._execute(runtime, runtime.tracker.on_live(batch))
+            return None
+        step = runtime.tracker.on_live(batch)
+        if step.clear or step.replay_from is not None:
+            self._flush(runtime)
+            self._execute(runtime, step)
+        else:
+            runtime.pending.extend(step.batches)
+        return runtime
 
     def _bad_frame(self, stream: StreamId | None, exc: WireError) -> None:
         runtime = None if stream is None else self._runtimes.get(stream)
@@ -292,6 +320,7 @@ class Subscriber:
             # Only the payload was bad: move past this seq rather than replay it forever.
             skipped = EventBatch(exc.seq, _UNKNOWN_TS, runtime.stream.rank, ())
             self._on_batch(runtime.stream, "", skipped)
+            self._flush(runtime)
 
     def _runtime_for(
         self, stream: StreamId | None, topic: str, batch: EventBatch
@@ -333,28 +362,54 @@ class Subscriber:
 
     def _execute(self, runtime: _Runtime, step: Step) -> None:
         stream = runtime.stream
-        try:
-            if step.clear:
+        if step.clear:
+            try:
                 self._index.clear(stream)
-                self._ingestor.forget(stream)
-                log.info("stream %s cleared (engine restart or rebuild)", stream)
-            for batch in step.batches:
-                self._apply(runtime, batch)
-        except IndexUnavailableError as exc:
-            self._store_failed(runtime, exc)
+            except IndexUnavailableError as exc:
+                self._store_failed(runtime, exc)
+                return
+            self._ingestor.forget(stream)
+            log.info("stream %s cleared (engine restart or rebuild)", stream)
+        runtime.pending.extend(step.batches)
+        self._flush(runtime)
+        if runtime.broken:
             return
         if step.replay_from is not None:
             self._start_replay(runtime, step.replay_from)
-        self._registry.update(stream, replaying=runtime.tracker.replaying)
+        replaying = runtime.tracker.replaying
+        if replaying != runtime.reported_replaying:
+            runtime.reported_replaying = replaying
+            self._registry.update(stream, replaying=replaying)
 
-    def _apply(self, runtime: _Runtime, batch: EventBatch) -> None:
-        report = self._ingestor.apply(runtime.stream, runtime.model, batch)
-        self._registry.heard(runtime.stream, seq=batch.seq, engine_ts=batch.ts)
+    def _flush(self, runtime: _Runtime) -> None:
+        """Apply the stream's pending batches in one index call."""
+        batches = runtime.pending
+        if not batches or runtime.broken:
+            runtime.pending = []
+            return
+        runtime.pending = []
+        try:
+            report = self._ingestor.apply_many(runtime.stream, runtime.model, batches)
+        except IndexUnavailableError as exc:
+            self._store_failed(runtime, exc)
+            return
+        last = batches[-1]
+        self._registry.heard(runtime.stream, seq=last.seq, engine_ts=last.ts)
+        if report.block_size and report.block_size != runtime.block_size:
+            runtime.block_size = report.block_size
+            self._registry.update(runtime.stream, block_size=report.block_size)
         self._count(runtime, report)
         if report.num_orphan_stores and not runtime.tracker.replaying:
             self._maybe_rebuild(runtime)
 
     def _count(self, runtime: _Runtime, report: IngestReport) -> None:
+        if not (
+            report.num_orphan_stores
+            or report.num_unknown_removals
+            or report.num_misaligned_events
+            or report.num_bad_events
+        ):
+            return
         amounts = {
             "num_orphan_stores": report.num_orphan_stores,
             "num_unknown_removals": report.num_unknown_removals,
@@ -362,11 +417,10 @@ class Subscriber:
             "num_bad_events": report.num_bad_events,
         }
         nonzero = {k: v for k, v in amounts.items() if v}
-        if nonzero:
-            self._registry.count(runtime.stream, **nonzero)
-            self._log_once(
-                runtime, "report", "stream %s: %s (further ones counted)", runtime.stream, nonzero
-            )
+        self._registry.count(runtime.stream, **nonzero)
+        self._log_once(
+            runtime, "report", "stream %s: %s (further ones counted)", runtime.stream, nonzero
+        )
 
     def _maybe_rebuild(self, runtime: _Runtime) -> None:
         """Orphaned stores: rebuild from the engine's replay buffer, at most once a while."""

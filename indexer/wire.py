@@ -29,7 +29,6 @@ from indexer.events import (
     EngineHash,
     Event,
     EventBatch,
-    ExtraKeys,
     Tier,
 )
 
@@ -144,34 +143,47 @@ def normalize_hash(value: WireHash) -> EngineHash:
 
 
 def _hashes(values: list[WireHash]) -> tuple[EngineHash, ...]:
-    # Fast path: ints already in range are the common case.
-    if all(type(v) is int and 0 <= v <= _U64 for v in values):
-        return tuple(values)  # type: ignore[arg-type]
+    # Fast path (C loops): non-negative ints are the common case and are already u64.
+    try:
+        if not values or min(values) >= 0:  # type: ignore[operator]
+            return tuple(values)  # type: ignore[arg-type]
+    except TypeError:  # bytes among them
+        pass
     return tuple(normalize_hash(v) for v in values)
 
 
-def _extra_keys(raw: list[tuple[Any, ...] | None] | None) -> tuple[ExtraKeys, ...] | None:
-    if raw is None:
-        return None
-    return tuple(raw)
+_TIER_OF_MEDIUM = {None: Tier.GPU, "GPU": Tier.GPU, "CPU": Tier.CPU}
+
+
+def _tier(medium: str | None) -> Tier:
+    tier = _TIER_OF_MEDIUM.get(medium)
+    return Tier.from_medium(medium) if tier is None else tier
 
 
 def _to_domain(event: _WireEvent) -> Event:
-    if isinstance(event, _StoredMap | _StoredArray):
-        parent = event.parent_block_hash
+    kind = type(event)
+    if kind is _StoredMap or kind is _StoredArray:
+        parent = event.parent_block_hash  # type: ignore[union-attr]
+        if parent is not None and (type(parent) is not int or parent < 0):
+            parent = normalize_hash(parent)
+        extra = event.extra_keys  # type: ignore[union-attr]
+        tier = _TIER_OF_MEDIUM.get(event.medium)  # type: ignore[union-attr]
         return BlockStored(
-            block_hashes=_hashes(event.block_hashes),
-            parent_hash=None if parent is None else normalize_hash(parent),
-            token_ids=event.token_ids,
-            block_size=event.block_size,
-            tier=Tier.from_medium(event.medium),
-            lora_name=event.lora_name,
-            extra_keys=_extra_keys(event.extra_keys),
-            group_idx=event.group_idx,
+            _hashes(event.block_hashes),  # type: ignore[union-attr]
+            parent,
+            event.token_ids,  # type: ignore[union-attr]
+            event.block_size,  # type: ignore[union-attr]
+            _tier(event.medium) if tier is None else tier,  # type: ignore[union-attr]
+            event.lora_name,  # type: ignore[union-attr]
+            None if extra is None else tuple(extra),
+            event.group_idx,  # type: ignore[union-attr]
         )
-    if isinstance(event, _RemovedMap | _RemovedArray):
+    if kind is _RemovedMap or kind is _RemovedArray:
+        tier = _TIER_OF_MEDIUM.get(event.medium)  # type: ignore[union-attr]
         return BlockRemoved(
-            _hashes(event.block_hashes), Tier.from_medium(event.medium), event.group_idx
+            _hashes(event.block_hashes),  # type: ignore[union-attr]
+            _tier(event.medium) if tier is None else tier,  # type: ignore[union-attr]
+            event.group_idx,  # type: ignore[union-attr]
         )
     return AllBlocksCleared()
 
@@ -189,7 +201,7 @@ def decode_payload(payload: bytes, seq: int) -> EventBatch:
             batch = decoder.decode(payload)
         except _DECODE_ERRORS:
             continue
-        events = tuple(_to_domain(e) for e in batch.events)
+        events = tuple([_to_domain(e) for e in batch.events])
         return EventBatch(seq, batch.ts, batch.data_parallel_rank or 0, events)
     return _decode_leniently(payload, seq)
 

@@ -87,7 +87,7 @@ def tiers_matched(index: MemoryIndex, keys: Sequence[int]) -> tuple[Tier, ...]:
 
 def test_root_chain_keys_equal_block_keys(index: CountingIndex, ingestor: Ingestor) -> None:
     report = ingestor.apply(STREAM, MODEL, batch(0, stored([11, 12, 13], None, TOKENS)))
-    assert report == IngestReport(applied=True, num_blocks_stored=3)
+    assert report == IngestReport(applied=True, num_blocks_stored=3, block_size=BLOCK)
     expected = block_keys(MODEL, TOKENS, BLOCK)
     assert keys_of(index, [11, 12, 13]) == expected
     assert tiers_matched(index, expected) == (Tier.GPU,) * 3
