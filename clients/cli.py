@@ -13,10 +13,12 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from api.server import serve as run_server
+from api.settings import load_api_settings
 from indexer.errors import KvIndexError
 from indexer.events import Tier
 from indexer.service import IndexerService
-from indexer.settings import IndexerSettings, ReplicaSpec, load_settings
+from indexer.settings import IndexerSettings, ReplicaSpec, load_settings, read_toml
 
 _console = Console()
 
@@ -79,6 +81,53 @@ def indexer(
     except KvIndexError as exc:
         raise click.ClickException(str(exc)) from exc
     _run_indexer(settings, stats_every)
+
+
+@main.command()
+@click.option(
+    "--config",
+    "config",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="TOML settings file (indexer keys, [api], [[models]]).",
+)
+@click.option(
+    "--replica",
+    "replicas",
+    multiple=True,
+    callback=_replica_option,
+    help="id=r1,model=M,events=tcp://host:5557[,replay=...][,url=...][,dp_size=N]",
+)
+@click.option("--bind", help="Bind one SUB here for replicas that connect to the indexer.")
+@click.option("--store", type=click.Choice(["memory", "redis"]), help="Index store.")
+@click.option("--redis-url", help="Redis URL (with --store redis).")
+@click.option("--host", help="API listen address (default 127.0.0.1).")
+@click.option("--port", type=int, help="API listen port (default 8000).")
+def serve(
+    config: Path | None,
+    replicas: tuple[ReplicaSpec, ...],
+    bind: str | None,
+    store: str | None,
+    redis_url: str | None,
+    host: str | None,
+    port: int | None,
+) -> None:
+    """Run the indexer and the scoring API in one process."""
+    try:
+        settings = load_settings(
+            config,
+            overrides={"bind": bind, "store": store, "redis_url": redis_url},
+            extra_replicas=replicas,
+        )
+        file_values = read_toml(config) if config is not None else {}
+        api = load_api_settings(
+            file_values.get("api"),
+            file_values.get("models"),
+            overrides={"host": host, "port": port},
+        )
+    except KvIndexError as exc:
+        raise click.ClickException(str(exc)) from exc
+    _console.print(f"kvindex serve ({settings.store} store) on http://{api.host}:{api.port}")
+    run_server(settings, api)
 
 
 def _run_indexer(settings: IndexerSettings, stats_every: float) -> None:

@@ -120,13 +120,13 @@ def _apply_ops(state: _Stream, ops: Sequence[Op]) -> tuple[int, int]:
     key_to_counts = state.key_to_counts
     by_tier = state.blocks_by_tier
     unknown = unresolved = 0
-    for kind, tier, engine_hash, key in ops:
+    for kind, tier, engine_hash, op_key in ops:
         if kind == _REMOVE:
             if not _remove(state, engine_hash, tier):
                 unknown += 1
             continue
         if kind == _STORE:
-            hash_to_key[engine_hash] = key
+            key = hash_to_key[engine_hash] = op_key
         elif kind == _STORE_BY_HASH:
             found = hash_to_key.get(engine_hash)
             if found is None:

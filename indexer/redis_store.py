@@ -86,6 +86,11 @@ class RedisIndex:
         self._prefix = client.register_script(_script("longest_prefix.lua"))
         self._registered: set[StreamId] = set()
 
+    @property
+    def client(self) -> redis.Redis:
+        """The connection (other stores of the same deployment share it, e.g. load)."""
+        return self._client
+
     @classmethod
     def from_url(cls, url: str, prefix: str = "kvindex") -> RedisIndex:
         return cls(connect(url), Schema(prefix))

@@ -34,6 +34,8 @@ from indexer.redis_schema import SchemaError, check_name
 
 StoreKind = Literal["memory", "redis"]
 ENV_PREFIX = "KVINDEX_"
+API_SECTIONS = ("api", "models")
+"""TOML sections that belong to the API process (``api.settings``); the indexer skips them."""
 
 
 class SettingsError(KvIndexError):
@@ -190,7 +192,9 @@ def load_settings(
     values: dict[str, Any] = {}
     replicas: list[ReplicaSpec] = []
     if path is not None:
-        file_values = _read_toml(path)
+        file_values = read_toml(path)
+        for section in API_SECTIONS:
+            file_values.pop(section, None)
         replicas.extend(_replicas_from_toml(file_values.pop("replicas", []), path))
         values.update(_checked(file_values, where=str(path)))
     values.update(_from_env(os.environ if env is None else env))
@@ -202,7 +206,8 @@ def load_settings(
         raise SettingsError(str(exc)) from exc
 
 
-def _read_toml(path: Path) -> dict[str, Any]:
+def read_toml(path: Path) -> dict[str, Any]:
+    """A TOML file as a dict; :class:`SettingsError` naming the file when unreadable."""
     try:
         with path.open("rb") as handle:
             return tomllib.load(handle)

@@ -1,0 +1,444 @@
+"""The FastAPI app, built by :func:`create_app` from explicit dependencies (no module state).
+
+Routes are thin: decode the body with msgspec, call the library, encode the answer.
+Errors are mapped to HTTP in one place (:func:`_error_response`): a bad body or field →
+422 naming it, an unknown model → 404 naming the known ones, a tokenizer or replica
+failure → 502, an unreachable store → 503 (``/score`` instead answers from load alone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import httpx
+import msgspec
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import Response
+
+from api.load import Load, LoadError, LoadStore, MetricsScraper
+from api.metrics import ApiMetrics, TimedIndex
+from api.schemas import (
+    ErrorBody,
+    FreshnessView,
+    LoadReport,
+    LoadView,
+    ReplicaIn,
+    ReplicaView,
+    ScoreRequest,
+    ScoreResponse,
+    StreamView,
+)
+from api.scorer import RequestError, Scorer, UnknownModelError
+from api.settings import ApiSettings
+from api.tokenize import Tokenizer, TokenizerError, TokenizerSpec, build_tokenizer
+from indexer.errors import KvIndexError
+from indexer.events import Tier
+from indexer.index import BlockIndex, IndexUnavailableError
+from indexer.registry import Registry, StreamStatus
+from indexer.settings import ReplicaSpec, SettingsError
+
+T = TypeVar("T")
+_JSON = "application/json"
+
+
+@dataclass
+class ApiDeps:
+    """What the app is built from; the caller owns the index, registry and load store."""
+
+    settings: ApiSettings
+    index: BlockIndex
+    registry: Registry
+    loads: LoadStore
+    blocking_store: bool
+    """True when index and load calls do network I/O (Redis): run them off the loop."""
+
+
+def create_app(deps: ApiDeps) -> FastAPI:
+    state = _AppState.build(deps)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await state.start()
+        try:
+            yield
+        finally:
+            await state.stop()
+
+    app = FastAPI(
+        title="kvindex",
+        version="0.1.0",
+        summary="Where every KV-cache block of a vLLM fleet lives, and where to route.",
+        lifespan=lifespan,
+    )
+    app.add_exception_handler(KvIndexError, _error_handler)
+    app.add_exception_handler(msgspec.ValidationError, _error_handler)
+    app.add_exception_handler(msgspec.DecodeError, _error_handler)
+    app.include_router(_health_routes(state))
+    app.include_router(_routes(state), dependencies=[Depends(state.authorize)])
+    _document(app)
+    return app
+
+
+def _document(app: FastAPI) -> None:
+    """Merge the msgspec-generated schemas into FastAPI's OpenAPI document."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(_COMPONENTS)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+class _AppState:
+    """Per-app objects (scorer, metrics, HTTP client, scraper)."""
+
+    def __init__(self, deps: ApiDeps, metrics: ApiMetrics, index: BlockIndex) -> None:
+        self.deps = deps
+        self.metrics = metrics
+        self.index = index
+        self.http = httpx.AsyncClient(timeout=deps.settings.scrape_timeout_s)
+        self.tokenizers: dict[str, Tokenizer | None] = {}
+        self.scorer = Scorer(
+            deps.settings,
+            index,
+            deps.registry,
+            deps.loads,
+            tokenizers=self.tokenizer,
+            blocking_store=deps.blocking_store,
+        )
+        self.scraper: MetricsScraper | None = None
+        if deps.settings.scrape_interval_s > 0:
+            self.scraper = MetricsScraper(
+                deps.loads,
+                self.http,
+                self.scrape_targets,
+                interval_s=deps.settings.scrape_interval_s,
+                timeout_s=deps.settings.scrape_timeout_s,
+            )
+
+    @classmethod
+    def build(cls, deps: ApiDeps) -> _AppState:
+        metrics = ApiMetrics(deps.registry, deps.index)
+        return cls(deps, metrics, TimedIndex(deps.index, metrics.lookup_latency))
+
+    async def start(self) -> None:
+        if self.scraper is not None:
+            await self.scraper.start()
+
+    async def stop(self) -> None:
+        if self.scraper is not None:
+            await self.scraper.stop()
+        await self.http.aclose()
+
+    def scrape_targets(self) -> list[tuple[str, str, str]]:
+        return [(r.id, r.url, r.model) for r in self.deps.registry.replicas() if r.url]
+
+    def tokenizer(self, model: str) -> Tokenizer | None:
+        """The model's tokenizer: configured, else the /tokenize of a replica with a URL."""
+        if model not in self.tokenizers:
+            self.tokenizers[model] = self._build_tokenizer(model)
+        return self.tokenizers[model]
+
+    def _build_tokenizer(self, model: str) -> Tokenizer | None:
+        settings = self.deps.settings
+        spec = settings.model(model)
+        entries = settings.tokenizer_cache_entries
+        if spec is not None and spec.tokenizer not in (None, "replica"):
+            local = TokenizerSpec(kind="local", path=spec.tokenizer, cache_entries=entries)
+            return build_tokenizer(local, self.http)
+        urls = [r.url for r in self.deps.registry.replicas() if r.model == model and r.url]
+        if not urls:
+            return None
+        remote = TokenizerSpec(
+            kind="replica",
+            base_url=urls[0],
+            model=model,
+            timeout_s=settings.scrape_timeout_s,
+            cache_entries=entries,
+        )
+        return build_tokenizer(remote, self.http)
+
+    async def authorize(self, request: Request) -> None:
+        token = self.deps.settings.auth_token
+        if token is None:
+            return
+        if request.headers.get("authorization", "") != f"Bearer {token}":
+            raise UnauthorizedError("missing or wrong bearer token")
+
+
+class UnauthorizedError(KvIndexError):
+    pass
+
+
+def _json(value: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(value), status_code=status, media_type=_JSON)
+
+
+async def _decode(request: Request, kind: type[T]) -> T:
+    return msgspec.json.decode(await request.body(), type=kind)
+
+
+_STATUS_OF: tuple[tuple[tuple[type[BaseException], ...], int, str], ...] = (
+    (
+        (msgspec.ValidationError, msgspec.DecodeError, RequestError, SettingsError, LoadError),
+        422,
+        "invalid_request",
+    ),
+    ((UnknownModelError,), 404, "unknown_model"),
+    ((UnauthorizedError,), 401, "unauthorized"),
+    ((TokenizerError,), 502, "tokenizer_failed"),
+    ((IndexUnavailableError,), 503, "store_unavailable"),
+)
+
+
+def _error_response(exc: Exception) -> Response:
+    """The one place errors become HTTP answers."""
+    for kinds, status, name in _STATUS_OF:
+        if isinstance(exc, kinds):
+            return _json(ErrorBody(name, str(exc)), status)
+    return _json(ErrorBody("internal", str(exc)), 500)
+
+
+async def _error_handler(_: Request, exc: Exception) -> Response:
+    return _error_response(exc)
+
+
+# --- OpenAPI from the msgspec types ---------------------------------------------------------
+
+_SCHEMA_TYPES: list[Any] = [
+    ScoreRequest,
+    ScoreResponse,
+    LoadReport,
+    ReplicaIn,
+    ReplicaView,
+    ErrorBody,
+]
+_, _COMPONENTS = msgspec.json.schema_components(
+    _SCHEMA_TYPES, ref_template="#/components/schemas/{name}"
+)
+
+
+def _doc(body: type | None = None, response: Any = None, summary: str = "") -> dict[str, Any]:
+    """``openapi_extra`` for a route whose body and answer are msgspec types."""
+    extra: dict[str, Any] = {"summary": summary}
+    if body is not None:
+        extra["requestBody"] = {
+            "required": True,
+            "content": {_JSON: {"schema": {"$ref": f"#/components/schemas/{body.__name__}"}}},
+        }
+    if response is not None:
+        ref = {"$ref": f"#/components/schemas/{response.__name__}"}
+        extra["responses"] = {"200": {"description": "OK", "content": {_JSON: {"schema": ref}}}}
+    return extra
+
+
+# --- routes -------------------------------------------------------------------------------
+
+
+def _health_routes(state: _AppState) -> APIRouter:
+    router = APIRouter(tags=["health"])
+
+    @router.get("/healthz", summary="The process is up")
+    async def healthz() -> Response:
+        return _json({"status": "ok"})
+
+    @router.get("/readyz", summary="The index store is reachable")
+    async def readyz() -> Response:
+        try:
+            state.index.streams()
+        except IndexUnavailableError as exc:
+            return _json({"status": "unavailable", "detail": str(exc)}, 503)
+        return _json({"status": "ready"})
+
+    return router
+
+
+def _routes(state: _AppState) -> APIRouter:
+    router = APIRouter()
+    _score_routes(router, state)
+    _replica_routes(router, state)
+    _info_routes(router, state)
+    return router
+
+
+def _score_routes(router: APIRouter, state: _AppState) -> None:
+    @router.post(
+        "/score",
+        openapi_extra=_doc(
+            ScoreRequest, ScoreResponse, "Rank the candidate replicas for a request"
+        ),
+    )
+    async def score(request: Request) -> Response:
+        started = time.perf_counter()
+        body = await _decode(request, ScoreRequest)
+        answer = await state.scorer.score(body)
+        state.metrics.score_latency.labels(answer.policy).observe(time.perf_counter() - started)
+        return _json(answer)
+
+    @router.post("/load", openapi_extra=_doc(LoadReport, None, "Report a replica's load"))
+    async def load(request: Request) -> Response:
+        report = await _decode(request, LoadReport)
+        if state.deps.registry.get(report.replica) is None:
+            raise RequestError(f"replica: {report.replica!r} is not registered")
+        measured = Load(
+            report.running,
+            report.waiting,
+            report.kv_usage,
+            report.ts if report.ts is not None else time.time(),
+            "push",
+        )
+        await _call(state, state.deps.loads.put, report.replica, measured.validated())
+        return _json({"status": "ok"})
+
+
+def _replica_routes(router: APIRouter, state: _AppState) -> None:
+    registry = state.deps.registry
+
+    @router.get("/replicas", openapi_extra=_doc(None, None, "Replicas, streams and load"))
+    async def replicas() -> Response:
+        return _json(await _replica_views(state))
+
+    @router.post("/replicas", openapi_extra=_doc(ReplicaIn, None, "Register a replica"))
+    async def add_replica(request: Request) -> Response:
+        body = await _decode(request, ReplicaIn)
+        spec = ReplicaSpec(
+            id=body.id,
+            model=body.model,
+            events=body.events,
+            replay=body.replay,
+            url=body.url,
+            dp_size=body.dp_size,
+        )
+        created = registry.add(spec)
+        state.tokenizers.pop(spec.model, None)
+        return _json(
+            {"status": "created" if created else "unchanged", "id": spec.id},
+            201 if created else 200,
+        )
+
+    @router.delete("/replicas/{replica_id}", summary="Remove a replica and purge its blocks")
+    async def remove_replica(replica_id: str) -> Response:
+        spec = registry.remove(replica_id)
+        if spec is None:
+            return _json(ErrorBody("unknown_replica", f"no replica {replica_id!r}"), 404)
+        await _call(state, state.deps.loads.remove, replica_id)
+        state.tokenizers.pop(spec.model, None)
+        return _json({"status": "removed", "id": replica_id})
+
+
+def _info_routes(router: APIRouter, state: _AppState) -> None:
+    @router.get("/stats", summary="Index and ingestion totals")
+    async def stats() -> Response:
+        return _json(await _call(state, _stats, state))
+
+    @router.get("/config", summary="Policies, default weights and models")
+    async def config() -> Response:
+        settings = state.deps.settings
+        return _json(
+            {
+                "default_policy": settings.default_policy,
+                "weights": settings.weights.as_dict(),
+                "models": {
+                    m: {"block_size": state.scorer.block_size(m)}
+                    for m in state.scorer.known_models()
+                },
+            }
+        )
+
+    @router.get("/metrics", summary="Prometheus metrics")
+    async def metrics() -> Response:
+        body = await _call(state, state.metrics.render)
+        return Response(body, media_type="text/plain; version=0.0.4")
+
+
+async def _call(state: _AppState, fn: Callable[..., T], *args: Any) -> T:
+    """Run a store call off the event loop when it does network I/O."""
+    if state.deps.blocking_store:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+def _stats(state: _AppState) -> dict[str, Any]:
+    registry, index = state.deps.registry, state.index
+    by_tier = dict.fromkeys((t.name.lower() for t in Tier), 0)
+    for status in registry.statuses():
+        for tier, count in index.stats(status.stream).blocks_by_tier.items():
+            by_tier[tier.name.lower()] += count
+    statuses = registry.statuses()
+    return {
+        "replicas": len(registry.replicas()),
+        "streams": len(statuses),
+        "blocks": by_tier,
+        "batches": sum(s.counters.num_batches for s in statuses),
+        "gaps": sum(s.counters.num_gaps for s in statuses),
+        "replays": sum(s.counters.num_replays for s in statuses),
+        "restarts": sum(s.counters.num_restarts for s in statuses),
+        "decode_errors": sum(s.num_decode_errors for s in statuses),
+    }
+
+
+async def _replica_views(state: _AppState) -> list[ReplicaView]:
+    registry = state.deps.registry
+    specs = registry.replicas()
+    loads = await _call(state, state.deps.loads.get_many, [r.id for r in specs])
+    statuses: dict[str, list[StreamStatus]] = {}
+    for status in registry.statuses():
+        statuses.setdefault(status.stream.replica, []).append(status)
+    views = []
+    for spec in specs:
+        streams = [
+            await _call(state, _stream_view, state.index, s) for s in statuses.get(spec.id, [])
+        ]
+        views.append(
+            ReplicaView(
+                id=spec.id,
+                model=spec.model,
+                events=spec.events,
+                replay=spec.replay,
+                url=spec.url,
+                dp_size=spec.dp_size,
+                state=_worst([s.freshness.state for s in streams]),
+                streams=streams,
+                load=_load_view(loads.get(spec.id)),
+            )
+        )
+    return views
+
+
+def _stream_view(index: BlockIndex, status: StreamStatus) -> StreamView:
+    stats = index.stats(status.stream)
+    counters = dataclasses.asdict(status.counters)
+    return StreamView(
+        rank=status.stream.rank,
+        freshness=FreshnessView(status.freshness.value, status.lag_s, status.silent_s),
+        connected=status.connected,
+        last_seq=status.last_seq,
+        blocks={t.name.lower(): stats.blocks_by_tier.get(t, 0) for t in Tier},
+        counters=counters
+        | {"decode_errors": status.num_decode_errors, "store_errors": status.num_store_errors},
+    )
+
+
+def _worst(states: list[str]) -> str:
+    for state in ("stale", "replaying"):
+        if state in states:
+            return state
+    return "live" if states else "stale"
+
+
+def _load_view(load: Load | None) -> LoadView | None:
+    if load is None:
+        return None
+    return LoadView(
+        load.running, load.waiting, load.kv_usage, max(0.0, time.time() - load.ts), load.source
+    )

@@ -1,0 +1,139 @@
+"""Prometheus metrics of one API process: a per-app registry, never the global one.
+
+Ingestion counters are read from the indexer's registry and the index at scrape time (a
+custom collector), so the write path never imports metrics code; lookups are timed by a
+wrapper that implements the same BlockIndex Protocol.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from indexer.events import StreamId, Tier
+from indexer.index import ApplyResult, BatchOps, BlockIndex, Op, PrefixMatch, StreamStats
+from indexer.registry import Registry
+
+_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+
+_COUNTERS = {
+    "num_batches": ("kvindex_batches", "Event batches applied"),
+    "num_gaps": ("kvindex_gaps", "Sequence gaps seen"),
+    "num_unrepaired_gaps": ("kvindex_unrepaired_gaps", "Gaps that replay could not repair"),
+    "num_replays": ("kvindex_replays", "Replays requested"),
+    "num_replay_failures": ("kvindex_replay_failures", "Replays that timed out or failed"),
+    "num_restarts": ("kvindex_engine_restarts", "Engine restarts detected (seq reset)"),
+    "num_duplicates": ("kvindex_duplicate_batches", "Duplicate batches dropped"),
+}
+_STATUS_COUNTERS = {
+    "num_decode_errors": ("kvindex_decode_errors", "Undecodable frames"),
+    "num_bad_events": ("kvindex_bad_events", "Events skipped as malformed"),
+    "num_store_errors": ("kvindex_store_errors", "Index store failures while ingesting"),
+    "num_orphan_stores": ("kvindex_orphan_stores", "Stores whose parent block was unknown"),
+    "num_unknown_removals": ("kvindex_unknown_removals", "Removals of blocks not held"),
+}
+
+
+class ApiMetrics:
+    """Everything /metrics exposes for one app."""
+
+    def __init__(self, registry: Registry, index: BlockIndex) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.score_latency = Histogram(
+            "kvindex_score_seconds",
+            "Time to answer POST /score",
+            ["policy"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.lookup_latency = Histogram(
+            "kvindex_lookup_seconds",
+            "Time of one index longest-prefix lookup",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(_IngestCollector(registry, index))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _IngestCollector(Collector):
+    """Reads the write path's counters when Prometheus scrapes."""
+
+    def __init__(self, registry: Registry, index: BlockIndex) -> None:
+        self._registry = registry
+        self._index = index
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        statuses = self._registry.statuses()
+        families = {
+            attr: CounterMetricFamily(name, doc, labels=["replica", "rank"])
+            for attr, (name, doc) in (_COUNTERS | _STATUS_COUNTERS).items()
+        }
+        for status in statuses:
+            labels = [status.stream.replica, str(status.stream.rank)]
+            for attr, family in families.items():
+                source = status.counters if attr in _COUNTERS else status
+                family.add_metric(labels, getattr(source, attr))
+        yield from families.values()
+        yield self._blocks(s.stream for s in statuses)
+
+    def _blocks(self, streams: Iterable[StreamId]) -> GaugeMetricFamily:
+        gauge = GaugeMetricFamily(
+            "kvindex_blocks", "Blocks held in the index", labels=["replica", "rank", "tier"]
+        )
+        try:
+            for stream in streams:
+                stats = self._index.stats(stream)
+                for tier in Tier:
+                    labels = [stream.replica, str(stream.rank), tier.name.lower()]
+                    gauge.add_metric(labels, stats.blocks_by_tier.get(tier, 0))
+        except Exception:  # the store is down: report what we have, never fail a scrape
+            pass
+        return gauge
+
+
+class TimedIndex:
+    """A BlockIndex that times lookups; everything else passes through."""
+
+    def __init__(self, inner: BlockIndex, histogram: Histogram) -> None:
+        self._inner = inner
+        self._histogram = histogram
+
+    def apply(self, stream: StreamId, seq: int, ts: float, ops: Sequence[Op]) -> ApplyResult:
+        return self._inner.apply(stream, seq, ts, ops)
+
+    def apply_many(self, stream: StreamId, batches: Sequence[BatchOps]) -> list[ApplyResult]:
+        return self._inner.apply_many(stream, batches)
+
+    def resolve(self, stream: StreamId, engine_hashes: Sequence[int]) -> list[int | None]:
+        return self._inner.resolve(stream, engine_hashes)
+
+    def clear(self, stream: StreamId) -> None:
+        self._inner.clear(stream)
+
+    def drop(self, stream: StreamId) -> None:
+        self._inner.drop(stream)
+
+    def streams(self) -> list[StreamId]:
+        return self._inner.streams()
+
+    def longest_prefix(
+        self, keys: Sequence[int], streams: Iterable[StreamId]
+    ) -> dict[StreamId, PrefixMatch]:
+        started = time.perf_counter()
+        try:
+            return self._inner.longest_prefix(keys, streams)
+        finally:
+            self._histogram.observe(time.perf_counter() - started)
+
+    def stats(self, stream: StreamId) -> StreamStats:
+        return self._inner.stats(stream)
+
+    def close(self) -> None:
+        self._inner.close()

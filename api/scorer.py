@@ -1,0 +1,364 @@
+"""``POST /score`` as a library call: request → keys → index lookup → policy → response.
+
+The read path, step by step (the README's diagram numbers them the same way):
+
+1. resolve the model and its candidates (the registry's replicas serving it);
+2. tokens from ``token_ids``, or ``prompt`` / ``messages`` through the model's tokenizer,
+   or ``block_keys`` as given;
+3. block keys with ``indexer.keys`` (the indexer's own key function) at the model's
+   block size (as its replicas publish it);
+4. longest cached prefix per (replica, rank) from the index — if the store is
+   unreachable, the answer is made from load alone and says ``degraded``;
+5. load per replica (pushed or scraped), with its age;
+6. the policy ranks the candidates (``api.scoring``), every term reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from api.load import Load, LoadStore
+from api.schemas import FreshnessView, LoadView, ScoreEntry, ScoreRequest, ScoreResponse
+from api.scoring import (
+    Candidate,
+    Decision,
+    LoadInput,
+    Policy,
+    Scored,
+    ScoringError,
+    Weights,
+    constant,
+    kv_aware,
+    least_load,
+    prefix_key,
+    rank,
+    rendezvous,
+)
+from api.settings import ApiSettings
+from api.tokenize import Tokenizer
+from indexer.errors import KvIndexError
+from indexer.events import StreamId, Tier
+from indexer.index import BlockIndex, IndexUnavailableError, PrefixMatch
+from indexer.keys import BlockKeyError, block_keys
+from indexer.registry import Freshness, Registry, StreamStatus
+
+
+class RequestError(KvIndexError):
+    """A request that cannot be scored as sent (422); names the field."""
+
+
+class UnknownModelError(KvIndexError):
+    """The model is served by no known replica (404); names the known models."""
+
+
+@dataclass(slots=True)
+class _Lookup:
+    """Best match per replica (over its ranks) and which rank holds it."""
+
+    matches: dict[str, PrefixMatch] = field(default_factory=dict)
+    ranks: dict[str, int] = field(default_factory=dict)
+    degraded: str | None = None
+
+
+class Scorer:
+    """Answers score requests. Safe to share across concurrent requests of one event loop."""
+
+    def __init__(
+        self,
+        settings: ApiSettings,
+        index: BlockIndex,
+        registry: Registry,
+        loads: LoadStore,
+        *,
+        tokenizers: Callable[[str], Tokenizer | None],
+        blocking_store: bool,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._settings = settings
+        self._index = index
+        self._registry = registry
+        self._loads = loads
+        self._tokenizers = tokenizers
+        self._blocking = blocking_store
+        self._clock = clock
+        self._rng = random.Random(settings.seed)
+        self._round_robin: dict[str, itertools.count[int]] = {}
+        self._last_loads: dict[str, Load] = {}
+
+    def known_models(self) -> list[str]:
+        configured = {m.name for m in self._settings.models}
+        return sorted(configured | set(self._registry.models()))
+
+    async def score(self, request: ScoreRequest) -> ScoreResponse:
+        candidates = self._candidates(request)
+        weights = self._weights(request)
+        policy = self._policy(request)
+        block_size = self.block_size(request.model)
+        tokens, keys = await self._keys(request, block_size)
+        lookup = await self._lookup(keys, candidates, policy)
+        loads = await self._load_of(candidates)
+        statuses = self._statuses(candidates)
+        cands = [self._candidate(r, lookup, loads, statuses) for r in candidates]
+        decision = self._decide(policy, cands, keys, request, weights)
+        entries = [self._entry(s, lookup, loads, statuses, block_size) for s in decision.ranked]
+        return ScoreResponse(
+            model=request.model,
+            block_size=block_size,
+            num_tokens=len(tokens) if tokens is not None else len(keys) * block_size,
+            num_blocks=len(keys),
+            best=decision.best,
+            policy=policy.value,
+            weights=weights.as_dict(),
+            scores=entries,
+            degraded=lookup.degraded,
+        )
+
+    # --- 1. model, candidates, policy, weights ------------------------------------------
+
+    def _candidates(self, request: ScoreRequest) -> list[str]:
+        serving = [r.id for r in self._registry.replicas() if r.model == request.model]
+        if not serving and request.model not in self.known_models():
+            raise UnknownModelError(
+                f"unknown model {request.model!r}; known models: {self.known_models()}"
+            )
+        if request.candidates is None:
+            return serving
+        unknown = sorted(set(request.candidates) - set(serving))
+        if unknown:
+            raise RequestError(
+                f"candidates: {unknown} do not serve {request.model!r} (serving: {serving})"
+            )
+        return list(dict.fromkeys(request.candidates))
+
+    def _policy(self, request: ScoreRequest) -> Policy:
+        spec = self._settings.model(request.model)
+        name = request.policy or (spec.policy if spec else None) or self._settings.default_policy
+        try:
+            return Policy(name)
+        except ValueError:
+            raise RequestError(
+                f"policy: {name!r} is not one of {[p.value for p in Policy]}"
+            ) from None
+
+    def _weights(self, request: ScoreRequest) -> Weights:
+        try:
+            return self._settings.weights.overridden(request.weights)
+        except ScoringError as exc:
+            raise RequestError(f"weights: {exc}") from exc
+
+    def block_size(self, model: str) -> int:
+        spec = self._settings.model(model)
+        if spec is not None and spec.block_size:
+            return spec.block_size
+        return self._registry.block_size(model) or self._settings.default_block_size
+
+    # --- 2-3. tokens and keys ------------------------------------------------------------
+
+    async def _keys(
+        self, request: ScoreRequest, block_size: int
+    ) -> tuple[list[int] | None, list[int]]:
+        given = [
+            name
+            for name in ("token_ids", "prompt", "messages", "block_keys")
+            if getattr(request, name) is not None
+        ]
+        if len(given) != 1:
+            raise RequestError(
+                "give exactly one of token_ids, prompt, messages, block_keys"
+                f" (got {given or 'none'})"
+            )
+        if request.block_keys is not None:
+            return None, request.block_keys
+        tokens = request.token_ids
+        if tokens is None:
+            tokens = await self._tokenize(request)
+        try:
+            keys = block_keys(
+                request.model,
+                tokens,
+                block_size,
+                lora_name=request.lora_name,
+                cache_salt=request.cache_salt,
+            )
+        except BlockKeyError as exc:
+            raise RequestError(f"token_ids: {exc}") from exc
+        return tokens, keys
+
+    async def _tokenize(self, request: ScoreRequest) -> list[int]:
+        tokenizer = self._tokenizers(request.model)
+        field_name = "prompt" if request.prompt is not None else "messages"
+        if tokenizer is None:
+            raise RequestError(
+                f"{field_name}: no tokenizer for model {request.model!r}; send token_ids or"
+                " block_keys, or configure [[models]] tokenizer"
+            )
+        if request.prompt is not None:
+            return await tokenizer.encode_prompt(request.prompt)
+        assert request.messages is not None
+        return await tokenizer.encode_messages(request.messages)
+
+    # --- 4. lookup -------------------------------------------------------------------------
+
+    async def _lookup(self, keys: list[int], replicas: Sequence[str], policy: Policy) -> _Lookup:
+        streams = self._streams(replicas)
+        try:
+            if self._blocking:
+                found = await asyncio.to_thread(self._index.longest_prefix, keys, streams)
+            else:
+                found = self._index.longest_prefix(keys, streams)
+        except IndexUnavailableError as exc:
+            return _Lookup(degraded=f"index store unavailable: {exc}")
+        lookup = _Lookup()
+        for stream, match in found.items():
+            best = lookup.matches.get(stream.replica)
+            if best is None or match.num_blocks > best.num_blocks:
+                lookup.matches[stream.replica] = match
+                lookup.ranks[stream.replica] = stream.rank
+        return lookup
+
+    def _streams(self, replicas: Sequence[str]) -> list[StreamId]:
+        wanted = set(replicas)
+        streams = [
+            StreamId(r.id, rank)
+            for r in self._registry.replicas()
+            if r.id in wanted
+            for rank in range(r.dp_size)
+        ]
+        seen = {s.stream for s in self._registry.statuses() if s.stream.replica in wanted}
+        return sorted(set(streams) | seen)
+
+    # --- 5. load ---------------------------------------------------------------------------
+
+    async def _load_of(self, replicas: Sequence[str]) -> dict[str, Load]:
+        try:
+            if self._blocking:
+                loads = await asyncio.to_thread(self._loads.get_many, replicas)
+            else:
+                loads = self._loads.get_many(replicas)
+        except IndexUnavailableError:
+            return {r: self._last_loads[r] for r in replicas if r in self._last_loads}
+        self._last_loads.update(loads)
+        return loads
+
+    def _statuses(self, replicas: Sequence[str]) -> dict[str, list[StreamStatus]]:
+        wanted = set(replicas)
+        out: dict[str, list[StreamStatus]] = {}
+        for status in self._registry.statuses():
+            if status.stream.replica in wanted:
+                out.setdefault(status.stream.replica, []).append(status)
+        return out
+
+    # --- 6. decision -----------------------------------------------------------------------
+
+    def _candidate(
+        self,
+        replica: str,
+        lookup: _Lookup,
+        loads: dict[str, Load],
+        statuses: dict[str, list[StreamStatus]],
+    ) -> Candidate:
+        load = loads.get(replica)
+        load_input = None
+        if load is not None:
+            age = max(0.0, self._clock() - load.ts)
+            load_input = LoadInput(load.running, load.waiting, load.kv_usage, age)
+        match = lookup.matches.get(replica)
+        return Candidate(
+            replica,
+            match.tiers if match else (),
+            _freshness(statuses.get(replica, [])),
+            load_input,
+        )
+
+    def _decide(
+        self,
+        policy: Policy,
+        cands: list[Candidate],
+        keys: list[int],
+        request: ScoreRequest,
+        weights: Weights,
+    ) -> Decision:
+        scored = self._scored(policy, cands, keys, request, weights)
+        return rank(scored, cands, weights, self._rng)
+
+    def _scored(
+        self,
+        policy: Policy,
+        cands: list[Candidate],
+        keys: list[int],
+        request: ScoreRequest,
+        weights: Weights,
+    ) -> list[Scored]:
+        if policy is Policy.KV_AWARE:
+            return kv_aware(cands, len(keys), weights)
+        if policy is Policy.LEAST_LOAD:
+            return least_load(cands, weights)
+        if policy is Policy.SESSION_AFFINITY:
+            if request.session is None:
+                raise RequestError("session: required by the session_affinity policy")
+            return rendezvous(cands, request.session.encode(), "session_hash")
+        if policy is Policy.PREFIX_HASH:
+            return rendezvous(cands, prefix_key(keys, weights), "prefix_hash")
+        if policy is Policy.ROUND_ROBIN:
+            counter = self._round_robin.setdefault(request.model, itertools.count())
+            chosen = cands[next(counter) % len(cands)].replica if cands else None
+            return constant(cands, chosen, "round_robin")
+        chosen = self._rng.choice(cands).replica if cands else None
+        return constant(cands, chosen, "random")
+
+    def _entry(
+        self,
+        scored: Scored,
+        lookup: _Lookup,
+        loads: dict[str, Load],
+        statuses: dict[str, list[StreamStatus]],
+        block_size: int,
+    ) -> ScoreEntry:
+        replica = scored.replica
+        match = lookup.matches.get(replica) or PrefixMatch()
+        tiers = {t.name.lower(): 0 for t in Tier}
+        for tier in match.tiers:
+            tiers[tier.name.lower()] += 1
+        return ScoreEntry(
+            replica=replica,
+            rank=lookup.ranks.get(replica, 0),
+            matched_blocks=match.num_blocks,
+            matched_tokens=match.num_blocks * block_size,
+            tiers=tiers,
+            load=self._load_view(loads.get(replica)),
+            freshness=_freshness_view(statuses.get(replica, [])),
+            terms=scored.terms,
+            score=scored.score,
+        )
+
+    def _load_view(self, load: Load | None) -> LoadView | None:
+        if load is None:
+            return None
+        age = max(0.0, self._clock() - load.ts)
+        return LoadView(load.running, load.waiting, load.kv_usage, age, load.source)
+
+
+_WORST = {Freshness.LIVE: 0, Freshness.REPLAYING: 1, Freshness.STALE: 2}
+
+
+def _freshness(statuses: list[StreamStatus]) -> Freshness:
+    """A replica is as fresh as its least fresh stream; never heard of counts as stale."""
+    if not statuses:
+        return Freshness.STALE
+    return max((s.freshness for s in statuses), key=_WORST.__getitem__)
+
+
+def _freshness_view(statuses: list[StreamStatus]) -> FreshnessView:
+    state = _freshness(statuses)
+    lags = [s.lag_s for s in statuses if s.lag_s is not None]
+    silent = [s.silent_s for s in statuses if s.silent_s is not None]
+    return FreshnessView(
+        state=state.value,
+        lag_s=max(lags) if lags else None,
+        silent_s=min(silent) if silent else None,
+    )

@@ -1,0 +1,221 @@
+"""Routing policies: pure functions from (matches, load, freshness) to ranked scores.
+
+Nothing here does I/O. Every weight is a field of :class:`Weights` (defaults from the
+settings, overridable per request), and every score is explained term by term.
+
+``kv_aware`` (the default)::
+
+    cache = w.cache · Σ tier_credit(tier of matched block) / num_blocks · freshness_factor
+    load  = (w.waiting · waiting + w.running · running + w.kv_usage · kv_usage) · recency
+    score = cache - load
+
+``tier_credit`` is ``w.gpu`` / ``w.cpu`` / ``w.other``; ``freshness_factor`` is 1 for a live
+stream, ``w.replaying_factor`` while it replays and ``w.stale_factor`` when stale;
+``recency = 0.5 ** (age / w.load_half_life_s)``, so old load weighs less and unknown load
+weighs nothing. Ties go to the lower load, then to chance. With ``w.temperature > 0`` the
+winner is drawn from a softmax over scores instead of taken as the maximum.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import xxhash
+
+from indexer.errors import KvIndexError
+from indexer.events import Tier
+from indexer.registry import Freshness
+
+
+class Policy(enum.StrEnum):
+    KV_AWARE = "kv_aware"
+    ROUND_ROBIN = "round_robin"
+    RANDOM = "random"
+    LEAST_LOAD = "least_load"
+    SESSION_AFFINITY = "session_affinity"
+    PREFIX_HASH = "prefix_hash"
+
+
+class ScoringError(KvIndexError):
+    """A policy or weight that cannot be used (bad name, bad value)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Weights:
+    """Every knob of the scoring formulas (see the module docstring)."""
+
+    cache: float = 1.0
+    """Weight of the cache term (1.0: the whole prompt cached on GPU is worth 1)."""
+    gpu: float = 1.0
+    """Credit of a block matched on GPU."""
+    cpu: float = 0.8
+    """Credit of a block matched only on CPU (offloaded: must be copied back)."""
+    other: float = 0.5
+    """Credit of a block matched only on another tier (disk, remote)."""
+    waiting: float = 0.1
+    """Penalty per waiting (queued) request."""
+    running: float = 0.02
+    """Penalty per running request."""
+    kv_usage: float = 0.2
+    """Penalty for a full KV cache (usage fraction 0..1)."""
+    stale_factor: float = 0.5
+    """Cache credit multiplier for a replica whose stream is stale."""
+    replaying_factor: float = 0.8
+    """Cache credit multiplier while a replica's stream is being replayed."""
+    load_half_life_s: float = 10.0
+    """Load this old counts half."""
+    temperature: float = 0.0
+    """Softmax temperature over scores; 0 picks the maximum."""
+    prefix_blocks: int = 8
+    """Leading blocks hashed by the ``prefix_hash`` policy."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not math.isfinite(value) or value < 0:
+                raise ScoringError(f"weight {f.name} must be finite and >= 0, got {value!r}")
+
+    def overridden(self, overrides: dict[str, Any] | None) -> Weights:
+        """A copy with some weights replaced (per request); unknown names are an error."""
+        if not overrides:
+            return self
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ScoringError(f"unknown weights {unknown}; known: {sorted(known)}")
+        try:
+            return replace(self, **overrides)
+        except TypeError as exc:
+            raise ScoringError(str(exc)) from exc
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: float(getattr(self, f.name)) for f in fields(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class LoadInput:
+    running: float
+    waiting: float
+    kv_usage: float
+    age_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """What the scorer knows of one replica for one request."""
+
+    replica: str
+    tiers: Sequence[Tier]
+    """Best tier of each matched leading block (its longest prefix over all ranks)."""
+    freshness: Freshness
+    load: LoadInput | None
+
+
+@dataclass(frozen=True, slots=True)
+class Scored:
+    replica: str
+    score: float
+    terms: dict[str, float]
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    best: str | None
+    ranked: list[Scored]
+    """Best first."""
+
+
+def load_penalty(load: LoadInput | None, w: Weights) -> tuple[float, float]:
+    """(penalty, recency) of a replica's load; unknown load costs nothing."""
+    if load is None:
+        return 0.0, 0.0
+    recency = 0.5 ** (max(load.age_s, 0.0) / w.load_half_life_s) if w.load_half_life_s else 1.0
+    raw = w.waiting * load.waiting + w.running * load.running + w.kv_usage * load.kv_usage
+    return raw * recency, recency
+
+
+def cache_credit(c: Candidate, num_blocks: int, w: Weights) -> tuple[float, float]:
+    """(credit, freshness factor): tier-weighted fraction of the prompt cached."""
+    if num_blocks == 0 or not c.tiers:
+        return 0.0, _freshness_factor(c.freshness, w)
+    credit_of = {Tier.GPU: w.gpu, Tier.CPU: w.cpu, Tier.OTHER: w.other}
+    weighted = sum(credit_of[t] for t in c.tiers) / num_blocks
+    factor = _freshness_factor(c.freshness, w)
+    return w.cache * weighted * factor, factor
+
+
+def _freshness_factor(freshness: Freshness, w: Weights) -> float:
+    if freshness is Freshness.STALE:
+        return w.stale_factor
+    if freshness is Freshness.REPLAYING:
+        return w.replaying_factor
+    return 1.0
+
+
+def kv_aware(cands: Sequence[Candidate], num_blocks: int, w: Weights) -> list[Scored]:
+    out = []
+    for c in cands:
+        cache, factor = cache_credit(c, num_blocks, w)
+        load, recency = load_penalty(c.load, w)
+        terms = {"cache": cache, "freshness_factor": factor, "load": -load, "load_recency": recency}
+        out.append(Scored(c.replica, cache - load, terms))
+    return out
+
+
+def least_load(cands: Sequence[Candidate], w: Weights) -> list[Scored]:
+    out = []
+    for c in cands:
+        load, recency = load_penalty(c.load, w)
+        out.append(Scored(c.replica, -load, {"load": -load, "load_recency": recency}))
+    return out
+
+
+def rendezvous(cands: Sequence[Candidate], key: bytes, term: str) -> list[Scored]:
+    """Highest-random-weight hashing: a stable owner per key, minimal moves on changes."""
+    out = []
+    for c in cands:
+        weight = xxhash.xxh3_64_intdigest(key + b"\x00" + c.replica.encode()) / 2**64
+        out.append(Scored(c.replica, weight, {term: weight}))
+    return out
+
+
+def prefix_key(block_keys: Sequence[int], w: Weights) -> bytes:
+    return b"".join(k.to_bytes(8, "big") for k in block_keys[: w.prefix_blocks])
+
+
+def constant(cands: Sequence[Candidate], chosen: str | None, term: str) -> list[Scored]:
+    """Round robin / random: the chosen replica scores 1, the others 0."""
+    return [
+        Scored(
+            c.replica,
+            1.0 if c.replica == chosen else 0.0,
+            {term: 1.0 if c.replica == chosen else 0.0},
+        )
+        for c in cands
+    ]
+
+
+def rank(
+    scored: list[Scored], cands: Sequence[Candidate], w: Weights, rng: random.Random
+) -> Decision:
+    """Order best first: by score, then lower load, then chance; softmax if temperature."""
+    if not scored:
+        return Decision(None, [])
+    loads = {c.replica: load_penalty(c.load, w)[0] for c in cands}
+    tiebreak = {s.replica: rng.random() for s in scored}
+    ordered = sorted(scored, key=lambda s: (-s.score, loads[s.replica], tiebreak[s.replica]))
+    if w.temperature > 0 and len(ordered) > 1:
+        best = _softmax_pick(ordered, w.temperature, rng)
+        ordered = [best] + [s for s in ordered if s is not best]
+    return Decision(ordered[0].replica, ordered)
+
+
+def _softmax_pick(ordered: list[Scored], temperature: float, rng: random.Random) -> Scored:
+    top = ordered[0].score
+    weights = [math.exp((s.score - top) / temperature) for s in ordered]
+    return rng.choices(ordered, weights=weights, k=1)[0]

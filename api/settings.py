@@ -1,0 +1,134 @@
+"""The API process's typed settings (TOML ``[api]``, ``[api.weights]``, ``[[models]]``).
+
+Like the indexer's, every field has a default and a one-line doc, the object is frozen and
+passed down, and :func:`load_api_settings` raises :class:`SettingsError` naming the key.
+
+TOML::
+
+    [api]
+    port = 8000
+    default_policy = "kv_aware"
+
+    [api.weights]
+    waiting = 0.1
+
+    [[models]]
+    name = "meta-llama/Llama-3.1-8B-Instruct"
+    block_size = 16
+    policy = "kv_aware"
+    tokenizer = "/models/llama/tokenizer.json"   # or "replica": ask a replica's /tokenize
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from api.scoring import Policy, ScoringError, Weights
+from indexer.settings import SettingsError
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Per-model routing settings."""
+
+    name: str
+    block_size: int | None = None
+    """Tokens per KV block; default: as seen in the replicas' events, else the API default."""
+    policy: str | None = None
+    """Routing policy for this model (a request may still choose its own)."""
+    tokenizer: str | None = None
+    """Path of a ``tokenizer.json`` (chat template from a sibling ``tokenizer_config.json``),
+    or ``replica`` to use a replica's own ``POST /tokenize``."""
+
+    def __post_init__(self) -> None:
+        if self.block_size is not None and self.block_size <= 0:
+            raise SettingsError(f"models.{self.name}.block_size must be > 0")
+        if self.policy is not None:
+            _check_policy(f"models.{self.name}.policy", self.policy)
+
+
+@dataclass(frozen=True, slots=True)
+class ApiSettings:
+    host: str = "127.0.0.1"
+    """Listen address."""
+    port: int = 8000
+    """Listen port."""
+    auth_token: str | None = None
+    """Bearer token required on every endpoint but /healthz and /readyz (env
+    KVINDEX_API_TOKEN)."""
+    default_policy: str = "kv_aware"
+    """Policy when neither the request nor the model's settings choose one."""
+    default_block_size: int = 16
+    """Block size when the events have not shown one yet (vLLM's default is 16)."""
+    weights: Weights = field(default_factory=Weights)
+    """Default scoring weights (``[api.weights]``)."""
+    models: tuple[ModelSpec, ...] = ()
+    """Per-model settings (``[[models]]``)."""
+    scrape_interval_s: float = 2.0
+    """Scrape every replica's vLLM /metrics this often (0: never; rely on POST /load)."""
+    scrape_timeout_s: float = 1.0
+    """Timeout of one /metrics or /tokenize call."""
+    tokenizer_cache_entries: int = 4096
+    """Tokenizations of repeated prompts kept per model."""
+    seed: int | None = None
+    """Seed of tie-breaks and random policies (tests); None: from the OS."""
+
+    def __post_init__(self) -> None:
+        _check_policy("api.default_policy", self.default_policy)
+        if self.default_block_size <= 0:
+            raise SettingsError("api.default_block_size must be > 0")
+        names = [m.name for m in self.models]
+        if len(names) != len(set(names)):
+            raise SettingsError(f"models: duplicate names in {names}")
+
+    def model(self, name: str) -> ModelSpec | None:
+        return next((m for m in self.models if m.name == name), None)
+
+
+def _check_policy(key: str, value: str) -> None:
+    try:
+        Policy(value)
+    except ValueError:
+        raise SettingsError(
+            f"{key} must be one of {[p.value for p in Policy]}, got {value!r}"
+        ) from None
+
+
+def load_api_settings(
+    values: Mapping[str, Any] | None = None,
+    models: list[Mapping[str, Any]] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> ApiSettings:
+    """From a TOML ``[api]`` table and ``[[models]]`` array, env, then overrides."""
+    raw = dict(values or {})
+    weights = raw.pop("weights", None)
+    known = {f.name for f in fields(ApiSettings)} - {"weights", "models"}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise SettingsError(f"[api]: unknown settings {unknown} (known: {sorted(known)})")
+    token = (os.environ if env is None else env).get("KVINDEX_API_TOKEN")
+    if token:
+        raw["auth_token"] = token
+    raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return ApiSettings(
+            **raw,
+            weights=Weights().overridden(weights),
+            models=tuple(_model(m) for m in models or []),
+        )
+    except (TypeError, ScoringError) as exc:
+        raise SettingsError(f"[api]: {exc}") from exc
+
+
+def _model(values: Mapping[str, Any]) -> ModelSpec:
+    if "name" not in values:
+        raise SettingsError("[[models]]: every model needs a name")
+    try:
+        return ModelSpec(**values)
+    except TypeError as exc:
+        raise SettingsError(f"[[models]] {values.get('name')}: {exc}") from exc

@@ -1,0 +1,151 @@
+"""The load-store contract, run on every backend: ``memory`` (:class:`MemoryLoadStore`),
+``fakeredis`` (:class:`RedisLoadStore` over an in-process fake whose Lua runs in lupa) and
+``redis`` (:class:`RedisLoadStore` over the private redis-server of ``tests/conftest.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import fakeredis
+import pytest
+import redis
+
+from api.load import Load, LoadStore, MemoryLoadStore, RedisLoadStore
+from indexer.redis_schema import Schema, SchemaError
+
+BACKENDS = ("memory", "fakeredis", "redis")
+
+
+@pytest.fixture(params=BACKENDS)
+def store(request: pytest.FixtureRequest) -> Iterator[LoadStore]:
+    """An empty load store on the backend under test, closed afterwards."""
+    backend: str = request.param
+    made: LoadStore
+    if backend == "memory":
+        made = MemoryLoadStore()
+    elif backend == "fakeredis":
+        # A FakeRedis made without host/port gets a server of its own: nothing is shared.
+        made = RedisLoadStore(fakeredis.FakeRedis(), Schema("test"))
+    else:
+        client: redis.Redis = request.getfixturevalue("redis_client")  # flushed per test
+        made = RedisLoadStore(client, Schema("test"))
+    yield made
+    made.close()
+
+
+def load(ts: float, *, running: float = 1.0, source: str = "push") -> Load:
+    return Load(running=running, waiting=2.0, kv_usage=0.25, ts=ts, source=source)
+
+
+def test_put_then_get(store: LoadStore) -> None:
+    store.put("r1", load(100.0))
+    assert store.get_many(["r1"]) == {"r1": load(100.0)}
+
+
+def test_missing_replicas_are_absent(store: LoadStore) -> None:
+    assert store.get_many(["r1", "r2"]) == {}
+    store.put("r1", load(100.0))
+    assert store.get_many(["r2", "r1", "r3"]) == {"r1": load(100.0)}
+
+
+def test_get_many_of_nothing(store: LoadStore) -> None:
+    store.put("r1", load(100.0))
+    assert store.get_many([]) == {}
+
+
+def test_get_many_with_a_repeated_replica(store: LoadStore) -> None:
+    store.put("r1", load(100.0))
+    assert store.get_many(["r1", "r1"]) == {"r1": load(100.0)}
+
+
+def test_replicas_are_independent(store: LoadStore) -> None:
+    store.put("r1", load(100.0, running=1.0))
+    store.put("r2", load(50.0, running=9.0))
+    assert store.get_many(["r1", "r2"]) == {
+        "r1": load(100.0, running=1.0),
+        "r2": load(50.0, running=9.0),
+    }
+
+
+def test_remove(store: LoadStore) -> None:
+    store.put("r1", load(100.0))
+    store.put("r2", load(100.0))
+    store.remove("r1")
+    assert store.get_many(["r1", "r2"]) == {"r2": load(100.0)}
+
+
+def test_remove_unknown_is_a_noop(store: LoadStore) -> None:
+    store.remove("nobody")
+    assert store.get_many(["nobody"]) == {}
+
+
+def test_put_after_remove_starts_over(store: LoadStore) -> None:
+    store.put("r1", load(100.0))
+    store.remove("r1")
+    store.put("r1", load(10.0))
+    assert store.get_many(["r1"]) == {"r1": load(10.0)}
+
+
+def test_newer_replaces_older(store: LoadStore) -> None:
+    store.put("r1", load(100.0, source="scrape"))
+    store.put("r1", load(101.0, running=7.0, source="push"))
+    assert store.get_many(["r1"]) == {"r1": load(101.0, running=7.0, source="push")}
+
+
+def test_older_never_replaces_newer(store: LoadStore) -> None:
+    # A late scrape must not hide a fresh push ...
+    store.put("r1", load(101.0, running=7.0, source="push"))
+    store.put("r1", load(100.0, source="scrape"))
+    assert store.get_many(["r1"]) == {"r1": load(101.0, running=7.0, source="push")}
+
+
+def test_older_push_never_replaces_newer_scrape(store: LoadStore) -> None:
+    # ... nor a late push a fresh scrape.
+    store.put("r1", load(200.5, running=3.0, source="scrape"))
+    store.put("r1", load(200.25, running=8.0, source="push"))
+    assert store.get_many(["r1"]) == {"r1": load(200.5, running=3.0, source="scrape")}
+
+
+def test_equal_timestamps_the_later_put_wins(store: LoadStore) -> None:
+    store.put("r1", load(100.0, running=1.0))
+    store.put("r1", load(100.0, running=2.0))
+    assert store.get_many(["r1"]) == {"r1": load(100.0, running=2.0)}
+
+
+def test_sub_millisecond_order_is_kept(store: LoadStore) -> None:
+    early, late = 1_700_000_000.000001, 1_700_000_000.000002
+    store.put("r1", load(late, running=2.0))
+    store.put("r1", load(early, running=1.0))
+    assert store.get_many(["r1"])["r1"].ts == late
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        Load(running=0.0, waiting=0.0, kv_usage=0.0, ts=0.0, source="push"),
+        Load(running=3.0, waiting=17.0, kv_usage=1.0, ts=1_700_000_123.456789, source="scrape"),
+        Load(running=0.1, waiting=1e9, kv_usage=0.30000000000000004, ts=1e-6, source="push"),
+    ],
+)
+def test_round_trip_is_exact(store: LoadStore, value: Load) -> None:
+    store.put("r1", value)
+    got = store.get_many(["r1"])["r1"]
+    assert got == value
+    assert (got.running, got.waiting, got.kv_usage, got.ts) == (
+        value.running,
+        value.waiting,
+        value.kv_usage,
+        value.ts,
+    )
+
+
+def test_replica_ids_with_the_allowed_punctuation(store: LoadStore) -> None:
+    store.put("pool-a.r1:0_x", load(1.0))
+    assert store.get_many(["pool-a.r1:0_x"]) == {"pool-a.r1:0_x": load(1.0)}
+
+
+@pytest.mark.parametrize("replica", ["", "a/b", "a{b}", "a b"])
+def test_unusable_replica_ids_are_rejected(store: LoadStore, replica: str) -> None:
+    with pytest.raises(SchemaError, match="replica id"):
+        store.put(replica, load(1.0))
