@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -39,7 +40,7 @@ from api.settings import ApiSettings
 from api.tokenize import Tokenizer, TokenizerError, TokenizerSpec, build_tokenizer
 from indexer.errors import KvIndexError
 from indexer.events import Tier
-from indexer.index import BlockIndex, IndexUnavailableError
+from indexer.index import BlockIndex, IndexUnavailableError, drop_replica
 from indexer.registry import Registry, StreamStatus
 from indexer.settings import ReplicaSpec, SettingsError
 
@@ -106,7 +107,7 @@ class _AppState:
         self.deps = deps
         self.metrics = metrics
         self.index = index
-        self.http = httpx.AsyncClient(timeout=deps.settings.scrape_timeout_s)
+        self.http = httpx.AsyncClient(timeout=deps.settings.scrape_timeout_s, trust_env=False)
         self.tokenizers: dict[str, Tokenizer | None] = {}
         self.scorer = Scorer(
             deps.settings,
@@ -172,7 +173,9 @@ class _AppState:
         token = self.deps.settings.auth_token
         if token is None:
             return
-        if request.headers.get("authorization", "") != f"Bearer {token}":
+        given = request.headers.get("authorization", "").encode()
+        # Constant-time comparison: the answer time must not reveal a prefix of the token.
+        if not secrets.compare_digest(given, f"Bearer {token}".encode()):
             raise UnauthorizedError("missing or wrong bearer token")
 
 
@@ -255,7 +258,7 @@ def _health_routes(state: _AppState) -> APIRouter:
     @router.get("/readyz", summary="The index store is reachable")
     async def readyz() -> Response:
         try:
-            state.index.streams()
+            await _call(state, state.index.streams)
         except IndexUnavailableError as exc:
             return _json({"status": "unavailable", "detail": str(exc)}, 503)
         return _json({"status": "ready"})
@@ -298,6 +301,7 @@ def _score_routes(router: APIRouter, state: _AppState) -> None:
             "push",
         )
         await _call(state, state.deps.loads.put, report.replica, measured.validated())
+        state.scorer.note_load(report.replica, measured)
         return _json({"status": "ok"})
 
 
@@ -328,10 +332,16 @@ def _replica_routes(router: APIRouter, state: _AppState) -> None:
 
     @router.delete("/replicas/{replica_id}", summary="Remove a replica and purge its blocks")
     async def remove_replica(replica_id: str) -> Response:
-        spec = registry.remove(replica_id)
+        spec = registry.get(replica_id)
         if spec is None:
             return _json(ErrorBody("unknown_replica", f"no replica {replica_id!r}"), 404)
+        # Store calls first: if the store is down (503) the replica is still registered and
+        # the call can be retried. A subscriber that writes in between purges again once it
+        # sees the replica gone.
+        await _call(state, drop_replica, state.index, replica_id)
         await _call(state, state.deps.loads.remove, replica_id)
+        registry.remove(replica_id)
+        state.scorer.forget(replica_id)
         state.tokenizers.pop(spec.model, None)
         return _json({"status": "removed", "id": replica_id})
 

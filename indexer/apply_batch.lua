@@ -7,7 +7,8 @@
 -- fresh = the stream had no watermark before (new, cleared, dropped or lost in a Redis
 -- restart), so the caller must (re)list it in the streams set (another slot).
 local meta, keys, hashes = KEYS[1], KEYS[2], KEYS[3]
-local stored_wm = redis.call('HGET', meta, 'wm')
+local call, byte, sub, floor = redis.call, string.byte, string.sub, math.floor
+local stored_wm = call('HGET', meta, 'wm')
 local wm = tonumber(stored_wm or '-1')
 local fresh = stored_wm and 0 or 1
 local UNIT = {1, 65536, 4294967296}
@@ -16,28 +17,28 @@ local out = {}
 local last_ts = nil
 
 local function count_of(v, t)
-  return math.floor(v / UNIT[t]) % 65536
+  return floor(v / UNIT[t]) % 65536
 end
 
 local function store(eh, key, t)
-  if eh then redis.call('HSET', hashes, eh, key) end
-  local v = redis.call('HINCRBY', keys, key, UNIT[t])
+  if eh then call('HSET', hashes, eh, key) end
+  local v = call('HINCRBY', keys, key, UNIT[t])
   if count_of(v, t) == 1 then delta[t] = delta[t] + 1 end
 end
 
 -- returns false if the block is not held on tier t (nothing changes then)
 local function remove(eh, t)
-  local key = redis.call('HGET', hashes, eh)
+  local key = call('HGET', hashes, eh)
   if not key then return false end
-  local v = redis.call('HINCRBY', keys, key, -UNIT[t])
+  local v = call('HINCRBY', keys, key, -UNIT[t])
   if count_of(v + UNIT[t], t) == 0 then
-    if redis.call('HINCRBY', keys, key, UNIT[t]) == 0 then redis.call('HDEL', keys, key) end
+    if call('HINCRBY', keys, key, UNIT[t]) == 0 then call('HDEL', keys, key) end
     return false
   end
   if count_of(v, t) == 0 then delta[t] = delta[t] - 1 end
   if v == 0 then
-    redis.call('HDEL', keys, key)
-    redis.call('HDEL', hashes, eh)
+    call('HDEL', keys, key)
+    call('HDEL', hashes, eh)
   end
   return true
 end
@@ -45,19 +46,19 @@ end
 local function apply(ops)
   local unknown, unresolved = 0, 0
   for off = 1, #ops, 18 do
-    local kind = string.byte(ops, off)
-    local t = string.byte(ops, off + 1) + 1
-    local eh = string.sub(ops, off + 2, off + 9)
+    local kind = byte(ops, off)
+    local t = byte(ops, off + 1) + 1
+    local eh = sub(ops, off + 2, off + 9)
     if kind == 0 then
-      store(eh, string.sub(ops, off + 10, off + 17), t)
+      store(eh, sub(ops, off + 10, off + 17), t)
     elseif kind == 1 then
-      local key = redis.call('HGET', hashes, eh)
+      local key = call('HGET', hashes, eh)
       if key then store(nil, key, t) else unresolved = unresolved + 1 end
     elseif kind == 2 then
       if not remove(eh, t) then unknown = unknown + 1 end
     elseif kind == 3 then
-      redis.call('DEL', keys, hashes)
-      redis.call('HSET', meta, 'n0', 0, 'n1', 0, 'n2', 0)
+      call('DEL', keys, hashes)
+      call('HSET', meta, 'n0', 0, 'n1', 0, 'n2', 0)
       delta = {0, 0, 0}
     end
   end
@@ -78,9 +79,9 @@ for i = 0, n - 1 do
 end
 
 if last_ts then
-  redis.call('HSET', meta, 'wm', wm, 'ts', last_ts)
+  call('HSET', meta, 'wm', wm, 'ts', last_ts)
   for t = 1, 3 do
-    if delta[t] ~= 0 then redis.call('HINCRBY', meta, 'n' .. (t - 1), delta[t]) end
+    if delta[t] ~= 0 then call('HINCRBY', meta, 'n' .. (t - 1), delta[t]) end
   end
 end
 out[#out + 1] = fresh

@@ -12,6 +12,7 @@ import struct
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from importlib import resources
+from itertools import starmap
 from typing import cast
 
 import redis
@@ -67,10 +68,7 @@ def connect(url: str, *, socket_timeout_s: float = 5.0) -> redis.Redis:
 
 def encode_ops(ops: Sequence[Op]) -> bytes:
     """Ops as the fixed 18-byte records ``apply_batch.lua`` reads."""
-    if not ops:
-        return b""
-    flat = [field for op in ops for field in op]
-    return struct.pack(">" + "BBQQ" * len(ops), *flat)
+    return b"".join(starmap(_OP.pack, ops))
 
 
 class RedisIndex:
@@ -85,6 +83,7 @@ class RedisIndex:
         self._apply = client.register_script(_script("apply_batch.lua"))
         self._prefix = client.register_script(_script("longest_prefix.lua"))
         self._registered: set[StreamId] = set()
+        self._keys_of: dict[StreamId, tuple[str, str, str]] = {}
 
     @property
     def client(self) -> redis.Redis:
@@ -104,9 +103,12 @@ class RedisIndex:
         args: list[bytes | int | str] = [len(batches)]
         for seq, ts, ops in batches:
             args += (seq, repr(ts), encode_ops(ops))
+        keys = self._keys_of.get(stream)
+        if keys is None:
+            keys = self._keys_of[stream] = self._schema.stream(stream).all()
         with _unavailable_on_connection_errors():
             self._register(stream)
-            reply = self._apply(keys=self._schema.stream(stream).all(), args=args)
+            reply = self._apply(keys=keys, args=args)
             if reply[-1]:
                 # The stream's state was (re)created by this call: it may have been dropped
                 # by another indexer or lost in a Redis restart since this process listed it.
