@@ -6,9 +6,15 @@ pydantic would take milliseconds; the OpenAPI schema is generated from these sam
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
+"""A token id as engines hash it (unsigned 32-bit)."""
+BlockKey = Annotated[int, msgspec.Meta(ge=0)]
+"""A block key (unsigned 64-bit; the upper bound is checked by the scorer, since msgspec
+constraints stop at int64)."""
 
 
 class ScoreRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -16,11 +22,11 @@ class ScoreRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     block_keys."""
 
     model: str
-    token_ids: list[int] | None = None
+    token_ids: list[TokenId] | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     """OpenAI chat messages: the whole conversation (rendered with the model's template)."""
-    block_keys: list[int] | None = None
+    block_keys: list[BlockKey] | None = None
     """Keys precomputed with ``indexer.keys.block_keys`` (the router skips tokenization)."""
     lora_name: str | None = None
     cache_salt: str | None = None

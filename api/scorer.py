@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from api.load import Load, LoadStore
+from api.load import Load, LoadStore, is_newer_or_same
 from api.schemas import FreshnessView, LoadView, ScoreEntry, ScoreRequest, ScoreResponse
 from api.scoring import (
     Candidate,
@@ -46,6 +46,8 @@ from indexer.events import StreamId, Tier
 from indexer.index import BlockIndex, IndexUnavailableError, PrefixMatch
 from indexer.keys import BlockKeyError, block_keys
 from indexer.registry import Freshness, Registry, StreamStatus
+
+_KEY_LIMIT = 2**64
 
 
 class RequestError(KvIndexError):
@@ -89,6 +91,16 @@ class Scorer:
         self._rng = random.Random(settings.seed)
         self._round_robin: dict[str, itertools.count[int]] = {}
         self._last_loads: dict[str, Load] = {}
+
+    def note_load(self, replica: str, load: Load) -> None:
+        """Remember a load this process accepted (``POST /load``), so that an answer made
+        while the load store is unreachable still uses it; an older load changes nothing."""
+        if is_newer_or_same(load, self._last_loads.get(replica)):
+            self._last_loads[replica] = load
+
+    def forget(self, replica: str) -> None:
+        """Drop what is remembered of a removed replica."""
+        self._last_loads.pop(replica, None)
 
     def known_models(self) -> list[str]:
         configured = {m.name for m in self._settings.models}
@@ -173,6 +185,8 @@ class Scorer:
                 f" (got {given or 'none'})"
             )
         if request.block_keys is not None:
+            if any(k >= _KEY_LIMIT for k in request.block_keys):
+                raise RequestError("block_keys: every key must be an unsigned 64-bit integer")
             return None, request.block_keys
         tokens = request.token_ids
         if tokens is None:
@@ -242,7 +256,8 @@ class Scorer:
                 loads = self._loads.get_many(replicas)
         except IndexUnavailableError:
             return {r: self._last_loads[r] for r in replicas if r in self._last_loads}
-        self._last_loads.update(loads)
+        for replica, load in loads.items():
+            self.note_load(replica, load)
         return loads
 
     def _statuses(self, replicas: Sequence[str]) -> dict[str, list[StreamStatus]]:

@@ -77,8 +77,17 @@ class Weights:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
+            # bool is an int: reject it explicitly, it is never a weight.
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ScoringError(f"weight {f.name} must be a number, got {value!r}")
             if not math.isfinite(value) or value < 0:
                 raise ScoringError(f"weight {f.name} must be finite and >= 0, got {value!r}")
+        # JSON and TOML may give a count as 4.0; it is used as a slice bound.
+        if not float(self.prefix_blocks).is_integer():
+            raise ScoringError(
+                f"weight prefix_blocks must be a whole number, got {self.prefix_blocks!r}"
+            )
+        object.__setattr__(self, "prefix_blocks", int(self.prefix_blocks))
 
     def overridden(self, overrides: dict[str, Any] | None) -> Weights:
         """A copy with some weights replaced (per request); unknown names are an error."""

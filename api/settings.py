@@ -21,6 +21,7 @@ TOML::
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -44,8 +45,8 @@ class ModelSpec:
     or ``replica`` to use a replica's own ``POST /tokenize``."""
 
     def __post_init__(self) -> None:
-        if self.block_size is not None and self.block_size <= 0:
-            raise SettingsError(f"models.{self.name}.block_size must be > 0")
+        if self.block_size is not None:
+            _check_number(f"models.{self.name}.block_size", self.block_size, _POSITIVE_INT)
         if self.policy is not None:
             _check_policy(f"models.{self.name}.policy", self.policy)
 
@@ -78,14 +79,45 @@ class ApiSettings:
 
     def __post_init__(self) -> None:
         _check_policy("api.default_policy", self.default_policy)
-        if self.default_block_size <= 0:
-            raise SettingsError("api.default_block_size must be > 0")
+        _check_number("api.port", self.port, _PORT)
+        _check_number("api.default_block_size", self.default_block_size, _POSITIVE_INT)
+        _check_number("api.scrape_interval_s", self.scrape_interval_s, _NON_NEGATIVE)
+        _check_number("api.scrape_timeout_s", self.scrape_timeout_s, _POSITIVE)
+        _check_number("api.tokenizer_cache_entries", self.tokenizer_cache_entries, _COUNT)
         names = [m.name for m in self.models]
         if len(names) != len(set(names)):
             raise SettingsError(f"models: duplicate names in {names}")
 
     def model(self, name: str) -> ModelSpec | None:
         return next((m for m in self.models if m.name == name), None)
+
+
+@dataclass(frozen=True, slots=True)
+class _Range:
+    """What a numeric setting accepts, and how to say it in an error."""
+
+    low: float
+    high: float
+    integer: bool
+    low_inclusive: bool
+    text: str
+
+
+_PORT = _Range(0, 65_535, True, True, "an integer in [0, 65535]")
+_POSITIVE_INT = _Range(0, math.inf, True, False, "an integer > 0")
+_COUNT = _Range(0, math.inf, True, True, "an integer >= 0")
+_NON_NEGATIVE = _Range(0, math.inf, False, True, "a finite number >= 0")
+_POSITIVE = _Range(0, math.inf, False, False, "a finite number > 0")
+
+
+def _check_number(key: str, value: object, wanted: _Range) -> None:
+    # bool is an int: reject it explicitly, it is never a count or a duration.
+    kind = int if wanted.integer else int | float
+    if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value):
+        raise SettingsError(f"{key} must be {wanted.text}, got {value!r}")
+    above = value >= wanted.low if wanted.low_inclusive else value > wanted.low
+    if not (above and value <= wanted.high):
+        raise SettingsError(f"{key} must be {wanted.text}, got {value!r}")
 
 
 def _check_policy(key: str, value: str) -> None:

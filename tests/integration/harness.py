@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -15,6 +16,7 @@ from indexer.index import BlockIndex
 from indexer.registry import Freshness, StreamStatus
 from indexer.service import IndexerService
 from indexer.settings import IndexerSettings, ReplicaSpec
+from tests.support.redis_server import free_port
 
 MODEL = "demo-model"
 
@@ -127,3 +129,23 @@ def warm_up(ix: Indexer, pub: EventPublisher, stream: StreamId) -> None:
     seq = pub.publish([])
     wait_until(ix.applied(stream, seq), what=f"{stream} live")
     assert ix.status(stream).counters.num_replays == probe, "warm-up batch was not live"
+
+
+def consecutive_free_ports(count: int = 2, attempts: int = 50) -> int:
+    """A base port p with p .. p+count-1 all free on loopback (data-parallel rank r uses
+    base + r, as vLLM does)."""
+    for _ in range(attempts):
+        base = free_port()
+        held: list[socket.socket] = []
+        try:
+            for offset in range(count):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                held.append(sock)
+                sock.bind(("127.0.0.1", base + offset))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+    raise RuntimeError("no run of consecutive free loopback ports found")

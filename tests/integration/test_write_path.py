@@ -16,6 +16,7 @@ from indexer.redis_schema import Schema
 from indexer.redis_store import RedisIndex, connect
 from tests.integration.harness import (
     MODEL,
+    consecutive_free_ports,
     publisher_at,
     replica_of,
     running_indexer,
@@ -157,8 +158,10 @@ def test_malformed_frames_are_counted_and_the_index_stays_intact(
 
 
 def test_two_data_parallel_ranks(index: BlockIndex) -> None:
-    rank0 = publisher_at(None, None)
-    port, replay_port = _ports(rank0)
+    port = replay_port = consecutive_free_ports()
+    while abs(replay_port - port) < 2:
+        replay_port = consecutive_free_ports()
+    rank0 = publisher_at(port, replay_port)
     rank1 = publisher_at(port + 1, replay_port + 1, rank=1)
     try:
         spec = replica_of(rank0, dp_size=2)
