@@ -1,0 +1,361 @@
+"""Ingest benchmark: real vLLM KV-event frames through the subscriber into each index.
+
+Usage (from the repository root)::
+
+    .venv/bin/python bench/ingest.py --quick            # well under a minute
+    .venv/bin/python bench/ingest.py                    # >= 1,000,000 entries in Redis
+    .venv/bin/python bench/ingest.py --redis-url redis://127.0.0.1:PORT/0 --backends redis
+    .venv/bin/python bench/ingest.py --quick --drain 16  # a subscriber running behind
+
+What is timed, per backend: every pre-generated frame (see ``workload.py``), interleaved
+across replicas by engine timestamp, through ``Subscriber.handle_live`` — wire decoding,
+per-stream ordering, key computation, the index write and the registry's bookkeeping.
+With ``--drain N`` the frames go through ``Subscriber.handle_frames`` instead, about N per
+replica per call, as the socket loop hands them over when messages queue up.
+Generation, index construction and the checks afterwards are not timed.
+
+A replica's first frame is passed with ``stream=None``: the subscriber registers the stream
+from its topic ``kv@<replica>@<model>``. Later frames carry the replica's ``StreamId``, as
+a connect-mode socket would. (With ``events=None`` in its spec, a replica has no socket, so
+the subscriber creates its stream state only on that first topic-identified frame.)
+
+Counts: ``blocks`` = block hashes named by all events (stored + removed: one index
+operation each); ``blocks_stored`` alone gives ``stored_blocks_per_s``. ``entries`` =
+(block, replica) pairs resident at the end, summed from ``index.stats``; for Redis,
+``bytes_per_entry`` = growth of INFO ``used_memory`` during the run / ``entries``.
+
+One JSON line per backend goes to stdout; everything else goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from redis_server import private_redis
+from workload import MODEL, Workload, WorkloadConfig, build_workload
+
+from clients.publisher import Encoding
+from indexer.events import StreamId
+from indexer.index import BlockIndex
+from indexer.memory_store import MemoryIndex
+from indexer.redis_schema import Schema
+from indexer.redis_store import RedisIndex, connect
+from indexer.registry import Registry
+from indexer.settings import IndexerSettings, ReplicaSpec
+from indexer.subscriber import Subscriber
+
+FULL_ENTRIES = 1_000_000
+QUICK_ENTRIES = 131_072
+CAPACITY_MARGIN = 1.1
+"""Cache blocks per resident entry wanted: partial and duplicate blocks are not entries."""
+_SETTLE_S = 1.0
+"""Pause before reading Redis memory, so incremental rehashing finishes."""
+
+log = logging.getLogger("kvindex.bench")
+
+
+@dataclass(frozen=True, slots=True)
+class BenchArgs:
+    quick: bool
+    redis_url: str | None
+    replicas: int
+    encoding: Encoding
+    repeat: int
+    entries: int
+    turnover: float
+    backends: tuple[str, ...]
+    seed: int
+    jobs: int
+    keep: bool
+    drain: int
+
+
+def parse_args(argv: list[str] | None = None) -> BenchArgs:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add = parser.add_argument
+    add("--quick", action="store_true", help=f"{QUICK_ENTRIES:,} entries instead of 1M")
+    add("--redis-url", help="use this Redis (fresh key prefix, no flush), not a private one")
+    add("--replicas", type=int, default=16, help="simulated vLLM replicas (default 16)")
+    add("--encoding", choices=("map", "array"), default="map", help="map: vLLM 0.33; array: 0.23")
+    add("--repeat", type=int, default=3, help="in-process runs; the median is reported")
+    add("--entries", type=int, help="resident (block, replica) entries wanted at the end")
+    add("--turnover", type=float, default=1.0, help="blocks stored beyond capacity, x capacity")
+    add("--backends", default="memory,redis", help="comma-separated: memory, redis")
+    add("--seed", type=int, default=0)
+    add("--jobs", type=int, default=0, help="processes generating the workload (0: auto)")
+    add("--keep", action="store_true", help="leave the keys in the --redis-url Redis")
+    add("--drain", type=int, default=1, help="messages found per socket wake (1: handle_live)")
+    ns = parser.parse_args(argv)
+    backends = tuple(b.strip() for b in ns.backends.split(",") if b.strip())
+    if not set(backends) <= {"memory", "redis"} or min(ns.replicas, ns.repeat, ns.drain) < 1:
+        parser.error("backends must be memory and/or redis; replicas, repeat, drain >= 1")
+    entries = ns.entries or (QUICK_ENTRIES if ns.quick else FULL_ENTRIES)
+    return BenchArgs(
+        ns.quick, ns.redis_url, ns.replicas, ns.encoding, ns.repeat, entries,
+        ns.turnover, backends, ns.seed, ns.jobs, ns.keep, ns.drain,
+    )  # fmt: skip
+
+
+def workload_config(args: BenchArgs) -> WorkloadConfig:
+    capacity = math.ceil(args.entries * CAPACITY_MARGIN / args.replicas)
+    return WorkloadConfig(
+        replicas=args.replicas,
+        capacity_blocks=max(capacity, 2_048),
+        turnover=args.turnover,
+        encoding=args.encoding,
+        seed=args.seed,
+    )
+
+
+def generate(args: BenchArgs) -> Workload:
+    config = workload_config(args)
+    jobs = args.jobs or (1 if config.replicas * config.capacity_blocks < 500_000 else 2)
+    started = time.perf_counter()
+    workload = build_workload(config, time.time(), jobs=jobs)
+    elapsed = time.perf_counter() - started
+    num_batches = len(workload.frames)
+    num_blocks = workload.num_blocks_stored + workload.num_blocks_removed
+    log.info(
+        "workload: %d replicas x %d cache blocks, %s encoding, generated in %.1fs (%d jobs)",
+        config.replicas, config.capacity_blocks, config.encoding, elapsed, jobs,
+    )  # fmt: skip
+    log.info(
+        "  %d batches, %d events, %d blocks (%d stored, %d removed), %.1f blocks and "
+        "%.1f events per batch, prefix hit rate %.0f%%, %.0f MB of payload",
+        num_batches, workload.num_events, num_blocks, workload.num_blocks_stored,
+        workload.num_blocks_removed, num_blocks / num_batches,
+        workload.num_events / num_batches, 100 * workload.prefix_hit_rate,
+        workload.num_payload_bytes / 1e6,
+    )  # fmt: skip
+    return workload
+
+
+# --- the timed section --------------------------------------------------------------------
+
+
+def new_subscriber(index: BlockIndex, workload: Workload) -> tuple[Subscriber, Registry]:
+    """A subscriber that opens no socket: every replica has ``events=None``."""
+    specs = tuple(ReplicaSpec(id=t.replica, model=MODEL) for t in workload.traces)
+    settings = IndexerSettings(replicas=specs)
+    registry = Registry(settings.replicas)
+    return Subscriber(settings, index, registry), registry
+
+
+Delivery = tuple[list[list[bytes]], StreamId | None]
+"""Messages handed to the subscriber in one call, and the stream they came from."""
+
+
+def deliveries(workload: Workload, drain: int) -> list[Delivery]:
+    """How the frames reach the subscriber.
+
+    ``drain == 1``: one frame per call, in arrival order. Otherwise the arrival order is cut
+    into windows of ``drain * replicas`` frames, and each window is handed over replica by
+    replica, as a poll loop that finds about ``drain`` messages queued on every replica's
+    socket would (a subscriber running behind: the saturated case).
+    """
+    pairs = list(zip(workload.frames, workload.streams, strict=True))
+    if drain == 1:
+        return [([frame], stream) for frame, stream in pairs]
+    window = drain * workload.config.replicas
+    plan: list[Delivery] = []
+    for start in range(0, len(pairs), window):
+        by_topic: dict[bytes, Delivery] = {}
+        for frame, stream in pairs[start : start + window]:
+            by_topic.setdefault(frame[0], ([], stream))[0].append(frame)
+        plan.extend(by_topic.values())
+    return plan
+
+
+def drive(subscriber: Subscriber, plan: list[Delivery]) -> float:
+    """Hand every message to the subscriber; returns the seconds it took."""
+    one_by_one = all(len(messages) == 1 for messages, _ in plan)
+    started = time.perf_counter()
+    if one_by_one:
+        handle_live = subscriber.handle_live
+        for messages, stream in plan:
+            handle_live(messages[0], stream)
+    else:
+        handle_frames = subscriber.handle_frames
+        for messages, stream in plan:
+            handle_frames(messages, stream)
+    return time.perf_counter() - started
+
+
+@contextmanager
+def collected() -> Iterator[None]:
+    """Start from a clean heap; the workload itself is frozen out of the GC's sight."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+# --- checks ---------------------------------------------------------------------------------
+
+
+def check(index: BlockIndex, registry: Registry, workload: Workload) -> dict[str, Any]:
+    """Index vs simulator: blocks per stream, every batch applied, nothing unexpected."""
+    entries, mismatched = 0, []
+    for trace in workload.traces:
+        held = index.stats(StreamId(trace.replica, 0)).num_blocks
+        entries += held
+        if held != trace.num_resident_blocks:
+            mismatched.append(trace.replica)
+            log.warning("%s: index holds %d blocks, the simulated cache %d",
+                        trace.replica, held, trace.num_resident_blocks)  # fmt: skip
+    statuses = registry.statuses()
+    applied = sum(s.counters.num_batches for s in statuses)
+    if applied != len(workload.frames):
+        log.warning("%d of %d batches were applied", applied, len(workload.frames))
+    return {
+        "entries": entries,
+        "consistent": not mismatched and applied == len(workload.frames),
+        "orphan_stores": sum(s.num_orphan_stores for s in statuses),
+        "unknown_removals": sum(s.num_unknown_removals for s in statuses),
+        "gaps": sum(s.counters.num_gaps for s in statuses),
+    }
+
+
+def result(backend: str, workload: Workload, seconds: float, **extra: Any) -> dict[str, Any]:
+    blocks = workload.num_blocks_stored + workload.num_blocks_removed
+    batches = len(workload.frames)
+    return {
+        "bench": "ingest",
+        "backend": backend,
+        "encoding": workload.config.encoding,
+        "replicas": workload.config.replicas,
+        "blocks": blocks,
+        "blocks_stored": workload.num_blocks_stored,
+        "blocks_removed": workload.num_blocks_removed,
+        "events": workload.num_events,
+        "batches": batches,
+        "seconds": round(seconds, 3),
+        "blocks_per_s": round(blocks / seconds),
+        "stored_blocks_per_s": round(workload.num_blocks_stored / seconds),
+        "events_per_s": round(workload.num_events / seconds),
+        "batches_per_s": round(batches / seconds),
+        "us_per_batch": round(1e6 * seconds / batches, 2),
+        **extra,
+    }
+
+
+# --- backends -------------------------------------------------------------------------------
+
+
+def run_memory(workload: Workload, plan: list[Delivery], repeat: int) -> dict[str, Any]:
+    """``repeat`` runs on fresh indexes; the median time is reported, the last one checked."""
+    times: list[float] = []
+    checked: dict[str, Any] = {}
+    for i in range(repeat):
+        index = MemoryIndex()
+        subscriber, registry = new_subscriber(index, workload)
+        with collected():
+            times.append(drive(subscriber, plan))
+        log.info("memory run %d/%d: %.2fs", i + 1, repeat, times[-1])
+        if i == repeat - 1:
+            checked = check(index, registry, workload)
+        del index, subscriber, registry
+    seconds = statistics.median(times)
+    return result(
+        "memory", workload, seconds, repeat=repeat, seconds_all=[round(t, 3) for t in times],
+        **checked,
+    )  # fmt: skip
+
+
+def used_memory(client: redis.Redis) -> int:
+    info: dict[str, Any] = client.info("memory")
+    return int(info["used_memory"])
+
+
+def server_time(client: redis.Redis, num_batches: int) -> dict[str, Any]:
+    """Redis's own account (INFO commandstats): calls per command, server µs per batch."""
+    stats: dict[str, dict[str, Any]] = client.info("commandstats")
+    calls = {name.removeprefix("cmdstat_"): int(s["calls"]) for name, s in stats.items()}
+    micros = sum(int(s["usec"]) for name, s in stats.items() if name != "cmdstat_info")
+    return {
+        "server_us_per_batch": round(micros / num_batches, 2),
+        "server_calls": {k: v for k, v in sorted(calls.items()) if k != "info"},
+    }
+
+
+def run_redis(
+    workload: Workload, plan: list[Delivery], url: str, *, private: bool, keep: bool
+) -> dict[str, Any]:
+    """One run against Redis: a private server is flushed first, a shared one gets a fresh
+    key prefix (and its keys are deleted afterwards unless ``keep``)."""
+    client = connect(url)
+    if private:
+        client.flushall()
+    prefix = "kvbench" if private else f"kvbench-{os.getpid()}-{int(time.time())}"
+    index = RedisIndex(client, Schema(prefix))
+    subscriber, registry = new_subscriber(index, workload)
+    before = used_memory(client)
+    client.config_resetstat()
+    with collected():
+        seconds = drive(subscriber, plan)
+    log.info("redis run: %.2fs", seconds)
+    server = server_time(client, len(workload.frames))
+    time.sleep(_SETTLE_S)
+    after = used_memory(client)
+    checked = check(index, registry, workload)
+    version = str(client.info("server")["redis_version"])
+    if not private and not keep:
+        for stream in index.streams():
+            index.drop(stream)
+    index.close()
+    per_entry = (after - before) / max(checked["entries"], 1)
+    return result(
+        "redis", workload, seconds, repeat=1, **checked, bytes_per_entry=round(per_entry, 1),
+        used_memory_before=before, used_memory_after=after, redis_version=version, **server,
+    )  # fmt: skip
+
+
+def run_backends(args: BenchArgs, workload: Workload) -> list[dict[str, Any]]:
+    plan = deliveries(workload, args.drain)
+    results: list[dict[str, Any]] = []
+    if "memory" in args.backends:
+        results.append(run_memory(workload, plan, args.repeat))
+    if "redis" in args.backends:
+        if args.redis_url is not None:
+            url, private = args.redis_url, False
+            results.append(run_redis(workload, plan, url, private=private, keep=args.keep))
+        else:
+            with private_redis() as url:
+                log.info("private redis-server at %s", url)
+                results.append(run_redis(workload, plan, url, private=True, keep=False))
+    for line in results:
+        line["drain"] = args.drain
+        line["calls"] = len(plan)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    logging.getLogger("kvindex.subscriber").setLevel(logging.WARNING)
+    args = parse_args(argv)
+    workload = generate(args)
+    ok = True
+    for line in run_backends(args, workload):
+        line["quick"] = args.quick
+        print(json.dumps(line), flush=True)
+        ok = ok and bool(line["consistent"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
