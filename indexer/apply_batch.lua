@@ -1,18 +1,24 @@
 -- Apply consecutive batches of one stream, each atomically with the stream's watermark.
--- KEYS: meta, keys (block key -> packed tier counts), hash (engine hash -> block key)
+-- KEYS: meta, keys (block field -> packed tier counts), hash (engine hash -> block key)
 -- ARGV: n, then n times: seq, ts, ops (18-byte records: kind u8, tier u8, engine hash 8B,
---       block key 8B; kinds 0 store, 1 store by hash, 2 remove, 3 clear)
--- A block's counts are one integer: gpu + cpu * 2^16 + other * 2^32 (HINCRBY-able).
+--       block key 8B big-endian; kinds 0 store, 1 store by hash, 2 remove, 3 clear)
+-- A block's field in `keys` is the low 6 bytes of its key (memory: see redis_schema.py);
+-- its counts are one integer gpu + cpu * 2^16 + other * 2^32, so a store is one HINCRBY.
+-- Engine-hash mappings are staged in a Lua table and written once at the end. (Staging the
+-- counts too, with bulk HMGET/HSET, measured slower: Lua table and string work per block
+-- cost more than the HINCRBY calls it saved.)
 -- Returns n triples {applied 0/1, unknown removals, unresolved stores}, then fresh 0/1:
 -- fresh = the stream had no watermark before (new, cleared, dropped or lost in a Redis
 -- restart), so the caller must (re)list it in the streams set (another slot).
 local meta, keys, hashes = KEYS[1], KEYS[2], KEYS[3]
-local call, byte, sub, floor = redis.call, string.byte, string.sub, math.floor
+local call, byte, sub, floor, unpack = redis.call, string.byte, string.sub, math.floor, unpack
+local CHUNK = 2000
 local stored_wm = call('HGET', meta, 'wm')
 local wm = tonumber(stored_wm or '-1')
 local fresh = stored_wm and 0 or 1
 local UNIT = {1, 65536, 4294967296}
 local delta = {0, 0, 0}
+local staged = {}   -- engine hash -> block key (string) or false (deleted)
 local out = {}
 local last_ts = nil
 
@@ -20,25 +26,34 @@ local function count_of(v, t)
   return floor(v / UNIT[t]) % 65536
 end
 
-local function store(eh, key, t)
-  if eh then call('HSET', hashes, eh, key) end
-  local v = call('HINCRBY', keys, key, UNIT[t])
+local function key_of(eh)
+  local key = staged[eh]
+  if key == nil then
+    key = call('HGET', hashes, eh) or false
+    staged[eh] = key
+  end
+  return key
+end
+
+local function store(key, t)
+  local v = call('HINCRBY', keys, sub(key, 3, 8), UNIT[t])
   if count_of(v, t) == 1 then delta[t] = delta[t] + 1 end
 end
 
--- returns false if the block is not held on tier t (nothing changes then)
+-- false if the block is not held on tier t (nothing changes then)
 local function remove(eh, t)
-  local key = call('HGET', hashes, eh)
+  local key = key_of(eh)
   if not key then return false end
-  local v = call('HINCRBY', keys, key, -UNIT[t])
+  local field = sub(key, 3, 8)
+  local v = call('HINCRBY', keys, field, -UNIT[t])
   if count_of(v + UNIT[t], t) == 0 then
-    if call('HINCRBY', keys, key, UNIT[t]) == 0 then call('HDEL', keys, key) end
+    if call('HINCRBY', keys, field, UNIT[t]) == 0 then call('HDEL', keys, field) end
     return false
   end
   if count_of(v, t) == 0 then delta[t] = delta[t] - 1 end
   if v == 0 then
-    call('HDEL', keys, key)
-    call('HDEL', hashes, eh)
+    call('HDEL', keys, field)
+    staged[eh] = false
   end
   return true
 end
@@ -50,19 +65,40 @@ local function apply(ops)
     local t = byte(ops, off + 1) + 1
     local eh = sub(ops, off + 2, off + 9)
     if kind == 0 then
-      store(eh, sub(ops, off + 10, off + 17), t)
+      local key = sub(ops, off + 10, off + 17)
+      staged[eh] = key
+      store(key, t)
     elseif kind == 1 then
-      local key = call('HGET', hashes, eh)
-      if key then store(nil, key, t) else unresolved = unresolved + 1 end
+      local key = key_of(eh)
+      if key then store(key, t) else unresolved = unresolved + 1 end
     elseif kind == 2 then
       if not remove(eh, t) then unknown = unknown + 1 end
     elseif kind == 3 then
       call('DEL', keys, hashes)
       call('HSET', meta, 'n0', 0, 'n1', 0, 'n2', 0)
       delta = {0, 0, 0}
+      staged = {}
     end
   end
   return unknown, unresolved
+end
+
+local function write_staged()
+  local set, del = {}, {}
+  for eh, key in pairs(staged) do
+    if key then
+      set[#set + 1] = eh
+      set[#set + 1] = key
+    else
+      del[#del + 1] = eh
+    end
+  end
+  for i = 1, #set, CHUNK do
+    call('HSET', hashes, unpack(set, i, math.min(i + CHUNK - 1, #set)))
+  end
+  for i = 1, #del, CHUNK do
+    call('HDEL', hashes, unpack(del, i, math.min(i + CHUNK - 1, #del)))
+  end
 end
 
 local n = tonumber(ARGV[1])
@@ -79,6 +115,7 @@ for i = 0, n - 1 do
 end
 
 if last_ts then
+  write_staged()
   call('HSET', meta, 'wm', wm, 'ts', last_ts)
   for t = 1, 3 do
     if delta[t] ~= 0 then call('HINCRBY', meta, 'n' .. (t - 1), delta[t]) end

@@ -16,6 +16,7 @@ Callers must apply a stream's batches in order from one thread.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import islice
 from dataclasses import dataclass, field
 
 import xxhash
@@ -66,9 +67,12 @@ class _KeyCache:
     hash_to_key: dict[int, int] = field(default_factory=dict)
 
     def trim(self) -> None:
+        """Keep the newest three quarters when over capacity (amortised O(1) per entry:
+        deleting from the front of a dict one by one is quadratic in CPython)."""
         mapping = self.hash_to_key
-        while len(mapping) > self.capacity:
-            del mapping[next(iter(mapping))]
+        if len(mapping) > self.capacity:
+            keep = self.capacity * 3 // 4
+            self.hash_to_key = dict(islice(mapping.items(), len(mapping) - keep, None))
 
 
 @dataclass(slots=True)

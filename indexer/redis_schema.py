@@ -3,11 +3,18 @@
 Layout (``<p>`` = configurable prefix, ``<v>`` = :data:`SCHEMA_VERSION`)::
 
     <p>:<v>:streams                 SET   every stream ("replica/rank") with state
-    <p>:<v>:{<replica>/<rank>}:keys  HASH  block key (8 bytes) → counts per tier, packed as
-                                          one integer gpu + cpu·2¹⁶ + other·2³² (HINCRBY)
+    <p>:<v>:{<replica>/<rank>}:keys  HASH  block field (low 6 bytes of the block key) →
+                                          counts per tier, one integer gpu + cpu·2¹⁶ +
+                                          other·2³² (HINCRBY)
     <p>:<v>:{<replica>/<rank>}:hash  HASH  engine hash (8 bytes) → block key (8 bytes)
     <p>:<v>:{<replica>/<rank>}:meta  HASH  wm (watermark), ts, n0/n1/n2 (blocks per tier)
     <p>:<v>:load                    HASH  replica id → its latest load (msgspec JSON, ``api.load``)
+
+Why 6-byte fields: Redis allocates a short string in 8- or 16-byte size classes, and an
+8-byte field (with its header) lands in 16 while 6 bytes fit in 8 — 8 bytes saved per block
+and stream. A false match then needs two blocks of one stream whose keys share their low 48
+bits (probability ~ n / 2⁴⁸ per lookup: 4·10⁻⁹ at a million blocks). The engine-hash map keeps
+whole 8-byte keys, because chaining a child block needs its parent's full key.
 
 Everything one batch touches shares the stream's hash tag ``{<replica>/<rank>}``, so the
 layout runs unchanged on Redis Cluster: a batch is one single-slot script, and clearing a

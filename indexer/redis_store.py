@@ -39,6 +39,8 @@ from indexer.redis_schema import (
 
 _OP = struct.Struct(">BBQQ")
 _TIER_OF_BYTE = tuple(Tier)
+_FIELD_MASK = (1 << 48) - 1
+"""A block's field in the ``keys`` hash is the low 6 bytes of its key (see redis_schema)."""
 
 
 def _script(name: str) -> str:
@@ -155,7 +157,7 @@ class RedisIndex:
     def longest_prefix(
         self, keys: Sequence[int], streams: Iterable[StreamId]
     ) -> dict[StreamId, PrefixMatch]:
-        wanted = b"".join(k.to_bytes(8, "big") for k in keys)
+        wanted = b"".join((k & _FIELD_MASK).to_bytes(6, "big") for k in keys)
         targets = list(streams)
         with _unavailable_on_connection_errors(), self._client.pipeline(transaction=False) as pipe:
             for stream in targets:

@@ -325,9 +325,16 @@ class Subscriber:
     def _runtime_for(
         self, stream: StreamId | None, topic: str, batch: EventBatch
     ) -> _Runtime | None:
-        if stream is not None:
-            return self._runtimes.get(stream)
-        return self._register_from_topic(topic, batch.rank)
+        if stream is None:
+            return self._register_from_topic(topic, batch.rank)
+        runtime = self._runtimes.get(stream)
+        if runtime is None:
+            spec = self._registry.get(stream.replica)
+            if spec is None:
+                self.counters.num_unidentified += 1
+                return None
+            runtime = self._runtime(stream, spec)
+        return runtime
 
     def _register_from_topic(self, topic: str, rank: int) -> _Runtime | None:
         """Bind mode: the topic ``kv@<replica>@<model>`` names the stream."""
