@@ -16,8 +16,8 @@ Callers must apply a stream's batches in order from one thread.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import islice
 from dataclasses import dataclass, field
+from itertools import islice
 
 import xxhash
 
