@@ -14,7 +14,7 @@ $(BIN)/kvindex: pyproject.toml
 install: $(BIN)/kvindex
 
 run: install ## the main job on the embedded (in-process) store
-	$(BIN)/kvindex indexer --bind tcp://127.0.0.1:5557
+	$(BIN)/kvindex serve --bind tcp://127.0.0.1:5557
 
 test: install ## the whole test suite (starts its own redis-server on a free port)
 	$(BIN)/pytest -q
