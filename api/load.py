@@ -22,8 +22,7 @@ import math
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol, TypeAlias
 
@@ -33,8 +32,8 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from indexer.errors import KvIndexError
-from indexer.index import IndexUnavailableError
 from indexer.redis_schema import Schema, check_name
+from indexer.redis_store import unavailable_on_connection_errors
 
 logger = logging.getLogger(__name__)
 
@@ -179,15 +178,6 @@ _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder(Load)
 
 
-@contextmanager
-def _unavailable_on_connection_errors() -> Iterator[None]:
-    """Redis unreachable → :class:`IndexUnavailableError`, as ``RedisIndex`` does."""
-    try:
-        yield
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
-        raise IndexUnavailableError(f"redis: {exc}") from exc
-
-
 class RedisLoadStore:
     """Shared :class:`LoadStore`: one HASH (``Schema.load``) replica id → load as JSON.
 
@@ -203,20 +193,20 @@ class RedisLoadStore:
 
     def put(self, replica: str, load: Load) -> None:
         check_name("replica id", replica)
-        with _unavailable_on_connection_errors():
+        with unavailable_on_connection_errors():
             self._put(keys=[self._key], args=[replica, repr(load.ts), _ENCODER.encode(load)])
 
     def get_many(self, replicas: Sequence[str]) -> dict[str, Load]:
         wanted = list(dict.fromkeys(replicas))
         if not wanted:
             return {}
-        with _unavailable_on_connection_errors():
+        with unavailable_on_connection_errors():
             values = self._client.hmget(self._key, wanted)
         loads = {r: _decode(r, v) for r, v in zip(wanted, values, strict=True) if v is not None}
         return {r: load for r, load in loads.items() if load is not None}
 
     def remove(self, replica: str) -> None:
-        with _unavailable_on_connection_errors():
+        with unavailable_on_connection_errors():
             self._client.hdel(self._key, replica)
 
     def close(self) -> None:

@@ -6,6 +6,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,31 @@ def _replica_option(_ctx: click.Context, _param: click.Parameter, values: tuple[
         raise click.BadParameter(str(exc)) from exc
 
 
+def _indexer_options(command: Callable[..., None]) -> Callable[..., None]:
+    """The write-path options every process that runs an indexer takes."""
+    options = [
+        click.option(
+            "--config",
+            "config",
+            type=click.Path(path_type=Path, dir_okay=False),
+            help="TOML settings file (indexer keys; [api] and [[models]] for serve).",
+        ),
+        click.option(
+            "--replica",
+            "replicas",
+            multiple=True,
+            callback=_replica_option,
+            help="id=r1,model=M,events=tcp://host:5557[,replay=...][,url=...][,dp_size=N]",
+        ),
+        click.option("--bind", help="Bind one SUB here for replicas that connect to us."),
+        click.option("--store", type=click.Choice(["memory", "redis"]), help="Index store."),
+        click.option("--redis-url", help="Redis URL (with --store redis)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 @click.group()
 @click.option("-v", "--verbose", is_flag=True, help="Log at DEBUG level.")
 def main(verbose: bool) -> None:
@@ -41,22 +67,7 @@ def main(verbose: bool) -> None:
 
 
 @main.command()
-@click.option(
-    "--config",
-    "config",
-    type=click.Path(path_type=Path, dir_okay=False),
-    help="TOML settings file.",
-)
-@click.option(
-    "--replica",
-    "replicas",
-    multiple=True,
-    callback=_replica_option,
-    help="id=r1,model=M,events=tcp://host:5557[,replay=...][,url=...][,dp_size=N]",
-)
-@click.option("--bind", help="Bind one SUB here for replicas that connect to the indexer.")
-@click.option("--store", type=click.Choice(["memory", "redis"]), help="Index store.")
-@click.option("--redis-url", help="Redis URL (with --store redis).")
+@_indexer_options
 @click.option(
     "--stats-every",
     default=5.0,
@@ -84,22 +95,7 @@ def indexer(
 
 
 @main.command()
-@click.option(
-    "--config",
-    "config",
-    type=click.Path(path_type=Path, dir_okay=False),
-    help="TOML settings file (indexer keys, [api], [[models]]).",
-)
-@click.option(
-    "--replica",
-    "replicas",
-    multiple=True,
-    callback=_replica_option,
-    help="id=r1,model=M,events=tcp://host:5557[,replay=...][,url=...][,dp_size=N]",
-)
-@click.option("--bind", help="Bind one SUB here for replicas that connect to the indexer.")
-@click.option("--store", type=click.Choice(["memory", "redis"]), help="Index store.")
-@click.option("--redis-url", help="Redis URL (with --store redis).")
+@_indexer_options
 @click.option("--host", help="API listen address (default 127.0.0.1).")
 @click.option("--port", type=int, help="API listen port (default 8000).")
 def serve(

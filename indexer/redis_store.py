@@ -48,8 +48,10 @@ def _script(name: str) -> str:
 
 
 @contextmanager
-def _unavailable_on_connection_errors() -> Iterator[None]:
-    """Redis unreachable (after the client's own retries) → :class:`IndexUnavailableError`."""
+def unavailable_on_connection_errors() -> Iterator[None]:
+    """Redis unreachable (after the client's own retries) → :class:`IndexUnavailableError`.
+
+    Every Redis-backed store of kvindex (index, load) reports an outage this one way."""
     try:
         yield
     except (redis.ConnectionError, redis.TimeoutError) as exc:
@@ -108,7 +110,7 @@ class RedisIndex:
         keys = self._keys_of.get(stream)
         if keys is None:
             keys = self._keys_of[stream] = self._schema.stream(stream).all()
-        with _unavailable_on_connection_errors():
+        with unavailable_on_connection_errors():
             self._register(stream)
             reply = self._apply(keys=keys, args=args)
             if reply[-1]:
@@ -131,7 +133,7 @@ class RedisIndex:
         if not engine_hashes:
             return []
         fields = [h.to_bytes(8, "big") for h in engine_hashes]
-        with _unavailable_on_connection_errors():
+        with unavailable_on_connection_errors():
             reply = self._client.hmget(self._schema.stream(stream).hashes, fields)
         values = cast("list[bytes | None]", reply)
         return [None if v is None else int.from_bytes(v, "big") for v in values]
@@ -139,17 +141,17 @@ class RedisIndex:
     def clear(self, stream: StreamId) -> None:
         # One DEL of the stream's own keys: atomic, single-slot, and it leaves nothing behind
         # for a stream never seen. An absent meta reads as watermark -1 and no blocks.
-        with _unavailable_on_connection_errors():
+        with unavailable_on_connection_errors():
             self._client.delete(*self._schema.stream(stream).all())
 
     def drop(self, stream: StreamId) -> None:
-        with _unavailable_on_connection_errors():
+        with unavailable_on_connection_errors():
             self._client.delete(*self._schema.stream(stream).all())
             self._client.srem(self._schema.streams, str(stream))
         self._registered.discard(stream)
 
     def streams(self) -> list[StreamId]:
-        with _unavailable_on_connection_errors():
+        with unavailable_on_connection_errors():
             reply = self._client.smembers(self._schema.streams)
         members = cast("set[bytes]", reply)
         return sorted(StreamId.parse(m.decode()) for m in members)
@@ -159,7 +161,7 @@ class RedisIndex:
     ) -> dict[StreamId, PrefixMatch]:
         wanted = b"".join((k & _FIELD_MASK).to_bytes(6, "big") for k in keys)
         targets = list(streams)
-        with _unavailable_on_connection_errors(), self._client.pipeline(transaction=False) as pipe:
+        with unavailable_on_connection_errors(), self._client.pipeline(transaction=False) as pipe:
             for stream in targets:
                 self._prefix(keys=[self._schema.stream(stream).keys], args=[wanted], client=pipe)
             replies: list[bytes] = pipe.execute()
@@ -169,7 +171,7 @@ class RedisIndex:
         }
 
     def stats(self, stream: StreamId) -> StreamStats:
-        with _unavailable_on_connection_errors():
+        with unavailable_on_connection_errors():
             reply = self._client.hgetall(self._schema.stream(stream).meta)
         raw = cast("dict[bytes, bytes]", reply)
         meta = {k.decode(): v.decode() for k, v in raw.items()}
