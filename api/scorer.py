@@ -184,6 +184,11 @@ class Scorer:
                 "give exactly one of token_ids, prompt, messages, block_keys"
                 f" (got {given or 'none'})"
             )
+        if request.block_size is not None and request.block_size != block_size:
+            raise RequestError(
+                f"block_size: the request assumes {request.block_size} but {request.model!r}"
+                f" uses {block_size} tokens per block"
+            )
         if request.block_keys is not None:
             if any(k >= _KEY_LIMIT for k in request.block_keys):
                 raise RequestError("block_keys: every key must be an unsigned 64-bit integer")
@@ -243,7 +248,7 @@ class Scorer:
             if r.id in wanted
             for rank in range(r.dp_size)
         ]
-        seen = {s.stream for s in self._registry.statuses() if s.stream.replica in wanted}
+        seen = {s for s in self._registry.stream_ids() if s.replica in wanted}
         return sorted(set(streams) | seen)
 
     # --- 5. load ---------------------------------------------------------------------------
@@ -336,9 +341,7 @@ class Scorer:
     ) -> ScoreEntry:
         replica = scored.replica
         match = lookup.matches.get(replica) or PrefixMatch()
-        tiers = {t.name.lower(): 0 for t in Tier}
-        for tier in match.tiers:
-            tiers[tier.name.lower()] += 1
+        tiers = {name: match.tiers.count(tier) for tier, name in _TIER_NAMES}
         return ScoreEntry(
             replica=replica,
             rank=lookup.ranks.get(replica, 0),
@@ -358,6 +361,7 @@ class Scorer:
         return LoadView(load.running, load.waiting, load.kv_usage, age, load.source)
 
 
+_TIER_NAMES = tuple((tier, tier.name.lower()) for tier in Tier)
 _WORST = {Freshness.LIVE: 0, Freshness.REPLAYING: 1, Freshness.STALE: 2}
 
 

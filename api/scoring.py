@@ -152,8 +152,10 @@ def cache_credit(c: Candidate, num_blocks: int, w: Weights) -> tuple[float, floa
     """(credit, freshness factor): tier-weighted fraction of the prompt cached."""
     if num_blocks == 0 or not c.tiers:
         return 0.0, _freshness_factor(c.freshness, w)
-    credit_of = {Tier.GPU: w.gpu, Tier.CPU: w.cpu, Tier.OTHER: w.other}
-    weighted = sum(credit_of[t] for t in c.tiers) / num_blocks
+    tiers = c.tiers
+    num_gpu, num_cpu = tiers.count(Tier.GPU), tiers.count(Tier.CPU)
+    num_other = len(tiers) - num_gpu - num_cpu
+    weighted = (w.gpu * num_gpu + w.cpu * num_cpu + w.other * num_other) / num_blocks
     factor = _freshness_factor(c.freshness, w)
     return w.cache * weighted * factor, factor
 

@@ -244,7 +244,12 @@ def _score_tokens_call(
     except BlockKeyError as exc:
         raise BadRequestError("invalid_request", f"token_ids: {exc}") from exc
     keyed = msgspec.structs.replace(
-        request, token_ids=None, block_keys=keys, lora_name=None, cache_salt=None
+        request,
+        token_ids=None,
+        block_keys=keys,
+        block_size=block_size,
+        lora_name=None,
+        cache_salt=None,
     )
     return _Call("POST", "/score", _same_block_size(block_size), _encode_body(keyed))
 

@@ -162,12 +162,14 @@ def _remove(state: _Stream, engine_hash: int, tier: int) -> bool:
 
 def _prefix(state: _Stream, keys: Sequence[int]) -> PrefixMatch:
     tiers: list[Tier] = []
+    append = tiers.append
     get = state.key_to_counts.get
+    gpu = Tier.GPU
     for key in keys:
         counts = get(key)
         if counts is None:
             break
-        tiers.append(_best_tier(counts))
+        append(gpu if counts[0] else _best_tier(counts))
     return PrefixMatch(tuple(tiers))
 
 

@@ -58,6 +58,13 @@ def unavailable_on_connection_errors() -> Iterator[None]:
         raise IndexUnavailableError(f"redis: {exc}") from exc
 
 
+def _match(reply: bytes) -> PrefixMatch:
+    """The script's one byte per block → tiers (fast path: all GPU)."""
+    if reply.count(0) == len(reply):
+        return PrefixMatch((Tier.GPU,) * len(reply))
+    return PrefixMatch(tuple(_TIER_OF_BYTE[b] for b in reply))
+
+
 def connect(url: str, *, socket_timeout_s: float = 5.0) -> redis.Redis:
     """A client that retries idempotent calls across a dropped connection."""
     return redis.Redis.from_url(
@@ -107,9 +114,7 @@ class RedisIndex:
         args: list[bytes | int | str] = [len(batches)]
         for seq, ts, ops in batches:
             args += (seq, repr(ts), encode_ops(ops))
-        keys = self._keys_of.get(stream)
-        if keys is None:
-            keys = self._keys_of[stream] = self._schema.stream(stream).all()
+        keys = self._keys(stream)
         with unavailable_on_connection_errors():
             self._register(stream)
             reply = self._apply(keys=keys, args=args)
@@ -161,14 +166,27 @@ class RedisIndex:
     ) -> dict[StreamId, PrefixMatch]:
         wanted = b"".join((k & _FIELD_MASK).to_bytes(6, "big") for k in keys)
         targets = list(streams)
-        with unavailable_on_connection_errors(), self._client.pipeline(transaction=False) as pipe:
+        with unavailable_on_connection_errors():
+            try:
+                replies = self._prefix_pipeline(targets, wanted)
+            except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts
+                self._client.script_load(self._prefix.script)
+                replies = self._prefix_pipeline(targets, wanted)
+        return {stream: _match(reply) for stream, reply in zip(targets, replies, strict=True)}
+
+    def _prefix_pipeline(self, targets: list[StreamId], wanted: bytes) -> list[bytes]:
+        """One round trip: EVALSHA per stream (redis-py's Script would add SCRIPT EXISTS)."""
+        with self._client.pipeline(transaction=False) as pipe:
             for stream in targets:
-                self._prefix(keys=[self._schema.stream(stream).keys], args=[wanted], client=pipe)
-            replies: list[bytes] = pipe.execute()
-        return {
-            stream: PrefixMatch(tuple(_TIER_OF_BYTE[b] for b in reply))
-            for stream, reply in zip(targets, replies, strict=True)
-        }
+                pipe.evalsha(self._prefix.sha, 1, self._keys(stream)[1], wanted)
+            return cast("list[bytes]", pipe.execute())
+
+    def _keys(self, stream: StreamId) -> tuple[str, str, str]:
+        """(meta, keys, hash) names of a stream, computed once."""
+        keys = self._keys_of.get(stream)
+        if keys is None:
+            keys = self._keys_of[stream] = self._schema.stream(stream).all()
+        return keys
 
     def stats(self, stream: StreamId) -> StreamStats:
         with unavailable_on_connection_errors():

@@ -168,6 +168,11 @@ class Registry:
             live = self._live.get(stream)
             return None if live is None else self._snapshot(stream, live)
 
+    def stream_ids(self) -> list[StreamId]:
+        """The streams with live state (cheap: no snapshot)."""
+        with self._lock:
+            return list(self._live)
+
     def statuses(self) -> list[StreamStatus]:
         with self._lock:
             return [self._snapshot(s, live) for s, live in sorted(self._live.items())]

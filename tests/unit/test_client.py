@@ -213,6 +213,7 @@ def test_score_tokens_sends_the_indexers_block_keys(mode: str) -> None:
     assert fake.body == {
         "model": MODEL,
         "block_keys": block_keys(MODEL, TOKENS, BLOCK),
+        "block_size": BLOCK,
         "session": "s1",
     }
     assert len(fake.body["block_keys"]) == 3
@@ -233,7 +234,7 @@ def test_score_tokens_keys_carry_lora_and_salt(mode: str) -> None:
     )
     expected = block_keys(MODEL, TOKENS, BLOCK, lora_name="sql", cache_salt="tenant")
     assert expected != block_keys(MODEL, TOKENS, BLOCK)
-    assert fake.body == {"model": MODEL, "block_keys": expected}
+    assert fake.body == {"model": MODEL, "block_keys": expected, "block_size": BLOCK}
 
 
 def test_score_tokens_without_keys_sends_tokens(mode: str) -> None:
