@@ -45,7 +45,7 @@ from indexer.errors import KvIndexError
 from indexer.events import StreamId, Tier
 from indexer.index import BlockIndex, IndexUnavailableError, PrefixMatch
 from indexer.keys import BlockKeyError, block_keys
-from indexer.registry import Freshness, Registry, StreamStatus
+from indexer.registry import Freshness, Registry, StreamFreshness
 
 _KEY_LIMIT = 2**64
 
@@ -265,10 +265,10 @@ class Scorer:
             self.note_load(replica, load)
         return loads
 
-    def _statuses(self, replicas: Sequence[str]) -> dict[str, list[StreamStatus]]:
+    def _statuses(self, replicas: Sequence[str]) -> dict[str, list[StreamFreshness]]:
         wanted = set(replicas)
-        out: dict[str, list[StreamStatus]] = {}
-        for status in self._registry.statuses():
+        out: dict[str, list[StreamFreshness]] = {}
+        for status in self._registry.freshness():
             if status.stream.replica in wanted:
                 out.setdefault(status.stream.replica, []).append(status)
         return out
@@ -280,7 +280,7 @@ class Scorer:
         replica: str,
         lookup: _Lookup,
         loads: dict[str, Load],
-        statuses: dict[str, list[StreamStatus]],
+        statuses: dict[str, list[StreamFreshness]],
     ) -> Candidate:
         load = loads.get(replica)
         load_input = None
@@ -336,7 +336,7 @@ class Scorer:
         scored: Scored,
         lookup: _Lookup,
         loads: dict[str, Load],
-        statuses: dict[str, list[StreamStatus]],
+        statuses: dict[str, list[StreamFreshness]],
         block_size: int,
     ) -> ScoreEntry:
         replica = scored.replica
@@ -365,14 +365,14 @@ _TIER_NAMES = tuple((tier, tier.name.lower()) for tier in Tier)
 _WORST = {Freshness.LIVE: 0, Freshness.REPLAYING: 1, Freshness.STALE: 2}
 
 
-def _freshness(statuses: list[StreamStatus]) -> Freshness:
+def _freshness(statuses: list[StreamFreshness]) -> Freshness:
     """A replica is as fresh as its least fresh stream; never heard of counts as stale."""
     if not statuses:
         return Freshness.STALE
     return max((s.freshness for s in statuses), key=_WORST.__getitem__)
 
 
-def _freshness_view(statuses: list[StreamStatus]) -> FreshnessView:
+def _freshness_view(statuses: list[StreamFreshness]) -> FreshnessView:
     state = _freshness(statuses)
     lags = [s.lag_s for s in statuses if s.lag_s is not None]
     silent = [s.silent_s for s in statuses if s.silent_s is not None]
