@@ -16,6 +16,8 @@ from rich.table import Table
 
 from api.server import serve as run_server
 from api.settings import load_api_settings
+from clients.replica_sim import ReplicaSim, ReplicaSimError, ReplicaSimSettings
+from clients.views import register_views
 from indexer.errors import KvIndexError
 from indexer.events import Tier
 from indexer.service import IndexerService
@@ -126,6 +128,48 @@ def serve(
     run_server(settings, api)
 
 
+@main.command("replica-sim")
+@click.option("--id", "replica_id", default="r1", show_default=True, help="Replica id.")
+@click.option("--model", default="demo-model", show_default=True, help="Served model name.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="HTTP listen address.")
+@click.option("--port", default=8001, show_default=True, help="HTTP listen port.")
+@click.option("--events", default="tcp://*:5557", show_default=True, help="KV-event PUB endpoint.")
+@click.option("--replay", default="tcp://*:5558", show_default=True, help="Replay ROUTER endpoint.")
+@click.option("--bind-events", is_flag=True, help="Bind --events even without '*'.")
+@click.option("--encoding", type=click.Choice(["map", "array"]), default="map", show_default=True)
+@click.option("--replay-layout", type=click.Choice(["topic", "legacy"]), default="topic")
+@click.option("--block-size", default=16, show_default=True)
+@click.option("--capacity-blocks", default=1024, show_default=True)
+@click.option("--prefill-tps", default=8000.0, show_default=True)
+@click.option("--decode-tps", default=50.0, show_default=True)
+@click.option("--max-running", default=8, show_default=True)
+@click.option("--speed", default=1.0, show_default=True, help="Time compression factor.")
+@click.option("--seed", type=int, help="Block-hash root seed (default: random).")
+@click.option("--lora", "lora_names", multiple=True, help="A LoRA name served (repeatable).")
+def replica_sim(replica_id: str, bind_events: bool, lora_names: tuple[str, ...], **kw: Any) -> None:
+    """Run a simulated vLLM replica (HTTP API + KV events) until SIGINT/SIGTERM."""
+    try:
+        settings = ReplicaSimSettings(
+            id=replica_id, bind_events=True if bind_events else None, lora_names=lora_names, **kw
+        )
+    except ReplicaSimError as exc:
+        raise click.ClickException(str(exc)) from exc
+    sim = ReplicaSim(settings)
+    sim.start()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    _console.print(
+        f"replica-sim {settings.id} on {sim.base_url}, events {sim.events_endpoint} "
+        f"(topic {settings.topic}), replay {sim.replay_endpoint}"
+    )
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        sim.stop()
+
+
 def _run_indexer(settings: IndexerSettings, stats_every: float) -> None:
     service = IndexerService.build(settings)
     service.start()
@@ -175,3 +219,6 @@ def _stats_table(service: IndexerService) -> Table:
             str(errors),
         )
     return table
+
+
+register_views(main)  # residency, score, replicas, stats (clients/views.py)
