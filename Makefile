@@ -13,8 +13,8 @@ $(BIN)/kvindex: pyproject.toml
 
 install: $(BIN)/kvindex
 
-run: install ## the main job on the embedded (in-process) store
-	$(BIN)/kvindex serve --bind tcp://127.0.0.1:5557
+run: install ## the main job on the embedded store: the demo (replica-sims, indexer, API)
+	$(BIN)/kvindex demo
 
 test: install ## the whole test suite (starts its own redis-server on a free port)
 	$(BIN)/pytest -q

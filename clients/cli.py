@@ -16,6 +16,8 @@ from rich.table import Table
 
 from api.server import serve as run_server
 from api.settings import load_api_settings
+from clients.check_hash import check_hash_command
+from clients.demo import DemoSettings, demo_main
 from clients.replica_sim import ReplicaSim, ReplicaSimError, ReplicaSimSettings
 from clients.views import register_views
 from indexer.errors import KvIndexError
@@ -24,6 +26,7 @@ from indexer.service import IndexerService
 from indexer.settings import IndexerSettings, ReplicaSpec, load_settings, read_toml
 
 _console = Console()
+_DEMO = DemoSettings()
 
 
 def _replica_option(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> Any:
@@ -170,6 +173,21 @@ def replica_sim(replica_id: str, bind_events: bool, lora_names: tuple[str, ...],
         sim.stop()
 
 
+@main.command()
+@click.option("--replicas", default=_DEMO.replicas, show_default=True, help="Simulated replicas.")
+@click.option("--requests", default=_DEMO.requests, show_default=True, help="Requests per policy.")
+@click.option("--seed", default=_DEMO.seed, show_default=True, help="Workload seed.")
+@click.option("--speed", default=_DEMO.speed, show_default=True, help="Sim time compression.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False))
+def demo(replicas: int, requests: int, seed: int, speed: float, json_path: Path | None) -> None:
+    """Replay a seeded workload on simulated replicas: round-robin vs kv_aware."""
+    try:
+        settings = DemoSettings(replicas=replicas, requests=requests, seed=seed, speed=speed)
+        demo_main(settings, json_path, _console)
+    except KvIndexError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
 def _run_indexer(settings: IndexerSettings, stats_every: float) -> None:
     service = IndexerService.build(settings)
     service.start()
@@ -222,3 +240,4 @@ def _stats_table(service: IndexerService) -> Table:
 
 
 register_views(main)  # residency, score, replicas, stats (clients/views.py)
+main.add_command(check_hash_command)  # check-hash (clients/check_hash.py)

@@ -1,0 +1,50 @@
+"""``kvindex demo`` end to end: sims, indexer and API in-process, on loopback."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from clients.cli import main
+from clients.demo import POLICIES, DemoSettings, build_workload, run_demo
+
+SMALL = DemoSettings(replicas=3, requests=60, speed=100.0, concurrency=8)
+
+
+def test_workload_is_deterministic_and_sized() -> None:
+    first, second = build_workload(SMALL), build_workload(SMALL)
+    assert first == second
+    assert sum(len(s.turns) for s in first) == SMALL.requests
+    assert {s.chat for s in first} == {True, False}
+
+
+def test_kv_aware_beats_round_robin_and_stops_everything() -> None:
+    before = set(threading.enumerate())
+    report = run_demo(SMALL)
+    by_policy = {p.policy: p for p in report.policies}
+    assert tuple(by_policy) == POLICIES
+    for p in report.policies:
+        assert p.num_requests == SMALL.requests
+        assert sum(p.requests_per_replica.values()) == SMALL.requests
+        assert p.prefill_tokens == p.prompt_tokens - p.cached_tokens
+        assert p.ttft_mean_s > 0 and p.ttft_p90_s > 0
+    assert by_policy["kv_aware"].hit_rate > by_policy["round_robin"].hit_rate
+    assert set(threading.enumerate()) <= before, "the demo left threads running"
+
+
+def test_cli_demo_prints_the_table_and_writes_json(tmp_path: Path) -> None:
+    before = set(threading.enumerate())
+    out = tmp_path / "demo.json"
+    result = CliRunner().invoke(
+        main,
+        ["demo", "--replicas", "2", "--requests", "30", "--speed", "100", "--json", str(out)],
+    )
+    assert result.exit_code == 0, result.output
+    assert "round_robin" in result.output and "kv_aware" in result.output
+    assert "hit rate" in result.output
+    body = json.loads(out.read_text())
+    assert set(body["policies"]) == set(POLICIES)
+    assert set(threading.enumerate()) <= before, "the demo left threads running"
