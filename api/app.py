@@ -41,7 +41,7 @@ from api.tokenize import Tokenizer, TokenizerError, TokenizerSpec, build_tokeniz
 from indexer.errors import KvIndexError
 from indexer.events import Tier
 from indexer.index import BlockIndex, IndexUnavailableError, drop_replica
-from indexer.registry import Registry, StreamStatus
+from indexer.registry import RegistryView, StreamStatus
 from indexer.settings import ReplicaSpec, SettingsError
 
 T = TypeVar("T")
@@ -54,7 +54,7 @@ class ApiDeps:
 
     settings: ApiSettings
     index: BlockIndex
-    registry: Registry
+    registry: RegistryView
     loads: LoadStore
     blocking_store: bool
     """True when index and load calls do network I/O (Redis): run them off the loop."""
@@ -323,7 +323,7 @@ def _replica_routes(router: APIRouter, state: _AppState) -> None:
             url=body.url,
             dp_size=body.dp_size,
         )
-        created = registry.add(spec)
+        created = await _call(state, registry.add, spec)
         state.tokenizers.pop(spec.model, None)
         return _json(
             {"status": "created" if created else "unchanged", "id": spec.id},
@@ -332,7 +332,7 @@ def _replica_routes(router: APIRouter, state: _AppState) -> None:
 
     @router.delete("/replicas/{replica_id}", summary="Remove a replica and purge its blocks")
     async def remove_replica(replica_id: str) -> Response:
-        spec = registry.get(replica_id)
+        spec = await _call(state, registry.get, replica_id)
         if spec is None:
             return _json(ErrorBody("unknown_replica", f"no replica {replica_id!r}"), 404)
         # Store calls first: if the store is down (503) the replica is still registered and
@@ -340,7 +340,7 @@ def _replica_routes(router: APIRouter, state: _AppState) -> None:
         # sees the replica gone.
         await _call(state, drop_replica, state.index, replica_id)
         await _call(state, state.deps.loads.remove, replica_id)
-        registry.remove(replica_id)
+        await _call(state, registry.remove, replica_id)
         state.scorer.forget(replica_id)
         state.tokenizers.pop(spec.model, None)
         return _json({"status": "removed", "id": replica_id})

@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 
 from indexer.events import StreamId, Tier
 from indexer.index import ApplyResult, BatchOps, BlockIndex, Op, PrefixMatch, StreamStats
-from indexer.registry import Registry
+from indexer.registry import RegistryView
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 
@@ -41,7 +41,7 @@ _STATUS_COUNTERS = {
 class ApiMetrics:
     """Everything /metrics exposes for one app."""
 
-    def __init__(self, registry: Registry, index: BlockIndex) -> None:
+    def __init__(self, registry: RegistryView, index: BlockIndex) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.score_latency = Histogram(
             "kvindex_score_seconds",
@@ -65,7 +65,7 @@ class ApiMetrics:
 class _IngestCollector(Collector):
     """Reads the write path's counters when Prometheus scrapes."""
 
-    def __init__(self, registry: Registry, index: BlockIndex) -> None:
+    def __init__(self, registry: RegistryView, index: BlockIndex) -> None:
         self._registry = registry
         self._index = index
 

@@ -45,7 +45,7 @@ from indexer.errors import KvIndexError
 from indexer.events import StreamId, Tier
 from indexer.index import BlockIndex, IndexUnavailableError, PrefixMatch
 from indexer.keys import BlockKeyError, block_keys
-from indexer.registry import Freshness, Registry, StreamFreshness
+from indexer.registry import Freshness, RegistryView, StreamFreshness
 
 _KEY_LIMIT = 2**64
 
@@ -74,7 +74,7 @@ class Scorer:
         self,
         settings: ApiSettings,
         index: BlockIndex,
-        registry: Registry,
+        registry: RegistryView,
         loads: LoadStore,
         *,
         tokenizers: Callable[[str], Tokenizer | None],

@@ -1,8 +1,10 @@
-"""Runs kvindex as a service: the indexer and the API in one process (``kvindex serve``).
+"""Runs kvindex as a service: the indexer and the API in one process (``kvindex serve``),
+or the API alone on a Redis an indexer writes (``kvindex api``, the production layout).
 
 The in-process store is the default (one process, nothing else to install); with
 ``store = "redis"`` the index and the load both live in Redis, so several API processes
-agree on both.
+agree on both. An API-only process also reads the fleet (replicas, stream status) from
+Redis through :class:`~indexer.fleet_view.RedisFleetView`.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import uvicorn
 from api.app import ApiDeps, create_app
 from api.load import LoadStore, MemoryLoadStore, RedisLoadStore
 from api.settings import ApiSettings
+from indexer.fleet_view import RedisFleetView
 from indexer.redis_schema import Schema
-from indexer.redis_store import RedisIndex
+from indexer.redis_store import RedisIndex, connect
 from indexer.service import IndexerService
 from indexer.settings import IndexerSettings
 
@@ -52,15 +55,37 @@ def _load_store(settings: IndexerSettings, indexer: IndexerService) -> LoadStore
     return MemoryLoadStore()
 
 
+def api_deps(redis_url: str, settings: IndexerSettings, api: ApiSettings) -> ApiDeps:
+    """An API-only process's deps: Redis index, Redis load, Redis fleet view (one client)."""
+    schema = Schema(settings.redis_prefix)
+    index = RedisIndex(connect(redis_url), schema)
+    fleet = RedisFleetView(index.client, schema, stale_after_s=settings.stale_after_s)
+    loads = RedisLoadStore(index.client, schema)
+    return ApiDeps(settings=api, index=index, registry=fleet, loads=loads, blocking_store=True)
+
+
 def serve(settings: IndexerSettings, api: ApiSettings) -> None:
     """Run until interrupted (SIGINT/SIGTERM stop uvicorn, then everything else)."""
     service = Service.build(settings, api)
     service.indexer.start()
     try:
-        app = create_app(service.deps)
-        config = uvicorn.Config(
-            app, host=api.host, port=api.port, log_level="warning", access_log=False
-        )
-        uvicorn.Server(config).run()
+        _run_uvicorn(service.deps, api)
     finally:
         service.stop()
+
+
+def serve_api(redis_url: str, settings: IndexerSettings, api: ApiSettings) -> None:
+    """Run the API alone on a shared Redis until interrupted."""
+    deps = api_deps(redis_url, settings, api)
+    try:
+        _run_uvicorn(deps, api)
+    finally:
+        deps.index.close()
+
+
+def _run_uvicorn(deps: ApiDeps, api: ApiSettings) -> None:
+    app = create_app(deps)
+    config = uvicorn.Config(
+        app, host=api.host, port=api.port, log_level="warning", access_log=False
+    )
+    uvicorn.Server(config).run()

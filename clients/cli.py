@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from api.server import serve as run_server
+from api.server import serve_api
 from api.settings import load_api_settings
 from clients.check_hash import check_hash_command
 from clients.demo import DemoSettings, demo_main
@@ -129,6 +130,33 @@ def serve(
         raise click.ClickException(str(exc)) from exc
     _console.print(f"kvindex serve ({settings.store} store) on http://{api.host}:{api.port}")
     run_server(settings, api)
+
+
+@main.command()
+@click.option("--redis-url", required=True, help="The Redis the indexer writes.")
+@click.option("--host", help="API listen address (default 127.0.0.1).")
+@click.option("--port", type=int, help="API listen port (default 8000).")
+@click.option(
+    "--config",
+    "config",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="TOML settings file ([api], [[models]], redis_prefix, stale_after_s).",
+)
+def api(redis_url: str, host: str | None, port: int | None, config: Path | None) -> None:
+    """Run the scoring API alone on the Redis a `kvindex indexer --store redis` writes."""
+    try:
+        settings = load_settings(config, overrides={"store": "redis", "redis_url": redis_url})
+        file_values = read_toml(config) if config is not None else {}
+        api_settings = load_api_settings(
+            file_values.get("api"),
+            file_values.get("models"),
+            overrides={"host": host, "port": port},
+        )
+    except KvIndexError as exc:
+        raise click.ClickException(str(exc)) from exc
+    where = f"http://{api_settings.host}:{api_settings.port}"
+    _console.print(f"kvindex api (redis fleet, index and load) on {where}")
+    serve_api(redis_url, settings, api_settings)
 
 
 @main.command("replica-sim")

@@ -9,12 +9,23 @@ Layout (``<p>`` = configurable prefix, ``<v>`` = :data:`SCHEMA_VERSION`)::
     <p>:<v>:{<replica>/<rank>}:hash  HASH  engine hash (8 bytes) → block key (8 bytes)
     <p>:<v>:{<replica>/<rank>}:meta  HASH  wm (watermark), ts, n0/n1/n2 (blocks per tier)
     <p>:<v>:load                    HASH  replica id → its latest load (msgspec JSON, ``api.load``)
+    <p>:<v>:{fleet}:replicas        HASH  replica id → its ReplicaSpec (JSON): the fleet, written
+                                          by the indexer (declared, bind-mode) and the API
+                                          (POST/DELETE /replicas); ``indexer.fleet_sync``;
+                                          field ``#fleet`` (never a replica id) marks it
+                                          as written by an indexer: absent, Redis lost it
+    <p>:<v>:{fleet}:status          HASH  "replica/rank" → the indexer's live state of the stream
+                                          (JSON ``StreamRecord``: wall-clock timestamps, counters,
+                                          block size) and when it was written
 
 Why 6-byte fields: Redis allocates a short string in 8- or 16-byte size classes, and an
 8-byte field (with its header) lands in 16 while 6 bytes fit in 8 — 8 bytes saved per block
 and stream. A false match then needs two blocks of one stream whose keys share their low 48
 bits (probability ~ n / 2⁴⁸ per lookup: 4·10⁻⁹ at a million blocks). The engine-hash map keeps
 whole 8-byte keys, because chaining a child block needs its parent's full key.
+
+The two fleet hashes share the hash tag ``{fleet}``: removing a replica drops its spec and
+its streams' statuses in one script.
 
 Everything one batch touches shares the stream's hash tag ``{<replica>/<rank>}``, so the
 layout runs unchanged on Redis Cluster: a batch is one single-slot script, and clearing a
@@ -79,10 +90,23 @@ class Schema:
         """The HASH replica id → latest :class:`api.load.Load` (one key: Cluster-safe)."""
         return f"{self.root}:load"
 
+    @property
+    def replicas(self) -> str:
+        """The HASH replica id → :class:`~indexer.settings.ReplicaSpec` as JSON."""
+        return f"{self.root}:{{fleet}}:replicas"
+
+    @property
+    def stream_status(self) -> str:
+        """The HASH "replica/rank" → ``indexer.fleet_sync.StreamRecord`` as JSON."""
+        return f"{self.root}:{{fleet}}:status"
+
     def stream(self, stream: StreamId) -> StreamKeys:
         tag = f"{self.root}:{{{stream}}}"
         return StreamKeys(keys=f"{tag}:keys", hashes=f"{tag}:hash", meta=f"{tag}:meta")
 
+
+FLEET_MARKER = "#fleet"
+"""Field of the replicas hash an indexer sets; without it the hash was lost (not emptied)."""
 
 META_WATERMARK = "wm"
 META_TS = "ts"

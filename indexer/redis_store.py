@@ -101,6 +101,11 @@ class RedisIndex:
         """The connection (other stores of the same deployment share it, e.g. load)."""
         return self._client
 
+    @property
+    def schema(self) -> Schema:
+        """Its key names (other shared state of the deployment uses the same prefix)."""
+        return self._schema
+
     @classmethod
     def from_url(cls, url: str, prefix: str = "kvindex") -> RedisIndex:
         return cls(connect(url), Schema(prefix))

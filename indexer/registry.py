@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from indexer.events import StreamId
 from indexer.settings import ReplicaSpec
@@ -63,8 +63,11 @@ class StreamFreshness(NamedTuple):
 
 
 @dataclass(slots=True)
-class _Live:
-    """Mutable per-stream state, written by the subscriber thread under the lock."""
+class LiveState:
+    """Mutable per-stream state, written by the subscriber thread under the registry's lock.
+
+    Every timestamp is wall-clock (``time.time``), so another process can read a copy
+    (``indexer.fleet_sync``) and compute silence and staleness itself."""
 
     connected: bool = False
     replaying: bool = False
@@ -95,7 +98,7 @@ class Registry:
     ) -> None:
         self._lock = threading.Lock()
         self._replicas: dict[str, ReplicaSpec] = {r.id: r for r in replicas}
-        self._live: dict[StreamId, _Live] = {}
+        self._live: dict[StreamId, LiveState] = {}
         self._stale_after_s = stale_after_s
         self._clock = clock
         self._version = 0
@@ -146,7 +149,7 @@ class Registry:
         with self._lock:
             live = self._live.get(stream)
             if live is None:
-                live = self._live[stream] = _Live()
+                live = self._live[stream] = LiveState()
             for name, value in changes.items():
                 setattr(live, name, value)
 
@@ -155,7 +158,7 @@ class Registry:
         with self._lock:
             live = self._live.get(stream)
             if live is None:
-                live = self._live[stream] = _Live()
+                live = self._live[stream] = LiveState()
             for name, amount in amounts.items():
                 setattr(live, name, getattr(live, name) + amount)
 
@@ -165,7 +168,7 @@ class Registry:
         with self._lock:
             live = self._live.get(stream)
             if live is None:
-                live = self._live[stream] = _Live()
+                live = self._live[stream] = LiveState()
             live.last_seq = seq
             live.last_event_ts = engine_ts
             live.lag_s = max(0.0, now - engine_ts)
@@ -190,44 +193,23 @@ class Registry:
             views = []
             for stream, live in self._live.items():
                 silent = None if live.last_heard is None else now - live.last_heard
-                views.append(
-                    StreamFreshness(stream, self._freshness(live, silent), live.lag_s, silent)
-                )
+                fresh = freshness_of(live, silent, self._stale_after_s)
+                views.append(StreamFreshness(stream, fresh, live.lag_s, silent))
             return views
 
     def statuses(self) -> list[StreamStatus]:
         with self._lock:
             return [self._snapshot(s, live) for s, live in sorted(self._live.items())]
 
-    def _snapshot(self, stream: StreamId, live: _Live) -> StreamStatus:
-        now = self._clock()
-        silent = None if live.last_heard is None else now - live.last_heard
-        return StreamStatus(
-            stream=stream,
-            freshness=self._freshness(live, silent),
-            connected=live.connected,
-            last_seq=live.last_seq,
-            last_event_ts=live.last_event_ts,
-            lag_s=live.lag_s,
-            silent_s=silent,
-            counters=replace(live.counters),
-            block_size=live.block_size,
-            num_decode_errors=live.num_decode_errors,
-            num_store_errors=live.num_store_errors,
-            num_orphan_stores=live.num_orphan_stores,
-            num_unknown_removals=live.num_unknown_removals,
-            num_misaligned_events=live.num_misaligned_events,
-            num_bad_events=live.num_bad_events,
-        )
+    def _snapshot(self, stream: StreamId, live: LiveState) -> StreamStatus:
+        return snapshot(stream, live, now=self._clock(), stale_after_s=self._stale_after_s)
 
-    def _freshness(self, live: _Live, silent: float | None) -> Freshness:
-        if live.replaying:
-            return Freshness.REPLAYING
-        if silent is not None and silent > self._stale_after_s:
-            return Freshness.STALE
-        if not live.connected and live.disconnected_at is not None:
-            return Freshness.STALE
-        return Freshness.LIVE
+    def live_states(self) -> dict[StreamId, LiveState]:
+        """A copy of every stream's live state (for publishing it to other processes)."""
+        with self._lock:
+            return {
+                s: replace(live, counters=replace(live.counters)) for s, live in self._live.items()
+            }
 
     def block_size(self, model: str) -> int | None:
         """The block size the model's replicas publish (the most common one), if seen."""
@@ -238,7 +220,7 @@ class Registry:
                 for stream, live in self._live.items()
                 if stream.replica in replicas and live.block_size
             ]
-        return max(set(sizes), key=sizes.count) if sizes else None
+        return most_common(sizes)
 
     def disconnected_for(self, stream: StreamId) -> float | None:
         """Seconds a connect-mode stream has been disconnected (None if connected/unknown)."""
@@ -247,3 +229,77 @@ class Registry:
             if live is None or live.connected or live.disconnected_at is None:
                 return None
             return self._clock() - live.disconnected_at
+
+
+def freshness_of(live: LiveState, silent_s: float | None, stale_after_s: float) -> Freshness:
+    """The freshness rule, shared by the in-process registry and the Redis fleet view."""
+    if live.replaying:
+        return Freshness.REPLAYING
+    if silent_s is not None and silent_s > stale_after_s:
+        return Freshness.STALE
+    if not live.connected and live.disconnected_at is not None:
+        return Freshness.STALE
+    return Freshness.LIVE
+
+
+def snapshot(
+    stream: StreamId,
+    live: LiveState,
+    *,
+    now: float,
+    stale_after_s: float,
+    freshness: Freshness | None = None,
+) -> StreamStatus:
+    """A stream's status as of ``now`` (``freshness`` overrides the computed one)."""
+    silent = None if live.last_heard is None else max(0.0, now - live.last_heard)
+    return StreamStatus(
+        stream=stream,
+        freshness=freshness or freshness_of(live, silent, stale_after_s),
+        connected=live.connected,
+        last_seq=live.last_seq,
+        last_event_ts=live.last_event_ts,
+        lag_s=live.lag_s,
+        silent_s=silent,
+        counters=replace(live.counters),
+        block_size=live.block_size,
+        num_decode_errors=live.num_decode_errors,
+        num_store_errors=live.num_store_errors,
+        num_orphan_stores=live.num_orphan_stores,
+        num_unknown_removals=live.num_unknown_removals,
+        num_misaligned_events=live.num_misaligned_events,
+        num_bad_events=live.num_bad_events,
+    )
+
+
+def most_common(sizes: list[int]) -> int | None:
+    return max(set(sizes), key=sizes.count) if sizes else None
+
+
+class RegistryView(Protocol):
+    """What the API reads and changes of the fleet: the in-process :class:`Registry`, or
+    ``indexer.fleet_view.RedisFleetView`` in an API process that shares Redis with an indexer.
+
+    Reads may lag the writer by the view's cache period; ``add``/``remove`` are visible to
+    the same view at once."""
+
+    def replicas(self) -> list[ReplicaSpec]: ...
+
+    def get(self, replica: str) -> ReplicaSpec | None: ...
+
+    def add(self, spec: ReplicaSpec) -> bool:
+        """Register or update a replica; False if an identical spec was already there."""
+        ...
+
+    def remove(self, replica: str) -> ReplicaSpec | None:
+        """Forget a replica and its streams' state; returns the removed spec."""
+        ...
+
+    def models(self) -> list[str]: ...
+
+    def statuses(self) -> list[StreamStatus]: ...
+
+    def freshness(self) -> list[StreamFreshness]: ...
+
+    def stream_ids(self) -> list[StreamId]: ...
+
+    def block_size(self, model: str) -> int | None: ...

@@ -1,10 +1,12 @@
-"""Assembles an indexer process from its settings: store, registry, subscriber."""
+"""Assembles an indexer process from its settings: store, registry, subscriber and, on
+Redis, the fleet sync that shares replicas and stream status with API processes."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
 
+from indexer.fleet_sync import FleetSync
 from indexer.index import BlockIndex
 from indexer.memory_store import MemoryIndex
 from indexer.redis_schema import Schema
@@ -29,17 +31,26 @@ class IndexerService:
     index: BlockIndex
     registry: Registry
     subscriber: Subscriber
+    fleet: FleetSync | None = None
+    """Publishes the fleet state to Redis (``store = "redis"`` only)."""
 
     @classmethod
     def build(cls, settings: IndexerSettings, index: BlockIndex | None = None) -> IndexerService:
         index = index if index is not None else open_index(settings)
         registry = Registry(settings.replicas, stale_after_s=settings.stale_after_s)
-        return cls(settings, index, registry, Subscriber(settings, index, registry))
+        fleet = None
+        if isinstance(index, RedisIndex):
+            fleet = FleetSync(index.client, index.schema, registry, declared=settings.replicas)
+        return cls(settings, index, registry, Subscriber(settings, index, registry), fleet)
 
     def start(self) -> None:
         logging.getLogger("kvindex").setLevel(self.settings.log_level.upper())
+        if self.fleet is not None:  # first: replicas added through the API open now too
+            self.fleet.start()
         self.subscriber.start()
 
     def stop(self) -> None:
+        if self.fleet is not None:
+            self.fleet.stop()
         self.subscriber.stop()
         self.index.close()

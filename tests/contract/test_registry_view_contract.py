@@ -1,0 +1,137 @@
+"""The :class:`RegistryView` contract, run on every backend: ``memory`` (the in-process
+:class:`Registry`), ``fakeredis`` and ``redis`` (:class:`RedisFleetView` reading what an
+indexer's :class:`FleetSync` wrote from its own registry).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import fakeredis
+import pytest
+import redis
+
+from indexer.events import StreamId
+from indexer.fleet_sync import FleetSync
+from indexer.fleet_view import RedisFleetView
+from indexer.redis_schema import Schema
+from indexer.registry import Freshness, Registry, RegistryView
+from indexer.settings import ReplicaSpec
+
+BACKENDS = ("memory", "fakeredis", "redis")
+R1 = ReplicaSpec("r1", "m", events="tcp://127.0.0.1:5557")
+R2 = ReplicaSpec("r2", "other", events="tcp://127.0.0.1:5567", dp_size=2)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Fleet:
+    view: RegistryView
+    writer: Registry
+    """The registry the subscriber writes stream state to (the indexer's)."""
+    sync: Callable[[], None]
+    """Publish the writer's state and make it visible to ``view`` (no-op in memory)."""
+    clock: Clock
+
+
+@pytest.fixture(params=BACKENDS)
+def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    clock = Clock()
+    backend: str = request.param
+    if backend == "memory":
+        registry = Registry(stale_after_s=60.0, clock=clock)
+        yield Fleet(registry, registry, lambda: None, clock)
+        return
+    client: redis.Redis
+    if backend == "fakeredis":
+        client = fakeredis.FakeRedis()
+    else:
+        client = request.getfixturevalue("redis_client")
+    schema = Schema("test")
+    writer = Registry(stale_after_s=60.0, clock=clock)
+    fleet_sync = FleetSync(client, schema, writer, clock=clock)
+    view = RedisFleetView(client, schema, stale_after_s=60.0, cache_ttl_s=0.0, clock=clock)
+    yield Fleet(view, writer, fleet_sync.tick, clock)
+    client.close()
+
+
+def test_add_get_and_list(fleet: Fleet) -> None:
+    assert fleet.view.add(R2) is True
+    assert fleet.view.add(R1) is True
+    assert fleet.view.add(R1) is False
+    assert fleet.view.get("r1") == R1
+    assert fleet.view.get("nope") is None
+    assert fleet.view.replicas() == [R1, R2]
+    assert fleet.view.models() == ["m", "other"]
+
+
+def test_add_changed_spec_updates(fleet: Fleet) -> None:
+    fleet.view.add(R1)
+    moved = ReplicaSpec("r1", "m", events="tcp://127.0.0.1:6000")
+    assert fleet.view.add(moved) is True
+    assert fleet.view.get("r1") == moved
+
+
+def test_remove(fleet: Fleet) -> None:
+    fleet.view.add(R1)
+    assert fleet.view.remove("r1") == R1
+    assert fleet.view.remove("r1") is None
+    assert fleet.view.replicas() == []
+
+
+def test_added_replica_reaches_the_writer(fleet: Fleet) -> None:
+    fleet.view.add(R2)
+    fleet.sync()
+    assert fleet.writer.get("r2") == R2
+
+
+def test_stream_state_is_visible(fleet: Fleet) -> None:
+    fleet.view.add(R1)
+    fleet.sync()
+    stream = StreamId("r1")
+    fleet.writer.update(stream, connected=True, block_size=16)
+    fleet.writer.heard(stream, seq=7, engine_ts=fleet.clock.now - 0.5)
+    fleet.writer.count(stream, num_decode_errors=2)
+    fleet.sync()
+    fleet.clock.now += 3.0
+    [status] = fleet.view.statuses()
+    assert (status.stream, status.last_seq, status.num_decode_errors) == (stream, 7, 2)
+    assert status.lag_s == pytest.approx(0.5)
+    assert status.silent_s == pytest.approx(3.0)
+    assert status.freshness is Freshness.LIVE
+    assert fleet.view.stream_ids() == [stream]
+    assert [(f.stream, f.freshness) for f in fleet.view.freshness()] == [(stream, Freshness.LIVE)]
+    assert fleet.view.block_size("m") == 16
+    assert fleet.view.block_size("other") is None
+
+
+def test_silence_makes_a_stream_stale(fleet: Fleet) -> None:
+    fleet.view.add(R1)
+    fleet.sync()
+    fleet.writer.heard(StreamId("r1"), seq=1, engine_ts=fleet.clock.now)
+    fleet.sync()
+    fleet.clock.now += 61.0
+    fleet.sync()
+    assert [f.freshness for f in fleet.view.freshness()] == [Freshness.STALE]
+
+
+def test_removing_a_replica_drops_its_streams(fleet: Fleet) -> None:
+    fleet.view.add(R2)
+    fleet.sync()
+    for rank in (0, 1):
+        fleet.writer.update(StreamId("r2", rank), connected=True)
+    fleet.sync()
+    assert len(fleet.view.statuses()) == 2
+    fleet.view.remove("r2")
+    assert fleet.view.statuses() == []
+    fleet.sync()
+    assert fleet.writer.get("r2") is None
+    assert fleet.writer.stream_ids() == []
