@@ -23,7 +23,6 @@ import functools
 import json
 import random
 import statistics
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -33,12 +32,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import uvicorn
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from api.app import ApiDeps, create_app
+from api.background import BackgroundServer, ServerStartError
 from api.load import MemoryLoadStore
 from api.settings import ApiSettings
 from clients.client import AsyncKvIndexClient
@@ -315,21 +314,16 @@ def _api_server(settings: DemoSettings, service: IndexerService) -> Iterator[str
     api = ApiSettings(port=0, scrape_interval_s=settings.scrape_interval_s, seed=settings.seed)
     loads = MemoryLoadStore()
     deps = ApiDeps(api, service.index, service.registry, loads, blocking_store=False)
-    config = uvicorn.Config(
-        create_app(deps), host="127.0.0.1", port=0, log_level="warning", access_log=False
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="kvindex-demo-api", daemon=True)
-    thread.start()
+    server = BackgroundServer(create_app(deps), name="kvindex-demo-api")
     try:
-        _wait(lambda: server.started or not thread.is_alive(), "the API server")
-        if not server.started:
-            raise DemoError("the API server did not start")
-        port = server.servers[0].sockets[0].getsockname()[1]
-        yield f"http://127.0.0.1:{port}"
+        server.start()
+    except ServerStartError as exc:
+        loads.close()
+        raise DemoError(str(exc)) from exc
+    try:
+        yield server.base_url
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+        server.stop()
         loads.close()
 
 

@@ -25,7 +25,6 @@ import asyncio
 import collections
 import hashlib
 import os
-import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -33,10 +32,10 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, get_args
 
 import msgspec
-import uvicorn
 import xxhash
 from fastapi import FastAPI, Request, Response
 
+from api.background import BackgroundServer, ServerStartError
 from clients.publisher import Encoding, EventPublisher, ReplayLayout
 from indexer.errors import KvIndexError
 from indexer.events import BlockRemoved, BlockStored, Event, ExtraKeys, Tier
@@ -669,8 +668,7 @@ class ReplicaSim:
     settings: ReplicaSimSettings
     publisher: EventPublisher | None = None
     engine: Engine | None = None
-    _server: uvicorn.Server | None = None
-    _thread: threading.Thread | None = None
+    _server: BackgroundServer | None = None
     _port: int = field(default=0)
 
     def start(self) -> None:
@@ -692,33 +690,20 @@ class ReplicaSim:
             raise
 
     def _serve(self, app: FastAPI) -> None:
-        config = uvicorn.Config(
-            app,
-            host=self.settings.host,
-            port=self.settings.port,
-            log_level="warning",
-            access_log=False,
-            ws="none",
-            http="h11",
-            lifespan="off",
+        s = self.settings
+        self._server = BackgroundServer(
+            app, host=s.host, port=s.port, lifespan="off", name="replica-sim"
         )
-        self._server = server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=server.run, name="replica-sim", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise ReplicaSimError(
-                    f"HTTP server did not start on {self.settings.host}:{self.settings.port}"
-                )
-            time.sleep(0.01)
-        self._port = server.servers[0].sockets[0].getsockname()[1]
+        try:
+            self._server.start()
+        except ServerStartError as exc:
+            raise ReplicaSimError(str(exc)) from exc
+        self._port = self._server.port
 
     def stop(self) -> None:
-        if self._server is not None and self._thread is not None:
-            self._server.should_exit = True
-            self._thread.join(timeout=10)
-        self._server = self._thread = None
+        if self._server is not None:
+            self._server.stop()
+        self._server = None
         if self.publisher is not None:
             self.publisher.close()
             self.publisher = None

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import AsyncExitStack, contextmanager
@@ -19,10 +18,10 @@ from typing import Any
 
 import httpx
 import msgspec
-import uvicorn
 from fastapi import FastAPI
 
 from api.app import ApiDeps, create_app
+from api.background import BackgroundServer
 from api.load import LoadStore
 from api.schemas import ScoreEntry, ScoreResponse
 from api.settings import ApiSettings
@@ -202,30 +201,9 @@ def matched(answer: ScoreResponse) -> dict[str, int]:
 def serving_http(app: FastAPI, settings: ApiSettings) -> Iterator[str]:
     """Serve ``app`` with uvicorn on ``settings.host:port`` in a background thread; yields
     the base URL; stops the server (``should_exit``) and joins the thread on exit."""
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level="warning",
-        access_log=False,
-        ws="none",
-        http="h11",
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="api-under-test", daemon=True)
-    thread.start()
+    server = BackgroundServer(app, host=settings.host, port=settings.port).start()
     try:
-        _wait_started(server, thread)
-        yield f"http://{settings.host}:{settings.port}"
+        yield server.base_url
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-    assert not thread.is_alive(), "the API server did not stop"
-
-
-def _wait_started(server: uvicorn.Server, thread: threading.Thread) -> None:
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise AssertionError("the API server did not start")
-        time.sleep(0.01)
+        server.stop()
+    assert not server.running, "the API server did not stop"

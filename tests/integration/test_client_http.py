@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
@@ -22,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import pytest
-import uvicorn
 
 from api.app import ApiDeps, create_app
+from api.background import BackgroundServer
 from api.load import MemoryLoadStore
 from api.schemas import ScoreResponse
 from api.settings import ApiSettings
@@ -79,16 +78,10 @@ def seed(index: MemoryIndex, registry: Registry) -> None:
 @contextmanager
 def serving(auth_token: str | None = None) -> Iterator[Served]:
     """The API on 127.0.0.1 (free port) in a thread; stopped and joined on exit."""
-    # IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY on accepted sockets only
-    # when the listening socket says TCP, and without it every answer (headers, then body)
-    # waits ~40 ms on Nagle + delayed ACK.
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
     index = MemoryIndex()
     registry = Registry((ReplicaSpec("r1", MODEL), ReplicaSpec("r2", MODEL)))
     seed(index, registry)
-    settings = ApiSettings(scrape_interval_s=0, port=port, auth_token=auth_token, seed=7)
+    settings = ApiSettings(scrape_interval_s=0, auth_token=auth_token, seed=7)
     deps = ApiDeps(
         settings=settings,
         index=index,
@@ -96,28 +89,12 @@ def serving(auth_token: str | None = None) -> Iterator[Served]:
         loads=MemoryLoadStore(),
         blocking_store=False,
     )
-    config = uvicorn.Config(
-        create_app(deps), log_level="warning", lifespan="on", ws="none", http="h11"
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
+    server = BackgroundServer(create_app(deps), lifespan="on").start()
     try:
-        wait_started(server, thread)
-        yield Served(f"http://127.0.0.1:{port}", registry)
+        yield Served(server.base_url, registry)
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
-    assert not thread.is_alive(), "the API server did not stop"
-
-
-def wait_started(server: uvicorn.Server, thread: threading.Thread) -> None:
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise AssertionError("the API server did not start")
-        time.sleep(0.01)
+        server.stop()
+    assert not server.running, "the API server did not stop"
 
 
 class Blocking:

@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from api.background import BackgroundServer
 from api.tokenize import (
     CachingTokenizer,
     ReplicaTokenizer,
@@ -84,31 +82,13 @@ def replica_app(state: FakeReplica) -> FastAPI:
 def replica() -> Iterator[FakeReplica]:
     """A real HTTP server on 127.0.0.1 (free port), stopped and joined after the test."""
     state = FakeReplica()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    state.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    config = uvicorn.Config(
-        replica_app(state), log_level="warning", lifespan="off", ws="none", http="h11"
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
+    server = BackgroundServer(replica_app(state), lifespan="off").start()
+    state.base_url = server.base_url
     try:
-        wait_started(server, thread)
         yield state
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
-    assert not thread.is_alive(), "the fake replica did not stop"
-
-
-def wait_started(server: uvicorn.Server, thread: threading.Thread) -> None:
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise AssertionError("the fake replica did not start")
-        time.sleep(0.01)
+        server.stop()
+    assert not server.running, "the fake replica did not stop"
 
 
 def with_client(call: Callable[[httpx.AsyncClient], Awaitable[T]]) -> T:
