@@ -188,10 +188,14 @@ class BlockCache:
     Methods return the events to publish, in order. Not thread-safe.
     """
 
-    def __init__(self, capacity_blocks: int, block_size: int, root: int) -> None:
+    def __init__(
+        self, capacity_blocks: int, block_size: int, root: int, *, publish: bool = True
+    ) -> None:
+        """``publish=False``: make no events (a pool nobody listens to; faster)."""
         self.capacity_blocks = capacity_blocks
         self.block_size = block_size
         self.root = root
+        self.publish = publish
         self.num_empty = capacity_blocks
         self._ref: dict[int, int] = {}
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
@@ -245,41 +249,51 @@ class BlockCache:
         *,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        chain: Sequence[int] | None = None,
     ) -> Admission | None:
         """Reserve blocks for a request of ``total_tokens`` (prompt + output) and cache its
         full prompt blocks; None when there is no room now (nothing changed). Hits are the
         leading cached blocks, at most ``(len(prompt) - 1) // block_size`` (one prompt token
-        is always computed, as in vLLM)."""
-        chain = self.chain(prompt, lora_name, cache_salt)
-        limit = (len(prompt) - 1) // self.block_size
+        is always computed, as in vLLM). ``chain``: the prompt's block hashes when the
+        caller already has them (:meth:`chain`'s result, or any hashes that identify each
+        block with its prefix)."""
+        if chain is None:
+            chain = self.chain(prompt, lora_name, cache_salt)
+        ref, evictable = self._ref, self._evictable
+        limit = min((len(prompt) - 1) // self.block_size, len(chain))
         hits = 0
-        while hits < min(limit, len(chain)) and chain[hits] in self._ref:
+        while hits < limit and chain[hits] in ref:
             hits += 1
+        hit_blocks = list(chain[:hits])
         need = self.num_blocks_for(total_tokens) - hits
-        hit_evictable = sum(1 for h in chain[:hits] if h in self._evictable)
-        if need > self.num_empty + len(self._evictable) - hit_evictable:
+        hit_evictable = sum(1 for h in hit_blocks if h in evictable) if evictable else 0
+        if need > self.num_empty + len(evictable) - hit_evictable:
             return None
-        for h in chain[:hits]:
-            self._reference(h)
-        events: list[Event] = []
-        for _ in range(need):
-            events.extend(self._take_slot())
-        held = _Held(chain[:hits], need, lora_name, cache_salt)
+        for h in hit_blocks:
+            ref[h] += 1
+            evictable.pop(h, None)
+        events = self._take_slots(need)
+        held = _Held(hit_blocks, need, lora_name, cache_salt)
         self._held[request_id] = held
-        events.extend(self._cache_full(held, prompt))
+        events.extend(self._cache_full(held, prompt, chain))
         return Admission(hits, events)
 
-    def finish(self, request_id: int, tokens: Sequence[int]) -> list[Event]:
-        """Cache the blocks ``tokens`` (prompt + output) filled since admission."""
-        return self._cache_full(self._held[request_id], tokens)
+    def finish(
+        self, request_id: int, tokens: Sequence[int], chain: Sequence[int] | None = None
+    ) -> list[Event]:
+        """Cache the blocks ``tokens`` (prompt + output) filled since admission
+        (``chain``: their block hashes, as for :meth:`admit`)."""
+        return self._cache_full(self._held[request_id], tokens, chain)
 
     def release(self, request_id: int) -> None:
         """Unpin a request's blocks (tail first onto the LRU) and free its slots."""
         held = self._held.pop(request_id)
+        ref, evictable = self._ref, self._evictable
         for h in reversed(held.hashes):
-            self._ref[h] -= 1
-            if self._ref[h] == 0:
-                self._evictable[h] = None
+            count = ref[h] - 1
+            ref[h] = count
+            if not count:
+                evictable[h] = None
         self.num_empty += held.num_slots
 
     def check(self) -> None:
@@ -292,57 +306,87 @@ class BlockCache:
         self._ref[block] += 1
         self._evictable.pop(block, None)
 
-    def _take_slot(self) -> list[Event]:
-        if self.num_empty > 0:
-            self.num_empty -= 1
-            return []
-        victim, _ = self._evictable.popitem(last=False)
-        del self._ref[victim]
-        return [BlockRemoved((victim,), Tier.GPU)]
+    def _take_slots(self, n: int) -> list[Event]:
+        """Take ``n`` free blocks, evicting the least recently freed cached ones when no
+        empty block is left (one ``BlockRemoved`` per evicted block, as vLLM publishes)."""
+        take = min(n, self.num_empty)
+        self.num_empty -= take
+        ref, evictable = self._ref, self._evictable
+        events: list[Event] = []
+        for _ in range(n - take):
+            victim, _ = evictable.popitem(last=False)
+            del ref[victim]
+            if self.publish:
+                events.append(BlockRemoved((victim,), Tier.GPU))
+        return events
 
-    def _cache_full(self, held: _Held, tokens: Sequence[int]) -> list[Event]:
+    def _cache_full(
+        self, held: _Held, tokens: Sequence[int], chain: Sequence[int] | None
+    ) -> list[Event]:
         """Turn held slots into cached blocks for every full block of ``tokens`` not yet
         cached; one ``BlockStored`` per run of newly cached blocks."""
-        chain = self.chain(tokens, held.lora_name, held.cache_salt)
+        if chain is None:
+            chain = self.chain(tokens, held.lora_name, held.cache_salt)
+        runs = self._cache_new(held, chain)
+        if not self.publish or not runs:
+            return []
         extras = request_extra_keys(len(chain), held.lora_name, held.cache_salt)
-        events: list[Event] = []
-        run: list[int] = []
-        for i in range(len(held.hashes), len(chain)):
+        lora = held.lora_name
+        return [
+            self._stored(first, end, chain, tokens, extras=extras, lora_name=lora)
+            for first, end in runs
+        ]
+
+    def _cache_new(self, held: _Held, chain: Sequence[int]) -> list[tuple[int, int]]:
+        """Cache ``chain``'s blocks past those ``held`` has; the (first, end) index runs of
+        blocks newly cached (a block another request cached meanwhile is shared)."""
+        start = len(held.hashes)
+        new = chain[start:]
+        if not new:
+            return []
+        ref = self._ref
+        held.num_slots -= len(new)
+        held.hashes.extend(new)
+        if ref.keys().isdisjoint(new):  # the usual case: no block computed concurrently
+            ref.update(dict.fromkeys(new, 1))
+            return [(start, len(chain))]
+        runs: list[tuple[int, int]] = []
+        run_start = start
+        for i in range(start, len(chain)):
             h = chain[i]
-            held.num_slots -= 1
-            if h in self._ref:  # computed concurrently by another request: share it
+            if h in ref:
                 self._reference(h)
                 self.num_empty += 1
-                events.extend(self._stored(run, chain, tokens, extras, held.lora_name))
-                run = []
+                if run_start < i:
+                    runs.append((run_start, i))
+                run_start = i + 1
             else:
-                self._ref[h] = 1
-                run.append(i)
-            held.hashes.append(h)
-        events.extend(self._stored(run, chain, tokens, extras, held.lora_name))
-        return events
+                ref[h] = 1
+        if run_start < len(chain):
+            runs.append((run_start, len(chain)))
+        return runs
 
     def _stored(
         self,
-        run: list[int],
-        chain: list[int],
+        first: int,
+        end: int,
+        chain: Sequence[int],
         tokens: Sequence[int],
+        *,
         extras: list[ExtraKeys] | None,
         lora_name: str | None,
-    ) -> list[Event]:
-        if not run:
-            return []
-        first, last, size = run[0], run[-1], self.block_size
-        event = BlockStored(
-            block_hashes=tuple(chain[first : last + 1]),
+    ) -> Event:
+        """The ``BlockStored`` of blocks ``first`` to ``end - 1``."""
+        size = self.block_size
+        return BlockStored(
+            block_hashes=tuple(chain[first:end]),
             parent_hash=chain[first - 1] if first > 0 else None,
-            token_ids=tuple(tokens[first * size : (last + 1) * size]),
+            token_ids=tuple(tokens[first * size : end * size]),
             block_size=size,
             tier=Tier.GPU,
             lora_name=lora_name,
-            extra_keys=None if extras is None else tuple(extras[first : last + 1]),
+            extra_keys=None if extras is None else tuple(extras[first:end]),
         )
-        return [event]
 
 
 def _at(extras: list[ExtraKeys] | None, i: int) -> ExtraKeys:

@@ -144,6 +144,32 @@ def test_salt_on_first_block_only_and_lora_on_every_block() -> None:
     assert plain.num_hit_blocks == 0
 
 
+def test_a_block_computed_by_two_running_requests_is_cached_once() -> None:
+    # A (prompt 1-4, answer 5-8) runs; B's prompt is A's prompt and answer, so B caches
+    # block (5, 6) itself; when A finishes, that block is shared, not stored again, and
+    # the run after it is stored with the right parent.
+    c = cache(capacity=12)
+    a = c.admit(0, [1, 2, 3, 4], 10)
+    assert a is not None
+    b = c.admit(1, [1, 2, 3, 4, 5, 6, 9], 8)
+    assert b is not None and b.num_hit_blocks == 2
+    events = c.finish(0, [1, 2, 3, 4, 5, 6, 7, 8, 0, 0])
+    c.check()
+    assert events == [
+        BlockStored(
+            block_hashes=tuple(h((1, 2), (3, 4), (5, 6), (7, 8), (0, 0))[3:]),
+            parent_hash=h((1, 2), (3, 4), (5, 6))[-1],
+            token_ids=(7, 8, 0, 0),
+            block_size=2,
+            tier=Tier.GPU,
+        )
+    ]
+    c.release(0)
+    c.release(1)
+    c.check()
+    assert c.num_cached_blocks == 5
+
+
 def test_none_hash_is_seeded_or_random() -> None:
     assert none_hash(0) == none_hash(0) != none_hash(1)
     assert none_hash(None) != none_hash(None)
