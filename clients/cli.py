@@ -20,6 +20,10 @@ from api.settings import load_api_settings
 from clients.check_hash import check_hash_command
 from clients.demo import DemoSettings, demo_main
 from clients.replica_sim import ReplicaSim, ReplicaSimError, ReplicaSimSettings
+from clients.sim_fleet import FleetSettings
+from clients.sim_routing import PolicySpec, parse_policy
+from clients.sim_workload import WORKLOADS, GeneratorSettings, read_trace
+from clients.simulate import DEFAULT_POLICIES, SimulateSettings, simulate_main
 from clients.views import register_views
 from indexer.errors import KvIndexError
 from indexer.events import Tier
@@ -212,6 +216,134 @@ def demo(replicas: int, requests: int, seed: int, speed: float, json_path: Path 
     try:
         settings = DemoSettings(replicas=replicas, requests=requests, seed=seed, speed=speed)
         demo_main(settings, json_path, _console)
+    except KvIndexError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+_SIM = FleetSettings()
+
+
+def _policy_list(_ctx: click.Context, _param: click.Parameter, value: str) -> Any:
+    try:
+        return tuple(parse_policy(p) for p in value.split(",") if p.strip())
+    except KvIndexError as exc:
+        raise click.BadParameter(str(exc)) from exc
+
+
+def _variants(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> Any:
+    try:
+        return tuple(parse_policy(v) for v in values)
+    except KvIndexError as exc:
+        raise click.BadParameter(str(exc)) from exc
+
+
+@main.command()
+@click.option(
+    "--trace",
+    type=click.Path(path_type=Path, dir_okay=False, exists=True),
+    help="Mooncake JSONL trace (plain or .gz).",
+)
+@click.option("--workload", type=click.Choice(sorted(WORKLOADS)), help="A built-in generator.")
+@click.option("--requests", default=2000, show_default=True, help="Requests (generators).")
+@click.option("--rate", type=float, help="Arrivals/s (generators; default: per workload).")
+@click.option("--limit", type=int, help="Read at most this many trace requests.")
+@click.option("--replicas", default=_SIM.replicas, show_default=True)
+@click.option(
+    "--capacity-blocks",
+    default=_SIM.capacity_blocks,
+    show_default=True,
+    help="KV-cache blocks per replica.",
+)
+@click.option("--block-size", default=_SIM.block_size, show_default=True)
+@click.option(
+    "--prefill-tps",
+    default=_SIM.prefill_tps,
+    show_default=True,
+    help="Prompt tokens/s per replica (serial prefill).",
+)
+@click.option(
+    "--decode-tps", default=_SIM.decode_tps, show_default=True, help="Output tokens/s per request."
+)
+@click.option(
+    "--max-running", default=_SIM.max_running, show_default=True, help="Batch limit per replica."
+)
+@click.option(
+    "--policies",
+    "policies",
+    default=",".join(DEFAULT_POLICIES),
+    show_default=True,
+    callback=_policy_list,
+    help="Comma-separated; 'oracle' is the reference.",
+)
+@click.option(
+    "--variant",
+    "variants",
+    multiple=True,
+    callback=_variants,
+    help="A policy with weight overrides, e.g. kv_aware:waiting=0.5,cache=2 (repeatable).",
+)
+@click.option(
+    "--event-delay",
+    default=0.05,
+    show_default=True,
+    help="Seconds between a replica's event and the index applying it.",
+)
+@click.option("--speed", default=1.0, show_default=True, help="Arrival-time compression.")
+@click.option("--seed", default=0, show_default=True)
+@click.option(
+    "--via-zmq",
+    is_flag=True,
+    help="Send events over real ZeroMQ (loopback) to an in-process indexer.",
+)
+@click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False))
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="PNG: hit rate and TTFT p90 per policy, hit rate over time.",
+)
+def simulate(
+    trace: Path | None,
+    workload: str | None,
+    requests: int,
+    rate: float | None,
+    limit: int | None,
+    policies: tuple[PolicySpec, ...],
+    variants: tuple[PolicySpec, ...],
+    event_delay: float,
+    speed: float,
+    seed: int,
+    via_zmq: bool,
+    json_path: Path | None,
+    plot_path: Path | None,
+    **fleet: Any,
+) -> None:
+    """Replay a trace or a generated workload through a simulated fleet, once per policy."""
+    if (trace is None) == (workload is None):
+        raise click.UsageError("give exactly one of --trace FILE or --workload NAME")
+    try:
+        if trace is not None:
+            reqs, source = read_trace(trace, limit=limit), trace.name
+        else:
+            assert workload is not None
+            reqs = WORKLOADS[workload](GeneratorSettings(requests, rate, seed))
+            source = f"{workload} (seed {seed})"
+        settings = SimulateSettings(
+            fleet=FleetSettings(**fleet),
+            policies=policies + variants,
+            event_delay_s=event_delay,
+            speed=speed,
+            seed=seed,
+            via_zmq=via_zmq,
+        )
+        simulate_main(
+            settings,
+            reqs,
+            source=source,
+            console=_console,
+            json_path=json_path,
+            plot_path=plot_path,
+        )
     except KvIndexError as exc:
         raise click.ClickException(str(exc)) from exc
 

@@ -1,0 +1,319 @@
+"""Routers for ``kvindex simulate``: the real scorer over the real index, and the oracle.
+
+* :class:`ScorerRouter` asks :class:`api.scorer.Scorer` (the code behind ``POST /score``)
+  for every request, with the replicas' current load pushed as ``POST /load`` would. Policies
+  that read the index (``kv_aware``) get the replicas' KV events through a sink:
+  :class:`IngestSink` applies them with the indexer's own :class:`~indexer.ingest.Ingestor`
+  into a :class:`~indexer.memory_store.MemoryIndex`, ``event_delay_s`` after the replica
+  emitted them (the registry records each stream's seq and lag as the subscriber does);
+  :class:`ZmqSink` sends them in vLLM's wire format over real ZeroMQ (one PUB per replica,
+  connecting to the bound SUB of an in-process :class:`~indexer.service.IndexerService`
+  on a free loopback port) and waits until the indexer has applied them. Other policies
+  never read the index, so their runs skip it.
+* :class:`OracleRouter` makes the ``kv_aware`` decision with perfect knowledge: each
+  replica's longest cached prefix read from its pool at the instant of the request.
+
+A policy spec is a policy name, optionally with weight overrides:
+``kv_aware:waiting=0.5,cache=2`` (:func:`parse_policy`).
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from api.load import Load, MemoryLoadStore
+from api.schemas import ScoreRequest
+from api.scorer import Scorer
+from api.scoring import (
+    Candidate,
+    LoadInput,
+    Policy,
+    ScoringError,
+    Weights,
+    kv_aware,
+    rank,
+)
+from api.settings import ApiSettings, ModelSpec
+from clients.publisher import EventPublisher
+from clients.replica_sim import BlockCache
+from clients.sim_fleet import FleetSettings, Job, ReplicaLoad, SimulationError
+from indexer.events import Event, EventBatch, StreamId, Tier
+from indexer.ingest import Ingestor
+from indexer.memory_store import MemoryIndex
+from indexer.registry import Freshness, Registry
+from indexer.service import IndexerService
+from indexer.settings import IndexerSettings, ReplicaSpec
+
+ORACLE = "oracle"
+INDEX_POLICIES = frozenset({Policy.KV_AWARE})
+"""Policies whose decision reads the index (the others run without one)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySpec:
+    label: str
+    """As given (``kv_aware:waiting=0.5``); names the policy in every output."""
+    policy: str
+    """A :class:`~api.scoring.Policy` value, or ``oracle``."""
+    weights: dict[str, float] = field(default_factory=dict)
+
+
+def parse_policy(text: str) -> PolicySpec:
+    """``name`` or ``name:weight=value,weight=value``; raises :class:`SimulationError`."""
+    name, _, rest = text.strip().partition(":")
+    known = [p.value for p in Policy] + [ORACLE]
+    if name not in known:
+        raise SimulationError(f"policy {name!r} is not one of {known}")
+    overrides: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, eq, value = item.partition("=")
+        try:
+            overrides[key.strip()] = float(value)
+        except ValueError:
+            raise SimulationError(f"{text!r}: {item!r} is not weight=number") from None
+        if not eq:
+            raise SimulationError(f"{text!r}: {item!r} is not weight=number")
+    try:
+        Weights().overridden(overrides)
+    except ScoringError as exc:
+        raise SimulationError(f"{text!r}: {exc}") from exc
+    return PolicySpec(text.strip(), name, overrides)
+
+
+class SimClock:
+    """The simulation's 'now', for the registry, loads and scorer."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# --- event sinks ---------------------------------------------------------------------------
+
+
+class EventSink(Protocol):
+    registry: Registry
+    index: MemoryIndex
+
+    def emitted(self, replica: str, events: list[Event], now: float) -> None: ...
+
+    def deliver(self, now: float) -> None:
+        """Make the index hold every batch emitted at or before ``now - event delay``."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def _specs(fleet: FleetSettings) -> tuple[ReplicaSpec, ...]:
+    return tuple(ReplicaSpec(rid, fleet.model) for rid in fleet.replica_ids())
+
+
+class IngestSink:
+    """Events applied in-process through the indexer's :class:`Ingestor`."""
+
+    def __init__(
+        self, fleet: FleetSettings, clock: SimClock, *, event_delay_s: float, stale_after_s: float
+    ) -> None:
+        self._model = fleet.model
+        self._delay = event_delay_s
+        self.index = MemoryIndex()
+        self.registry = Registry(_specs(fleet), stale_after_s=stale_after_s, clock=clock)
+        self._ingestor = Ingestor(self.index)
+        self._pending: collections.deque[tuple[float, str, list[Event]]] = collections.deque()
+        self._seq: dict[str, int] = {}
+        for rid in fleet.replica_ids():
+            self.registry.update(StreamId(rid), connected=True, block_size=fleet.block_size)
+
+    def emitted(self, replica: str, events: list[Event], now: float) -> None:
+        self._pending.append((now, replica, events))
+
+    def deliver(self, now: float) -> None:
+        pending = self._pending
+        while pending and pending[0][0] + self._delay <= now:
+            emitted_at, replica, events = pending.popleft()
+            seq = self._seq[replica] = self._seq.get(replica, -1) + 1
+            stream = StreamId(replica)
+            batch = EventBatch(seq=seq, ts=emitted_at, rank=0, events=tuple(events))
+            self._ingestor.apply(stream, self._model, batch)
+            self.registry.heard(stream, seq=seq, engine_ts=emitted_at)
+
+    def close(self) -> None:
+        self.index.close()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class ZmqSink:
+    """Events sent in vLLM's wire format over ZeroMQ (loopback) to a real indexer."""
+
+    def __init__(self, fleet: FleetSettings, *, event_delay_s: float, stale_after_s: float) -> None:
+        self._delay = event_delay_s
+        bind = f"tcp://127.0.0.1:{_free_port()}"
+        settings = IndexerSettings(replicas=_specs(fleet), bind=bind, stale_after_s=stale_after_s)
+        self.index = MemoryIndex()
+        self._service = IndexerService.build(settings, self.index)
+        self.registry = self._service.registry
+        self._service.start()
+        self._publishers = {
+            rid: EventPublisher(bind, topic=f"kv@{rid}@{fleet.model}", bind=False)
+            for rid in fleet.replica_ids()
+        }
+        self._pending: collections.deque[tuple[float, str, list[Event]]] = collections.deque()
+        self._sent: dict[str, int] = {}
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Publish an empty batch per replica until the indexer sees each (slow joiner)."""
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            for rid, publisher in self._publishers.items():
+                if self._applied(rid) < 0:
+                    self._sent[rid] = publisher.publish([], ts=0.0)
+            if all(self._applied(rid) >= 0 for rid in self._publishers):
+                return
+            time.sleep(0.05)
+        raise SimulationError("the indexer did not hear the simulated replicas within 10 s")
+
+    def _applied(self, replica: str) -> int:
+        status = self.registry.status(StreamId(replica))
+        return -1 if status is None else status.last_seq
+
+    def emitted(self, replica: str, events: list[Event], now: float) -> None:
+        self._pending.append((now, replica, events))
+
+    def deliver(self, now: float) -> None:
+        pending = self._pending
+        touched: set[str] = set()
+        while pending and pending[0][0] + self._delay <= now:
+            emitted_at, replica, events = pending.popleft()
+            self._sent[replica] = self._publishers[replica].publish(events, ts=emitted_at)
+            touched.add(replica)
+        deadline = time.monotonic() + 30.0
+        while any(self._applied(r) < self._sent[r] for r in touched):
+            if time.monotonic() > deadline:
+                raise SimulationError("the indexer fell behind by more than 30 s")
+            time.sleep(0.0005)
+
+    def close(self) -> None:
+        for publisher in self._publishers.values():
+            publisher.close()
+        self._service.stop()
+
+
+# --- routers ------------------------------------------------------------------------------
+
+
+class ScorerRouter:
+    """Routes through :class:`api.scorer.Scorer` (``POST /score`` as a library call)."""
+
+    def __init__(
+        self,
+        spec: PolicySpec,
+        fleet: FleetSettings,
+        *,
+        sink: EventSink | None,
+        clock: SimClock,
+        seed: int,
+        stale_after_s: float = 300.0,
+    ) -> None:
+        self._spec = spec
+        self._model = fleet.model
+        self._clock = clock
+        self._sink = sink
+        registry = sink.registry if sink else Registry(_specs(fleet), clock=clock)
+        index = sink.index if sink else MemoryIndex()
+        settings = ApiSettings(
+            default_policy=spec.policy,
+            models=(ModelSpec(fleet.model, block_size=fleet.block_size),),
+            seed=seed,
+        )
+        self._loads = MemoryLoadStore()
+        self._scorer = Scorer(
+            settings,
+            index,
+            registry,
+            self._loads,
+            tokenizers=lambda _model: None,
+            blocking_store=False,
+            clock=clock,
+        )
+
+    async def route(self, job: Job, now: float, loads: Sequence[ReplicaLoad]) -> str:
+        self._clock.now = now
+        if self._sink is not None:
+            self._sink.deliver(now)
+        for load in loads:
+            self._loads.put(
+                load.replica, Load(load.running, load.waiting, load.kv_usage, now, "push")
+            )
+        request = ScoreRequest(
+            model=self._model,
+            token_ids=job.tokens,
+            session=job.request.session,
+            weights=self._spec.weights or None,
+        )
+        answer = await self._scorer.score(request)
+        return answer.best if answer.best is not None else loads[0].replica
+
+    def emitted(self, replica: str, events: list[Event], now: float) -> None:
+        if self._sink is not None:
+            self._sink.emitted(replica, events, now)
+
+    def close(self) -> None:
+        if self._sink is not None:
+            self._sink.close()
+
+
+class OracleRouter:
+    """``kv_aware`` with instant, perfect knowledge of every replica's cache."""
+
+    def __init__(self, spec: PolicySpec, *, seed: int) -> None:
+        self._weights = Weights().overridden(spec.weights)
+        self._cache_of: Callable[[str], BlockCache] | None = None
+        self._rng = random.Random(seed)
+
+    def watch(self, cache_of: Callable[[str], BlockCache]) -> None:
+        """Read each replica's pool through ``cache_of`` (the fleet being simulated)."""
+        self._cache_of = cache_of
+
+    async def route(self, job: Job, now: float, loads: Sequence[ReplicaLoad]) -> str:
+        cands = [self._candidate(job.chain, load) for load in loads]
+        decision = rank(
+            kv_aware(cands, len(job.chain), self._weights), cands, self._weights, self._rng
+        )
+        return decision.best if decision.best is not None else loads[0].replica
+
+    def _candidate(self, chain: Sequence[int], load: ReplicaLoad) -> Candidate:
+        if self._cache_of is None:
+            raise SimulationError("OracleRouter.watch() was not called")
+        cache = self._cache_of(load.replica)
+        matched = 0
+        for block in chain:
+            if not cache.is_cached(block):
+                break
+            matched += 1
+        return Candidate(
+            load.replica,
+            (Tier.GPU,) * matched,
+            Freshness.LIVE,
+            LoadInput(load.running, load.waiting, load.kv_usage, 0.0),
+        )
+
+    def emitted(self, replica: str, events: list[Event], now: float) -> None:
+        """The oracle reads the pools themselves."""
+
+    def close(self) -> None:
+        """Nothing to release."""
