@@ -208,7 +208,10 @@ def _error_response(exc: Exception) -> Response:
     """The one place errors become HTTP answers."""
     for kinds, status, name in _STATUS_OF:
         if isinstance(exc, kinds):
-            return _json(ErrorBody(name, str(exc)), status)
+            response = _json(ErrorBody(name, str(exc)), status)
+            if status == 401:  # RFC 6750: say which scheme to use
+                response.headers["www-authenticate"] = 'Bearer realm="kvindex"'
+            return response
     return _json(ErrorBody("internal", str(exc)), 500)
 
 

@@ -677,7 +677,9 @@ def test_every_route_but_health_needs_the_bearer_token(make_api: ApiFactory) -> 
     guarded = [(m, p) for m, p in routes if p not in HEALTH]
     assert {p for _, p in guarded} >= {"/score", "/load", "/replicas", "/stats", "/metrics"}
     for method, path in guarded:
-        assert api.request(method, path).status_code == 401, (method, path)
+        refused = api.request(method, path)
+        assert refused.status_code == 401, (method, path)
+        assert refused.headers["www-authenticate"] == 'Bearer realm="kvindex"'
         wrong = {"Authorization": "Bearer not-it"}
         assert api.request(method, path, headers=wrong).status_code == 401, (method, path)
     for path in HEALTH:
