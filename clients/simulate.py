@@ -30,7 +30,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from clients.replica_sim import BlockCache
-from clients.sim_fleet import FleetResult, FleetSettings, FleetSim, Outcome, Prompts
+from clients.sim_fleet import (
+    FleetResult,
+    FleetSettings,
+    FleetSim,
+    Outcome,
+    Prompts,
+    SimulationError,
+)
 from clients.sim_routing import (
     INDEX_POLICIES,
     ORACLE,
@@ -70,6 +77,14 @@ class SimulateSettings:
     seed: int = 0
     via_zmq: bool = False
     """Send events over real ZeroMQ (loopback) to an in-process indexer."""
+
+    def __post_init__(self) -> None:
+        if not self.speed > 0 or not math.isfinite(self.speed):
+            raise SimulationError(f"speed must be a positive number, got {self.speed}")
+        if not 0 <= self.event_delay_s < math.inf:
+            raise SimulationError(f"event delay must be >= 0 seconds, got {self.event_delay_s}")
+        if not self.policies:
+            raise SimulationError("no policies to compare")
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,12 +307,15 @@ def simulate_main(
     with progress:
         report = run_simulation(settings, requests, progress_for=progress_for, source=source)
     console.print(report_table(report))
-    if json_path is not None:
-        json_path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
-        console.print(f"wrote {json_path}")
-    if plot_path is not None:
-        plot(report, plot_path)
-        console.print(f"wrote {plot_path}")
+    try:
+        if json_path is not None:
+            json_path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+            console.print(f"wrote {json_path}")
+        if plot_path is not None:
+            plot(report, plot_path)
+            console.print(f"wrote {plot_path}")
+    except OSError as exc:
+        raise SimulationError(f"cannot write the results: {exc}") from exc
     return report
 
 

@@ -64,6 +64,12 @@ def test_simulate_a_trace_writes_the_table_json_and_plot(tmp_path: Path) -> None
         ([], "exactly one of --trace"),
         (["--workload", "unique", "--policies", "best"], "not one of"),
         (["--workload", "unique", "--capacity-blocks", "0"], "capacity_blocks"),
+        (["--workload", "unique", "--speed", "0"], "speed"),
+        (["--workload", "unique", "--event-delay", "-1"], "event delay"),
+        (
+            ["--workload", "unique", "--requests", "5", "--json", "/nonexistent/x.json"],
+            "cannot write",
+        ),
     ],
 )
 def test_simulate_refuses_bad_arguments(args: list[str], message: str) -> None:
