@@ -2,10 +2,11 @@
 
 * :class:`ScorerRouter` asks :class:`api.scorer.Scorer` (the code behind ``POST /score``)
   for every request, with the replicas' current load pushed as ``POST /load`` would. Policies
-  that read the index (``kv_aware``) get the replicas' KV events through a sink:
-  :class:`IngestSink` applies them with the indexer's own :class:`~indexer.ingest.Ingestor`
-  into a :class:`~indexer.memory_store.MemoryIndex`, ``event_delay_s`` after the replica
-  emitted them (the registry records each stream's seq and lag as the subscriber does);
+  that read the index (``kv_aware``) get the replicas' KV events through a sink,
+  ``event_delay_s`` after the replica emitted them: :class:`IngestSink` encodes them in
+  vLLM's wire format and hands the frames to the indexer's own
+  :class:`~indexer.subscriber.Subscriber` (decode, ordering, ingest, registry; no sockets)
+  over a :class:`~indexer.memory_store.MemoryIndex`;
   :class:`ZmqSink` sends them in vLLM's wire format over real ZeroMQ (one PUB per replica,
   connecting to the bound SUB of an in-process :class:`~indexer.service.IndexerService`
   on a free loopback port) and waits until the indexer has applied them. Other policies
@@ -40,15 +41,15 @@ from api.scoring import (
     rank,
 )
 from api.settings import ApiSettings, ModelSpec
-from clients.publisher import EventPublisher
+from clients.publisher import EventPublisher, encode_batch
 from clients.replica_sim import BlockCache
 from clients.sim_fleet import FleetSettings, Job, ReplicaLoad, SimulationError
-from indexer.events import Event, EventBatch, StreamId, Tier
-from indexer.ingest import Ingestor
+from indexer.events import Event, StreamId, Tier
 from indexer.memory_store import MemoryIndex
 from indexer.registry import Freshness, Registry
 from indexer.service import IndexerService
 from indexer.settings import IndexerSettings, ReplicaSpec
+from indexer.subscriber import Subscriber
 
 ORACLE = "oracle"
 INDEX_POLICIES = frozenset({Policy.KV_AWARE})
@@ -117,20 +118,24 @@ def _specs(fleet: FleetSettings) -> tuple[ReplicaSpec, ...]:
 
 
 class IngestSink:
-    """Events applied in-process through the indexer's :class:`Ingestor`."""
+    """Events encoded as a vLLM publisher would (frames ``[topic, seq, payload]``) and
+    handed to the indexer's :class:`~indexer.subscriber.Subscriber` as its socket loop
+    would: wire decoding, per-stream ordering, the :class:`~indexer.ingest.Ingestor` and the
+    registry's bookkeeping all run; only the sockets are left out."""
 
     def __init__(
         self, fleet: FleetSettings, clock: SimClock, *, event_delay_s: float, stale_after_s: float
     ) -> None:
-        self._model = fleet.model
         self._delay = event_delay_s
         self.index = MemoryIndex()
-        self.registry = Registry(_specs(fleet), stale_after_s=stale_after_s, clock=clock)
-        self._ingestor = Ingestor(self.index)
+        settings = IndexerSettings(replicas=_specs(fleet), stale_after_s=stale_after_s)
+        self.registry = Registry(settings.replicas, stale_after_s=stale_after_s, clock=clock)
+        self._subscriber = Subscriber(settings, self.index, self.registry, clock=clock)
+        self._topics = {r: f"kv@{r}@{fleet.model}".encode() for r in fleet.replica_ids()}
         self._pending: collections.deque[tuple[float, str, list[Event]]] = collections.deque()
         self._seq: dict[str, int] = {}
         for rid in fleet.replica_ids():
-            self.registry.update(StreamId(rid), connected=True, block_size=fleet.block_size)
+            self.registry.update(StreamId(rid), connected=True)
 
     def emitted(self, replica: str, events: list[Event], now: float) -> None:
         self._pending.append((now, replica, events))
@@ -140,10 +145,9 @@ class IngestSink:
         while pending and pending[0][0] + self._delay <= now:
             emitted_at, replica, events = pending.popleft()
             seq = self._seq[replica] = self._seq.get(replica, -1) + 1
-            stream = StreamId(replica)
-            batch = EventBatch(seq=seq, ts=emitted_at, rank=0, events=tuple(events))
-            self._ingestor.apply(stream, self._model, batch)
-            self.registry.heard(stream, seq=seq, engine_ts=emitted_at)
+            payload = encode_batch(events, ts=emitted_at, rank=0, encoding="map")
+            frames = [self._topics[replica], seq.to_bytes(8, "big"), payload]
+            self._subscriber.handle_frames([frames], StreamId(replica))
 
     def close(self) -> None:
         self.index.close()
