@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+
 from api.load import Load, LoadStore, is_newer_or_same
 from api.schemas import FreshnessView, LoadView, ScoreEntry, ScoreRequest, ScoreResponse
 from api.scoring import (
@@ -43,9 +45,10 @@ from api.settings import ApiSettings
 from api.tokenize import Tokenizer
 from indexer.errors import KvIndexError
 from indexer.events import StreamId, Tier
-from indexer.index import BlockIndex, IndexUnavailableError, PrefixMatch
+from indexer.index import NO_MATCH, BlockIndex, IndexUnavailableError, PrefixMatch
 from indexer.keys import BlockKeyError, block_keys
 from indexer.registry import Freshness, RegistryView, StreamFreshness
+from indexer.settings import ReplicaSpec
 
 _KEY_LIMIT = 2**64
 
@@ -65,6 +68,22 @@ class _Lookup:
     matches: dict[str, PrefixMatch] = field(default_factory=dict)
     ranks: dict[str, int] = field(default_factory=dict)
     degraded: str | None = None
+
+
+_Streams = tuple[StreamId, ...]
+_StreamsBasis = tuple[tuple[str, ...], tuple[ReplicaSpec, ...], tuple[StreamId, ...]]
+"""Candidates, the registry's specs, the streams heard of: all the stream list depends on."""
+
+
+def _all_streams(
+    replicas: Sequence[str], specs: Sequence[ReplicaSpec], heard: Sequence[StreamId]
+) -> _Streams:
+    """Every rank of every replica (declared or heard of), sorted: ranks ascend, so the
+    lowest rank wins a tie in :meth:`Scorer._lookup`."""
+    wanted = set(replicas)
+    streams = {StreamId(r.id, rank) for r in specs if r.id in wanted for rank in range(r.dp_size)}
+    streams.update(s for s in heard if s.replica in wanted)
+    return tuple(sorted(streams))
 
 
 class Scorer:
@@ -91,6 +110,7 @@ class Scorer:
         self._rng = random.Random(settings.seed)
         self._round_robin: dict[str, itertools.count[int]] = {}
         self._last_loads: dict[str, Load] = {}
+        self._streams_memo: tuple[_StreamsBasis, _Streams] | None = None
 
     def note_load(self, replica: str, load: Load) -> None:
         """Remember a load this process accepted (``POST /load``), so that an answer made
@@ -107,17 +127,18 @@ class Scorer:
         return sorted(configured | set(self._registry.models()))
 
     async def score(self, request: ScoreRequest) -> ScoreResponse:
-        candidates = self._candidates(request)
+        specs = self._registry.replicas()
+        candidates = self._candidates(request, specs)
         weights = self._weights(request)
         policy = self._policy(request)
         block_size = self.block_size(request.model)
         tokens, keys = await self._keys(request, block_size)
-        lookup = await self._lookup(keys, candidates, policy)
+        lookup = await self._lookup(keys, self._streams(candidates, specs))
         loads = await self._load_of(candidates)
-        statuses = self._statuses(candidates)
-        cands = [self._candidate(r, lookup, loads, statuses) for r in candidates]
+        facts = self._facts(candidates, lookup, loads)
+        cands = [f.candidate for f in facts.values()]
         decision = self._decide(policy, cands, keys, request, weights)
-        entries = [self._entry(s, lookup, loads, statuses, block_size) for s in decision.ranked]
+        entries = [_entry(s, facts[s.replica], block_size) for s in decision.ranked]
         return ScoreResponse(
             model=request.model,
             block_size=block_size,
@@ -132,8 +153,8 @@ class Scorer:
 
     # --- 1. model, candidates, policy, weights ------------------------------------------
 
-    def _candidates(self, request: ScoreRequest) -> list[str]:
-        serving = [r.id for r in self._registry.replicas() if r.model == request.model]
+    def _candidates(self, request: ScoreRequest, specs: Sequence[ReplicaSpec]) -> list[str]:
+        serving = [r.id for r in specs if r.model == request.model]
         if not serving and request.model not in self.known_models():
             raise UnknownModelError(
                 f"unknown model {request.model!r}; known models: {self.known_models()}"
@@ -223,8 +244,7 @@ class Scorer:
 
     # --- 4. lookup -------------------------------------------------------------------------
 
-    async def _lookup(self, keys: list[int], replicas: Sequence[str], policy: Policy) -> _Lookup:
-        streams = self._streams(replicas)
+    async def _lookup(self, keys: list[int], streams: _Streams) -> _Lookup:
         try:
             if self._blocking:
                 found = await asyncio.to_thread(self._index.longest_prefix, keys, streams)
@@ -240,16 +260,16 @@ class Scorer:
                 lookup.ranks[stream.replica] = stream.rank
         return lookup
 
-    def _streams(self, replicas: Sequence[str]) -> list[StreamId]:
-        wanted = set(replicas)
-        streams = [
-            StreamId(r.id, rank)
-            for r in self._registry.replicas()
-            if r.id in wanted
-            for rank in range(r.dp_size)
-        ]
-        seen = {s for s in self._registry.stream_ids() if s.replica in wanted}
-        return sorted(set(streams) | seen)
+    def _streams(self, replicas: Sequence[str], specs: Sequence[ReplicaSpec]) -> _Streams:
+        """Every stream of the candidates; remembered until the candidates, the specs or the
+        streams heard of change (comparing them is much cheaper than rebuilding)."""
+        basis = (tuple(replicas), tuple(specs), tuple(self._registry.stream_ids()))
+        memo = self._streams_memo
+        if memo is not None and memo[0] == basis:
+            return memo[1]
+        streams = _all_streams(*basis)
+        self._streams_memo = (basis, streams)
+        return streams
 
     # --- 5. load ---------------------------------------------------------------------------
 
@@ -261,39 +281,29 @@ class Scorer:
                 loads = self._loads.get_many(replicas)
         except IndexUnavailableError:
             return {r: self._last_loads[r] for r in replicas if r in self._last_loads}
+        remembered = self._last_loads
         for replica, load in loads.items():
-            self.note_load(replica, load)
+            if remembered.get(replica) is not load:  # the in-process store returns the same
+                self.note_load(replica, load)
         return loads
 
-    def _statuses(self, replicas: Sequence[str]) -> dict[str, list[StreamFreshness]]:
-        wanted = set(replicas)
+    def _statuses(self) -> dict[str, list[StreamFreshness]]:
+        """Every stream's freshness, by replica."""
         out: dict[str, list[StreamFreshness]] = {}
         for status in self._registry.freshness():
-            if status.stream.replica in wanted:
-                out.setdefault(status.stream.replica, []).append(status)
+            out.setdefault(status.stream.replica, []).append(status)
         return out
 
     # --- 6. decision -----------------------------------------------------------------------
 
-    def _candidate(
-        self,
-        replica: str,
-        lookup: _Lookup,
-        loads: dict[str, Load],
-        statuses: dict[str, list[StreamFreshness]],
-    ) -> Candidate:
-        load = loads.get(replica)
-        load_input = None
-        if load is not None:
-            age = max(0.0, self._clock() - load.ts)
-            load_input = LoadInput(load.running, load.waiting, load.kv_usage, age)
-        match = lookup.matches.get(replica)
-        return Candidate(
-            replica,
-            match.tiers if match else (),
-            _freshness(statuses.get(replica, [])),
-            load_input,
-        )
+    def _facts(
+        self, replicas: Sequence[str], lookup: _Lookup, loads: dict[str, Load]
+    ) -> dict[str, _Facts]:
+        """What the answer says of each candidate, gathered once (in candidate order); one
+        clock reading for every load's age."""
+        statuses = self._statuses()
+        now = self._clock()
+        return {r: _facts(r, lookup, loads.get(r), statuses.get(r, ()), now) for r in replicas}
 
     def _decide(
         self,
@@ -331,53 +341,82 @@ class Scorer:
         chosen = self._rng.choice(cands).replica if cands else None
         return constant(cands, chosen, "random")
 
-    def _entry(
-        self,
-        scored: Scored,
-        lookup: _Lookup,
-        loads: dict[str, Load],
-        statuses: dict[str, list[StreamFreshness]],
-        block_size: int,
-    ) -> ScoreEntry:
-        replica = scored.replica
-        match = lookup.matches.get(replica) or PrefixMatch()
-        tiers = {name: match.tiers.count(tier) for tier, name in _TIER_NAMES}
-        return ScoreEntry(
-            replica=replica,
-            rank=lookup.ranks.get(replica, 0),
-            matched_blocks=match.num_blocks,
-            matched_tokens=match.num_blocks * block_size,
-            tiers=tiers,
-            load=self._load_view(loads.get(replica)),
-            freshness=_freshness_view(statuses.get(replica, [])),
-            terms=scored.terms,
-            score=scored.score,
-        )
 
-    def _load_view(self, load: Load | None) -> LoadView | None:
-        if load is None:
-            return None
-        age = max(0.0, self._clock() - load.ts)
-        return LoadView(load.running, load.waiting, load.kv_usage, age, load.source)
+class _Facts(msgspec.Struct, frozen=True):
+    """One candidate as the policy sees it and as its entry reports it."""
+
+    candidate: Candidate
+    match: PrefixMatch
+    rank: int
+    load: LoadView | None
+    freshness: FreshnessView
 
 
+def _facts(
+    replica: str,
+    lookup: _Lookup,
+    load: Load | None,
+    statuses: Sequence[StreamFreshness],
+    now: float,
+) -> _Facts:
+    state, freshness = _freshness_view(statuses)
+    load_input = load_view = None
+    if load is not None:
+        age = max(0.0, now - load.ts)  # Load.age_s, inlined (per candidate per request)
+        load_input = LoadInput(load.running, load.waiting, load.kv_usage, age)
+        load_view = LoadView(load.running, load.waiting, load.kv_usage, age, load.source)
+    match = lookup.matches.get(replica, NO_MATCH)
+    candidate = Candidate(replica, match.tiers, state, load_input)
+    return _Facts(candidate, match, lookup.ranks.get(replica, 0), load_view, freshness)
+
+
+def _entry(scored: Scored, facts: _Facts, block_size: int) -> ScoreEntry:
+    num_blocks = facts.match.num_blocks
+    return ScoreEntry(
+        replica=scored.replica,
+        rank=facts.rank,
+        matched_blocks=num_blocks,
+        matched_tokens=num_blocks * block_size,
+        tiers=_tier_counts(facts.match.tiers),
+        load=facts.load,
+        freshness=facts.freshness,
+        terms=scored.terms,
+        score=scored.score,
+    )
+
+
+def _tier_counts(tiers: tuple[Tier, ...]) -> dict[str, int]:
+    """Matched blocks by tier name; one pass in the common case (all on GPU, or none)."""
+    num_gpu = tiers.count(_GPU)
+    if num_gpu == len(tiers):
+        return {"gpu": num_gpu, "cpu": 0, "other": 0}
+    return {name: tiers.count(tier) for tier, name in _TIER_NAMES}
+
+
+_GPU = Tier.GPU  # read through the class, an enum member costs ~0.2 µs (Python 3.11)
 _TIER_NAMES = tuple((tier, tier.name.lower()) for tier in Tier)
 _WORST = {Freshness.LIVE: 0, Freshness.REPLAYING: 1, Freshness.STALE: 2}
 
 
-def _freshness(statuses: list[StreamFreshness]) -> Freshness:
+def _freshness(statuses: Sequence[StreamFreshness]) -> Freshness:
     """A replica is as fresh as its least fresh stream; never heard of counts as stale."""
     if not statuses:
         return Freshness.STALE
     return max((s.freshness for s in statuses), key=_WORST.__getitem__)
 
 
-def _freshness_view(statuses: list[StreamFreshness]) -> FreshnessView:
+def _freshness_view(statuses: Sequence[StreamFreshness]) -> tuple[Freshness, FreshnessView]:
+    # ``_value_`` is ``value`` without the enum property's cost (~0.15 µs on Python 3.11).
+    if len(statuses) == 1:  # one stream (no data parallelism): the replica's view is its own
+        status = statuses[0]
+        state = status.freshness
+        return state, FreshnessView(state._value_, status.lag_s, status.silent_s)
     state = _freshness(statuses)
     lags = [s.lag_s for s in statuses if s.lag_s is not None]
     silent = [s.silent_s for s in statuses if s.silent_s is not None]
-    return FreshnessView(
-        state=state.value,
+    view = FreshnessView(
+        state=state._value_,
         lag_s=max(lags) if lags else None,
         silent_s=min(silent) if silent else None,
     )
+    return state, view

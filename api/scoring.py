@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+import msgspec
 import xxhash
 
 from indexer.errors import KvIndexError
@@ -106,16 +107,18 @@ class Weights:
         return {f.name: float(getattr(self, f.name)) for f in fields(self)}
 
 
-@dataclass(frozen=True, slots=True)
-class LoadInput:
+# The per-request types below are frozen msgspec Structs rather than frozen dataclasses: a
+# request builds one of each per candidate, and a Struct is built ~10x faster.
+
+
+class LoadInput(msgspec.Struct, frozen=True):
     running: float
     waiting: float
     kv_usage: float
     age_s: float
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
+class Candidate(msgspec.Struct, frozen=True):
     """What the scorer knows of one replica for one request."""
 
     replica: str
@@ -125,15 +128,13 @@ class Candidate:
     load: LoadInput | None
 
 
-@dataclass(frozen=True, slots=True)
-class Scored:
+class Scored(msgspec.Struct, frozen=True):
     replica: str
     score: float
     terms: dict[str, float]
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
+class Decision(msgspec.Struct, frozen=True):
     best: str | None
     ranked: list[Scored]
     """Best first."""
@@ -143,38 +144,49 @@ def load_penalty(load: LoadInput | None, w: Weights) -> tuple[float, float]:
     """(penalty, recency) of a replica's load; unknown load costs nothing."""
     if load is None:
         return 0.0, 0.0
-    recency = 0.5 ** (max(load.age_s, 0.0) / w.load_half_life_s) if w.load_half_life_s else 1.0
+    half_life, age = w.load_half_life_s, load.age_s
+    # ``0.0 if age < 0.0 else age`` is ``max(age, 0.0)`` without the call (hot: per candidate).
+    recency = 0.5 ** ((0.0 if age < 0.0 else age) / half_life) if half_life else 1.0
     raw = w.waiting * load.waiting + w.running * load.running + w.kv_usage * load.kv_usage
     return raw * recency, recency
 
 
 def cache_credit(c: Candidate, num_blocks: int, w: Weights) -> tuple[float, float]:
     """(credit, freshness factor): tier-weighted fraction of the prompt cached."""
-    if num_blocks == 0 or not c.tiers:
-        return 0.0, _freshness_factor(c.freshness, w)
+    factor = _freshness_factor(c.freshness, w)
     tiers = c.tiers
-    num_gpu, num_cpu = tiers.count(Tier.GPU), tiers.count(Tier.CPU)
+    if num_blocks == 0 or not tiers:
+        return 0.0, factor
+    num_gpu = tiers.count(_GPU)
+    # All on GPU is the common case: one pass (the zero terms below add nothing).
+    num_cpu = 0 if num_gpu == len(tiers) else tiers.count(_CPU)
     num_other = len(tiers) - num_gpu - num_cpu
     weighted = (w.gpu * num_gpu + w.cpu * num_cpu + w.other * num_other) / num_blocks
-    factor = _freshness_factor(c.freshness, w)
     return w.cache * weighted * factor, factor
 
 
 def _freshness_factor(freshness: Freshness, w: Weights) -> float:
-    if freshness is Freshness.STALE:
+    if freshness is _STALE:
         return w.stale_factor
-    if freshness is Freshness.REPLAYING:
+    if freshness is _REPLAYING:
         return w.replaying_factor
     return 1.0
 
 
+# Reading an enum member through its class (``Tier.GPU``) costs ~0.1-0.2 µs on Python 3.11:
+# the functions above run per candidate per request, so they use these aliases.
+_GPU, _CPU = Tier.GPU, Tier.CPU
+_STALE, _REPLAYING = Freshness.STALE, Freshness.REPLAYING
+
+
 def kv_aware(cands: Sequence[Candidate], num_blocks: int, w: Weights) -> list[Scored]:
-    out = []
+    out: list[Scored] = []
+    append = out.append
     for c in cands:
         cache, factor = cache_credit(c, num_blocks, w)
         load, recency = load_penalty(c.load, w)
         terms = {"cache": cache, "freshness_factor": factor, "load": -load, "load_recency": recency}
-        out.append(Scored(c.replica, cache - load, terms))
+        append(Scored(c.replica, cache - load, terms))
     return out
 
 
@@ -217,13 +229,21 @@ def rank(
     """Order best first: by score, then lower load, then chance; softmax if temperature."""
     if not scored:
         return Decision(None, [])
-    loads = {c.replica: load_penalty(c.load, w)[0] for c in cands}
+    # One draw per replica, tie or not, so that later draws do not depend on the scores.
     tiebreak = {s.replica: rng.random() for s in scored}
-    ordered = sorted(scored, key=lambda s: (-s.score, loads[s.replica], tiebreak[s.replica]))
+    if len({s.score for s in scored}) == len(scored):  # no tie: the score alone orders
+        ordered = sorted(scored, key=_minus_score)
+    else:
+        loads = {c.replica: load_penalty(c.load, w)[0] for c in cands}
+        ordered = sorted(scored, key=lambda s: (-s.score, loads[s.replica], tiebreak[s.replica]))
     if w.temperature > 0 and len(ordered) > 1:
         best = _softmax_pick(ordered, w.temperature, rng)
         ordered = [best] + [s for s in ordered if s is not best]
     return Decision(ordered[0].replica, ordered)
+
+
+def _minus_score(s: Scored) -> float:
+    return -s.score
 
 
 def _softmax_pick(ordered: list[Scored], temperature: float, rng: random.Random) -> Scored:

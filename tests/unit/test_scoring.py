@@ -158,6 +158,17 @@ def test_freshness_multiplies_the_cache_credit(freshness: Freshness, factor: flo
     assert credit == pytest.approx(0.5 * factor)
 
 
+def test_all_gpu_credit_is_exactly_the_gpu_weight_times_the_fraction() -> None:
+    for num in range(1, 9):
+        credit, _ = cache_credit(cand("r", [GPU] * num), 8, W)
+        assert credit == W.cache * (W.gpu * num / 8)
+
+
+def test_cache_credit_counts_each_tier_wherever_it_sits() -> None:
+    credit, _ = cache_credit(cand("r", [CPU, GPU, OTHER, GPU, CPU]), 5, W)
+    assert credit == pytest.approx((2 * W.gpu + 2 * W.cpu + W.other) / 5)
+
+
 def test_no_match_or_empty_prompt_earns_nothing() -> None:
     assert cache_credit(cand("r"), 4, W)[0] == 0.0
     assert cache_credit(cand("r", [GPU]), 0, W)[0] == 0.0
@@ -258,6 +269,18 @@ def test_rank_breaks_ties_by_lower_load_then_by_chance() -> None:
     even = [Scored("a", 0.5, {}), Scored("b", 0.5, {})]
     picks = {rank(even, unloaded, W, random.Random(seed)).best for seed in range(20)}
     assert picks == {"a", "b"}
+
+
+def test_rank_draws_one_tiebreak_per_replica_tie_or_not() -> None:
+    cands = [cand(name) for name in "abc"]
+    distinct = [Scored("a", 0.3, {}), Scored("b", 0.2, {}), Scored("c", 0.1, {})]
+    tied = [Scored(c.replica, 0.0, {}) for c in cands]
+    after = []
+    for scored in (distinct, tied):
+        rng = random.Random(5)
+        rank(scored, cands, W, rng)
+        after.append(rng.random())
+    assert after[0] == after[1]
 
 
 def test_rank_of_nothing_has_no_best() -> None:

@@ -1,0 +1,144 @@
+"""api.scorer: ``POST /score`` as a library call, on the in-process stores with a fixed clock.
+
+The HTTP behaviour is pinned by tests/integration/test_api.py; these tests pin what the
+scorer gathers per candidate (rank, tiers, freshness over data-parallel streams, load age)
+and that the stream list it remembers follows the registry."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from api.load import Load, MemoryLoadStore
+from api.schemas import FreshnessView, LoadView, ScoreEntry, ScoreRequest, ScoreResponse
+from api.scorer import Scorer
+from api.scoring import Weights
+from api.settings import ApiSettings
+from indexer.events import StreamId, Tier
+from indexer.index import Op, OpKind
+from indexer.keys import block_keys
+from indexer.memory_store import MemoryIndex
+from indexer.registry import Registry
+from indexer.settings import ReplicaSpec
+
+MODEL = "m"
+NOW = 1_000.0
+TOKENS = list(range(1, 65))
+"""Four blocks of 16."""
+KEYS = block_keys(MODEL, TOKENS, 16)
+W = Weights()
+
+
+class Fleet:
+    """Replicas ``a`` (two ranks), ``b`` and ``c`` of one model; a clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = NOW
+        specs = (
+            ReplicaSpec("a", MODEL, dp_size=2),
+            ReplicaSpec("b", MODEL),
+            ReplicaSpec("c", MODEL),
+        )
+        self.registry = Registry(specs, clock=self.clock)
+        self.index = MemoryIndex()
+        self.loads = MemoryLoadStore()
+        self.scorer = Scorer(
+            ApiSettings(seed=1),
+            self.index,
+            self.registry,
+            self.loads,
+            tokenizers=lambda _: None,
+            blocking_store=False,
+            clock=self.clock,
+        )
+
+    def clock(self) -> float:
+        return self.now
+
+    def hold(self, stream: StreamId, num_blocks: int, tier: Tier = Tier.GPU) -> None:
+        """The stream holds the request's first blocks, and is heard of now."""
+        ops: list[Op] = [(OpKind.STORE, tier, i, k) for i, k in enumerate(KEYS[:num_blocks])]
+        self.index.apply(stream, 0, self.now, ops)
+        self.registry.heard(stream, seq=0, engine_ts=self.now - 0.5)
+
+    def score(self) -> dict[str, ScoreEntry]:
+        answer = asyncio.run(self.scorer.score(ScoreRequest(model=MODEL, token_ids=TOKENS)))
+        assert isinstance(answer, ScoreResponse)
+        return {e.replica: e for e in answer.scores}
+
+
+@pytest.fixture
+def fleet() -> Fleet:
+    fleet = Fleet()
+    fleet.now = NOW - 3.0
+    fleet.hold(StreamId("a", 0), 1)
+    fleet.now = NOW - 1.0
+    fleet.hold(StreamId("a", 1), 3)
+    fleet.registry.update(StreamId("a", 1), replaying=True)
+    fleet.hold(StreamId("b"), 2, Tier.CPU)
+    fleet.now = NOW
+    fleet.loads.put("a", Load(2.0, 1.0, 0.5, NOW - 10.0, "push"))
+    return fleet
+
+
+def test_replica_is_matched_on_its_best_rank_and_as_fresh_as_its_worst_stream(
+    fleet: Fleet,
+) -> None:
+    a = fleet.score()["a"]
+    assert (a.rank, a.matched_blocks, a.matched_tokens) == (1, 3, 48)
+    assert a.tiers == {"gpu": 3, "cpu": 0, "other": 0}
+    assert a.freshness == FreshnessView("replaying", lag_s=0.5, silent_s=1.0)
+    assert a.load == LoadView(2.0, 1.0, 0.5, 10.0, "push")
+    recency = 0.5 ** (10.0 / W.load_half_life_s)
+    load = (W.waiting * 1.0 + W.running * 2.0 + W.kv_usage * 0.5) * recency
+    cache = W.cache * (3 / 4) * W.replaying_factor
+    assert a.terms == {
+        "cache": cache,
+        "freshness_factor": W.replaying_factor,
+        "load": -load,
+        "load_recency": recency,
+    }
+    assert a.score == cache - load
+
+
+def test_single_stream_replica_reports_its_stream_and_tiers(fleet: Fleet) -> None:
+    b = fleet.score()["b"]
+    assert (b.rank, b.matched_blocks) == (0, 2)
+    assert b.tiers == {"gpu": 0, "cpu": 2, "other": 0}
+    assert b.freshness == FreshnessView("live", lag_s=0.5, silent_s=1.0)
+    assert b.load is None
+    assert b.terms["cache"] == W.cache * (2 * W.cpu / 4)
+
+
+def test_replica_never_heard_of_is_stale_without_a_match(fleet: Fleet) -> None:
+    c = fleet.score()["c"]
+    assert (c.rank, c.matched_blocks, c.tiers) == (0, 0, {"gpu": 0, "cpu": 0, "other": 0})
+    assert c.freshness == FreshnessView("stale", lag_s=None, silent_s=None)
+    assert c.terms["freshness_factor"] == W.stale_factor
+
+
+def test_streams_follow_replicas_added_and_removed(fleet: Fleet) -> None:
+    assert set(fleet.score()) == {"a", "b", "c"}
+    fleet.registry.add(ReplicaSpec("d", MODEL))
+    fleet.hold(StreamId("d"), 4)
+    assert fleet.score()["d"].matched_blocks == 4
+    fleet.registry.remove("d")
+    assert set(fleet.score()) == {"a", "b", "c"}
+
+
+def test_streams_follow_a_rank_heard_beyond_the_declared_ones(fleet: Fleet) -> None:
+    assert fleet.score()["c"].matched_blocks == 0
+    fleet.hold(StreamId("c", 2), 2)
+    c = fleet.score()["c"]
+    assert (c.rank, c.matched_blocks) == (2, 2)
+
+
+def test_streams_follow_a_spec_whose_ranks_change(fleet: Fleet) -> None:
+    fleet.index.apply(StreamId("b", 1), 0, NOW, [(OpKind.STORE, Tier.GPU, 9, KEYS[0])])
+    assert fleet.score()["b"].rank == 0
+    fleet.registry.add(ReplicaSpec("b", MODEL, dp_size=2))
+    fleet.index.apply(
+        StreamId("b", 1), 1, NOW, [(OpKind.STORE, Tier.GPU, i, k) for i, k in enumerate(KEYS)]
+    )
+    assert (fleet.score()["b"].rank, fleet.score()["b"].matched_blocks) == (1, 4)
