@@ -20,7 +20,6 @@ events were missed) and compares, block by block:
 from __future__ import annotations
 
 import json
-import logging
 import random
 import secrets
 import time
@@ -591,7 +590,6 @@ def _explain_missing(
 def check_hash_command(text_mode: bool, as_json: bool, **kw: Any) -> None:
     """Check that kvindex's block keys agree with a live replica's BlockStored events."""
     settings = CheckSettings(mode="text" if text_mode else "tokens", **kw)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise here
     try:
         report = run_check(settings)
     except CheckHashError as exc:

@@ -74,6 +74,8 @@ def main(verbose: bool) -> None:
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if not verbose:  # httpx logs one line per request (the /metrics scraper: several a second)
+        logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 @main.command()

@@ -13,7 +13,6 @@ carrying the server's error kind and detail, or saying the server could not be r
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import sys
@@ -264,8 +263,6 @@ def make_console() -> Console:
 @contextmanager
 def connected(url: str, token: str | None) -> Iterator[KvIndexClient]:
     """A client for ``url``; its failures leave as one-line :class:`click.ClickException`."""
-    if not logging.getLogger().isEnabledFor(logging.DEBUG):
-        logging.getLogger("httpx").setLevel(logging.WARNING)  # no request log line per view
     try:
         with KvIndexClient(url, token=token) as client:
             yield client
