@@ -48,6 +48,9 @@ class LoadView(msgspec.Struct):
     kv_usage: float
     age_s: float
     source: str
+    routed: int = 0
+    """Requests this API answered with this replica as ``best`` since the load was measured
+    (counted as load: ``weights.routed`` each)."""
 
 
 class FreshnessView(msgspec.Struct):

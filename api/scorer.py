@@ -111,6 +111,9 @@ class Scorer:
         self._round_robin: dict[str, itertools.count[int]] = {}
         self._last_loads: dict[str, Load] = {}
         self._streams_memo: tuple[_StreamsBasis, _Streams] | None = None
+        self._routed: dict[str, tuple[Load, int]] = {}
+        """Per replica: the load report it had when last chosen, and how many answers chose
+        it since that report."""
 
     def note_load(self, replica: str, load: Load) -> None:
         """Remember a load this process accepted (``POST /load``), so that an answer made
@@ -121,6 +124,18 @@ class Scorer:
     def forget(self, replica: str) -> None:
         """Drop what is remembered of a removed replica."""
         self._last_loads.pop(replica, None)
+        self._routed.pop(replica, None)
+
+    def _routed_since(self, replica: str, load: Load) -> int:
+        """Answers that chose ``replica`` since the report ``load`` (any other report
+        starts again from 0; no clocks are compared, so clock skew cannot matter)."""
+        since = self._routed.get(replica)
+        return since[1] if since is not None and since[0] == load else 0
+
+    def _note_routed(self, best: str | None, loads: dict[str, Load]) -> None:
+        load = loads.get(best) if best is not None else None
+        if best is not None and load is not None:
+            self._routed[best] = (load, self._routed_since(best, load) + 1)
 
     def known_models(self) -> list[str]:
         configured = {m.name for m in self._settings.models}
@@ -138,6 +153,7 @@ class Scorer:
         facts = self._facts(candidates, lookup, loads)
         cands = [f.candidate for f in facts.values()]
         decision = self._decide(policy, cands, keys, request, weights)
+        self._note_routed(decision.best, loads)
         entries = [_entry(s, facts[s.replica], block_size) for s in decision.ranked]
         return ScoreResponse(
             model=request.model,
@@ -303,7 +319,14 @@ class Scorer:
         clock reading for every load's age."""
         statuses = self._statuses()
         now = self._clock()
-        return {r: _facts(r, lookup, loads.get(r), statuses.get(r, ()), now) for r in replicas}
+        routed = self._routed_since
+        return {
+            r: _facts(
+                r, lookup, load, statuses.get(r, ()), now=now, routed=routed(r, load) if load else 0
+            )
+            for r in replicas
+            for load in (loads.get(r),)
+        }
 
     def _decide(
         self,
@@ -357,14 +380,16 @@ def _facts(
     lookup: _Lookup,
     load: Load | None,
     statuses: Sequence[StreamFreshness],
+    *,
     now: float,
+    routed: int,
 ) -> _Facts:
     state, freshness = _freshness_view(statuses)
     load_input = load_view = None
     if load is not None:
         age = max(0.0, now - load.ts)  # Load.age_s, inlined (per candidate per request)
-        load_input = LoadInput(load.running, load.waiting, load.kv_usage, age)
-        load_view = LoadView(load.running, load.waiting, load.kv_usage, age, load.source)
+        load_input = LoadInput(load.running, load.waiting, load.kv_usage, age, routed)
+        load_view = LoadView(load.running, load.waiting, load.kv_usage, age, load.source, routed)
     match = lookup.matches.get(replica, NO_MATCH)
     candidate = Candidate(replica, match.tiers, state, load_input)
     return _Facts(candidate, match, lookup.ranks.get(replica, 0), load_view, freshness)

@@ -7,13 +7,17 @@ settings, overridable per request), and every score is explained term by term.
 
     cache = w.cache · Σ tier_credit(tier of matched block) / num_blocks · freshness_factor
     load  = (w.waiting · waiting + w.running · running + w.kv_usage · kv_usage) · recency
+            + w.routed · routed
     score = cache - load
 
 ``tier_credit`` is ``w.gpu`` / ``w.cpu`` / ``w.other``; ``freshness_factor`` is 1 for a live
 stream, ``w.replaying_factor`` while it replays and ``w.stale_factor`` when stale;
 ``recency = 0.5 ** (age / w.load_half_life_s)``, so old load weighs less and unknown load
-weighs nothing. Ties go to the lower load, then to chance. With ``w.temperature > 0`` the
-winner is drawn from a softmax over scores instead of taken as the maximum.
+weighs nothing; ``routed`` counts the requests this API sent to the replica since its load
+was measured, which the report cannot show yet (without it, every request between two load
+reports herds onto the replica that looked idle at the first). Ties go to the lower load,
+then to chance. With ``w.temperature > 0`` the winner is drawn from a softmax over scores
+instead of taken as the maximum.
 """
 
 from __future__ import annotations
@@ -64,6 +68,10 @@ class Weights:
     """Penalty per running request."""
     kv_usage: float = 0.2
     """Penalty for a full KV cache (usage fraction 0..1)."""
+    routed: float = 0.1
+    """Penalty per request this API routed to the replica after its load was measured
+    (load the report cannot show yet: without it, every request between two load reports
+    goes to the replica that looked idle at the first)."""
     stale_factor: float = 0.5
     """Cache credit multiplier for a replica whose stream is stale."""
     replaying_factor: float = 0.8
@@ -116,6 +124,8 @@ class LoadInput(msgspec.Struct, frozen=True):
     waiting: float
     kv_usage: float
     age_s: float
+    routed: float = 0.0
+    """Requests routed to the replica since this load was measured (see ``Weights.routed``)."""
 
 
 class Candidate(msgspec.Struct, frozen=True):
@@ -148,7 +158,8 @@ def load_penalty(load: LoadInput | None, w: Weights) -> tuple[float, float]:
     # ``0.0 if age < 0.0 else age`` is ``max(age, 0.0)`` without the call (hot: per candidate).
     recency = 0.5 ** ((0.0 if age < 0.0 else age) / half_life) if half_life else 1.0
     raw = w.waiting * load.waiting + w.running * load.running + w.kv_usage * load.kv_usage
-    return raw * recency, recency
+    # Requests routed since the measurement are recent whatever the load's age: no decay.
+    return raw * recency + w.routed * load.routed, recency
 
 
 def cache_credit(c: Candidate, num_blocks: int, w: Weights) -> tuple[float, float]:

@@ -142,3 +142,26 @@ def test_streams_follow_a_spec_whose_ranks_change(fleet: Fleet) -> None:
         StreamId("b", 1), 1, NOW, [(OpKind.STORE, Tier.GPU, i, k) for i, k in enumerate(KEYS)]
     )
     assert (fleet.score()["b"].rank, fleet.score()["b"].matched_blocks) == (1, 4)
+
+
+def test_answers_count_as_load_until_the_replica_reports_again() -> None:
+    """Between two load reports, each answer adds ``weights.routed`` to the chosen replica,
+    so equal replicas are chosen in turn instead of all requests going to one."""
+    fleet = Fleet()
+    for replica in ("a", "b", "c"):
+        fleet.loads.put(replica, Load(0.0, 0.0, 0.0, NOW, "push"))
+
+    def best() -> str:
+        answer = asyncio.run(fleet.scorer.score(ScoreRequest(model=MODEL, token_ids=TOKENS)))
+        assert answer.best is not None
+        return answer.best
+
+    assert sorted(best() for _ in range(3)) == ["a", "b", "c"]
+    routed = {e.replica: e.load.routed for e in fleet.score().values() if e.load is not None}
+    assert routed == {"a": 1, "b": 1, "c": 1}  # (as measured before this fourth answer)
+    chosen = best()
+    fleet.loads.put(chosen, Load(0.0, 0.0, 0.0, NOW + 1.0, "push"))  # a new measurement
+    entries = fleet.score()
+    assert entries[chosen].load == LoadView(0.0, 0.0, 0.0, 0.0, "push", routed=0)
+    assert entries[chosen].terms["load"] == 0.0
+    assert {e.load.routed for r, e in entries.items() if r != chosen and e.load} >= {1}

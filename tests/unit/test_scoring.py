@@ -63,12 +63,21 @@ def test_default_weights_are_documented_values() -> None:
         "waiting": 0.1,
         "running": 0.02,
         "kv_usage": 0.2,
+        "routed": 0.1,
         "stale_factor": 0.5,
         "replaying_factor": 0.8,
         "load_half_life_s": 10.0,
         "temperature": 0.0,
         "prefix_blocks": 8.0,
     }
+
+
+def test_requests_routed_since_the_load_count_as_load_without_decay() -> None:
+    fresh = LoadInput(0.0, 2.0, 0.0, 0.0, 3.0)
+    old = LoadInput(0.0, 2.0, 0.0, 10.0, 3.0)  # one half-life old
+    assert load_penalty(fresh, W) == pytest.approx((0.1 * 2 + 0.1 * 3, 1.0))
+    assert load_penalty(old, W) == pytest.approx((0.1 * 2 * 0.5 + 0.1 * 3, 0.5))
+    assert load_penalty(fresh, W.overridden({"routed": 0.0}))[0] == pytest.approx(0.2)
 
 
 @pytest.mark.parametrize("bad", [-0.1, math.nan, math.inf, "high", True])

@@ -113,6 +113,8 @@ def test_formatters() -> None:
     assert format_freshness(FreshnessView("stale", None, None)) == "stale"
     assert format_load(None) == "-"
     assert format_load(LoadView(3, 1, 0.5, 1.25, "push")) == "run 3 wait 1 kv 50% (1.2s old, push)"
+    routed = LoadView(3, 1, 0.5, 1.25, "scrape", routed=2)
+    assert format_load(routed) == "run 3 wait 1 kv 50% (1.2s old, scrape) +2 routed"
 
 
 def test_render_residency() -> None:
