@@ -290,6 +290,12 @@ def _variants(_ctx: click.Context, _param: click.Parameter, values: tuple[str, .
     show_default=True,
     help="Seconds between a replica's event and the index applying it.",
 )
+@click.option(
+    "--load-interval",
+    default=0.0,
+    show_default=True,
+    help="Seconds between load reports to the router (0: every request; scraper: 2).",
+)
 @click.option("--speed", default=1.0, show_default=True, help="Arrival-time compression.")
 @click.option("--seed", default=0, show_default=True)
 @click.option(
@@ -313,6 +319,7 @@ def simulate(
     policies: tuple[PolicySpec, ...],
     variants: tuple[PolicySpec, ...],
     event_delay: float,
+    load_interval: float,
     speed: float,
     seed: int,
     via_zmq: bool,
@@ -334,6 +341,7 @@ def simulate(
             fleet=FleetSettings(**fleet),
             policies=policies + variants,
             event_delay_s=event_delay,
+            load_interval_s=load_interval,
             speed=speed,
             seed=seed,
             via_zmq=via_zmq,

@@ -1,7 +1,8 @@
 """Routers for ``kvindex simulate``: the real scorer over the real index, and the oracle.
 
 * :class:`ScorerRouter` asks :class:`api.scorer.Scorer` (the code behind ``POST /score``)
-  for every request, with the replicas' current load pushed as ``POST /load`` would. Policies
+  for every request, with the replicas' load pushed as ``POST /load`` would: at every
+  request, or every ``load_interval_s`` (then the scorer sees it age, as with a scraper). Policies
   that read the index (``kv_aware``) get the replicas' KV events through a sink,
   ``event_delay_s`` after the replica emitted them: :class:`IngestSink` encodes them in
   vLLM's wire format and hands the frames to the indexer's own
@@ -231,12 +232,17 @@ class ScorerRouter:
         sink: EventSink | None,
         clock: SimClock,
         seed: int,
-        stale_after_s: float = 300.0,
+        load_interval_s: float = 0.0,
     ) -> None:
+        """``load_interval_s``: replicas' load is read this often (0: at every request), as
+        a scraper of ``/metrics`` or a periodic ``POST /load`` would; the scorer sees its
+        age."""
         self._spec = spec
         self._model = fleet.model
         self._clock = clock
         self._sink = sink
+        self._load_interval_s = load_interval_s
+        self._next_load_s = 0.0
         registry = sink.registry if sink else Registry(_specs(fleet), clock=clock)
         index = sink.index if sink else MemoryIndex()
         settings = ApiSettings(
@@ -259,10 +265,8 @@ class ScorerRouter:
         self._clock.now = now
         if self._sink is not None:
             self._sink.deliver(now)
-        for load in loads:
-            self._loads.put(
-                load.replica, Load(load.running, load.waiting, load.kv_usage, now, "push")
-            )
+        if now >= self._next_load_s:
+            self._report(loads, now)
         request = ScoreRequest(
             model=self._model,
             token_ids=job.tokens,
@@ -271,6 +275,13 @@ class ScorerRouter:
         )
         answer = await self._scorer.score(request)
         return answer.best if answer.best is not None else loads[0].replica
+
+    def _report(self, loads: Sequence[ReplicaLoad], now: float) -> None:
+        for load in loads:
+            self._loads.put(
+                load.replica, Load(load.running, load.waiting, load.kv_usage, now, "push")
+            )
+        self._next_load_s = now + self._load_interval_s
 
     def emitted(self, replica: str, events: list[Event], now: float) -> None:
         if self._sink is not None:

@@ -70,6 +70,9 @@ class SimulateSettings:
     policies: tuple[PolicySpec, ...] = tuple(parse_policy(p) for p in DEFAULT_POLICIES)
     event_delay_s: float = 0.05
     """Lag between a replica emitting a KV event and the index applying it."""
+    load_interval_s: float = 0.0
+    """How often the router learns the replicas' load (0: at every request; the API's
+    scraper default is 2 s). The oracle always knows it."""
     stale_after_s: float = 300.0
     """A replica silent this long is stale (its cache credit is reduced), as in the indexer."""
     speed: float = 1.0
@@ -83,6 +86,8 @@ class SimulateSettings:
             raise SimulationError(f"speed must be a positive number, got {self.speed}")
         if not 0 <= self.event_delay_s < math.inf:
             raise SimulationError(f"event delay must be >= 0 seconds, got {self.event_delay_s}")
+        if not 0 <= self.load_interval_s < math.inf:
+            raise SimulationError(f"load interval must be >= 0 seconds, got {self.load_interval_s}")
         if not self.policies:
             raise SimulationError("no policies to compare")
 
@@ -226,7 +231,14 @@ async def run_policy(
         result = await sim.run()
     else:
         sink = _sink(settings, spec, clock)
-        router = ScorerRouter(spec, fleet, sink=sink, clock=clock, seed=settings.seed)
+        router = ScorerRouter(
+            spec,
+            fleet,
+            sink=sink,
+            clock=clock,
+            seed=settings.seed,
+            load_interval_s=settings.load_interval_s,
+        )
         try:
             sim = FleetSim(
                 fleet,
@@ -328,6 +340,7 @@ def _params(
         "requests": len(requests),
         **fleet,
         "event_delay_s": settings.event_delay_s,
+        "load_interval_s": settings.load_interval_s,
         "stale_after_s": settings.stale_after_s,
         "speed": settings.speed,
         "seed": settings.seed,

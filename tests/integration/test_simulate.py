@@ -66,6 +66,7 @@ def test_simulate_a_trace_writes_the_table_json_and_plot(tmp_path: Path) -> None
         (["--workload", "unique", "--capacity-blocks", "0"], "capacity_blocks"),
         (["--workload", "unique", "--speed", "0"], "speed"),
         (["--workload", "unique", "--event-delay", "-1"], "event delay"),
+        (["--workload", "unique", "--load-interval", "-1"], "load interval"),
         (
             ["--workload", "unique", "--requests", "5", "--json", "/nonexistent/x.json"],
             "cannot write",

@@ -133,3 +133,28 @@ def test_the_oracle_reads_the_pools_directly() -> None:
     oracle.watch(caches.__getitem__)
     assert asyncio.run(oracle.route(job([*PROMPT, 5]), 0.0, idle())) == "r1"
     assert isinstance(stored(PROMPT)[0], BlockStored)
+
+
+def test_load_reported_every_interval_is_seen_aging() -> None:
+    """With load read every 10 s, least_load keeps choosing the replica that was idle at
+    the last reading (herding), and the scorer sees that load's age."""
+    clock = SimClock()
+    router = ScorerRouter(
+        parse_policy("least_load"), FLEET, sink=None, clock=clock, seed=0, load_interval_s=10.0
+    )
+    first = [
+        ReplicaLoad("r0", 5, 1, 0.5),
+        ReplicaLoad("r1", 0, 0, 0.0),
+        ReplicaLoad("r2", 5, 1, 0.5),
+    ]
+    busy_r1 = [
+        ReplicaLoad("r0", 0, 0, 0.0),
+        ReplicaLoad("r1", 9, 9, 0.9),
+        ReplicaLoad("r2", 0, 0, 0.0),
+    ]
+    assert asyncio.run(router.route(job(PROMPT), 0.0, first)) == "r1"
+    assert asyncio.run(router.route(job(PROMPT), 5.0, busy_r1)) == "r1"  # not read yet
+    assert asyncio.run(router.route(job(PROMPT), 10.0, busy_r1)) != "r1"  # read again
+    instant = ScorerRouter(parse_policy("least_load"), FLEET, sink=None, clock=SimClock(), seed=0)
+    assert asyncio.run(instant.route(job(PROMPT), 0.0, first)) == "r1"
+    assert asyncio.run(instant.route(job(PROMPT), 5.0, busy_r1)) != "r1"
