@@ -25,7 +25,7 @@ import collections
 import random
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -118,6 +118,23 @@ def _specs(fleet: FleetSettings) -> tuple[ReplicaSpec, ...]:
     return tuple(ReplicaSpec(rid, fleet.model) for rid in fleet.replica_ids())
 
 
+class _Delayed:
+    """Batches in emission order, each due ``delay_s`` after it was emitted."""
+
+    def __init__(self, delay_s: float) -> None:
+        self._delay_s = delay_s
+        self._queue: collections.deque[tuple[float, str, list[Event]]] = collections.deque()
+
+    def push(self, replica: str, events: list[Event], now: float) -> None:
+        self._queue.append((now, replica, events))
+
+    def due(self, now: float) -> Iterator[tuple[float, str, list[Event]]]:
+        """(emitted at, replica, events) of every batch due at ``now``, oldest first."""
+        queue = self._queue
+        while queue and queue[0][0] + self._delay_s <= now:
+            yield queue.popleft()
+
+
 class IngestSink:
     """Events encoded as a vLLM publisher would (frames ``[topic, seq, payload]``) and
     handed to the indexer's :class:`~indexer.subscriber.Subscriber` as its socket loop
@@ -127,24 +144,21 @@ class IngestSink:
     def __init__(
         self, fleet: FleetSettings, clock: SimClock, *, event_delay_s: float, stale_after_s: float
     ) -> None:
-        self._delay = event_delay_s
+        self._delayed = _Delayed(event_delay_s)
         self.index = MemoryIndex()
         settings = IndexerSettings(replicas=_specs(fleet), stale_after_s=stale_after_s)
         self.registry = Registry(settings.replicas, stale_after_s=stale_after_s, clock=clock)
         self._subscriber = Subscriber(settings, self.index, self.registry, clock=clock)
         self._topics = {r: f"kv@{r}@{fleet.model}".encode() for r in fleet.replica_ids()}
-        self._pending: collections.deque[tuple[float, str, list[Event]]] = collections.deque()
         self._seq: dict[str, int] = {}
         for rid in fleet.replica_ids():
             self.registry.update(StreamId(rid), connected=True)
 
     def emitted(self, replica: str, events: list[Event], now: float) -> None:
-        self._pending.append((now, replica, events))
+        self._delayed.push(replica, events, now)
 
     def deliver(self, now: float) -> None:
-        pending = self._pending
-        while pending and pending[0][0] + self._delay <= now:
-            emitted_at, replica, events = pending.popleft()
+        for emitted_at, replica, events in self._delayed.due(now):
             seq = self._seq[replica] = self._seq.get(replica, -1) + 1
             payload = encode_batch(events, ts=emitted_at, rank=0, encoding="map")
             frames = [self._topics[replica], seq.to_bytes(8, "big"), payload]
@@ -165,20 +179,23 @@ class ZmqSink:
     """Events sent in vLLM's wire format over ZeroMQ (loopback) to a real indexer."""
 
     def __init__(self, fleet: FleetSettings, *, event_delay_s: float, stale_after_s: float) -> None:
-        self._delay = event_delay_s
+        self._delayed = _Delayed(event_delay_s)
         bind = f"tcp://127.0.0.1:{_free_port()}"
         settings = IndexerSettings(replicas=_specs(fleet), bind=bind, stale_after_s=stale_after_s)
         self.index = MemoryIndex()
         self._service = IndexerService.build(settings, self.index)
         self.registry = self._service.registry
         self._service.start()
-        self._publishers = {
-            rid: EventPublisher(bind, topic=f"kv@{rid}@{fleet.model}", bind=False)
-            for rid in fleet.replica_ids()
-        }
-        self._pending: collections.deque[tuple[float, str, list[Event]]] = collections.deque()
+        self._publishers: dict[str, EventPublisher] = {}
         self._sent: dict[str, int] = {}
-        self._warm_up()
+        try:
+            for rid in fleet.replica_ids():
+                topic = f"kv@{rid}@{fleet.model}"
+                self._publishers[rid] = EventPublisher(bind, topic=topic, bind=False)
+            self._warm_up()
+        except BaseException:
+            self.close()
+            raise
 
     def _warm_up(self) -> None:
         """Publish an empty batch per replica until the indexer sees each (slow joiner)."""
@@ -197,13 +214,11 @@ class ZmqSink:
         return -1 if status is None else status.last_seq
 
     def emitted(self, replica: str, events: list[Event], now: float) -> None:
-        self._pending.append((now, replica, events))
+        self._delayed.push(replica, events, now)
 
     def deliver(self, now: float) -> None:
-        pending = self._pending
         touched: set[str] = set()
-        while pending and pending[0][0] + self._delay <= now:
-            emitted_at, replica, events = pending.popleft()
+        for emitted_at, replica, events in self._delayed.due(now):
             self._sent[replica] = self._publishers[replica].publish(events, ts=emitted_at)
             touched.add(replica)
         deadline = time.monotonic() + 30.0
