@@ -25,14 +25,18 @@ from fastapi.responses import Response
 from api.load import Load, LoadError, LoadStore, MetricsScraper
 from api.metrics import ApiMetrics, TimedIndex
 from api.schemas import (
+    ConfigView,
     ErrorBody,
     FreshnessView,
     LoadReport,
     LoadView,
+    ModelView,
     ReplicaIn,
     ReplicaView,
     ScoreRequest,
     ScoreResponse,
+    StatsView,
+    StatusBody,
     StreamView,
 )
 from api.scorer import RequestError, Scorer, UnknownModelError
@@ -228,24 +232,42 @@ _SCHEMA_TYPES: list[Any] = [
     ReplicaIn,
     ReplicaView,
     ErrorBody,
+    StatusBody,
+    StatsView,
+    ConfigView,
 ]
 _, _COMPONENTS = msgspec.json.schema_components(
     _SCHEMA_TYPES, ref_template="#/components/schemas/{name}"
 )
 
 
-def _doc(body: type | None = None, response: Any = None, summary: str = "") -> dict[str, Any]:
-    """``openapi_extra`` for a route whose body and answer are msgspec types."""
+def _doc(
+    body: type | None = None,
+    response: type | None = None,
+    summary: str = "",
+    *,
+    many: bool = False,
+) -> dict[str, Any]:
+    """``openapi_extra`` for a route whose body and answer are msgspec types (``many``: the
+    answer is a list of them); every error answers with an ``ErrorBody``."""
     extra: dict[str, Any] = {"summary": summary}
     if body is not None:
         extra["requestBody"] = {
             "required": True,
-            "content": {_JSON: {"schema": {"$ref": f"#/components/schemas/{body.__name__}"}}},
+            "content": {_JSON: {"schema": _ref(body)}},
         }
+    responses: dict[str, Any] = {
+        "default": {"description": "Error", "content": {_JSON: {"schema": _ref(ErrorBody)}}}
+    }
     if response is not None:
-        ref = {"$ref": f"#/components/schemas/{response.__name__}"}
-        extra["responses"] = {"200": {"description": "OK", "content": {_JSON: {"schema": ref}}}}
+        schema = {"type": "array", "items": _ref(response)} if many else _ref(response)
+        responses["200"] = {"description": "OK", "content": {_JSON: {"schema": schema}}}
+    extra["responses"] = responses
     return extra
+
+
+def _ref(kind: type) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{kind.__name__}"}
 
 
 # --- routes -------------------------------------------------------------------------------
@@ -291,7 +313,7 @@ def _score_routes(router: APIRouter, state: _AppState) -> None:
         state.metrics.score_latency.labels(answer.policy).observe(time.perf_counter() - started)
         return _json(answer)
 
-    @router.post("/load", openapi_extra=_doc(LoadReport, None, "Report a replica's load"))
+    @router.post("/load", openapi_extra=_doc(LoadReport, StatusBody, "Report a replica's load"))
     async def load(request: Request) -> Response:
         report = await _decode(request, LoadReport)
         if state.deps.registry.get(report.replica) is None:
@@ -305,17 +327,21 @@ def _score_routes(router: APIRouter, state: _AppState) -> None:
         )
         await _call(state, state.deps.loads.put, report.replica, measured.validated())
         state.scorer.note_load(report.replica, measured)
-        return _json({"status": "ok"})
+        return _json(StatusBody("ok"))
 
 
 def _replica_routes(router: APIRouter, state: _AppState) -> None:
     registry = state.deps.registry
 
-    @router.get("/replicas", openapi_extra=_doc(None, None, "Replicas, streams and load"))
+    @router.get(
+        "/replicas", openapi_extra=_doc(None, ReplicaView, "Replicas, streams and load", many=True)
+    )
     async def replicas() -> Response:
         return _json(await _replica_views(state))
 
-    @router.post("/replicas", openapi_extra=_doc(ReplicaIn, None, "Register a replica"))
+    @router.post(
+        "/replicas", openapi_extra=_doc(ReplicaIn, StatusBody, "Register a replica (201: new)")
+    )
     async def add_replica(request: Request) -> Response:
         body = await _decode(request, ReplicaIn)
         spec = ReplicaSpec(
@@ -329,11 +355,13 @@ def _replica_routes(router: APIRouter, state: _AppState) -> None:
         created = await _call(state, registry.add, spec)
         state.tokenizers.pop(spec.model, None)
         return _json(
-            {"status": "created" if created else "unchanged", "id": spec.id},
-            201 if created else 200,
+            StatusBody("created" if created else "unchanged", spec.id), 201 if created else 200
         )
 
-    @router.delete("/replicas/{replica_id}", summary="Remove a replica and purge its blocks")
+    @router.delete(
+        "/replicas/{replica_id}",
+        openapi_extra=_doc(None, StatusBody, "Remove a replica and purge its blocks"),
+    )
     async def remove_replica(replica_id: str) -> Response:
         spec = await _call(state, registry.get, replica_id)
         if spec is None:
@@ -346,27 +374,21 @@ def _replica_routes(router: APIRouter, state: _AppState) -> None:
         await _call(state, registry.remove, replica_id)
         state.scorer.forget(replica_id)
         state.tokenizers.pop(spec.model, None)
-        return _json({"status": "removed", "id": replica_id})
+        return _json(StatusBody("removed", replica_id))
 
 
 def _info_routes(router: APIRouter, state: _AppState) -> None:
-    @router.get("/stats", summary="Index and ingestion totals")
+    @router.get("/stats", openapi_extra=_doc(None, StatsView, "Index and ingestion totals"))
     async def stats() -> Response:
         return _json(await _call(state, _stats, state))
 
-    @router.get("/config", summary="Policies, default weights and models")
+    @router.get(
+        "/config", openapi_extra=_doc(None, ConfigView, "Policies, default weights and models")
+    )
     async def config() -> Response:
         settings = state.deps.settings
-        return _json(
-            {
-                "default_policy": settings.default_policy,
-                "weights": settings.weights.as_dict(),
-                "models": {
-                    m: {"block_size": state.scorer.block_size(m)}
-                    for m in state.scorer.known_models()
-                },
-            }
-        )
+        models = {m: ModelView(state.scorer.block_size(m)) for m in state.scorer.known_models()}
+        return _json(ConfigView(settings.default_policy, settings.weights.as_dict(), models))
 
     @router.get("/metrics", summary="Prometheus metrics")
     async def metrics() -> Response:
@@ -381,23 +403,23 @@ async def _call(state: _AppState, fn: Callable[..., T], *args: Any) -> T:
     return fn(*args)
 
 
-def _stats(state: _AppState) -> dict[str, Any]:
+def _stats(state: _AppState) -> StatsView:
     registry, index = state.deps.registry, state.index
     by_tier = dict.fromkeys((t.name.lower() for t in Tier), 0)
     for status in registry.statuses():
         for tier, count in index.stats(status.stream).blocks_by_tier.items():
             by_tier[tier.name.lower()] += count
     statuses = registry.statuses()
-    return {
-        "replicas": len(registry.replicas()),
-        "streams": len(statuses),
-        "blocks": by_tier,
-        "batches": sum(s.counters.num_batches for s in statuses),
-        "gaps": sum(s.counters.num_gaps for s in statuses),
-        "replays": sum(s.counters.num_replays for s in statuses),
-        "restarts": sum(s.counters.num_restarts for s in statuses),
-        "decode_errors": sum(s.num_decode_errors for s in statuses),
-    }
+    return StatsView(
+        replicas=len(registry.replicas()),
+        streams=len(statuses),
+        blocks=by_tier,
+        batches=sum(s.counters.num_batches for s in statuses),
+        gaps=sum(s.counters.num_gaps for s in statuses),
+        replays=sum(s.counters.num_replays for s in statuses),
+        restarts=sum(s.counters.num_restarts for s in statuses),
+        decode_errors=sum(s.num_decode_errors for s in statuses),
+    )
 
 
 async def _replica_views(state: _AppState) -> list[ReplicaView]:

@@ -136,3 +136,37 @@ class ReplicaView(msgspec.Struct):
 class ErrorBody(msgspec.Struct):
     error: str
     detail: str
+
+
+class StatusBody(msgspec.Struct, omit_defaults=True):
+    """The answer of a call that changes something: what happened (and to which replica)."""
+
+    status: str
+    id: str | None = None
+
+
+class StatsView(msgspec.Struct):
+    """``GET /stats``: totals over every replica and stream."""
+
+    replicas: int
+    streams: int
+    blocks: dict[str, int]
+    """Resident blocks by tier (gpu, cpu, other)."""
+    batches: int
+    gaps: int
+    replays: int
+    restarts: int
+    decode_errors: int
+
+
+class ModelView(msgspec.Struct):
+    block_size: int
+    """Tokens per block: configured, else as the model's replicas publish it."""
+
+
+class ConfigView(msgspec.Struct):
+    """``GET /config``: what a request gets unless it says otherwise."""
+
+    default_policy: str
+    weights: dict[str, float]
+    models: dict[str, ModelView]

@@ -661,6 +661,31 @@ def test_openapi_documents_score_with_its_schemas(api: Api) -> None:
     assert all(r.startswith(prefix) and r[len(prefix) :] in schemas for r in refs(doc))
 
 
+@MEMORY_ONLY
+def test_openapi_documents_every_answer_and_error(api: Api) -> None:
+    doc = api.get("/openapi.json").json()
+    prefix = "#/components/schemas/"
+    answers = {
+        ("get", "/replicas"): {"type": "array", "items": {"$ref": prefix + "ReplicaView"}},
+        ("post", "/replicas"): {"$ref": prefix + "StatusBody"},
+        ("delete", "/replicas/{replica_id}"): {"$ref": prefix + "StatusBody"},
+        ("post", "/load"): {"$ref": prefix + "StatusBody"},
+        ("get", "/stats"): {"$ref": prefix + "StatsView"},
+        ("get", "/config"): {"$ref": prefix + "ConfigView"},
+        ("post", "/score"): {"$ref": prefix + "ScoreResponse"},
+    }
+    for (method, path), schema in answers.items():
+        responses = doc["paths"][path][method]["responses"]
+        assert responses["200"]["content"]["application/json"]["schema"] == schema, path
+        error = responses["default"]["content"]["application/json"]["schema"]
+        assert error == {"$ref": prefix + "ErrorBody"}, path
+    # the documented bodies are the ones served
+    stats = api.get("/stats").json()
+    assert set(stats) == set(doc["components"]["schemas"]["StatsView"]["properties"])
+    config = api.get("/config").json()
+    assert set(config) == set(doc["components"]["schemas"]["ConfigView"]["properties"])
+
+
 TOKEN = "s3cret-token"
 HEALTH = {"/healthz", "/readyz"}
 
