@@ -319,14 +319,12 @@ class Scorer:
         clock reading for every load's age."""
         statuses = self._statuses()
         now = self._clock()
-        routed = self._routed_since
-        return {
-            r: _facts(
-                r, lookup, load, statuses.get(r, ()), now=now, routed=routed(r, load) if load else 0
-            )
-            for r in replicas
-            for load in (loads.get(r),)
-        }
+        facts: dict[str, _Facts] = {}
+        for r in replicas:
+            load = loads.get(r)
+            routed = self._routed_since(r, load) if load is not None else 0
+            facts[r] = _facts(r, lookup, load, statuses.get(r, ()), now=now, routed=routed)
+        return facts
 
     def _decide(
         self,
