@@ -67,12 +67,11 @@ class _KeyCache:
     hash_to_key: dict[int, int] = field(default_factory=dict)
 
     def trim(self) -> None:
-        """Keep the newest three quarters when over capacity (amortised O(1) per entry:
+        """Keep the newest three quarters of the capacity (amortised O(1) per entry:
         deleting from the front of a dict one by one is quadratic in CPython)."""
         mapping = self.hash_to_key
-        if len(mapping) > self.capacity:
-            keep = self.capacity * 3 // 4
-            self.hash_to_key = dict(islice(mapping.items(), len(mapping) - keep, None))
+        keep = self.capacity * 3 // 4
+        self.hash_to_key = dict(islice(mapping.items(), max(len(mapping) - keep, 0), None))
 
 
 @dataclass(slots=True)
@@ -163,7 +162,8 @@ class Ingestor:
             elif kind is AllBlocksCleared:
                 ops.append((_CLEAR, 0, 0, 0))  # type: ignore[arg-type]
                 report.num_clears += 1
-        cache.trim()
+        if len(cache.hash_to_key) > cache.capacity:
+            cache.trim()
         return ops
 
     def _store_ops(self, event: BlockStored, context: _Context) -> None:

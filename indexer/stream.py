@@ -32,11 +32,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from itertools import islice
 
 from indexer.events import EventBatch
 
 _TS_MEMORY = 4096
-"""How many recent (seq, ts) pairs are kept to tell a duplicate from a restart."""
+"""How many recent (seq, ts) pairs are kept, at least, to tell a duplicate from a restart.
+Up to twice as many are held: they are trimmed in bulk (deleting a dict's oldest entry one
+at a time costs a scan over the holes left by earlier deletions)."""
 
 
 class Mode(enum.Enum):
@@ -267,8 +270,8 @@ class StreamTracker:
         self.counters.num_batches += 1
         seen = self._seen
         seen[batch.seq] = batch.ts
-        if len(seen) > _TS_MEMORY:
-            del seen[next(iter(seen))]
+        if len(seen) > 2 * _TS_MEMORY:
+            self._seen = dict(islice(seen.items(), len(seen) - _TS_MEMORY, None))
 
     def _finish_replay(self, *, failed: bool) -> Step:
         replay = self._replay
