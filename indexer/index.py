@@ -66,6 +66,15 @@ class ApplyResult:
 
 
 SKIPPED = ApplyResult(applied=False)
+APPLIED = ApplyResult(applied=True)
+"""A batch applied with nothing to count (the common case: shared, not allocated)."""
+
+
+def applied(num_unknown_removals: int, num_unresolved_stores: int) -> ApplyResult:
+    """The result of a batch applied above the watermark."""
+    if num_unknown_removals or num_unresolved_stores:
+        return ApplyResult(True, num_unknown_removals, num_unresolved_stores)
+    return APPLIED
 
 
 @dataclass(frozen=True, slots=True)

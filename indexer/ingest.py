@@ -27,7 +27,7 @@ from indexer.events import (
     EventBatch,
     StreamId,
 )
-from indexer.index import ApplyResult, BatchOps, BlockIndex, Op, OpKind
+from indexer.index import APPLIED, ApplyResult, BatchOps, BlockIndex, Op, OpKind
 from indexer.keys import BlockKeyError, chain_keys, model_root, tokens_to_bytes
 
 MAIN_GROUP = 0
@@ -156,8 +156,12 @@ class Ingestor:
             return
         results = self._index.apply_many(pending.stream, pending.batches)
         pending.batches = []
+        report = pending.report
         for result in results:
-            _merge(pending.report, result)
+            if result is APPLIED:
+                report.applied = True
+            else:
+                _merge(report, result)
 
     def translate(
         self, stream: StreamId, model: str, batch: EventBatch, report: IngestReport

@@ -25,6 +25,7 @@ from indexer.index import (
     OpKind,
     PrefixMatch,
     StreamStats,
+    applied,
 )
 
 _NUM_TIERS = len(Tier)
@@ -77,7 +78,7 @@ class MemoryIndex:
                 unknown, unresolved = _apply_ops(state, ops)
                 state.watermark = seq
                 state.last_ts = ts
-                results.append(ApplyResult(True, unknown, unresolved))
+                results.append(applied(unknown, unresolved))
         return results
 
     def resolve(self, stream: StreamId, engine_hashes: Sequence[int]) -> list[int | None]:

@@ -28,6 +28,7 @@ from indexer.index import (
     Op,
     PrefixMatch,
     StreamStats,
+    applied,
 )
 from indexer.redis_schema import (
     META_TIER_PREFIX,
@@ -128,7 +129,7 @@ class RedisIndex:
                 # by another indexer or lost in a Redis restart since this process listed it.
                 self._client.sadd(self._schema.streams, str(stream))
         return [
-            ApplyResult(True, int(reply[i + 1]), int(reply[i + 2])) if reply[i] else SKIPPED
+            applied(int(reply[i + 1]), int(reply[i + 2])) if reply[i] else SKIPPED
             for i in range(0, len(reply) - 1, 3)
         ]
 

@@ -241,8 +241,9 @@ def decode_seq(frame: bytes) -> int:
     return int.from_bytes(frame, "big")
 
 
-@dataclass(frozen=True, slots=True)
-class LiveMessage:
+class LiveMessage(msgspec.Struct, frozen=True, gc=False):
+    """One live PUB message, decoded (a Struct: one is built per batch on the hot path)."""
+
     topic: str
     batch: EventBatch
 
