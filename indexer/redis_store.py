@@ -2,8 +2,8 @@
 
 One Lua script per batch (``apply_batch.lua``) applies every op and moves the watermark
 atomically; a retry after a dropped connection finds the watermark already moved and is a
-no-op. A lookup is one pipelined round trip: one short script per stream, each stopping at
-that stream's first miss (``longest_prefix.lua``). Key names live in ``redis_schema``.
+no-op. A lookup is one pipelined round trip: one short script per group of streams, walking
+each stream up to its first miss (``longest_prefix.lua``). Key names live in ``redis_schema``.
 """
 
 from __future__ import annotations
@@ -42,6 +42,11 @@ _OP = struct.Struct(">BBQQ")
 _TIER_OF_BYTE = tuple(Tier)
 _FIELD_MASK = (1 << 48) - 1
 """A block's field in the ``keys`` hash is the low 6 bytes of its key (see redis_schema)."""
+STREAMS_PER_LOOKUP = 32
+"""Streams walked by one ``longest_prefix.lua`` call. A call per stream cost more than its
+reads (a 512-block prompt over 32 streams: 1.17 → 0.74 ms a lookup); the cap keeps one
+call from holding Redis long when many streams match a long prompt. Redis Cluster (a slot
+per stream) will need one stream per call."""
 
 
 def _script(name: str) -> str:
@@ -181,11 +186,17 @@ class RedisIndex:
         return {stream: _match(reply) for stream, reply in zip(targets, replies, strict=True)}
 
     def _prefix_pipeline(self, targets: list[StreamId], wanted: bytes) -> list[bytes]:
-        """One round trip: EVALSHA per stream (redis-py's Script would add SCRIPT EXISTS)."""
+        """One round trip: an EVALSHA per group of streams (redis-py's Script would add
+        SCRIPT EXISTS in a pipeline)."""
+        groups = [
+            targets[i : i + STREAMS_PER_LOOKUP] for i in range(0, len(targets), STREAMS_PER_LOOKUP)
+        ]
         with self._client.pipeline(transaction=False) as pipe:
-            for stream in targets:
-                pipe.evalsha(self._prefix.sha, 1, self._keys(stream)[1], wanted)
-            return cast("list[bytes]", pipe.execute())
+            for group in groups:
+                names = [self._keys(stream)[1] for stream in group]
+                pipe.evalsha(self._prefix.sha, len(names), *names, wanted)
+            replies = cast("list[list[bytes]]", pipe.execute())
+        return [reply for group_replies in replies for reply in group_replies]
 
     def _keys(self, stream: StreamId) -> tuple[str, str, str]:
         """(meta, keys, hash) names of a stream, computed once."""

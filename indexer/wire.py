@@ -201,7 +201,7 @@ def decode_payload(payload: bytes, seq: int) -> EventBatch:
             batch = decoder.decode(payload)
         except _DECODE_ERRORS:
             continue
-        events = tuple([_to_domain(e) for e in batch.events])
+        events = tuple(map(_to_domain, batch.events))
         return EventBatch(seq, batch.ts, batch.data_parallel_rank or 0, events)
     return _decode_leniently(payload, seq)
 

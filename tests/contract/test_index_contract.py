@@ -343,6 +343,21 @@ def test_longest_prefix_answers_every_requested_stream(index: BlockIndex) -> Non
     assert found == {S: PrefixMatch((GPU, GPU)), S_OTHER: PrefixMatch((CPU,)), unknown: NO_MATCH}
 
 
+def test_longest_prefix_over_many_streams_answers_each(index: BlockIndex) -> None:
+    # More streams than one Redis script call walks (STREAMS_PER_LOOKUP), each holding a
+    # different prefix of the keys, in an order that is not the streams' sort order.
+    keys = list(range(1001, 1081))
+    streams = [StreamId(f"r{i:03d}", i % 2) for i in range(79, -1, -1)]
+    for i, stream in enumerate(streams):
+        held = keys[: i % 9]
+        index.apply(stream, 0, 1.0, [store(k, k, OTHER if i % 5 == 0 else GPU) for k in held])
+    found = index.longest_prefix(keys, streams)
+    assert list(found) == streams
+    for i, stream in enumerate(streams):
+        tier = OTHER if i % 5 == 0 else GPU
+        assert found[stream] == PrefixMatch((tier,) * (i % 9)), stream
+
+
 def test_longest_prefix_of_no_keys_is_empty_per_stream(index: BlockIndex) -> None:
     seed(index)
     assert index.longest_prefix([], [S, S_OTHER]) == {S: NO_MATCH, S_OTHER: NO_MATCH}

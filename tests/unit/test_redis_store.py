@@ -255,6 +255,13 @@ def test_connection_drop_between_batches_is_survived(
     assert index.longest_prefix([101, 102], [S]) == {S: PrefixMatch((Tier.GPU, Tier.GPU))}
 
 
+def test_lookup_after_scripts_were_flushed(index: RedisIndex, redis_client: redis.Redis) -> None:
+    index.apply(S, 0, 1.0, [store(1, 101), store(2, 102)])
+    assert index.longest_prefix([101, 102], [S]) == {S: PrefixMatch((Tier.GPU, Tier.GPU))}
+    redis_client.script_flush()
+    assert index.longest_prefix([101, 102], [S]) == {S: PrefixMatch((Tier.GPU, Tier.GPU))}
+
+
 def test_restart_that_loses_data_is_survived() -> None:
     with running_redis() as server:
         index = RedisIndex(connect(server.url), SCHEMA)
