@@ -18,7 +18,6 @@ the request's first block only. ``None`` or an empty tuple mean "no extra keys".
 
 from __future__ import annotations
 
-import functools
 import struct
 import sys
 from array import array
@@ -71,11 +70,20 @@ def _extra_bytes(extra: object) -> bytes:
         raise BlockKeyError(f"extra keys are not encodable: {extra!r}") from exc
 
 
-@functools.lru_cache(maxsize=16)
+_LAYOUTS: dict[int, tuple[str, Callable[[int, bytes], bytes]]] = {}
+_MAX_LAYOUTS = 16
+
+
 def _block_layout(stride: int) -> tuple[str, Callable[[int, bytes], bytes]]:
     """For blocks of ``stride`` token bytes: the ``struct`` format that splits token bytes
-    into blocks, and the packer of ``(parent key, block token bytes)`` as hashed."""
-    return f"{stride}s", struct.Struct(f"<Q{stride}s").pack
+    into blocks, and the packer of ``(parent key, block token bytes)`` as hashed. Kept in
+    a plain dict (a few block sizes at most): cheaper to read than an ``lru_cache``."""
+    layout = _LAYOUTS.get(stride)
+    if layout is None:
+        if len(_LAYOUTS) >= _MAX_LAYOUTS:  # odd block sizes in bad input must not pile up
+            _LAYOUTS.clear()
+        layout = _LAYOUTS[stride] = (f"{stride}s", struct.Struct(f"<Q{stride}s").pack)
+    return layout
 
 
 def chain_keys(
@@ -99,7 +107,9 @@ def chain_keys(
     # One C call splits the blocks and one packs each block's bytes: about a third faster
     # than slicing and concatenating per block, for the same bytes.
     block_format, pack = _block_layout(stride)
-    blocks = struct.iter_unpack(block_format, memoryview(token_bytes)[: num_blocks * stride])
+    used = num_blocks * stride
+    whole = token_bytes if used == len(token_bytes) else memoryview(token_bytes)[:used]
+    blocks = struct.iter_unpack(block_format, whole)
     keys: list[int] = []
     append = keys.append
     if extra_keys is None:  # the common case: one pack and one hash per block

@@ -18,6 +18,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from indexer import keys as keys_module
 from indexer.events import BlockStored, StreamId, Topic
 from indexer.ingest import Ingestor
 from indexer.keys import (
@@ -183,6 +184,14 @@ def test_chain_keys_follow_the_documented_byte_layout(
     token_bytes = tokens_to_bytes(tokens)
     expected = _documented_keys(parent, tokens, block_size, extras)
     assert chain_keys(parent, token_bytes, block_size, extras) == expected
+
+
+def test_many_block_sizes_keep_right_keys_and_a_bounded_layout_cache() -> None:
+    tokens = list(range(70))
+    for block_size in range(1, 71):  # more sizes than the cache keeps
+        expected = _documented_keys(7, tokens, block_size, None)
+        assert chain_keys(7, tokens_to_bytes(tokens), block_size) == expected
+    assert len(keys_module._LAYOUTS) <= keys_module._MAX_LAYOUTS
 
 
 def test_token_id_bounds_are_inclusive() -> None:
