@@ -126,9 +126,16 @@ class StreamTracker:
             self.counters.num_rebuilds += 1
         return self._start_replay(0, rebuild=rebuild, pending=[])
 
-    def on_live(self, batch: EventBatch) -> Step:
+    def accept_next(self, batch: EventBatch) -> bool:
+        """The common case, kept cheap: the next batch of a live stream is remembered and
+        True is returned (apply it). False: nothing was done; ask :meth:`on_live`."""
         if self.mode is Mode.LIVE and batch.seq == self.last_seq + 1 and self._replay is None:
-            self._remember(batch)  # the common case, kept cheap
+            self._remember(batch)
+            return True
+        return False
+
+    def on_live(self, batch: EventBatch) -> Step:
+        if self.accept_next(batch):
             return Step(batches=[batch])
         if self._replay is not None:
             return self._buffer(batch)

@@ -299,6 +299,9 @@ class Subscriber:
         runtime = self._runtime_for(stream, topic, batch)
         if runtime is None or runtime.broken:
             return None
+        if runtime.tracker.accept_next(batch):
+            runtime.pending.append(batch)
+            return runtime
         step = runtime.tracker.on_live(batch)
         if step.clear or step.replay_from is not None:
             self._flush(runtime)

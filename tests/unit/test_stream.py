@@ -52,6 +52,20 @@ def test_in_order_stream_without_endpoint_applies_each_batch() -> None:
     assert tracker.counters.num_gaps == tracker.counters.num_replays == 0
 
 
+def test_accept_next_takes_only_the_next_batch_of_a_live_stream() -> None:
+    fresh = StreamTracker(can_replay=True)
+    assert not fresh.accept_next(b(0))  # not live yet: on_live decides (a resync)
+    assert fresh.last_seq == -1 and fresh.counters.num_batches == 0
+    tracker = live_tracker(2)
+    assert tracker.accept_next(b(3))
+    assert (tracker.last_seq, tracker.counters.num_batches) == (3, 4)
+    for other in (b(5), b(3), b(1, NEW_TS)):  # a gap, a duplicate, a restart
+        assert not tracker.accept_next(other)
+        assert (tracker.last_seq, tracker.counters.num_batches) == (3, 4)
+    tracker.on_live(b(5))  # the gap: a replay starts, and live batches are buffered
+    assert not tracker.accept_next(b(6))
+
+
 def test_first_live_frame_without_resync_and_endpoint_is_applied() -> None:
     tracker = StreamTracker(can_replay=False)
     assert tracker.on_live(b(7)) == apply(b(7))
