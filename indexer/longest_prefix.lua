@@ -1,7 +1,7 @@
 -- Longest run of leading keys each stream holds, stopping at that stream's first miss.
 -- KEYS: one `keys` hash per stream (block field -> packed tier counts: gpu + cpu * 2^16 +
 --       other * 2^32)
--- ARGV: concatenated 6-byte block fields (the low 6 bytes of each block key)
+-- ARGV: the block keys, 8 bytes big-endian each; a block's field is its key's low 6 bytes
 -- Returns, per stream in KEYS order, one byte per matched block: its best tier (0 GPU,
 -- 1 CPU, 2 other).
 -- Several streams per call on purpose: one EVALSHA per stream cost more than its HGETs
@@ -12,7 +12,7 @@ local call, sub, floor, concat = redis.call, string.sub, math.floor, table.conca
 
 local function walk(hash)
   local out = {}
-  for off = 1, #wanted, 6 do
+  for off = 3, #wanted, 8 do
     local v = call('HGET', hash, sub(wanted, off, off + 5))
     if not v then break end
     if v == '1' then  -- the common case: held once, on GPU
