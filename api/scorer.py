@@ -75,11 +75,24 @@ _StreamsBasis = tuple[tuple[str, ...], tuple[ReplicaSpec, ...], tuple[StreamId, 
 """Candidates, the registry's specs, the streams heard of: all the stream list depends on."""
 
 
+def _lookup_of(found: dict[StreamId, PrefixMatch] | IndexUnavailableError) -> _Lookup:
+    """Best match per replica over its ranks, or the index's outage as ``degraded``."""
+    if isinstance(found, IndexUnavailableError):
+        return _Lookup(degraded=f"index store unavailable: {found}")
+    lookup = _Lookup()
+    for stream, match in found.items():
+        best = lookup.matches.get(stream.replica)
+        if best is None or match.num_blocks > best.num_blocks:
+            lookup.matches[stream.replica] = match
+            lookup.ranks[stream.replica] = stream.rank
+    return lookup
+
+
 def _all_streams(
     replicas: Sequence[str], specs: Sequence[ReplicaSpec], heard: Sequence[StreamId]
 ) -> _Streams:
     """Every rank of every replica (declared or heard of), sorted: ranks ascend, so the
-    lowest rank wins a tie in :meth:`Scorer._lookup`."""
+    lowest rank wins a tie in :func:`_lookup_of`."""
     wanted = set(replicas)
     streams = {StreamId(r.id, rank) for r in specs if r.id in wanted for rank in range(r.dp_size)}
     streams.update(s for s in heard if s.replica in wanted)
@@ -148,8 +161,7 @@ class Scorer:
         policy = self._policy(request)
         block_size = self.block_size(request.model)
         tokens, keys = await self._keys(request, block_size)
-        lookup = await self._lookup(keys, self._streams(candidates, specs))
-        loads = await self._load_of(candidates)
+        lookup, loads = await self._read(keys, self._streams(candidates, specs), candidates)
         facts = self._facts(candidates, lookup, loads)
         cands = [f.candidate for f in facts.values()]
         decision = self._decide(policy, cands, keys, request, weights)
@@ -260,21 +272,32 @@ class Scorer:
 
     # --- 4. lookup -------------------------------------------------------------------------
 
-    async def _lookup(self, keys: list[int], streams: _Streams) -> _Lookup:
+    async def _read(
+        self, keys: list[int], streams: _Streams, replicas: Sequence[str]
+    ) -> tuple[_Lookup, dict[str, Load]]:
+        """The request's two store reads (index, then load), in one worker-thread hop when
+        the stores block (a hop costs about as much as a Redis round trip on loopback)."""
+        if self._blocking:
+            found, loads = await asyncio.to_thread(self._read_stores, keys, streams, replicas)
+        else:
+            found, loads = self._read_stores(keys, streams, replicas)
+        return _lookup_of(found), self._loads_seen(loads, replicas)
+
+    def _read_stores(
+        self, keys: list[int], streams: _Streams, replicas: Sequence[str]
+    ) -> tuple[dict[StreamId, PrefixMatch] | IndexUnavailableError, dict[str, Load] | None]:
+        """Both reads; an unreachable store is returned as its error (index) or None (load)
+        so that the other read still happens."""
+        found: dict[StreamId, PrefixMatch] | IndexUnavailableError
         try:
-            if self._blocking:
-                found = await asyncio.to_thread(self._index.longest_prefix, keys, streams)
-            else:
-                found = self._index.longest_prefix(keys, streams)
+            found = self._index.longest_prefix(keys, streams)
         except IndexUnavailableError as exc:
-            return _Lookup(degraded=f"index store unavailable: {exc}")
-        lookup = _Lookup()
-        for stream, match in found.items():
-            best = lookup.matches.get(stream.replica)
-            if best is None or match.num_blocks > best.num_blocks:
-                lookup.matches[stream.replica] = match
-                lookup.ranks[stream.replica] = stream.rank
-        return lookup
+            found = exc
+        try:
+            loads = self._loads.get_many(replicas)
+        except IndexUnavailableError:
+            loads = None
+        return found, loads
 
     def _streams(self, replicas: Sequence[str], specs: Sequence[ReplicaSpec]) -> _Streams:
         """Every stream of the candidates; remembered until the candidates, the specs or the
@@ -289,13 +312,11 @@ class Scorer:
 
     # --- 5. load ---------------------------------------------------------------------------
 
-    async def _load_of(self, replicas: Sequence[str]) -> dict[str, Load]:
-        try:
-            if self._blocking:
-                loads = await asyncio.to_thread(self._loads.get_many, replicas)
-            else:
-                loads = self._loads.get_many(replicas)
-        except IndexUnavailableError:
+    def _loads_seen(
+        self, loads: dict[str, Load] | None, replicas: Sequence[str]
+    ) -> dict[str, Load]:
+        """Remember what was read; when the load store was unreachable, what was last read."""
+        if loads is None:
             return {r: self._last_loads[r] for r in replicas if r in self._last_loads}
         remembered = self._last_loads
         for replica, load in loads.items():
