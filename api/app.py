@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import httpx
 import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from api.load import Load, LoadError, LoadStore, MetricsScraper
 from api.metrics import ApiMetrics, TimedIndex
@@ -75,11 +75,17 @@ def create_app(deps: ApiDeps) -> FastAPI:
         finally:
             await state.stop()
 
+    guarded = deps.settings.auth_token is not None
     app = FastAPI(
         title="kvindex",
         version="0.1.0",
         summary="Where every KV-cache block of a vLLM fleet lives, and where to route.",
         lifespan=lifespan,
+        # With a token, the schema is served behind it (below) and the browsable docs,
+        # which could not send the token, are off.
+        openapi_url=None if guarded else "/openapi.json",
+        docs_url=None if guarded else "/docs",
+        redoc_url=None if guarded else "/redoc",
     )
     app.add_exception_handler(KvIndexError, _error_handler)
     app.add_exception_handler(msgspec.ValidationError, _error_handler)
@@ -87,6 +93,17 @@ def create_app(deps: ApiDeps) -> FastAPI:
     app.include_router(_health_routes(state))
     app.include_router(_routes(state), dependencies=[Depends(state.authorize)])
     _document(app)
+    if guarded:
+
+        async def openapi_document() -> JSONResponse:
+            return JSONResponse(app.openapi())
+
+        app.add_api_route(
+            "/openapi.json",
+            openapi_document,
+            include_in_schema=False,
+            dependencies=[Depends(state.authorize)],
+        )
     return app
 
 
