@@ -120,6 +120,27 @@ def test_parent_resolves_through_the_index_after_forget(
     assert keys_of(index, [13]) == block_keys(MODEL, TOKENS, BLOCK)[2:]
 
 
+def test_key_cache_keeps_a_parent_in_use_and_lets_idle_ones_go(index: CountingIndex) -> None:
+    """Two generations of two mappings each: a parent read again moves back to the young
+    one and survives ageing; one not read since falls back to the index (still right)."""
+    ingestor = Ingestor(index, cache_size=4)
+    tokens = list(range(1000, 1000 + 64))
+    ingestor.apply(STREAM, MODEL, batch(0, stored([11], None, tokens[:4])))  # hot parent
+    ingestor.apply(STREAM, MODEL, batch(1, stored([21], None, tokens[4:8])))  # idle parent
+    seq = 2
+    for child in range(100, 106):  # each child is chained from 11 and fills the cache
+        ingestor.apply(STREAM, MODEL, batch(seq, stored([child], 11, tokens[8:12])))
+        filler = stored([child + 50], None, tokens[12 + 4 * (child - 100) :][:4])
+        ingestor.apply(STREAM, MODEL, batch(seq + 1, filler))
+        seq += 2
+    assert index.num_resolves == 0  # 11 stayed in the cache all along
+    report = ingestor.apply(STREAM, MODEL, batch(seq, stored([31], 21, tokens[8:12])))
+    assert (report.num_orphan_stores, index.num_resolves) == (0, 1)  # 21 came from the index
+    parent_21 = keys_of(index, [21])[0]
+    assert parent_21 is not None
+    assert keys_of(index, [31]) == chain_keys(parent_21, tokens_to_bytes(tokens[8:12]), BLOCK)
+
+
 def test_streams_do_not_share_parents(index: CountingIndex, ingestor: Ingestor) -> None:
     ingestor.apply(STREAM, MODEL, batch(0, stored([11], None, TOKENS[:4])))
     other = StreamId("r2", 0)
