@@ -12,6 +12,11 @@ Load lives in the same kind of store as the index (:class:`MemoryLoadStore` in-p
 :class:`Load` carries the time it was measured; the scorer weighs old load less
 (:meth:`Load.age_s`). Stores keep the newest load per replica: a put never replaces a
 load measured later, so a late scrape cannot hide a fresh push, nor the reverse.
+
+Stores also count *answers*: how many ``/score`` answers chose a replica since its current
+load was stored (:meth:`LoadStore.get_counted`). In Redis every API process sharing the
+store counts into the same counter, so answers from all of them weigh as load until the
+replica reports again.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol, TypeAlias
+from typing import NamedTuple, Protocol, TypeAlias, cast
 
 import httpx
 import msgspec
@@ -32,7 +37,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from indexer.errors import KvIndexError
-from indexer.redis_schema import Schema, check_name
+from indexer.redis_schema import Schema, answers_field, check_name
 from indexer.redis_store import unavailable_on_connection_errors
 
 logger = logging.getLogger(__name__)
@@ -108,8 +113,18 @@ def is_newer_or_same(new: Load, old: Load | None) -> bool:
     return old is None or new.ts >= old.ts
 
 
+class CountedLoad(NamedTuple):
+    """A replica's stored load and the answers that chose it since it was stored."""
+
+    load: Load
+    routed: int
+
+
 class LoadStore(Protocol):
-    """The latest load of each replica. Implementations are safe to call from any thread."""
+    """The latest load of each replica, and the answers that chose it since.
+
+    Implementations are safe to call from any thread.
+    """
 
     def put(self, replica: str, load: Load) -> None:
         """Keep ``load`` unless the stored one is newer (:func:`is_newer_or_same`), atomically.
@@ -122,8 +137,21 @@ class LoadStore(Protocol):
         """The stored load of each replica; replicas without one are absent."""
         ...
 
+    def get_counted(
+        self, replicas: Sequence[str], answers: Sequence[str] = ()
+    ) -> dict[str, CountedLoad]:
+        """Count ``answers`` (the replica each chose) first, then read each replica's load
+        with the answers counted for it since that load was stored (replicas without a
+        load are absent). A put that stores a newer load starts its replica's count again;
+        one that stores an equal ``ts`` (the same measurement) does not.
+
+        An answer made on a load that a newer one replaced meanwhile counts toward the newer
+        one: at most the answers in flight are over-counted, never lost.
+        """
+        ...
+
     def remove(self, replica: str) -> None:
-        """Forget the replica's load (a no-op for an unknown replica)."""
+        """Forget the replica's load and answers (a no-op for an unknown replica)."""
         ...
 
     def close(self) -> None:
@@ -137,20 +165,36 @@ class MemoryLoadStore:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._replica_to_load: dict[str, Load] = {}
+        self._answers: dict[str, int] = {}
+        """Per replica: answers that chose it since its load was stored."""
 
     def put(self, replica: str, load: Load) -> None:
         check_name("replica id", replica)
         with self._lock:
-            if is_newer_or_same(load, self._replica_to_load.get(replica)):
+            old = self._replica_to_load.get(replica)
+            if is_newer_or_same(load, old):
                 self._replica_to_load[replica] = load
+                if old is None or load.ts > old.ts:
+                    self._answers.pop(replica, None)
 
     def get_many(self, replicas: Sequence[str]) -> dict[str, Load]:
         with self._lock:
             return {r: self._replica_to_load[r] for r in replicas if r in self._replica_to_load}
 
+    def get_counted(
+        self, replicas: Sequence[str], answers: Sequence[str] = ()
+    ) -> dict[str, CountedLoad]:
+        with self._lock:
+            counts = self._answers
+            for replica in answers:
+                counts[replica] = counts.get(replica, 0) + 1
+            loads = self._replica_to_load
+            return {r: CountedLoad(loads[r], counts.get(r, 0)) for r in replicas if r in loads}
+
     def remove(self, replica: str) -> None:
         with self._lock:
             self._replica_to_load.pop(replica, None)
+            self._answers.pop(replica, None)
 
     def close(self) -> None:
         """Nothing to release."""
@@ -161,6 +205,7 @@ class MemoryLoadStore:
 # counts as older: it is overwritten rather than blocking the replica forever.
 _PUT_IF_NEWER_LUA = """
 local old = redis.call('HGET', KEYS[1], ARGV[1])
+local newer = true
 if old then
   local ok, decoded = pcall(cjson.decode, old)
   if ok and type(decoded) == 'table' then
@@ -168,9 +213,13 @@ if old then
     if old_ts and old_ts > tonumber(ARGV[2]) then
       return 0
     end
+    newer = not (old_ts and old_ts == tonumber(ARGV[2]))
   end
 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+if newer then
+  redis.call('HDEL', KEYS[1], ARGV[4])  -- a new measurement: its answers start from 0
+end
 return 1
 """
 
@@ -182,8 +231,12 @@ class RedisLoadStore:
     """Shared :class:`LoadStore`: one HASH (``Schema.load``) replica id → load as JSON.
 
     A put is one Lua script (compare ``ts``, then set: atomic across API processes); a
-    ``get_many`` is one HMGET. Every method raises :class:`IndexUnavailableError` when Redis
-    cannot be reached. A stored value that cannot be decoded reads as absent (logged).
+    ``get_many`` is one HMGET; a ``get_counted`` is one round trip (an HINCRBY per answer,
+    then an HMGET). A replica's answers are its field ``<replica>/answers`` of the same
+    HASH (no replica id contains ``/``), so every call touches one key; the put script
+    deletes that field when it stores a newer load. Every method raises
+    :class:`IndexUnavailableError` when Redis cannot be reached. A stored value that
+    cannot be decoded reads as absent (logged).
     """
 
     def __init__(self, client: redis.Redis, schema: Schema | None = None) -> None:
@@ -191,10 +244,21 @@ class RedisLoadStore:
         self._key = (schema or Schema()).load
         self._put = client.register_script(_PUT_IF_NEWER_LUA)
 
+    @property
+    def client(self) -> redis.Redis:
+        """The connection (shared with the index of the same deployment)."""
+        return self._client
+
     def put(self, replica: str, load: Load) -> None:
         check_name("replica id", replica)
         with unavailable_on_connection_errors():
-            self._put(keys=[self._key], args=[replica, repr(load.ts), _ENCODER.encode(load)])
+            args: list[str | bytes] = [
+                replica,
+                repr(load.ts),
+                _ENCODER.encode(load),
+                answers_field(replica),
+            ]
+            self._put(keys=[self._key], args=args)
 
     def get_many(self, replicas: Sequence[str]) -> dict[str, Load]:
         wanted = list(dict.fromkeys(replicas))
@@ -205,12 +269,44 @@ class RedisLoadStore:
         loads = {r: _decode(r, v) for r, v in zip(wanted, values, strict=True) if v is not None}
         return {r: load for r, load in loads.items() if load is not None}
 
+    def get_counted(
+        self, replicas: Sequence[str], answers: Sequence[str] = ()
+    ) -> dict[str, CountedLoad]:
+        wanted = list(dict.fromkeys(replicas))
+        fields = [f for r in wanted for f in (r, answers_field(r))]
+        with unavailable_on_connection_errors(), self._client.pipeline(False) as pipe:
+            for replica in answers:
+                pipe.hincrby(self._key, answers_field(replica), 1)
+            if fields:
+                pipe.hmget(self._key, fields)
+            # An unreadable count (not an integer) fails its HINCRBY alone; it reads as 0
+            # until the replica's next load replaces it.
+            replies = pipe.execute(raise_on_error=False) if answers or fields else []
+        if fields and isinstance(replies[-1], redis.RedisError):
+            raise replies[-1]
+        values = cast("list[bytes | None]", replies[-1]) if fields else []
+        out: dict[str, CountedLoad] = {}
+        for i, replica in enumerate(wanted):
+            value, count = values[2 * i], values[2 * i + 1]
+            load = None if value is None else _decode(replica, value)
+            if load is not None:
+                out[replica] = CountedLoad(load, _parse_count(count))
+        return out
+
     def remove(self, replica: str) -> None:
         with unavailable_on_connection_errors():
-            self._client.hdel(self._key, replica)
+            self._client.hdel(self._key, replica, answers_field(replica))
 
     def close(self) -> None:
         self._client.close()
+
+
+def _parse_count(raw: bytes | None) -> int:
+    """A stored answer count; 0 when absent or unreadable."""
+    try:
+        return max(int(raw), 0) if raw is not None else 0
+    except ValueError:
+        return 0
 
 
 def _decode(replica: str, raw: bytes | str) -> Load | None:

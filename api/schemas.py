@@ -49,8 +49,8 @@ class LoadView(msgspec.Struct):
     age_s: float
     source: str
     routed: int = 0
-    """Requests this API answered with this replica as ``best`` since the load was measured
-    (counted as load: ``weights.routed`` each)."""
+    """Answers with this replica as ``best`` since the load was stored, by every API
+    process sharing the load store (counted as load: ``weights.routed`` each)."""
 
 
 class FreshnessView(msgspec.Struct):

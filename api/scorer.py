@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from api.load import Load, LoadStore, is_newer_or_same
+from api.load import CountedLoad, Load, LoadStore, is_newer_or_same
 from api.schemas import FreshnessView, LoadView, ScoreEntry, ScoreRequest, ScoreResponse
 from api.scoring import (
     Candidate,
@@ -124,9 +124,8 @@ class Scorer:
         self._round_robin: dict[str, itertools.count[int]] = {}
         self._last_loads: dict[str, Load] = {}
         self._streams_memo: tuple[_StreamsBasis, _Streams] | None = None
-        self._routed: dict[str, tuple[Load, int]] = {}
-        """Per replica: the load report it had when last chosen, and how many answers chose
-        it since that report."""
+        self._answers: list[str] = []
+        """Answers made since the last load read: counted in the store by the next read."""
 
     def note_load(self, replica: str, load: Load) -> None:
         """Remember a load this process accepted (``POST /load``), so that an answer made
@@ -137,18 +136,13 @@ class Scorer:
     def forget(self, replica: str) -> None:
         """Drop what is remembered of a removed replica."""
         self._last_loads.pop(replica, None)
-        self._routed.pop(replica, None)
+        self._answers = [a for a in self._answers if a != replica]
 
-    def _routed_since(self, replica: str, load: Load) -> int:
-        """Answers that chose ``replica`` since the report ``load`` (any other report
-        starts again from 0; no clocks are compared, so clock skew cannot matter)."""
-        since = self._routed.get(replica)
-        return since[1] if since is not None and since[0] == load else 0
-
-    def _note_routed(self, best: str | None, loads: dict[str, Load]) -> None:
-        load = loads.get(best) if best is not None else None
-        if best is not None and load is not None:
-            self._routed[best] = (load, self._routed_since(best, load) + 1)
+    def _note_routed(self, best: str | None, loads: dict[str, CountedLoad]) -> None:
+        """Count an answer toward its replica's load (in the store, with the next read:
+        every API process sharing the store sees it, and it costs no round trip)."""
+        if best is not None and best in loads:
+            self._answers.append(best)
 
     def known_models(self) -> list[str]:
         configured = {m.name for m in self._settings.models}
@@ -274,18 +268,24 @@ class Scorer:
 
     async def _read(
         self, keys: list[int], streams: _Streams, replicas: Sequence[str]
-    ) -> tuple[_Lookup, dict[str, Load]]:
-        """The request's two store reads (index, then load), in one worker-thread hop when
-        the stores block (a hop costs about as much as a Redis round trip on loopback)."""
+    ) -> tuple[_Lookup, dict[str, CountedLoad]]:
+        """The request's two store reads (index, then load with the answers made since the
+        last read counted first), in one worker-thread hop when the stores block (a hop
+        costs about as much as a Redis round trip on loopback). Answers that could not be
+        counted (the load store unreachable) are dropped: counted after the outage, they
+        would weigh on loads measured after they were made."""
+        answers, self._answers = self._answers, []
         if self._blocking:
-            found, loads = await asyncio.to_thread(self._read_stores, keys, streams, replicas)
+            found, loads = await asyncio.to_thread(
+                self._read_stores, keys, streams, replicas, answers
+            )
         else:
-            found, loads = self._read_stores(keys, streams, replicas)
+            found, loads = self._read_stores(keys, streams, replicas, answers)
         return _lookup_of(found), self._loads_seen(loads, replicas)
 
     def _read_stores(
-        self, keys: list[int], streams: _Streams, replicas: Sequence[str]
-    ) -> tuple[dict[StreamId, PrefixMatch] | IndexUnavailableError, dict[str, Load] | None]:
+        self, keys: list[int], streams: _Streams, replicas: Sequence[str], answers: list[str]
+    ) -> tuple[dict[StreamId, PrefixMatch] | IndexUnavailableError, dict[str, CountedLoad] | None]:
         """Both reads; an unreachable store is returned as its error (index) or None (load)
         so that the other read still happens."""
         found: dict[StreamId, PrefixMatch] | IndexUnavailableError
@@ -294,7 +294,7 @@ class Scorer:
         except IndexUnavailableError as exc:
             found = exc
         try:
-            loads = self._loads.get_many(replicas)
+            loads = self._loads.get_counted(replicas, answers)
         except IndexUnavailableError:
             loads = None
         return found, loads
@@ -313,13 +313,15 @@ class Scorer:
     # --- 5. load ---------------------------------------------------------------------------
 
     def _loads_seen(
-        self, loads: dict[str, Load] | None, replicas: Sequence[str]
-    ) -> dict[str, Load]:
-        """Remember what was read; when the load store was unreachable, what was last read."""
+        self, loads: dict[str, CountedLoad] | None, replicas: Sequence[str]
+    ) -> dict[str, CountedLoad]:
+        """Remember what was read; when the load store was unreachable, what was last read
+        (with no answers counted)."""
         if loads is None:
-            return {r: self._last_loads[r] for r in replicas if r in self._last_loads}
+            last = self._last_loads
+            return {r: CountedLoad(last[r], 0) for r in replicas if r in last}
         remembered = self._last_loads
-        for replica, load in loads.items():
+        for replica, (load, _) in loads.items():
             if remembered.get(replica) is not load:  # the in-process store returns the same
                 self.note_load(replica, load)
         return loads
@@ -334,7 +336,7 @@ class Scorer:
     # --- 6. decision -----------------------------------------------------------------------
 
     def _facts(
-        self, replicas: Sequence[str], lookup: _Lookup, loads: dict[str, Load]
+        self, replicas: Sequence[str], lookup: _Lookup, loads: dict[str, CountedLoad]
     ) -> dict[str, _Facts]:
         """What the answer says of each candidate, gathered once (in candidate order); one
         clock reading for every load's age."""
@@ -342,8 +344,8 @@ class Scorer:
         now = self._clock()
         facts: dict[str, _Facts] = {}
         for r in replicas:
-            load = loads.get(r)
-            routed = self._routed_since(r, load) if load is not None else 0
+            counted = loads.get(r)
+            load, routed = (None, 0) if counted is None else counted
             facts[r] = _facts(r, lookup, load, statuses.get(r, ()), now=now, routed=routed)
         return facts
 

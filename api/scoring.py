@@ -13,11 +13,11 @@ settings, overridable per request), and every score is explained term by term.
 ``tier_credit`` is ``w.gpu`` / ``w.cpu`` / ``w.other``; ``freshness_factor`` is 1 for a live
 stream, ``w.replaying_factor`` while it replays and ``w.stale_factor`` when stale;
 ``recency = 0.5 ** (age / w.load_half_life_s)``, so old load weighs less and unknown load
-weighs nothing; ``routed`` counts the requests this API sent to the replica since its load
-was measured, which the report cannot show yet (without it, every request between two load
-reports herds onto the replica that looked idle at the first). Ties go to the lower load,
-then to chance. With ``w.temperature > 0`` the winner is drawn from a softmax over scores
-instead of taken as the maximum.
+weighs nothing; ``routed`` counts the answers (of every API process sharing the load store)
+that chose the replica since its load was stored, which the report cannot show yet
+(without it, every request between two load reports herds onto the replica that looked
+idle at the first). Ties go to the lower load, then to chance. With ``w.temperature > 0``
+the winner is drawn from a softmax over scores instead of taken as the maximum.
 """
 
 from __future__ import annotations
@@ -69,9 +69,10 @@ class Weights:
     kv_usage: float = 0.2
     """Penalty for a full KV cache (usage fraction 0..1)."""
     routed: float = 0.1
-    """Penalty per request this API routed to the replica after its load was measured
-    (load the report cannot show yet: without it, every request between two load reports
-    goes to the replica that looked idle at the first)."""
+    """Penalty per answer that chose the replica since its load was stored, counted by
+    every API process sharing the load store (load the report cannot show yet: without it,
+    every request between two load reports goes to the replica that looked idle at the
+    first)."""
     stale_factor: float = 0.5
     """Cache credit multiplier for a replica whose stream is stale."""
     replaying_factor: float = 0.8

@@ -125,8 +125,8 @@ def format_freshness(fresh: FreshnessView) -> str:
 
 
 def format_load(load: LoadView | None) -> str:
-    """``run 3 wait 1 kv 50% (1.2s old, push)``, ``+2 routed`` when this API sent requests
-    there since; ``-`` when no load is known."""
+    """``run 3 wait 1 kv 50% (1.2s old, push)``, ``+2 routed`` when answers chose the
+    replica since; ``-`` when no load is known."""
     if load is None:
         return "-"
     routed = f" +{load.routed} routed" if load.routed else ""

@@ -8,7 +8,9 @@ Layout (``<p>`` = configurable prefix, ``<v>`` = :data:`SCHEMA_VERSION`)::
                                           other·2³² (HINCRBY)
     <p>:<v>:{<replica>/<rank>}:hash  HASH  engine hash (8 bytes) → block key (8 bytes)
     <p>:<v>:{<replica>/<rank>}:meta  HASH  wm (watermark), ts, n0/n1/n2 (blocks per tier)
-    <p>:<v>:load                    HASH  replica id → its latest load (msgspec JSON, ``api.load``)
+    <p>:<v>:load                    HASH  replica id → its latest load (msgspec JSON, ``api.load``);
+                                          "<replica id>/answers" → "<load ts>|<n>": n /score
+                                          answers (of every API process) chose it since
     <p>:<v>:{fleet}:replicas        HASH  replica id → its ReplicaSpec (JSON): the fleet, written
                                           by the indexer (declared, bind-mode) and the API
                                           (POST/DELETE /replicas); ``indexer.fleet_sync``;
@@ -103,6 +105,12 @@ class Schema:
     def stream(self, stream: StreamId) -> StreamKeys:
         tag = f"{self.root}:{{{stream}}}"
         return StreamKeys(keys=f"{tag}:keys", hashes=f"{tag}:hash", meta=f"{tag}:meta")
+
+
+def answers_field(replica: str) -> str:
+    """The field of the load HASH counting answers that chose ``replica`` (``/`` is never in
+    a replica id, so it cannot clash with a replica's own field)."""
+    return f"{replica}/answers"
 
 
 FLEET_MARKER = "#fleet"

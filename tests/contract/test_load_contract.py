@@ -5,13 +5,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import fakeredis
 import pytest
 import redis
 
-from api.load import Load, LoadStore, MemoryLoadStore, RedisLoadStore
+from api.load import CountedLoad, Load, LoadStore, MemoryLoadStore, RedisLoadStore
 from indexer.redis_schema import Schema, SchemaError
 
 BACKENDS = ("memory", "fakeredis", "redis")
@@ -149,3 +149,76 @@ def test_replica_ids_with_the_allowed_punctuation(store: LoadStore) -> None:
 def test_unusable_replica_ids_are_rejected(store: LoadStore, replica: str) -> None:
     with pytest.raises(SchemaError, match="replica id"):
         store.put(replica, load(1.0))
+
+
+# --- answers counted since the load was stored ----------------------------------------------
+
+
+def counted(store: LoadStore, *replicas: str, answers: Sequence[str] = ()) -> dict[str, int]:
+    """Answers counted per replica (replicas without a load are absent)."""
+    return {r: c.routed for r, c in store.get_counted(list(replicas), answers).items()}
+
+
+def test_get_counted_reads_loads_and_no_answers_yet(store: LoadStore) -> None:
+    store.put("r1", load(100.0))
+    assert store.get_counted(["r1", "r2"]) == {"r1": CountedLoad(load(100.0), 0)}
+    assert store.get_counted([]) == {}
+    assert store.get_counted(["r1", "r1"]) == {"r1": CountedLoad(load(100.0), 0)}
+
+
+def test_answers_are_counted_before_the_read(store: LoadStore) -> None:
+    store.put("r1", load(100.0))
+    store.put("r2", load(50.0))
+    assert counted(store, "r1", "r2", answers=["r1", "r1"]) == {"r1": 2, "r2": 0}
+    assert counted(store, "r1", answers=["r1", "r2"]) == {"r1": 3}
+    assert counted(store, "r1", "r2") == {"r1": 3, "r2": 1}
+    assert counted(store, answers=["r2"]) == {}
+    assert counted(store, "r2") == {"r2": 2}
+
+
+def test_a_newer_load_starts_the_count_again(store: LoadStore) -> None:
+    store.put("r1", load(100.0))
+    counted(store, answers=["r1"] * 3)
+    store.put("r1", load(100.5))
+    assert counted(store, "r1") == {"r1": 0}
+    assert counted(store, "r1", answers=["r1"]) == {"r1": 1}
+
+
+def test_the_same_measurement_again_keeps_the_count(store: LoadStore) -> None:
+    store.put("r1", load(100.0))
+    counted(store, answers=["r1"] * 2)
+    store.put("r1", load(100.0, running=3.0))  # equal ts: stored, but no new measurement
+    assert counted(store, "r1") == {"r1": 2}
+
+
+def test_an_older_load_keeps_the_count(store: LoadStore) -> None:
+    store.put("r1", load(100.0))
+    counted(store, answers=["r1"] * 2)
+    store.put("r1", load(99.0))  # not stored
+    assert counted(store, "r1") == {"r1": 2}
+
+
+def test_answers_before_the_first_load_are_dropped_by_it(store: LoadStore) -> None:
+    counted(store, answers=["r1"])
+    store.put("r1", load(100.0))
+    assert counted(store, "r1") == {"r1": 0}
+
+
+def test_remove_forgets_the_answers(store: LoadStore) -> None:
+    store.put("r1", load(100.0))
+    counted(store, answers=["r1"])
+    store.remove("r1")
+    assert counted(store, "r1") == {}
+    store.put("r1", load(10.0))
+    assert counted(store, "r1") == {"r1": 0}
+
+
+def test_answers_from_every_process_on_one_store_add_up(store: LoadStore) -> None:
+    if isinstance(store, MemoryLoadStore):
+        pytest.skip("the in-process store serves one process")
+    assert isinstance(store, RedisLoadStore)
+    other = RedisLoadStore(store.client, Schema("test"))  # a second API process's store
+    store.put("r1", load(100.0))
+    counted(store, answers=["r1"])
+    assert counted(other, "r1", answers=["r1"]) == {"r1": 2}
+    assert counted(store, "r1") == {"r1": 2}

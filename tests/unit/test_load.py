@@ -336,6 +336,30 @@ def test_an_undecodable_stored_value_reads_as_absent_and_is_replaced(junk: bytes
     assert store.get_many(["r1"]) == {"r1": a_load(ts=1.0)}
 
 
+def test_answer_counts_are_a_field_of_the_load_hash() -> None:
+    client = fakeredis.FakeRedis()
+    store = RedisLoadStore(client, Schema("p"))
+    store.put("r1", a_load(ts=1.5))
+    store.get_counted(["r1"], ["r1"] * 2)
+    assert client.keys("*") == [b"p:v1:load"]
+    assert client.hget("p:v1:load", "r1/answers") == b"2"
+    assert store.get_many(["r1"]) == {"r1": a_load(ts=1.5)}
+    store.remove("r1")
+    assert client.keys("*") == []
+
+
+@pytest.mark.parametrize("junk", [b"", b"garbage", b"-3"])
+def test_an_unreadable_answer_count_reads_as_0_and_a_new_load_resets_it(junk: bytes) -> None:
+    client = fakeredis.FakeRedis()
+    store = RedisLoadStore(client, Schema("p"))
+    store.put("r1", a_load(ts=1.5))
+    client.hset("p:v1:load", "r1/answers", junk)
+    assert store.get_counted(["r1"])["r1"].routed == 0
+    assert store.get_counted(["r1"], ["r1"])["r1"].routed == 0  # no crash, still 0
+    store.put("r1", a_load(ts=2.0))
+    assert store.get_counted(["r1"], ["r1"])["r1"].routed == 1
+
+
 @pytest.fixture
 def dead_redis() -> Iterator[redis.Redis]:
     """A client of a loopback port nothing listens on, without retries."""
@@ -354,6 +378,8 @@ def test_redis_down_is_index_unavailable(dead_redis: redis.Redis) -> None:
         store.get_many(["r1"])
     with pytest.raises(IndexUnavailableError, match="redis"):
         store.remove("r1")
+    with pytest.raises(IndexUnavailableError, match="redis"):
+        store.get_counted(["r1"], ["r1"])
 
 
 # --- MetricsScraper over a mock transport (real HTTP: tests/integration) --------------------

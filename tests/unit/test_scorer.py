@@ -7,18 +7,21 @@ and that the stream list it remembers follows the registry."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
+import fakeredis
 import pytest
 
-from api.load import Load, MemoryLoadStore
+from api.load import CountedLoad, Load, LoadStore, MemoryLoadStore, RedisLoadStore
 from api.schemas import FreshnessView, LoadView, ScoreEntry, ScoreRequest, ScoreResponse
 from api.scorer import Scorer
 from api.scoring import Weights
 from api.settings import ApiSettings
 from indexer.events import StreamId, Tier
-from indexer.index import Op, OpKind
+from indexer.index import IndexUnavailableError, Op, OpKind
 from indexer.keys import block_keys
 from indexer.memory_store import MemoryIndex
+from indexer.redis_schema import Schema
 from indexer.registry import Registry
 from indexer.settings import ReplicaSpec
 
@@ -33,7 +36,7 @@ W = Weights()
 class Fleet:
     """Replicas ``a`` (two ranks), ``b`` and ``c`` of one model; a clock the test moves."""
 
-    def __init__(self) -> None:
+    def __init__(self, loads: LoadStore | None = None) -> None:
         self.now = NOW
         specs = (
             ReplicaSpec("a", MODEL, dp_size=2),
@@ -42,7 +45,7 @@ class Fleet:
         )
         self.registry = Registry(specs, clock=self.clock)
         self.index = MemoryIndex()
-        self.loads = MemoryLoadStore()
+        self.loads = MemoryLoadStore() if loads is None else loads
         self.scorer = Scorer(
             ApiSettings(seed=1),
             self.index,
@@ -62,10 +65,20 @@ class Fleet:
         self.index.apply(stream, 0, self.now, ops)
         self.registry.heard(stream, seq=0, engine_ts=self.now - 0.5)
 
+    def answer(self) -> ScoreResponse:
+        return asyncio.run(self.scorer.score(ScoreRequest(model=MODEL, token_ids=TOKENS)))
+
     def score(self) -> dict[str, ScoreEntry]:
-        answer = asyncio.run(self.scorer.score(ScoreRequest(model=MODEL, token_ids=TOKENS)))
-        assert isinstance(answer, ScoreResponse)
-        return {e.replica: e for e in answer.scores}
+        return {e.replica: e for e in self.answer().scores}
+
+    def best(self) -> str:
+        best = self.answer().best
+        assert best is not None
+        return best
+
+    def routed(self) -> dict[str, int]:
+        """Answers counted as load, per replica with a load, as of this answer's read."""
+        return {e.replica: e.load.routed for e in self.answer().scores if e.load is not None}
 
 
 @pytest.fixture
@@ -159,9 +172,59 @@ def test_answers_count_as_load_until_the_replica_reports_again() -> None:
     assert sorted(best() for _ in range(3)) == ["a", "b", "c"]
     routed = {e.replica: e.load.routed for e in fleet.score().values() if e.load is not None}
     assert routed == {"a": 1, "b": 1, "c": 1}  # (as measured before this fourth answer)
-    chosen = best()
+    chosen = best()  # counted in the store by the next read
     fleet.loads.put(chosen, Load(0.0, 0.0, 0.0, NOW + 1.0, "push"))  # a new measurement
+    assert fleet.loads.get_counted([chosen])[chosen].routed == 0  # its count starts again
     entries = fleet.score()
-    assert entries[chosen].load == LoadView(0.0, 0.0, 0.0, 0.0, "push", routed=0)
-    assert entries[chosen].terms["load"] == 0.0
+    # The answer made just before that measurement is counted only now, toward it: answers
+    # in flight when a load is stored are over-counted, never lost.
+    assert entries[chosen].load == LoadView(0.0, 0.0, 0.0, 0.0, "push", routed=1)
+    assert entries[chosen].terms["load"] == -W.routed
     assert {e.load.routed for r, e in entries.items() if r != chosen and e.load} >= {1}
+
+
+def test_answers_of_every_api_process_on_one_redis_count_as_load() -> None:
+    """Two API processes (two scorers) sharing a Redis load store: each counts the other's
+    answers too, one read after they are made (they ride on the answering process's next
+    read, which costs no extra round trip)."""
+    server = fakeredis.FakeServer()
+    first, second = (
+        Fleet(RedisLoadStore(fakeredis.FakeRedis(server=server), Schema("t"))) for _ in range(2)
+    )
+    for replica in ("a", "b", "c"):
+        first.loads.put(replica, Load(0.0, 0.0, 0.0, NOW, "push"))
+    answers = [first.best() for _ in range(3)]
+    assert sorted(answers) == ["a", "b", "c"]
+    # The first two were counted by the first process's later reads; the third waits for
+    # its next one.
+    seen = second.answer()
+    routed = {e.replica: e.load.routed for e in seen.scores if e.load is not None}
+    assert routed == {answers[0]: 1, answers[1]: 1, answers[2]: 0}
+    assert seen.best == answers[2]  # the one replica no counted answer has gone to
+
+
+class _FlakyLoads(MemoryLoadStore):
+    """A load store that is unreachable while ``down``."""
+
+    down = False
+
+    def get_counted(
+        self, replicas: Sequence[str], answers: Sequence[str] = ()
+    ) -> dict[str, CountedLoad]:
+        if self.down:
+            raise IndexUnavailableError("redis: connection refused")
+        return super().get_counted(replicas, answers)
+
+
+def test_answers_not_counted_during_a_load_store_outage_are_dropped() -> None:
+    loads = _FlakyLoads()
+    fleet = Fleet(loads)
+    fleet.loads.put("a", Load(0.0, 0.0, 0.0, NOW, "push"))
+    for busy in ("b", "c"):
+        fleet.loads.put(busy, Load(50.0, 50.0, 1.0, NOW, "push"))
+    assert fleet.best() == "a"  # the idle one; its answer is counted at the next read
+    loads.down = True
+    assert fleet.routed() == {"a": 0, "b": 0, "c": 0}  # the last loads read, none counted
+    assert fleet.routed() == {"a": 0, "b": 0, "c": 0}
+    loads.down = False
+    assert fleet.routed() == {"a": 1, "b": 0, "c": 0}  # only the answer since the last read
