@@ -17,19 +17,27 @@ from indexer.redis_schema import Schema, SchemaError
 BACKENDS = ("memory", "fakeredis", "redis")
 
 
+def _redis_store(backend: str, request: pytest.FixtureRequest) -> RedisLoadStore:
+    if backend == "fakeredis":
+        # A FakeRedis made without host/port gets a server of its own: nothing is shared.
+        return RedisLoadStore(fakeredis.FakeRedis(), Schema("test"))
+    client: redis.Redis = request.getfixturevalue("redis_client")  # flushed per test
+    return RedisLoadStore(client, Schema("test"))
+
+
 @pytest.fixture(params=BACKENDS)
 def store(request: pytest.FixtureRequest) -> Iterator[LoadStore]:
     """An empty load store on the backend under test, closed afterwards."""
     backend: str = request.param
-    made: LoadStore
-    if backend == "memory":
-        made = MemoryLoadStore()
-    elif backend == "fakeredis":
-        # A FakeRedis made without host/port gets a server of its own: nothing is shared.
-        made = RedisLoadStore(fakeredis.FakeRedis(), Schema("test"))
-    else:
-        client: redis.Redis = request.getfixturevalue("redis_client")  # flushed per test
-        made = RedisLoadStore(client, Schema("test"))
+    made = MemoryLoadStore() if backend == "memory" else _redis_store(backend, request)
+    yield made
+    made.close()
+
+
+@pytest.fixture(params=[b for b in BACKENDS if b != "memory"])
+def shared_store(request: pytest.FixtureRequest) -> Iterator[RedisLoadStore]:
+    """An empty store that several API processes can share (Redis)."""
+    made = _redis_store(request.param, request)
     yield made
     made.close()
 
@@ -213,10 +221,8 @@ def test_remove_forgets_the_answers(store: LoadStore) -> None:
     assert counted(store, "r1") == {"r1": 0}
 
 
-def test_answers_from_every_process_on_one_store_add_up(store: LoadStore) -> None:
-    if isinstance(store, MemoryLoadStore):
-        pytest.skip("the in-process store serves one process")
-    assert isinstance(store, RedisLoadStore)
+def test_answers_from_every_process_on_one_store_add_up(shared_store: RedisLoadStore) -> None:
+    store = shared_store
     other = RedisLoadStore(store.client, Schema("test"))  # a second API process's store
     store.put("r1", load(100.0))
     counted(store, answers=["r1"])
