@@ -150,6 +150,12 @@ class LoadStore(Protocol):
         """
         ...
 
+    def claim_scrapes(self, replicas: Sequence[str], hold_s: float) -> set[str]:
+        """The replicas this process is to scrape now: each one no other caller claimed in
+        the last ``hold_s`` seconds (every one, for a store serving one process). API
+        processes sharing a store thus scrape each replica once a round, not once each."""
+        ...
+
     def remove(self, replica: str) -> None:
         """Forget the replica's load and answers (a no-op for an unknown replica)."""
         ...
@@ -190,6 +196,9 @@ class MemoryLoadStore:
                 counts[replica] = counts.get(replica, 0) + 1
             loads = self._replica_to_load
             return {r: CountedLoad(loads[r], counts.get(r, 0)) for r in replicas if r in loads}
+
+    def claim_scrapes(self, replicas: Sequence[str], hold_s: float) -> set[str]:
+        return set(replicas)
 
     def remove(self, replica: str) -> None:
         with self._lock:
@@ -236,12 +245,14 @@ class RedisLoadStore:
     HASH (no replica id contains ``/``), so every call touches one key; the put script
     deletes that field when it stores a newer load. Every method raises
     :class:`IndexUnavailableError` when Redis cannot be reached. A stored value that
-    cannot be decoded reads as absent (logged).
+    cannot be decoded reads as absent (logged). Scrape claims are short-lived keys
+    (``Schema.scrape_claim``, SET NX PX).
     """
 
     def __init__(self, client: redis.Redis, schema: Schema | None = None) -> None:
         self._client = client
-        self._key = (schema or Schema()).load
+        self._schema = schema or Schema()
+        self._key = self._schema.load
         self._put = client.register_script(_PUT_IF_NEWER_LUA)
 
     @property
@@ -292,6 +303,17 @@ class RedisLoadStore:
             if load is not None:
                 out[replica] = CountedLoad(load, _parse_count(count))
         return out
+
+    def claim_scrapes(self, replicas: Sequence[str], hold_s: float) -> set[str]:
+        wanted = list(dict.fromkeys(replicas))
+        if not wanted:
+            return set()
+        hold_ms = max(1, round(hold_s * 1000))
+        with unavailable_on_connection_errors(), self._client.pipeline(False) as pipe:
+            for replica in wanted:
+                pipe.set(self._schema.scrape_claim(replica), b"1", nx=True, px=hold_ms)
+            won = pipe.execute()
+        return {replica for replica, ok in zip(wanted, won, strict=True) if ok}
 
     def remove(self, replica: str) -> None:
         with unavailable_on_connection_errors():
@@ -384,20 +406,27 @@ class ScrapeStats:
     """Why the latest scrape failed; None when it succeeded (or none ran yet)."""
     last_success_ts: float | None = None
     """``ts`` of the latest load scraped and stored."""
+    num_left_to_peers: int = 0
+    """Rounds another API process sharing the load store scraped it instead."""
+
+
+_CLAIM_SHARE = 0.8
+"""A scrape claim lasts this share of the interval: gone before the next round starts."""
 
 
 class MetricsScraper:
     """Scrapes every replica's ``{base_url}/metrics`` each ``interval_s`` into a store.
 
     Each round asks ``targets()`` for the current replicas (so replicas added or removed at
-    run time are picked up) and scrapes all of them concurrently; each request has its own
-    ``timeout_s`` deadline (connect to last byte) and its load is stored as soon as it is
-    parsed, so a slow or dead replica never delays the others' results. Rounds start every
-    ``interval_s``, or when the last one ended if it took longer: a round lasts at most
-    ``timeout_s`` plus one store call, so keep ``timeout_s <= interval_s`` for a steady
-    cadence. Nothing a replica sends can stop the scraper: every failure is counted in
-    :meth:`stats`. ``start`` and ``stop`` run on the scraper's event loop; :meth:`stats` may
-    be called from any thread.
+    run time are picked up), claims them in the store (API processes sharing a Redis store
+    scrape each replica once a round between them) and scrapes its claims concurrently;
+    each request has its own ``timeout_s`` deadline (connect to last byte) and its load is
+    stored as soon as it is parsed, so a slow or dead replica never delays the others'
+    results. Rounds start every ``interval_s``, or when the last one ended if it took
+    longer: a round lasts at most ``timeout_s`` plus two store calls, so keep
+    ``timeout_s <= interval_s`` for a steady cadence. Nothing a replica sends can stop the
+    scraper: every failure is counted in :meth:`stats`. ``start`` and ``stop`` run on the
+    scraper's event loop; :meth:`stats` may be called from any thread.
     """
 
     def __init__(
@@ -446,9 +475,30 @@ class MetricsScraper:
             return dict(self._replica_to_stats)
 
     async def scrape_once(self) -> None:
-        """One round: every target concurrently; returns once each succeeded or failed."""
-        targets = self._current_targets()
+        """One round: every target this process claims (:meth:`LoadStore.claim_scrapes`),
+        concurrently; returns once each succeeded or failed."""
+        targets = await self._claimed(self._current_targets())
         await asyncio.gather(*(self._scrape(r, url, model) for r, url, model in targets))
+
+    async def _claimed(
+        self, targets: list[tuple[str, str, str | None]]
+    ) -> list[tuple[str, str, str | None]]:
+        """The targets no other API process scrapes this round. Claims expire before the
+        next round (``_CLAIM_SHARE`` of the interval), so a process that stops scraping is
+        taken over within a round. Claims that cannot be made: scrape everything (each
+        store call then fails or succeeds on its own)."""
+        if not targets:
+            return targets
+        replicas = [r for r, _, _ in targets]
+        hold_s = self._interval_s * _CLAIM_SHARE
+        try:
+            mine = await asyncio.to_thread(self._store.claim_scrapes, replicas, hold_s)
+        except Exception:
+            logger.debug("claiming this round's scrapes failed; scraping every replica")
+            return targets
+        for replica in set(replicas) - mine:
+            self._record(replica, left_to_peers=True)
+        return [t for t in targets if t[0] in mine]
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -490,10 +540,20 @@ class MetricsScraper:
         return parse_vllm_metrics(response.text, now=self._clock(), model=model)
 
     def _record(
-        self, replica: str, *, success_ts: float | None = None, error: str | None = None
+        self,
+        replica: str,
+        *,
+        success_ts: float | None = None,
+        error: str | None = None,
+        left_to_peers: bool = False,
     ) -> None:
         with self._lock:
             old = self._replica_to_stats.get(replica, ScrapeStats())
+            if left_to_peers:
+                self._replica_to_stats[replica] = replace(
+                    old, num_left_to_peers=old.num_left_to_peers + 1
+                )
+                return
             new = replace(old, num_scrapes=old.num_scrapes + 1, last_error=error)
             if error is None:
                 new = replace(new, last_success_ts=success_ts)

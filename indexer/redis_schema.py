@@ -11,6 +11,8 @@ Layout (``<p>`` = configurable prefix, ``<v>`` = :data:`SCHEMA_VERSION`)::
     <p>:<v>:load                    HASH  replica id → its latest load (msgspec JSON, ``api.load``);
                                           "<replica id>/answers" → "<load ts>|<n>": n /score
                                           answers (of every API process) chose it since
+    <p>:<v>:scrape:<replica id>     STRING set (NX, expiring within a scrape interval) by the
+                                          API process that scrapes the replica this round
     <p>:<v>:{fleet}:replicas        HASH  replica id → its ReplicaSpec (JSON): the fleet, written
                                           by the indexer (declared, bind-mode) and the API
                                           (POST/DELETE /replicas); ``indexer.fleet_sync``;
@@ -91,6 +93,10 @@ class Schema:
     def load(self) -> str:
         """The HASH replica id → latest :class:`api.load.Load` (one key: Cluster-safe)."""
         return f"{self.root}:load"
+
+    def scrape_claim(self, replica: str) -> str:
+        """A short-lived key: the API process that set it scrapes ``replica`` this round."""
+        return f"{self.root}:scrape:{replica}"
 
     @property
     def replicas(self) -> str:

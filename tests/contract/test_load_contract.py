@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 
 import fakeredis
@@ -228,3 +229,24 @@ def test_answers_from_every_process_on_one_store_add_up(shared_store: RedisLoadS
     counted(store, answers=["r1"])
     assert counted(other, "r1", answers=["r1"]) == {"r1": 2}
     assert counted(store, "r1") == {"r1": 2}
+
+
+# --- scrape claims ----------------------------------------------------------------------------
+
+
+def test_a_lone_process_claims_every_replica(store: LoadStore) -> None:
+    assert store.claim_scrapes(["r1", "r2", "r1"], 10.0) == {"r1", "r2"}
+    assert store.claim_scrapes([], 10.0) == set()
+    if isinstance(store, MemoryLoadStore):  # one process: nobody else to leave it to
+        assert store.claim_scrapes(["r1"], 10.0) == {"r1"}
+
+
+def test_each_replica_is_claimed_once_until_the_claim_expires(
+    shared_store: RedisLoadStore,
+) -> None:
+    other = RedisLoadStore(shared_store.client, Schema("test"))  # a second API process
+    assert shared_store.claim_scrapes(["r1"], 0.2) == {"r1"}
+    assert other.claim_scrapes(["r1", "r2"], 0.2) == {"r2"}
+    assert shared_store.claim_scrapes(["r1", "r2"], 0.2) == set()
+    time.sleep(0.3)
+    assert other.claim_scrapes(["r1", "r2"], 0.2) == {"r1", "r2"}

@@ -427,6 +427,51 @@ def test_scrape_stores_loads_and_counts() -> None:
     }
 
 
+def test_api_processes_sharing_redis_scrape_each_replica_once_a_round() -> None:
+    server = fakeredis.FakeServer()
+    stores = [RedisLoadStore(fakeredis.FakeRedis(server=server), Schema("p")) for _ in range(2)]
+    targets = [("r1", "http://ok-1/", "m"), ("r2", "http://ok-2/", "m")]
+    fetched: list[str] = []
+
+    def counting(request: httpx.Request) -> httpx.Response:
+        fetched.append(request.url.host)
+        return handler(request)
+
+    async def main() -> list[MetricsScraper]:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(counting)) as client:
+            scrapers = [
+                MetricsScraper(store, client, lambda: targets, interval_s=60.0, clock=lambda: NOW)
+                for store in stores
+            ]
+            for scraper in scrapers:
+                await scraper.scrape_once()
+            return scrapers
+
+    first, second = asyncio.run(main())
+    assert sorted(fetched) == ["ok-1", "ok-2"]  # once each, by the first process
+    assert stores[1].get_many(["r1", "r2"]) == {
+        "r1": Load(1.0, 0.0, 0.5, NOW, "scrape"),
+        "r2": Load(2.0, 0.0, 0.5, NOW, "scrape"),
+    }
+    assert {r: s.num_scrapes for r, s in first.stats().items()} == {"r1": 1, "r2": 1}
+    assert second.stats() == {
+        "r1": ScrapeStats(num_left_to_peers=1),
+        "r2": ScrapeStats(num_left_to_peers=1),
+    }
+
+
+class UnclaimableStore(MemoryLoadStore):
+    def claim_scrapes(self, replicas: Sequence[str], hold_s: float) -> set[str]:
+        raise IndexUnavailableError("redis: down")
+
+
+def test_claims_that_cannot_be_made_leave_every_replica_to_scrape() -> None:
+    store = UnclaimableStore()
+    scraper = scrape_once(store, [("r1", "http://ok-3/", "m")])
+    assert store.get_many(["r1"]) == {"r1": Load(3.0, 0.0, 0.5, NOW, "scrape")}
+    assert scraper.stats() == {"r1": ScrapeStats(num_scrapes=1, last_success_ts=NOW)}
+
+
 def test_replicas_without_url_are_not_scraped() -> None:
     store = MemoryLoadStore()
     scraper = scrape_once(store, [("r1", None, "m"), ("r2", "", "m")])
