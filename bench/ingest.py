@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from machine import calibration_ms
 from redis_server import private_redis
 from workload import MODEL, Workload, WorkloadConfig, build_workload
 
@@ -351,9 +352,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("kvindex.subscriber").setLevel(logging.WARNING)
     args = parse_args(argv)
     workload = generate(args)
+    machine = {"calibration_ms": calibration_ms()}
     ok = True
     for line in run_backends(args, workload):
         line["quick"] = args.quick
+        line.update(machine)
         print(json.dumps(line), flush=True)
         ok = ok and bool(line["consistent"])
     return 0 if ok else 1

@@ -68,6 +68,7 @@ from typing import Any
 
 import msgspec
 import redis
+from machine import calibration_ms, host_load
 from redis_server import free_port, private_redis
 from score_fill import BLOCK_SIZE, MODEL, NUM_GROUPS, Fleet, FleetConfig
 from score_http import (
@@ -193,11 +194,6 @@ def summary(latencies_ns: Sequence[int]) -> dict[str, Any]:
         "mean_ms": round(sum(latencies_ns) / len(latencies_ns) / 1e6, 3),
         "max_ms": percentile_ms(latencies_ns, 100),
     }
-
-
-def host_load() -> float:
-    """The 1-minute load average: other work on the machine shows here."""
-    return os.getloadavg()[0]
 
 
 def emit(line: dict[str, Any]) -> None:
@@ -645,10 +641,11 @@ def main(argv: list[str] | None = None) -> int:
     fleet = Fleet(FleetConfig(args.replicas, args.blocks, args.seed))
     log.info("fleet: %d replicas, %d blocks; expected matches %s", fleet.config.replicas,
              fleet.num_blocks, fleet.expected())  # fmt: skip
+    machine = {"calibration_ms": calibration_ms()}
     with redis_target(args) as target:
         for backend in args.backends:
             for line in run_backend(args, fleet, backend, target):
-                emit({**line, "quick": args.quick, "host_load_1m": host_load()})
+                emit({**line, "quick": args.quick, "host_load_1m": host_load(), **machine})
     return 0
 
 
