@@ -274,8 +274,12 @@ def connected(url: str, token: str | None) -> Iterator[KvIndexClient]:
         raise click.ClickException(str(exc)) from exc
 
 
-def _print_json(value: Any) -> None:
-    click.echo(msgspec.json.format(msgspec.json.encode(value), indent=2))
+def _show(value: Any, as_json: bool, render: Callable[[], list[Any]]) -> None:
+    """A view command's output: ``value`` as JSON, or what ``render`` draws of it."""
+    if as_json:
+        click.echo(msgspec.json.format(msgspec.json.encode(value), indent=2))
+    else:
+        make_console().print(*render())
 
 
 def _server_options(command: Callable[..., None]) -> Callable[..., None]:
@@ -402,10 +406,7 @@ def residency(
     fields = prompt_fields(text, tokens_file, messages_file)
     with connected(url, token) as client:
         answer = client.score(model, candidates=_candidates(candidates), **fields)
-    if as_json:
-        _print_json(answer)
-        return
-    make_console().print(*render_residency(answer, width))
+    _show(answer, as_json, lambda: render_residency(answer, width))
 
 
 @click.command()
@@ -429,10 +430,7 @@ def score(
     fields = prompt_fields(text, tokens_file, messages_file)
     with connected(url, token) as client:
         answer = client.score(model, candidates=_candidates(candidates), policy=policy, **fields)
-    if as_json:
-        _print_json(answer)
-        return
-    make_console().print(render_score(answer))
+    _show(answer, as_json, lambda: [render_score(answer)])
 
 
 @click.command()
@@ -442,10 +440,7 @@ def replicas(*, url: str, token: str | None, as_json: bool) -> None:
     """Registered replicas: state, streams (seq, blocks per tier, lag) and load."""
     with connected(url, token) as client:
         views = client.replicas()
-    if as_json:
-        _print_json(views)
-        return
-    make_console().print(render_replicas(views))
+    _show(views, as_json, lambda: [render_replicas(views)])
 
 
 @click.command()
@@ -455,10 +450,7 @@ def stats(*, url: str, token: str | None, as_json: bool) -> None:
     """Index and ingestion totals."""
     with connected(url, token) as client:
         totals = client.stats()
-    if as_json:
-        _print_json(totals)
-        return
-    make_console().print(render_stats(totals))
+    _show(totals, as_json, lambda: [render_stats(totals)])
 
 
 def register_views(group: click.Group) -> None:
