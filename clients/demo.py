@@ -409,13 +409,16 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> DemoRepo
         TimeElapsedColumn(),
         console=console,
         disable=console is None,
+        # Redrawn at each advance, not by rich's refresh thread: that thread is told to
+        # stop but not joined, so it could outlive the demo.
+        auto_refresh=False,
     )
     with progress:
         for policy in POLICIES:
             task = progress.add_task(policy, total=settings.requests)
             with running_fleet(settings) as fleet:
                 t0 = time.monotonic()
-                advance = functools.partial(progress.advance, task)
+                advance = functools.partial(progress.update, task, advance=1, refresh=True)
                 outcomes = asyncio.run(replay(settings, fleet, policy, sessions, advance))
                 reports.append(PolicyReport.of(policy, outcomes, time.monotonic() - t0))
     return DemoReport(settings, reports, time.monotonic() - started)
