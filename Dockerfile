@@ -5,5 +5,6 @@ COPY pyproject.toml README.md ./
 COPY indexer ./indexer
 COPY api ./api
 COPY clients ./clients
+COPY kvindex ./kvindex
 RUN pip install --no-cache-dir .
 ENTRYPOINT ["kvindex"]

@@ -22,9 +22,9 @@ import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from api.load import Load, LoadError, LoadStore, MetricsScraper
-from api.metrics import ApiMetrics, TimedIndex
-from api.schemas import (
+from kvindex.api.load import Load, LoadError, LoadStore, MetricsScraper
+from kvindex.api.metrics import ApiMetrics, TimedIndex
+from kvindex.api.schemas import (
     ConfigView,
     ErrorBody,
     FreshnessView,
@@ -39,14 +39,14 @@ from api.schemas import (
     StatusBody,
     StreamView,
 )
-from api.scorer import RequestError, Scorer, UnknownModelError
-from api.settings import ApiSettings
-from api.tokenize import Tokenizer, TokenizerError, TokenizerSpec, build_tokenizer
-from indexer.errors import KvIndexError
-from indexer.events import Tier
-from indexer.index import BlockIndex, IndexUnavailableError, drop_replica
-from indexer.registry import RegistryView, StreamStatus
-from indexer.settings import ReplicaSpec, SettingsError
+from kvindex.api.score import RequestError, Scorer, UnknownModelError
+from kvindex.api.settings import ApiSettings
+from kvindex.api.tokenize import Tokenizer, TokenizerError, TokenizerSpec, build_tokenizer
+from kvindex.indexer.errors import KvIndexError
+from kvindex.indexer.events import Tier
+from kvindex.indexer.fleet.registry import RegistryView, StreamStatus
+from kvindex.indexer.index.protocol import BlockIndex, IndexUnavailableError, drop_replica
+from kvindex.indexer.settings import ReplicaSpec, SettingsError
 
 T = TypeVar("T")
 _JSON = "application/json"

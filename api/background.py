@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import uvicorn
 
-from indexer.errors import KvIndexError
+from kvindex.indexer.errors import KvIndexError
 
 
 class ServerStartError(KvIndexError):

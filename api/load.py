@@ -36,9 +36,9 @@ import msgspec
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from indexer.errors import KvIndexError
-from indexer.redis_schema import Schema, answers_field, check_name
-from indexer.redis_store import unavailable_on_connection_errors
+from kvindex.indexer.errors import KvIndexError
+from kvindex.indexer.index.redis import unavailable_on_connection_errors
+from kvindex.indexer.redis_schema import Schema, answers_field, check_name
 
 logger = logging.getLogger(__name__)
 

@@ -14,9 +14,16 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from indexer.events import StreamId, Tier
-from indexer.index import ApplyResult, BatchOps, BlockIndex, Op, PrefixMatch, StreamStats
-from indexer.registry import RegistryView
+from kvindex.indexer.events import StreamId, Tier
+from kvindex.indexer.fleet.registry import RegistryView
+from kvindex.indexer.index.protocol import (
+    ApplyResult,
+    BatchOps,
+    BlockIndex,
+    Op,
+    PrefixMatch,
+    StreamStats,
+)
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 

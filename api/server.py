@@ -4,7 +4,7 @@ or the API alone on a Redis an indexer writes (``kvindex api``, the production l
 The in-process store is the default (one process, nothing else to install); with
 ``store = "redis"`` the index and the load both live in Redis, so several API processes
 agree on both. An API-only process also reads the fleet (replicas, stream status) from
-Redis through :class:`~indexer.fleet_view.RedisFleetView`.
+Redis through :class:`~kvindex.indexer.fleet.view.RedisFleetView`.
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from api.app import ApiDeps, create_app
-from api.load import LoadStore, MemoryLoadStore, RedisLoadStore
-from api.settings import ApiSettings
-from indexer.fleet_view import RedisFleetView
-from indexer.redis_schema import Schema
-from indexer.redis_store import RedisIndex, connect
-from indexer.service import IndexerService
-from indexer.settings import IndexerSettings
+from kvindex.api.app import ApiDeps, create_app
+from kvindex.api.load import LoadStore, MemoryLoadStore, RedisLoadStore
+from kvindex.api.settings import ApiSettings
+from kvindex.indexer.fleet.view import RedisFleetView
+from kvindex.indexer.index.redis import RedisIndex, connect
+from kvindex.indexer.redis_schema import Schema
+from kvindex.indexer.service import IndexerService
+from kvindex.indexer.settings import IndexerSettings
 
 
 @dataclass

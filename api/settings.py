@@ -27,8 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from api.scoring import Policy, ScoringError, Weights
-from indexer.settings import SettingsError
+from kvindex.api.policies import Policy, ScoringError, Weights
+from kvindex.indexer.settings import SettingsError
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,7 @@ import jinja2.sandbox
 import msgspec
 import tokenizers
 
-from indexer.errors import KvIndexError
+from kvindex.indexer.errors import KvIndexError
 
 TokenizerKind = Literal["local", "replica"]
 

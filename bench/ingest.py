@@ -50,15 +50,15 @@ from machine import calibration_ms
 from redis_server import private_redis
 from workload import MODEL, Workload, WorkloadConfig, build_workload
 
-from clients.publisher import Encoding
-from indexer.events import StreamId
-from indexer.index import BlockIndex
-from indexer.memory_store import MemoryIndex
-from indexer.redis_schema import Schema
-from indexer.redis_store import RedisIndex, connect
-from indexer.registry import Registry
-from indexer.settings import IndexerSettings, ReplicaSpec
-from indexer.subscriber import Subscriber
+from kvindex.clients.fake_vllm.publisher import Encoding
+from kvindex.indexer.events import StreamId
+from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.index.memory import MemoryIndex
+from kvindex.indexer.index.protocol import BlockIndex
+from kvindex.indexer.index.redis import RedisIndex, connect
+from kvindex.indexer.redis_schema import Schema
+from kvindex.indexer.settings import IndexerSettings, ReplicaSpec
+from kvindex.indexer.subscriber import Subscriber
 
 FULL_ENTRIES = 1_000_000
 QUICK_ENTRIES = 131_072

@@ -88,19 +88,19 @@ from score_http import (
     stack_summary,
 )
 
-from api.load import Load, LoadStore, MemoryLoadStore, RedisLoadStore
-from api.metrics import ApiMetrics, TimedIndex
-from api.schemas import LoadReport, ScoreRequest, ScoreResponse
-from api.scorer import Scorer
-from api.settings import ApiSettings
-from indexer.events import StreamId
-from indexer.index import BatchOps, BlockIndex
-from indexer.keys import block_keys
-from indexer.memory_store import MemoryIndex
-from indexer.redis_schema import Schema
-from indexer.redis_store import RedisIndex, connect
-from indexer.registry import Registry
-from indexer.settings import ReplicaSpec
+from kvindex.api.load import Load, LoadStore, MemoryLoadStore, RedisLoadStore
+from kvindex.api.metrics import ApiMetrics, TimedIndex
+from kvindex.api.schemas import LoadReport, ScoreRequest, ScoreResponse
+from kvindex.api.score import Scorer
+from kvindex.api.settings import ApiSettings
+from kvindex.indexer.events import StreamId
+from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.index.memory import MemoryIndex
+from kvindex.indexer.index.protocol import BatchOps, BlockIndex
+from kvindex.indexer.index.redis import RedisIndex, connect
+from kvindex.indexer.keys import block_keys
+from kvindex.indexer.redis_schema import Schema
+from kvindex.indexer.settings import ReplicaSpec
 
 FULL_BLOCKS = 1_000_000
 QUICK_BLOCKS = 131_072

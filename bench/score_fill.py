@@ -26,9 +26,9 @@ import sys
 from array import array
 from dataclasses import dataclass, field
 
-from indexer.events import BlockStored, Tier
-from indexer.index import Op, OpKind
-from indexer.keys import block_keys, chain_keys, model_root
+from kvindex.indexer.events import BlockStored, Tier
+from kvindex.indexer.index.protocol import Op, OpKind
+from kvindex.indexer.keys import block_keys, chain_keys, model_root
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 BLOCK_SIZE = 16

@@ -41,8 +41,8 @@ from typing import Any
 import msgspec
 from score_fill import MODEL, Chunk, Fleet
 
-from api.schemas import LoadReport
-from clients.publisher import EventPublisher
+from kvindex.api.schemas import LoadReport
+from kvindex.clients.fake_vllm.publisher import EventPublisher
 
 log = logging.getLogger("kvindex.bench")
 

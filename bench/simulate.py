@@ -29,10 +29,15 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from clients.sim_fleet import FleetSettings
-from clients.sim_routing import ORACLE, parse_policy
-from clients.sim_workload import WORKLOADS, GeneratorSettings, read_trace
-from clients.simulate import DEFAULT_POLICIES, SimReport, SimulateSettings, run_simulation
+from kvindex.clients.simulate.fleet import FleetSettings
+from kvindex.clients.simulate.routing import ORACLE, parse_policy
+from kvindex.clients.simulate.run import (
+    DEFAULT_POLICIES,
+    SimReport,
+    SimulateSettings,
+    run_simulation,
+)
+from kvindex.clients.workloads import WORKLOADS, GeneratorSettings, read_trace
 
 TRACE = Path(__file__).parent / "traces/mooncake_fast25_synthetic_trace.jsonl.gz"
 

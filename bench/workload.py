@@ -42,8 +42,8 @@ from typing import Any
 import msgspec
 import xxhash
 
-from clients.publisher import Encoding
-from indexer.events import StreamId
+from kvindex.clients.fake_vllm.publisher import Encoding
+from kvindex.indexer.events import StreamId
 
 BLOCK_SIZE = 16
 VOCAB_SIZE = 128_256

@@ -1,8 +1,9 @@
 """``kvindex demo``: the same seeded workload routed round-robin and by ``POST /score``.
 
 Everything runs in this process on loopback with nothing else installed: N
-:class:`~clients.replica_sim.ReplicaSim` (real block caches, vLLM KV events, HTTP), the
-indexer (:class:`~indexer.service.IndexerService` over a :class:`MemoryIndex`, the sims as
+:class:`~kvindex.clients.fake_vllm.replica.ReplicaSim` (real block caches, vLLM KV events,
+HTTP), the
+indexer (:class:`~kvindex.indexer.service.IndexerService` over a :class:`MemoryIndex`, the sims as
 connect-mode replicas with replay and URLs) and the API (uvicorn in a background thread,
 scraping the sims' ``/metrics``). Each policy starts from a fresh fleet (cold caches).
 
@@ -36,17 +37,22 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from api.app import ApiDeps, create_app
-from api.background import BackgroundServer, ServerStartError
-from api.load import MemoryLoadStore
-from api.settings import ApiSettings
-from clients.client import AsyncKvIndexClient
-from clients.replica_sim import VOCAB_SIZE, ReplicaSim, ReplicaSimSettings, tokenize_text
-from indexer.errors import KvIndexError
-from indexer.events import StreamId
-from indexer.memory_store import MemoryIndex
-from indexer.service import IndexerService
-from indexer.settings import IndexerSettings, ReplicaSpec
+from kvindex.api.app import ApiDeps, create_app
+from kvindex.api.background import BackgroundServer, ServerStartError
+from kvindex.api.load import MemoryLoadStore
+from kvindex.api.settings import ApiSettings
+from kvindex.clients.fake_vllm.replica import (
+    VOCAB_SIZE,
+    ReplicaSim,
+    ReplicaSimSettings,
+    tokenize_text,
+)
+from kvindex.clients.http import AsyncKvIndexClient
+from kvindex.indexer.errors import KvIndexError
+from kvindex.indexer.events import StreamId
+from kvindex.indexer.index.memory import MemoryIndex
+from kvindex.indexer.service import IndexerService
+from kvindex.indexer.settings import IndexerSettings, ReplicaSpec
 
 POLICIES = ("round_robin", "kv_aware")
 """Compared in this order, each on a fresh fleet."""

@@ -1,6 +1,6 @@
 """Domain events: what the rest of kvindex sees of vLLM's KV-event stream.
 
-Wire structs (``indexer.wire``) are turned into these right at the edge: hashes are
+Wire structs (``kvindex.indexer.wire``) are turned into these right at the edge: hashes are
 normalised to unsigned 64-bit ints, ``medium`` is folded into a :class:`Tier`, and the
 stream (replica, data-parallel rank) is attached. Nothing downstream touches msgpack.
 

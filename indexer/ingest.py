@@ -1,6 +1,6 @@
 """Domain events → index operations, applied in order per stream.
 
-Block keys are computed here from token ids (``indexer.keys``), chained from the parent's
+Block keys are computed here from token ids (``kvindex.indexer.keys``), chained from the parent's
 key. The parent's key comes from, in order: a block stored earlier in the same event or
 batch, a per-stream cache of recent engine hash → key mappings, the index itself. A store
 whose parent is unknown everywhere is an *orphan*: it is kept, chained from a root derived
@@ -20,15 +20,15 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from indexer.events import (
+from kvindex.indexer.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EventBatch,
     StreamId,
 )
-from indexer.index import APPLIED, ApplyResult, BatchOps, BlockIndex, Op, OpKind
-from indexer.keys import BlockKeyError, chain_keys, model_root, tokens_to_bytes
+from kvindex.indexer.index.protocol import APPLIED, ApplyResult, BatchOps, BlockIndex, Op, OpKind
+from kvindex.indexer.keys import BlockKeyError, chain_keys, model_root, tokens_to_bytes
 
 MAIN_GROUP = 0
 """Only the main KV-cache group is indexed; other groups (hybrid models) are counted."""

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 import xxhash
 
-from indexer.errors import KvIndexError
+from kvindex.indexer.errors import KvIndexError
 
 KEY_SCHEME = "xxh3-64/v1"
 """Name and version of this key function; stored beside the index so mismatches are loud."""

@@ -15,7 +15,7 @@ Layout (``<p>`` = configurable prefix, ``<v>`` = :data:`SCHEMA_VERSION`)::
                                           API process that scrapes the replica this round
     <p>:<v>:{fleet}:replicas        HASH  replica id → its ReplicaSpec (JSON): the fleet, written
                                           by the indexer (declared, bind-mode) and the API
-                                          (POST/DELETE /replicas); ``indexer.fleet_sync``;
+                                          (POST/DELETE /replicas); ``kvindex.indexer.fleet.sync``;
                                           field ``#fleet`` (never a replica id) marks it
                                           as written by an indexer: absent, Redis lost it
     <p>:<v>:{fleet}:status          HASH  "replica/rank" → the indexer's live state of the stream
@@ -41,8 +41,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from indexer.errors import KvIndexError
-from indexer.events import StreamId
+from kvindex.indexer.errors import KvIndexError
+from kvindex.indexer.events import StreamId
 
 SCHEMA_VERSION = "v1"
 DEFAULT_PREFIX = "kvindex"
@@ -91,7 +91,7 @@ class Schema:
 
     @property
     def load(self) -> str:
-        """The HASH replica id → latest :class:`api.load.Load` (one key: Cluster-safe)."""
+        """The HASH replica id → latest :class:`kvindex.api.load.Load` (one key: Cluster-safe)."""
         return f"{self.root}:load"
 
     def scrape_claim(self, replica: str) -> str:
@@ -100,12 +100,12 @@ class Schema:
 
     @property
     def replicas(self) -> str:
-        """The HASH replica id → :class:`~indexer.settings.ReplicaSpec` as JSON."""
+        """The HASH replica id → :class:`~kvindex.indexer.settings.ReplicaSpec` as JSON."""
         return f"{self.root}:{{fleet}}:replicas"
 
     @property
     def stream_status(self) -> str:
-        """The HASH "replica/rank" → ``indexer.fleet_sync.StreamRecord`` as JSON."""
+        """The HASH "replica/rank" → ``kvindex.indexer.fleet.sync.StreamRecord`` as JSON."""
         return f"{self.root}:{{fleet}}:status"
 
     def stream(self, stream: StreamId) -> StreamKeys:

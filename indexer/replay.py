@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 import zmq
 
-from indexer.errors import KvIndexError
-from indexer.events import EventBatch
-from indexer.wire import ReplayReply, WireError, decode_replay, replay_request
+from kvindex.indexer.errors import KvIndexError
+from kvindex.indexer.events import EventBatch
+from kvindex.indexer.wire import ReplayReply, WireError, decode_replay, replay_request
 
 
 class ReplayTimeoutError(KvIndexError):

@@ -6,14 +6,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from indexer.fleet_sync import FleetSync
-from indexer.index import BlockIndex
-from indexer.memory_store import MemoryIndex
-from indexer.redis_schema import Schema
-from indexer.redis_store import RedisIndex, connect
-from indexer.registry import Registry
-from indexer.settings import IndexerSettings
-from indexer.subscriber import Subscriber
+from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.fleet.sync import FleetSync
+from kvindex.indexer.index.memory import MemoryIndex
+from kvindex.indexer.index.protocol import BlockIndex
+from kvindex.indexer.index.redis import RedisIndex, connect
+from kvindex.indexer.redis_schema import Schema
+from kvindex.indexer.settings import IndexerSettings
+from kvindex.indexer.subscriber import Subscriber
 
 
 def open_index(settings: IndexerSettings) -> BlockIndex:

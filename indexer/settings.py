@@ -29,13 +29,13 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from indexer.errors import KvIndexError
-from indexer.redis_schema import SchemaError, check_name
+from kvindex.indexer.errors import KvIndexError
+from kvindex.indexer.redis_schema import SchemaError, check_name
 
 StoreKind = Literal["memory", "redis"]
 ENV_PREFIX = "KVINDEX_"
 API_SECTIONS = ("api", "models")
-"""TOML sections that belong to the API process (``api.settings``); the indexer skips them."""
+"""TOML sections of the API process (``kvindex.api.settings``); the indexer skips them."""
 
 
 class SettingsError(KvIndexError):

@@ -34,7 +34,7 @@ import enum
 from dataclasses import dataclass, field
 from itertools import islice
 
-from indexer.events import EventBatch
+from kvindex.indexer.events import EventBatch
 
 _TS_MEMORY = 4096
 """How many recent (seq, ts) pairs are kept, at least, to tell a duplicate from a restart.

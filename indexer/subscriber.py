@@ -10,7 +10,8 @@ Two topologies, as vLLM allows (both may be used at once):
   and the batch's data-parallel rank, and is registered on its first event.
 
 One thread runs :meth:`Subscriber.run`: it owns every socket, every
-:class:`~indexer.stream.StreamTracker` and the :class:`~indexer.ingest.Ingestor`, so each
+:class:`~kvindex.indexer.stream.StreamTracker` and the
+:class:`~kvindex.indexer.ingest.Ingestor`, so each
 stream's batches are applied in order. Nothing it receives can kill it: undecodable frames
 and bad events are logged once per stream, counted and skipped; an unreachable index store
 is counted and the stream resynced by replay once the store is back.
@@ -27,15 +28,15 @@ from dataclasses import dataclass, field
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from indexer.events import EventBatch, StreamId, Topic
-from indexer.index import BlockIndex, IndexUnavailableError, drop_replica
-from indexer.ingest import Ingestor, IngestReport
-from indexer.redis_schema import SchemaError, check_name
-from indexer.registry import Registry
-from indexer.replay import ReplaySession
-from indexer.settings import IndexerSettings, ReplicaSpec, SettingsError
-from indexer.stream import Step, StreamTracker
-from indexer.wire import WireError, decode_live
+from kvindex.indexer.events import EventBatch, StreamId, Topic
+from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.index.protocol import BlockIndex, IndexUnavailableError, drop_replica
+from kvindex.indexer.ingest import Ingestor, IngestReport
+from kvindex.indexer.redis_schema import SchemaError, check_name
+from kvindex.indexer.replay import ReplaySession
+from kvindex.indexer.settings import IndexerSettings, ReplicaSpec, SettingsError
+from kvindex.indexer.stream import Step, StreamTracker
+from kvindex.indexer.wire import WireError, decode_live
 
 log = logging.getLogger("kvindex.subscriber")
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import msgspec
 
-from indexer.errors import KvIndexError
-from indexer.events import (
+from kvindex.indexer.errors import KvIndexError
+from kvindex.indexer.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

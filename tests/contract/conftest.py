@@ -13,10 +13,10 @@ import fakeredis
 import pytest
 import redis
 
-from indexer.index import BlockIndex
-from indexer.memory_store import MemoryIndex
-from indexer.redis_schema import Schema
-from indexer.redis_store import RedisIndex
+from kvindex.indexer.index.memory import MemoryIndex
+from kvindex.indexer.index.protocol import BlockIndex
+from kvindex.indexer.index.redis import RedisIndex
+from kvindex.indexer.redis_schema import Schema
 
 BACKENDS = ("memory", "fakeredis", "redis")
 

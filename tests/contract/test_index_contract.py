@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from indexer.events import StreamId, Tier
-from indexer.index import (
+from kvindex.indexer.events import StreamId, Tier
+from kvindex.indexer.index.protocol import (
     NO_MATCH,
     SKIPPED,
     ApplyResult,

@@ -12,8 +12,8 @@ import fakeredis
 import pytest
 import redis
 
-from api.load import CountedLoad, Load, LoadStore, MemoryLoadStore, RedisLoadStore
-from indexer.redis_schema import Schema, SchemaError
+from kvindex.api.load import CountedLoad, Load, LoadStore, MemoryLoadStore, RedisLoadStore
+from kvindex.indexer.redis_schema import Schema, SchemaError
 
 BACKENDS = ("memory", "fakeredis", "redis")
 

@@ -12,12 +12,12 @@ import fakeredis
 import pytest
 import redis
 
-from indexer.events import StreamId
-from indexer.fleet_sync import FleetSync
-from indexer.fleet_view import RedisFleetView
-from indexer.redis_schema import Schema
-from indexer.registry import Freshness, Registry, RegistryView
-from indexer.settings import ReplicaSpec
+from kvindex.indexer.events import StreamId
+from kvindex.indexer.fleet.registry import Freshness, Registry, RegistryView
+from kvindex.indexer.fleet.sync import FleetSync
+from kvindex.indexer.fleet.view import RedisFleetView
+from kvindex.indexer.redis_schema import Schema
+from kvindex.indexer.settings import ReplicaSpec
 
 BACKENDS = ("memory", "fakeredis", "redis")
 R1 = ReplicaSpec("r1", "m", events="tcp://127.0.0.1:5557")

@@ -20,16 +20,16 @@ import httpx
 import msgspec
 from fastapi import FastAPI
 
-from api.app import ApiDeps, create_app
-from api.background import BackgroundServer
-from api.load import LoadStore
-from api.schemas import ScoreEntry, ScoreResponse
-from api.settings import ApiSettings
-from indexer.events import BlockStored, EventBatch, ExtraKeys, StreamId, Tier
-from indexer.index import BlockIndex
-from indexer.ingest import Ingestor
-from indexer.registry import Registry
-from indexer.settings import ReplicaSpec
+from kvindex.api.app import ApiDeps, create_app
+from kvindex.api.background import BackgroundServer
+from kvindex.api.load import LoadStore
+from kvindex.api.schemas import ScoreEntry, ScoreResponse
+from kvindex.api.settings import ApiSettings
+from kvindex.indexer.events import BlockStored, EventBatch, ExtraKeys, StreamId, Tier
+from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.index.protocol import BlockIndex
+from kvindex.indexer.ingest import Ingestor
+from kvindex.indexer.settings import ReplicaSpec
 
 MODEL = "demo-model"
 BLOCK = 16

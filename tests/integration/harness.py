@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 import zmq
 
-from clients.publisher import Encoding, EventPublisher, ReplayLayout
-from indexer.events import StreamId
-from indexer.index import BlockIndex
-from indexer.registry import Freshness, StreamStatus
-from indexer.service import IndexerService
-from indexer.settings import IndexerSettings, ReplicaSpec
+from kvindex.clients.fake_vllm.publisher import Encoding, EventPublisher, ReplayLayout
+from kvindex.indexer.events import StreamId
+from kvindex.indexer.fleet.registry import Freshness, StreamStatus
+from kvindex.indexer.index.protocol import BlockIndex
+from kvindex.indexer.service import IndexerService
+from kvindex.indexer.settings import IndexerSettings, ReplicaSpec
 from tests.support.redis_server import free_port
 
 MODEL = "demo-model"

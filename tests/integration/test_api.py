@@ -19,17 +19,17 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.app import ApiDeps, create_app
-from api.load import LoadStore, MemoryLoadStore, RedisLoadStore
-from api.scoring import Weights
-from api.settings import ApiSettings, ModelSpec
-from indexer.events import StreamId, Tier
-from indexer.index import BlockIndex
-from indexer.keys import block_keys
-from indexer.memory_store import MemoryIndex
-from indexer.redis_schema import Schema
-from indexer.redis_store import RedisIndex, connect
-from indexer.settings import ReplicaSpec
+from kvindex.api.app import ApiDeps, create_app
+from kvindex.api.load import LoadStore, MemoryLoadStore, RedisLoadStore
+from kvindex.api.policies import Weights
+from kvindex.api.settings import ApiSettings, ModelSpec
+from kvindex.indexer.events import StreamId, Tier
+from kvindex.indexer.index.memory import MemoryIndex
+from kvindex.indexer.index.protocol import BlockIndex
+from kvindex.indexer.index.redis import RedisIndex, connect
+from kvindex.indexer.keys import block_keys
+from kvindex.indexer.redis_schema import Schema
+from kvindex.indexer.settings import ReplicaSpec
 from tests.integration.api_harness import (
     BASE_URL,
     BLOCK,

@@ -9,10 +9,10 @@ from dataclasses import replace
 import pytest
 from click.testing import CliRunner
 
-from clients.check_hash import CheckSettings, run_check
-from clients.cli import main
-from clients.publisher import Encoding
-from clients.replica_sim import ReplicaSim, ReplicaSimSettings
+from kvindex.clients.cli.check_hash import CheckSettings, run_check
+from kvindex.clients.cli.main import main
+from kvindex.clients.fake_vllm.publisher import Encoding
+from kvindex.clients.fake_vllm.replica import ReplicaSim, ReplicaSimSettings
 from tests.support.redis_server import free_port
 
 MODEL = "sim-model"

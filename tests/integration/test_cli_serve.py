@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from clients.publisher import EventPublisher
-from indexer.events import BlockStored, Tier
+from kvindex.clients.fake_vllm.publisher import EventPublisher
+from kvindex.indexer.events import BlockStored, Tier
 from tests.support.redis_server import free_port
 
 KVINDEX = Path(sys.executable).parent / "kvindex"

@@ -16,9 +16,9 @@ import msgspec
 import pytest
 from click.testing import CliRunner, Result
 
-from api.schemas import ReplicaView, ScoreResponse
-from clients.cli import main
-from clients.client import KvIndexClient
+from kvindex.api.schemas import ReplicaView, ScoreResponse
+from kvindex.clients.cli.main import main
+from kvindex.clients.http import KvIndexClient
 from tests.integration.test_client_http import BLOCK, MODEL, PREFIX, REQUEST, TOKEN, serving
 
 

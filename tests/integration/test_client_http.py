@@ -1,4 +1,4 @@
-"""clients.client against the real API app, served by uvicorn on a free loopback port.
+"""kvindex.clients.http against the real API app, served by uvicorn on a free loopback port.
 
 The fixture builds the app from an in-process index holding a few blocks (put in with the
 real Ingestor), serves it in a background thread, and stops it (``should_exit``, join)
@@ -22,12 +22,12 @@ from typing import Any, cast
 
 import pytest
 
-from api.app import ApiDeps, create_app
-from api.background import BackgroundServer
-from api.load import MemoryLoadStore
-from api.schemas import ScoreResponse
-from api.settings import ApiSettings
-from clients.client import (
+from kvindex.api.app import ApiDeps, create_app
+from kvindex.api.background import BackgroundServer
+from kvindex.api.load import MemoryLoadStore
+from kvindex.api.schemas import ScoreResponse
+from kvindex.api.settings import ApiSettings
+from kvindex.clients.http import (
     AsyncKvIndexClient,
     BadRequestError,
     KvIndexClient,
@@ -35,11 +35,11 @@ from clients.client import (
     UnauthorizedError,
     UnreachableError,
 )
-from indexer.events import BlockStored, EventBatch, StreamId, Tier
-from indexer.ingest import Ingestor
-from indexer.memory_store import MemoryIndex
-from indexer.registry import Registry
-from indexer.settings import ReplicaSpec
+from kvindex.indexer.events import BlockStored, EventBatch, StreamId, Tier
+from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.index.memory import MemoryIndex
+from kvindex.indexer.ingest import Ingestor
+from kvindex.indexer.settings import ReplicaSpec
 
 MODEL = "demo-model"
 BLOCK = 8

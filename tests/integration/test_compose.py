@@ -25,9 +25,9 @@ import pytest
 import redis
 import yaml
 
-from indexer.events import StreamId
-from indexer.redis_schema import Schema
-from indexer.redis_store import RedisIndex
+from kvindex.indexer.events import StreamId
+from kvindex.indexer.index.redis import RedisIndex
+from kvindex.indexer.redis_schema import Schema
 from tests.support.redis_server import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,11 +11,11 @@ import httpx
 import pytest
 import redis
 
-from api.app import create_app
-from api.server import Service
-from api.settings import ApiSettings
-from clients.publisher import EventPublisher
-from indexer.events import BlockRemoved, BlockStored, StreamId, Tier
+from kvindex.api.app import create_app
+from kvindex.api.server import Service
+from kvindex.api.settings import ApiSettings
+from kvindex.clients.fake_vllm.publisher import EventPublisher
+from kvindex.indexer.events import BlockRemoved, BlockStored, StreamId, Tier
 from tests.integration.api_harness import BLOCK, MODEL, serving_http, tokens
 from tests.integration.harness import (
     Indexer,

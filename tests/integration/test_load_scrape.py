@@ -18,7 +18,7 @@ from typing import Literal
 import httpx
 import pytest
 
-from api.load import (
+from kvindex.api.load import (
     KV_USAGE,
     RUNNING,
     WAITING,

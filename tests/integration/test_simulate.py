@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from clients.cli import main
-from clients.sim_fleet import FleetSettings
-from clients.sim_routing import parse_policy
-from clients.sim_workload import WORKLOADS, GeneratorSettings
-from clients.simulate import SimulateSettings, run_simulation
+from kvindex.clients.cli.main import main
+from kvindex.clients.simulate.fleet import FleetSettings
+from kvindex.clients.simulate.routing import parse_policy
+from kvindex.clients.simulate.run import SimulateSettings, run_simulation
+from kvindex.clients.workloads import WORKLOADS, GeneratorSettings
 
 TRACE = Path(__file__).parents[2] / "bench/traces/mooncake_fast25_synthetic_trace.jsonl.gz"
 SMALL = FleetSettings(replicas=4, capacity_blocks=2048)

@@ -1,4 +1,4 @@
-"""api.tokenize over real HTTP: ReplicaTokenizer (+ cache) against a vLLM-shaped /tokenize.
+"""kvindex.api.tokenize over real HTTP: ReplicaTokenizer (+ cache) against a vLLM-shaped /tokenize.
 
 The fixture serves a tiny FastAPI app with uvicorn on a free loopback port, in a background
 thread, and stops it (``should_exit``, join) after the test. Its ``/tokenize`` follows vLLM's
@@ -18,8 +18,8 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from api.background import BackgroundServer
-from api.tokenize import (
+from kvindex.api.background import BackgroundServer
+from kvindex.api.tokenize import (
     CachingTokenizer,
     ReplicaTokenizer,
     Tokenizer,

@@ -8,12 +8,12 @@ import msgspec
 import pytest
 import redis
 
-from clients.publisher import Encoding, EventPublisher, ReplayLayout, encode_event
-from indexer.events import AllBlocksCleared, BlockRemoved, BlockStored, StreamId, Tier
-from indexer.index import BlockIndex
-from indexer.keys import block_keys
-from indexer.redis_schema import Schema
-from indexer.redis_store import RedisIndex, connect
+from kvindex.clients.fake_vllm.publisher import Encoding, EventPublisher, ReplayLayout, encode_event
+from kvindex.indexer.events import AllBlocksCleared, BlockRemoved, BlockStored, StreamId, Tier
+from kvindex.indexer.index.protocol import BlockIndex
+from kvindex.indexer.index.redis import RedisIndex, connect
+from kvindex.indexer.keys import block_keys
+from kvindex.indexer.redis_schema import Schema
 from tests.integration.harness import (
     MODEL,
     consecutive_free_ports,

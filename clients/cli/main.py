@@ -1,0 +1,414 @@
+"""The ``kvindex`` command line: a thin shell over the library."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from kvindex.api.server import serve as run_server
+from kvindex.api.server import serve_api
+from kvindex.api.settings import load_api_settings
+from kvindex.clients.cli.check_hash import check_hash_command
+from kvindex.clients.cli.views import register_views
+from kvindex.clients.demo import DemoSettings, demo_main
+from kvindex.clients.fake_vllm.replica import ReplicaSim, ReplicaSimError, ReplicaSimSettings
+from kvindex.clients.simulate.fleet import FleetSettings
+from kvindex.clients.simulate.routing import PolicySpec, parse_policy
+from kvindex.clients.simulate.run import DEFAULT_POLICIES, SimulateSettings, simulate_main
+from kvindex.clients.workloads import WORKLOADS, GeneratorSettings, read_trace
+from kvindex.indexer.errors import KvIndexError
+from kvindex.indexer.events import Tier
+from kvindex.indexer.service import IndexerService
+from kvindex.indexer.settings import IndexerSettings, ReplicaSpec, load_settings, read_toml
+
+_console = Console()
+_DEMO = DemoSettings()
+
+
+def _replica_option(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> Any:
+    try:
+        return tuple(ReplicaSpec.parse(v) for v in values)
+    except KvIndexError as exc:
+        raise click.BadParameter(str(exc)) from exc
+
+
+def _indexer_options(command: Callable[..., None]) -> Callable[..., None]:
+    """The write-path options every process that runs an indexer takes."""
+    options = [
+        click.option(
+            "--config",
+            "config",
+            type=click.Path(path_type=Path, dir_okay=False),
+            help="TOML settings file (indexer keys; [api] and [[models]] for serve).",
+        ),
+        click.option(
+            "--replica",
+            "replicas",
+            multiple=True,
+            callback=_replica_option,
+            help="id=r1,model=M,events=tcp://host:5557[,replay=...][,url=...][,dp_size=N]",
+        ),
+        click.option("--bind", help="Bind one SUB here for replicas that connect to us."),
+        click.option("--store", type=click.Choice(["memory", "redis"]), help="Index store."),
+        click.option("--redis-url", help="Redis URL (with --store redis)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+@click.group()
+@click.version_option(package_name="kvindex", prog_name="kvindex")
+@click.option("-v", "--verbose", is_flag=True, help="Log at DEBUG level.")
+def main(verbose: bool) -> None:
+    """kvindex: where every KV-cache block of a vLLM fleet lives."""
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not verbose:  # httpx logs one line per request (the /metrics scraper: several a second)
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+@main.command()
+@_indexer_options
+@click.option(
+    "--stats-every",
+    default=5.0,
+    show_default=True,
+    help="Print a stats table every N seconds (0: never).",
+)
+def indexer(
+    config: Path | None,
+    replicas: tuple[ReplicaSpec, ...],
+    bind: str | None,
+    store: str | None,
+    redis_url: str | None,
+    stats_every: float,
+) -> None:
+    """Run the write path: subscribe to replicas and keep the block index."""
+    try:
+        settings = load_settings(
+            config,
+            overrides={"bind": bind, "store": store, "redis_url": redis_url},
+            extra_replicas=replicas,
+        )
+    except KvIndexError as exc:
+        raise click.ClickException(str(exc)) from exc
+    _run_indexer(settings, stats_every)
+
+
+@main.command()
+@_indexer_options
+@click.option("--host", help="API listen address (default 127.0.0.1).")
+@click.option("--port", type=int, help="API listen port (default 8000).")
+def serve(
+    config: Path | None,
+    replicas: tuple[ReplicaSpec, ...],
+    bind: str | None,
+    store: str | None,
+    redis_url: str | None,
+    host: str | None,
+    port: int | None,
+) -> None:
+    """Run the indexer and the scoring API in one process."""
+    try:
+        settings = load_settings(
+            config,
+            overrides={"bind": bind, "store": store, "redis_url": redis_url},
+            extra_replicas=replicas,
+        )
+        file_values = read_toml(config) if config is not None else {}
+        api = load_api_settings(
+            file_values.get("api"),
+            file_values.get("models"),
+            overrides={"host": host, "port": port},
+        )
+    except KvIndexError as exc:
+        raise click.ClickException(str(exc)) from exc
+    _console.print(f"kvindex serve ({settings.store} store) on http://{api.host}:{api.port}")
+    run_server(settings, api)
+
+
+@main.command()
+@click.option("--redis-url", required=True, help="The Redis the indexer writes.")
+@click.option("--host", help="API listen address (default 127.0.0.1).")
+@click.option("--port", type=int, help="API listen port (default 8000).")
+@click.option(
+    "--config",
+    "config",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="TOML settings file ([api], [[models]], redis_prefix, stale_after_s).",
+)
+def api(redis_url: str, host: str | None, port: int | None, config: Path | None) -> None:
+    """Run the scoring API alone on the Redis a `kvindex indexer --store redis` writes."""
+    try:
+        settings = load_settings(config, overrides={"store": "redis", "redis_url": redis_url})
+        file_values = read_toml(config) if config is not None else {}
+        api_settings = load_api_settings(
+            file_values.get("api"),
+            file_values.get("models"),
+            overrides={"host": host, "port": port},
+        )
+    except KvIndexError as exc:
+        raise click.ClickException(str(exc)) from exc
+    where = f"http://{api_settings.host}:{api_settings.port}"
+    _console.print(f"kvindex api (redis fleet, index and load) on {where}")
+    serve_api(redis_url, settings, api_settings)
+
+
+@main.command("replica-sim")
+@click.option("--id", "replica_id", default="r1", show_default=True, help="Replica id.")
+@click.option("--model", default="demo-model", show_default=True, help="Served model name.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="HTTP listen address.")
+@click.option("--port", default=8001, show_default=True, help="HTTP listen port.")
+@click.option("--events", default="tcp://*:5557", show_default=True, help="KV-event PUB endpoint.")
+@click.option("--replay", default="tcp://*:5558", show_default=True, help="Replay ROUTER endpoint.")
+@click.option("--bind-events", is_flag=True, help="Bind --events even without '*'.")
+@click.option("--encoding", type=click.Choice(["map", "array"]), default="map", show_default=True)
+@click.option("--replay-layout", type=click.Choice(["topic", "legacy"]), default="topic")
+@click.option("--block-size", default=16, show_default=True)
+@click.option("--capacity-blocks", default=1024, show_default=True)
+@click.option("--prefill-tps", default=8000.0, show_default=True)
+@click.option("--decode-tps", default=50.0, show_default=True)
+@click.option("--max-running", default=8, show_default=True)
+@click.option("--speed", default=1.0, show_default=True, help="Time compression factor.")
+@click.option("--seed", type=int, help="Block-hash root seed (default: random).")
+@click.option("--lora", "lora_names", multiple=True, help="A LoRA name served (repeatable).")
+def replica_sim(replica_id: str, bind_events: bool, lora_names: tuple[str, ...], **kw: Any) -> None:
+    """Run a simulated vLLM replica (HTTP API + KV events) until SIGINT/SIGTERM."""
+    try:
+        settings = ReplicaSimSettings(
+            id=replica_id, bind_events=True if bind_events else None, lora_names=lora_names, **kw
+        )
+    except ReplicaSimError as exc:
+        raise click.ClickException(str(exc)) from exc
+    sim = ReplicaSim(settings)
+    sim.start()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    _console.print(
+        f"replica-sim {settings.id} on {sim.base_url}, events {sim.events_endpoint} "
+        f"(topic {settings.topic}), replay {sim.replay_endpoint}"
+    )
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        sim.stop()
+
+
+@main.command()
+@click.option("--replicas", default=_DEMO.replicas, show_default=True, help="Simulated replicas.")
+@click.option("--requests", default=_DEMO.requests, show_default=True, help="Requests per policy.")
+@click.option("--seed", default=_DEMO.seed, show_default=True, help="Workload seed.")
+@click.option("--speed", default=_DEMO.speed, show_default=True, help="Sim time compression.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False))
+def demo(replicas: int, requests: int, seed: int, speed: float, json_path: Path | None) -> None:
+    """Replay a seeded workload on simulated replicas: round-robin vs kv_aware."""
+    try:
+        settings = DemoSettings(replicas=replicas, requests=requests, seed=seed, speed=speed)
+        demo_main(settings, json_path, _console)
+    except KvIndexError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+_SIM = FleetSettings()
+
+
+def _policy_list(_ctx: click.Context, _param: click.Parameter, value: str) -> Any:
+    try:
+        return tuple(parse_policy(p) for p in value.split(",") if p.strip())
+    except KvIndexError as exc:
+        raise click.BadParameter(str(exc)) from exc
+
+
+def _variants(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> Any:
+    try:
+        return tuple(parse_policy(v) for v in values)
+    except KvIndexError as exc:
+        raise click.BadParameter(str(exc)) from exc
+
+
+@main.command()
+@click.option(
+    "--trace",
+    type=click.Path(path_type=Path, dir_okay=False, exists=True),
+    help="Mooncake JSONL trace (plain or .gz).",
+)
+@click.option("--workload", type=click.Choice(sorted(WORKLOADS)), help="A built-in generator.")
+@click.option("--requests", default=2000, show_default=True, help="Requests (generators).")
+@click.option("--rate", type=float, help="Arrivals/s (generators; default: per workload).")
+@click.option("--limit", type=int, help="Read at most this many trace requests.")
+@click.option("--replicas", default=_SIM.replicas, show_default=True)
+@click.option(
+    "--capacity-blocks",
+    default=_SIM.capacity_blocks,
+    show_default=True,
+    help="KV-cache blocks per replica.",
+)
+@click.option("--block-size", default=_SIM.block_size, show_default=True)
+@click.option(
+    "--prefill-tps",
+    default=_SIM.prefill_tps,
+    show_default=True,
+    help="Prompt tokens/s per replica (serial prefill).",
+)
+@click.option(
+    "--decode-tps", default=_SIM.decode_tps, show_default=True, help="Output tokens/s per request."
+)
+@click.option(
+    "--max-running", default=_SIM.max_running, show_default=True, help="Batch limit per replica."
+)
+@click.option(
+    "--policies",
+    "policies",
+    default=",".join(DEFAULT_POLICIES),
+    show_default=True,
+    callback=_policy_list,
+    help="Comma-separated; 'oracle' is the reference.",
+)
+@click.option(
+    "--variant",
+    "variants",
+    multiple=True,
+    callback=_variants,
+    help="A policy with weight overrides, e.g. kv_aware:waiting=0.5,cache=2 (repeatable).",
+)
+@click.option(
+    "--event-delay",
+    default=0.05,
+    show_default=True,
+    help="Seconds between a replica's event and the index applying it.",
+)
+@click.option(
+    "--load-interval",
+    default=0.0,
+    show_default=True,
+    help="Seconds between load reports to the router (0: every request; scraper: 2).",
+)
+@click.option("--speed", default=1.0, show_default=True, help="Arrival-time compression.")
+@click.option("--seed", default=0, show_default=True)
+@click.option(
+    "--via-zmq",
+    is_flag=True,
+    help="Send events over real ZeroMQ (loopback) to an in-process indexer.",
+)
+@click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False))
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="PNG: hit rate and TTFT p90 per policy, hit rate over time.",
+)
+def simulate(
+    trace: Path | None,
+    workload: str | None,
+    requests: int,
+    rate: float | None,
+    limit: int | None,
+    policies: tuple[PolicySpec, ...],
+    variants: tuple[PolicySpec, ...],
+    event_delay: float,
+    load_interval: float,
+    speed: float,
+    seed: int,
+    via_zmq: bool,
+    json_path: Path | None,
+    plot_path: Path | None,
+    **fleet: Any,
+) -> None:
+    """Replay a trace or a generated workload through a simulated fleet, once per policy."""
+    if (trace is None) == (workload is None):
+        raise click.UsageError("give exactly one of --trace FILE or --workload NAME")
+    try:
+        if trace is not None:
+            reqs, source = read_trace(trace, limit=limit), trace.name
+        else:
+            assert workload is not None
+            reqs = WORKLOADS[workload](GeneratorSettings(requests, rate, seed))
+            source = f"{workload} (seed {seed})"
+        settings = SimulateSettings(
+            fleet=FleetSettings(**fleet),
+            policies=policies + variants,
+            event_delay_s=event_delay,
+            load_interval_s=load_interval,
+            speed=speed,
+            seed=seed,
+            via_zmq=via_zmq,
+        )
+        simulate_main(
+            settings,
+            reqs,
+            source=source,
+            console=_console,
+            json_path=json_path,
+            plot_path=plot_path,
+        )
+    except KvIndexError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def _run_indexer(settings: IndexerSettings, stats_every: float) -> None:
+    service = IndexerService.build(settings)
+    service.start()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    where = service.subscriber.bound_endpoint or "configured replicas"
+    _console.print(f"kvindex indexer ({settings.store} store) listening on {where}")
+    try:
+        while not stop.wait(stats_every if stats_every > 0 else 3600):
+            _console.print(_stats_table(service))
+    finally:
+        service.stop()
+
+
+def _stats_table(service: IndexerService) -> Table:
+    table = Table(title=time.strftime("%H:%M:%S"))
+    for column in (
+        "stream",
+        "state",
+        "seq",
+        "GPU",
+        "CPU",
+        "other",
+        "lag s",
+        "gaps",
+        "replays",
+        "restarts",
+        "errors",
+    ):
+        table.add_column(column)
+    for status in service.registry.statuses():
+        stats = service.index.stats(status.stream)
+        c = status.counters
+        errors = status.num_decode_errors + status.num_bad_events + status.num_store_errors
+        table.add_row(
+            str(status.stream),
+            status.freshness.value,
+            str(status.last_seq),
+            str(stats.blocks_by_tier[Tier.GPU]),
+            str(stats.blocks_by_tier[Tier.CPU]),
+            str(stats.blocks_by_tier[Tier.OTHER]),
+            "-" if status.lag_s is None else f"{status.lag_s:.3f}",
+            str(c.num_gaps),
+            str(c.num_replays),
+            str(c.num_restarts),
+            str(errors),
+        )
+    return table
+
+
+register_views(main)  # residency, score, replicas, stats (clients/views.py)
+main.add_command(check_hash_command)  # check-hash (clients/check_hash.py)

@@ -1,0 +1,459 @@
+"""Operator views of a running kvindex API: ``residency``, ``score``, ``replicas``, ``stats``.
+
+Each command is a thin shell over :class:`kvindex.clients.http.KvIndexClient` (never the index
+itself): call the API, then render the answer with rich, or print it as JSON (``--json``:
+the API's own body, re-encoded, stable for scripts). The rendering helpers are pure
+functions of the API's types, so they are tested without a server.
+
+Colour follows the terminal: none when stdout is not a TTY (pipes, tests) or ``NO_COLOR``
+is set. Every client failure becomes a one-line :class:`click.ClickException` (exit 1)
+carrying the server's error kind and detail, or saying the server could not be reached.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+import msgspec
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from kvindex.api.schemas import FreshnessView, LoadView, ReplicaView, ScoreEntry, ScoreResponse
+from kvindex.clients.http import KvIndexClient, KvIndexClientError, UnreachableError
+
+__all__ = [
+    "Strip",
+    "register_views",
+    "render_replicas",
+    "render_residency",
+    "render_score",
+    "render_stats",
+    "residency_strip",
+]
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+STRIP_WIDTH = 64
+"""Cells of a residency strip; longer prompts group several blocks per cell."""
+_PLAIN_WIDTH = 160
+"""Console width when stdout is not a terminal (rich would otherwise assume 80 and wrap)."""
+TIERS = ("gpu", "cpu", "other")
+MISS = "miss"
+_CELL_STYLE = {"gpu": "green", "cpu": "yellow", "other": "blue", MISS: "dim"}
+_FULL, _PARTIAL, _EMPTY = "█", "▌", "·"
+
+
+# --- the residency strip (pure) ---------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Strip:
+    """One replica's row of cells: ``kinds[i]`` is a tier name or ``"miss"``, ``full[i]``
+    whether every block of the cell is matched (a cell is a hit when any block is)."""
+
+    kinds: tuple[str, ...]
+    full: tuple[bool, ...]
+    blocks_per_cell: int
+
+    def text(self) -> Text:
+        """The strip as styled text: █ a matched cell, ▌ a partly matched one, · a miss."""
+        out = Text(no_wrap=True)
+        for kind, full in zip(self.kinds, self.full, strict=True):
+            glyph = _EMPTY if kind == MISS else (_FULL if full else _PARTIAL)
+            out.append(glyph, style=_CELL_STYLE[kind])
+        return out
+
+
+def block_kinds(num_blocks: int, matched: int, tiers: dict[str, int]) -> list[str]:
+    """Per-block kinds of a prompt: the matched prefix split by tier in proportion to the
+    counts (GPU first, then CPU, then other: the API gives counts per tier, not positions),
+    then misses. ``matched`` is clamped to ``num_blocks``."""
+    matched = max(0, min(matched, num_blocks))
+    kinds: list[str] = []
+    for tier in TIERS:
+        kinds += [tier] * tiers.get(tier, 0)
+    kinds = kinds[:matched]
+    kinds += ["other"] * (matched - len(kinds))  # counts short of the match: unknown tier
+    return kinds + [MISS] * (num_blocks - matched)
+
+
+def residency_strip(
+    num_blocks: int, matched: int, tiers: dict[str, int], width: int = STRIP_WIDTH
+) -> Strip:
+    """Group a prompt's blocks into at most ``width`` cells of ``ceil(n / width)`` blocks.
+
+    A cell is drawn as a hit when any of its blocks is matched, coloured by the most common
+    tier among its matched blocks (ties: the faster tier), and marked partial unless all of
+    its blocks are matched. Zero blocks give an empty strip.
+    """
+    per_cell = max(1, math.ceil(num_blocks / max(1, width)))
+    blocks = block_kinds(num_blocks, matched, tiers)
+    kinds: list[str] = []
+    full: list[bool] = []
+    for start in range(0, num_blocks, per_cell):
+        cell = blocks[start : start + per_cell]
+        hits = Counter(kind for kind in cell if kind != MISS)
+        kinds.append(min(hits, key=lambda t: (-hits[t], TIERS.index(t))) if hits else MISS)
+        full.append(sum(hits.values()) == len(cell))
+    return Strip(tuple(kinds), tuple(full), per_cell)
+
+
+# --- small formatters ---------------------------------------------------------------------
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}s"
+
+
+def _number(value: float) -> str:
+    return f"{value + 0.0:.4g}"  # + 0.0: no "-0"
+
+
+def format_freshness(fresh: FreshnessView) -> str:
+    """``live``, with the lag when known: ``live lag 0.01s``."""
+    return fresh.state if fresh.lag_s is None else f"{fresh.state} lag {_seconds(fresh.lag_s)}"
+
+
+def format_load(load: LoadView | None) -> str:
+    """``run 3 wait 1 kv 50% (1.2s old, push)``, ``+2 routed`` when answers chose the
+    replica since; ``-`` when no load is known."""
+    if load is None:
+        return "-"
+    routed = f" +{load.routed} routed" if load.routed else ""
+    return (
+        f"run {load.running:g} wait {load.waiting:g} kv {load.kv_usage:.0%}"
+        f" ({load.age_s:.1f}s old, {load.source}){routed}"
+    )
+
+
+def format_tiers(tiers: dict[str, int]) -> str:
+    """``gpu/cpu/other`` counts: ``4/0/0``."""
+    return "/".join(str(tiers.get(tier, 0)) for tier in TIERS)
+
+
+def _marked(entry: ScoreEntry, best: str | None) -> Text:
+    if entry.replica == best:
+        return Text(f"★ {entry.replica}", style="bold")
+    return Text(f"  {entry.replica}")
+
+
+def _title(answer: ScoreResponse) -> str:
+    title = (
+        f"{answer.model} · {answer.num_tokens} tokens · {answer.num_blocks} blocks of"
+        f" {answer.block_size} · policy {answer.policy} · best {answer.best or 'none'}"
+    )
+    return title if answer.degraded is None else f"{title} · DEGRADED: {answer.degraded}"
+
+
+# --- renderers (pure: API types in, rich renderables out) ---------------------------------
+
+
+def render_residency(answer: ScoreResponse, width: int = STRIP_WIDTH) -> list[Any]:
+    """The residency table of a score answer, followed by the strip's legend."""
+    table = Table(title=_title(answer), title_justify="left")
+    for column in ("replica", "blocks", "matched", "tokens", "gpu/cpu/other", "fresh", "load"):
+        table.add_column(column, no_wrap=column in ("replica", "blocks"))
+    per_cell = 1
+    for entry in answer.scores:
+        strip = residency_strip(answer.num_blocks, entry.matched_blocks, entry.tiers, width)
+        per_cell = strip.blocks_per_cell
+        table.add_row(
+            _marked(entry, answer.best),
+            strip.text(),
+            f"{entry.matched_blocks}/{answer.num_blocks}",
+            f"{entry.matched_tokens}/{answer.num_tokens}",
+            format_tiers(entry.tiers),
+            format_freshness(entry.freshness),
+            format_load(entry.load),
+        )
+    return [table, _legend(per_cell, answer.num_blocks)]
+
+
+def _legend(per_cell: int, num_blocks: int) -> Text:
+    legend = Text(f"1 cell = {per_cell} block{'s' if per_cell > 1 else ''}: ")
+    if num_blocks == 0:
+        legend = Text("the prompt is shorter than one block: nothing can match. ")
+    for tier in TIERS:
+        legend.append(_FULL, style=_CELL_STYLE[tier]).append(f" {tier}  ")
+    legend.append(f"{_PARTIAL} partly matched  {_EMPTY} miss")
+    legend.append(
+        "\nthe API counts matched blocks per tier, not their positions: the matched prefix"
+        " is drawn GPU, then CPU, then other, in proportion; ★ marks the best replica."
+    )
+    return legend
+
+
+def render_score(answer: ScoreResponse) -> Table:
+    """Every candidate, ranked, with each term of the policy's formula and the score."""
+    term_names = sorted({name for entry in answer.scores for name in entry.terms})
+    table = Table(title=_title(answer), title_justify="left")
+    for column in ("replica", "rank", "matched", "gpu/cpu/other", "fresh", "load"):
+        table.add_column(column)
+    for name in [*term_names, "score"]:
+        table.add_column(name, justify="right")
+    for entry in answer.scores:
+        table.add_row(
+            _marked(entry, answer.best),
+            str(entry.rank),
+            f"{entry.matched_blocks} blk / {entry.matched_tokens} tok",
+            format_tiers(entry.tiers),
+            format_freshness(entry.freshness),
+            format_load(entry.load),
+            *(_number(entry.terms[name]) if name in entry.terms else "-" for name in term_names),
+            _number(entry.score),
+        )
+    return table
+
+
+def render_replicas(views: list[ReplicaView]) -> Table:
+    """One row per replica; one line per data-parallel stream in the streams cell."""
+    table = Table(title=f"{len(views)} replicas", title_justify="left")
+    for column in ("id", "model", "state", "streams (rank: seq, gpu/cpu/other, lag)", "load"):
+        table.add_column(column)
+    for view in views:
+        streams = "\n".join(
+            f"{s.rank}: seq {s.last_seq}, {format_tiers(s.blocks)},"
+            f" lag {_seconds(s.freshness.lag_s)}" + ("" if s.connected else ", disconnected")
+            for s in view.streams
+        )
+        table.add_row(
+            view.id, view.model, view.state, streams or "(no events yet)", format_load(view.load)
+        )
+    return table
+
+
+def render_stats(stats: dict[str, Any]) -> Table:
+    """``GET /stats`` as name/value rows (nested maps flattened to ``k v · k v``)."""
+    table = Table(title="kvindex stats", title_justify="left")
+    table.add_column("total")
+    table.add_column("value", justify="right")
+    for name, value in stats.items():
+        shown = (
+            " · ".join(f"{k} {v}" for k, v in value.items())
+            if isinstance(value, dict)
+            else str(value)
+        )
+        table.add_row(name, shown)
+    return table
+
+
+# --- command plumbing ---------------------------------------------------------------------
+
+
+def make_console() -> Console:
+    """A console on the current stdout: colour only on a TTY and without ``NO_COLOR``."""
+    tty = sys.stdout.isatty()
+    return Console(
+        file=sys.stdout,
+        force_terminal=tty,
+        no_color=not tty or "NO_COLOR" in os.environ,
+        width=None if tty else _PLAIN_WIDTH,
+        highlight=False,
+    )
+
+
+@contextmanager
+def connected(url: str, token: str | None) -> Iterator[KvIndexClient]:
+    """A client for ``url``; its failures leave as one-line :class:`click.ClickException`."""
+    try:
+        with KvIndexClient(url, token=token) as client:
+            yield client
+    except UnreachableError as exc:
+        raise click.ClickException(f"cannot reach kvindex at {url}: {exc.detail}") from exc
+    except KvIndexClientError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def _show(value: Any, as_json: bool, render: Callable[[], list[Any]]) -> None:
+    """A view command's output: ``value`` as JSON, or what ``render`` draws of it."""
+    if as_json:
+        click.echo(msgspec.json.format(msgspec.json.encode(value), indent=2))
+    else:
+        make_console().print(*render())
+
+
+def _server_options(command: Callable[..., None]) -> Callable[..., None]:
+    command = click.option(
+        "--token",
+        envvar="KVINDEX_API_TOKEN",
+        help="Bearer token of the API (env KVINDEX_API_TOKEN).",
+    )(command)
+    return click.option(
+        "--url",
+        envvar="KVINDEX_URL",
+        default=DEFAULT_URL,
+        show_default=True,
+        help="Base URL of the kvindex API (env KVINDEX_URL).",
+    )(command)
+
+
+def _json_option(command: Callable[..., None]) -> Callable[..., None]:
+    return click.option("--json", "as_json", is_flag=True, help="Print the API's JSON body.")(
+        command
+    )
+
+
+def _prompt_options(command: Callable[..., None]) -> Callable[..., None]:
+    """``--model`` and exactly one prompt source; ``--candidates``."""
+    options = [
+        click.option("--model", required=True, help="Model the prompt is for."),
+        click.option("--text", help="Prompt text (tokenized by the server's tokenizer)."),
+        click.option(
+            "--tokens-file",
+            type=click.Path(path_type=Path, dir_okay=False, exists=True),
+            help="Token ids: a JSON list of ints, or ints separated by whitespace.",
+        ),
+        click.option(
+            "--messages-file",
+            type=click.Path(path_type=Path, dir_okay=False, exists=True),
+            help="A JSON list of OpenAI chat messages (rendered by the server).",
+        ),
+        click.option("--candidates", help="Comma-separated replica ids to choose from."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def read_tokens(path: Path) -> list[int]:
+    """Token ids from a JSON list of ints or whitespace-separated ints."""
+    text = path.read_text()
+    try:
+        values = json.loads(text) if text.lstrip().startswith("[") else text.split()
+        tokens = [int(v) for v in values]
+    except (ValueError, TypeError) as exc:
+        raise click.BadParameter(f"{path}: not a list of token ids ({exc})") from exc
+    if any(isinstance(v, bool | float) for v in values):
+        raise click.BadParameter(f"{path}: token ids must be integers")
+    return tokens
+
+
+def read_messages(path: Path) -> list[dict[str, Any]]:
+    """OpenAI chat messages from a JSON list of objects."""
+    try:
+        messages = json.loads(path.read_text())
+    except ValueError as exc:
+        raise click.BadParameter(f"{path}: not JSON ({exc})") from exc
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise click.BadParameter(f"{path}: expected a JSON list of chat message objects")
+    return messages
+
+
+def prompt_fields(
+    text: str | None, tokens_file: Path | None, messages_file: Path | None
+) -> dict[str, Any]:
+    """The ``/score`` prompt field for exactly one of the three sources."""
+    given = [v for v in (text, tokens_file, messages_file) if v is not None]
+    if len(given) != 1:
+        raise click.UsageError("give exactly one of --text, --tokens-file, --messages-file")
+    if text is not None:
+        return {"prompt": text}
+    if tokens_file is not None:
+        return {"token_ids": read_tokens(tokens_file)}
+    assert messages_file is not None
+    return {"messages": read_messages(messages_file)}
+
+
+def _candidates(value: str | None) -> list[str] | None:
+    if value is None:
+        return None
+    return [c.strip() for c in value.split(",") if c.strip()]
+
+
+# --- commands -----------------------------------------------------------------------------
+
+
+@click.command()
+@_server_options
+@_prompt_options
+@click.option(
+    "--width",
+    default=STRIP_WIDTH,
+    show_default=True,
+    type=click.IntRange(8, 512),
+    help="Cells per strip; longer prompts group blocks per cell.",
+)
+@_json_option
+def residency(
+    *,
+    url: str,
+    token: str | None,
+    model: str,
+    text: str | None,
+    tokens_file: Path | None,
+    messages_file: Path | None,
+    candidates: str | None,
+    width: int,
+    as_json: bool,
+) -> None:
+    """Which replicas hold which of the prompt's blocks.
+
+    One strip per replica, one cell per block (or per group of blocks on long prompts):
+    green █ GPU, yellow █ CPU, blue █ other, ▌ a partly matched group, dim · a miss. The
+    API reports matched blocks per tier, not their order: the matched prefix is drawn GPU,
+    then CPU, then other, split in proportion to the counts. ★ marks the best replica.
+    """
+    fields = prompt_fields(text, tokens_file, messages_file)
+    with connected(url, token) as client:
+        answer = client.score(model, candidates=_candidates(candidates), **fields)
+    _show(answer, as_json, lambda: render_residency(answer, width))
+
+
+@click.command()
+@_server_options
+@_prompt_options
+@click.option("--policy", help="Policy for this request (default: the model's or server's).")
+@_json_option
+def score(
+    *,
+    url: str,
+    token: str | None,
+    model: str,
+    text: str | None,
+    tokens_file: Path | None,
+    messages_file: Path | None,
+    candidates: str | None,
+    policy: str | None,
+    as_json: bool,
+) -> None:
+    """The routing decision for a prompt, with every candidate's terms and score."""
+    fields = prompt_fields(text, tokens_file, messages_file)
+    with connected(url, token) as client:
+        answer = client.score(model, candidates=_candidates(candidates), policy=policy, **fields)
+    _show(answer, as_json, lambda: [render_score(answer)])
+
+
+@click.command()
+@_server_options
+@_json_option
+def replicas(*, url: str, token: str | None, as_json: bool) -> None:
+    """Registered replicas: state, streams (seq, blocks per tier, lag) and load."""
+    with connected(url, token) as client:
+        views = client.replicas()
+    _show(views, as_json, lambda: [render_replicas(views)])
+
+
+@click.command()
+@_server_options
+@_json_option
+def stats(*, url: str, token: str | None, as_json: bool) -> None:
+    """Index and ingestion totals."""
+    with connected(url, token) as client:
+        totals = client.stats()
+    _show(totals, as_json, lambda: [render_stats(totals)])
+
+
+def register_views(group: click.Group) -> None:
+    """Add the view commands to the ``kvindex`` group."""
+    for command in (residency, score, replicas, stats):
+        group.add_command(command)

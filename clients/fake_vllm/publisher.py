@@ -1,0 +1,237 @@
+"""A vLLM-compatible KV-event publisher: vLLM's wire format without vLLM.
+
+Mirrors ``vllm.distributed.kv_events.ZmqEventPublisher``: a PUB socket sends
+``[topic, seq (8 bytes big-endian), msgpack batch]``; a ROUTER socket replays buffered
+batches from a requested seq, then an end marker. Both event encodings (``"map"``: vLLM ≥
+0.24; ``"array"``: ≤ 0.23) and both replay layouts (``"topic"``: ≥ 0.26; ``"legacy"``) are
+available, so tests, benchmarks and the replica simulator exercise exactly what real
+replicas send. One background thread owns both sockets, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+import zmq
+
+from kvindex.indexer.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, Tier
+
+Encoding = Literal["map", "array"]
+ReplayLayout = Literal["topic", "legacy"]
+
+_MEDIUM = {Tier.GPU: "GPU", Tier.CPU: "CPU", Tier.OTHER: "STORAGE"}
+_END_SEQ = b"\xff" * 8
+_encoder = msgspec.msgpack.Encoder()
+
+
+@dataclass(frozen=True, slots=True)
+class _Outgoing:
+    seq: int
+    payload: bytes
+    drop: bool
+    raw: list[bytes] | None = None
+
+
+_IDLE = _Outgoing(-1, b"", False)
+
+
+def encode_event(event: Event, encoding: Encoding) -> Any:
+    """One event as vLLM would put it in a batch (before msgpack)."""
+    if isinstance(event, BlockStored):
+        return _stored(event, encoding)
+    if isinstance(event, BlockRemoved):
+        fields = [list(event.block_hashes), _MEDIUM[event.tier], event.group_idx]
+        names = ("block_hashes", "medium", "group_idx")
+        return _shape("BlockRemoved", names, fields, encoding, required=2)
+    assert isinstance(event, AllBlocksCleared)
+    return ["AllBlocksCleared"] if encoding == "array" else {"type": "AllBlocksCleared"}
+
+
+def _stored(event: BlockStored, encoding: Encoding) -> Any:
+    extra = None if event.extra_keys is None else list(event.extra_keys)
+    names = (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+        "group_idx",
+    )
+    fields = [
+        list(event.block_hashes),
+        event.parent_hash,
+        list(event.token_ids),
+        event.block_size,
+        1 if event.lora_name else None,
+        _MEDIUM[event.tier],
+        event.lora_name,
+        extra,
+        event.group_idx,
+    ]
+    return _shape("BlockStored", names, fields, encoding, required=7)
+
+
+def _shape(
+    tag: str, names: tuple[str, ...], fields: list[Any], encoding: Encoding, *, required: int
+) -> Any:
+    """Array: every field, tag first. Map: ``type`` first; defaulted fields omitted if None."""
+    if encoding == "array":
+        return [tag, *fields]
+    out: dict[str, Any] = {"type": tag}
+    for i, (name, value) in enumerate(zip(names, fields, strict=True)):
+        if i < required or value is not None:
+            out[name] = value
+    return out
+
+
+def encode_batch(events: list[Event], *, ts: float, rank: int, encoding: Encoding) -> bytes:
+    """A whole batch payload ``[ts, events, data_parallel_rank]``."""
+    return _encoder.encode([ts, [encode_event(e, encoding) for e in events], rank])
+
+
+class EventPublisher:
+    """Publishes batches like one vLLM engine (one data-parallel rank)."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        *,
+        topic: str = "",
+        rank: int = 0,
+        encoding: Encoding = "map",
+        replay_layout: ReplayLayout = "topic",
+        buffer_steps: int = 10_000,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        bind: bool | None = None,
+    ) -> None:
+        """``bind`` None follows vLLM's rule for ``endpoint`` (bind iff it has ``*`` or
+        ``::``); True binds exactly there (e.g. a fixed loopback port in tests)."""
+        self._bind = bind
+        self._context = context or zmq.Context.instance()
+        self.topic = topic.encode()
+        self.rank = rank
+        self.encoding: Encoding = encoding
+        self.replay_layout: ReplayLayout = replay_layout
+        self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_steps)
+        self._outbox: queue.Queue[_Outgoing | None] = queue.Queue()
+        self._next_seq = 0
+        self._lock = threading.Lock()
+        self._pub = self._context.socket(zmq.PUB)
+        self._router: zmq.Socket[bytes] | None = None
+        self.replay_endpoint: str | None = None
+        try:
+            self._open_sockets(endpoint, replay_endpoint)
+        except zmq.ZMQError:
+            self._close_sockets()
+            raise
+        self._thread = threading.Thread(target=self._loop, name="kv-publisher", daemon=True)
+        self._thread.start()
+
+    def _open_sockets(self, endpoint: str, replay_endpoint: str | None) -> None:
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.SNDHWM, 0)
+        self.endpoint = _open(self._pub, endpoint, self._bind)
+        if replay_endpoint is not None:
+            self._router = self._context.socket(zmq.ROUTER)
+            self._router.setsockopt(zmq.LINGER, 0)
+            self._router.setsockopt(zmq.SNDHWM, 0)
+            self._router.bind(replay_endpoint)
+            self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _close_sockets(self) -> None:
+        self._pub.close(linger=0)
+        if self._router is not None:
+            self._router.close(linger=0)
+
+    def publish(self, events: list[Event], *, ts: float | None = None, drop: bool = False) -> int:
+        """Queue one batch; returns its seq. ``drop=True`` buffers it for replay but never
+        sends it live (a slow-subscriber drop: the subscriber sees a gap)."""
+        payload = encode_batch(
+            events, ts=time.time() if ts is None else ts, rank=self.rank, encoding=self.encoding
+        )
+        return self.publish_payload(payload, drop=drop)
+
+    def publish_payload(self, payload: bytes, *, drop: bool = False) -> int:
+        with self._lock:
+            seq = self._next_seq
+            self._next_seq += 1
+        self._outbox.put(_Outgoing(seq, payload, drop))
+        return seq
+
+    def send_raw(self, frames: list[bytes]) -> None:
+        """Send arbitrary frames on the PUB socket (malformed-input tests)."""
+        self._outbox.put(_Outgoing(-1, b"", False, frames))
+
+    def flush(self, timeout_s: float = 5.0) -> None:
+        """Wait until everything queued so far has been sent."""
+        deadline = time.monotonic() + timeout_s
+        while not self._outbox.empty() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        time.sleep(0.005)
+
+    def close(self) -> None:
+        self._outbox.put(None)
+        self._thread.join(5)
+        self._close_sockets()
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                item = self._outbox.get(timeout=0.005)
+            except queue.Empty:
+                item = _IDLE
+            if item is None:
+                return
+            self._send(item)
+            self._serve_replay()
+
+    def _send(self, item: _Outgoing) -> None:
+        if item.raw is not None:
+            self._pub.send_multipart(item.raw)
+        elif item.seq >= 0:
+            self._buffer.append((item.seq, item.payload))
+            if not item.drop:
+                self._pub.send_multipart([self.topic, item.seq.to_bytes(8, "big"), item.payload])
+
+    def _serve_replay(self) -> None:
+        router = self._router
+        if router is None:
+            return
+        while router.poll(0, zmq.POLLIN):
+            frames = router.recv_multipart()
+            if len(frames) != 3 or frames[1] != b"":
+                continue  # vLLM logs "Invalid replay request" and answers nothing
+            identity, start = frames[0], int.from_bytes(frames[2], "big")
+            for seq, payload in list(self._buffer):
+                if seq >= start:
+                    router.send_multipart(
+                        [identity, b"", *self._reply(seq.to_bytes(8, "big"), payload)]
+                    )
+            router.send_multipart([identity, b"", *self._reply(_END_SEQ, b"")])
+
+    def _reply(self, seq_bytes: bytes, payload: bytes) -> list[bytes]:
+        if self.replay_layout == "topic":
+            return [self.topic if payload else b"", seq_bytes, payload]
+        return [seq_bytes, payload]
+
+
+def _open(sock: zmq.Socket[bytes], endpoint: str, bind: bool | None) -> str:
+    """vLLM's rule: bind when the endpoint has ``*`` or ``::`` (or is ipc/inproc), else
+    connect (the subscriber has bound)."""
+    if bind is None:
+        bind = "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+    if bind:
+        sock.bind(endpoint)
+        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    sock.connect(endpoint)
+    return endpoint

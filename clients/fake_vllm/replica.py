@@ -1,0 +1,775 @@
+"""A simulated vLLM replica: a real prefix-cache block pool, KV events, an OpenAI-like API.
+
+No GPU and no model: requests are tokenized by a toy tokenizer, their prompt blocks go
+through a block pool that behaves like vLLM's v1 ``BlockPool`` (chained block hashes,
+prefix hits, pinned blocks of running requests, LRU eviction of unreferenced blocks), and
+every store / eviction is published as vLLM's KV events through
+:class:`kvindex.clients.fake_vllm.publisher.EventPublisher` (PUB + replay ROUTER, either
+encoding). A simple
+time model makes load real: at most ``max_running`` requests run, the rest wait, and a
+request takes ``uncached prompt tokens / prefill_tps + max_tokens / decode_tps`` seconds
+(divided by ``speed``).
+
+Layers, each usable alone: :class:`BlockCache` (pure, no I/O, not thread-safe),
+:class:`Engine` (asyncio scheduler over one cache; call it from one event loop only),
+:func:`create_app` (FastAPI routes) and :class:`ReplicaSim` (publisher + uvicorn in a
+background thread, ``start()`` / ``stop()``).
+
+Deliberate simplifications: one KV-cache group; a block computed twice concurrently is
+cached once (vLLM would publish it twice); the output tokens are a deterministic function
+of the prompt; no chunked prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import os
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Any, get_args
+
+import msgspec
+import xxhash
+from fastapi import FastAPI, Request, Response
+
+from kvindex.api.background import BackgroundServer, ServerStartError
+from kvindex.clients.fake_vllm.publisher import Encoding, EventPublisher, ReplayLayout
+from kvindex.indexer.errors import KvIndexError
+from kvindex.indexer.events import BlockRemoved, BlockStored, Event, ExtraKeys, Tier
+from kvindex.indexer.keys import request_extra_keys
+
+VOCAB_SIZE = 50_000
+"""Toy vocabulary: a word's token id is a stable hash of it modulo this."""
+
+_encode = msgspec.msgpack.encode
+_json = msgspec.json.encode
+
+
+class ReplicaSimError(KvIndexError):
+    """Invalid simulator settings or a request the simulated replica refuses."""
+
+
+# --- settings -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSimSettings:
+    """Everything one simulated replica needs; validated on construction."""
+
+    id: str = "r1"
+    """Replica id, the middle of the topic ``kv@<id>@<model>``."""
+    model: str = "demo-model"
+    """Served model name (requests for another name are refused, unless a LoRA name)."""
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    capacity_blocks: int = 1024
+    """Blocks in the pool; also bounds a request (``max_model_len = capacity * block_size``)."""
+    events: str = "tcp://*:5557"
+    """PUB endpoint; vLLM's rule: bind if it has ``*``/``::``, else connect."""
+    replay: str | None = "tcp://*:5558"
+    """Replay ROUTER endpoint (always bound); None disables replay."""
+    bind_events: bool | None = None
+    """Override vLLM's bind/connect rule for ``events`` (True: bind exactly there)."""
+    host: str = "127.0.0.1"
+    """HTTP listen address."""
+    port: int = 8001
+    """HTTP listen port (0: any free port, see :attr:`ReplicaSim.base_url`)."""
+    encoding: Encoding = "map"
+    """Event encoding: ``map`` (vLLM ≥ 0.24) or ``array`` (≤ 0.23)."""
+    replay_layout: ReplayLayout = "topic"
+    """Replay reply layout: ``topic`` (vLLM ≥ 0.26) or ``legacy``."""
+    prefill_tps: float = 8_000.0
+    """Prefill throughput of one request, prompt tokens per simulated second."""
+    decode_tps: float = 50.0
+    """Decode throughput of one request, output tokens per simulated second."""
+    max_running: int = 8
+    """Requests running at once; the others wait (FIFO)."""
+    speed: float = 1.0
+    """Time compression: real sleep = simulated time / speed."""
+    seed: int | None = None
+    """Seed of the block-hash chain root (vLLM's NONE_HASH); None: random per process."""
+    lora_names: tuple[str, ...] = ()
+    """LoRA adapters served: a request whose ``model`` is one of these uses that adapter."""
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "capacity_blocks", "max_running"):
+            if getattr(self, name) < 1:
+                raise ReplicaSimError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        for name in ("prefill_tps", "decode_tps", "speed"):
+            if not getattr(self, name) > 0:
+                raise ReplicaSimError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.encoding not in get_args(Encoding):
+            raise ReplicaSimError(f"encoding must be map or array, got {self.encoding!r}")
+        if self.replay_layout not in get_args(ReplayLayout):
+            raise ReplicaSimError(
+                f"replay_layout must be topic or legacy, got {self.replay_layout!r}"
+            )
+        if not self.id or "@" in self.id or not self.model:
+            raise ReplicaSimError(f"id and model must be non-empty, id without '@': {self.id!r}")
+
+    @property
+    def topic(self) -> str:
+        return f"kv@{self.id}@{self.model}"
+
+    @property
+    def max_model_len(self) -> int:
+        return self.capacity_blocks * self.block_size
+
+
+# --- block hashing and the toy tokenizer ------------------------------------------------------
+
+
+def none_hash(seed: int | None) -> int:
+    """The chain root (parent of every first block): from ``seed``, else random."""
+    if seed is None:
+        return int.from_bytes(os.urandom(8), "big")
+    return int.from_bytes(hashlib.sha256(str(seed).encode()).digest()[-8:], "big")
+
+
+def block_hash(parent: int, token_ids: Sequence[int], extra: ExtraKeys) -> int:
+    """vLLM-style chained hash: SHA-256 of (parent, tokens, extra keys), its last 8 bytes
+    read big-endian (vLLM's int projection of a digest for events)."""
+    digest = hashlib.sha256(_encode([parent, list(token_ids), extra])).digest()
+    return int.from_bytes(digest[-8:], "big")
+
+
+def word_token(word: str) -> int:
+    return xxhash.xxh3_64_intdigest(word.encode()) % VOCAB_SIZE
+
+
+def tokenize_text(text: str) -> list[int]:
+    """Toy tokenizer: one token per whitespace-separated word (deterministic everywhere)."""
+    return [word_token(word) for word in text.split()]
+
+
+def render_chat(messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    """A minimal chat template over ALL messages: ``<|role|> content`` each."""
+    parts = [f"<|{m.get('role', 'user')}|> {m.get('content') or ''}" for m in messages]
+    if add_generation_prompt:
+        parts.append("<|assistant|>")
+    return " ".join(parts)
+
+
+def output_words(prompt: Sequence[int], num_tokens: int) -> list[str]:
+    """The 'generated' words: a deterministic function of the prompt."""
+    seed = xxhash.xxh3_64_intdigest(_encode(list(prompt[-8:])))
+    return [f"w{(seed + i * 7919) % 1000}" for i in range(num_tokens)]
+
+
+# --- the block pool ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Held:
+    """Blocks one running request holds: its cached chain and its not-yet-full slots."""
+
+    hashes: list[int]
+    num_slots: int
+    lora_name: str | None
+    cache_salt: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    num_hit_blocks: int
+    events: list[Event]
+
+
+class BlockCache:
+    """A fixed pool of ``capacity_blocks`` blocks with prefix caching, like vLLM's.
+
+    Every block is empty, cached (keyed by its chain hash; referenced by running requests
+    or evictable), or a slot held by a running request that is not full yet. Invariant:
+    ``num_empty + held slots + cached blocks == capacity_blocks``. Evictable blocks leave
+    in LRU order (least recently freed first; requests free tail first, as vLLM does).
+    Methods return the events to publish, in order. Not thread-safe.
+    """
+
+    def __init__(
+        self, capacity_blocks: int, block_size: int, root: int, *, publish: bool = True
+    ) -> None:
+        """``publish=False``: make no events (a pool nobody listens to; faster)."""
+        self.capacity_blocks = capacity_blocks
+        self.block_size = block_size
+        self.root = root
+        self.publish = publish
+        self.num_empty = capacity_blocks
+        self._ref: dict[int, int] = {}
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._held: dict[int, _Held] = {}
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._ref)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks pinned by running requests (vLLM's 'used': not free, not evictable)."""
+        return self.capacity_blocks - self.num_empty - len(self._evictable)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.capacity_blocks
+
+    def is_cached(self, block: int) -> bool:
+        return block in self._ref
+
+    def evictable(self) -> list[int]:
+        """Evictable hashes, next to be evicted first."""
+        return list(self._evictable)
+
+    def num_held_slots(self) -> int:
+        return sum(h.num_slots for h in self._held.values())
+
+    def chain(
+        self, tokens: Sequence[int], lora_name: str | None = None, cache_salt: str | None = None
+    ) -> list[int]:
+        """Hashes of every full block of ``tokens``."""
+        size = self.block_size
+        num_blocks = len(tokens) // size
+        extras = request_extra_keys(num_blocks, lora_name, cache_salt)
+        hashes: list[int] = []
+        parent = self.root
+        for i in range(num_blocks):
+            parent = block_hash(parent, tokens[i * size : (i + 1) * size], _at(extras, i))
+            hashes.append(parent)
+        return hashes
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def admit(
+        self,
+        request_id: int,
+        prompt: Sequence[int],
+        total_tokens: int,
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        chain: Sequence[int] | None = None,
+    ) -> Admission | None:
+        """Reserve blocks for a request of ``total_tokens`` (prompt + output) and cache its
+        full prompt blocks; None when there is no room now (nothing changed). Hits are the
+        leading cached blocks, at most ``(len(prompt) - 1) // block_size`` (one prompt token
+        is always computed, as in vLLM). ``chain``: the prompt's block hashes when the
+        caller already has them (:meth:`chain`'s result, or any hashes that identify each
+        block with its prefix)."""
+        if chain is None:
+            chain = self.chain(prompt, lora_name, cache_salt)
+        ref, evictable = self._ref, self._evictable
+        limit = min((len(prompt) - 1) // self.block_size, len(chain))
+        hits = 0
+        while hits < limit and chain[hits] in ref:
+            hits += 1
+        hit_blocks = list(chain[:hits])
+        need = self.num_blocks_for(total_tokens) - hits
+        hit_evictable = sum(1 for h in hit_blocks if h in evictable) if evictable else 0
+        if need > self.num_empty + len(evictable) - hit_evictable:
+            return None
+        for h in hit_blocks:
+            ref[h] += 1
+            evictable.pop(h, None)
+        events = self._take_slots(need)
+        held = _Held(hit_blocks, need, lora_name, cache_salt)
+        self._held[request_id] = held
+        events.extend(self._cache_full(held, prompt, chain))
+        return Admission(hits, events)
+
+    def finish(
+        self, request_id: int, tokens: Sequence[int], chain: Sequence[int] | None = None
+    ) -> list[Event]:
+        """Cache the blocks ``tokens`` (prompt + output) filled since admission
+        (``chain``: their block hashes, as for :meth:`admit`)."""
+        return self._cache_full(self._held[request_id], tokens, chain)
+
+    def release(self, request_id: int) -> None:
+        """Unpin a request's blocks (tail first onto the LRU) and free its slots."""
+        held = self._held.pop(request_id)
+        ref, evictable = self._ref, self._evictable
+        for h in reversed(held.hashes):
+            count = ref[h] - 1
+            ref[h] = count
+            if not count:
+                evictable[h] = None
+        self.num_empty += held.num_slots
+
+    def check(self) -> None:
+        """Assert the pool's invariants (tests)."""
+        assert self.num_empty >= 0
+        assert self.num_empty + self.num_held_slots() + len(self._ref) == self.capacity_blocks
+        assert all((n == 0) == (h in self._evictable) for h, n in self._ref.items())
+
+    def _reference(self, block: int) -> None:
+        self._ref[block] += 1
+        self._evictable.pop(block, None)
+
+    def _take_slots(self, n: int) -> list[Event]:
+        """Take ``n`` free blocks, evicting the least recently freed cached ones when no
+        empty block is left (one ``BlockRemoved`` per evicted block, as vLLM publishes)."""
+        take = min(n, self.num_empty)
+        self.num_empty -= take
+        ref, evictable = self._ref, self._evictable
+        events: list[Event] = []
+        for _ in range(n - take):
+            victim, _ = evictable.popitem(last=False)
+            del ref[victim]
+            if self.publish:
+                events.append(BlockRemoved((victim,), Tier.GPU))
+        return events
+
+    def _cache_full(
+        self, held: _Held, tokens: Sequence[int], chain: Sequence[int] | None
+    ) -> list[Event]:
+        """Turn held slots into cached blocks for every full block of ``tokens`` not yet
+        cached; one ``BlockStored`` per run of newly cached blocks."""
+        if chain is None:
+            chain = self.chain(tokens, held.lora_name, held.cache_salt)
+        runs = self._cache_new(held, chain)
+        if not self.publish or not runs:
+            return []
+        extras = request_extra_keys(len(chain), held.lora_name, held.cache_salt)
+        lora = held.lora_name
+        return [
+            self._stored(first, end, chain, tokens, extras=extras, lora_name=lora)
+            for first, end in runs
+        ]
+
+    def _cache_new(self, held: _Held, chain: Sequence[int]) -> list[tuple[int, int]]:
+        """Cache ``chain``'s blocks past those ``held`` has; the (first, end) index runs of
+        blocks newly cached (a block another request cached meanwhile is shared)."""
+        start = len(held.hashes)
+        new = chain[start:]
+        if not new:
+            return []
+        ref = self._ref
+        held.num_slots -= len(new)
+        held.hashes.extend(new)
+        if ref.keys().isdisjoint(new):  # the usual case: no block computed concurrently
+            ref.update(dict.fromkeys(new, 1))
+            return [(start, len(chain))]
+        runs: list[tuple[int, int]] = []
+        run_start = start
+        for i in range(start, len(chain)):
+            h = chain[i]
+            if h in ref:
+                self._reference(h)
+                self.num_empty += 1
+                if run_start < i:
+                    runs.append((run_start, i))
+                run_start = i + 1
+            else:
+                ref[h] = 1
+        if run_start < len(chain):
+            runs.append((run_start, len(chain)))
+        return runs
+
+    def _stored(
+        self,
+        first: int,
+        end: int,
+        chain: Sequence[int],
+        tokens: Sequence[int],
+        *,
+        extras: list[ExtraKeys] | None,
+        lora_name: str | None,
+    ) -> Event:
+        """The ``BlockStored`` of blocks ``first`` to ``end - 1``."""
+        size = self.block_size
+        return BlockStored(
+            block_hashes=tuple(chain[first:end]),
+            parent_hash=chain[first - 1] if first > 0 else None,
+            token_ids=tuple(tokens[first * size : end * size]),
+            block_size=size,
+            tier=Tier.GPU,
+            lora_name=lora_name,
+            extra_keys=None if extras is None else tuple(extras[first:end]),
+        )
+
+
+def _at(extras: list[ExtraKeys] | None, i: int) -> ExtraKeys:
+    return None if extras is None else extras[i]
+
+
+# --- time model and scheduler -----------------------------------------------------------------
+
+
+def service_times(
+    num_uncached_tokens: int, max_tokens: int, prefill_tps: float, decode_tps: float
+) -> tuple[float, float]:
+    """(prefill seconds, decode seconds) of one request, in simulated time."""
+    return num_uncached_tokens / prefill_tps, max_tokens / decode_tps
+
+
+@dataclass(frozen=True, slots=True)
+class SimRequest:
+    prompt: list[int]
+    max_tokens: int
+    lora_name: str | None = None
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    """One finished request; times in simulated seconds."""
+
+    output: list[str]
+    output_tokens: list[int]
+    cached_tokens: int
+    queue_s: float
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def ttft_s(self) -> float:
+        return self.queue_s + self.prefill_s
+
+    @property
+    def latency_s(self) -> float:
+        return self.ttft_s + self.decode_s
+
+
+@dataclass
+class _Waiting:
+    request_id: int
+    request: SimRequest
+    future: asyncio.Future[Admission]
+    enqueued_at: float
+    admitted_at: float = 0.0
+
+
+@dataclass
+class EngineCounters:
+    num_running: int = 0
+    num_prompt_tokens_queried: int = 0
+    num_prompt_tokens_hit: int = 0
+    num_finished: int = 0
+
+
+class Engine:
+    """FIFO scheduler over a :class:`BlockCache`: admits while fewer than ``max_running``
+    run and the cache has room; publishes one batch per admission and per completion.
+    Use from one event loop only."""
+
+    def __init__(
+        self,
+        settings: ReplicaSimSettings,
+        cache: BlockCache,
+        publish: Callable[[list[Event]], object],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.cache = cache
+        self._publish = publish
+        self._clock = clock
+        self._waiting: collections.deque[_Waiting] = collections.deque()
+        self._next_id = 0
+        self.counters = EngineCounters()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    async def run(self, request: SimRequest) -> SimResult:
+        """Queue, run and finish one request. Raises :class:`ReplicaSimError` when it can
+        never fit (longer than ``max_model_len``) or its prompt is empty."""
+        total = len(request.prompt) + request.max_tokens
+        if not request.prompt or total > self.settings.max_model_len:
+            raise ReplicaSimError(
+                f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.max_tokens}) "
+                f"must be in [1, max_model_len={self.settings.max_model_len}]"
+            )
+        request_id, self._next_id = self._next_id, self._next_id + 1
+        future = asyncio.get_running_loop().create_future()
+        waiting = _Waiting(request_id, request, future, self._clock())
+        self._waiting.append(waiting)
+        self._admit()
+        try:
+            admission = await waiting.future
+        except asyncio.CancelledError:
+            if waiting.future.done() and not waiting.future.cancelled():
+                self._finish(request_id)  # admitted just as the caller went away
+            raise
+        queue_s = (waiting.admitted_at - waiting.enqueued_at) * self.settings.speed
+        try:
+            return await self._execute(request_id, request, admission, queue_s)
+        finally:
+            self._finish(request_id)
+
+    def _finish(self, request_id: int) -> None:
+        self.cache.release(request_id)
+        self.counters.num_running -= 1
+        self._admit()
+
+    async def _execute(
+        self, request_id: int, request: SimRequest, admission: Admission, queue_s: float
+    ) -> SimResult:
+        cached = admission.num_hit_blocks * self.settings.block_size
+        prefill_s, decode_s = service_times(
+            len(request.prompt) - cached,
+            request.max_tokens,
+            self.settings.prefill_tps,
+            self.settings.decode_tps,
+        )
+        await asyncio.sleep((prefill_s + decode_s) / self.settings.speed)
+        words = output_words(request.prompt, request.max_tokens)
+        output_tokens = [word_token(w) for w in words]
+        self._emit(self.cache.finish(request_id, request.prompt + output_tokens))
+        self.counters.num_finished += 1
+        return SimResult(words, output_tokens, cached, queue_s, prefill_s, decode_s)
+
+    def _admit(self) -> None:
+        while self._waiting and self.counters.num_running < self.settings.max_running:
+            head = self._waiting[0]
+            if head.future.done():  # the caller went away while waiting
+                self._waiting.popleft()
+                continue
+            req = head.request
+            admission = self.cache.admit(
+                head.request_id,
+                req.prompt,
+                len(req.prompt) + req.max_tokens,
+                lora_name=req.lora_name,
+                cache_salt=req.cache_salt,
+            )
+            if admission is None:
+                return
+            self._waiting.popleft()
+            self.counters.num_running += 1
+            self.counters.num_prompt_tokens_queried += len(req.prompt)
+            self.counters.num_prompt_tokens_hit += admission.num_hit_blocks * self.cache.block_size
+            self._emit(admission.events)
+            head.admitted_at = self._clock()
+            head.future.set_result(admission)
+
+    def _emit(self, events: list[Event]) -> None:
+        if events:
+            self._publish(events)
+
+
+# --- HTTP -------------------------------------------------------------------------------------
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
+
+
+class CompletionBody(msgspec.Struct):
+    model: str
+    prompt: str | list[TokenId]
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16
+    lora_name: str | None = None
+    cache_salt: str | None = None
+
+
+class TokenizeBody(msgspec.Struct):
+    model: str | None = None
+    prompt: str | list[TokenId] | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+
+
+def _error(status: int, message: str) -> Response:
+    kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "InternalServerError")
+    body = {"object": "error", "message": message, "type": kind, "code": status}
+    return Response(_json(body), status_code=status, media_type="application/json")
+
+
+def _ok(body: object) -> Response:
+    return Response(_json(body), media_type="application/json")
+
+
+def _tokens_of(prompt: str | list[int]) -> list[int]:
+    return tokenize_text(prompt) if isinstance(prompt, str) else list(prompt)
+
+
+def _lora_for(settings: ReplicaSimSettings, body: CompletionBody) -> str | None:
+    """The request's LoRA name; raises ReplicaSimError for an unknown model."""
+    if body.model in settings.lora_names:
+        return body.model
+    if body.model != settings.model:
+        raise ReplicaSimError(f"The model `{body.model}` does not exist.")
+    return body.lora_name
+
+
+def completion_response(settings: ReplicaSimSettings, prompt_len: int, result: SimResult) -> Any:
+    """OpenAI completions shape, plus ``kvsim`` (simulated timings)."""
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": settings.model,
+        "choices": [
+            {
+                "index": 0,
+                "text": " " + " ".join(result.output),
+                "logprobs": None,
+                "finish_reason": "length",
+            }
+        ],
+        "usage": {
+            "prompt_tokens": prompt_len,
+            "completion_tokens": len(result.output_tokens),
+            "total_tokens": prompt_len + len(result.output_tokens),
+            "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+        },
+        "kvsim": {
+            "replica": settings.id,
+            "cached_tokens": result.cached_tokens,
+            "queue_s": result.queue_s,
+            "ttft_s": result.ttft_s,
+            "latency_s": result.latency_s,
+        },
+    }
+
+
+def metrics_text(engine: Engine) -> str:
+    """Prometheus text with vLLM's metric names."""
+    label = '{model_name="' + engine.settings.model.replace('"', '\\"') + '"}'
+    c = engine.counters
+    rows = [
+        ("vllm:num_requests_running", "gauge", c.num_running),
+        ("vllm:num_requests_waiting", "gauge", engine.num_waiting),
+        ("vllm:kv_cache_usage_perc", "gauge", engine.cache.usage),
+        ("vllm:prefix_cache_queries_total", "counter", c.num_prompt_tokens_queried),
+        ("vllm:prefix_cache_hits_total", "counter", c.num_prompt_tokens_hit),
+    ]
+    lines: list[str] = []
+    for name, kind, value in rows:
+        lines += [f"# TYPE {name} {kind}", f"{name}{label} {float(value)}"]
+    return "\n".join(lines) + "\n"
+
+
+async def handle_completion(engine: Engine, raw: bytes) -> Response:
+    """``POST /v1/completions``: decode, run through the engine, answer OpenAI-style."""
+    settings = engine.settings
+    try:
+        body = msgspec.json.decode(raw, type=CompletionBody)
+        lora = _lora_for(settings, body)
+    except msgspec.DecodeError as exc:  # ValidationError included
+        return _error(400, str(exc))
+    except ReplicaSimError as exc:
+        return _error(404, str(exc))
+    prompt = _tokens_of(body.prompt)
+    try:
+        result = await engine.run(SimRequest(prompt, body.max_tokens, lora, body.cache_salt))
+    except ReplicaSimError as exc:
+        return _error(400, str(exc))
+    return _ok(completion_response(settings, len(prompt), result))
+
+
+def handle_tokenize(settings: ReplicaSimSettings, raw: bytes) -> Response:
+    """``POST /tokenize``: ``prompt`` or ``messages`` → ``{count, max_model_len, tokens}``."""
+    try:
+        body = msgspec.json.decode(raw, type=TokenizeBody)
+    except msgspec.DecodeError as exc:
+        return _error(400, str(exc))
+    if body.messages is not None:
+        tokens = tokenize_text(render_chat(body.messages, body.add_generation_prompt))
+    elif body.prompt is not None:
+        tokens = _tokens_of(body.prompt)
+    else:
+        return _error(400, "either prompt or messages is required")
+    return _ok({"count": len(tokens), "max_model_len": settings.max_model_len, "tokens": tokens})
+
+
+def create_app(engine: Engine) -> FastAPI:
+    """The replica's HTTP API: ``/v1/completions``, ``/tokenize``, ``/metrics``, ``/health``."""
+    app = FastAPI(title=f"kvindex replica simulator {engine.settings.id}")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle_completion(engine, await request.body())
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return handle_tokenize(engine.settings, await request.body())
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(metrics_text(engine), media_type="text/plain; version=0.0.4")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    return app
+
+
+# --- the process --------------------------------------------------------------------------------
+
+
+@dataclass
+class ReplicaSim:
+    """A simulated replica: publisher + engine + uvicorn in a background thread.
+
+    ``start()`` returns once the HTTP server listens and the sockets are open; ``stop()``
+    stops the server, then closes the publisher. Use as a context manager in tests.
+    """
+
+    settings: ReplicaSimSettings
+    publisher: EventPublisher | None = None
+    engine: Engine | None = None
+    _server: BackgroundServer | None = None
+    _port: int = field(default=0)
+
+    def start(self) -> None:
+        s = self.settings
+        self.publisher = EventPublisher(
+            s.events,
+            s.replay,
+            topic=s.topic,
+            encoding=s.encoding,
+            replay_layout=s.replay_layout,
+            bind=s.bind_events,
+        )
+        cache = BlockCache(s.capacity_blocks, s.block_size, none_hash(s.seed))
+        self.engine = Engine(s, cache, self.publisher.publish)
+        try:
+            self._serve(create_app(self.engine))
+        except BaseException:
+            self.stop()
+            raise
+
+    def _serve(self, app: FastAPI) -> None:
+        s = self.settings
+        self._server = BackgroundServer(
+            app, host=s.host, port=s.port, lifespan="off", name="replica-sim"
+        )
+        try:
+            self._server.start()
+        except ServerStartError as exc:
+            raise ReplicaSimError(str(exc)) from exc
+        self._port = self._server.port
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+        self._server = None
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
+
+    def __enter__(self) -> ReplicaSim:
+        self.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.settings.host}:{self._port}"
+
+    @property
+    def events_endpoint(self) -> str:
+        assert self.publisher is not None, "not started"
+        return self.publisher.endpoint
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        assert self.publisher is not None, "not started"
+        return self.publisher.replay_endpoint

@@ -1,0 +1,286 @@
+"""Requests for ``kvindex simulate``: a Mooncake trace, or a seeded built-in generator.
+
+A :class:`TraceRequest` is what arrives at the router: an arrival time, a prompt, an output
+length and, when the workload has one, a session key. Prompts are token ids:
+
+* **Mooncake traces** (JSONL: ``timestamp`` ms, ``input_length``, ``output_length``,
+  ``hash_ids`` of 512-token blocks; equal ids mean an identical prefix) carry no text, so
+  each block id gets deterministic synthetic tokens (:func:`block_tokens`): identical ids
+  give identical tokens, different ids different ones. The last block of a request holds
+  what is left of ``input_length``. The trace has no session ids: a request's session is
+  its first block id (its conversation or document).
+* **Generators** (:data:`WORKLOADS`), each a function of a seed and a size:
+  ``system_prompts`` (groups of users behind long shared system prompts), ``multi_turn``
+  (chats whose prompt is the whole history, the model's answers included), ``rag`` (a
+  shared, Zipf-popular pool of document chunks), ``few_shot`` (long few-shot templates) and
+  ``unique`` (short prompts that share nothing: routing by cache cannot help there).
+  Arrivals are Poisson at ``rate`` requests/s.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import random
+import sys
+from array import array
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+
+from kvindex.indexer.errors import KvIndexError
+
+TRACE_BLOCK_TOKENS = 512
+"""Tokens per ``hash_ids`` entry in Mooncake traces."""
+VOCAB = 32_000
+"""Generated token ids are below this (a Llama-2-sized vocabulary)."""
+
+
+class WorkloadError(KvIndexError):
+    """A trace that cannot be read (names the line) or a bad generator setting."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    """One request; its prompt is ``prompt`` if given, else synthesized from ``hash_ids``."""
+
+    arrival_s: float
+    input_length: int
+    output_length: int
+    session: str | None = None
+    prompt: Sequence[int] | None = None
+    hash_ids: Sequence[int] = ()
+    output: Sequence[int] | None = None
+    """The answer's tokens when the workload knows them (a chat's next turn repeats them);
+    None: the answer is never reused, so its blocks are not cached."""
+
+    def tokens(self) -> list[int]:
+        if self.prompt is not None:
+            return list(self.prompt)
+        return trace_tokens(self.hash_ids, self.input_length)
+
+
+# --- Mooncake traces -------------------------------------------------------------------------
+
+
+def block_tokens(block_id: int, num_tokens: int = TRACE_BLOCK_TOKENS) -> list[int]:
+    """Deterministic tokens (ids below 65,536) of one trace block: the first ``num_tokens``
+    of its 512."""
+    digest = hashlib.shake_128(b"kvindex-sim/" + block_id.to_bytes(8, "little")).digest(
+        2 * num_tokens
+    )
+    words = array("H", digest)
+    if sys.byteorder != "little":
+        words.byteswap()
+    return words.tolist()
+
+
+def trace_tokens(hash_ids: Sequence[int], input_length: int) -> list[int]:
+    """A trace request's prompt: its blocks' tokens, the last one cut to ``input_length``."""
+    out: list[int] = []
+    for i, block_id in enumerate(hash_ids):
+        n = min(TRACE_BLOCK_TOKENS, input_length - i * TRACE_BLOCK_TOKENS)
+        if n <= 0:
+            break
+        out += block_tokens(block_id, n)
+    return out
+
+
+def read_trace(path: Path, *, limit: int | None = None) -> list[TraceRequest]:
+    """Read a Mooncake JSONL trace (plain or ``.gz``), sorted by arrival."""
+    requests: list[TraceRequest] = []
+    for lineno, line in _rows(path):
+        requests.append(_trace_request(path, lineno, line))
+        if limit is not None and len(requests) >= limit:
+            break
+    if not requests:
+        raise WorkloadError(f"{path}: no requests")
+    requests.sort(key=lambda r: r.arrival_s)
+    return requests
+
+
+class _MooncakeRow(msgspec.Struct):
+    timestamp: Annotated[float, msgspec.Meta(ge=0)]
+    input_length: Annotated[int, msgspec.Meta(ge=1)]
+    output_length: Annotated[int, msgspec.Meta(ge=0)]
+    hash_ids: list[Annotated[int, msgspec.Meta(ge=0)]]
+
+
+_decode_row = msgspec.json.Decoder(_MooncakeRow).decode
+
+
+def _rows(path: Path) -> Iterator[tuple[int, str]]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as lines:
+            for lineno, line in enumerate(lines, 1):
+                if line.strip():
+                    yield lineno, line
+    except (OSError, UnicodeDecodeError) as exc:
+        raise WorkloadError(f"{path}: {exc}") from exc
+
+
+def _trace_request(path: Path, lineno: int, line: str) -> TraceRequest:
+    where = f"{path}:{lineno}"
+    try:
+        row = _decode_row(line)
+    except msgspec.DecodeError as exc:
+        raise WorkloadError(f"{where}: {exc}") from exc
+    covered = len(row.hash_ids) * TRACE_BLOCK_TOKENS
+    if covered < row.input_length:
+        raise WorkloadError(
+            f"{where}: {len(row.hash_ids)} hash_ids cover {covered} tokens,"
+            f" fewer than input_length {row.input_length}"
+        )
+    return TraceRequest(
+        row.timestamp / 1000.0,
+        row.input_length,
+        row.output_length,
+        f"b{row.hash_ids[0]}",
+        hash_ids=tuple(row.hash_ids),
+    )
+
+
+# --- generators ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GeneratorSettings:
+    requests: int = 2000
+    """How many requests to make."""
+    rate: float | None = None
+    """Mean arrivals per second (Poisson); None: the workload's :data:`DEFAULT_RATES`."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.requests < 1:
+            raise WorkloadError(f"requests must be >= 1, got {self.requests}")
+        if self.rate is not None and not self.rate > 0:
+            raise WorkloadError(f"rate must be > 0, got {self.rate}")
+
+    def rate_for(self, workload: str) -> float:
+        return self.rate if self.rate is not None else DEFAULT_RATES[workload]
+
+
+DEFAULT_RATES = {
+    "system_prompts": 20.0,
+    "multi_turn": 20.0,
+    "rag": 20.0,
+    "few_shot": 15.0,
+    "unique": 100.0,
+}
+"""Arrivals/s that load the default fleet (8 replicas, 12,000 prefill tokens/s each) to
+roughly half its prefill capacity with no cache hits, so that queues form and load matters."""
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+def _arrivals(rng: random.Random, rate: float) -> Iterator[float]:
+    t = 0.0
+    while True:
+        yield t
+        t += rng.expovariate(rate)
+
+
+def _zipf(rng: random.Random, n: int, s: float = 1.1) -> int:
+    return rng.choices(range(n), weights=[1 / (i + 1) ** s for i in range(n)])[0]
+
+
+def system_prompts(settings: GeneratorSettings) -> list[TraceRequest]:
+    """16 apps with system prompts of 1-4k tokens, Zipf-popular; each request is one app's
+    prompt + a 50-300-token user question; 100-400 output tokens."""
+    rng = random.Random(settings.seed)
+    rate = settings.rate_for("system_prompts")
+    apps = [_tokens(rng, rng.randint(1024, 4096)) for _ in range(16)]
+    out: list[TraceRequest] = []
+    for _, t in zip(range(settings.requests), _arrivals(rng, rate), strict=False):
+        app = _zipf(rng, len(apps))
+        prompt = apps[app] + _tokens(rng, rng.randint(50, 300))
+        out.append(TraceRequest(t, len(prompt), rng.randint(100, 400), f"app{app}", prompt))
+    return out
+
+
+def multi_turn(settings: GeneratorSettings) -> list[TraceRequest]:
+    """Chats of 3-10 turns behind one of 4 system prompts; turn k's prompt is the whole
+    history (earlier questions and answers) + a new 30-200-token question; answers are
+    100-300 tokens; 5-30 s between turns of one chat. Chats start at Poisson times."""
+    rng = random.Random(settings.seed)
+    rate = settings.rate_for("multi_turn")
+    systems = [_tokens(rng, rng.randint(500, 1500)) for _ in range(4)]
+    turns_per_chat = 6.5
+    chat_rate = rate / turns_per_chat
+    out: list[TraceRequest] = []
+    start = 0.0
+    chat = 0
+    while len(out) < settings.requests:
+        history = list(systems[_zipf(rng, len(systems))])
+        t = start
+        for _ in range(rng.randint(3, 10)):
+            history += _tokens(rng, rng.randint(30, 200))
+            answer = _tokens(rng, rng.randint(100, 300))
+            out.append(
+                TraceRequest(t, len(history), len(answer), f"chat{chat}", history, output=answer)
+            )
+            history = history + answer
+            t += rng.uniform(5.0, 30.0)
+        chat += 1
+        start += rng.expovariate(chat_rate)
+    out.sort(key=lambda r: r.arrival_s)
+    return out[: settings.requests]
+
+
+def rag(settings: GeneratorSettings) -> list[TraceRequest]:
+    """A 300-token system prompt, then 4 chunks of 512 tokens from a pool of 400, the first
+    chunk Zipf-popular (a hot document), the rest uniform; a 20-100-token question."""
+    rng = random.Random(settings.seed)
+    rate = settings.rate_for("rag")
+    system = _tokens(rng, 300)
+    chunks = [_tokens(rng, 512) for _ in range(400)]
+    out: list[TraceRequest] = []
+    for _, t in zip(range(settings.requests), _arrivals(rng, rate), strict=False):
+        first = _zipf(rng, len(chunks))
+        picked = [chunks[first]] + [chunks[rng.randrange(len(chunks))] for _ in range(3)]
+        prompt = (
+            system + [tok for chunk in picked for tok in chunk] + _tokens(rng, rng.randint(20, 100))
+        )
+        out.append(TraceRequest(t, len(prompt), rng.randint(50, 300), f"doc{first}", prompt))
+    return out
+
+
+def few_shot(settings: GeneratorSettings) -> list[TraceRequest]:
+    """8 task templates of 2-6k tokens (instructions + examples), uniform; each request
+    appends a 100-400-token input; 20-100 output tokens (classification, extraction)."""
+    rng = random.Random(settings.seed)
+    rate = settings.rate_for("few_shot")
+    templates = [_tokens(rng, rng.randint(2048, 6144)) for _ in range(8)]
+    out: list[TraceRequest] = []
+    for _, t in zip(range(settings.requests), _arrivals(rng, rate), strict=False):
+        task = rng.randrange(len(templates))
+        prompt = templates[task] + _tokens(rng, rng.randint(100, 400))
+        out.append(TraceRequest(t, len(prompt), rng.randint(20, 100), f"task{task}", prompt))
+    return out
+
+
+def unique(settings: GeneratorSettings) -> list[TraceRequest]:
+    """Short prompts of 100-800 random tokens that share nothing; 50-300 output tokens."""
+    rng = random.Random(settings.seed)
+    rate = settings.rate_for("unique")
+    out: list[TraceRequest] = []
+    for i, t in zip(range(settings.requests), _arrivals(rng, rate), strict=False):
+        prompt = _tokens(rng, rng.randint(100, 800))
+        out.append(TraceRequest(t, len(prompt), rng.randint(50, 300), f"u{i}", prompt))
+    return out
+
+
+WORKLOADS: dict[str, Callable[[GeneratorSettings], list[TraceRequest]]] = {
+    "system_prompts": system_prompts,
+    "multi_turn": multi_turn,
+    "rag": rag,
+    "few_shot": few_shot,
+    "unique": unique,
+}

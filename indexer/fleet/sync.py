@@ -1,0 +1,192 @@
+"""The fleet state an indexer shares through Redis, so API processes see what it sees.
+
+Two hashes (names in ``redis_schema``): replica id → :class:`ReplicaSpec`, and
+"replica/rank" → :class:`StreamRecord` (the stream's live state with wall-clock timestamps
+and when it was written). :class:`FleetSync` runs in the indexer process, in its own thread:
+
+1. at start it writes the config-declared replicas to the replicas hash;
+2. every tick it reads that hash and adds/removes replicas in the in-process
+   :class:`Registry` (the subscriber then opens sockets or purges blocks, as it does for
+   any registry change); replicas the indexer learnt itself (bind mode) are written back;
+3. every tick it writes every stream's status.
+
+A Redis error is counted and logged, never fatal: the indexer keeps indexing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import cast
+
+import msgspec
+import redis
+
+from kvindex.indexer.errors import KvIndexError
+from kvindex.indexer.fleet.registry import LiveState, Registry
+from kvindex.indexer.redis_schema import FLEET_MARKER, Schema
+from kvindex.indexer.settings import ReplicaSpec
+
+log = logging.getLogger("kvindex.fleet")
+
+
+class StreamRecord(msgspec.Struct, frozen=True):
+    """One stream's state as published by the indexer."""
+
+    live: LiveState
+    written_at: float
+    """Writer's wall clock at the write; a reader treats an old record as stale."""
+
+
+_SPEC_DECODER = msgspec.json.Decoder(ReplicaSpec)
+_RECORD_DECODER = msgspec.json.Decoder(StreamRecord)
+_ENCODER = msgspec.json.Encoder()
+
+
+def encode_spec(spec: ReplicaSpec) -> bytes:
+    return _ENCODER.encode(spec)
+
+
+def decode_spec(raw: bytes) -> ReplicaSpec | None:
+    """The stored spec, or None (logged) when it cannot be decoded or is invalid."""
+    try:
+        return _SPEC_DECODER.decode(raw)
+    except (msgspec.DecodeError, KvIndexError) as exc:
+        log.warning("ignoring an undecodable stored replica spec: %s", exc)
+        return None
+
+
+def encode_record(record: StreamRecord) -> bytes:
+    return _ENCODER.encode(record)
+
+
+def decode_record(raw: bytes) -> StreamRecord | None:
+    try:
+        return _RECORD_DECODER.decode(raw)
+    except msgspec.DecodeError as exc:
+        log.warning("ignoring an undecodable stored stream status: %s", exc)
+        return None
+
+
+def read_replicas(client: redis.Redis, schema: Schema) -> dict[str, ReplicaSpec]:
+    """Every stored replica spec (undecodable ones skipped)."""
+    raw = cast("dict[bytes, bytes]", client.hgetall(schema.replicas))
+    return specs_of(raw)
+
+
+def specs_of(raw: dict[bytes, bytes]) -> dict[str, ReplicaSpec]:
+    specs = {k.decode(): decode_spec(v) for k, v in raw.items() if k != FLEET_MARKER.encode()}
+    return {k: s for k, s in specs.items() if s is not None and s.id == k}
+
+
+class FleetSync:
+    """Mirrors the in-process registry to and from Redis; see the module docstring.
+
+    ``tick`` is the whole job (tests call it directly); ``start`` runs it every
+    ``period_s`` in a daemon thread. Not reentrant: one thread ticks."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        schema: Schema,
+        registry: Registry,
+        *,
+        declared: tuple[ReplicaSpec, ...] = (),
+        period_s: float = 1.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._client = client
+        self._schema = schema
+        self._registry = registry
+        self._declared = declared
+        self._period_s = period_s
+        self._clock = clock
+        self._known: set[str] = set()
+        """Replica ids in the hash at the last tick: one missing now was removed there."""
+        self._written: set[str] = set()
+        """Status fields this process wrote (deleted once their stream is gone)."""
+        self._declared_written = False
+        self.num_errors = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Publish the declared replicas and sync once (now), then every period."""
+        self.tick()
+        self._thread = threading.Thread(target=self._run, name="kvindex-fleet", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period_s):
+            self.tick()
+
+    def tick(self) -> None:
+        """One sync; a Redis error is counted and logged and the next tick tries again."""
+        try:
+            if not self._declared_written:
+                self._write_declared()
+            self._pull_replicas()
+            self._push_statuses()
+        except redis.RedisError as exc:
+            self.num_errors += 1
+            log.warning("fleet sync with redis failed (%d so far): %s", self.num_errors, exc)
+
+    def _write_declared(self) -> None:
+        if self._declared:
+            mapping = {s.id: encode_spec(s) for s in self._declared}
+            self._client.hset(self._schema.replicas, mapping=mapping)  # type: ignore[arg-type]
+        self._known |= {s.id for s in self._declared}
+        self._declared_written = True
+
+    def _pull_replicas(self) -> None:
+        raw = cast("dict[bytes, bytes]", self._client.hgetall(self._schema.replicas))
+        if FLEET_MARKER.encode() not in raw:
+            self._republish()
+            raw = cast("dict[bytes, bytes]", self._client.hgetall(self._schema.replicas))
+        stored = specs_of(raw)
+        for spec in stored.values():
+            if self._registry.add(spec):
+                log.info("replica %s: registered from the shared fleet state", spec.id)
+        for spec in self._registry.replicas():
+            if spec.id in stored:
+                continue
+            if spec.id in self._known:  # removed by another process (DELETE /replicas)
+                self._registry.remove(spec.id)
+                log.info("replica %s: removed from the shared fleet state", spec.id)
+            else:  # learnt here (bind mode, first event): share it
+                self._client.hset(self._schema.replicas, spec.id, encode_spec(spec))
+                stored[spec.id] = spec
+        self._known = set(stored)
+
+    def _republish(self) -> None:
+        """The hash was never written or Redis lost it (restart): our registry is the truth
+        (removing every replica we know would empty the fleet), merged with what is there."""
+        mapping = {s.id: encode_spec(s) for s in self._registry.replicas()}
+        mapping[FLEET_MARKER] = b"1"
+        self._client.hset(self._schema.replicas, mapping=mapping)  # type: ignore[arg-type]
+        log.info("fleet state published to redis (%d replicas)", len(mapping) - 1)
+        self._known = set(mapping) - {FLEET_MARKER}
+
+    def _push_statuses(self) -> None:
+        replicas = {r.id for r in self._registry.replicas()}
+        now = self._clock()
+        records = {
+            str(stream): encode_record(StreamRecord(live, now))
+            for stream, live in self._registry.live_states().items()
+            if stream.replica in replicas
+        }
+        gone = self._written - set(records)
+        with self._client.pipeline(transaction=True) as pipe:
+            if records:
+                pipe.hset(self._schema.stream_status, mapping=records)  # type: ignore[arg-type]
+            if gone:
+                pipe.hdel(self._schema.stream_status, *gone)
+            pipe.execute()
+        self._written = set(records)

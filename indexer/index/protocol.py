@@ -1,0 +1,157 @@
+"""The block index: one Protocol, two backends (``memory_store``, ``redis_store``).
+
+The index holds, per stream (replica, data-parallel rank):
+
+* block key → how many times the block is cached on each tier (GPU / CPU / other);
+* engine hash → block key, so that ``BlockRemoved`` (which names engine hashes) and
+  tokenless CPU-offload stores can be applied;
+* the stream's watermark (last applied seq) and the time of its last batch.
+
+Guarantees every backend gives (the contract suite in ``tests/contract`` checks them):
+
+* :meth:`BlockIndex.apply` applies one batch of :data:`Op` atomically together with the
+  watermark; a batch at or below the watermark is a no-op (replay overlap and two
+  indexers on one stream are safe, and a retry after a dropped connection is idempotent).
+* Counts are per (stream, block, tier): a block stored twice needs two removals, and a
+  block removed from CPU is still matched while GPU holds it.
+* :meth:`BlockIndex.longest_prefix` stops at the first missing key per stream.
+* Clearing or dropping a stream costs that stream's own blocks, never a keyspace scan.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeAlias
+
+from kvindex.indexer.errors import KvIndexError
+from kvindex.indexer.events import StreamId, Tier
+
+
+class IndexUnavailableError(KvIndexError):
+    """The index store cannot be reached (e.g. Redis is down); retry later."""
+
+
+class OpKind(enum.IntEnum):
+    """Index operations. Values are stable: the Redis script reads them."""
+
+    STORE = 0
+    """Count ``key`` once more on ``tier``; map ``engine_hash`` → ``key``."""
+    STORE_BY_HASH = 1
+    """Like STORE, with the key found through the engine-hash map (tokenless stores)."""
+    REMOVE = 2
+    """Count the block of ``engine_hash`` once less on ``tier``."""
+    CLEAR = 3
+    """Forget every block of the stream (``AllBlocksCleared``); the watermark moves on."""
+
+
+Op: TypeAlias = tuple[OpKind, Tier, int, int]
+"""``(kind, tier, engine_hash, key)``; fields an op does not use are 0."""
+
+BatchOps: TypeAlias = tuple[int, float, Sequence[Op]]
+"""One batch ready for the index: ``(seq, engine ts, ops)``."""
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyResult:
+    """What applying one batch did."""
+
+    applied: bool
+    """False when the batch was at or below the watermark (nothing changed)."""
+    num_unknown_removals: int = 0
+    """REMOVE ops whose engine hash (or tier) was not held: no-ops, counted."""
+    num_unresolved_stores: int = 0
+    """STORE_BY_HASH ops whose engine hash was unknown: skipped, counted."""
+
+
+SKIPPED = ApplyResult(applied=False)
+APPLIED = ApplyResult(applied=True)
+"""A batch applied with nothing to count (the common case: shared, not allocated)."""
+
+
+def applied(num_unknown_removals: int, num_unresolved_stores: int) -> ApplyResult:
+    """The result of a batch applied above the watermark."""
+    if num_unknown_removals or num_unresolved_stores:
+        return ApplyResult(True, num_unknown_removals, num_unresolved_stores)
+    return APPLIED
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """The longest run of leading keys one stream holds, with the best tier of each."""
+
+    tiers: tuple[Tier, ...] = ()
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.tiers)
+
+
+NO_MATCH = PrefixMatch()
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStats:
+    stream: StreamId
+    watermark: int
+    """Last applied seq; -1 before the first batch (or after a restart cleared it)."""
+    last_event_ts: float | None
+    """The ``ts`` of the last applied batch (engine wall clock, seconds since the epoch)."""
+    blocks_by_tier: dict[Tier, int] = field(default_factory=dict)
+    """Distinct blocks held on each tier."""
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(self.blocks_by_tier.values())
+
+
+class BlockIndex(Protocol):
+    """Where every cached block lives. Implementations are safe to call from any thread."""
+
+    def apply(self, stream: StreamId, seq: int, ts: float, ops: Sequence[Op]) -> ApplyResult:
+        """Apply one batch atomically with the watermark; ``seq`` ≤ watermark is a no-op."""
+        ...
+
+    def apply_many(self, stream: StreamId, batches: Sequence[BatchOps]) -> list[ApplyResult]:
+        """Apply consecutive batches of one stream in order, each as :meth:`apply` would
+        (one round trip on Redis: how the subscriber keeps up with busy replicas)."""
+        ...
+
+    def resolve(self, stream: StreamId, engine_hashes: Sequence[int]) -> list[int | None]:
+        """Block keys of engine hashes the stream holds; ``None`` for unknown ones."""
+        ...
+
+    def clear(self, stream: StreamId) -> None:
+        """Forget the stream's blocks and reset its watermark to -1 (engine restart)."""
+        ...
+
+    def drop(self, stream: StreamId) -> None:
+        """Forget the stream entirely (its blocks, watermark and registration)."""
+        ...
+
+    def streams(self) -> list[StreamId]:
+        """Every stream the index holds state for, sorted."""
+        ...
+
+    def longest_prefix(
+        self, keys: Sequence[int], streams: Iterable[StreamId]
+    ) -> dict[StreamId, PrefixMatch]:
+        """Per stream, the leading keys it holds, stopping at its first miss."""
+        ...
+
+    def stats(self, stream: StreamId) -> StreamStats:
+        """Counts and watermark of one stream (zeros and -1 for an unknown stream)."""
+        ...
+
+    def close(self) -> None:
+        """Release connections. The index must not be used afterwards."""
+        ...
+
+
+def drop_replica(index: BlockIndex, replica: str) -> list[StreamId]:
+    """Drop every stream (data-parallel rank) of a replica; returns the streams dropped."""
+    dropped = [s for s in index.streams() if s.replica == replica]
+    for stream in dropped:
+        index.drop(stream)
+    return dropped

@@ -1,0 +1,230 @@
+"""kvindex.api.score: ``POST /score`` as a library call, on in-process stores, a fixed clock.
+
+The HTTP behaviour is pinned by tests/integration/test_api.py; these tests pin what the
+scorer gathers per candidate (rank, tiers, freshness over data-parallel streams, load age)
+and that the stream list it remembers follows the registry."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import fakeredis
+import pytest
+
+from kvindex.api.load import CountedLoad, Load, LoadStore, MemoryLoadStore, RedisLoadStore
+from kvindex.api.policies import Weights
+from kvindex.api.schemas import FreshnessView, LoadView, ScoreEntry, ScoreRequest, ScoreResponse
+from kvindex.api.score import Scorer
+from kvindex.api.settings import ApiSettings
+from kvindex.indexer.events import StreamId, Tier
+from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.index.memory import MemoryIndex
+from kvindex.indexer.index.protocol import IndexUnavailableError, Op, OpKind
+from kvindex.indexer.keys import block_keys
+from kvindex.indexer.redis_schema import Schema
+from kvindex.indexer.settings import ReplicaSpec
+
+MODEL = "m"
+NOW = 1_000.0
+TOKENS = list(range(1, 65))
+"""Four blocks of 16."""
+KEYS = block_keys(MODEL, TOKENS, 16)
+W = Weights()
+
+
+class Fleet:
+    """Replicas ``a`` (two ranks), ``b`` and ``c`` of one model; a clock the test moves."""
+
+    def __init__(self, loads: LoadStore | None = None) -> None:
+        self.now = NOW
+        specs = (
+            ReplicaSpec("a", MODEL, dp_size=2),
+            ReplicaSpec("b", MODEL),
+            ReplicaSpec("c", MODEL),
+        )
+        self.registry = Registry(specs, clock=self.clock)
+        self.index = MemoryIndex()
+        self.loads = MemoryLoadStore() if loads is None else loads
+        self.scorer = Scorer(
+            ApiSettings(seed=1),
+            self.index,
+            self.registry,
+            self.loads,
+            tokenizers=lambda _: None,
+            blocking_store=False,
+            clock=self.clock,
+        )
+
+    def clock(self) -> float:
+        return self.now
+
+    def hold(self, stream: StreamId, num_blocks: int, tier: Tier = Tier.GPU) -> None:
+        """The stream holds the request's first blocks, and is heard of now."""
+        ops: list[Op] = [(OpKind.STORE, tier, i, k) for i, k in enumerate(KEYS[:num_blocks])]
+        self.index.apply(stream, 0, self.now, ops)
+        self.registry.heard(stream, seq=0, engine_ts=self.now - 0.5)
+
+    def answer(self) -> ScoreResponse:
+        return asyncio.run(self.scorer.score(ScoreRequest(model=MODEL, token_ids=TOKENS)))
+
+    def score(self) -> dict[str, ScoreEntry]:
+        return {e.replica: e for e in self.answer().scores}
+
+    def best(self) -> str:
+        best = self.answer().best
+        assert best is not None
+        return best
+
+    def routed(self) -> dict[str, int]:
+        """Answers counted as load, per replica with a load, as of this answer's read."""
+        return {e.replica: e.load.routed for e in self.answer().scores if e.load is not None}
+
+
+@pytest.fixture
+def fleet() -> Fleet:
+    fleet = Fleet()
+    fleet.now = NOW - 3.0
+    fleet.hold(StreamId("a", 0), 1)
+    fleet.now = NOW - 1.0
+    fleet.hold(StreamId("a", 1), 3)
+    fleet.registry.update(StreamId("a", 1), replaying=True)
+    fleet.hold(StreamId("b"), 2, Tier.CPU)
+    fleet.now = NOW
+    fleet.loads.put("a", Load(2.0, 1.0, 0.5, NOW - 10.0, "push"))
+    return fleet
+
+
+def test_replica_is_matched_on_its_best_rank_and_as_fresh_as_its_worst_stream(
+    fleet: Fleet,
+) -> None:
+    a = fleet.score()["a"]
+    assert (a.rank, a.matched_blocks, a.matched_tokens) == (1, 3, 48)
+    assert a.tiers == {"gpu": 3, "cpu": 0, "other": 0}
+    assert a.freshness == FreshnessView("replaying", lag_s=0.5, silent_s=1.0)
+    assert a.load == LoadView(2.0, 1.0, 0.5, 10.0, "push")
+    recency = 0.5 ** (10.0 / W.load_half_life_s)
+    load = (W.waiting * 1.0 + W.running * 2.0 + W.kv_usage * 0.5) * recency
+    cache = W.cache * (3 / 4) * W.replaying_factor
+    assert a.terms == {
+        "cache": cache,
+        "freshness_factor": W.replaying_factor,
+        "load": -load,
+        "load_recency": recency,
+    }
+    assert a.score == cache - load
+
+
+def test_single_stream_replica_reports_its_stream_and_tiers(fleet: Fleet) -> None:
+    b = fleet.score()["b"]
+    assert (b.rank, b.matched_blocks) == (0, 2)
+    assert b.tiers == {"gpu": 0, "cpu": 2, "other": 0}
+    assert b.freshness == FreshnessView("live", lag_s=0.5, silent_s=1.0)
+    assert b.load is None
+    assert b.terms["cache"] == W.cache * (2 * W.cpu / 4)
+
+
+def test_replica_never_heard_of_is_stale_without_a_match(fleet: Fleet) -> None:
+    c = fleet.score()["c"]
+    assert (c.rank, c.matched_blocks, c.tiers) == (0, 0, {"gpu": 0, "cpu": 0, "other": 0})
+    assert c.freshness == FreshnessView("stale", lag_s=None, silent_s=None)
+    assert c.terms["freshness_factor"] == W.stale_factor
+
+
+def test_streams_follow_replicas_added_and_removed(fleet: Fleet) -> None:
+    assert set(fleet.score()) == {"a", "b", "c"}
+    fleet.registry.add(ReplicaSpec("d", MODEL))
+    fleet.hold(StreamId("d"), 4)
+    assert fleet.score()["d"].matched_blocks == 4
+    fleet.registry.remove("d")
+    assert set(fleet.score()) == {"a", "b", "c"}
+
+
+def test_streams_follow_a_rank_heard_beyond_the_declared_ones(fleet: Fleet) -> None:
+    assert fleet.score()["c"].matched_blocks == 0
+    fleet.hold(StreamId("c", 2), 2)
+    c = fleet.score()["c"]
+    assert (c.rank, c.matched_blocks) == (2, 2)
+
+
+def test_streams_follow_a_spec_whose_ranks_change(fleet: Fleet) -> None:
+    fleet.index.apply(StreamId("b", 1), 0, NOW, [(OpKind.STORE, Tier.GPU, 9, KEYS[0])])
+    assert fleet.score()["b"].rank == 0
+    fleet.registry.add(ReplicaSpec("b", MODEL, dp_size=2))
+    fleet.index.apply(
+        StreamId("b", 1), 1, NOW, [(OpKind.STORE, Tier.GPU, i, k) for i, k in enumerate(KEYS)]
+    )
+    assert (fleet.score()["b"].rank, fleet.score()["b"].matched_blocks) == (1, 4)
+
+
+def test_answers_count_as_load_until_the_replica_reports_again() -> None:
+    """Between two load reports, each answer adds ``weights.routed`` to the chosen replica,
+    so equal replicas are chosen in turn instead of all requests going to one."""
+    fleet = Fleet()
+    for replica in ("a", "b", "c"):
+        fleet.loads.put(replica, Load(0.0, 0.0, 0.0, NOW, "push"))
+
+    def best() -> str:
+        answer = asyncio.run(fleet.scorer.score(ScoreRequest(model=MODEL, token_ids=TOKENS)))
+        assert answer.best is not None
+        return answer.best
+
+    assert sorted(best() for _ in range(3)) == ["a", "b", "c"]
+    routed = {e.replica: e.load.routed for e in fleet.score().values() if e.load is not None}
+    assert routed == {"a": 1, "b": 1, "c": 1}  # (as measured before this fourth answer)
+    chosen = best()  # counted in the store by the next read
+    fleet.loads.put(chosen, Load(0.0, 0.0, 0.0, NOW + 1.0, "push"))  # a new measurement
+    assert fleet.loads.get_counted([chosen])[chosen].routed == 0  # its count starts again
+    entries = fleet.score()
+    # The answer made just before that measurement is counted only now, toward it: answers
+    # in flight when a load is stored are over-counted, never lost.
+    assert entries[chosen].load == LoadView(0.0, 0.0, 0.0, 0.0, "push", routed=1)
+    assert entries[chosen].terms["load"] == -W.routed
+    assert {e.load.routed for r, e in entries.items() if r != chosen and e.load} >= {1}
+
+
+def test_answers_of_every_api_process_on_one_redis_count_as_load() -> None:
+    """Two API processes (two scorers) sharing a Redis load store: each counts the other's
+    answers too, one read after they are made (they ride on the answering process's next
+    read, which costs no extra round trip)."""
+    server = fakeredis.FakeServer()
+    first, second = (
+        Fleet(RedisLoadStore(fakeredis.FakeRedis(server=server), Schema("t"))) for _ in range(2)
+    )
+    for replica in ("a", "b", "c"):
+        first.loads.put(replica, Load(0.0, 0.0, 0.0, NOW, "push"))
+    answers = [first.best() for _ in range(3)]
+    assert sorted(answers) == ["a", "b", "c"]
+    # The first two were counted by the first process's later reads; the third waits for
+    # its next one.
+    seen = second.answer()
+    routed = {e.replica: e.load.routed for e in seen.scores if e.load is not None}
+    assert routed == {answers[0]: 1, answers[1]: 1, answers[2]: 0}
+    assert seen.best == answers[2]  # the one replica no counted answer has gone to
+
+
+class _FlakyLoads(MemoryLoadStore):
+    """A load store that is unreachable while ``down``."""
+
+    down = False
+
+    def get_counted(
+        self, replicas: Sequence[str], answers: Sequence[str] = ()
+    ) -> dict[str, CountedLoad]:
+        if self.down:
+            raise IndexUnavailableError("redis: connection refused")
+        return super().get_counted(replicas, answers)
+
+
+def test_answers_not_counted_during_a_load_store_outage_are_dropped() -> None:
+    loads = _FlakyLoads()
+    fleet = Fleet(loads)
+    fleet.loads.put("a", Load(0.0, 0.0, 0.0, NOW, "push"))
+    for busy in ("b", "c"):
+        fleet.loads.put(busy, Load(50.0, 50.0, 1.0, NOW, "push"))
+    assert fleet.best() == "a"  # the idle one; its answer is counted at the next read
+    loads.down = True
+    assert fleet.routed() == {"a": 0, "b": 0, "c": 0}  # the last loads read, none counted
+    assert fleet.routed() == {"a": 0, "b": 0, "c": 0}
+    loads.down = False
+    assert fleet.routed() == {"a": 1, "b": 0, "c": 0}  # only the answer since the last read

@@ -1,0 +1,124 @@
+"""kvindex.api.settings: defaults, validation (errors name the key), TOML tables, env, overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+
+from kvindex.api.policies import Weights
+from kvindex.api.settings import ApiSettings, ModelSpec, load_api_settings
+from kvindex.indexer.settings import SettingsError
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+TOML = f"""
+[api]
+port = 9000
+default_policy = "least_load"
+seed = 3
+
+[api.weights]
+waiting = 0.5
+prefix_blocks = 4
+
+[[models]]
+name = "{MODEL}"
+block_size = 32
+policy = "prefix_hash"
+tokenizer = "replica"
+
+[[models]]
+name = "other"
+"""
+
+
+def from_toml(text: str, **kw: Any) -> ApiSettings:
+    doc = tomllib.loads(text)
+    return load_api_settings(doc.get("api"), doc.get("models"), env={}, **kw)
+
+
+def test_every_field_has_a_usable_default() -> None:
+    settings = load_api_settings(env={})
+    assert settings == ApiSettings()
+    assert (settings.host, settings.port, settings.auth_token) == ("127.0.0.1", 8000, None)
+    assert (settings.default_policy, settings.default_block_size) == ("kv_aware", 16)
+    assert settings.weights == Weights()
+    assert settings.models == ()
+
+
+def test_toml_tables_are_read() -> None:
+    settings = from_toml(TOML)
+    assert (settings.port, settings.default_policy, settings.seed) == (9000, "least_load", 3)
+    assert (settings.weights.waiting, settings.weights.prefix_blocks) == (0.5, 4)
+    assert settings.weights.cpu == Weights().cpu
+    assert settings.models == (
+        ModelSpec(MODEL, block_size=32, policy="prefix_hash", tokenizer="replica"),
+        ModelSpec("other"),
+    )
+
+
+def test_model_lookup_by_name() -> None:
+    settings = from_toml(TOML)
+    spec = settings.model(MODEL)
+    assert spec is not None and spec.block_size == 32
+    assert settings.model("unknown") is None
+
+
+def test_overrides_win_and_none_overrides_are_ignored() -> None:
+    settings = from_toml(TOML, overrides={"port": 9100, "host": None})
+    assert (settings.port, settings.host) == (9100, "127.0.0.1")
+
+
+def test_token_comes_from_the_environment() -> None:
+    settings = load_api_settings({"auth_token": "from-file"}, env={"KVINDEX_API_TOKEN": "s3cret"})
+    assert settings.auth_token == "s3cret"
+    assert load_api_settings({"auth_token": "from-file"}, env={}).auth_token == "from-file"
+    assert load_api_settings(env={"KVINDEX_API_TOKEN": ""}).auth_token is None
+
+
+def test_settings_are_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ApiSettings().port = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("api", "named"),
+    [
+        ({"prot": 8000}, "unknown settings ['prot']"),
+        ({"default_policy": "fastest"}, "api.default_policy must be one of"),
+        ({"default_block_size": 0}, "api.default_block_size must be an integer > 0, got 0"),
+        ({"port": 70_000}, "api.port must be an integer in [0, 65535], got 70000"),
+        ({"port": "8000"}, "api.port must be an integer in [0, 65535], got '8000'"),
+        ({"scrape_interval_s": -1.0}, "api.scrape_interval_s must be a finite number >= 0"),
+        ({"scrape_timeout_s": 0}, "api.scrape_timeout_s must be a finite number > 0, got 0"),
+        ({"tokenizer_cache_entries": -1}, "api.tokenizer_cache_entries must be an integer >= 0"),
+        ({"weights": {"speed": 1.0}}, "unknown weights ['speed']"),
+        ({"weights": {"cpu": -1.0}}, "weight cpu must be finite and >= 0, got -1.0"),
+        ({"weights": {"prefix_blocks": 1.5}}, "weight prefix_blocks must be a whole number"),
+    ],
+)
+def test_bad_api_setting_names_the_key(api: dict[str, Any], named: str) -> None:
+    with pytest.raises(SettingsError) as raised:
+        load_api_settings(api, env={})
+    assert named in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("models", "named"),
+    [
+        ([{"block_size": 16}], "every model needs a name"),
+        ([{"name": "m", "block_size": 0}], "models.m.block_size must be an integer > 0, got 0"),
+        ([{"name": "m", "block_size": 16.0}], "models.m.block_size must be an integer > 0"),
+        ([{"name": "m", "policy": "fastest"}], "models.m.policy must be one of"),
+        ([{"name": "m", "colour": "red"}], "'colour'"),
+        ([{"name": "m"}, {"name": "m"}], "models: duplicate names in ['m', 'm']"),
+    ],
+)
+def test_bad_model_setting_names_the_key(models: list[Mapping[str, Any]], named: str) -> None:
+    with pytest.raises(SettingsError) as raised:
+        load_api_settings(None, models, env={})
+    assert named in str(raised.value)

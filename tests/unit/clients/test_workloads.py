@@ -1,0 +1,145 @@
+from __future__ import annotations
+
+import gzip
+import itertools
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from kvindex.clients.workloads import (
+    TRACE_BLOCK_TOKENS,
+    WORKLOADS,
+    GeneratorSettings,
+    TraceRequest,
+    WorkloadError,
+    block_tokens,
+    read_trace,
+    trace_tokens,
+)
+from tests.support.paths import MOONCAKE_TRACE
+
+MOONCAKE = MOONCAKE_TRACE
+
+
+def write_trace(path: Path, rows: Sequence[object], *, gz: bool = False) -> Path:
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    if gz:
+        path.write_bytes(gzip.compress(text.encode()))
+    else:
+        path.write_text(text)
+    return path
+
+
+ROWS = [
+    {"timestamp": 1500, "input_length": 700, "output_length": 5, "hash_ids": [0, 1]},
+    {"timestamp": 0, "input_length": 600, "output_length": 7, "hash_ids": [0, 2]},
+]
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_a_mooncake_trace_reads_plain_or_gzip_sorted_by_arrival(tmp_path: Path, gz: bool) -> None:
+    path = write_trace(tmp_path / ("t.jsonl.gz" if gz else "t.jsonl"), ROWS, gz=gz)
+    first, second = read_trace(path)
+    assert (first.arrival_s, first.input_length, first.output_length) == (0.0, 600, 7)
+    assert (second.arrival_s, second.hash_ids, second.session) == (1.5, (0, 1), "b0")
+
+
+def test_equal_block_ids_give_equal_tokens_and_the_last_block_is_cut(tmp_path: Path) -> None:
+    a, b = read_trace(write_trace(tmp_path / "t.jsonl", ROWS))
+    ta, tb = a.tokens(), b.tokens()
+    assert (len(ta), len(tb)) == (600, 700)
+    assert ta[:TRACE_BLOCK_TOKENS] == tb[:TRACE_BLOCK_TOKENS]  # block id 0 shared
+    assert ta[TRACE_BLOCK_TOKENS:] != tb[TRACE_BLOCK_TOKENS : TRACE_BLOCK_TOKENS + 88]
+    assert tb[TRACE_BLOCK_TOKENS:] == block_tokens(1, 700 - TRACE_BLOCK_TOKENS)
+    assert block_tokens(1, 10) == block_tokens(1)[:10]
+    assert all(0 <= t < 65_536 for t in ta)
+
+
+def test_trace_tokens_is_deterministic_and_ids_differ() -> None:
+    assert trace_tokens([7, 8], 1024) == trace_tokens([7, 8], 1024)
+    assert block_tokens(7) != block_tokens(8)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("not json", "t.jsonl:2"),
+        ('{"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": []}', "input_length"),
+        ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}', "cover 512"),
+        ('{"timestamp": 0, "input_length": 6, "output_length": 1, "hash_ids": [-1]}', "hash_ids"),
+        ('{"timestamp": -1, "input_length": 6, "output_length": 1, "hash_ids": [1]}', "timestamp"),
+    ],
+)
+def test_a_bad_trace_line_is_named(tmp_path: Path, line: str, message: str) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(ROWS[0]) + "\n" + line + "\n")
+    with pytest.raises(WorkloadError, match=message):
+        read_trace(path)
+
+
+def test_an_empty_or_missing_trace_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(WorkloadError, match="no requests"):
+        read_trace(tmp_path / "empty.jsonl")
+    with pytest.raises(WorkloadError, match="missing"):
+        read_trace(tmp_path / "missing.jsonl")
+
+
+def test_limit_reads_the_first_rows(tmp_path: Path) -> None:
+    assert len(read_trace(write_trace(tmp_path / "t.jsonl", ROWS), limit=1)) == 1
+
+
+def test_the_shared_mooncake_trace_reads_whole() -> None:
+    requests = read_trace(MOONCAKE)
+    assert len(requests) == 3993
+    assert requests[-1].arrival_s == pytest.approx(1022.025)
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_generators_are_seeded_sized_and_sorted(name: str) -> None:
+    settings = GeneratorSettings(requests=120, seed=3)
+    first, again = WORKLOADS[name](settings), WORKLOADS[name](settings)
+    other = WORKLOADS[name](GeneratorSettings(requests=120, seed=4))
+    assert first == again
+    assert first != other
+    assert len(first) == 120
+    assert [r.arrival_s for r in first] == sorted(r.arrival_s for r in first)
+    assert all(r.input_length == len(r.tokens()) > 0 for r in first)
+
+
+def prefix_shared(requests: list[TraceRequest], tokens: int) -> float:
+    """Share of requests whose first ``tokens`` tokens appeared in an earlier request."""
+    seen: set[tuple[int, ...]] = set()
+    hits = 0
+    for r in requests:
+        head = tuple(r.tokens()[:tokens])
+        hits += head in seen
+        seen.add(head)
+    return hits / len(requests)
+
+
+def test_shared_workloads_share_prefixes_and_unique_does_not() -> None:
+    settings = GeneratorSettings(requests=300, seed=1)
+    for name in ("system_prompts", "multi_turn", "rag", "few_shot"):
+        assert prefix_shared(WORKLOADS[name](settings), 256) > 0.5, name
+    assert prefix_shared(WORKLOADS["unique"](settings), 16) == 0.0
+
+
+def test_a_chat_turn_repeats_the_whole_history_with_the_answers() -> None:
+    turns = [
+        r for r in WORKLOADS["multi_turn"](GeneratorSettings(requests=60)) if r.session == "chat0"
+    ]
+    assert len(turns) >= 3
+    for earlier, later in itertools.pairwise(turns):
+        assert earlier.output is not None
+        history = list(earlier.tokens()) + list(earlier.output)
+        assert later.tokens()[: len(history)] == history
+
+
+def test_generator_settings_are_checked() -> None:
+    with pytest.raises(WorkloadError, match="requests"):
+        GeneratorSettings(requests=0)
+    with pytest.raises(WorkloadError, match="rate"):
+        GeneratorSettings(rate=0.0)

@@ -1,0 +1,125 @@
+"""FleetSync and RedisFleetView specifics (the shared behaviour is the registry-view
+contract in ``tests/contract``): bind-mode replicas shared, errors counted, caching,
+expiry of an indexer's records, undecodable values skipped."""
+
+from __future__ import annotations
+
+import fakeredis
+import pytest
+
+from kvindex.indexer.fleet.registry import Freshness, LiveState, Registry
+from kvindex.indexer.fleet.sync import FleetSync, StreamRecord, encode_record, encode_spec
+from kvindex.indexer.fleet.view import RedisFleetView
+from kvindex.indexer.index.protocol import IndexUnavailableError
+from kvindex.indexer.redis_schema import Schema
+from kvindex.indexer.settings import ReplicaSpec
+
+SCHEMA = Schema("test")
+R1 = ReplicaSpec("r1", "m", events="tcp://127.0.0.1:5557")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_declared_replicas_are_published_at_start() -> None:
+    client = fakeredis.FakeRedis()
+    FleetSync(client, SCHEMA, Registry((R1,)), declared=(R1,)).tick()
+    assert client.hget(SCHEMA.replicas, "r1") == encode_spec(R1)
+
+
+def test_a_replica_learnt_by_the_indexer_is_shared_not_removed() -> None:
+    client = fakeredis.FakeRedis()
+    registry = Registry()
+    sync = FleetSync(client, SCHEMA, registry)
+    sync.tick()
+    registry.add(R1)  # e.g. bind mode: registered from its first event's topic
+    sync.tick()
+    assert registry.get("r1") == R1
+    assert RedisFleetView(client, SCHEMA).get("r1") == R1
+
+
+def test_a_redis_error_is_counted_not_raised() -> None:
+    registry = Registry((R1,))
+    server = fakeredis.FakeServer()
+    server.connected = False
+    sync = FleetSync(fakeredis.FakeRedis(server=server), SCHEMA, registry, declared=(R1,))
+    sync.tick()
+    sync.tick()
+    assert sync.num_errors == 2
+    assert registry.get("r1") == R1
+
+
+def test_the_view_serves_its_last_snapshot_when_redis_is_down() -> None:
+    server = fakeredis.FakeServer()
+    client = fakeredis.FakeRedis(server=server)
+    clock = Clock()
+    view = RedisFleetView(client, SCHEMA, cache_ttl_s=0.5, clock=clock)
+    view.add(R1)
+    assert view.replicas() == [R1]
+    server.connected = False
+    clock.now += 1.0
+    assert view.replicas() == [R1]
+    assert view.num_errors == 1
+    with pytest.raises(IndexUnavailableError):
+        view.add(ReplicaSpec("r2", "m"))
+
+
+def test_reads_are_cached_for_the_ttl() -> None:
+    client = fakeredis.FakeRedis()
+    clock = Clock()
+    view = RedisFleetView(client, SCHEMA, cache_ttl_s=0.5, clock=clock)
+    assert view.replicas() == []
+    client.hset(SCHEMA.replicas, "r1", encode_spec(R1))  # another process adds r1
+    assert view.replicas() == []
+    clock.now += 0.6
+    assert view.replicas() == [R1]
+
+
+def test_a_record_no_indexer_rewrites_is_stale() -> None:
+    client = fakeredis.FakeRedis()
+    clock = Clock()
+    view = RedisFleetView(client, SCHEMA, record_expiry_s=10.0, cache_ttl_s=0.0, clock=clock)
+    view.add(R1)
+    live = LiveState(connected=True, last_heard=clock.now)
+    client.hset(SCHEMA.stream_status, "r1/0", encode_record(StreamRecord(live, clock.now)))
+    clock.now += 5.0
+    assert [f.freshness for f in view.freshness()] == [Freshness.LIVE]
+    clock.now += 6.0
+    assert [f.freshness for f in view.freshness()] == [Freshness.STALE]
+
+
+def test_undecodable_values_are_skipped() -> None:
+    client = fakeredis.FakeRedis()
+    view = RedisFleetView(client, SCHEMA, cache_ttl_s=0.0)
+    view.add(R1)
+    client.hset(SCHEMA.replicas, "bad", b"{not json")
+    client.hset(SCHEMA.stream_status, "r1/0", b"[1, 2]")
+    assert view.replicas() == [R1]
+    assert view.statuses() == []
+    assert view.stream_ids() == []
+
+
+def test_a_fleet_lost_by_redis_is_republished_not_removed() -> None:
+    client = fakeredis.FakeRedis()
+    registry = Registry((R1,))
+    sync = FleetSync(client, SCHEMA, registry, declared=(R1,))
+    sync.tick()
+    client.flushall()  # e.g. Redis restarted without persistence
+    sync.tick()
+    assert registry.get("r1") == R1
+    assert RedisFleetView(client, SCHEMA).replicas() == [R1]
+
+
+def test_removing_the_last_replica_is_not_a_lost_fleet() -> None:
+    client = fakeredis.FakeRedis()
+    registry = Registry((R1,))
+    sync = FleetSync(client, SCHEMA, registry, declared=(R1,))
+    sync.tick()
+    assert RedisFleetView(client, SCHEMA).remove("r1") == R1
+    sync.tick()
+    assert registry.replicas() == []

@@ -1,0 +1,322 @@
+"""What only the Redis backend has: key layout, prefixes, dropped connections, bad names.
+
+Behaviour shared with the memory backend is proven in ``tests/contract``. Every test here
+talks to a private redis-server started by the fixtures of ``tests/conftest.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.crc import key_slot
+from redis.retry import Retry
+
+from kvindex.indexer.events import StreamId, Tier
+from kvindex.indexer.index.protocol import (
+    SKIPPED,
+    IndexUnavailableError,
+    Op,
+    OpKind,
+    PrefixMatch,
+    StreamStats,
+)
+from kvindex.indexer.index.redis import RedisIndex, connect
+from kvindex.indexer.redis_schema import (
+    DEFAULT_PREFIX,
+    META_TIER_PREFIX,
+    META_TS,
+    META_WATERMARK,
+    Schema,
+    SchemaError,
+)
+from tests.support.redis_server import RedisServer, free_port, running_redis
+
+pytestmark = pytest.mark.redis_server
+
+SCHEMA = Schema("test")
+S = StreamId("r1", 0)
+S_RANK1 = StreamId("r1", 1)
+S_OTHER = StreamId("r2", 3)
+GPU_ONLY = {Tier.GPU: 1, Tier.CPU: 0, Tier.OTHER: 0}
+
+
+def store(engine_hash: int, key: int, tier: Tier = Tier.GPU) -> Op:
+    return (OpKind.STORE, tier, engine_hash, key)
+
+
+def be8(value: int) -> bytes:
+    return value.to_bytes(8, "big")
+
+
+def contents(client: redis.Redis) -> dict[bytes, object]:
+    """Every key in the server and what it holds (hashes and sets only: all kvindex uses)."""
+    found: dict[bytes, object] = {}
+    for key in client.scan_iter():
+        kind = client.type(key)
+        found[key] = client.hgetall(key) if kind == b"hash" else client.smembers(key)
+    return found
+
+
+def stream_keys(stream: StreamId, schema: Schema = SCHEMA) -> set[bytes]:
+    return {name.encode() for name in schema.stream(stream).all()}
+
+
+@pytest.fixture
+def index(redis_client: redis.Redis) -> RedisIndex:
+    return RedisIndex(redis_client, SCHEMA)
+
+
+@pytest.fixture
+def own_client(redis_server: RedisServer, redis_client: redis.Redis) -> Iterator[redis.Redis]:
+    """A client configured as in production (``connect``); ``redis_client`` flushed the server."""
+    client = connect(redis_server.url)
+    yield client
+    client.close()
+
+
+# --- key layout ---------------------------------------------------------------------------
+
+
+def test_keys_after_a_batch_are_the_schema_names(
+    index: RedisIndex, redis_client: redis.Redis
+) -> None:
+    index.apply(S, 0, 1.0, [store(1, 101)])
+    index.apply(S_OTHER, 0, 1.0, [store(1, 101)])
+    expected = {SCHEMA.streams.encode()} | stream_keys(S) | stream_keys(S_OTHER)
+    assert set(redis_client.scan_iter()) == expected
+    assert redis_client.smembers(SCHEMA.streams) == {b"r1/0", b"r2/3"}
+
+
+def test_each_streams_keys_share_one_cluster_slot(
+    index: RedisIndex, redis_client: redis.Redis
+) -> None:
+    streams = [S, S_RANK1, S_OTHER, StreamId("pod-7.ns:8000", 12)]
+    for stream in streams:
+        index.apply(stream, 0, 1.0, [store(1, 101)])
+    in_redis = set(redis_client.scan_iter()) - {SCHEMA.streams.encode()}
+    assert in_redis == set().union(*(stream_keys(s) for s in streams))
+    for stream in streams:
+        slots = {key_slot(name) for name in stream_keys(stream)}
+        assert slots == {key_slot(str(stream).encode())}, stream
+
+
+def test_stored_layout(index: RedisIndex, redis_client: redis.Redis) -> None:
+    key = 0x0102030405060708
+    index.apply(S, 4, 1.5, [store(9, key), store(9, key), store(9, key, Tier.OTHER)])
+    names = SCHEMA.stream(S)
+    # counts packed as gpu + cpu * 2**16 + other * 2**32 (one HINCRBY per store)
+    assert redis_client.hgetall(names.keys) == {be8(key)[2:]: str(2 + 2**32).encode()}
+    assert redis_client.hgetall(names.hashes) == {be8(9): be8(key)}
+    meta = redis_client.hgetall(names.meta)
+    assert meta[META_WATERMARK.encode()] == b"4"
+    assert float(meta[META_TS.encode()]) == 1.5
+    assert meta[f"{META_TIER_PREFIX}{Tier.GPU.value}".encode()] == b"1"
+    assert meta[f"{META_TIER_PREFIX}{Tier.OTHER.value}".encode()] == b"1"
+
+
+def test_default_prefix(redis_client: redis.Redis) -> None:
+    RedisIndex(redis_client).apply(S, 0, 1.0, [store(1, 101)])
+    names = {k.decode() for k in redis_client.scan_iter()}
+    assert names == {Schema().streams, *Schema().stream(S).all()}
+    assert all(name.startswith(f"{DEFAULT_PREFIX}:v1:") for name in names)
+
+
+def test_two_prefixes_do_not_see_each_other(redis_client: redis.Redis) -> None:
+    a = RedisIndex(redis_client, Schema("a"))
+    b = RedisIndex(redis_client, Schema("b"))
+    a.apply(S, 5, 1.0, [store(1, 101)])
+    assert b.streams() == []
+    assert b.longest_prefix([101], [S]) == {S: PrefixMatch()}
+    assert b.stats(S).watermark == -1
+    assert b.apply(S, 0, 2.0, [store(2, 102)]).applied
+    b.drop(S)
+    assert a.streams() == [S]
+    assert a.longest_prefix([101], [S]) == {S: PrefixMatch((Tier.GPU,))}
+    assert a.stats(S) == StreamStats(S, 5, 1.0, GPU_ONLY)
+    assert {k.split(b":")[0] for k in redis_client.scan_iter()} == {b"a"}
+
+
+# --- clear and drop touch only the stream's own keys --------------------------------------
+
+
+def commands_run(client: redis.Redis) -> set[str]:
+    stats: dict[str, Any] = client.info("commandstats")
+    return {name.removeprefix("cmdstat_") for name in stats} - {"info", "config|resetstat"}
+
+
+@pytest.mark.parametrize(
+    ("action", "commands", "listed_after"),
+    [
+        (RedisIndex.clear, {"del"}, {b"r1/0", b"r1/1", b"r2/3"}),
+        (RedisIndex.drop, {"del", "srem"}, {b"r1/1", b"r2/3"}),
+    ],
+    ids=["clear", "drop"],
+)
+def test_clear_and_drop_touch_only_the_streams_keys(
+    index: RedisIndex,
+    redis_client: redis.Redis,
+    action: Callable[[RedisIndex, StreamId], None],
+    commands: set[str],
+    listed_after: set[bytes],
+) -> None:
+    for stream in (S, S_RANK1, S_OTHER):
+        index.apply(stream, 0, 1.0, [store(1, 101), store(2, 102, Tier.CPU)])
+    others = {k: v for k, v in contents(redis_client).items() if k not in stream_keys(S)}
+    del others[SCHEMA.streams.encode()]
+    redis_client.config_resetstat()
+    action(index, S)
+    assert commands_run(redis_client) == commands  # one stream's keys: never KEYS or SCAN
+    after = contents(redis_client)
+    assert after.pop(SCHEMA.streams.encode()) == listed_after
+    assert after == others
+
+
+def test_clear_of_unknown_stream_leaves_no_keys(
+    index: RedisIndex, redis_client: redis.Redis
+) -> None:
+    index.clear(S)
+    assert list(redis_client.scan_iter()) == []
+    assert index.stats(S) == StreamStats(S, -1, None, dict.fromkeys(Tier, 0))
+
+
+# --- registration -------------------------------------------------------------------------
+
+
+def test_stream_dropped_by_another_indexer_is_listed_again(redis_client: redis.Redis) -> None:
+    mine = RedisIndex(redis_client, SCHEMA)
+    other = RedisIndex(redis_client, SCHEMA)
+    mine.apply(S, 0, 1.0, [store(1, 101)])
+    other.drop(S)
+    assert mine.apply(S, 1, 1.0, [store(2, 102)]).applied
+    assert mine.streams() == [S]
+    assert other.streams() == [S]
+
+
+@pytest.mark.parametrize("replica", ["r{1}", "r{1", "r}1", "r/1", "", "r 1", "r1\n", "répl"])
+def test_bad_replica_ids_raise_schema_error(
+    index: RedisIndex, redis_client: redis.Redis, replica: str
+) -> None:
+    with pytest.raises(SchemaError, match="replica id"):
+        index.apply(StreamId(replica, 0), 0, 1.0, [store(1, 101)])
+    assert list(redis_client.scan_iter()) == []
+
+
+# --- dropped connections and an unreachable server ----------------------------------------
+
+
+class _LosesOneReply(redis.Connection):
+    """Reads a reply, then fails as if it had been lost on the way (the client disconnects)."""
+
+    armed = False
+    num_lost = 0
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        response = super().read_response(*args, **kwargs)
+        if _LosesOneReply.armed:
+            _LosesOneReply.armed = False
+            _LosesOneReply.num_lost += 1
+            raise redis.ConnectionError("reply lost (injected by the test)")
+        return response
+
+
+def test_retry_after_a_lost_reply_is_idempotent(
+    own_client: redis.Redis, redis_client: redis.Redis
+) -> None:
+    own_client.connection_pool.connection_class = _LosesOneReply
+    _LosesOneReply.armed, _LosesOneReply.num_lost = False, 0
+    index = RedisIndex(own_client, SCHEMA)
+    index.apply(S, 0, 1.0, [])  # registers the stream and loads the script
+    _LosesOneReply.armed = True
+    # The server applied the batch; connect()'s retry sends it again, which is skipped.
+    assert index.apply(S, 1, 2.0, [store(1, 101)]) == SKIPPED
+    assert _LosesOneReply.num_lost == 1
+    assert redis_client.hget(SCHEMA.stream(S).keys, be8(101)[2:]) == b"1"
+    assert index.stats(S) == StreamStats(S, 1, 2.0, GPU_ONLY)
+
+
+def test_retried_batch_after_client_kill_is_skipped(
+    own_client: redis.Redis, redis_client: redis.Redis
+) -> None:
+    index = RedisIndex(own_client, SCHEMA)
+    ops = [store(1, 101), store(2, 102, Tier.CPU)]
+    assert index.apply(S, 3, 1.0, ops).applied
+    before = contents(redis_client)
+    assert redis_client.client_kill_filter(_type="normal") >= 1
+    assert index.apply(S, 3, 9.0, ops) == SKIPPED
+    assert contents(redis_client) == before
+
+
+def test_connection_drop_between_batches_is_survived(
+    own_client: redis.Redis, redis_client: redis.Redis
+) -> None:
+    index = RedisIndex(own_client, SCHEMA)
+    index.apply(S, 0, 1.0, [store(1, 101)])
+    client_id = own_client.client_id()
+    assert redis_client.client_kill_filter(_type="normal") >= 1
+    assert index.apply(S, 1, 2.0, [store(2, 102)]).applied
+    assert own_client.client_id() != client_id
+    assert index.longest_prefix([101, 102], [S]) == {S: PrefixMatch((Tier.GPU, Tier.GPU))}
+
+
+def test_lookup_after_scripts_were_flushed(index: RedisIndex, redis_client: redis.Redis) -> None:
+    index.apply(S, 0, 1.0, [store(1, 101), store(2, 102)])
+    assert index.longest_prefix([101, 102], [S]) == {S: PrefixMatch((Tier.GPU, Tier.GPU))}
+    redis_client.script_flush()
+    assert index.longest_prefix([101, 102], [S]) == {S: PrefixMatch((Tier.GPU, Tier.GPU))}
+
+
+def test_restart_that_loses_data_is_survived() -> None:
+    with running_redis() as server:
+        index = RedisIndex(connect(server.url), SCHEMA)
+        try:
+            index.apply(S, 5, 1.0, [store(1, 101)])
+            server.restart()  # no persistence: data and loaded scripts are gone
+            assert index.apply(S, 6, 2.0, [store(2, 102)]).applied
+            assert index.streams() == [S]
+            assert index.stats(S) == StreamStats(S, 6, 2.0, GPU_ONLY)
+        finally:
+            index.close()
+
+
+def _no_retry_client(port: int) -> redis.Redis:
+    return redis.Redis(host="127.0.0.1", port=port, retry=Retry(NoBackoff(), 0))
+
+
+CALLS: dict[str, Callable[[RedisIndex], object]] = {
+    "apply": lambda ix: ix.apply(S, 0, 1.0, [store(1, 101)]),
+    "resolve": lambda ix: ix.resolve(S, [1]),
+    "clear": lambda ix: ix.clear(S),
+    "drop": lambda ix: ix.drop(S),
+    "streams": lambda ix: ix.streams(),
+    "longest_prefix": lambda ix: ix.longest_prefix([101], [S]),
+    "stats": lambda ix: ix.stats(S),
+}
+
+
+@pytest.mark.parametrize("call", CALLS.values(), ids=CALLS.keys())
+def test_unreachable_redis_raises_index_unavailable(call: Callable[[RedisIndex], object]) -> None:
+    index = RedisIndex(_no_retry_client(free_port()), SCHEMA)  # nothing listens there
+    try:
+        with pytest.raises(IndexUnavailableError, match="redis"):
+            call(index)
+    finally:
+        index.close()
+
+
+def test_index_works_again_when_redis_is_back() -> None:
+    with running_redis() as server:
+        index = RedisIndex(_no_retry_client(server.port), SCHEMA)
+        try:
+            index.apply(S, 0, 1.0, [store(1, 101)])
+            server.stop()
+            with pytest.raises(IndexUnavailableError):
+                index.apply(S, 1, 1.0, [])
+            server.restart()
+            assert index.apply(S, 1, 2.0, [store(2, 102)]).applied
+            assert index.streams() == [S]
+        finally:
+            index.close()

@@ -1,0 +1,100 @@
+"""Redis key names: layout, version, hash tags and name validation (no server needed)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from redis.crc import key_slot
+
+from kvindex.indexer.errors import KvIndexError
+from kvindex.indexer.events import StreamId
+from kvindex.indexer.redis_schema import (
+    DEFAULT_PREFIX,
+    META_TIER_PREFIX,
+    META_TS,
+    META_WATERMARK,
+    SCHEMA_VERSION,
+    Schema,
+    SchemaError,
+    StreamKeys,
+    check_name,
+)
+
+
+def test_version_and_default_prefix() -> None:
+    assert SCHEMA_VERSION == "v1"
+    assert DEFAULT_PREFIX == "kvindex"
+    assert Schema() == Schema(DEFAULT_PREFIX)
+
+
+def test_root_and_streams_set_names() -> None:
+    assert Schema().root == "kvindex:v1"
+    assert Schema().streams == "kvindex:v1:streams"
+    assert Schema("fleet-a").streams == "fleet-a:v1:streams"
+
+
+def test_stream_key_names() -> None:
+    keys = Schema("p").stream(StreamId("r1", 2))
+    assert keys == StreamKeys(
+        keys="p:v1:{r1/2}:keys", hashes="p:v1:{r1/2}:hash", meta="p:v1:{r1/2}:meta"
+    )
+
+
+def test_all_is_in_the_order_apply_batch_lua_reads() -> None:
+    keys = Schema().stream(StreamId("r1"))
+    assert keys.all() == (keys.meta, keys.keys, keys.hashes)
+
+
+def test_meta_field_names() -> None:
+    assert (META_WATERMARK, META_TS, META_TIER_PREFIX) == ("wm", "ts", "n")
+
+
+@pytest.mark.parametrize("stream", [StreamId("r1"), StreamId("r1", 7), StreamId("a.b:c-d_e", 3)])
+def test_stream_keys_share_the_stream_hash_slot(stream: StreamId) -> None:
+    slots = {key_slot(name.encode()) for name in Schema("p").stream(stream).all()}
+    assert slots == {key_slot(str(stream).encode())}
+
+
+def test_hash_tag_ignores_the_prefix() -> None:
+    stream = StreamId("r1", 1)
+    assert Schema("a").stream(stream).meta != Schema("b").stream(stream).meta
+    assert key_slot(Schema("a").stream(stream).meta.encode()) == key_slot(
+        Schema("b").stream(stream).meta.encode()
+    )
+
+
+@pytest.mark.parametrize("prefix", ["kvindex", "a", "fleet.prod-1", "team_x:kv", "X9"])
+def test_good_prefixes_are_accepted(prefix: str) -> None:
+    assert Schema(prefix).prefix == prefix
+
+
+@pytest.mark.parametrize(
+    "prefix", ["", "a b", "a{b", "a}b", "{a}", "a/b", "kv\n", "kv\r", "kvé", "a*", "a\x00"]
+)
+def test_bad_prefixes_raise_schema_error(prefix: str) -> None:
+    with pytest.raises(SchemaError, match="key prefix"):
+        Schema(prefix)
+
+
+@pytest.mark.parametrize("name", ["r1", "replica-0.pod:8000", "A_B"])
+def test_check_name_returns_a_good_name(name: str) -> None:
+    assert check_name("replica id", name) == name
+
+
+@pytest.mark.parametrize("name", ["", "r{1", "r}1", "r/1", "r 1", "r1\n", "\nr1"])
+def test_check_name_names_the_kind_and_the_value(name: str) -> None:
+    with pytest.raises(SchemaError) as info:
+        check_name("replica id", name)
+    assert "replica id" in str(info.value)
+    assert repr(name) in str(info.value)
+
+
+def test_schema_error_is_a_kvindex_error() -> None:
+    assert issubclass(SchemaError, KvIndexError)
+
+
+def test_schema_is_frozen() -> None:
+    schema = Schema("p")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        schema.prefix = "q"  # type: ignore[misc]
