@@ -22,7 +22,9 @@ import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from kvindex.api.load import Load, LoadError, LoadStore, MetricsScraper
+from kvindex.api.load.model import Load, LoadError
+from kvindex.api.load.scraper import MetricsScraper
+from kvindex.api.load.store import LoadStore
 from kvindex.api.metrics import ApiMetrics, TimedIndex
 from kvindex.api.schemas import (
     ConfigView,

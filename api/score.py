@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kvindex.api.load import CountedLoad, Load, LoadStore, is_newer_or_same
+from kvindex.api.load.model import CountedLoad, Load, is_newer_or_same
+from kvindex.api.load.store import LoadStore
 from kvindex.api.policies import (
     Candidate,
     Decision,
