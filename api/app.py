@@ -43,7 +43,8 @@ from kvindex.api.schemas import (
 )
 from kvindex.api.score import RequestError, Scorer, UnknownModelError
 from kvindex.api.settings import ApiSettings
-from kvindex.api.tokenize import Tokenizer, TokenizerError, TokenizerSpec, build_tokenizer
+from kvindex.api.tokenize.choice import TokenizerSpec, build_tokenizer
+from kvindex.api.tokenize.protocol import Tokenizer, TokenizerError
 from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.events import Tier
 from kvindex.indexer.fleet.registry import RegistryView, StreamStatus

@@ -43,7 +43,7 @@ from kvindex.api.policies import (
 )
 from kvindex.api.schemas import FreshnessView, LoadView, ScoreEntry, ScoreRequest, ScoreResponse
 from kvindex.api.settings import ApiSettings
-from kvindex.api.tokenize import Tokenizer
+from kvindex.api.tokenize.protocol import Tokenizer
 from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.events import StreamId, Tier
 from kvindex.indexer.fleet.registry import Freshness, RegistryView, StreamFreshness
