@@ -43,8 +43,8 @@ from kvindex.api.schemas import (
 )
 from kvindex.api.score import RequestError, Scorer, UnknownModelError
 from kvindex.api.settings import ApiSettings
-from kvindex.api.tokenize.choice import TokenizerSpec, build_tokenizer
-from kvindex.api.tokenize.protocol import Tokenizer, TokenizerError
+from kvindex.api.tokenize.choice import ModelTokenizers
+from kvindex.api.tokenize.protocol import TokenizerError
 from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.events import Tier
 from kvindex.indexer.fleet.registry import RegistryView, StreamStatus
@@ -132,13 +132,13 @@ class _AppState:
         self.metrics = metrics
         self.index = index
         self.http = httpx.AsyncClient(timeout=deps.settings.scrape_timeout_s, trust_env=False)
-        self.tokenizers: dict[str, Tokenizer | None] = {}
+        self.tokenizers = ModelTokenizers(deps.settings, deps.registry, self.http)
         self.scorer = Scorer(
             deps.settings,
             index,
             deps.registry,
             deps.loads,
-            tokenizers=self.tokenizer,
+            tokenizers=self.tokenizers.tokenizer,
             blocking_store=deps.blocking_store,
         )
         self.scraper: MetricsScraper | None = None
@@ -167,31 +167,6 @@ class _AppState:
 
     def scrape_targets(self) -> list[tuple[str, str, str]]:
         return [(r.id, r.url, r.model) for r in self.deps.registry.replicas() if r.url]
-
-    def tokenizer(self, model: str) -> Tokenizer | None:
-        """The model's tokenizer: configured, else the /tokenize of a replica with a URL."""
-        if model not in self.tokenizers:
-            self.tokenizers[model] = self._build_tokenizer(model)
-        return self.tokenizers[model]
-
-    def _build_tokenizer(self, model: str) -> Tokenizer | None:
-        settings = self.deps.settings
-        spec = settings.model(model)
-        entries = settings.tokenizer_cache_entries
-        if spec is not None and spec.tokenizer not in (None, "replica"):
-            local = TokenizerSpec(kind="local", path=spec.tokenizer, cache_entries=entries)
-            return build_tokenizer(local, self.http)
-        urls = [r.url for r in self.deps.registry.replicas() if r.model == model and r.url]
-        if not urls:
-            return None
-        remote = TokenizerSpec(
-            kind="replica",
-            base_url=urls[0],
-            model=model,
-            timeout_s=settings.scrape_timeout_s,
-            cache_entries=entries,
-        )
-        return build_tokenizer(remote, self.http)
 
     async def authorize(self, request: Request) -> None:
         token = self.deps.settings.auth_token
@@ -373,7 +348,7 @@ def _replica_routes(router: APIRouter, state: _AppState) -> None:
             dp_size=body.dp_size,
         )
         created = await _call(state, registry.add, spec)
-        state.tokenizers.pop(spec.model, None)
+        state.tokenizers.forget(spec.model)
         return _json(
             StatusBody("created" if created else "unchanged", spec.id), 201 if created else 200
         )
@@ -393,7 +368,7 @@ def _replica_routes(router: APIRouter, state: _AppState) -> None:
         await _call(state, state.deps.loads.remove, replica_id)
         await _call(state, registry.remove, replica_id)
         state.scorer.forget(replica_id)
-        state.tokenizers.pop(spec.model, None)
+        state.tokenizers.forget(spec.model)
         return _json(StatusBody("removed", replica_id))
 
 

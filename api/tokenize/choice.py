@@ -1,4 +1,5 @@
-"""Which tokenizer a model gets: a :class:`TokenizerSpec` and the tokenizer it describes."""
+"""Which tokenizer a model gets: the rule (:class:`ModelTokenizers`), the spec it picks
+(:class:`TokenizerSpec`) and the tokenizer a spec describes (:func:`build_tokenizer`)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ from typing import Literal, get_args
 
 import httpx
 
+from kvindex.api.settings import ApiSettings
 from kvindex.api.tokenize.cache import CachingTokenizer
 from kvindex.api.tokenize.local import LocalTokenizer
 from kvindex.api.tokenize.protocol import Tokenizer, TokenizerError
 from kvindex.api.tokenize.replica import ReplicaTokenizer
+from kvindex.indexer.fleet.registry import RegistryView
 
 TokenizerKind = Literal["local", "replica"]
 
@@ -84,3 +87,58 @@ def build_tokenizer(spec: TokenizerSpec, client: httpx.AsyncClient) -> Tokenizer
     if spec.cache_entries == 0:
         return inner
     return CachingTokenizer(inner, spec.cache_entries)
+
+
+class ModelTokenizers:
+    """The tokenizer of each model, chosen by one rule and built on first use.
+
+    The rule: the model's ``[[models]] tokenizer`` path, read in-process; else (``"replica"``
+    or nothing configured) the ``/tokenize`` of the first registered replica of the model
+    that has a URL, with ``api.scrape_timeout_s`` per call; else None (the request must send
+    token ids or block keys). Both are cached (``api.tokenizer_cache_entries``).
+
+    A model's answer, None included, is kept until :meth:`forget` (call it when a replica of
+    the model is registered or removed: the replica asked may change). A build that raises
+    :class:`TokenizerError` (an unreadable file) is not kept: the next request tries again.
+    The caller owns ``client``. Use from one event loop (no lock).
+    """
+
+    def __init__(
+        self, settings: ApiSettings, registry: RegistryView, client: httpx.AsyncClient
+    ) -> None:
+        self._settings = settings
+        self._registry = registry
+        self._client = client
+        self._model_to_tokenizer: dict[str, Tokenizer | None] = {}
+
+    def tokenizer(self, model: str) -> Tokenizer | None:
+        """The model's tokenizer by the rule, or None when it has none."""
+        if model not in self._model_to_tokenizer:
+            self._model_to_tokenizer[model] = self._build(model)
+        return self._model_to_tokenizer[model]
+
+    def forget(self, model: str) -> None:
+        """Choose the model's tokenizer again at its next request (a no-op if never chosen)."""
+        self._model_to_tokenizer.pop(model, None)
+
+    def spec(self, model: str) -> TokenizerSpec | None:
+        """The spec the rule picks for ``model`` now, or None (nothing to tokenize with)."""
+        settings = self._settings
+        configured = settings.model(model)
+        entries = settings.tokenizer_cache_entries
+        if configured is not None and configured.tokenizer not in (None, "replica"):
+            return TokenizerSpec(kind="local", path=configured.tokenizer, cache_entries=entries)
+        urls = [r.url for r in self._registry.replicas() if r.model == model and r.url]
+        if not urls:
+            return None
+        return TokenizerSpec(
+            kind="replica",
+            base_url=urls[0],
+            model=model,
+            timeout_s=settings.scrape_timeout_s,
+            cache_entries=entries,
+        )
+
+    def _build(self, model: str) -> Tokenizer | None:
+        spec = self.spec(model)
+        return None if spec is None else build_tokenizer(spec, self._client)

@@ -1,4 +1,4 @@
-"""kvindex.api.tokenize.choice: TokenizerSpec validation and build_tokenizer."""
+"""kvindex.api.tokenize.choice: the spec, build_tokenizer, and the model → tokenizer rule."""
 
 from __future__ import annotations
 
@@ -10,11 +10,14 @@ import httpx
 import pytest
 import tokenizers
 
+from kvindex.api.settings import ApiSettings, ModelSpec
 from kvindex.api.tokenize.cache import CachingTokenizer
-from kvindex.api.tokenize.choice import TokenizerSpec, build_tokenizer
+from kvindex.api.tokenize.choice import ModelTokenizers, TokenizerSpec, build_tokenizer
 from kvindex.api.tokenize.local import LocalTokenizer
 from kvindex.api.tokenize.protocol import TokenizerError
 from kvindex.api.tokenize.replica import ReplicaTokenizer
+from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.settings import ReplicaSpec
 from tests.unit.api.tokenize.samples import CONVERSATION, make_tokenizer, ok
 
 
@@ -109,3 +112,73 @@ def test_build_replica_uses_the_given_client() -> None:
             return await tok.encode_prompt("x")
 
     assert asyncio.run(main()) == [4, 5]
+
+
+# --- ModelTokenizers: the model → tokenizer rule --------------------------------------------
+
+
+def model_tokenizers(
+    registry: Registry, *models: ModelSpec, **settings: Any
+) -> tuple[ModelTokenizers, httpx.AsyncClient]:
+    client = httpx.AsyncClient(transport=httpx.MockTransport(ok([4, 5])))
+    return ModelTokenizers(ApiSettings(models=models, **settings), registry, client), client
+
+
+def test_a_configured_file_wins_over_replicas(model_dir: Path) -> None:
+    path = str(model_dir / "tokenizer.json")
+    registry = Registry((ReplicaSpec("a", "m", url="http://a:8000"),))
+    chooser, client = model_tokenizers(
+        registry, ModelSpec("m", tokenizer=path), tokenizer_cache_entries=8
+    )
+    assert chooser.spec("m") == TokenizerSpec(kind="local", path=path, cache_entries=8)
+    tok = chooser.tokenizer("m")
+    assert isinstance(tok, CachingTokenizer)
+    assert isinstance(tok.inner, LocalTokenizer)
+    assert chooser.tokenizer("m") is tok  # built once
+    asyncio.run(client.aclose())
+
+
+@pytest.mark.parametrize(
+    "configured", [(), (ModelSpec("m", tokenizer="replica"),), (ModelSpec("m"),)]
+)
+def test_else_the_first_replica_of_the_model_with_a_url(configured: tuple[ModelSpec, ...]) -> None:
+    registry = Registry(
+        (
+            ReplicaSpec("a", "m"),
+            ReplicaSpec("b", "other", url="http://b:8000"),
+            ReplicaSpec("c", "m", url="http://c:8000"),
+            ReplicaSpec("d", "m", url="http://d:8000"),
+        )
+    )
+    chooser, client = model_tokenizers(registry, *configured, scrape_timeout_s=0.25)
+    assert chooser.spec("m") == TokenizerSpec(
+        kind="replica", base_url="http://c:8000", model="m", timeout_s=0.25, cache_entries=4096
+    )
+    tok = chooser.tokenizer("m")
+    assert isinstance(tok, CachingTokenizer)
+    assert asyncio.run(tok.encode_prompt("x")) == [4, 5]
+    asyncio.run(client.aclose())
+
+
+def test_no_tokenizer_is_kept_until_forget() -> None:
+    registry = Registry((ReplicaSpec("a", "m"),))
+    chooser, client = model_tokenizers(registry)
+    assert chooser.tokenizer("m") is None
+    registry.add(ReplicaSpec("b", "m", url="http://b:8000"))
+    assert chooser.tokenizer("m") is None  # kept: the app forgets on registration
+    chooser.forget("m")
+    chooser.forget("never-asked")
+    assert isinstance(chooser.tokenizer("m"), CachingTokenizer)
+    asyncio.run(client.aclose())
+
+
+def test_a_failed_build_is_tried_again(tmp_path: Path) -> None:
+    path = tmp_path / "tokenizer.json"
+    chooser, client = model_tokenizers(
+        Registry(), ModelSpec("m", tokenizer=str(path)), tokenizer_cache_entries=0
+    )
+    with pytest.raises(TokenizerError, match="tokenizer file"):
+        chooser.tokenizer("m")
+    make_tokenizer().save(str(path))
+    assert isinstance(chooser.tokenizer("m"), LocalTokenizer)
+    asyncio.run(client.aclose())
