@@ -19,6 +19,7 @@ import asyncio
 import itertools
 import random
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -34,12 +35,7 @@ from kvindex.api.policies import (
     Scored,
     ScoringError,
     Weights,
-    constant,
-    kv_aware,
-    least_load,
-    prefix_key,
-    rank,
-    rendezvous,
+    decide,
 )
 from kvindex.api.schemas import FreshnessView, LoadView, ScoreEntry, ScoreRequest, ScoreResponse
 from kvindex.api.settings import ApiSettings
@@ -122,7 +118,8 @@ class Scorer:
         self._blocking = blocking_store
         self._clock = clock
         self._rng = random.Random(settings.seed)
-        self._round_robin: dict[str, itertools.count[int]] = {}
+        self._turns: defaultdict[str, itertools.count[int]] = defaultdict(itertools.count)
+        """Per model, the next round-robin turn."""
         self._last_loads: dict[str, Load] = {}
         self._streams_memo: tuple[_StreamsBasis, _Streams] | None = None
         self._answers: list[str] = []
@@ -358,33 +355,20 @@ class Scorer:
         request: ScoreRequest,
         weights: Weights,
     ) -> Decision:
-        scored = self._scored(policy, cands, keys, request, weights)
-        return rank(scored, cands, weights, self._rng)
-
-    def _scored(
-        self,
-        policy: Policy,
-        cands: list[Candidate],
-        keys: list[int],
-        request: ScoreRequest,
-        weights: Weights,
-    ) -> list[Scored]:
-        if policy is Policy.KV_AWARE:
-            return kv_aware(cands, len(keys), weights)
-        if policy is Policy.LEAST_LOAD:
-            return least_load(cands, weights)
-        if policy is Policy.SESSION_AFFINITY:
-            if request.session is None:
-                raise RequestError("session: required by the session_affinity policy")
-            return rendezvous(cands, request.session.encode(), "session_hash")
-        if policy is Policy.PREFIX_HASH:
-            return rendezvous(cands, prefix_key(keys, weights), "prefix_hash")
-        if policy is Policy.ROUND_ROBIN:
-            counter = self._round_robin.setdefault(request.model, itertools.count())
-            chosen = cands[next(counter) % len(cands)].replica if cands else None
-            return constant(cands, chosen, "round_robin")
-        chosen = self._rng.choice(cands).replica if cands else None
-        return constant(cands, chosen, "random")
+        """The policy's decision (:func:`~kvindex.api.policies.decide`); RequestError (422)
+        when the request lacks what the policy needs."""
+        try:
+            return decide(
+                policy,
+                cands,
+                keys,
+                weights,
+                session=request.session,
+                turns=self._turns[request.model],
+                rng=self._rng,
+            )
+        except ScoringError as exc:
+            raise RequestError(str(exc)) from exc
 
 
 class _Facts(msgspec.Struct, frozen=True):
