@@ -26,6 +26,7 @@ from kvindex.api.load.model import Load, LoadError
 from kvindex.api.load.scraper import MetricsScraper
 from kvindex.api.load.store import LoadStore
 from kvindex.api.metrics import ApiMetrics, TimedIndex
+from kvindex.api.openapi import document, operation
 from kvindex.api.schemas import (
     ConfigView,
     ErrorBody,
@@ -95,7 +96,7 @@ def create_app(deps: ApiDeps) -> FastAPI:
     app.add_exception_handler(msgspec.DecodeError, _error_handler)
     app.include_router(_health_routes(state))
     app.include_router(_routes(state), dependencies=[Depends(state.authorize)])
-    _document(app)
+    document(app)
     if guarded:
 
         async def openapi_document() -> JSONResponse:
@@ -108,20 +109,6 @@ def create_app(deps: ApiDeps) -> FastAPI:
             dependencies=[Depends(state.authorize)],
         )
     return app
-
-
-def _document(app: FastAPI) -> None:
-    """Merge the msgspec-generated schemas into FastAPI's OpenAPI document."""
-    build = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            schema = build()
-            schema.setdefault("components", {}).setdefault("schemas", {}).update(_COMPONENTS)
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    app.openapi = openapi  # type: ignore[method-assign]
 
 
 class _AppState:
@@ -218,53 +205,6 @@ async def _error_handler(_: Request, exc: Exception) -> Response:
     return _error_response(exc)
 
 
-# --- OpenAPI from the msgspec types ---------------------------------------------------------
-
-_SCHEMA_TYPES: list[Any] = [
-    ScoreRequest,
-    ScoreResponse,
-    LoadReport,
-    ReplicaIn,
-    ReplicaView,
-    ErrorBody,
-    StatusBody,
-    StatsView,
-    ConfigView,
-]
-_, _COMPONENTS = msgspec.json.schema_components(
-    _SCHEMA_TYPES, ref_template="#/components/schemas/{name}"
-)
-
-
-def _doc(
-    body: type | None = None,
-    response: type | None = None,
-    summary: str = "",
-    *,
-    many: bool = False,
-) -> dict[str, Any]:
-    """``openapi_extra`` for a route whose body and answer are msgspec types (``many``: the
-    answer is a list of them); every error answers with an ``ErrorBody``."""
-    extra: dict[str, Any] = {"summary": summary}
-    if body is not None:
-        extra["requestBody"] = {
-            "required": True,
-            "content": {_JSON: {"schema": _ref(body)}},
-        }
-    responses: dict[str, Any] = {
-        "default": {"description": "Error", "content": {_JSON: {"schema": _ref(ErrorBody)}}}
-    }
-    if response is not None:
-        schema = {"type": "array", "items": _ref(response)} if many else _ref(response)
-        responses["200"] = {"description": "OK", "content": {_JSON: {"schema": schema}}}
-    extra["responses"] = responses
-    return extra
-
-
-def _ref(kind: type) -> dict[str, str]:
-    return {"$ref": f"#/components/schemas/{kind.__name__}"}
-
-
 # --- routes -------------------------------------------------------------------------------
 
 
@@ -297,7 +237,7 @@ def _routes(state: _AppState) -> APIRouter:
 def _score_routes(router: APIRouter, state: _AppState) -> None:
     @router.post(
         "/score",
-        openapi_extra=_doc(
+        openapi_extra=operation(
             ScoreRequest, ScoreResponse, "Rank the candidate replicas for a request"
         ),
     )
@@ -308,7 +248,9 @@ def _score_routes(router: APIRouter, state: _AppState) -> None:
         state.metrics.score_latency.labels(answer.policy).observe(time.perf_counter() - started)
         return _json(answer)
 
-    @router.post("/load", openapi_extra=_doc(LoadReport, StatusBody, "Report a replica's load"))
+    @router.post(
+        "/load", openapi_extra=operation(LoadReport, StatusBody, "Report a replica's load")
+    )
     async def load(request: Request) -> Response:
         report = await _decode(request, LoadReport)
         if state.deps.registry.get(report.replica) is None:
@@ -329,13 +271,14 @@ def _replica_routes(router: APIRouter, state: _AppState) -> None:
     registry = state.deps.registry
 
     @router.get(
-        "/replicas", openapi_extra=_doc(None, ReplicaView, "Replicas, streams and load", many=True)
+        "/replicas",
+        openapi_extra=operation(None, ReplicaView, "Replicas, streams and load", many=True),
     )
     async def replicas() -> Response:
         return _json(await _replica_views(state))
 
     @router.post(
-        "/replicas", openapi_extra=_doc(ReplicaIn, StatusBody, "Register a replica (201: new)")
+        "/replicas", openapi_extra=operation(ReplicaIn, StatusBody, "Register a replica (201: new)")
     )
     async def add_replica(request: Request) -> Response:
         body = await _decode(request, ReplicaIn)
@@ -355,7 +298,7 @@ def _replica_routes(router: APIRouter, state: _AppState) -> None:
 
     @router.delete(
         "/replicas/{replica_id}",
-        openapi_extra=_doc(None, StatusBody, "Remove a replica and purge its blocks"),
+        openapi_extra=operation(None, StatusBody, "Remove a replica and purge its blocks"),
     )
     async def remove_replica(replica_id: str) -> Response:
         spec = await _call(state, registry.get, replica_id)
@@ -373,12 +316,12 @@ def _replica_routes(router: APIRouter, state: _AppState) -> None:
 
 
 def _info_routes(router: APIRouter, state: _AppState) -> None:
-    @router.get("/stats", openapi_extra=_doc(None, StatsView, "Index and ingestion totals"))
+    @router.get("/stats", openapi_extra=operation(None, StatsView, "Index and ingestion totals"))
     async def stats() -> Response:
         return _json(await _call(state, _stats, state))
 
     @router.get(
-        "/config", openapi_extra=_doc(None, ConfigView, "Policies, default weights and models")
+        "/config", openapi_extra=operation(None, ConfigView, "Policies, default weights and models")
     )
     async def config() -> Response:
         settings = state.deps.settings
