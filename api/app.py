@@ -1,15 +1,17 @@
 """The FastAPI app, built by :func:`create_app` from explicit dependencies (no module state).
 
-Routes are thin: decode the body with msgspec, call the library, encode the answer.
-Errors are mapped to HTTP in one place (:func:`_error_response`): a bad body or field →
-422 naming it, an unknown model → 404 naming the known ones, a tokenizer or replica
-failure → 502, an unreachable store → 503 (``/score`` instead answers from load alone).
+Routes are thin: decode the body with msgspec, call the library (the read path in
+:mod:`kvindex.api.score`, the read-only bodies in :mod:`kvindex.api.views`), encode the
+answer; their OpenAPI operations come from :mod:`kvindex.api.openapi`. Errors are mapped to
+HTTP in one place (:func:`_error_response`): a bad body or field → 422 naming it, an
+unknown model → 404 naming the known ones, a missing or wrong bearer token (when
+``api.auth_token`` is set) → 401, a tokenizer or replica failure → 502, an unreachable
+store → 503 (``/score`` instead answers from load alone).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -30,25 +32,21 @@ from kvindex.api.openapi import document, operation
 from kvindex.api.schemas import (
     ConfigView,
     ErrorBody,
-    FreshnessView,
     LoadReport,
-    LoadView,
-    ModelView,
     ReplicaIn,
     ReplicaView,
     ScoreRequest,
     ScoreResponse,
     StatsView,
     StatusBody,
-    StreamView,
 )
 from kvindex.api.score import RequestError, Scorer, UnknownModelError
 from kvindex.api.settings import ApiSettings
 from kvindex.api.tokenize.choice import ModelTokenizers
 from kvindex.api.tokenize.protocol import TokenizerError
+from kvindex.api.views import config_view, replica_views, stats_view
 from kvindex.indexer.errors import KvIndexError
-from kvindex.indexer.events import Tier
-from kvindex.indexer.fleet.registry import RegistryView, StreamStatus
+from kvindex.indexer.fleet.registry import RegistryView
 from kvindex.indexer.index.protocol import BlockIndex, IndexUnavailableError, drop_replica
 from kvindex.indexer.settings import ReplicaSpec, SettingsError
 
@@ -275,7 +273,8 @@ def _replica_routes(router: APIRouter, state: _AppState) -> None:
         openapi_extra=operation(None, ReplicaView, "Replicas, streams and load", many=True),
     )
     async def replicas() -> Response:
-        return _json(await _replica_views(state))
+        views = await _call(state, replica_views, registry, state.index, state.deps.loads)
+        return _json(views)
 
     @router.post(
         "/replicas", openapi_extra=operation(ReplicaIn, StatusBody, "Register a replica (201: new)")
@@ -318,15 +317,13 @@ def _replica_routes(router: APIRouter, state: _AppState) -> None:
 def _info_routes(router: APIRouter, state: _AppState) -> None:
     @router.get("/stats", openapi_extra=operation(None, StatsView, "Index and ingestion totals"))
     async def stats() -> Response:
-        return _json(await _call(state, _stats, state))
+        return _json(await _call(state, stats_view, state.deps.registry, state.index))
 
     @router.get(
         "/config", openapi_extra=operation(None, ConfigView, "Policies, default weights and models")
     )
     async def config() -> Response:
-        settings = state.deps.settings
-        models = {m: ModelView(state.scorer.block_size(m)) for m in state.scorer.known_models()}
-        return _json(ConfigView(settings.default_policy, settings.weights.as_dict(), models))
+        return _json(config_view(state.deps.settings, state.scorer))
 
     @router.get("/metrics", summary="Prometheus metrics")
     async def metrics() -> Response:
@@ -339,79 +336,3 @@ async def _call(state: _AppState, fn: Callable[..., T], *args: Any) -> T:
     if state.deps.blocking_store:
         return await asyncio.to_thread(fn, *args)
     return fn(*args)
-
-
-def _stats(state: _AppState) -> StatsView:
-    registry, index = state.deps.registry, state.index
-    by_tier = dict.fromkeys((t.name.lower() for t in Tier), 0)
-    for status in registry.statuses():
-        for tier, count in index.stats(status.stream).blocks_by_tier.items():
-            by_tier[tier.name.lower()] += count
-    statuses = registry.statuses()
-    return StatsView(
-        replicas=len(registry.replicas()),
-        streams=len(statuses),
-        blocks=by_tier,
-        batches=sum(s.counters.num_batches for s in statuses),
-        gaps=sum(s.counters.num_gaps for s in statuses),
-        replays=sum(s.counters.num_replays for s in statuses),
-        restarts=sum(s.counters.num_restarts for s in statuses),
-        decode_errors=sum(s.num_decode_errors for s in statuses),
-    )
-
-
-async def _replica_views(state: _AppState) -> list[ReplicaView]:
-    registry = state.deps.registry
-    specs = registry.replicas()
-    loads = await _call(state, state.deps.loads.get_many, [r.id for r in specs])
-    statuses: dict[str, list[StreamStatus]] = {}
-    for status in registry.statuses():
-        statuses.setdefault(status.stream.replica, []).append(status)
-    views = []
-    for spec in specs:
-        streams = [
-            await _call(state, _stream_view, state.index, s) for s in statuses.get(spec.id, [])
-        ]
-        views.append(
-            ReplicaView(
-                id=spec.id,
-                model=spec.model,
-                events=spec.events,
-                replay=spec.replay,
-                url=spec.url,
-                dp_size=spec.dp_size,
-                state=_worst([s.freshness.state for s in streams]),
-                streams=streams,
-                load=_load_view(loads.get(spec.id)),
-            )
-        )
-    return views
-
-
-def _stream_view(index: BlockIndex, status: StreamStatus) -> StreamView:
-    stats = index.stats(status.stream)
-    counters = dataclasses.asdict(status.counters)
-    return StreamView(
-        rank=status.stream.rank,
-        freshness=FreshnessView(status.freshness.value, status.lag_s, status.silent_s),
-        connected=status.connected,
-        last_seq=status.last_seq,
-        blocks={t.name.lower(): stats.blocks_by_tier.get(t, 0) for t in Tier},
-        counters=counters
-        | {"decode_errors": status.num_decode_errors, "store_errors": status.num_store_errors},
-    )
-
-
-def _worst(states: list[str]) -> str:
-    for state in ("stale", "replaying"):
-        if state in states:
-            return state
-    return "live" if states else "stale"
-
-
-def _load_view(load: Load | None) -> LoadView | None:
-    if load is None:
-        return None
-    return LoadView(
-        load.running, load.waiting, load.kv_usage, max(0.0, time.time() - load.ts), load.source
-    )
