@@ -3,14 +3,16 @@
 The read path, step by step (the README's diagram numbers them the same way):
 
 1. resolve the model and its candidates (the registry's replicas serving it);
-2. tokens from ``token_ids``, or ``prompt`` / ``messages`` through the model's tokenizer,
+2. tokens from ``token_ids``, or ``prompt`` / ``messages`` through the model's tokenizer
+   (the caller's choice; the app's is :class:`kvindex.api.tokenize.choice.ModelTokenizers`),
    or ``block_keys`` as given;
 3. block keys with ``kvindex.indexer.keys`` (the indexer's own key function) at the model's
    block size (as its replicas publish it);
 4. longest cached prefix per (replica, rank) from the index — if the store is
    unreachable, the answer is made from load alone and says ``degraded``;
 5. load per replica (pushed or scraped), with its age;
-6. the policy ranks the candidates (``kvindex.api.policies``), every term reported.
+6. the policy ranks the candidates (:func:`kvindex.api.policies.decide`), every term
+   reported.
 """
 
 from __future__ import annotations
@@ -97,7 +99,12 @@ def _all_streams(
 
 
 class Scorer:
-    """Answers score requests. Safe to share across concurrent requests of one event loop."""
+    """Answers score requests. Safe to share across concurrent requests of one event loop.
+
+    ``tokenizers`` gives a model's tokenizer, or None when it has none (a ``prompt`` or
+    ``messages`` request is then a 422); ``blocking_store``: the index and load store do
+    network I/O, so their reads run in a worker thread; ``clock`` dates load ages.
+    """
 
     def __init__(
         self,
