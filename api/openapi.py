@@ -14,31 +14,23 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI
 
-from kvindex.api.schemas import (
-    ConfigView,
-    ErrorBody,
-    LoadReport,
-    ReplicaIn,
-    ReplicaView,
-    ScoreRequest,
-    ScoreResponse,
-    StatsView,
-    StatusBody,
-)
+from kvindex.api import schemas
 
 _JSON = "application/json"
 
 _SCHEMA_TYPES: list[Any] = [
-    ScoreRequest,
-    ScoreResponse,
-    LoadReport,
-    ReplicaIn,
-    ReplicaView,
-    ErrorBody,
-    StatusBody,
-    StatsView,
-    ConfigView,
+    schemas.ScoreRequest,
+    schemas.ScoreResponse,
+    schemas.LoadReport,
+    schemas.ReplicaIn,
+    schemas.ReplicaView,
+    schemas.ErrorBody,
+    schemas.StatusBody,
+    schemas.StatsView,
+    schemas.ConfigView,
 ]
+"""Every body a route decodes or encodes (the types they contain come along). The order is
+the order of the document's components."""
 _, _COMPONENTS = msgspec.json.schema_components(
     _SCHEMA_TYPES, ref_template="#/components/schemas/{name}"
 )
@@ -60,7 +52,7 @@ def operation(
             "content": {_JSON: {"schema": _ref(body)}},
         }
     responses: dict[str, Any] = {
-        "default": {"description": "Error", "content": {_JSON: {"schema": _ref(ErrorBody)}}}
+        "default": {"description": "Error", "content": {_JSON: {"schema": _ref(schemas.ErrorBody)}}}
     }
     if response is not None:
         schema = {"type": "array", "items": _ref(response)} if many else _ref(response)

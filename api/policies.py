@@ -287,33 +287,20 @@ def decide(
     ``rng`` before :func:`rank` draws the tie-breaks. Raises :class:`ScoringError` naming
     ``session`` when ``session_affinity`` has none.
     """
-    ranked = scored(policy, cands, keys, w, session=session, turns=turns, rng=rng)
-    return rank(ranked, cands, w, rng)
-
-
-def scored(
-    policy: Policy,
-    cands: Sequence[Candidate],
-    keys: Sequence[int],
-    w: Weights,
-    *,
-    session: str | None,
-    turns: Iterator[int],
-    rng: random.Random,
-) -> list[Scored]:
-    """Every candidate scored by ``policy``, in candidate order (see :func:`decide`)."""
     if policy is Policy.KV_AWARE:
-        return kv_aware(cands, len(keys), w)
-    if policy is Policy.LEAST_LOAD:
-        return least_load(cands, w)
-    if policy is Policy.SESSION_AFFINITY:
+        scored = kv_aware(cands, len(keys), w)
+    elif policy is Policy.LEAST_LOAD:
+        scored = least_load(cands, w)
+    elif policy is Policy.SESSION_AFFINITY:
         if session is None:
             raise ScoringError("session: required by the session_affinity policy")
-        return rendezvous(cands, session.encode(), "session_hash")
-    if policy is Policy.PREFIX_HASH:
-        return rendezvous(cands, prefix_key(keys, w), "prefix_hash")
-    if policy is Policy.ROUND_ROBIN:
+        scored = rendezvous(cands, session.encode(), "session_hash")
+    elif policy is Policy.PREFIX_HASH:
+        scored = rendezvous(cands, prefix_key(keys, w), "prefix_hash")
+    elif policy is Policy.ROUND_ROBIN:
         chosen = cands[next(turns) % len(cands)].replica if cands else None
-        return constant(cands, chosen, "round_robin")
-    chosen = rng.choice(cands).replica if cands else None
-    return constant(cands, chosen, "random")
+        scored = constant(cands, chosen, "round_robin")
+    else:
+        chosen = rng.choice(cands).replica if cands else None
+        scored = constant(cands, chosen, "random")
+    return rank(scored, cands, w, rng)
