@@ -1,15 +1,17 @@
 """The FastAPI app, built by :func:`create_app` from explicit dependencies (no module state).
 
-Routes are thin: decode the body with msgspec, call the library, encode the answer.
-Errors are mapped to HTTP in one place (:func:`_error_response`): a bad body or field →
-422 naming it, an unknown model → 404 naming the known ones, a tokenizer or replica
-failure → 502, an unreachable store → 503 (``/score`` instead answers from load alone).
+Routes are thin: decode the body with msgspec, call the library (the read path in
+:mod:`kvindex.api.score`, the read-only bodies in :mod:`kvindex.api.views`), encode the
+answer; their OpenAPI operations come from :mod:`kvindex.api.openapi`. Errors are mapped to
+HTTP in one place (:func:`_error_response`): a bad body or field → 422 naming it, an
+unknown model → 404 naming the known ones, a missing or wrong bearer token (when
+``api.auth_token`` is set) → 401, a tokenizer or replica failure → 502, an unreachable
+store → 503 (``/score`` instead answers from load alone).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -22,29 +24,29 @@ import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from kvindex.api.load import Load, LoadError, LoadStore, MetricsScraper
+from kvindex.api.load.model import Load, LoadError
+from kvindex.api.load.scraper import MetricsScraper
+from kvindex.api.load.store import LoadStore
 from kvindex.api.metrics import ApiMetrics, TimedIndex
+from kvindex.api.openapi import document, operation
 from kvindex.api.schemas import (
     ConfigView,
     ErrorBody,
-    FreshnessView,
     LoadReport,
-    LoadView,
-    ModelView,
     ReplicaIn,
     ReplicaView,
     ScoreRequest,
     ScoreResponse,
     StatsView,
     StatusBody,
-    StreamView,
 )
 from kvindex.api.score import RequestError, Scorer, UnknownModelError
 from kvindex.api.settings import ApiSettings
-from kvindex.api.tokenize import Tokenizer, TokenizerError, TokenizerSpec, build_tokenizer
+from kvindex.api.tokenize.choice import ModelTokenizers
+from kvindex.api.tokenize.protocol import TokenizerError
+from kvindex.api.views import config_view, replica_views, stats_view
 from kvindex.indexer.errors import KvIndexError
-from kvindex.indexer.events import Tier
-from kvindex.indexer.fleet.registry import RegistryView, StreamStatus
+from kvindex.indexer.fleet.registry import RegistryView
 from kvindex.indexer.index.protocol import BlockIndex, IndexUnavailableError, drop_replica
 from kvindex.indexer.settings import ReplicaSpec, SettingsError
 
@@ -92,7 +94,7 @@ def create_app(deps: ApiDeps) -> FastAPI:
     app.add_exception_handler(msgspec.DecodeError, _error_handler)
     app.include_router(_health_routes(state))
     app.include_router(_routes(state), dependencies=[Depends(state.authorize)])
-    _document(app)
+    document(app)
     if guarded:
 
         async def openapi_document() -> JSONResponse:
@@ -107,20 +109,6 @@ def create_app(deps: ApiDeps) -> FastAPI:
     return app
 
 
-def _document(app: FastAPI) -> None:
-    """Merge the msgspec-generated schemas into FastAPI's OpenAPI document."""
-    build = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            schema = build()
-            schema.setdefault("components", {}).setdefault("schemas", {}).update(_COMPONENTS)
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    app.openapi = openapi  # type: ignore[method-assign]
-
-
 class _AppState:
     """Per-app objects (scorer, metrics, HTTP client, scraper)."""
 
@@ -129,13 +117,13 @@ class _AppState:
         self.metrics = metrics
         self.index = index
         self.http = httpx.AsyncClient(timeout=deps.settings.scrape_timeout_s, trust_env=False)
-        self.tokenizers: dict[str, Tokenizer | None] = {}
+        self.tokenizers = ModelTokenizers(deps.settings, deps.registry, self.http)
         self.scorer = Scorer(
             deps.settings,
             index,
             deps.registry,
             deps.loads,
-            tokenizers=self.tokenizer,
+            tokenizers=self.tokenizers.tokenizer,
             blocking_store=deps.blocking_store,
         )
         self.scraper: MetricsScraper | None = None
@@ -164,31 +152,6 @@ class _AppState:
 
     def scrape_targets(self) -> list[tuple[str, str, str]]:
         return [(r.id, r.url, r.model) for r in self.deps.registry.replicas() if r.url]
-
-    def tokenizer(self, model: str) -> Tokenizer | None:
-        """The model's tokenizer: configured, else the /tokenize of a replica with a URL."""
-        if model not in self.tokenizers:
-            self.tokenizers[model] = self._build_tokenizer(model)
-        return self.tokenizers[model]
-
-    def _build_tokenizer(self, model: str) -> Tokenizer | None:
-        settings = self.deps.settings
-        spec = settings.model(model)
-        entries = settings.tokenizer_cache_entries
-        if spec is not None and spec.tokenizer not in (None, "replica"):
-            local = TokenizerSpec(kind="local", path=spec.tokenizer, cache_entries=entries)
-            return build_tokenizer(local, self.http)
-        urls = [r.url for r in self.deps.registry.replicas() if r.model == model and r.url]
-        if not urls:
-            return None
-        remote = TokenizerSpec(
-            kind="replica",
-            base_url=urls[0],
-            model=model,
-            timeout_s=settings.scrape_timeout_s,
-            cache_entries=entries,
-        )
-        return build_tokenizer(remote, self.http)
 
     async def authorize(self, request: Request) -> None:
         token = self.deps.settings.auth_token
@@ -240,53 +203,6 @@ async def _error_handler(_: Request, exc: Exception) -> Response:
     return _error_response(exc)
 
 
-# --- OpenAPI from the msgspec types ---------------------------------------------------------
-
-_SCHEMA_TYPES: list[Any] = [
-    ScoreRequest,
-    ScoreResponse,
-    LoadReport,
-    ReplicaIn,
-    ReplicaView,
-    ErrorBody,
-    StatusBody,
-    StatsView,
-    ConfigView,
-]
-_, _COMPONENTS = msgspec.json.schema_components(
-    _SCHEMA_TYPES, ref_template="#/components/schemas/{name}"
-)
-
-
-def _doc(
-    body: type | None = None,
-    response: type | None = None,
-    summary: str = "",
-    *,
-    many: bool = False,
-) -> dict[str, Any]:
-    """``openapi_extra`` for a route whose body and answer are msgspec types (``many``: the
-    answer is a list of them); every error answers with an ``ErrorBody``."""
-    extra: dict[str, Any] = {"summary": summary}
-    if body is not None:
-        extra["requestBody"] = {
-            "required": True,
-            "content": {_JSON: {"schema": _ref(body)}},
-        }
-    responses: dict[str, Any] = {
-        "default": {"description": "Error", "content": {_JSON: {"schema": _ref(ErrorBody)}}}
-    }
-    if response is not None:
-        schema = {"type": "array", "items": _ref(response)} if many else _ref(response)
-        responses["200"] = {"description": "OK", "content": {_JSON: {"schema": schema}}}
-    extra["responses"] = responses
-    return extra
-
-
-def _ref(kind: type) -> dict[str, str]:
-    return {"$ref": f"#/components/schemas/{kind.__name__}"}
-
-
 # --- routes -------------------------------------------------------------------------------
 
 
@@ -319,7 +235,7 @@ def _routes(state: _AppState) -> APIRouter:
 def _score_routes(router: APIRouter, state: _AppState) -> None:
     @router.post(
         "/score",
-        openapi_extra=_doc(
+        openapi_extra=operation(
             ScoreRequest, ScoreResponse, "Rank the candidate replicas for a request"
         ),
     )
@@ -330,7 +246,9 @@ def _score_routes(router: APIRouter, state: _AppState) -> None:
         state.metrics.score_latency.labels(answer.policy).observe(time.perf_counter() - started)
         return _json(answer)
 
-    @router.post("/load", openapi_extra=_doc(LoadReport, StatusBody, "Report a replica's load"))
+    @router.post(
+        "/load", openapi_extra=operation(LoadReport, StatusBody, "Report a replica's load")
+    )
     async def load(request: Request) -> Response:
         report = await _decode(request, LoadReport)
         if state.deps.registry.get(report.replica) is None:
@@ -351,13 +269,15 @@ def _replica_routes(router: APIRouter, state: _AppState) -> None:
     registry = state.deps.registry
 
     @router.get(
-        "/replicas", openapi_extra=_doc(None, ReplicaView, "Replicas, streams and load", many=True)
+        "/replicas",
+        openapi_extra=operation(None, ReplicaView, "Replicas, streams and load", many=True),
     )
     async def replicas() -> Response:
-        return _json(await _replica_views(state))
+        views = await _call(state, replica_views, registry, state.index, state.deps.loads)
+        return _json(views)
 
     @router.post(
-        "/replicas", openapi_extra=_doc(ReplicaIn, StatusBody, "Register a replica (201: new)")
+        "/replicas", openapi_extra=operation(ReplicaIn, StatusBody, "Register a replica (201: new)")
     )
     async def add_replica(request: Request) -> Response:
         body = await _decode(request, ReplicaIn)
@@ -370,14 +290,14 @@ def _replica_routes(router: APIRouter, state: _AppState) -> None:
             dp_size=body.dp_size,
         )
         created = await _call(state, registry.add, spec)
-        state.tokenizers.pop(spec.model, None)
+        state.tokenizers.forget(spec.model)
         return _json(
             StatusBody("created" if created else "unchanged", spec.id), 201 if created else 200
         )
 
     @router.delete(
         "/replicas/{replica_id}",
-        openapi_extra=_doc(None, StatusBody, "Remove a replica and purge its blocks"),
+        openapi_extra=operation(None, StatusBody, "Remove a replica and purge its blocks"),
     )
     async def remove_replica(replica_id: str) -> Response:
         spec = await _call(state, registry.get, replica_id)
@@ -390,22 +310,20 @@ def _replica_routes(router: APIRouter, state: _AppState) -> None:
         await _call(state, state.deps.loads.remove, replica_id)
         await _call(state, registry.remove, replica_id)
         state.scorer.forget(replica_id)
-        state.tokenizers.pop(spec.model, None)
+        state.tokenizers.forget(spec.model)
         return _json(StatusBody("removed", replica_id))
 
 
 def _info_routes(router: APIRouter, state: _AppState) -> None:
-    @router.get("/stats", openapi_extra=_doc(None, StatsView, "Index and ingestion totals"))
+    @router.get("/stats", openapi_extra=operation(None, StatsView, "Index and ingestion totals"))
     async def stats() -> Response:
-        return _json(await _call(state, _stats, state))
+        return _json(await _call(state, stats_view, state.deps.registry, state.index))
 
     @router.get(
-        "/config", openapi_extra=_doc(None, ConfigView, "Policies, default weights and models")
+        "/config", openapi_extra=operation(None, ConfigView, "Policies, default weights and models")
     )
     async def config() -> Response:
-        settings = state.deps.settings
-        models = {m: ModelView(state.scorer.block_size(m)) for m in state.scorer.known_models()}
-        return _json(ConfigView(settings.default_policy, settings.weights.as_dict(), models))
+        return _json(config_view(state.deps.settings, state.scorer))
 
     @router.get("/metrics", summary="Prometheus metrics")
     async def metrics() -> Response:
@@ -418,79 +336,3 @@ async def _call(state: _AppState, fn: Callable[..., T], *args: Any) -> T:
     if state.deps.blocking_store:
         return await asyncio.to_thread(fn, *args)
     return fn(*args)
-
-
-def _stats(state: _AppState) -> StatsView:
-    registry, index = state.deps.registry, state.index
-    by_tier = dict.fromkeys((t.name.lower() for t in Tier), 0)
-    for status in registry.statuses():
-        for tier, count in index.stats(status.stream).blocks_by_tier.items():
-            by_tier[tier.name.lower()] += count
-    statuses = registry.statuses()
-    return StatsView(
-        replicas=len(registry.replicas()),
-        streams=len(statuses),
-        blocks=by_tier,
-        batches=sum(s.counters.num_batches for s in statuses),
-        gaps=sum(s.counters.num_gaps for s in statuses),
-        replays=sum(s.counters.num_replays for s in statuses),
-        restarts=sum(s.counters.num_restarts for s in statuses),
-        decode_errors=sum(s.num_decode_errors for s in statuses),
-    )
-
-
-async def _replica_views(state: _AppState) -> list[ReplicaView]:
-    registry = state.deps.registry
-    specs = registry.replicas()
-    loads = await _call(state, state.deps.loads.get_many, [r.id for r in specs])
-    statuses: dict[str, list[StreamStatus]] = {}
-    for status in registry.statuses():
-        statuses.setdefault(status.stream.replica, []).append(status)
-    views = []
-    for spec in specs:
-        streams = [
-            await _call(state, _stream_view, state.index, s) for s in statuses.get(spec.id, [])
-        ]
-        views.append(
-            ReplicaView(
-                id=spec.id,
-                model=spec.model,
-                events=spec.events,
-                replay=spec.replay,
-                url=spec.url,
-                dp_size=spec.dp_size,
-                state=_worst([s.freshness.state for s in streams]),
-                streams=streams,
-                load=_load_view(loads.get(spec.id)),
-            )
-        )
-    return views
-
-
-def _stream_view(index: BlockIndex, status: StreamStatus) -> StreamView:
-    stats = index.stats(status.stream)
-    counters = dataclasses.asdict(status.counters)
-    return StreamView(
-        rank=status.stream.rank,
-        freshness=FreshnessView(status.freshness.value, status.lag_s, status.silent_s),
-        connected=status.connected,
-        last_seq=status.last_seq,
-        blocks={t.name.lower(): stats.blocks_by_tier.get(t, 0) for t in Tier},
-        counters=counters
-        | {"decode_errors": status.num_decode_errors, "store_errors": status.num_store_errors},
-    )
-
-
-def _worst(states: list[str]) -> str:
-    for state in ("stale", "replaying"):
-        if state in states:
-            return state
-    return "live" if states else "stale"
-
-
-def _load_view(load: Load | None) -> LoadView | None:
-    if load is None:
-        return None
-    return LoadView(
-        load.running, load.waiting, load.kv_usage, max(0.0, time.time() - load.ts), load.source
-    )

@@ -1,7 +1,9 @@
 """Routing policies: pure functions from (matches, load, freshness) to ranked scores.
 
-Nothing here does I/O. Every weight is a field of :class:`Weights` (defaults from the
-settings, overridable per request), and every score is explained term by term.
+Nothing here does I/O or keeps state: what a policy draws on (the random generator, the
+round-robin turn) is passed in. :func:`decide` is the one entry point (the policy named,
+then :func:`rank`); every weight is a field of :class:`Weights` (defaults from the settings,
+overridable per request), and every score is explained term by term.
 
 ``kv_aware`` (the default)::
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 import enum
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -262,3 +264,43 @@ def _softmax_pick(ordered: list[Scored], temperature: float, rng: random.Random)
     top = ordered[0].score
     weights = [math.exp((s.score - top) / temperature) for s in ordered]
     return rng.choices(ordered, weights=weights, k=1)[0]
+
+
+# --- dispatch -------------------------------------------------------------------------------
+
+
+def decide(
+    policy: Policy,
+    cands: Sequence[Candidate],
+    keys: Sequence[int],
+    w: Weights,
+    *,
+    session: str | None,
+    turns: Iterator[int],
+    rng: random.Random,
+) -> Decision:
+    """Every candidate scored by ``policy``, then ranked (:func:`rank`).
+
+    ``keys`` are the request's block keys; ``session`` its session key (required by
+    ``session_affinity``). ``round_robin`` takes one number from ``turns`` (if there are
+    candidates) and chooses the candidate at that turn; ``random`` draws its choice from
+    ``rng`` before :func:`rank` draws the tie-breaks. Raises :class:`ScoringError` naming
+    ``session`` when ``session_affinity`` has none.
+    """
+    if policy is Policy.KV_AWARE:
+        scored = kv_aware(cands, len(keys), w)
+    elif policy is Policy.LEAST_LOAD:
+        scored = least_load(cands, w)
+    elif policy is Policy.SESSION_AFFINITY:
+        if session is None:
+            raise ScoringError("session: required by the session_affinity policy")
+        scored = rendezvous(cands, session.encode(), "session_hash")
+    elif policy is Policy.PREFIX_HASH:
+        scored = rendezvous(cands, prefix_key(keys, w), "prefix_hash")
+    elif policy is Policy.ROUND_ROBIN:
+        chosen = cands[next(turns) % len(cands)].replica if cands else None
+        scored = constant(cands, chosen, "round_robin")
+    else:
+        chosen = rng.choice(cands).replica if cands else None
+        scored = constant(cands, chosen, "random")
+    return rank(scored, cands, w, rng)

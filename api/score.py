@@ -3,14 +3,16 @@
 The read path, step by step (the README's diagram numbers them the same way):
 
 1. resolve the model and its candidates (the registry's replicas serving it);
-2. tokens from ``token_ids``, or ``prompt`` / ``messages`` through the model's tokenizer,
+2. tokens from ``token_ids``, or ``prompt`` / ``messages`` through the model's tokenizer
+   (the caller's choice; the app's is :class:`kvindex.api.tokenize.choice.ModelTokenizers`),
    or ``block_keys`` as given;
 3. block keys with ``kvindex.indexer.keys`` (the indexer's own key function) at the model's
    block size (as its replicas publish it);
 4. longest cached prefix per (replica, rank) from the index — if the store is
    unreachable, the answer is made from load alone and says ``degraded``;
 5. load per replica (pushed or scraped), with its age;
-6. the policy ranks the candidates (``kvindex.api.policies``), every term reported.
+6. the policy ranks the candidates (:func:`kvindex.api.policies.decide`), every term
+   reported.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ import asyncio
 import itertools
 import random
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
 
-from kvindex.api.load import CountedLoad, Load, LoadStore, is_newer_or_same
+from kvindex.api.load.model import CountedLoad, Load, is_newer_or_same
+from kvindex.api.load.store import LoadStore
 from kvindex.api.policies import (
     Candidate,
     Decision,
@@ -33,16 +37,11 @@ from kvindex.api.policies import (
     Scored,
     ScoringError,
     Weights,
-    constant,
-    kv_aware,
-    least_load,
-    prefix_key,
-    rank,
-    rendezvous,
+    decide,
 )
 from kvindex.api.schemas import FreshnessView, LoadView, ScoreEntry, ScoreRequest, ScoreResponse
 from kvindex.api.settings import ApiSettings
-from kvindex.api.tokenize import Tokenizer
+from kvindex.api.tokenize.protocol import Tokenizer
 from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.events import StreamId, Tier
 from kvindex.indexer.fleet.registry import Freshness, RegistryView, StreamFreshness
@@ -100,7 +99,12 @@ def _all_streams(
 
 
 class Scorer:
-    """Answers score requests. Safe to share across concurrent requests of one event loop."""
+    """Answers score requests. Safe to share across concurrent requests of one event loop.
+
+    ``tokenizers`` gives a model's tokenizer, or None when it has none (a ``prompt`` or
+    ``messages`` request is then a 422); ``blocking_store``: the index and load store do
+    network I/O, so their reads run in a worker thread; ``clock`` dates load ages.
+    """
 
     def __init__(
         self,
@@ -121,7 +125,8 @@ class Scorer:
         self._blocking = blocking_store
         self._clock = clock
         self._rng = random.Random(settings.seed)
-        self._round_robin: dict[str, itertools.count[int]] = {}
+        self._turns: defaultdict[str, itertools.count[int]] = defaultdict(itertools.count)
+        """Per model, the next round-robin turn."""
         self._last_loads: dict[str, Load] = {}
         self._streams_memo: tuple[_StreamsBasis, _Streams] | None = None
         self._answers: list[str] = []
@@ -357,33 +362,20 @@ class Scorer:
         request: ScoreRequest,
         weights: Weights,
     ) -> Decision:
-        scored = self._scored(policy, cands, keys, request, weights)
-        return rank(scored, cands, weights, self._rng)
-
-    def _scored(
-        self,
-        policy: Policy,
-        cands: list[Candidate],
-        keys: list[int],
-        request: ScoreRequest,
-        weights: Weights,
-    ) -> list[Scored]:
-        if policy is Policy.KV_AWARE:
-            return kv_aware(cands, len(keys), weights)
-        if policy is Policy.LEAST_LOAD:
-            return least_load(cands, weights)
-        if policy is Policy.SESSION_AFFINITY:
-            if request.session is None:
-                raise RequestError("session: required by the session_affinity policy")
-            return rendezvous(cands, request.session.encode(), "session_hash")
-        if policy is Policy.PREFIX_HASH:
-            return rendezvous(cands, prefix_key(keys, weights), "prefix_hash")
-        if policy is Policy.ROUND_ROBIN:
-            counter = self._round_robin.setdefault(request.model, itertools.count())
-            chosen = cands[next(counter) % len(cands)].replica if cands else None
-            return constant(cands, chosen, "round_robin")
-        chosen = self._rng.choice(cands).replica if cands else None
-        return constant(cands, chosen, "random")
+        """The policy's decision (:func:`~kvindex.api.policies.decide`); RequestError (422)
+        when the request lacks what the policy needs."""
+        try:
+            return decide(
+                policy,
+                cands,
+                keys,
+                weights,
+                session=request.session,
+                turns=self._turns[request.model],
+                rng=self._rng,
+            )
+        except ScoringError as exc:
+            raise RequestError(str(exc)) from exc
 
 
 class _Facts(msgspec.Struct, frozen=True):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import uvicorn
 
 from kvindex.api.app import ApiDeps, create_app
-from kvindex.api.load import LoadStore, MemoryLoadStore, RedisLoadStore
+from kvindex.api.load.store import LoadStore, MemoryLoadStore, RedisLoadStore
 from kvindex.api.settings import ApiSettings
 from kvindex.indexer.fleet.view import RedisFleetView
 from kvindex.indexer.index.redis import RedisIndex, connect

@@ -88,7 +88,8 @@ from score_http import (
     stack_summary,
 )
 
-from kvindex.api.load import Load, LoadStore, MemoryLoadStore, RedisLoadStore
+from kvindex.api.load.model import Load
+from kvindex.api.load.store import LoadStore, MemoryLoadStore, RedisLoadStore
 from kvindex.api.metrics import ApiMetrics, TimedIndex
 from kvindex.api.schemas import LoadReport, ScoreRequest, ScoreResponse
 from kvindex.api.score import Scorer

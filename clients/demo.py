@@ -39,7 +39,7 @@ from rich.table import Table
 
 from kvindex.api.app import ApiDeps, create_app
 from kvindex.api.background import BackgroundServer, ServerStartError
-from kvindex.api.load import MemoryLoadStore
+from kvindex.api.load.store import MemoryLoadStore
 from kvindex.api.settings import ApiSettings
 from kvindex.clients.fake_vllm.replica import (
     VOCAB_SIZE,

@@ -29,7 +29,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvindex.api.load import Load, MemoryLoadStore
+from kvindex.api.load.model import Load
+from kvindex.api.load.store import MemoryLoadStore
 from kvindex.api.policies import (
     Candidate,
     LoadInput,

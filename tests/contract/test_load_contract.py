@@ -12,7 +12,8 @@ import fakeredis
 import pytest
 import redis
 
-from kvindex.api.load import CountedLoad, Load, LoadStore, MemoryLoadStore, RedisLoadStore
+from kvindex.api.load.model import CountedLoad, Load
+from kvindex.api.load.store import LoadStore, MemoryLoadStore, RedisLoadStore
 from kvindex.indexer.redis_schema import Schema, SchemaError
 
 BACKENDS = ("memory", "fakeredis", "redis")

@@ -22,7 +22,7 @@ from fastapi import FastAPI
 
 from kvindex.api.app import ApiDeps, create_app
 from kvindex.api.background import BackgroundServer
-from kvindex.api.load import LoadStore
+from kvindex.api.load.store import LoadStore
 from kvindex.api.schemas import ScoreEntry, ScoreResponse
 from kvindex.api.settings import ApiSettings
 from kvindex.indexer.events import BlockStored, EventBatch, ExtraKeys, StreamId, Tier

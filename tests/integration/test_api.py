@@ -20,7 +20,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvindex.api.app import ApiDeps, create_app
-from kvindex.api.load import LoadStore, MemoryLoadStore, RedisLoadStore
+from kvindex.api.load.store import LoadStore, MemoryLoadStore, RedisLoadStore
 from kvindex.api.policies import Weights
 from kvindex.api.settings import ApiSettings, ModelSpec
 from kvindex.indexer.events import StreamId, Tier

@@ -24,7 +24,7 @@ import pytest
 
 from kvindex.api.app import ApiDeps, create_app
 from kvindex.api.background import BackgroundServer
-from kvindex.api.load import MemoryLoadStore
+from kvindex.api.load.store import MemoryLoadStore
 from kvindex.api.schemas import ScoreResponse
 from kvindex.api.settings import ApiSettings
 from kvindex.clients.http import (

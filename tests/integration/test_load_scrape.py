@@ -18,15 +18,10 @@ from typing import Literal
 import httpx
 import pytest
 
-from kvindex.api.load import (
-    KV_USAGE,
-    RUNNING,
-    WAITING,
-    Load,
-    MemoryLoadStore,
-    MetricsScraper,
-    ScrapeStats,
-)
+from kvindex.api.load.model import Load
+from kvindex.api.load.scraper import MetricsScraper, ScrapeStats
+from kvindex.api.load.store import MemoryLoadStore
+from kvindex.api.load.vllm_metrics import KV_USAGE, RUNNING, WAITING
 from tests.support.redis_server import free_port
 
 Behaviour = Literal["good", "slow", "flaky"]

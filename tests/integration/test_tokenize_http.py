@@ -19,14 +19,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from kvindex.api.background import BackgroundServer
-from kvindex.api.tokenize import (
-    CachingTokenizer,
-    ReplicaTokenizer,
-    Tokenizer,
-    TokenizerError,
-    TokenizerSpec,
-    build_tokenizer,
-)
+from kvindex.api.tokenize.cache import CachingTokenizer
+from kvindex.api.tokenize.choice import TokenizerSpec, build_tokenizer
+from kvindex.api.tokenize.protocol import Tokenizer, TokenizerError
+from kvindex.api.tokenize.replica import ReplicaTokenizer
 
 T = TypeVar("T")
 MODEL = "demo-model"

@@ -1,22 +1,26 @@
-"""kvindex.api.policies: the pure policies, the kv_aware formula and the weights."""
+"""kvindex.api.policies: the pure policies, the kv_aware formula, the weights, the dispatch."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import pytest
 
 from kvindex.api.policies import (
     Candidate,
+    Decision,
     LoadInput,
+    Policy,
     Scored,
     ScoringError,
     Weights,
     cache_credit,
     constant,
+    decide,
     kv_aware,
     least_load,
     load_penalty,
@@ -326,3 +330,78 @@ def test_seeded_rank_is_reproducible() -> None:
 
     assert picks(11) == picks(11)
     assert len(set(picks(11))) > 1
+
+
+# --- dispatch -------------------------------------------------------------------------------
+
+
+def dispatch(
+    policy: Policy,
+    cands: Sequence[Candidate],
+    *,
+    keys: Sequence[int] = (1, 2),
+    session: str | None = None,
+    turns: Iterator[int] | None = None,
+    rng: random.Random | None = None,
+) -> Decision:
+    return decide(
+        policy,
+        cands,
+        keys,
+        W,
+        session=session,
+        turns=itertools.count() if turns is None else turns,
+        rng=random.Random(0) if rng is None else rng,
+    )
+
+
+@pytest.mark.parametrize(
+    ("policy", "terms"),
+    [
+        (Policy.KV_AWARE, {"cache", "freshness_factor", "load", "load_recency"}),
+        (Policy.LEAST_LOAD, {"load", "load_recency"}),
+        (Policy.SESSION_AFFINITY, {"session_hash"}),
+        (Policy.PREFIX_HASH, {"prefix_hash"}),
+        (Policy.ROUND_ROBIN, {"round_robin"}),
+        (Policy.RANDOM, {"random"}),
+    ],
+)
+def test_each_policy_scores_every_candidate_with_its_terms(policy: Policy, terms: set[str]) -> None:
+    cands = [cand("a", [GPU]), cand("b", load=load(waiting=1))]
+    decision = dispatch(policy, cands, session="s")
+    assert sorted(s.replica for s in decision.ranked) == ["a", "b"]
+    assert all(set(s.terms) == terms for s in decision.ranked)
+    assert decision.best == decision.ranked[0].replica
+
+
+def test_dispatch_is_the_policy_then_rank() -> None:
+    cands = [cand("a", [GPU]), cand("b", [GPU, GPU])]
+    assert dispatch(Policy.KV_AWARE, cands, keys=[1, 2]) == rank(
+        kv_aware(cands, 2, W), cands, W, random.Random(0)
+    )
+    key = prefix_key([1, 2], W)
+    assert dispatch(Policy.PREFIX_HASH, cands) == rank(
+        rendezvous(cands, key, "prefix_hash"), cands, W, random.Random(0)
+    )
+
+
+def test_round_robin_takes_one_turn_per_decision() -> None:
+    cands = [cand(name) for name in "abc"]
+    turns = itertools.count(1)
+    assert [dispatch(Policy.ROUND_ROBIN, cands, turns=turns).best for _ in range(4)] == list("bcab")
+    assert dispatch(Policy.ROUND_ROBIN, [], turns=turns).best is None
+    assert next(turns) == 5  # no candidates: no turn taken
+
+
+def test_random_draws_its_choice_before_the_tiebreaks() -> None:
+    cands = [cand(name) for name in "abcd"]
+    rng = random.Random(7)
+    chosen = random.Random(7).choice(cands).replica
+    assert dispatch(Policy.RANDOM, cands, rng=rng).best == chosen
+
+
+def test_session_affinity_needs_a_session() -> None:
+    with pytest.raises(ScoringError, match=r"^session: required by the session_affinity policy$"):
+        dispatch(Policy.SESSION_AFFINITY, [cand("a")])
+    cands = [cand(f"r{i}") for i in range(4)]
+    assert dispatch(Policy.SESSION_AFFINITY, cands, session="s1").best == owner(cands, b"s1")

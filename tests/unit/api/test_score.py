@@ -12,7 +12,8 @@ from collections.abc import Sequence
 import fakeredis
 import pytest
 
-from kvindex.api.load import CountedLoad, Load, LoadStore, MemoryLoadStore, RedisLoadStore
+from kvindex.api.load.model import CountedLoad, Load
+from kvindex.api.load.store import LoadStore, MemoryLoadStore, RedisLoadStore
 from kvindex.api.policies import Weights
 from kvindex.api.schemas import FreshnessView, LoadView, ScoreEntry, ScoreRequest, ScoreResponse
 from kvindex.api.score import Scorer

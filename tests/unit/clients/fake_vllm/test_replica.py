@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from fastapi import Response
 
-from kvindex.api.load import parse_vllm_metrics
+from kvindex.api.load.vllm_metrics import parse_vllm_metrics
 from kvindex.clients.fake_vllm.replica import (
     BlockCache,
     Engine,

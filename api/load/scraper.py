@@ -1,0 +1,204 @@
+"""The scraper that keeps each replica's load fresh from its vLLM ``/metrics``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import TypeAlias
+
+import httpx
+
+from kvindex.api.load.model import Load, LoadError
+from kvindex.api.load.store import LoadStore
+from kvindex.api.load.vllm_metrics import metrics_url, parse_vllm_metrics
+
+logger = logging.getLogger(__name__)
+
+
+ScrapeTarget: TypeAlias = tuple[str, str | None, str | None]
+"""``(replica id, base URL or None, model name or None)``; no URL: not scraped."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapeStats:
+    """Scrape counters of one replica (a snapshot)."""
+
+    num_scrapes: int = 0
+    """Scrapes attempted (successes and failures)."""
+    num_failures: int = 0
+    """Scrapes that failed: connection, timeout, HTTP status, parse or store error."""
+    last_error: str | None = None
+    """Why the latest scrape failed; None when it succeeded (or none ran yet)."""
+    last_success_ts: float | None = None
+    """``ts`` of the latest load scraped and stored."""
+    num_left_to_peers: int = 0
+    """Rounds another API process sharing the load store scraped it instead."""
+
+
+_CLAIM_SHARE = 0.8
+"""A scrape claim lasts this share of the interval: gone before the next round starts."""
+
+
+class MetricsScraper:
+    """Scrapes every replica's ``{base_url}/metrics`` each ``interval_s`` into a store.
+
+    Each round asks ``targets()`` for the current replicas (so replicas added or removed at
+    run time are picked up), claims them in the store (API processes sharing a Redis store
+    scrape each replica once a round between them) and scrapes its claims concurrently;
+    each request has its own ``timeout_s`` deadline (connect to last byte) and its load is
+    stored as soon as it is parsed, so a slow or dead replica never delays the others'
+    results. Rounds start every ``interval_s``, or when the last one ended if it took
+    longer: a round lasts at most ``timeout_s`` plus two store calls, so keep
+    ``timeout_s <= interval_s`` for a steady cadence. Nothing a replica sends can stop the
+    scraper: every failure is counted in :meth:`stats`. ``start`` and ``stop`` run on the
+    scraper's event loop; :meth:`stats` may be called from any thread.
+    """
+
+    def __init__(
+        self,
+        store: LoadStore,
+        client: httpx.AsyncClient,
+        targets: Callable[[], Iterable[ScrapeTarget]],
+        *,
+        interval_s: float = 1.0,
+        timeout_s: float = 0.5,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not (interval_s > 0 and timeout_s > 0):
+            raise ValueError(f"interval_s and timeout_s must be > 0, got {interval_s}, {timeout_s}")
+        self._store = store
+        self._targets = targets
+        self._client = client
+        self._interval_s = interval_s
+        self._timeout_s = timeout_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._replica_to_stats: dict[str, ScrapeStats] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Start scraping in a task on the running loop (first round right away); returns
+        at once. Raises RuntimeError when already running."""
+        if self._task is not None:
+            raise RuntimeError("the scraper is already running")
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="metrics-scraper")
+
+    async def stop(self) -> None:
+        """Cancel the task and wait until it and its requests are gone (idempotent)."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        task.cancel()
+        # wait(), not "await task": a cancellation of stop() itself must still propagate.
+        await asyncio.wait([task])
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("the metrics scraper had failed", exc_info=task.exception())
+
+    def stats(self) -> dict[str, ScrapeStats]:
+        """Counters per replica of the latest round's targets (a copy)."""
+        with self._lock:
+            return dict(self._replica_to_stats)
+
+    async def scrape_once(self) -> None:
+        """One round: every target this process claims (:meth:`LoadStore.claim_scrapes`),
+        concurrently; returns once each succeeded or failed."""
+        targets = await self._claimed(self._current_targets())
+        await asyncio.gather(*(self._scrape(r, url, model) for r, url, model in targets))
+
+    async def _claimed(
+        self, targets: list[tuple[str, str, str | None]]
+    ) -> list[tuple[str, str, str | None]]:
+        """The targets no other API process scrapes this round. Claims expire before the
+        next round (``_CLAIM_SHARE`` of the interval), so a process that stops scraping is
+        taken over within a round. Claims that cannot be made: scrape everything (each
+        store call then fails or succeeds on its own)."""
+        if not targets:
+            return targets
+        replicas = [r for r, _, _ in targets]
+        hold_s = self._interval_s * _CLAIM_SHARE
+        try:
+            mine = await asyncio.to_thread(self._store.claim_scrapes, replicas, hold_s)
+        except Exception:
+            logger.debug("claiming this round's scrapes failed; scraping every replica")
+            return targets
+        for replica in set(replicas) - mine:
+            self._record(replica, left_to_peers=True)
+        return [t for t in targets if t[0] in mine]
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            await self.scrape_once()
+            await asyncio.sleep(max(0.0, started + self._interval_s - loop.time()))
+
+    def _current_targets(self) -> list[tuple[str, str, str | None]]:
+        try:
+            listed = list(self._targets())
+        except Exception:
+            logger.exception("listing the replicas to scrape failed; skipping this round")
+            return []
+        # One request per replica id (the last entry wins), only for replicas with a URL.
+        replica_to_target = {r: (r, url, model) for r, url, model in listed if url}
+        with self._lock:
+            for gone in self._replica_to_stats.keys() - replica_to_target.keys():
+                del self._replica_to_stats[gone]
+        return list(replica_to_target.values())
+
+    async def _scrape(self, replica: str, base_url: str, model: str | None) -> None:
+        try:
+            load = await self._fetch(base_url, model)
+            # A thread: a Redis store must not block the loop (socket timeouts, retries).
+            await asyncio.to_thread(self._store.put, replica, load)
+        except Exception as exc:
+            self._record(replica, error=_describe(exc, self._timeout_s))
+        else:
+            self._record(replica, success_ts=load.ts)
+
+    async def _fetch(self, base_url: str, model: str | None) -> Load:
+        url = metrics_url(base_url)
+        # httpx's timeout is per phase; this bounds the whole request (slow trickles too).
+        async with asyncio.timeout(self._timeout_s):
+            response = await self._client.get(url, timeout=self._timeout_s)
+        if response.status_code != httpx.codes.OK:
+            raise LoadError(f"GET {url}: HTTP {response.status_code}")
+        return parse_vllm_metrics(response.text, now=self._clock(), model=model)
+
+    def _record(
+        self,
+        replica: str,
+        *,
+        success_ts: float | None = None,
+        error: str | None = None,
+        left_to_peers: bool = False,
+    ) -> None:
+        with self._lock:
+            old = self._replica_to_stats.get(replica, ScrapeStats())
+            if left_to_peers:
+                self._replica_to_stats[replica] = replace(
+                    old, num_left_to_peers=old.num_left_to_peers + 1
+                )
+                return
+            new = replace(old, num_scrapes=old.num_scrapes + 1, last_error=error)
+            if error is None:
+                new = replace(new, last_success_ts=success_ts)
+            else:
+                new = replace(new, num_failures=old.num_failures + 1)
+            self._replica_to_stats[replica] = new
+        if error is not None and old.last_error is None:
+            logger.warning("scraping the load of %s fails: %s", replica, error)
+        elif error is None and old.last_error is not None:
+            logger.info("scraping the load of %s works again", replica)
+
+
+def _describe(exc: Exception, timeout_s: float) -> str:
+    if isinstance(exc, TimeoutError | httpx.TimeoutException):
+        return f"timed out after {timeout_s:g} s"
+    text = str(exc)
+    if isinstance(exc, LoadError):
+        return text  # our own messages say what failed
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

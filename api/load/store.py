@@ -1,0 +1,241 @@
+"""Where load is kept: the :class:`LoadStore` Protocol, in-process and in Redis.
+
+Both stores keep the newest load per replica (:func:`~kvindex.api.load.model.is_newer_or_same`)
+and count the answers that chose it since; ``tests/contract/test_load_contract.py`` runs
+one suite against both.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Protocol, cast
+
+import msgspec
+import redis
+
+from kvindex.api.load.model import CountedLoad, Load, LoadError, is_newer_or_same
+from kvindex.indexer.index.redis import unavailable_on_connection_errors
+from kvindex.indexer.redis_schema import Schema, answers_field, check_name
+
+logger = logging.getLogger(__name__)
+
+
+class LoadStore(Protocol):
+    """The latest load of each replica, and the answers that chose it since.
+
+    Implementations are safe to call from any thread.
+    """
+
+    def put(self, replica: str, load: Load) -> None:
+        """Keep ``load`` unless the stored one is newer (:func:`is_newer_or_same`), atomically.
+
+        Raises ``SchemaError`` for a replica id unusable in a Redis key.
+        """
+        ...
+
+    def get_many(self, replicas: Sequence[str]) -> dict[str, Load]:
+        """The stored load of each replica; replicas without one are absent."""
+        ...
+
+    def get_counted(
+        self, replicas: Sequence[str], answers: Sequence[str] = ()
+    ) -> dict[str, CountedLoad]:
+        """Count ``answers`` (the replica each chose) first, then read each replica's load
+        with the answers counted for it since that load was stored (replicas without a
+        load are absent). A put that stores a newer load starts its replica's count again;
+        one that stores an equal ``ts`` (the same measurement) does not.
+
+        An answer made on a load that a newer one replaced meanwhile counts toward the newer
+        one: at most the answers in flight are over-counted, never lost.
+        """
+        ...
+
+    def claim_scrapes(self, replicas: Sequence[str], hold_s: float) -> set[str]:
+        """The replicas this process is to scrape now: each one no other caller claimed in
+        the last ``hold_s`` seconds (every one, for a store serving one process). API
+        processes sharing a store thus scrape each replica once a round, not once each."""
+        ...
+
+    def remove(self, replica: str) -> None:
+        """Forget the replica's load and answers (a no-op for an unknown replica)."""
+        ...
+
+    def close(self) -> None:
+        """Release connections. The store must not be used afterwards."""
+        ...
+
+
+class MemoryLoadStore:
+    """In-process :class:`LoadStore` (one API process). Thread-safe (one lock)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._replica_to_load: dict[str, Load] = {}
+        self._answers: dict[str, int] = {}
+        """Per replica: answers that chose it since its load was stored."""
+
+    def put(self, replica: str, load: Load) -> None:
+        check_name("replica id", replica)
+        with self._lock:
+            old = self._replica_to_load.get(replica)
+            if is_newer_or_same(load, old):
+                self._replica_to_load[replica] = load
+                if old is None or load.ts > old.ts:
+                    self._answers.pop(replica, None)
+
+    def get_many(self, replicas: Sequence[str]) -> dict[str, Load]:
+        with self._lock:
+            return {r: self._replica_to_load[r] for r in replicas if r in self._replica_to_load}
+
+    def get_counted(
+        self, replicas: Sequence[str], answers: Sequence[str] = ()
+    ) -> dict[str, CountedLoad]:
+        with self._lock:
+            counts = self._answers
+            for replica in answers:
+                counts[replica] = counts.get(replica, 0) + 1
+            loads = self._replica_to_load
+            return {r: CountedLoad(loads[r], counts.get(r, 0)) for r in replicas if r in loads}
+
+    def claim_scrapes(self, replicas: Sequence[str], hold_s: float) -> set[str]:
+        return set(replicas)
+
+    def remove(self, replica: str) -> None:
+        with self._lock:
+            self._replica_to_load.pop(replica, None)
+            self._answers.pop(replica, None)
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+# KEYS[1] the load HASH; ARGV: replica, ts of the new load, the new load (JSON).
+# Returns 1 when stored, 0 when the stored load is newer. An undecodable stored value
+# counts as older: it is overwritten rather than blocking the replica forever.
+_PUT_IF_NEWER_LUA = """
+local old = redis.call('HGET', KEYS[1], ARGV[1])
+local newer = true
+if old then
+  local ok, decoded = pcall(cjson.decode, old)
+  if ok and type(decoded) == 'table' then
+    local old_ts = tonumber(decoded['ts'])
+    if old_ts and old_ts > tonumber(ARGV[2]) then
+      return 0
+    end
+    newer = not (old_ts and old_ts == tonumber(ARGV[2]))
+  end
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+if newer then
+  redis.call('HDEL', KEYS[1], ARGV[4])  -- a new measurement: its answers start from 0
+end
+return 1
+"""
+
+_ENCODER = msgspec.json.Encoder()
+_DECODER = msgspec.json.Decoder(Load)
+
+
+class RedisLoadStore:
+    """Shared :class:`LoadStore`: one HASH (``Schema.load``) replica id → load as JSON.
+
+    A put is one Lua script (compare ``ts``, then set: atomic across API processes); a
+    ``get_many`` is one HMGET; a ``get_counted`` is one round trip (an HINCRBY per answer,
+    then an HMGET). A replica's answers are its field ``<replica>/answers`` of the same
+    HASH (no replica id contains ``/``), so every call touches one key; the put script
+    deletes that field when it stores a newer load. Every method raises
+    :class:`IndexUnavailableError` when Redis cannot be reached. A stored value that
+    cannot be decoded reads as absent (logged). Scrape claims are short-lived keys
+    (``Schema.scrape_claim``, SET NX PX).
+    """
+
+    def __init__(self, client: redis.Redis, schema: Schema | None = None) -> None:
+        self._client = client
+        self._schema = schema or Schema()
+        self._key = self._schema.load
+        self._put = client.register_script(_PUT_IF_NEWER_LUA)
+
+    @property
+    def client(self) -> redis.Redis:
+        """The connection (shared with the index of the same deployment)."""
+        return self._client
+
+    def put(self, replica: str, load: Load) -> None:
+        check_name("replica id", replica)
+        with unavailable_on_connection_errors():
+            args: list[str | bytes] = [
+                replica,
+                repr(load.ts),
+                _ENCODER.encode(load),
+                answers_field(replica),
+            ]
+            self._put(keys=[self._key], args=args)
+
+    def get_many(self, replicas: Sequence[str]) -> dict[str, Load]:
+        wanted = list(dict.fromkeys(replicas))
+        if not wanted:
+            return {}
+        with unavailable_on_connection_errors():
+            values = self._client.hmget(self._key, wanted)
+        loads = {r: _decode(r, v) for r, v in zip(wanted, values, strict=True) if v is not None}
+        return {r: load for r, load in loads.items() if load is not None}
+
+    def get_counted(
+        self, replicas: Sequence[str], answers: Sequence[str] = ()
+    ) -> dict[str, CountedLoad]:
+        wanted = list(dict.fromkeys(replicas))
+        fields = [f for r in wanted for f in (r, answers_field(r))]
+        with unavailable_on_connection_errors(), self._client.pipeline(False) as pipe:
+            for replica in answers:
+                pipe.hincrby(self._key, answers_field(replica), 1)
+            if fields:
+                pipe.hmget(self._key, fields)
+            # An unreadable count (not an integer) fails its HINCRBY alone; it reads as 0
+            # until the replica's next load replaces it.
+            replies = pipe.execute(raise_on_error=False) if answers or fields else []
+        if fields and isinstance(replies[-1], redis.RedisError):
+            raise replies[-1]
+        values = cast("list[bytes | None]", replies[-1]) if fields else []
+        out: dict[str, CountedLoad] = {}
+        for i, replica in enumerate(wanted):
+            value, count = values[2 * i], values[2 * i + 1]
+            load = None if value is None else _decode(replica, value)
+            if load is not None:
+                out[replica] = CountedLoad(load, _parse_count(count))
+        return out
+
+    def claim_scrapes(self, replicas: Sequence[str], hold_s: float) -> set[str]:
+        wanted = list(dict.fromkeys(replicas))
+        if not wanted:
+            return set()
+        hold_ms = max(1, round(hold_s * 1000))
+        with unavailable_on_connection_errors(), self._client.pipeline(False) as pipe:
+            for replica in wanted:
+                pipe.set(self._schema.scrape_claim(replica), b"1", nx=True, px=hold_ms)
+            won = pipe.execute()
+        return {replica for replica, ok in zip(wanted, won, strict=True) if ok}
+
+    def remove(self, replica: str) -> None:
+        with unavailable_on_connection_errors():
+            self._client.hdel(self._key, replica, answers_field(replica))
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def _parse_count(raw: bytes | None) -> int:
+    """A stored answer count; 0 when absent or unreadable."""
+    try:
+        return max(int(raw), 0) if raw is not None else 0
+    except ValueError:
+        return 0
+
+
+def _decode(replica: str, raw: bytes | str) -> Load | None:
+    try:
+        return _DECODER.decode(raw)
+    except (msgspec.DecodeError, LoadError) as exc:
+        logger.warning("ignoring the undecodable stored load of %s: %s", replica, exc)
+        return None

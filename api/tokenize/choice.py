@@ -1,0 +1,144 @@
+"""Which tokenizer a model gets: the rule (:class:`ModelTokenizers`), the spec it picks
+(:class:`TokenizerSpec`) and the tokenizer a spec describes (:func:`build_tokenizer`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import httpx
+
+from kvindex.api.settings import ApiSettings
+from kvindex.api.tokenize.cache import CachingTokenizer
+from kvindex.api.tokenize.local import LocalTokenizer
+from kvindex.api.tokenize.protocol import Tokenizer, TokenizerError
+from kvindex.api.tokenize.replica import ReplicaTokenizer
+from kvindex.indexer.fleet.registry import RegistryView
+
+TokenizerKind = Literal["local", "replica"]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerSpec:
+    """How to tokenize one model's requests. Validated on construction (errors name the field)."""
+
+    kind: TokenizerKind
+    """``local`` (a tokenizer.json in-process) or ``replica`` (the replica's ``/tokenize``)."""
+    path: str | None = None
+    """local: path of the ``tokenizer.json``."""
+    chat_template_path: str | None = None
+    """local: a Jinja2 chat template or a ``tokenizer_config.json`` (default: beside ``path``)."""
+    base_url: str | None = None
+    """replica: the vLLM server root, ``http://host:port``."""
+    model: str | None = None
+    """replica: the model name as served (the request's ``model``)."""
+    timeout_s: float = 5.0
+    """replica: timeout of one ``/tokenize`` request, in seconds."""
+    cache_entries: int = 4096
+    """Tokenizations kept in the LRU cache; 0 disables caching."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in get_args(TokenizerKind):
+            raise TokenizerError(
+                f"kind must be one of {get_args(TokenizerKind)}, got {self.kind!r}"
+            )
+        if self.cache_entries < 0:
+            raise TokenizerError(f"cache_entries must be >= 0, got {self.cache_entries!r}")
+        if self.kind == "local":
+            self._check_local()
+        else:
+            self._check_replica()
+
+    def _check_local(self) -> None:
+        if not self.path:
+            raise TokenizerError("path is required when kind is 'local'")
+        _forbid(self, ("base_url", "model"), "local")
+
+    def _check_replica(self) -> None:
+        if not self.base_url or not self.base_url.startswith(("http://", "https://")):
+            raise TokenizerError(f"base_url must be an http(s):// URL, got {self.base_url!r}")
+        if not self.model:
+            raise TokenizerError("model is required when kind is 'replica'")
+        if not self.timeout_s > 0:
+            raise TokenizerError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+        _forbid(self, ("path", "chat_template_path"), "replica")
+
+
+def _forbid(spec: TokenizerSpec, names: tuple[str, ...], kind: str) -> None:
+    """A field set for the other kind is a configuration mistake worth reporting."""
+    for name in names:
+        if getattr(spec, name) is not None:
+            raise TokenizerError(f"{name} is not used when kind is {kind!r}; remove it")
+
+
+def build_tokenizer(spec: TokenizerSpec, client: httpx.AsyncClient) -> Tokenizer:
+    """The Tokenizer a spec describes, cached unless ``cache_entries`` is 0.
+
+    ``client`` is used only by ``replica`` tokenizers; the caller keeps owning it. Loading a
+    local tokenizer reads its files now and raises :class:`TokenizerError` if they are bad.
+    """
+    inner: Tokenizer
+    if spec.kind == "local":
+        assert spec.path is not None  # checked by TokenizerSpec
+        inner = LocalTokenizer.from_files(spec.path, spec.chat_template_path)
+    else:
+        assert spec.base_url is not None and spec.model is not None  # checked by TokenizerSpec
+        inner = ReplicaTokenizer(client, spec.base_url, spec.model, timeout_s=spec.timeout_s)
+    if spec.cache_entries == 0:
+        return inner
+    return CachingTokenizer(inner, spec.cache_entries)
+
+
+class ModelTokenizers:
+    """The tokenizer of each model, chosen by one rule and built on first use.
+
+    The rule: the model's ``[[models]] tokenizer`` path, read in-process; else (``"replica"``
+    or nothing configured) the ``/tokenize`` of the first registered replica of the model
+    that has a URL, with ``api.scrape_timeout_s`` per call; else None (the request must send
+    token ids or block keys). Both are cached (``api.tokenizer_cache_entries``).
+
+    A model's answer, None included, is kept until :meth:`forget` (call it when a replica of
+    the model is registered or removed: the replica asked may change). A build that raises
+    :class:`TokenizerError` (an unreadable file) is not kept: the next request tries again.
+    The caller owns ``client``. Use from one event loop (no lock).
+    """
+
+    def __init__(
+        self, settings: ApiSettings, registry: RegistryView, client: httpx.AsyncClient
+    ) -> None:
+        self._settings = settings
+        self._registry = registry
+        self._client = client
+        self._model_to_tokenizer: dict[str, Tokenizer | None] = {}
+
+    def tokenizer(self, model: str) -> Tokenizer | None:
+        """The model's tokenizer by the rule, or None when it has none."""
+        if model not in self._model_to_tokenizer:
+            self._model_to_tokenizer[model] = self._build(model)
+        return self._model_to_tokenizer[model]
+
+    def forget(self, model: str) -> None:
+        """Choose the model's tokenizer again at its next request (a no-op if never chosen)."""
+        self._model_to_tokenizer.pop(model, None)
+
+    def spec(self, model: str) -> TokenizerSpec | None:
+        """The spec the rule picks for ``model`` now, or None (nothing to tokenize with)."""
+        settings = self._settings
+        configured = settings.model(model)
+        entries = settings.tokenizer_cache_entries
+        if configured is not None and configured.tokenizer not in (None, "replica"):
+            return TokenizerSpec(kind="local", path=configured.tokenizer, cache_entries=entries)
+        urls = [r.url for r in self._registry.replicas() if r.model == model and r.url]
+        if not urls:
+            return None
+        return TokenizerSpec(
+            kind="replica",
+            base_url=urls[0],
+            model=model,
+            timeout_s=settings.scrape_timeout_s,
+            cache_entries=entries,
+        )
+
+    def _build(self, model: str) -> Tokenizer | None:
+        spec = self.spec(model)
+        return None if spec is None else build_tokenizer(spec, self._client)

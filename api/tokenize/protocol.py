@@ -1,0 +1,28 @@
+"""What every tokenizer promises, and the one error it may raise."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from kvindex.indexer.errors import KvIndexError
+
+
+class TokenizerError(KvIndexError):
+    """Text or messages could not be tokenized; the message says which model source and why."""
+
+
+class Tokenizer(Protocol):
+    """Turns a prompt or a chat conversation into the token ids one model's engine sees.
+
+    Implementations return a fresh list the caller may keep or mutate, and raise only
+    :class:`TokenizerError`.
+    """
+
+    async def encode_prompt(self, prompt: str) -> list[int]:
+        """Token ids of a completions prompt, special tokens (e.g. BOS) added."""
+        ...
+
+    async def encode_messages(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of the whole conversation rendered with the chat template, with the
+        generation prompt added and no special tokens beyond the template's own."""
+        ...

@@ -1,0 +1,111 @@
+"""The bodies of the read-only routes, built from fleet and store state.
+
+Each function answers one route (``GET /replicas``, ``/stats``, ``/config``) with the
+msgspec view types of :mod:`kvindex.api.schemas`; the routes only run them (off the event
+loop when the stores do network I/O) and encode the result. Nothing here keeps state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from kvindex.api.load.model import Load
+from kvindex.api.load.store import LoadStore
+from kvindex.api.schemas import (
+    ConfigView,
+    FreshnessView,
+    LoadView,
+    ModelView,
+    ReplicaView,
+    StatsView,
+    StreamView,
+)
+from kvindex.api.score import Scorer
+from kvindex.api.settings import ApiSettings
+from kvindex.indexer.events import Tier
+from kvindex.indexer.fleet.registry import RegistryView, StreamStatus
+from kvindex.indexer.index.protocol import BlockIndex
+
+
+def replica_views(registry: RegistryView, index: BlockIndex, loads: LoadStore) -> list[ReplicaView]:
+    """``GET /replicas``: every replica with its streams (in the registry's order) and its
+    load; a replica's state is its worst stream's, ``stale`` when none was heard of. Does
+    store calls: run it off the loop when the stores block."""
+    specs = registry.replicas()
+    replica_to_load = loads.get_many([r.id for r in specs])
+    statuses: dict[str, list[StreamStatus]] = {}
+    for status in registry.statuses():
+        statuses.setdefault(status.stream.replica, []).append(status)
+    views = []
+    for spec in specs:
+        streams = [stream_view(index, s) for s in statuses.get(spec.id, [])]
+        views.append(
+            ReplicaView(
+                id=spec.id,
+                model=spec.model,
+                events=spec.events,
+                replay=spec.replay,
+                url=spec.url,
+                dp_size=spec.dp_size,
+                state=_worst([s.freshness.state for s in streams]),
+                streams=streams,
+                load=_load_view(replica_to_load.get(spec.id)),
+            )
+        )
+    return views
+
+
+def stream_view(index: BlockIndex, status: StreamStatus) -> StreamView:
+    """One stream: its freshness, counters and blocks by tier (one index call)."""
+    stats = index.stats(status.stream)
+    counters = dataclasses.asdict(status.counters)
+    return StreamView(
+        rank=status.stream.rank,
+        freshness=FreshnessView(status.freshness.value, status.lag_s, status.silent_s),
+        connected=status.connected,
+        last_seq=status.last_seq,
+        blocks={t.name.lower(): stats.blocks_by_tier.get(t, 0) for t in Tier},
+        counters=counters
+        | {"decode_errors": status.num_decode_errors, "store_errors": status.num_store_errors},
+    )
+
+
+def stats_view(registry: RegistryView, index: BlockIndex) -> StatsView:
+    """``GET /stats``: totals over every replica and stream. Does store calls (as above)."""
+    by_tier = dict.fromkeys((t.name.lower() for t in Tier), 0)
+    for status in registry.statuses():
+        for tier, count in index.stats(status.stream).blocks_by_tier.items():
+            by_tier[tier.name.lower()] += count
+    statuses = registry.statuses()
+    return StatsView(
+        replicas=len(registry.replicas()),
+        streams=len(statuses),
+        blocks=by_tier,
+        batches=sum(s.counters.num_batches for s in statuses),
+        gaps=sum(s.counters.num_gaps for s in statuses),
+        replays=sum(s.counters.num_replays for s in statuses),
+        restarts=sum(s.counters.num_restarts for s in statuses),
+        decode_errors=sum(s.num_decode_errors for s in statuses),
+    )
+
+
+def config_view(settings: ApiSettings, scorer: Scorer) -> ConfigView:
+    """``GET /config``: the default policy and weights, every known model's block size."""
+    models = {m: ModelView(scorer.block_size(m)) for m in scorer.known_models()}
+    return ConfigView(settings.default_policy, settings.weights.as_dict(), models)
+
+
+def _worst(states: list[str]) -> str:
+    for state in ("stale", "replaying"):
+        if state in states:
+            return state
+    return "live" if states else "stale"
+
+
+def _load_view(load: Load | None) -> LoadView | None:
+    if load is None:
+        return None
+    return LoadView(
+        load.running, load.waiting, load.kv_usage, max(0.0, time.time() - load.ts), load.source
+    )

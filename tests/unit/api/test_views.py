@@ -1,0 +1,72 @@
+"""kvindex.api.views: the read-only bodies from an in-process registry, index and load store.
+
+The served JSON is pinned by tests/integration/test_api.py; these tests pin what each view
+gathers: a replica's worst stream state, blocks by tier, its load, the fleet totals.
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvindex.api.load.model import Load
+from kvindex.api.load.store import MemoryLoadStore
+from kvindex.api.policies import Weights
+from kvindex.api.schemas import ModelView
+from kvindex.api.score import Scorer
+from kvindex.api.settings import ApiSettings, ModelSpec
+from kvindex.api.views import config_view, replica_views, stats_view
+from kvindex.indexer.events import StreamId, Tier
+from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.index.memory import MemoryIndex
+from kvindex.indexer.index.protocol import Op, OpKind
+from kvindex.indexer.settings import ReplicaSpec
+
+
+def fleet() -> tuple[Registry, MemoryIndex, MemoryLoadStore]:
+    """``a`` (two ranks: rank 0 heard, holding 2 GPU blocks and 1 CPU block) and ``b``
+    (never heard of); ``a`` has a pushed load."""
+    registry = Registry((ReplicaSpec("a", "m", dp_size=2), ReplicaSpec("b", "m")))
+    index = MemoryIndex()
+    stream = StreamId("a", 0)
+    ops: list[Op] = [
+        (OpKind.STORE, Tier.GPU, 1, 11),
+        (OpKind.STORE, Tier.GPU, 2, 12),
+        (OpKind.STORE, Tier.CPU, 3, 13),
+    ]
+    index.apply(stream, 0, time.time(), ops)
+    registry.heard(stream, seq=0, engine_ts=time.time())
+    loads = MemoryLoadStore()
+    loads.put("a", Load(2.0, 1.0, 0.5, time.time(), "push"))
+    return registry, index, loads
+
+
+def test_replica_views_gather_streams_blocks_and_load() -> None:
+    a, b = replica_views(*fleet())
+    assert (a.id, a.state, a.dp_size) == ("a", "live", 2)
+    (stream,) = a.streams
+    assert (stream.rank, stream.last_seq, stream.freshness.state) == (0, 0, "live")
+    assert stream.blocks == {"gpu": 2, "cpu": 1, "other": 0}
+    assert stream.counters["decode_errors"] == stream.counters["store_errors"] == 0
+    assert a.load is not None
+    assert (a.load.running, a.load.waiting, a.load.source) == (2.0, 1.0, "push")
+    assert 0.0 <= a.load.age_s < 60.0
+    assert (b.id, b.state, b.streams, b.load) == ("b", "stale", [], None)  # never heard of
+
+
+def test_stats_view_totals_the_fleet() -> None:
+    registry, index, _ = fleet()
+    stats = stats_view(registry, index)
+    assert (stats.replicas, stats.streams) == (2, 1)
+    assert stats.blocks == {"gpu": 2, "cpu": 1, "other": 0}
+
+
+def test_config_view_lists_every_known_model_with_its_block_size() -> None:
+    registry, index, loads = fleet()
+    settings = ApiSettings(default_policy="least_load", models=(ModelSpec("n", block_size=32),))
+    scorer = Scorer(
+        settings, index, registry, loads, tokenizers=lambda _: None, blocking_store=False
+    )
+    config = config_view(settings, scorer)
+    assert config.default_policy == "least_load"
+    assert config.weights == Weights().as_dict()
+    assert config.models == {"m": ModelView(16), "n": ModelView(32)}

@@ -1,0 +1,91 @@
+"""kvindex.api.tokenize.chat_template: the HF environment, the sandbox, the template files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvindex.api.tokenize.chat_template import ChatTemplate, load_chat_template
+from kvindex.api.tokenize.protocol import TokenizerError
+
+
+def test_environment_matches_transformers() -> None:
+    """trim_blocks/lstrip_blocks, HF's tojson (no HTML escaping), loop controls, generation."""
+    source = (
+        "{% for m in messages %}\n"
+        "  {% generation %}{{ m['role'] }}={{ m['content'] | tojson }}{% endgeneration %}\n"
+        "  {% if loop.index == 2 %}{% break %}{% endif %}\n"
+        "{% endfor %}\n"
+        "{{ strftime_now('%Y') | length }}"
+    )
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": "héllo <b>"},
+        {"role": "a", "content": 1},
+        {},
+    ]
+    assert ChatTemplate(source).render(messages) == 'user="héllo <b>"a=14'
+
+
+def test_template_syntax_error_fails_at_load() -> None:
+    with pytest.raises(TokenizerError, match="syntax error"):
+        ChatTemplate("{% for m in messages %}")
+
+
+def test_sandbox_blocks_unsafe_access() -> None:
+    for source in ["{{ messages.__class__.__mro__ }}", "{{ messages.append(1) }}"]:
+        with pytest.raises(TokenizerError, match=r"rejected.*unsafe"):
+            ChatTemplate(source).render([])
+
+
+def test_named_templates_use_default(tmp_path: Path) -> None:
+    templates = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": templates}))
+    template = load_chat_template(tmp_path / "tokenizer.json")
+    assert template is not None
+    assert template.render([]) == "D"
+
+
+def test_sibling_jinja_file_wins_over_config(tmp_path: Path) -> None:
+    config = {"chat_template": "config", "bos_token": "<s>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "chat_template.jinja").write_text("jinja {{ bos_token }}")
+    template = load_chat_template(tmp_path / "tokenizer.json")
+    assert template is not None
+    assert template.render([]) == "jinja <s>"
+
+
+def test_explicit_chat_template_path(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    (tmp_path / "mine.jinja").write_text("mine {{ eos_token }}")
+    (tmp_path / "other.json").write_text(json.dumps({"chat_template": "other {{ eos_token }}"}))
+    mine = load_chat_template(tmp_path / "tokenizer.json", tmp_path / "mine.jinja")
+    other = load_chat_template(tmp_path / "tokenizer.json", tmp_path / "other.json")
+    assert mine is not None and other is not None
+    assert mine.render([]) == "mine </s>"
+    assert other.render([]) == "other "  # special tokens come from the given config
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "match"),
+    [
+        ("tokenizer_config.json", "{ broken", "invalid JSON"),
+        ("tokenizer_config.json", "[1, 2]", "expected a JSON object"),
+        ("tokenizer_config.json", '{"chat_template": 3}', "must be a string or a list"),
+        ("chat_template.jinja", "{% if %}", "syntax error"),
+    ],
+)
+def test_bad_template_files(tmp_path: Path, name: str, content: str, match: str) -> None:
+    (tmp_path / name).write_text(content)
+    with pytest.raises(TokenizerError, match=match):
+        load_chat_template(tmp_path / "tokenizer.json")
+
+
+def test_explicit_template_path_must_exist_and_have_a_template(tmp_path: Path) -> None:
+    with pytest.raises(TokenizerError, match="no such file"):
+        load_chat_template(tmp_path / "tokenizer.json", tmp_path / "missing.jinja")
+    (tmp_path / "empty.json").write_text("{}")
+    with pytest.raises(TokenizerError, match="has no chat_template"):
+        load_chat_template(tmp_path / "tokenizer.json", tmp_path / "empty.json")
