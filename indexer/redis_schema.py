@@ -8,7 +8,7 @@ Layout (``<p>`` = configurable prefix, ``<v>`` = :data:`SCHEMA_VERSION`)::
                                           other·2³² (HINCRBY)
     <p>:<v>:{<replica>/<rank>}:hash  HASH  engine hash (8 bytes) → block key (8 bytes)
     <p>:<v>:{<replica>/<rank>}:meta  HASH  wm (watermark), ts, n0/n1/n2 (blocks per tier)
-    <p>:<v>:load                    HASH  replica id → its latest load (msgspec JSON, ``api.load``);
+    <p>:<v>:load                    HASH  replica id → its latest load (msgspec JSON, ``Load``);
                                           "<replica id>/answers" → "<load ts>|<n>": n /score
                                           answers (of every API process) chose it since
     <p>:<v>:scrape:<replica id>     STRING set (NX, expiring within a scrape interval) by the
@@ -91,7 +91,7 @@ class Schema:
 
     @property
     def load(self) -> str:
-        """The HASH replica id → latest :class:`kvindex.api.load.Load` (one key: Cluster-safe)."""
+        """The HASH replica id → latest ``api.load.model.Load`` (one key: Cluster-safe)."""
         return f"{self.root}:load"
 
     def scrape_claim(self, replica: str) -> str:
