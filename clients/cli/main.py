@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.console import Console
 from rich.table import Table
 
 from kvindex.api.server import serve as run_server
 from kvindex.api.server import serve_api
 from kvindex.api.settings import load_api_settings
 from kvindex.clients.cli.check_hash import check_hash_command
+from kvindex.clients.cli.console import make_console
 from kvindex.clients.cli.views import register_views
 from kvindex.clients.demo import DemoSettings, demo_main
 from kvindex.clients.fake_vllm.replica import ReplicaSim, ReplicaSimError, ReplicaSimSettings
@@ -30,7 +30,6 @@ from kvindex.indexer.events import Tier
 from kvindex.indexer.service import IndexerService
 from kvindex.indexer.settings import IndexerSettings, ReplicaSpec, load_settings, read_toml
 
-_console = Console()
 _DEMO = DemoSettings()
 
 
@@ -135,7 +134,7 @@ def serve(
         )
     except KvIndexError as exc:
         raise click.ClickException(str(exc)) from exc
-    _console.print(f"kvindex serve ({settings.store} store) on http://{api.host}:{api.port}")
+    make_console().print(f"kvindex serve ({settings.store} store) on http://{api.host}:{api.port}")
     run_server(settings, api)
 
 
@@ -162,7 +161,7 @@ def api(redis_url: str, host: str | None, port: int | None, config: Path | None)
     except KvIndexError as exc:
         raise click.ClickException(str(exc)) from exc
     where = f"http://{api_settings.host}:{api_settings.port}"
-    _console.print(f"kvindex api (redis fleet, index and load) on {where}")
+    make_console().print(f"kvindex api (redis fleet, index and load) on {where}")
     serve_api(redis_url, settings, api_settings)
 
 
@@ -197,7 +196,7 @@ def replica_sim(replica_id: str, bind_events: bool, lora_names: tuple[str, ...],
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    _console.print(
+    make_console().print(
         f"replica-sim {settings.id} on {sim.base_url}, events {sim.events_endpoint} "
         f"(topic {settings.topic}), replay {sim.replay_endpoint}"
     )
@@ -218,7 +217,7 @@ def demo(replicas: int, requests: int, seed: int, speed: float, json_path: Path 
     """Replay a seeded workload on simulated replicas: round-robin vs kv_aware."""
     try:
         settings = DemoSettings(replicas=replicas, requests=requests, seed=seed, speed=speed)
-        demo_main(settings, json_path, _console)
+        demo_main(settings, json_path, make_console())
     except KvIndexError as exc:
         raise click.ClickException(str(exc)) from exc
 
@@ -351,7 +350,7 @@ def simulate(
             settings,
             reqs,
             source=source,
-            console=_console,
+            console=make_console(),
             json_path=json_path,
             plot_path=plot_path,
         )
@@ -366,10 +365,10 @@ def _run_indexer(settings: IndexerSettings, stats_every: float) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     where = service.subscriber.bound_endpoint or "configured replicas"
-    _console.print(f"kvindex indexer ({settings.store} store) listening on {where}")
+    make_console().print(f"kvindex indexer ({settings.store} store) listening on {where}")
     try:
         while not stop.wait(stats_every if stats_every > 0 else 3600):
-            _console.print(_stats_table(service))
+            make_console().print(_stats_table(service))
     finally:
         service.stop()
 
