@@ -32,6 +32,7 @@ from rich import box
 from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.measure import Measurement
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.segment import Segment
 from rich.table import Column, Table
 
 __all__ = [
@@ -136,11 +137,30 @@ def _narrow(widths: list[int], floors: list[int], target: int) -> list[int]:
 
 
 class _FittedTable(Table):
-    """A rich table laid out by :func:`fit_columns` for the width of each render."""
+    """A rich table laid out by :func:`fit_columns` for the width of each render, its
+    lines without the spaces that pad the last cell to its column's width."""
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         fit_columns(console, self, options.max_width)
-        yield from super().__rich_console__(console, options)
+        rendered = super().__rich_console__(console, options)
+        segments = (
+            piece
+            for item in rendered
+            for piece in ([item] if isinstance(item, Segment) else console.render(item, options))
+        )
+        for line in Segment.split_lines(segments):
+            yield from _unpadded(line)
+            yield Segment.line()
+
+
+def _unpadded(line: list[Segment]) -> list[Segment]:
+    """``line`` without its trailing spaces."""
+    while line and not line[-1].control and not line[-1].text.rstrip():
+        line = line[:-1]
+    if line and not line[-1].control:
+        text, style, _ = line[-1]
+        line = [*line[:-1], Segment(text.rstrip(), style)]
+    return line
 
 
 class ProgressBars:

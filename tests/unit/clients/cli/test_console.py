@@ -80,6 +80,7 @@ def test_piped_rows_are_one_line_with_whole_values() -> None:
     rows = [line for line in text.splitlines() if line.startswith(("replica-", "r2 "))]
     assert len(rows) == 2
     assert LONG_ID in rows[0] and PROSE in rows[0] and ("x " * 150).strip() in rows[0]
+    assert not any(line.endswith(" ") for line in text.splitlines())  # cells are not padded out
 
 
 # --- fitting a terminal -----------------------------------------------------------------------
