@@ -25,7 +25,6 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from types import TracebackType
 from typing import Literal, TextIO
 
 from rich import box
@@ -188,12 +187,7 @@ class ProgressBars:
         self._progress.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *_: object) -> None:
         self._progress.stop()
 
     def add(self, label: str, total: int) -> Callable[[int], None]:

@@ -17,8 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from types import TracebackType
+from dataclasses import dataclass, field
 
 from kvindex.indexer.events import Tier
 from kvindex.indexer.fleet.registry import Freshness
@@ -74,29 +73,25 @@ def status_line(status: FleetStatus, batches_per_s: float | None) -> str:
     )
 
 
+@dataclass
 class StatusLog:
     """Logs :func:`status_line` of ``read_status()`` every ``every_s`` seconds on a thread
     of its own while entered as a context manager; ``every_s`` <= 0: never. Leaving the
     context stops and joins the thread. A line's rate is over the time since the previous
     line (the first: since the context was entered, as the indexer starts)."""
 
-    def __init__(
-        self,
-        read_status: Callable[[], FleetStatus],
-        every_s: float,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._read_status = read_status
-        self._every_s = every_s
-        self._clock = clock
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._previous: tuple[float, int] | None = None
+    read_status: Callable[[], FleetStatus]
+    every_s: float
+    clock: Callable[[], float] = time.monotonic
+    _stop: threading.Event = field(default_factory=threading.Event, init=False)
+    _thread: threading.Thread | None = field(default=None, init=False)
+    _previous: tuple[float, int] | None = field(default=None, init=False)
+    """(time, batches) at the previous line."""
 
     def line(self) -> str:
         """The status now, its rate measured since the previous call (none on the first)."""
-        status = self._read_status()
-        now = self._clock()
+        status = self.read_status()
+        now = self.clock()
         rate = None
         if self._previous is not None and now > self._previous[0]:
             rate = (status.num_batches - self._previous[1]) / (now - self._previous[0])
@@ -104,25 +99,20 @@ class StatusLog:
         return status_line(status, rate)
 
     def _run(self) -> None:
-        while not self._stop.wait(self._every_s):
+        while not self._stop.wait(self.every_s):
             try:
                 log.info("%s", self.line())
             except Exception as exc:  # a store that is down costs a line, not the status thread
                 log.warning("status unavailable: %s: %s", type(exc).__name__, exc)
 
     def __enter__(self) -> StatusLog:
-        self._previous = (self._clock(), 0)  # entered as the indexer starts: no batch yet
-        if self._every_s > 0:
+        self._previous = (self.clock(), 0)  # entered as the indexer starts: no batch yet
+        if self.every_s > 0:
             self._thread = threading.Thread(target=self._run, name="kvindex-status", daemon=True)
             self._thread.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *_: object) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()

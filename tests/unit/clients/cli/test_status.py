@@ -30,14 +30,6 @@ def fleet(live: int = 2, stale: tuple[str, ...] = ("r3/0",), num_batches: int = 
     )
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_the_line_has_every_total() -> None:
     assert status_line(fleet(), 41.25) == (
         "3 streams: 2 live, 0 replaying, 1 stale (r3/0) · blocks gpu 1,204 cpu 16 other 0"
@@ -65,12 +57,12 @@ def test_streams_that_are_not_live_are_named_up_to_a_limit() -> None:
 
 
 def test_the_rate_is_over_the_time_since_the_previous_line() -> None:
-    clock, batches = Clock(), [0]
-    log = StatusLog(lambda: fleet(num_batches=batches[0]), 5.0, clock)
+    now, batches = [0.0], [0]
+    log = StatusLog(lambda: fleet(num_batches=batches[0]), 5.0, clock=lambda: now[0])
     assert "- batches/s" in log.line()  # no previous line: no rate
-    clock.now, batches[0] = 10.0, 250
+    now[0], batches[0] = 10.0, 250
     assert "25.0 batches/s" in log.line()
-    clock.now, batches[0] = 15.0, 250
+    now[0] = 15.0
     assert "0.0 batches/s" in log.line()
 
 
