@@ -30,7 +30,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvindex.api.schemas import FreshnessView, LoadView, ReplicaView, ScoreEntry, ScoreResponse
-from kvindex.clients.cli.console import column, make_console, make_table
+from kvindex.clients.cli.console import column, make_console, make_table, natural_width
 from kvindex.clients.http import KvIndexClient, KvIndexClientError, UnreachableError
 
 __all__ = [
@@ -204,8 +204,7 @@ def render_residency(
 def fit_strip(console: Console, answer: ScoreResponse, wide: bool = False) -> int:
     """Cells per strip for which the residency table fits ``console``'s width: between
     :data:`MIN_STRIP` and :data:`STRIP_WIDTH` (off a terminal: the latter)."""
-    probe = render_residency(answer, MIN_STRIP, wide)[1]
-    spare = console.width - console.measure(probe).maximum
+    spare = console.width - natural_width(console, render_residency(answer, MIN_STRIP, wide)[1])
     return max(MIN_STRIP, min(STRIP_WIDTH, MIN_STRIP + spare))
 
 
