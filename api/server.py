@@ -9,6 +9,8 @@ Redis through :class:`~kvindex.indexer.fleet.view.RedisFleetView`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import uvicorn
@@ -64,12 +66,20 @@ def api_deps(redis_url: str, settings: IndexerSettings, api: ApiSettings) -> Api
     return ApiDeps(settings=api, index=index, registry=fleet, loads=loads, blocking_store=True)
 
 
-def serve(settings: IndexerSettings, api: ApiSettings) -> None:
-    """Run until interrupted (SIGINT/SIGTERM stop uvicorn, then everything else)."""
+def serve(
+    settings: IndexerSettings,
+    api: ApiSettings,
+    watch: Callable[[IndexerService], AbstractContextManager[object]] | None = None,
+) -> None:
+    """Run until interrupted (SIGINT/SIGTERM stop uvicorn, then everything else).
+
+    ``watch(indexer)``, if given, is entered once the indexer has started and left when
+    uvicorn stops (the CLI's periodic status line)."""
     service = Service.build(settings, api)
     service.indexer.start()
     try:
-        _run_uvicorn(service.deps, api)
+        with watch(service.indexer) if watch is not None else nullcontext():
+            _run_uvicorn(service.deps, api)
     finally:
         service.stop()
 

@@ -34,13 +34,13 @@ from typing import Any
 
 import httpx
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvindex.api.app import ApiDeps, create_app
 from kvindex.api.background import BackgroundServer, ServerStartError
 from kvindex.api.load.store import MemoryLoadStore
 from kvindex.api.settings import ApiSettings
+from kvindex.clients.cli.console import ProgressBars, column, make_table
 from kvindex.clients.fake_vllm.replica import (
     VOCAB_SIZE,
     ReplicaSim,
@@ -216,12 +216,13 @@ class DemoReport:
 
 def report_table(report: DemoReport) -> Table:
     s = report.settings
-    table = Table(
-        title=f"kvindex demo: {s.replicas} replicas, {s.requests} requests, seed {s.seed}"
+    numbers = ("hit rate", "prefill tokens", "TTFT mean", "TTFT p90")
+    table = make_table(
+        column("policy"),
+        *(column(name, justify="right") for name in numbers),
+        column("requests per replica"),
+        title=f"kvindex demo: {s.replicas} replicas, {s.requests} requests, seed {s.seed}",
     )
-    for column in ("policy", "hit rate", "prefill tokens", "TTFT mean", "TTFT p90"):
-        table.add_column(column, justify="left" if column == "policy" else "right")
-    table.add_column("requests per replica")
     for p in report.policies:
         table.add_row(
             p.policy,
@@ -408,23 +409,11 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> DemoRepo
     started = time.monotonic()
     sessions = build_workload(settings)
     reports: list[PolicyReport] = []
-    progress = Progress(
-        TextColumn("{task.description:>12}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        disable=console is None,
-        # Redrawn at each advance, not by rich's refresh thread: that thread is told to
-        # stop but not joined, so it could outlive the demo.
-        auto_refresh=False,
-    )
-    with progress:
+    with ProgressBars(console, label_width=12) as bars:
         for policy in POLICIES:
-            task = progress.add_task(policy, total=settings.requests)
+            advance = functools.partial(bars.add(policy, total=settings.requests), 1)
             with running_fleet(settings) as fleet:
                 t0 = time.monotonic()
-                advance = functools.partial(progress.update, task, advance=1, refresh=True)
                 outcomes = asyncio.run(replay(settings, fleet, policy, sessions, advance))
                 reports.append(PolicyReport.of(policy, outcomes, time.monotonic() - t0))
     return DemoReport(settings, reports, time.monotonic() - started)

@@ -5,19 +5,18 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
-from rich.console import Console
-from rich.table import Table
 
 from kvindex.api.server import serve as run_server
 from kvindex.api.server import serve_api
 from kvindex.api.settings import load_api_settings
 from kvindex.clients.cli.check_hash import check_hash_command
+from kvindex.clients.cli.console import make_console
+from kvindex.clients.cli.status import FleetStatus, StatusLog
 from kvindex.clients.cli.views import register_views
 from kvindex.clients.demo import DemoSettings, demo_main
 from kvindex.clients.fake_vllm.replica import ReplicaSim, ReplicaSimError, ReplicaSimSettings
@@ -27,10 +26,10 @@ from kvindex.clients.simulate.run import DEFAULT_POLICIES, SimulateSettings, sim
 from kvindex.clients.workloads import WORKLOADS, GeneratorSettings, read_trace
 from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.events import Tier
+from kvindex.indexer.fleet.registry import Freshness
 from kvindex.indexer.service import IndexerService
 from kvindex.indexer.settings import IndexerSettings, ReplicaSpec, load_settings, read_toml
 
-_console = Console()
 _DEMO = DemoSettings()
 
 
@@ -79,14 +78,17 @@ def main(verbose: bool) -> None:
         logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
-@main.command()
-@_indexer_options
-@click.option(
+_stats_every_option = click.option(
     "--stats-every",
     default=5.0,
     show_default=True,
-    help="Print a stats table every N seconds (0: never).",
+    help="Log one status line (the fleet's totals) every N seconds (0: never).",
 )
+
+
+@main.command()
+@_indexer_options
+@_stats_every_option
 def indexer(
     config: Path | None,
     replicas: tuple[ReplicaSpec, ...],
@@ -111,6 +113,7 @@ def indexer(
 @_indexer_options
 @click.option("--host", help="API listen address (default 127.0.0.1).")
 @click.option("--port", type=int, help="API listen port (default 8000).")
+@_stats_every_option
 def serve(
     config: Path | None,
     replicas: tuple[ReplicaSpec, ...],
@@ -119,6 +122,7 @@ def serve(
     redis_url: str | None,
     host: str | None,
     port: int | None,
+    stats_every: float,
 ) -> None:
     """Run the indexer and the scoring API in one process."""
     try:
@@ -135,8 +139,10 @@ def serve(
         )
     except KvIndexError as exc:
         raise click.ClickException(str(exc)) from exc
-    _console.print(f"kvindex serve ({settings.store} store) on http://{api.host}:{api.port}")
-    run_server(settings, api)
+    make_console().print(f"kvindex serve ({settings.store} store) on http://{api.host}:{api.port}")
+    run_server(
+        settings, api, watch=lambda indexer: StatusLog(lambda: _fleet_status(indexer), stats_every)
+    )
 
 
 @main.command()
@@ -162,7 +168,7 @@ def api(redis_url: str, host: str | None, port: int | None, config: Path | None)
     except KvIndexError as exc:
         raise click.ClickException(str(exc)) from exc
     where = f"http://{api_settings.host}:{api_settings.port}"
-    _console.print(f"kvindex api (redis fleet, index and load) on {where}")
+    make_console().print(f"kvindex api (redis fleet, index and load) on {where}")
     serve_api(redis_url, settings, api_settings)
 
 
@@ -197,7 +203,7 @@ def replica_sim(replica_id: str, bind_events: bool, lora_names: tuple[str, ...],
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    _console.print(
+    make_console().print(
         f"replica-sim {settings.id} on {sim.base_url}, events {sim.events_endpoint} "
         f"(topic {settings.topic}), replay {sim.replay_endpoint}"
     )
@@ -218,7 +224,7 @@ def demo(replicas: int, requests: int, seed: int, speed: float, json_path: Path 
     """Replay a seeded workload on simulated replicas: round-robin vs kv_aware."""
     try:
         settings = DemoSettings(replicas=replicas, requests=requests, seed=seed, speed=speed)
-        demo_main(settings, json_path, _console)
+        demo_main(settings, json_path, make_console())
     except KvIndexError as exc:
         raise click.ClickException(str(exc)) from exc
 
@@ -351,7 +357,7 @@ def simulate(
             settings,
             reqs,
             source=source,
-            console=_console,
+            console=make_console(),
             json_path=json_path,
             plot_path=plot_path,
         )
@@ -366,49 +372,38 @@ def _run_indexer(settings: IndexerSettings, stats_every: float) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     where = service.subscriber.bound_endpoint or "configured replicas"
-    _console.print(f"kvindex indexer ({settings.store} store) listening on {where}")
+    make_console().print(f"kvindex indexer ({settings.store} store) listening on {where}")
     try:
-        while not stop.wait(stats_every if stats_every > 0 else 3600):
-            _console.print(_stats_table(service))
+        with StatusLog(lambda: _fleet_status(service), stats_every):
+            while not stop.wait(3600):
+                pass
     finally:
         service.stop()
 
 
-def _stats_table(service: IndexerService) -> Table:
-    table = Table(title=time.strftime("%H:%M:%S"))
-    for column in (
-        "stream",
-        "state",
-        "seq",
-        "GPU",
-        "CPU",
-        "other",
-        "lag s",
-        "gaps",
-        "replays",
-        "restarts",
-        "errors",
-    ):
-        table.add_column(column)
-    for status in service.registry.statuses():
-        stats = service.index.stats(status.stream)
-        c = status.counters
-        errors = status.num_decode_errors + status.num_bad_events + status.num_store_errors
-        table.add_row(
-            str(status.stream),
-            status.freshness.value,
-            str(status.last_seq),
-            str(stats.blocks_by_tier[Tier.GPU]),
-            str(stats.blocks_by_tier[Tier.CPU]),
-            str(stats.blocks_by_tier[Tier.OTHER]),
-            "-" if status.lag_s is None else f"{status.lag_s:.3f}",
-            str(c.num_gaps),
-            str(c.num_replays),
-            str(c.num_restarts),
-            str(errors),
-        )
-    return table
+def _fleet_status(service: IndexerService) -> FleetStatus:
+    """The totals of ``service``'s registry and index now (one index read per stream)."""
+    statuses = service.registry.statuses()
+    by_freshness: dict[Freshness, list[str]] = {state: [] for state in Freshness}
+    blocks = dict.fromkeys(Tier, 0)
+    for status in statuses:
+        by_freshness[status.freshness].append(str(status.stream))
+        for tier, count in service.index.stats(status.stream).blocks_by_tier.items():
+            blocks[tier] += count
+    lags = [s.lag_s for s in statuses if s.lag_s is not None]
+    return FleetStatus(
+        streams_by_freshness=by_freshness,
+        blocks_by_tier=blocks,
+        num_batches=sum(s.counters.num_batches for s in statuses),
+        num_gaps=sum(s.counters.num_gaps for s in statuses),
+        num_replays=sum(s.counters.num_replays for s in statuses),
+        num_restarts=sum(s.counters.num_restarts for s in statuses),
+        num_errors=sum(
+            s.num_decode_errors + s.num_bad_events + s.num_store_errors for s in statuses
+        ),
+        max_lag_s=max(lags, default=None),
+    )
 
 
-register_views(main)  # residency, score, replicas, stats (clients/views.py)
-main.add_command(check_hash_command)  # check-hash (clients/check_hash.py)
+register_views(main)  # residency, score, replicas, stats (clients/cli/views.py)
+main.add_command(check_hash_command)  # check-hash (clients/cli/check_hash.py)

@@ -5,8 +5,10 @@ itself): call the API, then render the answer with rich, or print it as JSON (``
 the API's own body, re-encoded, stable for scripts). The rendering helpers are pure
 functions of the API's types, so they are tested without a server.
 
-Colour follows the terminal: none when stdout is not a TTY (pipes, tests) or ``NO_COLOR``
-is set. Every client failure becomes a one-line :class:`click.ClickException` (exit 1)
+Tables are printed on the one console of :mod:`kvindex.clients.cli.console`: fitted to a
+terminal (``score``: one line per candidate at 100 columns; ``--wide`` for every column),
+whole rows with whole values when piped, colour only on a terminal without ``NO_COLOR``.
+Every client failure becomes a one-line :class:`click.ClickException` (exit 1)
 carrying the server's error kind and detail, or saying the server could not be reached.
 """
 
@@ -14,8 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,10 +30,12 @@ from rich.table import Table
 from rich.text import Text
 
 from kvindex.api.schemas import FreshnessView, LoadView, ReplicaView, ScoreEntry, ScoreResponse
+from kvindex.clients.cli.console import column, make_console, make_table, natural_width
 from kvindex.clients.http import KvIndexClient, KvIndexClientError, UnreachableError
 
 __all__ = [
     "Strip",
+    "fit_strip",
     "register_views",
     "render_replicas",
     "render_residency",
@@ -44,9 +46,9 @@ __all__ = [
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 STRIP_WIDTH = 64
-"""Cells of a residency strip; longer prompts group several blocks per cell."""
-_PLAIN_WIDTH = 160
-"""Console width when stdout is not a terminal (rich would otherwise assume 80 and wrap)."""
+"""Most cells of a residency strip; longer prompts group several blocks per cell."""
+MIN_STRIP = 8
+"""Fewest cells of a residency strip, however narrow the terminal."""
 TIERS = ("gpu", "cpu", "other")
 MISS = "miss"
 _CELL_STYLE = {"gpu": "green", "cpu": "yellow", "other": "blue", MISS: "dim"}
@@ -130,10 +132,18 @@ def format_load(load: LoadView | None) -> str:
     if load is None:
         return "-"
     routed = f" +{load.routed} routed" if load.routed else ""
-    return (
-        f"run {load.running:g} wait {load.waiting:g} kv {load.kv_usage:.0%}"
-        f" ({load.age_s:.1f}s old, {load.source}){routed}"
-    )
+    return f"{_load_numbers(load)} ({load.age_s:.1f}s old, {load.source}){routed}"
+
+
+def format_load_short(load: LoadView | None) -> str:
+    """:func:`format_load` without the age and source: ``run 3 wait 1 kv 50% +2 routed``."""
+    if load is None:
+        return "-"
+    return _load_numbers(load) + (f" +{load.routed} routed" if load.routed else "")
+
+
+def _load_numbers(load: LoadView) -> str:
+    return f"run {load.running:g} wait {load.waiting:g} kv {load.kv_usage:.0%}"
 
 
 def format_tiers(tiers: dict[str, int]) -> str:
@@ -147,22 +157,34 @@ def _marked(entry: ScoreEntry, best: str | None) -> Text:
     return Text(f"  {entry.replica}")
 
 
-def _title(answer: ScoreResponse) -> str:
+def heading(answer: ScoreResponse) -> Text:
+    """The line above a score answer's table: model, prompt size, policy, best replica
+    (and why the answer is degraded, if it is). Printed on its own, not as the table's
+    title, so that it wraps at the console's width rather than the table's."""
     title = (
         f"{answer.model} · {answer.num_tokens} tokens · {answer.num_blocks} blocks of"
         f" {answer.block_size} · policy {answer.policy} · best {answer.best or 'none'}"
     )
-    return title if answer.degraded is None else f"{title} · DEGRADED: {answer.degraded}"
+    return Text(title if answer.degraded is None else f"{title} · DEGRADED: {answer.degraded}")
 
 
 # --- renderers (pure: API types in, rich renderables out) ---------------------------------
 
 
-def render_residency(answer: ScoreResponse, width: int = STRIP_WIDTH) -> list[Any]:
-    """The residency table of a score answer, followed by the strip's legend."""
-    table = Table(title=_title(answer), title_justify="left")
-    for column in ("replica", "blocks", "matched", "tokens", "gpu/cpu/other", "fresh", "load"):
-        table.add_column(column, no_wrap=column in ("replica", "blocks"))
+def render_residency(
+    answer: ScoreResponse, width: int = STRIP_WIDTH, wide: bool = False
+) -> list[Any]:
+    """The heading, the residency table (``wide``: with each replica's load) and the strip's
+    legend."""
+    columns = [
+        column("replica"),
+        column("blocks"),
+        column("matched"),
+        column("tokens"),
+        column("gpu/cpu/other"),
+        column("fresh"),
+    ]
+    table = make_table(*columns, *([column("load")] if wide else []))
     per_cell = 1
     for entry in answer.scores:
         strip = residency_strip(answer.num_blocks, entry.matched_blocks, entry.tiers, width)
@@ -174,9 +196,16 @@ def render_residency(answer: ScoreResponse, width: int = STRIP_WIDTH) -> list[An
             f"{entry.matched_tokens}/{answer.num_tokens}",
             format_tiers(entry.tiers),
             format_freshness(entry.freshness),
-            format_load(entry.load),
+            *([format_load(entry.load)] if wide else []),
         )
-    return [table, _legend(per_cell, answer.num_blocks)]
+    return [heading(answer), table, _legend(per_cell, answer.num_blocks)]
+
+
+def fit_strip(console: Console, answer: ScoreResponse, wide: bool = False) -> int:
+    """Cells per strip for which the residency table fits ``console``'s width: between
+    :data:`MIN_STRIP` and :data:`STRIP_WIDTH` (off a terminal: the latter)."""
+    spare = console.width - natural_width(console, render_residency(answer, MIN_STRIP, wide)[1])
+    return max(MIN_STRIP, min(STRIP_WIDTH, MIN_STRIP + spare))
 
 
 def _legend(per_cell: int, num_blocks: int) -> Text:
@@ -193,50 +222,79 @@ def _legend(per_cell: int, num_blocks: int) -> Text:
     return legend
 
 
-def render_score(answer: ScoreResponse) -> Table:
-    """Every candidate, ranked, with each term of the policy's formula and the score."""
-    term_names = sorted({name for entry in answer.scores for name in entry.terms})
-    table = Table(title=_title(answer), title_justify="left")
-    for column in ("replica", "rank", "matched", "gpu/cpu/other", "fresh", "load"):
-        table.add_column(column)
-    for name in [*term_names, "score"]:
-        table.add_column(name, justify="right")
+def render_score(answer: ScoreResponse, wide: bool = False) -> list[Any]:
+    """The heading and every candidate, ranked, one row each. By default the key columns
+    (matched blocks and tokens, freshness, load, score: one line per candidate on a
+    100-column terminal); ``wide``: also the rank, the tiers, the load's age and source and
+    each term of the policy's formula."""
+    terms = sorted({name for entry in answer.scores for name in entry.terms}) if wide else []
+    table = make_table(
+        column("replica"),
+        *([column("rank", justify="right"), column("gpu/cpu/other")] if wide else []),
+        column("matched"),
+        column("fresh"),
+        column("load"),
+        *(column(name, justify="right") for name in terms),
+        column("score", justify="right"),
+    )
     for entry in answer.scores:
+        extra = [str(entry.rank), format_tiers(entry.tiers)] if wide else []
         table.add_row(
             _marked(entry, answer.best),
-            str(entry.rank),
+            *extra,
             f"{entry.matched_blocks} blk / {entry.matched_tokens} tok",
-            format_tiers(entry.tiers),
             format_freshness(entry.freshness),
-            format_load(entry.load),
-            *(_number(entry.terms[name]) if name in entry.terms else "-" for name in term_names),
+            format_load(entry.load) if wide else format_load_short(entry.load),
+            *(_number(entry.terms[name]) if name in entry.terms else "-" for name in terms),
             _number(entry.score),
         )
-    return table
+    return [heading(answer), table]
 
 
-def render_replicas(views: list[ReplicaView]) -> Table:
-    """One row per replica; one line per data-parallel stream in the streams cell."""
-    table = Table(title=f"{len(views)} replicas", title_justify="left")
-    for column in ("id", "model", "state", "streams (rank: seq, gpu/cpu/other, lag)", "load"):
-        table.add_column(column)
+def _streams_cell(view: ReplicaView) -> str:
+    lines = [
+        f"{s.rank}: seq {s.last_seq}, {format_tiers(s.blocks)}, lag {_seconds(s.freshness.lag_s)}"
+        + ("" if s.connected else ", disconnected")
+        for s in view.streams
+    ]
+    return "\n".join(lines) or "(no events yet)"
+
+
+def render_replicas(views: list[ReplicaView], wide: bool = False) -> list[Any]:
+    """One table per model (its name in the title, so that rows need not repeat it), in
+    the order the models first appear; one row per replica, one line per data-parallel
+    stream in the streams cell; then the streams legend. ``wide``: also the data-parallel
+    size, the endpoints and the load's age and source."""
+    by_model: dict[str, list[ReplicaView]] = {}
     for view in views:
-        streams = "\n".join(
-            f"{s.rank}: seq {s.last_seq}, {format_tiers(s.blocks)},"
-            f" lag {_seconds(s.freshness.lag_s)}" + ("" if s.connected else ", disconnected")
-            for s in view.streams
-        )
+        by_model.setdefault(view.model, []).append(view)
+    if not by_model:
+        return [Text("no replicas registered")]
+    tables = [_model_table(model, group, wide) for model, group in by_model.items()]
+    return [*tables, Text(f"streams: rank: seq, blocks {'/'.join(TIERS)}, lag of the last batch")]
+
+
+def _model_table(model: str, views: list[ReplicaView], wide: bool) -> Table:
+    ends = ("dp", "url", "events", "replay") if wide else ()
+    table = make_table(
+        *(column(name) for name in ("id", "state", "streams", "load", *ends)),
+        title=f"{model} · {len(views)} replica{'s' if len(views) > 1 else ''}",
+    )
+    for view in views:
+        endpoints = [str(view.dp_size), *(v or "-" for v in (view.url, view.events, view.replay))]
         table.add_row(
-            view.id, view.model, view.state, streams or "(no events yet)", format_load(view.load)
+            view.id,
+            view.state,
+            _streams_cell(view),
+            format_load(view.load) if wide else format_load_short(view.load),
+            *(endpoints if wide else []),
         )
     return table
 
 
 def render_stats(stats: dict[str, Any]) -> Table:
     """``GET /stats`` as name/value rows (nested maps flattened to ``k v · k v``)."""
-    table = Table(title="kvindex stats", title_justify="left")
-    table.add_column("total")
-    table.add_column("value", justify="right")
+    table = make_table(column("total"), column("value", justify="right"), title="kvindex stats")
     for name, value in stats.items():
         shown = (
             " · ".join(f"{k} {v}" for k, v in value.items())
@@ -248,18 +306,6 @@ def render_stats(stats: dict[str, Any]) -> Table:
 
 
 # --- command plumbing ---------------------------------------------------------------------
-
-
-def make_console() -> Console:
-    """A console on the current stdout: colour only on a TTY and without ``NO_COLOR``."""
-    tty = sys.stdout.isatty()
-    return Console(
-        file=sys.stdout,
-        force_terminal=tty,
-        no_color=not tty or "NO_COLOR" in os.environ,
-        width=None if tty else _PLAIN_WIDTH,
-        highlight=False,
-    )
 
 
 @contextmanager
@@ -274,12 +320,17 @@ def connected(url: str, token: str | None) -> Iterator[KvIndexClient]:
         raise click.ClickException(str(exc)) from exc
 
 
-def _show(value: Any, as_json: bool, render: Callable[[], list[Any]]) -> None:
-    """A view command's output: ``value`` as JSON, or what ``render`` draws of it."""
+def _show(
+    value: Any, as_json: bool, render: Callable[[Console], list[Any]], *, wide: bool = False
+) -> None:
+    """A view command's output: ``value`` as JSON, or what ``render`` draws of it for the
+    console it is given (the one console of :mod:`kvindex.clients.cli.console`; ``wide``:
+    rows as long as their content, on a terminal too)."""
     if as_json:
         click.echo(msgspec.json.format(msgspec.json.encode(value), indent=2))
     else:
-        make_console().print(*render())
+        console = make_console(wide=wide)
+        console.print(*render(console))
 
 
 def _server_options(command: Callable[..., None]) -> Callable[..., None]:
@@ -301,6 +352,12 @@ def _json_option(command: Callable[..., None]) -> Callable[..., None]:
     return click.option("--json", "as_json", is_flag=True, help="Print the API's JSON body.")(
         command
     )
+
+
+def _wide_option(command: Callable[..., None]) -> Callable[..., None]:
+    return click.option(
+        "--wide", is_flag=True, help="Every column (the table may wrap on a narrow terminal)."
+    )(command)
 
 
 def _prompt_options(command: Callable[..., None]) -> Callable[..., None]:
@@ -378,11 +435,11 @@ def _candidates(value: str | None) -> list[str] | None:
 @_prompt_options
 @click.option(
     "--width",
-    default=STRIP_WIDTH,
-    show_default=True,
-    type=click.IntRange(8, 512),
-    help="Cells per strip; longer prompts group blocks per cell.",
+    type=click.IntRange(MIN_STRIP, 512),
+    help=f"Cells per strip; longer prompts group blocks per cell [default: what fits the"
+    f" terminal, at most {STRIP_WIDTH}].",
 )
+@_wide_option
 @_json_option
 def residency(
     *,
@@ -393,7 +450,8 @@ def residency(
     tokens_file: Path | None,
     messages_file: Path | None,
     candidates: str | None,
-    width: int,
+    width: int | None,
+    wide: bool,
     as_json: bool,
 ) -> None:
     """Which replicas hold which of the prompt's blocks.
@@ -406,13 +464,19 @@ def residency(
     fields = prompt_fields(text, tokens_file, messages_file)
     with connected(url, token) as client:
         answer = client.score(model, candidates=_candidates(candidates), **fields)
-    _show(answer, as_json, lambda: render_residency(answer, width))
+    _show(
+        answer,
+        as_json,
+        lambda console: render_residency(answer, width or fit_strip(console, answer, wide), wide),
+        wide=wide,
+    )
 
 
 @click.command()
 @_server_options
 @_prompt_options
 @click.option("--policy", help="Policy for this request (default: the model's or server's).")
+@_wide_option
 @_json_option
 def score(
     *,
@@ -424,23 +488,27 @@ def score(
     messages_file: Path | None,
     candidates: str | None,
     policy: str | None,
+    wide: bool,
     as_json: bool,
 ) -> None:
-    """The routing decision for a prompt, with every candidate's terms and score."""
+    """The routing decision for a prompt: every candidate, one line each (matched blocks,
+    freshness, load, score); ``--wide`` adds each term of the policy's formula."""
     fields = prompt_fields(text, tokens_file, messages_file)
     with connected(url, token) as client:
         answer = client.score(model, candidates=_candidates(candidates), policy=policy, **fields)
-    _show(answer, as_json, lambda: [render_score(answer)])
+    _show(answer, as_json, lambda _console: render_score(answer, wide), wide=wide)
 
 
 @click.command()
 @_server_options
+@_wide_option
 @_json_option
-def replicas(*, url: str, token: str | None, as_json: bool) -> None:
-    """Registered replicas: state, streams (seq, blocks per tier, lag) and load."""
+def replicas(*, url: str, token: str | None, wide: bool, as_json: bool) -> None:
+    """Registered replicas: state, streams (seq, blocks per tier, lag) and load; ``--wide``
+    adds their endpoints."""
     with connected(url, token) as client:
         views = client.replicas()
-    _show(views, as_json, lambda: [render_replicas(views)])
+    _show(views, as_json, lambda _console: render_replicas(views, wide), wide=wide)
 
 
 @click.command()
@@ -450,7 +518,7 @@ def stats(*, url: str, token: str | None, as_json: bool) -> None:
     """Index and ingestion totals."""
     with connected(url, token) as client:
         totals = client.stats()
-    _show(totals, as_json, lambda: [render_stats(totals)])
+    _show(totals, as_json, lambda _console: [render_stats(totals)])
 
 
 def register_views(group: click.Group) -> None:

@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvindex.clients.cli.console import ProgressBars, column, make_table
 from kvindex.clients.fake_vllm.replica import BlockCache
 from kvindex.clients.simulate.fleet import (
     FleetResult,
@@ -306,20 +306,13 @@ def simulate_main(
     plot_path: Path | None = None,
 ) -> SimReport:
     """The command: progress bars, the table, then ``--json`` and ``--plot``."""
-    progress = Progress(
-        TextColumn("{task.description:>20}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-    )
-
-    def progress_for(label: str) -> Callable[[int], None]:
-        task = progress.add_task(label, total=len(requests))
-        return lambda n: progress.advance(task, n)
-
-    with progress:
-        report = run_simulation(settings, requests, progress_for=progress_for, source=source)
+    with ProgressBars(console, label_width=20) as bars:
+        report = run_simulation(
+            settings,
+            requests,
+            progress_for=lambda label: bars.add(label, total=len(requests)),
+            source=source,
+        )
     console.print(report_table(report))
     try:
         if json_path is not None:
@@ -357,12 +350,14 @@ def _params(
 def report_table(report: SimReport) -> Table:
     """TTFT in seconds; queue = waiting requests per replica; balance = requests per replica
     max / mean."""
-    table = Table(title=f"kvindex simulate: {report.params.get('source', '')}")
-    table.add_column("policy")
-    for name in ("hit rate", "prefill tok", "TTFT mean", "p50", "p90", "p99", "queue", "max"):
-        table.add_column(name, justify="right")
-    for name in ("balance", "rejected"):
-        table.add_column(name, justify="right")
+    numbers = ("hit rate", "prefill tok", "TTFT mean", "p50", "p90", "p99", "queue", "max")
+    table = make_table(
+        column("policy"),
+        *(column(name, justify="right") for name in numbers),
+        column("balance", justify="right"),
+        column("rejected", justify="right"),
+        title=f"kvindex simulate: {report.params.get('source', '')}",
+    )
     for p in report.policies:
         table.add_row(
             p.policy,

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -22,24 +24,35 @@ TOKENS = list(range(500, 500 + 16 * 4))
 pytestmark = pytest.mark.timeout(60)
 
 
+@contextmanager
+def running(log_path: Path, *args: str) -> Iterator[subprocess.Popen[bytes]]:
+    """``kvindex *args`` writing stdout and stderr to ``log_path``; terminated on exit."""
+    with log_path.open("wb") as log:
+        process = subprocess.Popen([str(KVINDEX), *args], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            yield process
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
 @pytest.fixture
-def serve(tmp_path: Path) -> Iterator[tuple[str, str]]:
-    """(API base URL, bound events endpoint) of a running ``kvindex serve``."""
+def serve(tmp_path: Path) -> Iterator[tuple[str, str, Path]]:
+    """(API base URL, bound events endpoint, log) of a running ``kvindex serve``."""
     events = f"tcp://127.0.0.1:{free_port()}"
     port = free_port()
-    log = (tmp_path / "serve.log").open("wb")
-    args = [str(KVINDEX), "serve", "--bind", events, "--port", str(port)]
-    process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        yield f"http://127.0.0.1:{port}", events
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
+    log = tmp_path / "serve.log"
+    with running(log, "serve", "--bind", events, "--port", str(port), "--stats-every", "0.2"):
+        yield f"http://127.0.0.1:{port}", events, log
+
+
+def status_lines(log: Path) -> list[str]:
+    """The periodic status records of a log (one line each)."""
+    return [line for line in log.read_text().splitlines() if " kvindex.status: " in line]
 
 
 def _until(check: object, timeout_s: float = 20.0) -> None:
@@ -54,8 +67,8 @@ def _until(check: object, timeout_s: float = 20.0) -> None:
     raise AssertionError("timed out")
 
 
-def test_serve_indexes_events_and_answers_score(serve: tuple[str, str]) -> None:
-    url, events = serve
+def test_serve_indexes_events_and_answers_score(serve: tuple[str, str, Path]) -> None:
+    url, events, log = serve
     with httpx.Client(base_url=url, trust_env=False, timeout=5) as http:
         _until(lambda: http.get("/healthz").status_code == 200)
         publisher = EventPublisher(events, topic=f"kv@r1@{MODEL}")
@@ -75,3 +88,31 @@ def test_serve_indexes_events_and_answers_score(serve: tuple[str, str]) -> None:
         assert answer["best"] == "r1"
         assert http.get("/readyz").status_code == 200
         assert http.get("/stats").json()["blocks"]["gpu"] == 4
+    _until(lambda: any("blocks gpu 4 cpu 0 other 0" in line for line in status_lines(log)))
+    line = status_lines(log)[-1]
+    assert " INFO kvindex.status: 1 stream: 1 live, 0 replaying, 0 stale · blocks gpu 4" in line
+    assert line.endswith("errors 0") and "batches/s" in line
+    assert not any(box in log.read_text() for box in "┏│└")  # no table in the log
+
+
+def test_indexer_logs_one_status_line_per_period(tmp_path: Path) -> None:
+    events, log = f"tcp://127.0.0.1:{free_port()}", tmp_path / "indexer.log"
+    publisher = EventPublisher(events, topic=f"kv@r1@{MODEL}")
+    try:
+        with running(log, "indexer", "--bind", events, "--stats-every", "0.2"):
+
+            def indexed() -> bool:
+                publisher.publish([BlockStored((1, 2), None, TOKENS[:32], 16, Tier.CPU)])
+                return any("blocks gpu 0 cpu 2 other 0" in line for line in status_lines(log))
+
+            _until(indexed)  # the bound SUB is a slow joiner: publish until it is seen
+    finally:
+        publisher.close()
+    shape = re.compile(
+        r" INFO kvindex\.status: \d+ streams?: \d+ live, \d+ replaying, \d+ stale · blocks gpu"
+        r" \d+ cpu \d+ other \d+ · [\d.]+ batches/s · lag max \S+ · gaps \d+ · replays \d+"
+        r" · restarts \d+ · errors \d+$"
+    )
+    lines = status_lines(log)
+    assert all(shape.search(line) for line in lines), lines  # each record: one whole line
+    assert "1 stream: 1 live, 0 replaying, 0 stale · blocks gpu 0 cpu 2 other 0" in lines[-1]

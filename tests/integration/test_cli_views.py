@@ -1,4 +1,4 @@
-"""The ``kvindex`` operator views (clients/views.py) against the real API app.
+"""The ``kvindex`` operator views (clients/cli/views.py) against the real API app.
 
 The app is served by uvicorn on a free loopback port over the fleet of
 ``test_client_http`` (r1 holds 4 blocks of the request, r2 2) and stopped after each test;
@@ -8,6 +8,7 @@ each command is driven with click's CliRunner (stdout is not a TTY: plain text).
 from __future__ import annotations
 
 import json
+import re
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,8 +45,14 @@ def score_args(base_url: str, tokens_file: Path, *extra: str) -> list[str]:
 
 
 def row(output: str, replica: str) -> str:
-    """The table row of ``replica`` (not the title, which names the best replica too)."""
-    return next(line for line in output.splitlines() if "│" in line and f" {replica} " in line)
+    """The table row of ``replica`` (not the heading, which names the best replica too):
+    the line that starts with its id (after the ``★`` of the best, or two spaces)."""
+    return next(line for line in output.splitlines() if line.lstrip("★ ").startswith(replica))
+
+
+def on_terminal(columns: int) -> dict[str, str]:
+    """The environment under which rich takes stdout for a terminal ``columns`` wide."""
+    return {"TTY_COMPATIBLE": "1", "COLUMNS": str(columns), "NO_COLOR": "1"}
 
 
 def matched(answer: ScoreResponse) -> dict[str, int]:
@@ -96,14 +103,45 @@ def test_residency_candidates(base_url: str, tokens_file: Path) -> None:
 # --- score ----------------------------------------------------------------------------------
 
 
-def test_score_table_shows_every_term(base_url: str, tokens_file: Path) -> None:
-    result = run("score", *score_args(base_url, tokens_file))
+def test_score_wide_shows_every_term(base_url: str, tokens_file: Path) -> None:
+    result = run("score", *score_args(base_url, tokens_file, "--wide"))
     assert result.exit_code == 0, result.output
     header = next(line for line in result.stdout.splitlines() if "replica" in line)
-    for column in ("cache", "freshness_factor", "load", "score"):
+    for column in ("cache", "freshness_factor", "load", "load_recency", "score"):
         assert column in header
     assert "★ r1" in result.stdout and "policy kv_aware" in result.stdout
-    assert "0.6667" in result.stdout  # r1's cache term: 4 of 6 blocks on GPU
+    assert "0.6667" in row(result.stdout, "r1")  # r1's cache term: 4 of 6 blocks on GPU
+
+
+def test_score_at_100_columns_is_one_line_per_candidate(base_url: str, tokens_file: Path) -> None:
+    with KvIndexClient(base_url) as client:  # a load with a routed count: the widest cell
+        client.report_load("r1", running=3, waiting=1, kv_usage=0.5)
+    result = run("score", *score_args(base_url, tokens_file), env=on_terminal(100))
+    assert result.exit_code == 0, result.output
+    lines = re.sub(r"\x1b\[[0-9;]*m", "", result.stdout).splitlines()
+    assert max(len(line) for line in lines) <= 100
+    body = lines[next(i for i, line in enumerate(lines) if set(line) == {"─"}) + 1 :]
+    assert [line.lstrip("★ ").split()[0] for line in body] == ["r1", "r2"]
+    r1 = row("\n".join(body), "r1")
+    assert f"4 blk / {4 * BLOCK} tok" in r1 and "live" in r1 and "run 3 wait 1 kv 50%" in r1
+    assert "freshness_factor" not in result.stdout  # the terms are --wide's
+
+
+def test_piped_views_print_whole_values(base_url: str, tokens_file: Path) -> None:
+    with KvIndexClient(base_url) as client:
+        client.report_load("r2", running=12, waiting=30, kv_usage=0.97)
+    outputs = {
+        "residency": run("residency", *score_args(base_url, tokens_file, "--wide")),
+        "score": run("score", *score_args(base_url, tokens_file, "--wide")),
+        "replicas": run("replicas", "--url", base_url, "--wide"),
+        "stats": run("stats", "--url", base_url),
+    }
+    for name, result in outputs.items():
+        assert result.exit_code == 0, (name, result.output)
+        assert "…" not in result.stdout, name
+    load = "run 12 wait 30 kv 97% ("  # the whole load, age and source included
+    for name in ("residency", "score", "replicas"):
+        assert load in row(outputs[name].stdout, "r2"), name
 
 
 def test_score_json_with_a_policy(base_url: str, tokens_file: Path) -> None:
@@ -122,8 +160,9 @@ def test_replicas_table_and_json(base_url: str) -> None:
         client.report_load("r1", running=3, waiting=1, kv_usage=0.5)
     table = run("replicas", "--url", base_url)
     assert table.exit_code == 0, table.output
+    assert "demo-model · 2 replicas" in table.stdout.splitlines()
     r1 = row(table.stdout, "r1")
-    assert "demo-model" in r1 and "live" in r1 and "0: seq 0, 4/0/0" in r1
+    assert "live" in r1 and "0: seq 0, 4/0/0" in r1
     assert "run 3 wait 1 kv 50%" in r1
     as_json = run("replicas", "--url", base_url, "--json")
     assert as_json.exit_code == 0, as_json.output

@@ -43,8 +43,10 @@ def test_cli_demo_prints_the_table_and_writes_json(tmp_path: Path) -> None:
         ["demo", "--replicas", "2", "--requests", "30", "--speed", "100", "--json", str(out)],
     )
     assert result.exit_code == 0, result.output
-    assert "round_robin" in result.output and "kv_aware" in result.output
-    assert "hit rate" in result.output
+    assert "hit rate" in result.output and "…" not in result.output
+    for policy in POLICIES:  # not a terminal: one whole line per policy
+        cells = next(line for line in result.output.splitlines() if line.startswith(policy))
+        assert "%" in cells and cells.count(" ms") == 2 and "r1:" in cells and "r2:" in cells
     body = json.loads(out.read_text())
     assert set(body["policies"]) == set(POLICIES)
     assert set(threading.enumerate()) <= before, "the demo left threads running"

@@ -58,6 +58,25 @@ def test_simulate_a_trace_writes_the_table_json_and_plot(tmp_path: Path) -> None
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_simulate_piped_prints_whole_rows() -> None:
+    """Not a terminal (as in ``kvindex simulate ... | cat``): one line per policy, every
+    value whole, however long the labels."""
+    variant = "kv_aware:waiting=0.5,cache=2,load_half_life_s=10"
+    args = ["simulate", "--workload", "multi_turn", "--requests", "60", "--replicas", "2"]
+    args += ["--policies", "round_robin,session_affinity,kv_aware", "--variant", variant]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "…" not in result.output
+    lines = result.output.splitlines()
+    rows = lines[next(i for i, line in enumerate(lines) if set(line) == {"─"}) + 1 :]
+    for label in ("round_robin", "session_affinity", "kv_aware", variant):
+        cells = next(line for line in rows if line.split()[:1] == [label])
+        hit_rate, prefill, *times = cells.split()[1:7]
+        assert hit_rate.endswith("%") and prefill.replace(",", "").isdigit()
+        assert all(len(t.split(".")[1]) == 3 for t in times)  # TTFT mean/p50/p90/p99: 0.123
+        assert len(cells.split()) == 11  # policy + 10 figures, none wrapped away
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

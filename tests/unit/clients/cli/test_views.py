@@ -1,8 +1,9 @@
-"""Pure helpers of clients/views.py: strips, formatters, renderers, prompt files."""
+"""Pure helpers of clients/cli/views.py: strips, formatters, renderers, prompt files."""
 
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +19,14 @@ from kvindex.api.schemas import (
     ScoreResponse,
     StreamView,
 )
+from kvindex.clients.cli.console import make_console
 from kvindex.clients.cli.views import (
+    STRIP_WIDTH,
     block_kinds,
+    fit_strip,
     format_freshness,
     format_load,
-    make_console,
+    format_load_short,
     prompt_fields,
     read_messages,
     read_tokens,
@@ -36,10 +40,26 @@ from kvindex.clients.cli.views import (
 LIVE = FreshnessView("live", 0.25, 1.0)
 
 
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def plain(*renderables: Any) -> str:
+    """``renderables`` as the CLI prints them into a pipe."""
     out = io.StringIO()
-    Console(file=out, width=200, no_color=True, highlight=False).print(*renderables)
+    make_console(out).print(*renderables)
     return out.getvalue()
+
+
+def on_terminal(columns: int, *renderables: Any) -> list[str]:
+    """The lines a terminal ``columns`` wide shows of ``renderables``, styles stripped."""
+    out = io.StringIO()
+    Console(file=out, width=columns, force_terminal=True, highlight=False).print(*renderables)
+    return ANSI.sub("", out.getvalue()).splitlines()
+
+
+def row(text: str, replica: str) -> str:
+    """The line of ``replica`` in a score or residency table (``★`` marks the best)."""
+    return next(line for line in text.splitlines() if line[2:].startswith(f"{replica} "))
 
 
 def entry(replica: str, matched: int, tiers: dict[str, int], score: float) -> ScoreEntry:
@@ -115,47 +135,101 @@ def test_formatters() -> None:
     assert format_load(LoadView(3, 1, 0.5, 1.25, "push")) == "run 3 wait 1 kv 50% (1.2s old, push)"
     routed = LoadView(3, 1, 0.5, 1.25, "scrape", routed=2)
     assert format_load(routed) == "run 3 wait 1 kv 50% (1.2s old, scrape) +2 routed"
+    assert format_load_short(routed) == "run 3 wait 1 kv 50% +2 routed"
+    assert format_load_short(None) == "-"
 
 
 def test_render_residency() -> None:
     text = plain(*render_residency(answer(), width=5))
     assert "1 cell = 2 blocks" in text
-    row_a = next(line for line in text.splitlines() if "│" in line and " a " in line)
-    assert "★ a" in row_a and "███··" in row_a and "6/10" in row_a and "4/2/0" in row_a
-    assert "run 2 wait 1 kv 25%" in row_a
-    assert "·····" in next(line for line in text.splitlines() if "│" in line and " b " in line)
-    assert "best a" in text
+    row_a = row(text, "a")
+    assert row_a.startswith("★ a") and "███··" in row_a and "6/10" in row_a and "4/2/0" in row_a
+    assert "run 2 wait" not in text  # the load is --wide's
+    assert "·····" in row(text, "b")
+    assert "best a" in text.splitlines()[0]  # the heading, above the table
+    wide = plain(*render_residency(answer(), width=5, wide=True))
+    assert "run 2 wait 1 kv 25% (0.5s old, push)" in row(wide, "a")
     short = plain(*render_residency(answer(num_blocks=0)))
     assert "shorter than one block" in short
 
 
-def test_render_score_has_every_term() -> None:
-    text = plain(render_score(answer()))
-    header = next(line for line in text.splitlines() if "replica" in line)
-    assert all(name in header for name in ("cache", "load", "score"))
+def test_fit_strip_fills_the_terminal_up_to_the_strip_width() -> None:
+    long = answer(num_blocks=200)
+    for columns in (60, 80, 100):
+        console = Console(file=io.StringIO(), width=columns)
+        cells = fit_strip(console, long)
+        assert 8 <= cells < STRIP_WIDTH
+        lines = on_terminal(columns, *render_residency(long, cells))
+        table = lines[1:-2]  # between the heading and the legend
+        assert max(len(line) for line in table) <= columns
+        assert max(len(line) for line in table) > columns - 3  # and nearly fills it
+    assert fit_strip(make_console(io.StringIO()), long) == STRIP_WIDTH  # piped
+
+
+def test_render_score_shows_the_key_columns() -> None:
+    text = plain(*render_score(answer()))
+    header = text.splitlines()[1]
+    assert header.split() == ["replica", "matched", "fresh", "load", "score"]
+    row_a = row(text, "a")
+    assert "6 blk / 96 tok" in row_a and "live lag 0.25s" in row_a
+    assert "run 2 wait 1 kv 25%" in row_a and "old" not in row_a and row_a.endswith("0.5")
     assert "-0 " not in text  # negative zero is shown as 0
     degraded = answer()
     degraded.degraded = "index store unavailable"
-    assert "DEGRADED: index store unavailable" in plain(render_score(degraded))
+    assert "DEGRADED: index store unavailable" in plain(*render_score(degraded))
 
 
-def test_render_replicas_and_stats() -> None:
+def test_render_score_wide_has_every_term() -> None:
+    text = plain(*render_score(answer(), wide=True))
+    header = text.splitlines()[1].split()
+    columns = ["replica", "rank", "gpu/cpu/other", "matched", "fresh", "load"]
+    assert header == [*columns, "cache", "load", "score"]  # every term, sorted, then the score
+    assert "(0.5s old, push)" in row(text, "a")
+
+
+def test_score_at_100_columns_is_one_line_per_candidate() -> None:
+    """Long model and replica names, a routed count: still one line each, nothing cut."""
+    busy = LoadView(12, 30, 0.97, 1.25, "scrape", routed=12)
+    fleet = answer()
+    fleet.model = "meta-llama/Llama-3.1-70B-Instruct"
+    fleet.scores = [
+        entry(f"vllm-replica-{i:02d}", 6 - i, {"gpu": 6 - i}, 0.123456 * i) for i in range(6)
+    ]
+    for candidate in fleet.scores:
+        candidate.load = busy
+        candidate.freshness = FreshnessView("replaying", 12.5, 3.0)
+    fleet.best = fleet.scores[0].replica
+    lines = on_terminal(100, *render_score(fleet))
+    assert max(len(line) for line in lines) <= 100 and "…" not in "".join(lines)
+    body = lines[next(i for i, line in enumerate(lines) if set(line) == {"─"}) + 1 :]
+    assert len(body) == len(fleet.scores)
+    for line, candidate in zip(body, fleet.scores, strict=True):
+        assert line[2:].startswith(candidate.replica)
+        assert "run 12 wait 30 kv 97% +12 routed" in line and "replaying lag 12.50s" in line
+
+
+def test_render_replicas_one_table_per_model() -> None:
     stream = StreamView(0, LIVE, False, 42, {"gpu": 7, "cpu": 1, "other": 0}, {})
     views = [
-        ReplicaView("r1", "m", None, None, None, 1, "live", [stream], None),
+        ReplicaView("r1", "m", "tcp://h:5557", None, "http://h:8000", 1, "live", [stream], None),
         ReplicaView("r2", "m", None, None, None, 1, "stale", [], None),
+        ReplicaView("r3", "other/model", None, None, None, 1, "live", [], None),
     ]
-    text = plain(render_replicas(views))
-    assert "0: seq 42, 7/1/0, lag 0.25s, disconnected" in text
-    assert "(no events yet)" in text
+    text = plain(*render_replicas(views))
+    lines = text.splitlines()
+    assert "m · 2 replicas" in lines and "other/model · 1 replica" in lines
+    r1 = next(line for line in lines if line.startswith("r1 "))
+    assert "0: seq 42, 7/1/0, lag 0.25s, disconnected" in r1
+    assert "(no events yet)" in next(line for line in lines if line.startswith("r2 "))
+    assert "http://h:8000" not in text
+    wide = plain(*render_replicas(views, wide=True))
+    assert "http://h:8000" in wide and "tcp://h:5557" in wide
+    assert plain(*render_replicas([])).strip() == "no replicas registered"
+
+
+def test_render_stats() -> None:
     stats = plain(render_stats({"replicas": 2, "blocks": {"gpu": 9, "cpu": 0}}))
     assert "gpu 9 · cpu 0" in stats
-
-
-def test_console_has_no_colour_off_a_tty(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("NO_COLOR", raising=False)
-    console = make_console()  # pytest captures stdout: not a TTY
-    assert (console.is_terminal, console.no_color) == (False, True)
 
 
 # --- prompt files -----------------------------------------------------------------------------

@@ -1,0 +1,107 @@
+"""The indexer's periodic status line (clients/cli/status.py), without an indexer."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+
+from kvindex.clients.cli.status import MAX_NAMED, FleetStatus, StatusLog, status_line
+from kvindex.indexer.events import Tier
+from kvindex.indexer.fleet.registry import Freshness
+
+
+def fleet(live: int = 2, stale: tuple[str, ...] = ("r3/0",), num_batches: int = 100) -> FleetStatus:
+    return FleetStatus(
+        streams_by_freshness={
+            Freshness.LIVE: [f"r{i + 1}/0" for i in range(live)],
+            Freshness.REPLAYING: [],
+            Freshness.STALE: list(stale),
+        },
+        blocks_by_tier={Tier.GPU: 1204, Tier.CPU: 16, Tier.OTHER: 0},
+        num_batches=num_batches,
+        num_gaps=2,
+        num_replays=1,
+        num_restarts=0,
+        num_errors=3,
+        max_lag_s=0.0123,
+    )
+
+
+def test_the_line_has_every_total() -> None:
+    assert status_line(fleet(), 41.25) == (
+        "3 streams: 2 live, 0 replaying, 1 stale (r3/0) · blocks gpu 1,204 cpu 16 other 0"
+        " · 41.2 batches/s · lag max 0.012s · gaps 2 · replays 1 · restarts 0 · errors 3"
+    )
+
+
+def test_the_line_before_any_batch_or_rate() -> None:
+    empty = FleetStatus(
+        {state: [] for state in Freshness}, dict.fromkeys(Tier, 0), 0, 0, 0, 0, 0, None
+    )
+    line = status_line(empty, None)
+    assert line.startswith("0 streams: 0 live, 0 replaying, 0 stale · blocks gpu 0")
+    assert "- batches/s · lag max -" in line
+    one = status_line(fleet(live=1, stale=()), None)
+    assert one.startswith("1 stream: 1 live,")
+
+
+def test_streams_that_are_not_live_are_named_up_to_a_limit() -> None:
+    stale = tuple(f"s{i}/0" for i in range(MAX_NAMED + 2))
+    line = status_line(fleet(live=0, stale=stale), 0.0)
+    shown = ", ".join(stale[:MAX_NAMED])
+    assert f"{len(stale)} stale ({shown}, +2)" in line
+    assert "\n" not in line
+
+
+def test_the_rate_is_over_the_time_since_the_previous_line() -> None:
+    now, batches = [0.0], [0]
+    log = StatusLog(lambda: fleet(num_batches=batches[0]), 5.0, clock=lambda: now[0])
+    assert "- batches/s" in log.line()  # no previous line: no rate
+    now[0], batches[0] = 10.0, 250
+    assert "25.0 batches/s" in log.line()
+    now[0] = 15.0
+    assert "0.0 batches/s" in log.line()
+
+
+def test_one_log_record_per_period_until_left(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kvindex.status")
+    before = set(threading.enumerate())
+    with StatusLog(fleet, 0.02):
+        deadline = time.monotonic() + 5
+        while len(caplog.records) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert set(threading.enumerate()) <= before  # the thread is joined
+    records = [r for r in caplog.records if r.name == "kvindex.status"]
+    assert len(records) >= 3
+    assert all(r.levelno == logging.INFO and "\n" not in r.getMessage() for r in records)
+    assert records[0].getMessage().startswith("3 streams: 2 live")
+
+
+def test_no_thread_when_the_period_is_zero(caplog: pytest.LogCaptureFixture) -> None:
+    before = set(threading.enumerate())
+    with StatusLog(fleet, 0):
+        assert set(threading.enumerate()) <= before
+    assert not caplog.records
+
+
+def test_a_failing_read_costs_a_line_not_the_thread(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kvindex.status")
+    calls = [0]
+
+    def flaky() -> FleetStatus:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise ConnectionError("redis down")
+        return fleet()
+
+    with StatusLog(flaky, 0.02):
+        deadline = time.monotonic() + 5
+        while len(caplog.records) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    first, second = caplog.records[:2]
+    assert first.levelno == logging.WARNING
+    assert first.getMessage() == "status unavailable: ConnectionError: redis down"
+    assert second.levelno == logging.INFO
