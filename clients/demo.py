@@ -40,7 +40,7 @@ from kvindex.api.app import ApiDeps, create_app
 from kvindex.api.background import BackgroundServer, ServerStartError
 from kvindex.api.load.store import MemoryLoadStore
 from kvindex.api.settings import ApiSettings
-from kvindex.clients.cli.console import ProgressBars, column, make_table
+from kvindex.clients.console import ProgressBars, column, make_table
 from kvindex.clients.fake_vllm.replica import (
     VOCAB_SIZE,
     ReplicaSim,

@@ -15,9 +15,9 @@ from kvindex.api.server import serve as run_server
 from kvindex.api.server import serve_api
 from kvindex.api.settings import load_api_settings
 from kvindex.clients.cli.check_hash import check_hash_command
-from kvindex.clients.cli.console import make_console
 from kvindex.clients.cli.status import FleetStatus, StatusLog
 from kvindex.clients.cli.views import register_views
+from kvindex.clients.console import make_console
 from kvindex.clients.demo import DemoSettings, demo_main
 from kvindex.clients.fake_vllm.replica import ReplicaSim, ReplicaSimError, ReplicaSimSettings
 from kvindex.clients.simulate.fleet import FleetSettings

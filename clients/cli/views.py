@@ -5,7 +5,7 @@ itself): call the API, then render the answer with rich, or print it as JSON (``
 the API's own body, re-encoded, stable for scripts). The rendering helpers are pure
 functions of the API's types, so they are tested without a server.
 
-Tables are printed on the one console of :mod:`kvindex.clients.cli.console`: fitted to a
+Tables are printed on the one console of :mod:`kvindex.clients.console`: fitted to a
 terminal (``score``: one line per candidate at 100 columns; ``--wide`` for every column),
 whole rows with whole values when piped, colour only on a terminal without ``NO_COLOR``.
 Every client failure becomes a one-line :class:`click.ClickException` (exit 1)
@@ -30,7 +30,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvindex.api.schemas import FreshnessView, LoadView, ReplicaView, ScoreEntry, ScoreResponse
-from kvindex.clients.cli.console import column, make_console, make_table, natural_width
+from kvindex.clients.console import column, make_console, make_table, natural_width
 from kvindex.clients.http import KvIndexClient, KvIndexClientError, UnreachableError
 
 __all__ = [
@@ -324,7 +324,7 @@ def _show(
     value: Any, as_json: bool, render: Callable[[Console], list[Any]], *, wide: bool = False
 ) -> None:
     """A view command's output: ``value`` as JSON, or what ``render`` draws of it for the
-    console it is given (the one console of :mod:`kvindex.clients.cli.console`; ``wide``:
+    console it is given (the one console of :mod:`kvindex.clients.console`; ``wide``:
     rows as long as their content, on a terminal too)."""
     if as_json:
         click.echo(msgspec.json.format(msgspec.json.encode(value), indent=2))

@@ -30,7 +30,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kvindex.clients.cli.console import ProgressBars, column, make_table
+from kvindex.clients.console import ProgressBars, column, make_table
 from kvindex.clients.fake_vllm.replica import BlockCache
 from kvindex.clients.simulate.fleet import (
     FleetResult,

@@ -19,7 +19,6 @@ from kvindex.api.schemas import (
     ScoreResponse,
     StreamView,
 )
-from kvindex.clients.cli.console import make_console
 from kvindex.clients.cli.views import (
     STRIP_WIDTH,
     block_kinds,
@@ -36,6 +35,7 @@ from kvindex.clients.cli.views import (
     render_stats,
     residency_strip,
 )
+from kvindex.clients.console import make_console
 
 LIVE = FreshnessView("live", 0.25, 1.0)
 

@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 from rich.table import Table
 
-from kvindex.clients.cli.console import (
+from kvindex.clients.console import (
     PIPE_WIDTH,
     ProgressBars,
     column,
