@@ -42,11 +42,11 @@ from kvindex.api.schemas import (
 from kvindex.api.score import RequestError, Scorer, UnknownModelError
 from kvindex.api.settings import ApiSettings
 from kvindex.api.tokenize import Tokenizer, TokenizerError, TokenizerSpec, build_tokenizer
-from kvindex.indexer.errors import KvIndexError
+from kvindex.indexer.errors import KvIndexError, SettingsError
 from kvindex.indexer.events import Tier
 from kvindex.indexer.fleet.registry import RegistryView, StreamStatus
+from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.protocol import BlockIndex, IndexUnavailableError, drop_replica
-from kvindex.indexer.settings import ReplicaSpec, SettingsError
 
 T = TypeVar("T")
 _JSON = "application/json"

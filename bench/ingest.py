@@ -53,11 +53,12 @@ from workload import MODEL, Workload, WorkloadConfig, build_workload
 from kvindex.clients.fake_vllm.publisher import Encoding
 from kvindex.indexer.events import StreamId
 from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.index.redis import RedisIndex, connect
 from kvindex.indexer.redis_schema import Schema
-from kvindex.indexer.settings import IndexerSettings, ReplicaSpec
+from kvindex.indexer.settings import IndexerSettings
 from kvindex.indexer.subscriber import Subscriber
 
 FULL_ENTRIES = 1_000_000

@@ -95,12 +95,12 @@ from kvindex.api.score import Scorer
 from kvindex.api.settings import ApiSettings
 from kvindex.indexer.events import StreamId
 from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import BatchOps, BlockIndex
 from kvindex.indexer.index.redis import RedisIndex, connect
 from kvindex.indexer.keys import block_keys
 from kvindex.indexer.redis_schema import Schema
-from kvindex.indexer.settings import ReplicaSpec
 
 FULL_BLOCKS = 1_000_000
 QUICK_BLOCKS = 131_072

@@ -50,9 +50,10 @@ from kvindex.clients.fake_vllm.replica import (
 from kvindex.clients.http import AsyncKvIndexClient
 from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.events import StreamId
+from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.service import IndexerService
-from kvindex.indexer.settings import IndexerSettings, ReplicaSpec
+from kvindex.indexer.settings import IndexerSettings
 
 POLICIES = ("round_robin", "kv_aware")
 """Compared in this order, each on a fresh fleet."""

@@ -28,13 +28,15 @@ from dataclasses import dataclass, field
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from kvindex.indexer.errors import SettingsError
 from kvindex.indexer.events import EventBatch, StreamId, Topic
 from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.protocol import BlockIndex, IndexUnavailableError, drop_replica
 from kvindex.indexer.ingest import Ingestor, IngestReport
 from kvindex.indexer.redis_schema import SchemaError, check_name
 from kvindex.indexer.replay import ReplaySession
-from kvindex.indexer.settings import IndexerSettings, ReplicaSpec, SettingsError
+from kvindex.indexer.settings import IndexerSettings
 from kvindex.indexer.stream import Step, StreamTracker
 from kvindex.indexer.wire import WireError, decode_live
 

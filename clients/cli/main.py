@@ -27,8 +27,9 @@ from kvindex.clients.simulate.run import DEFAULT_POLICIES, SimulateSettings, sim
 from kvindex.clients.workloads import WORKLOADS, GeneratorSettings, read_trace
 from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.events import Tier
+from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.service import IndexerService
-from kvindex.indexer.settings import IndexerSettings, ReplicaSpec, load_settings, read_toml
+from kvindex.indexer.settings import IndexerSettings, load_settings, read_toml
 
 _console = Console()
 _DEMO = DemoSettings()

@@ -47,9 +47,10 @@ from kvindex.clients.fake_vllm.replica import BlockCache
 from kvindex.clients.simulate.fleet import FleetSettings, Job, ReplicaLoad, SimulationError
 from kvindex.indexer.events import Event, StreamId, Tier
 from kvindex.indexer.fleet.registry import Freshness, Registry
+from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.service import IndexerService
-from kvindex.indexer.settings import IndexerSettings, ReplicaSpec
+from kvindex.indexer.settings import IndexerSettings
 from kvindex.indexer.subscriber import Subscriber
 
 ORACLE = "oracle"

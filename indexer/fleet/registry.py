@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol
 
 from kvindex.indexer.events import StreamId
-from kvindex.indexer.settings import ReplicaSpec
+from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.stream import StreamCounters
 
 

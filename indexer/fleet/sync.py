@@ -26,8 +26,8 @@ import redis
 
 from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.fleet.registry import LiveState, Registry
+from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.redis_schema import FLEET_MARKER, Schema
-from kvindex.indexer.settings import ReplicaSpec
 
 log = logging.getLogger("kvindex.fleet")
 

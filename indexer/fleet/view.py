@@ -27,10 +27,10 @@ from kvindex.indexer.fleet.registry import (
     most_common,
     snapshot,
 )
+from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.fleet.sync import decode_record, decode_spec, encode_spec, read_replicas
 from kvindex.indexer.index.redis import unavailable_on_connection_errors
 from kvindex.indexer.redis_schema import Schema, check_name
-from kvindex.indexer.settings import ReplicaSpec
 
 log = logging.getLogger("kvindex.fleet")
 

@@ -14,10 +14,10 @@ import redis
 
 from kvindex.indexer.events import StreamId
 from kvindex.indexer.fleet.registry import Freshness, Registry, RegistryView
+from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.fleet.sync import FleetSync
 from kvindex.indexer.fleet.view import RedisFleetView
 from kvindex.indexer.redis_schema import Schema
-from kvindex.indexer.settings import ReplicaSpec
 
 BACKENDS = ("memory", "fakeredis", "redis")
 R1 = ReplicaSpec("r1", "m", events="tcp://127.0.0.1:5557")

@@ -27,9 +27,9 @@ from kvindex.api.schemas import ScoreEntry, ScoreResponse
 from kvindex.api.settings import ApiSettings
 from kvindex.indexer.events import BlockStored, EventBatch, ExtraKeys, StreamId, Tier
 from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.ingest import Ingestor
-from kvindex.indexer.settings import ReplicaSpec
 
 MODEL = "demo-model"
 BLOCK = 16

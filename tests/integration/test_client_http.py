@@ -37,9 +37,9 @@ from kvindex.clients.http import (
 )
 from kvindex.indexer.events import BlockStored, EventBatch, StreamId, Tier
 from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.ingest import Ingestor
-from kvindex.indexer.settings import ReplicaSpec
 
 MODEL = "demo-model"
 BLOCK = 8

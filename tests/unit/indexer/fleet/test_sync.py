@@ -8,11 +8,11 @@ import fakeredis
 import pytest
 
 from kvindex.indexer.fleet.registry import Freshness, LiveState, Registry
+from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.fleet.sync import FleetSync, StreamRecord, encode_record, encode_spec
 from kvindex.indexer.fleet.view import RedisFleetView
 from kvindex.indexer.index.protocol import IndexUnavailableError
 from kvindex.indexer.redis_schema import Schema
-from kvindex.indexer.settings import ReplicaSpec
 
 SCHEMA = Schema("test")
 R1 = ReplicaSpec("r1", "m", events="tcp://127.0.0.1:5557")
