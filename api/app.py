@@ -9,7 +9,6 @@ failure → 502, an unreachable store → 503 (``/score`` instead answers from l
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -44,8 +43,9 @@ from kvindex.api.settings import ApiSettings
 from kvindex.api.tokenize import Tokenizer, TokenizerError, TokenizerSpec, build_tokenizer
 from kvindex.indexer.errors import KvIndexError, SettingsError
 from kvindex.indexer.events import Tier
-from kvindex.indexer.fleet.registry import RegistryView, StreamStatus
+from kvindex.indexer.fleet.registry import RegistryView, StreamStatus, fleet_totals
 from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.health import StreamCounters
 from kvindex.indexer.index.protocol import BlockIndex, IndexUnavailableError, drop_replica
 
 T = TypeVar("T")
@@ -421,21 +421,17 @@ async def _call(state: _AppState, fn: Callable[..., T], *args: Any) -> T:
 
 
 def _stats(state: _AppState) -> StatsView:
-    registry, index = state.deps.registry, state.index
-    by_tier = dict.fromkeys((t.name.lower() for t in Tier), 0)
-    for status in registry.statuses():
-        for tier, count in index.stats(status.stream).blocks_by_tier.items():
-            by_tier[tier.name.lower()] += count
-    statuses = registry.statuses()
+    totals = fleet_totals(state.deps.registry, state.index)
+    counters = totals.counters
     return StatsView(
-        replicas=len(registry.replicas()),
-        streams=len(statuses),
-        blocks=by_tier,
-        batches=sum(s.counters.num_batches for s in statuses),
-        gaps=sum(s.counters.num_gaps for s in statuses),
-        replays=sum(s.counters.num_replays for s in statuses),
-        restarts=sum(s.counters.num_restarts for s in statuses),
-        decode_errors=sum(s.num_decode_errors for s in statuses),
+        replicas=totals.num_replicas,
+        streams=totals.num_streams,
+        blocks={t.name.lower(): count for t, count in totals.blocks_by_tier.items()},
+        batches=counters.num_batches,
+        gaps=counters.num_gaps,
+        replays=counters.num_replays,
+        restarts=counters.num_restarts,
+        decode_errors=counters.num_decode_errors,
     )
 
 
@@ -469,16 +465,32 @@ async def _replica_views(state: _AppState) -> list[ReplicaView]:
 
 def _stream_view(index: BlockIndex, status: StreamStatus) -> StreamView:
     stats = index.stats(status.stream)
-    counters = dataclasses.asdict(status.counters)
+    health = status.health
     return StreamView(
         rank=status.stream.rank,
-        freshness=FreshnessView(status.freshness.value, status.lag_s, status.silent_s),
-        connected=status.connected,
-        last_seq=status.last_seq,
+        freshness=FreshnessView(status.freshness.value, health.lag_s, status.silent_s),
+        connected=health.connected,
+        last_seq=health.last_seq,
         blocks={t.name.lower(): stats.blocks_by_tier.get(t, 0) for t in Tier},
-        counters=counters
-        | {"decode_errors": status.num_decode_errors, "store_errors": status.num_store_errors},
+        counters=_counters_view(health),
     )
+
+
+def _counters_view(counters: StreamCounters) -> dict[str, int]:
+    """The counters ``GET /replicas`` shows for a stream (names kept as first served)."""
+    return {
+        "num_batches": counters.num_batches,
+        "num_gaps": counters.num_gaps,
+        "num_unrepaired_gaps": counters.num_unrepaired_gaps,
+        "num_replays": counters.num_replays,
+        "num_replay_failures": counters.num_replay_failures,
+        "num_replay_truncated": counters.num_replay_truncated,
+        "num_restarts": counters.num_restarts,
+        "num_duplicates": counters.num_duplicates,
+        "num_rebuilds": counters.num_rebuilds,
+        "decode_errors": counters.num_decode_errors,
+        "store_errors": counters.num_store_errors,
+    }
 
 
 def _worst(states: list[str]) -> str:

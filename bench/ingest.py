@@ -52,7 +52,7 @@ from workload import MODEL, Workload, WorkloadConfig, build_workload
 
 from kvindex.clients.fake_vllm.publisher import Encoding
 from kvindex.indexer.events import StreamId
-from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.fleet.registry import Registry, fleet_totals
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import BlockIndex
@@ -222,16 +222,16 @@ def check(index: BlockIndex, registry: Registry, workload: Workload) -> dict[str
             mismatched.append(trace.replica)
             log.warning("%s: index holds %d blocks, the simulated cache %d",
                         trace.replica, held, trace.num_resident_blocks)  # fmt: skip
-    statuses = registry.statuses()
-    applied = sum(s.counters.num_batches for s in statuses)
+    counters = fleet_totals(registry).counters
+    applied = counters.num_batches
     if applied != len(workload.frames):
         log.warning("%d of %d batches were applied", applied, len(workload.frames))
     return {
         "entries": entries,
         "consistent": not mismatched and applied == len(workload.frames),
-        "orphan_stores": sum(s.num_orphan_stores for s in statuses),
-        "unknown_removals": sum(s.num_unknown_removals for s in statuses),
-        "gaps": sum(s.counters.num_gaps for s in statuses),
+        "orphan_stores": counters.num_orphan_stores,
+        "unknown_removals": counters.num_unknown_removals,
+        "gaps": counters.num_gaps,
     }
 
 

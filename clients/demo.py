@@ -306,12 +306,14 @@ def _wait_live(service: IndexerService, sim: ReplicaSim) -> None:
     def applied(seq: int) -> Callable[[], bool]:
         def check() -> bool:
             status = service.registry.status(stream)
-            return status is not None and status.connected and status.last_seq >= seq
+            return status is not None and status.health.connected and status.health.last_seq >= seq
 
         return check
 
     assert sim.publisher is not None, "sim not started"
-    _wait(lambda: (s := service.registry.status(stream)) is not None and s.connected, "connect")
+    _wait(
+        lambda: (s := service.registry.status(stream)) is not None and s.health.connected, "connect"
+    )
     _wait(applied(sim.publisher.publish([])), f"{stream} first batch")
 
 

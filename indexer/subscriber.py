@@ -32,8 +32,9 @@ from kvindex.indexer.errors import SettingsError
 from kvindex.indexer.events import EventBatch, StreamId, Topic
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index.protocol import BlockIndex, IndexUnavailableError, drop_replica
-from kvindex.indexer.ingest import Ingestor, IngestReport
+from kvindex.indexer.ingest import Ingestor
 from kvindex.indexer.redis_schema import SchemaError, check_name
 from kvindex.indexer.replay import ReplaySession
 from kvindex.indexer.settings import IndexerSettings
@@ -57,6 +58,8 @@ class _Runtime:
     model: str
     tracker: StreamTracker
     replay_endpoint: str | None
+    report: StreamReport
+    """What to tell the registry next; the tracker counts into it too."""
     session: ReplaySession | None = None
     last_rebuild: float = float("-inf")
     broken: bool = False
@@ -64,8 +67,6 @@ class _Runtime:
     pending: list[EventBatch] = field(default_factory=list)
     """In-order live batches not yet applied (flushed at the end of a socket drain)."""
     queued: bool = False
-    reported_replaying: bool = False
-    block_size: int = 0
     logged: set[str] = field(default_factory=set)
 
 
@@ -246,21 +247,34 @@ class Subscriber:
         if runtime is not None:
             return runtime
         replay = spec.replay_for_rank(stream.rank)
-        tracker = self._new_tracker(stream, can_replay=replay is not None)
-        runtime = _Runtime(stream, spec.model, tracker, replay)
+        report = StreamReport()
+        tracker = self._new_tracker(stream, can_replay=replay is not None, report=report)
+        runtime = _Runtime(stream, spec.model, tracker, replay, report)
         self._runtimes[stream] = runtime
-        self._registry.update(stream, counters=tracker.counters)
+        self._registry.record(stream, report)  # an empty report: the record exists from now
         return runtime
 
-    def _new_tracker(self, stream: StreamId, *, can_replay: bool) -> StreamTracker:
+    def _new_tracker(
+        self, stream: StreamId, *, can_replay: bool, report: StreamReport
+    ) -> StreamTracker:
         """A tracker that starts from what the index already holds (indexer restart)."""
         try:
             stats = self._index.stats(stream)
         except IndexUnavailableError:
-            return StreamTracker(can_replay=can_replay)
+            return StreamTracker(can_replay=can_replay, counters=report)
         return StreamTracker(
-            can_replay=can_replay, watermark=stats.watermark, last_ts=stats.last_event_ts
+            can_replay=can_replay,
+            watermark=stats.watermark,
+            last_ts=stats.last_event_ts,
+            counters=report,
         )
+
+    def _record(self, runtime: _Runtime) -> None:
+        """Hand the stream's report to the registry; the tracker counts into a fresh one."""
+        report = runtime.report
+        report.replaying = runtime.tracker.replaying
+        runtime.report = runtime.tracker.counters = StreamReport()
+        self._registry.record(runtime.stream, report)
 
     # --- live messages -------------------------------------------------------------------
 
@@ -281,22 +295,24 @@ class Subscriber:
         """Live messages in arrival order, as drained from one socket.
 
         In-order batches of a stream are applied together (one index round trip); anything
-        else (a gap, a restart) first flushes what is pending, then is carried out.
+        else (a gap, a restart) first flushes what is pending, then is carried out. Each
+        stream touched is reported to the registry once, at the end.
         """
         touched: list[_Runtime] = []
         for frames in messages:
             try:
                 message = decode_live(frames)
             except WireError as exc:
-                self._bad_frame(stream, exc)
-                continue
-            runtime = self._on_batch(stream, message.topic, message.batch)
-            if runtime is not None and runtime.pending and not runtime.queued:
+                runtime = self._bad_frame(stream, exc)
+            else:
+                runtime = self._on_batch(stream, message.topic, message.batch)
+            if runtime is not None and not runtime.queued:
                 runtime.queued = True
                 touched.append(runtime)
         for runtime in touched:
             runtime.queued = False
             self._flush(runtime)
+            self._record(runtime)
 
     def _on_batch(self, stream: StreamId | None, topic: str, batch: EventBatch) -> _Runtime | None:
         runtime = self._runtime_for(stream, topic, batch)
@@ -313,20 +329,21 @@ class Subscriber:
             runtime.pending.extend(step.batches)
         return runtime
 
-    def _bad_frame(self, stream: StreamId | None, exc: WireError) -> None:
+    def _bad_frame(self, stream: StreamId | None, exc: WireError) -> _Runtime | None:
         runtime = None if stream is None else self._runtimes.get(stream)
         if runtime is None:
             self.counters.num_undecodable += 1
             if self.counters.num_undecodable == 1:
                 log.warning("undecodable frame on the bound SUB (further ones counted): %s", exc)
-            return
-        self._registry.count(runtime.stream, num_decode_errors=1)
+            return None
+        runtime.report.num_decode_errors += 1
         self._log_once(runtime, "decode", "undecodable frame (further ones counted): %s", exc)
         if exc.seq is not None:
             # Only the payload was bad: move past this seq rather than replay it forever.
             skipped = EventBatch(exc.seq, _UNKNOWN_TS, runtime.stream.rank, ())
             self._on_batch(runtime.stream, "", skipped)
             self._flush(runtime)
+        return runtime
 
     def _runtime_for(
         self, stream: StreamId | None, topic: str, batch: EventBatch
@@ -385,54 +402,48 @@ class Subscriber:
             log.info("stream %s cleared (engine restart or rebuild)", stream)
         runtime.pending.extend(step.batches)
         self._flush(runtime)
-        if runtime.broken:
-            return
-        if step.replay_from is not None:
+        if not runtime.broken and step.replay_from is not None:
             self._start_replay(runtime, step.replay_from)
-        replaying = runtime.tracker.replaying
-        if replaying != runtime.reported_replaying:
-            runtime.reported_replaying = replaying
-            self._registry.update(stream, replaying=replaying)
 
     def _flush(self, runtime: _Runtime) -> None:
         """Apply the stream's pending batches in one index call."""
         batches = runtime.pending
-        if not batches or runtime.broken:
-            runtime.pending = []
+        if not batches:
             return
         runtime.pending = []
+        if runtime.broken:
+            return
+        report = runtime.report
+        num_orphans = report.num_orphan_stores
         try:
-            report = self._ingestor.apply_many(runtime.stream, runtime.model, batches)
+            self._ingestor.apply_many(runtime.stream, runtime.model, batches, report)
         except IndexUnavailableError as exc:
             self._store_failed(runtime, exc)
             return
         last = batches[-1]
-        self._registry.heard(runtime.stream, seq=last.seq, engine_ts=last.ts)
-        if report.block_size and report.block_size != runtime.block_size:
-            runtime.block_size = report.block_size
-            self._registry.update(runtime.stream, block_size=report.block_size)
-        self._count(runtime, report)
-        if report.num_orphan_stores and not runtime.tracker.replaying:
-            self._maybe_rebuild(runtime)
-
-    def _count(self, runtime: _Runtime, report: IngestReport) -> None:
-        if not (
+        report.last_seq = last.seq
+        report.last_event_ts = last.ts
+        if (
             report.num_orphan_stores
             or report.num_unknown_removals
             or report.num_misaligned_events
             or report.num_bad_events
         ):
-            return
-        amounts = {
-            "num_orphan_stores": report.num_orphan_stores,
-            "num_unknown_removals": report.num_unknown_removals,
-            "num_misaligned_events": report.num_misaligned_events,
-            "num_bad_events": report.num_bad_events,
-        }
-        nonzero = {k: v for k, v in amounts.items() if v}
-        self._registry.count(runtime.stream, **nonzero)
+            self._log_problems(runtime, report)
+        if report.num_orphan_stores > num_orphans and not runtime.tracker.replaying:
+            self._maybe_rebuild(runtime)
+
+    def _log_problems(self, runtime: _Runtime, report: StreamReport) -> None:
         self._log_once(
-            runtime, "report", "stream %s: %s (further ones counted)", runtime.stream, nonzero
+            runtime,
+            "report",
+            "stream %s: %d orphan stores, %d unknown removals, %d misaligned and %d bad "
+            "events (further ones counted)",
+            runtime.stream,
+            report.num_orphan_stores,
+            report.num_unknown_removals,
+            report.num_misaligned_events,
+            report.num_bad_events,
         )
 
     def _maybe_rebuild(self, runtime: _Runtime) -> None:
@@ -449,7 +460,7 @@ class Subscriber:
     def _store_failed(self, runtime: _Runtime, exc: IndexUnavailableError) -> None:
         runtime.broken = True
         self._end_session(runtime)
-        self._registry.count(runtime.stream, num_store_errors=1)
+        runtime.report.num_store_errors += 1
         log.warning("stream %s: index store unavailable, will resync: %s", runtime.stream, exc)
 
     def _log_once(self, runtime: _Runtime, kind: str, message: str, *args: object) -> None:
@@ -482,8 +493,7 @@ class Subscriber:
         runtime.session = None
         self._poller.unregister(session.socket)
         self._session_of.pop(session.socket, None)
-        if session.num_bad_frames:
-            self._registry.count(runtime.stream, num_decode_errors=session.num_bad_frames)
+        runtime.report.num_decode_errors += session.num_bad_frames
         session.close()
 
     def _on_replay_readable(self, stream: StreamId) -> None:
@@ -494,10 +504,11 @@ class Subscriber:
             if reply.batch is None:
                 self._end_session(runtime)
                 self._execute(runtime, runtime.tracker.on_replay_end())
-                return
+                break
             self._execute(runtime, runtime.tracker.on_replay(reply.batch))
             if runtime.broken:
-                return
+                break
+        self._record(runtime)
 
     def _expire_replays(self) -> None:
         for runtime in list(self._runtimes.values()):
@@ -505,6 +516,7 @@ class Subscriber:
                 log.warning("stream %s: replay timed out", runtime.stream)
                 self._end_session(runtime)
                 self._execute(runtime, runtime.tracker.on_replay_failed())
+                self._record(runtime)
 
     # --- connection monitor --------------------------------------------------------------
 
@@ -518,13 +530,15 @@ class Subscriber:
             if runtime is None:
                 continue
             if event["event"] == zmq.EVENT_CONNECTED:
-                self._registry.update(stream, connected=True, disconnected_at=None)
+                runtime.report.connected = True
                 runtime.purged = False
                 log.info("stream %s: connected; resyncing", stream)
                 self._execute(runtime, runtime.tracker.resync())
+                self._record(runtime)
             elif event["event"] == zmq.EVENT_DISCONNECTED:
-                self._registry.update(stream, connected=False, disconnected_at=time.time())
+                runtime.report.connected = False
                 log.warning("stream %s: disconnected", stream)
+                self._record(runtime)
 
     # --- periodic ------------------------------------------------------------------------
 
@@ -543,18 +557,19 @@ class Subscriber:
         runtime.tracker = tracker
         runtime.broken = False
         self._ingestor.forget(runtime.stream)
-        self._registry.update(runtime.stream, counters=tracker.counters)
         log.info("stream %s: index store reachable again; resyncing", runtime.stream)
         self._execute(runtime, tracker.resync())
+        self._record(runtime)
 
     def _new_tracker_strict(self, runtime: _Runtime) -> StreamTracker:
         stats = self._index.stats(runtime.stream)
         old = runtime.tracker
-        tracker = StreamTracker(
-            can_replay=old.can_replay, watermark=stats.watermark, last_ts=stats.last_event_ts
+        return StreamTracker(
+            can_replay=old.can_replay,
+            watermark=stats.watermark,
+            last_ts=stats.last_event_ts,
+            counters=runtime.report,
         )
-        tracker.counters = old.counters
-        return tracker
 
     def _maybe_purge(self, runtime: _Runtime) -> None:
         limit = self._settings.purge_after_s

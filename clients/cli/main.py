@@ -27,7 +27,9 @@ from kvindex.clients.simulate.run import DEFAULT_POLICIES, SimulateSettings, sim
 from kvindex.clients.workloads import WORKLOADS, GeneratorSettings, read_trace
 from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.events import Tier
+from kvindex.indexer.fleet.registry import fleet_totals
 from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.health import StreamCounters
 from kvindex.indexer.service import IndexerService
 from kvindex.indexer.settings import IndexerSettings, load_settings, read_toml
 
@@ -391,24 +393,23 @@ def _stats_table(service: IndexerService) -> Table:
         "errors",
     ):
         table.add_column(column)
-    for status in service.registry.statuses():
-        stats = service.index.stats(status.stream)
-        c = status.counters
-        errors = status.num_decode_errors + status.num_bad_events + status.num_store_errors
-        table.add_row(
-            str(status.stream),
-            status.freshness.value,
-            str(status.last_seq),
-            str(stats.blocks_by_tier[Tier.GPU]),
-            str(stats.blocks_by_tier[Tier.CPU]),
-            str(stats.blocks_by_tier[Tier.OTHER]),
-            "-" if status.lag_s is None else f"{status.lag_s:.3f}",
-            str(c.num_gaps),
-            str(c.num_replays),
-            str(c.num_restarts),
-            str(errors),
-        )
+    statuses = service.registry.statuses()
+    for status in statuses:
+        health = status.health
+        blocks = service.index.stats(status.stream).blocks_by_tier
+        lag = "-" if health.lag_s is None else f"{health.lag_s:.3f}"
+        cells = _stats_cells(blocks, lag, health)
+        table.add_row(str(status.stream), status.freshness.value, str(health.last_seq), *cells)
+    totals = fleet_totals(service.registry, service.index, statuses=statuses)
+    table.add_row("total", "", "", *_stats_cells(totals.blocks_by_tier, "", totals.counters))
     return table
+
+
+def _stats_cells(blocks: dict[Tier, int], lag: str, counters: StreamCounters) -> list[str]:
+    """Blocks by tier, lag and counters: the cells a stream and the total share."""
+    tiers = [blocks.get(t, 0) for t in (Tier.GPU, Tier.CPU, Tier.OTHER)]
+    counts = [counters.num_gaps, counters.num_replays, counters.num_restarts, counters.num_errors]
+    return [*map(str, tiers), lag, *map(str, counts)]
 
 
 register_views(main)  # residency, score, replicas, stats (clients/views.py)

@@ -48,6 +48,7 @@ from kvindex.clients.simulate.fleet import FleetSettings, Job, ReplicaLoad, Simu
 from kvindex.indexer.events import Event, StreamId, Tier
 from kvindex.indexer.fleet.registry import Freshness, Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.service import IndexerService
 from kvindex.indexer.settings import IndexerSettings
@@ -153,7 +154,7 @@ class IngestSink:
         self._topics = {r: f"kv@{r}@{fleet.model}".encode() for r in fleet.replica_ids()}
         self._seq: dict[str, int] = {}
         for rid in fleet.replica_ids():
-            self.registry.update(StreamId(rid), connected=True)
+            self.registry.record(StreamId(rid), StreamReport(connected=True))
 
     def emitted(self, replica: str, events: list[Event], now: float) -> None:
         self._delayed.push(replica, events, now)
@@ -212,7 +213,7 @@ class ZmqSink:
 
     def _applied(self, replica: str) -> int:
         status = self.registry.status(StreamId(replica))
-        return -1 if status is None else status.last_seq
+        return -1 if status is None else status.health.last_seq
 
     def emitted(self, replica: str, events: list[Event], now: float) -> None:
         self._delayed.push(replica, events, now)

@@ -7,10 +7,11 @@ from __future__ import annotations
 import fakeredis
 import pytest
 
-from kvindex.indexer.fleet.registry import Freshness, LiveState, Registry
+from kvindex.indexer.fleet.registry import Freshness, Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.fleet.sync import FleetSync, StreamRecord, encode_record, encode_spec
 from kvindex.indexer.fleet.view import RedisFleetView
+from kvindex.indexer.health import StreamHealth
 from kvindex.indexer.index.protocol import IndexUnavailableError
 from kvindex.indexer.redis_schema import Schema
 
@@ -85,8 +86,8 @@ def test_a_record_no_indexer_rewrites_is_stale() -> None:
     clock = Clock()
     view = RedisFleetView(client, SCHEMA, record_expiry_s=10.0, cache_ttl_s=0.0, clock=clock)
     view.add(R1)
-    live = LiveState(connected=True, last_heard=clock.now)
-    client.hset(SCHEMA.stream_status, "r1/0", encode_record(StreamRecord(live, clock.now)))
+    health = StreamHealth(connected=True, last_heard=clock.now)
+    client.hset(SCHEMA.stream_status, "r1/0", encode_record(StreamRecord(health, clock.now)))
     clock.now += 5.0
     assert [f.freshness for f in view.freshness()] == [Freshness.LIVE]
     clock.now += 6.0
