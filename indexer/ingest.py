@@ -5,7 +5,7 @@ key. The parent's key comes from, in order: a block stored earlier in the same e
 batch, a per-stream cache of recent engine hash → key mappings, the index itself. A store
 whose parent is unknown everywhere is an *orphan*: it is kept, chained from a root derived
 from the parent's engine hash (so removals and its descendants still apply, but it can never
-match a request by accident), counted, and reported so the subscriber can repair the stream
+match a request by accident), counted, and reported so the pipeline can repair the stream
 by replay.
 
 Consecutive batches of a stream are applied in one index call (:meth:`Ingestor.apply_many`);

@@ -19,18 +19,11 @@ from kvindex.indexer.fleet.sync import FleetSync
 from kvindex.indexer.fleet.view import RedisFleetView
 from kvindex.indexer.health import StreamReport
 from kvindex.indexer.redis_schema import Schema
+from tests.support.clock import Clock
 
 BACKENDS = ("memory", "fakeredis", "redis")
 R1 = ReplicaSpec("r1", "m", events="tcp://127.0.0.1:5557")
 R2 = ReplicaSpec("r2", "other", events="tcp://127.0.0.1:5567", dp_size=2)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass

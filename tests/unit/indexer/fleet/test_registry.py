@@ -8,16 +8,9 @@ from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import OpKind
+from tests.support.clock import Clock
 
 A0, A1, B0 = StreamId("a", 0), StreamId("a", 1), StreamId("b", 0)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_a_status_holds_a_copy_of_the_record() -> None:

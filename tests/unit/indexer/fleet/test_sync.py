@@ -14,17 +14,10 @@ from kvindex.indexer.fleet.view import RedisFleetView
 from kvindex.indexer.health import StreamHealth
 from kvindex.indexer.index.protocol import IndexUnavailableError
 from kvindex.indexer.redis_schema import Schema
+from tests.support.clock import Clock
 
 SCHEMA = Schema("test")
 R1 = ReplicaSpec("r1", "m", events="tcp://127.0.0.1:5557")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_declared_replicas_are_published_at_start() -> None:
