@@ -30,32 +30,20 @@ _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0
 
 _Counter = tuple[str, str, Callable[[StreamCounters], int]]
 _COUNTERS: tuple[_Counter, ...] = (
-    ("kvindex_batches", "Event batches applied", lambda c: c.num_batches),
-    ("kvindex_gaps", "Sequence gaps seen", lambda c: c.num_gaps),
-    (
-        "kvindex_unrepaired_gaps",
-        "Gaps that replay could not repair",
-        lambda c: c.num_unrepaired_gaps,
-    ),
-    ("kvindex_replays", "Replays requested", lambda c: c.num_replays),
-    (
-        "kvindex_replay_failures",
-        "Replays that timed out or failed",
-        lambda c: c.num_replay_failures,
-    ),
-    ("kvindex_engine_restarts", "Engine restarts detected (seq reset)", lambda c: c.num_restarts),
-    ("kvindex_duplicate_batches", "Duplicate batches dropped", lambda c: c.num_duplicates),
-    ("kvindex_decode_errors", "Undecodable frames", lambda c: c.num_decode_errors),
-    ("kvindex_bad_events", "Events skipped as malformed", lambda c: c.num_bad_events),
-    ("kvindex_store_errors", "Index store failures while ingesting", lambda c: c.num_store_errors),
-    (
-        "kvindex_orphan_stores",
-        "Stores whose parent block was unknown",
-        lambda c: c.num_orphan_stores,
-    ),
-    ("kvindex_unknown_removals", "Removals of blocks not held", lambda c: c.num_unknown_removals),
+    ("batches", "Event batches applied", lambda c: c.num_batches),
+    ("gaps", "Sequence gaps seen", lambda c: c.num_gaps),
+    ("unrepaired_gaps", "Gaps that replay could not repair", lambda c: c.num_unrepaired_gaps),
+    ("replays", "Replays requested", lambda c: c.num_replays),
+    ("replay_failures", "Replays that timed out or failed", lambda c: c.num_replay_failures),
+    ("engine_restarts", "Engine restarts detected (seq reset)", lambda c: c.num_restarts),
+    ("duplicate_batches", "Duplicate batches dropped", lambda c: c.num_duplicates),
+    ("decode_errors", "Undecodable frames", lambda c: c.num_decode_errors),
+    ("bad_events", "Events skipped as malformed", lambda c: c.num_bad_events),
+    ("store_errors", "Index store failures while ingesting", lambda c: c.num_store_errors),
+    ("orphan_stores", "Stores whose parent block was unknown", lambda c: c.num_orphan_stores),
+    ("unknown_removals", "Removals of blocks not held", lambda c: c.num_unknown_removals),
 )
-"""Per-stream counters: metric name, help, and where the stream's record holds it."""
+"""Per-stream counters ``kvindex_<name>``: name, help, and where the stream's record holds it."""
 
 
 class ApiMetrics:
@@ -92,7 +80,7 @@ class _IngestCollector(Collector):
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         statuses = self._registry.statuses()
         for name, doc, value_of in _COUNTERS:
-            family = CounterMetricFamily(name, doc, labels=["replica", "rank"])
+            family = CounterMetricFamily(f"kvindex_{name}", doc, labels=["replica", "rank"])
             for status in statuses:
                 labels = [status.stream.replica, str(status.stream.rank)]
                 family.add_metric(labels, value_of(status.health))
