@@ -45,10 +45,10 @@ from kvindex.api.settings import ApiSettings
 from kvindex.api.tokenize.choice import ModelTokenizers
 from kvindex.api.tokenize.protocol import TokenizerError
 from kvindex.api.views import config_view, replica_views, stats_view
-from kvindex.indexer.errors import KvIndexError
+from kvindex.indexer.errors import KvIndexError, SettingsError
 from kvindex.indexer.fleet.registry import RegistryView
+from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.protocol import BlockIndex, IndexUnavailableError, drop_replica
-from kvindex.indexer.settings import ReplicaSpec, SettingsError
 
 T = TypeVar("T")
 _JSON = "application/json"

@@ -8,14 +8,15 @@ wrapper that implements the same BlockIndex Protocol.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvindex.indexer.events import StreamId, Tier
-from kvindex.indexer.fleet.registry import RegistryView
+from kvindex.indexer.fleet.registry import FleetTotals, RegistryView, fleet_totals
+from kvindex.indexer.health import StreamCounters
 from kvindex.indexer.index.protocol import (
     ApplyResult,
     BatchOps,
@@ -27,22 +28,22 @@ from kvindex.indexer.index.protocol import (
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 
-_COUNTERS = {
-    "num_batches": ("kvindex_batches", "Event batches applied"),
-    "num_gaps": ("kvindex_gaps", "Sequence gaps seen"),
-    "num_unrepaired_gaps": ("kvindex_unrepaired_gaps", "Gaps that replay could not repair"),
-    "num_replays": ("kvindex_replays", "Replays requested"),
-    "num_replay_failures": ("kvindex_replay_failures", "Replays that timed out or failed"),
-    "num_restarts": ("kvindex_engine_restarts", "Engine restarts detected (seq reset)"),
-    "num_duplicates": ("kvindex_duplicate_batches", "Duplicate batches dropped"),
-}
-_STATUS_COUNTERS = {
-    "num_decode_errors": ("kvindex_decode_errors", "Undecodable frames"),
-    "num_bad_events": ("kvindex_bad_events", "Events skipped as malformed"),
-    "num_store_errors": ("kvindex_store_errors", "Index store failures while ingesting"),
-    "num_orphan_stores": ("kvindex_orphan_stores", "Stores whose parent block was unknown"),
-    "num_unknown_removals": ("kvindex_unknown_removals", "Removals of blocks not held"),
-}
+_Counter = tuple[str, str, Callable[[StreamCounters], int]]
+_COUNTERS: tuple[_Counter, ...] = (
+    ("batches", "Event batches applied", lambda c: c.num_batches),
+    ("gaps", "Sequence gaps seen", lambda c: c.num_gaps),
+    ("unrepaired_gaps", "Gaps that replay could not repair", lambda c: c.num_unrepaired_gaps),
+    ("replays", "Replays requested", lambda c: c.num_replays),
+    ("replay_failures", "Replays that timed out or failed", lambda c: c.num_replay_failures),
+    ("engine_restarts", "Engine restarts detected (seq reset)", lambda c: c.num_restarts),
+    ("duplicate_batches", "Duplicate batches dropped", lambda c: c.num_duplicates),
+    ("decode_errors", "Undecodable frames", lambda c: c.num_decode_errors),
+    ("bad_events", "Events skipped as malformed", lambda c: c.num_bad_events),
+    ("store_errors", "Index store failures while ingesting", lambda c: c.num_store_errors),
+    ("orphan_stores", "Stores whose parent block was unknown", lambda c: c.num_orphan_stores),
+    ("unknown_removals", "Removals of blocks not held", lambda c: c.num_unknown_removals),
+)
+"""Per-stream counters ``kvindex_<name>``: name, help, and where the stream's record holds it."""
 
 
 class ApiMetrics:
@@ -78,16 +79,13 @@ class _IngestCollector(Collector):
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         statuses = self._registry.statuses()
-        families = {
-            attr: CounterMetricFamily(name, doc, labels=["replica", "rank"])
-            for attr, (name, doc) in (_COUNTERS | _STATUS_COUNTERS).items()
-        }
-        for status in statuses:
-            labels = [status.stream.replica, str(status.stream.rank)]
-            for attr, family in families.items():
-                source = status.counters if attr in _COUNTERS else status
-                family.add_metric(labels, getattr(source, attr))
-        yield from families.values()
+        for name, doc, value_of in _COUNTERS:
+            family = CounterMetricFamily(f"kvindex_{name}", doc, labels=["replica", "rank"])
+            for status in statuses:
+                labels = [status.stream.replica, str(status.stream.rank)]
+                family.add_metric(labels, value_of(status.health))
+            yield family
+        yield from _fleet(fleet_totals(self._registry, statuses=statuses))
         yield self._blocks(s.stream for s in statuses)
 
     def _blocks(self, streams: Iterable[StreamId]) -> GaugeMetricFamily:
@@ -103,6 +101,14 @@ class _IngestCollector(Collector):
         except Exception:  # the store is down: report what we have, never fail a scrape
             pass
         return gauge
+
+
+def _fleet(totals: FleetTotals) -> Iterator[GaugeMetricFamily]:
+    yield GaugeMetricFamily("kvindex_replicas", "Replicas registered", value=totals.num_replicas)
+    streams = GaugeMetricFamily("kvindex_streams", "Streams by freshness", labels=["state"])
+    for freshness, count in totals.num_streams_by_freshness.items():
+        streams.add_metric([freshness.value], count)
+    yield streams
 
 
 class TimedIndex:

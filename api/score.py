@@ -45,9 +45,9 @@ from kvindex.api.tokenize.protocol import Tokenizer
 from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.events import StreamId, Tier
 from kvindex.indexer.fleet.registry import Freshness, RegistryView, StreamFreshness
+from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.protocol import NO_MATCH, BlockIndex, IndexUnavailableError, PrefixMatch
 from kvindex.indexer.keys import BlockKeyError, block_keys
-from kvindex.indexer.settings import ReplicaSpec
 
 _KEY_LIMIT = 2**64
 

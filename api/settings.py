@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvindex.api.policies import Policy, ScoringError, Weights
-from kvindex.indexer.settings import SettingsError
+from kvindex.indexer.errors import SettingsError
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,6 @@ loop when the stores do network I/O) and encode the result. Nothing here keeps s
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 from kvindex.api.load.model import Load
@@ -24,7 +23,8 @@ from kvindex.api.schemas import (
 from kvindex.api.score import Scorer
 from kvindex.api.settings import ApiSettings
 from kvindex.indexer.events import Tier
-from kvindex.indexer.fleet.registry import RegistryView, StreamStatus
+from kvindex.indexer.fleet.registry import RegistryView, StreamStatus, fleet_totals
+from kvindex.indexer.health import StreamCounters
 from kvindex.indexer.index.protocol import BlockIndex
 
 
@@ -59,34 +59,30 @@ def replica_views(registry: RegistryView, index: BlockIndex, loads: LoadStore) -
 def stream_view(index: BlockIndex, status: StreamStatus) -> StreamView:
     """One stream: its freshness, counters and blocks by tier (one index call)."""
     stats = index.stats(status.stream)
-    counters = dataclasses.asdict(status.counters)
+    health = status.health
     return StreamView(
         rank=status.stream.rank,
-        freshness=FreshnessView(status.freshness.value, status.lag_s, status.silent_s),
-        connected=status.connected,
-        last_seq=status.last_seq,
+        freshness=FreshnessView(status.freshness.value, health.lag_s, status.silent_s),
+        connected=health.connected,
+        last_seq=health.last_seq,
         blocks={t.name.lower(): stats.blocks_by_tier.get(t, 0) for t in Tier},
-        counters=counters
-        | {"decode_errors": status.num_decode_errors, "store_errors": status.num_store_errors},
+        counters=_counters_view(health),
     )
 
 
 def stats_view(registry: RegistryView, index: BlockIndex) -> StatsView:
     """``GET /stats``: totals over every replica and stream. Does store calls (as above)."""
-    by_tier = dict.fromkeys((t.name.lower() for t in Tier), 0)
-    for status in registry.statuses():
-        for tier, count in index.stats(status.stream).blocks_by_tier.items():
-            by_tier[tier.name.lower()] += count
-    statuses = registry.statuses()
+    totals = fleet_totals(registry, index)
+    counters = totals.counters
     return StatsView(
-        replicas=len(registry.replicas()),
-        streams=len(statuses),
-        blocks=by_tier,
-        batches=sum(s.counters.num_batches for s in statuses),
-        gaps=sum(s.counters.num_gaps for s in statuses),
-        replays=sum(s.counters.num_replays for s in statuses),
-        restarts=sum(s.counters.num_restarts for s in statuses),
-        decode_errors=sum(s.num_decode_errors for s in statuses),
+        replicas=totals.num_replicas,
+        streams=totals.num_streams,
+        blocks={t.name.lower(): count for t, count in totals.blocks_by_tier.items()},
+        batches=counters.num_batches,
+        gaps=counters.num_gaps,
+        replays=counters.num_replays,
+        restarts=counters.num_restarts,
+        decode_errors=counters.num_decode_errors,
     )
 
 
@@ -94,6 +90,23 @@ def config_view(settings: ApiSettings, scorer: Scorer) -> ConfigView:
     """``GET /config``: the default policy and weights, every known model's block size."""
     models = {m: ModelView(scorer.block_size(m)) for m in scorer.known_models()}
     return ConfigView(settings.default_policy, settings.weights.as_dict(), models)
+
+
+def _counters_view(counters: StreamCounters) -> dict[str, int]:
+    """The counters ``GET /replicas`` shows for a stream (names kept as first served)."""
+    return {
+        "num_batches": counters.num_batches,
+        "num_gaps": counters.num_gaps,
+        "num_unrepaired_gaps": counters.num_unrepaired_gaps,
+        "num_replays": counters.num_replays,
+        "num_replay_failures": counters.num_replay_failures,
+        "num_replay_truncated": counters.num_replay_truncated,
+        "num_restarts": counters.num_restarts,
+        "num_duplicates": counters.num_duplicates,
+        "num_rebuilds": counters.num_rebuilds,
+        "decode_errors": counters.num_decode_errors,
+        "store_errors": counters.num_store_errors,
+    }
 
 
 def _worst(states: list[str]) -> str:

@@ -1,4 +1,4 @@
-"""Ingest benchmark: real vLLM KV-event frames through the subscriber into each index.
+"""Ingest benchmark: real vLLM KV-event frames through the write path into each index.
 
 Usage (from the repository root)::
 
@@ -8,18 +8,19 @@ Usage (from the repository root)::
     .venv/bin/python bench/ingest.py --quick --drain 1  # a subscriber with nothing queued
 
 What is timed, per backend: every pre-generated frame (see ``workload.py``), interleaved
-across replicas by engine timestamp, through ``Subscriber.handle_frames`` — wire decoding,
-per-stream ordering, key computation, the index write and the registry's bookkeeping —
-about ``--drain`` (default 16) messages per replica per call, as the socket loop hands them
-over when messages queue up. That saturated case is the one that bounds how many events
-per second the indexer keeps up with: a subscriber that keeps up easily finds one message
-per wake (``--drain 1``: ``Subscriber.handle_live``, and a Redis round trip per batch).
+across replicas by engine timestamp, through ``Pipeline.handle_frames`` (the subscriber
+without its sockets) — wire decoding, per-stream ordering, key computation, the index write
+and the registry's bookkeeping — about ``--drain`` (default 16) messages per replica per
+call, as the subscriber's socket loop hands them over when messages queue up. That saturated
+case is the one that bounds how many events per second the indexer keeps up with: a
+subscriber that keeps up easily finds one message per wake (``--drain 1``:
+``Pipeline.handle_live``, and a Redis round trip per batch).
 Generation, index construction and the checks afterwards are not timed.
 
-A replica's first frame is passed with ``stream=None``: the subscriber registers the stream
+A replica's first frame is passed with ``stream=None``: the pipeline registers the stream
 from its topic ``kv@<replica>@<model>``. Later frames carry the replica's ``StreamId``, as
-a connect-mode socket would. (With ``events=None`` in its spec, a replica has no socket, so
-the subscriber creates its stream state only on that first topic-identified frame.)
+a connect-mode socket would. (No subscriber opens a socket for the replica, so the pipeline
+creates its stream state only on that first topic-identified frame.)
 
 Counts: ``blocks`` = block hashes named by all events (stored + removed: one index
 operation each); ``blocks_stored`` alone gives ``stored_blocks_per_s``. ``entries`` =
@@ -52,13 +53,14 @@ from workload import MODEL, Workload, WorkloadConfig, build_workload
 
 from kvindex.clients.fake_vllm.publisher import Encoding
 from kvindex.indexer.events import StreamId
-from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.fleet.registry import Registry, fleet_totals
+from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.index.redis import RedisIndex, connect
+from kvindex.indexer.pipeline import Pipeline
 from kvindex.indexer.redis_schema import Schema
-from kvindex.indexer.settings import IndexerSettings, ReplicaSpec
-from kvindex.indexer.subscriber import Subscriber
+from kvindex.indexer.settings import IndexerSettings
 
 FULL_ENTRIES = 1_000_000
 QUICK_ENTRIES = 131_072
@@ -149,20 +151,20 @@ def generate(args: BenchArgs) -> Workload:
 # --- the timed section --------------------------------------------------------------------
 
 
-def new_subscriber(index: BlockIndex, workload: Workload) -> tuple[Subscriber, Registry]:
-    """A subscriber that opens no socket: every replica has ``events=None``."""
+def new_pipeline(index: BlockIndex, workload: Workload) -> tuple[Pipeline, Registry]:
+    """The write path without sockets, over ``index``, knowing every simulated replica."""
     specs = tuple(ReplicaSpec(id=t.replica, model=MODEL) for t in workload.traces)
     settings = IndexerSettings(replicas=specs)
     registry = Registry(settings.replicas)
-    return Subscriber(settings, index, registry), registry
+    return Pipeline(settings, index, registry), registry
 
 
 Delivery = tuple[list[list[bytes]], StreamId | None]
-"""Messages handed to the subscriber in one call, and the stream they came from."""
+"""Messages handed to the pipeline in one call, and the stream they came from."""
 
 
 def deliveries(workload: Workload, drain: int) -> list[Delivery]:
-    """How the frames reach the subscriber.
+    """How the frames reach the pipeline.
 
     ``drain == 1``: one frame per call, in arrival order. Otherwise the arrival order is cut
     into windows of ``drain * replicas`` frames, and each window is handed over replica by
@@ -182,16 +184,16 @@ def deliveries(workload: Workload, drain: int) -> list[Delivery]:
     return plan
 
 
-def drive(subscriber: Subscriber, plan: list[Delivery]) -> float:
-    """Hand every message to the subscriber; returns the seconds it took."""
+def drive(pipeline: Pipeline, plan: list[Delivery]) -> float:
+    """Hand every message to the pipeline; returns the seconds it took."""
     one_by_one = all(len(messages) == 1 for messages, _ in plan)
     started = time.perf_counter()
     if one_by_one:
-        handle_live = subscriber.handle_live
+        handle_live = pipeline.handle_live
         for messages, stream in plan:
             handle_live(messages[0], stream)
     else:
-        handle_frames = subscriber.handle_frames
+        handle_frames = pipeline.handle_frames
         for messages, stream in plan:
             handle_frames(messages, stream)
     return time.perf_counter() - started
@@ -221,16 +223,16 @@ def check(index: BlockIndex, registry: Registry, workload: Workload) -> dict[str
             mismatched.append(trace.replica)
             log.warning("%s: index holds %d blocks, the simulated cache %d",
                         trace.replica, held, trace.num_resident_blocks)  # fmt: skip
-    statuses = registry.statuses()
-    applied = sum(s.counters.num_batches for s in statuses)
+    counters = fleet_totals(registry).counters
+    applied = counters.num_batches
     if applied != len(workload.frames):
         log.warning("%d of %d batches were applied", applied, len(workload.frames))
     return {
         "entries": entries,
         "consistent": not mismatched and applied == len(workload.frames),
-        "orphan_stores": sum(s.num_orphan_stores for s in statuses),
-        "unknown_removals": sum(s.num_unknown_removals for s in statuses),
-        "gaps": sum(s.counters.num_gaps for s in statuses),
+        "orphan_stores": counters.num_orphan_stores,
+        "unknown_removals": counters.num_unknown_removals,
+        "gaps": counters.num_gaps,
     }
 
 
@@ -266,13 +268,13 @@ def run_memory(workload: Workload, plan: list[Delivery], repeat: int) -> dict[st
     checked: dict[str, Any] = {}
     for i in range(repeat):
         index = MemoryIndex()
-        subscriber, registry = new_subscriber(index, workload)
+        pipeline, registry = new_pipeline(index, workload)
         with collected():
-            times.append(drive(subscriber, plan))
+            times.append(drive(pipeline, plan))
         log.info("memory run %d/%d: %.2fs", i + 1, repeat, times[-1])
         if i == repeat - 1:
             checked = check(index, registry, workload)
-        del index, subscriber, registry
+        del index, pipeline, registry
     seconds = statistics.median(times)
     return result(
         "memory", workload, seconds, repeat=repeat, seconds_all=[round(t, 3) for t in times],
@@ -306,11 +308,11 @@ def run_redis(
         client.flushall()
     prefix = "kvbench" if private else f"kvbench-{os.getpid()}-{int(time.time())}"
     index = RedisIndex(client, Schema(prefix))
-    subscriber, registry = new_subscriber(index, workload)
+    pipeline, registry = new_pipeline(index, workload)
     before = used_memory(client)
     client.config_resetstat()
     with collected():
-        seconds = drive(subscriber, plan)
+        seconds = drive(pipeline, plan)
     log.info("redis run: %.2fs", seconds)
     server = server_time(client, len(workload.frames))
     time.sleep(_SETTLE_S)

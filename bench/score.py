@@ -96,12 +96,13 @@ from kvindex.api.score import Scorer
 from kvindex.api.settings import ApiSettings
 from kvindex.indexer.events import StreamId
 from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import BatchOps, BlockIndex
 from kvindex.indexer.index.redis import RedisIndex, connect
 from kvindex.indexer.keys import block_keys
 from kvindex.indexer.redis_schema import Schema
-from kvindex.indexer.settings import ReplicaSpec
 
 FULL_BLOCKS = 1_000_000
 QUICK_BLOCKS = 131_072
@@ -297,8 +298,8 @@ def live_registry(fleet: Fleet, num_batches: dict[str, int]) -> Registry:
     registry = Registry(tuple(ReplicaSpec(id=r, model=MODEL) for r in fleet.replica_ids))
     for replica, count in num_batches.items():
         stream = StreamId(replica)
-        registry.update(stream, block_size=BLOCK_SIZE)
-        registry.heard(stream, seq=count - 1, engine_ts=time.time())
+        heard = StreamReport(block_size=BLOCK_SIZE, last_seq=count - 1, last_event_ts=time.time())
+        registry.record(stream, heard)
     return registry
 
 

@@ -50,9 +50,10 @@ from kvindex.clients.fake_vllm.replica import (
 from kvindex.clients.http import AsyncKvIndexClient
 from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.events import StreamId
+from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.service import IndexerService
-from kvindex.indexer.settings import IndexerSettings, ReplicaSpec
+from kvindex.indexer.settings import IndexerSettings
 
 POLICIES = ("round_robin", "kv_aware")
 """Compared in this order, each on a fresh fleet."""
@@ -306,12 +307,14 @@ def _wait_live(service: IndexerService, sim: ReplicaSim) -> None:
     def applied(seq: int) -> Callable[[], bool]:
         def check() -> bool:
             status = service.registry.status(stream)
-            return status is not None and status.connected and status.last_seq >= seq
+            return status is not None and status.health.connected and status.health.last_seq >= seq
 
         return check
 
     assert sim.publisher is not None, "sim not started"
-    _wait(lambda: (s := service.registry.status(stream)) is not None and s.connected, "connect")
+    _wait(
+        lambda: (s := service.registry.status(stream)) is not None and s.health.connected, "connect"
+    )
     _wait(applied(sim.publisher.publish([])), f"{stream} first batch")
 
 

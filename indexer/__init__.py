@@ -6,9 +6,12 @@ Data flow, one module per step::
     stream.py      per-stream ordering: seq tracking, gaps, replay, engine restarts
     replay.py      the DEALER client for vLLM's replay ROUTER
     ingest.py      domain events → index operations (block keys via keys.py)
-    index.py       the BlockIndex Protocol; memory_store.py and redis_store.py implement it
+    health.py      a stream's health record, and the report that updates it
+    pipeline.py    the socket-free core: drives the above, decides replays, purges, recovery
+    subscriber.py  ZeroMQ sockets, topologies, reconnects; feeds the pipeline
+    index/         the BlockIndex Protocol; memory.py and redis.py implement it
     redis_schema.py every Redis key name (versioned, prefixed, Cluster hash-tagged)
-    subscriber.py  ZeroMQ sockets, topologies, reconnects; drives the above
-    registry.py    the replicas (config file, command line, run-time changes, staleness)
+    fleet/         the replicas (replica.py), their records (registry.py), shared over
+                   Redis (sync.py writes, view.py reads for API processes)
     settings.py    the one typed settings object of an indexer process
 """

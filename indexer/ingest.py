@@ -5,7 +5,7 @@ key. The parent's key comes from, in order: a block stored earlier in the same e
 batch, a per-stream cache of recent engine hash → key mappings, the index itself. A store
 whose parent is unknown everywhere is an *orphan*: it is kept, chained from a root derived
 from the parent's engine hash (so removals and its descendants still apply, but it can never
-match a request by accident), counted, and reported so the subscriber can repair the stream
+match a request by accident), counted, and reported so the pipeline can repair the stream
 by replay.
 
 Consecutive batches of a stream are applied in one index call (:meth:`Ingestor.apply_many`);
@@ -27,6 +27,7 @@ from kvindex.indexer.events import (
     EventBatch,
     StreamId,
 )
+from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index.protocol import APPLIED, ApplyResult, BatchOps, BlockIndex, Op, OpKind
 from kvindex.indexer.keys import BlockKeyError, chain_keys, model_root, tokens_to_bytes
 
@@ -37,25 +38,6 @@ MAIN_GROUP = 0
 def orphan_root(parent_hash: int) -> int:
     """Parent key for blocks whose parent is unknown: off every real chain."""
     return xxhash.xxh3_64_intdigest(b"kvindex/orphan\x00" + parent_hash.to_bytes(8, "big"))
-
-
-@dataclass(slots=True)
-class IngestReport:
-    """What applying some batches did; the subscriber adds these to the stream's counters."""
-
-    applied: bool = False
-    """True if at least one batch was above the watermark."""
-    num_blocks_stored: int = 0
-    num_blocks_removed: int = 0
-    num_clears: int = 0
-    num_orphan_stores: int = 0
-    num_misaligned_events: int = 0
-    num_skipped_group_events: int = 0
-    num_bad_events: int = 0
-    num_unknown_removals: int = 0
-    num_unresolved_stores: int = 0
-    block_size: int = 0
-    """Block size of the last store with tokens (0: none seen)."""
 
 
 @dataclass(slots=True)
@@ -96,7 +78,7 @@ class _Context:
     model: str
     cache: _KeyCache
     ops: list[Op]
-    report: IngestReport
+    report: StreamReport
 
 
 @dataclass(slots=True)
@@ -105,7 +87,7 @@ class _Pending:
 
     stream: StreamId
     batches: list[BatchOps]
-    report: IngestReport
+    report: StreamReport
 
 
 _STORE, _STORE_BY_HASH, _REMOVE, _CLEAR = (
@@ -130,15 +112,23 @@ class Ingestor:
         """Drop cached mappings of a stream (after its engine restarted or it was dropped)."""
         self._caches.pop(stream, None)
 
-    def apply(self, stream: StreamId, model: str, batch: EventBatch) -> IngestReport:
+    def apply(self, stream: StreamId, model: str, batch: EventBatch) -> StreamReport:
         """Translate one batch and apply it atomically (a no-op at or below the watermark)."""
         return self.apply_many(stream, model, [batch])
 
     def apply_many(
-        self, stream: StreamId, model: str, batches: Sequence[EventBatch]
-    ) -> IngestReport:
-        """Translate consecutive batches of a stream and apply them in order."""
-        report = IngestReport()
+        self,
+        stream: StreamId,
+        model: str,
+        batches: Sequence[EventBatch],
+        report: StreamReport | None = None,
+    ) -> StreamReport:
+        """Translate consecutive batches of a stream and apply them in order.
+
+        What it did is added to ``report`` (a fresh one when None), which is returned.
+        """
+        if report is None:
+            report = StreamReport()
         self._pending = pending = _Pending(stream, [], report)
         try:
             for batch in batches:
@@ -164,7 +154,7 @@ class Ingestor:
                 _merge(report, result)
 
     def translate(
-        self, stream: StreamId, model: str, batch: EventBatch, report: IngestReport
+        self, stream: StreamId, model: str, batch: EventBatch, report: StreamReport
     ) -> list[Op]:
         cache = self._caches.get(stream)
         if cache is None:
@@ -240,7 +230,7 @@ class Ingestor:
         return orphan_root(parent_hash)
 
 
-def _remove_ops(event: BlockRemoved, ops: list[Op], report: IngestReport) -> None:
+def _remove_ops(event: BlockRemoved, ops: list[Op], report: StreamReport) -> None:
     if event.group_idx is not None and event.group_idx != MAIN_GROUP:
         report.num_skipped_group_events += 1
         return
@@ -262,7 +252,7 @@ def _extras(event: BlockStored, num_blocks: int) -> Sequence[object] | None:
     return None
 
 
-def _merge(report: IngestReport, result: ApplyResult) -> None:
+def _merge(report: StreamReport, result: ApplyResult) -> None:
     report.applied = report.applied or result.applied
     report.num_unknown_removals += result.num_unknown_removals
     report.num_unresolved_stores += result.num_unresolved_stores

@@ -100,7 +100,7 @@ class Schema:
 
     @property
     def replicas(self) -> str:
-        """The HASH replica id → :class:`~kvindex.indexer.settings.ReplicaSpec` as JSON."""
+        """The HASH replica id → :class:`~kvindex.indexer.fleet.replica.ReplicaSpec` as JSON."""
         return f"{self.root}:{{fleet}}:replicas"
 
     @property

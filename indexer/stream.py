@@ -3,7 +3,7 @@
 A :class:`StreamTracker` sees every live batch and every replayed batch of one stream
 (replica, data-parallel rank) and answers with a :class:`Step`: whether to clear the
 stream, which batches to apply (in order), and whether to ask for a replay. The
-subscriber carries the step out. Rules:
+pipeline carries the step out. Rules:
 
 * ``seq == last + 1`` → apply. ``seq > last + 1`` → a gap: replay from ``last + 1``,
   buffering live batches meanwhile; they are applied after the replay, deduplicated by seq.
@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 
 from kvindex.indexer.events import EventBatch
+from kvindex.indexer.health import StreamCounters
 
 _TS_MEMORY = 4096
 """How many recent (seq, ts) pairs are kept, at least, to tell a duplicate from a restart.
@@ -58,19 +59,6 @@ class Step:
 
 
 @dataclass(slots=True)
-class StreamCounters:
-    num_batches: int = 0
-    num_gaps: int = 0
-    num_unrepaired_gaps: int = 0
-    num_replays: int = 0
-    num_replay_failures: int = 0
-    num_replay_truncated: int = 0
-    num_restarts: int = 0
-    num_duplicates: int = 0
-    num_rebuilds: int = 0
-
-
-@dataclass(slots=True)
 class _Replay:
     start: int
     rebuild: bool
@@ -89,7 +77,12 @@ class _Replay:
 
 
 class StreamTracker:
-    """Ordering state of one stream. Not thread-safe: one owner (the subscriber loop)."""
+    """Ordering state of one stream. Not thread-safe: one owner (the pipeline).
+
+    It counts batches, gaps, replays, restarts and duplicates into :attr:`counters`, which
+    its owner may swap for a fresh one between calls (the pipeline hands each stream's
+    counts to the registry that way); left alone, they are running totals.
+    """
 
     def __init__(
         self,
@@ -98,11 +91,12 @@ class StreamTracker:
         watermark: int = -1,
         last_ts: float | None = None,
         max_pending: int = 100_000,
+        counters: StreamCounters | None = None,
     ) -> None:
         self.can_replay = can_replay
         self.last_seq = watermark
         self.mode = Mode.NEW
-        self.counters = StreamCounters()
+        self.counters = StreamCounters() if counters is None else counters
         self._seen: dict[int, float] = {}
         if watermark >= 0 and last_ts is not None:
             self._seen[watermark] = last_ts

@@ -25,10 +25,10 @@ from kvindex.clients.simulate.routing import PolicySpec, parse_policy
 from kvindex.clients.simulate.run import DEFAULT_POLICIES, SimulateSettings, simulate_main
 from kvindex.clients.workloads import WORKLOADS, GeneratorSettings, read_trace
 from kvindex.indexer.errors import KvIndexError
-from kvindex.indexer.events import Tier
-from kvindex.indexer.fleet.registry import Freshness
+from kvindex.indexer.fleet.registry import Freshness, fleet_totals
+from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.service import IndexerService
-from kvindex.indexer.settings import IndexerSettings, ReplicaSpec, load_settings, read_toml
+from kvindex.indexer.settings import IndexerSettings, load_settings, read_toml
 
 _DEMO = DemoSettings()
 
@@ -384,25 +384,12 @@ def _run_indexer(settings: IndexerSettings, stats_every: float) -> None:
 def _fleet_status(service: IndexerService) -> FleetStatus:
     """The totals of ``service``'s registry and index now (one index read per stream)."""
     statuses = service.registry.statuses()
-    by_freshness: dict[Freshness, list[str]] = {state: [] for state in Freshness}
-    blocks = dict.fromkeys(Tier, 0)
+    names: dict[Freshness, list[str]] = {state: [] for state in Freshness}
     for status in statuses:
-        by_freshness[status.freshness].append(str(status.stream))
-        for tier, count in service.index.stats(status.stream).blocks_by_tier.items():
-            blocks[tier] += count
-    lags = [s.lag_s for s in statuses if s.lag_s is not None]
-    return FleetStatus(
-        streams_by_freshness=by_freshness,
-        blocks_by_tier=blocks,
-        num_batches=sum(s.counters.num_batches for s in statuses),
-        num_gaps=sum(s.counters.num_gaps for s in statuses),
-        num_replays=sum(s.counters.num_replays for s in statuses),
-        num_restarts=sum(s.counters.num_restarts for s in statuses),
-        num_errors=sum(
-            s.num_decode_errors + s.num_bad_events + s.num_store_errors for s in statuses
-        ),
-        max_lag_s=max(lags, default=None),
-    )
+        names[status.freshness].append(str(status.stream))
+    lags = [s.health.lag_s for s in statuses if s.health.lag_s is not None]
+    totals = fleet_totals(service.registry, service.index, statuses=statuses)
+    return FleetStatus(totals, names, max(lags, default=None))
 
 
 register_views(main)  # residency, score, replicas, stats (clients/cli/views.py)

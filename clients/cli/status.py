@@ -19,8 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvindex.indexer.events import Tier
-from kvindex.indexer.fleet.registry import Freshness
+from kvindex.indexer.fleet.registry import FleetTotals, Freshness
 
 __all__ = ["MAX_NAMED", "FleetStatus", "StatusLog", "status_line"]
 
@@ -32,23 +31,14 @@ MAX_NAMED = 5
 
 @dataclass(frozen=True, slots=True)
 class FleetStatus:
-    """Totals over every stream the indexer knows, at one moment."""
+    """The fleet's totals at one moment, with what a log line adds to them."""
 
+    totals: FleetTotals
+    """Counters, streams and blocks added up (``fleet_totals``)."""
     streams_by_freshness: dict[Freshness, list[str]]
     """Every freshness state, each with its streams (``r1/0``), in stream order."""
-    blocks_by_tier: dict[Tier, int]
-    num_batches: int
-    num_gaps: int
-    num_replays: int
-    num_restarts: int
-    num_errors: int
-    """Undecodable frames, bad events and failed index writes."""
     max_lag_s: float | None
     """The largest lag of a stream's last applied batch (None: no batch applied yet)."""
-
-    @property
-    def num_streams(self) -> int:
-        return sum(len(streams) for streams in self.streams_by_freshness.values())
 
 
 def _named(state: Freshness, streams: list[str]) -> str:
@@ -61,15 +51,16 @@ def _named(state: Freshness, streams: list[str]) -> str:
 
 def status_line(status: FleetStatus, batches_per_s: float | None) -> str:
     """``status`` as one line (no newline); ``batches_per_s`` None: not known yet."""
-    num = status.num_streams
+    totals, counters = status.totals, status.totals.counters
+    num = totals.num_streams
     states = ", ".join(_named(s, names) for s, names in status.streams_by_freshness.items())
-    blocks = " ".join(f"{t.name.lower()} {n:,}" for t, n in status.blocks_by_tier.items())
+    blocks = " ".join(f"{t.name.lower()} {n:,}" for t, n in totals.blocks_by_tier.items())
     rate = "-" if batches_per_s is None else f"{batches_per_s:.1f}"
     lag = "-" if status.max_lag_s is None else f"{status.max_lag_s:.3f}s"
     return (
         f"{num} stream{'' if num == 1 else 's'}: {states} · blocks {blocks} · {rate} batches/s"
-        f" · lag max {lag} · gaps {status.num_gaps} · replays {status.num_replays}"
-        f" · restarts {status.num_restarts} · errors {status.num_errors}"
+        f" · lag max {lag} · gaps {counters.num_gaps} · replays {counters.num_replays}"
+        f" · restarts {counters.num_restarts} · errors {counters.num_errors}"
     )
 
 
@@ -94,8 +85,10 @@ class StatusLog:
         now = self.clock()
         rate = None
         if self._previous is not None and now > self._previous[0]:
-            rate = (status.num_batches - self._previous[1]) / (now - self._previous[0])
-        self._previous = (now, status.num_batches)
+            rate = (status.totals.counters.num_batches - self._previous[1]) / (
+                now - self._previous[0]
+            )
+        self._previous = (now, status.totals.counters.num_batches)
         return status_line(status, rate)
 
     def _run(self) -> None:

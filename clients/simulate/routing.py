@@ -6,8 +6,8 @@
   that read the index (``kv_aware``) get the replicas' KV events through a sink,
   ``event_delay_s`` after the replica emitted them: :class:`IngestSink` encodes them in
   vLLM's wire format and hands the frames to the indexer's own
-  :class:`~kvindex.indexer.subscriber.Subscriber` (decode, ordering, ingest, registry; no sockets)
-  over a :class:`~kvindex.indexer.index.memory.MemoryIndex`;
+  :class:`~kvindex.indexer.pipeline.Pipeline` (decode, ordering, ingest, registry: the
+  subscriber without its sockets) over a :class:`~kvindex.indexer.index.memory.MemoryIndex`;
   :class:`ZmqSink` sends them in vLLM's wire format over real ZeroMQ (one PUB per replica,
   connecting to the bound SUB of an in-process :class:`~kvindex.indexer.service.IndexerService`
   on a free loopback port) and waits until the indexer has applied them. Other policies
@@ -48,10 +48,12 @@ from kvindex.clients.fake_vllm.replica import BlockCache
 from kvindex.clients.simulate.fleet import FleetSettings, Job, ReplicaLoad, SimulationError
 from kvindex.indexer.events import Event, StreamId, Tier
 from kvindex.indexer.fleet.registry import Freshness, Registry
+from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index.memory import MemoryIndex
+from kvindex.indexer.pipeline import Pipeline
 from kvindex.indexer.service import IndexerService
-from kvindex.indexer.settings import IndexerSettings, ReplicaSpec
-from kvindex.indexer.subscriber import Subscriber
+from kvindex.indexer.settings import IndexerSettings
 
 ORACLE = "oracle"
 INDEX_POLICIES = frozenset({Policy.KV_AWARE})
@@ -138,9 +140,9 @@ class _Delayed:
 
 class IngestSink:
     """Events encoded as a vLLM publisher would (frames ``[topic, seq, payload]``) and
-    handed to the indexer's :class:`~kvindex.indexer.subscriber.Subscriber` as its socket loop
-    would: wire decoding, per-stream ordering, the :class:`~kvindex.indexer.ingest.Ingestor` and the
-    registry's bookkeeping all run; only the sockets are left out."""
+    handed to the indexer's :class:`~kvindex.indexer.pipeline.Pipeline` as the subscriber's
+    socket loop would: wire decoding, per-stream ordering, the
+    :class:`~kvindex.indexer.ingest.Ingestor` and the registry's bookkeeping all run."""
 
     def __init__(
         self, fleet: FleetSettings, clock: SimClock, *, event_delay_s: float, stale_after_s: float
@@ -149,11 +151,11 @@ class IngestSink:
         self.index = MemoryIndex()
         settings = IndexerSettings(replicas=_specs(fleet), stale_after_s=stale_after_s)
         self.registry = Registry(settings.replicas, stale_after_s=stale_after_s, clock=clock)
-        self._subscriber = Subscriber(settings, self.index, self.registry, clock=clock)
+        self._pipeline = Pipeline(settings, self.index, self.registry, clock=clock)
         self._topics = {r: f"kv@{r}@{fleet.model}".encode() for r in fleet.replica_ids()}
         self._seq: dict[str, int] = {}
         for rid in fleet.replica_ids():
-            self.registry.update(StreamId(rid), connected=True)
+            self.registry.record(StreamId(rid), StreamReport(connected=True))
 
     def emitted(self, replica: str, events: list[Event], now: float) -> None:
         self._delayed.push(replica, events, now)
@@ -163,7 +165,7 @@ class IngestSink:
             seq = self._seq[replica] = self._seq.get(replica, -1) + 1
             payload = encode_batch(events, ts=emitted_at, rank=0, encoding="map")
             frames = [self._topics[replica], seq.to_bytes(8, "big"), payload]
-            self._subscriber.handle_frames([frames], StreamId(replica))
+            self._pipeline.handle_live(frames, StreamId(replica))
 
     def close(self) -> None:
         self.index.close()
@@ -212,7 +214,7 @@ class ZmqSink:
 
     def _applied(self, replica: str) -> int:
         status = self.registry.status(StreamId(replica))
-        return -1 if status is None else status.last_seq
+        return -1 if status is None else status.health.last_seq
 
     def emitted(self, replica: str, events: list[Event], now: float) -> None:
         self._delayed.push(replica, events, now)

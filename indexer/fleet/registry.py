@@ -1,9 +1,11 @@
-"""The replicas kvindex knows, and the live state of each of their streams.
+"""The replicas kvindex knows, and the health record of each of their streams.
 
 Replicas come from the settings (config file, command line), from run-time calls
 (:meth:`Registry.add` / :meth:`Registry.remove`, exposed over HTTP by the API) and, in
-bind mode, from the topic ``kv@<replica>@<model>`` of their first event. The subscriber
-thread writes stream status; any thread may read a consistent snapshot.
+bind mode, from the topic ``kv@<replica>@<model>`` of their first event. The write path
+(the pipeline thread) changes a stream's :class:`~kvindex.indexer.health.StreamHealth`
+only through :meth:`Registry.record`; any thread may read a consistent snapshot.
+:func:`fleet_totals` adds up the fleet for ``GET /stats``, ``/metrics`` and the CLI.
 """
 
 from __future__ import annotations
@@ -11,13 +13,14 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import NamedTuple, Protocol
 
-from kvindex.indexer.events import StreamId
-from kvindex.indexer.settings import ReplicaSpec
-from kvindex.indexer.stream import StreamCounters
+from kvindex.indexer.events import StreamId, Tier
+from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.health import StreamCounters, StreamHealth, StreamReport
+from kvindex.indexer.index.protocol import BlockIndex
 
 
 class Freshness(enum.Enum):
@@ -30,31 +33,17 @@ class Freshness(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class StreamStatus:
-    """A snapshot of one stream's ingestion state."""
+    """One stream as of a moment: its record (a copy), and what it means then."""
 
     stream: StreamId
     freshness: Freshness
-    connected: bool
-    last_seq: int
-    last_event_ts: float | None
-    """Engine timestamp of the last applied batch."""
-    lag_s: float | None
-    """Receive time minus engine timestamp of the last applied batch."""
     silent_s: float | None
     """Seconds since anything was heard from the stream."""
-    counters: StreamCounters
-    block_size: int = 0
-    """Tokens per block in this stream's events (0 until a store with tokens is seen)."""
-    num_decode_errors: int = 0
-    num_store_errors: int = 0
-    num_orphan_stores: int = 0
-    num_unknown_removals: int = 0
-    num_misaligned_events: int = 0
-    num_bad_events: int = 0
+    health: StreamHealth
 
 
 class StreamFreshness(NamedTuple):
-    """The part of a stream's status a scorer needs (cheap: no counters copied)."""
+    """The part of a stream's status a scorer needs (cheap: no record copied)."""
 
     stream: StreamId
     freshness: Freshness
@@ -62,32 +51,8 @@ class StreamFreshness(NamedTuple):
     silent_s: float | None
 
 
-@dataclass(slots=True)
-class LiveState:
-    """Mutable per-stream state, written by the subscriber thread under the registry's lock.
-
-    Every timestamp is wall-clock (``time.time``), so another process can read a copy
-    (``kvindex.indexer.fleet.sync``) and compute silence and staleness itself."""
-
-    connected: bool = False
-    replaying: bool = False
-    last_seq: int = -1
-    last_event_ts: float | None = None
-    lag_s: float | None = None
-    last_heard: float | None = None
-    disconnected_at: float | None = None
-    counters: StreamCounters = field(default_factory=StreamCounters)
-    block_size: int = 0
-    num_decode_errors: int = 0
-    num_store_errors: int = 0
-    num_orphan_stores: int = 0
-    num_unknown_removals: int = 0
-    num_misaligned_events: int = 0
-    num_bad_events: int = 0
-
-
 class Registry:
-    """Thread-safe map of replica id → spec, plus per-stream live state."""
+    """Thread-safe map of replica id → spec, plus one health record per stream."""
 
     def __init__(
         self,
@@ -98,7 +63,7 @@ class Registry:
     ) -> None:
         self._lock = threading.Lock()
         self._replicas: dict[str, ReplicaSpec] = {r.id: r for r in replicas}
-        self._live: dict[StreamId, LiveState] = {}
+        self._health: dict[StreamId, StreamHealth] = {}
         self._stale_after_s = stale_after_s
         self._clock = clock
         self._version = 0
@@ -115,11 +80,11 @@ class Registry:
             return True
 
     def remove(self, replica: str) -> ReplicaSpec | None:
-        """Forget a replica and its streams' state; returns the removed spec."""
+        """Forget a replica and its streams' records; returns the removed spec."""
         with self._lock:
             spec = self._replicas.pop(replica, None)
-            for stream in [s for s in self._live if s.replica == replica]:
-                del self._live[stream]
+            for stream in [s for s in self._health if s.replica == replica]:
+                del self._health[stream]
             if spec is not None:
                 self._version += 1
             return spec
@@ -142,137 +107,149 @@ class Registry:
         with self._lock:
             return sorted({r.model for r in self._replicas.values()})
 
-    # --- stream state (written by the subscriber) ----------------------------------------
+    # --- stream health (written by the pipeline) -----------------------------------------
 
-    def update(self, stream: StreamId, **changes: object) -> None:
-        """Set fields of a stream's live state (creating it)."""
-        with self._lock:
-            live = self._live.get(stream)
-            if live is None:
-                live = self._live[stream] = LiveState()
-            for name, value in changes.items():
-                setattr(live, name, value)
+    def record(self, stream: StreamId, report: StreamReport) -> None:
+        """Fold a report into the stream's record (creating it), as of the registry's clock.
 
-    def count(self, stream: StreamId, **amounts: int) -> None:
-        """Add to ``num_*`` counters of a stream's live state."""
-        with self._lock:
-            live = self._live.get(stream)
-            if live is None:
-                live = self._live[stream] = LiveState()
-            for name, amount in amounts.items():
-                setattr(live, name, getattr(live, name) + amount)
-
-    def heard(self, stream: StreamId, *, seq: int, engine_ts: float) -> None:
-        """Record an applied batch: its seq, engine timestamp and the lag behind it."""
+        Reports of one stream must come from one thread, in order; the report is read, not
+        kept, so the caller may reuse it afterwards.
+        """
         now = self._clock()
         with self._lock:
-            live = self._live.get(stream)
-            if live is None:
-                live = self._live[stream] = LiveState()
-            live.last_seq = seq
-            live.last_event_ts = engine_ts
-            live.lag_s = max(0.0, now - engine_ts)
-            live.last_heard = now
+            health = self._health.get(stream)
+            if health is None:
+                health = self._health[stream] = StreamHealth()
+            health.update(report, now)
 
     # --- reading -------------------------------------------------------------------------
 
     def status(self, stream: StreamId) -> StreamStatus | None:
         with self._lock:
-            live = self._live.get(stream)
-            return None if live is None else self._snapshot(stream, live)
+            health = self._health.get(stream)
+            return None if health is None else self._snapshot(stream, health)
 
     def stream_ids(self) -> list[StreamId]:
-        """The streams with live state (cheap: no snapshot)."""
+        """The streams with a record (cheap: no snapshot)."""
         with self._lock:
-            return list(self._live)
+            return list(self._health)
 
     def freshness(self) -> list[StreamFreshness]:
         """Freshness, lag and silence of every stream, read in one go."""
         now = self._clock()
         with self._lock:
             views = []
-            for stream, live in self._live.items():
-                silent = None if live.last_heard is None else now - live.last_heard
-                fresh = freshness_of(live, silent, self._stale_after_s)
-                views.append(StreamFreshness(stream, fresh, live.lag_s, silent))
+            for stream, health in self._health.items():
+                silent = None if health.last_heard is None else now - health.last_heard
+                fresh = freshness_of(health, silent, self._stale_after_s)
+                views.append(StreamFreshness(stream, fresh, health.lag_s, silent))
             return views
 
     def statuses(self) -> list[StreamStatus]:
         with self._lock:
-            return [self._snapshot(s, live) for s, live in sorted(self._live.items())]
+            return [self._snapshot(s, health) for s, health in sorted(self._health.items())]
 
-    def _snapshot(self, stream: StreamId, live: LiveState) -> StreamStatus:
-        return snapshot(stream, live, now=self._clock(), stale_after_s=self._stale_after_s)
+    def _snapshot(self, stream: StreamId, health: StreamHealth) -> StreamStatus:
+        return snapshot(
+            stream, replace(health), now=self._clock(), stale_after_s=self._stale_after_s
+        )
 
-    def live_states(self) -> dict[StreamId, LiveState]:
-        """A copy of every stream's live state (for publishing it to other processes)."""
+    def records(self) -> dict[StreamId, StreamHealth]:
+        """A copy of every stream's record (for publishing them to other processes)."""
         with self._lock:
-            return {
-                s: replace(live, counters=replace(live.counters)) for s, live in self._live.items()
-            }
+            return {s: replace(health) for s, health in self._health.items()}
 
     def block_size(self, model: str) -> int | None:
         """The block size the model's replicas publish (the most common one), if seen."""
         with self._lock:
             replicas = {r.id for r in self._replicas.values() if r.model == model}
             sizes = [
-                live.block_size
-                for stream, live in self._live.items()
-                if stream.replica in replicas and live.block_size
+                health.block_size
+                for stream, health in self._health.items()
+                if stream.replica in replicas and health.block_size
             ]
         return most_common(sizes)
 
     def disconnected_for(self, stream: StreamId) -> float | None:
         """Seconds a connect-mode stream has been disconnected (None if connected/unknown)."""
         with self._lock:
-            live = self._live.get(stream)
-            if live is None or live.connected or live.disconnected_at is None:
+            health = self._health.get(stream)
+            if health is None or health.connected or health.disconnected_at is None:
                 return None
-            return self._clock() - live.disconnected_at
+            return self._clock() - health.disconnected_at
 
 
-def freshness_of(live: LiveState, silent_s: float | None, stale_after_s: float) -> Freshness:
+def freshness_of(health: StreamHealth, silent_s: float | None, stale_after_s: float) -> Freshness:
     """The freshness rule, shared by the in-process registry and the Redis fleet view."""
-    if live.replaying:
+    if health.replaying:
         return Freshness.REPLAYING
     if silent_s is not None and silent_s > stale_after_s:
         return Freshness.STALE
-    if not live.connected and live.disconnected_at is not None:
+    if not health.connected and health.disconnected_at is not None:
         return Freshness.STALE
     return Freshness.LIVE
 
 
 def snapshot(
     stream: StreamId,
-    live: LiveState,
+    health: StreamHealth,
     *,
     now: float,
     stale_after_s: float,
     freshness: Freshness | None = None,
 ) -> StreamStatus:
-    """A stream's status as of ``now`` (``freshness`` overrides the computed one)."""
-    silent = None if live.last_heard is None else max(0.0, now - live.last_heard)
-    return StreamStatus(
-        stream=stream,
-        freshness=freshness or freshness_of(live, silent, stale_after_s),
-        connected=live.connected,
-        last_seq=live.last_seq,
-        last_event_ts=live.last_event_ts,
-        lag_s=live.lag_s,
-        silent_s=silent,
-        counters=replace(live.counters),
-        block_size=live.block_size,
-        num_decode_errors=live.num_decode_errors,
-        num_store_errors=live.num_store_errors,
-        num_orphan_stores=live.num_orphan_stores,
-        num_unknown_removals=live.num_unknown_removals,
-        num_misaligned_events=live.num_misaligned_events,
-        num_bad_events=live.num_bad_events,
-    )
+    """A stream's status as of ``now``, holding ``health`` itself (pass a copy of a record
+    that changes); ``freshness`` overrides the computed one."""
+    silent = None if health.last_heard is None else max(0.0, now - health.last_heard)
+    fresh = freshness or freshness_of(health, silent, stale_after_s)
+    return StreamStatus(stream, fresh, silent, health)
 
 
 def most_common(sizes: list[int]) -> int | None:
     return max(set(sizes), key=sizes.count) if sizes else None
+
+
+@dataclass(frozen=True, slots=True)
+class FleetTotals:
+    """The fleet added up (:func:`fleet_totals`)."""
+
+    num_replicas: int
+    num_streams: int
+    num_streams_by_freshness: dict[Freshness, int]
+    """Every freshness, 0 when no stream has it."""
+    blocks_by_tier: dict[Tier, int]
+    """Blocks the index holds on each tier, over every stream (empty: index not read)."""
+    counters: StreamCounters
+    """Every stream's counters, added."""
+
+
+def fleet_totals(
+    registry: RegistryView,
+    index: BlockIndex | None = None,
+    *,
+    statuses: Sequence[StreamStatus] | None = None,
+) -> FleetTotals:
+    """Totals over the streams of ``registry``: ``statuses`` when the caller has read them
+    already (so its rows and its totals agree), else a fresh read.
+
+    With an ``index``, also the blocks it holds (one ``stats`` call per stream; an
+    ``IndexUnavailableError`` propagates).
+    """
+    if statuses is None:
+        statuses = registry.statuses()
+    by_freshness = dict.fromkeys(Freshness, 0)
+    counters = StreamCounters()
+    for status in statuses:
+        by_freshness[status.freshness] += 1
+        counters.add(status.health)
+    blocks: dict[Tier, int] = {}
+    if index is not None:
+        blocks = dict.fromkeys(Tier, 0)
+        for status in statuses:
+            for tier, count in index.stats(status.stream).blocks_by_tier.items():
+                blocks[tier] += count
+    num_replicas = len(registry.replicas())
+    return FleetTotals(num_replicas, len(statuses), by_freshness, blocks, counters)
 
 
 class RegistryView(Protocol):

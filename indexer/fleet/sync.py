@@ -1,8 +1,9 @@
 """The fleet state an indexer shares through Redis, so API processes see what it sees.
 
 Two hashes (names in ``redis_schema``): replica id → :class:`ReplicaSpec`, and
-"replica/rank" → :class:`StreamRecord` (the stream's live state with wall-clock timestamps
-and when it was written). :class:`FleetSync` runs in the indexer process, in its own thread:
+"replica/rank" → :class:`StreamRecord` (the stream's
+:class:`~kvindex.indexer.health.StreamHealth` record, the same one the in-process registry
+keeps, and when it was written). :class:`FleetSync` runs in the indexer process, in its own thread:
 
 1. at start it writes the config-declared replicas to the replicas hash;
 2. every tick it reads that hash and adds/removes replicas in the in-process
@@ -25,17 +26,20 @@ import msgspec
 import redis
 
 from kvindex.indexer.errors import KvIndexError
-from kvindex.indexer.fleet.registry import LiveState, Registry
+from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.health import StreamHealth
 from kvindex.indexer.redis_schema import FLEET_MARKER, Schema
-from kvindex.indexer.settings import ReplicaSpec
 
 log = logging.getLogger("kvindex.fleet")
 
 
 class StreamRecord(msgspec.Struct, frozen=True):
-    """One stream's state as published by the indexer."""
+    """One stream's record as published by the indexer."""
 
-    live: LiveState
+    health: StreamHealth = msgspec.field(name="live")
+    """Its record. (Stored under the name "live", as before the record had its own type:
+    a reader of either release decodes a writer of the other, missing counters as 0.)"""
     written_at: float
     """Writer's wall clock at the write; a reader treats an old record as stale."""
 
@@ -178,8 +182,8 @@ class FleetSync:
         replicas = {r.id for r in self._registry.replicas()}
         now = self._clock()
         records = {
-            str(stream): encode_record(StreamRecord(live, now))
-            for stream, live in self._registry.live_states().items()
+            str(stream): encode_record(StreamRecord(health, now))
+            for stream, health in self._registry.records().items()
             if stream.replica in replicas
         }
         gone = self._written - set(records)

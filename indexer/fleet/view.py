@@ -27,10 +27,10 @@ from kvindex.indexer.fleet.registry import (
     most_common,
     snapshot,
 )
+from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.fleet.sync import decode_record, decode_spec, encode_spec, read_replicas
 from kvindex.indexer.index.redis import unavailable_on_connection_errors
 from kvindex.indexer.redis_schema import Schema, check_name
-from kvindex.indexer.settings import ReplicaSpec
 
 log = logging.getLogger("kvindex.fleet")
 
@@ -120,7 +120,7 @@ class RedisFleetView:
 
     def freshness(self) -> list[StreamFreshness]:
         return [
-            StreamFreshness(s.stream, s.freshness, s.lag_s, s.silent_s)
+            StreamFreshness(s.stream, s.freshness, s.health.lag_s, s.silent_s)
             for s in self._current().statuses
         ]
 
@@ -128,9 +128,11 @@ class RedisFleetView:
         """The block size the model's replicas publish (the most common one), if seen."""
         fleet = self._current()
         sizes = [
-            s.block_size
+            size
             for s in fleet.statuses
-            if s.block_size and (spec := fleet.specs.get(s.stream.replica)) and spec.model == model
+            if (size := s.health.block_size)
+            and (spec := fleet.specs.get(s.stream.replica))
+            and spec.model == model
         ]
         return most_common(sizes)
 
@@ -166,7 +168,7 @@ class RedisFleetView:
             statuses.append(
                 snapshot(
                     stream,
-                    record.live,
+                    record.health,
                     now=now,
                     stale_after_s=self._stale_after_s,
                     freshness=Freshness.STALE if expired else None,

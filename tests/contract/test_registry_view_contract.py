@@ -14,22 +14,16 @@ import redis
 
 from kvindex.indexer.events import StreamId
 from kvindex.indexer.fleet.registry import Freshness, Registry, RegistryView
+from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.fleet.sync import FleetSync
 from kvindex.indexer.fleet.view import RedisFleetView
+from kvindex.indexer.health import StreamReport
 from kvindex.indexer.redis_schema import Schema
-from kvindex.indexer.settings import ReplicaSpec
+from tests.support.clock import Clock
 
 BACKENDS = ("memory", "fakeredis", "redis")
 R1 = ReplicaSpec("r1", "m", events="tcp://127.0.0.1:5557")
 R2 = ReplicaSpec("r2", "other", events="tcp://127.0.0.1:5567", dp_size=2)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass
@@ -97,14 +91,15 @@ def test_stream_state_is_visible(fleet: Fleet) -> None:
     fleet.view.add(R1)
     fleet.sync()
     stream = StreamId("r1")
-    fleet.writer.update(stream, connected=True, block_size=16)
-    fleet.writer.heard(stream, seq=7, engine_ts=fleet.clock.now - 0.5)
-    fleet.writer.count(stream, num_decode_errors=2)
+    fleet.writer.record(stream, StreamReport(connected=True, block_size=16, num_decode_errors=1))
+    heard = StreamReport(last_seq=7, last_event_ts=fleet.clock.now - 0.5, num_decode_errors=1)
+    fleet.writer.record(stream, heard)
     fleet.sync()
     fleet.clock.now += 3.0
     [status] = fleet.view.statuses()
-    assert (status.stream, status.last_seq, status.num_decode_errors) == (stream, 7, 2)
-    assert status.lag_s == pytest.approx(0.5)
+    health = status.health
+    assert (status.stream, health.last_seq, health.num_decode_errors) == (stream, 7, 2)
+    assert health.connected and health.lag_s == pytest.approx(0.5)
     assert status.silent_s == pytest.approx(3.0)
     assert status.freshness is Freshness.LIVE
     assert fleet.view.stream_ids() == [stream]
@@ -116,7 +111,7 @@ def test_stream_state_is_visible(fleet: Fleet) -> None:
 def test_silence_makes_a_stream_stale(fleet: Fleet) -> None:
     fleet.view.add(R1)
     fleet.sync()
-    fleet.writer.heard(StreamId("r1"), seq=1, engine_ts=fleet.clock.now)
+    fleet.writer.record(StreamId("r1"), StreamReport(last_seq=1, last_event_ts=fleet.clock.now))
     fleet.sync()
     fleet.clock.now += 61.0
     fleet.sync()
@@ -127,7 +122,7 @@ def test_removing_a_replica_drops_its_streams(fleet: Fleet) -> None:
     fleet.view.add(R2)
     fleet.sync()
     for rank in (0, 1):
-        fleet.writer.update(StreamId("r2", rank), connected=True)
+        fleet.writer.record(StreamId("r2", rank), StreamReport(connected=True))
     fleet.sync()
     assert len(fleet.view.statuses()) == 2
     fleet.view.remove("r2")

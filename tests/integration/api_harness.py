@@ -27,9 +27,10 @@ from kvindex.api.schemas import ScoreEntry, ScoreResponse
 from kvindex.api.settings import ApiSettings
 from kvindex.indexer.events import BlockStored, EventBatch, ExtraKeys, StreamId, Tier
 from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.ingest import Ingestor
-from kvindex.indexer.settings import ReplicaSpec
 
 MODEL = "demo-model"
 BLOCK = 16
@@ -92,19 +93,22 @@ class Fleet:
         self.seqs[stream] = seq
         report = self.ingestor.apply(stream, model, EventBatch(seq, time.time(), rank, [event]))
         assert report.applied and report.num_blocks_stored == num_blocks, report
-        self.registry.update(stream, block_size=BLOCK)
+        self.registry.record(stream, StreamReport(block_size=BLOCK))
         self.live(stream)
 
     def live(self, stream: StreamId) -> None:
-        self.registry.heard(stream, seq=self.seqs.get(stream, -1), engine_ts=time.time())
-        self.registry.update(stream, connected=True, disconnected_at=None, replaying=False)
+        seq = self.seqs.get(stream, -1)
+        heard = StreamReport(
+            last_seq=seq, last_event_ts=time.time(), replaying=False, connected=True
+        )
+        self.registry.record(stream, heard)
 
     def stale(self, replica: str) -> None:
         """Disconnected: the registry marks a stream stale as soon as it disconnects."""
-        self.registry.update(StreamId(replica), connected=False, disconnected_at=time.time())
+        self.registry.record(StreamId(replica), StreamReport(connected=False))
 
     def replaying(self, replica: str) -> None:
-        self.registry.update(StreamId(replica), replaying=True)
+        self.registry.record(StreamId(replica), StreamReport(replaying=True))
 
 
 @dataclass

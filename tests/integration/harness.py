@@ -13,9 +13,10 @@ import zmq
 from kvindex.clients.fake_vllm.publisher import Encoding, EventPublisher, ReplayLayout
 from kvindex.indexer.events import StreamId
 from kvindex.indexer.fleet.registry import Freshness, StreamStatus
+from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.service import IndexerService
-from kvindex.indexer.settings import IndexerSettings, ReplicaSpec
+from kvindex.indexer.settings import IndexerSettings
 from tests.support.redis_server import free_port
 
 MODEL = "demo-model"
@@ -85,7 +86,7 @@ class Indexer:
             status = self.service.registry.status(stream)
             return (
                 status is not None
-                and status.last_seq >= seq
+                and status.health.last_seq >= seq
                 and status.freshness is not Freshness.REPLAYING
             )
 
@@ -120,15 +121,15 @@ def warm_up(ix: Indexer, pub: EventPublisher, stream: StreamId) -> None:
 
     def connected() -> bool:
         status = ix.service.registry.status(stream)
-        return status is not None and status.connected
+        return status is not None and status.health.connected
 
     wait_until(connected, what=f"{stream} connected")
     seq = pub.publish([])
     wait_until(ix.applied(stream, seq), what=f"{stream} warm-up batch")
-    probe = ix.status(stream).counters.num_replays
+    probe = ix.status(stream).health.num_replays
     seq = pub.publish([])
     wait_until(ix.applied(stream, seq), what=f"{stream} live")
-    assert ix.status(stream).counters.num_replays == probe, "warm-up batch was not live"
+    assert ix.status(stream).health.num_replays == probe, "warm-up batch was not live"
 
 
 def consecutive_free_ports(count: int = 2, attempts: int = 50) -> int:

@@ -24,12 +24,12 @@ from kvindex.api.load.store import LoadStore, MemoryLoadStore, RedisLoadStore
 from kvindex.api.policies import Weights
 from kvindex.api.settings import ApiSettings, ModelSpec
 from kvindex.indexer.events import StreamId, Tier
+from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.index.redis import RedisIndex, connect
 from kvindex.indexer.keys import block_keys
 from kvindex.indexer.redis_schema import Schema
-from kvindex.indexer.settings import ReplicaSpec
 from tests.integration.api_harness import (
     BASE_URL,
     BLOCK,

@@ -37,9 +37,9 @@ from kvindex.clients.http import (
 )
 from kvindex.indexer.events import BlockStored, EventBatch, StreamId, Tier
 from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.ingest import Ingestor
-from kvindex.indexer.settings import ReplicaSpec
 
 MODEL = "demo-model"
 BLOCK = 8
@@ -71,8 +71,8 @@ def seed(index: MemoryIndex, registry: Registry) -> None:
         stream = StreamId(replica, 0)
         report = ingestor.apply(stream, MODEL, EventBatch(0, now, 0, events))
         assert report.applied
-        registry.update(stream, connected=True, block_size=report.block_size)
-        registry.heard(stream, seq=0, engine_ts=now)
+        report.connected, report.last_seq, report.last_event_ts = True, 0, now
+        registry.record(stream, report)
 
 
 @contextmanager

@@ -50,8 +50,8 @@ def test_captured_rank0_stream_builds_the_expected_index(version: str) -> None:
             keys = block_keys("demo-model", tokens, 16)
             # seq5 cleared everything; seq6 stored the first two blocks and removed one of them
             assert index.longest_prefix(keys, [stream])[stream].num_blocks == 1
-            status = ix.status(stream)
-            assert status.counters.num_gaps == 1  # seq2 dropped live, repaired by replay
-            assert status.num_decode_errors == 0 and status.num_bad_events == 0
+            health = ix.status(stream).health
+            assert health.num_gaps == 1  # seq2 dropped live, repaired by replay
+            assert health.num_decode_errors == 0 and health.num_bad_events == 0
     finally:
         pub.close()

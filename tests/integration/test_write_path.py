@@ -86,10 +86,10 @@ def test_dropped_batch_is_repaired_by_replay(pub: EventPublisher, index: BlockIn
         seq = pub.publish([stored((14,), 13, 3)])
         wait_until(ix.applied(R1, seq), what="gap repaired")
         assert matched(index, R1) == 4
-        counters = ix.status(R1).counters
+        counters = ix.status(R1).health
         assert counters.num_gaps == 1
         assert counters.num_unrepaired_gaps == 0
-        assert ix.status(R1).num_orphan_stores == 0
+        assert counters.num_orphan_stores == 0
 
 
 def test_gap_without_replay_endpoint_is_counted(index: BlockIndex) -> None:
@@ -102,8 +102,8 @@ def test_gap_without_replay_endpoint_is_counted(index: BlockIndex) -> None:
             seq = pub.publish([stored((14,), 13, 3)])
             wait_until(ix.applied(R1, seq))
             assert matched(index, R1) == 2  # block 13 never arrived; 14 is an orphan
-            assert ix.status(R1).counters.num_unrepaired_gaps == 1
-            assert ix.status(R1).num_orphan_stores == 1
+            health = ix.status(R1).health
+            assert (health.num_unrepaired_gaps, health.num_orphan_stores) == (1, 1)
     finally:
         pub.close()
 
@@ -122,7 +122,7 @@ def test_seq_reset_is_an_engine_restart(index: BlockIndex) -> None:
         second = publisher_at(port, replay_port)  # same endpoints, seq from 0 again
         try:
             second.publish([stored((21,), None, 0)])
-            wait_until(lambda: ix.status(R1).counters.num_restarts >= 1, what="restart seen")
+            wait_until(lambda: ix.status(R1).health.num_restarts >= 1, what="restart seen")
             wait_until(ix.applied(R1, 0))
             assert matched(index, R1) == 1  # only what the new engine holds
             assert index.stats(R1).num_blocks == 1
@@ -151,9 +151,9 @@ def test_malformed_frames_are_counted_and_the_index_stays_intact(
         pub.publish_payload(b"\xc1garbage")  # undecodable payload with a valid seq
         seq = pub.publish([stored((14,), 13, 3)])
         wait_until(ix.applied(R1, seq))
-        status = ix.status(R1)
-        assert status.num_decode_errors == 3
-        assert status.num_bad_events == 2
+        health = ix.status(R1).health
+        assert health.num_decode_errors == 3
+        assert health.num_bad_events == 2
         assert matched(index, R1) == 4
 
 
@@ -245,7 +245,7 @@ def test_both_encodings_and_replay_layouts(
             seq = pub.publish([stored((14,), 13, 3)])
             wait_until(ix.applied(R1, seq))
             assert matched(index, R1) == 4
-            assert ix.status(R1).counters.num_gaps == 1
+            assert ix.status(R1).health.num_gaps == 1
     finally:
         pub.close()
 
@@ -259,7 +259,7 @@ def test_redis_going_away_is_counted_and_recovered(
         pub.publish([stored((11, 12), None, 0)])
         redis_server.stop()
         seq = pub.publish([stored((13,), 12, 2)])
-        wait_until(lambda: ix.status(R1).num_store_errors >= 1, what="store error counted")
+        wait_until(lambda: ix.status(R1).health.num_store_errors >= 1, what="store error counted")
         redis_server.restart()  # comes back empty: the replay buffer rebuilds the stream
         wait_until(ix.applied(R1, seq), timeout_s=15, what="stream resynced")
         wait_until(lambda: matched(index, R1) == 3, what="index rebuilt")

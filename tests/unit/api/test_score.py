@@ -20,11 +20,12 @@ from kvindex.api.score import Scorer
 from kvindex.api.settings import ApiSettings
 from kvindex.indexer.events import StreamId, Tier
 from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import IndexUnavailableError, Op, OpKind
 from kvindex.indexer.keys import block_keys
 from kvindex.indexer.redis_schema import Schema
-from kvindex.indexer.settings import ReplicaSpec
 
 MODEL = "m"
 NOW = 1_000.0
@@ -64,7 +65,7 @@ class Fleet:
         """The stream holds the request's first blocks, and is heard of now."""
         ops: list[Op] = [(OpKind.STORE, tier, i, k) for i, k in enumerate(KEYS[:num_blocks])]
         self.index.apply(stream, 0, self.now, ops)
-        self.registry.heard(stream, seq=0, engine_ts=self.now - 0.5)
+        self.registry.record(stream, StreamReport(last_seq=0, last_event_ts=self.now - 0.5))
 
     def answer(self) -> ScoreResponse:
         return asyncio.run(self.scorer.score(ScoreRequest(model=MODEL, token_ids=TOKENS)))
@@ -89,7 +90,7 @@ def fleet() -> Fleet:
     fleet.hold(StreamId("a", 0), 1)
     fleet.now = NOW - 1.0
     fleet.hold(StreamId("a", 1), 3)
-    fleet.registry.update(StreamId("a", 1), replaying=True)
+    fleet.registry.record(StreamId("a", 1), StreamReport(replaying=True))
     fleet.hold(StreamId("b"), 2, Tier.CPU)
     fleet.now = NOW
     fleet.loads.put("a", Load(2.0, 1.0, 0.5, NOW - 10.0, "push"))

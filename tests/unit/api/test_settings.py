@@ -11,7 +11,7 @@ import pytest
 
 from kvindex.api.policies import Weights
 from kvindex.api.settings import ApiSettings, ModelSpec, load_api_settings
-from kvindex.indexer.settings import SettingsError
+from kvindex.indexer.errors import SettingsError
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 

@@ -17,9 +17,10 @@ from kvindex.api.settings import ApiSettings, ModelSpec
 from kvindex.api.views import config_view, replica_views, stats_view
 from kvindex.indexer.events import StreamId, Tier
 from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import Op, OpKind
-from kvindex.indexer.settings import ReplicaSpec
 
 
 def fleet() -> tuple[Registry, MemoryIndex, MemoryLoadStore]:
@@ -34,7 +35,7 @@ def fleet() -> tuple[Registry, MemoryIndex, MemoryLoadStore]:
         (OpKind.STORE, Tier.CPU, 3, 13),
     ]
     index.apply(stream, 0, time.time(), ops)
-    registry.heard(stream, seq=0, engine_ts=time.time())
+    registry.record(stream, StreamReport(last_seq=0, last_event_ts=time.time()))
     loads = MemoryLoadStore()
     loads.put("a", Load(2.0, 1.0, 0.5, time.time(), "push"))
     return registry, index, loads

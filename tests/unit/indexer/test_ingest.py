@@ -16,8 +16,9 @@ from kvindex.indexer.events import (
     StreamId,
     Tier,
 )
+from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index.memory import MemoryIndex
-from kvindex.indexer.ingest import Ingestor, IngestReport, orphan_root
+from kvindex.indexer.ingest import Ingestor, orphan_root
 from kvindex.indexer.keys import block_keys, chain_keys, tokens_to_bytes
 
 STREAM = StreamId("r1", 0)
@@ -87,7 +88,7 @@ def tiers_matched(index: MemoryIndex, keys: Sequence[int]) -> tuple[Tier, ...]:
 
 def test_root_chain_keys_equal_block_keys(index: CountingIndex, ingestor: Ingestor) -> None:
     report = ingestor.apply(STREAM, MODEL, batch(0, stored([11, 12, 13], None, TOKENS)))
-    assert report == IngestReport(applied=True, num_blocks_stored=3, block_size=BLOCK)
+    assert report == StreamReport(applied=True, num_blocks_stored=3, block_size=BLOCK)
     expected = block_keys(MODEL, TOKENS, BLOCK)
     assert keys_of(index, [11, 12, 13]) == expected
     assert tiers_matched(index, expected) == (Tier.GPU,) * 3

@@ -17,7 +17,7 @@ from kvindex.api.tokenize.local import LocalTokenizer
 from kvindex.api.tokenize.protocol import TokenizerError
 from kvindex.api.tokenize.replica import ReplicaTokenizer
 from kvindex.indexer.fleet.registry import Registry
-from kvindex.indexer.settings import ReplicaSpec
+from kvindex.indexer.fleet.replica import ReplicaSpec
 from tests.unit.api.tokenize.samples import CONVERSATION, make_tokenizer, ok
 
 

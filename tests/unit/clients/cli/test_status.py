@@ -10,24 +10,23 @@ import pytest
 
 from kvindex.clients.cli.status import MAX_NAMED, FleetStatus, StatusLog, status_line
 from kvindex.indexer.events import Tier
-from kvindex.indexer.fleet.registry import Freshness
+from kvindex.indexer.fleet.registry import FleetTotals, Freshness
+from kvindex.indexer.health import StreamCounters
 
 
 def fleet(live: int = 2, stale: tuple[str, ...] = ("r3/0",), num_batches: int = 100) -> FleetStatus:
-    return FleetStatus(
-        streams_by_freshness={
-            Freshness.LIVE: [f"r{i + 1}/0" for i in range(live)],
-            Freshness.REPLAYING: [],
-            Freshness.STALE: list(stale),
-        },
-        blocks_by_tier={Tier.GPU: 1204, Tier.CPU: 16, Tier.OTHER: 0},
-        num_batches=num_batches,
-        num_gaps=2,
-        num_replays=1,
-        num_restarts=0,
-        num_errors=3,
-        max_lag_s=0.0123,
+    counters = StreamCounters(
+        num_batches=num_batches, num_gaps=2, num_replays=1, num_decode_errors=2, num_bad_events=1
     )
+    names = {
+        Freshness.LIVE: [f"r{i + 1}/0" for i in range(live)],
+        Freshness.REPLAYING: [],
+        Freshness.STALE: list(stale),
+    }
+    by_freshness = {state: len(streams) for state, streams in names.items()}
+    blocks = {Tier.GPU: 1204, Tier.CPU: 16, Tier.OTHER: 0}
+    totals = FleetTotals(live + len(stale), live + len(stale), by_freshness, blocks, counters)
+    return FleetStatus(totals, names, max_lag_s=0.0123)
 
 
 def test_the_line_has_every_total() -> None:
@@ -38,9 +37,10 @@ def test_the_line_has_every_total() -> None:
 
 
 def test_the_line_before_any_batch_or_rate() -> None:
-    empty = FleetStatus(
-        {state: [] for state in Freshness}, dict.fromkeys(Tier, 0), 0, 0, 0, 0, 0, None
+    nothing = FleetTotals(
+        0, 0, dict.fromkeys(Freshness, 0), dict.fromkeys(Tier, 0), StreamCounters()
     )
+    empty = FleetStatus(nothing, {state: [] for state in Freshness}, None)
     line = status_line(empty, None)
     assert line.startswith("0 streams: 0 live, 0 replaying, 0 stale · blocks gpu 0")
     assert "- batches/s · lag max -" in line

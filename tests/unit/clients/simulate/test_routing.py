@@ -85,7 +85,7 @@ def test_the_sink_applies_events_only_after_the_event_delay() -> None:
     assert (match.num_blocks, set(match.tiers)) == (4, {Tier.GPU})
     status = sink.registry.status(StreamId("r1"))
     assert status is not None
-    assert (status.last_seq, status.lag_s) == (0, 0.5)
+    assert (status.health.last_seq, status.health.lag_s) == (0, 0.5)
 
 
 def test_kv_aware_through_the_real_scorer_follows_the_cache() -> None:

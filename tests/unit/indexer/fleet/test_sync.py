@@ -7,23 +7,17 @@ from __future__ import annotations
 import fakeredis
 import pytest
 
-from kvindex.indexer.fleet.registry import Freshness, LiveState, Registry
+from kvindex.indexer.fleet.registry import Freshness, Registry
+from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.fleet.sync import FleetSync, StreamRecord, encode_record, encode_spec
 from kvindex.indexer.fleet.view import RedisFleetView
+from kvindex.indexer.health import StreamHealth
 from kvindex.indexer.index.protocol import IndexUnavailableError
 from kvindex.indexer.redis_schema import Schema
-from kvindex.indexer.settings import ReplicaSpec
+from tests.support.clock import Clock
 
 SCHEMA = Schema("test")
 R1 = ReplicaSpec("r1", "m", events="tcp://127.0.0.1:5557")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_declared_replicas_are_published_at_start() -> None:
@@ -85,8 +79,8 @@ def test_a_record_no_indexer_rewrites_is_stale() -> None:
     clock = Clock()
     view = RedisFleetView(client, SCHEMA, record_expiry_s=10.0, cache_ttl_s=0.0, clock=clock)
     view.add(R1)
-    live = LiveState(connected=True, last_heard=clock.now)
-    client.hset(SCHEMA.stream_status, "r1/0", encode_record(StreamRecord(live, clock.now)))
+    health = StreamHealth(connected=True, last_heard=clock.now)
+    client.hset(SCHEMA.stream_status, "r1/0", encode_record(StreamRecord(health, clock.now)))
     clock.now += 5.0
     assert [f.freshness for f in view.freshness()] == [Freshness.LIVE]
     clock.now += 6.0

@@ -1,0 +1,109 @@
+"""One vLLM replica as kvindex knows it: its id, model and endpoints (:class:`ReplicaSpec`).
+
+A spec comes from the settings (TOML ``[[replicas]]``, ``--replica``), from ``POST
+/replicas``, from the shared fleet state in Redis, or, in bind mode, from the topic of a
+replica's first event. Every way in validates the same: a bad value raises
+:class:`~kvindex.indexer.errors.SettingsError` naming the replica and the value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvindex.indexer.errors import SettingsError
+from kvindex.indexer.redis_schema import SchemaError, check_name
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSpec:
+    """One vLLM replica (all its data-parallel ranks)."""
+
+    id: str
+    """Stable replica id (letters, digits, ``._:-``); the router routes to it."""
+    model: str
+    """Model name as served (the namespace of its block keys)."""
+    events: str | None = None
+    """Its PUB endpoint (``--kv-events-config`` ``endpoint``, with the host filled in); the
+    indexer connects to it. None when the replica connects to the indexer's bound SUB."""
+    replay: str | None = None
+    """Its replay ROUTER endpoint (``replay_endpoint``); None disables gap repair."""
+    url: str | None = None
+    """Base URL of its OpenAI-compatible server (``/metrics``, ``/tokenize``)."""
+    dp_size: int = 1
+    """Data-parallel ranks; rank r publishes on port + r (PUB and ROUTER)."""
+
+    def __post_init__(self) -> None:
+        _check_replica_id(self.id)
+        if not self.model:
+            raise SettingsError(f"replica {self.id}: model must not be empty")
+        if self.dp_size < 1:
+            raise SettingsError(f"replica {self.id}: dp_size must be >= 1, got {self.dp_size}")
+        for name in ("events", "replay"):
+            check_endpoint(f"replica {self.id}: {name}", getattr(self, name))
+
+    def events_for_rank(self, rank: int) -> str | None:
+        """The PUB endpoint of one data-parallel rank (vLLM adds the rank to the port)."""
+        return None if self.events is None else endpoint_for_rank(self.events, rank)
+
+    def replay_for_rank(self, rank: int) -> str | None:
+        """The replay ROUTER endpoint of one data-parallel rank."""
+        return None if self.replay is None else endpoint_for_rank(self.replay, rank)
+
+    @classmethod
+    def parse(cls, text: str) -> ReplicaSpec:
+        """``id=r1,model=M,events=tcp://h:5557[,replay=...][,url=...][,dp_size=2]``."""
+        values: dict[str, Any] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, value = part.partition("=")
+            if not sep:
+                raise SettingsError(f"replica {text!r}: expected key=value, got {part!r}")
+            values["dp_size" if key == "dp" else key] = value
+        return replica_from_mapping(values, where=f"replica {text!r}")
+
+
+def endpoint_for_rank(endpoint: str, rank: int) -> str:
+    """vLLM's ``offset_endpoint_port``: tcp port + rank, inproc name + ``_dp<rank>``."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{rank}"
+    if endpoint.startswith("tcp://"):
+        host, sep, port = endpoint.rpartition(":")
+        if sep and port.isdigit() and int(port) != 0:
+            return f"{host}:{int(port) + rank}"
+    raise SettingsError(f"cannot derive the endpoint of rank {rank} from {endpoint!r}")
+
+
+def replica_from_mapping(values: Mapping[str, Any], *, where: str) -> ReplicaSpec:
+    """A spec from loosely typed values (a TOML table, ``key=value`` text); ``where`` names
+    the source in the error."""
+    known = {f.name for f in fields(ReplicaSpec)}
+    unknown = set(values) - known
+    if unknown:
+        raise SettingsError(f"{where}: unknown keys {sorted(unknown)} (known: {sorted(known)})")
+    for required in ("id", "model"):
+        if not values.get(required):
+            raise SettingsError(f"{where}: {required} is required")
+    converted = dict(values)
+    if "dp_size" in converted:
+        raw = converted["dp_size"]
+        try:
+            converted["dp_size"] = int(raw)
+        except (TypeError, ValueError):
+            raise SettingsError(f"dp_size must be an integer, got {raw!r}") from None
+    return ReplicaSpec(**converted)
+
+
+def check_endpoint(name: str, value: str | None) -> None:
+    """Reject anything but a ZeroMQ endpoint (``name`` says whose, in the error)."""
+    if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+        raise SettingsError(f"{name} must be a ZeroMQ endpoint (tcp://, ipc://), got {value!r}")
+
+
+def _check_replica_id(value: str) -> None:
+    try:
+        check_name("replica id", value)
+    except SchemaError as exc:
+        raise SettingsError(str(exc)) from exc

@@ -1,0 +1,475 @@
+"""The socket-free core of the write path: frames in, index and stream records updated.
+
+A :class:`Pipeline` keeps, for every stream (replica, data-parallel rank), a
+:class:`~kvindex.indexer.stream.StreamTracker` and the batches waiting to be applied. It
+decodes live frames, orders them, applies them through the
+:class:`~kvindex.indexer.ingest.Ingestor`, and tells the registry what it learnt with one
+:class:`~kvindex.indexer.health.StreamReport` per stream per call. It decides when a stream
+needs a replay, when an engine restarted, when a removed or long-disconnected replica's blocks
+are purged, and when a stream whose index store failed is resynced.
+
+It owns no socket. Its caller (:class:`~kvindex.indexer.subscriber.Subscriber`, or a test,
+a benchmark, the fleet simulator) hands it frames and replay replies, and carries out its
+replay requests through :class:`ReplayRequests`. Nothing it receives can kill it:
+undecodable frames and bad events are logged once per stream, counted and skipped; an
+unreachable index store is counted and the stream resynced once the store is back.
+
+Not thread-safe: one thread calls every method, so each stream's batches are applied in
+order. Other threads read the registry.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvindex.indexer.errors import SettingsError
+from kvindex.indexer.events import EventBatch, StreamId, Topic
+from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.health import StreamReport
+from kvindex.indexer.index.protocol import BlockIndex, IndexUnavailableError, drop_replica
+from kvindex.indexer.ingest import Ingestor
+from kvindex.indexer.redis_schema import SchemaError, check_name
+from kvindex.indexer.settings import IndexerSettings
+from kvindex.indexer.stream import Step, StreamTracker
+from kvindex.indexer.wire import ReplayReply, WireError, decode_live
+
+log = logging.getLogger("kvindex.subscriber")  # the write path's one logger, as before the split
+
+_UNKNOWN_TS = -1.0
+"""Engine timestamp given to a batch whose payload could not be read."""
+
+
+class ReplayRequests(Protocol):
+    """Replays the pipeline asks its socket owner for (at most one open per stream)."""
+
+    def start_replay(self, stream: StreamId, endpoint: str, start_seq: int) -> None:
+        """Ask ``endpoint`` for every batch from ``start_seq`` on; the replies come back
+        through :meth:`Pipeline.on_replay`. The stream has no replay open."""
+        ...
+
+    def end_replay(self, stream: StreamId) -> int:
+        """Close the stream's replay; returns how many of its replies were undecodable."""
+        ...
+
+
+@dataclass(slots=True)
+class UnroutedCounters:
+    """Frames that belong to no known stream (bind mode)."""
+
+    num_undecodable: int = 0
+    num_unidentified: int = 0
+
+
+@dataclass(slots=True)
+class _Runtime:
+    """What the pipeline keeps for one stream."""
+
+    stream: StreamId
+    model: str
+    tracker: StreamTracker
+    replay_endpoint: str | None
+    report: StreamReport
+    """What to tell the registry next; the tracker counts into it too."""
+    replay_open: bool = False
+    last_rebuild: float = float("-inf")
+    broken: bool = False
+    purged: bool = False
+    pending: list[EventBatch] = field(default_factory=list)
+    """In-order live batches not yet applied (flushed at the end of a call)."""
+    queued: bool = False
+    logged: set[str] = field(default_factory=set)
+
+
+class Pipeline:
+    """Keeps the index and the registry's stream records in step with the replicas' frames.
+
+    ``replays`` carries out replay requests; without it no stream can replay (as if no
+    replica had a ``replay`` endpoint), which suits callers without sockets.
+    """
+
+    def __init__(
+        self,
+        settings: IndexerSettings,
+        index: BlockIndex,
+        registry: Registry,
+        *,
+        replays: ReplayRequests | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._settings = settings
+        self._index = index
+        self._registry = registry
+        self._replays = replays
+        self._clock = clock
+        self._ingestor = Ingestor(index, cache_size=settings.key_cache_size)
+        self._runtimes: dict[StreamId, _Runtime] = {}
+        self._known_version = -1
+        self.counters = UnroutedCounters()
+
+    # --- the fleet -----------------------------------------------------------------------
+
+    def reconcile(self) -> list[ReplicaSpec] | None:
+        """None if the registry's replicas are as at the last call. Otherwise: forget the
+        streams of removed replicas (closing their replays, purging their blocks) and return
+        every replica now registered, for the caller to open or close sockets."""
+        version = self._registry.version
+        if version == self._known_version:
+            return None
+        self._known_version = version
+        wanted = self._registry.replicas()
+        for replica in {s.replica for s in self._runtimes} - {r.id for r in wanted}:
+            self._forget_replica(replica)
+        return wanted
+
+    def track(self, stream: StreamId, spec: ReplicaSpec) -> None:
+        """Start keeping a stream its caller subscribed to (connect mode); a no-op if kept."""
+        self._runtime(stream, spec)
+
+    def close(self) -> None:
+        """End every open replay (their undecodable replies counted)."""
+        for runtime in self._runtimes.values():
+            if runtime.replay_open:
+                self._end_replay(runtime)
+                self._record(runtime)
+
+    # --- live frames ---------------------------------------------------------------------
+
+    def handle_live(self, frames: list[bytes], stream: StreamId | None) -> None:
+        """One live message from a known stream (connect mode) or the bound SUB (None)."""
+        self.handle_frames([frames], stream)
+
+    def handle_frames(self, messages: list[list[bytes]], stream: StreamId | None) -> None:
+        """Live messages in arrival order, as drained from one socket (``stream``: the
+        socket's, or None for the bound SUB, where each topic names its stream).
+
+        In-order batches of a stream are applied together (one index round trip); anything
+        else (a gap, a restart) first flushes what is pending, then is carried out. Each
+        stream touched is reported to the registry once, at the end.
+        """
+        touched: list[_Runtime] = []
+        for frames in messages:
+            try:
+                message = decode_live(frames)
+            except WireError as exc:
+                runtime = self._bad_frame(stream, exc)
+            else:
+                runtime = self._on_batch(stream, message.topic, message.batch)
+            if runtime is not None and not runtime.queued:
+                runtime.queued = True
+                touched.append(runtime)
+        for runtime in touched:
+            runtime.queued = False
+            self._flush(runtime)
+            self._record(runtime)
+
+    def _on_batch(self, stream: StreamId | None, topic: str, batch: EventBatch) -> _Runtime | None:
+        runtime = self._runtime_for(stream, topic, batch)
+        if runtime is None or runtime.broken:
+            return None
+        if runtime.tracker.accept_next(batch):
+            runtime.pending.append(batch)
+            return runtime
+        step = runtime.tracker.on_live(batch)
+        if step.clear or step.replay_from is not None:
+            self._flush(runtime)
+            self._execute(runtime, step)
+        else:
+            runtime.pending.extend(step.batches)
+        return runtime
+
+    def _bad_frame(self, stream: StreamId | None, exc: WireError) -> _Runtime | None:
+        runtime = None if stream is None else self._runtimes.get(stream)
+        if runtime is None:
+            self.counters.num_undecodable += 1
+            if self.counters.num_undecodable == 1:
+                log.warning("undecodable frame on the bound SUB (further ones counted): %s", exc)
+            return None
+        runtime.report.num_decode_errors += 1
+        self._log_once(runtime, "decode", "undecodable frame (further ones counted): %s", exc)
+        if exc.seq is not None:
+            # Only the payload was bad: move past this seq rather than replay it forever.
+            skipped = EventBatch(exc.seq, _UNKNOWN_TS, runtime.stream.rank, ())
+            self._on_batch(runtime.stream, "", skipped)
+            self._flush(runtime)
+        return runtime
+
+    # --- streams -------------------------------------------------------------------------
+
+    def _runtime_for(
+        self, stream: StreamId | None, topic: str, batch: EventBatch
+    ) -> _Runtime | None:
+        if stream is None:
+            return self._register_from_topic(topic, batch.rank)
+        runtime = self._runtimes.get(stream)
+        if runtime is None:
+            spec = self._registry.get(stream.replica)
+            if spec is None:
+                self.counters.num_unidentified += 1
+                return None
+            runtime = self._runtime(stream, spec)
+        return runtime
+
+    def _register_from_topic(self, topic: str, rank: int) -> _Runtime | None:
+        """Bind mode: the topic ``kv@<replica>@<model>`` names the stream."""
+        parsed = Topic.parse(topic)
+        replica = parsed.replica or topic
+        stream = StreamId(replica, rank)
+        runtime = self._runtimes.get(stream)
+        if runtime is not None:
+            return runtime
+        spec = self._registry.get(replica) or self._spec_from_topic(replica, parsed.model)
+        if spec is None:
+            self.counters.num_unidentified += 1
+            if self.counters.num_unidentified == 1:
+                log.warning("event with topic %r names no replica (further ones counted)", topic)
+            return None
+        if self._registry.add(spec):
+            self._known_version = self._registry.version  # nothing to open for it
+        log.info("replica %s rank %d registered from its topic %r", replica, rank, topic)
+        return self._runtime(stream, spec)
+
+    def _spec_from_topic(self, replica: str, model: str | None) -> ReplicaSpec | None:
+        model = model or self._settings.default_model
+        if not replica or model is None:
+            return None
+        try:
+            check_name("replica id", replica)
+            return ReplicaSpec(id=replica, model=model)
+        except (SchemaError, SettingsError):
+            return None
+
+    def _runtime(self, stream: StreamId, spec: ReplicaSpec) -> _Runtime:
+        runtime = self._runtimes.get(stream)
+        if runtime is not None:
+            return runtime
+        replay = None if self._replays is None else spec.replay_for_rank(stream.rank)
+        can_replay = replay is not None
+        report = StreamReport()
+        try:
+            tracker = self._tracker_from_index(stream, can_replay=can_replay, report=report)
+        except IndexUnavailableError:  # the first store call will fail too, and be counted
+            tracker = StreamTracker(can_replay=can_replay, counters=report)
+        runtime = _Runtime(stream, spec.model, tracker, replay, report)
+        self._runtimes[stream] = runtime
+        self._registry.record(stream, report)  # an empty report: the record exists from now
+        return runtime
+
+    def _tracker_from_index(
+        self, stream: StreamId, *, can_replay: bool, report: StreamReport
+    ) -> StreamTracker:
+        """A tracker that starts from what the index holds (after an indexer restart, or a
+        store failure); raises :class:`IndexUnavailableError` when the store is down."""
+        stats = self._index.stats(stream)
+        return StreamTracker(
+            can_replay=can_replay,
+            watermark=stats.watermark,
+            last_ts=stats.last_event_ts,
+            counters=report,
+        )
+
+    def _forget_replica(self, replica: str) -> None:
+        """A removed replica: its replays closed, its blocks purged from the index."""
+        for stream in [s for s in self._runtimes if s.replica == replica]:
+            self._end_replay(self._runtimes.pop(stream))
+            self._ingestor.forget(stream)
+        try:
+            dropped = drop_replica(self._index, replica)
+        except IndexUnavailableError as exc:
+            log.warning("replica %s removed but its blocks could not be purged: %s", replica, exc)
+            return
+        log.info("replica %s removed; purged %d stream(s)", replica, len(dropped))
+
+    def _record(self, runtime: _Runtime) -> None:
+        """Hand the stream's report to the registry; the tracker counts into a fresh one."""
+        report = runtime.report
+        report.replaying = runtime.tracker.replaying
+        runtime.report = runtime.tracker.counters = StreamReport()
+        self._registry.record(runtime.stream, report)
+
+    # --- carrying out steps --------------------------------------------------------------
+
+    def _execute(self, runtime: _Runtime, step: Step) -> None:
+        stream = runtime.stream
+        if step.clear:
+            try:
+                self._index.clear(stream)
+            except IndexUnavailableError as exc:
+                self._store_failed(runtime, exc)
+                return
+            self._ingestor.forget(stream)
+            log.info("stream %s cleared (engine restart or rebuild)", stream)
+        runtime.pending.extend(step.batches)
+        self._flush(runtime)
+        if not runtime.broken and step.replay_from is not None:
+            self._start_replay(runtime, step.replay_from)
+
+    def _flush(self, runtime: _Runtime) -> None:
+        """Apply the stream's pending batches in one index call."""
+        batches = runtime.pending
+        if not batches:
+            return
+        runtime.pending = []
+        if runtime.broken:
+            return
+        report = runtime.report
+        num_orphans = report.num_orphan_stores
+        try:
+            self._ingestor.apply_many(runtime.stream, runtime.model, batches, report)
+        except IndexUnavailableError as exc:
+            self._store_failed(runtime, exc)
+            return
+        last = batches[-1]
+        report.last_seq = last.seq
+        report.last_event_ts = last.ts
+        if (
+            report.num_orphan_stores
+            or report.num_unknown_removals
+            or report.num_misaligned_events
+            or report.num_bad_events
+        ):
+            self._log_problems(runtime, report)
+        if report.num_orphan_stores > num_orphans and not runtime.tracker.replaying:
+            self._maybe_rebuild(runtime)
+
+    def _log_problems(self, runtime: _Runtime, report: StreamReport) -> None:
+        self._log_once(
+            runtime,
+            "report",
+            "stream %s: %d orphan stores, %d unknown removals, %d misaligned and %d bad "
+            "events (further ones counted)",
+            runtime.stream,
+            report.num_orphan_stores,
+            report.num_unknown_removals,
+            report.num_misaligned_events,
+            report.num_bad_events,
+        )
+
+    def _maybe_rebuild(self, runtime: _Runtime) -> None:
+        """Orphaned stores: rebuild from the engine's replay buffer, at most once a while."""
+        now = self._clock()
+        if now - runtime.last_rebuild < self._settings.rebuild_cooldown_s:
+            return
+        runtime.last_rebuild = now
+        step = runtime.tracker.resync(rebuild=True)
+        if step.replay_from is not None:
+            log.info("stream %s: orphaned stores, rebuilding by replay", runtime.stream)
+            self._start_replay(runtime, step.replay_from)
+
+    def _store_failed(self, runtime: _Runtime, exc: IndexUnavailableError) -> None:
+        runtime.broken = True
+        self._end_replay(runtime)
+        runtime.report.num_store_errors += 1
+        log.warning("stream %s: index store unavailable, will resync: %s", runtime.stream, exc)
+
+    def _log_once(self, runtime: _Runtime, kind: str, message: str, *args: object) -> None:
+        if kind not in runtime.logged:
+            runtime.logged.add(kind)
+            log.warning(message, *args)
+
+    # --- replay --------------------------------------------------------------------------
+
+    def on_replay(self, stream: StreamId, replies: Sequence[ReplayReply]) -> None:
+        """Replies of the stream's open replay, in arrival order; an end marker ends it."""
+        runtime = self._runtimes.get(stream)
+        if runtime is None or not runtime.replay_open:
+            return
+        for reply in replies:
+            if reply.batch is None:
+                self._end_replay(runtime)
+                self._execute(runtime, runtime.tracker.on_replay_end())
+                break
+            self._execute(runtime, runtime.tracker.on_replay(reply.batch))
+            if runtime.broken:
+                break
+        self._record(runtime)
+
+    def replay_timed_out(self, stream: StreamId) -> None:
+        """The stream's replay went silent for too long: give it up, apply what waited."""
+        runtime = self._runtimes.get(stream)
+        if runtime is None or not runtime.replay_open:
+            return
+        log.warning("stream %s: replay timed out", stream)
+        self._end_replay(runtime)
+        self._execute(runtime, runtime.tracker.on_replay_failed())
+        self._record(runtime)
+
+    def _start_replay(self, runtime: _Runtime, start_seq: int) -> None:
+        if runtime.replay_endpoint is None or self._replays is None:
+            return
+        self._end_replay(runtime)
+        self._replays.start_replay(runtime.stream, runtime.replay_endpoint, start_seq)
+        runtime.replay_open = True
+        log.info("stream %s: replay from seq %d", runtime.stream, start_seq)
+
+    def _end_replay(self, runtime: _Runtime) -> None:
+        if not runtime.replay_open or self._replays is None:
+            return
+        runtime.replay_open = False
+        runtime.report.num_decode_errors += self._replays.end_replay(runtime.stream)
+
+    # --- connection ----------------------------------------------------------------------
+
+    def on_connected(self, stream: StreamId) -> None:
+        """The stream's socket (re)connected: resync it from the engine's replay buffer."""
+        runtime = self._runtimes.get(stream)
+        if runtime is None:
+            return
+        runtime.report.connected = True
+        runtime.purged = False
+        log.info("stream %s: connected; resyncing", stream)
+        self._execute(runtime, runtime.tracker.resync())
+        self._record(runtime)
+
+    def on_disconnected(self, stream: StreamId) -> None:
+        runtime = self._runtimes.get(stream)
+        if runtime is None:
+            return
+        runtime.report.connected = False
+        log.warning("stream %s: disconnected", stream)
+        self._record(runtime)
+
+    # --- periodic ------------------------------------------------------------------------
+
+    def maintain(self) -> None:
+        """Resync streams whose store is back; purge the blocks of streams disconnected for
+        longer than ``purge_after_s``. Call it about once a second."""
+        for runtime in list(self._runtimes.values()):
+            if runtime.broken:
+                self._recover(runtime)
+            self._maybe_purge(runtime)
+
+    def _recover(self, runtime: _Runtime) -> None:
+        """The store is back: restart the stream's tracker from the index and resync."""
+        can_replay = runtime.tracker.can_replay
+        try:
+            tracker = self._tracker_from_index(
+                runtime.stream, can_replay=can_replay, report=runtime.report
+            )
+        except IndexUnavailableError:
+            return
+        runtime.tracker = tracker
+        runtime.broken = False
+        self._ingestor.forget(runtime.stream)
+        log.info("stream %s: index store reachable again; resyncing", runtime.stream)
+        self._execute(runtime, tracker.resync())
+        self._record(runtime)
+
+    def _maybe_purge(self, runtime: _Runtime) -> None:
+        limit = self._settings.purge_after_s
+        if limit <= 0 or runtime.purged:
+            return
+        gone_for = self._registry.disconnected_for(runtime.stream)
+        if gone_for is None or gone_for < limit:
+            return
+        try:
+            self._index.clear(runtime.stream)
+        except IndexUnavailableError:
+            return
+        runtime.purged = True
+        self._ingestor.forget(runtime.stream)
+        log.warning("stream %s: disconnected %.0fs, blocks purged", runtime.stream, gone_for)

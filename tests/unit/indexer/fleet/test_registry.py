@@ -1,0 +1,56 @@
+"""Registry specifics: records folded from reports, snapshots that do not move, totals."""
+
+from __future__ import annotations
+
+from kvindex.indexer.events import StreamId, Tier
+from kvindex.indexer.fleet.registry import Freshness, Registry, fleet_totals
+from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.health import StreamReport
+from kvindex.indexer.index.memory import MemoryIndex
+from kvindex.indexer.index.protocol import OpKind
+from tests.support.clock import Clock
+
+A0, A1, B0 = StreamId("a", 0), StreamId("a", 1), StreamId("b", 0)
+
+
+def test_a_status_holds_a_copy_of_the_record() -> None:
+    registry = Registry((ReplicaSpec("a", "m", dp_size=2),))
+    registry.record(A0, StreamReport(num_gaps=1))
+    status = registry.status(A0)
+    assert status is not None
+    registry.record(A0, StreamReport(num_gaps=1))
+    assert status.health.num_gaps == 1
+    assert registry.status(A1) is None
+
+
+def test_a_disconnected_stream_is_stale_and_counts_its_time_away() -> None:
+    clock = Clock()
+    registry = Registry(clock=clock)
+    registry.record(A0, StreamReport(connected=True))
+    assert registry.disconnected_for(A0) is None
+    registry.record(A0, StreamReport(connected=False))
+    clock.now += 30.0
+    assert registry.disconnected_for(A0) == 30.0
+    assert [f.freshness for f in registry.freshness()] == [Freshness.STALE]
+
+
+def test_fleet_totals_add_up_every_stream_and_its_blocks() -> None:
+    registry = Registry((ReplicaSpec("a", "m", dp_size=2), ReplicaSpec("b", "m")))
+    index = MemoryIndex()
+    index.apply(A0, 0, 1.0, [(OpKind.STORE, Tier.GPU, 1, 11), (OpKind.STORE, Tier.GPU, 2, 12)])
+    index.apply(B0, 0, 1.0, [(OpKind.STORE, Tier.CPU, 3, 13)])
+    registry.record(A0, StreamReport(num_batches=2, num_decode_errors=1, connected=True))
+    registry.record(A1, StreamReport(num_batches=3, replaying=True))
+    registry.record(B0, StreamReport(num_batches=4, connected=True))
+    totals = fleet_totals(registry, index)
+    assert (totals.num_replicas, totals.num_streams) == (2, 3)
+    assert (totals.counters.num_batches, totals.counters.num_decode_errors) == (9, 1)
+    assert totals.blocks_by_tier == {Tier.GPU: 2, Tier.CPU: 1, Tier.OTHER: 0}
+    by_freshness = totals.num_streams_by_freshness
+    assert by_freshness == {Freshness.LIVE: 2, Freshness.REPLAYING: 1, Freshness.STALE: 0}
+
+
+def test_fleet_totals_without_an_index_leave_blocks_out() -> None:
+    registry = Registry()
+    assert fleet_totals(registry).blocks_by_tier == {}
+    assert fleet_totals(registry).num_streams == 0

@@ -1,0 +1,357 @@
+"""Pipeline: the write path without sockets — frames in, index and stream records out, replay
+requests to a fake socket owner."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import pytest
+
+from kvindex.clients.fake_vllm.publisher import encode_batch
+from kvindex.indexer.events import BlockStored, Event, EventBatch, StreamId, Tier
+from kvindex.indexer.fleet.registry import Freshness, Registry
+from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.health import StreamHealth
+from kvindex.indexer.index.memory import MemoryIndex
+from kvindex.indexer.index.protocol import (
+    ApplyResult,
+    BatchOps,
+    IndexUnavailableError,
+    StreamStats,
+)
+from kvindex.indexer.keys import block_keys
+from kvindex.indexer.pipeline import Pipeline
+from kvindex.indexer.settings import IndexerSettings
+from kvindex.indexer.wire import ReplayReply
+from tests.support.clock import Clock
+
+MODEL = "m"
+BLOCK = 4
+R1 = StreamId("r1")
+REPLAY = "tcp://127.0.0.1:5558"
+TOPIC = f"kv@r1@{MODEL}".encode()
+
+
+@dataclass
+class Replays:
+    """The socket owner's side: records what the pipeline asks for."""
+
+    started: list[tuple[StreamId, str, int]] = field(default_factory=list)
+    open: set[StreamId] = field(default_factory=set)
+    num_bad_frames: int = 0
+
+    def start_replay(self, stream: StreamId, endpoint: str, start_seq: int) -> None:
+        assert stream not in self.open, "a replay was started over an open one"
+        self.open.add(stream)
+        self.started.append((stream, endpoint, start_seq))
+
+    def end_replay(self, stream: StreamId) -> int:
+        assert stream in self.open, "ended a replay that was not open"
+        self.open.discard(stream)
+        return self.num_bad_frames
+
+
+class FlakyIndex(MemoryIndex):
+    """A memory index whose store can go down."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = False
+
+    def _check(self) -> None:
+        if self.down:
+            raise IndexUnavailableError("store down")
+
+    def apply_many(self, stream: StreamId, batches: Sequence[BatchOps]) -> list[ApplyResult]:
+        self._check()
+        return super().apply_many(stream, batches)
+
+    def stats(self, stream: StreamId) -> StreamStats:
+        self._check()
+        return super().stats(stream)
+
+    def clear(self, stream: StreamId) -> None:
+        self._check()
+        super().clear(stream)
+
+
+@dataclass
+class Rig:
+    pipeline: Pipeline
+    index: FlakyIndex
+    registry: Registry
+    replays: Replays
+    clock: Clock
+
+    def health(self, stream: StreamId = R1) -> StreamHealth:
+        status = self.registry.status(stream)
+        assert status is not None, f"no record for {stream}"
+        return status.health
+
+    def freshness(self, stream: StreamId = R1) -> Freshness:
+        status = self.registry.status(stream)
+        assert status is not None
+        return status.freshness
+
+    def blocks(self, *seqs: int) -> int:
+        """How many blocks of the chain stored by ``batch(seq)`` for ``seqs`` r1 holds."""
+        keys = block_keys(MODEL, [t for s in seqs for t in tokens(s)], BLOCK)
+        return self.index.longest_prefix(keys, [R1])[R1].num_blocks
+
+
+def rig(*, replay: bool = True, **settings: object) -> Rig:
+    clock = Clock()
+    spec = ReplicaSpec("r1", MODEL, replay=REPLAY if replay else None)
+    config = IndexerSettings(replicas=(spec,), **settings)  # type: ignore[arg-type]
+    registry = Registry(config.replicas, clock=clock)
+    index, replays = FlakyIndex(), Replays()
+    pipeline = Pipeline(config, index, registry, replays=replays, clock=clock)
+    pipeline.track(R1, spec)
+    return Rig(pipeline, index, registry, replays, clock)
+
+
+def tokens(seq: int) -> list[int]:
+    return [seq * 100 + i for i in range(BLOCK)]
+
+
+def store(seq: int) -> BlockStored:
+    """One block chained from the block ``store(seq - 1)`` put in (a root for seq 0)."""
+    parent = None if seq == 0 else seq - 1
+    return BlockStored((seq,), parent, tokens(seq), BLOCK, Tier.GPU)
+
+
+def batch(seq: int, ts: float | None = None) -> EventBatch:
+    return EventBatch(seq, 10.0 + seq if ts is None else ts, 0, (store(seq),))
+
+
+def frames(seq: int, ts: float | None = None, events: list[Event] | None = None) -> list[bytes]:
+    live = batch(seq, ts)
+    shown = list(live.events) if events is None else events
+    payload = encode_batch(shown, ts=live.ts, rank=0, encoding="map")
+    return [TOPIC, seq.to_bytes(8, "big"), payload]
+
+
+def replies(*batches: EventBatch, end: bool = True) -> list[ReplayReply]:
+    found = [ReplayReply(b.seq, b) for b in batches]
+    return [*found, ReplayReply(-1, None)] if end else found
+
+
+def synced(r: Rig, last: int) -> None:
+    """Connect and resync r1 with seqs 0..last, as at start."""
+    r.pipeline.on_connected(R1)
+    r.pipeline.on_replay(R1, replies(*(batch(s) for s in range(last + 1))))
+
+
+# --- in order -----------------------------------------------------------------------------
+
+
+def test_in_order_frames_are_applied_and_recorded_once_per_call() -> None:
+    r = rig(replay=False)
+    r.pipeline.handle_frames([frames(0), frames(1), frames(2)], R1)
+    assert r.blocks(0, 1, 2) == 3
+    health = r.health()
+    assert (health.num_batches, health.last_seq, health.block_size) == (3, 2, BLOCK)
+    assert health.last_event_ts == 12.0
+    assert r.replays.started == []
+
+
+def test_a_connect_resyncs_by_replay_and_the_record_shows_it_replaying() -> None:
+    r = rig()
+    r.pipeline.on_connected(R1)
+    assert r.replays.started == [(R1, REPLAY, 0)]
+    assert r.health().connected
+    assert r.freshness() is Freshness.REPLAYING
+    r.pipeline.on_replay(R1, replies(batch(0), batch(1)))
+    assert r.replays.open == set()
+    assert r.freshness() is Freshness.LIVE
+    assert (r.health().last_seq, r.blocks(0, 1)) == (1, 2)
+
+
+# --- gaps and restarts ----------------------------------------------------------------------
+
+
+def test_a_gap_asks_for_a_replay_from_the_first_missing_seq() -> None:
+    r = rig()
+    synced(r, last=1)
+    r.pipeline.handle_frames([frames(4), frames(5)], R1)
+    assert r.replays.started[-1] == (R1, REPLAY, 2)
+    assert r.health().num_gaps == 1
+    r.pipeline.on_replay(R1, replies(batch(2), batch(3), batch(4)))
+    assert r.blocks(0, 1, 2, 3, 4, 5) == 6
+    assert (r.health().last_seq, r.health().num_duplicates) == (5, 1)
+    assert r.freshness() is Freshness.LIVE
+
+
+def test_without_replay_a_gap_is_applied_through_and_counted_unrepaired() -> None:
+    r = rig(replay=False)
+    r.pipeline.handle_frames([frames(0), frames(3)], R1)
+    health = r.health()
+    assert (health.num_gaps, health.num_unrepaired_gaps, health.last_seq) == (1, 1, 3)
+
+
+def test_a_replay_that_times_out_applies_what_waited() -> None:
+    r = rig()
+    synced(r, last=1)
+    r.pipeline.handle_live(frames(4, events=[]), R1)
+    r.pipeline.replay_timed_out(R1)
+    assert r.replays.open == set()
+    health = r.health()
+    assert (health.num_replay_failures, health.num_unrepaired_gaps, health.last_seq) == (1, 1, 4)
+
+
+def test_an_engine_restart_clears_the_stream_and_resyncs_from_zero() -> None:
+    r = rig()
+    synced(r, last=2)
+    r.pipeline.handle_live(frames(0, ts=99.0), R1)  # seq went back, a new engine's batch
+    assert r.blocks(0) == 0
+    assert r.replays.started[-1] == (R1, REPLAY, 0)
+    assert r.health().num_restarts == 1
+    r.pipeline.on_replay(R1, replies(batch(0, ts=99.0)))
+    assert (r.blocks(0), r.health().last_seq) == (1, 0)
+
+
+def test_without_replay_a_restart_clears_and_applies_the_new_batch() -> None:
+    r = rig(replay=False)
+    r.pipeline.handle_frames([frames(0), frames(1)], R1)
+    r.pipeline.handle_live(frames(0, ts=99.0), R1)
+    assert (r.health().num_restarts, r.health().last_seq) == (1, 0)
+    assert (r.blocks(0), r.blocks(0, 1)) == (1, 1)
+
+
+def test_orphaned_stores_rebuild_by_replay_once_per_cooldown() -> None:
+    r = rig(rebuild_cooldown_s=60.0)
+    synced(r, last=0)
+    orphan = BlockStored((7,), 6, tokens(7), BLOCK, Tier.GPU)
+    r.pipeline.handle_live(frames(1, events=[orphan]), R1)
+    assert r.health().num_orphan_stores == 1
+    assert (r.replays.started[-1], r.health().num_rebuilds) == ((R1, REPLAY, 0), 1)
+    r.pipeline.on_replay(R1, replies(batch(0), batch(1)))
+    r.pipeline.handle_live(frames(2, events=[orphan]), R1)
+    assert r.health().num_rebuilds == 1  # within the cooldown
+
+
+# --- bad frames -----------------------------------------------------------------------------
+
+
+def test_bad_frames_are_counted_and_a_readable_seq_is_moved_past() -> None:
+    r = rig(replay=False)
+    r.pipeline.handle_frames(
+        [frames(0), [TOPIC, b"x"], [TOPIC, (1).to_bytes(8, "big"), b"\xc1"]], R1
+    )
+    r.pipeline.handle_live(frames(2), R1)
+    health = r.health()
+    assert health.num_decode_errors == 2
+    assert (health.num_gaps, health.last_seq) == (0, 2)  # seq 1 was skipped, not missed
+
+
+def test_undecodable_replay_replies_are_counted_when_the_replay_ends() -> None:
+    r = rig()
+    r.pipeline.on_connected(R1)
+    r.replays.num_bad_frames = 3
+    r.pipeline.on_replay(R1, replies(batch(0)))
+    assert r.health().num_decode_errors == 3
+
+
+def test_frames_of_no_known_stream_are_counted_apart() -> None:
+    r = rig()
+    r.pipeline.handle_live([b"x"], None)
+    r.pipeline.handle_live(frames(0), StreamId("nobody"))
+    assert (r.pipeline.counters.num_undecodable, r.pipeline.counters.num_unidentified) == (1, 1)
+    assert r.registry.status(StreamId("nobody")) is None
+
+
+# --- registration and removal ---------------------------------------------------------------
+
+
+def test_bind_mode_registers_a_replica_from_its_topic() -> None:
+    r = rig()
+    assert r.pipeline.reconcile() == [r.registry.get("r1")]
+    topic = b"kv@r7@other-model"
+    payload = encode_batch(list(batch(0).events), ts=10.0, rank=1, encoding="map")
+    r.pipeline.handle_live([topic, (0).to_bytes(8, "big"), payload], None)
+    assert r.registry.get("r7") == ReplicaSpec("r7", "other-model")
+    assert r.health(StreamId("r7", 1)).last_seq == 0
+    assert r.pipeline.reconcile() is None  # no socket to open for it
+
+
+def test_a_topic_without_model_needs_a_default_model() -> None:
+    r = rig()
+    payload = encode_batch([], ts=10.0, rank=0, encoding="map")
+    r.pipeline.handle_live([b"kv@r8@", (0).to_bytes(8, "big"), payload], None)
+    assert r.registry.get("r8") is None
+    assert r.pipeline.counters.num_unidentified == 1
+    other = rig(default_model="fallback")
+    other.pipeline.handle_live([b"kv@r8@", (0).to_bytes(8, "big"), payload], None)
+    assert other.registry.get("r8") == ReplicaSpec("r8", "fallback")
+
+
+def test_a_removed_replica_is_forgotten_and_its_blocks_purged() -> None:
+    r = rig()
+    synced(r, last=1)
+    r.pipeline.handle_live(frames(2), R1)
+    r.pipeline.on_disconnected(R1)
+    r.pipeline.on_connected(R1)  # a resync replay is open
+    assert r.pipeline.reconcile() is not None
+    r.registry.remove("r1")
+    assert r.pipeline.reconcile() == []
+    assert r.replays.open == set()
+    assert r.index.streams() == []
+    r.pipeline.handle_live(frames(3), R1)
+    assert r.registry.status(R1) is None
+
+
+def test_a_stream_disconnected_too_long_is_purged_once() -> None:
+    r = rig(replay=False, purge_after_s=30.0)
+    r.pipeline.on_connected(R1)
+    r.pipeline.handle_frames([frames(0), frames(1)], R1)
+    r.pipeline.on_disconnected(R1)
+    r.clock.now += 10.0
+    r.pipeline.maintain()
+    assert r.blocks(0, 1) == 2
+    r.clock.now += 30.0
+    r.pipeline.maintain()
+    assert r.blocks(0, 1) == 0
+    assert r.freshness() is Freshness.STALE
+
+
+# --- the index store fails and comes back ---------------------------------------------------
+
+
+def test_a_store_failure_is_counted_and_the_stream_resynced_when_it_is_back() -> None:
+    r = rig()
+    synced(r, last=0)
+    r.index.down = True
+    r.pipeline.handle_live(frames(1), R1)
+    assert r.health().num_store_errors == 1
+    r.pipeline.handle_live(frames(2), R1)  # dropped: the stream waits for the store
+    r.pipeline.maintain()  # still down: nothing to do
+    assert r.health().num_store_errors == 1
+    r.index.down = False
+    r.pipeline.maintain()
+    assert r.replays.started[-1] == (R1, REPLAY, 0)
+    r.pipeline.on_replay(R1, replies(batch(0), batch(1), batch(2)))
+    assert (r.blocks(0, 1, 2), r.health().last_seq) == (3, 2)
+    assert r.freshness() is Freshness.LIVE
+
+
+def test_close_ends_open_replays() -> None:
+    r = rig()
+    r.pipeline.on_connected(R1)
+    r.pipeline.close()
+    assert r.replays.open == set()
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_without_a_socket_owner_no_stream_replays(replay: bool) -> None:
+    clock = Clock()
+    spec = ReplicaSpec("r1", MODEL, replay=REPLAY if replay else None)
+    registry = Registry((spec,), clock=clock)
+    pipeline = Pipeline(IndexerSettings(replicas=(spec,)), MemoryIndex(), registry, clock=clock)
+    pipeline.on_connected(R1)  # not tracked: ignored
+    pipeline.track(R1, spec)
+    pipeline.on_connected(R1)
+    pipeline.handle_frames([frames(0), frames(2)], R1)
+    status = registry.status(R1)
+    assert status is not None
+    assert (status.health.num_replays, status.health.num_unrepaired_gaps) == (0, 1)
