@@ -50,7 +50,6 @@ from machine import calibration_ms
 from redis_server import private_redis
 from workload import MODEL, Workload, WorkloadConfig, build_workload
 
-from kvindex.clients.fake_vllm.publisher import Encoding
 from kvindex.indexer.events import StreamId
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.index.memory import MemoryIndex
@@ -59,6 +58,7 @@ from kvindex.indexer.index.redis import RedisIndex, connect
 from kvindex.indexer.redis_schema import Schema
 from kvindex.indexer.settings import IndexerSettings, ReplicaSpec
 from kvindex.indexer.subscriber import Subscriber
+from kvindex.indexer.wire import Encoding
 
 FULL_ENTRIES = 1_000_000
 QUICK_ENTRIES = 131_072

@@ -42,8 +42,8 @@ from typing import Any
 import msgspec
 import xxhash
 
-from kvindex.clients.fake_vllm.publisher import Encoding
 from kvindex.indexer.events import StreamId
+from kvindex.indexer.wire import Encoding
 
 BLOCK_SIZE = 16
 VOCAB_SIZE = 128_256

@@ -37,10 +37,11 @@ import xxhash
 from fastapi import FastAPI, Request, Response
 
 from kvindex.api.background import BackgroundServer, ServerStartError
-from kvindex.clients.fake_vllm.publisher import Encoding, EventPublisher, ReplayLayout
+from kvindex.clients.fake_vllm.publisher import EventPublisher
 from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.events import BlockRemoved, BlockStored, Event, ExtraKeys, Tier
 from kvindex.indexer.keys import request_extra_keys
+from kvindex.indexer.wire import Encoding, ReplayLayout
 
 VOCAB_SIZE = 50_000
 """Toy vocabulary: a word's token id is a stable hash of it modulo this."""

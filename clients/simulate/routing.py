@@ -42,7 +42,7 @@ from kvindex.api.policies import (
 from kvindex.api.schemas import ScoreRequest
 from kvindex.api.score import Scorer
 from kvindex.api.settings import ApiSettings, ModelSpec
-from kvindex.clients.fake_vllm.publisher import EventPublisher, encode_batch
+from kvindex.clients.fake_vllm.publisher import EventPublisher
 from kvindex.clients.fake_vllm.replica import BlockCache
 from kvindex.clients.simulate.fleet import FleetSettings, Job, ReplicaLoad, SimulationError
 from kvindex.indexer.events import Event, StreamId, Tier
@@ -51,6 +51,7 @@ from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.service import IndexerService
 from kvindex.indexer.settings import IndexerSettings, ReplicaSpec
 from kvindex.indexer.subscriber import Subscriber
+from kvindex.indexer.wire import encode_batch, encode_live
 
 ORACLE = "oracle"
 INDEX_POLICIES = frozenset({Policy.KV_AWARE})
@@ -161,7 +162,7 @@ class IngestSink:
         for emitted_at, replica, events in self._delayed.due(now):
             seq = self._seq[replica] = self._seq.get(replica, -1) + 1
             payload = encode_batch(events, ts=emitted_at, rank=0, encoding="map")
-            frames = [self._topics[replica], seq.to_bytes(8, "big"), payload]
+            frames = encode_live(self._topics[replica], seq, payload)
             self._subscriber.handle_frames([frames], StreamId(replica))
 
     def close(self) -> None:
