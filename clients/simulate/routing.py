@@ -42,8 +42,8 @@ from kvindex.api.policies import (
 from kvindex.api.schemas import ScoreRequest
 from kvindex.api.score import Scorer
 from kvindex.api.settings import ApiSettings, ModelSpec
+from kvindex.clients.fake_vllm.block_pool import BlockPool
 from kvindex.clients.fake_vllm.publisher import EventPublisher
-from kvindex.clients.fake_vllm.replica import BlockCache
 from kvindex.clients.simulate.fleet import FleetSettings, Job, ReplicaLoad, SimulationError
 from kvindex.indexer.events import Event, StreamId, Tier
 from kvindex.indexer.fleet.registry import Freshness, Registry
@@ -313,10 +313,10 @@ class OracleRouter:
 
     def __init__(self, spec: PolicySpec, *, seed: int) -> None:
         self._weights = Weights().overridden(spec.weights)
-        self._cache_of: Callable[[str], BlockCache] | None = None
+        self._cache_of: Callable[[str], BlockPool] | None = None
         self._rng = random.Random(seed)
 
-    def watch(self, cache_of: Callable[[str], BlockCache]) -> None:
+    def watch(self, cache_of: Callable[[str], BlockPool]) -> None:
         """Read each replica's pool through ``cache_of`` (the fleet being simulated)."""
         self._cache_of = cache_of
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 import msgspec
 
 from kvindex.clients.cli.check_hash import Expected, ObservedBatch, compare, is_complete, wire_shape
-from kvindex.clients.fake_vllm.replica import BlockCache
+from kvindex.clients.fake_vllm.block_pool import BlockPool
 from kvindex.indexer.events import BlockStored, Event
 from kvindex.indexer.wire import BlockStoredMap, EventBatchMap, encode_batch
 
@@ -24,7 +24,7 @@ def stored(
     block_size: int = SIZE,
 ) -> list[BlockStored]:
     """What a vLLM-like block pool publishes for ``tokens`` (one event per admission)."""
-    cache = BlockCache(64, block_size, root=12345)
+    cache = BlockPool(64, block_size, root=12345)
     admission = cache.admit(0, tokens, len(tokens), lora_name=lora_name, cache_salt=cache_salt)
     assert admission is not None
     return [e for e in admission.events if isinstance(e, BlockStored)]
