@@ -38,7 +38,6 @@ from kvindex.indexer.wire import (
     BlockRemovedArray,
     BlockRemovedMap,
     BlockStoredArray,
-    BlockStoredMap,
     Encoding,
     ReplayLayout,
     ReplayReply,
@@ -491,35 +490,22 @@ def test_removed_without_medium_is_gpu(event: Any) -> None:
     assert _only(_batch(event)) == BlockRemoved((9,), Tier.GPU, None)
 
 
-def test_map_fields_vllm_always_sends_are_written_even_when_empty() -> None:
-    written = _plain_msgpack(_stored("map", [9]))
-    assert list(_plain_msgpack(BlockStoredMap([9]))) == [
-        "type",
-        "block_hashes",
-        "parent_block_hash",
-        "token_ids",
-        "block_size",
-        "lora_id",
-        "medium",
-        "lora_name",
-        "extra_keys",
-        "group_idx",
-    ]
-    assert list(written) == [
-        "type",
-        "block_hashes",
-        "parent_block_hash",
-        "token_ids",
-        "block_size",
-        "lora_id",
-        "medium",
-        "lora_name",
-    ]
-    assert list(_plain_msgpack(VllmBlockRemovedMap([9], None))) == [
-        "type",
-        "block_hashes",
-        "medium",
-    ]
+def _required(struct: type[msgspec.Struct]) -> list[str]:
+    """The struct's fields without a default (they come first)."""
+    fields = struct.__struct_fields__
+    return list(fields[: len(fields) - len(struct.__struct_defaults__)])
+
+
+@pytest.mark.parametrize(
+    "struct",
+    [_stored("map", [9]), VllmBlockRemovedMap([9], None)],
+    ids=["BlockStored", "BlockRemoved"],
+)
+def test_map_fields_vllm_always_sends_are_written_even_when_none(struct: WireEvent) -> None:
+    """vLLM writes ``"lora_id": null`` and leaves out an unset ``extra_keys``: so do we."""
+    written = _plain_msgpack(struct)
+    assert list(written) == ["type", *_required(type(struct))]
+    assert written["medium"] is None
 
 
 def test_batch_without_rank_is_rank_zero() -> None:
