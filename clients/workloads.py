@@ -1,5 +1,5 @@
-"""Every workload generator, and the Mooncake trace reader: one home for the requests that
-``kvindex simulate``, the demo's comparisons and the benchmarks send.
+"""Workload generators and the Mooncake trace reader: one home for the requests that
+``kvindex simulate`` and the benchmarks send.
 
 A :class:`TraceRequest` is what arrives at the router: an arrival time, a prompt, an output
 length and, when the workload has one, a session key. Prompts are token ids:
@@ -305,7 +305,11 @@ _P_CONTINUE = 0.7
 
 
 def random_tokens(rng: random.Random, count: int) -> list[int]:
-    """``count`` token ids below :data:`CHAT_VOCAB`, drawn as bytes (fast for long prompts)."""
+    """``count`` token ids below :data:`CHAT_VOCAB`, drawn as bytes (fast for long prompts).
+
+    The chats' ids span Llama 3's vocabulary, as the payloads the ingest benchmark times
+    must; the :data:`WORKLOADS` generators keep their own draw below :data:`VOCAB`
+    (changing it would change every simulated figure)."""
     return [t % CHAT_VOCAB for t in array("I", rng.randbytes(count * 4))]
 
 

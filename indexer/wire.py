@@ -12,13 +12,13 @@ Replay (DEALER ↔ vLLM's ROUTER): request ``["", start_seq (8 bytes)]``; each r
 marker has an empty payload and seq ``0xFF * 8``. Layouts are told apart by frame count.
 
 One set of msgspec Structs mirrors vLLM's own (``vllm/distributed/kv_events.py``) and serves
-both directions, as vLLM's does. Each event type is one Struct of the fields kvindex reads,
-lenient (what an older or foreign producer may leave out defaults), which the indexer
-decodes with (``decode_*``: nothing else is parsed on the hot path); its subclass
-``Vllm*`` is the whole of vLLM's struct — 0.33's fields for map events, 0.23's for array
-events — which the publisher, the simulators and the benchmarks encode with
-(``encode_*``, :func:`to_wire`), byte for byte as vLLM writes it (the tests check this
-against the captures in ``tests/fixtures``).
+both directions, as vLLM's does. For each event type a base Struct holds the fields kvindex
+reads, each one a producer may leave out defaulted: the indexer decodes with it
+(``decode_*``), and nothing else is parsed on the hot path. Its ``Vllm*`` subclass is the
+whole of vLLM's struct (0.33's fields for map events, 0.23's for array events): the
+publisher, the simulators and the benchmarks encode with it (``encode_*``, :func:`to_wire`),
+byte for byte as vLLM writes it, which the tests check against the captures in
+``tests/fixtures``.
 
 Everything here is pure: bytes in, domain objects out (and back), :class:`WireError` on bad
 input.
