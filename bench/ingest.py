@@ -51,7 +51,6 @@ from machine import calibration_ms
 from redis_server import private_redis
 from workload import MODEL, Workload, WorkloadConfig, build_workload
 
-from kvindex.clients.fake_vllm.publisher import Encoding
 from kvindex.indexer.events import StreamId
 from kvindex.indexer.fleet.registry import Registry, fleet_totals
 from kvindex.indexer.fleet.replica import ReplicaSpec
@@ -61,6 +60,7 @@ from kvindex.indexer.index.redis import RedisIndex, connect
 from kvindex.indexer.pipeline import Pipeline
 from kvindex.indexer.redis_schema import Schema
 from kvindex.indexer.settings import IndexerSettings
+from kvindex.indexer.wire import Encoding
 
 FULL_ENTRIES = 1_000_000
 QUICK_ENTRIES = 131_072

@@ -13,7 +13,8 @@ per replica, and the benchmark checks every answer against it.
 
 Blocks are cached as a vLLM replica publishes them: ``BlockStored`` events of at most 128
 blocks (a chunked-prefill step), each chained to its parent's engine hash. Engine hashes are
-the block key XOR a per-replica salt: uniform over u64, different on every replica. Token
+the vLLM stand-ins' own (:mod:`kvindex.clients.fake_vllm.engine_hash`) from a per-replica
+root: uniform over u64, different on every replica. Token
 ids are uniform below 2**17 (Llama 3's vocabulary has 128,256). Everything is
 deterministic per seed, and a replica's chunks are generated only when asked for, so the
 whole fleet is never in memory at once.
@@ -26,6 +27,7 @@ import sys
 from array import array
 from dataclasses import dataclass, field
 
+from kvindex.clients.fake_vllm.engine_hash import engine_chain, engine_root
 from kvindex.indexer.events import BlockStored, Tier
 from kvindex.indexer.index.protocol import Op, OpKind
 from kvindex.indexer.keys import block_keys, chain_keys, model_root
@@ -99,9 +101,10 @@ class Chunk:
 
 @dataclass(slots=True)
 class _Chain:
-    """Appends blocks to one sequence: knows the parent's key and engine hash."""
+    """Appends blocks to one sequence: knows the parent's key and engine hash (None: the
+    sequence starts at the replica's engine-hash ``root``)."""
 
-    salt: int
+    root: int
     key: int
     hash: int | None
 
@@ -111,13 +114,14 @@ class _Chain:
         for start in range(0, len(token_bytes), stride):
             part = token_bytes[start : start + stride]
             keys = chain_keys(self.key, part, BLOCK_SIZE)
-            hashes = [k ^ self.salt for k in keys]
+            parent = self.root if self.hash is None else self.hash
+            hashes = engine_chain(parent, token_list(part), BLOCK_SIZE)
             chunks.append(Chunk(part, self.hash, keys, hashes))
             self.key, self.hash = keys[-1], hashes[-1]
         return chunks
 
     def fork(self) -> _Chain:
-        return _Chain(self.salt, self.key, self.hash)
+        return _Chain(self.root, self.key, self.hash)
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +204,7 @@ class Fleet:
     def chunks(self, i: int) -> list[Chunk]:
         """Everything replica ``i`` caches, in the order it caches it."""
         rng = random.Random(f"kvindex-bench/{self.config.seed}/replica/{i}")
-        root = _Chain(rng.getrandbits(64), model_root(MODEL), None)
+        root = _Chain(engine_root(rng.getrandbits(64)), model_root(MODEL), None)
         out = root.extend(self.system[i % NUM_GROUPS])
         budget = self.config.blocks_per_replica - SYSTEM_BLOCKS
         held = self.held(i)

@@ -16,7 +16,7 @@ import zmq
 
 from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.events import EventBatch
-from kvindex.indexer.wire import ReplayReply, WireError, decode_replay, replay_request
+from kvindex.indexer.wire import ReplayReply, WireError, decode_replay, encode_replay_request
 
 
 class ReplayTimeoutError(KvIndexError):
@@ -43,7 +43,7 @@ class ReplaySession:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)
         self.socket.connect(endpoint)
-        self.socket.send_multipart(replay_request(start_seq))
+        self.socket.send_multipart(encode_replay_request(start_seq))
         self.deadline = clock() + idle_timeout_s
         self.num_bad_frames = 0
 

@@ -1,4 +1,4 @@
-"""vLLM's KV-event wire format (``--kv-events-config``), decoded once at the edge.
+"""vLLM's KV-event wire format (``--kv-events-config``), both directions, in one module.
 
 Live message: ``[topic, seq (8 bytes big-endian), payload]``. Payload: msgpack array
 ``[ts, events, data_parallel_rank]``. Events are msgpack arrays tagged by their first
@@ -11,13 +11,24 @@ Replay (DEALER ↔ vLLM's ROUTER): request ``["", start_seq (8 bytes)]``; each r
 ``["", seq, payload]`` (vLLM < 0.26) or ``["", topic, seq, payload]`` (≥ 0.26); the end
 marker has an empty payload and seq ``0xFF * 8``. Layouts are told apart by frame count.
 
-Everything here is pure: bytes in, domain objects out, :class:`WireError` on bad input.
+One set of msgspec Structs mirrors vLLM's own (``vllm/distributed/kv_events.py``) and serves
+both directions, as vLLM's does. For each event type a base Struct holds the fields kvindex
+reads, each one a producer may leave out defaulted: the indexer decodes with it
+(``decode_*``), and nothing else is parsed on the hot path. Its ``Vllm*`` subclass is the
+whole of vLLM's struct (0.33's fields for map events, 0.23's for array events): the
+publisher, the simulators and the benchmarks encode with it (``encode_*``, :func:`to_wire`),
+byte for byte as vLLM writes it, which the tests check against the captures in
+``tests/fixtures``.
+
+Everything here is pure: bytes in, domain objects out (and back), :class:`WireError` on bad
+input.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
 import msgspec
 
@@ -39,7 +50,15 @@ _U64 = (1 << 64) - 1
 # msgspec raises RecursionError (not DecodeError) for deeply nested input; it is bad data too.
 _DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
 
-WireHash = int | bytes
+Encoding = Literal["map", "array"]
+"""Event encoding: ``map`` (vLLM ≥ 0.24) or ``array`` (vLLM ≤ 0.23)."""
+ReplayLayout = Literal["topic", "legacy"]
+"""Replay reply layout: ``topic`` (``[topic, seq, payload]``, vLLM ≥ 0.26) or ``legacy``
+(``[seq, payload]``)."""
+WireHash: TypeAlias = int | bytes
+"""A block hash as vLLM sends it: an int of any msgpack width, or a 32-byte digest."""
+WireExtraKeys: TypeAlias = list[tuple[Any, ...] | None] | None
+"""Per-block extra keys as sent (each block's a msgpack array, or nil)."""
 
 
 class WireError(KvIndexError):
@@ -55,9 +74,18 @@ class WireError(KvIndexError):
 
 
 # --- msgspec mirrors of vLLM's structs (vllm/distributed/kv_events.py) -------------------
+# The base Structs are what the indexer decodes: kvindex's fields only (msgspec skips the
+# others without building them), every field that vLLM versions or producers may leave out
+# defaulted. Their ``Vllm*`` subclasses are what is encoded: vLLM encodes map events with
+# ``omit_defaults``, so a field vLLM declares without a default is always written
+# (``"lora_id": null``) and a defaulted one only when set; the subclasses declare those
+# fields without a default again, and add vLLM's fields that kvindex never reads. Array
+# events are positional: every field is written, trailing extra ones are ignored.
 
 
-class _StoredMap(msgspec.Struct, tag="BlockStored", gc=False):
+class BlockStoredMap(msgspec.Struct, tag="BlockStored", gc=False):
+    """vLLM ≥ 0.24's ``BlockStored`` as the indexer reads it: a map tagged by ``"type"``."""
+
     block_hashes: list[WireHash]
     parent_block_hash: WireHash | None = None
     token_ids: list[int] = []
@@ -65,21 +93,51 @@ class _StoredMap(msgspec.Struct, tag="BlockStored", gc=False):
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
+    extra_keys: WireExtraKeys = None
     group_idx: int | None = None
 
 
-class _RemovedMap(msgspec.Struct, tag="BlockRemoved", gc=False):
+class VllmBlockStoredMap(BlockStoredMap, omit_defaults=True):
+    """vLLM 0.33's ``BlockStored`` map, every field in its order, as vLLM writes it."""
+
+    parent_block_hash: WireHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class BlockRemovedMap(msgspec.Struct, tag="BlockRemoved", gc=False):
+    """vLLM ≥ 0.24's ``BlockRemoved`` as the indexer reads it."""
+
     block_hashes: list[WireHash]
     medium: str | None = None
     group_idx: int | None = None
 
 
-class _ClearedMap(msgspec.Struct, tag="AllBlocksCleared", gc=False):
-    pass
+class VllmBlockRemovedMap(BlockRemovedMap, omit_defaults=True):
+    """vLLM 0.33's ``BlockRemoved`` map, every field in its order, as vLLM writes it."""
+
+    medium: str | None
+    locality: str | None = None
+    ownership: str | None = None
 
 
-class _StoredArray(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
+class AllBlocksClearedMap(msgspec.Struct, tag="AllBlocksCleared", gc=False):
+    """vLLM ≥ 0.24's ``AllBlocksCleared`` (no field: one Struct both ways)."""
+
+
+class BlockStoredArray(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
+    """vLLM ≤ 0.23's ``BlockStored`` as the indexer reads it: an array, tag first (the
+    first five fields are all that vLLM 0.9 sent)."""
+
     block_hashes: list[WireHash]
     parent_block_hash: WireHash | None
     token_ids: list[int]
@@ -87,34 +145,51 @@ class _StoredArray(msgspec.Struct, tag="BlockStored", array_like=True, gc=False)
     lora_id: int | None
     medium: str | None = None
     lora_name: str | None = None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
+    extra_keys: WireExtraKeys = None
     group_idx: int | None = None
 
 
-class _RemovedArray(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):
+class VllmBlockStoredArray(BlockStoredArray):
+    """vLLM 0.23's ``BlockStored`` array, every field in its order."""
+
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class BlockRemovedArray(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):
+    """vLLM ≤ 0.23's ``BlockRemoved`` (0.23's fields, all of them: one Struct both ways)."""
+
     block_hashes: list[WireHash]
     medium: str | None = None
     group_idx: int | None = None
 
 
-class _ClearedArray(msgspec.Struct, tag="AllBlocksCleared", array_like=True, gc=False):
-    pass
+class AllBlocksClearedArray(msgspec.Struct, tag="AllBlocksCleared", array_like=True, gc=False):
+    """vLLM ≤ 0.23's ``AllBlocksCleared`` (no field: one Struct both ways)."""
 
 
-_MapEvent = _StoredMap | _RemovedMap | _ClearedMap
-_ArrayEvent = _StoredArray | _RemovedArray | _ClearedArray
-_WireEvent = _MapEvent | _ArrayEvent
+MapEvent: TypeAlias = BlockStoredMap | BlockRemovedMap | AllBlocksClearedMap
+ArrayEvent: TypeAlias = BlockStoredArray | BlockRemovedArray | AllBlocksClearedArray
+WireEvent: TypeAlias = MapEvent | ArrayEvent
+VllmMapEvent: TypeAlias = VllmBlockStoredMap | VllmBlockRemovedMap | AllBlocksClearedMap
+"""A map event with every field vLLM 0.33 sends (what :func:`to_wire` makes)."""
+VllmArrayEvent: TypeAlias = VllmBlockStoredArray | BlockRemovedArray | AllBlocksClearedArray
+"""An array event with every field vLLM 0.23 sends (what :func:`to_wire` makes)."""
 
 
-class _MapBatch(msgspec.Struct, array_like=True, gc=False):
+class EventBatchMap(msgspec.Struct, array_like=True, gc=False):
+    """vLLM's ``KVEventBatch`` of map events: ``[ts, events, data_parallel_rank]``."""
+
     ts: float
-    events: list[_MapEvent]
+    events: list[MapEvent]
     data_parallel_rank: int | None = None
 
 
-class _ArrayBatch(msgspec.Struct, array_like=True, gc=False):
+class EventBatchArray(msgspec.Struct, array_like=True, gc=False):
+    """vLLM's ``KVEventBatch`` of array events: ``[ts, events, data_parallel_rank]``."""
+
     ts: float
-    events: list[_ArrayEvent]
+    events: list[ArrayEvent]
     data_parallel_rank: int | None = None
 
 
@@ -124,12 +199,16 @@ class _RawBatch(msgspec.Struct, array_like=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-_BATCH_DECODERS = (msgspec.msgpack.Decoder(_MapBatch), msgspec.msgpack.Decoder(_ArrayBatch))
+_encoder = msgspec.msgpack.Encoder()
+_BATCH_DECODERS = (
+    msgspec.msgpack.Decoder(EventBatchMap),
+    msgspec.msgpack.Decoder(EventBatchArray),
+)
 _RAW_BATCH = msgspec.msgpack.Decoder(_RawBatch)
-_EVENT_DECODERS = (msgspec.msgpack.Decoder(_MapEvent), msgspec.msgpack.Decoder(_ArrayEvent))
+_EVENT_DECODERS = (msgspec.msgpack.Decoder(MapEvent), msgspec.msgpack.Decoder(ArrayEvent))
 
 
-# --- normalisation ---------------------------------------------------------------------
+# --- decoding: wire structs → domain events ----------------------------------------------
 
 
 def normalize_hash(value: WireHash) -> EngineHash:
@@ -160,9 +239,10 @@ def _tier(medium: str | None) -> Tier:
     return Tier.from_medium(medium) if tier is None else tier
 
 
-def _to_domain(event: _WireEvent) -> Event:
+def _to_domain(event: WireEvent) -> Event:
+    # One function with the lookups inlined: it runs for every event on the hot path.
     kind = type(event)
-    if kind is _StoredMap or kind is _StoredArray:
+    if kind is BlockStoredMap or kind is BlockStoredArray:
         parent = event.parent_block_hash  # type: ignore[union-attr]
         if parent is not None and (type(parent) is not int or parent < 0):
             parent = normalize_hash(parent)
@@ -178,7 +258,7 @@ def _to_domain(event: _WireEvent) -> Event:
             None if extra is None else tuple(extra),
             event.group_idx,  # type: ignore[union-attr]
         )
-    if kind is _RemovedMap or kind is _RemovedArray:
+    if kind is BlockRemovedMap or kind is BlockRemovedArray:
         tier = _TIER_OF_MEDIUM.get(event.medium)  # type: ignore[union-attr]
         return BlockRemoved(
             _hashes(event.block_hashes),  # type: ignore[union-attr]
@@ -186,9 +266,6 @@ def _to_domain(event: _WireEvent) -> Event:
             event.group_idx,  # type: ignore[union-attr]
         )
     return AllBlocksCleared()
-
-
-# --- payloads and frames ---------------------------------------------------------------
 
 
 def decode_payload(payload: bytes, seq: int) -> EventBatch:
@@ -209,27 +286,119 @@ def decode_payload(payload: bytes, seq: int) -> EventBatch:
 def _decode_leniently(payload: bytes, seq: int) -> EventBatch:
     """Slow path: decode event by event so that one bad event does not lose the batch."""
     try:
-        raw = _RAW_BATCH.decode(payload)
+        raw_batch = _RAW_BATCH.decode(payload)
     except _DECODE_ERRORS as exc:
         raise WireError(f"undecodable batch payload (seq {seq}): {exc}", seq=seq) from exc
     events: list[Event] = []
     num_bad = 0
-    for item in raw.events:
+    for item in raw_batch.events:
         event = _decode_event(item)
         if event is None:
             num_bad += 1
         else:
             events.append(event)
-    return EventBatch(seq, raw.ts, raw.data_parallel_rank or 0, tuple(events), num_bad)
+    rank = raw_batch.data_parallel_rank or 0
+    return EventBatch(seq, raw_batch.ts, rank, tuple(events), num_bad)
 
 
-def _decode_event(raw: msgspec.Raw) -> Event | None:
+def _decode_event(item: msgspec.Raw) -> Event | None:
     for decoder in _EVENT_DECODERS:
         try:
-            return _to_domain(decoder.decode(raw))
+            return _to_domain(decoder.decode(item))
         except (*_DECODE_ERRORS, TypeError, ValueError):
             continue
     return None
+
+
+# --- encoding: domain events → wire structs → bytes ------------------------------------
+
+_MEDIUM_OF_TIER = {Tier.GPU: "GPU", Tier.CPU: "CPU", Tier.OTHER: "STORAGE"}
+_StoredFields: TypeAlias = tuple[
+    list[WireHash],
+    WireHash | None,
+    list[int],
+    int,
+    int | None,
+    str,
+    str | None,
+    WireExtraKeys,
+    int | None,
+    str | None,
+]
+
+
+def _stored_fields(event: BlockStored) -> _StoredFields:
+    """The fields both encodings share, in their (common) order, up to the spec kind."""
+    extra_keys = event.extra_keys
+    return (
+        list(event.block_hashes),
+        event.parent_hash,
+        list(event.token_ids),
+        event.block_size,
+        None if event.lora_name is None else 1,  # kvindex keeps the name; vLLM ids start at 1
+        _MEDIUM_OF_TIER[event.tier],
+        event.lora_name,
+        None if extra_keys is None else list(extra_keys),
+        event.group_idx,
+        # A plain model has one full-attention group; vLLM's CPU placeholders name none.
+        None if event.is_placeholder else "full_attention",
+    )
+
+
+def _locality(tier: Tier) -> str | None:
+    return "LOCAL" if tier is Tier.CPU else None
+
+
+def _to_map(event: Event) -> VllmMapEvent:
+    if isinstance(event, BlockStored):
+        return VllmBlockStoredMap(*_stored_fields(event), locality=_locality(event.tier))
+    if isinstance(event, BlockRemoved):
+        hashes: list[WireHash] = list(event.block_hashes)
+        medium = _MEDIUM_OF_TIER[event.tier]
+        return VllmBlockRemovedMap(hashes, medium, event.group_idx, _locality(event.tier))
+    return AllBlocksClearedMap()
+
+
+def _to_array(event: Event) -> VllmArrayEvent:
+    if isinstance(event, BlockStored):
+        return VllmBlockStoredArray(*_stored_fields(event))
+    if isinstance(event, BlockRemoved):
+        medium = _MEDIUM_OF_TIER[event.tier]
+        return BlockRemovedArray(list(event.block_hashes), medium, event.group_idx)
+    return AllBlocksClearedArray()
+
+
+def to_wire(event: Event, encoding: Encoding) -> VllmMapEvent | VllmArrayEvent:
+    """The struct vLLM would send for a domain event, in ``encoding``.
+
+    What the domain event does not keep is filled in as vLLM fills it for a plain model:
+    ``lora_id`` 1 for a LoRA store, ``kv_cache_spec_kind`` ``"full_attention"`` (none for a
+    CPU placeholder), ``locality`` ``"LOCAL"`` on the CPU tier (map events); ``Tier.OTHER``
+    is sent as medium ``"STORAGE"``. Decoding the result gives ``event`` back, field for
+    field, whenever ``event`` is in decoded form (hashes as a tuple of u64, token ids as a
+    list, extra keys as a tuple of tuples).
+    """
+    return _to_map(event) if encoding == "map" else _to_array(event)
+
+
+def encode_batch(events: Sequence[Event], *, ts: float, rank: int, encoding: Encoding) -> bytes:
+    """One batch payload ``[ts, events, data_parallel_rank]``, as vLLM encodes it.
+
+    The inverse of :func:`decode_payload` (see :func:`to_wire` for what is filled in).
+    """
+    if encoding == "array":
+        return _encoder.encode(EventBatchArray(ts, [_to_array(e) for e in events], rank))
+    return _encoder.encode(EventBatchMap(ts, [_to_map(e) for e in events], rank))
+
+
+# --- frames ----------------------------------------------------------------------------
+
+
+def encode_seq(seq: int) -> bytes:
+    """The 8-byte big-endian sequence frame; ``END_SEQ`` gives the end marker's ``0xFF * 8``."""
+    if seq == END_SEQ:
+        return END_SEQ_BYTES
+    return seq.to_bytes(SEQ_BYTES, "big")
 
 
 def decode_seq(frame: bytes) -> int:
@@ -246,6 +415,11 @@ class LiveMessage(msgspec.Struct, frozen=True, gc=False):
 
     topic: str
     batch: EventBatch
+
+
+def encode_live(topic: bytes, seq: int, payload: bytes) -> list[bytes]:
+    """A live PUB message ``[topic, seq, payload]`` (``topic`` already UTF-8)."""
+    return [topic, encode_seq(seq), payload]
 
 
 def decode_live(frames: list[bytes]) -> LiveMessage:
@@ -268,9 +442,35 @@ def _decode_topic(frame: bytes) -> str:
 # --- replay ----------------------------------------------------------------------------
 
 
-def replay_request(start_seq: int) -> list[bytes]:
-    """What a DEALER sends to vLLM's replay ROUTER: empty delimiter, then the start seq."""
+def encode_replay_request(start_seq: int) -> list[bytes]:
+    """What a DEALER sends to vLLM's replay ROUTER: empty delimiter, then the start seq
+    (a negative one asks from 0)."""
     return [b"", max(start_seq, 0).to_bytes(SEQ_BYTES, "big")]
+
+
+def decode_replay_request(frames: list[bytes]) -> int:
+    """The start seq of a request as vLLM's ROUTER reads it, after the identity frame:
+    ``["", start_seq]`` (big-endian). Raises :class:`WireError` for anything else (vLLM
+    answers nothing to those)."""
+    if len(frames) != 2 or frames[0] != b"":
+        raise WireError(f"replay request must be an empty delimiter and a seq: {frames!r}")
+    return int.from_bytes(frames[1], "big")
+
+
+def encode_replay_reply(
+    seq: int, payload: bytes, *, topic: bytes, layout: ReplayLayout
+) -> list[bytes]:
+    """One buffered batch as vLLM's ROUTER sends it, after the identity and the empty
+    delimiter: ``[topic, seq, payload]`` (``topic`` layout) or ``[seq, payload]``."""
+    if layout == "topic":
+        return [topic, encode_seq(seq), payload]
+    return [encode_seq(seq), payload]
+
+
+def encode_replay_end(layout: ReplayLayout) -> list[bytes]:
+    """The end-of-replay marker, after the identity and the empty delimiter: seq
+    ``0xFF * 8`` and an empty payload (and an empty topic in the ``topic`` layout)."""
+    return encode_replay_reply(END_SEQ, b"", topic=b"", layout=layout)
 
 
 @dataclass(frozen=True, slots=True)

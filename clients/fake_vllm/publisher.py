@@ -5,7 +5,8 @@ Mirrors ``vllm.distributed.kv_events.ZmqEventPublisher``: a PUB socket sends
 batches from a requested seq, then an end marker. Both event encodings (``"map"``: vLLM ≥
 0.24; ``"array"``: ≤ 0.23) and both replay layouts (``"topic"``: ≥ 0.26; ``"legacy"``) are
 available, so tests, benchmarks and the replica simulator exercise exactly what real
-replicas send. One background thread owns both sockets, as in vLLM.
+replicas send; every frame is built by :mod:`kvindex.indexer.wire`'s encoders. One
+background thread owns both sockets, as in vLLM.
 """
 
 from __future__ import annotations
@@ -15,19 +16,20 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
 
-import msgspec
 import zmq
 
-from kvindex.indexer.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, Tier
-
-Encoding = Literal["map", "array"]
-ReplayLayout = Literal["topic", "legacy"]
-
-_MEDIUM = {Tier.GPU: "GPU", Tier.CPU: "CPU", Tier.OTHER: "STORAGE"}
-_END_SEQ = b"\xff" * 8
-_encoder = msgspec.msgpack.Encoder()
+from kvindex.indexer.events import Event
+from kvindex.indexer.wire import (
+    Encoding,
+    ReplayLayout,
+    WireError,
+    decode_replay_request,
+    encode_batch,
+    encode_live,
+    encode_replay_end,
+    encode_replay_reply,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,63 +41,6 @@ class _Outgoing:
 
 
 _IDLE = _Outgoing(-1, b"", False)
-
-
-def encode_event(event: Event, encoding: Encoding) -> Any:
-    """One event as vLLM would put it in a batch (before msgpack)."""
-    if isinstance(event, BlockStored):
-        return _stored(event, encoding)
-    if isinstance(event, BlockRemoved):
-        fields = [list(event.block_hashes), _MEDIUM[event.tier], event.group_idx]
-        names = ("block_hashes", "medium", "group_idx")
-        return _shape("BlockRemoved", names, fields, encoding, required=2)
-    assert isinstance(event, AllBlocksCleared)
-    return ["AllBlocksCleared"] if encoding == "array" else {"type": "AllBlocksCleared"}
-
-
-def _stored(event: BlockStored, encoding: Encoding) -> Any:
-    extra = None if event.extra_keys is None else list(event.extra_keys)
-    names = (
-        "block_hashes",
-        "parent_block_hash",
-        "token_ids",
-        "block_size",
-        "lora_id",
-        "medium",
-        "lora_name",
-        "extra_keys",
-        "group_idx",
-    )
-    fields = [
-        list(event.block_hashes),
-        event.parent_hash,
-        list(event.token_ids),
-        event.block_size,
-        1 if event.lora_name else None,
-        _MEDIUM[event.tier],
-        event.lora_name,
-        extra,
-        event.group_idx,
-    ]
-    return _shape("BlockStored", names, fields, encoding, required=7)
-
-
-def _shape(
-    tag: str, names: tuple[str, ...], fields: list[Any], encoding: Encoding, *, required: int
-) -> Any:
-    """Array: every field, tag first. Map: ``type`` first; defaulted fields omitted if None."""
-    if encoding == "array":
-        return [tag, *fields]
-    out: dict[str, Any] = {"type": tag}
-    for i, (name, value) in enumerate(zip(names, fields, strict=True)):
-        if i < required or value is not None:
-            out[name] = value
-    return out
-
-
-def encode_batch(events: list[Event], *, ts: float, rank: int, encoding: Encoding) -> bytes:
-    """A whole batch payload ``[ts, events, data_parallel_rank]``."""
-    return _encoder.encode([ts, [encode_event(e, encoding) for e in events], rank])
 
 
 class EventPublisher:
@@ -201,28 +146,24 @@ class EventPublisher:
         elif item.seq >= 0:
             self._buffer.append((item.seq, item.payload))
             if not item.drop:
-                self._pub.send_multipart([self.topic, item.seq.to_bytes(8, "big"), item.payload])
+                self._pub.send_multipart(encode_live(self.topic, item.seq, item.payload))
 
     def _serve_replay(self) -> None:
         router = self._router
         if router is None:
             return
         while router.poll(0, zmq.POLLIN):
-            frames = router.recv_multipart()
-            if len(frames) != 3 or frames[1] != b"":
+            identity, *request = router.recv_multipart()
+            try:
+                start = decode_replay_request(request)
+            except WireError:
                 continue  # vLLM logs "Invalid replay request" and answers nothing
-            identity, start = frames[0], int.from_bytes(frames[2], "big")
+            layout, topic = self.replay_layout, self.topic
             for seq, payload in list(self._buffer):
                 if seq >= start:
-                    router.send_multipart(
-                        [identity, b"", *self._reply(seq.to_bytes(8, "big"), payload)]
-                    )
-            router.send_multipart([identity, b"", *self._reply(_END_SEQ, b"")])
-
-    def _reply(self, seq_bytes: bytes, payload: bytes) -> list[bytes]:
-        if self.replay_layout == "topic":
-            return [self.topic if payload else b"", seq_bytes, payload]
-        return [seq_bytes, payload]
+                    reply = encode_replay_reply(seq, payload, topic=topic, layout=layout)
+                    router.send_multipart([identity, b"", *reply])
+            router.send_multipart([identity, b"", *encode_replay_end(layout)])
 
 
 def _open(sock: zmq.Socket[bytes], endpoint: str, bind: bool | None) -> str:

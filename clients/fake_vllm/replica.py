@@ -1,31 +1,29 @@
 """A simulated vLLM replica: a real prefix-cache block pool, KV events, an OpenAI-like API.
 
 No GPU and no model: requests are tokenized by a toy tokenizer, their prompt blocks go
-through a block pool that behaves like vLLM's v1 ``BlockPool`` (chained block hashes,
-prefix hits, pinned blocks of running requests, LRU eviction of unreferenced blocks), and
-every store / eviction is published as vLLM's KV events through
+through the block pool of :mod:`kvindex.clients.fake_vllm.block_pool` (chained engine
+hashes, prefix hits, pinned blocks of running requests, LRU eviction of unreferenced
+blocks), and every store / eviction is published as vLLM's KV events through
 :class:`kvindex.clients.fake_vllm.publisher.EventPublisher` (PUB + replay ROUTER, either
 encoding). A simple
 time model makes load real: at most ``max_running`` requests run, the rest wait, and a
 request takes ``uncached prompt tokens / prefill_tps + max_tokens / decode_tps`` seconds
 (divided by ``speed``).
 
-Layers, each usable alone: :class:`BlockCache` (pure, no I/O, not thread-safe),
-:class:`Engine` (asyncio scheduler over one cache; call it from one event loop only),
+Layers, each usable alone: :class:`~kvindex.clients.fake_vllm.block_pool.BlockPool` (pure,
+no I/O, not thread-safe), :class:`Engine` (asyncio scheduler over one pool; call it from one
+event loop only),
 :func:`create_app` (FastAPI routes) and :class:`ReplicaSim` (publisher + uvicorn in a
 background thread, ``start()`` / ``stop()``).
 
-Deliberate simplifications: one KV-cache group; a block computed twice concurrently is
-cached once (vLLM would publish it twice); the output tokens are a deterministic function
-of the prompt; no chunked prefill.
+Deliberate simplifications (beside the pool's own): one KV-cache group; the output tokens
+are a deterministic function of the prompt; no chunked prefill.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import hashlib
-import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -37,10 +35,12 @@ import xxhash
 from fastapi import FastAPI, Request, Response
 
 from kvindex.api.background import BackgroundServer, ServerStartError
-from kvindex.clients.fake_vllm.publisher import Encoding, EventPublisher, ReplayLayout
+from kvindex.clients.fake_vllm.block_pool import Admission, BlockPool
+from kvindex.clients.fake_vllm.engine_hash import engine_root
+from kvindex.clients.fake_vllm.publisher import EventPublisher
 from kvindex.indexer.errors import KvIndexError
-from kvindex.indexer.events import BlockRemoved, BlockStored, Event, ExtraKeys, Tier
-from kvindex.indexer.keys import request_extra_keys
+from kvindex.indexer.events import Event
+from kvindex.indexer.wire import Encoding, ReplayLayout
 
 VOCAB_SIZE = 50_000
 """Toy vocabulary: a word's token id is a stable hash of it modulo this."""
@@ -91,7 +91,7 @@ class ReplicaSimSettings:
     speed: float = 1.0
     """Time compression: real sleep = simulated time / speed."""
     seed: int | None = None
-    """Seed of the block-hash chain root (vLLM's NONE_HASH); None: random per process."""
+    """Seed of the engine-hash chain root (vLLM's NONE_HASH); None: random per process."""
     lora_names: tuple[str, ...] = ()
     """LoRA adapters served: a request whose ``model`` is one of these uses that adapter."""
 
@@ -120,21 +120,7 @@ class ReplicaSimSettings:
         return self.capacity_blocks * self.block_size
 
 
-# --- block hashing and the toy tokenizer ------------------------------------------------------
-
-
-def none_hash(seed: int | None) -> int:
-    """The chain root (parent of every first block): from ``seed``, else random."""
-    if seed is None:
-        return int.from_bytes(os.urandom(8), "big")
-    return int.from_bytes(hashlib.sha256(str(seed).encode()).digest()[-8:], "big")
-
-
-def block_hash(parent: int, token_ids: Sequence[int], extra: ExtraKeys) -> int:
-    """vLLM-style chained hash: SHA-256 of (parent, tokens, extra keys), its last 8 bytes
-    read big-endian (vLLM's int projection of a digest for events)."""
-    digest = hashlib.sha256(_encode([parent, list(token_ids), extra])).digest()
-    return int.from_bytes(digest[-8:], "big")
+# --- the toy tokenizer ------------------------------------------------------
 
 
 def word_token(word: str) -> int:
@@ -158,240 +144,6 @@ def output_words(prompt: Sequence[int], num_tokens: int) -> list[str]:
     """The 'generated' words: a deterministic function of the prompt."""
     seed = xxhash.xxh3_64_intdigest(_encode(list(prompt[-8:])))
     return [f"w{(seed + i * 7919) % 1000}" for i in range(num_tokens)]
-
-
-# --- the block pool ---------------------------------------------------------------------------
-
-
-@dataclass
-class _Held:
-    """Blocks one running request holds: its cached chain and its not-yet-full slots."""
-
-    hashes: list[int]
-    num_slots: int
-    lora_name: str | None
-    cache_salt: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class Admission:
-    num_hit_blocks: int
-    events: list[Event]
-
-
-class BlockCache:
-    """A fixed pool of ``capacity_blocks`` blocks with prefix caching, like vLLM's.
-
-    Every block is empty, cached (keyed by its chain hash; referenced by running requests
-    or evictable), or a slot held by a running request that is not full yet. Invariant:
-    ``num_empty + held slots + cached blocks == capacity_blocks``. Evictable blocks leave
-    in LRU order (least recently freed first; requests free tail first, as vLLM does).
-    Methods return the events to publish, in order. Not thread-safe.
-    """
-
-    def __init__(
-        self, capacity_blocks: int, block_size: int, root: int, *, publish: bool = True
-    ) -> None:
-        """``publish=False``: make no events (a pool nobody listens to; faster)."""
-        self.capacity_blocks = capacity_blocks
-        self.block_size = block_size
-        self.root = root
-        self.publish = publish
-        self.num_empty = capacity_blocks
-        self._ref: dict[int, int] = {}
-        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self._held: dict[int, _Held] = {}
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self._ref)
-
-    @property
-    def num_used_blocks(self) -> int:
-        """Blocks pinned by running requests (vLLM's 'used': not free, not evictable)."""
-        return self.capacity_blocks - self.num_empty - len(self._evictable)
-
-    @property
-    def usage(self) -> float:
-        return self.num_used_blocks / self.capacity_blocks
-
-    def is_cached(self, block: int) -> bool:
-        return block in self._ref
-
-    def evictable(self) -> list[int]:
-        """Evictable hashes, next to be evicted first."""
-        return list(self._evictable)
-
-    def num_held_slots(self) -> int:
-        return sum(h.num_slots for h in self._held.values())
-
-    def chain(
-        self, tokens: Sequence[int], lora_name: str | None = None, cache_salt: str | None = None
-    ) -> list[int]:
-        """Hashes of every full block of ``tokens``."""
-        size = self.block_size
-        num_blocks = len(tokens) // size
-        extras = request_extra_keys(num_blocks, lora_name, cache_salt)
-        hashes: list[int] = []
-        parent = self.root
-        for i in range(num_blocks):
-            parent = block_hash(parent, tokens[i * size : (i + 1) * size], _at(extras, i))
-            hashes.append(parent)
-        return hashes
-
-    def num_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
-    def admit(
-        self,
-        request_id: int,
-        prompt: Sequence[int],
-        total_tokens: int,
-        *,
-        lora_name: str | None = None,
-        cache_salt: str | None = None,
-        chain: Sequence[int] | None = None,
-    ) -> Admission | None:
-        """Reserve blocks for a request of ``total_tokens`` (prompt + output) and cache its
-        full prompt blocks; None when there is no room now (nothing changed). Hits are the
-        leading cached blocks, at most ``(len(prompt) - 1) // block_size`` (one prompt token
-        is always computed, as in vLLM). ``chain``: the prompt's block hashes when the
-        caller already has them (:meth:`chain`'s result, or any hashes that identify each
-        block with its prefix)."""
-        if chain is None:
-            chain = self.chain(prompt, lora_name, cache_salt)
-        ref, evictable = self._ref, self._evictable
-        limit = min((len(prompt) - 1) // self.block_size, len(chain))
-        hits = 0
-        while hits < limit and chain[hits] in ref:
-            hits += 1
-        hit_blocks = list(chain[:hits])
-        need = self.num_blocks_for(total_tokens) - hits
-        hit_evictable = sum(1 for h in hit_blocks if h in evictable) if evictable else 0
-        if need > self.num_empty + len(evictable) - hit_evictable:
-            return None
-        for h in hit_blocks:
-            ref[h] += 1
-            evictable.pop(h, None)
-        events = self._take_slots(need)
-        held = _Held(hit_blocks, need, lora_name, cache_salt)
-        self._held[request_id] = held
-        events.extend(self._cache_full(held, prompt, chain))
-        return Admission(hits, events)
-
-    def finish(
-        self, request_id: int, tokens: Sequence[int], chain: Sequence[int] | None = None
-    ) -> list[Event]:
-        """Cache the blocks ``tokens`` (prompt + output) filled since admission
-        (``chain``: their block hashes, as for :meth:`admit`)."""
-        return self._cache_full(self._held[request_id], tokens, chain)
-
-    def release(self, request_id: int) -> None:
-        """Unpin a request's blocks (tail first onto the LRU) and free its slots."""
-        held = self._held.pop(request_id)
-        ref, evictable = self._ref, self._evictable
-        for h in reversed(held.hashes):
-            count = ref[h] - 1
-            ref[h] = count
-            if not count:
-                evictable[h] = None
-        self.num_empty += held.num_slots
-
-    def check(self) -> None:
-        """Assert the pool's invariants (tests)."""
-        assert self.num_empty >= 0
-        assert self.num_empty + self.num_held_slots() + len(self._ref) == self.capacity_blocks
-        assert all((n == 0) == (h in self._evictable) for h, n in self._ref.items())
-
-    def _reference(self, block: int) -> None:
-        self._ref[block] += 1
-        self._evictable.pop(block, None)
-
-    def _take_slots(self, n: int) -> list[Event]:
-        """Take ``n`` free blocks, evicting the least recently freed cached ones when no
-        empty block is left (one ``BlockRemoved`` per evicted block, as vLLM publishes)."""
-        take = min(n, self.num_empty)
-        self.num_empty -= take
-        ref, evictable = self._ref, self._evictable
-        events: list[Event] = []
-        for _ in range(n - take):
-            victim, _ = evictable.popitem(last=False)
-            del ref[victim]
-            if self.publish:
-                events.append(BlockRemoved((victim,), Tier.GPU))
-        return events
-
-    def _cache_full(
-        self, held: _Held, tokens: Sequence[int], chain: Sequence[int] | None
-    ) -> list[Event]:
-        """Turn held slots into cached blocks for every full block of ``tokens`` not yet
-        cached; one ``BlockStored`` per run of newly cached blocks."""
-        if chain is None:
-            chain = self.chain(tokens, held.lora_name, held.cache_salt)
-        runs = self._cache_new(held, chain)
-        if not self.publish or not runs:
-            return []
-        extras = request_extra_keys(len(chain), held.lora_name, held.cache_salt)
-        lora = held.lora_name
-        return [
-            self._stored(first, end, chain, tokens, extras=extras, lora_name=lora)
-            for first, end in runs
-        ]
-
-    def _cache_new(self, held: _Held, chain: Sequence[int]) -> list[tuple[int, int]]:
-        """Cache ``chain``'s blocks past those ``held`` has; the (first, end) index runs of
-        blocks newly cached (a block another request cached meanwhile is shared)."""
-        start = len(held.hashes)
-        new = chain[start:]
-        if not new:
-            return []
-        ref = self._ref
-        held.num_slots -= len(new)
-        held.hashes.extend(new)
-        if ref.keys().isdisjoint(new):  # the usual case: no block computed concurrently
-            ref.update(dict.fromkeys(new, 1))
-            return [(start, len(chain))]
-        runs: list[tuple[int, int]] = []
-        run_start = start
-        for i in range(start, len(chain)):
-            h = chain[i]
-            if h in ref:
-                self._reference(h)
-                self.num_empty += 1
-                if run_start < i:
-                    runs.append((run_start, i))
-                run_start = i + 1
-            else:
-                ref[h] = 1
-        if run_start < len(chain):
-            runs.append((run_start, len(chain)))
-        return runs
-
-    def _stored(
-        self,
-        first: int,
-        end: int,
-        chain: Sequence[int],
-        tokens: Sequence[int],
-        *,
-        extras: list[ExtraKeys] | None,
-        lora_name: str | None,
-    ) -> Event:
-        """The ``BlockStored`` of blocks ``first`` to ``end - 1``."""
-        size = self.block_size
-        return BlockStored(
-            block_hashes=tuple(chain[first:end]),
-            parent_hash=chain[first - 1] if first > 0 else None,
-            token_ids=tuple(tokens[first * size : end * size]),
-            block_size=size,
-            tier=Tier.GPU,
-            lora_name=lora_name,
-            extra_keys=None if extras is None else tuple(extras[first:end]),
-        )
-
-
-def _at(extras: list[ExtraKeys] | None, i: int) -> ExtraKeys:
-    return None if extras is None else extras[i]
 
 
 # --- time model and scheduler -----------------------------------------------------------------
@@ -450,14 +202,14 @@ class EngineCounters:
 
 
 class Engine:
-    """FIFO scheduler over a :class:`BlockCache`: admits while fewer than ``max_running``
-    run and the cache has room; publishes one batch per admission and per completion.
+    """FIFO scheduler over a :class:`BlockPool`: admits while fewer than ``max_running``
+    run and the pool has room; publishes one batch per admission and per completion.
     Use from one event loop only."""
 
     def __init__(
         self,
         settings: ReplicaSimSettings,
-        cache: BlockCache,
+        cache: BlockPool,
         publish: Callable[[list[Event]], object],
         *,
         clock: Callable[[], float] = time.monotonic,
@@ -518,7 +270,7 @@ class Engine:
         await asyncio.sleep((prefill_s + decode_s) / self.settings.speed)
         words = output_words(request.prompt, request.max_tokens)
         output_tokens = [word_token(w) for w in words]
-        self._emit(self.cache.finish(request_id, request.prompt + output_tokens))
+        self._emit(self.cache.cache_full_blocks(request_id, request.prompt + output_tokens))
         self.counters.num_finished += 1
         return SimResult(words, output_tokens, cached, queue_s, prefill_s, decode_s)
 
@@ -726,7 +478,7 @@ class ReplicaSim:
             replay_layout=s.replay_layout,
             bind=s.bind_events,
         )
-        cache = BlockCache(s.capacity_blocks, s.block_size, none_hash(s.seed))
+        cache = BlockPool(s.capacity_blocks, s.block_size, engine_root(s.seed))
         self.engine = Engine(s, cache, self.publisher.publish)
         try:
             self._serve(create_app(self.engine))

@@ -1,7 +1,7 @@
 """The discrete-event core of ``kvindex simulate``: N replicas, their caches, their queues.
 
-Each replica has the replica simulator's block pool
-(:class:`~kvindex.clients.fake_vllm.replica.BlockCache`:
+Each replica has the block pool of every vLLM stand-in
+(:class:`~kvindex.clients.fake_vllm.block_pool.BlockPool`:
 prefix hits, blocks of running requests pinned, unreferenced blocks evicted LRU, every
 store and eviction returned as vLLM KV events) and this time model:
 
@@ -32,11 +32,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvindex.clients.fake_vllm.replica import BlockCache
+from kvindex.clients.fake_vllm.block_pool import BlockPool
+from kvindex.clients.fake_vllm.engine_hash import engine_chain, engine_root
 from kvindex.clients.workloads import TraceRequest
 from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.events import Event
-from kvindex.indexer.keys import chain_keys, model_root, tokens_to_bytes
 
 
 class SimulationError(KvIndexError):
@@ -118,7 +118,7 @@ class Router(Protocol):
 @dataclass
 class _Replica:
     id: str
-    cache: BlockCache
+    cache: BlockPool
     waiting: collections.deque[Job] = field(default_factory=collections.deque)
     running: int = 0
     prefill_free_s: float = 0.0
@@ -131,16 +131,6 @@ class FleetResult:
     queue_samples: list[int]
     """Waiting requests of every replica, sampled at every arrival."""
     requests_per_replica: dict[str, int]
-
-
-def engine_root(model: str) -> int:
-    return model_root("kvindex-sim-engine/" + model)
-
-
-def engine_chain(tokens: Sequence[int], block_size: int, root: int) -> list[int]:
-    """The replicas' own block hashes: chained XXH3 from an engine root (not kvindex keys,
-    so the indexer must map them, as with a real vLLM)."""
-    return chain_keys(root, tokens_to_bytes(tokens), block_size)
 
 
 class Prompts:
@@ -159,7 +149,7 @@ class Prompts:
         if packed is not None:
             return packed[0].tolist(), packed[1].tolist()
         tokens = self.requests[index].tokens()
-        chain = engine_chain(tokens, self.block_size, self.root)
+        chain = engine_chain(self.root, tokens, self.block_size)
         try:
             packed_tokens = array("H", tokens)
         except OverflowError:
@@ -200,13 +190,11 @@ class FleetSim:
         self._per_replica = dict.fromkeys(self._replicas, 0)
         self.now = 0.0
 
-    def _pool(self, publish: bool) -> BlockCache:
+    def _pool(self, publish: bool) -> BlockPool:
         settings = self.settings
-        return BlockCache(
-            settings.capacity_blocks, settings.block_size, self._root, publish=publish
-        )
+        return BlockPool(settings.capacity_blocks, settings.block_size, self._root, publish=publish)
 
-    def cache(self, replica: str) -> BlockCache:
+    def cache(self, replica: str) -> BlockPool:
         return self._replicas[replica].cache
 
     async def run(self) -> FleetResult:
@@ -291,8 +279,8 @@ class FleetSim:
         answer = job.request.output
         if answer is not None:
             full = job.tokens + list(answer)
-            chain = engine_chain(full, self.settings.block_size, self._root)
-            self._emit(replica, replica.cache.finish(job.index, full, chain))
+            chain = engine_chain(self._root, full, self.settings.block_size)
+            self._emit(replica, replica.cache.cache_full_blocks(job.index, full, chain))
         replica.cache.release(job.index)
         replica.running -= 1
         arrival = job.request.arrival_s

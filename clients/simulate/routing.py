@@ -43,8 +43,8 @@ from kvindex.api.policies import (
 from kvindex.api.schemas import ScoreRequest
 from kvindex.api.score import Scorer
 from kvindex.api.settings import ApiSettings, ModelSpec
-from kvindex.clients.fake_vllm.publisher import EventPublisher, encode_batch
-from kvindex.clients.fake_vllm.replica import BlockCache
+from kvindex.clients.fake_vllm.block_pool import BlockPool
+from kvindex.clients.fake_vllm.publisher import EventPublisher
 from kvindex.clients.simulate.fleet import FleetSettings, Job, ReplicaLoad, SimulationError
 from kvindex.indexer.events import Event, StreamId, Tier
 from kvindex.indexer.fleet.registry import Freshness, Registry
@@ -54,6 +54,7 @@ from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.pipeline import Pipeline
 from kvindex.indexer.service import IndexerService
 from kvindex.indexer.settings import IndexerSettings
+from kvindex.indexer.wire import encode_batch, encode_live
 
 ORACLE = "oracle"
 INDEX_POLICIES = frozenset({Policy.KV_AWARE})
@@ -164,7 +165,7 @@ class IngestSink:
         for emitted_at, replica, events in self._delayed.due(now):
             seq = self._seq[replica] = self._seq.get(replica, -1) + 1
             payload = encode_batch(events, ts=emitted_at, rank=0, encoding="map")
-            frames = [self._topics[replica], seq.to_bytes(8, "big"), payload]
+            frames = encode_live(self._topics[replica], seq, payload)
             self._pipeline.handle_live(frames, StreamId(replica))
 
     def close(self) -> None:
@@ -315,10 +316,10 @@ class OracleRouter:
 
     def __init__(self, spec: PolicySpec, *, seed: int) -> None:
         self._weights = Weights().overridden(spec.weights)
-        self._cache_of: Callable[[str], BlockCache] | None = None
+        self._cache_of: Callable[[str], BlockPool] | None = None
         self._rng = random.Random(seed)
 
-    def watch(self, cache_of: Callable[[str], BlockCache]) -> None:
+    def watch(self, cache_of: Callable[[str], BlockPool]) -> None:
         """Read each replica's pool through ``cache_of`` (the fleet being simulated)."""
         self._cache_of = cache_of
 

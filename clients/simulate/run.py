@@ -31,7 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvindex.clients.console import ProgressBars, column, make_table
-from kvindex.clients.fake_vllm.replica import BlockCache
+from kvindex.clients.fake_vllm.block_pool import BlockPool
 from kvindex.clients.simulate.fleet import (
     FleetResult,
     FleetSettings,
@@ -192,7 +192,7 @@ def ceiling_hit_rate(
     arrival order, each released at once (nothing pinned)."""
     prompts = prompts if prompts is not None else Prompts(requests, fleet)
     capacity = fleet.replicas * fleet.capacity_blocks
-    cache = BlockCache(capacity, fleet.block_size, prompts.root, publish=False)
+    cache = BlockPool(capacity, fleet.block_size, prompts.root, publish=False)
     hit = total = 0
     for i in range(len(requests)):
         tokens, chain = prompts.get(i)

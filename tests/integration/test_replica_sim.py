@@ -8,12 +8,12 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from kvindex.clients.fake_vllm.publisher import Encoding
 from kvindex.clients.fake_vllm.replica import ReplicaSim, ReplicaSimSettings
 from kvindex.indexer.events import StreamId
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.keys import block_keys
+from kvindex.indexer.wire import Encoding
 from tests.integration.harness import Indexer, running_indexer, settings_for, wait_until, warm_up
 
 MODEL = "sim-model"

@@ -8,12 +8,13 @@ import msgspec
 import pytest
 import redis
 
-from kvindex.clients.fake_vllm.publisher import Encoding, EventPublisher, ReplayLayout, encode_event
+from kvindex.clients.fake_vllm.publisher import EventPublisher
 from kvindex.indexer.events import AllBlocksCleared, BlockRemoved, BlockStored, StreamId, Tier
 from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.index.redis import RedisIndex, connect
 from kvindex.indexer.keys import block_keys
 from kvindex.indexer.redis_schema import Schema
+from kvindex.indexer.wire import Encoding, ReplayLayout, to_wire
 from tests.integration.harness import (
     MODEL,
     consecutive_free_ports,
@@ -144,8 +145,8 @@ def test_malformed_frames_are_counted_and_the_index_stays_intact(
         wait_until(ix.applied(R1, seq))
         pub.send_raw([b"kv@r1@demo-model", b"\x00\x01", b"\x90"])  # 2-byte seq frame
         pub.send_raw([b"only-one-frame"])
-        good = encode_event(stored((13,), 12, 2), "map")
-        bad = {"type": "BlockStored", "block_hashes": "not-a-list"}
+        good = to_wire(stored((13,), 12, 2), "map")
+        bad = msgspec.structs.replace(good, block_hashes="not-a-list")
         payload = msgspec.msgpack.encode([1.0, [bad, good, {"type": "Nope"}], 0])
         seq = pub.publish_payload(payload)
         pub.publish_payload(b"\xc1garbage")  # undecodable payload with a valid seq

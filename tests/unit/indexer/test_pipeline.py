@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvindex.clients.fake_vllm.publisher import encode_batch
 from kvindex.indexer.events import BlockStored, Event, EventBatch, StreamId, Tier
 from kvindex.indexer.fleet.registry import Freshness, Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
@@ -23,7 +22,7 @@ from kvindex.indexer.index.protocol import (
 from kvindex.indexer.keys import block_keys
 from kvindex.indexer.pipeline import Pipeline
 from kvindex.indexer.settings import IndexerSettings
-from kvindex.indexer.wire import ReplayReply
+from kvindex.indexer.wire import ReplayReply, encode_batch, encode_live
 from tests.support.clock import Clock
 
 MODEL = "m"
@@ -129,7 +128,7 @@ def frames(seq: int, ts: float | None = None, events: list[Event] | None = None)
     live = batch(seq, ts)
     shown = list(live.events) if events is None else events
     payload = encode_batch(shown, ts=live.ts, rank=0, encoding="map")
-    return [TOPIC, seq.to_bytes(8, "big"), payload]
+    return encode_live(TOPIC, seq, payload)
 
 
 def replies(*batches: EventBatch, end: bool = True) -> list[ReplayReply]:
@@ -269,7 +268,7 @@ def test_bind_mode_registers_a_replica_from_its_topic() -> None:
     assert r.pipeline.reconcile() == [r.registry.get("r1")]
     topic = b"kv@r7@other-model"
     payload = encode_batch(list(batch(0).events), ts=10.0, rank=1, encoding="map")
-    r.pipeline.handle_live([topic, (0).to_bytes(8, "big"), payload], None)
+    r.pipeline.handle_live(encode_live(topic, 0, payload), None)
     assert r.registry.get("r7") == ReplicaSpec("r7", "other-model")
     assert r.health(StreamId("r7", 1)).last_seq == 0
     assert r.pipeline.reconcile() is None  # no socket to open for it
@@ -278,11 +277,11 @@ def test_bind_mode_registers_a_replica_from_its_topic() -> None:
 def test_a_topic_without_model_needs_a_default_model() -> None:
     r = rig()
     payload = encode_batch([], ts=10.0, rank=0, encoding="map")
-    r.pipeline.handle_live([b"kv@r8@", (0).to_bytes(8, "big"), payload], None)
+    r.pipeline.handle_live(encode_live(b"kv@r8@", 0, payload), None)
     assert r.registry.get("r8") is None
     assert r.pipeline.counters.num_unidentified == 1
     other = rig(default_model="fallback")
-    other.pipeline.handle_live([b"kv@r8@", (0).to_bytes(8, "big"), payload], None)
+    other.pipeline.handle_live(encode_live(b"kv@r8@", 0, payload), None)
     assert other.registry.get("r8") == ReplicaSpec("r8", "fallback")
 
 

@@ -1,8 +1,12 @@
-"""kvindex.indexer.wire: golden captures of vLLM's own publisher, then malformed and random input.
+"""kvindex.indexer.wire: golden captures of vLLM's own publisher, both directions, then
+malformed and random input, then round trips.
 
-The golden tests derive every expected value from the capture's ``payload_decoded`` with a
-small generic comparer (array events via ``meta.struct_config``, map events by name), so
-each vector is checked field by field. They are never skipped (tests/fixtures/PROVENANCE.md).
+The golden decoding tests derive every expected value from the capture's ``payload_decoded``
+with a small generic comparer (array events via ``meta.struct_config``, map events by name),
+so each vector is checked field by field; the golden encoding tests rebuild every captured
+frame byte for byte. They are never skipped (tests/fixtures/PROVENANCE.md). Hand-made input
+is built with the module's own structs (corrupted with ``msgspec.structs.replace`` where it
+must be bad), so no field layout is spelled out here.
 """
 
 from __future__ import annotations
@@ -29,11 +33,33 @@ from kvindex.indexer.events import (
 )
 from kvindex.indexer.wire import (
     END_SEQ,
+    AllBlocksClearedArray,
+    AllBlocksClearedMap,
+    BlockRemovedArray,
+    BlockRemovedMap,
+    BlockStoredArray,
+    Encoding,
+    ReplayLayout,
+    ReplayReply,
+    VllmArrayEvent,
+    VllmBlockRemovedMap,
+    VllmBlockStoredArray,
+    VllmBlockStoredMap,
+    VllmMapEvent,
     WireError,
+    WireEvent,
+    WireHash,
     decode_live,
     decode_payload,
     decode_replay,
-    replay_request,
+    decode_replay_request,
+    decode_seq,
+    encode_batch,
+    encode_live,
+    encode_replay_end,
+    encode_replay_reply,
+    encode_replay_request,
+    encode_seq,
 )
 from tests.support.paths import FIXTURES
 
@@ -47,25 +73,15 @@ FIXTURE_SHA256 = {
 }
 U64 = 1 << 64
 TOPIC = b"kv@pod-a@demo-model"
-SEQ0 = (0).to_bytes(8, "big")
+SEQ0 = encode_seq(0)
 ENCODE = msgspec.msgpack.encode
-
-# Field order of vLLM 0.23.0's array events (its meta.struct_config), for hand-built payloads.
-STORED_FIELDS = (
-    "block_hashes",
-    "parent_block_hash",
-    "token_ids",
-    "block_size",
-    "lora_id",
-    "medium",
-    "lora_name",
-    "extra_keys",
-    "group_idx",
-    "kv_cache_spec_kind",
-    "kv_cache_spec_sliding_window",
-)
-REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
-REQUIRED_STORED = frozenset(STORED_FIELDS[:7])
+ENCODING_OF_VERSION: dict[str, Encoding] = {"0.33.0": "map", "0.23.0": "array"}
+LAYOUT_OF_VERSION: dict[str, ReplayLayout] = {"0.33.0": "topic", "0.23.0": "legacy"}
+VLLM_BATCH_DECODERS: dict[Encoding, msgspec.msgpack.Decoder[Any]] = {
+    "map": msgspec.msgpack.Decoder(tuple[float, list[VllmMapEvent], int]),
+    "array": msgspec.msgpack.Decoder(tuple[float, list[VllmArrayEvent], int]),
+}
+"""Whole batches of vLLM's structs (every field, as vLLM wrote them)."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +104,18 @@ class Vector:
     def payload(self) -> list[Any]:
         payload: list[Any] = self.raw["payload_decoded"]
         return payload
+
+    @property
+    def encoding(self) -> Encoding:
+        return ENCODING_OF_VERSION[self.version]
+
+    @property
+    def layout(self) -> ReplayLayout:
+        return LAYOUT_OF_VERSION[self.version]
+
+    @property
+    def has_bin_hashes(self) -> bool:
+        return "bytes_hex" in json.dumps(self.payload)
 
 
 def _load(name: str) -> list[Vector]:
@@ -228,7 +256,8 @@ def test_replay_vector_decodes_to_recorded_content(vector: Vector) -> None:
 @pytest.mark.parametrize("vector", _params("replay-request"))
 def test_replay_request_matches_capture(vector: Vector) -> None:
     assert vector.raw["seq"] == 3
-    assert replay_request(3) == vector.frames
+    assert encode_replay_request(3) == vector.frames
+    assert decode_replay_request(vector.frames) == 3
 
 
 @pytest.mark.parametrize("version", ["0.33.0", "0.23.0"])
@@ -245,7 +274,57 @@ def test_bin_hashes_normalise_to_vllm_int_projection(version: str) -> None:
 
 
 def test_replay_request_clamps_negative_start() -> None:
-    assert replay_request(-5) == [b"", SEQ0]
+    assert encode_replay_request(-5) == [b"", SEQ0]
+
+
+# --- golden, the other way: what vLLM sent, rebuilt byte for byte ---------------------
+
+
+@pytest.mark.parametrize("version", ["0.33.0", "0.23.0"])
+def test_the_structs_have_vllms_fields_in_vllms_order(version: str) -> None:
+    config = next(v.meta["struct_config"] for v in VECTORS if v.version == version)
+    stored, removed = (
+        (VllmBlockStoredMap, VllmBlockRemovedMap)
+        if ENCODING_OF_VERSION[version] == "map"
+        else (VllmBlockStoredArray, BlockRemovedArray)
+    )
+    assert list(stored.__struct_fields__) == config["BlockStored_fields"]
+    assert list(removed.__struct_fields__) == config["BlockRemoved_fields"]
+
+
+@pytest.mark.parametrize("vector", _params("pub"))
+def test_captured_payload_decodes_to_structs_that_encode_back_byte_for_byte(
+    vector: Vector,
+) -> None:
+    payload = vector.frames[2]
+    batch = VLLM_BATCH_DECODERS[vector.encoding].decode(payload)
+    assert ENCODE(batch) == payload
+
+
+@pytest.mark.parametrize("vector", _params("pub"))
+def test_decoded_events_encode_as_vllm_sent_them(vector: Vector) -> None:
+    """Everything but the hash's form survives the domain: a digest comes back as its int."""
+    message = decode_live(vector.frames)
+    batch = message.batch
+    payload = encode_batch(batch.events, ts=batch.ts, rank=batch.rank, encoding=vector.encoding)
+    frames = encode_live(message.topic.encode(), batch.seq, payload)
+    if vector.has_bin_hashes:
+        assert decode_live(frames) == message
+    else:
+        assert frames == vector.frames
+
+
+@pytest.mark.parametrize("vector", _params("replay-reply"))
+def test_replay_replies_are_rebuilt_as_vllm_sent_them(vector: Vector) -> None:
+    frames = vector.frames
+    if vector.id != "replay-reply-via-REQ":
+        frames = frames[1:]  # the DEALER's empty delimiter frame
+    seq = vector.raw["seq"]
+    if seq == END_SEQ:
+        assert encode_replay_end(vector.layout) == frames
+    else:
+        topic = vector.raw.get("topic", "").encode()
+        assert encode_replay_reply(seq, frames[-1], topic=topic, layout=vector.layout) == frames
 
 
 # --- malformed frames -----------------------------------------------------------------
@@ -301,17 +380,27 @@ def test_malformed_replay_reply_raises_wire_error(frames: list[bytes], delimited
 # --- events inside a batch ------------------------------------------------------------
 
 
-def _stored_array(hashes: list[Any], **fields: Any) -> list[Any]:
-    """A vLLM-0.23-style BlockStored array with every field present (None by default)."""
-    values = {"block_hashes": hashes, "token_ids": [], "block_size": 0} | fields
-    return ["BlockStored", *(values.get(name) for name in STORED_FIELDS)]
+def _stored(encoding: Encoding, hashes: list[WireHash], **fields: Any) -> WireEvent:
+    """vLLM's BlockStored struct (no tokens unless given), with ``fields`` set."""
+    values: dict[str, Any] = {
+        "block_hashes": hashes,
+        "parent_block_hash": None,
+        "token_ids": [],
+        "block_size": 0,
+        "lora_id": None,
+        "medium": None,
+        "lora_name": None,
+    } | fields
+    return VllmBlockStoredArray(**values) if encoding == "array" else VllmBlockStoredMap(**values)
 
 
-def _stored_map(hashes: list[Any], **fields: Any) -> dict[str, Any]:
-    """A vLLM-0.33-style BlockStored map: required fields always, defaulted ones if set."""
-    values = {"block_hashes": hashes, "token_ids": [], "block_size": 0} | fields
-    present = {k: v for k, v in values.items() if k in REQUIRED_STORED or v is not None}
-    return {"type": "BlockStored"} | {n: present[n] for n in STORED_FIELDS if n in present}
+def _plain_msgpack(struct: WireEvent) -> Any:
+    """The struct as plain msgpack values (a list or a dict), to cut or extend."""
+    return msgspec.msgpack.decode(ENCODE(struct))
+
+
+def _corrupt(struct: WireEvent, **changes: Any) -> WireEvent:
+    return msgspec.structs.replace(struct, **changes)
 
 
 def _batch(*events: Any) -> EventBatch:
@@ -327,16 +416,23 @@ def _only(batch: EventBatch) -> Event:
 BAD_EVENTS = [
     pytest.param(["BlockEvicted", [1]], id="array-unknown-tag"),
     pytest.param({"type": "BlockEvicted", "block_hashes": [1]}, id="map-unknown-tag"),
-    pytest.param(["BlockRemoved", "abc", "GPU"], id="array-hashes-a-string"),
-    pytest.param({"type": "BlockRemoved", "block_hashes": "abc"}, id="map-hashes-a-string"),
-    pytest.param(_stored_array([1], token_ids="abc"), id="tokens-a-string"),
-    pytest.param(_stored_map([1], block_size="16"), id="block-size-a-string"),
-    pytest.param(_stored_array([1.5]), id="float-hash"),
-    pytest.param(_stored_array([True]), id="bool-hash"),
-    pytest.param(_stored_array([1], medium=3), id="medium-an-int"),
-    pytest.param(_stored_array([1], extra_keys=["salt"]), id="extra-key-not-a-tuple"),
-    pytest.param(["BlockStored", [1], None, []], id="array-missing-required"),
-    pytest.param({"block_hashes": [1]}, id="map-without-tag"),
+    pytest.param(
+        _corrupt(BlockRemovedArray([1], "GPU"), block_hashes="abc"), id="array-hashes-a-string"
+    ),
+    pytest.param(
+        _corrupt(VllmBlockRemovedMap([1], "GPU"), block_hashes="abc"), id="map-hashes-a-string"
+    ),
+    pytest.param(_corrupt(_stored("array", [1]), token_ids="abc"), id="tokens-a-string"),
+    pytest.param(_corrupt(_stored("map", [1]), block_size="16"), id="block-size-a-string"),
+    pytest.param(_corrupt(_stored("array", [1]), block_hashes=[1.5]), id="float-hash"),
+    pytest.param(_corrupt(_stored("array", [1]), block_hashes=[True]), id="bool-hash"),
+    pytest.param(_corrupt(_stored("array", [1]), medium=3), id="medium-an-int"),
+    pytest.param(_corrupt(_stored("array", [1]), extra_keys=["salt"]), id="extra-key-not-a-tuple"),
+    pytest.param(_plain_msgpack(_stored("array", [1]))[:4], id="array-missing-required"),
+    pytest.param(
+        {k: v for k, v in _plain_msgpack(_stored("map", [1])).items() if k != "type"},
+        id="map-without-tag",
+    ),
     pytest.param([], id="empty-array"),
     pytest.param("BlockStored", id="a-string"),
     pytest.param(None, id="nil"),
@@ -345,43 +441,40 @@ BAD_EVENTS = [
 
 @pytest.mark.parametrize("bad", BAD_EVENTS)
 def test_bad_event_is_skipped_and_counted_batch_survives(bad: Any) -> None:
-    good_before = {"type": "BlockRemoved", "block_hashes": [11], "medium": "GPU"}
-    good_after = ["AllBlocksCleared"]
-    batch = _batch(good_before, bad, good_after)
+    batch = _batch(VllmBlockRemovedMap([11], "GPU"), bad, AllBlocksClearedArray())
     assert batch.num_bad_events == 1
     assert batch.events == (BlockRemoved((11,), Tier.GPU), AllBlocksCleared())
     assert (batch.seq, batch.ts, batch.rank) == (7, 1.0, 0)
 
 
-def test_unknown_map_fields_are_ignored() -> None:
-    event = _stored_map([5], block_size=16, token_ids=list(range(16)))
-    event |= {"ownership": "tier-2", "future_field": {"nested": [1, 2]}}
-    decoded = _only(_batch(event))
-    assert decoded == _only(_batch(_stored_map([5], block_size=16, token_ids=list(range(16)))))
+def test_fields_kvindex_does_not_read_are_ignored_whatever_they_hold() -> None:
+    plain = _stored("map", [5], block_size=16, token_ids=list(range(16)))
+    event = _plain_msgpack(plain) | {"ownership": {"any": 1}, "future_field": {"nested": [1, 2]}}
+    event["kv_cache_spec_kind"] = ["not", "a", "string"]
+    assert _only(_batch(event)) == _only(_batch(plain))
 
 
 def test_extra_trailing_array_elements_are_ignored() -> None:
-    plain = _stored_array([5], medium="CPU", group_idx=0)
-    longer = [*plain, "LOCAL", "owner", "session", [[1, 2]], "from-vllm-0.99"]
+    plain = _stored("array", [5], medium="CPU", group_idx=0)
+    longer = [*_plain_msgpack(plain), "LOCAL", "owner", "session", [[1, 2]], "from-vllm-0.99"]
     assert _only(_batch(longer)) == _only(_batch(plain))
-    removed = ["BlockRemoved", [5], "CPU", 0, "LOCAL", "owner", 42]
+    removed = [*_plain_msgpack(BlockRemovedArray([5], "CPU", 0)), "LOCAL", "owner", 42]
     assert _only(_batch(removed)) == BlockRemoved((5,), Tier.CPU, 0)
 
 
 @pytest.mark.parametrize(
     "event",
     [
-        pytest.param(["BlockStored", [9], None, [1, 2], 2, None], id="array-vllm-0.9"),
+        pytest.param(BlockStoredArray([9], None, [1, 2], 2, None), id="array-vllm-0.9"),
         pytest.param(
             {
-                "type": "BlockStored",
-                "block_hashes": [9],
-                "parent_block_hash": None,
-                "token_ids": [1, 2],
-                "block_size": 2,
-                "lora_id": None,
+                k: v
+                for k, v in _plain_msgpack(
+                    _stored("map", [9], token_ids=[1, 2], block_size=2)
+                ).items()
+                if k not in ("medium", "lora_name")
             },
-            id="map-required-only",
+            id="map-without-medium-or-lora-name",
         ),
     ],
 )
@@ -391,14 +484,32 @@ def test_trailing_optional_stored_fields_may_be_absent(event: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    "event", [["BlockRemoved", [9]], {"type": "BlockRemoved", "block_hashes": [9]}]
+    "event", [_plain_msgpack(BlockRemovedArray([9]))[:2], BlockRemovedMap([9])]
 )
 def test_removed_without_medium_is_gpu(event: Any) -> None:
     assert _only(_batch(event)) == BlockRemoved((9,), Tier.GPU, None)
 
 
+def _required(struct: type[msgspec.Struct]) -> list[str]:
+    """The struct's fields without a default (they come first)."""
+    fields = struct.__struct_fields__
+    return list(fields[: len(fields) - len(struct.__struct_defaults__)])
+
+
+@pytest.mark.parametrize(
+    "struct",
+    [_stored("map", [9]), VllmBlockRemovedMap([9], None)],
+    ids=["BlockStored", "BlockRemoved"],
+)
+def test_map_fields_vllm_always_sends_are_written_even_when_none(struct: WireEvent) -> None:
+    """vLLM writes ``"lora_id": null`` and leaves out an unset ``extra_keys``: so do we."""
+    written = _plain_msgpack(struct)
+    assert list(written) == ["type", *_required(type(struct))]
+    assert written["medium"] is None
+
+
 def test_batch_without_rank_is_rank_zero() -> None:
-    batch = decode_payload(ENCODE([2.5, [["AllBlocksCleared"]]]), 3)
+    batch = decode_payload(ENCODE([2.5, [AllBlocksClearedArray()]]), 3)
     assert (batch.seq, batch.ts, batch.rank, batch.events) == (3, 2.5, 0, (AllBlocksCleared(),))
 
 
@@ -437,10 +548,9 @@ def test_hash_widths_cover_every_msgpack_int_format() -> None:
 
 @pytest.mark.parametrize("value", HASH_WIDTHS, ids=str)
 @pytest.mark.parametrize("encoding", ["array", "map"])
-def test_hash_of_every_int_width_is_unsigned_64(value: int, encoding: str) -> None:
-    build = _stored_array if encoding == "array" else _stored_map
-    stored = _only(_batch(build([value, 1], parent_block_hash=value)))
-    removed = _only(_batch(["BlockRemoved", [value]]))
+def test_hash_of_every_int_width_is_unsigned_64(value: int, encoding: Encoding) -> None:
+    stored = _only(_batch(_stored(encoding, [value, 1], parent_block_hash=value)))
+    removed = _only(_batch(BlockRemovedArray([value])))
     assert isinstance(stored, BlockStored)
     assert stored.block_hashes == (value % U64, 1)
     assert stored.parent_hash == value % U64
@@ -451,7 +561,7 @@ def test_hash_of_every_int_width_is_unsigned_64(value: int, encoding: str) -> No
 def test_32_byte_bin_hashes_use_the_last_8_bytes_big_endian() -> None:
     digest = bytes(range(32))
     parent = bytes(range(100, 132))
-    stored = _only(_batch(_stored_map([digest, 7], parent_block_hash=parent)))
+    stored = _only(_batch(_stored("map", [digest, 7], parent_block_hash=parent)))
     assert isinstance(stored, BlockStored)
     assert stored.block_hashes == (int.from_bytes(digest[-8:], "big"), 7)
     assert stored.parent_hash == int.from_bytes(parent[-8:], "big")
@@ -473,18 +583,34 @@ def test_32_byte_bin_hashes_use_the_last_8_bytes_big_endian() -> None:
     ],
 )
 def test_medium_folds_into_tier(medium: str | None, tier: Tier) -> None:
-    stored = _only(_batch(_stored_array([1], medium=medium)))
-    removed = _only(_batch(["BlockRemoved", [1], medium]))
+    stored = _only(_batch(_stored("array", [1], medium=medium)))
+    removed = _only(_batch(BlockRemovedArray([1], medium)))
     assert isinstance(stored, BlockStored)
     assert stored.tier is tier
     assert removed == BlockRemoved((1,), tier)
 
 
 def test_extra_keys_become_one_tuple_or_none_per_block() -> None:
-    extra = [["sql-lora", ["9f" * 32, 3]], None, ["tenant-a"]]
-    stored = _only(_batch(_stored_map([1, 2, 3], extra_keys=extra)))
+    extra = [("sql-lora", ["9f" * 32, 3]), None, ("tenant-a",)]
+    stored = _only(_batch(_stored("map", [1, 2, 3], extra_keys=extra)))
     assert isinstance(stored, BlockStored)
     assert stored.extra_keys == (("sql-lora", ["9f" * 32, 3]), None, ("tenant-a",))
+
+
+def test_the_sequence_frame_round_trips_and_the_end_marker_is_all_ones() -> None:
+    assert encode_seq(END_SEQ) == b"\xff" * 8 and decode_seq(b"\xff" * 8) == END_SEQ
+    for seq in (0, 1, 255, 2**63, 2**64 - 2):
+        assert decode_seq(encode_seq(seq)) == seq
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [[], [SEQ0], [b"x", SEQ0], [b"", SEQ0, b""]],
+    ids=["none", "no-delimiter", "delimiter-not-empty", "three-frames"],
+)
+def test_a_malformed_replay_request_is_refused(frames: list[bytes]) -> None:
+    with pytest.raises(WireError):
+        decode_replay_request(frames)
 
 
 # --- properties -----------------------------------------------------------------------
@@ -527,17 +653,22 @@ _events: st.SearchStrategy[tuple[str, dict[str, Any]]] = st.one_of(
     st.tuples(st.just("BlockRemoved"), _removed_fields()),
     st.tuples(st.just("AllBlocksCleared"), st.just({})),
 )
+_STRUCTS: dict[Encoding, dict[str, type[WireEvent]]] = {
+    "map": {
+        "BlockStored": VllmBlockStoredMap,
+        "BlockRemoved": VllmBlockRemovedMap,
+        "AllBlocksCleared": AllBlocksClearedMap,
+    },
+    "array": {
+        "BlockStored": VllmBlockStoredArray,
+        "BlockRemoved": BlockRemovedArray,
+        "AllBlocksCleared": AllBlocksClearedArray,
+    },
+}
 
 
-def _as_array(tag: str, fields: dict[str, Any]) -> list[Any]:
-    names = {"BlockStored": STORED_FIELDS, "BlockRemoved": REMOVED_FIELDS}.get(tag, ())
-    return [tag, *(fields.get(name) for name in names)]
-
-
-def _as_map(tag: str, fields: dict[str, Any]) -> dict[str, Any]:
-    required = REQUIRED_STORED if tag == "BlockStored" else {"block_hashes", "medium"}
-    kept = {k: v for k, v in fields.items() if k in required or v is not None}
-    return {"type": tag} | kept
+def _struct(encoding: Encoding, tag: str, fields: dict[str, Any]) -> WireEvent:
+    return _STRUCTS[encoding][tag](**fields)
 
 
 @settings(max_examples=200, deadline=None, database=None)
@@ -549,8 +680,8 @@ def _as_map(tag: str, fields: dict[str, Any]) -> dict[str, Any]:
 def test_array_and_map_encodings_decode_to_the_same_events(
     events: list[tuple[str, dict[str, Any]]], ts: float, rank: int
 ) -> None:
-    as_arrays = decode_payload(ENCODE([ts, [_as_array(*e) for e in events], rank]), 1)
-    as_maps = decode_payload(ENCODE([ts, [_as_map(*e) for e in events], rank]), 1)
+    as_arrays = decode_payload(ENCODE([ts, [_struct("array", *e) for e in events], rank]), 1)
+    as_maps = decode_payload(ENCODE([ts, [_struct("map", *e) for e in events], rank]), 1)
     assert as_arrays == as_maps
     assert as_arrays.num_bad_events == 0
     assert (as_arrays.ts, as_arrays.rank) == (ts, rank)
@@ -565,6 +696,78 @@ def _plain_fields(fields: dict[str, Any]) -> dict[str, Any]:
         plain["block_hashes"] = _plain(plain["block_hashes"])
     plain["parent_block_hash"] = _plain(plain.get("parent_block_hash"))
     return plain
+
+
+# Domain events in decoded form: what decode_payload gives, and so what must come back.
+_engine_hash = st.integers(0, U64 - 1)
+_domain_extra_keys = st.one_of(
+    st.none(),
+    st.lists(
+        st.one_of(
+            st.none(),
+            st.lists(
+                st.one_of(st.text(max_size=6), st.integers(0, 99), st.lists(st.integers(0, 9)))
+            ).map(tuple),
+        ),
+        max_size=4,
+    ).map(tuple),
+)
+_domain_events: st.SearchStrategy[Event] = st.one_of(
+    st.builds(
+        BlockStored,
+        block_hashes=st.lists(_engine_hash, max_size=4).map(tuple),
+        parent_hash=st.one_of(st.none(), _engine_hash),
+        token_ids=st.lists(st.integers(0, 2**32 - 1), max_size=8),
+        block_size=st.integers(0, 64),
+        tier=st.sampled_from(Tier),
+        lora_name=_names,
+        extra_keys=_domain_extra_keys,
+        group_idx=_groups,
+    ),
+    st.builds(
+        BlockRemoved,
+        block_hashes=st.lists(_engine_hash, max_size=4).map(tuple),
+        tier=st.sampled_from(Tier),
+        group_idx=_groups,
+    ),
+    st.just(AllBlocksCleared()),
+)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(
+    events=st.lists(_domain_events, max_size=6),
+    ts=st.floats(allow_nan=False),
+    rank=st.integers(0, 7),
+    seq=st.integers(0, 2**63),
+    encoding=st.sampled_from(["map", "array"]),
+)
+def test_encoded_events_decode_to_the_same_events(
+    events: list[Event], ts: float, rank: int, seq: int, encoding: Encoding
+) -> None:
+    payload = encode_batch(events, ts=ts, rank=rank, encoding=encoding)
+    assert decode_payload(payload, seq) == EventBatch(seq, ts, rank, tuple(events))
+    message = decode_live(encode_live(TOPIC, seq, payload))
+    assert (message.topic, message.batch.seq) == (TOPIC.decode(), seq)
+
+
+@settings(max_examples=100, deadline=None, database=None)
+@given(
+    events=st.lists(_domain_events, min_size=1, max_size=3),
+    seq=st.integers(0, 2**63),
+    encoding=st.sampled_from(["map", "array"]),
+    layout=st.sampled_from(["topic", "legacy"]),
+)
+def test_encoded_replay_replies_decode_to_the_same_batches(
+    events: list[Event], seq: int, encoding: Encoding, layout: ReplayLayout
+) -> None:
+    payload = encode_batch(events, ts=1.5, rank=0, encoding=encoding)
+    frames = encode_replay_reply(seq, payload, topic=TOPIC, layout=layout)
+    topic = TOPIC.decode() if layout == "topic" else None
+    for reply in (decode_replay([b"", *frames]), decode_replay(frames, delimited=False)):
+        assert reply == ReplayReply(seq, EventBatch(seq, 1.5, 0, tuple(events)), topic)
+    end = decode_replay([b"", *encode_replay_end(layout)])
+    assert end.is_end and end.topic == ("" if layout == "topic" else None)
 
 
 @settings(max_examples=500, deadline=None, database=None)
@@ -594,8 +797,7 @@ _msgpack_values = st.recursive(
 @settings(max_examples=300, deadline=None, database=None)
 @given(junk=st.lists(_msgpack_values, max_size=4))
 def test_arbitrary_events_never_cost_the_batch(junk: list[Any]) -> None:
-    good = {"type": "BlockRemoved", "block_hashes": [3], "medium": "CPU"}
-    batch = _batch(good, *junk, ["AllBlocksCleared"])
+    batch = _batch(VllmBlockRemovedMap([3], "CPU"), *junk, AllBlocksClearedArray())
     assert batch.events[0] == BlockRemoved((3,), Tier.CPU)
     assert batch.events[-1] == AllBlocksCleared()
     assert len(batch.events) + batch.num_bad_events == len(junk) + 2

@@ -7,9 +7,9 @@ from dataclasses import replace
 import msgspec
 
 from kvindex.clients.cli.check_hash import Expected, ObservedBatch, compare, is_complete, wire_shape
-from kvindex.clients.fake_vllm.publisher import encode_batch
-from kvindex.clients.fake_vllm.replica import BlockCache
+from kvindex.clients.fake_vllm.block_pool import BlockPool
 from kvindex.indexer.events import BlockStored, Event
+from kvindex.indexer.wire import BlockStoredMap, EventBatchMap, encode_batch
 
 MODEL = "m"
 SIZE = 4
@@ -24,7 +24,7 @@ def stored(
     block_size: int = SIZE,
 ) -> list[BlockStored]:
     """What a vLLM-like block pool publishes for ``tokens`` (one event per admission)."""
-    cache = BlockCache(64, block_size, root=12345)
+    cache = BlockPool(64, block_size, root=12345)
     admission = cache.admit(0, tokens, len(tokens), lora_name=lora_name, cache_salt=cache_salt)
     assert admission is not None
     return [e for e in admission.events if isinstance(e, BlockStored)]
@@ -140,7 +140,7 @@ def test_wire_shape_reads_encoding_and_hash_form() -> None:
     events: list[Event] = list(stored())
     assert wire_shape(encode_batch(events, ts=0.0, rank=0, encoding="map")) == ("map", "int")
     assert wire_shape(encode_batch(events, ts=0.0, rank=0, encoding="array")) == ("array", "int")
-    raw = msgspec.msgpack.encode([0.0, [{"type": "BlockStored", "block_hashes": [b"\x01" * 32]}]])
+    raw = msgspec.msgpack.encode(EventBatchMap(0.0, [BlockStoredMap([b"\x01" * 32])]))
     assert wire_shape(raw) == ("map", "bytes")
     assert wire_shape(b"\xc1") == ("unknown", "unknown")
     assert wire_shape(msgspec.msgpack.encode([0.0, [], 0])) == ("unknown", "unknown")

@@ -1,207 +1,33 @@
-"""The replica simulator without sockets: block pool, events, time model, handlers."""
+"""The replica simulator without sockets: time model, engine, handlers (the pool has its own
+tests)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import random
-import time
 from typing import Any
 
 import pytest
 from fastapi import Response
 
 from kvindex.api.load.vllm_metrics import parse_vllm_metrics
+from kvindex.clients.fake_vllm.block_pool import BlockPool
 from kvindex.clients.fake_vllm.replica import (
-    BlockCache,
     Engine,
     ReplicaSimError,
     ReplicaSimSettings,
     SimRequest,
     SimResult,
-    block_hash,
     handle_completion,
     handle_tokenize,
     metrics_text,
-    none_hash,
     render_chat,
     service_times,
     tokenize_text,
 )
-from kvindex.indexer.events import BlockRemoved, BlockStored, Event, EventBatch, StreamId, Tier
-from kvindex.indexer.index.memory import MemoryIndex
-from kvindex.indexer.ingest import Ingestor
-from kvindex.indexer.keys import block_keys
+from kvindex.indexer.events import Event
 
 ROOT = 7
-
-
-def cache(capacity: int = 4, block_size: int = 2) -> BlockCache:
-    return BlockCache(capacity, block_size, ROOT)
-
-
-def h(*blocks: tuple[int, ...], extras: tuple[object, ...] | None = None) -> list[int]:
-    """Hand-computed chain of hashes for blocks (no extra keys unless given for all)."""
-    out: list[int] = []
-    parent = ROOT
-    for block in blocks:
-        parent = block_hash(parent, block, extras)
-        out.append(parent)
-    return out
-
-
-def test_first_request_stores_its_full_prompt_blocks_then_its_output_blocks() -> None:
-    c = cache()
-    h12, h34, h56 = h((1, 2), (3, 4), (5, 6))
-    admission = c.admit(0, [1, 2, 3, 4, 5], 6)
-    assert admission is not None
-    assert admission.num_hit_blocks == 0
-    assert admission.events == [BlockStored((h12, h34), None, (1, 2, 3, 4), 2, Tier.GPU)]
-    assert c.num_empty == 1  # 3 blocks reserved for 6 tokens
-    assert c.finish(0, [1, 2, 3, 4, 5, 6]) == [BlockStored((h56,), h34, (5, 6), 2, Tier.GPU)]
-    c.release(0)
-    assert c.evictable() == [h56, h34, h12]  # freed tail first: the tail is evicted first
-    c.check()
-
-
-def test_leading_cached_blocks_are_hits_but_one_prompt_token_is_always_computed() -> None:
-    c = cache()
-    assert c.admit(0, [1, 2, 3, 4, 5], 6) is not None
-    c.release(0)
-    second = c.admit(1, [1, 2, 3, 4, 9], 5)
-    assert second is not None
-    assert second.num_hit_blocks == 2
-    assert second.events == []  # hits are not announced again
-    c.release(1)
-    exact = c.admit(2, [1, 2, 3, 4], 4)  # both blocks cached, but only 1 may hit
-    assert exact is not None
-    assert exact.num_hit_blocks == 1
-    assert exact.events == []  # the recomputed last block is the cached one, shared
-    c.release(2)
-    c.check()
-
-
-def test_lru_eviction_order_and_removed_events() -> None:
-    c = cache()
-    h12, h34, h56 = h((1, 2), (3, 4), (5, 6))
-    assert c.admit(0, [1, 2, 3, 4, 5], 6) is not None
-    c.finish(0, [1, 2, 3, 4, 5, 6])
-    c.release(0)
-    admission = c.admit(1, [7, 8, 9, 10, 11], 6)  # 3 blocks: 1 empty + 2 evicted
-    assert admission is not None
-    removed = [e for e in admission.events if isinstance(e, BlockRemoved)]
-    assert removed == [BlockRemoved((h56,), Tier.GPU), BlockRemoved((h34,), Tier.GPU)]
-    assert isinstance(admission.events[-1], BlockStored)
-    assert c.is_cached(h12) and not c.is_cached(h34)
-    c.check()
-
-
-def test_hit_refreshes_lru_position() -> None:
-    c = cache(capacity=6)
-    assert c.admit(0, [1, 2, 3], 4) is not None  # caches (1,2)
-    c.release(0)
-    assert c.admit(1, [5, 6, 7], 4) is not None  # caches (5,6)
-    c.release(1)
-    assert c.admit(2, [1, 2, 9], 3) is not None  # hit on (1,2): it becomes most recent
-    c.release(2)
-    h12, h56 = h((1, 2))[0], h((5, 6))[0]
-    assert c.evictable() == [h56, h12]
-
-
-def test_pinned_blocks_are_never_evicted_and_capacity_is_never_exceeded() -> None:
-    c = cache()
-    assert c.admit(0, [1, 2, 3], 4) is not None  # holds 2 blocks, (1,2) cached and pinned
-    assert c.admit(1, [5, 6], 4) is not None  # the other 2
-    assert c.admit(2, [9, 9, 9], 3) is None  # no room: nothing is evictable
-    assert c.num_used_blocks == 4
-    assert c.usage == 1.0
-    c.check()
-    c.release(1)
-    assert c.admit(2, [9, 9, 9], 3) is not None  # (5,6) evicted, (1,2) still pinned
-    assert c.is_cached(h((1, 2))[0])
-    c.check()
-
-
-def test_salt_on_first_block_only_and_lora_on_every_block() -> None:
-    c = cache(capacity=9)
-    salted = c.admit(0, [1, 2, 3, 4, 5], 5, cache_salt="s")
-    assert salted is not None
-    [event] = salted.events
-    assert isinstance(event, BlockStored)
-    assert event.lora_name is None
-    assert event.extra_keys == (("s",), None)
-    assert event.block_hashes[0] == block_hash(ROOT, (1, 2), ("s",))
-    assert event.block_hashes[0] != h((1, 2))[0]
-    lora = c.admit(1, [1, 2, 3, 4, 5], 5, lora_name="L", cache_salt="s")
-    assert lora is not None
-    assert lora.num_hit_blocks == 0  # the adapter is part of the hash
-    [event] = lora.events
-    assert isinstance(event, BlockStored)
-    assert event.lora_name == "L"
-    assert event.extra_keys == (("L", "s"), ("L",))
-    plain = c.admit(2, [1, 2, 3, 4, 5], 5)
-    assert plain is not None
-    assert plain.num_hit_blocks == 0
-
-
-def test_a_block_computed_by_two_running_requests_is_cached_once() -> None:
-    # A (prompt 1-4, answer 5-8) runs; B's prompt is A's prompt and answer, so B caches
-    # block (5, 6) itself; when A finishes, that block is shared, not stored again, and
-    # the run after it is stored with the right parent.
-    c = cache(capacity=12)
-    a = c.admit(0, [1, 2, 3, 4], 10)
-    assert a is not None
-    b = c.admit(1, [1, 2, 3, 4, 5, 6, 9], 8)
-    assert b is not None and b.num_hit_blocks == 2
-    events = c.finish(0, [1, 2, 3, 4, 5, 6, 7, 8, 0, 0])
-    c.check()
-    assert events == [
-        BlockStored(
-            block_hashes=tuple(h((1, 2), (3, 4), (5, 6), (7, 8), (0, 0))[3:]),
-            parent_hash=h((1, 2), (3, 4), (5, 6))[-1],
-            token_ids=(7, 8, 0, 0),
-            block_size=2,
-            tier=Tier.GPU,
-        )
-    ]
-    c.release(0)
-    c.release(1)
-    c.check()
-    assert c.num_cached_blocks == 5
-
-
-def test_none_hash_is_seeded_or_random() -> None:
-    assert none_hash(0) == none_hash(0) != none_hash(1)
-    assert none_hash(None) != none_hash(None)
-
-
-def test_random_workload_keeps_invariants_and_the_index_agrees() -> None:
-    """Events applied by the real ingest path leave the index holding exactly the cache's
-    blocks, and the index predicts every admission's hits."""
-    rng = random.Random(5)
-    c = BlockCache(12, 4, ROOT)
-    index, stream = MemoryIndex(), StreamId("r1")
-    ingestor = Ingestor(index)
-    seq = 0
-
-    def apply(events: list[Event]) -> None:
-        nonlocal seq
-        ingestor.apply(stream, "m", EventBatch(seq, time.time(), 0, events))
-        seq += 1
-
-    prefixes = [[rng.randrange(100) for _ in range(12)] for _ in range(3)]
-    for request_id in range(200):
-        prompt = [*rng.choice(prefixes)[: rng.randrange(1, 13)], rng.randrange(100)]
-        keys = block_keys("m", prompt, 4)
-        predicted = index.longest_prefix(keys, [stream])[stream].num_blocks
-        admission = c.admit(request_id, prompt, len(prompt) + 3)
-        assert admission is not None
-        assert admission.num_hit_blocks == min(predicted, (len(prompt) - 1) // 4)
-        apply(admission.events)
-        apply(c.finish(request_id, [*prompt, 1, 2, 3]))
-        c.release(request_id)
-        c.check()
-        assert index.stats(stream).num_blocks == c.num_cached_blocks
 
 
 def test_service_times_and_result_arithmetic() -> None:
@@ -231,7 +57,7 @@ def test_settings_are_validated() -> None:
 def engine(**changes: object) -> tuple[Engine, list[list[Event]]]:
     settings = ReplicaSimSettings(**{"block_size": 2, "capacity_blocks": 16, **changes})  # type: ignore[arg-type]
     batches: list[list[Event]] = []
-    return Engine(settings, BlockCache(16, 2, ROOT), batches.append), batches
+    return Engine(settings, BlockPool(16, 2, ROOT), batches.append), batches
 
 
 def test_engine_queues_beyond_max_running_and_reports_times() -> None:

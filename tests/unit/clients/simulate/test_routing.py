@@ -4,13 +4,13 @@ import asyncio
 
 import pytest
 
-from kvindex.clients.fake_vllm.replica import BlockCache
+from kvindex.clients.fake_vllm.block_pool import BlockPool
+from kvindex.clients.fake_vllm.engine_hash import engine_chain, engine_root
 from kvindex.clients.simulate.fleet import (
     FleetSettings,
     Job,
     ReplicaLoad,
     SimulationError,
-    engine_chain,
 )
 from kvindex.clients.simulate.routing import (
     IngestSink,
@@ -22,16 +22,16 @@ from kvindex.clients.simulate.routing import (
 )
 from kvindex.clients.workloads import TraceRequest
 from kvindex.indexer.events import BlockStored, Event, StreamId, Tier
-from kvindex.indexer.keys import block_keys, model_root
+from kvindex.indexer.keys import block_keys
 
 FLEET = FleetSettings(replicas=3, capacity_blocks=64, block_size=4)
-ROOT = model_root("kvindex-sim-engine/" + FLEET.model)
+ROOT = engine_root(FLEET.model)
 PROMPT = list(range(1, 17))  # 4 blocks
 
 
 def job(prompt: list[int], session: str | None = None) -> Job:
     request = TraceRequest(0.0, len(prompt), 1, session, prompt)
-    return Job(0, request, prompt, engine_chain(prompt, FLEET.block_size, ROOT))
+    return Job(0, request, prompt, engine_chain(ROOT, prompt, FLEET.block_size))
 
 
 def idle() -> list[ReplicaLoad]:
@@ -40,8 +40,8 @@ def idle() -> list[ReplicaLoad]:
 
 def stored(prompt: list[int]) -> list[Event]:
     """What a replica emits when it caches ``prompt``'s full blocks."""
-    cache = BlockCache(64, FLEET.block_size, ROOT)
-    admission = cache.admit(0, prompt, len(prompt), chain=engine_chain(prompt, 4, ROOT))
+    cache = BlockPool(64, FLEET.block_size, ROOT)
+    admission = cache.admit(0, prompt, len(prompt), chain=engine_chain(ROOT, prompt, 4))
     assert admission is not None
     return admission.events
 
@@ -130,8 +130,8 @@ def test_session_affinity_sticks_to_one_replica_per_session() -> None:
 
 
 def test_the_oracle_reads_the_pools_directly() -> None:
-    caches = {r: BlockCache(64, FLEET.block_size, ROOT) for r in FLEET.replica_ids()}
-    admitted = caches["r1"].admit(0, PROMPT, len(PROMPT), chain=engine_chain(PROMPT, 4, ROOT))
+    caches = {r: BlockPool(64, FLEET.block_size, ROOT) for r in FLEET.replica_ids()}
+    admitted = caches["r1"].admit(0, PROMPT, len(PROMPT), chain=engine_chain(ROOT, PROMPT, 4))
     assert admitted is not None
     oracle = OracleRouter(parse_policy("oracle"), seed=0)
     with pytest.raises(SimulationError, match="watch"):

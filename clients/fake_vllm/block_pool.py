@@ -1,0 +1,287 @@
+"""The prefix-cache block pool of every stand-in for vLLM, and the KV events it publishes.
+
+One pool serves the replica simulator (:mod:`~kvindex.clients.fake_vllm.replica`), the
+offline scheduler of the benchmarks (:mod:`~kvindex.clients.fake_vllm.scheduler`) and the
+fleet simulator (:mod:`kvindex.clients.simulate`). It behaves like vLLM's v1 ``BlockPool``
+(``vllm/v1/core/block_pool.py``) for one KV-cache group: blocks are chained by their engine
+hashes (:mod:`~kvindex.clients.fake_vllm.engine_hash`), a request reuses the longest cached
+prefix of its blocks, blocks of running requests are pinned, and unreferenced cached blocks
+are evicted least recently freed first (a request frees its blocks tail first, as vLLM
+does). Every store and eviction is returned as the domain event vLLM publishes for it
+(``extra_keys`` per block and ``group_idx`` 0, as vLLM 0.33 sends them).
+
+Deliberate simplifications: a block that holds no full hash is empty and is handed out
+before any cached block is evicted (vLLM hands blocks out in the order they were freed,
+whatever they hold); a block computed twice concurrently is cached once (vLLM would cache
+and publish it twice).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvindex.clients.fake_vllm.engine_hash import engine_chain
+from kvindex.indexer.events import BlockRemoved, BlockStored, Event, ExtraKeys, Tier
+from kvindex.indexer.keys import request_extra_keys
+
+GROUP_IDX = 0
+"""The KV-cache group of a plain (non-hybrid) model, as vLLM numbers it in events."""
+
+
+@dataclass(slots=True)
+class _Held:
+    """Blocks one request holds: its cached chain and its slots not full yet."""
+
+    hashes: list[int]
+    num_slots: int
+    lora_name: str | None
+    cache_salt: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    num_hit_blocks: int
+    events: list[Event]
+
+
+class BlockPool:
+    """A fixed pool of ``capacity_blocks`` blocks of ``block_size`` tokens.
+
+    Every block is empty, cached (keyed by its chain hash; referenced by requests or
+    evictable), or a slot held by a request that is not full yet. Invariant:
+    ``num_empty + held slots + cached blocks == capacity_blocks``. Methods that change the
+    pool return the events to publish, in order. Not thread-safe.
+
+    Two ways to drive it: :meth:`admit` (all of a request's blocks reserved at once, its
+    prompt cached at once) then :meth:`cache_full_blocks` and :meth:`release`; or step by step as
+    vLLM's scheduler does, :meth:`touch`, then :meth:`allocate` and :meth:`cache_full_blocks` as
+    tokens are computed, then :meth:`release`.
+    """
+
+    def __init__(
+        self, capacity_blocks: int, block_size: int, root: int, *, publish: bool = True
+    ) -> None:
+        """``root``: the engine-hash chain root. ``publish=False``: make no events (a pool
+        nobody listens to; faster)."""
+        self.capacity_blocks = capacity_blocks
+        self.block_size = block_size
+        self.root = root
+        self.publish = publish
+        self.num_empty = capacity_blocks
+        self.num_evicted = 0
+        """Cached blocks evicted so far (one ``BlockRemoved`` each when publishing)."""
+        self._ref: dict[int, int] = {}
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._held: dict[int, _Held] = {}
+
+    # --- reading ---------------------------------------------------------------------------
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Distinct hashes cached: what an index must hold for this pool."""
+        return len(self._ref)
+
+    @property
+    def num_free(self) -> int:
+        """Blocks a request could take now: empty or evictable."""
+        return self.num_empty + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks pinned by requests (vLLM's 'used': not free, not evictable)."""
+        return self.capacity_blocks - self.num_free
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.capacity_blocks
+
+    def is_cached(self, block: int) -> bool:
+        return block in self._ref
+
+    def evictable(self) -> list[int]:
+        """Evictable hashes, next to be evicted first."""
+        return list(self._evictable)
+
+    def num_held_slots(self) -> int:
+        return sum(h.num_slots for h in self._held.values())
+
+    def chain(
+        self, tokens: Sequence[int], lora_name: str | None = None, cache_salt: str | None = None
+    ) -> list[int]:
+        """Engine hashes of every full block of ``tokens`` (a request's own blocks)."""
+        extras = request_extra_keys(len(tokens) // self.block_size, lora_name, cache_salt)
+        return engine_chain(self.root, tokens, self.block_size, extras)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def check(self) -> None:
+        """Assert the pool's invariants (tests)."""
+        assert self.num_empty >= 0
+        assert self.num_empty + self.num_held_slots() + len(self._ref) == self.capacity_blocks
+        assert all((n == 0) == (h in self._evictable) for h, n in self._ref.items())
+
+    # --- a whole request at once -----------------------------------------------------------
+
+    def admit(
+        self,
+        request_id: int,
+        prompt: Sequence[int],
+        total_tokens: int,
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        chain: Sequence[int] | None = None,
+    ) -> Admission | None:
+        """Reserve blocks for a request of ``total_tokens`` (prompt + output) and cache its
+        full prompt blocks; None when there is no room now (nothing changed). Hits are the
+        leading cached blocks, at most ``(len(prompt) - 1) // block_size`` (one prompt token
+        is always computed, as in vLLM). ``chain``: the prompt's block hashes when the
+        caller already has them (:meth:`chain`'s result, or any hashes that identify each
+        block with its prefix)."""
+        if chain is None:
+            chain = self.chain(prompt, lora_name, cache_salt)
+        limit = min((len(prompt) - 1) // self.block_size, len(chain))
+        hits = self._num_hits(chain, limit)
+        need = self.num_blocks_for(total_tokens) - hits
+        evictable = self._evictable
+        hit_evictable = sum(1 for h in chain[:hits] if h in evictable) if evictable else 0
+        if need > self.num_free - hit_evictable:
+            return None
+        self._pin(request_id, chain[:hits], lora_name, cache_salt)
+        events = self.allocate(request_id, need)
+        events.extend(self.cache_full_blocks(request_id, prompt, chain))
+        return Admission(hits, events)
+
+    def _num_hits(self, chain: Sequence[int], limit: int) -> int:
+        ref = self._ref
+        hits = 0
+        while hits < limit and chain[hits] in ref:
+            hits += 1
+        return hits
+
+    # --- step by step ----------------------------------------------------------------------
+
+    def touch(self, request_id: int, chain: Sequence[int], limit: int) -> int:
+        """Start holding blocks for a new request (no LoRA, no cache salt): pin the longest
+        cached prefix of ``chain`` (at most ``limit`` blocks); returns its length. The
+        request holds no slot yet (see :meth:`allocate`)."""
+        hits = self._num_hits(chain, limit)
+        self._pin(request_id, chain[:hits], None, None)
+        return hits
+
+    def allocate(self, request_id: int, count: int) -> list[Event]:
+        """Give the request ``count`` more slots: empty blocks first, then evicted ones,
+        least recently freed first (one ``BlockRemoved`` each, as vLLM publishes). The
+        caller has checked there is room (``count <= num_free``)."""
+        take = min(count, self.num_empty)
+        self.num_empty -= take
+        self._held[request_id].num_slots += count
+        ref, evictable = self._ref, self._evictable
+        events: list[Event] = []
+        for _ in range(count - take):
+            victim, _ = evictable.popitem(last=False)
+            del ref[victim]
+            if self.publish:
+                events.append(BlockRemoved((victim,), Tier.GPU, GROUP_IDX))
+        self.num_evicted += count - take
+        return events
+
+    def cache_full_blocks(
+        self, request_id: int, tokens: Sequence[int], chain: Sequence[int] | None = None
+    ) -> list[Event]:
+        """Turn the request's slots into cached blocks for every full block of ``tokens``
+        not cached yet (``chain``: their block hashes, as for :meth:`admit`; it may stop
+        before the last full block). One ``BlockStored`` per run of newly cached blocks;
+        a block another request cached meanwhile is shared, not stored again."""
+        held = self._held[request_id]
+        if chain is None:
+            chain = self.chain(tokens, held.lora_name, held.cache_salt)
+        runs = self._cache_new(held, chain)
+        if not self.publish or not runs:
+            return []
+        extras = request_extra_keys(len(chain), held.lora_name, held.cache_salt)
+        lora = held.lora_name
+        return [
+            self._stored(first, end, chain, tokens, extras=extras, lora_name=lora)
+            for first, end in runs
+        ]
+
+    def release(self, request_id: int) -> None:
+        """Unpin a request's blocks (tail first onto the LRU) and free its slots."""
+        held = self._held.pop(request_id)
+        ref, evictable = self._ref, self._evictable
+        for h in reversed(held.hashes):
+            count = ref[h] - 1
+            ref[h] = count
+            if not count:
+                evictable[h] = None
+        self.num_empty += held.num_slots
+
+    # --- inside ----------------------------------------------------------------------------
+
+    def _pin(
+        self, request_id: int, hits: Sequence[int], lora_name: str | None, cache_salt: str | None
+    ) -> None:
+        """The request starts holding ``hits`` (cached blocks) and no slot."""
+        assert request_id not in self._held, f"request {request_id} already holds blocks"
+        ref, evictable = self._ref, self._evictable
+        for h in hits:
+            ref[h] += 1
+            evictable.pop(h, None)
+        self._held[request_id] = _Held(list(hits), 0, lora_name, cache_salt)
+
+    def _cache_new(self, held: _Held, chain: Sequence[int]) -> list[tuple[int, int]]:
+        """Cache ``chain``'s blocks past those ``held`` has; the (first, end) index runs of
+        blocks newly cached (a block another request cached meanwhile is shared)."""
+        start = len(held.hashes)
+        new = chain[start:]
+        if not new:
+            return []
+        ref = self._ref
+        held.num_slots -= len(new)
+        held.hashes.extend(new)
+        if ref.keys().isdisjoint(new):  # the usual case: no block computed concurrently
+            ref.update(dict.fromkeys(new, 1))
+            return [(start, len(chain))]
+        runs: list[tuple[int, int]] = []
+        run_start = start
+        for i in range(start, len(chain)):
+            h = chain[i]
+            if h in ref:
+                ref[h] += 1
+                self._evictable.pop(h, None)
+                self.num_empty += 1
+                if run_start < i:
+                    runs.append((run_start, i))
+                run_start = i + 1
+            else:
+                ref[h] = 1
+        if run_start < len(chain):
+            runs.append((run_start, len(chain)))
+        return runs
+
+    def _stored(
+        self,
+        first: int,
+        end: int,
+        chain: Sequence[int],
+        tokens: Sequence[int],
+        *,
+        extras: list[ExtraKeys] | None,
+        lora_name: str | None,
+    ) -> Event:
+        """The ``BlockStored`` of blocks ``first`` to ``end - 1``."""
+        size = self.block_size
+        return BlockStored(
+            block_hashes=tuple(chain[first:end]),
+            parent_hash=chain[first - 1] if first > 0 else None,
+            token_ids=tuple(tokens[first * size : end * size]),
+            block_size=size,
+            tier=Tier.GPU,
+            lora_name=lora_name,
+            extra_keys=(None,) * (end - first) if extras is None else tuple(extras[first:end]),
+            group_idx=GROUP_IDX,
+        )
