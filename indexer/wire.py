@@ -310,6 +310,32 @@ def _decode_event(item: msgspec.Raw) -> Event | None:
     return None
 
 
+def payload_shape(payload: bytes) -> tuple[str, str]:
+    """How a batch payload was written: its encoding (``map`` / ``array``) and its hash form
+    (``int`` / ``bytes``), read from its first readable ``BlockStored`` event; ``unknown``
+    parts when it has none or the batch cannot be read. Never raises."""
+    try:
+        raw_batch = _RAW_BATCH.decode(payload)
+    except _DECODE_ERRORS:
+        return "unknown", "unknown"
+    map_decoder, array_decoder = _EVENT_DECODERS
+    for item in raw_batch.events:
+        for encoding, decode in (("map", map_decoder.decode), ("array", array_decoder.decode)):
+            try:
+                event: WireEvent = decode(item)
+            except _DECODE_ERRORS:
+                continue
+            if isinstance(event, BlockStoredMap | BlockStoredArray):
+                return encoding, _hash_form(event.block_hashes)
+    return "unknown", "unknown"
+
+
+def _hash_form(hashes: list[WireHash]) -> str:
+    if not hashes:
+        return "unknown"
+    return "bytes" if isinstance(hashes[0], bytes) else "int"
+
+
 # --- encoding: domain events → wire structs → bytes ------------------------------------
 
 _MEDIUM_OF_TIER = {Tier.GPU: "GPU", Tier.CPU: "CPU", Tier.OTHER: "STORAGE"}

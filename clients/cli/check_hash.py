@@ -30,7 +30,6 @@ from typing import Any, Literal
 
 import click
 import httpx
-import msgspec
 import zmq
 
 from kvindex.indexer.errors import KvIndexError
@@ -39,7 +38,7 @@ from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.ingest import Ingestor
 from kvindex.indexer.keys import block_keys, request_extra_keys
 from kvindex.indexer.replay import ReplayTimeoutError, fetch_replay
-from kvindex.indexer.wire import WireError, decode_live
+from kvindex.indexer.wire import WireError, decode_live, payload_shape
 
 PromptMode = Literal["tokens", "text"]
 _WARMUP_TOKENS = 257
@@ -68,28 +67,6 @@ class ObservedBatch:
     hash_form: str = "int"
     """``int`` or ``bytes`` (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``), or ``unknown``."""
     source: str = "live"
-
-
-def wire_shape(payload: bytes) -> tuple[str, str]:
-    """(encoding, hash form) of a batch payload's ``BlockStored`` events; ``unknown`` parts
-    when it has none or cannot be read."""
-    try:
-        raw = msgspec.msgpack.decode(payload)
-        events = raw[1]
-    except (msgspec.DecodeError, TypeError, IndexError, KeyError):
-        return "unknown", "unknown"
-    for event in events:
-        if isinstance(event, list) and event and event[0] == "BlockStored" and len(event) > 1:
-            return "array", _hash_form(event[1])
-        if isinstance(event, dict) and event.get("type") == "BlockStored":
-            return "map", _hash_form(event.get("block_hashes"))
-    return "unknown", "unknown"
-
-
-def _hash_form(hashes: object) -> str:
-    if not isinstance(hashes, list) or not hashes:
-        return "unknown"
-    return "bytes" if isinstance(hashes[0], bytes) else "int"
 
 
 # --- the comparison (pure) ------------------------------------------------------------------
@@ -473,7 +450,7 @@ class _Replica:
                 continue
             if self.first_seq is None:
                 self.first_seq = live.batch.seq
-            encoding, form = wire_shape(frames[2])
+            encoding, form = payload_shape(frames[2])
             self.batches.append(_observed(live.batch, encoding, form, "live"))
             if time.monotonic() >= deadline:
                 break

@@ -38,7 +38,9 @@ from kvindex.indexer.wire import (
     BlockRemovedArray,
     BlockRemovedMap,
     BlockStoredArray,
+    BlockStoredMap,
     Encoding,
+    EventBatchMap,
     ReplayLayout,
     ReplayReply,
     VllmArrayEvent,
@@ -60,6 +62,7 @@ from kvindex.indexer.wire import (
     encode_replay_reply,
     encode_replay_request,
     encode_seq,
+    payload_shape,
 )
 from tests.support.paths import FIXTURES
 
@@ -810,3 +813,16 @@ def test_arbitrary_frames_raise_only_wire_error(frames: list[bytes], delimited: 
         decode_live(frames)
     with contextlib.suppress(WireError):
         decode_replay(frames, delimited=delimited)
+
+
+def test_payload_shape_reads_encoding_and_hash_form() -> None:
+    stored = BlockStored((1, 2), None, tuple(range(32)), 16, Tier.GPU)
+    assert payload_shape(encode_batch([stored], ts=0.0, rank=0, encoding="map")) == ("map", "int")
+    array = encode_batch([stored], ts=0.0, rank=0, encoding="array")
+    assert payload_shape(array) == ("array", "int")
+    digests = msgspec.msgpack.encode(EventBatchMap(0.0, [BlockStoredMap([b"\x01" * 32])]))
+    assert payload_shape(digests) == ("map", "bytes")
+    removed_only = encode_batch([BlockRemoved((1,), Tier.GPU)], ts=0.0, rank=0, encoding="map")
+    assert payload_shape(removed_only) == ("unknown", "unknown")
+    assert payload_shape(b"\xc1") == ("unknown", "unknown")
+    assert payload_shape(msgspec.msgpack.encode([0.0, [], 0])) == ("unknown", "unknown")

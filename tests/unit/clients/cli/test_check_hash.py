@@ -6,10 +6,9 @@ from dataclasses import replace
 
 import msgspec
 
-from kvindex.clients.cli.check_hash import Expected, ObservedBatch, compare, is_complete, wire_shape
+from kvindex.clients.cli.check_hash import Expected, ObservedBatch, compare, is_complete
 from kvindex.clients.fake_vllm.block_pool import BlockPool
-from kvindex.indexer.events import BlockStored, Event
-from kvindex.indexer.wire import BlockStoredMap, EventBatchMap, encode_batch
+from kvindex.indexer.events import BlockStored
 
 MODEL = "m"
 SIZE = 4
@@ -134,13 +133,3 @@ def test_no_events_for_the_prompt() -> None:
     assert not report.ok
     assert report.mismatches[0].message == "no BlockStored events for the prompt"
     assert not is_complete(expected(), [])
-
-
-def test_wire_shape_reads_encoding_and_hash_form() -> None:
-    events: list[Event] = list(stored())
-    assert wire_shape(encode_batch(events, ts=0.0, rank=0, encoding="map")) == ("map", "int")
-    assert wire_shape(encode_batch(events, ts=0.0, rank=0, encoding="array")) == ("array", "int")
-    raw = msgspec.msgpack.encode(EventBatchMap(0.0, [BlockStoredMap([b"\x01" * 32])]))
-    assert wire_shape(raw) == ("map", "bytes")
-    assert wire_shape(b"\xc1") == ("unknown", "unknown")
-    assert wire_shape(msgspec.msgpack.encode([0.0, [], 0])) == ("unknown", "unknown")
