@@ -61,6 +61,12 @@ def make_console(file: TextIO | None = None, *, wide: bool = False) -> Console:
     return Console(file=out, width=PIPE_WIDTH if wide else None, highlight=False)
 
 
+def progress_console() -> Console:
+    """The console progress bars go to: stderr, so that stdout, piped or redirected, holds
+    the results alone (as ``curl`` and ``pip`` do)."""
+    return make_console(sys.stderr)
+
+
 def column(header: str, *, justify: Literal["left", "right"] = "left") -> Column:
     """A table column for :func:`make_table`: it may wrap at spaces, and a word longer than
     the column folds onto the next line instead of ending in ``…``."""

@@ -40,7 +40,7 @@ from kvindex.api.app import ApiDeps, create_app
 from kvindex.api.background import BackgroundServer, ServerStartError
 from kvindex.api.load.store import MemoryLoadStore
 from kvindex.api.settings import ApiSettings
-from kvindex.clients.console import ProgressBars, column, make_table
+from kvindex.clients.console import ProgressBars, column, make_table, progress_console
 from kvindex.clients.fake_vllm.replica import (
     VOCAB_SIZE,
     ReplicaSim,
@@ -423,8 +423,9 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> DemoRepo
 
 
 def demo_main(settings: DemoSettings, json_path: Path | None, console: Console) -> DemoReport:
-    """The ``kvindex demo`` command: run, print the table, write ``json_path`` if given."""
-    report = run_demo(settings, console)
+    """The ``kvindex demo`` command: run (progress on stderr), print the table on
+    ``console``, write ``json_path`` if given."""
+    report = run_demo(settings, progress_console())
     console.print(report_table(report))
     console.print(f"wall time {report.wall_s:.1f} s")
     if json_path is not None:

@@ -30,7 +30,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kvindex.clients.console import ProgressBars, column, make_table
+from kvindex.clients.console import ProgressBars, column, make_table, progress_console
 from kvindex.clients.fake_vllm.block_pool import BlockPool
 from kvindex.clients.simulate.fleet import (
     FleetResult,
@@ -305,8 +305,8 @@ def simulate_main(
     json_path: Path | None = None,
     plot_path: Path | None = None,
 ) -> SimReport:
-    """The command: progress bars, the table, then ``--json`` and ``--plot``."""
-    with ProgressBars(console, label_width=20) as bars:
+    """The command: progress bars (on stderr), the table, then ``--json`` and ``--plot``."""
+    with ProgressBars(progress_console(), label_width=20) as bars:
         report = run_simulation(
             settings,
             requests,

@@ -43,9 +43,10 @@ def test_cli_demo_prints_the_table_and_writes_json(tmp_path: Path) -> None:
         ["demo", "--replicas", "2", "--requests", "30", "--speed", "100", "--json", str(out)],
     )
     assert result.exit_code == 0, result.output
-    assert "hit rate" in result.output and "…" not in result.output
+    assert "hit rate" in result.stdout and "…" not in result.output
+    assert "━" in result.stderr and "━" not in result.stdout  # progress: stderr, not the pipe
     for policy in POLICIES:  # not a terminal: one whole line per policy
-        cells = next(line for line in result.output.splitlines() if line.startswith(policy))
+        cells = next(line for line in result.stdout.splitlines() if line.startswith(policy))
         assert "%" in cells and cells.count(" ms") == 2 and "r1:" in cells and "r2:" in cells
     body = json.loads(out.read_text())
     assert set(body["policies"]) == set(POLICIES)

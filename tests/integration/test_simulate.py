@@ -67,7 +67,8 @@ def test_simulate_piped_prints_whole_rows() -> None:
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert "…" not in result.output
-    lines = result.output.splitlines()
+    assert "━" in result.stderr and "━" not in result.stdout  # progress: stderr, not the pipe
+    lines = result.stdout.splitlines()
     rows = lines[next(i for i, line in enumerate(lines) if set(line) == {"─"}) + 1 :]
     for label in ("round_robin", "session_affinity", "kv_aware", variant):
         cells = next(line for line in rows if line.split()[:1] == [label])
