@@ -7,11 +7,11 @@ indexer (:class:`~kvindex.indexer.service.IndexerService` over a :class:`MemoryI
 connect-mode replicas with replay and URLs) and the API (uvicorn in a background thread,
 scraping the sims' ``/metrics``). Each policy starts from a fresh fleet (cold caches).
 
-The workload (:func:`build_workload`) is a deterministic function of the seed: a few shared
-system prompts used by many users, multi-turn chats whose prompt is the whole history (the
-replica's own output included, so the next turn can hit it), and RAG queries drawing chunks
-from a shared, Zipf-popular document pool. Sessions run ``concurrency`` at a time, turns of
-one session in order, so queues form and load matters.
+The workload (:func:`~kvindex.clients.workloads.user_sessions`) is a function of the seed: a
+few shared system prompts used by many users, multi-turn chats whose prompt is the whole
+history (the replica's own output included, so the next turn can hit it), and RAG queries
+drawing chunks from a shared, Zipf-popular document pool. Sessions run ``concurrency`` at a
+time, turns of one session in order, so queues form and load matters.
 
 Guarantees: :func:`run_demo` stops every server, thread and socket it started before it
 returns or raises; only 127.0.0.1 is used.
@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import random
 import statistics
 import time
 from collections import Counter
@@ -48,6 +47,7 @@ from kvindex.clients.fake_vllm.replica import (
     tokenize_text,
 )
 from kvindex.clients.http import AsyncKvIndexClient
+from kvindex.clients.workloads import UserSession, user_sessions
 from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.events import StreamId
 from kvindex.indexer.fleet.replica import ReplicaSpec
@@ -102,55 +102,10 @@ class DemoSettings:
 # --- the workload -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Session:
-    """One user's requests. A chat's turn k prompt is the whole history so far (previous
-    prompt + the replica's answer) + ``turns[k]``; a RAG query is ``system + turns[k]``."""
-
-    system: list[int]
-    turns: list[list[int]]
-    chat: bool
-
-
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(VOCAB_SIZE) for _ in range(n)]
-
-
-def _zipf_pick(rng: random.Random, n: int, s: float = 1.1) -> int:
-    return rng.choices(range(n), weights=[1 / (i + 1) ** s for i in range(n)])[0]
-
-
-def build_workload(settings: DemoSettings) -> list[Session]:
-    """Sessions totalling exactly ``settings.requests`` turns; a function of the seed only.
-
-    70% chats (2-6 turns of 30-120 user tokens) and 30% RAG sessions (1-3 queries, each 3
-    chunks of 160 tokens from a pool of 40, Zipf-popular, + a 20-60 token question), over 4
-    system prompts of 300-600 tokens chosen Zipf-like (a few apps dominate)."""
-    rng = random.Random(settings.seed)
-    systems = [_tokens(rng, rng.randint(300, 600)) for _ in range(4)]
-    chunks = [_tokens(rng, 160) for _ in range(40)]
-    sessions: list[Session] = []
-    remaining = settings.requests
-    while remaining > 0:
-        system = systems[_zipf_pick(rng, len(systems))]
-        if rng.random() < 0.7:
-            turns = [_tokens(rng, rng.randint(30, 120)) for _ in range(rng.randint(2, 6))]
-            session = Session(system, turns[:remaining], chat=True)
-        else:
-            turns = [_rag_query(rng, chunks) for _ in range(rng.randint(1, 3))]
-            session = Session(system, turns[:remaining], chat=False)
-        sessions.append(session)
-        remaining -= len(session.turns)
-    return sessions
-
-
-def _rag_query(rng: random.Random, chunks: list[list[int]]) -> list[int]:
-    picked: list[int] = []
-    while len(picked) < 3:
-        i = _zipf_pick(rng, len(chunks))
-        if i not in picked:
-            picked.append(i)
-    return [t for i in picked for t in chunks[i]] + _tokens(rng, rng.randint(20, 60))
+def build_workload(settings: DemoSettings) -> list[UserSession]:
+    """The demo's sessions (:func:`~kvindex.clients.workloads.user_sessions`) in the replica
+    simulator's vocabulary, so that its toy tokenizer can write them out as text."""
+    return user_sessions(settings.requests, settings.seed, vocab=VOCAB_SIZE)
 
 
 # --- results ------------------------------------------------------------------------------
@@ -356,7 +311,7 @@ async def replay(
     settings: DemoSettings,
     fleet: Fleet,
     policy: str,
-    sessions: Sequence[Session],
+    sessions: Sequence[UserSession],
     on_done: Callable[[], None],
 ) -> list[Outcome]:
     """Run every session (``concurrency`` at a time), routing each request by ``policy``
@@ -383,7 +338,7 @@ async def replay(
     return outcomes
 
 
-async def _run_session(run: _Run, session: Session) -> None:
+async def _run_session(run: _Run, session: UserSession) -> None:
     """The session's turns in order; a chat's next prompt carries the replica's answer."""
     model, fleet = run.settings.model, run.fleet
     history = list(session.system)

@@ -180,8 +180,8 @@ DEFAULT_RATES = {
 roughly half its prefill capacity with no cache hits, so that queues form and load matters."""
 
 
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(VOCAB) for _ in range(n)]
+def _tokens(rng: random.Random, n: int, vocab: int = VOCAB) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(n)]
 
 
 def _arrivals(rng: random.Random, rate: float) -> Iterator[float]:
@@ -193,6 +193,50 @@ def _arrivals(rng: random.Random, rate: float) -> Iterator[float]:
 
 def _zipf(rng: random.Random, n: int, s: float = 1.1) -> int:
     return rng.choices(range(n), weights=[1 / (i + 1) ** s for i in range(n)])[0]
+
+
+@dataclass(frozen=True, slots=True)
+class UserSession:
+    """One user's requests. A chat's turn k prompt is the whole history so far (previous
+    prompt + the replica's answer) + ``turns[k]``; a RAG query is ``system + turns[k]``."""
+
+    system: list[int]
+    turns: list[list[int]]
+    chat: bool
+
+
+def user_sessions(num_requests: int, seed: int, *, vocab: int = VOCAB) -> list[UserSession]:
+    """Sessions totalling exactly ``num_requests`` turns; a function of the seed only.
+
+    70% chats (2-6 turns of 30-120 user tokens) and 30% RAG sessions (1-3 queries, each 3
+    chunks of 160 tokens from a pool of 40, Zipf-popular, + a 20-60 token question), over 4
+    system prompts of 300-600 tokens chosen Zipf-like (a few apps dominate). Token ids are
+    below ``vocab``. The demo replays them; their answers join a chat's history."""
+    rng = random.Random(seed)
+    systems = [_tokens(rng, rng.randint(300, 600), vocab) for _ in range(4)]
+    chunks = [_tokens(rng, 160, vocab) for _ in range(40)]
+    sessions: list[UserSession] = []
+    remaining = num_requests
+    while remaining > 0:
+        system = systems[_zipf(rng, len(systems))]
+        if rng.random() < 0.7:
+            turns = [_tokens(rng, rng.randint(30, 120), vocab) for _ in range(rng.randint(2, 6))]
+            session = UserSession(system, turns[:remaining], chat=True)
+        else:
+            turns = [_rag_query(rng, chunks, vocab) for _ in range(rng.randint(1, 3))]
+            session = UserSession(system, turns[:remaining], chat=False)
+        sessions.append(session)
+        remaining -= len(session.turns)
+    return sessions
+
+
+def _rag_query(rng: random.Random, chunks: list[list[int]], vocab: int) -> list[int]:
+    picked: list[int] = []
+    while len(picked) < 3:
+        i = _zipf(rng, len(chunks))
+        if i not in picked:
+            picked.append(i)
+    return [t for i in picked for t in chunks[i]] + _tokens(rng, rng.randint(20, 60), vocab)
 
 
 def system_prompts(settings: GeneratorSettings) -> list[TraceRequest]:

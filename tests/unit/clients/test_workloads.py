@@ -22,6 +22,7 @@ from kvindex.clients.workloads import (
     chat_system_prompts,
     read_trace,
     trace_tokens,
+    user_sessions,
 )
 from tests.support.paths import MOONCAKE_TRACE
 
@@ -188,3 +189,14 @@ def test_chat_sessions_are_a_function_of_the_seed() -> None:
         return out
 
     assert tokens(3) == tokens(3) != tokens(4)
+
+
+@pytest.mark.parametrize("num_requests", [1, 7, 100])
+def test_user_sessions_total_the_requests_and_depend_on_the_seed_alone(num_requests: int) -> None:
+    sessions = user_sessions(num_requests, seed=3, vocab=1_000)
+    assert sum(len(s.turns) for s in sessions) == num_requests
+    assert sessions == user_sessions(num_requests, seed=3, vocab=1_000)
+    assert sessions != user_sessions(num_requests, seed=4, vocab=1_000)
+    tokens = [t for s in sessions for turn in [s.system, *s.turns] for t in turn]
+    assert tokens and max(tokens) < 1_000
+    assert {s.chat for s in user_sessions(200, seed=3)} == {True, False}
