@@ -1,0 +1,114 @@
+"""kvindex.indexer.settings: defaults, TOML < env < overrides, and errors that name the key."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from kvindex.indexer.errors import SettingsError
+from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.settings import IndexerSettings, load_settings, replace
+
+REPLICA_TOML = """
+stale_after_s = 30
+[[replicas]]
+id = "r1"
+model = "m"
+events = "tcp://10.0.0.5:5557"
+replay = "tcp://10.0.0.5:5558"
+
+[api]
+port = 9000
+
+[[models]]
+name = "m"
+"""
+
+
+def toml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "kvindex.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_need_nothing() -> None:
+    settings = load_settings(env={})
+    assert settings == IndexerSettings()
+    assert (settings.store, settings.replicas, settings.purge_after_s) == ("memory", (), 0.0)
+
+
+def test_the_file_gives_replicas_and_skips_the_api_sections(tmp_path: Path) -> None:
+    settings = load_settings(toml(tmp_path, REPLICA_TOML), env={})
+    assert settings.stale_after_s == 30.0
+    (replica,) = settings.replicas
+    assert (replica.id, replica.model, replica.replay) == ("r1", "m", "tcp://10.0.0.5:5558")
+
+
+def test_env_beats_the_file_and_overrides_beat_env(tmp_path: Path) -> None:
+    path = toml(tmp_path, 'stale_after_s = 30\nredis_prefix = "file"\n')
+    env = {"KVINDEX_STALE_AFTER_S": "40", "KVINDEX_KEY_CACHE_SIZE": "128"}
+    settings = load_settings(path, env=env, overrides={"stale_after_s": 50, "store": None})
+    assert (settings.stale_after_s, settings.key_cache_size) == (50.0, 128)
+    assert (settings.redis_prefix, settings.store) == ("file", "memory")  # None: not given
+
+
+def test_command_line_replicas_add_to_the_files(tmp_path: Path) -> None:
+    extra = (ReplicaSpec("r2", "m", events="tcp://10.0.0.6:5557"),)
+    settings = load_settings(toml(tmp_path, REPLICA_TOML), env={}, extra_replicas=extra)
+    assert [r.id for r in settings.replicas] == ["r1", "r2"]
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"KVINDEX_STALE_AFTER_S": "soon"}, "stale_after_s must be a number, got 'soon'"),
+        ({"KVINDEX_KEY_CACHE_SIZE": "1.5"}, "key_cache_size must be an integer, got '1.5'"),
+        ({"KVINDEX_PURGE_AFTER_S": "-1"}, "purge_after_s must be >= 0, got -1.0"),
+        ({"KVINDEX_STORE": "sqlite"}, "store must be one of ('memory', 'redis'), got 'sqlite'"),
+        ({"KVINDEX_REDIS_PREFIX": "a b"}, "redis_prefix"),
+        ({"KVINDEX_BIND": "udp://x"}, "bind"),
+    ],
+)
+def test_a_bad_value_names_its_key(env: dict[str, str], message: str) -> None:
+    with pytest.raises(SettingsError, match="^" + re.escape(message)):
+        load_settings(env=env)
+
+
+def test_an_unknown_key_in_the_file_is_named(tmp_path: Path) -> None:
+    path = toml(tmp_path, "stale_after = 30\n")
+    with pytest.raises(SettingsError, match=r"unknown settings \['stale_after'\]"):
+        load_settings(path, env={})
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("replicas = 3\n", "replicas must be an array of tables"),
+        ("replicas = [1]\n", r"replicas\[0\] must be a table"),
+        ("stale_after_s = \n", "config file"),
+    ],
+)
+def test_a_malformed_file_is_named(tmp_path: Path, text: str, message: str) -> None:
+    path = toml(tmp_path, text)
+    with pytest.raises(SettingsError, match=message) as raised:
+        load_settings(path, env={})
+    assert str(path) in str(raised.value)
+
+
+def test_a_missing_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match=r"config file .*missing\.toml"):
+        load_settings(tmp_path / "missing.toml", env={})
+
+
+def test_duplicate_replica_ids_are_refused() -> None:
+    twice = (ReplicaSpec("r1", "m", events="tcp://a:1"), ReplicaSpec("r1", "m", events="tcp://b:1"))
+    with pytest.raises(SettingsError, match="duplicate ids"):
+        IndexerSettings(replicas=twice)
+
+
+def test_replace_validates_again() -> None:
+    assert replace(IndexerSettings(), store="redis").store == "redis"
+    with pytest.raises(SettingsError, match="rebuild_cooldown_s must be >= 0"):
+        replace(IndexerSettings(), rebuild_cooldown_s=-5.0)
