@@ -15,6 +15,11 @@ from typing import Any
 from kvindex.indexer.errors import SettingsError
 from kvindex.indexer.redis_schema import SchemaError, check_name
 
+MAX_DP_SIZE = 1024
+"""The most data-parallel ranks one replica may declare: each rank costs the indexer two
+sockets and every ``/score`` a lookup, so an unbounded ``dp_size`` (from ``POST /replicas``
+or a config file) could exhaust file descriptors or stall every request for the model."""
+
 
 @dataclass(frozen=True, slots=True)
 class ReplicaSpec:
@@ -32,14 +37,17 @@ class ReplicaSpec:
     url: str | None = None
     """Base URL of its OpenAI-compatible server (``/metrics``, ``/tokenize``)."""
     dp_size: int = 1
-    """Data-parallel ranks; rank r publishes on port + r (PUB and ROUTER)."""
+    """Data-parallel ranks, 1 to :data:`MAX_DP_SIZE`; rank r publishes on port + r (PUB and
+    ROUTER)."""
 
     def __post_init__(self) -> None:
         _check_replica_id(self.id)
         if not self.model:
             raise SettingsError(f"replica {self.id}: model must not be empty")
-        if self.dp_size < 1:
-            raise SettingsError(f"replica {self.id}: dp_size must be >= 1, got {self.dp_size}")
+        if not 1 <= self.dp_size <= MAX_DP_SIZE:
+            raise SettingsError(
+                f"replica {self.id}: dp_size must be in [1, {MAX_DP_SIZE}], got {self.dp_size}"
+            )
         for name in ("events", "replay"):
             check_endpoint(f"replica {self.id}: {name}", getattr(self, name))
 

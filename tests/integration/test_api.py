@@ -568,6 +568,7 @@ def test_replicas_register_list_and_delete(api: Api) -> None:
     [
         ({"id": "bad id", "model": MODEL}, "replica id"),
         ({"id": "r1", "model": MODEL, "dp_size": 0}, "dp_size"),
+        ({"id": "r1", "model": MODEL, "dp_size": 2**40}, "dp_size must be in [1, 1024]"),
         ({"id": "r1"}, "`model`"),
         ({"id": "r1", "model": MODEL, "events": "http://x"}, "events"),
     ],
