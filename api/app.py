@@ -44,6 +44,7 @@ from kvindex.api.score import RequestError, Scorer, UnknownModelError
 from kvindex.api.settings import ApiSettings
 from kvindex.api.tokenize.choice import ModelTokenizers
 from kvindex.api.tokenize.protocol import TokenizerError
+from kvindex.api.url_policy import UntrustedUrlError
 from kvindex.api.views import config_view, replica_views, stats_view
 from kvindex.indexer.errors import KvIndexError, SettingsError
 from kvindex.indexer.fleet.registry import RegistryView
@@ -126,6 +127,7 @@ class _AppState:
             tokenizers=self.tokenizers.tokenizer,
             blocking_store=deps.blocking_store,
         )
+        self.url_policy = deps.settings.url_policy()
         self.scraper: MetricsScraper | None = None
         if deps.settings.scrape_interval_s > 0:
             self.scraper = MetricsScraper(
@@ -177,7 +179,14 @@ async def _decode(request: Request, kind: type[T]) -> T:
 
 _STATUS_OF: tuple[tuple[tuple[type[BaseException], ...], int, str], ...] = (
     (
-        (msgspec.ValidationError, msgspec.DecodeError, RequestError, SettingsError, LoadError),
+        (
+            msgspec.ValidationError,
+            msgspec.DecodeError,
+            RequestError,
+            SettingsError,
+            LoadError,
+            UntrustedUrlError,
+        ),
         422,
         "invalid_request",
     ),
@@ -289,6 +298,8 @@ def _replica_routes(router: APIRouter, state: _AppState) -> None:
             url=body.url,
             dp_size=body.dp_size,
         )
+        if spec.url is not None:
+            await state.url_policy.check(spec.url)
         created = await _call(state, registry.add, spec)
         state.tokenizers.forget(spec.model)
         return _json(

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvindex.api.policies import Policy, ScoringError, Weights
+from kvindex.api.url_policy import UrlPolicy
 from kvindex.indexer.errors import SettingsError
 
 
@@ -76,6 +77,9 @@ class ApiSettings:
     """Tokenizations of repeated prompts kept per model."""
     seed: int | None = None
     """Seed of tie-breaks and random policies (tests); None: from the OS."""
+    replica_networks: tuple[str, ...] = ()
+    """Networks (CIDR) a replica URL from ``POST /replicas`` may resolve into; empty: any
+    address but a link-local one (169.254.0.0/16, fe80::/10)."""
 
     def __post_init__(self) -> None:
         _check_policy("api.default_policy", self.default_policy)
@@ -87,6 +91,17 @@ class ApiSettings:
         names = [m.name for m in self.models]
         if len(names) != len(set(names)):
             raise SettingsError(f"models: duplicate names in {names}")
+        self.url_policy()
+
+    def url_policy(self) -> UrlPolicy:
+        """The replica URL policy of ``replica_networks`` (SettingsError names a bad one)."""
+        networks = self.replica_networks
+        if not isinstance(networks, tuple) or not all(isinstance(n, str) for n in networks):
+            raise SettingsError(f"api.replica_networks must be a list of CIDRs, got {networks!r}")
+        try:
+            return UrlPolicy.parse(networks)
+        except ValueError as exc:
+            raise SettingsError(f"api.replica_networks: {exc}") from None
 
     def model(self, name: str) -> ModelSpec | None:
         return next((m for m in self.models if m.name == name), None)
@@ -147,6 +162,8 @@ def load_api_settings(
     if token:
         raw["auth_token"] = token
     raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    if isinstance(raw.get("replica_networks"), list):  # TOML arrays are lists
+        raw["replica_networks"] = tuple(raw["replica_networks"])
     try:
         return ApiSettings(
             **raw,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
+from urllib.parse import urlsplit
 
 from kvindex.indexer.errors import SettingsError
 from kvindex.indexer.redis_schema import SchemaError, check_name
@@ -35,7 +36,8 @@ class ReplicaSpec:
     replay: str | None = None
     """Its replay ROUTER endpoint (``replay_endpoint``); None disables gap repair."""
     url: str | None = None
-    """Base URL of its OpenAI-compatible server (``/metrics``, ``/tokenize``)."""
+    """Base URL of its OpenAI-compatible server (``/metrics``, ``/tokenize``): http or https,
+    with a host."""
     dp_size: int = 1
     """Data-parallel ranks, 1 to :data:`MAX_DP_SIZE`; rank r publishes on port + r (PUB and
     ROUTER)."""
@@ -50,6 +52,7 @@ class ReplicaSpec:
             )
         for name in ("events", "replay"):
             check_endpoint(f"replica {self.id}: {name}", getattr(self, name))
+        check_url(f"replica {self.id}: url", self.url)
 
     def events_for_rank(self, rank: int) -> str | None:
         """The PUB endpoint of one data-parallel rank (vLLM adds the rank to the port)."""
@@ -108,6 +111,21 @@ def check_endpoint(name: str, value: str | None) -> None:
     """Reject anything but a ZeroMQ endpoint (``name`` says whose, in the error)."""
     if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
         raise SettingsError(f"{name} must be a ZeroMQ endpoint (tcp://, ipc://), got {value!r}")
+
+
+def check_url(name: str, value: str | None) -> None:
+    """Reject anything but an ``http://`` or ``https://`` URL with a host (the API sends
+    prompts and scrapes there: ``file://`` and the like are never a replica)."""
+    if value is None:
+        return
+    try:
+        parts = urlsplit(value)
+        valid = parts.scheme in ("http", "https") and bool(parts.hostname)
+        valid = valid and (parts.port is None or parts.port > 0)
+    except ValueError:  # a bad port or IPv6 literal
+        valid = False
+    if not valid:
+        raise SettingsError(f"{name} must be an http:// or https:// URL with a host, got {value!r}")
 
 
 def _check_replica_id(value: str) -> None:

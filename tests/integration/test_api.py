@@ -571,12 +571,24 @@ def test_replicas_register_list_and_delete(api: Api) -> None:
         ({"id": "r1", "model": MODEL, "dp_size": 2**40}, "dp_size must be in [1, 1024]"),
         ({"id": "r1"}, "`model`"),
         ({"id": "r1", "model": MODEL, "events": "http://x"}, "events"),
+        ({"id": "r1", "model": MODEL, "url": "file:///etc/passwd"}, "url must be an http://"),
+        ({"id": "r1", "model": MODEL, "url": "http://169.254.169.254"}, "link-local"),
     ],
 )
 def test_bad_replica_body_is_422_naming_the_field(
     api: Api, body: dict[str, Any], named: str
 ) -> None:
     assert named in error_of(api.post("/replicas", body), 422)
+
+
+@MEMORY_ONLY
+def test_replica_networks_limit_where_urls_may_point(make_api: ApiFactory) -> None:
+    api = make_api(dataclasses.replace(SETTINGS, replica_networks=("10.0.0.0/8",)))
+    inside = {"id": "r1", "model": MODEL, "url": "http://10.0.0.5:8000"}
+    assert api.post("/replicas", inside).status_code == 201
+    outside = {"id": "r2", "model": MODEL, "url": "http://127.0.0.1:8000"}
+    assert "outside api.replica_networks" in error_of(api.post("/replicas", outside), 422)
+    assert [r["id"] for r in api.get("/replicas").json()] == ["r1"]
 
 
 @MEMORY_ONLY

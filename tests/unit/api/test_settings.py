@@ -80,6 +80,12 @@ def test_token_comes_from_the_environment() -> None:
     assert load_api_settings(env={"KVINDEX_API_TOKEN": ""}).auth_token is None
 
 
+def test_replica_networks_come_from_a_toml_array() -> None:
+    settings = from_toml('[api]\nreplica_networks = ["10.0.0.0/8", "fd00::/8"]\n')
+    assert settings.replica_networks == ("10.0.0.0/8", "fd00::/8")
+    assert [str(n) for n in settings.url_policy().networks] == ["10.0.0.0/8", "fd00::/8"]
+
+
 def test_settings_are_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         ApiSettings().port = 1  # type: ignore[misc]
@@ -96,6 +102,8 @@ def test_settings_are_frozen() -> None:
         ({"scrape_interval_s": -1.0}, "api.scrape_interval_s must be a finite number >= 0"),
         ({"scrape_timeout_s": 0}, "api.scrape_timeout_s must be a finite number > 0, got 0"),
         ({"tokenizer_cache_entries": -1}, "api.tokenizer_cache_entries must be an integer >= 0"),
+        ({"replica_networks": ["10.0.0.0/33"]}, "api.replica_networks: "),
+        ({"replica_networks": "10.0.0.0/8"}, "api.replica_networks must be a list of CIDRs"),
         ({"weights": {"speed": 1.0}}, "unknown weights ['speed']"),
         ({"weights": {"cpu": -1.0}}, "weight cpu must be finite and >= 0, got -1.0"),
         ({"weights": {"prefix_blocks": 1.5}}, "weight prefix_blocks must be a whole number"),
