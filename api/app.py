@@ -4,9 +4,10 @@ Routes are thin: decode the body with msgspec, call the library (the read path i
 :mod:`kvindex.api.score`, the read-only bodies in :mod:`kvindex.api.views`), encode the
 answer; their OpenAPI operations come from :mod:`kvindex.api.openapi`. Errors are mapped to
 HTTP in one place (:func:`_error_response`): a bad body or field → 422 naming it, an
-unknown model → 404 naming the known ones, a missing or wrong bearer token (when
-``api.auth_token`` is set) → 401, a tokenizer or replica failure → 502, an unreachable
-store → 503 (``/score`` instead answers from load alone).
+unknown model → 404 naming the known ones, a body over ``api.max_body_bytes`` → 413 and one
+not received within ``api.body_timeout_s`` → 408 (:mod:`kvindex.api.body_limit`), a missing
+or wrong bearer token (when ``api.auth_token`` is set) → 401, a tokenizer or replica
+failure → 502, an unreachable store → 503 (``/score`` instead answers from load alone).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvindex.api.body_limit import BodyLimit, BodyTimeoutError, BodyTooLargeError
 from kvindex.api.load.model import Load, LoadError
 from kvindex.api.load.scraper import MetricsScraper
 from kvindex.api.load.store import LoadStore
@@ -89,6 +91,11 @@ def create_app(deps: ApiDeps) -> FastAPI:
         openapi_url=None if guarded else "/openapi.json",
         docs_url=None if guarded else "/docs",
         redoc_url=None if guarded else "/redoc",
+    )
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=deps.settings.max_body_bytes,
+        timeout_s=deps.settings.body_timeout_s,
     )
     app.add_exception_handler(KvIndexError, _error_handler)
     app.add_exception_handler(msgspec.ValidationError, _error_handler)
@@ -190,6 +197,8 @@ _STATUS_OF: tuple[tuple[tuple[type[BaseException], ...], int, str], ...] = (
         422,
         "invalid_request",
     ),
+    ((BodyTooLargeError,), 413, "body_too_large"),
+    ((BodyTimeoutError,), 408, "body_timeout"),
     ((UnknownModelError,), 404, "unknown_model"),
     ((UnauthorizedError,), 401, "unauthorized"),
     ((TokenizerError,), 502, "tokenizer_failed"),
@@ -204,6 +213,8 @@ def _error_response(exc: Exception) -> Response:
             response = _json(ErrorBody(name, str(exc)), status)
             if status == 401:  # RFC 6750: say which scheme to use
                 response.headers["www-authenticate"] = 'Bearer realm="kvindex"'
+            if status in (408, 413):  # the rest of the body is not read: end the connection
+                response.headers["connection"] = "close"
             return response
     return _json(ErrorBody("internal", str(exc)), 500)
 

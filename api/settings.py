@@ -77,6 +77,11 @@ class ApiSettings:
     """Tokenizations of repeated prompts kept per model."""
     seed: int | None = None
     """Seed of tie-breaks and random policies (tests); None: from the OS."""
+    max_body_bytes: int = 8 * 1024 * 1024
+    """Largest request body; a larger one (declared or counted) is refused with 413 before
+    it is read whole."""
+    body_timeout_s: float = 10.0
+    """A request body must arrive whole this long after the route starts reading it (408)."""
     replica_networks: tuple[str, ...] = ()
     """Networks (CIDR) a replica URL from ``POST /replicas`` may resolve into; empty: any
     address but a link-local one (169.254.0.0/16, fe80::/10)."""
@@ -88,6 +93,8 @@ class ApiSettings:
         _check_number("api.scrape_interval_s", self.scrape_interval_s, _NON_NEGATIVE)
         _check_number("api.scrape_timeout_s", self.scrape_timeout_s, _POSITIVE)
         _check_number("api.tokenizer_cache_entries", self.tokenizer_cache_entries, _COUNT)
+        _check_number("api.max_body_bytes", self.max_body_bytes, _POSITIVE_INT)
+        _check_number("api.body_timeout_s", self.body_timeout_s, _POSITIVE)
         names = [m.name for m in self.models]
         if len(names) != len(set(names)):
             raise SettingsError(f"models: duplicate names in {names}")

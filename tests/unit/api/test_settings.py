@@ -102,6 +102,8 @@ def test_settings_are_frozen() -> None:
         ({"scrape_interval_s": -1.0}, "api.scrape_interval_s must be a finite number >= 0"),
         ({"scrape_timeout_s": 0}, "api.scrape_timeout_s must be a finite number > 0, got 0"),
         ({"tokenizer_cache_entries": -1}, "api.tokenizer_cache_entries must be an integer >= 0"),
+        ({"max_body_bytes": 0}, "api.max_body_bytes must be an integer > 0, got 0"),
+        ({"body_timeout_s": 0}, "api.body_timeout_s must be a finite number > 0, got 0"),
         ({"replica_networks": ["10.0.0.0/33"]}, "api.replica_networks: "),
         ({"replica_networks": "10.0.0.0/8"}, "api.replica_networks must be a list of CIDRs"),
         ({"weights": {"speed": 1.0}}, "unknown weights ['speed']"),
