@@ -273,14 +273,15 @@ def _score_routes(router: APIRouter, state: _AppState) -> None:
         report = await _decode(request, LoadReport)
         if state.deps.registry.get(report.replica) is None:
             raise RequestError(f"replica: {report.replica!r} is not registered")
+        now = time.time()
         measured = Load(
             report.running,
             report.waiting,
             report.kv_usage,
-            report.ts if report.ts is not None else time.time(),
+            report.ts if report.ts is not None else now,
             "push",
-        )
-        await _call(state, state.deps.loads.put, report.replica, measured.validated())
+        ).validated(now=now)
+        await _call(state, state.deps.loads.put, report.replica, measured)
         state.scorer.note_load(report.replica, measured)
         return _json(StatusBody("ok"))
 

@@ -599,6 +599,8 @@ def test_replica_networks_limit_where_urls_may_point(make_api: ApiFactory) -> No
         ({"replica": "r1", "running": 1, "waiting": 1, "kv_usage": 1.5}, "kv_usage"),
         ({"replica": "r1", "running": 1, "waiting": -1}, "waiting"),
         ({"replica": "r1", "running": 1}, "`waiting`"),
+        ({"replica": "r1", "running": 1, "waiting": 1, "ts": 10**12}, "ts must be at most 60 s"),
+        ({"replica": "r1", "running": 1, "waiting": 1, "ts": -1}, "ts must be a finite number"),
     ],
 )
 def test_bad_load_report_is_422_naming_the_field(
