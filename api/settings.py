@@ -61,6 +61,9 @@ class ApiSettings:
     auth_token: str | None = None
     """Bearer token required on every endpoint but /healthz and /readyz (env
     KVINDEX_API_TOKEN)."""
+    auth_token_file: str | None = None
+    """A file holding the bearer token (env KVINDEX_API_TOKEN_FILE, ``--token-file``); when
+    set, its content (stripped) is ``auth_token``, so the token need not be in argv or env."""
     default_policy: str = "kv_aware"
     """Policy when neither the request nor the model's settings choose one."""
     default_block_size: int = 16
@@ -151,6 +154,10 @@ def _check_policy(key: str, value: str) -> None:
         ) from None
 
 
+_TOKEN_ENV = {"KVINDEX_API_TOKEN": "auth_token", "KVINDEX_API_TOKEN_FILE": "auth_token_file"}
+"""The only API settings read from the environment: the token and its file."""
+
+
 def load_api_settings(
     values: Mapping[str, Any] | None = None,
     models: list[Mapping[str, Any]] | None = None,
@@ -158,17 +165,26 @@ def load_api_settings(
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> ApiSettings:
-    """From a TOML ``[api]`` table and ``[[models]]`` array, env, then overrides."""
+    """From a TOML ``[api]`` table and ``[[models]]`` array, env, then overrides.
+
+    The token comes from ``auth_token`` < ``KVINDEX_API_TOKEN``; a token file named by
+    ``auth_token_file`` < ``KVINDEX_API_TOKEN_FILE`` < the ``auth_token_file`` override
+    replaces it.
+    """
     raw = dict(values or {})
     weights = raw.pop("weights", None)
     known = {f.name for f in fields(ApiSettings)} - {"weights", "models"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise SettingsError(f"[api]: unknown settings {unknown} (known: {sorted(known)})")
-    token = (os.environ if env is None else env).get("KVINDEX_API_TOKEN")
-    if token:
-        raw["auth_token"] = token
+    environ = os.environ if env is None else env
+    for name, key in _TOKEN_ENV.items():
+        if environ.get(name):
+            raw[key] = environ[name]
     raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    if raw.get("auth_token_file") is not None:
+        raw["auth_token_file"] = str(raw["auth_token_file"])
+        raw["auth_token"] = _read_token(raw["auth_token_file"])
     if isinstance(raw.get("replica_networks"), list):  # TOML arrays are lists
         raw["replica_networks"] = tuple(raw["replica_networks"])
     try:
@@ -179,6 +195,18 @@ def load_api_settings(
         )
     except (TypeError, ScoringError) as exc:
         raise SettingsError(f"[api]: {exc}") from exc
+
+
+def _read_token(path: str) -> str:
+    """The token in a file, surrounding whitespace stripped; SettingsError names the file."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            token = handle.read().strip()
+    except OSError as exc:
+        raise SettingsError(f"api.auth_token_file {path}: {exc.strerror}") from None
+    if not token:
+        raise SettingsError(f"api.auth_token_file {path}: the file is empty")
+    return token
 
 
 def _model(values: Mapping[str, Any]) -> ModelSpec:
