@@ -197,8 +197,17 @@ def api(
 @click.option("--model", default="demo-model", show_default=True, help="Served model name.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="HTTP listen address.")
 @click.option("--port", default=8001, show_default=True, help="HTTP listen port.")
-@click.option("--events", default="tcp://*:5557", show_default=True, help="KV-event PUB endpoint.")
-@click.option("--replay", default="tcp://*:5558", show_default=True, help="Replay ROUTER endpoint.")
+@click.option(
+    "--events",
+    help="KV-event PUB endpoint (vLLM's rule: bind with '*', else connect)."
+    " [default: bind tcp://127.0.0.1:5557; 'tcp://*:5557' for every interface]",
+)
+@click.option(
+    "--replay",
+    default="tcp://127.0.0.1:5558",
+    show_default=True,
+    help="Replay ROUTER endpoint ('tcp://*:5558' for every interface).",
+)
 @click.option("--bind-events", is_flag=True, help="Bind --events even without '*'.")
 @click.option("--encoding", type=click.Choice(["map", "array"]), default="map", show_default=True)
 @click.option("--replay-layout", type=click.Choice(["topic", "legacy"]), default="topic")
