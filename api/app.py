@@ -55,6 +55,8 @@ from kvindex.indexer.index.protocol import BlockIndex, IndexUnavailableError, dr
 
 T = TypeVar("T")
 _JSON = "application/json"
+_METRICS = "text/plain; version=0.0.4; charset=utf-8"
+"""The Prometheus text exposition format (with the charset, as served and documented)."""
 
 
 @dataclass
@@ -298,7 +300,10 @@ def _replica_routes(router: APIRouter, state: _AppState) -> None:
         return _json(views)
 
     @router.post(
-        "/replicas", openapi_extra=operation(ReplicaIn, StatusBody, "Register a replica (201: new)")
+        "/replicas",
+        openapi_extra=operation(
+            ReplicaIn, StatusBody, "Register a replica (201: new, 200: already so)", created=True
+        ),
     )
     async def add_replica(request: Request) -> Response:
         body = await _decode(request, ReplicaIn)
@@ -348,10 +353,14 @@ def _info_routes(router: APIRouter, state: _AppState) -> None:
     async def config() -> Response:
         return _json(config_view(state.deps.settings, state.scorer))
 
-    @router.get("/metrics", summary="Prometheus metrics")
+    @router.get(
+        "/metrics",
+        response_class=Response,
+        openapi_extra=operation(summary="Prometheus metrics", text=_METRICS),
+    )
     async def metrics() -> Response:
         body = await _call(state, state.metrics.render)
-        return Response(body, media_type="text/plain; version=0.0.4")
+        return Response(body, media_type=_METRICS)
 
 
 async def _call(state: _AppState, fn: Callable[..., T], *args: Any) -> T:

@@ -694,6 +694,10 @@ def test_openapi_documents_every_answer_and_error(api: Api) -> None:
         assert responses["200"]["content"]["application/json"]["schema"] == schema, path
         error = responses["default"]["content"]["application/json"]["schema"]
         assert error == {"$ref": prefix + "ErrorBody"}, path
+    created = doc["paths"]["/replicas"]["post"]["responses"]["201"]
+    assert created["content"]["application/json"]["schema"] == {"$ref": prefix + "StatusBody"}
+    metrics = doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert list(metrics) == [api.get("/metrics").headers["content-type"]]
     # the documented bodies are the ones served
     stats = api.get("/stats").json()
     assert set(stats) == set(doc["components"]["schemas"]["StatsView"]["properties"])
