@@ -16,7 +16,13 @@ def check(policy: UrlPolicy, url: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "url", ["http://169.254.169.254/latest", "http://[fe80::1]:8000", "https://169.254.0.1"]
+    "url",
+    [
+        "http://169.254.169.254/latest",
+        "http://[fe80::1]:8000",
+        "https://169.254.0.1",
+        "http://[::ffff:169.254.169.254]",
+    ],
 )
 def test_link_local_addresses_are_refused_by_default(url: str) -> None:
     with pytest.raises(UntrustedUrlError, match="link-local"):
