@@ -4,9 +4,10 @@ Routes are thin: decode the body with msgspec, call the library (the read path i
 :mod:`kvindex.api.score`, the read-only bodies in :mod:`kvindex.api.views`), encode the
 answer; their OpenAPI operations come from :mod:`kvindex.api.openapi`. Errors are mapped to
 HTTP in one place (:func:`_error_response`): a bad body or field → 422 naming it, an
-unknown model → 404 naming the known ones, a missing or wrong bearer token (when
-``api.auth_token`` is set) → 401, a tokenizer or replica failure → 502, an unreachable
-store → 503 (``/score`` instead answers from load alone).
+unknown model → 404 naming the known ones, a body over ``api.max_body_bytes`` → 413 and one
+not received within ``api.body_timeout_s`` → 408 (:mod:`kvindex.api.body_limit`), a missing
+or wrong bearer token (when ``api.auth_token`` is set) → 401, a tokenizer or replica
+failure → 502, an unreachable store → 503 (``/score`` instead answers from load alone).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvindex.api.body_limit import BodyLimit, BodyTimeoutError, BodyTooLargeError
 from kvindex.api.load.model import Load, LoadError
 from kvindex.api.load.scraper import MetricsScraper
 from kvindex.api.load.store import LoadStore
@@ -44,6 +46,7 @@ from kvindex.api.score import RequestError, Scorer, UnknownModelError
 from kvindex.api.settings import ApiSettings
 from kvindex.api.tokenize.choice import ModelTokenizers
 from kvindex.api.tokenize.protocol import TokenizerError
+from kvindex.api.url_policy import UntrustedUrlError
 from kvindex.api.views import config_view, replica_views, stats_view
 from kvindex.indexer.errors import KvIndexError, SettingsError
 from kvindex.indexer.fleet.registry import RegistryView
@@ -52,6 +55,8 @@ from kvindex.indexer.index.protocol import BlockIndex, IndexUnavailableError, dr
 
 T = TypeVar("T")
 _JSON = "application/json"
+_METRICS = "text/plain; version=0.0.4; charset=utf-8"
+"""The Prometheus text exposition format (with the charset, as served and documented)."""
 
 
 @dataclass
@@ -88,6 +93,11 @@ def create_app(deps: ApiDeps) -> FastAPI:
         openapi_url=None if guarded else "/openapi.json",
         docs_url=None if guarded else "/docs",
         redoc_url=None if guarded else "/redoc",
+    )
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=deps.settings.max_body_bytes,
+        timeout_s=deps.settings.body_timeout_s,
     )
     app.add_exception_handler(KvIndexError, _error_handler)
     app.add_exception_handler(msgspec.ValidationError, _error_handler)
@@ -126,6 +136,7 @@ class _AppState:
             tokenizers=self.tokenizers.tokenizer,
             blocking_store=deps.blocking_store,
         )
+        self.url_policy = deps.settings.url_policy()
         self.scraper: MetricsScraper | None = None
         if deps.settings.scrape_interval_s > 0:
             self.scraper = MetricsScraper(
@@ -177,10 +188,19 @@ async def _decode(request: Request, kind: type[T]) -> T:
 
 _STATUS_OF: tuple[tuple[tuple[type[BaseException], ...], int, str], ...] = (
     (
-        (msgspec.ValidationError, msgspec.DecodeError, RequestError, SettingsError, LoadError),
+        (
+            msgspec.ValidationError,
+            msgspec.DecodeError,
+            RequestError,
+            SettingsError,
+            LoadError,
+            UntrustedUrlError,
+        ),
         422,
         "invalid_request",
     ),
+    ((BodyTooLargeError,), 413, "body_too_large"),
+    ((BodyTimeoutError,), 408, "body_timeout"),
     ((UnknownModelError,), 404, "unknown_model"),
     ((UnauthorizedError,), 401, "unauthorized"),
     ((TokenizerError,), 502, "tokenizer_failed"),
@@ -195,6 +215,8 @@ def _error_response(exc: Exception) -> Response:
             response = _json(ErrorBody(name, str(exc)), status)
             if status == 401:  # RFC 6750: say which scheme to use
                 response.headers["www-authenticate"] = 'Bearer realm="kvindex"'
+            if status in (408, 413):  # the rest of the body is not read: end the connection
+                response.headers["connection"] = "close"
             return response
     return _json(ErrorBody("internal", str(exc)), 500)
 
@@ -253,14 +275,15 @@ def _score_routes(router: APIRouter, state: _AppState) -> None:
         report = await _decode(request, LoadReport)
         if state.deps.registry.get(report.replica) is None:
             raise RequestError(f"replica: {report.replica!r} is not registered")
+        now = time.time()
         measured = Load(
             report.running,
             report.waiting,
             report.kv_usage,
-            report.ts if report.ts is not None else time.time(),
+            report.ts if report.ts is not None else now,
             "push",
-        )
-        await _call(state, state.deps.loads.put, report.replica, measured.validated())
+        ).validated(now=now)
+        await _call(state, state.deps.loads.put, report.replica, measured)
         state.scorer.note_load(report.replica, measured)
         return _json(StatusBody("ok"))
 
@@ -277,7 +300,10 @@ def _replica_routes(router: APIRouter, state: _AppState) -> None:
         return _json(views)
 
     @router.post(
-        "/replicas", openapi_extra=operation(ReplicaIn, StatusBody, "Register a replica (201: new)")
+        "/replicas",
+        openapi_extra=operation(
+            ReplicaIn, StatusBody, "Register a replica (201: new, 200: already so)", created=True
+        ),
     )
     async def add_replica(request: Request) -> Response:
         body = await _decode(request, ReplicaIn)
@@ -289,6 +315,8 @@ def _replica_routes(router: APIRouter, state: _AppState) -> None:
             url=body.url,
             dp_size=body.dp_size,
         )
+        if spec.url is not None:
+            await state.url_policy.check(spec.url)
         created = await _call(state, registry.add, spec)
         state.tokenizers.forget(spec.model)
         return _json(
@@ -325,10 +353,14 @@ def _info_routes(router: APIRouter, state: _AppState) -> None:
     async def config() -> Response:
         return _json(config_view(state.deps.settings, state.scorer))
 
-    @router.get("/metrics", summary="Prometheus metrics")
+    @router.get(
+        "/metrics",
+        response_class=Response,
+        openapi_extra=operation(summary="Prometheus metrics", text=_METRICS),
+    )
     async def metrics() -> Response:
         body = await _call(state, state.metrics.render)
-        return Response(body, media_type="text/plain; version=0.0.4")
+        return Response(body, media_type=_METRICS)
 
 
 async def _call(state: _AppState, fn: Callable[..., T], *args: Any) -> T:

@@ -42,9 +42,13 @@ def operation(
     summary: str = "",
     *,
     many: bool = False,
+    created: bool = False,
+    text: str | None = None,
 ) -> dict[str, Any]:
     """``openapi_extra`` for a route whose body and answer are msgspec types (``many``: the
-    answer is a list of them); every error answers with an ``ErrorBody``."""
+    answer is a list of them; ``created``: a new thing answers 201 with the same body;
+    ``text``: the answer is text of that media type instead); every error answers with an
+    ``ErrorBody``."""
     extra: dict[str, Any] = {"summary": summary}
     if body is not None:
         extra["requestBody"] = {
@@ -57,6 +61,10 @@ def operation(
     if response is not None:
         schema = {"type": "array", "items": _ref(response)} if many else _ref(response)
         responses["200"] = {"description": "OK", "content": {_JSON: {"schema": schema}}}
+        if created:
+            responses["201"] = {"description": "Created", "content": {_JSON: {"schema": schema}}}
+    if text is not None:
+        responses["200"] = {"description": "OK", "content": {text: {"schema": {"type": "string"}}}}
     extra["responses"] = responses
     return extra
 

@@ -17,16 +17,25 @@ BlockKey = Annotated[int, msgspec.Meta(ge=0)]
 constraints stop at int64)."""
 
 
+MAX_TOKEN_IDS = 1 << 20
+"""Most ``token_ids`` in one ``/score`` request (past any model's context; 422 above)."""
+MAX_BLOCK_KEYS = MAX_TOKEN_IDS // 16
+"""Most ``block_keys`` in one ``/score`` request (as many blocks as MAX_TOKEN_IDS make in
+vLLM's default block size; 422 above)."""
+MAX_CANDIDATES = 1024
+"""Most ``candidates`` in one ``/score`` request (422 above)."""
+
+
 class ScoreRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Where should this request go? Give exactly one of token_ids, prompt, messages,
     block_keys."""
 
     model: str
-    token_ids: list[TokenId] | None = None
+    token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_TOKEN_IDS)] | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     """OpenAI chat messages: the whole conversation (rendered with the model's template)."""
-    block_keys: list[BlockKey] | None = None
+    block_keys: Annotated[list[BlockKey], msgspec.Meta(max_length=MAX_BLOCK_KEYS)] | None = None
     """Keys precomputed with ``kvindex.indexer.keys.block_keys`` (the router skips tokenization)."""
     block_size: int | None = None
     """The block size the keys (or tokens) were meant for; a mismatch with the model's is a
@@ -35,7 +44,7 @@ class ScoreRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     cache_salt: str | None = None
     session: str | None = None
     """Session key for the ``session_affinity`` policy."""
-    candidates: list[str] | None = None
+    candidates: Annotated[list[str], msgspec.Meta(max_length=MAX_CANDIDATES)] | None = None
     """Replica ids to choose from (default: every replica serving the model)."""
     policy: str | None = None
     weights: dict[str, float] | None = None

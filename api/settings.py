@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvindex.api.policies import Policy, ScoringError, Weights
+from kvindex.api.url_policy import UrlPolicy
 from kvindex.indexer.errors import SettingsError
 
 
@@ -60,6 +61,9 @@ class ApiSettings:
     auth_token: str | None = None
     """Bearer token required on every endpoint but /healthz and /readyz (env
     KVINDEX_API_TOKEN)."""
+    auth_token_file: str | None = None
+    """A file holding the bearer token (env KVINDEX_API_TOKEN_FILE, ``--token-file``); when
+    set, its content (stripped) is ``auth_token``, so the token need not be in argv or env."""
     default_policy: str = "kv_aware"
     """Policy when neither the request nor the model's settings choose one."""
     default_block_size: int = 16
@@ -76,6 +80,14 @@ class ApiSettings:
     """Tokenizations of repeated prompts kept per model."""
     seed: int | None = None
     """Seed of tie-breaks and random policies (tests); None: from the OS."""
+    max_body_bytes: int = 8 * 1024 * 1024
+    """Largest request body; a larger one (declared or counted) is refused with 413 before
+    it is read whole."""
+    body_timeout_s: float = 10.0
+    """A request body must arrive whole this long after the route starts reading it (408)."""
+    replica_networks: tuple[str, ...] = ()
+    """Networks (CIDR) a replica URL from ``POST /replicas`` may resolve into; empty: any
+    address but a link-local one (169.254.0.0/16, fe80::/10)."""
 
     def __post_init__(self) -> None:
         _check_policy("api.default_policy", self.default_policy)
@@ -84,9 +96,22 @@ class ApiSettings:
         _check_number("api.scrape_interval_s", self.scrape_interval_s, _NON_NEGATIVE)
         _check_number("api.scrape_timeout_s", self.scrape_timeout_s, _POSITIVE)
         _check_number("api.tokenizer_cache_entries", self.tokenizer_cache_entries, _COUNT)
+        _check_number("api.max_body_bytes", self.max_body_bytes, _POSITIVE_INT)
+        _check_number("api.body_timeout_s", self.body_timeout_s, _POSITIVE)
         names = [m.name for m in self.models]
         if len(names) != len(set(names)):
             raise SettingsError(f"models: duplicate names in {names}")
+        self.url_policy()
+
+    def url_policy(self) -> UrlPolicy:
+        """The replica URL policy of ``replica_networks`` (SettingsError names a bad one)."""
+        networks = self.replica_networks
+        if not isinstance(networks, tuple) or not all(isinstance(n, str) for n in networks):
+            raise SettingsError(f"api.replica_networks must be a list of CIDRs, got {networks!r}")
+        try:
+            return UrlPolicy.parse(networks)
+        except ValueError as exc:
+            raise SettingsError(f"api.replica_networks: {exc}") from None
 
     def model(self, name: str) -> ModelSpec | None:
         return next((m for m in self.models if m.name == name), None)
@@ -129,6 +154,10 @@ def _check_policy(key: str, value: str) -> None:
         ) from None
 
 
+_TOKEN_ENV = {"KVINDEX_API_TOKEN": "auth_token", "KVINDEX_API_TOKEN_FILE": "auth_token_file"}
+"""The only API settings read from the environment: the token and its file."""
+
+
 def load_api_settings(
     values: Mapping[str, Any] | None = None,
     models: list[Mapping[str, Any]] | None = None,
@@ -136,17 +165,28 @@ def load_api_settings(
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> ApiSettings:
-    """From a TOML ``[api]`` table and ``[[models]]`` array, env, then overrides."""
+    """From a TOML ``[api]`` table and ``[[models]]`` array, env, then overrides.
+
+    The token comes from ``auth_token`` < ``KVINDEX_API_TOKEN``; a token file named by
+    ``auth_token_file`` < ``KVINDEX_API_TOKEN_FILE`` < the ``auth_token_file`` override
+    replaces it.
+    """
     raw = dict(values or {})
     weights = raw.pop("weights", None)
     known = {f.name for f in fields(ApiSettings)} - {"weights", "models"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise SettingsError(f"[api]: unknown settings {unknown} (known: {sorted(known)})")
-    token = (os.environ if env is None else env).get("KVINDEX_API_TOKEN")
-    if token:
-        raw["auth_token"] = token
+    environ = os.environ if env is None else env
+    for name, key in _TOKEN_ENV.items():
+        if environ.get(name):
+            raw[key] = environ[name]
     raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    if raw.get("auth_token_file") is not None:
+        raw["auth_token_file"] = str(raw["auth_token_file"])
+        raw["auth_token"] = _read_token(raw["auth_token_file"])
+    if isinstance(raw.get("replica_networks"), list):  # TOML arrays are lists
+        raw["replica_networks"] = tuple(raw["replica_networks"])
     try:
         return ApiSettings(
             **raw,
@@ -155,6 +195,18 @@ def load_api_settings(
         )
     except (TypeError, ScoringError) as exc:
         raise SettingsError(f"[api]: {exc}") from exc
+
+
+def _read_token(path: str) -> str:
+    """The token in a file, surrounding whitespace stripped; SettingsError names the file."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            token = handle.read().strip()
+    except OSError as exc:
+        raise SettingsError(f"api.auth_token_file {path}: {exc.strerror}") from None
+    if not token:
+        raise SettingsError(f"api.auth_token_file {path}: the file is empty")
+    return token
 
 
 def _model(values: Mapping[str, Any]) -> ModelSpec:

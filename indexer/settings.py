@@ -50,7 +50,7 @@ class IndexerSettings:
     redis_prefix: str = "kvindex"
     """Prefix of every Redis key (several deployments can share one Redis)."""
     bind: str | None = None
-    """Bind one SUB here (e.g. ``tcp://0.0.0.0:5557``) for replicas that connect to us;
+    """Bind one SUB here (e.g. ``tcp://10.0.0.2:5557``) for replicas that connect to us;
     each is identified by its topic ``kv@<replica>@<model>`` and registered on first event."""
     default_model: str | None = None
     """Model of a self-registering replica whose topic carries none."""

@@ -16,6 +16,9 @@ from kvindex.indexer.errors import KvIndexError
 
 SOURCES = ("push", "scrape")
 """Allowed values of :attr:`Load.source`."""
+MAX_FUTURE_S = 60.0
+"""How far past the receiver's clock a reported ``ts`` may be (clock skew between hosts);
+a load stamped later would otherwise win over every real one until that time."""
 
 
 class LoadError(KvIndexError):
@@ -44,10 +47,18 @@ class Load(msgspec.Struct, frozen=True):
     def __post_init__(self) -> None:
         self.validated()
 
-    def validated(self) -> Load:
-        """``self`` once checked (construction already checks; this states it at call sites)."""
+    def validated(self, *, now: float | None = None) -> Load:
+        """``self`` once checked (construction already checks; this states it at call sites).
+
+        With ``now`` (the receiver's clock), also raises :class:`LoadError` naming ``ts`` when
+        it is more than :data:`MAX_FUTURE_S` ahead of it.
+        """
         for name in ("running", "waiting", "ts"):
             _check_number(name, getattr(self, name), high=math.inf)
+        if now is not None and self.ts > now + MAX_FUTURE_S:
+            raise LoadError(
+                f"ts must be at most {MAX_FUTURE_S:g} s ahead of now ({now:.0f}), got {self.ts!r}"
+            )
         _check_number("kv_usage", self.kv_usage, high=1.0)
         if self.source not in SOURCES:
             raise LoadError(f"source must be one of {SOURCES}, got {self.source!r}")

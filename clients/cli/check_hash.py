@@ -32,8 +32,9 @@ import click
 import httpx
 import zmq
 
-from kvindex.indexer.errors import KvIndexError
+from kvindex.indexer.errors import KvIndexError, SettingsError
 from kvindex.indexer.events import BlockStored, EventBatch, StreamId
+from kvindex.indexer.fleet.replica import check_endpoint
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.ingest import Ingestor
 from kvindex.indexer.keys import block_keys, request_extra_keys
@@ -390,6 +391,14 @@ class CheckSettings:
     """Full blocks in the prompt (plus half a block, never stored)."""
     timeout_s: float = 5.0
 
+    def __post_init__(self) -> None:
+        """Raise :class:`CheckHashError` naming the option of a malformed endpoint."""
+        try:
+            check_endpoint("--events", self.events)
+            check_endpoint("--replay", self.replay)
+        except SettingsError as exc:
+            raise CheckHashError(str(exc)) from None
+
 
 def _random_tokens(count: int) -> list[int]:
     rng = random.Random(secrets.randbits(64))
@@ -405,7 +414,11 @@ class _Replica:
         self.sub: zmq.Socket[bytes] = context.socket(zmq.SUB)
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.SUBSCRIBE, settings.topic.encode())
-        self.sub.connect(settings.events)
+        try:
+            self.sub.connect(settings.events)
+        except zmq.ZMQError as exc:  # e.g. a host ZeroMQ cannot parse
+            self.close()
+            raise CheckHashError(f"--events {settings.events!r}: {exc}") from None
         self.batches: list[ObservedBatch] = []
         self.first_seq: int | None = None
 
@@ -508,7 +521,11 @@ def run_check(settings: CheckSettings) -> CheckReport:
     """Run the whole check against a live replica. Raises :class:`CheckHashError` when the
     replica's HTTP API cannot be used; event problems are mismatches in the report."""
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    replica = _Replica(settings, context)
+    try:
+        replica = _Replica(settings, context)
+    except BaseException:
+        context.term()
+        raise
     try:
         live = replica.wait_live()
         sent, tokens = _prompt(replica)
@@ -567,8 +584,8 @@ def _explain_missing(
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def check_hash_command(text_mode: bool, as_json: bool, **kw: Any) -> None:
     """Check that kvindex's block keys agree with a live replica's BlockStored events."""
-    settings = CheckSettings(mode="text" if text_mode else "tokens", **kw)
     try:
+        settings = CheckSettings(mode="text" if text_mode else "tokens", **kw)
         report = run_check(settings)
     except CheckHashError as exc:
         raise click.ClickException(str(exc)) from exc

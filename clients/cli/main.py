@@ -109,10 +109,18 @@ def indexer(
     _run_indexer(settings, stats_every)
 
 
+_token_file_option = click.option(
+    "--token-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="File holding the API's bearer token (else env KVINDEX_API_TOKEN[_FILE], [api]).",
+)
+
+
 @main.command()
 @_indexer_options
 @click.option("--host", help="API listen address (default 127.0.0.1).")
 @click.option("--port", type=int, help="API listen port (default 8000).")
+@_token_file_option
 @_stats_every_option
 def serve(
     config: Path | None,
@@ -122,6 +130,7 @@ def serve(
     redis_url: str | None,
     host: str | None,
     port: int | None,
+    token_file: Path | None,
     stats_every: float,
 ) -> None:
     """Run the indexer and the scoring API in one process."""
@@ -135,7 +144,7 @@ def serve(
         api = load_api_settings(
             file_values.get("api"),
             file_values.get("models"),
-            overrides={"host": host, "port": port},
+            overrides={"host": host, "port": port, "auth_token_file": token_file},
         )
     except KvIndexError as exc:
         raise click.ClickException(str(exc)) from exc
@@ -146,16 +155,27 @@ def serve(
 
 
 @main.command()
-@click.option("--redis-url", required=True, help="The Redis the indexer writes.")
+@click.option(
+    "--redis-url",
+    help="The Redis the indexer writes (else env KVINDEX_REDIS_URL or redis_url in --config:"
+    " keeps a password out of the process list).",
+)
 @click.option("--host", help="API listen address (default 127.0.0.1).")
 @click.option("--port", type=int, help="API listen port (default 8000).")
 @click.option(
     "--config",
     "config",
     type=click.Path(path_type=Path, dir_okay=False),
-    help="TOML settings file ([api], [[models]], redis_prefix, stale_after_s).",
+    help="TOML settings file ([api], [[models]], redis_url, redis_prefix, stale_after_s).",
 )
-def api(redis_url: str, host: str | None, port: int | None, config: Path | None) -> None:
+@_token_file_option
+def api(
+    redis_url: str | None,
+    host: str | None,
+    port: int | None,
+    config: Path | None,
+    token_file: Path | None,
+) -> None:
     """Run the scoring API alone on the Redis a `kvindex indexer --store redis` writes."""
     try:
         settings = load_settings(config, overrides={"store": "redis", "redis_url": redis_url})
@@ -163,13 +183,13 @@ def api(redis_url: str, host: str | None, port: int | None, config: Path | None)
         api_settings = load_api_settings(
             file_values.get("api"),
             file_values.get("models"),
-            overrides={"host": host, "port": port},
+            overrides={"host": host, "port": port, "auth_token_file": token_file},
         )
     except KvIndexError as exc:
         raise click.ClickException(str(exc)) from exc
     where = f"http://{api_settings.host}:{api_settings.port}"
     make_console().print(f"kvindex api (redis fleet, index and load) on {where}")
-    serve_api(redis_url, settings, api_settings)
+    serve_api(settings.redis_url, settings, api_settings)
 
 
 @main.command("replica-sim")
@@ -177,8 +197,17 @@ def api(redis_url: str, host: str | None, port: int | None, config: Path | None)
 @click.option("--model", default="demo-model", show_default=True, help="Served model name.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="HTTP listen address.")
 @click.option("--port", default=8001, show_default=True, help="HTTP listen port.")
-@click.option("--events", default="tcp://*:5557", show_default=True, help="KV-event PUB endpoint.")
-@click.option("--replay", default="tcp://*:5558", show_default=True, help="Replay ROUTER endpoint.")
+@click.option(
+    "--events",
+    help="KV-event PUB endpoint (vLLM's rule: bind with '*', else connect)."
+    " [default: bind tcp://127.0.0.1:5557; 'tcp://*:5557' for every interface]",
+)
+@click.option(
+    "--replay",
+    default="tcp://127.0.0.1:5558",
+    show_default=True,
+    help="Replay ROUTER endpoint ('tcp://*:5558' for every interface).",
+)
 @click.option("--bind-events", is_flag=True, help="Bind --events even without '*'.")
 @click.option("--encoding", type=click.Choice(["map", "array"]), default="map", show_default=True)
 @click.option("--replay-layout", type=click.Choice(["topic", "legacy"]), default="topic")

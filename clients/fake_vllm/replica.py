@@ -56,6 +56,12 @@ class ReplicaSimError(KvIndexError):
 # --- settings -------------------------------------------------------------------------------
 
 
+LOOPBACK_EVENTS = "tcp://127.0.0.1:5557"
+"""Where a replica-sim binds its PUB unless told: loopback, so a default run is not
+reachable from other hosts (vLLM's own default, ``tcp://*:5557``, listens on every
+interface)."""
+
+
 @dataclass(frozen=True, slots=True)
 class ReplicaSimSettings:
     """Everything one simulated replica needs; validated on construction."""
@@ -68,10 +74,12 @@ class ReplicaSimSettings:
     """Tokens per KV-cache block."""
     capacity_blocks: int = 1024
     """Blocks in the pool; also bounds a request (``max_model_len = capacity * block_size``)."""
-    events: str = "tcp://*:5557"
-    """PUB endpoint; vLLM's rule: bind if it has ``*``/``::``, else connect."""
-    replay: str | None = "tcp://*:5558"
-    """Replay ROUTER endpoint (always bound); None disables replay."""
+    events: str | None = None
+    """PUB endpoint; vLLM's rule: bind if it has ``*``/``::``, else connect. None: bind
+    :data:`LOOPBACK_EVENTS` (only this host; ``tcp://*:5557`` exposes it)."""
+    replay: str | None = "tcp://127.0.0.1:5558"
+    """Replay ROUTER endpoint (always bound; loopback unless told, e.g. ``tcp://*:5558``);
+    None disables replay."""
     bind_events: bool | None = None
     """Override vLLM's bind/connect rule for ``events`` (True: bind exactly there)."""
     host: str = "127.0.0.1"
@@ -471,12 +479,12 @@ class ReplicaSim:
     def start(self) -> None:
         s = self.settings
         self.publisher = EventPublisher(
-            s.events,
+            LOOPBACK_EVENTS if s.events is None else s.events,
             s.replay,
             topic=s.topic,
             encoding=s.encoding,
             replay_layout=s.replay_layout,
-            bind=s.bind_events,
+            bind=True if s.events is None else s.bind_events,
         )
         cache = BlockPool(s.capacity_blocks, s.block_size, engine_root(s.seed))
         self.engine = Engine(s, cache, self.publisher.publish)

@@ -11,9 +11,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
+from urllib.parse import urlsplit
 
 from kvindex.indexer.errors import SettingsError
 from kvindex.indexer.redis_schema import SchemaError, check_name
+
+MAX_DP_SIZE = 1024
+"""The most data-parallel ranks one replica may declare: each rank costs the indexer two
+sockets and every ``/score`` a lookup, so an unbounded ``dp_size`` (from ``POST /replicas``
+or a config file) could exhaust file descriptors or stall every request for the model."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,18 +36,23 @@ class ReplicaSpec:
     replay: str | None = None
     """Its replay ROUTER endpoint (``replay_endpoint``); None disables gap repair."""
     url: str | None = None
-    """Base URL of its OpenAI-compatible server (``/metrics``, ``/tokenize``)."""
+    """Base URL of its OpenAI-compatible server (``/metrics``, ``/tokenize``): http or https,
+    with a host."""
     dp_size: int = 1
-    """Data-parallel ranks; rank r publishes on port + r (PUB and ROUTER)."""
+    """Data-parallel ranks, 1 to :data:`MAX_DP_SIZE`; rank r publishes on port + r (PUB and
+    ROUTER)."""
 
     def __post_init__(self) -> None:
         _check_replica_id(self.id)
         if not self.model:
             raise SettingsError(f"replica {self.id}: model must not be empty")
-        if self.dp_size < 1:
-            raise SettingsError(f"replica {self.id}: dp_size must be >= 1, got {self.dp_size}")
+        if not 1 <= self.dp_size <= MAX_DP_SIZE:
+            raise SettingsError(
+                f"replica {self.id}: dp_size must be in [1, {MAX_DP_SIZE}], got {self.dp_size}"
+            )
         for name in ("events", "replay"):
             check_endpoint(f"replica {self.id}: {name}", getattr(self, name))
+        check_url(f"replica {self.id}: url", self.url)
 
     def events_for_rank(self, rank: int) -> str | None:
         """The PUB endpoint of one data-parallel rank (vLLM adds the rank to the port)."""
@@ -100,6 +111,21 @@ def check_endpoint(name: str, value: str | None) -> None:
     """Reject anything but a ZeroMQ endpoint (``name`` says whose, in the error)."""
     if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
         raise SettingsError(f"{name} must be a ZeroMQ endpoint (tcp://, ipc://), got {value!r}")
+
+
+def check_url(name: str, value: str | None) -> None:
+    """Reject anything but an ``http://`` or ``https://`` URL with a host (the API sends
+    prompts and scrapes there: ``file://`` and the like are never a replica)."""
+    if value is None:
+        return
+    try:
+        parts = urlsplit(value)
+        valid = parts.scheme in ("http", "https") and bool(parts.hostname)
+        valid = valid and (parts.port is None or parts.port > 0)
+    except ValueError:  # a bad port or IPv6 literal
+        valid = False
+    if not valid:
+        raise SettingsError(f"{name} must be an http:// or https:// URL with a host, got {value!r}")
 
 
 def _check_replica_id(value: str) -> None:

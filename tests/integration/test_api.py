@@ -568,14 +568,27 @@ def test_replicas_register_list_and_delete(api: Api) -> None:
     [
         ({"id": "bad id", "model": MODEL}, "replica id"),
         ({"id": "r1", "model": MODEL, "dp_size": 0}, "dp_size"),
+        ({"id": "r1", "model": MODEL, "dp_size": 2**40}, "dp_size must be in [1, 1024]"),
         ({"id": "r1"}, "`model`"),
         ({"id": "r1", "model": MODEL, "events": "http://x"}, "events"),
+        ({"id": "r1", "model": MODEL, "url": "file:///etc/passwd"}, "url must be an http://"),
+        ({"id": "r1", "model": MODEL, "url": "http://169.254.169.254"}, "link-local"),
     ],
 )
 def test_bad_replica_body_is_422_naming_the_field(
     api: Api, body: dict[str, Any], named: str
 ) -> None:
     assert named in error_of(api.post("/replicas", body), 422)
+
+
+@MEMORY_ONLY
+def test_replica_networks_limit_where_urls_may_point(make_api: ApiFactory) -> None:
+    api = make_api(dataclasses.replace(SETTINGS, replica_networks=("10.0.0.0/8",)))
+    inside = {"id": "r1", "model": MODEL, "url": "http://10.0.0.5:8000"}
+    assert api.post("/replicas", inside).status_code == 201
+    outside = {"id": "r2", "model": MODEL, "url": "http://127.0.0.1:8000"}
+    assert "outside api.replica_networks" in error_of(api.post("/replicas", outside), 422)
+    assert [r["id"] for r in api.get("/replicas").json()] == ["r1"]
 
 
 @MEMORY_ONLY
@@ -586,6 +599,8 @@ def test_bad_replica_body_is_422_naming_the_field(
         ({"replica": "r1", "running": 1, "waiting": 1, "kv_usage": 1.5}, "kv_usage"),
         ({"replica": "r1", "running": 1, "waiting": -1}, "waiting"),
         ({"replica": "r1", "running": 1}, "`waiting`"),
+        ({"replica": "r1", "running": 1, "waiting": 1, "ts": 10**12}, "ts must be at most 60 s"),
+        ({"replica": "r1", "running": 1, "waiting": 1, "ts": -1}, "ts must be a finite number"),
     ],
 )
 def test_bad_load_report_is_422_naming_the_field(
@@ -679,6 +694,10 @@ def test_openapi_documents_every_answer_and_error(api: Api) -> None:
         assert responses["200"]["content"]["application/json"]["schema"] == schema, path
         error = responses["default"]["content"]["application/json"]["schema"]
         assert error == {"$ref": prefix + "ErrorBody"}, path
+    created = doc["paths"]["/replicas"]["post"]["responses"]["201"]
+    assert created["content"]["application/json"]["schema"] == {"$ref": prefix + "StatusBody"}
+    metrics = doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert list(metrics) == [api.get("/metrics").headers["content-type"]]
     # the documented bodies are the ones served
     stats = api.get("/stats").json()
     assert set(stats) == set(doc["components"]["schemas"]["StatsView"]["properties"])

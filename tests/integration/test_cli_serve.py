@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 
 from kvindex.clients.fake_vllm.publisher import EventPublisher
 from kvindex.indexer.events import BlockStored, Tier
-from tests.support.redis_server import free_port
+from tests.support.redis_server import RedisServer, free_port
 
 KVINDEX = Path(sys.executable).parent / "kvindex"
 MODEL = "demo-model"
@@ -25,10 +26,14 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @contextmanager
-def running(log_path: Path, *args: str) -> Iterator[subprocess.Popen[bytes]]:
+def running(
+    log_path: Path, *args: str, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
     """``kvindex *args`` writing stdout and stderr to ``log_path``; terminated on exit."""
     with log_path.open("wb") as log:
-        process = subprocess.Popen([str(KVINDEX), *args], stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            [str(KVINDEX), *args], stdout=log, stderr=subprocess.STDOUT, env=env
+        )
         try:
             yield process
         finally:
@@ -116,3 +121,21 @@ def test_indexer_logs_one_status_line_per_period(tmp_path: Path) -> None:
     lines = status_lines(log)
     assert all(shape.search(line) for line in lines), lines  # each record: one whole line
     assert "1 stream: 1 live, 0 replaying, 0 stale · blocks gpu 0 cpu 2 other 0" in lines[-1]
+
+
+def test_api_takes_its_redis_url_from_env_and_its_token_from_a_file(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVINDEX_")}
+    env["KVINDEX_REDIS_URL"] = redis_server.url
+    port = free_port()
+    args = ("api", "--port", str(port), "--token-file", str(token_file))
+    with running(tmp_path / "api.log", *args, env=env) as process:
+        base = f"http://127.0.0.1:{port}"
+        _until(lambda: httpx.get(f"{base}/readyz").status_code == 200)
+        assert httpx.get(f"{base}/stats").status_code == 401
+        authorized = {"authorization": "Bearer s3cret"}
+        assert httpx.get(f"{base}/stats", headers=authorized).status_code == 200
+        assert process.poll() is None

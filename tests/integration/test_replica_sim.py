@@ -5,10 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import click
 import httpx
 import pytest
 
-from kvindex.clients.fake_vllm.replica import ReplicaSim, ReplicaSimSettings
+from kvindex.clients.cli.main import replica_sim as replica_sim_command
+from kvindex.clients.fake_vllm import replica as replica_module
+from kvindex.clients.fake_vllm.replica import LOOPBACK_EVENTS, ReplicaSim, ReplicaSimSettings
 from kvindex.indexer.events import StreamId
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.memory import MemoryIndex
@@ -110,3 +113,18 @@ def test_evictions_remove_blocks_from_the_index(encoding: Encoding) -> None:
             what="index holds exactly the replica's cached blocks",
         )
         assert complete(http, first) == 0  # the replica agrees: nothing left to hit
+
+
+def test_by_default_the_sim_binds_its_sockets_on_loopback_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    context = click.Context(replica_sim_command)
+    defaults = {p.name: p.get_default(context) for p in replica_sim_command.params}
+    assert not isinstance(defaults["events"], str)  # none given: LOOPBACK_EVENTS, bound
+    assert defaults["replay"] == ReplicaSimSettings().replay == "tcp://127.0.0.1:5558"
+    assert LOOPBACK_EVENTS == "tcp://127.0.0.1:5557"
+    # The default events endpoint is bound (not connected): on a free port here.
+    monkeypatch.setattr(replica_module, "LOOPBACK_EVENTS", "tcp://127.0.0.1:*")
+    with ReplicaSim(ReplicaSimSettings(replay=None, port=0)) as sim:
+        host, _, port = sim.events_endpoint.rpartition(":")
+        assert (host, port.isdigit()) == ("tcp://127.0.0.1", True)

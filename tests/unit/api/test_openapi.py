@@ -35,6 +35,22 @@ def test_many_answers_are_an_array_and_no_body_no_request_body() -> None:
     assert schema == {"type": "array", "items": ref(ReplicaView)}
 
 
+def test_a_creating_operation_documents_its_201() -> None:
+    responses = operation(ScoreRequest, ScoreResponse, "Make", created=True)["responses"]
+    assert responses["201"] == {
+        "description": "Created",
+        "content": {JSON: {"schema": ref(ScoreResponse)}},
+    }
+    assert "201" not in operation(ScoreRequest, ScoreResponse, "Rank")["responses"]
+
+
+def test_a_text_answer_documents_its_media_type() -> None:
+    responses = operation(summary="Metrics", text="text/plain; version=0.0.4")["responses"]
+    assert responses["200"]["content"] == {
+        "text/plain; version=0.0.4": {"schema": {"type": "string"}}
+    }
+
+
 def test_document_merges_the_components_once() -> None:
     app = FastAPI()
     document(app)

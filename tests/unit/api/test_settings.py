@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import tomllib
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -80,6 +81,31 @@ def test_token_comes_from_the_environment() -> None:
     assert load_api_settings(env={"KVINDEX_API_TOKEN": ""}).auth_token is None
 
 
+def test_replica_networks_come_from_a_toml_array() -> None:
+    settings = from_toml('[api]\nreplica_networks = ["10.0.0.0/8", "fd00::/8"]\n')
+    assert settings.replica_networks == ("10.0.0.0/8", "fd00::/8")
+    assert [str(n) for n in settings.url_policy().networks] == ["10.0.0.0/8", "fd00::/8"]
+
+
+def test_a_token_file_replaces_the_token(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("  from-a-file\n")
+    env = {"KVINDEX_API_TOKEN": "s3cret", "KVINDEX_API_TOKEN_FILE": str(token_file)}
+    assert load_api_settings(env=env).auth_token == "from-a-file"
+    by_flag = load_api_settings(env={}, overrides={"auth_token_file": token_file})
+    assert (by_flag.auth_token, by_flag.auth_token_file) == ("from-a-file", str(token_file))
+    in_toml = load_api_settings({"auth_token_file": str(token_file)}, env={})
+    assert in_toml.auth_token == "from-a-file"
+
+
+def test_a_missing_or_empty_token_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match=r"api\.auth_token_file .*missing: No such file"):
+        load_api_settings(env={"KVINDEX_API_TOKEN_FILE": str(tmp_path / "missing")})
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(SettingsError, match="the file is empty"):
+        load_api_settings(env={}, overrides={"auth_token_file": tmp_path / "empty"})
+
+
 def test_settings_are_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         ApiSettings().port = 1  # type: ignore[misc]
@@ -96,6 +122,10 @@ def test_settings_are_frozen() -> None:
         ({"scrape_interval_s": -1.0}, "api.scrape_interval_s must be a finite number >= 0"),
         ({"scrape_timeout_s": 0}, "api.scrape_timeout_s must be a finite number > 0, got 0"),
         ({"tokenizer_cache_entries": -1}, "api.tokenizer_cache_entries must be an integer >= 0"),
+        ({"max_body_bytes": 0}, "api.max_body_bytes must be an integer > 0, got 0"),
+        ({"body_timeout_s": 0}, "api.body_timeout_s must be a finite number > 0, got 0"),
+        ({"replica_networks": ["10.0.0.0/33"]}, "api.replica_networks: "),
+        ({"replica_networks": "10.0.0.0/8"}, "api.replica_networks must be a list of CIDRs"),
         ({"weights": {"speed": 1.0}}, "unknown weights ['speed']"),
         ({"weights": {"cpu": -1.0}}, "weight cpu must be finite and >= 0, got -1.0"),
         ({"weights": {"prefix_blocks": 1.5}}, "weight prefix_blocks must be a whole number"),

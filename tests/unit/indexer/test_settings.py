@@ -112,3 +112,9 @@ def test_replace_validates_again() -> None:
     assert replace(IndexerSettings(), store="redis").store == "redis"
     with pytest.raises(SettingsError, match="rebuild_cooldown_s must be >= 0"):
         replace(IndexerSettings(), rebuild_cooldown_s=-5.0)
+
+
+def test_a_file_replica_with_too_many_ranks_is_refused_naming_dp_size(tmp_path: Path) -> None:
+    path = toml(tmp_path, '[[replicas]]\nid = "r1"\nmodel = "m"\ndp_size = 100000\n')
+    with pytest.raises(SettingsError, match=r"replica r1: dp_size must be in \[1, 1024\]"):
+        load_settings(path, env={})

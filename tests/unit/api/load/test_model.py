@@ -7,7 +7,7 @@ import math
 import msgspec
 import pytest
 
-from kvindex.api.load.model import Load, LoadError, is_newer_or_same
+from kvindex.api.load.model import MAX_FUTURE_S, Load, LoadError, is_newer_or_same
 from kvindex.indexer.errors import KvIndexError
 from tests.unit.api.load.samples import a_load
 
@@ -40,6 +40,13 @@ def test_usage_bounds_are_inclusive(usage: float) -> None:
 def test_invalid_values_are_rejected_naming_the_field(field: str, value: object) -> None:
     with pytest.raises(LoadError, match=rf"^{field} must be"):
         a_load(**{field: value})
+
+
+def test_a_ts_too_far_ahead_of_now_is_rejected_naming_ts() -> None:
+    now = 1_700_000_000.0
+    assert a_load(ts=now + MAX_FUTURE_S).validated(now=now).ts == now + MAX_FUTURE_S
+    with pytest.raises(LoadError, match=r"^ts must be at most 60 s ahead of now"):
+        a_load(ts=1e12).validated(now=now)
 
 
 def test_validated_returns_the_load_itself() -> None:

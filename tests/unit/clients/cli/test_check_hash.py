@@ -5,8 +5,18 @@ from __future__ import annotations
 from dataclasses import replace
 
 import msgspec
+import pytest
+from click.testing import CliRunner
 
-from kvindex.clients.cli.check_hash import Expected, ObservedBatch, compare, is_complete
+from kvindex.clients.cli.check_hash import (
+    CheckHashError,
+    CheckSettings,
+    Expected,
+    ObservedBatch,
+    compare,
+    is_complete,
+)
+from kvindex.clients.cli.main import main
 from kvindex.clients.fake_vllm.block_pool import BlockPool
 from kvindex.indexer.events import BlockStored
 
@@ -133,3 +143,26 @@ def test_no_events_for_the_prompt() -> None:
     assert not report.ok
     assert report.mismatches[0].message == "no BlockStored events for the prompt"
     assert not is_complete(expected(), [])
+
+
+def test_an_endpoint_without_a_scheme_is_named() -> None:
+    with pytest.raises(CheckHashError, match="--events must be a ZeroMQ endpoint"):
+        CheckSettings(url="http://127.0.0.1:9", events="127.0.0.1:5557", model="m")
+    with pytest.raises(CheckHashError, match="--replay must be a ZeroMQ endpoint"):
+        CheckSettings(url="http://h:1", events="tcp://h:1", model="m", replay="h:2")
+
+
+@pytest.mark.parametrize(
+    ("events", "named"),
+    [
+        ("127.0.0.1:5557", "--events must be a ZeroMQ endpoint (tcp://, ipc://), got '127.0"),
+        ("tcp://no-port", "--events 'tcp://no-port': Invalid argument"),
+    ],
+)
+def test_check_hash_with_a_bad_endpoint_says_so_in_one_line(events: str, named: str) -> None:
+    args = ["check-hash", "--url", "http://127.0.0.1:9", "--events", events, "--model", "m"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1, result.output
+    assert result.output.strip().splitlines() == [f"Error: {result.output.strip()[7:]}"]
+    assert named in result.output
+    assert "Traceback" not in result.output

@@ -19,8 +19,14 @@ def test_parse_reads_every_key_and_the_dp_alias() -> None:
         ("id=r1", "model is required"),
         ("id=r1,model=m,colour=red", "unknown keys ['colour']"),
         ("id=r1,model=m,dp_size=two", "dp_size must be an integer, got 'two'"),
-        ("id=r1,model=m,dp_size=0", "dp_size must be >= 1, got 0"),
+        ("id=r1,model=m,dp_size=0", "dp_size must be in [1, 1024], got 0"),
+        ("id=r1,model=m,dp_size=1025", "dp_size must be in [1, 1024], got 1025"),
+        (f"id=r1,model=m,dp_size={2**40}", f"dp_size must be in [1, 1024], got {2**40}"),
         ("id=r1,model=m,events=http://h:1", "r1: events must be a ZeroMQ endpoint"),
+        ("id=r1,model=m,url=file:///etc/passwd", "r1: url must be an http:// or https:// URL"),
+        ("id=r1,model=m,url=gopher://h:70", "r1: url must be an http:// or https:// URL"),
+        ("id=r1,model=m,url=http://", "r1: url must be an http:// or https:// URL"),
+        ("id=r1,model=m,url=http://h:99999", "r1: url must be an http:// or https:// URL"),
         ("id=r/1,model=m", "replica id"),
         ("id=r1,model", "expected key=value, got 'model'"),
     ],
@@ -43,3 +49,8 @@ def test_each_rank_publishes_on_the_next_port() -> None:
 def test_a_mapping_from_toml_takes_an_integer_dp_size() -> None:
     spec = replica_from_mapping({"id": "r1", "model": "m", "dp_size": 3}, where="replicas[0]")
     assert spec.dp_size == 3
+
+
+def test_http_and_https_urls_are_accepted() -> None:
+    assert ReplicaSpec("r1", "m", url="https://h:8443/v").url == "https://h:8443/v"
+    assert ReplicaSpec("r1", "m", url="http://[::1]:8000").url == "http://[::1]:8000"
