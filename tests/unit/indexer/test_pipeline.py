@@ -202,20 +202,34 @@ def test_a_replay_that_times_out_applies_what_waited() -> None:
 def test_an_engine_restart_clears_the_stream_and_resyncs_from_zero() -> None:
     r = rig()
     synced(r, last=2)
-    r.pipeline.handle_live(frames(0, ts=99.0), R1)  # seq went back, a new engine's batch
-    assert r.blocks(0) == 0
-    assert r.replays.started[-1] == (R1, REPLAY, 0)
-    assert r.health().num_restarts == 1
+    r.pipeline.handle_live(frames(0, ts=99.0), R1)  # seq went back, a new engine's batch?
+    assert r.replays.started[-1] == (R1, REPLAY, 0)  # the engine's replay will tell
     r.pipeline.on_replay(R1, replies(batch(0, ts=99.0)))
-    assert (r.blocks(0), r.health().last_seq) == (1, 0)
+    assert r.health().num_restarts == 1
+    assert (r.blocks(0), r.blocks(0, 1), r.health().last_seq) == (1, 1, 0)
 
 
 def test_without_replay_a_restart_clears_and_applies_the_new_batch() -> None:
     r = rig(replay=False)
     r.pipeline.handle_frames([frames(0), frames(1)], R1)
-    r.pipeline.handle_live(frames(0, ts=99.0), R1)
-    assert (r.health().num_restarts, r.health().last_seq) == (1, 0)
-    assert (r.blocks(0), r.blocks(0, 1)) == (1, 1)
+    r.pipeline.handle_frames([frames(0, ts=99.0), frames(1, ts=99.5)], R1)
+    assert (r.health().num_restarts, r.health().last_seq) == (1, 1)
+    assert r.blocks(0, 1) == 2
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_a_repeated_live_seq_is_a_duplicate_not_a_restart(replay: bool) -> None:
+    r = rig(replay=replay)
+    if replay:
+        synced(r, last=-1)
+    r.pipeline.handle_frames([frames(0), frames(1), frames(2)], R1)
+    r.pipeline.handle_live(frames(2, ts=77.0), R1)  # seq 2 again, another payload
+    r.pipeline.on_replay(R1, replies(batch(0), batch(1), batch(2)))  # ignored without replay
+    r.pipeline.handle_live(frames(3), R1)
+    assert r.blocks(0, 1, 2, 3) == 4
+    health = r.health()
+    assert (health.num_restarts, health.last_seq) == (0, 3)
+    assert health.num_duplicates >= 1
 
 
 def test_orphaned_stores_rebuild_by_replay_once_per_cooldown() -> None:
