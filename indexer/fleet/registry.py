@@ -14,12 +14,12 @@ import enum
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol
 
 from kvindex.indexer.events import StreamId, Tier
 from kvindex.indexer.fleet.replica import ReplicaSpec
-from kvindex.indexer.health import StreamCounters, StreamHealth, StreamReport
+from kvindex.indexer.health import StreamCounters, StreamHealth, StreamReport, UnroutedCounters
 from kvindex.indexer.index.protocol import BlockIndex
 
 
@@ -67,6 +67,7 @@ class Registry:
         self._stale_after_s = stale_after_s
         self._clock = clock
         self._version = 0
+        self._unrouted = UnroutedCounters()
 
     # --- replicas ------------------------------------------------------------------------
 
@@ -122,7 +123,17 @@ class Registry:
                 health = self._health[stream] = StreamHealth()
             health.update(report, now)
 
+    def record_unrouted(self, totals: UnroutedCounters) -> None:
+        """Replace the bound SUB's unrouted counters with the write path's running totals."""
+        with self._lock:
+            self._unrouted = replace(totals)
+
     # --- reading -------------------------------------------------------------------------
+
+    def unrouted(self) -> UnroutedCounters:
+        """A copy of the bound SUB's counters of frames that reached no stream."""
+        with self._lock:
+            return replace(self._unrouted)
 
     def status(self, stream: StreamId) -> StreamStatus | None:
         with self._lock:
@@ -221,6 +232,8 @@ class FleetTotals:
     """Blocks the index holds on each tier, over every stream (empty: index not read)."""
     counters: StreamCounters
     """Every stream's counters, added."""
+    unrouted: UnroutedCounters = field(default_factory=UnroutedCounters)
+    """Frames of the bound SUB that reached no stream."""
 
 
 def fleet_totals(
@@ -249,7 +262,8 @@ def fleet_totals(
             for tier, count in index.stats(status.stream).blocks_by_tier.items():
                 blocks[tier] += count
     num_replicas = len(registry.replicas())
-    return FleetTotals(num_replicas, len(statuses), by_freshness, blocks, counters)
+    unrouted = registry.unrouted()
+    return FleetTotals(num_replicas, len(statuses), by_freshness, blocks, counters, unrouted)
 
 
 class RegistryView(Protocol):
@@ -281,3 +295,7 @@ class RegistryView(Protocol):
     def stream_ids(self) -> list[StreamId]: ...
 
     def block_size(self, model: str) -> int | None: ...
+
+    def unrouted(self) -> UnroutedCounters:
+        """Frames of the bound SUB that reached no stream (zeros where not known)."""
+        ...
