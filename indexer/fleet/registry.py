@@ -191,12 +191,20 @@ class Registry:
 
 
 def freshness_of(health: StreamHealth, silent_s: float | None, stale_after_s: float) -> Freshness:
-    """The freshness rule, shared by the in-process registry and the Redis fleet view."""
+    """The freshness rule, shared by the in-process registry and the Redis fleet view.
+
+    Replaying while a replay is open. Otherwise stale when silent for more than
+    ``stale_after_s``, when disconnected (since the socket monitor said so), or when
+    neither connected nor ever heard from (a connect-mode stream whose endpoint is dead or
+    not up yet: what the index holds for it, e.g. from before an indexer restart, cannot be
+    vouched for). Else live: connected, or heard from recently (bind-mode streams have no
+    connection state; their first batch is what makes them known).
+    """
     if health.replaying:
         return Freshness.REPLAYING
     if silent_s is not None and silent_s > stale_after_s:
         return Freshness.STALE
-    if not health.connected and health.disconnected_at is not None:
+    if not health.connected and (health.disconnected_at is not None or silent_s is None):
         return Freshness.STALE
     return Freshness.LIVE
 
