@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 
 from kvindex.indexer.events import StreamId, Tier
 from kvindex.indexer.fleet.registry import FleetTotals, RegistryView, fleet_totals
-from kvindex.indexer.health import StreamCounters
+from kvindex.indexer.health import StreamCounters, UnroutedCounters
 from kvindex.indexer.index.protocol import (
     ApplyResult,
     BatchOps,
@@ -103,12 +103,25 @@ class _IngestCollector(Collector):
         return gauge
 
 
-def _fleet(totals: FleetTotals) -> Iterator[GaugeMetricFamily]:
+def _fleet(totals: FleetTotals) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
     yield GaugeMetricFamily("kvindex_replicas", "Replicas registered", value=totals.num_replicas)
     streams = GaugeMetricFamily("kvindex_streams", "Streams by freshness", labels=["state"])
     for freshness, count in totals.num_streams_by_freshness.items():
         streams.add_metric([freshness.value], count)
     yield streams
+    yield _unrouted(totals.unrouted)
+
+
+def _unrouted(unrouted: UnroutedCounters) -> CounterMetricFamily:
+    family = CounterMetricFamily(
+        "kvindex_unrouted_frames",
+        "Frames of the bound SUB that reached no stream, by reason",
+        labels=["reason"],
+    )
+    family.add_metric(["undecodable"], unrouted.num_undecodable)
+    family.add_metric(["unidentified"], unrouted.num_unidentified)
+    family.add_metric(["refused"], unrouted.num_refused)
+    return family
 
 
 class TimedIndex:

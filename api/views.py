@@ -82,7 +82,7 @@ def stats_view(registry: RegistryView, index: BlockIndex) -> StatsView:
         gaps=counters.num_gaps,
         replays=counters.num_replays,
         restarts=counters.num_restarts,
-        decode_errors=counters.num_decode_errors,
+        decode_errors=counters.num_decode_errors + totals.unrouted.num_undecodable,
     )
 
 

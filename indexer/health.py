@@ -62,6 +62,20 @@ class StreamCounters:
 
 
 @dataclass(slots=True)
+class UnroutedCounters:
+    """Frames of the bound SUB that reached no stream: running totals, kept by the pipeline
+    and published whole to the registry (``Registry.record_unrouted``)."""
+
+    num_undecodable: int = 0
+    """Frames that could not be decoded (so name no stream)."""
+    num_unidentified: int = 0
+    """Batches whose topic names no replica, or of a stream nobody registered."""
+    num_refused: int = 0
+    """Batches whose topic would register a replica past a limit: an id or model name too
+    long, a rank out of range, or more self-registered replicas than allowed."""
+
+
+@dataclass(slots=True)
 class StreamReport(StreamCounters):
     """What the write path learnt about one stream since it last told the registry.
 

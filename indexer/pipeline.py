@@ -23,14 +23,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from kvindex.indexer.errors import SettingsError
 from kvindex.indexer.events import EventBatch, StreamId, Topic
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
-from kvindex.indexer.health import StreamReport
+from kvindex.indexer.health import StreamReport, UnroutedCounters
 from kvindex.indexer.index.protocol import BlockIndex, IndexUnavailableError, drop_replica
 from kvindex.indexer.ingest import Ingestor
 from kvindex.indexer.redis_schema import SchemaError, check_name
@@ -57,12 +57,12 @@ class ReplayRequests(Protocol):
         ...
 
 
-@dataclass(slots=True)
-class UnroutedCounters:
-    """Frames that belong to no known stream (bind mode)."""
-
-    num_undecodable: int = 0
-    num_unidentified: int = 0
+MAX_TOPIC_ID_CHARS = 128
+"""Longest replica id a topic may register (bind mode)."""
+MAX_TOPIC_MODEL_CHARS = 256
+"""Longest model name a topic may register (bind mode)."""
+MAX_TOPIC_RANKS = 1024
+"""A self-registered stream's data-parallel rank (from the payload) is below this."""
 
 
 @dataclass(slots=True)
@@ -110,6 +110,9 @@ class Pipeline:
         self._runtimes: dict[StreamId, _Runtime] = {}
         self._known_version = -1
         self.counters = UnroutedCounters()
+        """Running totals, published to the registry after each call that changed them."""
+        self._num_self_registered = 0
+        self._published = UnroutedCounters()
 
     # --- the fleet -----------------------------------------------------------------------
 
@@ -166,6 +169,9 @@ class Pipeline:
             runtime.queued = False
             self._flush(runtime)
             self._record(runtime)
+        if self.counters != self._published:
+            self._published = replace(self.counters)
+            self._registry.record_unrouted(self._published)
 
     def _on_batch(self, stream: StreamId | None, topic: str, batch: EventBatch) -> _Runtime | None:
         runtime = self._runtime_for(stream, topic, batch)
@@ -215,33 +221,64 @@ class Pipeline:
         return runtime
 
     def _register_from_topic(self, topic: str, rank: int) -> _Runtime | None:
-        """Bind mode: the topic ``kv@<replica>@<model>`` names the stream."""
+        """Bind mode: the topic ``kv@<replica>@<model>`` names the stream. A replica not yet
+        registered is registered from it within the limits (id and model length, rank
+        range, ``max_self_registered``); a batch past them is counted as refused."""
         parsed = Topic.parse(topic)
         replica = parsed.replica or topic
         stream = StreamId(replica, rank)
         runtime = self._runtimes.get(stream)
         if runtime is not None:
             return runtime
-        spec = self._registry.get(replica) or self._spec_from_topic(replica, parsed.model)
+        spec = self._registry.get(replica)
         if spec is None:
-            self.counters.num_unidentified += 1
-            if self.counters.num_unidentified == 1:
-                log.warning("event with topic %r names no replica (further ones counted)", topic)
+            spec = self._spec_from_topic(topic, replica, parsed.model)
+        if spec is None or not self._rank_in_range(spec, rank, topic):
             return None
         if self._registry.add(spec):
+            self._num_self_registered += 1
             self._known_version = self._registry.version  # nothing to open for it
-        log.info("replica %s rank %d registered from its topic %r", replica, rank, topic)
+        log.info("replica %s rank %d registered from its topic %r", replica, rank, topic[:200])
         return self._runtime(stream, spec)
 
-    def _spec_from_topic(self, replica: str, model: str | None) -> ReplicaSpec | None:
+    def _spec_from_topic(self, topic: str, replica: str, model: str | None) -> ReplicaSpec | None:
         model = model or self._settings.default_model
         if not replica or model is None:
+            self._unrouted("unidentified", "event with topic %r names no replica", topic)
+            return None
+        if (
+            len(replica) > MAX_TOPIC_ID_CHARS
+            or len(model) > MAX_TOPIC_MODEL_CHARS
+            or self._num_self_registered >= self._settings.max_self_registered
+        ):
+            self._unrouted("refused", "topic %r refused: past a registration limit", topic)
             return None
         try:
             check_name("replica id", replica)
             return ReplicaSpec(id=replica, model=model)
         except (SchemaError, SettingsError):
+            self._unrouted("refused", "topic %r refused: not a valid replica id", topic)
             return None
+
+    def _rank_in_range(self, spec: ReplicaSpec, rank: int, topic: str) -> bool:
+        """A rank from the payload: below the spec's ``dp_size`` if it declares several,
+        else below :data:`MAX_TOPIC_RANKS`."""
+        limit = spec.dp_size if spec.dp_size > 1 else MAX_TOPIC_RANKS
+        if 0 <= rank < limit:
+            return True
+        self._unrouted("refused", "topic %r refused: rank out of range", topic)
+        return False
+
+    def _unrouted(self, kind: str, message: str, topic: str) -> None:
+        """Count a batch that reaches no stream; the first of each kind is logged."""
+        if kind == "refused":
+            self.counters.num_refused += 1
+            first = self.counters.num_refused == 1
+        else:
+            self.counters.num_unidentified += 1
+            first = self.counters.num_unidentified == 1
+        if first:
+            log.warning(message + " (further ones counted)", topic[:200])
 
     def _runtime(self, stream: StreamId, spec: ReplicaSpec) -> _Runtime:
         runtime = self._runtimes.get(stream)

@@ -54,6 +54,9 @@ class IndexerSettings:
     each is identified by its topic ``kv@<replica>@<model>`` and registered on first event."""
     default_model: str | None = None
     """Model of a self-registering replica whose topic carries none."""
+    max_self_registered: int = 1000
+    """Most replicas the bound SUB registers from topics; further new topics are refused
+    and counted (``unrouted.num_refused``)."""
     replicas: tuple[ReplicaSpec, ...] = ()
     """Replicas to subscribe to (connect mode)."""
     stale_after_s: float = 300.0
@@ -81,6 +84,10 @@ class IndexerSettings:
         except SchemaError as exc:
             raise SettingsError(str(exc)) from exc
         check_endpoint("bind", self.bind)
+        if self.max_self_registered < 0:
+            raise SettingsError(
+                f"max_self_registered must be >= 0, got {self.max_self_registered!r}"
+            )
         for name in ("stale_after_s", "purge_after_s", "replay_timeout_s", "rebuild_cooldown_s"):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name} must be >= 0, got {getattr(self, name)!r}")

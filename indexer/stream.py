@@ -10,9 +10,23 @@ pipeline carries the step out. Rules:
   A gap found among the buffered batches starts another replay, unless the replay failed
   or the gap begins where the replay began (it had nothing to give): then it is applied
   through and counted as unrepaired.
-* ``seq <= last`` on the live stream is a duplicate only if it is a batch already seen
-  (same seq *and* same engine timestamp, as after a replay overlap); otherwise the engine
-  restarted (vLLM restarts its counter at 0): clear the stream and resync.
+* ``seq <= last`` on the live stream is either a duplicate or the first batch heard from a
+  restarted engine (vLLM restarts its counter at 0; its first batches may be lost before
+  the socket connects, so the seq seen may be above 0). The live batch alone cannot tell
+  (a peer may repeat a seq with any payload), so nothing is cleared on its word:
+
+  - a batch already seen (same seq *and* same engine timestamp, as after a replay
+    overlap) is a duplicate: counted and dropped;
+  - otherwise, with a replay endpoint, the stream is checked by a replay from 0 (nothing
+    cleared meanwhile): the engine's own history shows a restart (a remembered seq with
+    another timestamp, or a whole history that ends below ``last``), and then the stream
+    is cleared and rebuilt from it; if it shows none, the batch was a duplicate;
+  - without one, the batch is held and the next live batch decides: if it follows the
+    held one and is still at or below ``last`` (the counter moves on from the low seq),
+    the engine restarted: clear, apply both. Anything else (e.g. ``last + 1``: the old
+    counter goes on) makes the held batch a duplicate, counted and dropped. A restart
+    whose first batches were all lost and whose counter meets the old one exactly at
+    ``last`` is then taken for a duplicate: only a replay endpoint can see it.
 * On start or reconnect the stream resyncs: replay from the oldest available batch (0);
   batches at or below what was applied are skipped, unless the engine restarted meanwhile,
   shown by a timestamp that differs from the one remembered for that seq, or by a replay
@@ -23,7 +37,7 @@ pipeline carries the step out. Rules:
 * A *rebuild* (to repair orphaned stores) also replays from 0; if the engine still holds
   its whole history (the replay starts at seq 0), the stream is cleared and rebuilt.
 * Without a replay endpoint, gaps are applied through and counted as unrepaired, and a
-  restart clears the stream and applies the batch.
+  confirmed restart (above) clears the stream and applies the batches.
 * A replay that starts later than asked (the engine's buffer no longer reaches back) is
   counted as truncated; what it returns is applied.
 """
@@ -47,6 +61,9 @@ class Mode(enum.Enum):
     NEW = "new"
     LIVE = "live"
     REPLAYING = "replaying"
+    SUSPECT = "suspect"
+    """A backwards live batch is held until the next one tells a restart from a duplicate
+    (no replay endpoint). Not LIVE, so :meth:`StreamTracker.accept_next` declines."""
 
 
 @dataclass(slots=True)
@@ -70,7 +87,8 @@ class _Replay:
     gap_seq: int | None = None
     """Seq of the live batch whose gap started this replay (that gap is already counted)."""
     for_restart: bool = False
-    """Started because ``pending[0]`` revealed a restart; the replay supersedes that batch."""
+    """Started to check whether ``pending[0]`` (a backwards batch) means a restart; the
+    replay supersedes that batch."""
     num_received: int = 0
     first_seq: int | None = None
     max_seq: int = -1
@@ -101,6 +119,7 @@ class StreamTracker:
         if watermark >= 0 and last_ts is not None:
             self._seen[watermark] = last_ts
         self._replay: _Replay | None = None
+        self._suspect: EventBatch | None = None
         self._max_pending = max_pending
 
     @property
@@ -112,7 +131,8 @@ class StreamTracker:
     def resync(self, *, rebuild: bool = False) -> Step:
         """Start (or reconnect): replay from the oldest batch the engine still buffers."""
         if not self.can_replay:
-            self.mode = Mode.LIVE
+            if self._suspect is None:
+                self.mode = Mode.LIVE
             return Step()
         if self._replay is not None:
             return Step()
@@ -135,6 +155,8 @@ class StreamTracker:
             return self._buffer(batch)
         if self.mode is Mode.NEW and self.can_replay:
             return self._start_replay(0, rebuild=False, pending=[batch])
+        if self._suspect is not None:
+            return self._judge_suspect(self._suspect, batch)
         self.mode = Mode.LIVE
         return self._live(batch, repair_above=-1)
 
@@ -220,17 +242,32 @@ class StreamTracker:
         return step
 
     def _backwards(self, batch: EventBatch) -> Step:
-        """A live batch at or below ``last_seq``: a duplicate, or the engine restarted."""
+        """A live batch at or below ``last_seq``: a duplicate, or a restarted engine's.
+
+        Nothing is cleared yet: a replay from 0 (with an endpoint) or the next live batch
+        (without) decides, as the module's rules say."""
         if self._is_known(batch, in_replay=False):
             self.counters.num_duplicates += 1
             return Step()
-        step = self._restart()
         if self.can_replay:
-            resync = self._start_replay(0, rebuild=False, pending=[batch], for_restart=True)
-            step.replay_from = resync.replay_from
-        else:
-            self._apply(batch, step)
-        return step
+            return self._start_replay(0, rebuild=False, pending=[batch], for_restart=True)
+        self._suspect = batch
+        self.mode = Mode.SUSPECT
+        return Step()
+
+    def _judge_suspect(self, suspect: EventBatch, batch: EventBatch) -> Step:
+        """The live batch after a held backwards one: a restart if the counter moves on
+        from the held seq while still at or below ``last_seq``; else the held one was a
+        duplicate."""
+        self._suspect = None
+        self.mode = Mode.LIVE
+        if suspect.seq < batch.seq <= self.last_seq:
+            step = self._restart()
+            self._apply(suspect, step)
+            _then(step, self._live(batch, repair_above=-1))
+            return step
+        self.counters.num_duplicates += 1
+        return self._live(batch, repair_above=-1)
 
     def _is_known(self, batch: EventBatch, *, in_replay: bool) -> bool:
         """Whether a batch at or below ``last_seq`` was already applied.

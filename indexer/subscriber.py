@@ -130,8 +130,14 @@ class Subscriber:
                 time.sleep(0.1)
 
     def run_once(self, timeout_ms: int = _POLL_MS) -> None:
-        """One loop turn: reconcile replicas, poll, handle, expire, maintain."""
+        """One loop turn: reconcile replicas, poll, handle, expire, maintain.
+
+        It waits up to ``timeout_ms`` for a socket (or for :meth:`stop`): with no socket
+        registered ``zmq.Poller.poll`` returns at once, which would spin a core.
+        """
         self._reconcile()
+        if not self._poller.sockets:
+            self._stop.wait(timeout_ms / 1000)
         for sock, _ in self._poller.poll(timeout_ms):
             self._dispatch(sock)
         self._expire_replays()

@@ -428,7 +428,9 @@ def encode_seq(seq: int) -> bytes:
 
 
 def decode_seq(frame: bytes) -> int:
-    """The 8-byte big-endian sequence frame; the replay end marker decodes as ``END_SEQ``."""
+    """The 8-byte big-endian sequence frame, an ``int`` with ``0 <= seq < 2**64 - 1``; the
+    replay end marker (``0xFF * 8``) decodes as ``END_SEQ``. Raises :class:`WireError` for
+    any other length."""
     if len(frame) != SEQ_BYTES:
         raise WireError(f"sequence frame must be {SEQ_BYTES} bytes, got {len(frame)}")
     if frame == END_SEQ_BYTES:
@@ -449,12 +451,15 @@ def encode_live(topic: bytes, seq: int, payload: bytes) -> list[bytes]:
 
 
 def decode_live(frames: list[bytes]) -> LiveMessage:
-    """A live PUB message ``[topic, seq, payload]``."""
+    """A live PUB message ``[topic, seq, payload]``; its seq is ``0 <= seq < 2**64 - 1``
+    (the end marker's seq is refused: :class:`WireError`)."""
     if len(frames) != 3:
         raise WireError(f"live message must have 3 frames, got {len(frames)}")
     topic_frame, seq_frame, payload = frames
     topic = _decode_topic(topic_frame)
     seq = decode_seq(seq_frame)
+    if seq == END_SEQ:
+        raise WireError("live seq 0xFF * 8 is the replay end marker's, never a batch's")
     return LiveMessage(topic, decode_payload(payload, seq))
 
 

@@ -50,18 +50,21 @@ def _named(state: Freshness, streams: list[str]) -> str:
 
 
 def status_line(status: FleetStatus, batches_per_s: float | None) -> str:
-    """``status`` as one line (no newline); ``batches_per_s`` None: not known yet."""
+    """``status`` as one line (no newline); ``batches_per_s`` None: not known yet. Frames of
+    the bound SUB that reached no stream are shown only when there are some."""
     totals, counters = status.totals, status.totals.counters
     num = totals.num_streams
     states = ", ".join(_named(s, names) for s, names in status.streams_by_freshness.items())
     blocks = " ".join(f"{t.name.lower()} {n:,}" for t, n in totals.blocks_by_tier.items())
     rate = "-" if batches_per_s is None else f"{batches_per_s:.1f}"
     lag = "-" if status.max_lag_s is None else f"{status.max_lag_s:.3f}s"
+    unrouted = totals.unrouted
+    num_unrouted = unrouted.num_undecodable + unrouted.num_unidentified + unrouted.num_refused
     return (
         f"{num} stream{'' if num == 1 else 's'}: {states} · blocks {blocks} · {rate} batches/s"
         f" · lag max {lag} · gaps {counters.num_gaps} · replays {counters.num_replays}"
         f" · restarts {counters.num_restarts} · errors {counters.num_errors}"
-    )
+    ) + (f" · unrouted {num_unrouted}" if num_unrouted else "")
 
 
 @dataclass

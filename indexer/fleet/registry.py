@@ -14,12 +14,12 @@ import enum
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol
 
 from kvindex.indexer.events import StreamId, Tier
 from kvindex.indexer.fleet.replica import ReplicaSpec
-from kvindex.indexer.health import StreamCounters, StreamHealth, StreamReport
+from kvindex.indexer.health import StreamCounters, StreamHealth, StreamReport, UnroutedCounters
 from kvindex.indexer.index.protocol import BlockIndex
 
 
@@ -67,6 +67,7 @@ class Registry:
         self._stale_after_s = stale_after_s
         self._clock = clock
         self._version = 0
+        self._unrouted = UnroutedCounters()
 
     # --- replicas ------------------------------------------------------------------------
 
@@ -122,7 +123,17 @@ class Registry:
                 health = self._health[stream] = StreamHealth()
             health.update(report, now)
 
+    def record_unrouted(self, totals: UnroutedCounters) -> None:
+        """Replace the bound SUB's unrouted counters with the write path's running totals."""
+        with self._lock:
+            self._unrouted = replace(totals)
+
     # --- reading -------------------------------------------------------------------------
+
+    def unrouted(self) -> UnroutedCounters:
+        """A copy of the bound SUB's counters of frames that reached no stream."""
+        with self._lock:
+            return replace(self._unrouted)
 
     def status(self, stream: StreamId) -> StreamStatus | None:
         with self._lock:
@@ -180,12 +191,20 @@ class Registry:
 
 
 def freshness_of(health: StreamHealth, silent_s: float | None, stale_after_s: float) -> Freshness:
-    """The freshness rule, shared by the in-process registry and the Redis fleet view."""
+    """The freshness rule, shared by the in-process registry and the Redis fleet view.
+
+    Replaying while a replay is open. Otherwise stale when silent for more than
+    ``stale_after_s``, when disconnected (since the socket monitor said so), or when
+    neither connected nor ever heard from (a connect-mode stream whose endpoint is dead or
+    not up yet: what the index holds for it, e.g. from before an indexer restart, cannot be
+    vouched for). Else live: connected, or heard from recently (bind-mode streams have no
+    connection state; their first batch is what makes them known).
+    """
     if health.replaying:
         return Freshness.REPLAYING
     if silent_s is not None and silent_s > stale_after_s:
         return Freshness.STALE
-    if not health.connected and health.disconnected_at is not None:
+    if not health.connected and (health.disconnected_at is not None or silent_s is None):
         return Freshness.STALE
     return Freshness.LIVE
 
@@ -221,6 +240,8 @@ class FleetTotals:
     """Blocks the index holds on each tier, over every stream (empty: index not read)."""
     counters: StreamCounters
     """Every stream's counters, added."""
+    unrouted: UnroutedCounters = field(default_factory=UnroutedCounters)
+    """Frames of the bound SUB that reached no stream."""
 
 
 def fleet_totals(
@@ -249,7 +270,8 @@ def fleet_totals(
             for tier, count in index.stats(status.stream).blocks_by_tier.items():
                 blocks[tier] += count
     num_replicas = len(registry.replicas())
-    return FleetTotals(num_replicas, len(statuses), by_freshness, blocks, counters)
+    unrouted = registry.unrouted()
+    return FleetTotals(num_replicas, len(statuses), by_freshness, blocks, counters, unrouted)
 
 
 class RegistryView(Protocol):
@@ -281,3 +303,7 @@ class RegistryView(Protocol):
     def stream_ids(self) -> list[StreamId]: ...
 
     def block_size(self, model: str) -> int | None: ...
+
+    def unrouted(self) -> UnroutedCounters:
+        """Frames of the bound SUB that reached no stream (zeros where not known)."""
+        ...

@@ -29,6 +29,7 @@ from kvindex.indexer.fleet.registry import (
 )
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.fleet.sync import decode_record, decode_spec, encode_spec, read_replicas
+from kvindex.indexer.health import UnroutedCounters
 from kvindex.indexer.index.redis import unavailable_on_connection_errors
 from kvindex.indexer.redis_schema import Schema, check_name
 
@@ -123,6 +124,11 @@ class RedisFleetView:
             StreamFreshness(s.stream, s.freshness, s.health.lag_s, s.silent_s)
             for s in self._current().statuses
         ]
+
+    def unrouted(self) -> UnroutedCounters:
+        """Zeros: the indexer does not publish its bound SUB's unrouted counters to Redis
+        (yet); its own process reads them from its registry."""
+        return UnroutedCounters()
 
     def block_size(self, model: str) -> int | None:
         """The block size the model's replicas publish (the most common one), if seen."""

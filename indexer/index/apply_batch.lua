@@ -1,6 +1,6 @@
 -- Apply consecutive batches of one stream, each atomically with the stream's watermark.
 -- KEYS: meta, keys (block field -> packed tier counts), hash (engine hash -> block key)
--- ARGV: n, then n times: seq, ts, ops (18-byte records: kind u8, tier u8, engine hash 8B,
+-- ARGV: n, then n times: seq (a decimal integer, 0 <= seq < 2^64), ts, ops (18-byte records: kind u8, tier u8, engine hash 8B,
 --       block key 8B big-endian; kinds 0 store, 1 store by hash, 2 remove, 3 clear)
 -- A block's field in `keys` is the low 6 bytes of its key (memory: see redis_schema.py);
 -- its counts are one integer gpu + cpu * 2^16 + other * 2^32, so a store is one HINCRBY.
@@ -13,8 +13,19 @@
 local meta, keys, hashes = KEYS[1], KEYS[2], KEYS[3]
 local call, byte, sub, floor, unpack = redis.call, string.byte, string.sub, math.floor, unpack
 local CHUNK = 2000
+-- Seqs are compared as decimal strings left-padded to 20 digits, never as Lua numbers:
+-- those are doubles, exact only below 2^53, and a seq may be any value below 2^64. The
+-- watermark is stored as the seq's own decimal string; one that is not a decimal integer
+-- (as a float written by older code) counts as no watermark and is overwritten.
+local function padded(s)
+  return string.rep('0', 20 - #s) .. s
+end
 local stored_wm = call('HGET', meta, 'wm')
-local wm = tonumber(stored_wm or '-1')
+local wm_text = nil
+local wm = ''   -- below every padded seq
+if stored_wm and string.find(stored_wm, '^%d+$') and #stored_wm <= 20 then
+  wm = padded(stored_wm)
+end
 local fresh = stored_wm and 0 or 1
 local UNIT = {1, 65536, 4294967296}
 local delta = {0, 0, 0}
@@ -103,12 +114,14 @@ end
 
 local n = tonumber(ARGV[1])
 for i = 0, n - 1 do
-  local seq = tonumber(ARGV[2 + 3 * i])
-  if seq <= wm then
+  local seq_text = ARGV[2 + 3 * i]
+  local seq = padded(seq_text)
+  if sub(seq_text, 1, 1) == '-' or seq <= wm then   -- a negative seq is below any watermark
     out[#out + 1] = 0; out[#out + 1] = 0; out[#out + 1] = 0
   else
     local unknown, unresolved = apply(ARGV[4 + 3 * i])
     wm = seq
+    wm_text = seq_text
     last_ts = ARGV[3 + 3 * i]
     out[#out + 1] = 1; out[#out + 1] = unknown; out[#out + 1] = unresolved
   end
@@ -116,7 +129,7 @@ end
 
 if last_ts then
   write_staged()
-  call('HSET', meta, 'wm', wm, 'ts', last_ts)
+  call('HSET', meta, 'wm', wm_text, 'ts', last_ts)
   for t = 1, 3 do
     if delta[t] ~= 0 then call('HINCRBY', meta, 'n' .. (t - 1), delta[t]) end
   end

@@ -5,7 +5,8 @@ The index holds, per stream (replica, data-parallel rank):
 * block key → how many times the block is cached on each tier (GPU / CPU / other);
 * engine hash → block key, so that ``BlockRemoved`` (which names engine hashes) and
   tokenless CPU-offload stores can be applied;
-* the stream's watermark (last applied seq) and the time of its last batch.
+* the stream's watermark (last applied seq, an exact ``int``: seqs are
+  ``0 <= seq < MAX_SEQ``, vLLM's unsigned 64-bit counter) and the time of its last batch.
 
 Guarantees every backend gives (the contract suite in ``tests/contract`` checks them):
 
@@ -27,6 +28,9 @@ from typing import Protocol, TypeAlias
 
 from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.events import StreamId, Tier
+
+MAX_SEQ = 2**64
+"""Seqs are below this (the wire's 8-byte unsigned counter); backends store them exactly."""
 
 
 class IndexUnavailableError(KvIndexError):

@@ -21,6 +21,7 @@ from redis.retry import Retry
 
 from kvindex.indexer.events import StreamId, Tier
 from kvindex.indexer.index.protocol import (
+    MAX_SEQ,
     SKIPPED,
     ApplyResult,
     BatchOps,
@@ -122,6 +123,9 @@ class RedisIndex:
             return []
         args: list[bytes | int | str] = [len(batches)]
         for seq, ts, ops in batches:
+            # The script compares seqs as decimal strings (exact below 2**64, where a Lua
+            # number is not); a longer one would compare wrongly.
+            assert seq < MAX_SEQ, seq
             args += (seq, repr(ts), encode_ops(ops))
         keys = self._keys(stream)
         with unavailable_on_connection_errors():
@@ -213,10 +217,19 @@ class RedisIndex:
         ts = meta.get(META_TS)
         return StreamStats(
             stream,
-            int(meta.get(META_WATERMARK, -1)),
+            _watermark(meta.get(META_WATERMARK)),
             None if ts is None else float(ts),
             by_tier,
         )
 
     def close(self) -> None:
         self._client.close()
+
+
+def _watermark(stored: str | None) -> int:
+    """The stored watermark as an exact int; -1 when absent or not a decimal integer (a
+    float such as ``3e+18`` written before seqs were compared as strings: the script treats
+    it the same way and overwrites it with the next batch)."""
+    if stored is None or not (stored.isascii() and stored.isdigit()) or len(stored) > 20:
+        return -1
+    return int(stored)

@@ -94,6 +94,18 @@ def test_lower_seq_is_a_noop(index: BlockIndex) -> None:
     assert index.stats(S).watermark == 5
 
 
+@pytest.mark.parametrize("high", [2**53, 2**63, 2**64 - 2])
+def test_seqs_beyond_a_double_s_precision_stay_exact_integers(index: BlockIndex, high: int) -> None:
+    seed(index, seq=high)
+    assert index.apply(S, high - 1, 9.0, [remove(1)]) == SKIPPED  # equal as doubles
+    assert index.apply(S, high, 9.0, [remove(1)]) == SKIPPED
+    stats = index.stats(S)
+    assert (stats.watermark, type(stats.watermark)) == (high, int)
+    assert index.apply(S, high + 1, 9.0, [remove(1)]).applied
+    assert index.stats(S).watermark == high + 1
+    assert tiers(index, [101]) == ()
+
+
 def test_higher_seq_applies_across_a_gap(index: BlockIndex) -> None:
     seed(index, seq=0)
     assert index.apply(S, 10, 2.0, [remove(1)]).applied

@@ -8,7 +8,7 @@ from kvindex.api.metrics import ApiMetrics
 from kvindex.indexer.events import StreamId
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
-from kvindex.indexer.health import StreamReport
+from kvindex.indexer.health import StreamReport, UnroutedCounters
 from kvindex.indexer.index.memory import MemoryIndex
 
 COUNTER_NAMES = {
@@ -57,3 +57,14 @@ def test_fleet_gauges_count_replicas_and_streams_by_freshness() -> None:
         for state in ("live", "replaying", "stale")
     }
     assert states == {"live": 1, "replaying": 1, "stale": 0}
+
+
+def test_frames_of_the_bound_sub_that_reach_no_stream_are_exported_by_reason() -> None:
+    registry = Registry()
+    registry.record_unrouted(UnroutedCounters(num_undecodable=3, num_refused=2))
+    found = samples(ApiMetrics(registry, MemoryIndex()))
+    by_reason = {
+        reason: found[("kvindex_unrouted_frames_total", (("reason", reason),))]
+        for reason in ("undecodable", "unidentified", "refused")
+    }
+    assert by_reason == {"undecodable": 3, "unidentified": 0, "refused": 2}

@@ -133,6 +133,20 @@ def test_replica_never_heard_of_is_stale_without_a_match(fleet: Fleet) -> None:
     assert c.terms["freshness_factor"] == W.stale_factor
 
 
+def test_a_replica_whose_events_endpoint_never_answered_is_stale_and_does_not_win(
+    fleet: Fleet,
+) -> None:
+    # c's blocks are in the index (from before an indexer restart); its stream is tracked
+    # but its endpoint never answered: nothing vouches for them.
+    ops: list[Op] = [(OpKind.STORE, Tier.GPU, i, k) for i, k in enumerate(KEYS[:3])]
+    fleet.index.apply(StreamId("c"), 0, NOW, ops)
+    fleet.registry.record(StreamId("c"), StreamReport())
+    c = fleet.score()["c"]
+    assert (c.matched_blocks, c.freshness.state) == (3, "stale")
+    assert c.terms["freshness_factor"] == W.stale_factor
+    assert fleet.best() != "c"
+
+
 def test_streams_follow_replicas_added_and_removed(fleet: Fleet) -> None:
     assert set(fleet.score()) == {"a", "b", "c"}
     fleet.registry.add(ReplicaSpec("d", MODEL))

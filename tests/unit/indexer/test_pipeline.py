@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from kvindex.api.views import stats_view
 from kvindex.indexer.events import BlockStored, Event, EventBatch, StreamId, Tier
 from kvindex.indexer.fleet.registry import Freshness, Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
@@ -20,7 +21,12 @@ from kvindex.indexer.index.protocol import (
     StreamStats,
 )
 from kvindex.indexer.keys import block_keys
-from kvindex.indexer.pipeline import Pipeline
+from kvindex.indexer.pipeline import (
+    MAX_TOPIC_ID_CHARS,
+    MAX_TOPIC_MODEL_CHARS,
+    MAX_TOPIC_RANKS,
+    Pipeline,
+)
 from kvindex.indexer.settings import IndexerSettings
 from kvindex.indexer.wire import ReplayReply, encode_batch, encode_live
 from tests.support.clock import Clock
@@ -202,20 +208,34 @@ def test_a_replay_that_times_out_applies_what_waited() -> None:
 def test_an_engine_restart_clears_the_stream_and_resyncs_from_zero() -> None:
     r = rig()
     synced(r, last=2)
-    r.pipeline.handle_live(frames(0, ts=99.0), R1)  # seq went back, a new engine's batch
-    assert r.blocks(0) == 0
-    assert r.replays.started[-1] == (R1, REPLAY, 0)
-    assert r.health().num_restarts == 1
+    r.pipeline.handle_live(frames(0, ts=99.0), R1)  # seq went back, a new engine's batch?
+    assert r.replays.started[-1] == (R1, REPLAY, 0)  # the engine's replay will tell
     r.pipeline.on_replay(R1, replies(batch(0, ts=99.0)))
-    assert (r.blocks(0), r.health().last_seq) == (1, 0)
+    assert r.health().num_restarts == 1
+    assert (r.blocks(0), r.blocks(0, 1), r.health().last_seq) == (1, 1, 0)
 
 
 def test_without_replay_a_restart_clears_and_applies_the_new_batch() -> None:
     r = rig(replay=False)
     r.pipeline.handle_frames([frames(0), frames(1)], R1)
-    r.pipeline.handle_live(frames(0, ts=99.0), R1)
-    assert (r.health().num_restarts, r.health().last_seq) == (1, 0)
-    assert (r.blocks(0), r.blocks(0, 1)) == (1, 1)
+    r.pipeline.handle_frames([frames(0, ts=99.0), frames(1, ts=99.5)], R1)
+    assert (r.health().num_restarts, r.health().last_seq) == (1, 1)
+    assert r.blocks(0, 1) == 2
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_a_repeated_live_seq_is_a_duplicate_not_a_restart(replay: bool) -> None:
+    r = rig(replay=replay)
+    if replay:
+        synced(r, last=-1)
+    r.pipeline.handle_frames([frames(0), frames(1), frames(2)], R1)
+    r.pipeline.handle_live(frames(2, ts=77.0), R1)  # seq 2 again, another payload
+    r.pipeline.on_replay(R1, replies(batch(0), batch(1), batch(2)))  # ignored without replay
+    r.pipeline.handle_live(frames(3), R1)
+    assert r.blocks(0, 1, 2, 3) == 4
+    health = r.health()
+    assert (health.num_restarts, health.last_seq) == (0, 3)
+    assert health.num_duplicates >= 1
 
 
 def test_orphaned_stores_rebuild_by_replay_once_per_cooldown() -> None:
@@ -261,6 +281,35 @@ def test_frames_of_no_known_stream_are_counted_apart() -> None:
 
 
 # --- registration and removal ---------------------------------------------------------------
+
+
+def topic_frames(topic: bytes, rank: int = 0) -> list[bytes]:
+    payload = encode_batch([], ts=10.0, rank=rank, encoding="map")
+    return encode_live(topic, 0, payload)
+
+
+def test_undecodable_frames_on_the_bound_sub_reach_the_registry() -> None:
+    r = rig()
+    r.pipeline.handle_frames([[b"x"], [TOPIC, b"\x00" * 8, b"\xc1"]], None)
+    assert r.registry.unrouted().num_undecodable == 2
+    assert stats_view(r.registry, r.index).decode_errors == 2
+
+
+def test_the_bound_sub_registers_topics_only_within_limits() -> None:
+    r = rig(max_self_registered=2)
+    refused = [
+        topic_frames(b"kv@" + b"i" * (MAX_TOPIC_ID_CHARS + 1) + b"@m"),
+        topic_frames(b"kv@long-model@" + b"m" * (MAX_TOPIC_MODEL_CHARS + 1)),
+        topic_frames(b"kv@bad-rank@m", rank=-1),
+        topic_frames(b"kv@high-rank@m", rank=MAX_TOPIC_RANKS),
+    ]
+    r.pipeline.handle_frames(refused, None)
+    accepted = [topic_frames(b"kv@a@m"), topic_frames(b"kv@b@m", rank=MAX_TOPIC_RANKS - 1)]
+    r.pipeline.handle_frames([*accepted, topic_frames(b"kv@c@m")], None)
+    assert [spec.id for spec in r.registry.replicas()] == ["a", "b", "r1"]
+    assert r.registry.unrouted().num_refused == 5
+    r.pipeline.handle_frames([topic_frames(b"kv@a@m", rank=1)], None)  # known: another rank
+    assert r.registry.status(StreamId("a", 1)) is not None
 
 
 def test_bind_mode_registers_a_replica_from_its_topic() -> None:

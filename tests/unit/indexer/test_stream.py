@@ -180,12 +180,13 @@ def test_empty_replay_does_not_ask_again_for_the_same_gap() -> None:
 # --- restarts and duplicates ----------------------------------------------------------
 
 
-def test_backwards_seq_with_new_ts_is_a_restart_clear_and_replay_from_zero() -> None:
+def test_backwards_seq_with_new_ts_is_checked_by_replay_which_shows_the_restart() -> None:
     tracker = live_tracker(last=5)
-    assert tracker.on_live(b(0, NEW_TS)) == Step(clear=True, replay_from=0)
-    assert tracker.last_seq == -1
+    assert tracker.on_live(b(0, NEW_TS)) == Step(replay_from=0)  # nothing cleared yet
+    assert tracker.last_seq == 5
     assert tracker.on_live(b(1, NEW_TS)) == Step()
     steps = replay(tracker, b(0, NEW_TS), b(1, NEW_TS))
+    assert steps[0].clear
     assert [batch for step in steps for batch in step.batches] == [b(0, NEW_TS), b(1, NEW_TS)]
     assert tracker.on_replay_end() == Step()
     assert tracker.counters.num_restarts == 1
@@ -194,18 +195,43 @@ def test_backwards_seq_with_new_ts_is_a_restart_clear_and_replay_from_zero() -> 
 
 def test_restart_seen_late_recovers_the_batches_it_missed() -> None:
     tracker = live_tracker(last=5)
-    assert tracker.on_live(b(3, NEW_TS)) == Step(clear=True, replay_from=0)
+    assert tracker.on_live(b(3, NEW_TS)) == Step(replay_from=0)
     assert applied(replay(tracker, *(b(s, NEW_TS) for s in range(4)))) == [0, 1, 2, 3]
     assert tracker.on_replay_end() == Step()
 
 
-def test_backwards_seq_without_endpoint_clears_and_applies() -> None:
+def test_backwards_seq_without_endpoint_is_a_restart_once_the_next_batch_follows_it() -> None:
     tracker = StreamTracker(can_replay=False)
     for seq in range(3):
         tracker.on_live(b(seq))
-    assert tracker.on_live(b(0, NEW_TS)) == Step(clear=True, batches=[b(0, NEW_TS)])
-    assert tracker.on_live(b(1, NEW_TS)) == apply(b(1, NEW_TS))
-    assert tracker.counters.num_restarts == 1
+    assert tracker.on_live(b(0, NEW_TS)) == Step()  # held: the next batch decides
+    assert not tracker.accept_next(b(3))
+    step = Step(clear=True, batches=[b(0, NEW_TS), b(1, NEW_TS)])
+    assert tracker.on_live(b(1, NEW_TS)) == step
+    assert tracker.on_live(b(2, NEW_TS)) == apply(b(2, NEW_TS))
+    assert (tracker.counters.num_restarts, tracker.counters.num_duplicates) == (1, 0)
+
+
+def test_a_repeated_live_seq_without_endpoint_is_a_duplicate_whatever_its_payload() -> None:
+    tracker = StreamTracker(can_replay=False)
+    for seq in range(3):
+        tracker.on_live(b(seq))
+    assert tracker.on_live(b(2, NEW_TS)) == Step()
+    assert tracker.on_live(b(1, NEW_TS)) == Step()  # not after the held 2: judged anew
+    assert tracker.on_live(b(3)) == apply(b(3))
+    assert (tracker.counters.num_restarts, tracker.counters.num_duplicates) == (0, 2)
+    assert tracker.last_seq == 3
+
+
+def test_a_repeated_live_seq_with_endpoint_is_a_duplicate_when_the_replay_shows_no_restart() -> (
+    None
+):
+    tracker = live_tracker(last=2)
+    assert tracker.on_live(b(2, NEW_TS)) == Step(replay_from=0)
+    assert applied(replay(tracker, b(0), b(1), b(2))) == []
+    assert tracker.on_replay_end() == Step()
+    assert tracker.on_live(b(3)) == apply(b(3))
+    assert (tracker.counters.num_restarts, tracker.counters.num_duplicates) == (0, 4)
 
 
 def test_late_live_duplicate_after_replay_overlap_is_not_a_restart() -> None:
@@ -220,14 +246,14 @@ def test_late_live_duplicate_after_replay_overlap_is_not_a_restart() -> None:
     assert tracker.counters.num_duplicates == 3  # the buffered 4, then the late 5 and 6
 
 
-def test_a_stale_batch_that_revealed_a_restart_is_judged_only_once() -> None:
+def test_a_stale_batch_is_judged_once_by_the_replay_it_started() -> None:
     tracker = live_tracker(last=3)
     stale = b(1, OLD_TS - 500)  # not what this engine published as seq 1
-    assert tracker.on_live(stale) == Step(clear=True, replay_from=0)
-    assert applied(replay(tracker, *(b(s) for s in range(4)))) == [0, 1, 2, 3]
-    assert tracker.on_replay_end() == Step()  # not another restart: no loop
+    assert tracker.on_live(stale) == Step(replay_from=0)
+    assert applied(replay(tracker, *(b(s) for s in range(4)))) == []  # the same history
+    assert tracker.on_replay_end() == Step()  # no restart, no second replay: no loop
     assert not tracker.replaying
-    assert tracker.counters.num_restarts == 1
+    assert tracker.counters.num_restarts == 0
 
 
 def test_after_an_empty_resync_a_later_seq_is_a_gap() -> None:
@@ -243,8 +269,9 @@ def test_restart_among_buffered_batches_clears_and_resyncs() -> None:
     tracker.on_live(b(4))
     tracker.on_live(b(0, NEW_TS))
     replay(tracker, b(3), b(4))
-    assert tracker.on_replay_end() == Step(clear=True, replay_from=0)
-    assert applied(replay(tracker, b(0, NEW_TS), b(1, NEW_TS))) == [0, 1]
+    assert tracker.on_replay_end() == Step(replay_from=0)  # to check b(0, NEW_TS)
+    steps = replay(tracker, b(0, NEW_TS), b(1, NEW_TS))
+    assert steps[0].clear and applied(steps) == [0, 1]
     assert tracker.on_replay_end() == Step()
     assert tracker.counters.num_restarts == 1
 
@@ -253,7 +280,7 @@ def test_restart_after_a_failed_replay_still_resyncs() -> None:
     tracker = live_tracker(last=2)
     tracker.on_live(b(5))
     tracker.on_live(b(0, NEW_TS))
-    assert tracker.on_replay_failed() == Step(clear=True, replay_from=0)
+    assert tracker.on_replay_failed() == Step(batches=[b(5)], replay_from=0)
     assert tracker.counters.num_unrepaired_gaps == 1
 
 
@@ -305,7 +332,7 @@ def test_empty_replay_proves_nothing_and_the_next_live_batch_decides() -> None:
     tracker = StreamTracker(can_replay=True, watermark=5, last_ts=b(5).ts)
     tracker.resync()
     assert tracker.on_replay_end() == Step()
-    assert tracker.on_live(b(2, NEW_TS)) == Step(clear=True, replay_from=0)
+    assert tracker.on_live(b(2, NEW_TS)) == Step(replay_from=0)
     assert tracker.on_live(b(6)) == Step()  # buffered: the replay from 0 is under way
 
 

@@ -602,8 +602,16 @@ def test_extra_keys_become_one_tuple_or_none_per_block() -> None:
 
 def test_the_sequence_frame_round_trips_and_the_end_marker_is_all_ones() -> None:
     assert encode_seq(END_SEQ) == b"\xff" * 8 and decode_seq(b"\xff" * 8) == END_SEQ
-    for seq in (0, 1, 255, 2**63, 2**64 - 2):
+    for seq in (0, 1, 255, 2**53 + 1, 2**63, 2**64 - 2):
         assert decode_seq(encode_seq(seq)) == seq
+        assert type(decode_seq(encode_seq(seq))) is int
+
+
+def test_a_live_message_with_the_end_markers_seq_is_refused() -> None:
+    payload = encode_batch([], ts=1.0, rank=0, encoding="map")
+    assert decode_live(encode_live(b"kv@r1@m", 2**64 - 2, payload)).batch.seq == 2**64 - 2
+    with pytest.raises(WireError, match="end marker"):
+        decode_live([b"kv@r1@m", b"\xff" * 8, payload])
 
 
 @pytest.mark.parametrize(

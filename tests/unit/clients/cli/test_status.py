@@ -5,13 +5,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
 from kvindex.clients.cli.status import MAX_NAMED, FleetStatus, StatusLog, status_line
 from kvindex.indexer.events import Tier
 from kvindex.indexer.fleet.registry import FleetTotals, Freshness
-from kvindex.indexer.health import StreamCounters
+from kvindex.indexer.health import StreamCounters, UnroutedCounters
 
 
 def fleet(live: int = 2, stale: tuple[str, ...] = ("r3/0",), num_batches: int = 100) -> FleetStatus:
@@ -34,6 +35,13 @@ def test_the_line_has_every_total() -> None:
         "3 streams: 2 live, 0 replaying, 1 stale (r3/0) · blocks gpu 1,204 cpu 16 other 0"
         " · 41.2 batches/s · lag max 0.012s · gaps 2 · replays 1 · restarts 0 · errors 3"
     )
+
+
+def test_the_line_shows_frames_that_reached_no_stream_when_there_are_some() -> None:
+    status = fleet()
+    totals = replace(status.totals, unrouted=UnroutedCounters(num_undecodable=4, num_refused=1))
+    line = status_line(replace(status, totals=totals), 41.25)
+    assert line.endswith(" · errors 3 · unrouted 5")
 
 
 def test_the_line_before_any_batch_or_rate() -> None:

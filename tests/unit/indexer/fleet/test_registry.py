@@ -34,6 +34,17 @@ def test_a_disconnected_stream_is_stale_and_counts_its_time_away() -> None:
     assert [f.freshness for f in registry.freshness()] == [Freshness.STALE]
 
 
+def test_a_stream_never_connected_nor_heard_from_is_stale_until_it_is() -> None:
+    clock = Clock()
+    registry = Registry(clock=clock)
+    registry.record(A0, StreamReport())  # tracked; its endpoint never answered
+    registry.record(B0, StreamReport())
+    assert [f.freshness for f in registry.freshness()] == [Freshness.STALE] * 2
+    registry.record(A0, StreamReport(connected=True))  # connect mode: the monitor says so
+    registry.record(B0, StreamReport(last_seq=0, last_event_ts=clock.now))  # bind mode
+    assert [f.freshness for f in registry.freshness()] == [Freshness.LIVE] * 2
+
+
 def test_fleet_totals_add_up_every_stream_and_its_blocks() -> None:
     registry = Registry((ReplicaSpec("a", "m", dp_size=2), ReplicaSpec("b", "m")))
     index = MemoryIndex()

@@ -320,3 +320,23 @@ def test_index_works_again_when_redis_is_back() -> None:
             assert index.streams() == [S]
         finally:
             index.close()
+
+
+# --- seqs ---------------------------------------------------------------------------------
+
+
+def test_the_watermark_is_stored_as_the_seqs_own_decimal_integer(
+    index: RedisIndex, redis_client: redis.Redis
+) -> None:
+    seq = 3 * 10**18 + 7
+    index.apply(S, seq, 1.0, [store(1, 101)])
+    assert redis_client.hget(SCHEMA.stream(S).meta, META_WATERMARK) == str(seq).encode()
+
+
+def test_a_float_watermark_left_by_older_code_reads_as_none_and_is_overwritten(
+    index: RedisIndex, redis_client: redis.Redis
+) -> None:
+    redis_client.hset(SCHEMA.stream(S).meta, mapping={META_WATERMARK: "3e+18", "ts": "1.0"})
+    assert index.stats(S).watermark == -1
+    assert index.apply(S, 5, 2.0, [store(1, 101)]).applied
+    assert index.stats(S).watermark == 5
