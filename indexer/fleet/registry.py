@@ -170,6 +170,10 @@ class Registry:
             ]
         return most_common(sizes)
 
+    def outage(self) -> None:
+        """Never: an in-process registry is always current."""
+        return None
+
     def disconnected_for(self, stream: StreamId) -> float | None:
         """Seconds a connect-mode stream has been disconnected (None if connected/unknown)."""
         with self._lock:
@@ -281,3 +285,8 @@ class RegistryView(Protocol):
     def stream_ids(self) -> list[StreamId]: ...
 
     def block_size(self, model: str) -> int | None: ...
+
+    def outage(self) -> str | None:
+        """Why the fleet read is the last one known rather than the current one (its store
+        cannot be read, or lost it), or None when it is current."""
+        ...
