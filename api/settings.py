@@ -76,6 +76,12 @@ class ApiSettings:
     """Tokenizations of repeated prompts kept per model."""
     seed: int | None = None
     """Seed of tie-breaks and random policies (tests); None: from the OS."""
+    redis_timeout_s: float = 0.1
+    """Timeout of one Redis call of the API (connect, send, reply): with Redis stopped or
+    overloaded, /score answers ``degraded`` this much later than usual, never later."""
+    redis_cooldown_s: float = 0.5
+    """After a failed Redis call, the API skips Redis this long (answering ``degraded``),
+    then lets one call probe it."""
 
     def __post_init__(self) -> None:
         _check_policy("api.default_policy", self.default_policy)
@@ -84,6 +90,8 @@ class ApiSettings:
         _check_number("api.scrape_interval_s", self.scrape_interval_s, _NON_NEGATIVE)
         _check_number("api.scrape_timeout_s", self.scrape_timeout_s, _POSITIVE)
         _check_number("api.tokenizer_cache_entries", self.tokenizer_cache_entries, _COUNT)
+        _check_number("api.redis_timeout_s", self.redis_timeout_s, _POSITIVE)
+        _check_number("api.redis_cooldown_s", self.redis_cooldown_s, _POSITIVE)
         names = [m.name for m in self.models]
         if len(names) != len(set(names)):
             raise SettingsError(f"models: duplicate names in {names}")

@@ -96,6 +96,8 @@ def test_settings_are_frozen() -> None:
         ({"scrape_interval_s": -1.0}, "api.scrape_interval_s must be a finite number >= 0"),
         ({"scrape_timeout_s": 0}, "api.scrape_timeout_s must be a finite number > 0, got 0"),
         ({"tokenizer_cache_entries": -1}, "api.tokenizer_cache_entries must be an integer >= 0"),
+        ({"redis_timeout_s": 0}, "api.redis_timeout_s must be a finite number > 0, got 0"),
+        ({"redis_cooldown_s": -1}, "api.redis_cooldown_s must be a finite number > 0, got -1"),
         ({"weights": {"speed": 1.0}}, "unknown weights ['speed']"),
         ({"weights": {"cpu": -1.0}}, "weight cpu must be finite and >= 0, got -1.0"),
         ({"weights": {"prefix_blocks": 1.5}}, "weight prefix_blocks must be a whole number"),
