@@ -3,7 +3,8 @@ redis-server that is killed (SIGKILL) or stopped (SIGSTOP) under a small ``/scor
 (50 requests over 1 s, 8 in flight): every answer within 250 ms and ``degraded`` while it is
 down, ``/healthz`` fast, ``/readyz`` 503 within a second; answers normal again once Redis is
 back (restarted empty on the same port: the fleet is kept until the indexer republishes it,
-never a 404). Plus a server that accepts connections and never answers, from the start.
+never a 404). Plus a Redis that never answers a read from the start: a port that accepts
+connections and stays silent, a wrong password.
 """
 
 from __future__ import annotations
@@ -140,9 +141,10 @@ def silent_url() -> Iterator[str]:
         yield f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
 
 
-def test_a_store_silent_from_the_start_gives_prompt_degraded_answers(silent_url: str) -> None:
-    settings = IndexerSettings(store="redis", redis_url=silent_url)
-    deps = api_deps(silent_url, settings, ApiSettings(scrape_interval_s=0.0))
+def _unreadable_from_the_start(url: str) -> None:
+    """An API whose Redis never answers a read: prompt 200 degraded answers, /readyz 503."""
+    settings = IndexerSettings(store="redis", redis_url=url)
+    deps = api_deps(url, settings, ApiSettings(scrape_interval_s=0.0))
     try:
         with BackgroundServer(create_app(deps)) as http:
             samples = run_load(http.base_url, BODY, **{**LOAD, "duration_s": 0.4})
@@ -154,3 +156,15 @@ def test_a_store_silent_from_the_start_gives_prompt_degraded_answers(silent_url:
     assert {s.status for s in samples} == {200}  # not 404 "known models: []"
     assert max(s.latency_s or 9.9 for s in samples) <= BUDGET_S
     assert all(s.degraded is not None and "fleet" in s.degraded for s in samples)
+
+
+def test_a_store_silent_from_the_start_gives_prompt_degraded_answers(silent_url: str) -> None:
+    _unreadable_from_the_start(silent_url)
+
+
+def test_a_wrong_redis_password_gives_degraded_answers_not_unknown_model() -> None:
+    with running_redis() as server:
+        admin = server.client()
+        admin.config_set("requirepass", "secret")  # this private server only
+        admin.close()
+        _unreadable_from_the_start(f"redis://:wrong@127.0.0.1:{server.port}/0")
