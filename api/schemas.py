@@ -95,7 +95,8 @@ class ScoreResponse(msgspec.Struct):
     weights: dict[str, float]
     scores: list[ScoreEntry]
     degraded: str | None = None
-    """Set when the answer was made without the index (e.g. Redis down): load only."""
+    """Set when the answer was made without the index (e.g. Redis down: load only), or on
+    the last fleet state known (the fleet's store unreadable, or it lost the fleet)."""
 
 
 class LoadReport(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -155,7 +155,8 @@ class Scorer:
 
     async def score(self, request: ScoreRequest) -> ScoreResponse:
         specs = self._registry.replicas()
-        candidates = self._candidates(request, specs)
+        outage = self._registry.outage()
+        candidates = self._candidates(request, specs, outage)
         weights = self._weights(request)
         policy = self._policy(request)
         block_size = self.block_size(request.model)
@@ -175,14 +176,20 @@ class Scorer:
             policy=policy.value,
             weights=weights.as_dict(),
             scores=entries,
-            degraded=lookup.degraded,
+            degraded="; ".join(d for d in (lookup.degraded, outage) if d) or None,
         )
 
     # --- 1. model, candidates, policy, weights ------------------------------------------
 
-    def _candidates(self, request: ScoreRequest, specs: Sequence[ReplicaSpec]) -> list[str]:
+    def _candidates(
+        self, request: ScoreRequest, specs: Sequence[ReplicaSpec], outage: str | None
+    ) -> list[str]:
+        """The replicas to rank. A model no replica serves is unknown (404) only when the
+        fleet read is current: during an outage it has no candidates (a degraded answer)."""
         serving = [r.id for r in specs if r.model == request.model]
         if not serving and request.model not in self.known_models():
+            if outage is not None:
+                return []
             raise UnknownModelError(
                 f"unknown model {request.model!r}; known models: {self.known_models()}"
             )

@@ -5,6 +5,13 @@ The in-process store is the default (one process, nothing else to install); with
 ``store = "redis"`` the index and the load both live in Redis, so several API processes
 agree on both. An API-only process also reads the fleet (replicas, stream status) from
 Redis through :class:`~kvindex.indexer.fleet.view.RedisFleetView`.
+
+The API's Redis calls use a connection of their own (:func:`_bounded_stores`): every call
+times out after ``api.redis_timeout_s``, and one
+:class:`~kvindex.indexer.circuit.StoreCircuit` shared by the index, load and fleet reads
+skips Redis for ``api.redis_cooldown_s`` after a failure. One circuit, because the three
+share that connection and its server: the first call to find it down spares the others
+the wait, and one probe per cool-down tells them all that it is back.
 """
 
 from __future__ import annotations
@@ -16,10 +23,13 @@ from dataclasses import dataclass
 import uvicorn
 
 from kvindex.api.app import ApiDeps, create_app
-from kvindex.api.load.store import LoadStore, MemoryLoadStore, RedisLoadStore
+from kvindex.api.load.store import CircuitLoadStore, LoadStore, MemoryLoadStore, RedisLoadStore
 from kvindex.api.settings import ApiSettings
+from kvindex.indexer.circuit import CircuitIndex, StoreCircuit
+from kvindex.indexer.fleet.registry import RegistryView
 from kvindex.indexer.fleet.view import RedisFleetView
-from kvindex.indexer.index.redis import RedisIndex, connect
+from kvindex.indexer.index.protocol import BlockIndex
+from kvindex.indexer.index.redis import RedisIndex, connect_bounded
 from kvindex.indexer.redis_schema import Schema
 from kvindex.indexer.service import IndexerService
 from kvindex.indexer.settings import IndexerSettings
@@ -36,10 +46,14 @@ class Service:
     @classmethod
     def build(cls, settings: IndexerSettings, api: ApiSettings) -> Service:
         indexer = IndexerService.build(settings)
-        loads = _load_store(settings, indexer)
+        index: BlockIndex = indexer.index
+        loads: LoadStore = MemoryLoadStore()
+        if settings.store == "redis":
+            # The API reads through its own bounded connection, not the write path's.
+            index, loads, _ = _bounded_stores(settings.redis_url, settings, api)
         deps = ApiDeps(
             settings=api,
-            index=indexer.index,
+            index=index,
             registry=indexer.registry,
             loads=loads,
             blocking_store=settings.store == "redis",
@@ -51,18 +65,23 @@ class Service:
         self.loads.close()
 
 
-def _load_store(settings: IndexerSettings, indexer: IndexerService) -> LoadStore:
-    if settings.store == "redis" and isinstance(indexer.index, RedisIndex):
-        return RedisLoadStore(indexer.index.client, Schema(settings.redis_prefix))
-    return MemoryLoadStore()
+def _bounded_stores(
+    redis_url: str, settings: IndexerSettings, api: ApiSettings
+) -> tuple[BlockIndex, LoadStore, RegistryView]:
+    """The API's index, load and fleet on one bounded connection and one circuit."""
+    schema = Schema(settings.redis_prefix)
+    client = connect_bounded(redis_url, timeout_s=api.redis_timeout_s)
+    circuit = StoreCircuit(api.redis_cooldown_s)
+    index = CircuitIndex(RedisIndex(client, schema), circuit)
+    loads = CircuitLoadStore(RedisLoadStore(client, schema), circuit)
+    fleet = RedisFleetView(client, schema, stale_after_s=settings.stale_after_s, circuit=circuit)
+    return index, loads, fleet
 
 
 def api_deps(redis_url: str, settings: IndexerSettings, api: ApiSettings) -> ApiDeps:
-    """An API-only process's deps: Redis index, Redis load, Redis fleet view (one client)."""
-    schema = Schema(settings.redis_prefix)
-    index = RedisIndex(connect(redis_url), schema)
-    fleet = RedisFleetView(index.client, schema, stale_after_s=settings.stale_after_s)
-    loads = RedisLoadStore(index.client, schema)
+    """An API-only process's deps: Redis index, Redis load, Redis fleet view (one client,
+    one circuit)."""
+    index, loads, fleet = _bounded_stores(redis_url, settings, api)
     return ApiDeps(settings=api, index=index, registry=fleet, loads=loads, blocking_store=True)
 
 

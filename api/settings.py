@@ -88,6 +88,12 @@ class ApiSettings:
     replica_networks: tuple[str, ...] = ()
     """Networks (CIDR) a replica URL from ``POST /replicas`` may resolve into; empty: any
     address but a link-local one (169.254.0.0/16, fe80::/10)."""
+    redis_timeout_s: float = 0.1
+    """Timeout of one Redis call of the API (connect, send, reply): with Redis stopped or
+    overloaded, /score answers ``degraded`` this much later than usual, never later."""
+    redis_cooldown_s: float = 0.5
+    """After a failed Redis call, the API skips Redis this long (answering ``degraded``),
+    then lets one call probe it."""
 
     def __post_init__(self) -> None:
         _check_policy("api.default_policy", self.default_policy)
@@ -98,6 +104,8 @@ class ApiSettings:
         _check_number("api.tokenizer_cache_entries", self.tokenizer_cache_entries, _COUNT)
         _check_number("api.max_body_bytes", self.max_body_bytes, _POSITIVE_INT)
         _check_number("api.body_timeout_s", self.body_timeout_s, _POSITIVE)
+        _check_number("api.redis_timeout_s", self.redis_timeout_s, _POSITIVE)
+        _check_number("api.redis_cooldown_s", self.redis_cooldown_s, _POSITIVE)
         names = [m.name for m in self.models]
         if len(names) != len(set(names)):
             raise SettingsError(f"models: duplicate names in {names}")

@@ -16,6 +16,7 @@ import msgspec
 import redis
 
 from kvindex.api.load.model import CountedLoad, Load, LoadError, is_newer_or_same
+from kvindex.indexer.circuit import StoreCircuit
 from kvindex.indexer.index.redis import unavailable_on_connection_errors
 from kvindex.indexer.redis_schema import Schema, answers_field, check_name
 
@@ -223,6 +224,36 @@ class RedisLoadStore:
 
     def close(self) -> None:
         self._client.close()
+
+
+class CircuitLoadStore:
+    """A :class:`LoadStore` whose every call goes through a
+    :class:`~kvindex.indexer.circuit.StoreCircuit` (a skipped call raises
+    ``StoreSkippedError``, an ``IndexUnavailableError``)."""
+
+    def __init__(self, inner: LoadStore, circuit: StoreCircuit) -> None:
+        self._inner = inner
+        self._circuit = circuit
+
+    def put(self, replica: str, load: Load) -> None:
+        self._circuit.call(self._inner.put, replica, load)
+
+    def get_many(self, replicas: Sequence[str]) -> dict[str, Load]:
+        return self._circuit.call(self._inner.get_many, replicas)
+
+    def get_counted(
+        self, replicas: Sequence[str], answers: Sequence[str] = ()
+    ) -> dict[str, CountedLoad]:
+        return self._circuit.call(self._inner.get_counted, replicas, answers)
+
+    def claim_scrapes(self, replicas: Sequence[str], hold_s: float) -> set[str]:
+        return self._circuit.call(self._inner.claim_scrapes, replicas, hold_s)
+
+    def remove(self, replica: str) -> None:
+        self._circuit.call(self._inner.remove, replica)
+
+    def close(self) -> None:
+        self._inner.close()
 
 
 def _parse_count(raw: bytes | None) -> int:

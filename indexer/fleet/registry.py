@@ -181,6 +181,10 @@ class Registry:
             ]
         return most_common(sizes)
 
+    def outage(self) -> None:
+        """Never: an in-process registry is always current."""
+        return None
+
     def disconnected_for(self, stream: StreamId) -> float | None:
         """Seconds a connect-mode stream has been disconnected (None if connected/unknown)."""
         with self._lock:
@@ -306,4 +310,9 @@ class RegistryView(Protocol):
 
     def unrouted(self) -> UnroutedCounters:
         """Frames of the bound SUB that reached no stream (zeros where not known)."""
+        ...
+
+    def outage(self) -> str | None:
+        """Why the fleet read is the last one known rather than the current one (its store
+        cannot be read, or lost it), or None when it is current."""
         ...

@@ -2,8 +2,13 @@
 indexer's :class:`~kvindex.indexer.fleet.sync.FleetSync` writes (names in ``redis_schema``).
 
 Reads come from one snapshot (both hashes, one round trip) cached for ``cache_ttl_s``, so
-``/score`` does not ask Redis for the fleet on every request. When Redis cannot be read the
-last snapshot keeps serving (logged): ``/score`` then degrades on the index, not here.
+``/score`` does not ask Redis for the fleet on every request. When Redis cannot be read, or
+its fleet hash lost the indexer's marker (Redis restarted empty, flushed: the indexer
+republishes it within its sync period), the last snapshot keeps serving and
+:meth:`RedisFleetView.outage` says why until a good read; a transition is logged once.
+With a :class:`~kvindex.indexer.circuit.StoreCircuit` (shared with the process's other
+stores), reads skip Redis while it is open and never probe it: reads run on the API's
+event loop, so they must not be the ones that wait on a store that may still be down.
 ``add``/``remove`` write through (raising :class:`IndexUnavailableError` when Redis is
 down) and drop the cache, so this view sees its own writes at once.
 """
@@ -15,10 +20,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, TypeVar, cast
 
 import redis
 
+from kvindex.indexer.circuit import StoreCircuit
 from kvindex.indexer.events import StreamId
 from kvindex.indexer.fleet.registry import (
     Freshness,
@@ -28,11 +34,13 @@ from kvindex.indexer.fleet.registry import (
     snapshot,
 )
 from kvindex.indexer.fleet.replica import ReplicaSpec
-from kvindex.indexer.fleet.sync import decode_record, decode_spec, encode_spec, read_replicas
+from kvindex.indexer.fleet.sync import decode_record, decode_spec, encode_spec, specs_of
 from kvindex.indexer.health import UnroutedCounters
+from kvindex.indexer.index.protocol import IndexUnavailableError
 from kvindex.indexer.index.redis import unavailable_on_connection_errors
-from kvindex.indexer.redis_schema import Schema, check_name
+from kvindex.indexer.redis_schema import FLEET_MARKER, Schema, check_name
 
+T = TypeVar("T")
 log = logging.getLogger("kvindex.fleet")
 
 _REMOVE_LUA = """
@@ -53,6 +61,8 @@ class _Fleet:
     specs: dict[str, ReplicaSpec] = field(default_factory=dict)
     statuses: list[StreamStatus] = field(default_factory=list)
     """Statuses of the streams of ``specs`` only, sorted by stream."""
+    marked: bool = False
+    """The replicas hash held the indexer's marker (absent after a good read: Redis lost it)."""
 
 
 class RedisFleetView:
@@ -67,8 +77,10 @@ class RedisFleetView:
         record_expiry_s: float = 10.0,
         cache_ttl_s: float = 0.5,
         clock: Callable[[], float] = time.time,
+        circuit: StoreCircuit | None = None,
     ) -> None:
         self._client = client
+        self._circuit = circuit
         self._schema = schema or Schema()
         self._stale_after_s = stale_after_s
         self._record_expiry_s = record_expiry_s
@@ -79,28 +91,50 @@ class RedisFleetView:
         self._lock = threading.Lock()
         self._fleet = _Fleet()
         self._expires = float("-inf")
+        self._outage: str | None = None
         self.num_errors = 0
 
     # --- writes --------------------------------------------------------------------------
 
     def add(self, spec: ReplicaSpec) -> bool:
         """Register or update a replica; False if an identical spec was already there."""
+        if not self._guarded(self._write_spec, spec):
+            return False
+        self._invalidate()
+        return True
+
+    def _write_spec(self, spec: ReplicaSpec) -> bool:
         with unavailable_on_connection_errors():
             raw = cast("bytes | None", self._client.hget(self._schema.replicas, spec.id))
             if raw is not None and decode_spec(raw) == spec:
                 return False
             self._client.hset(self._schema.replicas, spec.id, encode_spec(spec))
-        self._invalidate()
         return True
 
     def remove(self, replica: str) -> ReplicaSpec | None:
         """Forget a replica and its streams' statuses (one script); returns the removed spec."""
         check_name("replica id", replica)
         keys = [self._schema.replicas, self._schema.stream_status]
-        with unavailable_on_connection_errors():
-            raw = cast("bytes | None", self._remove(keys=keys, args=[replica]))
-        self._invalidate()
+        raw = self._guarded(self._remove_spec, keys, replica)
+        with self._lock:
+            self._expires = float("-inf")
+            if replica in self._fleet.specs:  # the snapshot may be kept (Redis lost it)
+                specs = {k: v for k, v in self._fleet.specs.items() if k != replica}
+                statuses = [s for s in self._fleet.statuses if s.stream.replica != replica]
+                self._fleet = _Fleet(specs, statuses, self._fleet.marked)
         return None if raw is None else decode_spec(raw)
+
+    def _remove_spec(self, keys: list[str], replica: str) -> bytes | None:
+        with unavailable_on_connection_errors():
+            return cast("bytes | None", self._remove(keys=keys, args=[replica]))
+
+    def _guarded(self, fn: Callable[..., T], *args: Any, probe: bool = True) -> T:
+        """Through the circuit when there is one (reads never as its probe)."""
+        if self._circuit is None:
+            return fn(*args)
+        if probe:
+            return self._circuit.call(fn, *args)
+        return self._circuit.call_if_closed(fn, *args)
 
     # --- reads ---------------------------------------------------------------------------
 
@@ -130,6 +164,11 @@ class RedisFleetView:
         (yet); its own process reads them from its registry."""
         return UnroutedCounters()
 
+    def outage(self) -> str | None:
+        """Why the fleet shown is the last one read, not the current one (None: current)."""
+        self._current()
+        return self._outage
+
     def block_size(self, model: str) -> int | None:
         """The block size the model's replicas publish (the most common one), if seen."""
         fleet = self._current()
@@ -154,16 +193,39 @@ class RedisFleetView:
             if now < self._expires:
                 return self._fleet
             try:
-                self._fleet = self._read(now)
-            except redis.RedisError as exc:
+                self._refresh(self._guarded(self._read, now, probe=False))
+            except (IndexUnavailableError, redis.RedisError) as exc:
                 self.num_errors += 1
-                log.warning("fleet state unreadable, serving the last one: %s", exc)
+                self._set_outage(f"fleet state unreadable, serving the last one read: {exc}")
             self._expires = now + self._cache_ttl_s
             return self._fleet
 
+    def _refresh(self, fleet: _Fleet) -> None:
+        """Take a good read, unless Redis lost the fleet since the last one: then keep the
+        last (with whatever was added since) until an indexer republishes it."""
+        if fleet.marked or not self._fleet.marked:
+            self._fleet = fleet
+            self._set_outage(None)
+            return
+        specs = {**self._fleet.specs, **fleet.specs}
+        statuses = {s.stream: s for s in [*self._fleet.statuses, *fleet.statuses]}
+        self._fleet = _Fleet(specs, sorted(statuses.values(), key=lambda s: s.stream), True)
+        self._set_outage("fleet state lost by redis (restarted empty?), serving the last one")
+
+    def _set_outage(self, outage: str | None) -> None:
+        if (outage is None) != (self._outage is None):
+            if outage is None:
+                log.warning("fleet state readable again")
+            else:
+                log.warning("%s", outage)
+        self._outage = outage
+
     def _read(self, now: float) -> _Fleet:
-        specs = read_replicas(self._client, self._schema)
-        raw = cast("dict[bytes, bytes]", self._client.hgetall(self._schema.stream_status))
+        with unavailable_on_connection_errors(), self._client.pipeline(False) as pipe:
+            pipe.hgetall(self._schema.replicas)
+            pipe.hgetall(self._schema.stream_status)
+            replies = cast("list[dict[bytes, bytes]]", pipe.execute())
+        specs, raw = specs_of(replies[0]), replies[1]
         statuses = []
         for key, value in raw.items():
             stream = StreamId.parse(key.decode())
@@ -180,4 +242,5 @@ class RedisFleetView:
                     freshness=Freshness.STALE if expired else None,
                 )
             )
-        return _Fleet(specs, sorted(statuses, key=lambda s: s.stream))
+        marked = FLEET_MARKER.encode() in replies[0]
+        return _Fleet(specs, sorted(statuses, key=lambda s: s.stream), marked)

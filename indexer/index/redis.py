@@ -16,7 +16,7 @@ from itertools import starmap
 from typing import cast
 
 import redis
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from kvindex.indexer.events import StreamId, Tier
@@ -78,6 +78,22 @@ def connect(url: str, *, socket_timeout_s: float = 5.0) -> redis.Redis:
         socket_connect_timeout=socket_timeout_s,
         retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        health_check_interval=30,
+    )
+
+
+def connect_bounded(url: str, *, timeout_s: float) -> redis.Redis:
+    """A client for a process that answers requests (the API): every call returns or fails
+    within about ``timeout_s`` (connect, send, reply; Redis's own ``socket_timeout``),
+    whatever the server does. A dropped connection (refused, reset: e.g. just after a
+    Redis restart) is retried once at once; a timeout is not retried, a stopped or
+    overloaded server would only make the caller wait twice as long."""
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+        retry_on_error=[],
         health_check_interval=30,
     )
 

@@ -21,6 +21,7 @@ from kvindex.api.settings import ApiSettings
 from kvindex.indexer.events import StreamId, Tier
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.fleet.view import RedisFleetView
 from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import IndexUnavailableError, Op, OpKind
@@ -244,3 +245,36 @@ def test_answers_not_counted_during_a_load_store_outage_are_dropped() -> None:
     assert fleet.routed() == {"a": 0, "b": 0, "c": 0}
     loads.down = False
     assert fleet.routed() == {"a": 1, "b": 0, "c": 0}  # only the answer since the last read
+
+
+def _scorer_over(view: RedisFleetView) -> Scorer:
+    return Scorer(
+        ApiSettings(seed=1),
+        MemoryIndex(),
+        view,
+        MemoryLoadStore(),
+        tokenizers=lambda _: None,
+        blocking_store=False,
+    )
+
+
+def test_a_fleet_never_read_gives_a_degraded_answer_not_an_unknown_model() -> None:
+    server = fakeredis.FakeServer()
+    server.connected = False  # e.g. a wrong Redis password: the fleet was never readable
+    view = RedisFleetView(fakeredis.FakeRedis(server=server), Schema("t"), cache_ttl_s=0.0)
+    answer = asyncio.run(_scorer_over(view).score(ScoreRequest(model=MODEL, token_ids=TOKENS)))
+    assert (answer.best, answer.scores) == (None, [])
+    assert answer.degraded is not None and "fleet state unreadable" in answer.degraded
+
+
+def test_the_last_fleet_read_is_scored_and_said_degraded_while_redis_is_down() -> None:
+    server = fakeredis.FakeServer()
+    view = RedisFleetView(fakeredis.FakeRedis(server=server), Schema("t"), cache_ttl_s=0.0)
+    view.add(ReplicaSpec("a", MODEL))
+    scorer = _scorer_over(view)
+    request = ScoreRequest(model=MODEL, token_ids=TOKENS)
+    assert asyncio.run(scorer.score(request)).degraded is None
+    server.connected = False
+    answer = asyncio.run(scorer.score(request))
+    assert answer.best == "a"
+    assert answer.degraded is not None and "fleet state unreadable" in answer.degraded

@@ -126,6 +126,8 @@ def test_settings_are_frozen() -> None:
         ({"body_timeout_s": 0}, "api.body_timeout_s must be a finite number > 0, got 0"),
         ({"replica_networks": ["10.0.0.0/33"]}, "api.replica_networks: "),
         ({"replica_networks": "10.0.0.0/8"}, "api.replica_networks must be a list of CIDRs"),
+        ({"redis_timeout_s": 0}, "api.redis_timeout_s must be a finite number > 0, got 0"),
+        ({"redis_cooldown_s": -1}, "api.redis_cooldown_s must be a finite number > 0, got -1"),
         ({"weights": {"speed": 1.0}}, "unknown weights ['speed']"),
         ({"weights": {"cpu": -1.0}}, "weight cpu must be finite and >= 0, got -1.0"),
         ({"weights": {"prefix_blocks": 1.5}}, "weight prefix_blocks must be a whole number"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import fakeredis
 import pytest
 
+from kvindex.indexer.circuit import StoreCircuit
 from kvindex.indexer.fleet.registry import Freshness, Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.fleet.sync import FleetSync, StreamRecord, encode_record, encode_spec
@@ -117,3 +118,52 @@ def test_removing_the_last_replica_is_not_a_lost_fleet() -> None:
     assert RedisFleetView(client, SCHEMA).remove("r1") == R1
     sync.tick()
     assert registry.replicas() == []
+
+
+def test_the_view_keeps_the_last_fleet_while_redis_has_lost_it() -> None:
+    client = fakeredis.FakeRedis()
+    sync = FleetSync(client, SCHEMA, Registry((R1,)), declared=(R1,))
+    sync.tick()
+    view = RedisFleetView(client, SCHEMA, cache_ttl_s=0.0)
+    assert (view.replicas(), view.outage()) == ([R1], None)
+    client.flushall()  # Redis restarted empty: no indexer has republished the fleet yet
+    assert view.replicas() == [R1]
+    outage = view.outage()
+    assert outage is not None and "lost" in outage
+    sync.tick()  # the indexer republishes it
+    assert (view.replicas(), view.outage()) == ([R1], None)
+
+
+def test_the_view_says_its_fleet_is_not_current_while_redis_is_down() -> None:
+    server = fakeredis.FakeServer()
+    view = RedisFleetView(fakeredis.FakeRedis(server=server), SCHEMA, cache_ttl_s=0.0)
+    view.add(R1)
+    assert view.outage() is None
+    server.connected = False
+    assert view.replicas() == [R1]
+    outage = view.outage()
+    assert outage is not None and "unreadable" in outage
+    server.connected = True
+    assert view.outage() is None
+
+
+def test_the_view_reads_nothing_while_the_shared_circuit_is_open() -> None:
+    client = fakeredis.FakeRedis()
+    clock = Clock()
+    circuit = StoreCircuit(1.0, clock=clock)
+    view = RedisFleetView(client, SCHEMA, cache_ttl_s=0.0, clock=clock, circuit=circuit)
+    view.add(R1)
+    assert view.replicas() == [R1]
+
+    def down() -> None:
+        raise IndexUnavailableError("redis: timeout")
+
+    with pytest.raises(IndexUnavailableError):
+        circuit.call(down)  # e.g. an index lookup of the same process found Redis down
+    client.hset(SCHEMA.replicas, "r2", encode_spec(ReplicaSpec("r2", "m")))
+    clock.now += 5.0  # past the cool-down: reads still do not probe
+    assert view.replicas() == [R1]
+    assert view.outage() is not None
+    circuit.call(lambda: None)  # another call's probe found Redis back
+    assert [r.id for r in view.replicas()] == ["r1", "r2"]
+    assert view.outage() is None

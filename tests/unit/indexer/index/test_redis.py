@@ -6,6 +6,8 @@ talks to a private redis-server started by the fixtures of ``tests/conftest.py``
 
 from __future__ import annotations
 
+import socket
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,7 +26,7 @@ from kvindex.indexer.index.protocol import (
     PrefixMatch,
     StreamStats,
 )
-from kvindex.indexer.index.redis import RedisIndex, connect
+from kvindex.indexer.index.redis import RedisIndex, connect, connect_bounded
 from kvindex.indexer.redis_schema import (
     DEFAULT_PREFIX,
     META_TIER_PREFIX,
@@ -340,3 +342,18 @@ def test_a_float_watermark_left_by_older_code_reads_as_none_and_is_overwritten(
     assert index.stats(S).watermark == -1
     assert index.apply(S, 5, 2.0, [store(1, 101)]).applied
     assert index.stats(S).watermark == 5
+
+
+@pytest.mark.parametrize("silent", [True, False], ids=["accepts-never-answers", "refuses"])
+def test_a_bounded_client_fails_within_its_timeout(silent: bool) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        if silent:  # a stopped Redis: the kernel completes the handshake, nobody answers
+            listener.listen(8)
+        port = listener.getsockname()[1]
+        index = RedisIndex(connect_bounded(f"redis://127.0.0.1:{port}/0", timeout_s=0.1))
+        started = time.monotonic()
+        with pytest.raises(IndexUnavailableError):
+            index.longest_prefix([1, 2], [StreamId("r1")])
+        assert time.monotonic() - started < 0.3
+        index.close()
