@@ -20,7 +20,8 @@ Layout (``<p>`` = configurable prefix, ``<v>`` = :data:`SCHEMA_VERSION`)::
                                           as written by an indexer: absent, Redis lost it
     <p>:<v>:{fleet}:status          HASH  "replica/rank" → the indexer's live state of the stream
                                           (JSON ``StreamRecord``: wall-clock timestamps, counters,
-                                          block size) and when it was written
+                                          block size) and when it was written; ``#unrouted``
+                                          → the bound SUB's frames that reached no stream
 
 Why 6-byte fields: Redis allocates a short string in 8- or 16-byte size classes, and an
 8-byte field (with its header) lands in 16 while 6 bytes fit in 8 — 8 bytes saved per block
@@ -121,6 +122,10 @@ def answers_field(replica: str) -> str:
 
 FLEET_MARKER = "#fleet"
 """Field of the replicas hash an indexer sets; without it the hash was lost (not emptied)."""
+
+UNROUTED_FIELD = "#unrouted"
+"""Field of the stream-status hash holding the indexer's counters of bound-SUB frames that
+reached no stream (JSON ``UnroutedCounters``; ``#`` is never in a stream key)."""
 
 META_WATERMARK = "wm"
 META_TS = "ts"

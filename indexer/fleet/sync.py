@@ -28,8 +28,8 @@ import redis
 from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
-from kvindex.indexer.health import StreamHealth
-from kvindex.indexer.redis_schema import FLEET_MARKER, Schema
+from kvindex.indexer.health import StreamHealth, UnroutedCounters
+from kvindex.indexer.redis_schema import FLEET_MARKER, UNROUTED_FIELD, Schema
 
 log = logging.getLogger("kvindex.fleet")
 
@@ -46,6 +46,7 @@ class StreamRecord(msgspec.Struct, frozen=True):
 
 _SPEC_DECODER = msgspec.json.Decoder(ReplicaSpec)
 _RECORD_DECODER = msgspec.json.Decoder(StreamRecord)
+_UNROUTED_DECODER = msgspec.json.Decoder(UnroutedCounters)
 _ENCODER = msgspec.json.Encoder()
 
 
@@ -64,6 +65,21 @@ def decode_spec(raw: bytes) -> ReplicaSpec | None:
 
 def encode_record(record: StreamRecord) -> bytes:
     return _ENCODER.encode(record)
+
+
+def encode_unrouted(counters: UnroutedCounters) -> bytes:
+    return _ENCODER.encode(counters)
+
+
+def decode_unrouted(raw: bytes | None) -> UnroutedCounters:
+    """The stored counters; zeros when there are none or they cannot be decoded."""
+    if raw is None:
+        return UnroutedCounters()
+    try:
+        return _UNROUTED_DECODER.decode(raw)
+    except msgspec.DecodeError as exc:
+        log.warning("ignoring undecodable stored unrouted counters: %s", exc)
+        return UnroutedCounters()
 
 
 def decode_record(raw: bytes) -> StreamRecord | None:
@@ -187,7 +203,9 @@ class FleetSync:
             if stream.replica in replicas
         }
         gone = self._written - set(records)
+        unrouted = encode_unrouted(self._registry.unrouted())
         with self._client.pipeline(transaction=True) as pipe:
+            pipe.hset(self._schema.stream_status, UNROUTED_FIELD, unrouted)
             if records:
                 pipe.hset(self._schema.stream_status, mapping=records)  # type: ignore[arg-type]
             if gone:

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar, cast
 
 import redis
@@ -34,11 +34,17 @@ from kvindex.indexer.fleet.registry import (
     snapshot,
 )
 from kvindex.indexer.fleet.replica import ReplicaSpec
-from kvindex.indexer.fleet.sync import decode_record, decode_spec, encode_spec, specs_of
+from kvindex.indexer.fleet.sync import (
+    decode_record,
+    decode_spec,
+    decode_unrouted,
+    encode_spec,
+    specs_of,
+)
 from kvindex.indexer.health import UnroutedCounters
 from kvindex.indexer.index.protocol import IndexUnavailableError
 from kvindex.indexer.index.redis import unavailable_on_connection_errors
-from kvindex.indexer.redis_schema import FLEET_MARKER, Schema, check_name
+from kvindex.indexer.redis_schema import FLEET_MARKER, UNROUTED_FIELD, Schema, check_name
 
 T = TypeVar("T")
 log = logging.getLogger("kvindex.fleet")
@@ -63,6 +69,8 @@ class _Fleet:
     """Statuses of the streams of ``specs`` only, sorted by stream."""
     marked: bool = False
     """The replicas hash held the indexer's marker (absent after a good read: Redis lost it)."""
+    unrouted: UnroutedCounters = field(default_factory=UnroutedCounters)
+    """The indexer's counters of bound-SUB frames that reached no stream."""
 
 
 class RedisFleetView:
@@ -121,7 +129,7 @@ class RedisFleetView:
             if replica in self._fleet.specs:  # the snapshot may be kept (Redis lost it)
                 specs = {k: v for k, v in self._fleet.specs.items() if k != replica}
                 statuses = [s for s in self._fleet.statuses if s.stream.replica != replica]
-                self._fleet = _Fleet(specs, statuses, self._fleet.marked)
+                self._fleet = replace(self._fleet, specs=specs, statuses=statuses)
         return None if raw is None else decode_spec(raw)
 
     def _remove_spec(self, keys: list[str], replica: str) -> bytes | None:
@@ -160,9 +168,8 @@ class RedisFleetView:
         ]
 
     def unrouted(self) -> UnroutedCounters:
-        """Zeros: the indexer does not publish its bound SUB's unrouted counters to Redis
-        (yet); its own process reads them from its registry."""
-        return UnroutedCounters()
+        """The counters the indexer last published (zeros before it has)."""
+        return self._current().unrouted
 
     def outage(self) -> str | None:
         """Why the fleet shown is the last one read, not the current one (None: current)."""
@@ -209,7 +216,8 @@ class RedisFleetView:
             return
         specs = {**self._fleet.specs, **fleet.specs}
         statuses = {s.stream: s for s in [*self._fleet.statuses, *fleet.statuses]}
-        self._fleet = _Fleet(specs, sorted(statuses.values(), key=lambda s: s.stream), True)
+        ordered = sorted(statuses.values(), key=lambda s: s.stream)
+        self._fleet = _Fleet(specs, ordered, True, fleet.unrouted)
         self._set_outage("fleet state lost by redis (restarted empty?), serving the last one")
 
     def _set_outage(self, outage: str | None) -> None:
@@ -226,6 +234,7 @@ class RedisFleetView:
             pipe.hgetall(self._schema.stream_status)
             replies = cast("list[dict[bytes, bytes]]", pipe.execute())
         specs, raw = specs_of(replies[0]), replies[1]
+        unrouted = decode_unrouted(raw.pop(UNROUTED_FIELD.encode(), None))
         statuses = []
         for key, value in raw.items():
             stream = StreamId.parse(key.decode())
@@ -243,4 +252,4 @@ class RedisFleetView:
                 )
             )
         marked = FLEET_MARKER.encode() in replies[0]
-        return _Fleet(specs, sorted(statuses, key=lambda s: s.stream), marked)
+        return _Fleet(specs, sorted(statuses, key=lambda s: s.stream), marked, unrouted)

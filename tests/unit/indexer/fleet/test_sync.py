@@ -8,13 +8,14 @@ import fakeredis
 import pytest
 
 from kvindex.indexer.circuit import StoreCircuit
+from kvindex.indexer.events import StreamId
 from kvindex.indexer.fleet.registry import Freshness, Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.fleet.sync import FleetSync, StreamRecord, encode_record, encode_spec
 from kvindex.indexer.fleet.view import RedisFleetView
-from kvindex.indexer.health import StreamHealth
+from kvindex.indexer.health import StreamHealth, StreamReport, UnroutedCounters
 from kvindex.indexer.index.protocol import IndexUnavailableError
-from kvindex.indexer.redis_schema import Schema
+from kvindex.indexer.redis_schema import UNROUTED_FIELD, Schema
 from tests.support.clock import Clock
 
 SCHEMA = Schema("test")
@@ -167,3 +168,19 @@ def test_the_view_reads_nothing_while_the_shared_circuit_is_open() -> None:
     circuit.call(lambda: None)  # another call's probe found Redis back
     assert [r.id for r in view.replicas()] == ["r1", "r2"]
     assert view.outage() is None
+
+
+def test_the_bound_subs_unrouted_counters_reach_api_processes() -> None:
+    client = fakeredis.FakeRedis()
+    registry = Registry((R1,))
+    registry.record(StreamId("r1"), StreamReport(connected=True))
+    sync = FleetSync(client, SCHEMA, registry, declared=(R1,))
+    view = RedisFleetView(client, SCHEMA, cache_ttl_s=0.0)
+    sync.tick()
+    assert view.unrouted() == UnroutedCounters()
+    registry.record_unrouted(UnroutedCounters(num_undecodable=3, num_unidentified=2, num_refused=1))
+    sync.tick()
+    assert view.unrouted() == UnroutedCounters(3, 2, 1)
+    assert [s.stream for s in view.statuses()] == [StreamId("r1")]  # not read as a stream
+    client.hset(SCHEMA.stream_status, UNROUTED_FIELD, b"{not json")
+    assert view.unrouted() == UnroutedCounters()
