@@ -49,6 +49,10 @@ class ScoreRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     policy: str | None = None
     weights: dict[str, float] | None = None
     """Per-request overrides of scoring weights (names as in ``GET /config``)."""
+    dry_run: bool = False
+    """Ask without routing: the answer changes nothing (it is not counted as load, the
+    round-robin turn does not advance, random draws leave the seeded sequence alone).
+    Operator views send it; a router that acts on the answer does not."""
 
 
 class LoadView(msgspec.Struct):

@@ -18,6 +18,7 @@ The read path, step by step (the README's diagram numbers them the same way):
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import random
 import time
@@ -165,7 +166,8 @@ class Scorer:
         facts = self._facts(candidates, lookup, loads)
         cands = [f.candidate for f in facts.values()]
         decision = self._decide(policy, cands, keys, request, weights)
-        self._note_routed(decision.best, loads)
+        if not request.dry_run:
+            self._note_routed(decision.best, loads)
         entries = [_entry(s, facts[s.replica], block_size) for s in decision.ranked]
         return ScoreResponse(
             model=request.model,
@@ -371,15 +373,12 @@ class Scorer:
     ) -> Decision:
         """The policy's decision (:func:`~kvindex.api.policies.decide`); RequestError (422)
         when the request lacks what the policy needs."""
+        turns, rng = self._turns[request.model], self._rng
+        if request.dry_run:  # decide on copies: the next real answer is as if none was asked
+            turns, rng = copy.copy(turns), copy.copy(rng)
         try:
             return decide(
-                policy,
-                cands,
-                keys,
-                weights,
-                session=request.session,
-                turns=self._turns[request.model],
-                rng=self._rng,
+                policy, cands, keys, weights, session=request.session, turns=turns, rng=rng
             )
         except ScoringError as exc:
             raise RequestError(str(exc)) from exc

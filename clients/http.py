@@ -151,9 +151,17 @@ class _Call(Generic[T]):
 
 
 def _encode_body(struct: msgspec.Struct) -> bytes:
-    """JSON of a request Struct without its None fields (the server's defaults apply)."""
-    fields = msgspec.structs.asdict(struct)
-    return msgspec.json.encode({k: v for k, v in fields.items() if v is not None})
+    """JSON of a request Struct without its None fields and its flags left at their
+    default (the server's defaults apply, and a server older than a flag, which refuses
+    unknown fields, still takes requests that do not set it)."""
+    values = msgspec.structs.asdict(struct)
+    sent = {
+        f.name: values[f.name]
+        for f in msgspec.structs.fields(struct)
+        if values[f.name] is not None
+        and not (isinstance(values[f.name], bool) and values[f.name] == f.default)
+    }
+    return msgspec.json.encode(sent)
 
 
 def _decoded(kind: type[T]) -> Callable[[httpx.Response], T]:
@@ -204,6 +212,7 @@ def _score_request(
     candidates: Sequence[str] | None = None,
     policy: str | None = None,
     weights: Mapping[str, float] | None = None,
+    dry_run: bool = False,
 ) -> ScoreRequest:
     """The ``POST /score`` body; sequences are sent as they are when already lists."""
     return ScoreRequest(
@@ -218,6 +227,7 @@ def _score_request(
         candidates=_listed(candidates),
         policy=policy,
         weights=None if weights is None else dict(weights),
+        dry_run=dry_run,
     )
 
 
@@ -399,6 +409,7 @@ class KvIndexClient:
         candidates: Sequence[str] | None = None,
         policy: str | None = None,
         weights: Mapping[str, float] | None = None,
+        dry_run: bool = False,
     ) -> ScoreResponse:
         """Rank the replicas serving ``model``; give exactly one of token_ids, prompt,
         messages, block_keys (the server checks: :class:`BadRequestError` otherwise)."""
@@ -414,6 +425,7 @@ class KvIndexClient:
             candidates=candidates,
             policy=policy,
             weights=weights,
+            dry_run=dry_run,
         )
         return self._run(_score_call(request))
 
@@ -430,6 +442,7 @@ class KvIndexClient:
         candidates: Sequence[str] | None = None,
         policy: str | None = None,
         weights: Mapping[str, float] | None = None,
+        dry_run: bool = False,
     ) -> ScoreResponse:
         """Like ``score(model, token_ids=...)``, but the block keys are computed here and
         sent instead of the tokens (one integer per block); see :func:`_score_tokens_call`.
@@ -443,6 +456,7 @@ class KvIndexClient:
             candidates=candidates,
             policy=policy,
             weights=weights,
+            dry_run=dry_run,
         )
         call = _score_tokens_call(request, block_size=block_size, compute_keys=compute_keys)
         return self._run(call)
@@ -568,6 +582,7 @@ class AsyncKvIndexClient:
         candidates: Sequence[str] | None = None,
         policy: str | None = None,
         weights: Mapping[str, float] | None = None,
+        dry_run: bool = False,
     ) -> ScoreResponse:
         """See :meth:`KvIndexClient.score`."""
         request = _score_request(
@@ -582,6 +597,7 @@ class AsyncKvIndexClient:
             candidates=candidates,
             policy=policy,
             weights=weights,
+            dry_run=dry_run,
         )
         return await self._run(_score_call(request))
 
@@ -598,6 +614,7 @@ class AsyncKvIndexClient:
         candidates: Sequence[str] | None = None,
         policy: str | None = None,
         weights: Mapping[str, float] | None = None,
+        dry_run: bool = False,
     ) -> ScoreResponse:
         """See :meth:`KvIndexClient.score_tokens`."""
         request = _score_request(
@@ -609,6 +626,7 @@ class AsyncKvIndexClient:
             candidates=candidates,
             policy=policy,
             weights=weights,
+            dry_run=dry_run,
         )
         call = _score_tokens_call(request, block_size=block_size, compute_keys=compute_keys)
         return await self._run(call)

@@ -463,7 +463,7 @@ def residency(
     """
     fields = prompt_fields(text, tokens_file, messages_file)
     with connected(url, token) as client:
-        answer = client.score(model, candidates=_candidates(candidates), **fields)
+        answer = client.score(model, candidates=_candidates(candidates), dry_run=True, **fields)
     _show(
         answer,
         as_json,
@@ -495,7 +495,9 @@ def score(
     freshness, load, score); ``--wide`` adds each term of the policy's formula."""
     fields = prompt_fields(text, tokens_file, messages_file)
     with connected(url, token) as client:
-        answer = client.score(model, candidates=_candidates(candidates), policy=policy, **fields)
+        answer = client.score(
+            model, candidates=_candidates(candidates), policy=policy, dry_run=True, **fields
+        )
     _show(answer, as_json, lambda _console: render_score(answer, wide), wide=wide)
 
 

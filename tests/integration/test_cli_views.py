@@ -152,6 +152,21 @@ def test_score_json_with_a_policy(base_url: str, tokens_file: Path) -> None:
     assert matched(answer) == {"r1": 4, "r2": 2}
 
 
+def test_operator_views_change_no_routing(base_url: str, tokens_file: Path) -> None:
+    """score and residency are dry runs: asked again and again, the same best replica, and
+    nothing counted as load toward it."""
+    with KvIndexClient(base_url) as client:
+        client.report_load("r1", running=0, waiting=0)
+        client.report_load("r2", running=0, waiting=0)
+    args = score_args(base_url, tokens_file, "--policy", "round_robin", "--json")
+    answers = [msgspec.json.decode(run("score", *args).stdout, type=ScoreResponse) for _ in "abc"]
+    assert run("residency", *score_args(base_url, tokens_file)).exit_code == 0
+    assert len({a.best for a in answers}) == 1
+    again = msgspec.json.decode(run("score", *args).stdout, type=ScoreResponse)
+    assert again.best == answers[0].best
+    assert all(e.load is not None and e.load.routed == 0 for e in again.scores)
+
+
 # --- replicas and stats -----------------------------------------------------------------------
 
 

@@ -278,3 +278,21 @@ def test_the_last_fleet_read_is_scored_and_said_degraded_while_redis_is_down() -
     answer = asyncio.run(scorer.score(request))
     assert answer.best == "a"
     assert answer.degraded is not None and "fleet state unreadable" in answer.degraded
+
+
+def test_a_dry_run_changes_nothing() -> None:
+    """Operator views ask without routing: not counted as load, no round-robin turn taken,
+    the seeded random sequence left alone."""
+    fleet = Fleet()
+    for replica in ("a", "b", "c"):
+        fleet.loads.put(replica, Load(0.0, 0.0, 0.0, NOW, "push"))
+
+    def best(policy: str, *, dry_run: bool) -> str | None:
+        request = ScoreRequest(model=MODEL, token_ids=TOKENS, policy=policy, dry_run=dry_run)
+        return asyncio.run(fleet.scorer.score(request)).best
+
+    for policy in ("round_robin", "random", "kv_aware"):
+        asked = [best(policy, dry_run=True) for _ in range(4)]
+        assert len(set(asked)) == 1, policy  # the same answer every time
+        assert best(policy, dry_run=False) == asked[0], policy  # and the next real one
+    assert sum(fleet.routed().values()) == 3  # the three real answers only

@@ -476,3 +476,16 @@ def test_import_needs_no_fastapi() -> None:
         "import sys, kvindex.clients.http; assert 'fastapi' not in sys.modules, 'fastapi imported'"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=30)
+
+
+@pytest.mark.parametrize("method", ["score", "score_tokens"])
+def test_a_dry_run_is_sent_only_when_asked(mode: str, method: str) -> None:
+    fake = Fake(answer(SCORE))
+    kwargs: dict[str, Any] = {"block_size": BLOCK} if method == "score_tokens" else {}
+    args = (MODEL, TOKENS) if method == "score_tokens" else (MODEL,)
+    if method == "score":
+        kwargs["token_ids"] = TOKENS
+    invoke(mode, fake, method, *args, dry_run=True, **kwargs)
+    assert fake.body["dry_run"] is True
+    invoke(mode, fake, method, *args, **kwargs)
+    assert "dry_run" not in fake.body  # a server older than the flag refuses unknown fields
