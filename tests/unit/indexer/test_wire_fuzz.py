@@ -9,7 +9,7 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from kvindex.indexer.events import BlockStored, Tier
+from kvindex.indexer.events import BlockStored, EventBatch, Tier
 from kvindex.indexer.wire import WireError, decode_payload, to_wire
 from tests.support.frame_fuzz import Message, Reply, check_live, check_replay, messages, replies
 
@@ -37,16 +37,39 @@ def test_replay_replies_apply_exactly_the_valid_ones_and_count_the_rest(
     check_replay(found)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=WireError,
-    reason="found by this fuzzer, not fixed yet: an event nested deeper than msgspec recurses "
-    "makes the batch itself undecodable (RecursionError while reading it as raw events), so "
-    "its valid events are lost with it (counted as one decode error)",
-)
-def test_an_event_nested_past_the_decoders_depth_costs_only_itself() -> None:
+# Found by this fuzzer: an event nested deeper than msgspec recurses made the batch itself
+# undecodable (RecursionError while reading the events raw), losing its valid events.
+_DEEP_LIST = b"\x91" * 20_000 + b"\xc0"
+_DEEP_MAP = b"\x81\xa1k" * 20_000 + b"\xc0"
+
+
+@pytest.mark.parametrize("deep", [_DEEP_LIST, _DEEP_MAP], ids=["list", "map"])
+def test_an_event_nested_past_the_decoders_depth_costs_only_itself(deep: bytes) -> None:
     stored = BlockStored((1,), None, [1, 2, 3, 4], 4, Tier.GPU)
-    deep = msgspec.Raw(b"\x91" * 20_000 + b"\xc0")
-    payload = msgspec.msgpack.encode([0.0, [to_wire(stored, "map"), deep], 0])
-    batch = decode_payload(payload, 1)
-    assert (batch.events, batch.num_bad_events) == ((stored,), 1)
+    events = [to_wire(stored, "map"), msgspec.Raw(deep), to_wire(stored, "array")]
+    payload = msgspec.msgpack.encode([0.0, events, 3])
+    assert decode_payload(payload, 1) == EventBatch(1, 0.0, 3, (stored, stored), 1)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        [msgspec.Raw(_DEEP_LIST), [], 0],
+        [0.0, msgspec.Raw(_DEEP_MAP), 0],
+        [0.0, [], msgspec.Raw(_DEEP_LIST)],
+        [0.0, [msgspec.Raw(_DEEP_LIST)], 0, 1],
+    ],
+    ids=["ts", "events", "rank", "four fields"],
+)
+def test_a_batch_nested_past_the_decoders_depth_is_undecodable(fields: list[object]) -> None:
+    payload = msgspec.msgpack.encode(fields)
+    for broken in (payload, payload[:-1], payload + b"\x00"):
+        with pytest.raises(WireError) as raised:
+            decode_payload(broken, 7)
+        assert raised.value.seq == 7
+
+
+def test_a_deep_payload_too_large_to_walk_is_undecodable() -> None:
+    events = [msgspec.Raw(_DEEP_LIST), "x" * (1 << 20)]
+    with pytest.raises(WireError):
+        decode_payload(msgspec.msgpack.encode([0.0, events, 0]), 1)
