@@ -54,6 +54,7 @@ from kvindex.indexer.pipeline import Pipeline
 from kvindex.indexer.settings import IndexerSettings
 from kvindex.indexer.wire import (
     END_SEQ_BYTES,
+    BlockStoredArray,
     Encoding,
     ReplayLayout,
     ReplayReply,
@@ -170,7 +171,9 @@ _WRONG_TYPES: dict[str, list[Any]] = {
     "lora_name": [5, [1]],
     "group_idx": ["x", 1.5, [0]],
 }
-_ARRAY_POSITION = {"block_hashes": 1, "parent_block_hash": 2, "token_ids": 3, "block_size": 4}
+_ARRAY_POSITION = {  # where the array encoding puts each field: after the tag, in wire order
+    f.name: i for i, f in enumerate(msgspec.structs.fields(BlockStoredArray), start=1)
+}
 _STORED_FIELDS = sorted(_WRONG_TYPES)
 
 
@@ -192,21 +195,22 @@ def _wrong_field(draw: st.DrawFn) -> Any:
     return items
 
 
-_msgpack_values = st.recursive(
+msgpack_values = st.recursive(
     st.one_of(
         st.none(),
         st.booleans(),
         st.integers(-(2**63), 2**64 - 1),
         st.floats(),
-        st.text(max_size=8),
+        st.text(max_size=12),
         st.binary(max_size=40),
-        st.sampled_from(sorted(_TAGS)),
+        st.sampled_from([*sorted(_TAGS), "type"]),
     ),
     lambda inner: st.one_of(
-        st.lists(inner, max_size=5), st.dictionaries(st.text(max_size=8), inner, max_size=5)
+        st.lists(inner, max_size=6), st.dictionaries(st.text(max_size=12), inner, max_size=6)
     ),
-    max_leaves=12,
+    max_leaves=20,
 )
+"""Any msgpack-encodable value, often shaped like an event (a tag, a ``type`` key)."""
 
 
 def _names_no_event(value: Any) -> bool:
@@ -231,7 +235,7 @@ _junk_events: st.SearchStrategy[Any] = st.one_of(
         ]
     ),
     st.sampled_from([_deep(), _deep(50), msgspec.Raw(b"\x81\xa1k" * 5_000 + b"\xc0")]),
-    _msgpack_values.filter(_names_no_event),
+    msgpack_values.filter(_names_no_event),
 )
 
 

@@ -64,6 +64,7 @@ from kvindex.indexer.wire import (
     encode_seq,
     payload_shape,
 )
+from tests.support.frame_fuzz import msgpack_values
 from tests.support.paths import FIXTURES
 
 FIXTURE_SHA256 = {
@@ -790,25 +791,8 @@ def test_arbitrary_payload_bytes_raise_only_wire_error(payload: bytes) -> None:
         decode_live([TOPIC, SEQ0, payload])
 
 
-_msgpack_values = st.recursive(
-    st.one_of(
-        st.none(),
-        st.booleans(),
-        st.integers(-(2**63), 2**64 - 1),
-        st.floats(),
-        st.text(max_size=12),
-        st.binary(max_size=40),
-        st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "type"]),
-    ),
-    lambda inner: st.one_of(
-        st.lists(inner, max_size=6), st.dictionaries(st.text(max_size=12), inner, max_size=6)
-    ),
-    max_leaves=20,
-)
-
-
 @settings(max_examples=300, deadline=None, database=None)
-@given(junk=st.lists(_msgpack_values, max_size=4))
+@given(junk=st.lists(msgpack_values, max_size=4))
 def test_arbitrary_events_never_cost_the_batch(junk: list[Any]) -> None:
     batch = _batch(VllmBlockRemovedMap([3], "CPU"), *junk, AllBlocksClearedArray())
     assert batch.events[0] == BlockRemoved((3,), Tier.CPU)
