@@ -158,7 +158,6 @@ class _Server(ThreadingHTTPServer):
         self.routes = routes
         self.timeout_s = timeout_s
         self._slots = threading.BoundedSemaphore(max_connections)
-        self.num_refused = 0
         super().__init__(address, _Handler)
 
     def server_bind(self) -> None:
@@ -168,8 +167,7 @@ class _Server(ThreadingHTTPServer):
         self.server_name, self.server_port = str(host), int(port)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.num_refused += 1
+        if not self._slots.acquire(blocking=False):  # full: close it rather than queue it
             self.shutdown_request(request)
             return
         try:
@@ -285,6 +283,12 @@ class StatusServer:
         assert self._server is not None, "not started"
         return self._server.server_name, self._server.server_port
 
+    @property
+    def url(self) -> str:
+        """``http://host:port`` of the bound address (an IPv6 host in brackets)."""
+        host, port = self.address
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
     def start(self) -> None:
         try:
             self._server = _Server(
@@ -303,8 +307,7 @@ class StatusServer:
             target=self._server.serve_forever, args=(0.1,), name="kvindex-status", daemon=True
         )
         self._thread.start()
-        host, port = self.address
-        log.info("status port on http://%s:%d (/metrics, /healthz, /readyz)", host, port)
+        log.info("status port on %s (/metrics, /healthz, /readyz)", self.url)
 
     def stop(self) -> None:
         if self._server is None:

@@ -419,8 +419,7 @@ def _run_indexer(settings: IndexerSettings, stats_every: float) -> None:
     where = service.subscriber.bound_endpoint or "configured replicas"
     status = ""
     if service.status is not None:
-        host, port = service.status.server.address
-        status = f", status on http://{host}:{port}"
+        status = f", status on {service.status.server.url}"
     make_console().print(f"kvindex indexer ({settings.store} store) listening on {where}{status}")
     try:
         with StatusLog(lambda: _fleet_status(service), stats_every):

@@ -40,9 +40,8 @@ def serving(
         "127.0.0.1", 0, routes, max_connections=max_connections, timeout_s=timeout_s
     )
     server.start()
-    host, port = server.address
     try:
-        with httpx.Client(base_url=f"http://{host}:{port}", trust_env=False, timeout=2) as http:
+        with httpx.Client(base_url=server.url, trust_env=False, timeout=2) as http:
             yield server, http
     finally:
         server.stop()
@@ -113,6 +112,21 @@ def test_connections_past_the_limit_are_closed_until_a_slot_frees() -> None:
             except httpx.TransportError:
                 time.sleep(0.05)
         raise AssertionError("a freed slot was not reused")
+
+
+def test_an_ipv6_address_is_served_and_bracketed() -> None:
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this host")
+    server = StatusServer("::1", 0, ROUTES)
+    try:
+        server.start()
+    except StatusPortError:
+        pytest.skip("no ::1 on this host")
+    try:
+        assert server.url == f"http://[::1]:{server.address[1]}"
+        assert httpx.get(f"{server.url}/x", trust_env=False, timeout=2).content == b"hello"
+    finally:
+        server.stop()
 
 
 def test_a_port_in_use_is_named() -> None:
@@ -218,8 +232,7 @@ def test_the_service_serves_its_status_while_its_loop_runs() -> None:
     service = IndexerService.build(settings, with_status=True)
     assert service.status is not None
     service.start()
-    host, port = service.status.server.address
-    base = f"http://{host}:{port}"
+    base = service.status.server.url
     try:
         with httpx.Client(base_url=base, trust_env=False, timeout=2) as http:
             assert http.get("/healthz").status_code == 200
