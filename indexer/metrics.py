@@ -94,7 +94,8 @@ _STREAM_LABELS = ["replica", "rank", "model"]
 class IngestCollector(Collector):
     """Reads the write path's counters and gauges when Prometheus scrapes.
 
-    Never fails a scrape: when ``index`` cannot be read, ``kvindex_blocks`` has no samples.
+    Never fails a scrape: when ``index`` cannot be read, ``kvindex_blocks`` keeps only the
+    samples read before the failure (one failed read ends the scrape's reads).
     ``store_up``, if given, is asked first (it must not block: a cached probe); when it says
     down the index is not read at all, so a scrape never waits on a sick store.
     """
