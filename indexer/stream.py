@@ -53,7 +53,8 @@ pipeline carries the step out. Rules:
 * A *probe* checks a silent stream for a seq reset (bind mode, or a reconnect the socket
   monitor missed): a replay from ``last``. The same engine answers with that very batch
   (same seq and timestamp) and anything newer, applied; an empty answer or another batch
-  starts a replay from 0, which decides as above. The pipeline probes a stream silent for
+  starts a replay from 0, which decides as above. A live batch during a probe ends it
+  (the stream is not silent). The pipeline probes a stream silent for
   ``probe_interval_s``, so a replica restarted quiet loses its old blocks within that
   interval, a maintenance tick (1 s) and two replays (at worst ``replay_timeout_s`` each;
   a live engine answers in milliseconds).
@@ -202,6 +203,11 @@ class StreamTracker:
         return False
 
     def on_live(self, batch: EventBatch) -> Step:
+        if self._replay is not None and self._replay.probe:
+            # The stream spoke: its own batches now tell a restart, and they are not held
+            # up by a probe (whose late replies are ignored, as an abandoned replay's).
+            self._replay = None
+            self.mode = Mode.LIVE
         if self.accept_next(batch):
             return Step(batches=[batch])
         if self._replay is not None:

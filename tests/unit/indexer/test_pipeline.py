@@ -567,3 +567,16 @@ def test_without_a_socket_owner_no_stream_replays(replay: bool) -> None:
     status = registry.status(R1)
     assert status is not None
     assert (status.health.num_replays, status.health.num_unrepaired_gaps) == (0, 1)
+
+
+def test_a_live_batch_during_a_probe_is_applied_at_once() -> None:
+    r = rig(probe_interval_s=10.0)
+    synced(r, last=2)
+    r.clock.now += 11.0
+    r.pipeline.maintain()
+    assert r.replays.open == {R1}
+    r.pipeline.handle_live(frames(3), R1)
+    assert (r.blocks(0, 1, 2, 3), r.health().last_seq) == (4, 3)
+    r.pipeline.on_replay(R1, replies())  # the probe's late end: closes it, changes nothing
+    assert r.replays.open == set()
+    assert (r.blocks(0, 1, 2, 3), r.health().num_restarts) == (4, 0)

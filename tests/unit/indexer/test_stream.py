@@ -429,12 +429,14 @@ def test_a_probe_of_a_stream_that_cannot_or_need_not_be_probed_is_a_no_op() -> N
     assert busy.counters.num_probes == 0
 
 
-def test_live_batches_during_a_probe_wait_for_it() -> None:
+def test_a_live_batch_during_a_probe_ends_it_and_is_applied_at_once() -> None:
     tracker = live_tracker(last=5)
     tracker.probe()
-    assert tracker.on_live(b(6)) == Step()
-    replay(tracker, b(5))
-    assert tracker.on_replay_end() == apply(b(6))
+    assert tracker.on_live(b(6)) == apply(b(6))
+    assert replay(tracker, b(5, NEW_TS)) == [Step()]  # a late reply: ignored
+    assert tracker.on_replay_end() == Step()
+    assert (tracker.last_seq, tracker.counters.num_restarts) == (6, 0)
+    assert tracker.accept_next(b(7))
 
 
 # --- rebuilds, late replies, overflow ------------------------------------------------
