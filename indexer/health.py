@@ -28,6 +28,15 @@ class StreamCounters:
     num_restarts: int = 0
     num_duplicates: int = 0
     num_rebuilds: int = 0
+    num_probes: int = 0
+    """Seq-reset probes of a silent stream (a replay from its last applied seq)."""
+    num_history_lost: int = 0
+    """Times the stream was cleared because a gap could not be repaired (no replay
+    endpoint, a replay that failed or began later than asked): what it had credited was
+    dropped and it was rebuilt from the batches that followed."""
+    num_store_refills: int = 0
+    """Times the stream was rebuilt because the index store had lost its data (a Redis
+    restarted empty, a FLUSHALL)."""
     num_decode_errors: int = 0
     """Undecodable frames, live or replayed."""
     num_store_errors: int = 0
@@ -53,6 +62,9 @@ class StreamCounters:
         self.num_restarts += other.num_restarts
         self.num_duplicates += other.num_duplicates
         self.num_rebuilds += other.num_rebuilds
+        self.num_probes += other.num_probes
+        self.num_history_lost += other.num_history_lost
+        self.num_store_refills += other.num_store_refills
         self.num_decode_errors += other.num_decode_errors
         self.num_store_errors += other.num_store_errors
         self.num_orphan_stores += other.num_orphan_stores
@@ -98,6 +110,9 @@ class StreamReport(StreamCounters):
     """Seq of the last batch applied (None: none was)."""
     last_event_ts: float = 0.0
     """Engine timestamp of that batch."""
+    last_replayed: bool = False
+    """Whether that batch came from a replay: it moves ``last_seq`` and ``last_event_ts``
+    but not the lag (a replayed batch's age is how long ago it was published)."""
     replaying: bool | None = None
     """Whether the stream is being replayed now (None: unchanged)."""
     connected: bool | None = None
@@ -121,7 +136,8 @@ class StreamHealth(StreamCounters):
     last_event_ts: float | None = None
     """Engine timestamp of the last applied batch."""
     lag_s: float | None = None
-    """Receive time minus engine timestamp of the last applied batch."""
+    """Receive time minus engine timestamp of the last applied *live* batch (a replayed
+    batch's age is not lag: it was published long ago on purpose)."""
     last_heard: float | None = None
     """When the last batch was applied."""
     block_size: int = 0
@@ -133,8 +149,9 @@ class StreamHealth(StreamCounters):
         if report.last_seq is not None:
             self.last_seq = report.last_seq
             self.last_event_ts = report.last_event_ts
-            self.lag_s = max(0.0, now - report.last_event_ts)
             self.last_heard = now
+            if not report.last_replayed:
+                self.lag_s = max(0.0, now - report.last_event_ts)
         if report.block_size:
             self.block_size = report.block_size
         if report.replaying is not None:

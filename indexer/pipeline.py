@@ -31,7 +31,12 @@ from kvindex.indexer.events import EventBatch, StreamId, Topic
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.health import StreamReport, UnroutedCounters
-from kvindex.indexer.index.protocol import BlockIndex, IndexUnavailableError, drop_replica
+from kvindex.indexer.index.protocol import (
+    BlockIndex,
+    IndexUnavailableError,
+    StoreIdentity,
+    drop_replica,
+)
 from kvindex.indexer.ingest import Ingestor
 from kvindex.indexer.redis_schema import SchemaError, check_name
 from kvindex.indexer.settings import IndexerSettings
@@ -79,6 +84,10 @@ class _Runtime:
     last_rebuild: float = float("-inf")
     broken: bool = False
     purged: bool = False
+    disconnected: bool = False
+    """Its socket reported a disconnect and no connect since (never probed then)."""
+    heard_at: float = float("-inf")
+    """When a live message of it (or a probe) was last handled: silence is judged from it."""
     pending: list[EventBatch] = field(default_factory=list)
     """In-order live batches not yet applied (flushed at the end of a call)."""
     queued: bool = False
@@ -113,6 +122,8 @@ class Pipeline:
         """Running totals, published to the registry after each call that changed them."""
         self._num_self_registered = 0
         self._published = UnroutedCounters()
+        self._identity = index if isinstance(index, StoreIdentity) else None
+        self._check_store()  # adopts the store as it is now: a later loss is told apart
 
     # --- the fleet -----------------------------------------------------------------------
 
@@ -165,8 +176,10 @@ class Pipeline:
             if runtime is not None and not runtime.queued:
                 runtime.queued = True
                 touched.append(runtime)
+        now = self._clock() if touched else 0.0
         for runtime in touched:
             runtime.queued = False
+            runtime.heard_at = now
             self._flush(runtime)
             self._record(runtime)
         if self.counters != self._published:
@@ -183,7 +196,7 @@ class Pipeline:
         step = runtime.tracker.on_live(batch)
         if step.clear or step.replay_from is not None:
             self._flush(runtime)
-            self._execute(runtime, step)
+            self._execute(runtime, step, live=True)
         else:
             runtime.pending.extend(step.batches)
         return runtime
@@ -291,7 +304,7 @@ class Pipeline:
             tracker = self._tracker_from_index(stream, can_replay=can_replay, report=report)
         except IndexUnavailableError:  # the first store call will fail too, and be counted
             tracker = StreamTracker(can_replay=can_replay, counters=report)
-        runtime = _Runtime(stream, spec.model, tracker, replay, report)
+        runtime = _Runtime(stream, spec.model, tracker, replay, report, heard_at=self._clock())
         self._runtimes[stream] = runtime
         self._registry.record(stream, report)  # an empty report: the record exists from now
         return runtime
@@ -330,7 +343,8 @@ class Pipeline:
 
     # --- carrying out steps --------------------------------------------------------------
 
-    def _execute(self, runtime: _Runtime, step: Step) -> None:
+    def _execute(self, runtime: _Runtime, step: Step, *, live: bool = False) -> None:
+        """Carry out a step (``live``: its batches came live, not from a replay)."""
         stream = runtime.stream
         if step.clear:
             try:
@@ -339,14 +353,30 @@ class Pipeline:
                 self._store_failed(runtime, exc)
                 return
             self._ingestor.forget(stream)
-            log.info("stream %s cleared (engine restart or rebuild)", stream)
+            log.info("stream %s cleared (engine restart, rebuild or lost history)", stream)
+        if step.history_lost:
+            self._history_lost(runtime)
         runtime.pending.extend(step.batches)
-        self._flush(runtime)
+        self._flush(runtime, live=live)
         if not runtime.broken and step.replay_from is not None:
             self._start_replay(runtime, step.replay_from)
 
-    def _flush(self, runtime: _Runtime) -> None:
-        """Apply the stream's pending batches in one index call."""
+    def _history_lost(self, runtime: _Runtime) -> None:
+        """The stream was cleared for history no replay could give back. Stores that follow
+        may name parents lost with it (orphans): a rebuild could not find them either, so
+        the rebuild cooldown starts now rather than at the first orphan."""
+        runtime.last_rebuild = self._clock()
+        self._log_once(
+            runtime,
+            "history",
+            "stream %s: history lost (a gap no replay could fill); its blocks were dropped "
+            "and it is rebuilt from the batches that follow (further ones counted)",
+            runtime.stream,
+        )
+
+    def _flush(self, runtime: _Runtime, *, live: bool = True) -> None:
+        """Apply the stream's pending batches in one index call (``live``: they came live,
+        so the last one's age is lag; a replayed batch's is not)."""
         batches = runtime.pending
         if not batches:
             return
@@ -363,6 +393,7 @@ class Pipeline:
         last = batches[-1]
         report.last_seq = last.seq
         report.last_event_ts = last.ts
+        report.last_replayed = not live
         if (
             report.num_orphan_stores
             or report.num_unknown_removals
@@ -417,8 +448,9 @@ class Pipeline:
             return
         for reply in replies:
             if reply.batch is None:
-                self._end_replay(runtime)
-                self._execute(runtime, runtime.tracker.on_replay_end())
+                num_undecodable = self._end_replay(runtime)
+                step = runtime.tracker.on_replay_end(complete=num_undecodable == 0)
+                self._execute(runtime, step)
                 break
             self._execute(runtime, runtime.tracker.on_replay(reply.batch))
             if runtime.broken:
@@ -435,19 +467,29 @@ class Pipeline:
         self._execute(runtime, runtime.tracker.on_replay_failed())
         self._record(runtime)
 
-    def _start_replay(self, runtime: _Runtime, start_seq: int) -> None:
+    def _start_replay(self, runtime: _Runtime, start_seq: int, *, probe: bool = False) -> None:
         if runtime.replay_endpoint is None or self._replays is None:
             return
         self._end_replay(runtime)
         self._replays.start_replay(runtime.stream, runtime.replay_endpoint, start_seq)
         runtime.replay_open = True
-        log.info("stream %s: replay from seq %d", runtime.stream, start_seq)
+        # A probe of each silent stream every few seconds would flood the info log.
+        log.log(
+            logging.DEBUG if probe else logging.INFO,
+            "stream %s: replay from seq %d%s",
+            runtime.stream,
+            start_seq,
+            " (probe)" if probe else "",
+        )
 
-    def _end_replay(self, runtime: _Runtime) -> None:
+    def _end_replay(self, runtime: _Runtime) -> int:
+        """Close the stream's replay, if open; returns its undecodable replies (counted)."""
         if not runtime.replay_open or self._replays is None:
-            return
+            return 0
         runtime.replay_open = False
-        runtime.report.num_decode_errors += self._replays.end_replay(runtime.stream)
+        num_undecodable = self._replays.end_replay(runtime.stream)
+        runtime.report.num_decode_errors += num_undecodable
+        return num_undecodable
 
     # --- connection ----------------------------------------------------------------------
 
@@ -457,7 +499,8 @@ class Pipeline:
         if runtime is None:
             return
         runtime.report.connected = True
-        runtime.purged = False
+        runtime.purged = runtime.disconnected = False
+        runtime.heard_at = self._clock()
         log.info("stream %s: connected; resyncing", stream)
         self._execute(runtime, runtime.tracker.resync())
         self._record(runtime)
@@ -467,18 +510,78 @@ class Pipeline:
         if runtime is None:
             return
         runtime.report.connected = False
+        runtime.disconnected = True
         log.warning("stream %s: disconnected", stream)
         self._record(runtime)
 
     # --- periodic ------------------------------------------------------------------------
 
     def maintain(self) -> None:
-        """Resync streams whose store is back; purge the blocks of streams disconnected for
-        longer than ``purge_after_s``. Call it about once a second."""
+        """Refill every stream if the store lost its data; resync streams whose store is
+        back; probe streams silent for ``probe_interval_s``; purge the blocks of streams
+        disconnected for longer than ``purge_after_s``. Call it about once a second."""
+        self._check_store()
+        now = self._clock()
         for runtime in list(self._runtimes.values()):
             if runtime.broken:
                 self._recover(runtime)
+            self._maybe_probe(runtime, now)
             self._maybe_purge(runtime)
+
+    def _check_store(self) -> None:
+        """One cheap look (a GET on Redis) at whether the store lost its data; if it did,
+        refill every stream at once, not at its next event (a quiet stream would wait
+        forever). A store that kept its data (Redis restarted with AOF) costs nothing."""
+        if self._identity is None:
+            return
+        try:
+            intact = self._identity.intact()
+        except IndexUnavailableError:
+            return  # a stream's next write counts it; the next call looks again
+        if intact:
+            return
+        log.warning(
+            "index store lost its data (restarted empty or flushed): refilling %d stream(s)",
+            len(self._runtimes),
+        )
+        for runtime in list(self._runtimes.values()):
+            self._refill(runtime)
+
+    def _refill(self, runtime: _Runtime) -> None:
+        """Rebuild one stream from nothing: a fresh tracker (empty watermark), the stream
+        cleared (batches applied since the loss would hide older ones: the index skips
+        seqs at or below its watermark), then a replay from 0 (the engine's whole buffer)
+        or, without a replay endpoint, its next batch on."""
+        self._end_replay(runtime)
+        runtime.pending = []
+        runtime.broken = False
+        runtime.tracker = StreamTracker(
+            can_replay=runtime.tracker.can_replay, counters=runtime.report
+        )
+        runtime.report.num_store_refills += 1
+        self._ingestor.forget(runtime.stream)
+        try:
+            self._index.clear(runtime.stream)
+        except IndexUnavailableError as exc:
+            self._store_failed(runtime, exc)
+        else:
+            if not runtime.disconnected:  # else its reconnect resyncs it
+                self._execute(runtime, runtime.tracker.resync())
+        self._record(runtime)
+
+    def _maybe_probe(self, runtime: _Runtime, now: float) -> None:
+        """A stream with a replay endpoint silent for ``probe_interval_s``: probe it for a
+        seq reset (a replica restarted quiet, in bind mode or with a missed reconnect)."""
+        interval = self._settings.probe_interval_s
+        if interval <= 0 or runtime.replay_endpoint is None or now - runtime.heard_at < interval:
+            return
+        if runtime.broken or runtime.replay_open or runtime.disconnected:
+            return
+        runtime.heard_at = now
+        step = runtime.tracker.probe()
+        if step.replay_from is not None:
+            self._start_replay(runtime, step.replay_from, probe=True)
+            self._record(runtime)
 
     def _recover(self, runtime: _Runtime) -> None:
         """The store is back: restart the stream's tracker from the index and resync."""

@@ -8,6 +8,9 @@ Layout (``<p>`` = configurable prefix, ``<v>`` = :data:`SCHEMA_VERSION`)::
                                           other·2³² (HINCRBY)
     <p>:<v>:{<replica>/<rank>}:hash  HASH  engine hash (8 bytes) → block key (8 bytes)
     <p>:<v>:{<replica>/<rank>}:meta  HASH  wm (watermark), ts, n0/n1/n2 (blocks per tier)
+    <p>:<v>:index                   STRING the index's identity: a random token set (if absent)
+                                          by the first indexer to open the store; gone
+                                          means the data was lost (``RedisIndex.intact``)
     <p>:<v>:load                    HASH  replica id → its latest load (msgspec JSON, ``Load``);
                                           "<replica id>/answers" → "<load ts>|<n>": n /score
                                           answers (of every API process) chose it since
@@ -89,6 +92,11 @@ class Schema:
     @property
     def streams(self) -> str:
         return f"{self.root}:streams"
+
+    @property
+    def index_marker(self) -> str:
+        """The STRING whose token identifies the index's data; absent or changed: lost."""
+        return f"{self.root}:index"
 
     @property
     def load(self) -> str:

@@ -67,6 +67,10 @@ class IndexerSettings:
     """Give up a replay that has not finished (end marker) after this long."""
     rebuild_cooldown_s: float = 60.0
     """At most one orphan-repair rebuild per stream per this many seconds."""
+    probe_interval_s: float = 10.0
+    """Probe a stream with a replay endpoint that has been silent this long (a replay from
+    its last applied seq): a replica restarted quiet is then found and its old blocks
+    dropped within this interval plus two replays (``replay_timeout_s`` at worst). 0 = off."""
     reconnect_min_s: float = 0.1
     """First ZeroMQ reconnect back-off."""
     reconnect_max_s: float = 5.0
@@ -97,7 +101,13 @@ class IndexerSettings:
             raise SettingsError(
                 f"max_self_registered must be >= 0, got {self.max_self_registered!r}"
             )
-        for name in ("stale_after_s", "purge_after_s", "replay_timeout_s", "rebuild_cooldown_s"):
+        for name in (
+            "stale_after_s",
+            "purge_after_s",
+            "replay_timeout_s",
+            "rebuild_cooldown_s",
+            "probe_interval_s",
+        ):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         _check_status(self)

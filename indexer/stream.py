@@ -8,8 +8,18 @@ pipeline carries the step out. Rules:
 * ``seq == last + 1`` → apply. ``seq > last + 1`` → a gap: replay from ``last + 1``,
   buffering live batches meanwhile; they are applied after the replay, deduplicated by seq.
   A gap found among the buffered batches starts another replay, unless the replay failed
-  or the gap begins where the replay began (it had nothing to give): then it is applied
-  through and counted as unrepaired.
+  or the gap begins where the replay began (it had nothing to give): then it is counted
+  as unrepaired and its history as lost (below).
+* **History that cannot be repaired is not credited.** A gap no replay can fill (no
+  replay endpoint; a replay that failed or timed out; a replay that begins later than
+  ``last + 1``, the engine's buffer no longer reaching back) clears the stream, counted
+  ``num_history_lost``, and it is rebuilt from what the replica still sends: the truncated
+  replay's batches, then the live ones. Why clear rather than keep: the missing batches
+  may have removed blocks the index still credits, and nothing can tell which; a block
+  missed costs a cache hit, a block wrongly credited sends a request to a replica that
+  recomputes it. After the clear every credited block is one seen stored since. Stores
+  that follow may name parents lost with that history (orphans): the pipeline starts
+  the rebuild cooldown at the clear, so orphan repair cannot loop on them.
 * ``seq <= last`` on the live stream is either a duplicate or the first batch heard from a
   restarted engine (vLLM restarts its counter at 0; its first batches may be lost before
   the socket connects, so the seq seen may be above 0). The live batch alone cannot tell
@@ -29,17 +39,31 @@ pipeline carries the step out. Rules:
     ``last`` is then taken for a duplicate: only a replay endpoint can see it.
 * On start or reconnect the stream resyncs: replay from the oldest available batch (0);
   batches at or below what was applied are skipped, unless the engine restarted meanwhile,
-  shown by a timestamp that differs from the one remembered for that seq, or by a replay
-  of the whole history (from seq 0) that ends below what was applied: then the stream is
-  cleared and every batch of that replay is applied (they all come from the restarted
-  engine). A batch that revealed a restart is judged once: the replay it started
-  supersedes it.
+  shown by a timestamp that differs from the one remembered for that seq, by a replay
+  of the whole history (from seq 0) that ends below what was applied, or by a replay from
+  0 that returns nothing at all (end marker only) while something was applied: an engine
+  that ever sent a batch keeps its newest ones buffered, so an empty buffer is a
+  restarted one (a replica restarted but quiet). Then the stream is cleared (a restart)
+  and every batch of that replay is applied (they all come from the restarted engine).
+  The empty case is safe under vLLM < 0.33's lost tails (the ROUTER drops what overflows
+  its send limit): the first reply into a fresh DEALER's pipe is never dropped, and a
+  replay whose replies were undecodable proves nothing. (An engine run with
+  ``buffer_steps = 0`` always answers empty: each resync, and each probe, clears it.) A
+  batch that revealed a restart is judged once: the replay it started supersedes it.
+* A *probe* checks a silent stream for a seq reset (bind mode, or a reconnect the socket
+  monitor missed): a replay from ``last``. The same engine answers with that very batch
+  (same seq and timestamp) and anything newer, applied; an empty answer or another batch
+  starts a replay from 0, which decides as above. A live batch during a probe ends it
+  (the stream is not silent). The pipeline probes a stream silent for
+  ``probe_interval_s``, so a replica restarted quiet loses its old blocks within that
+  interval, a maintenance tick (1 s) and two replays (at worst ``replay_timeout_s`` each;
+  a live engine answers in milliseconds).
 * A *rebuild* (to repair orphaned stores) also replays from 0; if the engine still holds
   its whole history (the replay starts at seq 0), the stream is cleared and rebuilt.
-* Without a replay endpoint, gaps are applied through and counted as unrepaired, and a
-  confirmed restart (above) clears the stream and applies the batches.
-* A replay that starts later than asked (the engine's buffer no longer reaches back) is
-  counted as truncated; what it returns is applied.
+* Without a replay endpoint, a gap is counted as unrepaired and loses the history (above),
+  and a confirmed restart (above) clears the stream and applies the batches.
+* A replay that starts later than asked is counted as truncated; what it returns is
+  applied, after a clear when it begins past ``last + 1`` (lost history).
 """
 
 from __future__ import annotations
@@ -73,6 +97,9 @@ class Step:
     clear: bool = False
     batches: list[EventBatch] = field(default_factory=list)
     replay_from: int | None = None
+    history_lost: bool = False
+    """The clear drops history no replay could give back (counted ``num_history_lost``):
+    stores that follow may name parents the index never sees again."""
 
 
 @dataclass(slots=True)
@@ -92,6 +119,14 @@ class _Replay:
     num_received: int = 0
     first_seq: int | None = None
     max_seq: int = -1
+    probe: bool = False
+    """A seq-reset probe: asked from ``last_seq``, whose batch must come back first, as
+    remembered, for the engine to be the same one."""
+    confirmed: bool = False
+    """A probe whose first reply was the remembered batch."""
+    doubted: bool = False
+    """A probe whose first reply was another batch: the rest is ignored, a check from 0
+    decides."""
 
 
 class StreamTracker:
@@ -124,7 +159,9 @@ class StreamTracker:
 
     @property
     def replaying(self) -> bool:
-        return self._replay is not None
+        """Whether a replay is open, other than a probe (a probe changes nothing unless it
+        finds a restart, which it hands to a replay from 0)."""
+        return self._replay is not None and not self._replay.probe
 
     # --- triggers ------------------------------------------------------------------------
 
@@ -140,6 +177,23 @@ class StreamTracker:
             self.counters.num_rebuilds += 1
         return self._start_replay(0, rebuild=rebuild, pending=[])
 
+    def probe(self) -> Step:
+        """A silent live stream: ask the engine again for the last applied batch.
+
+        The engine that sent it answers with it (same seq, same timestamp) and anything
+        newer; an empty answer or another batch means its counter went back, and a replay
+        from 0 follows to decide, as the module's rules say. A no-op (an empty step) without
+        a replay endpoint, during a replay, or before anything was applied.
+        """
+        if not self.can_replay or self._replay is not None or self.mode is not Mode.LIVE:
+            return Step()
+        if self.last_seq < 0:
+            return Step()
+        self.counters.num_probes += 1
+        self._replay = _Replay(self.last_seq, rebuild=False, probe=True)
+        self.mode = Mode.REPLAYING
+        return Step(replay_from=self.last_seq)
+
     def accept_next(self, batch: EventBatch) -> bool:
         """The common case, kept cheap: the next batch of a live stream is remembered and
         True is returned (apply it). False: nothing was done; ask :meth:`on_live`."""
@@ -149,6 +203,11 @@ class StreamTracker:
         return False
 
     def on_live(self, batch: EventBatch) -> Step:
+        if self._replay is not None and self._replay.probe:
+            # The stream spoke: its own batches now tell a restart, and they are not held
+            # up by a probe (whose late replies are ignored, as an abandoned replay's).
+            self._replay = None
+            self.mode = Mode.LIVE
         if self.accept_next(batch):
             return Step(batches=[batch])
         if self._replay is not None:
@@ -164,6 +223,9 @@ class StreamTracker:
         replay = self._replay
         if replay is None:
             return Step()  # a late reply of an abandoned replay
+        if replay.probe and not replay.confirmed:
+            self._probe_answer(replay, batch)
+            return Step()
         step = Step()
         if replay.first_seq is None:
             replay.first_seq = batch.seq
@@ -179,8 +241,10 @@ class StreamTracker:
             self._apply(batch, step)
         return step
 
-    def on_replay_end(self) -> Step:
-        return self._finish_replay(failed=False)
+    def on_replay_end(self, *, complete: bool = True) -> Step:
+        """The end marker came. ``complete=False``: some replies were undecodable, so an
+        empty replay does not prove an empty engine buffer."""
+        return self._finish_replay(failed=False, complete=complete)
 
     def on_replay_failed(self) -> Step:
         """The replay timed out or its socket failed: apply what was buffered, count it."""
@@ -214,6 +278,28 @@ class StreamTracker:
             self.counters.num_replay_truncated += 1
         if replay.rebuild and seq == 0:
             self._reset(step)
+        elif seq > self.last_seq + 1:
+            self._lose_history(step)
+
+    def _probe_answer(self, replay: _Replay, batch: EventBatch) -> None:
+        """The first reply to a probe confirms the engine or casts doubt on it."""
+        if replay.doubted:
+            return
+        if batch.seq == self.last_seq and self._seen.get(batch.seq) == batch.ts:
+            replay.confirmed = True
+            replay.first_seq = replay.max_seq = batch.seq
+            replay.num_received += 1
+        else:
+            replay.doubted = True
+
+    def _lose_history(self, step: Step) -> None:
+        """A gap no replay can fill: clear what the stream credited (if anything), so that
+        every block it credits from now on is one seen stored since."""
+        if self.last_seq < 0:
+            return
+        self.counters.num_history_lost += 1
+        self._reset(step)
+        step.history_lost = True
 
     def _live(
         self, batch: EventBatch, *, repair_above: int | None, counted_gap: int | None = None
@@ -237,6 +323,10 @@ class StreamTracker:
             if seq != counted_gap:
                 self.counters.num_gaps += 1
             self.counters.num_unrepaired_gaps += 1
+            step = Step()
+            self._lose_history(step)
+            self._apply(batch, step)
+            return step
         step = Step()
         self._apply(batch, step)
         return step
@@ -311,7 +401,7 @@ class StreamTracker:
         if len(seen) > 2 * _TS_MEMORY:
             self._seen = dict(islice(seen.items(), len(seen) - _TS_MEMORY, None))
 
-    def _finish_replay(self, *, failed: bool) -> Step:
+    def _finish_replay(self, *, failed: bool, complete: bool = True) -> Step:
         replay = self._replay
         if replay is None:
             return Step()
@@ -319,17 +409,32 @@ class StreamTracker:
         self.mode = Mode.LIVE
         if failed:
             self.counters.num_replay_failures += 1
+        elif replay.probe and not replay.confirmed:
+            # Empty, or another engine's batch: a replay from 0 tells a restart.
+            return self._start_replay(0, rebuild=False, pending=replay.pending)
         step = Step()
-        if not failed and replay.first_seq == 0 and replay.max_seq < self.last_seq:
-            # A running engine replays up to its newest batch, at least ``last_seq``: this
-            # one's whole history ends below it, so its counter went back (as after a
-            # restart while the indexer was down, with a watermark the new engine has not
-            # reached). Only a history from seq 0 is trusted: a replay may lose its tail
-            # (vLLM < 0.33), and then this clear costs a rebuild, never blocks.
+        if not failed and self._history_went_back(replay, complete=complete):
             step = self._restart_with(replay)
         self.counters.num_duplicates += len(replay.skipped)
         _then(step, self._drain(replay, failed=failed))
         return step
+
+    def _history_went_back(self, replay: _Replay, *, complete: bool) -> bool:
+        """Whether a replay from 0 that came back shows the engine's counter went back.
+
+        A running engine replays up to its newest batch, at least ``last_seq``. A whole
+        history (from seq 0) that ends below it, or no history at all, means a restart
+        (while the indexer was down, or a restarted replica that has published nothing
+        yet). Only a history from seq 0 is trusted that way: a replay may lose its tail
+        (vLLM < 0.33, the ROUTER's send limit), and then this clear costs a rebuild, never
+        blocks. An empty one cannot be a lost tail: the first message into a fresh DEALER's
+        pipe is never dropped, so an engine with any batch buffered sends at least one.
+        """
+        if replay.start != 0 or self.last_seq < 0:
+            return False
+        if replay.num_received == 0:
+            return complete
+        return replay.first_seq == 0 and replay.max_seq < self.last_seq
 
     def _drain(self, replay: _Replay, *, failed: bool) -> Step:
         """Apply the batches buffered during a replay, in order.
@@ -365,6 +470,7 @@ def _then(step: Step, later: Step) -> None:
     if later.clear:
         step.clear = True
         step.batches.clear()
+    step.history_lost = step.history_lost or later.history_lost
     step.batches.extend(later.batches)
     if later.replay_from is not None:
         step.replay_from = later.replay_from

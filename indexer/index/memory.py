@@ -123,6 +123,10 @@ class MemoryIndex:
             by_tier = dict(zip(_TIERS, state.blocks_by_tier, strict=True))
             return StreamStats(stream, state.watermark, state.last_ts, by_tier)
 
+    def intact(self) -> bool:
+        """Always True: the data lives and dies with this process."""
+        return True
+
     def close(self) -> None:
         pass
 

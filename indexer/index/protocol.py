@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeAlias
+from typing import Protocol, TypeAlias, runtime_checkable
 
 from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.events import StreamId, Tier
@@ -150,6 +150,24 @@ class BlockIndex(Protocol):
 
     def close(self) -> None:
         """Release connections. The index must not be used afterwards."""
+        ...
+
+
+@runtime_checkable
+class StoreIdentity(Protocol):
+    """An index that can tell whether its store still holds what was written to it.
+
+    Both backends implement it (the contract suite checks them); it is a Protocol of its
+    own so that wrappers of :class:`BlockIndex` that have no use for it need not pass it on.
+    """
+
+    def intact(self) -> bool:
+        """False once the store lost its data since the last call (a Redis restarted
+        empty, a FLUSHALL: every stream's blocks and watermark are gone); True otherwise,
+        and from the first call, which adopts the store as it is. A call that returns
+        False marks the store again, so the next returns True until the next loss. Raises
+        :class:`IndexUnavailableError` when the store cannot be reached. The memory
+        backend never loses its data."""
         ...
 
 

@@ -8,6 +8,7 @@ each stream up to its first miss (``longest_prefix.lua``). Key names live in ``r
 
 from __future__ import annotations
 
+import secrets
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -116,6 +117,8 @@ class RedisIndex:
         self._prefix = client.register_script(_script("longest_prefix.lua"))
         self._registered: set[StreamId] = set()
         self._keys_of: dict[StreamId, tuple[str, str, str]] = {}
+        self._identity: bytes | None = None
+        """The marker token this index last saw (None: not looked at yet)."""
 
     @property
     def client(self) -> redis.Redis:
@@ -237,6 +240,24 @@ class RedisIndex:
             None if ts is None else float(ts),
             by_tier,
         )
+
+    def intact(self) -> bool:
+        """The marker key holds the token seen last time: one GET. Absent (the data was
+        lost), a new token is set unless another process set one first, and adopted; a
+        token that changed means another process saw the loss first."""
+        marker = self._schema.index_marker
+        with unavailable_on_connection_errors():
+            token = cast("bytes | None", self._client.get(marker))
+            if token is not None and token == self._identity:
+                return True
+            if token is None:
+                self._client.set(marker, secrets.token_hex(8), nx=True)
+                token = cast("bytes | None", self._client.get(marker))
+        first = self._identity is None
+        self._identity = token
+        if not first:
+            self._registered.clear()  # the streams SET was lost too: list them again
+        return first
 
     def close(self) -> None:
         self._client.close()

@@ -23,6 +23,7 @@ from kvindex.indexer.index.protocol import (
     Op,
     OpKind,
     PrefixMatch,
+    StoreIdentity,
     StreamStats,
     drop_replica,
 )
@@ -306,6 +307,16 @@ def test_drop_replica_drops_all_its_ranks_only(index: BlockIndex) -> None:
 
 
 # --- streams ------------------------------------------------------------------------------
+
+
+def test_a_store_that_keeps_its_data_stays_intact(index: BlockIndex) -> None:
+    assert isinstance(index, StoreIdentity)
+    assert index.intact()
+    index.apply(S, 0, 1.0, [store(1, 101)])
+    index.clear(S)
+    index.apply(S_OTHER, 0, 1.0, [store(1, 101)])
+    index.drop(S_OTHER)
+    assert index.intact() and index.intact()
 
 
 def test_streams_lists_every_stream_sorted(index: BlockIndex) -> None:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import msgspec
 import pytest
 import redis
+import zmq
 
 from kvindex.clients.fake_vllm.publisher import EventPublisher
 from kvindex.indexer.events import AllBlocksCleared, BlockRemoved, BlockStored, StreamId, Tier
+from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.index.redis import RedisIndex, connect
 from kvindex.indexer.keys import block_keys
@@ -25,7 +28,7 @@ from tests.integration.harness import (
     wait_until,
     warm_up,
 )
-from tests.support.redis_server import RedisServer
+from tests.support.redis_server import RedisServer, free_port
 
 R1 = StreamId("r1", 0)
 TOKENS = list(range(1000, 1000 + 16 * 8))
@@ -102,9 +105,12 @@ def test_gap_without_replay_endpoint_is_counted(index: BlockIndex) -> None:
             pub.publish([stored((13,), 12, 2)], drop=True)
             seq = pub.publish([stored((14,), 13, 3)])
             wait_until(ix.applied(R1, seq))
-            assert matched(index, R1) == 2  # block 13 never arrived; 14 is an orphan
+            # Block 13 never arrived and the batch that dropped it may have removed 11 or
+            # 12: the stream is cleared and holds only 14 (an orphan, not matched).
+            assert matched(index, R1) == 0
             health = ix.status(R1).health
             assert (health.num_unrepaired_gaps, health.num_orphan_stores) == (1, 1)
+            assert health.num_history_lost == 1
     finally:
         pub.close()
 
@@ -265,3 +271,86 @@ def test_redis_going_away_is_counted_and_recovered(
         wait_until(ix.applied(R1, seq), timeout_s=15, what="stream resynced")
         wait_until(lambda: matched(index, R1) == 3, what="index rebuilt")
     index.close()
+
+
+def test_history_lost_beyond_a_small_replay_buffer_is_not_credited(index: BlockIndex) -> None:
+    pub = publisher_at(None, None, buffer_steps=4)
+    try:
+        with running_indexer(settings_for(replica_of(pub)), index) as ix:
+            warm_up(ix, pub, R1)
+            seq = pub.publish([stored((11, 12), None, 0)])
+            wait_until(ix.applied(R1, seq))
+            pub.publish([BlockRemoved((12,), Tier.GPU)], drop=True)  # lost for good...
+            for _ in range(6):  # ...once the 4-batch buffer has moved past it
+                pub.publish([], drop=True)
+            seq = pub.publish([stored((21,), None, 4)])
+            wait_until(ix.applied(R1, seq), what="truncated replay applied")
+            health = ix.status(R1).health
+            assert (health.num_replay_truncated, health.num_history_lost) == (1, 1)
+            assert matched(index, R1) == 0  # 11 may still be cached, 12 is not: neither credited
+            assert index.stats(R1).num_blocks == 1  # what the replica sent since: block 21
+            assert ix.status(R1).freshness.value == "live"
+    finally:
+        pub.close()
+
+
+def test_a_replica_restarted_quiet_loses_its_old_blocks_on_reconnect(index: BlockIndex) -> None:
+    first = publisher_at(None, None)
+    port, replay_port = _ports(first)
+    with running_indexer(settings_for(replica_of(first)), index) as ix:
+        warm_up(ix, first, R1)
+        seq = first.publish([stored((11, 12), None, 0)])
+        wait_until(ix.applied(R1, seq))
+        first.close()
+        started = time.monotonic()
+        second = publisher_at(port, replay_port)  # same endpoints, publishes nothing
+        try:
+            wait_until(lambda: matched(index, R1) == 0, timeout_s=10, what="old blocks dropped")
+            took = time.monotonic() - started
+            print(f"quiet restart seen on reconnect in {took:.2f} s")
+            assert ix.status(R1).health.num_restarts == 1
+        finally:
+            second.close()
+
+
+def test_a_replica_restarted_quiet_in_bind_mode_is_found_by_the_probe(index: BlockIndex) -> None:
+    replay_port = free_port()
+    replay = f"tcp://127.0.0.1:{replay_port}"
+    spec = ReplicaSpec(id="r1", model=MODEL, replay=replay)
+    settings = settings_for(spec, bind="tcp://127.0.0.1:*", probe_interval_s=1.0)
+    with running_indexer(settings, index) as ix:
+        endpoint = ix.service.subscriber.bound_endpoint
+        assert endpoint is not None
+        first = _connecting_publisher(endpoint, replay)
+
+        def arrived() -> bool:
+            first.publish([stored((11, 12), None, 0)])
+            return matched(index, R1) == 2
+
+        wait_until(arrived, what="bound SUB receives")  # slow joiner: resend until seen
+        first.close()
+        started = time.monotonic()
+        second = _connecting_publisher(endpoint, replay)  # quiet: publishes nothing
+        try:
+            wait_until(lambda: matched(index, R1) == 0, timeout_s=10, what="old blocks dropped")
+            took = time.monotonic() - started
+            bound = settings.probe_interval_s + 1.0 + 2 * 0.5  # tick + two local replays
+            print(f"quiet restart found by the probe in {took:.2f} s (bound {bound:.1f} s)")
+            assert took < bound
+            health = ix.status(R1).health
+            assert health.num_probes >= 1 and health.num_restarts == 1
+        finally:
+            second.close()
+
+
+def _connecting_publisher(endpoint: str, replay: str) -> EventPublisher:
+    """A publisher that connects to the indexer's bound SUB and binds its replay ROUTER,
+    retrying while the port is still held by the previous one."""
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            return EventPublisher(endpoint, replay, topic=f"kv@r1@{MODEL}")
+        except zmq.ZMQError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)

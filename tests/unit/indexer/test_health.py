@@ -41,3 +41,14 @@ def test_every_counter_adds_and_errors_are_what_an_operator_reads_as_such() -> N
     total.add(one)
     assert total == StreamCounters(**dict.fromkeys(names, 2))
     assert StreamCounters(num_decode_errors=1, num_bad_events=2, num_store_errors=4).num_errors == 7
+
+
+def test_a_replayed_batch_moves_the_position_but_not_the_lag() -> None:
+    health = StreamHealth()
+    health.update(StreamReport(last_seq=3, last_event_ts=9.0), 10.0)  # live: 1 s behind
+    replayed = StreamReport(last_seq=9, last_event_ts=30.0, last_replayed=True)
+    health.update(replayed, 700.0)  # events published 670 s ago, replayed now
+    assert (health.last_seq, health.last_event_ts, health.last_heard) == (9, 30.0, 700.0)
+    assert health.lag_s == 1.0
+    health.update(StreamReport(last_seq=10, last_event_ts=700.5), 700.75)
+    assert health.lag_s == 0.25

@@ -63,10 +63,26 @@ class FlakyIndex(MemoryIndex):
     def __init__(self) -> None:
         super().__init__()
         self.down = False
+        self.num_losses = 0
+        self._unseen_loss = False
+        self.num_intact_calls = 0
 
     def _check(self) -> None:
         if self.down:
             raise IndexUnavailableError("store down")
+
+    def lose_everything(self) -> None:
+        """What a Redis restarted empty (or flushed) does to the data."""
+        for stream in self.streams():
+            super().drop(stream)
+        self.num_losses += 1
+        self._unseen_loss = True
+
+    def intact(self) -> bool:
+        self._check()
+        self.num_intact_calls += 1
+        lost, self._unseen_loss = self._unseen_loss, False
+        return not lost
 
     def apply_many(self, stream: StreamId, batches: Sequence[BatchOps]) -> list[ApplyResult]:
         self._check()
@@ -383,6 +399,154 @@ def test_a_store_failure_is_counted_and_the_stream_resynced_when_it_is_back() ->
     assert r.freshness() is Freshness.LIVE
 
 
+# --- the index store lost its data ------------------------------------------------------
+
+
+def test_a_store_that_lost_its_data_is_refilled_at_once_by_replay_from_zero() -> None:
+    r = rig()
+    synced(r, last=2)
+    r.index.lose_everything()
+    r.pipeline.handle_live(frames(3), R1)  # applied onto the emptied store before a look
+    num_replays = len(r.replays.started)
+    r.pipeline.maintain()
+    assert r.replays.started[num_replays:] == [(R1, REPLAY, 0)]
+    assert r.index.stats(R1).watermark == -1  # cleared: seq 3 would hide 0..2
+    r.pipeline.on_replay(R1, replies(*(batch(s) for s in range(4))))
+    assert (r.blocks(0, 1, 2, 3), r.health().last_seq) == (4, 3)
+    assert (r.health().num_store_refills, r.health().num_restarts) == (1, 0)
+    assert r.freshness() is Freshness.LIVE
+
+
+def test_a_store_that_kept_its_data_costs_nothing() -> None:
+    r = rig()
+    synced(r, last=2)
+    num_replays = len(r.replays.started)
+    for _ in range(3):
+        r.pipeline.maintain()
+    assert r.index.num_intact_calls >= 3
+    assert len(r.replays.started) == num_replays
+    assert (r.health().num_store_refills, r.blocks(0, 1, 2)) == (0, 3)
+
+
+def test_without_replay_a_refilled_stream_starts_over_from_its_next_batch() -> None:
+    r = rig(replay=False)
+    r.pipeline.handle_frames([frames(0), frames(1)], R1)
+    r.index.lose_everything()
+    r.pipeline.maintain()
+    r.pipeline.handle_live(frames(2), R1)
+    health = r.health()
+    assert (health.num_store_refills, health.num_gaps, health.num_history_lost) == (1, 0, 0)
+    assert (health.last_seq, r.index.stats(R1).watermark) == (2, 2)
+
+
+def test_a_store_back_empty_after_failed_writes_ends_equal_to_the_replicas_cache() -> None:
+    r = rig()
+    synced(r, last=1)
+    r.index.down = True
+    r.pipeline.handle_live(frames(2), R1)  # fails: the stream waits for the store
+    r.index.lose_everything()
+    r.index.down = False
+    num_replays = len(r.replays.started)
+    r.pipeline.maintain()
+    assert r.replays.started[num_replays:] == [(R1, REPLAY, 0)]  # one rebuild, not two
+    r.pipeline.on_replay(R1, replies(batch(0), batch(1), batch(2)))
+    assert (r.blocks(0, 1, 2), r.index.stats(R1).num_blocks) == (3, 3)
+    assert r.health().num_store_refills == 1
+
+
+# --- history that cannot be repaired ------------------------------------------------------
+
+
+def test_a_truncated_replay_drops_the_lost_history_and_cannot_loop_on_orphans() -> None:
+    r = rig(rebuild_cooldown_s=60.0)
+    synced(r, last=2)
+    r.pipeline.handle_live(frames(6), R1)
+    r.pipeline.on_replay(R1, replies(batch(5), batch(6)))  # 3 and 4 aged out of the buffer
+    assert r.blocks(0, 1, 2) == 0  # no longer credited: removals of them may be lost too
+    health = r.health()
+    assert (health.num_replay_truncated, health.num_history_lost) == (1, 1)
+    assert (health.last_seq, r.freshness()) == (6, Freshness.LIVE)
+    num_replays = len(r.replays.started)
+    r.pipeline.handle_live(frames(7), R1)  # orphans (parents lost with the history)
+    assert r.health().num_orphan_stores > 0
+    assert (len(r.replays.started), r.health().num_rebuilds) == (num_replays, 0)
+    r.clock.now += 61.0
+    orphan = BlockStored((9,), 99, tokens(9), BLOCK, Tier.GPU)
+    r.pipeline.handle_live(frames(8, events=[orphan]), R1)
+    assert r.health().num_rebuilds == 1  # one per cooldown at most
+
+
+def test_without_replay_a_gap_drops_what_was_credited() -> None:
+    r = rig(replay=False)
+    r.pipeline.handle_frames([frames(0), frames(1), frames(3)], R1)
+    health = r.health()
+    assert (health.num_unrepaired_gaps, health.num_history_lost, health.last_seq) == (1, 1, 3)
+    assert r.blocks(0, 1) == 0
+
+
+# --- a replica restarted quiet -------------------------------------------------------------
+
+
+def test_a_silent_stream_is_probed_and_a_quiet_restart_clears_it() -> None:
+    r = rig(probe_interval_s=10.0)
+    synced(r, last=2)
+    r.clock.now += 9.0
+    r.pipeline.maintain()
+    num_replays = len(r.replays.started)
+    assert r.health().num_probes == 0
+    r.clock.now += 1.5
+    r.pipeline.maintain()
+    assert r.replays.started[num_replays:] == [(R1, REPLAY, 2)]
+    assert (r.health().num_probes, r.freshness()) == (1, Freshness.LIVE)
+    r.pipeline.on_replay(R1, replies())  # the engine holds nothing at seq 2
+    assert r.replays.started[-1] == (R1, REPLAY, 0)
+    r.pipeline.on_replay(R1, replies())  # nor from 0: its counter went back
+    assert (r.blocks(0, 1, 2), r.health().num_restarts) == (0, 1)
+
+
+def test_a_probe_answered_by_the_same_engine_keeps_the_stream() -> None:
+    r = rig(probe_interval_s=10.0)
+    synced(r, last=2)
+    r.clock.now += 11.0
+    r.pipeline.maintain()
+    r.pipeline.on_replay(R1, replies(batch(2)))
+    assert (r.blocks(0, 1, 2), r.health().num_restarts) == (3, 0)
+    assert r.replays.open == set()
+
+
+def test_live_batches_disconnects_and_a_zero_interval_hold_probes_back() -> None:
+    r = rig(probe_interval_s=10.0)
+    synced(r, last=2)
+    r.clock.now += 9.0
+    r.pipeline.handle_live(frames(3), R1)
+    r.clock.now += 9.0
+    r.pipeline.maintain()
+    assert r.health().num_probes == 0
+    r.pipeline.on_disconnected(R1)
+    r.clock.now += 30.0
+    r.pipeline.maintain()
+    assert r.health().num_probes == 0
+    off = rig(probe_interval_s=0.0)
+    synced(off, last=2)
+    off.clock.now += 1000.0
+    off.pipeline.maintain()
+    assert off.health().num_probes == 0
+
+
+# --- lag ----------------------------------------------------------------------------------
+
+
+def test_lag_is_that_of_live_batches_not_of_replayed_ones() -> None:
+    r = rig()
+    r.pipeline.on_connected(R1)
+    old = r.clock.now - 670.0
+    r.pipeline.on_replay(R1, replies(batch(0, ts=old), batch(1, ts=old + 1)))
+    health = r.health()
+    assert (health.last_seq, health.last_event_ts, health.lag_s) == (1, old + 1, None)
+    r.pipeline.handle_live(frames(2, ts=r.clock.now - 0.25), R1)
+    assert r.health().lag_s == 0.25
+
+
 def test_close_ends_open_replays() -> None:
     r = rig()
     r.pipeline.on_connected(R1)
@@ -403,3 +567,16 @@ def test_without_a_socket_owner_no_stream_replays(replay: bool) -> None:
     status = registry.status(R1)
     assert status is not None
     assert (status.health.num_replays, status.health.num_unrepaired_gaps) == (0, 1)
+
+
+def test_a_live_batch_during_a_probe_is_applied_at_once() -> None:
+    r = rig(probe_interval_s=10.0)
+    synced(r, last=2)
+    r.clock.now += 11.0
+    r.pipeline.maintain()
+    assert r.replays.open == {R1}
+    r.pipeline.handle_live(frames(3), R1)
+    assert (r.blocks(0, 1, 2, 3), r.health().last_seq) == (4, 3)
+    r.pipeline.on_replay(R1, replies())  # the probe's late end: closes it, changes nothing
+    assert r.replays.open == set()
+    assert (r.blocks(0, 1, 2, 3), r.health().num_restarts) == (4, 0)

@@ -122,12 +122,25 @@ def test_gap_replays_from_last_plus_one_then_applies_buffered_deduplicated() -> 
     assert counters.num_replay_truncated == 0
 
 
-def test_replay_starting_later_than_asked_is_counted_as_truncated() -> None:
+def test_replay_starting_later_than_asked_is_truncated_and_the_lost_history_cleared() -> None:
     tracker = live_tracker(last=2)
     assert tracker.on_live(b(6)) == Step(replay_from=3)
-    assert applied(replay(tracker, b(5), b(6))) == [5, 6]
+    steps = replay(tracker, b(5), b(6))
+    assert steps[0] == Step(clear=True, batches=[b(5)], history_lost=True)  # 3 and 4 are gone
+    assert applied(steps) == [5, 6]
     assert tracker.on_replay_end() == Step()
-    assert tracker.counters.num_replay_truncated == 1
+    counters = tracker.counters
+    assert (counters.num_replay_truncated, counters.num_history_lost) == (1, 1)
+
+
+def test_replay_starting_later_than_asked_but_not_past_what_was_applied_loses_nothing() -> None:
+    tracker = live_tracker(last=4)
+    assert tracker.resync() == Step(replay_from=0)
+    steps = replay(tracker, b(3), b(4), b(5))  # the buffer begins at 3: 0..2 aged out
+    assert not any(step.clear for step in steps) and applied(steps) == [5]
+    assert tracker.on_replay_end() == Step()
+    counters = tracker.counters
+    assert (counters.num_replay_truncated, counters.num_history_lost) == (1, 0)
 
 
 def test_resync_replay_starting_after_zero_is_counted_as_truncated() -> None:
@@ -137,25 +150,36 @@ def test_resync_replay_starting_after_zero_is_counted_as_truncated() -> None:
     assert tracker.counters.num_replay_truncated == 1
 
 
-def test_replay_timeout_applies_buffered_and_counts_the_unrepaired_gap() -> None:
+def test_replay_timeout_clears_the_lost_history_and_applies_what_was_buffered() -> None:
     tracker = live_tracker(last=2)
     assert tracker.on_live(b(6)) == Step(replay_from=3)
     tracker.on_live(b(7))
     assert applied(replay(tracker, b(3))) == [3]
-    assert tracker.on_replay_failed() == apply(b(6), b(7))
+    assert tracker.on_replay_failed() == Step(clear=True, batches=[b(6), b(7)], history_lost=True)
     counters = tracker.counters
     assert counters.num_replay_failures == 1
-    assert (counters.num_gaps, counters.num_unrepaired_gaps) == (1, 1)
+    assert (counters.num_gaps, counters.num_unrepaired_gaps, counters.num_history_lost) == (1, 1, 1)
     assert not tracker.replaying
+    assert (tracker.mode.value, tracker.last_seq) == ("live", 7)
+
+
+def test_replay_timeout_without_a_gap_loses_nothing() -> None:
+    tracker = live_tracker(last=2)
+    tracker.resync()
+    tracker.on_live(b(3))
+    assert tracker.on_replay_failed() == apply(b(3))
+    assert tracker.counters.num_history_lost == 0
 
 
 def test_gap_without_endpoint_is_applied_through_and_counted() -> None:
     tracker = StreamTracker(can_replay=False)
     tracker.on_live(b(0))
     tracker.on_live(b(1))
-    assert tracker.on_live(b(4)) == apply(b(4))
-    assert (tracker.counters.num_gaps, tracker.counters.num_unrepaired_gaps) == (1, 1)
-    assert tracker.counters.num_replays == 0
+    assert tracker.on_live(b(4)) == Step(clear=True, batches=[b(4)], history_lost=True)
+    counters = tracker.counters
+    assert (counters.num_gaps, counters.num_unrepaired_gaps, counters.num_history_lost) == (1, 1, 1)
+    assert counters.num_replays == 0
+    assert tracker.on_live(b(5)) == apply(b(5))
 
 
 def test_gap_among_buffered_batches_starts_another_replay() -> None:
@@ -172,7 +196,7 @@ def test_gap_among_buffered_batches_starts_another_replay() -> None:
 def test_empty_replay_does_not_ask_again_for_the_same_gap() -> None:
     tracker = live_tracker(last=2)
     assert tracker.on_live(b(5)) == Step(replay_from=3)
-    assert tracker.on_replay_end() == apply(b(5))
+    assert tracker.on_replay_end() == Step(clear=True, batches=[b(5)], history_lost=True)
     assert (tracker.counters.num_gaps, tracker.counters.num_unrepaired_gaps) == (1, 1)
     assert tracker.counters.num_replays == 2  # the resync and this one
 
@@ -280,8 +304,10 @@ def test_restart_after_a_failed_replay_still_resyncs() -> None:
     tracker = live_tracker(last=2)
     tracker.on_live(b(5))
     tracker.on_live(b(0, NEW_TS))
-    assert tracker.on_replay_failed() == Step(batches=[b(5)], replay_from=0)
-    assert tracker.counters.num_unrepaired_gaps == 1
+    assert tracker.on_replay_failed() == Step(
+        clear=True, batches=[b(5)], replay_from=0, history_lost=True
+    )
+    assert (tracker.counters.num_unrepaired_gaps, tracker.counters.num_history_lost) == (1, 1)
 
 
 # --- indexer restart: watermark from the index -----------------------------------------
@@ -328,12 +354,89 @@ def test_replay_of_a_partial_history_ending_below_the_watermark_is_not_a_restart
     assert tracker.counters.num_restarts == 0
 
 
-def test_empty_replay_proves_nothing_and_the_next_live_batch_decides() -> None:
+def test_an_empty_replay_from_zero_is_a_restarted_engine_that_holds_nothing() -> None:
     tracker = StreamTracker(can_replay=True, watermark=5, last_ts=b(5).ts)
     tracker.resync()
+    assert tracker.on_replay_end() == Step(clear=True)
+    assert (tracker.counters.num_restarts, tracker.last_seq) == (1, -1)
+    assert tracker.on_live(b(0, NEW_TS)) == apply(b(0, NEW_TS))
+
+
+def test_an_empty_replay_with_undecodable_replies_proves_nothing() -> None:
+    tracker = live_tracker(last=5)
+    tracker.resync()
+    assert tracker.on_replay_end(complete=False) == Step()
+    assert (tracker.counters.num_restarts, tracker.last_seq) == (0, 5)
+
+
+def test_an_empty_replay_from_zero_before_anything_was_applied_clears_nothing() -> None:
+    tracker = StreamTracker(can_replay=True)
+    tracker.resync()
     assert tracker.on_replay_end() == Step()
-    assert tracker.on_live(b(2, NEW_TS)) == Step(replay_from=0)
-    assert tracker.on_live(b(6)) == Step()  # buffered: the replay from 0 is under way
+    assert tracker.counters.num_restarts == 0
+
+
+def test_an_empty_gap_replay_is_no_restart() -> None:
+    tracker = live_tracker(last=5)
+    assert tracker.on_live(b(7)) == Step(replay_from=6)
+    assert tracker.on_replay_end().clear  # the gap's history is lost, not the engine
+    assert (tracker.counters.num_restarts, tracker.counters.num_history_lost) == (0, 1)
+
+
+# --- seq-reset probe of a silent stream ------------------------------------------------
+
+
+def test_a_probe_answered_by_the_same_engine_changes_nothing() -> None:
+    tracker = live_tracker(last=5)
+    assert tracker.probe() == Step(replay_from=5)
+    assert not tracker.replaying  # a probe is not shown as a replay
+    assert applied(replay(tracker, b(5), b(6))) == [6]  # and it repairs what was missed
+    assert tracker.on_replay_end() == Step()
+    counters = tracker.counters
+    assert (counters.num_probes, counters.num_restarts, counters.num_replays) == (1, 0, 1)
+    assert tracker.accept_next(b(7))
+
+
+def test_a_probe_answered_empty_is_checked_from_zero_which_clears() -> None:
+    tracker = live_tracker(last=5)
+    tracker.probe()
+    assert tracker.on_replay_end() == Step(replay_from=0)
+    assert tracker.replaying
+    assert tracker.on_replay_end() == Step(clear=True)  # the engine holds no history
+    assert (tracker.counters.num_restarts, tracker.last_seq) == (1, -1)
+
+
+def test_a_probe_answered_by_another_engine_is_checked_from_zero() -> None:
+    tracker = live_tracker(last=5)
+    tracker.probe()
+    assert replay(tracker, b(5, NEW_TS), b(6, NEW_TS)) == [Step(), Step()]
+    assert tracker.last_seq == 5  # nothing applied on a doubted probe's word
+    assert tracker.on_replay_end() == Step(replay_from=0)
+    steps = replay(tracker, *(b(s, NEW_TS) for s in range(7)))
+    assert steps[0].clear and applied(steps) == [0, 1, 2, 3, 4, 5, 6]
+    assert tracker.on_replay_end() == Step()
+    assert tracker.counters.num_restarts == 1
+
+
+def test_a_probe_of_a_stream_that_cannot_or_need_not_be_probed_is_a_no_op() -> None:
+    assert StreamTracker(can_replay=False).probe() == Step()
+    assert StreamTracker(can_replay=True).probe() == Step()  # not live yet
+    fresh = live_tracker(last=-1)
+    assert fresh.probe() == Step()  # nothing applied: nothing to ask about
+    busy = live_tracker(last=3)
+    busy.on_live(b(6))  # a gap replay is open
+    assert busy.probe() == Step()
+    assert busy.counters.num_probes == 0
+
+
+def test_a_live_batch_during_a_probe_ends_it_and_is_applied_at_once() -> None:
+    tracker = live_tracker(last=5)
+    tracker.probe()
+    assert tracker.on_live(b(6)) == apply(b(6))
+    assert replay(tracker, b(5, NEW_TS)) == [Step()]  # a late reply: ignored
+    assert tracker.on_replay_end() == Step()
+    assert (tracker.last_seq, tracker.counters.num_restarts) == (6, 0)
+    assert tracker.accept_next(b(7))
 
 
 # --- rebuilds, late replies, overflow ------------------------------------------------

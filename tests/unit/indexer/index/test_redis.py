@@ -357,3 +357,43 @@ def test_a_bounded_client_fails_within_its_timeout(silent: bool) -> None:
             index.longest_prefix([1, 2], [StreamId("r1")])
         assert time.monotonic() - started < 0.3
         index.close()
+
+
+# --- the identity marker: telling an emptied store ------------------------------------
+
+
+def test_a_flushed_store_is_told_once_and_then_marked_again(
+    index: RedisIndex, redis_client: redis.Redis
+) -> None:
+    assert index.intact()  # the first look adopts the store and marks it
+    marker = redis_client.get(SCHEMA.index_marker)
+    assert marker is not None
+    index.apply(S, 0, 1.0, [store(1, 101)])
+    assert index.intact()
+    redis_client.flushall()
+    assert not index.intact()
+    assert index.intact()
+    assert redis_client.get(SCHEMA.index_marker) not in (None, marker)
+
+
+def test_a_loss_seen_first_by_another_process_is_still_told(redis_client: redis.Redis) -> None:
+    first, second = RedisIndex(redis_client, SCHEMA), RedisIndex(redis_client, SCHEMA)
+    assert first.intact() and second.intact()
+    redis_client.flushall()
+    assert not first.intact()  # it marks the store again...
+    assert not second.intact()  # ...with a token the other has not seen
+    assert first.intact() and second.intact()
+
+
+def test_a_marked_store_opened_again_is_intact(redis_client: redis.Redis) -> None:
+    assert RedisIndex(redis_client, SCHEMA).intact()
+    assert RedisIndex(redis_client, SCHEMA).intact()  # an indexer restart: data kept
+
+
+def test_a_refilled_stream_is_listed_again(index: RedisIndex, redis_client: redis.Redis) -> None:
+    index.intact()
+    index.apply(S, 0, 1.0, [store(1, 101)])
+    redis_client.flushall()
+    assert not index.intact()
+    index.apply(S, 0, 1.0, [store(1, 101)])
+    assert index.streams() == [S]
