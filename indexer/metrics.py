@@ -84,6 +84,17 @@ COUNTERS: tuple[CounterSeries, ...] = (
         "num_misaligned_events",
         "Stores whose tokens do not fill their blocks exactly (dropped)",
     ),
+    CounterSeries(
+        "history_lost",
+        "num_history_lost",
+        "Streams cleared because a gap could not be repaired (rebuilt from later events)",
+    ),
+    CounterSeries(
+        "store_refills",
+        "num_store_refills",
+        "Streams rebuilt by replay because the index store lost its data",
+    ),
+    CounterSeries("probes", "num_probes", "Seq-reset probes of silent streams"),
 )
 """Every :class:`~kvindex.indexer.health.StreamCounters` field, exported as
 ``kvindex_<name>_total`` (a unit test fails when a field has no row here: add one)."""

@@ -79,6 +79,4 @@ class IndexerService:
 
     def loop_alive(self) -> bool:
         """True while the subscriber's loop thread runs (started, not ended)."""
-        # The subscriber has no running flag of its own: its thread is the truth.
-        thread = self.subscriber._thread
-        return thread is not None and thread.is_alive()
+        return self.subscriber.running

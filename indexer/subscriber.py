@@ -115,6 +115,11 @@ class Subscriber:
         self._thread = threading.Thread(target=self._run, name="kvindex-subscriber", daemon=True)
         self._thread.start()
 
+    @property
+    def running(self) -> bool:
+        """True while the loop thread runs (started, not ended)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         if self._thread is not None:

@@ -37,6 +37,9 @@ EXPECTED_COUNTERS = {
     "kvindex_orphan_stores_total": "num_orphan_stores",
     "kvindex_unknown_removals_total": "num_unknown_removals",
     "kvindex_misaligned_events_total": "num_misaligned_events",
+    "kvindex_history_lost_total": "num_history_lost",
+    "kvindex_store_refills_total": "num_store_refills",
+    "kvindex_probes_total": "num_probes",
 }
 """The names dashboards and alert rules use: renaming one is a breaking change."""
 
