@@ -105,6 +105,9 @@ class ApiSettings:
     redis_cooldown_s: float = 0.5
     """After a failed Redis call, the API skips Redis this long (answering ``degraded``),
     then lets one call probe it."""
+    access_log: bool = False
+    """Log one line per HTTP request (logger ``kvindex.access``: method, path, status,
+    milliseconds), in the process's log format (``--access-log``)."""
 
     def __post_init__(self) -> None:
         _check_policy("api.default_policy", self.default_policy)
@@ -117,6 +120,8 @@ class ApiSettings:
         _check_number("api.body_timeout_s", self.body_timeout_s, _POSITIVE)
         _check_number("api.redis_timeout_s", self.redis_timeout_s, _POSITIVE)
         _check_number("api.redis_cooldown_s", self.redis_cooldown_s, _POSITIVE)
+        if not isinstance(self.access_log, bool):
+            raise SettingsError(f"api.access_log must be true or false, got {self.access_log!r}")
         names = [m.name for m in self.models]
         if len(names) != len(set(names)):
             raise SettingsError(f"models: duplicate names in {names}")
