@@ -79,18 +79,20 @@ def test_requests_are_counted_by_route_template_method_and_status(memory_api: Ap
     assert api.request("DELETE", "/replicas/no-such-replica").status_code == 404
     assert api.get("/no/such/route").status_code == 404
     assert api.get("/replicas").status_code == 200
+    assert api.request("BREW", "/score").status_code == 405
     found = metrics_of(api)
     assert requests_of(found, "/score", "POST", 200) == 2
     assert requests_of(found, "/score", "POST", 422) == 1
     assert requests_of(found, "/replicas/{replica_id}", "DELETE", 404) == 1
     assert requests_of(found, "unmatched", "GET", 404) == 1
     assert requests_of(found, "/replicas", "GET", 200) == 1
+    assert requests_of(found, "/score", "other", 405) == 1  # a method is no label of its own
     routes = {
         dict(labels).get("route") for name, labels in found if name.startswith("kvindex_http")
     }
     assert not any("no-such" in str(route) for route in routes)  # never a raw path
     latency = ("kvindex_http_request_seconds_count", (("route", "/score"),))
-    assert found[latency] == 3
+    assert found[latency] == 4
     assert found[("kvindex_api_store_up", ())] == 1  # the memory store is always up
     assert ("kvindex_batches_total", (("rank", "0"), ("replica", "r1"))) in found  # write path
 
