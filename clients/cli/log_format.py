@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import threading
 import time
@@ -68,7 +69,8 @@ class _Seen:
 class RepeatFilter(logging.Filter):
     """Lets through a record at ``min_level`` or above of a logger under ``prefix`` only if
     the same logger and message template (the format string, not the formatted text: the
-    same warning about another replica is the same warning) has not passed in the last
+    same warning about another replica is the same warning; the text when the format
+    string is only placeholders) has not passed in the last
     ``window_s``. A record let through after others were held back gets ``num_suppressed``
     (an extra field) and its message says how many and over how long. Lower levels and
     other loggers always pass. Thread-safe."""
@@ -92,7 +94,7 @@ class RepeatFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < self._min_level or not _under(record.name, self._prefix):
             return True
-        key = (record.name, str(record.msg))
+        key = (record.name, _template_of(record))
         now = self._clock()
         with self._lock:
             seen = self._seen.get(key)
@@ -106,6 +108,18 @@ class RepeatFilter(logging.Filter):
             record.num_suppressed = held_back
             record.msg = f"{record.msg} [{held_back} more like this held back in {since:.0f} s]"
         return True
+
+
+_PLACEHOLDER = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(?:\*|\d+)?(?:\.(?:\*|\d+))?[a-zA-Z%]")
+
+
+def _template_of(record: logging.LogRecord) -> str:
+    """What makes two records the same warning: the format string, or the formatted text
+    when the format string says nothing of its own (``log.warning("%s", why)``)."""
+    template = str(record.msg)
+    if not _PLACEHOLDER.sub("", template).strip():
+        return record.getMessage()
+    return template
 
 
 def _under(name: str, prefix: str) -> bool:

@@ -86,6 +86,13 @@ def test_other_templates_loggers_and_levels_are_not_held() -> None:
     assert not repeats.filter(record("one %s", 2))
 
 
+def test_a_template_of_placeholders_only_is_told_apart_by_its_text() -> None:
+    repeats = RepeatFilter(10.0, clock=Clock())
+    assert repeats.filter(record("%s", "fleet state unreadable"))
+    assert repeats.filter(record("%s", "fleet state lost by redis"))
+    assert not repeats.filter(record("%s", "fleet state unreadable"))
+
+
 @pytest.fixture
 def root_handlers() -> Iterator[None]:
     """Put the root logger back as it was after the test."""
