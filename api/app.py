@@ -8,6 +8,9 @@ unknown model → 404 naming the known ones, a body over ``api.max_body_bytes`` 
 not received within ``api.body_timeout_s`` → 408 (:mod:`kvindex.api.body_limit`), a missing
 or wrong bearer token (when ``api.auth_token`` is set) → 401, a tokenizer or replica
 failure → 502, an unreachable store → 503 (``/score`` instead answers from load alone).
+Every request is counted and timed by route template, and logged when ``api.access_log``
+is on (:mod:`kvindex.api.traffic`, the outermost middleware); ``/metrics`` is
+:mod:`kvindex.api.metrics`.
 """
 
 from __future__ import annotations

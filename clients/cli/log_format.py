@@ -36,8 +36,10 @@ HANDLER_NAME = "kvindex"
 _RECORD_FIELDS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {
     "message",
     "asctime",
+    "color_message",  # uvicorn's copy of the message with terminal colours
 }
-"""Attributes every LogRecord has: what is not among them came as ``extra``."""
+"""Attributes every LogRecord has (and uvicorn's coloured copy): what is not among them
+came as ``extra``."""
 
 
 class JsonFormatter(logging.Formatter):

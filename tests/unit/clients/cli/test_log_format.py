@@ -40,6 +40,12 @@ def test_a_json_line_has_ts_level_logger_message_and_the_extra_fields() -> None:
     assert "args" not in body and "msg" not in body
 
 
+def test_uvicorns_coloured_copy_of_the_message_is_left_out() -> None:
+    entry = record("Started", name="uvicorn.error", level=logging.INFO)
+    entry.color_message = "\x1b[1mStarted\x1b[0m"
+    assert "color_message" not in json.loads(JsonFormatter().format(entry))
+
+
 def test_a_json_line_carries_the_traceback() -> None:
     try:
         raise ValueError("boom")
