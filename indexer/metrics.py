@@ -1,74 +1,182 @@
 """The write path's Prometheus series, read from the registry and the index at scrape time.
 
+Who exports them, so that ``sum()`` across pods counts each stream once:
+
+* ``kvindex indexer`` on its status port (``/metrics``, :mod:`kvindex.indexer.status_server`):
+  :class:`IngestCollector` and :class:`IndexerProcessCollector`;
+* ``kvindex serve``, which runs the write path in the API process: :class:`IngestCollector`
+  on the API's ``/metrics``;
+* an API-only process (``kvindex api``) does not: it runs no write path, and the fleet it
+  reads from Redis is the indexer's, already exported by the indexer.
+
 :class:`IngestCollector` is a custom collector: nothing is counted twice, the pipeline never
-imports metrics code, and a scrape reads each stream's record whole. A process exports it
-once for the write path it runs (the indexer's status port; ``kvindex serve``'s /metrics).
+imports metrics code, and a scrape reads each stream's record whole. Its series:
+
+=========================================  ======================================================
+``kvindex_<counter>_total``                every ``StreamCounters`` field (:data:`COUNTERS`),
+                                           labels ``replica``, ``rank``, ``model``
+``kvindex_stream_lag_seconds``             receive time minus engine time of the last applied
+                                           batch (a sample only once a batch was applied)
+``kvindex_stream_silent_seconds``          seconds since the stream was last heard (only when
+                                           it was heard)
+``kvindex_stream_connected``               1 while its socket is connected, else 0 (bind-mode
+                                           streams have no socket of their own: 0)
+``kvindex_stream_block_size``              tokens per block of its events (only once seen)
+``kvindex_blocks``                         blocks held, labels ``replica``, ``rank``, ``model``,
+                                           ``tier`` (none while the store is down)
+``kvindex_replicas``                       replicas registered
+``kvindex_streams``                        streams by ``state`` (live, replaying, stale)
+``kvindex_unrouted_frames_total``          frames of the bound SUB that reached no stream, by
+                                           ``reason``
+=========================================  ======================================================
+
+:class:`IndexerProcessCollector` adds ``kvindex_indexer_store_up`` (1 up, 0 down, from the
+status server's cached store probe; 1 on the memory store) and
+``kvindex_build_info{version, component="indexer"}`` (always 1).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import NamedTuple
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvindex.indexer.events import StreamId, Tier
-from kvindex.indexer.fleet.registry import FleetTotals, RegistryView, fleet_totals
-from kvindex.indexer.health import StreamCounters, UnroutedCounters
+from kvindex import __version__
+from kvindex.indexer.events import Tier
+from kvindex.indexer.fleet.registry import FleetTotals, RegistryView, StreamStatus, fleet_totals
+from kvindex.indexer.health import UnroutedCounters
 from kvindex.indexer.index.protocol import BlockIndex
 
-_Counter = tuple[str, str, Callable[[StreamCounters], int]]
-_COUNTERS: tuple[_Counter, ...] = (
-    ("batches", "Event batches applied", lambda c: c.num_batches),
-    ("gaps", "Sequence gaps seen", lambda c: c.num_gaps),
-    ("unrepaired_gaps", "Gaps that replay could not repair", lambda c: c.num_unrepaired_gaps),
-    ("replays", "Replays requested", lambda c: c.num_replays),
-    ("replay_failures", "Replays that timed out or failed", lambda c: c.num_replay_failures),
-    ("engine_restarts", "Engine restarts detected (seq reset)", lambda c: c.num_restarts),
-    ("duplicate_batches", "Duplicate batches dropped", lambda c: c.num_duplicates),
-    ("decode_errors", "Undecodable frames", lambda c: c.num_decode_errors),
-    ("bad_events", "Events skipped as malformed", lambda c: c.num_bad_events),
-    ("store_errors", "Index store failures while ingesting", lambda c: c.num_store_errors),
-    ("orphan_stores", "Stores whose parent block was unknown", lambda c: c.num_orphan_stores),
-    ("unknown_removals", "Removals of blocks not held", lambda c: c.num_unknown_removals),
+Family = CounterMetricFamily | GaugeMetricFamily
+
+
+class CounterSeries(NamedTuple):
+    """One counter of a stream's record and the series it is exported as."""
+
+    name: str
+    """``kvindex_<name>_total``."""
+    field: str
+    """The :class:`~kvindex.indexer.health.StreamCounters` field it reads."""
+    doc: str
+
+
+COUNTERS: tuple[CounterSeries, ...] = (
+    CounterSeries("batches", "num_batches", "Event batches applied"),
+    CounterSeries("gaps", "num_gaps", "Sequence gaps seen"),
+    CounterSeries("unrepaired_gaps", "num_unrepaired_gaps", "Gaps that replay could not repair"),
+    CounterSeries("replays", "num_replays", "Replays requested"),
+    CounterSeries("replay_failures", "num_replay_failures", "Replays that timed out or failed"),
+    CounterSeries(
+        "replay_truncated", "num_replay_truncated", "Replays that began past the seq asked for"
+    ),
+    CounterSeries("engine_restarts", "num_restarts", "Engine restarts detected (seq reset)"),
+    CounterSeries("duplicate_batches", "num_duplicates", "Duplicate batches dropped"),
+    CounterSeries("rebuilds", "num_rebuilds", "Streams cleared and rebuilt by a replay from 0"),
+    CounterSeries("decode_errors", "num_decode_errors", "Undecodable frames"),
+    CounterSeries("bad_events", "num_bad_events", "Events skipped as malformed"),
+    CounterSeries("store_errors", "num_store_errors", "Index store failures while ingesting"),
+    CounterSeries("orphan_stores", "num_orphan_stores", "Stores whose parent block was unknown"),
+    CounterSeries("unknown_removals", "num_unknown_removals", "Removals of blocks not held"),
+    CounterSeries(
+        "misaligned_events",
+        "num_misaligned_events",
+        "Stores whose tokens do not fill their blocks exactly (dropped)",
+    ),
 )
-"""Per-stream counters ``kvindex_<name>``: name, help, and where the stream's record holds it."""
+"""Every :class:`~kvindex.indexer.health.StreamCounters` field, exported as
+``kvindex_<name>_total`` (a unit test fails when a field has no row here: add one)."""
+
+_STREAM_LABELS = ["replica", "rank", "model"]
 
 
 class IngestCollector(Collector):
-    """Reads the write path's counters when Prometheus scrapes."""
+    """Reads the write path's counters and gauges when Prometheus scrapes.
 
-    def __init__(self, registry: RegistryView, index: BlockIndex) -> None:
+    Never fails a scrape: when ``index`` cannot be read, ``kvindex_blocks`` keeps only the
+    samples read before the failure (one failed read ends the scrape's reads).
+    ``store_up``, if given, is asked first (it must not block: a cached probe); when it says
+    down the index is not read at all, so a scrape never waits on a sick store.
+    """
+
+    def __init__(
+        self,
+        registry: RegistryView,
+        index: BlockIndex,
+        *,
+        store_up: Callable[[], bool] | None = None,
+    ) -> None:
         self._registry = registry
         self._index = index
+        self._store_up = store_up
 
-    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    def collect(self) -> Iterator[Family]:
         statuses = self._registry.statuses()
-        for name, doc, value_of in _COUNTERS:
-            family = CounterMetricFamily(f"kvindex_{name}", doc, labels=["replica", "rank"])
-            for status in statuses:
-                labels = [status.stream.replica, str(status.stream.rank)]
-                family.add_metric(labels, value_of(status.health))
-            yield family
+        model_of = {spec.id: spec.model for spec in self._registry.replicas()}
+        labelled = [(status, _labels(status, model_of)) for status in statuses]
+        yield from _counters(labelled)
+        yield from _stream_gauges(labelled)
         yield from _fleet(fleet_totals(self._registry, statuses=statuses))
-        yield self._blocks(s.stream for s in statuses)
+        yield self._blocks(labelled)
 
-    def _blocks(self, streams: Iterable[StreamId]) -> GaugeMetricFamily:
+    def _blocks(self, labelled: Iterable[tuple[StreamStatus, list[str]]]) -> GaugeMetricFamily:
         gauge = GaugeMetricFamily(
-            "kvindex_blocks", "Blocks held in the index", labels=["replica", "rank", "tier"]
+            "kvindex_blocks", "Blocks held in the index", labels=[*_STREAM_LABELS, "tier"]
         )
+        if self._store_up is not None and not self._store_up():
+            return gauge
         try:
-            for stream in streams:
-                stats = self._index.stats(stream)
+            for status, labels in labelled:
+                stats = self._index.stats(status.stream)
                 for tier in Tier:
-                    labels = [stream.replica, str(stream.rank), tier.name.lower()]
-                    gauge.add_metric(labels, stats.blocks_by_tier.get(tier, 0))
+                    count = stats.blocks_by_tier.get(tier, 0)
+                    gauge.add_metric([*labels, tier.name.lower()], count)
         except Exception:  # the store is down: report what we have, never fail a scrape
             pass
         return gauge
 
 
-def _fleet(totals: FleetTotals) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+Labelled = Sequence[tuple[StreamStatus, list[str]]]
+"""Each stream's status with its label values (``_STREAM_LABELS``)."""
+
+
+def _labels(status: StreamStatus, model_of: dict[str, str]) -> list[str]:
+    """A stream's label values; model ``""`` for a replica removed since the read."""
+    stream = status.stream
+    return [stream.replica, str(stream.rank), model_of.get(stream.replica, "")]
+
+
+def _counters(labelled: Labelled) -> Iterator[CounterMetricFamily]:
+    for series in COUNTERS:
+        family = CounterMetricFamily(f"kvindex_{series.name}", series.doc, labels=_STREAM_LABELS)
+        for status, labels in labelled:
+            family.add_metric(labels, getattr(status.health, series.field))
+        yield family
+
+
+def _stream_gauges(labelled: Labelled) -> Iterator[GaugeMetricFamily]:
+    lag = _gauge("lag_seconds", "Receive time minus engine time of the last applied batch")
+    silent = _gauge("silent_seconds", "Seconds since the stream was last heard")
+    connected = _gauge("connected", "1 while the stream's socket is connected")
+    block_size = _gauge("block_size", "Tokens per block in the stream's events")
+    for status, labels in labelled:
+        health = status.health
+        if health.lag_s is not None:
+            lag.add_metric(labels, health.lag_s)
+        if status.silent_s is not None:
+            silent.add_metric(labels, status.silent_s)
+        connected.add_metric(labels, 1 if health.connected else 0)
+        if health.block_size:
+            block_size.add_metric(labels, health.block_size)
+    yield from (lag, silent, connected, block_size)
+
+
+def _gauge(name: str, doc: str) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"kvindex_stream_{name}", doc, labels=_STREAM_LABELS)
+
+
+def _fleet(totals: FleetTotals) -> Iterator[Family]:
     yield GaugeMetricFamily("kvindex_replicas", "Replicas registered", value=totals.num_replicas)
     streams = GaugeMetricFamily("kvindex_streams", "Streams by freshness", labels=["state"])
     for freshness, count in totals.num_streams_by_freshness.items():
@@ -87,3 +195,27 @@ def _unrouted(unrouted: UnroutedCounters) -> CounterMetricFamily:
     family.add_metric(["unidentified"], unrouted.num_unidentified)
     family.add_metric(["refused"], unrouted.num_refused)
     return family
+
+
+class IndexerProcessCollector(Collector):
+    """The indexer process's own series: its store's state and its build.
+
+    ``store_up`` must not block (the status server's cached probe). Exported by the indexer's
+    status port only: an API process reports its own store and build.
+    """
+
+    def __init__(self, store_up: Callable[[], bool], *, version: str = __version__) -> None:
+        self._store_up = store_up
+        self._version = version
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(
+            "kvindex_indexer_store_up",
+            "1 when the indexer's last probe of its index store succeeded, else 0",
+            value=1 if self._store_up() else 0,
+        )
+        info = GaugeMetricFamily(
+            "kvindex_build_info", "The running kvindex build", labels=["version", "component"]
+        )
+        info.add_metric([self._version, "indexer"], 1)
+        yield info

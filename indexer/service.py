@@ -1,5 +1,6 @@
-"""Assembles an indexer process from its settings: store, registry, subscriber and, on
-Redis, the fleet sync that shares replicas and stream status with API processes."""
+"""Assembles an indexer process from its settings: store, registry, subscriber, on Redis
+the fleet sync that shares replicas and stream status with API processes, and, for
+``kvindex indexer``, the status port (/metrics, /healthz, /readyz)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.index.redis import RedisIndex, connect
 from kvindex.indexer.redis_schema import Schema
 from kvindex.indexer.settings import IndexerSettings
+from kvindex.indexer.status_server import IndexerStatus
 from kvindex.indexer.subscriber import Subscriber
 
 
@@ -33,24 +35,50 @@ class IndexerService:
     subscriber: Subscriber
     fleet: FleetSync | None = None
     """Publishes the fleet state to Redis (``store = "redis"`` only)."""
+    status: IndexerStatus | None = None
+    """The status port (``build(..., with_status=True)`` and ``status_port`` not -1)."""
 
     @classmethod
-    def build(cls, settings: IndexerSettings, index: BlockIndex | None = None) -> IndexerService:
+    def build(
+        cls,
+        settings: IndexerSettings,
+        index: BlockIndex | None = None,
+        *,
+        with_status: bool = False,
+    ) -> IndexerService:
+        """The service the settings describe. ``with_status``: also serve the status port
+        (the ``kvindex indexer`` process; a process that embeds the write path, such as
+        ``kvindex serve``, exports its series its own way)."""
         index = index if index is not None else open_index(settings)
         registry = Registry(settings.replicas, stale_after_s=settings.stale_after_s)
         fleet = None
         if isinstance(index, RedisIndex):
             fleet = FleetSync(index.client, index.schema, registry, declared=settings.replicas)
-        return cls(settings, index, registry, Subscriber(settings, index, registry), fleet)
+        service = cls(settings, index, registry, Subscriber(settings, index, registry), fleet)
+        if with_status and settings.status_port != -1:
+            service.status = IndexerStatus.build(settings, registry, index, service.loop_alive)
+        return service
 
     def start(self) -> None:
+        """Open the status port first (a port in use fails here, before anything runs),
+        then the fleet sync and the subscriber."""
         logging.getLogger("kvindex").setLevel(self.settings.log_level.upper())
+        if self.status is not None:
+            self.status.start()
         if self.fleet is not None:  # first: replicas added through the API open now too
             self.fleet.start()
         self.subscriber.start()
 
     def stop(self) -> None:
+        if self.status is not None:
+            self.status.stop()
         if self.fleet is not None:
             self.fleet.stop()
         self.subscriber.stop()
         self.index.close()
+
+    def loop_alive(self) -> bool:
+        """True while the subscriber's loop thread runs (started, not ended)."""
+        # The subscriber has no running flag of its own: its thread is the truth.
+        thread = self.subscriber._thread
+        return thread is not None and thread.is_alive()

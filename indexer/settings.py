@@ -75,6 +75,15 @@ class IndexerSettings:
     """Recent engine hash → key mappings cached per stream (saves index round trips)."""
     log_level: str = "INFO"
     """Python logging level."""
+    status_host: str = "127.0.0.1"
+    """Listen address of ``kvindex indexer``'s status port (``0.0.0.0``: every interface)."""
+    status_port: int = 8090
+    """``kvindex indexer``'s port for /metrics, /healthz, /readyz (0: any free one, logged;
+    -1: none)."""
+    status_probe_s: float = 0.5
+    """Seconds between two store probes, whose last answer /readyz reports."""
+    status_timeout_s: float = 0.25
+    """Socket timeout of the store probe and of the status port's index reads."""
 
     def __post_init__(self) -> None:
         if self.store not in get_args(StoreKind):
@@ -91,9 +100,20 @@ class IndexerSettings:
         for name in ("stale_after_s", "purge_after_s", "replay_timeout_s", "rebuild_cooldown_s"):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        _check_status(self)
         ids = [r.id for r in self.replicas]
         if len(ids) != len(set(ids)):
             raise SettingsError(f"replicas: duplicate ids in {ids}")
+
+
+def _check_status(settings: IndexerSettings) -> None:
+    if not -1 <= settings.status_port <= 65535:
+        raise SettingsError(
+            f"status_port must be -1 (off), 0 (any) or a port, got {settings.status_port!r}"
+        )
+    for name in ("status_probe_s", "status_timeout_s"):
+        if not getattr(settings, name) > 0:
+            raise SettingsError(f"{name} must be > 0, got {getattr(settings, name)!r}")
 
 
 _SCALARS = {f.name: f for f in fields(IndexerSettings) if f.name != "replicas"}

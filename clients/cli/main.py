@@ -108,6 +108,12 @@ _stats_every_option = click.option(
 
 @main.command()
 @_indexer_options
+@click.option(
+    "--status-port",
+    type=int,
+    help="Port of /metrics, /healthz, /readyz (default 8090 on status_host 127.0.0.1;"
+    " 0: any free one, logged; -1: none).",
+)
 @_stats_every_option
 def indexer(
     config: Path | None,
@@ -115,13 +121,19 @@ def indexer(
     bind: str | None,
     store: str | None,
     redis_url: str | None,
+    status_port: int | None,
     stats_every: float,
 ) -> None:
     """Run the write path: subscribe to replicas and keep the block index."""
     try:
         settings = load_settings(
             config,
-            overrides={"bind": bind, "store": store, "redis_url": redis_url},
+            overrides={
+                "bind": bind,
+                "store": store,
+                "redis_url": redis_url,
+                "status_port": status_port,
+            },
             extra_replicas=replicas,
         )
     except KvIndexError as exc:
@@ -427,13 +439,20 @@ def simulate(
 
 
 def _run_indexer(settings: IndexerSettings, stats_every: float) -> None:
-    service = IndexerService.build(settings)
-    service.start()
+    service = IndexerService.build(settings, with_status=True)
+    try:
+        service.start()
+    except KvIndexError as exc:
+        service.stop()
+        raise click.ClickException(str(exc)) from exc
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     where = service.subscriber.bound_endpoint or "configured replicas"
-    make_console().print(f"kvindex indexer ({settings.store} store) listening on {where}")
+    status = ""
+    if service.status is not None:
+        status = f", status on {service.status.server.url}"
+    make_console().print(f"kvindex indexer ({settings.store} store) listening on {where}{status}")
     try:
         with StatusLog(lambda: _fleet_status(service), stats_every):
             while not stop.wait(3600):

@@ -631,7 +631,7 @@ def test_metrics_expose_score_latency_and_blocks(api: Api) -> None:
         for s in family.samples
     }
     assert samples[("kvindex_score_seconds_count", (("policy", "kv_aware"),))] == 1.0
-    blocks = (("rank", "0"), ("replica", "r1"), ("tier", "gpu"))
+    blocks = (("model", MODEL), ("rank", "0"), ("replica", "r1"), ("tier", "gpu"))
     assert samples[("kvindex_blocks", blocks)] == 4.0
 
 

@@ -104,7 +104,8 @@ def test_indexer_logs_one_status_line_per_period(tmp_path: Path) -> None:
     events, log = f"tcp://127.0.0.1:{free_port()}", tmp_path / "indexer.log"
     publisher = EventPublisher(events, topic=f"kv@r1@{MODEL}")
     try:
-        with running(log, "indexer", "--bind", events, "--stats-every", "0.2"):
+        args = ("--bind", events, "--status-port", "0", "--stats-every", "0.2")
+        with running(log, "indexer", *args):
 
             def indexed() -> bool:
                 publisher.publish([BlockStored((1, 2), None, TOKENS[:32], 16, Tier.CPU)])
