@@ -94,7 +94,7 @@ def test_requests_are_counted_by_route_template_method_and_status(memory_api: Ap
     latency = ("kvindex_http_request_seconds_count", (("route", "/score"),))
     assert found[latency] == 4
     assert found[("kvindex_api_store_up", ())] == 1  # the memory store is always up
-    assert ("kvindex_batches_total", (("rank", "0"), ("replica", "r1"))) in found  # write path
+    assert any(name == "kvindex_batches_total" for name, _ in found)  # it runs the write path
 
 
 def test_the_access_log_is_off_by_default(
