@@ -8,11 +8,15 @@ unknown model → 404 naming the known ones, a body over ``api.max_body_bytes`` 
 not received within ``api.body_timeout_s`` → 408 (:mod:`kvindex.api.body_limit`), a missing
 or wrong bearer token (when ``api.auth_token`` is set) → 401, a tokenizer or replica
 failure → 502, an unreachable store → 503 (``/score`` instead answers from load alone).
+Every request is counted and timed by route template, and logged when ``api.access_log``
+is on (:mod:`kvindex.api.traffic`, the outermost middleware); ``/metrics`` is
+:mod:`kvindex.api.metrics`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -25,6 +29,7 @@ import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvindex.api.block_sizes import BlockSizeCheck
 from kvindex.api.body_limit import BodyLimit, BodyTimeoutError, BodyTooLargeError
 from kvindex.api.load.model import Load, LoadError
 from kvindex.api.load.scraper import MetricsScraper
@@ -46,14 +51,19 @@ from kvindex.api.score import RequestError, Scorer, UnknownModelError
 from kvindex.api.settings import ApiSettings
 from kvindex.api.tokenize.choice import ModelTokenizers
 from kvindex.api.tokenize.protocol import TokenizerError
+from kvindex.api.traffic import TrafficObserver
 from kvindex.api.url_policy import UntrustedUrlError
 from kvindex.api.views import config_view, replica_views, stats_view
+from kvindex.indexer.circuit import StoreCircuit
 from kvindex.indexer.errors import KvIndexError, SettingsError
 from kvindex.indexer.fleet.registry import RegistryView
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.protocol import BlockIndex, IndexUnavailableError, drop_replica
 
 T = TypeVar("T")
+logger = logging.getLogger("kvindex.api")
+_BLOCK_SIZE_CHECK_S = 5.0
+"""How often the app looks for streams whose block size is not their model's."""
 _JSON = "application/json"
 _METRICS = "text/plain; version=0.0.4; charset=utf-8"
 """The Prometheus text exposition format (with the charset, as served and documented)."""
@@ -69,6 +79,12 @@ class ApiDeps:
     loads: LoadStore
     blocking_store: bool
     """True when index and load calls do network I/O (Redis): run them off the loop."""
+    runs_write_path: bool = True
+    """True when this process runs the indexer behind ``registry`` and ``index`` (its
+    /metrics then exports the write path's series); False for an API reading a fleet
+    another process publishes (the indexer exports them, once for the fleet)."""
+    circuit: StoreCircuit | None = None
+    """The circuit around the API's store calls (None: an in-process store, always up)."""
 
 
 def create_app(deps: ApiDeps) -> FastAPI:
@@ -99,6 +115,8 @@ def create_app(deps: ApiDeps) -> FastAPI:
         max_bytes=deps.settings.max_body_bytes,
         timeout_s=deps.settings.body_timeout_s,
     )
+    # Added last, so outermost: it sees every answer, the body limit's included.
+    app.add_middleware(TrafficObserver, metrics=state.metrics, access_log=deps.settings.access_log)
     app.add_exception_handler(KvIndexError, _error_handler)
     app.add_exception_handler(msgspec.ValidationError, _error_handler)
     app.add_exception_handler(msgspec.DecodeError, _error_handler)
@@ -120,12 +138,16 @@ def create_app(deps: ApiDeps) -> FastAPI:
 
 
 class _AppState:
-    """Per-app objects (scorer, metrics, HTTP client, scraper)."""
+    """Per-app objects (scorer, metrics, HTTP client, scraper, block-size check)."""
 
-    def __init__(self, deps: ApiDeps, metrics: ApiMetrics, index: BlockIndex) -> None:
+    def __init__(
+        self, deps: ApiDeps, metrics: ApiMetrics, index: BlockIndex, block_sizes: BlockSizeCheck
+    ) -> None:
         self.deps = deps
         self.metrics = metrics
         self.index = index
+        self.block_sizes = block_sizes
+        self._block_size_task: asyncio.Task[None] | None = None
         self.http = httpx.AsyncClient(timeout=deps.settings.scrape_timeout_s, trust_env=False)
         self.tokenizers = ModelTokenizers(deps.settings, deps.registry, self.http)
         self.scorer = Scorer(
@@ -135,6 +157,7 @@ class _AppState:
             deps.loads,
             tokenizers=self.tokenizers.tokenizer,
             blocking_store=deps.blocking_store,
+            on_degraded=lambda reason: metrics.degraded_answers.labels(reason).inc(),
         )
         self.url_policy = deps.settings.url_policy()
         self.scraper: MetricsScraper | None = None
@@ -145,21 +168,45 @@ class _AppState:
                 self.scrape_targets,
                 interval_s=deps.settings.scrape_interval_s,
                 timeout_s=deps.settings.scrape_timeout_s,
+                on_failure=lambda replica: metrics.scrape_failures.labels(replica).inc(),
             )
 
     @classmethod
     def build(cls, deps: ApiDeps) -> _AppState:
-        metrics = ApiMetrics(deps.registry, deps.index)
-        return cls(deps, metrics, TimedIndex(deps.index, metrics.lookup_latency))
+        circuit = deps.circuit
+        block_sizes = BlockSizeCheck(deps.settings, deps.registry)
+        metrics = ApiMetrics(
+            deps.registry,
+            deps.index,
+            runs_write_path=deps.runs_write_path,
+            store_up=lambda: circuit is None or not circuit.is_open,
+            block_sizes=block_sizes,
+        )
+        index = TimedIndex(deps.index, metrics.lookup_latency)
+        return cls(deps, metrics, index, block_sizes)
 
     async def start(self) -> None:
         if self.scraper is not None:
             await self.scraper.start()
+        self._block_size_task = asyncio.create_task(self._check_block_sizes())
 
     async def stop(self) -> None:
+        if self._block_size_task is not None:
+            self._block_size_task.cancel()
+            await asyncio.wait([self._block_size_task])
         if self.scraper is not None:
             await self.scraper.stop()
         await self.http.aclose()
+
+    async def _check_block_sizes(self) -> None:
+        """Look for block-size mismatches every few seconds, so that each is logged when
+        it appears even if nobody reads /replicas or /metrics."""
+        while True:
+            try:
+                await _call(self, self.block_sizes.mismatches)
+            except Exception:  # a check that fails this time is retried next time
+                logger.exception("checking the streams' block sizes failed")
+            await asyncio.sleep(_BLOCK_SIZE_CHECK_S)
 
     def scrape_targets(self) -> list[tuple[str, str, str]]:
         return [(r.id, r.url, r.model) for r in self.deps.registry.replicas() if r.url]
@@ -296,7 +343,9 @@ def _replica_routes(router: APIRouter, state: _AppState) -> None:
         openapi_extra=operation(None, ReplicaView, "Replicas, streams and load", many=True),
     )
     async def replicas() -> Response:
-        views = await _call(state, replica_views, registry, state.index, state.deps.loads)
+        views = await _call(
+            state, replica_views, registry, state.index, state.deps.loads, state.block_sizes
+        )
         return _json(views)
 
     @router.post(

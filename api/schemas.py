@@ -132,6 +132,11 @@ class StreamView(msgspec.Struct):
     last_seq: int
     blocks: dict[str, int]
     counters: dict[str, int]
+    block_size: int | None = None
+    """Tokens per block in the stream's events (None until a store with tokens is seen)."""
+    block_size_mismatch: bool = False
+    """The stream's block size is not its model's (``[[models]]`` ``block_size``, else the
+    fleet's most common): its blocks can never match a request."""
 
 
 class ReplicaView(msgspec.Struct):

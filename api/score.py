@@ -53,6 +53,12 @@ from kvindex.indexer.keys import BlockKeyError, block_keys
 _KEY_LIMIT = 2**64
 
 
+DEGRADED_REASONS = ("index_unavailable", "fleet_unreadable")
+"""Why an answer can be ``degraded``: the index store could not be read (the answer uses
+load alone), or the fleet state could not be (it uses the last one read). Each degraded
+answer reports each of its reasons once to the scorer's ``on_degraded``."""
+
+
 class RequestError(KvIndexError):
     """A request that cannot be scored as sent (422); names the field."""
 
@@ -117,6 +123,7 @@ class Scorer:
         tokenizers: Callable[[str], Tokenizer | None],
         blocking_store: bool,
         clock: Callable[[], float] = time.time,
+        on_degraded: Callable[[str], None] = lambda _reason: None,
     ) -> None:
         self._settings = settings
         self._index = index
@@ -125,6 +132,7 @@ class Scorer:
         self._tokenizers = tokenizers
         self._blocking = blocking_store
         self._clock = clock
+        self._on_degraded = on_degraded
         self._rng = random.Random(settings.seed)
         self._turns: defaultdict[str, itertools.count[int]] = defaultdict(itertools.count)
         """Per model, the next round-robin turn."""
@@ -169,6 +177,13 @@ class Scorer:
         if not request.dry_run:
             self._note_routed(decision.best, loads)
         entries = [_entry(s, facts[s.replica], block_size) for s in decision.ranked]
+        degraded = {
+            r: why
+            for r, why in zip(DEGRADED_REASONS, (lookup.degraded, outage), strict=True)
+            if why
+        }
+        for reason in degraded:
+            self._on_degraded(reason)
         return ScoreResponse(
             model=request.model,
             block_size=block_size,
@@ -178,7 +193,7 @@ class Scorer:
             policy=policy.value,
             weights=weights.as_dict(),
             scores=entries,
-            degraded="; ".join(d for d in (lookup.degraded, outage) if d) or None,
+            degraded="; ".join(degraded.values()) or None,
         )
 
     # --- 1. model, candidates, policy, weights ------------------------------------------

@@ -48,15 +48,18 @@ class Service:
         indexer = IndexerService.build(settings)
         index: BlockIndex = indexer.index
         loads: LoadStore = MemoryLoadStore()
+        circuit: StoreCircuit | None = None
         if settings.store == "redis":
             # The API reads through its own bounded connection, not the write path's.
-            index, loads, _ = _bounded_stores(settings.redis_url, settings, api)
+            index, loads, _, circuit = _bounded_stores(settings.redis_url, settings, api)
         deps = ApiDeps(
             settings=api,
             index=index,
             registry=indexer.registry,
             loads=loads,
             blocking_store=settings.store == "redis",
+            runs_write_path=True,
+            circuit=circuit,
         )
         return cls(indexer, loads, deps)
 
@@ -67,22 +70,31 @@ class Service:
 
 def _bounded_stores(
     redis_url: str, settings: IndexerSettings, api: ApiSettings
-) -> tuple[BlockIndex, LoadStore, RegistryView]:
-    """The API's index, load and fleet on one bounded connection and one circuit."""
+) -> tuple[BlockIndex, LoadStore, RegistryView, StoreCircuit]:
+    """The API's index, load and fleet on one bounded connection, and their one circuit."""
     schema = Schema(settings.redis_prefix)
     client = connect_bounded(redis_url, timeout_s=api.redis_timeout_s)
     circuit = StoreCircuit(api.redis_cooldown_s)
     index = CircuitIndex(RedisIndex(client, schema), circuit)
     loads = CircuitLoadStore(RedisLoadStore(client, schema), circuit)
     fleet = RedisFleetView(client, schema, stale_after_s=settings.stale_after_s, circuit=circuit)
-    return index, loads, fleet
+    return index, loads, fleet, circuit
 
 
 def api_deps(redis_url: str, settings: IndexerSettings, api: ApiSettings) -> ApiDeps:
     """An API-only process's deps: Redis index, Redis load, Redis fleet view (one client,
-    one circuit)."""
-    index, loads, fleet = _bounded_stores(redis_url, settings, api)
-    return ApiDeps(settings=api, index=index, registry=fleet, loads=loads, blocking_store=True)
+    one circuit). It runs no write path, so its /metrics leaves the fleet's write-path
+    series to the indexer's port (exported once, however many API processes there are)."""
+    index, loads, fleet, circuit = _bounded_stores(redis_url, settings, api)
+    return ApiDeps(
+        settings=api,
+        index=index,
+        registry=fleet,
+        loads=loads,
+        blocking_store=True,
+        runs_write_path=False,
+        circuit=circuit,
+    )
 
 
 def serve(
@@ -114,7 +126,15 @@ def serve_api(redis_url: str, settings: IndexerSettings, api: ApiSettings) -> No
 
 def _run_uvicorn(deps: ApiDeps, api: ApiSettings) -> None:
     app = create_app(deps)
+    # log_config=None: uvicorn's loggers keep no handlers of their own and propagate to the
+    # process's (its format, JSON or text, and its repeat filter); its access log stays off,
+    # the app's own (``api.access_log``) labels requests by route.
     config = uvicorn.Config(
-        app, host=api.host, port=api.port, log_level="warning", access_log=False
+        app,
+        host=api.host,
+        port=api.port,
+        log_level="warning",
+        access_log=False,
+        log_config=None,
     )
     uvicorn.Server(config).run()

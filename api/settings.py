@@ -1,7 +1,16 @@
 """The API process's typed settings (TOML ``[api]``, ``[api.weights]``, ``[[models]]``).
 
 Like the indexer's, every field has a default and a one-line doc, the object is frozen and
-passed down, and :func:`load_api_settings` raises :class:`SettingsError` naming the key.
+passed down, and :func:`load_api_settings` raises :class:`SettingsError` naming the key
+(or the environment variable) and the bad value. Precedence: command line > environment
+(``KVINDEX_API_<FIELD>``, ``KVINDEX_API_WEIGHTS_<NAME>``, ``KVINDEX_API_MODELS`` as JSON)
+> TOML > defaults.
+
+Environment::
+
+    KVINDEX_API_PORT=9000
+    KVINDEX_API_REPLICA_NETWORKS=10.0.0.0/8,fd00::/8
+    KVINDEX_API_WEIGHTS_WAITING=0.5
 
 TOML::
 
@@ -21,9 +30,10 @@ TOML::
 
 from __future__ import annotations
 
+import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -60,9 +70,10 @@ class ApiSettings:
     """Listen port."""
     auth_token: str | None = None
     """Bearer token required on every endpoint but /healthz and /readyz (env
-    KVINDEX_API_TOKEN)."""
+    KVINDEX_API_AUTH_TOKEN or KVINDEX_API_TOKEN)."""
     auth_token_file: str | None = None
-    """A file holding the bearer token (env KVINDEX_API_TOKEN_FILE, ``--token-file``); when
+    """A file holding the bearer token (env KVINDEX_API_AUTH_TOKEN_FILE or KVINDEX_API_TOKEN_FILE,
+    ``--token-file``); when
     set, its content (stripped) is ``auth_token``, so the token need not be in argv or env."""
     default_policy: str = "kv_aware"
     """Policy when neither the request nor the model's settings choose one."""
@@ -94,6 +105,9 @@ class ApiSettings:
     redis_cooldown_s: float = 0.5
     """After a failed Redis call, the API skips Redis this long (answering ``degraded``),
     then lets one call probe it."""
+    access_log: bool = False
+    """Log one line per HTTP request (logger ``kvindex.access``: method, path, status,
+    milliseconds), in the process's log format (``--access-log``)."""
 
     def __post_init__(self) -> None:
         _check_policy("api.default_policy", self.default_policy)
@@ -106,6 +120,8 @@ class ApiSettings:
         _check_number("api.body_timeout_s", self.body_timeout_s, _POSITIVE)
         _check_number("api.redis_timeout_s", self.redis_timeout_s, _POSITIVE)
         _check_number("api.redis_cooldown_s", self.redis_cooldown_s, _POSITIVE)
+        if not isinstance(self.access_log, bool):
+            raise SettingsError(f"api.access_log must be true or false, got {self.access_log!r}")
         names = [m.name for m in self.models]
         if len(names) != len(set(names)):
             raise SettingsError(f"models: duplicate names in {names}")
@@ -162,8 +178,12 @@ def _check_policy(key: str, value: str) -> None:
         ) from None
 
 
-_TOKEN_ENV = {"KVINDEX_API_TOKEN": "auth_token", "KVINDEX_API_TOKEN_FILE": "auth_token_file"}
-"""The only API settings read from the environment: the token and its file."""
+ENV_PREFIX = "KVINDEX_API_"
+"""Every ApiSettings field ``f`` is read from ``KVINDEX_API_<F>``; every weight ``w`` from
+``KVINDEX_API_WEIGHTS_<W>``."""
+_ENV_ALIASES = {"KVINDEX_API_TOKEN": "auth_token", "KVINDEX_API_TOKEN_FILE": "auth_token_file"}
+"""Older names of ``KVINDEX_API_AUTH_TOKEN[_FILE]``, still read (the longer name wins)."""
+_WEIGHTS_ENV = ENV_PREFIX + "WEIGHTS_"
 
 
 def load_api_settings(
@@ -173,36 +193,144 @@ def load_api_settings(
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> ApiSettings:
-    """From a TOML ``[api]`` table and ``[[models]]`` array, env, then overrides.
+    """Defaults < a TOML ``[api]`` table and ``[[models]]`` array < ``KVINDEX_API_*`` env
+    < ``overrides`` (None values ignored).
 
-    The token comes from ``auth_token`` < ``KVINDEX_API_TOKEN``; a token file named by
-    ``auth_token_file`` < ``KVINDEX_API_TOKEN_FILE`` < the ``auth_token_file`` override
-    replaces it.
+    Env values are strings, coerced to the field's type (comma-separated for lists, a
+    JSON array of tables for ``KVINDEX_API_MODELS``); an empty one counts as unset, and
+    an unknown ``KVINDEX_API_*`` name is an error. A token file (``auth_token_file``,
+    whichever layer set it) replaces any token given otherwise.
     """
     raw = dict(values or {})
-    weights = raw.pop("weights", None)
-    known = {f.name for f in fields(ApiSettings)} - {"weights", "models"}
-    unknown = sorted(set(raw) - known)
+    weights = dict(raw.pop("weights", None) or {})
+    unknown = sorted(set(raw) - _SCALAR_NAMES)
     if unknown:
-        raise SettingsError(f"[api]: unknown settings {unknown} (known: {sorted(known)})")
-    environ = os.environ if env is None else env
-    for name, key in _TOKEN_ENV.items():
-        if environ.get(name):
-            raw[key] = environ[name]
+        raise SettingsError(f"[api]: unknown settings {unknown} (known: {sorted(_SCALAR_NAMES)})")
+    from_env = _ApiEnv.read(os.environ if env is None else env)
+    raw.update(from_env.values)
+    weights.update(from_env.weights)
     raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
     if raw.get("auth_token_file") is not None:
         raw["auth_token_file"] = str(raw["auth_token_file"])
         raw["auth_token"] = _read_token(raw["auth_token_file"])
     if isinstance(raw.get("replica_networks"), list):  # TOML arrays are lists
         raw["replica_networks"] = tuple(raw["replica_networks"])
+    model_tables = from_env.models if from_env.models is not None else models
     try:
         return ApiSettings(
             **raw,
             weights=Weights().overridden(weights),
-            models=tuple(_model(m) for m in models or []),
+            models=tuple(_model(m) for m in model_tables or []),
         )
     except (TypeError, ScoringError) as exc:
         raise SettingsError(f"[api]: {exc}") from exc
+    except SettingsError as exc:
+        raise from_env.blamed(exc) from None
+
+
+_SCALAR_NAMES = {f.name for f in fields(ApiSettings)} - {"weights", "models"}
+
+
+@dataclass(slots=True)
+class _ApiEnv:
+    """What the ``KVINDEX_API_*`` variables set, coerced, and which variable set what."""
+
+    values: dict[str, Any] = field(default_factory=dict)
+    weights: dict[str, Any] = field(default_factory=dict)
+    models: list[Mapping[str, Any]] | None = None
+    key_to_variable: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, environ: Mapping[str, str]) -> _ApiEnv:
+        """Every non-empty ``KVINDEX_API_*`` variable (aliases first, so the full names win);
+        SettingsError names the variable and its value when one cannot be taken."""
+        found = cls()
+        names = sorted(n for n in environ if n.startswith(ENV_PREFIX) and environ[n])
+        for name in sorted(names, key=lambda n: n not in _ENV_ALIASES):
+            found._take(name, environ[name])
+        return found
+
+    def _take(self, variable: str, text: str) -> None:
+        if variable.startswith(_WEIGHTS_ENV):
+            weight = variable.removeprefix(_WEIGHTS_ENV).lower()
+            kinds = {f.name: str(f.type) for f in fields(Weights)}
+            if weight not in kinds:
+                raise SettingsError(
+                    f"{variable}: no such weight {weight!r} (known: {sorted(kinds)})"
+                )
+            self.weights[weight] = _coerced(variable, text, kinds[weight])
+            self.key_to_variable[f"weights.{weight}"] = variable
+            return
+        key = _ENV_ALIASES.get(variable) or variable.removeprefix(ENV_PREFIX).lower()
+        if key == "models":
+            self.models = _models_of(variable, text)
+        elif key in _FIELD_TYPES:
+            self.values[key] = _coerced(variable, text, _FIELD_TYPES[key])
+        else:
+            known = [ENV_PREFIX + n.upper() for n in (*sorted(_FIELD_TYPES), "models")]
+            known.append(_WEIGHTS_ENV + "<NAME>")
+            raise SettingsError(f"{variable}: no such API setting (known: {known})")
+        self.key_to_variable[f"api.{key}"] = variable
+
+    def blamed(self, exc: SettingsError) -> SettingsError:
+        """``exc``, naming the variable that set the key it names (if one did)."""
+        text = str(exc)
+        for key, variable in self.key_to_variable.items():
+            if key in text:
+                return SettingsError(f"{text} (set by {variable})")
+        return exc
+
+
+_FIELD_TYPES = {f.name: str(f.type) for f in fields(ApiSettings) if f.name in _SCALAR_NAMES}
+"""Field name → its annotation (a string: this module uses postponed annotations)."""
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _boolean(text: str) -> bool:
+    word = text.strip().lower()
+    if word not in _TRUE | _FALSE:
+        raise ValueError(text)
+    return word in _TRUE
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+_PARSERS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
+    ("tuple[str", _names, "a comma-separated list"),
+    ("int", int, "an integer"),
+    ("float", float, "a number"),
+    ("bool", _boolean, "a boolean (true/false)"),
+    ("str", str, "a string"),
+)
+"""How a variable is read, by the start of the field's annotation."""
+
+
+def _coerced(variable: str, text: str, kind: str) -> Any:
+    """``text`` as the type ``kind`` names; SettingsError names the variable and value."""
+    for prefix, parse, wanted in _PARSERS:
+        if kind.startswith(prefix):
+            try:
+                return parse(text)
+            except ValueError:
+                raise SettingsError(f"{variable} must be {wanted}, got {text!r}") from None
+    raise SettingsError(f"{variable}: a {kind} setting cannot be read from the environment")
+
+
+def _models_of(variable: str, text: str) -> list[Mapping[str, Any]]:
+    """``KVINDEX_API_MODELS``: a JSON array of ``[[models]]`` tables."""
+    try:
+        tables = json.loads(text)
+    except ValueError:
+        tables = None
+    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+        raise SettingsError(
+            f"{variable} must be a JSON array of model tables"
+            f' (e.g. [{{"name": "m", "block_size": 16}}]), got {text!r}'
+        )
+    return tables
 
 
 def _read_token(path: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+from kvindex.api.block_sizes import BlockSizeCheck
 from kvindex.api.load.model import Load
 from kvindex.api.load.store import LoadStore
 from kvindex.api.schemas import (
@@ -28,18 +29,26 @@ from kvindex.indexer.health import StreamCounters
 from kvindex.indexer.index.protocol import BlockIndex
 
 
-def replica_views(registry: RegistryView, index: BlockIndex, loads: LoadStore) -> list[ReplicaView]:
-    """``GET /replicas``: every replica with its streams (in the registry's order) and its
-    load; a replica's state is its worst stream's, ``stale`` when none was heard of. Does
-    store calls: run it off the loop when the stores block."""
+def replica_views(
+    registry: RegistryView, index: BlockIndex, loads: LoadStore, block_sizes: BlockSizeCheck
+) -> list[ReplicaView]:
+    """``GET /replicas``: every replica with its streams (in the registry's order, each
+    with its block size, flagged when not its model's) and its load; a replica's state is
+    its worst stream's, ``stale`` when none was heard of. Does store calls: run it off the
+    loop when the stores block."""
     specs = registry.replicas()
     replica_to_load = loads.get_many([r.id for r in specs])
+    all_statuses = registry.statuses()
+    mismatched = block_sizes.mismatches(all_statuses, specs)
     statuses: dict[str, list[StreamStatus]] = {}
-    for status in registry.statuses():
+    for status in all_statuses:
         statuses.setdefault(status.stream.replica, []).append(status)
     views = []
     for spec in specs:
-        streams = [stream_view(index, s) for s in statuses.get(spec.id, [])]
+        streams = [
+            stream_view(index, s, mismatch=s.stream in mismatched)
+            for s in statuses.get(spec.id, [])
+        ]
         views.append(
             ReplicaView(
                 id=spec.id,
@@ -56,8 +65,9 @@ def replica_views(registry: RegistryView, index: BlockIndex, loads: LoadStore) -
     return views
 
 
-def stream_view(index: BlockIndex, status: StreamStatus) -> StreamView:
-    """One stream: its freshness, counters and blocks by tier (one index call)."""
+def stream_view(index: BlockIndex, status: StreamStatus, *, mismatch: bool = False) -> StreamView:
+    """One stream: its freshness, counters, blocks by tier (one index call) and block size
+    (``mismatch``: it is not the model's)."""
     stats = index.stats(status.stream)
     health = status.health
     return StreamView(
@@ -67,6 +77,8 @@ def stream_view(index: BlockIndex, status: StreamStatus) -> StreamView:
         last_seq=health.last_seq,
         blocks={t.name.lower(): stats.blocks_by_tier.get(t, 0) for t in Tier},
         counters=_counters_view(health),
+        block_size=health.block_size or None,
+        block_size_mismatch=mismatch,
     )
 
 

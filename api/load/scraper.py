@@ -54,8 +54,9 @@ class MetricsScraper:
     results. Rounds start every ``interval_s``, or when the last one ended if it took
     longer: a round lasts at most ``timeout_s`` plus two store calls, so keep
     ``timeout_s <= interval_s`` for a steady cadence. Nothing a replica sends can stop the
-    scraper: every failure is counted in :meth:`stats`. ``start`` and ``stop`` run on the
-    scraper's event loop; :meth:`stats` may be called from any thread.
+    scraper: every failure is counted in :meth:`stats` and reported to ``on_failure``
+    (the replica's id; the ``kvindex_load_scrape_failures_total`` counter). ``start`` and
+    ``stop`` run on the scraper's event loop; :meth:`stats` may be called from any thread.
     """
 
     def __init__(
@@ -67,6 +68,7 @@ class MetricsScraper:
         interval_s: float = 1.0,
         timeout_s: float = 0.5,
         clock: Callable[[], float] = time.time,
+        on_failure: Callable[[str], None] = lambda _replica: None,
     ) -> None:
         if not (interval_s > 0 and timeout_s > 0):
             raise ValueError(f"interval_s and timeout_s must be > 0, got {interval_s}, {timeout_s}")
@@ -76,6 +78,7 @@ class MetricsScraper:
         self._interval_s = interval_s
         self._timeout_s = timeout_s
         self._clock = clock
+        self._on_failure = on_failure
         self._lock = threading.Lock()
         self._replica_to_stats: dict[str, ScrapeStats] = {}
         self._task: asyncio.Task[None] | None = None
@@ -189,6 +192,8 @@ class MetricsScraper:
             else:
                 new = replace(new, num_failures=old.num_failures + 1)
             self._replica_to_stats[replica] = new
+        if error is not None:
+            self._on_failure(replica)
         if error is not None and old.last_error is None:
             logger.warning("scraping the load of %s fails: %s", replica, error)
         elif error is None and old.last_error is not None:

@@ -13,8 +13,9 @@ import click
 
 from kvindex.api.server import serve as run_server
 from kvindex.api.server import serve_api
-from kvindex.api.settings import load_api_settings
+from kvindex.api.settings import ApiSettings, load_api_settings
 from kvindex.clients.cli.check_hash import check_hash_command
+from kvindex.clients.cli.log_format import LOG_FORMATS, LogFormat, configure_logging
 from kvindex.clients.cli.status import FleetStatus, StatusLog
 from kvindex.clients.cli.views import register_views
 from kvindex.clients.console import make_console
@@ -68,11 +69,30 @@ def _indexer_options(command: Callable[..., None]) -> Callable[..., None]:
 @click.group()
 @click.version_option(package_name="kvindex", prog_name="kvindex")
 @click.option("-v", "--verbose", is_flag=True, help="Log at DEBUG level.")
-def main(verbose: bool) -> None:
+@click.option(
+    "--log-format",
+    type=click.Choice(LOG_FORMATS),
+    default="text",
+    show_default=True,
+    envvar="KVINDEX_LOG_FORMAT",
+    help="Log lines on stderr: text, or one JSON object per line (ts, level, logger,"
+    " message, extra fields). Env KVINDEX_LOG_FORMAT.",
+)
+@click.option(
+    "--log-repeat-s",
+    type=click.FloatRange(min=0),
+    default=10.0,
+    show_default=True,
+    envvar="KVINDEX_LOG_REPEAT_S",
+    help="Log the same kvindex warning at most once per this many seconds, then say how"
+    " many were held back (0: log every one).",
+)
+def main(verbose: bool, log_format: LogFormat, log_repeat_s: float) -> None:
     """kvindex: where every KV-cache block of a vLLM fleet lives."""
-    logging.basicConfig(
+    configure_logging(
         level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        log_format=log_format,
+        repeat_window_s=log_repeat_s,
     )
     if not verbose:  # httpx logs one line per request (the /metrics scraper: several a second)
         logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -126,6 +146,18 @@ _token_file_option = click.option(
     type=click.Path(path_type=Path, dir_okay=False),
     help="File holding the API's bearer token (else env KVINDEX_API_TOKEN[_FILE], [api]).",
 )
+_access_log_option = click.option(
+    "--access-log/--no-access-log",
+    default=None,
+    help="Log one line per HTTP request (method, path, route, status, ms) in the log format"
+    " (else env KVINDEX_API_ACCESS_LOG, [api] access_log; default off).",
+)
+
+
+def _api_settings(config: Path | None, overrides: dict[str, Any]) -> ApiSettings:
+    """The API's settings: ``[api]``/``[[models]]`` of ``config`` < env < ``overrides``."""
+    file_values = read_toml(config) if config is not None else {}
+    return load_api_settings(file_values.get("api"), file_values.get("models"), overrides=overrides)
 
 
 @main.command()
@@ -133,6 +165,7 @@ _token_file_option = click.option(
 @click.option("--host", help="API listen address (default 127.0.0.1).")
 @click.option("--port", type=int, help="API listen port (default 8000).")
 @_token_file_option
+@_access_log_option
 @_stats_every_option
 def serve(
     config: Path | None,
@@ -143,6 +176,7 @@ def serve(
     host: str | None,
     port: int | None,
     token_file: Path | None,
+    access_log: bool | None,
     stats_every: float,
 ) -> None:
     """Run the indexer and the scoring API in one process."""
@@ -152,11 +186,9 @@ def serve(
             overrides={"bind": bind, "store": store, "redis_url": redis_url},
             extra_replicas=replicas,
         )
-        file_values = read_toml(config) if config is not None else {}
-        api = load_api_settings(
-            file_values.get("api"),
-            file_values.get("models"),
-            overrides={"host": host, "port": port, "auth_token_file": token_file},
+        api = _api_settings(
+            config,
+            {"host": host, "port": port, "auth_token_file": token_file, "access_log": access_log},
         )
     except KvIndexError as exc:
         raise click.ClickException(str(exc)) from exc
@@ -181,21 +213,21 @@ def serve(
     help="TOML settings file ([api], [[models]], redis_url, redis_prefix, stale_after_s).",
 )
 @_token_file_option
+@_access_log_option
 def api(
     redis_url: str | None,
     host: str | None,
     port: int | None,
     config: Path | None,
     token_file: Path | None,
+    access_log: bool | None,
 ) -> None:
     """Run the scoring API alone on the Redis a `kvindex indexer --store redis` writes."""
     try:
         settings = load_settings(config, overrides={"store": "redis", "redis_url": redis_url})
-        file_values = read_toml(config) if config is not None else {}
-        api_settings = load_api_settings(
-            file_values.get("api"),
-            file_values.get("models"),
-            overrides={"host": host, "port": port, "auth_token_file": token_file},
+        api_settings = _api_settings(
+            config,
+            {"host": host, "port": port, "auth_token_file": token_file, "access_log": access_log},
         )
     except KvIndexError as exc:
         raise click.ClickException(str(exc)) from exc

@@ -154,3 +154,82 @@ def test_bad_model_setting_names_the_key(models: list[Mapping[str, Any]], named:
     with pytest.raises(SettingsError) as raised:
         load_api_settings(None, models, env={})
     assert named in str(raised.value)
+
+
+# --- every setting from the environment ----------------------------------------------------
+
+
+def test_every_scalar_setting_is_read_from_its_variable_with_its_type() -> None:
+    env = {
+        "KVINDEX_API_HOST": "0.0.0.0",
+        "KVINDEX_API_PORT": "9100",
+        "KVINDEX_API_SCRAPE_INTERVAL_S": "0.5",
+        "KVINDEX_API_SEED": "7",
+        "KVINDEX_API_REPLICA_NETWORKS": "10.0.0.0/8, fd00::/8",
+        "KVINDEX_API_DEFAULT_POLICY": "least_load",
+    }
+    settings = load_api_settings(env=env)
+    assert (settings.host, settings.port, settings.seed) == ("0.0.0.0", 9100, 7)
+    assert settings.scrape_interval_s == 0.5
+    assert settings.replica_networks == ("10.0.0.0/8", "fd00::/8")
+    assert settings.default_policy == "least_load"
+
+
+def test_every_field_has_a_variable() -> None:
+    env = {
+        "KVINDEX_API_" + f.name.upper(): "1"
+        for f in dataclasses.fields(ApiSettings)
+        if f.type in ("int", "float", "int | None")
+    }
+    settings = load_api_settings(env=env)
+    for name in env:
+        assert getattr(settings, name.removeprefix("KVINDEX_API_").lower()) == 1, name
+
+
+def test_weights_and_models_come_from_their_variables() -> None:
+    env = {
+        "KVINDEX_API_WEIGHTS_WAITING": "0.75",
+        "KVINDEX_API_WEIGHTS_PREFIX_BLOCKS": "3",
+        "KVINDEX_API_MODELS": f'[{{"name": "{MODEL}", "block_size": 32}}]',
+    }
+    settings = load_api_settings(env=env)
+    assert (settings.weights.waiting, settings.weights.prefix_blocks) == (0.75, 3)
+    assert settings.weights.cpu == Weights().cpu
+    assert settings.models == (ModelSpec(MODEL, block_size=32),)
+
+
+def test_precedence_is_command_line_then_env_then_toml() -> None:
+    doc = tomllib.loads(TOML)
+    env = {"KVINDEX_API_PORT": "9100", "KVINDEX_API_WEIGHTS_WAITING": "0.9"}
+    from_env = load_api_settings(doc["api"], doc["models"], env=env)
+    assert (from_env.port, from_env.weights.waiting) == (9100, 0.9)
+    assert from_env.weights.prefix_blocks == 4  # the TOML weight no variable replaces
+    assert from_env.default_policy == "least_load"
+    given = load_api_settings(doc["api"], doc["models"], env=env, overrides={"port": 9200})
+    assert given.port == 9200
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "says"),
+    [
+        ("KVINDEX_API_PORT", "eighty", "KVINDEX_API_PORT must be an integer, got 'eighty'"),
+        ("KVINDEX_API_BODY_TIMEOUT_S", "soon", "KVINDEX_API_BODY_TIMEOUT_S must be a number"),
+        ("KVINDEX_API_PORT", "70000", "(set by KVINDEX_API_PORT)"),
+        ("KVINDEX_API_REPLICA_NETWORKS", "10.0.0.0/99", "(set by KVINDEX_API_REPLICA_NETWORKS)"),
+        ("KVINDEX_API_WEIGHTS_WAITNIG", "1", "KVINDEX_API_WEIGHTS_WAITNIG: no such weight"),
+        ("KVINDEX_API_WEIGHTS_WAITING", "lots", "KVINDEX_API_WEIGHTS_WAITING must be a number"),
+        ("KVINDEX_API_PROT", "9000", "KVINDEX_API_PROT: no such API setting"),
+        ("KVINDEX_API_MODELS", "llama", "KVINDEX_API_MODELS must be a JSON array"),
+    ],
+)
+def test_a_bad_variable_is_named_with_its_value(variable: str, value: str, says: str) -> None:
+    with pytest.raises(SettingsError) as raised:
+        load_api_settings(env={variable: value})
+    assert says in str(raised.value)
+    assert variable in str(raised.value)
+
+
+def test_the_full_token_variable_wins_over_its_older_alias() -> None:
+    env = {"KVINDEX_API_TOKEN": "old", "KVINDEX_API_AUTH_TOKEN": "new"}
+    assert load_api_settings(env=env).auth_token == "new"
+    assert load_api_settings(env={"KVINDEX_API_TOKEN": "old"}).auth_token == "old"

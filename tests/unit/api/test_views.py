@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import time
 
+from kvindex.api.block_sizes import BlockSizeCheck
 from kvindex.api.load.model import Load
 from kvindex.api.load.store import MemoryLoadStore
 from kvindex.api.policies import Weights
-from kvindex.api.schemas import ModelView
+from kvindex.api.schemas import ModelView, ReplicaView
 from kvindex.api.score import Scorer
 from kvindex.api.settings import ApiSettings, ModelSpec
 from kvindex.api.views import config_view, replica_views, stats_view
@@ -41,8 +42,14 @@ def fleet() -> tuple[Registry, MemoryIndex, MemoryLoadStore]:
     return registry, index, loads
 
 
+def views_of(
+    registry: Registry, index: MemoryIndex, loads: MemoryLoadStore, settings: ApiSettings
+) -> list[ReplicaView]:
+    return replica_views(registry, index, loads, BlockSizeCheck(settings, registry))
+
+
 def test_replica_views_gather_streams_blocks_and_load() -> None:
-    a, b = replica_views(*fleet())
+    a, b = views_of(*fleet(), ApiSettings())
     assert (a.id, a.state, a.dp_size) == ("a", "live", 2)
     (stream,) = a.streams
     assert (stream.rank, stream.last_seq, stream.freshness.state) == (0, 0, "live")
@@ -71,3 +78,23 @@ def test_config_view_lists_every_known_model_with_its_block_size() -> None:
     assert config.default_policy == "least_load"
     assert config.weights == Weights().as_dict()
     assert config.models == {"m": ModelView(16), "n": ModelView(32)}
+
+
+def test_each_stream_shows_its_block_size_and_a_mismatch_is_flagged() -> None:
+    """``c`` publishes 32-token blocks where its model's other streams use 16: flagged."""
+    registry = Registry((ReplicaSpec("a", "m"), ReplicaSpec("b", "m"), ReplicaSpec("c", "m")))
+    for replica, size in (("a", 16), ("b", 16), ("c", 32)):
+        registry.record(StreamId(replica), StreamReport(block_size=size, last_seq=0))
+    views = views_of(registry, MemoryIndex(), MemoryLoadStore(), ApiSettings())
+    shown = {v.id: (v.streams[0].block_size, v.streams[0].block_size_mismatch) for v in views}
+    assert shown == {"a": (16, False), "b": (16, False), "c": (32, True)}
+
+
+def test_a_configured_block_size_is_what_streams_are_held_to() -> None:
+    registry = Registry((ReplicaSpec("a", "m"), ReplicaSpec("b", "m")))
+    registry.record(StreamId("a"), StreamReport(block_size=16, last_seq=0))
+    registry.record(StreamId("b"), StreamReport(last_seq=0))  # no size seen yet
+    settings = ApiSettings(models=(ModelSpec("m", block_size=32),))
+    a, b = views_of(registry, MemoryIndex(), MemoryLoadStore(), settings)
+    assert (a.streams[0].block_size, a.streams[0].block_size_mismatch) == (16, True)
+    assert (b.streams[0].block_size, b.streams[0].block_size_mismatch) == (None, False)

@@ -1,0 +1,75 @@
+"""kvindex.api.metrics: the API's own series, and the write path's only where it runs (the
+write path's series themselves: tests/unit/indexer/test_metrics.py)."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+import kvindex
+from kvindex.api.block_sizes import BlockSizeCheck
+from kvindex.api.metrics import ApiMetrics
+from kvindex.api.settings import ApiSettings
+from kvindex.indexer.events import StreamId
+from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.health import StreamReport
+from kvindex.indexer.index.memory import MemoryIndex
+
+
+def samples(metrics: ApiMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for s in family.samples
+    }
+
+
+# --- what an API process exports of its own, and what it leaves to the indexer ----------
+
+WRITE_PATH_SERIES = ("kvindex_batches_total", "kvindex_blocks", "kvindex_replicas")
+
+
+def names(metrics: ApiMetrics) -> set[str]:
+    return {name for name, _ in samples(metrics)}
+
+
+def test_an_api_only_process_leaves_the_fleet_series_to_the_indexer() -> None:
+    """Each API pod exporting the fleet's counters makes sum() count them once per pod."""
+    registry = Registry((ReplicaSpec("r1", "m"),))
+    registry.record(StreamId("r1"), StreamReport(num_batches=5))
+    api_only = names(ApiMetrics(registry, MemoryIndex(), runs_write_path=False))
+    with_indexer = names(ApiMetrics(registry, MemoryIndex(), runs_write_path=True))
+    for series in WRITE_PATH_SERIES:
+        assert series not in api_only, series
+        assert series in with_indexer, series
+
+
+def test_store_up_follows_the_circuit_and_build_info_names_the_version() -> None:
+    registry = Registry(())
+    up = [True]
+    metrics = ApiMetrics(registry, MemoryIndex(), store_up=lambda: up[0])
+    assert samples(metrics)[("kvindex_api_store_up", ())] == 1
+    up[0] = False
+    assert samples(metrics)[("kvindex_api_store_up", ())] == 0
+    build = (("component", "api"), ("version", kvindex.__version__))
+    assert samples(metrics)[("kvindex_build_info", build)] == 1
+
+
+def test_degraded_reasons_are_exported_from_zero() -> None:
+    metrics = ApiMetrics(Registry(()), MemoryIndex())
+    metrics.degraded_answers.labels("fleet_unreadable").inc()
+    found = samples(metrics)
+    assert found[("kvindex_degraded_answers_total", (("reason", "index_unavailable"),))] == 0
+    assert found[("kvindex_degraded_answers_total", (("reason", "fleet_unreadable"),))] == 1
+
+
+def test_block_size_mismatches_are_counted_per_model() -> None:
+    registry = Registry(
+        (ReplicaSpec("a", "m"), ReplicaSpec("b", "m"), ReplicaSpec("c", "m"), ReplicaSpec("d", "n"))
+    )
+    for replica, size in (("a", 16), ("b", 16), ("c", 32), ("d", 16)):
+        registry.record(StreamId(replica), StreamReport(block_size=size))
+    check = BlockSizeCheck(ApiSettings(), registry)
+    found = samples(ApiMetrics(registry, MemoryIndex(), block_sizes=check))
+    assert found[("kvindex_block_size_mismatch_streams", (("model", "m"),))] == 1
+    assert found[("kvindex_block_size_mismatch_streams", (("model", "n"),))] == 0
