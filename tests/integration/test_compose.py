@@ -63,7 +63,7 @@ class Rewriter:
             option = str(args[i - 1]) if i else ""
             if option == "--host":
                 out.append("127.0.0.1")
-            elif option == "--port":
+            elif option in ("--port", "--status-port"):
                 out.append(str(self.port(service, int(arg))))
             else:
                 out.append(_URL.sub(lambda m: self._url(service, m), arg))
@@ -148,6 +148,8 @@ def fleet(redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path) 
                 url = fleet.sim_url(sim)
                 wait_for(lambda u=url: httpx.get(f"{u}/health").status_code == 200, sim)
             wait_for(lambda: connected(http) == {"r1", "r2", "r3"}, "streams connected")
+            status = f"http://127.0.0.1:{rewriter.port('indexer', 8090)}"
+            wait_for(lambda: httpx.get(f"{status}/readyz").status_code == 200, "indexer ready")
             yield fleet
         finally:
             index.close()

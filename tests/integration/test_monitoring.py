@@ -122,6 +122,14 @@ def live_metrics(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
             _publish_until_indexed(endpoint, http, f"{api}/replicas", f"{status}/metrics")
         http.post(f"{api}/score", json={"model": MODEL, "token_ids": list(range(64))})
         http.get(f"{api}/no-such-route")
+        dead = {"id": "dead", "model": MODEL, "url": f"http://127.0.0.1:{free_port()}"}
+        assert http.post(f"{api}/replicas", json=dead).status_code == 201
+        _until(
+            lambda: (
+                'kvindex_load_scrape_failures_total{replica="dead"}'
+                in http.get(f"{api}/metrics").text
+            )
+        )  # a replica whose vLLM /metrics cannot be scraped
         merged: dict[str, set[str]] = {}
         for page in (http.get(f"{api}/metrics").text, http.get(f"{status}/metrics").text):
             for name, labels in exported(page).items():
