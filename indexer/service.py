@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from kvindex.indexer.circuit import CircuitIndex, StoreCircuit
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.sync import FleetSync
 from kvindex.indexer.index.memory import MemoryIndex
@@ -52,9 +53,15 @@ class IndexerService:
         index = index if index is not None else open_index(settings)
         registry = Registry(settings.replicas, stale_after_s=settings.stale_after_s)
         fleet = None
+        written: BlockIndex = index
         if isinstance(index, RedisIndex):
             fleet = FleetSync(index.client, index.schema, registry, declared=settings.replicas)
-        service = cls(settings, index, registry, Subscriber(settings, index, registry), fleet)
+            circuit = StoreCircuit(settings.store_cooldown_s, name="redis (write path)")
+            written = CircuitIndex(
+                index, circuit
+            )  # a down store costs one wait, not one per stream
+        subscriber = Subscriber(settings, written, registry)
+        service = cls(settings, index, registry, subscriber, fleet)
         if with_status and settings.status_port != -1:
             service.status = IndexerStatus.build(settings, registry, index, service.loop_alive)
         return service

@@ -71,6 +71,9 @@ class IndexerSettings:
     """Probe a stream with a replay endpoint that has been silent this long (a replay from
     its last applied seq): a replica restarted quiet is then found and its old blocks
     dropped within this interval plus two replays (``replay_timeout_s`` at worst). 0 = off."""
+    store_cooldown_s: float = 1.0
+    """After a failed index-store call the write path skips the store this long (streams
+    are counted as store errors and resynced later), then lets one call probe it."""
     reconnect_min_s: float = 0.1
     """First ZeroMQ reconnect back-off."""
     reconnect_max_s: float = 5.0
@@ -107,6 +110,7 @@ class IndexerSettings:
             "replay_timeout_s",
             "rebuild_cooldown_s",
             "probe_interval_s",
+            "store_cooldown_s",
         ):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name} must be >= 0, got {getattr(self, name)!r}")

@@ -17,7 +17,8 @@ from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.index.redis import RedisIndex, connect
 from kvindex.indexer.keys import block_keys
 from kvindex.indexer.redis_schema import Schema
-from kvindex.indexer.wire import Encoding, ReplayLayout, to_wire
+from kvindex.indexer.service import IndexerService
+from kvindex.indexer.wire import Encoding, ReplayLayout, encode_batch, encode_live, to_wire
 from tests.integration.harness import (
     MODEL,
     consecutive_free_ports,
@@ -354,3 +355,31 @@ def _connecting_publisher(endpoint: str, replay: str) -> EventPublisher:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
+
+
+def test_a_dead_store_costs_one_wait_not_one_per_stream() -> None:
+    """Redis refused (nothing listens): each stream's first write fails; without the write
+    path's circuit every one waits out its own failed call (0.7 s here), one after another,
+    in the loop that also drains the sockets."""
+    num_streams = 12
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    replicas = tuple(ReplicaSpec(f"r{i}", "m") for i in range(num_streams))
+    settings = settings_for(*replicas, store="redis", redis_url=dead, store_cooldown_s=30.0)
+    service = IndexerService.build(settings)
+    pipeline = service.subscriber.pipeline
+    try:
+        started = time.monotonic()
+        for spec in replicas:
+            stream = StreamId(spec.id)
+            pipeline.track(stream, spec)
+            block = BlockStored((1,), None, list(range(16)), 16, Tier.GPU)
+            payload = encode_batch([block], ts=1.0, rank=0, encoding="map")
+            pipeline.handle_frames([encode_live(f"kv@{spec.id}@m".encode(), 0, payload)], stream)
+        pipeline.maintain()  # every stream broken: a resync try each
+        took = time.monotonic() - started
+    finally:
+        service.index.close()
+    records = service.registry.records()
+    errors = [records[StreamId(s.id)].num_store_errors for s in replicas]
+    assert errors == [1] * num_streams  # every stream counted, none lost silently
+    assert took < 3.0, f"{took:.1f} s for {num_streams} streams"

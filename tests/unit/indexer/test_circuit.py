@@ -121,3 +121,15 @@ def test_the_index_wrapper_passes_calls_through_while_closed(circuit: StoreCircu
     index.apply(StreamId("r1"), 0, 1.0, [])
     assert index.streams() == [StreamId("r1")]
     assert index.stats(StreamId("r1")).watermark == 0
+
+
+def test_the_index_wrapper_asks_whether_the_store_kept_its_data_through_the_circuit(
+    circuit: StoreCircuit,
+) -> None:
+    assert CircuitIndex(MemoryIndex(), circuit).intact()
+    inner = DownIndex()
+    index = CircuitIndex(inner, circuit)
+    with pytest.raises(IndexUnavailableError):
+        index.streams()  # opens the circuit
+    with pytest.raises(StoreSkippedError):
+        index.intact()  # the write path's once-a-second look does not wait on it either
