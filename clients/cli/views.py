@@ -29,7 +29,14 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from kvindex.api.schemas import FreshnessView, LoadView, ReplicaView, ScoreEntry, ScoreResponse
+from kvindex.api.schemas import (
+    FreshnessView,
+    LoadView,
+    ReplicaView,
+    ScoreEntry,
+    ScoreResponse,
+    StreamView,
+)
 from kvindex.clients.console import column, make_console, make_table, natural_width
 from kvindex.clients.http import KvIndexClient, KvIndexClientError, UnreachableError
 
@@ -251,13 +258,20 @@ def render_score(answer: ScoreResponse, wide: bool = False) -> list[Any]:
     return [heading(answer), table]
 
 
-def _streams_cell(view: ReplicaView) -> str:
-    lines = [
-        f"{s.rank}: seq {s.last_seq}, {format_tiers(s.blocks)}, lag {_seconds(s.freshness.lag_s)}"
-        + ("" if s.connected else ", disconnected")
-        for s in view.streams
-    ]
-    return "\n".join(lines) or "(no events yet)"
+def _streams_cell(view: ReplicaView, wide: bool) -> str:
+    return "\n".join(_stream_line(s, wide) for s in view.streams) or "(no events yet)"
+
+
+def _stream_line(stream: StreamView, wide: bool) -> str:
+    """One stream: seq, blocks, lag; its block size when wide, and always when it is not
+    its model's (such a stream never matches a prompt)."""
+    line = f"{stream.rank}: seq {stream.last_seq}, {format_tiers(stream.blocks)}"
+    line += f", lag {_seconds(stream.freshness.lag_s)}"
+    if stream.block_size_mismatch:
+        line += f", block size {stream.block_size} (not the model's: never matches)"
+    elif wide and stream.block_size:
+        line += f", block size {stream.block_size}"
+    return line + ("" if stream.connected else ", disconnected")
 
 
 def render_replicas(views: list[ReplicaView], wide: bool = False) -> list[Any]:
@@ -285,7 +299,7 @@ def _model_table(model: str, views: list[ReplicaView], wide: bool) -> Table:
         table.add_row(
             view.id,
             view.state,
-            _streams_cell(view),
+            _streams_cell(view, wide),
             format_load(view.load) if wide else format_load_short(view.load),
             *(endpoints if wide else []),
         )

@@ -227,6 +227,21 @@ def test_render_replicas_one_table_per_model() -> None:
     assert plain(*render_replicas([])).strip() == "no replicas registered"
 
 
+def test_render_replicas_shows_a_block_size_that_is_not_the_models() -> None:
+    right = StreamView(0, LIVE, True, 3, {"gpu": 1}, {}, block_size=16)
+    wrong = StreamView(0, LIVE, True, 3, {"gpu": 1}, {}, block_size=32, block_size_mismatch=True)
+    views = [
+        ReplicaView("r1", "m", None, None, None, 1, "live", [right], None),
+        ReplicaView("r2", "m", None, None, None, 1, "live", [wrong], None),
+    ]
+    lines = plain(*render_replicas(views)).splitlines()
+    r1 = next(line for line in lines if line.startswith("r1 "))
+    r2 = next(line for line in lines if line.startswith("r2 "))
+    assert "block size" not in r1
+    assert "block size 32 (not the model's: never matches)" in r2
+    assert "block size 16" in plain(*render_replicas(views, wide=True))
+
+
 def test_render_stats() -> None:
     stats = plain(render_stats({"replicas": 2, "blocks": {"gpu": 9, "cpu": 0}}))
     assert "gpu 9 · cpu 0" in stats
