@@ -36,8 +36,8 @@ class Scale:
     """Large prompts sent while the indexer is stopped, to push frames past the HWM."""
 
 
-SHORT_SCALE = Scale(num_prompts=24, outage_s=1.0, num_rounds=1, hold_s=0.5, num_flood=300)
-LONG_SCALE = Scale(num_prompts=96, outage_s=4.0, num_rounds=3, hold_s=3.0, num_flood=1500)
+SHORT_SCALE = Scale(num_prompts=24, outage_s=1.0, num_rounds=1, hold_s=0.5, num_flood=60)
+LONG_SCALE = Scale(num_prompts=96, outage_s=4.0, num_rounds=3, hold_s=3.0, num_flood=300)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -43,20 +43,23 @@ class Recorder:
         bound_s: float,
         hold_s: float,
         dead: Iterable[str] = (),
+        history: Sequence[str] = (),
     ) -> float:
         """Poll until every prompt's ``/score`` credit equals each replica's real cache;
         then check again for ``hold_s``. ``since``: the fault's end (``time.monotonic()``).
+        ``history``: more prompts whose blocks may be lost for good (the fault destroyed
+        the frames that stored them): on those only a wrong route counts.
         Records the measure, prints it, and returns the convergence time; raises
         AssertionError if it took longer than ``bound_s`` or any later answer disagrees."""
-        gone = tuple(dead)
-        seconds, found = _first_agreement(fleet, prompts, since, bound_s, gone)
-        checked, later = _hold(fleet, prompts, hold_s, gone) if seconds is not None else (0, [])
+        check = _Check(fleet, [*prompts, *history], len(prompts), tuple(dead))
+        seconds, found = _first_agreement(check, since, bound_s)
+        checked, later = _hold(check, hold_s) if seconds is not None else (0, [])
         after = later if seconds is not None else found
         row = Convergence(
             fault,
             seconds,
             bound_s,
-            checked if seconds is not None else len(prompts),
+            checked if seconds is not None else len(check.prompts),
             sum(m.credited - m.held for m in after if m.wrong_route),
             sum(m.held - m.credited for m in after if not m.wrong_route),
         )
@@ -88,12 +91,26 @@ class Recorder:
         ]
 
 
+@dataclass(frozen=True, slots=True)
+class _Check:
+    fleet: FaultFleet
+    prompts: Sequence[str]
+    num_exact: int
+    """The first ``num_exact`` prompts must agree exactly; the rest (history) only must
+    not credit a block a replica does not hold."""
+    dead: tuple[str, ...]
+
+    def mismatches(self) -> list[Mismatch]:
+        found = self.fleet.mismatches(self.prompts, self.dead)
+        return [m for m in found if m.prompt < self.num_exact or m.wrong_route]
+
+
 def _first_agreement(
-    fleet: FaultFleet, prompts: Sequence[str], since: float, bound_s: float, dead: tuple[str, ...]
+    check: _Check, since: float, bound_s: float
 ) -> tuple[float | None, list[Mismatch]]:
     """(seconds from ``since`` to the first full agreement or None, the last mismatches)."""
     while True:
-        found = fleet.mismatches(prompts, dead)
+        found = check.mismatches()
         elapsed = time.monotonic() - since
         if not found:
             return elapsed, []
@@ -102,16 +119,14 @@ def _first_agreement(
         time.sleep(POLL_S)
 
 
-def _hold(
-    fleet: FaultFleet, prompts: Sequence[str], hold_s: float, dead: tuple[str, ...]
-) -> tuple[int, list[Mismatch]]:
+def _hold(check: _Check, hold_s: float) -> tuple[int, list[Mismatch]]:
     """Check every prompt again until ``hold_s`` has passed (at least once): (answers
     checked, every mismatch seen)."""
     deadline = time.monotonic() + hold_s
     checked, found = 0, []
     while True:
-        found += fleet.mismatches(prompts, dead)
-        checked += len(prompts)
+        found += check.mismatches()
+        checked += len(check.prompts)
         if time.monotonic() >= deadline:
             return checked, found
         time.sleep(POLL_S)

@@ -14,6 +14,7 @@ both for the same prompts.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -106,12 +107,11 @@ class FaultFleet:
             workdir / "indexer.log",
             lambda: True,
         )
-        api_url = f"http://127.0.0.1:{api_port}"
         api = kvindex_child(
             "api",
             ["api", "--config", str(config)],
             workdir / "api.log",
-            http_ok(f"{api_url}/healthz"),
+            http_ok(api_port, "/healthz"),
         )
         return cls(
             shape, workdir, redis_child(redis_port, redis_dir, aof=shape.aof), redis_port,
@@ -127,10 +127,28 @@ class FaultFleet:
         for child in children:
             child.wait_ready()
         self.wait_live(self.replicas, timeout_s=15.0)
+        for replica in self.replicas:
+            self._warm_up(replica)
+
+    def _warm_up(self, replica: str, timeout_s: float = 5.0) -> None:
+        """Send requests to ``replica`` until the index credits one: its stream is then
+        subscribed for good (ZeroMQ's slow joiner), so no test frame is lost to it."""
+        deadline = time.monotonic() + timeout_s
+        for attempt in itertools.count():
+            prompt = f"warm-up {replica} {attempt} " + " ".join(str(i) for i in range(16))
+            self.complete(replica, prompt)
+            time.sleep(0.05)
+            entries = {e["replica"]: e for e in self.score(prompt)["scores"]}
+            if entries[replica]["matched_blocks"] == 1:
+                return
+            assert time.monotonic() < deadline, f"{replica}'s requests are never indexed"
 
     def stop(self) -> None:
-        """Stop every process this fleet started (stopped ones included), API first."""
+        """Stop every process this fleet started (stopped ones included): all asked at
+        once, then each waited for (killed if it lingers)."""
         children = [self.api, self.indexer, *(r.child for r in self.replicas.values()), self.redis]
+        for child in children:
+            child.terminate()
         for child in children:
             child.stop()
         self._http.close()
@@ -235,8 +253,9 @@ def _replica(rid: str, shape: FleetShape, workdir: Path) -> Replica:
         "--speed", "1000", "--seed", "7", "--send-hwm", str(shape.send_hwm),
         "--send-buffer-bytes", str(65_536 if shape.send_hwm else 0),
     ]  # fmt: skip
-    base = f"http://127.0.0.1:{http_port}"
-    child = kvindex_child(f"replica {rid}", args, workdir / f"{rid}.log", http_ok(f"{base}/health"))
+    child = kvindex_child(
+        f"replica {rid}", args, workdir / f"{rid}.log", http_ok(http_port, "/health")
+    )
     return Replica(rid, child, http_port, events_port, replay_port)
 
 

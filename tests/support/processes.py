@@ -10,6 +10,7 @@ how a fixture makes sure every process it started is gone, whatever the test did
 
 from __future__ import annotations
 
+import http.client
 import shutil
 import signal
 import subprocess
@@ -19,7 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import redis
 
 KVINDEX = Path(sys.executable).parent / "kvindex"
@@ -76,13 +76,20 @@ class Child:
         assert self.process is not None
         self.process.wait(5)
 
+    def terminate(self) -> None:
+        """Ask the process to end (SIGCONT first: a stopped one takes its SIGTERM then);
+        does not wait (see :meth:`stop`)."""
+        process = self.process
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGCONT)
+            process.terminate()
+
     def stop(self) -> None:
         """End the process if it runs (stopped or not): SIGTERM, SIGKILL after 5 s."""
+        self.terminate()
         process = self.process
-        if process is None or process.poll() is not None:
+        if process is None:
             return
-        process.send_signal(signal.SIGCONT)
-        process.terminate()
         try:
             process.wait(5)
         except subprocess.TimeoutExpired:
@@ -120,14 +127,19 @@ def _pings(port: int) -> Callable[[], bool]:
     return ready
 
 
-def http_ok(url: str) -> Callable[[], bool]:
-    """A readiness check: ``GET url`` answers 200 within 0.5 s."""
+def http_ok(port: int, path: str) -> Callable[[], bool]:
+    """A readiness check: ``GET http://127.0.0.1:port/path`` answers 200 within 0.5 s
+    (plain ``http.client``: an httpx client per poll costs a TLS context each time)."""
 
     def ready() -> bool:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=0.5)
         try:
-            return httpx.get(url, timeout=0.5, trust_env=False).status_code == 200
-        except httpx.HTTPError:
+            connection.request("GET", path)
+            return connection.getresponse().status == 200
+        except OSError:
             return False
+        finally:
+            connection.close()
 
     return ready
 
