@@ -15,6 +15,7 @@ both for the same prompts.
 from __future__ import annotations
 
 import itertools
+import shutil
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -161,8 +162,10 @@ class FaultFleet:
         """Start Redis again on its port, from its append-only file or ``empty``."""
         if empty:
             for path in self.redis.log.parent.iterdir():
-                if path != self.redis.log:
-                    _remove(path)
+                if path.is_dir():
+                    shutil.rmtree(path)  # appendonlydir/
+                elif path != self.redis.log:
+                    path.unlink()
         self.redis.start()
 
     @property
@@ -224,8 +227,9 @@ class FaultFleet:
 
     def mismatches(self, prompts: Sequence[str], dead: Iterable[str] = ()) -> list[Mismatch]:
         """Every (prompt, replica) where ``/score`` and the replica's pool disagree. A
-        ``dead`` replica holds nothing, and is credited only while its stream says live; a
-        degraded answer (no index) disagrees with every replica holding a block."""
+        ``dead`` replica holds nothing, and is credited only while its stream says live. A
+        degraded answer (made without the index) agrees with no replica: it is reported
+        as a mismatch crediting nothing, whatever the replica holds."""
         gone = set(dead)
         truth = {r: self.held(r, prompts) for r in self.replicas if r not in gone}
         found: list[Mismatch] = []
@@ -233,12 +237,13 @@ class FaultFleet:
             answer = self.score(prompt)
             for entry in answer["scores"]:
                 rid, state = entry["replica"], entry["freshness"]["state"]
-                credited = entry["matched_blocks"] if answer["degraded"] is None else -1
-                if rid in gone:
-                    credited = credited if state == "live" else 0
+                credited = entry["matched_blocks"]
+                if rid in gone and state != "live":
+                    credited = 0
                 held = truth[rid][i] if rid in truth else 0
-                if credited != held:
-                    found.append(Mismatch(i, rid, max(credited, 0), held, state))
+                if answer["degraded"] is not None or credited != held:
+                    credited = 0 if answer["degraded"] is not None else credited
+                    found.append(Mismatch(i, rid, credited, held, state))
         return found
 
 
@@ -275,15 +280,6 @@ def _config_toml(redis_port: int, api_port: int, replicas: Iterable[Replica]) ->
             lines.append(f'replay = "tcp://127.0.0.1:{r.replay_port}"')
     lines += ["[api]", 'host = "127.0.0.1"', f"port = {api_port}", "scrape_interval_s = 0.0"]
     return "\n".join(lines) + "\n"
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        for child in path.iterdir():
-            _remove(child)
-        path.rmdir()
-    else:
-        path.unlink()
 
 
 def prompts_of(family: str, count: int, *, num_words: int = 40, shared: int = 16) -> list[str]:

@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from tests.faults.conftest import Scale
 from tests.faults.convergence import Recorder
 from tests.faults.fleet import FaultFleet, FleetShape, prompts_of, wait_agreement
+from tests.faults.scale import Scale
 
 pytestmark = [pytest.mark.faults, pytest.mark.redis_server]
 

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from tests.faults.conftest import Scale
 from tests.faults.convergence import Recorder
 from tests.faults.fleet import FaultFleet, prompts_of, wait_agreement
+from tests.faults.scale import Scale
 
 pytestmark = [pytest.mark.faults, pytest.mark.redis_server]
 

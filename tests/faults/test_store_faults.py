@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from kvindex.clients.fake_vllm.replica import tokenize_text
-from tests.faults.conftest import Scale
 from tests.faults.convergence import Recorder
 from tests.faults.fleet import MODEL, FaultFleet, prompts_of, wait_agreement
+from tests.faults.scale import Scale
 from tests.support.score_load import Sample, during
 
 pytestmark = [pytest.mark.faults, pytest.mark.redis_server]
