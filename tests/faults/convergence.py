@@ -66,6 +66,7 @@ class Recorder:
         self.results.append(row)
         print(f"\n{fault}: {_seconds(seconds)} (bound {bound_s:g} s)")
         assert seconds is not None, f"{fault}: not converged within {bound_s} s: {found[:6]}"
+        assert seconds <= bound_s, f"{fault}: converged in {seconds:.2f} s, past {bound_s} s"
         assert later == [], f"{fault}: answers disagree after convergence: {later[:6]}"
         return seconds
 
@@ -76,7 +77,7 @@ class Recorder:
         rows = [
             (
                 r.fault,
-                _seconds(r.seconds),
+                _seconds(r.seconds) + (" (late)" if (r.seconds or 0.0) > r.bound_s else ""),
                 f"{r.bound_s:g} s",
                 str(r.num_checked),
                 str(r.num_wrong_routes),
@@ -108,13 +109,15 @@ class _Check:
 def _first_agreement(
     check: _Check, since: float, bound_s: float
 ) -> tuple[float | None, list[Mismatch]]:
-    """(seconds from ``since`` to the first full agreement or None, the last mismatches)."""
+    """(seconds from ``since`` to the end of the first check that found full agreement,
+    or None if none had by ``bound_s``; the last mismatches). A check that begins within
+    the bound and agrees is counted even if it ends past it (the caller then fails)."""
     while True:
+        started = time.monotonic() - since
         found = check.mismatches()
-        elapsed = time.monotonic() - since
         if not found:
-            return elapsed, []
-        if elapsed > bound_s:
+            return time.monotonic() - since, []
+        if started > bound_s:
             return None, found
         time.sleep(POLL_S)
 

@@ -114,10 +114,8 @@ class FaultFleet:
             workdir / "api.log",
             http_ok(api_port, "/healthz"),
         )
-        return cls(
-            shape, workdir, redis_child(redis_port, redis_dir, aof=shape.aof), redis_port,
-            indexer, api, api_port, replicas,
-        )  # fmt: skip
+        redis = redis_child(redis_port, redis_dir, aof=shape.aof)
+        return cls(shape, workdir, redis, redis_port, indexer, api, api_port, replicas)
 
     def start(self) -> None:
         """Start every part (in parallel), then wait until every stream is live."""
