@@ -30,6 +30,11 @@ from tests.support.redis_server import free_port
 
 MODEL = "fault-model"
 BLOCK_SIZE = 16
+REPLAY_TIMEOUT_S = 2.0
+"""The indexer's ``replay_timeout_s``: a replay that stalls this long is given up."""
+PROBE_INTERVAL_S = 5.0
+"""The indexer's ``probe_interval_s``: how often a quiet stream is probed by replay (half
+the default, so the quiet-restart test waits less; the bound scales with it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,17 +101,17 @@ class FaultFleet:
     @classmethod
     def build(cls, shape: FleetShape, workdir: Path) -> FaultFleet:
         """Choose ports and write the config; starts nothing (see :meth:`start`)."""
-        redis_port, api_port = free_port(), free_port()
+        redis_port, api_port, status_port = free_port(), free_port(), free_port()
         replicas = {rid: _replica(rid, shape, workdir) for rid in shape.replica_ids}
         config = workdir / "kvindex.toml"
-        config.write_text(_config_toml(redis_port, api_port, replicas.values()))
+        config.write_text(_config_toml(redis_port, api_port, status_port, replicas.values()))
         redis_dir = workdir / "redis"
         redis_dir.mkdir()
         indexer = kvindex_child(
             "indexer",
             ["indexer", "--config", str(config), "--store", "redis", "--stats-every", "0"],
             workdir / "indexer.log",
-            lambda: True,
+            http_ok(status_port, "/healthz"),
         )
         api = kvindex_child(
             "api",
@@ -262,12 +267,16 @@ def _replica(rid: str, shape: FleetShape, workdir: Path) -> Replica:
     return Replica(rid, child, http_port, events_port, replay_port)
 
 
-def _config_toml(redis_port: int, api_port: int, replicas: Iterable[Replica]) -> str:
-    """Indexer keys at the top (short back-offs and replay timeout: faults heal fast),
-    the API's in ``[api]`` (no scraping: the replicas' load is not under test)."""
+def _config_toml(
+    redis_port: int, api_port: int, status_port: int, replicas: Iterable[Replica]
+) -> str:
+    """Indexer keys at the top (short back-offs and replay timeout: faults heal fast; its
+    status port free), the API's in ``[api]`` (no scraping: load is not under test)."""
     lines = [
         f'redis_url = "redis://127.0.0.1:{redis_port}/0"',
-        "replay_timeout_s = 2.0",
+        f"status_port = {status_port}",
+        f"replay_timeout_s = {REPLAY_TIMEOUT_S}",
+        f"probe_interval_s = {PROBE_INTERVAL_S}",
         "reconnect_min_s = 0.05",
         "reconnect_max_s = 0.2",
     ]

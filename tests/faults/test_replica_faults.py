@@ -15,7 +15,13 @@ import time
 import pytest
 
 from tests.faults.convergence import Recorder
-from tests.faults.fleet import FaultFleet, prompts_of, wait_agreement
+from tests.faults.fleet import (
+    PROBE_INTERVAL_S,
+    REPLAY_TIMEOUT_S,
+    FaultFleet,
+    prompts_of,
+    wait_agreement,
+)
 from tests.faults.scale import Scale
 
 pytestmark = [pytest.mark.faults, pytest.mark.redis_server]
@@ -26,9 +32,6 @@ DEAD_BOUND_S = 3.0
 state republished (every 1 s) and read by the API."""
 RESTART_BOUND_S = 5.0
 """From the restarted replica's first request to agreement."""
-PROBE_INTERVAL_S = 10.0
-REPLAY_TIMEOUT_S = 2.0
-"""The fleet's ``replay_timeout_s`` (tests/faults/fleet.py writes it)."""
 QUIET_BOUND_S = PROBE_INTERVAL_S + REPLAY_TIMEOUT_S + 3.0
 """A restarted, quiet replica's old blocks dropped: one probe interval, a replay that
 comes back empty, the fleet state republished (the expected behaviour of the quiet-restart
