@@ -250,7 +250,7 @@ def api(
     "--replay",
     default="tcp://127.0.0.1:5558",
     show_default=True,
-    help="Replay ROUTER endpoint ('tcp://*:5558' for every interface).",
+    help="Replay ROUTER endpoint ('tcp://*:5558' for every interface; '' for none).",
 )
 @click.option("--bind-events", is_flag=True, help="Bind --events even without '*'.")
 @click.option("--encoding", type=click.Choice(["map", "array"]), default="map", show_default=True)
@@ -263,11 +263,26 @@ def api(
 @click.option("--speed", default=1.0, show_default=True, help="Time compression factor.")
 @click.option("--seed", type=int, help="Block-hash root seed (default: random).")
 @click.option("--lora", "lora_names", multiple=True, help="A LoRA name served (repeatable).")
-def replica_sim(replica_id: str, bind_events: bool, lora_names: tuple[str, ...], **kw: Any) -> None:
+@click.option(
+    "--send-hwm", default=0, show_default=True, help="PUB high-water mark (0: unbounded)."
+)
+@click.option(
+    "--send-buffer-bytes",
+    default=0,
+    show_default=True,
+    help="PUB kernel send buffer (0: the OS default).",
+)
+def replica_sim(
+    replica_id: str, bind_events: bool, lora_names: tuple[str, ...], replay: str, **kw: Any
+) -> None:
     """Run a simulated vLLM replica (HTTP API + KV events) until SIGINT/SIGTERM."""
     try:
         settings = ReplicaSimSettings(
-            id=replica_id, bind_events=True if bind_events else None, lora_names=lora_names, **kw
+            id=replica_id,
+            bind_events=True if bind_events else None,
+            lora_names=lora_names,
+            replay=replay or None,
+            **kw,
         )
     except ReplicaSimError as exc:
         raise click.ClickException(str(exc)) from exc

@@ -58,10 +58,18 @@ class EventPublisher:
         buffer_steps: int = 10_000,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         bind: bool | None = None,
+        send_hwm: int = 0,
+        send_buffer_bytes: int = 0,
     ) -> None:
         """``bind`` None follows vLLM's rule for ``endpoint`` (bind iff it has ``*`` or
-        ``::``); True binds exactly there (e.g. a fixed loopback port in tests)."""
+        ``::``); True binds exactly there (e.g. a fixed loopback port in tests).
+        ``send_hwm``: the PUB's high-water mark in messages (0: unbounded); past it a slow
+        subscriber's frames are dropped, as a real PUB does (vLLM's default is 100,000).
+        ``send_buffer_bytes``: the kernel send buffer of its TCP connections (0: the OS's,
+        which grows to megabytes on loopback); small, the HWM is reached sooner."""
         self._bind = bind
+        self._send_hwm = send_hwm
+        self._send_buffer_bytes = send_buffer_bytes
         self._context = context or zmq.Context.instance()
         self.topic = topic.encode()
         self.rank = rank
@@ -84,7 +92,9 @@ class EventPublisher:
 
     def _open_sockets(self, endpoint: str, replay_endpoint: str | None) -> None:
         self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.setsockopt(zmq.SNDHWM, 0)
+        self._pub.setsockopt(zmq.SNDHWM, self._send_hwm)
+        if self._send_buffer_bytes:
+            self._pub.setsockopt(zmq.SNDBUF, self._send_buffer_bytes)
         self.endpoint = _open(self._pub, endpoint, self._bind)
         if replay_endpoint is not None:
             self._router = self._context.socket(zmq.ROUTER)

@@ -102,8 +102,16 @@ class ReplicaSimSettings:
     """Seed of the engine-hash chain root (vLLM's NONE_HASH); None: random per process."""
     lora_names: tuple[str, ...] = ()
     """LoRA adapters served: a request whose ``model`` is one of these uses that adapter."""
+    send_hwm: int = 0
+    """The PUB's high-water mark in messages (0: unbounded); past it a subscriber that does
+    not keep up loses frames (and sees a gap), as with vLLM's PUB."""
+    send_buffer_bytes: int = 0
+    """The PUB's kernel send buffer per connection (0: the OS default)."""
 
     def __post_init__(self) -> None:
+        for name in ("send_hwm", "send_buffer_bytes"):
+            if getattr(self, name) < 0:
+                raise ReplicaSimError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("block_size", "capacity_blocks", "max_running"):
             if getattr(self, name) < 1:
                 raise ReplicaSimError(f"{name} must be >= 1, got {getattr(self, name)!r}")
@@ -436,8 +444,30 @@ def handle_tokenize(settings: ReplicaSimSettings, raw: bytes) -> Response:
     return _ok({"count": len(tokens), "max_model_len": settings.max_model_len, "tokens": tokens})
 
 
+class CachedBody(msgspec.Struct):
+    prompts: list[str | list[TokenId]]
+
+
+def handle_cached(engine: Engine, raw: bytes) -> Response:
+    """``POST /kvsim/cached`` (a test oracle, not vLLM's API): for each of ``prompts``, how
+    many of its leading full blocks the pool holds now (no LoRA, no cache salt); and how
+    many blocks it holds in all. Reads only: nothing is pinned, touched or published."""
+    try:
+        body = msgspec.json.decode(raw, type=CachedBody)
+    except msgspec.DecodeError as exc:
+        return _error(400, str(exc))
+    cache = engine.cache
+    counts = []
+    for prompt in body.prompts:
+        chain = cache.chain(_tokens_of(prompt))
+        held = (i for i, block in enumerate(chain) if not cache.is_cached(block))
+        counts.append(next(held, len(chain)))
+    return _ok({"num_cached_blocks": counts, "num_pool_blocks": cache.num_cached_blocks})
+
+
 def create_app(engine: Engine) -> FastAPI:
-    """The replica's HTTP API: ``/v1/completions``, ``/tokenize``, ``/metrics``, ``/health``."""
+    """The replica's HTTP API: ``/v1/completions``, ``/tokenize``, ``/metrics``, ``/health``,
+    and ``/kvsim/cached`` (what its pool holds, for tests)."""
     app = FastAPI(title=f"kvindex replica simulator {engine.settings.id}")
 
     @app.post("/v1/completions")
@@ -447,6 +477,10 @@ def create_app(engine: Engine) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         return handle_tokenize(engine.settings, await request.body())
+
+    @app.post("/kvsim/cached")
+    async def cached(request: Request) -> Response:
+        return handle_cached(engine, await request.body())
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -485,6 +519,8 @@ class ReplicaSim:
             encoding=s.encoding,
             replay_layout=s.replay_layout,
             bind=True if s.events is None else s.bind_events,
+            send_hwm=s.send_hwm,
+            send_buffer_bytes=s.send_buffer_bytes,
         )
         cache = BlockPool(s.capacity_blocks, s.block_size, engine_root(s.seed))
         self.engine = Engine(s, cache, self.publisher.publish)

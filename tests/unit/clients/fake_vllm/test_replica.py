@@ -18,6 +18,7 @@ from kvindex.clients.fake_vllm.replica import (
     ReplicaSimSettings,
     SimRequest,
     SimResult,
+    handle_cached,
     handle_completion,
     handle_tokenize,
     metrics_text,
@@ -125,3 +126,21 @@ def test_metrics_parse_with_the_indexers_own_scraper() -> None:
     load = parse_vllm_metrics(metrics_text(eng), now=1.0, model="M")
     assert (load.running, load.waiting) == (0, 0)
     assert load.kv_usage == 0.0
+
+
+def test_cached_reads_the_pool_without_changing_it() -> None:
+    eng, batches = engine(model="M", speed=1000.0)
+    body = json.dumps({"model": "M", "prompt": "a b c d e", "max_tokens": 3}).encode()
+    asyncio.run(handle_completion(eng, body))  # 5 + 3 tokens: 4 full blocks of 2 cached
+    num_batches, num_pool = len(batches), eng.cache.num_cached_blocks
+    prompts = ["a b c d e", "a b x y", "z", tokenize_text("a b c")]
+    answer = decoded(handle_cached(eng, json.dumps({"prompts": prompts}).encode()))
+    assert answer == {"num_cached_blocks": [2, 1, 0, 1], "num_pool_blocks": num_pool == 4 and 4}
+    assert (len(batches), eng.cache.num_cached_blocks) == (num_batches, num_pool)
+    assert handle_cached(eng, b'{"prompt": "a"}').status_code == 400
+
+
+def test_send_limits_are_validated() -> None:
+    for name in ("send_hwm", "send_buffer_bytes"):
+        with pytest.raises(ReplicaSimError, match=name):
+            ReplicaSimSettings(**{name: -1})  # type: ignore[arg-type]
