@@ -9,41 +9,18 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from tests.support.processes import running
 from tests.support.redis_server import free_port, running_redis
 
 KVINDEX = Path(sys.executable).parent / "kvindex"
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@contextmanager
-def running(tmp_path: Path, *args: str, env: dict[str, str]) -> Iterator[Path]:
-    """``kvindex *args`` (stderr to a file, whose path is yielded); terminated on exit."""
-    stderr = tmp_path / "stderr.log"
-    with stderr.open("wb") as sink:
-        process = subprocess.Popen(
-            [str(KVINDEX), *args],
-            stdout=subprocess.DEVNULL,
-            stderr=sink,
-            env={**os.environ, **env},
-        )
-        try:
-            yield stderr
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 def wait_healthy(url: str, timeout_s: float = 20.0) -> None:
@@ -69,7 +46,14 @@ def test_serve_logs_json_lines_with_the_access_log(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{port}"
     args = ["--log-format", "json", "serve", "--port", str(port), "--access-log"]
     env = {"KVINDEX_API_SCRAPE_INTERVAL_S": "0", "KVINDEX_LOG_REPEAT_S": "10"}
-    with running(tmp_path, *args, "--stats-every", "0.2", env=env) as stderr:
+    with running(
+        stderr := tmp_path / "stderr.log",
+        *args,
+        "--stats-every",
+        "0.2",
+        env={**os.environ, **env},
+        stdout=False,
+    ):
         wait_healthy(url)
         httpx.delete(f"{url}/replicas/nobody", timeout=5.0, trust_env=False)
         time.sleep(0.5)  # a status line or two
@@ -97,7 +81,9 @@ def test_api_takes_its_settings_from_the_environment(tmp_path: Path) -> None:
             "KVINDEX_API_SCRAPE_INTERVAL_S": "0",
             "KVINDEX_API_ACCESS_LOG": "false",
         }
-        with running(tmp_path, "api", env=env) as stderr:
+        with running(
+            stderr := tmp_path / "stderr.log", "api", env={**os.environ, **env}, stdout=False
+        ):
             wait_healthy(url)
             text = httpx.get(f"{url}/metrics", timeout=5.0, trust_env=False).text
     names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line[:1] != "#"}

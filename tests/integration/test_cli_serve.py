@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -16,6 +14,7 @@ import pytest
 
 from kvindex.clients.fake_vllm.publisher import EventPublisher
 from kvindex.indexer.events import BlockStored, Tier
+from tests.support.processes import running
 from tests.support.redis_server import RedisServer, free_port
 
 KVINDEX = Path(sys.executable).parent / "kvindex"
@@ -23,26 +22,6 @@ MODEL = "demo-model"
 TOKENS = list(range(500, 500 + 16 * 4))
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@contextmanager
-def running(
-    log_path: Path, *args: str, env: dict[str, str] | None = None
-) -> Iterator[subprocess.Popen[bytes]]:
-    """``kvindex *args`` writing stdout and stderr to ``log_path``; terminated on exit."""
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [str(KVINDEX), *args], stdout=log, stderr=subprocess.STDOUT, env=env
-        )
-        try:
-            yield process
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 @pytest.fixture

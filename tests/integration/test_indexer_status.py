@@ -14,7 +14,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -25,6 +24,7 @@ from kvindex import __version__
 from kvindex.clients.fake_vllm.publisher import EventPublisher
 from kvindex.indexer.events import BlockStored, Tier
 from kvindex.indexer.metrics import COUNTERS
+from tests.support.processes import running
 from tests.support.redis_server import RedisServer, free_port, running_redis
 
 KVINDEX = Path(sys.executable).parent / "kvindex"
@@ -36,24 +36,6 @@ _STATUS_LINE = re.compile(r"status port on http://127\.0\.0\.1:(\d+) ")
 pytestmark = pytest.mark.timeout(60)
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-@contextmanager
-def indexer(log: Path, *args: str) -> Iterator[subprocess.Popen[bytes]]:
-    """``kvindex indexer *args``, its output in ``log``; terminated (then waited) on exit."""
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [str(KVINDEX), "indexer", *args], stdout=out, stderr=subprocess.STDOUT
-        )
-        try:
-            yield process
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 def until(check: Callable[[], object], what: str, timeout_s: float = 15.0) -> None:
@@ -113,7 +95,7 @@ def test_the_indexer_status_port_exports_its_streams_and_tells_a_hung_store(
     args = ("--store", "redis", "--redis-url", redis_alone.url, "--bind", events)
     publisher = EventPublisher(events, topic=f"kv@r1@{MODEL}")
     try:
-        with indexer(log, *args, "--status-port", "0", "--stats-every", "0") as process:
+        with running(log, "indexer", *args, "--status-port", "0", "--stats-every", "0") as process:
             with httpx.Client(base_url=status_url(log), trust_env=False, timeout=1.0) as http:
                 _scraped_while_indexing(http, publisher)
                 _probed_while_redis_hangs(http, redis_alone)
@@ -174,7 +156,9 @@ def _probed_while_redis_hangs(http: httpx.Client, redis: RedisServer) -> None:
 
 def test_a_status_port_in_use_stops_the_indexer_with_its_name(tmp_path: Path) -> None:
     port = free_port()
-    with indexer(tmp_path / "first.log", "--status-port", str(port), "--stats-every", "0"):
+    with running(
+        tmp_path / "first.log", "indexer", "--status-port", str(port), "--stats-every", "0"
+    ):
         until(lambda: _STATUS_LINE.search((tmp_path / "first.log").read_text()), "first up")
         second = subprocess.run(
             [str(KVINDEX), "indexer", "--status-port", str(port)],

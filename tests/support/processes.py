@@ -16,7 +16,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +25,30 @@ import redis
 
 KVINDEX = Path(sys.executable).parent / "kvindex"
 """The ``kvindex`` command of the interpreter running the tests."""
+
+
+@contextmanager
+def running(
+    log: Path, *args: str, env: Mapping[str, str] | None = None, stdout: bool = True
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``kvindex *args``, its stderr (and stdout, unless ``stdout`` is False) written to
+    ``log``; on exit terminated, and killed if it has not ended 10 s later."""
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [str(KVINDEX), *args],
+            stdout=out if stdout else subprocess.DEVNULL,
+            stderr=out,
+            env=None if env is None else dict(env),
+        )
+        try:
+            yield process
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
 
 class ChildError(RuntimeError):
