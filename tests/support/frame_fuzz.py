@@ -48,9 +48,9 @@ from kvindex.indexer.events import (
 )
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
-from kvindex.indexer.health import StreamHealth
+from kvindex.indexer.health import StreamCounters, StreamHealth
 from kvindex.indexer.index.memory import MemoryIndex
-from kvindex.indexer.pipeline import Pipeline
+from kvindex.indexer.pipeline import MAX_TOPIC_RANKS, Pipeline
 from kvindex.indexer.settings import IndexerSettings
 from kvindex.indexer.wire import (
     END_SEQ_BYTES,
@@ -438,6 +438,22 @@ class Rig:
         pipeline.track(R1, spec)
         return cls(pipeline, index, registry, replays)
 
+    @classmethod
+    def bound(cls) -> Rig:
+        """The bound SUB's pipeline: no replica known beforehand, each topic registers its
+        own (``kv@r1@m``) on its first readable batch; no replay endpoint."""
+        settings = IndexerSettings()
+        registry = Registry()
+        index, replays = MemoryIndex(), Replays()
+        return cls(Pipeline(settings, index, registry), index, registry, replays)
+
+    def totals(self) -> StreamCounters:
+        """Every stream's counters, added."""
+        totals = StreamCounters()
+        for health in self.registry.records().values():
+            totals.add(health)
+        return totals
+
     def health(self) -> StreamHealth:
         status = self.registry.status(R1)
         assert status is not None
@@ -465,6 +481,36 @@ def check_live(batch: list[Message]) -> None:
             reference.pipeline.handle_live(item.reference, R1)
     _expect_counts(fuzzed, reference, batch)
     assert fuzzed.blocks() == reference.blocks()
+
+
+def check_bound(batch: list[Message]) -> None:
+    """The same messages through the bound SUB: a frame that names no readable batch
+    reaches no stream (nothing tells which stream's seq it held) and is counted once as
+    unrouted undecodable; the reference gets the valid messages alone (so both see the
+    same seqs, gaps included), and the two indexes and streams end the same."""
+    fuzzed, reference = Rig.bound(), Rig.bound()
+    for item in batch:
+        fuzzed.pipeline.handle_live(item.frames, None)
+        if item.kind == "valid" and item.reference is not None:
+            reference.pipeline.handle_live(item.reference, None)
+    num_bad = sum(item.kind != "valid" for item in batch)
+    assert fuzzed.pipeline.counters.num_undecodable == num_bad
+    assert reference.pipeline.counters.num_undecodable == 0
+    assert fuzzed.registry.stream_ids() == reference.registry.stream_ids()
+    assert fuzzed.pipeline.counters.num_refused == reference.pipeline.counters.num_refused
+    got, want = fuzzed.totals(), reference.totals()  # a payload's rank picks the stream
+    num_junk = sum(i.num_junk_events for i in batch if i.kind == "valid" and _routed(i))
+    assert got.num_bad_events - want.num_bad_events == num_junk
+    assert got.num_batches == want.num_batches
+    assert fuzzed.blocks() == reference.blocks()
+
+
+def _routed(item: Message) -> bool:
+    """Whether a valid message's batch reaches a stream on the bound SUB (a rank out of
+    range is refused, its events unread)."""
+    assert item.reference is not None
+    rank = decode_payload(item.reference[2], 0).rank
+    return 0 <= rank < MAX_TOPIC_RANKS
 
 
 def _expect_counts(fuzzed: Rig, reference: Rig, batch: list[Message]) -> None:

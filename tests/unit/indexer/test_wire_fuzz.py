@@ -1,6 +1,6 @@
 """The write path under fuzzed input (short run; ``bench/fuzz.py --cases N`` is the long
-one): live frames and replay replies, valid and corrupt in every way
-``tests/support/frame_fuzz.py`` knows, through the socket-free pipeline. Nothing raises,
+one): live frames (connect mode and the bound SUB) and replay replies, valid and corrupt in
+every way ``tests/support/frame_fuzz.py`` knows, through the socket-free pipeline. Nothing raises,
 every bad frame and event is counted, and the index is what the valid frames alone make."""
 
 from __future__ import annotations
@@ -11,7 +11,15 @@ from hypothesis import HealthCheck, given, settings
 
 from kvindex.indexer.events import BlockStored, EventBatch, Tier
 from kvindex.indexer.wire import WireError, decode_payload, to_wire
-from tests.support.frame_fuzz import Message, Reply, check_live, check_replay, messages, replies
+from tests.support.frame_fuzz import (
+    Message,
+    Reply,
+    check_bound,
+    check_live,
+    check_replay,
+    messages,
+    replies,
+)
 
 FAST = settings(
     max_examples=100,
@@ -27,6 +35,14 @@ def test_live_frames_apply_exactly_the_valid_ones_and_count_the_rest(
     batch: list[Message],
 ) -> None:
     check_live(batch)
+
+
+@FAST
+@given(batch=messages())
+def test_the_bound_sub_registers_from_valid_frames_only_and_counts_the_rest(
+    batch: list[Message],
+) -> None:
+    check_bound(batch)
 
 
 @FAST
