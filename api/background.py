@@ -7,6 +7,7 @@ exit and joins the thread. Port 0 picks a free port, read back from the listenin
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from typing import Any, Literal
@@ -31,6 +32,7 @@ class BackgroundServer:
         port: int = 0,
         lifespan: Literal["auto", "on", "off"] = "auto",
         name: str = "kvindex-http",
+        http: type[asyncio.Protocol] | Literal["h11"] = "h11",
     ) -> None:
         config = uvicorn.Config(
             app,
@@ -40,7 +42,7 @@ class BackgroundServer:
             log_level="warning",
             access_log=False,
             ws="none",
-            http="h11",
+            http=http,
         )
         self.host = host
         self.port = port

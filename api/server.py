@@ -24,6 +24,7 @@ import uvicorn
 
 from kvindex.api.app import ApiDeps, create_app
 from kvindex.api.load.store import CircuitLoadStore, LoadStore, MemoryLoadStore, RedisLoadStore
+from kvindex.api.request_head import head_deadline_protocol
 from kvindex.api.settings import ApiSettings
 from kvindex.indexer.circuit import CircuitIndex, StoreCircuit
 from kvindex.indexer.fleet.registry import RegistryView
@@ -136,5 +137,6 @@ def _run_uvicorn(deps: ApiDeps, api: ApiSettings) -> None:
         log_level="warning",
         access_log=False,
         log_config=None,
+        http=head_deadline_protocol(api.header_timeout_s),
     )
     uvicorn.Server(config).run()

@@ -94,6 +94,9 @@ class ApiSettings:
     max_body_bytes: int = 8 * 1024 * 1024
     """Largest request body; a larger one (declared or counted) is refused with 413 before
     it is read whole."""
+    header_timeout_s: float = 10.0
+    """A request head (request line and headers) must arrive whole this long after the
+    connection opens or its first byte; else the connection is closed unanswered."""
     body_timeout_s: float = 10.0
     """A request body must arrive whole this long after the route starts reading it (408)."""
     replica_networks: tuple[str, ...] = ()
@@ -118,6 +121,7 @@ class ApiSettings:
         _check_number("api.tokenizer_cache_entries", self.tokenizer_cache_entries, _COUNT)
         _check_number("api.max_body_bytes", self.max_body_bytes, _POSITIVE_INT)
         _check_number("api.body_timeout_s", self.body_timeout_s, _POSITIVE)
+        _check_number("api.header_timeout_s", self.header_timeout_s, _POSITIVE)
         _check_number("api.redis_timeout_s", self.redis_timeout_s, _POSITIVE)
         _check_number("api.redis_cooldown_s", self.redis_cooldown_s, _POSITIVE)
         if not isinstance(self.access_log, bool):

@@ -23,6 +23,7 @@ from fastapi import FastAPI
 from kvindex.api.app import ApiDeps, create_app
 from kvindex.api.background import BackgroundServer
 from kvindex.api.load.store import LoadStore
+from kvindex.api.request_head import head_deadline_protocol
 from kvindex.api.schemas import ScoreEntry, ScoreResponse
 from kvindex.api.settings import ApiSettings
 from kvindex.indexer.events import BlockStored, EventBatch, ExtraKeys, StreamId, Tier
@@ -205,7 +206,8 @@ def matched(answer: ScoreResponse) -> dict[str, int]:
 def serving_http(app: FastAPI, settings: ApiSettings) -> Iterator[str]:
     """Serve ``app`` with uvicorn on ``settings.host:port`` in a background thread; yields
     the base URL; stops the server (``should_exit``) and joins the thread on exit."""
-    server = BackgroundServer(app, host=settings.host, port=settings.port).start()
+    protocol = head_deadline_protocol(settings.header_timeout_s)  # as `kvindex api` serves
+    server = BackgroundServer(app, host=settings.host, port=settings.port, http=protocol).start()
     try:
         yield server.base_url
     finally:

@@ -10,6 +10,7 @@ import dataclasses
 import socket
 import time
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 
 import msgspec
 import pytest
@@ -96,12 +97,24 @@ def raw_post(port: int, head: str, body: bytes = b"") -> tuple[bytes, float]:
     return answer, time.monotonic() - started
 
 
-@pytest.fixture
-def served_port() -> Iterator[int]:
-    settings = dataclasses.replace(SETTINGS, port=free_port())
+@contextmanager
+def serving(header_timeout_s: float = 0.3, body_timeout_s: float = 0.5) -> Iterator[int]:
+    """The app over a real uvicorn (as ``kvindex api`` serves it) on a free port."""
+    settings = dataclasses.replace(
+        SETTINGS,
+        port=free_port(),
+        header_timeout_s=header_timeout_s,
+        body_timeout_s=body_timeout_s,
+    )
     deps = ApiDeps(settings, MemoryIndex(), Registry(), MemoryLoadStore(), blocking_store=False)
     with serving_http(create_app(deps), settings):
         yield settings.port
+
+
+@pytest.fixture
+def served_port() -> Iterator[int]:
+    with serving() as port:
+        yield port
 
 
 def test_a_body_that_never_arrives_is_cut_after_the_body_timeout(served_port: int) -> None:
@@ -120,3 +133,55 @@ def test_a_huge_declared_length_is_refused_at_once_and_the_connection_closed(
     assert answer.startswith(b"HTTP/1.1 413"), answer
     assert b'"error":"body_too_large"' in answer
     assert took < 1.0
+
+
+def closed_after(port: int, sent: bytes, trickle: bytes = b"") -> float:
+    """Send ``sent`` on a fresh connection, then one byte of ``trickle`` every 0.1 s; how
+    long until the server closed it (unanswered)."""
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(sent)
+        for byte in trickle:
+            sock.settimeout(0.1)
+            try:
+                if sock.recv(65536) == b"":
+                    return time.monotonic() - started
+            except TimeoutError:
+                pass
+            except ConnectionResetError:
+                return time.monotonic() - started
+            sock.sendall(bytes([byte]))
+        sock.settimeout(5)
+        assert sock.recv(65536) == b"", "the server answered a request it never got"
+    return time.monotonic() - started
+
+
+@pytest.mark.parametrize(
+    ("sent", "trickle"),
+    [
+        (b"", b""),  # a connection that sends nothing
+        (b"POST /score HTTP/1.1\r\nhost: x\r\n", b"x-slow: " + b"a" * 100),  # slowloris
+    ],
+    ids=["silent", "trickled"],
+)
+def test_a_request_head_that_never_completes_is_cut_after_the_header_timeout(
+    served_port: int, sent: bytes, trickle: bytes
+) -> None:
+    took = closed_after(served_port, sent, trickle)
+    assert 0.25 < took < 3.0, took
+
+
+def test_the_header_timeout_ends_with_the_headers() -> None:
+    """A body that follows its head later than ``header_timeout_s`` (within the body's
+    own timeout) is read and answered: the head deadline ends with the headers."""
+    head = "POST /score HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    body = b'{"model": "demo-model", "token_ids": [1, 2]}'
+    with (
+        serving(header_timeout_s=0.3, body_timeout_s=5.0) as port,
+        socket.create_connection(("127.0.0.1", port), timeout=5) as sock,
+    ):
+        sock.sendall(f"{head}content-length: {len(body)}\r\n\r\n".encode())
+        time.sleep(0.9)  # three header timeouts
+        sock.sendall(body)
+        answer = sock.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 404"), answer  # the model is unknown: answered
