@@ -71,6 +71,8 @@ SCORE = ScoreResponse(
             score=1.0,
         )
     ],
+    num_candidates=1,
+    num_matched=1,
 )
 REPLICA = ReplicaView(
     id="r1",

@@ -89,6 +89,8 @@ def answer(num_blocks: int = 10) -> ScoreResponse:
             entry("a", 6, {"gpu": 4, "cpu": 2, "other": 0}, 0.5),
             entry("b", 0, {"gpu": 0, "cpu": 0, "other": 0}, 0.0),
         ],
+        num_candidates=2,
+        num_matched=1,
     )
 
 
