@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import zmq
 from score_fill import MODEL, Chunk, Fleet
 
 from kvindex.api.schemas import LoadReport
@@ -54,6 +55,8 @@ _MAX_LAG_REPLICAS = 2
 """Publish at most this many replicas' batches ahead of what the server has applied."""
 _RECV_BYTES = 1 << 16
 _BARRIER_TIMEOUT_S = 300.0
+_SPARE_SOCKETS = 64
+"""Sockets of the publishers' context beyond one per replica."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,18 +177,24 @@ def event_batches(chunks: list[Chunk], per_batch: int) -> list[list[Chunk]]:
     return [chunks[i : i + per_batch] for i in range(0, len(chunks), per_batch)]
 
 
-def _publishers(fleet: Fleet, endpoint: str) -> list[EventPublisher]:
-    publishers = [
-        EventPublisher(endpoint, topic=f"kv@{replica}@{MODEL}", bind=False)
-        for replica in fleet.replica_ids
-    ]
-    time.sleep(_SUBSCRIBE_S)
-    return publishers
-
-
-def _close(publishers: list[EventPublisher]) -> None:
-    for publisher in publishers:
-        publisher.close()
+@contextmanager
+def _publishing(fleet: Fleet, endpoint: str) -> Iterator[list[EventPublisher]]:
+    """One publisher per replica connected to ``endpoint``, on a context of their own whose
+    socket limit fits the fleet (libzmq's default of 1,023 sockets per context stops a fleet
+    of 1,024 at the last one); all closed on exit."""
+    context = zmq.Context()
+    context.set(zmq.MAX_SOCKETS, len(fleet.replica_ids) + _SPARE_SOCKETS)
+    publishers: list[EventPublisher] = []
+    try:
+        for replica in fleet.replica_ids:
+            topic = f"kv@{replica}@{MODEL}"
+            publishers.append(EventPublisher(endpoint, topic=topic, bind=False, context=context))
+        time.sleep(_SUBSCRIBE_S)
+        yield publishers
+    finally:
+        for publisher in publishers:
+            publisher.close()
+        context.term()
 
 
 def _applied(api: Api) -> tuple[int, int]:
@@ -204,10 +213,9 @@ def _wait_batches(api: Api, num_batches: int) -> None:
 def publish_fill(api: Api, fleet: Fleet, per_batch: int) -> dict[str, Any]:
     """Publish every replica's cache to the server; returns what ``/stats`` then says."""
     assert api.events is not None
-    publishers = _publishers(fleet, api.events)
     started = time.perf_counter()
     published: list[int] = []
-    try:
+    with _publishing(fleet, api.events) as publishers:
         for i, publisher in enumerate(publishers):
             if len(published) >= _MAX_LAG_REPLICAS:
                 _wait_batches(api, published[-_MAX_LAG_REPLICAS])
@@ -217,8 +225,6 @@ def publish_fill(api: Api, fleet: Fleet, per_batch: int) -> dict[str, Any]:
             published.append((published[-1] if published else 0) + len(batches))
         total = published[-1]
         wait_until("every batch", lambda: _applied(api) == (total, fleet.num_blocks), 600, 0.1)
-    finally:
-        _close(publishers)
     seconds = time.perf_counter() - started
     log.info("filled over ZeroMQ: %d batches, %d blocks in %.1fs (%.0f blocks/s)",
              total, fleet.num_blocks, seconds, fleet.num_blocks / seconds)  # fmt: skip
@@ -228,16 +234,13 @@ def publish_fill(api: Api, fleet: Fleet, per_batch: int) -> dict[str, Any]:
 def announce(api: Api, fleet: Fleet, num_batches: dict[str, int]) -> dict[str, Any]:
     """Make every stream live after a direct fill that used seqs ``0 .. n - 1``."""
     assert api.events is not None
-    publishers = _publishers(fleet, api.events)
-    try:
+    with _publishing(fleet, api.events) as publishers:
         for replica, publisher in zip(fleet.replica_ids, publishers, strict=True):
             for _ in range(num_batches[replica]):
                 publisher.publish_payload(b"", drop=True)
             publisher.publish([])
         wanted = len(publishers)
         wait_until("every stream", lambda: get_json(api, "/stats")["streams"] == wanted, 60, 0.05)
-    finally:
-        _close(publishers)
     return get_json(api, "/stats")
 
 
