@@ -55,8 +55,8 @@ _MAX_LAG_REPLICAS = 2
 """Publish at most this many replicas' batches ahead of what the server has applied."""
 _RECV_BYTES = 1 << 16
 _BARRIER_TIMEOUT_S = 300.0
-_SPARE_SOCKETS = 64
-"""Sockets of the publishers' context beyond one per replica."""
+_PUBLISHER_GROUP = 128
+"""Publishers alive at once while filling (each is a ZeroMQ socket and a thread)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,17 +177,23 @@ def event_batches(chunks: list[Chunk], per_batch: int) -> list[list[Chunk]]:
     return [chunks[i : i + per_batch] for i in range(0, len(chunks), per_batch)]
 
 
+def _groups(fleet: Fleet) -> list[range]:
+    """The replicas' indices, :data:`_PUBLISHER_GROUP` at a time."""
+    num = len(fleet.replica_ids)
+    return [range(i, min(num, i + _PUBLISHER_GROUP)) for i in range(0, num, _PUBLISHER_GROUP)]
+
+
 @contextmanager
-def _publishing(fleet: Fleet, endpoint: str) -> Iterator[list[EventPublisher]]:
-    """One publisher per replica connected to ``endpoint``, on a context of their own whose
-    socket limit fits the fleet (libzmq's default of 1,023 sockets per context stops a fleet
-    of 1,024 at the last one); all closed on exit."""
-    context = zmq.Context()
-    context.set(zmq.MAX_SOCKETS, len(fleet.replica_ids) + _SPARE_SOCKETS)
+def _publishing(fleet: Fleet, endpoint: str, group: range) -> Iterator[list[EventPublisher]]:
+    """A publisher for each replica of ``group`` connected to ``endpoint``, on a context of
+    their own; all closed on exit (what they sent and the server did not read is lost: wait
+    for it first). A group at a time, because a publisher is a socket and a thread: a
+    thousand at once pass libzmq's 1,023 sockets per context and slow every one down."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     publishers: list[EventPublisher] = []
     try:
-        for replica in fleet.replica_ids:
-            topic = f"kv@{replica}@{MODEL}"
+        for i in group:
+            topic = f"kv@{fleet.replica_ids[i]}@{MODEL}"
             publishers.append(EventPublisher(endpoint, topic=topic, bind=False, context=context))
         time.sleep(_SUBSCRIBE_S)
         yield publishers
@@ -210,21 +216,27 @@ def _wait_batches(api: Api, num_batches: int) -> None:
     wait_until("the server to catch up", lambda: _applied(api)[0] >= num_batches, 600, 0.05)
 
 
+def _wait_streams(api: Api, num_streams: int) -> None:
+    wait_until("the streams", lambda: get_json(api, "/stats")["streams"] >= num_streams, 60, 0.05)
+
+
 def publish_fill(api: Api, fleet: Fleet, per_batch: int) -> dict[str, Any]:
     """Publish every replica's cache to the server; returns what ``/stats`` then says."""
     assert api.events is not None
     started = time.perf_counter()
     published: list[int] = []
-    with _publishing(fleet, api.events) as publishers:
-        for i, publisher in enumerate(publishers):
-            if len(published) >= _MAX_LAG_REPLICAS:
-                _wait_batches(api, published[-_MAX_LAG_REPLICAS])
-            batches = event_batches(fleet.chunks(i), per_batch)
-            for batch in batches:
-                publisher.publish([chunk.event() for chunk in batch])
-            published.append((published[-1] if published else 0) + len(batches))
-        total = published[-1]
-        wait_until("every batch", lambda: _applied(api) == (total, fleet.num_blocks), 600, 0.1)
+    for group in _groups(fleet):
+        with _publishing(fleet, api.events, group) as publishers:
+            for i, publisher in zip(group, publishers, strict=True):
+                if len(published) >= _MAX_LAG_REPLICAS:
+                    _wait_batches(api, published[-_MAX_LAG_REPLICAS])
+                batches = event_batches(fleet.chunks(i), per_batch)
+                for batch in batches:
+                    publisher.publish([chunk.event() for chunk in batch])
+                published.append((published[-1] if published else 0) + len(batches))
+            _wait_batches(api, published[-1])
+    total = published[-1]
+    wait_until("every batch", lambda: _applied(api) == (total, fleet.num_blocks), 600, 0.1)
     seconds = time.perf_counter() - started
     log.info("filled over ZeroMQ: %d batches, %d blocks in %.1fs (%.0f blocks/s)",
              total, fleet.num_blocks, seconds, fleet.num_blocks / seconds)  # fmt: skip
@@ -234,13 +246,13 @@ def publish_fill(api: Api, fleet: Fleet, per_batch: int) -> dict[str, Any]:
 def announce(api: Api, fleet: Fleet, num_batches: dict[str, int]) -> dict[str, Any]:
     """Make every stream live after a direct fill that used seqs ``0 .. n - 1``."""
     assert api.events is not None
-    with _publishing(fleet, api.events) as publishers:
-        for replica, publisher in zip(fleet.replica_ids, publishers, strict=True):
-            for _ in range(num_batches[replica]):
-                publisher.publish_payload(b"", drop=True)
-            publisher.publish([])
-        wanted = len(publishers)
-        wait_until("every stream", lambda: get_json(api, "/stats")["streams"] == wanted, 60, 0.05)
+    for group in _groups(fleet):
+        with _publishing(fleet, api.events, group) as publishers:
+            for i, publisher in zip(group, publishers, strict=True):
+                for _ in range(num_batches[fleet.replica_ids[i]]):
+                    publisher.publish_payload(b"", drop=True)
+                publisher.publish([])
+            _wait_streams(api, group.stop)
     return get_json(api, "/stats")
 
 

@@ -181,6 +181,14 @@ def test_render_score_shows_the_key_columns() -> None:
     assert "DEGRADED: index store unavailable" in plain(*render_score(degraded))
 
 
+def test_the_heading_says_how_many_candidates_the_answer_leaves_out() -> None:
+    assert "candidates" not in plain(*render_score(answer()))  # every one shown
+    fleet = answer()
+    fleet.num_candidates, fleet.num_matched = 1_024, 256
+    heading_line = plain(*render_score(fleet)).splitlines()[0]
+    assert heading_line.endswith("top 2 of 1024 candidates (256 matched; --top-k 0 for all)")
+
+
 def test_render_score_wide_has_every_term() -> None:
     text = plain(*render_score(answer(), wide=True))
     header = text.splitlines()[1].split()
