@@ -11,8 +11,13 @@ The read path, step by step (the README's diagram numbers them the same way):
 4. longest cached prefix per (replica, rank) from the index — if the store is
    unreachable, the answer is made from load alone and says ``degraded``;
 5. load per replica (pushed or scraped), with its age;
-6. the policy ranks the candidates (:func:`kvindex.api.policies.decide`), every term
-   reported.
+6. the policy scores every candidate and keeps the best ``top_k``
+   (:func:`kvindex.api.policies.decide`); only those become entries, every term reported,
+   the rest counted (``num_candidates``, ``num_matched``).
+
+Cost per request: the lookup, plus a lean :class:`~kvindex.api.policies.Candidate` and a
+score per candidate (what choosing ``best`` needs), plus O(n log k) to keep the best k;
+load and freshness views, tier counts, entries and their JSON are made for the k alone.
 """
 
 from __future__ import annotations
