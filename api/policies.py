@@ -25,9 +25,10 @@ the winner is drawn from a softmax over scores instead of taken as the maximum.
 from __future__ import annotations
 
 import enum
+import heapq
 import math
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -238,26 +239,47 @@ def constant(cands: Sequence[Candidate], chosen: str | None, term: str) -> list[
 
 
 def rank(
-    scored: list[Scored], cands: Sequence[Candidate], w: Weights, rng: random.Random
+    scored: list[Scored],
+    cands: Sequence[Candidate],
+    w: Weights,
+    rng: random.Random,
+    top_k: int | None = None,
 ) -> Decision:
-    """Order best first: by score, then lower load, then chance; softmax if temperature."""
+    """Order best first: by score, then lower load, then chance; softmax if temperature.
+
+    ``ranked`` keeps the best ``top_k`` (None or 0: every one), chosen in O(n log k) without
+    sorting the rest; ``best`` and the draws from ``rng`` are the same whatever ``top_k``.
+    """
     if not scored:
         return Decision(None, [])
     # One draw per replica, tie or not, so that later draws do not depend on the scores.
     tiebreak = {s.replica: rng.random() for s in scored}
-    if len({s.score for s in scored}) == len(scored):  # no tie: the score alone orders
-        ordered = sorted(scored, key=_minus_score)
-    else:
-        loads = {c.replica: load_penalty(c.load, w)[0] for c in cands}
-        ordered = sorted(scored, key=lambda s: (-s.score, loads[s.replica], tiebreak[s.replica]))
-    if w.temperature > 0 and len(ordered) > 1:
+    key: Callable[[Scored], Any] = _minus_score
+    if len({s.score for s in scored}) != len(scored):  # a tie: lower load, then chance
+        key = _tie_key({c.replica: load_penalty(c.load, w)[0] for c in cands}, tiebreak)
+    if w.temperature > 0 and len(scored) > 1:  # the draw weighs every one, in order
+        ordered = sorted(scored, key=key)
         best = _softmax_pick(ordered, w.temperature, rng)
         ordered = [best] + [s for s in ordered if s is not best]
+        return Decision(best.replica, ordered[: top_k or None])
+    if top_k and top_k < len(scored):
+        ordered = heapq.nsmallest(top_k, scored, key=key)  # == sorted(...)[:top_k]
+    else:
+        ordered = sorted(scored, key=key)
     return Decision(ordered[0].replica, ordered)
 
 
 def _minus_score(s: Scored) -> float:
     return -s.score
+
+
+def _tie_key(
+    loads: dict[str, float], tiebreak: dict[str, float]
+) -> Callable[[Scored], tuple[float, float, float]]:
+    def key(s: Scored) -> tuple[float, float, float]:
+        return (-s.score, loads[s.replica], tiebreak[s.replica])
+
+    return key
 
 
 def _softmax_pick(ordered: list[Scored], temperature: float, rng: random.Random) -> Scored:
@@ -278,8 +300,10 @@ def decide(
     session: str | None,
     turns: Iterator[int],
     rng: random.Random,
+    top_k: int | None = None,
 ) -> Decision:
-    """Every candidate scored by ``policy``, then ranked (:func:`rank`).
+    """Every candidate scored by ``policy``, then ranked (:func:`rank`, which keeps the best
+    ``top_k``: None or 0 for every one).
 
     ``keys`` are the request's block keys; ``session`` its session key (required by
     ``session_affinity``). ``round_robin`` takes one number from ``turns`` (if there are
@@ -303,4 +327,4 @@ def decide(
     else:
         chosen = rng.choice(cands).replica if cands else None
         scored = constant(cands, chosen, "random")
-    return rank(scored, cands, w, rng)
+    return rank(scored, cands, w, rng, top_k)

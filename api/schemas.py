@@ -24,6 +24,8 @@ MAX_BLOCK_KEYS = MAX_TOKEN_IDS // 16
 vLLM's default block size; 422 above)."""
 MAX_CANDIDATES = 1024
 """Most ``candidates`` in one ``/score`` request (422 above)."""
+ALL_CANDIDATES = 0
+"""``top_k`` value asking for an entry per candidate."""
 
 
 class ScoreRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -49,6 +51,9 @@ class ScoreRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     policy: str | None = None
     weights: dict[str, float] | None = None
     """Per-request overrides of scoring weights (names as in ``GET /config``)."""
+    top_k: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    """Entries in the answer's ``scores``: the best ``top_k`` candidates (``0``: every
+    candidate; default: the API's ``default_top_k``). ``best`` is the same whatever it is."""
     dry_run: bool = False
     """Ask without routing: the answer changes nothing (it is not counted as load, the
     round-robin turn does not advance, random draws leave the seeded sequence alone).
@@ -98,6 +103,11 @@ class ScoreResponse(msgspec.Struct):
     policy: str
     weights: dict[str, float]
     scores: list[ScoreEntry]
+    """The best candidates, best first (as many as the request's ``top_k`` asks)."""
+    num_candidates: int
+    """Candidates scored, in ``scores`` or not."""
+    num_matched: int
+    """Candidates holding at least the prompt's first block, in ``scores`` or not."""
     degraded: str | None = None
     """Set when the answer was made without the index (e.g. Redis down: load only), or on
     the last fleet state known (the fleet's store unreadable, or it lost the fleet)."""

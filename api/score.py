@@ -11,8 +11,13 @@ The read path, step by step (the README's diagram numbers them the same way):
 4. longest cached prefix per (replica, rank) from the index — if the store is
    unreachable, the answer is made from load alone and says ``degraded``;
 5. load per replica (pushed or scraped), with its age;
-6. the policy ranks the candidates (:func:`kvindex.api.policies.decide`), every term
-   reported.
+6. the policy scores every candidate and keeps the best ``top_k``
+   (:func:`kvindex.api.policies.decide`); only those become entries, every term reported,
+   the rest counted (``num_candidates``, ``num_matched``).
+
+Cost per request: the lookup, plus a lean :class:`~kvindex.api.policies.Candidate` and a
+score per candidate (what choosing ``best`` needs), plus O(n log k) to keep the best k;
+load and freshness views, tier counts, entries and their JSON are made for the k alone.
 """
 
 from __future__ import annotations
@@ -25,8 +30,6 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-
-import msgspec
 
 from kvindex.api.load.model import CountedLoad, Load, is_newer_or_same
 from kvindex.api.load.store import LoadStore
@@ -74,6 +77,10 @@ class _Lookup:
     matches: dict[str, PrefixMatch] = field(default_factory=dict)
     ranks: dict[str, int] = field(default_factory=dict)
     degraded: str | None = None
+
+    def num_matched(self) -> int:
+        """Replicas holding at least the first block (a cost per match, not per candidate)."""
+        return sum(1 for match in self.matches.values() if match.num_blocks)
 
 
 _Streams = tuple[StreamId, ...]
@@ -163,6 +170,8 @@ class Scorer:
         return sorted(configured | set(self._registry.models()))
 
     async def score(self, request: ScoreRequest) -> ScoreResponse:
+        """The answer to ``request``: every candidate scored, the best ``top_k`` explained
+        (:meth:`top_k`), the others counted only (their entries are never built)."""
         specs = self._registry.replicas()
         outage = self._registry.outage()
         candidates = self._candidates(request, specs, outage)
@@ -171,19 +180,12 @@ class Scorer:
         block_size = self.block_size(request.model)
         tokens, keys = await self._keys(request, block_size)
         lookup, loads = await self._read(keys, self._streams(candidates, specs), candidates)
-        facts = self._facts(candidates, lookup, loads)
-        cands = [f.candidate for f in facts.values()]
+        seen = _Seen(lookup, loads, self._statuses(), self._clock())
+        cands = [seen.candidate(r) for r in candidates]
         decision = self._decide(policy, cands, keys, request, weights)
         if not request.dry_run:
             self._note_routed(decision.best, loads)
-        entries = [_entry(s, facts[s.replica], block_size) for s in decision.ranked]
-        degraded = {
-            r: why
-            for r, why in zip(DEGRADED_REASONS, (lookup.degraded, outage), strict=True)
-            if why
-        }
-        for reason in degraded:
-            self._on_degraded(reason)
+        degraded = self._degraded(lookup.degraded, outage)
         return ScoreResponse(
             model=request.model,
             block_size=block_size,
@@ -192,9 +194,28 @@ class Scorer:
             best=decision.best,
             policy=policy.value,
             weights=weights.as_dict(),
-            scores=entries,
-            degraded="; ".join(degraded.values()) or None,
+            scores=[seen.entry(s, block_size) for s in decision.ranked],
+            num_candidates=len(cands),
+            num_matched=lookup.num_matched(),
+            degraded=degraded,
         )
+
+    def _degraded(self, index_outage: str | None, fleet_outage: str | None) -> str | None:
+        """Why the answer is degraded (None: it is not); each reason reported once."""
+        degraded = {
+            r: why
+            for r, why in zip(DEGRADED_REASONS, (index_outage, fleet_outage), strict=True)
+            if why
+        }
+        for reason in degraded:
+            self._on_degraded(reason)
+        return "; ".join(degraded.values()) or None
+
+    def top_k(self, request: ScoreRequest) -> int | None:
+        """Entries the answer explains: the request's ``top_k``, else ``default_top_k``;
+        None for every candidate (a ``top_k`` of 0)."""
+        top_k = request.top_k if request.top_k is not None else self._settings.default_top_k
+        return top_k or None
 
     # --- 1. model, candidates, policy, weights ------------------------------------------
 
@@ -364,20 +385,6 @@ class Scorer:
 
     # --- 6. decision -----------------------------------------------------------------------
 
-    def _facts(
-        self, replicas: Sequence[str], lookup: _Lookup, loads: dict[str, CountedLoad]
-    ) -> dict[str, _Facts]:
-        """What the answer says of each candidate, gathered once (in candidate order); one
-        clock reading for every load's age."""
-        statuses = self._statuses()
-        now = self._clock()
-        facts: dict[str, _Facts] = {}
-        for r in replicas:
-            counted = loads.get(r)
-            load, routed = (None, 0) if counted is None else counted
-            facts[r] = _facts(r, lookup, load, statuses.get(r, ()), now=now, routed=routed)
-        return facts
-
     def _decide(
         self,
         policy: Policy,
@@ -393,55 +400,65 @@ class Scorer:
             turns, rng = copy.copy(turns), copy.copy(rng)
         try:
             return decide(
-                policy, cands, keys, weights, session=request.session, turns=turns, rng=rng
+                policy,
+                cands,
+                keys,
+                weights,
+                session=request.session,
+                turns=turns,
+                rng=rng,
+                top_k=self.top_k(request),
             )
         except ScoringError as exc:
             raise RequestError(str(exc)) from exc
 
 
-class _Facts(msgspec.Struct, frozen=True):
-    """One candidate as the policy sees it and as its entry reports it."""
+@dataclass(frozen=True, slots=True)
+class _Seen:
+    """What one answer read (matches, loads, stream freshness, one clock reading for every
+    load's age), turned into a policy's :class:`Candidate` for every candidate and into a
+    :class:`ScoreEntry` only for those the answer explains."""
 
-    candidate: Candidate
-    match: PrefixMatch
-    rank: int
-    load: LoadView | None
-    freshness: FreshnessView
+    lookup: _Lookup
+    loads: dict[str, CountedLoad]
+    statuses: dict[str, list[StreamFreshness]]
+    now: float
 
+    def candidate(self, replica: str) -> Candidate:
+        """The replica as the policy sees it (per candidate per request: kept lean)."""
+        statuses = self.statuses.get(replica, ())
+        state = statuses[0].freshness if len(statuses) == 1 else _freshness(statuses)
+        load_input = None
+        counted = self.loads.get(replica)
+        if counted is not None:
+            load, routed = counted
+            age = max(0.0, self.now - load.ts)  # Load.age_s, inlined
+            load_input = LoadInput(load.running, load.waiting, load.kv_usage, age, routed)
+        tiers = self.lookup.matches.get(replica, NO_MATCH).tiers
+        return Candidate(replica, tiers, state, load_input)
 
-def _facts(
-    replica: str,
-    lookup: _Lookup,
-    load: Load | None,
-    statuses: Sequence[StreamFreshness],
-    *,
-    now: float,
-    routed: int,
-) -> _Facts:
-    state, freshness = _freshness_view(statuses)
-    load_input = load_view = None
-    if load is not None:
-        age = max(0.0, now - load.ts)  # Load.age_s, inlined (per candidate per request)
-        load_input = LoadInput(load.running, load.waiting, load.kv_usage, age, routed)
-        load_view = LoadView(load.running, load.waiting, load.kv_usage, age, load.source, routed)
-    match = lookup.matches.get(replica, NO_MATCH)
-    candidate = Candidate(replica, match.tiers, state, load_input)
-    return _Facts(candidate, match, lookup.ranks.get(replica, 0), load_view, freshness)
-
-
-def _entry(scored: Scored, facts: _Facts, block_size: int) -> ScoreEntry:
-    num_blocks = facts.match.num_blocks
-    return ScoreEntry(
-        replica=scored.replica,
-        rank=facts.rank,
-        matched_blocks=num_blocks,
-        matched_tokens=num_blocks * block_size,
-        tiers=_tier_counts(facts.match.tiers),
-        load=facts.load,
-        freshness=facts.freshness,
-        terms=scored.terms,
-        score=scored.score,
-    )
+    def entry(self, scored: Scored, block_size: int) -> ScoreEntry:
+        """The explained entry of a ranked candidate."""
+        replica = scored.replica
+        match = self.lookup.matches.get(replica, NO_MATCH)
+        load_view = None
+        counted = self.loads.get(replica)
+        if counted is not None:
+            load, routed = counted
+            age = max(0.0, self.now - load.ts)
+            numbers = (load.running, load.waiting, load.kv_usage)
+            load_view = LoadView(*numbers, age, load.source, routed)
+        return ScoreEntry(
+            replica=replica,
+            rank=self.lookup.ranks.get(replica, 0),
+            matched_blocks=match.num_blocks,
+            matched_tokens=match.num_blocks * block_size,
+            tiers=_tier_counts(match.tiers),
+            load=load_view,
+            freshness=_freshness_view(self.statuses.get(replica, ()))[1],
+            terms=scored.terms,
+            score=scored.score,
+        )
 
 
 def _tier_counts(tiers: tuple[Tier, ...]) -> dict[str, int]:

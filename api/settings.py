@@ -79,6 +79,10 @@ class ApiSettings:
     """Policy when neither the request nor the model's settings choose one."""
     default_block_size: int = 16
     """Block size when the events have not shown one yet (vLLM's default is 16)."""
+    default_top_k: int = 16
+    """Candidates explained in a ``/score`` answer when the request sets no ``top_k``
+    (0: every candidate); the rest are only counted, so an answer stays small on a large
+    fleet."""
     weights: Weights = field(default_factory=Weights)
     """Default scoring weights (``[api.weights]``)."""
     models: tuple[ModelSpec, ...] = ()
@@ -116,6 +120,7 @@ class ApiSettings:
         _check_policy("api.default_policy", self.default_policy)
         _check_number("api.port", self.port, _PORT)
         _check_number("api.default_block_size", self.default_block_size, _POSITIVE_INT)
+        _check_number("api.default_top_k", self.default_top_k, _COUNT)
         _check_number("api.scrape_interval_s", self.scrape_interval_s, _NON_NEGATIVE)
         _check_number("api.scrape_timeout_s", self.scrape_timeout_s, _POSITIVE)
         _check_number("api.tokenizer_cache_entries", self.tokenizer_cache_entries, _COUNT)

@@ -127,6 +127,8 @@ class BenchArgs:
     blocks: int
     seed: int
     iterations: int
+    top_k: int | None
+    """The requests' ``top_k`` (None: not sent, the API's ``default_top_k``)."""
     profile: int
     server_profile: Path | None
     plans: tuple[LoadPlan, ...]
@@ -151,6 +153,7 @@ def parse_args(argv: list[str] | None = None) -> BenchArgs:
     add("--blocks", type=int, help=f"blocks in the index (default {FULL_BLOCKS:,})")
     add("--seed", type=int, default=0)
     add("--iterations", type=int, help="in-process lookups timed (default 500, quick 200)")
+    add("--top-k", type=int, help="top_k of every /score request (0: all; default: not sent)")
     add("--profile", type=int, default=0, help="cProfile this many lookups per backend")
     add("--server-profile", type=Path, help="py-spy the API during each run; stacks here")
     ns = parser.parse_args(argv)
@@ -160,13 +163,15 @@ def parse_args(argv: list[str] | None = None) -> BenchArgs:
         parser.error("--backends: memory and/or redis")
     if not parts or not set(parts) <= {"lookup", "http"}:
         parser.error("--parts: lookup and/or http")
+    if ns.top_k is not None and ns.top_k < 0:
+        parser.error("--top-k: 0 (every candidate) or more")
     if ns.url is not None and len(backends) != 1:
         parser.error("--url: name the API's one backend with --backends")
     blocks = ns.blocks or (QUICK_BLOCKS if ns.quick else FULL_BLOCKS)
     iterations = ns.iterations or (200 if ns.quick else 500)
     return BenchArgs(
         ns.quick, backends, parts, ns.redis_url, ns.url, ns.events, ns.replicas, blocks,
-        ns.seed, iterations, ns.profile, ns.server_profile, _plans(ns.quick),
+        ns.seed, iterations, ns.top_k, ns.profile, ns.server_profile, _plans(ns.quick),
     )  # fmt: skip
 
 
@@ -227,37 +232,54 @@ def put_loads(store: LoadStore, reports: dict[str, LoadReport]) -> None:
         store.put(replica, Load(r.running, r.waiting, r.kv_usage, r.ts, "push"))
 
 
-def request_bodies(fleet: Fleet) -> dict[str, bytes]:
+def score_fields(top_k: int | None) -> dict[str, Any]:
+    """What every measured request adds to its prompt: ``top_k`` when one is asked for."""
+    return {} if top_k is None else {"top_k": top_k}
+
+
+def request_bodies(fleet: Fleet, top_k: int | None) -> dict[str, bytes]:
     """``POST /score`` bodies by input kind, encoded once (as the project's client does)."""
     tokens = fleet.prompt_tokens()
     keys = block_keys(MODEL, tokens, BLOCK_SIZE)
+    extra = score_fields(top_k)
     return {
-        "token_ids": msgspec.json.encode({"model": MODEL, "token_ids": tokens}),
-        "block_keys": msgspec.json.encode({"model": MODEL, "block_keys": keys}),
+        "token_ids": msgspec.json.encode({"model": MODEL, "token_ids": tokens, **extra}),
+        "block_keys": msgspec.json.encode({"model": MODEL, "block_keys": keys, **extra}),
     }
 
 
-def check_answer(answer: ScoreResponse, expected: dict[str, int], where: str) -> dict[str, int]:
-    """Raise unless the answer ranks every replica with the prefix its cache holds."""
+def check_answer(answer: ScoreResponse, expected: dict[str, int], where: str) -> ScoreResponse:
+    """Raise unless the answer counts every replica as a candidate, counts those whose cache
+    holds some of the prompt as matched, and gives each entry it has (the best ``top_k``)
+    the prefix its replica's cache holds."""
     matched = {e.replica: e.matched_blocks for e in answer.scores}
-    if matched != expected or answer.degraded is not None:
-        wrong = {r: (matched.get(r), n) for r, n in expected.items() if matched.get(r) != n}
-        raise RuntimeError(f"{where}: (matched, expected) differ on {wrong}; {answer.degraded}")
-    return matched
+    wrong = {r: (n, expected.get(r)) for r, n in matched.items() if expected.get(r) != n}
+    num_matched = sum(1 for n in expected.values() if n)
+    counts = (answer.num_candidates, answer.num_matched)
+    if wrong or counts != (len(expected), num_matched) or answer.degraded is not None:
+        raise RuntimeError(
+            f"{where}: (matched, expected) differ on {wrong}; (candidates, matched) {counts}"
+            f" for {(len(expected), num_matched)}; {answer.degraded}"
+        )
+    return answer
 
 
 def check_lookups(fleet: Fleet, score: Callable[[list[int]], ScoreResponse], where: str) -> None:
     """One probe per replica group (its system prompt): each replica matches 64 blocks on
-    its group's probe, so every replica's stream is shown to be looked up."""
+    its group's probe, so every replica's stream is shown to be looked up (counted in
+    ``num_matched``, and checked in every entry the answer explains)."""
     for group in range(min(NUM_GROUPS, fleet.config.replicas)):
         answer = score(fleet.probe_tokens(group))
         check_answer(answer, fleet.probe_expected(group), f"{where} probe {group}")
 
 
-def matched_summary(matched: dict[str, int]) -> dict[str, Any]:
+def matched_summary(answer: ScoreResponse) -> dict[str, Any]:
+    """``replicas_matched`` counts every candidate; ``matched_blocks`` lists the entries'."""
+    blocks = sorted((e.matched_blocks for e in answer.scores if e.matched_blocks), reverse=True)
     return {
-        "replicas_matched": sum(1 for n in matched.values() if n),
-        "matched_blocks": sorted((n for n in matched.values() if n), reverse=True),
+        "replicas_matched": answer.num_matched,
+        "matched_blocks": blocks,
+        "entries": len(answer.scores),
     }
 
 
@@ -327,9 +349,10 @@ async def _time_scores(scorer: Scorer, request: ScoreRequest, n: int, warmup: in
     return out
 
 
-def in_process(scorer: Scorer) -> Callable[[list[int]], ScoreResponse]:
+def in_process(scorer: Scorer, top_k: int | None) -> Callable[[list[int]], ScoreResponse]:
     def score(tokens: list[int]) -> ScoreResponse:
-        return asyncio.run(scorer.score(ScoreRequest(model=MODEL, token_ids=tokens)))
+        request = ScoreRequest(model=MODEL, token_ids=tokens, top_k=top_k)
+        return asyncio.run(scorer.score(request))
 
     return score
 
@@ -406,9 +429,10 @@ def run_lookup(
 ) -> dict[str, Any]:
     backend = "memory" if target is None else "redis"
     tokens = fleet.prompt_tokens()
-    check_lookups(fleet, in_process(scorer), f"lookup {backend}")
-    matched = check_answer(in_process(scorer)(tokens), fleet.expected(), f"lookup {backend}")
-    request = ScoreRequest(model=MODEL, token_ids=tokens)
+    score = in_process(scorer, args.top_k)
+    check_lookups(fleet, score, f"lookup {backend}")
+    answer = check_answer(score(tokens), fleet.expected(), f"lookup {backend}")
+    request = ScoreRequest(model=MODEL, token_ids=tokens, top_k=args.top_k)
     keys = block_keys(MODEL, tokens, BLOCK_SIZE)
     streams = [StreamId(r) for r in fleet.replica_ids]
     gc.collect()
@@ -433,7 +457,8 @@ def run_lookup(
         "replicas": fleet.config.replicas,
         "blocks": fleet.num_blocks,
         "prompt_tokens": len(tokens),
-        **matched_summary(matched),
+        "top_k": args.top_k,
+        **matched_summary(answer),
     }
 
 
@@ -476,9 +501,9 @@ def lookup_redis(
 # --- http: POST /score against an API process ---------------------------------------------------
 
 
-def over_http(api: Api) -> Callable[[list[int]], ScoreResponse]:
+def over_http(api: Api, top_k: int | None) -> Callable[[list[int]], ScoreResponse]:
     def score(tokens: list[int]) -> ScoreResponse:
-        body = msgspec.json.encode({"model": MODEL, "token_ids": tokens})
+        body = msgspec.json.encode({"model": MODEL, "token_ids": tokens, **score_fields(top_k)})
         status, reply = http_call(api, "POST", "/score", body)
         if status != 200:
             raise RuntimeError(f"POST /score: HTTP {status}: {reply[:300]!r}")
@@ -511,7 +536,7 @@ def http_line(result: LoadResult, plan: LoadPlan, input_kind: str, backend: str)
 def measure_http(
     api: Api, fleet: Fleet, args: BenchArgs, backend: str, target: RedisTarget | None
 ) -> Iterator[dict[str, Any]]:
-    for input_kind, body in request_bodies(fleet).items():
+    for input_kind, body in request_bodies(fleet, args.top_k).items():
         request = score_request_bytes(api, body)
         for plan in args.plans:
             account = target if backend == "redis" else None
@@ -523,9 +548,10 @@ def measure_http(
             if stacks is not None and stacks.exists():
                 log.info("--- py-spy of the API, %s ---\n%s", stacks.name, stack_summary(stacks))
             answer = msgspec.json.decode(result.sample_body, type=ScoreResponse)
-            matched = check_answer(answer, fleet.expected(), f"http {backend} {input_kind}")
+            answer = check_answer(answer, fleet.expected(), f"http {backend} {input_kind}")
             line = http_line(result, plan, input_kind, backend)
-            line.update(**used, body_bytes=len(body), **matched_summary(matched))
+            line.update(**used, body_bytes=len(body), top_k=args.top_k)
+            line.update(reply_bytes=len(result.sample_body), **matched_summary(answer))
             yield line
 
 
@@ -587,7 +613,7 @@ def run_http(
         stats = prepare_api(api, fleet, backend, num_batches)
         log.info("API %s (%s): %s", api.url, backend, stats)
         report_loads(api, fleet_loads(fleet, args.seed))
-        check_lookups(fleet, over_http(api), f"http {backend}")
+        check_lookups(fleet, over_http(api, args.top_k), f"http {backend}")
         yield from measure_http(api, fleet, args, backend, target)
 
 

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import zmq
 from score_fill import MODEL, Chunk, Fleet
 
 from kvindex.api.schemas import LoadReport
@@ -54,6 +55,8 @@ _MAX_LAG_REPLICAS = 2
 """Publish at most this many replicas' batches ahead of what the server has applied."""
 _RECV_BYTES = 1 << 16
 _BARRIER_TIMEOUT_S = 300.0
+_PUBLISHER_GROUP = 128
+"""Publishers alive at once while filling (each is a ZeroMQ socket and a thread)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,18 +177,30 @@ def event_batches(chunks: list[Chunk], per_batch: int) -> list[list[Chunk]]:
     return [chunks[i : i + per_batch] for i in range(0, len(chunks), per_batch)]
 
 
-def _publishers(fleet: Fleet, endpoint: str) -> list[EventPublisher]:
-    publishers = [
-        EventPublisher(endpoint, topic=f"kv@{replica}@{MODEL}", bind=False)
-        for replica in fleet.replica_ids
-    ]
-    time.sleep(_SUBSCRIBE_S)
-    return publishers
+def _groups(fleet: Fleet) -> list[range]:
+    """The replicas' indices, :data:`_PUBLISHER_GROUP` at a time."""
+    num = len(fleet.replica_ids)
+    return [range(i, min(num, i + _PUBLISHER_GROUP)) for i in range(0, num, _PUBLISHER_GROUP)]
 
 
-def _close(publishers: list[EventPublisher]) -> None:
-    for publisher in publishers:
-        publisher.close()
+@contextmanager
+def _publishing(fleet: Fleet, endpoint: str, group: range) -> Iterator[list[EventPublisher]]:
+    """A publisher for each replica of ``group`` connected to ``endpoint``, on a context of
+    their own; all closed on exit (what they sent and the server did not read is lost: wait
+    for it first). A group at a time, because a publisher is a socket and a thread: a
+    thousand at once pass libzmq's 1,023 sockets per context and slow every one down."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    publishers: list[EventPublisher] = []
+    try:
+        for i in group:
+            topic = f"kv@{fleet.replica_ids[i]}@{MODEL}"
+            publishers.append(EventPublisher(endpoint, topic=topic, bind=False, context=context))
+        time.sleep(_SUBSCRIBE_S)
+        yield publishers
+    finally:
+        for publisher in publishers:
+            publisher.close()
+        context.term()
 
 
 def _applied(api: Api) -> tuple[int, int]:
@@ -201,24 +216,27 @@ def _wait_batches(api: Api, num_batches: int) -> None:
     wait_until("the server to catch up", lambda: _applied(api)[0] >= num_batches, 600, 0.05)
 
 
+def _wait_streams(api: Api, num_streams: int) -> None:
+    wait_until("the streams", lambda: get_json(api, "/stats")["streams"] >= num_streams, 60, 0.05)
+
+
 def publish_fill(api: Api, fleet: Fleet, per_batch: int) -> dict[str, Any]:
     """Publish every replica's cache to the server; returns what ``/stats`` then says."""
     assert api.events is not None
-    publishers = _publishers(fleet, api.events)
     started = time.perf_counter()
     published: list[int] = []
-    try:
-        for i, publisher in enumerate(publishers):
-            if len(published) >= _MAX_LAG_REPLICAS:
-                _wait_batches(api, published[-_MAX_LAG_REPLICAS])
-            batches = event_batches(fleet.chunks(i), per_batch)
-            for batch in batches:
-                publisher.publish([chunk.event() for chunk in batch])
-            published.append((published[-1] if published else 0) + len(batches))
-        total = published[-1]
-        wait_until("every batch", lambda: _applied(api) == (total, fleet.num_blocks), 600, 0.1)
-    finally:
-        _close(publishers)
+    for group in _groups(fleet):
+        with _publishing(fleet, api.events, group) as publishers:
+            for i, publisher in zip(group, publishers, strict=True):
+                if len(published) >= _MAX_LAG_REPLICAS:
+                    _wait_batches(api, published[-_MAX_LAG_REPLICAS])
+                batches = event_batches(fleet.chunks(i), per_batch)
+                for batch in batches:
+                    publisher.publish([chunk.event() for chunk in batch])
+                published.append((published[-1] if published else 0) + len(batches))
+            _wait_batches(api, published[-1])
+    total = published[-1]
+    wait_until("every batch", lambda: _applied(api) == (total, fleet.num_blocks), 600, 0.1)
     seconds = time.perf_counter() - started
     log.info("filled over ZeroMQ: %d batches, %d blocks in %.1fs (%.0f blocks/s)",
              total, fleet.num_blocks, seconds, fleet.num_blocks / seconds)  # fmt: skip
@@ -228,16 +246,13 @@ def publish_fill(api: Api, fleet: Fleet, per_batch: int) -> dict[str, Any]:
 def announce(api: Api, fleet: Fleet, num_batches: dict[str, int]) -> dict[str, Any]:
     """Make every stream live after a direct fill that used seqs ``0 .. n - 1``."""
     assert api.events is not None
-    publishers = _publishers(fleet, api.events)
-    try:
-        for replica, publisher in zip(fleet.replica_ids, publishers, strict=True):
-            for _ in range(num_batches[replica]):
-                publisher.publish_payload(b"", drop=True)
-            publisher.publish([])
-        wanted = len(publishers)
-        wait_until("every stream", lambda: get_json(api, "/stats")["streams"] == wanted, 60, 0.05)
-    finally:
-        _close(publishers)
+    for group in _groups(fleet):
+        with _publishing(fleet, api.events, group) as publishers:
+            for i, publisher in zip(group, publishers, strict=True):
+                for _ in range(num_batches[fleet.replica_ids[i]]):
+                    publisher.publish_payload(b"", drop=True)
+                publisher.publish([])
+            _wait_streams(api, group.stop)
     return get_json(api, "/stats")
 
 

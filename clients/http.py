@@ -212,6 +212,7 @@ def _score_request(
     candidates: Sequence[str] | None = None,
     policy: str | None = None,
     weights: Mapping[str, float] | None = None,
+    top_k: int | None = None,
     dry_run: bool = False,
 ) -> ScoreRequest:
     """The ``POST /score`` body; sequences are sent as they are when already lists."""
@@ -227,6 +228,7 @@ def _score_request(
         candidates=_listed(candidates),
         policy=policy,
         weights=None if weights is None else dict(weights),
+        top_k=top_k,
         dry_run=dry_run,
     )
 
@@ -409,10 +411,13 @@ class KvIndexClient:
         candidates: Sequence[str] | None = None,
         policy: str | None = None,
         weights: Mapping[str, float] | None = None,
+        top_k: int | None = None,
         dry_run: bool = False,
     ) -> ScoreResponse:
         """Rank the replicas serving ``model``; give exactly one of token_ids, prompt,
-        messages, block_keys (the server checks: :class:`BadRequestError` otherwise)."""
+        messages, block_keys (the server checks: :class:`BadRequestError` otherwise).
+        ``top_k``: entries in ``scores`` (0: every candidate; None: the server's
+        ``default_top_k``), the others counted in ``num_candidates`` / ``num_matched``."""
         request = _score_request(
             model,
             token_ids=token_ids,
@@ -425,6 +430,7 @@ class KvIndexClient:
             candidates=candidates,
             policy=policy,
             weights=weights,
+            top_k=top_k,
             dry_run=dry_run,
         )
         return self._run(_score_call(request))
@@ -442,6 +448,7 @@ class KvIndexClient:
         candidates: Sequence[str] | None = None,
         policy: str | None = None,
         weights: Mapping[str, float] | None = None,
+        top_k: int | None = None,
         dry_run: bool = False,
     ) -> ScoreResponse:
         """Like ``score(model, token_ids=...)``, but the block keys are computed here and
@@ -456,6 +463,7 @@ class KvIndexClient:
             candidates=candidates,
             policy=policy,
             weights=weights,
+            top_k=top_k,
             dry_run=dry_run,
         )
         call = _score_tokens_call(request, block_size=block_size, compute_keys=compute_keys)
@@ -582,6 +590,7 @@ class AsyncKvIndexClient:
         candidates: Sequence[str] | None = None,
         policy: str | None = None,
         weights: Mapping[str, float] | None = None,
+        top_k: int | None = None,
         dry_run: bool = False,
     ) -> ScoreResponse:
         """See :meth:`KvIndexClient.score`."""
@@ -597,6 +606,7 @@ class AsyncKvIndexClient:
             candidates=candidates,
             policy=policy,
             weights=weights,
+            top_k=top_k,
             dry_run=dry_run,
         )
         return await self._run(_score_call(request))
@@ -614,6 +624,7 @@ class AsyncKvIndexClient:
         candidates: Sequence[str] | None = None,
         policy: str | None = None,
         weights: Mapping[str, float] | None = None,
+        top_k: int | None = None,
         dry_run: bool = False,
     ) -> ScoreResponse:
         """See :meth:`KvIndexClient.score_tokens`."""
@@ -626,6 +637,7 @@ class AsyncKvIndexClient:
             candidates=candidates,
             policy=policy,
             weights=weights,
+            top_k=top_k,
             dry_run=dry_run,
         )
         call = _score_tokens_call(request, block_size=block_size, compute_keys=compute_keys)

@@ -166,12 +166,18 @@ def _marked(entry: ScoreEntry, best: str | None) -> Text:
 
 def heading(answer: ScoreResponse) -> Text:
     """The line above a score answer's table: model, prompt size, policy, best replica
-    (and why the answer is degraded, if it is). Printed on its own, not as the table's
-    title, so that it wraps at the console's width rather than the table's."""
+    (how many candidates the answer leaves out, if any; why it is degraded, if it is).
+    Printed on its own, not as the table's title, so that it wraps at the console's width
+    rather than the table's."""
     title = (
         f"{answer.model} · {answer.num_tokens} tokens · {answer.num_blocks} blocks of"
         f" {answer.block_size} · policy {answer.policy} · best {answer.best or 'none'}"
     )
+    if len(answer.scores) < answer.num_candidates:
+        title += (
+            f" · top {len(answer.scores)} of {answer.num_candidates} candidates"
+            f" ({answer.num_matched} matched; --top-k 0 for all)"
+        )
     return Text(title if answer.degraded is None else f"{title} · DEGRADED: {answer.degraded}")
 
 
@@ -375,7 +381,7 @@ def _wide_option(command: Callable[..., None]) -> Callable[..., None]:
 
 
 def _prompt_options(command: Callable[..., None]) -> Callable[..., None]:
-    """``--model`` and exactly one prompt source; ``--candidates``."""
+    """``--model`` and exactly one prompt source; ``--candidates``, ``--top-k``."""
     options = [
         click.option("--model", required=True, help="Model the prompt is for."),
         click.option("--text", help="Prompt text (tokenized by the server's tokenizer)."),
@@ -390,6 +396,11 @@ def _prompt_options(command: Callable[..., None]) -> Callable[..., None]:
             help="A JSON list of OpenAI chat messages (rendered by the server).",
         ),
         click.option("--candidates", help="Comma-separated replica ids to choose from."),
+        click.option(
+            "--top-k",
+            type=click.IntRange(min=0),
+            help="Show the best K candidates (0: all) [default: the server's default_top_k].",
+        ),
     ]
     for option in reversed(options):
         command = option(command)
@@ -464,6 +475,7 @@ def residency(
     tokens_file: Path | None,
     messages_file: Path | None,
     candidates: str | None,
+    top_k: int | None,
     width: int | None,
     wide: bool,
     as_json: bool,
@@ -477,7 +489,9 @@ def residency(
     """
     fields = prompt_fields(text, tokens_file, messages_file)
     with connected(url, token) as client:
-        answer = client.score(model, candidates=_candidates(candidates), dry_run=True, **fields)
+        answer = client.score(
+            model, candidates=_candidates(candidates), top_k=top_k, dry_run=True, **fields
+        )
     _show(
         answer,
         as_json,
@@ -501,16 +515,23 @@ def score(
     tokens_file: Path | None,
     messages_file: Path | None,
     candidates: str | None,
+    top_k: int | None,
     policy: str | None,
     wide: bool,
     as_json: bool,
 ) -> None:
-    """The routing decision for a prompt: every candidate, one line each (matched blocks,
-    freshness, load, score); ``--wide`` adds each term of the policy's formula."""
+    """The routing decision for a prompt: the best candidates (``--top-k``), one line each
+    (matched blocks, freshness, load, score); ``--wide`` adds each term of the policy's
+    formula."""
     fields = prompt_fields(text, tokens_file, messages_file)
     with connected(url, token) as client:
         answer = client.score(
-            model, candidates=_candidates(candidates), policy=policy, dry_run=True, **fields
+            model,
+            candidates=_candidates(candidates),
+            policy=policy,
+            top_k=top_k,
+            dry_run=True,
+            **fields,
         )
     _show(answer, as_json, lambda _console: render_score(answer, wide), wide=wide)
 

@@ -326,6 +326,22 @@ def test_candidates_limit_the_choice(api: Api) -> None:
     assert sorted(e.replica for e in answer.scores) == ["r2", "r3"]
 
 
+def test_top_k_explains_the_best_and_counts_the_rest(make_api: ApiFactory) -> None:
+    """Over HTTP on each store: the answer's entries are the best ``top_k`` (the setting's
+    default, more when asked, every one with 0), the rest only counted; ``best`` the same."""
+    api = make_api(dataclasses.replace(SETTINGS, default_top_k=2))
+    api.fleet.add("r1", "r2", "r3", "r4", "r5")
+    for replica, num_blocks in (("r2", 4), ("r4", 2), ("r5", 1)):
+        api.fleet.store(replica, SYSTEM[: num_blocks * BLOCK])
+    answers = {k: api.score(token_ids=SYSTEM, top_k=k, dry_run=True) for k in (None, 3, 0)}
+    assert [e.replica for e in answers[None].scores] == ["r2", "r4"]
+    assert [e.replica for e in answers[3].scores] == ["r2", "r4", "r5"]
+    assert sorted(e.replica for e in answers[0].scores) == ["r1", "r2", "r3", "r4", "r5"]
+    assert {(a.best, a.num_candidates, a.num_matched) for a in answers.values()} == {("r2", 5, 3)}
+    body = api.post("/score", {"model": MODEL, "token_ids": SYSTEM, "top_k": 1}).json()
+    assert (len(body["scores"]), body["num_candidates"], body["num_matched"]) == (1, 5, 3)
+
+
 def test_unknown_candidate_is_422_naming_it(api: Api) -> None:
     api.fleet.add("r1")
     api.fleet.add("elsewhere", model="other-model")
@@ -366,6 +382,8 @@ BAD_BODIES = [
     pytest.param({"token_ids": [1], "weights": {"cpu": "high"}}, "`$.weights", id="weight-type"),
     pytest.param({"prompt": "hello"}, "prompt: no tokenizer", id="prompt-without-tokenizer"),
     pytest.param({"token_ids": [1], "policy": "session_affinity"}, "session:", id="no-session"),
+    pytest.param({"token_ids": [1], "top_k": -1}, "`$.top_k`", id="negative-top-k"),
+    pytest.param({"token_ids": [1], "top_k": 1.5}, "`$.top_k`", id="fractional-top-k"),
 ]
 
 

@@ -100,6 +100,22 @@ def test_residency_candidates(base_url: str, tokens_file: Path) -> None:
     assert (answer.best, matched(answer)) == ("r2", {"r2": 2})
 
 
+@pytest.mark.parametrize("command", ["residency", "score"])
+def test_top_k_shows_the_best_and_says_how_many_are_left_out(
+    base_url: str, tokens_file: Path, command: str
+) -> None:
+    result = run(command, *score_args(base_url, tokens_file, "--top-k", "1"))
+    assert result.exit_code == 0, result.output
+    assert "★ r1" in row(result.stdout, "r1")
+    assert not any(line.lstrip("★ ").startswith("r2") for line in result.stdout.splitlines())
+    assert "top 1 of 2 candidates (2 matched; --top-k 0 for all)" in result.stdout
+    every = run(command, *score_args(base_url, tokens_file, "--top-k", "0", "--json"))
+    answer = msgspec.json.decode(every.stdout, type=ScoreResponse)
+    assert (matched(answer), answer.num_candidates) == ({"r1": 4, "r2": 2}, 2)
+    refused = run(command, *score_args(base_url, tokens_file, "--top-k", "-1"))
+    assert refused.exit_code == 2 and "--top-k" in refused.output
+
+
 # --- score ----------------------------------------------------------------------------------
 
 

@@ -296,6 +296,23 @@ def test_rank_draws_one_tiebreak_per_replica_tie_or_not() -> None:
     assert after[0] == after[1]
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.3])
+def test_rank_keeps_the_best_top_k_as_a_full_ranking_would(temperature: float) -> None:
+    """The first k of the full ranking (ties by load then chance, or the softmax winner
+    first), the same best, and the same draws from the generator afterwards."""
+    cands = [cand(f"r{i}", load=load(waiting=i % 3)) for i in range(50)]
+    scored = [Scored(c.replica, (i * 7 % 5) / 4, {}) for i, c in enumerate(cands)]  # ties
+    w = W.overridden({"temperature": temperature})
+    full_rng = random.Random(11)
+    full = rank(scored, cands, w, full_rng)
+    for k in (1, 3, 49, 50, 80):
+        rng = random.Random(11)
+        top = rank(scored, cands, w, rng, top_k=k)
+        assert top.ranked == full.ranked[:k] and top.best == full.best
+        assert rng.getstate() == full_rng.getstate()
+    assert rank(scored, cands, w, random.Random(11), top_k=0).ranked == full.ranked
+
+
 def test_rank_of_nothing_has_no_best() -> None:
     decision = rank([], [], W, random.Random(0))
     assert (decision.best, decision.ranked) == (None, [])

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import fakeredis
 import pytest
 
+from kvindex.api import score as score_module
 from kvindex.api.load.model import CountedLoad, Load
 from kvindex.api.load.store import LoadStore, MemoryLoadStore, RedisLoadStore
 from kvindex.api.policies import Weights
@@ -296,3 +297,106 @@ def test_a_dry_run_changes_nothing() -> None:
         assert len(set(asked)) == 1, policy  # the same answer every time
         assert best(policy, dry_run=False) == asked[0], policy  # and the next real one
     assert sum(fleet.routed().values()) == 3  # the three real answers only
+
+
+# --- top_k: answers that stay small ----------------------------------------------------------
+
+
+class BigFleet:
+    """``num`` single-stream replicas ``r0``…: ``r<i>`` holds ``i % 5`` of the request's
+    blocks and reports a load that grows with ``i``; a scorer per ``default_top_k``."""
+
+    def __init__(self, num: int, default_top_k: int = 16) -> None:
+        specs = tuple(ReplicaSpec(f"r{i}", MODEL) for i in range(num))
+        self.registry = Registry(specs, clock=lambda: NOW)
+        self.index = MemoryIndex()
+        self.loads = MemoryLoadStore()
+        for i, spec in enumerate(specs):
+            ops: list[Op] = [(OpKind.STORE, Tier.GPU, j, k) for j, k in enumerate(KEYS[: i % 5])]
+            self.index.apply(StreamId(spec.id), 0, NOW, ops)
+            self.registry.record(StreamId(spec.id), StreamReport(last_seq=0, last_event_ts=NOW))
+            self.loads.put(spec.id, Load(float(i % 7), 0.0, 0.0, NOW, "push"))
+        self.scorer = Scorer(
+            ApiSettings(seed=3, default_top_k=default_top_k),
+            self.index,
+            self.registry,
+            self.loads,
+            tokenizers=lambda _: None,
+            blocking_store=False,
+            clock=lambda: NOW,
+        )
+
+    def answer(
+        self,
+        top_k: int | None = None,
+        policy: str | None = None,
+        weights: dict[str, float] | None = None,
+    ) -> ScoreResponse:
+        request = ScoreRequest(
+            model=MODEL,
+            token_ids=TOKENS,
+            top_k=top_k,
+            policy=policy,
+            weights=weights,
+            dry_run=True,  # the answers of one fleet do not weigh on each other
+        )
+        return asyncio.run(self.scorer.score(request))
+
+
+def test_the_answer_explains_the_best_top_k_and_counts_the_rest() -> None:
+    fleet = BigFleet(40)
+    every = fleet.answer(top_k=0)
+    top = fleet.answer(top_k=3)
+    assert len(every.scores) == 40
+    assert top.scores == every.scores[:3]  # the same entries, best first
+    assert top.best == every.best == top.scores[0].replica
+    assert (top.num_candidates, top.num_matched) == (40, 32)  # i % 5 != 0 for 32 of 40
+    assert (every.num_candidates, every.num_matched) == (40, 32)
+
+
+def test_the_default_top_k_is_the_settings_and_a_request_may_ask_for_more() -> None:
+    assert len(BigFleet(40).answer().scores) == 16  # ApiSettings.default_top_k
+    assert len(BigFleet(40, default_top_k=5).answer().scores) == 5
+    assert len(BigFleet(40, default_top_k=5).answer(top_k=30).scores) == 30
+    assert len(BigFleet(40, default_top_k=0).answer().scores) == 40
+    assert len(BigFleet(4).answer(top_k=10).scores) == 4  # never more than the candidates
+
+
+@pytest.mark.parametrize("policy", ["kv_aware", "least_load", "round_robin", "random"])
+def test_best_is_the_same_whatever_top_k(policy: str) -> None:
+    """Ties included (many replicas score alike) and with the seeded draws: each k is asked
+    of a fresh scorer with the same seed, so any draw that depended on k would show."""
+    bests = {BigFleet(40).answer(top_k=k, policy=policy).best for k in (0, 1, 2, 16, 39, 40)}
+    assert len(bests) == 1
+
+
+def test_a_softmax_draw_picks_the_same_best_whatever_top_k() -> None:
+    weights = {"temperature": 0.5}
+    answers = [BigFleet(40).answer(top_k=k, weights=weights) for k in (0, 1, 4)]
+    assert len({a.best for a in answers}) == 1
+    assert [len(a.scores) for a in answers] == [40, 1, 4]
+    assert answers[2].scores[0].replica == answers[2].best
+
+
+def test_entries_are_built_for_the_returned_candidates_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The cost of the answer beyond scoring follows k, not the fleet: an entry, its load
+    and freshness views are made for each returned candidate only."""
+    built: list[str] = []
+
+    def counted_entry(**fields: object) -> ScoreEntry:
+        built.append(str(fields["replica"]))
+        return ScoreEntry(**fields)  # type: ignore[arg-type]
+
+    views: list[object] = []
+
+    def counted_view(*args: object, **fields: object) -> FreshnessView:
+        views.append(args)
+        return FreshnessView(*args, **fields)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(score_module, "ScoreEntry", counted_entry)
+    monkeypatch.setattr(score_module, "FreshnessView", counted_view)
+    answer = BigFleet(200).answer(top_k=2)
+    assert built == [e.replica for e in answer.scores] and len(built) == 2
+    assert len(views) == 2

@@ -128,6 +128,8 @@ def test_settings_are_frozen() -> None:
         ({"replica_networks": "10.0.0.0/8"}, "api.replica_networks must be a list of CIDRs"),
         ({"redis_timeout_s": 0}, "api.redis_timeout_s must be a finite number > 0, got 0"),
         ({"redis_cooldown_s": -1}, "api.redis_cooldown_s must be a finite number > 0, got -1"),
+        ({"default_top_k": -1}, "api.default_top_k must be an integer >= 0, got -1"),
+        ({"default_top_k": 2.5}, "api.default_top_k must be an integer >= 0, got 2.5"),
         ({"weights": {"speed": 1.0}}, "unknown weights ['speed']"),
         ({"weights": {"cpu": -1.0}}, "weight cpu must be finite and >= 0, got -1.0"),
         ({"weights": {"prefix_blocks": 1.5}}, "weight prefix_blocks must be a whole number"),

@@ -71,6 +71,8 @@ SCORE = ScoreResponse(
             score=1.0,
         )
     ],
+    num_candidates=1,
+    num_matched=1,
 )
 REPLICA = ReplicaView(
     id="r1",
@@ -191,6 +193,7 @@ def test_score_sends_every_field(mode: str) -> None:
         candidates=("r1", "r2"),
         policy="least_load",
         weights={"waiting": 0.5},
+        top_k=5,
     )
     assert fake.body == {
         "model": MODEL,
@@ -203,6 +206,7 @@ def test_score_sends_every_field(mode: str) -> None:
         "candidates": ["r1", "r2"],
         "policy": "least_load",
         "weights": {"waiting": 0.5},
+        "top_k": 5,
     }
 
 
@@ -489,3 +493,18 @@ def test_a_dry_run_is_sent_only_when_asked(mode: str, method: str) -> None:
     assert fake.body["dry_run"] is True
     invoke(mode, fake, method, *args, **kwargs)
     assert "dry_run" not in fake.body  # a server older than the flag refuses unknown fields
+
+
+@pytest.mark.parametrize("method", ["score", "score_tokens"])
+def test_top_k_is_sent_only_when_asked(mode: str, method: str) -> None:
+    """0 (every candidate) is sent as 0; unset is left out (the server's default)."""
+    fake = Fake(answer(SCORE))
+    kwargs: dict[str, Any] = {"block_size": BLOCK} if method == "score_tokens" else {}
+    args = (MODEL, TOKENS) if method == "score_tokens" else (MODEL,)
+    if method == "score":
+        kwargs["token_ids"] = TOKENS
+    for top_k in (0, 3):
+        invoke(mode, fake, method, *args, top_k=top_k, **kwargs)
+        assert fake.body["top_k"] == top_k
+    invoke(mode, fake, method, *args, **kwargs)
+    assert "top_k" not in fake.body

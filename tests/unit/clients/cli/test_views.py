@@ -89,6 +89,8 @@ def answer(num_blocks: int = 10) -> ScoreResponse:
             entry("a", 6, {"gpu": 4, "cpu": 2, "other": 0}, 0.5),
             entry("b", 0, {"gpu": 0, "cpu": 0, "other": 0}, 0.0),
         ],
+        num_candidates=2,
+        num_matched=1,
     )
 
 
@@ -177,6 +179,14 @@ def test_render_score_shows_the_key_columns() -> None:
     degraded = answer()
     degraded.degraded = "index store unavailable"
     assert "DEGRADED: index store unavailable" in plain(*render_score(degraded))
+
+
+def test_the_heading_says_how_many_candidates_the_answer_leaves_out() -> None:
+    assert "candidates" not in plain(*render_score(answer()))  # every one shown
+    fleet = answer()
+    fleet.num_candidates, fleet.num_matched = 1_024, 256
+    heading_line = plain(*render_score(fleet)).splitlines()[0]
+    assert heading_line.endswith("top 2 of 1024 candidates (256 matched; --top-k 0 for all)")
 
 
 def test_render_score_wide_has_every_term() -> None:
