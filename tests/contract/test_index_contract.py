@@ -381,6 +381,47 @@ def test_longest_prefix_over_many_streams_answers_each(index: BlockIndex) -> Non
         assert found[stream] == PrefixMatch((tier,) * (i % 9)), stream
 
 
+def test_longest_prefix_of_streams_sharing_a_prefix_ends_where_each_stops(
+    index: BlockIndex,
+) -> None:
+    # Many holders of one prefix, leaving it at different blocks; holes (a later block held
+    # without an earlier one) never count; streams that hold nothing of it are answered too.
+    keys = list(range(2001, 2041))
+    streams = [StreamId(f"h{i:02d}") for i in range(70)]
+    for i, stream in enumerate(streams):
+        held = keys[: i % 41] + keys[i % 41 + 1 :: 3] if i % 7 else keys[1:]
+        index.apply(stream, 0, 1.0, [store(k, k) for k in held])
+    found = index.longest_prefix(keys, reversed(streams))
+    assert list(found) == streams[::-1]
+    for i, stream in enumerate(streams):
+        assert found[stream].num_blocks == (i % 41 if i % 7 else 0), stream
+
+
+def test_a_dropped_or_cleared_stream_leaves_no_match_to_another(index: BlockIndex) -> None:
+    # A stream made after a drop (the memory backend reuses the dropped stream's number in
+    # its holder bitmaps) matches only what it holds itself.
+    seed(index, stream=S)
+    seed(index, stream=S_OTHER)
+    index.drop(S)
+    index.clear(S_OTHER)
+    index.apply(S_RANK1, 0, 1.0, [store(1, 101)])
+    found = index.longest_prefix([101, 102, 103], [S, S_RANK1, S_OTHER])
+    assert found == {S: NO_MATCH, S_RANK1: PrefixMatch((GPU,)), S_OTHER: NO_MATCH}
+    seed(index, stream=S, seq=5)
+    assert tiers(index, [101, 102, 103], S) == (GPU, GPU, GPU)
+    assert tiers(index, [101, 102, 103], S_RANK1) == (GPU,)
+
+
+def test_the_same_streams_twice_get_answers_of_their_own(index: BlockIndex) -> None:
+    seed(index)
+    streams = (S, S_OTHER)
+    first = index.longest_prefix([101], streams)
+    first[S_OTHER] = PrefixMatch((CPU,))
+    index.apply(S, 1, 1.0, [remove(1)])
+    assert index.longest_prefix([101], streams) == {S: NO_MATCH, S_OTHER: NO_MATCH}
+    assert index.longest_prefix([102], [S]) == {S: PrefixMatch((GPU,))}
+
+
 def test_longest_prefix_of_no_keys_is_empty_per_stream(index: BlockIndex) -> None:
     seed(index)
     assert index.longest_prefix([], [S, S_OTHER]) == {S: NO_MATCH, S_OTHER: NO_MATCH}
