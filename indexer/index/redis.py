@@ -4,6 +4,16 @@ One Lua script per batch (``apply_batch.lua``) applies every op and moves the wa
 atomically; a retry after a dropped connection finds the watermark already moved and is a
 no-op. A lookup is one pipelined round trip: one short script per group of streams, walking
 each stream up to its first miss (``longest_prefix.lua``). Key names live in ``redis_schema``.
+
+What a lookup costs: per requested stream, one HMGET of one field, then, for a stream that
+holds the prompt's first block, HMGETs of 2, 4, 8, ... (at most 256) fields until the first
+miss: about log2(n) calls and fewer than 2n field reads for a stream matching n blocks
+(walking block by block cost n + 1 calls, and a script's call costs more than its field
+read). So the cost still grows with the fleet: one read per stream that holds nothing, and
+every holder's matched blocks. Unlike the memory backend there is no block → holders map:
+it would cost a hash entry per (block, stream) beside the per-stream hash (over the budget
+of 150 bytes per entry, today ~143), and a shared key would make a batch touch two slots
+(Redis Cluster runs a script on one slot only).
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from redis.retry import Retry
 from kvindex.indexer.events import StreamId, Tier
 from kvindex.indexer.index.protocol import (
     MAX_SEQ,
+    NO_MATCH,
     SKIPPED,
     ApplyResult,
     BatchOps,
@@ -205,7 +216,10 @@ class RedisIndex:
             except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts
                 self._client.script_load(self._prefix.script)
                 replies = self._prefix_pipeline(targets, wanted)
-        return {stream: _match(reply) for stream, reply in zip(targets, replies, strict=True)}
+        return {
+            stream: _match(reply) if reply else NO_MATCH
+            for stream, reply in zip(targets, replies, strict=True)
+        }
 
     def _prefix_pipeline(self, targets: list[StreamId], wanted: bytes) -> list[bytes]:
         """One round trip: an EVALSHA per group of streams (redis-py's Script would add

@@ -397,6 +397,20 @@ def test_longest_prefix_of_streams_sharing_a_prefix_ends_where_each_stops(
         assert found[stream].num_blocks == (i % 41 if i % 7 else 0), stream
 
 
+@pytest.mark.parametrize("num_held", [1, 2, 3, 4, 7, 8, 255, 256, 257, 511, 512, 513, 700])
+def test_longest_prefix_of_a_long_prompt_ends_at_the_first_miss(
+    index: BlockIndex, num_held: int
+) -> None:
+    # Lengths around the backends' read steps (the Redis script reads 1, 2, 4, ... up to 256
+    # blocks at once), the last held block off GPU, and the prompt's blocks beyond the first
+    # miss held too: they never count.
+    keys = list(range(5001, 5701))
+    held = [store(k, k) for k in keys[: num_held - 1]] + [store(1, keys[num_held - 1], CPU)]
+    held += [store(k, k) for k in keys[num_held + 1 :]]
+    index.apply(S, 0, 1.0, held)
+    assert tiers(index, keys) == (GPU,) * (num_held - 1) + (CPU,)
+
+
 def test_a_dropped_or_cleared_stream_leaves_no_match_to_another(index: BlockIndex) -> None:
     # A stream made after a drop (the memory backend reuses the dropped stream's number in
     # its holder bitmaps) matches only what it holds itself.
