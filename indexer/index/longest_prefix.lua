@@ -9,37 +9,24 @@
 -- Cluster the streams of one call must share a slot; the store then sends one per call.
 local wanted = ARGV[1]
 local call, sub, floor, concat = redis.call, string.sub, math.floor, table.concat
-local unpack, min = unpack, math.min
-local num_keys = #wanted / 8
-local MAX_READ = 256
 
-local function tier_byte(v)
-  if v == '1' then return '\0' end  -- the common case: held once, on GPU
-  v = tonumber(v)
-  if v % 65536 > 0 then return '\0' end
-  if floor(v / 65536) % 65536 > 0 then return '\1' end
-  return '\2'
-end
-
--- Reads 1, 2, 4, ... blocks per HMGET (at most MAX_READ): a stream that holds n blocks
--- costs about log2(n) calls and under 2n field reads, one that holds none one read.
 local function walk(hash)
   local out = {}
-  local done, step = 0, 1
-  while done < num_keys do
-    local last = min(done + step, num_keys)
-    local fields = {}
-    for j = done, last - 1 do
-      fields[#fields + 1] = sub(wanted, 8 * j + 3, 8 * j + 8)
+  for off = 3, #wanted, 8 do
+    local v = call('HGET', hash, sub(wanted, off, off + 5))
+    if not v then break end
+    if v == '1' then  -- the common case: held once, on GPU
+      out[#out + 1] = '\0'
+    else
+      v = tonumber(v)
+      if v % 65536 > 0 then
+        out[#out + 1] = '\0'
+      elseif floor(v / 65536) % 65536 > 0 then
+        out[#out + 1] = '\1'
+      else
+        out[#out + 1] = '\2'
+      end
     end
-    local values = call('HMGET', hash, unpack(fields))
-    for j = 1, #fields do
-      local v = values[j]
-      if not v then return concat(out) end
-      out[#out + 1] = tier_byte(v)
-    end
-    done = last
-    step = min(step * 2, MAX_READ)
   end
   return concat(out)
 end

@@ -5,15 +5,15 @@ atomically; a retry after a dropped connection finds the watermark already moved
 no-op. A lookup is one pipelined round trip: one short script per group of streams, walking
 each stream up to its first miss (``longest_prefix.lua``). Key names live in ``redis_schema``.
 
-What a lookup costs: per requested stream, one HMGET of one field, then, for a stream that
-holds the prompt's first block, HMGETs of 2, 4, 8, ... (at most 256) fields until the first
-miss: about log2(n) calls and fewer than 2n field reads for a stream matching n blocks
-(walking block by block cost n + 1 calls, and a script's call costs more than its field
-read). So the cost still grows with the fleet: one read per stream that holds nothing, and
-every holder's matched blocks. Unlike the memory backend there is no block → holders map:
-it would cost a hash entry per (block, stream) beside the per-stream hash (over the budget
-of 150 bytes per entry, today ~143), and a shared key would make a batch touch two slots
-(Redis Cluster runs a script on one slot only).
+What a lookup costs: one HGET per requested stream that holds nothing, and n + 1 for a stream
+matching n blocks, so it grows with the fleet (1,024 replicas, 256 of them sharing a 64-block
+system prompt: about 18,000 HGETs, ~20 ms of Redis CPU). Reading a holder's prefix in HMGETs
+of 1, 2, 4, ... fields was tried and cost more Redis CPU there (23-25 ms against 18-21 ms in
+alternating runs on one server): a field read costs about as much as a script's call, and the
+over-read doubles the fields. What would make the cost follow the match is the memory
+backend's block → holders map; in Redis it costs a hash entry per (block, stream) beside the
+per-stream hash (over the budget of 150 bytes per entry, today ~143) unless it replaces that
+hash, and a shared key makes a batch touch a second slot (Redis Cluster runs a script on one).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from redis.retry import Retry
 from kvindex.indexer.events import StreamId, Tier
 from kvindex.indexer.index.protocol import (
     MAX_SEQ,
-    NO_MATCH,
     SKIPPED,
     ApplyResult,
     BatchOps,
@@ -216,10 +215,7 @@ class RedisIndex:
             except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts
                 self._client.script_load(self._prefix.script)
                 replies = self._prefix_pipeline(targets, wanted)
-        return {
-            stream: _match(reply) if reply else NO_MATCH
-            for stream, reply in zip(targets, replies, strict=True)
-        }
+        return {stream: _match(reply) for stream, reply in zip(targets, replies, strict=True)}
 
     def _prefix_pipeline(self, targets: list[StreamId], wanted: bytes) -> list[bytes]:
         """One round trip: an EVALSHA per group of streams (redis-py's Script would add
