@@ -88,15 +88,15 @@ def _joined(holders: int, number: int) -> int:
 
 def _release(holders: dict[int, int], key: int, number: int) -> None:
     """Stream ``number`` no longer holds ``key``: drop its bit (a lone holder: the entry)."""
-    held = holders[key]
-    if held < 0:
-        del holders[key]
-        return
-    held &= ~(1 << number)
-    if held & (held - 1):
-        holders[key] = held
-    else:  # one holder left: back to its compact form
-        holders[key] = ~(held.bit_length() - 1)
+    if (held := holders.pop(key)) >= 0:
+        _put_back(holders, key, held, number)
+
+
+def _put_back(holders: dict[int, int], key: int, bitmap: int, number: int) -> None:
+    """Put back ``key``'s entry (just popped: the bitmap of several holders) without stream
+    ``number``; one holder left takes its compact form."""
+    bitmap &= ~(1 << number)
+    holders[key] = bitmap if bitmap & (bitmap - 1) else ~(bitmap.bit_length() - 1)
 
 
 def _bitmap(held: int) -> int:
@@ -225,7 +225,7 @@ def _apply_ops(state: _Stream, ops: Sequence[Op]) -> tuple[int, int]:
     get_counts = key_to_counts.get
     by_tier = state.blocks_by_tier
     holders = state.holders
-    holders_of = holders.get
+    join = holders.setdefault
     number, alone = state.number, ~state.number
     unknown = unresolved = 0
     for kind, tier, engine_hash, op_key in ops:
@@ -245,9 +245,10 @@ def _apply_ops(state: _Stream, ops: Sequence[Op]) -> tuple[int, int]:
             state.reset()
             continue
         counts = get_counts(key, 0)
-        if not counts:  # new to the stream: it joins the block's holders
-            held = holders_of(key)
-            holders[key] = alone if held is None else _joined(held, number)
+        # New to the stream: it joins the block's holders (one C call for a block no other
+        # stream holds: it cannot map to ``alone`` already, this stream did not hold it).
+        if not counts and (held := join(key, alone)) != alone:
+            holders[key] = _joined(held, number)
         if not (counts >> _SHIFT[tier]) & _LANE:
             by_tier[tier] += 1
         key_to_counts[key] = counts + _UNIT[tier]
@@ -267,7 +268,8 @@ def _remove(state: _Stream, engine_hash: int, tier: int) -> bool:
         if not counts:
             del state.key_to_counts[key]  # type: ignore[arg-type]
             del state.hash_to_key[engine_hash]
-            _release(state.holders, key, state.number)  # type: ignore[arg-type]
+            if (others := state.holders.pop(key)) >= 0:  # type: ignore[arg-type]  # not alone
+                _put_back(state.holders, key, others, state.number)  # type: ignore[arg-type]
             return True
     state.key_to_counts[key] = counts  # type: ignore[index]
     return True
