@@ -59,6 +59,7 @@ _ON_GPU = (Tier.GPU,)
 
 @dataclass(slots=True)
 class _Stream:
+    stream: StreamId
     number: int
     """Its bit in the holder bitmaps (unique among the index's live streams)."""
     holders: dict[int, int]
@@ -103,6 +104,16 @@ def _bitmap(held: int) -> int:
     return (1 << ~held) if held < 0 else held
 
 
+@dataclass(frozen=True, slots=True)
+class _Asked:
+    streams: tuple[StreamId, ...]
+    numbering: int
+    no_matches: dict[StreamId, PrefixMatch]
+    """Never changed: each answer is a copy."""
+    wanted: int
+    """Bitmap of the numbers of the streams the index holds state for."""
+
+
 class MemoryIndex:
     """In-process block index. Thread-safe; every call holds one lock briefly."""
 
@@ -110,24 +121,26 @@ class MemoryIndex:
         self._streams: dict[StreamId, _Stream] = {}
         self._holders: dict[int, int] = {}
         """Block key → ``~number`` of its one holder, or the bitmap of its holders' numbers."""
-        self._stream_of: list[StreamId | None] = []
-        """Stream number → the stream (None: free, listed in ``_free``)."""
+        self._state_of: list[_Stream | None] = []
+        """Stream number → the stream's state (None: free, listed in ``_free``)."""
         self._free: list[int] = []
-        self._last_no_matches: tuple[tuple[StreamId, ...], dict[StreamId, PrefixMatch]] | None
-        self._last_no_matches = None
+        self._numbering = 0
+        """Changes whenever a stream gets or gives up its number."""
+        self._asked: _Asked | None = None
+        """The streams of the last lookup, their answer with no match and their numbers."""
         self._lock = threading.Lock()
 
     def _state(self, stream: StreamId) -> _Stream:
         """The stream's state, created (with the lowest free number) on first use."""
         state = self._streams.get(stream)
         if state is None:
-            if self._free:
-                number = heapq.heappop(self._free)
-                self._stream_of[number] = stream
+            number = heapq.heappop(self._free) if self._free else len(self._state_of)
+            state = self._streams[stream] = _Stream(stream, number, self._holders)
+            if number == len(self._state_of):
+                self._state_of.append(state)
             else:
-                number = len(self._stream_of)
-                self._stream_of.append(stream)
-            state = self._streams[stream] = _Stream(number, self._holders)
+                self._state_of[number] = state
+            self._numbering += 1
         return state
 
     def apply(self, stream: StreamId, seq: int, ts: float, ops: Sequence[Op]) -> ApplyResult:
@@ -168,7 +181,8 @@ class MemoryIndex:
             state = self._streams.pop(stream, None)
             if state is not None:
                 state.reset()
-                self._stream_of[state.number] = None
+                self._state_of[state.number] = None
+                self._numbering += 1
                 heapq.heappush(self._free, state.number)
 
     def streams(self) -> list[StreamId]:
@@ -178,29 +192,34 @@ class MemoryIndex:
     def longest_prefix(
         self, keys: Sequence[int], streams: Iterable[StreamId]
     ) -> dict[StreamId, PrefixMatch]:
-        result = self._no_matches(tuple(streams))
+        asked = tuple(streams)
         with self._lock:
-            for leavers, num_blocks in _matched(self._holders, keys):
+            no_matches, wanted = self._asked_for(asked)
+            result = no_matches.copy()
+            state_of = self._state_of
+            for leavers, num_blocks in _matched(self._holders, keys, state_of):
                 on_gpu = PrefixMatch(_ON_GPU * num_blocks)
-                for number in _numbers(leavers):
-                    stream = self._stream_of[number]
-                    if stream in result:
-                        state = self._streams[stream]
-                        by_tier = state.blocks_by_tier
-                        gpu_only = not by_tier[_CPU] and not by_tier[_OTHER]
-                        result[stream] = on_gpu if gpu_only else _prefix(state, keys, num_blocks)
+                for number in _numbers(leavers & wanted):
+                    state: _Stream = state_of[number]  # type: ignore[assignment]
+                    by_tier = state.blocks_by_tier
+                    gpu_only = not by_tier[_CPU] and not by_tier[_OTHER]
+                    result[state.stream] = on_gpu if gpu_only else _prefix(state, keys, num_blocks)
         return result
 
-    def _no_matches(self, streams: tuple[StreamId, ...]) -> dict[StreamId, PrefixMatch]:
-        """``NO_MATCH`` for each stream: a copy of the last call's when the streams are the
-        same (the API asks for the same tuple each time: compared by identity of its items,
-        copied in C, no stream hashed)."""
-        last = self._last_no_matches
-        if last is not None and last[0] == streams:
-            return last[1].copy()
-        answer = dict.fromkeys(streams, NO_MATCH)
-        self._last_no_matches = (streams, answer)
-        return answer.copy()
+    def _asked_for(self, streams: tuple[StreamId, ...]) -> tuple[dict[StreamId, PrefixMatch], int]:
+        """``NO_MATCH`` for each stream (to be copied) and the bitmap of their numbers: the
+        last call's when the streams and the numbering are the same (the API asks for the
+        same tuple each time: compared by identity of its items, no stream hashed)."""
+        last = self._asked
+        if last is not None and last.numbering == self._numbering and last.streams == streams:
+            return last.no_matches, last.wanted
+        wanted = 0
+        for stream in streams:
+            state = self._streams.get(stream)
+            if state is not None:
+                wanted |= 1 << state.number
+        self._asked = _Asked(streams, self._numbering, dict.fromkeys(streams, NO_MATCH), wanted)
+        return self._asked.no_matches, wanted
 
     def stats(self, stream: StreamId) -> StreamStats:
         with self._lock:
@@ -275,16 +294,20 @@ def _remove(state: _Stream, engine_hash: int, tier: int) -> bool:
     return True
 
 
-def _matched(holders: dict[int, int], keys: Sequence[int]) -> Iterator[tuple[int, int]]:
+def _matched(
+    holders: dict[int, int], keys: Sequence[int], state_of: list[_Stream | None]
+) -> Iterator[tuple[int, int]]:
     """(bitmap of stream numbers, blocks they matched) for every stream holding ``keys[0]``:
-    the prompt is walked once, the set still matching narrowed block by block until empty."""
+    the prompt is walked once, the set still matching narrowed block by block until empty.
+    Once one stream is left, the walk goes on in that stream's own (small, cached) dict
+    rather than in the map of every block of the fleet."""
     if not keys or (first := holders.get(keys[0])) is None:
         return
     matching = _bitmap(first)
     holders_of = holders.get
     num_blocks = 1
-    for key in keys[1:]:
-        held = holders_of(key)
+    while num_blocks < len(keys) and matching & (matching - 1):
+        held = holders_of(keys[num_blocks])
         still = 0 if held is None else matching & ((1 << ~held) if held < 0 else held)
         if still != matching:
             yield matching ^ still, num_blocks
@@ -292,14 +315,26 @@ def _matched(holders: dict[int, int], keys: Sequence[int]) -> Iterator[tuple[int
                 return
             matching = still
         num_blocks += 1
+    if num_blocks < len(keys) and not matching & (matching - 1):
+        state: _Stream = state_of[matching.bit_length() - 1]  # type: ignore[assignment]
+        num_blocks = _held_from(state.key_to_counts, keys, num_blocks)
     yield matching, num_blocks
+
+
+def _held_from(key_to_counts: dict[int, int], keys: Sequence[int], start: int) -> int:
+    """How many leading keys a stream holds, knowing it holds the first ``start``."""
+    for num_blocks in range(start, len(keys)):
+        if keys[num_blocks] not in key_to_counts:
+            return num_blocks
+    return len(keys)
 
 
 def _numbers(bitmap: int) -> Iterator[int]:
     """The set bits of a bitmap (C string scans: a bit operation on a wide int would
     allocate a new one per bit)."""
-    if not bitmap & (bitmap - 1):
-        yield bitmap.bit_length() - 1
+    if not bitmap & (bitmap - 1):  # none or one
+        if bitmap:
+            yield bitmap.bit_length() - 1
         return
     bits = bin(bitmap)[:1:-1]  # bit i at index i
     number = bits.find("1")
