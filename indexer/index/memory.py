@@ -9,15 +9,19 @@ dicts, the index keeps one map block key → its holders (``_holders``), every s
 small number of its own: a block held by one stream maps to ``~number`` (a negative int,
 nothing allocated for the common private block), one held by several to a bitmap of their
 numbers. :meth:`MemoryIndex.longest_prefix` walks the prompt once, ANDing the holders of
-each block into the set still matching and stops when it is empty; a stream that leaves the
-set at block ``i`` matched ``i`` blocks. So 1,024 replicas of which 256 share a 64-block
-system prompt cost 64 bitmap ANDs and 256 answers, not 1,024 walks of up to 65 reads each.
-A requested stream that holds nothing costs one slot in the answer (``dict.fromkeys``, C).
+each block into the set still matching, and stops when it is empty; a stream that leaves the
+set at block ``i`` matched ``i`` blocks. Once a single stream is left, the walk goes on in
+that stream's own dict (small, so in cache; the fleet-wide map misses the cache at a million
+blocks). So 1,024 replicas of which 256 share a 64-block system prompt cost 64 bitmap ANDs
+and 256 answers, not 1,024 walks of up to 65 reads each. The requested streams cost a copy
+of a prepared no-match answer (C, no stream hashed) while they and the numbering stay the
+same; their numbers' bitmap filters the holders.
 
 The map is kept in step with the streams' own dicts: a block joins it when a stream's
 counts for it go from nothing to something and leaves when they go back (a removal, a
-clear, a drop: the cost of that stream's own blocks, as before). Numbers freed by a drop are
-reused, so bitmaps stay as wide as the fleet, not as its history.
+clear, a drop: the cost of that stream's own blocks, as before). That is the write path's
+price: one more dict call (in C) per block a stream starts or stops holding. Numbers freed
+by a drop are reused, so bitmaps stay as wide as the fleet, not as its history.
 
 A block's counts are one int, ``gpu + cpu * 2**32 + other * 2**64`` (Python ints do not
 overflow), not a list: a GPU-only block's counts are then a cached small int, nothing is
