@@ -3,6 +3,26 @@
 Plain dicts guarded by one lock; the same semantics as the Redis backend, proven by the
 shared contract suite.
 
+What a lookup costs: the prompt's blocks up to the longest match (over every stream), plus
+each holder's own answer, never the streams that hold nothing. Besides each stream's own
+dicts, the index keeps one map block key → its holders (``_holders``), every stream having a
+small number of its own: a block held by one stream maps to ``~number`` (a negative int,
+nothing allocated for the common private block), one held by several to a bitmap of their
+numbers. :meth:`MemoryIndex.longest_prefix` walks the prompt once, ANDing the holders of
+each block into the set still matching, and stops when it is empty; a stream that leaves the
+set at block ``i`` matched ``i`` blocks. Once a single stream is left, the walk goes on in
+that stream's own dict (small, so in cache; the fleet-wide map misses the cache at a million
+blocks). So 1,024 replicas of which 256 share a 64-block system prompt cost 64 bitmap ANDs
+and 256 answers, not 1,024 walks of up to 65 reads each. The requested streams cost a copy
+of a prepared no-match answer (C, no stream hashed) while they and the numbering stay the
+same; their numbers' bitmap filters the holders.
+
+The map is kept in step with the streams' own dicts: a block joins it when a stream's
+counts for it go from nothing to something and leaves when they go back (a removal, a
+clear, a drop: the cost of that stream's own blocks, as before). That is the write path's
+price: one more dict call (in C) per block a stream starts or stops holding. Numbers freed
+by a drop are reused, so bitmaps stay as wide as the fleet, not as its history.
+
 A block's counts are one int, ``gpu + cpu * 2**32 + other * 2**64`` (Python ints do not
 overflow), not a list: a GPU-only block's counts are then a cached small int, nothing is
 allocated per store, and the dicts hold only ints, which the garbage collector does not
@@ -11,8 +31,9 @@ track (lists per block made its full collections walk every cached block).
 
 from __future__ import annotations
 
+import heapq
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvindex.indexer.events import StreamId, Tier
@@ -42,6 +63,11 @@ _ON_GPU = (Tier.GPU,)
 
 @dataclass(slots=True)
 class _Stream:
+    stream: StreamId
+    number: int
+    """Its bit in the holder bitmaps (unique among the index's live streams)."""
+    holders: dict[int, int]
+    """The index's block key → holders map (shared by every stream of the index)."""
     key_to_counts: dict[int, int] = field(default_factory=dict)
     hash_to_key: dict[int, int] = field(default_factory=dict)
     blocks_by_tier: list[int] = field(default_factory=lambda: [0] * _NUM_TIERS)
@@ -50,9 +76,46 @@ class _Stream:
 
     def reset(self) -> None:
         """Forget every block (in place: the hot loop holds references to these)."""
+        holders, number = self.holders, self.number
+        for key in self.key_to_counts:
+            _release(holders, key, number)
         self.key_to_counts.clear()
         self.hash_to_key.clear()
         self.blocks_by_tier[:] = [0] * _NUM_TIERS
+
+
+def _joined(holders: int, number: int) -> int:
+    """The holders of a block once stream ``number`` (not yet one of them) holds it too."""
+    if holders < 0:
+        return (1 << ~holders) | (1 << number)
+    return holders | (1 << number)
+
+
+def _release(holders: dict[int, int], key: int, number: int) -> None:
+    """Stream ``number`` no longer holds ``key``: drop its bit (a lone holder: the entry)."""
+    if (held := holders.pop(key)) >= 0:
+        _put_back(holders, key, held, number)
+
+
+def _put_back(holders: dict[int, int], key: int, bitmap: int, number: int) -> None:
+    """Put back ``key``'s entry (just popped: the bitmap of several holders) without stream
+    ``number``; one holder left takes its compact form."""
+    bitmap &= ~(1 << number)
+    holders[key] = bitmap if bitmap & (bitmap - 1) else ~(bitmap.bit_length() - 1)
+
+
+def _bitmap(held: int) -> int:
+    return (1 << ~held) if held < 0 else held
+
+
+@dataclass(frozen=True, slots=True)
+class _Asked:
+    streams: tuple[StreamId, ...]
+    numbering: int
+    no_matches: dict[StreamId, PrefixMatch]
+    """Never changed: each answer is a copy."""
+    wanted: int
+    """Bitmap of the numbers of the streams the index holds state for."""
 
 
 class MemoryIndex:
@@ -60,7 +123,29 @@ class MemoryIndex:
 
     def __init__(self) -> None:
         self._streams: dict[StreamId, _Stream] = {}
+        self._holders: dict[int, int] = {}
+        """Block key → ``~number`` of its one holder, or the bitmap of its holders' numbers."""
+        self._state_of: list[_Stream | None] = []
+        """Stream number → the stream's state (None: free, listed in ``_free``)."""
+        self._free: list[int] = []
+        self._numbering = 0
+        """Changes whenever a stream gets or gives up its number."""
+        self._asked: _Asked | None = None
+        """The streams of the last lookup, their answer with no match and their numbers."""
         self._lock = threading.Lock()
+
+    def _state(self, stream: StreamId) -> _Stream:
+        """The stream's state, created (with the lowest free number) on first use."""
+        state = self._streams.get(stream)
+        if state is None:
+            number = heapq.heappop(self._free) if self._free else len(self._state_of)
+            state = self._streams[stream] = _Stream(stream, number, self._holders)
+            if number == len(self._state_of):
+                self._state_of.append(state)
+            else:
+                self._state_of[number] = state
+            self._numbering += 1
+        return state
 
     def apply(self, stream: StreamId, seq: int, ts: float, ops: Sequence[Op]) -> ApplyResult:
         return self.apply_many(stream, [(seq, ts, ops)])[0]
@@ -68,9 +153,7 @@ class MemoryIndex:
     def apply_many(self, stream: StreamId, batches: Sequence[BatchOps]) -> list[ApplyResult]:
         results: list[ApplyResult] = []
         with self._lock:
-            state = self._streams.get(stream)
-            if state is None:
-                state = self._streams[stream] = _Stream()
+            state = self._state(stream)
             for seq, ts, ops in batches:
                 if seq <= state.watermark:
                     results.append(SKIPPED)
@@ -99,7 +182,12 @@ class MemoryIndex:
 
     def drop(self, stream: StreamId) -> None:
         with self._lock:
-            self._streams.pop(stream, None)
+            state = self._streams.pop(stream, None)
+            if state is not None:
+                state.reset()
+                self._state_of[state.number] = None
+                self._numbering += 1
+                heapq.heappush(self._free, state.number)
 
     def streams(self) -> list[StreamId]:
         with self._lock:
@@ -108,12 +196,34 @@ class MemoryIndex:
     def longest_prefix(
         self, keys: Sequence[int], streams: Iterable[StreamId]
     ) -> dict[StreamId, PrefixMatch]:
-        result: dict[StreamId, PrefixMatch] = {}
+        asked = tuple(streams)
         with self._lock:
-            for stream in streams:
-                state = self._streams.get(stream)
-                result[stream] = NO_MATCH if state is None else _prefix(state, keys)
+            no_matches, wanted = self._asked_for(asked)
+            result = no_matches.copy()
+            state_of = self._state_of
+            for leavers, num_blocks in _matched(self._holders, keys, state_of):
+                on_gpu = PrefixMatch(_ON_GPU * num_blocks)
+                for number in _numbers(leavers & wanted):
+                    state: _Stream = state_of[number]  # type: ignore[assignment]
+                    by_tier = state.blocks_by_tier
+                    gpu_only = not by_tier[_CPU] and not by_tier[_OTHER]
+                    result[state.stream] = on_gpu if gpu_only else _prefix(state, keys, num_blocks)
         return result
+
+    def _asked_for(self, streams: tuple[StreamId, ...]) -> tuple[dict[StreamId, PrefixMatch], int]:
+        """``NO_MATCH`` for each stream (to be copied) and the bitmap of their numbers: the
+        last call's when the streams and the numbering are the same (the API asks for the
+        same tuple each time: compared by identity of its items, no stream hashed)."""
+        last = self._asked
+        if last is not None and last.numbering == self._numbering and last.streams == streams:
+            return last.no_matches, last.wanted
+        wanted = 0
+        for stream in streams:
+            state = self._streams.get(stream)
+            if state is not None:
+                wanted |= 1 << state.number
+        self._asked = _Asked(streams, self._numbering, dict.fromkeys(streams, NO_MATCH), wanted)
+        return self._asked.no_matches, wanted
 
     def stats(self, stream: StreamId) -> StreamStats:
         with self._lock:
@@ -137,6 +247,9 @@ def _apply_ops(state: _Stream, ops: Sequence[Op]) -> tuple[int, int]:
     key_to_counts = state.key_to_counts
     get_counts = key_to_counts.get
     by_tier = state.blocks_by_tier
+    holders = state.holders
+    join = holders.setdefault
+    number, alone = state.number, ~state.number
     unknown = unresolved = 0
     for kind, tier, engine_hash, op_key in ops:
         if kind == _REMOVE:
@@ -155,6 +268,10 @@ def _apply_ops(state: _Stream, ops: Sequence[Op]) -> tuple[int, int]:
             state.reset()
             continue
         counts = get_counts(key, 0)
+        # New to the stream: it joins the block's holders (one C call for a block no other
+        # stream holds: it cannot map to ``alone`` already, this stream did not hold it).
+        if not counts and (held := join(key, alone)) != alone:
+            holders[key] = _joined(held, number)
         if not (counts >> _SHIFT[tier]) & _LANE:
             by_tier[tier] += 1
         key_to_counts[key] = counts + _UNIT[tier]
@@ -174,37 +291,73 @@ def _remove(state: _Stream, engine_hash: int, tier: int) -> bool:
         if not counts:
             del state.key_to_counts[key]  # type: ignore[arg-type]
             del state.hash_to_key[engine_hash]
+            if (others := state.holders.pop(key)) >= 0:  # type: ignore[arg-type]  # not alone
+                _put_back(state.holders, key, others, state.number)  # type: ignore[arg-type]
             return True
     state.key_to_counts[key] = counts  # type: ignore[index]
     return True
 
 
-def _prefix(state: _Stream, keys: Sequence[int]) -> PrefixMatch:
-    by_tier = state.blocks_by_tier
-    if not by_tier[_CPU] and not by_tier[_OTHER]:  # no block held on CPU nor OTHER
-        return _gpu_prefix(state.key_to_counts, keys)
-    tiers: list[Tier] = []
-    append = tiers.append
-    get = state.key_to_counts.get
-    gpu = Tier.GPU
-    for key in keys:
-        counts = get(key)
-        if counts is None:
-            break
-        append(gpu if counts & _LANE else _best_tier(counts))
-    return PrefixMatch(tuple(tiers))
-
-
-def _gpu_prefix(key_to_counts: dict[int, int], keys: Sequence[int]) -> PrefixMatch:
-    """The prefix of a stream that holds blocks on GPU only (the common case): a held block
-    has a non-zero count on some tier, here GPU, so no counts are read (a third faster: one
-    cache miss less per block)."""
-    num_blocks = 0
-    for key in keys:
-        if key not in key_to_counts:
-            break
+def _matched(
+    holders: dict[int, int], keys: Sequence[int], state_of: list[_Stream | None]
+) -> Iterator[tuple[int, int]]:
+    """(bitmap of stream numbers, blocks they matched) for every stream holding ``keys[0]``:
+    the prompt is walked once, the set still matching narrowed block by block until empty.
+    Once one stream is left, the walk goes on in that stream's own (small, cached) dict
+    rather than in the map of every block of the fleet."""
+    if not keys or (first := holders.get(keys[0])) is None:
+        return
+    matching = _bitmap(first)
+    holders_of = holders.get
+    num_blocks = 1
+    while num_blocks < len(keys) and matching & (matching - 1):
+        held = holders_of(keys[num_blocks])
+        still = 0 if held is None else matching & ((1 << ~held) if held < 0 else held)
+        if still != matching:
+            yield matching ^ still, num_blocks
+            if not still:
+                return
+            matching = still
         num_blocks += 1
-    return PrefixMatch(_ON_GPU * num_blocks)
+    if num_blocks < len(keys) and not matching & (matching - 1):
+        state: _Stream = state_of[matching.bit_length() - 1]  # type: ignore[assignment]
+        num_blocks = _held_from(state.key_to_counts, keys, num_blocks)
+    yield matching, num_blocks
+
+
+def _held_from(key_to_counts: dict[int, int], keys: Sequence[int], start: int) -> int:
+    """How many leading keys a stream holds, knowing it holds the first ``start``."""
+    for num_blocks in range(start, len(keys)):
+        if keys[num_blocks] not in key_to_counts:
+            return num_blocks
+    return len(keys)
+
+
+def _numbers(bitmap: int) -> Iterator[int]:
+    """The set bits of a bitmap (C string scans: a bit operation on a wide int would
+    allocate a new one per bit)."""
+    if not bitmap & (bitmap - 1):  # none or one
+        if bitmap:
+            yield bitmap.bit_length() - 1
+        return
+    bits = bin(bitmap)[:1:-1]  # bit i at index i
+    number = bits.find("1")
+    while number >= 0:
+        yield number
+        number = bits.find("1", number + 1)
+
+
+def _prefix(state: _Stream, keys: Sequence[int], num_blocks: int) -> PrefixMatch:
+    """The tiers of a stream that holds blocks off GPU, knowing it holds exactly the first
+    ``num_blocks`` keys."""
+    counts_of = state.key_to_counts
+    gpu = Tier.GPU
+    return PrefixMatch(
+        tuple(
+            gpu if (counts := counts_of[key]) & _LANE else _best_tier(counts)
+            for key in keys[:num_blocks]
+        )
+    )
 
 
 def _best_tier(counts: int) -> Tier:

@@ -381,6 +381,61 @@ def test_longest_prefix_over_many_streams_answers_each(index: BlockIndex) -> Non
         assert found[stream] == PrefixMatch((tier,) * (i % 9)), stream
 
 
+def test_longest_prefix_of_streams_sharing_a_prefix_ends_where_each_stops(
+    index: BlockIndex,
+) -> None:
+    # Many holders of one prefix, leaving it at different blocks; holes (a later block held
+    # without an earlier one) never count; streams that hold nothing of it are answered too.
+    keys = list(range(2001, 2041))
+    streams = [StreamId(f"h{i:02d}") for i in range(70)]
+    for i, stream in enumerate(streams):
+        held = keys[: i % 41] + keys[i % 41 + 1 :: 3] if i % 7 else keys[1:]
+        index.apply(stream, 0, 1.0, [store(k, k) for k in held])
+    found = index.longest_prefix(keys, reversed(streams))
+    assert list(found) == streams[::-1]
+    for i, stream in enumerate(streams):
+        assert found[stream].num_blocks == (i % 41 if i % 7 else 0), stream
+
+
+@pytest.mark.parametrize("num_held", [1, 2, 3, 4, 7, 8, 255, 256, 257, 511, 512, 513, 700])
+def test_longest_prefix_of_a_long_prompt_ends_at_the_first_miss(
+    index: BlockIndex, num_held: int
+) -> None:
+    # Lengths around the backends' read steps (the Redis script reads 1, 2, 4, ... up to 256
+    # blocks at once), the last held block off GPU, and the prompt's blocks beyond the first
+    # miss held too: they never count.
+    keys = list(range(5001, 5701))
+    held = [store(k, k) for k in keys[: num_held - 1]] + [store(1, keys[num_held - 1], CPU)]
+    held += [store(k, k) for k in keys[num_held + 1 :]]
+    index.apply(S, 0, 1.0, held)
+    assert tiers(index, keys) == (GPU,) * (num_held - 1) + (CPU,)
+
+
+def test_a_dropped_or_cleared_stream_leaves_no_match_to_another(index: BlockIndex) -> None:
+    # A stream made after a drop (the memory backend reuses the dropped stream's number in
+    # its holder bitmaps) matches only what it holds itself.
+    seed(index, stream=S)
+    seed(index, stream=S_OTHER)
+    index.drop(S)
+    index.clear(S_OTHER)
+    index.apply(S_RANK1, 0, 1.0, [store(1, 101)])
+    found = index.longest_prefix([101, 102, 103], [S, S_RANK1, S_OTHER])
+    assert found == {S: NO_MATCH, S_RANK1: PrefixMatch((GPU,)), S_OTHER: NO_MATCH}
+    seed(index, stream=S, seq=5)
+    assert tiers(index, [101, 102, 103], S) == (GPU, GPU, GPU)
+    assert tiers(index, [101, 102, 103], S_RANK1) == (GPU,)
+
+
+def test_the_same_streams_twice_get_answers_of_their_own(index: BlockIndex) -> None:
+    seed(index)
+    streams = (S, S_OTHER)
+    first = index.longest_prefix([101], streams)
+    first[S_OTHER] = PrefixMatch((CPU,))
+    index.apply(S, 1, 1.0, [remove(1)])
+    assert index.longest_prefix([101], streams) == {S: NO_MATCH, S_OTHER: NO_MATCH}
+    assert index.longest_prefix([102], [S]) == {S: PrefixMatch((GPU,))}
+
+
 def test_longest_prefix_of_no_keys_is_empty_per_stream(index: BlockIndex) -> None:
     seed(index)
     assert index.longest_prefix([], [S, S_OTHER]) == {S: NO_MATCH, S_OTHER: NO_MATCH}

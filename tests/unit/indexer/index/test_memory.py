@@ -1,9 +1,12 @@
 """kvindex.indexer.index.memory: what only the in-process backend does (the contract suite covers
-the
-rest). ``longest_prefix`` reads no counts while a stream holds blocks on GPU only; these tests
-move streams in and out of that case and check the answer never changes."""
+the rest). ``longest_prefix`` reads no counts while a stream holds blocks on GPU only; these tests
+move streams in and out of that case and check the answer never changes. A lookup walks the
+block → holders map, not the streams: tests count its reads and check that it forgets what no
+stream holds."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from kvindex.indexer.events import StreamId, Tier
 from kvindex.indexer.index.memory import MemoryIndex
@@ -60,3 +63,61 @@ def test_block_moved_from_gpu_to_cpu_stops_being_gpu() -> None:
     index.apply(S, 0, 1.0, [store(1, 101), store(2, 102)])
     index.apply(S, 1, 1.0, [store(2, 102, CPU), remove(2)])
     assert index.longest_prefix(KEYS, [S]) == {S: PrefixMatch((GPU, CPU))}
+
+
+class _CountingDict(dict[int, int]):
+    """A holders map that counts the lookups' reads."""
+
+    num_gets = 0
+
+    def get(self, key: int, default: Any = None) -> Any:
+        self.num_gets += 1
+        return super().get(key, default)
+
+
+def _counting(index: MemoryIndex) -> _CountingDict:
+    holders = _CountingDict()
+    index._holders = holders  # before any stream: each stream shares its index's map
+    return holders
+
+
+def test_lookup_reads_the_matched_prefix_not_the_streams() -> None:
+    index = MemoryIndex()
+    holders = _counting(index)
+    streams = [StreamId(f"r{i}") for i in range(500)]
+    for i, stream in enumerate(streams):  # each its own block, two hold the prompt's start
+        ops = [store(1, 10_000 + i)] + ([store(2, 101), store(3, 102)] if i < 2 else [])
+        index.apply(stream, 0, 1.0, ops)
+    holders.num_gets = 0
+    found = index.longest_prefix(KEYS, streams)
+    assert holders.num_gets == 3  # 101 and 102 held, 103 missed: no read per stream
+    assert {s: m.num_blocks for s, m in found.items() if m.num_blocks} == {
+        streams[0]: 2,
+        streams[1]: 2,
+    }
+    holders.num_gets = 0
+    assert index.longest_prefix([999, *KEYS], streams)[streams[0]] == NO_MATCH
+    assert holders.num_gets == 1
+
+
+def test_holders_map_forgets_what_no_stream_holds() -> None:
+    index = MemoryIndex()
+    other = StreamId("r2")
+    index.apply(S, 0, 1.0, [store(1, 101), store(2, 102), store(2, 102, CPU)])
+    index.apply(other, 0, 1.0, [store(1, 101), store(3, 103)])
+    index.apply(S, 1, 1.0, [remove(2), remove(2, CPU)])
+    index.apply(other, 1, 1.0, [(OpKind.CLEAR, GPU, 0, 0)])
+    assert index._holders == {101: ~index._streams[S].number}
+    index.drop(S)
+    assert index._holders == {}
+
+
+def test_stream_numbers_are_reused_after_drops() -> None:
+    index = MemoryIndex()
+    for round_ in range(3):
+        streams = [StreamId(f"r{round_}-{i}") for i in range(50)]
+        for stream in streams:
+            index.apply(stream, 0, 1.0, [store(1, 101)])
+        assert index._holders[101] == (1 << 50) - 1  # numbers 0..49, whatever the round
+        for stream in streams:
+            index.drop(stream)
