@@ -84,9 +84,15 @@ class Opened:
 
 
 class Forwarder:
-    """Sends requests upstream through one pooled HTTP client (owned: :meth:`close`)."""
+    """Sends requests upstream through one pooled HTTP client (owned: :meth:`close`);
+    ``transport`` replaces its network transport (tests)."""
 
-    def __init__(self, settings: ProxySettings, metrics: ProxyMetrics) -> None:
+    def __init__(
+        self,
+        settings: ProxySettings,
+        metrics: ProxyMetrics,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         self._settings = settings
         self._metrics = metrics
         timeout = httpx.Timeout(
@@ -99,7 +105,9 @@ class Forwarder:
             max_connections=settings.max_connections,
             max_keepalive_connections=settings.max_connections,
         )
-        self._client = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+        self._client = httpx.AsyncClient(
+            timeout=timeout, limits=limits, trust_env=False, transport=transport
+        )
 
     async def close(self) -> None:
         await self._client.aclose()

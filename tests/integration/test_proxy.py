@@ -112,6 +112,25 @@ def test_models_and_health(fleet: Fleet, client: openai.OpenAI) -> None:
         assert httpx.get(fleet.base_url + path, trust_env=False).status_code == 200
 
 
+def test_request_ids_body_limit_and_errors_in_openai_shape(fleet: Fleet) -> None:
+    url = f"{fleet.base_url}/v1/completions"
+    with httpx.Client(trust_env=False, timeout=20) as http:
+        body = {"model": MODEL, "prompt": "a b c", "max_tokens": 1}
+        given = http.post(url, json=body, headers={"x-request-id": "req-7"})
+        assert given.status_code == 200 and given.headers["x-request-id"] == "req-7"
+        made = http.post(url, json=body).headers["x-request-id"]
+        assert len(made) == 32
+        big = http.post(url, content=b"x" * (8 * 1024 * 1024 + 1))
+        assert big.status_code == 413 and big.json()["error"]["type"] == "request_too_large"
+        unknown = http.post(url, json={"model": "nope", "prompt": "a"})
+        assert unknown.status_code == 404 and "demo-model" in unknown.json()["error"]["message"]
+        metrics = http.get(f"{fleet.base_url}/metrics").text
+    route = 'route="/v1/completions"'
+    assert f'kvindex_proxy_requests_total{{replica="none",{route},status="413"}} 1.0' in metrics
+    assert f"kvindex_proxy_time_to_first_byte_seconds_count{{{route}}} 2.0" in metrics
+    assert "kvindex_proxy_matched_fraction_count 2.0" in metrics
+
+
 def test_chat_and_completions_streaming_and_not(fleet: Fleet, client: openai.OpenAI) -> None:
     messages: Messages = [{"role": "user", "content": "one two three four"}]
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5)
