@@ -84,8 +84,10 @@ class Opened:
 
 
 class Forwarder:
-    """Sends requests upstream through one pooled HTTP client (owned: :meth:`close`);
-    ``transport`` replaces its network transport (tests)."""
+    """Sends requests upstream, one pooled HTTP client per replica URL, made at its first
+    request and owned (:meth:`close`). One pool per replica because httpcore scans every
+    connection of a pool at each request: a fleet-wide pool costs more per request the
+    larger the fleet. ``transport`` replaces the network transport (tests)."""
 
     def __init__(
         self,
@@ -95,22 +97,35 @@ class Forwarder:
     ) -> None:
         self._settings = settings
         self._metrics = metrics
-        timeout = httpx.Timeout(
+        self._transport = transport
+        self._url_to_client: dict[str, httpx.AsyncClient] = {}
+        self._timeout = httpx.Timeout(
             connect=settings.connect_timeout_s,
             read=settings.first_byte_timeout_s,
             write=settings.first_byte_timeout_s,
             pool=settings.connect_timeout_s,
         )
-        limits = httpx.Limits(
+        self._limits = httpx.Limits(
             max_connections=settings.max_connections,
             max_keepalive_connections=settings.max_connections,
         )
-        self._client = httpx.AsyncClient(
-            timeout=timeout, limits=limits, trust_env=False, transport=transport
-        )
+
+    def _client(self, url: str) -> httpx.AsyncClient:
+        client = self._url_to_client.get(url)
+        if client is None:
+            client = httpx.AsyncClient(
+                timeout=self._timeout,
+                limits=self._limits,
+                trust_env=False,
+                transport=self._transport,
+            )
+            self._url_to_client[url] = client
+        return client
 
     async def close(self) -> None:
-        await self._client.aclose()
+        clients, self._url_to_client = list(self._url_to_client.values()), {}
+        for client in clients:
+            await client.aclose()
 
     def deadline(self) -> float:
         """The loop time by which a request arriving now must be done."""
@@ -131,10 +146,11 @@ class Forwarder:
         for number, upstream in enumerate(attempts, start=1):
             if number > 1:
                 self._metrics.retries.labels(path).inc()
-            request = self._client.build_request(
+            client = self._client(upstream.url)
+            request = client.build_request(
                 "POST", upstream.url.rstrip("/") + path, content=body, headers=headers
             )
-            response = await self._send(request, upstream, deadline, failures)
+            response = await self._send(client, request, upstream, deadline, failures)
             if response is None:
                 continue
             if response.status_code in RETRY_STATUSES and number < len(attempts):
@@ -145,12 +161,17 @@ class Forwarder:
         raise UpstreamFailedError(f"no replica answered: {'; '.join(failures) or 'none to try'}")
 
     async def _send(
-        self, request: httpx.Request, upstream: Upstream, deadline: float, failures: list[str]
+        self,
+        client: httpx.AsyncClient,
+        request: httpx.Request,
+        upstream: Upstream,
+        deadline: float,
+        failures: list[str],
     ) -> httpx.Response | None:
         """The answer's head, or None after a connect failure (the next replica may serve)."""
         try:
             async with asyncio.timeout_at(deadline):
-                return await self._client.send(request, stream=True)
+                return await client.send(request, stream=True)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             self._failed(upstream, "connect", failures, exc)
             return None

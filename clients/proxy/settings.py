@@ -31,7 +31,7 @@ class ProxySettings:
     """Replicas tried at most per request (1: no retry). Retries happen only before the
     first byte reaches the client, on a connect error or a 502, 503 or 504."""
     max_connections: int = 1024
-    """Connections to all replicas at once (the HTTP client's pool)."""
+    """Connections to one replica at once (its HTTP client's pool)."""
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout_s", "first_byte_timeout_s", "total_timeout_s"):
