@@ -7,9 +7,10 @@ subprocesses on free loopback ports. Each worker thread keeps one keep-alive con
 (``http.client``: a blocking call releases the GIL) and sends chat requests whose prompts
 cycle through a fixed set (after the first round the proxy's tokenizer cache answers, as
 for a fleet's recurring system prompts); a request's latency runs from the first byte sent
-to the last byte read (``[DONE]`` for a stream). Direct runs spread the workers over the
-three replicas, as the proxy does. One JSON line per (stream, concurrency), then one with
-the machine's load; quote them with the load beside them.
+to the last byte read (``[DONE]`` for a stream), and the proxy's CPU time per request is
+read from ``/proc`` (steadier than latency on a busy machine). Direct runs spread the
+workers over the three replicas, as the proxy does. One JSON line per (stream,
+concurrency), then one with the machine's load; quote them with the load beside them.
 
     python bench/proxy.py [--requests 400]
 """
@@ -30,6 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from machine import calibration_ms, host_load
+from score_http import process_cpu_s
 
 from tests.support.processes import Child, http_ok, kvindex_child
 from tests.support.redis_server import free_port
@@ -110,13 +112,21 @@ def _quantile_ms(values: list[float], q: float) -> float:
 
 
 def _measure(
-    proxy_port: int, sim_ports: list[int], stream: bool, concurrency: int, num_requests: int
+    proxy: tuple[int, int | None],
+    sim_ports: list[int],
+    stream: bool,
+    concurrency: int,
+    num_requests: int,
 ) -> dict[str, object]:
+    """One JSON line's figures; ``proxy`` is the proxy's (port, pid)."""
+    proxy_port, pid = proxy
     bodies = _bodies(stream)
     _run([proxy_port], bodies, concurrency, NUM_PROMPTS * 2)  # warm: tokenizer cache, pools
     _run(sim_ports, bodies, concurrency, NUM_PROMPTS)
     direct = _run(sim_ports, bodies, concurrency, num_requests)
+    cpu_before = process_cpu_s(pid)
     proxied = _run([proxy_port], bodies, concurrency, num_requests)
+    cpu_after = process_cpu_s(pid)
     figures = {
         "bench": "proxy",
         "stream": stream,
@@ -129,6 +139,9 @@ def _measure(
         figures[f"added_{name}_ms"] = round(p - d, 3)
     figures["direct_mean_ms"] = round(1000 * statistics.fmean(direct), 3)
     figures["proxy_mean_ms"] = round(1000 * statistics.fmean(proxied), 3)
+    if cpu_before is not None and cpu_after is not None:  # the proxy's own work per request
+        cpu_ms = 1000 * (cpu_after - cpu_before) / len(proxied)
+        figures["proxy_cpu_ms_per_request"] = round(cpu_ms, 3)
     return figures
 
 
@@ -154,7 +167,8 @@ def main() -> None:
         sim_ports = [p for _, p, _ in sims]
         for stream in (False, True):
             for concurrency in (1, 16):
-                figures = _measure(port, sim_ports, stream, concurrency, args.requests)
+                pid = proxy.process.pid if proxy.process is not None else None
+                figures = _measure((port, pid), sim_ports, stream, concurrency, args.requests)
                 print(json.dumps(figures), flush=True)
     machine = {"load_1m": round(host_load(), 2), "calibration_ms": round(calibration_ms(), 2)}
     print(json.dumps({"bench": "proxy", "machine": machine}), flush=True)

@@ -11,8 +11,9 @@ Contract:
   answer to start and between two of its chunks, ``total_timeout_s`` for everything.
 * **Bytes**: the answer's body goes to the client chunk by chunk as it arrives, not
   decoded (``aiter_raw``: server-sent events, gzip and all), with its headers but the
-  hop-by-hop ones. A client that goes away mid-answer closes the upstream connection, so
-  the replica sees the request aborted.
+  hop-by-hop ones. A client that goes away during a stream (an answer without
+  ``Content-Length``) closes the upstream connection, so the replica sees the request
+  aborted. (One that goes away before the answer starts is not watched yet.)
 * **Headers**: the client's, but the hop-by-hop ones, ``host`` and ``content-length``;
   ``x-request-id`` honoured or made, sent upstream and returned; ``traceparent`` passes
   through like any other header.
@@ -218,15 +219,10 @@ class StreamedAnswer:
                     "headers": self._headers(),
                 }
             )
-            streaming = asyncio.ensure_future(self._stream(send))
-            watching = asyncio.ensure_future(_disconnect(receive))
-            await asyncio.wait({streaming, watching}, return_when=asyncio.FIRST_COMPLETED)
-            watching.cancel()
-            if not streaming.done():  # the client went away: abort the upstream request
-                streaming.cancel()
-            await asyncio.wait({streaming, watching})
-            if not streaming.cancelled():
-                streaming.result()
+            if "content-length" in response.headers:
+                await self._stream(send)  # a whole answer, already coming: nothing to abort
+            else:
+                await self._stream_watched(send, receive)
         finally:
             await response.aclose()
             self.on_done(response.status_code, self.opened.upstream.replica)
@@ -242,6 +238,19 @@ class StreamedAnswer:
             (REQUEST_ID.encode(), self.request_id.encode("latin-1")),
             (REPLICA_HEADER.encode(), self.opened.upstream.replica.encode("latin-1")),
         ]
+
+    async def _stream_watched(self, send: Send, receive: Receive) -> None:
+        """:meth:`_stream`, cancelled if the client goes away first (the upstream
+        connection is then closed: the replica sees the request aborted)."""
+        streaming = asyncio.ensure_future(self._stream(send))
+        watching = asyncio.ensure_future(_disconnect(receive))
+        await asyncio.wait({streaming, watching}, return_when=asyncio.FIRST_COMPLETED)
+        watching.cancel()
+        if not streaming.done():
+            streaming.cancel()
+        await asyncio.wait({streaming, watching})
+        if not streaming.cancelled():
+            streaming.result()
 
     async def _stream(self, send: Send) -> None:
         """Every chunk as it comes; a stream past the total deadline or broken upstream
