@@ -252,6 +252,11 @@ def api(
     help="Wait for an answer to start, and between two chunks of a stream (300).",
 )
 @click.option("--total-timeout-s", type=float, help="Whole request, stream included (900).")
+@click.option(
+    "--drain-timeout-s",
+    type=float,
+    help="On SIGTERM, let the requests being answered finish this long at most (30).",
+)
 def proxy(
     config: Path | None,
     replicas: tuple[ReplicaSpec, ...],

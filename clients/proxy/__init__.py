@@ -14,11 +14,13 @@ The package follows a request through the proxy, one module per concept:
 * :mod:`.app` — the routes (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
   ``/health``, ``/healthz``, ``/readyz``, ``/metrics``) and the one error mapping;
 * :mod:`.service` — the process: the read path assembled as ``kvindex serve`` (memory store
-  and its own subscriber) or ``kvindex api`` (Redis) do, under uvicorn.
+  and its own subscriber) or ``kvindex api`` (Redis) do, under uvicorn; SIGTERM drains
+  (no new connection, the answers in progress finish).
 
 Planned for the rest of the issue (not here yet): ``reservation`` (in-flight requests and
-prefill tokens per replica, held under a per-proxy lease in the load store), ``health``
-(active checks and a circuit breaker per replica, kept in the shared fleet state so that
-``/score`` skips an ejected replica too), ``drain`` (SIGTERM: stop accepting, finish the
-streams, release), and a pass-through of any other ``/v1/*`` route.
+prefill tokens per replica, reserved on dispatch and released at the last byte, held under
+a per-proxy lease in the load store), ``health`` (active checks and a circuit breaker per
+replica, kept in the shared fleet state so that ``/score`` skips an ejected replica too;
+the drain then also releases the reservations), and a pass-through of any other ``/v1/*``
+route.
 """

@@ -11,6 +11,7 @@ load is scraped from its ``/metrics`` (``api.scrape_interval_s``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -89,23 +90,25 @@ def _scraper(deps: ApiDeps, http: httpx.AsyncClient) -> MetricsScraper | None:
 
 
 def serve_proxy(settings: IndexerSettings, api: ApiSettings, proxy: ProxySettings) -> None:
-    """Run until interrupted (SIGINT/SIGTERM stop uvicorn, then the read path)."""
+    """Run until interrupted. SIGINT/SIGTERM drain: no new connection is accepted, the
+    requests being answered finish (``proxy.drain_timeout_s`` at most), then the read path
+    stops."""
     if settings.store == "redis":
         deps = api_deps(settings.redis_url, settings, api)
         try:
-            _run_uvicorn(build_proxy_app(deps, proxy), api)
+            _run_uvicorn(build_proxy_app(deps, proxy), api, proxy)
         finally:
             deps.index.close()
         return
     service = Service.build(settings, api)
     service.indexer.start()
     try:
-        _run_uvicorn(build_proxy_app(service.deps, proxy), api)
+        _run_uvicorn(build_proxy_app(service.deps, proxy), api, proxy)
     finally:
         service.stop()
 
 
-def _run_uvicorn(app: Starlette, api: ApiSettings) -> None:
+def _run_uvicorn(app: Starlette, api: ApiSettings, proxy: ProxySettings) -> None:
     # The replicas' own Date and Server headers are passed on: uvicorn adds none.
     config = uvicorn.Config(
         app,
@@ -116,5 +119,6 @@ def _run_uvicorn(app: Starlette, api: ApiSettings) -> None:
         log_config=None,
         server_header=False,
         date_header=False,
+        timeout_graceful_shutdown=math.ceil(proxy.drain_timeout_s),  # uvicorn: whole seconds
     )
     uvicorn.Server(config).run()

@@ -32,9 +32,18 @@ class ProxySettings:
     first byte reaches the client, on a connect error or a 502, 503 or 504."""
     max_connections: int = 1024
     """Connections to one replica at once (its HTTP client's pool)."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM or SIGINT the proxy stops accepting connections and lets the requests it
+    is answering (streams included) finish for at most this long (rounded up to whole
+    seconds), then stops."""
 
     def __post_init__(self) -> None:
-        for name in ("connect_timeout_s", "first_byte_timeout_s", "total_timeout_s"):
+        for name in (
+            "connect_timeout_s",
+            "first_byte_timeout_s",
+            "total_timeout_s",
+            "drain_timeout_s",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise SettingsError(f"proxy.{name} must be a number > 0, got {value!r}")

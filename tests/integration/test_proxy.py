@@ -4,6 +4,9 @@ on free loopback ports, events bound, the proxy connected to each)."""
 
 from __future__ import annotations
 
+import signal
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -200,3 +203,44 @@ def test_a_replica_killed_before_a_request_costs_no_request(
     metrics = httpx.get(f"{fleet.base_url}/metrics", trust_env=False).text
     assert f'kvindex_proxy_upstream_errors_total{{kind="connect",replica="{holder}"}}' in metrics
     assert 'kvindex_proxy_retries_total{route="/v1/chat/completions"}' in metrics
+
+
+def test_sigterm_drains_the_requests_being_answered_and_accepts_no_new_one(
+    tmp_path: Path,
+) -> None:
+    http_port, events_port = free_port(), free_port()
+    sim_args = [
+        "replica-sim", "--id", "slow", "--model", MODEL, "--port", str(http_port),
+        "--events", f"tcp://127.0.0.1:{events_port}", "--bind-events", "--replay", "",
+        "--decode-tps", "50",
+    ]  # fmt: skip
+    sim = kvindex_child("sim", sim_args, tmp_path / "sim.log", http_ok(http_port, "/health"))
+    port = free_port()
+    spec = Sim("slow", sim, http_port, events_port).spec
+    proxy_args = ["proxy", "--port", str(port), "--replica", spec, "--drain-timeout-s", "20"]
+    proxy = kvindex_child("proxy", proxy_args, tmp_path / "proxy.log", http_ok(port, "/readyz"))
+    answers: list[httpx.Response] = []
+    body = {"model": MODEL, "prompt": "a b c", "max_tokens": 100, "stream": True}  # 2 s
+    url = f"http://127.0.0.1:{port}/v1/completions"
+
+    def ask() -> None:
+        with httpx.Client(trust_env=False, timeout=20) as http:
+            answers.append(http.post(url, json=body))
+
+    with ExitStack() as stack:
+        for child in (sim, proxy):
+            stack.callback(child.stop)
+            child.start(40)
+        asker = threading.Thread(target=ask)
+        asker.start()
+        time.sleep(0.5)  # the request is being answered
+        proxy.signal(signal.SIGTERM)
+        time.sleep(0.3)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.1:{port}/healthz", trust_env=False, timeout=5)
+        asker.join(20)
+        # uvicorn ends by raising the signal again once drained (exit status -15)
+        assert proxy.process is not None and proxy.process.wait(20) in (0, -signal.SIGTERM)
+    assert len(answers) == 1 and answers[0].status_code == 200
+    assert answers[0].content.endswith(b"data: [DONE]\n\n")
+    assert answers[0].content.count(b'"text"') == 100
