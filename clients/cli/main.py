@@ -21,6 +21,8 @@ from kvindex.clients.cli.views import register_views
 from kvindex.clients.console import make_console
 from kvindex.clients.demo import DemoSettings, demo_main
 from kvindex.clients.fake_vllm.replica import ReplicaSim, ReplicaSimError, ReplicaSimSettings
+from kvindex.clients.proxy.service import serve_proxy
+from kvindex.clients.proxy.settings import load_proxy_settings
 from kvindex.clients.simulate.fleet import FleetSettings
 from kvindex.clients.simulate.routing import PolicySpec, parse_policy
 from kvindex.clients.simulate.run import DEFAULT_POLICIES, SimulateSettings, simulate_main
@@ -234,6 +236,51 @@ def api(
     where = f"http://{api_settings.host}:{api_settings.port}"
     make_console().print(f"kvindex api (redis fleet, index and load) on {where}")
     serve_api(settings.redis_url, settings, api_settings)
+
+
+@main.command()
+@_indexer_options
+@click.option("--host", help="Proxy listen address (default 127.0.0.1).")
+@click.option("--port", type=int, help="Proxy listen port (default 8000).")
+@click.option(
+    "--max-attempts", type=int, help="Replicas tried per request before its first byte (3)."
+)
+@click.option("--connect-timeout-s", type=float, help="Connect timeout per replica (2).")
+@click.option(
+    "--first-byte-timeout-s",
+    type=float,
+    help="Wait for an answer to start, and between two chunks of a stream (300).",
+)
+@click.option("--total-timeout-s", type=float, help="Whole request, stream included (900).")
+@click.option(
+    "--drain-timeout-s",
+    type=float,
+    help="On SIGTERM, let the requests being answered finish this long at most (30).",
+)
+def proxy(
+    config: Path | None,
+    replicas: tuple[ReplicaSpec, ...],
+    bind: str | None,
+    store: str | None,
+    redis_url: str | None,
+    host: str | None,
+    port: int | None,
+    **forwarding: Any,
+) -> None:
+    """Serve the OpenAI API and forward each request to the replica kvindex picks."""
+    try:
+        settings = load_settings(
+            config,
+            overrides={"bind": bind, "store": store, "redis_url": redis_url},
+            extra_replicas=replicas,
+        )
+        api_settings = _api_settings(config, {"host": host, "port": port})
+        proxy_settings = load_proxy_settings(forwarding)
+    except KvIndexError as exc:
+        raise click.ClickException(str(exc)) from exc
+    where = f"http://{api_settings.host}:{api_settings.port}"
+    make_console().print(f"kvindex proxy ({settings.store} store) on {where}/v1")
+    serve_proxy(settings, api_settings, proxy_settings)
 
 
 @main.command("replica-sim")

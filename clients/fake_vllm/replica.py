@@ -33,6 +33,7 @@ from typing import Annotated, Any, get_args
 import msgspec
 import xxhash
 from fastapi import FastAPI, Request, Response
+from fastapi.responses import StreamingResponse
 
 from kvindex.api.background import BackgroundServer, ServerStartError
 from kvindex.clients.fake_vllm.block_pool import Admission, BlockPool
@@ -330,6 +331,18 @@ class CompletionBody(msgspec.Struct):
     max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16
     lora_name: str | None = None
     cache_salt: str | None = None
+    stream: bool = False
+
+
+class ChatBody(msgspec.Struct):
+    """``/v1/chat/completions``: the whole conversation is the prompt (:func:`render_chat`)."""
+
+    model: str
+    messages: list[dict[str, Any]]
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    stream: bool = False
 
 
 class TokenizeBody(msgspec.Struct):
@@ -354,7 +367,7 @@ def _tokens_of(prompt: str | list[int]) -> list[int]:
     return tokenize_text(prompt) if isinstance(prompt, str) else list(prompt)
 
 
-def _lora_for(settings: ReplicaSimSettings, body: CompletionBody) -> str | None:
+def _lora_for(settings: ReplicaSimSettings, body: CompletionBody | ChatBody) -> str | None:
     """The request's LoRA name; raises ReplicaSimError for an unknown model."""
     if body.model in settings.lora_names:
         return body.model
@@ -411,22 +424,69 @@ def metrics_text(engine: Engine) -> str:
     return "\n".join(lines) + "\n"
 
 
-async def handle_completion(engine: Engine, raw: bytes) -> Response:
-    """``POST /v1/completions``: decode, run through the engine, answer OpenAI-style."""
+def chat_response(settings: ReplicaSimSettings, prompt_len: int, result: SimResult) -> Any:
+    """OpenAI chat completions shape: :func:`completion_response` with a message."""
+    answer = completion_response(settings, prompt_len, result)
+    text = answer["choices"][0].pop("text")
+    answer["id"] = f"chatcmpl-{uuid.uuid4().hex}"
+    answer["object"] = "chat.completion"
+    answer["choices"][0]["message"] = {"role": "assistant", "content": text}
+    return answer
+
+
+def sse_chunks(answer: Any, *, chat: bool) -> list[bytes]:
+    """A finished answer as OpenAI server-sent events: one chunk per output word, then a
+    chunk with ``usage`` (cached tokens included) and no choices, then ``[DONE]``."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    head = {k: answer[k] for k in ("id", "created", "model")} | {"object": kind}
+    text = answer["choices"][0]["message"]["content"] if chat else answer["choices"][0]["text"]
+    words = text.split(" ")[1:]
+    events = []
+    for i, word in enumerate(words):
+        piece = " " + word
+        last = i == len(words) - 1
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if last else None}
+        if chat:
+            choice["delta"] = (
+                {"role": "assistant", "content": piece} if i == 0 else {"content": piece}
+            )
+        else:
+            choice |= {"text": piece, "logprobs": None}
+        events.append(head | {"choices": [choice]})
+    events.append(head | {"choices": [], "usage": answer["usage"], "kvsim": answer["kvsim"]})
+    return [b"data: " + _json(e) + b"\n\n" for e in events] + [b"data: [DONE]\n\n"]
+
+
+def _sse(chunks: list[bytes]) -> Response:
+    async def body() -> Any:
+        for chunk in chunks:
+            yield chunk
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def handle_completion(engine: Engine, raw: bytes, *, chat: bool = False) -> Response:
+    """``POST /v1/completions`` (``chat``: ``/v1/chat/completions``): decode, run through
+    the engine, answer OpenAI-style; ``stream`` answers as server-sent events."""
     settings = engine.settings
     try:
-        body = msgspec.json.decode(raw, type=CompletionBody)
+        body = msgspec.json.decode(raw, type=ChatBody if chat else CompletionBody)
         lora = _lora_for(settings, body)
     except msgspec.DecodeError as exc:  # ValidationError included
         return _error(400, str(exc))
     except ReplicaSimError as exc:
         return _error(404, str(exc))
-    prompt = _tokens_of(body.prompt)
+    if isinstance(body, ChatBody):
+        prompt = tokenize_text(render_chat(body.messages))
+    else:
+        prompt = _tokens_of(body.prompt)
     try:
         result = await engine.run(SimRequest(prompt, body.max_tokens, lora, body.cache_salt))
     except ReplicaSimError as exc:
         return _error(400, str(exc))
-    return _ok(completion_response(settings, len(prompt), result))
+    shape = chat_response if chat else completion_response
+    answer = shape(settings, len(prompt), result)
+    return _sse(sse_chunks(answer, chat=chat)) if body.stream else _ok(answer)
 
 
 def handle_tokenize(settings: ReplicaSimSettings, raw: bytes) -> Response:
@@ -466,13 +526,17 @@ def handle_cached(engine: Engine, raw: bytes) -> Response:
 
 
 def create_app(engine: Engine) -> FastAPI:
-    """The replica's HTTP API: ``/v1/completions``, ``/tokenize``, ``/metrics``, ``/health``,
-    and ``/kvsim/cached`` (what its pool holds, for tests)."""
+    """The replica's HTTP API: ``/v1/completions``, ``/v1/chat/completions``, ``/tokenize``,
+    ``/metrics``, ``/health``, and ``/kvsim/cached`` (what its pool holds, for tests)."""
     app = FastAPI(title=f"kvindex replica simulator {engine.settings.id}")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await handle_completion(engine, await request.body())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await handle_completion(engine, await request.body(), chat=True)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from fastapi import Response
+from fastapi.responses import StreamingResponse
 
 from kvindex.api.load.vllm_metrics import parse_vllm_metrics
 from kvindex.clients.fake_vllm.block_pool import BlockPool
@@ -144,3 +145,39 @@ def test_send_limits_are_validated() -> None:
     for name in ("send_hwm", "send_buffer_bytes"):
         with pytest.raises(ReplicaSimError, match=name):
             ReplicaSimSettings(**{name: -1})  # type: ignore[arg-type]
+
+
+def _events(response: Response) -> list[bytes]:
+    """The server-sent events of a streamed answer, read whole."""
+    assert isinstance(response, StreamingResponse)
+
+    async def read() -> list[bytes]:
+        return [bytes(c) async for c in response.body_iterator]  # type: ignore[arg-type]
+
+    return asyncio.run(read())
+
+
+def test_chat_renders_the_whole_conversation_and_both_routes_stream() -> None:
+    eng, _ = engine(model="M", speed=1000.0)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a b"}]
+    chat_body = json.dumps({"model": "M", "messages": messages, "max_tokens": 3}).encode()
+    chat = decoded(asyncio.run(handle_completion(eng, chat_body, chat=True)))
+    assert chat["object"] == "chat.completion"
+    assert chat["usage"]["prompt_tokens"] == len(tokenize_text(render_chat(messages)))
+    words = chat["choices"][0]["message"]["content"].split()
+    assert chat["choices"][0]["message"]["role"] == "assistant" and len(words) == 3
+    streamed_body = json.dumps({"model": "M", "messages": messages, "stream": True}).encode()
+    events = _events(asyncio.run(handle_completion(eng, streamed_body, chat=True)))
+    assert events[-1] == b"data: [DONE]\n\n"
+    chunks = [json.loads(e.removeprefix(b"data: ")) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens_details"]
+    assert len(chunks) == 16 + 1  # one per word (max_tokens defaults to 16), then usage
+    prompt_body = json.dumps({"model": "M", "prompt": "a b c", "stream": True}).encode()
+    plain = _events(asyncio.run(handle_completion(eng, prompt_body)))
+    text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in plain[:-2])
+    again = decoded(
+        asyncio.run(handle_completion(eng, b'{"model":"M","prompt":"a b c","max_tokens":16}'))
+    )
+    assert text == again["choices"][0]["text"]

@@ -1,0 +1,178 @@
+"""What ``kvindex proxy`` adds to a request: latency through the proxy minus latency of the
+same request sent straight to a replica-sim, at concurrency 1 and 16, streaming and not.
+
+Three ``kvindex replica-sim``s (time compressed a millionfold, so a replica answers at
+once) and one ``kvindex proxy`` in front of them (memory store, its own subscriber) run as
+subprocesses on free loopback ports. Each worker thread keeps one keep-alive connection
+(``http.client``: a blocking call releases the GIL) and sends chat requests whose prompts
+cycle through a fixed set (after the first round the proxy's tokenizer cache answers, as
+for a fleet's recurring system prompts); a request's latency runs from the first byte sent
+to the last byte read (``[DONE]`` for a stream), and the proxy's CPU time per request is
+read from ``/proc`` (steadier than latency on a busy machine). Direct runs spread the
+workers over the three replicas, as the proxy does. One JSON line per (stream,
+concurrency), then one with the machine's load; quote them with the load beside them.
+
+    python bench/proxy.py [--requests 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from machine import calibration_ms, host_load
+from score_http import process_cpu_s
+
+from tests.support.processes import Child, http_ok, kvindex_child
+from tests.support.redis_server import free_port
+
+MODEL = "demo-model"
+NUM_PROMPTS = 64
+
+
+def _sim(rid: str, workdir: Path) -> tuple[Child, int, str]:
+    port, events = free_port(), f"tcp://127.0.0.1:{free_port()}"
+    args = [
+        "replica-sim", "--id", rid, "--model", MODEL, "--port", str(port), "--events", events,
+        "--bind-events", "--replay", "", "--speed", "1000000", "--max-running", "64",
+        "--capacity-blocks", "8192",
+    ]  # fmt: skip
+    child = kvindex_child(rid, args, workdir / f"{rid}.log", http_ok(port, "/health"))
+    return child, port, f"id={rid},model={MODEL},url=http://127.0.0.1:{port},events={events}"
+
+
+def _bodies(stream: bool) -> list[bytes]:
+    """Chat bodies: a shared system prompt and one of NUM_PROMPTS user turns."""
+    system = "You are a terse assistant. " * 20
+    return [
+        json.dumps(
+            {
+                "model": MODEL,
+                "messages": [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": f"question {i} " * 30},
+                ],
+                "max_tokens": 4,
+                "stream": stream,
+            }
+        ).encode()
+        for i in range(NUM_PROMPTS)
+    ]
+
+
+def _worker(port: int, bodies: list[bytes], count: int, start: int, out: list[float]) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    headers = {"content-type": "application/json"}
+    try:
+        for i in range(count):
+            started = time.perf_counter()
+            conn.request("POST", "/v1/chat/completions", bodies[(start + i) % len(bodies)], headers)
+            response = conn.getresponse()
+            body = response.read()
+            elapsed = time.perf_counter() - started
+            if response.status != 200:
+                raise RuntimeError(f"status {response.status}: {body[:200]!r}")
+            out.append(elapsed)
+    finally:
+        conn.close()
+
+
+def _run(ports: list[int], bodies: list[bytes], concurrency: int, num_requests: int) -> list[float]:
+    """Latencies (s) of ``num_requests`` requests by ``concurrency`` workers; worker ``i``
+    talks to ``ports[i % len(ports)]``."""
+    per_worker = max(1, num_requests // concurrency)
+    results: list[list[float]] = [[] for _ in range(concurrency)]
+    threads = [
+        threading.Thread(
+            target=_worker,
+            args=(ports[i % len(ports)], bodies, per_worker, i * 7, results[i]),
+        )
+        for i in range(concurrency)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return [x for r in results for x in r]
+
+
+def _quantile_ms(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _measure(
+    proxy: tuple[int, int | None],
+    sim_ports: list[int],
+    stream: bool,
+    concurrency: int,
+    num_requests: int,
+) -> dict[str, object]:
+    """One JSON line's figures; ``proxy`` is the proxy's (port, pid)."""
+    proxy_port, pid = proxy
+    bodies = _bodies(stream)
+    _run([proxy_port], bodies, concurrency, NUM_PROMPTS * 2)  # warm: tokenizer cache, pools
+    _run(sim_ports, bodies, concurrency, NUM_PROMPTS)
+    direct = _run(sim_ports, bodies, concurrency, num_requests)
+    cpu_before = process_cpu_s(pid)
+    proxied = _run([proxy_port], bodies, concurrency, num_requests)
+    cpu_after = process_cpu_s(pid)
+    figures = {
+        "bench": "proxy",
+        "stream": stream,
+        "concurrency": concurrency,
+        "num_requests": len(proxied),
+    }
+    for name, q in (("p50", 0.5), ("p99", 0.99)):
+        d, p = _quantile_ms(direct, q), _quantile_ms(proxied, q)
+        figures |= {f"direct_{name}_ms": round(d, 3), f"proxy_{name}_ms": round(p, 3)}
+        figures[f"added_{name}_ms"] = round(p - d, 3)
+    figures["direct_mean_ms"] = round(1000 * statistics.fmean(direct), 3)
+    figures["proxy_mean_ms"] = round(1000 * statistics.fmean(proxied), 3)
+    if cpu_before is not None and cpu_after is not None:  # the proxy's own work per request
+        cpu_ms = 1000 * (cpu_after - cpu_before) / len(proxied)
+        figures["proxy_cpu_ms_per_request"] = round(cpu_ms, 3)
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=400, help="Requests per measurement.")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+        workdir = Path(tmp)
+        sims = [_sim(f"r{i}", workdir) for i in (1, 2, 3)]
+        for child, _, _ in sims:
+            stack.callback(child.stop)
+            child.spawn()
+        for child, _, _ in sims:
+            child.wait_ready(60)
+        port = free_port()
+        command = ["proxy", "--port", str(port)]
+        for _, _, spec in sims:
+            command += ["--replica", spec]
+        proxy = kvindex_child("proxy", command, workdir / "proxy.log", http_ok(port, "/readyz"))
+        stack.callback(proxy.stop)
+        proxy.start(60)
+        sim_ports = [p for _, p, _ in sims]
+        for stream in (False, True):
+            for concurrency in (1, 16):
+                pid = proxy.process.pid if proxy.process is not None else None
+                figures = _measure((port, pid), sim_ports, stream, concurrency, args.requests)
+                print(json.dumps(figures), flush=True)
+    machine = {"load_1m": round(host_load(), 2), "calibration_ms": round(calibration_ms(), 2)}
+    print(json.dumps({"bench": "proxy", "machine": machine}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

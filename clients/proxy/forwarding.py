@@ -1,0 +1,272 @@
+"""The forwarder: one request sent to the chosen replica, its answer streamed back as is.
+
+Contract:
+
+* **Attempts**: the upstreams of a :class:`~.upstream.Choice` in order, at most
+  ``proxy.max_attempts`` of them. The next one is tried only while nothing has reached the
+  client, and only when the attempt failed to connect or answered 502, 503 or 504 (the
+  replica did not run the request); any other failure ends the request (502, or 504 on a
+  timeout). The last attempt's 5xx answer is passed on as it is.
+* **Timeouts**: ``connect_timeout_s`` per connection, ``first_byte_timeout_s`` for the
+  answer to start and between two of its chunks, ``total_timeout_s`` for everything.
+* **Bytes**: the answer's body goes to the client chunk by chunk as it arrives, not
+  decoded (``aiter_raw``: server-sent events, gzip and all), with its headers but the
+  hop-by-hop ones. A client that goes away during a stream (an answer without
+  ``Content-Length``) closes the upstream connection, so the replica sees the request
+  aborted. (One that goes away before the answer starts is not watched yet.)
+* **Headers**: the client's, but the hop-by-hop ones, ``host`` and ``content-length``;
+  ``x-request-id`` honoured or made, sent upstream and returned; ``traceparent`` passes
+  through like any other header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import httpx
+from starlette.types import Message, Receive, Scope, Send
+
+from kvindex.clients.proxy.metrics import ProxyMetrics
+from kvindex.clients.proxy.settings import ProxySettings
+from kvindex.clients.proxy.upstream import Upstream
+from kvindex.indexer.errors import KvIndexError
+
+REQUEST_ID = "x-request-id"
+REPLICA_HEADER = "x-kvindex-replica"
+"""Response header naming the replica that answered."""
+RETRY_STATUSES = frozenset({502, 503, 504})
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+_NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length"}
+
+
+class UpstreamFailedError(KvIndexError):
+    """No replica answered (every attempt failed, or one failed past retrying): 502."""
+
+
+class UpstreamTimeoutError(KvIndexError):
+    """A replica did not answer in time (first byte or total timeout): 504."""
+
+
+def request_id_of(headers: Iterable[tuple[str, str]]) -> str:
+    """The client's ``x-request-id``, or a new one."""
+    for name, value in headers:
+        if name.lower() == REQUEST_ID and value:
+            return value
+    return uuid.uuid4().hex
+
+
+def forwarded_headers(headers: Iterable[tuple[str, str]], request_id: str) -> list[tuple[str, str]]:
+    """The headers sent upstream (see the module's contract)."""
+    dropped = _NOT_FORWARDED | {REQUEST_ID}
+    kept = [(n, v) for n, v in headers if n.lower() not in dropped]
+    return [*kept, (REQUEST_ID, request_id)]
+
+
+@dataclass(frozen=True, slots=True)
+class Opened:
+    """A replica's answer whose headers have arrived; its body is not read yet."""
+
+    upstream: Upstream
+    response: httpx.Response
+
+
+class Forwarder:
+    """Sends requests upstream, one pooled HTTP client per replica URL, made at its first
+    request and owned (:meth:`close`). One pool per replica because httpcore scans every
+    connection of a pool at each request: a fleet-wide pool costs more per request the
+    larger the fleet. ``transport`` replaces the network transport (tests)."""
+
+    def __init__(
+        self,
+        settings: ProxySettings,
+        metrics: ProxyMetrics,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self._settings = settings
+        self._metrics = metrics
+        self._transport = transport
+        self._url_to_client: dict[str, httpx.AsyncClient] = {}
+        self._timeout = httpx.Timeout(
+            connect=settings.connect_timeout_s,
+            read=settings.first_byte_timeout_s,
+            write=settings.first_byte_timeout_s,
+            pool=settings.connect_timeout_s,
+        )
+        self._limits = httpx.Limits(
+            max_connections=settings.max_connections,
+            max_keepalive_connections=settings.max_connections,
+        )
+
+    def _client(self, url: str) -> httpx.AsyncClient:
+        client = self._url_to_client.get(url)
+        if client is None:
+            client = httpx.AsyncClient(
+                timeout=self._timeout,
+                limits=self._limits,
+                trust_env=False,
+                transport=self._transport,
+            )
+            self._url_to_client[url] = client
+        return client
+
+    async def close(self) -> None:
+        clients, self._url_to_client = list(self._url_to_client.values()), {}
+        for client in clients:
+            await client.aclose()
+
+    def deadline(self) -> float:
+        """The loop time by which a request arriving now must be done."""
+        return asyncio.get_running_loop().time() + self._settings.total_timeout_s
+
+    async def open(
+        self,
+        path: str,
+        body: bytes,
+        headers: list[tuple[str, str]],
+        upstreams: Sequence[Upstream],
+        deadline: float,
+    ) -> Opened:
+        """The first answer worth passing on (see the module's contract for the attempts);
+        ``path`` is the route, appended to each replica's URL."""
+        attempts = upstreams[: self._settings.max_attempts]
+        failures: list[str] = []
+        for number, upstream in enumerate(attempts, start=1):
+            if number > 1:
+                self._metrics.retries.labels(path).inc()
+            client = self._client(upstream.url)
+            request = client.build_request(
+                "POST", upstream.url.rstrip("/") + path, content=body, headers=headers
+            )
+            response = await self._send(client, request, upstream, deadline, failures)
+            if response is None:
+                continue
+            if response.status_code in RETRY_STATUSES and number < len(attempts):
+                self._failed(upstream, f"status_{response.status_code}", failures)
+                await response.aclose()
+                continue
+            return Opened(upstream, response)
+        raise UpstreamFailedError(f"no replica answered: {'; '.join(failures) or 'none to try'}")
+
+    async def _send(
+        self,
+        client: httpx.AsyncClient,
+        request: httpx.Request,
+        upstream: Upstream,
+        deadline: float,
+        failures: list[str],
+    ) -> httpx.Response | None:
+        """The answer's head, or None after a connect failure (the next replica may serve)."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await client.send(request, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            self._failed(upstream, "connect", failures, exc)
+            return None
+        except (httpx.TimeoutException, TimeoutError) as exc:
+            self._failed(upstream, "timeout", failures, exc)
+            late = f"replica {upstream.replica} did not answer in time"
+            raise UpstreamTimeoutError(late) from exc
+        except httpx.HTTPError as exc:
+            self._failed(upstream, "protocol", failures, exc)
+            raise UpstreamFailedError(f"replica {upstream.replica} failed: {exc!r}") from exc
+
+    def _failed(
+        self, upstream: Upstream, kind: str, failures: list[str], exc: Exception | None = None
+    ) -> None:
+        self._metrics.upstream_errors.labels(upstream.replica, kind).inc()
+        failures.append(f"{upstream.replica}: {kind}" + (f" ({exc!r})" if exc else ""))
+
+
+class StreamedAnswer:
+    """An ASGI response passing an opened answer on chunk by chunk (see the contract).
+
+    ``on_done(status, replica)`` is called once, when the last byte is sent, the stream
+    breaks or the client goes away."""
+
+    def __init__(
+        self,
+        opened: Opened,
+        request_id: str,
+        deadline: float,
+        on_done: Callable[[int, str], None],
+    ) -> None:
+        self.opened = opened
+        self.request_id = request_id
+        self.deadline = deadline
+        self.on_done = on_done
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = self.opened.response
+        try:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": response.status_code,
+                    "headers": self._headers(),
+                }
+            )
+            if "content-length" in response.headers:
+                await self._stream(send)  # a whole answer, already coming: nothing to abort
+            else:
+                await self._stream_watched(send, receive)
+        finally:
+            await response.aclose()
+            self.on_done(response.status_code, self.opened.upstream.replica)
+
+    def _headers(self) -> list[tuple[bytes, bytes]]:
+        kept = [
+            (n.encode("latin-1"), v.encode("latin-1"))
+            for n, v in self.opened.response.headers.multi_items()
+            if n.lower() not in HOP_BY_HOP and n.lower() not in (REQUEST_ID, REPLICA_HEADER)
+        ]
+        return [
+            *kept,
+            (REQUEST_ID.encode(), self.request_id.encode("latin-1")),
+            (REPLICA_HEADER.encode(), self.opened.upstream.replica.encode("latin-1")),
+        ]
+
+    async def _stream_watched(self, send: Send, receive: Receive) -> None:
+        """:meth:`_stream`, cancelled if the client goes away first (the upstream
+        connection is then closed: the replica sees the request aborted)."""
+        streaming = asyncio.ensure_future(self._stream(send))
+        watching = asyncio.ensure_future(_disconnect(receive))
+        await asyncio.wait({streaming, watching}, return_when=asyncio.FIRST_COMPLETED)
+        watching.cancel()
+        if not streaming.done():
+            streaming.cancel()
+        await asyncio.wait({streaming, watching})
+        if not streaming.cancelled():
+            streaming.result()
+
+    async def _stream(self, send: Send) -> None:
+        """Every chunk as it comes; a stream past the total deadline or broken upstream
+        ends early (the client sees an incomplete body)."""
+        try:
+            async with asyncio.timeout_at(self.deadline):
+                async for chunk in self.opened.response.aiter_raw():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except (TimeoutError, httpx.HTTPError):
+            return  # the head is sent: all that is left to say is that the body ends here
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _disconnect(receive: Receive) -> None:
+    """Return when the client has gone away (the request body has been read whole)."""
+    while True:
+        message: Message = await receive()
+        if message["type"] == "http.disconnect":
+            return

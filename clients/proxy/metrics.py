@@ -1,0 +1,73 @@
+"""The proxy's Prometheus series (``kvindex_proxy_*``), on a registry of their own.
+
+One :class:`ProxyMetrics` per app; nothing here is module state. ``replica`` is the replica
+that answered (``none`` when no replica did: a refused body, an unknown model, every
+attempt failed).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    120.0, 300.0,
+)  # fmt: skip
+_FRACTION_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+NO_REPLICA = "none"
+"""The ``replica`` label of an answer no replica made."""
+
+
+class ProxyMetrics:
+    """Counters and histograms of forwarded requests; :meth:`render` is the text format."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "kvindex_proxy_requests",
+            "Requests answered, by route template, HTTP status and answering replica.",
+            ["route", "status", "replica"],
+            registry=r,
+        )
+        self.first_byte = Histogram(
+            "kvindex_proxy_time_to_first_byte_seconds",
+            "From the request's arrival to the replica's answer starting (headers received).",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "kvindex_proxy_request_duration_seconds",
+            "From the request's arrival to its last byte sent to the client.",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "kvindex_proxy_upstream_errors",
+            "Failed attempts on a replica, by kind (connect, timeout, status_5xx, protocol).",
+            ["replica", "kind"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "kvindex_proxy_retries",
+            "Requests sent again to another replica before the first byte reached the client.",
+            ["route"],
+            registry=r,
+        )
+        self.matched_fraction = Histogram(
+            "kvindex_proxy_matched_fraction",
+            "The chosen replica's cached share of the prompt (tokenized requests only).",
+            buckets=_FRACTION_BUCKETS,
+            registry=r,
+        )
+        self.tokenize_failures = Counter(
+            "kvindex_proxy_tokenize_failures",
+            "Requests routed on load alone because their prompt could not be tokenized.",
+            ["model"],
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,124 @@
+"""The ``kvindex proxy`` process: the read path assembled as the API's processes do, the
+proxy's app on top, under uvicorn.
+
+With the memory store (the default) the process runs the indexer too, as ``kvindex serve``
+does (:class:`kvindex.api.server.Service`: its own subscriber to every replica's events);
+with ``store = "redis"`` it reads the index, load and fleet a ``kvindex indexer`` writes, as
+``kvindex api`` does (:func:`kvindex.api.server.api_deps`). Either way the scorer is the
+one ``/score`` uses, on the same settings (``[api]``, ``[[models]]``), and each replica's
+load is scraped from its ``/metrics`` (``api.scrape_interval_s``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+
+from kvindex.api.app import ApiDeps
+from kvindex.api.load.scraper import MetricsScraper
+from kvindex.api.score import Scorer
+from kvindex.api.server import Service, api_deps
+from kvindex.api.settings import ApiSettings
+from kvindex.api.tokenize.choice import ModelTokenizers
+from kvindex.clients.proxy.app import ProxyParts, create_proxy_app
+from kvindex.clients.proxy.forwarding import Forwarder
+from kvindex.clients.proxy.metrics import ProxyMetrics
+from kvindex.clients.proxy.settings import ProxySettings
+from kvindex.clients.proxy.upstream import UpstreamPicker
+from kvindex.indexer.settings import IndexerSettings
+
+
+def build_proxy_app(deps: ApiDeps, proxy: ProxySettings) -> Starlette:
+    """The proxy's app on ``deps`` (the caller owns the stores behind them). Its HTTP
+    clients (tokenizers and scraping; forwarding) and the scraper live as long as the app
+    runs (its lifespan)."""
+    api = deps.settings
+    metrics = ProxyMetrics()
+    http = httpx.AsyncClient(timeout=api.scrape_timeout_s, trust_env=False)
+    tokenizers = ModelTokenizers(api, deps.registry, http)
+    scorer = Scorer(
+        api,
+        deps.index,
+        deps.registry,
+        deps.loads,
+        tokenizers=tokenizers.tokenizer,
+        blocking_store=deps.blocking_store,
+    )
+    picker = UpstreamPicker(
+        scorer,
+        deps.registry,
+        on_tokenize_failure=lambda model: metrics.tokenize_failures.labels(model).inc(),
+    )
+    forwarder = Forwarder(proxy, metrics)
+    scraper = _scraper(deps, http)
+
+    @asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        if scraper is not None:
+            await scraper.start()
+        try:
+            yield
+        finally:
+            if scraper is not None:
+                await scraper.stop()
+            await forwarder.close()
+            await http.aclose()
+
+    parts = ProxyParts(
+        api, deps.registry, deps.index, picker, forwarder, metrics, deps.blocking_store
+    )
+    return create_proxy_app(parts, lifespan)
+
+
+def _scraper(deps: ApiDeps, http: httpx.AsyncClient) -> MetricsScraper | None:
+    api = deps.settings
+    if api.scrape_interval_s <= 0:
+        return None
+    registry = deps.registry
+    return MetricsScraper(
+        deps.loads,
+        http,
+        lambda: [(r.id, r.url, r.model) for r in registry.replicas() if r.url],
+        interval_s=api.scrape_interval_s,
+        timeout_s=api.scrape_timeout_s,
+    )
+
+
+def serve_proxy(settings: IndexerSettings, api: ApiSettings, proxy: ProxySettings) -> None:
+    """Run until interrupted. SIGINT/SIGTERM drain: no new connection is accepted, the
+    requests being answered finish (``proxy.drain_timeout_s`` at most), then the read path
+    stops."""
+    if settings.store == "redis":
+        deps = api_deps(settings.redis_url, settings, api)
+        try:
+            _run_uvicorn(build_proxy_app(deps, proxy), api, proxy)
+        finally:
+            deps.index.close()
+        return
+    service = Service.build(settings, api)
+    service.indexer.start()
+    try:
+        _run_uvicorn(build_proxy_app(service.deps, proxy), api, proxy)
+    finally:
+        service.stop()
+
+
+def _run_uvicorn(app: Starlette, api: ApiSettings, proxy: ProxySettings) -> None:
+    # The replicas' own Date and Server headers are passed on: uvicorn adds none.
+    config = uvicorn.Config(
+        app,
+        host=api.host,
+        port=api.port,
+        log_level="warning",
+        access_log=False,
+        log_config=None,
+        server_header=False,
+        date_header=False,
+        timeout_graceful_shutdown=math.ceil(proxy.drain_timeout_s),  # uvicorn: whole seconds
+    )
+    uvicorn.Server(config).run()

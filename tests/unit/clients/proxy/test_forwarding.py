@@ -1,0 +1,228 @@
+"""The forwarder's attempts, headers and timeouts, on an in-memory transport."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from starlette.types import Message
+
+from kvindex.clients.proxy.forwarding import (
+    REQUEST_ID,
+    Forwarder,
+    Opened,
+    StreamedAnswer,
+    UpstreamFailedError,
+    UpstreamTimeoutError,
+    forwarded_headers,
+    request_id_of,
+)
+from kvindex.clients.proxy.metrics import ProxyMetrics
+from kvindex.clients.proxy.settings import ProxySettings
+from kvindex.clients.proxy.upstream import Upstream
+from kvindex.indexer.errors import SettingsError
+
+UPSTREAMS = tuple(Upstream(f"r{i}", f"http://r{i}.test:8000") for i in (1, 2, 3))
+PATH = "/v1/completions"
+
+
+class Fleet:
+    """A transport answering as each replica is told to: a status, or a connect error."""
+
+    def __init__(self, **behaviour: int | str) -> None:
+        self.behaviour = behaviour
+        self.seen: list[tuple[str, httpx.Headers, bytes]] = []
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        replica = request.url.host.split(".")[0]
+        self.seen.append((replica, request.headers, await request.aread()))
+        what = self.behaviour.get(replica, 200)
+        if what == "down":
+            raise httpx.ConnectError("connection refused", request=request)
+        if what == "slow":
+            await asyncio.sleep(5)
+        assert isinstance(what, int)
+        return httpx.Response(what, content=f"from {replica}".encode())
+
+
+DEFAULTS = ProxySettings()
+
+
+def _open(
+    fleet: Fleet, settings: ProxySettings = DEFAULTS
+) -> tuple[Opened | Exception, ProxyMetrics]:
+    metrics = ProxyMetrics()
+
+    async def run() -> Opened | Exception:
+        forwarder = Forwarder(settings, metrics, transport=httpx.MockTransport(fleet.handle))
+        try:
+            headers = [("x-request-id", "abc")]
+            return await forwarder.open(PATH, b"{}", headers, UPSTREAMS, forwarder.deadline())
+        except Exception as exc:
+            return exc
+        finally:
+            await forwarder.close()
+
+    return asyncio.run(run()), metrics
+
+
+def _sample(metrics: ProxyMetrics, name: str, **labels: str) -> float:
+    value = metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+def test_the_best_replica_answers_when_it_can() -> None:
+    fleet = Fleet()
+    opened, metrics = _open(fleet)
+    assert isinstance(opened, Opened) and opened.upstream.replica == "r1"
+    assert [s[0] for s in fleet.seen] == ["r1"]
+    assert _sample(metrics, "kvindex_proxy_retries_total", route=PATH) == 0
+
+
+def test_a_connect_error_or_a_502_503_504_is_retried_on_the_next_replica() -> None:
+    for failure in ("down", 502, 503, 504):
+        fleet = Fleet(r1=failure)
+        opened, metrics = _open(fleet)
+        assert isinstance(opened, Opened) and opened.upstream.replica == "r2", failure
+        assert [s[0] for s in fleet.seen] == ["r1", "r2"]
+        assert fleet.seen[0][2] == fleet.seen[1][2] == b"{}"  # the same body each time
+        kind = "connect" if failure == "down" else f"status_{failure}"
+        assert _sample(metrics, "kvindex_proxy_upstream_errors_total", replica="r1", kind=kind)
+        assert _sample(metrics, "kvindex_proxy_retries_total", route=PATH) == 1
+
+
+def test_other_answers_are_passed_on_without_retry() -> None:
+    for status in (400, 404, 429, 500):
+        fleet = Fleet(r1=status)
+        opened, _ = _open(fleet)
+        assert isinstance(opened, Opened) and opened.response.status_code == status
+        assert [s[0] for s in fleet.seen] == ["r1"]
+
+
+def test_attempts_are_bounded_and_the_last_answer_is_passed_on() -> None:
+    fleet = Fleet(r1=503, r2=503, r3=503)
+    opened, _ = _open(fleet, ProxySettings(max_attempts=2))
+    assert isinstance(opened, Opened) and opened.response.status_code == 503
+    assert [s[0] for s in fleet.seen] == ["r1", "r2"]
+    fleet = Fleet(r1="down", r2="down", r3="down")
+    failed, _ = _open(fleet)
+    assert isinstance(failed, UpstreamFailedError)
+    assert "r1: connect" in str(failed) and "r3: connect" in str(failed)
+
+
+def test_a_replica_that_does_not_answer_in_time_is_a_timeout_not_a_retry() -> None:
+    fleet = Fleet(r1="slow")
+    late, metrics = _open(fleet, ProxySettings(total_timeout_s=0.1))
+    assert isinstance(late, UpstreamTimeoutError)
+    assert [s[0] for s in fleet.seen] == ["r1"]
+    assert _sample(metrics, "kvindex_proxy_upstream_errors_total", replica="r1", kind="timeout")
+
+
+def test_request_id_is_honoured_or_made_and_forwarded_with_traceparent() -> None:
+    assert request_id_of([("X-Request-Id", "given")]) == "given"
+    made = request_id_of([("accept", "*/*")])
+    assert len(made) == 32 and made != request_id_of([])
+    inbound = [
+        ("host", "proxy:8000"),
+        ("content-length", "2"),
+        ("connection", "keep-alive"),
+        ("x-request-id", "old"),
+        ("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
+        ("authorization", "Bearer t"),
+    ]
+    sent = dict(forwarded_headers(inbound, "rid"))
+    assert sent == {
+        "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        "authorization": "Bearer t",
+        REQUEST_ID: "rid",
+    }
+    fleet = Fleet()
+    _open(fleet)
+    assert fleet.seen[0][1]["x-request-id"] == "abc"
+
+
+@pytest.mark.parametrize("name", ["connect_timeout_s", "first_byte_timeout_s", "total_timeout_s"])
+def test_settings_name_the_bad_key(name: str) -> None:
+    with pytest.raises(SettingsError, match=re.escape(f"proxy.{name} must be a number > 0, got 0")):
+        ProxySettings(**{name: 0})
+    with pytest.raises(SettingsError, match=re.escape("proxy.max_attempts must be an integer")):
+        ProxySettings(max_attempts=0)
+
+
+def test_an_answer_is_streamed_chunk_by_chunk_as_it_comes_and_byte_for_byte() -> None:
+    chunks = [b'data: {"a": 1}\n\n', b"data: [DONE]\n\n"]
+    sent: list[Message] = []
+    first_sent = asyncio.Event()
+    done: list[tuple[int, str]] = []
+
+    async def body() -> AsyncIterator[bytes]:
+        yield chunks[0]
+        await asyncio.wait_for(first_sent.wait(), 2)  # buffering would never get here
+        yield chunks[1]
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        headers = {"content-type": "text/event-stream", "x-request-id": "theirs"}
+        return httpx.Response(200, headers=headers, content=body())
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+        if message.get("body") == chunks[0]:
+            first_sent.set()
+
+    async def receive() -> Message:
+        await asyncio.sleep(10)  # the client stays
+        return {"type": "http.disconnect"}
+
+    async def run() -> None:
+        forwarder = Forwarder(DEFAULTS, ProxyMetrics(), transport=httpx.MockTransport(handle))
+        deadline = forwarder.deadline()
+        opened = await forwarder.open(PATH, b"{}", [], UPSTREAMS, deadline)
+        answer = StreamedAnswer(opened, "rid", deadline, lambda *a: done.append(a))
+        await answer({"type": "http"}, receive, send)
+        await forwarder.close()
+
+    asyncio.run(run())
+    head = dict(sent[0]["headers"])
+    assert head[b"x-request-id"] == b"rid" and head[b"x-kvindex-replica"] == b"r1"
+    assert head[b"content-type"] == b"text/event-stream"
+    assert b"".join(m.get("body", b"") for m in sent[1:]) == b"".join(chunks)
+    assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+    assert done == [(200, "r1")]
+
+
+def test_a_client_that_goes_away_mid_stream_closes_the_upstream_answer() -> None:
+    closed = asyncio.Event()
+    done: list[tuple[int, str]] = []
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            yield b"data: 1\n\n"
+            await asyncio.sleep(10)
+            yield b"data: 2\n\n"
+        finally:
+            closed.set()
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=body())
+
+    async def send(message: Message) -> None:
+        return None
+
+    async def receive() -> Message:
+        await asyncio.sleep(0.05)
+        return {"type": "http.disconnect"}
+
+    async def run() -> None:
+        forwarder = Forwarder(DEFAULTS, ProxyMetrics(), transport=httpx.MockTransport(handle))
+        deadline = forwarder.deadline()
+        opened = await forwarder.open(PATH, b"{}", [], UPSTREAMS, deadline)
+        answer = StreamedAnswer(opened, "rid", deadline, lambda *a: done.append(a))
+        await asyncio.wait_for(answer({"type": "http"}, receive, send), 2)
+        await asyncio.wait_for(closed.wait(), 2)
+        await forwarder.close()
+
+    asyncio.run(run())
+    assert done == [(200, "r1")]

@@ -1,0 +1,148 @@
+"""The upstream choice on the real scorer, memory index and registry (no services)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from kvindex.api.load.store import MemoryLoadStore
+from kvindex.api.score import Scorer, UnknownModelError
+from kvindex.api.settings import ApiSettings
+from kvindex.api.tokenize.protocol import Tokenizer, TokenizerError
+from kvindex.clients.proxy.upstream import (
+    BadRequestBodyError,
+    Choice,
+    NoUpstreamError,
+    UpstreamPicker,
+)
+from kvindex.indexer.events import StreamId, Tier
+from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.health import StreamReport
+from kvindex.indexer.index.memory import MemoryIndex
+from kvindex.indexer.index.protocol import Op, OpKind
+from kvindex.indexer.keys import block_keys
+
+MODEL = "m"
+NOW = 1_000.0
+
+
+class WordTokenizer:
+    """One token per word; the whole conversation, every message's content in turn."""
+
+    def __init__(self) -> None:
+        self.fail = False
+        self.seen: list[object] = []
+
+    async def encode_prompt(self, prompt: str) -> list[int]:
+        self.seen.append(prompt)
+        return self._tokens(prompt)
+
+    async def encode_messages(self, messages: list[dict[str, Any]]) -> list[int]:
+        self.seen.append(messages)
+        return self._tokens(" ".join(str(m["content"]) for m in messages))
+
+    def _tokens(self, text: str) -> list[int]:
+        if self.fail:
+            raise TokenizerError("the replica's /tokenize is down")
+        return [len(word) * 100 + ord(word[0]) for word in text.split()]
+
+
+class Fleet:
+    """Replicas a, b, c of one model with URLs, and d with none."""
+
+    def __init__(self, policy: str = "kv_aware") -> None:
+        with_url = [ReplicaSpec(r, MODEL, url=f"http://{r}:8000") for r in ("a", "b", "c")]
+        specs = (*with_url, ReplicaSpec("d", MODEL))
+        self.registry = Registry(specs, clock=lambda: NOW)
+        self.index = MemoryIndex()
+        self.tokenizer = WordTokenizer()
+        tokenizer: Tokenizer = self.tokenizer
+        scorer = Scorer(
+            ApiSettings(seed=1, default_policy=policy),
+            self.index,
+            self.registry,
+            MemoryLoadStore(),
+            tokenizers=lambda model: tokenizer if model == MODEL else None,
+            blocking_store=False,
+            clock=lambda: NOW,
+        )
+        self.failures: list[str] = []
+        self.picker = UpstreamPicker(
+            scorer, self.registry, on_tokenize_failure=self.failures.append
+        )
+
+    def hold(self, replica: str, tokens: list[int]) -> None:
+        keys = block_keys(MODEL, tokens, 16)
+        ops: list[Op] = [(OpKind.STORE, Tier.GPU, i, k) for i, k in enumerate(keys)]
+        self.index.apply(StreamId(replica), 0, NOW, ops)
+        self.registry.record(StreamId(replica), StreamReport(last_seq=0, last_event_ts=NOW))
+
+    def choose(self, body: dict[str, Any], headers: dict[str, str] | None = None) -> Choice:
+        return asyncio.run(self.picker.choose(body, headers or {}))
+
+
+def _words(n: int, prefix: str) -> str:
+    return " ".join(f"{prefix}{i:03d}" for i in range(n))
+
+
+def test_the_whole_conversation_decides_and_only_replicas_with_a_url_are_tried() -> None:
+    fleet = Fleet()
+    system = {"role": "system", "content": _words(32, "s")}
+    user = {"role": "user", "content": _words(32, "u")}
+    whole = asyncio.run(fleet.tokenizer.encode_messages([system, user]))
+    first_only = asyncio.run(fleet.tokenizer.encode_messages([system]))
+    fleet.hold("b", first_only)  # the system prompt alone: 2 blocks of 4
+    fleet.hold("c", whole)  # the whole conversation: 4 blocks
+    choice = fleet.choose({"model": MODEL, "messages": [system, user]})
+    assert [u.replica for u in choice.upstreams][:2] == ["c", "b"]
+    assert {u.replica for u in choice.upstreams} == {"a", "b", "c"}  # d has no url
+    assert choice.upstreams[0].url == "http://c:8000"
+    assert choice.matched_fraction == 1.0
+
+
+def test_a_completion_prompt_string_or_token_ids_is_scored() -> None:
+    fleet = Fleet()
+    prompt = _words(48, "p")
+    tokens = asyncio.run(fleet.tokenizer.encode_prompt(prompt))
+    fleet.hold("a", tokens[:32])
+    by_text = fleet.choose({"model": MODEL, "prompt": prompt})
+    assert by_text.upstreams[0].replica == "a" and by_text.matched_fraction == 32 / 48
+    by_ids = fleet.choose({"model": MODEL, "prompt": tokens})
+    assert by_ids.upstreams[0].replica == "a" and by_ids.matched_fraction == 32 / 48
+
+
+def test_a_prompt_that_cannot_be_tokenized_is_routed_on_load_alone() -> None:
+    fleet = Fleet()
+    fleet.tokenizer.fail = True
+    choice = fleet.choose({"model": MODEL, "prompt": "a b c"})
+    assert len(choice.upstreams) == 3 and choice.matched_fraction is None
+    assert fleet.failures == [MODEL]
+
+
+def test_the_session_header_or_user_field_feeds_session_affinity() -> None:
+    fleet = Fleet("session_affinity")
+    body = {"model": MODEL, "prompt": "x y", "cache_salt": None}
+    chosen = set()
+    for session in ("s1", "s2", "s3", "s4", "s5", "s6"):
+        header = fleet.choose(body | {"user": "ignored"}, {"x-kvindex-session": session})
+        field = fleet.choose(body | {"user": session})
+        assert header.upstreams[0] == field.upstreams[0]
+        chosen.add(header.upstreams[0].replica)
+    assert len(chosen) > 1  # the session, not the prompt, decides
+
+
+def test_bad_bodies_and_unknown_models_are_named() -> None:
+    fleet = Fleet()
+    with pytest.raises(BadRequestBodyError, match="model"):
+        fleet.choose({"prompt": "a"})
+    with pytest.raises(UnknownModelError, match="known models: \\['m'\\]"):
+        fleet.choose({"model": "other", "prompt": "a"})
+    no_url = Fleet()
+    no_url.registry.remove("a")
+    no_url.registry.remove("b")
+    no_url.registry.remove("c")
+    with pytest.raises(NoUpstreamError, match="no replica of 'm' has a url"):
+        no_url.choose({"model": MODEL, "prompt": "a"})
