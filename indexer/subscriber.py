@@ -9,7 +9,15 @@ Two topologies, as vLLM allows (both may be used at once):
   endpoint without ``*``). Each stream is known from its topic ``kv@<replica>@<model>``
   and the batch's data-parallel rank, and is registered on its first event.
 
-Replays use one DEALER per replay (:class:`~kvindex.indexer.replay.ReplaySession`).
+Replays use one DEALER per replay (:class:`~kvindex.indexer.replay.ReplaySession`), open
+only while the replay runs.
+
+Scale: a connect-mode stream holds three sockets (SUB and its monitor's two ends) and about
+four open files, so the subscriber opens its own context sized to the open-file limit
+(:mod:`~kvindex.indexer.process_limits`): thousands of replicas fit where the file limit
+allows. A socket that still cannot open raises :class:`SocketLimitError` at start (the CLI
+prints it) and is one error line later (a replica added at run time, a replay), naming the
+limits and the fix; a replay that cannot open fails as a timed-out one does.
 
 One thread runs the loop: it owns every socket and the
 :class:`~kvindex.indexer.pipeline.Pipeline`, which decides everything else (ordering,
@@ -19,6 +27,7 @@ deliver and carries out its replay requests.
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -27,11 +36,13 @@ from collections.abc import Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.events import StreamId
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.pipeline import Pipeline
+from kvindex.indexer.process_limits import describe_limits, file_limit, sized_context
 from kvindex.indexer.replay import ReplaySession
 from kvindex.indexer.settings import IndexerSettings
 
@@ -43,11 +54,21 @@ _MAINTENANCE_EVERY_S = 1.0
 
 Context = zmq.Context[zmq.Socket[bytes]]
 Socket = zmq.Socket[bytes]
+_OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
+
+
+class SocketLimitError(KvIndexError):
+    """A socket could not open: the process reached its open-file or ZeroMQ socket limit."""
+
+
+def _out_of_files(exc: zmq.ZMQError) -> bool:
+    return exc.errno in _OUT_OF_FILES
 
 
 class _ReplaySockets:
     """The pipeline's :class:`~kvindex.indexer.pipeline.ReplayRequests`: one DEALER per open
-    replay, polled by the loop. Used from the loop's thread only."""
+    replay, polled by the loop. A replay whose DEALER cannot open (out of files) is held as
+    expired, so the pipeline gives it up as a timed-out one. Used from the loop's thread only."""
 
     def __init__(
         self, context: Context, poller: zmq.Poller, timeout_s: float, clock: Callable[[], float]
@@ -58,16 +79,46 @@ class _ReplaySockets:
         self._clock = clock
         self.sessions: dict[StreamId, ReplaySession] = {}
         self.stream_of: dict[Socket, StreamId] = {}
+        self.unopened: set[StreamId] = set()
+        self._limit_logged = False
 
     def start_replay(self, stream: StreamId, endpoint: str, start_seq: int) -> None:
-        session = ReplaySession(
-            self._context, endpoint, start_seq, idle_timeout_s=self._timeout_s, clock=self._clock
-        )
+        try:
+            session = ReplaySession(
+                self._context,
+                endpoint,
+                start_seq,
+                idle_timeout_s=self._timeout_s,
+                clock=self._clock,
+            )
+        except zmq.ZMQError as exc:
+            if not _out_of_files(exc):
+                raise
+            self._on_unopened(stream, exc)
+            return
+        self._limit_logged = False
         self.sessions[stream] = session
         self.stream_of[session.socket] = stream
         self._poller.register(session.socket, zmq.POLLIN)
 
+    def _on_unopened(self, stream: StreamId, exc: zmq.ZMQError) -> None:
+        self.unopened.add(stream)
+        if not self._limit_logged:  # once until a replay opens again: not once per stream
+            self._limit_logged = True
+            log.error(
+                "stream %s: cannot open a replay socket (%s): %s",
+                stream,
+                exc.strerror,
+                describe_limits(self._context),
+            )
+
+    def expired(self) -> list[StreamId]:
+        """Streams whose replay went silent too long or never opened."""
+        late = [s for s, session in self.sessions.items() if session.expired()]
+        return late + sorted(self.unopened)
+
     def end_replay(self, stream: StreamId) -> int:
+        self.unopened.discard(stream)
         session = self.sessions.pop(stream, None)
         if session is None:
             return 0
@@ -90,7 +141,8 @@ class Subscriber:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._settings = settings
-        self._context = context or zmq.Context.instance()
+        self._owns_context = context is None
+        self._context = context if context is not None else sized_context(file_limit().soft)
         self._clock = clock
         self._poller = zmq.Poller()
         self._replays = _ReplaySockets(
@@ -100,6 +152,8 @@ class Subscriber:
         self._sub_of: dict[Socket, StreamId] = {}
         self._monitor_of: dict[Socket, StreamId] = {}
         self._sockets_of: dict[str, list[Socket]] = {}
+        self._specs: list[ReplicaSpec] = []
+        self._num_unopened = 0
         self._bound: Socket | None = None
         self._next_maintenance = 0.0
         self._stop = threading.Event()
@@ -109,9 +163,14 @@ class Subscriber:
     # --- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
-        """Open sockets now (so bind errors surface here), then run in a daemon thread."""
-        self._open_bound()
-        self._reconcile()
+        """Open sockets now (so bind errors and :class:`SocketLimitError` surface here, every
+        socket closed again), then run in a daemon thread."""
+        try:
+            self._open_bound()
+            self._reconcile(strict=True)
+        except (SocketLimitError, zmq.ZMQError):
+            self._close_all()
+            raise
         self._thread = threading.Thread(target=self._run, name="kvindex-subscriber", daemon=True)
         self._thread.start()
 
@@ -145,11 +204,14 @@ class Subscriber:
             self._stop.wait(timeout_ms / 1000)
         for sock, _ in self._poller.poll(timeout_ms):
             self._dispatch(sock)
-        self._expire_replays()
+        for stream in self._replays.expired():
+            self.pipeline.replay_timed_out(stream)
         now = self._clock()
         if now >= self._next_maintenance:
             self._next_maintenance = now + _MAINTENANCE_EVERY_S
             self.pipeline.maintain()
+            if self._num_unopened:
+                self._open_replicas(strict=False)
 
     def _dispatch(self, sock: Socket) -> None:
         if sock is self._bound:
@@ -182,35 +244,76 @@ class Subscriber:
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         return sock
 
-    def _reconcile(self) -> None:
+    def _reconcile(self, *, strict: bool = False) -> None:
         """When the registry changed: open SUBs for new replicas, close removed ones'."""
         specs = self.pipeline.reconcile()
         if specs is None:
             return
+        self._specs = list(specs)
         wanted = {r.id for r in specs}
         for replica in [r for r in self._sockets_of if r not in wanted]:
             self._close_replica(replica)
-        for spec in specs:
-            if spec.events is not None and spec.id not in self._sockets_of:
+        self._open_replicas(strict=strict)
+
+    def _open_replicas(self, *, strict: bool) -> None:
+        """Open the sockets of every registered replica that has none. Out of files:
+        ``strict`` raises :class:`SocketLimitError`; else one error line when the number
+        of replicas left unopened changes (they are tried again each maintenance turn)."""
+        unopened = [s for s in self._specs if s.events is not None and s.id not in self._sockets_of]
+        error: SocketLimitError | None = None
+        for spec in unopened:
+            try:
                 self._connect_replica(spec)
+            except SocketLimitError as exc:
+                if strict:
+                    raise
+                error = error or exc
+        num_unopened = sum(s.id not in self._sockets_of for s in unopened)
+        if error is not None and num_unopened != self._num_unopened:
+            log.error("%d replicas not subscribed: %s", num_unopened, error)
+        self._num_unopened = num_unopened
 
     def _connect_replica(self, spec: ReplicaSpec) -> None:
+        """Every rank's SUB and monitor, then the streams tracked; out of files, none of the
+        replica's sockets stays open and :class:`SocketLimitError` says which limit."""
         sockets: list[Socket] = []
-        for rank in range(spec.dp_size):
-            stream = StreamId(spec.id, rank)
-            endpoint = spec.events_for_rank(rank)
-            assert endpoint is not None
-            sub = self._new_sub()
-            monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-            sub.connect(endpoint)
-            self._sub_of[sub] = stream
-            self._monitor_of[monitor] = stream
-            self._poller.register(sub, zmq.POLLIN)
-            self._poller.register(monitor, zmq.POLLIN)
-            sockets += [sub, monitor]
-            self.pipeline.track(stream, spec)
-            log.info("replica %s rank %d: connecting to %s", spec.id, rank, endpoint)
+        pairs: list[tuple[StreamId, Socket, Socket]] = []
+        try:
+            for rank in range(spec.dp_size):
+                sub = self._new_sub()
+                sockets.append(sub)
+                monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+                sockets.append(monitor)
+                pairs.append((StreamId(spec.id, rank), sub, monitor))
+        except zmq.ZMQError as exc:
+            self._close_sockets(sockets)
+            if not _out_of_files(exc):
+                raise
+            raise SocketLimitError(
+                f"cannot open the sockets of replica {spec.id!r} ({len(self._sub_of)} streams"
+                f" open): {exc.strerror}; {describe_limits(self._context)}"
+            ) from None
+        for stream, sub, monitor in pairs:
+            self._subscribe(spec, stream, sub, monitor)
         self._sockets_of[spec.id] = sockets
+
+    def _subscribe(self, spec: ReplicaSpec, stream: StreamId, sub: Socket, monitor: Socket) -> None:
+        endpoint = spec.events_for_rank(stream.rank)
+        assert endpoint is not None
+        sub.connect(endpoint)
+        self._sub_of[sub] = stream
+        self._monitor_of[monitor] = stream
+        self._poller.register(sub, zmq.POLLIN)
+        self._poller.register(monitor, zmq.POLLIN)
+        self.pipeline.track(stream, spec)
+        log.info("replica %s rank %d: connecting to %s", spec.id, stream.rank, endpoint)
+
+    def _close_sockets(self, sockets: list[Socket]) -> None:
+        """Close sockets not (yet) registered anywhere: a SUB's monitor is disabled first."""
+        for sock in sockets:
+            if sock.socket_type == zmq.SUB:
+                sock.disable_monitor()
+            sock.close(linger=0)
 
     def _close_replica(self, replica: str) -> None:
         for sock in self._sockets_of.pop(replica, []):
@@ -233,6 +336,8 @@ class Subscriber:
         if self._bound is not None:
             self._bound.close(linger=0)
             self._bound = None
+        if self._owns_context and not self._context.closed:
+            self._context.term()
 
     # --- what the sockets deliver --------------------------------------------------------
 
@@ -249,11 +354,6 @@ class Subscriber:
         session = self._replays.sessions.get(stream)
         if session is not None:
             self.pipeline.on_replay(stream, session.receive())
-
-    def _expire_replays(self) -> None:
-        expired = [s for s, session in self._replays.sessions.items() if session.expired()]
-        for stream in expired:
-            self.pipeline.replay_timed_out(stream)
 
     def _on_monitor(self, sock: Socket, stream: StreamId) -> None:
         while True:
