@@ -71,7 +71,11 @@ class _ReplaySockets:
     expired, so the pipeline gives it up as a timed-out one. Used from the loop's thread only."""
 
     def __init__(
-        self, context: Context, poller: zmq.Poller, timeout_s: float, clock: Callable[[], float]
+        self,
+        context: Callable[[], Context],
+        poller: zmq.Poller,
+        timeout_s: float,
+        clock: Callable[[], float],
     ) -> None:
         self._context = context
         self._poller = poller
@@ -85,7 +89,7 @@ class _ReplaySockets:
     def start_replay(self, stream: StreamId, endpoint: str, start_seq: int) -> None:
         try:
             session = ReplaySession(
-                self._context,
+                self._context(),
                 endpoint,
                 start_seq,
                 idle_timeout_s=self._timeout_s,
@@ -109,7 +113,7 @@ class _ReplaySockets:
                 "stream %s: cannot open a replay socket (%s): %s",
                 stream,
                 exc.strerror,
-                describe_limits(self._context),
+                describe_limits(self._context()),
             )
 
     def expired(self) -> list[StreamId]:
@@ -141,12 +145,12 @@ class Subscriber:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._settings = settings
-        self._owns_context = context is None
-        self._context = context if context is not None else sized_context(file_limit().soft)
+        self._given_context = context
+        self._owned_context: Context | None = None
         self._clock = clock
         self._poller = zmq.Poller()
         self._replays = _ReplaySockets(
-            self._context, self._poller, settings.replay_timeout_s, clock
+            self._zmq_context, self._poller, settings.replay_timeout_s, clock
         )
         self.pipeline = Pipeline(settings, index, registry, replays=self._replays, clock=clock)
         self._sub_of: dict[Socket, StreamId] = {}
@@ -225,6 +229,16 @@ class Subscriber:
 
     # --- sockets -------------------------------------------------------------------------
 
+    def _zmq_context(self) -> Context:
+        """The context given, or the subscriber's own, opened on first use (a subscriber
+        built and never started holds none) and sized to the open-file limit then, which
+        the service has raised by that time; closed with the subscriber."""
+        if self._given_context is not None:
+            return self._given_context
+        if self._owned_context is None:
+            self._owned_context = sized_context(file_limit().soft)
+        return self._owned_context
+
     def _open_bound(self) -> None:
         if self._settings.bind is None or self._bound is not None:
             return
@@ -236,7 +250,7 @@ class Subscriber:
         log.info("bound SUB on %s", self.bound_endpoint)
 
     def _new_sub(self) -> Socket:
-        sock = self._context.socket(zmq.SUB)
+        sock = self._zmq_context().socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, int(self._settings.reconnect_min_s * 1000))
@@ -291,7 +305,7 @@ class Subscriber:
                 raise
             raise SocketLimitError(
                 f"cannot open the sockets of replica {spec.id!r} ({len(self._sub_of)} streams"
-                f" open): {exc.strerror}; {describe_limits(self._context)}"
+                f" open): {exc.strerror}; {describe_limits(self._zmq_context())}"
             ) from None
         for stream, sub, monitor in pairs:
             self._subscribe(spec, stream, sub, monitor)
@@ -336,8 +350,9 @@ class Subscriber:
         if self._bound is not None:
             self._bound.close(linger=0)
             self._bound = None
-        if self._owns_context and not self._context.closed:
-            self._context.term()
+        if self._owned_context is not None:
+            self._owned_context.term()
+            self._owned_context = None
 
     # --- what the sockets deliver --------------------------------------------------------
 
