@@ -42,7 +42,12 @@ from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.pipeline import Pipeline
-from kvindex.indexer.process_limits import describe_limits, file_limit, sized_context
+from kvindex.indexer.process_limits import (
+    describe_limits,
+    file_limit,
+    files_needed,
+    sized_context,
+)
 from kvindex.indexer.replay import ReplaySession
 from kvindex.indexer.settings import IndexerSettings
 
@@ -183,6 +188,12 @@ class Subscriber:
         """True while the loop thread runs (started, not ended)."""
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def subscribed_replicas(self) -> list[str]:
+        """Ids of the replicas whose sockets are open, sorted (read from the loop's thread,
+        or while it does not run)."""
+        return sorted(self._sockets_of)
+
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         if self._thread is not None:
@@ -274,6 +285,8 @@ class Subscriber:
         ``strict`` raises :class:`SocketLimitError`; else one error line when the number
         of replicas left unopened changes (they are tried again each maintenance turn)."""
         unopened = [s for s in self._specs if s.events is not None and s.id not in self._sockets_of]
+        if strict and unopened:
+            self._log_files_needed(sum(s.dp_size for s in unopened))
         error: SocketLimitError | None = None
         for spec in unopened:
             try:
@@ -286,6 +299,13 @@ class Subscriber:
         if error is not None and num_unopened != self._num_unopened:
             log.error("%d replicas not subscribed: %s", num_unopened, error)
         self._num_unopened = num_unopened
+
+    def _log_files_needed(self, num_streams: int) -> None:
+        """Say at start what ``num_streams`` streams will hold against the file limit."""
+        needed, limit = files_needed(len(self._sub_of) + num_streams), file_limit()
+        level = logging.WARNING if needed > limit.soft else logging.INFO
+        message = "subscribing to %d streams: about %d open files, open-file limit %s"
+        log.log(level, message, num_streams, needed, limit)
 
     def _connect_replica(self, spec: ReplicaSpec) -> None:
         """Every rank's SUB and monitor, then the streams tracked; out of files, none of the
@@ -325,7 +345,7 @@ class Subscriber:
     def _close_sockets(self, sockets: list[Socket]) -> None:
         """Close sockets not (yet) registered anywhere: a SUB's monitor is disabled first."""
         for sock in sockets:
-            if sock.socket_type == zmq.SUB:
+            if sock.type == zmq.SUB:
                 sock.disable_monitor()
             sock.close(linger=0)
 

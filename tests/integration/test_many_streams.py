@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -29,7 +30,7 @@ from kvindex.indexer.wire import (
     encode_replay_end,
     encode_replay_reply,
 )
-from tests.support.processes import running
+from tests.support.processes import KVINDEX, running
 from tests.support.redis_server import free_port
 
 MODEL = "many-model"
@@ -191,3 +192,30 @@ def test_serve_indexes_a_block_from_each_of_2000_replicas(
         f"RSS {rss:.0f} MiB, {fleet.num_replays} replays answered",
         file=sys.stderr,
     )
+
+
+_WITH_LOW_FILE_LIMIT = (
+    "import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)); "
+    "os.execv(sys.argv[1], sys.argv[1:])"
+)
+"""Runs its arguments with soft and hard open-file limits of 256 (as a small container)."""
+
+
+def test_serve_past_the_file_limit_exits_with_one_error_naming_the_limit(tmp_path: Path) -> None:
+    port = free_port()
+    lines = ["status_port = -1"]
+    for i in range(200):  # ~800 open files needed, 256 allowed; nobody needs to listen
+        lines += ["[[replicas]]", f'id = "r{i}"', f'model = "{MODEL}"']
+        lines += [f'events = "tcp://127.0.0.1:{port}"', f'replay = "tcp://127.0.0.1:{port}"']
+    config = tmp_path / "too-many.toml"
+    config.write_text("\n".join(lines) + "\n")
+    serve = [str(KVINDEX), "serve", "--config", str(config), "--port", str(free_port())]
+    args = [sys.executable, "-c", _WITH_LOW_FILE_LIMIT, *serve]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    error = [line for line in done.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(error) == 1, done.stderr[-3000:]
+    assert error[0].startswith("Error: cannot open the sockets of replica 'r")
+    assert "open-file limit 256 (hard 256)" in error[0] and "ulimit -Hn" in error[0]
+    assert "subscribing to 200 streams: about 800 open files" in done.stderr  # warned first
