@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import select
 import threading
 import time
 from collections.abc import Callable
@@ -70,6 +71,63 @@ def _out_of_files(exc: zmq.ZMQError) -> bool:
     return exc.errno in _OUT_OF_FILES
 
 
+def _int_option(sock: Socket, option: int) -> int:
+    value = sock.getsockopt(option)
+    assert isinstance(value, int)
+    return value
+
+
+class ReadablePoller:
+    """``zmq.Poller``'s register / unregister / poll for readability, costing the sockets that
+    are ready rather than every socket registered: with thousands of streams a
+    ``zmq.Poller.poll`` walks every socket each turn (about 15 ms for 4,000 here).
+
+    An epoll watches each socket's ``ZMQ_FD``, which signals when the socket's state may have
+    changed; ``ZMQ_EVENTS`` then says whether it is readable. A socket reported readable is
+    checked again at the next poll (without waiting) until it is not, so a caller that stops
+    draining early, or that sends on it, loses no wake-up. Used from one thread; a socket is
+    unregistered before it is closed."""
+
+    def __init__(self) -> None:
+        self._epoll = select.epoll()
+        self._socket_of: dict[int, Socket] = {}
+        self._unchecked: set[Socket] = set()
+
+    @property
+    def sockets(self) -> list[Socket]:
+        return list(self._socket_of.values())
+
+    def register(self, sock: Socket) -> None:
+        fd = _int_option(sock, zmq.FD)
+        self._epoll.register(fd, select.EPOLLIN)
+        self._socket_of[fd] = sock
+        self._unchecked.add(sock)  # it may hold messages already
+
+    def unregister(self, sock: Socket) -> None:
+        fd = _int_option(sock, zmq.FD)
+        self._epoll.unregister(fd)
+        del self._socket_of[fd]
+        self._unchecked.discard(sock)
+
+    def poll(self, timeout_ms: int) -> list[Socket]:
+        """The readable sockets, waiting up to ``timeout_ms`` for one (not at all while a
+        socket reported last time is still to be checked)."""
+        timeout_s = 0.0 if self._unchecked else timeout_ms / 1000
+        for fd, _ in self._epoll.poll(timeout_s):
+            sock = self._socket_of.get(fd)
+            if sock is not None:
+                self._unchecked.add(sock)
+        ready = [s for s in self._unchecked if _int_option(s, zmq.EVENTS) & zmq.POLLIN]
+        self._unchecked = set(ready)
+        return ready
+
+    def close(self) -> None:
+        """Stop watching (every socket should be unregistered by now); idempotent."""
+        self._socket_of.clear()
+        self._unchecked.clear()
+        self._epoll.close()
+
+
 class _ReplaySockets:
     """The pipeline's :class:`~kvindex.indexer.pipeline.ReplayRequests`: one DEALER per open
     replay, polled by the loop. A replay whose DEALER cannot open (out of files) is held as
@@ -78,7 +136,7 @@ class _ReplaySockets:
     def __init__(
         self,
         context: Callable[[], Context],
-        poller: zmq.Poller,
+        poller: ReadablePoller,
         timeout_s: float,
         clock: Callable[[], float],
     ) -> None:
@@ -108,7 +166,7 @@ class _ReplaySockets:
         self._limit_logged = False
         self.sessions[stream] = session
         self.stream_of[session.socket] = stream
-        self._poller.register(session.socket, zmq.POLLIN)
+        self._poller.register(session.socket)
 
     def _on_unopened(self, stream: StreamId, exc: zmq.ZMQError) -> None:
         self.unopened.add(stream)
@@ -153,7 +211,7 @@ class Subscriber:
         self._given_context = context
         self._owned_context: Context | None = None
         self._clock = clock
-        self._poller = zmq.Poller()
+        self._poller = ReadablePoller()
         self._replays = _ReplaySockets(
             self._zmq_context, self._poller, settings.replay_timeout_s, clock
         )
@@ -212,12 +270,12 @@ class Subscriber:
         """One loop turn: reconcile replicas, poll, handle, expire, maintain.
 
         It waits up to ``timeout_ms`` for a socket (or for :meth:`stop`): with no socket
-        registered ``zmq.Poller.poll`` returns at once, which would spin a core.
+        registered a poll would return at once, which would spin a core.
         """
         self._reconcile()
         if not self._poller.sockets:
             self._stop.wait(timeout_ms / 1000)
-        for sock, _ in self._poller.poll(timeout_ms):
+        for sock in self._poller.poll(timeout_ms):
             self._dispatch(sock)
         for stream in self._replays.expired():
             self.pipeline.replay_timed_out(stream)
@@ -257,7 +315,7 @@ class Subscriber:
         sock.bind(self._settings.bind)
         self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._bound = sock
-        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(sock)
         log.info("bound SUB on %s", self.bound_endpoint)
 
     def _new_sub(self) -> Socket:
@@ -337,8 +395,8 @@ class Subscriber:
         sub.connect(endpoint)
         self._sub_of[sub] = stream
         self._monitor_of[monitor] = stream
-        self._poller.register(sub, zmq.POLLIN)
-        self._poller.register(monitor, zmq.POLLIN)
+        self._poller.register(sub)
+        self._poller.register(monitor)
         self.pipeline.track(stream, spec)
         log.info("replica %s rank %d: connecting to %s", spec.id, stream.rank, endpoint)
 
@@ -361,15 +419,14 @@ class Subscriber:
     def _close_all(self) -> None:
         self.pipeline.close()
         for replica in list(self._sockets_of):
-            for sock in self._sockets_of.pop(replica):
-                if sock in self._sub_of:
-                    sock.disable_monitor()
-                sock.close(linger=0)
+            self._close_replica(replica)
         for stream in list(self._replays.sessions):
             self._replays.end_replay(stream)
         if self._bound is not None:
+            self._poller.unregister(self._bound)
             self._bound.close(linger=0)
             self._bound = None
+        self._poller.close()
         if self._owned_context is not None:
             self._owned_context.term()
             self._owned_context = None

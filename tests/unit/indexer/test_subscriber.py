@@ -14,7 +14,12 @@ from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.settings import IndexerSettings
-from kvindex.indexer.subscriber import SocketLimitError, Subscriber, _ReplaySockets
+from kvindex.indexer.subscriber import (
+    ReadablePoller,
+    SocketLimitError,
+    Subscriber,
+    _ReplaySockets,
+)
 from tests.support.redis_server import free_port
 
 
@@ -124,7 +129,7 @@ def test_a_replay_socket_that_cannot_open_fails_as_a_timed_out_replay(
 ) -> None:
     context = _tiny_context(1)
     holder = context.socket(zmq.PAIR)  # the one socket the context allows
-    replays = _ReplaySockets(lambda: context, zmq.Poller(), 5.0, time.monotonic)
+    replays = _ReplaySockets(lambda: context, ReadablePoller(), 5.0, time.monotonic)
     first, second = StreamId("r1", 0), StreamId("r2", 0)
     try:
         with caplog.at_level(logging.ERROR, logger="kvindex.subscriber"):
@@ -137,4 +142,41 @@ def test_a_replay_socket_that_cannot_open_fails_as_a_timed_out_replay(
     finally:
         replays.end_replay(second)
         holder.close(linger=0)
+        context.term()
+
+
+# --- the poller ----------------------------------------------------------------------------
+
+
+def test_the_poller_reports_a_socket_until_it_is_drained_and_wakes_on_the_next_message() -> None:
+    context: Context = zmq.Context()
+    pusher, puller = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+    pusher.bind("inproc://poller-test")
+    puller.connect("inproc://poller-test")
+    idle = context.socket(zmq.PAIR)
+    poller = ReadablePoller()
+    try:
+        poller.register(puller)
+        poller.register(idle)
+        assert poller.poll(0) == [] and set(poller.sockets) == {puller, idle}
+        for i in range(3):
+            pusher.send(bytes([i]))
+        assert poller.poll(1000) == [puller]
+        puller.recv()  # a drain that stops early: reported again, at once
+        started = time.monotonic()
+        assert poller.poll(5000) == [puller] and time.monotonic() - started < 1
+        puller.recv()
+        puller.recv()
+        started = time.monotonic()
+        assert poller.poll(5000) == [] and time.monotonic() - started < 1  # checked: empty
+        started = time.monotonic()
+        assert poller.poll(200) == [] and time.monotonic() - started >= 0.15  # it waits
+        pusher.send(b"again")
+        assert poller.poll(5000) == [puller]  # a new message wakes it
+        poller.unregister(puller)
+        assert poller.poll(0) == [] and poller.sockets == [idle]
+    finally:
+        poller.close()
+        for sock in (pusher, puller, idle):
+            sock.close(linger=0)
         context.term()
