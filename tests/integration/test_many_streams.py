@@ -159,7 +159,9 @@ def _num_gpu_blocks(http: httpx.Client) -> int:
     return int(answer.json()["blocks"].get("gpu", 0)) if answer.status_code == 200 else -1
 
 
-@pytest.mark.timeout(120)  # 2,000 replicas: the fleet, the config, start and sync take ~N s
+# 15-27 s here (2 cores): under the default 60 s, raised so that a machine shared with
+# other heavy runs (sync took 3x longer then) does not fail it on time alone.
+@pytest.mark.timeout(90)
 def test_serve_indexes_a_block_from_each_of_2000_replicas(
     fleet: LightFleet, tmp_path: Path
 ) -> None:
@@ -172,7 +174,7 @@ def test_serve_indexes_a_block_from_each_of_2000_replicas(
         running(log, *args) as process,
         httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=10) as http,
     ):
-        deadline = started + 90
+        deadline = started + 75
         while _num_gpu_blocks(http) < NUM_REPLICAS:
             assert process.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, log.read_text()[-3000:]
