@@ -80,7 +80,7 @@ def _int_option(sock: Socket, option: int) -> int:
 class ReadablePoller:
     """``zmq.Poller``'s register / unregister / poll for readability, costing the sockets that
     are ready rather than every socket registered: with thousands of streams a
-    ``zmq.Poller.poll`` walks every socket each turn (about 15 ms for 4,000 here).
+    ``zmq.Poller.poll`` walks every socket each turn (9-16 ms for 4,000 here, 0.2 ms this way).
 
     An epoll watches each socket's ``ZMQ_FD``, which signals when the socket's state may have
     changed; ``ZMQ_EVENTS`` then says whether it is readable. A socket reported readable is
