@@ -13,10 +13,20 @@ from kvindex.indexer.fleet.sync import FleetSync
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.index.redis import RedisIndex, connect
+from kvindex.indexer.process_limits import raise_file_limit
 from kvindex.indexer.redis_schema import Schema
 from kvindex.indexer.settings import IndexerSettings
 from kvindex.indexer.status_server import IndexerStatus
 from kvindex.indexer.subscriber import Subscriber
+
+log = logging.getLogger("kvindex.indexer")
+
+
+def _raise_file_limit(settings: IndexerSettings) -> None:
+    """Raise the soft open-file limit as ``max_open_files`` says (logged when it moved)."""
+    before, after = raise_file_limit(settings.max_open_files)
+    if after.soft != before.soft:
+        log.info("open-file limit raised from %s to %s", before, after)
 
 
 def open_index(settings: IndexerSettings) -> BlockIndex:
@@ -50,6 +60,7 @@ class IndexerService:
         """The service the settings describe. ``with_status``: also serve the status port
         (the ``kvindex indexer`` process; a process that embeds the write path, such as
         ``kvindex serve``, exports its series its own way)."""
+        _raise_file_limit(settings)  # before the subscriber sizes its context to it
         index = index if index is not None else open_index(settings)
         registry = Registry(settings.replicas, stale_after_s=settings.stale_after_s)
         fleet = None

@@ -80,6 +80,10 @@ class IndexerSettings:
     """Longest ZeroMQ reconnect back-off."""
     key_cache_size: int = 65_536
     """Recent engine hash → key mappings cached per stream (saves index round trips)."""
+    max_open_files: int = 0
+    """Soft open-file limit (``RLIMIT_NOFILE``) the indexer raises itself to at start, never
+    above the hard limit nor lowered (0: the hard limit). A connect-mode stream needs about
+    4 open files, 2 more while it replays."""
     log_level: str = "INFO"
     """Python logging level."""
     status_host: str = "127.0.0.1"
@@ -100,6 +104,8 @@ class IndexerSettings:
         except SchemaError as exc:
             raise SettingsError(str(exc)) from exc
         check_endpoint("bind", self.bind)
+        if self.max_open_files < 0:
+            raise SettingsError(f"max_open_files must be >= 0, got {self.max_open_files!r}")
         if self.max_self_registered < 0:
             raise SettingsError(
                 f"max_self_registered must be >= 0, got {self.max_self_registered!r}"

@@ -9,7 +9,15 @@ Two topologies, as vLLM allows (both may be used at once):
   endpoint without ``*``). Each stream is known from its topic ``kv@<replica>@<model>``
   and the batch's data-parallel rank, and is registered on its first event.
 
-Replays use one DEALER per replay (:class:`~kvindex.indexer.replay.ReplaySession`).
+Replays use one DEALER per replay (:class:`~kvindex.indexer.replay.ReplaySession`), open
+only while the replay runs.
+
+Scale: a connect-mode stream holds three sockets (SUB and its monitor's two ends) and about
+four open files, so the subscriber opens its own context sized to the open-file limit
+(:mod:`~kvindex.indexer.process_limits`): thousands of replicas fit where the file limit
+allows. A socket that still cannot open raises :class:`SocketLimitError` at start (the CLI
+prints it) and is one error line later (a replica added at run time, a replay), naming the
+limits and the fix; a replay that cannot open fails as a timed-out one does.
 
 One thread runs the loop: it owns every socket and the
 :class:`~kvindex.indexer.pipeline.Pipeline`, which decides everything else (ordering,
@@ -19,7 +27,9 @@ deliver and carries out its replay requests.
 
 from __future__ import annotations
 
+import errno
 import logging
+import select
 import threading
 import time
 from collections.abc import Callable
@@ -27,11 +37,18 @@ from collections.abc import Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.events import StreamId
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.pipeline import Pipeline
+from kvindex.indexer.process_limits import (
+    describe_limits,
+    file_limit,
+    files_needed,
+    sized_context,
+)
 from kvindex.indexer.replay import ReplaySession
 from kvindex.indexer.settings import IndexerSettings
 
@@ -43,14 +60,85 @@ _MAINTENANCE_EVERY_S = 1.0
 
 Context = zmq.Context[zmq.Socket[bytes]]
 Socket = zmq.Socket[bytes]
+_OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
+
+
+class SocketLimitError(KvIndexError):
+    """A socket could not open: the process reached its open-file or ZeroMQ socket limit."""
+
+
+def _out_of_files(exc: zmq.ZMQError) -> bool:
+    return exc.errno in _OUT_OF_FILES
+
+
+def _int_option(sock: Socket, option: int) -> int:
+    value = sock.getsockopt(option)
+    assert isinstance(value, int)
+    return value
+
+
+class ReadablePoller:
+    """``zmq.Poller``'s register / unregister / poll for readability, costing the sockets that
+    are ready rather than every socket registered: with thousands of streams a
+    ``zmq.Poller.poll`` walks every socket each turn (9-16 ms for 4,000 here, 0.2 ms this way).
+
+    An epoll watches each socket's ``ZMQ_FD``, which signals when the socket's state may have
+    changed; ``ZMQ_EVENTS`` then says whether it is readable. A socket reported readable is
+    checked again at the next poll (without waiting) until it is not, so a caller that stops
+    draining early, or that sends on it, loses no wake-up. Used from one thread; a socket is
+    unregistered before it is closed."""
+
+    def __init__(self) -> None:
+        self._epoll = select.epoll()
+        self._socket_of: dict[int, Socket] = {}
+        self._unchecked: set[Socket] = set()
+
+    @property
+    def sockets(self) -> list[Socket]:
+        return list(self._socket_of.values())
+
+    def register(self, sock: Socket) -> None:
+        fd = _int_option(sock, zmq.FD)
+        self._epoll.register(fd, select.EPOLLIN)
+        self._socket_of[fd] = sock
+        self._unchecked.add(sock)  # it may hold messages already
+
+    def unregister(self, sock: Socket) -> None:
+        fd = _int_option(sock, zmq.FD)
+        self._epoll.unregister(fd)
+        del self._socket_of[fd]
+        self._unchecked.discard(sock)
+
+    def poll(self, timeout_ms: int) -> list[Socket]:
+        """The readable sockets, waiting up to ``timeout_ms`` for one (not at all while a
+        socket reported last time is still to be checked)."""
+        timeout_s = 0.0 if self._unchecked else timeout_ms / 1000
+        for fd, _ in self._epoll.poll(timeout_s):
+            sock = self._socket_of.get(fd)
+            if sock is not None:
+                self._unchecked.add(sock)
+        ready = [s for s in self._unchecked if _int_option(s, zmq.EVENTS) & zmq.POLLIN]
+        self._unchecked = set(ready)
+        return ready
+
+    def close(self) -> None:
+        """Stop watching (every socket should be unregistered by now); idempotent."""
+        self._socket_of.clear()
+        self._unchecked.clear()
+        self._epoll.close()
 
 
 class _ReplaySockets:
     """The pipeline's :class:`~kvindex.indexer.pipeline.ReplayRequests`: one DEALER per open
-    replay, polled by the loop. Used from the loop's thread only."""
+    replay, polled by the loop. A replay whose DEALER cannot open (out of files) is held as
+    expired, so the pipeline gives it up as a timed-out one. Used from the loop's thread only."""
 
     def __init__(
-        self, context: Context, poller: zmq.Poller, timeout_s: float, clock: Callable[[], float]
+        self,
+        context: Callable[[], Context],
+        poller: ReadablePoller,
+        timeout_s: float,
+        clock: Callable[[], float],
     ) -> None:
         self._context = context
         self._poller = poller
@@ -58,16 +146,46 @@ class _ReplaySockets:
         self._clock = clock
         self.sessions: dict[StreamId, ReplaySession] = {}
         self.stream_of: dict[Socket, StreamId] = {}
+        self.unopened: set[StreamId] = set()
+        self._limit_logged = False
 
     def start_replay(self, stream: StreamId, endpoint: str, start_seq: int) -> None:
-        session = ReplaySession(
-            self._context, endpoint, start_seq, idle_timeout_s=self._timeout_s, clock=self._clock
-        )
+        try:
+            session = ReplaySession(
+                self._context(),
+                endpoint,
+                start_seq,
+                idle_timeout_s=self._timeout_s,
+                clock=self._clock,
+            )
+        except zmq.ZMQError as exc:
+            if not _out_of_files(exc):
+                raise
+            self._on_unopened(stream, exc)
+            return
+        self._limit_logged = False
         self.sessions[stream] = session
         self.stream_of[session.socket] = stream
-        self._poller.register(session.socket, zmq.POLLIN)
+        self._poller.register(session.socket)
+
+    def _on_unopened(self, stream: StreamId, exc: zmq.ZMQError) -> None:
+        self.unopened.add(stream)
+        if not self._limit_logged:  # once until a replay opens again: not once per stream
+            self._limit_logged = True
+            log.error(
+                "stream %s: cannot open a replay socket (%s): %s",
+                stream,
+                exc.strerror,
+                describe_limits(self._context()),
+            )
+
+    def expired(self) -> list[StreamId]:
+        """Streams whose replay went silent too long or never opened."""
+        late = [s for s, session in self.sessions.items() if session.expired()]
+        return late + sorted(self.unopened)
 
     def end_replay(self, stream: StreamId) -> int:
+        self.unopened.discard(stream)
         session = self.sessions.pop(stream, None)
         if session is None:
             return 0
@@ -90,16 +208,19 @@ class Subscriber:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._settings = settings
-        self._context = context or zmq.Context.instance()
+        self._given_context = context
+        self._owned_context: Context | None = None
         self._clock = clock
-        self._poller = zmq.Poller()
+        self._poller = ReadablePoller()
         self._replays = _ReplaySockets(
-            self._context, self._poller, settings.replay_timeout_s, clock
+            self._zmq_context, self._poller, settings.replay_timeout_s, clock
         )
         self.pipeline = Pipeline(settings, index, registry, replays=self._replays, clock=clock)
         self._sub_of: dict[Socket, StreamId] = {}
         self._monitor_of: dict[Socket, StreamId] = {}
         self._sockets_of: dict[str, list[Socket]] = {}
+        self._specs: list[ReplicaSpec] = []
+        self._num_unopened = 0
         self._bound: Socket | None = None
         self._next_maintenance = 0.0
         self._stop = threading.Event()
@@ -109,9 +230,14 @@ class Subscriber:
     # --- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
-        """Open sockets now (so bind errors surface here), then run in a daemon thread."""
-        self._open_bound()
-        self._reconcile()
+        """Open sockets now (so bind errors and :class:`SocketLimitError` surface here, every
+        socket closed again), then run in a daemon thread."""
+        try:
+            self._open_bound()
+            self._reconcile(strict=True)
+        except (SocketLimitError, zmq.ZMQError):
+            self._close_all()
+            raise
         self._thread = threading.Thread(target=self._run, name="kvindex-subscriber", daemon=True)
         self._thread.start()
 
@@ -119,6 +245,12 @@ class Subscriber:
     def running(self) -> bool:
         """True while the loop thread runs (started, not ended)."""
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def subscribed_replicas(self) -> list[str]:
+        """Ids of the replicas whose sockets are open, sorted (read from the loop's thread,
+        or while it does not run)."""
+        return sorted(self._sockets_of)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
@@ -138,18 +270,21 @@ class Subscriber:
         """One loop turn: reconcile replicas, poll, handle, expire, maintain.
 
         It waits up to ``timeout_ms`` for a socket (or for :meth:`stop`): with no socket
-        registered ``zmq.Poller.poll`` returns at once, which would spin a core.
+        registered a poll would return at once, which would spin a core.
         """
         self._reconcile()
         if not self._poller.sockets:
             self._stop.wait(timeout_ms / 1000)
-        for sock, _ in self._poller.poll(timeout_ms):
+        for sock in self._poller.poll(timeout_ms):
             self._dispatch(sock)
-        self._expire_replays()
+        for stream in self._replays.expired():
+            self.pipeline.replay_timed_out(stream)
         now = self._clock()
         if now >= self._next_maintenance:
             self._next_maintenance = now + _MAINTENANCE_EVERY_S
             self.pipeline.maintain()
+            if self._num_unopened:
+                self._open_replicas(strict=False)
 
     def _dispatch(self, sock: Socket) -> None:
         if sock is self._bound:
@@ -163,6 +298,16 @@ class Subscriber:
 
     # --- sockets -------------------------------------------------------------------------
 
+    def _zmq_context(self) -> Context:
+        """The context given, or the subscriber's own, opened on first use (a subscriber
+        built and never started holds none) and sized to the open-file limit then, which
+        the service has raised by that time; closed with the subscriber."""
+        if self._given_context is not None:
+            return self._given_context
+        if self._owned_context is None:
+            self._owned_context = sized_context(file_limit().soft)
+        return self._owned_context
+
     def _open_bound(self) -> None:
         if self._settings.bind is None or self._bound is not None:
             return
@@ -170,11 +315,11 @@ class Subscriber:
         sock.bind(self._settings.bind)
         self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._bound = sock
-        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(sock)
         log.info("bound SUB on %s", self.bound_endpoint)
 
     def _new_sub(self) -> Socket:
-        sock = self._context.socket(zmq.SUB)
+        sock = self._zmq_context().socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, int(self._settings.reconnect_min_s * 1000))
@@ -182,35 +327,85 @@ class Subscriber:
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         return sock
 
-    def _reconcile(self) -> None:
+    def _reconcile(self, *, strict: bool = False) -> None:
         """When the registry changed: open SUBs for new replicas, close removed ones'."""
         specs = self.pipeline.reconcile()
         if specs is None:
             return
+        self._specs = list(specs)
         wanted = {r.id for r in specs}
         for replica in [r for r in self._sockets_of if r not in wanted]:
             self._close_replica(replica)
-        for spec in specs:
-            if spec.events is not None and spec.id not in self._sockets_of:
+        self._open_replicas(strict=strict)
+
+    def _open_replicas(self, *, strict: bool) -> None:
+        """Open the sockets of every registered replica that has none. Out of files:
+        ``strict`` raises :class:`SocketLimitError`; else one error line when the number
+        of replicas left unopened changes (they are tried again each maintenance turn)."""
+        unopened = [s for s in self._specs if s.events is not None and s.id not in self._sockets_of]
+        if strict and unopened:
+            self._log_files_needed(sum(s.dp_size for s in unopened))
+        error: SocketLimitError | None = None
+        for spec in unopened:
+            try:
                 self._connect_replica(spec)
+            except SocketLimitError as exc:
+                if strict:
+                    raise
+                error = error or exc
+        num_unopened = sum(s.id not in self._sockets_of for s in unopened)
+        if error is not None and num_unopened != self._num_unopened:
+            log.error("%d replicas not subscribed: %s", num_unopened, error)
+        self._num_unopened = num_unopened
+
+    def _log_files_needed(self, num_streams: int) -> None:
+        """Say at start what ``num_streams`` streams will hold against the file limit."""
+        needed, limit = files_needed(len(self._sub_of) + num_streams), file_limit()
+        level = logging.WARNING if needed > limit.soft else logging.INFO
+        message = "subscribing to %d streams: about %d open files, open-file limit %s"
+        log.log(level, message, num_streams, needed, limit)
 
     def _connect_replica(self, spec: ReplicaSpec) -> None:
+        """Every rank's SUB and monitor, then the streams tracked; out of files, none of the
+        replica's sockets stays open and :class:`SocketLimitError` says which limit."""
         sockets: list[Socket] = []
-        for rank in range(spec.dp_size):
-            stream = StreamId(spec.id, rank)
-            endpoint = spec.events_for_rank(rank)
-            assert endpoint is not None
-            sub = self._new_sub()
-            monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-            sub.connect(endpoint)
-            self._sub_of[sub] = stream
-            self._monitor_of[monitor] = stream
-            self._poller.register(sub, zmq.POLLIN)
-            self._poller.register(monitor, zmq.POLLIN)
-            sockets += [sub, monitor]
-            self.pipeline.track(stream, spec)
-            log.info("replica %s rank %d: connecting to %s", spec.id, rank, endpoint)
+        pairs: list[tuple[StreamId, Socket, Socket]] = []
+        try:
+            for rank in range(spec.dp_size):
+                sub = self._new_sub()
+                sockets.append(sub)
+                monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+                sockets.append(monitor)
+                pairs.append((StreamId(spec.id, rank), sub, monitor))
+        except zmq.ZMQError as exc:
+            self._close_sockets(sockets)
+            if not _out_of_files(exc):
+                raise
+            raise SocketLimitError(
+                f"cannot open the sockets of replica {spec.id!r} ({len(self._sub_of)} streams"
+                f" open): {exc.strerror}; {describe_limits(self._zmq_context())}"
+            ) from None
+        for stream, sub, monitor in pairs:
+            self._subscribe(spec, stream, sub, monitor)
         self._sockets_of[spec.id] = sockets
+
+    def _subscribe(self, spec: ReplicaSpec, stream: StreamId, sub: Socket, monitor: Socket) -> None:
+        endpoint = spec.events_for_rank(stream.rank)
+        assert endpoint is not None
+        sub.connect(endpoint)
+        self._sub_of[sub] = stream
+        self._monitor_of[monitor] = stream
+        self._poller.register(sub)
+        self._poller.register(monitor)
+        self.pipeline.track(stream, spec)
+        log.info("replica %s rank %d: connecting to %s", spec.id, stream.rank, endpoint)
+
+    def _close_sockets(self, sockets: list[Socket]) -> None:
+        """Close sockets not (yet) registered anywhere: a SUB's monitor is disabled first."""
+        for sock in sockets:
+            if sock.type == zmq.SUB:
+                sock.disable_monitor()
+            sock.close(linger=0)
 
     def _close_replica(self, replica: str) -> None:
         for sock in self._sockets_of.pop(replica, []):
@@ -224,15 +419,17 @@ class Subscriber:
     def _close_all(self) -> None:
         self.pipeline.close()
         for replica in list(self._sockets_of):
-            for sock in self._sockets_of.pop(replica):
-                if sock in self._sub_of:
-                    sock.disable_monitor()
-                sock.close(linger=0)
+            self._close_replica(replica)
         for stream in list(self._replays.sessions):
             self._replays.end_replay(stream)
         if self._bound is not None:
+            self._poller.unregister(self._bound)
             self._bound.close(linger=0)
             self._bound = None
+        self._poller.close()
+        if self._owned_context is not None:
+            self._owned_context.term()
+            self._owned_context = None
 
     # --- what the sockets deliver --------------------------------------------------------
 
@@ -249,11 +446,6 @@ class Subscriber:
         session = self._replays.sessions.get(stream)
         if session is not None:
             self.pipeline.on_replay(stream, session.receive())
-
-    def _expire_replays(self) -> None:
-        expired = [s for s, session in self._replays.sessions.items() if session.expired()]
-        for stream in expired:
-            self.pipeline.replay_timed_out(stream)
 
     def _on_monitor(self, sock: Socket, stream: StreamId) -> None:
         while True:

@@ -195,9 +195,14 @@ def serve(
     except KvIndexError as exc:
         raise click.ClickException(str(exc)) from exc
     make_console().print(f"kvindex serve ({settings.store} store) on http://{api.host}:{api.port}")
-    run_server(
-        settings, api, watch=lambda indexer: StatusLog(lambda: _fleet_status(indexer), stats_every)
-    )
+    try:
+        run_server(
+            settings,
+            api,
+            watch=lambda indexer: StatusLog(lambda: _fleet_status(indexer), stats_every),
+        )
+    except KvIndexError as exc:  # the indexer could not start (e.g. out of open files)
+        raise click.ClickException(str(exc)) from exc
 
 
 @main.command()
