@@ -169,13 +169,16 @@ def _ask(client: openai.OpenAI, messages: Messages) -> tuple[str, int]:
     return raw.headers["x-kvindex-replica"], cached
 
 
-def _until_cached(client: openai.OpenAI, messages: Messages) -> str:
+def _until_cached(client: openai.OpenAI, messages: Messages) -> tuple[str, set[str]]:
     """Ask until an answer comes from a replica that had the prompt cached (the proxy's
-    index has heard of the first answer's blocks); that replica."""
+    index has heard of the first answer's blocks): that replica, and every one that
+    answered meanwhile."""
+    answered: set[str] = set()
     for _ in range(40):
         replica, cached = _ask(client, messages)
+        answered.add(replica)
         if cached:
-            return replica
+            return replica, answered
     raise AssertionError("no answer ever came from a replica holding the prompt")
 
 
@@ -185,9 +188,14 @@ def test_repeated_prompts_land_on_the_replica_that_holds_them(client: openai.Ope
         messages: Messages = _conversation(topic)  # type: ignore[assignment]
         first, cached = _ask(client, messages)
         assert cached == 0
-        _until_cached(client, messages)
+        time.sleep(0.5)  # time for its blocks' events to reach the proxy's index
+        holders = {first} | _until_cached(client, messages)[1]
+        # An answer sent before the index heard of the first one's blocks went by load, so
+        # a second replica may hold the prompt (a third means routing ignored the cache);
+        # each repeat must go to one that holds it.
+        assert len(holders) <= 2, holders
         repeats = [_ask(client, messages) for _ in range(4)]
-        assert all(r == first and c >= num_prompt_tokens // 16 * 16 for r, c in repeats), repeats
+        assert all(c >= num_prompt_tokens // 16 * 16 for _, c in repeats), repeats
 
 
 def test_a_replica_killed_before_a_request_costs_no_request(
@@ -195,7 +203,7 @@ def test_a_replica_killed_before_a_request_costs_no_request(
 ) -> None:
     messages: Messages = _conversation("harbours")  # type: ignore[assignment]
     _ask(client, messages)
-    holder = _until_cached(client, messages)
+    holder, _ = _until_cached(client, messages)
     fleet.sims[holder].child.kill()
     for _ in range(5):
         replica, _cached = _ask(client, messages)  # an error answer would raise
