@@ -16,8 +16,8 @@ the wait, and one probe per cool-down tells them all that it is back.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import uvicorn
@@ -125,6 +125,21 @@ def serve_api(redis_url: str, settings: IndexerSettings, api: ApiSettings) -> No
         deps.index.close()
 
 
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, except that the SIGTERM or SIGINT that stopped it is not raised
+    again once it has: uvicorn re-raises it, so the process died of it at once and its
+    caller's cleanup (the indexer's threads, the store's connections) never ran. The
+    process then ends as its caller returns (exit status 0)."""
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                self._captured_signals.clear()
+
+
 def _run_uvicorn(deps: ApiDeps, api: ApiSettings) -> None:
     app = create_app(deps)
     # log_config=None: uvicorn's loggers keep no handlers of their own and propagate to the
@@ -139,4 +154,4 @@ def _run_uvicorn(deps: ApiDeps, api: ApiSettings) -> None:
         log_config=None,
         http=head_deadline_protocol(api.header_timeout_s),
     )
-    uvicorn.Server(config).run()
+    GracefulServer(config).run()

@@ -22,7 +22,7 @@ from starlette.applications import Starlette
 from kvindex.api.app import ApiDeps
 from kvindex.api.load.scraper import MetricsScraper
 from kvindex.api.score import Scorer
-from kvindex.api.server import Service, api_deps
+from kvindex.api.server import GracefulServer, Service, api_deps
 from kvindex.api.settings import ApiSettings
 from kvindex.api.tokenize.choice import ModelTokenizers
 from kvindex.clients.proxy.app import ProxyParts, create_proxy_app
@@ -121,4 +121,4 @@ def _run_uvicorn(app: Starlette, api: ApiSettings, proxy: ProxySettings) -> None
         date_header=False,
         timeout_graceful_shutdown=math.ceil(proxy.drain_timeout_s),  # uvicorn: whole seconds
     )
-    uvicorn.Server(config).run()
+    GracefulServer(config).run()

@@ -119,3 +119,17 @@ def test_api_takes_its_redis_url_from_env_and_its_token_from_a_file(
         authorized = {"authorization": "Bearer s3cret"}
         assert httpx.get(f"{base}/stats", headers=authorized).status_code == 200
         assert process.poll() is None
+
+
+def test_serve_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+    """SIGTERM drains uvicorn, then the indexer and the store are stopped and the process
+    exits 0 (uvicorn re-raised the signal once it had stopped: the process died of it,
+    status -15, and nothing after uvicorn ran)."""
+    port = free_port()
+    args = ["serve", "--bind", f"tcp://127.0.0.1:{free_port()}", "--port", str(port)]
+    with running(tmp_path / "serve.log", *args, "--stats-every", "0") as process:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False) as http:
+            _until(lambda: http.get("/healthz").status_code == 200)
+        process.terminate()
+        assert process.wait(timeout=10) == 0
+    assert "Traceback" not in (tmp_path / "serve.log").read_text()

@@ -247,8 +247,8 @@ def test_sigterm_drains_the_requests_being_answered_and_accepts_no_new_one(
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"http://127.0.0.1:{port}/healthz", trust_env=False, timeout=5)
         asker.join(20)
-        # uvicorn ends by raising the signal again once drained (exit status -15)
-        assert proxy.process is not None and proxy.process.wait(20) in (0, -signal.SIGTERM)
+        # drained, then the read path stopped: the process returns (not killed by the signal)
+        assert proxy.process is not None and proxy.process.wait(20) == 0
     assert len(answers) == 1 and answers[0].status_code == 200
     assert answers[0].content.endswith(b"data: [DONE]\n\n")
     assert answers[0].content.count(b'"text"') == 100
