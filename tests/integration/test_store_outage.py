@@ -36,6 +36,7 @@ pytestmark = pytest.mark.redis_server
 
 BUDGET_S = 0.25
 """Every answer while Redis is down: its usual latency plus the Redis timeout, well within."""
+REDIS_TIMEOUT_S = ApiSettings().redis_timeout_s
 PROMPT = tokens(0, 8)
 BODY: dict[str, Any] = {"model": MODEL, "token_ids": PROMPT}
 LOAD: dict[str, Any] = {"rate": 50.0, "duration_s": 1.0, "concurrency": 8, "timeout_s": 2.0}
@@ -79,10 +80,26 @@ def outage() -> Iterator[Outage]:
             writer.close()
 
 
-def _assert_bounded_and_degraded(samples: list[Sample]) -> None:
+def usual_latency(api: Outage) -> float:
+    """The slowest answer of the same load with Redis up: on a host that other work slows
+    down (the load, the API and the checks share one process and two cores), the usual
+    latency the bound adds the Redis timeout to."""
+    samples = run_load(api.base_url, BODY, **LOAD)
+    assert all(s.status == 200 and s.degraded is None for s in samples)
+    return max(s.latency_s or 9.9 for s in samples)
+
+
+def budget(usual_s: float) -> float:
+    """:data:`BUDGET_S`, or the usual latency plus the Redis timeout (and 50 ms) when the
+    host makes that longer."""
+    return max(BUDGET_S, usual_s + REDIS_TIMEOUT_S + 0.05)
+
+
+def _assert_bounded_and_degraded(samples: list[Sample], usual_s: float) -> None:
     assert len(samples) == 50
-    slow = [s.latency_s for s in samples if s.latency_s is None or s.latency_s > BUDGET_S]
-    assert slow == [], f"{len(slow)} of 50 answers later than {BUDGET_S} s: {slow[:5]}"
+    limit = budget(usual_s)
+    slow = [s.latency_s for s in samples if s.latency_s is None or s.latency_s > limit]
+    assert slow == [], f"{len(slow)} of 50 answers later than {limit:.3f} s: {slow[:5]}"
     assert {s.status for s in samples} == {200}
     assert all(s.degraded is not None for s in samples)
 
@@ -104,11 +121,12 @@ def _normal(api: Outage) -> bool:
 
 def test_redis_killed_under_load_answers_degraded_in_time_then_recovers(outage: Outage) -> None:
     assert _normal(outage)
+    usual_s = usual_latency(outage)
     outage.server.process.kill()  # SIGKILL
     outage.server.process.wait()
     with during(outage.base_url, BODY, **LOAD) as run:
         _check_health_while_down(outage)
-    _assert_bounded_and_degraded(run.samples)
+    _assert_bounded_and_degraded(run.samples, usual_s)
     outage.server.restart()  # same port, empty: the fleet hash is gone until the next sync
     samples = run_load(outage.base_url, BODY, **{**LOAD, "duration_s": 0.6})
     assert {s.status for s in samples} == {200}  # never "unknown model" around the restart
@@ -121,13 +139,14 @@ def test_redis_killed_under_load_answers_degraded_in_time_then_recovers(outage: 
 
 def test_redis_stopped_under_load_answers_degraded_in_time_then_recovers(outage: Outage) -> None:
     assert _normal(outage)
+    usual_s = usual_latency(outage)
     outage.server.process.send_signal(signal.SIGSTOP)  # accepts connections, never answers
     try:
         with during(outage.base_url, BODY, **LOAD) as run:
             _check_health_while_down(outage)
     finally:
         outage.server.process.send_signal(signal.SIGCONT)
-    _assert_bounded_and_degraded(run.samples)
+    _assert_bounded_and_degraded(run.samples, usual_s)
     wait_until(lambda: _normal(outage), timeout_s=3.0, what="normal answers")
     assert (outage.answer().latency_s or 9.9) <= BUDGET_S
 
