@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import uvicorn
 
@@ -141,7 +142,13 @@ class GracefulServer(uvicorn.Server):
 
 
 def _run_uvicorn(deps: ApiDeps, api: ApiSettings) -> None:
-    app = create_app(deps)
+    run_app(create_app(deps), api)
+
+
+def run_app(app: Any, api: ApiSettings, **options: Any) -> None:
+    """Serve ``app`` on ``api.host:api.port`` until SIGINT/SIGTERM, as every kvindex HTTP
+    process does: request heads within ``api.header_timeout_s``, the signal not re-raised
+    (:class:`GracefulServer`); ``options`` are further ``uvicorn.Config`` arguments."""
     # log_config=None: uvicorn's loggers keep no handlers of their own and propagate to the
     # process's (its format, JSON or text, and its repeat filter); its access log stays off,
     # the app's own (``api.access_log``) labels requests by route.
@@ -153,5 +160,6 @@ def _run_uvicorn(deps: ApiDeps, api: ApiSettings) -> None:
         access_log=False,
         log_config=None,
         http=head_deadline_protocol(api.header_timeout_s),
+        **options,
     )
     GracefulServer(config).run()

@@ -16,13 +16,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import httpx
-import uvicorn
 from starlette.applications import Starlette
 
 from kvindex.api.app import ApiDeps
 from kvindex.api.load.scraper import MetricsScraper
 from kvindex.api.score import Scorer
-from kvindex.api.server import GracefulServer, Service, api_deps
+from kvindex.api.server import Service, api_deps, run_app
 from kvindex.api.settings import ApiSettings
 from kvindex.api.tokenize.choice import ModelTokenizers
 from kvindex.clients.proxy.app import ProxyParts, create_proxy_app
@@ -110,15 +109,10 @@ def serve_proxy(settings: IndexerSettings, api: ApiSettings, proxy: ProxySetting
 
 def _run_uvicorn(app: Starlette, api: ApiSettings, proxy: ProxySettings) -> None:
     # The replicas' own Date and Server headers are passed on: uvicorn adds none.
-    config = uvicorn.Config(
+    run_app(
         app,
-        host=api.host,
-        port=api.port,
-        log_level="warning",
-        access_log=False,
-        log_config=None,
+        api,
         server_header=False,
         date_header=False,
         timeout_graceful_shutdown=math.ceil(proxy.drain_timeout_s),  # uvicorn: whole seconds
     )
-    GracefulServer(config).run()
