@@ -26,7 +26,8 @@ from kvindex.indexer.index.protocol import (
     PrefixMatch,
     StreamStats,
 )
-from kvindex.indexer.index.redis import RedisIndex, connect, connect_bounded
+from kvindex.indexer.index.redis import RedisIndex
+from kvindex.indexer.redis_connection import RedisClient, connect, connect_bounded
 from kvindex.indexer.redis_schema import (
     DEFAULT_PREFIX,
     META_TIER_PREFIX,
@@ -73,7 +74,7 @@ def index(redis_client: redis.Redis) -> RedisIndex:
 
 
 @pytest.fixture
-def own_client(redis_server: RedisServer, redis_client: redis.Redis) -> Iterator[redis.Redis]:
+def own_client(redis_server: RedisServer, redis_client: redis.Redis) -> Iterator[RedisClient]:
     """A client configured as in production (``connect``); ``redis_client`` flushed the server."""
     client = connect(redis_server.url)
     yield client
