@@ -3,7 +3,9 @@
 One Lua script per batch (``apply_batch.lua``) applies every op and moves the watermark
 atomically; a retry after a dropped connection finds the watermark already moved and is a
 no-op. A lookup is one pipelined round trip: one short script per group of streams, walking
-each stream up to its first miss (``longest_prefix.lua``). Key names live in ``redis_schema``.
+each stream up to its first miss (``longest_prefix.lua``); on Redis Cluster, one script per
+group of streams of one slot, sent to every master before any reply is read. Key names live
+in ``redis_schema``.
 
 What a lookup costs: one HGET per requested stream that holds nothing, and n + 1 for a stream
 matching n blocks, so it grows with the fleet (1,024 replicas, 256 of them sharing a 64-block
@@ -56,8 +58,8 @@ _TIER_OF_BYTE = tuple(Tier)
 STREAMS_PER_LOOKUP = 32
 """Streams walked by one ``longest_prefix.lua`` call. A call per stream cost more than its
 reads (a 512-block prompt over 32 streams: 1.17 → 0.74 ms a lookup); the cap keeps one
-call from holding Redis long when many streams match a long prompt. Redis Cluster (a slot
-per stream) will need one stream per call."""
+call from holding Redis long when many streams match a long prompt. On Redis Cluster a
+call's streams also share a slot (mostly one stream per call: a slot per stream)."""
 
 
 def _script(name: str) -> str:
@@ -89,7 +91,7 @@ def encode_ops(ops: Sequence[Op]) -> bytes:
 
 
 class RedisIndex:
-    """Block index in Redis (standalone now; the layout is Cluster-ready).
+    """Block index in Redis, standalone or Cluster (``redis_connection`` builds either).
 
     Every method raises :class:`IndexUnavailableError` when Redis cannot be reached.
     """
