@@ -76,6 +76,35 @@ class ClusterNodes:
                 out[port] = int(client.dbsize())
         return out
 
+    def owner(self, slot: int) -> int:
+        """The port of the master serving ``slot`` (as the nodes see it now)."""
+        with self.node(self.ports[0]) as client:
+            ranges = client.execute_command("CLUSTER", "SLOTS")
+        for start, end, master, *_ in ranges:
+            if int(start) <= slot <= int(end):
+                return int(master[1])
+        raise RuntimeError(f"slot {slot} is not served")
+
+    def move_slot(self, slot: int) -> int:
+        """Migrate ``slot`` and its keys to another master, as a resharding does (clients
+        with the old slot map get MOVED); returns the new master's port."""
+        source = self.owner(slot)
+        target = next(p for p in self.ports if p != source)
+        ids = {}
+        for port in self.ports:
+            with self.node(port) as client:
+                ids[port] = client.execute_command("CLUSTER", "MYID").decode()
+        with self.node(source) as src, self.node(target) as dst:
+            dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[source])
+            src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target])
+            keys = src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 10_000)
+            if keys:
+                src.execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *keys)
+        for port in self.ports:
+            with self.node(port) as client:
+                client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[target])
+        return target
+
     def stop(self) -> None:
         for process in self.processes:
             stop_process(process)
