@@ -131,3 +131,11 @@ def connect_bounded(url: str, *, timeout_s: float, cluster: ClusterMode = "auto"
         retry_on_error=[],
         health_check_interval=30,
     )
+
+
+def ping(client: RedisClient) -> bool:
+    """PING the server, or every master of a cluster (a cluster's own PING asks one node, so
+    a master down would go unseen). Raises as the client's calls do when one cannot answer."""
+    if isinstance(client, RedisCluster):
+        return bool(client.ping(target_nodes=RedisCluster.PRIMARIES))
+    return bool(client.ping())

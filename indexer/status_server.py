@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, NamedTuple
 
@@ -37,7 +38,7 @@ from kvindex.indexer.fleet.registry import RegistryView
 from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.index.redis import RedisIndex
 from kvindex.indexer.metrics import IndexerProcessCollector, IngestCollector
-from kvindex.indexer.redis_connection import connect_bounded
+from kvindex.indexer.redis_connection import connect_bounded, ping
 from kvindex.indexer.settings import IndexerSettings
 
 log = logging.getLogger("kvindex.status_server")
@@ -353,7 +354,7 @@ class IndexerStatus:
                 cluster=settings.redis_cluster,
             )
             scrape_index = RedisIndex(client, index.schema)
-            probe = StoreProbe(client.ping, interval_s=settings.status_probe_s)
+            probe = StoreProbe(partial(ping, client), interval_s=settings.status_probe_s)
         read_index = index if scrape_index is None else scrape_index
         metrics = CollectorRegistry(auto_describe=False)
         metrics.register(IngestCollector(registry, read_index, store_up=probe.is_up))

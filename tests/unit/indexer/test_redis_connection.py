@@ -6,6 +6,7 @@ what is detected is what a real server answers."""
 from __future__ import annotations
 
 import logging
+import signal
 
 import pytest
 import redis
@@ -16,6 +17,7 @@ from kvindex.indexer.redis_connection import (
     connect,
     connect_bounded,
     is_cluster,
+    ping,
 )
 from tests.support.redis_cluster import ClusterNodes
 from tests.support.redis_server import RedisServer, free_port
@@ -74,3 +76,21 @@ def test_a_database_other_than_0_on_a_cluster_is_a_named_error(
 ) -> None:
     with pytest.raises(StoreConnectError):
         connect(redis_cluster.url.removesuffix("/0") + "/3")
+
+
+def test_ping_asks_every_master_of_a_cluster(
+    redis_cluster: ClusterNodes, redis_server: RedisServer
+) -> None:
+    client = connect_bounded(redis_cluster.url, timeout_s=0.3)
+    assert ping(client) is True
+    stopped = redis_cluster.processes[2]
+    stopped.send_signal(signal.SIGSTOP)  # one master stops answering (well within its
+    try:  # node timeout: the cluster does not fail it over)
+        with pytest.raises((redis.ConnectionError, redis.TimeoutError)):
+            ping(client)
+    finally:
+        stopped.send_signal(signal.SIGCONT)
+        client.close()
+    standalone = connect_bounded(redis_server.url, timeout_s=0.5)
+    assert ping(standalone) is True
+    standalone.close()
