@@ -43,6 +43,12 @@ STORE_ERRORS = (
 """Errors meaning "the store cannot answer now" (not "the call was wrong"); a cluster adds
 a slot without a reachable master and a cluster that is down or resharding."""
 
+CLUSTER_AS_STANDALONE = (
+    "a Redis Cluster node used as standalone Redis (it could not be asked when this process "
+    'started, or redis_cluster = "off"): restart the process, or set redis_cluster = "on"'
+)
+"""Why a standalone client got a cluster's redirection (MOVED/ASK): said in the error."""
+
 
 class StoreConnectError(KvIndexError):
     """A Redis Cluster whose slot map could not be read when its client was built."""

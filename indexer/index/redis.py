@@ -44,7 +44,12 @@ from kvindex.indexer.index.protocol import (
     StreamStats,
     applied,
 )
-from kvindex.indexer.redis_connection import STORE_ERRORS, RedisClient, connect
+from kvindex.indexer.redis_connection import (
+    CLUSTER_AS_STANDALONE,
+    STORE_ERRORS,
+    RedisClient,
+    connect,
+)
 from kvindex.indexer.redis_schema import (
     META_TIER_PREFIX,
     META_TS,
@@ -76,6 +81,8 @@ def unavailable_on_connection_errors() -> Iterator[None]:
         yield
     except STORE_ERRORS as exc:
         raise IndexUnavailableError(f"redis: {exc}") from exc
+    except redis.exceptions.AskError as exc:  # MOVED / ASK reached a standalone client
+        raise IndexUnavailableError(f"redis: {CLUSTER_AS_STANDALONE} ({exc})") from exc
 
 
 def _match(reply: bytes) -> PrefixMatch:

@@ -468,3 +468,16 @@ def test_a_stream_whose_slot_moved_to_another_master_is_still_read_and_written(
     assert index.apply(moved, 2, 2.0, [store(3, 103)]).applied
     assert index.longest_prefix([101, 102, 103], [moved]) == {moved: PrefixMatch((Tier.GPU,) * 3)}
     assert index.stats(moved).watermark == 2
+
+
+def test_a_cluster_node_used_as_standalone_is_unavailable_with_the_fix_named(
+    redis_cluster: ClusterNodes, redis_cluster_client: RedisCluster
+) -> None:
+    """Before cluster support this was a MovedError that ended the process."""
+    slot = key_slot(SCHEMA.stream(S).keys.encode())
+    elsewhere = next(p for p in redis_cluster.ports if p != redis_cluster.owner(slot))
+    standalone = connect(f"redis://127.0.0.1:{elsewhere}/0", cluster="off")
+    index = RedisIndex(standalone, SCHEMA)
+    with pytest.raises(IndexUnavailableError, match='set redis_cluster = "on"'):
+        index.apply(S, 1, 1.0, [store(1, 101)])
+    index.close()
