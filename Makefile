@@ -16,7 +16,7 @@ install: $(BIN)/kvindex
 run: install ## the main job on the embedded store: the demo (replica-sims, indexer, API)
 	$(BIN)/kvindex demo
 
-test: install ## the whole test suite (starts its own redis-server on a free port)
+test: install ## the whole test suite (starts its own redis-server and Redis Cluster on loopback)
 	$(BIN)/pytest -q
 
 lint: install

@@ -31,7 +31,8 @@ from kvindex.indexer.circuit import CircuitIndex, StoreCircuit
 from kvindex.indexer.fleet.registry import RegistryView
 from kvindex.indexer.fleet.view import RedisFleetView
 from kvindex.indexer.index.protocol import BlockIndex
-from kvindex.indexer.index.redis import RedisIndex, connect_bounded
+from kvindex.indexer.index.redis import RedisIndex
+from kvindex.indexer.redis_connection import connect_bounded
 from kvindex.indexer.redis_schema import Schema
 from kvindex.indexer.service import IndexerService
 from kvindex.indexer.settings import IndexerSettings
@@ -75,7 +76,9 @@ def _bounded_stores(
 ) -> tuple[BlockIndex, LoadStore, RegistryView, StoreCircuit]:
     """The API's index, load and fleet on one bounded connection, and their one circuit."""
     schema = Schema(settings.redis_prefix)
-    client = connect_bounded(redis_url, timeout_s=api.redis_timeout_s)
+    client = connect_bounded(
+        redis_url, timeout_s=api.redis_timeout_s, cluster=settings.redis_cluster
+    )
     circuit = StoreCircuit(api.redis_cooldown_s)
     index = CircuitIndex(RedisIndex(client, schema), circuit)
     loads = CircuitLoadStore(RedisLoadStore(client, schema), circuit)

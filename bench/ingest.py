@@ -46,7 +46,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import redis
 from machine import calibration_ms
 from redis_server import private_redis
 from workload import MODEL, Workload, WorkloadConfig, build_workload
@@ -56,8 +55,9 @@ from kvindex.indexer.fleet.registry import Registry, fleet_totals
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import BlockIndex
-from kvindex.indexer.index.redis import RedisIndex, connect
+from kvindex.indexer.index.redis import RedisIndex
 from kvindex.indexer.pipeline import Pipeline
+from kvindex.indexer.redis_connection import RedisClient, connect
 from kvindex.indexer.redis_schema import Schema
 from kvindex.indexer.settings import IndexerSettings
 from kvindex.indexer.wire import Encoding
@@ -282,12 +282,12 @@ def run_memory(workload: Workload, plan: list[Delivery], repeat: int) -> dict[st
     )  # fmt: skip
 
 
-def used_memory(client: redis.Redis) -> int:
+def used_memory(client: RedisClient) -> int:
     info: dict[str, Any] = client.info("memory")
     return int(info["used_memory"])
 
 
-def server_time(client: redis.Redis, num_batches: int) -> dict[str, Any]:
+def server_time(client: RedisClient, num_batches: int) -> dict[str, Any]:
     """Redis's own account (INFO commandstats): calls per command, server µs per batch."""
     stats: dict[str, dict[str, Any]] = client.info("commandstats")
     calls = {name.removeprefix("cmdstat_"): int(s["calls"]) for name, s in stats.items()}

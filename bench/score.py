@@ -100,8 +100,9 @@ from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import BatchOps, BlockIndex
-from kvindex.indexer.index.redis import RedisIndex, connect
+from kvindex.indexer.index.redis import RedisIndex
 from kvindex.indexer.keys import block_keys
+from kvindex.indexer.redis_connection import connect
 from kvindex.indexer.redis_schema import Schema
 
 FULL_BLOCKS = 1_000_000

@@ -27,7 +27,8 @@ from machine import calibration_ms, host_load
 from redis_server import free_port
 
 from kvindex.indexer.fleet.sync import FleetSync
-from kvindex.indexer.index.redis import RedisIndex, connect
+from kvindex.indexer.index.redis import RedisIndex
+from kvindex.indexer.redis_connection import connect
 from kvindex.indexer.redis_schema import Schema
 from tests.integration.api_harness import MODEL, Fleet, tokens
 from tests.support.redis_server import running_redis

@@ -37,7 +37,11 @@ its streams' statuses in one script.
 
 Everything one batch touches shares the stream's hash tag ``{<replica>/<rank>}``, so the
 layout runs unchanged on Redis Cluster: a batch is one single-slot script, and clearing a
-stream deletes its three keys (cost: its own blocks, never a scan).
+stream deletes its three keys (cost: its own blocks, never a scan). Every other multi-key
+call stays on one slot too (the fleet's ``{fleet}`` hashes, the load hash's fields); what
+touches keys of different slots is separate single-key commands, or a pipeline of them
+(scrape claims; the streams SET listing a stream beside its batch), never one script or
+transaction.
 """
 
 from __future__ import annotations

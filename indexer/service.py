@@ -12,8 +12,9 @@ from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.sync import FleetSync
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import BlockIndex
-from kvindex.indexer.index.redis import RedisIndex, connect
+from kvindex.indexer.index.redis import RedisIndex
 from kvindex.indexer.process_limits import raise_file_limit
+from kvindex.indexer.redis_connection import connect
 from kvindex.indexer.redis_schema import Schema
 from kvindex.indexer.settings import IndexerSettings
 from kvindex.indexer.status_server import IndexerStatus
@@ -32,7 +33,8 @@ def _raise_file_limit(settings: IndexerSettings) -> None:
 def open_index(settings: IndexerSettings) -> BlockIndex:
     """The store the settings name: in-process (default) or Redis."""
     if settings.store == "redis":
-        return RedisIndex(connect(settings.redis_url), Schema(settings.redis_prefix))
+        client = connect(settings.redis_url, cluster=settings.redis_cluster)
+        return RedisIndex(client, Schema(settings.redis_prefix))
     return MemoryIndex()
 
 

@@ -31,6 +31,7 @@ from typing import Any, Literal, get_args
 
 from kvindex.indexer.errors import SettingsError
 from kvindex.indexer.fleet.replica import ReplicaSpec, check_endpoint, replica_from_mapping
+from kvindex.indexer.redis_connection import CLUSTER_MODES, ClusterMode
 from kvindex.indexer.redis_schema import SchemaError, check_name
 
 StoreKind = Literal["memory", "redis"]
@@ -46,7 +47,10 @@ class IndexerSettings:
     store: StoreKind = "memory"
     """Index store: ``memory`` (in-process, one process) or ``redis`` (shared)."""
     redis_url: str = "redis://127.0.0.1:6379/0"
-    """Redis URL when ``store = "redis"``."""
+    """Redis URL when ``store = "redis"``; on Redis Cluster, any node's."""
+    redis_cluster: ClusterMode = "auto"
+    """Redis Cluster or standalone: ``auto`` asks the node at start (``INFO cluster``),
+    ``on`` / ``off`` say it (``on`` for a cluster that may be down while kvindex starts)."""
     redis_prefix: str = "kvindex"
     """Prefix of every Redis key (several deployments can share one Redis)."""
     bind: str | None = None
@@ -99,6 +103,10 @@ class IndexerSettings:
     def __post_init__(self) -> None:
         if self.store not in get_args(StoreKind):
             raise SettingsError(f"store must be one of {get_args(StoreKind)}, got {self.store!r}")
+        if self.redis_cluster not in CLUSTER_MODES:
+            raise SettingsError(
+                f"redis_cluster must be one of {CLUSTER_MODES}, got {self.redis_cluster!r}"
+            )
         try:
             check_name("redis_prefix", self.redis_prefix)
         except SchemaError as exc:

@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, NamedTuple
 
@@ -35,8 +36,9 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_late
 from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.fleet.registry import RegistryView
 from kvindex.indexer.index.protocol import BlockIndex
-from kvindex.indexer.index.redis import RedisIndex, connect_bounded
+from kvindex.indexer.index.redis import RedisIndex
 from kvindex.indexer.metrics import IndexerProcessCollector, IngestCollector
+from kvindex.indexer.redis_connection import connect_bounded, ping
 from kvindex.indexer.settings import IndexerSettings
 
 log = logging.getLogger("kvindex.status_server")
@@ -346,9 +348,13 @@ class IndexerStatus:
         scrape_index = None
         probe = StoreProbe(None, interval_s=settings.status_probe_s)
         if isinstance(index, RedisIndex):
-            client = connect_bounded(settings.redis_url, timeout_s=settings.status_timeout_s)
+            client = connect_bounded(
+                settings.redis_url,
+                timeout_s=settings.status_timeout_s,
+                cluster=settings.redis_cluster,
+            )
             scrape_index = RedisIndex(client, index.schema)
-            probe = StoreProbe(client.ping, interval_s=settings.status_probe_s)
+            probe = StoreProbe(partial(ping, client), interval_s=settings.status_probe_s)
         read_index = index if scrape_index is None else scrape_index
         metrics = CollectorRegistry(auto_describe=False)
         metrics.register(IngestCollector(registry, read_index, store_up=probe.is_up))

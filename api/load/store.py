@@ -18,6 +18,7 @@ import redis
 from kvindex.api.load.model import CountedLoad, Load, LoadError, is_newer_or_same
 from kvindex.indexer.circuit import StoreCircuit
 from kvindex.indexer.index.redis import unavailable_on_connection_errors
+from kvindex.indexer.redis_connection import RedisClient
 from kvindex.indexer.redis_schema import Schema, answers_field, check_name
 
 logger = logging.getLogger(__name__)
@@ -152,14 +153,14 @@ class RedisLoadStore:
     (``Schema.scrape_claim``, SET NX PX).
     """
 
-    def __init__(self, client: redis.Redis, schema: Schema | None = None) -> None:
+    def __init__(self, client: RedisClient, schema: Schema | None = None) -> None:
         self._client = client
         self._schema = schema or Schema()
         self._key = self._schema.load
         self._put = client.register_script(_PUT_IF_NEWER_LUA)
 
     @property
-    def client(self) -> redis.Redis:
+    def client(self) -> RedisClient:
         """The connection (shared with the index of the same deployment)."""
         return self._client
 

@@ -29,6 +29,7 @@ from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.health import StreamHealth, UnroutedCounters
+from kvindex.indexer.redis_connection import RedisClient
 from kvindex.indexer.redis_schema import FLEET_MARKER, UNROUTED_FIELD, Schema
 
 log = logging.getLogger("kvindex.fleet")
@@ -90,7 +91,7 @@ def decode_record(raw: bytes) -> StreamRecord | None:
         return None
 
 
-def read_replicas(client: redis.Redis, schema: Schema) -> dict[str, ReplicaSpec]:
+def read_replicas(client: RedisClient, schema: Schema) -> dict[str, ReplicaSpec]:
     """Every stored replica spec (undecodable ones skipped)."""
     raw = cast("dict[bytes, bytes]", client.hgetall(schema.replicas))
     return specs_of(raw)
@@ -109,7 +110,7 @@ class FleetSync:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: RedisClient,
         schema: Schema,
         registry: Registry,
         *,

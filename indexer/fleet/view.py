@@ -44,6 +44,7 @@ from kvindex.indexer.fleet.sync import (
 from kvindex.indexer.health import UnroutedCounters
 from kvindex.indexer.index.protocol import IndexUnavailableError
 from kvindex.indexer.index.redis import unavailable_on_connection_errors
+from kvindex.indexer.redis_connection import RedisClient
 from kvindex.indexer.redis_schema import FLEET_MARKER, UNROUTED_FIELD, Schema, check_name
 
 T = TypeVar("T")
@@ -78,7 +79,7 @@ class RedisFleetView:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: RedisClient,
         schema: Schema | None = None,
         *,
         stale_after_s: float = 300.0,

@@ -6,7 +6,7 @@
 -- 1 CPU, 2 other).
 -- Several streams per call on purpose: one EVALSHA per stream cost more than its HGETs
 -- (each call copies ARGV into Lua), so the store sends a few streams per call. On Redis
--- Cluster the streams of one call must share a slot; the store then sends one per call.
+-- Cluster the streams of one call must share a slot: the store groups them per slot.
 local wanted = ARGV[1]
 local call, sub, floor, concat = redis.call, string.sub, math.floor, table.concat
 

@@ -3,7 +3,9 @@
 One Lua script per batch (``apply_batch.lua``) applies every op and moves the watermark
 atomically; a retry after a dropped connection finds the watermark already moved and is a
 no-op. A lookup is one pipelined round trip: one short script per group of streams, walking
-each stream up to its first miss (``longest_prefix.lua``). Key names live in ``redis_schema``.
+each stream up to its first miss (``longest_prefix.lua``); on Redis Cluster, one script per
+group of streams of one slot, sent to every master before any reply is read. Key names live
+in ``redis_schema``.
 
 What a lookup costs: one HGET per requested stream that holds nothing, and n + 1 for a stream
 matching n blocks, so it grows with the fleet (1,024 replicas, 256 of them sharing a 64-block
@@ -27,8 +29,8 @@ from itertools import starmap
 from typing import cast
 
 import redis
-from redis.backoff import ExponentialBackoff, NoBackoff
-from redis.retry import Retry
+from redis.cluster import ClusterNode, RedisCluster
+from redis.crc import key_slot
 
 from kvindex.indexer.events import StreamId, Tier
 from kvindex.indexer.index.protocol import (
@@ -41,6 +43,12 @@ from kvindex.indexer.index.protocol import (
     PrefixMatch,
     StreamStats,
     applied,
+)
+from kvindex.indexer.redis_connection import (
+    CLUSTER_AS_STANDALONE,
+    STORE_ERRORS,
+    RedisClient,
+    connect,
 )
 from kvindex.indexer.redis_schema import (
     META_TIER_PREFIX,
@@ -55,8 +63,8 @@ _TIER_OF_BYTE = tuple(Tier)
 STREAMS_PER_LOOKUP = 32
 """Streams walked by one ``longest_prefix.lua`` call. A call per stream cost more than its
 reads (a 512-block prompt over 32 streams: 1.17 → 0.74 ms a lookup); the cap keeps one
-call from holding Redis long when many streams match a long prompt. Redis Cluster (a slot
-per stream) will need one stream per call."""
+call from holding Redis long when many streams match a long prompt. On Redis Cluster a
+call's streams also share a slot (mostly one stream per call: a slot per stream)."""
 
 
 def _script(name: str) -> str:
@@ -65,13 +73,16 @@ def _script(name: str) -> str:
 
 @contextmanager
 def unavailable_on_connection_errors() -> Iterator[None]:
-    """Redis unreachable (after the client's own retries) → :class:`IndexUnavailableError`.
+    """Redis unreachable (after the client's own retries; on a cluster also a slot without
+    a master) → :class:`IndexUnavailableError`.
 
     Every Redis-backed store of kvindex (index, load) reports an outage this one way."""
     try:
         yield
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
+    except STORE_ERRORS as exc:
         raise IndexUnavailableError(f"redis: {exc}") from exc
+    except redis.exceptions.AskError as exc:  # MOVED / ASK reached a standalone client
+        raise IndexUnavailableError(f"redis: {CLUSTER_AS_STANDALONE} ({exc})") from exc
 
 
 def _match(reply: bytes) -> PrefixMatch:
@@ -81,57 +92,30 @@ def _match(reply: bytes) -> PrefixMatch:
     return PrefixMatch(tuple(_TIER_OF_BYTE[b] for b in reply))
 
 
-def connect(url: str, *, socket_timeout_s: float = 5.0) -> redis.Redis:
-    """A client that retries idempotent calls across a dropped connection."""
-    return redis.Redis.from_url(
-        url,
-        socket_timeout=socket_timeout_s,
-        socket_connect_timeout=socket_timeout_s,
-        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
-        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
-        health_check_interval=30,
-    )
-
-
-def connect_bounded(url: str, *, timeout_s: float) -> redis.Redis:
-    """A client for a process that answers requests (the API): every call returns or fails
-    within about ``timeout_s`` (connect, send, reply; Redis's own ``socket_timeout``),
-    whatever the server does. A dropped connection (refused, reset: e.g. just after a
-    Redis restart) is retried once at once; a timeout is not retried, a stopped or
-    overloaded server would only make the caller wait twice as long."""
-    return redis.Redis.from_url(
-        url,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
-        retry_on_error=[],
-        health_check_interval=30,
-    )
-
-
 def encode_ops(ops: Sequence[Op]) -> bytes:
     """Ops as the fixed 18-byte records ``apply_batch.lua`` reads."""
     return b"".join(starmap(_OP.pack, ops))
 
 
 class RedisIndex:
-    """Block index in Redis (standalone now; the layout is Cluster-ready).
+    """Block index in Redis, standalone or Cluster (``redis_connection`` builds either).
 
     Every method raises :class:`IndexUnavailableError` when Redis cannot be reached.
     """
 
-    def __init__(self, client: redis.Redis, schema: Schema | None = None) -> None:
+    def __init__(self, client: RedisClient, schema: Schema | None = None) -> None:
         self._client = client
         self._schema = schema or Schema()
         self._apply = client.register_script(_script("apply_batch.lua"))
         self._prefix = client.register_script(_script("longest_prefix.lua"))
         self._registered: set[StreamId] = set()
         self._keys_of: dict[StreamId, tuple[str, str, str]] = {}
+        self._slot_of: dict[StreamId, int] = {}
         self._identity: bytes | None = None
         """The marker token this index last saw (None: not looked at yet)."""
 
     @property
-    def client(self) -> redis.Redis:
+    def client(self) -> RedisClient:
         """The connection (other stores of the same deployment share it, e.g. load)."""
         return self._client
 
@@ -208,27 +192,59 @@ class RedisIndex:
     ) -> dict[StreamId, PrefixMatch]:
         # Whole keys, big-endian: one C call; the script reads each one's field (low 6 bytes).
         wanted = struct.pack(f">{len(keys)}Q", *keys)
-        targets = list(streams)
+        groups = self._groups(list(streams))
         with unavailable_on_connection_errors():
             try:
-                replies = self._prefix_pipeline(targets, wanted)
+                replies = self._prefix_pipeline(groups, wanted)
             except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts
-                self._client.script_load(self._prefix.script)
-                replies = self._prefix_pipeline(targets, wanted)
+                self._client.script_load(self._prefix.script)  # on a cluster: every master
+                replies = self._prefix_pipeline(groups, wanted)
+        targets = [stream for group in groups for stream in group]
         return {stream: _match(reply) for stream, reply in zip(targets, replies, strict=True)}
 
-    def _prefix_pipeline(self, targets: list[StreamId], wanted: bytes) -> list[bytes]:
-        """One round trip: an EVALSHA per group of streams (redis-py's Script would add
-        SCRIPT EXISTS in a pipeline)."""
-        groups = [
-            targets[i : i + STREAMS_PER_LOOKUP] for i in range(0, len(targets), STREAMS_PER_LOOKUP)
+    def _groups(self, targets: list[StreamId]) -> list[list[StreamId]]:
+        """The streams of one script call each: at most :data:`STREAMS_PER_LOOKUP`, and on
+        a cluster all in one slot (a script's keys must be; one stream per slot, mostly)."""
+        size = STREAMS_PER_LOOKUP
+        if not isinstance(self._client, RedisCluster):
+            return [targets[i : i + size] for i in range(0, len(targets), size)]
+        slot_to_streams: dict[int, list[StreamId]] = {}
+        for stream in targets:
+            slot_to_streams.setdefault(self._slot(stream), []).append(stream)
+        return [
+            same[i : i + size]
+            for same in slot_to_streams.values()
+            for i in range(0, len(same), size)
         ]
+
+    def _prefix_pipeline(self, groups: list[list[StreamId]], wanted: bytes) -> list[bytes]:
+        """One round trip (on a cluster, one per master, all sent before any is read): an
+        EVALSHA per group of streams. Sent as a raw command: redis-py's Script would add
+        SCRIPT EXISTS in a pipeline, and its cluster pipeline refuses ``evalsha``; on a
+        cluster each names its master, else redis-py would ask a node for the command's
+        keys (COMMAND GETKEYS) one round trip at a time."""
         with self._client.pipeline(transaction=False) as pipe:
             for group in groups:
                 names = [self._keys(stream)[1] for stream in group]
-                pipe.evalsha(self._prefix.sha, len(names), *names, wanted)
+                route = self._route(group[0])
+                pipe.execute_command(
+                    "EVALSHA", self._prefix.sha, len(names), *names, wanted, **route
+                )
             replies = cast("list[list[bytes]]", pipe.execute())
         return [reply for group_replies in replies for reply in group_replies]
+
+    def _route(self, stream: StreamId) -> dict[str, ClusterNode]:
+        """On a cluster, the pipeline option naming the master of the stream's slot."""
+        if not isinstance(self._client, RedisCluster):
+            return {}
+        return {"target_nodes": self._client.nodes_manager.get_node_from_slot(self._slot(stream))}
+
+    def _slot(self, stream: StreamId) -> int:
+        """The cluster slot of a stream's keys (they share its hash tag), computed once."""
+        slot = self._slot_of.get(stream)
+        if slot is None:
+            slot = self._slot_of[stream] = key_slot(self._keys(stream)[1].encode())
+        return slot
 
     def _keys(self, stream: StreamId) -> tuple[str, str, str]:
         """(meta, keys, hash) names of a stream, computed once."""

@@ -1,8 +1,10 @@
 """The contract suite's fixtures: every test in ``tests/contract`` runs on each backend.
 
 Backends: ``memory`` (:class:`MemoryIndex`), ``fakeredis`` (:class:`RedisIndex` over an
-in-process fake whose Lua runs in lupa) and ``redis`` (:class:`RedisIndex` over the private
-redis-server of ``tests/conftest.py``). None is ever skipped.
+in-process fake whose Lua runs in lupa), ``redis`` (:class:`RedisIndex` over the private
+redis-server of ``tests/conftest.py``) and ``cluster`` (over its private 3-master Redis
+Cluster). None is ever skipped. :func:`redis_store_client` gives the Redis-backed suites
+(load, registry view) the same backends.
 """
 
 from __future__ import annotations
@@ -11,14 +13,15 @@ from collections.abc import Callable, Iterator
 
 import fakeredis
 import pytest
-import redis
 
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.index.redis import RedisIndex
+from kvindex.indexer.redis_connection import RedisClient
 from kvindex.indexer.redis_schema import Schema
 
-BACKENDS = ("memory", "fakeredis", "redis")
+REDIS_BACKENDS = ("fakeredis", "redis", "cluster")
+BACKENDS = ("memory", *REDIS_BACKENDS)
 
 IndexFactory = Callable[[], BlockIndex]
 """Returns a fresh, empty index; on a shared server each call first wipes the server."""
@@ -36,7 +39,18 @@ def _fakeredis_factory() -> IndexFactory:
     return make
 
 
-def _redis_factory(client: redis.Redis) -> IndexFactory:
+def redis_store_client(backend: str, request: pytest.FixtureRequest) -> RedisClient:
+    """An empty Redis of one of :data:`REDIS_BACKENDS` (a real one flushed, not closed:
+    its fixture closes it)."""
+    if backend == "fakeredis":
+        # A FakeRedis made without host/port gets a server of its own: nothing is shared.
+        return fakeredis.FakeRedis()
+    fixture = "redis_cluster_client" if backend == "cluster" else "redis_client"
+    client: RedisClient = request.getfixturevalue(fixture)
+    return client
+
+
+def _redis_factory(client: RedisClient) -> IndexFactory:
     def make() -> BlockIndex:
         client.flushall()
         # A new RedisIndex too: the old one remembers which streams it registered.
@@ -54,8 +68,7 @@ def make_index(request: pytest.FixtureRequest) -> Iterator[IndexFactory]:
     elif backend == "fakeredis":
         factory = _fakeredis_factory()
     else:
-        client: redis.Redis = request.getfixturevalue("redis_client")
-        factory = _redis_factory(client)
+        factory = _redis_factory(redis_store_client(backend, request))
     made: list[BlockIndex] = []
 
     def make() -> BlockIndex:

@@ -1,6 +1,7 @@
 """The load-store contract, run on every backend: ``memory`` (:class:`MemoryLoadStore`),
-``fakeredis`` (:class:`RedisLoadStore` over an in-process fake whose Lua runs in lupa) and
-``redis`` (:class:`RedisLoadStore` over the private redis-server of ``tests/conftest.py``).
+``fakeredis`` (:class:`RedisLoadStore` over an in-process fake whose Lua runs in lupa),
+``redis`` (over the private redis-server of ``tests/conftest.py``) and ``cluster`` (over its
+private 3-master Redis Cluster).
 """
 
 from __future__ import annotations
@@ -8,23 +9,16 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 
-import fakeredis
 import pytest
-import redis
 
 from kvindex.api.load.model import CountedLoad, Load
 from kvindex.api.load.store import LoadStore, MemoryLoadStore, RedisLoadStore
 from kvindex.indexer.redis_schema import Schema, SchemaError
-
-BACKENDS = ("memory", "fakeredis", "redis")
+from tests.contract.conftest import BACKENDS, REDIS_BACKENDS, redis_store_client
 
 
 def _redis_store(backend: str, request: pytest.FixtureRequest) -> RedisLoadStore:
-    if backend == "fakeredis":
-        # A FakeRedis made without host/port gets a server of its own: nothing is shared.
-        return RedisLoadStore(fakeredis.FakeRedis(), Schema("test"))
-    client: redis.Redis = request.getfixturevalue("redis_client")  # flushed per test
-    return RedisLoadStore(client, Schema("test"))
+    return RedisLoadStore(redis_store_client(backend, request), Schema("test"))
 
 
 @pytest.fixture(params=BACKENDS)
@@ -36,7 +30,7 @@ def store(request: pytest.FixtureRequest) -> Iterator[LoadStore]:
     made.close()
 
 
-@pytest.fixture(params=[b for b in BACKENDS if b != "memory"])
+@pytest.fixture(params=REDIS_BACKENDS)
 def shared_store(request: pytest.FixtureRequest) -> Iterator[RedisLoadStore]:
     """An empty store that several API processes can share (Redis)."""
     made = _redis_store(request.param, request)

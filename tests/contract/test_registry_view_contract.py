@@ -1,6 +1,6 @@
 """The :class:`RegistryView` contract, run on every backend: ``memory`` (the in-process
-:class:`Registry`), ``fakeredis`` and ``redis`` (:class:`RedisFleetView` reading what an
-indexer's :class:`FleetSync` wrote from its own registry).
+:class:`Registry`), ``fakeredis``, ``redis`` and ``cluster`` (:class:`RedisFleetView`
+reading what an indexer's :class:`FleetSync` wrote from its own registry).
 """
 
 from __future__ import annotations
@@ -8,9 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-import fakeredis
 import pytest
-import redis
 
 from kvindex.indexer.events import StreamId
 from kvindex.indexer.fleet.registry import Freshness, Registry, RegistryView
@@ -19,9 +17,9 @@ from kvindex.indexer.fleet.sync import FleetSync
 from kvindex.indexer.fleet.view import RedisFleetView
 from kvindex.indexer.health import StreamReport
 from kvindex.indexer.redis_schema import Schema
+from tests.contract.conftest import BACKENDS, redis_store_client
 from tests.support.clock import Clock
 
-BACKENDS = ("memory", "fakeredis", "redis")
 R1 = ReplicaSpec("r1", "m", events="tcp://127.0.0.1:5557")
 R2 = ReplicaSpec("r2", "other", events="tcp://127.0.0.1:5567", dp_size=2)
 
@@ -44,11 +42,7 @@ def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
         registry = Registry(stale_after_s=60.0, clock=clock)
         yield Fleet(registry, registry, lambda: None, clock)
         return
-    client: redis.Redis
-    if backend == "fakeredis":
-        client = fakeredis.FakeRedis()
-    else:
-        client = request.getfixturevalue("redis_client")
+    client = redis_store_client(backend, request)
     schema = Schema("test")
     writer = Registry(stale_after_s=60.0, clock=clock)
     fleet_sync = FleetSync(client, schema, writer, clock=clock)

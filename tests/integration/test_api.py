@@ -27,8 +27,9 @@ from kvindex.indexer.events import StreamId, Tier
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import BlockIndex
-from kvindex.indexer.index.redis import RedisIndex, connect
+from kvindex.indexer.index.redis import RedisIndex
 from kvindex.indexer.keys import block_keys
+from kvindex.indexer.redis_connection import connect
 from kvindex.indexer.redis_schema import Schema
 from tests.integration.api_harness import (
     BASE_URL,

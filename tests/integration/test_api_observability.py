@@ -24,7 +24,8 @@ from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.fleet.sync import FleetSync
 from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index.memory import MemoryIndex
-from kvindex.indexer.index.redis import RedisIndex, connect
+from kvindex.indexer.index.redis import RedisIndex
+from kvindex.indexer.redis_connection import connect
 from kvindex.indexer.redis_schema import Schema
 from kvindex.indexer.settings import IndexerSettings
 from tests.integration.api_harness import MODEL, Api, Fleet, open_api, tokens

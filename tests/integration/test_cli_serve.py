@@ -11,10 +11,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from redis.cluster import RedisCluster
 
 from kvindex.clients.fake_vllm.publisher import EventPublisher
 from kvindex.indexer.events import BlockStored, Tier
 from tests.support.processes import running
+from tests.support.redis_cluster import ClusterNodes
 from tests.support.redis_server import RedisServer, free_port
 
 KVINDEX = Path(sys.executable).parent / "kvindex"
@@ -101,6 +103,40 @@ def test_indexer_logs_one_status_line_per_period(tmp_path: Path) -> None:
     lines = status_lines(log)
     assert all(shape.search(line) for line in lines), lines  # each record: one whole line
     assert "1 stream: 1 live, 0 replaying, 0 stale · blocks gpu 0 cpu 2 other 0" in lines[-1]
+
+
+def test_serve_on_a_redis_cluster_given_one_node(
+    redis_cluster: ClusterNodes, redis_cluster_client: RedisCluster, tmp_path: Path
+) -> None:
+    """Pointed at one node of a 3-master cluster, serve finds the others and its keys land
+    on more than one master (before cluster support it exited with MovedError)."""
+    events, port, log = f"tcp://127.0.0.1:{free_port()}", free_port(), tmp_path / "serve.log"
+    url = redis_cluster.url.replace(str(redis_cluster.ports[0]), str(redis_cluster.ports[1]))
+    args = ("serve", "--store", "redis", "--redis-url", url, "--bind", events)
+    with (
+        running(log, *args, "--port", str(port)) as process,
+        httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=5) as http,
+    ):
+        _until(lambda: http.get("/readyz").status_code == 200)
+        publishers = [EventPublisher(events, topic=f"kv@r{i}@{MODEL}") for i in range(4)]
+        try:
+
+            def indexed() -> bool:
+                for publisher in publishers:
+                    publisher.publish([BlockStored((1, 2, 3, 4), None, TOKENS, 16, Tier.GPU)])
+                answer = http.post("/score", json={"model": MODEL, "token_ids": TOKENS})
+                scores = answer.json()["scores"] if answer.status_code == 200 else []
+                return len(scores) == 4 and all(s["matched_blocks"] == 4 for s in scores)
+
+            _until(indexed)
+        finally:
+            for publisher in publishers:
+                publisher.close()
+        assert http.get("/stats").json()["blocks"]["gpu"] == 16
+        assert process.poll() is None
+    holding = [p for p, n in redis_cluster.num_keys_per_master().items() if n > 0]
+    assert len(holding) > 1, redis_cluster.num_keys_per_master()
+    assert "MovedError" not in log.read_text()
 
 
 def test_api_takes_its_redis_url_from_env_and_its_token_from_a_file(

@@ -1,6 +1,7 @@
 """compose.yaml, run without Docker: the SAME commands it declares, as local processes
 (``.venv/bin/kvindex ...``), with only hosts and ports rewritten to 127.0.0.1 and free
-ports, and the Redis URL to the private redis-server of ``tests/conftest.py``.
+ports, and the Redis URL to the private redis-server of ``tests/conftest.py`` (or to one
+node of its 3-master Redis Cluster: the same commands run on it unchanged).
 
 Then: completions on a simulator → the indexer process → Redis → ``POST /score`` on the
 API process names that simulator; ``POST``/``DELETE /replicas`` on the API process reach
@@ -22,12 +23,13 @@ from typing import Any, cast
 
 import httpx
 import pytest
-import redis
 import yaml
 
 from kvindex.indexer.events import StreamId
 from kvindex.indexer.index.redis import RedisIndex
+from kvindex.indexer.redis_connection import RedisClient
 from kvindex.indexer.redis_schema import Schema
+from tests.support.redis_cluster import ClusterNodes
 from tests.support.redis_server import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -125,9 +127,22 @@ def wait_for(predicate: Any, what: str, timeout_s: float = 30.0) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _store(request: pytest.FixtureRequest) -> tuple[str, RedisClient]:
+    """The URL of an emptied store (standalone unless the test asks for ``cluster``), and a
+    client of its own to look into it."""
+    if getattr(request, "param", "redis") == "cluster":
+        request.getfixturevalue("redis_cluster_client")  # flushes every master
+        cluster: ClusterNodes = request.getfixturevalue("redis_cluster")
+        return cluster.url, cluster.client()
+    request.getfixturevalue("redis_client")  # flushes the server
+    server: RedisServer = request.getfixturevalue("redis_server")
+    return server.url, server.client()
+
+
 @pytest.fixture
-def fleet(redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path) -> Iterator[Fleet]:
-    rewriter = Rewriter(redis_server.url, {})
+def fleet(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Fleet]:
+    url, client = _store(request)
+    rewriter = Rewriter(url, {})
     commands = {
         name: rewriter.command(name, service["command"])
         for name, service in compose_services().items()
@@ -140,7 +155,7 @@ def fleet(redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path) 
         ) as http,
     ):
         schema = Schema()
-        index = RedisIndex(redis_server.client(), schema)
+        index = RedisIndex(client, schema)
         fleet = Fleet(rewriter, http, index, schema)
         try:
             wait_for(lambda: http.get("/readyz").status_code == 200, "the api process")
@@ -183,6 +198,7 @@ def status_fields(fleet: Fleet) -> set[str]:
     return {k.decode() for k in keys}
 
 
+@pytest.mark.parametrize("fleet", ["redis", "cluster"], indirect=True)
 def test_compose_commands_route_by_cache(fleet: Fleet) -> None:
     complete(fleet, "sim2")
     wait_for(lambda: matched(score(fleet)).get("r2", 0) > 0, "r2's blocks in the index")

@@ -1,5 +1,7 @@
 """The whole stack with real parts: publishers (ZeroMQ PUB + replay ROUTER, vLLM's format)
-→ indexer → redis-server → the API served by uvicorn on loopback → ``POST /score``."""
+→ indexer → redis-server → the API served by uvicorn on loopback → ``POST /score``; every
+test runs on standalone Redis and on a 3-master Redis Cluster, given one node's URL as a
+user would (kvindex finds out it is a cluster)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,6 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-import redis
 
 from kvindex.api.app import create_app
 from kvindex.api.server import Service
@@ -25,7 +26,8 @@ from tests.integration.harness import (
     wait_until,
     warm_up,
 )
-from tests.support.redis_server import RedisServer, free_port
+from tests.support.redis_cluster import ClusterNodes
+from tests.support.redis_server import free_port
 
 REPLICAS = ("r1", "r2")
 SYSTEM = tokens(1_000, 4)
@@ -39,6 +41,8 @@ class Stack:
     publishers: dict[str, EventPublisher]
     indexer: Indexer
     http: httpx.Client
+    cluster: ClusterNodes | None
+    """The cluster under the stack (None: standalone Redis)."""
 
     def publish(self, replica: str, event: BlockStored | BlockRemoved) -> None:
         """Publish one batch and wait until the indexer has applied it."""
@@ -52,15 +56,27 @@ class Stack:
         return answer
 
 
-@pytest.fixture
-def stack(redis_server: RedisServer, redis_client: redis.Redis) -> Iterator[Stack]:
+def _store_url(request: pytest.FixtureRequest) -> tuple[str, ClusterNodes | None]:
+    """An empty store's URL (the fixtures flush it), and its cluster if it is one."""
+    if request.param == "cluster":
+        request.getfixturevalue("redis_cluster_client")
+        cluster: ClusterNodes = request.getfixturevalue("redis_cluster")
+        return cluster.url, cluster
+    request.getfixturevalue("redis_client")
+    url: str = request.getfixturevalue("redis_server").url
+    return url, None
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
+    url, cluster = _store_url(request)
     with ExitStack() as cleanup:
         publishers = {}
         for replica in REPLICAS:
             publishers[replica] = publisher_at(None, None, topic=f"kv@{replica}@{MODEL}")
             cleanup.callback(publishers[replica].close)
         specs = [replica_of(publishers[r], r) for r in REPLICAS]
-        settings = settings_for(*specs, store="redis", redis_url=redis_server.url)
+        settings = settings_for(*specs, store="redis", redis_url=url)
         api = ApiSettings(port=free_port(), scrape_interval_s=0)
         service = Service.build(settings, api)
         service.indexer.start()
@@ -70,7 +86,7 @@ def stack(redis_server: RedisServer, redis_client: redis.Redis) -> Iterator[Stac
         indexer = Indexer(service.indexer)
         for replica in REPLICAS:
             warm_up(indexer, publishers[replica], StreamId(replica))
-        yield Stack(publishers, indexer, http)
+        yield Stack(publishers, indexer, http, cluster)
 
 
 def stored(token_ids: list[int], first_hash: int) -> BlockStored:
@@ -107,3 +123,13 @@ def test_evicted_blocks_stop_attracting_requests(stack: Stack) -> None:
     answer = stack.score(SYSTEM)
     assert answer["best"] == "r2"
     assert matched(answer) == {"r1": 1, "r2": 2}
+
+
+@pytest.mark.parametrize("stack", ["cluster"], indirect=True)
+def test_on_a_cluster_the_keys_spread_over_its_masters(stack: Stack) -> None:
+    stack.publish("r1", stored(SYSTEM, 100))
+    stack.publish("r2", stored(SYSTEM, 200))
+    assert matched(stack.score(SYSTEM)) == {"r1": 4, "r2": 4}
+    assert stack.cluster is not None
+    holding = [port for port, n in stack.cluster.num_keys_per_master().items() if n > 0]
+    assert len(holding) > 1, stack.cluster.num_keys_per_master()

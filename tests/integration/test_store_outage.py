@@ -24,7 +24,8 @@ from kvindex.api.background import BackgroundServer
 from kvindex.api.server import api_deps
 from kvindex.api.settings import ApiSettings
 from kvindex.indexer.fleet.sync import FleetSync
-from kvindex.indexer.index.redis import RedisIndex, connect
+from kvindex.indexer.index.redis import RedisIndex
+from kvindex.indexer.redis_connection import connect
 from kvindex.indexer.redis_schema import Schema
 from kvindex.indexer.settings import IndexerSettings
 from tests.integration.api_harness import MODEL, Fleet, tokens

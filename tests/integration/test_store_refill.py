@@ -17,8 +17,9 @@ import redis
 
 from kvindex.clients.fake_vllm.publisher import EventPublisher
 from kvindex.indexer.events import BlockStored, StreamId, Tier
-from kvindex.indexer.index.redis import RedisIndex, connect
+from kvindex.indexer.index.redis import RedisIndex
 from kvindex.indexer.keys import block_keys
+from kvindex.indexer.redis_connection import connect
 from kvindex.indexer.redis_schema import Schema
 from tests.integration.harness import (
     MODEL,

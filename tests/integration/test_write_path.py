@@ -14,8 +14,9 @@ from kvindex.clients.fake_vllm.publisher import EventPublisher
 from kvindex.indexer.events import AllBlocksCleared, BlockRemoved, BlockStored, StreamId, Tier
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.protocol import BlockIndex
-from kvindex.indexer.index.redis import RedisIndex, connect
+from kvindex.indexer.index.redis import RedisIndex
 from kvindex.indexer.keys import block_keys
+from kvindex.indexer.redis_connection import connect
 from kvindex.indexer.redis_schema import Schema
 from kvindex.indexer.service import IndexerService
 from kvindex.indexer.wire import Encoding, ReplayLayout, encode_batch, encode_live, to_wire

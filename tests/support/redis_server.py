@@ -36,19 +36,24 @@ class RedisServer:
         return redis.Redis(host="127.0.0.1", port=self.port)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
 
     def restart(self) -> None:
         """Stop and start again on the same port (data is not kept)."""
         self.stop()
         self.process = _spawn(self.port, self.workdir)
         _wait_ready(self.port, self.process)
+
+
+def stop_process(process: subprocess.Popen[bytes]) -> None:
+    """Terminate a redis-server (killed if it has not exited within 5 s)."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def _spawn(port: int, workdir: Path) -> subprocess.Popen[bytes]:

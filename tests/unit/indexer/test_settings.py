@@ -68,6 +68,10 @@ def test_command_line_replicas_add_to_the_files(tmp_path: Path) -> None:
         ({"KVINDEX_PURGE_AFTER_S": "-1"}, "purge_after_s must be >= 0, got -1.0"),
         ({"KVINDEX_STORE": "sqlite"}, "store must be one of ('memory', 'redis'), got 'sqlite'"),
         ({"KVINDEX_REDIS_PREFIX": "a b"}, "redis_prefix"),
+        (
+            {"KVINDEX_REDIS_CLUSTER": "yes"},
+            "redis_cluster must be one of ('auto', 'on', 'off'), got 'yes'",
+        ),
         ({"KVINDEX_BIND": "udp://x"}, "bind"),
     ],
 )

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import redis
 from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
 from redis.crc import key_slot
 from redis.retry import Retry
 
@@ -26,7 +27,8 @@ from kvindex.indexer.index.protocol import (
     PrefixMatch,
     StreamStats,
 )
-from kvindex.indexer.index.redis import RedisIndex, connect, connect_bounded
+from kvindex.indexer.index.redis import RedisIndex
+from kvindex.indexer.redis_connection import RedisClient, connect, connect_bounded
 from kvindex.indexer.redis_schema import (
     DEFAULT_PREFIX,
     META_TIER_PREFIX,
@@ -35,6 +37,7 @@ from kvindex.indexer.redis_schema import (
     Schema,
     SchemaError,
 )
+from tests.support.redis_cluster import ClusterNodes
 from tests.support.redis_server import RedisServer, free_port, running_redis
 
 pytestmark = pytest.mark.redis_server
@@ -73,7 +76,7 @@ def index(redis_client: redis.Redis) -> RedisIndex:
 
 
 @pytest.fixture
-def own_client(redis_server: RedisServer, redis_client: redis.Redis) -> Iterator[redis.Redis]:
+def own_client(redis_server: RedisServer, redis_client: redis.Redis) -> Iterator[RedisClient]:
     """A client configured as in production (``connect``); ``redis_client`` flushed the server."""
     client = connect(redis_server.url)
     yield client
@@ -397,3 +400,84 @@ def test_a_refilled_stream_is_listed_again(index: RedisIndex, redis_client: redi
     assert not index.intact()
     index.apply(S, 0, 1.0, [store(1, 101)])
     assert index.streams() == [S]
+
+
+# --- on Redis Cluster (the session's 3-master cluster) --------------------------------------
+
+FLEET = [StreamId(f"c{i}") for i in range(24)]
+
+
+def _stored_fleet(client: RedisCluster) -> RedisIndex:
+    index = RedisIndex(client, SCHEMA)
+    for i, stream in enumerate(FLEET):
+        index.apply(stream, 1, 1.0, [store(1, 101), store(2, 102)] if i % 2 else [store(1, 101)])
+    return index
+
+
+def _expected(keys: list[int]) -> dict[StreamId, PrefixMatch]:
+    return {
+        s: PrefixMatch((Tier.GPU,) * min(len(keys), 2 if i % 2 else 1)) for i, s in enumerate(FLEET)
+    }
+
+
+def _calls(cluster: ClusterNodes) -> dict[str, int]:
+    """Calls per command, summed over the masters, since their last CONFIG RESETSTAT."""
+    total: dict[str, int] = {}
+    for port in cluster.ports:
+        with cluster.node(port) as client:
+            for name, stats in client.info("commandstats").items():
+                total[name] = total.get(name, 0) + int(stats["calls"])
+    return total
+
+
+def test_a_cluster_lookup_is_one_script_per_slot_and_asks_nothing_else(
+    redis_cluster: ClusterNodes, redis_cluster_client: RedisCluster
+) -> None:
+    index = _stored_fleet(redis_cluster_client)
+    assert index.longest_prefix([101, 102], FLEET) == _expected([101, 102])  # scripts loaded
+    for port in redis_cluster.ports:
+        with redis_cluster.node(port) as client:
+            client.config_resetstat()
+    assert index.longest_prefix([101, 102, 103], FLEET) == _expected([101, 102, 103])
+    slots = {key_slot(SCHEMA.stream(s).keys.encode()) for s in FLEET}
+    calls = _calls(redis_cluster)
+    assert calls.pop("cmdstat_config|resetstat") == len(redis_cluster.ports)
+    calls.pop("cmdstat_hello", None)  # the connections _calls opened
+    assert calls == {"cmdstat_evalsha": len(slots), "cmdstat_hget": 12 * 2 + 12 * 3}
+
+
+def test_a_cluster_lookup_after_every_master_flushed_its_scripts(
+    redis_cluster_client: RedisCluster,
+) -> None:
+    index = _stored_fleet(redis_cluster_client)
+    assert index.longest_prefix([101, 102], FLEET) == _expected([101, 102])
+    redis_cluster_client.script_flush()
+    assert index.longest_prefix([101, 102], FLEET) == _expected([101, 102])
+
+
+def test_a_stream_whose_slot_moved_to_another_master_is_still_read_and_written(
+    redis_cluster: ClusterNodes, redis_cluster_client: RedisCluster
+) -> None:
+    index = _stored_fleet(redis_cluster_client)
+    assert index.longest_prefix([101, 102], FLEET) == _expected([101, 102])
+    moved = FLEET[1]
+    slot = key_slot(SCHEMA.stream(moved).keys.encode())
+    before = redis_cluster.owner(slot)
+    assert redis_cluster.move_slot(slot) != before  # the client's slot map is now stale
+    assert index.longest_prefix([101, 102], FLEET) == _expected([101, 102])
+    assert index.apply(moved, 2, 2.0, [store(3, 103)]).applied
+    assert index.longest_prefix([101, 102, 103], [moved]) == {moved: PrefixMatch((Tier.GPU,) * 3)}
+    assert index.stats(moved).watermark == 2
+
+
+def test_a_cluster_node_used_as_standalone_is_unavailable_with_the_fix_named(
+    redis_cluster: ClusterNodes, redis_cluster_client: RedisCluster
+) -> None:
+    """Before cluster support this was a MovedError that ended the process."""
+    slot = key_slot(SCHEMA.stream(S).keys.encode())
+    elsewhere = next(p for p in redis_cluster.ports if p != redis_cluster.owner(slot))
+    standalone = connect(f"redis://127.0.0.1:{elsewhere}/0", cluster="off")
+    index = RedisIndex(standalone, SCHEMA)
+    with pytest.raises(IndexUnavailableError, match='set redis_cluster = "on"'):
+        index.apply(S, 1, 1.0, [store(1, 101)])
+    index.close()
