@@ -335,6 +335,19 @@ def proxy(
     show_default=True,
     help="PUB kernel send buffer (0: the OS default).",
 )
+@click.option("--api-key", help="Require this bearer token on /v1 routes (vLLM's --api-key).")
+@click.option(
+    "--fail-status",
+    default=0,
+    show_default=True,
+    help="Test knob: answer every completion with this status (0: never).",
+)
+@click.option(
+    "--stream-stall-s",
+    default=0.0,
+    show_default=True,
+    help="Test knob: stall each stream this long after its first chunk (0: never).",
+)
 def replica_sim(
     replica_id: str, bind_events: bool, lora_names: tuple[str, ...], replay: str, **kw: Any
 ) -> None:
