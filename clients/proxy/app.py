@@ -81,6 +81,8 @@ class ProxyParts:
     blocking_store: bool
     """True when index calls do network I/O (Redis): run them off the loop."""
     proxy: ProxySettings = field(default_factory=ProxySettings)
+    auth: InboundAuth = field(init=False)
+    """The bearer-token check of ``proxy.auth_token``."""
 
     def __post_init__(self) -> None:
         self.auth = InboundAuth(self.proxy.auth_token)

@@ -27,10 +27,6 @@ class InboundAuth:
     def __init__(self, token: str | None) -> None:
         self._expected = None if token is None else f"Bearer {token}".encode()
 
-    @property
-    def required(self) -> bool:
-        return self._expected is not None
-
     def check(self, path: str, headers: Mapping[str, str]) -> None:
         """Raise :class:`UnauthorizedError` unless ``path`` is open or ``headers`` (names
         in lower case) carry the token."""
