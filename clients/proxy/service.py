@@ -70,7 +70,7 @@ def build_proxy_app(deps: ApiDeps, proxy: ProxySettings) -> Starlette:
             await http.aclose()
 
     parts = ProxyParts(
-        api, deps.registry, deps.index, picker, forwarder, metrics, deps.blocking_store, proxy
+        api, deps.registry, deps.index, picker, forwarder, metrics, deps.blocking_store, proxy=proxy
     )
     return create_proxy_app(parts, lifespan)
 
