@@ -54,8 +54,15 @@ class ModelSpec:
     tokenizer: str | None = None
     """Path of a ``tokenizer.json`` (chat template from a sibling ``tokenizer_config.json``),
     or ``replica`` to use a replica's own ``POST /tokenize``."""
+    loras: tuple[str, ...] = ()
+    """LoRA adapters the model's replicas serve under their own names (vLLM's
+    ``--lora-modules name=path``): the proxy sends a request naming one to this model's
+    replicas, its blocks keyed with that ``lora_name``."""
 
     def __post_init__(self) -> None:
+        loras = self.loras
+        if not isinstance(loras, tuple) or not all(isinstance(n, str) and n for n in loras):
+            raise SettingsError(f"models.{self.name}.loras must be a list of names, got {loras!r}")
         if self.block_size is not None:
             _check_number(f"models.{self.name}.block_size", self.block_size, _POSITIVE_INT)
         if self.policy is not None:
@@ -134,6 +141,9 @@ class ApiSettings:
         names = [m.name for m in self.models]
         if len(names) != len(set(names)):
             raise SettingsError(f"models: duplicate names in {names}")
+        loras = [lora for m in self.models for lora in m.loras]
+        if len(loras) != len(set(loras)) or set(loras) & set(names):
+            raise SettingsError(f"models: a LoRA name is a model's or another LoRA's in {loras}")
         self.url_policy()
 
     def url_policy(self) -> UrlPolicy:
@@ -148,6 +158,10 @@ class ApiSettings:
 
     def model(self, name: str) -> ModelSpec | None:
         return next((m for m in self.models if m.name == name), None)
+
+    def lora_base(self, name: str) -> str | None:
+        """The base model serving the LoRA adapter ``name`` (None: not a declared LoRA)."""
+        return next((m.name for m in self.models if name in m.loras), None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,7 +235,7 @@ def load_api_settings(
     raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
     if raw.get("auth_token_file") is not None:
         raw["auth_token_file"] = str(raw["auth_token_file"])
-        raw["auth_token"] = _read_token(raw["auth_token_file"])
+        raw["auth_token"] = read_token(raw["auth_token_file"])
     if isinstance(raw.get("replica_networks"), list):  # TOML arrays are lists
         raw["replica_networks"] = tuple(raw["replica_networks"])
     model_tables = from_env.models if from_env.models is not None else models
@@ -267,14 +281,14 @@ class _ApiEnv:
                 raise SettingsError(
                     f"{variable}: no such weight {weight!r} (known: {sorted(kinds)})"
                 )
-            self.weights[weight] = _coerced(variable, text, kinds[weight])
+            self.weights[weight] = from_env_text(variable, text, kinds[weight])
             self.key_to_variable[f"weights.{weight}"] = variable
             return
         key = _ENV_ALIASES.get(variable) or variable.removeprefix(ENV_PREFIX).lower()
         if key == "models":
             self.models = _models_of(variable, text)
         elif key in _FIELD_TYPES:
-            self.values[key] = _coerced(variable, text, _FIELD_TYPES[key])
+            self.values[key] = from_env_text(variable, text, _FIELD_TYPES[key])
         else:
             known = [ENV_PREFIX + n.upper() for n in (*sorted(_FIELD_TYPES), "models")]
             known.append(_WEIGHTS_ENV + "<NAME>")
@@ -317,8 +331,9 @@ _PARSERS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
 """How a variable is read, by the start of the field's annotation."""
 
 
-def _coerced(variable: str, text: str, kind: str) -> Any:
-    """``text`` as the type ``kind`` names; SettingsError names the variable and value."""
+def from_env_text(variable: str, text: str, kind: str) -> Any:
+    """``text`` as the type ``kind`` (a field's annotation, as a string) names;
+    SettingsError names the variable and value. The proxy's settings read theirs so too."""
     for prefix, parse, wanted in _PARSERS:
         if kind.startswith(prefix):
             try:
@@ -342,21 +357,25 @@ def _models_of(variable: str, text: str) -> list[Mapping[str, Any]]:
     return tables
 
 
-def _read_token(path: str) -> str:
-    """The token in a file, surrounding whitespace stripped; SettingsError names the file."""
+def read_token(path: str, *, key: str = "api.auth_token_file") -> str:
+    """The token in a file, surrounding whitespace stripped; SettingsError names the key
+    and the file (never the token)."""
     try:
         with open(path, encoding="utf-8") as handle:
             token = handle.read().strip()
     except OSError as exc:
-        raise SettingsError(f"api.auth_token_file {path}: {exc.strerror}") from None
+        raise SettingsError(f"{key} {path}: {exc.strerror}") from None
     if not token:
-        raise SettingsError(f"api.auth_token_file {path}: the file is empty")
+        raise SettingsError(f"{key} {path}: the file is empty")
     return token
 
 
 def _model(values: Mapping[str, Any]) -> ModelSpec:
     if "name" not in values:
         raise SettingsError("[[models]]: every model needs a name")
+    values = dict(values)
+    if isinstance(values.get("loras"), list):  # TOML and JSON arrays are lists
+        values["loras"] = tuple(values["loras"])
     try:
         return ModelSpec(**values)
     except TypeError as exc:

@@ -36,8 +36,9 @@ from kvindex.indexer.redis_schema import SchemaError, check_name
 
 StoreKind = Literal["memory", "redis"]
 ENV_PREFIX = "KVINDEX_"
-API_SECTIONS = ("api", "models")
-"""TOML sections of the API process (``kvindex.api.settings``); the indexer skips them."""
+API_SECTIONS = ("api", "models", "proxy")
+"""TOML sections of the API process (``kvindex.api.settings``) and of the proxy
+(``kvindex.clients.proxy.settings``); the indexer skips them."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,7 +50,7 @@ def _indexer_options(command: Callable[..., None]) -> Callable[..., None]:
             "--config",
             "config",
             type=click.Path(path_type=Path, dir_okay=False),
-            help="TOML settings file (indexer keys; [api] and [[models]] for serve).",
+            help="TOML settings file (indexer keys; [api], [[models]]; [proxy] for proxy).",
         ),
         click.option(
             "--replica",
@@ -251,16 +251,24 @@ def api(
     "--max-attempts", type=int, help="Replicas tried per request before its first byte (3)."
 )
 @click.option("--connect-timeout-s", type=float, help="Connect timeout per replica (2).")
+@click.option("--first-byte-timeout-s", type=float, help="Wait for an answer to start (300).")
 @click.option(
-    "--first-byte-timeout-s",
+    "--stream-idle-timeout-s",
     type=float,
-    help="Wait for an answer to start, and between two chunks of a stream (300).",
+    help="Longest gap between two chunks of an answer (120).",
 )
 @click.option("--total-timeout-s", type=float, help="Whole request, stream included (900).")
 @click.option(
     "--drain-timeout-s",
     type=float,
     help="On SIGTERM, let the requests being answered finish this long at most (30).",
+)
+@click.option(
+    "--token-file",
+    "auth_token_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="File holding the bearer token clients must send"
+    " (else env KVINDEX_PROXY_AUTH_TOKEN[_FILE], [proxy]; default: none asked).",
 )
 def proxy(
     config: Path | None,
@@ -272,7 +280,9 @@ def proxy(
     port: int | None,
     **forwarding: Any,
 ) -> None:
-    """Serve the OpenAI API and forward each request to the replica kvindex picks."""
+    """Serve the OpenAI API and forward each request to the replica kvindex picks.
+
+    Settings: [proxy] of --config < env KVINDEX_PROXY_<NAME> < these options."""
     try:
         settings = load_settings(
             config,
@@ -280,7 +290,8 @@ def proxy(
             extra_replicas=replicas,
         )
         api_settings = _api_settings(config, {"host": host, "port": port})
-        proxy_settings = load_proxy_settings(forwarding)
+        file_values = read_toml(config) if config is not None else {}
+        proxy_settings = load_proxy_settings(file_values.get("proxy"), overrides=forwarding)
     except KvIndexError as exc:
         raise click.ClickException(str(exc)) from exc
     where = f"http://{api_settings.host}:{api_settings.port}"
@@ -323,6 +334,19 @@ def proxy(
     default=0,
     show_default=True,
     help="PUB kernel send buffer (0: the OS default).",
+)
+@click.option("--api-key", help="Require this bearer token on /v1 routes (vLLM's --api-key).")
+@click.option(
+    "--fail-status",
+    default=0,
+    show_default=True,
+    help="Test knob: answer every completion with this status (0: never).",
+)
+@click.option(
+    "--stream-stall-s",
+    default=0.0,
+    show_default=True,
+    help="Test knob: stall each stream this long after its first chunk (0: never).",
 )
 def replica_sim(
     replica_id: str, bind_events: bool, lora_names: tuple[str, ...], replay: str, **kw: Any

@@ -108,8 +108,18 @@ class ReplicaSimSettings:
     not keep up loses frames (and sees a gap), as with vLLM's PUB."""
     send_buffer_bytes: int = 0
     """The PUB's kernel send buffer per connection (0: the OS default)."""
+    api_key: str | None = None
+    """As vLLM's ``--api-key``: every ``/v1`` route needs ``Authorization: Bearer <key>``
+    (401 otherwise); None: open."""
+    fail_status: int = 0
+    """Test knob: answer every completion with this HTTP status before running it (0:
+    never), as an overloaded or failing replica does (429, 500, 503)."""
+    stream_stall_s: float = 0.0
+    """Test knob: a stream waits this long (real seconds) after its first chunk, as a hung
+    replica does (0: never)."""
 
     def __post_init__(self) -> None:
+        self._check_test_knobs()
         for name in ("send_hwm", "send_buffer_bytes"):
             if getattr(self, name) < 0:
                 raise ReplicaSimError(f"{name} must be >= 0, got {getattr(self, name)!r}")
@@ -127,6 +137,12 @@ class ReplicaSimSettings:
             )
         if not self.id or "@" in self.id or not self.model:
             raise ReplicaSimError(f"id and model must be non-empty, id without '@': {self.id!r}")
+
+    def _check_test_knobs(self) -> None:
+        if self.fail_status and not 400 <= self.fail_status <= 599:
+            raise ReplicaSimError(f"fail_status must be 0 or 400..599, got {self.fail_status!r}")
+        if self.stream_stall_s < 0:
+            raise ReplicaSimError(f"stream_stall_s must be >= 0, got {self.stream_stall_s!r}")
 
     @property
     def topic(self) -> str:
@@ -457,10 +473,12 @@ def sse_chunks(answer: Any, *, chat: bool) -> list[bytes]:
     return [b"data: " + _json(e) + b"\n\n" for e in events] + [b"data: [DONE]\n\n"]
 
 
-def _sse(chunks: list[bytes]) -> Response:
+def _sse(chunks: list[bytes], stall_s: float = 0.0) -> Response:
     async def body() -> Any:
-        for chunk in chunks:
+        for i, chunk in enumerate(chunks):
             yield chunk
+            if i == 0 and stall_s:
+                await asyncio.sleep(stall_s)
 
     return StreamingResponse(body(), media_type="text/event-stream")
 
@@ -469,6 +487,8 @@ async def handle_completion(engine: Engine, raw: bytes, *, chat: bool = False) -
     """``POST /v1/completions`` (``chat``: ``/v1/chat/completions``): decode, run through
     the engine, answer OpenAI-style; ``stream`` answers as server-sent events."""
     settings = engine.settings
+    if settings.fail_status:
+        return _error(settings.fail_status, "failure injected (fail_status)")
     try:
         body = msgspec.json.decode(raw, type=ChatBody if chat else CompletionBody)
         lora = _lora_for(settings, body)
@@ -486,7 +506,9 @@ async def handle_completion(engine: Engine, raw: bytes, *, chat: bool = False) -
         return _error(400, str(exc))
     shape = chat_response if chat else completion_response
     answer = shape(settings, len(prompt), result)
-    return _sse(sse_chunks(answer, chat=chat)) if body.stream else _ok(answer)
+    if body.stream:
+        return _sse(sse_chunks(answer, chat=chat), settings.stream_stall_s)
+    return _ok(answer)
 
 
 def handle_tokenize(settings: ReplicaSimSettings, raw: bytes) -> Response:
@@ -502,6 +524,47 @@ def handle_tokenize(settings: ReplicaSimSettings, raw: bytes) -> Response:
     else:
         return _error(400, "either prompt or messages is required")
     return _ok({"count": len(tokens), "max_model_len": settings.max_model_len, "tokens": tokens})
+
+
+class EmbeddingBody(msgspec.Struct):
+    model: str
+    input: str | list[str]
+
+
+EMBEDDING_SIZE = 8
+
+
+def handle_embeddings(settings: ReplicaSimSettings, raw: bytes) -> Response:
+    """``POST /v1/embeddings`` (OpenAI's shape): each input's toy tokens folded into
+    :data:`EMBEDDING_SIZE` counts, normalised (deterministic everywhere)."""
+    try:
+        body = msgspec.json.decode(raw, type=EmbeddingBody)
+    except msgspec.DecodeError as exc:
+        return _error(400, str(exc))
+    if body.model != settings.model:
+        return _error(404, f"The model `{body.model}` does not exist.")
+    texts = [body.input] if isinstance(body.input, str) else body.input
+    data, num_tokens = [], 0
+    for i, text in enumerate(texts):
+        tokens = tokenize_text(text)
+        num_tokens += len(tokens)
+        counts = [0.0] * EMBEDDING_SIZE
+        for token in tokens:
+            counts[token % EMBEDDING_SIZE] += 1.0
+        norm = sum(c * c for c in counts) ** 0.5 or 1.0
+        vector = [c / norm for c in counts]
+        data.append({"object": "embedding", "index": i, "embedding": vector})
+    usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
+    return _ok({"object": "list", "data": data, "model": body.model, "usage": usage})
+
+
+def _refused(settings: ReplicaSimSettings, request: Request) -> Response | None:
+    """A 401 when ``api_key`` is set and the request does not carry it (vLLM's check)."""
+    if settings.api_key is None:
+        return None
+    if request.headers.get("authorization") == f"Bearer {settings.api_key}":
+        return None
+    return Response(_json({"error": "Unauthorized"}), 401, media_type="application/json")
 
 
 class CachedBody(msgspec.Struct):
@@ -526,17 +589,25 @@ def handle_cached(engine: Engine, raw: bytes) -> Response:
 
 
 def create_app(engine: Engine) -> FastAPI:
-    """The replica's HTTP API: ``/v1/completions``, ``/v1/chat/completions``, ``/tokenize``,
-    ``/metrics``, ``/health``, and ``/kvsim/cached`` (what its pool holds, for tests)."""
+    """The replica's HTTP API: ``/v1/completions``, ``/v1/chat/completions``,
+    ``/v1/embeddings``, ``/tokenize``, ``/metrics``, ``/health``, and ``/kvsim/cached``
+    (what its pool holds, for tests). ``/v1`` routes check ``api_key`` when set."""
     app = FastAPI(title=f"kvindex replica simulator {engine.settings.id}")
+    settings = engine.settings
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await handle_completion(engine, await request.body())
+        refused = _refused(settings, request)
+        return refused or await handle_completion(engine, await request.body())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await handle_completion(engine, await request.body(), chat=True)
+        refused = _refused(settings, request)
+        return refused or await handle_completion(engine, await request.body(), chat=True)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return _refused(settings, request) or handle_embeddings(settings, await request.body())
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

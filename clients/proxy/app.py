@@ -4,9 +4,16 @@
   ``api.max_body_bytes``: 413 past it, 408 when it is not received within
   ``api.body_timeout_s``), replicas chosen (:mod:`.upstream`), the request forwarded and
   its answer streamed back (:mod:`.forwarding`).
-* ``GET /v1/models``: the models the fleet serves, in OpenAI's list shape.
+* Any other ``/v1/...`` route, any method: passed through as is (path, query, body) to a
+  replica, streamed back the same way: the model's best replicas when the body is a JSON
+  object naming a ``model``, else any replica with a URL, in turn.
+* ``GET /v1/models``: the models the fleet serves, in OpenAI's list shape, with the LoRA
+  adapters declared for them (``[[models]] loras``; ``parent`` names the base model).
 * ``GET /health`` and ``/healthz``: the process is up; ``/readyz``: the index store is
   reachable; ``/metrics``: :mod:`.metrics`.
+
+With ``proxy.auth_token`` set, every route but ``/health``, ``/healthz`` and ``/readyz``
+needs the bearer token (:mod:`.auth`; 401 otherwise).
 
 Errors the proxy makes itself are answered in one place (:func:`_error_response`), in
 OpenAI's error shape ``{"error": {"message", "type", "code"}}``; a replica's own error
@@ -18,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -31,6 +38,7 @@ from starlette.types import Receive, Scope, Send
 from kvindex.api.body_limit import BodyTimeoutError, BodyTooLargeError
 from kvindex.api.score import RequestError, UnknownModelError
 from kvindex.api.settings import ApiSettings
+from kvindex.clients.proxy.auth import InboundAuth, UnauthorizedError
 from kvindex.clients.proxy.forwarding import (
     REQUEST_ID,
     Forwarder,
@@ -41,13 +49,23 @@ from kvindex.clients.proxy.forwarding import (
     request_id_of,
 )
 from kvindex.clients.proxy.metrics import NO_REPLICA, ProxyMetrics
-from kvindex.clients.proxy.upstream import BadRequestBodyError, NoUpstreamError, UpstreamPicker
+from kvindex.clients.proxy.settings import ProxySettings
+from kvindex.clients.proxy.upstream import (
+    BadRequestBodyError,
+    Choice,
+    NoUpstreamError,
+    UpstreamPicker,
+)
 from kvindex.indexer.fleet.registry import RegistryView
 from kvindex.indexer.index.protocol import BlockIndex, IndexUnavailableError
 
 _JSON = "application/json"
 _METRICS = "text/plain; version=0.0.4; charset=utf-8"
 FORWARDED_ROUTES = ("/v1/chat/completions", "/v1/completions")
+PASSTHROUGH_ROUTE = "/v1/{path:path}"
+PASSTHROUGH_LABEL = "/v1/{path}"
+"""The ``route`` label of every passed-through request (one series, whatever the path)."""
+PASSTHROUGH_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
 
 
 @dataclass
@@ -62,6 +80,12 @@ class ProxyParts:
     metrics: ProxyMetrics
     blocking_store: bool
     """True when index calls do network I/O (Redis): run them off the loop."""
+    proxy: ProxySettings = field(default_factory=ProxySettings)
+    auth: InboundAuth = field(init=False)
+    """The bearer-token check of ``proxy.auth_token``."""
+
+    def __post_init__(self) -> None:
+        self.auth = InboundAuth(self.proxy.auth_token)
 
 
 def create_proxy_app(
@@ -69,17 +93,23 @@ def create_proxy_app(
 ) -> Starlette:
     routes = [Route(path, _forwarded(parts, path), methods=["POST"]) for path in FORWARDED_ROUTES]
     routes += [
-        Route("/v1/models", _models(parts), methods=["GET"]),
+        Route("/v1/models", _guarded(parts, _models(parts)), methods=["GET"]),
         Route("/health", _ok, methods=["GET"]),
         Route("/healthz", _ok, methods=["GET"]),
         Route("/readyz", _ready(parts), methods=["GET"]),
-        Route("/metrics", _metrics(parts), methods=["GET"]),
+        Route("/metrics", _guarded(parts, _metrics(parts)), methods=["GET"]),
+        Route(
+            PASSTHROUGH_ROUTE,
+            _Forwarded(parts, PASSTHROUGH_LABEL, passthrough=True),
+            methods=PASSTHROUGH_METHODS,
+        ),
     ]
     return Starlette(routes=routes, lifespan=lifespan)
 
 
 _STATUS_OF: tuple[tuple[tuple[type[BaseException], ...], int, str], ...] = (
     ((BadRequestBodyError, msgspec.DecodeError), 400, "invalid_request_error"),
+    ((UnauthorizedError,), 401, "unauthorized"),
     ((RequestError,), 400, "invalid_request_error"),
     ((UnknownModelError,), 404, "model_not_found"),
     ((BodyTimeoutError,), 408, "request_timeout"),
@@ -99,17 +129,21 @@ def _error_response(exc: Exception, request_id: str) -> Response:
             break
     body = {"error": {"message": str(exc), "type": kind, "code": status}}
     headers = {REQUEST_ID: request_id}
+    if status == 401:
+        headers["www-authenticate"] = 'Bearer realm="kvindex proxy"'
     if status in (408, 413):  # the rest of the body is not read: end the connection
         headers["connection"] = "close"
     return Response(msgspec.json.encode(body), status, headers=headers, media_type=_JSON)
 
 
 class _Forwarded:
-    """The ASGI endpoint of one forwarded route (see the module docstring)."""
+    """The ASGI endpoint of one forwarded route, or of the pass-through (``path`` is then
+    the ``route`` label; the request's own path is sent on)."""
 
-    def __init__(self, parts: ProxyParts, path: str) -> None:
+    def __init__(self, parts: ProxyParts, path: str, *, passthrough: bool = False) -> None:
         self.parts = parts
         self.path = path
+        self.passthrough = passthrough
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
@@ -117,6 +151,7 @@ class _Forwarded:
         headers = request.headers.items()
         request_id = request_id_of(headers)
         try:
+            self.parts.auth.check(request.url.path, request.headers)
             answer = await self._answer(request, headers, request_id, started)
         except Exception as exc:
             response = _error_response(exc, request_id)
@@ -131,20 +166,41 @@ class _Forwarded:
         parts = self.parts
         deadline = parts.forwarder.deadline()
         body = await _body(request, parts.api)
-        decoded = msgspec.json.decode(body)
-        if not isinstance(decoded, dict):
-            raise BadRequestBodyError("the body must be a JSON object")
-        choice = await parts.picker.choose(decoded, dict(headers))
+        choice = await self._choice(body, dict(headers))
         if choice.matched_fraction is not None:
             parts.metrics.matched_fraction.observe(choice.matched_fraction)
         upstream_headers = forwarded_headers(headers, request_id)
         opened = await parts.forwarder.open(
-            self.path, body, upstream_headers, choice.upstreams, deadline
+            _target(request.scope) if self.passthrough else self.path,
+            body,
+            upstream_headers,
+            choice.upstreams,
+            deadline,
+            method=request.method,
+            route=self.path,
         )
         parts.metrics.first_byte.labels(self.path).observe(time.perf_counter() - started)
         return StreamedAnswer(
-            opened, request_id, deadline, lambda status, r: self._count(status, r, started)
+            opened,
+            request_id,
+            deadline,
+            lambda status, r: self._count(status, r, started),
+            first_chunk_timeout_s=parts.proxy.first_byte_timeout_s,
+            idle_timeout_s=parts.proxy.stream_idle_timeout_s,
         )
+
+    async def _choice(self, body: bytes, headers: dict[str, str]) -> Choice:
+        """The replicas to try: by the scorer for a JSON object naming a model (required on
+        the OpenAI routes), else (pass-through only) any replica in turn."""
+        if not self.passthrough:
+            decoded = msgspec.json.decode(body)
+            if not isinstance(decoded, dict):
+                raise BadRequestBodyError("the body must be a JSON object")
+            return await self.parts.picker.choose(decoded, headers)
+        named = _json_with_model(body, headers.get("content-type", ""))
+        if named is None:
+            return self.parts.picker.choose_any()
+        return await self.parts.picker.choose(named, headers)
 
     def _count(self, status: int, replica: str, started: float) -> None:
         metrics = self.parts.metrics
@@ -154,6 +210,42 @@ class _Forwarded:
 
 def _forwarded(parts: ProxyParts, path: str) -> Any:
     return _Forwarded(parts, path)
+
+
+def _target(scope: Scope) -> str:
+    """The request's path and query as the client sent them (not decoded)."""
+    raw = scope.get("raw_path")
+    path = raw.decode("latin-1") if raw else scope["path"]
+    query = scope.get("query_string", b"")
+    return f"{path}?{query.decode('latin-1')}" if query else path
+
+
+def _json_with_model(body: bytes, content_type: str) -> dict[str, Any] | None:
+    """A JSON body's object when it names a ``model`` (None: not JSON, or no model)."""
+    if not body or "json" not in content_type.lower():
+        return None
+    try:
+        decoded = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return None
+    if isinstance(decoded, dict) and isinstance(decoded.get("model"), str):
+        return decoded
+    return None
+
+
+def _guarded(
+    parts: ProxyParts, endpoint: Callable[[Request], Awaitable[Response]]
+) -> Callable[[Request], Awaitable[Response]]:
+    """``endpoint`` behind the bearer token (:mod:`.auth`)."""
+
+    async def guarded(request: Request) -> Response:
+        try:
+            parts.auth.check(request.url.path, request.headers)
+        except UnauthorizedError as exc:
+            return _error_response(exc, request_id_of(request.headers.items()))
+        return await endpoint(request)
+
+    return guarded
 
 
 async def _body(request: Request, api: ApiSettings) -> bytes:
@@ -189,10 +281,19 @@ async def _ok(_: Request) -> Response:
 def _models(parts: ProxyParts) -> Callable[[Request], Awaitable[Response]]:
     async def models(_: Request) -> Response:
         names = await _call(parts, parts.registry.models)
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvindex"} for m in names]
+        data = [_model_entry(m) for m in names]
+        specs = [m for m in parts.api.models if m.name in names]
+        data += [_model_entry(lora, parent=m.name) for m in specs for lora in m.loras]
         return _json({"object": "list", "data": data})
 
     return models
+
+
+def _model_entry(name: str, parent: str | None = None) -> dict[str, Any]:
+    entry: dict[str, Any] = {"id": name, "object": "model", "created": 0, "owned_by": "kvindex"}
+    if parent is not None:
+        entry["parent"] = parent
+    return entry
 
 
 def _ready(parts: ProxyParts) -> Callable[[Request], Awaitable[Response]]:

@@ -2,13 +2,16 @@
 
 Contract:
 
-* **Attempts**: the upstreams of a :class:`~.upstream.Choice` in order, at most
-  ``proxy.max_attempts`` of them. The next one is tried only while nothing has reached the
-  client, and only when the attempt failed to connect or answered 502, 503 or 504 (the
-  replica did not run the request); any other failure ends the request (502, or 504 on a
-  timeout). The last attempt's 5xx answer is passed on as it is.
+* **Attempts**: the upstreams of a :class:`~.upstream.Choice` in order, as
+  :mod:`.retry_policy` says: at most ``proxy.max_attempts``, the next one only while
+  nothing has reached the client, only after a connect error or a retried status (408,
+  429, 500, 502, 503, 504), after a jittered back-off. Any other failure ends the request
+  (502, or 504 on a timeout). The last attempt's answer is passed on as it is.
 * **Timeouts**: ``connect_timeout_s`` per connection, ``first_byte_timeout_s`` for the
-  answer to start and between two of its chunks, ``total_timeout_s`` for everything.
+  answer's head, ``stream_idle_timeout_s`` between two chunks of its body,
+  ``total_timeout_s`` for everything.
+* **Credentials**: the client's ``Authorization`` is sent on, unless the replica has a key
+  (``proxy.replica_api_keys``, else ``proxy.upstream_api_key``): then ``Bearer <key>``.
 * **Bytes**: the answer's body goes to the client chunk by chunk as it arrives, not
   decoded (``aiter_raw``: server-sent events, gzip and all), with its headers but the
   hop-by-hop ones. A client that goes away during a stream (an answer without
@@ -22,6 +25,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -30,14 +34,15 @@ import httpx
 from starlette.types import Message, Receive, Scope, Send
 
 from kvindex.clients.proxy.metrics import ProxyMetrics
+from kvindex.clients.proxy.retry_policy import RetryPolicy
 from kvindex.clients.proxy.settings import ProxySettings
 from kvindex.clients.proxy.upstream import Upstream
 from kvindex.indexer.errors import KvIndexError
 
+logger = logging.getLogger("kvindex.proxy")
 REQUEST_ID = "x-request-id"
 REPLICA_HEADER = "x-kvindex-replica"
 """Response header naming the replica that answered."""
-RETRY_STATUSES = frozenset({502, 503, 504})
 HOP_BY_HOP = frozenset(
     {
         "connection",
@@ -95,14 +100,18 @@ class Forwarder:
         settings: ProxySettings,
         metrics: ProxyMetrics,
         transport: httpx.AsyncBaseTransport | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         self._settings = settings
         self._metrics = metrics
         self._transport = transport
+        self._retry = retry or RetryPolicy(settings)
         self._url_to_client: dict[str, httpx.AsyncClient] = {}
+        # The head's and the chunks' waits are bounded on the loop (first byte, idle);
+        # httpx's read timeout is only the backstop of both.
         self._timeout = httpx.Timeout(
             connect=settings.connect_timeout_s,
-            read=settings.first_byte_timeout_s,
+            read=max(settings.first_byte_timeout_s, settings.stream_idle_timeout_s),
             write=settings.first_byte_timeout_s,
             pool=settings.connect_timeout_s,
         )
@@ -139,22 +148,28 @@ class Forwarder:
         headers: list[tuple[str, str]],
         upstreams: Sequence[Upstream],
         deadline: float,
+        *,
+        method: str = "POST",
+        route: str | None = None,
     ) -> Opened:
         """The first answer worth passing on (see the module's contract for the attempts);
-        ``path`` is the route, appended to each replica's URL."""
-        attempts = upstreams[: self._settings.max_attempts]
+        ``path`` (with its query, if any) is appended to each replica's URL; ``route``
+        labels the retries (default: ``path``)."""
+        attempts = self._retry.attempts(upstreams)
         failures: list[str] = []
         for number, upstream in enumerate(attempts, start=1):
             if number > 1:
-                self._metrics.retries.labels(path).inc()
+                self._metrics.retries.labels(route or path).inc()
+                await asyncio.sleep(self._retry.backoff_s(number))
             client = self._client(upstream.url)
+            sent = with_api_key(headers, self._settings.api_key_of(upstream.replica))
             request = client.build_request(
-                "POST", upstream.url.rstrip("/") + path, content=body, headers=headers
+                method, upstream.url.rstrip("/") + path, content=body, headers=sent
             )
             response = await self._send(client, request, upstream, deadline, failures)
             if response is None:
                 continue
-            if response.status_code in RETRY_STATUSES and number < len(attempts):
+            if self._retry.retries_status(response.status_code) and number < len(attempts):
                 self._failed(upstream, f"status_{response.status_code}", failures)
                 await response.aclose()
                 continue
@@ -170,8 +185,9 @@ class Forwarder:
         failures: list[str],
     ) -> httpx.Response | None:
         """The answer's head, or None after a connect failure (the next replica may serve)."""
+        first_byte = asyncio.get_running_loop().time() + self._settings.first_byte_timeout_s
         try:
-            async with asyncio.timeout_at(deadline):
+            async with asyncio.timeout_at(min(deadline, first_byte)):
                 return await client.send(request, stream=True)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             self._failed(upstream, "connect", failures, exc)
@@ -191,11 +207,22 @@ class Forwarder:
         failures.append(f"{upstream.replica}: {kind}" + (f" ({exc!r})" if exc else ""))
 
 
+def with_api_key(headers: list[tuple[str, str]], key: str | None) -> list[tuple[str, str]]:
+    """``headers`` with ``Authorization: Bearer <key>`` in place of the client's (None:
+    ``headers`` as they are)."""
+    if key is None:
+        return headers
+    kept = [(n, v) for n, v in headers if n.lower() != "authorization"]
+    return [*kept, ("authorization", f"Bearer {key}")]
+
+
 class StreamedAnswer:
     """An ASGI response passing an opened answer on chunk by chunk (see the contract).
 
     ``on_done(status, replica)`` is called once, when the last byte is sent, the stream
-    breaks or the client goes away."""
+    breaks or the client goes away. ``first_chunk_timeout_s`` bounds the wait for the body's
+    first chunk (a stream's head comes before its first token), ``idle_timeout_s`` each
+    wait after (None: only the deadline does)."""
 
     def __init__(
         self,
@@ -203,11 +230,16 @@ class StreamedAnswer:
         request_id: str,
         deadline: float,
         on_done: Callable[[int, str], None],
+        *,
+        first_chunk_timeout_s: float | None = None,
+        idle_timeout_s: float | None = None,
     ) -> None:
         self.opened = opened
         self.request_id = request_id
         self.deadline = deadline
         self.on_done = on_done
+        self.first_chunk_timeout_s = first_chunk_timeout_s
+        self.idle_timeout_s = idle_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = self.opened.response
@@ -253,13 +285,20 @@ class StreamedAnswer:
             streaming.result()
 
     async def _stream(self, send: Send) -> None:
-        """Every chunk as it comes; a stream past the total deadline or broken upstream
-        ends early (the client sees an incomplete body)."""
+        """Every chunk as it comes; a stream past the total deadline, idle too long or
+        broken upstream ends early (the client sees an incomplete body)."""
+        idle_s, loop = self.idle_timeout_s, asyncio.get_running_loop()
+        idle = asyncio.timeout(self.first_chunk_timeout_s)
         try:
-            async with asyncio.timeout_at(self.deadline):
+            async with asyncio.timeout_at(self.deadline), idle:
                 async for chunk in self.opened.response.aiter_raw():
+                    idle.reschedule(None)  # a slow client is not an idle replica
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except (TimeoutError, httpx.HTTPError):
+                    idle.reschedule(None if idle_s is None else loop.time() + idle_s)
+        except (TimeoutError, httpx.HTTPError) as exc:
+            why = "past the total deadline" if isinstance(exc, TimeoutError) else repr(exc)
+            why = "no chunk within the idle timeout" if idle.expired() else why
+            logger.warning("answer from %s ended early: %s", self.opened.upstream.replica, why)
             return  # the head is sent: all that is left to say is that the body ends here
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 

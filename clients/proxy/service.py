@@ -23,11 +23,11 @@ from kvindex.api.load.scraper import MetricsScraper
 from kvindex.api.score import Scorer
 from kvindex.api.server import Service, api_deps, run_app
 from kvindex.api.settings import ApiSettings
-from kvindex.api.tokenize.choice import ModelTokenizers
 from kvindex.clients.proxy.app import ProxyParts, create_proxy_app
 from kvindex.clients.proxy.forwarding import Forwarder
 from kvindex.clients.proxy.metrics import ProxyMetrics
 from kvindex.clients.proxy.settings import ProxySettings
+from kvindex.clients.proxy.tokenizers import ProxyTokenizers
 from kvindex.clients.proxy.upstream import UpstreamPicker
 from kvindex.indexer.settings import IndexerSettings
 
@@ -39,7 +39,7 @@ def build_proxy_app(deps: ApiDeps, proxy: ProxySettings) -> Starlette:
     api = deps.settings
     metrics = ProxyMetrics()
     http = httpx.AsyncClient(timeout=api.scrape_timeout_s, trust_env=False)
-    tokenizers = ModelTokenizers(api, deps.registry, http)
+    tokenizers = ProxyTokenizers(api, deps.registry, http)
     scorer = Scorer(
         api,
         deps.index,
@@ -52,6 +52,7 @@ def build_proxy_app(deps: ApiDeps, proxy: ProxySettings) -> Starlette:
         scorer,
         deps.registry,
         on_tokenize_failure=lambda model: metrics.tokenize_failures.labels(model).inc(),
+        lora_base=api.lora_base,
     )
     forwarder = Forwarder(proxy, metrics)
     scraper = _scraper(deps, http)
@@ -69,7 +70,7 @@ def build_proxy_app(deps: ApiDeps, proxy: ProxySettings) -> Starlette:
             await http.aclose()
 
     parts = ProxyParts(
-        api, deps.registry, deps.index, picker, forwarder, metrics, deps.blocking_store
+        api, deps.registry, deps.index, picker, forwarder, metrics, deps.blocking_store, proxy=proxy
     )
     return create_proxy_app(parts, lifespan)
 

@@ -4,13 +4,18 @@ An OpenAI body becomes a :class:`~kvindex.api.schemas.ScoreRequest` (the whole `
 of a chat, or the ``prompt`` of a completion; ``cache_salt`` from the body; the session from
 ``x-kvindex-session`` or the ``user`` field) and is answered by the same
 :class:`~kvindex.api.score.Scorer` as ``/score`` (tokenizer, index, load, policy and
-weights per model). The candidates are the model's replicas that have a ``url``.
+weights per model). The candidates are the model's replicas that have a ``url``. A
+``model`` naming a LoRA adapter (``[[models]] loras``) is scored as its base model with
+``lora_name`` set: vLLM keys a LoRA's blocks with its name, on the base model's replicas.
+
+A request the scorer has nothing to say about (a pass-through route without a ``model``)
+goes to any replica with a ``url``, in turn (:meth:`UpstreamPicker.choose_any`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +61,7 @@ class UpstreamPicker:
 
     ``on_tokenize_failure(model)`` is told when a prompt could not be tokenized (the
     replica asked is down, say): the request is then ranked on load alone, never refused.
+    ``lora_base(name)`` names the base model of a LoRA adapter (None: ``name`` is none).
     """
 
     def __init__(
@@ -64,10 +70,13 @@ class UpstreamPicker:
         registry: RegistryView,
         *,
         on_tokenize_failure: Any = lambda _model: None,
+        lora_base: Callable[[str], str | None] = lambda _name: None,
     ) -> None:
         self._scorer = scorer
         self._registry = registry
         self._on_tokenize_failure = on_tokenize_failure
+        self._lora_base = lora_base
+        self._turn = 0
 
     async def choose(self, body: Mapping[str, Any], headers: Mapping[str, str]) -> Choice:
         """The replicas to try for ``body``; raises UnknownModelError (404), NoUpstreamError
@@ -75,26 +84,45 @@ class UpstreamPicker:
         model = body.get("model")
         if not isinstance(model, str):
             raise BadRequestBodyError("model: a string is required")
-        urls = {r.id: r.url for r in self._registry.replicas() if r.model == model and r.url}
+        base = self._lora_base(model)
+        served = model if base is None else base
+        urls = {r.id: r.url for r in self._registry.replicas() if r.model == served and r.url}
         if not urls:
-            if model not in self._scorer.known_models():
+            if served not in self._scorer.known_models():
                 raise UnknownModelError(
                     f"unknown model {model!r}; known models: {self._scorer.known_models()}"
                 )
-            raise NoUpstreamError(f"no replica of {model!r} has a url to forward to")
-        answer = await self._score(model, body, headers, list(urls))
+            raise NoUpstreamError(f"no replica of {served!r} has a url to forward to")
+        lora_name = None if base is None else model
+        answer = await self._score(served, lora_name, body, headers, list(urls))
         order = [e.replica for e in answer.scores if e.replica in urls]
         upstreams = tuple(Upstream(r, urls[r]) for r in order)
         return Choice(upstreams, _matched_fraction(answer))
 
+    def choose_any(self) -> Choice:
+        """Every replica with a ``url``, starting one further each call (NoUpstreamError:
+        none has one)."""
+        upstreams = [Upstream(r.id, r.url) for r in self._registry.replicas() if r.url]
+        if not upstreams:
+            raise NoUpstreamError("no replica has a url to forward to")
+        start = self._turn % len(upstreams)
+        self._turn += 1
+        return Choice(tuple(upstreams[start:] + upstreams[:start]), None)
+
     async def _score(
-        self, model: str, body: Mapping[str, Any], headers: Mapping[str, str], cands: list[str]
+        self,
+        model: str,
+        lora_name: str | None,
+        body: Mapping[str, Any],
+        headers: Mapping[str, str],
+        cands: list[str],
     ) -> ScoreResponse:
         session = headers.get(SESSION_HEADER) or _string(body.get("user"))
         common: dict[str, Any] = {
             "model": model,
             "candidates": cands,
             "session": session,
+            "lora_name": lora_name,
             "cache_salt": _string(body.get("cache_salt")),
         }
         try:

@@ -4,7 +4,8 @@ ports, and the Redis URL to the private redis-server of ``tests/conftest.py`` (o
 node of its 3-master Redis Cluster: the same commands run on it unchanged).
 
 Then: completions on a simulator → the indexer process → Redis → ``POST /score`` on the
-API process names that simulator; ``POST``/``DELETE /replicas`` on the API process reach
+API process names that simulator, and the proxy process sends the same prompt (through the
+real ``openai`` package) to it; ``POST``/``DELETE /replicas`` on the API process reach
 the indexer process (it opens the new replica's stream; it stops indexing a deleted one).
 """
 
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import httpx
+import openai
 import pytest
 import yaml
 
@@ -225,3 +227,23 @@ def test_replica_changes_on_the_api_reach_the_indexer(fleet: Fleet) -> None:
     time.sleep(1.5)
     assert StreamId("r2") not in fleet.index.streams()
     assert "r2" not in matched(score(fleet))
+
+
+def test_the_proxy_service_sends_a_prompt_to_the_replica_holding_it(fleet: Fleet) -> None:
+    proxy = f"http://127.0.0.1:{fleet.rewriter.port('proxy', 8080)}"
+    wait_for(lambda: httpx.get(f"{proxy}/readyz").status_code == 200, "the proxy process")
+    complete(fleet, "sim2")
+    wait_for(lambda: matched(score(fleet)).get("r2", 0) > 0, "r2's blocks in the index")
+    client = openai.OpenAI(
+        base_url=f"{proxy}/v1",
+        api_key="unused",
+        max_retries=0,
+        http_client=openai.DefaultHttpxClient(trust_env=False),
+    )
+    with client:
+        assert [m.id for m in client.models.list().data] == [MODEL]
+        raw = client.completions.with_raw_response.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    answer = raw.parse()
+    assert raw.headers["x-kvindex-replica"] == "r2"
+    assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
+    assert answer.usage.prompt_tokens_details.cached_tokens  # r2 held it: a cache hit

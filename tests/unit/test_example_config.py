@@ -1,6 +1,6 @@
 """examples/kvindex.toml: loads through both processes' loaders, shows every setting with
 its default. A field added to IndexerSettings, ApiSettings, Weights, ReplicaSpec or
-ModelSpec fails here until the example shows it."""
+ModelSpec or ProxySettings fails here until the example shows it."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 
 from kvindex.api.policies import Weights
 from kvindex.api.settings import ApiSettings, ModelSpec, load_api_settings
+from kvindex.clients.proxy.settings import ProxySettings, load_proxy_settings
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.settings import IndexerSettings, load_settings, read_toml
 
@@ -51,15 +52,20 @@ def test_the_api_loads_it_and_every_active_value_is_the_default() -> None:
     assert dataclasses.replace(settings, models=()) == ApiSettings()
 
 
+def test_the_proxy_loads_it_and_every_active_value_is_the_default() -> None:
+    assert load_proxy_settings(read_toml(EXAMPLE)["proxy"], env={}) == ProxySettings()
+
+
 def test_every_setting_of_both_processes_is_shown() -> None:
     doc = shown()
-    top = set(doc) - {"api", "models"}
+    top = set(doc) - {"api", "models", "proxy"}
     assert field_names(IndexerSettings) - top == set()
     assert field_names(ReplicaSpec) - set(doc["replicas"][0]) == set()
     api = doc["api"]
     assert field_names(ApiSettings) - {"models"} - set(api) == set()
     assert field_names(Weights) - set(api["weights"]) == set()
     assert field_names(ModelSpec) - set(doc["models"][0]) == set()
+    assert field_names(ProxySettings) - set(doc["proxy"]) == set()
     assert set(top) - field_names(IndexerSettings) == set()  # nothing the loaders refuse
 
 
@@ -68,3 +74,6 @@ def test_the_settings_without_defaults_have_valid_examples() -> None:
     assert load_settings(overrides={k: doc[k] for k in ("bind", "default_model")}, env={})
     api = {k: v for k, v in doc["api"].items() if k not in ("weights", "auth_token_file")}
     assert load_api_settings(api, doc["models"], env={}).auth_token == "s3cret"
+    proxy = {k: v for k, v in doc["proxy"].items() if k != "auth_token_file"}
+    loaded = load_proxy_settings(proxy, env={})
+    assert loaded.auth_token == "client-s3cret" and loaded.api_key_of("r1") == "vllm-s3cret"

@@ -21,6 +21,7 @@ from kvindex.clients.fake_vllm.replica import (
     SimResult,
     handle_cached,
     handle_completion,
+    handle_embeddings,
     handle_tokenize,
     metrics_text,
     render_chat,
@@ -181,3 +182,20 @@ def test_chat_renders_the_whole_conversation_and_both_routes_stream() -> None:
         asyncio.run(handle_completion(eng, b'{"model":"M","prompt":"a b c","max_tokens":16}'))
     )
     assert text == again["choices"][0]["text"]
+
+
+def test_test_knobs_fail_a_completion_and_embeddings_answer_like_openai() -> None:
+    with pytest.raises(ReplicaSimError, match="fail_status"):
+        ReplicaSimSettings(fail_status=200)
+    with pytest.raises(ReplicaSimError, match="stream_stall_s"):
+        ReplicaSimSettings(stream_stall_s=-1)
+    eng, batches = engine(model="M", speed=1000.0, fail_status=429)
+    body = json.dumps({"model": "M", "prompt": "a b c d e", "max_tokens": 3}).encode()
+    failed = asyncio.run(handle_completion(eng, body))
+    assert failed.status_code == 429 and batches == []  # refused before running
+    both = decoded(handle_embeddings(eng.settings, b'{"model":"M","input":["a b","a b c"]}'))
+    assert [d["index"] for d in both["data"]] == [0, 1]
+    assert both["usage"]["prompt_tokens"] == 5
+    vector = both["data"][0]["embedding"]
+    assert len(vector) == 8 and sum(x * x for x in vector) == pytest.approx(1.0)
+    assert handle_embeddings(eng.settings, b'{"model":"X","input":"a"}').status_code == 404

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import pytest
@@ -82,8 +83,8 @@ def test_the_best_replica_answers_when_it_can() -> None:
     assert _sample(metrics, "kvindex_proxy_retries_total", route=PATH) == 0
 
 
-def test_a_connect_error_or_a_502_503_504_is_retried_on_the_next_replica() -> None:
-    for failure in ("down", 502, 503, 504):
+def test_a_connect_error_or_a_408_429_5xx_is_retried_on_the_next_replica() -> None:
+    for failure in ("down", 408, 429, 500, 502, 503, 504):
         fleet = Fleet(r1=failure)
         opened, metrics = _open(fleet)
         assert isinstance(opened, Opened) and opened.upstream.replica == "r2", failure
@@ -95,7 +96,7 @@ def test_a_connect_error_or_a_502_503_504_is_retried_on_the_next_replica() -> No
 
 
 def test_other_answers_are_passed_on_without_retry() -> None:
-    for status in (400, 404, 429, 500):
+    for status in (400, 401, 404, 422, 501):
         fleet = Fleet(r1=status)
         opened, _ = _open(fleet)
         assert isinstance(opened, Opened) and opened.response.status_code == status
@@ -144,10 +145,14 @@ def test_request_id_is_honoured_or_made_and_forwarded_with_traceparent() -> None
     assert fleet.seen[0][1]["x-request-id"] == "abc"
 
 
-@pytest.mark.parametrize("name", ["connect_timeout_s", "first_byte_timeout_s", "total_timeout_s"])
+@pytest.mark.parametrize(
+    "name",
+    ["connect_timeout_s", "first_byte_timeout_s", "stream_idle_timeout_s", "total_timeout_s"],
+)
 def test_settings_name_the_bad_key(name: str) -> None:
-    with pytest.raises(SettingsError, match=re.escape(f"proxy.{name} must be a number > 0, got 0")):
-        ProxySettings(**{name: 0})
+    zero: dict[str, Any] = {name: 0}
+    with pytest.raises(SettingsError, match=re.escape(f"proxy.{name} must be a finite number > 0")):
+        ProxySettings(**zero)
     with pytest.raises(SettingsError, match=re.escape("proxy.max_attempts must be an integer")):
         ProxySettings(max_attempts=0)
 
@@ -226,3 +231,99 @@ def test_a_client_that_goes_away_mid_stream_closes_the_upstream_answer() -> None
 
     asyncio.run(run())
     assert done == [(200, "r1")]
+
+
+def _stream_through(
+    body: AsyncIterator[bytes], first_chunk_timeout_s: float, idle_timeout_s: float
+) -> tuple[bytes, float]:
+    """What a client receives of an answer streamed with these timeouts, and how long it
+    took."""
+    sent: list[Message] = []
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=body)
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    async def receive() -> Message:
+        await asyncio.sleep(30)
+        return {"type": "http.disconnect"}
+
+    async def run() -> float:
+        forwarder = Forwarder(DEFAULTS, ProxyMetrics(), transport=httpx.MockTransport(handle))
+        deadline = forwarder.deadline()
+        opened = await forwarder.open(PATH, b"{}", [], UPSTREAMS, deadline)
+        answer = StreamedAnswer(
+            opened,
+            "rid",
+            deadline,
+            lambda *a: None,
+            first_chunk_timeout_s=first_chunk_timeout_s,
+            idle_timeout_s=idle_timeout_s,
+        )
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await asyncio.wait_for(answer({"type": "http"}, receive, send), 10)
+        await forwarder.close()
+        return loop.time() - started
+
+    took = asyncio.run(run())
+    return b"".join(m.get("body", b"") for m in sent[1:]), took
+
+
+def test_a_stream_idle_past_the_idle_timeout_ends_early_and_slow_chunks_within_it_do_not() -> None:
+    async def stalls() -> AsyncIterator[bytes]:
+        yield b"data: 1\n\n"
+        await asyncio.sleep(0.2)
+        yield b"data: 2\n\n"
+        await asyncio.sleep(8)  # the replica hangs
+        yield b"data: 3\n\n"
+
+    received, took = _stream_through(stalls(), first_chunk_timeout_s=5, idle_timeout_s=1)
+    assert received == b"data: 1\n\ndata: 2\n\n" and took < 6
+
+    async def first_slow() -> AsyncIterator[bytes]:
+        await asyncio.sleep(1.5)  # a long prefill: bounded by the first-chunk timeout
+        yield b"data: 1\n\n"
+        await asyncio.sleep(0.2)
+        yield b"data: [DONE]\n\n"
+
+    received, _ = _stream_through(first_slow(), first_chunk_timeout_s=5, idle_timeout_s=1)
+    assert received == b"data: 1\n\ndata: [DONE]\n\n"
+
+
+def test_authorization_is_passed_through_or_replaced_per_replica() -> None:
+    fleet = Fleet(r1="down")
+    settings = ProxySettings(upstream_api_key="every", replica_api_keys={"r1": "first"})
+    metrics = ProxyMetrics()
+
+    async def run() -> None:
+        forwarder = Forwarder(settings, metrics, transport=httpx.MockTransport(fleet.handle))
+        headers = [("Authorization", "Bearer client"), ("x-request-id", "abc")]
+        await forwarder.open(PATH, b"{}", headers, UPSTREAMS, forwarder.deadline())
+        await forwarder.close()
+        plain = Forwarder(DEFAULTS, metrics, transport=httpx.MockTransport(fleet.handle))
+        await plain.open(PATH, b"{}", headers, UPSTREAMS[1:], plain.deadline())
+        await plain.close()
+
+    asyncio.run(run())
+    sent = [(replica, seen.get_list("authorization")) for replica, seen, _ in fleet.seen]
+    assert sent == [("r1", ["Bearer first"]), ("r2", ["Bearer every"]), ("r2", ["Bearer client"])]
+
+
+def test_a_retry_waits_the_policys_back_off() -> None:
+    fleet = Fleet(r1=503, r2=503)
+    settings = ProxySettings(retry_backoff_s=0.3, retry_backoff_max_s=0.3)
+
+    async def run() -> float:
+        forwarder = Forwarder(settings, ProxyMetrics(), transport=httpx.MockTransport(fleet.handle))
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await forwarder.open(PATH, b"{}", [], UPSTREAMS, forwarder.deadline())
+        await forwarder.close()
+        return loop.time() - started
+
+    took = asyncio.run(run())
+    assert [s[0] for s in fleet.seen] == ["r1", "r2", "r3"]
+    assert took >= 0.15 + 0.15  # two waits, each at least half of the 0.3 s ceiling

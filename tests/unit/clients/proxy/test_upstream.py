@@ -71,11 +71,20 @@ class Fleet:
         )
         self.failures: list[str] = []
         self.picker = UpstreamPicker(
-            scorer, self.registry, on_tokenize_failure=self.failures.append
+            scorer,
+            self.registry,
+            on_tokenize_failure=self.failures.append,
+            lora_base=lambda name: MODEL if name == "sql-lora" else None,
         )
 
-    def hold(self, replica: str, tokens: list[int]) -> None:
-        keys = block_keys(MODEL, tokens, 16)
+    def hold(
+        self,
+        replica: str,
+        tokens: list[int],
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        keys = block_keys(MODEL, tokens, 16, lora_name=lora_name, cache_salt=cache_salt)
         ops: list[Op] = [(OpKind.STORE, Tier.GPU, i, k) for i, k in enumerate(keys)]
         self.index.apply(StreamId(replica), 0, NOW, ops)
         self.registry.record(StreamId(replica), StreamReport(last_seq=0, last_event_ts=NOW))
@@ -146,3 +155,40 @@ def test_bad_bodies_and_unknown_models_are_named() -> None:
     no_url.registry.remove("c")
     with pytest.raises(NoUpstreamError, match="no replica of 'm' has a url"):
         no_url.choose({"model": MODEL, "prompt": "a"})
+
+
+def test_a_lora_name_in_model_goes_to_the_base_models_replicas_keyed_with_it() -> None:
+    fleet = Fleet()
+    prompt = _words(32, "q")
+    tokens = asyncio.run(fleet.tokenizer.encode_prompt(prompt))
+    fleet.hold("b", tokens)  # the base model's blocks of this prompt
+    fleet.hold("c", tokens, lora_name="sql-lora")  # the LoRA's
+    lora = fleet.choose({"model": "sql-lora", "prompt": prompt})
+    assert lora.upstreams[0].replica == "c" and lora.matched_fraction == 1.0
+    assert {u.replica for u in lora.upstreams} == {"a", "b", "c"}
+    base = fleet.choose({"model": MODEL, "prompt": prompt})
+    assert base.upstreams[0].replica == "b"
+    with pytest.raises(UnknownModelError, match="other-lora"):
+        fleet.choose({"model": "other-lora", "prompt": prompt})
+
+
+def test_the_cache_salt_of_the_body_keys_the_blocks() -> None:
+    fleet = Fleet()
+    prompt = _words(32, "t")
+    tokens = asyncio.run(fleet.tokenizer.encode_prompt(prompt))
+    fleet.hold("a", tokens)
+    fleet.hold("b", tokens, cache_salt="tenant-1")
+    salted = fleet.choose({"model": MODEL, "prompt": prompt, "cache_salt": "tenant-1"})
+    assert salted.upstreams[0].replica == "b" and salted.matched_fraction == 1.0
+    assert fleet.choose({"model": MODEL, "prompt": prompt}).upstreams[0].replica == "a"
+
+
+def test_a_request_without_a_model_goes_to_every_replica_with_a_url_in_turn() -> None:
+    fleet = Fleet()
+    firsts = [fleet.picker.choose_any().upstreams for _ in range(4)]
+    assert [u[0].replica for u in firsts] == ["a", "b", "c", "a"]
+    assert all({u.replica for u in ups} == {"a", "b", "c"} for ups in firsts)
+    for replica in ("a", "b", "c"):
+        fleet.registry.remove(replica)
+    with pytest.raises(NoUpstreamError):
+        fleet.picker.choose_any()

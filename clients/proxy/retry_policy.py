@@ -1,0 +1,48 @@
+"""The retry policy: which failed attempts go to another replica, and how long to wait first.
+
+Contract: a request is tried on at most ``proxy.max_attempts`` replicas, each a different
+one (the upstreams of a :class:`~.upstream.Choice` are distinct), and only while nothing has
+reached the client. An attempt is worth retrying when it failed to connect or was answered
+with :data:`RETRY_STATUSES`: the replica refused or lost the request before answering it
+(408 timeout, 429 too busy, 500 internal error, 502/503/504 a gateway or a replica going
+away). Before attempt ``n`` (``n >= 2``) the forwarder waits :meth:`RetryPolicy.backoff_s`:
+``retry_backoff_s * 2 ** (n - 2)``, capped by ``retry_backoff_max_s``, jittered (drawn uniformly
+between half of it and all of it) so that requests failed together do not retry together.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import TypeVar
+
+from kvindex.clients.proxy.settings import ProxySettings
+
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+"""Answers after which the request is sent to the next replica (before the first byte)."""
+T = TypeVar("T")
+
+
+class RetryPolicy:
+    """The attempts of one proxy; ``rng`` draws the jitter (seed it in tests)."""
+
+    def __init__(self, settings: ProxySettings, rng: random.Random | None = None) -> None:
+        self._settings = settings
+        self._rng = rng or random.Random()
+
+    def attempts(self, upstreams: Sequence[T]) -> Sequence[T]:
+        """The upstreams to try, in order: the first ``max_attempts``."""
+        return upstreams[: self._settings.max_attempts]
+
+    @staticmethod
+    def retries_status(status: int) -> bool:
+        """Whether an answer with ``status`` goes to the next replica (if one is left)."""
+        return status in RETRY_STATUSES
+
+    def backoff_s(self, number: int) -> float:
+        """Seconds to wait before attempt ``number`` (1-based; 0 before the first)."""
+        if number <= 1:
+            return 0.0
+        settings = self._settings
+        ceiling = min(settings.retry_backoff_max_s, settings.retry_backoff_s * 2 ** (number - 2))
+        return self._rng.uniform(ceiling / 2, ceiling)

@@ -1,0 +1,118 @@
+"""The proxy's tokenizers: the API's rule (:class:`~kvindex.api.tokenize.choice.ModelTokenizers`),
+with a failover when a model is tokenized by its replicas' ``/tokenize``.
+
+The API asks the first replica of the model that has a URL; when that replica is dead
+every prompt would be routed on load alone. Here a model tokenized by replicas gets a
+:class:`FailoverTokenizer`: the replica that answered last is asked first, and when it
+fails (unreachable, timed out, an error answer) the next replicas of the model are asked,
+at most :data:`MAX_TRIES` in all. A model with a local ``tokenizer.json`` is tokenized as
+the API does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+
+from kvindex.api.settings import ApiSettings
+from kvindex.api.tokenize.cache import CachingTokenizer
+from kvindex.api.tokenize.choice import ModelTokenizers
+from kvindex.api.tokenize.protocol import Tokenizer, TokenizerError
+from kvindex.api.tokenize.replica import ReplicaTokenizer
+from kvindex.indexer.fleet.registry import RegistryView
+
+MAX_TRIES = 3
+"""Replicas asked at most for one tokenization (a dead fleet costs that many timeouts)."""
+
+
+class FailoverTokenizer:
+    """One model's tokens from the ``/tokenize`` of the first of its replicas that answers
+    (the registry is read at each call: replicas added or removed are seen at once).
+    Raises :class:`TokenizerError` naming every replica asked when none answered. Use from
+    one event loop."""
+
+    def __init__(
+        self,
+        model: str,
+        registry: RegistryView,
+        client: httpx.AsyncClient,
+        *,
+        timeout_s: float,
+    ) -> None:
+        self._model = model
+        self._registry = registry
+        self._client = client
+        self._timeout_s = timeout_s
+        self._url_to_tokenizer: dict[str, ReplicaTokenizer] = {}
+        self._last_good: str | None = None
+
+    async def encode_prompt(self, prompt: str) -> list[int]:
+        return await self._first_answer(lambda t: t.encode_prompt(prompt))
+
+    async def encode_messages(self, messages: list[dict[str, Any]]) -> list[int]:
+        return await self._first_answer(lambda t: t.encode_messages(messages))
+
+    def urls(self) -> list[str]:
+        """The replicas to ask, in order: the last one that answered first."""
+        urls = [r.url for r in self._registry.replicas() if r.model == self._model and r.url]
+        return sorted(urls, key=lambda url: url != self._last_good)  # a stable sort
+
+    async def _first_answer(
+        self, call: Callable[[ReplicaTokenizer], Awaitable[list[int]]]
+    ) -> list[int]:
+        urls = self.urls()
+        if not urls:
+            raise TokenizerError(f"no replica of {self._model!r} has a url to tokenize with")
+        errors: list[str] = []
+        for url in urls[:MAX_TRIES]:
+            try:
+                tokens = await call(self._tokenizer(url))
+            except TokenizerError as exc:
+                errors.append(str(exc))
+                continue
+            self._last_good = url
+            return tokens
+        raise TokenizerError("; ".join(errors))
+
+    def _tokenizer(self, url: str) -> ReplicaTokenizer:
+        tokenizer = self._url_to_tokenizer.get(url)
+        if tokenizer is None:
+            tokenizer = ReplicaTokenizer(self._client, url, self._model, timeout_s=self._timeout_s)
+            self._url_to_tokenizer[url] = tokenizer
+        return tokenizer
+
+
+class ProxyTokenizers:
+    """The tokenizer of each model (see the module docstring), built on first use and
+    kept. The caller owns ``client``."""
+
+    def __init__(
+        self, settings: ApiSettings, registry: RegistryView, client: httpx.AsyncClient
+    ) -> None:
+        self._settings = settings
+        self._registry = registry
+        self._client = client
+        self._local = ModelTokenizers(settings, registry, client)
+        self._model_to_tokenizer: dict[str, Tokenizer] = {}
+
+    def tokenizer(self, model: str) -> Tokenizer | None:
+        """A local tokenizer when ``[[models]] tokenizer`` is a path, else the failover."""
+        configured = self._settings.model(model)
+        if configured is not None and configured.tokenizer not in (None, "replica"):
+            return self._local.tokenizer(model)
+        tokenizer = self._model_to_tokenizer.get(model)
+        if tokenizer is None:
+            tokenizer = self._failover(model)
+            self._model_to_tokenizer[model] = tokenizer
+        return tokenizer
+
+    def _failover(self, model: str) -> Tokenizer:
+        settings = self._settings
+        inner = FailoverTokenizer(
+            model, self._registry, self._client, timeout_s=settings.scrape_timeout_s
+        )
+        if settings.tokenizer_cache_entries == 0:
+            return inner
+        return CachingTokenizer(inner, settings.tokenizer_cache_entries)

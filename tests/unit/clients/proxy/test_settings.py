@@ -1,0 +1,63 @@
+"""The ``[proxy]`` table: file < env < command line, errors that name the key, no secret shown."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from kvindex.clients.proxy.settings import ProxySettings, load_proxy_settings
+from kvindex.indexer.errors import SettingsError
+
+
+def test_file_then_env_then_command_line() -> None:
+    table = {"max_attempts": 5, "stream_idle_timeout_s": 7, "connect_timeout_s": 1.5}
+    env = {"KVINDEX_PROXY_MAX_ATTEMPTS": "4", "KVINDEX_PROXY_STREAM_IDLE_TIMEOUT_S": "9.5"}
+    loaded = load_proxy_settings(table, env=env, overrides={"max_attempts": 2, "port": None})
+    assert loaded.max_attempts == 2  # the command line wins
+    assert loaded.stream_idle_timeout_s == 9.5  # the env over the file
+    assert loaded.connect_timeout_s == 1.5  # the file over the default
+    assert loaded.total_timeout_s == ProxySettings().total_timeout_s
+
+
+def test_unknown_keys_and_variables_and_bad_values_are_named() -> None:
+    with pytest.raises(SettingsError, match=re.escape("[proxy]: unknown settings ['max_atempts']")):
+        load_proxy_settings({"max_atempts": 2}, env={})
+    with pytest.raises(SettingsError, match="KVINDEX_PROXY_NOPE: no such proxy setting"):
+        load_proxy_settings(env={"KVINDEX_PROXY_NOPE": "1"})
+    with pytest.raises(SettingsError, match="KVINDEX_PROXY_MAX_ATTEMPTS must be an integer"):
+        load_proxy_settings(env={"KVINDEX_PROXY_MAX_ATTEMPTS": "many"})
+    with pytest.raises(SettingsError, match=re.escape("proxy.retry_backoff_s must be a finite")):
+        load_proxy_settings({"retry_backoff_s": -1}, env={})
+    blamed = "proxy.max_attempts must be an integer >= 1, got 0 (set by KVINDEX_PROXY_MAX_ATTEMPTS)"
+    with pytest.raises(SettingsError, match=re.escape(blamed)):
+        load_proxy_settings(env={"KVINDEX_PROXY_MAX_ATTEMPTS": "0"})
+    with pytest.raises(SettingsError, match=re.escape("[proxy] must be a table")):
+        load_proxy_settings(3, env={})  # type: ignore[arg-type]
+    assert load_proxy_settings({"retry_backoff_s": 0}, env={}).retry_backoff_s == 0
+
+
+def test_tokens_and_keys_from_file_env_or_token_file_and_never_shown(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("from-the-file\n")
+    env = {
+        "KVINDEX_PROXY_AUTH_TOKEN": "from-env",
+        "KVINDEX_PROXY_UPSTREAM_API_KEY": "vllm-key",
+        "KVINDEX_PROXY_REPLICA_API_KEYS": '{"r2": "r2-key"}',
+    }
+    loaded = load_proxy_settings({"auth_token": "in-toml"}, env=env)
+    assert loaded.auth_token == "from-env"
+    assert loaded.api_key_of("r1") == "vllm-key" and loaded.api_key_of("r2") == "r2-key"
+    assert all(secret not in repr(loaded) for secret in ("from-env", "vllm-key", "r2-key"))
+    by_file = load_proxy_settings(env=env, overrides={"auth_token_file": token_file})
+    assert by_file.auth_token == "from-the-file"
+    with pytest.raises(SettingsError, match=r"proxy\.auth_token_file .*missing"):
+        load_proxy_settings(env={}, overrides={"auth_token_file": tmp_path / "missing"})
+    with pytest.raises(SettingsError, match="must be a JSON object") as bad:
+        load_proxy_settings(env={"KVINDEX_PROXY_REPLICA_API_KEYS": "r1=hidden"})
+    assert "hidden" not in str(bad.value)
+    with pytest.raises(SettingsError, match="replica_api_keys must be a table") as bad:
+        load_proxy_settings({"replica_api_keys": {"r1": 12345}}, env={})
+    assert "12345" not in str(bad.value)
+    assert load_proxy_settings(env={}).api_key_of("r1") is None
