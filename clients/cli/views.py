@@ -165,13 +165,16 @@ def _marked(entry: ScoreEntry, best: str | None) -> Text:
 
 
 def heading(answer: ScoreResponse) -> Text:
-    """The line above a score answer's table: model, prompt size, policy, best replica
+    """The line above a score answer's table: model, prompt size, policy (and the
+    ``[[rules]]`` entry that chose it, if one did), best replica
     (how many candidates the answer leaves out, if any; why it is degraded, if it is).
     Printed on its own, not as the table's title, so that it wraps at the console's width
     rather than the table's."""
     title = (
         f"{answer.model} · {answer.num_tokens} tokens · {answer.num_blocks} blocks of"
-        f" {answer.block_size} · policy {answer.policy} · best {answer.best or 'none'}"
+        f" {answer.block_size} · policy {answer.policy}"
+        + (f" (rule {answer.rule})" if answer.rule is not None else "")
+        + f" · best {answer.best or 'none'}"
     )
     if len(answer.scores) < answer.num_candidates:
         title += (
