@@ -27,6 +27,14 @@ JSON_FIELDS = {
     "queue_mean",
     "queue_max",
     "imbalance",
+    "throughput_rps",
+    "throughput_tps",
+    "output_tps",
+    "kv_usage_mean",
+    "kv_usage_p90",
+    "gpu_s_per_request",
+    "prefill_gpu_s_per_request",
+    "decode_gpu_s_per_request",
 }
 
 
@@ -72,10 +80,12 @@ def test_simulate_piped_prints_whole_rows() -> None:
     rows = lines[next(i for i, line in enumerate(lines) if set(line) == {"─"}) + 1 :]
     for label in ("round_robin", "session_affinity", "kv_aware", variant):
         cells = next(line for line in rows if line.split()[:1] == [label])
-        hit_rate, prefill, *times = cells.split()[1:7]
-        assert hit_rate.endswith("%") and prefill.replace(",", "").isdigit()
-        assert all(len(t.split(".")[1]) == 3 for t in times)  # TTFT mean/p50/p90/p99: 0.123
-        assert len(cells.split()) == 11  # policy + 10 figures, none wrapped away
+        hit_rate, *times = cells.split()[1:5]
+        assert hit_rate.endswith("%")
+        assert all(len(t.split(".")[1]) == 3 for t in times)  # TTFT p50/p90/p99: 0.123
+        kv_mean, kv_p90 = cells.split()[9:11]
+        assert kv_mean.endswith("%") and kv_p90.endswith("%")
+        assert len(cells.split()) == 14  # policy + 13 figures, none wrapped away
 
 
 @pytest.mark.parametrize(
