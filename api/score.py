@@ -7,7 +7,9 @@ The read path, step by step (the README's diagram numbers them the same way):
    (the caller's choice; the app's is :class:`kvindex.api.tokenize.choice.ModelTokenizers`),
    or ``block_keys`` as given;
 3. block keys with ``kvindex.indexer.keys`` (the indexer's own key function) at the model's
-   block size (as its replicas publish it);
+   block size (as its replicas publish it); then the first ``[[rules]]`` entry matching the
+   request (:mod:`kvindex.api.routing_rules`: model, workload, user, headers, prompt
+   length, tools) chooses its policy and weights, unless the request chose them;
 4. longest cached prefix per (replica, rank) from the index — if the store is
    unreachable, the answer is made from load alone and says ``degraded``;
 5. load per replica (pushed or scraped), with its age;
