@@ -19,7 +19,12 @@ from kvindex.clients.simulate.fleet import (
     ReplicaLoad,
     SimulationError,
 )
-from kvindex.clients.simulate.run import ceiling_hit_rate, percentile, policy_stats
+from kvindex.clients.simulate.run import (
+    ceiling_hit_rate,
+    percentile,
+    policy_stats,
+    single_cache_hit_rate,
+)
 from kvindex.clients.workloads import TraceRequest
 from kvindex.indexer.events import BlockRemoved, BlockStored, Event
 
@@ -189,8 +194,12 @@ def test_single_cache_ceiling_is_one_lru_pool_of_the_fleets_capacity() -> None:
     # evicts everything; A misses.
     a, b, c = list(range(8)), list(range(100, 108)), list(range(200, 216))
     requests = [req(0.0, a), req(1.0, b), req(2.0, a), req(3.0, c), req(4.0, a)]
-    rate = ceiling_hit_rate(requests, fleet(replicas=2, capacity_blocks=2))
+    rate = single_cache_hit_rate(requests, fleet(replicas=2, capacity_blocks=2))
     assert rate == pytest.approx(4 / (8 * 4 + 16))
+    # The ceiling evicts nothing: both repeats of A hit its first block.
+    assert ceiling_hit_rate(requests, fleet(replicas=2, capacity_blocks=2)) == pytest.approx(
+        8 / (8 * 4 + 16)
+    )
 
 
 def test_percentile_is_nearest_rank() -> None:
@@ -208,6 +217,7 @@ def test_the_ceiling_counts_cached_answers_as_a_replica_does() -> None:
     turns = [req(0.0, q1, 4, output=answer), req(20.0, q1 + answer + q2, 1)]
     assert run(fleet(), turns, Fixed()).outcomes[1].hit_tokens == 8
     assert ceiling_hit_rate(turns, fleet()) == pytest.approx(8 / 16)
+    assert single_cache_hit_rate(turns, fleet()) == pytest.approx(8 / 16)
 
 
 def test_throughput_kv_usage_and_gpu_seconds_per_request() -> None:
