@@ -118,8 +118,9 @@ SHARED_MIN_SHARE = 0.01
 
 
 def trace_sessions(hash_ids_of: Sequence[Sequence[int]]) -> list[str]:
-    """A session key per request of a trace without session ids (Mooncake's ids are
-    chained: an id names a block and its whole prefix).
+    """A session key per request of a trace without session ids, from each request's
+    chained block ids (an id names a block and its whole prefix: Mooncake's ``hash_ids``,
+    or the engine's block hashes of a prompt).
 
     The shared prefix of a request ends after its deepest block that many different
     continuations follow (at least :data:`SHARED_MIN_FANOUT`, and at least
