@@ -87,6 +87,10 @@ class RoutingRule:
         key = f"rules.{self.name}"
         if not isinstance(self.name, str) or not self.name:
             raise SettingsError(f"rules: a rule name must be a non-empty string, got {self.name!r}")
+        for name in ("model", "workload", "user"):
+            _check_values(f"{key}.{name}", getattr(self, name))
+        for header, accepted in self.headers:
+            _check_values(f"{key}.headers.{header}", accepted)
         for name in ("min_prompt_tokens", "max_prompt_tokens"):
             _check_count(f"{key}.{name}", getattr(self, name))
         low, high = self.min_prompt_tokens, self.max_prompt_tokens
@@ -130,6 +134,12 @@ def first_match(rules: Sequence[RoutingRule], seen: RuleInput) -> RoutingRule | 
 
 _POLICIES = [p.value for p in Policy]
 _KNOWN_KEYS = sorted(f.name for f in fields(RoutingRule))
+
+
+def _check_values(key: str, value: object) -> None:
+    # A bare string would match by substring ("lla" in "llama"): only a tuple is accepted.
+    if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
+        raise SettingsError(f"{key} must be a tuple of strings, got {value!r}")
 
 
 def _check_count(key: str, value: object) -> None:

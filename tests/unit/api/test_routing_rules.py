@@ -231,3 +231,5 @@ def test_settings_built_in_code_take_rules_too() -> None:
     assert ApiSettings(rules=(made,)).rules == (made,)
     with pytest.raises(SettingsError, match=r"rules\.x\.policy"):
         RoutingRule("x", policy="fastest")
+    with pytest.raises(SettingsError, match=r"rules\.x\.model must be a tuple of strings"):
+        RoutingRule("x", model="llama", policy="kv_aware")  # type: ignore[arg-type]
