@@ -311,7 +311,7 @@ def _score_routes(router: APIRouter, state: _AppState) -> None:
     async def score(request: Request) -> Response:
         started = time.perf_counter()
         body = await _decode(request, ScoreRequest)
-        answer = await state.scorer.score(body)
+        answer = await state.scorer.score(body, request.headers)
         state.metrics.score_latency.labels(answer.policy).observe(time.perf_counter() - started)
         return _json(answer)
 

@@ -46,6 +46,13 @@ class ScoreRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     cache_salt: str | None = None
     session: str | None = None
     """Session key for the ``session_affinity`` policy."""
+    workload: str | None = None
+    """The request's workload, for ``[[rules]]`` (default: the ``x-kvindex-workload``
+    header)."""
+    user: str | None = None
+    """Who sends the request (an OpenAI body's ``user``), for ``[[rules]]``."""
+    has_tools: bool = False
+    """The request offers tools (an OpenAI body's ``tools``), for ``[[rules]]``."""
     candidates: Annotated[list[str], msgspec.Meta(max_length=MAX_CANDIDATES)] | None = None
     """Replica ids to choose from (default: every replica serving the model)."""
     policy: str | None = None
@@ -111,6 +118,9 @@ class ScoreResponse(msgspec.Struct):
     degraded: str | None = None
     """Set when the answer was made without the index (e.g. Redis down: load only), or on
     the last fleet state known (the fleet's store unreadable, or it lost the fleet)."""
+    rule: str | None = None
+    """Name of the ``[[rules]]`` entry that chose the policy and weights (the first that
+    matched); None when no rule matched."""
 
 
 class LoadReport(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

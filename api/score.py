@@ -7,7 +7,9 @@ The read path, step by step (the README's diagram numbers them the same way):
    (the caller's choice; the app's is :class:`kvindex.api.tokenize.choice.ModelTokenizers`),
    or ``block_keys`` as given;
 3. block keys with ``kvindex.indexer.keys`` (the indexer's own key function) at the model's
-   block size (as its replicas publish it);
+   block size (as its replicas publish it); then the first ``[[rules]]`` entry matching the
+   request (:mod:`kvindex.api.routing_rules`: model, workload, user, headers, prompt
+   length, tools) chooses its policy and weights, unless the request chose them;
 4. longest cached prefix per (replica, rank) from the index — if the store is
    unreachable, the answer is made from load alone and says ``degraded``;
 5. load per replica (pushed or scraped), with its age;
@@ -28,7 +30,7 @@ import itertools
 import random
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvindex.api.load.model import CountedLoad, Load, is_newer_or_same
@@ -43,6 +45,7 @@ from kvindex.api.policies import (
     Weights,
     decide,
 )
+from kvindex.api.routing_rules import WORKLOAD_HEADER, RoutingRule, RuleInput, first_match
 from kvindex.api.schemas import FreshnessView, LoadView, ScoreEntry, ScoreRequest, ScoreResponse
 from kvindex.api.settings import ApiSettings
 from kvindex.api.tokenize.protocol import Tokenizer
@@ -169,16 +172,22 @@ class Scorer:
         configured = {m.name for m in self._settings.models}
         return sorted(configured | set(self._registry.models()))
 
-    async def score(self, request: ScoreRequest) -> ScoreResponse:
+    async def score(
+        self, request: ScoreRequest, headers: Mapping[str, str] | None = None
+    ) -> ScoreResponse:
         """The answer to ``request``: every candidate scored, the best ``top_k`` explained
-        (:meth:`top_k`), the others counted only (their entries are never built)."""
+        (:meth:`top_k`), the others counted only (their entries are never built).
+        ``headers`` (the HTTP request's, looked up by lower-case name) are what
+        ``[[rules]]`` may match besides the body."""
         specs = self._registry.replicas()
         outage = self._registry.outage()
         candidates = self._candidates(request, specs, outage)
-        weights = self._weights(request)
-        policy = self._policy(request)
         block_size = self.block_size(request.model)
         tokens, keys = await self._keys(request, block_size)
+        num_tokens = len(tokens) if tokens is not None else len(keys) * block_size
+        rule = self._rule(request, num_tokens, headers or {})
+        weights = self._weights(request, rule)
+        policy = self._policy(request, rule)
         lookup, loads = await self._read(keys, self._streams(candidates, specs), candidates)
         seen = _Seen(lookup, loads, self._statuses(), self._clock())
         cands = [seen.candidate(r) for r in candidates]
@@ -189,7 +198,7 @@ class Scorer:
         return ScoreResponse(
             model=request.model,
             block_size=block_size,
-            num_tokens=len(tokens) if tokens is not None else len(keys) * block_size,
+            num_tokens=num_tokens,
             num_blocks=len(keys),
             best=decision.best,
             policy=policy.value,
@@ -198,6 +207,7 @@ class Scorer:
             num_candidates=len(cands),
             num_matched=lookup.num_matched(),
             degraded=degraded,
+            rule=rule.name if rule is not None else None,
         )
 
     def _degraded(self, index_outage: str | None, fleet_outage: str | None) -> str | None:
@@ -240,9 +250,32 @@ class Scorer:
             )
         return list(dict.fromkeys(request.candidates))
 
-    def _policy(self, request: ScoreRequest) -> Policy:
+    def _rule(
+        self, request: ScoreRequest, num_tokens: int, headers: Mapping[str, str]
+    ) -> RoutingRule | None:
+        """The first ``[[rules]]`` entry matching the request (None: none does)."""
+        rules = self._settings.rules
+        if not rules:
+            return None
+        seen = RuleInput(
+            model=request.model,
+            num_tokens=num_tokens,
+            workload=request.workload or headers.get(WORKLOAD_HEADER),
+            user=request.user,
+            has_tools=request.has_tools,
+            headers=headers,
+        )
+        return first_match(rules, seen)
+
+    def _policy(self, request: ScoreRequest, rule: RoutingRule | None) -> Policy:
+        """The request's policy, else the rule's, the model's, the API's default."""
         spec = self._settings.model(request.model)
-        name = request.policy or (spec.policy if spec else None) or self._settings.default_policy
+        name = (
+            request.policy
+            or (rule.policy if rule else None)
+            or (spec.policy if spec else None)
+            or self._settings.default_policy
+        )
         try:
             return Policy(name)
         except ValueError:
@@ -250,9 +283,13 @@ class Scorer:
                 f"policy: {name!r} is not one of {[p.value for p in Policy]}"
             ) from None
 
-    def _weights(self, request: ScoreRequest) -> Weights:
+    def _weights(self, request: ScoreRequest, rule: RoutingRule | None) -> Weights:
+        """The API's weights, overridden by the rule's, then by the request's."""
+        base = self._settings.weights
+        if rule is not None and rule.weights:
+            base = base.overridden(rule.weight_overrides())  # checked when loaded
         try:
-            return self._settings.weights.overridden(request.weights)
+            return base.overridden(request.weights)
         except ScoringError as exc:
             raise RequestError(f"weights: {exc}") from exc
 

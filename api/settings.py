@@ -26,6 +26,11 @@ TOML::
     block_size = 16
     policy = "kv_aware"
     tokenizer = "/models/llama/tokenizer.json"   # or "replica": ask a replica's /tokenize
+
+    [[rules]]                                     # see kvindex.api.routing_rules
+    name = "batch"
+    workload = "batch"
+    policy = "least_load"
 """
 
 from __future__ import annotations
@@ -33,11 +38,12 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvindex.api.policies import Policy, ScoringError, Weights
+from kvindex.api.routing_rules import RoutingRule, rule_from_table
 from kvindex.api.url_policy import UrlPolicy
 from kvindex.indexer.errors import SettingsError
 
@@ -94,6 +100,9 @@ class ApiSettings:
     """Default scoring weights (``[api.weights]``)."""
     models: tuple[ModelSpec, ...] = ()
     """Per-model settings (``[[models]]``)."""
+    rules: tuple[RoutingRule, ...] = ()
+    """Routing rules per workload (``[[rules]]``), first match wins
+    (:mod:`kvindex.api.routing_rules`)."""
     scrape_interval_s: float = 2.0
     """Scrape every replica's vLLM /metrics this often (0: never; rely on POST /load)."""
     scrape_timeout_s: float = 1.0
@@ -144,6 +153,9 @@ class ApiSettings:
         loras = [lora for m in self.models for lora in m.loras]
         if len(loras) != len(set(loras)) or set(loras) & set(names):
             raise SettingsError(f"models: a LoRA name is a model's or another LoRA's in {loras}")
+        rule_names = [r.name for r in self.rules]
+        if len(rule_names) != len(set(rule_names)):
+            raise SettingsError(f"rules: duplicate names in {rule_names}")
         self.url_policy()
 
     def url_policy(self) -> UrlPolicy:
@@ -213,14 +225,16 @@ def load_api_settings(
     values: Mapping[str, Any] | None = None,
     models: list[Mapping[str, Any]] | None = None,
     *,
+    rules: list[Mapping[str, Any]] | None = None,
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> ApiSettings:
-    """Defaults < a TOML ``[api]`` table and ``[[models]]`` array < ``KVINDEX_API_*`` env
-    < ``overrides`` (None values ignored).
+    """Defaults < a TOML ``[api]`` table, ``[[models]]`` and ``[[rules]]`` arrays <
+    ``KVINDEX_API_*`` env < ``overrides`` (None values ignored).
 
     Env values are strings, coerced to the field's type (comma-separated for lists, a
-    JSON array of tables for ``KVINDEX_API_MODELS``); an empty one counts as unset, and
+    JSON array of tables for ``KVINDEX_API_MODELS`` and ``KVINDEX_API_RULES``); an empty
+    one counts as unset, and
     an unknown ``KVINDEX_API_*`` name is an error. A token file (``auth_token_file``,
     whichever layer set it) replaces any token given otherwise.
     """
@@ -239,11 +253,13 @@ def load_api_settings(
     if isinstance(raw.get("replica_networks"), list):  # TOML arrays are lists
         raw["replica_networks"] = tuple(raw["replica_networks"])
     model_tables = from_env.models if from_env.models is not None else models
+    rule_tables = from_env.rules if from_env.rules is not None else rules
     try:
         return ApiSettings(
             **raw,
             weights=Weights().overridden(weights),
             models=tuple(_model(m) for m in model_tables or []),
+            rules=_rules(rule_tables),
         )
     except (TypeError, ScoringError) as exc:
         raise SettingsError(f"[api]: {exc}") from exc
@@ -251,7 +267,7 @@ def load_api_settings(
         raise from_env.blamed(exc) from None
 
 
-_SCALAR_NAMES = {f.name for f in fields(ApiSettings)} - {"weights", "models"}
+_SCALAR_NAMES = {f.name for f in fields(ApiSettings)} - {"weights", "models", "rules"}
 
 
 @dataclass(slots=True)
@@ -261,6 +277,7 @@ class _ApiEnv:
     values: dict[str, Any] = field(default_factory=dict)
     weights: dict[str, Any] = field(default_factory=dict)
     models: list[Mapping[str, Any]] | None = None
+    rules: list[Mapping[str, Any]] | None = None
     key_to_variable: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -286,11 +303,15 @@ class _ApiEnv:
             return
         key = _ENV_ALIASES.get(variable) or variable.removeprefix(ENV_PREFIX).lower()
         if key == "models":
-            self.models = _models_of(variable, text)
+            self.models = _tables_of(variable, text, '[{"name": "m", "block_size": 16}]')
+        elif key == "rules":
+            example = '[{"name": "batch", "workload": "batch", "policy": "least_load"}]'
+            self.rules = _tables_of(variable, text, example)
         elif key in _FIELD_TYPES:
             self.values[key] = from_env_text(variable, text, _FIELD_TYPES[key])
         else:
-            known = [ENV_PREFIX + n.upper() for n in (*sorted(_FIELD_TYPES), "models")]
+            tables = ("models", "rules")
+            known = [ENV_PREFIX + n.upper() for n in (*sorted(_FIELD_TYPES), *tables)]
             known.append(_WEIGHTS_ENV + "<NAME>")
             raise SettingsError(f"{variable}: no such API setting (known: {known})")
         self.key_to_variable[f"api.{key}"] = variable
@@ -343,16 +364,15 @@ def from_env_text(variable: str, text: str, kind: str) -> Any:
     raise SettingsError(f"{variable}: a {kind} setting cannot be read from the environment")
 
 
-def _models_of(variable: str, text: str) -> list[Mapping[str, Any]]:
-    """``KVINDEX_API_MODELS``: a JSON array of ``[[models]]`` tables."""
+def _tables_of(variable: str, text: str, example: str) -> list[Mapping[str, Any]]:
+    """``KVINDEX_API_MODELS`` or ``KVINDEX_API_RULES``: a JSON array of tables."""
     try:
         tables = json.loads(text)
     except ValueError:
         tables = None
     if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
         raise SettingsError(
-            f"{variable} must be a JSON array of model tables"
-            f' (e.g. [{{"name": "m", "block_size": 16}}]), got {text!r}'
+            f"{variable} must be a JSON array of tables (e.g. {example}), got {text!r}"
         )
     return tables
 
@@ -380,3 +400,13 @@ def _model(values: Mapping[str, Any]) -> ModelSpec:
         return ModelSpec(**values)
     except TypeError as exc:
         raise SettingsError(f"[[models]] {values.get('name')}: {exc}") from exc
+
+
+def _rules(tables: Sequence[Mapping[str, Any]] | None) -> tuple[RoutingRule, ...]:
+    """``[[rules]]`` in order (the first match wins); SettingsError names the bad one."""
+    if tables is not None and not isinstance(tables, list | tuple):
+        raise SettingsError(f"rules must be an array of tables ([[rules]]), got {tables!r}")
+    try:
+        return tuple(rule_from_table(t, i) for i, t in enumerate(tables or (), 1))
+    except TypeError as exc:
+        raise SettingsError(f"[[rules]]: {exc}") from exc

@@ -8,7 +8,8 @@ Usage (from the repository root)::
 
 Every policy runs over a fresh simulated fleet (8 replicas, 16,384 blocks of 16 tokens each
 by default: about a tenth of the trace's working set of 1.4 M blocks), then the
-single-cache ceiling; then the unique-prompt generator under ``least_load`` and
+ceiling (one unbounded cache) and the single cache (one LRU pool of the fleet's size);
+then the unique-prompt generator under ``least_load`` and
 ``kv_aware`` (where routing by cache cannot help and must not hurt).
 
 Prints one JSON line per policy (``{"bench": "simulate", "workload", "policy", "hit_rate",
@@ -97,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             "workload": "mooncake",
             "requests": len(requests),
             "ceiling_hit_rate": report.ceiling_hit_rate,
+            "single_cache_hit_rate": report.single_cache_hit_rate,
             "wall_s": report.wall_s,
             "checks": trace_checks(report),
         }

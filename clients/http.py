@@ -214,6 +214,7 @@ def _score_request(
     weights: Mapping[str, float] | None = None,
     top_k: int | None = None,
     dry_run: bool = False,
+    workload: str | None = None,
 ) -> ScoreRequest:
     """The ``POST /score`` body; sequences are sent as they are when already lists."""
     return ScoreRequest(
@@ -230,6 +231,7 @@ def _score_request(
         weights=None if weights is None else dict(weights),
         top_k=top_k,
         dry_run=dry_run,
+        workload=workload,
     )
 
 
@@ -413,11 +415,14 @@ class KvIndexClient:
         weights: Mapping[str, float] | None = None,
         top_k: int | None = None,
         dry_run: bool = False,
+        workload: str | None = None,
     ) -> ScoreResponse:
         """Rank the replicas serving ``model``; give exactly one of token_ids, prompt,
         messages, block_keys (the server checks: :class:`BadRequestError` otherwise).
         ``top_k``: entries in ``scores`` (0: every candidate; None: the server's
-        ``default_top_k``), the others counted in ``num_candidates`` / ``num_matched``."""
+        ``default_top_k``), the others counted in ``num_candidates`` / ``num_matched``.
+        ``workload``: the request's workload, as the API's ``[[rules]]`` match it (the
+        answer's ``rule`` names the one that matched)."""
         request = _score_request(
             model,
             token_ids=token_ids,
@@ -432,6 +437,7 @@ class KvIndexClient:
             weights=weights,
             top_k=top_k,
             dry_run=dry_run,
+            workload=workload,
         )
         return self._run(_score_call(request))
 
@@ -450,6 +456,7 @@ class KvIndexClient:
         weights: Mapping[str, float] | None = None,
         top_k: int | None = None,
         dry_run: bool = False,
+        workload: str | None = None,
     ) -> ScoreResponse:
         """Like ``score(model, token_ids=...)``, but the block keys are computed here and
         sent instead of the tokens (one integer per block); see :func:`_score_tokens_call`.
@@ -592,6 +599,7 @@ class AsyncKvIndexClient:
         weights: Mapping[str, float] | None = None,
         top_k: int | None = None,
         dry_run: bool = False,
+        workload: str | None = None,
     ) -> ScoreResponse:
         """See :meth:`KvIndexClient.score`."""
         request = _score_request(
@@ -608,6 +616,7 @@ class AsyncKvIndexClient:
             weights=weights,
             top_k=top_k,
             dry_run=dry_run,
+            workload=workload,
         )
         return await self._run(_score_call(request))
 
@@ -626,6 +635,7 @@ class AsyncKvIndexClient:
         weights: Mapping[str, float] | None = None,
         top_k: int | None = None,
         dry_run: bool = False,
+        workload: str | None = None,
     ) -> ScoreResponse:
         """See :meth:`KvIndexClient.score_tokens`."""
         request = _score_request(

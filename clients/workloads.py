@@ -9,7 +9,8 @@ length and, when the workload has one, a session key. Prompts are token ids:
   each block id gets deterministic synthetic tokens (:func:`block_tokens`): identical ids
   give identical tokens, different ids different ones. The last block of a request holds
   what is left of ``input_length``. The trace has no session ids: a request's session is
-  its first block id (its conversation or document).
+  the first block after the prefix it shares with many others (:func:`trace_sessions`: its
+  conversation or document, not the system prompt every request starts with).
 * **Generators** (:data:`WORKLOADS`), each a function of a seed and a size:
   ``system_prompts`` (groups of users behind long shared system prompts), ``multi_turn``
   (chats whose prompt is the whole history, the model's answers included), ``rag`` (a
@@ -25,11 +26,13 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import itertools
+import math
 import random
 import sys
 from array import array
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated
 
@@ -94,7 +97,8 @@ def trace_tokens(hash_ids: Sequence[int], input_length: int) -> list[int]:
 
 
 def read_trace(path: Path, *, limit: int | None = None) -> list[TraceRequest]:
-    """Read a Mooncake JSONL trace (plain or ``.gz``), sorted by arrival."""
+    """Read a Mooncake JSONL trace (plain or ``.gz``), sorted by arrival, each request's
+    session derived by :func:`trace_sessions`."""
     requests: list[TraceRequest] = []
     for lineno, line in _rows(path):
         requests.append(_trace_request(path, lineno, line))
@@ -103,7 +107,56 @@ def read_trace(path: Path, *, limit: int | None = None) -> list[TraceRequest]:
     if not requests:
         raise WorkloadError(f"{path}: no requests")
     requests.sort(key=lambda r: r.arrival_s)
-    return requests
+    sessions = trace_sessions([r.hash_ids for r in requests])
+    return [replace(r, session=s) for r, s in zip(requests, sessions, strict=True)]
+
+
+SHARED_MIN_FANOUT = 4
+"""A block followed by at least this many different blocks (and by at least
+:data:`SHARED_MIN_SHARE` of the requests' count) is shared content, not a session."""
+SHARED_MIN_SHARE = 0.01
+
+
+def trace_sessions(hash_ids_of: Sequence[Sequence[int]]) -> list[str]:
+    """A session key per request of a trace without session ids, from each request's
+    chained block ids (an id names a block and its whole prefix: Mooncake's ``hash_ids``,
+    or the engine's block hashes of a prompt).
+
+    The shared prefix of a request ends after its deepest block that many different
+    continuations follow (at least :data:`SHARED_MIN_FANOUT`, and at least
+    :data:`SHARED_MIN_SHARE` of the number of requests: a system prompt or a tool list
+    everyone sends, not a document a few questions share); its session is the first block
+    after it (``b<id>``). A chat's later turns extend its first one, so they keep its
+    session; requests that only share a system prompt get sessions of their own instead of
+    all landing on one replica. A request that is all shared prefix is keyed by its last
+    block."""
+    threshold = max(SHARED_MIN_FANOUT, math.ceil(SHARED_MIN_SHARE * len(hash_ids_of)))
+    shared = _shared_blocks(hash_ids_of, threshold)
+    sessions = []
+    for ids in hash_ids_of:
+        depth = 0
+        for position, block in enumerate(ids):
+            if block in shared:
+                depth = position + 1
+        sessions.append(f"b{ids[min(depth, len(ids) - 1)]}")
+    return sessions
+
+
+def _shared_blocks(hash_ids_of: Sequence[Sequence[int]], threshold: int) -> set[int]:
+    """Blocks followed by at least ``threshold`` different next blocks. Memory: one int
+    per block with one successor, a set only for blocks with several (counted no further
+    than ``threshold``)."""
+    first_next: dict[int, int] = {}
+    more_next: dict[int, set[int]] = {}
+    for ids in hash_ids_of:
+        for block, following in itertools.pairwise(ids):
+            seen = first_next.setdefault(block, following)
+            if seen == following:
+                continue
+            others = more_next.setdefault(block, {seen})
+            if len(others) < threshold:
+                others.add(following)
+    return {block for block, others in more_next.items() if len(others) >= threshold}
 
 
 class _MooncakeRow(msgspec.Struct):
@@ -143,7 +196,6 @@ def _trace_request(path: Path, lineno: int, line: str) -> TraceRequest:
         row.timestamp / 1000.0,
         row.input_length,
         row.output_length,
-        f"b{row.hash_ids[0]}",
         hash_ids=tuple(row.hash_ids),
     )
 

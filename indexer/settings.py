@@ -36,7 +36,7 @@ from kvindex.indexer.redis_schema import SchemaError, check_name
 
 StoreKind = Literal["memory", "redis"]
 ENV_PREFIX = "KVINDEX_"
-API_SECTIONS = ("api", "models", "proxy")
+API_SECTIONS = ("api", "models", "rules", "proxy")
 """TOML sections of the API process (``kvindex.api.settings``) and of the proxy
 (``kvindex.clients.proxy.settings``); the indexer skips them."""
 

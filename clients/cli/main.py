@@ -157,9 +157,15 @@ _access_log_option = click.option(
 
 
 def _api_settings(config: Path | None, overrides: dict[str, Any]) -> ApiSettings:
-    """The API's settings: ``[api]``/``[[models]]`` of ``config`` < env < ``overrides``."""
+    """The API's settings: ``[api]``/``[[models]]``/``[[rules]]`` of ``config`` < env <
+    ``overrides``."""
     file_values = read_toml(config) if config is not None else {}
-    return load_api_settings(file_values.get("api"), file_values.get("models"), overrides=overrides)
+    return load_api_settings(
+        file_values.get("api"),
+        file_values.get("models"),
+        rules=file_values.get("rules"),
+        overrides=overrides,
+    )
 
 
 @main.command()

@@ -165,13 +165,16 @@ def _marked(entry: ScoreEntry, best: str | None) -> Text:
 
 
 def heading(answer: ScoreResponse) -> Text:
-    """The line above a score answer's table: model, prompt size, policy, best replica
+    """The line above a score answer's table: model, prompt size, policy (and the
+    ``[[rules]]`` entry that chose it, if one did), best replica
     (how many candidates the answer leaves out, if any; why it is degraded, if it is).
     Printed on its own, not as the table's title, so that it wraps at the console's width
     rather than the table's."""
     title = (
         f"{answer.model} · {answer.num_tokens} tokens · {answer.num_blocks} blocks of"
-        f" {answer.block_size} · policy {answer.policy} · best {answer.best or 'none'}"
+        f" {answer.block_size} · policy {answer.policy}"
+        + (f" (rule {answer.rule})" if answer.rule is not None else "")
+        + f" · best {answer.best or 'none'}"
     )
     if len(answer.scores) < answer.num_candidates:
         title += (
@@ -504,6 +507,7 @@ def residency(
 @_server_options
 @_prompt_options
 @click.option("--policy", help="Policy for this request (default: the model's or server's).")
+@click.option("--workload", help="The request's workload, as [[rules]] match it (e.g. batch).")
 @_wide_option
 @_json_option
 def score(
@@ -517,12 +521,13 @@ def score(
     candidates: str | None,
     top_k: int | None,
     policy: str | None,
+    workload: str | None,
     wide: bool,
     as_json: bool,
 ) -> None:
     """The routing decision for a prompt: the best candidates (``--top-k``), one line each
     (matched blocks, freshness, load, score); ``--wide`` adds each term of the policy's
-    formula."""
+    formula. The heading names the ``[[rules]]`` entry that chose the policy, if one did."""
     fields = prompt_fields(text, tokens_file, messages_file)
     with connected(url, token) as client:
         answer = client.score(
@@ -531,6 +536,7 @@ def score(
             policy=policy,
             top_k=top_k,
             dry_run=True,
+            workload=workload,
             **fields,
         )
     _show(answer, as_json, lambda _console: render_score(answer, wide), wide=wide)

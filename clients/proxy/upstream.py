@@ -2,7 +2,8 @@
 
 An OpenAI body becomes a :class:`~kvindex.api.schemas.ScoreRequest` (the whole ``messages``
 of a chat, or the ``prompt`` of a completion; ``cache_salt`` from the body; the session from
-``x-kvindex-session`` or the ``user`` field) and is answered by the same
+``x-kvindex-session`` or the ``user`` field; for ``[[rules]]``, the headers, ``user`` and
+whether ``tools`` are offered) and is answered by the same
 :class:`~kvindex.api.score.Scorer` as ``/score`` (tokenizer, index, load, policy and
 weights per model). The candidates are the model's replicas that have a ``url``. A
 ``model`` naming a LoRA adapter (``[[models]] loras``) is scored as its base model with
@@ -124,13 +125,16 @@ class UpstreamPicker:
             "session": session,
             "lora_name": lora_name,
             "cache_salt": _string(body.get("cache_salt")),
+            # What [[rules]] may match besides the headers (the workload header included).
+            "user": _string(body.get("user")),
+            "has_tools": bool(body.get("tools") or body.get("functions")),
         }
         try:
-            return await self._scorer.score(ScoreRequest(**common, **_prompt_of(body)))
+            return await self._scorer.score(ScoreRequest(**common, **_prompt_of(body)), headers)
         except TokenizerError as exc:
             logger.warning("routing %s on load alone: %s", model, exc)
             self._on_tokenize_failure(model)
-        return await self._scorer.score(ScoreRequest(**common, block_keys=[]))
+        return await self._scorer.score(ScoreRequest(**common, block_keys=[]), headers)
 
 
 def _prompt_of(body: Mapping[str, Any]) -> dict[str, Any]:

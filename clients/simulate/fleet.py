@@ -19,8 +19,8 @@ A replica's load, as it would report it: ``running`` = admitted requests (in pre
 decode), ``waiting`` = its queue, ``kv_usage`` = blocks pinned by running requests.
 The router picks a replica at each arrival (:class:`Router`); events go to the router as
 the pool emits them (:meth:`Router.emitted`), which may deliver them to an index late.
-Queue depth is sampled at every arrival over every replica. Time is simulated seconds;
-nothing here sleeps, so a run is a pure function of its inputs and the router.
+Queue depth and KV-cache usage are sampled at every arrival over every replica. Time is
+simulated seconds; nothing here sleeps, so a run is a pure function of its inputs and the router.
 """
 
 from __future__ import annotations
@@ -97,6 +97,19 @@ class Outcome:
     ttft_s: float
     queue_s: float
     rejected: bool = False
+    output_tokens: int = 0
+    """Tokens decoded (0 for a rejected request)."""
+    finish_s: float = 0.0
+    """When its last token came (its blocks were released); 0 for a rejected request."""
+
+    @property
+    def admitted_s(self) -> float:
+        return self.arrival_s + self.queue_s
+
+    @property
+    def prefill_s(self) -> float:
+        """Its prefill's duration (the replica computed nothing else meanwhile)."""
+        return self.ttft_s - self.queue_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +144,9 @@ class FleetResult:
     queue_samples: list[int]
     """Waiting requests of every replica, sampled at every arrival."""
     requests_per_replica: dict[str, int]
+    kv_usage_samples: list[float] = field(default_factory=list)
+    """KV-cache usage (blocks held by running requests / capacity) of every replica,
+    sampled with the queue."""
 
 
 class Prompts:
@@ -187,6 +203,7 @@ class FleetSim:
         self._order = 0
         self._outcomes: list[Outcome] = []
         self._samples: list[int] = []
+        self._usage: list[float] = []
         self._per_replica = dict.fromkeys(self._replicas, 0)
         self.now = 0.0
 
@@ -213,7 +230,7 @@ class FleetSim:
                 assert isinstance(item, Job)
                 self._finish(item)
         self._outcomes.sort(key=lambda o: o.index)
-        return FleetResult(self._outcomes, self._samples, self._per_replica)
+        return FleetResult(self._outcomes, self._samples, self._per_replica, self._usage)
 
     def loads(self) -> list[ReplicaLoad]:
         return [
@@ -228,6 +245,7 @@ class FleetSim:
         tokens, chain = self._prompts.get(index)
         job = Job(index, request, tokens, chain)
         self._samples.extend(len(r.waiting) for r in self._replicas.values())
+        self._usage.extend(r.cache.usage for r in self._replicas.values())
         replica_id = await self._router.route(job, self.now, self.loads())
         replica = self._replicas.get(replica_id)
         if replica is None:
@@ -293,6 +311,8 @@ class FleetSim:
                 job.hit_tokens,
                 job.first_token_s - arrival,
                 job.admitted_s - arrival,
+                output_tokens=job.request.output_length,
+                finish_s=self.now,
             )
         )
         self._done_one()

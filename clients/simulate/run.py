@@ -5,14 +5,20 @@ replays the
 requests (:mod:`kvindex.clients.workloads`) with that policy's router
 (:mod:`kvindex.clients.simulate.routing`);
 then the references: the **oracle** (``kv_aware`` with perfect, instant knowledge; listed
-as a policy) and the **single-cache ceiling** (the hit rate of one LRU cache with the whole
-fleet's capacity that sees every request in arrival order, nothing pinned).
+as a policy), the **ceiling** (the hit rate of one unbounded cache that sees every request
+in arrival order, answers cached as replicas cache them: no policy can beat it) and the
+**single cache** (the same with one LRU pool of the whole fleet's capacity, nothing pinned:
+what routing could reach if the fleet were one cache; a fleet of separate pools may beat it
+when long prompts thrash one LRU).
 
-Per policy (:class:`PolicyStats`): prefix-cache hit rate (token-weighted: cached prompt
-tokens / prompt tokens), prompt tokens computed, TTFT mean / p50 / p90 / p99 (nearest-rank),
-queue depth mean and max (waiting requests per replica, sampled at each arrival), requests
-per replica max / mean (``imbalance``), rejected requests (longer than one replica's pool),
-and the hit rate over time. Output: a table, ``--json`` and ``--plot``.
+Per policy (:class:`PolicyStats`), what the practice says to watch: prefix-cache hit rate
+(token-weighted: cached prompt tokens / prompt tokens), prompt tokens computed, TTFT mean /
+p50 / p90 / p99 (nearest-rank), throughput (requests/s, tokens/s), queue depth mean and max
+(waiting requests per replica, sampled at each arrival), KV-cache usage mean and p90 (blocks
+held by running requests / capacity, sampled likewise), cost per task (GPU-seconds per
+request, prefill + decode), requests per replica max / mean (``imbalance``), rejected
+requests (longer than one replica's pool), and the hit rate over time. Output: a table,
+``--json`` and ``--plot``.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from rich.table import Table
 
 from kvindex.clients.console import ProgressBars, column, make_table, progress_console
 from kvindex.clients.fake_vllm.block_pool import BlockPool
+from kvindex.clients.fake_vllm.engine_hash import engine_chain
 from kvindex.clients.simulate.fleet import (
     FleetResult,
     FleetSettings,
@@ -112,19 +119,41 @@ class PolicyStats:
     wall_s: float
     hit_rate_timeline: list[tuple[float, float]]
     """(window start, hit rate of the requests arriving in it)."""
+    throughput_rps: float
+    """Requests served per second, from the first arrival to the last finish."""
+    throughput_tps: float
+    """Tokens (prompt + output) served per second, over the same span."""
+    output_tps: float
+    """Output tokens decoded per second, over the same span."""
+    kv_usage_mean: float
+    """KV-cache usage (blocks held by running requests / capacity: VRAM pressure), mean
+    over every replica sampled at every arrival."""
+    kv_usage_p90: float
+    """The same samples' 90th percentile."""
+    gpu_s_per_request: float
+    """Cost per task: replica-busy GPU-seconds per served request (prefill + decode)."""
+    prefill_gpu_s_per_request: float
+    """Its prefill part: uncached prompt tokens / ``prefill_tps``, per served request."""
+    decode_gpu_s_per_request: float
+    """Its decode part: seconds a replica decoded while computing no prefill, per served
+    request (a batch decodes together: its time is counted once, not per request)."""
 
 
 @dataclass(frozen=True, slots=True)
 class SimReport:
     policies: list[PolicyStats]
     ceiling_hit_rate: float
+    """One unbounded cache: no policy can beat it (:func:`ceiling_hit_rate`)."""
     params: dict[str, Any]
     wall_s: float
+    single_cache_hit_rate: float = 0.0
+    """One LRU pool of the fleet's capacity (:func:`single_cache_hit_rate`)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
             "policies": [asdict(p) for p in self.policies],
             "ceiling_hit_rate": self.ceiling_hit_rate,
+            "single_cache_hit_rate": self.single_cache_hit_rate,
             "params": self.params,
             "wall_s": self.wall_s,
         }
@@ -150,6 +179,7 @@ def policy_stats(label: str, result: FleetResult, wall_s: float) -> PolicyStats:
     hit = sum(o.hit_tokens for o in served)
     ttfts = [o.ttft_s for o in served]
     counts = list(result.requests_per_replica.values())
+    usage = result.kv_usage_samples
     mean_count = statistics.fmean(counts) if counts else 0.0
     return PolicyStats(
         policy=label,
@@ -166,7 +196,56 @@ def policy_stats(label: str, result: FleetResult, wall_s: float) -> PolicyStats:
         rejected=len(result.outcomes) - len(served),
         wall_s=wall_s,
         hit_rate_timeline=timeline(served),
+        **throughput(served),
+        kv_usage_mean=statistics.fmean(usage) if usage else 0.0,
+        kv_usage_p90=percentile(usage, 90),
+        **gpu_cost(served),
     )
+
+
+def throughput(served: Sequence[Outcome]) -> dict[str, float]:
+    """Requests, tokens and output tokens per second from the first arrival to the last
+    finish (an open-loop trace the fleet keeps up with runs at its arrival rate)."""
+    if not served:
+        return {"throughput_rps": 0.0, "throughput_tps": 0.0, "output_tps": 0.0}
+    span = max(o.finish_s for o in served) - min(o.arrival_s for o in served)
+    per_s = 1.0 / span if span > 0 else 0.0
+    output = sum(o.output_tokens for o in served)
+    return {
+        "throughput_rps": len(served) * per_s,
+        "throughput_tps": (sum(o.input_tokens for o in served) + output) * per_s,
+        "output_tps": output * per_s,
+    }
+
+
+def gpu_cost(served: Sequence[Outcome]) -> dict[str, float]:
+    """GPU-seconds per served request: the time each replica was busy (some request in
+    prefill or decode: the union of its requests' admitted-to-finish spans), split into
+    prefill (serial: the sum of prefill durations) and decode (the rest)."""
+    if not served:
+        keys = ("gpu_s_per_request", "prefill_gpu_s_per_request", "decode_gpu_s_per_request")
+        return dict.fromkeys(keys, 0.0)
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for o in served:
+        spans.setdefault(o.replica, []).append((o.admitted_s, o.finish_s))
+    busy = sum(_union_length(s) for s in spans.values())
+    prefill = sum(o.prefill_s for o in served)
+    return {
+        "gpu_s_per_request": busy / len(served),
+        "prefill_gpu_s_per_request": prefill / len(served),
+        "decode_gpu_s_per_request": max(0.0, busy - prefill) / len(served),
+    }
+
+
+def _union_length(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of ``[start, end]`` intervals."""
+    total, reach = 0.0, -math.inf
+    for start, end in sorted(spans):
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total
 
 
 def timeline(
@@ -188,20 +267,50 @@ def timeline(
 def ceiling_hit_rate(
     requests: Sequence[TraceRequest], fleet: FleetSettings, prompts: Prompts | None = None
 ) -> float:
+    """Hit rate of one unbounded cache, requests in arrival order: a prompt hits its leading
+    blocks that an earlier request's prompt or known answer had (at most all but the block
+    holding its last token, as a replica). A replica admits its requests in arrival order
+    and caches only prompts and answers, so every block any policy hits is one of these: no
+    policy can beat it, whatever the fleet's capacity."""
+    prompts = prompts if prompts is not None else Prompts(requests, fleet)
+    seen: set[int] = set()
+    hit = total = 0
+    for i, request in enumerate(requests):
+        tokens, chain = prompts.get(i)
+        total += len(tokens)
+        limit = min((len(tokens) - 1) // fleet.block_size, len(chain))
+        matched = next((n for n in range(limit) if chain[n] not in seen), limit)
+        hit += matched * fleet.block_size
+        seen.update(chain)
+        if request.output is not None:
+            full = tokens + list(request.output)
+            seen.update(engine_chain(prompts.root, full, fleet.block_size))
+    return hit / total if total else 0.0
+
+
+def single_cache_hit_rate(
+    requests: Sequence[TraceRequest], fleet: FleetSettings, prompts: Prompts | None = None
+) -> float:
     """Hit rate of one LRU pool of ``replicas * capacity_blocks`` blocks, requests in
-    arrival order, each released at once (nothing pinned)."""
+    arrival order, each finished at once (nothing pinned). An answer the workload knows is
+    cached with its prompt, as a replica caches it when the request ends (a chat's next
+    turn repeats it)."""
     prompts = prompts if prompts is not None else Prompts(requests, fleet)
     capacity = fleet.replicas * fleet.capacity_blocks
     cache = BlockPool(capacity, fleet.block_size, prompts.root, publish=False)
     hit = total = 0
-    for i in range(len(requests)):
+    for i, request in enumerate(requests):
         tokens, chain = prompts.get(i)
-        admission = cache.admit(i, tokens, len(tokens), chain=chain)
+        total += len(tokens)
+        answer = request.output
+        length = len(tokens) + (len(answer) if answer is not None else 0)
+        admission = cache.admit(i, tokens, length, chain=chain)
         if admission is None:  # longer than the whole fleet: counted as a miss
-            total += len(tokens)
             continue
         hit += admission.num_hit_blocks * fleet.block_size
-        total += len(tokens)
+        if answer is not None:
+            full = tokens + list(answer)
+            cache.cache_full_blocks(i, full, engine_chain(prompts.root, full, fleet.block_size))
         cache.release(i)
     return hit / total if total else 0.0
 
@@ -282,8 +391,8 @@ def run_simulation(
     progress_for: Callable[[str], Callable[[int], None]] | None = None,
     source: str = "",
 ) -> SimReport:
-    """Every policy, then the ceiling. ``progress_for(label)`` gives the callback a policy's
-    run calls once per finished request."""
+    """Every policy, then the ceiling and the single cache. ``progress_for(label)`` gives
+    the callback a policy's run calls once per finished request."""
     started = time.perf_counter()
     requests = scaled(requests, settings.speed)
     prompts = Prompts(requests, settings.fleet)
@@ -292,8 +401,9 @@ def run_simulation(
         progress = progress_for(spec.label) if progress_for is not None else None
         stats.append(asyncio.run(run_policy(settings, spec, requests, progress, prompts)))
     ceiling = ceiling_hit_rate(requests, settings.fleet, prompts)
+    single = single_cache_hit_rate(requests, settings.fleet, prompts)
     params = _params(settings, requests, source)
-    return SimReport(stats, ceiling, params, time.perf_counter() - started)
+    return SimReport(stats, ceiling, params, time.perf_counter() - started, single)
 
 
 def simulate_main(
@@ -348,12 +458,15 @@ def _params(
 
 
 def report_table(report: SimReport) -> Table:
-    """TTFT in seconds; queue = waiting requests per replica; balance = requests per replica
-    max / mean."""
-    numbers = ("hit rate", "prefill tok", "TTFT mean", "p50", "p90", "p99", "queue", "max")
+    """TTFT in seconds; queue = waiting requests per replica, mean/max; KV = used /
+    capacity, mean / p90; GPU-s/req = busy GPU-seconds per request (prefill + decode);
+    balance = requests per replica max / mean. Prefill tokens, TTFT mean and the cost's
+    split are in the JSON. Eleven figures: the table fits 100 columns."""
+    numbers = ("hit rate", "TTFT p50", "p90", "p99", "req/s", "tok/s", "queue/max")
     table = make_table(
         column("policy"),
         *(column(name, justify="right") for name in numbers),
+        *(column(name, justify="right") for name in ("KV mean/p90", "GPU-s/req")),
         column("balance", justify="right"),
         column("rejected", justify="right"),
         title=f"kvindex simulate: {report.params.get('source', '')}",
@@ -362,45 +475,178 @@ def report_table(report: SimReport) -> Table:
         table.add_row(
             p.policy,
             f"{p.hit_rate:.1%}",
-            f"{p.prefill_tokens:,}",
-            *(f"{v:.3f}" for v in (p.ttft_mean_s, p.ttft_p50_s, p.ttft_p90_s, p.ttft_p99_s)),
-            f"{p.queue_mean:.2f}",
-            str(p.queue_max),
+            *(f"{v:.3f}" for v in (p.ttft_p50_s, p.ttft_p90_s, p.ttft_p99_s)),
+            f"{p.throughput_rps:.2f}",
+            f"{p.throughput_tps:,.0f}",
+            f"{p.queue_mean:.2f}/{p.queue_max}",
+            f"{p.kv_usage_mean:.0%}/{p.kv_usage_p90:.0%}",
+            f"{p.gpu_s_per_request:.3f}",
             f"{p.imbalance:.2f}",
             str(p.rejected),
         )
     table.caption = (
-        f"single-cache ceiling hit rate {report.ceiling_hit_rate:.1%}; TTFT in s;"
-        f" {report.wall_s:.1f} s wall"
+        f"ceiling hit rate {report.ceiling_hit_rate:.1%} (one unbounded cache, answers"
+        f" included: no policy beats it); single-cache hit rate"
+        f" {report.single_cache_hit_rate:.1%} (one LRU cache of the fleet's capacity);"
+        f" TTFT in s; {report.wall_s:.1f} s wall"
     )
     return table
 
 
+POLICY_COLOURS = {
+    "round_robin": "tab:gray",
+    "random": "tab:brown",
+    "least_load": "tab:olive",
+    "session_affinity": "tab:purple",
+    "prefix_hash": "tab:orange",
+    "kv_aware": "tab:blue",
+    "oracle": "tab:green",
+}
+"""Each policy's colour in every panel (and in every plot: the same policy, the same colour)."""
+_VARIANT_COLOURS = ("tab:red", "tab:cyan", "tab:pink", "black", "gold", "navy")
+
+
+def policy_colours(labels: Sequence[str]) -> dict[str, str]:
+    """A colour per label: the policy's own, a variant (``kv_aware:waiting=1``) the next
+    spare one."""
+    spare = iter(_VARIANT_COLOURS * (len(labels) // len(_VARIANT_COLOURS) + 1))
+    return {label: POLICY_COLOURS.get(label) or next(spare) for label in labels}
+
+
+def fleet_caption(params: dict[str, Any]) -> str:
+    """The fleet's parameters in one line (the plot's subtitle)."""
+    p = params
+    return (
+        f"{p.get('requests', 0):,} requests · {p.get('replicas')} replicas x"
+        f" {p.get('capacity_blocks', 0):,} blocks of {p.get('block_size')} tokens"
+        f" · prefill {p.get('prefill_tps', 0):,.0f} tok/s · decode"
+        f" {p.get('decode_tps', 0):g} tok/s per request · batch <= {p.get('max_running')}"
+        f" · events {p.get('event_delay_s', 0):g} s late · load every"
+        f" {p.get('load_interval_s', 0):g} s (0: each request) · speed x{p.get('speed', 1):g}"
+    )
+
+
 def plot(report: SimReport, path: Path) -> None:
-    """Hit rate and TTFT p90 per policy, and hit rate over time (PNG)."""
+    """Per policy, one colour each: hit rate (and the references), TTFT p90 (and p50),
+    throughput, KV-cache usage, GPU-seconds per request, and hit rate over time (PNG)."""
     import matplotlib  # noqa: PLC0415 (heavy; only for --plot)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    labels = [p.policy for p in report.policies]
-    fig, (ax_hit, ax_ttft, ax_time) = plt.subplots(1, 3, figsize=(18, 5))
-    ax_hit.barh(labels, [p.hit_rate for p in report.policies])
-    ax_hit.axvline(
-        report.ceiling_hit_rate, color="black", linestyle="--", label="single-cache ceiling"
-    )
-    ax_hit.set_xlabel("prefix-cache hit rate (token-weighted)")
-    ax_hit.legend(loc="lower right")
-    ax_ttft.barh(labels, [p.ttft_p90_s for p in report.policies])
-    ax_ttft.set_xlabel("TTFT p90 (s)")
-    for p in report.policies:
-        if p.hit_rate_timeline:
-            xs, ys = zip(*p.hit_rate_timeline, strict=True)
-            ax_time.plot(xs, ys, label=p.policy)
-    ax_time.set_xlabel("arrival time (s)")
-    ax_time.set_ylabel("hit rate")
-    ax_time.legend(fontsize="small")
-    fig.suptitle(f"kvindex simulate: {report.params.get('source', '')}")
-    fig.tight_layout()
+    stats = report.policies
+    colours = policy_colours([p.policy for p in stats])
+    fig, axes = plt.subplots(2, 3, figsize=(20, 10))
+    (ax_hit, ax_ttft, ax_rate), (ax_kv, ax_cost, ax_time) = axes
+    _hit_panel(ax_hit, report, colours)
+    _ttft_panel(ax_ttft, stats, colours)
+    rates = [f"{p.throughput_rps:.2f} req/s · {p.throughput_tps:,.0f} tok/s" for p in stats]
+    _bars(ax_rate, stats, colours, [p.throughput_rps for p in stats], rates)
+    ax_rate.set_xlabel("throughput (requests/s; tokens/s, prompt + output, in the label)")
+    _kv_panel(ax_kv, stats, colours)
+    _cost_panel(ax_cost, stats, colours)
+    _timeline_panel(ax_time, stats, colours)
+    fig.suptitle(f"kvindex simulate: {report.params.get('source', '')}", fontsize=14)
+    fig.text(0.5, 0.935, fleet_caption(report.params), ha="center", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _bars(
+    ax: Any,
+    stats: Sequence[PolicyStats],
+    colours: dict[str, str],
+    values: Sequence[float],
+    labels: Sequence[str],
+    *,
+    left: Sequence[float] | None = None,
+    alpha: float = 1.0,
+) -> None:
+    """One horizontal bar per policy, in its colour, ``labels`` written at their ends
+    (``left``: stacked after those values, hatched)."""
+    names = [p.policy for p in stats]
+    style: dict[str, Any] = {"alpha": alpha}
+    if left is not None:
+        style = {"left": left, "hatch": "//", "alpha": 0.45}
+    bars = ax.barh(range(len(stats)), values, color=[colours[n] for n in names], **style)
+    if left is None:
+        ax.set_yticks(range(len(stats)), names)
+        ax.invert_yaxis()  # the first policy on top, as in the table
+    ax.bar_label(bars, labels=labels, padding=3, fontsize=9)
+    ends = [v + (left[i] if left is not None else 0.0) for i, v in enumerate(values)]
+    ax.set_xlim(0, max(ends, default=0.0) * 1.6 or 1.0)
+
+
+def _ticks(ax: Any, values: Sequence[float], label: str | None = None) -> None:
+    """A black tick per policy at ``values`` (a second figure on the same bar)."""
+    ax.scatter(values, range(len(values)), color="black", marker="|", s=300, zorder=3, label=label)
+
+
+def _hit_panel(ax: Any, report: SimReport, colours: dict[str, str]) -> None:
+    """Hit rate per policy; the ceiling (dashed) and the single LRU cache (dotted)."""
+    stats = report.policies
+    hits = [p.hit_rate for p in stats]
+    _bars(ax, stats, colours, hits, [f"{h:.1%}" for h in hits])
+    ceiling, single = report.ceiling_hit_rate, report.single_cache_hit_rate
+    ax.axvline(ceiling, color="black", linestyle="--", linewidth=1, zorder=0)
+    ax.axvline(single, color="dimgray", linestyle=":", linewidth=1.5, zorder=0)
+    ax.set_xlim(0, max(ceiling, single, *hits) * 1.3 or 1.0)
+    ax.set_xlabel(
+        f"hit rate (token-weighted) · ceiling {ceiling:.1%} (dashed)"
+        f" · one LRU cache {single:.1%} (dotted)"
+    )
+
+
+def _ttft_panel(ax: Any, stats: Sequence[PolicyStats], colours: dict[str, str]) -> None:
+    labels = [f"p90 {p.ttft_p90_s:.2f} s · p50 {p.ttft_p50_s:.2f} s" for p in stats]
+    _bars(ax, stats, colours, [p.ttft_p90_s for p in stats], labels)
+    _ticks(ax, [p.ttft_p50_s for p in stats], "p50")
+    ax.set_xlabel("time to first token, p90 (bar) and p50 (tick), s")
+    ax.legend(loc="lower right")
+
+
+def _kv_panel(ax: Any, stats: Sequence[PolicyStats], colours: dict[str, str]) -> None:
+    """The p90 as a light bar (labelled), the mean as a solid one over it."""
+    labels = [f"mean {p.kv_usage_mean:.1%} · p90 {p.kv_usage_p90:.1%}" for p in stats]
+    p90s = [p.kv_usage_p90 for p in stats]
+    _bars(ax, stats, colours, p90s, labels, alpha=0.35)
+    means = [p.kv_usage_mean for p in stats]
+    ax.barh(range(len(stats)), means, color=[colours[p.policy] for p in stats])
+    ax.set_xlabel("KV-cache usage (used / capacity): mean (solid), p90 (light)")
+
+
+def _cost_panel(ax: Any, stats: Sequence[PolicyStats], colours: dict[str, str]) -> None:
+    """GPU-seconds per request: prefill (solid) + decode (hatched), the total written."""
+    prefill = [p.prefill_gpu_s_per_request for p in stats]
+    _bars(ax, stats, colours, prefill, [""] * len(stats))
+    totals = [
+        f"{p.gpu_s_per_request:.3f} ({p.prefill_gpu_s_per_request:.3f} prefill"
+        f" + {p.decode_gpu_s_per_request:.3f} decode)"
+        for p in stats
+    ]
+    _bars(ax, stats, colours, [p.decode_gpu_s_per_request for p in stats], totals, left=prefill)
+    ax.set_xlabel("cost per task: GPU-seconds per request, prefill (solid) + decode (hatched)")
+
+
+def _timeline_panel(ax: Any, stats: Sequence[PolicyStats], colours: dict[str, str]) -> None:
+    """Hit rate over time; kv_aware thick and the oracle thin and dashed over it, so
+    both stay visible where they agree."""
+    for p in stats:
+        if not p.hit_rate_timeline:
+            continue
+        xs, ys = zip(*p.hit_rate_timeline, strict=True)
+        oracle, kv = p.policy == ORACLE, p.policy == "kv_aware"
+        ax.plot(
+            xs,
+            ys,
+            label=p.policy,
+            color=colours[p.policy],
+            linestyle="--" if oracle else "-",
+            linewidth=3.5 if kv else 1.5,
+            zorder=5 if oracle else (4 if kv else 2),
+        )
+    ax.set_xlabel("arrival time (s)")
+    ax.set_ylabel("hit rate")
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize="small")

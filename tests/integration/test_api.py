@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvindex.api.app import ApiDeps, create_app
 from kvindex.api.load.store import LoadStore, MemoryLoadStore, RedisLoadStore
 from kvindex.api.policies import Weights
+from kvindex.api.routing_rules import RoutingRule
 from kvindex.api.settings import ApiSettings, ModelSpec
 from kvindex.indexer.events import StreamId, Tier
 from kvindex.indexer.fleet.replica import ReplicaSpec
@@ -495,6 +496,34 @@ def test_model_policy_applies_when_the_request_names_none(make_api: ApiFactory) 
     assert api.score(token_ids=SYSTEM).policy == "least_load"
     assert api.score(token_ids=SYSTEM, policy="round_robin").policy == "round_robin"
     assert api.score(model="other-model", token_ids=SYSTEM).policy == SETTINGS.default_policy
+
+
+@MEMORY_ONLY
+def test_a_routing_rule_chooses_the_policy_and_the_answer_names_it(
+    make_api: ApiFactory,
+) -> None:
+    rules = (
+        RoutingRule(
+            "acme-batch",
+            headers=(("x-tenant", ("acme",)),),
+            workload=("batch",),
+            policy="least_load",
+        ),
+        RoutingRule("long", min_prompt_tokens=len(SYSTEM + USER), policy="prefix_hash"),
+    )
+    api = make_api(dataclasses.replace(SETTINGS, rules=rules))
+    api.fleet.add("r1", "r2")
+    body = {"model": MODEL, "token_ids": SYSTEM, "workload": "batch"}
+    tenant = api.request("POST", "/score", body, headers={"X-Tenant": "acme"})
+    assert tenant.status_code == 200, tenant.text
+    assert (tenant.json()["rule"], tenant.json()["policy"]) == ("acme-batch", "least_load")
+    by_header = {"X-Tenant": "acme", "X-Kvindex-Workload": "batch"}
+    del body["workload"]
+    assert api.request("POST", "/score", body, headers=by_header).json()["rule"] == "acme-batch"
+    other = api.request("POST", "/score", body, headers={"X-Tenant": "globex"}).json()
+    assert (other["rule"], other["policy"]) == (None, SETTINGS.default_policy)
+    long = api.score(token_ids=SYSTEM + USER)
+    assert (long.rule, long.policy) == ("long", "prefix_hash")
 
 
 def test_concurrent_requests_share_one_app(stores: Stores) -> None:

@@ -17,10 +17,26 @@ import msgspec
 import pytest
 from click.testing import CliRunner, Result
 
+from kvindex.api.app import ApiDeps, create_app
+from kvindex.api.background import BackgroundServer
+from kvindex.api.load.store import MemoryLoadStore
+from kvindex.api.routing_rules import RoutingRule
 from kvindex.api.schemas import ReplicaView, ScoreResponse
+from kvindex.api.settings import ApiSettings
 from kvindex.clients.cli.main import main
 from kvindex.clients.http import KvIndexClient
-from tests.integration.test_client_http import BLOCK, MODEL, PREFIX, REQUEST, TOKEN, serving
+from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.index.memory import MemoryIndex
+from tests.integration.test_client_http import (
+    BLOCK,
+    MODEL,
+    PREFIX,
+    REQUEST,
+    TOKEN,
+    seed,
+    serving,
+)
 
 
 @pytest.fixture
@@ -166,6 +182,26 @@ def test_score_json_with_a_policy(base_url: str, tokens_file: Path) -> None:
     answer = msgspec.json.decode(result.stdout, type=ScoreResponse)
     assert answer.policy == "least_load"
     assert matched(answer) == {"r1": 4, "r2": 2}
+
+
+def test_score_names_the_routing_rule_a_workload_matched(tokens_file: Path) -> None:
+    """``--workload`` reaches the API's ``[[rules]]``; the heading and the JSON name the rule."""
+    index, registry = MemoryIndex(), Registry((ReplicaSpec("r1", MODEL), ReplicaSpec("r2", MODEL)))
+    seed(index, registry)
+    batch = RoutingRule("batch", workload=("batch",), policy="least_load")
+    settings = ApiSettings(scrape_interval_s=0, seed=7, rules=(batch,))
+    deps = ApiDeps(settings, index, registry, MemoryLoadStore(), blocking_store=False)
+    server = BackgroundServer(create_app(deps), lifespan="on").start()
+    try:
+        args = score_args(server.base_url, tokens_file)
+        ruled = run("score", *args, "--workload", "batch")
+        plain = run("score", *args, "--json")
+    finally:
+        server.stop()
+    assert ruled.exit_code == 0, ruled.output
+    assert "policy least_load (rule batch)" in ruled.stdout.splitlines()[0]
+    answer = msgspec.json.decode(plain.stdout, type=ScoreResponse)
+    assert (answer.rule, answer.policy) == (None, "kv_aware")
 
 
 def test_operator_views_change_no_routing(base_url: str, tokens_file: Path) -> None:

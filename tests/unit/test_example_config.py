@@ -1,6 +1,6 @@
 """examples/kvindex.toml: loads through both processes' loaders, shows every setting with
-its default. A field added to IndexerSettings, ApiSettings, Weights, ReplicaSpec or
-ModelSpec or ProxySettings fails here until the example shows it."""
+its default. A field added to IndexerSettings, ApiSettings, Weights, ReplicaSpec,
+ModelSpec, RoutingRule or ProxySettings fails here until the example shows it."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kvindex.api.policies import Weights
+from kvindex.api.routing_rules import RoutingRule
 from kvindex.api.settings import ApiSettings, ModelSpec, load_api_settings
 from kvindex.clients.proxy.settings import ProxySettings, load_proxy_settings
 from kvindex.indexer.fleet.replica import ReplicaSpec
@@ -45,11 +46,13 @@ def test_the_indexer_loads_it_and_every_active_value_is_the_default() -> None:
 
 def test_the_api_loads_it_and_every_active_value_is_the_default() -> None:
     doc = read_toml(EXAMPLE)
-    settings = load_api_settings(doc["api"], doc["models"], env={})
+    settings = load_api_settings(doc["api"], doc["models"], rules=doc["rules"], env={})
     assert settings.models == (
         ModelSpec("meta-llama/Llama-3.1-8B-Instruct", block_size=16, tokenizer="replica"),
     )
-    assert dataclasses.replace(settings, models=()) == ApiSettings()
+    # The one active rule only applies to requests that say they are batch work.
+    assert settings.rules == (RoutingRule("batch", workload=("batch",), policy="least_load"),)
+    assert dataclasses.replace(settings, models=(), rules=()) == ApiSettings()
 
 
 def test_the_proxy_loads_it_and_every_active_value_is_the_default() -> None:
@@ -58,13 +61,14 @@ def test_the_proxy_loads_it_and_every_active_value_is_the_default() -> None:
 
 def test_every_setting_of_both_processes_is_shown() -> None:
     doc = shown()
-    top = set(doc) - {"api", "models", "proxy"}
+    top = set(doc) - {"api", "models", "rules", "proxy"}
     assert field_names(IndexerSettings) - top == set()
     assert field_names(ReplicaSpec) - set(doc["replicas"][0]) == set()
     api = doc["api"]
-    assert field_names(ApiSettings) - {"models"} - set(api) == set()
+    assert field_names(ApiSettings) - {"models", "rules"} - set(api) == set()
     assert field_names(Weights) - set(api["weights"]) == set()
     assert field_names(ModelSpec) - set(doc["models"][0]) == set()
+    assert field_names(RoutingRule) - set(doc["rules"][0]) == set()
     assert field_names(ProxySettings) - set(doc["proxy"]) == set()
     assert set(top) - field_names(IndexerSettings) == set()  # nothing the loaders refuse
 
@@ -73,7 +77,14 @@ def test_the_settings_without_defaults_have_valid_examples() -> None:
     doc = shown()
     assert load_settings(overrides={k: doc[k] for k in ("bind", "default_model")}, env={})
     api = {k: v for k, v in doc["api"].items() if k not in ("weights", "auth_token_file")}
-    assert load_api_settings(api, doc["models"], env={}).auth_token == "s3cret"
+    settings = load_api_settings(api, doc["models"], rules=doc["rules"], env={})
+    assert settings.auth_token == "s3cret"
+    (rule,) = settings.rules
+    assert (rule.headers, rule.tools, rule.weights) == (
+        (("x-tenant", ("acme",)),),
+        False,
+        (("waiting", 0.3),),
+    )
     proxy = {k: v for k, v in doc["proxy"].items() if k != "auth_token_file"}
     loaded = load_proxy_settings(proxy, env={})
     assert loaded.auth_token == "client-s3cret" and loaded.api_key_of("r1") == "vllm-s3cret"

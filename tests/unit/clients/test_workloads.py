@@ -21,6 +21,7 @@ from kvindex.clients.workloads import (
     block_tokens,
     chat_system_prompts,
     read_trace,
+    trace_sessions,
     trace_tokens,
     user_sessions,
 )
@@ -200,3 +201,41 @@ def test_user_sessions_total_the_requests_and_depend_on_the_seed_alone(num_reque
     tokens = [t for s in sessions for turn in [s.system, *s.turns] for t in turn]
     assert tokens and max(tokens) < 1_000
     assert {s.chat for s in user_sessions(200, seed=3)} == {True, False}
+
+
+def test_requests_sharing_only_a_system_prompt_get_sessions_of_their_own() -> None:
+    # 40 requests behind the same 2-block system prompt (ids 0, 1), each its own question.
+    traces = [[0, 1, 100 + i, 1000 + i] for i in range(40)]
+    assert trace_sessions(traces) == [f"b{100 + i}" for i in range(40)]
+
+
+def test_a_chat_keeps_its_session_across_turns_behind_a_shared_prompt() -> None:
+    others = [[0, 100 + i, 1000 + i] for i in range(10)]
+    chat = [[0, 7, 70], [0, 7, 71, 72, 73], [0, 7, 71, 72, 74, 75]]  # each turn extends
+    sessions = trace_sessions([*others, *chat])
+    assert sessions[10:] == ["b7", "b7", "b7"]
+    assert len(set(sessions[:10])) == 10
+
+
+def test_a_document_a_few_questions_share_stays_one_session() -> None:
+    # 800 requests behind system prompt 0: a block needs 8 continuations (1 %) to count as
+    # shared; document 5 has 4 questions, so its questions stay together.
+    everyone = [[0, 100 + i, 2000 + i] for i in range(796)]
+    document = [[0, 5, 50 + q] for q in range(4)]
+    sessions = trace_sessions([*everyone, *document])
+    assert sessions[796:] == ["b5"] * 4
+    assert len(set(sessions[:796])) == 796
+
+
+def test_a_request_that_is_all_shared_prefix_is_keyed_by_its_last_block() -> None:
+    traces = [[0, 1, 100 + i] for i in range(8)] + [[0, 1]]
+    assert trace_sessions(traces)[-1] == "b1"
+
+
+def test_read_trace_derives_sessions_past_the_shared_first_block(tmp_path: Path) -> None:
+    rows = [
+        {"timestamp": i, "input_length": 1024, "output_length": 1, "hash_ids": [0, 10 + i]}
+        for i in range(8)
+    ]
+    requests = read_trace(write_trace(tmp_path / "t.jsonl", rows))
+    assert [r.session for r in requests] == [f"b{10 + i}" for i in range(8)]

@@ -189,6 +189,13 @@ def test_the_heading_says_how_many_candidates_the_answer_leaves_out() -> None:
     assert heading_line.endswith("top 2 of 1024 candidates (256 matched; --top-k 0 for all)")
 
 
+def test_the_heading_names_the_routing_rule_that_chose_the_policy() -> None:
+    assert "rule" not in plain(*render_score(answer())).splitlines()[0]
+    ruled = answer()
+    ruled.rule = "batch"
+    assert f"policy {ruled.policy} (rule batch) · best" in plain(*render_score(ruled))
+
+
 def test_render_score_wide_has_every_term() -> None:
     text = plain(*render_score(answer(), wide=True))
     header = text.splitlines()[1].split()

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from kvindex.api.load.store import MemoryLoadStore
+from kvindex.api.routing_rules import RoutingRule
 from kvindex.api.score import Scorer, UnknownModelError
 from kvindex.api.settings import ApiSettings
 from kvindex.api.tokenize.protocol import Tokenizer, TokenizerError
@@ -53,7 +54,7 @@ class WordTokenizer:
 class Fleet:
     """Replicas a, b, c of one model with URLs, and d with none."""
 
-    def __init__(self, policy: str = "kv_aware") -> None:
+    def __init__(self, policy: str = "kv_aware", rules: tuple[RoutingRule, ...] = ()) -> None:
         with_url = [ReplicaSpec(r, MODEL, url=f"http://{r}:8000") for r in ("a", "b", "c")]
         specs = (*with_url, ReplicaSpec("d", MODEL))
         self.registry = Registry(specs, clock=lambda: NOW)
@@ -61,7 +62,7 @@ class Fleet:
         self.tokenizer = WordTokenizer()
         tokenizer: Tokenizer = self.tokenizer
         scorer = Scorer(
-            ApiSettings(seed=1, default_policy=policy),
+            ApiSettings(seed=1, default_policy=policy, rules=rules),
             self.index,
             self.registry,
             MemoryLoadStore(),
@@ -141,6 +142,36 @@ def test_the_session_header_or_user_field_feeds_session_affinity() -> None:
         assert header.upstreams[0] == field.upstreams[0]
         chosen.add(header.upstreams[0].replica)
     assert len(chosen) > 1  # the session, not the prompt, decides
+
+
+@pytest.mark.parametrize(
+    ("rule", "body", "headers"),
+    [
+        (RoutingRule("agents", tools=True, policy="round_robin"), {"tools": [{}]}, {}),
+        (RoutingRule("eval", user=("nightly",), policy="round_robin"), {"user": "nightly"}, {}),
+        (
+            RoutingRule("acme", headers=(("x-tenant", ("acme",)),), policy="round_robin"),
+            {},
+            {"x-tenant": "acme"},
+        ),
+        (
+            RoutingRule("batch", workload=("batch",), policy="round_robin"),
+            {},
+            {"x-kvindex-workload": "batch"},
+        ),
+    ],
+)
+def test_rules_see_the_tools_the_user_and_the_headers_of_an_openai_body(
+    rule: RoutingRule, body: dict[str, Any], headers: dict[str, str]
+) -> None:
+    fleet = Fleet(rules=(rule,))
+    prompt = _words(32, "p")
+    fleet.hold("c", asyncio.run(fleet.tokenizer.encode_prompt(prompt)))
+    request = {"model": MODEL, "prompt": prompt}
+    plain = {fleet.choose(request).upstreams[0].replica for _ in range(3)}
+    assert plain == {"c"}  # kv_aware: where the prompt is cached
+    matched = {fleet.choose(request | body, headers).upstreams[0].replica for _ in range(3)}
+    assert matched == {"a", "b", "c"}  # the rule's round_robin
 
 
 def test_bad_bodies_and_unknown_models_are_named() -> None:

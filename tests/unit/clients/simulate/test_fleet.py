@@ -19,7 +19,12 @@ from kvindex.clients.simulate.fleet import (
     ReplicaLoad,
     SimulationError,
 )
-from kvindex.clients.simulate.run import ceiling_hit_rate, percentile, policy_stats
+from kvindex.clients.simulate.run import (
+    ceiling_hit_rate,
+    percentile,
+    policy_stats,
+    single_cache_hit_rate,
+)
 from kvindex.clients.workloads import TraceRequest
 from kvindex.indexer.events import BlockRemoved, BlockStored, Event
 
@@ -189,8 +194,12 @@ def test_single_cache_ceiling_is_one_lru_pool_of_the_fleets_capacity() -> None:
     # evicts everything; A misses.
     a, b, c = list(range(8)), list(range(100, 108)), list(range(200, 216))
     requests = [req(0.0, a), req(1.0, b), req(2.0, a), req(3.0, c), req(4.0, a)]
-    rate = ceiling_hit_rate(requests, fleet(replicas=2, capacity_blocks=2))
+    rate = single_cache_hit_rate(requests, fleet(replicas=2, capacity_blocks=2))
     assert rate == pytest.approx(4 / (8 * 4 + 16))
+    # The ceiling evicts nothing: both repeats of A hit its first block.
+    assert ceiling_hit_rate(requests, fleet(replicas=2, capacity_blocks=2)) == pytest.approx(
+        8 / (8 * 4 + 16)
+    )
 
 
 def test_percentile_is_nearest_rank() -> None:
@@ -199,3 +208,43 @@ def test_percentile_is_nearest_rank() -> None:
     assert percentile(values, 90) == 9.0
     assert percentile(values, 99) == 10.0
     assert percentile([], 50) == 0.0
+
+
+def test_the_ceiling_counts_cached_answers_as_a_replica_does() -> None:
+    # As test_a_known_answer_is_cached_for_the_next_turn: turn 2 hits its 8 first tokens
+    # (turn 1's prompt and answer), so the ceiling is 8 of 4 + 12 prompt tokens.
+    q1, answer, q2 = list(range(4)), list(range(50, 54)), list(range(60, 64))
+    turns = [req(0.0, q1, 4, output=answer), req(20.0, q1 + answer + q2, 1)]
+    assert run(fleet(), turns, Fixed()).outcomes[1].hit_tokens == 8
+    assert ceiling_hit_rate(turns, fleet()) == pytest.approx(8 / 16)
+    assert single_cache_hit_rate(turns, fleet()) == pytest.approx(8 / 16)
+
+
+def test_throughput_kv_usage_and_gpu_seconds_per_request() -> None:
+    # r0: A (8 tokens, 2 s prefill, 2 output tokens: finishes at 4 s) and B at 10 s
+    # (4 tokens, 1 s prefill, 1 output token: finishes at 12 s). r1: C at 0 s (4 tokens,
+    # 1 s prefill, 3 output tokens: finishes at 4 s).
+    requests = [req(0.0, range(8), 2), req(0.0, range(100, 104), 3), req(10.0, range(200, 204), 1)]
+    result = run(fleet(replicas=2), requests, Fixed(["r0", "r1", "r0"]))
+    stats = policy_stats("x", result, 0.0)
+    assert stats.throughput_rps == pytest.approx(3 / 12)  # from 0 s to the last finish, 12 s
+    assert stats.throughput_tps == pytest.approx((16 + 6) / 12)
+    assert stats.output_tps == pytest.approx(6 / 12)
+    # prefill 2 + 1 + 1 s; busy: r0 [0, 4] and [10, 12], r1 [0, 4] -> 10 s, 6 s decoding
+    assert stats.prefill_gpu_s_per_request == pytest.approx(4 / 3)
+    assert stats.gpu_s_per_request == pytest.approx(10 / 3)
+    assert stats.decode_gpu_s_per_request == pytest.approx(6 / 3)
+    # sampled at arrivals over both replicas: at 0 s twice (nothing held, then A's 3 of 8
+    # blocks on r0), at 10 s (nothing held)
+    assert result.kv_usage_samples == [0.0, 0.0, 3 / 8, 0.0, 0.0, 0.0]
+    assert stats.kv_usage_mean == pytest.approx(3 / 8 / 6)
+    assert stats.kv_usage_p90 == pytest.approx(3 / 8)
+
+
+def test_a_decode_batch_costs_its_time_once() -> None:
+    # Two requests decode together on one replica: 8 tokens then 4 (prefill 2 s + 1 s),
+    # decodes end at 12 s and 13 s. Busy 13 s for both, not 2 x their decode times.
+    requests = [req(0.0, range(8), 10), req(0.0, range(100, 104), 10)]
+    stats = policy_stats("x", run(fleet(capacity_blocks=16), requests, Fixed()), 0.0)
+    assert stats.gpu_s_per_request == pytest.approx(13 / 2)
+    assert stats.prefill_gpu_s_per_request == pytest.approx(3 / 2)
