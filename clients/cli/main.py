@@ -14,6 +14,7 @@ import click
 from kvindex.api.server import serve as run_server
 from kvindex.api.server import serve_api
 from kvindex.api.settings import ApiSettings, load_api_settings
+from kvindex.clients.analyze.run import AnalyzeSettings, analyze_main
 from kvindex.clients.cli.check_hash import check_hash_command
 from kvindex.clients.cli.log_format import LOG_FORMATS, LogFormat, configure_logging
 from kvindex.clients.cli.status import FleetStatus, StatusLog
@@ -23,6 +24,7 @@ from kvindex.clients.demo import DemoSettings, demo_main
 from kvindex.clients.fake_vllm.replica import ReplicaSim, ReplicaSimError, ReplicaSimSettings
 from kvindex.clients.proxy.service import serve_proxy
 from kvindex.clients.proxy.settings import load_proxy_settings
+from kvindex.clients.request_log import TokenizerOptions
 from kvindex.clients.simulate.fleet import FleetSettings
 from kvindex.clients.simulate.routing import PolicySpec, parse_policy
 from kvindex.clients.simulate.run import DEFAULT_POLICIES, SimulateSettings, simulate_main
@@ -497,6 +499,82 @@ def simulate(
             settings,
             reqs,
             source=source,
+            console=make_console(),
+            json_path=json_path,
+            plot_path=plot_path,
+        )
+    except KvIndexError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def _tokenizer_options(command: Callable[..., None]) -> Callable[..., None]:
+    """How a request log is tokenized (``analyze``, ``simulate --requests``)."""
+    options = [
+        click.option(
+            "--tokenizer",
+            "tokenizer_path",
+            type=click.Path(path_type=Path, dir_okay=False, exists=True),
+            help="The model's tokenizer.json (its chat template is read beside it).",
+        ),
+        click.option(
+            "--chat-template",
+            "chat_template_path",
+            type=click.Path(path_type=Path, dir_okay=False, exists=True),
+            help="A Jinja2 chat template or tokenizer_config.json (default: beside"
+            " --tokenizer; else a plain '<|role|>' rendering, see the README).",
+        ),
+        click.option(
+            "--tokenizer-url",
+            help="A vLLM replica's root URL: its POST /tokenize tokenizes (instead of"
+            " --tokenizer).",
+        ),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _tokenizer_choice(
+    tokenizer_path: Path | None, chat_template_path: Path | None, tokenizer_url: str | None
+) -> TokenizerOptions:
+    return TokenizerOptions(tokenizer_path, chat_template_path, tokenizer_url)
+
+
+@main.command()
+@click.option(
+    "--requests",
+    "requests_path",
+    required=True,
+    type=click.Path(path_type=Path, dir_okay=False, exists=True),
+    help="Request log: one OpenAI request body a line (or {'body': ...}), plain or .gz.",
+)
+@_tokenizer_options
+@click.option("--block-size", default=16, show_default=True, help="Tokens per KV-cache block.")
+@click.option("--limit", type=int, help="Read at most this many requests.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False))
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="PNG: share of prompt tokens cacheable by position, before and after the fix.",
+)
+def analyze(
+    requests_path: Path,
+    tokenizer_path: Path | None,
+    chat_template_path: Path | None,
+    tokenizer_url: str | None,
+    block_size: int,
+    limit: int | None,
+    json_path: Path | None,
+    plot_path: Path | None,
+) -> None:
+    """What a request log could reuse, what breaks its prefixes, and which policy fits."""
+    try:
+        options = _tokenizer_choice(tokenizer_path, chat_template_path, tokenizer_url)
+        settings = AnalyzeSettings(options, block_size=block_size, limit=limit)
+        analyze_main(
+            requests_path,
+            settings,
             console=make_console(),
             json_path=json_path,
             plot_path=plot_path,
