@@ -47,7 +47,7 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
     "{% endfor %}"
-    "<|assistant|>\n"
+    "<|assistant|>{{ '\\n' }}"  # Jinja drops a template's final newline: written as an expression
 )
 """How messages are rendered when the tokenizer has no chat template and none is given:
 each message as ``<|role|>``, a newline, its text and a newline, then ``<|assistant|>``
@@ -258,12 +258,14 @@ class TokenizerOptions:
 class LogTokenizer:
     """Token ids of logged requests, and text of token ids (for examples), by one source.
 
-    Use as an async context manager (it owns the HTTP client of a replica source).
+    Use as an async context manager: it closes the HTTP client of a replica source, unless
+    ``client`` was given (then the caller owns it).
     """
 
-    def __init__(self, options: TokenizerOptions) -> None:
+    def __init__(self, options: TokenizerOptions, client: httpx.AsyncClient | None = None) -> None:
         self.options = options
-        self._client = httpx.AsyncClient()
+        self._owns_client = client is None
+        self._client = client if client is not None else httpx.AsyncClient()
         self._local: LocalTokenizer | None = None
         self._model_to_replica: dict[str, ReplicaTokenizer] = {}
         if options.path is not None:
@@ -273,7 +275,8 @@ class LogTokenizer:
         return self
 
     async def __aexit__(self, *_: object) -> None:
-        await self._client.aclose()
+        if self._owns_client:
+            await self._client.aclose()
 
     def _tokenizer(self, model: str) -> Tokenizer:
         if self._local is not None:

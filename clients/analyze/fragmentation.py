@@ -17,8 +17,8 @@ matching every earlier request (its *break*, a block boundary):
 4. Requests are grouped by the anchor they resumed at; a group is a finding once it has
    :data:`MIN_REQUESTS` requests and recovers :data:`MIN_RECOVERABLE_FRACTION` of the log.
 
-The fix keeps in front what the group's first request had before its break (``base``)
-and moves the rest of the span. Conservative by construction: a group's first request had
+The fix keeps in front what the group's first member had before its break (``base``) and
+moves the rest of the span. Conservative by construction: a group's first request had
 nothing to resume at, so its second one counts no recoverable blocks (the true fix would
 give it some), and content that resumes farther than :data:`MAX_SPAN_TOKENS` after the
 break is not found.
@@ -57,8 +57,9 @@ class FragmentGroup:
     """Requests that resumed at the same shared content after a span of their own."""
 
     base: int
-    """Token offset (a block boundary) where the group's spans start: the break of the
-    request that first had the shared content. The fix keeps ``tokens[:base]`` in front."""
+    """Token offset (a block boundary) where the group's spans start: the break of its
+    first member (what it shared with earlier requests is the head every member keeps in
+    front). The fix keeps ``tokens[:base]`` in front."""
     members: int = 0
     """Requests that resumed at the content (the one that first had it is not one)."""
     recoverable_tokens: int = 0
@@ -83,14 +84,15 @@ class FragmentationFinder:
     """Sees each request once, in order (:meth:`observe`); :attr:`groups` by anchor hash.
 
     Memory: the anchors of every request's scanned window (about
-    ``SCAN_TOKENS / ANCHOR_EVERY`` each) and the keys of the fixed prompts' blocks.
+    ``SCAN_TOKENS / ANCHOR_EVERY`` each, one set of hashes) and the keys of the fixed
+    prompts' blocks.
     """
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.groups: dict[int, FragmentGroup] = {}
-        self._anchor_to_break: dict[int, int] = {}
-        """Anchor hash → the break (token offset) of the first request that had it."""
+        self._anchors: set[int] = set()
+        """Hashes of the anchors every earlier request had."""
         self._seen_fixed: set[int] = set()
 
     def observe(
@@ -107,8 +109,7 @@ class FragmentationFinder:
         if resume is not None:
             offset, h = resume
             recoverable = self._fix(h, index, model, tokens, keys, hit_blocks, start + offset)
-        for _, h in found:
-            self._anchor_to_break.setdefault(h, start)
+        self._anchors.update(h for _, h in found)
         return recoverable
 
     def _resume(self, found: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
@@ -116,11 +117,11 @@ class FragmentationFinder:
         had, the next anchor (if any) too; of those, the one of the largest group, else the
         first (a window that straddles the span's end can match by chance, as a timestamp
         ending in the same digit does)."""
-        known, groups = self._anchor_to_break, self.groups
+        known, groups = self._anchors, self.groups
         best: tuple[int, int] | None = None
         best_members = -1
         for i, (offset, h) in enumerate(found):
-            if offset == 0 or h not in known:
+            if not 0 < offset <= MAX_SPAN_TOKENS or h not in known:
                 continue
             if i + 1 < len(found) and found[i + 1][1] not in known:
                 continue
@@ -146,7 +147,7 @@ class FragmentationFinder:
         size = self.block_size
         group = self.groups.get(anchor)
         if group is None:
-            group = self.groups[anchor] = FragmentGroup(self._anchor_to_break[anchor])
+            group = self.groups[anchor] = FragmentGroup(hit_blocks * size)
         base_blocks = min(group.base // size, hit_blocks)
         parent = keys[base_blocks - 1] if base_blocks else model_root(model)
         fixed = chain_keys(parent, tokens_to_bytes(tokens[resume:]), size)

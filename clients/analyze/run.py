@@ -10,6 +10,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 from rich.console import Console
 
 from kvindex.clients.analyze.cache_walk import CacheWalk
@@ -42,13 +43,16 @@ class AnalyzeSettings:
             raise RequestLogError(f"limit must be >= 1, got {self.limit}")
 
 
-async def analyze_log(path: Path, settings: AnalyzeSettings) -> AnalysisReport:
+async def analyze_log(
+    path: Path, settings: AnalyzeSettings, client: httpx.AsyncClient | None = None
+) -> AnalysisReport:
     """The report of the log at ``path``. Bad lines are skipped and listed in the report
-    (and logged); raises :class:`RequestLogError` when the log or the tokenizer is unusable."""
+    (and logged); raises :class:`RequestLogError` when the log or the tokenizer is unusable.
+    ``client``: the HTTP client of a ``--tokenizer-url`` (default: one of its own)."""
     started = time.perf_counter()
     problems = Problems()
     walk = CacheWalk(settings.block_size)
-    async with LogTokenizer(settings.tokenizer) as tokenizer:
+    async with LogTokenizer(settings.tokenizer, client) as tokenizer:
         requests = read_request_log(path, problems)
         async with aclosing(tokenized(requests, tokenizer, problems)) as stream:
             async for done in stream:

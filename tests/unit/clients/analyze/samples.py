@@ -16,13 +16,14 @@ from typing import Any
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-WORDS = (
+_WORDS = (
     "the a of to and in is for on with as by at from that this be are or it not an"
     " answer user question policy rule must never always reply customer order refund"
     " account shipping product price support agent polite brief clear tool call json"
     " data when if then else only please thank you help check status return item"
     " invoice date time name email address phone number message system assistant"
-).split()
+)
+WORDS = _WORDS.split()
 
 
 def text(rng: random.Random, num_words: int) -> str:
@@ -50,8 +51,8 @@ def write_log(path: Path, rows: Sequence[Any], *, gz: bool = False) -> Path:
     return path
 
 
-def chat(system: str, user: str, **extra: Any) -> dict[str, Any]:
-    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+def chat(system: str, question: str, **extra: Any) -> dict[str, Any]:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
     return {"model": "m", "messages": messages, **extra}
 
 
