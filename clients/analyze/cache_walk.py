@@ -11,6 +11,7 @@ each request's keys (for the shared prefixes) and its first tokens (to show them
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -60,7 +61,8 @@ class CacheWalk:
         self.cached_tokens = 0
         self.recoverable_tokens = 0
         self.keys: list[npt.NDArray[np.uint64]] = []
-        self.starts: list[list[int]] = []
+        self.starts: list[array[int]] = []
+        """The first :data:`START_TOKENS` tokens of every request, packed (4 bytes a token)."""
         self.models: list[str] = []
         self.hit_blocks: list[int] = []
         self._seen: set[int] = set()
@@ -79,7 +81,7 @@ class CacheWalk:
         recoverable = self.finder.observe(self.num_requests, model, tokens, keys, hits)
         self._count(len(tokens), len(keys), hits, recoverable // size)
         self.keys.append(np.array(keys, dtype=np.uint64))
-        self.starts.append(list(tokens[:START_TOKENS]))
+        self.starts.append(array("I", tokens[:START_TOKENS]))
         self.models.append(model)
         self.hit_blocks.append(hits)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvindex.clients.analyze.cache_walk import CacheWalk
@@ -77,7 +77,9 @@ class AnalysisReport:
     num_problems: int
     problems: list[str]
     """The first skipped lines, each with its line number and why."""
-    wall_s: float
+    wall_s: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds spent reading and tokenizing, in the cache walk, and building the report."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -89,7 +91,6 @@ async def build_report(
     *,
     source: str,
     problems: tuple[int, list[LogProblem]],
-    wall_s: float,
 ) -> AnalysisReport:
     """The report of ``walk`` (finished); ``decode`` shows examples and prefix starts."""
     total = max(walk.prompt_tokens, 1)
@@ -120,7 +121,6 @@ async def build_report(
         cacheable_by_position=_profile(walk),
         num_problems=problems[0],
         problems=[str(p) for p in problems[1]],
-        wall_s=wall_s,
     )
 
 
@@ -162,7 +162,7 @@ async def _finding(walk: CacheWalk, group: FragmentGroup, decode: Decode, total:
 
 async def _row(walk: CacheWalk, prefix: SharedPrefix, decode: Decode) -> PrefixRow:
     tokens = prefix.blocks * walk.block_size
-    start = walk.starts[prefix.example][:tokens]
+    start = walk.starts[prefix.example][:tokens].tolist()
     return PrefixRow(
         tokens=tokens,
         requests=prefix.requests,

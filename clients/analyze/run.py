@@ -7,7 +7,7 @@ import json
 import logging
 import time
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -54,22 +54,28 @@ async def analyze_log(
     walk = CacheWalk(settings.block_size)
     async with LogTokenizer(settings.tokenizer, client) as tokenizer:
         requests = read_request_log(path, problems)
+        walk_s = 0.0
         async with aclosing(tokenized(requests, tokenizer, problems)) as stream:
             async for done in stream:
+                walk_started = time.perf_counter()
                 walk.add(done.request.model, done.tokens)
+                walk_s += time.perf_counter() - walk_started
                 if settings.limit is not None and walk.num_requests >= settings.limit:
                     break
         for problem in problems.kept:
             log.warning("%s: skipped %s", path, problem)
         if not walk.num_requests:
             raise RequestLogError(f"{path}: no request could be read ({problems.count} skipped)")
-        return await build_report(
-            walk,
-            tokenizer.decode,
-            source=path.name,
-            problems=(problems.count, problems.kept),
-            wall_s=time.perf_counter() - started,
+        read_s = time.perf_counter() - started - walk_s
+        report = await build_report(
+            walk, tokenizer.decode, source=path.name, problems=(problems.count, problems.kept)
         )
+    report_s = time.perf_counter() - started - read_s - walk_s
+    return replace(
+        report,
+        wall_s=time.perf_counter() - started,
+        timings={"read_and_tokenize_s": read_s, "walk_s": walk_s, "report_s": report_s},
+    )
 
 
 def analyze_main(

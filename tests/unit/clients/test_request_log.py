@@ -21,7 +21,7 @@ from kvindex.clients.request_log import (
     read_request_log,
     tokenized,
 )
-from tests.unit.clients.analyze.samples import chat, make_tokenizer, write_log
+from tests.support.request_logs import chat, make_tokenizer, write_log
 
 
 def read(path: Path) -> tuple[list[LoggedRequest], Problems]:

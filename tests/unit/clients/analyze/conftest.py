@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.clients.analyze.samples import make_tokenizer
+from tests.support.request_logs import make_tokenizer
 
 
 @pytest.fixture(scope="session")

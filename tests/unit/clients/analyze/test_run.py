@@ -13,8 +13,8 @@ from kvindex.clients.analyze.report import AnalysisReport
 from kvindex.clients.analyze.run import AnalyzeSettings, analyze_log, analyze_main
 from kvindex.clients.console import make_console
 from kvindex.clients.request_log import LogTokenizer, RequestLogError, TokenizerOptions
-from tests.unit.clients.analyze import samples
-from tests.unit.clients.analyze.samples import write_log
+from tests.support import request_logs as samples
+from tests.support.request_logs import write_log
 
 
 def analyze(tokenizer: Path, log: Path, **kw: Any) -> AnalysisReport:

@@ -8,8 +8,8 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from kvindex.clients.cli.main import main
-from tests.unit.clients.analyze import samples
-from tests.unit.clients.analyze.samples import make_tokenizer, write_log
+from tests.support import request_logs as samples
+from tests.support.request_logs import make_tokenizer, write_log
 
 
 def test_analyze_prints_the_report_and_writes_json_and_plot(tmp_path: Path) -> None:
