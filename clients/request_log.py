@@ -23,6 +23,7 @@ import gzip
 import hashlib
 import math
 from collections.abc import AsyncGenerator, Iterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -358,3 +359,24 @@ async def _tokenize_batch(
         else:
             out.append(TokenizedRequest(request, answer))
     return out
+
+
+async def read_tokenized_log(
+    path: Path,
+    options: TokenizerOptions,
+    *,
+    limit: int | None = None,
+    client: httpx.AsyncClient | None = None,
+) -> tuple[list[TokenizedRequest], Problems]:
+    """Every request of the log with its token ids (at most ``limit``), and the problems
+    met; for ``kvindex simulate``, which replays them all (``analyze`` streams instead)."""
+    problems = Problems()
+    out: list[TokenizedRequest] = []
+    async with LogTokenizer(options, client) as tokenizer:
+        stream = tokenized(read_request_log(path, problems), tokenizer, problems)
+        async with aclosing(stream):
+            async for done in stream:
+                out.append(done)
+                if limit is not None and len(out) >= limit:
+                    break
+    return out, problems
