@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 from contextlib import aclosing
 from dataclasses import dataclass, replace
@@ -24,8 +23,6 @@ from kvindex.clients.request_log import (
     read_request_log,
     tokenized,
 )
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +44,8 @@ async def analyze_log(
     path: Path, settings: AnalyzeSettings, client: httpx.AsyncClient | None = None
 ) -> AnalysisReport:
     """The report of the log at ``path``. Bad lines are skipped and listed in the report
-    (and logged); raises :class:`RequestLogError` when the log or the tokenizer is unusable.
+    (the first :attr:`Problems.keep`, all counted); raises :class:`RequestLogError` when the
+    log or the tokenizer is unusable.
     ``client``: the HTTP client of a ``--tokenizer-url`` (default: one of its own)."""
     started = time.perf_counter()
     problems = Problems()
@@ -62,8 +60,6 @@ async def analyze_log(
                 walk_s += time.perf_counter() - walk_started
                 if settings.limit is not None and walk.num_requests >= settings.limit:
                     break
-        for problem in problems.kept:
-            log.warning("%s: skipped %s", path, problem)
         if not walk.num_requests:
             raise RequestLogError(f"{path}: no request could be read ({problems.count} skipped)")
         read_s = time.perf_counter() - started - walk_s

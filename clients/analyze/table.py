@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rich.console import Console
+from rich.table import Table
 
 from kvindex.clients.analyze.report import AnalysisReport
 from kvindex.clients.console import column, make_table
@@ -52,7 +53,7 @@ def print_report(report: AnalysisReport, console: Console) -> None:
         console.print(f"... and {report.num_problems - len(report.problems)} more skipped lines")
 
 
-def _findings_table(report: AnalysisReport) -> object:
+def _findings_table(report: AnalysisReport) -> Table:
     table = make_table(
         column("token", justify="right"),
         column("requests", justify="right"),
@@ -72,7 +73,7 @@ def _findings_table(report: AnalysisReport) -> object:
     return table
 
 
-def _prefixes_table(report: AnalysisReport) -> object:
+def _prefixes_table(report: AnalysisReport) -> Table:
     table = make_table(
         column("tokens", justify="right"),
         column("requests", justify="right"),
