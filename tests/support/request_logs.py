@@ -84,6 +84,13 @@ def several_systems(n: int, num_systems: int = 8, seed: int = 3) -> list[dict[st
     return [chat(systems[i % num_systems], text(rng, rng.randint(10, 40))) for i in range(n)]
 
 
+def several_systems_texts(n: int, num_systems: int = 4, seed: int = 6) -> list[str]:
+    """Completions prompts: one of ``num_systems`` long instructions, then a varied question."""
+    rng = random.Random(seed)
+    systems = [text(random.Random(80 + s), 200) for s in range(num_systems)]
+    return [f"{systems[i % num_systems]}\n{text(rng, 20)}" for i in range(n)]
+
+
 def unique_prompts(n: int, seed: int = 4) -> list[dict[str, Any]]:
     """Short completions prompts that share nothing."""
     rng = random.Random(seed)

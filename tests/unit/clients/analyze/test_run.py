@@ -7,7 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+import tokenizers
 
 from kvindex.clients.analyze.report import AnalysisReport
 from kvindex.clients.analyze.run import AnalyzeSettings, analyze_log, analyze_main
@@ -142,3 +144,28 @@ def test_json_and_plot_are_written(tokenizer_path: Path, tmp_path: Path) -> None
     assert points[0]["token_offset"] == 0
     assert max(p["cacheable_after_fix"] - p["cacheable"] for p in points) > 0.8
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_replica_can_tokenize_and_decode(tokenizer_path: Path, tmp_path: Path) -> None:
+    raw = tokenizers.Tokenizer.from_file(str(tokenizer_path))
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        if request.url.path == "/detokenize":
+            return httpx.Response(200, json={"prompt": raw.decode(body["tokens"])})
+        text = body.get("prompt") or body["messages"][0]["content"]
+        return httpx.Response(200, json={"tokens": raw.encode(text).ids})
+
+    rows = [{"model": "m", "prompt": p} for p in samples.several_systems_texts(40)]
+    log = write_log(tmp_path / "log.jsonl", rows)
+    settings = AnalyzeSettings(TokenizerOptions(url="http://replica:8000"))
+
+    async def go() -> AnalysisReport:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await analyze_log(log, settings, client)
+
+    report = asyncio.run(go())
+    assert report.num_requests == 40 and report.cached_fraction_ceiling > 0.5
+    starts = {r["prompt"][:30] for r in rows}
+    assert len(report.top_prefixes) == 4
+    assert all(p.start[:30] in starts and p.share == 0.25 for p in report.top_prefixes)
