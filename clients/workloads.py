@@ -17,6 +17,13 @@ length and, when the workload has one, a session key. Prompts are token ids:
   shared, Zipf-popular pool of document chunks), ``few_shot`` (long few-shot templates) and
   ``unique`` (short prompts that share nothing: routing by cache cannot help there).
   Arrivals are Poisson at ``rate`` requests/s.
+* **Request logs** (:func:`logged_trace`): the user's own requests, tokenized
+  (:mod:`kvindex.clients.request_log`). Arrivals are the log's timestamps (relative to the
+  first) when every request has one and no rate is given, else Poisson at ``rate``
+  (default :data:`DEFAULT_LOG_RATE`) in log order. A request's output length is its
+  ``max_tokens`` (an upper bound: real answers are often shorter), else
+  :data:`DEFAULT_OUTPUT_TOKENS`; its session is its conversation (``user``, else its first
+  two messages). Answers are not reused as cached blocks (their tokens are not logged).
 * **Closed-loop chats** (:class:`ChatSessions`): a replica under saturating load asks for
   its next request whenever it has room, and a chat's next turn waits for its last one to
   end, so there are no arrival times. The ingest benchmark's replicas run on them.
@@ -34,11 +41,14 @@ from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import msgspec
 
 from kvindex.indexer.errors import KvIndexError
+
+if TYPE_CHECKING:  # the reader pulls in the tokenizers; a trace or a generator needs none
+    from kvindex.clients.request_log import TokenizedRequest
 
 TRACE_BLOCK_TOKENS = 512
 """Tokens per ``hash_ids`` entry in Mooncake traces."""
@@ -384,6 +394,41 @@ WORKLOADS: dict[str, Callable[[GeneratorSettings], list[TraceRequest]]] = {
     "few_shot": few_shot,
     "unique": unique,
 }
+
+
+# --- request logs --------------------------------------------------------------------------
+
+DEFAULT_LOG_RATE = 20.0
+"""Arrivals/s of a request log whose requests lack timestamps (and no rate was given)."""
+DEFAULT_OUTPUT_TOKENS = 256
+"""Output tokens of a logged request without ``max_tokens``."""
+
+
+def logged_trace(
+    requests: Sequence[TokenizedRequest], *, rate: float | None = None, seed: int = 0
+) -> list[TraceRequest]:
+    """The logged requests as the simulator replays them, sorted by arrival."""
+    if not requests:
+        raise WorkloadError("the request log has no usable request")
+    if rate is not None and not rate > 0:
+        raise WorkloadError(f"rate must be > 0, got {rate}")
+    stamps = [r.request.timestamp_s for r in requests]
+    if rate is None and all(s is not None for s in stamps):
+        first = min(s for s in stamps if s is not None)
+        arrivals = [s - first for s in stamps if s is not None]
+    else:
+        gaps = _arrivals(random.Random(seed), rate or DEFAULT_LOG_RATE)
+        arrivals = [t for t, _ in zip(gaps, requests, strict=False)]
+    out = [_logged(r, t) for r, t in zip(requests, arrivals, strict=True)]
+    out.sort(key=lambda r: r.arrival_s)
+    return out
+
+
+def _logged(done: TokenizedRequest, arrival_s: float) -> TraceRequest:
+    request = done.request
+    output = request.max_tokens if request.max_tokens is not None else DEFAULT_OUTPUT_TOKENS
+    prompt = array("I", done.tokens)  # 4 bytes a token, not a list's 36
+    return TraceRequest(arrival_s, len(prompt), output, request.conversation(), prompt)
 
 
 # --- closed-loop chats ---------------------------------------------------------------------

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +16,7 @@ import click
 from kvindex.api.server import serve as run_server
 from kvindex.api.server import serve_api
 from kvindex.api.settings import ApiSettings, load_api_settings
+from kvindex.clients.analyze.run import AnalyzeSettings, analyze_main
 from kvindex.clients.cli.check_hash import check_hash_command
 from kvindex.clients.cli.log_format import LOG_FORMATS, LogFormat, configure_logging
 from kvindex.clients.cli.status import FleetStatus, StatusLog
@@ -23,10 +26,17 @@ from kvindex.clients.demo import DemoSettings, demo_main
 from kvindex.clients.fake_vllm.replica import ReplicaSim, ReplicaSimError, ReplicaSimSettings
 from kvindex.clients.proxy.service import serve_proxy
 from kvindex.clients.proxy.settings import load_proxy_settings
+from kvindex.clients.request_log import TokenizerOptions, read_tokenized_log
 from kvindex.clients.simulate.fleet import FleetSettings
 from kvindex.clients.simulate.routing import PolicySpec, parse_policy
 from kvindex.clients.simulate.run import DEFAULT_POLICIES, SimulateSettings, simulate_main
-from kvindex.clients.workloads import WORKLOADS, GeneratorSettings, read_trace
+from kvindex.clients.workloads import (
+    WORKLOADS,
+    GeneratorSettings,
+    TraceRequest,
+    logged_trace,
+    read_trace,
+)
 from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.fleet.registry import Freshness, fleet_totals
 from kvindex.indexer.fleet.replica import ReplicaSpec
@@ -399,6 +409,39 @@ def demo(replicas: int, requests: int, seed: int, speed: float, json_path: Path 
         raise click.ClickException(str(exc)) from exc
 
 
+def _tokenizer_options(command: Callable[..., None]) -> Callable[..., None]:
+    """How a request log is tokenized (``analyze``, ``simulate --requests``)."""
+    options = [
+        click.option(
+            "--tokenizer",
+            "tokenizer_path",
+            type=click.Path(path_type=Path, dir_okay=False, exists=True),
+            help="The model's tokenizer.json (its chat template is read beside it).",
+        ),
+        click.option(
+            "--chat-template",
+            "chat_template_path",
+            type=click.Path(path_type=Path, dir_okay=False, exists=True),
+            help="A Jinja2 chat template or tokenizer_config.json (default: beside"
+            " --tokenizer; else a plain '<|role|>' rendering, see the README).",
+        ),
+        click.option(
+            "--tokenizer-url",
+            help="A vLLM replica's root URL: its POST /tokenize tokenizes (instead of"
+            " --tokenizer).",
+        ),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _tokenizer_choice(
+    tokenizer_path: Path | None, chat_template_path: Path | None, tokenizer_url: str | None
+) -> TokenizerOptions:
+    return TokenizerOptions(tokenizer_path, chat_template_path, tokenizer_url)
+
+
 _SIM = FleetSettings()
 
 
@@ -423,9 +466,20 @@ def _variants(_ctx: click.Context, _param: click.Parameter, values: tuple[str, .
     help="Mooncake JSONL trace (plain or .gz).",
 )
 @click.option("--workload", type=click.Choice(sorted(WORKLOADS)), help="A built-in generator.")
-@click.option("--requests", default=2000, show_default=True, help="Requests (generators).")
-@click.option("--rate", type=float, help="Arrivals/s (generators; default: per workload).")
-@click.option("--limit", type=int, help="Read at most this many trace requests.")
+@click.option(
+    "--requests",
+    "requests_arg",
+    help="With --workload: how many requests (2000). Alone: a request log (one OpenAI request"
+    " body a line, as kvindex analyze reads), tokenized with --tokenizer or --tokenizer-url.",
+)
+@_tokenizer_options
+@click.option(
+    "--rate",
+    type=float,
+    help="Arrivals/s (generators: default per workload; a request log: instead of its"
+    " timestamps, default 20/s without them).",
+)
+@click.option("--limit", type=int, help="Read at most this many trace or log requests.")
 @click.option("--replicas", default=_SIM.replicas, show_default=True)
 @click.option(
     "--capacity-blocks",
@@ -490,7 +544,10 @@ def _variants(_ctx: click.Context, _param: click.Parameter, values: tuple[str, .
 def simulate(
     trace: Path | None,
     workload: str | None,
-    requests: int,
+    requests_arg: str | None,
+    tokenizer_path: Path | None,
+    chat_template_path: Path | None,
+    tokenizer_url: str | None,
     rate: float | None,
     limit: int | None,
     policies: tuple[PolicySpec, ...],
@@ -504,15 +561,23 @@ def simulate(
     plot_path: Path | None,
     **fleet: Any,
 ) -> None:
-    """Replay a trace or a generated workload through a simulated fleet, once per policy."""
-    if (trace is None) == (workload is None):
-        raise click.UsageError("give exactly one of --trace FILE or --workload NAME")
+    """Replay a trace, a request log or a generated workload through a simulated fleet,
+    once per policy."""
+    log = None if workload is not None or requests_arg is None else Path(requests_arg)
+    if sum(x is not None for x in (trace, workload, log)) != 1:
+        raise click.UsageError(
+            "give exactly one of --trace FILE, --requests LOG.jsonl or --workload NAME"
+        )
     try:
         if trace is not None:
             reqs, source = read_trace(trace, limit=limit), trace.name
+        elif log is not None:
+            options = _tokenizer_choice(tokenizer_path, chat_template_path, tokenizer_url)
+            reqs, source = _logged_requests(log, options, limit, rate, seed), log.name
         else:
             assert workload is not None
-            reqs = WORKLOADS[workload](GeneratorSettings(requests, rate, seed))
+            count = _request_count(requests_arg)
+            reqs = WORKLOADS[workload](GeneratorSettings(count, rate, seed))
             source = f"{workload} (seed {seed})"
         settings = SimulateSettings(
             fleet=FleetSettings(**fleet),
@@ -533,6 +598,74 @@ def simulate(
         )
     except KvIndexError as exc:
         raise click.ClickException(str(exc)) from exc
+
+
+@main.command()
+@click.option(
+    "--requests",
+    "requests_path",
+    required=True,
+    type=click.Path(path_type=Path, dir_okay=False, exists=True),
+    help="Request log: one OpenAI request body a line (or {'body': ...}), plain or .gz.",
+)
+@_tokenizer_options
+@click.option("--block-size", default=16, show_default=True, help="Tokens per KV-cache block.")
+@click.option("--limit", type=int, help="Read at most this many requests.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False))
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="PNG: share of prompt tokens cacheable by position, before and after the fix.",
+)
+def analyze(
+    requests_path: Path,
+    tokenizer_path: Path | None,
+    chat_template_path: Path | None,
+    tokenizer_url: str | None,
+    block_size: int,
+    limit: int | None,
+    json_path: Path | None,
+    plot_path: Path | None,
+) -> None:
+    """What a request log could reuse, what breaks its prefixes, and which policy fits."""
+    try:
+        options = _tokenizer_choice(tokenizer_path, chat_template_path, tokenizer_url)
+        settings = AnalyzeSettings(options, block_size=block_size, limit=limit)
+        analyze_main(
+            requests_path,
+            settings,
+            console=make_console(),
+            json_path=json_path,
+            plot_path=plot_path,
+        )
+    except KvIndexError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def _request_count(value: str | None) -> int:
+    if value is None:
+        return 2000
+    try:
+        return int(value)
+    except ValueError:
+        raise click.BadParameter(
+            f"with --workload, a number of requests, got {value!r}", param_hint="--requests"
+        ) from None
+
+
+def _logged_requests(
+    log: Path, options: TokenizerOptions, limit: int | None, rate: float | None, seed: int
+) -> list[TraceRequest]:
+    """The log's requests, tokenized, as the simulator replays them; skipped lines are
+    reported on stderr."""
+    done, problems = asyncio.run(read_tokenized_log(log, options, limit=limit))
+    stderr = make_console(sys.stderr)
+    for problem in problems.kept:
+        stderr.print(f"{log.name}: skipped {problem}")
+    if problems.count > len(problems.kept):
+        stderr.print(f"{log.name}: ... and {problems.count - len(problems.kept)} more")
+    return logged_trace(done, rate=rate, seed=seed)
 
 
 def _run_indexer(settings: IndexerSettings, stats_every: float) -> None:

@@ -1,0 +1,199 @@
+"""The fragmentation finder: a short span that differs, before content many requests share.
+
+A timestamp or a request id near the top of a prompt makes every block after it unique,
+so no cache (and no router) can reuse the shared content that follows. The finder sees
+each request once, in log order, right after the cache walk has found where it stopped
+matching every earlier request (its *break*, a block boundary):
+
+1. It hashes every :data:`WINDOW_TOKENS`-token window of the :data:`SCAN_TOKENS` tokens from
+   the break; a window whose hash is a multiple of :data:`ANCHOR_EVERY` is an *anchor*
+   (chosen by content, so the same shared text gives the same anchors wherever it starts).
+2. An anchor after the break (not at it) that an earlier request also had, and the next
+   anchor too, is where shared content resumes (of several, the one most requests resumed
+   at before): the tokens before it are the *span*.
+3. The fix is simulated: the span moved after the rest (the prompt becomes head + shared
+   content + span). The fixed prompt's blocks are keyed as the index would key them and
+   looked up in a cache of the earlier fixed prompts: the blocks found are *recoverable*.
+4. Requests are grouped by the anchor they resumed at; a group is a finding once it has
+   :data:`MIN_REQUESTS` requests and recovers :data:`MIN_RECOVERABLE_FRACTION` of the log.
+
+The fix keeps in front what the group's first member had before its break (``base``) and
+moves the rest of the span. Conservative by construction: a group's first request had
+nothing to resume at, so its second one counts no recoverable blocks (the true fix would
+give it some), and content that resumes farther than :data:`MAX_SPAN_TOKENS` after the
+break is not found.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import xxhash
+
+from kvindex.indexer.keys import chain_keys, model_root, tokens_to_bytes
+
+WINDOW_TOKENS = 16
+"""Tokens per hashed window (shared content must run at least this long to be seen)."""
+ANCHOR_EVERY = 8
+"""A window is an anchor when its hash is a multiple of this (one window in 8 on average)."""
+MAX_SPAN_TOKENS = 96
+"""The longest differing span looked for (a timestamp, an id, a name: a few dozen tokens)."""
+SCAN_TOKENS = MAX_SPAN_TOKENS + 4 * WINDOW_TOKENS
+"""Tokens hashed from a request's break."""
+MIN_REQUESTS = 3
+"""A finding needs this many requests resuming at the same shared content."""
+MIN_RECOVERABLE_FRACTION = 0.01
+"""...and must make this share of all prompt tokens cacheable."""
+EXAMPLES_KEPT = 8
+"""Spans kept per group: the varying part is what they do not have in common."""
+
+_hash = xxhash.xxh3_64_intdigest
+_TOKEN_BYTES = 4
+
+
+@dataclass(slots=True)
+class FragmentGroup:
+    """Requests that resumed at the same shared content after a span of their own."""
+
+    base: int
+    """Token offset (a block boundary) where the group's spans start: the break of its
+    first member (what it shared with earlier requests is the head every member keeps in
+    front). The fix keeps ``tokens[:base]`` in front."""
+    members: int = 0
+    """Requests that resumed at the content (the one that first had it is not one)."""
+    recoverable_tokens: int = 0
+    examples: list[tuple[int, list[int]]] = field(default_factory=list)
+    """(request index, ``tokens[base:resume]``) of the first few members."""
+
+
+def anchors(tokens: Sequence[int], start: int) -> list[tuple[int, int]]:
+    """(offset from ``start``, hash) of the anchors among the windows of
+    ``tokens[start : start + SCAN_TOKENS]``."""
+    data = tokens_to_bytes(tokens[start : start + SCAN_TOKENS])
+    width = WINDOW_TOKENS * _TOKEN_BYTES
+    found: list[tuple[int, int]] = []
+    for offset in range(0, len(data) - width + 1, _TOKEN_BYTES):
+        h = _hash(data[offset : offset + width])
+        if h % ANCHOR_EVERY == 0:
+            found.append((offset // _TOKEN_BYTES, h))
+    return found
+
+
+class FragmentationFinder:
+    """Sees each request once, in order (:meth:`observe`); :attr:`groups` by anchor hash.
+
+    Memory: the anchors of every request's scanned window (about
+    ``SCAN_TOKENS / ANCHOR_EVERY`` each, one set of hashes) and the keys of the fixed
+    prompts' blocks.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.groups: dict[int, FragmentGroup] = {}
+        self._anchors: set[int] = set()
+        """Hashes of the anchors every earlier request had."""
+        self._seen_fixed: set[int] = set()
+
+    def observe(
+        self, index: int, model: str, tokens: Sequence[int], keys: Sequence[int], hit_blocks: int
+    ) -> int:
+        """Record request ``index`` (its block ``keys``, the first ``hit_blocks`` of them
+        already cached); the tokens its fix would make cacheable (0: no fix found)."""
+        if hit_blocks >= len(keys):
+            return 0  # every full block is cached already
+        start = hit_blocks * self.block_size
+        found = anchors(tokens, start)
+        recoverable = 0
+        resume = self._resume(found)
+        if resume is not None:
+            offset, h = resume
+            recoverable = self._fix(h, index, model, tokens, keys, hit_blocks, start + offset)
+        self._anchors.update(h for _, h in found)
+        return recoverable
+
+    def _resume(self, found: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
+        """Where shared content resumes: an anchor past the break that an earlier request
+        had, the next anchor (if any) too; of those, the one of the largest group, else the
+        first (a window that straddles the span's end can match by chance, as a timestamp
+        ending in the same digit does)."""
+        known, groups = self._anchors, self.groups
+        best: tuple[int, int] | None = None
+        best_members = -1
+        for i, (offset, h) in enumerate(found):
+            if not 0 < offset <= MAX_SPAN_TOKENS or h not in known:
+                continue
+            if i + 1 < len(found) and found[i + 1][1] not in known:
+                continue
+            group = groups.get(h)
+            members = group.members if group is not None else 0
+            if members > best_members:
+                best, best_members = (offset, h), members
+        return best
+
+    def _fix(  # noqa: PLR0917 (one call site, the request's facts in order)
+        self,
+        anchor: int,
+        index: int,
+        model: str,
+        tokens: Sequence[int],
+        keys: Sequence[int],
+        hit_blocks: int,
+        resume: int,
+    ) -> int:
+        """Key the prompt as ``tokens[:base] + tokens[resume:]`` (the span moved after the
+        rest) and look its blocks up among the earlier fixed prompts; the tokens that gains
+        over the prompt as it is (0 if none)."""
+        size = self.block_size
+        group = self.groups.get(anchor)
+        if group is None:
+            group = self.groups[anchor] = FragmentGroup(hit_blocks * size)
+        base_blocks = min(group.base // size, hit_blocks)
+        parent = keys[base_blocks - 1] if base_blocks else model_root(model)
+        fixed = chain_keys(parent, tokens_to_bytes(tokens[resume:]), size)
+        seen = self._seen_fixed
+        hits = 0
+        for key in fixed:
+            if key not in seen:
+                break
+            hits += 1
+        seen.update(fixed[hits:])
+        gained = max(0, base_blocks + hits - hit_blocks) * size
+        group.members += 1
+        group.recoverable_tokens += gained
+        if len(group.examples) < EXAMPLES_KEPT:
+            group.examples.append((index, list(tokens[base_blocks * size : resume])))
+        return gained
+
+
+def common_prefix(spans: Sequence[Sequence[int]]) -> int:
+    """Length of what every span starts with."""
+    shortest = min((len(s) for s in spans), default=0)
+    head = 0
+    while head < shortest and all(s[head] == spans[0][head] for s in spans):
+        head += 1
+    return head
+
+
+def varying_texts(texts: Sequence[str]) -> list[str]:
+    """Each text without what all of them start and end with, cut at whitespace (so a
+    timestamp or an id shows whole). One text alone is returned whole."""
+    if len(texts) < 2:
+        return [t.strip() for t in texts]
+    head = len(_common_start(texts))
+    while head > 0 and not texts[0][head - 1].isspace():
+        head -= 1
+    tails = [t[head:][::-1] for t in texts]
+    tail = len(_common_start(tails))
+    while tail > 0 and not tails[0][tail - 1].isspace():
+        tail -= 1
+    return [t[head : len(t) - tail].strip() for t in texts]
+
+
+def _common_start(texts: Sequence[str]) -> str:
+    first = texts[0]
+    n = min(len(t) for t in texts)
+    i = 0
+    while i < n and all(t[i] == first[i] for t in texts):
+        i += 1
+    return first[:i]
