@@ -41,7 +41,7 @@ class Backend:
     """The memory ledger's clock; None: Redis' own (real time)."""
 
     def holder(self, name: str, lost: list[int] | None = None) -> Reservations:
-        on_lost = (lambda num: lost.append(num)) if lost is not None else (lambda _num: None)
+        on_lost = lost.append if lost is not None else (lambda _num: None)
         return Reservations(self.store.ledger, TTL_S, holder=name, on_lost=on_lost)
 
     def wait(self, seconds: float) -> None:
