@@ -48,6 +48,7 @@ import redis
 from kvindex.api.load.model import InFlight
 from kvindex.indexer.circuit import StoreCircuit
 from kvindex.indexer.index.redis import unavailable_on_connection_errors
+from kvindex.indexer.redis_connection import RedisClient
 from kvindex.indexer.redis_schema import Schema, check_name, tokens_field
 
 logger = logging.getLogger(__name__)
@@ -311,7 +312,7 @@ class RedisLedger:
     last read: the reap, then the read again); a load store queues the same read in its
     own pipeline (:meth:`queue_read`, :meth:`read_reply`)."""
 
-    def __init__(self, client: redis.Redis, schema: Schema | None = None) -> None:
+    def __init__(self, client: RedisClient, schema: Schema | None = None) -> None:
         self._client = client
         self._schema = schema or Schema()
         self._keys = [self._schema.in_flight, self._schema.leases]
@@ -544,9 +545,16 @@ class LeaseKeeper:
     (in a worker thread when the ledger blocks), until :meth:`stop`. A failed renewal is
     logged and tried again at the next turn (the lease outlives two of them)."""
 
-    def __init__(self, reservations: Reservations, *, blocking: bool) -> None:
+    def __init__(
+        self,
+        reservations: Reservations,
+        *,
+        blocking: bool,
+        on_failure: Callable[[], None] = lambda: None,
+    ) -> None:
         self._reservations = reservations
         self._blocking = blocking
+        self._on_failure = on_failure
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -573,4 +581,5 @@ class LeaseKeeper:
                 logger.warning(
                     "renewing the lease of %s failed: %s", self._reservations.holder, exc
                 )
+                self._on_failure()
             await asyncio.sleep(interval_s)
