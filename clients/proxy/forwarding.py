@@ -367,7 +367,8 @@ class StreamedAnswer:
     ``on_done(status, replica)`` is called once, when the last byte is sent, the stream
     breaks or the client goes away. ``first_chunk_timeout_s`` bounds the wait for the body's
     first chunk (a stream's head comes before its first token), ``idle_timeout_s`` each
-    wait after (None: only the deadline does)."""
+    wait after (None: only the deadline does). The request in flight is released then too,
+    or just before the client gets the last byte when the answer is whole."""
 
     def __init__(
         self,
@@ -436,12 +437,17 @@ class StreamedAnswer:
     async def _stream(self, send: Send) -> None:
         """Every chunk as it comes; a stream past the total deadline, idle too long or
         broken upstream ends early (the client sees an incomplete body)."""
+        response = self.opened.response
+        length = response.headers.get("content-length")
+        whole = int(length) if length is not None and length.isdigit() else None
         idle_s, loop = self.idle_timeout_s, asyncio.get_running_loop()
         idle = asyncio.timeout(self.first_chunk_timeout_s)
         try:
             async with asyncio.timeout_at(self.deadline), idle:
-                async for chunk in self.opened.response.aiter_raw():
+                async for chunk in response.aiter_raw():
                     idle.reschedule(None)  # a slow client is not an idle replica
+                    if whole is not None and response.num_bytes_downloaded >= whole:
+                        await self._done()  # the client has it all with this chunk
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     idle.reschedule(None if idle_s is None else loop.time() + idle_s)
         except (TimeoutError, httpx.HTTPError) as exc:
@@ -449,8 +455,15 @@ class StreamedAnswer:
             why = "no chunk within the idle timeout" if idle.expired() else why
             logger.warning("answer from %s ended early: %s", self.opened.upstream.replica, why)
             return  # the head is sent: all that is left to say is that the body ends here
+        await self._done()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _done(self) -> None:
+        """The replica has sent its last byte: no longer in flight, released before the
+        client sees the end (a client that asks again at once is never counted twice)."""
         self._reason = "done"
+        if self.opened.dispatch is not None:
+            await self.opened.dispatch.release("done")
 
 
 async def _unless_gone(opening: Coroutine[Any, Any, Opened], receive: Receive) -> Opened:

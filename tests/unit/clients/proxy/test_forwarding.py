@@ -372,16 +372,24 @@ async def _ignored(message: Message) -> None:
     return None
 
 
-def test_a_request_is_in_flight_from_dispatch_to_its_last_byte() -> None:
+@pytest.mark.parametrize("whole", [False, True], ids=["stream", "content-length"])
+def test_a_request_is_in_flight_from_dispatch_to_its_last_byte(whole: bool) -> None:
     seen: dict[str, InFlight] = {}
+    at_send: list[tuple[bytes, dict[str, InFlight]]] = []
     desk: Desk
 
     async def body() -> AsyncIterator[bytes]:
-        yield b"answer"
+        yield b"ans"
+        yield b"wer"
 
     async def handle(request: httpx.Request) -> httpx.Response:
         seen.update(desk.in_flight())  # reserved before it is sent
-        return httpx.Response(200, content=body())
+        headers = {"content-length": "6"} if whole else {}
+        return httpx.Response(200, headers=headers, content=body())
+
+    async def send(message: Message) -> None:
+        if message["type"] == "http.response.body":
+            at_send.append((message["body"], desk.in_flight()))
 
     desk = Desk(handle)
 
@@ -389,11 +397,15 @@ def test_a_request_is_in_flight_from_dispatch_to_its_last_byte() -> None:
         deadline = desk.forwarder.deadline()
         opened = await desk.forwarder.open(PATH, b"{}", [], TOKENED, deadline)
         assert desk.in_flight() == {"r1": InFlight(1, 100)} and desk.gauge("r1") == 1
-        await StreamedAnswer(opened, "rid", deadline, lambda *a: None)({}, _stays, _ignored)
+        await StreamedAnswer(opened, "rid", deadline, lambda *a: None)({}, _stays, send)
         await desk.forwarder.close()
 
     asyncio.run(run())
     assert seen == {"r1": InFlight(1, 100)}
+    # in flight until the replica's last byte; released before the client sees the end
+    assert at_send[0] == (b"ans", {"r1": InFlight(1, 100)})
+    assert at_send[1] == (b"wer", {} if whole else {"r1": InFlight(1, 100)})
+    assert at_send[-1] == (b"", {})
     assert desk.in_flight() == {} and desk.gauge("r1") == 0
     assert desk.released("done") == 1 and desk.reservations.num_held() == 0
 
