@@ -192,3 +192,24 @@ def test_holders_on_separate_connections_see_each_other(
     finally:
         for store in stores:
             store.close()
+
+
+@pytest.mark.parametrize("backend", ["fakeredis", "redis"], indirect=True)
+def test_a_read_after_redis_forgot_its_scripts_loads_them_again(backend: Backend) -> None:
+    """SCRIPT FLUSH (or a restarted Redis): the read rides in the load store's pipeline as
+    EVALSHA, so its NOSCRIPT is answered by one read that loads the script."""
+    assert isinstance(backend.store, RedisLoadStore)
+    proxy = backend.holder("p1")
+    proxy.reserve("r1", 5)
+    backend.store.client.script_flush()
+    assert backend.in_flight("r1") == {"r1": InFlight(1, 5)}
+    backend.store.client.script_flush()
+    assert proxy.release(proxy.reserve("r1", 1)) is True  # writes load theirs too
+    assert backend.in_flight("r1") == {"r1": InFlight(1, 5)}
+
+
+@pytest.mark.parametrize("backend", ["fakeredis", "redis"], indirect=True)
+def test_an_unreadable_total_reads_as_nothing_in_flight(backend: Backend) -> None:
+    assert isinstance(backend.store, RedisLoadStore)
+    backend.store.client.hset(Schema("test").in_flight, mapping={"r1": "many", "r2": "2"})
+    assert backend.in_flight("r1", "r2") == {"r2": InFlight(2, 0)}
