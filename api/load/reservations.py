@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 import redis
+from redis.cluster import RedisCluster
+from redis.crc import key_slot
 
 from kvindex.api.load.model import InFlight
 from kvindex.indexer.circuit import StoreCircuit
@@ -316,6 +318,8 @@ class RedisLedger:
         self._client = client
         self._schema = schema or Schema()
         self._keys = [self._schema.in_flight, self._schema.leases]
+        self._slot = key_slot(self._keys[0].encode())
+        """The cluster slot of every in-flight key (one hash tag)."""
         self._reserve = client.register_script(_RESERVE_LUA)
         self._release = client.register_script(_RELEASE_LUA)
         self._renew = client.register_script(_RENEW_LUA)
@@ -357,9 +361,15 @@ class RedisLedger:
 
     def queue_read(self, pipe: Any, replicas: Sequence[str]) -> None:
         """Queue the read of :meth:`in_flight` in ``pipe`` (the replicas given once each);
-        its reply goes to :meth:`read_reply`."""
+        its reply goes to :meth:`read_reply`. A raw EVALSHA: redis-py's cluster pipeline
+        refuses ``evalsha``, and on a cluster it names the master of the ``{inflight}``
+        slot (else redis-py would ask a node for the command's keys first)."""
         fields = _fields(replicas)
-        pipe.evalsha(self._read.sha, 2, *self._keys, *fields)
+        route: dict[str, Any] = {}
+        if isinstance(self._client, RedisCluster):
+            node = self._client.nodes_manager.get_node_from_slot(self._slot)
+            route = {"target_nodes": node}
+        pipe.execute_command("EVALSHA", self._read.sha, 2, *self._keys, *fields, **route)
 
     def read_reply(self, reply: Any, replicas: Sequence[str]) -> dict[str, InFlight]:
         """The totals from a reply of :meth:`queue_read`: read again when the script was

@@ -1,6 +1,7 @@
 """The reservation contract (:mod:`kvindex.api.load.reservations`), run on every backend:
-``memory`` (:class:`MemoryLedger`, on a clock the test moves), ``fakeredis`` and ``redis``
-(:class:`RedisLedger`, on the server's clock: the test waits the lease out). Every ledger is
+``memory`` (:class:`MemoryLedger`, on a clock the test moves), ``fakeredis``, ``redis`` and
+``cluster`` (:class:`RedisLedger`, on the server's clock: the test waits the lease out; on
+the cluster the load store's pipeline spans two slots, each script stays on one). Every ledger is
 the one its load store owns, read the way ``/score`` reads it (``LoadStore.get_counted``).
 """
 
@@ -10,7 +11,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import fakeredis
 import pytest
 import redis
 
@@ -18,9 +18,9 @@ from kvindex.api.load.model import NO_IN_FLIGHT, CountedLoad, InFlight, Load
 from kvindex.api.load.reservations import MemoryLedger, Reservations
 from kvindex.api.load.store import LoadStore, MemoryLoadStore, RedisLoadStore
 from kvindex.indexer.redis_schema import Schema
+from tests.contract.conftest import BACKENDS, REDIS_BACKENDS, redis_store_client
 from tests.support.redis_server import RedisServer
 
-BACKENDS = ("memory", "fakeredis", "redis")
 TTL_S = 0.3
 
 
@@ -63,11 +63,8 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
     if name == "memory":
         clock = FakeClock()
         store = MemoryLoadStore(MemoryLedger(clock))
-    elif name == "fakeredis":
-        store = RedisLoadStore(fakeredis.FakeRedis(), Schema("test"))
     else:
-        client: redis.Redis = request.getfixturevalue("redis_client")  # flushed per test
-        store = RedisLoadStore(client, Schema("test"))
+        store = RedisLoadStore(redis_store_client(name, request), Schema("test"))
     yield Backend(store, clock)
     store.close()
 
@@ -194,7 +191,7 @@ def test_holders_on_separate_connections_see_each_other(
             store.close()
 
 
-@pytest.mark.parametrize("backend", ["fakeredis", "redis"], indirect=True)
+@pytest.mark.parametrize("backend", REDIS_BACKENDS, indirect=True)
 def test_a_read_after_redis_forgot_its_scripts_loads_them_again(backend: Backend) -> None:
     """SCRIPT FLUSH (or a restarted Redis): the read rides in the load store's pipeline as
     EVALSHA, so its NOSCRIPT is answered by one read that loads the script."""
@@ -208,7 +205,7 @@ def test_a_read_after_redis_forgot_its_scripts_loads_them_again(backend: Backend
     assert backend.in_flight("r1") == {"r1": InFlight(1, 5)}
 
 
-@pytest.mark.parametrize("backend", ["fakeredis", "redis"], indirect=True)
+@pytest.mark.parametrize("backend", REDIS_BACKENDS, indirect=True)
 def test_an_unreadable_total_reads_as_nothing_in_flight(backend: Backend) -> None:
     assert isinstance(backend.store, RedisLoadStore)
     backend.store.client.hset(Schema("test").in_flight, mapping={"r1": "many", "r2": "2"})
