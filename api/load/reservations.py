@@ -25,10 +25,12 @@ Guarantees, on both ledgers:
 * **Releases** count once: releasing twice, or after the lease lapsed, changes nothing
   (and says so: ``False``).
 * **Races**: a reservation counts in every read that starts after :meth:`Reservations.reserve`
-  returns. Reading and reserving are two steps, not one ("select-and-reserve" in one
-  script would need the scorer inside Redis): two proxies that choose at the same instant
-  (inside one store round trip of each other) may each miss the other's request. At
-  most those requests are missed, for one decision each; none is counted twice or lost.
+  returns. On the memory ledger the proxy reserves its choice before anything else runs on
+  its event loop, so the scorer's read, its choice and the reservation are one step. On
+  Redis they are two ("select-and-reserve" in one script would need the scorer inside
+  Redis): two choices made at the same instant (inside one store round trip of each other,
+  in one proxy or two) may each miss the other's request. At most those requests are
+  missed, for one decision each; none is counted twice or lost.
 """
 
 from __future__ import annotations

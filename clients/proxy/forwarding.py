@@ -254,26 +254,36 @@ class Forwarder:
         ``path`` (with its query, if any) is appended to each replica's URL; ``route``
         labels the retries (default: ``path``). With ``receive`` (the request's, its body
         read), a client that goes away first ends the attempt in progress (its connection
-        closed) and raises :class:`ClientGoneError`."""
+        closed) and raises :class:`ClientGoneError`.
+
+        The first attempt is reserved before anything else can run on the loop: with an
+        in-process store, the scorer's read, its choice and this reservation are one step
+        (a request chosen next sees it)."""
+        attempts = self._retry.attempts(upstreams)
+        first = await self._desk.reserve(attempts[0]) if attempts else None
         opening = self._attempts(
-            path, body, headers, upstreams, deadline, method=method, route=route
+            path, body, headers, attempts, deadline, method=method, route=route, first=first
         )
-        if receive is None:
-            return await opening
-        return await _unless_gone(opening, receive)
+        try:
+            return await (opening if receive is None else _unless_gone(opening, receive))
+        except BaseException as exc:
+            if first is not None:  # an attempt cancelled before it ran holds it still
+                gone = isinstance(exc, ClientGoneError | asyncio.CancelledError)
+                await first.release("disconnect" if gone else "error")
+            raise
 
     async def _attempts(
         self,
         path: str,
         body: bytes,
         headers: list[tuple[str, str]],
-        upstreams: Sequence[Upstream],
+        attempts: Sequence[Upstream],
         deadline: float,
         *,
         method: str,
         route: str | None,
+        first: Dispatch | None,
     ) -> Opened:
-        attempts = self._retry.attempts(upstreams)
         failures: list[str] = []
         for number, upstream in enumerate(attempts, start=1):
             if number > 1:
@@ -284,7 +294,8 @@ class Forwarder:
             request = client.build_request(
                 method, upstream.url.rstrip("/") + path, content=body, headers=sent
             )
-            dispatch = await self._desk.reserve(upstream)
+            reserved = first if number == 1 else None
+            dispatch = reserved or await self._desk.reserve(upstream)
             response = await self._sent(
                 client, request, upstream, deadline, failures, dispatch=dispatch
             )

@@ -520,3 +520,40 @@ def test_closing_the_desk_releases_what_is_still_reserved() -> None:
 
     asyncio.run(run())
     assert desk.in_flight() == {} and desk.released("shutdown") == 1
+
+
+def test_the_first_attempt_is_reserved_before_the_loop_runs_anything_else() -> None:
+    """With an in-process store, a request chosen right after this one sees it in flight."""
+    desk = Desk(Fleet().handle)
+
+    async def run() -> None:
+        deadline = desk.forwarder.deadline()
+        opening = asyncio.ensure_future(
+            desk.forwarder.open(PATH, b"{}", [], TOKENED, deadline, receive=_stays)
+        )
+        await asyncio.sleep(0)  # one step of the open: up to its first wait
+        assert desk.in_flight() == {"r1": InFlight(1, 100)}
+        opened = await opening
+        assert opened.dispatch is not None
+        await opened.dispatch.release("done")
+        await desk.forwarder.close()
+
+    asyncio.run(run())
+    assert desk.in_flight() == {} and desk.released("done") == 1
+
+
+def test_a_client_gone_at_once_leaves_nothing_reserved() -> None:
+    desk = Desk(Fleet(r1="slow").handle)
+
+    async def gone() -> Message:
+        return {"type": "http.disconnect"}
+
+    async def run() -> None:
+        deadline = desk.forwarder.deadline()
+        with pytest.raises(ClientGoneError):
+            await desk.forwarder.open(PATH, b"{}", [], TOKENED, deadline, receive=gone)
+        await desk.forwarder.close()
+
+    asyncio.run(run())
+    assert desk.in_flight() == {} and desk.released("disconnect") == 1
+    assert desk.gauge("r1") == 0
