@@ -1,6 +1,7 @@
 """Requests in flight, reserved by real ``kvindex proxy`` processes in one real Redis (which
 one indexer fills from three ``kvindex replica-sim``s): released when a client goes away,
-counted by every proxy, and freed after the lease TTL when a proxy is killed (SIGKILL).
+counted by every proxy, and freed after the lease TTL when a proxy is killed (SIGKILL);
+and one proxy alone on the memory store, whose simultaneous choices see each other.
 
 The proxies scrape no load (``[api] scrape_interval_s = 0``), so the requests in flight
 their peers reserved are the only load they can see: a replica chosen for being idle was
@@ -30,6 +31,7 @@ from tests.support.redis_server import RedisServer, free_port
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.redis_server]
 LEASE_TTL_S = 2.0
+REPLICAS = ("r1", "r2", "r3")
 SLOW_TOKENS = 150
 """Output tokens of a slow request: 7.5 s at the replica-sims' 20 tokens/s."""
 
@@ -61,13 +63,19 @@ class Fleet:
 
     def metric(self, number: int, name: str, **labels: str) -> float:
         """A sample of proxy ``number``'s /metrics (0 when absent)."""
-        text = httpx.get(self.url(number, "/metrics"), trust_env=False, timeout=10).text
-        wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-        head = f"{name}{{{wanted}}} " if labels else f"{name} "
-        for line in text.splitlines():
-            if line.startswith(head):
-                return float(line.split()[-1])
-        return 0.0
+        return _metric(self.ports[number], name, **labels)
+
+
+def _metric(port: int, name: str, **labels: str) -> float:
+    """A sample of the /metrics on ``port`` (0 when absent)."""
+    url = f"http://127.0.0.1:{port}/metrics"
+    text = httpx.get(url, trust_env=False, timeout=10).text
+    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    head = f"{name}{{{wanted}}} " if labels else f"{name} "
+    for line in text.splitlines():
+        if line.startswith(head):
+            return float(line.split()[-1])
+    return 0.0
 
 
 @pytest.fixture
@@ -191,3 +199,34 @@ def test_a_killed_proxy_leaks_nothing_past_its_lease(fleet: Fleet) -> None:
     finally:
         for client in clients:
             client.close()
+
+
+def test_one_proxy_on_the_memory_store_spreads_simultaneous_requests(tmp_path: Path) -> None:
+    """Alone on the memory store, reading, choosing and reserving are one step: three
+    requests sent at once (their prompts cached nowhere, no load scraped) go to three
+    replicas, each choice seeing the ones before it."""
+    config = tmp_path / "kvindex.toml"
+    config.write_text("[api]\nscrape_interval_s = 0\n")
+    with ExitStack() as stack:
+        sims = [_slow_sim(rid, tmp_path) for rid in ("r1", "r2", "r3")]
+        for sim in sims:
+            stack.callback(sim.child.stop)
+            sim.child.spawn()
+        for sim in sims:
+            sim.child.wait_ready(40)
+        port = free_port()
+        args = ["proxy", "--config", str(config), "--port", str(port)]
+        for sim in sims:
+            args += ["--replica", sim.spec]
+        proxy = kvindex_child("proxy", args, tmp_path / "proxy.log", http_ok(port, "/readyz"))
+        stack.callback(proxy.stop)
+        proxy.start(40)
+        clients = [SlowClient(port, topic) for topic in ("gull", "tern", "skua")]
+        for client in clients:
+            stack.callback(client.close)
+
+        def in_flight() -> list[float]:
+            return [_metric(port, "kvindex_proxy_in_flight", replica=r) for r in REPLICAS]
+
+        _until(lambda: sum(in_flight()) == 3, 20)
+        assert in_flight() == [1.0, 1.0, 1.0]
