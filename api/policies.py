@@ -8,8 +8,9 @@ overridable per request), and every score is explained term by term.
 ``kv_aware`` (the default)::
 
     cache = w.cache · Σ tier_credit(tier of matched block) / num_blocks · freshness_factor
-    load  = (w.waiting · waiting + w.running · running + w.kv_usage · kv_usage) · recency
-            + w.routed · routed
+    queue = max((w.waiting · waiting + w.running · running) · recency + w.routed · routed,
+                w.in_flight · in_flight)
+    load  = queue + w.kv_usage · kv_usage · recency + w.in_flight_tokens · in_flight_tokens
     score = cache - load
 
 ``tier_credit`` is ``w.gpu`` / ``w.cpu`` / ``w.other``; ``freshness_factor`` is 1 for a live
@@ -18,8 +19,16 @@ stream, ``w.replaying_factor`` while it replays and ``w.stale_factor`` when stal
 weighs nothing; ``routed`` counts the answers (of every API process sharing the load store)
 that chose the replica since its load was stored, which the report cannot show yet
 (without it, every request between two load reports herds onto the replica that looked
-idle at the first). Ties go to the lower load, then to chance. With ``w.temperature > 0``
-the winner is drawn from a softmax over scores instead of taken as the maximum.
+idle at the first). ``in_flight`` and ``in_flight_tokens`` are the requests in flight to the
+replica and their uncached prompt tokens, as every proxy sharing the load store reserved
+them (first-hand and current, but blind to traffic that bypasses the proxies). The report
+plus the answers since and the requests in flight are two estimates of one queue: the
+report's is second-hand and as old as the last scrape, the proxies' misses other traffic,
+so ``queue`` takes the larger rather than their sum (which would count each proxied request
+twice once the replica reports it). The uncached tokens in flight are the prefill work sent
+to the replica, which no report shows: they add. Ties go to the lower load, then to chance.
+With ``w.temperature > 0`` the winner is drawn from a softmax over scores instead of taken
+as the maximum.
 """
 
 from __future__ import annotations
@@ -76,6 +85,12 @@ class Weights:
     every API process sharing the load store (load the report cannot show yet: without it,
     every request between two load reports goes to the replica that looked idle at the
     first)."""
+    in_flight: float = 0.02
+    """Penalty per request in flight to the replica (reserved by the proxies sharing the
+    load store); the queue term is the larger of this and the report's (see the module)."""
+    in_flight_tokens: float = 0.00005
+    """Penalty per uncached prompt token of the requests in flight (prefill work sent to
+    the replica: 20 000 tokens cost as much as a whole prompt cached is worth)."""
     stale_factor: float = 0.5
     """Cache credit multiplier for a replica whose stream is stale."""
     replaying_factor: float = 0.8
@@ -140,6 +155,10 @@ class Candidate(msgspec.Struct, frozen=True):
     """Best tier of each matched leading block (its longest prefix over all ranks)."""
     freshness: Freshness
     load: LoadInput | None
+    in_flight: float = 0.0
+    """Requests in flight to it (reserved by proxies; see ``Weights.in_flight``)."""
+    in_flight_tokens: float = 0.0
+    """Their uncached prompt tokens (see ``Weights.in_flight_tokens``)."""
 
 
 class Scored(msgspec.Struct, frozen=True):
@@ -154,16 +173,33 @@ class Decision(msgspec.Struct, frozen=True):
     """Best first."""
 
 
-def load_penalty(load: LoadInput | None, w: Weights) -> tuple[float, float]:
-    """(penalty, recency) of a replica's load; unknown load costs nothing."""
+def load_penalty(
+    load: LoadInput | None, w: Weights, in_flight: float = 0.0, in_flight_tokens: float = 0.0
+) -> tuple[float, float]:
+    """(penalty, recency) of a replica's load and requests in flight (the module's ``load``);
+    an unknown load costs nothing but the requests in flight (its recency is 0)."""
+    first_hand = w.in_flight * in_flight
+    prefill = w.in_flight_tokens * in_flight_tokens
     if load is None:
-        return 0.0, 0.0
+        return first_hand + prefill, 0.0
     half_life, age = w.load_half_life_s, load.age_s
     # ``0.0 if age < 0.0 else age`` is ``max(age, 0.0)`` without the call (hot: per candidate).
     recency = 0.5 ** ((0.0 if age < 0.0 else age) / half_life) if half_life else 1.0
-    raw = w.waiting * load.waiting + w.running * load.running + w.kv_usage * load.kv_usage
     # Requests routed since the measurement are recent whatever the load's age: no decay.
-    return raw * recency + w.routed * load.routed, recency
+    queue = (w.waiting * load.waiting + w.running * load.running) * recency
+    queue += w.routed * load.routed
+    queue = queue if queue > first_hand else first_hand  # max() without the call
+    return queue + w.kv_usage * load.kv_usage * recency + prefill, recency
+
+
+def candidate_penalty(c: Candidate, w: Weights) -> tuple[float, float]:
+    """:func:`load_penalty` of a candidate's load and requests in flight."""
+    return load_penalty(c.load, w, c.in_flight, c.in_flight_tokens)
+
+
+def _in_flight_terms(c: Candidate, w: Weights) -> tuple[float, float]:
+    """The in-flight parts of the penalty, as (negative) terms of the answer."""
+    return 0.0 - w.in_flight * c.in_flight, 0.0 - w.in_flight_tokens * c.in_flight_tokens
 
 
 def cache_credit(c: Candidate, num_blocks: int, w: Weights) -> tuple[float, float]:
@@ -199,8 +235,16 @@ def kv_aware(cands: Sequence[Candidate], num_blocks: int, w: Weights) -> list[Sc
     append = out.append
     for c in cands:
         cache, factor = cache_credit(c, num_blocks, w)
-        load, recency = load_penalty(c.load, w)
-        terms = {"cache": cache, "freshness_factor": factor, "load": -load, "load_recency": recency}
+        load, recency = candidate_penalty(c, w)
+        in_flight, tokens = _in_flight_terms(c, w)
+        terms = {
+            "cache": cache,
+            "freshness_factor": factor,
+            "load": -load,
+            "load_recency": recency,
+            "in_flight": in_flight,
+            "in_flight_tokens": tokens,
+        }
         append(Scored(c.replica, cache - load, terms))
     return out
 
@@ -208,8 +252,15 @@ def kv_aware(cands: Sequence[Candidate], num_blocks: int, w: Weights) -> list[Sc
 def least_load(cands: Sequence[Candidate], w: Weights) -> list[Scored]:
     out = []
     for c in cands:
-        load, recency = load_penalty(c.load, w)
-        out.append(Scored(c.replica, -load, {"load": -load, "load_recency": recency}))
+        load, recency = candidate_penalty(c, w)
+        in_flight, tokens = _in_flight_terms(c, w)
+        terms = {
+            "load": -load,
+            "load_recency": recency,
+            "in_flight": in_flight,
+            "in_flight_tokens": tokens,
+        }
+        out.append(Scored(c.replica, -load, terms))
     return out
 
 
@@ -256,7 +307,7 @@ def rank(
     tiebreak = {s.replica: rng.random() for s in scored}
     key: Callable[[Scored], Any] = _minus_score
     if len({s.score for s in scored}) != len(scored):  # a tie: lower load, then chance
-        key = _tie_key({c.replica: load_penalty(c.load, w)[0] for c in cands}, tiebreak)
+        key = _tie_key({c.replica: candidate_penalty(c, w)[0] for c in cands}, tiebreak)
     if w.temperature > 0 and len(scored) > 1:  # the draw weighs every one, in order
         ordered = sorted(scored, key=key)
         best = _softmax_pick(ordered, w.temperature, rng)

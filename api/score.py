@@ -12,7 +12,8 @@ The read path, step by step (the README's diagram numbers them the same way):
    length, tools) chooses its policy and weights, unless the request chose them;
 4. longest cached prefix per (replica, rank) from the index — if the store is
    unreachable, the answer is made from load alone and says ``degraded``;
-5. load per replica (pushed or scraped), with its age;
+5. load per replica (pushed or scraped), with its age, and the requests in flight to it
+   that proxies reserved (``LoadStore.get_counted`` reads both);
 6. the policy scores every candidate and keeps the best ``top_k``
    (:func:`kvindex.api.policies.decide`); only those become entries, every term reported,
    the rest counted (``num_candidates``, ``num_matched``).
@@ -165,7 +166,8 @@ class Scorer:
     def _note_routed(self, best: str | None, loads: dict[str, CountedLoad]) -> None:
         """Count an answer toward its replica's load (in the store, with the next read:
         every API process sharing the store sees it, and it costs no round trip)."""
-        if best is not None and best in loads:
+        counted = loads.get(best) if best is not None else None
+        if best is not None and counted is not None and counted.load is not None:
             self._answers.append(best)
 
     def known_models(self) -> list[str]:
@@ -408,8 +410,9 @@ class Scorer:
             last = self._last_loads
             return {r: CountedLoad(last[r], 0) for r in replicas if r in last}
         remembered = self._last_loads
-        for replica, (load, _) in loads.items():
-            if remembered.get(replica) is not load:  # the in-process store returns the same
+        for replica, counted in loads.items():
+            load = counted.load
+            if load is not None and remembered.get(replica) is not load:  # in-process: same
                 self.note_load(replica, load)
         return loads
 
@@ -465,14 +468,17 @@ class _Seen:
         """The replica as the policy sees it (per candidate per request: kept lean)."""
         statuses = self.statuses.get(replica, ())
         state = statuses[0].freshness if len(statuses) == 1 else _freshness(statuses)
-        load_input = None
+        tiers = self.lookup.matches.get(replica, NO_MATCH).tiers
         counted = self.loads.get(replica)
-        if counted is not None:
-            load, routed = counted
+        if counted is None:
+            return Candidate(replica, tiers, state, None)
+        load, routed, in_flight = counted
+        load_input = None
+        if load is not None:
             age = max(0.0, self.now - load.ts)  # Load.age_s, inlined
             load_input = LoadInput(load.running, load.waiting, load.kv_usage, age, routed)
-        tiers = self.lookup.matches.get(replica, NO_MATCH).tiers
-        return Candidate(replica, tiers, state, load_input)
+        num_requests, num_tokens = in_flight
+        return Candidate(replica, tiers, state, load_input, num_requests, num_tokens)
 
     def entry(self, scored: Scored, block_size: int) -> ScoreEntry:
         """The explained entry of a ranked candidate."""
@@ -480,8 +486,9 @@ class _Seen:
         match = self.lookup.matches.get(replica, NO_MATCH)
         load_view = None
         counted = self.loads.get(replica)
-        if counted is not None:
-            load, routed = counted
+        load = counted.load if counted is not None else None
+        if counted is not None and load is not None:
+            routed = counted.routed
             age = max(0.0, self.now - load.ts)
             numbers = (load.running, load.waiting, load.kv_usage)
             load_view = LoadView(*numbers, age, load.source, routed)

@@ -16,6 +16,14 @@ Layout (``<p>`` = configurable prefix, ``<v>`` = :data:`SCHEMA_VERSION`)::
                                           answers (of every API process) chose it since
     <p>:<v>:scrape:<replica id>     STRING set (NX, expiring within a scrape interval) by the
                                           API process that scrapes the replica this round
+    <p>:<v>:{inflight}:totals       HASH  replica id → requests in flight to it (reserved by
+                                          proxies, every live lease); "<replica id>/tokens"
+                                          → their uncached prompt tokens
+    <p>:<v>:{inflight}:leases       ZSET  holder (one proxy process) → when its lease lapses
+                                          (ms, Redis server clock), renewed while it lives
+    <p>:<v>:{inflight}:lease:<holder> HASH reservation id → "<replica id> <tokens>": what the
+                                          holder reserved, taken off the totals when it
+                                          releases or its lease lapses
     <p>:<v>:{fleet}:replicas        HASH  replica id → its ReplicaSpec (JSON): the fleet, written
                                           by the indexer (declared, bind-mode) and the API
                                           (POST/DELETE /replicas); ``kvindex.indexer.fleet.sync``;
@@ -31,6 +39,9 @@ Why 6-byte fields: Redis allocates a short string in 8- or 16-byte size classes,
 and stream. A false match then needs two blocks of one stream whose keys share their low 48
 bits (probability ~ n / 2⁴⁸ per lookup: 4·10⁻⁹ at a million blocks). The engine-hash map keeps
 whole 8-byte keys, because chaining a child block needs its parent's full key.
+
+The in-flight keys share the hash tag ``{inflight}``: a reservation, a release and a lapsed
+lease's removal are each one single-slot script.
 
 The two fleet hashes share the hash tag ``{fleet}``: removing a replica drops its spec and
 its streams' statuses in one script.
@@ -112,6 +123,21 @@ class Schema:
         return f"{self.root}:scrape:{replica}"
 
     @property
+    def in_flight(self) -> str:
+        """The HASH replica id → requests in flight (and ``tokens_field`` → their tokens)."""
+        return f"{self.root}:{{inflight}}:totals"
+
+    @property
+    def leases(self) -> str:
+        """The ZSET holder → when its lease lapses (ms since the epoch, Redis' clock)."""
+        return f"{self.root}:{{inflight}}:leases"
+
+    def lease(self, holder: str) -> str:
+        """The HASH reservation id → "<replica> <tokens>" of one holder's lease."""
+        check_name("lease holder", holder)
+        return f"{self.root}:{{inflight}}:lease:{holder}"
+
+    @property
     def replicas(self) -> str:
         """The HASH replica id → :class:`~kvindex.indexer.fleet.replica.ReplicaSpec` as JSON."""
         return f"{self.root}:{{fleet}}:replicas"
@@ -130,6 +156,12 @@ def answers_field(replica: str) -> str:
     """The field of the load HASH counting answers that chose ``replica`` (``/`` is never in
     a replica id, so it cannot clash with a replica's own field)."""
     return f"{replica}/answers"
+
+
+def tokens_field(replica: str) -> str:
+    """The field of the in-flight HASH holding the tokens of the requests in flight to
+    ``replica`` (beside its own field, their number)."""
+    return f"{replica}/tokens"
 
 
 FLEET_MARKER = "#fleet"

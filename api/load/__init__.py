@@ -19,13 +19,21 @@ load was stored (``LoadStore.get_counted``). In Redis every API process sharing 
 counts into the same counter, so answers from all of them weigh as load until the replica
 reports again.
 
+Stores also hold the *requests in flight* that ``kvindex proxy`` processes reserve
+(:mod:`~kvindex.api.load.reservations`: each request and its uncached prompt tokens, on its
+replica, from dispatch to the last byte, under a lease per proxy that lapses when the proxy
+dies). ``get_counted`` reads their totals with the loads, so ``/score`` and every proxy on
+one Redis count the same requests.
+
 Modules, in the order data flows through them:
 
-* :mod:`~kvindex.api.load.model`: ``Load`` (always valid), ``CountedLoad``, ``LoadError``
-  and the store rule :func:`~kvindex.api.load.model.is_newer_or_same`;
+* :mod:`~kvindex.api.load.model`: ``Load`` (always valid), ``CountedLoad``, ``InFlight``,
+  ``LoadError`` and the store rule :func:`~kvindex.api.load.model.is_newer_or_same`;
 * :mod:`~kvindex.api.load.vllm_metrics`: a ``Load`` from a vLLM ``/metrics`` exposition;
 * :mod:`~kvindex.api.load.scraper`: ``MetricsScraper``, which scrapes every replica into a
   store;
+* :mod:`~kvindex.api.load.reservations`: the in-flight ``Ledger`` (in-process and Redis),
+  ``Reservations`` (one proxy's, under its lease) and the ``LeaseKeeper`` that renews it;
 * :mod:`~kvindex.api.load.store`: the ``LoadStore`` Protocol, its in-process and Redis
-  implementations.
+  implementations (each owns a ledger).
 """

@@ -86,8 +86,23 @@ def is_newer_or_same(new: Load, old: Load | None) -> bool:
     return old is None or new.ts >= old.ts
 
 
-class CountedLoad(NamedTuple):
-    """A replica's stored load and the answers that chose it since it was stored."""
+class InFlight(NamedTuple):
+    """Requests in flight to one replica, as the proxies that sent them reserved them
+    (:mod:`~kvindex.api.load.reservations`), summed over every live lease."""
 
-    load: Load
+    num_requests: int
+    num_tokens: int
+    """Their uncached prompt tokens: each request's prompt minus what the replica had
+    cached when it was chosen (the prefill work sent to it)."""
+
+
+NO_IN_FLIGHT = InFlight(0, 0)
+
+
+class CountedLoad(NamedTuple):
+    """A replica's stored load (None: none stored yet), the answers that chose it since
+    it was stored, and the requests in flight to it (reserved by proxies)."""
+
+    load: Load | None
     routed: int
+    in_flight: InFlight = NO_IN_FLIGHT

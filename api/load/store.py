@@ -1,8 +1,10 @@
 """Where load is kept: the :class:`LoadStore` Protocol, in-process and in Redis.
 
 Both stores keep the newest load per replica (:func:`~kvindex.api.load.model.is_newer_or_same`)
-and count the answers that chose it since; ``tests/contract/test_load_contract.py`` runs
-one suite against both.
+and count the answers that chose it since; each owns the ledger of the requests in flight
+that proxies reserve in it (:mod:`~kvindex.api.load.reservations`) and reads its totals
+with the loads. ``tests/contract/test_load_contract.py`` and
+``tests/contract/test_reservation_contract.py`` run one suite against both.
 """
 
 from __future__ import annotations
@@ -15,7 +17,14 @@ from typing import Protocol, cast
 import msgspec
 import redis
 
-from kvindex.api.load.model import CountedLoad, Load, LoadError, is_newer_or_same
+from kvindex.api.load.model import (
+    NO_IN_FLIGHT,
+    CountedLoad,
+    Load,
+    LoadError,
+    is_newer_or_same,
+)
+from kvindex.api.load.reservations import CircuitLedger, Ledger, MemoryLedger, RedisLedger
 from kvindex.indexer.circuit import StoreCircuit
 from kvindex.indexer.index.redis import unavailable_on_connection_errors
 from kvindex.indexer.redis_connection import RedisClient
@@ -45,13 +54,21 @@ class LoadStore(Protocol):
         self, replicas: Sequence[str], answers: Sequence[str] = ()
     ) -> dict[str, CountedLoad]:
         """Count ``answers`` (the replica each chose) first, then read each replica's load
-        with the answers counted for it since that load was stored (replicas without a
-        load are absent). A put that stores a newer load starts its replica's count again;
-        one that stores an equal ``ts`` (the same measurement) does not.
+        with the answers counted for it since that load was stored and the requests in
+        flight to it (:attr:`ledger`'s totals, every live lease's); replicas with neither a
+        load nor a request in flight are absent, those with no load have ``load`` None. A
+        put that stores a newer load starts its replica's count again; one that stores an
+        equal ``ts`` (the same measurement) does not.
 
         An answer made on a load that a newer one replaced meanwhile counts toward the newer
         one: at most the answers in flight are over-counted, never lost.
         """
+        ...
+
+    @property
+    def ledger(self) -> Ledger:
+        """The requests in flight that proxies reserved in this store
+        (:mod:`~kvindex.api.load.reservations`); :meth:`get_counted` reads its totals."""
         ...
 
     def claim_scrapes(self, replicas: Sequence[str], hold_s: float) -> set[str]:
@@ -72,11 +89,16 @@ class LoadStore(Protocol):
 class MemoryLoadStore:
     """In-process :class:`LoadStore` (one API process). Thread-safe (one lock)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ledger: MemoryLedger | None = None) -> None:
         self._lock = threading.Lock()
         self._replica_to_load: dict[str, Load] = {}
         self._answers: dict[str, int] = {}
         """Per replica: answers that chose it since its load was stored."""
+        self._ledger = ledger or MemoryLedger()
+
+    @property
+    def ledger(self) -> Ledger:
+        return self._ledger
 
     def put(self, replica: str, load: Load) -> None:
         check_name("replica id", replica)
@@ -94,12 +116,17 @@ class MemoryLoadStore:
     def get_counted(
         self, replicas: Sequence[str], answers: Sequence[str] = ()
     ) -> dict[str, CountedLoad]:
+        in_flight = self._ledger.in_flight(replicas)
         with self._lock:
             counts = self._answers
             for replica in answers:
                 counts[replica] = counts.get(replica, 0) + 1
             loads = self._replica_to_load
-            return {r: CountedLoad(loads[r], counts.get(r, 0)) for r in replicas if r in loads}
+            return {
+                r: CountedLoad(loads.get(r), counts.get(r, 0), in_flight.get(r, NO_IN_FLIGHT))
+                for r in replicas
+                if r in loads or r in in_flight
+            }
 
     def claim_scrapes(self, replicas: Sequence[str], hold_s: float) -> set[str]:
         return set(replicas)
@@ -145,9 +172,11 @@ class RedisLoadStore:
 
     A put is one Lua script (compare ``ts``, then set: atomic across API processes); a
     ``get_many`` is one HMGET; a ``get_counted`` is one round trip (an HINCRBY per answer,
-    then an HMGET). A replica's answers are its field ``<replica>/answers`` of the same
-    HASH (no replica id contains ``/``), so every call touches one key; the put script
-    deletes that field when it stores a newer load. Every method raises
+    then an HMGET, then the script reading the in-flight totals of its
+    :class:`RedisLedger`, whose keys are apart: ``{inflight}``). A replica's answers are
+    its field ``<replica>/answers`` of the same HASH (no replica id contains ``/``), so
+    every other call touches one key; the put script deletes that field when it stores a
+    newer load. Every method raises
     :class:`IndexUnavailableError` when Redis cannot be reached. A stored value that
     cannot be decoded reads as absent (logged). Scrape claims are short-lived keys
     (``Schema.scrape_claim``, SET NX PX).
@@ -158,6 +187,11 @@ class RedisLoadStore:
         self._schema = schema or Schema()
         self._key = self._schema.load
         self._put = client.register_script(_PUT_IF_NEWER_LUA)
+        self._ledger = RedisLedger(client, self._schema)
+
+    @property
+    def ledger(self) -> Ledger:
+        return self._ledger
 
     @property
     def client(self) -> RedisClient:
@@ -194,18 +228,23 @@ class RedisLoadStore:
                 pipe.hincrby(self._key, answers_field(replica), 1)
             if fields:
                 pipe.hmget(self._key, fields)
+                self._ledger.queue_read(pipe, wanted)
             # An unreadable count (not an integer) fails its HINCRBY alone; it reads as 0
             # until the replica's next load replaces it.
             replies = pipe.execute(raise_on_error=False) if answers or fields else []
-        if fields and isinstance(replies[-1], redis.RedisError):
-            raise replies[-1]
-        values = cast("list[bytes | None]", replies[-1]) if fields else []
+        if not fields:
+            return {}
+        if isinstance(replies[-2], redis.RedisError):
+            raise replies[-2]
+        in_flight = self._ledger.read_reply(replies[-1], wanted)
+        values = cast("list[bytes | None]", replies[-2])
         out: dict[str, CountedLoad] = {}
         for i, replica in enumerate(wanted):
             value, count = values[2 * i], values[2 * i + 1]
             load = None if value is None else _decode(replica, value)
-            if load is not None:
-                out[replica] = CountedLoad(load, _parse_count(count))
+            flying = in_flight.get(replica, NO_IN_FLIGHT)
+            if load is not None or flying.num_requests:
+                out[replica] = CountedLoad(load, _parse_count(count), flying)
         return out
 
     def claim_scrapes(self, replicas: Sequence[str], hold_s: float) -> set[str]:
@@ -235,6 +274,11 @@ class CircuitLoadStore:
     def __init__(self, inner: LoadStore, circuit: StoreCircuit) -> None:
         self._inner = inner
         self._circuit = circuit
+        self._ledger = CircuitLedger(inner.ledger, circuit)
+
+    @property
+    def ledger(self) -> Ledger:
+        return self._ledger
 
     def put(self, replica: str, load: Load) -> None:
         self._circuit.call(self._inner.put, replica, load)

@@ -286,6 +286,11 @@ def api(
     help="File holding the bearer token clients must send"
     " (else env KVINDEX_PROXY_AUTH_TOKEN[_FILE], [proxy]; default: none asked).",
 )
+@click.option(
+    "--lease-ttl-s",
+    type=float,
+    help="A dead proxy's requests in flight stop counting as load after this long (10).",
+)
 def proxy(
     config: Path | None,
     replicas: tuple[ReplicaSpec, ...],

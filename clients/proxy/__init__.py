@@ -16,7 +16,9 @@ The package follows a request through the proxy, one module per concept:
 * :mod:`.retry_policy` — which failed attempts go to another replica, after what back-off;
 * :mod:`.forwarding` — the forwarder: headers (request id, ``traceparent``, the replica's
   key), retries before the first byte to another replica, timeouts (connect, first byte,
-  stream idle, total), the answer streamed byte for byte;
+  stream idle, total), the answer streamed byte for byte, each attempt reserved in flight
+  on its replica (``ReservationDesk``, over :mod:`kvindex.api.load.reservations`) and
+  released at its end;
 * :mod:`.metrics` — :class:`~.metrics.ProxyMetrics`, the ``kvindex_proxy_*`` series;
 * :mod:`.app` — the routes (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
   ``/health``, ``/healthz``, ``/readyz``, ``/metrics``, and any other ``/v1/*`` passed
@@ -25,9 +27,7 @@ The package follows a request through the proxy, one module per concept:
   and its own subscriber) or ``kvindex api`` (Redis) do, under uvicorn; SIGTERM drains
   (no new connection, the answers in progress finish).
 
-Planned for the rest of the issue (not here yet): ``reservation`` (in-flight requests and
-prefill tokens per replica, reserved on dispatch and released at the last byte, held under
-a per-proxy lease in the load store), ``health`` (active checks and a circuit breaker per
-replica, kept in the shared fleet state so that ``/score`` skips an ejected replica too;
-the drain then also releases the reservations).
+Planned for the rest of the issue (not here yet): ``health`` (active checks and a circuit
+breaker per replica, kept in the shared fleet state so that ``/score`` skips an ejected
+replica too).
 """

@@ -41,6 +41,7 @@ from kvindex.api.settings import ApiSettings
 from kvindex.clients.proxy.auth import InboundAuth, UnauthorizedError
 from kvindex.clients.proxy.forwarding import (
     REQUEST_ID,
+    ClientGoneError,
     Forwarder,
     StreamedAnswer,
     UpstreamFailedError,
@@ -114,6 +115,7 @@ _STATUS_OF: tuple[tuple[tuple[type[BaseException], ...], int, str], ...] = (
     ((UnknownModelError,), 404, "model_not_found"),
     ((BodyTimeoutError,), 408, "request_timeout"),
     ((BodyTooLargeError,), 413, "request_too_large"),
+    ((ClientGoneError,), 499, "client_closed_request"),
     ((UpstreamFailedError,), 502, "upstream_failed"),
     ((NoUpstreamError,), 503, "no_upstream"),
     ((UpstreamTimeoutError,), 504, "upstream_timeout"),
@@ -178,6 +180,7 @@ class _Forwarded:
             deadline,
             method=request.method,
             route=self.path,
+            receive=request.receive,
         )
         parts.metrics.first_byte.labels(self.path).observe(time.perf_counter() - started)
         return StreamedAnswer(

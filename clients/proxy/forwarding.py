@@ -14,9 +14,14 @@ Contract:
   (``proxy.replica_api_keys``, else ``proxy.upstream_api_key``): then ``Bearer <key>``.
 * **Bytes**: the answer's body goes to the client chunk by chunk as it arrives, not
   decoded (``aiter_raw``: server-sent events, gzip and all), with its headers but the
-  hop-by-hop ones. A client that goes away during a stream (an answer without
-  ``Content-Length``) closes the upstream connection, so the replica sees the request
-  aborted. (One that goes away before the answer starts is not watched yet.)
+  hop-by-hop ones. A client that goes away before the answer starts (``open`` given the
+  request's ``receive``) or during a stream (an answer without ``Content-Length``) closes
+  the upstream connection, so the replica sees the request aborted (vLLM then stops it).
+* **In flight**: each attempt reserves its request and its uncached prompt tokens on its
+  replica before it is sent (:class:`ReservationDesk`, in the load store every proxy and
+  ``/score`` read), and releases it once: at the last byte, when the attempt or the stream
+  fails, or when the client goes away. A store that cannot be reached never fails a
+  request: it goes unreserved (counted).
 * **Headers**: the client's, but the hop-by-hop ones, ``host`` and ``content-length``;
   ``x-request-id`` honoured or made, sent upstream and returned; ``traceparent`` passes
   through like any other header.
@@ -27,12 +32,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import httpx
 from starlette.types import Message, Receive, Scope, Send
 
+from kvindex.api.load.reservations import Reservation, Reservations
 from kvindex.clients.proxy.metrics import ProxyMetrics
 from kvindex.clients.proxy.retry_policy import RetryPolicy
 from kvindex.clients.proxy.settings import ProxySettings
@@ -40,6 +47,7 @@ from kvindex.clients.proxy.upstream import Upstream
 from kvindex.indexer.errors import KvIndexError
 
 logger = logging.getLogger("kvindex.proxy")
+_T = TypeVar("_T")
 REQUEST_ID = "x-request-id"
 REPLICA_HEADER = "x-kvindex-replica"
 """Response header naming the replica that answered."""
@@ -66,6 +74,15 @@ class UpstreamTimeoutError(KvIndexError):
     """A replica did not answer in time (first byte or total timeout): 504."""
 
 
+class ClientGoneError(KvIndexError):
+    """The client went away before the answer started (499: nobody reads the answer)."""
+
+
+RELEASE_REASONS = ("done", "error", "disconnect", "shutdown")
+"""Why a request stopped being in flight: its last byte was sent, its attempt or stream
+failed, its client went away, or the proxy stopped with it still reserved."""
+
+
 def request_id_of(headers: Iterable[tuple[str, str]]) -> str:
     """The client's ``x-request-id``, or a new one."""
     for name, value in headers:
@@ -81,12 +98,90 @@ def forwarded_headers(headers: Iterable[tuple[str, str]], request_id: str) -> li
     return [*kept, (REQUEST_ID, request_id)]
 
 
+@dataclass(slots=True)
+class Dispatch:
+    """One attempt's request in flight to ``replica``; ``reservation`` None: not in the
+    store (it could not be reached, or the proxy keeps none)."""
+
+    desk: ReservationDesk
+    replica: str
+    reservation: Reservation | None
+    released: bool = False
+
+    async def release(self, reason: str) -> None:
+        """No longer in flight, for ``reason`` (one of :data:`RELEASE_REASONS`); once."""
+        await self.desk.release(self, reason)
+
+
+class ReservationDesk:
+    """Reserves each attempt's request on its replica and releases it once; keeps the
+    ``kvindex_proxy_in_flight`` gauge and the release counters. ``reservations`` None:
+    counted in the metrics alone. Store calls run off the loop when ``blocking`` (Redis);
+    their failures are counted and logged, never raised."""
+
+    def __init__(
+        self, reservations: Reservations | None, metrics: ProxyMetrics, *, blocking: bool
+    ) -> None:
+        self._reservations = reservations
+        self._metrics = metrics
+        self._blocking = blocking
+
+    async def reserve(self, upstream: Upstream) -> Dispatch:
+        self._metrics.in_flight.labels(upstream.replica).inc()
+        reservations, reservation = self._reservations, None
+        if reservations is not None:
+            try:
+                reservation = await self._call(
+                    reservations.reserve, upstream.replica, upstream.num_uncached_tokens
+                )
+            except Exception as exc:
+                self._failed("reserve", exc)
+        return Dispatch(self, upstream.replica, reservation)
+
+    async def release(self, dispatch: Dispatch, reason: str) -> None:
+        if dispatch.released:
+            return
+        dispatch.released = True
+        self._metrics.in_flight.labels(dispatch.replica).dec()
+        self._metrics.reservations_released.labels(reason).inc()
+        if self._reservations is None or dispatch.reservation is None:
+            return
+        try:
+            await self._call(self._reservations.release, dispatch.reservation)
+        except Exception as exc:
+            self._failed("release", exc)  # Reservations tries it again at its next renewal
+
+    async def close(self) -> None:
+        """End the lease: whatever is still reserved is released (reason ``shutdown``)."""
+        if self._reservations is None:
+            return
+        try:
+            num_held = await self._call(self._reservations.close)
+        except Exception as exc:
+            self._failed("close", exc)  # the lease lapses on its own
+            return
+        if num_held:
+            self._metrics.reservations_released.labels("shutdown").inc(num_held)
+
+    async def _call(self, fn: Callable[..., _T], *args: object) -> _T:
+        if self._blocking:
+            # shield: a cancelled request still waits for its store call (it runs anyway)
+            return await asyncio.shield(asyncio.to_thread(fn, *args))
+        return fn(*args)
+
+    def _failed(self, op: str, exc: Exception) -> None:
+        self._metrics.reservation_failures.labels(op).inc()
+        logger.warning("reservations: %s failed: %s", op, exc)
+
+
 @dataclass(frozen=True, slots=True)
 class Opened:
     """A replica's answer whose headers have arrived; its body is not read yet."""
 
     upstream: Upstream
     response: httpx.Response
+    dispatch: Dispatch | None = None
+    """The request in flight (released by the answer once its last byte is sent)."""
 
 
 class Forwarder:
@@ -101,11 +196,13 @@ class Forwarder:
         metrics: ProxyMetrics,
         transport: httpx.AsyncBaseTransport | None = None,
         retry: RetryPolicy | None = None,
+        desk: ReservationDesk | None = None,
     ) -> None:
         self._settings = settings
         self._metrics = metrics
         self._transport = transport
         self._retry = retry or RetryPolicy(settings)
+        self._desk = desk or ReservationDesk(None, metrics, blocking=False)
         self._url_to_client: dict[str, httpx.AsyncClient] = {}
         # The head's and the chunks' waits are bounded on the loop (first byte, idle);
         # httpx's read timeout is only the backstop of both.
@@ -151,11 +248,42 @@ class Forwarder:
         *,
         method: str = "POST",
         route: str | None = None,
+        receive: Receive | None = None,
     ) -> Opened:
         """The first answer worth passing on (see the module's contract for the attempts);
         ``path`` (with its query, if any) is appended to each replica's URL; ``route``
-        labels the retries (default: ``path``)."""
+        labels the retries (default: ``path``). With ``receive`` (the request's, its body
+        read), a client that goes away first ends the attempt in progress (its connection
+        closed) and raises :class:`ClientGoneError`.
+
+        The first attempt is reserved before anything else can run on the loop: with an
+        in-process store, the scorer's read, its choice and this reservation are one step
+        (a request chosen next sees it)."""
         attempts = self._retry.attempts(upstreams)
+        first = await self._desk.reserve(attempts[0]) if attempts else None
+        opening = self._attempts(
+            path, body, headers, attempts, deadline, method=method, route=route, first=first
+        )
+        try:
+            return await (opening if receive is None else _unless_gone(opening, receive))
+        except BaseException as exc:
+            if first is not None:  # an attempt cancelled before it ran holds it still
+                gone = isinstance(exc, ClientGoneError | asyncio.CancelledError)
+                await first.release("disconnect" if gone else "error")
+            raise
+
+    async def _attempts(
+        self,
+        path: str,
+        body: bytes,
+        headers: list[tuple[str, str]],
+        attempts: Sequence[Upstream],
+        deadline: float,
+        *,
+        method: str,
+        route: str | None,
+        first: Dispatch | None,
+    ) -> Opened:
         failures: list[str] = []
         for number, upstream in enumerate(attempts, start=1):
             if number > 1:
@@ -166,15 +294,43 @@ class Forwarder:
             request = client.build_request(
                 method, upstream.url.rstrip("/") + path, content=body, headers=sent
             )
-            response = await self._send(client, request, upstream, deadline, failures)
+            reserved = first if number == 1 else None
+            dispatch = reserved or await self._desk.reserve(upstream)
+            response = await self._sent(
+                client, request, upstream, deadline, failures, dispatch=dispatch
+            )
             if response is None:
                 continue
             if self._retry.retries_status(response.status_code) and number < len(attempts):
                 self._failed(upstream, f"status_{response.status_code}", failures)
                 await response.aclose()
+                await dispatch.release("error")
                 continue
-            return Opened(upstream, response)
+            return Opened(upstream, response, dispatch)
         raise UpstreamFailedError(f"no replica answered: {'; '.join(failures) or 'none to try'}")
+
+    async def _sent(
+        self,
+        client: httpx.AsyncClient,
+        request: httpx.Request,
+        upstream: Upstream,
+        deadline: float,
+        failures: list[str],
+        *,
+        dispatch: Dispatch,
+    ) -> httpx.Response | None:
+        """:meth:`_send`, its request released when it fails (or the client went away)."""
+        try:
+            response = await self._send(client, request, upstream, deadline, failures)
+        except asyncio.CancelledError:
+            await dispatch.release("disconnect")
+            raise
+        except BaseException:
+            await dispatch.release("error")
+            raise
+        if response is None:
+            await dispatch.release("error")
+        return response
 
     async def _send(
         self,
@@ -222,7 +378,8 @@ class StreamedAnswer:
     ``on_done(status, replica)`` is called once, when the last byte is sent, the stream
     breaks or the client goes away. ``first_chunk_timeout_s`` bounds the wait for the body's
     first chunk (a stream's head comes before its first token), ``idle_timeout_s`` each
-    wait after (None: only the deadline does)."""
+    wait after (None: only the deadline does). The request in flight is released then too,
+    or just before the client gets the last byte when the answer is whole."""
 
     def __init__(
         self,
@@ -243,6 +400,7 @@ class StreamedAnswer:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = self.opened.response
+        self._reason = "error"  # until the last byte is sent
         try:
             await send(
                 {
@@ -258,6 +416,8 @@ class StreamedAnswer:
         finally:
             await response.aclose()
             self.on_done(response.status_code, self.opened.upstream.replica)
+            if self.opened.dispatch is not None:
+                await self.opened.dispatch.release(self._reason)
 
     def _headers(self) -> list[tuple[bytes, bytes]]:
         kept = [
@@ -280,6 +440,7 @@ class StreamedAnswer:
         watching.cancel()
         if not streaming.done():
             streaming.cancel()
+            self._reason = "disconnect"
         await asyncio.wait({streaming, watching})
         if not streaming.cancelled():
             streaming.result()
@@ -287,12 +448,17 @@ class StreamedAnswer:
     async def _stream(self, send: Send) -> None:
         """Every chunk as it comes; a stream past the total deadline, idle too long or
         broken upstream ends early (the client sees an incomplete body)."""
+        response = self.opened.response
+        length = response.headers.get("content-length")
+        whole = int(length) if length is not None and length.isdigit() else None
         idle_s, loop = self.idle_timeout_s, asyncio.get_running_loop()
         idle = asyncio.timeout(self.first_chunk_timeout_s)
         try:
             async with asyncio.timeout_at(self.deadline), idle:
-                async for chunk in self.opened.response.aiter_raw():
+                async for chunk in response.aiter_raw():
                     idle.reschedule(None)  # a slow client is not an idle replica
+                    if whole is not None and response.num_bytes_downloaded >= whole:
+                        await self._done()  # the client has it all with this chunk
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     idle.reschedule(None if idle_s is None else loop.time() + idle_s)
         except (TimeoutError, httpx.HTTPError) as exc:
@@ -300,7 +466,32 @@ class StreamedAnswer:
             why = "no chunk within the idle timeout" if idle.expired() else why
             logger.warning("answer from %s ended early: %s", self.opened.upstream.replica, why)
             return  # the head is sent: all that is left to say is that the body ends here
+        await self._done()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _done(self) -> None:
+        """The replica has sent its last byte: no longer in flight, released before the
+        client sees the end (a client that asks again at once is never counted twice)."""
+        self._reason = "done"
+        if self.opened.dispatch is not None:
+            await self.opened.dispatch.release("done")
+
+
+async def _unless_gone(opening: Coroutine[Any, Any, Opened], receive: Receive) -> Opened:
+    """``opening``'s result, unless the client goes away first: then it is cancelled (its
+    attempt's connection closed, its request released) and :class:`ClientGoneError` raised."""
+    task = asyncio.ensure_future(opening)
+    watching = asyncio.ensure_future(_disconnect(receive))
+    try:
+        await asyncio.wait({task, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.wait({task, watching})
+    if task.cancelled():
+        raise ClientGoneError("the client went away before the answer started")
+    return task.result()
 
 
 async def _disconnect(receive: Receive) -> None:

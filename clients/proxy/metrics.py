@@ -7,7 +7,7 @@ attempt failed).
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -66,6 +66,34 @@ class ProxyMetrics:
             "kvindex_proxy_tokenize_failures",
             "Requests routed on load alone because their prompt could not be tokenized.",
             ["model"],
+            registry=r,
+        )
+
+        self.in_flight = Gauge(
+            "kvindex_proxy_in_flight",
+            "Requests this proxy sent to a replica and has not finished (reserved in the load"
+            " store, which sums every proxy's).",
+            ["replica"],
+            registry=r,
+        )
+        self.reservations_released = Counter(
+            "kvindex_proxy_reservations_released",
+            "Requests no longer in flight, by reason (done: last byte sent; error: attempt"
+            " or stream failed; disconnect: the client went away; shutdown: the proxy stopped).",
+            ["reason"],
+            registry=r,
+        )
+        self.reservation_failures = Counter(
+            "kvindex_proxy_reservation_failures",
+            "Load-store calls of the reservations that failed, by operation (reserve, release,"
+            " renew, close); a request whose reserve failed is sent unreserved.",
+            ["op"],
+            registry=r,
+        )
+        self.reservations_lost = Counter(
+            "kvindex_proxy_reservations_lost",
+            "Reservations that stopped counting because this proxy's lease lapsed (renewals"
+            " failed for a whole lease TTL) while their requests were in flight.",
             registry=r,
         )
 

@@ -6,7 +6,10 @@ does (:class:`kvindex.api.server.Service`: its own subscriber to every replica's
 with ``store = "redis"`` it reads the index, load and fleet a ``kvindex indexer`` writes, as
 ``kvindex api`` does (:func:`kvindex.api.server.api_deps`). Either way the scorer is the
 one ``/score`` uses, on the same settings (``[api]``, ``[[models]]``), and each replica's
-load is scraped from its ``/metrics`` (``api.scrape_interval_s``).
+load is scraped from its ``/metrics`` (``api.scrape_interval_s``). The requests it sends are
+reserved in that load store's ledger under the proxy's lease (``proxy.lease_ttl_s``,
+renewed by a :class:`~kvindex.api.load.reservations.LeaseKeeper`), so other proxies and
+``/score`` on the same Redis count them.
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ import httpx
 from starlette.applications import Starlette
 
 from kvindex.api.app import ApiDeps
+from kvindex.api.load.reservations import LeaseKeeper, Reservations
 from kvindex.api.load.scraper import MetricsScraper
 from kvindex.api.score import Scorer
 from kvindex.api.server import Service, api_deps, run_app
 from kvindex.api.settings import ApiSettings
 from kvindex.clients.proxy.app import ProxyParts, create_proxy_app
-from kvindex.clients.proxy.forwarding import Forwarder
+from kvindex.clients.proxy.forwarding import Forwarder, ReservationDesk
 from kvindex.clients.proxy.metrics import ProxyMetrics
 from kvindex.clients.proxy.settings import ProxySettings
 from kvindex.clients.proxy.tokenizers import ProxyTokenizers
@@ -54,18 +58,30 @@ def build_proxy_app(deps: ApiDeps, proxy: ProxySettings) -> Starlette:
         on_tokenize_failure=lambda model: metrics.tokenize_failures.labels(model).inc(),
         lora_base=api.lora_base,
     )
-    forwarder = Forwarder(proxy, metrics)
+    reservations = Reservations(
+        deps.loads.ledger, proxy.lease_ttl_s, on_lost=metrics.reservations_lost.inc
+    )
+    desk = ReservationDesk(reservations, metrics, blocking=deps.blocking_store)
+    forwarder = Forwarder(proxy, metrics, desk=desk)
     scraper = _scraper(deps, http)
+    keeper = LeaseKeeper(
+        reservations,
+        blocking=deps.blocking_store,
+        on_failure=metrics.reservation_failures.labels("renew").inc,
+    )
 
     @asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         if scraper is not None:
             await scraper.start()
+        await keeper.start()
         try:
             yield
         finally:
             if scraper is not None:
                 await scraper.stop()
+            await keeper.stop()
+            await desk.close()  # after the drain: what is still reserved is released
             await forwarder.close()
             await http.aclose()
 

@@ -65,6 +65,10 @@ class ProxySettings:
     """On SIGTERM or SIGINT the proxy stops accepting connections and lets the requests it
     is answering (streams included) finish for at most this long (rounded up to whole
     seconds), then stops."""
+    lease_ttl_s: float = 10.0
+    """Life of this proxy's lease on its requests in flight (reserved in the load store),
+    renewed every third of it while the proxy lives: a proxy killed without a goodbye
+    stops counting as load this long after its last renewal."""
     auth_token: str | None = field(default=None, repr=False)
     """Bearer token a client must send (``Authorization: Bearer <token>``) on every route
     but ``/health``, ``/healthz`` and ``/readyz`` (401 otherwise); None: no token asked."""
@@ -103,6 +107,7 @@ _POSITIVE = (
     "total_timeout_s",
     "drain_timeout_s",
     "retry_backoff_max_s",
+    "lease_ttl_s",
 )
 
 

@@ -46,6 +46,8 @@ class Upstream:
     replica: str
     url: str
     """Its HTTP root, ``http://host:port`` (the request path is appended)."""
+    num_uncached_tokens: int = 0
+    """The prompt's tokens it does not hold cached (0: the prompt was not tokenized)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,8 +98,11 @@ class UpstreamPicker:
             raise NoUpstreamError(f"no replica of {served!r} has a url to forward to")
         lora_name = None if base is None else model
         answer = await self._score(served, lora_name, body, headers, list(urls))
-        order = [e.replica for e in answer.scores if e.replica in urls]
-        upstreams = tuple(Upstream(r, urls[r]) for r in order)
+        upstreams = tuple(
+            Upstream(e.replica, urls[e.replica], max(0, answer.num_tokens - e.matched_tokens))
+            for e in answer.scores
+            if e.replica in urls
+        )
         return Choice(upstreams, _matched_fraction(answer))
 
     def choose_any(self) -> Choice:

@@ -68,6 +68,8 @@ def test_default_weights_are_documented_values() -> None:
         "running": 0.02,
         "kv_usage": 0.2,
         "routed": 0.1,
+        "in_flight": 0.02,
+        "in_flight_tokens": 0.00005,
         "stale_factor": 0.5,
         "replaying_factor": 0.8,
         "load_half_life_s": 10.0,
@@ -196,7 +198,14 @@ def test_kv_aware_is_cache_minus_load_with_every_term_reported() -> None:
     (scored,) = kv_aware([c], 4, W)
     penalty = 0.02 * 5 + 0.1 * 2 + 0.2 * 0.5
     assert scored.terms == pytest.approx(
-        {"cache": 0.75, "freshness_factor": 1.0, "load": -penalty, "load_recency": 1.0}
+        {
+            "cache": 0.75,
+            "freshness_factor": 1.0,
+            "load": -penalty,
+            "load_recency": 1.0,
+            "in_flight": 0.0,
+            "in_flight_tokens": 0.0,
+        }
     )
     assert scored.score == pytest.approx(0.75 - penalty)
 
@@ -215,7 +224,7 @@ def test_least_load_ignores_the_cache() -> None:
         least_load([cand("cached", [GPU] * 8, load=load(waiting=1)), cand("empty", load=load())], W)
     )
     assert scored["empty"].score > scored["cached"].score
-    assert set(scored["cached"].terms) == {"load", "load_recency"}
+    assert set(scored["cached"].terms) == {"load", "load_recency", "in_flight", "in_flight_tokens"}
 
 
 # --- hashing policies -----------------------------------------------------------------------
@@ -372,11 +381,14 @@ def dispatch(
     )
 
 
+IN_FLIGHT = ("in_flight", "in_flight_tokens")
+
+
 @pytest.mark.parametrize(
     ("policy", "terms"),
     [
-        (Policy.KV_AWARE, {"cache", "freshness_factor", "load", "load_recency"}),
-        (Policy.LEAST_LOAD, {"load", "load_recency"}),
+        (Policy.KV_AWARE, {"cache", "freshness_factor", "load", "load_recency", *IN_FLIGHT}),
+        (Policy.LEAST_LOAD, {"load", "load_recency", *IN_FLIGHT}),
         (Policy.SESSION_AFFINITY, {"session_hash"}),
         (Policy.PREFIX_HASH, {"prefix_hash"}),
         (Policy.ROUND_ROBIN, {"round_robin"}),
@@ -422,3 +434,42 @@ def test_session_affinity_needs_a_session() -> None:
         dispatch(Policy.SESSION_AFFINITY, [cand("a")])
     cands = [cand(f"r{i}") for i in range(4)]
     assert dispatch(Policy.SESSION_AFFINITY, cands, session="s1").best == owner(cands, b"s1")
+
+
+# --- requests in flight ---------------------------------------------------------------------
+
+
+def test_requests_in_flight_weigh_without_a_load_report() -> None:
+    penalty, recency = load_penalty(None, W, in_flight=3, in_flight_tokens=1000)
+    assert penalty == pytest.approx(0.02 * 3 + 0.00005 * 1000) and recency == 0.0
+
+
+def test_the_queue_is_the_larger_of_the_report_and_the_requests_in_flight() -> None:
+    reported = load(running=10, waiting=1)  # queue 0.02 * 10 + 0.1 * 1 = 0.3
+    assert load_penalty(reported, W, in_flight=5)[0] == pytest.approx(0.3)  # in the report
+    assert load_penalty(reported, W, in_flight=40)[0] == pytest.approx(0.02 * 40)
+    aged = load(running=10, waiting=1, age_s=W.load_half_life_s)  # the report counts half
+    assert load_penalty(aged, W, in_flight=10)[0] == pytest.approx(0.2)
+    with_usage = load(waiting=1, kv_usage=0.5)  # usage and tokens add, never compete
+    assert load_penalty(with_usage, W, in_flight=40, in_flight_tokens=2000)[0] == pytest.approx(
+        0.02 * 40 + 0.2 * 0.5 + 0.00005 * 2000
+    )
+
+
+def test_kv_aware_reports_the_requests_in_flight_as_terms() -> None:
+    busy = Candidate("busy", [GPU] * 4, Freshness.LIVE, None, 30, 4000)
+    (scored,) = kv_aware([busy], 4, W)
+    assert scored.terms["in_flight"] == pytest.approx(-0.6)
+    assert scored.terms["in_flight_tokens"] == pytest.approx(-0.2)
+    assert scored.terms["load"] == pytest.approx(-0.8)
+    assert scored.score == pytest.approx(1.0 - 0.8)
+
+
+def test_requests_in_flight_spread_requests_no_cache_tells_apart() -> None:
+    cands = [
+        Candidate("a", [], Freshness.LIVE, load(), 2, 0),
+        Candidate("b", [], Freshness.LIVE, load(), 0, 0),
+        Candidate("c", [], Freshness.LIVE, load(), 1, 0),
+    ]
+    assert dispatch(Policy.KV_AWARE, cands).best == "b"
+    assert dispatch(Policy.LEAST_LOAD, cands).best == "b"

@@ -14,6 +14,7 @@ import pytest
 
 from kvindex.api import score as score_module
 from kvindex.api.load.model import CountedLoad, Load
+from kvindex.api.load.reservations import Reservations
 from kvindex.api.load.store import LoadStore, MemoryLoadStore, RedisLoadStore
 from kvindex.api.policies import Weights
 from kvindex.api.schemas import FreshnessView, LoadView, ScoreEntry, ScoreRequest, ScoreResponse
@@ -108,15 +109,17 @@ def test_replica_is_matched_on_its_best_rank_and_as_fresh_as_its_worst_stream(
     assert a.freshness == FreshnessView("replaying", lag_s=0.5, silent_s=1.0)
     assert a.load == LoadView(2.0, 1.0, 0.5, 10.0, "push")
     recency = 0.5 ** (10.0 / W.load_half_life_s)
-    load = (W.waiting * 1.0 + W.running * 2.0 + W.kv_usage * 0.5) * recency
+    load = (W.waiting * 1.0 + W.running * 2.0) * recency + W.kv_usage * 0.5 * recency
     cache = W.cache * (3 / 4) * W.replaying_factor
     assert a.terms == {
         "cache": cache,
         "freshness_factor": W.replaying_factor,
         "load": -load,
         "load_recency": recency,
+        "in_flight": 0.0,
+        "in_flight_tokens": 0.0,
     }
-    assert a.score == cache - load
+    assert a.score == pytest.approx(cache - load)
 
 
 def test_single_stream_replica_reports_its_stream_and_tiers(fleet: Fleet) -> None:
@@ -219,6 +222,31 @@ def test_answers_of_every_api_process_on_one_redis_count_as_load() -> None:
     routed = {e.replica: e.load.routed for e in seen.scores if e.load is not None}
     assert routed == {answers[0]: 1, answers[1]: 1, answers[2]: 0}
     assert seen.best == answers[2]  # the one replica no counted answer has gone to
+
+
+@pytest.mark.parametrize("backend", ["memory", "fakeredis"])
+def test_requests_in_flight_of_every_proxy_weigh_in_the_answer(backend: str) -> None:
+    """Reservations made in the load store (by any proxy) are read with the loads: a
+    replica with no load report still pays for its requests in flight, and the answer
+    says how much in its terms."""
+    store: LoadStore = MemoryLoadStore()
+    if backend == "fakeredis":
+        store = RedisLoadStore(fakeredis.FakeRedis(), Schema("t"))
+    fleet = Fleet(store)
+    fleet.loads.put("b", Load(0.0, 0.0, 0.0, NOW, "push"))
+    holder = Reservations(fleet.loads.ledger, 10.0, holder="proxy-1")
+    holder.reserve("a", 4000)
+    holder.reserve("b", 0)
+    holder.reserve("b", 0)
+    entries = fleet.score()
+    assert entries["a"].load is None  # no report: the requests in flight alone weigh
+    assert entries["a"].terms["in_flight"] == pytest.approx(-W.in_flight)
+    assert entries["a"].terms["in_flight_tokens"] == pytest.approx(-W.in_flight_tokens * 4000)
+    assert entries["a"].terms["load"] == pytest.approx(-(W.in_flight + W.in_flight_tokens * 4000))
+    assert entries["b"].terms["load"] == pytest.approx(-2 * W.in_flight)
+    assert fleet.best() == "c"  # the one with nothing in flight
+    holder.close()
+    assert fleet.score()["a"].terms["load"] == 0.0
 
 
 class _FlakyLoads(MemoryLoadStore):

@@ -19,6 +19,7 @@ from kvindex.indexer.redis_schema import (
     SchemaError,
     StreamKeys,
     check_name,
+    tokens_field,
 )
 
 
@@ -98,3 +99,14 @@ def test_schema_is_frozen() -> None:
     schema = Schema("p")
     with pytest.raises(dataclasses.FrozenInstanceError):
         schema.prefix = "q"  # type: ignore[misc]
+
+
+def test_the_in_flight_keys_share_one_hash_slot() -> None:
+    schema = Schema("p")
+    assert (schema.in_flight, schema.leases) == ("p:v1:{inflight}:totals", "p:v1:{inflight}:leases")
+    assert schema.lease("123-ab") == "p:v1:{inflight}:lease:123-ab"
+    slots = {key_slot(k.encode()) for k in (schema.in_flight, schema.leases, schema.lease("h"))}
+    assert len(slots) == 1
+    assert tokens_field("r1") == "r1/tokens"
+    with pytest.raises(SchemaError):
+        schema.lease("a{b}")

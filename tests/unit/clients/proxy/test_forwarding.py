@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import httpx
 import pytest
 from starlette.types import Message
 
+from kvindex.api.load.model import InFlight
+from kvindex.api.load.reservations import MemoryLedger, Reservation, Reservations
 from kvindex.clients.proxy.forwarding import (
     REQUEST_ID,
+    ClientGoneError,
     Forwarder,
     Opened,
+    ReservationDesk,
     StreamedAnswer,
     UpstreamFailedError,
     UpstreamTimeoutError,
@@ -25,6 +29,7 @@ from kvindex.clients.proxy.metrics import ProxyMetrics
 from kvindex.clients.proxy.settings import ProxySettings
 from kvindex.clients.proxy.upstream import Upstream
 from kvindex.indexer.errors import SettingsError
+from kvindex.indexer.index.protocol import IndexUnavailableError
 
 UPSTREAMS = tuple(Upstream(f"r{i}", f"http://r{i}.test:8000") for i in (1, 2, 3))
 PATH = "/v1/completions"
@@ -327,3 +332,228 @@ def test_a_retry_waits_the_policys_back_off() -> None:
     took = asyncio.run(run())
     assert [s[0] for s in fleet.seen] == ["r1", "r2", "r3"]
     assert took >= 0.15 + 0.15  # two waits, each at least half of the 0.3 s ceiling
+
+
+# --- requests in flight ---------------------------------------------------------------------
+
+
+class Desk:
+    """A forwarder whose attempts are reserved in a memory ledger, and what it counted."""
+
+    def __init__(
+        self, handle: Callable[[httpx.Request], Coroutine[None, None, httpx.Response]]
+    ) -> None:
+        self.metrics = ProxyMetrics()
+        self.ledger = MemoryLedger()
+        self.reservations = Reservations(self.ledger, 10.0, holder="proxy")
+        self.desk = ReservationDesk(self.reservations, self.metrics, blocking=False)
+        transport = httpx.MockTransport(handle)
+        self.forwarder = Forwarder(DEFAULTS, self.metrics, transport=transport, desk=self.desk)
+
+    def in_flight(self) -> dict[str, InFlight]:
+        return self.ledger.in_flight(["r1", "r2", "r3"])
+
+    def gauge(self, replica: str) -> float:
+        return _sample(self.metrics, "kvindex_proxy_in_flight", replica=replica)
+
+    def released(self, reason: str) -> float:
+        return _sample(self.metrics, "kvindex_proxy_reservations_released_total", reason=reason)
+
+
+TOKENED = tuple(Upstream(f"r{i}", f"http://r{i}.test:8000", 100 * i) for i in (1, 2, 3))
+
+
+async def _stays() -> Message:
+    await asyncio.sleep(10)
+    return {"type": "http.disconnect"}
+
+
+async def _ignored(message: Message) -> None:
+    return None
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["stream", "content-length"])
+def test_a_request_is_in_flight_from_dispatch_to_its_last_byte(whole: bool) -> None:
+    seen: dict[str, InFlight] = {}
+    at_send: list[tuple[bytes, dict[str, InFlight]]] = []
+    desk: Desk
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b"ans"
+        yield b"wer"
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        seen.update(desk.in_flight())  # reserved before it is sent
+        headers = {"content-length": "6"} if whole else {}
+        return httpx.Response(200, headers=headers, content=body())
+
+    async def send(message: Message) -> None:
+        if message["type"] == "http.response.body":
+            at_send.append((message["body"], desk.in_flight()))
+
+    desk = Desk(handle)
+
+    async def run() -> None:
+        deadline = desk.forwarder.deadline()
+        opened = await desk.forwarder.open(PATH, b"{}", [], TOKENED, deadline)
+        assert desk.in_flight() == {"r1": InFlight(1, 100)} and desk.gauge("r1") == 1
+        await StreamedAnswer(opened, "rid", deadline, lambda *a: None)({}, _stays, send)
+        await desk.forwarder.close()
+
+    asyncio.run(run())
+    assert seen == {"r1": InFlight(1, 100)}
+    # in flight until the replica's last byte; released before the client sees the end
+    assert at_send[0] == (b"ans", {"r1": InFlight(1, 100)})
+    assert at_send[1] == (b"wer", {} if whole else {"r1": InFlight(1, 100)})
+    assert at_send[-1] == (b"", {})
+    assert desk.in_flight() == {} and desk.gauge("r1") == 0
+    assert desk.released("done") == 1 and desk.reservations.num_held() == 0
+
+
+def test_a_failed_attempt_is_released_and_the_retry_reserved_on_its_own_replica() -> None:
+    fleet = Fleet(r1="down", r2=503)
+    desk = Desk(fleet.handle)
+
+    async def run() -> None:
+        opened = await desk.forwarder.open(PATH, b"{}", [], TOKENED, desk.forwarder.deadline())
+        assert opened.upstream.replica == "r3"
+        assert desk.in_flight() == {"r3": InFlight(1, 300)}
+        assert opened.dispatch is not None
+        await opened.dispatch.release("done")
+        await opened.dispatch.release("done")  # once only
+        await desk.forwarder.close()
+
+    asyncio.run(run())
+    assert desk.released("error") == 2 and desk.released("done") == 1
+    assert desk.in_flight() == {} and [desk.gauge(r) for r in ("r1", "r2", "r3")] == [0, 0, 0]
+
+
+def test_a_client_gone_before_the_answer_aborts_the_attempt_and_releases_it() -> None:
+    started, aborted = asyncio.Event(), asyncio.Event()
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        started.set()
+        try:
+            await asyncio.sleep(10)  # a non-streaming answer: generation takes a while
+        except asyncio.CancelledError:
+            aborted.set()
+            raise
+        return httpx.Response(200)
+
+    desk = Desk(handle)
+
+    async def gone() -> Message:
+        await started.wait()
+        return {"type": "http.disconnect"}
+
+    async def run() -> None:
+        deadline = desk.forwarder.deadline()
+        with pytest.raises(ClientGoneError):
+            await asyncio.wait_for(
+                desk.forwarder.open(PATH, b"{}", [], TOKENED, deadline, receive=gone), 2
+            )
+        await asyncio.wait_for(aborted.wait(), 2)
+        await desk.forwarder.close()
+
+    asyncio.run(run())
+    assert desk.released("disconnect") == 1 and desk.in_flight() == {}
+    assert desk.gauge("r1") == 0
+
+
+def test_a_client_gone_mid_stream_releases_its_request() -> None:
+    async def body() -> AsyncIterator[bytes]:
+        yield b"data: 1\n\n"
+        await asyncio.sleep(10)
+        yield b"data: 2\n\n"
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=body())
+
+    async def gone() -> Message:
+        await asyncio.sleep(0.05)
+        return {"type": "http.disconnect"}
+
+    desk = Desk(handle)
+
+    async def run() -> None:
+        deadline = desk.forwarder.deadline()
+        opened = await desk.forwarder.open(PATH, b"{}", [], TOKENED, deadline, receive=_stays)
+        answer = StreamedAnswer(opened, "rid", deadline, lambda *a: None)
+        await asyncio.wait_for(answer({}, gone, _ignored), 2)
+        await desk.forwarder.close()
+
+    asyncio.run(run())
+    assert desk.released("disconnect") == 1 and desk.in_flight() == {}
+
+
+class _DownLedger(MemoryLedger):
+    def reserve(self, holder: str, lease_ttl_s: float, reservation: Reservation) -> bool:
+        raise IndexUnavailableError("redis: connection refused")
+
+
+def test_an_unreachable_store_never_fails_a_request() -> None:
+    desk = Desk(Fleet().handle)
+    desk.desk = ReservationDesk(Reservations(_DownLedger(), 10.0), desk.metrics, blocking=False)
+    desk.forwarder = Forwarder(
+        DEFAULTS, desk.metrics, transport=httpx.MockTransport(Fleet().handle), desk=desk.desk
+    )
+
+    async def run() -> None:
+        opened = await desk.forwarder.open(PATH, b"{}", [], TOKENED, desk.forwarder.deadline())
+        assert opened.upstream.replica == "r1" and desk.gauge("r1") == 1
+        assert opened.dispatch is not None
+        await opened.dispatch.release("done")
+        await desk.forwarder.close()
+
+    asyncio.run(run())
+    assert _sample(desk.metrics, "kvindex_proxy_reservation_failures_total", op="reserve") == 1
+    assert desk.gauge("r1") == 0 and desk.released("done") == 1
+
+
+def test_closing_the_desk_releases_what_is_still_reserved() -> None:
+    desk = Desk(Fleet().handle)
+
+    async def run() -> None:
+        await desk.forwarder.open(PATH, b"{}", [], TOKENED, desk.forwarder.deadline())
+        await desk.desk.close()
+        await desk.forwarder.close()
+
+    asyncio.run(run())
+    assert desk.in_flight() == {} and desk.released("shutdown") == 1
+
+
+def test_the_first_attempt_is_reserved_before_the_loop_runs_anything_else() -> None:
+    """With an in-process store, a request chosen right after this one sees it in flight."""
+    desk = Desk(Fleet().handle)
+
+    async def run() -> None:
+        deadline = desk.forwarder.deadline()
+        opening = asyncio.ensure_future(
+            desk.forwarder.open(PATH, b"{}", [], TOKENED, deadline, receive=_stays)
+        )
+        await asyncio.sleep(0)  # one step of the open: up to its first wait
+        assert desk.in_flight() == {"r1": InFlight(1, 100)}
+        opened = await opening
+        assert opened.dispatch is not None
+        await opened.dispatch.release("done")
+        await desk.forwarder.close()
+
+    asyncio.run(run())
+    assert desk.in_flight() == {} and desk.released("done") == 1
+
+
+def test_a_client_gone_at_once_leaves_nothing_reserved() -> None:
+    desk = Desk(Fleet(r1="slow").handle)
+
+    async def gone() -> Message:
+        return {"type": "http.disconnect"}
+
+    async def run() -> None:
+        deadline = desk.forwarder.deadline()
+        with pytest.raises(ClientGoneError):
+            await desk.forwarder.open(PATH, b"{}", [], TOKENED, deadline, receive=gone)
+        await desk.forwarder.close()
+
+    asyncio.run(run())
+    assert desk.in_flight() == {} and desk.released("disconnect") == 1
+    assert desk.gauge("r1") == 0

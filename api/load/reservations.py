@@ -1,0 +1,597 @@
+"""Requests in flight, as the proxies that sent them know first-hand: reserved on dispatch,
+released at the last byte, held under a per-proxy lease so that a dead proxy leaks nothing.
+
+The parts:
+
+* a :class:`Ledger` is the shared record of every holder's reservations and their totals
+  per replica (:class:`~kvindex.api.load.model.InFlight`): :class:`MemoryLedger` in one
+  process, :class:`RedisLedger` shared by every process on one Redis. The load store owns
+  one (``LoadStore.ledger``) and reads its totals with every load
+  (``LoadStore.get_counted``), so ``/score`` and every proxy on one store count the same
+  requests in flight;
+* :class:`Reservations` is one holder (one proxy process) on a ledger, under its lease;
+* :class:`LeaseKeeper` renews a holder's lease while the process lives.
+
+Guarantees, on both ledgers:
+
+* **Atomic**: a reservation, a release, a renewal and a lapsed lease's removal each change
+  the holder's record and the totals together (one Lua script in Redis, one lock in
+  memory); a read sees every one of them whole or not at all.
+* **Leases**: a lease lapses ``lease_ttl_s`` after the holder last reserved or renewed,
+  on one clock (Redis' own, whatever the proxies' clocks say). A lapsed lease's
+  reservations stop counting at once: the first read, reservation or release that finds it
+  takes them off the totals. So a proxy killed with SIGKILL leaks nothing past the TTL,
+  even when no other proxy runs (``/score``'s reads remove it).
+* **Releases** count once: releasing twice, or after the lease lapsed, changes nothing
+  (and says so: ``False``).
+* **Races**: a reservation counts in every read that starts after :meth:`Reservations.reserve`
+  returns. On the memory ledger the proxy reserves its choice before anything else runs on
+  its event loop, so the scorer's read, its choice and the reservation are one step. On
+  Redis they are two ("select-and-reserve" in one script would need the scorer inside
+  Redis): two choices made at the same instant (inside one store round trip of each other,
+  in one proxy or two) may each miss the other's request. At most those requests are
+  missed, for one decision each; none is counted twice or lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, cast
+
+import redis
+from redis.cluster import RedisCluster
+from redis.crc import key_slot
+
+from kvindex.api.load.model import InFlight
+from kvindex.indexer.circuit import StoreCircuit
+from kvindex.indexer.index.redis import unavailable_on_connection_errors
+from kvindex.indexer.redis_connection import RedisClient
+from kvindex.indexer.redis_schema import Schema, check_name, tokens_field
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """One request in flight to ``replica``, reserved by one holder."""
+
+    id: str
+    replica: str
+    num_tokens: int
+    """Its uncached prompt tokens (the prompt minus what the replica had cached)."""
+
+
+class Ledger(Protocol):
+    """Every holder's reservations and their totals per replica; safe from any thread.
+
+    The calls that change it name the holder; a holder is one lease (see the module's
+    guarantees). Redis-backed ledgers raise ``IndexUnavailableError`` when Redis cannot be
+    reached.
+    """
+
+    def reserve(self, holder: str, lease_ttl_s: float, reservation: Reservation) -> bool:
+        """Add ``reservation`` to the holder's lease and the totals, and extend the lease;
+        False when the holder had no live lease (a new one starts: what it held before,
+        if anything, already stopped counting)."""
+        ...
+
+    def release(self, holder: str, reservation_id: str) -> bool:
+        """Take a reservation off; False when it was not held (released already, or its
+        lease lapsed)."""
+        ...
+
+    def renew(self, holder: str, lease_ttl_s: float) -> bool:
+        """Extend the holder's lease; False when it had none live (a new, empty one starts)."""
+        ...
+
+    def drop(self, holder: str) -> int:
+        """End the holder's lease and release everything in it; how many it held."""
+        ...
+
+    def in_flight(self, replicas: Sequence[str]) -> dict[str, InFlight]:
+        """The totals of every live lease, per replica; replicas with none are absent."""
+        ...
+
+
+class MemoryLedger:
+    """In-process :class:`Ledger` (holders of one process); one lock; ``clock`` in seconds."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._holder_to_lease: dict[str, _Lease] = {}
+        self._totals: dict[str, list[int]] = {}
+        """replica → [requests, tokens] over every live lease."""
+
+    def reserve(self, holder: str, lease_ttl_s: float, reservation: Reservation) -> bool:
+        with self._lock:
+            lease, live = self._live(holder)
+            lease.expiry = self._clock() + lease_ttl_s
+            lease.id_to_reservation[reservation.id] = reservation
+            total = self._totals.setdefault(reservation.replica, [0, 0])
+            total[0] += 1
+            total[1] += reservation.num_tokens
+            return live
+
+    def release(self, holder: str, reservation_id: str) -> bool:
+        with self._lock:
+            self._reap()
+            lease = self._holder_to_lease.get(holder)
+            reservation = (
+                None if lease is None else lease.id_to_reservation.pop(reservation_id, None)
+            )
+            if reservation is None:
+                return False
+            self._subtract(reservation)
+            return True
+
+    def renew(self, holder: str, lease_ttl_s: float) -> bool:
+        with self._lock:
+            lease, live = self._live(holder)
+            lease.expiry = self._clock() + lease_ttl_s
+            return live
+
+    def drop(self, holder: str) -> int:
+        with self._lock:
+            return self._drop(holder)
+
+    def in_flight(self, replicas: Sequence[str]) -> dict[str, InFlight]:
+        with self._lock:
+            self._reap()
+            totals = self._totals
+            return {r: InFlight(*totals[r]) for r in replicas if r in totals}
+
+    def _live(self, holder: str) -> tuple[_Lease, bool]:
+        """The holder's lease, made if it had none live (the lapsed one dropped)."""
+        self._reap()
+        lease = self._holder_to_lease.get(holder)
+        if lease is not None:
+            return lease, True
+        lease = self._holder_to_lease[holder] = _Lease(0.0)
+        return lease, False
+
+    def _reap(self) -> None:
+        now = self._clock()
+        for holder in [h for h, lease in self._holder_to_lease.items() if lease.expiry <= now]:
+            self._drop(holder)
+
+    def _drop(self, holder: str) -> int:
+        lease = self._holder_to_lease.pop(holder, None)
+        if lease is None:
+            return 0
+        for reservation in lease.id_to_reservation.values():
+            self._subtract(reservation)
+        return len(lease.id_to_reservation)
+
+    def _subtract(self, reservation: Reservation) -> None:
+        total = self._totals[reservation.replica]
+        total[0] -= 1
+        total[1] -= reservation.num_tokens
+        if total[0] <= 0:
+            del self._totals[reservation.replica]
+
+
+@dataclass(slots=True)
+class _Lease:
+    expiry: float
+    id_to_reservation: dict[str, Reservation] = field(default_factory=dict)
+
+
+# Shared by every script: the server's clock in ms, and a lease's removal (its reservations
+# taken off the totals, then the lease forgotten). KEYS of every script start with the
+# totals HASH and the leases ZSET; all of them carry the hash tag {inflight}.
+_PRELUDE = """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function subtract(totals, replica, tokens)
+  if redis.call('HINCRBY', totals, replica, -1) <= 0 then
+    redis.call('HDEL', totals, replica, replica .. '/tokens')
+  else
+    redis.call('HINCRBY', totals, replica .. '/tokens', -tokens)
+  end
+end
+local function drop(totals, leases, lease, holder)
+  local held = redis.call('HVALS', lease)
+  for _, value in ipairs(held) do
+    local sep = string.find(value, ' ', 1, true)
+    subtract(totals, string.sub(value, 1, sep - 1), tonumber(string.sub(value, sep + 1)))
+  end
+  redis.call('DEL', lease)
+  redis.call('ZREM', leases, holder)
+  return #held
+end
+-- 1 when the holder's lease is live; a lapsed one is dropped (0), none is 0.
+local function live(totals, leases, lease, holder, now)
+  local expiry = tonumber(redis.call('ZSCORE', leases, holder))
+  if not expiry then
+    return 0
+  end
+  if expiry <= now then
+    drop(totals, leases, lease, holder)
+    return 0
+  end
+  return 1
+end
+"""
+
+# KEYS: totals, leases, the holder's lease; ARGV: holder, ttl ms, id, replica, tokens.
+_RESERVE_LUA = (
+    _PRELUDE
+    + """
+local now = now_ms()
+local was_live = live(KEYS[1], KEYS[2], KEYS[3], ARGV[1], now)
+redis.call('HSET', KEYS[3], ARGV[3], ARGV[4] .. ' ' .. ARGV[5])
+redis.call('HINCRBY', KEYS[1], ARGV[4], 1)
+redis.call('HINCRBY', KEYS[1], ARGV[4] .. '/tokens', ARGV[5])
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[1])
+return was_live
+"""
+)
+
+# KEYS: totals, leases, the holder's lease; ARGV: holder, id. 1: released, 0: not held.
+_RELEASE_LUA = (
+    _PRELUDE
+    + """
+if live(KEYS[1], KEYS[2], KEYS[3], ARGV[1], now_ms()) == 0 then
+  return 0
+end
+local value = redis.call('HGET', KEYS[3], ARGV[2])
+if not value then
+  return 0
+end
+redis.call('HDEL', KEYS[3], ARGV[2])
+local sep = string.find(value, ' ', 1, true)
+subtract(KEYS[1], string.sub(value, 1, sep - 1), tonumber(string.sub(value, sep + 1)))
+return 1
+"""
+)
+
+# KEYS: totals, leases, the holder's lease; ARGV: holder, ttl ms.
+_RENEW_LUA = (
+    _PRELUDE
+    + """
+local now = now_ms()
+local was_live = live(KEYS[1], KEYS[2], KEYS[3], ARGV[1], now)
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[1])
+return was_live
+"""
+)
+
+# KEYS: totals, leases, the holder's lease; ARGV: holder.
+_DROP_LUA = _PRELUDE + "return drop(KEYS[1], KEYS[2], KEYS[3], ARGV[1])"
+
+# KEYS: totals, leases, then the lease of each holder in ARGV. Drops those that lapsed
+# (each checked again: one may have renewed since it was seen lapsed).
+_REAP_LUA = (
+    _PRELUDE
+    + """
+local now, num_dropped = now_ms(), 0
+for i, holder in ipairs(ARGV) do
+  if live(KEYS[1], KEYS[2], KEYS[2 + i], holder, now) == 0 then
+    num_dropped = num_dropped + 1
+  end
+end
+return num_dropped
+"""
+)
+
+# KEYS: totals, leases; ARGV: the fields to read. {0, lapsed holders} when some lease
+# lapsed (the caller reaps them, naming their keys, and reads again), else {1, values}.
+_READ_LUA = (
+    _PRELUDE
+    + """
+local lapsed = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now_ms(), 'LIMIT', 0, 64)
+if #lapsed > 0 then
+  return {0, lapsed}
+end
+local values = {}
+for first = 1, #ARGV, 1000 do
+  local last = math.min(first + 999, #ARGV)
+  local chunk = redis.call('HMGET', KEYS[1], unpack(ARGV, first, last))
+  for i = 1, last - first + 1 do
+    values[first + i - 1] = chunk[i] or ''
+  end
+end
+return {1, values}
+"""
+)
+
+_MAX_REAP_ROUNDS = 4
+"""Reads that may each find lapsed leases before one reads the totals as they are."""
+
+
+class RedisLedger:
+    """Shared :class:`Ledger`: the ``{inflight}`` keys of :class:`Schema` (a totals HASH,
+    a ZSET of lease expiries, a HASH per lease), changed only by Lua scripts on Redis'
+    clock. :meth:`in_flight` is one script call (two more when a lease lapsed since the
+    last read: the reap, then the read again); a load store queues the same read in its
+    own pipeline (:meth:`queue_read`, :meth:`read_reply`)."""
+
+    def __init__(self, client: RedisClient, schema: Schema | None = None) -> None:
+        self._client = client
+        self._schema = schema or Schema()
+        self._keys = [self._schema.in_flight, self._schema.leases]
+        self._slot = key_slot(self._keys[0].encode())
+        """The cluster slot of every in-flight key (one hash tag)."""
+        self._reserve = client.register_script(_RESERVE_LUA)
+        self._release = client.register_script(_RELEASE_LUA)
+        self._renew = client.register_script(_RENEW_LUA)
+        self._drop = client.register_script(_DROP_LUA)
+        self._reap = client.register_script(_REAP_LUA)
+        self._read = client.register_script(_READ_LUA)
+
+    def reserve(self, holder: str, lease_ttl_s: float, reservation: Reservation) -> bool:
+        check_name("replica id", reservation.replica)
+        args: list[str | int] = [holder, _ms(lease_ttl_s), reservation.id, reservation.replica]
+        with unavailable_on_connection_errors():
+            live = self._reserve(
+                keys=self._holder_keys(holder), args=[*args, reservation.num_tokens]
+            )
+        return bool(live)
+
+    def release(self, holder: str, reservation_id: str) -> bool:
+        with unavailable_on_connection_errors():
+            return bool(
+                self._release(keys=self._holder_keys(holder), args=[holder, reservation_id])
+            )
+
+    def renew(self, holder: str, lease_ttl_s: float) -> bool:
+        with unavailable_on_connection_errors():
+            return bool(
+                self._renew(keys=self._holder_keys(holder), args=[holder, _ms(lease_ttl_s)])
+            )
+
+    def drop(self, holder: str) -> int:
+        with unavailable_on_connection_errors():
+            return int(cast("int", self._drop(keys=self._holder_keys(holder), args=[holder])))
+
+    def in_flight(self, replicas: Sequence[str]) -> dict[str, InFlight]:
+        wanted = list(dict.fromkeys(replicas))
+        if not wanted:
+            return {}
+        with unavailable_on_connection_errors():
+            return self._read_totals(wanted, None)
+
+    def queue_read(self, pipe: Any, replicas: Sequence[str]) -> None:
+        """Queue the read of :meth:`in_flight` in ``pipe`` (the replicas given once each);
+        its reply goes to :meth:`read_reply`. A raw EVALSHA: redis-py's cluster pipeline
+        refuses ``evalsha``, and on a cluster it names the master of the ``{inflight}``
+        slot (else redis-py would ask a node for the command's keys first)."""
+        fields = _fields(replicas)
+        route: dict[str, Any] = {}
+        if isinstance(self._client, RedisCluster):
+            node = self._client.nodes_manager.get_node_from_slot(self._slot)
+            route = {"target_nodes": node}
+        pipe.execute_command("EVALSHA", self._read.sha, 2, *self._keys, *fields, **route)
+
+    def read_reply(self, reply: Any, replicas: Sequence[str]) -> dict[str, InFlight]:
+        """The totals from a reply of :meth:`queue_read`: read again when the script was
+        not loaded yet or a lease had lapsed (reaped first)."""
+        with unavailable_on_connection_errors():
+            if isinstance(reply, redis.exceptions.NoScriptError):
+                return self._read_totals(replicas, None)
+            if isinstance(reply, Exception):
+                raise reply
+            return self._read_totals(replicas, reply)
+
+    def _read_totals(self, replicas: Sequence[str], reply: Any) -> dict[str, InFlight]:
+        fields = _fields(replicas)
+        for _ in range(_MAX_REAP_ROUNDS):
+            if reply is None:
+                reply = self._read(keys=self._keys, args=fields)
+            status, values = reply
+            if status == 1:
+                return _totals(replicas, values)
+            lapsed = [h.decode() if isinstance(h, bytes) else str(h) for h in values]
+            keys = [*self._keys, *(self._schema.lease(h) for h in lapsed)]
+            self._reap(keys=keys, args=lapsed)
+            reply = None
+        logger.warning("leases keep lapsing faster than they are reaped; reading as they are")
+        return {}
+
+    def _holder_keys(self, holder: str) -> list[str]:
+        return [*self._keys, self._schema.lease(holder)]
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+def _fields(replicas: Sequence[str]) -> list[str]:
+    return [f for r in replicas for f in (r, tokens_field(r))]
+
+
+def _totals(replicas: Sequence[str], values: Sequence[bytes | str]) -> dict[str, InFlight]:
+    out: dict[str, InFlight] = {}
+    for i, replica in enumerate(replicas):
+        num_requests, num_tokens = _count(values[2 * i]), _count(values[2 * i + 1])
+        if num_requests > 0:
+            out[replica] = InFlight(num_requests, num_tokens)
+    return out
+
+
+def _count(raw: bytes | str) -> int:
+    """A stored total; 0 when absent ('') or unreadable."""
+    try:
+        return max(int(raw), 0) if raw else 0
+    except ValueError:
+        return 0
+
+
+class CircuitLedger:
+    """A :class:`Ledger` whose every call goes through a
+    :class:`~kvindex.indexer.circuit.StoreCircuit` (a skipped call raises
+    ``StoreSkippedError``, an ``IndexUnavailableError``)."""
+
+    def __init__(self, inner: Ledger, circuit: StoreCircuit) -> None:
+        self._inner = inner
+        self._circuit = circuit
+
+    def reserve(self, holder: str, lease_ttl_s: float, reservation: Reservation) -> bool:
+        return self._circuit.call(self._inner.reserve, holder, lease_ttl_s, reservation)
+
+    def release(self, holder: str, reservation_id: str) -> bool:
+        return self._circuit.call(self._inner.release, holder, reservation_id)
+
+    def renew(self, holder: str, lease_ttl_s: float) -> bool:
+        return self._circuit.call(self._inner.renew, holder, lease_ttl_s)
+
+    def drop(self, holder: str) -> int:
+        return self._circuit.call(self._inner.drop, holder)
+
+    def in_flight(self, replicas: Sequence[str]) -> dict[str, InFlight]:
+        return self._circuit.call(self._inner.in_flight, replicas)
+
+
+def new_holder() -> str:
+    """A holder id no other process has: the pid and 48 random bits."""
+    return f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+class Reservations:
+    """One holder's reservations on a :class:`Ledger`, under one lease of ``lease_ttl_s``
+    (kept by :meth:`reserve` and :meth:`renew`: renew well within it, see
+    :class:`LeaseKeeper`). Thread-safe; calls block on the ledger's I/O.
+
+    The holder remembers how many reservations it holds, so it can tell when its lease
+    lapsed with some of them (:meth:`renew` and :meth:`reserve` then report it through
+    ``on_lost``: those requests stopped counting, though they may still be running).
+    """
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        lease_ttl_s: float,
+        *,
+        holder: str | None = None,
+        on_lost: Callable[[int], None] = lambda _num: None,
+    ) -> None:
+        if not lease_ttl_s > 0:
+            raise ValueError(f"lease_ttl_s must be > 0, got {lease_ttl_s!r}")
+        self.ledger = ledger
+        self.lease_ttl_s = lease_ttl_s
+        self.holder = check_name("lease holder", holder or new_holder())
+        self._on_lost = on_lost
+        self._lock = threading.Lock()
+        self._held: set[str] = set()
+        self._unreleased: list[str] = []
+        """Releases the ledger could not take (unreachable): tried again at each renewal,
+        so a store outage does not leave them counted for as long as the lease lives."""
+
+    def reserve(self, replica: str, num_tokens: int) -> Reservation:
+        """Reserve one request of ``num_tokens`` uncached prompt tokens on ``replica``."""
+        reservation = Reservation(uuid.uuid4().hex, replica, max(0, int(num_tokens)))
+        live = self.ledger.reserve(self.holder, self.lease_ttl_s, reservation)
+        with self._lock:
+            lost = self._held if not live else set()
+            self._held = (self._held - lost) | {reservation.id}
+        if lost:
+            self._lost(len(lost))
+        return reservation
+
+    def release(self, reservation: Reservation) -> bool:
+        """Release it; False when it no longer counted (released, or its lease lapsed).
+        When the ledger cannot be reached, the release is kept and tried again at each
+        :meth:`renew` (the error is raised)."""
+        with self._lock:
+            if reservation.id not in self._held:
+                return False
+            self._held.discard(reservation.id)
+        try:
+            return self.ledger.release(self.holder, reservation.id)
+        except Exception:
+            with self._lock:
+                self._unreleased.append(reservation.id)
+            raise
+
+    def renew(self) -> bool:
+        """Make the releases that failed, then extend the lease; False when it had lapsed
+        (its reservations stopped counting)."""
+        with self._lock:
+            unreleased, self._unreleased = self._unreleased, []
+        for number, reservation_id in enumerate(unreleased):
+            try:
+                self.ledger.release(self.holder, reservation_id)
+            except Exception:
+                with self._lock:
+                    self._unreleased.extend(unreleased[number:])
+                raise
+        live = self.ledger.renew(self.holder, self.lease_ttl_s)
+        if not live:
+            with self._lock:
+                lost, self._held = len(self._held), set()
+            if lost:
+                self._lost(lost)
+        return live
+
+    def close(self) -> int:
+        """Release every reservation held and end the lease; how many were still held."""
+        with self._lock:
+            self._held, self._unreleased = set(), []
+        return self.ledger.drop(self.holder)
+
+    def num_held(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def _lost(self, num: int) -> None:
+        logger.warning(
+            "the lease of %s lapsed with %d reservations: they no longer count as in flight",
+            self.holder,
+            num,
+        )
+        self._on_lost(num)
+
+
+class LeaseKeeper:
+    """Renews a :class:`Reservations` lease every third of its TTL on the running loop
+    (in a worker thread when the ledger blocks), until :meth:`stop`. A failed renewal is
+    logged and tried again at the next turn (the lease outlives two of them)."""
+
+    def __init__(
+        self,
+        reservations: Reservations,
+        *,
+        blocking: bool,
+        on_failure: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._reservations = reservations
+        self._blocking = blocking
+        self._on_failure = on_failure
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self._task is not None:
+            raise RuntimeError("the lease keeper is already running")
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="lease-keeper")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is None:
+            return
+        task.cancel()
+        await asyncio.wait([task])
+
+    async def _run(self) -> None:
+        interval_s = self._reservations.lease_ttl_s / 3
+        while True:
+            try:
+                if self._blocking:
+                    await asyncio.to_thread(self._reservations.renew)
+                else:
+                    self._reservations.renew()
+            except Exception as exc:
+                logger.warning(
+                    "renewing the lease of %s failed: %s", self._reservations.holder, exc
+                )
+                self._on_failure()
+            await asyncio.sleep(interval_s)
