@@ -117,7 +117,11 @@ class ScoreResponse(msgspec.Struct):
     """Candidates holding at least the prompt's first block, in ``scores`` or not."""
     degraded: str | None = None
     """Set when the answer was made without the index (e.g. Redis down: load only), or on
-    the last fleet state known (the fleet's store unreadable, or it lost the fleet)."""
+    the last fleet state known (the fleet's store unreadable, or it lost the fleet), or
+    when every candidate is unhealthy (all of them are then ranked)."""
+    unhealthy: dict[str, str] = {}
+    """Candidates left out of the ranking while another one is healthy, and why (ejected by
+    health checks or a breaker; events stream down)."""
     rule: str | None = None
     """Name of the ``[[rules]]`` entry that chose the policy and weights (the first that
     matched); None when no rule matched."""
