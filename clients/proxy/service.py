@@ -6,7 +6,10 @@ does (:class:`kvindex.api.server.Service`: its own subscriber to every replica's
 with ``store = "redis"`` it reads the index, load and fleet a ``kvindex indexer`` writes, as
 ``kvindex api`` does (:func:`kvindex.api.server.api_deps`). Either way the scorer is the
 one ``/score`` uses, on the same settings (``[api]``, ``[[models]]``), and each replica's
-load is scraped from its ``/metrics`` (``api.scrape_interval_s``).
+load is scraped from its ``/metrics`` (``api.scrape_interval_s``), and its health checked
+(:mod:`kvindex.api.health_checker`) and judged by the forwards' outcomes
+(:mod:`.ejection`): an ejected replica is left out of the scorer's ranking, so never chosen
+while another one is healthy.
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ import httpx
 from starlette.applications import Starlette
 
 from kvindex.api.app import ApiDeps
+from kvindex.api.health_checker import HealthChecker
 from kvindex.api.load.scraper import MetricsScraper
 from kvindex.api.score import Scorer
 from kvindex.api.server import Service, api_deps, run_app
 from kvindex.api.settings import ApiSettings
 from kvindex.clients.proxy.app import ProxyParts, create_proxy_app
+from kvindex.clients.proxy.ejection import EjectionMetrics, ReplicaBreakers
 from kvindex.clients.proxy.forwarding import Forwarder
 from kvindex.clients.proxy.metrics import ProxyMetrics
 from kvindex.clients.proxy.settings import ProxySettings
@@ -54,19 +59,29 @@ def build_proxy_app(deps: ApiDeps, proxy: ProxySettings) -> Starlette:
         on_tokenize_failure=lambda model: metrics.tokenize_failures.labels(model).inc(),
         lora_base=api.lora_base,
     )
-    forwarder = Forwarder(proxy, metrics)
+    ejections = EjectionMetrics(metrics.registry, deps.registry, api)
+    breakers = ReplicaBreakers(
+        api, deps.registry, blocking_store=deps.blocking_store, on_ejected=ejections.ejected
+    )
+    forwarder = Forwarder(proxy, metrics, on_outcome=breakers.outcome)
     scraper = _scraper(deps, http)
+    checker = HealthChecker(
+        api, deps.registry, http, blocking_store=deps.blocking_store, on_ejected=ejections.ejected
+    )
 
     @asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         if scraper is not None:
             await scraper.start()
+        await checker.start()
         try:
             yield
         finally:
+            await checker.stop()
             if scraper is not None:
                 await scraper.stop()
             await forwarder.close()
+            await breakers.close()
             await http.aclose()
 
     parts = ProxyParts(
