@@ -163,6 +163,25 @@ class StreamView(msgspec.Struct):
     fleet's most common): its blocks can never match a request."""
 
 
+class HealthView(msgspec.Struct):
+    """A replica's health record as an operator reads it (``GET /replicas``)."""
+
+    state: str
+    """``healthy`` or ``ejected``."""
+    detail: str
+    """``healthy``, or why it is ejected (failed health checks, an open breaker)."""
+    check_failures: int
+    """Consecutive failed health checks."""
+    check_successes: int
+    """Consecutive passed health checks."""
+    checked_s_ago: float | None
+    """Seconds since its last health check ended (None: never checked)."""
+    breaker: str
+    """``closed``, ``open`` or ``half-open``."""
+    last_error: str | None
+    num_ejections: int
+
+
 class ReplicaView(msgspec.Struct):
     id: str
     model: str
@@ -174,6 +193,8 @@ class ReplicaView(msgspec.Struct):
     """Worst freshness over its streams."""
     streams: list[StreamView]
     load: LoadView | None
+    health: HealthView | None = None
+    """Its health checks and breaker (None: never judged)."""
 
 
 class ErrorBody(msgspec.Struct):
