@@ -22,7 +22,8 @@ from tests.support.redis_server import free_port
 
 MODEL = "demo-model"
 VICTIM = "r3"
-"""Not r1: the proxy tokenizes with the first replica's /tokenize."""
+"""Not r1, whose /tokenize the proxy asks: while r1 is down and not yet ejected, prompts
+are routed on load alone (tested with /score: tests/integration/test_score_health.py)."""
 pytestmark = pytest.mark.timeout(90)
 CONFIG = """
 [api]

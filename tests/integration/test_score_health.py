@@ -4,7 +4,6 @@ killed while it held the prompt, when another candidate is live."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -126,20 +125,22 @@ def test_a_replica_failing_its_health_checks_is_never_best(served: Served) -> No
     assert view["health"]["state"] == "ejected" and view["health"]["check_failures"] >= 3
 
 
-def test_a_killed_replica_holding_the_prompt_stops_being_best(
-    served: Served, tmp_path: Path
-) -> None:
+def test_a_killed_replica_holding_the_prompt_stops_being_best(served: Served) -> None:
     _holding(served, "r1")
     served.sims["r1"].kill()
     answer = served.until("r1 left out", lambda a: a["best"] == "r2")
     assert "r1" in answer["unhealthy"] and answer["degraded"] is None
-    tokens = tmp_path / "tokens.json"
-    tokens.write_text(json.dumps(TOKENS))
+    # By text: tokenized by the first replica's /tokenize, r1's until it is ejected.
     url = str(served.http.base_url).rstrip("/")
-    args = ["residency", "--url", url, "--model", MODEL, "--tokens-file", str(tokens)]
+    args = ["residency", "--url", url, "--model", MODEL, "--text", PROMPT]
+    deadline = time.monotonic() + 20
     result = CliRunner().invoke(main, args)
+    while result.exit_code != 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert "★ r2" in result.output and "left out, unhealthy: r1 (" in result.output
+    assert "· 40 tokens ·" in result.output  # tokenized: by r2, r1 being ejected
     served.sims["r2"].kill()  # every candidate unhealthy: an honest, degraded answer
     answer = served.until("none healthy", lambda a: a["degraded"] is not None)
     assert answer["degraded"].startswith("no healthy candidate, every one ranked")
