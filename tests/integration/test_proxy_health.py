@@ -14,11 +14,15 @@ from datetime import datetime
 from pathlib import Path
 
 import httpx
+import msgspec
 import openai
 import pytest
+import redis
 
+from kvindex.indexer.fleet.replica_health import ReplicaHealth
+from kvindex.indexer.redis_schema import Schema
 from tests.support.processes import Child, http_ok, kvindex_child
-from tests.support.redis_server import free_port
+from tests.support.redis_server import RedisServer, free_port
 
 MODEL = "demo-model"
 VICTIM = "r3"
@@ -151,3 +155,73 @@ def test_a_killed_replica_is_ejected_and_restored_after_passing_checks(fleet: Fl
                 break
         assert back, "the restored replica never took a request again"
         assert all(ended > restored for ended in back)
+
+
+@pytest.mark.redis_server
+def test_proxies_and_the_api_on_one_redis_agree_on_an_ejection(
+    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """Two proxies and a ``kvindex api`` next to one indexer: a killed replica is ejected
+    once, in the one record they all read, and each of them leaves it out."""
+    config = tmp_path / "kvindex.toml"
+    config.write_text(CONFIG)
+    store = ["--store", "redis", "--redis-url", redis_server.url]
+    with ExitStack() as stack:
+        sims = {rid: _sim_child(rid, tmp_path) for rid in ("r1", "r2", "r3")}
+        for child, _ in sims.values():
+            stack.callback(child.stop)
+            child.start(40)
+        args = ["indexer", *store, "--status-port", "-1", "--stats-every", "0"]
+        for _, spec in sims.values():
+            args += ["--replica", spec]
+        indexer = kvindex_child("indexer", args, tmp_path / "indexer.log", lambda: True)
+        stack.callback(indexer.stop)
+        indexer.spawn()
+        proxies = []
+        for number in range(2):
+            port = free_port()
+            command = ["proxy", "--port", str(port), *store, "--config", str(config)]
+            log = tmp_path / f"proxy{number}.log"
+            child = kvindex_child(f"proxy {number}", command, log, http_ok(port, "/readyz"))
+            stack.callback(child.stop)
+            child.start(40)
+            proxies.append(Fleet({}, child, port))
+        api_port = free_port()
+        command = ["api", "--port", str(api_port), "--redis-url", redis_server.url]
+        api = kvindex_child(
+            "api",
+            [*command, "--config", str(config)],
+            tmp_path / "api.log",
+            http_ok(api_port, "/readyz"),
+        )
+        stack.callback(api.stop)
+        api.start(40)
+        sims[VICTIM][0].kill()
+        for proxy in proxies:
+            proxy.until("the victim ejected", lambda p=proxy: p.gauge() == 1.0)
+        with httpx.Client(base_url=f"http://127.0.0.1:{api_port}", trust_env=False) as http:
+            body = {"model": MODEL, "prompt": "a b c", "dry_run": True}
+            answer = http.post("/score", json=body).json()
+        assert answer["unhealthy"][VICTIM].startswith("ejected: ")
+        assert answer["best"] != VICTIM and answer["degraded"] is None
+        raw = redis_client.hget(Schema().replica_health, VICTIM)
+        assert isinstance(raw, bytes)
+        record = msgspec.json.decode(raw, type=ReplicaHealth)
+        assert record.check_ejected and record.num_ejections == 1  # judged once, shared
+        for proxy in proxies:
+            with _client(proxy) as client:
+                assert {_answer(client, n)[0] for n in range(6)} <= {"r1", "r2"}
+
+
+def _sim_child(rid: str, tmp_path: Path) -> tuple[Child, str]:
+    http_port, events_port = free_port(), free_port()
+    args = [
+        "replica-sim", "--id", rid, "--model", MODEL, "--port", str(http_port),
+        "--events", f"tcp://127.0.0.1:{events_port}", "--bind-events", "--replay", "",
+        "--speed", "1000",
+    ]  # fmt: skip
+    child = kvindex_child(
+        f"sim {rid}", args, tmp_path / f"{rid}.log", http_ok(http_port, "/health")
+    )
+    events = f"tcp://127.0.0.1:{events_port}"
+    return child, f"id={rid},model={MODEL},url=http://127.0.0.1:{http_port},events={events}"
