@@ -426,22 +426,29 @@ class Scorer:
         statuses: dict[str, list[StreamFreshness]],
     ) -> dict[str, str]:
         """Candidates out of routing, and why: ejected (failed health checks, an open
-        breaker), or a connect-mode events stream down for ``events_down_after_s``."""
+        breaker), or a connect-mode events stream down for ``events_down_after_s``. Costs
+        two attribute reads per replica and stream while every one is healthy."""
         health = self._registry.replica_health()
-        now = self._clock()
-        policy = self._health_policy
-        down_after = self._settings.events_down_after_s
-        connecting = {r.id for r in specs if r.events is not None}
+        judged = [
+            r for r, h in health.items() if h.check_ejected or h.breaker_open_until is not None
+        ]
+        down = {r for r, streams in statuses.items() for s in streams if not s.connected}
+        if not judged and not down:
+            return {}
+        now, policy = self._clock(), self._health_policy
+        wanted = set(candidates)
         out: dict[str, str] = {}
-        for replica in candidates:
-            record = health.get(replica)
-            if record is not None and record.ejection(now, policy) is not None:
-                out[replica] = record.describe(now, policy)
-            elif replica in connecting:
-                why = _events_down(statuses.get(replica, ()), down_after)
+        for replica in judged:
+            if replica in wanted and health[replica].ejection(now, policy) is not None:
+                out[replica] = health[replica].describe(now, policy)
+        connecting = {r.id for r in specs if r.events is not None}
+        after_s = self._settings.events_down_after_s
+        for replica in down:
+            if replica in wanted and replica in connecting and replica not in out:
+                why = _events_down(statuses[replica], after_s)
                 if why is not None:
                     out[replica] = why
-        return out
+        return {r: out[r] for r in candidates if r in out}
 
     def _statuses(self) -> dict[str, list[StreamFreshness]]:
         """Every stream's freshness, by replica."""
