@@ -205,7 +205,7 @@ class RedisFleetView:
         with unavailable_on_connection_errors(), self._client.pipeline(True) as pipe:
             for _ in range(_HEALTH_ATTEMPTS):
                 try:
-                    pipe.watch(key, self._schema.replicas)  # type: ignore[no-untyped-call]
+                    pipe.watch(key, self._schema.replicas)
                     known = cast("list[bytes | None]", pipe.hmget(self._schema.replicas, replicas))
                     raw = cast("list[bytes | None]", pipe.hmget(key, replicas))
                     out: dict[str, HealthUpdate] = {}
