@@ -58,6 +58,7 @@ def build_proxy_app(deps: ApiDeps, proxy: ProxySettings) -> Starlette:
         deps.registry,
         on_tokenize_failure=lambda model: metrics.tokenize_failures.labels(model).inc(),
         lora_base=api.lora_base,
+        health_policy=api.health_policy(),
     )
     ejections = EjectionMetrics(metrics.registry, deps.registry, api)
     breakers = ReplicaBreakers(
