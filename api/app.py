@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kvindex.api.block_sizes import BlockSizeCheck
 from kvindex.api.body_limit import BodyLimit, BodyTimeoutError, BodyTooLargeError
+from kvindex.api.health_checker import HealthChecker
 from kvindex.api.load.model import Load, LoadError
 from kvindex.api.load.scraper import MetricsScraper
 from kvindex.api.load.store import LoadStore
@@ -138,7 +139,8 @@ def create_app(deps: ApiDeps) -> FastAPI:
 
 
 class _AppState:
-    """Per-app objects (scorer, metrics, HTTP client, scraper, block-size check)."""
+    """Per-app objects (scorer, metrics, HTTP client, scraper, health checker, block-size
+    check)."""
 
     def __init__(
         self, deps: ApiDeps, metrics: ApiMetrics, index: BlockIndex, block_sizes: BlockSizeCheck
@@ -170,6 +172,9 @@ class _AppState:
                 timeout_s=deps.settings.scrape_timeout_s,
                 on_failure=lambda replica: metrics.scrape_failures.labels(replica).inc(),
             )
+        self.health_checker = HealthChecker(
+            deps.settings, deps.registry, self.http, blocking_store=deps.blocking_store
+        )
 
     @classmethod
     def build(cls, deps: ApiDeps) -> _AppState:
@@ -188,6 +193,7 @@ class _AppState:
     async def start(self) -> None:
         if self.scraper is not None:
             await self.scraper.start()
+        await self.health_checker.start()
         self._block_size_task = asyncio.create_task(self._check_block_sizes())
 
     async def stop(self) -> None:
@@ -196,6 +202,7 @@ class _AppState:
             await asyncio.wait([self._block_size_task])
         if self.scraper is not None:
             await self.scraper.stop()
+        await self.health_checker.stop()
         await self.http.aclose()
 
     async def _check_block_sizes(self) -> None:
@@ -344,7 +351,13 @@ def _replica_routes(router: APIRouter, state: _AppState) -> None:
     )
     async def replicas() -> Response:
         views = await _call(
-            state, replica_views, registry, state.index, state.deps.loads, state.block_sizes
+            state,
+            replica_views,
+            registry,
+            state.index,
+            state.deps.loads,
+            state.block_sizes,
+            state.deps.settings.health_policy(),
         )
         return _json(views)
 

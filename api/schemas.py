@@ -117,7 +117,11 @@ class ScoreResponse(msgspec.Struct):
     """Candidates holding at least the prompt's first block, in ``scores`` or not."""
     degraded: str | None = None
     """Set when the answer was made without the index (e.g. Redis down: load only), or on
-    the last fleet state known (the fleet's store unreadable, or it lost the fleet)."""
+    the last fleet state known (the fleet's store unreadable, or it lost the fleet), or
+    when every candidate is unhealthy (all of them are then ranked)."""
+    unhealthy: dict[str, str] = {}
+    """Candidates left out of the ranking while another one is healthy, and why (ejected by
+    health checks or a breaker; events stream down)."""
     rule: str | None = None
     """Name of the ``[[rules]]`` entry that chose the policy and weights (the first that
     matched); None when no rule matched."""
@@ -159,6 +163,25 @@ class StreamView(msgspec.Struct):
     fleet's most common): its blocks can never match a request."""
 
 
+class HealthView(msgspec.Struct):
+    """A replica's health record as an operator reads it (``GET /replicas``)."""
+
+    state: str
+    """``healthy`` or ``ejected``."""
+    detail: str
+    """``healthy``, or why it is ejected (failed health checks, an open breaker)."""
+    check_failures: int
+    """Consecutive failed health checks."""
+    check_successes: int
+    """Consecutive passed health checks."""
+    checked_s_ago: float | None
+    """Seconds since its last health check ended (None: never checked)."""
+    breaker: str
+    """``closed``, ``open`` or ``half-open``."""
+    last_error: str | None
+    num_ejections: int
+
+
 class ReplicaView(msgspec.Struct):
     id: str
     model: str
@@ -170,6 +193,8 @@ class ReplicaView(msgspec.Struct):
     """Worst freshness over its streams."""
     streams: list[StreamView]
     load: LoadView | None
+    health: HealthView | None = None
+    """Its health checks and breaker (None: never judged)."""
 
 
 class ErrorBody(msgspec.Struct):

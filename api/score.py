@@ -60,10 +60,11 @@ from kvindex.indexer.keys import BlockKeyError, block_keys
 _KEY_LIMIT = 2**64
 
 
-DEGRADED_REASONS = ("index_unavailable", "fleet_unreadable")
+DEGRADED_REASONS = ("index_unavailable", "fleet_unreadable", "no_healthy_candidate")
 """Why an answer can be ``degraded``: the index store could not be read (the answer uses
-load alone), or the fleet state could not be (it uses the last one read). Each degraded
-answer reports each of its reasons once to the scorer's ``on_degraded``."""
+load alone), the fleet state could not be (it uses the last one read), or every candidate
+is unhealthy (all of them are ranked, rather than none). Each degraded answer reports each
+of its reasons once to the scorer's ``on_degraded``."""
 
 
 class RequestError(KvIndexError):
@@ -151,6 +152,7 @@ class Scorer:
         self._streams_memo: tuple[_StreamsBasis, _Streams] | None = None
         self._answers: list[str] = []
         """Answers made since the last load read: counted in the store by the next read."""
+        self._health_policy = settings.health_policy()
 
     def note_load(self, replica: str, load: Load) -> None:
         """Remember a load this process accepted (``POST /load``), so that an answer made
@@ -190,13 +192,17 @@ class Scorer:
         rule = self._rule(request, num_tokens, headers or {})
         weights = self._weights(request, rule)
         policy = self._policy(request, rule)
-        lookup, loads = await self._read(keys, self._streams(candidates, specs), candidates)
-        seen = _Seen(lookup, loads, self._statuses(), self._clock())
-        cands = [seen.candidate(r) for r in candidates]
+        statuses = self._statuses()
+        unhealthy = self._unhealthy(candidates, specs, statuses)
+        ranked = [r for r in candidates if r not in unhealthy] or candidates
+        lookup, loads = await self._read(keys, self._streams(ranked, specs), ranked)
+        seen = _Seen(lookup, loads, statuses, self._clock())
+        cands = [seen.candidate(r) for r in ranked]
         decision = self._decide(policy, cands, keys, request, weights)
         if not request.dry_run:
             self._note_routed(decision.best, loads)
-        degraded = self._degraded(lookup.degraded, outage)
+        no_healthy = _no_healthy(unhealthy) if unhealthy and ranked is candidates else None
+        degraded = self._degraded(lookup.degraded, outage, no_healthy)
         return ScoreResponse(
             model=request.model,
             block_size=block_size,
@@ -210,15 +216,15 @@ class Scorer:
             num_matched=lookup.num_matched(),
             degraded=degraded,
             rule=rule.name if rule is not None else None,
+            unhealthy=unhealthy,
         )
 
-    def _degraded(self, index_outage: str | None, fleet_outage: str | None) -> str | None:
+    def _degraded(
+        self, index_outage: str | None, fleet_outage: str | None, no_healthy: str | None
+    ) -> str | None:
         """Why the answer is degraded (None: it is not); each reason reported once."""
-        degraded = {
-            r: why
-            for r, why in zip(DEGRADED_REASONS, (index_outage, fleet_outage), strict=True)
-            if why
-        }
+        whys = (index_outage, fleet_outage, no_healthy)
+        degraded = {r: why for r, why in zip(DEGRADED_REASONS, whys, strict=True) if why}
         for reason in degraded:
             self._on_degraded(reason)
         return "; ".join(degraded.values()) or None
@@ -416,6 +422,37 @@ class Scorer:
                 self.note_load(replica, load)
         return loads
 
+    def _unhealthy(
+        self,
+        candidates: Sequence[str],
+        specs: Sequence[ReplicaSpec],
+        statuses: dict[str, list[StreamFreshness]],
+    ) -> dict[str, str]:
+        """Candidates out of routing, and why: ejected (failed health checks, an open
+        breaker), or a connect-mode events stream down for ``events_down_after_s``. Costs
+        two attribute reads per replica and stream while every one is healthy."""
+        health = self._registry.replica_health()
+        judged = [
+            r for r, h in health.items() if h.check_ejected or h.breaker_open_until is not None
+        ]
+        down = {r for r, streams in statuses.items() for s in streams if not s.connected}
+        if not judged and not down:
+            return {}
+        now, policy = self._clock(), self._health_policy
+        wanted = set(candidates)
+        out: dict[str, str] = {}
+        for replica in judged:
+            if replica in wanted and health[replica].ejection(now, policy) is not None:
+                out[replica] = health[replica].describe(now, policy)
+        connecting = {r.id for r in specs if r.events is not None}
+        after_s = self._settings.events_down_after_s
+        for replica in down:
+            if replica in wanted and replica in connecting and replica not in out:
+                why = _events_down(statuses[replica], after_s)
+                if why is not None:
+                    out[replica] = why
+        return {r: out[r] for r in candidates if r in out}
+
     def _statuses(self) -> dict[str, list[StreamFreshness]]:
         """Every stream's freshness, by replica."""
         out: dict[str, list[StreamFreshness]] = {}
@@ -503,6 +540,26 @@ class _Seen:
             terms=scored.terms,
             score=scored.score,
         )
+
+
+def _events_down(statuses: Sequence[StreamFreshness], after_s: float) -> str | None:
+    """Why a connect-mode replica's events are down (None: they are not): a stream never
+    connected nor heard from, or disconnected and silent for ``after_s`` (its blocks cannot
+    be vouched for, and the replica is most likely gone)."""
+    for status in statuses:
+        if status.connected:
+            continue
+        gone, silent = status.disconnected_s, status.silent_s
+        if gone is None and silent is None:
+            return "events stream never connected"
+        if gone is not None and gone >= after_s and (silent is None or silent >= after_s):
+            return f"events stream disconnected {gone:.1f}s"
+    return None
+
+
+def _no_healthy(unhealthy: dict[str, str]) -> str:
+    whys = "; ".join(f"{replica}: {why}" for replica, why in sorted(unhealthy.items()))
+    return f"no healthy candidate, every one ranked ({whys})"
 
 
 def _tier_counts(tiers: tuple[Tier, ...]) -> dict[str, int]:

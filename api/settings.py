@@ -46,6 +46,7 @@ from kvindex.api.policies import Policy, ScoringError, Weights
 from kvindex.api.routing_rules import RoutingRule, rule_from_table
 from kvindex.api.url_policy import UrlPolicy
 from kvindex.indexer.errors import SettingsError
+from kvindex.indexer.fleet.replica_health import HealthPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +132,26 @@ class ApiSettings:
     access_log: bool = False
     """Log one line per HTTP request (logger ``kvindex.access``: method, path, status,
     milliseconds), in the process's log format (``--access-log``)."""
+    health_check_interval_s: float = 2.0
+    """Check every replica's ``health_check_path`` this often (0: never); processes sharing
+    a Redis check each replica once a round between them."""
+    health_check_timeout_s: float = 1.0
+    """Timeout of one health check (connect to last byte); a timeout is a failure."""
+    health_check_path: str = "/health"
+    """Path appended to a replica's ``url`` for its health check (vLLM serves ``/health``)."""
+    unhealthy_threshold: int = 3
+    """Consecutive failed health checks that eject a replica from routing."""
+    healthy_threshold: int = 2
+    """Consecutive passed health checks that restore an ejected replica."""
+    breaker_failures: int = 5
+    """Consecutive failed forwards (connect error, 5xx) that open a replica's breaker in
+    ``kvindex proxy``: the replica is out of routing for ``breaker_cooldown_s``."""
+    breaker_cooldown_s: float = 10.0
+    """An open breaker's cool-down; then the replica takes requests again and the next
+    answer closes the breaker (success) or reopens it (failure)."""
+    events_down_after_s: float = 2.0
+    """A replica whose events stream (connect mode) has been disconnected this long, or
+    never connected, is out of routing while another candidate is healthy."""
 
     def __post_init__(self) -> None:
         _check_policy("api.default_policy", self.default_policy)
@@ -145,6 +166,7 @@ class ApiSettings:
         _check_number("api.header_timeout_s", self.header_timeout_s, _POSITIVE)
         _check_number("api.redis_timeout_s", self.redis_timeout_s, _POSITIVE)
         _check_number("api.redis_cooldown_s", self.redis_cooldown_s, _POSITIVE)
+        self._check_health()
         if not isinstance(self.access_log, bool):
             raise SettingsError(f"api.access_log must be true or false, got {self.access_log!r}")
         names = [m.name for m in self.models]
@@ -157,6 +179,31 @@ class ApiSettings:
         if len(rule_names) != len(set(rule_names)):
             raise SettingsError(f"rules: duplicate names in {rule_names}")
         self.url_policy()
+
+    def _check_health(self) -> None:
+        _check_number("api.health_check_interval_s", self.health_check_interval_s, _NON_NEGATIVE)
+        _check_number("api.health_check_timeout_s", self.health_check_timeout_s, _POSITIVE)
+        _check_number("api.unhealthy_threshold", self.unhealthy_threshold, _POSITIVE_INT)
+        _check_number("api.healthy_threshold", self.healthy_threshold, _POSITIVE_INT)
+        _check_number("api.breaker_failures", self.breaker_failures, _POSITIVE_INT)
+        _check_number("api.breaker_cooldown_s", self.breaker_cooldown_s, _POSITIVE)
+        _check_number("api.events_down_after_s", self.events_down_after_s, _NON_NEGATIVE)
+        path = self.health_check_path
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise SettingsError(f"api.health_check_path must start with '/', got {path!r}")
+
+    def health_policy(self) -> HealthPolicy:
+        """The health thresholds; a check verdict is trusted for three intervals (at least
+        10 s), so one no process renews any more stops ejecting its replica."""
+        return HealthPolicy(
+            unhealthy_threshold=self.unhealthy_threshold,
+            healthy_threshold=self.healthy_threshold,
+            breaker_failures=self.breaker_failures,
+            breaker_cooldown_s=self.breaker_cooldown_s,
+            verdict_ttl_s=max(
+                10.0, 3 * (self.health_check_interval_s + self.health_check_timeout_s)
+            ),
+        )
 
     def url_policy(self) -> UrlPolicy:
         """The replica URL policy of ``replica_networks`` (SettingsError names a bad one)."""

@@ -15,6 +15,7 @@ from kvindex.api.load.store import LoadStore
 from kvindex.api.schemas import (
     ConfigView,
     FreshnessView,
+    HealthView,
     LoadView,
     ModelView,
     ReplicaView,
@@ -25,12 +26,17 @@ from kvindex.api.score import Scorer
 from kvindex.api.settings import ApiSettings
 from kvindex.indexer.events import Tier
 from kvindex.indexer.fleet.registry import RegistryView, StreamStatus, fleet_totals
+from kvindex.indexer.fleet.replica_health import HealthPolicy, ReplicaHealth
 from kvindex.indexer.health import StreamCounters
 from kvindex.indexer.index.protocol import BlockIndex
 
 
 def replica_views(
-    registry: RegistryView, index: BlockIndex, loads: LoadStore, block_sizes: BlockSizeCheck
+    registry: RegistryView,
+    index: BlockIndex,
+    loads: LoadStore,
+    block_sizes: BlockSizeCheck,
+    policy: HealthPolicy | None = None,
 ) -> list[ReplicaView]:
     """``GET /replicas``: every replica with its streams (in the registry's order, each
     with its block size, flagged when not its model's) and its load; a replica's state is
@@ -40,6 +46,8 @@ def replica_views(
     replica_to_load = loads.get_many([r.id for r in specs])
     all_statuses = registry.statuses()
     mismatched = block_sizes.mismatches(all_statuses, specs)
+    health = registry.replica_health()
+    now = time.time()
     statuses: dict[str, list[StreamStatus]] = {}
     for status in all_statuses:
         statuses.setdefault(status.stream.replica, []).append(status)
@@ -60,9 +68,31 @@ def replica_views(
                 state=_worst([s.freshness.state for s in streams]),
                 streams=streams,
                 load=_load_view(replica_to_load.get(spec.id)),
+                health=_health_view(health.get(spec.id), now, policy or HealthPolicy()),
             )
         )
     return views
+
+
+def _health_view(
+    record: ReplicaHealth | None, now: float, policy: HealthPolicy
+) -> HealthView | None:
+    if record is None:
+        return None
+    breaker = "closed"
+    if record.breaker_open_until is not None:
+        breaker = "half-open" if record.half_open(now) else "open"
+    checked = record.checked_at
+    return HealthView(
+        state="healthy" if record.ejection(now, policy) is None else "ejected",
+        detail=record.describe(now, policy),
+        check_failures=record.check_failures,
+        check_successes=record.check_successes,
+        checked_s_ago=None if checked is None else max(0.0, now - checked),
+        breaker=breaker,
+        last_error=record.last_error,
+        num_ejections=record.num_ejections,
+    )
 
 
 def stream_view(index: BlockIndex, status: StreamStatus, *, mismatch: bool = False) -> StreamView:

@@ -33,6 +33,11 @@ Layout (``<p>`` = configurable prefix, ``<v>`` = :data:`SCHEMA_VERSION`)::
                                           (JSON ``StreamRecord``: wall-clock timestamps, counters,
                                           block size) and when it was written; ``#unrouted``
                                           → the bound SUB's frames that reached no stream
+    <p>:<v>:{fleet}:health          HASH  replica id → its ReplicaHealth (JSON): active-check
+                                          and breaker verdicts, written by API and proxy
+                                          processes (``kvindex.indexer.fleet.view``)
+    <p>:<v>:health:<replica id>     STRING set (NX, expiring within a check interval) by the
+                                          process that health-checks the replica this round
 
 Why 6-byte fields: Redis allocates a short string in 8- or 16-byte size classes, and an
 8-byte field (with its header) lands in 16 while 6 bytes fit in 8 — 8 bytes saved per block
@@ -43,8 +48,8 @@ whole 8-byte keys, because chaining a child block needs its parent's full key.
 The in-flight keys share the hash tag ``{inflight}``: a reservation, a release and a lapsed
 lease's removal are each one single-slot script.
 
-The two fleet hashes share the hash tag ``{fleet}``: removing a replica drops its spec and
-its streams' statuses in one script.
+The fleet hashes share the hash tag ``{fleet}``: removing a replica drops its spec, its
+streams' statuses and its health record in one script.
 
 Everything one batch touches shares the stream's hash tag ``{<replica>/<rank>}``, so the
 layout runs unchanged on Redis Cluster: a batch is one single-slot script, and clearing a
@@ -146,6 +151,15 @@ class Schema:
     def stream_status(self) -> str:
         """The HASH "replica/rank" → ``kvindex.indexer.fleet.sync.StreamRecord`` as JSON."""
         return f"{self.root}:{{fleet}}:status"
+
+    @property
+    def replica_health(self) -> str:
+        """The HASH replica id → ``kvindex.indexer.fleet.replica_health.ReplicaHealth``."""
+        return f"{self.root}:{{fleet}}:health"
+
+    def health_claim(self, replica: str) -> str:
+        """A short-lived key: the process that set it health-checks ``replica`` this round."""
+        return f"{self.root}:health:{replica}"
 
     def stream(self, stream: StreamId) -> StreamKeys:
         tag = f"{self.root}:{{{stream}}}"

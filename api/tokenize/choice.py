@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -89,37 +91,77 @@ def build_tokenizer(spec: TokenizerSpec, client: httpx.AsyncClient) -> Tokenizer
     return CachingTokenizer(inner, spec.cache_entries)
 
 
+_RECHECK_S = 1.0
+"""How often a model's tokenizer looks whether the replica it asks was ejected."""
+
+
 class ModelTokenizers:
     """The tokenizer of each model, chosen by one rule and built on first use.
 
     The rule: the model's ``[[models]] tokenizer`` path, read in-process; else (``"replica"``
     or nothing configured) the ``/tokenize`` of the first registered replica of the model
-    that has a URL, with ``api.scrape_timeout_s`` per call; else None (the request must send
+    that has a URL and is not ejected (by its health checks or a breaker: else the first
+    with a URL), with ``api.scrape_timeout_s`` per call; else None (the request must send
     token ids or block keys). Both are cached (``api.tokenizer_cache_entries``).
 
     A model's answer, None included, is kept until :meth:`forget` (call it when a replica of
-    the model is registered or removed: the replica asked may change). A build that raises
+    the model is registered or removed: the replica asked may change), or until the replica
+    it asks is ejected (another one is then asked, if there is one). A build that raises
     :class:`TokenizerError` (an unreadable file) is not kept: the next request tries again.
     The caller owns ``client``. Use from one event loop (no lock).
     """
 
     def __init__(
-        self, settings: ApiSettings, registry: RegistryView, client: httpx.AsyncClient
+        self,
+        settings: ApiSettings,
+        registry: RegistryView,
+        client: httpx.AsyncClient,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        self._clock = clock
         self._settings = settings
         self._registry = registry
         self._client = client
-        self._model_to_tokenizer: dict[str, Tokenizer | None] = {}
+        self._model_to_tokenizer: dict[str, tuple[str | None, Tokenizer | None]] = {}
+        """Per model: the replica its tokenizer asks (None: none asked), the tokenizer."""
+        self._recheck_at: dict[str, float] = {}
+        """Per model: when to look again whether the replica asked was ejected."""
+        self._policy = settings.health_policy()
 
     def tokenizer(self, model: str) -> Tokenizer | None:
         """The model's tokenizer by the rule, or None when it has none."""
-        if model not in self._model_to_tokenizer:
-            self._model_to_tokenizer[model] = self._build(model)
-        return self._model_to_tokenizer[model]
+        kept = self._model_to_tokenizer.get(model)
+        if kept is not None and (kept[0] is None or self._clock() < self._recheck_at[model]):
+            return kept[1]
+        self._recheck_at[model] = self._clock() + _RECHECK_S
+        ejected = self._ejected()
+        if kept is not None and kept[0] not in ejected:
+            return kept[1]
+        replica = self._replica_asked(model, ejected)
+        # Every replica ejected: keep the one asked (another would be no better).
+        if kept is None or (replica != kept[0] and replica not in ejected):
+            kept = self._model_to_tokenizer[model] = (replica, self._build(model))
+        return kept[1]
 
     def forget(self, model: str) -> None:
         """Choose the model's tokenizer again at its next request (a no-op if never chosen)."""
         self._model_to_tokenizer.pop(model, None)
+        self._recheck_at.pop(model, None)
+
+    def _ejected(self) -> set[str]:
+        """Replicas ejected now (failed health checks, an open breaker)."""
+        now = self._clock()
+        health = self._registry.replica_health()
+        return {r for r, h in health.items() if h.ejection(now, self._policy) is not None}
+
+    def _replica_asked(self, model: str, ejected: set[str]) -> str | None:
+        """The replica whose ``/tokenize`` the rule picks for ``model`` (None: none)."""
+        configured = self._settings.model(model)
+        if configured is not None and configured.tokenizer not in (None, "replica"):
+            return None
+        serving = [r.id for r in self._registry.replicas() if r.model == model and r.url]
+        healthy = [r for r in serving if r not in ejected]
+        return next(iter(healthy or serving), None)
 
     def spec(self, model: str) -> TokenizerSpec | None:
         """The spec the rule picks for ``model`` now, or None (nothing to tokenize with)."""
@@ -128,12 +170,13 @@ class ModelTokenizers:
         entries = settings.tokenizer_cache_entries
         if configured is not None and configured.tokenizer not in (None, "replica"):
             return TokenizerSpec(kind="local", path=configured.tokenizer, cache_entries=entries)
-        urls = [r.url for r in self._registry.replicas() if r.model == model and r.url]
-        if not urls:
+        replica = self._replica_asked(model, self._ejected())
+        spec = None if replica is None else self._registry.get(replica)
+        if spec is None or spec.url is None:
             return None
         return TokenizerSpec(
             kind="replica",
-            base_url=urls[0],
+            base_url=spec.url,
             model=model,
             timeout_s=settings.scrape_timeout_s,
             cache_entries=entries,

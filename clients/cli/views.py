@@ -31,6 +31,7 @@ from rich.text import Text
 
 from kvindex.api.schemas import (
     FreshnessView,
+    HealthView,
     LoadView,
     ReplicaView,
     ScoreEntry,
@@ -153,6 +154,16 @@ def _load_numbers(load: LoadView) -> str:
     return f"run {load.running:g} wait {load.waiting:g} kv {load.kv_usage:.0%}"
 
 
+def format_health(health: HealthView | None) -> str:
+    """``healthy`` (``-`` when never judged), or why the replica is ejected; a half-open
+    breaker says so."""
+    if health is None:
+        return "-"
+    if health.state == "healthy" and health.breaker == "half-open":
+        return "healthy (breaker half-open)"
+    return health.detail
+
+
 def format_tiers(tiers: dict[str, int]) -> str:
     """``gpu/cpu/other`` counts: ``4/0/0``."""
     return "/".join(str(tiers.get(tier, 0)) for tier in TIERS)
@@ -166,8 +177,9 @@ def _marked(entry: ScoreEntry, best: str | None) -> Text:
 
 def heading(answer: ScoreResponse) -> Text:
     """The line above a score answer's table: model, prompt size, policy (and the
-    ``[[rules]]`` entry that chose it, if one did), best replica
-    (how many candidates the answer leaves out, if any; why it is degraded, if it is).
+    ``[[rules]]`` entry that chose it, if one did), best replica (how many candidates the
+    answer leaves out, if any; the unhealthy ones left out of the ranking, and why; why it
+    is degraded, if it is).
     Printed on its own, not as the table's title, so that it wraps at the console's width
     rather than the table's."""
     title = (
@@ -181,6 +193,9 @@ def heading(answer: ScoreResponse) -> Text:
             f" · top {len(answer.scores)} of {answer.num_candidates} candidates"
             f" ({answer.num_matched} matched; --top-k 0 for all)"
         )
+    if answer.unhealthy and answer.degraded is None:  # degraded: the reason names them
+        left_out = ", ".join(f"{r} ({why})" for r, why in sorted(answer.unhealthy.items()))
+        title += f" · left out, unhealthy: {left_out}"
     return Text(title if answer.degraded is None else f"{title} · DEGRADED: {answer.degraded}")
 
 
@@ -300,7 +315,7 @@ def render_replicas(views: list[ReplicaView], wide: bool = False) -> list[Any]:
 def _model_table(model: str, views: list[ReplicaView], wide: bool) -> Table:
     ends = ("dp", "url", "events", "replay") if wide else ()
     table = make_table(
-        *(column(name) for name in ("id", "state", "streams", "load", *ends)),
+        *(column(name) for name in ("id", "state", "health", "streams", "load", *ends)),
         title=f"{model} · {len(views)} replica{'s' if len(views) > 1 else ''}",
     )
     for view in views:
@@ -308,6 +323,7 @@ def _model_table(model: str, views: list[ReplicaView], wide: bool) -> Table:
         table.add_row(
             view.id,
             view.state,
+            format_health(view.health),
             _streams_cell(view, wide),
             format_load(view.load) if wide else format_load_short(view.load),
             *(endpoints if wide else []),
@@ -547,8 +563,8 @@ def score(
 @_wide_option
 @_json_option
 def replicas(*, url: str, token: str | None, wide: bool, as_json: bool) -> None:
-    """Registered replicas: state, streams (seq, blocks per tier, lag) and load; ``--wide``
-    adds their endpoints."""
+    """Registered replicas: state, health (ejected by health checks or a breaker), streams
+    (seq, blocks per tier, lag) and load; ``--wide`` adds their endpoints."""
     with connected(url, token) as client:
         views = client.replicas()
     _show(views, as_json, lambda _console: render_replicas(views, wide), wide=wide)

@@ -188,7 +188,10 @@ class Forwarder:
     """Sends requests upstream, one pooled HTTP client per replica URL, made at its first
     request and owned (:meth:`close`). One pool per replica because httpcore scans every
     connection of a pool at each request: a fleet-wide pool costs more per request the
-    larger the fleet. ``transport`` replaces the network transport (tests)."""
+    larger the fleet. ``transport`` replaces the network transport (tests).
+    ``on_outcome(replica, ok, what)`` hears of the attempts' outcomes (a connect error, a
+    broken answer or a 5xx is a failure, an answer below 500 a success; a timeout or a
+    retried 408/429 is neither): the replicas' breakers."""
 
     def __init__(
         self,
@@ -196,13 +199,16 @@ class Forwarder:
         metrics: ProxyMetrics,
         transport: httpx.AsyncBaseTransport | None = None,
         retry: RetryPolicy | None = None,
+        *,
         desk: ReservationDesk | None = None,
+        on_outcome: Callable[[str, bool, str], None] = lambda _replica, _ok, _what: None,
     ) -> None:
         self._settings = settings
         self._metrics = metrics
         self._transport = transport
         self._retry = retry or RetryPolicy(settings)
         self._desk = desk or ReservationDesk(None, metrics, blocking=False)
+        self._on_outcome = on_outcome
         self._url_to_client: dict[str, httpx.AsyncClient] = {}
         # The head's and the chunks' waits are bounded on the loop (first byte, idle);
         # httpx's read timeout is only the backstop of both.
@@ -306,6 +312,8 @@ class Forwarder:
                 await response.aclose()
                 await dispatch.release("error")
                 continue
+            status = response.status_code
+            self._on_outcome(upstream.replica, status < 500, f"status_{status}")
             return Opened(upstream, response, dispatch)
         raise UpstreamFailedError(f"no replica answered: {'; '.join(failures) or 'none to try'}")
 
@@ -360,6 +368,8 @@ class Forwarder:
         self, upstream: Upstream, kind: str, failures: list[str], exc: Exception | None = None
     ) -> None:
         self._metrics.upstream_errors.labels(upstream.replica, kind).inc()
+        if kind in ("connect", "protocol") or kind.startswith("status_5"):
+            self._on_outcome(upstream.replica, False, kind)
         failures.append(f"{upstream.replica}: {kind}" + (f" ({exc!r})" if exc else ""))
 
 

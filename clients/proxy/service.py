@@ -9,7 +9,10 @@ one ``/score`` uses, on the same settings (``[api]``, ``[[models]]``), and each 
 load is scraped from its ``/metrics`` (``api.scrape_interval_s``). The requests it sends are
 reserved in that load store's ledger under the proxy's lease (``proxy.lease_ttl_s``,
 renewed by a :class:`~kvindex.api.load.reservations.LeaseKeeper`), so other proxies and
-``/score`` on the same Redis count them.
+``/score`` on the same Redis count them. Each replica's health is checked
+(:mod:`kvindex.api.health_checker`) and judged by the forwards' outcomes (:mod:`.ejection`):
+an ejected replica is left out of the scorer's ranking, so never chosen while another one is
+healthy.
 """
 
 from __future__ import annotations
@@ -22,12 +25,14 @@ import httpx
 from starlette.applications import Starlette
 
 from kvindex.api.app import ApiDeps
+from kvindex.api.health_checker import HealthChecker
 from kvindex.api.load.reservations import LeaseKeeper, Reservations
 from kvindex.api.load.scraper import MetricsScraper
 from kvindex.api.score import Scorer
 from kvindex.api.server import Service, api_deps, run_app
 from kvindex.api.settings import ApiSettings
 from kvindex.clients.proxy.app import ProxyParts, create_proxy_app
+from kvindex.clients.proxy.ejection import EjectionMetrics, ReplicaBreakers
 from kvindex.clients.proxy.forwarding import Forwarder, ReservationDesk
 from kvindex.clients.proxy.metrics import ProxyMetrics
 from kvindex.clients.proxy.settings import ProxySettings
@@ -57,17 +62,25 @@ def build_proxy_app(deps: ApiDeps, proxy: ProxySettings) -> Starlette:
         deps.registry,
         on_tokenize_failure=lambda model: metrics.tokenize_failures.labels(model).inc(),
         lora_base=api.lora_base,
+        health_policy=api.health_policy(),
     )
     reservations = Reservations(
         deps.loads.ledger, proxy.lease_ttl_s, on_lost=metrics.reservations_lost.inc
     )
     desk = ReservationDesk(reservations, metrics, blocking=deps.blocking_store)
-    forwarder = Forwarder(proxy, metrics, desk=desk)
+    ejections = EjectionMetrics(metrics.registry, deps.registry, api)
+    breakers = ReplicaBreakers(
+        api, deps.registry, blocking_store=deps.blocking_store, on_ejected=ejections.ejected
+    )
+    forwarder = Forwarder(proxy, metrics, desk=desk, on_outcome=breakers.outcome)
     scraper = _scraper(deps, http)
     keeper = LeaseKeeper(
         reservations,
         blocking=deps.blocking_store,
         on_failure=metrics.reservation_failures.labels("renew").inc,
+    )
+    checker = HealthChecker(
+        api, deps.registry, http, blocking_store=deps.blocking_store, on_ejected=ejections.ejected
     )
 
     @asynccontextmanager
@@ -75,14 +88,17 @@ def build_proxy_app(deps: ApiDeps, proxy: ProxySettings) -> Starlette:
         if scraper is not None:
             await scraper.start()
         await keeper.start()
+        await checker.start()
         try:
             yield
         finally:
+            await checker.stop()
             if scraper is not None:
                 await scraper.stop()
             await keeper.stop()
             await desk.close()  # after the drain: what is still reserved is released
             await forwarder.close()
+            await breakers.close()
             await http.aclose()
 
     parts = ProxyParts(

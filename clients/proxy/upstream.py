@@ -16,6 +16,7 @@ goes to any replica with a ``url``, in turn (:meth:`UpstreamPicker.choose_any`).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ from kvindex.api.score import Scorer, UnknownModelError
 from kvindex.api.tokenize.protocol import TokenizerError
 from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.fleet.registry import RegistryView
+from kvindex.indexer.fleet.replica_health import HealthPolicy
 
 logger = logging.getLogger("kvindex.proxy")
 SESSION_HEADER = "x-kvindex-session"
@@ -65,6 +67,8 @@ class UpstreamPicker:
     ``on_tokenize_failure(model)`` is told when a prompt could not be tokenized (the
     replica asked is down, say): the request is then ranked on load alone, never refused.
     ``lora_base(name)`` names the base model of a LoRA adapter (None: ``name`` is none).
+    ``health_policy`` judges the replicas' health records for :meth:`choose_any` (the
+    scorer leaves the ejected ones out of :meth:`choose` itself).
     """
 
     def __init__(
@@ -74,8 +78,10 @@ class UpstreamPicker:
         *,
         on_tokenize_failure: Any = lambda _model: None,
         lora_base: Callable[[str], str | None] = lambda _name: None,
+        health_policy: HealthPolicy | None = None,
     ) -> None:
         self._scorer = scorer
+        self._health_policy = health_policy or HealthPolicy()
         self._registry = registry
         self._on_tokenize_failure = on_tokenize_failure
         self._lora_base = lora_base
@@ -106,11 +112,15 @@ class UpstreamPicker:
         return Choice(upstreams, _matched_fraction(answer))
 
     def choose_any(self) -> Choice:
-        """Every replica with a ``url``, starting one further each call (NoUpstreamError:
-        none has one)."""
+        """Every replica with a ``url`` but the ejected ones (all of them when every one
+        is), starting one further each call (NoUpstreamError: none has one)."""
         upstreams = [Upstream(r.id, r.url) for r in self._registry.replicas() if r.url]
         if not upstreams:
             raise NoUpstreamError("no replica has a url to forward to")
+        now, health = time.time(), self._registry.replica_health()
+        policy = self._health_policy
+        ejected = {r for r, h in health.items() if h.ejection(now, policy) is not None}
+        upstreams = [u for u in upstreams if u.replica not in ejected] or upstreams
         start = self._turn % len(upstreams)
         self._turn += 1
         return Choice(tuple(upstreams[start:] + upstreams[:start]), None)

@@ -19,6 +19,7 @@ from typing import NamedTuple, Protocol
 
 from kvindex.indexer.events import StreamId, Tier
 from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.fleet.replica_health import HEALTHY, ReplicaHealth
 from kvindex.indexer.health import StreamCounters, StreamHealth, StreamReport, UnroutedCounters
 from kvindex.indexer.index.protocol import BlockIndex
 
@@ -49,10 +50,22 @@ class StreamFreshness(NamedTuple):
     freshness: Freshness
     lag_s: float | None
     silent_s: float | None
+    connected: bool = True
+    """Its socket is connected (connect mode); bind-mode streams read False."""
+    disconnected_s: float | None = None
+    """Seconds since the socket monitor said it disconnected (None: connected, or never
+    connected)."""
+
+
+HealthChange = Callable[[ReplicaHealth], ReplicaHealth]
+"""A pure change of a replica's health record (``ReplicaHealth.after_check`` and co.)."""
+HealthUpdate = tuple[ReplicaHealth, ReplicaHealth]
+"""A record before and after a change."""
 
 
 class Registry:
-    """Thread-safe map of replica id → spec, plus one health record per stream."""
+    """Thread-safe map of replica id → spec, plus one health record per stream and one
+    :class:`~kvindex.indexer.fleet.replica_health.ReplicaHealth` per replica."""
 
     def __init__(
         self,
@@ -68,6 +81,7 @@ class Registry:
         self._clock = clock
         self._version = 0
         self._unrouted = UnroutedCounters()
+        self._replica_health: dict[str, ReplicaHealth] = {}
 
     # --- replicas ------------------------------------------------------------------------
 
@@ -86,6 +100,7 @@ class Registry:
             spec = self._replicas.pop(replica, None)
             for stream in [s for s in self._health if s.replica == replica]:
                 del self._health[stream]
+            self._replica_health.pop(replica, None)
             if spec is not None:
                 self._version += 1
             return spec
@@ -107,6 +122,30 @@ class Registry:
     def models(self) -> list[str]:
         with self._lock:
             return sorted({r.model for r in self._replicas.values()})
+
+    # --- replica health (written by health checks and breakers) ------------------------
+
+    def replica_health(self) -> dict[str, ReplicaHealth]:
+        """The record of every registered replica judged so far (one absent is healthy)."""
+        with self._lock:
+            return dict(self._replica_health)
+
+    def update_health(self, changes: dict[str, HealthChange]) -> dict[str, HealthUpdate]:
+        """Apply each change to its replica's record atomically; returns (before, after)
+        per registered replica (changes of unknown replicas are dropped)."""
+        out: dict[str, HealthUpdate] = {}
+        with self._lock:
+            for replica, change in changes.items():
+                if replica not in self._replicas:
+                    continue
+                before = self._replica_health.get(replica, HEALTHY)
+                after = self._replica_health[replica] = change(before)
+                out[replica] = (before, after)
+        return out
+
+    def claim_health_checks(self, replicas: Sequence[str], hold_s: float) -> set[str]:
+        """Every one: a process alone on its registry checks every replica."""
+        return set(replicas)
 
     # --- stream health (written by the pipeline) -----------------------------------------
 
@@ -153,7 +192,7 @@ class Registry:
             for stream, health in self._health.items():
                 silent = None if health.last_heard is None else now - health.last_heard
                 fresh = freshness_of(health, silent, self._stale_after_s)
-                views.append(StreamFreshness(stream, fresh, health.lag_s, silent))
+                views.append(stream_freshness(stream, health, fresh, silent, now))
             return views
 
     def statuses(self) -> list[StreamStatus]:
@@ -211,6 +250,21 @@ def freshness_of(health: StreamHealth, silent_s: float | None, stale_after_s: fl
     if not health.connected and (health.disconnected_at is not None or silent_s is None):
         return Freshness.STALE
     return Freshness.LIVE
+
+
+def stream_freshness(
+    stream: StreamId,
+    health: StreamHealth,
+    freshness: Freshness,
+    silent_s: float | None,
+    now: float,
+) -> StreamFreshness:
+    """The scorer's view of one stream's record as of ``now``."""
+    gone = health.disconnected_at
+    disconnected_s = None if health.connected or gone is None else max(0.0, now - gone)
+    return StreamFreshness(
+        stream, freshness, health.lag_s, silent_s, health.connected, disconnected_s
+    )
 
 
 def snapshot(
@@ -315,4 +369,19 @@ class RegistryView(Protocol):
     def outage(self) -> str | None:
         """Why the fleet read is the last one known rather than the current one (its store
         cannot be read, or lost it), or None when it is current."""
+        ...
+
+    def replica_health(self) -> dict[str, ReplicaHealth]:
+        """The health record of every replica judged so far (one absent is healthy)."""
+        ...
+
+    def update_health(self, changes: dict[str, HealthChange]) -> dict[str, HealthUpdate]:
+        """Apply each change to its replica's current record, atomically (another process
+        changing the same record is never lost); (before, after) per replica changed.
+        Raises ``IndexUnavailableError`` when the shared store cannot be written."""
+        ...
+
+    def claim_health_checks(self, replicas: Sequence[str], hold_s: float) -> set[str]:
+        """The replicas this process is to check now: each one no other process sharing
+        the fleet claimed in the last ``hold_s`` seconds."""
         ...

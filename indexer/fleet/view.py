@@ -10,7 +10,10 @@ With a :class:`~kvindex.indexer.circuit.StoreCircuit` (shared with the process's
 stores), reads skip Redis while it is open and never probe it: reads run on the API's
 event loop, so they must not be the ones that wait on a store that may still be down.
 ``add``/``remove`` write through (raising :class:`IndexUnavailableError` when Redis is
-down) and drop the cache, so this view sees its own writes at once.
+down) and drop the cache, so this view sees its own writes at once. Replica health records
+(one hash, written by API and proxy processes, read with the rest of the snapshot) change
+through :meth:`RedisFleetView.update_health`, an optimistic transaction (WATCH/MULTI) so
+that two processes judging one replica never lose each other's change.
 """
 
 from __future__ import annotations
@@ -18,22 +21,27 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar, cast
 
+import msgspec
 import redis
 
 from kvindex.indexer.circuit import StoreCircuit
 from kvindex.indexer.events import StreamId
 from kvindex.indexer.fleet.registry import (
     Freshness,
+    HealthChange,
+    HealthUpdate,
     StreamFreshness,
     StreamStatus,
     most_common,
     snapshot,
+    stream_freshness,
 )
 from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.fleet.replica_health import HEALTHY, ReplicaHealth
 from kvindex.indexer.fleet.sync import (
     decode_record,
     decode_spec,
@@ -58,9 +66,15 @@ local prefix = ARGV[1] .. '/'
 for _, f in ipairs(redis.call('HKEYS', KEYS[2])) do
   if string.sub(f, 1, #prefix) == prefix then redis.call('HDEL', KEYS[2], f) end
 end
+redis.call('HDEL', KEYS[3], ARGV[1])
 return spec
 """
-"""Drop a replica's spec and its streams' statuses atomically; returns the spec or nil."""
+"""Drop a replica's spec, its streams' statuses and its health record atomically; returns
+the spec or nil."""
+_HEALTH_DECODER = msgspec.json.Decoder(ReplicaHealth)
+_HEALTH_ENCODER = msgspec.json.Encoder()
+_HEALTH_ATTEMPTS = 5
+"""Tries of one health update that another process's write keeps invalidating."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +86,10 @@ class _Fleet:
     """The replicas hash held the indexer's marker (absent after a good read: Redis lost it)."""
     unrouted: UnroutedCounters = field(default_factory=UnroutedCounters)
     """The indexer's counters of bound-SUB frames that reached no stream."""
+    health: dict[str, ReplicaHealth] = field(default_factory=dict)
+    """Health records of the replicas of ``specs`` (absent: never judged)."""
+    now: float = 0.0
+    """When it was read (the statuses' silences are as of then)."""
 
 
 class RedisFleetView:
@@ -123,14 +141,15 @@ class RedisFleetView:
     def remove(self, replica: str) -> ReplicaSpec | None:
         """Forget a replica and its streams' statuses (one script); returns the removed spec."""
         check_name("replica id", replica)
-        keys = [self._schema.replicas, self._schema.stream_status]
+        keys = [self._schema.replicas, self._schema.stream_status, self._schema.replica_health]
         raw = self._guarded(self._remove_spec, keys, replica)
         with self._lock:
             self._expires = float("-inf")
             if replica in self._fleet.specs:  # the snapshot may be kept (Redis lost it)
                 specs = {k: v for k, v in self._fleet.specs.items() if k != replica}
                 statuses = [s for s in self._fleet.statuses if s.stream.replica != replica]
-                self._fleet = replace(self._fleet, specs=specs, statuses=statuses)
+                health = {k: v for k, v in self._fleet.health.items() if k != replica}
+                self._fleet = replace(self._fleet, specs=specs, statuses=statuses, health=health)
         return None if raw is None else decode_spec(raw)
 
     def _remove_spec(self, keys: list[str], replica: str) -> bytes | None:
@@ -163,10 +182,61 @@ class RedisFleetView:
         return [s.stream for s in self._current().statuses]
 
     def freshness(self) -> list[StreamFreshness]:
+        fleet = self._current()
         return [
-            StreamFreshness(s.stream, s.freshness, s.health.lag_s, s.silent_s)
-            for s in self._current().statuses
+            stream_freshness(s.stream, s.health, s.freshness, s.silent_s, fleet.now)
+            for s in fleet.statuses
         ]
+
+    def replica_health(self) -> dict[str, ReplicaHealth]:
+        return dict(self._current().health)
+
+    def update_health(self, changes: dict[str, HealthChange]) -> dict[str, HealthUpdate]:
+        """Apply the changes in one transaction (retried when another process wrote the
+        hash meanwhile); changes of replicas not in the fleet are dropped."""
+        if not changes:
+            return {}
+        out = self._guarded(self._update_health, changes)
+        self._invalidate()
+        return out
+
+    def _update_health(self, changes: dict[str, HealthChange]) -> dict[str, HealthUpdate]:
+        key, replicas = self._schema.replica_health, list(changes)
+        with unavailable_on_connection_errors(), self._client.pipeline(True) as pipe:
+            for _ in range(_HEALTH_ATTEMPTS):
+                try:
+                    pipe.watch(key, self._schema.replicas)
+                    known = cast("list[bytes | None]", pipe.hmget(self._schema.replicas, replicas))
+                    raw = cast("list[bytes | None]", pipe.hmget(key, replicas))
+                    out: dict[str, HealthUpdate] = {}
+                    for replica, spec, old in zip(replicas, known, raw, strict=True):
+                        if spec is not None:
+                            before = _health_of(old)
+                            out[replica] = (before, changes[replica](before))
+                    pipe.multi()
+                    if out:
+                        mapping = {r: _HEALTH_ENCODER.encode(a) for r, (_, a) in out.items()}
+                        pipe.hset(key, mapping=mapping)  # type: ignore[arg-type]
+                    pipe.execute()
+                    return out
+                except redis.WatchError:
+                    continue
+        raise IndexUnavailableError("replica health: too many concurrent writers, not updated")
+
+    def claim_health_checks(self, replicas: Sequence[str], hold_s: float) -> set[str]:
+        """SET NX PX per replica (one round trip); Redis down: IndexUnavailableError."""
+        wanted = list(dict.fromkeys(replicas))
+        if not wanted:
+            return set()
+        hold_ms = max(1, round(hold_s * 1000))
+        return self._guarded(self._claim, wanted, hold_ms)
+
+    def _claim(self, replicas: list[str], hold_ms: int) -> set[str]:
+        with unavailable_on_connection_errors(), self._client.pipeline(False) as pipe:
+            for replica in replicas:
+                pipe.set(self._schema.health_claim(replica), b"1", nx=True, px=hold_ms)
+            won = pipe.execute()
+        return {r for r, ok in zip(replicas, won, strict=True) if ok}
 
     def unrouted(self) -> UnroutedCounters:
         """The counters the indexer last published (zeros before it has)."""
@@ -218,7 +288,8 @@ class RedisFleetView:
         specs = {**self._fleet.specs, **fleet.specs}
         statuses = {s.stream: s for s in [*self._fleet.statuses, *fleet.statuses]}
         ordered = sorted(statuses.values(), key=lambda s: s.stream)
-        self._fleet = _Fleet(specs, ordered, True, fleet.unrouted)
+        health = {**self._fleet.health, **fleet.health}
+        self._fleet = _Fleet(specs, ordered, True, fleet.unrouted, health, fleet.now)
         self._set_outage("fleet state lost by redis (restarted empty?), serving the last one")
 
     def _set_outage(self, outage: str | None) -> None:
@@ -233,6 +304,7 @@ class RedisFleetView:
         with unavailable_on_connection_errors(), self._client.pipeline(False) as pipe:
             pipe.hgetall(self._schema.replicas)
             pipe.hgetall(self._schema.stream_status)
+            pipe.hgetall(self._schema.replica_health)
             replies = cast("list[dict[bytes, bytes]]", pipe.execute())
         specs, raw = specs_of(replies[0]), replies[1]
         unrouted = decode_unrouted(raw.pop(UNROUTED_FIELD.encode(), None))
@@ -253,4 +325,18 @@ class RedisFleetView:
                 )
             )
         marked = FLEET_MARKER.encode() in replies[0]
-        return _Fleet(specs, sorted(statuses, key=lambda s: s.stream), marked, unrouted)
+        named = {key.decode(): value for key, value in replies[2].items()}
+        health = {r: _health_of(value) for r, value in named.items() if r in specs}
+        ordered = sorted(statuses, key=lambda s: s.stream)
+        return _Fleet(specs, ordered, marked, unrouted, health, now)
+
+
+def _health_of(raw: bytes | None) -> ReplicaHealth:
+    """A stored health record; absent or undecodable (logged): the healthy default."""
+    if raw is None:
+        return HEALTHY
+    try:
+        return _HEALTH_DECODER.decode(raw)
+    except msgspec.DecodeError as exc:
+        log.warning("ignoring an undecodable stored replica health record: %s", exc)
+        return HEALTHY

@@ -13,6 +13,7 @@ import pytest
 from kvindex.indexer.events import StreamId
 from kvindex.indexer.fleet.registry import Freshness, Registry, RegistryView
 from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.fleet.replica_health import HEALTHY, Ejection, HealthPolicy, ReplicaHealth
 from kvindex.indexer.fleet.sync import FleetSync
 from kvindex.indexer.fleet.view import RedisFleetView
 from kvindex.indexer.health import StreamReport
@@ -124,3 +125,53 @@ def test_removing_a_replica_drops_its_streams(fleet: Fleet) -> None:
     fleet.sync()
     assert fleet.writer.get("r2") is None
     assert fleet.writer.stream_ids() == []
+
+
+POLICY = HealthPolicy(unhealthy_threshold=1, verdict_ttl_s=30.0)
+
+
+def _fail(record: ReplicaHealth, now: float) -> ReplicaHealth:
+    return record.after_check(False, "refused", now, POLICY)
+
+
+def test_health_records_change_atomically_and_are_read_back(fleet: Fleet) -> None:
+    fleet.view.add(R1)
+    fleet.view.add(R2)
+    assert fleet.view.replica_health() == {}
+    now = fleet.clock.now
+    updated = fleet.view.update_health({"r1": lambda h: _fail(h, now), "nope": lambda h: h})
+    assert list(updated) == ["r1"]  # a replica not in the fleet is not judged
+    before, after = updated["r1"]
+    assert before == HEALTHY and after.ejection(now, POLICY) is Ejection.HEALTH_CHECK
+    assert fleet.view.replica_health() == {"r1": after}
+    [(again_before, again)] = fleet.view.update_health({"r1": lambda h: _fail(h, now)}).values()
+    assert again_before == after and again.check_failures == 2
+    fleet.view.remove("r1")
+    assert fleet.view.replica_health() == {}
+    fleet.view.add(R1)  # back: judged afresh
+    assert fleet.view.replica_health() == {}
+
+
+def test_health_checks_are_claimed_once_a_round(fleet: Fleet) -> None:
+    fleet.view.add(R1)
+    fleet.view.add(R2)
+    assert fleet.view.claim_health_checks(["r1", "r2"], 1.0) == {"r1", "r2"}
+    second = fleet.view.claim_health_checks(["r1", "r2"], 1.0)
+    # one process alone on its registry checks everything; on Redis the claims hold
+    assert second == ({"r1", "r2"} if isinstance(fleet.view, Registry) else set())
+
+
+def test_disconnection_is_visible_to_the_scorer(fleet: Fleet) -> None:
+    fleet.view.add(R1)
+    fleet.sync()
+    stream = StreamId("r1")
+    fleet.writer.record(stream, StreamReport(connected=True))
+    fleet.sync()
+    [up] = fleet.view.freshness()
+    assert up.connected and up.disconnected_s is None
+    fleet.writer.record(stream, StreamReport(connected=False))
+    fleet.sync()
+    fleet.clock.now += 4.0
+    fleet.sync()
+    [down] = fleet.view.freshness()
+    assert not down.connected and down.disconnected_s == pytest.approx(4.0)

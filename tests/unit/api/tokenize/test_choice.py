@@ -18,6 +18,7 @@ from kvindex.api.tokenize.protocol import TokenizerError
 from kvindex.api.tokenize.replica import ReplicaTokenizer
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
+from tests.support.clock import Clock
 from tests.unit.api.tokenize.samples import CONVERSATION, make_tokenizer, ok
 
 
@@ -181,4 +182,29 @@ def test_a_failed_build_is_tried_again(tmp_path: Path) -> None:
         chooser.tokenizer("m")
     make_tokenizer().save(str(path))
     assert isinstance(chooser.tokenizer("m"), LocalTokenizer)
+    asyncio.run(client.aclose())
+
+
+def test_an_ejected_replica_is_not_asked_to_tokenize() -> None:
+    clock = Clock()
+    specs = (ReplicaSpec("a", "m", url="http://a:8000"), ReplicaSpec("b", "m", url="http://b:8000"))
+    registry = Registry(specs, clock=clock)
+    settings = ApiSettings(unhealthy_threshold=1)
+    client = httpx.AsyncClient(transport=httpx.MockTransport(ok([4, 5])))
+    chooser = ModelTokenizers(settings, registry, client, clock=clock)
+    first = chooser.tokenizer("m")
+    assert chooser.spec("m") == TokenizerSpec(
+        kind="replica", base_url="http://a:8000", model="m", timeout_s=1.0, cache_entries=4096
+    )
+    policy = settings.health_policy()
+    now = clock.now
+    registry.update_health({"a": lambda h: h.after_check(False, "down", now, policy)})
+    assert chooser.tokenizer("m") is first  # looked at again within a second at most
+    clock.now += 1.0
+    second = chooser.tokenizer("m")
+    assert second is not first and chooser.spec("m") is not None
+    assert chooser.spec("m").base_url == "http://b:8000"  # type: ignore[union-attr]
+    registry.update_health({"b": lambda h: h.after_check(False, "down", now, policy)})
+    clock.now += 1.0
+    assert chooser.tokenizer("m") is second  # every one ejected: the one it has is kept
     asyncio.run(client.aclose())

@@ -13,6 +13,7 @@ from rich.console import Console
 
 from kvindex.api.schemas import (
     FreshnessView,
+    HealthView,
     LoadView,
     ReplicaView,
     ScoreEntry,
@@ -24,6 +25,7 @@ from kvindex.clients.cli.views import (
     block_kinds,
     fit_strip,
     format_freshness,
+    format_health,
     format_load,
     format_load_short,
     prompt_fields,
@@ -295,3 +297,37 @@ def test_prompt_fields_needs_exactly_one(tmp_path: Path) -> None:
         prompt_fields(None, None, None)
     with pytest.raises(click.UsageError, match="exactly one"):
         prompt_fields("hi", tmp_path, None)
+
+
+def _health(state: str, detail: str, breaker: str = "closed") -> HealthView:
+    return HealthView(state, detail, 3, 0, 0.5, breaker, "ConnectError: refused", 1)
+
+
+def test_render_replicas_shows_health() -> None:
+    ejected = _health("ejected", "ejected: 3 failed health checks (ConnectError: refused)")
+    views = [
+        ReplicaView("r1", "m", None, None, None, 1, "stale", [], None, ejected),
+        ReplicaView("r2", "m", None, None, None, 1, "live", [], None, _health("healthy", "x")),
+        ReplicaView("r3", "m", None, None, None, 1, "live", [], None),
+    ]
+    lines = plain(*render_replicas(views)).splitlines()
+    assert lines[1].split()[:3] == ["id", "state", "health"]
+    assert "ejected: 3 failed health checks (ConnectError: refused)" in row_of(lines, "r1")
+    assert "x" in row_of(lines, "r2").split()
+    assert row_of(lines, "r3").split()[2] == "-"
+    half = _health("healthy", "healthy", breaker="half-open")
+    assert format_health(half) == "healthy (breaker half-open)"
+
+
+def row_of(lines: list[str], replica: str) -> str:
+    return next(line for line in lines if line.startswith(f"{replica} "))
+
+
+def test_the_heading_names_the_unhealthy_candidates_left_out() -> None:
+    fleet = answer()
+    fleet.unhealthy = {"dead": "events stream never connected"}
+    heading_line = plain(*render_score(fleet)).splitlines()[0]
+    assert heading_line.endswith("left out, unhealthy: dead (events stream never connected)")
+    fleet.degraded = "no healthy candidate, every one ranked (dead: ...)"
+    heading_line = plain(*render_residency(fleet)).splitlines()[0]
+    assert "left out" not in heading_line and "DEGRADED: no healthy candidate" in heading_line

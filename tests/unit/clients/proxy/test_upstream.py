@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from kvindex.clients.proxy.upstream import (
 from kvindex.indexer.events import StreamId, Tier
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.fleet.replica_health import HealthPolicy
 from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import Op, OpKind
@@ -223,3 +225,30 @@ def test_a_request_without_a_model_goes_to_every_replica_with_a_url_in_turn() ->
         fleet.registry.remove(replica)
     with pytest.raises(NoUpstreamError):
         fleet.picker.choose_any()
+
+
+def _open_breaker(fleet: Fleet, replica: str) -> None:
+    now = time.time()
+    policy = HealthPolicy()
+    fleet.registry.update_health({replica: lambda h: h.breaker_opened(now, policy, "status_502")})
+
+
+def test_an_ejected_replica_is_neither_chosen_nor_a_retry() -> None:
+    fleet = Fleet()
+    prompt = " ".join(f"word{i}" for i in range(40))
+    tokens = fleet.tokenizer._tokens(prompt)
+    fleet.hold("b", tokens)
+    assert fleet.choose({"model": MODEL, "prompt": prompt}).upstreams[0].replica == "b"
+    _open_breaker(fleet, "b")
+    choice = fleet.choose({"model": MODEL, "prompt": prompt})
+    assert {u.replica for u in choice.upstreams} == {"a", "c"}
+
+
+def test_a_request_without_a_model_skips_ejected_replicas_unless_all_are() -> None:
+    fleet = Fleet()
+    _open_breaker(fleet, "b")
+    for _ in range(3):
+        assert {u.replica for u in fleet.picker.choose_any().upstreams} == {"a", "c"}
+    _open_breaker(fleet, "a")
+    _open_breaker(fleet, "c")
+    assert {u.replica for u in fleet.picker.choose_any().upstreams} == {"a", "b", "c"}

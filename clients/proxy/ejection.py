@@ -1,0 +1,137 @@
+"""Passive ejection in the proxy: a circuit breaker per replica fed by forwarding outcomes,
+and the ejection series (``kvindex_proxy_ejections_total``, ``kvindex_proxy_ejected_replicas``).
+
+:class:`ReplicaBreakers` counts this proxy's consecutive failed forwards per replica (a
+connect error, a 5xx answer) in memory: nothing is written on a request's path while the
+replica answers. After ``api.breaker_failures`` of them it opens the replica's breaker in
+the shared :class:`~kvindex.indexer.fleet.replica_health.ReplicaHealth` (every proxy and
+``/score`` then leave the replica out for ``api.breaker_cooldown_s``). Once the cool-down
+is over the breaker is half-open: the replica takes requests again, and the first outcome
+this proxy sees decides: a failure reopens it at once, a success closes it. (Processes
+sharing the fleet may each send a request during the half-open moment: the probe is one
+per proxy, not one for the fleet.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from kvindex.api.settings import ApiSettings
+from kvindex.indexer.fleet.registry import HealthChange, HealthUpdate, RegistryView
+from kvindex.indexer.fleet.replica_health import Ejection, ReplicaHealth
+from kvindex.indexer.index.protocol import IndexUnavailableError
+
+logger = logging.getLogger("kvindex.proxy")
+
+
+class EjectionMetrics:
+    """The proxy's ejection series, on the proxy's metrics registry."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        fleet: RegistryView,
+        settings: ApiSettings,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.ejections = Counter(
+            "kvindex_proxy_ejections",
+            "Replicas ejected from routing by this proxy's health checks or breakers.",
+            ["replica", "reason"],
+            registry=registry,
+        )
+        ejected = Gauge(
+            "kvindex_proxy_ejected_replicas",
+            "Replicas out of routing now (failed health checks or an open breaker), as the"
+            " shared fleet state says.",
+            registry=registry,
+        )
+        policy = settings.health_policy()
+
+        def count() -> float:
+            now = clock()
+            return sum(1 for h in fleet.replica_health().values() if h.ejection(now, policy))
+
+        ejected.set_function(count)
+
+    def ejected(self, replica: str, reason: Ejection) -> None:
+        self.ejections.labels(replica, reason.value).inc()
+
+
+class ReplicaBreakers:
+    """One breaker per replica (see the module docstring). :meth:`outcome` is called on the
+    proxy's event loop; with a ``blocking_store`` the shared record is changed in a worker
+    thread, in a task of its own (the request never waits for it)."""
+
+    def __init__(
+        self,
+        settings: ApiSettings,
+        fleet: RegistryView,
+        *,
+        blocking_store: bool,
+        clock: Callable[[], float] = time.time,
+        on_ejected: Callable[[str, Ejection], None] = lambda _replica, _reason: None,
+    ) -> None:
+        self._fleet = fleet
+        self._policy = settings.health_policy()
+        self._blocking = blocking_store
+        self._clock = clock
+        self._on_ejected = on_ejected
+        self._failures: dict[str, int] = {}
+        """Consecutive failed forwards per replica, as this proxy saw them."""
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def outcome(self, replica: str, ok: bool, what: str) -> None:
+        """One forward to ``replica`` succeeded (``ok``) or failed (``what`` says how)."""
+        now = self._clock()
+        record = self._fleet.replica_health().get(replica)
+        half_open = record is not None and record.half_open(now)
+        if ok:
+            self._failures.pop(replica, None)
+            if half_open:
+                self._change(replica, ReplicaHealth.breaker_closed)
+            return
+        if record is not None and record.ejection(now, self._policy) is Ejection.BREAKER:
+            return  # already open: answers of requests sent before it opened
+        failures = self._failures[replica] = self._failures.get(replica, 0) + 1
+        if failures >= self._policy.breaker_failures or half_open:
+            self._failures.pop(replica, None)
+            policy = self._policy
+            self._change(replica, lambda h: h.breaker_opened(now, policy, what))
+
+    def _change(self, replica: str, change: HealthChange) -> None:
+        if not self._blocking:
+            self._apply(replica, change)
+            return
+        task = asyncio.get_running_loop().create_task(
+            asyncio.to_thread(self._apply, replica, change)
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _apply(self, replica: str, change: HealthChange) -> None:
+        try:
+            updates = self._fleet.update_health({replica: change})
+        except IndexUnavailableError as exc:
+            logger.warning("breaker of %s: the fleet state is unreachable (%s)", replica, exc)
+            return
+        for name, update in updates.items():
+            self._report(name, update)
+
+    def _report(self, replica: str, update: HealthUpdate) -> None:
+        before, after = update
+        if after.breaker_open_until is not None and after.num_ejections > before.num_ejections:
+            logger.warning("replica %s ejected: breaker open (%s)", replica, after.last_error)
+            self._on_ejected(replica, Ejection.BREAKER)
+        elif before.breaker_open_until is not None and after.breaker_open_until is None:
+            logger.warning("replica %s restored: its breaker closed", replica)
+
+    async def close(self) -> None:
+        """Wait for the changes still being written."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks))

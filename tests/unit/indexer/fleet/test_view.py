@@ -1,0 +1,69 @@
+"""kvindex.indexer.fleet.view: replica health updates on fakeredis (the rest of the view's
+contract: tests/contract/test_registry_view_contract.py)."""
+
+from __future__ import annotations
+
+import fakeredis
+import pytest
+
+from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.fleet.replica_health import HealthPolicy, ReplicaHealth
+from kvindex.indexer.fleet.view import RedisFleetView
+from kvindex.indexer.index.protocol import IndexUnavailableError
+from kvindex.indexer.redis_schema import Schema
+
+SCHEMA = Schema("t")
+POLICY = HealthPolicy()
+
+
+SERVER = fakeredis.FakeServer()
+
+
+def _views() -> tuple[RedisFleetView, RedisFleetView]:
+    """Two processes' views of one fleet (r1 in it), on a Redis of their own."""
+    fakeredis.FakeRedis(server=SERVER).flushall()
+    first, second = (
+        RedisFleetView(fakeredis.FakeRedis(server=SERVER), SCHEMA, cache_ttl_s=0.0)
+        for _ in range(2)
+    )
+    first.add(ReplicaSpec("r1", "m"))
+    return first, second
+
+
+def _failed(record: ReplicaHealth) -> ReplicaHealth:
+    return record.after_check(False, "down", 1.0, POLICY)
+
+
+def test_a_change_raced_by_another_writer_is_applied_on_the_new_record() -> None:
+    first, second = _views()
+    calls: list[ReplicaHealth] = []
+
+    def change(record: ReplicaHealth) -> ReplicaHealth:
+        calls.append(record)
+        if len(calls) == 1:  # another process writes between our read and our write
+            second.update_health({"r1": lambda h: h.breaker_opened(1.0, POLICY, "status 502")})
+        return _failed(record)
+
+    [(before, after)] = first.update_health({"r1": change}).values()
+    assert len(calls) == 2 and before.breaker_open_until is not None
+    stored = second.replica_health()["r1"]
+    assert stored == after and stored.check_failures == 1 and stored.breaker_open_until == 11.0
+
+
+def test_a_writer_that_always_races_gives_up_with_a_named_error() -> None:
+    first, second = _views()
+
+    def change(record: ReplicaHealth) -> ReplicaHealth:
+        second.update_health({"r1": _failed})
+        return record
+
+    with pytest.raises(IndexUnavailableError, match="too many concurrent writers"):
+        first.update_health({"r1": change})
+
+
+def test_an_undecodable_record_reads_as_healthy() -> None:
+    first, _ = _views()
+    fakeredis.FakeRedis(server=SERVER).hset(SCHEMA.replica_health, "r1", b"{not json")
+    assert first.replica_health() == {"r1": ReplicaHealth()}
+    [(before, _)] = first.update_health({"r1": _failed}).values()
+    assert before == ReplicaHealth()
