@@ -4,11 +4,11 @@
 Built by ``pip install`` (setup.py); ``kvindex.indexer.native`` says whether it loaded, and
 the pure-Python code it replaces stays the reference (tests prove both agree).
 
-The memory store keeps every map in open-addressing tables of 16-byte entries (64-bit key,
-64-bit value; linear probing, Fibonacci hashing, deletion by backward shift, so no
-tombstones), allocated with ``PyMem_Malloc`` so ``tracemalloc`` sees them. A Python dict of
-ints costs about 100 bytes per entry; these cost 16 bytes per slot at a load factor of at
-most 0.8.
+The memory store keeps its maps in open-addressing tables of 16-byte slots (64-bit key,
+64-bit value; linear probing, multiplicative hashing, deletion by backward shift, so no
+tombstones), filled up to 90 % and grown by a quarter, allocated with ``PyMem_Malloc`` so
+``tracemalloc`` sees them. A (stream, block) entry costs two slots (its engine hash in the
+stream's table, its key in the index-wide one), where Python dicts of ints cost 100+ bytes.
 """
 
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
@@ -19,8 +19,16 @@ cdef extern from *:
     """
     #define XXH_INLINE_ALL
     #include "vendor/xxhash.h"
+
+    /* A key's home slot in a table of any capacity: the high bits of a 128-bit product
+       (keys are mixed first: engine hashes in tests are small ints). */
+    static inline Py_ssize_t kv_home(uint64_t key, uint64_t capacity) {
+        uint64_t mixed = key * 0x9E3779B97F4A7C15ULL;
+        return (Py_ssize_t)(((unsigned __int128)(mixed ^ (mixed >> 29)) * capacity) >> 64);
+    }
     """
     uint64_t XXH3_64bits(const void* data, size_t length) nogil
+    Py_ssize_t kv_home(uint64_t key, uint64_t capacity) nogil
 
 cdef extern from "Python.h":
     ctypedef struct PyObject
@@ -107,23 +115,26 @@ cdef struct Entry:
 
 cdef struct Table:
     Entry* slots
-    Py_ssize_t capacity  # 0 (nothing allocated) or a power of two
-    int shift  # 64 - log2(capacity)
+    Py_ssize_t capacity  # 0: nothing allocated
     Py_ssize_t size  # entries in ``slots`` (key 0 is held apart)
     bint has_zero
     uint64_t zero_value
 
 cdef enum:
-    MIN_CAPACITY = 8
+    MIN_CAPACITY = 16
+    DOUBLING_BELOW = 4096  # small tables double; large ones grow by a quarter
 
 cdef inline Py_ssize_t _home(const Table* t, uint64_t key) nogil:
-    return <Py_ssize_t> ((key * <uint64_t> 0x9E3779B97F4A7C15ULL) >> t.shift)
+    return kv_home(key, <uint64_t> t.capacity)
+
+cdef inline Py_ssize_t _next(const Table* t, Py_ssize_t i) nogil:
+    i += 1
+    return 0 if i == t.capacity else i
 
 cdef Py_ssize_t _find(const Table* t, uint64_t key) nogil:
     """The slot holding ``key`` (not 0), or -1."""
     if t.capacity == 0:
         return -1
-    cdef Py_ssize_t mask = t.capacity - 1
     cdef Py_ssize_t i = _home(t, key)
     cdef uint64_t found
     while True:
@@ -132,7 +143,7 @@ cdef Py_ssize_t _find(const Table* t, uint64_t key) nogil:
             return i
         if found == 0:
             return -1
-        i = (i + 1) & mask
+        i = _next(t, i)
 
 cdef bint _get(const Table* t, uint64_t key, uint64_t* value) nogil:
     cdef Py_ssize_t i
@@ -147,39 +158,37 @@ cdef bint _get(const Table* t, uint64_t key, uint64_t* value) nogil:
 
 cdef int _resize(Table* t, Py_ssize_t capacity) except -1:
     cdef Entry* old = t.slots
-    cdef Py_ssize_t old_capacity = t.capacity, i, j, mask = capacity - 1
+    cdef Py_ssize_t old_capacity = t.capacity, i, j
     cdef Entry* slots = <Entry*> PyMem_Malloc(capacity * sizeof(Entry))
     if slots == NULL:
         raise MemoryError()
     memset(slots, 0, capacity * sizeof(Entry))
     t.slots = slots
     t.capacity = capacity
-    t.shift = 64
-    while capacity > 1:
-        t.shift -= 1
-        capacity >>= 1
     for i in range(old_capacity):
         if old[i].key != 0:
             j = _home(t, old[i].key)
             while slots[j].key != 0:
-                j = (j + 1) & mask
+                j = _next(t, j)
             slots[j] = old[i]
     PyMem_Free(old)
     return 0
 
 cdef int _put(Table* t, uint64_t key, uint64_t value) except -1:
     """Insert or overwrite."""
-    cdef Py_ssize_t i, mask
+    cdef Py_ssize_t i
     if key == 0:
         t.has_zero = True
         t.zero_value = value
         return 0
-    if (t.size + 1) * 5 > t.capacity * 4:  # load factor at most 0.8
-        _resize(t, t.capacity * 2 if t.capacity else MIN_CAPACITY)
-    mask = t.capacity - 1
+    if (t.size + 1) * 10 > t.capacity * 9:  # load factor at most 0.9
+        if t.capacity < DOUBLING_BELOW:
+            _resize(t, max(2 * t.capacity, MIN_CAPACITY))
+        else:
+            _resize(t, t.capacity + t.capacity // 4)
     i = _home(t, key)
     while t.slots[i].key != 0 and t.slots[i].key != key:
-        i = (i + 1) & mask
+        i = _next(t, i)
     if t.slots[i].key == 0:
         t.size += 1
         t.slots[i].key = key
@@ -188,7 +197,7 @@ cdef int _put(Table* t, uint64_t key, uint64_t value) except -1:
 
 cdef bint _delete(Table* t, uint64_t key) nogil:
     """Remove ``key``; False if it was not there. Later entries of the run shift back."""
-    cdef Py_ssize_t i, j, home, mask
+    cdef Py_ssize_t i, j, home
     if key == 0:
         if not t.has_zero:
             return False
@@ -197,10 +206,9 @@ cdef bint _delete(Table* t, uint64_t key) nogil:
     i = _find(t, key)
     if i < 0:
         return False
-    mask = t.capacity - 1
     j = i
     while True:
-        j = (j + 1) & mask
+        j = _next(t, j)
         if t.slots[j].key == 0:
             break
         home = _home(t, t.slots[j].key)
@@ -225,33 +233,77 @@ cdef Py_ssize_t _nbytes(const Table* t) nogil:
 
 cdef enum:
     NUM_TIERS = 3
-    LANE_BITS = 21
+    LANE_BITS = 21  # a tier's count in a stream's table of counts
+    SHORT_LANE_BITS = 12  # the same, folded into a lone holder's entry
+    NUMBER_BITS = 24
     OP_STORE = 0
     OP_STORE_BY_HASH = 1
     OP_REMOVE = 2
 
 cdef uint64_t LANE_MAX = (1ULL << LANE_BITS) - 1
+cdef uint64_t SHORT_LANE_MAX = (1ULL << SHORT_LANE_BITS) - 1
+cdef uint64_t NUMBER_MAX = (1ULL << NUMBER_BITS) - 1
 cdef object _ONE = 1  # bitmaps are Python ints: shifts of it never overflow
+
+# A block's entry in the holders table, by its lowest bits:
+#   ...1: one holder; bit 1 set: its counts are in the stream's own table, else in bits
+#         26.. (three 12-bit lanes); bits 2..25: the holder's number;
+#   ...0: several holders; the entry >> 1 indexes ``Tables._shared`` (their bitmap); each
+#         holder's counts are in its own table.
+cdef enum:
+    LONE = 1
+    COUNTS_APART = 2
+    NUMBER_SHIFT = 2
+    COUNTS_SHIFT = 26
 
 cdef struct Stream:
     Table hash_to_key
-    Table key_to_counts  # counts: one 21-bit lane per tier
+    Table key_to_counts  # only blocks with several holders, or counts too big to fold
     int64_t blocks_by_tier[NUM_TIERS]
-    bint live
 
 
 cdef inline uint64_t _lane(uint64_t counts, long tier) nogil:
     return (counts >> (LANE_BITS * tier)) & LANE_MAX
 
+cdef inline bint _foldable(uint64_t counts) nogil:
+    cdef long tier
+    for tier in range(NUM_TIERS):
+        if _lane(counts, tier) > SHORT_LANE_MAX:
+            return False
+    return True
+
+cdef inline uint64_t _folded(Py_ssize_t number, uint64_t counts) nogil:
+    cdef uint64_t entry = LONE | (<uint64_t> number << NUMBER_SHIFT)
+    cdef long tier
+    for tier in range(NUM_TIERS):
+        entry |= _lane(counts, tier) << (COUNTS_SHIFT + SHORT_LANE_BITS * tier)
+    return entry
+
+cdef inline uint64_t _unfolded(uint64_t entry) nogil:
+    cdef uint64_t counts = 0
+    cdef long tier
+    for tier in range(NUM_TIERS):
+        counts |= ((entry >> (COUNTS_SHIFT + SHORT_LANE_BITS * tier)) & SHORT_LANE_MAX) << (
+            LANE_BITS * tier
+        )
+    return counts
+
+cdef inline Py_ssize_t _holder(uint64_t entry) nogil:
+    return <Py_ssize_t> ((entry >> NUMBER_SHIFT) & NUMBER_MAX)
+
 
 cdef class Tables:
     """Every stream's block maps and the block → holders map of one memory index.
 
-    Streams are named by small numbers (the caller keeps the stream ↔ number map). A
-    block's holders are stored as ``2 * number + 1`` for one holder, else ``2 * i`` where
-    ``shared[i]`` is the bitmap of the holders' numbers (a Python int: fleets of any size).
-    A tier's count saturates at 2**21 - 1 stores without a removal (no engine stores one
-    block that often; the count never wraps). Not thread-safe: the caller locks.
+    Streams are named by small numbers (below 2**24; the caller keeps the stream ↔ number
+    map). Each stream has engine hash → key; the index-wide table maps a block key to its
+    one holder with that holder's counts folded in (the common private block: no other
+    slot), or to the bitmap of its holders (a Python int: fleets of any size), whose counts
+    are then in their own tables. A stream's table of counts also takes a block it holds
+    alone that no engine hash of it maps to any more (so a clear still finds it) and one
+    with a count past 4,095. A tier's count saturates at 2**21 - 1 stores without a
+    removal (no engine stores one block that often; it never wraps). Not thread-safe: the
+    caller locks.
     """
 
     cdef Stream* _streams
@@ -278,8 +330,8 @@ cdef class Tables:
     cdef Stream* _stream(self, Py_ssize_t number) except NULL:
         cdef Py_ssize_t grown
         cdef Stream* streams
-        if number < 0:
-            raise ValueError(f"stream number must be >= 0, got {number}")
+        if number < 0 or <uint64_t> number > NUMBER_MAX:
+            raise ValueError(f"stream number must be in [0, 2**24), got {number}")
         if number >= self._num_streams:
             grown = max(number + 1, 2 * self._num_streams)
             streams = <Stream*> PyMem_Realloc(self._streams, grown * sizeof(Stream))
@@ -290,17 +342,57 @@ cdef class Tables:
             self._num_streams = grown
         return &self._streams[number]
 
-    # holders
+    # a stream's counts of a block, wherever they are kept
 
-    cdef int _join(self, uint64_t key, Py_ssize_t number) except -1:
-        cdef uint64_t held
-        cdef object bitmap
-        cdef Py_ssize_t i
-        if not _get(&self._holders, key, &held):
-            _put(&self._holders, key, 2 * <uint64_t> number + 1)
+    cdef uint64_t _counts(self, Stream* s, Py_ssize_t number, uint64_t key):
+        """Stream ``number``'s counts of ``key`` (0: it does not hold it)."""
+        cdef uint64_t entry, counts
+        if not _get(&self._holders, key, &entry):
             return 0
-        if held & 1:
-            bitmap = (_ONE << <Py_ssize_t> (held >> 1)) | (_ONE << number)
+        if entry & LONE:
+            if _holder(entry) != number:
+                return 0
+            if not entry & COUNTS_APART:
+                return _unfolded(entry)
+        if _get(&s.key_to_counts, key, &counts):
+            return counts
+        return 0
+
+    cdef int _set(self, Stream* s, Py_ssize_t number, uint64_t key, uint64_t old,
+                  uint64_t new) except -1:
+        """Stream ``number``'s counts of ``key`` go from ``old`` to ``new``."""
+        cdef uint64_t entry
+        if old == 0:
+            return self._join(s, number, key, new)
+        if new == 0:
+            return self._release(number, key)
+        _get(&self._holders, key, &entry)
+        if entry & LONE and not entry & COUNTS_APART and _foldable(new):
+            _put(&self._holders, key, _folded(number, new))
+        else:
+            _put(&s.key_to_counts, key, new)
+            if entry & LONE:
+                _put(&self._holders, key, LONE | COUNTS_APART | (<uint64_t> number << NUMBER_SHIFT))
+        return 0
+
+    cdef int _join(self, Stream* s, Py_ssize_t number, uint64_t key, uint64_t counts) except -1:
+        cdef uint64_t entry
+        cdef Py_ssize_t other, i
+        cdef Stream* o
+        if not _get(&self._holders, key, &entry):
+            if _foldable(counts):
+                _put(&self._holders, key, _folded(number, counts))
+            else:
+                _put(&s.key_to_counts, key, counts)
+                _put(&self._holders, key, LONE | COUNTS_APART | (<uint64_t> number << NUMBER_SHIFT))
+            return 0
+        _put(&s.key_to_counts, key, counts)
+        if entry & LONE:  # a second holder: the first one's counts move to its own table
+            other = _holder(entry)
+            if not entry & COUNTS_APART:
+                o = &self._streams[other]
+                _put(&o.key_to_counts, key, _unfolded(entry))
+            bitmap = (_ONE << other) | (_ONE << number)
             if self._free_shared:
                 i = self._free_shared.pop()
                 self._shared[i] = bitmap
@@ -309,56 +401,88 @@ cdef class Tables:
                 self._shared.append(bitmap)
             _put(&self._holders, key, 2 * <uint64_t> i)
         else:
-            i = <Py_ssize_t> (held >> 1)
+            i = <Py_ssize_t> (entry >> 1)
             self._shared[i] = self._shared[i] | (_ONE << number)
         return 0
 
-    cdef int _release(self, uint64_t key, Py_ssize_t number) except -1:
-        cdef uint64_t held
-        cdef object bitmap
-        cdef Py_ssize_t i
-        if not _get(&self._holders, key, &held):
+    cdef int _release(self, Py_ssize_t number, uint64_t key) except -1:
+        """Stream ``number`` no longer holds ``key``."""
+        _delete(&self._streams[number].key_to_counts, key)
+        return self._leave(number, key)
+
+    cdef int _leave(self, Py_ssize_t number, uint64_t key) except -1:
+        """Take stream ``number`` out of ``key``'s holders (its own table is not touched).
+        A single holder left keeps its counts in its own table: none of its engine hashes
+        may map to the block any more, and a clear must still find it there."""
+        cdef uint64_t entry
+        cdef Py_ssize_t i, other
+        if not _get(&self._holders, key, &entry):
             return 0
-        if held & 1:
+        if entry & LONE:
             _delete(&self._holders, key)
             return 0
-        i = <Py_ssize_t> (held >> 1)
+        i = <Py_ssize_t> (entry >> 1)
         bitmap = self._shared[i] & ~(_ONE << number)
         if bitmap & (bitmap - 1):
             self._shared[i] = bitmap
-        else:  # one holder left: its compact form
-            self._shared[i] = 0
-            self._free_shared.append(i)
-            _put(&self._holders, key, 2 * <uint64_t> (bitmap.bit_length() - 1) + 1)
+            return 0
+        self._shared[i] = 0
+        self._free_shared.append(i)
+        other = bitmap.bit_length() - 1
+        _put(&self._holders, key, LONE | COUNTS_APART | (<uint64_t> other << NUMBER_SHIFT))
         return 0
 
-    cdef object _bitmap(self, uint64_t held):
-        if held & 1:
-            return _ONE << <Py_ssize_t> (held >> 1)
-        return self._shared[<Py_ssize_t> (held >> 1)]
+    cdef int _unlink(self, Stream* s, Py_ssize_t number, uint64_t key) except -1:
+        """The engine hash that mapped to ``key`` now maps elsewhere: if the stream holds
+        it alone with folded counts, they move to its own table, where a clear finds them."""
+        cdef uint64_t entry
+        if (
+            _get(&self._holders, key, &entry) and entry & LONE and not entry & COUNTS_APART
+            and _holder(entry) == number
+        ):
+            _put(&s.key_to_counts, key, _unfolded(entry))
+            _put(&self._holders, key, LONE | COUNTS_APART | (<uint64_t> number << NUMBER_SHIFT))
+        return 0
 
     # streams
 
     def reset(self, Py_ssize_t number):
-        """Forget every block of stream ``number`` (and its place among their holders)."""
+        """Forget every block of stream ``number`` (and its place among their holders):
+        the blocks its engine hashes name, then those of its table of counts."""
         cdef Stream* s = self._stream(number)
         cdef Py_ssize_t i
+        cdef uint64_t entry
+        cdef Table* hashes = &s.hash_to_key
         cdef Table* counts = &s.key_to_counts
+        for i in range(hashes.capacity):
+            if hashes.slots[i].key != 0:
+                self._forget_folded(number, hashes.slots[i].value)
+        if hashes.has_zero:
+            self._forget_folded(number, hashes.zero_value)
         for i in range(counts.capacity):
             if counts.slots[i].key != 0:
-                self._release(counts.slots[i].key, number)
+                self._leave(number, counts.slots[i].key)
         if counts.has_zero:
-            self._release(0, number)
+            self._leave(number, 0)
         _free(&s.hash_to_key)
         _free(&s.key_to_counts)
         memset(s.blocks_by_tier, 0, sizeof(s.blocks_by_tier))
+
+    cdef int _forget_folded(self, Py_ssize_t number, uint64_t key) except -1:
+        cdef uint64_t entry
+        if (
+            _get(&self._holders, key, &entry) and entry & LONE and not entry & COUNTS_APART
+            and _holder(entry) == number
+        ):
+            _delete(&self._holders, key)
+        return 0
 
     def apply(self, Py_ssize_t number, ops):
         """Apply ``(kind, tier, engine_hash, key)`` ops to stream ``number`` in order, as
         ``MemoryIndex`` does; returns (unknown removals, unresolved stores)."""
         cdef Stream* s = self._stream(number)
         cdef long kind, tier
-        cdef uint64_t engine_hash, key, counts, unit
+        cdef uint64_t engine_hash, key, previous, counts
         cdef Py_ssize_t unknown = 0, unresolved = 0
         cdef tuple op
         for op in ops:
@@ -373,6 +497,8 @@ cdef class Tables:
                 continue
             if kind == OP_STORE:
                 key = op[3]
+                if _get(&s.hash_to_key, engine_hash, &previous) and previous != key:
+                    self._unlink(s, number, previous)
                 _put(&s.hash_to_key, engine_hash, key)
             elif kind == OP_STORE_BY_HASH:
                 if not _get(&s.hash_to_key, engine_hash, &key):
@@ -381,35 +507,26 @@ cdef class Tables:
             else:
                 self.reset(number)
                 continue
-            if not _get(&s.key_to_counts, key, &counts):
-                counts = 0
-            if counts == 0:
-                self._join(key, number)
+            counts = self._counts(s, number, key)
             if _lane(counts, tier) == 0:
                 s.blocks_by_tier[tier] += 1
             if _lane(counts, tier) < LANE_MAX:
-                counts += (<uint64_t> 1) << (LANE_BITS * tier)
-            _put(&s.key_to_counts, key, counts)
+                self._set(s, number, key, counts, counts + ((<uint64_t> 1) << (LANE_BITS * tier)))
         return unknown, unresolved
 
     cdef bint _remove(self, Stream* s, Py_ssize_t number, uint64_t engine_hash, long tier) except -1:
         cdef uint64_t key, counts, held
         if not _get(&s.hash_to_key, engine_hash, &key):
             return False
-        if not _get(&s.key_to_counts, key, &counts):
-            return False
+        counts = self._counts(s, number, key)
         held = _lane(counts, tier)
         if held == 0:
             return False
-        counts -= (<uint64_t> 1) << (LANE_BITS * tier)
         if held == 1:
             s.blocks_by_tier[tier] -= 1
-            if counts == 0:
-                _delete(&s.key_to_counts, key)
-                _delete(&s.hash_to_key, engine_hash)
-                self._release(key, number)
-                return True
-        _put(&s.key_to_counts, key, counts)
+        self._set(s, number, key, counts, counts - ((<uint64_t> 1) << (LANE_BITS * tier)))
+        if counts == (<uint64_t> 1) << (LANE_BITS * tier):  # its last count: the hash goes too
+            _delete(&s.hash_to_key, engine_hash)
         return True
 
     def resolve(self, Py_ssize_t number, engine_hashes):
@@ -431,21 +548,24 @@ cdef class Tables:
     def matched(self, list keys):
         """``(bitmap of stream numbers, blocks they matched)`` for every stream holding
         ``keys[0]``: the prompt walked once, the set still matching narrowed block by block;
-        once one stream is left, the walk goes on in that stream's own table."""
+        once one stream is left, its own holding of each next block is checked."""
         cdef Py_ssize_t n = len(keys), num_blocks = 1, lone
-        cdef uint64_t held = 0
+        cdef uint64_t entry = 0
         cdef list out = []
         cdef object matching, still
-        if n == 0 or not _get(&self._holders, keys[0], &held):
+        if n == 0 or not _get(&self._holders, keys[0], &entry):
             return out
-        if held & 1:  # one holder: no bitmaps at all
-            lone = <Py_ssize_t> (held >> 1)
+        if entry & LONE:  # one holder: no bitmaps at all
+            lone = _holder(entry)
             matching = _ONE << lone
         else:
-            matching = self._shared[<Py_ssize_t> (held >> 1)]
+            matching = self._shared[<Py_ssize_t> (entry >> 1)]
             while num_blocks < n and matching & (matching - 1):
-                if _get(&self._holders, keys[num_blocks], &held):
-                    still = matching & self._bitmap(held)
+                if _get(&self._holders, keys[num_blocks], &entry):
+                    still = matching & (
+                        (_ONE << _holder(entry)) if entry & LONE
+                        else self._shared[<Py_ssize_t> (entry >> 1)]
+                    )
                 else:
                     still = 0
                 if still != matching:
@@ -463,9 +583,8 @@ cdef class Tables:
     cdef Py_ssize_t _held_from(self, Py_ssize_t number, list keys, Py_ssize_t start) except -1:
         cdef Stream* s = self._stream(number)
         cdef Py_ssize_t i
-        cdef uint64_t counts
         for i in range(start, len(keys)):
-            if not _get(&s.key_to_counts, keys[i], &counts):
+            if self._counts(s, number, keys[i]) == 0:
                 return i
         return len(keys)
 
@@ -478,7 +597,8 @@ cdef class Tables:
         cdef uint64_t counts
         cdef list tiers = []
         for i in range(num_blocks):
-            if not _get(&s.key_to_counts, keys[i], &counts) or counts == 0:
+            counts = self._counts(s, number, keys[i])
+            if counts == 0:
                 raise AssertionError("a held block has a non-zero count on some tier")
             tier = 0
             while _lane(counts, tier) == 0:
