@@ -50,6 +50,8 @@ def model_root(model: str) -> int:
 def tokens_to_bytes(token_ids: Sequence[int]) -> bytes:
     """Token ids as little-endian u32. Raises :class:`BlockKeyError` for ids outside u32."""
     try:
+        if native.pack_tokens is not None and type(token_ids) in (list, tuple):
+            return native.pack_tokens(token_ids)  # compiled: one pass, no array
         if isinstance(token_ids, list):
             packed = array("I")
             packed.fromlist(token_ids)  # a third faster than array("I", list), same checks

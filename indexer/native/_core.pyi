@@ -1,9 +1,24 @@
 """Types of the compiled ``_core`` (see ``_core.pyx``)."""
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 def chain(parent: int, token_bytes: bytes, block_size: int) -> list[int]: ...
 def chain_tokens(parent: int, token_ids: Sequence[int], block_size: int) -> list[int]: ...
+def pack_tokens(token_ids: Sequence[int]) -> bytes: ...
+def store_chain(
+    ops: list[Any],
+    key_of_hash: dict[int, int],
+    kind: object,
+    tier: object,
+    engine_hashes: Sequence[int],
+    parent: int,
+    token_bytes: bytes,
+    block_size: int,
+) -> int: ...
+def remove_ops(
+    ops: list[Any], kind: object, tier: object, engine_hashes: Sequence[int]
+) -> None: ...
 
 class Tables:
     def reset(self, number: int) -> None: ...

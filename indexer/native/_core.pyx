@@ -33,6 +33,7 @@ cdef extern from *:
 cdef extern from "Python.h":
     ctypedef struct PyObject
     bint PyLong_Check(object)
+    bytes PyBytes_FromStringAndSize(const char*, Py_ssize_t)
     object PySequence_Fast(object, const char*)
     Py_ssize_t PySequence_Fast_GET_SIZE(object)
     PyObject** PySequence_Fast_ITEMS(object)
@@ -104,6 +105,71 @@ def chain_tokens(uint64_t parent, token_ids, Py_ssize_t block_size):
     finally:
         PyMem_Free(buf)
     return keys
+
+
+def pack_tokens(token_ids):
+    """Token ids (a list or tuple of ints in [0, 2**32), else OverflowError or TypeError)
+    as little-endian u32 bytes."""
+    cdef object seq = PySequence_Fast(token_ids, "token ids must be a sequence")
+    cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), i
+    cdef PyObject** items = PySequence_Fast_ITEMS(seq)
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, 4 * n)
+    cdef unsigned char* buf = <unsigned char*> PyBytes_AS_STRING(out)
+    cdef uint32_t token
+    cdef object item
+    for i in range(n):
+        item = <object> items[i]
+        if not PyLong_Check(item):
+            raise TypeError(f"token id {item!r} is not an int")
+        token = item
+        buf[4 * i] = token & 0xFF
+        buf[4 * i + 1] = (token >> 8) & 0xFF
+        buf[4 * i + 2] = (token >> 16) & 0xFF
+        buf[4 * i + 3] = token >> 24
+    return out
+
+
+def store_chain(list ops, dict key_of_hash, object kind, object tier, engine_hashes,
+                uint64_t parent, bytes token_bytes, Py_ssize_t block_size):
+    """The store ops of one event, with the keys :func:`chain` gives: for each full block
+    and its engine hash, ``(kind, tier, engine_hash, key)`` goes to ``ops`` and
+    ``key_of_hash[engine_hash] = key``. There must be one engine hash per full block
+    (ValueError). Returns the number of blocks."""
+    if block_size <= 0:
+        raise ValueError(f"block size must be positive, got {block_size}")
+    cdef object seq = PySequence_Fast(engine_hashes, "engine hashes must be a sequence")
+    cdef PyObject** hashes = PySequence_Fast_ITEMS(seq)
+    cdef Py_ssize_t stride = block_size * 4
+    cdef Py_ssize_t num_blocks = PyBytes_GET_SIZE(token_bytes) // stride
+    if PySequence_Fast_GET_SIZE(seq) != num_blocks:
+        raise ValueError(f"{PySequence_Fast_GET_SIZE(seq)} engine hashes for {num_blocks} blocks")
+    cdef const unsigned char* src = <const unsigned char*> PyBytes_AS_STRING(token_bytes)
+    cdef unsigned char* buf = <unsigned char*> PyMem_Malloc(8 + stride)
+    if buf == NULL:
+        raise MemoryError()
+    cdef Py_ssize_t i
+    cdef int j
+    cdef object key, engine_hash
+    try:
+        for i in range(num_blocks):
+            for j in range(8):
+                buf[j] = (parent >> (8 * j)) & 0xFF
+            memcpy(buf + 8, src + i * stride, stride)
+            parent = XXH3_64bits(buf, 8 + stride)
+            key = parent
+            engine_hash = <object> hashes[i]
+            ops.append((kind, tier, engine_hash, key))
+            key_of_hash[engine_hash] = key
+    finally:
+        PyMem_Free(buf)
+    return num_blocks
+
+
+def remove_ops(list ops, object kind, object tier, engine_hashes):
+    """``(kind, tier, engine_hash, 0)`` to ``ops`` for each engine hash."""
+    cdef object engine_hash
+    for engine_hash in engine_hashes:
+        ops.append((kind, tier, engine_hash, 0))
 
 
 # --- tables: u64 -> u64 -------------------------------------------------------------------

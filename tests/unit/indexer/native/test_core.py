@@ -3,19 +3,33 @@
 The install builds the extension (setup.py), so these tests require it: a missing build
 fails here rather than leaving every other test on the fallback unnoticed. Random inputs
 (hypothesis) judge agreement: block keys over random tokens and block sizes, and random
-batches of index operations on a few streams, with clears, drops and lookups between them.
+batches of index operations on a few streams, with clears, drops and lookups between them,
+and random events translated into index operations with and without the compiled loops.
 """
 
 from __future__ import annotations
+
+from contextlib import ExitStack
+from unittest.mock import patch
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvindex.indexer import native
-from kvindex.indexer.events import StreamId, Tier
+from kvindex.indexer.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    EventBatch,
+    StreamId,
+    Tier,
+)
+from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index.memory import MemoryIndex, PyTables, new_tables
 from kvindex.indexer.index.protocol import Op, OpKind
+from kvindex.indexer.ingest import Ingestor
 from kvindex.indexer.keys import BlockKeyError, block_keys, chain_keys, tokens_to_bytes
 
 U64 = st.integers(0, 2**64 - 1)
@@ -116,3 +130,47 @@ def test_tables_grow_and_shrink_back_exactly() -> None:
         assert index.longest_prefix(keys[start:], STREAMS) == python.longest_prefix(
             keys[start:], STREAMS
         )
+
+
+# --- event → op translation ----------------------------------------------------------------
+
+_stored = st.builds(
+    lambda n, size, parent, tier, bad: BlockStored(
+        tuple(range(1000 * n, 1000 * n + n)),
+        parent,
+        [(7 * i) % 50_000 for i in range(n * size)] + ([-1] if bad else []),
+        size,
+        tier,
+    ),
+    st.integers(1, 6),
+    st.integers(1, 8),
+    st.one_of(st.none(), st.integers(0, 2**64 - 1)),
+    st.sampled_from(list(Tier)),
+    st.booleans(),
+)
+_event = st.one_of(
+    _stored,
+    st.builds(
+        BlockRemoved, st.lists(st.integers(0, 10_000), max_size=5), st.sampled_from(list(Tier))
+    ),
+    st.just(AllBlocksCleared()),
+)
+
+
+def _translate(events: list[Event], *, compiled: bool) -> tuple[list[Op], StreamReport]:
+    report = StreamReport()
+    ingestor = Ingestor(MemoryIndex())
+    batch = EventBatch(0, 1.0, 0, events)
+    if compiled:
+        return ingestor.translate(STREAMS[0], "m", batch, report), report
+    names = ("pack_tokens", "store_chain", "remove_ops", "chain", "chain_tokens")
+    with ExitStack() as stack:
+        for name in names:
+            stack.enter_context(patch.object(native, name, None))
+        return ingestor.translate(STREAMS[0], "m", batch, report), report
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_event, max_size=8))
+def test_compiled_translation_agrees_with_python(events: list[Event]) -> None:
+    assert _translate(events, compiled=True) == _translate(events, compiled=False)
