@@ -5,7 +5,8 @@ BIN := $(VENV)/bin
 
 .PHONY: run test lint bench install clean
 
-$(BIN)/kvindex: pyproject.toml
+# The compiled core (setup.py) is rebuilt by the same install when its sources change.
+$(BIN)/kvindex: pyproject.toml setup.py indexer/native/_core.pyx
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'

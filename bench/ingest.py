@@ -25,7 +25,10 @@ creates its stream state only on that first topic-identified frame.)
 Counts: ``blocks`` = block hashes named by all events (stored + removed: one index
 operation each); ``blocks_stored`` alone gives ``stored_blocks_per_s``. ``entries`` =
 (block, replica) pairs resident at the end, summed from ``index.stats``; for Redis,
-``bytes_per_entry`` = growth of INFO ``used_memory`` during the run / ``entries``.
+``bytes_per_entry`` = growth of INFO ``used_memory`` during the run / ``entries``; for the
+memory store, what dropping the filled index frees (``tracemalloc``, over one more run that
+is not timed: the pipeline is dropped first, so only what the index alone holds counts) /
+``entries``, and ``compiled`` says whether its tables were the compiled ones.
 
 One JSON line per backend goes to stdout; everything else goes to stderr.
 """
@@ -41,6 +44,7 @@ import os
 import statistics
 import sys
 import time
+import tracemalloc
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -262,10 +266,29 @@ def result(backend: str, workload: Workload, seconds: float, **extra: Any) -> di
 # --- backends -------------------------------------------------------------------------------
 
 
+def memory_index_bytes(workload: Workload, plan: list[Delivery]) -> int:
+    """Bytes a memory index filled by ``plan`` holds: what dropping it frees (traced)."""
+    tracemalloc.start()
+    try:
+        index = MemoryIndex()
+        pipeline, registry = new_pipeline(index, workload)
+        drive(pipeline, plan)
+        del pipeline, registry
+        gc.collect()
+        filled = tracemalloc.get_traced_memory()[0]
+        del index
+        gc.collect()
+        return filled - tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+
+
 def run_memory(workload: Workload, plan: list[Delivery], repeat: int) -> dict[str, Any]:
-    """``repeat`` runs on fresh indexes; the median time is reported, the last one checked."""
+    """``repeat`` runs on fresh indexes; the median time is reported, the last one checked,
+    then one more (not timed) measures the index's bytes."""
     times: list[float] = []
     checked: dict[str, Any] = {}
+    compiled = MemoryIndex().compiled
     for i in range(repeat):
         index = MemoryIndex()
         pipeline, registry = new_pipeline(index, workload)
@@ -276,9 +299,12 @@ def run_memory(workload: Workload, plan: list[Delivery], repeat: int) -> dict[st
             checked = check(index, registry, workload)
         del index, pipeline, registry
     seconds = statistics.median(times)
+    num_bytes = memory_index_bytes(workload, plan)
+    per_entry = num_bytes / max(checked["entries"], 1)
+    log.info("memory index: %.1f MB, %.1f bytes per entry", num_bytes / 1e6, per_entry)
     return result(
         "memory", workload, seconds, repeat=repeat, seconds_all=[round(t, 3) for t in times],
-        **checked,
+        **checked, bytes_per_entry=round(per_entry, 1), index_bytes=num_bytes, compiled=compiled,
     )  # fmt: skip
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
+from kvindex.indexer import native
 from kvindex.indexer.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -204,9 +205,15 @@ class Ingestor:
             return
         report.block_size = block_size
         parent = self._parent_key(event.parent_hash, context)
-        keys = chain_keys(parent, token_bytes, block_size, extras)
         tier = event.tier
         mapping = context.cache.young
+        if extras is None and native.store_chain is not None:  # compiled: keys, ops, cache
+            num_blocks = native.store_chain(
+                ops, mapping, _STORE, tier, hashes, parent, token_bytes, block_size
+            )
+            report.num_blocks_stored += num_blocks
+            return
+        keys = chain_keys(parent, token_bytes, block_size, extras)
         for engine_hash, key in zip(hashes, keys, strict=True):
             ops.append((_STORE, tier, engine_hash, key))
             mapping[engine_hash] = key
@@ -236,7 +243,10 @@ def _remove_ops(event: BlockRemoved, ops: list[Op], report: StreamReport) -> Non
         return
     tier = event.tier
     hashes = event.block_hashes
-    ops.extend([(_REMOVE, tier, h, 0) for h in hashes])
+    if native.remove_ops is not None:
+        native.remove_ops(ops, _REMOVE, tier, hashes)
+    else:
+        ops.extend([(_REMOVE, tier, h, 0) for h in hashes])
     report.num_blocks_removed += len(hashes)
 
 

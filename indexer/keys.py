@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 import xxhash
 
+from kvindex.indexer import native
 from kvindex.indexer.errors import KvIndexError
 
 KEY_SCHEME = "xxh3-64/v1"
@@ -49,6 +50,8 @@ def model_root(model: str) -> int:
 def tokens_to_bytes(token_ids: Sequence[int]) -> bytes:
     """Token ids as little-endian u32. Raises :class:`BlockKeyError` for ids outside u32."""
     try:
+        if native.pack_tokens is not None and type(token_ids) in (list, tuple):
+            return native.pack_tokens(token_ids)  # compiled: one pass, no array
         if isinstance(token_ids, list):
             packed = array("I")
             packed.fromlist(token_ids)  # a third faster than array("I", list), same checks
@@ -104,6 +107,8 @@ def chain_keys(
     num_blocks = len(token_bytes) // stride
     if extra_keys is not None and len(extra_keys) < num_blocks:
         raise BlockKeyError(f"{len(extra_keys)} extra keys for {num_blocks} blocks")
+    if extra_keys is None and native.chain is not None and type(token_bytes) is bytes:
+        return native.chain(parent, token_bytes, block_size)  # compiled: 5x faster
     # One C call splits the blocks and one packs each block's bytes: about a third faster
     # than slicing and concatenating per block, for the same bytes.
     block_format, pack = _block_layout(stride)
@@ -158,6 +163,12 @@ def block_keys(
     """
     num_blocks = len(token_ids) // block_size if block_size > 0 else 0
     extras = request_extra_keys(num_blocks, lora_name, cache_salt)
+    if extras is None and native.chain_tokens is not None and block_size > 0:
+        # Compiled: the ids of whole blocks read and hashed in one loop, no bytes built.
+        try:
+            return native.chain_tokens(model_root(model), token_ids, block_size)
+        except (OverflowError, TypeError) as exc:
+            raise BlockKeyError(f"token ids must be integers in [0, 2**32): {exc}") from exc
     num_used = num_blocks * block_size
     # Only whole blocks are keyed (and checked); copy the ids only if some are left over.
     used = token_ids if num_used == len(token_ids) else token_ids[:num_used]

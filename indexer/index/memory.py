@@ -1,32 +1,36 @@
 """The in-process :class:`~kvindex.indexer.index.protocol.BlockIndex`: the embedded default.
 
-Plain dicts guarded by one lock; the same semantics as the Redis backend, proven by the
-shared contract suite.
+One lock over the index's tables; the same semantics as the Redis backend, proven by the
+shared contract suite. The tables are compiled (``kvindex.indexer.native``: open-addressing
+arrays of 64-bit keys and values, about 16 bytes a slot where a dict of ints costs 100+)
+when the extension is built, else :class:`PyTables` (plain dicts), the reference the tests
+hold the compiled tables to. :class:`MemoryIndex` keeps what is per stream and small (its
+number, watermark, last timestamp); the tables keep the blocks, by stream number.
 
 What a lookup costs: the prompt's blocks up to the longest match (over every stream), plus
 each holder's own answer, never the streams that hold nothing. Besides each stream's own
-dicts, the index keeps one map block key → its holders (``_holders``), every stream having a
-small number of its own: a block held by one stream maps to ``~number`` (a negative int,
-nothing allocated for the common private block), one held by several to a bitmap of their
-numbers. :meth:`MemoryIndex.longest_prefix` walks the prompt once, ANDing the holders of
-each block into the set still matching, and stops when it is empty; a stream that leaves the
-set at block ``i`` matched ``i`` blocks. Once a single stream is left, the walk goes on in
-that stream's own dict (small, so in cache; the fleet-wide map misses the cache at a million
-blocks). So 1,024 replicas of which 256 share a 64-block system prompt cost 64 bitmap ANDs
-and 256 answers, not 1,024 walks of up to 65 reads each. The requested streams cost a copy
-of a prepared no-match answer (C, no stream hashed) while they and the numbering stay the
-same; their numbers' bitmap filters the holders.
+maps, the tables keep one map block key → its holders, every stream having a small number of
+its own: a block held by one stream maps to that number (nothing allocated for the common
+private block), one held by several to a bitmap of their numbers. ``Tables.matched`` walks
+the prompt once, ANDing the holders of each block into the set still matching, and stops
+when it is empty; a stream that leaves the set at block ``i`` matched ``i`` blocks. Once a
+single stream is left, the walk goes on in that stream's own map (small, so in cache; the
+fleet-wide map misses the cache at a million blocks). So 1,024 replicas of which 256 share a
+64-block system prompt cost 64 bitmap ANDs and 256 answers, not 1,024 walks of up to 65
+reads each. The requested streams cost a copy of a prepared no-match answer (C, no stream
+hashed) while they and the numbering stay the same; their numbers' bitmap filters the
+holders.
 
-The map is kept in step with the streams' own dicts: a block joins it when a stream's
+The map is kept in step with the streams' own maps: a block joins it when a stream's
 counts for it go from nothing to something and leaves when they go back (a removal, a
-clear, a drop: the cost of that stream's own blocks, as before). That is the write path's
-price: one more dict call (in C) per block a stream starts or stops holding. Numbers freed
-by a drop are reused, so bitmaps stay as wide as the fleet, not as its history.
+clear, a drop: the cost of that stream's own blocks). Numbers freed by a drop are reused,
+so bitmaps stay as wide as the fleet, not as its history.
 
-A block's counts are one int, ``gpu + cpu * 2**32 + other * 2**64`` (Python ints do not
-overflow), not a list: a GPU-only block's counts are then a cached small int, nothing is
-allocated per store, and the dicts hold only ints, which the garbage collector does not
-track (lists per block made its full collections walk every cached block).
+In :class:`PyTables` a block's counts are one int, ``gpu + cpu * 2**32 + other * 2**64``
+(Python ints do not overflow), not a list: a GPU-only block's counts are then a cached small
+int, nothing is allocated per store, and the dicts hold only ints, which the garbage
+collector does not track. The compiled tables pack them in 21 bits a tier (a count
+saturates at 2**21 - 1 stores of one block without a removal, which no engine makes).
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ import heapq
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from kvindex.indexer import native
 from kvindex.indexer.events import StreamId, Tier
 from kvindex.indexer.index.protocol import (
     NO_MATCH,
@@ -61,18 +67,44 @@ _CPU, _OTHER = int(Tier.CPU), int(Tier.OTHER)
 _ON_GPU = (Tier.GPU,)
 
 
+class Tables(Protocol):
+    """The blocks of every stream of one index, by stream number, and the block → holders
+    map. Not thread-safe (the index locks). Implemented by :class:`PyTables` and by the
+    compiled ``kvindex.indexer.native.Tables``; the tests hold them to the same answers."""
+
+    def reset(self, number: int) -> None:
+        """Forget every block of stream ``number`` (and its place among their holders)."""
+
+    def apply(self, number: int, ops: Sequence[Op]) -> tuple[int, int]:
+        """Apply ops in order; returns (unknown removals, unresolved stores)."""
+        ...
+
+    def resolve(self, number: int, engine_hashes: Sequence[int]) -> list[int | None]: ...
+
+    def blocks_by_tier(self, number: int) -> list[int]: ...
+
+    def matched(self, keys: list[int]) -> list[tuple[int, int]]:
+        """(bitmap of stream numbers, blocks they matched) for every stream holding
+        ``keys[0]``."""
+        ...
+
+    def best_tiers(self, number: int, keys: list[int], num_blocks: int) -> list[int]:
+        """The best tier of each of the first ``num_blocks`` keys (stream ``number`` holds
+        them all)."""
+        ...
+
+
 @dataclass(slots=True)
-class _Stream:
-    stream: StreamId
+class _Blocks:
+    """One stream's blocks in :class:`PyTables`."""
+
     number: int
     """Its bit in the holder bitmaps (unique among the index's live streams)."""
     holders: dict[int, int]
-    """The index's block key → holders map (shared by every stream of the index)."""
+    """The tables' block key → holders map (shared by every stream)."""
     key_to_counts: dict[int, int] = field(default_factory=dict)
     hash_to_key: dict[int, int] = field(default_factory=dict)
     blocks_by_tier: list[int] = field(default_factory=lambda: [0] * _NUM_TIERS)
-    watermark: int = -1
-    last_ts: float | None = None
 
     def reset(self) -> None:
         """Forget every block (in place: the hot loop holds references to these)."""
@@ -82,6 +114,49 @@ class _Stream:
         self.key_to_counts.clear()
         self.hash_to_key.clear()
         self.blocks_by_tier[:] = [0] * _NUM_TIERS
+
+
+class PyTables:
+    """:class:`Tables` in plain dicts: the reference, and the fallback when the compiled
+    extension is not built. ``holders`` maps a block key to ``~number`` of its one holder
+    (a negative int: nothing allocated for the common private block) or the bitmap of its
+    holders' numbers."""
+
+    def __init__(self) -> None:
+        self.holders: dict[int, int] = {}
+        self._blocks: list[_Blocks] = []
+
+    def _of(self, number: int) -> _Blocks:
+        while number >= len(self._blocks):
+            self._blocks.append(_Blocks(len(self._blocks), self.holders))
+        return self._blocks[number]
+
+    def reset(self, number: int) -> None:
+        self._of(number).reset()
+
+    def apply(self, number: int, ops: Sequence[Op]) -> tuple[int, int]:
+        return _apply_ops(self._of(number), ops)
+
+    def resolve(self, number: int, engine_hashes: Sequence[int]) -> list[int | None]:
+        get = self._of(number).hash_to_key.get
+        return [get(h) for h in engine_hashes]
+
+    def blocks_by_tier(self, number: int) -> list[int]:
+        return list(self._of(number).blocks_by_tier)
+
+    def matched(self, keys: list[int]) -> list[tuple[int, int]]:
+        return list(_matched(self.holders, keys, self._blocks))
+
+    def best_tiers(self, number: int, keys: list[int], num_blocks: int) -> list[int]:
+        counts_of = self._of(number).key_to_counts
+        return [_best_tier(counts_of[key]) for key in keys[:num_blocks]]
+
+
+def new_tables(*, compiled: bool = True) -> Tables:
+    """The compiled tables when asked for and built, else :class:`PyTables`."""
+    if compiled and native.Tables is not None:
+        return native.Tables()
+    return PyTables()
 
 
 def _joined(holders: int, number: int) -> int:
@@ -108,6 +183,15 @@ def _bitmap(held: int) -> int:
     return (1 << ~held) if held < 0 else held
 
 
+@dataclass(slots=True)
+class _Stream:
+    stream: StreamId
+    number: int
+    """Its number in the tables (unique among the index's live streams)."""
+    watermark: int = -1
+    last_ts: float | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class _Asked:
     streams: tuple[StreamId, ...]
@@ -119,12 +203,16 @@ class _Asked:
 
 
 class MemoryIndex:
-    """In-process block index. Thread-safe; every call holds one lock briefly."""
+    """In-process block index. Thread-safe; every call holds one lock briefly.
 
-    def __init__(self) -> None:
+    ``compiled=False`` keeps the blocks in :class:`PyTables` even when the extension is
+    built (the tests run the contract suite on both); :attr:`compiled` says which serve.
+    """
+
+    def __init__(self, *, compiled: bool = True) -> None:
+        self._tables = new_tables(compiled=compiled)
+        self.compiled = not isinstance(self._tables, PyTables)
         self._streams: dict[StreamId, _Stream] = {}
-        self._holders: dict[int, int] = {}
-        """Block key → ``~number`` of its one holder, or the bitmap of its holders' numbers."""
         self._state_of: list[_Stream | None] = []
         """Stream number → the stream's state (None: free, listed in ``_free``)."""
         self._free: list[int] = []
@@ -139,7 +227,7 @@ class MemoryIndex:
         state = self._streams.get(stream)
         if state is None:
             number = heapq.heappop(self._free) if self._free else len(self._state_of)
-            state = self._streams[stream] = _Stream(stream, number, self._holders)
+            state = self._streams[stream] = _Stream(stream, number)
             if number == len(self._state_of):
                 self._state_of.append(state)
             else:
@@ -154,11 +242,12 @@ class MemoryIndex:
         results: list[ApplyResult] = []
         with self._lock:
             state = self._state(stream)
+            apply, number = self._tables.apply, state.number
             for seq, ts, ops in batches:
                 if seq <= state.watermark:
                     results.append(SKIPPED)
                     continue
-                unknown, unresolved = _apply_ops(state, ops)
+                unknown, unresolved = apply(number, ops)
                 state.watermark = seq
                 state.last_ts = ts
                 results.append(applied(unknown, unresolved))
@@ -169,14 +258,13 @@ class MemoryIndex:
             state = self._streams.get(stream)
             if state is None:
                 return [None] * len(engine_hashes)
-            get = state.hash_to_key.get
-            return [get(h) for h in engine_hashes]
+            return self._tables.resolve(state.number, engine_hashes)
 
     def clear(self, stream: StreamId) -> None:
         with self._lock:
             state = self._streams.get(stream)
             if state is not None:
-                state.reset()
+                self._tables.reset(state.number)
                 state.watermark = -1
                 state.last_ts = None
 
@@ -184,7 +272,7 @@ class MemoryIndex:
         with self._lock:
             state = self._streams.pop(stream, None)
             if state is not None:
-                state.reset()
+                self._tables.reset(state.number)
                 self._state_of[state.number] = None
                 self._numbering += 1
                 heapq.heappush(self._free, state.number)
@@ -197,17 +285,21 @@ class MemoryIndex:
         self, keys: Sequence[int], streams: Iterable[StreamId]
     ) -> dict[StreamId, PrefixMatch]:
         asked = tuple(streams)
+        keys = keys if type(keys) is list else list(keys)
         with self._lock:
             no_matches, wanted = self._asked_for(asked)
             result = no_matches.copy()
-            state_of = self._state_of
-            for leavers, num_blocks in _matched(self._holders, keys, state_of):
+            state_of, tables = self._state_of, self._tables
+            for leavers, num_blocks in tables.matched(keys):
                 on_gpu = PrefixMatch(_ON_GPU * num_blocks)
                 for number in _numbers(leavers & wanted):
                     state: _Stream = state_of[number]  # type: ignore[assignment]
-                    by_tier = state.blocks_by_tier
-                    gpu_only = not by_tier[_CPU] and not by_tier[_OTHER]
-                    result[state.stream] = on_gpu if gpu_only else _prefix(state, keys, num_blocks)
+                    _, on_cpu, on_other = tables.blocks_by_tier(number)
+                    if not on_cpu and not on_other:
+                        result[state.stream] = on_gpu
+                    else:
+                        tiers = tables.best_tiers(number, keys, num_blocks)
+                        result[state.stream] = PrefixMatch(tuple(map(Tier, tiers)))
         return result
 
     def _asked_for(self, streams: tuple[StreamId, ...]) -> tuple[dict[StreamId, PrefixMatch], int]:
@@ -230,7 +322,8 @@ class MemoryIndex:
             state = self._streams.get(stream)
             if state is None:
                 return StreamStats(stream, -1, None, dict.fromkeys(Tier, 0))
-            by_tier = dict(zip(_TIERS, state.blocks_by_tier, strict=True))
+            counts = self._tables.blocks_by_tier(state.number)
+            by_tier = dict(zip(_TIERS, counts, strict=True))
             return StreamStats(stream, state.watermark, state.last_ts, by_tier)
 
     def intact(self) -> bool:
@@ -241,7 +334,7 @@ class MemoryIndex:
         pass
 
 
-def _apply_ops(state: _Stream, ops: Sequence[Op]) -> tuple[int, int]:
+def _apply_ops(state: _Blocks, ops: Sequence[Op]) -> tuple[int, int]:
     """The hot loop (inlined on purpose): returns (unknown removals, unresolved stores)."""
     hash_to_key = state.hash_to_key
     key_to_counts = state.key_to_counts
@@ -278,7 +371,7 @@ def _apply_ops(state: _Stream, ops: Sequence[Op]) -> tuple[int, int]:
     return unknown, unresolved
 
 
-def _remove(state: _Stream, engine_hash: int, tier: int) -> bool:
+def _remove(state: _Blocks, engine_hash: int, tier: int) -> bool:
     """Count a block once less on a tier; False (nothing changes) if it is not held there."""
     key = state.hash_to_key.get(engine_hash)
     counts = 0 if key is None else state.key_to_counts.get(key, 0)
@@ -299,7 +392,7 @@ def _remove(state: _Stream, engine_hash: int, tier: int) -> bool:
 
 
 def _matched(
-    holders: dict[int, int], keys: Sequence[int], state_of: list[_Stream | None]
+    holders: dict[int, int], keys: Sequence[int], blocks: list[_Blocks]
 ) -> Iterator[tuple[int, int]]:
     """(bitmap of stream numbers, blocks they matched) for every stream holding ``keys[0]``:
     the prompt is walked once, the set still matching narrowed block by block until empty.
@@ -320,8 +413,8 @@ def _matched(
             matching = still
         num_blocks += 1
     if num_blocks < len(keys) and not matching & (matching - 1):
-        state: _Stream = state_of[matching.bit_length() - 1]  # type: ignore[assignment]
-        num_blocks = _held_from(state.key_to_counts, keys, num_blocks)
+        key_to_counts = blocks[matching.bit_length() - 1].key_to_counts
+        num_blocks = _held_from(key_to_counts, keys, num_blocks)
     yield matching, num_blocks
 
 
@@ -347,21 +440,8 @@ def _numbers(bitmap: int) -> Iterator[int]:
         number = bits.find("1", number + 1)
 
 
-def _prefix(state: _Stream, keys: Sequence[int], num_blocks: int) -> PrefixMatch:
-    """The tiers of a stream that holds blocks off GPU, knowing it holds exactly the first
-    ``num_blocks`` keys."""
-    counts_of = state.key_to_counts
-    gpu = Tier.GPU
-    return PrefixMatch(
-        tuple(
-            gpu if (counts := counts_of[key]) & _LANE else _best_tier(counts)
-            for key in keys[:num_blocks]
-        )
-    )
-
-
-def _best_tier(counts: int) -> Tier:
-    for tier in _TIERS:
+def _best_tier(counts: int) -> int:
+    for tier in range(_NUM_TIERS):
         if (counts >> _SHIFT[tier]) & _LANE:
             return tier
     raise AssertionError("a held block has a non-zero count on some tier")

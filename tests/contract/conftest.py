@@ -1,9 +1,11 @@
 """The contract suite's fixtures: every test in ``tests/contract`` runs on each backend.
 
-Backends: ``memory`` (:class:`MemoryIndex`), ``fakeredis`` (:class:`RedisIndex` over an
-in-process fake whose Lua runs in lupa), ``redis`` (:class:`RedisIndex` over the private
-redis-server of ``tests/conftest.py``) and ``cluster`` (over its private 3-master Redis
-Cluster). None is ever skipped. :func:`redis_store_client` gives the Redis-backed suites
+Backends: ``memory`` (:class:`MemoryIndex` on its compiled tables when built),
+``memory-python`` (on ``PyTables``, the pure-Python fallback), ``fakeredis``
+(:class:`RedisIndex` over an in-process fake whose Lua runs in lupa), ``redis``
+(:class:`RedisIndex` over the private redis-server of ``tests/conftest.py``) and ``cluster``
+(over its private 3-master Redis Cluster); ``memory-python`` only for the index suite. None
+is ever skipped. :func:`redis_store_client` gives the Redis-backed suites
 (load, registry view) the same backends.
 """
 
@@ -22,13 +24,18 @@ from kvindex.indexer.redis_schema import Schema
 
 REDIS_BACKENDS = ("fakeredis", "redis", "cluster")
 BACKENDS = ("memory", *REDIS_BACKENDS)
+INDEX_BACKENDS = ("memory", "memory-python", *REDIS_BACKENDS)
+"""The index suite's: the memory index on its compiled tables and on the pure-Python ones."""
 
 IndexFactory = Callable[[], BlockIndex]
 """Returns a fresh, empty index; on a shared server each call first wipes the server."""
 
 
-def _memory_factory() -> IndexFactory:
-    return MemoryIndex
+def _memory_factory(*, compiled: bool) -> IndexFactory:
+    def make() -> BlockIndex:
+        return MemoryIndex(compiled=compiled)
+
+    return make
 
 
 def _fakeredis_factory() -> IndexFactory:
@@ -59,12 +66,12 @@ def _redis_factory(client: RedisClient) -> IndexFactory:
     return make
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture(params=INDEX_BACKENDS)
 def make_index(request: pytest.FixtureRequest) -> Iterator[IndexFactory]:
     """A factory of fresh indexes on one backend (for tests that reset between examples)."""
     backend: str = request.param
-    if backend == "memory":
-        factory = _memory_factory()
+    if backend in ("memory", "memory-python"):
+        factory = _memory_factory(compiled=backend == "memory")
     elif backend == "fakeredis":
         factory = _fakeredis_factory()
     else:

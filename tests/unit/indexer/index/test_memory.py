@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvindex.indexer.events import StreamId, Tier
-from kvindex.indexer.index.memory import MemoryIndex
+from kvindex.indexer.index.memory import MemoryIndex, PyTables
 from kvindex.indexer.index.protocol import NO_MATCH, Op, OpKind, PrefixMatch
 
 S = StreamId("r1")
@@ -75,14 +75,20 @@ class _CountingDict(dict[int, int]):
         return super().get(key, default)
 
 
+def _python(index: MemoryIndex) -> PyTables:
+    tables = index._tables
+    assert isinstance(tables, PyTables)
+    return tables
+
+
 def _counting(index: MemoryIndex) -> _CountingDict:
     holders = _CountingDict()
-    index._holders = holders  # before any stream: each stream shares its index's map
+    _python(index).holders = holders  # before any stream: each stream shares the map
     return holders
 
 
 def test_lookup_reads_the_matched_prefix_not_the_streams() -> None:
-    index = MemoryIndex()
+    index = MemoryIndex(compiled=False)  # the compiled walk is the same (tests/contract)
     holders = _counting(index)
     streams = [StreamId(f"r{i}") for i in range(500)]
     for i, stream in enumerate(streams):  # each its own block, two hold the prompt's start
@@ -101,23 +107,23 @@ def test_lookup_reads_the_matched_prefix_not_the_streams() -> None:
 
 
 def test_holders_map_forgets_what_no_stream_holds() -> None:
-    index = MemoryIndex()
+    index = MemoryIndex(compiled=False)
     other = StreamId("r2")
     index.apply(S, 0, 1.0, [store(1, 101), store(2, 102), store(2, 102, CPU)])
     index.apply(other, 0, 1.0, [store(1, 101), store(3, 103)])
     index.apply(S, 1, 1.0, [remove(2), remove(2, CPU)])
     index.apply(other, 1, 1.0, [(OpKind.CLEAR, GPU, 0, 0)])
-    assert index._holders == {101: ~index._streams[S].number}
+    assert _python(index).holders == {101: ~index._streams[S].number}
     index.drop(S)
-    assert index._holders == {}
+    assert _python(index).holders == {}
 
 
 def test_stream_numbers_are_reused_after_drops() -> None:
-    index = MemoryIndex()
+    index = MemoryIndex(compiled=False)
     for round_ in range(3):
         streams = [StreamId(f"r{round_}-{i}") for i in range(50)]
         for stream in streams:
             index.apply(stream, 0, 1.0, [store(1, 101)])
-        assert index._holders[101] == (1 << 50) - 1  # numbers 0..49, whatever the round
+        assert _python(index).holders[101] == (1 << 50) - 1  # numbers 0..49, whatever the round
         for stream in streams:
             index.drop(stream)

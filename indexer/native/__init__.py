@@ -1,0 +1,32 @@
+"""Compiled hot loops (Cython, built by ``pip install``): block-key chaining and the memory
+store's tables (``_core.pyx``; its types in ``_core.pyi``).
+
+Each name is the compiled object, or None when the extension is not built (a checkout used
+without an install): callers then fall back to the pure-Python code, which stays the
+reference the tests compare the compiled code with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvindex.indexer.native._core import Tables as _Tables
+
+chain: Callable[[int, bytes, int], list[int]] | None = None
+chain_tokens: Callable[[int, Sequence[int], int], list[int]] | None = None
+pack_tokens: Callable[[Sequence[int]], bytes] | None = None
+store_chain: (
+    Callable[[list[Any], dict[int, int], object, object, Sequence[int], int, bytes, int], int]
+    | None
+) = None
+remove_ops: Callable[[list[Any], object, object, Sequence[int]], None] | None = None
+Tables: type[_Tables] | None = None
+try:
+    from kvindex.indexer.native import _core
+except ImportError:  # not built: the pure-Python paths serve
+    pass
+else:
+    chain, chain_tokens, pack_tokens = _core.chain, _core.chain_tokens, _core.pack_tokens
+    store_chain, remove_ops, Tables = _core.store_chain, _core.remove_ops, _core.Tables

@@ -1,0 +1,682 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""kvindex's compiled hot loops: block-key chaining and the memory store's tables.
+
+Built by ``pip install`` (setup.py); ``kvindex.indexer.native`` says whether it loaded, and
+the pure-Python code it replaces stays the reference (tests prove both agree).
+
+The memory store keeps its maps in open-addressing tables of 16-byte slots (64-bit key,
+64-bit value; linear probing, multiplicative hashing, deletion by backward shift, so no
+tombstones), filled up to 90 % and grown by a quarter, allocated with ``PyMem_Malloc`` so
+``tracemalloc`` sees them. A (stream, block) entry costs two slots (its engine hash in the
+stream's table, its key in the index-wide one), where Python dicts of ints cost 100+ bytes.
+"""
+
+from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from libc.stdint cimport int64_t, uint32_t, uint64_t
+from libc.string cimport memcpy, memset
+
+cdef extern from *:
+    """
+    #define XXH_INLINE_ALL
+    #include "vendor/xxhash.h"
+
+    /* A key's home slot in a table of any capacity: the high bits of a 128-bit product
+       (keys are mixed first: engine hashes in tests are small ints). */
+    static inline Py_ssize_t kv_home(uint64_t key, uint64_t capacity) {
+        uint64_t mixed = key * 0x9E3779B97F4A7C15ULL;
+        return (Py_ssize_t)(((unsigned __int128)(mixed ^ (mixed >> 29)) * capacity) >> 64);
+    }
+    """
+    uint64_t XXH3_64bits(const void* data, size_t length) nogil
+    Py_ssize_t kv_home(uint64_t key, uint64_t capacity) nogil
+
+cdef extern from "Python.h":
+    ctypedef struct PyObject
+    bint PyLong_Check(object)
+    bytes PyBytes_FromStringAndSize(const char*, Py_ssize_t)
+    object PySequence_Fast(object, const char*)
+    Py_ssize_t PySequence_Fast_GET_SIZE(object)
+    PyObject** PySequence_Fast_ITEMS(object)
+    char* PyBytes_AS_STRING(object) nogil
+    Py_ssize_t PyBytes_GET_SIZE(object) nogil
+
+
+# --- block keys ---------------------------------------------------------------------------
+
+
+def chain(uint64_t parent, bytes token_bytes, Py_ssize_t block_size):
+    """Keys of the full blocks of ``token_bytes`` chained from ``parent``: for each block,
+    XXH3-64 of ``parent (u64, little-endian) | the block's token bytes`` (what
+    ``kvindex.indexer.keys.chain_keys`` hashes when there are no extra keys)."""
+    if block_size <= 0:
+        raise ValueError(f"block size must be positive, got {block_size}")
+    cdef Py_ssize_t stride = block_size * 4
+    cdef Py_ssize_t num_blocks = PyBytes_GET_SIZE(token_bytes) // stride
+    cdef const unsigned char* src = <const unsigned char*> PyBytes_AS_STRING(token_bytes)
+    cdef unsigned char* buf = <unsigned char*> PyMem_Malloc(8 + stride)
+    if buf == NULL:
+        raise MemoryError()
+    cdef list keys = []
+    cdef Py_ssize_t i
+    cdef int j
+    try:
+        for i in range(num_blocks):
+            for j in range(8):
+                buf[j] = (parent >> (8 * j)) & 0xFF
+            memcpy(buf + 8, src + i * stride, stride)
+            parent = XXH3_64bits(buf, 8 + stride)
+            keys.append(parent)
+    finally:
+        PyMem_Free(buf)
+    return keys
+
+
+def chain_tokens(uint64_t parent, token_ids, Py_ssize_t block_size):
+    """:func:`chain` over token ids (a list or tuple of ints) rather than their bytes: the
+    ids of the full blocks only are read, each must be an int in [0, 2**32) (else
+    OverflowError or TypeError)."""
+    if block_size <= 0:
+        raise ValueError(f"block size must be positive, got {block_size}")
+    cdef object seq = PySequence_Fast(token_ids, "token ids must be a sequence")
+    cdef Py_ssize_t num_blocks = PySequence_Fast_GET_SIZE(seq) // block_size
+    cdef PyObject** items = PySequence_Fast_ITEMS(seq)
+    cdef Py_ssize_t stride = block_size * 4
+    cdef unsigned char* buf = <unsigned char*> PyMem_Malloc(8 + stride)
+    if buf == NULL:
+        raise MemoryError()
+    cdef list keys = []
+    cdef Py_ssize_t i, t
+    cdef uint32_t token
+    cdef object item
+    cdef int j
+    try:
+        for i in range(num_blocks):
+            for j in range(8):
+                buf[j] = (parent >> (8 * j)) & 0xFF
+            for t in range(block_size):
+                item = <object> items[i * block_size + t]
+                if not PyLong_Check(item):
+                    raise TypeError(f"token id {item!r} is not an int")
+                token = item
+                for j in range(4):
+                    buf[8 + 4 * t + j] = (token >> (8 * j)) & 0xFF
+            parent = XXH3_64bits(buf, 8 + stride)
+            keys.append(parent)
+    finally:
+        PyMem_Free(buf)
+    return keys
+
+
+def pack_tokens(token_ids):
+    """Token ids (a list or tuple of ints in [0, 2**32), else OverflowError or TypeError)
+    as little-endian u32 bytes."""
+    cdef object seq = PySequence_Fast(token_ids, "token ids must be a sequence")
+    cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), i
+    cdef PyObject** items = PySequence_Fast_ITEMS(seq)
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, 4 * n)
+    cdef unsigned char* buf = <unsigned char*> PyBytes_AS_STRING(out)
+    cdef uint32_t token
+    cdef object item
+    for i in range(n):
+        item = <object> items[i]
+        if not PyLong_Check(item):
+            raise TypeError(f"token id {item!r} is not an int")
+        token = item
+        buf[4 * i] = token & 0xFF
+        buf[4 * i + 1] = (token >> 8) & 0xFF
+        buf[4 * i + 2] = (token >> 16) & 0xFF
+        buf[4 * i + 3] = token >> 24
+    return out
+
+
+def store_chain(list ops, dict key_of_hash, object kind, object tier, engine_hashes,
+                uint64_t parent, bytes token_bytes, Py_ssize_t block_size):
+    """The store ops of one event, with the keys :func:`chain` gives: for each full block
+    and its engine hash, ``(kind, tier, engine_hash, key)`` goes to ``ops`` and
+    ``key_of_hash[engine_hash] = key``. There must be one engine hash per full block
+    (ValueError). Returns the number of blocks."""
+    if block_size <= 0:
+        raise ValueError(f"block size must be positive, got {block_size}")
+    cdef object seq = PySequence_Fast(engine_hashes, "engine hashes must be a sequence")
+    cdef PyObject** hashes = PySequence_Fast_ITEMS(seq)
+    cdef Py_ssize_t stride = block_size * 4
+    cdef Py_ssize_t num_blocks = PyBytes_GET_SIZE(token_bytes) // stride
+    if PySequence_Fast_GET_SIZE(seq) != num_blocks:
+        raise ValueError(f"{PySequence_Fast_GET_SIZE(seq)} engine hashes for {num_blocks} blocks")
+    cdef const unsigned char* src = <const unsigned char*> PyBytes_AS_STRING(token_bytes)
+    cdef unsigned char* buf = <unsigned char*> PyMem_Malloc(8 + stride)
+    if buf == NULL:
+        raise MemoryError()
+    cdef Py_ssize_t i
+    cdef int j
+    cdef object key, engine_hash
+    try:
+        for i in range(num_blocks):
+            for j in range(8):
+                buf[j] = (parent >> (8 * j)) & 0xFF
+            memcpy(buf + 8, src + i * stride, stride)
+            parent = XXH3_64bits(buf, 8 + stride)
+            key = parent
+            engine_hash = <object> hashes[i]
+            ops.append((kind, tier, engine_hash, key))
+            key_of_hash[engine_hash] = key
+    finally:
+        PyMem_Free(buf)
+    return num_blocks
+
+
+def remove_ops(list ops, object kind, object tier, engine_hashes):
+    """``(kind, tier, engine_hash, 0)`` to ``ops`` for each engine hash."""
+    cdef object engine_hash
+    for engine_hash in engine_hashes:
+        ops.append((kind, tier, engine_hash, 0))
+
+
+# --- tables: u64 -> u64 -------------------------------------------------------------------
+
+
+cdef struct Entry:
+    uint64_t key
+    uint64_t value
+
+cdef struct Table:
+    Entry* slots
+    Py_ssize_t capacity  # 0: nothing allocated
+    Py_ssize_t size  # entries in ``slots`` (key 0 is held apart)
+    bint has_zero
+    uint64_t zero_value
+
+cdef enum:
+    MIN_CAPACITY = 16
+    DOUBLING_BELOW = 4096  # small tables double; large ones grow by a quarter
+
+cdef inline Py_ssize_t _home(const Table* t, uint64_t key) nogil:
+    return kv_home(key, <uint64_t> t.capacity)
+
+cdef inline Py_ssize_t _next(const Table* t, Py_ssize_t i) nogil:
+    i += 1
+    return 0 if i == t.capacity else i
+
+cdef Py_ssize_t _find(const Table* t, uint64_t key) nogil:
+    """The slot holding ``key`` (not 0), or -1."""
+    if t.capacity == 0:
+        return -1
+    cdef Py_ssize_t i = _home(t, key)
+    cdef uint64_t found
+    while True:
+        found = t.slots[i].key
+        if found == key:
+            return i
+        if found == 0:
+            return -1
+        i = _next(t, i)
+
+cdef bint _get(const Table* t, uint64_t key, uint64_t* value) nogil:
+    cdef Py_ssize_t i
+    if key == 0:
+        value[0] = t.zero_value
+        return t.has_zero
+    i = _find(t, key)
+    if i < 0:
+        return False
+    value[0] = t.slots[i].value
+    return True
+
+cdef int _resize(Table* t, Py_ssize_t capacity) except -1:
+    cdef Entry* old = t.slots
+    cdef Py_ssize_t old_capacity = t.capacity, i, j
+    cdef Entry* slots = <Entry*> PyMem_Malloc(capacity * sizeof(Entry))
+    if slots == NULL:
+        raise MemoryError()
+    memset(slots, 0, capacity * sizeof(Entry))
+    t.slots = slots
+    t.capacity = capacity
+    for i in range(old_capacity):
+        if old[i].key != 0:
+            j = _home(t, old[i].key)
+            while slots[j].key != 0:
+                j = _next(t, j)
+            slots[j] = old[i]
+    PyMem_Free(old)
+    return 0
+
+cdef int _put(Table* t, uint64_t key, uint64_t value) except -1:
+    """Insert or overwrite."""
+    cdef Py_ssize_t i
+    if key == 0:
+        t.has_zero = True
+        t.zero_value = value
+        return 0
+    if (t.size + 1) * 10 > t.capacity * 9:  # load factor at most 0.9
+        if t.capacity < DOUBLING_BELOW:
+            _resize(t, max(2 * t.capacity, MIN_CAPACITY))
+        else:
+            _resize(t, t.capacity + t.capacity // 4)
+    i = _home(t, key)
+    while t.slots[i].key != 0 and t.slots[i].key != key:
+        i = _next(t, i)
+    if t.slots[i].key == 0:
+        t.size += 1
+        t.slots[i].key = key
+    t.slots[i].value = value
+    return 0
+
+cdef bint _delete(Table* t, uint64_t key) nogil:
+    """Remove ``key``; False if it was not there. Later entries of the run shift back."""
+    cdef Py_ssize_t i, j, home
+    if key == 0:
+        if not t.has_zero:
+            return False
+        t.has_zero = False
+        return True
+    i = _find(t, key)
+    if i < 0:
+        return False
+    j = i
+    while True:
+        j = _next(t, j)
+        if t.slots[j].key == 0:
+            break
+        home = _home(t, t.slots[j].key)
+        # Move j back to the hole at i unless its home lies cyclically in (i, j].
+        if (j > i and (home <= i or home > j)) or (j < i and (home <= i and home > j)):
+            t.slots[i] = t.slots[j]
+            i = j
+    t.slots[i].key = 0
+    t.size -= 1
+    return True
+
+cdef void _free(Table* t) noexcept:
+    PyMem_Free(t.slots)
+    memset(t, 0, sizeof(Table))
+
+cdef Py_ssize_t _nbytes(const Table* t) nogil:
+    return t.capacity * sizeof(Entry)
+
+
+# --- the memory store ---------------------------------------------------------------------
+
+
+cdef enum:
+    NUM_TIERS = 3
+    LANE_BITS = 21  # a tier's count in a stream's table of counts
+    SHORT_LANE_BITS = 12  # the same, folded into a lone holder's entry
+    NUMBER_BITS = 24
+    OP_STORE = 0
+    OP_STORE_BY_HASH = 1
+    OP_REMOVE = 2
+
+cdef uint64_t LANE_MAX = (1ULL << LANE_BITS) - 1
+cdef uint64_t SHORT_LANE_MAX = (1ULL << SHORT_LANE_BITS) - 1
+cdef uint64_t NUMBER_MAX = (1ULL << NUMBER_BITS) - 1
+cdef object _ONE = 1  # bitmaps are Python ints: shifts of it never overflow
+
+# A block's entry in the holders table, by its lowest bits:
+#   ...1: one holder; bit 1 set: its counts are in the stream's own table, else in bits
+#         26.. (three 12-bit lanes); bits 2..25: the holder's number;
+#   ...0: several holders; the entry >> 1 indexes ``Tables._shared`` (their bitmap); each
+#         holder's counts are in its own table.
+cdef enum:
+    LONE = 1
+    COUNTS_APART = 2
+    NUMBER_SHIFT = 2
+    COUNTS_SHIFT = 26
+
+cdef struct Stream:
+    Table hash_to_key
+    Table key_to_counts  # only blocks with several holders, or counts too big to fold
+    int64_t blocks_by_tier[NUM_TIERS]
+
+
+cdef inline uint64_t _lane(uint64_t counts, long tier) nogil:
+    return (counts >> (LANE_BITS * tier)) & LANE_MAX
+
+cdef inline bint _foldable(uint64_t counts) nogil:
+    cdef long tier
+    for tier in range(NUM_TIERS):
+        if _lane(counts, tier) > SHORT_LANE_MAX:
+            return False
+    return True
+
+cdef inline uint64_t _folded(Py_ssize_t number, uint64_t counts) nogil:
+    cdef uint64_t entry = LONE | (<uint64_t> number << NUMBER_SHIFT)
+    cdef long tier
+    for tier in range(NUM_TIERS):
+        entry |= _lane(counts, tier) << (COUNTS_SHIFT + SHORT_LANE_BITS * tier)
+    return entry
+
+cdef inline uint64_t _unfolded(uint64_t entry) nogil:
+    cdef uint64_t counts = 0
+    cdef long tier
+    for tier in range(NUM_TIERS):
+        counts |= ((entry >> (COUNTS_SHIFT + SHORT_LANE_BITS * tier)) & SHORT_LANE_MAX) << (
+            LANE_BITS * tier
+        )
+    return counts
+
+cdef inline Py_ssize_t _holder(uint64_t entry) nogil:
+    return <Py_ssize_t> ((entry >> NUMBER_SHIFT) & NUMBER_MAX)
+
+
+cdef class Tables:
+    """Every stream's block maps and the block → holders map of one memory index.
+
+    Streams are named by small numbers (below 2**24; the caller keeps the stream ↔ number
+    map). Each stream has engine hash → key; the index-wide table maps a block key to its
+    one holder with that holder's counts folded in (the common private block: no other
+    slot), or to the bitmap of its holders (a Python int: fleets of any size), whose counts
+    are then in their own tables. A stream's table of counts also takes a block it holds
+    alone that no engine hash of it maps to any more (so a clear still finds it) and one
+    with a count past 4,095. A tier's count saturates at 2**21 - 1 stores without a
+    removal (no engine stores one block that often; it never wraps). Not thread-safe: the
+    caller locks.
+    """
+
+    cdef Stream* _streams
+    cdef Py_ssize_t _num_streams
+    cdef Table _holders
+    cdef list _shared
+    cdef list _free_shared
+
+    def __cinit__(self):
+        self._streams = NULL
+        self._num_streams = 0
+        memset(&self._holders, 0, sizeof(Table))
+        self._shared = []
+        self._free_shared = []
+
+    def __dealloc__(self):
+        cdef Py_ssize_t n
+        for n in range(self._num_streams):
+            _free(&self._streams[n].hash_to_key)
+            _free(&self._streams[n].key_to_counts)
+        PyMem_Free(self._streams)
+        _free(&self._holders)
+
+    cdef Stream* _stream(self, Py_ssize_t number) except NULL:
+        cdef Py_ssize_t grown
+        cdef Stream* streams
+        if number < 0 or <uint64_t> number > NUMBER_MAX:
+            raise ValueError(f"stream number must be in [0, 2**24), got {number}")
+        if number >= self._num_streams:
+            grown = max(number + 1, 2 * self._num_streams)
+            streams = <Stream*> PyMem_Realloc(self._streams, grown * sizeof(Stream))
+            if streams == NULL:
+                raise MemoryError()
+            memset(streams + self._num_streams, 0, (grown - self._num_streams) * sizeof(Stream))
+            self._streams = streams
+            self._num_streams = grown
+        return &self._streams[number]
+
+    # a stream's counts of a block, wherever they are kept
+
+    cdef uint64_t _counts(self, Stream* s, Py_ssize_t number, uint64_t key):
+        """Stream ``number``'s counts of ``key`` (0: it does not hold it)."""
+        cdef uint64_t entry, counts
+        if not _get(&self._holders, key, &entry):
+            return 0
+        if entry & LONE:
+            if _holder(entry) != number:
+                return 0
+            if not entry & COUNTS_APART:
+                return _unfolded(entry)
+        if _get(&s.key_to_counts, key, &counts):
+            return counts
+        return 0
+
+    cdef int _set(self, Stream* s, Py_ssize_t number, uint64_t key, uint64_t old,
+                  uint64_t new) except -1:
+        """Stream ``number``'s counts of ``key`` go from ``old`` to ``new``."""
+        cdef uint64_t entry
+        if old == 0:
+            return self._join(s, number, key, new)
+        if new == 0:
+            return self._release(number, key)
+        _get(&self._holders, key, &entry)
+        if entry & LONE and not entry & COUNTS_APART and _foldable(new):
+            _put(&self._holders, key, _folded(number, new))
+        else:
+            _put(&s.key_to_counts, key, new)
+            if entry & LONE:
+                _put(&self._holders, key, LONE | COUNTS_APART | (<uint64_t> number << NUMBER_SHIFT))
+        return 0
+
+    cdef int _join(self, Stream* s, Py_ssize_t number, uint64_t key, uint64_t counts) except -1:
+        cdef uint64_t entry
+        cdef Py_ssize_t other, i
+        cdef Stream* o
+        if not _get(&self._holders, key, &entry):
+            if _foldable(counts):
+                _put(&self._holders, key, _folded(number, counts))
+            else:
+                _put(&s.key_to_counts, key, counts)
+                _put(&self._holders, key, LONE | COUNTS_APART | (<uint64_t> number << NUMBER_SHIFT))
+            return 0
+        _put(&s.key_to_counts, key, counts)
+        if entry & LONE:  # a second holder: the first one's counts move to its own table
+            other = _holder(entry)
+            if not entry & COUNTS_APART:
+                o = &self._streams[other]
+                _put(&o.key_to_counts, key, _unfolded(entry))
+            bitmap = (_ONE << other) | (_ONE << number)
+            if self._free_shared:
+                i = self._free_shared.pop()
+                self._shared[i] = bitmap
+            else:
+                i = len(self._shared)
+                self._shared.append(bitmap)
+            _put(&self._holders, key, 2 * <uint64_t> i)
+        else:
+            i = <Py_ssize_t> (entry >> 1)
+            self._shared[i] = self._shared[i] | (_ONE << number)
+        return 0
+
+    cdef int _release(self, Py_ssize_t number, uint64_t key) except -1:
+        """Stream ``number`` no longer holds ``key``."""
+        _delete(&self._streams[number].key_to_counts, key)
+        return self._leave(number, key)
+
+    cdef int _leave(self, Py_ssize_t number, uint64_t key) except -1:
+        """Take stream ``number`` out of ``key``'s holders (its own table is not touched).
+        A single holder left keeps its counts in its own table: none of its engine hashes
+        may map to the block any more, and a clear must still find it there."""
+        cdef uint64_t entry
+        cdef Py_ssize_t i, other
+        if not _get(&self._holders, key, &entry):
+            return 0
+        if entry & LONE:
+            _delete(&self._holders, key)
+            return 0
+        i = <Py_ssize_t> (entry >> 1)
+        bitmap = self._shared[i] & ~(_ONE << number)
+        if bitmap & (bitmap - 1):
+            self._shared[i] = bitmap
+            return 0
+        self._shared[i] = 0
+        self._free_shared.append(i)
+        other = bitmap.bit_length() - 1
+        _put(&self._holders, key, LONE | COUNTS_APART | (<uint64_t> other << NUMBER_SHIFT))
+        return 0
+
+    cdef int _unlink(self, Stream* s, Py_ssize_t number, uint64_t key) except -1:
+        """The engine hash that mapped to ``key`` now maps elsewhere: if the stream holds
+        it alone with folded counts, they move to its own table, where a clear finds them."""
+        cdef uint64_t entry
+        if (
+            _get(&self._holders, key, &entry) and entry & LONE and not entry & COUNTS_APART
+            and _holder(entry) == number
+        ):
+            _put(&s.key_to_counts, key, _unfolded(entry))
+            _put(&self._holders, key, LONE | COUNTS_APART | (<uint64_t> number << NUMBER_SHIFT))
+        return 0
+
+    # streams
+
+    def reset(self, Py_ssize_t number):
+        """Forget every block of stream ``number`` (and its place among their holders):
+        the blocks its engine hashes name, then those of its table of counts."""
+        cdef Stream* s = self._stream(number)
+        cdef Py_ssize_t i
+        cdef uint64_t entry
+        cdef Table* hashes = &s.hash_to_key
+        cdef Table* counts = &s.key_to_counts
+        for i in range(hashes.capacity):
+            if hashes.slots[i].key != 0:
+                self._forget_folded(number, hashes.slots[i].value)
+        if hashes.has_zero:
+            self._forget_folded(number, hashes.zero_value)
+        for i in range(counts.capacity):
+            if counts.slots[i].key != 0:
+                self._leave(number, counts.slots[i].key)
+        if counts.has_zero:
+            self._leave(number, 0)
+        _free(&s.hash_to_key)
+        _free(&s.key_to_counts)
+        memset(s.blocks_by_tier, 0, sizeof(s.blocks_by_tier))
+
+    cdef int _forget_folded(self, Py_ssize_t number, uint64_t key) except -1:
+        cdef uint64_t entry
+        if (
+            _get(&self._holders, key, &entry) and entry & LONE and not entry & COUNTS_APART
+            and _holder(entry) == number
+        ):
+            _delete(&self._holders, key)
+        return 0
+
+    def apply(self, Py_ssize_t number, ops):
+        """Apply ``(kind, tier, engine_hash, key)`` ops to stream ``number`` in order, as
+        ``MemoryIndex`` does; returns (unknown removals, unresolved stores)."""
+        cdef Stream* s = self._stream(number)
+        cdef long kind, tier
+        cdef uint64_t engine_hash, key, previous, counts
+        cdef Py_ssize_t unknown = 0, unresolved = 0
+        cdef tuple op
+        for op in ops:
+            kind = op[0]
+            tier = op[1]
+            engine_hash = op[2]
+            if tier < 0 or tier >= NUM_TIERS:
+                raise ValueError(f"tier out of range: {tier}")
+            if kind == OP_REMOVE:
+                if not self._remove(s, number, engine_hash, tier):
+                    unknown += 1
+                continue
+            if kind == OP_STORE:
+                key = op[3]
+                if _get(&s.hash_to_key, engine_hash, &previous) and previous != key:
+                    self._unlink(s, number, previous)
+                _put(&s.hash_to_key, engine_hash, key)
+            elif kind == OP_STORE_BY_HASH:
+                if not _get(&s.hash_to_key, engine_hash, &key):
+                    unresolved += 1
+                    continue
+            else:
+                self.reset(number)
+                continue
+            counts = self._counts(s, number, key)
+            if _lane(counts, tier) == 0:
+                s.blocks_by_tier[tier] += 1
+            if _lane(counts, tier) < LANE_MAX:
+                self._set(s, number, key, counts, counts + ((<uint64_t> 1) << (LANE_BITS * tier)))
+        return unknown, unresolved
+
+    cdef bint _remove(self, Stream* s, Py_ssize_t number, uint64_t engine_hash, long tier) except -1:
+        cdef uint64_t key, counts, held
+        if not _get(&s.hash_to_key, engine_hash, &key):
+            return False
+        counts = self._counts(s, number, key)
+        held = _lane(counts, tier)
+        if held == 0:
+            return False
+        if held == 1:
+            s.blocks_by_tier[tier] -= 1
+        self._set(s, number, key, counts, counts - ((<uint64_t> 1) << (LANE_BITS * tier)))
+        if counts == (<uint64_t> 1) << (LANE_BITS * tier):  # its last count: the hash goes too
+            _delete(&s.hash_to_key, engine_hash)
+        return True
+
+    def resolve(self, Py_ssize_t number, engine_hashes):
+        """The key each engine hash maps to in stream ``number`` (None: unknown)."""
+        cdef Stream* s = self._stream(number)
+        cdef uint64_t key, engine_hash
+        cdef list keys = []
+        for engine_hash in engine_hashes:
+            keys.append(key if _get(&s.hash_to_key, engine_hash, &key) else None)
+        return keys
+
+    def blocks_by_tier(self, Py_ssize_t number):
+        """Distinct blocks stream ``number`` holds on each tier."""
+        cdef Stream* s = self._stream(number)
+        return [s.blocks_by_tier[0], s.blocks_by_tier[1], s.blocks_by_tier[2]]
+
+    # lookup
+
+    def matched(self, list keys):
+        """``(bitmap of stream numbers, blocks they matched)`` for every stream holding
+        ``keys[0]``: the prompt walked once, the set still matching narrowed block by block;
+        once one stream is left, its own holding of each next block is checked."""
+        cdef Py_ssize_t n = len(keys), num_blocks = 1, lone
+        cdef uint64_t entry = 0
+        cdef list out = []
+        cdef object matching, still
+        if n == 0 or not _get(&self._holders, keys[0], &entry):
+            return out
+        if entry & LONE:  # one holder: no bitmaps at all
+            lone = _holder(entry)
+            matching = _ONE << lone
+        else:
+            matching = self._shared[<Py_ssize_t> (entry >> 1)]
+            while num_blocks < n and matching & (matching - 1):
+                if _get(&self._holders, keys[num_blocks], &entry):
+                    still = matching & (
+                        (_ONE << _holder(entry)) if entry & LONE
+                        else self._shared[<Py_ssize_t> (entry >> 1)]
+                    )
+                else:
+                    still = 0
+                if still != matching:
+                    out.append((matching ^ still, num_blocks))
+                    if not still:
+                        return out
+                    matching = still
+                num_blocks += 1
+            lone = matching.bit_length() - 1
+        if num_blocks < n and not matching & (matching - 1):
+            num_blocks = self._held_from(lone, keys, num_blocks)
+        out.append((matching, num_blocks))
+        return out
+
+    cdef Py_ssize_t _held_from(self, Py_ssize_t number, list keys, Py_ssize_t start) except -1:
+        cdef Stream* s = self._stream(number)
+        cdef Py_ssize_t i
+        for i in range(start, len(keys)):
+            if self._counts(s, number, keys[i]) == 0:
+                return i
+        return len(keys)
+
+    def best_tiers(self, Py_ssize_t number, list keys, Py_ssize_t num_blocks):
+        """The best tier (lowest held) of each of the first ``num_blocks`` keys, which
+        stream ``number`` holds."""
+        cdef Stream* s = self._stream(number)
+        cdef Py_ssize_t i
+        cdef long tier
+        cdef uint64_t counts
+        cdef list tiers = []
+        for i in range(num_blocks):
+            counts = self._counts(s, number, keys[i])
+            if counts == 0:
+                raise AssertionError("a held block has a non-zero count on some tier")
+            tier = 0
+            while _lane(counts, tier) == 0:
+                tier += 1
+            tiers.append(tier)
+        return tiers
+
+    def nbytes(self):
+        """Bytes the tables hold (slots allocated, not only those in use)."""
+        cdef Py_ssize_t total = _nbytes(&self._holders) + self._num_streams * sizeof(Stream)
+        cdef Py_ssize_t n
+        for n in range(self._num_streams):
+            total += _nbytes(&self._streams[n].hash_to_key)
+            total += _nbytes(&self._streams[n].key_to_counts)
+        return total

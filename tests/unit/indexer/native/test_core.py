@@ -1,0 +1,176 @@
+"""kvindex.indexer.native: the compiled hot loops agree with the pure-Python reference.
+
+The install builds the extension (setup.py), so these tests require it: a missing build
+fails here rather than leaving every other test on the fallback unnoticed. Random inputs
+(hypothesis) judge agreement: block keys over random tokens and block sizes, and random
+batches of index operations on a few streams, with clears, drops and lookups between them,
+and random events translated into index operations with and without the compiled loops.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from unittest.mock import patch
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvindex.indexer import native
+from kvindex.indexer.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    EventBatch,
+    StreamId,
+    Tier,
+)
+from kvindex.indexer.health import StreamReport
+from kvindex.indexer.index.memory import MemoryIndex, PyTables, new_tables
+from kvindex.indexer.index.protocol import Op, OpKind
+from kvindex.indexer.ingest import Ingestor
+from kvindex.indexer.keys import BlockKeyError, block_keys, chain_keys, tokens_to_bytes
+
+U64 = st.integers(0, 2**64 - 1)
+
+
+def test_the_install_built_the_extension() -> None:
+    assert native.chain is not None and native.Tables is not None
+    assert MemoryIndex().compiled
+    assert not MemoryIndex(compiled=False).compiled
+    assert isinstance(new_tables(compiled=False), PyTables)
+
+
+def _python_chain(parent: int, token_bytes: bytes, block_size: int) -> list[int]:
+    # Extra keys of None per block take the pure-Python loop; the hashed bytes are the same.
+    return chain_keys(parent, token_bytes, block_size, [None] * (len(token_bytes) // 4))
+
+
+@settings(max_examples=200, deadline=None)
+@given(U64, st.lists(st.integers(0, 2**32 - 1), max_size=200), st.integers(1, 40))
+def test_compiled_chain_agrees_with_python(parent: int, tokens: list[int], size: int) -> None:
+    token_bytes = tokens_to_bytes(tokens)
+    expected = _python_chain(parent, token_bytes, size)
+    assert native.chain is not None and native.chain_tokens is not None
+    assert native.chain(parent, token_bytes, size) == expected
+    assert native.chain_tokens(parent, tokens, size) == expected
+    assert native.chain_tokens(parent, tuple(tokens), size) == expected
+
+
+@pytest.mark.parametrize("bad", [[-1], [2**32], ["7"], [1.5]])
+def test_block_keys_rejects_bad_token_ids(bad: list[object]) -> None:
+    with pytest.raises(BlockKeyError):
+        block_keys("m", [1, 2, 3, *bad], 4)  # type: ignore[list-item]
+
+
+def test_only_whole_blocks_are_read() -> None:
+    assert block_keys("m", [1, 2, 3, 4, -1], 4) == block_keys("m", [1, 2, 3, 4], 4)
+
+
+# --- the memory store's tables -------------------------------------------------------------
+
+STREAMS = [StreamId(f"r{i}") for i in range(4)]
+_op = st.tuples(
+    st.sampled_from([OpKind.STORE, OpKind.STORE, OpKind.STORE_BY_HASH, OpKind.REMOVE]),
+    st.sampled_from(list(Tier)),
+    st.integers(0, 12),  # engine hashes: few, so they collide and repeat (0 included)
+    st.integers(0, 12),  # keys likewise
+).map(lambda op: op if op[0] == OpKind.STORE else (op[0], op[1], op[2], 0))
+Step = tuple[str, StreamId, list[Op]]
+_step: st.SearchStrategy[Step] = st.one_of(
+    st.tuples(st.just("apply"), st.sampled_from(STREAMS), st.lists(_op, max_size=12)),
+    st.tuples(st.just("clear_op"), st.sampled_from(STREAMS), st.just([])),
+    st.tuples(st.just("clear"), st.sampled_from(STREAMS), st.just([])),
+    st.tuples(st.just("drop"), st.sampled_from(STREAMS), st.just([])),
+)
+
+
+def _run(index: MemoryIndex, steps: list[Step]) -> list[object]:
+    """Every step's observable result, then lookups of every key run."""
+    seen: list[object] = []
+    for seq, (what, stream, ops) in enumerate(steps):
+        if what == "apply":
+            seen.append(index.apply(stream, seq, float(seq), ops))
+        elif what == "clear_op":
+            seen.append(index.apply(stream, seq, 1.0, [(OpKind.CLEAR, Tier.GPU, 0, 0)]))
+        elif what == "clear":
+            index.clear(stream)
+        else:
+            index.drop(stream)
+        seen.append([index.stats(s) for s in STREAMS])
+        seen.append([index.resolve(s, list(range(13))) for s in STREAMS])
+    for start in range(13):
+        keys = [(start + i) % 13 for i in range(6)]
+        seen.append(index.longest_prefix(keys, STREAMS))
+    return seen
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_step, max_size=25))
+def test_compiled_tables_agree_with_python(steps: list[Step]) -> None:
+    assert _run(MemoryIndex(), steps) == _run(MemoryIndex(compiled=False), steps)
+
+
+def test_tables_grow_and_shrink_back_exactly() -> None:
+    # Enough blocks for several resizes and many backward-shift deletions.
+    index, python = MemoryIndex(), MemoryIndex(compiled=False)
+    stores = [(OpKind.STORE, Tier.GPU, h, h * 7919 % 100_003) for h in range(20_000)]
+    removes = [(OpKind.REMOVE, Tier.GPU, h, 0) for h in range(0, 20_000, 3)]
+    for each in (index, python):
+        each.apply(STREAMS[0], 0, 1.0, stores)
+        each.apply(STREAMS[1], 0, 1.0, stores[::2])
+        each.apply(STREAMS[0], 1, 1.0, removes)
+    keys = [key for _, _, _, key in stores]
+    assert index.stats(STREAMS[0]) == python.stats(STREAMS[0])
+    assert index.resolve(STREAMS[0], list(range(20_000))) == python.resolve(
+        STREAMS[0], list(range(20_000))
+    )
+    for start in range(0, 20_000, 997):
+        assert index.longest_prefix(keys[start:], STREAMS) == python.longest_prefix(
+            keys[start:], STREAMS
+        )
+
+
+# --- event → op translation ----------------------------------------------------------------
+
+_stored = st.builds(
+    lambda n, size, parent, tier, bad: BlockStored(
+        tuple(range(1000 * n, 1000 * n + n)),
+        parent,
+        [(7 * i) % 50_000 for i in range(n * size)] + ([-1] if bad else []),
+        size,
+        tier,
+    ),
+    st.integers(1, 6),
+    st.integers(1, 8),
+    st.one_of(st.none(), st.integers(0, 2**64 - 1)),
+    st.sampled_from(list(Tier)),
+    st.booleans(),
+)
+_event = st.one_of(
+    _stored,
+    st.builds(
+        BlockRemoved, st.lists(st.integers(0, 10_000), max_size=5), st.sampled_from(list(Tier))
+    ),
+    st.just(AllBlocksCleared()),
+)
+
+
+def _translate(events: list[Event], *, compiled: bool) -> tuple[list[Op], StreamReport]:
+    report = StreamReport()
+    ingestor = Ingestor(MemoryIndex())
+    batch = EventBatch(0, 1.0, 0, events)
+    if compiled:
+        return ingestor.translate(STREAMS[0], "m", batch, report), report
+    names = ("pack_tokens", "store_chain", "remove_ops", "chain", "chain_tokens")
+    with ExitStack() as stack:
+        for name in names:
+            stack.enter_context(patch.object(native, name, None))
+        return ingestor.translate(STREAMS[0], "m", batch, report), report
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_event, max_size=8))
+def test_compiled_translation_agrees_with_python(events: list[Event]) -> None:
+    assert _translate(events, compiled=True) == _translate(events, compiled=False)
