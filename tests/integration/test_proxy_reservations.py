@@ -14,7 +14,7 @@ import json
 import socket
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,12 +36,18 @@ SLOW_TOKENS = 150
 """Output tokens of a slow request: 7.5 s at the replica-sims' 20 tokens/s."""
 
 
-def _slow_sim(rid: str, workdir: Path) -> Sim:
+SLOW_SIM = ("--decode-tps", "20")
+"""A replica-sim that takes seconds to answer (its whole answer, then every chunk at once)."""
+STALLING_SIM = ("--stream-stall-s", "60")
+"""A replica-sim that answers at once, then stalls its stream after the first chunk."""
+
+
+def _slow_sim(rid: str, workdir: Path, behaviour: tuple[str, ...] = SLOW_SIM) -> Sim:
     http_port, events_port = free_port(), free_port()
     args = [
         "replica-sim", "--id", rid, "--model", MODEL, "--port", str(http_port),
         "--events", f"tcp://127.0.0.1:{events_port}", "--bind-events", "--replay", "",
-        "--decode-tps", "20", "--seed", "7",
+        "--seed", "7", *behaviour,
     ]  # fmt: skip
     child = kvindex_child(f"sim {rid}", args, workdir / f"{rid}.log", http_ok(http_port, "/health"))
     return Sim(rid, child, http_port, events_port)
@@ -80,10 +86,27 @@ def _metric(port: int, name: str, **labels: str) -> float:
 
 @pytest.fixture
 def fleet(redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path) -> Iterator[Fleet]:
+    with _running_fleet(redis_server, tmp_path, SLOW_SIM) as running:
+        yield running
+
+
+@pytest.fixture
+def stalling_fleet(
+    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
+) -> Iterator[Fleet]:
+    with _running_fleet(redis_server, tmp_path, STALLING_SIM) as running:
+        yield running
+
+
+@contextmanager
+def _running_fleet(
+    redis_server: RedisServer, tmp_path: Path, behaviour: tuple[str, ...]
+) -> Iterator[Fleet]:
+    """Three replica-sims, an indexer and two proxies on ``redis_server``, stopped after."""
     config = tmp_path / "kvindex.toml"
     config.write_text("[api]\nscrape_interval_s = 0\n")
     with ExitStack() as stack:
-        sims = [_slow_sim(rid, tmp_path) for rid in ("r1", "r2", "r3")]
+        sims = [_slow_sim(rid, tmp_path, behaviour) for rid in ("r1", "r2", "r3")]
         for sim in sims:
             stack.callback(sim.child.stop)
             sim.child.spawn()
@@ -137,6 +160,16 @@ class SlowClient:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
         self.sock.sendall(head.encode() + body)
 
+    def first_chunk(self) -> bytes:
+        """What came until the answer's first server-sent event (the stream has begun)."""
+        received = b""
+        while b"data: " not in received:
+            data = self.sock.recv(65536)
+            if not data:
+                raise AssertionError(f"the answer ended before its first event: {received!r}")
+            received += data
+        return received
+
     def close(self) -> None:
         self.sock.close()
 
@@ -153,6 +186,21 @@ def test_a_client_that_goes_away_releases_its_reservation(fleet: Fleet) -> None:
     assert fleet.metric(0, "kvindex_proxy_in_flight", replica=replica) == 1.0
     client.close()  # before the answer is done
     _until(lambda: fleet.in_flight() == {}, 20)
+    assert fleet.metric(0, "kvindex_proxy_in_flight", replica=replica) == 0.0
+    released = "kvindex_proxy_reservations_released_total"
+    assert fleet.metric(0, released, reason="disconnect") == 1.0
+    assert fleet.metric(0, released, reason="done") == 0.0
+
+
+def test_a_client_that_leaves_mid_stream_releases_its_reservation(stalling_fleet: Fleet) -> None:
+    fleet = stalling_fleet
+    client = _slow(fleet, 0, "gulls")
+    assert b" 200 OK" in client.first_chunk()  # streaming: the answer's head and first event
+    ((replica, in_flight),) = fleet.in_flight().items()
+    assert in_flight.num_requests == 1
+    assert fleet.metric(0, "kvindex_proxy_in_flight", replica=replica) == 1.0
+    client.close()  # mid-stream: the replica stalls for a minute after its first event
+    _until(lambda: fleet.in_flight() == {}, 20)  # in the load store every process reads
     assert fleet.metric(0, "kvindex_proxy_in_flight", replica=replica) == 0.0
     released = "kvindex_proxy_reservations_released_total"
     assert fleet.metric(0, released, reason="disconnect") == 1.0
