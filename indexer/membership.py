@@ -38,6 +38,7 @@ from typing import cast
 import redis
 import xxhash
 
+from kvindex.indexer.circuit import StoreCircuit
 from kvindex.indexer.events import StreamId
 from kvindex.indexer.index.protocol import IndexUnavailableError
 from kvindex.indexer.index.redis import RedisIndex, unavailable_on_connection_errors
@@ -188,11 +189,15 @@ class Membership:
 
 class Shard:
     """What the subscriber asks about ownership: the membership's view, and the claim of a
-    stream it takes (through the index that fences its batches)."""
+    stream it takes (through the index that fences its batches, and the write path's
+    circuit if given: a store that is down costs one wait, not one per stream claimed)."""
 
-    def __init__(self, membership: Membership, index: RedisIndex) -> None:
+    def __init__(
+        self, membership: Membership, index: RedisIndex, circuit: StoreCircuit | None = None
+    ) -> None:
         self.membership = membership
         self._index = index
+        self._circuit = circuit
 
     @property
     def member_id(self) -> str:
@@ -210,7 +215,10 @@ class Shard:
 
     def claim(self, stream: StreamId) -> None:
         """Fence the previous owner out; raises :class:`IndexUnavailableError`."""
-        self._index.claim(stream)
+        if self._circuit is None:
+            self._index.claim(stream)
+        else:
+            self._circuit.call(self._index.claim, stream)
 
     def leave(self) -> None:
         self.membership.leave()

@@ -53,7 +53,9 @@ def indexer_id(settings: IndexerSettings) -> str:
     return host or f"pid-{os.getpid()}"
 
 
-def _shard(settings: IndexerSettings, index: BlockIndex | None) -> tuple[BlockIndex, Shard | None]:
+def _membership(
+    settings: IndexerSettings, index: BlockIndex | None
+) -> tuple[BlockIndex, Membership | None]:
     """The index, fenced with this process's lease token when sharded (a given index is
     used as it is: unsharded unless it was built with the token)."""
     if not settings.sharded or index is not None:
@@ -61,8 +63,7 @@ def _shard(settings: IndexerSettings, index: BlockIndex | None) -> tuple[BlockIn
     client = connect(settings.redis_url, cluster=settings.redis_cluster)
     schema = Schema(settings.redis_prefix)
     membership = Membership(client, schema, indexer_id(settings), lease_ttl_s=settings.lease_ttl_s)
-    fenced = RedisIndex(client, schema, owner=membership.token)
-    return fenced, Shard(membership, fenced)
+    return RedisIndex(client, schema, owner=membership.token), membership
 
 
 @dataclass
@@ -92,12 +93,13 @@ class IndexerService:
         (the ``kvindex indexer`` process; a process that embeds the write path, such as
         ``kvindex serve``, exports its series its own way)."""
         _raise_file_limit(settings)  # before the subscriber sizes its context to it
-        index, shard = _shard(settings, index)
+        index, membership = _membership(settings, index)
         registry = Registry(settings.replicas, stale_after_s=settings.stale_after_s)
         fleet = None
+        shard = None
         written: BlockIndex = index
         if isinstance(index, RedisIndex):
-            owner = None if shard is None else shard.member_id
+            owner = None if membership is None else membership.member_id
             fleet = FleetSync(
                 index.client, index.schema, registry, declared=settings.replicas, owner=owner
             )
@@ -105,6 +107,8 @@ class IndexerService:
             written = CircuitIndex(
                 index, circuit
             )  # a down store costs one wait, not one per stream
+            if membership is not None:
+                shard = Shard(membership, index, circuit)
         subscriber = Subscriber(settings, written, registry, shard=shard)
         service = cls(settings, index, registry, subscriber, fleet, shard=shard)
         if with_status and settings.status_port != -1:

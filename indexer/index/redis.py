@@ -7,6 +7,11 @@ each stream up to its first miss (``longest_prefix.lua``); on Redis Cluster, one
 group of streams of one slot, sent to every master before any reply is read. Key names live
 in ``redis_schema``.
 
+Sharded indexers (``owner``): the batch script and ``clear_stream.lua`` first compare the
+writer's lease token with the stream's ``owner`` meta field (the same hash tag: still one
+slot), so a writer another indexer has claimed the stream from changes nothing
+(:class:`FencedError`); one more HGET per batch, one short field per stream.
+
 What a lookup costs: one HGET per requested stream that holds nothing, and n + 1 for a stream
 matching n blocks, so it grows with the fleet (1,024 replicas, 256 of them sharing a 64-block
 system prompt: about 18,000 HGETs, ~20 ms of Redis CPU). Reading a holder's prefix in HMGETs
