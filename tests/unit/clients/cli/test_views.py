@@ -288,3 +288,15 @@ def test_prompt_fields_needs_exactly_one(tmp_path: Path) -> None:
         prompt_fields(None, None, None)
     with pytest.raises(click.UsageError, match="exactly one"):
         prompt_fields("hi", tmp_path, None)
+
+
+def test_render_replicas_names_the_indexer_that_keeps_a_sharded_stream() -> None:
+    kept = StreamView(0, LIVE, True, 3, {"gpu": 1}, {}, owner="idx-a")
+    alone = StreamView(0, LIVE, True, 3, {"gpu": 1}, {})
+    views = [
+        ReplicaView("r1", "m", None, None, None, 1, "live", [kept], None),
+        ReplicaView("r2", "m", None, None, None, 1, "live", [alone], None),
+    ]
+    lines = plain(*render_replicas(views)).splitlines()
+    assert "indexer idx-a" in next(line for line in lines if line.startswith("r1 "))
+    assert "indexer" not in next(line for line in lines if line.startswith("r2 "))
