@@ -148,6 +148,8 @@ class Membership:
             reply = cast("list[bytes]", self._renew(keys=[self._key], args=args))
         tokens = [t.decode() for t in reply]
         members = tuple(sorted({member_of(t) for t in tokens}))
+        if leave:
+            return members  # this process is going: its view no longer matters
         if members != self.members:
             log.info("indexers live: %s (this one: %s)", ", ".join(members), self.member_id)
         self.members = members
