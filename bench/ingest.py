@@ -35,8 +35,9 @@ rendezvous hash (``kvindex.indexer.membership``), started together; timed from t
 to the last one's end. Such a line adds ``indexers``, ``cpu_s_per_indexer`` (each
 process's user + system CPU in the timed part), ``redis_cpu_s`` (the server's, from INFO
 cpu) and ``cores_busy`` (all of that CPU / the wall time: at the machine's core count,
-the run is CPU-bound and more processes cannot go faster). ``--indexers 1`` without a
-list is the unsharded run, as before.
+the run is CPU-bound and more processes cannot go faster). Without ``--indexers`` the
+Redis run is the unsharded one, as before. ``--cluster``: the sharded runs on a private
+3-master Redis Cluster instead (``redis_cpu_s`` summed over the masters).
 
 One JSON line per backend (and per indexer count) goes to stdout; everything else goes to
 stderr.
@@ -61,7 +62,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from machine import calibration_ms
-from redis_server import private_redis
+from redis.cluster import RedisCluster
+from redis_server import private_cluster, private_redis
 from workload import MODEL, Workload, WorkloadConfig, build_workload
 
 from kvindex.indexer.events import StreamId, Topic
@@ -103,6 +105,8 @@ class BenchArgs:
     drain: int
     indexers: tuple[int, ...] = ()
     """Sharded runs on Redis: one per count (empty: the unsharded run only)."""
+    cluster: bool = False
+    """The sharded runs on a private 3-master Redis Cluster."""
 
 
 def parse_args(argv: list[str] | None = None) -> BenchArgs:
@@ -121,6 +125,7 @@ def parse_args(argv: list[str] | None = None) -> BenchArgs:
     add("--keep", action="store_true", help="leave the keys in the --redis-url Redis")
     add("--drain", type=int, default=16, help="messages per replica per socket wake (1: live)")
     add("--indexers", default="", help="redis: sharded runs of N indexer processes, e.g. 1,2")
+    add("--cluster", action="store_true", help="the --indexers runs on a 3-master cluster")
     ns = parser.parse_args(argv)
     backends = tuple(b.strip() for b in ns.backends.split(",") if b.strip())
     if not set(backends) <= {"memory", "redis"} or min(ns.replicas, ns.repeat, ns.drain) < 1:
@@ -131,10 +136,12 @@ def parse_args(argv: list[str] | None = None) -> BenchArgs:
         parser.error(f"--indexers must be counts such as 1,2, got {ns.indexers!r}")
     if indexers and (min(indexers) < 1 or "redis" not in backends or ns.redis_url):
         parser.error("--indexers needs counts >= 1 and the redis backend (a private one)")
+    if ns.cluster and not indexers:
+        parser.error("--cluster is for the --indexers runs")
     entries = ns.entries or (QUICK_ENTRIES if ns.quick else FULL_ENTRIES)
     return BenchArgs(
         ns.quick, ns.redis_url, ns.replicas, ns.encoding, ns.repeat, entries,
-        ns.turnover, backends, ns.seed, ns.jobs, ns.keep, ns.drain, indexers,
+        ns.turnover, backends, ns.seed, ns.jobs, ns.keep, ns.drain, indexers, ns.cluster,
     )  # fmt: skip
 
 
@@ -414,8 +421,13 @@ def _indexer_process(job: _Job, start: Any, out: Any) -> None:
 
 
 def redis_cpu_s(client: RedisClient) -> float:
-    info: dict[str, Any] = client.info("cpu")
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+    """The server's CPU seconds (every master's, summed, on a cluster)."""
+    if isinstance(client, RedisCluster):
+        per_node: dict[str, dict[str, Any]] = client.info("cpu", target_nodes=client.PRIMARIES)
+        infos = list(per_node.values())
+    else:
+        infos = [client.info("cpu")]
+    return sum(float(i["used_cpu_user"]) + float(i["used_cpu_sys"]) for i in infos)
 
 
 def run_sharded(
@@ -423,7 +435,10 @@ def run_sharded(
 ) -> dict[str, Any]:
     """``num_indexers`` forked indexer processes on one (private, flushed) Redis."""
     client = connect(url)
-    client.flushall()
+    if isinstance(client, RedisCluster):
+        client.flushall(target_nodes=client.PRIMARIES)
+    else:
+        client.flushall()
     prefix = "kvbench"
     shares = shard_plan(plan, num_indexers)
     context = multiprocessing.get_context("fork")
@@ -458,6 +473,7 @@ def run_sharded(
         consistent=consistent and num_applied == len(workload.frames),
         calls_per_indexer=[len(s) for s in shares], fenced_batches=sum(r[3] for r in reports),
         cpu_s_per_indexer=cpu, redis_cpu_s=round(redis_cpu, 2),
+        cluster=isinstance(client, RedisCluster),
         cores_busy=round((sum(r[1] for r in reports) + redis_cpu) / seconds, 2),
         cpu_count=os.cpu_count(),
     )  # fmt: skip
@@ -484,8 +500,9 @@ def run_backends(args: BenchArgs, workload: Workload) -> list[dict[str, Any]]:
                 log.info("private redis-server at %s", url)
                 results.append(run_redis(workload, plan, url, private=True, keep=False))
         else:
-            with private_redis() as url:
-                log.info("private redis-server at %s", url)
+            servers = private_cluster() if args.cluster else private_redis()
+            with servers as url:
+                log.info("private redis %s at %s", "cluster" if args.cluster else "server", url)
                 results += [run_sharded(workload, plan, url, n) for n in args.indexers]
     for line in results:
         line["drain"] = args.drain
