@@ -161,6 +161,8 @@ class StreamView(msgspec.Struct):
     block_size_mismatch: bool = False
     """The stream's block size is not its model's (``[[models]]`` ``block_size``, else the
     fleet's most common): its blocks can never match a request."""
+    owner: str | None = None
+    """The sharded indexer keeping the stream (its ``indexer_id``); None: not sharded."""
 
 
 class HealthView(msgspec.Struct):

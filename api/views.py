@@ -109,6 +109,7 @@ def stream_view(index: BlockIndex, status: StreamStatus, *, mismatch: bool = Fal
         counters=_counters_view(health),
         block_size=health.block_size or None,
         block_size_mismatch=mismatch,
+        owner=status.owner,
     )
 
 

@@ -6,6 +6,7 @@ Usage (from the repository root)::
     .venv/bin/python bench/ingest.py                    # >= 1,000,000 entries in Redis
     .venv/bin/python bench/ingest.py --redis-url redis://127.0.0.1:PORT/0 --backends redis
     .venv/bin/python bench/ingest.py --quick --drain 1  # a subscriber with nothing queued
+    .venv/bin/python bench/ingest.py --quick --backends redis --indexers 1,2  # sharded
 
 What is timed, per backend: every pre-generated frame (see ``workload.py``), interleaved
 across replicas by engine timestamp, through ``Pipeline.handle_frames`` (the subscriber
@@ -30,7 +31,19 @@ memory store, what dropping the filled index frees (``tracemalloc``, over one mo
 is not timed: the pipeline is dropped first, so only what the index alone holds counts) /
 ``entries``, and ``compiled`` says whether its tables were the compiled ones.
 
-One JSON line per backend goes to stdout; everything else goes to stderr.
+``--indexers N[,M...]`` (Redis): each count is a run of that many sharded indexers on one
+Redis, each a process of its own (forked, sharing the pre-generated frames) with its own
+pipeline over a fenced ``RedisIndex``, handed the frames of the streams it owns by the
+rendezvous hash (``kvindex.indexer.membership``), started together; timed from the start
+to the last one's end. Such a line adds ``indexers``, ``cpu_s_per_indexer`` (each
+process's user + system CPU in the timed part), ``redis_cpu_s`` (the server's, from INFO
+cpu) and ``cores_busy`` (all of that CPU / the wall time: at the machine's core count,
+the run is CPU-bound and more processes cannot go faster). Without ``--indexers`` the
+Redis run is the unsharded one, as before. ``--cluster``: the sharded runs on a private
+3-master Redis Cluster instead (``redis_cpu_s`` summed over the masters).
+
+One JSON line per backend (and per indexer count) goes to stdout; everything else goes to
+stderr.
 """
 
 from __future__ import annotations
@@ -40,7 +53,9 @@ import gc
 import json
 import logging
 import math
+import multiprocessing
 import os
+import resource
 import statistics
 import sys
 import time
@@ -51,15 +66,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from machine import calibration_ms
-from redis_server import private_redis
+from redis.cluster import RedisCluster
+from redis_server import private_cluster, private_redis
 from workload import MODEL, Workload, WorkloadConfig, build_workload
 
-from kvindex.indexer.events import StreamId
+from kvindex.indexer.events import StreamId, Topic
 from kvindex.indexer.fleet.registry import Registry, fleet_totals
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.index.redis import RedisIndex
+from kvindex.indexer.membership import rendezvous_owner
 from kvindex.indexer.pipeline import Pipeline
 from kvindex.indexer.redis_connection import RedisClient, connect
 from kvindex.indexer.redis_schema import Schema
@@ -90,6 +107,10 @@ class BenchArgs:
     jobs: int
     keep: bool
     drain: int
+    indexers: tuple[int, ...] = ()
+    """Sharded runs on Redis: one per count (empty: the unsharded run only)."""
+    cluster: bool = False
+    """The sharded runs on a private 3-master Redis Cluster."""
 
 
 def parse_args(argv: list[str] | None = None) -> BenchArgs:
@@ -107,14 +128,24 @@ def parse_args(argv: list[str] | None = None) -> BenchArgs:
     add("--jobs", type=int, default=0, help="processes generating the workload (0: auto)")
     add("--keep", action="store_true", help="leave the keys in the --redis-url Redis")
     add("--drain", type=int, default=16, help="messages per replica per socket wake (1: live)")
+    add("--indexers", default="", help="redis: sharded runs of N indexer processes, e.g. 1,2")
+    add("--cluster", action="store_true", help="the --indexers runs on a 3-master cluster")
     ns = parser.parse_args(argv)
     backends = tuple(b.strip() for b in ns.backends.split(",") if b.strip())
     if not set(backends) <= {"memory", "redis"} or min(ns.replicas, ns.repeat, ns.drain) < 1:
         parser.error("backends must be memory and/or redis; replicas, repeat, drain >= 1")
+    try:
+        indexers = tuple(int(n) for n in ns.indexers.split(",") if n.strip())
+    except ValueError:
+        parser.error(f"--indexers must be counts such as 1,2, got {ns.indexers!r}")
+    if indexers and (min(indexers) < 1 or "redis" not in backends or ns.redis_url):
+        parser.error("--indexers needs counts >= 1 and the redis backend (a private one)")
+    if ns.cluster and not indexers:
+        parser.error("--cluster is for the --indexers runs")
     entries = ns.entries or (QUICK_ENTRIES if ns.quick else FULL_ENTRIES)
     return BenchArgs(
         ns.quick, ns.redis_url, ns.replicas, ns.encoding, ns.repeat, entries,
-        ns.turnover, backends, ns.seed, ns.jobs, ns.keep, ns.drain,
+        ns.turnover, backends, ns.seed, ns.jobs, ns.keep, ns.drain, indexers, ns.cluster,
     )  # fmt: skip
 
 
@@ -356,6 +387,131 @@ def run_redis(
     )  # fmt: skip
 
 
+# --- sharded indexers ----------------------------------------------------------------------
+
+
+def member_ids(num_indexers: int) -> list[str]:
+    return [f"bench-{i}" for i in range(num_indexers)]
+
+
+def shard_plan(plan: list[Delivery], num_indexers: int) -> list[list[Delivery]]:
+    """Each indexer's share of the deliveries: the streams it owns by the rendezvous hash
+    (every delivery holds one replica's messages; the first names it by its topic only)."""
+    members = member_ids(num_indexers)
+    shares: list[list[Delivery]] = [[] for _ in members]
+    owner_of: dict[str, int] = {}
+    for delivery in plan:
+        messages, stream = delivery
+        replica = stream.replica if stream else Topic.parse(messages[0][0].decode()).replica
+        assert replica is not None
+        if replica not in owner_of:
+            owner = rendezvous_owner(str(StreamId(replica, 0)), members)
+            owner_of[replica] = members.index(owner or members[0])
+        shares[owner_of[replica]].append(delivery)
+    return shares
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """What one sharded indexer process runs."""
+
+    url: str
+    prefix: str
+    member: str
+    workload: Workload
+    share: list[Delivery]
+
+
+def _indexer_process(job: _Job, start: Any, out: Any) -> None:
+    """One sharded indexer: its own connection, a fenced index (the streams it owns are
+    claimed as its pipeline first meets them), its share of the frames."""
+    index = RedisIndex(connect(job.url), Schema(job.prefix), owner=f"{job.member}#bench")
+    workload, share = job.workload, job.share
+    specs = tuple(ReplicaSpec(id=t.replica, model=MODEL) for t in workload.traces)
+    settings = IndexerSettings(replicas=specs)
+    registry = Registry(settings.replicas)
+    pipeline = Pipeline(settings, index, registry, claim=index.claim)
+    start.wait()
+    cpu = _cpu_s()
+    with collected():
+        drive(pipeline, share)
+    ended, cpu = time.monotonic(), _cpu_s() - cpu
+    counters = fleet_totals(registry).counters
+    out.put((ended, cpu, counters.num_batches, pipeline.num_fenced_batches))
+    index.close()
+
+
+def redis_cpu_s(client: RedisClient) -> float:
+    """The server's CPU seconds (every master's, summed, on a cluster)."""
+    if isinstance(client, RedisCluster):
+        per_node: dict[str, dict[str, Any]] = client.info("cpu", target_nodes=client.PRIMARIES)
+        infos = list(per_node.values())
+    else:
+        infos = [client.info("cpu")]
+    return sum(float(i["used_cpu_user"]) + float(i["used_cpu_sys"]) for i in infos)
+
+
+def run_sharded(
+    workload: Workload, plan: list[Delivery], url: str, num_indexers: int
+) -> dict[str, Any]:
+    """``num_indexers`` forked indexer processes on one (private, flushed) Redis."""
+    client = connect(url)
+    if isinstance(client, RedisCluster):
+        client.flushall(target_nodes=client.PRIMARIES)
+    else:
+        client.flushall()
+    prefix = "kvbench"
+    shares = shard_plan(plan, num_indexers)
+    context = multiprocessing.get_context("fork")
+    start, out = context.Event(), context.Queue()
+    workers = [
+        context.Process(
+            target=_indexer_process,
+            args=(_Job(url, prefix, member, workload, share), start, out),
+        )
+        for member, share in zip(member_ids(num_indexers), shares, strict=True)
+    ]
+    for worker in workers:
+        worker.start()
+    time.sleep(0.5)  # every process connected and waiting
+    redis_before = redis_cpu_s(client)
+    started = time.monotonic()
+    start.set()
+    reports = [out.get() for _ in workers]
+    for worker in workers:
+        worker.join()
+    seconds = max(r[0] for r in reports) - started
+    redis_cpu = redis_cpu_s(client) - redis_before
+    index = RedisIndex(client, Schema(prefix))
+    entries, consistent = _check_entries(index, workload)
+    num_applied = sum(r[2] for r in reports)
+    cpu = [round(r[1], 2) for r in reports]
+    log.info("redis, %d indexers: %.2fs (CPU per indexer %s s, redis %.2f s)",
+             num_indexers, seconds, cpu, redis_cpu)  # fmt: skip
+    index.close()
+    return result(
+        "redis", workload, seconds, repeat=1, indexers=num_indexers, entries=entries,
+        consistent=consistent and num_applied == len(workload.frames),
+        calls_per_indexer=[len(s) for s in shares], fenced_batches=sum(r[3] for r in reports),
+        cpu_s_per_indexer=cpu, redis_cpu_s=round(redis_cpu, 2),
+        cluster=isinstance(client, RedisCluster),
+        cores_busy=round((sum(r[1] for r in reports) + redis_cpu) / seconds, 2),
+        cpu_count=os.cpu_count(),
+    )  # fmt: skip
+
+
+def _check_entries(index: BlockIndex, workload: Workload) -> tuple[int, bool]:
+    """Resident entries, and whether every stream holds what its simulated cache does."""
+    held = [index.stats(StreamId(t.replica, 0)).num_blocks for t in workload.traces]
+    same = all(h == t.num_resident_blocks for h, t in zip(held, workload.traces, strict=True))
+    return sum(held), same
+
+
 def run_backends(args: BenchArgs, workload: Workload) -> list[dict[str, Any]]:
     plan = deliveries(workload, args.drain)
     results: list[dict[str, Any]] = []
@@ -365,10 +521,15 @@ def run_backends(args: BenchArgs, workload: Workload) -> list[dict[str, Any]]:
         if args.redis_url is not None:
             url, private = args.redis_url, False
             results.append(run_redis(workload, plan, url, private=private, keep=args.keep))
-        else:
+        elif not args.indexers:
             with private_redis() as url:
                 log.info("private redis-server at %s", url)
                 results.append(run_redis(workload, plan, url, private=True, keep=False))
+        else:
+            servers = private_cluster() if args.cluster else private_redis()
+            with servers as url:
+                log.info("private redis %s at %s", "cluster" if args.cluster else "server", url)
+                results += [run_sharded(workload, plan, url, n) for n in args.indexers]
     for line in results:
         line["drain"] = args.drain
         line["calls"] = len(plan)

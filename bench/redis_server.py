@@ -15,9 +15,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests.support.redis_cluster import running_cluster
 from tests.support.redis_server import free_port, running_redis
 
-__all__ = ["free_port", "private_redis"]
+__all__ = ["free_port", "private_cluster", "private_redis"]
 
 
 @contextmanager
@@ -25,3 +26,10 @@ def private_redis() -> Iterator[str]:
     """Start ``redis-server`` on a free loopback port; yields its URL; stops it on exit."""
     with running_redis() as server:
         yield server.url
+
+
+@contextmanager
+def private_cluster() -> Iterator[str]:
+    """Start a 3-master Redis Cluster on loopback; yields one node's URL; stops it on exit."""
+    with running_cluster() as nodes:
+        yield nodes.url

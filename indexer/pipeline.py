@@ -33,6 +33,7 @@ from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.health import StreamReport, UnroutedCounters
 from kvindex.indexer.index.protocol import (
     BlockIndex,
+    FencedError,
     IndexUnavailableError,
     StoreIdentity,
     drop_replica,
@@ -92,6 +93,8 @@ class _Runtime:
     """In-order live batches not yet applied (flushed at the end of a call)."""
     queued: bool = False
     logged: set[str] = field(default_factory=set)
+    fenced: bool = False
+    """Another indexer owns the stream now: nothing more is written for it here."""
 
 
 class Pipeline:
@@ -99,6 +102,13 @@ class Pipeline:
 
     ``replays`` carries out replay requests; without it no stream can replay (as if no
     replica had a ``replay`` endpoint), which suits callers without sockets.
+
+    ``claim`` (sharded indexers): called for a stream before its watermark is read to start
+    keeping it, so that a previous owner is fenced out first (it may raise
+    :class:`IndexUnavailableError`). A write the store refuses because another indexer owns
+    the stream (:class:`FencedError`) is dropped and counted (:attr:`num_fenced_batches`),
+    and the stream is no longer written here: :meth:`take_fenced` hands it to the caller,
+    which stops subscribing to it (connect mode) and :meth:`release` s it.
     """
 
     def __init__(
@@ -109,8 +119,13 @@ class Pipeline:
         *,
         replays: ReplayRequests | None = None,
         clock: Callable[[], float] = time.monotonic,
+        claim: Callable[[StreamId], None] | None = None,
     ) -> None:
         self._settings = settings
+        self._claim = claim
+        self._fenced: list[StreamId] = []
+        self.num_fenced_batches = 0
+        """Batches (and clears) refused by the store's fence: another indexer owns them."""
         self._index = index
         self._registry = registry
         self._replays = replays
@@ -143,6 +158,21 @@ class Pipeline:
     def track(self, stream: StreamId, spec: ReplicaSpec) -> None:
         """Start keeping a stream its caller subscribed to (connect mode); a no-op if kept."""
         self._runtime(stream, spec)
+
+    def release(self, stream: StreamId) -> None:
+        """Stop keeping a stream (another indexer owns it now): its replay closed, its
+        record dropped from the registry (the new owner publishes it); its blocks stay."""
+        runtime = self._runtimes.pop(stream, None)
+        if runtime is None:
+            return
+        self._end_replay(runtime)
+        self._ingestor.forget(stream)
+        self._registry.forget(stream)
+
+    def take_fenced(self) -> list[StreamId]:
+        """Streams fenced out since the last call (each once), for the caller to release."""
+        fenced, self._fenced = self._fenced, []
+        return fenced
 
     def close(self) -> None:
         """End every open replay (their undecodable replies counted)."""
@@ -188,7 +218,7 @@ class Pipeline:
 
     def _on_batch(self, stream: StreamId | None, topic: str, batch: EventBatch) -> _Runtime | None:
         runtime = self._runtime_for(stream, topic, batch)
-        if runtime is None or runtime.broken:
+        if runtime is None or runtime.broken or runtime.fenced:
             return None
         if runtime.tracker.accept_next(batch):
             runtime.pending.append(batch)
@@ -301,6 +331,8 @@ class Pipeline:
         can_replay = replay is not None
         report = StreamReport()
         try:
+            if self._claim is not None:
+                self._claim(stream)  # fence out the previous owner before reading its mark
             tracker = self._tracker_from_index(stream, can_replay=can_replay, report=report)
         except IndexUnavailableError:  # the first store call will fail too, and be counted
             tracker = StreamTracker(can_replay=can_replay, counters=report)
@@ -352,6 +384,9 @@ class Pipeline:
             except IndexUnavailableError as exc:
                 self._store_failed(runtime, exc)
                 return
+            except FencedError:
+                self._fenced_out(runtime, 1)
+                return
             self._ingestor.forget(stream)
             log.info("stream %s cleared (engine restart, rebuild or lost history)", stream)
         if step.history_lost:
@@ -381,7 +416,7 @@ class Pipeline:
         if not batches:
             return
         runtime.pending = []
-        if runtime.broken:
+        if runtime.broken or runtime.fenced:
             return
         report = runtime.report
         num_orphans = report.num_orphan_stores
@@ -389,6 +424,9 @@ class Pipeline:
             self._ingestor.apply_many(runtime.stream, runtime.model, batches, report)
         except IndexUnavailableError as exc:
             self._store_failed(runtime, exc)
+            return
+        except FencedError:
+            self._fenced_out(runtime, len(batches))
             return
         last = batches[-1]
         report.last_seq = last.seq
@@ -433,6 +471,20 @@ class Pipeline:
         self._end_replay(runtime)
         runtime.report.num_store_errors += 1
         log.warning("stream %s: index store unavailable, will resync: %s", runtime.stream, exc)
+
+    def _fenced_out(self, runtime: _Runtime, num_batches: int) -> None:
+        """Another indexer claimed the stream: drop the write, count it, stop writing."""
+        self.num_fenced_batches += num_batches
+        if runtime.fenced:
+            return
+        runtime.fenced = True
+        self._end_replay(runtime)
+        self._fenced.append(runtime.stream)
+        log.info(
+            "stream %s: owned by another indexer now (%d batch(es) fenced out): handed over",
+            runtime.stream,
+            num_batches,
+        )
 
     def _log_once(self, runtime: _Runtime, kind: str, message: str, *args: object) -> None:
         if kind not in runtime.logged:
@@ -523,6 +575,8 @@ class Pipeline:
         self._check_store()
         now = self._clock()
         for runtime in list(self._runtimes.values()):
+            if runtime.fenced:
+                continue
             if runtime.broken:
                 self._recover(runtime)
             self._maybe_probe(runtime, now)
@@ -545,7 +599,8 @@ class Pipeline:
             len(self._runtimes),
         )
         for runtime in list(self._runtimes.values()):
-            self._refill(runtime)
+            if not runtime.fenced:
+                self._refill(runtime)
 
     def _refill(self, runtime: _Runtime) -> None:
         """Rebuild one stream from nothing: a fresh tracker (empty watermark), the stream
@@ -564,6 +619,8 @@ class Pipeline:
             self._index.clear(runtime.stream)
         except IndexUnavailableError as exc:
             self._store_failed(runtime, exc)
+        except FencedError:
+            self._fenced_out(runtime, 1)
         else:
             if not runtime.disconnected:  # else its reconnect resyncs it
                 self._execute(runtime, runtime.tracker.resync())
@@ -609,6 +666,9 @@ class Pipeline:
         try:
             self._index.clear(runtime.stream)
         except IndexUnavailableError:
+            return
+        except FencedError:
+            self._fenced_out(runtime, 1)
             return
         runtime.purged = True
         self._ingestor.forget(runtime.stream)

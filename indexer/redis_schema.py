@@ -7,7 +7,9 @@ Layout (``<p>`` = configurable prefix, ``<v>`` = :data:`SCHEMA_VERSION`)::
                                           counts per tier, one integer gpu + cpu·2¹⁶ +
                                           other·2³² (HINCRBY)
     <p>:<v>:{<replica>/<rank>}:hash  HASH  engine hash (8 bytes) → block key (8 bytes)
-    <p>:<v>:{<replica>/<rank>}:meta  HASH  wm (watermark), ts, n0/n1/n2 (blocks per tier)
+    <p>:<v>:{<replica>/<rank>}:meta  HASH  wm (watermark), ts, n0/n1/n2 (blocks per tier),
+                                          owner (sharded indexers: the lease token of the
+                                          indexer that owns the stream: the batch fence)
     <p>:<v>:index                   STRING the index's identity: a random token set (if absent)
                                           by the first indexer to open the store; gone
                                           means the data was lost (``RedisIndex.intact``)
@@ -24,6 +26,9 @@ Layout (``<p>`` = configurable prefix, ``<v>`` = :data:`SCHEMA_VERSION`)::
     <p>:<v>:{inflight}:lease:<holder> HASH reservation id → "<replica id> <tokens>": what the
                                           holder reserved, taken off the totals when it
                                           releases or its lease lapses
+    <p>:<v>:indexers                ZSET  sharded indexers' leases: lease token
+                                          ("<indexer id>#<random>") → expiry (unix ms);
+                                          ``kvindex.indexer.membership``
     <p>:<v>:{fleet}:replicas        HASH  replica id → its ReplicaSpec (JSON): the fleet, written
                                           by the indexer (declared, bind-mode) and the API
                                           (POST/DELETE /replicas); ``kvindex.indexer.fleet.sync``;
@@ -123,6 +128,11 @@ class Schema:
         """The HASH replica id → latest ``api.load.model.Load`` (one key: Cluster-safe)."""
         return f"{self.root}:load"
 
+    @property
+    def indexers(self) -> str:
+        """The ZSET of sharded indexers' leases: lease token → expiry (unix milliseconds)."""
+        return f"{self.root}:indexers"
+
     def scrape_claim(self, replica: str) -> str:
         """A short-lived key: the API process that set it scrapes ``replica`` this round."""
         return f"{self.root}:scrape:{replica}"
@@ -187,5 +197,8 @@ reached no stream (JSON ``UnroutedCounters``; ``#`` is never in a stream key).""
 
 META_WATERMARK = "wm"
 META_TS = "ts"
+META_OWNER = "owner"
+"""Meta field holding the lease token of the stream's owner (``apply_batch.lua`` and
+``clear_stream.lua`` read it by this name: the fence)."""
 META_TIER_PREFIX = "n"
 """Meta fields ``n0``, ``n1``, ``n2``: distinct blocks held per tier (by Tier value)."""

@@ -1,10 +1,13 @@
 """Assembles an indexer process from its settings: store, registry, subscriber, on Redis
-the fleet sync that shares replicas and stream status with API processes, and, for
-``kvindex indexer``, the status port (/metrics, /healthz, /readyz)."""
+the fleet sync that shares replicas and stream status with API processes and, sharded
+(``shard``), the lease that splits the streams with the other indexers on that Redis
+(``membership``); for ``kvindex indexer``, the status port (/metrics, /healthz, /readyz)."""
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 from dataclasses import dataclass
 
 from kvindex.indexer.circuit import CircuitIndex, StoreCircuit
@@ -13,6 +16,7 @@ from kvindex.indexer.fleet.sync import FleetSync
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.index.redis import RedisIndex
+from kvindex.indexer.membership import Membership, Shard
 from kvindex.indexer.process_limits import raise_file_limit
 from kvindex.indexer.redis_connection import connect
 from kvindex.indexer.redis_schema import Schema
@@ -30,12 +34,36 @@ def _raise_file_limit(settings: IndexerSettings) -> None:
         log.info("open-file limit raised from %s to %s", before, after)
 
 
-def open_index(settings: IndexerSettings) -> BlockIndex:
-    """The store the settings name: in-process (default) or Redis."""
+def open_index(settings: IndexerSettings, *, owner: str | None = None) -> BlockIndex:
+    """The store the settings name: in-process (default) or Redis (``owner``: the lease
+    token that fences its writes, for sharded indexers)."""
     if settings.store == "redis":
         client = connect(settings.redis_url, cluster=settings.redis_cluster)
-        return RedisIndex(client, Schema(settings.redis_prefix))
+        return RedisIndex(client, Schema(settings.redis_prefix), owner=owner)
     return MemoryIndex()
+
+
+def indexer_id(settings: IndexerSettings) -> str:
+    """``indexer_id``, or the host name (made safe for a key name). Not the pid: an indexer
+    restarted on its host (a container, a pod, a unit) keeps its id, so it takes its streams
+    back at once instead of waiting for its dead lease to run out."""
+    if settings.indexer_id:
+        return settings.indexer_id
+    host = "".join(c if c.isalnum() or c in "._-" else "-" for c in socket.gethostname())
+    return host or f"pid-{os.getpid()}"
+
+
+def _membership(
+    settings: IndexerSettings, index: BlockIndex | None
+) -> tuple[BlockIndex, Membership | None]:
+    """The index, fenced with this process's lease token when sharded (a given index is
+    used as it is: unsharded unless it was built with the token)."""
+    if not settings.sharded or index is not None:
+        return (index if index is not None else open_index(settings)), None
+    client = connect(settings.redis_url, cluster=settings.redis_cluster)
+    schema = Schema(settings.redis_prefix)
+    membership = Membership(client, schema, indexer_id(settings), lease_ttl_s=settings.lease_ttl_s)
+    return RedisIndex(client, schema, owner=membership.token), membership
 
 
 @dataclass
@@ -50,6 +78,8 @@ class IndexerService:
     """Publishes the fleet state to Redis (``store = "redis"`` only)."""
     status: IndexerStatus | None = None
     """The status port (``build(..., with_status=True)`` and ``status_port`` not -1)."""
+    shard: Shard | None = None
+    """This process's lease and share of the streams (``shard`` on)."""
 
     @classmethod
     def build(
@@ -63,18 +93,24 @@ class IndexerService:
         (the ``kvindex indexer`` process; a process that embeds the write path, such as
         ``kvindex serve``, exports its series its own way)."""
         _raise_file_limit(settings)  # before the subscriber sizes its context to it
-        index = index if index is not None else open_index(settings)
+        index, membership = _membership(settings, index)
         registry = Registry(settings.replicas, stale_after_s=settings.stale_after_s)
         fleet = None
+        shard = None
         written: BlockIndex = index
         if isinstance(index, RedisIndex):
-            fleet = FleetSync(index.client, index.schema, registry, declared=settings.replicas)
+            owner = None if membership is None else membership.member_id
+            fleet = FleetSync(
+                index.client, index.schema, registry, declared=settings.replicas, owner=owner
+            )
             circuit = StoreCircuit(settings.store_cooldown_s, name="redis (write path)")
             written = CircuitIndex(
                 index, circuit
             )  # a down store costs one wait, not one per stream
-        subscriber = Subscriber(settings, written, registry)
-        service = cls(settings, index, registry, subscriber, fleet)
+            if membership is not None:
+                shard = Shard(membership, index, circuit)
+        subscriber = Subscriber(settings, written, registry, shard=shard)
+        service = cls(settings, index, registry, subscriber, fleet, shard=shard)
         if with_status and settings.status_port != -1:
             service.status = IndexerStatus.build(settings, registry, index, service.loop_alive)
         return service
@@ -87,6 +123,9 @@ class IndexerService:
             self.status.start()
         if self.fleet is not None:  # first: replicas added through the API open now too
             self.fleet.start()
+        if self.shard is not None:  # the lease first: the streams owned open at start
+            self.shard.tick()
+            log.info("sharded indexer %s (lease %s)", self.shard.member_id, self.shard.token)
         self.subscriber.start()
 
     def stop(self) -> None:
@@ -95,6 +134,8 @@ class IndexerService:
         if self.fleet is not None:
             self.fleet.stop()
         self.subscriber.stop()
+        if self.shard is not None:
+            self.shard.leave()  # after the last write: the others take over at once
         self.index.close()
 
     def loop_alive(self) -> bool:

@@ -35,6 +35,8 @@ from kvindex.indexer.redis_connection import CLUSTER_MODES, ClusterMode
 from kvindex.indexer.redis_schema import SchemaError, check_name
 
 StoreKind = Literal["memory", "redis"]
+ShardMode = Literal["auto", "on", "off"]
+SHARD_MODES: tuple[str, ...] = get_args(ShardMode)
 ENV_PREFIX = "KVINDEX_"
 API_SECTIONS = ("api", "models", "rules", "proxy")
 """TOML sections of the API process (``kvindex.api.settings``) and of the proxy
@@ -100,6 +102,22 @@ class IndexerSettings:
     """Seconds between two store probes, whose last answer /readyz reports."""
     status_timeout_s: float = 0.25
     """Socket timeout of the store probe and of the status port's index reads."""
+    shard: ShardMode = "auto"
+    """Split the streams between the indexers on one Redis (leases, rendezvous hash, a
+    fence on every batch): ``auto`` = on with ``store = "redis"``, off in memory; ``off``:
+    one indexer per store, as before (two would fight over each stream)."""
+    indexer_id: str = ""
+    """This indexer's name among the sharded ones (shown as each stream's owner); "" = the
+    host name (kept across a restart). Several indexers on one host need one each."""
+    lease_ttl_s: float = 10.0
+    """A sharded indexer that has not renewed its lease for this long (renewed every third
+    of it) loses its streams to the others: the takeover bound is this, plus a third of it,
+    plus one replay."""
+
+    @property
+    def sharded(self) -> bool:
+        """Whether this process shares the streams with other indexers on its store."""
+        return self.shard == "on" or (self.shard == "auto" and self.store == "redis")
 
     def __post_init__(self) -> None:
         if self.store not in get_args(StoreKind):
@@ -113,6 +131,7 @@ class IndexerSettings:
         except SchemaError as exc:
             raise SettingsError(str(exc)) from exc
         check_endpoint("bind", self.bind)
+        _check_shard(self)
         if self.max_open_files < 0:
             raise SettingsError(f"max_open_files must be >= 0, got {self.max_open_files!r}")
         if self.max_self_registered < 0:
@@ -133,6 +152,20 @@ class IndexerSettings:
         ids = [r.id for r in self.replicas]
         if len(ids) != len(set(ids)):
             raise SettingsError(f"replicas: duplicate ids in {ids}")
+
+
+def _check_shard(settings: IndexerSettings) -> None:
+    if settings.shard not in SHARD_MODES:
+        raise SettingsError(f"shard must be one of {SHARD_MODES}, got {settings.shard!r}")
+    if settings.shard == "on" and settings.store != "redis":
+        raise SettingsError('shard = "on" needs store = "redis" (indexers share one store)')
+    if not settings.lease_ttl_s > 0:
+        raise SettingsError(f"lease_ttl_s must be > 0, got {settings.lease_ttl_s!r}")
+    if settings.indexer_id:
+        try:
+            check_name("indexer_id", settings.indexer_id)
+        except SchemaError as exc:
+            raise SettingsError(str(exc)) from exc
 
 
 def _check_status(settings: IndexerSettings) -> None:

@@ -19,6 +19,17 @@ allows. A socket that still cannot open raises :class:`SocketLimitError` at star
 prints it) and is one error line later (a replica added at run time, a replay), naming the
 limits and the fix; a replay that cannot open fails as a timed-out one does.
 
+Sharded indexers (a :class:`~kvindex.indexer.membership.Shard`): only the connect-mode
+streams this process owns are subscribed, each rank of a replica on its own (a replica's
+ranks may belong to different indexers). At every lease renew the loop re-evaluates
+ownership: a stream gained is claimed (fencing its previous owner out) and subscribed (its
+connect resyncs it from the stored watermark); a stream lost is unsubscribed and released.
+A stream the store fenced out is released at once and not taken back before the next renew
+period. Subscribing to owned streams only is what makes ingest scale with the processes:
+decoding every stream's frames everywhere and writing only the owned ones would cost each
+process the whole fleet's decoding. Bind-mode streams belong to the indexer the replica
+publishes to (it claims them on their first event).
+
 One thread runs the loop: it owns every socket and the
 :class:`~kvindex.indexer.pipeline.Pipeline`, which decides everything else (ordering,
 replays, registration, purges, recovery). The loop hands the pipeline what the sockets
@@ -42,6 +53,7 @@ from kvindex.indexer.events import StreamId
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.protocol import BlockIndex
+from kvindex.indexer.membership import Shard
 from kvindex.indexer.pipeline import Pipeline
 from kvindex.indexer.process_limits import (
     describe_limits,
@@ -206,8 +218,14 @@ class Subscriber:
         *,
         context: Context | None = None,
         clock: Callable[[], float] = time.monotonic,
+        shard: Shard | None = None,
     ) -> None:
         self._settings = settings
+        self._shard = shard
+        self._ranks_of: dict[str, tuple[int, ...]] = {}
+        """The ranks subscribed per replica (all of them unless sharded)."""
+        self._excluded: dict[StreamId, float] = {}
+        """Streams fenced out, and until when they are not taken back."""
         self._given_context = context
         self._owned_context: Context | None = None
         self._clock = clock
@@ -215,7 +233,10 @@ class Subscriber:
         self._replays = _ReplaySockets(
             self._zmq_context, self._poller, settings.replay_timeout_s, clock
         )
-        self.pipeline = Pipeline(settings, index, registry, replays=self._replays, clock=clock)
+        claim = None if shard is None else shard.claim
+        self.pipeline = Pipeline(
+            settings, index, registry, replays=self._replays, clock=clock, claim=claim
+        )
         self._sub_of: dict[Socket, StreamId] = {}
         self._monitor_of: dict[Socket, StreamId] = {}
         self._sockets_of: dict[str, list[Socket]] = {}
@@ -273,6 +294,8 @@ class Subscriber:
         registered a poll would return at once, which would spin a core.
         """
         self._reconcile()
+        if self._shard is not None:
+            self._shard_turn()
         if not self._poller.sockets:
             self._stop.wait(timeout_ms / 1000)
         for sock in self._poller.poll(timeout_ms):
@@ -285,6 +308,49 @@ class Subscriber:
             self.pipeline.maintain()
             if self._num_unopened:
                 self._open_replicas(strict=False)
+
+    # --- sharding ------------------------------------------------------------------------
+
+    def _shard_turn(self) -> None:
+        """Release what was fenced out; rebalance after each lease renew (or a fence)."""
+        assert self._shard is not None
+        fenced = self.pipeline.take_fenced()
+        hold_off = self._clock() + self._shard.membership.renew_period_s
+        for stream in fenced:
+            self._excluded[stream] = hold_off
+            if stream.replica not in self._sockets_of:  # bind mode: no socket of its own
+                self.pipeline.release(stream)
+        if self._shard.tick() or fenced:
+            self._rebalance()
+
+    def _owned_ranks(self, spec: ReplicaSpec) -> tuple[int, ...]:
+        """The replica's ranks this process subscribes to: all, or the ones it owns."""
+        if self._shard is None:
+            return tuple(range(spec.dp_size))
+        now = self._clock()
+        return tuple(
+            rank
+            for rank in range(spec.dp_size)
+            if self._shard.owns(stream := StreamId(spec.id, rank))
+            and self._excluded.get(stream, now) <= now
+        )
+
+    def _rebalance(self) -> None:
+        """Close the replicas whose owned ranks changed (releasing the ranks lost), then
+        open every replica with owned ranks and no sockets (claims happen as they open)."""
+        now = self._clock()
+        self._excluded = {s: t for s, t in self._excluded.items() if t > now}
+        spec_of = {s.id: s for s in self._specs}
+        for replica, ranks in list(self._ranks_of.items()):
+            spec = spec_of.get(replica)
+            owned = () if spec is None else self._owned_ranks(spec)
+            if owned == ranks:
+                continue
+            self._close_replica(replica)
+            for rank in set(ranks) - set(owned):
+                self.pipeline.release(StreamId(replica, rank))
+                log.info("replica %s rank %d: handed to another indexer", replica, rank)
+        self._open_replicas(strict=False)
 
     def _dispatch(self, sock: Socket) -> None:
         if sock is self._bound:
@@ -342,7 +408,11 @@ class Subscriber:
         """Open the sockets of every registered replica that has none. Out of files:
         ``strict`` raises :class:`SocketLimitError`; else one error line when the number
         of replicas left unopened changes (they are tried again each maintenance turn)."""
-        unopened = [s for s in self._specs if s.events is not None and s.id not in self._sockets_of]
+        unopened = [
+            s
+            for s in self._specs
+            if s.events is not None and s.id not in self._sockets_of and self._owned_ranks(s)
+        ]
         if strict and unopened:
             self._log_files_needed(sum(s.dp_size for s in unopened))
         error: SocketLimitError | None = None
@@ -370,8 +440,9 @@ class Subscriber:
         replica's sockets stays open and :class:`SocketLimitError` says which limit."""
         sockets: list[Socket] = []
         pairs: list[tuple[StreamId, Socket, Socket]] = []
+        ranks = self._owned_ranks(spec)
         try:
-            for rank in range(spec.dp_size):
+            for rank in ranks:
                 sub = self._new_sub()
                 sockets.append(sub)
                 monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
@@ -388,6 +459,7 @@ class Subscriber:
         for stream, sub, monitor in pairs:
             self._subscribe(spec, stream, sub, monitor)
         self._sockets_of[spec.id] = sockets
+        self._ranks_of[spec.id] = ranks
 
     def _subscribe(self, spec: ReplicaSpec, stream: StreamId, sub: Socket, monitor: Socket) -> None:
         endpoint = spec.events_for_rank(stream.rank)
@@ -408,6 +480,7 @@ class Subscriber:
             sock.close(linger=0)
 
     def _close_replica(self, replica: str) -> None:
+        self._ranks_of.pop(replica, None)
         for sock in self._sockets_of.pop(replica, []):
             self._poller.unregister(sock)
             if sock in self._sub_of:

@@ -295,6 +295,8 @@ def _stream_line(stream: StreamView, wide: bool) -> str:
         line += f", block size {stream.block_size} (not the model's: never matches)"
     elif wide and stream.block_size:
         line += f", block size {stream.block_size}"
+    if stream.owner is not None:
+        line += f", indexer {stream.owner}"
     return line + ("" if stream.connected else ", disconnected")
 
 

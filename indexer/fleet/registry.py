@@ -41,6 +41,8 @@ class StreamStatus:
     silent_s: float | None
     """Seconds since anything was heard from the stream."""
     health: StreamHealth
+    owner: str | None = None
+    """The sharded indexer that keeps the stream (None: one indexer, or in-process)."""
 
 
 class StreamFreshness(NamedTuple):
@@ -162,6 +164,11 @@ class Registry:
                 health = self._health[stream] = StreamHealth()
             health.update(report, now)
 
+    def forget(self, stream: StreamId) -> None:
+        """Drop one stream's record (another indexer keeps the stream now)."""
+        with self._lock:
+            self._health.pop(stream, None)
+
     def record_unrouted(self, totals: UnroutedCounters) -> None:
         """Replace the bound SUB's unrouted counters with the write path's running totals."""
         with self._lock:
@@ -274,12 +281,13 @@ def snapshot(
     now: float,
     stale_after_s: float,
     freshness: Freshness | None = None,
+    owner: str | None = None,
 ) -> StreamStatus:
     """A stream's status as of ``now``, holding ``health`` itself (pass a copy of a record
     that changes); ``freshness`` overrides the computed one."""
     silent = None if health.last_heard is None else max(0.0, now - health.last_heard)
     fresh = freshness or freshness_of(health, silent, stale_after_s)
-    return StreamStatus(stream, fresh, silent, health)
+    return StreamStatus(stream, fresh, silent, health, owner)
 
 
 def most_common(sizes: list[int]) -> int | None:

@@ -9,7 +9,8 @@ keeps, and when it was written). :class:`FleetSync` runs in the indexer process,
 2. every tick it reads that hash and adds/removes replicas in the in-process
    :class:`Registry` (the subscriber then opens sockets or purges blocks, as it does for
    any registry change); replicas the indexer learnt itself (bind mode) are written back;
-3. every tick it writes every stream's status.
+3. every tick it writes every stream's status (sharded: the streams it keeps, each naming
+   it as ``owner``; a stream handed over keeps its record until the new owner rewrites it).
 
 A Redis error is counted and logged, never fatal: the indexer keeps indexing.
 """
@@ -26,6 +27,7 @@ import msgspec
 import redis
 
 from kvindex.indexer.errors import KvIndexError
+from kvindex.indexer.events import StreamId
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.health import StreamHealth, UnroutedCounters
@@ -43,6 +45,8 @@ class StreamRecord(msgspec.Struct, frozen=True):
     a reader of either release decodes a writer of the other, missing counters as 0.)"""
     written_at: float
     """Writer's wall clock at the write; a reader treats an old record as stale."""
+    owner: str | None = None
+    """The id of the sharded indexer that wrote it (None: not sharded)."""
 
 
 _SPEC_DECODER = msgspec.json.Decoder(ReplicaSpec)
@@ -117,7 +121,9 @@ class FleetSync:
         declared: tuple[ReplicaSpec, ...] = (),
         period_s: float = 1.0,
         clock: Callable[[], float] = time.time,
+        owner: str | None = None,
     ) -> None:
+        self._owner = owner
         self._client = client
         self._schema = schema
         self._registry = registry
@@ -199,11 +205,13 @@ class FleetSync:
         replicas = {r.id for r in self._registry.replicas()}
         now = self._clock()
         records = {
-            str(stream): encode_record(StreamRecord(health, now))
+            str(stream): encode_record(StreamRecord(health, now, self._owner))
             for stream, health in self._registry.records().items()
             if stream.replica in replicas
         }
         gone = self._written - set(records)
+        if self._owner is not None:  # a stream handed over: its new owner rewrites it
+            gone = {f for f in gone if StreamId.parse(f).replica not in replicas}
         unrouted = encode_unrouted(self._registry.unrouted())
         with self._client.pipeline(transaction=True) as pipe:
             pipe.hset(self._schema.stream_status, UNROUTED_FIELD, unrouted)

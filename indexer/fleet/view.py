@@ -322,6 +322,7 @@ class RedisFleetView:
                     now=now,
                     stale_after_s=self._stale_after_s,
                     freshness=Freshness.STALE if expired else None,
+                    owner=record.owner,
                 )
             )
         marked = FLEET_MARKER.encode() in replies[0]

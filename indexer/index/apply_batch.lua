@@ -1,7 +1,11 @@
 -- Apply consecutive batches of one stream, each atomically with the stream's watermark.
 -- KEYS: meta, keys (block field -> packed tier counts), hash (engine hash -> block key)
 -- ARGV: n, then n times: seq (a decimal integer, 0 <= seq < 2^64), ts, ops (18-byte records: kind u8, tier u8, engine hash 8B,
---       block key 8B big-endian; kinds 0 store, 1 store by hash, 2 remove, 3 clear)
+--       block key 8B big-endian; kinds 0 store, 1 store by hash, 2 remove, 3 clear),
+--       then optionally the writer's lease token (sharded indexers; '' or absent: no fence)
+-- The fence: meta's `owner` field names the indexer that owns the stream. A token that is
+-- not the owner's applies nothing and returns {-1}; with no owner recorded (a new stream,
+-- or one whose state was lost) the writer becomes the owner.
 -- A block's field in `keys` is the low 6 bytes of its key (memory: see redis_schema.py);
 -- its counts are one integer gpu + cpu * 2^16 + other * 2^32, so a store is one HINCRBY.
 -- Engine-hash mappings are staged in a Lua table and written once at the end. (Staging the
@@ -12,6 +16,13 @@
 -- restart), so the caller must (re)list it in the streams set (another slot).
 local meta, keys, hashes = KEYS[1], KEYS[2], KEYS[3]
 local call, byte, sub, floor, unpack = redis.call, string.byte, string.sub, math.floor, unpack
+local n = tonumber(ARGV[1])
+local token = ARGV[2 + 3 * n]
+if token and token ~= '' then
+  local owner = call('HGET', meta, 'owner')
+  if owner and owner ~= token then return {-1} end
+  if not owner then call('HSET', meta, 'owner', token) end
+end
 local CHUNK = 2000
 -- Seqs are compared as decimal strings left-padded to 20 digits, never as Lua numbers:
 -- those are doubles, exact only below 2^53, and a seq may be any value below 2^64. The
@@ -112,7 +123,6 @@ local function write_staged()
   end
 end
 
-local n = tonumber(ARGV[1])
 for i = 0, n - 1 do
   local seq_text = ARGV[2 + 3 * i]
   local seq = padded(seq_text)

@@ -177,3 +177,8 @@ def drop_replica(index: BlockIndex, replica: str) -> list[StreamId]:
     for stream in dropped:
         index.drop(stream)
     return dropped
+
+
+class FencedError(KvIndexError):
+    """A write refused because another indexer owns the stream now (its lease token is the
+    stream's fence): nothing of the call was applied. The caller stops writing the stream."""

@@ -7,6 +7,11 @@ each stream up to its first miss (``longest_prefix.lua``); on Redis Cluster, one
 group of streams of one slot, sent to every master before any reply is read. Key names live
 in ``redis_schema``.
 
+Sharded indexers (``owner``): the batch script and ``clear_stream.lua`` first compare the
+writer's lease token with the stream's ``owner`` meta field (the same hash tag: still one
+slot), so a writer another indexer has claimed the stream from changes nothing
+(:class:`FencedError`); one more HGET per batch, one short field per stream.
+
 What a lookup costs: one HGET per requested stream that holds nothing, and n + 1 for a stream
 matching n blocks, so it grows with the fleet (1,024 replicas, 256 of them sharing a 64-block
 system prompt: about 18,000 HGETs, ~20 ms of Redis CPU). Reading a holder's prefix in HMGETs
@@ -38,6 +43,7 @@ from kvindex.indexer.index.protocol import (
     SKIPPED,
     ApplyResult,
     BatchOps,
+    FencedError,
     IndexUnavailableError,
     Op,
     PrefixMatch,
@@ -51,6 +57,7 @@ from kvindex.indexer.redis_connection import (
     connect,
 )
 from kvindex.indexer.redis_schema import (
+    META_OWNER,
     META_TIER_PREFIX,
     META_TS,
     META_WATERMARK,
@@ -101,12 +108,21 @@ class RedisIndex:
     """Block index in Redis, standalone or Cluster (``redis_connection`` builds either).
 
     Every method raises :class:`IndexUnavailableError` when Redis cannot be reached.
+
+    ``owner``: this writer's lease token (sharded indexers, ``kvindex.indexer.membership``).
+    With it every batch and clear is fenced inside its script: a stream whose meta names
+    another owner is left as it is and :class:`FencedError` raised; :meth:`claim` makes the
+    token the stream's owner. Without it (one indexer per store) nothing is fenced.
     """
 
-    def __init__(self, client: RedisClient, schema: Schema | None = None) -> None:
+    def __init__(
+        self, client: RedisClient, schema: Schema | None = None, *, owner: str | None = None
+    ) -> None:
         self._client = client
         self._schema = schema or Schema()
+        self._owner = owner
         self._apply = client.register_script(_script("apply_batch.lua"))
+        self._clear = client.register_script(_script("clear_stream.lua"))
         self._prefix = client.register_script(_script("longest_prefix.lua"))
         self._registered: set[StreamId] = set()
         self._keys_of: dict[StreamId, tuple[str, str, str]] = {}
@@ -140,10 +156,14 @@ class RedisIndex:
             # number is not); a longer one would compare wrongly.
             assert seq < MAX_SEQ, seq
             args += (seq, repr(ts), encode_ops(ops))
+        if self._owner is not None:
+            args.append(self._owner)
         keys = self._keys(stream)
         with unavailable_on_connection_errors():
             self._register(stream)
             reply = self._apply(keys=keys, args=args)
+            if len(reply) == 1:  # the script's fence: another indexer owns the stream
+                raise FencedError(f"stream {stream}: owned by another indexer")
             if reply[-1]:
                 # The stream's state was (re)created by this call: it may have been dropped
                 # by another indexer or lost in a Redis restart since this process listed it.
@@ -172,8 +192,27 @@ class RedisIndex:
     def clear(self, stream: StreamId) -> None:
         # One DEL of the stream's own keys: atomic, single-slot, and it leaves nothing behind
         # for a stream never seen. An absent meta reads as watermark -1 and no blocks.
+        # Fenced: the same in a script that first checks the owner and keeps it.
         with unavailable_on_connection_errors():
-            self._client.delete(*self._schema.stream(stream).all())
+            if self._owner is None:
+                self._client.delete(*self._schema.stream(stream).all())
+            elif not self._clear(keys=self._keys(stream), args=[self._owner]):
+                raise FencedError(f"stream {stream}: owned by another indexer")
+
+    def claim(self, stream: StreamId) -> None:
+        """Make this writer's token the stream's owner (one HSET on its meta): the previous
+        owner's next batch is fenced out. Call it before reading the watermark to resume
+        from (:meth:`stats`), so nothing the previous owner applied is missed."""
+        if self._owner is None:
+            return
+        with unavailable_on_connection_errors():
+            self._client.hset(self._keys(stream)[0], META_OWNER, self._owner)
+
+    def owner(self, stream: StreamId) -> str | None:
+        """The lease token that owns the stream (None: no owner recorded)."""
+        with unavailable_on_connection_errors():
+            raw = cast("bytes | None", self._client.hget(self._keys(stream)[0], META_OWNER))
+        return None if raw is None else raw.decode()
 
     def drop(self, stream: StreamId) -> None:
         with unavailable_on_connection_errors():

@@ -50,6 +50,11 @@ class FleetShape:
     """Replicas' PUB high-water mark (0: unbounded, nothing is ever dropped)."""
     capacity_blocks: int = 64
     """Blocks per replica pool: small, so traffic evicts."""
+    indexer_ids: tuple[str, ...] = ()
+    """Sharded indexers: one ``kvindex indexer`` per id (its ``indexer_id``, its own status
+    port); empty: one indexer with the default id."""
+    lease_ttl_s: float = 10.0
+    """The indexers' ``lease_ttl_s``."""
 
 
 @dataclass
@@ -94,6 +99,8 @@ class FaultFleet:
     api: Child
     api_port: int
     replicas: dict[str, Replica] = field(default_factory=dict)
+    more_indexers: dict[str, Child] = field(default_factory=dict)
+    """The indexers after the first, by ``indexer_id`` (``shape.indexer_ids[1:]``)."""
     _http: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=5, trust_env=False))
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -107,12 +114,9 @@ class FaultFleet:
         config.write_text(_config_toml(redis_port, api_port, status_port, replicas.values()))
         redis_dir = workdir / "redis"
         redis_dir.mkdir()
-        indexer = kvindex_child(
-            "indexer",
-            ["indexer", "--config", str(config), "--store", "redis", "--stats-every", "0"],
-            workdir / "indexer.log",
-            http_ok(status_port, "/healthz"),
-        )
+        ids = shape.indexer_ids or ("",)
+        indexers = [_indexer(i, config, workdir, shape.lease_ttl_s) for i in ids]
+        indexer, more = indexers[0], dict(zip(ids[1:], indexers[1:], strict=True))
         api = kvindex_child(
             "api",
             ["api", "--config", str(config)],
@@ -120,16 +124,20 @@ class FaultFleet:
             http_ok(api_port, "/healthz"),
         )
         redis = redis_child(redis_port, redis_dir, aof=shape.aof)
-        return cls(shape, workdir, redis, redis_port, indexer, api, api_port, replicas)
+        return cls(shape, workdir, redis, redis_port, indexer, api, api_port, replicas, more)
+
+    @property
+    def indexers(self) -> list[Child]:
+        return [self.indexer, *self.more_indexers.values()]
 
     def start(self) -> None:
         """Start every part (in parallel), then wait until every stream is live."""
         self.redis.start()
-        children = [r.child for r in self.replicas.values()] + [self.indexer, self.api]
+        children = [r.child for r in self.replicas.values()] + [*self.indexers, self.api]
         for child in children:
             child.spawn()
-        for child in children:
-            child.wait_ready()
+        for child in children:  # they start together: a busy 2-core machine needs longer
+            child.wait_ready(timeout_s=max(15.0, 4.0 * len(children)))
         self.wait_live(self.replicas, timeout_s=15.0)
         for replica in self.replicas:
             self._warm_up(replica)
@@ -150,7 +158,12 @@ class FaultFleet:
     def stop(self) -> None:
         """Stop every process this fleet started (stopped ones included): all asked at
         once, then each waited for (killed if it lingers)."""
-        children = [self.api, self.indexer, *(r.child for r in self.replicas.values()), self.redis]
+        children = [
+            self.api,
+            *self.indexers,
+            *(r.child for r in self.replicas.values()),
+            self.redis,
+        ]
         for child in children:
             child.terminate()
         for child in children:
@@ -158,7 +171,12 @@ class FaultFleet:
         self._http.close()
 
     def logs(self) -> str:
-        children = [self.indexer, self.api, self.redis, *(r.child for r in self.replicas.values())]
+        children = [
+            *self.indexers,
+            self.api,
+            self.redis,
+            *(r.child for r in self.replicas.values()),
+        ]
         return "\n".join(f"--- {c.name}\n{c.tail()}" for c in children)
 
     def restart_redis(self, *, empty: bool) -> None:
@@ -265,6 +283,24 @@ def _replica(rid: str, shape: FleetShape, workdir: Path) -> Replica:
         f"replica {rid}", args, workdir / f"{rid}.log", http_ok(http_port, "/health")
     )
     return Replica(rid, child, http_port, events_port, replay_port)
+
+
+def _indexer(indexer_id: str, config: Path, workdir: Path, lease_ttl_s: float) -> Child:
+    """``kvindex indexer`` on the fleet's config (``indexer_id`` "": the default one, on
+    the config's status port; else that id, on a status port of its own)."""
+    args = ["indexer", "--config", str(config), "--store", "redis", "--stats-every", "0"]
+    status_port = int(config.read_text().split("status_port = ")[1].split()[0])
+    if indexer_id:
+        status_port = free_port()
+        args += ["--status-port", str(status_port)]
+    child = kvindex_child(
+        f"indexer {indexer_id}".strip(),
+        args,
+        workdir / f"indexer{'-' if indexer_id else ''}{indexer_id}.log",
+        http_ok(status_port, "/healthz"),
+    )
+    child.env = {"KVINDEX_INDEXER_ID": indexer_id, "KVINDEX_LEASE_TTL_S": str(lease_ttl_s)}
+    return child
 
 
 def _config_toml(

@@ -11,6 +11,7 @@ how a fixture makes sure every process it started is gone, whatever the test did
 from __future__ import annotations
 
 import http.client
+import os
 import shutil
 import signal
 import subprocess
@@ -64,12 +65,17 @@ class Child:
     log: Path
     ready: Callable[[], bool] = field(default=lambda: True)
     process: subprocess.Popen[bytes] | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Variables set for the command, over the test process's own environment."""
 
     def spawn(self) -> None:
         """Start the command (not waiting for it to be ready); a running one is an error."""
         assert not self.running, f"{self.name} is already running"
         with self.log.open("ab") as out:
-            self.process = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT)
+            env = {**os.environ, **self.env} if self.env else None
+            self.process = subprocess.Popen(
+                self.args, stdout=out, stderr=subprocess.STDOUT, env=env
+            )
 
     def wait_ready(self, timeout_s: float = 15.0) -> None:
         """Return once ``ready()`` holds; raises :class:`ChildError` if the process exits or

@@ -122,3 +122,28 @@ def test_a_file_replica_with_too_many_ranks_is_refused_naming_dp_size(tmp_path: 
     path = toml(tmp_path, '[[replicas]]\nid = "r1"\nmodel = "m"\ndp_size = 100000\n')
     with pytest.raises(SettingsError, match=r"replica r1: dp_size must be in \[1, 1024\]"):
         load_settings(path, env={})
+
+
+def test_sharding_is_on_by_default_for_redis_only() -> None:
+    assert IndexerSettings(store="redis").sharded
+    assert not IndexerSettings().sharded
+    assert not IndexerSettings(store="redis", shard="off").sharded
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"KVINDEX_SHARD": "maybe"}, "shard must be one of"),
+        ({"KVINDEX_SHARD": "on"}, 'needs store = "redis"'),
+        ({"KVINDEX_STORE": "redis", "KVINDEX_LEASE_TTL_S": "0"}, "lease_ttl_s must be > 0"),
+        ({"KVINDEX_INDEXER_ID": "a/b"}, "indexer_id"),
+    ],
+)
+def test_bad_shard_settings_are_named(env: dict[str, str], message: str) -> None:
+    with pytest.raises(SettingsError, match=re.escape(message)):
+        load_settings(env=env)
+
+
+def test_an_indexer_id_comes_from_the_environment() -> None:
+    settings = load_settings(env={"KVINDEX_STORE": "redis", "KVINDEX_INDEXER_ID": "idx-0"})
+    assert settings.indexer_id == "idx-0"

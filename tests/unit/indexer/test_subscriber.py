@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
+import fakeredis
 import pytest
 import zmq
 
@@ -13,6 +14,9 @@ from kvindex.indexer.events import StreamId
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.memory import MemoryIndex
+from kvindex.indexer.index.redis import RedisIndex
+from kvindex.indexer.membership import Membership, Shard
+from kvindex.indexer.redis_schema import Schema
 from kvindex.indexer.settings import IndexerSettings
 from kvindex.indexer.subscriber import (
     ReadablePoller,
@@ -20,6 +24,7 @@ from kvindex.indexer.subscriber import (
     Subscriber,
     _ReplaySockets,
 )
+from tests.support.clock import Clock
 from tests.support.redis_server import free_port
 
 
@@ -180,3 +185,30 @@ def test_the_poller_reports_a_socket_until_it_is_drained_and_wakes_on_the_next_m
         for sock in (pusher, puller, idle):
             sock.close(linger=0)
         context.term()
+
+
+def test_a_sharded_subscriber_opens_the_streams_it_owns_and_takes_over_a_leaver() -> None:
+    clock, client = Clock(), fakeredis.FakeRedis()
+    schema = Schema("test")
+    mine = Membership(client, schema, "a", lease_ttl_s=3.0, clock=clock)
+    other = Membership(client, schema, "b", lease_ttl_s=3.0, clock=clock)
+    other.renew()
+    index = RedisIndex(client, schema, owner=mine.token)
+    specs = _replicas(12)
+    settings = IndexerSettings(replicas=specs)
+    subscriber = Subscriber(settings, index, Registry(specs), shard=Shard(mine, index))
+    mine.tick()  # as the service does before the subscriber starts
+    subscriber.start()
+    try:
+        owned = [s.id for s in specs if mine.owns(StreamId(s.id))]
+        assert 0 < len(owned) < len(specs)
+        assert subscriber.subscribed_replicas == sorted(owned)
+        assert all(index.owner(StreamId(r)) == mine.token for r in owned)
+        other.leave()
+        clock.now += mine.renew_period_s
+        deadline = time.monotonic() + 5.0
+        while len(subscriber.subscribed_replicas) < len(specs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert subscriber.subscribed_replicas == sorted(s.id for s in specs)
+    finally:
+        subscriber.stop()

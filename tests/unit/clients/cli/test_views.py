@@ -331,3 +331,15 @@ def test_the_heading_names_the_unhealthy_candidates_left_out() -> None:
     fleet.degraded = "no healthy candidate, every one ranked (dead: ...)"
     heading_line = plain(*render_residency(fleet)).splitlines()[0]
     assert "left out" not in heading_line and "DEGRADED: no healthy candidate" in heading_line
+
+
+def test_render_replicas_names_the_indexer_that_keeps_a_sharded_stream() -> None:
+    kept = StreamView(0, LIVE, True, 3, {"gpu": 1}, {}, owner="idx-a")
+    alone = StreamView(0, LIVE, True, 3, {"gpu": 1}, {})
+    views = [
+        ReplicaView("r1", "m", None, None, None, 1, "live", [kept], None),
+        ReplicaView("r2", "m", None, None, None, 1, "live", [alone], None),
+    ]
+    lines = plain(*render_replicas(views)).splitlines()
+    assert "indexer idx-a" in next(line for line in lines if line.startswith("r1 "))
+    assert "indexer" not in next(line for line in lines if line.startswith("r2 "))

@@ -184,3 +184,20 @@ def test_the_bound_subs_unrouted_counters_reach_api_processes() -> None:
     assert [s.stream for s in view.statuses()] == [StreamId("r1")]  # not read as a stream
     client.hset(SCHEMA.stream_status, UNROUTED_FIELD, b"{not json")
     assert view.unrouted() == UnroutedCounters()
+
+
+def test_a_sharded_indexer_names_itself_and_leaves_a_handed_over_stream_to_its_owner() -> None:
+    client, registry = fakeredis.FakeRedis(), Registry((R1,))
+    stream = StreamId("r1")
+    registry.record(stream, StreamReport(last_seq=4))
+    sync = FleetSync(client, SCHEMA, registry, declared=(R1,), owner="idx-a")
+    sync.tick()
+    view = RedisFleetView(client, SCHEMA, cache_ttl_s=0.0)
+    assert [s.owner for s in view.statuses()] == ["idx-a"]
+    registry.forget(stream)  # handed over: the new owner rewrites the record
+    sync.tick()
+    assert [s.owner for s in view.statuses()] == ["idx-a"]
+    view.remove("r1")  # DELETE /replicas: its records go with it, and stay gone
+    sync.tick()
+    assert view.statuses() == []
+    assert registry.replicas() == []
