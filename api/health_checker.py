@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from kvindex.api.periodic import Periodic
 from kvindex.api.settings import ApiSettings
 from kvindex.indexer.fleet.registry import HealthChange, HealthUpdate, RegistryView
 from kvindex.indexer.fleet.replica_health import Ejection, ReplicaHealth
@@ -64,32 +65,23 @@ class HealthChecker:
         self._blocking = blocking_store
         self._clock = clock
         self._on_ejected = on_ejected
-        self._task: asyncio.Task[None] | None = None
+        self._rounds = (
+            Periodic("the health checker", self.check_once, self._interval_s)
+            if self._interval_s > 0
+            else None
+        )
         self._store_failing = False
 
     async def start(self) -> None:
         """Check in a task on the running loop (first round right away), unless the
         interval is 0; returns at once."""
-        if self._interval_s > 0 and self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="health-checks")
+        if self._rounds is not None and not self._rounds.running:
+            await self._rounds.start()
 
     async def stop(self) -> None:
         """Cancel the task and wait until it and its requests are gone (idempotent)."""
-        task, self._task = self._task, None
-        if task is None:
-            return
-        task.cancel()
-        await asyncio.wait([task])
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            started = loop.time()
-            try:
-                await self.check_once()
-            except Exception:  # a round that fails this time is tried again next time
-                logger.exception("a round of health checks failed")
-            await asyncio.sleep(max(0.0, started + self._interval_s - loop.time()))
+        if self._rounds is not None:
+            await self._rounds.stop()
 
     async def check_once(self) -> dict[str, HealthUpdate]:
         """One round: every replica this process claims, checked concurrently, then every

@@ -50,6 +50,7 @@ from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
 from kvindex.api.load.model import InFlight
+from kvindex.api.periodic import Periodic
 from kvindex.indexer.circuit import StoreCircuit
 from kvindex.indexer.index.redis import unavailable_on_connection_errors
 from kvindex.indexer.redis_connection import RedisClient
@@ -567,31 +568,23 @@ class LeaseKeeper:
         self._reservations = reservations
         self._blocking = blocking
         self._on_failure = on_failure
-        self._task: asyncio.Task[None] | None = None
+        self._rounds = Periodic("the lease keeper", self._renew, reservations.lease_ttl_s / 3)
 
     async def start(self) -> None:
-        if self._task is not None:
-            raise RuntimeError("the lease keeper is already running")
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="lease-keeper")
+        """Renew in a task on the running loop (first renewal at once); returns at once.
+        Raises RuntimeError when already running."""
+        await self._rounds.start()
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is None:
-            return
-        task.cancel()
-        await asyncio.wait([task])
+        """Cancel the task and wait until it is gone (idempotent)."""
+        await self._rounds.stop()
 
-    async def _run(self) -> None:
-        interval_s = self._reservations.lease_ttl_s / 3
-        while True:
-            try:
-                if self._blocking:
-                    await asyncio.to_thread(self._reservations.renew)
-                else:
-                    self._reservations.renew()
-            except Exception as exc:
-                logger.warning(
-                    "renewing the lease of %s failed: %s", self._reservations.holder, exc
-                )
-                self._on_failure()
-            await asyncio.sleep(interval_s)
+    async def _renew(self) -> None:
+        try:
+            if self._blocking:
+                await asyncio.to_thread(self._reservations.renew)
+            else:
+                self._reservations.renew()
+        except Exception as exc:
+            logger.warning("renewing the lease of %s failed: %s", self._reservations.holder, exc)
+            self._on_failure()

@@ -15,6 +15,7 @@ import httpx
 from kvindex.api.load.model import Load, LoadError
 from kvindex.api.load.store import LoadStore
 from kvindex.api.load.vllm_metrics import metrics_url, parse_vllm_metrics
+from kvindex.api.periodic import Periodic
 
 logger = logging.getLogger(__name__)
 
@@ -81,25 +82,16 @@ class MetricsScraper:
         self._on_failure = on_failure
         self._lock = threading.Lock()
         self._replica_to_stats: dict[str, ScrapeStats] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._rounds = Periodic("the metrics scraper", self.scrape_once, interval_s)
 
     async def start(self) -> None:
         """Start scraping in a task on the running loop (first round right away); returns
         at once. Raises RuntimeError when already running."""
-        if self._task is not None:
-            raise RuntimeError("the scraper is already running")
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="metrics-scraper")
+        await self._rounds.start()
 
     async def stop(self) -> None:
         """Cancel the task and wait until it and its requests are gone (idempotent)."""
-        task, self._task = self._task, None
-        if task is None:
-            return
-        task.cancel()
-        # wait(), not "await task": a cancellation of stop() itself must still propagate.
-        await asyncio.wait([task])
-        if not task.cancelled() and task.exception() is not None:
-            logger.error("the metrics scraper had failed", exc_info=task.exception())
+        await self._rounds.stop()
 
     def stats(self) -> dict[str, ScrapeStats]:
         """Counters per replica of the latest round's targets (a copy)."""
@@ -131,13 +123,6 @@ class MetricsScraper:
         for replica in set(replicas) - mine:
             self._record(replica, left_to_peers=True)
         return [t for t in targets if t[0] in mine]
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            started = loop.time()
-            await self.scrape_once()
-            await asyncio.sleep(max(0.0, started + self._interval_s - loop.time()))
 
     def _current_targets(self) -> list[tuple[str, str, str | None]]:
         try:
