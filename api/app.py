@@ -2,12 +2,15 @@
 
 Routes are thin: decode the body with msgspec, call the library (the read path in
 :mod:`kvindex.api.score`, the read-only bodies in :mod:`kvindex.api.views`), encode the
-answer; their OpenAPI operations come from :mod:`kvindex.api.openapi`. Errors are mapped to
-HTTP in one place (:func:`_error_response`): a bad body or field → 422 naming it, an
-unknown model → 404 naming the known ones, a body over ``api.max_body_bytes`` → 413 and one
-not received within ``api.body_timeout_s`` → 408 (:mod:`kvindex.api.body_limit`), a missing
-or wrong bearer token (when ``api.auth_token`` is set) → 401, a tokenizer or replica
-failure → 502, an unreachable store → 503 (``/score`` instead answers from load alone).
+answer; their OpenAPI operations come from :mod:`kvindex.api.openapi`. The hot ones
+(``POST /score``, ``GET /healthz``) are answered in plain ASGI by
+:mod:`kvindex.api.hot_routes` with the same functions, ahead of FastAPI's router. Errors
+are mapped to HTTP in one place (:func:`_error_response`): a bad body or field → 422
+naming it, an unknown model → 404 naming the known ones, a body over
+``api.max_body_bytes`` → 413 and one not received within ``api.body_timeout_s`` → 408
+(:mod:`kvindex.api.body_limit`), a missing or wrong bearer token (when ``api.auth_token``
+is set) → 401, a tokenizer or replica failure → 502, an unreachable store → 503
+(``/score`` instead answers from load alone).
 Every request is counted and timed by route template, and logged when ``api.access_log``
 is on (:mod:`kvindex.api.traffic`, the outermost middleware); ``/metrics`` is
 :mod:`kvindex.api.metrics`.
@@ -117,6 +120,10 @@ def create_app(deps: ApiDeps, *, lean_routes: bool = True) -> FastAPI:
         openapi_url=None if guarded else "/openapi.json",
         docs_url=None if guarded else "/docs",
         redoc_url=None if guarded else "/redoc",
+        # FastAPI's own OpenTelemetry spans and metrics are off: the app has its metrics
+        # (kvindex.api.traffic), and the check alone cost ~7 µs a request, a tenth of the
+        # HTTP floor (bench/http_floor.py).
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     health, routes = _health_routes(state), _routes(state)
     app.include_router(health)
