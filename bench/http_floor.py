@@ -21,8 +21,12 @@ candidate is scored). Stacks:
   auth: what any route must cost at least.
 
 Servers: ``uvicorn`` as every kvindex process runs it (``run_app``: httptools with the
-request-head deadline, uvloop), and ``granian`` (its embedded ASGI server, one runtime
-thread), if it is installed (it is not a dependency: ``pip install granian`` to compare).
+request-head deadline, uvloop), ``granian`` (its embedded ASGI server, one runtime thread),
+if it is installed (it is not a dependency: ``pip install granian`` to compare), and
+``in-process``: no server and no socket, the app called in this process with a ready body,
+``health_cpu_us`` and ``score_cpu_us`` its CPU per request (``--requests`` of ``/score``,
+four times as many of ``/healthz``): the framework's cost, less exposed to a busy host than
+wall-clock latency.
 
 Measured per pair, on raw keep-alive sockets (``score_http.run_load``; bodies encoded once,
 warm-up untimed): ``GET /healthz`` at concurrency 1 (the HTTP floor), ``POST /score`` at
@@ -66,7 +70,7 @@ log = logging.getLogger("kvindex.bench")
 MODEL = "bench-model"
 BLOCK = 16
 STACKS = ("fastapi", "lean", "bare")
-SERVERS = ("uvicorn", "granian")
+SERVERS = ("uvicorn", "granian", "in-process")
 _READY_S = 60.0
 
 
@@ -123,6 +127,8 @@ def _has_granian() -> bool:
 
 
 def _measure(server: str, stack: str, args: argparse.Namespace) -> dict[str, Any]:
+    if server == "in-process":
+        return _measure_in_process(stack, args)
     duration, warmup = (1.0, 50) if args.quick else (args.duration_s, args.warmup)
     one = LoadPlan(1, warmup, args.requests, duration)
     many = LoadPlan(args.clients, warmup, args.requests, duration)
@@ -140,6 +146,51 @@ def _measure(server: str, stack: str, args: argparse.Namespace) -> dict[str, Any
     row[f"score_qps_c{args.clients}"] = round(_qps(score_cn))
     log.info("%s", row)
     return row
+
+
+def _measure_in_process(stack: str, args: argparse.Namespace) -> dict[str, Any]:
+    """CPU per request with no server and no socket: the app called with a ready body."""
+    num = 500 if args.quick else args.requests
+    deps = _deps(args, ApiSettings())
+    app = _bare_app(deps) if stack == "bare" else create_app(deps, lean_routes=stack == "lean")
+    body = msgspec.json.encode({"model": MODEL, "token_ids": _prompt(args.tokens)})
+    health = asyncio.run(_cpu_per_request(app, "GET", "/healthz", b"", num * 4))
+    score = asyncio.run(_cpu_per_request(app, "POST", "/score", body, num))
+    row = {"server": "in-process", "stack": stack, "tokens": args.tokens}
+    row |= {"health_cpu_us": round(health, 1), "score_cpu_us": round(score, 1)}
+    log.info("%s", row)
+    return row
+
+
+async def _cpu_per_request(app: Any, method: str, path: str, body: bytes, num: int) -> float:
+    """Microseconds of this process's CPU per request (after ``num // 10`` untimed)."""
+    headers = [(b"host", b"bench"), (b"content-length", str(len(body)).encode())]
+    scope: dict[str, Any] = {"type": "http", "http_version": "1.1", "method": method, "path": path}
+    scope |= {"raw_path": path.encode(), "query_string": b"", "root_path": "", "scheme": "http"}
+    scope |= {"client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2), "asgi": {"version": "3.0"}}
+    statuses: list[int] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            statuses.append(message["status"])
+
+    async def one() -> None:
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+        await app(scope | {"headers": headers}, lambda: _pop(messages), send)
+
+    for _ in range(num // 10):
+        await one()
+    started = time.process_time()
+    for _ in range(num):
+        await one()
+    elapsed = time.process_time() - started
+    if set(statuses) != {200}:
+        raise RuntimeError(f"{method} {path}: statuses {sorted(set(statuses))}")
+    return elapsed / num * 1e6
+
+
+async def _pop(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    return messages.pop() if messages else {"type": "http.disconnect"}
 
 
 def _check(request: bytes, api: Api, args: argparse.Namespace) -> None:
