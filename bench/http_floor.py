@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
+import importlib.util
 import json
 import logging
 import socket
@@ -116,11 +118,7 @@ def _servers(names: str) -> list[str]:
 
 
 def _has_granian() -> bool:
-    try:
-        import granian  # noqa: F401, PLC0415
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("granian") is not None
 
 
 # --- the measuring side ---------------------------------------------------------------------
@@ -315,11 +313,15 @@ def _serve(server: str, stack: str, port: int, args: argparse.Namespace) -> None
 
 
 async def _granian(app: Any, settings: ApiSettings) -> None:
-    from granian.constants import Interfaces  # noqa: PLC0415 (optional)
-    from granian.server.embed import Server  # noqa: PLC0415
-
-    server = Server(
-        app, address=settings.host, port=settings.port, interface=Interfaces.ASGI, log_enabled=False
+    # Imported by name: granian is optional, and no type stubs are needed without it.
+    interfaces = importlib.import_module("granian.constants").Interfaces
+    embed = importlib.import_module("granian.server.embed")
+    server = embed.Server(
+        app,
+        address=settings.host,
+        port=settings.port,
+        interface=interfaces.ASGI,
+        log_enabled=False,
     )
     await server.serve()
 
