@@ -238,7 +238,7 @@ class _AppState:
             await asyncio.sleep(_BLOCK_SIZE_CHECK_S)
 
     async def score(self, body: bytes, headers: Headers) -> bytes:
-        """``POST /score``'s answer to ``body`` (both routes, FastAPI's and the lean one)."""
+        """``POST /score``'s answer to ``body`` (for both routes, FastAPI's and the hot one)."""
         started = time.perf_counter()
         request = msgspec.json.decode(body, type=ScoreRequest)
         answer = await self.scorer.score(request, headers)
@@ -468,8 +468,12 @@ async def _healthz(_body: bytes, _headers: Headers) -> bytes:
 def _hot_routes(state: _AppState, health: APIRouter, routes: APIRouter) -> list[HotRoute]:
     """The routes :class:`HotRoutes` answers, each with its FastAPI twin's route object."""
     return [
-        HotRoute("GET", "/healthz", _route(health, "/healthz"), _healthz, False, False),
-        HotRoute("POST", "/score", _route(routes, "/score"), state.score, True, True),
+        HotRoute(
+            "GET", "/healthz", _route(health, "/healthz"), _healthz, guarded=False, reads_body=False
+        ),
+        HotRoute(
+            "POST", "/score", _route(routes, "/score"), state.score, guarded=True, reads_body=True
+        ),
     ]
 
 
