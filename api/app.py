@@ -2,12 +2,15 @@
 
 Routes are thin: decode the body with msgspec, call the library (the read path in
 :mod:`kvindex.api.score`, the read-only bodies in :mod:`kvindex.api.views`), encode the
-answer; their OpenAPI operations come from :mod:`kvindex.api.openapi`. Errors are mapped to
-HTTP in one place (:func:`_error_response`): a bad body or field → 422 naming it, an
-unknown model → 404 naming the known ones, a body over ``api.max_body_bytes`` → 413 and one
-not received within ``api.body_timeout_s`` → 408 (:mod:`kvindex.api.body_limit`), a missing
-or wrong bearer token (when ``api.auth_token`` is set) → 401, a tokenizer or replica
-failure → 502, an unreachable store → 503 (``/score`` instead answers from load alone).
+answer; their OpenAPI operations come from :mod:`kvindex.api.openapi`. The hot ones
+(``POST /score``, ``GET /healthz``) are answered in plain ASGI by
+:mod:`kvindex.api.hot_routes` with the same functions, ahead of FastAPI's router. Errors
+are mapped to HTTP in one place (:func:`_error_response`): a bad body or field → 422
+naming it, an unknown model → 404 naming the known ones, a body over
+``api.max_body_bytes`` → 413 and one not received within ``api.body_timeout_s`` → 408
+(:mod:`kvindex.api.body_limit`), a missing or wrong bearer token (when ``api.auth_token``
+is set) → 401, a tokenizer or replica failure → 502, an unreachable store → 503
+(``/score`` instead answers from load alone).
 Every request is counted and timed by route template, and logged when ``api.access_log``
 is on (:mod:`kvindex.api.traffic`, the outermost middleware); ``/metrics`` is
 :mod:`kvindex.api.metrics`.
@@ -28,10 +31,13 @@ import httpx
 import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
+from starlette.routing import BaseRoute
 
 from kvindex.api.block_sizes import BlockSizeCheck
 from kvindex.api.body_limit import BodyLimit, BodyTimeoutError, BodyTooLargeError
 from kvindex.api.health_checker import HealthChecker
+from kvindex.api.hot_routes import HotRoute, HotRoutes
 from kvindex.api.load.model import Load, LoadError
 from kvindex.api.load.scraper import MetricsScraper
 from kvindex.api.load.store import LoadStore
@@ -88,7 +94,11 @@ class ApiDeps:
     """The circuit around the API's store calls (None: an in-process store, always up)."""
 
 
-def create_app(deps: ApiDeps) -> FastAPI:
+def create_app(deps: ApiDeps, *, lean_routes: bool = True) -> FastAPI:
+    """The app over ``deps``. ``lean_routes``: ``POST /score`` and ``GET /healthz`` are
+    answered by the plain-ASGI :class:`~kvindex.api.hot_routes.HotRoutes` in front of
+    FastAPI's router (the same answers for less framework); False leaves them to FastAPI's
+    routes (what the hot routes are tested against)."""
     state = _AppState.build(deps)
 
     @asynccontextmanager
@@ -110,7 +120,21 @@ def create_app(deps: ApiDeps) -> FastAPI:
         openapi_url=None if guarded else "/openapi.json",
         docs_url=None if guarded else "/docs",
         redoc_url=None if guarded else "/redoc",
+        # FastAPI's own OpenTelemetry spans and metrics are off: the app has its metrics
+        # (kvindex.api.traffic), and the check alone cost ~7 µs a request, a tenth of the
+        # HTTP floor (bench/http_floor.py).
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
+    health, routes = _health_routes(state), _routes(state)
+    app.include_router(health)
+    app.include_router(routes, dependencies=[Depends(state.authorize)])
+    if lean_routes:  # added first, so innermost: the body limit and the traffic see them
+        app.add_middleware(
+            HotRoutes,
+            routes=_hot_routes(state, health, routes),
+            authorize=state.check_token,
+            error_response=_error_response,
+        )
     app.add_middleware(
         BodyLimit,
         max_bytes=deps.settings.max_body_bytes,
@@ -121,8 +145,6 @@ def create_app(deps: ApiDeps) -> FastAPI:
     app.add_exception_handler(KvIndexError, _error_handler)
     app.add_exception_handler(msgspec.ValidationError, _error_handler)
     app.add_exception_handler(msgspec.DecodeError, _error_handler)
-    app.include_router(_health_routes(state))
-    app.include_router(_routes(state), dependencies=[Depends(state.authorize)])
     document(app)
     if guarded:
 
@@ -215,14 +237,27 @@ class _AppState:
                 logger.exception("checking the streams' block sizes failed")
             await asyncio.sleep(_BLOCK_SIZE_CHECK_S)
 
+    async def score(self, body: bytes, headers: Headers) -> bytes:
+        """``POST /score``'s answer to ``body`` (for both routes, FastAPI's and the hot one)."""
+        started = time.perf_counter()
+        request = msgspec.json.decode(body, type=ScoreRequest)
+        answer = await self.scorer.score(request, headers)
+        self.metrics.score_latency.labels(answer.policy).observe(time.perf_counter() - started)
+        return msgspec.json.encode(answer)
+
     def scrape_targets(self) -> list[tuple[str, str, str]]:
         return [(r.id, r.url, r.model) for r in self.deps.registry.replicas() if r.url]
 
     async def authorize(self, request: Request) -> None:
+        self.check_token(request.headers)
+
+    def check_token(self, headers: Headers) -> None:
+        """Raise :class:`UnauthorizedError` unless the bearer token is the configured one
+        (when one is)."""
         token = self.deps.settings.auth_token
         if token is None:
             return
-        given = request.headers.get("authorization", "").encode()
+        given = headers.get("authorization", "").encode()
         # Constant-time comparison: the answer time must not reveal a prefix of the token.
         if not secrets.compare_digest(given, f"Bearer {token}".encode()):
             raise UnauthorizedError("missing or wrong bearer token")
@@ -287,7 +322,7 @@ def _health_routes(state: _AppState) -> APIRouter:
 
     @router.get("/healthz", summary="The process is up")
     async def healthz() -> Response:
-        return _json({"status": "ok"})
+        return Response(await _healthz(b"", _NO_HEADERS), media_type=_JSON)
 
     @router.get("/readyz", summary="The index store is reachable")
     async def readyz() -> Response:
@@ -316,11 +351,8 @@ def _score_routes(router: APIRouter, state: _AppState) -> None:
         ),
     )
     async def score(request: Request) -> Response:
-        started = time.perf_counter()
-        body = await _decode(request, ScoreRequest)
-        answer = await state.scorer.score(body, request.headers)
-        state.metrics.score_latency.labels(answer.policy).observe(time.perf_counter() - started)
-        return _json(answer)
+        answer = await state.score(await request.body(), request.headers)
+        return Response(answer, media_type=_JSON)
 
     @router.post(
         "/load", openapi_extra=operation(LoadReport, StatusBody, "Report a replica's load")
@@ -423,6 +455,32 @@ def _info_routes(router: APIRouter, state: _AppState) -> None:
     async def metrics() -> Response:
         body = await _call(state, state.metrics.render)
         return Response(body, media_type=_METRICS)
+
+
+_HEALTHY = msgspec.json.encode({"status": "ok"})
+_NO_HEADERS = Headers()
+
+
+async def _healthz(_body: bytes, _headers: Headers) -> bytes:
+    return _HEALTHY
+
+
+def _hot_routes(state: _AppState, health: APIRouter, routes: APIRouter) -> list[HotRoute]:
+    """The routes :class:`HotRoutes` answers, each with its FastAPI twin's route object."""
+    return [
+        HotRoute(
+            "GET", "/healthz", _route(health, "/healthz"), _healthz, guarded=False, reads_body=False
+        ),
+        HotRoute(
+            "POST", "/score", _route(routes, "/score"), state.score, guarded=True, reads_body=True
+        ),
+    ]
+
+
+def _route(router: APIRouter, path: str) -> BaseRoute:
+    """The router's route with template ``path``."""
+    (route,) = [r for r in router.routes if getattr(r, "path", None) == path]
+    return route
 
 
 async def _call(state: _AppState, fn: Callable[..., T], *args: Any) -> T:

@@ -48,7 +48,8 @@ class _LimitedBody:
     def __init__(self, limit: BodyLimit, scope: Scope, receive: Receive) -> None:
         self.limit = limit
         self.receive = receive
-        self.declared = _content_length(scope)
+        self.scope = scope
+        """Its headers are looked at by the first read (a route that reads no body pays nothing)."""
         self.num_bytes = 0
         self.deadline: float | None = None
 
@@ -56,8 +57,9 @@ class _LimitedBody:
         max_bytes = self.limit.max_bytes
         if self.deadline is None:
             self.deadline = asyncio.get_running_loop().time() + self.limit.timeout_s
-            if self.declared is not None and self.declared > max_bytes:
-                raise BodyTooLargeError(_too_large(f"Content-Length {self.declared}", max_bytes))
+            declared = _content_length(self.scope)
+            if declared is not None and declared > max_bytes:
+                raise BodyTooLargeError(_too_large(f"Content-Length {declared}", max_bytes))
         try:
             async with asyncio.timeout_at(self.deadline):
                 message = await self.receive()

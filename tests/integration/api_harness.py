@@ -167,12 +167,18 @@ class Api:
 
 
 def open_api(
-    settings: ApiSettings, index: BlockIndex, loads: LoadStore, *, blocking_store: bool
+    settings: ApiSettings,
+    index: BlockIndex,
+    loads: LoadStore,
+    *,
+    blocking_store: bool,
+    lean_routes: bool = True,
 ) -> Api:
-    """An app over ``index`` and ``loads`` (the caller closes those), lifespan started."""
+    """An app over ``index`` and ``loads`` (the caller closes those), lifespan started
+    (``lean_routes`` as ``create_app`` takes it)."""
     fleet = Fleet.over(index)
     deps = ApiDeps(settings, index, fleet.registry, loads, blocking_store)
-    app = create_app(deps)
+    app = create_app(deps, lean_routes=lean_routes)
     runner = asyncio.Runner()
     stack = AsyncExitStack()
     try:
