@@ -128,7 +128,10 @@ class MemoryLoadStore:
                 load = loads.get(replica)
                 if load is not None:
                     counted[replica] = CountedLoad(load, count)
-            out = {r: counted[r] for r in replicas if r in counted}
+            if counted.keys() == set(replicas):  # the whole fleet asked: copy in one go
+                out = counted.copy()
+            else:
+                out = {r: counted[r] for r in replicas if r in counted}
             for r, flying in in_flight.items():  # few: the replicas proxies reserved
                 out[r] = CountedLoad(loads.get(r), counts.get(r, 0), flying)
             return out

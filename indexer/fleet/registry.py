@@ -86,6 +86,8 @@ class Registry:
         self._replica_health: dict[str, ReplicaHealth] = {}
         self._sorted: tuple[ReplicaSpec, ...] | None = None
         """``replicas()`` as of the last change (None: to be sorted again)."""
+        self._model_to_block_size: dict[str, int | None] = {}
+        """``block_size()`` per model, until a spec, a stream or a stream's size changes."""
 
     # --- replicas ------------------------------------------------------------------------
 
@@ -97,6 +99,7 @@ class Registry:
             self._replicas[spec.id] = spec
             self._version += 1
             self._sorted = None
+            self._model_to_block_size.clear()
             return True
 
     def remove(self, replica: str) -> ReplicaSpec | None:
@@ -109,6 +112,7 @@ class Registry:
             if spec is not None:
                 self._version += 1
                 self._sorted = None
+            self._model_to_block_size.clear()
             return spec
 
     def get(self, replica: str) -> ReplicaSpec | None:
@@ -169,12 +173,16 @@ class Registry:
             health = self._health.get(stream)
             if health is None:
                 health = self._health[stream] = StreamHealth()
+            block_size = health.block_size
             health.update(report, now)
+            if health.block_size != block_size:
+                self._model_to_block_size.clear()
 
     def forget(self, stream: StreamId) -> None:
         """Drop one stream's record (another indexer keeps the stream now)."""
         with self._lock:
-            self._health.pop(stream, None)
+            if self._health.pop(stream, None) is not None:
+                self._model_to_block_size.clear()
 
     def record_unrouted(self, totals: UnroutedCounters) -> None:
         """Replace the bound SUB's unrouted counters with the write path's running totals."""
@@ -236,15 +244,20 @@ class Registry:
             return {s: replace(health) for s, health in self._health.items()}
 
     def block_size(self, model: str) -> int | None:
-        """The block size the model's replicas publish (the most common one), if seen."""
+        """The block size the model's replicas publish (the most common one), if seen;
+        remembered until it may change (the API asks per request)."""
         with self._lock:
+            known = self._model_to_block_size
+            if model in known:
+                return known[model]
             replicas = {r.id for r in self._replicas.values() if r.model == model}
             sizes = [
                 health.block_size
                 for stream, health in self._health.items()
                 if stream.replica in replicas and health.block_size
             ]
-        return most_common(sizes)
+            size = known[model] = most_common(sizes)
+            return size
 
     def outage(self) -> None:
         """Never: an in-process registry is always current."""
