@@ -37,7 +37,7 @@ import enum
 import heapq
 import math
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -203,16 +203,20 @@ def _in_flight_terms(c: Candidate, w: Weights) -> tuple[float, float]:
     return 0.0 - w.in_flight * c.in_flight, 0.0 - w.in_flight_tokens * c.in_flight_tokens
 
 
-def load_penalties(counted: Sequence[CountedLoad | None], now: float, w: Weights) -> list[float]:
+def load_penalties(
+    replicas: Sequence[str], counted: Mapping[str, CountedLoad], now: float, w: Weights
+) -> list[float]:
     """:func:`load_penalty` of each replica's stored load (its age as of ``now``), answers
-    since and requests in flight, without building a candidate: the same arithmetic,
+    since and requests in flight (none when absent from ``counted``), in the order of
+    ``replicas``, without building a candidate: the same arithmetic,
     inlined (it runs for every candidate of every request; the scorer's equivalence test
     holds it equal)."""
     w_in_flight, w_tokens, half_life = w.in_flight, w.in_flight_tokens, w.load_half_life_s
     w_waiting, w_running, w_routed, w_kv = w.waiting, w.running, w.routed, w.kv_usage
     out: list[float] = []
-    append = out.append
-    for c in counted:
+    append, get = out.append, counted.get
+    for replica in replicas:
+        c = get(replica)
         if c is None:
             append(w_in_flight * 0.0 + w_tokens * 0.0)
             continue

@@ -234,7 +234,8 @@ class Scorer:
         weights = self._weights(request, rule)
         policy = self._policy(request, rule)
         unhealthy = self._unhealthy(candidates, specs)
-        ranked = [r for r in candidates if r not in unhealthy] or candidates
+        ranked = [r for r in candidates if r not in unhealthy] if unhealthy else candidates
+        ranked = ranked or candidates
         streams = self._streams(ranked, specs)
         lookup, loads = await self._read(keys, streams.streams, ranked)
         if policy is Policy.KV_AWARE and not weights.temperature:
@@ -534,7 +535,7 @@ class Scorer:
         matches, num_blocks = seen.lookup.matches, len(keys)
         holders = [streams.streams_of.get(r, ()) for r in matches]
         seen.statuses.update(self._statuses([s for group in holders for s in group]))
-        penalties = load_penalties([seen.loads.get(r) for r in ranked], seen.now, weights)
+        penalties = load_penalties(ranked, seen.loads, seen.now, weights)
         minus_scores = penalties.copy()
         for replica, match in matches.items():
             i = streams.position[replica]
