@@ -537,9 +537,14 @@ class Scorer:
         seen.statuses.update(self._statuses([s for group in holders for s in group]))
         penalties = load_penalties(ranked, seen.loads, seen.now, weights)
         minus_scores = penalties.copy()
+        # Credit per (match, freshness): the holders of one prefix share its match object.
+        credits: dict[tuple[int, Freshness], float] = {}
         for replica, match in matches.items():
-            i = streams.position[replica]
-            credit, _ = tier_credit(match.tiers, seen.state(replica), num_blocks, weights)
+            i, state = streams.position[replica], seen.state(replica)
+            credit = credits.get((id(match), state))  # the matches live until the return
+            if credit is None:
+                credit = tier_credit(match.tiers, state, num_blocks, weights)[0]
+                credits[id(match), state] = credit
             minus_scores[i] = penalties[i] - credit  # == -(credit - penalty), exactly
         order = _best(minus_scores, penalties, rng, self.top_k(request))
         winners = [ranked[i] for i in order]
