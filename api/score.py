@@ -189,6 +189,9 @@ class Scorer:
         self._turns: defaultdict[str, itertools.count[int]] = defaultdict(itertools.count)
         """Per model, the next round-robin turn."""
         self._last_loads: dict[str, Load] = {}
+        self._last_read: dict[str, CountedLoad] = {}
+        """The last load read, folded into ``_last_loads`` only when an outage needs it (a
+        read is per request; an outage is rare)."""
         self._streams_memo: tuple[_StreamsBasis, _Ranked] | None = None
         self._specs_memo: _Specs | None = None
         self._answers: list[str] = []
@@ -204,6 +207,7 @@ class Scorer:
     def forget(self, replica: str) -> None:
         """Drop what is remembered of a removed replica."""
         self._last_loads.pop(replica, None)
+        self._last_read.pop(replica, None)
         self._answers = [a for a in self._answers if a != replica]
 
     def _note_routed(self, best: str | None, loads: dict[str, CountedLoad]) -> None:
@@ -470,15 +474,15 @@ class Scorer:
     ) -> dict[str, CountedLoad]:
         """Remember what was read; when the load store was unreachable, what was last read
         (with no answers counted)."""
-        if loads is None:
-            last = self._last_loads
-            return {r: CountedLoad(last[r], 0) for r in replicas if r in last}
-        remembered = self._last_loads
-        for replica, counted in loads.items():
-            load = counted.load
-            if load is not None and remembered.get(replica) is not load:  # in-process: same
-                self.note_load(replica, load)
-        return loads
+        if loads is not None:
+            self._last_read = loads
+            return loads
+        read, self._last_read = self._last_read, {}
+        for replica, counted in read.items():
+            if counted.load is not None:
+                self.note_load(replica, counted.load)
+        last = self._last_loads
+        return {r: CountedLoad(last[r], 0) for r in replicas if r in last}
 
     def _unhealthy(self, candidates: Sequence[str], specs: list[ReplicaSpec]) -> dict[str, str]:
         """Candidates out of routing, and why: ejected (failed health checks, an open
