@@ -18,9 +18,16 @@ The read path, step by step (the README's diagram numbers them the same way):
    (:func:`kvindex.api.policies.decide`); only those become entries, every term reported,
    the rest counted (``num_candidates``, ``num_matched``).
 
-Cost per request: the lookup, plus a lean :class:`~kvindex.api.policies.Candidate` and a
-score per candidate (what choosing ``best`` needs), plus O(n log k) to keep the best k;
-load and freshness views, tier counts, entries and their JSON are made for the k alone.
+Cost per request, for ``kv_aware`` (the default; no temperature): the lookup, then per
+candidate one load penalty and one random draw (:func:`~kvindex.api.policies.load_penalties`,
+the draw :func:`~kvindex.api.policies.rank` makes for every one), C-speed copies of the
+fleet's lists (specs sorted once per change, the stream list and loads kept as they
+change); the cache term and the freshness it needs only for the replicas that matched
+(one credit per shared match); candidates, terms, freshness and load views, entries and
+their JSON for the best ``top_k`` alone, ordered as ``rank`` orders them (ties: lower
+load, then the draw), so ``best`` and the entries are those of the plain path
+(``tests/unit/api/test_score_equivalence.py``). Other policies, and ``kv_aware`` with a
+temperature (a softmax over every score), build a candidate and a score per replica.
 """
 
 from __future__ import annotations
