@@ -37,13 +37,14 @@ import enum
 import heapq
 import math
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import msgspec
 import xxhash
 
+from kvindex.api.load.model import CountedLoad
 from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.events import Tier
 from kvindex.indexer.fleet.registry import Freshness
@@ -202,10 +203,48 @@ def _in_flight_terms(c: Candidate, w: Weights) -> tuple[float, float]:
     return 0.0 - w.in_flight * c.in_flight, 0.0 - w.in_flight_tokens * c.in_flight_tokens
 
 
+def load_penalties(
+    replicas: Sequence[str], counted: Mapping[str, CountedLoad], now: float, w: Weights
+) -> list[float]:
+    """:func:`load_penalty` of each replica's stored load (its age as of ``now``), answers
+    since and requests in flight (none when absent from ``counted``), in the order of
+    ``replicas``, without building a candidate: the same arithmetic,
+    inlined (it runs for every candidate of every request; the scorer's equivalence test
+    holds it equal)."""
+    w_in_flight, w_tokens, half_life = w.in_flight, w.in_flight_tokens, w.load_half_life_s
+    w_waiting, w_running, w_routed, w_kv = w.waiting, w.running, w.routed, w.kv_usage
+    out: list[float] = []
+    append, get = out.append, counted.get
+    for replica in replicas:
+        c = get(replica)
+        if c is None:
+            append(w_in_flight * 0.0 + w_tokens * 0.0)
+            continue
+        load, routed, (num_requests, num_tokens) = c
+        first_hand = w_in_flight * num_requests
+        prefill = w_tokens * num_tokens
+        if load is None:
+            append(first_hand + prefill)
+            continue
+        age = now - load.ts
+        recency = 0.5 ** ((0.0 if age < 0.0 else age) / half_life) if half_life else 1.0
+        queue = (w_waiting * load.waiting + w_running * load.running) * recency
+        queue += w_routed * routed
+        queue = queue if queue > first_hand else first_hand
+        append(queue + w_kv * load.kv_usage * recency + prefill)
+    return out
+
+
 def cache_credit(c: Candidate, num_blocks: int, w: Weights) -> tuple[float, float]:
     """(credit, freshness factor): tier-weighted fraction of the prompt cached."""
-    factor = _freshness_factor(c.freshness, w)
-    tiers = c.tiers
+    return tier_credit(c.tiers, c.freshness, num_blocks, w)
+
+
+def tier_credit(
+    tiers: Sequence[Tier], freshness: Freshness, num_blocks: int, w: Weights
+) -> tuple[float, float]:
+    """:func:`cache_credit` of a match's tiers and its replica's freshness."""
+    factor = _freshness_factor(freshness, w)
     if num_blocks == 0 or not tiers:
         return 0.0, factor
     num_gpu = tiers.count(_GPU)

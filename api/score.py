@@ -18,9 +18,16 @@ The read path, step by step (the README's diagram numbers them the same way):
    (:func:`kvindex.api.policies.decide`); only those become entries, every term reported,
    the rest counted (``num_candidates``, ``num_matched``).
 
-Cost per request: the lookup, plus a lean :class:`~kvindex.api.policies.Candidate` and a
-score per candidate (what choosing ``best`` needs), plus O(n log k) to keep the best k;
-load and freshness views, tier counts, entries and their JSON are made for the k alone.
+Cost per request, for ``kv_aware`` (the default; no temperature): the lookup, then per
+candidate one load penalty and one random draw (:func:`~kvindex.api.policies.load_penalties`,
+the draw :func:`~kvindex.api.policies.rank` makes for every one), C-speed copies of the
+fleet's lists (specs sorted once per change, the stream list and loads kept as they
+change); the cache term and the freshness it needs only for the replicas that matched
+(one credit per shared match); candidates, terms, freshness and load views, entries and
+their JSON for the best ``top_k`` alone, ordered as ``rank`` orders them (ties: lower
+load, then the draw), so ``best`` and the entries are those of the plain path
+(``tests/unit/api/test_score_equivalence.py``). Other policies, and ``kv_aware`` with a
+temperature (a softmax over every score), build a candidate and a score per replica.
 """
 
 from __future__ import annotations
@@ -45,6 +52,9 @@ from kvindex.api.policies import (
     ScoringError,
     Weights,
     decide,
+    kv_aware,
+    load_penalties,
+    tier_credit,
 )
 from kvindex.api.routing_rules import WORKLOAD_HEADER, RoutingRule, RuleInput, first_match
 from kvindex.api.schemas import FreshnessView, LoadView, ScoreEntry, ScoreRequest, ScoreResponse
@@ -93,12 +103,44 @@ _StreamsBasis = tuple[tuple[str, ...], tuple[ReplicaSpec, ...], tuple[StreamId, 
 """Candidates, the registry's specs, the streams heard of: all the stream list depends on."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Ranked:
+    """What the ranked candidates' stream list gives, made once per basis."""
+
+    streams: _Streams
+    position: dict[str, int]
+    """Each candidate's index in the ranked list."""
+    streams_of: dict[str, _Streams]
+    """Each candidate's streams (declared ranks and ranks heard of)."""
+
+
+@dataclass(slots=True)
+class _Specs:
+    """What the registry's specs give the scorer, made once per change of the specs."""
+
+    specs: list[ReplicaSpec]
+    serving: dict[str, list[str]]
+    """Per model, the replicas serving it, by id."""
+    connecting: frozenset[str]
+    """Replicas in connect mode (whose events stream can be down)."""
+
+
+def _specs_memo(specs: list[ReplicaSpec]) -> _Specs:
+    serving: dict[str, list[str]] = {}
+    for r in specs:
+        serving.setdefault(r.model, []).append(r.id)
+    connecting = frozenset(r.id for r in specs if r.events is not None)
+    return _Specs(specs, serving, connecting)
+
+
 def _lookup_of(found: dict[StreamId, PrefixMatch] | IndexUnavailableError) -> _Lookup:
     """Best match per replica over its ranks, or the index's outage as ``degraded``."""
     if isinstance(found, IndexUnavailableError):
         return _Lookup(degraded=f"index store unavailable: {found}")
     lookup = _Lookup()
     for stream, match in found.items():
+        if not match.tiers:  # a non-holder reads NO_MATCH and rank 0 (its lowest) anyway
+            continue
         best = lookup.matches.get(stream.replica)
         if best is None or match.num_blocks > best.num_blocks:
             lookup.matches[stream.replica] = match
@@ -108,13 +150,18 @@ def _lookup_of(found: dict[StreamId, PrefixMatch] | IndexUnavailableError) -> _L
 
 def _all_streams(
     replicas: Sequence[str], specs: Sequence[ReplicaSpec], heard: Sequence[StreamId]
-) -> _Streams:
+) -> _Ranked:
     """Every rank of every replica (declared or heard of), sorted: ranks ascend, so the
     lowest rank wins a tie in :func:`_lookup_of`."""
     wanted = set(replicas)
     streams = {StreamId(r.id, rank) for r in specs if r.id in wanted for rank in range(r.dp_size)}
     streams.update(s for s in heard if s.replica in wanted)
-    return tuple(sorted(streams))
+    ordered = tuple(sorted(streams))
+    streams_of: dict[str, list[StreamId]] = {}
+    for stream in ordered:
+        streams_of.setdefault(stream.replica, []).append(stream)
+    position = {r: i for i, r in enumerate(replicas)}
+    return _Ranked(ordered, position, {r: tuple(s) for r, s in streams_of.items()})
 
 
 class Scorer:
@@ -149,7 +196,11 @@ class Scorer:
         self._turns: defaultdict[str, itertools.count[int]] = defaultdict(itertools.count)
         """Per model, the next round-robin turn."""
         self._last_loads: dict[str, Load] = {}
-        self._streams_memo: tuple[_StreamsBasis, _Streams] | None = None
+        self._last_read: dict[str, CountedLoad] = {}
+        """The last load read, folded into ``_last_loads`` only when an outage needs it (a
+        read is per request; an outage is rare)."""
+        self._streams_memo: tuple[_StreamsBasis, _Ranked] | None = None
+        self._specs_memo: _Specs | None = None
         self._answers: list[str] = []
         """Answers made since the last load read: counted in the store by the next read."""
         self._health_policy = settings.health_policy()
@@ -163,6 +214,7 @@ class Scorer:
     def forget(self, replica: str) -> None:
         """Drop what is remembered of a removed replica."""
         self._last_loads.pop(replica, None)
+        self._last_read.pop(replica, None)
         self._answers = [a for a in self._answers if a != replica]
 
     def _note_routed(self, best: str | None, loads: dict[str, CountedLoad]) -> None:
@@ -192,13 +244,20 @@ class Scorer:
         rule = self._rule(request, num_tokens, headers or {})
         weights = self._weights(request, rule)
         policy = self._policy(request, rule)
-        statuses = self._statuses()
-        unhealthy = self._unhealthy(candidates, specs, statuses)
-        ranked = [r for r in candidates if r not in unhealthy] or candidates
-        lookup, loads = await self._read(keys, self._streams(ranked, specs), ranked)
-        seen = _Seen(lookup, loads, statuses, self._clock())
-        cands = [seen.candidate(r) for r in ranked]
-        decision = self._decide(policy, cands, keys, request, weights)
+        unhealthy = self._unhealthy(candidates, specs)
+        ranked = [r for r in candidates if r not in unhealthy] if unhealthy else candidates
+        ranked = ranked or candidates
+        streams = self._streams(ranked, specs)
+        lookup, loads = await self._read(keys, streams.streams, ranked)
+        if policy is Policy.KV_AWARE and not weights.temperature:
+            seen = _Seen(lookup, loads, {}, self._clock())
+            seen, decision = self._decide_kv_aware(
+                ranked, streams, seen, keys=keys, request=request, weights=weights
+            )
+        else:
+            seen = _Seen(lookup, loads, self._statuses(), self._clock())
+            cands = [seen.candidate(r) for r in ranked]
+            decision = self._decide(policy, cands, keys, request, weights)
         if not request.dry_run:
             self._note_routed(decision.best, loads)
         no_healthy = _no_healthy(unhealthy) if unhealthy and ranked is candidates else None
@@ -212,7 +271,7 @@ class Scorer:
             policy=policy.value,
             weights=weights.as_dict(),
             scores=[seen.entry(s, block_size) for s in decision.ranked],
-            num_candidates=len(cands),
+            num_candidates=len(ranked),
             num_matched=lookup.num_matched(),
             degraded=degraded,
             rule=rule.name if rule is not None else None,
@@ -238,11 +297,11 @@ class Scorer:
     # --- 1. model, candidates, policy, weights ------------------------------------------
 
     def _candidates(
-        self, request: ScoreRequest, specs: Sequence[ReplicaSpec], outage: str | None
+        self, request: ScoreRequest, specs: list[ReplicaSpec], outage: str | None
     ) -> list[str]:
         """The replicas to rank. A model no replica serves is unknown (404) only when the
         fleet read is current: during an outage it has no candidates (a degraded answer)."""
-        serving = [r.id for r in specs if r.model == request.model]
+        serving = self._specs(specs).serving.get(request.model, [])
         if not serving and request.model not in self.known_models():
             if outage is not None:
                 return []
@@ -250,13 +309,23 @@ class Scorer:
                 f"unknown model {request.model!r}; known models: {self.known_models()}"
             )
         if request.candidates is None:
-            return serving
+            return list(serving)
         unknown = sorted(set(request.candidates) - set(serving))
         if unknown:
             raise RequestError(
                 f"candidates: {unknown} do not serve {request.model!r} (serving: {serving})"
             )
         return list(dict.fromkeys(request.candidates))
+
+    def _specs(self, specs: list[ReplicaSpec]) -> _Specs:
+        """What the specs give, remembered while they are the same (compared item by item,
+        by identity first: the registry hands out the same specs until they change)."""
+        memo = self._specs_memo
+        if memo is not None and memo.specs == specs:
+            memo.specs = specs  # equal but new objects (a re-read): compare by identity next
+            return memo
+        memo = self._specs_memo = _specs_memo(specs)
+        return memo
 
     def _rule(
         self, request: ScoreRequest, num_tokens: int, headers: Mapping[str, str]
@@ -394,9 +463,9 @@ class Scorer:
             loads = None
         return found, loads
 
-    def _streams(self, replicas: Sequence[str], specs: Sequence[ReplicaSpec]) -> _Streams:
-        """Every stream of the candidates; remembered until the candidates, the specs or the
-        streams heard of change (comparing them is much cheaper than rebuilding)."""
+    def _streams(self, replicas: Sequence[str], specs: Sequence[ReplicaSpec]) -> _Ranked:
+        """Every stream of the candidates (and of each one); remembered until the candidates,
+        the specs or the streams heard of change (comparing is much cheaper than rebuilding)."""
         basis = (tuple(replicas), tuple(specs), tuple(self._registry.stream_ids()))
         memo = self._streams_memo
         if memo is not None and memo[0] == basis:
@@ -412,30 +481,28 @@ class Scorer:
     ) -> dict[str, CountedLoad]:
         """Remember what was read; when the load store was unreachable, what was last read
         (with no answers counted)."""
-        if loads is None:
-            last = self._last_loads
-            return {r: CountedLoad(last[r], 0) for r in replicas if r in last}
-        remembered = self._last_loads
-        for replica, counted in loads.items():
-            load = counted.load
-            if load is not None and remembered.get(replica) is not load:  # in-process: same
-                self.note_load(replica, load)
-        return loads
+        if loads is not None:
+            self._last_read = loads
+            return loads
+        read, self._last_read = self._last_read, {}
+        for replica, counted in read.items():
+            if counted.load is not None:
+                self.note_load(replica, counted.load)
+        last = self._last_loads
+        return {r: CountedLoad(last[r], 0) for r in replicas if r in last}
 
-    def _unhealthy(
-        self,
-        candidates: Sequence[str],
-        specs: Sequence[ReplicaSpec],
-        statuses: dict[str, list[StreamFreshness]],
-    ) -> dict[str, str]:
+    def _unhealthy(self, candidates: Sequence[str], specs: list[ReplicaSpec]) -> dict[str, str]:
         """Candidates out of routing, and why: ejected (failed health checks, an open
         breaker), or a connect-mode events stream down for ``events_down_after_s``. Costs
-        two attribute reads per replica and stream while every one is healthy."""
+        an attribute read per judged replica and per stream not connected (none in bind
+        mode: its streams have no connection to lose)."""
         health = self._registry.replica_health()
         judged = [
             r for r, h in health.items() if h.check_ejected or h.breaker_open_until is not None
         ]
-        down = {r for r, streams in statuses.items() for s in streams if not s.connected}
+        connecting = self._specs(specs).connecting
+        down = self._registry.disconnected() if connecting else []
+        down = [s for s in down if s.replica in connecting]
         if not judged and not down:
             return {}
         now, policy = self._clock(), self._health_policy
@@ -444,23 +511,59 @@ class Scorer:
         for replica in judged:
             if replica in wanted and health[replica].ejection(now, policy) is not None:
                 out[replica] = health[replica].describe(now, policy)
-        connecting = {r.id for r in specs if r.events is not None}
         after_s = self._settings.events_down_after_s
-        for replica in down:
-            if replica in wanted and replica in connecting and replica not in out:
-                why = _events_down(statuses[replica], after_s)
+        for replica, statuses in _by_replica(self._registry.freshness(down)).items():
+            if replica in wanted and replica not in out:
+                why = _events_down(statuses, after_s)
                 if why is not None:
                     out[replica] = why
         return {r: out[r] for r in candidates if r in out}
 
-    def _statuses(self) -> dict[str, list[StreamFreshness]]:
-        """Every stream's freshness, by replica."""
-        out: dict[str, list[StreamFreshness]] = {}
-        for status in self._registry.freshness():
-            out.setdefault(status.stream.replica, []).append(status)
-        return out
+    def _statuses(
+        self, streams: Sequence[StreamId] | None = None
+    ) -> dict[str, list[StreamFreshness]]:
+        """Every stream's freshness (``streams`` only, when given), by replica."""
+        return _by_replica(self._registry.freshness(streams))
 
     # --- 6. decision -----------------------------------------------------------------------
+
+    def _decide_kv_aware(
+        self,
+        ranked: list[str],
+        streams: _Ranked,
+        seen: _Seen,
+        *,
+        keys: list[int],
+        request: ScoreRequest,
+        weights: Weights,
+    ) -> tuple[_Seen, Decision]:
+        """``kv_aware`` without a temperature, as :func:`decide` ranks it, at a cost per
+        candidate of one load penalty and one random draw: the cache term (and the
+        freshness it needs) only for the replicas that matched, the candidates, terms and
+        freshness views only for the ``top_k`` explained (:func:`~kvindex.api.policies.rank`'s
+        order: score, then lower load, then the candidate's draw)."""
+        rng = copy.copy(self._rng) if request.dry_run else self._rng
+        matches, num_blocks = seen.lookup.matches, len(keys)
+        holders = [streams.streams_of.get(r, ()) for r in matches]
+        seen.statuses.update(self._statuses([s for group in holders for s in group]))
+        penalties = load_penalties(ranked, seen.loads, seen.now, weights)
+        minus_scores = penalties.copy()
+        # Credit per (match, freshness): the holders of one prefix share its match object.
+        credits: dict[tuple[int, Freshness], float] = {}
+        for replica, match in matches.items():
+            i, state = streams.position[replica], seen.state(replica)
+            credit = credits.get((id(match), state))  # the matches live until the return
+            if credit is None:
+                credit = tier_credit(match.tiers, state, num_blocks, weights)[0]
+                credits[id(match), state] = credit
+            minus_scores[i] = penalties[i] - credit  # == -(credit - penalty), exactly
+        order = _best(minus_scores, penalties, rng, self.top_k(request))
+        winners = [ranked[i] for i in order]
+        rest = [s for r in winners if r not in matches for s in streams.streams_of.get(r, ())]
+        seen.statuses.update(self._statuses(rest))
+        scored = kv_aware([seen.candidate(r) for r in winners], num_blocks, weights)
+        assert all(s.score == -minus_scores[i] for s, i in zip(scored, order, strict=True))
+        return seen, Decision(winners[0] if winners else None, scored)
 
     def _decide(
         self,
@@ -501,10 +604,14 @@ class _Seen:
     statuses: dict[str, list[StreamFreshness]]
     now: float
 
+    def state(self, replica: str) -> Freshness:
+        """The replica's freshness: its least fresh stream's."""
+        statuses = self.statuses.get(replica, ())
+        return statuses[0].freshness if len(statuses) == 1 else _freshness(statuses)
+
     def candidate(self, replica: str) -> Candidate:
         """The replica as the policy sees it (per candidate per request: kept lean)."""
-        statuses = self.statuses.get(replica, ())
-        state = statuses[0].freshness if len(statuses) == 1 else _freshness(statuses)
+        state = self.state(replica)
         tiers = self.lookup.matches.get(replica, NO_MATCH).tiers
         counted = self.loads.get(replica)
         if counted is None:
@@ -540,6 +647,30 @@ class _Seen:
             terms=scored.terms,
             score=scored.score,
         )
+
+
+def _by_replica(statuses: Sequence[StreamFreshness]) -> dict[str, list[StreamFreshness]]:
+    out: dict[str, list[StreamFreshness]] = {}
+    for status in statuses:
+        out.setdefault(status.stream.replica, []).append(status)
+    return out
+
+
+def _best(
+    minus_scores: list[float], penalties: list[float], rng: random.Random, top_k: int | None
+) -> list[int]:
+    """Indices of the best ``top_k`` (None: every one), best first, in
+    :func:`~kvindex.api.policies.rank`'s order: score, then lower load, then a draw per
+    candidate (drawn from ``rng`` for every one, tie or not, as ``rank`` does). Only the
+    candidates scoring at least the ``top_k``-th best are ordered."""
+    draw = rng.random
+    draws = [draw() for _ in minus_scores]
+    picked: Sequence[int] = range(len(minus_scores))
+    if top_k and top_k < len(minus_scores):
+        threshold = sorted(minus_scores)[top_k - 1]
+        picked = [i for i, m in enumerate(minus_scores) if m <= threshold]
+    rows = sorted((minus_scores[i], penalties[i], draws[i], i) for i in picked)
+    return [row[3] for row in rows[:top_k]]
 
 
 def _events_down(statuses: Sequence[StreamFreshness], after_s: float) -> str | None:

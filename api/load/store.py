@@ -94,6 +94,9 @@ class MemoryLoadStore:
         self._replica_to_load: dict[str, Load] = {}
         self._answers: dict[str, int] = {}
         """Per replica: answers that chose it since its load was stored."""
+        self._counted: dict[str, CountedLoad] = {}
+        """Per replica with a load: its load and answers, none in flight (kept as they
+        change, so that a read copies the fleet's rather than building one per replica)."""
         self._ledger = ledger or MemoryLedger()
 
     @property
@@ -108,6 +111,7 @@ class MemoryLoadStore:
                 self._replica_to_load[replica] = load
                 if old is None or load.ts > old.ts:
                     self._answers.pop(replica, None)
+                self._counted[replica] = CountedLoad(load, self._answers.get(replica, 0))
 
     def get_many(self, replicas: Sequence[str]) -> dict[str, Load]:
         with self._lock:
@@ -118,15 +122,19 @@ class MemoryLoadStore:
     ) -> dict[str, CountedLoad]:
         in_flight = self._ledger.in_flight(replicas)
         with self._lock:
-            counts = self._answers
+            counts, counted, loads = self._answers, self._counted, self._replica_to_load
             for replica in answers:
-                counts[replica] = counts.get(replica, 0) + 1
-            loads = self._replica_to_load
-            return {
-                r: CountedLoad(loads.get(r), counts.get(r, 0), in_flight.get(r, NO_IN_FLIGHT))
-                for r in replicas
-                if r in loads or r in in_flight
-            }
+                count = counts[replica] = counts.get(replica, 0) + 1
+                load = loads.get(replica)
+                if load is not None:
+                    counted[replica] = CountedLoad(load, count)
+            if counted.keys() == set(replicas):  # the whole fleet asked: copy in one go
+                out = counted.copy()
+            else:
+                out = {r: counted[r] for r in replicas if r in counted}
+            for r, flying in in_flight.items():  # few: the replicas proxies reserved
+                out[r] = CountedLoad(loads.get(r), counts.get(r, 0), flying)
+            return out
 
     def claim_scrapes(self, replicas: Sequence[str], hold_s: float) -> set[str]:
         return set(replicas)
@@ -135,6 +143,7 @@ class MemoryLoadStore:
         with self._lock:
             self._replica_to_load.pop(replica, None)
             self._answers.pop(replica, None)
+            self._counted.pop(replica, None)
 
     def close(self) -> None:
         """Nothing to release."""

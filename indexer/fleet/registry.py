@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol
 
@@ -84,6 +84,10 @@ class Registry:
         self._version = 0
         self._unrouted = UnroutedCounters()
         self._replica_health: dict[str, ReplicaHealth] = {}
+        self._sorted: tuple[ReplicaSpec, ...] | None = None
+        """``replicas()`` as of the last change (None: to be sorted again)."""
+        self._model_to_block_size: dict[str, int | None] = {}
+        """``block_size()`` per model, until a spec, a stream or a stream's size changes."""
 
     # --- replicas ------------------------------------------------------------------------
 
@@ -94,6 +98,8 @@ class Registry:
                 return False
             self._replicas[spec.id] = spec
             self._version += 1
+            self._sorted = None
+            self._model_to_block_size.clear()
             return True
 
     def remove(self, replica: str) -> ReplicaSpec | None:
@@ -105,6 +111,8 @@ class Registry:
             self._replica_health.pop(replica, None)
             if spec is not None:
                 self._version += 1
+                self._sorted = None
+            self._model_to_block_size.clear()
             return spec
 
     def get(self, replica: str) -> ReplicaSpec | None:
@@ -112,8 +120,11 @@ class Registry:
             return self._replicas.get(replica)
 
     def replicas(self) -> list[ReplicaSpec]:
+        """Every spec, by id (sorted once per change: the API reads it per request)."""
         with self._lock:
-            return sorted(self._replicas.values(), key=lambda r: r.id)
+            if self._sorted is None:
+                self._sorted = tuple(sorted(self._replicas.values(), key=lambda r: r.id))
+            return list(self._sorted)
 
     @property
     def version(self) -> int:
@@ -162,12 +173,16 @@ class Registry:
             health = self._health.get(stream)
             if health is None:
                 health = self._health[stream] = StreamHealth()
+            block_size = health.block_size
             health.update(report, now)
+            if health.block_size != block_size:
+                self._model_to_block_size.clear()
 
     def forget(self, stream: StreamId) -> None:
         """Drop one stream's record (another indexer keeps the stream now)."""
         with self._lock:
-            self._health.pop(stream, None)
+            if self._health.pop(stream, None) is not None:
+                self._model_to_block_size.clear()
 
     def record_unrouted(self, totals: UnroutedCounters) -> None:
         """Replace the bound SUB's unrouted counters with the write path's running totals."""
@@ -191,16 +206,28 @@ class Registry:
         with self._lock:
             return list(self._health)
 
-    def freshness(self) -> list[StreamFreshness]:
-        """Freshness, lag and silence of every stream, read in one go."""
+    def freshness(self, streams: Collection[StreamId] | None = None) -> list[StreamFreshness]:
+        """Freshness, lag and silence of every stream, in record order, read in one go; of
+        ``streams`` only when given (those with a record, in the order given: the API asks
+        for the few it explains)."""
         now = self._clock()
         with self._lock:
+            items: Iterable[tuple[StreamId, StreamHealth]] = self._health.items()
+            if streams is not None:
+                health_of = self._health.get
+                items = [(s, h) for s in streams if (h := health_of(s)) is not None]
             views = []
-            for stream, health in self._health.items():
+            for stream, health in items:
                 silent = None if health.last_heard is None else now - health.last_heard
                 fresh = freshness_of(health, silent, self._stale_after_s)
                 views.append(stream_freshness(stream, health, fresh, silent, now))
             return views
+
+    def disconnected(self) -> list[StreamId]:
+        """The streams whose socket is not connected, in record order (every bind-mode
+        stream reads so: see :attr:`StreamFreshness.connected`)."""
+        with self._lock:
+            return [s for s, health in self._health.items() if not health.connected]
 
     def statuses(self) -> list[StreamStatus]:
         with self._lock:
@@ -217,15 +244,20 @@ class Registry:
             return {s: replace(health) for s, health in self._health.items()}
 
     def block_size(self, model: str) -> int | None:
-        """The block size the model's replicas publish (the most common one), if seen."""
+        """The block size the model's replicas publish (the most common one), if seen;
+        remembered until it may change (the API asks per request)."""
         with self._lock:
+            known = self._model_to_block_size
+            if model in known:
+                return known[model]
             replicas = {r.id for r in self._replicas.values() if r.model == model}
             sizes = [
                 health.block_size
                 for stream, health in self._health.items()
                 if stream.replica in replicas and health.block_size
             ]
-        return most_common(sizes)
+            size = known[model] = most_common(sizes)
+            return size
 
     def outage(self) -> None:
         """Never: an in-process registry is always current."""
@@ -364,7 +396,13 @@ class RegistryView(Protocol):
 
     def statuses(self) -> list[StreamStatus]: ...
 
-    def freshness(self) -> list[StreamFreshness]: ...
+    def freshness(self, streams: Collection[StreamId] | None = None) -> list[StreamFreshness]:
+        """Every stream's; ``streams`` only when given (those known, in the order given)."""
+        ...
+
+    def disconnected(self) -> list[StreamId]:
+        """The streams whose socket is not connected (bind-mode streams included)."""
+        ...
 
     def stream_ids(self) -> list[StreamId]: ...
 

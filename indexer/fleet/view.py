@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar, cast
 
@@ -181,12 +181,19 @@ class RedisFleetView:
     def stream_ids(self) -> list[StreamId]:
         return [s.stream for s in self._current().statuses]
 
-    def freshness(self) -> list[StreamFreshness]:
+    def freshness(self, streams: Collection[StreamId] | None = None) -> list[StreamFreshness]:
         fleet = self._current()
+        statuses: Sequence[StreamStatus] = fleet.statuses
+        if streams is not None:
+            by_stream = {s.stream: s for s in statuses}
+            statuses = [by_stream[s] for s in streams if s in by_stream]
         return [
             stream_freshness(s.stream, s.health, s.freshness, s.silent_s, fleet.now)
-            for s in fleet.statuses
+            for s in statuses
         ]
+
+    def disconnected(self) -> list[StreamId]:
+        return [s.stream for s in self._current().statuses if not s.health.connected]
 
     def replica_health(self) -> dict[str, ReplicaHealth]:
         return dict(self._current().health)

@@ -175,3 +175,21 @@ def test_disconnection_is_visible_to_the_scorer(fleet: Fleet) -> None:
     fleet.sync()
     [down] = fleet.view.freshness()
     assert not down.connected and down.disconnected_s == pytest.approx(4.0)
+
+
+def test_freshness_of_some_streams_and_the_streams_not_connected(fleet: Fleet) -> None:
+    """What ``/score`` reads per request: the few streams it explains (in the order asked,
+    unknown ones skipped), and the streams whose socket is down."""
+    fleet.view.add(R1)
+    fleet.view.add(R2)
+    fleet.sync()
+    up, down, other = StreamId("r1"), StreamId("r2", 0), StreamId("r2", 1)
+    fleet.writer.record(up, StreamReport(connected=True))
+    fleet.writer.record(down, StreamReport(connected=False))
+    fleet.writer.record(other, StreamReport(connected=True))
+    fleet.sync()
+    everything = {f.stream: f for f in fleet.view.freshness()}
+    asked = fleet.view.freshness([other, StreamId("nobody"), up])
+    assert asked == [everything[other], everything[up]]
+    assert fleet.view.freshness([]) == []
+    assert fleet.view.disconnected() == [down]

@@ -428,3 +428,18 @@ def test_entries_are_built_for_the_returned_candidates_only(
     answer = BigFleet(200).answer(top_k=2)
     assert built == [e.replica for e in answer.scores] and len(built) == 2
     assert len(views) == 2
+
+
+def test_during_a_load_store_outage_the_newest_of_read_and_pushed_loads_is_used() -> None:
+    loads = _FlakyLoads()
+    fleet = Fleet(loads)
+    for replica in ("a", "b", "c"):
+        fleet.loads.put(replica, Load(1.0, 0.0, 0.0, NOW - 5.0, "push"))
+    fleet.answer()  # read: every load remembered
+    fleet.scorer.note_load("b", Load(9.0, 0.0, 0.0, NOW - 1.0, "push"))  # pushed since
+    fleet.scorer.note_load("c", Load(7.0, 0.0, 0.0, NOW - 9.0, "push"))  # older: ignored
+    fleet.scorer.forget("a")
+    loads.down = True
+    entries = fleet.score()
+    running = {r: e.load.running for r, e in entries.items() if e.load is not None}
+    assert running == {"b": 9.0, "c": 1.0}

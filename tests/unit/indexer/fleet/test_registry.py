@@ -65,3 +65,24 @@ def test_fleet_totals_without_an_index_leave_blocks_out() -> None:
     registry = Registry()
     assert fleet_totals(registry).blocks_by_tier == {}
     assert fleet_totals(registry).num_streams == 0
+
+
+def test_the_block_size_follows_streams_specs_and_sizes_though_remembered() -> None:
+    registry = Registry((ReplicaSpec("a", "m", dp_size=2), ReplicaSpec("b", "m")))
+    assert registry.block_size("m") is None
+    registry.record(A0, StreamReport(block_size=16))
+    assert registry.block_size("m") == 16
+    registry.record(A1, StreamReport(block_size=32))
+    registry.record(B0, StreamReport(block_size=32))
+    assert registry.block_size("m") == 32  # the most common
+    registry.record(B0, StreamReport(num_gaps=1))  # no size: the same
+    assert registry.block_size("m") == 32
+    registry.forget(B0)
+    assert registry.block_size("m") in {16, 32}
+    registry.remove("a")
+    assert registry.block_size("m") is None
+    registry.add(ReplicaSpec("a", "other"))
+    registry.record(A0, StreamReport(block_size=64))
+    assert (registry.block_size("m"), registry.block_size("other")) == (None, 64)
+    registry.add(ReplicaSpec("a", "m"))  # the replica changes model
+    assert (registry.block_size("m"), registry.block_size("other")) == (64, None)

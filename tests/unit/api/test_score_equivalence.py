@@ -1,0 +1,198 @@
+"""kvindex.api.score at fleet scale: the lean ``kv_aware`` path equals the straightforward one.
+
+The scorer ranks ``kv_aware`` without building a candidate per replica (one load penalty
+and one draw each, the cache term for the replicas that matched, the explained entries
+for the ``top_k`` alone). The reference below is the plain read path: every candidate
+built from every stream's freshness, every one scored and ranked by
+:func:`kvindex.api.policies.decide`. On random fleets (data-parallel ranks, stale and
+replaying streams, CPU tiers, missing loads, identical idle loads that tie, requests in
+flight, any ``top_k``), ``best``, every entry's score and terms, and the random generator
+afterwards must be the same."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+
+import pytest
+
+from kvindex.api.load.model import NO_IN_FLIGHT, Load
+from kvindex.api.load.reservations import Reservations
+from kvindex.api.load.store import MemoryLoadStore
+from kvindex.api.policies import Candidate, Decision, LoadInput, Policy, Weights, decide
+from kvindex.api.schemas import ScoreRequest, ScoreResponse
+from kvindex.api.score import Scorer
+from kvindex.api.settings import ApiSettings
+from kvindex.indexer.events import StreamId, Tier
+from kvindex.indexer.fleet.registry import Freshness, Registry, StreamFreshness
+from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.health import StreamReport
+from kvindex.indexer.index.memory import MemoryIndex
+from kvindex.indexer.index.protocol import Op, OpKind
+from kvindex.indexer.keys import block_keys
+
+MODEL = "m"
+NOW = 10_000.0
+BLOCK_SIZE = 16
+TOKENS = list(range(1, 16 * BLOCK_SIZE + 1))
+KEYS = block_keys(MODEL, TOKENS, BLOCK_SIZE)
+_WORST = {Freshness.LIVE: 0, Freshness.REPLAYING: 1, Freshness.STALE: 2}
+
+
+class RandomFleet:
+    """A fleet drawn from ``seed``: its registry, index, loads and reservations."""
+
+    def __init__(self, seed: int) -> None:
+        rng = random.Random(seed)
+        self.rng = rng
+        num = rng.choice([1, 2, 5, 17, 40, 90])
+        specs = tuple(
+            ReplicaSpec(f"r{i}", MODEL, dp_size=rng.choice([1, 1, 1, 2])) for i in range(num)
+        )
+        self.specs = specs
+        self.registry = Registry(specs, stale_after_s=30.0, clock=lambda: NOW)
+        self.index = MemoryIndex()
+        self.loads = MemoryLoadStore()
+        self.reservations = Reservations(self.loads.ledger, 60.0, holder="proxy")
+        self.idle = Load(0.0, 0.0, 0.0, NOW - 1.0, "push")
+        for spec in specs:
+            self._fill(spec)
+        self.weights = Weights(load_half_life_s=rng.choice([0.0, 10.0]))
+
+    def _fill(self, spec: ReplicaSpec) -> None:
+        rng = self.rng
+        for rank in range(spec.dp_size):
+            stream = StreamId(spec.id, rank)
+            if rng.random() < 0.1:
+                continue  # never heard of
+            num_blocks = rng.choice([0, 0, 0, 1, 4, 8, 16])
+            tier = rng.choice([Tier.GPU, Tier.GPU, Tier.CPU])
+            ops: list[Op] = [(OpKind.STORE, tier, i, k) for i, k in enumerate(KEYS[:num_blocks])]
+            if ops:
+                self.index.apply(stream, 0, NOW, ops)
+            heard = NOW - rng.choice([0.5, 2.0, 100.0])  # the last one is stale
+            self.registry.record(stream, StreamReport(last_seq=0, last_event_ts=heard))
+            if rng.random() < 0.1:
+                self.registry.record(stream, StreamReport(replaying=True))
+        kind = rng.random()
+        if kind < 0.4:
+            self.loads.put(spec.id, self.idle)  # identical loads: ties
+        elif kind < 0.85:
+            running, waiting = float(rng.randint(0, 8)), float(rng.randint(0, 3))
+            ts = NOW - rng.choice([0.0, 3.0, 30.0, -5.0])  # the last one from the future
+            self.loads.put(spec.id, Load(running, waiting, rng.random(), ts, "push"))
+        if rng.random() < 0.15:
+            self.reservations.reserve(spec.id, rng.choice([0, 500]))
+
+    def scorer(self, seed: int) -> Scorer:
+        settings = ApiSettings(seed=seed, weights=self.weights)
+        return Scorer(
+            settings,
+            self.index,
+            self.registry,
+            self.loads,
+            tokenizers=lambda _: None,
+            blocking_store=False,
+            clock=lambda: NOW,
+        )
+
+
+def reference(fleet: RandomFleet, top_k: int | None, rng: random.Random) -> Decision:
+    """The plain read path: every candidate built, scored and ranked."""
+    replicas = [s.id for s in fleet.registry.replicas()]
+    streams = sorted(
+        {StreamId(s.id, r) for s in fleet.specs for r in range(s.dp_size)}
+        | set(fleet.registry.stream_ids())
+    )
+    found = fleet.index.longest_prefix(KEYS, streams)
+    best: dict[str, tuple[Tier, ...]] = {}
+    for stream, match in found.items():
+        if len(match.tiers) > len(best.get(stream.replica, ())):
+            best[stream.replica] = match.tiers
+    statuses: dict[str, list[StreamFreshness]] = {}
+    for status in fleet.registry.freshness():
+        statuses.setdefault(status.stream.replica, []).append(status)
+    loads = fleet.loads.get_counted(replicas)
+    cands = []
+    for replica in replicas:
+        states = [s.freshness for s in statuses.get(replica, [])] or [Freshness.STALE]
+        state = max(states, key=_WORST.__getitem__)
+        counted = loads.get(replica)
+        load, routed, in_flight = counted if counted is not None else (None, 0, NO_IN_FLIGHT)
+        load_input = None
+        if load is not None:
+            age = max(0.0, NOW - load.ts)
+            load_input = LoadInput(load.running, load.waiting, load.kv_usage, age, routed)
+        flying = (float(in_flight.num_requests), float(in_flight.num_tokens))
+        cands.append(Candidate(replica, best.get(replica, ()), state, load_input, *flying))
+    return decide(
+        Policy.KV_AWARE,
+        cands,
+        KEYS,
+        fleet.weights,
+        session=None,
+        turns=itertools.count(),
+        rng=rng,
+        top_k=top_k,
+    )
+
+
+def answer(scorer: Scorer, top_k: int | None, dry_run: bool = False) -> ScoreResponse:
+    request = ScoreRequest(model=MODEL, token_ids=TOKENS, top_k=top_k, dry_run=dry_run)
+    return asyncio.run(scorer.score(request))
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_the_lean_kv_aware_answer_equals_the_plain_one_on_random_fleets(seed: int) -> None:
+    fleet = RandomFleet(seed)
+    top_k = random.Random(seed).choice([None, 1, 2, 3, 10, 1_000])
+    scorer = fleet.scorer(seed)
+    got = answer(scorer, 0 if top_k is None else top_k, dry_run=True)
+    expected = reference(fleet, top_k, random.Random(seed))
+    assert got.best == expected.best
+    assert [(e.replica, e.score, e.terms) for e in got.scores] == [
+        (s.replica, s.score, s.terms) for s in expected.ranked
+    ]
+    assert got.num_candidates == len(fleet.specs)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_lean_path_draws_what_the_plain_one_draws(seed: int) -> None:
+    """One draw per candidate, tie or not: the answers after a real one are the same too
+    (the real one counted as load on both sides)."""
+    fleet = RandomFleet(seed)
+    scorer = fleet.scorer(seed)
+    rng = random.Random(seed)
+    for _ in range(3):
+        got = answer(scorer, 2)  # counts the answer before it, as the reference then reads
+        expected = reference(fleet, 2, rng)
+        assert got.best == expected.best
+        assert [e.score for e in got.scores] == [s.score for s in expected.ranked]
+    answer(scorer, 2, dry_run=True)  # counts the last answer in the store, draws on a copy
+    assert answer(scorer, 2, dry_run=True).best == reference(fleet, 2, rng).best
+
+
+def test_an_idle_fleet_ties_everywhere_and_the_draws_decide() -> None:
+    """Every replica idle and unmatched: scores and loads tie, the draws order them."""
+    specs = tuple(ReplicaSpec(f"r{i}", MODEL) for i in range(50))
+    registry = Registry(specs, clock=lambda: NOW)
+    loads = MemoryLoadStore()
+    for spec in specs:
+        registry.record(StreamId(spec.id), StreamReport(last_seq=0, last_event_ts=NOW))
+        loads.put(spec.id, Load(0.0, 0.0, 0.0, NOW, "push"))
+    scorer = Scorer(
+        ApiSettings(seed=3),
+        MemoryIndex(),
+        registry,
+        loads,
+        tokenizers=lambda _: None,
+        blocking_store=False,
+        clock=lambda: NOW,
+    )
+    got = answer(scorer, 5, dry_run=True)
+    rng = random.Random(3)
+    ids = sorted(s.id for s in specs)  # the candidates' order, one draw each
+    draw = dict(zip(ids, [rng.random() for _ in ids], strict=True))
+    assert [e.replica for e in got.scores] == sorted(ids, key=draw.__getitem__)[:5]
+    assert {e.score for e in got.scores} == {0.0}
