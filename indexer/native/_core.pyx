@@ -5,8 +5,8 @@ Built by ``pip install`` (setup.py); ``kvindex.indexer.native`` says whether it 
 the pure-Python code it replaces stays the reference (tests prove both agree).
 
 The memory store keeps its maps in open-addressing tables of 16-byte slots (64-bit key,
-64-bit value; linear probing, multiplicative hashing, deletion by backward shift, so no
-tombstones), filled up to 90 % and grown by a quarter, allocated with ``PyMem_Malloc`` so
+64-bit value; linear probing in Robin Hood order, multiplicative hashing, deletion by
+backward shift, so no tombstones), filled up to 90 % and grown by a quarter, allocated with ``PyMem_Malloc`` so
 ``tracemalloc`` sees them. A (stream, block) entry costs two slots (its engine hash in the
 stream's table, its key in the index-wide one), where Python dicts of ints cost 100+ bytes.
 """
@@ -197,19 +197,27 @@ cdef inline Py_ssize_t _next(const Table* t, Py_ssize_t i) nogil:
     i += 1
     return 0 if i == t.capacity else i
 
+cdef inline Py_ssize_t _distance(const Table* t, uint64_t key, Py_ssize_t i) nogil:
+    """How far slot ``i`` is past ``key``'s home slot (cyclically)."""
+    cdef Py_ssize_t home = _home(t, key)
+    return i - home if i >= home else i + t.capacity - home
+
 cdef Py_ssize_t _find(const Table* t, uint64_t key) nogil:
-    """The slot holding ``key`` (not 0), or -1."""
+    """The slot holding ``key`` (not 0), or -1. Robin Hood order: a slot whose entry is
+    nearer its home than ``key`` would be here means ``key`` is absent (no full scan of
+    the cluster, which at 90 % load is long)."""
     if t.capacity == 0:
         return -1
-    cdef Py_ssize_t i = _home(t, key)
+    cdef Py_ssize_t i = _home(t, key), d = 0
     cdef uint64_t found
     while True:
         found = t.slots[i].key
         if found == key:
             return i
-        if found == 0:
+        if found == 0 or _distance(t, found, i) < d:
             return -1
         i = _next(t, i)
+        d += 1
 
 cdef bint _get(const Table* t, uint64_t key, uint64_t* value) nogil:
     cdef Py_ssize_t i
@@ -222,48 +230,76 @@ cdef bint _get(const Table* t, uint64_t key, uint64_t* value) nogil:
     value[0] = t.slots[i].value
     return True
 
+cdef void _place(Table* t, Entry entry) noexcept nogil:
+    """Insert an entry whose key (not 0) is absent, keeping the Robin Hood order. With
+    homes monotonic in the mixed key (``kv_home``), that order sorts each run by home:
+    the entry goes before the first entry of its run whose home lies past its own, and
+    the rest of the run moves up one slot (no per-slot home computed for the move)."""
+    cdef Py_ssize_t i = _home(t, entry.key), d = 0, j, k
+    while t.slots[i].key != 0 and _distance(t, t.slots[i].key, i) >= d:
+        i = _next(t, i)
+        d += 1
+    j = i
+    while t.slots[j].key != 0:
+        j = _next(t, j)
+    while j != i:  # the run [i, j) moves up one slot, from its end
+        k = j - 1 if j > 0 else t.capacity - 1
+        t.slots[j] = t.slots[k]
+        j = k
+    t.slots[i] = entry
+
 cdef int _resize(Table* t, Py_ssize_t capacity) except -1:
+    """Move every entry to a new array of ``capacity`` slots. The old one is read from an
+    empty slot on, so entries come in the order of their homes (Robin Hood runs are sorted
+    by home, and homes keep their order at any capacity): each lands just after the one
+    before it, in memory already in cache, rather than at a random place."""
     cdef Entry* old = t.slots
-    cdef Py_ssize_t old_capacity = t.capacity, i, j
+    cdef Py_ssize_t old_capacity = t.capacity, start = 0, n, i
     cdef Entry* slots = <Entry*> PyMem_Malloc(capacity * sizeof(Entry))
     if slots == NULL:
         raise MemoryError()
     memset(slots, 0, capacity * sizeof(Entry))
     t.slots = slots
     t.capacity = capacity
-    for i in range(old_capacity):
+    while start < old_capacity and old[start].key != 0:
+        start += 1
+    for n in range(old_capacity):
+        i = start + n
+        if i >= old_capacity:
+            i -= old_capacity
         if old[i].key != 0:
-            j = _home(t, old[i].key)
-            while slots[j].key != 0:
-                j = _next(t, j)
-            slots[j] = old[i]
+            _place(t, old[i])
     PyMem_Free(old)
     return 0
 
 cdef int _put(Table* t, uint64_t key, uint64_t value) except -1:
     """Insert or overwrite."""
     cdef Py_ssize_t i
+    cdef Entry entry
     if key == 0:
         t.has_zero = True
         t.zero_value = value
+        return 0
+    i = _find(t, key)
+    if i >= 0:
+        t.slots[i].value = value
         return 0
     if (t.size + 1) * 10 > t.capacity * 9:  # load factor at most 0.9
         if t.capacity < DOUBLING_BELOW:
             _resize(t, max(2 * t.capacity, MIN_CAPACITY))
         else:
             _resize(t, t.capacity + t.capacity // 4)
-    i = _home(t, key)
-    while t.slots[i].key != 0 and t.slots[i].key != key:
-        i = _next(t, i)
-    if t.slots[i].key == 0:
-        t.size += 1
-        t.slots[i].key = key
-    t.slots[i].value = value
+    entry.key = key
+    entry.value = value
+    _place(t, entry)
+    t.size += 1
     return 0
 
 cdef bint _delete(Table* t, uint64_t key) nogil:
-    """Remove ``key``; False if it was not there. Later entries of the run shift back."""
-    cdef Py_ssize_t i, j, home
+    """Remove ``key``; False if it was not there. The entries after it shift back one
+    slot, up to the first that is at its home (or an empty slot)."""
+    cdef Py_ssize_t i, j
+    cdef uint64_t found
     if key == 0:
         if not t.has_zero:
             return False
@@ -272,16 +308,14 @@ cdef bint _delete(Table* t, uint64_t key) nogil:
     i = _find(t, key)
     if i < 0:
         return False
-    j = i
+    j = _next(t, i)
     while True:
-        j = _next(t, j)
-        if t.slots[j].key == 0:
+        found = t.slots[j].key
+        if found == 0 or _distance(t, found, j) == 0:
             break
-        home = _home(t, t.slots[j].key)
-        # Move j back to the hole at i unless its home lies cyclically in (i, j].
-        if (j > i and (home <= i or home > j)) or (j < i and (home <= i and home > j)):
-            t.slots[i] = t.slots[j]
-            i = j
+        t.slots[i] = t.slots[j]
+        i = j
+        j = _next(t, j)
     t.slots[i].key = 0
     t.size -= 1
     return True

@@ -9,6 +9,7 @@ and random events translated into index operations with and without the compiled
 
 from __future__ import annotations
 
+import random
 from contextlib import ExitStack
 from unittest.mock import patch
 
@@ -130,6 +131,29 @@ def test_tables_grow_and_shrink_back_exactly() -> None:
         assert index.longest_prefix(keys[start:], STREAMS) == python.longest_prefix(
             keys[start:], STREAMS
         )
+
+
+def test_tables_agree_through_churn_of_random_hashes() -> None:
+    # Random 64-bit hashes and keys (homes anywhere, runs wrapping past the array's end),
+    # stored and removed in turns while the tables grow: every lookup and count as in dicts.
+    rng = random.Random(14)
+    index, python = MemoryIndex(), MemoryIndex(compiled=False)
+    held: list[int] = []
+    for seq in range(40):
+        ops: list[Op] = []
+        for _ in range(1_500):
+            if held and rng.random() < 0.4:
+                ops.append((OpKind.REMOVE, Tier.GPU, held.pop(rng.randrange(len(held))), 0))
+            else:
+                engine_hash = rng.getrandbits(64)
+                held.append(engine_hash)
+                ops.append((OpKind.STORE, rng.choice(list(Tier)), engine_hash, rng.getrandbits(64)))
+        for each in (index, python):
+            assert each.apply(STREAMS[seq % 2], seq, 1.0, ops) is not None
+    probes = held + [rng.getrandbits(64) for _ in range(2_000)]
+    for stream in STREAMS[:2]:
+        assert index.stats(stream) == python.stats(stream)
+        assert index.resolve(stream, probes) == python.resolve(stream, probes)
 
 
 # --- event → op translation ----------------------------------------------------------------
