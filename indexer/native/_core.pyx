@@ -11,6 +11,7 @@ backward shift, so no tombstones), filled up to 90 % and grown by a quarter, all
 stream's table, its key in the index-wide one), where Python dicts of ints cost 100+ bytes.
 """
 
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
@@ -127,6 +128,141 @@ def pack_tokens(token_ids):
         buf[4 * i + 2] = (token >> 16) & 0xFF
         buf[4 * i + 3] = token >> 24
     return out
+
+
+# --- token ids as decoded ---------------------------------------------------------------
+
+
+cdef class PackedTokens:
+    """A decoded event's token ids kept as little-endian u32 bytes (``packed``, what the
+    block keys hash) instead of a list of Python ints: a read-only sequence of ints that
+    equals the list it stands for (and only lists, as a list does), made by
+    :func:`packed_tokens` from the msgpack array as sent."""
+
+    cdef readonly bytes packed
+    cdef Py_ssize_t _n
+
+    def __len__(self):
+        return self._n
+
+    cdef uint32_t _at(self, Py_ssize_t i):
+        cdef const unsigned char* b = <const unsigned char*> PyBytes_AS_STRING(self.packed) + 4 * i
+        return b[0] | (<uint32_t> b[1] << 8) | (<uint32_t> b[2] << 16) | (<uint32_t> b[3] << 24)
+
+    def __getitem__(self, index):
+        cdef Py_ssize_t i
+        if isinstance(index, slice):
+            return [self._at(i) for i in range(*index.indices(self._n))]
+        i = index
+        if i < 0:
+            i += self._n
+        if i < 0 or i >= self._n:
+            raise IndexError("token index out of range")
+        return self._at(i)
+
+    def tolist(self):
+        cdef Py_ssize_t i
+        return [self._at(i) for i in range(self._n)]
+
+    def __iter__(self):
+        return iter(self.tolist())
+
+    def __contains__(self, value):
+        return value in self.tolist()
+
+    def __eq__(self, other):
+        if isinstance(other, PackedTokens):
+            return self.packed == (<PackedTokens> other).packed
+        if isinstance(other, list):
+            return self.tolist() == other
+        return NotImplemented
+
+    def __ne__(self, other):
+        result = self.__eq__(other)
+        return result if result is NotImplemented else not result
+
+    __hash__ = None
+
+    def __repr__(self):
+        return f"PackedTokens({self.tolist()!r})"
+
+
+cdef inline uint64_t _be(const unsigned char* p, int width) noexcept nogil:
+    cdef uint64_t value = 0
+    cdef int j
+    for j in range(width):
+        value = (value << 8) | p[j]
+    return value
+
+
+def packed_tokens(raw):
+    """The token ids of a msgpack array (any buffer holding exactly one msgpack item) as
+    :class:`PackedTokens`; None unless it is an array of ints each in [0, 2**32) (the
+    caller then decodes it the general way, which says what is wrong with it)."""
+    cdef Py_buffer view
+    PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE)
+    try:
+        return _packed(<const unsigned char*> view.buf, view.len)
+    finally:
+        PyBuffer_Release(&view)
+
+
+cdef object _packed(const unsigned char* p, Py_ssize_t size):
+    cdef Py_ssize_t pos = 1, n, i
+    cdef unsigned char head
+    cdef uint64_t value
+    cdef int width
+    if size == 0:
+        return None
+    head = p[0]
+    if 0x90 <= head <= 0x9F:
+        n = head & 0x0F
+    elif (head == 0xDC and size >= 3) or (head == 0xDD and size >= 5):
+        width = 2 if head == 0xDC else 4
+        n = <Py_ssize_t> _be(p + 1, width)
+        pos = 1 + width
+    else:
+        return None
+    if n > size - pos:  # each item takes a byte at least
+        return None
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, 4 * n)
+    cdef unsigned char* buf = <unsigned char*> PyBytes_AS_STRING(out)
+    for i in range(n):
+        if pos >= size:
+            return None
+        head = p[pos]
+        pos += 1
+        if head < 0x80:
+            value = head
+        else:
+            if head == 0xCC or head == 0xD0:
+                width = 1
+            elif head == 0xCD or head == 0xD1:
+                width = 2
+            elif head == 0xCE or head == 0xD2:
+                width = 4
+            elif head == 0xCF or head == 0xD3:
+                width = 8
+            else:
+                return None  # a negative fixint or not an int
+            if pos + width > size:
+                return None
+            value = _be(p + pos, width)
+            pos += width
+            if head >= 0xD0 and value >> (8 * width - 1):  # a negative signed int
+                return None
+            if value > 0xFFFFFFFF:
+                return None
+        buf[4 * i] = value & 0xFF
+        buf[4 * i + 1] = (value >> 8) & 0xFF
+        buf[4 * i + 2] = (value >> 16) & 0xFF
+        buf[4 * i + 3] = (value >> 24) & 0xFF
+    if pos != size:
+        return None
+    cdef PackedTokens tokens = PackedTokens.__new__(PackedTokens)
+    tokens.packed = out
+    tokens._n = n
+    return tokens
 
 
 def store_chain(list ops, dict key_of_hash, object kind, object tier, engine_hashes,
