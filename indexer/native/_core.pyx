@@ -408,17 +408,20 @@ cdef int _resize(Table* t, Py_ssize_t capacity) except -1:
     PyMem_Free(old)
     return 0
 
-cdef int _put(Table* t, uint64_t key, uint64_t value) except -1:
-    """Insert or overwrite."""
+cdef uint64_t* _value_of(Table* t, uint64_t key) noexcept nogil:
+    """Where ``key``'s value is kept, or NULL if it is absent (valid until an insertion)."""
     cdef Py_ssize_t i
+    if key == 0:
+        return &t.zero_value if t.has_zero else NULL
+    i = _find(t, key)
+    return NULL if i < 0 else &t.slots[i].value
+
+cdef int _insert(Table* t, uint64_t key, uint64_t value) except -1:
+    """Insert ``key``, known to be absent (one probe less than :func:`_put`)."""
     cdef Entry entry
     if key == 0:
         t.has_zero = True
         t.zero_value = value
-        return 0
-    i = _find(t, key)
-    if i >= 0:
-        t.slots[i].value = value
         return 0
     if (t.size + 1) * 10 > t.capacity * 9:  # load factor at most 0.9
         if t.capacity < DOUBLING_BELOW:
@@ -430,6 +433,19 @@ cdef int _put(Table* t, uint64_t key, uint64_t value) except -1:
     _place(t, entry)
     t.size += 1
     return 0
+
+cdef int _put(Table* t, uint64_t key, uint64_t value) except -1:
+    """Insert or overwrite."""
+    cdef Py_ssize_t i
+    if key == 0:
+        t.has_zero = True
+        t.zero_value = value
+        return 0
+    i = _find(t, key)
+    if i >= 0:
+        t.slots[i].value = value
+        return 0
+    return _insert(t, key, value)
 
 cdef bint _delete(Table* t, uint64_t key) nogil:
     """Remove ``key``; False if it was not there. The entries after it shift back one
@@ -719,6 +735,7 @@ cdef class Tables:
         cdef Stream* s = self._stream(number)
         cdef long kind, tier
         cdef uint64_t engine_hash, key, previous, counts
+        cdef uint64_t* mapped
         cdef Py_ssize_t unknown = 0, unresolved = 0
         cdef tuple op
         for op in ops:
@@ -733,9 +750,20 @@ cdef class Tables:
                 continue
             if kind == OP_STORE:
                 key = op[3]
-                if _get(&s.hash_to_key, engine_hash, &previous) and previous != key:
-                    self._unlink(s, number, previous)
-                _put(&s.hash_to_key, engine_hash, key)
+                mapped = _value_of(&s.hash_to_key, engine_hash)
+                if mapped == NULL:
+                    _insert(&s.hash_to_key, engine_hash, key)
+                elif mapped[0] != key:
+                    previous = mapped[0]
+                    mapped[0] = key
+                    self._unlink(s, number, previous)  # it does not touch ``hash_to_key``
+                if _value_of(&self._holders, key) == NULL:
+                    # Held by no stream (the common new block): this one holds it alone,
+                    # its one count folded into the entry, as _join would do in 3 probes.
+                    s.blocks_by_tier[tier] += 1
+                    counts = (<uint64_t> 1) << (LANE_BITS * tier)
+                    _insert(&self._holders, key, _folded(number, counts))
+                    continue
             elif kind == OP_STORE_BY_HASH:
                 if not _get(&s.hash_to_key, engine_hash, &key):
                     unresolved += 1
