@@ -251,7 +251,7 @@ cdef object _packed(const unsigned char* p, Py_ssize_t size):
             pos += width
             if head >= 0xD0 and value >> (8 * width - 1):  # a negative signed int
                 return None
-            if value > 0xFFFFFFFF:
+            if value >> 32:  # past u32 (a typed test: a literal here would be a Python int)
                 return None
         buf[4 * i] = value & 0xFF
         buf[4 * i + 1] = (value >> 8) & 0xFF
