@@ -268,8 +268,13 @@ def normalize_hash(value: WireHash) -> EngineHash:
     return value & _U64
 
 
+_unsigned = native.unsigned_hashes
+
+
 def _hashes(values: list[WireHash]) -> tuple[EngineHash, ...]:
     # Fast path (C loops): non-negative ints are the common case and are already u64.
+    if _unsigned is not None and (unsigned := _unsigned(values)) is not None:
+        return unsigned
     try:
         if not values or min(values) >= 0:  # type: ignore[operator]
             return tuple(values)  # type: ignore[arg-type]

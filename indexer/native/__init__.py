@@ -26,6 +26,7 @@ remove_ops: Callable[[list[Any], object, object, Sequence[int]], None] | None = 
 Tables: type[_Tables] | None = None
 PackedTokens: type[_PackedTokens] | None = None
 packed_tokens: Callable[[object], _PackedTokens | None] | None = None
+unsigned_hashes: Callable[[object], tuple[int, ...] | None] | None = None
 try:
     from kvindex.indexer.native import _core
 except ImportError:  # not built: the pure-Python paths serve
@@ -34,4 +35,5 @@ else:
     chain, chain_tokens, pack_tokens = _core.chain, _core.chain_tokens, _core.pack_tokens
     store_chain, remove_ops, Tables = _core.store_chain, _core.remove_ops, _core.Tables
     PackedTokens, packed_tokens = _core.PackedTokens, _core.packed_tokens
+    unsigned_hashes = _core.unsigned_hashes
     Sequence.register(PackedTokens)

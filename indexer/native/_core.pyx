@@ -34,6 +34,8 @@ cdef extern from *:
 cdef extern from "Python.h":
     ctypedef struct PyObject
     bint PyLong_Check(object)
+    bint PyLong_CheckExact(object)
+    unsigned long long PyLong_AsUnsignedLongLong(object) except? -1
     bytes PyBytes_FromStringAndSize(const char*, Py_ssize_t)
     object PySequence_Fast(object, const char*)
     Py_ssize_t PySequence_Fast_GET_SIZE(object)
@@ -263,6 +265,23 @@ cdef object _packed(const unsigned char* p, Py_ssize_t size):
     tokens.packed = out
     tokens._n = n
     return tokens
+
+
+def unsigned_hashes(values):
+    """``tuple(values)`` when ``values`` is a list of ints in [0, 2**64) (engine hashes that
+    need no normalising: vLLM's int form), else None (the caller normalises them)."""
+    cdef Py_ssize_t i
+    cdef object item
+    if type(values) is not list:
+        return None
+    for item in <list> values:
+        if not PyLong_CheckExact(item):
+            return None
+        try:
+            PyLong_AsUnsignedLongLong(item)
+        except OverflowError:  # negative (an old vLLM's Python hash())
+            return None
+    return tuple(<list> values)
 
 
 def store_chain(list ops, dict key_of_hash, object kind, object tier, engine_hashes,

@@ -268,3 +268,25 @@ def test_packed_tokens_behave_as_the_list() -> None:
     assert native.packed_tokens(msgspec.msgpack.encode([1, 2]) + b"\x00") is None
     many = list(range(70_000))  # an array32 head
     assert native.packed_tokens(msgspec.msgpack.encode(many)) == many
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            U64, st.integers(-(2**63), -1), st.binary(max_size=40), st.booleans(), st.floats()
+        ),
+        max_size=12,
+    )
+)
+def test_compiled_hash_fast_path_agrees_with_python(values: list[object]) -> None:
+    # Where the compiled check takes a list as already u64, the Python path gives the same
+    # tuple; anything else (negative, bytes, not an int) it leaves to the Python path.
+    assert native.unsigned_hashes is not None
+    unsigned = native.unsigned_hashes(values)
+    plain = all(type(v) is int and 0 <= v < 2**64 for v in values)
+    assert (unsigned is not None) == plain
+    if unsigned is not None:
+        with patch.object(wire, "_unsigned", None):
+            assert wire._hashes(values) == unsigned  # type: ignore[arg-type]
+    assert native.unsigned_hashes(tuple(values)) is None
