@@ -4,7 +4,9 @@ The install builds the extension (setup.py), so these tests require it: a missin
 fails here rather than leaving every other test on the fallback unnoticed. Random inputs
 (hypothesis) judge agreement: block keys over random tokens and block sizes, and random
 batches of index operations on a few streams, with clears, drops and lookups between them,
-and random events translated into index operations with and without the compiled loops.
+random events translated into index operations with and without the compiled loops, random
+payloads decoded with token ids packed and the general way, and engine-hash lists checked
+compiled and in Python.
 """
 
 from __future__ import annotations
