@@ -199,7 +199,10 @@ class Ingestor:
             return
         try:
             # Tokens first: a store dropped for bad tokens must not count as an orphan too.
-            token_bytes = tokens_to_bytes(tokens)
+            if type(tokens) is native.PackedTokens:  # decoded packed: already the bytes
+                token_bytes = tokens.packed
+            else:
+                token_bytes = tokens_to_bytes(tokens)
         except BlockKeyError:
             report.num_bad_events += 1
             return

@@ -32,6 +32,7 @@ from typing import Any, Literal, TypeAlias
 
 import msgspec
 
+from kvindex.indexer import native
 from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.events import (
     AllBlocksCleared,
@@ -199,12 +200,58 @@ class _RawBatch(msgspec.Struct, array_like=True, gc=False):
     data_parallel_rank: int | None = None
 
 
+def _with_raw_tokens(base: type[msgspec.Struct], tag: str) -> type[msgspec.Struct]:
+    """``base`` as decoded on the fast path: the same fields, tag and layout, but token ids
+    left as their msgpack bytes (``msgspec.Raw``) for the compiled code to pack (no Python
+    int is made per token). Derived from ``base``, never written twice."""
+    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
+    for info in msgspec.structs.fields(base):
+        if info.name == "token_ids" and info.default_factory is list:
+            fields.append((info.name, msgspec.Raw, msgspec.Raw(b"\x90")))  # omitted: ``[]``
+        elif info.name == "token_ids":
+            fields.append((info.name, msgspec.Raw))
+        elif info.default is not msgspec.NODEFAULT:
+            fields.append((info.name, info.type, info.default))
+        elif info.default_factory is not msgspec.NODEFAULT:
+            factory = msgspec.field(default_factory=info.default_factory)
+            fields.append((info.name, info.type, factory))
+        else:
+            fields.append((info.name, info.type))
+    config = base.__struct_config__
+    return msgspec.defstruct(
+        f"_Raw{base.__name__}", fields, tag=tag, array_like=config.array_like, gc=False
+    )
+
+
 _encoder = msgspec.msgpack.Encoder()
 _BATCH_DECODERS = (
     msgspec.msgpack.Decoder(EventBatchMap),
     msgspec.msgpack.Decoder(EventBatchArray),
 )
 _RAW_BATCH = msgspec.msgpack.Decoder(_RawBatch)
+_RawStoredMap = _with_raw_tokens(BlockStoredMap, "BlockStored")
+_RawStoredArray = _with_raw_tokens(BlockStoredArray, "BlockStored")
+
+
+def _fast_batch_decoder(name: str, event: object) -> msgspec.msgpack.Decoder[Any]:
+    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = [
+        ("ts", float),
+        ("events", list[event]),  # type: ignore[valid-type]
+        ("data_parallel_rank", int | None, None),
+    ]
+    batch = msgspec.defstruct(name, fields, array_like=True, gc=False)
+    return msgspec.msgpack.Decoder(batch)
+
+
+_FAST_BATCH_DECODERS = (
+    _fast_batch_decoder("_FastBatchMap", _RawStoredMap | BlockRemovedMap | AllBlocksClearedMap),
+    _fast_batch_decoder(
+        "_FastBatchArray", _RawStoredArray | BlockRemovedArray | AllBlocksClearedArray
+    ),
+)
+"""The fast path (the compiled core built): :data:`_BATCH_DECODERS`' batches with the
+token ids of stores left raw, packed by ``native.packed_tokens``."""
+_STORED_KINDS = frozenset((BlockStoredMap, BlockStoredArray, _RawStoredMap, _RawStoredArray))
 _EVENT_DECODERS = (msgspec.msgpack.Decoder(MapEvent), msgspec.msgpack.Decoder(ArrayEvent))
 
 
@@ -221,8 +268,13 @@ def normalize_hash(value: WireHash) -> EngineHash:
     return value & _U64
 
 
+_unsigned = native.unsigned_hashes
+
+
 def _hashes(values: list[WireHash]) -> tuple[EngineHash, ...]:
     # Fast path (C loops): non-negative ints are the common case and are already u64.
+    if _unsigned is not None and (unsigned := _unsigned(values)) is not None:
+        return unsigned
     try:
         if not values or min(values) >= 0:  # type: ignore[operator]
             return tuple(values)  # type: ignore[arg-type]
@@ -242,16 +294,21 @@ def _tier(medium: str | None) -> Tier:
 def _to_domain(event: WireEvent) -> Event:
     # One function with the lookups inlined: it runs for every event on the hot path.
     kind = type(event)
-    if kind is BlockStoredMap or kind is BlockStoredArray:
+    if kind in _STORED_KINDS:
         parent = event.parent_block_hash  # type: ignore[union-attr]
         if parent is not None and (type(parent) is not int or parent < 0):
             parent = normalize_hash(parent)
         extra = event.extra_keys  # type: ignore[union-attr]
         tier = _TIER_OF_MEDIUM.get(event.medium)  # type: ignore[union-attr]
+        tokens = event.token_ids  # type: ignore[union-attr]
+        if type(tokens) is _Raw:
+            tokens = _pack(tokens)  # type: ignore[misc]  # set whenever Raw tokens are decoded
+            if tokens is None:
+                raise _NotPackedError
         return BlockStored(
             _hashes(event.block_hashes),  # type: ignore[union-attr]
             parent,
-            event.token_ids,  # type: ignore[union-attr]
+            tokens,
             event.block_size,  # type: ignore[union-attr]
             _tier(event.medium) if tier is None else tier,  # type: ignore[union-attr]
             event.lora_name,  # type: ignore[union-attr]
@@ -268,11 +325,47 @@ def _to_domain(event: WireEvent) -> Event:
     return AllBlocksCleared()
 
 
+class _NotPackedError(Exception):
+    """Token ids the compiled core does not pack (not all ints in [0, 2**32)): the batch
+    is decoded the general way, which tells what is wrong with them."""
+
+
+_Raw = msgspec.Raw
+_pack = native.packed_tokens
+
+
 def decode_payload(payload: bytes, seq: int) -> EventBatch:
     """Decode one batch payload. Bad events are skipped and counted in ``num_bad_events``.
 
+    With the compiled core built, a store's token ids are a ``native.PackedTokens`` (a
+    sequence equal to the list of them) whenever they are all ints in [0, 2**32), which
+    is what any engine sends; otherwise a list, as decoded without it.
+
     Raises :class:`WireError` only when the batch itself (not one event) is unreadable.
     """
+    if native.packed_tokens is not None:
+        batch = _decode_packed(payload, seq)
+        if batch is not None:
+            return batch
+    return _decode_general(payload, seq)
+
+
+def _decode_packed(payload: bytes, seq: int) -> EventBatch | None:
+    """The fast path: None unless every event is well formed, with packable token ids."""
+    for decoder in _FAST_BATCH_DECODERS:
+        try:
+            batch = decoder.decode(payload)
+        except _DECODE_ERRORS:
+            continue
+        try:
+            events = tuple(map(_to_domain, batch.events))
+        except _NotPackedError:
+            return None
+        return EventBatch(seq, batch.ts, batch.data_parallel_rank or 0, events)
+    return None
+
+
+def _decode_general(payload: bytes, seq: int) -> EventBatch:
     for decoder in _BATCH_DECODERS:
         try:
             batch = decoder.decode(payload)

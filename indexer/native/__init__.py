@@ -1,5 +1,5 @@
-"""Compiled hot loops (Cython, built by ``pip install``): block-key chaining and the memory
-store's tables (``_core.pyx``; its types in ``_core.pyi``).
+"""Compiled hot loops (Cython, built by ``pip install``): block-key chaining, decoded token
+ids kept packed, and the memory store's tables (``_core.pyx``; its types in ``_core.pyi``).
 
 Each name is the compiled object, or None when the extension is not built (a checkout used
 without an install): callers then fall back to the pure-Python code, which stays the
@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from kvindex.indexer.native._core import PackedTokens as _PackedTokens
     from kvindex.indexer.native._core import Tables as _Tables
 
 chain: Callable[[int, bytes, int], list[int]] | None = None
@@ -23,6 +24,9 @@ store_chain: (
 ) = None
 remove_ops: Callable[[list[Any], object, object, Sequence[int]], None] | None = None
 Tables: type[_Tables] | None = None
+PackedTokens: type[_PackedTokens] | None = None
+packed_tokens: Callable[[object], _PackedTokens | None] | None = None
+unsigned_hashes: Callable[[object], tuple[int, ...] | None] | None = None
 try:
     from kvindex.indexer.native import _core
 except ImportError:  # not built: the pure-Python paths serve
@@ -30,3 +34,6 @@ except ImportError:  # not built: the pure-Python paths serve
 else:
     chain, chain_tokens, pack_tokens = _core.chain, _core.chain_tokens, _core.pack_tokens
     store_chain, remove_ops, Tables = _core.store_chain, _core.remove_ops, _core.Tables
+    PackedTokens, packed_tokens = _core.PackedTokens, _core.packed_tokens
+    unsigned_hashes = _core.unsigned_hashes
+    Sequence.register(PackedTokens)

@@ -5,12 +5,13 @@ Built by ``pip install`` (setup.py); ``kvindex.indexer.native`` says whether it 
 the pure-Python code it replaces stays the reference (tests prove both agree).
 
 The memory store keeps its maps in open-addressing tables of 16-byte slots (64-bit key,
-64-bit value; linear probing, multiplicative hashing, deletion by backward shift, so no
-tombstones), filled up to 90 % and grown by a quarter, allocated with ``PyMem_Malloc`` so
+64-bit value; linear probing in Robin Hood order, multiplicative hashing, deletion by
+backward shift, so no tombstones), filled up to 90 % and grown by a quarter, allocated with ``PyMem_Malloc`` so
 ``tracemalloc`` sees them. A (stream, block) entry costs two slots (its engine hash in the
 stream's table, its key in the index-wide one), where Python dicts of ints cost 100+ bytes.
 """
 
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
@@ -33,6 +34,8 @@ cdef extern from *:
 cdef extern from "Python.h":
     ctypedef struct PyObject
     bint PyLong_Check(object)
+    bint PyLong_CheckExact(object)
+    unsigned long long PyLong_AsUnsignedLongLong(object) except? -1
     bytes PyBytes_FromStringAndSize(const char*, Py_ssize_t)
     object PySequence_Fast(object, const char*)
     Py_ssize_t PySequence_Fast_GET_SIZE(object)
@@ -129,6 +132,158 @@ def pack_tokens(token_ids):
     return out
 
 
+# --- token ids as decoded ---------------------------------------------------------------
+
+
+cdef class PackedTokens:
+    """A decoded event's token ids kept as little-endian u32 bytes (``packed``, what the
+    block keys hash) instead of a list of Python ints: a read-only sequence of ints that
+    equals the list it stands for (and only lists, as a list does), made by
+    :func:`packed_tokens` from the msgpack array as sent."""
+
+    cdef readonly bytes packed
+    cdef Py_ssize_t _n
+
+    def __len__(self):
+        return self._n
+
+    cdef uint32_t _at(self, Py_ssize_t i):
+        cdef const unsigned char* b = <const unsigned char*> PyBytes_AS_STRING(self.packed) + 4 * i
+        return b[0] | (<uint32_t> b[1] << 8) | (<uint32_t> b[2] << 16) | (<uint32_t> b[3] << 24)
+
+    def __getitem__(self, index):
+        cdef Py_ssize_t i
+        if isinstance(index, slice):
+            return [self._at(i) for i in range(*index.indices(self._n))]
+        i = index
+        if i < 0:
+            i += self._n
+        if i < 0 or i >= self._n:
+            raise IndexError("token index out of range")
+        return self._at(i)
+
+    def tolist(self):
+        cdef Py_ssize_t i
+        return [self._at(i) for i in range(self._n)]
+
+    def __iter__(self):
+        return iter(self.tolist())
+
+    def __contains__(self, value):
+        return value in self.tolist()
+
+    def __eq__(self, other):
+        if isinstance(other, PackedTokens):
+            return self.packed == (<PackedTokens> other).packed
+        if isinstance(other, list):
+            return self.tolist() == other
+        return NotImplemented
+
+    def __ne__(self, other):
+        result = self.__eq__(other)
+        return result if result is NotImplemented else not result
+
+    __hash__ = None
+
+    def __repr__(self):
+        return f"PackedTokens({self.tolist()!r})"
+
+
+cdef inline uint64_t _be(const unsigned char* p, int width) noexcept nogil:
+    cdef uint64_t value = 0
+    cdef int j
+    for j in range(width):
+        value = (value << 8) | p[j]
+    return value
+
+
+def packed_tokens(raw):
+    """The token ids of a msgpack array (any buffer holding exactly one msgpack item) as
+    :class:`PackedTokens`; None unless it is an array of ints each in [0, 2**32) (the
+    caller then decodes it the general way, which says what is wrong with it)."""
+    cdef Py_buffer view
+    PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE)
+    try:
+        return _packed(<const unsigned char*> view.buf, view.len)
+    finally:
+        PyBuffer_Release(&view)
+
+
+cdef object _packed(const unsigned char* p, Py_ssize_t size):
+    cdef Py_ssize_t pos = 1, n, i
+    cdef unsigned char head
+    cdef uint64_t value
+    cdef int width
+    if size == 0:
+        return None
+    head = p[0]
+    if 0x90 <= head <= 0x9F:
+        n = head & 0x0F
+    elif (head == 0xDC and size >= 3) or (head == 0xDD and size >= 5):
+        width = 2 if head == 0xDC else 4
+        n = <Py_ssize_t> _be(p + 1, width)
+        pos = 1 + width
+    else:
+        return None
+    if n > size - pos:  # each item takes a byte at least
+        return None
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, 4 * n)
+    cdef unsigned char* buf = <unsigned char*> PyBytes_AS_STRING(out)
+    for i in range(n):
+        if pos >= size:
+            return None
+        head = p[pos]
+        pos += 1
+        if head < 0x80:
+            value = head
+        else:
+            if head == 0xCC or head == 0xD0:
+                width = 1
+            elif head == 0xCD or head == 0xD1:
+                width = 2
+            elif head == 0xCE or head == 0xD2:
+                width = 4
+            elif head == 0xCF or head == 0xD3:
+                width = 8
+            else:
+                return None  # a negative fixint or not an int
+            if pos + width > size:
+                return None
+            value = _be(p + pos, width)
+            pos += width
+            if head >= 0xD0 and value >> (8 * width - 1):  # a negative signed int
+                return None
+            if value >> 32:  # past u32 (a typed test: a literal here would be a Python int)
+                return None
+        buf[4 * i] = value & 0xFF
+        buf[4 * i + 1] = (value >> 8) & 0xFF
+        buf[4 * i + 2] = (value >> 16) & 0xFF
+        buf[4 * i + 3] = (value >> 24) & 0xFF
+    if pos != size:
+        return None
+    cdef PackedTokens tokens = PackedTokens.__new__(PackedTokens)
+    tokens.packed = out
+    tokens._n = n
+    return tokens
+
+
+def unsigned_hashes(values):
+    """``tuple(values)`` when ``values`` is a list of ints in [0, 2**64) (engine hashes that
+    need no normalising: vLLM's int form), else None (the caller normalises them)."""
+    cdef Py_ssize_t i
+    cdef object item
+    if type(values) is not list:
+        return None
+    for item in <list> values:
+        if not PyLong_CheckExact(item):
+            return None
+        try:
+            PyLong_AsUnsignedLongLong(item)
+        except OverflowError:  # negative (an old vLLM's Python hash())
+            return None
+    return tuple(<list> values)
+
+
 def store_chain(list ops, dict key_of_hash, object kind, object tier, engine_hashes,
                 uint64_t parent, bytes token_bytes, Py_ssize_t block_size):
     """The store ops of one event, with the keys :func:`chain` gives: for each full block
@@ -197,19 +352,27 @@ cdef inline Py_ssize_t _next(const Table* t, Py_ssize_t i) nogil:
     i += 1
     return 0 if i == t.capacity else i
 
+cdef inline Py_ssize_t _distance(const Table* t, uint64_t key, Py_ssize_t i) nogil:
+    """How far slot ``i`` is past ``key``'s home slot (cyclically)."""
+    cdef Py_ssize_t home = _home(t, key)
+    return i - home if i >= home else i + t.capacity - home
+
 cdef Py_ssize_t _find(const Table* t, uint64_t key) nogil:
-    """The slot holding ``key`` (not 0), or -1."""
+    """The slot holding ``key`` (not 0), or -1. Robin Hood order: a slot whose entry is
+    nearer its home than ``key`` would be here means ``key`` is absent (no full scan of
+    the cluster, which at 90 % load is long)."""
     if t.capacity == 0:
         return -1
-    cdef Py_ssize_t i = _home(t, key)
+    cdef Py_ssize_t i = _home(t, key), d = 0
     cdef uint64_t found
     while True:
         found = t.slots[i].key
         if found == key:
             return i
-        if found == 0:
+        if found == 0 or _distance(t, found, i) < d:
             return -1
         i = _next(t, i)
+        d += 1
 
 cdef bint _get(const Table* t, uint64_t key, uint64_t* value) nogil:
     cdef Py_ssize_t i
@@ -222,27 +385,59 @@ cdef bint _get(const Table* t, uint64_t key, uint64_t* value) nogil:
     value[0] = t.slots[i].value
     return True
 
+cdef void _place(Table* t, Entry entry) noexcept nogil:
+    """Insert an entry whose key (not 0) is absent, keeping the Robin Hood order. With
+    homes monotonic in the mixed key (``kv_home``), that order sorts each run by home:
+    the entry goes before the first entry of its run whose home lies past its own, and
+    the rest of the run moves up one slot (no per-slot home computed for the move)."""
+    cdef Py_ssize_t i = _home(t, entry.key), d = 0, j, k
+    while t.slots[i].key != 0 and _distance(t, t.slots[i].key, i) >= d:
+        i = _next(t, i)
+        d += 1
+    j = i
+    while t.slots[j].key != 0:
+        j = _next(t, j)
+    while j != i:  # the run [i, j) moves up one slot, from its end
+        k = j - 1 if j > 0 else t.capacity - 1
+        t.slots[j] = t.slots[k]
+        j = k
+    t.slots[i] = entry
+
 cdef int _resize(Table* t, Py_ssize_t capacity) except -1:
+    """Move every entry to a new array of ``capacity`` slots. The old one is read from an
+    empty slot on, so entries come in the order of their homes (Robin Hood runs are sorted
+    by home, and homes keep their order at any capacity): each lands just after the one
+    before it, in memory already in cache, rather than at a random place."""
     cdef Entry* old = t.slots
-    cdef Py_ssize_t old_capacity = t.capacity, i, j
+    cdef Py_ssize_t old_capacity = t.capacity, start = 0, n, i
     cdef Entry* slots = <Entry*> PyMem_Malloc(capacity * sizeof(Entry))
     if slots == NULL:
         raise MemoryError()
     memset(slots, 0, capacity * sizeof(Entry))
     t.slots = slots
     t.capacity = capacity
-    for i in range(old_capacity):
+    while start < old_capacity and old[start].key != 0:
+        start += 1
+    for n in range(old_capacity):
+        i = start + n
+        if i >= old_capacity:
+            i -= old_capacity
         if old[i].key != 0:
-            j = _home(t, old[i].key)
-            while slots[j].key != 0:
-                j = _next(t, j)
-            slots[j] = old[i]
+            _place(t, old[i])
     PyMem_Free(old)
     return 0
 
-cdef int _put(Table* t, uint64_t key, uint64_t value) except -1:
-    """Insert or overwrite."""
+cdef uint64_t* _value_of(Table* t, uint64_t key) noexcept nogil:
+    """Where ``key``'s value is kept, or NULL if it is absent (valid until an insertion)."""
     cdef Py_ssize_t i
+    if key == 0:
+        return &t.zero_value if t.has_zero else NULL
+    i = _find(t, key)
+    return NULL if i < 0 else &t.slots[i].value
+
+cdef int _insert(Table* t, uint64_t key, uint64_t value) except -1:
+    """Insert ``key``, known to be absent (one probe less than :func:`_put`)."""
+    cdef Entry entry
     if key == 0:
         t.has_zero = True
         t.zero_value = value
@@ -252,18 +447,30 @@ cdef int _put(Table* t, uint64_t key, uint64_t value) except -1:
             _resize(t, max(2 * t.capacity, MIN_CAPACITY))
         else:
             _resize(t, t.capacity + t.capacity // 4)
-    i = _home(t, key)
-    while t.slots[i].key != 0 and t.slots[i].key != key:
-        i = _next(t, i)
-    if t.slots[i].key == 0:
-        t.size += 1
-        t.slots[i].key = key
-    t.slots[i].value = value
+    entry.key = key
+    entry.value = value
+    _place(t, entry)
+    t.size += 1
     return 0
 
+cdef int _put(Table* t, uint64_t key, uint64_t value) except -1:
+    """Insert or overwrite."""
+    cdef Py_ssize_t i
+    if key == 0:
+        t.has_zero = True
+        t.zero_value = value
+        return 0
+    i = _find(t, key)
+    if i >= 0:
+        t.slots[i].value = value
+        return 0
+    return _insert(t, key, value)
+
 cdef bint _delete(Table* t, uint64_t key) nogil:
-    """Remove ``key``; False if it was not there. Later entries of the run shift back."""
-    cdef Py_ssize_t i, j, home
+    """Remove ``key``; False if it was not there. The entries after it shift back one
+    slot, up to the first that is at its home (or an empty slot)."""
+    cdef Py_ssize_t i, j
+    cdef uint64_t found
     if key == 0:
         if not t.has_zero:
             return False
@@ -272,16 +479,14 @@ cdef bint _delete(Table* t, uint64_t key) nogil:
     i = _find(t, key)
     if i < 0:
         return False
-    j = i
+    j = _next(t, i)
     while True:
-        j = _next(t, j)
-        if t.slots[j].key == 0:
+        found = t.slots[j].key
+        if found == 0 or _distance(t, found, j) == 0:
             break
-        home = _home(t, t.slots[j].key)
-        # Move j back to the hole at i unless its home lies cyclically in (i, j].
-        if (j > i and (home <= i or home > j)) or (j < i and (home <= i and home > j)):
-            t.slots[i] = t.slots[j]
-            i = j
+        t.slots[i] = t.slots[j]
+        i = j
+        j = _next(t, j)
     t.slots[i].key = 0
     t.size -= 1
     return True
@@ -549,6 +754,7 @@ cdef class Tables:
         cdef Stream* s = self._stream(number)
         cdef long kind, tier
         cdef uint64_t engine_hash, key, previous, counts
+        cdef uint64_t* mapped
         cdef Py_ssize_t unknown = 0, unresolved = 0
         cdef tuple op
         for op in ops:
@@ -563,9 +769,20 @@ cdef class Tables:
                 continue
             if kind == OP_STORE:
                 key = op[3]
-                if _get(&s.hash_to_key, engine_hash, &previous) and previous != key:
-                    self._unlink(s, number, previous)
-                _put(&s.hash_to_key, engine_hash, key)
+                mapped = _value_of(&s.hash_to_key, engine_hash)
+                if mapped == NULL:
+                    _insert(&s.hash_to_key, engine_hash, key)
+                elif mapped[0] != key:
+                    previous = mapped[0]
+                    mapped[0] = key
+                    self._unlink(s, number, previous)  # it does not touch ``hash_to_key``
+                if _value_of(&self._holders, key) == NULL:
+                    # Held by no stream (the common new block): this one holds it alone,
+                    # its one count folded into the entry, as _join would do in 3 probes.
+                    s.blocks_by_tier[tier] += 1
+                    counts = (<uint64_t> 1) << (LANE_BITS * tier)
+                    _insert(&self._holders, key, _folded(number, counts))
+                    continue
             elif kind == OP_STORE_BY_HASH:
                 if not _get(&s.hash_to_key, engine_hash, &key):
                     unresolved += 1

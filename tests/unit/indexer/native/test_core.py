@@ -4,19 +4,24 @@ The install builds the extension (setup.py), so these tests require it: a missin
 fails here rather than leaving every other test on the fallback unnoticed. Random inputs
 (hypothesis) judge agreement: block keys over random tokens and block sizes, and random
 batches of index operations on a few streams, with clears, drops and lookups between them,
-and random events translated into index operations with and without the compiled loops.
+random events translated into index operations with and without the compiled loops, random
+payloads decoded with token ids packed and the general way, and engine-hash lists checked
+compiled and in Python.
 """
 
 from __future__ import annotations
 
+import random
+from collections.abc import Sequence
 from contextlib import ExitStack
 from unittest.mock import patch
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvindex.indexer import native
+from kvindex.indexer import native, wire
 from kvindex.indexer.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -132,6 +137,29 @@ def test_tables_grow_and_shrink_back_exactly() -> None:
         )
 
 
+def test_tables_agree_through_churn_of_random_hashes() -> None:
+    # Random 64-bit hashes and keys (homes anywhere, runs wrapping past the array's end),
+    # stored and removed in turns while the tables grow: every lookup and count as in dicts.
+    rng = random.Random(14)
+    index, python = MemoryIndex(), MemoryIndex(compiled=False)
+    held: list[int] = []
+    for seq in range(40):
+        ops: list[Op] = []
+        for _ in range(1_500):
+            if held and rng.random() < 0.4:
+                ops.append((OpKind.REMOVE, Tier.GPU, held.pop(rng.randrange(len(held))), 0))
+            else:
+                engine_hash = rng.getrandbits(64)
+                held.append(engine_hash)
+                ops.append((OpKind.STORE, rng.choice(list(Tier)), engine_hash, rng.getrandbits(64)))
+        for each in (index, python):
+            assert each.apply(STREAMS[seq % 2], seq, 1.0, ops) is not None
+    probes = held + [rng.getrandbits(64) for _ in range(2_000)]
+    for stream in STREAMS[:2]:
+        assert index.stats(stream) == python.stats(stream)
+        assert index.resolve(stream, probes) == python.resolve(stream, probes)
+
+
 # --- event → op translation ----------------------------------------------------------------
 
 _stored = st.builds(
@@ -174,3 +202,93 @@ def _translate(events: list[Event], *, compiled: bool) -> tuple[list[Op], Stream
 @given(st.lists(_event, max_size=8))
 def test_compiled_translation_agrees_with_python(events: list[Event]) -> None:
     assert _translate(events, compiled=True) == _translate(events, compiled=False)
+
+
+# --- decoding with token ids packed --------------------------------------------------------
+
+_token = st.one_of(
+    st.integers(0, 2**32 - 1), st.integers(-(2**63), 2**64 - 1), st.sampled_from([0, 127, 128])
+)
+_wire_tokens = st.one_of(
+    st.lists(_token, max_size=40),
+    st.lists(st.integers(0, 2**32 - 1), min_size=15, max_size=40),  # array16 past 15
+    st.lists(st.one_of(st.integers(0, 9), st.floats(), st.booleans(), st.text()), max_size=4),
+)
+
+
+def _stored_map(tokens: list[object], size: int, medium: str | None) -> dict[str, object]:
+    return {"type": "BlockStored", "block_hashes": [5, b"\x01" * 32], "parent_block_hash": None,
+            "token_ids": tokens, "block_size": size, "lora_id": None, "medium": medium}  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(_wire_tokens, st.integers(0, 16), st.sampled_from([None, "GPU", "cpu"]))),
+    st.booleans(),
+)
+def test_packed_decoding_agrees_with_the_general_one(
+    stores: list[tuple[list[object], int, str | None]], as_arrays: bool
+) -> None:
+    # Events as vLLM sends them (maps or arrays), token ids of every kind: in range, out of
+    # range, not ints. Wherever the fast path decodes a batch, it decodes it as the general
+    # one does (packed token ids equal to the lists); elsewhere it leaves it to that one.
+    events: list[object] = [
+        _stored_map(tokens, size, medium) if not as_arrays
+        else ["BlockStored", [5, b"\x01" * 32], None, tokens, size, None, medium]
+        for tokens, size, medium in stores
+    ]  # fmt: skip
+    events.append({"type": "AllBlocksCleared"} if not as_arrays else ["AllBlocksCleared"])
+    payload = msgspec.msgpack.encode([1.5, events, 0])
+    general = wire._decode_general(payload, 3)
+    assert wire.decode_payload(payload, 3) == general
+    packed = wire._decode_packed(payload, 3)
+    in_range = all(type(t) is int and 0 <= t < 2**32 for tokens, _, _ in stores for t in tokens)
+    assert (packed is not None) == (in_range and general.num_bad_events == 0)
+    if packed is not None:
+        assert packed == general
+        for event, want in zip(packed.events, general.events, strict=True):
+            if isinstance(event, BlockStored):
+                assert isinstance(want, BlockStored)
+                assert type(event.token_ids) is native.PackedTokens
+                assert event.token_ids.packed == tokens_to_bytes(want.token_ids)
+
+
+def test_packed_tokens_behave_as_the_list() -> None:
+    listed = [0, 1, 127, 128, 255, 256, 65_535, 65_536, 2**31, 2**32 - 1]
+    assert native.packed_tokens is not None and native.PackedTokens is not None
+    tokens = native.packed_tokens(msgspec.msgpack.encode(listed))
+    assert tokens is not None
+    assert tokens == listed and listed == tokens and tokens != tuple(listed)
+    assert list(tokens) == tokens.tolist() == listed and len(tokens) == len(listed)
+    assert tokens[0] == 0 and tokens[-1] == 2**32 - 1 and tokens[2:5] == listed[2:5]
+    assert tokens[::-3] == listed[::-3] and 128 in tokens and 3 not in tokens
+    assert isinstance(tokens, Sequence) and repr(tokens) == f"PackedTokens({listed!r})"
+    with pytest.raises(IndexError):
+        tokens[len(listed)]
+    for bad in (b"", b"\x91", b"\x92\x01", b"\x91\xff", b"\x91\xcf" + b"\x01" * 8, b"\xc0"):
+        assert native.packed_tokens(bad) is None
+    assert native.packed_tokens(msgspec.msgpack.encode([1, 2]) + b"\x00") is None
+    many = list(range(70_000))  # an array32 head
+    assert native.packed_tokens(msgspec.msgpack.encode(many)) == many
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            U64, st.integers(-(2**63), -1), st.binary(max_size=40), st.booleans(), st.floats()
+        ),
+        max_size=12,
+    )
+)
+def test_compiled_hash_fast_path_agrees_with_python(values: list[object]) -> None:
+    # Where the compiled check takes a list as already u64, the Python path gives the same
+    # tuple; anything else (negative, bytes, not an int) it leaves to the Python path.
+    assert native.unsigned_hashes is not None
+    unsigned = native.unsigned_hashes(values)
+    plain = all(type(v) is int and 0 <= v < 2**64 for v in values)
+    assert (unsigned is not None) == plain
+    if unsigned is not None:
+        with patch.object(wire, "_unsigned", None):
+            assert wire._hashes(values) == unsigned  # type: ignore[arg-type]
+    assert native.unsigned_hashes(tuple(values)) is None
