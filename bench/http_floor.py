@@ -46,7 +46,6 @@ import json
 import logging
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -54,7 +53,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import msgspec
-from score_http import Api, LoadPlan, LoadResult, http_call, run_load, wait_until
+from score_http import Api, LoadPlan, LoadResult, run_load, running_api
 
 from kvindex.api.app import ApiDeps, create_app
 from kvindex.api.load.store import MemoryLoadStore
@@ -234,27 +233,9 @@ def _api(server: str, stack: str, args: argparse.Namespace) -> Iterator[Api]:
     port = _free_port()
     command = [sys.executable, __file__, "--serve", server, stack, str(port)]
     command += ["--tokens", str(args.tokens), "--replicas", str(args.replicas)]
-    process = subprocess.Popen(command, stdout=sys.stderr.fileno(), stdin=subprocess.DEVNULL)
-    api = Api(f"http://127.0.0.1:{port}", None, process.pid)
-    try:
-        wait_until("the API to answer", lambda: _ready(api, process), _READY_S, 0.1)
-        yield api
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def _ready(api: Api, process: subprocess.Popen[bytes]) -> bool:
-    if process.poll() is not None:
-        raise RuntimeError(f"the API process exited with {process.returncode}")
-    try:
-        return http_call(api, "GET", "/healthz")[0] == 200
-    except OSError:
-        return False
+    api = Api(f"http://127.0.0.1:{port}", None, None)
+    with running_api(command, api, ready_path="/healthz", timeout_s=_READY_S) as started:
+        yield started
 
 
 def _free_port() -> int:

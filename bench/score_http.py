@@ -120,13 +120,33 @@ def _serve_command(
     return command
 
 
-def _ready(api: Api, process: subprocess.Popen[bytes]) -> bool:
+def _ready(api: Api, process: subprocess.Popen[bytes], path: str) -> bool:
     if process.poll() is not None:
-        raise RuntimeError(f"kvindex serve exited with {process.returncode}")
+        raise RuntimeError(f"the API process exited with {process.returncode}")
     try:
-        return http_call(api, "GET", "/readyz")[0] == 200
+        return http_call(api, "GET", path)[0] == 200
     except OSError:
         return False
+
+
+@contextmanager
+def running_api(
+    command: list[str], api: Api, *, ready_path: str = "/readyz", timeout_s: float
+) -> Iterator[Api]:
+    """``command`` started as the API answering at ``api``, once ``ready_path`` answers 200;
+    terminated (killed after 15 s) on exit."""
+    process = subprocess.Popen(command, stdout=sys.stderr.fileno(), stdin=subprocess.DEVNULL)
+    api = Api(api.url, api.events, process.pid)
+    try:
+        wait_until("the API to be ready", lambda: _ready(api, process, ready_path), timeout_s, 0.1)
+        yield api
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 @contextmanager
@@ -143,18 +163,9 @@ def api_process(
     if redis_url is not None:
         command += ["--redis-url", redis_url]
     log.info("starting: %s ... (%d --replica flags)", " ".join(command[:12]), len(replicas))
-    process = subprocess.Popen(command, stdout=sys.stderr.fileno(), stdin=subprocess.DEVNULL)
-    api = Api(f"http://127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[1]}", process.pid)
-    try:
-        wait_until("the API to be ready", lambda: _ready(api, process), _READY_TIMEOUT_S, 0.1)
-        yield api
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    api = Api(f"http://127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[1]}", None)
+    with running_api(command, api, timeout_s=_READY_TIMEOUT_S) as started:
+        yield started
 
 
 def process_cpu_s(pid: int | None) -> float | None:
