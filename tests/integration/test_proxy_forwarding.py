@@ -209,8 +209,8 @@ def test_the_proxy_table_bearer_tokens_replica_keys_lora_names_and_pass_through(
         messages = _conversation("queries")
         _, cached = _ask(client, messages, LORA)
         assert cached == 0
-        holder = _until_cached(client, messages, LORA)  # the LoRA's blocks, found
-        assert all(_ask(client, messages, LORA)[0] == holder for _ in range(3))
+        _until_cached(client, messages, LORA)  # the LoRA's blocks, found
+        assert all(_ask(client, messages, LORA)[1] > 0 for _ in range(3))  # by a holder
         vectors = client.embeddings.with_raw_response.create(model=MODEL, input=["a b", "c"])
         assert vectors.headers["x-kvindex-replica"] in ("r1", "r2")
         assert [len(e.embedding) for e in vectors.parse().data] == [8, 8]
@@ -229,8 +229,11 @@ def test_a_dead_first_replica_leaves_tokenizing_to_another(
         for topic in ("kites", "lakes"):
             messages = _conversation(topic)
             _ask(client, messages)
-            holder = _until_cached(client, messages)
-            assert holder != "r1" and _ask(client, messages)[0] == holder
+            _until_cached(client, messages)
+            # Two replicas may hold the prompt by now (an answer came before the index
+            # heard of the first): any holder will do, and it is never the dead one.
+            replica, cached = _ask(client, messages)
+            assert replica != "r1" and cached > 0
     metrics = proxy.metrics()
     assert "kvindex_proxy_tokenize_failures_total{" not in metrics  # never routed blind
     assert "kvindex_proxy_matched_fraction_count" in metrics
