@@ -14,7 +14,7 @@ from kvindex.clients.analyze.fragmentation import (
     common_prefix,
     varying_texts,
 )
-from kvindex.clients.analyze.prefixes import PrefixCounts, SharedPrefix
+from kvindex.clients.analyze.prefixes import SharedPrefix
 from kvindex.clients.analyze.verdict import Evidence, Verdict, decide
 from kvindex.clients.request_log import LogProblem
 
@@ -95,7 +95,7 @@ async def build_report(
     """The report of ``walk`` (finished); ``decode`` shows examples and prefix starts."""
     total = max(walk.prompt_tokens, 1)
     findings = await _findings(walk, decode)
-    counts = PrefixCounts(walk.keys)
+    counts = walk.prefixes.counts()
     prefixes = counts.shared_prefixes()
     best = findings[0] if findings else None
     evidence = Evidence(
