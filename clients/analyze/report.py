@@ -76,7 +76,7 @@ class AnalysisReport:
     cacheable_by_position: list[ProfilePoint]
     num_problems: int
     problems: list[str]
-    """The first skipped lines, each with its line number and why."""
+    """The first skipped lines (by line number), each with its line number and why."""
     wall_s: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds spent reading and tokenizing, in the cache walk, and building the report."""
@@ -120,7 +120,7 @@ async def build_report(
         verdict=decide(evidence),
         cacheable_by_position=_profile(walk),
         num_problems=problems[0],
-        problems=[str(p) for p in problems[1]],
+        problems=[str(p) for p in sorted(problems[1], key=lambda p: p.line)],
     )
 
 
