@@ -8,7 +8,7 @@ the :class:`~kvindex.clients.analyze.fragmentation.FragmentationFinder`, and kee
 position the prompt tokens, the cached ones and the ones cached after the fix (the plot),
 and per request only its first tokens (to show a prefix), its model and its cached blocks:
 the cache itself is the :class:`~kvindex.clients.analyze.prefixes.PrefixTree` (every
-distinct key once), which also counts the shared prefixes. Token ids are not kept.
+distinct key once), which also counts the shared prefixes.
 """
 
 from __future__ import annotations
