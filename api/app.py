@@ -208,6 +208,7 @@ class _AppState:
             runs_write_path=deps.runs_write_path,
             store_up=lambda: circuit is None or not circuit.is_open,
             block_sizes=block_sizes,
+            rule_names=[rule.name for rule in deps.settings.rules],
         )
         index = TimedIndex(deps.index, metrics.lookup_latency)
         return cls(deps, metrics, index, block_sizes)
@@ -243,6 +244,7 @@ class _AppState:
         request = msgspec.json.decode(body, type=ScoreRequest)
         answer = await self.scorer.score(request, headers)
         self.metrics.score_latency.labels(answer.policy).observe(time.perf_counter() - started)
+        self.metrics.count_rule(answer.rule)
         return msgspec.json.encode(answer)
 
     def scrape_targets(self) -> list[tuple[str, str, str]]:

@@ -15,6 +15,8 @@ The API's own series, by name and labels:
 - ``kvindex_score_seconds{policy}``, ``kvindex_lookup_seconds``: /score and index lookups.
 - ``kvindex_degraded_answers_total{reason}``: /score answers marked ``degraded``, by why
   (``index_unavailable``, ``fleet_unreadable``).
+- ``kvindex_score_rule_matches_total{rule}``: /score answers each ``[[rules]]`` entry
+  matched (every configured rule present from 0; answers no rule matched are not counted).
 - ``kvindex_api_store_up``: 1 while the API's Redis circuit is closed, 0 while it skips
   Redis; 1 on the in-process store.
 - ``kvindex_load_scrape_failures_total{replica}``: failed scrapes of a replica's vLLM /metrics.
@@ -61,6 +63,7 @@ class ApiMetrics:
     is given (export the write path's series); False for an API reading another process's
     fleet. ``store_up`` says whether the API's store is being called (its circuit closed).
     ``block_sizes`` feeds the mismatch gauge (None: not exported; the app always gives it).
+    ``rule_names``: the configured ``[[rules]]``, exported from 0.
     """
 
     def __init__(
@@ -71,10 +74,12 @@ class ApiMetrics:
         runs_write_path: bool = True,
         store_up: Callable[[], bool] = lambda: True,
         block_sizes: BlockSizeCheck | None = None,
+        rule_names: Sequence[str] = (),
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self._request_series()
         self._score_series()
+        self._rule_series(rule_names)
         store = Gauge(
             "kvindex_api_store_up",
             "1 while the API calls its store (circuit closed), 0 while it skips it",
@@ -136,6 +141,21 @@ class ApiMetrics:
             ["replica"],
             registry=self.registry,
         )
+
+    def _rule_series(self, rule_names: Sequence[str]) -> None:
+        self.rule_matches = Counter(
+            "kvindex_score_rule_matches",
+            "POST /score answers by the [[rules]] entry that matched the request",
+            ["rule"],
+            registry=self.registry,
+        )
+        for name in rule_names:  # present from the start, so rate() sees the first
+            self.rule_matches.labels(name)
+
+    def count_rule(self, rule: str | None) -> None:
+        """One /score answer and the rule it matched (None: no rule, not counted)."""
+        if rule is not None:
+            self.rule_matches.labels(rule).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

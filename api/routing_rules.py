@@ -126,6 +126,22 @@ class RoutingRule:
     def weight_overrides(self) -> dict[str, float]:
         return dict(self.weights)
 
+    def as_table(self) -> dict[str, Any]:
+        """The rule as a ``[[rules]]`` table (``GET /config``): only the keys it gives,
+        conditions as lists; :func:`rule_from_table` reads it back to an equal rule."""
+        table: dict[str, Any] = {"name": self.name}
+        for condition in ("model", "workload", "user"):
+            if values := getattr(self, condition):
+                table[condition] = list(values)
+        if self.headers:
+            table["headers"] = {name: list(values) for name, values in self.headers}
+        for key in ("min_prompt_tokens", "max_prompt_tokens", "tools", "policy"):
+            if (value := getattr(self, key)) is not None:
+                table[key] = value
+        if self.weights:
+            table["weights"] = dict(self.weights)
+        return table
+
 
 def first_match(rules: Sequence[RoutingRule], seen: RuleInput) -> RoutingRule | None:
     """The first rule (in configuration order) that matches ``seen``; None if none does."""

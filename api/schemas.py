@@ -236,3 +236,6 @@ class ConfigView(msgspec.Struct):
     default_policy: str
     weights: dict[str, float]
     models: dict[str, ModelView]
+    rules: list[dict[str, Any]] = []
+    """The ``[[rules]]``, in the order they are tried (the first match wins), each as its
+    table: ``name``, the conditions it gives, ``policy`` and/or ``weights``."""

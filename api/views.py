@@ -130,9 +130,11 @@ def stats_view(registry: RegistryView, index: BlockIndex) -> StatsView:
 
 
 def config_view(settings: ApiSettings, scorer: Scorer) -> ConfigView:
-    """``GET /config``: the default policy and weights, every known model's block size."""
+    """``GET /config``: the default policy and weights, every known model's block size,
+    the routing rules in order."""
     models = {m: ModelView(scorer.block_size(m)) for m in scorer.known_models()}
-    return ConfigView(settings.default_policy, settings.weights.as_dict(), models)
+    rules = [rule.as_table() for rule in settings.rules]
+    return ConfigView(settings.default_policy, settings.weights.as_dict(), models, rules)
 
 
 def _counters_view(counters: StreamCounters) -> dict[str, int]:

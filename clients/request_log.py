@@ -279,6 +279,12 @@ class LogTokenizer:
         if self._owns_client:
             await self._client.aclose()
 
+    @property
+    def local(self) -> LocalTokenizer | None:
+        """The in-process tokenizer (``--tokenizer``, its chat template always set); None
+        with ``--tokenizer-url``."""
+        return self._local
+
     def _tokenizer(self, model: str) -> Tokenizer:
         if self._local is not None:
             return self._local

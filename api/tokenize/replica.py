@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
 import httpx
 import msgspec
 
+from kvindex.api.schemas import TokenId
 from kvindex.api.tokenize.protocol import TokenizerError
 
 _EXCERPT_CHARS = 200
 _JSON_HEADERS = {"content-type": "application/json"}
-
-TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
 
 
 class _TokenizeResponse(msgspec.Struct):

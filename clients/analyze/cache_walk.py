@@ -6,7 +6,9 @@ had: keys are chained, so a request's cached blocks are always a prefix of it. T
 single-cache ceiling: what any router could at best reuse. The walk hands each request to
 the :class:`~kvindex.clients.analyze.fragmentation.FragmentationFinder`, and keeps per block
 position the prompt tokens, the cached ones and the ones cached after the fix (the plot),
-each request's keys (for the shared prefixes) and its first tokens (to show them).
+and per request only its first tokens (to show a prefix), its model and its cached blocks:
+the cache itself is the :class:`~kvindex.clients.analyze.prefixes.PrefixTree` (every
+distinct key once), which also counts the shared prefixes.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvindex.clients.analyze.fragmentation import FragmentationFinder
+from kvindex.clients.analyze.prefixes import PrefixTree
 from kvindex.indexer.keys import block_keys
 
 START_TOKENS = 48
@@ -60,27 +63,19 @@ class CacheWalk:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.recoverable_tokens = 0
-        self.keys: list[npt.NDArray[np.uint64]] = []
+        self.prefixes = PrefixTree()
         self.starts: list[array[int]] = []
         """The first :data:`START_TOKENS` tokens of every request, packed (4 bytes a token)."""
         self.models: list[str] = []
         self.hit_blocks: list[int] = []
-        self._seen: set[int] = set()
 
     def add(self, model: str, tokens: Sequence[int]) -> None:
         """One request's prompt (token ids as the engine sees them)."""
         size = self.block_size
         keys = block_keys(model, tokens, size)
-        seen = self._seen
-        hits = 0
-        for key in keys:
-            if key not in seen:
-                break
-            hits += 1
-        seen.update(keys[hits:])
+        hits = self.prefixes.add(keys)
         recoverable = self.finder.observe(self.num_requests, model, tokens, keys, hits)
         self._count(len(tokens), len(keys), hits, recoverable // size)
-        self.keys.append(np.array(keys, dtype=np.uint64))
         self.starts.append(array("I", tokens[:START_TOKENS]))
         self.models.append(model)
         self.hit_blocks.append(hits)

@@ -1,19 +1,29 @@
 """The shared prefixes: the longest prefixes that several requests have in common.
 
-A prefix of ``n`` blocks is one block key (keys are chained: the key of block ``n - 1``
-names the whole prefix). A prefix is *maximal* where the requests having it stop sharing:
-the next block of each of them is shared by fewer requests (or there is none). Counted
-over every request's keys at once with numpy (one sort of all keys); the same counts say
-how the requests would group under ``prefix_hash`` for each ``prefix_blocks``.
+Keys are chained: the key of block ``n - 1`` names the whole ``n``-block prefix, and the
+key before it is its parent. So the distinct keys of a log form a tree, and each is stored
+once (:class:`PrefixTree`): a request adds the keys no earlier request had (a branch hung
+on its last cached key) and one *end* at its last key. The requests that have a prefix are
+the ends under its key, counted once at the end with numpy, level by level
+(:class:`PrefixCounts`). Memory grows with the distinct keys, not with every request's
+blocks: a log of shared system prompts costs little per request.
+
+A prefix is *maximal* where the requests having it stop sharing: some of them end there,
+or they go on into different blocks (its most shared child has fewer requests). The same
+counts say how the requests would group under ``prefix_hash`` for each ``prefix_blocks``.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
 
 import numpy as np
 import numpy.typing as npt
+
+Ints = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,53 +32,143 @@ class SharedPrefix:
     blocks: int
     requests: int
     example: int
-    """Index of a request that has it."""
+    """Index of a request that has it (the first one, in log order)."""
+
+
+class PrefixTree:
+    """Every distinct block key of the requests, fed in log order with :meth:`add`.
+
+    Also the walk's cache: :meth:`add` says how many leading blocks of a request some
+    earlier request had. Not thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self.num_requests = 0
+        self.num_keyless = 0
+        """Requests without a full block."""
+        self._seen: set[int] = set()
+        self._keys = array("Q")
+        self._parents = array("Q")
+        """The key before each key (0 at position 0, where there is none)."""
+        self._positions = array("I")
+        self._owners = array("I")
+        """The request that first had each key."""
+        self._last_keys = array("Q")
+        """The last key of every request that has one."""
+
+    def add(self, keys: Sequence[int]) -> int:
+        """Record the next request's block keys (chained, as
+        :func:`~kvindex.indexer.keys.block_keys` makes them); the number of its leading
+        keys an earlier request had (they are always a prefix of them)."""
+        index = self.num_requests
+        self.num_requests += 1
+        if not keys:
+            self.num_keyless += 1
+            return 0
+        seen = self._seen
+        hits = 0
+        for key in keys:
+            if key not in seen:
+                break
+            hits += 1
+        new = keys[hits:]
+        if new:
+            seen.update(new)
+            self._keys.extend(new)
+            self._parents.append(keys[hits - 1] if hits else 0)
+            self._parents.extend(new[:-1])
+            self._positions.extend(range(hits, len(keys)))
+            self._owners.extend(repeat(index, len(new)))
+        self._last_keys.append(keys[-1])
+        return hits
+
+    def counts(self) -> PrefixCounts:
+        """How many requests share each prefix, as of now."""
+        keys = np.frombuffer(self._keys, dtype=np.uint64)
+        positions = np.frombuffer(self._positions, dtype=np.uint32).astype(np.int64)
+        order = np.argsort(keys)
+        sorted_keys = keys[order]
+
+        def slots(of: npt.NDArray[np.uint64]) -> Ints:
+            found: Ints = order[np.searchsorted(sorted_keys, of)]
+            return found
+
+        ends = np.bincount(
+            slots(np.frombuffer(self._last_keys, dtype=np.uint64)), minlength=len(keys)
+        )
+        parents = np.full(len(keys), -1, dtype=np.int64)
+        inner = positions > 0
+        parents[inner] = slots(np.frombuffer(self._parents, dtype=np.uint64)[inner])
+        return PrefixCounts(
+            keys=keys,
+            positions=positions,
+            owners=np.frombuffer(self._owners, dtype=np.uint32),
+            requests=_subtree_sums(ends.astype(np.int64), parents, positions),
+            parents=parents,
+            num_requests=self.num_requests,
+            num_keyless=self.num_keyless,
+        )
+
+
+def _subtree_sums(ends: Ints, parents: Ints, positions: Ints) -> Ints:
+    """Per key, the ends at it or under it: deepest level first, each added to its parent."""
+    totals = ends.copy()
+    by_level = np.argsort(positions, kind="stable")
+    deepest = int(positions.max()) if len(positions) else 0
+    bounds = np.searchsorted(positions[by_level], np.arange(deepest + 2))
+    for level in range(deepest, 0, -1):
+        nodes = by_level[bounds[level] : bounds[level + 1]]
+        np.add.at(totals, parents[nodes], totals[nodes])
+    return totals
 
 
 class PrefixCounts:
-    """How many requests share each prefix, counted once over every request's keys."""
+    """Per distinct key of a :class:`PrefixTree`: its position, first request, parent and
+    the number of requests that have it."""
 
-    def __init__(self, keys: Sequence[npt.NDArray[np.uint64]]) -> None:
-        lengths = np.array([len(k) for k in keys], dtype=np.int64)
-        self.num_requests = len(keys)
-        self.num_keyless = int((lengths == 0).sum())
+    def __init__(
+        self,
+        *,
+        keys: npt.NDArray[np.uint64],
+        positions: Ints,
+        owners: npt.NDArray[np.uint32],
+        requests: Ints,
+        parents: Ints,
+        num_requests: int,
+        num_keyless: int,
+    ) -> None:
+        self.num_requests = num_requests
+        self.num_keyless = num_keyless
         """Requests without a full block (``prefix_hash`` hashes them all alike)."""
-        every = np.concatenate(keys) if len(keys) else np.zeros(0, dtype=np.uint64)
-        starts = np.cumsum(lengths) - lengths
-        self._every = every
-        self._owner = np.repeat(np.arange(len(keys)), lengths)
-        self._position = np.arange(len(every)) - np.repeat(starts, lengths)
-        _, self._inverse, counts = np.unique(every, return_inverse=True, return_counts=True)
-        self._sharing = counts[self._inverse]
-        following = np.zeros_like(self._sharing)
-        following[:-1] = self._sharing[1:]
-        ends = (starts + lengths - 1)[lengths > 0]
-        following[ends] = 0
-        self._following = following
+        self._keys, self._positions, self._owners = keys, positions, owners
+        self._requests = requests
+        inner = parents >= 0
+        self._most_shared_child = np.zeros_like(requests)
+        np.maximum.at(self._most_shared_child, parents[inner], requests[inner])
 
     def shared_prefixes(self) -> list[SharedPrefix]:
-        """Every maximal prefix at least 2 requests share, most requests first, then longest."""
-        sharing = self._sharing
-        maximal = np.nonzero((sharing >= 2) & (sharing > self._following))[0]
-        _, first = np.unique(self._inverse[maximal], return_index=True)
+        """Every maximal prefix at least 2 requests share, most requests first, then
+        longest, then by key."""
+        requests = self._requests
+        maximal = np.nonzero((requests >= 2) & (requests > self._most_shared_child))[0]
         found = [
             SharedPrefix(
-                int(self._every[i]),
-                int(self._position[i]) + 1,
-                int(sharing[i]),
-                int(self._owner[i]),
+                int(self._keys[i]),
+                int(self._positions[i]) + 1,
+                int(requests[i]),
+                int(self._owners[i]),
             )
-            for i in maximal[first]
+            for i in maximal
         ]
-        found.sort(key=lambda p: (-p.requests, -p.blocks))
+        found.sort(key=lambda p: (-p.requests, -p.blocks, p.key))
         return found
 
     def largest_group_by_blocks(self) -> list[float]:
         """Entry ``n - 1``: the largest share of the requests that have the same first ``n``
         blocks (those with none count as one group; shorter ones as their own)."""
-        if not len(self._every):
+        if not len(self._keys):
             return []
-        largest = np.zeros(int(self._position.max()) + 1, dtype=np.int64)
-        np.maximum.at(largest, self._position, self._sharing)
+        largest = np.zeros(int(self._positions.max()) + 1, dtype=np.int64)
+        np.maximum.at(largest, self._positions, self._requests)
         largest = np.maximum(largest, self.num_keyless)
         return [float(share) for share in largest / self.num_requests]

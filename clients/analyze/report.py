@@ -14,7 +14,7 @@ from kvindex.clients.analyze.fragmentation import (
     common_prefix,
     varying_texts,
 )
-from kvindex.clients.analyze.prefixes import PrefixCounts, SharedPrefix
+from kvindex.clients.analyze.prefixes import SharedPrefix
 from kvindex.clients.analyze.verdict import Evidence, Verdict, decide
 from kvindex.clients.request_log import LogProblem
 
@@ -76,7 +76,7 @@ class AnalysisReport:
     cacheable_by_position: list[ProfilePoint]
     num_problems: int
     problems: list[str]
-    """The first skipped lines, each with its line number and why."""
+    """The first skipped lines (by line number), each with its line number and why."""
     wall_s: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds spent reading and tokenizing, in the cache walk, and building the report."""
@@ -95,7 +95,7 @@ async def build_report(
     """The report of ``walk`` (finished); ``decode`` shows examples and prefix starts."""
     total = max(walk.prompt_tokens, 1)
     findings = await _findings(walk, decode)
-    counts = PrefixCounts(walk.keys)
+    counts = walk.prefixes.counts()
     prefixes = counts.shared_prefixes()
     best = findings[0] if findings else None
     evidence = Evidence(
@@ -120,7 +120,7 @@ async def build_report(
         verdict=decide(evidence),
         cacheable_by_position=_profile(walk),
         num_problems=problems[0],
-        problems=[str(p) for p in problems[1]],
+        problems=[str(p) for p in sorted(problems[1], key=lambda p: p.line)],
     )
 
 

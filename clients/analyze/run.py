@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 from rich.console import Console
 
+from kvindex.clients.analyze.batches import BATCH_REQUESTS, tokenized_in_batches
 from kvindex.clients.analyze.cache_walk import CacheWalk
 from kvindex.clients.analyze.report import AnalysisReport, build_report
 from kvindex.clients.analyze.table import plot, print_report
@@ -21,7 +22,6 @@ from kvindex.clients.request_log import (
     RequestLogError,
     TokenizerOptions,
     read_request_log,
-    tokenized,
 )
 
 
@@ -32,10 +32,15 @@ class AnalyzeSettings:
     """Tokens per KV-cache block (vLLM's default)."""
     limit: int | None = None
     """Read at most this many requests."""
+    tokenize_batch: int = BATCH_REQUESTS
+    """Requests per call of a local tokenizer (1: one call per request; a
+    ``--tokenizer-url`` is always asked one request at a time)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise RequestLogError(f"block size must be >= 1, got {self.block_size}")
+        if self.tokenize_batch < 1:
+            raise RequestLogError(f"tokenize batch must be >= 1, got {self.tokenize_batch}")
         if self.limit is not None and self.limit < 1:
             raise RequestLogError(f"limit must be >= 1, got {self.limit}")
 
@@ -53,13 +58,14 @@ async def analyze_log(
     async with LogTokenizer(settings.tokenizer, client) as tokenizer:
         requests = read_request_log(path, problems)
         walk_s = 0.0
-        async with aclosing(tokenized(requests, tokenizer, problems)) as stream:
+        stream = tokenized_in_batches(
+            requests, tokenizer, problems, batch_size=settings.tokenize_batch, limit=settings.limit
+        )
+        async with aclosing(stream):
             async for done in stream:
                 walk_started = time.perf_counter()
                 walk.add(done.request.model, done.tokens)
                 walk_s += time.perf_counter() - walk_started
-                if settings.limit is not None and walk.num_requests >= settings.limit:
-                    break
         if not walk.num_requests:
             raise RequestLogError(f"{path}: no request could be read ({problems.count} skipped)")
         read_s = time.perf_counter() - started - walk_s

@@ -36,6 +36,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
 from kvindex.api.background import BackgroundServer, ServerStartError
+from kvindex.api.schemas import TokenId
 from kvindex.clients.fake_vllm.block_pool import Admission, BlockPool
 from kvindex.clients.fake_vllm.engine_hash import engine_root
 from kvindex.clients.fake_vllm.publisher import EventPublisher
@@ -337,8 +338,6 @@ class Engine:
 
 
 # --- HTTP -------------------------------------------------------------------------------------
-
-TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
 
 
 class CompletionBody(msgspec.Struct):

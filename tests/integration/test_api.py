@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvindex.api.app import ApiDeps, create_app
 from kvindex.api.load.store import LoadStore, MemoryLoadStore, RedisLoadStore
 from kvindex.api.policies import Weights
-from kvindex.api.routing_rules import RoutingRule
+from kvindex.api.routing_rules import RoutingRule, rule_from_table
 from kvindex.api.settings import ApiSettings, ModelSpec
 from kvindex.indexer.events import StreamId, Tier
 from kvindex.indexer.fleet.replica import ReplicaSpec
@@ -691,7 +691,33 @@ def test_config_shows_policy_weights_and_block_sizes(api: Api) -> None:
         "default_policy": "kv_aware",
         "weights": W.as_dict(),
         "models": {MODEL: {"block_size": BLOCK}},
+        "rules": [],
     }
+
+
+@MEMORY_ONLY
+def test_config_lists_the_rules_and_metrics_count_the_answers_each_matched(
+    make_api: ApiFactory,
+) -> None:
+    tables: list[dict[str, Any]] = [
+        {"name": "batch", "workload": ["batch"], "policy": "least_load"},
+        {"name": "long", "min_prompt_tokens": 4 * BLOCK, "weights": {"waiting": 0.3}},
+    ]
+    rules = tuple(rule_from_table(table, i) for i, table in enumerate(tables, 1))
+    api = make_api(dataclasses.replace(SETTINGS, rules=rules))
+    api.fleet.add("r1")
+    assert api.get("/config").json()["rules"] == tables
+    assert api.score(token_ids=SYSTEM, workload="batch").rule == "batch"
+    assert api.score(token_ids=SYSTEM).rule == "long"
+    assert api.score(token_ids=SYSTEM, workload="batch").rule == "batch"
+    assert api.score(token_ids=SYSTEM[:BLOCK]).rule is None
+    samples = {
+        s.labels["rule"]: s.value
+        for family in text_string_to_metric_families(api.get("/metrics").text)
+        for s in family.samples
+        if s.name == "kvindex_score_rule_matches_total"
+    }
+    assert samples == {"batch": 2, "long": 1}
 
 
 def refs(node: object) -> Iterator[str]:

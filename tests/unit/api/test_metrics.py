@@ -63,6 +63,20 @@ def test_degraded_reasons_are_exported_from_zero() -> None:
     assert found[("kvindex_degraded_answers_total", (("reason", "fleet_unreadable"),))] == 1
 
 
+def test_each_rule_counts_the_answers_it_matched_from_zero() -> None:
+    metrics = ApiMetrics(Registry(()), MemoryIndex(), rule_names=["batch", "acme"])
+    metrics.count_rule("acme")
+    metrics.count_rule("acme")
+    metrics.count_rule(None)
+    found = samples(metrics)
+    rules = {
+        labels: v
+        for (name, labels), v in found.items()
+        if name == "kvindex_score_rule_matches_total"
+    }
+    assert rules == {(("rule", "batch"),): 0, (("rule", "acme"),): 2}
+
+
 def test_block_size_mismatches_are_counted_per_model() -> None:
     registry = Registry(
         (ReplicaSpec("a", "m"), ReplicaSpec("b", "m"), ReplicaSpec("c", "m"), ReplicaSpec("d", "n"))

@@ -150,6 +150,38 @@ def test_a_bad_rule_names_the_key_and_the_value(table: Mapping[str, Any], named:
     assert named in str(raised.value)
 
 
+@pytest.mark.parametrize(
+    "table",
+    [
+        {"name": "only", "policy": "kv_aware"},
+        {
+            "name": "every-key",
+            "model": ["m", "n"],
+            "workload": ["batch"],
+            "user": ["alice"],
+            "headers": {"x-tenant": ["acme", "globex"]},
+            "min_prompt_tokens": 0,
+            "max_prompt_tokens": 4096,
+            "tools": False,
+            "policy": "prefix_hash",
+            "weights": {"waiting": 0.3, "cache": 2.0},
+        },
+    ],
+)
+def test_a_rule_shows_as_the_table_it_was_read_from(table: dict[str, Any]) -> None:
+    read = rule_from_table(table, 1)
+    assert read.as_table() == table
+    assert rule_from_table(read.as_table(), 1) == read
+
+
+def test_a_condition_given_as_one_string_shows_as_a_list() -> None:
+    assert rule(workload="batch").as_table() == {
+        "name": "r",
+        "workload": ["batch"],
+        "policy": "least_load",
+    }
+
+
 def test_rules_load_from_the_file_and_the_environment_in_order() -> None:
     tables: list[Mapping[str, Any]] = [
         {"name": "batch", "workload": "batch", "policy": "least_load"},

@@ -7,6 +7,7 @@ gathers: a replica's worst stream state, blocks by tier, its load, the fleet tot
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from kvindex.api.block_sizes import BlockSizeCheck
 from kvindex.api.load.model import Load
@@ -14,7 +15,7 @@ from kvindex.api.load.store import MemoryLoadStore
 from kvindex.api.policies import Weights
 from kvindex.api.schemas import ModelView, ReplicaView
 from kvindex.api.score import Scorer
-from kvindex.api.settings import ApiSettings, ModelSpec
+from kvindex.api.settings import ApiSettings, ModelSpec, load_api_settings
 from kvindex.api.views import config_view, replica_views, stats_view
 from kvindex.indexer.events import StreamId, Tier
 from kvindex.indexer.fleet.registry import Registry
@@ -78,6 +79,20 @@ def test_config_view_lists_every_known_model_with_its_block_size() -> None:
     assert config.default_policy == "least_load"
     assert config.weights == Weights().as_dict()
     assert config.models == {"m": ModelView(16), "n": ModelView(32)}
+    assert config.rules == []
+
+
+def test_config_view_lists_the_routing_rules_in_order() -> None:
+    registry, index, loads = fleet()
+    tables: list[dict[str, Any]] = [
+        {"name": "batch", "workload": ["batch"], "policy": "least_load"},
+        {"name": "acme", "headers": {"x-tenant": ["acme"]}, "weights": {"waiting": 0.3}},
+    ]
+    settings = load_api_settings(None, None, rules=list(tables), env={})
+    scorer = Scorer(
+        settings, index, registry, loads, tokenizers=lambda _: None, blocking_store=False
+    )
+    assert config_view(settings, scorer).rules == tables
 
 
 def test_each_stream_shows_its_block_size_and_a_mismatch_is_flagged() -> None:
