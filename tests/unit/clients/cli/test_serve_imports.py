@@ -7,8 +7,9 @@ import json
 import subprocess
 import sys
 
-HEAVY = ("numpy", "tokenizers", "jinja2", "transformers")
-"""numpy: ``analyze``; tokenizers and jinja2: a model with a local tokenizer only."""
+HEAVY = ("numpy", "tokenizers", "jinja2", "transformers", "httpcore")
+"""numpy: ``analyze``; tokenizers and jinja2: a model with a local tokenizer only;
+httpcore (and a TLS context): the first outgoing request (no replica here gives a URL)."""
 
 _SERVE_PATH = """
 import json, sys
