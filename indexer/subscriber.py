@@ -69,7 +69,7 @@ log = logging.getLogger("kvindex.subscriber")
 _POLL_MS = 50
 _MAX_MESSAGES_PER_WAKE = 1024
 _MAINTENANCE_EVERY_S = 1.0
-_RECEIVE_HWM = 16
+_RECEIVE_HWM = 8
 """Messages a SUB queues per publisher before it stops reading from that connection (TCP
 then holds the publisher back, whose own queue takes the rest: vLLM's holds 100,000).
 Unbounded, a burst faster than ingest piled up in this process, for the whole fleet

@@ -21,7 +21,7 @@ from tests.integration.harness import (
 
 R1 = StreamId("r1", 0)
 NUM_BATCHES = 300
-"""Far past the SUB's receive bound (16 messages)."""
+"""Far past the SUB's receive bound (8 messages)."""
 BLOCKS_PER_BATCH = 32
 
 
