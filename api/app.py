@@ -160,6 +160,26 @@ def create_app(deps: ApiDeps, *, lean_routes: bool = True) -> FastAPI:
     return app
 
 
+class _LazyTransport(httpx.AsyncBaseTransport):
+    """httpx's transport, built on the first request: building it loads httpcore and a TLS
+    context with the CA bundle (2.4 MiB), which an API whose replicas give no URL (no
+    scrape, no health check, no replica tokenizer) would hold for nothing. The same
+    transport the client would build (certificates verified, no proxy from the
+    environment); used from the event loop only."""
+
+    def __init__(self) -> None:
+        self._transport: httpx.AsyncHTTPTransport | None = None
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self._transport is None:
+            self._transport = httpx.AsyncHTTPTransport(trust_env=False)
+        return await self._transport.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        if self._transport is not None:
+            await self._transport.aclose()
+
+
 class _AppState:
     """Per-app objects (scorer, metrics, HTTP client, scraper, health checker, block-size
     check)."""
@@ -172,7 +192,9 @@ class _AppState:
         self.index = index
         self.block_sizes = block_sizes
         self._block_size_task: asyncio.Task[None] | None = None
-        self.http = httpx.AsyncClient(timeout=deps.settings.scrape_timeout_s, trust_env=False)
+        self.http = httpx.AsyncClient(
+            timeout=deps.settings.scrape_timeout_s, trust_env=False, transport=_LazyTransport()
+        )
         self.tokenizers = ModelTokenizers(deps.settings, deps.registry, self.http)
         self.scorer = Scorer(
             deps.settings,

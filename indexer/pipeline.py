@@ -130,7 +130,7 @@ class Pipeline:
         self._registry = registry
         self._replays = replays
         self._clock = clock
-        self._ingestor = Ingestor(index, cache_size=settings.key_cache_size)
+        self._ingestor = Ingestor(index, cache_size=settings.key_cache_entries)
         self._runtimes: dict[StreamId, _Runtime] = {}
         self._known_version = -1
         self.counters = UnroutedCounters()

@@ -85,8 +85,12 @@ class IndexerSettings:
     """First ZeroMQ reconnect back-off."""
     reconnect_max_s: float = 5.0
     """Longest ZeroMQ reconnect back-off."""
-    key_cache_size: int = 65_536
-    """Recent engine hash → key mappings cached per stream (saves index round trips)."""
+    key_cache_size: int = -1
+    """Recent engine hash → key mappings cached per stream to find a parent's key, beyond
+    the last two batches' (always at hand). On Redis they save index round trips; in memory
+    the index answers as fast, and a cache there would only cost memory (about 100 bytes an
+    entry, over twice the index's own). -1: 65,536 on Redis, 0 in memory
+    (:attr:`key_cache_entries`)."""
     max_open_files: int = 0
     """Soft open-file limit (``RLIMIT_NOFILE``) the indexer raises itself to at start, never
     above the hard limit nor lowered (0: the hard limit). A connect-mode stream needs about
@@ -115,6 +119,13 @@ class IndexerSettings:
     plus one replay."""
 
     @property
+    def key_cache_entries(self) -> int:
+        """``key_cache_size`` with -1 resolved for the store."""
+        if self.key_cache_size >= 0:
+            return self.key_cache_size
+        return 65_536 if self.store == "redis" else 0
+
+    @property
     def sharded(self) -> bool:
         """Whether this process shares the streams with other indexers on its store."""
         return self.shard == "on" or (self.shard == "auto" and self.store == "redis")
@@ -132,6 +143,8 @@ class IndexerSettings:
             raise SettingsError(str(exc)) from exc
         check_endpoint("bind", self.bind)
         _check_shard(self)
+        if self.key_cache_size < -1:
+            raise SettingsError(f"key_cache_size must be >= -1, got {self.key_cache_size!r}")
         if self.max_open_files < 0:
             raise SettingsError(f"max_open_files must be >= 0, got {self.max_open_files!r}")
         if self.max_self_registered < 0:

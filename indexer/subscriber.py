@@ -69,6 +69,12 @@ log = logging.getLogger("kvindex.subscriber")
 _POLL_MS = 50
 _MAX_MESSAGES_PER_WAKE = 1024
 _MAINTENANCE_EVERY_S = 1.0
+_RECEIVE_HWM = 8
+"""Messages a SUB queues per publisher before it stops reading from that connection (TCP
+then holds the publisher back, whose own queue takes the rest: vLLM's holds 100,000).
+Unbounded, a burst faster than ingest piled up in this process, for the whole fleet
+(12 MB for 16 replicas sending 200,000 blocks at once); the loop drains what is queued at
+each wake, so a few messages per stream are all it needs at hand."""
 
 Context = zmq.Context[zmq.Socket[bytes]]
 Socket = zmq.Socket[bytes]
@@ -387,7 +393,7 @@ class Subscriber:
     def _new_sub(self) -> Socket:
         sock = self._zmq_context().socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, _RECEIVE_HWM)
         sock.setsockopt(zmq.RECONNECT_IVL, int(self._settings.reconnect_min_s * 1000))
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(self._settings.reconnect_max_s * 1000))
         sock.setsockopt(zmq.SUBSCRIBE, b"")

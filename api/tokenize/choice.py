@@ -12,7 +12,6 @@ import httpx
 
 from kvindex.api.settings import ApiSettings
 from kvindex.api.tokenize.cache import CachingTokenizer
-from kvindex.api.tokenize.local import LocalTokenizer
 from kvindex.api.tokenize.protocol import Tokenizer, TokenizerError
 from kvindex.api.tokenize.replica import ReplicaTokenizer
 from kvindex.indexer.fleet.registry import RegistryView
@@ -82,6 +81,10 @@ def build_tokenizer(spec: TokenizerSpec, client: httpx.AsyncClient) -> Tokenizer
     inner: Tokenizer
     if spec.kind == "local":
         assert spec.path is not None  # checked by TokenizerSpec
+        # Imported here: `tokenizers` and `jinja2` cost an API that has no local tokenizer
+        # (most of them) about 5 MiB of memory.
+        from kvindex.api.tokenize.local import LocalTokenizer  # noqa: PLC0415
+
         inner = LocalTokenizer.from_files(spec.path, spec.chat_template_path)
     else:
         assert spec.base_url is not None and spec.model is not None  # checked by TokenizerSpec

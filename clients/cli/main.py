@@ -9,14 +9,13 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from kvindex.api.server import serve as run_server
 from kvindex.api.server import serve_api
 from kvindex.api.settings import ApiSettings, load_api_settings
-from kvindex.clients.analyze.run import AnalyzeSettings, analyze_main
 from kvindex.clients.cli.check_hash import check_hash_command
 from kvindex.clients.cli.log_format import LOG_FORMATS, LogFormat, configure_logging
 from kvindex.clients.cli.status import FleetStatus, StatusLog
@@ -26,7 +25,6 @@ from kvindex.clients.demo import DemoSettings, demo_main
 from kvindex.clients.fake_vllm.replica import ReplicaSim, ReplicaSimError, ReplicaSimSettings
 from kvindex.clients.proxy.service import serve_proxy
 from kvindex.clients.proxy.settings import load_proxy_settings
-from kvindex.clients.request_log import TokenizerOptions, read_tokenized_log
 from kvindex.clients.simulate.fleet import FleetSettings
 from kvindex.clients.simulate.routing import PolicySpec, parse_policy
 from kvindex.clients.simulate.run import DEFAULT_POLICIES, SimulateSettings, simulate_main
@@ -42,6 +40,9 @@ from kvindex.indexer.fleet.registry import Freshness, fleet_totals
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.service import IndexerService
 from kvindex.indexer.settings import IndexerSettings, load_settings, read_toml
+
+if TYPE_CHECKING:  # imported where used: `serve` must not pay for tokenizers and numpy
+    from kvindex.clients.request_log import TokenizerOptions
 
 _DEMO = DemoSettings()
 
@@ -444,6 +445,8 @@ def _tokenizer_options(command: Callable[..., None]) -> Callable[..., None]:
 def _tokenizer_choice(
     tokenizer_path: Path | None, chat_template_path: Path | None, tokenizer_url: str | None
 ) -> TokenizerOptions:
+    from kvindex.clients.request_log import TokenizerOptions  # noqa: PLC0415 (tokenizers)
+
     return TokenizerOptions(tokenizer_path, chat_template_path, tokenizer_url)
 
 
@@ -634,6 +637,8 @@ def analyze(
     plot_path: Path | None,
 ) -> None:
     """What a request log could reuse, what breaks its prefixes, and which policy fits."""
+    from kvindex.clients.analyze.run import AnalyzeSettings, analyze_main  # noqa: PLC0415 (numpy)
+
     try:
         options = _tokenizer_choice(tokenizer_path, chat_template_path, tokenizer_url)
         settings = AnalyzeSettings(options, block_size=block_size, limit=limit)
@@ -664,6 +669,8 @@ def _logged_requests(
 ) -> list[TraceRequest]:
     """The log's requests, tokenized, as the simulator replays them; skipped lines are
     reported on stderr."""
+    from kvindex.clients.request_log import read_tokenized_log  # noqa: PLC0415 (tokenizers)
+
     done, problems = asyncio.run(read_tokenized_log(log, options, limit=limit))
     stderr = make_console(sys.stderr)
     for problem in problems.kept:
