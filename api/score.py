@@ -65,9 +65,27 @@ from kvindex.indexer.events import StreamId, Tier
 from kvindex.indexer.fleet.registry import Freshness, RegistryView, StreamFreshness
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.protocol import NO_MATCH, BlockIndex, IndexUnavailableError, PrefixMatch
-from kvindex.indexer.keys import BlockKeyError, block_keys
+from kvindex.indexer.keys import (
+    BlockKeyError,
+    block_keys,
+    chain_keys,
+    model_root,
+    request_extra_keys,
+)
 
 _KEY_LIMIT = 2**64
+
+_compiled_best: (
+    Callable[[list[float], list[float], Callable[[], float], int | None], list[int]] | None
+)
+_compiled_best = None
+"""The compiled :func:`_best` (None: not built, the Python one serves)."""
+try:
+    from kvindex.indexer.native import _lookup
+except ImportError:
+    pass
+else:
+    _compiled_best = _lookup.best
 
 
 DEGRADED_REASONS = ("index_unavailable", "fleet_unreadable", "no_healthy_candidate")
@@ -94,8 +112,8 @@ class _Lookup:
     degraded: str | None = None
 
     def num_matched(self) -> int:
-        """Replicas holding at least the first block (a cost per match, not per candidate)."""
-        return sum(1 for match in self.matches.values() if match.num_blocks)
+        """Replicas holding at least the first block (only those are kept in ``matches``)."""
+        return len(self.matches)
 
 
 _Streams = tuple[StreamId, ...]
@@ -138,13 +156,16 @@ def _lookup_of(found: dict[StreamId, PrefixMatch] | IndexUnavailableError) -> _L
     if isinstance(found, IndexUnavailableError):
         return _Lookup(degraded=f"index store unavailable: {found}")
     lookup = _Lookup()
-    for stream, match in found.items():
+    matches, ranks = lookup.matches, lookup.ranks
+    best_of = matches.get
+    for stream, match in found.items():  # every candidate's stream: kept lean
         if not match.tiers:  # a non-holder reads NO_MATCH and rank 0 (its lowest) anyway
             continue
-        best = lookup.matches.get(stream.replica)
-        if best is None or match.num_blocks > best.num_blocks:
-            lookup.matches[stream.replica] = match
-            lookup.ranks[stream.replica] = stream.rank
+        replica = stream.replica
+        best = best_of(replica)
+        if best is None or len(match.tiers) > len(best.tiers):
+            matches[replica] = match
+            ranks[replica] = stream.rank
     return lookup
 
 
@@ -229,18 +250,23 @@ class Scorer:
         return sorted(configured | set(self._registry.models()))
 
     async def score(
-        self, request: ScoreRequest, headers: Mapping[str, str] | None = None
+        self,
+        request: ScoreRequest,
+        headers: Mapping[str, str] | None = None,
+        *,
+        packed_tokens: bytes | None = None,
     ) -> ScoreResponse:
         """The answer to ``request``: every candidate scored, the best ``top_k`` explained
         (:meth:`top_k`), the others counted only (their entries are never built).
         ``headers`` (the HTTP request's, looked up by lower-case name) are what
-        ``[[rules]]`` may match besides the body."""
+        ``[[rules]]`` may match besides the body. ``packed_tokens``: the request's token
+        ids as little-endian u32 bytes, in place of its ``token_ids`` (None then; as
+        :func:`~kvindex.api.schemas.decode_score_request` reads a body): the same answer."""
         specs = self._registry.replicas()
         outage = self._registry.outage()
         candidates = self._candidates(request, specs, outage)
         block_size = self.block_size(request.model)
-        tokens, keys = await self._keys(request, block_size)
-        num_tokens = len(tokens) if tokens is not None else len(keys) * block_size
+        num_tokens, keys = await self._keys(request, block_size, packed_tokens)
         rule = self._rule(request, num_tokens, headers or {})
         weights = self._weights(request, rule)
         policy = self._policy(request, rule)
@@ -379,12 +405,13 @@ class Scorer:
     # --- 2-3. tokens and keys ------------------------------------------------------------
 
     async def _keys(
-        self, request: ScoreRequest, block_size: int
-    ) -> tuple[list[int] | None, list[int]]:
+        self, request: ScoreRequest, block_size: int, packed: bytes | None = None
+    ) -> tuple[int, list[int]]:
+        """(tokens in the prompt, its block keys); ``packed``: its token ids as u32 bytes."""
         given = [
             name
             for name in ("token_ids", "prompt", "messages", "block_keys")
-            if getattr(request, name) is not None
+            if getattr(request, name) is not None or (name == "token_ids" and packed is not None)
         ]
         if len(given) != 1:
             raise RequestError(
@@ -397,9 +424,12 @@ class Scorer:
                 f" uses {block_size} tokens per block"
             )
         if request.block_keys is not None:
-            if any(k >= _KEY_LIMIT for k in request.block_keys):
+            keys = request.block_keys
+            if keys and max(keys) >= _KEY_LIMIT:  # one C pass (msgspec checked they are >= 0)
                 raise RequestError("block_keys: every key must be an unsigned 64-bit integer")
-            return None, request.block_keys
+            return len(keys) * block_size, keys
+        if packed is not None:
+            return len(packed) // 4, _packed_keys(request, packed, block_size)
         tokens = request.token_ids
         if tokens is None:
             tokens = await self._tokenize(request)
@@ -413,7 +443,7 @@ class Scorer:
             )
         except BlockKeyError as exc:
             raise RequestError(f"token_ids: {exc}") from exc
-        return tokens, keys
+        return len(tokens), keys
 
     async def _tokenize(self, request: ScoreRequest) -> list[int]:
         tokenizer = self._tokenizers(request.model)
@@ -543,15 +573,16 @@ class Scorer:
         freshness views only for the ``top_k`` explained (:func:`~kvindex.api.policies.rank`'s
         order: score, then lower load, then the candidate's draw)."""
         rng = copy.copy(self._rng) if request.dry_run else self._rng
-        matches, num_blocks = seen.lookup.matches, len(keys)
-        holders = [streams.streams_of.get(r, ()) for r in matches]
-        seen.statuses.update(self._statuses([s for group in holders for s in group]))
+        matches, num_blocks, streams_of = seen.lookup.matches, len(keys), streams.streams_of
+        held = self._registry.freshness([s for r in matches for s in streams_of.get(r, ())])
+        states = _states(held)
         penalties = load_penalties(ranked, seen.loads, seen.now, weights)
         minus_scores = penalties.copy()
         # Credit per (match, freshness): the holders of one prefix share its match object.
         credits: dict[tuple[int, Freshness], float] = {}
+        position, state_of = streams.position, states.get
         for replica, match in matches.items():
-            i, state = streams.position[replica], seen.state(replica)
+            i, state = position[replica], state_of(replica, _STALE)  # no record: stale
             credit = credits.get((id(match), state))  # the matches live until the return
             if credit is None:
                 credit = tier_credit(match.tiers, state, num_blocks, weights)[0]
@@ -559,7 +590,9 @@ class Scorer:
             minus_scores[i] = penalties[i] - credit  # == -(credit - penalty), exactly
         order = _best(minus_scores, penalties, rng, self.top_k(request))
         winners = [ranked[i] for i in order]
-        rest = [s for r in winners if r not in matches for s in streams.streams_of.get(r, ())]
+        chosen = set(winners)
+        seen.statuses.update(_by_replica([s for s in held if s.stream.replica in chosen]))
+        rest = [s for r in winners if r not in matches for s in streams_of.get(r, ())]
         seen.statuses.update(self._statuses(rest))
         scored = kv_aware([seen.candidate(r) for r in winners], num_blocks, weights)
         assert all(s.score == -minus_scores[i] for s, i in zip(scored, order, strict=True))
@@ -649,6 +682,17 @@ class _Seen:
         )
 
 
+def _packed_keys(request: ScoreRequest, packed: bytes, block_size: int) -> list[int]:
+    """:func:`~kvindex.indexer.keys.block_keys` of token ids given as u32 bytes (the same
+    keys: ``block_keys`` hashes those bytes)."""
+    num_blocks = len(packed) // 4 // block_size if block_size > 0 else 0
+    extras = request_extra_keys(num_blocks, request.lora_name, request.cache_salt)
+    try:
+        return chain_keys(model_root(request.model), packed, block_size, extras)
+    except BlockKeyError as exc:
+        raise RequestError(f"token_ids: {exc}") from exc
+
+
 def _by_replica(statuses: Sequence[StreamFreshness]) -> dict[str, list[StreamFreshness]]:
     out: dict[str, list[StreamFreshness]] = {}
     for status in statuses:
@@ -661,8 +705,19 @@ def _best(
 ) -> list[int]:
     """Indices of the best ``top_k`` (None: every one), best first, in
     :func:`~kvindex.api.policies.rank`'s order: score, then lower load, then a draw per
-    candidate (drawn from ``rng`` for every one, tie or not, as ``rank`` does). Only the
-    candidates scoring at least the ``top_k``-th best are ordered."""
+    candidate (drawn from ``rng`` for every one, tie or not, as ``rank`` does). Compiled
+    when the extension is built (one C loop: draws, then the best ``top_k`` kept by
+    insertion), else :func:`_py_best`; the two agree (``tests/unit/indexer/native``)."""
+    if _compiled_best is not None:
+        return _compiled_best(minus_scores, penalties, rng.random, top_k)
+    return _py_best(minus_scores, penalties, rng, top_k)
+
+
+def _py_best(
+    minus_scores: list[float], penalties: list[float], rng: random.Random, top_k: int | None
+) -> list[int]:
+    """:func:`_best` in Python (the reference, and the fallback): only the candidates
+    scoring at least the ``top_k``-th best are ordered."""
     draw = rng.random
     draws = [draw() for _ in minus_scores]
     picked: Sequence[int] = range(len(minus_scores))
@@ -704,6 +759,22 @@ def _tier_counts(tiers: tuple[Tier, ...]) -> dict[str, int]:
 _GPU = Tier.GPU  # read through the class, an enum member costs ~0.2 µs (Python 3.11)
 _TIER_NAMES = tuple((tier, tier.name.lower()) for tier in Tier)
 _WORST = {Freshness.LIVE: 0, Freshness.REPLAYING: 1, Freshness.STALE: 2}
+
+
+def _states(statuses: Sequence[StreamFreshness]) -> dict[str, Freshness]:
+    """Each replica's freshness (its least fresh stream's, as :func:`_freshness`), for the
+    replicas of ``statuses`` (one pass, no list per replica)."""
+    out: dict[str, Freshness] = {}
+    worst, rank = out.get, _WORST.__getitem__
+    for status in statuses:
+        replica, state = status.stream.replica, status.freshness
+        known = worst(replica)
+        if known is None or rank(state) > rank(known):
+            out[replica] = state
+    return out
+
+
+_STALE = Freshness.STALE
 
 
 def _freshness(statuses: Sequence[StreamFreshness]) -> Freshness:
