@@ -225,6 +225,7 @@ class Scorer:
         self._answers: list[str] = []
         """Answers made since the last load read: counted in the store by the next read."""
         self._health_policy = settings.health_policy()
+        self._default_weights = settings.weights.as_dict()
 
     def note_load(self, replica: str, load: Load) -> None:
         """Remember a load this process accepted (``POST /load``), so that an answer made
@@ -295,7 +296,7 @@ class Scorer:
             num_blocks=len(keys),
             best=decision.best,
             policy=policy.value,
-            weights=weights.as_dict(),
+            weights=self._weights_view(weights),
             scores=[seen.entry(s, block_size) for s in decision.ranked],
             num_candidates=len(ranked),
             num_matched=lookup.num_matched(),
@@ -379,12 +380,16 @@ class Scorer:
             or (spec.policy if spec else None)
             or self._settings.default_policy
         )
-        try:
-            return Policy(name)
-        except ValueError:
-            raise RequestError(
-                f"policy: {name!r} is not one of {[p.value for p in Policy]}"
-            ) from None
+        policy = _POLICY_OF.get(name)  # a dict lookup: an enum call costs a microsecond
+        if policy is None:
+            raise RequestError(f"policy: {name!r} is not one of {[p.value for p in Policy]}")
+        return policy
+
+    def _weights_view(self, weights: Weights) -> dict[str, float]:
+        """``weights.as_dict()``, the settings' own made once (a copy per answer)."""
+        if weights is self._settings.weights:
+            return dict(self._default_weights)
+        return weights.as_dict()
 
     def _weights(self, request: ScoreRequest, rule: RoutingRule | None) -> Weights:
         """The API's weights, overridden by the rule's, then by the request's."""
@@ -577,17 +582,14 @@ class Scorer:
         held = self._registry.freshness([s for r in matches for s in streams_of.get(r, ())])
         states = _states(held)
         penalties = load_penalties(ranked, seen.loads, seen.now, weights)
-        minus_scores = penalties.copy()
-        # Credit per (match, freshness): the holders of one prefix share its match object.
-        credits: dict[tuple[int, Freshness], float] = {}
-        position, state_of = streams.position, states.get
-        for replica, match in matches.items():
-            i, state = position[replica], state_of(replica, _STALE)  # no record: stale
-            credit = credits.get((id(match), state))  # the matches live until the return
-            if credit is None:
-                credit = tier_credit(match.tiers, state, num_blocks, weights)[0]
-                credits[id(match), state] = credit
-            minus_scores[i] = penalties[i] - credit  # == -(credit - penalty), exactly
+        minus_scores = _minus_scores(
+            penalties,
+            matches,
+            states,
+            position=streams.position,
+            num_blocks=num_blocks,
+            weights=weights,
+        )
         order = _best(minus_scores, penalties, rng, self.top_k(request))
         winners = [ranked[i] for i in order]
         chosen = set(winners)
@@ -680,6 +682,38 @@ class _Seen:
             terms=scored.terms,
             score=scored.score,
         )
+
+
+def _minus_scores(
+    penalties: list[float],
+    matches: dict[str, PrefixMatch],
+    states: dict[str, Freshness],
+    *,
+    position: dict[str, int],
+    num_blocks: int,
+    weights: Weights,
+) -> list[float]:
+    """Each candidate's ``kv_aware`` score, negated: its load penalty, less the cache credit
+    of its match at its freshness for the replicas that matched (no record: stale)."""
+    minus_scores = penalties.copy()
+    # Credit per (match, freshness): the holders of one prefix share its match object, and
+    # come one after another (the last pair is checked first: no hashing).
+    credits: dict[tuple[int, str], float] = {}
+    last: tuple[PrefixMatch, Freshness, float] | None = None
+    state_of = states.get
+    for replica, match in matches.items():
+        i, state = position[replica], state_of(replica, _STALE)
+        if last is not None and last[0] is match and last[1] is state:
+            credit = last[2]
+        else:  # keyed by the state's value: an enum member hashes in Python
+            key = (id(match), state._value_)  # the matches live until the answer is made
+            known = credits.get(key)
+            if known is None:
+                known = credits[key] = tier_credit(match.tiers, state, num_blocks, weights)[0]
+            credit = known
+            last = (match, state, credit)
+        minus_scores[i] = penalties[i] - credit  # == -(credit - penalty), exactly
+    return minus_scores
 
 
 def _packed_keys(request: ScoreRequest, packed: bytes, block_size: int) -> list[int]:
@@ -775,6 +809,7 @@ def _states(statuses: Sequence[StreamFreshness]) -> dict[str, Freshness]:
 
 
 _STALE = Freshness.STALE
+_POLICY_OF: dict[object, Policy] = {p.value: p for p in Policy}
 
 
 def _freshness(statuses: Sequence[StreamFreshness]) -> Freshness:
