@@ -307,11 +307,20 @@ _GPU, _CPU = Tier.GPU, Tier.CPU
 _STALE, _REPLAYING = Freshness.STALE, Freshness.REPLAYING
 
 
-def kv_aware(cands: Sequence[Candidate], num_blocks: int, w: Weights) -> list[Scored]:
+def kv_aware(
+    cands: Sequence[Candidate],
+    num_blocks: int,
+    w: Weights,
+    credits: Sequence[tuple[float, float] | None] | None = None,
+) -> list[Scored]:
+    """Every candidate scored and explained. ``credits``: each candidate's
+    :func:`cache_credit` when the caller has it already (None: computed here), so a
+    match's tiers are counted once per answer."""
     out: list[Scored] = []
     append = out.append
-    for c in cands:
-        cache, factor = cache_credit(c, num_blocks, w)
+    for i, c in enumerate(cands):
+        known = credits[i] if credits is not None else None
+        cache, factor = known if known is not None else cache_credit(c, num_blocks, w)
         load, recency = candidate_penalty(c, w)
         in_flight, tokens = _in_flight_terms(c, w)
         terms = {

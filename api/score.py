@@ -582,11 +582,13 @@ class Scorer:
         held = self._registry.freshness([s for r in matches for s in streams_of.get(r, ())])
         states = _states(held)
         penalties = load_penalties(ranked, seen.loads, seen.now, weights)
+        credit_of: dict[str, tuple[float, float]] = {}
         minus_scores = _minus_scores(
             penalties,
             matches,
             states,
             position=streams.position,
+            credit_of=credit_of,
             num_blocks=num_blocks,
             weights=weights,
         )
@@ -596,7 +598,8 @@ class Scorer:
         seen.statuses.update(_by_replica([s for s in held if s.stream.replica in chosen]))
         rest = [s for r in winners if r not in matches for s in streams_of.get(r, ())]
         seen.statuses.update(self._statuses(rest))
-        scored = kv_aware([seen.candidate(r) for r in winners], num_blocks, weights)
+        cands = [seen.candidate(r) for r in winners]
+        scored = kv_aware(cands, num_blocks, weights, [credit_of.get(r) for r in winners])
         assert all(s.score == -minus_scores[i] for s, i in zip(scored, order, strict=True))
         return seen, Decision(winners[0] if winners else None, scored)
 
@@ -690,16 +693,18 @@ def _minus_scores(
     states: dict[str, Freshness],
     *,
     position: dict[str, int],
+    credit_of: dict[str, tuple[float, float]],
     num_blocks: int,
     weights: Weights,
 ) -> list[float]:
     """Each candidate's ``kv_aware`` score, negated: its load penalty, less the cache credit
-    of its match at its freshness for the replicas that matched (no record: stale)."""
+    of its match at its freshness for the replicas that matched (no record: stale), whose
+    :func:`~kvindex.api.policies.tier_credit` (credit, factor) goes into ``credit_of``."""
     minus_scores = penalties.copy()
     # Credit per (match, freshness): the holders of one prefix share its match object, and
     # come one after another (the last pair is checked first: no hashing).
-    credits: dict[tuple[int, str], float] = {}
-    last: tuple[PrefixMatch, Freshness, float] | None = None
+    credits: dict[tuple[int, str], tuple[float, float]] = {}
+    last: tuple[PrefixMatch, Freshness, tuple[float, float]] | None = None
     state_of = states.get
     for replica, match in matches.items():
         i, state = position[replica], state_of(replica, _STALE)
@@ -709,10 +714,11 @@ def _minus_scores(
             key = (id(match), state._value_)  # the matches live until the answer is made
             known = credits.get(key)
             if known is None:
-                known = credits[key] = tier_credit(match.tiers, state, num_blocks, weights)[0]
+                known = credits[key] = tier_credit(match.tiers, state, num_blocks, weights)
             credit = known
             last = (match, state, credit)
-        minus_scores[i] = penalties[i] - credit  # == -(credit - penalty), exactly
+        credit_of[replica] = credit
+        minus_scores[i] = penalties[i] - credit[0]  # == -(credit - penalty), exactly
     return minus_scores
 
 
