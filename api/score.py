@@ -20,13 +20,17 @@ The read path, step by step (the README's diagram numbers them the same way):
 
 Cost per request, for ``kv_aware`` (the default; no temperature): the lookup, then per
 candidate one load penalty and one random draw (:func:`~kvindex.api.policies.load_penalties`,
-the draw :func:`~kvindex.api.policies.rank` makes for every one), C-speed copies of the
+the draw :func:`~kvindex.api.policies.rank` makes for every one; both compiled loops when
+the extension is built, ``kvindex.indexer.native._lookup``), C-speed copies of the
 fleet's lists (specs sorted once per change, the stream list and loads kept as they
-change); the cache term and the freshness it needs only for the replicas that matched
-(one credit per shared match); candidates, terms, freshness and load views, entries and
-their JSON for the best ``top_k`` alone, ordered as ``rank`` orders them (ties: lower
-load, then the draw), so ``best`` and the entries are those of the plain path
-(``tests/unit/api/test_score_equivalence.py``). Other policies, and ``kv_aware`` with a
+change); the cache term only for the replicas that matched (one credit per shared match),
+and the freshness it needs only for those that may rank among the ``top_k`` whatever it
+is (:func:`_contenders`: a bound on what a match can add); candidates, terms, freshness
+and load views, entries and their JSON for the best ``top_k`` alone, ordered as ``rank``
+orders them (ties: lower load, then the draw), so ``best`` and the entries are those of
+the plain path (``tests/unit/api/test_score_equivalence.py``). A body's ``token_ids`` are
+read as u32 bytes (:func:`~kvindex.api.schemas.decode_score_request`), no Python int per
+token. Other policies, and ``kv_aware`` with a
 temperature (a softmax over every score), build a candidate and a score per replica.
 """
 
@@ -79,13 +83,14 @@ _compiled_best: (
     Callable[[list[float], list[float], Callable[[], float], int | None], list[int]] | None
 )
 _compiled_best = None
+_compiled_kth: Callable[[list[float], int], float] | None = None
 """The compiled :func:`_best` (None: not built, the Python one serves)."""
 try:
     from kvindex.indexer.native import _lookup
 except ImportError:
     pass
 else:
-    _compiled_best = _lookup.best
+    _compiled_best, _compiled_kth = _lookup.best, _lookup.kth_smallest
 
 
 DEGRADED_REASONS = ("index_unavailable", "fleet_unreadable", "no_healthy_candidate")
@@ -579,20 +584,29 @@ class Scorer:
         order: score, then lower load, then the candidate's draw)."""
         rng = copy.copy(self._rng) if request.dry_run else self._rng
         matches, num_blocks, streams_of = seen.lookup.matches, len(keys), streams.streams_of
-        held = self._registry.freshness([s for r in matches for s in streams_of.get(r, ())])
-        states = _states(held)
         penalties = load_penalties(ranked, seen.loads, seen.now, weights)
+        top_k = self.top_k(request)
+        contenders = _contenders(
+            matches,
+            penalties,
+            streams.position,
+            top_k=top_k,
+            num_blocks=num_blocks,
+            weights=weights,
+        )
+        held = self._registry.freshness([s for r in contenders for s in streams_of.get(r, ())])
+        states = _states(held)
         credit_of: dict[str, tuple[float, float]] = {}
         minus_scores = _minus_scores(
             penalties,
-            matches,
+            contenders,
             states,
             position=streams.position,
             credit_of=credit_of,
             num_blocks=num_blocks,
             weights=weights,
         )
-        order = _best(minus_scores, penalties, rng, self.top_k(request))
+        order = _best(minus_scores, penalties, rng, top_k)
         winners = [ranked[i] for i in order]
         chosen = set(winners)
         seen.statuses.update(_by_replica([s for s in held if s.stream.replica in chosen]))
@@ -685,6 +699,47 @@ class _Seen:
             terms=scored.terms,
             score=scored.score,
         )
+
+
+def _contenders(
+    matches: dict[str, PrefixMatch],
+    penalties: list[float],
+    position: dict[str, int],
+    *,
+    top_k: int | None,
+    num_blocks: int,
+    weights: Weights,
+) -> dict[str, PrefixMatch]:
+    """The replicas that matched and may be among the best ``top_k`` whatever their
+    freshness (every one when ``top_k`` keeps them all), in the order of ``matches``.
+
+    Why the others cannot: no credit is negative, so no minus score is above its
+    candidate's penalty, and the ``top_k``-th smallest penalty bounds the ``top_k``-th
+    smallest minus score. A match of ``n`` blocks adds at most ``n`` times the best tier's
+    weight at the largest freshness factor, over the prompt's blocks (rounded up: the
+    bound holds for the float arithmetic of :func:`~kvindex.api.policies.tier_credit`);
+    a replica whose penalty less that most is still above the bound ranks after ``top_k``
+    others, so its freshness is never read and its minus score is left at its penalty,
+    which changes neither the ``top_k`` nor their order."""
+    if top_k is None or top_k >= len(penalties) or not matches or num_blocks <= 0:
+        return matches
+    w = weights
+    factor = max(1.0, w.replaying_factor, w.stale_factor)
+    per_block = w.cache * max(w.gpu, w.cpu, w.other) * factor / num_blocks
+    per_block = per_block * (1.0 + 1e-9) + 1e-300  # above any rounding of the real credit
+    threshold = _kth_smallest(penalties, top_k)
+    return {
+        replica: match
+        for replica, match in matches.items()
+        if penalties[position[replica]] - per_block * len(match.tiers) <= threshold
+    }
+
+
+def _kth_smallest(values: list[float], k: int) -> float:
+    """``sorted(values)[k - 1]``, compiled when built (no sort of the fleet)."""
+    if _compiled_kth is not None:
+        return _compiled_kth(values, k)
+    return sorted(values)[k - 1]
 
 
 def _minus_scores(

@@ -11,7 +11,11 @@ the extension is not built, and the tests hold the two to the same answers on ra
   candidate, the same IEEE operations in the same order (built with ``-ffp-contract=off``,
   so no fused multiply-add changes a rounding), hence bit-equal floats;
 * :func:`best` - ``kvindex.api.score._best``: one draw per candidate, then the indices of the
-  best ``top_k`` in (score, load, draw, index) order.
+  best ``top_k`` in (score, load, draw, index) order;
+* :func:`kth_smallest` - ``sorted(values)[k - 1]`` without sorting the fleet;
+* :func:`json_token_ids` - a ``/score`` body's ``token_ids`` array read into the u32 bytes the
+  block keys hash (``kvindex.api.schemas.decode_score_request``; anything but a plain array
+  of ints in [0, 2**32) is left to the full decode).
 
 Nothing here keeps state or holds a lock; every input is checked as the reference checks it
 (a wrong type raises ``TypeError``, as the Python code would).
@@ -246,3 +250,31 @@ cdef object _json_tokens(const unsigned char* p, Py_ssize_t size, Py_ssize_t max
             break
         return None  # a fraction, an exponent, anything else
     return bytes(out[: 4 * n])
+
+
+def kth_smallest(list values, Py_ssize_t k):
+    """The ``k``-th smallest of ``values`` (1: the smallest), as ``sorted(values)[k - 1]``
+    (floats; ``1 <= k <= len(values)``, else ``IndexError``), keeping the ``k`` smallest seen
+    by insertion (``k`` is small next to the fleet)."""
+    cdef Py_ssize_t n = PyList_GET_SIZE(values), i, j, kept = 0
+    if k < 1 or k > n:
+        raise IndexError("k out of range")
+    cdef double* best = <double*> malloc(k * sizeof(double))
+    if best is NULL:
+        raise MemoryError()
+    cdef double value
+    try:
+        for i in range(n):
+            value = <double> <object> PyList_GET_ITEM(values, i)
+            if kept == k and not value < best[k - 1]:
+                continue
+            j = kept if kept < k else k - 1
+            while j > 0 and value < best[j - 1]:
+                best[j] = best[j - 1]
+                j -= 1
+            best[j] = value
+            if kept < k:
+                kept += 1
+        return best[k - 1]
+    finally:
+        free(best)

@@ -4,7 +4,8 @@ The install builds the extension (setup.py), so these tests require it, as ``tes
 does. Random inputs (hypothesis) judge agreement, bit for bit where floats are returned: the
 set bits of wide bitmaps, the load penalty of random fleets (missing loads, loads from the
 future, requests in flight, a zero half-life, integer weights), and the best ``top_k`` of
-random scores with ties on every key, the random generator left in the same state.
+random scores with ties on every key, the random generator left in the same state, and the
+k-th smallest of random scores.
 """
 
 from __future__ import annotations
@@ -113,3 +114,15 @@ def test_best_with_tied_draws_orders_by_index() -> None:
 def test_best_rejects_lists_of_different_lengths() -> None:
     with pytest.raises(ValueError, match="differ in length"):
         _lookup.best([0.0], [], random.random, None)
+
+
+@given(st.lists(_SCORE, min_size=1, max_size=60), st.data())
+def test_kth_smallest_is_the_sorted_list_at_k(values: list[float], data: st.DataObject) -> None:
+    k = data.draw(st.integers(1, len(values)))
+    assert _lookup.kth_smallest(values, k) == sorted(values)[k - 1]
+
+
+def test_kth_smallest_rejects_a_k_out_of_range() -> None:
+    for k in (0, 3):
+        with pytest.raises(IndexError):
+            _lookup.kth_smallest([1.0, 2.0], k)
