@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import struct
+from unittest.mock import patch
 
 import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvindex.api import schemas
 from kvindex.api.load.store import MemoryLoadStore
 from kvindex.api.schemas import (
     MAX_TOKEN_IDS,
@@ -92,6 +94,12 @@ def test_the_packed_read_gives_what_the_full_decode_gives(tokens: str, other: st
     body = f'{{"model": "m", "token_ids": {tokens}{other}}}'.encode()
     request, packed = _read(body)
     assert _as_full(request, packed) == _full(body)
+
+
+def test_without_the_compiled_reader_every_body_decodes_in_full() -> None:
+    body = b'{"model": "m", "token_ids": [1, 2]}'
+    with patch.object(schemas, "_json_token_ids", None):
+        assert decode_score_request(body) == (ScoreRequest(model="m", token_ids=[1, 2]), None)
 
 
 def test_plain_token_arrays_are_read_packed() -> None:

@@ -14,9 +14,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+from contextlib import ExitStack
+from unittest.mock import patch
 
 import pytest
 
+from kvindex.api import policies as policies_module
+from kvindex.api import score as score_module
 from kvindex.api.load.model import NO_IN_FLIGHT, Load
 from kvindex.api.load.reservations import Reservations
 from kvindex.api.load.store import MemoryLoadStore
@@ -28,6 +32,7 @@ from kvindex.indexer.events import StreamId, Tier
 from kvindex.indexer.fleet.registry import Freshness, Registry, StreamFreshness
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.health import StreamReport
+from kvindex.indexer.index import memory as memory_module
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import Op, OpKind
 from kvindex.indexer.keys import block_keys
@@ -207,6 +212,28 @@ def test_a_stale_holder_worth_more_than_live_still_wins() -> None:
     (entry,) = got.scores
     assert (entry.freshness.state, entry.terms["freshness_factor"]) == ("stale", 1.5)
     assert entry.score == pytest.approx(2 / 16 * 1.5 - 0.25)
+
+
+@pytest.mark.parametrize("seed", range(0, 60, 3))
+def test_the_python_loops_answer_as_the_compiled_ones(seed: int) -> None:
+    """Without the compiled read-path loops (an install without the extension), the same
+    answers: penalties, draws, the k-th penalty and the holders' numbers in Python."""
+    fleet = RandomFleet(seed)
+    top_k = random.Random(seed).choice([1, 2, 3, 10])
+    compiled = answer(fleet.scorer(seed), top_k, dry_run=True)
+    with ExitStack() as stack:
+        for module, name in (
+            (score_module, "_compiled_best"),
+            (score_module, "_compiled_kth"),
+            (policies_module, "_compiled_penalties"),
+            (memory_module, "_set_bits"),
+        ):
+            stack.enter_context(patch.object(module, name, None))
+        python = answer(fleet.scorer(seed), top_k, dry_run=True)
+    assert [(e.replica, e.score, e.terms) for e in python.scores] == [
+        (e.replica, e.score, e.terms) for e in compiled.scores
+    ]
+    assert python.best == compiled.best
 
 
 @pytest.mark.parametrize("seed", range(10))
