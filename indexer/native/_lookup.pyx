@@ -36,6 +36,10 @@ cdef extern from *:
     int __builtin_ctz(unsigned int x) nogil
 
 
+cdef extern from "string.h":
+    void* memmem(const void* haystack, size_t size, const void* needle, size_t length) nogil
+
+
 def set_bits(object bitmap):
     """The positions of the set bits of a non-negative int, ascending."""
     cdef list out = []
@@ -191,36 +195,83 @@ def json_token_ids(object raw, Py_ssize_t max_length):
     at most ``max_length`` JSON integers each in [0, 2**32) (no sign, fraction or exponent:
     the caller then decodes it the general way, which says what is wrong with it)."""
     cdef Py_buffer view
+    cdef Py_ssize_t pos = 0, end, after = 0
     PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE)
+    cdef const unsigned char* p = <const unsigned char*> view.buf
     try:
-        return _json_tokens(<const unsigned char*> view.buf, view.len, max_length)
+        end = view.len
+        while end > 0 and _space(p[end - 1]):
+            end -= 1
+        while pos < end and _space(p[pos]):
+            pos += 1
+        # The closing bracket stops every scan of the array (no digit, space or comma).
+        if end - pos < 2 or p[pos] != 91 or p[end - 1] != 93:  # '[' ... ']'
+            return None
+        packed = _json_array(p, pos, end, max_length, &after)
+        return packed if after == end else None
     finally:
         PyBuffer_Release(&view)
 
 
-cdef object _json_tokens(const unsigned char* p, Py_ssize_t size, Py_ssize_t max_length):
-    cdef Py_ssize_t pos = 0, n = 0, start, end = size
+def json_token_span(object body, Py_ssize_t max_length):
+    """``(ids, start, end)``: the ids of the first array that follows the bytes
+    ``"token_ids"``, a colon and spaces in a JSON object's text (``body[start:end]`` is the
+    array), as :func:`json_token_ids` reads them; None when there is no such array, it is
+    not one it reads, or the text does not end with ``}``. Where the array sits in the
+    object (top level or not) is for the caller to check."""
+    cdef Py_buffer view
+    cdef Py_ssize_t pos, end, after = 0
+    cdef const unsigned char* found
+    PyObject_GetBuffer(body, &view, PyBUF_SIMPLE)
+    cdef const unsigned char* p = <const unsigned char*> view.buf
+    try:
+        end = view.len
+        while end > 0 and _space(p[end - 1]):
+            end -= 1
+        # The object's closing brace stops every scan below (no digit, space or comma).
+        if end == 0 or p[end - 1] != 125:  # '}'
+            return None
+        found = <const unsigned char*> memmem(p, end, b'"token_ids"', 11)
+        if found is NULL:
+            return None
+        pos = (found - p) + 11
+        while _space(p[pos]):
+            pos += 1
+        if p[pos] != 58:  # ':'
+            return None
+        pos += 1
+        while _space(p[pos]):
+            pos += 1
+        if p[pos] != 91:  # '['
+            return None
+        packed = _json_array(p, pos, end, max_length, &after)
+        return None if packed is None else (packed, pos, after)
+    finally:
+        PyBuffer_Release(&view)
+
+
+cdef object _json_array(
+    const unsigned char* p, Py_ssize_t pos, Py_ssize_t end, Py_ssize_t max_length,
+    Py_ssize_t* after,
+):
+    """The u32 bytes of the array opening at ``p[pos]`` (``[``), ``*after`` set past its
+    ``]``; None unless it is a plain array of ints in [0, 2**32) of at most ``max_length``.
+    A byte before ``end`` that is no digit, space or comma must stop every scan."""
+    cdef Py_ssize_t n = 0, start
     cdef uint64_t value
     cdef unsigned char c
-    while end > 0 and _space(p[end - 1]):
-        end -= 1
-    while pos < end and _space(p[pos]):
-        pos += 1
-    # The closing bracket stops every scan below (it is no digit, space or comma), so they
-    # need no bounds check of their own.
-    if end - pos < 2 or p[pos] != 91 or p[end - 1] != 93:  # '[' ... ']'
-        return None
     pos += 1
     # Each id takes two bytes at least (a digit and a comma or the closing bracket).
     cdef Py_ssize_t most = (end - pos) // 2
     if most > max_length:
         most = max_length
-    cdef bytearray out = bytearray(4 * most)
-    cdef unsigned char* buf = out
     while _space(p[pos]):
         pos += 1
-    if pos == end - 1:  # "[]"
+    if p[pos] == 93:  # "[]"
+        after[0] = pos + 1
         return b""
+    cdef bytearray out = bytearray(4 * most)
+    cdef unsigned char* buf = out
     while True:
         start = pos
         value = 0
@@ -246,10 +297,10 @@ cdef object _json_tokens(const unsigned char* p, Py_ssize_t size, Py_ssize_t max
             while _space(p[pos]):
                 pos += 1
             continue
-        if c == 93 and pos == end - 1:  # the closing bracket
-            break
+        if c == 93:  # the closing bracket
+            after[0] = pos + 1
+            return bytes(out[: 4 * n])
         return None  # a fraction, an exponent, anything else
-    return bytes(out[: 4 * n])
 
 
 def kth_smallest(list values, Py_ssize_t k):

@@ -4,7 +4,9 @@ A body whose token ids the compiled reader takes gives the request a full decode
 ``token_ids`` None, the ids as u32 bytes instead); any other body is decoded in full, so a
 bad one fails with the error the full decode raises. Random bodies (hypothesis) judge it:
 token arrays in any JSON spelling (spaces, bounds, out-of-range, fractions, signs, leading
-zeros), other fields beside them, and every body also sent to the scorer both ways.
+zeros), other fields beside them, another "token_ids" array before the body's own (nested,
+in a string, a duplicate key, an escaped key name), the splice marker in the body, bodies
+cut short or trailed by junk, and bodies also sent to the scorer both ways.
 """
 
 from __future__ import annotations
@@ -86,19 +88,51 @@ _OTHER = st.sampled_from(
 )
 
 
-@settings(max_examples=400)
-@given(
-    _token_array() | st.sampled_from(["null", "[]", "[,]", "[1,]", "[1 2]", "{}", '"1"']), _OTHER
+_LAYOUT = st.sampled_from(
+    [
+        '{{"model": "m", "token_ids": {tokens}{other}}}',
+        '{{"token_ids" :{tokens}, "model": "m"{other}}}  ',
+        # another "token_ids" before the object's own, or the own one spelt otherwise:
+        '{{"model": "m", "messages": [{{"token_ids": [5]}}], "token_ids": {tokens}{other}}}',
+        '{{"model": "m", "messages": [{{"token_ids": {tokens}}}]{other}}}',
+        r'{{"model": "m", "prompt": "\"token_ids\": [1]", "token_ids": {tokens}{other}}}',
+        r'{{"model": "m", "token\u005fids": {tokens}{other}}}',
+        '{{"model": "m", "token_ids": [7], "token_ids": {tokens}{other}}}',
+        '{{"model": "m", "user": "kvindex:token_ids", "token_ids": {tokens}{other}}}',
+        '{{"model": "m", "token_ids": {tokens}{other}',
+        '{{"model": "m", "token_ids": {tokens}{other}}} x',
+    ]
 )
-def test_the_packed_read_gives_what_the_full_decode_gives(tokens: str, other: str) -> None:
-    body = f'{{"model": "m", "token_ids": {tokens}{other}}}'.encode()
+
+
+@settings(max_examples=600)
+@given(
+    _token_array() | st.sampled_from(["null", "[]", "[,]", "[1,]", "[1 2]", "{}", '"1"']),
+    _OTHER,
+    _LAYOUT,
+)
+def test_the_packed_read_gives_what_the_full_decode_gives(
+    tokens: str, other: str, layout: str
+) -> None:
+    body = layout.format(tokens=tokens, other=other).encode()
     request, packed = _read(body)
     assert _as_full(request, packed) == _full(body)
 
 
+def test_a_nested_token_array_is_not_taken_for_the_request_s() -> None:
+    body = b'{"model": "m", "messages": [{"token_ids": [5]}], "token_ids": [1, 2]}'
+    request, packed = decode_score_request(body)
+    assert packed == struct.pack("<2I", 1, 2)
+    assert request.messages == [{"token_ids": [5]}]
+    assert decode_score_request(b'{"model": "m", "messages": [{"token_ids": [5]}]}')[1] is None
+
+
 def test_without_the_compiled_reader_every_body_decodes_in_full() -> None:
     body = b'{"model": "m", "token_ids": [1, 2]}'
-    with patch.object(schemas, "_json_token_ids", None):
+    with (
+        patch.object(schemas, "_json_token_ids", None),
+        patch.object(schemas, "_json_token_span", None),
+    ):
         assert decode_score_request(body) == (ScoreRequest(model="m", token_ids=[1, 2]), None)
 
 

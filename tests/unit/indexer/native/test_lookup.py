@@ -126,3 +126,27 @@ def test_kth_smallest_rejects_a_k_out_of_range() -> None:
     for k in (0, 3):
         with pytest.raises(IndexError):
             _lookup.kth_smallest([1.0, 2.0], k)
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=30), st.sampled_from(["", " ", "\n "]))
+def test_json_token_span_finds_the_array_and_reads_it(ids: list[int], space: str) -> None:
+    array = "[" + f",{space}".join(map(str, ids)) + "]"
+    body = f'{{"model": "m", "token_ids"{space}:{space}{array}{space}}}'.encode()
+    found = _lookup.json_token_span(body, 100)
+    assert found is not None
+    packed, start, end = found
+    assert body[start:end] == array.encode()
+    assert (
+        packed == struct.pack(f"<{len(ids)}I", *ids) == _lookup.json_token_ids(array.encode(), 100)
+    )
+
+
+def test_json_token_span_leaves_other_bodies_alone() -> None:
+    for body in (
+        b'{"model": "m", "token_ids": [1, 2]',  # no closing brace
+        b'{"model": "m", "token_ids": null}',
+        b'{"model": "m", "token_ids": [1, -2]}',
+        b'{"model": "m", "token_ids": [1, 2, 3]}',  # past max_length (2)
+        b'{"model": "m"}',
+    ):
+        assert _lookup.json_token_span(body, 2) is None
