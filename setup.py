@@ -1,5 +1,6 @@
-"""Builds kvindex's compiled hot loops (``kvindex.indexer.native._core``); the rest of the
-package's metadata is in pyproject.toml."""
+"""Builds kvindex's compiled hot loops (``kvindex.indexer.native._core``: ingest, keys and
+the memory store's tables; ``kvindex.indexer.native._lookup``: the read path's loops after
+the lookup); the rest of the package's metadata is in pyproject.toml."""
 
 from Cython.Build import cythonize
 from setuptools import Extension, setup
@@ -12,7 +13,13 @@ setup(
                 ["indexer/native/_core.pyx"],
                 include_dirs=["indexer/native"],
                 extra_compile_args=["-O3"],
-            )
+            ),
+            Extension(
+                "kvindex.indexer.native._lookup",
+                ["indexer/native/_lookup.pyx"],
+                # No fused multiply-add: the scores must round as Python's arithmetic does.
+                extra_compile_args=["-O3", "-ffp-contract=off"],
+            ),
         ],
         compiler_directives={"language_level": "3"},
     )

@@ -53,6 +53,7 @@ from kvindex.api.schemas import (
     ScoreResponse,
     StatsView,
     StatusBody,
+    decode_score_request,
 )
 from kvindex.api.score import RequestError, Scorer, UnknownModelError
 from kvindex.api.settings import ApiSettings
@@ -263,8 +264,8 @@ class _AppState:
     async def score(self, body: bytes, headers: Headers) -> bytes:
         """``POST /score``'s answer to ``body`` (for both routes, FastAPI's and the hot one)."""
         started = time.perf_counter()
-        request = msgspec.json.decode(body, type=ScoreRequest)
-        answer = await self.scorer.score(request, headers)
+        request, packed = decode_score_request(body)
+        answer = await self.scorer.score(request, headers, packed_tokens=packed)
         self.metrics.score_latency.labels(answer.policy).observe(time.perf_counter() - started)
         self.metrics.count_rule(answer.rule)
         return msgspec.json.encode(answer)

@@ -49,6 +49,21 @@ from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.events import Tier
 from kvindex.indexer.fleet.registry import Freshness
 
+_compiled_penalties: (
+    Callable[
+        [list[str], dict[str, CountedLoad], float, float, float, float, float, float, float, float],
+        list[float],
+    ]
+    | None
+) = None
+"""The compiled :func:`load_penalties` loop (None: not built, the Python loop serves)."""
+try:
+    from kvindex.indexer.native import _lookup
+except ImportError:
+    pass
+else:
+    _compiled_penalties = _lookup.load_penalties
+
 
 class Policy(enum.StrEnum):
     KV_AWARE = "kv_aware"
@@ -208,9 +223,32 @@ def load_penalties(
 ) -> list[float]:
     """:func:`load_penalty` of each replica's stored load (its age as of ``now``), answers
     since and requests in flight (none when absent from ``counted``), in the order of
-    ``replicas``, without building a candidate: the same arithmetic,
-    inlined (it runs for every candidate of every request; the scorer's equivalence test
-    holds it equal)."""
+    ``replicas``, without building a candidate: the same arithmetic, inlined (it runs for
+    every candidate of every request; the scorer's equivalence test holds it equal), and
+    compiled when the extension is built (a list and a dict; the same floats, bit for bit:
+    ``tests/unit/indexer/native/test_lookup.py``)."""
+    compiled = _compiled_penalties
+    if compiled is None or type(replicas) is not list or type(counted) is not dict:
+        return py_load_penalties(replicas, counted, now, w)
+    return compiled(
+        replicas,
+        counted,
+        now,
+        w.in_flight,
+        w.in_flight_tokens,
+        w.load_half_life_s,
+        w.waiting,
+        w.running,
+        w.routed,
+        w.kv_usage,
+    )
+
+
+def py_load_penalties(
+    replicas: Sequence[str], counted: Mapping[str, CountedLoad], now: float, w: Weights
+) -> list[float]:
+    """:func:`load_penalties` in Python: the reference of the compiled loop, and the
+    fallback when it is not built."""
     w_in_flight, w_tokens, half_life = w.in_flight, w.in_flight_tokens, w.load_half_life_s
     w_waiting, w_running, w_routed, w_kv = w.waiting, w.running, w.routed, w.kv_usage
     out: list[float] = []
@@ -269,11 +307,20 @@ _GPU, _CPU = Tier.GPU, Tier.CPU
 _STALE, _REPLAYING = Freshness.STALE, Freshness.REPLAYING
 
 
-def kv_aware(cands: Sequence[Candidate], num_blocks: int, w: Weights) -> list[Scored]:
+def kv_aware(
+    cands: Sequence[Candidate],
+    num_blocks: int,
+    w: Weights,
+    credits: Sequence[tuple[float, float] | None] | None = None,
+) -> list[Scored]:
+    """Every candidate scored and explained. ``credits``: each candidate's
+    :func:`cache_credit` when the caller has it already (None: computed here), so a
+    match's tiers are counted once per answer."""
     out: list[Scored] = []
     append = out.append
-    for c in cands:
-        cache, factor = cache_credit(c, num_blocks, w)
+    for i, c in enumerate(cands):
+        known = credits[i] if credits is not None else None
+        cache, factor = known if known is not None else cache_credit(c, num_blocks, w)
         load, recency = candidate_penalty(c, w)
         in_flight, tokens = _in_flight_terms(c, w)
         terms = {

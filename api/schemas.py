@@ -6,6 +6,7 @@ pydantic would take milliseconds; the OpenAPI schema is generated from these sam
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import msgspec
@@ -65,6 +66,91 @@ class ScoreRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Ask without routing: the answer changes nothing (it is not counted as load, the
     round-robin turn does not advance, random draws leave the seeded sequence alone).
     Operator views send it; a router that acts on the answer does not."""
+
+
+_RAW_NULL = msgspec.Raw(b"null")
+
+
+def _raw_tokens_request() -> type[msgspec.Struct]:
+    """:class:`ScoreRequest` with ``token_ids`` kept as the raw JSON (every other field, its
+    type and constraints, the same)."""
+    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = [
+        (f.name, f.type)
+        if f.required
+        else (f.name, msgspec.Raw, _RAW_NULL)
+        if f.name == "token_ids"
+        else (f.name, f.type, f.default)
+        for f in msgspec.structs.fields(ScoreRequest)
+    ]
+    return msgspec.defstruct(
+        "ScoreRequestRawTokens", fields, kw_only=True, forbid_unknown_fields=True
+    )
+
+
+_RAW_TOKENS_DECODER = msgspec.json.Decoder(_raw_tokens_request())
+_REQUEST_DECODER = msgspec.json.Decoder(ScoreRequest)
+_OTHER_FIELDS = tuple(f for f in ScoreRequest.__struct_fields__ if f != "token_ids")
+
+_json_token_ids: Callable[[object, int], bytes | None] | None = None
+"""The compiled JSON token-array reader (None: not built, every body decodes in full)."""
+_json_token_span: Callable[[object, int], tuple[bytes, int, int] | None] | None = None
+"""The compiled finder of a body's ``"token_ids": [...]`` (None: not built)."""
+try:
+    from kvindex.indexer.native import _lookup
+except ImportError:
+    pass
+else:
+    _json_token_ids, _json_token_span = _lookup.json_token_ids, _lookup.json_token_span
+
+_MARKER = b'"kvindex:token_ids"'
+"""Put where a body's token array was: the decode then reads it back as ``token_ids``
+only if that array was the object's own field (a body holding it is read otherwise)."""
+_MARKER_RAW = msgspec.Raw(_MARKER)
+
+
+def decode_score_request(body: bytes) -> tuple[ScoreRequest, bytes | None]:
+    """A ``POST /score`` body as its request, and its ``token_ids`` as little-endian u32
+    bytes (what the block keys hash) when they were read that way: the request's
+    ``token_ids`` is then None. The ids are read by the compiled loop when it is built and
+    the array is plain (integers in [0, 2**32), at most :data:`MAX_TOKEN_IDS`), with no
+    Python int made per token, and the decoder skips the array (:func:`_spliced`) or keeps
+    it raw; any other body is decoded in full as a
+    :class:`ScoreRequest`, so every error (``msgspec.ValidationError`` /
+    ``DecodeError``) is the one that decode raises, and every answer the same."""
+    spliced = _spliced(body)
+    if spliced is not None:
+        return spliced
+    read = _json_token_ids
+    if read is not None:
+        try:
+            raw = _RAW_TOKENS_DECODER.decode(body)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            raw = None
+        if raw is not None and (tokens := raw.token_ids) != _RAW_NULL:  # type: ignore[attr-defined]
+            packed = read(tokens, MAX_TOKEN_IDS)
+            if packed is not None:
+                fields = {name: getattr(raw, name) for name in _OTHER_FIELDS}
+                return ScoreRequest(**fields), packed
+    return _REQUEST_DECODER.decode(body), None
+
+
+def _spliced(body: bytes) -> tuple[ScoreRequest, bytes] | None:
+    """The request and its packed ids when the first ``"token_ids": [...]`` of the body is
+    its own field, read without the decoder walking the array (it gets the body with
+    :data:`_MARKER` in the array's place, and must read the marker back as ``token_ids``);
+    None: the body is to be read otherwise."""
+    span = _json_token_span
+    found = span(body, MAX_TOKEN_IDS) if span is not None and _MARKER not in body else None
+    if found is None:
+        return None
+    packed, start, end = found
+    try:
+        raw = _RAW_TOKENS_DECODER.decode(b"".join((body[:start], _MARKER, body[end:])))
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    if raw.token_ids != _MARKER_RAW:  # type: ignore[attr-defined]  # a field of the struct made
+        return None
+    return ScoreRequest(**{name: getattr(raw, name) for name in _OTHER_FIELDS}), packed
 
 
 class LoadView(msgspec.Struct):

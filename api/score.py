@@ -20,13 +20,17 @@ The read path, step by step (the README's diagram numbers them the same way):
 
 Cost per request, for ``kv_aware`` (the default; no temperature): the lookup, then per
 candidate one load penalty and one random draw (:func:`~kvindex.api.policies.load_penalties`,
-the draw :func:`~kvindex.api.policies.rank` makes for every one), C-speed copies of the
+the draw :func:`~kvindex.api.policies.rank` makes for every one; both compiled loops when
+the extension is built, ``kvindex.indexer.native._lookup``), C-speed copies of the
 fleet's lists (specs sorted once per change, the stream list and loads kept as they
-change); the cache term and the freshness it needs only for the replicas that matched
-(one credit per shared match); candidates, terms, freshness and load views, entries and
-their JSON for the best ``top_k`` alone, ordered as ``rank`` orders them (ties: lower
-load, then the draw), so ``best`` and the entries are those of the plain path
-(``tests/unit/api/test_score_equivalence.py``). Other policies, and ``kv_aware`` with a
+change); the cache term only for the replicas that matched (one credit per shared match),
+and the freshness it needs only for those that may rank among the ``top_k`` whatever it
+is (:func:`_contenders`: a bound on what a match can add); candidates, terms, freshness
+and load views, entries and their JSON for the best ``top_k`` alone, ordered as ``rank``
+orders them (ties: lower load, then the draw), so ``best`` and the entries are those of
+the plain path (``tests/unit/api/test_score_equivalence.py``). A body's ``token_ids`` are
+read as u32 bytes (:func:`~kvindex.api.schemas.decode_score_request`), no Python int per
+token. Other policies, and ``kv_aware`` with a
 temperature (a softmax over every score), build a candidate and a score per replica.
 """
 
@@ -65,9 +69,28 @@ from kvindex.indexer.events import StreamId, Tier
 from kvindex.indexer.fleet.registry import Freshness, RegistryView, StreamFreshness
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.protocol import NO_MATCH, BlockIndex, IndexUnavailableError, PrefixMatch
-from kvindex.indexer.keys import BlockKeyError, block_keys
+from kvindex.indexer.keys import (
+    BlockKeyError,
+    block_keys,
+    chain_keys,
+    model_root,
+    request_extra_keys,
+)
 
 _KEY_LIMIT = 2**64
+
+_compiled_best: (
+    Callable[[list[float], list[float], Callable[[], float], int | None], list[int]] | None
+)
+_compiled_best = None
+_compiled_kth: Callable[[list[float], int], float] | None = None
+"""The compiled :func:`_best` (None: not built, the Python one serves)."""
+try:
+    from kvindex.indexer.native import _lookup
+except ImportError:
+    pass
+else:
+    _compiled_best, _compiled_kth = _lookup.best, _lookup.kth_smallest
 
 
 DEGRADED_REASONS = ("index_unavailable", "fleet_unreadable", "no_healthy_candidate")
@@ -94,8 +117,8 @@ class _Lookup:
     degraded: str | None = None
 
     def num_matched(self) -> int:
-        """Replicas holding at least the first block (a cost per match, not per candidate)."""
-        return sum(1 for match in self.matches.values() if match.num_blocks)
+        """Replicas holding at least the first block (only those are kept in ``matches``)."""
+        return len(self.matches)
 
 
 _Streams = tuple[StreamId, ...]
@@ -138,13 +161,16 @@ def _lookup_of(found: dict[StreamId, PrefixMatch] | IndexUnavailableError) -> _L
     if isinstance(found, IndexUnavailableError):
         return _Lookup(degraded=f"index store unavailable: {found}")
     lookup = _Lookup()
-    for stream, match in found.items():
+    matches, ranks = lookup.matches, lookup.ranks
+    best_of = matches.get
+    for stream, match in found.items():  # every candidate's stream: kept lean
         if not match.tiers:  # a non-holder reads NO_MATCH and rank 0 (its lowest) anyway
             continue
-        best = lookup.matches.get(stream.replica)
-        if best is None or match.num_blocks > best.num_blocks:
-            lookup.matches[stream.replica] = match
-            lookup.ranks[stream.replica] = stream.rank
+        replica = stream.replica
+        best = best_of(replica)
+        if best is None or len(match.tiers) > len(best.tiers):
+            matches[replica] = match
+            ranks[replica] = stream.rank
     return lookup
 
 
@@ -204,6 +230,7 @@ class Scorer:
         self._answers: list[str] = []
         """Answers made since the last load read: counted in the store by the next read."""
         self._health_policy = settings.health_policy()
+        self._default_weights = settings.weights.as_dict()
 
     def note_load(self, replica: str, load: Load) -> None:
         """Remember a load this process accepted (``POST /load``), so that an answer made
@@ -229,18 +256,23 @@ class Scorer:
         return sorted(configured | set(self._registry.models()))
 
     async def score(
-        self, request: ScoreRequest, headers: Mapping[str, str] | None = None
+        self,
+        request: ScoreRequest,
+        headers: Mapping[str, str] | None = None,
+        *,
+        packed_tokens: bytes | None = None,
     ) -> ScoreResponse:
         """The answer to ``request``: every candidate scored, the best ``top_k`` explained
         (:meth:`top_k`), the others counted only (their entries are never built).
         ``headers`` (the HTTP request's, looked up by lower-case name) are what
-        ``[[rules]]`` may match besides the body."""
+        ``[[rules]]`` may match besides the body. ``packed_tokens``: the request's token
+        ids as little-endian u32 bytes, in place of its ``token_ids`` (None then; as
+        :func:`~kvindex.api.schemas.decode_score_request` reads a body): the same answer."""
         specs = self._registry.replicas()
         outage = self._registry.outage()
         candidates = self._candidates(request, specs, outage)
         block_size = self.block_size(request.model)
-        tokens, keys = await self._keys(request, block_size)
-        num_tokens = len(tokens) if tokens is not None else len(keys) * block_size
+        num_tokens, keys = await self._keys(request, block_size, packed_tokens)
         rule = self._rule(request, num_tokens, headers or {})
         weights = self._weights(request, rule)
         policy = self._policy(request, rule)
@@ -269,7 +301,7 @@ class Scorer:
             num_blocks=len(keys),
             best=decision.best,
             policy=policy.value,
-            weights=weights.as_dict(),
+            weights=self._weights_view(weights),
             scores=[seen.entry(s, block_size) for s in decision.ranked],
             num_candidates=len(ranked),
             num_matched=lookup.num_matched(),
@@ -353,12 +385,16 @@ class Scorer:
             or (spec.policy if spec else None)
             or self._settings.default_policy
         )
-        try:
-            return Policy(name)
-        except ValueError:
-            raise RequestError(
-                f"policy: {name!r} is not one of {[p.value for p in Policy]}"
-            ) from None
+        policy = _POLICY_OF.get(name)  # a dict lookup: an enum call costs a microsecond
+        if policy is None:
+            raise RequestError(f"policy: {name!r} is not one of {[p.value for p in Policy]}")
+        return policy
+
+    def _weights_view(self, weights: Weights) -> dict[str, float]:
+        """``weights.as_dict()``, the settings' own made once (a copy per answer)."""
+        if weights is self._settings.weights:
+            return dict(self._default_weights)
+        return weights.as_dict()
 
     def _weights(self, request: ScoreRequest, rule: RoutingRule | None) -> Weights:
         """The API's weights, overridden by the rule's, then by the request's."""
@@ -379,12 +415,13 @@ class Scorer:
     # --- 2-3. tokens and keys ------------------------------------------------------------
 
     async def _keys(
-        self, request: ScoreRequest, block_size: int
-    ) -> tuple[list[int] | None, list[int]]:
+        self, request: ScoreRequest, block_size: int, packed: bytes | None = None
+    ) -> tuple[int, list[int]]:
+        """(tokens in the prompt, its block keys); ``packed``: its token ids as u32 bytes."""
         given = [
             name
             for name in ("token_ids", "prompt", "messages", "block_keys")
-            if getattr(request, name) is not None
+            if getattr(request, name) is not None or (name == "token_ids" and packed is not None)
         ]
         if len(given) != 1:
             raise RequestError(
@@ -397,9 +434,12 @@ class Scorer:
                 f" uses {block_size} tokens per block"
             )
         if request.block_keys is not None:
-            if any(k >= _KEY_LIMIT for k in request.block_keys):
+            keys = request.block_keys
+            if keys and max(keys) >= _KEY_LIMIT:  # one C pass (msgspec checked they are >= 0)
                 raise RequestError("block_keys: every key must be an unsigned 64-bit integer")
-            return None, request.block_keys
+            return len(keys) * block_size, keys
+        if packed is not None:
+            return len(packed) // 4, _packed_keys(request, packed, block_size)
         tokens = request.token_ids
         if tokens is None:
             tokens = await self._tokenize(request)
@@ -413,7 +453,7 @@ class Scorer:
             )
         except BlockKeyError as exc:
             raise RequestError(f"token_ids: {exc}") from exc
-        return tokens, keys
+        return len(tokens), keys
 
     async def _tokenize(self, request: ScoreRequest) -> list[int]:
         tokenizer = self._tokenizers(request.model)
@@ -543,25 +583,37 @@ class Scorer:
         freshness views only for the ``top_k`` explained (:func:`~kvindex.api.policies.rank`'s
         order: score, then lower load, then the candidate's draw)."""
         rng = copy.copy(self._rng) if request.dry_run else self._rng
-        matches, num_blocks = seen.lookup.matches, len(keys)
-        holders = [streams.streams_of.get(r, ()) for r in matches]
-        seen.statuses.update(self._statuses([s for group in holders for s in group]))
+        matches, num_blocks, streams_of = seen.lookup.matches, len(keys), streams.streams_of
         penalties = load_penalties(ranked, seen.loads, seen.now, weights)
-        minus_scores = penalties.copy()
-        # Credit per (match, freshness): the holders of one prefix share its match object.
-        credits: dict[tuple[int, Freshness], float] = {}
-        for replica, match in matches.items():
-            i, state = streams.position[replica], seen.state(replica)
-            credit = credits.get((id(match), state))  # the matches live until the return
-            if credit is None:
-                credit = tier_credit(match.tiers, state, num_blocks, weights)[0]
-                credits[id(match), state] = credit
-            minus_scores[i] = penalties[i] - credit  # == -(credit - penalty), exactly
-        order = _best(minus_scores, penalties, rng, self.top_k(request))
+        top_k = self.top_k(request)
+        contenders = _contenders(
+            matches,
+            penalties,
+            streams.position,
+            top_k=top_k,
+            num_blocks=num_blocks,
+            weights=weights,
+        )
+        held = self._registry.freshness([s for r in contenders for s in streams_of.get(r, ())])
+        states = _states(held)
+        credit_of: dict[str, tuple[float, float]] = {}
+        minus_scores = _minus_scores(
+            penalties,
+            contenders,
+            states,
+            position=streams.position,
+            credit_of=credit_of,
+            num_blocks=num_blocks,
+            weights=weights,
+        )
+        order = _best(minus_scores, penalties, rng, top_k)
         winners = [ranked[i] for i in order]
-        rest = [s for r in winners if r not in matches for s in streams.streams_of.get(r, ())]
+        chosen = set(winners)
+        seen.statuses.update(_by_replica([s for s in held if s.stream.replica in chosen]))
+        rest = [s for r in winners if r not in matches for s in streams_of.get(r, ())]
         seen.statuses.update(self._statuses(rest))
-        scored = kv_aware([seen.candidate(r) for r in winners], num_blocks, weights)
+        cands = [seen.candidate(r) for r in winners]
+        scored = kv_aware(cands, num_blocks, weights, [credit_of.get(r) for r in winners])
         assert all(s.score == -minus_scores[i] for s, i in zip(scored, order, strict=True))
         return seen, Decision(winners[0] if winners else None, scored)
 
@@ -649,6 +701,93 @@ class _Seen:
         )
 
 
+def _contenders(
+    matches: dict[str, PrefixMatch],
+    penalties: list[float],
+    position: dict[str, int],
+    *,
+    top_k: int | None,
+    num_blocks: int,
+    weights: Weights,
+) -> dict[str, PrefixMatch]:
+    """The replicas that matched and may be among the best ``top_k`` whatever their
+    freshness (every one when ``top_k`` keeps them all), in the order of ``matches``.
+
+    Why the others cannot: no credit is negative, so no minus score is above its
+    candidate's penalty, and the ``top_k``-th smallest penalty bounds the ``top_k``-th
+    smallest minus score. A match of ``n`` blocks adds at most ``n`` times the best tier's
+    weight at the largest freshness factor, over the prompt's blocks (rounded up: the
+    bound holds for the float arithmetic of :func:`~kvindex.api.policies.tier_credit`);
+    a replica whose penalty less that most is still above the bound ranks after ``top_k``
+    others, so its freshness is never read and its minus score is left at its penalty,
+    which changes neither the ``top_k`` nor their order."""
+    if top_k is None or top_k >= len(penalties) or not matches or num_blocks <= 0:
+        return matches
+    w = weights
+    factor = max(1.0, w.replaying_factor, w.stale_factor)
+    per_block = w.cache * max(w.gpu, w.cpu, w.other) * factor / num_blocks
+    per_block = per_block * (1.0 + 1e-9) + 1e-300  # above any rounding of the real credit
+    threshold = _kth_smallest(penalties, top_k)
+    return {
+        replica: match
+        for replica, match in matches.items()
+        if penalties[position[replica]] - per_block * len(match.tiers) <= threshold
+    }
+
+
+def _kth_smallest(values: list[float], k: int) -> float:
+    """``sorted(values)[k - 1]``, compiled when built (no sort of the fleet)."""
+    if _compiled_kth is not None:
+        return _compiled_kth(values, k)
+    return sorted(values)[k - 1]
+
+
+def _minus_scores(
+    penalties: list[float],
+    matches: dict[str, PrefixMatch],
+    states: dict[str, Freshness],
+    *,
+    position: dict[str, int],
+    credit_of: dict[str, tuple[float, float]],
+    num_blocks: int,
+    weights: Weights,
+) -> list[float]:
+    """Each candidate's ``kv_aware`` score, negated: its load penalty, less the cache credit
+    of its match at its freshness for the replicas that matched (no record: stale), whose
+    :func:`~kvindex.api.policies.tier_credit` (credit, factor) goes into ``credit_of``."""
+    minus_scores = penalties.copy()
+    # Credit per (match, freshness): the holders of one prefix share its match object, and
+    # come one after another (the last pair is checked first: no hashing).
+    credits: dict[tuple[int, str], tuple[float, float]] = {}
+    last: tuple[PrefixMatch, Freshness, tuple[float, float]] | None = None
+    state_of = states.get
+    for replica, match in matches.items():
+        i, state = position[replica], state_of(replica, _STALE)
+        if last is not None and last[0] is match and last[1] is state:
+            credit = last[2]
+        else:  # keyed by the state's value: an enum member hashes in Python
+            key = (id(match), state._value_)  # the matches live until the answer is made
+            known = credits.get(key)
+            if known is None:
+                known = credits[key] = tier_credit(match.tiers, state, num_blocks, weights)
+            credit = known
+            last = (match, state, credit)
+        credit_of[replica] = credit
+        minus_scores[i] = penalties[i] - credit[0]  # == -(credit - penalty), exactly
+    return minus_scores
+
+
+def _packed_keys(request: ScoreRequest, packed: bytes, block_size: int) -> list[int]:
+    """:func:`~kvindex.indexer.keys.block_keys` of token ids given as u32 bytes (the same
+    keys: ``block_keys`` hashes those bytes)."""
+    num_blocks = len(packed) // 4 // block_size if block_size > 0 else 0
+    extras = request_extra_keys(num_blocks, request.lora_name, request.cache_salt)
+    try:
+        return chain_keys(model_root(request.model), packed, block_size, extras)
+    except BlockKeyError as exc:
+        raise RequestError(f"token_ids: {exc}") from exc
+
+
 def _by_replica(statuses: Sequence[StreamFreshness]) -> dict[str, list[StreamFreshness]]:
     out: dict[str, list[StreamFreshness]] = {}
     for status in statuses:
@@ -661,8 +800,19 @@ def _best(
 ) -> list[int]:
     """Indices of the best ``top_k`` (None: every one), best first, in
     :func:`~kvindex.api.policies.rank`'s order: score, then lower load, then a draw per
-    candidate (drawn from ``rng`` for every one, tie or not, as ``rank`` does). Only the
-    candidates scoring at least the ``top_k``-th best are ordered."""
+    candidate (drawn from ``rng`` for every one, tie or not, as ``rank`` does). Compiled
+    when the extension is built (one C loop: draws, then the best ``top_k`` kept by
+    insertion), else :func:`_py_best`; the two agree (``tests/unit/indexer/native``)."""
+    if _compiled_best is not None:
+        return _compiled_best(minus_scores, penalties, rng.random, top_k)
+    return _py_best(minus_scores, penalties, rng, top_k)
+
+
+def _py_best(
+    minus_scores: list[float], penalties: list[float], rng: random.Random, top_k: int | None
+) -> list[int]:
+    """:func:`_best` in Python (the reference, and the fallback): only the candidates
+    scoring at least the ``top_k``-th best are ordered."""
     draw = rng.random
     draws = [draw() for _ in minus_scores]
     picked: Sequence[int] = range(len(minus_scores))
@@ -704,6 +854,23 @@ def _tier_counts(tiers: tuple[Tier, ...]) -> dict[str, int]:
 _GPU = Tier.GPU  # read through the class, an enum member costs ~0.2 µs (Python 3.11)
 _TIER_NAMES = tuple((tier, tier.name.lower()) for tier in Tier)
 _WORST = {Freshness.LIVE: 0, Freshness.REPLAYING: 1, Freshness.STALE: 2}
+
+
+def _states(statuses: Sequence[StreamFreshness]) -> dict[str, Freshness]:
+    """Each replica's freshness (its least fresh stream's, as :func:`_freshness`), for the
+    replicas of ``statuses`` (one pass, no list per replica)."""
+    out: dict[str, Freshness] = {}
+    worst, rank = out.get, _WORST.__getitem__
+    for status in statuses:
+        replica, state = status.stream.replica, status.freshness
+        known = worst(replica)
+        if known is None or rank(state) > rank(known):
+            out[replica] = state
+    return out
+
+
+_STALE = Freshness.STALE
+_POLICY_OF: dict[object, Policy] = {p.value: p for p in Policy}
 
 
 def _freshness(statuses: Sequence[StreamFreshness]) -> Freshness:

@@ -17,7 +17,7 @@ candidate is scored). Stacks:
 * ``lean``: the app as served (``create_app``): ``POST /score`` and ``GET /healthz`` answered
   by :class:`~kvindex.api.hot_routes.HotRoutes` inside the same middlewares; the rest FastAPI.
 * ``bare``: the floor: a bare ASGI callable that answers ``GET /healthz`` and ``POST /score``
-  (msgspec decode, the same ``Scorer``, msgspec encode) with no middleware, no metrics, no
+  (the app's body decode, the same ``Scorer``, msgspec encode) with no middleware, no metrics, no
   auth: what any route must cost at least.
 
 Servers: ``uvicorn`` as every kvindex process runs it (``run_app``: httptools with the
@@ -57,7 +57,7 @@ from score_http import Api, LoadPlan, LoadResult, run_load, running_api
 
 from kvindex.api.app import ApiDeps, create_app
 from kvindex.api.load.store import MemoryLoadStore
-from kvindex.api.schemas import ScoreRequest
+from kvindex.api.schemas import decode_score_request
 from kvindex.api.score import Scorer
 from kvindex.api.settings import ApiSettings
 from kvindex.indexer.events import BlockStored, EventBatch, StreamId, Tier
@@ -339,8 +339,9 @@ def _bare_app(deps: ApiDeps) -> Any:
             chunks.append(message.get("body", b""))
             if not message.get("more_body"):
                 break
-        request = msgspec.json.decode(b"".join(chunks), type=ScoreRequest)
-        await reply(send, 200, msgspec.json.encode(await scorer.score(request)))
+        request, packed = decode_score_request(b"".join(chunks))  # as the app decodes it
+        answer = await scorer.score(request, packed_tokens=packed)
+        await reply(send, 200, msgspec.json.encode(answer))
 
     return app
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import heapq
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -54,6 +54,15 @@ from kvindex.indexer.index.protocol import (
     StreamStats,
     applied,
 )
+
+_set_bits: Callable[[int], list[int]] | None = None
+"""The compiled :func:`_numbers` (None: not built, the Python one serves)."""
+try:
+    from kvindex.indexer.native import _lookup
+except ImportError:
+    pass
+else:
+    _set_bits = _lookup.set_bits
 
 _NUM_TIERS = len(Tier)
 _LANE_BITS = 32
@@ -426,8 +435,16 @@ def _held_from(key_to_counts: dict[int, int], keys: Sequence[int], start: int) -
     return len(keys)
 
 
-def _numbers(bitmap: int) -> Iterator[int]:
-    """The set bits of a bitmap (C string scans: a bit operation on a wide int would
+def _numbers(bitmap: int) -> Iterable[int]:
+    """The set bits of a bitmap, ascending: compiled when built (one pass over its bytes),
+    else :func:`_py_numbers`."""
+    if _set_bits is not None:
+        return _set_bits(bitmap)
+    return _py_numbers(bitmap)
+
+
+def _py_numbers(bitmap: int) -> Iterator[int]:
+    """:func:`_numbers` in Python (C string scans: a bit operation on a wide int would
     allocate a new one per bit)."""
     if not bitmap & (bitmap - 1):  # none or one
         if bitmap:

@@ -210,6 +210,17 @@ def test_kv_aware_is_cache_minus_load_with_every_term_reported() -> None:
     assert scored.score == pytest.approx(0.75 - penalty)
 
 
+def test_kv_aware_uses_the_credits_given_and_computes_the_others() -> None:
+    cands = [
+        cand("a", [GPU, CPU], freshness=Freshness.STALE, load=load(running=1)),
+        cand("b", [OTHER], load=load(waiting=3)),
+    ]
+    known = cache_credit(cands[0], 4, W)
+    assert kv_aware(cands, 4, W, [known, None]) == kv_aware(cands, 4, W)
+    (given, _) = kv_aware(cands, 4, W, [(0.5, 0.25), None])
+    assert (given.terms["cache"], given.terms["freshness_factor"]) == (0.5, 0.25)
+
+
 def test_kv_aware_trades_cache_against_load() -> None:
     busy = load(waiting=4, running=10, kv_usage=1.0)  # penalty 0.8
     idle = cand("idle", load=load())

@@ -14,9 +14,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+from contextlib import ExitStack
+from unittest.mock import patch
 
 import pytest
 
+from kvindex.api import policies as policies_module
+from kvindex.api import score as score_module
 from kvindex.api.load.model import NO_IN_FLIGHT, Load
 from kvindex.api.load.reservations import Reservations
 from kvindex.api.load.store import MemoryLoadStore
@@ -28,6 +32,7 @@ from kvindex.indexer.events import StreamId, Tier
 from kvindex.indexer.fleet.registry import Freshness, Registry, StreamFreshness
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.health import StreamReport
+from kvindex.indexer.index import memory as memory_module
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import Op, OpKind
 from kvindex.indexer.keys import block_keys
@@ -155,6 +160,80 @@ def test_the_lean_kv_aware_answer_equals_the_plain_one_on_random_fleets(seed: in
         (s.replica, s.score, s.terms) for s in expected.ranked
     ]
     assert got.num_candidates == len(fleet.specs)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_holders_whose_freshness_is_not_read_change_nothing(seed: int) -> None:
+    """A small ``top_k``: only the holders that may rank whatever their freshness have it
+    read; freshness factors above 1, a heavy cache weight and a CPU tier worth more than
+    the GPU's stretch that bound (answers equal the plain path's)."""
+    fleet = RandomFleet(seed)
+    rng = random.Random(seed)
+    fleet.weights = Weights(
+        cache=rng.choice([1.0, 4.0]),
+        cpu=rng.choice([0.8, 1.2]),
+        stale_factor=rng.choice([0.5, 1.5]),
+        replaying_factor=rng.choice([0.8, 2.0]),
+    )
+    top_k = rng.choice([1, 2, 3])
+    got = answer(fleet.scorer(seed), top_k, dry_run=True)
+    expected = reference(fleet, top_k, random.Random(seed))
+    assert got.best == expected.best
+    assert [(e.replica, e.score, e.terms) for e in got.scores] == [
+        (s.replica, s.score, s.terms) for s in expected.ranked
+    ]
+
+
+def test_a_stale_holder_worth_more_than_live_still_wins() -> None:
+    """``stale_factor`` 1.5: the one holder (2 of 16 blocks, stale) scores 0.1875 - 0.25,
+    above the idlest non-holder's -0.1, though its credit at factor 1 would not be: the
+    bound on what a holder may gain takes the largest factor."""
+    specs = (ReplicaSpec("a", MODEL), ReplicaSpec("b", MODEL), ReplicaSpec("c", MODEL))
+    clock = [NOW - 100.0]  # a is heard of 100 s ago (stale), b and c now
+    registry = Registry(specs, stale_after_s=30.0, clock=lambda: clock[0])
+    index, loads = MemoryIndex(), MemoryLoadStore()
+    index.apply(StreamId("a"), 0, NOW, [(OpKind.STORE, Tier.GPU, i, KEYS[i]) for i in range(2)])
+    for spec, (waiting, kv_usage) in zip(specs, ((0.5, 1.0), (0.0, 0.5), (0.0, 1.0)), strict=True):
+        registry.record(StreamId(spec.id), StreamReport(last_seq=0, last_event_ts=clock[0]))
+        loads.put(spec.id, Load(0.0, waiting, kv_usage, NOW, "push"))
+        clock[0] = NOW
+    weights = Weights(stale_factor=1.5)
+    scorer = Scorer(
+        ApiSettings(seed=1, weights=weights),
+        index,
+        registry,
+        loads,
+        tokenizers=lambda _: None,
+        blocking_store=False,
+        clock=lambda: NOW,
+    )
+    got = answer(scorer, 1, dry_run=True)
+    assert got.best == "a"
+    (entry,) = got.scores
+    assert (entry.freshness.state, entry.terms["freshness_factor"]) == ("stale", 1.5)
+    assert entry.score == pytest.approx(2 / 16 * 1.5 - 0.25)
+
+
+@pytest.mark.parametrize("seed", range(0, 60, 3))
+def test_the_python_loops_answer_as_the_compiled_ones(seed: int) -> None:
+    """Without the compiled read-path loops (an install without the extension), the same
+    answers: penalties, draws, the k-th penalty and the holders' numbers in Python."""
+    fleet = RandomFleet(seed)
+    top_k = random.Random(seed).choice([1, 2, 3, 10])
+    compiled = answer(fleet.scorer(seed), top_k, dry_run=True)
+    with ExitStack() as stack:
+        for module, name in (
+            (score_module, "_compiled_best"),
+            (score_module, "_compiled_kth"),
+            (policies_module, "_compiled_penalties"),
+            (memory_module, "_set_bits"),
+        ):
+            stack.enter_context(patch.object(module, name, None))
+        python = answer(fleet.scorer(seed), top_k, dry_run=True)
+    assert [(e.replica, e.score, e.terms) for e in python.scores] == [
+        (e.replica, e.score, e.terms) for e in compiled.scores
+    ]
+    assert python.best == compiled.best
 
 
 @pytest.mark.parametrize("seed", range(10))

@@ -1,0 +1,28 @@
+"""Types of the compiled ``_lookup`` (see ``_lookup.pyx``)."""
+
+from collections.abc import Callable
+
+from kvindex.api.load.model import CountedLoad
+
+def set_bits(bitmap: int) -> list[int]: ...
+def load_penalties(
+    replicas: list[str],
+    counted: dict[str, CountedLoad],
+    now: float,
+    w_in_flight: float,
+    w_tokens: float,
+    half_life: float,
+    w_waiting: float,
+    w_running: float,
+    w_routed: float,
+    w_kv: float,
+) -> list[float]: ...
+def best(
+    minus_scores: list[float],
+    penalties: list[float],
+    draw: Callable[[], float],
+    top_k: int | None,
+) -> list[int]: ...
+def json_token_ids(raw: object, max_length: int) -> bytes | None: ...
+def kth_smallest(values: list[float], k: int) -> float: ...
+def json_token_span(body: object, max_length: int) -> tuple[bytes, int, int] | None: ...

@@ -1,0 +1,331 @@
+# cython: boundscheck=False, wraparound=False, cdivision=False
+"""The read path's compiled loops: what ``POST /score`` costs per candidate after the lookup.
+
+Each function is the compiled twin of a pure-Python reference that stays the fallback when
+the extension is not built, and the tests hold the two to the same answers on random input
+(``tests/unit/indexer/native/test_lookup.py``):
+
+* :func:`set_bits` - ``kvindex.indexer.index.memory._numbers``: the stream numbers of a
+  holders bitmap (a Python int of up to the fleet's width);
+* :func:`load_penalties` - ``kvindex.api.policies.load_penalties``: one load penalty per
+  candidate, the same IEEE operations in the same order (built with ``-ffp-contract=off``,
+  so no fused multiply-add changes a rounding), hence bit-equal floats;
+* :func:`best` - ``kvindex.api.score._best``: one draw per candidate, then the indices of the
+  best ``top_k`` in (score, load, draw, index) order;
+* :func:`kth_smallest` - ``sorted(values)[k - 1]`` without sorting the fleet;
+* :func:`json_token_ids` - a ``/score`` body's ``token_ids`` array read into the u32 bytes the
+  block keys hash (``kvindex.api.schemas.decode_score_request``; anything but a plain array
+  of ints in [0, 2**32) is left to the full decode).
+
+Nothing here keeps state or holds a lock; every input is checked as the reference checks it
+(a wrong type raises ``TypeError``, as the Python code would).
+"""
+
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.dict cimport PyDict_GetItem
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.object cimport PyObject
+from cpython.tuple cimport PyTuple_Check, PyTuple_GET_ITEM, PyTuple_GET_SIZE
+from libc.math cimport pow
+from libc.stdint cimport uint64_t
+from libc.stdlib cimport free, malloc, qsort
+
+
+cdef extern from *:
+    int __builtin_ctz(unsigned int x) nogil
+
+
+cdef extern from "string.h":
+    void* memmem(const void* haystack, size_t size, const void* needle, size_t length) nogil
+
+
+def set_bits(object bitmap):
+    """The positions of the set bits of a non-negative int, ascending."""
+    cdef list out = []
+    if not bitmap:
+        return out
+    cdef Py_ssize_t width = (bitmap.bit_length() + 7) // 8
+    cdef bytes raw = bitmap.to_bytes(width, "little")
+    cdef const unsigned char* data = <const unsigned char*> PyBytes_AS_STRING(raw)
+    cdef Py_ssize_t i
+    cdef unsigned int byte, bit
+    for i in range(PyBytes_GET_SIZE(raw)):
+        byte = data[i]
+        while byte:
+            bit = __builtin_ctz(byte)
+            out.append(i * 8 + bit)
+            byte &= byte - 1
+    return out
+
+
+
+def load_penalties(
+    list replicas,
+    dict counted,
+    double now,
+    double w_in_flight,
+    double w_tokens,
+    double half_life,
+    double w_waiting,
+    double w_running,
+    double w_routed,
+    double w_kv,
+):
+    """Each replica's load penalty from ``counted`` (replica -> ``CountedLoad``: load or
+    None, answers since, (requests, tokens) in flight), as of ``now``, in the order of
+    ``replicas``; see ``kvindex.api.policies.load_penalties``."""
+    cdef Py_ssize_t n = PyList_GET_SIZE(replicas), i
+    cdef list out = [None] * n
+    cdef PyObject* found
+    cdef object c, load, routed, in_flight, num_requests, num_tokens
+    cdef double first_hand, prefill, age, recency, queue
+    for i in range(n):
+        found = PyDict_GetItem(counted, <object> PyList_GET_ITEM(replicas, i))
+        if found is NULL:
+            out[i] = w_in_flight * 0.0 + w_tokens * 0.0
+            continue
+        c = <object> found
+        if PyTuple_Check(c) and PyTuple_GET_SIZE(c) == 3:  # a CountedLoad (a NamedTuple)
+            load = <object> PyTuple_GET_ITEM(c, 0)
+            routed = <object> PyTuple_GET_ITEM(c, 1)
+            in_flight = <object> PyTuple_GET_ITEM(c, 2)
+        else:
+            load, routed, in_flight = c
+        if PyTuple_Check(in_flight) and PyTuple_GET_SIZE(in_flight) == 2:
+            num_requests = <object> PyTuple_GET_ITEM(in_flight, 0)
+            num_tokens = <object> PyTuple_GET_ITEM(in_flight, 1)
+        else:
+            num_requests, num_tokens = in_flight
+        first_hand = w_in_flight * <double> num_requests
+        prefill = w_tokens * <double> num_tokens
+        if load is None:
+            out[i] = first_hand + prefill
+            continue
+        age = now - <double> load.ts
+        if half_life:
+            recency = pow(0.5, (0.0 if age < 0.0 else age) / half_life)
+        else:
+            recency = 1.0
+        queue = (w_waiting * <double> load.waiting + w_running * <double> load.running) * recency
+        queue = queue + w_routed * <double> routed
+        queue = queue if queue > first_hand else first_hand
+        out[i] = queue + w_kv * <double> load.kv_usage * recency + prefill
+    return out
+
+
+cdef struct Row:
+    double minus_score
+    double penalty
+    double draw
+    Py_ssize_t index
+
+
+cdef int _compare(const void* a, const void* b) noexcept nogil:
+    cdef const Row* x = <const Row*> a
+    cdef const Row* y = <const Row*> b
+    if x.minus_score != y.minus_score:
+        return -1 if x.minus_score < y.minus_score else 1
+    if x.penalty != y.penalty:
+        return -1 if x.penalty < y.penalty else 1
+    if x.draw != y.draw:
+        return -1 if x.draw < y.draw else 1
+    return -1 if x.index < y.index else (1 if x.index > y.index else 0)
+
+
+cdef inline bint _before(const Row* x, const Row* y) noexcept nogil:
+    return _compare(x, y) < 0
+
+
+def best(list minus_scores, list penalties, object draw, object top_k):
+    """Indices of the best ``top_k`` (None: every one), best first: ascending
+    (minus score, penalty, draw, index), one ``draw()`` per candidate in index order,
+    whatever ``top_k``; see ``kvindex.api.score._best``."""
+    cdef Py_ssize_t n = PyList_GET_SIZE(minus_scores), i, j, k, kept = 0
+    if PyList_GET_SIZE(penalties) != n:
+        raise ValueError("minus_scores and penalties differ in length")
+    if top_k is None:
+        k = n
+    elif top_k < 0:
+        raise ValueError("top_k must be None or >= 0")
+    else:
+        k = n if top_k >= n else top_k
+    if k == 0:  # no row is kept, but every candidate still takes its draw
+        for i in range(n):
+            draw()
+        return []
+    cdef Row* rows = <Row*> malloc(n * sizeof(Row))
+    if rows is NULL:
+        raise MemoryError()
+    cdef Row row
+    try:
+        for i in range(n):
+            rows[i].minus_score = <double> <object> PyList_GET_ITEM(minus_scores, i)
+            rows[i].penalty = <double> <object> PyList_GET_ITEM(penalties, i)
+            rows[i].index = i
+        for i in range(n):
+            rows[i].draw = <double> draw()
+        if k == n:
+            qsort(rows, n, sizeof(Row), _compare)
+        else:
+            # Keep the best k sorted in rows[0:k] (insertion: k is small next to n).
+            for i in range(n):
+                row = rows[i]
+                if kept == k and not _before(&row, &rows[k - 1]):
+                    continue
+                j = kept if kept < k else k - 1
+                while j > 0 and _before(&row, &rows[j - 1]):
+                    rows[j] = rows[j - 1]
+                    j -= 1
+                rows[j] = row
+                if kept < k:
+                    kept += 1
+        return [rows[i].index for i in range(k)]
+    finally:
+        free(rows)
+
+
+cdef inline bint _space(unsigned char c) noexcept nogil:
+    return c == 32 or c == 10 or c == 13 or c == 9
+
+
+def json_token_ids(object raw, Py_ssize_t max_length):
+    """The token ids of a JSON array (a buffer holding exactly it, as ``msgspec.Raw`` keeps
+    it) as little-endian u32 bytes, what the block keys hash; None unless it is an array of
+    at most ``max_length`` JSON integers each in [0, 2**32) (no sign, fraction or exponent:
+    the caller then decodes it the general way, which says what is wrong with it)."""
+    cdef Py_buffer view
+    cdef Py_ssize_t pos = 0, end, after = 0
+    PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE)
+    cdef const unsigned char* p = <const unsigned char*> view.buf
+    try:
+        end = view.len
+        while end > 0 and _space(p[end - 1]):
+            end -= 1
+        while pos < end and _space(p[pos]):
+            pos += 1
+        # The closing bracket stops every scan of the array (no digit, space or comma).
+        if end - pos < 2 or p[pos] != 91 or p[end - 1] != 93:  # '[' ... ']'
+            return None
+        packed = _json_array(p, pos, end, max_length, &after)
+        return packed if after == end else None
+    finally:
+        PyBuffer_Release(&view)
+
+
+def json_token_span(object body, Py_ssize_t max_length):
+    """``(ids, start, end)``: the ids of the first array that follows the bytes
+    ``"token_ids"``, a colon and spaces in a JSON object's text (``body[start:end]`` is the
+    array), as :func:`json_token_ids` reads them; None when there is no such array, it is
+    not one it reads, or the text does not end with ``}``. Where the array sits in the
+    object (top level or not) is for the caller to check."""
+    cdef Py_buffer view
+    cdef Py_ssize_t pos, end, after = 0
+    cdef const unsigned char* found
+    PyObject_GetBuffer(body, &view, PyBUF_SIMPLE)
+    cdef const unsigned char* p = <const unsigned char*> view.buf
+    try:
+        end = view.len
+        while end > 0 and _space(p[end - 1]):
+            end -= 1
+        # The object's closing brace stops every scan below (no digit, space or comma).
+        if end == 0 or p[end - 1] != 125:  # '}'
+            return None
+        found = <const unsigned char*> memmem(p, end, b'"token_ids"', 11)
+        if found is NULL:
+            return None
+        pos = (found - p) + 11
+        while _space(p[pos]):
+            pos += 1
+        if p[pos] != 58:  # ':'
+            return None
+        pos += 1
+        while _space(p[pos]):
+            pos += 1
+        if p[pos] != 91:  # '['
+            return None
+        packed = _json_array(p, pos, end, max_length, &after)
+        return None if packed is None else (packed, pos, after)
+    finally:
+        PyBuffer_Release(&view)
+
+
+cdef object _json_array(
+    const unsigned char* p, Py_ssize_t pos, Py_ssize_t end, Py_ssize_t max_length,
+    Py_ssize_t* after,
+):
+    """The u32 bytes of the array opening at ``p[pos]`` (``[``), ``*after`` set past its
+    ``]``; None unless it is a plain array of ints in [0, 2**32) of at most ``max_length``.
+    A byte before ``end`` that is no digit, space or comma must stop every scan."""
+    cdef Py_ssize_t n = 0, start
+    cdef uint64_t value
+    cdef unsigned char c
+    pos += 1
+    # Each id takes two bytes at least (a digit and a comma or the closing bracket).
+    cdef Py_ssize_t most = (end - pos) // 2
+    if most > max_length:
+        most = max_length
+    while _space(p[pos]):
+        pos += 1
+    if p[pos] == 93:  # "[]"
+        after[0] = pos + 1
+        return b""
+    cdef bytearray out = bytearray(4 * most)
+    cdef unsigned char* buf = out
+    while True:
+        start = pos
+        value = 0
+        c = p[pos]
+        while 48 <= c <= 57 and pos - start < 11:
+            value = value * 10 + (c - 48)
+            pos += 1
+            c = p[pos]
+        if pos == start or value >> 32 or (p[start] == 48 and pos - start > 1):
+            return None  # not a digit, past u32, or a leading 0
+        if n >= most:
+            return None
+        buf[4 * n] = value & 0xFF
+        buf[4 * n + 1] = (value >> 8) & 0xFF
+        buf[4 * n + 2] = (value >> 16) & 0xFF
+        buf[4 * n + 3] = (value >> 24) & 0xFF
+        n += 1
+        while _space(c):
+            pos += 1
+            c = p[pos]
+        if c == 44:  # ','
+            pos += 1
+            while _space(p[pos]):
+                pos += 1
+            continue
+        if c == 93:  # the closing bracket
+            after[0] = pos + 1
+            return bytes(out[: 4 * n])
+        return None  # a fraction, an exponent, anything else
+
+
+def kth_smallest(list values, Py_ssize_t k):
+    """The ``k``-th smallest of ``values`` (1: the smallest), as ``sorted(values)[k - 1]``
+    (floats; ``1 <= k <= len(values)``, else ``IndexError``), keeping the ``k`` smallest seen
+    by insertion (``k`` is small next to the fleet)."""
+    cdef Py_ssize_t n = PyList_GET_SIZE(values), i, j, kept = 0
+    if k < 1 or k > n:
+        raise IndexError("k out of range")
+    cdef double* best = <double*> malloc(k * sizeof(double))
+    if best is NULL:
+        raise MemoryError()
+    cdef double value
+    try:
+        for i in range(n):
+            value = <double> <object> PyList_GET_ITEM(values, i)
+            if kept == k and not value < best[k - 1]:
+                continue
+            j = kept if kept < k else k - 1
+            while j > 0 and value < best[j - 1]:
+                best[j] = best[j - 1]
+                j -= 1
+            best[j] = value
+            if kept < k:
+                kept += 1
+        return best[k - 1]
+    finally:
+        free(best)

@@ -1,0 +1,152 @@
+"""kvindex.indexer.native._lookup: the read path's compiled loops agree with their Python twins.
+
+The install builds the extension (setup.py), so these tests require it, as ``test_core.py``
+does. Random inputs (hypothesis) judge agreement, bit for bit where floats are returned: the
+set bits of wide bitmaps, the load penalty of random fleets (missing loads, loads from the
+future, requests in flight, a zero half-life, integer weights), and the best ``top_k`` of
+random scores with ties on every key, the random generator left in the same state, and the
+k-th smallest of random scores.
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvindex.api import policies, score
+from kvindex.api.load.model import CountedLoad, InFlight, Load
+from kvindex.api.policies import Weights
+from kvindex.indexer.index import memory
+from kvindex.indexer.native import _lookup
+
+NOW = 1_000_000.0
+
+
+def _bits(values: list[float]) -> list[bytes]:
+    """Each float's IEEE bytes (so 0.0 and -0.0 differ, as equal floats may not)."""
+    return [struct.pack("<d", float(v)) for v in values]
+
+
+@given(st.integers(0, 2**2100))
+def test_set_bits_equals_the_python_scan(bitmap: int) -> None:
+    assert _lookup.set_bits(bitmap) == list(memory._py_numbers(bitmap))
+
+
+def test_set_bits_of_nothing_and_of_one_bit() -> None:
+    assert _lookup.set_bits(0) == []
+    assert _lookup.set_bits(1 << 1023) == [1023]
+
+
+_LOAD = st.builds(
+    Load,
+    running=st.floats(0, 500) | st.integers(0, 64).map(float),
+    waiting=st.floats(0, 500),
+    kv_usage=st.floats(0, 1),
+    ts=st.floats(NOW - 1_000, NOW + 5),  # a load from the future reads as age 0
+    source=st.just("push"),
+)
+_COUNTED = st.builds(
+    CountedLoad,
+    load=st.none() | _LOAD,
+    routed=st.integers(0, 50),
+    in_flight=st.builds(InFlight, st.integers(0, 20), st.integers(0, 100_000)),
+)
+_WEIGHTS = st.builds(
+    Weights,
+    waiting=st.floats(0, 5) | st.integers(0, 3),
+    running=st.floats(0, 5),
+    kv_usage=st.floats(0, 5),
+    routed=st.floats(0, 5) | st.integers(0, 3),
+    in_flight=st.floats(0, 5),
+    in_flight_tokens=st.floats(0, 0.01),
+    load_half_life_s=st.sampled_from([0.0, 0.5, 10.0]) | st.floats(0.01, 100),
+)
+
+
+@settings(max_examples=300)
+@given(st.lists(st.none() | _COUNTED, max_size=40), _WEIGHTS, st.floats(-5, 5))
+def test_load_penalties_compiled_equal_python(
+    counted: list[CountedLoad | None], weights: Weights, shift: float
+) -> None:
+    replicas = [f"r{i}" for i in range(len(counted))]
+    loads = {r: c for r, c in zip(replicas, counted, strict=True) if c is not None}
+    now = NOW + shift
+    compiled = policies.load_penalties(replicas, loads, now, weights)
+    reference = policies.py_load_penalties(replicas, loads, now, weights)
+    assert _bits(compiled) == _bits(reference)
+
+
+def test_load_penalties_take_the_python_loop_for_other_containers() -> None:
+    loads = {"a": CountedLoad(Load(1.0, 2.0, 0.5, NOW - 3.0, "push"), 2)}
+    weights = Weights()
+    as_tuple = policies.load_penalties(("a", "b"), loads, NOW, weights)
+    assert as_tuple == policies.load_penalties(["a", "b"], loads, NOW, weights)
+
+
+_SCORE = st.sampled_from([-1.0, -0.5, 0.0, 0.25]) | st.floats(-2, 2)
+
+
+@settings(max_examples=300)
+@given(
+    st.lists(st.tuples(_SCORE, st.sampled_from([0.0, 0.1]) | st.floats(0, 2)), max_size=60),
+    st.none() | st.integers(0, 70),
+    st.integers(0, 2**32),
+)
+def test_best_compiled_equals_python(
+    rows: list[tuple[float, float]], top_k: int | None, seed: int
+) -> None:
+    minus_scores = [m for m, _ in rows]
+    penalties = [p for _, p in rows]
+    compiled_rng, python_rng = random.Random(seed), random.Random(seed)
+    compiled = _lookup.best(minus_scores, penalties, compiled_rng.random, top_k)
+    assert compiled == score._py_best(minus_scores, penalties, python_rng, top_k)
+    assert compiled_rng.getstate() == python_rng.getstate()  # one draw each, whatever top_k
+
+
+def test_best_with_tied_draws_orders_by_index() -> None:
+    assert _lookup.best([0.0, 0.0, 0.0], [1.0, 1.0, 1.0], lambda: 0.5, 2) == [0, 1]
+
+
+def test_best_rejects_lists_of_different_lengths() -> None:
+    with pytest.raises(ValueError, match="differ in length"):
+        _lookup.best([0.0], [], random.random, None)
+
+
+@given(st.lists(_SCORE, min_size=1, max_size=60), st.data())
+def test_kth_smallest_is_the_sorted_list_at_k(values: list[float], data: st.DataObject) -> None:
+    k = data.draw(st.integers(1, len(values)))
+    assert _lookup.kth_smallest(values, k) == sorted(values)[k - 1]
+
+
+def test_kth_smallest_rejects_a_k_out_of_range() -> None:
+    for k in (0, 3):
+        with pytest.raises(IndexError):
+            _lookup.kth_smallest([1.0, 2.0], k)
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=30), st.sampled_from(["", " ", "\n "]))
+def test_json_token_span_finds_the_array_and_reads_it(ids: list[int], space: str) -> None:
+    array = "[" + f",{space}".join(map(str, ids)) + "]"
+    body = f'{{"model": "m", "token_ids"{space}:{space}{array}{space}}}'.encode()
+    found = _lookup.json_token_span(body, 100)
+    assert found is not None
+    packed, start, end = found
+    assert body[start:end] == array.encode()
+    assert (
+        packed == struct.pack(f"<{len(ids)}I", *ids) == _lookup.json_token_ids(array.encode(), 100)
+    )
+
+
+def test_json_token_span_leaves_other_bodies_alone() -> None:
+    for body in (
+        b'{"model": "m", "token_ids": [1, 2]',  # no closing brace
+        b'{"model": "m", "token_ids": null}',
+        b'{"model": "m", "token_ids": [1, -2]}',
+        b'{"model": "m", "token_ids": [1, 2, 3]}',  # past max_length (2)
+        b'{"model": "m"}',
+    ):
+        assert _lookup.json_token_span(body, 2) is None
