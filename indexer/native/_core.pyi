@@ -1,7 +1,7 @@
 """Types of the compiled ``_core`` (see ``_core.pyx``)."""
 
 from collections.abc import Iterable, Sequence
-from typing import Any, overload
+from typing import Any, Protocol, overload
 
 def chain(parent: int, token_bytes: bytes, block_size: int) -> list[int]: ...
 def chain_tokens(parent: int, token_ids: Sequence[int], block_size: int) -> list[int]: ...
@@ -34,6 +34,23 @@ class PackedTokens(Sequence[int]):
 def packed_tokens(raw: object) -> PackedTokens | None: ...
 def unsigned_hashes(values: object) -> tuple[int, ...] | None: ...
 
+class NativeBatch:
+    seq: int
+    ts: float
+    rank: int
+    num_events: int
+    num_bad_events: int
+
+def native_batch(seq: int, ts: float, rank: int, events: list[Any]) -> NativeBatch | None: ...
+def wire_kinds(
+    stored: tuple[type, ...], removed: tuple[type, ...], cleared: tuple[type, ...]
+) -> None: ...
+
+class _KeyCache(Protocol):
+    young: dict[int, int]
+    old: dict[int, int]
+    capacity: int
+
 class Tables:
     def reset(self, number: int) -> None: ...
     def apply(self, number: int, ops: Iterable[tuple[int, int, int, int]]) -> tuple[int, int]: ...
@@ -42,3 +59,6 @@ class Tables:
     def matched(self, keys: list[int]) -> list[tuple[int, int]]: ...
     def best_tiers(self, number: int, keys: list[int], num_blocks: int) -> list[int]: ...
     def nbytes(self) -> int: ...
+    def ingest(
+        self, number: int, batches: list[NativeBatch], cache: _KeyCache, root: int, watermark: int
+    ) -> tuple[int, float | None, int, int, int, int, int, int, int, int, int, int]: ...

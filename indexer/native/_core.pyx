@@ -40,6 +40,9 @@ cdef extern from "Python.h":
     object PySequence_Fast(object, const char*)
     Py_ssize_t PySequence_Fast_GET_SIZE(object)
     PyObject** PySequence_Fast_ITEMS(object)
+    PyObject* PyDict_GetItem(object, object)
+    bint PyBytes_CheckExact(object)
+    long long PyLong_AsLongLong(object) except? -1
     char* PyBytes_AS_STRING(object) nogil
     Py_ssize_t PyBytes_GET_SIZE(object) nogil
 
@@ -510,6 +513,9 @@ cdef enum:
     OP_STORE = 0
     OP_STORE_BY_HASH = 1
     OP_REMOVE = 2
+    OP_CLEAR = 3
+    UNKNOWN_REMOVAL = 1
+    UNRESOLVED_STORE = 2
 
 cdef uint64_t LANE_MAX = (1ULL << LANE_BITS) - 1
 cdef uint64_t SHORT_LANE_MAX = (1ULL << SHORT_LANE_BITS) - 1
@@ -563,6 +569,337 @@ cdef inline Py_ssize_t _holder(uint64_t entry) nogil:
     return <Py_ssize_t> ((entry >> NUMBER_SHIFT) & NUMBER_MAX)
 
 
+# --- the compiled ingest path's records ------------------------------------------------
+
+cdef struct Buffer:  # a growable byte array (PyMem_Realloc)
+    char* data
+    Py_ssize_t size
+    Py_ssize_t capacity
+
+cdef struct Ingest:
+    Py_ssize_t applied
+    Py_ssize_t unknown
+    Py_ssize_t unresolved
+    Py_ssize_t stored
+    Py_ssize_t removed
+    Py_ssize_t clears
+    Py_ssize_t other_group
+    Py_ssize_t misaligned
+    Py_ssize_t orphans
+    Py_ssize_t block_size
+
+cdef struct Op:
+    uint64_t engine_hash
+    uint64_t key
+    long kind
+    long tier
+
+
+cdef int _reserve(Buffer* b, Py_ssize_t more) except -1:
+    """Room for ``more`` bytes past ``b.size``."""
+    cdef Py_ssize_t capacity
+    cdef char* data
+    if b.size + more <= b.capacity:
+        return 0
+    capacity = max(2 * b.capacity, b.size + more, 256)
+    data = <char*> PyMem_Realloc(b.data, capacity)
+    if data == NULL:
+        raise MemoryError()
+    b.data = data
+    b.capacity = capacity
+    return 0
+
+cdef inline int _push_op(Buffer* b, long kind, long tier, uint64_t engine_hash,
+                         uint64_t key) except -1:
+    cdef Op* op
+    if b.size + <Py_ssize_t> sizeof(Op) > b.capacity:
+        _reserve(b, sizeof(Op))
+    op = <Op*> (b.data + b.size)
+    op.kind = kind
+    op.tier = tier
+    op.engine_hash = engine_hash
+    op.key = key
+    b.size += sizeof(Op)
+    return 0
+
+cdef inline int _push_word(Buffer* b, uint64_t word) except -1:
+    if b.size + 8 > b.capacity:
+        _reserve(b, 8)
+    (<uint64_t*> (b.data + b.size))[0] = word
+    b.size += 8
+    return 0
+
+cdef uint64_t _orphan_root(uint64_t parent_hash) noexcept:
+    """``kvindex.indexer.ingest.orphan_root``: XXH3-64 of ``b"kvindex/orphan\\x00"`` and the
+    parent's engine hash (8 bytes, big-endian)."""
+    cdef unsigned char buf[23]
+    cdef int j
+    memcpy(buf, b"kvindex/orphan\x00", 15)
+    for j in range(8):
+        buf[15 + j] = (parent_hash >> (8 * (7 - j))) & 0xFF
+    return XXH3_64bits(buf, 23)
+
+
+# --- decoded batches for the compiled ingest path ------------------------------------------
+
+cdef enum:
+    EV_STORE = 1
+    EV_REMOVE = 2
+    EV_CLEAR = 3
+    EV_OTHER_GROUP = 4
+    EV_MISALIGNED = 5
+    HAS_PARENT = 1 << 16
+
+cdef object _U64_END = int("18446744073709551616")
+cdef object _I64_MIN = -int("9223372036854775808")
+cdef object _I32 = int("2147483648")
+cdef tuple _STORED_KINDS = ()
+cdef tuple _REMOVED_KINDS = ()
+cdef tuple _CLEARED_KINDS = ()
+
+
+def wire_kinds(tuple stored, tuple removed, tuple cleared):
+    """Name the decoded wire structs (``kvindex.indexer.wire``) of each event type that
+    :func:`native_batch` reads."""
+    global _STORED_KINDS, _REMOVED_KINDS, _CLEARED_KINDS
+    _STORED_KINDS, _REMOVED_KINDS, _CLEARED_KINDS = stored, removed, cleared
+
+
+cdef class NativeBatch:
+    """One live batch decoded for the compiled ingest path (``Tables.ingest``): its seq,
+    engine timestamp and rank, and its events as flat records of 64-bit words (engine
+    hashes normalised, tiers folded, a store's token ids packed). Made by
+    :func:`native_batch` only for batches whose events all take that path."""
+
+    cdef readonly object seq
+    cdef readonly double ts
+    cdef readonly object rank
+    cdef readonly Py_ssize_t num_events
+    cdef Buffer _words
+    cdef Buffer _tokens
+
+    def __cinit__(self):
+        memset(&self._words, 0, sizeof(Buffer))
+        memset(&self._tokens, 0, sizeof(Buffer))
+
+    def __dealloc__(self):
+        PyMem_Free(self._words.data)
+        PyMem_Free(self._tokens.data)
+
+    @property
+    def num_bad_events(self):
+        """Always 0: a batch with an undecodable event is never made one."""
+        return 0
+
+
+cdef bint _wire_hash(object value, uint64_t* out) except -1:
+    """``kvindex.indexer.wire.normalize_hash`` of an int (of any msgpack width) or bytes
+    (the last 8, big-endian); False for anything else."""
+    cdef const unsigned char* p
+    cdef Py_ssize_t n, j
+    if PyLong_CheckExact(value):
+        if 0 <= value < _U64_END:
+            out[0] = PyLong_AsUnsignedLongLong(value)
+        elif _I64_MIN <= value < 0:
+            out[0] = <uint64_t> PyLong_AsLongLong(value)
+        else:
+            return False
+        return True
+    if PyBytes_CheckExact(value):
+        p = <const unsigned char*> PyBytes_AS_STRING(value)
+        n = PyBytes_GET_SIZE(value)
+        out[0] = _be(p + max(n - 8, 0), <int> min(n, 8))
+        return True
+    return False
+
+
+cdef bint _tier_of(object medium, long* tier):
+    """The tiers of the common media: None and ``"GPU"`` (0), ``"CPU"`` (1)."""
+    if medium is None or medium == "GPU":
+        tier[0] = 0
+        return True
+    if medium == "CPU":
+        tier[0] = 1
+        return True
+    return False
+
+
+cdef bint _in_group(object group_idx):
+    return group_idx is None or group_idx == 0
+
+
+cdef bint _no_extras(object event):
+    """No LoRA name, and extra keys absent or None for every block."""
+    cdef object extra = event.extra_keys
+    if event.lora_name is not None:
+        return False
+    if extra is None:
+        return True
+    if type(extra) is not list:
+        return False
+    for item in <list> extra:
+        if item is not None:
+            return False
+    return True
+
+
+cdef int _hashes_to(Buffer* words, object hashes) except -1:
+    """Append each engine hash, normalised; -2 if one is not an int or bytes."""
+    cdef uint64_t value
+    if type(hashes) is not list:
+        return -2
+    _reserve(words, 8 * len(<list> hashes))
+    for item in <list> hashes:
+        if not _wire_hash(item, &value):
+            return -2
+        _push_word(words, value)
+    return 0
+
+
+cdef int _add_store(NativeBatch batch, object event) except -1:
+    """Append a store's record; -2 if the event must take the Python path (LoRA or extra
+    keys, an uncommon medium, a placeholder, a block size past 2**31, token ids not all
+    in [0, 2**32))."""
+    cdef long tier
+    cdef long long block_size
+    cdef Py_ssize_t num_tokens, num_hashes
+    cdef Py_buffer view
+    cdef uint64_t parent = 0, tag
+    cdef object parent_hash
+    if not _in_group(event.group_idx):
+        _push_word(&batch._words, EV_OTHER_GROUP)
+        return 0
+    if not _no_extras(event) or not _tier_of(event.medium, &tier):
+        return -2
+    size = event.block_size
+    if not -_I32 <= size < _I32:
+        return -2
+    block_size = size
+    PyObject_GetBuffer(event.token_ids, &view, PyBUF_SIMPLE)
+    try:
+        num_tokens = _pack_into(&batch._tokens, <const unsigned char*> view.buf, view.len)
+    finally:
+        PyBuffer_Release(&view)
+    if num_tokens < 0 or (block_size == 0 and num_tokens == 0):
+        return -2
+    hashes = event.block_hashes
+    num_hashes = len(hashes)
+    if block_size <= 0 or num_tokens % block_size or num_tokens // block_size != num_hashes:
+        batch._tokens.size -= 4 * num_tokens
+        _push_word(&batch._words, EV_MISALIGNED)
+        return 0
+    parent_hash = event.parent_block_hash
+    tag = EV_STORE | (<uint64_t> tier << 8)
+    if parent_hash is not None:
+        if not _wire_hash(parent_hash, &parent):
+            return -2
+        tag |= HAS_PARENT
+    _push_word(&batch._words, tag)
+    _push_word(&batch._words, num_hashes)
+    _push_word(&batch._words, parent)
+    _push_word(&batch._words, <uint64_t> block_size)
+    _push_word(&batch._words, <uint64_t> (batch._tokens.size - 4 * num_tokens))
+    if _hashes_to(&batch._words, hashes) < 0:
+        return -2
+    return 0
+
+
+cdef int _add_remove(NativeBatch batch, object event) except -1:
+    cdef long tier
+    if not _in_group(event.group_idx):
+        _push_word(&batch._words, EV_OTHER_GROUP)
+        return 0
+    if not _tier_of(event.medium, &tier):
+        return -2
+    hashes = event.block_hashes
+    _push_word(&batch._words, EV_REMOVE | (<uint64_t> tier << 8))
+    _push_word(&batch._words, len(hashes))
+    return _hashes_to(&batch._words, hashes)
+
+
+def native_batch(object seq, double ts, object rank, list events):
+    """A :class:`NativeBatch` of decoded wire events (the fast decoders' structs, token
+    ids raw), or None when any event must take the Python path (see ``_add_store``)."""
+    cdef NativeBatch batch = NativeBatch.__new__(NativeBatch)
+    cdef object kind
+    batch.seq = seq
+    batch.ts = ts
+    batch.rank = rank
+    batch.num_events = len(events)
+    for event in events:
+        kind = type(event)
+        if kind in _STORED_KINDS:
+            if _add_store(batch, event) < 0:
+                return None
+        elif kind in _REMOVED_KINDS:
+            if _add_remove(batch, event) < 0:
+                return None
+        elif kind in _CLEARED_KINDS:
+            _push_word(&batch._words, EV_CLEAR)
+        else:
+            return None
+    return batch
+
+
+cdef Py_ssize_t _pack_into(Buffer* out, const unsigned char* p, Py_ssize_t size) except -2:
+    """:func:`_packed` into ``out`` (appended): the number of token ids, or -1 (nothing
+    appended) unless ``p`` is one msgpack array of ints in [0, 2**32)."""
+    cdef Py_ssize_t pos = 1, n, i, start = out.size
+    cdef unsigned char head
+    cdef uint64_t value
+    cdef int width
+    cdef unsigned char* buf
+    if size == 0:
+        return -1
+    head = p[0]
+    if 0x90 <= head <= 0x9F:
+        n = head & 0x0F
+    elif (head == 0xDC and size >= 3) or (head == 0xDD and size >= 5):
+        width = 2 if head == 0xDC else 4
+        n = <Py_ssize_t> _be(p + 1, width)
+        pos = 1 + width
+    else:
+        return -1
+    if n > size - pos:  # each item takes a byte at least
+        return -1
+    _reserve(out, 4 * n)
+    buf = <unsigned char*> out.data + start
+    for i in range(n):
+        if pos >= size:
+            return -1
+        head = p[pos]
+        pos += 1
+        if head < 0x80:
+            value = head
+        else:
+            if head == 0xCC or head == 0xD0:
+                width = 1
+            elif head == 0xCD or head == 0xD1:
+                width = 2
+            elif head == 0xCE or head == 0xD2:
+                width = 4
+            elif head == 0xCF or head == 0xD3:
+                width = 8
+            else:
+                return -1
+            if pos + width > size:
+                return -1
+            value = _be(p + pos, width)
+            pos += width
+            if head >= 0xD0 and value >> (8 * width - 1):
+                return -1
+            if value >> 32:
+                return -1
+        buf[4 * i] = value & 0xFF
+        buf[4 * i + 1] = (value >> 8) & 0xFF
+        buf[4 * i + 2] = (value >> 16) & 0xFF
+        buf[4 * i + 3] = (value >> 24) & 0xFF
+    if pos != size:
+        return -1
+    out.size = start + 4 * n
+    return n
+
+
 cdef class Tables:
     """Every stream's block maps and the block → holders map of one memory index.
 
@@ -582,11 +919,15 @@ cdef class Tables:
     cdef Table _holders
     cdef list _shared
     cdef list _free_shared
+    cdef Buffer _ops  # one batch's ops (the compiled ingest path)
+    cdef Buffer _scratch  # a block's hashed bytes (the same)
 
     def __cinit__(self):
         self._streams = NULL
         self._num_streams = 0
         memset(&self._holders, 0, sizeof(Table))
+        memset(&self._ops, 0, sizeof(Buffer))
+        memset(&self._scratch, 0, sizeof(Buffer))
         self._shared = []
         self._free_shared = []
 
@@ -597,6 +938,8 @@ cdef class Tables:
             _free(&self._streams[n].key_to_counts)
         PyMem_Free(self._streams)
         _free(&self._holders)
+        PyMem_Free(self._ops.data)
+        PyMem_Free(self._scratch.data)
 
     cdef Stream* _stream(self, Py_ssize_t number) except NULL:
         cdef Py_ssize_t grown
@@ -753,49 +1096,56 @@ cdef class Tables:
         ``MemoryIndex`` does; returns (unknown removals, unresolved stores)."""
         cdef Stream* s = self._stream(number)
         cdef long kind, tier
-        cdef uint64_t engine_hash, key, previous, counts
-        cdef uint64_t* mapped
         cdef Py_ssize_t unknown = 0, unresolved = 0
+        cdef int done
         cdef tuple op
         for op in ops:
             kind = op[0]
             tier = op[1]
-            engine_hash = op[2]
             if tier < 0 or tier >= NUM_TIERS:
                 raise ValueError(f"tier out of range: {tier}")
-            if kind == OP_REMOVE:
-                if not self._remove(s, number, engine_hash, tier):
-                    unknown += 1
-                continue
-            if kind == OP_STORE:
-                key = op[3]
-                mapped = _value_of(&s.hash_to_key, engine_hash)
-                if mapped == NULL:
-                    _insert(&s.hash_to_key, engine_hash, key)
-                elif mapped[0] != key:
-                    previous = mapped[0]
-                    mapped[0] = key
-                    self._unlink(s, number, previous)  # it does not touch ``hash_to_key``
-                if _value_of(&self._holders, key) == NULL:
-                    # Held by no stream (the common new block): this one holds it alone,
-                    # its one count folded into the entry, as _join would do in 3 probes.
-                    s.blocks_by_tier[tier] += 1
-                    counts = (<uint64_t> 1) << (LANE_BITS * tier)
-                    _insert(&self._holders, key, _folded(number, counts))
-                    continue
-            elif kind == OP_STORE_BY_HASH:
-                if not _get(&s.hash_to_key, engine_hash, &key):
-                    unresolved += 1
-                    continue
-            else:
-                self.reset(number)
-                continue
-            counts = self._counts(s, number, key)
-            if _lane(counts, tier) == 0:
-                s.blocks_by_tier[tier] += 1
-            if _lane(counts, tier) < LANE_MAX:
-                self._set(s, number, key, counts, counts + ((<uint64_t> 1) << (LANE_BITS * tier)))
+            done = self._apply_op(s, number, kind, tier, op[2], op[3] if kind == OP_STORE else 0)
+            if done == UNKNOWN_REMOVAL:
+                unknown += 1
+            elif done == UNRESOLVED_STORE:
+                unresolved += 1
         return unknown, unresolved
+
+    cdef int _apply_op(self, Stream* s, Py_ssize_t number, long kind, long tier,
+                       uint64_t engine_hash, uint64_t key) except -1:
+        """One op (``tier`` in range); returns :data:`UNKNOWN_REMOVAL` for a removal of a
+        block not held, :data:`UNRESOLVED_STORE` for a store by an unknown hash, else 0."""
+        cdef uint64_t previous, counts
+        cdef uint64_t* mapped
+        if kind == OP_REMOVE:
+            return 0 if self._remove(s, number, engine_hash, tier) else UNKNOWN_REMOVAL
+        if kind == OP_STORE:
+            mapped = _value_of(&s.hash_to_key, engine_hash)
+            if mapped == NULL:
+                _insert(&s.hash_to_key, engine_hash, key)
+            elif mapped[0] != key:
+                previous = mapped[0]
+                mapped[0] = key
+                self._unlink(s, number, previous)  # it does not touch ``hash_to_key``
+            if _value_of(&self._holders, key) == NULL:
+                # Held by no stream (the common new block): this one holds it alone,
+                # its one count folded into the entry, as _join would do in 3 probes.
+                s.blocks_by_tier[tier] += 1
+                counts = (<uint64_t> 1) << (LANE_BITS * tier)
+                _insert(&self._holders, key, _folded(number, counts))
+                return 0
+        elif kind == OP_STORE_BY_HASH:
+            if not _get(&s.hash_to_key, engine_hash, &key):
+                return UNRESOLVED_STORE
+        else:
+            self.reset(number)
+            return 0
+        counts = self._counts(s, number, key)
+        if _lane(counts, tier) == 0:
+            s.blocks_by_tier[tier] += 1
+        if _lane(counts, tier) < LANE_MAX:
+            self._set(s, number, key, counts, counts + ((<uint64_t> 1) << (LANE_BITS * tier)))
+        return 0
 
     cdef bint _remove(self, Stream* s, Py_ssize_t number, uint64_t engine_hash, long tier) except -1:
         cdef uint64_t key, counts, held
@@ -897,3 +1247,138 @@ cdef class Tables:
             total += _nbytes(&self._streams[n].hash_to_key)
             total += _nbytes(&self._streams[n].key_to_counts)
         return total
+
+    # the compiled ingest path
+
+    def ingest(self, Py_ssize_t number, list batches, object cache, uint64_t root,
+               object watermark):
+        """Translate and apply :class:`NativeBatch` es of stream ``number`` in order, as
+        ``kvindex.indexer.ingest.Ingestor`` and ``MemoryIndex.apply_many`` do for the same
+        events (the reference the tests hold this to): each batch's ops are made first
+        (a parent is looked up in ``cache``, the ``Ingestor``'s two-generation engine hash
+        → key cache, then in the stream's table as the previous batch left it), then
+        applied unless its seq is at or below ``watermark``. Returns ``(watermark, last
+        applied ts or None, batches applied, unknown removals, unresolved stores, blocks
+        stored, blocks removed, clears, events of another group, misaligned events, orphan
+        stores, the last store's block size or -1)``."""
+        cdef Stream* s = self._stream(number)
+        cdef Ingest counts
+        cdef NativeBatch batch
+        cdef dict young = cache.young, old = cache.old
+        cdef Py_ssize_t half = cache.capacity // 2, i, num_ops
+        cdef object last_ts = None
+        cdef int done
+        cdef Op* op
+        memset(&counts, 0, sizeof(Ingest))
+        counts.block_size = -1
+        try:
+            for batch in batches:
+                self._ops.size = 0
+                self._translate(s, batch, young, old, root, &counts)
+                if len(young) >= half:
+                    old = young
+                    young = {}
+                if batch.seq <= watermark:
+                    continue
+                num_ops = self._ops.size // sizeof(Op)
+                for i in range(num_ops):
+                    op = (<Op*> self._ops.data) + i
+                    done = self._apply_op(s, number, op.kind, op.tier, op.engine_hash, op.key)
+                    if done == UNKNOWN_REMOVAL:
+                        counts.unknown += 1
+                    elif done == UNRESOLVED_STORE:
+                        counts.unresolved += 1
+                watermark = batch.seq
+                last_ts = batch.ts
+                counts.applied += 1
+        finally:
+            cache.young = young
+            cache.old = old
+        return (
+            watermark, last_ts, counts.applied, counts.unknown, counts.unresolved,
+            counts.stored, counts.removed, counts.clears, counts.other_group,
+            counts.misaligned, counts.orphans, counts.block_size,
+        )
+
+    cdef int _translate(self, Stream* s, NativeBatch batch, dict young, dict old,
+                        uint64_t root, Ingest* counts) except -1:
+        """One batch's events → ops in ``self._ops`` (counted into ``counts``)."""
+        cdef const uint64_t* w = <const uint64_t*> batch._words.data
+        cdef const uint64_t* end = w + batch._words.size // 8
+        cdef uint64_t tag, kind, n, parent, i
+        cdef long tier
+        while w < end:
+            tag = w[0]
+            tier = (tag >> 8) & 0xFF
+            kind = tag & 0xFF
+            if kind == EV_STORE:
+                n = w[1]
+                if tag & HAS_PARENT:
+                    parent = self._parent_key(s, w[2], young, old, counts)
+                else:
+                    parent = root
+                counts.block_size = <Py_ssize_t> w[3]
+                self._store_ops(
+                    young, tier, w + 5, n, parent,
+                    <const unsigned char*> batch._tokens.data + w[4], <Py_ssize_t> w[3],
+                )
+                counts.stored += n
+                w += 5 + n
+            elif kind == EV_REMOVE:
+                n = w[1]
+                for i in range(n):
+                    _push_op(&self._ops, OP_REMOVE, tier, w[2 + i], 0)
+                counts.removed += n
+                w += 2 + n
+            elif kind == EV_CLEAR:
+                _push_op(&self._ops, OP_CLEAR, 0, 0, 0)
+                counts.clears += 1
+                w += 1
+            elif kind == EV_OTHER_GROUP:
+                counts.other_group += 1
+                w += 1
+            else:
+                counts.misaligned += 1
+                w += 1
+        return 0
+
+    cdef uint64_t _parent_key(self, Stream* s, uint64_t parent_hash, dict young, dict old,
+                              Ingest* counts) except? 0:
+        """The key of a store's parent: the cache (young, then old: moved back to young),
+        the stream's table, else an orphan root (counted)."""
+        cdef object h = parent_hash
+        cdef PyObject* found = PyDict_GetItem(young, h)
+        cdef uint64_t key
+        if found != NULL:
+            return <uint64_t> <object> found
+        found = PyDict_GetItem(old, h)
+        if found != NULL:
+            young[h] = <object> found
+            return <uint64_t> <object> found
+        if _get(&s.hash_to_key, parent_hash, &key):
+            young[h] = key
+            return key
+        counts.orphans += 1
+        return _orphan_root(parent_hash)
+
+    cdef int _store_ops(self, dict young, long tier, const uint64_t* hashes, uint64_t n,
+                        uint64_t parent, const unsigned char* tokens,
+                        Py_ssize_t block_size) except -1:
+        """The store ops of one event's blocks, keys chained from ``parent``; each engine
+        hash → key goes to ``young``."""
+        cdef Py_ssize_t stride = block_size * 4
+        cdef uint64_t i
+        cdef int j
+        cdef unsigned char* buf
+        _reserve(&self._scratch, 8 + stride)
+        buf = <unsigned char*> self._scratch.data
+        for i in range(n):
+            for j in range(8):
+                buf[j] = (parent >> (8 * j)) & 0xFF
+            memcpy(buf + 8, tokens + i * stride, stride)
+            parent = XXH3_64bits(buf, 8 + stride)
+            _push_op(&self._ops, OP_STORE, tier, hashes[i], parent)
+            young[hashes[i]] = parent
+        return 0
+
+
