@@ -643,41 +643,20 @@ def decode_live(frames: list[bytes]) -> LiveMessage:
     return LiveMessage(topic, decode_payload(payload, seq))
 
 
-if native.wire_kinds is not None:
-    native.wire_kinds(
-        (_RawStoredMap, _RawStoredArray),
-        (BlockRemovedMap, BlockRemovedArray),
-        (AllBlocksClearedMap, AllBlocksClearedArray),
-    )
-
-
 def decode_live_native(frames: list[bytes]) -> NativeBatch | None:
-    """A live message decoded for the compiled ingest path (the compiled core built): the
-    same checks as :func:`decode_live` (topic UTF-8, an 8-byte seq that is not the end
-    marker's) and the same fast decoders, but the batch is kept as a ``native.NativeBatch``
-    rather than domain events. None whenever anything is unusual (a bad frame, payload or
-    event, a LoRA store, extra keys, an uncommon medium, a placeholder): the caller then
-    decodes the message with :func:`decode_live`, which counts and reports it as ever."""
-    if len(frames) != 3 or _native_batch is None:
+    """A live message read for the compiled ingest path (the compiled core built): what
+    :func:`decode_live` reads, kept as a ``native.NativeBatch`` (msgpack read in compiled
+    code, which accepts only what the fast decoders here surely read the same way) rather
+    than domain events. None whenever anything is unusual (a frame :func:`decode_live`
+    refuses, a payload or event the reader declines, a LoRA store, extra keys, an uncommon
+    medium, a placeholder): the caller then decodes the message with :func:`decode_live`,
+    which counts and reports it as ever."""
+    if _native_live is None:
         return None
-    topic_frame, seq_frame, payload = frames
-    if len(seq_frame) != SEQ_BYTES or seq_frame == END_SEQ_BYTES:
-        return None
-    try:
-        topic_frame.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-    seq = int.from_bytes(seq_frame, "big")
-    for decoder in _FAST_BATCH_DECODERS:
-        try:
-            batch = decoder.decode(payload)
-        except _DECODE_ERRORS:
-            continue
-        return _native_batch(seq, batch.ts, batch.data_parallel_rank or 0, batch.events)
-    return None
+    return _native_live(frames)
 
 
-_native_batch = native.native_batch
+_native_live = native.native_live
 
 
 def _decode_topic(frame: bytes) -> str:

@@ -31,8 +31,7 @@ PackedTokens: type[_PackedTokens] | None = None
 packed_tokens: Callable[[object], _PackedTokens | None] | None = None
 unsigned_hashes: Callable[[object], tuple[int, ...] | None] | None = None
 NativeBatch: type[_NativeBatch] | None = None
-native_batch: Callable[[int, float, int, list[Any]], _NativeBatch | None] | None = None
-wire_kinds: Callable[[tuple[type, ...], tuple[type, ...], tuple[type, ...]], None] | None = None
+native_live: Callable[[list[bytes]], _NativeBatch | None] | None = None
 try:
     from kvindex.indexer.native import _core
 except ImportError:  # not built: the pure-Python paths serve
@@ -42,5 +41,5 @@ else:
     store_chain, remove_ops, Tables = _core.store_chain, _core.remove_ops, _core.Tables
     PackedTokens, packed_tokens = _core.PackedTokens, _core.packed_tokens
     unsigned_hashes = _core.unsigned_hashes
-    NativeBatch, native_batch, wire_kinds = _core.NativeBatch, _core.native_batch, _core.wire_kinds
+    NativeBatch, native_live = _core.NativeBatch, _core.native_live
     Sequence.register(PackedTokens)

@@ -40,11 +40,9 @@ class NativeBatch:
     rank: int
     num_events: int
     num_bad_events: int
+    def records(self) -> list[tuple[Any, ...]]: ...
 
-def native_batch(seq: int, ts: float, rank: int, events: list[Any]) -> NativeBatch | None: ...
-def wire_kinds(
-    stored: tuple[type, ...], removed: tuple[type, ...], cleared: tuple[type, ...]
-) -> None: ...
+def native_live(frames: list[bytes]) -> NativeBatch | None: ...
 
 class _KeyCache(Protocol):
     young: dict[int, int]

@@ -14,7 +14,7 @@ stream's table, its key in the index-wide one), where Python dicts of ints cost 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from libc.stdint cimport int64_t, uint32_t, uint64_t
-from libc.string cimport memcpy, memset
+from libc.string cimport memcmp, memcpy, memset, strlen
 
 cdef extern from *:
     """
@@ -650,254 +650,72 @@ cdef enum:
     EV_MISALIGNED = 5
     HAS_PARENT = 1 << 16
 
-cdef object _U64_END = int("18446744073709551616")
-cdef object _I64_MIN = -int("9223372036854775808")
-cdef object _I32 = int("2147483648")
-cdef tuple _STORED_KINDS = ()
-cdef tuple _REMOVED_KINDS = ()
-cdef tuple _CLEARED_KINDS = ()
-
-
-def wire_kinds(tuple stored, tuple removed, tuple cleared):
-    """Name the decoded wire structs (``kvindex.indexer.wire``) of each event type that
-    :func:`native_batch` reads."""
-    global _STORED_KINDS, _REMOVED_KINDS, _CLEARED_KINDS
-    _STORED_KINDS, _REMOVED_KINDS, _CLEARED_KINDS = stored, removed, cleared
-
-
 cdef class NativeBatch:
     """One live batch decoded for the compiled ingest path (``Tables.ingest``): its seq,
     engine timestamp and rank, and its events as flat records of 64-bit words (engine
     hashes normalised, tiers folded, a store's token ids packed). Made by
-    :func:`native_batch` only for batches whose events all take that path."""
+    :func:`native_live` only for batches whose events all take that path."""
 
     cdef readonly object seq
     cdef readonly double ts
     cdef readonly object rank
     cdef readonly Py_ssize_t num_events
-    cdef Buffer _words
-    cdef Buffer _tokens
+    cdef Buffer _words  # the records
+    cdef Buffer _tokens  # every store's token ids, packed
+    cdef Buffer _hashes  # every event's engine hashes, u64
 
     def __cinit__(self):
         memset(&self._words, 0, sizeof(Buffer))
         memset(&self._tokens, 0, sizeof(Buffer))
+        memset(&self._hashes, 0, sizeof(Buffer))
 
     def __dealloc__(self):
         PyMem_Free(self._words.data)
         PyMem_Free(self._tokens.data)
+        PyMem_Free(self._hashes.data)
 
     @property
     def num_bad_events(self):
         """Always 0: a batch with an undecodable event is never made one."""
         return 0
 
-
-cdef bint _wire_hash(object value, uint64_t* out) except -1:
-    """``kvindex.indexer.wire.normalize_hash`` of an int (of any msgpack width) or bytes
-    (the last 8, big-endian); False for anything else."""
-    cdef const unsigned char* p
-    cdef Py_ssize_t n, j
-    if PyLong_CheckExact(value):
-        if 0 <= value < _U64_END:
-            out[0] = PyLong_AsUnsignedLongLong(value)
-        elif _I64_MIN <= value < 0:
-            out[0] = <uint64_t> PyLong_AsLongLong(value)
-        else:
-            return False
-        return True
-    if PyBytes_CheckExact(value):
-        p = <const unsigned char*> PyBytes_AS_STRING(value)
-        n = PyBytes_GET_SIZE(value)
-        out[0] = _be(p + max(n - 8, 0), <int> min(n, 8))
-        return True
-    return False
-
-
-cdef bint _tier_of(object medium, long* tier):
-    """The tiers of the common media: None and ``"GPU"`` (0), ``"CPU"`` (1)."""
-    if medium is None or medium == "GPU":
-        tier[0] = 0
-        return True
-    if medium == "CPU":
-        tier[0] = 1
-        return True
-    return False
-
-
-cdef bint _in_group(object group_idx):
-    return group_idx is None or group_idx == 0
-
-
-cdef bint _no_extras(object event):
-    """No LoRA name, and extra keys absent or None for every block."""
-    cdef object extra = event.extra_keys
-    if event.lora_name is not None:
-        return False
-    if extra is None:
-        return True
-    if type(extra) is not list:
-        return False
-    for item in <list> extra:
-        if item is not None:
-            return False
-    return True
-
-
-cdef int _hashes_to(Buffer* words, object hashes) except -1:
-    """Append each engine hash, normalised; -2 if one is not an int or bytes."""
-    cdef uint64_t value
-    if type(hashes) is not list:
-        return -2
-    _reserve(words, 8 * len(<list> hashes))
-    for item in <list> hashes:
-        if not _wire_hash(item, &value):
-            return -2
-        _push_word(words, value)
-    return 0
-
-
-cdef int _add_store(NativeBatch batch, object event) except -1:
-    """Append a store's record; -2 if the event must take the Python path (LoRA or extra
-    keys, an uncommon medium, a placeholder, a block size past 2**31, token ids not all
-    in [0, 2**32))."""
-    cdef long tier
-    cdef long long block_size
-    cdef Py_ssize_t num_tokens, num_hashes
-    cdef Py_buffer view
-    cdef uint64_t parent = 0, tag
-    cdef object parent_hash
-    if not _in_group(event.group_idx):
-        _push_word(&batch._words, EV_OTHER_GROUP)
-        return 0
-    if not _no_extras(event) or not _tier_of(event.medium, &tier):
-        return -2
-    size = event.block_size
-    if not -_I32 <= size < _I32:
-        return -2
-    block_size = size
-    PyObject_GetBuffer(event.token_ids, &view, PyBUF_SIMPLE)
-    try:
-        num_tokens = _pack_into(&batch._tokens, <const unsigned char*> view.buf, view.len)
-    finally:
-        PyBuffer_Release(&view)
-    if num_tokens < 0 or (block_size == 0 and num_tokens == 0):
-        return -2
-    hashes = event.block_hashes
-    num_hashes = len(hashes)
-    if block_size <= 0 or num_tokens % block_size or num_tokens // block_size != num_hashes:
-        batch._tokens.size -= 4 * num_tokens
-        _push_word(&batch._words, EV_MISALIGNED)
-        return 0
-    parent_hash = event.parent_block_hash
-    tag = EV_STORE | (<uint64_t> tier << 8)
-    if parent_hash is not None:
-        if not _wire_hash(parent_hash, &parent):
-            return -2
-        tag |= HAS_PARENT
-    _push_word(&batch._words, tag)
-    _push_word(&batch._words, num_hashes)
-    _push_word(&batch._words, parent)
-    _push_word(&batch._words, <uint64_t> block_size)
-    _push_word(&batch._words, <uint64_t> (batch._tokens.size - 4 * num_tokens))
-    if _hashes_to(&batch._words, hashes) < 0:
-        return -2
-    return 0
-
-
-cdef int _add_remove(NativeBatch batch, object event) except -1:
-    cdef long tier
-    if not _in_group(event.group_idx):
-        _push_word(&batch._words, EV_OTHER_GROUP)
-        return 0
-    if not _tier_of(event.medium, &tier):
-        return -2
-    hashes = event.block_hashes
-    _push_word(&batch._words, EV_REMOVE | (<uint64_t> tier << 8))
-    _push_word(&batch._words, len(hashes))
-    return _hashes_to(&batch._words, hashes)
-
-
-def native_batch(object seq, double ts, object rank, list events):
-    """A :class:`NativeBatch` of decoded wire events (the fast decoders' structs, token
-    ids raw), or None when any event must take the Python path (see ``_add_store``)."""
-    cdef NativeBatch batch = NativeBatch.__new__(NativeBatch)
-    cdef object kind
-    batch.seq = seq
-    batch.ts = ts
-    batch.rank = rank
-    batch.num_events = len(events)
-    for event in events:
-        kind = type(event)
-        if kind in _STORED_KINDS:
-            if _add_store(batch, event) < 0:
-                return None
-        elif kind in _REMOVED_KINDS:
-            if _add_remove(batch, event) < 0:
-                return None
-        elif kind in _CLEARED_KINDS:
-            _push_word(&batch._words, EV_CLEAR)
-        else:
-            return None
-    return batch
-
-
-cdef Py_ssize_t _pack_into(Buffer* out, const unsigned char* p, Py_ssize_t size) except -2:
-    """:func:`_packed` into ``out`` (appended): the number of token ids, or -1 (nothing
-    appended) unless ``p`` is one msgpack array of ints in [0, 2**32)."""
-    cdef Py_ssize_t pos = 1, n, i, start = out.size
-    cdef unsigned char head
-    cdef uint64_t value
-    cdef int width
-    cdef unsigned char* buf
-    if size == 0:
-        return -1
-    head = p[0]
-    if 0x90 <= head <= 0x9F:
-        n = head & 0x0F
-    elif (head == 0xDC and size >= 3) or (head == 0xDD and size >= 5):
-        width = 2 if head == 0xDC else 4
-        n = <Py_ssize_t> _be(p + 1, width)
-        pos = 1 + width
-    else:
-        return -1
-    if n > size - pos:  # each item takes a byte at least
-        return -1
-    _reserve(out, 4 * n)
-    buf = <unsigned char*> out.data + start
-    for i in range(n):
-        if pos >= size:
-            return -1
-        head = p[pos]
-        pos += 1
-        if head < 0x80:
-            value = head
-        else:
-            if head == 0xCC or head == 0xD0:
-                width = 1
-            elif head == 0xCD or head == 0xD1:
-                width = 2
-            elif head == 0xCE or head == 0xD2:
-                width = 4
-            elif head == 0xCF or head == 0xD3:
-                width = 8
+    def records(self):
+        """The events as read (for tests): ``("store", tier, parent hash or None, block
+        size, token ids, engine hashes)``, ``("remove", tier, engine hashes)``,
+        ``("clear",)``, ``("other_group",)`` (an event of another KV-cache group) and
+        ``("misaligned",)`` (a store whose token ids are not its blocks')."""
+        cdef const uint64_t* w = <const uint64_t*> self._words.data
+        cdef const uint64_t* end = w + self._words.size // 8
+        cdef const unsigned char* t
+        cdef const uint64_t* h
+        cdef uint64_t kind, n, i
+        cdef list out = []
+        while w < end:
+            kind = w[0] & 0xFF
+            if kind == EV_STORE:
+                n = w[4]
+                t = <const unsigned char*> self._tokens.data + w[3]
+                h = (<const uint64_t*> self._hashes.data) + w[5]
+                out.append((
+                    "store", <long> ((w[0] >> 8) & 0xFF), w[1] if w[0] & HAS_PARENT else None,
+                    <Py_ssize_t> w[2], [_le32(t + 4 * i) for i in range(n * w[2])],
+                    tuple([h[i] for i in range(n)]),
+                ))
+                w += 6
+            elif kind == EV_REMOVE:
+                n = w[1]
+                h = (<const uint64_t*> self._hashes.data) + w[2]
+                out.append(("remove", <long> ((w[0] >> 8) & 0xFF), tuple([h[i] for i in range(n)])))
+                w += 3
             else:
-                return -1
-            if pos + width > size:
-                return -1
-            value = _be(p + pos, width)
-            pos += width
-            if head >= 0xD0 and value >> (8 * width - 1):
-                return -1
-            if value >> 32:
-                return -1
-        buf[4 * i] = value & 0xFF
-        buf[4 * i + 1] = (value >> 8) & 0xFF
-        buf[4 * i + 2] = (value >> 16) & 0xFF
-        buf[4 * i + 3] = (value >> 24) & 0xFF
-    if pos != size:
-        return -1
-    out.size = start + 4 * n
-    return n
+                out.append(("clear",) if kind == EV_CLEAR else (
+                    ("other_group",) if kind == EV_OTHER_GROUP else ("misaligned",)))
+                w += 1
+        return out
+
+
+cdef inline uint32_t _le32(const unsigned char* b) noexcept nogil:
+    return b[0] | (<uint32_t> b[1] << 8) | (<uint32_t> b[2] << 16) | (<uint32_t> b[3] << 24)
 
 
 cdef class Tables:
@@ -1305,31 +1123,32 @@ cdef class Tables:
         """One batch's events → ops in ``self._ops`` (counted into ``counts``)."""
         cdef const uint64_t* w = <const uint64_t*> batch._words.data
         cdef const uint64_t* end = w + batch._words.size // 8
+        cdef const uint64_t* hashes = <const uint64_t*> batch._hashes.data
         cdef uint64_t tag, kind, n, parent, i
         cdef long tier
         while w < end:
             tag = w[0]
             tier = (tag >> 8) & 0xFF
             kind = tag & 0xFF
-            if kind == EV_STORE:
-                n = w[1]
+            if kind == EV_STORE:  # tag, parent, block size, token offset, n, hash offset
+                n = w[4]
                 if tag & HAS_PARENT:
-                    parent = self._parent_key(s, w[2], young, old, counts)
+                    parent = self._parent_key(s, w[1], young, old, counts)
                 else:
                     parent = root
-                counts.block_size = <Py_ssize_t> w[3]
+                counts.block_size = <Py_ssize_t> w[2]
                 self._store_ops(
-                    young, tier, w + 5, n, parent,
-                    <const unsigned char*> batch._tokens.data + w[4], <Py_ssize_t> w[3],
+                    young, tier, hashes + w[5], n, parent,
+                    <const unsigned char*> batch._tokens.data + w[3], <Py_ssize_t> w[2],
                 )
                 counts.stored += n
-                w += 5 + n
-            elif kind == EV_REMOVE:
+                w += 6
+            elif kind == EV_REMOVE:  # tag, n, hash offset
                 n = w[1]
                 for i in range(n):
-                    _push_op(&self._ops, OP_REMOVE, tier, w[2 + i], 0)
+                    _push_op(&self._ops, OP_REMOVE, tier, hashes[w[2] + i], 0)
                 counts.removed += n
-                w += 2 + n
+                w += 3
             elif kind == EV_CLEAR:
                 _push_op(&self._ops, OP_CLEAR, 0, 0, 0)
                 counts.clears += 1
@@ -1382,3 +1201,627 @@ cdef class Tables:
         return 0
 
 
+# --- live messages read straight into NativeBatch es --------------------------------------
+# A reader of msgpack that accepts only what the wire module's fast decoders (msgspec)
+# surely decode, and decode to the events read here: anything else makes it decline
+# (REJECT), and the caller decodes the message the general way. Declining is always safe.
+
+cdef enum:
+    REJECT = -1
+    MAX_SKIP_DEPTH = 32
+    NUM_FIELDS = 10
+    F_TYPE = 0
+    F_HASHES = 1
+    F_PARENT = 2
+    F_TOKENS = 3
+    F_BLOCK_SIZE = 4
+    F_LORA_ID = 5
+    F_MEDIUM = 6
+    F_LORA_NAME = 7
+    F_EXTRA_KEYS = 8
+    F_GROUP = 9
+    K_STORED = 1
+    K_REMOVED = 2
+    K_CLEARED = 3
+
+cdef struct Reader:
+    const unsigned char* p
+    Py_ssize_t pos
+    Py_ssize_t size
+
+cdef const char* _FIELD_NAMES[NUM_FIELDS]
+_FIELD_NAMES[:] = [
+    b"type", b"block_hashes", b"parent_block_hash", b"token_ids", b"block_size", b"lora_id",
+    b"medium", b"lora_name", b"extra_keys", b"group_idx",
+]
+
+
+cdef inline bint _has(const Reader* r, Py_ssize_t n) noexcept nogil:
+    return n >= 0 and r.pos + n <= r.size
+
+cdef int _container(Reader* r, unsigned char fix_low, unsigned char w16, unsigned char w32,
+                    Py_ssize_t* count) noexcept nogil:
+    """An array (``0x90, 0xDC, 0xDD``) or map (``0x80, 0xDE, 0xDF``) head: its count."""
+    cdef unsigned char head
+    if not _has(r, 1):
+        return REJECT
+    head = r.p[r.pos]
+    if fix_low <= head <= fix_low + 0x0F:
+        count[0] = head & 0x0F
+        r.pos += 1
+        return 0
+    if head == w16 and _has(r, 3):
+        count[0] = <Py_ssize_t> _be(r.p + r.pos + 1, 2)
+        r.pos += 3
+        return 0
+    if head == w32 and _has(r, 5):
+        count[0] = <Py_ssize_t> _be(r.p + r.pos + 1, 4)
+        r.pos += 5
+        return 0
+    return REJECT
+
+cdef inline int _array(Reader* r, Py_ssize_t* count) noexcept nogil:
+    return _container(r, 0x90, 0xDC, 0xDD, count)
+
+cdef inline int _map(Reader* r, Py_ssize_t* count) noexcept nogil:
+    return _container(r, 0x80, 0xDE, 0xDF, count)
+
+cdef int _str(Reader* r, const unsigned char** text, Py_ssize_t* length) noexcept nogil:
+    """A str: where its bytes are and how many."""
+    cdef unsigned char head
+    cdef int width
+    if not _has(r, 1):
+        return REJECT
+    head = r.p[r.pos]
+    if 0xA0 <= head <= 0xBF:
+        length[0] = head & 0x1F
+        width = 0
+    elif head == 0xD9 or head == 0xDA or head == 0xDB:
+        width = 1 if head == 0xD9 else (2 if head == 0xDA else 4)
+        if not _has(r, 1 + width):
+            return REJECT
+        length[0] = <Py_ssize_t> _be(r.p + r.pos + 1, width)
+    else:
+        return REJECT
+    if not _has(r, 1 + width + length[0]):
+        return REJECT
+    text[0] = r.p + r.pos + 1 + width
+    r.pos += 1 + width + length[0]
+    return 0
+
+cdef inline bint _is_nil(Reader* r) noexcept nogil:
+    """Consume a nil if there is one."""
+    if _has(r, 1) and r.p[r.pos] == 0xC0:
+        r.pos += 1
+        return True
+    return False
+
+cdef int _int(Reader* r, uint64_t* bits, bint* negative) noexcept nogil:
+    """A msgpack int of any width: its low 64 bits (two's complement) and its sign."""
+    cdef unsigned char head
+    cdef int width
+    if not _has(r, 1):
+        return REJECT
+    head = r.p[r.pos]
+    if head < 0x80:
+        bits[0] = head
+        negative[0] = False
+        r.pos += 1
+        return 0
+    if head >= 0xE0:
+        bits[0] = <uint64_t> (<int64_t> (<signed char> head))
+        negative[0] = True
+        r.pos += 1
+        return 0
+    if 0xCC <= head <= 0xCF:
+        width = 1 << (head - 0xCC)
+    elif 0xD0 <= head <= 0xD3:
+        width = 1 << (head - 0xD0)
+    else:
+        return REJECT
+    if not _has(r, 1 + width):
+        return REJECT
+    bits[0] = _be(r.p + r.pos + 1, width)
+    negative[0] = False
+    if head >= 0xD0 and bits[0] >> (8 * width - 1):  # a negative signed int: sign-extend
+        negative[0] = True
+        if width < 8:
+            bits[0] |= ~((<uint64_t> 1 << (8 * width)) - 1)
+    r.pos += 1 + width
+    return 0
+
+cdef int _wire_hash_at(Reader* r, uint64_t* out) noexcept nogil:
+    """An engine hash as ``normalize_hash`` makes it: an int masked to 64 bits, or a bin's
+    last 8 bytes big-endian."""
+    cdef unsigned char head
+    cdef Py_ssize_t n
+    cdef int width
+    cdef bint negative
+    if not _has(r, 1):
+        return REJECT
+    head = r.p[r.pos]
+    if head == 0xC4 or head == 0xC5 or head == 0xC6:
+        width = 1 if head == 0xC4 else (2 if head == 0xC5 else 4)
+        if not _has(r, 1 + width):
+            return REJECT
+        n = <Py_ssize_t> _be(r.p + r.pos + 1, width)
+        if not _has(r, 1 + width + n):
+            return REJECT
+        out[0] = _be(r.p + r.pos + 1 + width + max(n - 8, 0), <int> min(n, 8))
+        r.pos += 1 + width + n
+        return 0
+    return _int(r, out, &negative)
+
+cdef int _skip(Reader* r, int depth) noexcept nogil:
+    """Skip one item msgspec surely reads as some Python value (nil, bools, ints, floats,
+    valid UTF-8 str, bin, arrays and maps of those, not too deep); REJECT anything else."""
+    cdef unsigned char head
+    cdef Py_ssize_t n, i, width
+    cdef uint64_t bits
+    cdef bint negative
+    cdef const unsigned char* text
+    if depth > MAX_SKIP_DEPTH or not _has(r, 1):
+        return REJECT
+    head = r.p[r.pos]
+    if head < 0x80 or head >= 0xE0:
+        r.pos += 1
+        return 0
+    if 0xCC <= head <= 0xD3:
+        return _int(r, &bits, &negative)
+    if head == 0xC0 or head == 0xC2 or head == 0xC3:
+        r.pos += 1
+        return 0
+    if head == 0xCA or head == 0xCB:
+        width = 5 if head == 0xCA else 9
+        if not _has(r, width):
+            return REJECT
+        r.pos += width
+        return 0
+    if 0xA0 <= head <= 0xBF or 0xD9 <= head <= 0xDB:
+        if _str(r, &text, &n) < 0 or not _utf8(text, n):
+            return REJECT
+        return 0
+    if head == 0xC4 or head == 0xC5 or head == 0xC6:
+        return _wire_hash_at(r, &bits)
+    if 0x90 <= head <= 0x9F or head == 0xDC or head == 0xDD:
+        if _array(r, &n) < 0 or n > r.size - r.pos:
+            return REJECT
+        for i in range(n):
+            if _skip(r, depth + 1) < 0:
+                return REJECT
+        return 0
+    if 0x80 <= head <= 0x8F or head == 0xDE or head == 0xDF:
+        if _map(r, &n) < 0 or n > r.size - r.pos:
+            return REJECT
+        for i in range(2 * n):
+            if _skip(r, depth + 1) < 0:
+                return REJECT
+        return 0
+    return REJECT  # ext types and the unused head 0xC1
+
+cdef bint _utf8(const unsigned char* s, Py_ssize_t n) noexcept nogil:
+    """Whether ``s`` is valid UTF-8 (no surrogates, no overlong forms)."""
+    cdef Py_ssize_t i = 0, extra, j
+    cdef uint32_t c
+    cdef unsigned char b
+    while i < n:
+        b = s[i]
+        if b < 0x80:
+            i += 1
+            continue
+        if 0xC2 <= b <= 0xDF:
+            extra, c = 1, b & 0x1F
+        elif 0xE0 <= b <= 0xEF:
+            extra, c = 2, b & 0x0F
+        elif 0xF0 <= b <= 0xF4:
+            extra, c = 3, b & 0x07
+        else:
+            return False
+        if i + extra >= n:
+            return False
+        for j in range(1, extra + 1):
+            if s[i + j] & 0xC0 != 0x80:
+                return False
+            c = (c << 6) | (s[i + j] & 0x3F)
+        if (extra == 2 and (c < 0x800 or 0xD800 <= c <= 0xDFFF)) or (
+            extra == 3 and (c < 0x10000 or c > 0x10FFFF)
+        ):
+            return False
+        i += extra + 1
+    return True
+
+cdef int _field_of(const unsigned char* name, Py_ssize_t n) noexcept nogil:
+    """Which of the fields read here a map key names (-1: another one, skipped)."""
+    cdef int f
+    for f in range(NUM_FIELDS):
+        if strlen(_FIELD_NAMES[f]) == <size_t> n and memcmp(_FIELD_NAMES[f], name, n) == 0:
+            return f
+    return -1
+
+cdef int _kind_of(Reader* r) noexcept nogil:
+    """An event's tag: K_STORED, K_REMOVED, K_CLEARED, or REJECT."""
+    cdef const unsigned char* text
+    cdef Py_ssize_t n
+    if _str(r, &text, &n) < 0:
+        return REJECT
+    if n == 11 and memcmp(text, b"BlockStored", 11) == 0:
+        return K_STORED
+    if n == 12 and memcmp(text, b"BlockRemoved", 12) == 0:
+        return K_REMOVED
+    if n == 16 and memcmp(text, b"AllBlocksCleared", 16) == 0:
+        return K_CLEARED
+    return REJECT
+
+
+cdef enum:
+    MAP_FORM = 1
+    ARRAY_FORM = 2
+
+cdef int[9] _STORED_AT = [F_HASHES, F_PARENT, F_TOKENS, F_BLOCK_SIZE, F_LORA_ID, F_MEDIUM,
+                          F_LORA_NAME, F_EXTRA_KEYS, F_GROUP]
+cdef int[3] _REMOVED_AT = [F_HASHES, F_MEDIUM, F_GROUP]
+
+
+cdef struct Fields:
+    Py_ssize_t at[NUM_FIELDS]  # where each field's value starts (-1: absent)
+    Py_ssize_t hash_at  # block_hashes: where in the batch's hashes (in hashes)
+    Py_ssize_t num_hashes  # -1: not an array of ints and bins
+    Py_ssize_t token_at  # token_ids: where in the batch's tokens (in bytes)
+    Py_ssize_t num_tokens  # -1: not an array of ints in [0, 2**32)
+
+
+cdef int _field_value(NativeBatch batch, Reader* r, int f, Fields* out) except -2:
+    """Read one field's value: the engine hashes and token ids straight into the batch's
+    buffers (one pass), any other value checked and skipped."""
+    cdef Py_ssize_t start = r.pos, n
+    if f < 0:
+        return _skip(r, 0)
+    if out.at[f] >= 0:  # a repeated key: left to msgspec
+        return REJECT
+    out.at[f] = start
+    if f == F_HASHES:
+        n = _hashes_into(&batch._hashes, r)
+        if n >= 0:
+            out.num_hashes = n
+            out.hash_at = batch._hashes.size // 8 - n
+            return 0
+        r.pos = start
+    elif f == F_TOKENS:
+        n = _tokens_into(&batch._tokens, r)
+        if n >= 0:
+            out.num_tokens = n
+            out.token_at = batch._tokens.size - 4 * n
+            return 0
+        r.pos = start
+    return _skip(r, 0)
+
+
+cdef int _fields(NativeBatch batch, Reader* r, int form, Fields* out) except -2:
+    """Read one event's fields; its kind (K_STORED, K_REMOVED, K_CLEARED) or REJECT."""
+    cdef Py_ssize_t n, i, length
+    cdef const unsigned char* name
+    cdef int f, kind
+    cdef Reader tag
+    for f in range(NUM_FIELDS):
+        out.at[f] = -1
+    out.num_hashes = out.num_tokens = -1
+    if form == MAP_FORM:
+        if _map(r, &n) < 0 or n > r.size - r.pos:
+            return REJECT
+        for i in range(n):
+            if _str(r, &name, &length) < 0:
+                return REJECT
+            if _field_value(batch, r, _field_of(name, length), out) < 0:
+                return REJECT
+        if out.at[F_TYPE] < 0:
+            return REJECT
+        tag = r[0]
+        tag.pos = out.at[F_TYPE]
+        return _kind_of(&tag)
+    if _array(r, &n) < 0 or n < 1 or n > r.size - r.pos:
+        return REJECT
+    kind = _kind_of(r)
+    if kind == REJECT or (kind == K_STORED and n < 6) or (kind == K_REMOVED and n < 2):
+        return REJECT
+    for i in range(1, n):
+        f = -1
+        if kind == K_STORED and i <= 9:
+            f = _STORED_AT[i - 1]
+        elif kind == K_REMOVED and i <= 3:
+            f = _REMOVED_AT[i - 1]
+        if _field_value(batch, r, f, out) < 0:
+            return REJECT
+    return kind
+
+
+cdef Py_ssize_t _hashes_into(Buffer* out, Reader* r) except -2:
+    """An array of engine hashes (ints, bins) appended to ``out``: their number, or REJECT
+    (nothing appended)."""
+    cdef Py_ssize_t n, i, start = out.size
+    cdef uint64_t value
+    if _array(r, &n) < 0 or n > r.size - r.pos:
+        return REJECT
+    _reserve(out, 8 * n)
+    for i in range(n):
+        if _wire_hash_at(r, &value) < 0:
+            out.size = start
+            return REJECT
+        (<uint64_t*> (out.data + out.size))[0] = value
+        out.size += 8
+    return n
+
+
+cdef Py_ssize_t _tokens_into(Buffer* out, Reader* r) except -2:
+    """An array of ints in [0, 2**32) appended to ``out`` as little-endian u32: their
+    number, or REJECT (nothing appended)."""
+    cdef Py_ssize_t n, i, start = out.size
+    cdef uint64_t value
+    cdef unsigned char head
+    cdef unsigned char* buf
+    cdef int width
+    if _array(r, &n) < 0 or n > r.size - r.pos:
+        return REJECT
+    _reserve(out, 4 * n)
+    buf = <unsigned char*> out.data + start
+    for i in range(n):
+        head = r.p[r.pos] if r.pos < r.size else 0xC1
+        if head < 0x80:
+            value = head
+            r.pos += 1
+        else:
+            if head == 0xCC or head == 0xD0:
+                width = 1
+            elif head == 0xCD or head == 0xD1:
+                width = 2
+            elif head == 0xCE or head == 0xD2:
+                width = 4
+            elif head == 0xCF or head == 0xD3:
+                width = 8
+            else:
+                return REJECT  # a negative fixint, not an int, or the end
+            if not _has(r, 1 + width):
+                return REJECT
+            value = _be(r.p + r.pos + 1, width)
+            r.pos += 1 + width
+            if (head >= 0xD0 and value >> (8 * width - 1)) or value >> 32:
+                return REJECT  # negative, or past u32
+        buf[4 * i] = value & 0xFF
+        buf[4 * i + 1] = (value >> 8) & 0xFF
+        buf[4 * i + 2] = (value >> 16) & 0xFF
+        buf[4 * i + 3] = (value >> 24) & 0xFF
+    out.size = start + 4 * n
+    return n
+
+
+cdef inline Reader _at(const Reader* r, Py_ssize_t pos) noexcept nogil:
+    cdef Reader sub = r[0]
+    sub.pos = pos
+    return sub
+
+
+cdef int _optional_int(const Reader* r, Py_ssize_t pos, bint* is_zero) noexcept nogil:
+    """A field of type ``int | None`` (absent: None): ``is_zero`` unless a non-zero int."""
+    cdef Reader sub
+    cdef uint64_t bits
+    cdef bint negative
+    is_zero[0] = True
+    if pos < 0:
+        return 0
+    sub = _at(r, pos)
+    if _is_nil(&sub):
+        return 0
+    if _int(&sub, &bits, &negative) < 0:
+        return REJECT
+    is_zero[0] = bits == 0
+    return 0
+
+
+cdef int _medium(const Reader* r, Py_ssize_t pos, long* tier) noexcept nogil:
+    """``medium``: absent, nil or ``"GPU"`` (tier 0), ``"CPU"`` (1); REJECT otherwise."""
+    cdef Reader sub
+    cdef const unsigned char* text
+    cdef Py_ssize_t n
+    tier[0] = 0
+    if pos < 0:
+        return 0
+    sub = _at(r, pos)
+    if _is_nil(&sub):
+        return 0
+    if _str(&sub, &text, &n) < 0 or n != 3:
+        return REJECT
+    if memcmp(text, b"GPU", 3) == 0:
+        return 0
+    if memcmp(text, b"CPU", 3) == 0:
+        tier[0] = 1
+        return 0
+    return REJECT
+
+
+cdef int _no_extras_at(const Reader* r, Py_ssize_t lora_name, Py_ssize_t extra_keys) noexcept nogil:
+    """No LoRA name (absent or nil), extra keys absent, nil, or nil for every block."""
+    cdef Reader sub
+    cdef Py_ssize_t n, i
+    if lora_name >= 0:
+        sub = _at(r, lora_name)
+        if not _is_nil(&sub):
+            return REJECT
+    if extra_keys >= 0:
+        sub = _at(r, extra_keys)
+        if _is_nil(&sub):
+            return 0
+        if _array(&sub, &n) < 0:
+            return REJECT
+        for i in range(n):
+            if not _is_nil(&sub):
+                return REJECT
+    return 0
+
+
+cdef int _read_removed(NativeBatch batch, const Reader* r, const Fields* f) except -2:
+    cdef long tier
+    cdef bint main
+    if f.at[F_HASHES] < 0 or f.num_hashes < 0 or _medium(r, f.at[F_MEDIUM], &tier) < 0:
+        return REJECT
+    if _optional_int(r, f.at[F_GROUP], &main) < 0:
+        return REJECT
+    if not main:
+        _push_word(&batch._words, EV_OTHER_GROUP)
+        return 0
+    _push_word(&batch._words, EV_REMOVE | (<uint64_t> tier << 8))
+    _push_word(&batch._words, <uint64_t> f.num_hashes)
+    _push_word(&batch._words, <uint64_t> f.hash_at)
+    return 0
+
+
+cdef int _block_size(const Reader* r, Py_ssize_t pos, long long* size) noexcept nogil:
+    """``block_size`` (absent: 0), an int in [-2**31, 2**31) here."""
+    cdef Reader sub
+    cdef uint64_t bits
+    cdef bint negative
+    size[0] = 0
+    if pos < 0:
+        return 0
+    sub = _at(r, pos)
+    if _int(&sub, &bits, &negative) < 0:
+        return REJECT
+    if (not negative and bits >= (1ULL << 31)) or (negative and <int64_t> bits < -(1LL << 31)):
+        return REJECT
+    size[0] = <long long> (<int64_t> bits)
+    return 0
+
+
+cdef int _read_stored(NativeBatch batch, const Reader* r, const Fields* f) except -2:
+    """A store's record. Declines (REJECT) what the Python path must take: a LoRA name,
+    extra keys, an uncommon medium, a placeholder, a block size past 2**31, token ids not
+    all ints in [0, 2**32); and anything msgspec might not decode the same way."""
+    cdef long tier
+    cdef bint main, lora_zero
+    cdef long long block_size
+    cdef Py_ssize_t num_tokens = 0, num_hashes = f.num_hashes
+    cdef uint64_t parent = 0, tag
+    cdef Reader sub
+    if f.at[F_HASHES] < 0 or num_hashes < 0 or _medium(r, f.at[F_MEDIUM], &tier) < 0:
+        return REJECT
+    if _optional_int(r, f.at[F_GROUP], &main) < 0:
+        return REJECT
+    if _optional_int(r, f.at[F_LORA_ID], &lora_zero) < 0:
+        return REJECT
+    if _no_extras_at(r, f.at[F_LORA_NAME], f.at[F_EXTRA_KEYS]) < 0:
+        return REJECT
+    if _block_size(r, f.at[F_BLOCK_SIZE], &block_size) < 0:
+        return REJECT
+    tag = EV_STORE | (<uint64_t> tier << 8)
+    if f.at[F_PARENT] >= 0:
+        sub = _at(r, f.at[F_PARENT])
+        if not _is_nil(&sub):
+            if _wire_hash_at(&sub, &parent) < 0:
+                return REJECT
+            tag |= HAS_PARENT
+    if f.at[F_TOKENS] >= 0:
+        num_tokens = f.num_tokens
+        if num_tokens < 0:
+            return REJECT
+    if main and block_size == 0 and num_tokens == 0:
+        return REJECT  # a placeholder: the Python path
+    if not main or block_size <= 0 or num_tokens % block_size or (
+        num_tokens // block_size != num_hashes
+    ):
+        _push_word(&batch._words, EV_MISALIGNED if main else EV_OTHER_GROUP)
+        return 0
+    _push_word(&batch._words, tag)
+    _push_word(&batch._words, parent)
+    _push_word(&batch._words, <uint64_t> block_size)
+    _push_word(&batch._words, <uint64_t> f.token_at if f.at[F_TOKENS] >= 0 else 0)
+    _push_word(&batch._words, <uint64_t> num_hashes)
+    _push_word(&batch._words, <uint64_t> f.hash_at)
+    return 0
+
+
+cdef int _read_event(NativeBatch batch, Reader* r, int form) except -2:
+    cdef Fields f
+    cdef int kind = _fields(batch, r, form, &f)
+    if kind == K_STORED:
+        return _read_stored(batch, r, &f)
+    if kind == K_REMOVED:
+        return _read_removed(batch, r, &f)
+    if kind == K_CLEARED:
+        _push_word(&batch._words, EV_CLEAR)
+        return 0
+    return REJECT
+
+
+cdef int _form(const Reader* r) noexcept nogil:
+    """Whether the next event is a map (vLLM >= 0.24) or an array (<= 0.23)."""
+    cdef unsigned char head
+    if not _has(r, 1):
+        return REJECT
+    head = r.p[r.pos]
+    if 0x80 <= head <= 0x8F or head == 0xDE or head == 0xDF:
+        return MAP_FORM
+    if 0x90 <= head <= 0x9F or head == 0xDC or head == 0xDD:
+        return ARRAY_FORM
+    return REJECT
+
+
+cdef object _read_batch(object seq, const unsigned char* p, Py_ssize_t size):
+    """``[ts, events, data_parallel_rank]`` as a NativeBatch, or None."""
+    cdef Reader r
+    cdef Py_ssize_t n, num_events, i
+    cdef uint64_t bits
+    cdef bint negative
+    cdef int form = 0
+    cdef NativeBatch batch
+    r.p, r.pos, r.size = p, 0, size
+    if _array(&r, &n) < 0 or not (n == 2 or n == 3) or not _has(&r, 9) or p[r.pos] != 0xCB:
+        return None
+    bits = _be(p + r.pos + 1, 8)
+    r.pos += 9
+    if _array(&r, &num_events) < 0 or num_events > size - r.pos:
+        return None
+    batch = NativeBatch.__new__(NativeBatch)
+    batch.seq = seq
+    memcpy(&batch.ts, &bits, 8)
+    batch.num_events = num_events
+    for i in range(num_events):
+        if i == 0:
+            form = _form(&r)
+        elif _form(&r) != form:
+            return None  # maps and arrays mixed: the Python path reads them one by one
+        if form < 0 or _read_event(batch, &r, form) < 0:
+            return None
+    batch.rank = 0
+    if n == 3 and not _is_nil(&r):
+        if _int(&r, &bits, &negative) < 0:
+            return None
+        batch.rank = <int64_t> bits if negative else bits
+    if r.pos != size:
+        return None
+    return batch
+
+
+def native_live(list frames):
+    """A live message ``[topic, seq, payload]`` (bytes frames) read straight into a
+    :class:`NativeBatch`, or None: a frame count, seq or topic that ``decode_live`` would
+    refuse, a payload the wire module's fast decoders might not read the same way, or an
+    event the compiled ingest path does not take (the caller then decodes it the general
+    way, which counts and reports it as ever)."""
+    cdef Py_buffer view
+    cdef const unsigned char* s
+    cdef uint64_t seq
+    if len(frames) != 3:
+        return None
+    topic, seq_frame, payload = frames
+    if type(topic) is not bytes or type(seq_frame) is not bytes or type(payload) is not bytes:
+        return None
+    if PyBytes_GET_SIZE(seq_frame) != 8:
+        return None
+    seq = _be(<const unsigned char*> PyBytes_AS_STRING(seq_frame), 8)
+    if seq == 0xFFFFFFFFFFFFFFFFULL:
+        return None
+    try:
+        (<bytes> topic).decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return _read_batch(
+        seq, <const unsigned char*> PyBytes_AS_STRING(payload), PyBytes_GET_SIZE(payload)
+    )
