@@ -1,5 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""kvindex's compiled hot loops: block-key chaining and the memory store's tables.
+"""kvindex's compiled hot loops: block-key chaining, the memory store's tables, and the
+compiled ingest path (live msgpack frames read into flat records, translated and applied
+to the tables in one call: ``native_live``, ``Tables.ingest``).
 
 Built by ``pip install`` (setup.py); ``kvindex.indexer.native`` says whether it loaded, and
 the pure-Python code it replaces stays the reference (tests prove both agree).
@@ -1234,6 +1236,9 @@ _FIELD_NAMES[:] = [
     b"type", b"block_hashes", b"parent_block_hash", b"token_ids", b"block_size", b"lora_id",
     b"medium", b"lora_name", b"extra_keys", b"group_idx",
 ]
+cdef Py_ssize_t _FIELD_LENGTHS[NUM_FIELDS]
+for _f in range(NUM_FIELDS):
+    _FIELD_LENGTHS[_f] = strlen(_FIELD_NAMES[_f])
 
 
 cdef inline bint _has(const Reader* r, Py_ssize_t n) noexcept nogil:
@@ -1434,7 +1439,7 @@ cdef int _field_of(const unsigned char* name, Py_ssize_t n) noexcept nogil:
     """Which of the fields read here a map key names (-1: another one, skipped)."""
     cdef int f
     for f in range(NUM_FIELDS):
-        if strlen(_FIELD_NAMES[f]) == <size_t> n and memcmp(_FIELD_NAMES[f], name, n) == 0:
+        if _FIELD_LENGTHS[f] == n and memcmp(_FIELD_NAMES[f], name, n) == 0:
             return f
     return -1
 
