@@ -1191,6 +1191,8 @@ cdef class Tables:
         cdef uint64_t i
         cdef int j
         cdef unsigned char* buf
+        if n == 0:  # nothing to hash (and a block size of 2**31 must not allocate 8 GB)
+            return 0
         _reserve(&self._scratch, 8 + stride)
         buf = <unsigned char*> self._scratch.data
         for i in range(n):

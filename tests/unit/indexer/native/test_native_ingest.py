@@ -178,6 +178,17 @@ def test_captured_frames_give_the_same_index_and_reports(name: str, drain: int) 
     assert num_native > 0  # plain stores, removals and the clear take it
 
 
+def test_a_store_of_no_blocks_counts_as_in_python() -> None:
+    """No engine hash, no token id, any block size (up to 2**31 here): an aligned store of
+    nothing, whose parent is still looked up (an orphan when unknown)."""
+    events: list[Event] = [BlockStored((), 7, [], 2**31 - 1, Tier.GPU)]
+    frames = [
+        encode_live(b"kv@r1@m", seq, encode_batch(events, ts=1.0, rank=0, encoding="map"))
+        for seq in range(3)
+    ]
+    assert feed_both([frames], [7]) == 2  # the first batch makes the stream live
+
+
 def test_uncommon_events_take_the_python_path() -> None:
     """A LoRA store, extra keys, a placeholder, an uncommon medium: no NativeBatch."""
     store = BlockStored((1,), None, [1, 2], 2, Tier.GPU)
