@@ -7,6 +7,7 @@ Usage (from the repository root)::
     .venv/bin/python bench/ingest.py --redis-url redis://127.0.0.1:PORT/0 --backends redis
     .venv/bin/python bench/ingest.py --quick --drain 1  # a subscriber with nothing queued
     .venv/bin/python bench/ingest.py --quick --backends redis --indexers 1,2  # sharded
+    .venv/bin/python bench/ingest.py --quick --backends memory,memory-python
 
 What is timed, per backend: every pre-generated frame (see ``workload.py``), interleaved
 across replicas by engine timestamp, through ``Pipeline.handle_frames`` (the subscriber
@@ -29,7 +30,9 @@ operation each); ``blocks_stored`` alone gives ``stored_blocks_per_s``. ``entrie
 ``bytes_per_entry`` = growth of INFO ``used_memory`` during the run / ``entries``; for the
 memory store, what dropping the filled index frees (``tracemalloc``, over one more run that
 is not timed: the pipeline is dropped first, so only what the index alone holds counts) /
-``entries``, and ``compiled`` says whether its tables were the compiled ones.
+``entries``, and ``compiled`` says whether its tables were the compiled ones. The
+``memory-python`` backend is the memory store on its pure-Python tables (the fallback
+when the compiled core is not built; the compiled ingest path then does not serve).
 
 ``--indexers N[,M...]`` (Redis): each count is a run of that many sharded indexers on one
 Redis, each a process of its own (forked, sharing the pre-generated frames) with its own
@@ -83,6 +86,7 @@ from kvindex.indexer.redis_schema import Schema
 from kvindex.indexer.settings import IndexerSettings
 from kvindex.indexer.wire import Encoding
 
+_BACKENDS = ("memory", "memory-python", "redis")
 FULL_ENTRIES = 1_000_000
 QUICK_ENTRIES = 131_072
 CAPACITY_MARGIN = 1.1
@@ -123,7 +127,7 @@ def parse_args(argv: list[str] | None = None) -> BenchArgs:
     add("--repeat", type=int, default=3, help="in-process runs; the median is reported")
     add("--entries", type=int, help="resident (block, replica) entries wanted at the end")
     add("--turnover", type=float, default=1.0, help="blocks stored beyond capacity, x capacity")
-    add("--backends", default="memory,redis", help="comma-separated: memory, redis")
+    add("--backends", default="memory,redis", help="comma-separated: memory, memory-python, redis")
     add("--seed", type=int, default=0)
     add("--jobs", type=int, default=0, help="processes generating the workload (0: auto)")
     add("--keep", action="store_true", help="leave the keys in the --redis-url Redis")
@@ -132,8 +136,8 @@ def parse_args(argv: list[str] | None = None) -> BenchArgs:
     add("--cluster", action="store_true", help="the --indexers runs on a 3-master cluster")
     ns = parser.parse_args(argv)
     backends = tuple(b.strip() for b in ns.backends.split(",") if b.strip())
-    if not set(backends) <= {"memory", "redis"} or min(ns.replicas, ns.repeat, ns.drain) < 1:
-        parser.error("backends must be memory and/or redis; replicas, repeat, drain >= 1")
+    if not set(backends) <= set(_BACKENDS) or min(ns.replicas, ns.repeat, ns.drain) < 1:
+        parser.error(f"backends must be among {_BACKENDS}; replicas, repeat, drain >= 1")
     try:
         indexers = tuple(int(n) for n in ns.indexers.split(",") if n.strip())
     except ValueError:
@@ -297,11 +301,11 @@ def result(backend: str, workload: Workload, seconds: float, **extra: Any) -> di
 # --- backends -------------------------------------------------------------------------------
 
 
-def memory_index_bytes(workload: Workload, plan: list[Delivery]) -> int:
+def memory_index_bytes(workload: Workload, plan: list[Delivery], *, compiled: bool = True) -> int:
     """Bytes a memory index filled by ``plan`` holds: what dropping it frees (traced)."""
     tracemalloc.start()
     try:
-        index = MemoryIndex()
+        index = MemoryIndex(compiled=compiled)
         pipeline, registry = new_pipeline(index, workload)
         drive(pipeline, plan)
         del pipeline, registry
@@ -314,27 +318,31 @@ def memory_index_bytes(workload: Workload, plan: list[Delivery]) -> int:
         tracemalloc.stop()
 
 
-def run_memory(workload: Workload, plan: list[Delivery], repeat: int) -> dict[str, Any]:
+def run_memory(
+    workload: Workload, plan: list[Delivery], repeat: int, *, python: bool = False
+) -> dict[str, Any]:
     """``repeat`` runs on fresh indexes; the median time is reported, the last one checked,
-    then one more (not timed) measures the index's bytes."""
+    then one more (not timed) measures the index's bytes. ``python``: on the pure-Python
+    tables."""
     times: list[float] = []
     checked: dict[str, Any] = {}
-    compiled = MemoryIndex().compiled
+    backend = "memory-python" if python else "memory"
+    compiled = MemoryIndex(compiled=not python).compiled
     for i in range(repeat):
-        index = MemoryIndex()
+        index = MemoryIndex(compiled=not python)
         pipeline, registry = new_pipeline(index, workload)
         with collected():
             times.append(drive(pipeline, plan))
-        log.info("memory run %d/%d: %.2fs", i + 1, repeat, times[-1])
+        log.info("%s run %d/%d: %.2fs", backend, i + 1, repeat, times[-1])
         if i == repeat - 1:
             checked = check(index, registry, workload)
         del index, pipeline, registry
     seconds = statistics.median(times)
-    num_bytes = memory_index_bytes(workload, plan)
+    num_bytes = memory_index_bytes(workload, plan, compiled=not python)
     per_entry = num_bytes / max(checked["entries"], 1)
-    log.info("memory index: %.1f MB, %.1f bytes per entry", num_bytes / 1e6, per_entry)
+    log.info("%s index: %.1f MB, %.1f bytes per entry", backend, num_bytes / 1e6, per_entry)
     return result(
-        "memory", workload, seconds, repeat=repeat, seconds_all=[round(t, 3) for t in times],
+        backend, workload, seconds, repeat=repeat, seconds_all=[round(t, 3) for t in times],
         **checked, bytes_per_entry=round(per_entry, 1), index_bytes=num_bytes, compiled=compiled,
     )  # fmt: skip
 
@@ -517,6 +525,8 @@ def run_backends(args: BenchArgs, workload: Workload) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     if "memory" in args.backends:
         results.append(run_memory(workload, plan, args.repeat))
+    if "memory-python" in args.backends:
+        results.append(run_memory(workload, plan, args.repeat, python=True))
     if "redis" in args.backends:
         if args.redis_url is not None:
             url, private = args.redis_url, False

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import TypeAlias
+from typing import Protocol, TypeAlias
 
 import msgspec
 
@@ -107,6 +107,17 @@ class EventBatch(msgspec.Struct, frozen=True, gc=False):
     events: Sequence[Event]
     num_bad_events: int = 0
     """Events in the payload that could not be decoded; they were skipped, the rest kept."""
+
+
+class Numbered(Protocol):
+    """What ordering a batch needs of it: an :class:`EventBatch`, or a live batch decoded
+    for the compiled ingest path (``kvindex.indexer.native.NativeBatch``)."""
+
+    @property
+    def seq(self) -> int: ...
+
+    @property
+    def ts(self) -> float: ...
 
 
 class Topic(msgspec.Struct, frozen=True, gc=False):

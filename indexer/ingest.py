@@ -11,12 +11,20 @@ by replay.
 Consecutive batches of a stream are applied in one index call (:meth:`Ingestor.apply_many`);
 the pending ones are flushed first whenever a parent must be looked up in the index.
 Callers must apply a stream's batches in order from one thread.
+
+The compiled ingest path: over an index that offers it (the memory store on the compiled
+tables), live batches decoded as ``native.NativeBatch`` (see
+``kvindex.indexer.wire.decode_live_native``) are translated and applied by compiled code
+in one call per run of them, with the same cache, parents, orphans, counts and watermark
+rules as the Python translation here (the tests hold both to the same index state and
+counters); batches of domain events in between take the Python path, in order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 import xxhash
 
@@ -31,6 +39,36 @@ from kvindex.indexer.events import (
 from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index.protocol import APPLIED, ApplyResult, BatchOps, BlockIndex, Op, OpKind
 from kvindex.indexer.keys import BlockKeyError, chain_keys, model_root, tokens_to_bytes
+
+if TYPE_CHECKING:
+    from kvindex.indexer.native._core import NativeBatch
+
+AnyBatch: TypeAlias = "EventBatch | NativeBatch"
+"""A batch of domain events, or a live batch decoded for the compiled ingest path."""
+
+NativeCounts: TypeAlias = tuple[int, int, int, int, int, int, int, int, int, int]
+"""What the compiled ingest path did: batches applied, unknown removals, unresolved stores,
+blocks stored, blocks removed, clears, events of another group, misaligned events, orphan
+stores, the last store's block size (-1: none)."""
+
+
+class KeyCache(Protocol):
+    """The per-stream engine hash → key cache, as the compiled ingest path reads it."""
+
+    capacity: int
+    young: dict[int, int]
+    old: dict[int, int]
+
+
+class NativeIngest(Protocol):
+    """An index that translates and applies ``NativeBatch`` es itself (compiled)."""
+
+    native_ingest: bool
+
+    def apply_native(
+        self, stream: StreamId, batches: list[NativeBatch], cache: KeyCache, root: int
+    ) -> NativeCounts: ...
+
 
 MAIN_GROUP = 0
 """Only the main KV-cache group is indexed; other groups (hybrid models) are counted."""
@@ -108,6 +146,18 @@ class Ingestor:
         self._caches: dict[StreamId, _KeyCache] = {}
         self._roots: dict[str, int] = {}
         self._pending: _Pending | None = None
+        native_index: NativeIngest = index  # type: ignore[assignment]  # checked next
+        self._apply_native: Callable[..., NativeCounts] | None = (
+            native_index.apply_native
+            if native.NativeBatch is not None and getattr(index, "native_ingest", False)
+            else None
+        )
+
+    @property
+    def native(self) -> bool:
+        """Whether :meth:`apply_many` takes ``native.NativeBatch`` es (the index is the
+        memory store on the compiled tables)."""
+        return self._apply_native is not None
 
     def forget(self, stream: StreamId) -> None:
         """Drop cached mappings of a stream (after its engine restarted or it was dropped)."""
@@ -121,25 +171,71 @@ class Ingestor:
         self,
         stream: StreamId,
         model: str,
-        batches: Sequence[EventBatch],
+        batches: Sequence[AnyBatch],
         report: StreamReport | None = None,
     ) -> StreamReport:
         """Translate consecutive batches of a stream and apply them in order.
 
-        What it did is added to ``report`` (a fresh one when None), which is returned.
+        ``native.NativeBatch`` es only when :attr:`native`. What it did is added to
+        ``report`` (a fresh one when None), which is returned.
         """
         if report is None:
             report = StreamReport()
         self._pending = pending = _Pending(stream, [], report)
+        native_kind = native.NativeBatch
         try:
+            run: list[NativeBatch] = []
             for batch in batches:
+                if type(batch) is native_kind:
+                    run.append(batch)
+                    continue
+                if run:
+                    self._native_run(stream, model, run, report)
+                    run = []
                 report.num_bad_events += batch.num_bad_events
-                ops = self.translate(stream, model, batch, report)
+                ops = self.translate(stream, model, batch, report)  # type: ignore[arg-type]
                 pending.batches.append((batch.seq, batch.ts, ops))
+            if run:
+                self._native_run(stream, model, run, report)
             self._flush()
         finally:
             self._pending = None
         return report
+
+    def _native_run(
+        self, stream: StreamId, model: str, batches: list[NativeBatch], report: StreamReport
+    ) -> None:
+        """Consecutive ``NativeBatch`` es, after the batches translated before them."""
+        if self._apply_native is None:
+            raise TypeError("a NativeBatch reached an index without the compiled ingest path")
+        self._flush()
+        counts = self._apply_native(stream, batches, self._cache(stream), self._root(model))
+        num_applied, unknown, unresolved, stored, removed, clears = counts[:6]
+        other_group, misaligned, orphans, block_size = counts[6:]
+        if num_applied:
+            report.applied = True
+        report.num_unknown_removals += unknown
+        report.num_unresolved_stores += unresolved
+        report.num_blocks_stored += stored
+        report.num_blocks_removed += removed
+        report.num_clears += clears
+        report.num_skipped_group_events += other_group
+        report.num_misaligned_events += misaligned
+        report.num_orphan_stores += orphans
+        if block_size >= 0:
+            report.block_size = block_size
+
+    def _cache(self, stream: StreamId) -> _KeyCache:
+        cache = self._caches.get(stream)
+        if cache is None:
+            cache = self._caches[stream] = _KeyCache(self._cache_size)
+        return cache
+
+    def _root(self, model: str) -> int:
+        root = self._roots.get(model)
+        if root is None:
+            root = self._roots[model] = model_root(model)
+        return root
 
     def _flush(self) -> None:
         pending = self._pending
@@ -157,9 +253,7 @@ class Ingestor:
     def translate(
         self, stream: StreamId, model: str, batch: EventBatch, report: StreamReport
     ) -> list[Op]:
-        cache = self._caches.get(stream)
-        if cache is None:
-            cache = self._caches[stream] = _KeyCache(self._cache_size)
+        cache = self._cache(stream)
         ops: list[Op] = []
         context = _Context(stream, model, cache, ops, report)
         for event in batch.events:
@@ -224,10 +318,7 @@ class Ingestor:
 
     def _parent_key(self, parent_hash: int | None, context: _Context) -> int:
         if parent_hash is None:
-            root = self._roots.get(context.model)
-            if root is None:
-                root = self._roots[context.model] = model_root(context.model)
-            return root
+            return self._root(context.model)
         key = context.cache.get(parent_hash)
         if key is not None:
             return key

@@ -38,11 +38,11 @@ from kvindex.indexer.index.protocol import (
     StoreIdentity,
     drop_replica,
 )
-from kvindex.indexer.ingest import Ingestor
+from kvindex.indexer.ingest import AnyBatch, Ingestor
 from kvindex.indexer.redis_schema import SchemaError, check_name
 from kvindex.indexer.settings import IndexerSettings
 from kvindex.indexer.stream import Step, StreamTracker
-from kvindex.indexer.wire import ReplayReply, WireError, decode_live
+from kvindex.indexer.wire import ReplayReply, WireError, decode_live, decode_live_native
 
 log = logging.getLogger("kvindex.subscriber")  # the write path's one logger, as before the split
 
@@ -89,7 +89,7 @@ class _Runtime:
     """Its socket reported a disconnect and no connect since (never probed then)."""
     heard_at: float = float("-inf")
     """When a live message of it (or a probe) was last handled: silence is judged from it."""
-    pending: list[EventBatch] = field(default_factory=list)
+    pending: list[AnyBatch] = field(default_factory=list)
     """In-order live batches not yet applied (flushed at the end of a call)."""
     queued: bool = False
     logged: set[str] = field(default_factory=set)
@@ -109,6 +109,13 @@ class Pipeline:
     the stream (:class:`FencedError`) is dropped and counted (:attr:`num_fenced_batches`),
     and the stream is no longer written here: :meth:`take_fenced` hands it to the caller,
     which stops subscribing to it (connect mode) and :meth:`release` s it.
+
+    ``native_ingest`` (the default): over an index with the compiled ingest path (the
+    memory store on the compiled tables), a live message of a known stream that is its
+    next batch, with only common events, is decoded straight to a ``native.NativeBatch``
+    and applied by compiled code; anything else (a gap, a restart, a bad frame or event,
+    an uncommon event) takes the Python path, as without it. ``False``: always the Python
+    path (the tests compare the two).
     """
 
     def __init__(
@@ -120,6 +127,7 @@ class Pipeline:
         replays: ReplayRequests | None = None,
         clock: Callable[[], float] = time.monotonic,
         claim: Callable[[StreamId], None] | None = None,
+        native_ingest: bool = True,
     ) -> None:
         self._settings = settings
         self._claim = claim
@@ -131,6 +139,7 @@ class Pipeline:
         self._replays = replays
         self._clock = clock
         self._ingestor = Ingestor(index, cache_size=settings.key_cache_entries)
+        self._native = native_ingest and self._ingestor.native
         self._runtimes: dict[StreamId, _Runtime] = {}
         self._known_version = -1
         self.counters = UnroutedCounters()
@@ -196,7 +205,16 @@ class Pipeline:
         stream touched is reported to the registry once, at the end.
         """
         touched: list[_Runtime] = []
+        native = self._native and stream is not None
+        runtime: _Runtime | None = None
         for frames in messages:
+            if native:
+                runtime = runtime or self._runtimes.get(stream)  # type: ignore[arg-type]
+                if self._took_native(runtime, frames):
+                    if not runtime.queued:  # type: ignore[union-attr]  # took it: not None
+                        runtime.queued = True  # type: ignore[union-attr]
+                        touched.append(runtime)  # type: ignore[arg-type]
+                    continue
             try:
                 message = decode_live(frames)
             except WireError as exc:
@@ -215,6 +233,17 @@ class Pipeline:
         if self.counters != self._published:
             self._published = replace(self.counters)
             self._registry.record_unrouted(self._published)
+
+    def _took_native(self, runtime: _Runtime | None, frames: list[bytes]) -> bool:
+        """The compiled ingest path: True if the message was the stream's next batch of
+        common events, now pending as a ``NativeBatch``; False: nothing was done."""
+        if runtime is None or runtime.broken or runtime.fenced:
+            return False
+        batch = decode_live_native(frames)
+        if batch is None or not runtime.tracker.accept_next(batch):
+            return False
+        runtime.pending.append(batch)
+        return True
 
     def _on_batch(self, stream: StreamId | None, topic: str, batch: EventBatch) -> _Runtime | None:
         runtime = self._runtime_for(stream, topic, batch)

@@ -72,7 +72,7 @@ import enum
 from dataclasses import dataclass, field
 from itertools import islice
 
-from kvindex.indexer.events import EventBatch
+from kvindex.indexer.events import EventBatch, Numbered
 from kvindex.indexer.health import StreamCounters
 
 _TS_MEMORY = 4096
@@ -194,7 +194,7 @@ class StreamTracker:
         self.mode = Mode.REPLAYING
         return Step(replay_from=self.last_seq)
 
-    def accept_next(self, batch: EventBatch) -> bool:
+    def accept_next(self, batch: Numbered) -> bool:
         """The common case, kept cheap: the next batch of a live stream is remembered and
         True is returned (apply it). False: nothing was done; ask :meth:`on_live`."""
         if self.mode is Mode.LIVE and batch.seq == self.last_seq + 1 and self._replay is None:
@@ -393,7 +393,7 @@ class StreamTracker:
         self._remember(batch)
         step.batches.append(batch)
 
-    def _remember(self, batch: EventBatch) -> None:
+    def _remember(self, batch: Numbered) -> None:
         self.last_seq = batch.seq
         self.counters.num_batches += 1
         seen = self._seen

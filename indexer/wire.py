@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import msgspec
 
@@ -43,6 +43,9 @@ from kvindex.indexer.events import (
     EventBatch,
     Tier,
 )
+
+if TYPE_CHECKING:
+    from kvindex.indexer.native._core import NativeBatch
 
 SEQ_BYTES = 8
 END_SEQ = -1
@@ -638,6 +641,22 @@ def decode_live(frames: list[bytes]) -> LiveMessage:
     if seq == END_SEQ:
         raise WireError("live seq 0xFF * 8 is the replay end marker's, never a batch's")
     return LiveMessage(topic, decode_payload(payload, seq))
+
+
+def decode_live_native(frames: list[bytes]) -> NativeBatch | None:
+    """A live message read for the compiled ingest path (the compiled core built): what
+    :func:`decode_live` reads, kept as a ``native.NativeBatch`` (msgpack read in compiled
+    code, which accepts only what the fast decoders here surely read the same way) rather
+    than domain events. None whenever anything is unusual (a frame :func:`decode_live`
+    refuses, a payload or event the reader declines, a LoRA store, extra keys, an uncommon
+    medium, a placeholder): the caller then decodes the message with :func:`decode_live`,
+    which counts and reports it as ever."""
+    if _native_live is None:
+        return None
+    return _native_live(frames)
+
+
+_native_live = native.native_live
 
 
 def _decode_topic(frame: bytes) -> str:

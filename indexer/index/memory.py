@@ -39,7 +39,7 @@ import heapq
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvindex.indexer import native
 from kvindex.indexer.events import StreamId, Tier
@@ -63,6 +63,11 @@ except ImportError:
     pass
 else:
     _set_bits = _lookup.set_bits
+
+if TYPE_CHECKING:
+    from kvindex.indexer.ingest import KeyCache, NativeCounts
+    from kvindex.indexer.native import _core as native_core
+    from kvindex.indexer.native._core import NativeBatch
 
 _NUM_TIERS = len(Tier)
 _LANE_BITS = 32
@@ -221,6 +226,14 @@ class MemoryIndex:
     def __init__(self, *, compiled: bool = True) -> None:
         self._tables = new_tables(compiled=compiled)
         self.compiled = not isinstance(self._tables, PyTables)
+        self.native_ingest = (
+            self.compiled
+            and native.NativeBatch is not None
+            and type(self).apply_many is MemoryIndex.apply_many
+        )
+        """Whether :meth:`apply_native` serves (the compiled tables and ingest path). Not
+        for a subclass that overrides :meth:`apply_many` (to wrap or fail writes): every
+        write then still goes through it."""
         self._streams: dict[StreamId, _Stream] = {}
         self._state_of: list[_Stream | None] = []
         """Stream number → the stream's state (None: free, listed in ``_free``)."""
@@ -261,6 +274,21 @@ class MemoryIndex:
                 state.last_ts = ts
                 results.append(applied(unknown, unresolved))
         return results
+
+    def apply_native(
+        self, stream: StreamId, batches: list[NativeBatch], cache: KeyCache, root: int
+    ) -> NativeCounts:
+        """Translate and apply live batches decoded for the compiled ingest path (only when
+        :attr:`native_ingest`): what ``Ingestor.apply_many`` and :meth:`apply_many` do for
+        the same events, in compiled code (``native.Tables.ingest``); returns its counts."""
+        with self._lock:
+            state = self._state(stream)
+            tables: native_core.Tables = self._tables  # type: ignore[assignment]
+            out = tables.ingest(state.number, batches, cache, root, state.watermark)
+            state.watermark = out[0]
+            if out[1] is not None:
+                state.last_ts = out[1]
+        return out[2:]
 
     def resolve(self, stream: StreamId, engine_hashes: Sequence[int]) -> list[int | None]:
         with self._lock:

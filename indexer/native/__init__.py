@@ -1,5 +1,7 @@
 """Compiled hot loops (Cython, built by ``pip install``): block-key chaining, decoded token
-ids kept packed, and the memory store's tables (``_core.pyx``; its types in ``_core.pyi``).
+ids kept packed, the memory store's tables, and the compiled ingest path (decoded live
+batches straight to ops applied to those tables) (``_core.pyx``; its types in
+``_core.pyi``).
 
 Each name is the compiled object, or None when the extension is not built (a checkout used
 without an install): callers then fall back to the pure-Python code, which stays the
@@ -12,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from kvindex.indexer.native._core import NativeBatch as _NativeBatch
     from kvindex.indexer.native._core import PackedTokens as _PackedTokens
     from kvindex.indexer.native._core import Tables as _Tables
 
@@ -27,6 +30,8 @@ Tables: type[_Tables] | None = None
 PackedTokens: type[_PackedTokens] | None = None
 packed_tokens: Callable[[object], _PackedTokens | None] | None = None
 unsigned_hashes: Callable[[object], tuple[int, ...] | None] | None = None
+NativeBatch: type[_NativeBatch] | None = None
+native_live: Callable[[list[bytes]], _NativeBatch | None] | None = None
 try:
     from kvindex.indexer.native import _core
 except ImportError:  # not built: the pure-Python paths serve
@@ -36,4 +41,5 @@ else:
     store_chain, remove_ops, Tables = _core.store_chain, _core.remove_ops, _core.Tables
     PackedTokens, packed_tokens = _core.PackedTokens, _core.packed_tokens
     unsigned_hashes = _core.unsigned_hashes
+    NativeBatch, native_live = _core.NativeBatch, _core.native_live
     Sequence.register(PackedTokens)

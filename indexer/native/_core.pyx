@@ -1,5 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""kvindex's compiled hot loops: block-key chaining and the memory store's tables.
+"""kvindex's compiled hot loops: block-key chaining, the memory store's tables, and the
+compiled ingest path (live msgpack frames read into flat records, translated and applied
+to the tables in one call: ``native_live``, ``Tables.ingest``).
 
 Built by ``pip install`` (setup.py); ``kvindex.indexer.native`` says whether it loaded, and
 the pure-Python code it replaces stays the reference (tests prove both agree).
@@ -14,7 +16,7 @@ stream's table, its key in the index-wide one), where Python dicts of ints cost 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from libc.stdint cimport int64_t, uint32_t, uint64_t
-from libc.string cimport memcpy, memset
+from libc.string cimport memcmp, memcpy, memset, strlen
 
 cdef extern from *:
     """
@@ -40,6 +42,9 @@ cdef extern from "Python.h":
     object PySequence_Fast(object, const char*)
     Py_ssize_t PySequence_Fast_GET_SIZE(object)
     PyObject** PySequence_Fast_ITEMS(object)
+    PyObject* PyDict_GetItem(object, object)
+    bint PyBytes_CheckExact(object)
+    long long PyLong_AsLongLong(object) except? -1
     char* PyBytes_AS_STRING(object) nogil
     Py_ssize_t PyBytes_GET_SIZE(object) nogil
 
@@ -510,6 +515,9 @@ cdef enum:
     OP_STORE = 0
     OP_STORE_BY_HASH = 1
     OP_REMOVE = 2
+    OP_CLEAR = 3
+    UNKNOWN_REMOVAL = 1
+    UNRESOLVED_STORE = 2
 
 cdef uint64_t LANE_MAX = (1ULL << LANE_BITS) - 1
 cdef uint64_t SHORT_LANE_MAX = (1ULL << SHORT_LANE_BITS) - 1
@@ -563,6 +571,155 @@ cdef inline Py_ssize_t _holder(uint64_t entry) nogil:
     return <Py_ssize_t> ((entry >> NUMBER_SHIFT) & NUMBER_MAX)
 
 
+# --- the compiled ingest path's records ------------------------------------------------
+
+cdef struct Buffer:  # a growable byte array (PyMem_Realloc)
+    char* data
+    Py_ssize_t size
+    Py_ssize_t capacity
+
+cdef struct Ingest:
+    Py_ssize_t applied
+    Py_ssize_t unknown
+    Py_ssize_t unresolved
+    Py_ssize_t stored
+    Py_ssize_t removed
+    Py_ssize_t clears
+    Py_ssize_t other_group
+    Py_ssize_t misaligned
+    Py_ssize_t orphans
+    Py_ssize_t block_size
+
+cdef struct Op:
+    uint64_t engine_hash
+    uint64_t key
+    long kind
+    long tier
+
+
+cdef int _reserve(Buffer* b, Py_ssize_t more) except -1:
+    """Room for ``more`` bytes past ``b.size``."""
+    cdef Py_ssize_t capacity
+    cdef char* data
+    if b.size + more <= b.capacity:
+        return 0
+    capacity = max(2 * b.capacity, b.size + more, 256)
+    data = <char*> PyMem_Realloc(b.data, capacity)
+    if data == NULL:
+        raise MemoryError()
+    b.data = data
+    b.capacity = capacity
+    return 0
+
+cdef inline int _push_op(Buffer* b, long kind, long tier, uint64_t engine_hash,
+                         uint64_t key) except -1:
+    cdef Op* op
+    if b.size + <Py_ssize_t> sizeof(Op) > b.capacity:
+        _reserve(b, sizeof(Op))
+    op = <Op*> (b.data + b.size)
+    op.kind = kind
+    op.tier = tier
+    op.engine_hash = engine_hash
+    op.key = key
+    b.size += sizeof(Op)
+    return 0
+
+cdef inline int _push_word(Buffer* b, uint64_t word) except -1:
+    if b.size + 8 > b.capacity:
+        _reserve(b, 8)
+    (<uint64_t*> (b.data + b.size))[0] = word
+    b.size += 8
+    return 0
+
+cdef uint64_t _orphan_root(uint64_t parent_hash) noexcept:
+    """``kvindex.indexer.ingest.orphan_root``: XXH3-64 of ``b"kvindex/orphan\\x00"`` and the
+    parent's engine hash (8 bytes, big-endian)."""
+    cdef unsigned char buf[23]
+    cdef int j
+    memcpy(buf, b"kvindex/orphan\x00", 15)
+    for j in range(8):
+        buf[15 + j] = (parent_hash >> (8 * (7 - j))) & 0xFF
+    return XXH3_64bits(buf, 23)
+
+
+# --- decoded batches for the compiled ingest path ------------------------------------------
+
+cdef enum:
+    EV_STORE = 1
+    EV_REMOVE = 2
+    EV_CLEAR = 3
+    EV_OTHER_GROUP = 4
+    EV_MISALIGNED = 5
+    HAS_PARENT = 1 << 16
+
+cdef class NativeBatch:
+    """One live batch decoded for the compiled ingest path (``Tables.ingest``): its seq,
+    engine timestamp and rank, and its events as flat records of 64-bit words (engine
+    hashes normalised, tiers folded, a store's token ids packed). Made by
+    :func:`native_live` only for batches whose events all take that path."""
+
+    cdef readonly object seq
+    cdef readonly double ts
+    cdef readonly object rank
+    cdef readonly Py_ssize_t num_events
+    cdef Buffer _words  # the records
+    cdef Buffer _tokens  # every store's token ids, packed
+    cdef Buffer _hashes  # every event's engine hashes, u64
+
+    def __cinit__(self):
+        memset(&self._words, 0, sizeof(Buffer))
+        memset(&self._tokens, 0, sizeof(Buffer))
+        memset(&self._hashes, 0, sizeof(Buffer))
+
+    def __dealloc__(self):
+        PyMem_Free(self._words.data)
+        PyMem_Free(self._tokens.data)
+        PyMem_Free(self._hashes.data)
+
+    @property
+    def num_bad_events(self):
+        """Always 0: a batch with an undecodable event is never made one."""
+        return 0
+
+    def records(self):
+        """The events as read (for tests): ``("store", tier, parent hash or None, block
+        size, token ids, engine hashes)``, ``("remove", tier, engine hashes)``,
+        ``("clear",)``, ``("other_group",)`` (an event of another KV-cache group) and
+        ``("misaligned",)`` (a store whose token ids are not its blocks')."""
+        cdef const uint64_t* w = <const uint64_t*> self._words.data
+        cdef const uint64_t* end = w + self._words.size // 8
+        cdef const unsigned char* t
+        cdef const uint64_t* h
+        cdef uint64_t kind, n, i
+        cdef list out = []
+        while w < end:
+            kind = w[0] & 0xFF
+            if kind == EV_STORE:
+                n = w[4]
+                t = <const unsigned char*> self._tokens.data + w[3]
+                h = (<const uint64_t*> self._hashes.data) + w[5]
+                out.append((
+                    "store", <long> ((w[0] >> 8) & 0xFF), w[1] if w[0] & HAS_PARENT else None,
+                    <Py_ssize_t> w[2], [_le32(t + 4 * i) for i in range(n * w[2])],
+                    tuple([h[i] for i in range(n)]),
+                ))
+                w += 6
+            elif kind == EV_REMOVE:
+                n = w[1]
+                h = (<const uint64_t*> self._hashes.data) + w[2]
+                out.append(("remove", <long> ((w[0] >> 8) & 0xFF), tuple([h[i] for i in range(n)])))
+                w += 3
+            else:
+                out.append(("clear",) if kind == EV_CLEAR else (
+                    ("other_group",) if kind == EV_OTHER_GROUP else ("misaligned",)))
+                w += 1
+        return out
+
+
+cdef inline uint32_t _le32(const unsigned char* b) noexcept nogil:
+    return b[0] | (<uint32_t> b[1] << 8) | (<uint32_t> b[2] << 16) | (<uint32_t> b[3] << 24)
+
+
 cdef class Tables:
     """Every stream's block maps and the block → holders map of one memory index.
 
@@ -582,11 +739,15 @@ cdef class Tables:
     cdef Table _holders
     cdef list _shared
     cdef list _free_shared
+    cdef Buffer _ops  # one batch's ops (the compiled ingest path)
+    cdef Buffer _scratch  # a block's hashed bytes (the same)
 
     def __cinit__(self):
         self._streams = NULL
         self._num_streams = 0
         memset(&self._holders, 0, sizeof(Table))
+        memset(&self._ops, 0, sizeof(Buffer))
+        memset(&self._scratch, 0, sizeof(Buffer))
         self._shared = []
         self._free_shared = []
 
@@ -597,6 +758,8 @@ cdef class Tables:
             _free(&self._streams[n].key_to_counts)
         PyMem_Free(self._streams)
         _free(&self._holders)
+        PyMem_Free(self._ops.data)
+        PyMem_Free(self._scratch.data)
 
     cdef Stream* _stream(self, Py_ssize_t number) except NULL:
         cdef Py_ssize_t grown
@@ -753,49 +916,56 @@ cdef class Tables:
         ``MemoryIndex`` does; returns (unknown removals, unresolved stores)."""
         cdef Stream* s = self._stream(number)
         cdef long kind, tier
-        cdef uint64_t engine_hash, key, previous, counts
-        cdef uint64_t* mapped
         cdef Py_ssize_t unknown = 0, unresolved = 0
+        cdef int done
         cdef tuple op
         for op in ops:
             kind = op[0]
             tier = op[1]
-            engine_hash = op[2]
             if tier < 0 or tier >= NUM_TIERS:
                 raise ValueError(f"tier out of range: {tier}")
-            if kind == OP_REMOVE:
-                if not self._remove(s, number, engine_hash, tier):
-                    unknown += 1
-                continue
-            if kind == OP_STORE:
-                key = op[3]
-                mapped = _value_of(&s.hash_to_key, engine_hash)
-                if mapped == NULL:
-                    _insert(&s.hash_to_key, engine_hash, key)
-                elif mapped[0] != key:
-                    previous = mapped[0]
-                    mapped[0] = key
-                    self._unlink(s, number, previous)  # it does not touch ``hash_to_key``
-                if _value_of(&self._holders, key) == NULL:
-                    # Held by no stream (the common new block): this one holds it alone,
-                    # its one count folded into the entry, as _join would do in 3 probes.
-                    s.blocks_by_tier[tier] += 1
-                    counts = (<uint64_t> 1) << (LANE_BITS * tier)
-                    _insert(&self._holders, key, _folded(number, counts))
-                    continue
-            elif kind == OP_STORE_BY_HASH:
-                if not _get(&s.hash_to_key, engine_hash, &key):
-                    unresolved += 1
-                    continue
-            else:
-                self.reset(number)
-                continue
-            counts = self._counts(s, number, key)
-            if _lane(counts, tier) == 0:
-                s.blocks_by_tier[tier] += 1
-            if _lane(counts, tier) < LANE_MAX:
-                self._set(s, number, key, counts, counts + ((<uint64_t> 1) << (LANE_BITS * tier)))
+            done = self._apply_op(s, number, kind, tier, op[2], op[3] if kind == OP_STORE else 0)
+            if done == UNKNOWN_REMOVAL:
+                unknown += 1
+            elif done == UNRESOLVED_STORE:
+                unresolved += 1
         return unknown, unresolved
+
+    cdef int _apply_op(self, Stream* s, Py_ssize_t number, long kind, long tier,
+                       uint64_t engine_hash, uint64_t key) except -1:
+        """One op (``tier`` in range); returns :data:`UNKNOWN_REMOVAL` for a removal of a
+        block not held, :data:`UNRESOLVED_STORE` for a store by an unknown hash, else 0."""
+        cdef uint64_t previous, counts
+        cdef uint64_t* mapped
+        if kind == OP_REMOVE:
+            return 0 if self._remove(s, number, engine_hash, tier) else UNKNOWN_REMOVAL
+        if kind == OP_STORE:
+            mapped = _value_of(&s.hash_to_key, engine_hash)
+            if mapped == NULL:
+                _insert(&s.hash_to_key, engine_hash, key)
+            elif mapped[0] != key:
+                previous = mapped[0]
+                mapped[0] = key
+                self._unlink(s, number, previous)  # it does not touch ``hash_to_key``
+            if _value_of(&self._holders, key) == NULL:
+                # Held by no stream (the common new block): this one holds it alone,
+                # its one count folded into the entry, as _join would do in 3 probes.
+                s.blocks_by_tier[tier] += 1
+                counts = (<uint64_t> 1) << (LANE_BITS * tier)
+                _insert(&self._holders, key, _folded(number, counts))
+                return 0
+        elif kind == OP_STORE_BY_HASH:
+            if not _get(&s.hash_to_key, engine_hash, &key):
+                return UNRESOLVED_STORE
+        else:
+            self.reset(number)
+            return 0
+        counts = self._counts(s, number, key)
+        if _lane(counts, tier) == 0:
+            s.blocks_by_tier[tier] += 1
+        if _lane(counts, tier) < LANE_MAX:
+            self._set(s, number, key, counts, counts + ((<uint64_t> 1) << (LANE_BITS * tier)))
+        return 0
 
     cdef bint _remove(self, Stream* s, Py_ssize_t number, uint64_t engine_hash, long tier) except -1:
         cdef uint64_t key, counts, held
@@ -897,3 +1067,768 @@ cdef class Tables:
             total += _nbytes(&self._streams[n].hash_to_key)
             total += _nbytes(&self._streams[n].key_to_counts)
         return total
+
+    # the compiled ingest path
+
+    def ingest(self, Py_ssize_t number, list batches, object cache, uint64_t root,
+               object watermark):
+        """Translate and apply :class:`NativeBatch` es of stream ``number`` in order, as
+        ``kvindex.indexer.ingest.Ingestor`` and ``MemoryIndex.apply_many`` do for the same
+        events (the reference the tests hold this to): each batch's ops are made first
+        (a parent is looked up in ``cache``, the ``Ingestor``'s two-generation engine hash
+        → key cache, then in the stream's table as the previous batch left it), then
+        applied unless its seq is at or below ``watermark``. Returns ``(watermark, last
+        applied ts or None, batches applied, unknown removals, unresolved stores, blocks
+        stored, blocks removed, clears, events of another group, misaligned events, orphan
+        stores, the last store's block size or -1)``."""
+        cdef Stream* s = self._stream(number)
+        cdef Ingest counts
+        cdef NativeBatch batch
+        cdef dict young = cache.young, old = cache.old
+        cdef Py_ssize_t half = cache.capacity // 2, i, num_ops
+        cdef object last_ts = None
+        cdef int done
+        cdef Op* op
+        memset(&counts, 0, sizeof(Ingest))
+        counts.block_size = -1
+        try:
+            for batch in batches:
+                self._ops.size = 0
+                self._translate(s, batch, young, old, root, &counts)
+                if len(young) >= half:
+                    old = young
+                    young = {}
+                if batch.seq <= watermark:
+                    continue
+                num_ops = self._ops.size // sizeof(Op)
+                for i in range(num_ops):
+                    op = (<Op*> self._ops.data) + i
+                    done = self._apply_op(s, number, op.kind, op.tier, op.engine_hash, op.key)
+                    if done == UNKNOWN_REMOVAL:
+                        counts.unknown += 1
+                    elif done == UNRESOLVED_STORE:
+                        counts.unresolved += 1
+                watermark = batch.seq
+                last_ts = batch.ts
+                counts.applied += 1
+        finally:
+            cache.young = young
+            cache.old = old
+        return (
+            watermark, last_ts, counts.applied, counts.unknown, counts.unresolved,
+            counts.stored, counts.removed, counts.clears, counts.other_group,
+            counts.misaligned, counts.orphans, counts.block_size,
+        )
+
+    cdef int _translate(self, Stream* s, NativeBatch batch, dict young, dict old,
+                        uint64_t root, Ingest* counts) except -1:
+        """One batch's events → ops in ``self._ops`` (counted into ``counts``)."""
+        cdef const uint64_t* w = <const uint64_t*> batch._words.data
+        cdef const uint64_t* end = w + batch._words.size // 8
+        cdef const uint64_t* hashes = <const uint64_t*> batch._hashes.data
+        cdef uint64_t tag, kind, n, parent, i
+        cdef long tier
+        while w < end:
+            tag = w[0]
+            tier = (tag >> 8) & 0xFF
+            kind = tag & 0xFF
+            if kind == EV_STORE:  # tag, parent, block size, token offset, n, hash offset
+                n = w[4]
+                if tag & HAS_PARENT:
+                    parent = self._parent_key(s, w[1], young, old, counts)
+                else:
+                    parent = root
+                counts.block_size = <Py_ssize_t> w[2]
+                self._store_ops(
+                    young, tier, hashes + w[5], n, parent,
+                    <const unsigned char*> batch._tokens.data + w[3], <Py_ssize_t> w[2],
+                )
+                counts.stored += n
+                w += 6
+            elif kind == EV_REMOVE:  # tag, n, hash offset
+                n = w[1]
+                for i in range(n):
+                    _push_op(&self._ops, OP_REMOVE, tier, hashes[w[2] + i], 0)
+                counts.removed += n
+                w += 3
+            elif kind == EV_CLEAR:
+                _push_op(&self._ops, OP_CLEAR, 0, 0, 0)
+                counts.clears += 1
+                w += 1
+            elif kind == EV_OTHER_GROUP:
+                counts.other_group += 1
+                w += 1
+            else:
+                counts.misaligned += 1
+                w += 1
+        return 0
+
+    cdef uint64_t _parent_key(self, Stream* s, uint64_t parent_hash, dict young, dict old,
+                              Ingest* counts) except? 0:
+        """The key of a store's parent: the cache (young, then old: moved back to young),
+        the stream's table, else an orphan root (counted)."""
+        cdef object h = parent_hash
+        cdef PyObject* found = PyDict_GetItem(young, h)
+        cdef uint64_t key
+        if found != NULL:
+            return <uint64_t> <object> found
+        found = PyDict_GetItem(old, h)
+        if found != NULL:
+            young[h] = <object> found
+            return <uint64_t> <object> found
+        if _get(&s.hash_to_key, parent_hash, &key):
+            young[h] = key
+            return key
+        counts.orphans += 1
+        return _orphan_root(parent_hash)
+
+    cdef int _store_ops(self, dict young, long tier, const uint64_t* hashes, uint64_t n,
+                        uint64_t parent, const unsigned char* tokens,
+                        Py_ssize_t block_size) except -1:
+        """The store ops of one event's blocks, keys chained from ``parent``; each engine
+        hash → key goes to ``young``."""
+        cdef Py_ssize_t stride = block_size * 4
+        cdef uint64_t i
+        cdef int j
+        cdef unsigned char* buf
+        if n == 0:  # nothing to hash (and a block size of 2**31 must not allocate 8 GB)
+            return 0
+        _reserve(&self._scratch, 8 + stride)
+        buf = <unsigned char*> self._scratch.data
+        for i in range(n):
+            for j in range(8):
+                buf[j] = (parent >> (8 * j)) & 0xFF
+            memcpy(buf + 8, tokens + i * stride, stride)
+            parent = XXH3_64bits(buf, 8 + stride)
+            _push_op(&self._ops, OP_STORE, tier, hashes[i], parent)
+            young[hashes[i]] = parent
+        return 0
+
+
+# --- live messages read straight into NativeBatch es --------------------------------------
+# A reader of msgpack that accepts only what the wire module's fast decoders (msgspec)
+# surely decode, and decode to the events read here: anything else makes it decline
+# (REJECT), and the caller decodes the message the general way. Declining is always safe.
+
+cdef enum:
+    REJECT = -1
+    MAX_SKIP_DEPTH = 32
+    NUM_FIELDS = 10
+    F_TYPE = 0
+    F_HASHES = 1
+    F_PARENT = 2
+    F_TOKENS = 3
+    F_BLOCK_SIZE = 4
+    F_LORA_ID = 5
+    F_MEDIUM = 6
+    F_LORA_NAME = 7
+    F_EXTRA_KEYS = 8
+    F_GROUP = 9
+    K_STORED = 1
+    K_REMOVED = 2
+    K_CLEARED = 3
+
+cdef struct Reader:
+    const unsigned char* p
+    Py_ssize_t pos
+    Py_ssize_t size
+
+cdef const char* _FIELD_NAMES[NUM_FIELDS]
+_FIELD_NAMES[:] = [
+    b"type", b"block_hashes", b"parent_block_hash", b"token_ids", b"block_size", b"lora_id",
+    b"medium", b"lora_name", b"extra_keys", b"group_idx",
+]
+cdef Py_ssize_t _FIELD_LENGTHS[NUM_FIELDS]
+for _f in range(NUM_FIELDS):
+    _FIELD_LENGTHS[_f] = strlen(_FIELD_NAMES[_f])
+
+
+cdef inline bint _has(const Reader* r, Py_ssize_t n) noexcept nogil:
+    return n >= 0 and r.pos + n <= r.size
+
+cdef int _container(Reader* r, unsigned char fix_low, unsigned char w16, unsigned char w32,
+                    Py_ssize_t* count) noexcept nogil:
+    """An array (``0x90, 0xDC, 0xDD``) or map (``0x80, 0xDE, 0xDF``) head: its count."""
+    cdef unsigned char head
+    if not _has(r, 1):
+        return REJECT
+    head = r.p[r.pos]
+    if fix_low <= head <= fix_low + 0x0F:
+        count[0] = head & 0x0F
+        r.pos += 1
+        return 0
+    if head == w16 and _has(r, 3):
+        count[0] = <Py_ssize_t> _be(r.p + r.pos + 1, 2)
+        r.pos += 3
+        return 0
+    if head == w32 and _has(r, 5):
+        count[0] = <Py_ssize_t> _be(r.p + r.pos + 1, 4)
+        r.pos += 5
+        return 0
+    return REJECT
+
+cdef inline int _array(Reader* r, Py_ssize_t* count) noexcept nogil:
+    return _container(r, 0x90, 0xDC, 0xDD, count)
+
+cdef inline int _map(Reader* r, Py_ssize_t* count) noexcept nogil:
+    return _container(r, 0x80, 0xDE, 0xDF, count)
+
+cdef int _str(Reader* r, const unsigned char** text, Py_ssize_t* length) noexcept nogil:
+    """A str: where its bytes are and how many."""
+    cdef unsigned char head
+    cdef int width
+    if not _has(r, 1):
+        return REJECT
+    head = r.p[r.pos]
+    if 0xA0 <= head <= 0xBF:
+        length[0] = head & 0x1F
+        width = 0
+    elif head == 0xD9 or head == 0xDA or head == 0xDB:
+        width = 1 if head == 0xD9 else (2 if head == 0xDA else 4)
+        if not _has(r, 1 + width):
+            return REJECT
+        length[0] = <Py_ssize_t> _be(r.p + r.pos + 1, width)
+    else:
+        return REJECT
+    if not _has(r, 1 + width + length[0]):
+        return REJECT
+    text[0] = r.p + r.pos + 1 + width
+    r.pos += 1 + width + length[0]
+    return 0
+
+cdef inline bint _is_nil(Reader* r) noexcept nogil:
+    """Consume a nil if there is one."""
+    if _has(r, 1) and r.p[r.pos] == 0xC0:
+        r.pos += 1
+        return True
+    return False
+
+cdef int _int(Reader* r, uint64_t* bits, bint* negative) noexcept nogil:
+    """A msgpack int of any width: its low 64 bits (two's complement) and its sign."""
+    cdef unsigned char head
+    cdef int width
+    if not _has(r, 1):
+        return REJECT
+    head = r.p[r.pos]
+    if head < 0x80:
+        bits[0] = head
+        negative[0] = False
+        r.pos += 1
+        return 0
+    if head >= 0xE0:
+        bits[0] = <uint64_t> (<int64_t> (<signed char> head))
+        negative[0] = True
+        r.pos += 1
+        return 0
+    if 0xCC <= head <= 0xCF:
+        width = 1 << (head - 0xCC)
+    elif 0xD0 <= head <= 0xD3:
+        width = 1 << (head - 0xD0)
+    else:
+        return REJECT
+    if not _has(r, 1 + width):
+        return REJECT
+    bits[0] = _be(r.p + r.pos + 1, width)
+    negative[0] = False
+    if head >= 0xD0 and bits[0] >> (8 * width - 1):  # a negative signed int: sign-extend
+        negative[0] = True
+        if width < 8:
+            bits[0] |= ~((<uint64_t> 1 << (8 * width)) - 1)
+    r.pos += 1 + width
+    return 0
+
+cdef int _wire_hash_at(Reader* r, uint64_t* out) noexcept nogil:
+    """An engine hash as ``normalize_hash`` makes it: an int masked to 64 bits, or a bin's
+    last 8 bytes big-endian."""
+    cdef unsigned char head
+    cdef Py_ssize_t n
+    cdef int width
+    cdef bint negative
+    if not _has(r, 1):
+        return REJECT
+    head = r.p[r.pos]
+    if head == 0xC4 or head == 0xC5 or head == 0xC6:
+        width = 1 if head == 0xC4 else (2 if head == 0xC5 else 4)
+        if not _has(r, 1 + width):
+            return REJECT
+        n = <Py_ssize_t> _be(r.p + r.pos + 1, width)
+        if not _has(r, 1 + width + n):
+            return REJECT
+        out[0] = _be(r.p + r.pos + 1 + width + max(n - 8, 0), <int> min(n, 8))
+        r.pos += 1 + width + n
+        return 0
+    return _int(r, out, &negative)
+
+cdef int _skip(Reader* r, int depth) noexcept nogil:
+    """Skip one item msgspec surely reads as some Python value (nil, bools, ints, floats,
+    valid UTF-8 str, bin, arrays and maps of those, not too deep); REJECT anything else."""
+    cdef unsigned char head
+    cdef Py_ssize_t n, i, width
+    cdef uint64_t bits
+    cdef bint negative
+    cdef const unsigned char* text
+    if depth > MAX_SKIP_DEPTH or not _has(r, 1):
+        return REJECT
+    head = r.p[r.pos]
+    if head < 0x80 or head >= 0xE0:
+        r.pos += 1
+        return 0
+    if 0xCC <= head <= 0xD3:
+        return _int(r, &bits, &negative)
+    if head == 0xC0 or head == 0xC2 or head == 0xC3:
+        r.pos += 1
+        return 0
+    if head == 0xCA or head == 0xCB:
+        width = 5 if head == 0xCA else 9
+        if not _has(r, width):
+            return REJECT
+        r.pos += width
+        return 0
+    if 0xA0 <= head <= 0xBF or 0xD9 <= head <= 0xDB:
+        if _str(r, &text, &n) < 0 or not _utf8(text, n):
+            return REJECT
+        return 0
+    if head == 0xC4 or head == 0xC5 or head == 0xC6:
+        return _wire_hash_at(r, &bits)
+    if 0x90 <= head <= 0x9F or head == 0xDC or head == 0xDD:
+        if _array(r, &n) < 0 or n > r.size - r.pos:
+            return REJECT
+        for i in range(n):
+            if _skip(r, depth + 1) < 0:
+                return REJECT
+        return 0
+    if 0x80 <= head <= 0x8F or head == 0xDE or head == 0xDF:
+        if _map(r, &n) < 0 or n > r.size - r.pos:
+            return REJECT
+        for i in range(2 * n):
+            if _skip(r, depth + 1) < 0:
+                return REJECT
+        return 0
+    return REJECT  # ext types and the unused head 0xC1
+
+cdef bint _utf8(const unsigned char* s, Py_ssize_t n) noexcept nogil:
+    """Whether ``s`` is valid UTF-8 (no surrogates, no overlong forms)."""
+    cdef Py_ssize_t i = 0, extra, j
+    cdef uint32_t c
+    cdef unsigned char b
+    while i < n:
+        b = s[i]
+        if b < 0x80:
+            i += 1
+            continue
+        if 0xC2 <= b <= 0xDF:
+            extra, c = 1, b & 0x1F
+        elif 0xE0 <= b <= 0xEF:
+            extra, c = 2, b & 0x0F
+        elif 0xF0 <= b <= 0xF4:
+            extra, c = 3, b & 0x07
+        else:
+            return False
+        if i + extra >= n:
+            return False
+        for j in range(1, extra + 1):
+            if s[i + j] & 0xC0 != 0x80:
+                return False
+            c = (c << 6) | (s[i + j] & 0x3F)
+        if (extra == 2 and (c < 0x800 or 0xD800 <= c <= 0xDFFF)) or (
+            extra == 3 and (c < 0x10000 or c > 0x10FFFF)
+        ):
+            return False
+        i += extra + 1
+    return True
+
+cdef int _field_of(const unsigned char* name, Py_ssize_t n) noexcept nogil:
+    """Which of the fields read here a map key names (-1: another one, skipped)."""
+    cdef int f
+    for f in range(NUM_FIELDS):
+        if _FIELD_LENGTHS[f] == n and memcmp(_FIELD_NAMES[f], name, n) == 0:
+            return f
+    return -1
+
+cdef int _kind_of(Reader* r) noexcept nogil:
+    """An event's tag: K_STORED, K_REMOVED, K_CLEARED, or REJECT."""
+    cdef const unsigned char* text
+    cdef Py_ssize_t n
+    if _str(r, &text, &n) < 0:
+        return REJECT
+    if n == 11 and memcmp(text, b"BlockStored", 11) == 0:
+        return K_STORED
+    if n == 12 and memcmp(text, b"BlockRemoved", 12) == 0:
+        return K_REMOVED
+    if n == 16 and memcmp(text, b"AllBlocksCleared", 16) == 0:
+        return K_CLEARED
+    return REJECT
+
+
+cdef enum:
+    MAP_FORM = 1
+    ARRAY_FORM = 2
+
+cdef int[9] _STORED_AT = [F_HASHES, F_PARENT, F_TOKENS, F_BLOCK_SIZE, F_LORA_ID, F_MEDIUM,
+                          F_LORA_NAME, F_EXTRA_KEYS, F_GROUP]
+cdef int[3] _REMOVED_AT = [F_HASHES, F_MEDIUM, F_GROUP]
+
+
+cdef struct Fields:
+    Py_ssize_t at[NUM_FIELDS]  # where each field's value starts (-1: absent)
+    Py_ssize_t hash_at  # block_hashes: where in the batch's hashes (in hashes)
+    Py_ssize_t num_hashes  # -1: not an array of ints and bins
+    Py_ssize_t token_at  # token_ids: where in the batch's tokens (in bytes)
+    Py_ssize_t num_tokens  # -1: not an array of ints in [0, 2**32)
+
+
+cdef int _field_value(NativeBatch batch, Reader* r, int f, Fields* out) except -2:
+    """Read one field's value: the engine hashes and token ids straight into the batch's
+    buffers (one pass), any other value checked and skipped."""
+    cdef Py_ssize_t start = r.pos, n
+    if f < 0:
+        return _skip(r, 0)
+    if out.at[f] >= 0:  # a repeated key: left to msgspec
+        return REJECT
+    out.at[f] = start
+    if f == F_HASHES:
+        n = _hashes_into(&batch._hashes, r)
+        if n >= 0:
+            out.num_hashes = n
+            out.hash_at = batch._hashes.size // 8 - n
+            return 0
+        r.pos = start
+    elif f == F_TOKENS:
+        n = _tokens_into(&batch._tokens, r)
+        if n >= 0:
+            out.num_tokens = n
+            out.token_at = batch._tokens.size - 4 * n
+            return 0
+        r.pos = start
+    return _skip(r, 0)
+
+
+cdef int _fields(NativeBatch batch, Reader* r, int form, Fields* out) except -2:
+    """Read one event's fields; its kind (K_STORED, K_REMOVED, K_CLEARED) or REJECT."""
+    cdef Py_ssize_t n, i, length
+    cdef const unsigned char* name
+    cdef int f, kind
+    cdef Reader tag
+    for f in range(NUM_FIELDS):
+        out.at[f] = -1
+    out.num_hashes = out.num_tokens = -1
+    if form == MAP_FORM:
+        if _map(r, &n) < 0 or n > r.size - r.pos:
+            return REJECT
+        for i in range(n):
+            if _str(r, &name, &length) < 0:
+                return REJECT
+            if _field_value(batch, r, _field_of(name, length), out) < 0:
+                return REJECT
+        if out.at[F_TYPE] < 0:
+            return REJECT
+        tag = r[0]
+        tag.pos = out.at[F_TYPE]
+        return _kind_of(&tag)
+    if _array(r, &n) < 0 or n < 1 or n > r.size - r.pos:
+        return REJECT
+    kind = _kind_of(r)
+    if kind == REJECT or (kind == K_STORED and n < 6) or (kind == K_REMOVED and n < 2):
+        return REJECT
+    for i in range(1, n):
+        f = -1
+        if kind == K_STORED and i <= 9:
+            f = _STORED_AT[i - 1]
+        elif kind == K_REMOVED and i <= 3:
+            f = _REMOVED_AT[i - 1]
+        if _field_value(batch, r, f, out) < 0:
+            return REJECT
+    return kind
+
+
+cdef Py_ssize_t _hashes_into(Buffer* out, Reader* r) except -2:
+    """An array of engine hashes (ints, bins) appended to ``out``: their number, or REJECT
+    (nothing appended)."""
+    cdef Py_ssize_t n, i, start = out.size
+    cdef uint64_t value
+    if _array(r, &n) < 0 or n > r.size - r.pos:
+        return REJECT
+    _reserve(out, 8 * n)
+    for i in range(n):
+        if _wire_hash_at(r, &value) < 0:
+            out.size = start
+            return REJECT
+        (<uint64_t*> (out.data + out.size))[0] = value
+        out.size += 8
+    return n
+
+
+cdef Py_ssize_t _tokens_into(Buffer* out, Reader* r) except -2:
+    """An array of ints in [0, 2**32) appended to ``out`` as little-endian u32: their
+    number, or REJECT (nothing appended)."""
+    cdef Py_ssize_t n, i, start = out.size
+    cdef uint64_t value
+    cdef unsigned char head
+    cdef unsigned char* buf
+    cdef int width
+    if _array(r, &n) < 0 or n > r.size - r.pos:
+        return REJECT
+    _reserve(out, 4 * n)
+    buf = <unsigned char*> out.data + start
+    for i in range(n):
+        head = r.p[r.pos] if r.pos < r.size else 0xC1
+        if head < 0x80:
+            value = head
+            r.pos += 1
+        else:
+            if head == 0xCC or head == 0xD0:
+                width = 1
+            elif head == 0xCD or head == 0xD1:
+                width = 2
+            elif head == 0xCE or head == 0xD2:
+                width = 4
+            elif head == 0xCF or head == 0xD3:
+                width = 8
+            else:
+                return REJECT  # a negative fixint, not an int, or the end
+            if not _has(r, 1 + width):
+                return REJECT
+            value = _be(r.p + r.pos + 1, width)
+            r.pos += 1 + width
+            if (head >= 0xD0 and value >> (8 * width - 1)) or value >> 32:
+                return REJECT  # negative, or past u32
+        buf[4 * i] = value & 0xFF
+        buf[4 * i + 1] = (value >> 8) & 0xFF
+        buf[4 * i + 2] = (value >> 16) & 0xFF
+        buf[4 * i + 3] = (value >> 24) & 0xFF
+    out.size = start + 4 * n
+    return n
+
+
+cdef inline Reader _at(const Reader* r, Py_ssize_t pos) noexcept nogil:
+    cdef Reader sub = r[0]
+    sub.pos = pos
+    return sub
+
+
+cdef int _optional_int(const Reader* r, Py_ssize_t pos, bint* is_zero) noexcept nogil:
+    """A field of type ``int | None`` (absent: None): ``is_zero`` unless a non-zero int."""
+    cdef Reader sub
+    cdef uint64_t bits
+    cdef bint negative
+    is_zero[0] = True
+    if pos < 0:
+        return 0
+    sub = _at(r, pos)
+    if _is_nil(&sub):
+        return 0
+    if _int(&sub, &bits, &negative) < 0:
+        return REJECT
+    is_zero[0] = bits == 0
+    return 0
+
+
+cdef int _medium(const Reader* r, Py_ssize_t pos, long* tier) noexcept nogil:
+    """``medium``: absent, nil or ``"GPU"`` (tier 0), ``"CPU"`` (1); REJECT otherwise."""
+    cdef Reader sub
+    cdef const unsigned char* text
+    cdef Py_ssize_t n
+    tier[0] = 0
+    if pos < 0:
+        return 0
+    sub = _at(r, pos)
+    if _is_nil(&sub):
+        return 0
+    if _str(&sub, &text, &n) < 0 or n != 3:
+        return REJECT
+    if memcmp(text, b"GPU", 3) == 0:
+        return 0
+    if memcmp(text, b"CPU", 3) == 0:
+        tier[0] = 1
+        return 0
+    return REJECT
+
+
+cdef int _no_extras_at(const Reader* r, Py_ssize_t lora_name, Py_ssize_t extra_keys) noexcept nogil:
+    """No LoRA name (absent or nil), extra keys absent, nil, or nil for every block."""
+    cdef Reader sub
+    cdef Py_ssize_t n, i
+    if lora_name >= 0:
+        sub = _at(r, lora_name)
+        if not _is_nil(&sub):
+            return REJECT
+    if extra_keys >= 0:
+        sub = _at(r, extra_keys)
+        if _is_nil(&sub):
+            return 0
+        if _array(&sub, &n) < 0:
+            return REJECT
+        for i in range(n):
+            if not _is_nil(&sub):
+                return REJECT
+    return 0
+
+
+cdef int _read_removed(NativeBatch batch, const Reader* r, const Fields* f) except -2:
+    cdef long tier
+    cdef bint main
+    if f.at[F_HASHES] < 0 or f.num_hashes < 0 or _medium(r, f.at[F_MEDIUM], &tier) < 0:
+        return REJECT
+    if _optional_int(r, f.at[F_GROUP], &main) < 0:
+        return REJECT
+    if not main:
+        _push_word(&batch._words, EV_OTHER_GROUP)
+        return 0
+    _push_word(&batch._words, EV_REMOVE | (<uint64_t> tier << 8))
+    _push_word(&batch._words, <uint64_t> f.num_hashes)
+    _push_word(&batch._words, <uint64_t> f.hash_at)
+    return 0
+
+
+cdef int _block_size(const Reader* r, Py_ssize_t pos, long long* size) noexcept nogil:
+    """``block_size`` (absent: 0), an int in [-2**31, 2**31) here."""
+    cdef Reader sub
+    cdef uint64_t bits
+    cdef bint negative
+    size[0] = 0
+    if pos < 0:
+        return 0
+    sub = _at(r, pos)
+    if _int(&sub, &bits, &negative) < 0:
+        return REJECT
+    if (not negative and bits >= (1ULL << 31)) or (negative and <int64_t> bits < -(1LL << 31)):
+        return REJECT
+    size[0] = <long long> (<int64_t> bits)
+    return 0
+
+
+cdef int _read_stored(NativeBatch batch, const Reader* r, const Fields* f) except -2:
+    """A store's record. Declines (REJECT) what the Python path must take: a LoRA name,
+    extra keys, an uncommon medium, a placeholder, a block size past 2**31, token ids not
+    all ints in [0, 2**32); and anything msgspec might not decode the same way."""
+    cdef long tier
+    cdef bint main, lora_zero
+    cdef long long block_size
+    cdef Py_ssize_t num_tokens = 0, num_hashes = f.num_hashes
+    cdef uint64_t parent = 0, tag
+    cdef Reader sub
+    if f.at[F_HASHES] < 0 or num_hashes < 0 or _medium(r, f.at[F_MEDIUM], &tier) < 0:
+        return REJECT
+    if _optional_int(r, f.at[F_GROUP], &main) < 0:
+        return REJECT
+    if _optional_int(r, f.at[F_LORA_ID], &lora_zero) < 0:
+        return REJECT
+    if _no_extras_at(r, f.at[F_LORA_NAME], f.at[F_EXTRA_KEYS]) < 0:
+        return REJECT
+    if _block_size(r, f.at[F_BLOCK_SIZE], &block_size) < 0:
+        return REJECT
+    tag = EV_STORE | (<uint64_t> tier << 8)
+    if f.at[F_PARENT] >= 0:
+        sub = _at(r, f.at[F_PARENT])
+        if not _is_nil(&sub):
+            if _wire_hash_at(&sub, &parent) < 0:
+                return REJECT
+            tag |= HAS_PARENT
+    if f.at[F_TOKENS] >= 0:
+        num_tokens = f.num_tokens
+        if num_tokens < 0:
+            return REJECT
+    if main and block_size == 0 and num_tokens == 0:
+        return REJECT  # a placeholder: the Python path
+    if not main or block_size <= 0 or num_tokens % block_size or (
+        num_tokens // block_size != num_hashes
+    ):
+        _push_word(&batch._words, EV_MISALIGNED if main else EV_OTHER_GROUP)
+        return 0
+    _push_word(&batch._words, tag)
+    _push_word(&batch._words, parent)
+    _push_word(&batch._words, <uint64_t> block_size)
+    _push_word(&batch._words, <uint64_t> f.token_at if f.at[F_TOKENS] >= 0 else 0)
+    _push_word(&batch._words, <uint64_t> num_hashes)
+    _push_word(&batch._words, <uint64_t> f.hash_at)
+    return 0
+
+
+cdef int _read_event(NativeBatch batch, Reader* r, int form) except -2:
+    cdef Fields f
+    cdef int kind = _fields(batch, r, form, &f)
+    if kind == K_STORED:
+        return _read_stored(batch, r, &f)
+    if kind == K_REMOVED:
+        return _read_removed(batch, r, &f)
+    if kind == K_CLEARED:
+        _push_word(&batch._words, EV_CLEAR)
+        return 0
+    return REJECT
+
+
+cdef int _form(const Reader* r) noexcept nogil:
+    """Whether the next event is a map (vLLM >= 0.24) or an array (<= 0.23)."""
+    cdef unsigned char head
+    if not _has(r, 1):
+        return REJECT
+    head = r.p[r.pos]
+    if 0x80 <= head <= 0x8F or head == 0xDE or head == 0xDF:
+        return MAP_FORM
+    if 0x90 <= head <= 0x9F or head == 0xDC or head == 0xDD:
+        return ARRAY_FORM
+    return REJECT
+
+
+cdef object _read_batch(object seq, const unsigned char* p, Py_ssize_t size):
+    """``[ts, events, data_parallel_rank]`` as a NativeBatch, or None."""
+    cdef Reader r
+    cdef Py_ssize_t n, num_events, i
+    cdef uint64_t bits
+    cdef bint negative
+    cdef int form = 0
+    cdef NativeBatch batch
+    r.p, r.pos, r.size = p, 0, size
+    if _array(&r, &n) < 0 or not (n == 2 or n == 3) or not _has(&r, 9) or p[r.pos] != 0xCB:
+        return None
+    bits = _be(p + r.pos + 1, 8)
+    r.pos += 9
+    if _array(&r, &num_events) < 0 or num_events > size - r.pos:
+        return None
+    batch = NativeBatch.__new__(NativeBatch)
+    batch.seq = seq
+    memcpy(&batch.ts, &bits, 8)
+    batch.num_events = num_events
+    for i in range(num_events):
+        if i == 0:
+            form = _form(&r)
+        elif _form(&r) != form:
+            return None  # maps and arrays mixed: the Python path reads them one by one
+        if form < 0 or _read_event(batch, &r, form) < 0:
+            return None
+    batch.rank = 0
+    if n == 3 and not _is_nil(&r):
+        if _int(&r, &bits, &negative) < 0:
+            return None
+        batch.rank = <int64_t> bits if negative else bits
+    if r.pos != size:
+        return None
+    return batch
+
+
+def native_live(list frames):
+    """A live message ``[topic, seq, payload]`` (bytes frames) read straight into a
+    :class:`NativeBatch`, or None: a frame count, seq or topic that ``decode_live`` would
+    refuse, a payload the wire module's fast decoders might not read the same way, or an
+    event the compiled ingest path does not take (the caller then decodes it the general
+    way, which counts and reports it as ever)."""
+    cdef Py_buffer view
+    cdef const unsigned char* s
+    cdef uint64_t seq
+    if len(frames) != 3:
+        return None
+    topic, seq_frame, payload = frames
+    if type(topic) is not bytes or type(seq_frame) is not bytes or type(payload) is not bytes:
+        return None
+    if PyBytes_GET_SIZE(seq_frame) != 8:
+        return None
+    seq = _be(<const unsigned char*> PyBytes_AS_STRING(seq_frame), 8)
+    if seq == 0xFFFFFFFFFFFFFFFFULL:
+        return None
+    try:
+        (<bytes> topic).decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return _read_batch(
+        seq, <const unsigned char*> PyBytes_AS_STRING(payload), PyBytes_GET_SIZE(payload)
+    )

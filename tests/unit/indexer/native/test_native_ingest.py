@@ -1,0 +1,430 @@
+"""The compiled ingest path (live batches decoded to ``native.NativeBatch`` and applied by
+``native.Tables.ingest``) against the Python path it stands in for.
+
+Two pipelines over compiled memory indexes get the same live messages, one with
+``native_ingest`` (the default) and one without: every report they hand the registry
+(counters, block size, last seq and timestamp) and everything the two indexes hold
+(stats, engine hash → key, best tier of every key) must be the same. Inputs: the captured
+vLLM frames (``tests/fixtures``), hypothesis-fuzzed frames (valid and corrupt, with gaps,
+duplicates and seqs going back), and random chains of stores, removals and clears over a
+small hash pool with a key cache small enough that parents are looked up in the index
+and come back as orphans.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from unittest.mock import patch
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvindex.indexer import native
+from kvindex.indexer.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    StreamId,
+    Tier,
+)
+from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.health import StreamReport
+from kvindex.indexer.index.memory import MemoryIndex
+from kvindex.indexer.ingest import Ingestor
+from kvindex.indexer.pipeline import Pipeline
+from kvindex.indexer.settings import IndexerSettings
+from kvindex.indexer.wire import (
+    decode_live,
+    decode_live_native,
+    encode_batch,
+    encode_live,
+    encode_seq,
+)
+from tests.support.frame_fuzz import Message, messages
+
+FIXTURES = Path(__file__).resolve().parents[3] / "fixtures"
+FAST = settings(
+    max_examples=100,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+MODEL = "m"
+POOL = 10
+"""Engine hashes of the random chains: few, so stores chain, remove and overwrite."""
+
+
+@dataclass
+class Rig:
+    pipeline: Pipeline
+    index: MemoryIndex
+    reports: list[dict[str, object]]
+    stream: StreamId
+
+    @classmethod
+    def of(cls, replica: str, *, native_ingest: bool, cache_size: int = 65_536) -> Rig:
+        spec = ReplicaSpec(replica, MODEL)
+        registry = Registry((spec,))
+        index = MemoryIndex()
+        settings = IndexerSettings(replicas=(spec,), key_cache_size=cache_size)
+        pipeline = Pipeline(settings, index, registry, native_ingest=native_ingest)
+        stream = StreamId(replica)
+        pipeline.track(stream, spec)
+        reports: list[dict[str, object]] = []
+        record = registry.record
+
+        def recorded(stream: StreamId, report: StreamReport) -> None:
+            # NaN (a payload's ts may be one) never equals itself: compared by its repr.
+            fields = dataclasses.asdict(report)
+            reports.append({k: _nan_safe(v) for k, v in fields.items()})
+            record(stream, report)
+
+        registry.record = recorded  # type: ignore[method-assign]
+        return cls(pipeline, index, reports, stream)
+
+    def blocks(self, hashes: list[int]) -> tuple[object, ...]:
+        stats = self.index.stats(self.stream)
+        keys = self.index.resolve(self.stream, hashes)
+        held = [k for k in keys if k is not None]
+        tiers = [self.index.longest_prefix([k], [self.stream])[self.stream].tiers for k in held]
+        return stats.watermark, repr(stats.last_event_ts), stats.blocks_by_tier, keys, tiers
+
+
+def _nan_safe(value: object) -> object:
+    return repr(value) if isinstance(value, float) and math.isnan(value) else value
+
+
+@contextmanager
+def native_runs() -> Iterator[list[int]]:
+    """Counts the batches the compiled path applied (to check a test reached it)."""
+    counted: list[int] = []
+    real = Ingestor._native_run
+
+    def run(
+        self: Ingestor, stream: StreamId, model: str, batches: list[Any], report: StreamReport
+    ) -> None:
+        counted.append(len(batches))
+        real(self, stream, model, batches, report)
+
+    with patch.object(Ingestor, "_native_run", run):
+        yield counted
+
+
+def feed_both(
+    deliveries: list[list[list[bytes]]], hashes: list[int], *, cache_size: int = 65_536
+) -> int:
+    """The deliveries (each one ``handle_frames`` call) through both pipelines; asserts
+    they agree; returns how many batches took the compiled path."""
+    fast = Rig.of("r1", native_ingest=True, cache_size=cache_size)
+    slow = Rig.of("r1", native_ingest=False, cache_size=cache_size)
+    with native_runs() as counted:
+        for messages_ in deliveries:
+            fast.pipeline.handle_frames(messages_, fast.stream)
+    num_native = sum(counted)
+    with native_runs() as counted:
+        for messages_ in deliveries:
+            slow.pipeline.handle_frames(messages_, slow.stream)
+    assert not counted, "the Python pipeline took the compiled path"
+    assert fast.reports == slow.reports
+    assert fast.pipeline.counters == slow.pipeline.counters
+    assert fast.blocks(hashes) == slow.blocks(hashes)
+    return num_native
+
+
+def test_the_install_built_the_compiled_ingest_path() -> None:
+    assert native.NativeBatch is not None
+    assert MemoryIndex().native_ingest
+    assert not MemoryIndex(compiled=False).native_ingest
+    assert Ingestor(MemoryIndex()).native and not Ingestor(MemoryIndex(compiled=False)).native
+
+
+# --- the captured frames ------------------------------------------------------------------
+
+
+def _captured(name: str) -> list[list[bytes]]:
+    vectors = json.loads((FIXTURES / name).read_text())["vectors"]
+    return [
+        [base64.b64decode(f) for f in v["frames_b64"]] for v in vectors if v["channel"] == "pub"
+    ]
+
+
+def _captured_hashes(frames: list[list[bytes]]) -> list[int]:
+    found: set[int] = set()
+    for message in frames:
+        for event in decode_live(message).batch.events:
+            if isinstance(event, BlockStored | BlockRemoved):
+                found.update(event.block_hashes)
+    return sorted(found)
+
+
+@pytest.mark.parametrize("name", ["vllm-0.33.0-kv-events.json", "vllm-0.23.0-kv-events.json"])
+@pytest.mark.parametrize("drain", [1, 3, 100])
+def test_captured_frames_give_the_same_index_and_reports(name: str, drain: int) -> None:
+    frames = _captured(name)
+    deliveries = [frames[i : i + drain] for i in range(0, len(frames), drain)]
+    num_native = feed_both(deliveries, _captured_hashes(frames))
+    assert num_native > 0  # plain stores, removals and the clear take it
+
+
+def test_a_store_of_no_blocks_counts_as_in_python() -> None:
+    """No engine hash, no token id, any block size (up to 2**31 here): an aligned store of
+    nothing, whose parent is still looked up (an orphan when unknown)."""
+    events: list[Event] = [BlockStored((), 7, [], 2**31 - 1, Tier.GPU)]
+    frames = [
+        encode_live(b"kv@r1@m", seq, encode_batch(events, ts=1.0, rank=0, encoding="map"))
+        for seq in range(3)
+    ]
+    assert feed_both([frames], [7]) == 2  # the first batch makes the stream live
+
+
+def test_uncommon_events_take_the_python_path() -> None:
+    """A LoRA store, extra keys, a placeholder, an uncommon medium: no NativeBatch."""
+    store = BlockStored((1,), None, [1, 2], 2, Tier.GPU)
+    uncommon: list[Event] = [
+        msgspec.structs.replace(store, lora_name="sql-lora"),
+        msgspec.structs.replace(store, extra_keys=(("tenant",),)),
+        BlockStored((1,), None, (), 0, Tier.CPU),
+        BlockRemoved((1,), Tier.OTHER),
+    ]
+    for event in uncommon:
+        for encoding in ("map", "array"):
+            payload = encode_batch([event], ts=1.0, rank=0, encoding=encoding)
+            assert decode_live_native(encode_live(b"t", 0, payload)) is None
+    common = encode_batch([store, AllBlocksCleared()], ts=1.0, rank=0, encoding="map")
+    batch = decode_live_native(encode_live(b"t", 7, common))
+    assert batch is not None and (batch.seq, batch.ts, batch.num_events) == (7, 1.0, 2)
+    assert decode_live_native([b"\xff", encode_seq(7), common]) is None  # topic not UTF-8
+    assert decode_live_native([b"t", b"\xff" * 8, common]) is None  # the end marker's seq
+
+
+def _records(frames: list[bytes]) -> tuple[object, ...]:
+    """What the Python path reads of a message, in ``NativeBatch.records`` form."""
+    batch = decode_live(frames).batch
+    assert batch.num_bad_events == 0
+    records: list[tuple[object, ...]] = []
+    for event in batch.events:
+        if isinstance(event, AllBlocksCleared):
+            records.append(("clear",))
+        elif event.group_idx not in (None, 0):
+            records.append(("other_group",))
+        elif isinstance(event, BlockRemoved):
+            records.append(("remove", int(event.tier), tuple(event.block_hashes)))
+        else:
+            assert event.lora_name is None and not event.is_placeholder
+            assert event.extra_keys is None or all(k is None for k in event.extra_keys)
+            size, hashes = event.block_size, tuple(event.block_hashes)
+            if size <= 0 or len(event.token_ids) != len(hashes) * size:
+                records.append(("misaligned",))
+            else:
+                tokens = list(event.token_ids)
+                records.append(("store", int(event.tier), event.parent_hash, size, tokens, hashes))
+    return batch.seq, repr(batch.ts), batch.rank, records
+
+
+def _same_reading(frames: list[bytes]) -> bool:
+    """Whether the compiled reader took the message; if it did, it read what the Python
+    path reads (so the message can only go the compiled way when both agree)."""
+    batch = decode_live_native(frames)
+    if batch is None:
+        return False
+    assert (batch.seq, repr(batch.ts), batch.rank, batch.records()) == _records(frames)
+    return True
+
+
+@pytest.mark.parametrize("name", ["vllm-0.33.0-kv-events.json", "vllm-0.23.0-kv-events.json"])
+def test_captured_frames_are_read_as_the_python_path_reads_them(name: str) -> None:
+    taken = [_same_reading(frames) for frames in _captured(name)]
+    # Rank 0's seq0 (extra keys all nil), seq4 (removals), seq5 (the clear), seq6 (bin
+    # hashes) and rank 1's three; rank 0's seq1-3 carry a cache salt, a LoRA store, a CPU
+    # placeholder: the Python path.
+    assert taken == [True, False, False, False, True, True, True, True, True, True]
+
+
+# --- fuzzed frames ------------------------------------------------------------------------
+
+
+@st.composite
+def _deliveries(draw: st.DrawFn) -> list[list[list[bytes]]]:
+    """Fuzzed messages (valid and corrupt), some with their seq moved back or repeated,
+    cut into drains of random sizes."""
+    found: list[Message] = draw(messages())
+    frames = []
+    for item in found:
+        message = list(item.frames)
+        if len(message) == 3 and len(message[1]) == 8 and draw(st.integers(0, 5)) == 0:
+            seq = int.from_bytes(message[1], "big")
+            message[1] = encode_seq(max(0, seq - draw(st.integers(0, 3))))
+        frames.append(message)
+    cuts: list[list[list[bytes]]] = []
+    while frames:
+        size = draw(st.integers(1, 5))
+        cuts.append(frames[:size])
+        frames = frames[size:]
+    return cuts
+
+
+_FUZZ_HASHES = [*range(12), *range((1 << 64) - 12, 1 << 64)]
+"""Every engine hash ``frame_fuzz`` draws."""
+
+
+@FAST
+@given(deliveries=_deliveries())
+def test_fuzzed_frames_give_the_same_index_and_reports(
+    deliveries: list[list[list[bytes]]],
+) -> None:
+    feed_both(deliveries, _FUZZ_HASHES)
+
+
+@FAST
+@given(deliveries=_deliveries())
+def test_fuzzed_frames_are_read_as_the_python_path_reads_them(
+    deliveries: list[list[list[bytes]]],
+) -> None:
+    for messages_ in deliveries:
+        for frames in messages_:
+            _same_reading(frames)
+
+
+# --- random msgpack shaped like events -------------------------------------------------------
+
+_any = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=4)
+    | st.binary(max_size=10),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner),
+    max_leaves=6,
+)
+_int = st.integers(-(2**63), 2**64 - 1) | st.sampled_from([0, 1, 4, 2**31, -1])
+_wire_hash = st.integers(-(2**63), 2**64 - 1) | st.binary(max_size=33)
+_PLAUSIBLE: dict[str, st.SearchStrategy[object]] = {
+    "block_hashes": st.lists(_wire_hash, max_size=3),
+    "parent_block_hash": st.none() | _wire_hash,
+    "token_ids": st.lists(st.integers(0, 9), max_size=6)
+    | st.lists(st.integers(0, 9) | st.integers(-1, 2**32), max_size=9),
+    "block_size": st.sampled_from([0, 1, 1, 2, 2, 3, -2, 2**31, 2**63]) | _int,
+    "lora_id": st.none() | _int,
+    "medium": st.sampled_from([None, "GPU", "GPU", "CPU", "CPU", None, "cpu", "DISK", b"GPU"]),
+    "lora_name": st.sampled_from([None] * 8 + ["x"]),
+    "extra_keys": st.none() | st.lists(st.sampled_from([None] * 8 + [["salt"]]), max_size=3),
+    "group_idx": st.sampled_from([None, None, 0, 0, 1, -1, "0"]),
+}
+_TAGS = st.sampled_from(["BlockStored"] * 9 + ["BlockRemoved"] * 6 + ["AllBlocksCleared", "X", 5])
+
+
+@st.composite
+def _event_value(draw: st.DrawFn, name: str) -> object:
+    return draw(_PLAUSIBLE[name] if draw(st.integers(0, 29)) else _any)
+
+
+@st.composite
+def _map_event(draw: st.DrawFn) -> dict[object, object]:
+    names = draw(st.lists(st.sampled_from(sorted(_PLAUSIBLE)), unique=True))
+    if "block_hashes" not in names and draw(st.integers(0, 9)):
+        names.append("block_hashes")
+    fields: list[tuple[object, object]] = [(n, draw(_event_value(n))) for n in names]
+    if draw(st.integers(0, 9)):
+        fields.append(("type", draw(_TAGS)))
+    if not draw(st.integers(0, 4)):
+        fields += draw(st.lists(st.tuples(st.sampled_from(["locality", "x", "type"]), _any)))
+    return dict(draw(st.permutations(fields)))
+
+
+@st.composite
+def _array_event(draw: st.DrawFn) -> list[object]:
+    names = list(_PLAUSIBLE) if draw(st.booleans()) else ["block_hashes", "medium", "group_idx"]
+    values = [draw(_event_value(n)) for n in names[: draw(st.integers(0, len(names)))]]
+    trailing = draw(st.lists(_any, max_size=2)) if not draw(st.integers(0, 4)) else []
+    return [draw(_TAGS), *values, *trailing]
+
+
+@st.composite
+def _shaped_payload(draw: st.DrawFn) -> bytes:
+    event = _map_event() if draw(st.booleans()) else _array_event()
+    mixed = draw(st.integers(0, 9)) == 0
+    events = draw(st.lists(event | _map_event() if mixed else event, max_size=4))
+    batch: list[object] = [draw(st.floats()) if draw(st.integers(0, 9)) else draw(_any), events]
+    rank = draw(st.integers(0, 9))
+    if rank < 8:
+        batch.append(draw(st.none() | _int))
+    elif rank == 8:
+        batch += draw(st.lists(_any, max_size=2))
+    return msgspec.msgpack.encode(batch)
+
+
+@settings(FAST, max_examples=400)
+@given(payload=_shaped_payload())
+def test_payloads_shaped_like_events_are_read_as_the_python_path_reads_them(
+    payload: bytes,
+) -> None:
+    """The compiled reader declines or agrees, whatever the fields, their order and types."""
+    _same_reading([b"kv@r1@m", encode_seq(3), payload])
+
+
+# --- random chains --------------------------------------------------------------------------
+
+_hash = st.integers(0, POOL - 1)
+
+
+def _with_tokens(event: BlockStored) -> BlockStored:
+    """Two token ids a block, a function of its engine hash (so chains repeat)."""
+    tokens = [h % 3 for h in event.block_hashes for _ in (0, 1)]
+    return msgspec.structs.replace(event, token_ids=tokens)
+
+
+_stored = st.builds(
+    BlockStored,
+    st.lists(_hash, min_size=0, max_size=4).map(tuple),
+    st.one_of(st.none(), _hash),
+    st.just(()),
+    st.just(2),
+    st.sampled_from([Tier.GPU, Tier.GPU, Tier.CPU]),
+    group_idx=st.sampled_from([None, None, None, 0, 1]),
+).map(_with_tokens)
+_event: st.SearchStrategy[Event] = st.one_of(
+    _stored,
+    _stored,
+    st.builds(
+        BlockRemoved,
+        st.lists(_hash, max_size=3).map(tuple),
+        st.sampled_from([Tier.GPU, Tier.CPU]),
+        st.sampled_from([None, None, 0, 1]),
+    ),
+    st.just(AllBlocksCleared()),
+)
+
+
+@FAST
+@given(
+    batches=st.lists(st.lists(_event, max_size=5), max_size=14),
+    steps=st.lists(st.sampled_from([1, 1, 1, 1, 0, 2]), min_size=14, max_size=14),
+    drain=st.integers(1, 6),
+    cache_size=st.sampled_from([0, 2, 4, 65_536]),
+    encoding=st.sampled_from(["map", "array"]),
+)
+def test_random_chains_give_the_same_index_and_reports(
+    batches: list[list[Event]], steps: list[int], drain: int, cache_size: int, encoding: str
+) -> None:
+    frames = []
+    seq = -1
+    for events, step in zip(batches, steps, strict=False):
+        seq += step
+        payload = encode_batch(events, ts=float(seq), rank=0, encoding=encoding)  # type: ignore[arg-type]
+        frames.append(encode_live(b"kv@r1@m", max(seq, 0), payload))
+    assert all(_same_reading(f) for f in frames)  # only common events here
+    deliveries = [frames[i : i + drain] for i in range(0, len(frames), drain)]
+    feed_both(deliveries, list(range(POOL)), cache_size=cache_size)
