@@ -1,22 +1,23 @@
 """Every Redis key kvindex uses, in one place. Tests import these names too.
 
-Layout (``<p>`` = configurable prefix, ``<v>`` = :data:`SCHEMA_VERSION`)::
+Layout (``<p>`` = configurable prefix, ``<v>`` = :data:`SCHEMA_VERSION`, ``<iv>`` =
+:data:`INDEX_VERSION`: the block index's keys carry a layout version of their own)::
 
-    <p>:<v>:streams                 SET   every stream ("replica/rank") with state
-    <p>:<v>:{ix<g>}:holders         HASH  a group's blocks: block field (low 6 bytes of the
+    <p>:<iv>:streams                SET   every stream ("replica/rank") with state
+    <p>:<iv>:{ix<g>}:holders         HASH  a group's blocks: block field (low 6 bytes of the
                                           block key) → the group's holders of that block,
                                           packed records (below)
-    <p>:<v>:{ix<g>}:members         HASH  "replica/rank" → its number in group <g>; #gen
+    <p>:<iv>:{ix<g>}:members         HASH  "replica/rank" → its number in group <g>; #gen
                                           (bumped when a number is given or freed), #next,
                                           #free (freed numbers, 2 bytes each), #groups
-    <p>:<v>:{ix<g>}:<replica>/<rank>:hash  HASH  engine hash (8 bytes) → block key (8 bytes)
-    <p>:<v>:{ix<g>}:<replica>/<rank>:lost  SET  block keys the stream may hold that no engine
+    <p>:<iv>:{ix<g>}:<replica>/<rank>:hash HASH  engine hash (8 bytes) → block key (8 bytes)
+    <p>:<iv>:{ix<g>}:<replica>/<rank>:lost SET  block keys the stream may hold that no engine
                                           hash maps to any more (an engine hash stored again
                                           with another key): what a clear must also visit
-    <p>:<v>:{ix<g>}:<replica>/<rank>:meta  HASH  wm (watermark), ts, n0/n1/n2 (blocks per
+    <p>:<iv>:{ix<g>}:<replica>/<rank>:meta HASH  wm (watermark), ts, n0/n1/n2 (blocks per
                                           tier), owner (sharded indexers: the lease token of
                                           the indexer that owns the stream: the batch fence)
-    <p>:<v>:index                   STRING the index's identity: a random token set (if absent)
+    <p>:<iv>:index                  STRING the index's identity: a random token set (if absent)
                                           by the first indexer to open the store; gone
                                           means the data was lost (``RedisIndex.intact``)
     <p>:<v>:load                    HASH  replica id → its latest load (msgspec JSON, ``Load``);
@@ -68,9 +69,10 @@ A false match then needs two blocks of one group whose keys share their low 48 b
 engine-hash map keeps whole 8-byte keys, because chaining a child block needs its parent's
 full key.
 
-Schema versions: v2 (stream groups) replaced v1 (one block hash per stream). The version is
-in every key, so two versions never share a key; an index opened on a Redis that holds v1
-index data raises :class:`SchemaVersionError` (``RedisIndex.check_schema``) rather than
+Index versions: v2 (stream groups) replaced v1 (one block hash per stream); the rest of
+the layout is unchanged (still :data:`SCHEMA_VERSION` v1). The version is in every index
+key, so two versions never share a key; an index opened on a Redis that holds v1 index
+data raises :class:`SchemaVersionError` (``RedisIndex.check_schema``) rather than
 start empty beside it, and a group whose ``#groups`` differs from the process's
 ``index_groups`` raises it too.
 
@@ -99,9 +101,12 @@ from dataclasses import dataclass
 from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.events import StreamId
 
-SCHEMA_VERSION = "v2"
-OLD_SCHEMA_VERSIONS = ("v1",)
-"""Versions whose index data :meth:`RedisIndex.check_schema` refuses to start beside."""
+SCHEMA_VERSION = "v1"
+"""The version of every key but the block index's."""
+INDEX_VERSION = "v2"
+"""The version of the block index's keys (its streams SET, marker, groups and streams)."""
+OLD_INDEX_VERSIONS = ("v1",)
+"""Index versions whose data :meth:`RedisIndex.check_schema` refuses to start beside."""
 DEFAULT_INDEX_GROUPS = 16
 """Stream groups of the index. A lookup sends one script per group, so fewer is cheaper on
 one Redis; on a cluster the groups are what spreads the index over the masters (16 slots
@@ -169,13 +174,18 @@ class Schema:
         return f"{self.prefix}:{SCHEMA_VERSION}"
 
     @property
+    def index_root(self) -> str:
+        """The block index's keys' root (its own version, :data:`INDEX_VERSION`)."""
+        return f"{self.prefix}:{INDEX_VERSION}"
+
+    @property
     def streams(self) -> str:
-        return f"{self.root}:streams"
+        return f"{self.index_root}:streams"
 
     @property
     def index_marker(self) -> str:
         """The STRING whose token identifies the index's data; absent or changed: lost."""
-        return f"{self.root}:index"
+        return f"{self.index_root}:index"
 
     @property
     def load(self) -> str:
@@ -227,7 +237,7 @@ class Schema:
 
     def old_index_keys(self) -> list[str]:
         """Keys an index of an older schema version leaves (its streams SET and marker)."""
-        old = [f"{self.prefix}:{v}" for v in OLD_SCHEMA_VERSIONS]
+        old = [f"{self.prefix}:{v}" for v in OLD_INDEX_VERSIONS]
         return [name for root in old for name in (f"{root}:streams", f"{root}:index")]
 
     def group_of(self, stream: StreamId) -> int:
@@ -236,12 +246,12 @@ class Schema:
 
     def group(self, group: int) -> tuple[str, str]:
         """(holders, members) of one group."""
-        tag = f"{self.root}:{{ix{group}}}"
+        tag = f"{self.index_root}:{{ix{group}}}"
         return f"{tag}:holders", f"{tag}:members"
 
     def stream(self, stream: StreamId) -> StreamKeys:
         holders, members = self.group(self.group_of(stream))
-        own = f"{self.root}:{{ix{self.group_of(stream)}}}:{stream}"
+        own = f"{self.index_root}:{{ix{self.group_of(stream)}}}:{stream}"
         return StreamKeys(f"{own}:meta", f"{own}:hash", f"{own}:lost", holders, members)
 
 

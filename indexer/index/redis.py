@@ -1,6 +1,6 @@
 """The Redis :class:`~kvindex.indexer.index.protocol.BlockIndex`: the shared, production store.
 
-Layout (schema v2, ``redis_schema``): streams are put in a fixed number of groups by a hash
+Layout (index version v2, ``redis_schema``): streams are put in a fixed number of groups by a hash
 of their name (16 by default); each group keeps one hash, block → the packed records of its
 holders in the group (a stream's number there and its counts per tier, 2 bytes in the
 common case), and each stream keeps its engine-hash map and meta. Every key of a stream and
@@ -84,11 +84,11 @@ from kvindex.indexer.redis_connection import (
     connect,
 )
 from kvindex.indexer.redis_schema import (
+    INDEX_VERSION,
     META_OWNER,
     META_TIER_PREFIX,
     META_TS,
     META_WATERMARK,
-    SCHEMA_VERSION,
     Schema,
     SchemaVersionError,
     check_name,
@@ -136,14 +136,16 @@ def holder_tiers(value: bytes) -> dict[int, int]:
     1 CPU, 2 other). Cached: a prompt's values repeat from lookup to lookup. The dict is
     shared: callers only read it."""
     out: dict[int, int] = {}
-    i, end = 0, len(value) - 1
-    while i < end:
+    i, size = 0, len(value)
+    while i + 2 <= size:  # a torn record at the end (never written) is ignored
         head = value[i] << 8 | value[i + 1]
         form = head & 3
         if form != _LONG_FORM:
             out[head >> 2] = form
             i += 2
             continue
+        if i + 8 > size:
+            break
         gpu, cpu, _ = _COUNTS.unpack_from(value, i + 2)
         out[head >> 2] = 0 if gpu else 1 if cpu else 2
         i += 8
@@ -446,7 +448,7 @@ class RedisIndex:
         if found:
             raise SchemaVersionError(
                 f"redis holds kvindex index data of an older schema ({', '.join(found)});"
-                f" this version uses {SCHEMA_VERSION} keys and does not read it: delete the"
+                f" this version uses {INDEX_VERSION} keys and does not read it: delete the"
                 f" old keys ({self._schema.prefix}:v1:*), and the indexers refill the index"
                 " from the replicas' replay, or keep running the older kvindex"
             )

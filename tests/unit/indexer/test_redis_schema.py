@@ -11,6 +11,7 @@ from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.events import StreamId
 from kvindex.indexer.redis_schema import (
     DEFAULT_PREFIX,
+    INDEX_VERSION,
     META_TIER_PREFIX,
     META_TS,
     META_WATERMARK,
@@ -24,15 +25,17 @@ from kvindex.indexer.redis_schema import (
 
 
 def test_version_and_default_prefix() -> None:
-    assert SCHEMA_VERSION == "v2"
+    assert (SCHEMA_VERSION, INDEX_VERSION) == ("v1", "v2")
     assert DEFAULT_PREFIX == "kvindex"
     assert Schema() == Schema(DEFAULT_PREFIX)
 
 
 def test_root_and_streams_set_names() -> None:
-    assert Schema().root == "kvindex:v2"
+    assert Schema().root == "kvindex:v1"
+    assert Schema().index_root == "kvindex:v2"
     assert Schema().streams == "kvindex:v2:streams"
     assert Schema("fleet-a").streams == "fleet-a:v2:streams"
+    assert Schema().index_marker == "kvindex:v2:index"
 
 
 def test_stream_key_names() -> None:
@@ -129,8 +132,8 @@ def test_schema_is_frozen() -> None:
 
 def test_the_in_flight_keys_share_one_hash_slot() -> None:
     schema = Schema("p")
-    assert (schema.in_flight, schema.leases) == ("p:v2:{inflight}:totals", "p:v2:{inflight}:leases")
-    assert schema.lease("123-ab") == "p:v2:{inflight}:lease:123-ab"
+    assert (schema.in_flight, schema.leases) == ("p:v1:{inflight}:totals", "p:v1:{inflight}:leases")
+    assert schema.lease("123-ab") == "p:v1:{inflight}:lease:123-ab"
     slots = {key_slot(k.encode()) for k in (schema.in_flight, schema.leases, schema.lease("h"))}
     assert len(slots) == 1
     assert tokens_field("r1") == "r1/tokens"

@@ -27,7 +27,7 @@ from kvindex.indexer.index.protocol import (
     PrefixMatch,
     StreamStats,
 )
-from kvindex.indexer.index.redis import RedisIndex
+from kvindex.indexer.index.redis import RedisIndex, group_matches, holder_tiers
 from kvindex.indexer.redis_connection import RedisClient, connect, connect_bounded
 from kvindex.indexer.redis_schema import (
     DEFAULT_PREFIX,
@@ -36,6 +36,7 @@ from kvindex.indexer.redis_schema import (
     META_WATERMARK,
     Schema,
     SchemaError,
+    SchemaVersionError,
 )
 from tests.support.redis_cluster import ClusterNodes
 from tests.support.redis_server import RedisServer, free_port, running_redis
@@ -148,7 +149,7 @@ def test_default_prefix(redis_client: redis.Redis) -> None:
     RedisIndex(redis_client).apply(S, 0, 1.0, [store(1, 101)])
     names = {k.decode() for k in redis_client.scan_iter()}
     assert names == {Schema().streams, *(n.decode() for n in stream_keys(S, Schema()))}
-    assert all(name.startswith(f"{DEFAULT_PREFIX}:v2:") for name in names)
+    assert all(name.startswith(f"{DEFAULT_PREFIX}:v2:") for name in names)  # the index's own
 
 
 def test_holders_of_one_block_share_its_field_in_number_order(
@@ -539,3 +540,117 @@ def test_a_cluster_node_used_as_standalone_is_unavailable_with_the_fix_named(
     with pytest.raises(IndexUnavailableError, match='set redis_cluster = "on"'):
         index.apply(S, 1, 1.0, [store(1, 101)])
     index.close()
+
+
+# --- schema v2: versions, group counts, the groups' numbering -------------------------------
+
+
+@pytest.mark.parametrize("left", ["test:v1:streams", "test:v1:index"])
+def test_an_index_opened_on_v1_data_refuses_with_the_fix_named(
+    index: RedisIndex, redis_client: redis.Redis, left: str
+) -> None:
+    redis_client.set(left, "x") if left.endswith("index") else redis_client.sadd(left, "r1/0")
+    with pytest.raises(SchemaVersionError, match=r"older schema .*test:v1:\*"):
+        index.intact()
+    assert not any(k.startswith(b"test:v2") for k in redis_client.scan_iter())
+    redis_client.delete(left)
+    assert index.intact()
+
+
+def test_processes_with_another_group_count_are_refused(redis_client: redis.Redis) -> None:
+    index = RedisIndex(redis_client, SCHEMA)
+    index.apply(S, 0, 1.0, [store(1, 101)])
+    other = RedisIndex(redis_client, Schema("test", index_groups=1))
+    # the one group of a 1-group process is group 0, which a 16-group writer also uses
+    writer = next(s for s in (StreamId(f"w{i}") for i in range(100)) if SCHEMA.group_of(s) == 0)
+    index.apply(writer, 0, 1.0, [store(1, 101)])
+    with pytest.raises(SchemaVersionError, match="16 stream groups"):
+        other.apply(StreamId("elsewhere"), 0, 1.0, [store(1, 101)])
+    with pytest.raises(SchemaVersionError, match="16 stream groups"):
+        other.longest_prefix([101], [writer])
+    assert index.longest_prefix([101], [S, writer]) == {
+        S: PrefixMatch((Tier.GPU,)),
+        writer: PrefixMatch((Tier.GPU,)),
+    }
+
+
+def _same_group(n: int) -> list[StreamId]:
+    found = (s for s in (StreamId(f"n{i}") for i in range(1_000)) if SCHEMA.group_of(s) == 3)
+    return [next(found) for _ in range(n)]
+
+
+def test_a_number_freed_by_a_drop_and_reused_is_read_with_its_new_stream(
+    redis_client: redis.Redis,
+) -> None:
+    writer, reader = RedisIndex(redis_client, SCHEMA), RedisIndex(redis_client, SCHEMA)
+    old, kept, new = _same_group(3)
+    writer.apply(old, 0, 1.0, [store(1, 101)])
+    writer.apply(kept, 0, 1.0, [store(1, 101), store(2, 102)])
+    assert reader.longest_prefix([101, 102], [old, kept, new]) == {
+        old: PrefixMatch((Tier.GPU,)),
+        kept: PrefixMatch((Tier.GPU, Tier.GPU)),
+        new: PrefixMatch(),
+    }
+    writer.drop(old)
+    writer.apply(new, 0, 1.0, [store(1, 101), store(2, 102, Tier.CPU)])  # old's number
+    assert redis_client.hget(SCHEMA.stream(new).members, str(new)) == b"0"
+    assert reader.longest_prefix([101, 102], [old, kept, new]) == {
+        old: PrefixMatch(),
+        kept: PrefixMatch((Tier.GPU, Tier.GPU)),
+        new: PrefixMatch((Tier.GPU, Tier.CPU)),
+    }
+
+
+def test_a_numbering_lost_with_the_data_is_never_taken_for_the_one_before(
+    redis_client: redis.Redis,
+) -> None:
+    writer, reader = RedisIndex(redis_client, SCHEMA), RedisIndex(redis_client, SCHEMA)
+    first, second = _same_group(2)
+    writer.apply(first, 0, 1.0, [store(1, 101)])
+    writer.apply(second, 0, 1.0, [store(2, 201)])
+    assert reader.longest_prefix([101], [first, second])[first] == PrefixMatch((Tier.GPU,))
+    redis_client.flushall()  # the numbering goes too; the next one starts elsewhere
+    writer.apply(second, 0, 1.0, [store(1, 101)])  # number 0 now, first's before
+    assert reader.longest_prefix([101], [first, second]) == {
+        first: PrefixMatch(),
+        second: PrefixMatch((Tier.GPU,)),
+    }
+
+
+def test_a_lookup_reads_the_numbering_only_when_it_changed(
+    index: RedisIndex, redis_client: redis.Redis
+) -> None:
+    a, b = _same_group(2)
+    index.apply(a, 0, 1.0, [store(1, 101)])
+    index.longest_prefix([101], [a, b])
+    redis_client.config_resetstat()
+    index.longest_prefix([101], [a, b])
+    assert "hgetall" not in commands_run(redis_client)
+    index.apply(b, 0, 1.0, [store(1, 101)])
+    redis_client.config_resetstat()
+    assert index.longest_prefix([101], [a, b]) == dict.fromkeys([a, b], PrefixMatch((Tier.GPU,)))
+    assert "hgetall" in commands_run(redis_client)
+
+
+def test_a_lookup_of_many_streams_is_one_script_on_standalone_redis(
+    index: RedisIndex, redis_client: redis.Redis
+) -> None:
+    fleet = [StreamId(f"f{i}") for i in range(200)]
+    for stream in fleet:
+        index.apply(stream, 0, 1.0, [store(1, 101)])
+    index.longest_prefix([101, 102], fleet)
+    redis_client.config_resetstat()
+    assert index.longest_prefix([101, 102], fleet) == dict.fromkeys(fleet, PrefixMatch((Tier.GPU,)))
+    stats = redis_client.info("commandstats")
+    groups = len({SCHEMA.group_of(s) for s in fleet})
+    assert stats["cmdstat_evalsha"]["calls"] == 1
+    assert stats["cmdstat_hget"]["calls"] == 2 * groups  # block 101, then the miss
+
+
+def test_bad_holder_records_never_crash_the_reader() -> None:
+    assert holder_tiers(b"") == {}
+    assert holder_tiers(b"\x00") == {}  # a torn record is ignored
+    assert holder_tiers(record(5, 1) + record(9, 2)) == {5: 1, 9: 2}
+    assert holder_tiers(bytes([0, 3, 0, 0, 0, 1, 0, 0])) == {0: 1}
+    assert holder_tiers(record(2, 0) + bytes([0, 7, 0, 1])) == {2: 0}
+    assert group_matches([]) == {}
