@@ -407,7 +407,7 @@ def test_longest_prefix_answers_every_requested_stream(index: BlockIndex) -> Non
 
 
 def test_longest_prefix_over_many_streams_answers_each(index: BlockIndex) -> None:
-    # More streams than one Redis script call walks (STREAMS_PER_LOOKUP), each holding a
+    # Streams over many Redis groups (and more than a v1 script call walked), each holding a
     # different prefix of the keys, in an order that is not the streams' sort order.
     keys = list(range(1001, 1081))
     streams = [StreamId(f"r{i:03d}", i % 2) for i in range(79, -1, -1)]
