@@ -27,7 +27,16 @@ prepared answer. So the cost follows the groups (a constant), the longest match 
 and the holders' answers, not the number of streams: 1,024 replicas of which 256 share a
 64-block system prompt cost 16 walks of at most their group's longest match each (about
 1,700 HGETs), not one walk per stream (v1: one HGET per stream that holds nothing, n + 1
-per stream matching n blocks: about 18,000 HGETs, ~20 ms of Redis CPU there).
+per stream matching n blocks: about 18,000 HGETs, ~20 ms of Redis CPU there). Instructions
+Redis ran per lookup of ``bench/score.py``'s prompt (callgrind, 1,024 blocks a replica):
+5.4 M at 32 replicas (v1 6.3 M), 8.7 M at 256 (v1 27.1 M), 9.7 M at 1,024.
+
+What the groups cost: a prefix held in every group (the shared system prompt) is walked
+once per group, and on standalone Redis one call carries every group (a call per group
+copied the 4 KB prompt into Lua 16 times: 17 EVALSHAs at 32 replicas). Fewer groups walk a
+shared prefix fewer times (1,024 replicas: 676 HGETs with 4 groups, 1,128 with 8, 1,680
+with 16), but the groups are what spreads the index over a cluster's masters, so 16
+(``redis_schema.DEFAULT_INDEX_GROUPS``).
 
 A holder's number is only meaningful with the group's numbering: the script returns the
 group's ``#gen`` (bumped whenever a number is given or freed) and the whole numbering when
