@@ -12,9 +12,10 @@
 -- or one whose state was lost) the writer becomes the owner. A group written with another
 -- number of groups returns {-2, its number} (nothing applied).
 -- The stream gets its number in the group at its first store (a freed one first).
--- A block's field is the low 6 bytes of its key (redis_schema.py). Holder values and
--- engine-hash mappings are staged in Lua tables and written once at the end (a block's
--- value is read once per call, and written once, however many ops touch it).
+-- A block's field is the low 6 bytes of its key (redis_schema.py). A store of a block the
+-- group does not hold is one HSETNX; other holder values and the engine-hash mappings are
+-- staged in Lua tables and written once at the end (such a block's value is read once per
+-- call, and written once, however many ops touch it).
 -- An engine hash stored again with another key leaves the old key possibly held and named
 -- by no mapping: it goes to `lost`, so a clear still finds it (read with one HMGET at the
 -- end for the hashes not read before).
@@ -98,7 +99,18 @@ end
 
 local function store(key, t)
   local field = sub(key, 3, 8)
-  local v, before = bump(value_of(field), mine(), t, 1)
+  local v = values[field]
+  if v == nil then
+    -- Not met yet in this call: a block no stream of the group holds (the common store)
+    -- is written at once, one call, and not staged (a later op reads it back).
+    if call('HSETNX', holders, field, single(mine(), t)) == 1 then
+      delta[t] = delta[t] + 1
+      return
+    end
+    v = value_of(field)
+  end
+  local before
+  v, before = bump(v, mine(), t, 1)
   values[field] = v
   if before == 0 then delta[t] = delta[t] + 1 end
 end

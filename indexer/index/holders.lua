@@ -22,47 +22,45 @@ local function find_record(v, number)
   return i, 0
 end
 
-local function counts_at(v, i, len)
-  if len == 0 then return {0, 0, 0} end
-  local form = byte(v, i + 1) % 4
-  if form < 3 then
-    local c = {0, 0, 0}
-    c[form + 1] = 1
-    return c
-  end
-  return {byte(v, i + 2) * 256 + byte(v, i + 3), byte(v, i + 4) * 256 + byte(v, i + 5),
-          byte(v, i + 6) * 256 + byte(v, i + 7)}
+-- The record of `number` holding a block once, on tier t (1-3): 2 bytes
+local function single(number, t)
+  local h = number * 4 + t - 1
+  return char(floor(h / 256), h % 256)
 end
 
-local function encode_record(number, c)
-  local total = c[1] + c[2] + c[3]
+local function encode_record(number, g, c, o)
+  local total = g + c + o
   if total == 0 then return '' end
   if total == 1 then
-    local h = number * 4 + ((c[1] == 1) and 0 or ((c[2] == 1) and 1 or 2))
-    return char(floor(h / 256), h % 256)
+    return single(number, (g == 1) and 1 or ((c == 1) and 2 or 3))
   end
   local h = number * 4 + 3
-  return char(floor(h / 256), h % 256, floor(c[1] / 256), c[1] % 256,
-              floor(c[2] / 256), c[2] % 256, floor(c[3] / 256), c[3] % 256)
+  return char(floor(h / 256), h % 256, floor(g / 256), g % 256,
+              floor(c / 256), c % 256, floor(o / 256), o % 256)
 end
 
 -- v with `number`'s count on tier t (1-3) moved by d (1 or -1). Returns the new value ('' if
 -- no holder is left), the count on t before, and whether `number` still holds the block.
 -- A removal from a tier not held changes nothing; a count saturates at MAX_COUNT.
+-- (Counts as three locals, not a table: this runs once per op of every batch.)
 local function bump(v, number, t, d)
-  if v == '' and d > 0 then
-    local c = {0, 0, 0}
-    c[t] = 1
-    return encode_record(number, c), 0, true
-  end
+  if v == '' and d > 0 then return single(number, t), 0, true end
   local i, len = find_record(v, number)
-  local c = counts_at(v, i, len)
-  local before = c[t]
+  local g, c, o = 0, 0, 0
+  if len == 2 then
+    local form = byte(v, i + 1) % 4
+    if form == 0 then g = 1 elseif form == 1 then c = 1 else o = 1 end
+  elseif len == 8 then
+    g = byte(v, i + 2) * 256 + byte(v, i + 3)
+    c = byte(v, i + 4) * 256 + byte(v, i + 5)
+    o = byte(v, i + 6) * 256 + byte(v, i + 7)
+  end
+  local before = (t == 1 and g) or (t == 2 and c) or o   -- 0 is true in Lua
   if (d < 0 and before == 0) or (d > 0 and before == MAX_COUNT) then
     return v, before, len > 0
   end
-  c[t] = before + d
-  local record = encode_record(number, c)
+  if t == 1 then g = g + d elseif t == 2 then c = c + d else o = o + d end
+  local record = encode_record(number, g, c, o)
   return sub(v, 1, i - 1) .. record .. sub(v, i + len), before, record ~= ''
 end
 
