@@ -29,7 +29,7 @@ and the holders' answers, not the number of streams: 1,024 replicas of which 256
 1,700 HGETs), not one walk per stream (v1: one HGET per stream that holds nothing, n + 1
 per stream matching n blocks: about 18,000 HGETs, ~20 ms of Redis CPU there). Instructions
 Redis ran per lookup of ``bench/score.py``'s prompt (callgrind, 1,024 blocks a replica):
-5.4 M at 32 replicas (v1 6.3 M), 8.7 M at 256 (v1 27.1 M), 9.7 M at 1,024.
+5.3 M at 32 replicas (v1 6.3 M), 8.7 M at 256 (v1 27.1 M), 9.7 M at 1,024.
 
 What the groups cost: a prefix held in every group (the shared system prompt) is walked
 once per group, and on standalone Redis one call carries every group (a call per group
