@@ -6,6 +6,7 @@ Usage (from the repository root)::
     .venv/bin/python bench/score.py                     # 1,000,000 blocks over 32 replicas
     .venv/bin/python bench/score.py --backends memory --parts lookup --profile 300
     .venv/bin/python bench/score.py --redis-url redis://127.0.0.1:PORT/0 --backends redis
+    .venv/bin/python bench/score.py --backends redis --cluster     # a private 3-master cluster
     .venv/bin/python bench/score.py --url http://127.0.0.1:8000 --backends memory \\
         --events tcp://127.0.0.1:5557                  # an API already running (bind mode)
 
@@ -36,7 +37,9 @@ encoded once; each connection is a raw keep-alive socket; the warm-up is not tim
 process's (from /proc), so a client competing with the server for the cores shows.
 
 With a private Redis, ``redis_*`` fields are Redis's own account per request (INFO cpu and
-commandstats, warm-up included): its CPU, the time inside commands, the calls by command.
+commandstats, warm-up included): its CPU, the time inside commands, the calls by command;
+``--cluster`` runs the Redis backend on a private 3-master Redis Cluster instead (the same
+fill and checks; the account summed over the masters).
 ``--profile N`` prints a cProfile of N in-process lookups (and of N bare index lookups) to
 stderr; ``--server-profile DIR`` samples the API with py-spy during every HTTP run (py-spy
 pauses the process at each sample, so those runs are slower: measure without it).
@@ -67,9 +70,9 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import redis
 from machine import calibration_ms, host_load
-from redis_server import free_port, private_redis
+from redis.cluster import RedisCluster
+from redis_server import free_port, private_cluster, private_redis
 from score_fill import BLOCK_SIZE, MODEL, NUM_GROUPS, Fleet, FleetConfig
 from score_http import (
     Api,
@@ -122,6 +125,8 @@ class BenchArgs:
     backends: tuple[str, ...]
     parts: tuple[str, ...]
     redis_url: str | None
+    cluster: bool
+    """The private Redis is a 3-master Redis Cluster."""
     url: str | None
     events: str | None
     replicas: int
@@ -148,6 +153,7 @@ def parse_args(argv: list[str] | None = None) -> BenchArgs:
     add("--backends", default="memory,redis", help="comma-separated: memory, redis")
     add("--parts", default="lookup,http", help="comma-separated: lookup, http")
     add("--redis-url", help="use this Redis (fresh key prefix, removed after), not a private one")
+    add("--cluster", action="store_true", help="the private Redis is a 3-master Redis Cluster")
     add("--url", help="measure this running API (no process started; see --events)")
     add("--events", help="with --url: publish the fleet to the API's bound SUB here first")
     add("--replicas", type=int, default=32)
@@ -168,10 +174,12 @@ def parse_args(argv: list[str] | None = None) -> BenchArgs:
         parser.error("--top-k: 0 (every candidate) or more")
     if ns.url is not None and len(backends) != 1:
         parser.error("--url: name the API's one backend with --backends")
+    if ns.cluster and (ns.redis_url is not None or "redis" not in backends):
+        parser.error("--cluster: a private cluster for the redis backend (not with --redis-url)")
     blocks = ns.blocks or (QUICK_BLOCKS if ns.quick else FULL_BLOCKS)
     iterations = ns.iterations or (200 if ns.quick else 500)
     return BenchArgs(
-        ns.quick, backends, parts, ns.redis_url, ns.url, ns.events, ns.replicas, blocks,
+        ns.quick, backends, parts, ns.redis_url, ns.cluster, ns.url, ns.events, ns.replicas, blocks,
         ns.seed, iterations, ns.top_k, ns.profile, ns.server_profile, _plans(ns.quick),
     )  # fmt: skip
 
@@ -388,18 +396,30 @@ def profile_scores(
 
 
 def redis_account(target: RedisTarget | None) -> dict[str, tuple[int, int]] | None:
-    """A private Redis's own account: (calls, µs) per command, and ``cpu`` as (0, CPU µs).
-    None for a shared Redis (other clients' work would be counted)."""
+    """A private Redis's own account: (calls, µs) per command, and ``cpu`` as (0, CPU µs),
+    summed over the masters of a cluster. None for a shared Redis (other clients' work
+    would be counted)."""
     if target is None or not target.private:
         return None
-    client = redis.Redis.from_url(target.url)
+    client = connect(target.url)
     try:
-        stats: dict[str, dict[str, Any]] = client.info("commandstats")
-        cpu: dict[str, Any] = client.info("cpu")
+        stats_of: list[dict[str, Any]]
+        cpu_of: list[dict[str, Any]]
+        if isinstance(client, RedisCluster):
+            primaries = client.PRIMARIES
+            stats_of = list(client.info("commandstats", target_nodes=primaries).values())
+            cpu_of = list(client.info("cpu", target_nodes=primaries).values())
+        else:
+            stats_of, cpu_of = [client.info("commandstats")], [client.info("cpu")]
     finally:
         client.close()
-    out = {k.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"])) for k, v in stats.items()}
-    out["cpu"] = (0, round(1e6 * (float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]))))
+    out: dict[str, tuple[int, int]] = {}
+    for stats in stats_of:
+        for k, v in stats.items():
+            calls, micros = out.get(k.removeprefix("cmdstat_"), (0, 0))
+            out[k.removeprefix("cmdstat_")] = (calls + int(v["calls"]), micros + int(v["usec"]))
+    used = sum(float(c["used_cpu_user"]) + float(c["used_cpu_sys"]) for c in cpu_of)
+    out["cpu"] = (0, round(1e6 * used))
     return out
 
 
@@ -635,8 +655,8 @@ def redis_target(args: BenchArgs) -> Iterator[RedisTarget | None]:
         finally:
             drop_prefix(target)
         return
-    with private_redis() as url:
-        log.info("private redis-server at %s", url)
+    with private_cluster() if args.cluster else private_redis() as url:
+        log.info("private redis %s at %s", "cluster" if args.cluster else "server", url)
         yield RedisTarget(url, DEFAULT_PREFIX, private=True)
 
 
@@ -670,7 +690,7 @@ def main(argv: list[str] | None = None) -> int:
     fleet = Fleet(FleetConfig(args.replicas, args.blocks, args.seed))
     log.info("fleet: %d replicas, %d blocks; expected matches %s", fleet.config.replicas,
              fleet.num_blocks, fleet.expected())  # fmt: skip
-    machine = {"calibration_ms": calibration_ms()}
+    machine = {"calibration_ms": calibration_ms(), "cluster": args.cluster}
     with redis_target(args) as target:
         for backend in args.backends:
             for line in run_backend(args, fleet, backend, target):

@@ -1,16 +1,23 @@
 """Every Redis key kvindex uses, in one place. Tests import these names too.
 
-Layout (``<p>`` = configurable prefix, ``<v>`` = :data:`SCHEMA_VERSION`)::
+Layout (``<p>`` = configurable prefix, ``<v>`` = :data:`SCHEMA_VERSION`, ``<iv>`` =
+:data:`INDEX_VERSION`: the block index's keys carry a layout version of their own)::
 
-    <p>:<v>:streams                 SET   every stream ("replica/rank") with state
-    <p>:<v>:{<replica>/<rank>}:keys  HASH  block field (low 6 bytes of the block key) →
-                                          counts per tier, one integer gpu + cpu·2¹⁶ +
-                                          other·2³² (HINCRBY)
-    <p>:<v>:{<replica>/<rank>}:hash  HASH  engine hash (8 bytes) → block key (8 bytes)
-    <p>:<v>:{<replica>/<rank>}:meta  HASH  wm (watermark), ts, n0/n1/n2 (blocks per tier),
-                                          owner (sharded indexers: the lease token of the
-                                          indexer that owns the stream: the batch fence)
-    <p>:<v>:index                   STRING the index's identity: a random token set (if absent)
+    <p>:<iv>:streams                SET   every stream ("replica/rank") with state
+    <p>:<iv>:{ix<g>}:holders         HASH  a group's blocks: block field (low 6 bytes of the
+                                          block key) → the group's holders of that block,
+                                          packed records (below)
+    <p>:<iv>:{ix<g>}:members         HASH  "replica/rank" → its number in group <g>; #gen
+                                          (bumped when a number is given or freed), #next,
+                                          #free (freed numbers, 2 bytes each), #groups
+    <p>:<iv>:{ix<g>}:<replica>/<rank>:hash HASH  engine hash (8 bytes) → block key (8 bytes)
+    <p>:<iv>:{ix<g>}:<replica>/<rank>:lost SET  block keys the stream may hold that no engine
+                                          hash maps to any more (an engine hash stored again
+                                          with another key): what a clear must also visit
+    <p>:<iv>:{ix<g>}:<replica>/<rank>:meta HASH  wm (watermark), ts, n0/n1/n2 (blocks per
+                                          tier), owner (sharded indexers: the lease token of
+                                          the indexer that owns the stream: the batch fence)
+    <p>:<iv>:index                  STRING the index's identity: a random token set (if absent)
                                           by the first indexer to open the store; gone
                                           means the data was lost (``RedisIndex.intact``)
     <p>:<v>:load                    HASH  replica id → its latest load (msgspec JSON, ``Load``);
@@ -44,11 +51,30 @@ Layout (``<p>`` = configurable prefix, ``<v>`` = :data:`SCHEMA_VERSION`)::
     <p>:<v>:health:<replica id>     STRING set (NX, expiring within a check interval) by the
                                           process that health-checks the replica this round
 
+Streams are put in :attr:`Schema.index_groups` groups by a hash of their name
+(:meth:`Schema.group_of`); every key of a stream and its group's two hashes share the hash tag
+``{ix<g>}``, so a batch is still one single-slot script, and a lookup is one script per
+group (``index/redis.py`` says what it costs). A holder record is 2 bytes, ``number · 4 +
+form``, when the stream holds the block once on one tier (form 0 GPU, 1 CPU, 2 other), and 8
+with form 3: then three u16 counts (gpu, cpu, other) follow. Records are sorted by number,
+so two blocks with the same holders and counts have equal values (a lookup compares them
+whole). A block held by one stream costs what a v1 per-stream entry did (a 6-byte field and
+a 2-byte value: Redis's 8-byte size class); one held by several costs 2 bytes per holder
+beyond the first.
+
 Why 6-byte fields: Redis allocates a short string in 8- or 16-byte size classes, and an
-8-byte field (with its header) lands in 16 while 6 bytes fit in 8 — 8 bytes saved per block
-and stream. A false match then needs two blocks of one stream whose keys share their low 48
-bits (probability ~ n / 2⁴⁸ per lookup: 4·10⁻⁹ at a million blocks). The engine-hash map keeps
-whole 8-byte keys, because chaining a child block needs its parent's full key.
+8-byte field (with its header) lands in 16 while 6 bytes fit in 8 — 8 bytes saved per block.
+A false match then needs two blocks of one group whose keys share their low 48 bits
+(probability ~ n / 2⁴⁸ per prompt block, n the group's blocks: 4·10⁻⁹ at a million). The
+engine-hash map keeps whole 8-byte keys, because chaining a child block needs its parent's
+full key.
+
+Index versions: v2 (stream groups) replaced v1 (one block hash per stream); the rest of
+the layout is unchanged (still :data:`SCHEMA_VERSION` v1). The version is in every index
+key, so two versions never share a key; an index opened on a Redis that holds v1 index
+data raises :class:`SchemaVersionError` (``RedisIndex.check_schema``) rather than
+start empty beside it, and a group whose ``#groups`` differs from the process's
+``index_groups`` raises it too.
 
 The in-flight keys share the hash tag ``{inflight}``: a reservation, a release and a lapsed
 lease's removal are each one single-slot script.
@@ -56,24 +82,38 @@ lease's removal are each one single-slot script.
 The fleet hashes share the hash tag ``{fleet}``: removing a replica drops its spec, its
 streams' statuses and its health record in one script.
 
-Everything one batch touches shares the stream's hash tag ``{<replica>/<rank>}``, so the
+Everything one batch touches shares the stream's group's hash tag ``{ix<g>}``, so the
 layout runs unchanged on Redis Cluster: a batch is one single-slot script, and clearing a
-stream deletes its three keys (cost: its own blocks, never a scan). Every other multi-key
-call stays on one slot too (the fleet's ``{fleet}`` hashes, the load hash's fields); what
-touches keys of different slots is separate single-key commands, or a pipeline of them
-(scrape claims; the streams SET listing a stream beside its batch), never one script or
-transaction.
+stream visits its own blocks (its engine-hash map and ``lost`` set), never a scan. Every
+other multi-key call stays on one slot too (the fleet's ``{fleet}`` hashes, the load hash's
+fields); what touches keys of different slots is separate single-key commands, or a
+pipeline of them (scrape claims; the streams SET listing a stream beside its batch), never
+one script or transaction. (A lookup on standalone Redis reads every group in one script:
+without a cluster, a script's keys need not share a slot.)
 """
 
 from __future__ import annotations
 
 import re
+import zlib
 from dataclasses import dataclass
 
 from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.events import StreamId
 
 SCHEMA_VERSION = "v1"
+"""The version of every key but the block index's."""
+INDEX_VERSION = "v2"
+"""The version of the block index's keys (its streams SET, marker, groups and streams)."""
+OLD_INDEX_VERSIONS = ("v1",)
+"""Index versions whose data :meth:`RedisIndex.check_schema` refuses to start beside."""
+DEFAULT_INDEX_GROUPS = 16
+"""Stream groups of the index. A lookup sends one script per group, so fewer is cheaper on
+one Redis; on a cluster the groups are what spreads the index over the masters (16 slots
+over 3 masters: 4-7 each). A group holds at most :data:`MAX_GROUP_STREAMS` streams."""
+MAX_INDEX_GROUPS = 1024
+MAX_GROUP_STREAMS = 16384
+"""A holder record's number has 14 bits (``apply_batch.lua`` refuses a stream beyond)."""
 DEFAULT_PREFIX = "kvindex"
 
 _SAFE = re.compile(r"[A-Za-z0-9._:\-]+")
@@ -81,6 +121,11 @@ _SAFE = re.compile(r"[A-Za-z0-9._:\-]+")
 
 class SchemaError(KvIndexError):
     """A prefix or replica id that cannot be used in a Redis key."""
+
+
+class SchemaVersionError(SchemaError):
+    """The Redis holds index data of another layout (an older schema version, or another
+    number of stream groups) that this process would not read: it refuses rather than mix."""
 
 
 def check_name(kind: str, value: str) -> str:
@@ -93,12 +138,21 @@ def check_name(kind: str, value: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class StreamKeys:
-    keys: str
-    hashes: str
-    meta: str
+    """A stream's own keys and its group's (one hash tag: one slot)."""
 
-    def all(self) -> tuple[str, str, str]:
-        return (self.meta, self.keys, self.hashes)
+    meta: str
+    hashes: str
+    lost: str
+    holders: str
+    members: str
+
+    def all(self) -> tuple[str, str, str, str, str]:
+        """In the order ``apply_batch.lua`` and ``clear_stream.lua`` read them."""
+        return (self.meta, self.hashes, self.lost, self.holders, self.members)
+
+    def own(self) -> tuple[str, str, str]:
+        """The stream's own keys (not its group's)."""
+        return (self.meta, self.hashes, self.lost)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,22 +160,32 @@ class Schema:
     """Key names under one prefix."""
 
     prefix: str = DEFAULT_PREFIX
+    index_groups: int = DEFAULT_INDEX_GROUPS
+    """Stream groups of the block index (every process of a deployment must agree: a
+    group's ``#groups`` field says which count wrote it)."""
 
     def __post_init__(self) -> None:
         check_name("key prefix", self.prefix)
+        if not 1 <= self.index_groups <= MAX_INDEX_GROUPS:
+            raise SchemaError(f"index groups {self.index_groups!r}: 1 to {MAX_INDEX_GROUPS}")
 
     @property
     def root(self) -> str:
         return f"{self.prefix}:{SCHEMA_VERSION}"
 
     @property
+    def index_root(self) -> str:
+        """The block index's keys' root (its own version, :data:`INDEX_VERSION`)."""
+        return f"{self.prefix}:{INDEX_VERSION}"
+
+    @property
     def streams(self) -> str:
-        return f"{self.root}:streams"
+        return f"{self.index_root}:streams"
 
     @property
     def index_marker(self) -> str:
         """The STRING whose token identifies the index's data; absent or changed: lost."""
-        return f"{self.root}:index"
+        return f"{self.index_root}:index"
 
     @property
     def load(self) -> str:
@@ -171,9 +235,24 @@ class Schema:
         """A short-lived key: the process that set it health-checks ``replica`` this round."""
         return f"{self.root}:health:{replica}"
 
+    def old_index_keys(self) -> list[str]:
+        """Keys an index of an older schema version leaves (its streams SET and marker)."""
+        old = [f"{self.prefix}:{v}" for v in OLD_INDEX_VERSIONS]
+        return [name for root in old for name in (f"{root}:streams", f"{root}:index")]
+
+    def group_of(self, stream: StreamId) -> int:
+        """The stream's group: CRC-32 of its name, so every process agrees with no lookup."""
+        return zlib.crc32(str(stream).encode()) % self.index_groups
+
+    def group(self, group: int) -> tuple[str, str]:
+        """(holders, members) of one group."""
+        tag = f"{self.index_root}:{{ix{group}}}"
+        return f"{tag}:holders", f"{tag}:members"
+
     def stream(self, stream: StreamId) -> StreamKeys:
-        tag = f"{self.root}:{{{stream}}}"
-        return StreamKeys(keys=f"{tag}:keys", hashes=f"{tag}:hash", meta=f"{tag}:meta")
+        holders, members = self.group(self.group_of(stream))
+        own = f"{self.index_root}:{{ix{self.group_of(stream)}}}:{stream}"
+        return StreamKeys(f"{own}:meta", f"{own}:hash", f"{own}:lost", holders, members)
 
 
 def answers_field(replica: str) -> str:

@@ -1,26 +1,59 @@
 """The Redis :class:`~kvindex.indexer.index.protocol.BlockIndex`: the shared, production store.
 
-One Lua script per batch (``apply_batch.lua``) applies every op and moves the watermark
-atomically; a retry after a dropped connection finds the watermark already moved and is a
-no-op. A lookup is one pipelined round trip: one short script per group of streams, walking
-each stream up to its first miss (``longest_prefix.lua``); on Redis Cluster, one script per
-group of streams of one slot, sent to every master before any reply is read. Key names live
-in ``redis_schema``.
+Layout (index version v2, ``redis_schema``): streams are put in a fixed number of groups by a hash
+of their name (16 by default); each group keeps one hash, block → the packed records of its
+holders in the group (a stream's number there and its counts per tier, 2 bytes in the
+common case), and each stream keeps its engine-hash map and meta. Every key of a stream and
+its group's share one hash tag, so a batch is one single-slot script on Redis Cluster too.
 
-Sharded indexers (``owner``): the batch script and ``clear_stream.lua`` first compare the
-writer's lease token with the stream's ``owner`` meta field (the same hash tag: still one
-slot), so a writer another indexer has claimed the stream from changes nothing
-(:class:`FencedError`); one more HGET per batch, one short field per stream.
+One Lua script per call of :meth:`RedisIndex.apply_many` (``apply_batch.lua``) applies
+every op and moves the watermark atomically; a retry after a dropped connection finds the
+watermark already moved and is a no-op. Sharded indexers (``owner``): the batch script and
+``clear_stream.lua`` first compare the writer's lease token with the stream's ``owner``
+meta field (same slot), so a writer another indexer has claimed the stream from changes
+nothing (:class:`FencedError`).
 
-What a lookup costs: one HGET per requested stream that holds nothing, and n + 1 for a stream
-matching n blocks, so it grows with the fleet (1,024 replicas, 256 of them sharing a 64-block
-system prompt: about 18,000 HGETs, ~20 ms of Redis CPU). Reading a holder's prefix in HMGETs
-of 1, 2, 4, ... fields was tried and cost more Redis CPU there (23-25 ms against 18-21 ms in
-alternating runs on one server): a field read costs about as much as a script's call, and the
-over-read doubles the fields. What would make the cost follow the match is the memory
-backend's block → holders map; in Redis it costs a hash entry per (block, stream) beside the
-per-stream hash (over the budget of 150 bytes per entry, today ~143) unless it replaces that
-hash, and a shared key makes a batch touch a second slot (Redis Cluster runs a script on one).
+What a lookup costs: one round trip of one ``longest_prefix.lua`` call (on a cluster, one
+call per group holding a requested stream, sent to every master before any reply is read).
+Per group, the script walks the prompt's blocks once, one HGET each, keeping the set of
+the group's streams that hold every block so far, and stops at the first block none of
+them holds: so it reads the group's longest match plus one block, and a group holding
+nothing costs one HGET. The set is only recomputed where a block's holder value differs
+from the one before (equal holders and counts give equal values), so a system prompt
+shared by many streams costs one pass over its holders, not one per block. The answer is
+runs of (blocks, holder value); this process intersects them the same way and builds a
+:class:`PrefixMatch` per holder, the requested streams that hold nothing sharing one
+prepared answer. So the cost follows the groups (a constant), the longest match in each
+and the holders' answers, not the number of streams: 1,024 replicas of which 256 share a
+64-block system prompt cost 16 walks of at most their group's longest match each (about
+1,700 HGETs), not one walk per stream (v1: one HGET per stream that holds nothing, n + 1
+per stream matching n blocks: about 18,000 HGETs, ~20 ms of Redis CPU there). Instructions
+Redis ran per lookup of ``bench/score.py``'s prompt (callgrind, 1,024 blocks a replica):
+5.3 M at 32 replicas (v1 6.3 M), 8.7 M at 256 (v1 27.1 M), 9.7 M at 1,024.
+
+What the groups cost: a prefix held in every group (the shared system prompt) is walked
+once per group, and on standalone Redis one call carries every group (a call per group
+copied the 4 KB prompt into Lua 16 times: 17 EVALSHAs at 32 replicas). Fewer groups walk a
+shared prefix fewer times (1,024 replicas: 676 HGETs with 4 groups, 1,128 with 8, 1,680
+with 16), but the groups are what spreads the index over a cluster's masters, so 16
+(``redis_schema.DEFAULT_INDEX_GROUPS``).
+
+A holder's number is only meaningful with the group's numbering: the script returns the
+group's ``#gen`` (bumped whenever a number is given or freed) and the whole numbering when
+it differs from the one this process holds, read in the same script as the holders, so a
+number reused after a drop is never read with the stream that had it before.
+
+What a write costs: per store or removal, one HGET of the block's holder value the first
+time the call meets the block, Lua work on its records (a few bytes per holder of the
+group), and the values and engine-hash mappings written once at the end in bulk HSETs;
+per call, one HMGET of the stored engine hashes' old mappings (an engine hash stored again
+with another key leaves that key in the stream's ``lost`` set, so a clear still finds it).
+Clearing or dropping a stream visits its own blocks (its engine-hash map and lost set),
+never the group's others.
+
+Memory: a block held by one stream is one field of its group's hash (6 bytes) with a 2-byte
+value, what a v1 per-stream block field cost; each further holder adds 2 bytes to the value
+instead of an entry. The engine-hash map is as in v1.
 """
 
 from __future__ import annotations
@@ -29,6 +62,8 @@ import secrets
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import lru_cache
 from importlib import resources
 from itertools import starmap
 from typing import cast
@@ -40,6 +75,7 @@ from redis.crc import key_slot
 from kvindex.indexer.events import StreamId, Tier
 from kvindex.indexer.index.protocol import (
     MAX_SEQ,
+    NO_MATCH,
     SKIPPED,
     ApplyResult,
     BatchOps,
@@ -57,25 +93,31 @@ from kvindex.indexer.redis_connection import (
     connect,
 )
 from kvindex.indexer.redis_schema import (
+    INDEX_VERSION,
     META_OWNER,
     META_TIER_PREFIX,
     META_TS,
     META_WATERMARK,
     Schema,
+    SchemaVersionError,
     check_name,
 )
 
 _OP = struct.Struct(">BBQQ")
-_TIER_OF_BYTE = tuple(Tier)
-STREAMS_PER_LOOKUP = 32
-"""Streams walked by one ``longest_prefix.lua`` call. A call per stream cost more than its
-reads (a 512-block prompt over 32 streams: 1.17 → 0.74 ms a lookup); the cap keeps one
-call from holding Redis long when many streams match a long prompt. On Redis Cluster a
-call's streams also share a slot (mostly one stream per call: a slot per stream)."""
+_COUNTS = struct.Struct(">HHH")
+_TIERS = tuple(Tier)
+_LONG_FORM = 3
+"""A holder record's form carrying its counts (``redis_schema``); forms 0-2 are one block
+on that tier."""
 
 
 def _script(name: str) -> str:
     return resources.files("kvindex.indexer.index").joinpath(name).read_text("utf-8")
+
+
+def _with_holders(name: str) -> str:
+    """A script with ``holders.lua`` (the holder records' functions) before it."""
+    return _script("holders.lua") + "\n" + _script(name)
 
 
 @contextmanager
@@ -92,16 +134,77 @@ def unavailable_on_connection_errors() -> Iterator[None]:
         raise IndexUnavailableError(f"redis: {CLUSTER_AS_STANDALONE} ({exc})") from exc
 
 
-def _match(reply: bytes) -> PrefixMatch:
-    """The script's one byte per block → tiers (fast path: all GPU)."""
-    if reply.count(0) == len(reply):
-        return PrefixMatch((Tier.GPU,) * len(reply))
-    return PrefixMatch(tuple(_TIER_OF_BYTE[b] for b in reply))
-
-
 def encode_ops(ops: Sequence[Op]) -> bytes:
     """Ops as the fixed 18-byte records ``apply_batch.lua`` reads."""
     return b"".join(starmap(_OP.pack, ops))
+
+
+@lru_cache(maxsize=4096)
+def holder_tiers(value: bytes) -> dict[int, int]:
+    """A block's holder records (``redis_schema``) → stream number → its best tier (0 GPU,
+    1 CPU, 2 other). Cached: a prompt's values repeat from lookup to lookup. The dict is
+    shared: callers only read it."""
+    out: dict[int, int] = {}
+    i, size = 0, len(value)
+    while i + 2 <= size:  # a torn record at the end (never written) is ignored
+        head = value[i] << 8 | value[i + 1]
+        form = head & 3
+        if form != _LONG_FORM:
+            out[head >> 2] = form
+            i += 2
+            continue
+        if i + 8 > size:
+            break
+        gpu, cpu, _ = _COUNTS.unpack_from(value, i + 2)
+        out[head >> 2] = 0 if gpu else 1 if cpu else 2
+        i += 8
+    return out
+
+
+@lru_cache(maxsize=4096)
+def _prefix(path: tuple[tuple[int, int], ...]) -> PrefixMatch:
+    """(blocks, tier) runs → their match (cached: many holders share a path)."""
+    tiers: tuple[Tier, ...] = ()
+    for count, tier in path:
+        tiers += (_TIERS[tier],) * count
+    return PrefixMatch(tiers)
+
+
+def group_matches(runs: Sequence[int | bytes]) -> dict[int, PrefixMatch]:
+    """``longest_prefix.lua``'s runs (count, holder value, ...) → each holder of the first
+    block → its match: the blocks up to its first miss, with their best tiers."""
+    paths: dict[int, list[tuple[int, int]]] = {}
+    ended: dict[int, list[tuple[int, int]]] = {}
+    for i in range(0, len(runs), 2):
+        count, tiers = int(runs[i]), holder_tiers(bytes(runs[i + 1]))
+        if i == 0:
+            paths = {number: [(count, tier)] for number, tier in tiers.items()}
+            continue
+        for number in [n for n in paths if n not in tiers]:
+            ended[number] = paths.pop(number)
+        for number, path in paths.items():
+            path.append((count, tiers[number]))
+    ended.update(paths)
+    return {number: _prefix(tuple(path)) for number, path in ended.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What a lookup of these streams sends, prepared once for a repeated stream list."""
+
+    targets: list[StreamId]
+    no_match: dict[StreamId, PrefixMatch]
+    """Every target → :data:`NO_MATCH`: copied, then the holders' matches set in it."""
+    groups: tuple[int, ...]
+    """The groups holding a target."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Numbering:
+    """One group's numbering as of its ``#gen``."""
+
+    gen: bytes
+    names: dict[int, StreamId]
 
 
 class RedisIndex:
@@ -121,12 +224,15 @@ class RedisIndex:
         self._client = client
         self._schema = schema or Schema()
         self._owner = owner
-        self._apply = client.register_script(_script("apply_batch.lua"))
-        self._clear = client.register_script(_script("clear_stream.lua"))
+        self._apply = client.register_script(_with_holders("apply_batch.lua"))
+        self._clear = client.register_script(_with_holders("clear_stream.lua"))
         self._prefix = client.register_script(_script("longest_prefix.lua"))
         self._registered: set[StreamId] = set()
-        self._keys_of: dict[StreamId, tuple[str, str, str]] = {}
-        self._slot_of: dict[StreamId, int] = {}
+        self._keys_of: dict[StreamId, tuple[str, ...]] = {}
+        self._group_keys = [self._schema.group(g) for g in range(self._schema.index_groups)]
+        self._routes: dict[int, dict[str, ClusterNode]] = {}
+        self._numbering: dict[int, _Numbering] = {}
+        self._plan: _Plan | None = None
         self._identity: bytes | None = None
         """The marker token this index last saw (None: not looked at yet)."""
 
@@ -156,6 +262,7 @@ class RedisIndex:
             # number is not); a longer one would compare wrongly.
             assert seq < MAX_SEQ, seq
             args += (seq, repr(ts), encode_ops(ops))
+        args += (str(stream), self._schema.index_groups)
         if self._owner is not None:
             args.append(self._owner)
         keys = self._keys(stream)
@@ -164,6 +271,8 @@ class RedisIndex:
             reply = self._apply(keys=keys, args=args)
             if len(reply) == 1:  # the script's fence: another indexer owns the stream
                 raise FencedError(f"stream {stream}: owned by another indexer")
+            if len(reply) == 2:  # the group was written with another number of groups
+                raise self._groups_differ(int(reply[1]))
             if reply[-1]:
                 # The stream's state was (re)created by this call: it may have been dropped
                 # by another indexer or lost in a Redis restart since this process listed it.
@@ -172,6 +281,13 @@ class RedisIndex:
             applied(int(reply[i + 1]), int(reply[i + 2])) if reply[i] else SKIPPED
             for i in range(0, len(reply) - 1, 3)
         ]
+
+    def _groups_differ(self, stored: int) -> SchemaVersionError:
+        return SchemaVersionError(
+            f"redis prefix {self._schema.prefix!r}: the index was written with {stored} stream"
+            f" groups, this process uses {self._schema.index_groups}: every process of a"
+            " deployment must use the same number"
+        )
 
     def _register(self, stream: StreamId) -> None:
         """List the stream before its first batch here (a crash then leaves no unlisted keys)."""
@@ -190,14 +306,19 @@ class RedisIndex:
         return [None if v is None else int.from_bytes(v, "big") for v in values]
 
     def clear(self, stream: StreamId) -> None:
-        # One DEL of the stream's own keys: atomic, single-slot, and it leaves nothing behind
-        # for a stream never seen. An absent meta reads as watermark -1 and no blocks.
-        # Fenced: the same in a script that first checks the owner and keeps it.
+        # One script: the stream out of its group's holders (its own blocks), its own keys
+        # deleted; an absent meta reads as watermark -1 and no blocks. Fenced, it first
+        # checks the owner and keeps it.
+        if not self._forget(stream, drop=False):
+            raise FencedError(f"stream {stream}: owned by another indexer")
+
+    def _forget(self, stream: StreamId, *, drop: bool) -> bool:
+        """``clear_stream.lua``: False when fenced (a clear by a writer that lost the
+        stream; a drop is never fenced)."""
+        token = "" if drop or self._owner is None else self._owner
         with unavailable_on_connection_errors():
-            if self._owner is None:
-                self._client.delete(*self._schema.stream(stream).all())
-            elif not self._clear(keys=self._keys(stream), args=[self._owner]):
-                raise FencedError(f"stream {stream}: owned by another indexer")
+            done = self._clear(keys=self._keys(stream), args=[token, int(drop), str(stream)])
+        return bool(done)
 
     def claim(self, stream: StreamId) -> None:
         """Make this writer's token the stream's owner (one HSET on its meta): the previous
@@ -215,8 +336,8 @@ class RedisIndex:
         return None if raw is None else raw.decode()
 
     def drop(self, stream: StreamId) -> None:
+        self._forget(stream, drop=True)
         with unavailable_on_connection_errors():
-            self._client.delete(*self._schema.stream(stream).all())
             self._client.srem(self._schema.streams, str(stream))
         self._registered.discard(stream)
 
@@ -229,64 +350,85 @@ class RedisIndex:
     def longest_prefix(
         self, keys: Sequence[int], streams: Iterable[StreamId]
     ) -> dict[StreamId, PrefixMatch]:
+        plan = self._plan_for(list(streams))
+        answer = plan.no_match.copy()
+        if not keys or not plan.groups:
+            return answer
         # Whole keys, big-endian: one C call; the script reads each one's field (low 6 bytes).
         wanted = struct.pack(f">{len(keys)}Q", *keys)
-        groups = self._groups(list(streams))
         with unavailable_on_connection_errors():
             try:
-                replies = self._prefix_pipeline(groups, wanted)
+                replies = self._prefix_pipeline(plan.groups, wanted)
             except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts
                 self._client.script_load(self._prefix.script)  # on a cluster: every master
-                replies = self._prefix_pipeline(groups, wanted)
-        targets = [stream for group in groups for stream in group]
-        return {stream: _match(reply) for stream, reply in zip(targets, replies, strict=True)}
+                replies = self._prefix_pipeline(plan.groups, wanted)
+        for group, reply in zip(plan.groups, replies, strict=True):
+            names = self._names(group, reply)
+            runs = cast("list[int | bytes]", reply[3])
+            for number, match in group_matches(runs).items():
+                stream = names.get(number)
+                if stream is not None and stream in answer:
+                    answer[stream] = match
+        return answer
 
-    def _groups(self, targets: list[StreamId]) -> list[list[StreamId]]:
-        """The streams of one script call each: at most :data:`STREAMS_PER_LOOKUP`, and on
-        a cluster all in one slot (a script's keys must be; one stream per slot, mostly)."""
-        size = STREAMS_PER_LOOKUP
-        if not isinstance(self._client, RedisCluster):
-            return [targets[i : i + size] for i in range(0, len(targets), size)]
-        slot_to_streams: dict[int, list[StreamId]] = {}
-        for stream in targets:
-            slot_to_streams.setdefault(self._slot(stream), []).append(stream)
-        return [
-            same[i : i + size]
-            for same in slot_to_streams.values()
-            for i in range(0, len(same), size)
-        ]
+    def _plan_for(self, targets: list[StreamId]) -> _Plan:
+        """The prepared answer and groups of ``targets`` (kept while the list repeats, as
+        the API's does: the list compared, no stream hashed)."""
+        plan = self._plan
+        if plan is None or plan.targets != targets:
+            groups = tuple(sorted({self._schema.group_of(s) for s in targets}))
+            plan = self._plan = _Plan(targets, dict.fromkeys(targets, NO_MATCH), groups)
+        return plan
 
-    def _prefix_pipeline(self, groups: list[list[StreamId]], wanted: bytes) -> list[bytes]:
-        """One round trip (on a cluster, one per master, all sent before any is read): an
-        EVALSHA per group of streams. Sent as a raw command: redis-py's Script would add
-        SCRIPT EXISTS in a pipeline, and its cluster pipeline refuses ``evalsha``; on a
-        cluster each names its master, else redis-py would ask a node for the command's
-        keys (COMMAND GETKEYS) one round trip at a time."""
+    def _names(self, group: int, reply: list[object]) -> dict[int, StreamId]:
+        """The group's numbering as of this reply (its #gen; the roster when it changed)."""
+        gen, groups, roster = cast("tuple[bytes, bytes, list[bytes]]", reply[:3])
+        if groups and int(groups) != self._schema.index_groups:
+            raise self._groups_differ(int(groups))
+        known = self._numbering.get(group)
+        if known is not None and known.gen == gen:
+            return known.names
+        names = {
+            int(roster[i + 1]): StreamId.parse(roster[i].decode())
+            for i in range(0, len(roster), 2)
+            if not roster[i].startswith(b"#")
+        }
+        self._numbering[group] = _Numbering(gen, names)
+        return names
+
+    def _prefix_pipeline(self, groups: tuple[int, ...], wanted: bytes) -> list[list[object]]:
+        """One round trip (on a cluster, one per master, all sent before any is read), each
+        group's reply in order: one EVALSHA for every group on standalone Redis, one per
+        group on a cluster (a script's keys share a slot). Sent as a raw command: redis-py's
+        Script would add SCRIPT EXISTS in a pipeline, and its cluster pipeline refuses
+        ``evalsha``; on a cluster each names its master, else redis-py would ask a node for
+        the command's keys (COMMAND GETKEYS) one round trip at a time."""
+        calls = [groups] if not isinstance(self._client, RedisCluster) else [(g,) for g in groups]
         with self._client.pipeline(transaction=False) as pipe:
-            for group in groups:
-                names = [self._keys(stream)[1] for stream in group]
-                route = self._route(group[0])
+            for call in calls:
+                names = [name for g in call for name in self._group_keys[g]]
+                gens = [self._known_gen(g) for g in call]
+                route = self._route(call[0])
                 pipe.execute_command(
-                    "EVALSHA", self._prefix.sha, len(names), *names, wanted, **route
+                    "EVALSHA", self._prefix.sha, len(names), *names, wanted, *gens, **route
                 )
-            replies = cast("list[list[bytes]]", pipe.execute())
-        return [reply for group_replies in replies for reply in group_replies]
+            replies = cast("list[list[list[object]]]", pipe.execute())
+        return [reply for call_replies in replies for reply in call_replies]
 
-    def _route(self, stream: StreamId) -> dict[str, ClusterNode]:
-        """On a cluster, the pipeline option naming the master of the stream's slot."""
+    def _known_gen(self, group: int) -> bytes:
+        """The #gen of the group's numbering this process holds (b"": none yet)."""
+        known = self._numbering.get(group)
+        return b"" if known is None else known.gen
+
+    def _route(self, group: int) -> dict[str, ClusterNode]:
+        """On a cluster, the pipeline option naming the master of the group's slot."""
         if not isinstance(self._client, RedisCluster):
             return {}
-        return {"target_nodes": self._client.nodes_manager.get_node_from_slot(self._slot(stream))}
+        slot = key_slot(self._group_keys[group][0].encode())
+        return {"target_nodes": self._client.nodes_manager.get_node_from_slot(slot)}
 
-    def _slot(self, stream: StreamId) -> int:
-        """The cluster slot of a stream's keys (they share its hash tag), computed once."""
-        slot = self._slot_of.get(stream)
-        if slot is None:
-            slot = self._slot_of[stream] = key_slot(self._keys(stream)[1].encode())
-        return slot
-
-    def _keys(self, stream: StreamId) -> tuple[str, str, str]:
-        """(meta, keys, hash) names of a stream, computed once."""
+    def _keys(self, stream: StreamId) -> tuple[str, ...]:
+        """(meta, hash, lost, holders, members) names of a stream, computed once."""
         keys = self._keys_of.get(stream)
         if keys is None:
             keys = self._keys_of[stream] = self._schema.stream(stream).all()
@@ -306,11 +448,28 @@ class RedisIndex:
             by_tier,
         )
 
+    def check_schema(self) -> None:
+        """Raise :class:`SchemaVersionError` when the Redis holds this prefix's index data
+        in an older schema version (its streams SET or marker): this version would start
+        empty beside it and never read it. One EXISTS per old key (each its own slot)."""
+        with unavailable_on_connection_errors():
+            found = [name for name in self._schema.old_index_keys() if self._client.exists(name)]
+        if found:
+            raise SchemaVersionError(
+                f"redis holds kvindex index data of an older schema ({', '.join(found)});"
+                f" this version uses {INDEX_VERSION} keys and does not read it: delete the"
+                f" old keys ({self._schema.prefix}:v1:*), and the indexers refill the index"
+                " from the replicas' replay, or keep running the older kvindex"
+            )
+
     def intact(self) -> bool:
         """The marker key holds the token seen last time: one GET. Absent (the data was
         lost), a new token is set unless another process set one first, and adopted; a
-        token that changed means another process saw the loss first."""
+        token that changed means another process saw the loss first. The first call also
+        runs :meth:`check_schema` (the indexer's start: a clear error, not a mixed store)."""
         marker = self._schema.index_marker
+        if self._identity is None:
+            self.check_schema()
         with unavailable_on_connection_errors():
             token = cast("bytes | None", self._client.get(marker))
             if token is not None and token == self._identity:

@@ -269,6 +269,46 @@ def test_clear_wipes_blocks_and_resets_watermark(index: BlockIndex) -> None:
     assert tiers(index, [102]) == (GPU,)
 
 
+@pytest.mark.parametrize("how", ["clear", "clear op", "drop"])
+def test_a_key_whose_engine_hash_was_stored_again_with_another_is_still_cleared(
+    index: BlockIndex, how: str
+) -> None:
+    # Engine hash 1 maps to 201 now, so no mapping names 101, which the stream still holds:
+    # a clear must find it anyway (the Redis store keeps such keys aside for this).
+    index.apply(S, 0, 1.0, [store(1, 101), store(1, 201)])
+    index.apply(S, 1, 1.0, [store(2, 102), store(2, 202, CPU)])
+    assert tiers(index, [101]) == (GPU,)
+    if how == "clear":
+        index.clear(S)
+    elif how == "clear op":
+        index.apply(S, 2, 2.0, [CLEAR_OP])
+    else:
+        index.drop(S)
+    assert [tiers(index, [k]) for k in (101, 201, 102, 202)] == [()] * 4
+    assert index.stats(S).blocks_by_tier == by_tier()
+    index.apply(S, 3, 3.0, [store(3, 103)])
+    assert tiers(index, [101]) == () and tiers(index, [103]) == (GPU,)
+
+
+def test_streams_sharing_blocks_each_get_their_own_tiers_and_end(index: BlockIndex) -> None:
+    # Many holders of the same blocks on different tiers, some holding them twice, some
+    # leaving part of them: each answer is its own stream's.
+    keys = list(range(3001, 3011))
+    streams = [StreamId(f"s{i:02d}", i % 3) for i in range(48)]
+    for i, stream in enumerate(streams):
+        tier = (GPU, CPU, OTHER)[i % 3]
+        ops = [store(k, k, tier) for k in keys] + [store(k, k, GPU) for k in keys[: i % 4]]
+        index.apply(stream, 0, 1.0, ops)
+        index.apply(stream, 1, 1.0, [remove(keys[i % 10], tier)] if i % 5 == 0 else [])
+    found = index.longest_prefix(keys, streams)
+    for i, stream in enumerate(streams):
+        tier = (GPU, CPU, OTHER)[i % 3]
+        own = [GPU if j < i % 4 else tier for j in range(10)]
+        if i % 5 == 0 and i % 10 >= i % 4:  # the removal left the block without a holder
+            own = own[: i % 10]
+        assert found[stream] == PrefixMatch(tuple(own)), stream
+
+
 def test_clear_of_unknown_stream_is_harmless(index: BlockIndex) -> None:
     seed(index, stream=S_OTHER)
     index.clear(S)
@@ -367,7 +407,7 @@ def test_longest_prefix_answers_every_requested_stream(index: BlockIndex) -> Non
 
 
 def test_longest_prefix_over_many_streams_answers_each(index: BlockIndex) -> None:
-    # More streams than one Redis script call walks (STREAMS_PER_LOOKUP), each holding a
+    # Streams over many Redis groups (and more than a v1 script call walked), each holding a
     # different prefix of the keys, in an order that is not the streams' sort order.
     keys = list(range(1001, 1081))
     streams = [StreamId(f"r{i:03d}", i % 2) for i in range(79, -1, -1)]

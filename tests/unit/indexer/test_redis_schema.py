@@ -11,6 +11,7 @@ from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.events import StreamId
 from kvindex.indexer.redis_schema import (
     DEFAULT_PREFIX,
+    INDEX_VERSION,
     META_TIER_PREFIX,
     META_TS,
     META_WATERMARK,
@@ -24,27 +25,55 @@ from kvindex.indexer.redis_schema import (
 
 
 def test_version_and_default_prefix() -> None:
-    assert SCHEMA_VERSION == "v1"
+    assert (SCHEMA_VERSION, INDEX_VERSION) == ("v1", "v2")
     assert DEFAULT_PREFIX == "kvindex"
     assert Schema() == Schema(DEFAULT_PREFIX)
 
 
 def test_root_and_streams_set_names() -> None:
     assert Schema().root == "kvindex:v1"
-    assert Schema().streams == "kvindex:v1:streams"
-    assert Schema("fleet-a").streams == "fleet-a:v1:streams"
+    assert Schema().index_root == "kvindex:v2"
+    assert Schema().streams == "kvindex:v2:streams"
+    assert Schema("fleet-a").streams == "fleet-a:v2:streams"
+    assert Schema().index_marker == "kvindex:v2:index"
 
 
 def test_stream_key_names() -> None:
-    keys = Schema("p").stream(StreamId("r1", 2))
+    stream = StreamId("r1", 2)
+    g = Schema("p").group_of(stream)
+    keys = Schema("p").stream(stream)
+    own = f"p:v2:{{ix{g}}}:r1/2"
     assert keys == StreamKeys(
-        keys="p:v1:{r1/2}:keys", hashes="p:v1:{r1/2}:hash", meta="p:v1:{r1/2}:meta"
+        meta=f"{own}:meta",
+        hashes=f"{own}:hash",
+        lost=f"{own}:lost",
+        holders=f"p:v2:{{ix{g}}}:holders",
+        members=f"p:v2:{{ix{g}}}:members",
     )
+    assert Schema("p").group(g) == (keys.holders, keys.members)
 
 
 def test_all_is_in_the_order_apply_batch_lua_reads() -> None:
     keys = Schema().stream(StreamId("r1"))
-    assert keys.all() == (keys.meta, keys.keys, keys.hashes)
+    assert keys.all() == (keys.meta, keys.hashes, keys.lost, keys.holders, keys.members)
+    assert keys.own() == (keys.meta, keys.hashes, keys.lost)
+
+
+def test_a_stream_group_is_a_pure_function_of_its_name_and_the_group_count() -> None:
+    stream = StreamId("pod-3", 1)
+    assert Schema("a").group_of(stream) == Schema("b").group_of(stream)
+    assert 0 <= Schema(index_groups=5).group_of(stream) < 5
+    assert Schema(index_groups=1).group_of(stream) == 0
+
+
+@pytest.mark.parametrize("groups", [0, -1, 1025])
+def test_a_bad_group_count_raises_schema_error(groups: int) -> None:
+    with pytest.raises(SchemaError, match="index groups"):
+        Schema(index_groups=groups)
+
+
+def test_the_old_index_keys_are_the_v1_streams_set_and_marker() -> None:
+    assert Schema("p").old_index_keys() == ["p:v1:streams", "p:v1:index"]
 
 
 def test_meta_field_names() -> None:
@@ -52,9 +81,9 @@ def test_meta_field_names() -> None:
 
 
 @pytest.mark.parametrize("stream", [StreamId("r1"), StreamId("r1", 7), StreamId("a.b:c-d_e", 3)])
-def test_stream_keys_share_the_stream_hash_slot(stream: StreamId) -> None:
+def test_stream_keys_share_the_group_hash_slot(stream: StreamId) -> None:
     slots = {key_slot(name.encode()) for name in Schema("p").stream(stream).all()}
-    assert slots == {key_slot(str(stream).encode())}
+    assert slots == {key_slot(f"ix{Schema('p').group_of(stream)}".encode())}
 
 
 def test_hash_tag_ignores_the_prefix() -> None:

@@ -27,7 +27,7 @@ from kvindex.indexer.index.protocol import (
     PrefixMatch,
     StreamStats,
 )
-from kvindex.indexer.index.redis import RedisIndex
+from kvindex.indexer.index.redis import RedisIndex, group_matches, holder_tiers
 from kvindex.indexer.redis_connection import RedisClient, connect, connect_bounded
 from kvindex.indexer.redis_schema import (
     DEFAULT_PREFIX,
@@ -36,6 +36,7 @@ from kvindex.indexer.redis_schema import (
     META_WATERMARK,
     Schema,
     SchemaError,
+    SchemaVersionError,
 )
 from tests.support.redis_cluster import ClusterNodes
 from tests.support.redis_server import RedisServer, free_port, running_redis
@@ -67,7 +68,19 @@ def contents(client: redis.Redis) -> dict[bytes, object]:
 
 
 def stream_keys(stream: StreamId, schema: Schema = SCHEMA) -> set[bytes]:
-    return {name.encode() for name in schema.stream(stream).all()}
+    """The keys a stream holding blocks has: its own (but ``lost``, which stays empty unless
+    an engine hash is stored again with another key) and its group's two hashes."""
+    names = schema.stream(stream)
+    return {n.encode() for n in (names.meta, names.hashes, names.holders, names.members)}
+
+
+def own_keys(stream: StreamId, schema: Schema = SCHEMA) -> set[bytes]:
+    return {name.encode() for name in schema.stream(stream).own()}
+
+
+def record(number: int, form: int) -> bytes:
+    """A 2-byte holder record (``redis_schema``): held once, on tier ``form``."""
+    return (number * 4 + form).to_bytes(2, "big")
 
 
 @pytest.fixture
@@ -105,17 +118,26 @@ def test_each_streams_keys_share_one_cluster_slot(
     in_redis = set(redis_client.scan_iter()) - {SCHEMA.streams.encode()}
     assert in_redis == set().union(*(stream_keys(s) for s in streams))
     for stream in streams:
-        slots = {key_slot(name) for name in stream_keys(stream)}
-        assert slots == {key_slot(str(stream).encode())}, stream
+        slots = {key_slot(name.encode()) for name in SCHEMA.stream(stream).all()}
+        assert slots == {key_slot(f"ix{SCHEMA.group_of(stream)}".encode())}, stream
+
+
+def test_streams_are_spread_over_the_groups() -> None:
+    groups = [SCHEMA.group_of(StreamId(f"r{i}")) for i in range(1_000)]
+    counts = [groups.count(g) for g in range(SCHEMA.index_groups)]
+    assert min(counts) > 1_000 / SCHEMA.index_groups / 2, counts
 
 
 def test_stored_layout(index: RedisIndex, redis_client: redis.Redis) -> None:
     key = 0x0102030405060708
     index.apply(S, 4, 1.5, [store(9, key), store(9, key), store(9, key, Tier.OTHER)])
     names = SCHEMA.stream(S)
-    # counts packed as gpu + cpu * 2**16 + other * 2**32 (one HINCRBY per store)
-    assert redis_client.hgetall(names.keys) == {be8(key)[2:]: str(2 + 2**32).encode()}
+    # stream number 0, the long form (3): counts gpu 2, cpu 0, other 1 as u16s
+    held = (0 * 4 + 3).to_bytes(2, "big") + bytes([0, 2, 0, 0, 0, 1])
+    assert redis_client.hgetall(names.holders) == {be8(key)[2:]: held}
     assert redis_client.hgetall(names.hashes) == {be8(9): be8(key)}
+    members = redis_client.hgetall(names.members)
+    assert (members[b"r1/0"], members[b"#next"], members[b"#groups"]) == (b"0", b"1", b"16")
     meta = redis_client.hgetall(names.meta)
     assert meta[META_WATERMARK.encode()] == b"4"
     assert float(meta[META_TS.encode()]) == 1.5
@@ -126,8 +148,28 @@ def test_stored_layout(index: RedisIndex, redis_client: redis.Redis) -> None:
 def test_default_prefix(redis_client: redis.Redis) -> None:
     RedisIndex(redis_client).apply(S, 0, 1.0, [store(1, 101)])
     names = {k.decode() for k in redis_client.scan_iter()}
-    assert names == {Schema().streams, *Schema().stream(S).all()}
-    assert all(name.startswith(f"{DEFAULT_PREFIX}:v1:") for name in names)
+    assert names == {Schema().streams, *(n.decode() for n in stream_keys(S, Schema()))}
+    assert all(name.startswith(f"{DEFAULT_PREFIX}:v2:") for name in names)  # the index's own
+
+
+def test_holders_of_one_block_share_its_field_in_number_order(
+    index: RedisIndex, redis_client: redis.Redis
+) -> None:
+    one_group = [s for s in (StreamId(f"g{i}") for i in range(200)) if SCHEMA.group_of(s) == 0]
+    a, b, c = one_group[:3]
+    index.apply(a, 0, 1.0, [store(1, 101)])
+    index.apply(c, 0, 1.0, [store(1, 101, Tier.OTHER)])
+    index.apply(b, 0, 1.0, [store(1, 101, Tier.CPU)])
+    holders = SCHEMA.group(0)[0]
+    assert redis_client.hget(holders, be8(101)[2:]) == record(0, 0) + record(1, 2) + record(2, 1)
+    index.apply(c, 1, 1.0, [(OpKind.REMOVE, Tier.OTHER, 1, 0)])
+    assert redis_client.hget(holders, be8(101)[2:]) == record(0, 0) + record(2, 1)
+    index.drop(a)
+    index.drop(b)
+    assert redis_client.hget(holders, be8(101)[2:]) is None
+    assert redis_client.exists(SCHEMA.group(0)[1]) == 1  # c still has its number
+    index.drop(c)
+    assert list(redis_client.scan_iter()) == []
 
 
 def test_two_prefixes_do_not_see_each_other(redis_client: redis.Redis) -> None:
@@ -153,11 +195,22 @@ def commands_run(client: redis.Redis) -> set[str]:
     return {name.removeprefix("cmdstat_") for name in stats} - {"info", "config|resetstat"}
 
 
+VISITS = {"evalsha", "hget", "hmget", "hvals", "smembers", "hset", "hdel", "del", "hincrby"}
+"""What a clear or drop may run: reads and writes of named keys (never KEYS, SCAN, HSCAN)."""
+
+
+def held_by_others(index: RedisIndex) -> object:
+    return [
+        (index.longest_prefix([101, 102], [s]), index.resolve(s, [1, 2]), index.stats(s))
+        for s in (S_RANK1, S_OTHER)
+    ]
+
+
 @pytest.mark.parametrize(
-    ("action", "commands", "listed_after"),
+    ("action", "listed_after"),
     [
-        (RedisIndex.clear, {"del"}, {b"r1/0", b"r1/1", b"r2/3"}),
-        (RedisIndex.drop, {"del", "srem"}, {b"r1/1", b"r2/3"}),
+        (RedisIndex.clear, {b"r1/0", b"r1/1", b"r2/3"}),
+        (RedisIndex.drop, {b"r1/1", b"r2/3"}),
     ],
     ids=["clear", "drop"],
 )
@@ -165,19 +218,18 @@ def test_clear_and_drop_touch_only_the_streams_keys(
     index: RedisIndex,
     redis_client: redis.Redis,
     action: Callable[[RedisIndex, StreamId], None],
-    commands: set[str],
     listed_after: set[bytes],
 ) -> None:
     for stream in (S, S_RANK1, S_OTHER):
         index.apply(stream, 0, 1.0, [store(1, 101), store(2, 102, Tier.CPU)])
-    others = {k: v for k, v in contents(redis_client).items() if k not in stream_keys(S)}
-    del others[SCHEMA.streams.encode()]
+    others = held_by_others(index)
     redis_client.config_resetstat()
     action(index, S)
-    assert commands_run(redis_client) == commands  # one stream's keys: never KEYS or SCAN
-    after = contents(redis_client)
-    assert after.pop(SCHEMA.streams.encode()) == listed_after
-    assert after == others
+    assert commands_run(redis_client) <= VISITS | {"srem"}  # never KEYS or a scan
+    assert redis_client.smembers(SCHEMA.streams) == listed_after
+    assert not any(redis_client.exists(name) for name in own_keys(S))
+    assert index.longest_prefix([101], [S]) == {S: PrefixMatch()}
+    assert held_by_others(index) == others
 
 
 def test_clear_of_unknown_stream_leaves_no_keys(
@@ -239,7 +291,7 @@ def test_retry_after_a_lost_reply_is_idempotent(
     # The server applied the batch; connect()'s retry sends it again, which is skipped.
     assert index.apply(S, 1, 2.0, [store(1, 101)]) == SKIPPED
     assert _LosesOneReply.num_lost == 1
-    assert redis_client.hget(SCHEMA.stream(S).keys, be8(101)[2:]) == b"1"
+    assert redis_client.hget(SCHEMA.stream(S).holders, be8(101)[2:]) == record(0, 0)
     assert index.stats(S) == StreamStats(S, 1, 2.0, GPU_ONLY)
 
 
@@ -430,7 +482,7 @@ def _calls(cluster: ClusterNodes) -> dict[str, int]:
     return total
 
 
-def test_a_cluster_lookup_is_one_script_per_slot_and_asks_nothing_else(
+def test_a_cluster_lookup_is_one_script_per_group_and_asks_nothing_else(
     redis_cluster: ClusterNodes, redis_cluster_client: RedisCluster
 ) -> None:
     index = _stored_fleet(redis_cluster_client)
@@ -439,11 +491,18 @@ def test_a_cluster_lookup_is_one_script_per_slot_and_asks_nothing_else(
         with redis_cluster.node(port) as client:
             client.config_resetstat()
     assert index.longest_prefix([101, 102, 103], FLEET) == _expected([101, 102, 103])
-    slots = {key_slot(SCHEMA.stream(s).keys.encode()) for s in FLEET}
+    groups = {SCHEMA.group_of(s) for s in FLEET}
+    # a group walks 101, then 102 (held by its odd streams, if any), then the first miss
+    with_odd = {SCHEMA.group_of(s) for i, s in enumerate(FLEET) if i % 2}
     calls = _calls(redis_cluster)
     assert calls.pop("cmdstat_config|resetstat") == len(redis_cluster.ports)
     calls.pop("cmdstat_hello", None)  # the connections _calls opened
-    assert calls == {"cmdstat_evalsha": len(slots), "cmdstat_hget": 12 * 2 + 12 * 3}
+    assert calls == {
+        "cmdstat_evalsha": len(groups),
+        "cmdstat_hmget": len(groups),  # the group's #gen: its numbering is known
+        "cmdstat_hget": 2 * len(groups) + len(with_odd),
+    }
+    assert len({redis_cluster.owner(key_slot(SCHEMA.group(g)[0].encode())) for g in groups}) > 1
 
 
 def test_a_cluster_lookup_after_every_master_flushed_its_scripts(
@@ -461,7 +520,7 @@ def test_a_stream_whose_slot_moved_to_another_master_is_still_read_and_written(
     index = _stored_fleet(redis_cluster_client)
     assert index.longest_prefix([101, 102], FLEET) == _expected([101, 102])
     moved = FLEET[1]
-    slot = key_slot(SCHEMA.stream(moved).keys.encode())
+    slot = key_slot(SCHEMA.stream(moved).holders.encode())
     before = redis_cluster.owner(slot)
     assert redis_cluster.move_slot(slot) != before  # the client's slot map is now stale
     assert index.longest_prefix([101, 102], FLEET) == _expected([101, 102])
@@ -474,10 +533,124 @@ def test_a_cluster_node_used_as_standalone_is_unavailable_with_the_fix_named(
     redis_cluster: ClusterNodes, redis_cluster_client: RedisCluster
 ) -> None:
     """Before cluster support this was a MovedError that ended the process."""
-    slot = key_slot(SCHEMA.stream(S).keys.encode())
+    slot = key_slot(SCHEMA.stream(S).holders.encode())
     elsewhere = next(p for p in redis_cluster.ports if p != redis_cluster.owner(slot))
     standalone = connect(f"redis://127.0.0.1:{elsewhere}/0", cluster="off")
     index = RedisIndex(standalone, SCHEMA)
     with pytest.raises(IndexUnavailableError, match='set redis_cluster = "on"'):
         index.apply(S, 1, 1.0, [store(1, 101)])
     index.close()
+
+
+# --- schema v2: versions, group counts, the groups' numbering -------------------------------
+
+
+@pytest.mark.parametrize("left", ["test:v1:streams", "test:v1:index"])
+def test_an_index_opened_on_v1_data_refuses_with_the_fix_named(
+    index: RedisIndex, redis_client: redis.Redis, left: str
+) -> None:
+    redis_client.set(left, "x") if left.endswith("index") else redis_client.sadd(left, "r1/0")
+    with pytest.raises(SchemaVersionError, match=r"older schema .*test:v1:\*"):
+        index.intact()
+    assert not any(k.startswith(b"test:v2") for k in redis_client.scan_iter())
+    redis_client.delete(left)
+    assert index.intact()
+
+
+def test_processes_with_another_group_count_are_refused(redis_client: redis.Redis) -> None:
+    index = RedisIndex(redis_client, SCHEMA)
+    index.apply(S, 0, 1.0, [store(1, 101)])
+    other = RedisIndex(redis_client, Schema("test", index_groups=1))
+    # the one group of a 1-group process is group 0, which a 16-group writer also uses
+    writer = next(s for s in (StreamId(f"w{i}") for i in range(100)) if SCHEMA.group_of(s) == 0)
+    index.apply(writer, 0, 1.0, [store(1, 101)])
+    with pytest.raises(SchemaVersionError, match="16 stream groups"):
+        other.apply(StreamId("elsewhere"), 0, 1.0, [store(1, 101)])
+    with pytest.raises(SchemaVersionError, match="16 stream groups"):
+        other.longest_prefix([101], [writer])
+    assert index.longest_prefix([101], [S, writer]) == {
+        S: PrefixMatch((Tier.GPU,)),
+        writer: PrefixMatch((Tier.GPU,)),
+    }
+
+
+def _same_group(n: int) -> list[StreamId]:
+    found = (s for s in (StreamId(f"n{i}") for i in range(1_000)) if SCHEMA.group_of(s) == 3)
+    return [next(found) for _ in range(n)]
+
+
+def test_a_number_freed_by_a_drop_and_reused_is_read_with_its_new_stream(
+    redis_client: redis.Redis,
+) -> None:
+    writer, reader = RedisIndex(redis_client, SCHEMA), RedisIndex(redis_client, SCHEMA)
+    old, kept, new = _same_group(3)
+    writer.apply(old, 0, 1.0, [store(1, 101)])
+    writer.apply(kept, 0, 1.0, [store(1, 101), store(2, 102)])
+    assert reader.longest_prefix([101, 102], [old, kept, new]) == {
+        old: PrefixMatch((Tier.GPU,)),
+        kept: PrefixMatch((Tier.GPU, Tier.GPU)),
+        new: PrefixMatch(),
+    }
+    writer.drop(old)
+    writer.apply(new, 0, 1.0, [store(1, 101), store(2, 102, Tier.CPU)])  # old's number
+    assert redis_client.hget(SCHEMA.stream(new).members, str(new)) == b"0"
+    assert reader.longest_prefix([101, 102], [old, kept, new]) == {
+        old: PrefixMatch(),
+        kept: PrefixMatch((Tier.GPU, Tier.GPU)),
+        new: PrefixMatch((Tier.GPU, Tier.CPU)),
+    }
+
+
+def test_a_numbering_lost_with_the_data_is_never_taken_for_the_one_before(
+    redis_client: redis.Redis,
+) -> None:
+    writer, reader = RedisIndex(redis_client, SCHEMA), RedisIndex(redis_client, SCHEMA)
+    first, second = _same_group(2)
+    writer.apply(first, 0, 1.0, [store(1, 101)])
+    writer.apply(second, 0, 1.0, [store(2, 201)])
+    assert reader.longest_prefix([101], [first, second])[first] == PrefixMatch((Tier.GPU,))
+    redis_client.flushall()  # the numbering goes too; the next one starts elsewhere
+    writer.apply(second, 0, 1.0, [store(1, 101)])  # number 0 now, first's before
+    assert reader.longest_prefix([101], [first, second]) == {
+        first: PrefixMatch(),
+        second: PrefixMatch((Tier.GPU,)),
+    }
+
+
+def test_a_lookup_reads_the_numbering_only_when_it_changed(
+    index: RedisIndex, redis_client: redis.Redis
+) -> None:
+    a, b = _same_group(2)
+    index.apply(a, 0, 1.0, [store(1, 101)])
+    index.longest_prefix([101], [a, b])
+    redis_client.config_resetstat()
+    index.longest_prefix([101], [a, b])
+    assert "hgetall" not in commands_run(redis_client)
+    index.apply(b, 0, 1.0, [store(1, 101)])
+    redis_client.config_resetstat()
+    assert index.longest_prefix([101], [a, b]) == dict.fromkeys([a, b], PrefixMatch((Tier.GPU,)))
+    assert "hgetall" in commands_run(redis_client)
+
+
+def test_a_lookup_of_many_streams_is_one_script_on_standalone_redis(
+    index: RedisIndex, redis_client: redis.Redis
+) -> None:
+    fleet = [StreamId(f"f{i}") for i in range(200)]
+    for stream in fleet:
+        index.apply(stream, 0, 1.0, [store(1, 101)])
+    index.longest_prefix([101, 102], fleet)
+    redis_client.config_resetstat()
+    assert index.longest_prefix([101, 102], fleet) == dict.fromkeys(fleet, PrefixMatch((Tier.GPU,)))
+    stats = redis_client.info("commandstats")
+    groups = len({SCHEMA.group_of(s) for s in fleet})
+    assert stats["cmdstat_evalsha"]["calls"] == 1
+    assert stats["cmdstat_hget"]["calls"] == 2 * groups  # block 101, then the miss
+
+
+def test_bad_holder_records_never_crash_the_reader() -> None:
+    assert holder_tiers(b"") == {}
+    assert holder_tiers(b"\x00") == {}  # a torn record is ignored
+    assert holder_tiers(record(5, 1) + record(9, 2)) == {5: 1, 9: 2}
+    assert holder_tiers(bytes([0, 3, 0, 0, 0, 1, 0, 0])) == {0: 1}
+    assert holder_tiers(record(2, 0) + bytes([0, 7, 0, 1])) == {2: 0}
+    assert group_matches([]) == {}
