@@ -1,7 +1,8 @@
 """Frames dropped past the replicas' send high-water mark: the indexer is stopped
 (SIGSTOP) while the replicas take a flood of long prompts (each evicts the whole pool), so
 their PUB queues overflow and live frames are lost; then the indexer resumes and traffic
-goes on (a later frame is what shows the gap).
+goes on until a later frame shows the gap (the indexer's receive queue is bounded, so while
+it drains the backlog, traffic can overflow the replicas' small queues again).
 
 With a replay endpoint, the gap is repaired by replay: the index agrees exactly again.
 Without one, the stream's history is lost: no block whose eviction was dropped may stay
@@ -66,6 +67,21 @@ def _num_gaps(fleet: FaultFleet) -> int:
     return sum(s["counters"]["num_gaps"] for s in fleet.streams().values())
 
 
+def _reveal_gap(fleet: FaultFleet, gaps: int, prefix: str) -> list[str]:
+    """Drive two prompts at a time until the streams count a new gap: the indexer has then
+    drained the flood's backlog (its receive queue is bounded, so the backlog waits in TCP
+    and in the replicas' 8-message queues, and traffic sent while it drains can be dropped
+    too). Returns the prompts driven, for the check's lost history."""
+    driven: list[str] = []
+    deadline = time.monotonic() + 5.0
+    while _num_gaps(fleet) <= gaps and time.monotonic() < deadline:
+        prompts = prompts_of(f"{prefix}{len(driven)}", 2)
+        fleet.drive(prompts)
+        driven += prompts
+        time.sleep(0.2)
+    return driven
+
+
 def _wait_gaps_seen(fleet: FaultFleet, at_least: int) -> None:
     """The fault did happen: the streams counted a gap (published within the sync period)."""
     deadline = time.monotonic() + 3.0
@@ -83,12 +99,13 @@ def test_frames_dropped_past_the_hwm_are_repaired_by_replay(
     gaps = _num_gaps(fleet)
     flooded = _flood_while_stopped(fleet, scale)
     since = time.monotonic()
+    revealed = _reveal_gap(fleet, gaps, "hr")  # traffic goes on: its frames show the gap
     after = prompts_of("ha", 4)
-    fleet.drive(after)  # traffic goes on: its frames show the gap
+    fleet.drive(after)
     recorder.converge(
         "frames dropped past HWM, replay",
         fleet,
-        before + flooded + after,
+        before + flooded + revealed + after,
         since=since,
         bound_s=bound_s(scale),
         hold_s=scale.hold_s,
@@ -107,8 +124,7 @@ def test_frames_dropped_past_the_hwm_without_replay_leave_no_stale_credit(
     gaps = _num_gaps(fleet)
     flooded = _flood_while_stopped(fleet, scale)
     since = time.monotonic()
-    reveal = prompts_of("nr", 2)
-    fleet.drive(reveal)  # shows the gap; may be cleared with the lost history
+    reveal = _reveal_gap(fleet, gaps, "nr")  # shows the gap; cleared with the lost history
     fresh = prompts_of("nf", 4)
     fleet.drive(fresh)
     recorder.converge(
