@@ -66,6 +66,7 @@ HOP_BY_HOP = frozenset(
     }
 )
 _NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length"}
+_MAX_URLS = 4096
 
 
 class UpstreamFailedError(KvIndexError):
@@ -222,6 +223,9 @@ class Forwarder:
             pool=settings.connect_timeout_s,
         )
         self._extensions = {"timeout": timeout.as_dict()}
+        self._target_to_url: dict[tuple[str, str], httpx.URL] = {}
+        """(replica URL, path) → the parsed URL (parsing one is a good part of a request's
+        cost); bounded: cleared when full (pass-through paths vary with their queries)."""
         self._upstream = transport or ReplicaTransport(
             max_connections=settings.max_connections,
             connect_timeout_s=settings.connect_timeout_s,
@@ -229,6 +233,14 @@ class Forwarder:
 
     async def close(self) -> None:
         await self._upstream.aclose()
+
+    def _url(self, root: str, path: str) -> httpx.URL:
+        url = self._target_to_url.get((root, path))
+        if url is None:
+            if len(self._target_to_url) >= _MAX_URLS:
+                self._target_to_url.clear()
+            url = self._target_to_url[(root, path)] = httpx.URL(root.rstrip("/") + path)
+        return url
 
     def deadline(self) -> float:
         """The loop time by which a request arriving now must be done."""
@@ -295,7 +307,7 @@ class Forwarder:
             sent = with_api_key(headers, self._settings.api_key_of(upstream.replica))
             request = httpx.Request(
                 method,
-                upstream.url.rstrip("/") + path,
+                self._url(upstream.url, path),
                 content=body,
                 headers=sent,
                 extensions=self._extensions,
