@@ -85,12 +85,18 @@ class _Connection(asyncio.Protocol):
             raise
 
     async def body(self) -> AsyncIterator[bytes]:
-        """The answer's body as it comes; raises ``RemoteProtocolError`` when it breaks."""
+        """The answer's body as it comes; raises ``RemoteProtocolError`` when it breaks.
+        What has arrived since the last read comes as one piece: the same bytes, never
+        waited for, and one write to the client instead of one per event when a stream's
+        events come faster than the client takes them."""
         while True:
-            while self._chunks:
-                chunk = self._chunks.popleft()
+            if self._chunks:
+                chunks = self._chunks
+                chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+                chunks.clear()
                 self._drained(len(chunk))
                 yield chunk
+                continue
             if self._error is not None:
                 raise self._error
             if self._complete:

@@ -138,6 +138,28 @@ def test_a_chunked_answer_comes_chunk_by_chunk_as_it_is_sent() -> None:
     _run(test)
 
 
+def test_chunks_that_arrived_together_are_read_as_one_piece() -> None:
+    async def script(_: bytes, __: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        events = b"".join(b"9\r\ndata: %d\n\n\r\n" % i for i in range(5))
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + events)
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.write(b"9\r\ndata: 5\n\n\r\n0\r\n\r\n")
+        await writer.drain()
+
+    async def test() -> None:
+        async with Replica(script) as replica:
+            transport = _transport()
+            response = await transport.handle_async_request(httpx.Request("GET", replica.url))
+            await asyncio.sleep(0.05)  # the first five events are in, the sixth is not
+            chunks = [chunk async for chunk in response.aiter_raw()]
+            await response.aclose()
+            await transport.aclose()
+        assert chunks == [b"".join(b"data: %d\n\n" % i for i in range(5)), b"data: 5\n\n"]
+
+    _run(test)
+
+
 def test_an_answer_closed_before_its_end_closes_its_connection() -> None:
     async def script(_: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n")
