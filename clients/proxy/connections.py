@@ -104,6 +104,10 @@ class _Connection(asyncio.Protocol):
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
 
+    def all_read(self) -> bool:
+        """The answer is complete and every chunk of it has been read."""
+        return self._complete and self._error is None and not self._chunks
+
     def reusable(self) -> bool:
         """The answer was read to its end and both sides keep the connection alive."""
         return (
@@ -293,12 +297,18 @@ class _Pool:
                 return
 
 
-class _Body(httpx.AsyncByteStream):
+class AnswerBody(httpx.AsyncByteStream):
     """An answer's body on its connection; closing it gives the connection back."""
 
     def __init__(self, pool: _Pool, connection: _Connection) -> None:
         self._pool = pool
         self._connection: _Connection | None = connection
+
+    def all_read(self) -> bool:
+        """Every byte of the body has been read: nothing more will come (the forwarder
+        then sends the end with the last chunk: one write to the client, not two)."""
+        connection = self._connection
+        return connection is not None and connection.all_read()
 
     def __aiter__(self) -> AsyncIterator[bytes]:
         if self._connection is None:
@@ -335,7 +345,7 @@ class ReplicaTransport(httpx.AsyncBaseTransport):
         return httpx.Response(
             connection.status,
             headers=connection.headers,
-            stream=_Body(pool, connection),
+            stream=AnswerBody(pool, connection),
             request=request,
             extensions={"http_version": b"HTTP/1.1"},
         )

@@ -41,7 +41,7 @@ import httpx
 from starlette.types import Receive, Scope, Send
 
 from kvindex.api.load.reservations import Reservation, Reservations
-from kvindex.clients.proxy.connections import ReplicaTransport
+from kvindex.clients.proxy.connections import AnswerBody, ReplicaTransport
 from kvindex.clients.proxy.metrics import ProxyMetrics
 from kvindex.clients.proxy.retry_policy import RetryPolicy
 from kvindex.clients.proxy.settings import ProxySettings
@@ -472,21 +472,25 @@ class StreamedAnswer:
         whole = int(length) if length is not None and length.isdigit() else None
         idle_s, loop = self.idle_timeout_s, asyncio.get_running_loop()
         idle = asyncio.timeout(self.first_chunk_timeout_s)
+        ended = False  # the client has been told the body ends
         try:
             async with asyncio.timeout_at(self.deadline), idle:
                 async for chunk in response.aiter_raw():
                     idle.reschedule(None)  # a slow client is not an idle replica
-                    if whole is not None and response.num_bytes_downloaded >= whole:
+                    ended = _all_read(response)  # then the end goes with this chunk
+                    if ended or (whole is not None and response.num_bytes_downloaded >= whole):
                         await self._done()  # the client has it all with this chunk
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    message = {"type": "http.response.body", "body": chunk, "more_body": not ended}
+                    await send(message)
                     idle.reschedule(None if idle_s is None else loop.time() + idle_s)
         except (TimeoutError, httpx.HTTPError) as exc:
             why = "past the total deadline" if isinstance(exc, TimeoutError) else repr(exc)
             why = "no chunk within the idle timeout" if idle.expired() else why
             logger.warning("answer from %s ended early: %s", self.opened.upstream.replica, why)
             return  # the head is sent: all that is left to say is that the body ends here
-        await self._done()
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if not ended:
+            await self._done()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _done(self) -> None:
         """The replica has sent its last byte: no longer in flight, released before the
@@ -494,6 +498,13 @@ class StreamedAnswer:
         self._reason = "done"
         if self.opened.dispatch is not None:
             await self.opened.dispatch.release("done")
+
+
+def _all_read(response: httpx.Response) -> bool:
+    """The answer's body has all come with the chunk just read (known of an answer over
+    :class:`~.connections.ReplicaTransport`; of another, never: its end is sent alone)."""
+    stream = response.stream
+    return isinstance(stream, AnswerBody) and stream.all_read()
 
 
 class ClientWatch:

@@ -1,4 +1,5 @@
-"""The replicas' HTTP/1.1 connections, against a scripted server on a loopback port."""
+"""The replicas' HTTP/1.1 connections, against a scripted server on a loopback port (and the
+forwarder's answer on them)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,13 @@ from typing import Any
 
 import httpx
 import pytest
+from starlette.types import Message
 
 from kvindex.clients.proxy.connections import ReplicaTransport
+from kvindex.clients.proxy.forwarding import Forwarder, StreamedAnswer
+from kvindex.clients.proxy.metrics import ProxyMetrics
+from kvindex.clients.proxy.settings import ProxySettings
+from kvindex.clients.proxy.upstream import Upstream
 
 Script = Callable[[bytes, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 """How the server answers one request (its head and body given): writes, waits, closes."""
@@ -301,3 +307,37 @@ def test_a_head_answer_has_no_body_and_a_bad_header_is_refused() -> None:
         assert len(replica.requests) == 1
 
     _run(test)
+
+
+def test_the_end_of_an_answer_goes_to_the_client_with_its_last_chunk() -> None:
+    """One write less to the client: the forwarder sends the last chunk as the body's end
+    when the connection says nothing more will come; a chunk still followed by others is
+    sent on its own, at once."""
+    sent: list[Message] = []
+
+    async def script(_: bytes, __: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n9\r\ndata: 1\n\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.write(b"9\r\ndata: 2\n\n\r\n0\r\n\r\n")
+        await writer.drain()
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    async def stays() -> Message:
+        await asyncio.sleep(10)
+        return {"type": "http.disconnect"}
+
+    async def test() -> None:
+        async with Replica(script) as replica:
+            forwarder = Forwarder(ProxySettings(), ProxyMetrics())
+            upstreams = (Upstream("r1", replica.url),)
+            opened = await forwarder.open("/", b"{}", [], upstreams, forwarder.deadline())
+            answer = StreamedAnswer(opened, "rid", forwarder.deadline(), lambda *a: None)
+            await answer({"type": "http"}, stays, send)
+            await forwarder.close()
+
+    _run(test)
+    bodies = [(m["body"], m["more_body"]) for m in sent[1:]]
+    assert bodies == [(b"data: 1\n\n", True), (b"data: 2\n\n", False)]
