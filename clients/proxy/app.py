@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +33,7 @@ from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvindex.api.body_limit import BodyTimeoutError, BodyTooLargeError
 from kvindex.api.score import RequestError, UnknownModelError
@@ -89,10 +89,32 @@ class ProxyParts:
         self.auth = InboundAuth(self.proxy.auth_token)
 
 
+class _ProxyApp(Starlette):
+    """Starlette, but the forwarded routes' requests (``POST`` to an exact path of
+    ``hot``) go straight to their endpoint: the framework's middleware and router (tens of
+    microseconds a request, measured) add nothing there. The endpoint is the route's own,
+    which answers every error itself (an error past the answer's start reaches the
+    server, as through Starlette). Under a ``root_path`` everything goes through the router."""
+
+    def __init__(self, hot: Mapping[str, ASGIApp], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._hot = hot
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
+            endpoint = self._hot.get(scope["path"])
+            if endpoint is not None:
+                scope["app"] = self
+                await endpoint(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+
 def create_proxy_app(
     parts: ProxyParts, lifespan: Callable[[Starlette], Any] | None = None
 ) -> Starlette:
-    routes = [Route(path, _forwarded(parts, path), methods=["POST"]) for path in FORWARDED_ROUTES]
+    hot = {path: _Forwarded(parts, path) for path in FORWARDED_ROUTES}
+    routes = [Route(path, hot[path], methods=["POST"]) for path in FORWARDED_ROUTES]
     routes += [
         Route("/v1/models", _guarded(parts, _models(parts)), methods=["GET"]),
         Route("/health", _ok, methods=["GET"]),
@@ -105,7 +127,7 @@ def create_proxy_app(
             methods=PASSTHROUGH_METHODS,
         ),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    return _ProxyApp(hot, routes=routes, lifespan=lifespan)
 
 
 _STATUS_OF: tuple[tuple[tuple[type[BaseException], ...], int, str], ...] = (
@@ -153,7 +175,7 @@ class _Forwarded:
         headers = request.headers.items()
         request_id = request_id_of(headers)
         try:
-            self.parts.auth.check(request.url.path, request.headers)
+            self.parts.auth.check(scope["path"], request.headers)
             answer = await self._answer(request, headers, request_id, started)
         except Exception as exc:
             response = _error_response(exc, request_id)
@@ -209,10 +231,6 @@ class _Forwarded:
         metrics = self.parts.metrics
         metrics.requests.labels(self.path, str(status), replica).inc()
         metrics.duration.labels(self.path).observe(time.perf_counter() - started)
-
-
-def _forwarded(parts: ProxyParts, path: str) -> Any:
-    return _Forwarded(parts, path)
 
 
 def _target(scope: Scope) -> str:

@@ -30,16 +30,18 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import httpx
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from kvindex.api.load.reservations import Reservation, Reservations
+from kvindex.clients.proxy.connections import AnswerBody, ReplicaTransport
 from kvindex.clients.proxy.metrics import ProxyMetrics
 from kvindex.clients.proxy.retry_policy import RetryPolicy
 from kvindex.clients.proxy.settings import ProxySettings
@@ -64,6 +66,7 @@ HOP_BY_HOP = frozenset(
     }
 )
 _NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length"}
+_MAX_URLS = 4096
 
 
 class UpstreamFailedError(KvIndexError):
@@ -182,13 +185,16 @@ class Opened:
     response: httpx.Response
     dispatch: Dispatch | None = None
     """The request in flight (released by the answer once its last byte is sent)."""
+    watch: ClientWatch | None = None
+    """Its client's watch (:meth:`Forwarder.open` given a ``receive``), for the answer's
+    stream to go on with (and stop)."""
 
 
 class Forwarder:
-    """Sends requests upstream, one pooled HTTP client per replica URL, made at its first
-    request and owned (:meth:`close`). One pool per replica because httpcore scans every
-    connection of a pool at each request: a fleet-wide pool costs more per request the
-    larger the fleet. ``transport`` replaces the network transport (tests).
+    """Sends requests upstream straight to a transport (no ``httpx.AsyncClient``: its
+    cookies, redirects, auth and default headers are a proxy's to leave alone), by default
+    a :class:`~.connections.ReplicaTransport` (one keep-alive pool per replica), owned
+    (:meth:`close`). ``transport`` replaces it (tests).
     ``on_outcome(replica, ok, what)`` hears of the attempts' outcomes (a connect error, a
     broken answer or a 5xx is a failure, an answer below 500 a success; a timeout or a
     retried 408/429 is neither): the replicas' breakers."""
@@ -205,40 +211,36 @@ class Forwarder:
     ) -> None:
         self._settings = settings
         self._metrics = metrics
-        self._transport = transport
         self._retry = retry or RetryPolicy(settings)
         self._desk = desk or ReservationDesk(None, metrics, blocking=False)
         self._on_outcome = on_outcome
-        self._url_to_client: dict[str, httpx.AsyncClient] = {}
-        # The head's and the chunks' waits are bounded on the loop (first byte, idle);
-        # httpx's read timeout is only the backstop of both.
-        self._timeout = httpx.Timeout(
+        # The head's and the chunks' waits are bounded on the loop (first byte, idle); the
+        # transport's own timeouts (TLS: httpx's) are only the backstop of both.
+        timeout = httpx.Timeout(
             connect=settings.connect_timeout_s,
             read=max(settings.first_byte_timeout_s, settings.stream_idle_timeout_s),
             write=settings.first_byte_timeout_s,
             pool=settings.connect_timeout_s,
         )
-        self._limits = httpx.Limits(
+        self._extensions = {"timeout": timeout.as_dict()}
+        self._target_to_url: dict[tuple[str, str], httpx.URL] = {}
+        """(replica URL, path) → the parsed URL (parsing one is a good part of a request's
+        cost); bounded: cleared when full (pass-through paths vary with their queries)."""
+        self._upstream = transport or ReplicaTransport(
             max_connections=settings.max_connections,
-            max_keepalive_connections=settings.max_connections,
+            connect_timeout_s=settings.connect_timeout_s,
         )
 
-    def _client(self, url: str) -> httpx.AsyncClient:
-        client = self._url_to_client.get(url)
-        if client is None:
-            client = httpx.AsyncClient(
-                timeout=self._timeout,
-                limits=self._limits,
-                trust_env=False,
-                transport=self._transport,
-            )
-            self._url_to_client[url] = client
-        return client
-
     async def close(self) -> None:
-        clients, self._url_to_client = list(self._url_to_client.values()), {}
-        for client in clients:
-            await client.aclose()
+        await self._upstream.aclose()
+
+    def _url(self, root: str, path: str) -> httpx.URL:
+        url = self._target_to_url.get((root, path))
+        if url is None:
+            if len(self._target_to_url) >= _MAX_URLS:
+                self._target_to_url.clear()
+            url = self._target_to_url[(root, path)] = httpx.URL(root.rstrip("/") + path)
+        return url
 
     def deadline(self) -> float:
         """The loop time by which a request arriving now must be done."""
@@ -267,12 +269,19 @@ class Forwarder:
         (a request chosen next sees it)."""
         attempts = self._retry.attempts(upstreams)
         first = await self._desk.reserve(attempts[0]) if attempts else None
+        watch = None if receive is None else ClientWatch(receive)
         opening = self._attempts(
             path, body, headers, attempts, deadline, method=method, route=route, first=first
         )
         try:
-            return await (opening if receive is None else _unless_gone(opening, receive))
+            if watch is None:
+                return await opening
+            with watch.guard():
+                opened = await opening
+            return dataclasses.replace(opened, watch=watch)
         except BaseException as exc:
+            if watch is not None:
+                watch.stop()
             if first is not None:  # an attempt cancelled before it ran holds it still
                 gone = isinstance(exc, ClientGoneError | asyncio.CancelledError)
                 await first.release("disconnect" if gone else "error")
@@ -295,16 +304,17 @@ class Forwarder:
             if number > 1:
                 self._metrics.retries.labels(route or path).inc()
                 await asyncio.sleep(self._retry.backoff_s(number))
-            client = self._client(upstream.url)
             sent = with_api_key(headers, self._settings.api_key_of(upstream.replica))
-            request = client.build_request(
-                method, upstream.url.rstrip("/") + path, content=body, headers=sent
+            request = httpx.Request(
+                method,
+                self._url(upstream.url, path),
+                content=body,
+                headers=sent,
+                extensions=self._extensions,
             )
             reserved = first if number == 1 else None
             dispatch = reserved or await self._desk.reserve(upstream)
-            response = await self._sent(
-                client, request, upstream, deadline, failures, dispatch=dispatch
-            )
+            response = await self._sent(request, upstream, deadline, failures, dispatch=dispatch)
             if response is None:
                 continue
             if self._retry.retries_status(response.status_code) and number < len(attempts):
@@ -319,7 +329,6 @@ class Forwarder:
 
     async def _sent(
         self,
-        client: httpx.AsyncClient,
         request: httpx.Request,
         upstream: Upstream,
         deadline: float,
@@ -329,7 +338,7 @@ class Forwarder:
     ) -> httpx.Response | None:
         """:meth:`_send`, its request released when it fails (or the client went away)."""
         try:
-            response = await self._send(client, request, upstream, deadline, failures)
+            response = await self._send(request, upstream, deadline, failures)
         except asyncio.CancelledError:
             await dispatch.release("disconnect")
             raise
@@ -342,7 +351,6 @@ class Forwarder:
 
     async def _send(
         self,
-        client: httpx.AsyncClient,
         request: httpx.Request,
         upstream: Upstream,
         deadline: float,
@@ -352,7 +360,7 @@ class Forwarder:
         first_byte = asyncio.get_running_loop().time() + self._settings.first_byte_timeout_s
         try:
             async with asyncio.timeout_at(min(deadline, first_byte)):
-                return await client.send(request, stream=True)
+                return await self._upstream.handle_async_request(request)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             self._failed(upstream, "connect", failures, exc)
             return None
@@ -411,6 +419,7 @@ class StreamedAnswer:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = self.opened.response
         self._reason = "error"  # until the last byte is sent
+        watch = self.opened.watch
         try:
             await send(
                 {
@@ -420,10 +429,15 @@ class StreamedAnswer:
                 }
             )
             if "content-length" in response.headers:
-                await self._stream(send)  # a whole answer, already coming: nothing to abort
+                if watch is not None:
+                    watch.stop()  # a whole answer, already coming: nothing to abort
+                await self._stream(send)
             else:
-                await self._stream_watched(send, receive)
+                watch = watch or ClientWatch(receive)
+                await self._stream_watched(send, watch)
         finally:
+            if watch is not None:
+                watch.stop()
             await response.aclose()
             self.on_done(response.status_code, self.opened.upstream.replica)
             if self.opened.dispatch is not None:
@@ -441,19 +455,14 @@ class StreamedAnswer:
             (REPLICA_HEADER.encode(), self.opened.upstream.replica.encode("latin-1")),
         ]
 
-    async def _stream_watched(self, send: Send, receive: Receive) -> None:
-        """:meth:`_stream`, cancelled if the client goes away first (the upstream
-        connection is then closed: the replica sees the request aborted)."""
-        streaming = asyncio.ensure_future(self._stream(send))
-        watching = asyncio.ensure_future(_disconnect(receive))
-        await asyncio.wait({streaming, watching}, return_when=asyncio.FIRST_COMPLETED)
-        watching.cancel()
-        if not streaming.done():
-            streaming.cancel()
+    async def _stream_watched(self, send: Send, watch: ClientWatch) -> None:
+        """:meth:`_stream`, ended if the client goes away first (the upstream connection
+        is then closed: the replica sees the request aborted)."""
+        try:
+            with watch.guard():
+                await self._stream(send)
+        except ClientGoneError:
             self._reason = "disconnect"
-        await asyncio.wait({streaming, watching})
-        if not streaming.cancelled():
-            streaming.result()
 
     async def _stream(self, send: Send) -> None:
         """Every chunk as it comes; a stream past the total deadline, idle too long or
@@ -463,21 +472,25 @@ class StreamedAnswer:
         whole = int(length) if length is not None and length.isdigit() else None
         idle_s, loop = self.idle_timeout_s, asyncio.get_running_loop()
         idle = asyncio.timeout(self.first_chunk_timeout_s)
+        ended = False  # the client has been told the body ends
         try:
             async with asyncio.timeout_at(self.deadline), idle:
                 async for chunk in response.aiter_raw():
                     idle.reschedule(None)  # a slow client is not an idle replica
-                    if whole is not None and response.num_bytes_downloaded >= whole:
+                    ended = _all_read(response)  # then the end goes with this chunk
+                    if ended or (whole is not None and response.num_bytes_downloaded >= whole):
                         await self._done()  # the client has it all with this chunk
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    message = {"type": "http.response.body", "body": chunk, "more_body": not ended}
+                    await send(message)
                     idle.reschedule(None if idle_s is None else loop.time() + idle_s)
         except (TimeoutError, httpx.HTTPError) as exc:
             why = "past the total deadline" if isinstance(exc, TimeoutError) else repr(exc)
             why = "no chunk within the idle timeout" if idle.expired() else why
             logger.warning("answer from %s ended early: %s", self.opened.upstream.replica, why)
             return  # the head is sent: all that is left to say is that the body ends here
-        await self._done()
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if not ended:
+            await self._done()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _done(self) -> None:
         """The replica has sent its last byte: no longer in flight, released before the
@@ -487,26 +500,67 @@ class StreamedAnswer:
             await self.opened.dispatch.release("done")
 
 
-async def _unless_gone(opening: Coroutine[Any, Any, Opened], receive: Receive) -> Opened:
-    """``opening``'s result, unless the client goes away first: then it is cancelled (its
-    attempt's connection closed, its request released) and :class:`ClientGoneError` raised."""
-    task = asyncio.ensure_future(opening)
-    watching = asyncio.ensure_future(_disconnect(receive))
-    try:
-        await asyncio.wait({task, watching}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watching.cancel()
-        if not task.done():
-            task.cancel()
-        await asyncio.wait({task, watching})
-    if task.cancelled():
-        raise ClientGoneError("the client went away before the answer started")
-    return task.result()
+def _all_read(response: httpx.Response) -> bool:
+    """The answer's body has all come with the chunk just read (known of an answer over
+    :class:`~.connections.ReplicaTransport`; of another, never: its end is sent alone)."""
+    stream = response.stream
+    return isinstance(stream, AnswerBody) and stream.all_read()
 
 
-async def _disconnect(receive: Receive) -> None:
-    """Return when the client has gone away (the request body has been read whole)."""
-    while True:
-        message: Message = await receive()
-        if message["type"] == "http.disconnect":
+class ClientWatch:
+    """Notices a client going away, for one request, with one task and no wait: the task
+    reads the request's ``receive`` (its body read whole, so the next message says the
+    client left) and, while the request is inside :meth:`guard`, cancels the task serving
+    it; the guard turns that cancellation into :class:`ClientGoneError` (a client gone
+    before the guard is entered raises it at once). Any other cancellation passes through
+    untouched. The task starts with the first :meth:`guard`; :meth:`stop` ends it
+    (idempotent; it is not waited for).
+
+    Why not race the request against a watcher with ``asyncio.wait``: that is two tasks
+    and two waits for each stage of every request, a good part of the proxy's own time."""
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self._task: asyncio.Task[None] | None = None
+        self._owner: asyncio.Task[Any] | None = None
+        """The task serving the request, while it is inside a guard."""
+        self._cancelled = False
+        self._stopped = False
+        self.gone = False
+
+    def guard(self) -> ClientWatch:
+        """A context manager (``with watch.guard(): ...``), see the class's contract."""
+        if self._task is None and not self._stopped:
+            self._task = asyncio.ensure_future(self._watch())
+        return self
+
+    def __enter__(self) -> None:
+        if self.gone:
+            raise ClientGoneError("the client went away")
+        self._owner = asyncio.current_task()
+
+    def __exit__(self, kind: type[BaseException] | None, exc: object, tb: object) -> None:
+        owner, self._owner = self._owner, None
+        if not self._cancelled:
             return
+        self._cancelled = False
+        if owner is not None:
+            owner.uncancel()
+        if kind is asyncio.CancelledError:
+            raise ClientGoneError("the client went away") from None
+
+    def stop(self) -> None:
+        self._stopped = True
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+    async def _watch(self) -> None:
+        try:
+            while (await self._receive())["type"] != "http.disconnect":
+                pass
+        except Exception as exc:  # nobody left to read the answer either
+            logger.debug("reading the client's messages failed: %r", exc)
+        self.gone = True
+        if self._owner is not None and not self._stopped:
+            self._cancelled = True
+            self._owner.cancel()

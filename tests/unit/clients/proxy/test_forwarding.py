@@ -477,12 +477,68 @@ def test_a_client_gone_mid_stream_releases_its_request() -> None:
 
     async def run() -> None:
         deadline = desk.forwarder.deadline()
-        opened = await desk.forwarder.open(PATH, b"{}", [], TOKENED, deadline, receive=_stays)
+        # as the app does: the one receive of the request, watched from the open on
+        opened = await desk.forwarder.open(PATH, b"{}", [], TOKENED, deadline, receive=gone)
         answer = StreamedAnswer(opened, "rid", deadline, lambda *a: None)
-        await asyncio.wait_for(answer({}, gone, _ignored), 2)
+        await asyncio.wait_for(answer({}, _stays, _ignored), 2)
         await desk.forwarder.close()
 
     asyncio.run(run())
+    assert desk.released("disconnect") == 1 and desk.in_flight() == {}
+
+
+def test_a_cancellation_that_is_not_the_clients_passes_through_the_watch() -> None:
+    """A request cancelled by the server (its shutdown, say) is not a client gone."""
+    started = asyncio.Event()
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        started.set()
+        await asyncio.sleep(10)
+        return httpx.Response(200)
+
+    desk = Desk(handle)
+
+    async def run() -> None:
+        deadline = desk.forwarder.deadline()
+        opening = asyncio.ensure_future(
+            desk.forwarder.open(PATH, b"{}", [], TOKENED, deadline, receive=_stays)
+        )
+        await asyncio.wait_for(started.wait(), 2)
+        opening.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await opening
+        await desk.forwarder.close()
+
+    asyncio.run(run())
+    assert desk.in_flight() == {} and desk.released("disconnect") == 1
+
+
+def test_a_client_gone_between_the_open_and_the_stream_ends_the_stream_at_once() -> None:
+    sent: list[Message] = []
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b"data: 1\n\n"
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=body())
+
+    async def gone() -> Message:
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    desk = Desk(handle)
+
+    async def run() -> None:
+        deadline = desk.forwarder.deadline()
+        opened = await desk.forwarder.open(PATH, b"{}", [], TOKENED, deadline, receive=gone)
+        await asyncio.sleep(0.01)  # the watch hears of it before the stream starts
+        await StreamedAnswer(opened, "rid", deadline, lambda *a: None)({}, _stays, send)
+        await desk.forwarder.close()
+
+    asyncio.run(run())
+    assert [m["type"] for m in sent] == ["http.response.start"]  # no body: nobody reads it
     assert desk.released("disconnect") == 1 and desk.in_flight() == {}
 
 

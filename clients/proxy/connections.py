@@ -1,0 +1,385 @@
+"""HTTP/1.1 to the replicas: keep-alive connections, one pool per replica, as an httpx transport.
+
+The forwarder's answers go through :class:`ReplicaTransport` rather than httpx's own
+transport (httpcore, anyio, h11): on a forwarded request that stack cost more of the proxy's
+CPU than everything else the proxy does (its cancel scopes, locks and pure-Python parsing,
+a write for the head and another for the body). This one is an ``asyncio.Protocol`` per
+connection with uvicorn's C parser (``httptools``): the request goes out in one write and the
+answer is parsed as it arrives.
+
+Contract (what httpx's transport gives the forwarder, kept):
+
+* :meth:`ReplicaTransport.handle_async_request` returns once the answer's head has come; its
+  body is ``response.stream``, read chunk by chunk as the replica sends it (raw: de-chunked,
+  never decoded). A response read to its end and closed gives its connection back to the
+  pool (when both sides keep it alive); one closed before its end closes its connection, so
+  the replica sees the request aborted. Cancelled while waiting for the head: the connection
+  is closed too.
+* Errors as httpx raises them: ``httpx.ConnectError`` (refused, unreachable),
+  ``httpx.ConnectTimeout`` (not connected within ``connect_timeout_s``), ``httpx.PoolTimeout``
+  (all ``max_connections`` of the replica's busy for ``connect_timeout_s``),
+  ``httpx.RemoteProtocolError`` (the replica closed the connection before the answer's end,
+  or sent something that is not HTTP/1.1).
+* No timeout past connecting: the forwarder bounds the head and each chunk on the loop.
+* ``http://`` only: any other scheme (TLS) goes to httpx's own transport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import cast
+
+import httptools
+import httpx
+
+_MAX_BUFFERED = 1 << 18
+"""Body bytes read ahead of the forwarder before the connection stops reading (a client
+slower than its replica holds the replica back, not the proxy's memory)."""
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection: one request at a time, its answer parsed as it comes."""
+
+    def __init__(self, on_lost: Callable[[_Connection], None]) -> None:
+        self._on_lost = on_lost
+        self._parser = httptools.HttpResponseParser(self)
+        self._transport: asyncio.Transport | None = None
+        self.closed = False
+        self._busy = False
+        self._head_only = False
+        self._interim = False
+        self._head: asyncio.Future[None] | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._chunks: deque[bytes] = deque()
+        self._num_buffered = 0
+        self._paused = False
+        self._complete = False
+        self._keep_alive = False
+        self._error: Exception | None = None
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+
+    # --- the request, from the forwarder's side ---------------------------------------------
+
+    def usable(self) -> bool:
+        """Idle and open: the next request may go on it."""
+        transport = self._transport
+        return not self.closed and transport is not None and not transport.is_closing()
+
+    async def exchange(self, request: bytes, *, head_only: bool) -> None:
+        """Send ``request`` (head and body) and wait for the answer's head (``status``,
+        ``headers``); ``head_only``: the answer has no body (a HEAD request)."""
+        assert self._transport is not None and not self._busy
+        self._busy, self._head_only, self._complete, self._error = True, head_only, False, None
+        self._keep_alive = False
+        self.status, self.headers = 0, []
+        head = self._head = asyncio.get_running_loop().create_future()
+        self._transport.write(request)
+        try:
+            await head
+        except BaseException:
+            self.close()
+            raise
+
+    async def body(self) -> AsyncIterator[bytes]:
+        """The answer's body as it comes; raises ``RemoteProtocolError`` when it breaks.
+        What has arrived since the last read comes as one piece: the same bytes, never
+        waited for, and one write to the client instead of one per event when a stream's
+        events come faster than the client takes them."""
+        while True:
+            if self._chunks:
+                chunks = self._chunks
+                chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+                chunks.clear()
+                self._drained(len(chunk))
+                yield chunk
+                continue
+            if self._error is not None:
+                raise self._error
+            if self._complete:
+                return
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+
+    def all_read(self) -> bool:
+        """The answer is complete and every chunk of it has been read."""
+        return self._complete and self._error is None and not self._chunks
+
+    def reusable(self) -> bool:
+        """The answer was read to its end and both sides keep the connection alive."""
+        return (
+            self._complete
+            and self._error is None
+            and not self._chunks
+            and self._keep_alive
+            and self.usable()
+        )
+
+    def done(self) -> None:
+        """The exchange is over (the connection is then idle, or closed by the caller)."""
+        self._busy = False
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    # --- asyncio's callbacks ----------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast("asyncio.Transport", transport)  # uvloop's: no subclass
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # small writes go out at once (a request is one write)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._busy:
+            self.close()  # nothing may come on an idle connection: it is not HTTP any more
+            return
+        try:
+            self._parser.feed_data(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            self._fail(httpx.RemoteProtocolError(f"malformed answer from the replica: {exc}"))
+            self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self._busy and not self._complete:
+            head = self._head
+            if head is not None and head.done() and self._until_close():
+                self._complete = True  # an answer whose end is the connection's
+                self._wake()
+            else:
+                why = "the replica closed the connection before the answer's end"
+                self._fail(httpx.RemoteProtocolError(why))
+        self._on_lost(self)
+
+    # --- httptools' callbacks ---------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        self._interim = 100 <= status < 200
+        if self._interim:  # a 100 Continue and the like: the real head comes next
+            self.headers = []
+            return
+        self.status = status
+        if self._head_only:
+            self._complete = True
+        if self._head is not None and not self._head.done():
+            self._head.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        self._chunks.append(body)
+        self._num_buffered += len(body)
+        if self._num_buffered > _MAX_BUFFERED and self._transport is not None and not self._paused:
+            self._paused = True
+            self._transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
+        self._complete = True
+        self._keep_alive = self._parser.should_keep_alive()  # reset once the message is over
+        self._wake()
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def _until_close(self) -> bool:
+        """The answer's body ends with the connection (no length, not chunked)."""
+        names = {n.lower() for n, _ in self.headers}
+        return b"content-length" not in names and b"transfer-encoding" not in names
+
+    def _drained(self, num_bytes: int) -> None:
+        self._num_buffered -= num_bytes
+        if self._paused and self._num_buffered <= _MAX_BUFFERED // 2 and self.usable():
+            self._paused = False
+            assert self._transport is not None
+            self._transport.resume_reading()
+
+    def _fail(self, error: Exception) -> None:
+        self._error = error
+        if self._head is not None and not self._head.done():
+            self._head.set_exception(error)
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class _Pool:
+    """The connections to one replica: at most ``max_connections``, the idle ones reused
+    last-in first-out (the warmest first)."""
+
+    def __init__(self, host: str, port: int, max_connections: int, connect_timeout_s: float):
+        self._host, self._port = host, port
+        self._max = max_connections
+        self._connect_timeout_s = connect_timeout_s
+        self._idle: list[_Connection] = []
+        self._num_open = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    async def acquire(self) -> _Connection:
+        """An idle connection, a new one, or the next one freed (``PoolTimeout``)."""
+        while True:
+            while self._idle:
+                connection = self._idle.pop()
+                if connection.usable():
+                    return connection
+            if self._num_open < self._max:
+                return await self._connect()
+            await self._freed()
+
+    def give_back(self, connection: _Connection) -> None:
+        """``connection``'s exchange is over: idle when it can serve again, else closed."""
+        connection.done()
+        if connection.reusable():
+            self._idle.append(connection)
+            self._wake_one()
+        else:
+            connection.close()  # counted out when it is lost
+
+    def close(self) -> None:
+        idle, self._idle = self._idle, []
+        for connection in idle:
+            connection.close()
+
+    async def _connect(self) -> _Connection:
+        self._num_open += 1
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self._connect_timeout_s):
+                _, connection = await loop.create_connection(
+                    lambda: _Connection(self._lost), self._host, self._port
+                )
+        except BaseException as exc:
+            self._num_open -= 1
+            self._wake_one()
+            where = f"{self._host}:{self._port}"
+            if isinstance(exc, TimeoutError):
+                raise httpx.ConnectTimeout(f"no connection to {where} in time") from exc
+            if isinstance(exc, OSError):
+                raise httpx.ConnectError(f"cannot connect to {where}: {exc}") from exc
+            raise
+        return connection
+
+    async def _freed(self) -> None:
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            async with asyncio.timeout(self._connect_timeout_s):
+                await waiter
+        except TimeoutError as exc:
+            raise httpx.PoolTimeout(f"all {self._max} connections busy") from exc
+        finally:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+
+    def _lost(self, connection: _Connection) -> None:
+        self._num_open -= 1
+        if connection in self._idle:
+            self._idle.remove(connection)
+        self._wake_one()
+
+    def _wake_one(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+
+class AnswerBody(httpx.AsyncByteStream):
+    """An answer's body on its connection; closing it gives the connection back."""
+
+    def __init__(self, pool: _Pool, connection: _Connection) -> None:
+        self._pool = pool
+        self._connection: _Connection | None = connection
+
+    def all_read(self) -> bool:
+        """Every byte of the body has been read: nothing more will come (the forwarder
+        then sends the end with the last chunk: one write to the client, not two)."""
+        connection = self._connection
+        return connection is not None and connection.all_read()
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        if self._connection is None:
+            raise httpx.StreamClosed()
+        return self._connection.body()
+
+    async def aclose(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            self._pool.give_back(connection)
+
+
+class ReplicaTransport(httpx.AsyncBaseTransport):
+    """The replicas' connections, one pool per host and port (see the module's contract)."""
+
+    def __init__(self, *, max_connections: int, connect_timeout_s: float) -> None:
+        self._max_connections = max_connections
+        self._connect_timeout_s = connect_timeout_s
+        self._address_to_pool: dict[tuple[str, int], _Pool] = {}
+        self._tls: httpx.AsyncHTTPTransport | None = None
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        url = request.url
+        if url.scheme != "http":
+            return await self._tls_transport().handle_async_request(request)
+        encoded = _encoded(request)
+        pool = self._pool(url.host, url.port or 80)
+        connection = await pool.acquire()
+        try:
+            await connection.exchange(encoded, head_only=request.method == "HEAD")
+        except BaseException:
+            pool.give_back(connection)  # closed by the failed exchange
+            raise
+        return httpx.Response(
+            connection.status,
+            headers=connection.headers,
+            stream=AnswerBody(pool, connection),
+            request=request,
+            extensions={"http_version": b"HTTP/1.1"},
+        )
+
+    async def aclose(self) -> None:
+        pools, self._address_to_pool = list(self._address_to_pool.values()), {}
+        for pool in pools:
+            pool.close()
+        if self._tls is not None:
+            await self._tls.aclose()
+
+    def _pool(self, host: str, port: int) -> _Pool:
+        pool = self._address_to_pool.get((host, port))
+        if pool is None:
+            pool = _Pool(host, port, self._max_connections, self._connect_timeout_s)
+            self._address_to_pool[(host, port)] = pool
+        return pool
+
+    def _tls_transport(self) -> httpx.AsyncHTTPTransport:
+        if self._tls is None:
+            limits = httpx.Limits(
+                max_connections=self._max_connections,
+                max_keepalive_connections=self._max_connections,
+            )
+            self._tls = httpx.AsyncHTTPTransport(limits=limits, trust_env=False)
+        return self._tls
+
+
+def _encoded(request: httpx.Request) -> bytes:
+    """The request's head and body as one write (httpx has set Host and Content-Length);
+    ``LocalProtocolError`` when a header would break the head's lines (as h11 refuses)."""
+    lines = [b"%s %s HTTP/1.1" % (request.method.encode("ascii"), request.url.raw_path)]
+    lines += [b"%s: %s" % (name, value) for name, value in request.headers.raw]
+    head = b"\r\n".join(lines)
+    if head.count(b"\n") != len(lines) - 1 or head.count(b"\r") != len(lines) - 1:
+        raise httpx.LocalProtocolError("a request header holds a line break")
+    return head + b"\r\n\r\n" + request.content

@@ -1,0 +1,343 @@
+"""The replicas' HTTP/1.1 connections, against a scripted server on a loopback port (and the
+forwarder's answer on them)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import httpx
+import pytest
+from starlette.types import Message
+
+from kvindex.clients.proxy.connections import ReplicaTransport
+from kvindex.clients.proxy.forwarding import Forwarder, StreamedAnswer
+from kvindex.clients.proxy.metrics import ProxyMetrics
+from kvindex.clients.proxy.settings import ProxySettings
+from kvindex.clients.proxy.upstream import Upstream
+
+Script = Callable[[bytes, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+"""How the server answers one request (its head and body given): writes, waits, closes."""
+OK = b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello"
+
+
+class Replica:
+    """A server answering every request on every connection with ``script``; counts the
+    connections and the requests, and tells when a client closed its connection."""
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.num_connections = 0
+        self.requests: list[bytes] = []
+        self.client_closed = asyncio.Event()
+        self.port = 0
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> Replica:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        assert self._server is not None
+        self._server.close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.num_connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = _content_length(head)
+                request = head + (await reader.readexactly(length) if length else b"")
+                self.requests.append(request)
+                await self.script(request, reader, writer)
+                if writer.is_closing():
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.client_closed.set()
+        finally:
+            writer.close()
+
+
+def _content_length(head: bytes) -> int:
+    for line in head.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 0
+
+
+def _run(test: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(asyncio.wait_for(test(), 20))
+
+
+def _transport(**overrides: Any) -> ReplicaTransport:
+    settings: dict[str, Any] = {"max_connections": 8, "connect_timeout_s": 2.0} | overrides
+    return ReplicaTransport(**settings)
+
+
+async def _get(
+    transport: ReplicaTransport, url: str, *, method: str = "POST", body: bytes = b"{}"
+) -> tuple[int, bytes]:
+    response = await transport.handle_async_request(httpx.Request(method, url, content=body))
+    try:
+        return response.status_code, b"".join([c async for c in response.aiter_raw()])
+    finally:
+        await response.aclose()
+
+
+def _answer(answer: bytes) -> Script:
+    async def script(_: bytes, __: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(answer)
+        await writer.drain()
+
+    return script
+
+
+def test_answers_read_whole_reuse_their_connection_and_the_request_arrives_whole() -> None:
+    async def test() -> None:
+        async with Replica(_answer(OK)) as replica:
+            transport = _transport()
+            for number in range(3):
+                url = f"{replica.url}/v1/x?q=1"
+                answer = await _get(transport, url, body=b'{"n": %d}' % number)
+                assert answer == (200, b"hello")
+            await transport.aclose()
+        assert replica.num_connections == 1
+        head, _, body = replica.requests[2].partition(b"\r\n\r\n")
+        assert head.startswith(b"POST /v1/x?q=1 HTTP/1.1\r\n") and body == b'{"n": 2}'
+        assert b"\r\nhost: 127.0.0.1:" in head.lower() and b"content-length: 8" in head.lower()
+
+    _run(test)
+
+
+def test_a_chunked_answer_comes_chunk_by_chunk_as_it_is_sent() -> None:
+    first_read = asyncio.Event()
+
+    async def script(_: bytes, __: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n9\r\ndata: 1\n\n\r\n")
+        await writer.drain()
+        await asyncio.wait_for(first_read.wait(), 5)  # buffering would never get here
+        writer.write(b"9\r\ndata: 2\n\n\r\n0\r\n\r\n")
+        await writer.drain()
+
+    async def test() -> None:
+        async with Replica(script) as replica:
+            transport = _transport()
+            response = await transport.handle_async_request(httpx.Request("GET", replica.url))
+            chunks = []
+            async for chunk in response.aiter_raw():
+                chunks.append(chunk)
+                first_read.set()
+            await response.aclose()
+            assert b"".join(chunks) == b"data: 1\n\ndata: 2\n\n" and chunks[0] == b"data: 1\n\n"
+            assert await _get(transport, replica.url) == (200, b"data: 1\n\ndata: 2\n\n")
+            assert replica.num_connections == 1
+            await transport.aclose()
+
+    _run(test)
+
+
+def test_chunks_that_arrived_together_are_read_as_one_piece() -> None:
+    async def script(_: bytes, __: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        events = b"".join(b"9\r\ndata: %d\n\n\r\n" % i for i in range(5))
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + events)
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.write(b"9\r\ndata: 5\n\n\r\n0\r\n\r\n")
+        await writer.drain()
+
+    async def test() -> None:
+        async with Replica(script) as replica:
+            transport = _transport()
+            response = await transport.handle_async_request(httpx.Request("GET", replica.url))
+            await asyncio.sleep(0.05)  # the first five events are in, the sixth is not
+            chunks = [chunk async for chunk in response.aiter_raw()]
+            await response.aclose()
+            await transport.aclose()
+        assert chunks == [b"".join(b"data: %d\n\n" % i for i in range(5)), b"data: 5\n\n"]
+
+    _run(test)
+
+
+def test_an_answer_closed_before_its_end_closes_its_connection() -> None:
+    async def script(_: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n")
+        await writer.drain()
+        await reader.read()  # until the client closes
+        raise ConnectionResetError
+
+    async def test() -> None:
+        async with Replica(script) as replica:
+            transport = _transport()
+            response = await transport.handle_async_request(httpx.Request("GET", replica.url))
+            async for _ in response.aiter_raw():
+                break
+            await response.aclose()
+            await asyncio.wait_for(replica.client_closed.wait(), 5)  # the replica sees it
+            replica.script = _answer(OK)
+            assert await _get(transport, replica.url) == (200, b"hello")
+            assert replica.num_connections == 2
+            await transport.aclose()
+
+    _run(test)
+
+
+def test_a_request_cancelled_before_the_head_closes_its_connection() -> None:
+    async def script(_: bytes, reader: asyncio.StreamReader, __: asyncio.StreamWriter) -> None:
+        await reader.read()
+        raise ConnectionResetError
+
+    async def test() -> None:
+        async with Replica(script) as replica:
+            transport = _transport()
+            request = httpx.Request("GET", replica.url)
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.2):
+                    await transport.handle_async_request(request)
+            await asyncio.wait_for(replica.client_closed.wait(), 5)
+            await transport.aclose()
+
+    _run(test)
+
+
+def test_an_answer_without_length_ends_with_its_connection() -> None:
+    async def test() -> None:
+        until_close = b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nall of it"
+
+        async def script(_: bytes, __: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            w.write(until_close)
+            w.close()
+
+        async with Replica(script) as replica:
+            transport = _transport()
+            assert await _get(transport, replica.url) == (200, b"all of it")
+            assert await _get(transport, replica.url) == (200, b"all of it")
+            assert replica.num_connections == 2
+            await transport.aclose()
+
+    _run(test)
+
+
+def test_a_replica_that_closes_early_or_speaks_no_http_is_a_protocol_error() -> None:
+    async def closes(_: bytes, __: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+
+    async def short(_: bytes, __: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc")
+        await writer.drain()
+        writer.close()
+
+    async def test() -> None:
+        transport = _transport()
+        async with Replica(closes) as replica:
+            with pytest.raises(httpx.RemoteProtocolError):
+                await _get(transport, replica.url)
+        async with Replica(short) as replica:
+            with pytest.raises(httpx.RemoteProtocolError):
+                await _get(transport, replica.url)
+        async with Replica(_answer(b"SSH-2.0-OpenSSH\r\n\r\n")) as replica:
+            with pytest.raises(httpx.RemoteProtocolError):
+                await _get(transport, replica.url)
+        await transport.aclose()
+
+    _run(test)
+
+
+def test_connect_errors_and_timeouts_are_httpxs() -> None:
+    async def test() -> None:
+        transport = _transport(connect_timeout_s=0.3)
+        with socket.socket() as closed:
+            closed.bind(("127.0.0.1", 0))
+            port = closed.getsockname()[1]  # bound, not listening: refused
+            with pytest.raises(httpx.ConnectError):
+                await _get(transport, f"http://127.0.0.1:{port}")
+        with socket.socket() as full:
+            full.bind(("127.0.0.1", 0))
+            full.listen(0)  # never accepts: once its queue is full, a connect hangs
+            fillers = [socket.socket() for _ in range(4)]
+            try:
+                for filler in fillers:
+                    filler.setblocking(False)
+                    filler.connect_ex(full.getsockname())
+                with pytest.raises(httpx.ConnectTimeout):
+                    await _get(transport, f"http://127.0.0.1:{full.getsockname()[1]}")
+            finally:
+                for filler in fillers:
+                    filler.close()
+        await transport.aclose()
+
+    _run(test)
+
+
+def test_the_pool_is_bounded_and_a_connection_freed_serves_the_next_request() -> None:
+    async def test() -> None:
+        async with Replica(_answer(OK)) as replica:
+            transport = _transport(max_connections=1, connect_timeout_s=0.3)
+            held = await transport.handle_async_request(httpx.Request("GET", replica.url))
+            with pytest.raises(httpx.PoolTimeout):
+                await _get(transport, replica.url)
+            waiting = asyncio.ensure_future(_get(transport, replica.url))
+            await asyncio.sleep(0.05)
+            assert [c async for c in held.aiter_raw()] == [b"hello"]
+            await held.aclose()
+            assert await waiting == (200, b"hello")
+            assert replica.num_connections == 1
+            await transport.aclose()
+
+    _run(test)
+
+
+def test_a_head_answer_has_no_body_and_a_bad_header_is_refused() -> None:
+    async def test() -> None:
+        head_only = b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n"
+        async with Replica(_answer(head_only)) as replica:
+            transport = _transport()
+            assert await _get(transport, replica.url, method="HEAD", body=b"") == (200, b"")
+            bad = httpx.Request("GET", replica.url, headers={"x-evil": "a\r\nx-more: b"})
+            with pytest.raises(httpx.LocalProtocolError):
+                await transport.handle_async_request(bad)
+            await transport.aclose()
+        assert len(replica.requests) == 1
+
+    _run(test)
+
+
+def test_the_end_of_an_answer_goes_to_the_client_with_its_last_chunk() -> None:
+    """One write less to the client: the forwarder sends the last chunk as the body's end
+    when the connection says nothing more will come; a chunk still followed by others is
+    sent on its own, at once."""
+    sent: list[Message] = []
+
+    async def script(_: bytes, __: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n9\r\ndata: 1\n\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.write(b"9\r\ndata: 2\n\n\r\n0\r\n\r\n")
+        await writer.drain()
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    async def stays() -> Message:
+        await asyncio.sleep(10)
+        return {"type": "http.disconnect"}
+
+    async def test() -> None:
+        async with Replica(script) as replica:
+            forwarder = Forwarder(ProxySettings(), ProxyMetrics())
+            upstreams = (Upstream("r1", replica.url),)
+            opened = await forwarder.open("/", b"{}", [], upstreams, forwarder.deadline())
+            answer = StreamedAnswer(opened, "rid", forwarder.deadline(), lambda *a: None)
+            await answer({"type": "http"}, stays, send)
+            await forwarder.close()
+
+    _run(test)
+    bodies = [(m["body"], m["more_body"]) for m in sent[1:]]
+    assert bodies == [(b"data: 1\n\n", True), (b"data: 2\n\n", False)]
