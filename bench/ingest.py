@@ -193,9 +193,17 @@ def generate(args: BenchArgs) -> Workload:
 def new_pipeline(index: BlockIndex, workload: Workload) -> tuple[Pipeline, Registry]:
     """The write path without sockets, over ``index``, knowing every simulated replica."""
     specs = tuple(ReplicaSpec(id=t.replica, model=MODEL) for t in workload.traces)
-    settings = IndexerSettings(replicas=specs)
+    settings = IndexerSettings(replicas=specs, key_cache_size=_key_cache_size(index))
     registry = Registry(settings.replicas)
     return Pipeline(settings, index, registry), registry
+
+
+def _key_cache_size(index: BlockIndex) -> int:
+    """The key cache a real indexer keeps on this store (``key_cache_size`` -1 resolves by
+    the settings' store, which the bench does not set: it hands the pipeline an index)."""
+    if isinstance(index, RedisIndex):
+        return IndexerSettings(store="redis").key_cache_entries
+    return IndexerSettings(store="memory").key_cache_entries
 
 
 Delivery = tuple[list[list[bytes]], StreamId | None]
@@ -441,7 +449,7 @@ def _indexer_process(job: _Job, start: Any, out: Any) -> None:
     index = RedisIndex(connect(job.url), Schema(job.prefix), owner=f"{job.member}#bench")
     workload, share = job.workload, job.share
     specs = tuple(ReplicaSpec(id=t.replica, model=MODEL) for t in workload.traces)
-    settings = IndexerSettings(replicas=specs)
+    settings = IndexerSettings(replicas=specs, key_cache_size=_key_cache_size(index))
     registry = Registry(settings.replicas)
     pipeline = Pipeline(settings, index, registry, claim=index.claim)
     start.wait()
