@@ -214,6 +214,20 @@ def packed_tokens(raw):
         PyBuffer_Release(&view)
 
 
+cdef inline int _int_width(unsigned char head) noexcept nogil:
+    """Bytes after a msgpack uint or int head (0xCC-0xCF, 0xD0-0xD3); -1 for any other
+    head (the fixints are read by the caller)."""
+    if head == 0xCC or head == 0xD0:
+        return 1
+    if head == 0xCD or head == 0xD1:
+        return 2
+    if head == 0xCE or head == 0xD2:
+        return 4
+    if head == 0xCF or head == 0xD3:
+        return 8
+    return -1
+
+
 cdef object _packed(const unsigned char* p, Py_ssize_t size):
     cdef Py_ssize_t pos = 1, n, i
     cdef unsigned char head
@@ -242,15 +256,8 @@ cdef object _packed(const unsigned char* p, Py_ssize_t size):
         if head < 0x80:
             value = head
         else:
-            if head == 0xCC or head == 0xD0:
-                width = 1
-            elif head == 0xCD or head == 0xD1:
-                width = 2
-            elif head == 0xCE or head == 0xD2:
-                width = 4
-            elif head == 0xCF or head == 0xD3:
-                width = 8
-            else:
+            width = _int_width(head)
+            if width < 0:
                 return None  # a negative fixint or not an int
             if pos + width > size:
                 return None
@@ -1576,15 +1583,8 @@ cdef Py_ssize_t _tokens_into(Buffer* out, Reader* r) except -2:
             value = head
             r.pos += 1
         else:
-            if head == 0xCC or head == 0xD0:
-                width = 1
-            elif head == 0xCD or head == 0xD1:
-                width = 2
-            elif head == 0xCE or head == 0xD2:
-                width = 4
-            elif head == 0xCF or head == 0xD3:
-                width = 8
-            else:
+            width = _int_width(head)
+            if width < 0:
                 return REJECT  # a negative fixint, not an int, or the end
             if not _has(r, 1 + width):
                 return REJECT
