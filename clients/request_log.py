@@ -22,7 +22,7 @@ import asyncio
 import gzip
 import hashlib
 import math
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -354,6 +354,17 @@ async def _tokenize_batch(
     batch: list[LoggedRequest], tokenizer: LogTokenizer, problems: Problems
 ) -> list[TokenizedRequest]:
     answers = await asyncio.gather(*(tokenizer.tokens(r) for r in batch), return_exceptions=True)
+    return accepted_requests(batch, answers, problems)
+
+
+def accepted_requests(
+    batch: Sequence[LoggedRequest],
+    answers: Sequence[list[int] | BaseException],
+    problems: Problems,
+) -> list[TokenizedRequest]:
+    """The requests of ``batch`` whose answer (same order) is a non-empty list of token
+    ids; a :class:`TokenizerError` or an empty prompt is a problem of its line, any other
+    exception is raised."""
     out: list[TokenizedRequest] = []
     for request, answer in zip(batch, answers, strict=True):
         if isinstance(answer, TokenizerError):

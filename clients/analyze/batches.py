@@ -25,10 +25,10 @@ from kvindex.api.tokenize.local import LocalTokenizer
 from kvindex.api.tokenize.protocol import TokenizerError
 from kvindex.clients.request_log import (
     LoggedRequest,
-    LogProblem,
     LogTokenizer,
     Problems,
     TokenizedRequest,
+    accepted_requests,
     tokenized,
 )
 
@@ -63,25 +63,11 @@ async def tokenized_in_batches(
         if answers is None:  # no local tokenizer, or the library rejected the batch
             done = [d async for d in tokenized(iter(batch), tokenizer, problems)]
         else:
-            done = _accepted(batch, answers, problems)
+            done = accepted_requests(batch, answers, problems)
         for one in done:
             yield one
         if remaining is not None:
             remaining -= len(done)
-
-
-def _accepted(
-    batch: list[LoggedRequest], answers: list[_Answer], problems: Problems
-) -> list[TokenizedRequest]:
-    out: list[TokenizedRequest] = []
-    for request, answer in zip(batch, answers, strict=True):
-        if isinstance(answer, TokenizerError):
-            problems.add(LogProblem(request.line, f"cannot tokenize: {answer}"))
-        elif not answer:
-            problems.add(LogProblem(request.line, "the prompt has no tokens"))
-        else:
-            out.append(TokenizedRequest(request, answer))
-    return out
 
 
 async def _encoded(
