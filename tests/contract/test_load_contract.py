@@ -388,3 +388,15 @@ def test_reads_in_many_threads_while_another_process_writes_end_up_whole(
         r: c.routed
         for r, c in RedisLoadStore(mine.client, Schema("test")).get_counted(names).items()
     }
+
+
+def test_an_unreadable_count_fails_alone_and_the_read_goes_on(shared_store: RedisLoadStore) -> None:
+    """The count is HINCRBY'd inside the read's script: its error must not stop the read
+    nor the other answers' counts."""
+    store = shared_store
+    store.put("r1", load(100.0))
+    store.put("r2", load(100.0))
+    store.client.hset(Schema("test").load, "r1/answers", b"garbage")
+    assert counted(store, "r1", "r2", answers=["r1", "r2"]) == {"r1": 0, "r2": 1}
+    store.put("r1", load(101.0))  # a newer load: its count starts again, readable
+    assert counted(store, "r1", "r2", answers=["r1"]) == {"r1": 1, "r2": 1}
