@@ -102,6 +102,10 @@ class LoadStore(Protocol):
 
         An answer made on a load that a newer one replaced meanwhile counts toward the newer
         one: at most the answers in flight are over-counted, never lost.
+
+        Every put, count and removal that returned before the call (in any process sharing
+        the store) is seen. The dict is the caller's own; its entries (immutable) may be
+        the same objects as in other reads.
         """
         ...
 
