@@ -1,7 +1,8 @@
 """Every Redis key kvindex uses, in one place. Tests import these names too.
 
 Layout (``<p>`` = configurable prefix, ``<v>`` = :data:`SCHEMA_VERSION`, ``<iv>`` =
-:data:`INDEX_VERSION`: the block index's keys carry a layout version of their own)::
+:data:`INDEX_VERSION` and ``<lv>`` = :data:`LOAD_VERSION`: the block index's keys and the
+load's carry a layout version of their own)::
 
     <p>:<iv>:streams                SET   every stream ("replica/rank") with state
     <p>:<iv>:{ix<g>}:holders         HASH  a group's blocks: block field (low 6 bytes of the
@@ -20,9 +21,14 @@ Layout (``<p>`` = configurable prefix, ``<v>`` = :data:`SCHEMA_VERSION`, ``<iv>`
     <p>:<iv>:index                  STRING the index's identity: a random token set (if absent)
                                           by the first indexer to open the store; gone
                                           means the data was lost (``RedisIndex.intact``)
-    <p>:<v>:load                    HASH  replica id → its latest load (msgspec JSON, ``Load``);
-                                          "<replica id>/answers" → "<load ts>|<n>": n /score
-                                          answers (of every API process) chose it since
+    <p>:<lv>:{load}:loads           HASH  replica id → its latest load (msgspec JSON, ``Load``);
+                                          "<replica id>/answers" → n: /score answers (of every
+                                          API process) that chose it since; #epoch (a random
+                                          token: the change log's identity), #seq (its last
+                                          change), #trimmed (the newest tombstone dropped)
+    <p>:<lv>:{load}:changes         ZSET  replica id → #seq of its last put or answer count
+    <p>:<lv>:{load}:removed         ZSET  replica id → #seq of its removal (tombstones: the
+                                          newest :data:`MAX_LOAD_TOMBSTONES` kept)
     <p>:<v>:scrape:<replica id>     STRING set (NX, expiring within a scrape interval) by the
                                           API process that scrapes the replica this round
     <p>:<v>:{inflight}:totals       HASH  replica id → requests in flight to it (reserved by
@@ -76,6 +82,15 @@ data raises :class:`SchemaVersionError` (``RedisIndex.check_schema``) rather tha
 start empty beside it, and a group whose ``#groups`` differs from the process's
 ``index_groups`` raises it too.
 
+Load versions: v2 (a change log beside the load hash, so that an API process reads only
+what changed since its last read: ``kvindex.api.load.store``) replaced v1 (the hash alone,
+``<p>:v1:load``). A v1 process never bumps the log, so the two never share a key: during a
+rolling upgrade each reads the loads written by its own version (every replica's load is
+written again within a scrape round).
+
+The load keys share the hash tag ``{load}``: a put, an answer count and a removal change
+the hash and the log in one single-slot script.
+
 The in-flight keys share the hash tag ``{inflight}``: a reservation, a release and a lapsed
 lease's removal are each one single-slot script.
 
@@ -85,8 +100,8 @@ streams' statuses and its health record in one script.
 Everything one batch touches shares the stream's group's hash tag ``{ix<g>}``, so the
 layout runs unchanged on Redis Cluster: a batch is one single-slot script, and clearing a
 stream visits its own blocks (its engine-hash map and ``lost`` set), never a scan. Every
-other multi-key call stays on one slot too (the fleet's ``{fleet}`` hashes, the load hash's
-fields); what touches keys of different slots is separate single-key commands, or a
+other multi-key call stays on one slot too (the fleet's ``{fleet}`` hashes, the ``{load}``
+keys); what touches keys of different slots is separate single-key commands, or a
 pipeline of them (scrape claims; the streams SET listing a stream beside its batch), never
 one script or transaction. (A lookup on standalone Redis reads every group in one script:
 without a cluster, a script's keys need not share a slot.)
@@ -105,6 +120,8 @@ SCHEMA_VERSION = "v1"
 """The version of every key but the block index's."""
 INDEX_VERSION = "v2"
 """The version of the block index's keys (its streams SET, marker, groups and streams)."""
+LOAD_VERSION = "v2"
+"""The version of the load's keys (its hash and change log)."""
 OLD_INDEX_VERSIONS = ("v1",)
 """Index versions whose data :meth:`RedisIndex.check_schema` refuses to start beside."""
 DEFAULT_INDEX_GROUPS = 16
@@ -189,8 +206,19 @@ class Schema:
 
     @property
     def load(self) -> str:
-        """The HASH replica id → latest ``api.load.model.Load`` (one key: Cluster-safe)."""
-        return f"{self.root}:load"
+        """The HASH replica id → latest ``api.load.model.Load``, its answer counts and the
+        change log's fields (:data:`LOAD_EPOCH`, :data:`LOAD_SEQ`, :data:`LOAD_TRIMMED`)."""
+        return f"{self.prefix}:{LOAD_VERSION}:{{load}}:loads"
+
+    @property
+    def load_changes(self) -> str:
+        """The ZSET replica id → the change seq of its last put or answer count."""
+        return f"{self.prefix}:{LOAD_VERSION}:{{load}}:changes"
+
+    @property
+    def load_removed(self) -> str:
+        """The ZSET replica id → the change seq of its removal (tombstones)."""
+        return f"{self.prefix}:{LOAD_VERSION}:{{load}}:removed"
 
     @property
     def indexers(self) -> str:
@@ -255,16 +283,35 @@ class Schema:
         return StreamKeys(f"{own}:meta", f"{own}:hash", f"{own}:lost", holders, members)
 
 
+ANSWERS_SUFFIX = "/answers"
+
+
 def answers_field(replica: str) -> str:
     """The field of the load HASH counting answers that chose ``replica`` (``/`` is never in
     a replica id, so it cannot clash with a replica's own field)."""
-    return f"{replica}/answers"
+    return f"{replica}{ANSWERS_SUFFIX}"
+
+
+LOAD_EPOCH = "#epoch"
+"""Field of the load HASH: the change log's identity, a random token set by the first write
+to a hash without one (``#`` is never in a replica id). Gone or changed: the hash was lost
+(FLUSHALL, a Redis restarted empty) and a reader's snapshot is void."""
+LOAD_SEQ = "#seq"
+"""Field of the load HASH: the number of the last change (HINCRBY per change)."""
+LOAD_TRIMMED = "#trimmed"
+"""Field of the load HASH: the seq of the newest tombstone dropped from the removed ZSET; a
+reader whose last seq is below it may have missed a removal, so it reads everything."""
+MAX_LOAD_TOMBSTONES = 1024
+"""Removals remembered in the removed ZSET (replica ids come and go: pod names)."""
+
+
+TOKENS_SUFFIX = "/tokens"
 
 
 def tokens_field(replica: str) -> str:
     """The field of the in-flight HASH holding the tokens of the requests in flight to
     ``replica`` (beside its own field, their number)."""
-    return f"{replica}/tokens"
+    return f"{replica}{TOKENS_SUFFIX}"
 
 
 FLEET_MARKER = "#fleet"

@@ -19,6 +19,11 @@ load was stored (``LoadStore.get_counted``). In Redis every API process sharing 
 counts into the same counter, so answers from all of them weigh as load until the replica
 reports again.
 
+A read costs what changed, not the fleet: each store keeps every replica's counted load as
+it changes, and the Redis store reads only the replicas changed since its last read (a
+change log beside the load hash, with an identity that makes a flushed Redis read whole):
+:mod:`~kvindex.api.load.store` says how.
+
 Stores also hold the *requests in flight* that ``kvindex proxy`` processes reserve
 (:mod:`~kvindex.api.load.reservations`: each request and its uncached prompt tokens, on its
 replica, from dispatch to the last byte, under a lease per proxy that lapses when the proxy

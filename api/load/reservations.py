@@ -54,7 +54,7 @@ from kvindex.api.periodic import Periodic
 from kvindex.indexer.circuit import StoreCircuit
 from kvindex.indexer.index.redis import unavailable_on_connection_errors
 from kvindex.indexer.redis_connection import RedisClient
-from kvindex.indexer.redis_schema import Schema, check_name, tokens_field
+from kvindex.indexer.redis_schema import TOKENS_SUFFIX, Schema, check_name
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +98,11 @@ class Ledger(Protocol):
 
     def in_flight(self, replicas: Sequence[str]) -> dict[str, InFlight]:
         """The totals of every live lease, per replica; replicas with none are absent."""
+        ...
+
+    def totals(self) -> dict[str, InFlight]:
+        """:meth:`in_flight` of every replica with a request in flight (what it costs
+        grows with those replicas, not with the fleet)."""
         ...
 
 
@@ -144,10 +149,13 @@ class MemoryLedger:
             return self._drop(holder)
 
     def in_flight(self, replicas: Sequence[str]) -> dict[str, InFlight]:
+        wanted = set(replicas)
+        return {r: flying for r, flying in self.totals().items() if r in wanted}
+
+    def totals(self) -> dict[str, InFlight]:
         with self._lock:
             self._reap()
-            totals = self._totals
-            return {r: InFlight(*totals[r]) for r in replicas if r in totals}
+            return {r: InFlight(*total) for r, total in self._totals.items()}
 
     def _live(self, holder: str) -> tuple[_Lease, bool]:
         """The holder's lease, made if it had none live (the lapsed one dropped)."""
@@ -285,8 +293,9 @@ return num_dropped
 """
 )
 
-# KEYS: totals, leases; ARGV: the fields to read. {0, lapsed holders} when some lease
-# lapsed (the caller reaps them, naming their keys, and reads again), else {1, values}.
+# KEYS: totals, leases. {0, lapsed holders} when some lease lapsed (the caller reaps them,
+# naming their keys, and reads again), else {1, the totals HASH: field, value, ...}: one
+# field per replica with requests in flight (and its tokens), whatever the fleet's size.
 _READ_LUA = (
     _PRELUDE
     + """
@@ -294,15 +303,7 @@ local lapsed = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now_ms(), 'LIMIT', 0
 if #lapsed > 0 then
   return {0, lapsed}
 end
-local values = {}
-for first = 1, #ARGV, 1000 do
-  local last = math.min(first + 999, #ARGV)
-  local chunk = redis.call('HMGET', KEYS[1], unpack(ARGV, first, last))
-  for i = 1, last - first + 1 do
-    values[first + i - 1] = chunk[i] or ''
-  end
-end
-return {1, values}
+return {1, redis.call('HGETALL', KEYS[1])}
 """
 )
 
@@ -313,9 +314,10 @@ _MAX_REAP_ROUNDS = 4
 class RedisLedger:
     """Shared :class:`Ledger`: the ``{inflight}`` keys of :class:`Schema` (a totals HASH,
     a ZSET of lease expiries, a HASH per lease), changed only by Lua scripts on Redis'
-    clock. :meth:`in_flight` is one script call (two more when a lease lapsed since the
-    last read: the reap, then the read again); a load store queues the same read in its
-    own pipeline (:meth:`queue_read`, :meth:`read_reply`)."""
+    clock. :meth:`totals` (and :meth:`in_flight`) is one script call reading the totals HASH
+    whole, a field per replica with requests in flight (two more when a lease lapsed since
+    the last read: the reap, then the read again); a load store queues the same read in
+    its own pipeline (:meth:`queue_read`, :meth:`read_reply`)."""
 
     def __init__(self, client: RedisClient, schema: Schema | None = None) -> None:
         self._client = client
@@ -356,42 +358,43 @@ class RedisLedger:
             return int(cast("int", self._drop(keys=self._holder_keys(holder), args=[holder])))
 
     def in_flight(self, replicas: Sequence[str]) -> dict[str, InFlight]:
-        wanted = list(dict.fromkeys(replicas))
+        wanted = set(replicas)
         if not wanted:
             return {}
-        with unavailable_on_connection_errors():
-            return self._read_totals(wanted, None)
+        return {r: flying for r, flying in self.totals().items() if r in wanted}
 
-    def queue_read(self, pipe: Any, replicas: Sequence[str]) -> None:
-        """Queue the read of :meth:`in_flight` in ``pipe`` (the replicas given once each);
-        its reply goes to :meth:`read_reply`. A raw EVALSHA: redis-py's cluster pipeline
-        refuses ``evalsha``, and on a cluster it names the master of the ``{inflight}``
-        slot (else redis-py would ask a node for the command's keys first)."""
-        fields = _fields(replicas)
+    def totals(self) -> dict[str, InFlight]:
+        with unavailable_on_connection_errors():
+            return self._read_totals(None)
+
+    def queue_read(self, pipe: Any) -> None:
+        """Queue the read of :meth:`totals` in ``pipe``; its reply goes to
+        :meth:`read_reply`. A raw EVALSHA: redis-py's cluster pipeline refuses ``evalsha``,
+        and on a cluster it names the master of the ``{inflight}`` slot (else redis-py
+        would ask a node for the command's keys first)."""
         route: dict[str, Any] = {}
         if isinstance(self._client, RedisCluster):
             node = self._client.nodes_manager.get_node_from_slot(self._slot)
             route = {"target_nodes": node}
-        pipe.execute_command("EVALSHA", self._read.sha, 2, *self._keys, *fields, **route)
+        pipe.execute_command("EVALSHA", self._read.sha, 2, *self._keys, **route)
 
-    def read_reply(self, reply: Any, replicas: Sequence[str]) -> dict[str, InFlight]:
+    def read_reply(self, reply: Any) -> dict[str, InFlight]:
         """The totals from a reply of :meth:`queue_read`: read again when the script was
         not loaded yet or a lease had lapsed (reaped first)."""
         with unavailable_on_connection_errors():
             if isinstance(reply, redis.exceptions.NoScriptError):
-                return self._read_totals(replicas, None)
+                return self._read_totals(None)
             if isinstance(reply, Exception):
                 raise reply
-            return self._read_totals(replicas, reply)
+            return self._read_totals(reply)
 
-    def _read_totals(self, replicas: Sequence[str], reply: Any) -> dict[str, InFlight]:
-        fields = _fields(replicas)
+    def _read_totals(self, reply: Any) -> dict[str, InFlight]:
         for _ in range(_MAX_REAP_ROUNDS):
             if reply is None:
-                reply = self._read(keys=self._keys, args=fields)
+                reply = self._read(keys=self._keys)
             status, values = reply
             if status == 1:
-                return _totals(replicas, values)
+                return _totals(values)
             lapsed = [h.decode() if isinstance(h, bytes) else str(h) for h in values]
             keys = [*self._keys, *(self._schema.lease(h) for h in lapsed)]
             self._reap(keys=keys, args=lapsed)
@@ -407,16 +410,24 @@ def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
 
-def _fields(replicas: Sequence[str]) -> list[str]:
-    return [f for r in replicas for f in (r, tokens_field(r))]
+_TOKENS_SUFFIX = TOKENS_SUFFIX.encode()
 
 
-def _totals(replicas: Sequence[str], values: Sequence[bytes | str]) -> dict[str, InFlight]:
+def _totals(flat: Sequence[bytes]) -> dict[str, InFlight]:
+    """The totals HASH (HGETALL: field, value, ...) per replica with a request in flight."""
+    requests: dict[bytes, bytes] = {}
+    tokens: dict[bytes, bytes] = {}
+    for i in range(0, len(flat), 2):
+        field, value = flat[i], flat[i + 1]
+        if field.endswith(_TOKENS_SUFFIX):
+            tokens[field[: -len(_TOKENS_SUFFIX)]] = value
+        else:
+            requests[field] = value
     out: dict[str, InFlight] = {}
-    for i, replica in enumerate(replicas):
-        num_requests, num_tokens = _count(values[2 * i]), _count(values[2 * i + 1])
+    for replica, raw in requests.items():
+        num_requests = _count(raw)
         if num_requests > 0:
-            out[replica] = InFlight(num_requests, num_tokens)
+            out[replica.decode()] = InFlight(num_requests, _count(tokens.get(replica, b"")))
     return out
 
 
@@ -451,6 +462,9 @@ class CircuitLedger:
 
     def in_flight(self, replicas: Sequence[str]) -> dict[str, InFlight]:
         return self._circuit.call(self._inner.in_flight, replicas)
+
+    def totals(self) -> dict[str, InFlight]:
+        return self._circuit.call(self._inner.totals)
 
 
 def new_holder() -> str:

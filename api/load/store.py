@@ -5,30 +5,70 @@ and count the answers that chose it since; each owns the ledger of the requests 
 that proxies reserve in it (:mod:`~kvindex.api.load.reservations`) and reads its totals
 with the loads. ``tests/contract/test_load_contract.py`` and
 ``tests/contract/test_reservation_contract.py`` run one suite against both.
+
+What a read costs (``get_counted``, once per ``/score`` answer): both stores keep the fleet's
+counted loads as they change (:class:`_Fleet`: one ``CountedLoad`` per replica, made when its
+load or count changes, not per read), so a read is one copy of a dict plus one entry per
+replica with requests in flight, whatever the fleet's size. The memory store changes it in
+place. The Redis store keeps it as a snapshot of the shared hash and reads **only what
+changed since its last read**, in one round trip:
+
+* every put, answer count and removal bumps a change sequence (``#seq``, a field of the
+  load hash) and records the replica under it, in the same script: a put or a count in
+  the ``changes`` ZSET (replica → seq of its last change), a removal as a tombstone in the
+  ``removed`` ZSET (the newest :data:`~kvindex.indexer.redis_schema.MAX_LOAD_TOMBSTONES`
+  kept; ``#trimmed`` says up to which seq some were dropped);
+* a read is one script: count this process's answers, then return the fields of the
+  replicas changed after the reader's seq, and the tombstones after it. Answers of other
+  processes and their puts are changes like any other: seen by the next read;
+* the log has an identity, ``#epoch`` (a random token set by the first write to a hash
+  without one, which then empties the ZSETs). A reader whose epoch differs (the hash was
+  lost: FLUSHALL, a Redis restarted empty), whose seq is ahead of the store's (a Redis
+  restarted on older data) or below ``#trimmed``, and one that saw Redis unreachable (it
+  forgets its snapshot), reads the whole hash instead, once;
+* the ledger's totals are read whole (one field per replica with requests in flight, not
+  one per replica asked for), by a second script in the same pipeline (its keys are apart,
+  ``{inflight}``).
+
+Reads in several threads at once each apply their reply only when it is newer than the
+snapshot (a higher seq, or a whole read of another epoch), so a late reply never replaces
+a newer one.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
-from typing import Protocol, cast
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, cast
 
 import msgspec
 import redis
+from redis.cluster import RedisCluster
+from redis.crc import key_slot
 
 from kvindex.api.load.model import (
-    NO_IN_FLIGHT,
     CountedLoad,
+    InFlight,
     Load,
     LoadError,
     is_newer_or_same,
 )
 from kvindex.api.load.reservations import CircuitLedger, Ledger, MemoryLedger, RedisLedger
 from kvindex.indexer.circuit import StoreCircuit
+from kvindex.indexer.index.protocol import IndexUnavailableError
 from kvindex.indexer.index.redis import unavailable_on_connection_errors
 from kvindex.indexer.redis_connection import RedisClient
-from kvindex.indexer.redis_schema import Schema, answers_field, check_name
+from kvindex.indexer.redis_schema import (
+    ANSWERS_SUFFIX,
+    LOAD_EPOCH,
+    LOAD_SEQ,
+    LOAD_TRIMMED,
+    MAX_LOAD_TOMBSTONES,
+    Schema,
+    check_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +102,10 @@ class LoadStore(Protocol):
 
         An answer made on a load that a newer one replaced meanwhile counts toward the newer
         one: at most the answers in flight are over-counted, never lost.
+
+        Every put, count and removal that returned before the call (in any process sharing
+        the store) is seen. The dict is the caller's own; its entries (immutable) may be
+        the same objects as in other reads.
         """
         ...
 
@@ -86,17 +130,82 @@ class LoadStore(Protocol):
         ...
 
 
+_MAX_VIEWS = 8
+"""Replica lists whose view :class:`_Fleet` keeps up to date (one per model asked about)."""
+
+
+class _Fleet:
+    """Every replica's load and answer count, and the ``CountedLoad`` they make, kept as
+    they change; not thread-safe (its store's lock guards it).
+
+    A read names the replicas it wants; the view of each list asked for (the last
+    :data:`_MAX_VIEWS`) is kept up to date too, so a read copies a dict rather than picking
+    the fleet's replicas one by one.
+    """
+
+    def __init__(self) -> None:
+        self.loads: dict[str, Load] = {}
+        self.counts: dict[str, int] = {}
+        """Per replica (with a load or not): answers that chose it since its load was stored."""
+        self._counted: dict[str, CountedLoad] = {}
+        """Per replica with a load: its load and count, none in flight."""
+        self._views: dict[tuple[str, ...], tuple[frozenset[str], dict[str, CountedLoad]]] = {}
+
+    def clear(self) -> None:
+        self.loads, self.counts, self._counted, self._views = {}, {}, {}, {}
+
+    def set(self, replica: str, load: Load | None, count: int) -> None:
+        """The replica's load (None: none stored) and count, as they now are."""
+        counted = None
+        if load is None:
+            self.loads.pop(replica, None)
+            self._counted.pop(replica, None)
+        else:
+            self.loads[replica] = load
+            counted = self._counted[replica] = CountedLoad(load, count)
+        if count:
+            self.counts[replica] = count
+        else:
+            self.counts.pop(replica, None)
+        for wanted, view in self._views.values():
+            if replica in wanted:
+                if counted is None:
+                    view.pop(replica, None)
+                else:
+                    view[replica] = counted
+
+    def read(
+        self, replicas: Sequence[str], in_flight: Mapping[str, InFlight]
+    ) -> dict[str, CountedLoad]:
+        """A new dict: each of ``replicas`` with a load or a request in flight
+        (``in_flight``: the ledger's totals, every replica with any)."""
+        key = tuple(replicas)
+        found = self._views.get(key)
+        if found is None:
+            found = self._view(key)
+        wanted, view = found
+        out = view.copy()
+        for replica, flying in in_flight.items():  # few: the replicas proxies reserved
+            if replica in wanted:
+                load, count = self.loads.get(replica), self.counts.get(replica, 0)
+                out[replica] = CountedLoad(load, count, flying)
+        return out
+
+    def _view(self, key: tuple[str, ...]) -> tuple[frozenset[str], dict[str, CountedLoad]]:
+        if len(self._views) >= _MAX_VIEWS:
+            del self._views[next(iter(self._views))]  # the oldest list asked for
+        counted = self._counted
+        made = frozenset(key), {r: counted[r] for r in key if r in counted}
+        self._views[key] = made
+        return made
+
+
 class MemoryLoadStore:
     """In-process :class:`LoadStore` (one API process). Thread-safe (one lock)."""
 
     def __init__(self, ledger: MemoryLedger | None = None) -> None:
         self._lock = threading.Lock()
-        self._replica_to_load: dict[str, Load] = {}
-        self._answers: dict[str, int] = {}
-        """Per replica: answers that chose it since its load was stored."""
-        self._counted: dict[str, CountedLoad] = {}
-        """Per replica with a load: its load and answers, none in flight (kept as they
-        change, so that a read copies the fleet's rather than building one per replica)."""
+        self._fleet = _Fleet()
         self._ledger = ledger or MemoryLedger()
 
     @property
@@ -106,97 +215,204 @@ class MemoryLoadStore:
     def put(self, replica: str, load: Load) -> None:
         check_name("replica id", replica)
         with self._lock:
-            old = self._replica_to_load.get(replica)
+            fleet = self._fleet
+            old = fleet.loads.get(replica)
             if is_newer_or_same(load, old):
-                self._replica_to_load[replica] = load
-                if old is None or load.ts > old.ts:
-                    self._answers.pop(replica, None)
-                self._counted[replica] = CountedLoad(load, self._answers.get(replica, 0))
+                # The same measurement again keeps its count; a newer one starts from 0.
+                same = old is not None and load.ts == old.ts
+                fleet.set(replica, load, fleet.counts.get(replica, 0) if same else 0)
 
     def get_many(self, replicas: Sequence[str]) -> dict[str, Load]:
         with self._lock:
-            return {r: self._replica_to_load[r] for r in replicas if r in self._replica_to_load}
+            loads = self._fleet.loads
+            return {r: loads[r] for r in replicas if r in loads}
 
     def get_counted(
         self, replicas: Sequence[str], answers: Sequence[str] = ()
     ) -> dict[str, CountedLoad]:
-        in_flight = self._ledger.in_flight(replicas)
+        in_flight = self._ledger.totals()
         with self._lock:
-            counts, counted, loads = self._answers, self._counted, self._replica_to_load
+            fleet = self._fleet
             for replica in answers:
-                count = counts[replica] = counts.get(replica, 0) + 1
-                load = loads.get(replica)
-                if load is not None:
-                    counted[replica] = CountedLoad(load, count)
-            if counted.keys() == set(replicas):  # the whole fleet asked: copy in one go
-                out = counted.copy()
-            else:
-                out = {r: counted[r] for r in replicas if r in counted}
-            for r, flying in in_flight.items():  # few: the replicas proxies reserved
-                out[r] = CountedLoad(loads.get(r), counts.get(r, 0), flying)
-            return out
+                fleet.set(replica, fleet.loads.get(replica), fleet.counts.get(replica, 0) + 1)
+            return fleet.read(replicas, in_flight)
 
     def claim_scrapes(self, replicas: Sequence[str], hold_s: float) -> set[str]:
         return set(replicas)
 
     def remove(self, replica: str) -> None:
         with self._lock:
-            self._replica_to_load.pop(replica, None)
-            self._answers.pop(replica, None)
-            self._counted.pop(replica, None)
+            self._fleet.set(replica, None, 0)
 
     def close(self) -> None:
         """Nothing to release."""
 
 
-# KEYS[1] the load HASH; ARGV: replica, ts of the new load, the new load (JSON).
-# Returns 1 when stored, 0 when the stored load is newer. An undecodable stored value
-# counts as older: it is overwritten rather than blocking the replica forever.
-_PUT_IF_NEWER_LUA = """
-local old = redis.call('HGET', KEYS[1], ARGV[1])
+# Shared by the load scripts. KEYS of each: the load HASH, the changes ZSET, the removed
+# ZSET (one hash tag, {load}); ARGV[1] the caller's token, part of the epoch of a log it
+# opens (a hash without one).
+_LOG_NAMES = (
+    f"local EPOCH, SEQ, TRIMMED = '{LOAD_EPOCH}', '{LOAD_SEQ}', '{LOAD_TRIMMED}'\n"
+    f"local ANSWERS = '{ANSWERS_SUFFIX}'\n"
+)
+_LOG_LUA = (
+    _LOG_NAMES
+    + """
+local function open_log()
+  if redis.call('HEXISTS', KEYS[1], EPOCH) == 0 then
+    -- the caller's token and the server's clock: a process that opens a log again (after
+    -- a FLUSHALL) gives it another identity
+    local t = redis.call('TIME')
+    redis.call('HSET', KEYS[1], EPOCH, ARGV[1] .. '.' .. t[1] .. '.' .. t[2])
+    -- a new log (the hash was lost): nothing recorded before describes this hash
+    redis.call('HDEL', KEYS[1], SEQ, TRIMMED)
+    redis.call('DEL', KEYS[2], KEYS[3])
+  end
+end
+local function changed(replica)
+  local seq = redis.call('HINCRBY', KEYS[1], SEQ, 1)
+  redis.call('ZADD', KEYS[2], seq, replica)
+  redis.call('ZREM', KEYS[3], replica)
+end
+"""
+)
+
+# ARGV: token, replica, ts of the new load, the new load (JSON). 1 when stored, 0 when the
+# stored load is newer. An undecodable stored value counts as older: it is overwritten
+# rather than blocking the replica forever.
+_PUT_IF_NEWER_LUA = (
+    _LOG_LUA
+    + """
+local old = redis.call('HGET', KEYS[1], ARGV[2])
 local newer = true
 if old then
   local ok, decoded = pcall(cjson.decode, old)
   if ok and type(decoded) == 'table' then
     local old_ts = tonumber(decoded['ts'])
-    if old_ts and old_ts > tonumber(ARGV[2]) then
+    if old_ts and old_ts > tonumber(ARGV[3]) then
       return 0
     end
-    newer = not (old_ts and old_ts == tonumber(ARGV[2]))
+    newer = not (old_ts and old_ts == tonumber(ARGV[3]))
   end
 end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+open_log()
+redis.call('HSET', KEYS[1], ARGV[2], ARGV[4])
 if newer then
-  redis.call('HDEL', KEYS[1], ARGV[4])  -- a new measurement: its answers start from 0
+  redis.call('HDEL', KEYS[1], ARGV[2] .. ANSWERS)  -- a new measurement: its answers from 0
+end
+changed(ARGV[2])
+return 1
+"""
+)
+
+# ARGV: token, replica, tombstones kept. 1 when removed, 0 when nothing was stored.
+_REMOVE_LUA = (
+    _LOG_LUA
+    + """
+if redis.call('HDEL', KEYS[1], ARGV[2], ARGV[2] .. ANSWERS) == 0 then
+  return 0
+end
+open_log()
+local seq = redis.call('HINCRBY', KEYS[1], SEQ, 1)
+redis.call('ZREM', KEYS[2], ARGV[2])
+redis.call('ZADD', KEYS[3], seq, ARGV[2])
+local over = redis.call('ZCARD', KEYS[3]) - tonumber(ARGV[3])
+if over > 0 then
+  local newest = redis.call('ZRANGE', KEYS[3], over - 1, over - 1, 'WITHSCORES')
+  redis.call('HSET', KEYS[1], TRIMMED, newest[2])
+  redis.call('ZREMRANGEBYRANK', KEYS[3], 0, over - 1)
 end
 return 1
 """
+)
+
+# ARGV: token, the reader's epoch ('' none), its seq, then one replica per answer to count.
+# Returns {epoch, seq, 1, HGETALL} (read everything) or {epoch, seq, 0, {replica, load,
+# count, ...} of the replicas changed after the reader's seq, the replicas removed after it}.
+_READ_LUA = (
+    _LOG_LUA
+    + """
+if #ARGV > 3 then
+  open_log()
+  for i = 4, #ARGV do
+    -- an unreadable count fails its HINCRBY alone: it reads as 0 until a newer load
+    redis.pcall('HINCRBY', KEYS[1], ARGV[i] .. ANSWERS, 1)
+    changed(ARGV[i])
+  end
+end
+local meta = redis.call('HMGET', KEYS[1], EPOCH, SEQ, TRIMMED)
+local epoch, seq, known = meta[1] or '', tonumber(meta[2]) or 0, tonumber(ARGV[3])
+if epoch ~= ARGV[2] or known > seq or known < (tonumber(meta[3]) or 0) then
+  return {epoch, seq, 1, redis.call('HGETALL', KEYS[1])}
+end
+if known == seq then
+  return {epoch, seq, 0, {}, {}}
+end
+local replicas = redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. ARGV[3], '+inf')
+if #replicas > 64 and #replicas * 4 > redis.call('HLEN', KEYS[1]) then
+  return {epoch, seq, 1, redis.call('HGETALL', KEYS[1])}  -- most of it: one whole read
+end
+local out = {}
+for first = 1, #replicas, 500 do
+  local last = math.min(first + 499, #replicas)
+  local fields = {}
+  for i = first, last do
+    fields[#fields + 1] = replicas[i]
+    fields[#fields + 1] = replicas[i] .. ANSWERS
+  end
+  local values = redis.call('HMGET', KEYS[1], unpack(fields))
+  for i = first, last do
+    local j = 2 * (i - first)
+    out[#out + 1] = replicas[i]
+    out[#out + 1] = values[j + 1]
+    out[#out + 1] = values[j + 2]
+  end
+end
+return {epoch, seq, 0, out, redis.call('ZRANGEBYSCORE', KEYS[3], '(' .. ARGV[3], '+inf')}
+"""
+)
 
 _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder(Load)
+_ANSWERS_SUFFIX = ANSWERS_SUFFIX.encode()
 
 
 class RedisLoadStore:
-    """Shared :class:`LoadStore`: one HASH (``Schema.load``) replica id → load as JSON.
+    """Shared :class:`LoadStore`: the ``{load}`` keys of :class:`Schema` (a HASH replica id →
+    load as JSON, its answer counts and the change log's fields; the ``changes`` and
+    ``removed`` ZSETs), and the snapshot of them this process last read (the module says
+    how it stays current).
 
-    A put is one Lua script (compare ``ts``, then set: atomic across API processes); a
-    ``get_many`` is one HMGET; a ``get_counted`` is one round trip (an HINCRBY per answer,
-    then an HMGET, then the script reading the in-flight totals of its
-    :class:`RedisLedger`, whose keys are apart: ``{inflight}``). A replica's answers are
-    its field ``<replica>/answers`` of the same HASH (no replica id contains ``/``), so
-    every other call touches one key; the put script deletes that field when it stores a
-    newer load. Every method raises
-    :class:`IndexUnavailableError` when Redis cannot be reached. A stored value that
-    cannot be decoded reads as absent (logged). Scrape claims are short-lived keys
-    (``Schema.scrape_claim``, SET NX PX).
+    A put and a remove are one Lua script each (compare ``ts``, then set, then log the
+    change: atomic across API processes); a ``get_many`` is one HMGET; a ``get_counted`` is
+    one round trip of two scripts (count the answers and read the changes; read the
+    in-flight totals of its :class:`RedisLedger`, whose keys are apart: ``{inflight}``). A
+    replica's answers are its field ``<replica>/answers`` of the same HASH (no replica id
+    contains ``/``); the put script deletes that field when it stores a newer load. Every
+    method raises :class:`IndexUnavailableError` when Redis cannot be reached. A stored
+    value that cannot be decoded reads as absent (logged when read). Scrape claims are
+    short-lived keys (``Schema.scrape_claim``, SET NX PX).
     """
 
     def __init__(self, client: RedisClient, schema: Schema | None = None) -> None:
         self._client = client
         self._schema = schema or Schema()
         self._key = self._schema.load
+        self._keys = [self._key, self._schema.load_changes, self._schema.load_removed]
+        self._slot = key_slot(self._key.encode())
+        """The cluster slot of every load key (one hash tag)."""
+        self._token = uuid.uuid4().hex[:12]
+        """This process's part of the epoch of a log it opens (with the server's clock)."""
         self._put = client.register_script(_PUT_IF_NEWER_LUA)
+        self._remove = client.register_script(_REMOVE_LUA)
+        self._read = client.register_script(_READ_LUA)
         self._ledger = RedisLedger(client, self._schema)
+        self._lock = threading.Lock()
+        self._fleet = _Fleet()
+        self._epoch = b""
+        """The log the snapshot follows (b"": none yet, or forgotten)."""
+        self._seq = 0
+        """The last change the snapshot holds."""
 
     @property
     def ledger(self) -> Ledger:
@@ -209,14 +425,9 @@ class RedisLoadStore:
 
     def put(self, replica: str, load: Load) -> None:
         check_name("replica id", replica)
+        args: list[str | bytes] = [self._token, replica, repr(load.ts), _ENCODER.encode(load)]
         with unavailable_on_connection_errors():
-            args: list[str | bytes] = [
-                replica,
-                repr(load.ts),
-                _ENCODER.encode(load),
-                answers_field(replica),
-            ]
-            self._put(keys=[self._key], args=args)
+            self._put(keys=self._keys, args=args)
 
     def get_many(self, replicas: Sequence[str]) -> dict[str, Load]:
         wanted = list(dict.fromkeys(replicas))
@@ -230,31 +441,83 @@ class RedisLoadStore:
     def get_counted(
         self, replicas: Sequence[str], answers: Sequence[str] = ()
     ) -> dict[str, CountedLoad]:
-        wanted = list(dict.fromkeys(replicas))
-        fields = [f for r in wanted for f in (r, answers_field(r))]
-        with unavailable_on_connection_errors(), self._client.pipeline(False) as pipe:
-            for replica in answers:
-                pipe.hincrby(self._key, answers_field(replica), 1)
-            if fields:
-                pipe.hmget(self._key, fields)
-                self._ledger.queue_read(pipe, wanted)
-            # An unreadable count (not an integer) fails its HINCRBY alone; it reads as 0
-            # until the replica's next load replaces it.
-            replies = pipe.execute(raise_on_error=False) if answers or fields else []
-        if not fields:
-            return {}
-        if isinstance(replies[-2], redis.RedisError):
-            raise replies[-2]
-        in_flight = self._ledger.read_reply(replies[-1], wanted)
-        values = cast("list[bytes | None]", replies[-2])
-        out: dict[str, CountedLoad] = {}
-        for i, replica in enumerate(wanted):
-            value, count = values[2 * i], values[2 * i + 1]
-            load = None if value is None else _decode(replica, value)
-            flying = in_flight.get(replica, NO_IN_FLIGHT)
-            if load is not None or flying.num_requests:
-                out[replica] = CountedLoad(load, _parse_count(count), flying)
-        return out
+        with self._lock:
+            known = self._seq
+            args: list[str | bytes | int] = [self._token, self._epoch, known, *answers]
+        try:
+            reply, in_flight = self._read_changes(args)
+        except IndexUnavailableError:
+            with self._lock:  # Redis may come back on other data: read it whole then
+                self._fleet.clear()
+                self._epoch, self._seq = b"", 0
+            raise
+        with self._lock:
+            self._apply(reply, known)
+            return self._fleet.read(replicas, in_flight)
+
+    def _read_changes(self, args: list[str | bytes | int]) -> tuple[Any, dict[str, InFlight]]:
+        """One round trip: the read script's reply, and the ledger's totals."""
+        route: dict[str, Any] = {}
+        if isinstance(self._client, RedisCluster):
+            route = {"target_nodes": self._client.nodes_manager.get_node_from_slot(self._slot)}
+        with unavailable_on_connection_errors():
+            with self._client.pipeline(False) as pipe:
+                # A raw EVALSHA (as RedisLedger.queue_read says why), addressed on a cluster.
+                pipe.execute_command("EVALSHA", self._read.sha, 3, *self._keys, *args, **route)
+                self._ledger.queue_read(pipe)
+                reply, totals = pipe.execute(raise_on_error=False)
+            if isinstance(reply, redis.exceptions.NoScriptError):  # it did not run: run it
+                reply = self._read(keys=self._keys, args=args)
+            elif isinstance(reply, Exception):
+                raise reply
+            return reply, self._ledger.read_reply(totals)
+
+    def _apply(self, reply: Any, known: int) -> None:
+        """Bring the snapshot to a reply of the read script made from seq ``known``, unless
+        it is older (a reply of another thread's read that started earlier and finished
+        later). A whole read below ``known`` (Redis went back to older data) replaces it."""
+        epoch, seq, whole, *rest = reply
+        epoch = bytes(epoch) if epoch else b""
+        seq = int(seq)
+        went_back = whole and seq < known
+        if epoch == self._epoch and seq <= self._seq and not went_back:
+            return
+        if whole:
+            self._fleet.clear()
+            self._read_whole(cast("list[bytes]", rest[0]))
+        elif epoch != self._epoch:  # changes of a log the snapshot no longer follows
+            return
+        else:
+            self._read_delta(cast("list[bytes | None]", rest[0]), cast("list[bytes]", rest[1]))
+        self._epoch, self._seq = epoch, seq
+
+    def _read_whole(self, flat: list[bytes]) -> None:
+        """The snapshot from the whole hash (HGETALL: field, value, ...)."""
+        loads: dict[str, bytes] = {}
+        counts: dict[str, bytes] = {}
+        for i in range(0, len(flat), 2):
+            field, value = flat[i], flat[i + 1]
+            if field.startswith(b"#"):
+                continue
+            if field.endswith(_ANSWERS_SUFFIX):
+                counts[field[: -len(_ANSWERS_SUFFIX)].decode()] = value
+            else:
+                loads[field.decode()] = value
+        for replica in loads.keys() | counts.keys():
+            raw = loads.get(replica)
+            load = None if raw is None else _decode(replica, raw)
+            self._fleet.set(replica, load, _parse_count(counts.get(replica)))
+
+    def _read_delta(self, changed: list[bytes | None], removed: list[bytes]) -> None:
+        """The changes (replica, load, count, ...) and removals since the snapshot's seq."""
+        fleet = self._fleet
+        for i in range(0, len(changed), 3):
+            replica = cast("bytes", changed[i]).decode()
+            raw, count = changed[i + 1], changed[i + 2]
+            load = None if raw is None else _decode(replica, raw)
+            fleet.set(replica, load, _parse_count(count))
+        for name in removed:
+            fleet.set(name.decode(), None, 0)
 
     def claim_scrapes(self, replicas: Sequence[str], hold_s: float) -> set[str]:
         wanted = list(dict.fromkeys(replicas))
@@ -269,7 +532,7 @@ class RedisLoadStore:
 
     def remove(self, replica: str) -> None:
         with unavailable_on_connection_errors():
-            self._client.hdel(self._key, replica, answers_field(replica))
+            self._remove(keys=self._keys, args=[self._token, replica, MAX_LOAD_TOMBSTONES])
 
     def close(self) -> None:
         self._client.close()

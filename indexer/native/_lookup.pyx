@@ -60,6 +60,75 @@ def set_bits(object bitmap):
 
 
 
+cdef extern from "Python.h":
+    ctypedef struct PyMemberDef:
+        Py_ssize_t offset
+        int type
+    ctypedef struct PyMemberDescrObject:
+        PyMemberDef* d_member
+    ctypedef struct PyTypeObject
+    PyTypeObject* Py_TYPE(object o)
+    bint PyFloat_CheckExact(object o)
+    double PyFloat_AS_DOUBLE(object o)
+    bint PyLong_CheckExact(object o)
+    double PyLong_AsDouble(object o) except? -1.0
+    int T_OBJECT_EX
+
+
+_LOAD_FIELDS = ("ts", "waiting", "running", "kv_usage")
+cdef PyTypeObject* _load_type = NULL
+"""The type whose field offsets ``_load_offsets`` holds (None learnt yet)."""
+cdef Py_ssize_t _load_offsets[4]
+
+
+cdef bint _learn_load_type(object load):
+    """Remember where ``type(load)`` keeps the four fields a penalty reads, when each is a
+    plain slot (a member descriptor of an object, as a msgspec Struct's fields are): an
+    attribute read is then one load from memory. False when they are not."""
+    global _load_type
+    cdef object cls = type(load), descriptor
+    cdef PyMemberDef* member
+    cdef Py_ssize_t offsets[4]
+    cdef int i
+    for i in range(4):
+        descriptor = getattr(cls, _LOAD_FIELDS[i], None)
+        if type(descriptor) is not _member_descriptor:
+            return False
+        member = (<PyMemberDescrObject*> <PyObject*> descriptor).d_member
+        if member.type != T_OBJECT_EX:
+            return False
+        offsets[i] = member.offset
+    for i in range(4):
+        _load_offsets[i] = offsets[i]
+    _load_type = Py_TYPE(load)
+    return True
+
+
+class _Slots:
+    __slots__ = ("x",)
+
+
+_member_descriptor = type(_Slots.x)
+
+
+cdef inline object _field(object load, int i):
+    """Field ``i`` of ``_LOAD_FIELDS`` of a load of the learnt type (NULL: unset)."""
+    cdef PyObject* value = (<PyObject**> ((<char*> <PyObject*> load) + _load_offsets[i]))[0]
+    if value is NULL:
+        return getattr(load, _LOAD_FIELDS[i])  # raises AttributeError, as the reference
+    return <object> value
+
+
+cdef inline double _number(object x) except? -1.0:
+    """``<double> x``, without the float made on the way for an int (the same value: an
+    int converts to the nearest double either way)."""
+    if PyFloat_CheckExact(x):
+        return PyFloat_AS_DOUBLE(x)
+    if PyLong_CheckExact(x):
+        return PyLong_AsDouble(x)
+    return <double> x
+
+
 def load_penalties(
     list replicas,
     dict counted,
@@ -74,12 +143,13 @@ def load_penalties(
 ):
     """Each replica's load penalty from ``counted`` (replica -> ``CountedLoad``: load or
     None, answers since, (requests, tokens) in flight), as of ``now``, in the order of
-    ``replicas``; see ``kvindex.api.policies.load_penalties``."""
+    ``replicas``; see ``kvindex.api.policies.load_penalties``. A load's fields are read
+    from its slots when its type keeps them there (``_learn_load_type``), else by name."""
     cdef Py_ssize_t n = PyList_GET_SIZE(replicas), i
     cdef list out = [None] * n
     cdef PyObject* found
     cdef object c, load, routed, in_flight, num_requests, num_tokens
-    cdef double first_hand, prefill, age, recency, queue
+    cdef double first_hand, prefill, age, recency, queue, ts, waiting, running, kv_usage
     for i in range(n):
         found = PyDict_GetItem(counted, <object> PyList_GET_ITEM(replicas, i))
         if found is NULL:
@@ -97,20 +167,26 @@ def load_penalties(
             num_tokens = <object> PyTuple_GET_ITEM(in_flight, 1)
         else:
             num_requests, num_tokens = in_flight
-        first_hand = w_in_flight * <double> num_requests
-        prefill = w_tokens * <double> num_tokens
+        first_hand = w_in_flight * _number(num_requests)
+        prefill = w_tokens * _number(num_tokens)
         if load is None:
             out[i] = first_hand + prefill
             continue
-        age = now - <double> load.ts
+        if Py_TYPE(load) is _load_type or (_load_type is NULL and _learn_load_type(load)):
+            ts, waiting = _number(_field(load, 0)), _number(_field(load, 1))
+            running, kv_usage = _number(_field(load, 2)), _number(_field(load, 3))
+        else:
+            ts, waiting = _number(load.ts), _number(load.waiting)
+            running, kv_usage = _number(load.running), _number(load.kv_usage)
+        age = now - ts
         if half_life:
             recency = pow(0.5, (0.0 if age < 0.0 else age) / half_life)
         else:
             recency = 1.0
-        queue = (w_waiting * <double> load.waiting + w_running * <double> load.running) * recency
-        queue = queue + w_routed * <double> routed
+        queue = (w_waiting * waiting + w_running * running) * recency
+        queue = queue + w_routed * _number(routed)
         queue = queue if queue > first_hand else first_hand
-        out[i] = queue + w_kv * <double> load.kv_usage * recency + prefill
+        out[i] = queue + w_kv * kv_usage * recency + prefill
     return out
 
 

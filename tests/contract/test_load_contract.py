@@ -6,6 +6,7 @@ private 3-master Redis Cluster).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator, Sequence
 
@@ -245,3 +246,157 @@ def test_each_replica_is_claimed_once_until_the_claim_expires(
     assert shared_store.claim_scrapes(["r1", "r2"], 0.2) == set()
     time.sleep(0.3)
     assert other.claim_scrapes(["r1", "r2"], 0.2) == {"r1", "r2"}
+
+
+# --- reads that follow the store's changes ------------------------------------------------------
+# Each store keeps what it read and, on Redis, reads only what changed since (the module
+# ``kvindex.api.load.store`` says how): these hold that such a read is still the whole truth.
+
+
+def counted_loads(store: LoadStore, *replicas: str) -> dict[str, tuple[float, int]]:
+    """(load ts, answers) per replica with a load, as a read now returns it."""
+    return {
+        r: (c.load.ts, c.routed)
+        for r, c in store.get_counted(list(replicas)).items()
+        if c.load is not None
+    }
+
+
+def test_reads_of_different_replica_lists_follow_every_change(store: LoadStore) -> None:
+    store.put("r1", load(1.0))
+    store.put("r2", load(2.0))
+    assert counted_loads(store, "r1", "r2") == {"r1": (1.0, 0), "r2": (2.0, 0)}
+    assert counted_loads(store, "r2") == {"r2": (2.0, 0)}
+    store.put("r2", load(3.0))
+    store.get_counted(["r1"], ["r2", "r1"])
+    store.put("r3", load(4.0))
+    assert counted_loads(store, "r2") == {"r2": (3.0, 1)}
+    assert counted_loads(store, "r1", "r2", "r3") == {
+        "r1": (1.0, 1),
+        "r2": (3.0, 1),
+        "r3": (4.0, 0),
+    }
+    store.remove("r2")
+    assert counted_loads(store, "r2") == {}
+    assert counted_loads(store, "r3", "r2", "r1") == {"r1": (1.0, 1), "r3": (4.0, 0)}
+
+
+def test_a_read_is_the_callers_own(store: LoadStore) -> None:
+    store.put("r1", load(1.0))
+    first = store.get_counted(["r1"])
+    first.clear()
+    store.put("r2", load(2.0))
+    second = store.get_counted(["r1", "r2"])
+    assert set(second) == {"r1", "r2"}
+    store.put("r1", load(5.0))
+    assert second["r1"].load == load(1.0)  # an earlier read never changes under its caller
+
+
+def test_another_process_puts_and_answers_are_seen_on_the_next_read(
+    shared_store: RedisLoadStore,
+) -> None:
+    mine, other = shared_store, RedisLoadStore(shared_store.client, Schema("test"))
+    mine.put("r1", load(100.0))
+    assert counted_loads(mine, "r1", "r2") == {"r1": (100.0, 0)}
+    other.put("r2", load(50.0))
+    other.get_counted(["r1"], ["r1", "r1"])
+    assert counted_loads(mine, "r1", "r2") == {"r1": (100.0, 2), "r2": (50.0, 0)}
+    other.put("r1", load(101.0))  # a new measurement: its count starts again
+    assert counted_loads(mine, "r1", "r2") == {"r1": (101.0, 0), "r2": (50.0, 0)}
+    other.put("r2", load(49.0))  # older: not stored, nothing to see
+    assert counted_loads(mine, "r2") == {"r2": (50.0, 0)}
+
+
+def test_a_replica_another_process_removed_disappears(shared_store: RedisLoadStore) -> None:
+    mine, other = shared_store, RedisLoadStore(shared_store.client, Schema("test"))
+    mine.put("r1", load(100.0))
+    mine.put("r2", load(100.0))
+    mine.get_counted(["r1"], ["r1"])
+    assert counted_loads(mine, "r1", "r2") == {"r1": (100.0, 1), "r2": (100.0, 0)}
+    other.remove("r1")
+    assert counted_loads(mine, "r1", "r2") == {"r2": (100.0, 0)}
+    other.put("r1", load(10.0))  # back again: a new replica as far as load goes
+    assert counted_loads(mine, "r1", "r2") == {"r1": (10.0, 0), "r2": (100.0, 0)}
+
+
+@pytest.mark.parametrize("writes_after", [0, 1, 40])
+def test_a_flushed_redis_is_read_again_whole(
+    shared_store: RedisLoadStore, writes_after: int
+) -> None:
+    """FLUSHALL (or a Redis restarted empty) forgets the change log with the loads; a
+    reader notices by the log's identity, also once as many changes as it had seen (or
+    more) were made since, and reads the store as it now is."""
+    mine, other = shared_store, RedisLoadStore(shared_store.client, Schema("test"))
+    for i in range(8):
+        other.put(f"r{i}", load(100.0 + i))
+    other.get_counted([], ["r0"] * 3)
+    names = [f"r{i}" for i in range(8)]
+    assert len(counted_loads(mine, *names)) == 8
+    shared_store.client.flushall()
+    for i in range(writes_after):
+        other.put(f"r{i % 2}", load(200.0 + i))
+    expected = {f"r{i % 2}": (200.0 + i, 0) for i in range(writes_after)}
+    assert counted_loads(mine, *names) == expected
+    assert counted_loads(mine, *names) == expected
+    other.get_counted([], ["r0"])
+    if writes_after:  # and it follows the new log's changes from there
+        assert counted_loads(mine, "r0") == {"r0": (expected["r0"][0], 1)}
+
+
+def test_an_undecodable_value_reads_as_absent_whole_or_changed(
+    shared_store: RedisLoadStore,
+) -> None:
+    mine, other = shared_store, RedisLoadStore(shared_store.client, Schema("test"))
+    mine.put("r1", load(100.0))
+    mine.put("r2", load(100.0))
+    assert len(counted_loads(mine, "r1", "r2")) == 2
+    shared_store.client.hset(Schema("test").load, "r1", b"not json")
+    other.get_counted([], ["r1"])  # a change of r1: read again by the next read
+    assert counted_loads(mine, "r1", "r2") == {"r2": (100.0, 0)}
+    fresh = RedisLoadStore(shared_store.client, Schema("test"))  # reads it whole
+    assert counted_loads(fresh, "r1", "r2") == {"r2": (100.0, 0)}
+    other.put("r1", load(1.0))  # replaces the junk
+    assert counted_loads(mine, "r1", "r2") == {"r1": (1.0, 0), "r2": (100.0, 0)}
+    assert counted_loads(fresh, "r1", "r2") == {"r1": (1.0, 0), "r2": (100.0, 0)}
+
+
+def test_reads_in_many_threads_while_another_process_writes_end_up_whole(
+    shared_store: RedisLoadStore,
+) -> None:
+    """Replies of reads made at once may arrive out of order: none may undo a newer one."""
+    mine, other = shared_store, RedisLoadStore(shared_store.client, Schema("test"))
+    names = [f"r{i}" for i in range(6)]
+    stop = threading.Event()
+
+    def reader() -> None:
+        while not stop.is_set():
+            mine.get_counted(names, ["r0"])
+
+    threads = [threading.Thread(target=reader) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    try:
+        for step in range(60):
+            other.put(names[step % 6], load(float(step)))
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    read = mine.get_counted(names)
+    assert {r: c.load for r, c in read.items()} == other.get_many(names)
+    assert {r: c.routed for r, c in read.items()} == {
+        r: c.routed
+        for r, c in RedisLoadStore(mine.client, Schema("test")).get_counted(names).items()
+    }
+
+
+def test_an_unreadable_count_fails_alone_and_the_read_goes_on(shared_store: RedisLoadStore) -> None:
+    """The count is HINCRBY'd inside the read's script: its error must not stop the read
+    nor the other answers' counts."""
+    store = shared_store
+    store.put("r1", load(100.0))
+    store.put("r2", load(100.0))
+    store.client.hset(Schema("test").load, "r1/answers", b"garbage")
+    assert counted(store, "r1", "r2", answers=["r1", "r2"]) == {"r1": 0, "r2": 1}
+    store.put("r1", load(101.0))  # a newer load: its count starts again, readable
+    assert counted(store, "r1", "r2", answers=["r1"]) == {"r1": 1, "r2": 1}

@@ -212,3 +212,28 @@ def test_an_unreadable_total_reads_as_nothing_in_flight(backend: Backend) -> Non
     assert isinstance(backend.store, RedisLoadStore)
     backend.store.client.hset(Schema("test").in_flight, mapping={"r1": "many", "r2": "2"})
     assert backend.in_flight("r1", "r2") == {"r2": InFlight(2, 0)}
+
+
+def test_the_totals_name_only_the_replicas_with_requests_in_flight(backend: Backend) -> None:
+    proxy = backend.holder("p1")
+    first = proxy.reserve("r1", 10)
+    proxy.reserve("r9", 2)
+    assert backend.store.ledger.totals() == {"r1": InFlight(1, 10), "r9": InFlight(1, 2)}
+    assert backend.in_flight("r1", "r2") == {"r1": InFlight(1, 10)}  # r9 was not asked for
+    proxy.release(first)
+    assert backend.store.ledger.totals() == {"r9": InFlight(1, 2)}
+
+
+def test_requests_in_flight_join_the_load_and_its_answers_then_leave_them(
+    backend: Backend,
+) -> None:
+    """The store keeps each replica's counted load between reads; in-flight totals are read
+    each time and laid over it, never kept in it."""
+    loaded = Load(running=1.0, waiting=0.0, kv_usage=0.1, ts=100.0, source="push")
+    backend.store.put("r1", loaded)
+    backend.store.get_counted(["r1"], ["r1"])
+    proxy = backend.holder("p1")
+    reservation = proxy.reserve("r1", 8)
+    assert backend.store.get_counted(["r1"]) == {"r1": CountedLoad(loaded, 1, InFlight(1, 8))}
+    proxy.release(reservation)
+    assert backend.store.get_counted(["r1"]) == {"r1": CountedLoad(loaded, 1, NO_IN_FLIGHT)}

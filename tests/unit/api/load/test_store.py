@@ -5,23 +5,33 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
+from typing import cast
 
 import fakeredis
 import pytest
 import redis
 from redis.backoff import NoBackoff
+from redis.crc import key_slot
 from redis.retry import Retry
 
+from kvindex.api.load.model import CountedLoad
 from kvindex.api.load.store import MemoryLoadStore, RedisLoadStore
 from kvindex.indexer.index.protocol import IndexUnavailableError
-from kvindex.indexer.redis_schema import Schema
+from kvindex.indexer.redis_schema import MAX_LOAD_TOMBSTONES, Schema
 from tests.support.redis_server import free_port
 from tests.unit.api.load.samples import NOW, a_load
 
+LOAD = "p:v2:{load}:loads"
+CHANGES = "p:v2:{load}:changes"
+REMOVED = "p:v2:{load}:removed"
 
-def test_load_key_name() -> None:
-    assert Schema("p").load == "p:v1:load"
-    assert Schema().load == "kvindex:v1:load"
+
+def test_load_key_names() -> None:
+    schema = Schema("p")
+    assert (schema.load, schema.load_changes, schema.load_removed) == (LOAD, CHANGES, REMOVED)
+    assert Schema().load == "kvindex:v2:{load}:loads"
+    # One hash tag: a put, a count and a removal change the hash and its log in one script.
+    assert len({key_slot(k.encode()) for k in (LOAD, CHANGES, REMOVED)}) == 1
 
 
 def test_memory_store_is_thread_safe_and_keeps_the_newest() -> None:
@@ -39,12 +49,14 @@ def test_memory_store_is_thread_safe_and_keeps_the_newest() -> None:
     assert store.get_many(["r1"])["r1"].ts == 499 * 8 + 7
 
 
-def test_redis_store_layout_is_one_hash_of_json() -> None:
+def test_redis_store_layout_is_one_hash_of_json_and_its_change_log() -> None:
     client = fakeredis.FakeRedis()
     store = RedisLoadStore(client, Schema("p"))
     store.put("r1", a_load(running=3.0))
-    assert client.keys("*") == [b"p:v1:load"]
-    raw = client.hget("p:v1:load", "r1")
+    assert sorted(client.keys("*")) == [CHANGES.encode(), LOAD.encode()]
+    assert client.hget(LOAD, "#seq") == b"1"
+    assert client.zrange(CHANGES, 0, -1, withscores=True) == [(b"r1", 1.0)]
+    raw = client.hget(LOAD, "r1")
     assert isinstance(raw, bytes)
     assert json.loads(raw) == {
         "running": 3.0,
@@ -79,7 +91,7 @@ def test_prefixes_do_not_share_load() -> None:
 def test_an_undecodable_stored_value_reads_as_absent_and_is_replaced(junk: bytes) -> None:
     client = fakeredis.FakeRedis()
     store = RedisLoadStore(client, Schema("p"))
-    client.hset("p:v1:load", "r1", junk)
+    client.hset(LOAD, "r1", junk)
     assert store.get_many(["r1"]) == {}
     store.put("r1", a_load(ts=1.0))
     assert store.get_many(["r1"]) == {"r1": a_load(ts=1.0)}
@@ -90,11 +102,39 @@ def test_answer_counts_are_a_field_of_the_load_hash() -> None:
     store = RedisLoadStore(client, Schema("p"))
     store.put("r1", a_load(ts=1.5))
     store.get_counted(["r1"], ["r1"] * 2)
-    assert client.keys("*") == [b"p:v1:load"]
-    assert client.hget("p:v1:load", "r1/answers") == b"2"
+    assert client.hget(LOAD, "r1/answers") == b"2"
+    assert client.hget(LOAD, "#seq") == b"3"  # the put and each answer: one change each
     assert store.get_many(["r1"]) == {"r1": a_load(ts=1.5)}
     store.remove("r1")
-    assert client.keys("*") == []
+    assert sorted(client.hkeys(LOAD)) == [b"#epoch", b"#seq"]  # the log's own fields
+    assert client.zrange(REMOVED, 0, -1, withscores=True) == [(b"r1", 4.0)]
+    assert client.zcard(CHANGES) == 0
+
+
+def test_tombstones_are_bounded_and_a_reader_behind_them_reads_everything() -> None:
+    client = fakeredis.FakeRedis()
+    store, behind = RedisLoadStore(client, Schema("p")), RedisLoadStore(client, Schema("p"))
+    store.put("keep", a_load(ts=1.0))
+    for i in range(3):
+        store.put(f"r{i}", a_load(ts=1.0))
+    assert set(behind.get_counted(["keep", "r0", "r1", "r2"])) == {"keep", "r0", "r1", "r2"}
+    for i in range(MAX_LOAD_TOMBSTONES + 2):
+        store.put(f"gone{i}", a_load(ts=1.0))
+        store.remove(f"gone{i}")
+    store.remove("r0")
+    assert client.zcard(REMOVED) == MAX_LOAD_TOMBSTONES
+    assert int(client.hget(LOAD, "#trimmed") or 0) > 0
+    assert set(behind.get_counted(["keep", "r0", "r1", "r2"])) == {"keep", "r1", "r2"}
+
+
+def test_a_read_of_nothing_new_returns_the_snapshot_it_holds() -> None:
+    client = fakeredis.FakeRedis()
+    store = RedisLoadStore(client, Schema("p"))
+    store.put("r1", a_load(ts=1.0))
+    first = store.get_counted(["r1"])
+    again = store.get_counted(["r1"])
+    assert first == again and first is not again  # a dict of the caller's own
+    assert first["r1"] is again["r1"]  # ... of entries made once per change
 
 
 @pytest.mark.parametrize("junk", [b"", b"garbage", b"-3"])
@@ -102,7 +142,7 @@ def test_an_unreadable_answer_count_reads_as_0_and_a_new_load_resets_it(junk: by
     client = fakeredis.FakeRedis()
     store = RedisLoadStore(client, Schema("p"))
     store.put("r1", a_load(ts=1.5))
-    client.hset("p:v1:load", "r1/answers", junk)
+    client.hset(LOAD, "r1/answers", junk)
     assert store.get_counted(["r1"])["r1"].routed == 0
     assert store.get_counted(["r1"], ["r1"])["r1"].routed == 0  # no crash, still 0
     store.put("r1", a_load(ts=2.0))
@@ -129,3 +169,31 @@ def test_redis_down_is_index_unavailable(dead_redis: redis.Redis) -> None:
         store.remove("r1")
     with pytest.raises(IndexUnavailableError, match="redis"):
         store.get_counted(["r1"], ["r1"])
+
+
+def test_after_redis_was_unreachable_the_next_read_is_whole() -> None:
+    """A Redis back on older data (restarted from an old snapshot) may have made as many
+    changes since as the reader had seen: only a whole read is right then."""
+    server = fakeredis.FakeServer()
+    client = fakeredis.FakeRedis(server=server)
+    store = RedisLoadStore(client, Schema("p"))
+    writer = RedisLoadStore(fakeredis.FakeRedis(server=server), Schema("p"))
+    writer.put("r1", a_load(ts=1.0))
+    old_hash = cast("dict[bytes, bytes]", client.hgetall(LOAD))
+    old_changes = cast("list[tuple[bytes, float]]", client.zrange(CHANGES, 0, -1, withscores=True))
+    writer.put("r1", a_load(ts=2.0))
+    assert store.get_counted(["r1"]) == {"r1": CountedLoad(a_load(ts=2.0), 0)}
+    server.connected = False
+    with pytest.raises(IndexUnavailableError, match="redis"):
+        store.get_counted(["r1"], ["r1"])
+    server.connected = True
+    client.delete(LOAD, CHANGES)  # back on the older data, then changes beyond the reader's
+    for field, value in old_hash.items():
+        client.hset(LOAD, field, value)
+    client.zadd(CHANGES, dict(old_changes))
+    for ts in (1.0, 2.0, 3.0):
+        writer.put("r2", a_load(ts=ts))
+    assert store.get_counted(["r1", "r2"]) == {
+        "r1": CountedLoad(a_load(ts=1.0), 0),
+        "r2": CountedLoad(a_load(ts=3.0), 0),
+    }

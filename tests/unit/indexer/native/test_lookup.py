@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import struct
+from typing import cast
 
 import pytest
 from hypothesis import given, settings
@@ -85,6 +86,35 @@ def test_load_penalties_take_the_python_loop_for_other_containers() -> None:
     weights = Weights()
     as_tuple = policies.load_penalties(("a", "b"), loads, NOW, weights)
     assert as_tuple == policies.load_penalties(["a", "b"], loads, NOW, weights)
+
+
+class _ByName:
+    """A load whose fields are not slots: the compiled loop reads them by name."""
+
+    def __init__(self, running: float, waiting: float, kv_usage: float, ts: float) -> None:
+        self.running, self.waiting, self.kv_usage, self.ts = running, waiting, kv_usage, ts
+
+
+class _OtherSlots:
+    """A load of another slotted type than the one the compiled loop learnt."""
+
+    __slots__ = ("kv_usage", "running", "ts", "waiting")
+
+    def __init__(self, running: float, waiting: float, kv_usage: float, ts: float) -> None:
+        self.running, self.waiting, self.kv_usage, self.ts = running, waiting, kv_usage, ts
+
+
+def test_load_penalties_read_loads_of_other_types_and_int_fields_alike() -> None:
+    fields = (3, 2.5, 0.25, NOW - 7.0)  # an int count: a Load built in code may hold one
+    others = [Load(*fields, source="push"), _ByName(*fields), _OtherSlots(*fields)]
+    loads = {
+        f"r{i}": CountedLoad(cast("Load", load), 2, InFlight(1, 9)) for i, load in enumerate(others)
+    }
+    replicas = [*loads, "missing"]
+    weights = Weights()
+    compiled = policies.load_penalties(replicas, loads, NOW, weights)
+    assert _bits(compiled) == _bits(policies.py_load_penalties(replicas, loads, NOW, weights))
+    assert compiled[0] == compiled[1] == compiled[2]
 
 
 _SCORE = st.sampled_from([-1.0, -0.5, 0.0, 0.25]) | st.floats(-2, 2)
