@@ -12,17 +12,16 @@
 -- block before it holds (a stream leaves the set still matching at its first miss), so it
 -- reads the group's longest match, the block after it and the rest of the chunk that
 -- block is in: an HGET of the first block (all a group holding none of it costs), then
--- HMGETs of FIRST_CHUNK blocks, each chunk half as long again as the one before up to
--- MAX_CHUNK (what is read beyond the walk's end is less than the last chunk, itself at
--- most about as long as everything read before it). Why chunks: a
--- command called from Lua costs about what four field reads do, and a field read is
--- mostly the hash lookup's memory accesses, whoever holds it. A value's records are
--- passed over only where it differs from the block before (equal values are one Lua
--- string: comparing them is a pointer compare).
+-- HMGETs of CHUNK blocks, or a quarter of the blocks read so far when that is more (up to
+-- MAX_CHUNK), so what is read beyond the walk's end is less than CHUNK blocks or a
+-- quarter of the walk. Why chunks: a command called from Lua has a fixed cost of about
+-- four field reads, so one call per block spent most of the script in calls. A value's
+-- records are passed over only where it differs from the block before (equal values are
+-- one Lua string: comparing them is a pointer compare).
 local wanted = ARGV[1]
-local call, sub, byte, char, floor, min, unpack = redis.call, string.sub, string.byte,
-  string.char, math.floor, math.min, unpack
-local FIRST_CHUNK, MAX_CHUNK = 16, 256
+local call, sub, byte, char, floor, min, max, unpack = redis.call, string.sub, string.byte,
+  string.char, math.floor, math.min, math.max, unpack
+local CHUNK, MAX_CHUNK = 32, 256
 local num_blocks = #wanted / 8
 local fields = {}   -- block i -> its field: made once per call, for every group
 
@@ -56,39 +55,35 @@ local function still(v, alive)
   return left, any
 end
 
--- runs of one chunk of values onto `state` (runs, prev, count, alive); true at the walk's end
-local function take(state, values)
-  for j = 1, #values do
-    local v = values[j]
-    if not v then return true end
-    if v == state.prev then
-      state.count = state.count + 1
-    else
-      local left, any = still(v, state.alive)
-      if not any then return true end
-      if state.count > 0 then
-        state.runs[#state.runs + 1] = head(state.count, #state.prev) .. state.prev
-      end
-      state.alive, state.prev, state.count = left, v, 1
-    end
-  end
-  return false
+-- the runs so far and the last one as one string
+local function finish(runs, value, count)
+  if count > 0 then runs[#runs + 1] = head(count, #value) .. value end
+  return table.concat(runs)
 end
 
 -- the group's runs as one string ('' : it holds nothing of the first block)
 local function walk(holders)
-  local first = call('HGET', holders, fields[1])
-  if not first then return '' end
-  local state = {runs = {}, prev = nil, count = 0, alive = nil}
-  local ended, from, size = take(state, {first}), 2, FIRST_CHUNK
-  while not ended and from <= num_blocks do
+  local runs, prev, count, alive = {}, nil, 0, nil
+  local values, from = {call('HGET', holders, fields[1])}, 1
+  while true do
+    for j = 1, #values do
+      local v = values[j]   -- false: the group does not hold the block
+      if v ~= prev then
+        local left, any = nil, false
+        if v then left, any = still(v, alive) end
+        if not any then return finish(runs, prev, count) end
+        if count > 0 then runs[#runs + 1] = head(count, #prev) .. prev end
+        alive, prev, count = left, v, 0
+      end
+      count = count + 1
+    end
+    from = from + #values
+    if from > num_blocks then return finish(runs, prev, count) end
+    local size = min(max(CHUNK, floor((from - 1) / 4)), MAX_CHUNK)
     local last = min(num_blocks, from + size - 1)
     fields_to(last)
-    ended = take(state, call('HMGET', holders, unpack(fields, from, last)))
-    from, size = last + 1, min(size + floor(size / 2), MAX_CHUNK)
+    values = call('HMGET', holders, unpack(fields, from, last))
   end
-  state.runs[#state.runs + 1] = head(state.count, #state.prev) .. state.prev
-  return table.concat(state.runs)
 end
 
 local out = {}

@@ -19,9 +19,9 @@ Per group, the script walks the prompt's blocks once, keeping the set of the gro
 streams that hold every block so far, and stops at the first block none of them holds: it
 reads the group's longest match plus one block, and a group holding nothing of the first
 block costs one HGET (its numbering is not read then). The walk reads a chunk of blocks per
-HMGET (16, then half as many again each time, up to 256): a command called from Lua costs
-about four field reads, so one HGET per block (v2 until now) spent most of the script in
-command calls; the fields a chunk reads beyond the walk's end cost less. The set is only
+HMGET (32, or a quarter of what it read so far, up to 256): a command called from Lua has
+a fixed cost of about four field reads, so one HGET per block (as until now) spent most of
+the script in calls; what a chunk reads beyond the walk's end costs less. The set is only
 recomputed where a block's holder value differs from the one before (equal holders and
 counts give equal values), so a system prompt shared by many streams costs one pass over
 its holders, not one per block. The answer is one string of runs (blocks, holder value)
