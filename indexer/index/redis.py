@@ -32,10 +32,12 @@ requested streams that hold nothing share one prepared answer. So the cost follo
 groups (a constant), the longest match in each, not the number of streams: 1,024 replicas
 of which 256 share a 64-block system prompt cost 16 walks of at most their group's longest
 match each (about 1,700 fields), not one walk per stream (v1: one HGET per stream that
-holds nothing, n + 1 per stream matching n blocks: about 18,000 HGETs). What stays is the
-hash lookups themselves, the shared prompt once per group holding it: the fields of a
-1M-block index miss the CPU caches more than those of a small one, so a field costs about
-twice as much at 1,024 replicas (1M blocks) as at 32 (32k).
+holds nothing, n + 1 per stream matching n blocks: about 18,000 HGETs). Redis instructions
+per lookup of ``bench/score.py``'s prompt (callgrind, 1,024 blocks a replica): 3.3 M at 32
+replicas, 5.9 M at 1,024 (one HGET a block: 5.4 M, 9.4 M). What is left growing with the
+fleet is the shared prefix read once per group holding it (16 groups hold the system
+prompt at 1,024 replicas, 7 at 32), and a field read from Lua costs one to two thousand
+instructions whatever the script does with it.
 
 What the groups cost: a prefix held in every group (the shared system prompt) is walked
 once per group, and on standalone Redis one call carries every group (a call per group
