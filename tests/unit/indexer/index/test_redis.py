@@ -19,8 +19,10 @@ from redis.crc import key_slot
 from redis.retry import Retry
 
 from kvindex.indexer.events import StreamId, Tier
+from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import (
     SKIPPED,
+    BlockIndex,
     IndexUnavailableError,
     Op,
     OpKind,
@@ -654,3 +656,39 @@ def test_bad_holder_records_never_crash_the_reader() -> None:
     assert holder_tiers(bytes([0, 3, 0, 0, 0, 1, 0, 0])) == {0: 1}
     assert holder_tiers(record(2, 0) + bytes([0, 7, 0, 1])) == {2: 0}
     assert group_matches(b"") == {}
+
+
+def _fleet_ops(i: int, prefix: list[int], chain: list[int]) -> list[Op]:
+    """Stream i's blocks: the shared prefix (most streams; a few from block 1: a hole at 0,
+    some on CPU), then a part of the chain of its own length, one block in three of the
+    rest (never matched)."""
+    tier = Tier.CPU if i % 5 == 0 else Tier.GPU
+    held = prefix[1:] if i % 7 == 3 else prefix
+    own = chain[: (i * 37) % len(chain)]
+    rest = chain[len(own) + 1 :: 3]
+    return [store(k, k, tier) for k in held] + [store(k, k) for k in own + rest]
+
+
+def test_one_group_and_sixteen_answer_every_lookup_alike(redis_client: redis.Redis) -> None:
+    # Holders of a shared prefix that leave it at every chunk edge of the walk, with one
+    # group (every holder in one value) and the default 16, against the memory index.
+    prefix, chain = list(range(1, 71)), list(range(1001, 1401))
+    streams = [StreamId(f"s{i:02d}") for i in range(40)]
+    indexes: list[BlockIndex] = [
+        RedisIndex(redis_client, Schema("g16")),
+        RedisIndex(redis_client, Schema("g1", index_groups=1)),
+        MemoryIndex(),
+    ]
+    for i, stream in enumerate(streams):
+        for index in indexes:
+            index.apply(stream, 0, 1.0, _fleet_ops(i, prefix, chain))
+    prompts = [prefix, prefix + chain, prefix[:33] + chain, chain, [prefix[0]]]
+    for keys in prompts:
+        expected = indexes[-1].longest_prefix(keys, streams)
+        assert any(m.num_blocks > 100 for m in expected.values()) or keys != prefix + chain
+        for index in indexes[:-1]:
+            assert index.longest_prefix(keys, streams) == expected, (index, len(keys))
+    for index in indexes:  # a holder's answer changes: the decoded one is not reused
+        index.apply(streams[1], 1, 2.0, [(OpKind.REMOVE, Tier.GPU, prefix[40], 0)])
+    for index in indexes[:-1]:
+        assert index.longest_prefix(prefix, streams)[streams[1]] == PrefixMatch((Tier.GPU,) * 40)
