@@ -15,21 +15,29 @@ nothing (:class:`FencedError`).
 
 What a lookup costs: one round trip of one ``longest_prefix.lua`` call (on a cluster, one
 call per group holding a requested stream, sent to every master before any reply is read).
-Per group, the script walks the prompt's blocks once, one HGET each, keeping the set of
-the group's streams that hold every block so far, and stops at the first block none of
-them holds: so it reads the group's longest match plus one block, and a group holding
-nothing costs one HGET. The set is only recomputed where a block's holder value differs
-from the one before (equal holders and counts give equal values), so a system prompt
-shared by many streams costs one pass over its holders, not one per block. The answer is
-runs of (blocks, holder value); this process intersects them the same way and builds a
-:class:`PrefixMatch` per holder, the requested streams that hold nothing sharing one
-prepared answer. So the cost follows the groups (a constant), the longest match in each
-and the holders' answers, not the number of streams: 1,024 replicas of which 256 share a
-64-block system prompt cost 16 walks of at most their group's longest match each (about
-1,700 HGETs), not one walk per stream (v1: one HGET per stream that holds nothing, n + 1
-per stream matching n blocks: about 18,000 HGETs, ~20 ms of Redis CPU there). Instructions
-Redis ran per lookup of ``bench/score.py``'s prompt (callgrind, 1,024 blocks a replica):
-5.3 M at 32 replicas (v1 6.3 M), 8.7 M at 256 (v1 27.1 M), 9.7 M at 1,024.
+Per group, the script walks the prompt's blocks once, keeping the set of the group's
+streams that hold every block so far, and stops at the first block none of them holds: it
+reads the group's longest match plus one block, and a group holding nothing of the first
+block costs one HGET (its numbering is not read then). The walk reads a chunk of blocks per
+HMGET (32, or a quarter of what it read so far, up to 256): a command called from Lua has
+a fixed cost of about four field reads, so one HGET per block (as until now) spent most of
+the script in calls; what a chunk reads beyond the walk's end costs less. The set is only
+recomputed where a block's holder value differs from the one before (equal holders and
+counts give equal values), so a system prompt shared by many streams costs one pass over
+its holders, not one per block. The answer is one string of runs (blocks, holder value)
+per group; this process decodes a group's string once per numbering (``#gen``) and keeps
+the requested streams' matches by it, so a repeated answer (the caches did not change)
+costs a dict lookup and an update per group, whatever the number of holders, and the
+requested streams that hold nothing share one prepared answer. So the cost follows the
+groups (a constant), the longest match in each, not the number of streams: 1,024 replicas
+of which 256 share a 64-block system prompt cost 16 walks of at most their group's longest
+match each (about 1,700 fields), not one walk per stream (v1: one HGET per stream that
+holds nothing, n + 1 per stream matching n blocks: about 18,000 HGETs). Redis instructions
+per lookup of ``bench/score.py``'s prompt (callgrind, 1,024 blocks a replica): 3.3 M at 32
+replicas, 5.9 M at 1,024 (one HGET a block: 5.4 M, 9.4 M). What is left growing with the
+fleet is the shared prefix read once per group holding it (16 groups hold the system
+prompt at 1,024 replicas, 7 at 32), and a field read from Lua costs one to two thousand
+instructions whatever the script does with it.
 
 What the groups cost: a prefix held in every group (the shared system prompt) is walked
 once per group, and on standalone Redis one call carries every group (a call per group
@@ -62,7 +70,7 @@ import secrets
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 from itertools import starmap
@@ -105,6 +113,11 @@ from kvindex.indexer.redis_schema import (
 
 _OP = struct.Struct(">BBQQ")
 _COUNTS = struct.Struct(">HHH")
+_RUN_HEAD = struct.Struct(">II")
+"""A run's head in ``longest_prefix.lua``'s answer: its blocks, its value's length."""
+_MAX_CACHED = 1024
+"""Group answers a lookup plan keeps decoded (a prompt's answers repeat while the caches
+do not change); beyond, the plan's cache starts afresh."""
 _TIERS = tuple(Tier)
 _LONG_FORM = 3
 """A holder record's form carrying its counts (``redis_schema``); forms 0-2 are one block
@@ -170,13 +183,26 @@ def _prefix(path: tuple[tuple[int, int], ...]) -> PrefixMatch:
     return PrefixMatch(tiers)
 
 
-def group_matches(runs: Sequence[int | bytes]) -> dict[int, PrefixMatch]:
-    """``longest_prefix.lua``'s runs (count, holder value, ...) → each holder of the first
-    block → its match: the blocks up to its first miss, with their best tiers."""
+def unpack_runs(packed: bytes) -> Iterator[tuple[int, bytes]]:
+    """``longest_prefix.lua``'s runs string → (blocks, holder value) per run. A torn run at
+    the end (never written) is ignored."""
+    at, size = 0, len(packed)
+    while at + _RUN_HEAD.size <= size:
+        count, length = _RUN_HEAD.unpack_from(packed, at)
+        at += _RUN_HEAD.size
+        if at + length > size:
+            return
+        yield count, packed[at : at + length]
+        at += length
+
+
+def group_matches(packed: bytes) -> dict[int, PrefixMatch]:
+    """``longest_prefix.lua``'s runs of one group → each holder of the first block → its
+    match: the blocks up to its first miss, with their best tiers."""
     paths: dict[int, list[tuple[int, int]]] = {}
     ended: dict[int, list[tuple[int, int]]] = {}
-    for i in range(0, len(runs), 2):
-        count, tiers = int(runs[i]), holder_tiers(bytes(runs[i + 1]))
+    for i, (count, value) in enumerate(unpack_runs(packed)):
+        tiers = holder_tiers(value)
         if i == 0:
             paths = {number: [(count, tier)] for number, tier in tiers.items()}
             continue
@@ -197,6 +223,10 @@ class _Plan:
     """Every target → :data:`NO_MATCH`: copied, then the holders' matches set in it."""
     groups: tuple[int, ...]
     """The groups holding a target."""
+    decoded: dict[tuple[int, bytes, bytes], dict[StreamId, PrefixMatch]] = field(
+        default_factory=dict
+    )
+    """(group, #gen, runs) → the targets' matches in it: a group's answer decoded once."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,13 +393,27 @@ class RedisIndex:
                 self._client.script_load(self._prefix.script)  # on a cluster: every master
                 replies = self._prefix_pipeline(plan.groups, wanted)
         for group, reply in zip(plan.groups, replies, strict=True):
-            names = self._names(group, reply)
-            runs = cast("list[int | bytes]", reply[3])
-            for number, match in group_matches(runs).items():
-                stream = names.get(number)
-                if stream is not None and stream in answer:
-                    answer[stream] = match
+            if reply:  # empty: the group holds nothing of the first block
+                answer.update(self._group_answer(plan, group, reply))
         return answer
+
+    def _group_answer(
+        self, plan: _Plan, group: int, reply: list[object]
+    ) -> dict[StreamId, PrefixMatch]:
+        """One group's reply → the plan's targets it holds → their matches (decoded once
+        per group, #gen and runs: the key names the numbering the numbers are from)."""
+        names = self._names(group, reply)
+        gen, runs = cast("bytes", reply[0]), cast("bytes", reply[3])
+        key = (group, gen, runs)
+        matches = plan.decoded.get(key)
+        if matches is None:
+            targets = plan.no_match
+            named = ((names.get(n), m) for n, m in group_matches(runs).items())
+            matches = {s: m for s, m in named if s is not None and s in targets}
+            if len(plan.decoded) >= _MAX_CACHED:
+                plan.decoded.clear()
+            plan.decoded[key] = matches
+        return matches
 
     def _plan_for(self, targets: list[StreamId]) -> _Plan:
         """The prepared answer and groups of ``targets`` (kept while the list repeats, as

@@ -437,13 +437,18 @@ def test_longest_prefix_of_streams_sharing_a_prefix_ends_where_each_stops(
         assert found[stream].num_blocks == (i % 41 if i % 7 else 0), stream
 
 
-@pytest.mark.parametrize("num_held", [1, 2, 3, 4, 7, 8, 255, 256, 257, 511, 512, 513, 700])
+READ_EDGES = [1, 2, 3, 4, 7, 8, 255, 256, 257, 511, 512, 513, 700]
+CHUNK_EDGES = [32, 33, 34, 64, 65, 66, 128, 129, 130, 160, 161, 200, 201]
+"""Match lengths at the Redis script's chunk edges (see the test below)."""
+
+
+@pytest.mark.parametrize("num_held", sorted(READ_EDGES + CHUNK_EDGES))
 def test_longest_prefix_of_a_long_prompt_ends_at_the_first_miss(
     index: BlockIndex, num_held: int
 ) -> None:
-    # Lengths around the backends' read steps (the Redis script reads 1, 2, 4, ... up to 256
-    # blocks at once), the last held block off GPU, and the prompt's blocks beyond the first
-    # miss held too: they never count.
+    # Lengths around the backends' read steps (the Redis script reads 1 block, then 32 at
+    # once, more beyond 128: 33, 65, 97, 129, 161, 201 read so far), the last held block off
+    # GPU, and the prompt's blocks beyond the first miss held too: they never count.
     keys = list(range(5001, 5701))
     held = [store(k, k) for k in keys[: num_held - 1]] + [store(1, keys[num_held - 1], CPU)]
     held += [store(k, k) for k in keys[num_held + 1 :]]

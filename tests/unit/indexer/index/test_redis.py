@@ -19,8 +19,10 @@ from redis.crc import key_slot
 from redis.retry import Retry
 
 from kvindex.indexer.events import StreamId, Tier
+from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import (
     SKIPPED,
+    BlockIndex,
     IndexUnavailableError,
     Op,
     OpKind,
@@ -492,15 +494,14 @@ def test_a_cluster_lookup_is_one_script_per_group_and_asks_nothing_else(
             client.config_resetstat()
     assert index.longest_prefix([101, 102, 103], FLEET) == _expected([101, 102, 103])
     groups = {SCHEMA.group_of(s) for s in FLEET}
-    # a group walks 101, then 102 (held by its odd streams, if any), then the first miss
-    with_odd = {SCHEMA.group_of(s) for i, s in enumerate(FLEET) if i % 2}
+    # a group reads 101 (one HGET), then 102 and 103 in one chunk (one HMGET), then its #gen
     calls = _calls(redis_cluster)
     assert calls.pop("cmdstat_config|resetstat") == len(redis_cluster.ports)
     calls.pop("cmdstat_hello", None)  # the connections _calls opened
     assert calls == {
         "cmdstat_evalsha": len(groups),
-        "cmdstat_hmget": len(groups),  # the group's #gen: its numbering is known
-        "cmdstat_hget": 2 * len(groups) + len(with_odd),
+        "cmdstat_hmget": 2 * len(groups),  # a chunk, the #gen: its numbering is known
+        "cmdstat_hget": len(groups),
     }
     assert len({redis_cluster.owner(key_slot(SCHEMA.group(g)[0].encode())) for g in groups}) > 1
 
@@ -644,7 +645,8 @@ def test_a_lookup_of_many_streams_is_one_script_on_standalone_redis(
     stats = redis_client.info("commandstats")
     groups = len({SCHEMA.group_of(s) for s in fleet})
     assert stats["cmdstat_evalsha"]["calls"] == 1
-    assert stats["cmdstat_hget"]["calls"] == 2 * groups  # block 101, then the miss
+    assert stats["cmdstat_hget"]["calls"] == groups  # block 101
+    assert stats["cmdstat_hmget"]["calls"] == 2 * groups  # a chunk from 102 (the miss), #gen
 
 
 def test_bad_holder_records_never_crash_the_reader() -> None:
@@ -653,4 +655,40 @@ def test_bad_holder_records_never_crash_the_reader() -> None:
     assert holder_tiers(record(5, 1) + record(9, 2)) == {5: 1, 9: 2}
     assert holder_tiers(bytes([0, 3, 0, 0, 0, 1, 0, 0])) == {0: 1}
     assert holder_tiers(record(2, 0) + bytes([0, 7, 0, 1])) == {2: 0}
-    assert group_matches([]) == {}
+    assert group_matches(b"") == {}
+
+
+def _fleet_ops(i: int, prefix: list[int], chain: list[int]) -> list[Op]:
+    """Stream i's blocks: the shared prefix (most streams; a few from block 1: a hole at 0,
+    some on CPU), then a part of the chain of its own length, one block in three of the
+    rest (never matched)."""
+    tier = Tier.CPU if i % 5 == 0 else Tier.GPU
+    held = prefix[1:] if i % 7 == 3 else prefix
+    own = chain[: (i * 37) % len(chain)]
+    rest = chain[len(own) + 1 :: 3]
+    return [store(k, k, tier) for k in held] + [store(k, k) for k in own + rest]
+
+
+def test_one_group_and_sixteen_answer_every_lookup_alike(redis_client: redis.Redis) -> None:
+    # Holders of a shared prefix that leave it at every chunk edge of the walk, with one
+    # group (every holder in one value) and the default 16, against the memory index.
+    prefix, chain = list(range(1, 71)), list(range(1001, 1401))
+    streams = [StreamId(f"s{i:02d}") for i in range(40)]
+    indexes: list[BlockIndex] = [
+        RedisIndex(redis_client, Schema("g16")),
+        RedisIndex(redis_client, Schema("g1", index_groups=1)),
+        MemoryIndex(),
+    ]
+    for i, stream in enumerate(streams):
+        for index in indexes:
+            index.apply(stream, 0, 1.0, _fleet_ops(i, prefix, chain))
+    prompts = [prefix, prefix + chain, prefix[:33] + chain, chain, [prefix[0]]]
+    for keys in prompts:
+        expected = indexes[-1].longest_prefix(keys, streams)
+        assert any(m.num_blocks > 100 for m in expected.values()) or keys != prefix + chain
+        for index in indexes[:-1]:
+            assert index.longest_prefix(keys, streams) == expected, (index, len(keys))
+    for index in indexes:  # a holder's answer changes: the decoded one is not reused
+        index.apply(streams[1], 1, 2.0, [(OpKind.REMOVE, Tier.GPU, prefix[40], 0)])
+    for index in indexes[:-1]:
+        assert index.longest_prefix(prefix, streams)[streams[1]] == PrefixMatch((Tier.GPU,) * 40)
