@@ -37,7 +37,7 @@ from starlette.routing import BaseRoute
 from kvindex.api.block_sizes import BlockSizeCheck
 from kvindex.api.body_limit import BodyLimit, BodyTimeoutError, BodyTooLargeError
 from kvindex.api.health_checker import HealthChecker
-from kvindex.api.hot_routes import HotRoute, HotRoutes
+from kvindex.api.hot_routes import HotRoute, HotRoutes, HotServing
 from kvindex.api.load.model import Load, LoadError
 from kvindex.api.load.scraper import MetricsScraper
 from kvindex.api.load.store import LoadStore
@@ -130,11 +130,20 @@ def create_app(deps: ApiDeps, *, lean_routes: bool = True) -> FastAPI:
     app.include_router(health)
     app.include_router(routes, dependencies=[Depends(state.authorize)])
     if lean_routes:  # added first, so innermost: the body limit and the traffic see them
+        hot = _hot_routes(state, health, routes)
         app.add_middleware(
-            HotRoutes,
-            routes=_hot_routes(state, health, routes),
+            HotRoutes, routes=hot, authorize=state.check_token, error_response=_error_response
+        )
+        # The same routes for a server that answers them itself (kvindex.api.server_protocol),
+        # counted by an observer of the same metrics as the app's.
+        observer = TrafficObserver(app, metrics=state.metrics, access_log=deps.settings.access_log)
+        app.state.hot_serving = HotServing.build(
+            hot,
             authorize=state.check_token,
             error_response=_error_response,
+            observe=observer.observe,
+            max_body_bytes=deps.settings.max_body_bytes,
+            body_timeout_s=deps.settings.body_timeout_s,
         )
     app.add_middleware(
         BodyLimit,
@@ -159,6 +168,13 @@ def create_app(deps: ApiDeps, *, lean_routes: bool = True) -> FastAPI:
             dependencies=[Depends(state.authorize)],
         )
     return app
+
+
+def hot_serving(app: FastAPI) -> HotServing | None:
+    """The hot routes of an app :func:`create_app` built, for its server (None: built with
+    ``lean_routes=False``)."""
+    serving: HotServing | None = getattr(app.state, "hot_serving", None)
+    return serving
 
 
 class _LazyTransport(httpx.AsyncBaseTransport):

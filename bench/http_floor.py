@@ -286,9 +286,10 @@ def _serve(server: str, stack: str, port: int, args: argparse.Namespace) -> None
     deps = _deps(args, settings)
     app: Any = _bare_app(deps) if stack == "bare" else create_app(deps, lean_routes=stack == "lean")
     if server == "uvicorn":
-        from kvindex.api.server import run_app  # noqa: PLC0415 (the child's own import)
+        from kvindex.api.app import hot_serving  # noqa: PLC0415 (the child's own import)
+        from kvindex.api.server import run_app  # noqa: PLC0415
 
-        run_app(app, settings)
+        run_app(app, settings, hot=hot_serving(app) if stack != "bare" else None)
     else:
         asyncio.run(_granian(app, settings))
 
