@@ -81,7 +81,17 @@ class HotProtocol(HeadDeadlineProtocol):
     _pending: _HotCycle | None = None
     """The hot request whose body is being read."""
 
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        cycle = self._pending
+        if cycle is not None and cycle.timer is None and cycle.route.reads_body:
+            # The body did not come whole with its head: it must now come in time (armed
+            # here, once the bytes read are parsed, so that a whole request costs no timer).
+            timeout_s = self._serving().body_timeout_s
+            cycle.timer = self.loop.call_later(timeout_s, self._body_too_late, cycle)
+
     def on_headers_complete(self) -> None:
+        self._in_head = False
         self._disarm()
         cycle = self._hot_cycle()
         if cycle is None:
@@ -89,9 +99,6 @@ class HotProtocol(HeadDeadlineProtocol):
             return
         self.cycle = cycle  # type: ignore[assignment]  # uvicorn reads the few fields it has
         self._pending = cycle
-        if cycle.route.reads_body:
-            timeout_s = self._serving().body_timeout_s
-            cycle.timer = self.loop.call_later(timeout_s, self._body_too_late, cycle)
 
     def on_body(self, body: bytes) -> None:
         if self._pending is None:
