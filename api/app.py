@@ -4,7 +4,9 @@ Routes are thin: decode the body with msgspec, call the library (the read path i
 :mod:`kvindex.api.score`, the read-only bodies in :mod:`kvindex.api.views`), encode the
 answer; their OpenAPI operations come from :mod:`kvindex.api.openapi`. The hot ones
 (``POST /score``, ``GET /healthz``) are answered in plain ASGI by
-:mod:`kvindex.api.hot_routes` with the same functions, ahead of FastAPI's router. Errors
+:mod:`kvindex.api.hot_routes` with the same functions, ahead of FastAPI's router (and
+their plain requests by the server's protocol itself, :mod:`kvindex.api.server_protocol`,
+from :func:`hot_serving`). Errors
 are mapped to HTTP in one place (:func:`_error_response`): a bad body or field → 422
 naming it, an unknown model → 404 naming the known ones, a body over
 ``api.max_body_bytes`` → 413 and one not received within ``api.body_timeout_s`` → 408
@@ -31,6 +33,7 @@ import httpx
 import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import Histogram
 from starlette.datastructures import Headers
 from starlette.routing import BaseRoute
 
@@ -209,6 +212,8 @@ class _AppState:
         self.index = index
         self.block_sizes = block_sizes
         self._block_size_task: asyncio.Task[None] | None = None
+        self._score_latency: dict[str, Histogram] = {}
+        """Policy → its child of ``metrics.score_latency``."""
         self.http = httpx.AsyncClient(
             timeout=deps.settings.scrape_timeout_s, trust_env=False, transport=_LazyTransport()
         )
@@ -282,7 +287,12 @@ class _AppState:
         started = time.perf_counter()
         request, packed = decode_score_request(body)
         answer = await self.scorer.score(request, headers, packed_tokens=packed)
-        self.metrics.score_latency.labels(answer.policy).observe(time.perf_counter() - started)
+        latency = self._score_latency.get(answer.policy)
+        if latency is None:  # kept per policy: a few, and labels() costs a lock and a lookup
+            latency = self._score_latency[answer.policy] = self.metrics.score_latency.labels(
+                answer.policy
+            )
+        latency.observe(time.perf_counter() - started)
         self.metrics.count_rule(answer.rule)
         return msgspec.json.encode(answer)
 

@@ -8,6 +8,10 @@ app, the innermost one (the traffic observer and the body limit still see every 
 answers an exact method and path of its table itself, and passes every other request (the
 same path with another method included) on to FastAPI, whose routes stay the documented ones
 (the OpenAPI document is unchanged) and the ones an app without it answers with.
+:class:`HotServing` hands the same routes to a server that answers their plain requests
+in its own protocol, ahead of the ASGI call (:mod:`kvindex.api.server_protocol`, as
+``kvindex serve`` and ``kvindex api`` run); this middleware answers the rest, and every
+request of a server that does not.
 
 Guaranteed to answer as FastAPI's route does: the same ``answer`` function makes the body, the
 same token check runs first on a guarded route (401 before the body is read), the same

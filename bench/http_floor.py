@@ -16,6 +16,10 @@ candidate is scored). Stacks:
   ``Request``/``Response`` objects.
 * ``lean``: the app as served (``create_app``): ``POST /score`` and ``GET /healthz`` answered
   by :class:`~kvindex.api.hot_routes.HotRoutes` inside the same middlewares; the rest FastAPI.
+  Under uvicorn their plain requests are answered by the server's protocol itself
+  (:mod:`kvindex.api.server_protocol`), as every kvindex API process serves them; in
+  process (no server) by the middleware. The ``fastapi`` and ``bare`` stacks are served
+  without that protocol path.
 * ``bare``: the floor: a bare ASGI callable that answers ``GET /healthz`` and ``POST /score``
   (the app's body decode, the same ``Scorer``, msgspec encode) with no middleware, no metrics, no
   auth: what any route must cost at least.
