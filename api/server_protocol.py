@@ -46,6 +46,9 @@ _SERVER_ERROR = (
     b"\r\nInternal Server Error"
 )
 """What uvicorn sends when the app raised before answering."""
+_LEFT_TO_APP = frozenset((b"transfer-encoding", b"x-forwarded-for"))
+"""Headers that send a hot request to the app: a chunked body (the body limit counts it as
+it comes), a forwarded client address (the app's proxy-headers rewrite applies)."""
 
 
 class _NoEvent:
@@ -139,9 +142,9 @@ class HotProtocol(HeadDeadlineProtocol):
         route = hot.routes.get((self.parser.get_method(), self.url))
         if route is None or not self._plain():
             return None
-        headers = Headers(raw=self.headers)
-        if not _body_fits(route, headers, hot.max_body_bytes) or "x-forwarded-for" in headers:
+        if not _body_fits(route, self.headers, hot.max_body_bytes):
             return None
+        headers = Headers(raw=self.headers)
         if route.guarded:
             try:
                 hot.authorize(headers)
@@ -221,12 +224,18 @@ class HotProtocol(HeadDeadlineProtocol):
         self._send_error(cycle, body_timeout_error(self._serving().body_timeout_s))
 
 
-def _body_fits(route: HotRoute, headers: Headers, max_bytes: int) -> bool:
-    """The body is declared by its length, within ``max_bytes`` (none on a route that reads
-    none)."""
-    if "transfer-encoding" in headers:
-        return False
-    declared = headers.get("content-length")
+def _body_fits(route: HotRoute, raw: list[tuple[bytes, bytes]], max_bytes: int) -> bool:
+    """The body is declared by one length, within ``max_bytes`` (none on a route that reads
+    none), and no header asks for what the app does beyond the answer (``raw``: the
+    request's headers as uvicorn keeps them, names lowercased; one pass over them)."""
+    declared: bytes | None = None
+    for name, value in raw:
+        if name == b"content-length":
+            if declared is not None:
+                return False
+            declared = value
+        elif name in _LEFT_TO_APP:
+            return False
     if declared is None:
         return not route.reads_body
     if not declared.isdigit():

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import msgspec
 import pytest
+from starlette.datastructures import Headers
 
 from kvindex.api.app import ApiDeps, create_app, hot_serving
 from kvindex.api.background import BackgroundServer
@@ -299,3 +300,25 @@ def _requests_total(text: bytes) -> dict[tuple[str, ...], float]:
             pairs = dict(part.split("=", 1) for part in labels.split(","))
             found[tuple(pairs[k].strip('"') for k in ("route", "method", "status"))] = float(value)
     return found
+
+
+def test_an_answer_that_raises_an_unmapped_error_is_a_logged_500_and_closed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def boom(_body: bytes, _headers: Headers) -> bytes:
+        raise RuntimeError("boom")
+
+    fleet = Fleet.over(MemoryIndex())
+    app = create_app(ApiDeps(SETTINGS, fleet.index, fleet.registry, MemoryLoadStore(), False))
+    serving = hot_serving(app)
+    assert serving is not None
+    key = (b"POST", b"/score")
+    failing = dataclasses.replace(serving.routes[key], answer=boom)
+    protocol = hot_protocol(10.0, dataclasses.replace(serving, routes={key: failing}))
+    with BackgroundServer(app, http=protocol) as server:
+        sent = exchange(server.port, request("POST", "/score", VALID))
+    (answer,) = sent.answers
+    assert answer.status_line == b"HTTP/1.1 500 Internal Server Error"
+    assert answer.body == b"Internal Server Error"
+    assert sent.closed
+    assert "answering POST /score failed" in caplog.text

@@ -106,16 +106,18 @@ def test_an_error_after_a_wait_ends_the_task_with_it() -> None:
         (True, {"content-length": "-1"}, False),
         (True, {}, False),
         (True, {"transfer-encoding": "chunked"}, False),
+        (True, {"content-length": "10", "x-forwarded-for": "10.0.0.1"}, False),
         (False, {}, True),
         (False, {"content-length": "0"}, True),
         (False, {"content-length": "2"}, False),
     ],
 )
-def test_a_body_fits_the_hot_path_when_declared_within_the_limit(
+def test_a_hot_request_is_one_whose_body_is_declared_within_the_limit(
     reads_body: bool, headers: dict[str, str], fits: bool
 ) -> None:
     async def answer(_body: bytes, _headers: Headers) -> bytes:
         return b"{}"
 
     route = HotRoute("POST", "/score", None, answer, guarded=False, reads_body=reads_body)
-    assert _body_fits(route, Headers(headers), 10) is fits
+    raw = [(name.encode(), value.encode()) for name, value in headers.items()]
+    assert _body_fits(route, raw, 10) is fits
