@@ -4,7 +4,9 @@ Routes are thin: decode the body with msgspec, call the library (the read path i
 :mod:`kvindex.api.score`, the read-only bodies in :mod:`kvindex.api.views`), encode the
 answer; their OpenAPI operations come from :mod:`kvindex.api.openapi`. The hot ones
 (``POST /score``, ``GET /healthz``) are answered in plain ASGI by
-:mod:`kvindex.api.hot_routes` with the same functions, ahead of FastAPI's router. Errors
+:mod:`kvindex.api.hot_routes` with the same functions, ahead of FastAPI's router (and
+their plain requests by the server's protocol itself, :mod:`kvindex.api.server_protocol`,
+from :func:`hot_serving`). Errors
 are mapped to HTTP in one place (:func:`_error_response`): a bad body or field → 422
 naming it, an unknown model → 404 naming the known ones, a body over
 ``api.max_body_bytes`` → 413 and one not received within ``api.body_timeout_s`` → 408
@@ -31,13 +33,14 @@ import httpx
 import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import Histogram
 from starlette.datastructures import Headers
 from starlette.routing import BaseRoute
 
 from kvindex.api.block_sizes import BlockSizeCheck
 from kvindex.api.body_limit import BodyLimit, BodyTimeoutError, BodyTooLargeError
 from kvindex.api.health_checker import HealthChecker
-from kvindex.api.hot_routes import HotRoute, HotRoutes
+from kvindex.api.hot_routes import HotRoute, HotRoutes, HotServing
 from kvindex.api.load.model import Load, LoadError
 from kvindex.api.load.scraper import MetricsScraper
 from kvindex.api.load.store import LoadStore
@@ -130,11 +133,20 @@ def create_app(deps: ApiDeps, *, lean_routes: bool = True) -> FastAPI:
     app.include_router(health)
     app.include_router(routes, dependencies=[Depends(state.authorize)])
     if lean_routes:  # added first, so innermost: the body limit and the traffic see them
+        hot = _hot_routes(state, health, routes)
         app.add_middleware(
-            HotRoutes,
-            routes=_hot_routes(state, health, routes),
+            HotRoutes, routes=hot, authorize=state.check_token, error_response=_error_response
+        )
+        # The same routes for a server that answers them itself (kvindex.api.server_protocol),
+        # counted by an observer of the same metrics as the app's.
+        observer = TrafficObserver(app, metrics=state.metrics, access_log=deps.settings.access_log)
+        app.state.hot_serving = HotServing.build(
+            hot,
             authorize=state.check_token,
             error_response=_error_response,
+            observe=observer.observe,
+            max_body_bytes=deps.settings.max_body_bytes,
+            body_timeout_s=deps.settings.body_timeout_s,
         )
     app.add_middleware(
         BodyLimit,
@@ -159,6 +171,13 @@ def create_app(deps: ApiDeps, *, lean_routes: bool = True) -> FastAPI:
             dependencies=[Depends(state.authorize)],
         )
     return app
+
+
+def hot_serving(app: FastAPI) -> HotServing | None:
+    """The hot routes of an app :func:`create_app` built, for its server (None: built with
+    ``lean_routes=False``)."""
+    serving: HotServing | None = getattr(app.state, "hot_serving", None)
+    return serving
 
 
 class _LazyTransport(httpx.AsyncBaseTransport):
@@ -193,6 +212,8 @@ class _AppState:
         self.index = index
         self.block_sizes = block_sizes
         self._block_size_task: asyncio.Task[None] | None = None
+        self._score_latency: dict[str, Histogram] = {}
+        """Policy → its child of ``metrics.score_latency``."""
         self.http = httpx.AsyncClient(
             timeout=deps.settings.scrape_timeout_s, trust_env=False, transport=_LazyTransport()
         )
@@ -266,7 +287,12 @@ class _AppState:
         started = time.perf_counter()
         request, packed = decode_score_request(body)
         answer = await self.scorer.score(request, headers, packed_tokens=packed)
-        self.metrics.score_latency.labels(answer.policy).observe(time.perf_counter() - started)
+        latency = self._score_latency.get(answer.policy)
+        if latency is None:  # kept per policy: a few, and labels() costs a lock and a lookup
+            latency = self._score_latency[answer.policy] = self.metrics.score_latency.labels(
+                answer.policy
+            )
+        latency.observe(time.perf_counter() - started)
         self.metrics.count_rule(answer.rule)
         return msgspec.json.encode(answer)
 

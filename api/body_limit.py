@@ -64,14 +64,18 @@ class _LimitedBody:
             async with asyncio.timeout_at(self.deadline):
                 message = await self.receive()
         except TimeoutError:
-            raise BodyTimeoutError(
-                f"request body not received within {self.limit.timeout_s} s (api.body_timeout_s)"
-            ) from None
+            raise body_timeout_error(self.limit.timeout_s) from None
         if message["type"] == "http.request":
             self.num_bytes += len(message.get("body", b""))
             if self.num_bytes > max_bytes:
                 raise BodyTooLargeError(_too_large(f"{self.num_bytes} bytes", max_bytes))
         return message
+
+
+def body_timeout_error(timeout_s: float) -> BodyTimeoutError:
+    """The error of a body not received whole within ``timeout_s`` (also raised by the
+    server's hot path, :mod:`kvindex.api.server_protocol`, which reads bodies itself)."""
+    return BodyTimeoutError(f"request body not received within {timeout_s} s (api.body_timeout_s)")
 
 
 def _too_large(what: str, max_bytes: int) -> str:

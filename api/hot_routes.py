@@ -8,6 +8,10 @@ app, the innermost one (the traffic observer and the body limit still see every 
 answers an exact method and path of its table itself, and passes every other request (the
 same path with another method included) on to FastAPI, whose routes stay the documented ones
 (the OpenAPI document is unchanged) and the ones an app without it answers with.
+:class:`HotServing` hands the same routes to a server that answers their plain requests
+in its own protocol, ahead of the ASGI call (:mod:`kvindex.api.server_protocol`, as
+``kvindex serve`` and ``kvindex api`` run); this middleware answers the rest, and every
+request of a server that does not.
 
 Guaranteed to answer as FastAPI's route does: the same ``answer`` function makes the body, the
 same token check runs first on a guarded route (401 before the body is read), the same
@@ -34,7 +38,7 @@ from kvindex.indexer.errors import KvIndexError
 Answer = Callable[[bytes, Headers], Awaitable[bytes]]
 """A request's body and headers → the encoded JSON answer (raises what the app maps)."""
 
-_MAPPED = (KvIndexError, msgspec.ValidationError, msgspec.DecodeError)
+MAPPED_ERRORS = (KvIndexError, msgspec.ValidationError, msgspec.DecodeError)
 """The errors the app's exception handlers map (others reach the server error middleware)."""
 _JSON_HEAD = (b"content-type", b"application/json")
 
@@ -53,6 +57,36 @@ class HotRoute:
     """The bearer-token check runs first (as the route's dependency does)."""
     reads_body: bool
     """The body is read (and bounded by the body limit); False: passed as ``b""`` unread."""
+
+
+@dataclass(frozen=True, slots=True)
+class HotServing:
+    """What a server needs to answer the hot routes itself, as the app would
+    (:mod:`kvindex.api.server_protocol`): the same routes, token check and error mapping,
+    the traffic observer's count, the body limit's bounds."""
+
+    routes: dict[tuple[bytes, bytes], HotRoute]
+    """(method, path) as they come in the request line → the route."""
+    authorize: Callable[[Headers], None]
+    error_response: Callable[[Exception], Response]
+    observe: Callable[[Scope, int, float], None]
+    """Counts an answered request (scope with its ``route``, status, seconds)."""
+    max_body_bytes: int
+    body_timeout_s: float
+
+    @classmethod
+    def build(
+        cls,
+        routes: Sequence[HotRoute],
+        *,
+        authorize: Callable[[Headers], None],
+        error_response: Callable[[Exception], Response],
+        observe: Callable[[Scope, int, float], None],
+        max_body_bytes: int,
+        body_timeout_s: float,
+    ) -> HotServing:
+        table = {(r.method.encode(), r.path.encode()): r for r in routes}
+        return cls(table, authorize, error_response, observe, max_body_bytes, body_timeout_s)
 
 
 class HotRoutes:
@@ -82,7 +116,7 @@ class HotRoutes:
             if hot.guarded:
                 self.authorize(headers)
             body = await hot.answer(await _body(receive) if hot.reads_body else b"", headers)
-        except _MAPPED as exc:
+        except MAPPED_ERRORS as exc:
             await self.error_response(exc)(scope, receive, send)
             return
         await send(

@@ -7,11 +7,12 @@ holds each one, and the app never sees a request, so no middleware can refuse it
 body's own bound is :mod:`kvindex.api.body_limit`).
 
 :func:`head_deadline_protocol` makes a protocol class for ``uvicorn.Config(http=...)``
-that arms a timer when a connection opens and when the first byte of a request arrives,
-and cancels it when the headers are complete; if it fires, the connection is closed
-without an answer (there is no request to answer). Between requests uvicorn's own
-keep-alive timeout applies. Built on uvicorn's httptools protocol (the one it picks when
-httptools is installed, as this package requires).
+that arms a timer when a connection opens and when the bytes of a request arrive without
+completing its head (armed once the bytes read are parsed: a head that comes whole with
+them costs no timer), and cancels it when the headers are complete; if it fires, the
+connection is closed without an answer (there is no request to answer). Between
+requests uvicorn's own keep-alive timeout applies. Built on uvicorn's httptools protocol
+(the one it picks when httptools is installed, as this package requires).
 """
 
 from __future__ import annotations
@@ -41,12 +42,20 @@ class HeadDeadlineProtocol(HttpToolsProtocol):
         self._disarm()
         super().connection_lost(exc)
 
+    _in_head = False
+    """A request has begun and its headers are not complete."""
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._in_head and not self.transport.is_closing():
+            self._arm()  # the head must now arrive in time (armed once, by its first bytes)
+
     def on_message_begin(self) -> None:
-        """The first byte of a request: its head must now arrive in time."""
-        self._arm()
+        self._in_head = True
         super().on_message_begin()
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
         self._disarm()
         super().on_headers_complete()
 

@@ -89,7 +89,6 @@ def _raw_tokens_request() -> type[msgspec.Struct]:
 
 _RAW_TOKENS_DECODER = msgspec.json.Decoder(_raw_tokens_request())
 _REQUEST_DECODER = msgspec.json.Decoder(ScoreRequest)
-_OTHER_FIELDS = tuple(f for f in ScoreRequest.__struct_fields__ if f != "token_ids")
 
 _json_token_ids: Callable[[object, int], bytes | None] | None = None
 """The compiled JSON token-array reader (None: not built, every body decodes in full)."""
@@ -129,8 +128,7 @@ def decode_score_request(body: bytes) -> tuple[ScoreRequest, bytes | None]:
         if raw is not None and (tokens := raw.token_ids) != _RAW_NULL:  # type: ignore[attr-defined]
             packed = read(tokens, MAX_TOKEN_IDS)
             if packed is not None:
-                fields = {name: getattr(raw, name) for name in _OTHER_FIELDS}
-                return ScoreRequest(**fields), packed
+                return _request_of(raw), packed
     return _REQUEST_DECODER.decode(body), None
 
 
@@ -140,17 +138,30 @@ def _spliced(body: bytes) -> tuple[ScoreRequest, bytes] | None:
     :data:`_MARKER` in the array's place, and must read the marker back as ``token_ids``);
     None: the body is to be read otherwise."""
     span = _json_token_span
-    found = span(body, MAX_TOKEN_IDS) if span is not None and _MARKER not in body else None
+    found = span(body, MAX_TOKEN_IDS) if span is not None else None
     if found is None:
         return None
     packed, start, end = found
+    spliced = b"".join((body[:start], _MARKER, body[end:]))
+    # The marker read back must be the one put in: the only one of the spliced body (the
+    # array held none, having no quote; so this is ``_MARKER not in body`` without a scan
+    # of the array's bytes).
+    if spliced.count(_MARKER) != 1:
+        return None
     try:
-        raw = _RAW_TOKENS_DECODER.decode(b"".join((body[:start], _MARKER, body[end:])))
+        raw = _RAW_TOKENS_DECODER.decode(spliced)
     except (msgspec.ValidationError, msgspec.DecodeError):
         return None
     if raw.token_ids != _MARKER_RAW:  # type: ignore[attr-defined]  # a field of the struct made
         return None
-    return ScoreRequest(**{name: getattr(raw, name) for name in _OTHER_FIELDS}), packed
+    return _request_of(raw), packed
+
+
+def _request_of(raw: msgspec.Struct) -> ScoreRequest:
+    """The request of a decoded :data:`_RAW_TOKENS_DECODER` body, without its ``token_ids``."""
+    fields = msgspec.structs.asdict(raw)
+    del fields["token_ids"]
+    return ScoreRequest(**fields)
 
 
 class LoadView(msgspec.Struct):

@@ -23,9 +23,10 @@ from typing import Any
 
 import uvicorn
 
-from kvindex.api.app import ApiDeps, create_app
+from kvindex.api.app import ApiDeps, create_app, hot_serving
+from kvindex.api.hot_routes import HotServing
 from kvindex.api.load.store import CircuitLoadStore, LoadStore, MemoryLoadStore, RedisLoadStore
-from kvindex.api.request_head import head_deadline_protocol
+from kvindex.api.server_protocol import hot_protocol
 from kvindex.api.settings import ApiSettings
 from kvindex.indexer.circuit import CircuitIndex, StoreCircuit
 from kvindex.indexer.fleet.registry import RegistryView
@@ -145,13 +146,16 @@ class GracefulServer(uvicorn.Server):
 
 
 def _run_uvicorn(deps: ApiDeps, api: ApiSettings) -> None:
-    run_app(create_app(deps), api)
+    app = create_app(deps)
+    run_app(app, api, hot=hot_serving(app))
 
 
-def run_app(app: Any, api: ApiSettings, **options: Any) -> None:
+def run_app(app: Any, api: ApiSettings, *, hot: HotServing | None = None, **options: Any) -> None:
     """Serve ``app`` on ``api.host:api.port`` until SIGINT/SIGTERM, as every kvindex HTTP
     process does: request heads within ``api.header_timeout_s``, the signal not re-raised
-    (:class:`GracefulServer`); ``options`` are further ``uvicorn.Config`` arguments."""
+    (:class:`GracefulServer`), ``hot``'s routes answered by the server's protocol itself
+    (:mod:`kvindex.api.server_protocol`); ``options`` are further ``uvicorn.Config``
+    arguments."""
     # log_config=None: uvicorn's loggers keep no handlers of their own and propagate to the
     # process's (its format, JSON or text, and its repeat filter); its access log stays off,
     # the app's own (``api.access_log``) labels requests by route.
@@ -162,7 +166,7 @@ def run_app(app: Any, api: ApiSettings, **options: Any) -> None:
         log_level="warning",
         access_log=False,
         log_config=None,
-        http=head_deadline_protocol(api.header_timeout_s),
+        http=hot_protocol(api.header_timeout_s, hot),
         **options,
     )
     GracefulServer(config).run()

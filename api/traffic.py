@@ -54,9 +54,11 @@ class TrafficObserver:
         try:
             await self.app(scope, receive, send_observed)
         finally:
-            self._observe(scope, status, time.perf_counter() - started)
+            self.observe(scope, status, time.perf_counter() - started)
 
-    def _observe(self, scope: Scope, status: int, elapsed_s: float) -> None:
+    def observe(self, scope: Scope, status: int, elapsed_s: float) -> None:
+        """Count and time one answered request (``scope["route"]``: the route that answered;
+        also called by the server's hot path, :mod:`kvindex.api.server_protocol`)."""
         # The router stores the matched route in the scope (FastAPI and Starlette routes
         # both have the template as ``path``).
         route = getattr(scope.get("route"), "path", None) or UNMATCHED_ROUTE

@@ -16,6 +16,10 @@ candidate is scored). Stacks:
   ``Request``/``Response`` objects.
 * ``lean``: the app as served (``create_app``): ``POST /score`` and ``GET /healthz`` answered
   by :class:`~kvindex.api.hot_routes.HotRoutes` inside the same middlewares; the rest FastAPI.
+  Under uvicorn their plain requests are answered by the server's protocol itself
+  (:mod:`kvindex.api.server_protocol`), as every kvindex API process serves them; in
+  process (no server) by the middleware. The ``fastapi`` and ``bare`` stacks are served
+  without that protocol path.
 * ``bare``: the floor: a bare ASGI callable that answers ``GET /healthz`` and ``POST /score``
   (the app's body decode, the same ``Scorer``, msgspec encode) with no middleware, no metrics, no
   auth: what any route must cost at least.
@@ -286,9 +290,10 @@ def _serve(server: str, stack: str, port: int, args: argparse.Namespace) -> None
     deps = _deps(args, settings)
     app: Any = _bare_app(deps) if stack == "bare" else create_app(deps, lean_routes=stack == "lean")
     if server == "uvicorn":
-        from kvindex.api.server import run_app  # noqa: PLC0415 (the child's own import)
+        from kvindex.api.app import hot_serving  # noqa: PLC0415 (the child's own import)
+        from kvindex.api.server import run_app  # noqa: PLC0415
 
-        run_app(app, settings)
+        run_app(app, settings, hot=hot_serving(app) if stack != "bare" else None)
     else:
         asyncio.run(_granian(app, settings))
 

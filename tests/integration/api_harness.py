@@ -20,11 +20,11 @@ import httpx
 import msgspec
 from fastapi import FastAPI
 
-from kvindex.api.app import ApiDeps, create_app
+from kvindex.api.app import ApiDeps, create_app, hot_serving
 from kvindex.api.background import BackgroundServer
 from kvindex.api.load.store import LoadStore
-from kvindex.api.request_head import head_deadline_protocol
 from kvindex.api.schemas import ScoreEntry, ScoreResponse
+from kvindex.api.server_protocol import hot_protocol
 from kvindex.api.settings import ApiSettings
 from kvindex.indexer.events import BlockStored, EventBatch, ExtraKeys, StreamId, Tier
 from kvindex.indexer.fleet.registry import Registry
@@ -212,7 +212,8 @@ def matched(answer: ScoreResponse) -> dict[str, int]:
 def serving_http(app: FastAPI, settings: ApiSettings) -> Iterator[str]:
     """Serve ``app`` with uvicorn on ``settings.host:port`` in a background thread; yields
     the base URL; stops the server (``should_exit``) and joins the thread on exit."""
-    protocol = head_deadline_protocol(settings.header_timeout_s)  # as `kvindex api` serves
+    # As `kvindex serve` and `kvindex api` serve it: the hot routes answered by the protocol.
+    protocol = hot_protocol(settings.header_timeout_s, hot_serving(app))
     server = BackgroundServer(app, host=settings.host, port=settings.port, http=protocol).start()
     try:
         yield server.base_url

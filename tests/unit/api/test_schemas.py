@@ -99,6 +99,9 @@ _LAYOUT = st.sampled_from(
         r'{{"model": "m", "token\u005fids": {tokens}{other}}}',
         '{{"model": "m", "token_ids": [7], "token_ids": {tokens}{other}}}',
         '{{"model": "m", "user": "kvindex:token_ids", "token_ids": {tokens}{other}}}',
+        # the array nested, the own field the spliced-in marker's very text:
+        '{{"model": "m", "messages": [{{"token_ids": {tokens}}}], '
+        '"token_ids": "kvindex:token_ids"}}',
         '{{"model": "m", "token_ids": {tokens}{other}',
         '{{"model": "m", "token_ids": {tokens}{other}}} x',
     ]

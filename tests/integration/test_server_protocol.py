@@ -1,0 +1,324 @@
+"""The server's hot path answers as the app does: two real servers, the same raw requests.
+
+Twin memory-store fleets filled the same way, each app served by uvicorn on loopback: one
+with the hot routes answered by the server's protocol (as ``kvindex serve`` and ``kvindex
+api`` run), one with every request going to the app (the protocol without its hot routes).
+Every request goes to both, in the same order, as raw bytes on a socket (so the head, the
+pipelining and the connection's fate are the server's own), and the answers must agree:
+status line, body, the headers a client acts on, and whether the connection stays open.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+
+import msgspec
+import pytest
+from starlette.datastructures import Headers
+
+from kvindex.api.app import ApiDeps, create_app, hot_serving
+from kvindex.api.background import BackgroundServer
+from kvindex.api.load.store import MemoryLoadStore
+from kvindex.api.server_protocol import hot_protocol
+from kvindex.api.settings import ApiSettings
+from kvindex.indexer.index.memory import MemoryIndex
+from tests.integration.api_harness import MODEL, Fleet, tokens
+
+SETTINGS = ApiSettings(scrape_interval_s=0, seed=7, max_body_bytes=4096, body_timeout_s=0.5)
+TOKEN = "s3cret-token"
+_HEADERS = (b"content-type", b"www-authenticate", b"connection", b"server")
+"""The headers that must agree (the length follows the body, whose clock fields vary)."""
+_CLOCK_FIELDS = ("lag_s", "silent_s")
+
+
+@dataclass(frozen=True)
+class Answer:
+    status_line: bytes
+    headers: dict[bytes, bytes]
+    body: bytes
+
+
+@dataclass(frozen=True)
+class Exchange:
+    answers: list[Answer]
+    closed: bool
+    """The server closed the connection after them."""
+
+
+@dataclass(frozen=True)
+class Twins:
+    hot: int
+    plain: int
+    """Their ports."""
+
+    @property
+    def ports(self) -> tuple[int, int]:
+        return self.hot, self.plain
+
+
+def _serve(stack: ExitStack, settings: ApiSettings, *, hot: bool, blocking: bool) -> int:
+    fleet = Fleet.over(MemoryIndex())
+    fleet.add("r1", "r2", "r3")
+    fleet.store("r1", tokens(1_000, 8))
+    fleet.store("r2", tokens(1_000, 3))
+    deps = ApiDeps(settings, fleet.index, fleet.registry, MemoryLoadStore(), blocking)
+    app = create_app(deps)
+    protocol = hot_protocol(settings.header_timeout_s, hot_serving(app) if hot else None)
+    server = stack.enter_context(BackgroundServer(app, http=protocol))
+    return server.port
+
+
+@contextmanager
+def twins_over(settings: ApiSettings, *, blocking: bool = False) -> Iterator[Twins]:
+    with ExitStack() as stack:
+        hot = _serve(stack, settings, hot=True, blocking=blocking)
+        yield Twins(hot, _serve(stack, settings, hot=False, blocking=blocking))
+
+
+@pytest.fixture
+def twins() -> Iterator[Twins]:
+    with twins_over(SETTINGS) as made:
+        yield made
+
+
+def exchange(port: int, *parts: bytes, num_answers: int = 1, pause_s: float = 0.05) -> Exchange:
+    """Send ``parts`` on a fresh connection (``pause_s`` apart); read ``num_answers``
+    answers, then whether the server closes the connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        for i, part in enumerate(parts):
+            if i:
+                time.sleep(pause_s)
+            sock.sendall(part)
+        reader = _Reader(sock)
+        answers = [reader.answer() for _ in range(num_answers)]
+        sock.settimeout(0.3)
+        try:
+            closed = sock.recv(1) == b""
+        except TimeoutError:
+            closed = False
+        except ConnectionResetError:
+            closed = True
+    return Exchange(answers, closed)
+
+
+class _Reader:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buffer = b""
+
+    def _more(self) -> None:
+        data = self.sock.recv(65536)
+        assert data, f"the connection closed mid-answer: {self.buffer[:200]!r}"
+        self.buffer += data
+
+    def answer(self) -> Answer:
+        while b"\r\n\r\n" not in self.buffer:
+            self._more()
+        head, self.buffer = self.buffer.split(b"\r\n\r\n", 1)
+        status_line, *lines = head.split(b"\r\n")
+        headers = dict(line.split(b": ", 1) for line in lines)
+        length = int(headers.get(b"content-length", b"0"))
+        while len(self.buffer) < length:
+            self._more()
+        body, self.buffer = self.buffer[:length], self.buffer[length:]
+        return Answer(status_line, headers, body)
+
+
+def same(twins: Twins, *parts: bytes, num_answers: int = 1, pause_s: float = 0.05) -> Exchange:
+    """The same exchange with both servers; assert they agree; return the hot one's."""
+    hot, plain = (
+        exchange(p, *parts, num_answers=num_answers, pause_s=pause_s) for p in twins.ports
+    )
+    assert hot.closed == plain.closed
+    for mine, theirs in zip(hot.answers, plain.answers, strict=True):
+        assert mine.status_line == theirs.status_line, (mine, theirs)
+        assert _comparable(mine.body) == _comparable(theirs.body)
+        for name in _HEADERS:
+            assert mine.headers.get(name) == theirs.headers.get(name), name
+        assert b"date" in mine.headers
+    return hot
+
+
+def _comparable(content: bytes) -> object:
+    """The body, less what depends on the clock (a score answer's stream ages)."""
+    try:
+        decoded = msgspec.json.decode(content)
+    except msgspec.DecodeError:
+        return content
+    if isinstance(decoded, dict):
+        for entry in decoded.get("scores", []):
+            for name in _CLOCK_FIELDS:
+                assert isinstance(entry["freshness"].pop(name), float)
+    return decoded
+
+
+def request(
+    method: str, target: str, body: bytes = b"", *, version: str = "1.1", **headers: str
+) -> bytes:
+    head = f"{method} {target} HTTP/{version}\r\nhost: kvindex.test\r\n"
+    if body or method == "POST":
+        head += f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
+    head += "".join(f"{name.replace('_', '-')}: {value}\r\n" for name, value in headers.items())
+    return (head + "\r\n").encode() + body
+
+
+def score_body(**fields: object) -> bytes:
+    return msgspec.json.encode({"model": MODEL} | fields)
+
+
+VALID = score_body(token_ids=tokens(1_000, 8))
+
+
+def test_hot_answers_equal_the_apps(twins: Twins) -> None:
+    for fields in ({"token_ids": tokens(1_000, 8)}, {"block_keys": [1, 2]}, {"token_ids": [1]}):
+        for _ in range(2):  # the scorers' state moves in step
+            answer = same(twins, request("POST", "/score", score_body(**fields))).answers[0]
+            assert answer.status_line == b"HTTP/1.1 200 OK"
+    health = same(twins, request("GET", "/healthz")).answers[0]
+    assert health.body == b'{"status":"ok"}'
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        (b"", b"422"),
+        (b"{not json", b"422"),
+        (score_body(token_ids=[-1]), b"422"),
+        (msgspec.json.encode({"model": "nope", "token_ids": [1, 2]}), b"404"),
+        (score_body(token_ids=list(range(2000))), b"413"),
+    ],
+)
+def test_hot_errors_equal_the_apps(twins: Twins, body: bytes, status: bytes) -> None:
+    answer = same(twins, request("POST", "/score", body)).answers[0]
+    assert answer.status_line.split()[1] == status
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [
+        request("POST", "/score?x=1", VALID),
+        request("POST", "/sc%6Fre", VALID),
+        request("POST", "/score", VALID, version="1.0"),
+        request("POST", "/score", VALID, connection="close"),
+        request("GET", "/healthz", connection="close"),
+        request("GET", "/healthz", b"{}"),
+        request("GET", "/score"),
+        request("POST", "/score", VALID, x_forwarded_for="10.0.0.1"),
+    ],
+    ids=["query", "escaped", "http10", "close", "health-close", "body", "405", "fwd"],
+)
+def test_what_the_hot_path_leaves_to_the_app_is_answered_alike(twins: Twins, sent: bytes) -> None:
+    same(twins, sent)
+
+
+def test_a_body_sent_in_pieces_is_read_whole(twins: Twins) -> None:
+    sent = request("POST", "/score", VALID)
+    answer = same(twins, sent[:40], sent[40:300], sent[300:]).answers[0]
+    assert answer.status_line == b"HTTP/1.1 200 OK"
+
+
+def test_pipelined_requests_are_answered_in_order(twins: Twins) -> None:
+    sent = [request("POST", "/score", VALID), request("GET", "/healthz"), request("GET", "/x")]
+    sent += [request("POST", "/score", b"{"), request("POST", "/score", VALID)]
+    answers = same(twins, b"".join(sent), num_answers=len(sent)).answers
+    assert [a.status_line.split()[1] for a in answers] == [b"200", b"200", b"404", b"422", b"200"]
+
+
+def test_answers_that_wait_are_pipelined_in_order() -> None:
+    """A store the scorer reads off the loop: the hot answer waits, in a task."""
+    sent = [request("POST", "/score", VALID), request("GET", "/healthz")]
+    sent += [request("POST", "/score", score_body(token_ids=[1])), request("GET", "/readyz")]
+    with twins_over(SETTINGS, blocking=True) as twins:
+        answers = same(twins, b"".join(sent), num_answers=len(sent)).answers
+        assert [a.status_line.split()[1] for a in answers] == [b"200"] * 4
+        assert same(twins, request("POST", "/score", b"[")).answers[0].status_line[9:12] == b"422"
+
+
+def test_the_token_is_checked_alike() -> None:
+    body = score_body(token_ids=tokens(1_000, 8))
+    with twins_over(dataclasses.replace(SETTINGS, auth_token=TOKEN)) as twins:
+        refused = same(twins, request("POST", "/score", body)).answers[0]
+        assert refused.status_line.startswith(b"HTTP/1.1 401")
+        wrong = request("POST", "/score", body, authorization=f"Bearer {TOKEN}x")
+        assert same(twins, wrong).answers[0].status_line.startswith(b"HTTP/1.1 401")
+        right = request("POST", "/score", body, authorization=f"Bearer {TOKEN}")
+        assert same(twins, right).answers[0].status_line == b"HTTP/1.1 200 OK"
+        assert same(twins, request("GET", "/healthz")).answers[0].status_line.endswith(b"200 OK")
+
+
+def test_a_body_that_never_arrives_is_408_and_closed(twins: Twins) -> None:
+    head = request("POST", "/score", b"").replace(b"content-length: 0", b"content-length: 100")
+    started = time.monotonic()
+    answer = same(twins, head + b"{").answers[0]
+    assert answer.status_line.startswith(b"HTTP/1.1 408")
+    assert b"api.body_timeout_s" in answer.body
+    assert 0.4 < time.monotonic() - started < 4.0
+
+
+def test_a_client_that_leaves_mid_body_is_counted_alike_and_the_server_goes_on(
+    twins: Twins,
+) -> None:
+    for port in twins.ports:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(request("POST", "/score", VALID)[:200])
+    time.sleep(0.2)
+    assert same(twins, request("POST", "/score", VALID)).answers[0].status_line.endswith(b"OK")
+    hot, plain = (
+        _requests_total(exchange(port, request("GET", "/metrics")).answers[0].body)
+        for port in twins.ports
+    )
+    assert hot[("/score", "POST", "500")] == 1
+    assert hot == plain
+
+
+def test_the_traffic_metrics_agree(twins: Twins) -> None:
+    for sent in (request("POST", "/score", VALID), request("POST", "/score", b"{")):
+        same(twins, sent)
+    same(twins, request("GET", "/healthz"), num_answers=1)
+    hot, plain = (
+        _requests_total(exchange(port, request("GET", "/metrics")).answers[0].body)
+        for port in twins.ports
+    )
+    assert hot[("/score", "POST", "200")] == 1
+    assert hot[("/score", "POST", "422")] == 1
+    assert hot[("/healthz", "GET", "200")] == 1
+    assert hot == plain
+
+
+def _requests_total(text: bytes) -> dict[tuple[str, ...], float]:
+    """``kvindex_http_requests_total`` by (route, method, status)."""
+    prefix = "kvindex_http_requests_total{"
+    found: dict[tuple[str, ...], float] = {}
+    for line in text.decode().splitlines():
+        if line.startswith(prefix):
+            labels, value = line[len(prefix) :].split("} ")
+            pairs = dict(part.split("=", 1) for part in labels.split(","))
+            found[tuple(pairs[k].strip('"') for k in ("route", "method", "status"))] = float(value)
+    return found
+
+
+def test_an_answer_that_raises_an_unmapped_error_is_a_logged_500_and_closed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def boom(_body: bytes, _headers: Headers) -> bytes:
+        raise RuntimeError("boom")
+
+    fleet = Fleet.over(MemoryIndex())
+    app = create_app(ApiDeps(SETTINGS, fleet.index, fleet.registry, MemoryLoadStore(), False))
+    serving = hot_serving(app)
+    assert serving is not None
+    key = (b"POST", b"/score")
+    failing = dataclasses.replace(serving.routes[key], answer=boom)
+    protocol = hot_protocol(10.0, dataclasses.replace(serving, routes={key: failing}))
+    with BackgroundServer(app, http=protocol) as server:
+        sent = exchange(server.port, request("POST", "/score", VALID))
+    (answer,) = sent.answers
+    assert answer.status_line == b"HTTP/1.1 500 Internal Server Error"
+    assert answer.body == b"Internal Server Error"
+    assert sent.closed
+    assert "answering POST /score failed" in caplog.text
