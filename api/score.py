@@ -68,7 +68,14 @@ from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.events import StreamId, Tier
 from kvindex.indexer.fleet.registry import Freshness, RegistryView, StreamFreshness
 from kvindex.indexer.fleet.replica import ReplicaSpec
-from kvindex.indexer.index.protocol import NO_MATCH, BlockIndex, IndexUnavailableError, PrefixMatch
+from kvindex.indexer.index.protocol import (
+    NO_MATCH,
+    BlockIndex,
+    HeldRuns,
+    IndexUnavailableError,
+    PrefixMatch,
+    holders_of,
+)
 from kvindex.indexer.keys import (
     BlockKeyError,
     block_keys,
@@ -79,18 +86,28 @@ from kvindex.indexer.keys import (
 
 _KEY_LIMIT = 2**64
 
+_Matches = dict[str, PrefixMatch]
 _compiled_best: (
     Callable[[list[float], list[float], Callable[[], float], int | None], list[int]] | None
 )
 _compiled_best = None
 _compiled_kth: Callable[[list[float], int], float] | None = None
-"""The compiled :func:`_best` (None: not built, the Python one serves)."""
+_compiled_matches: (
+    Callable[[HeldRuns, list[str], list[int]], tuple[_Matches, dict[str, int]]] | None
+)
+_compiled_matches = None
+_compiled_contenders: (
+    Callable[[_Matches, list[float], dict[str, int], float, float], _Matches] | None
+) = None
+"""The compiled :func:`_best`, :func:`_kth_smallest`, :func:`_lookup_of` and
+:func:`_contenders` loops (None: not built, the Python ones serve)."""
 try:
     from kvindex.indexer.native import _lookup
 except ImportError:
     pass
 else:
     _compiled_best, _compiled_kth = _lookup.best, _lookup.kth_smallest
+    _compiled_matches, _compiled_contenders = _lookup.best_matches, _lookup.contenders
 
 
 DEGRADED_REASONS = ("index_unavailable", "fleet_unreadable", "no_healthy_candidate")
@@ -110,20 +127,33 @@ class UnknownModelError(KvIndexError):
 
 @dataclass(slots=True)
 class _Lookup:
-    """Best match per replica (over its ranks) and which rank holds it."""
+    """What the index answered (its holders, by index in the streams asked), then, once
+    resolved against those streams (:meth:`resolve`), the best match per replica (over its
+    ranks) and which rank holds it."""
 
+    runs: HeldRuns = field(default_factory=list)
     matches: dict[str, PrefixMatch] = field(default_factory=dict)
     ranks: dict[str, int] = field(default_factory=dict)
+    """The rank of each replica's best match when it is not 0 (absent: rank 0, the usual
+    one: nothing kept per holder without data parallelism)."""
     degraded: str | None = None
 
     def num_matched(self) -> int:
         """Replicas holding at least the first block (only those are kept in ``matches``)."""
         return len(self.matches)
 
+    def resolve(self, streams: _Ranked) -> None:
+        """Each replica's best match over its streams (the longest; a tie: the lowest
+        rank), from the runs, whose indices are into ``streams.streams``: compiled when
+        built (one C pass over the holders, no stream read), else
+        :func:`_py_best_matches`."""
+        if not self.runs:
+            return
+        best_matches = _compiled_matches or _py_best_matches
+        self.matches, self.ranks = best_matches(self.runs, streams.replica_of, streams.rank_of)
+
 
 _Streams = tuple[StreamId, ...]
-_StreamsBasis = tuple[tuple[str, ...], tuple[ReplicaSpec, ...], tuple[StreamId, ...]]
-"""Candidates, the registry's specs, the streams heard of: all the stream list depends on."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +165,10 @@ class _Ranked:
     """Each candidate's index in the ranked list."""
     streams_of: dict[str, _Streams]
     """Each candidate's streams (declared ranks and ranks heard of)."""
+    replica_of: list[str]
+    """Each stream's replica, by its index in ``streams``."""
+    rank_of: list[int]
+    """Each stream's rank, by its index in ``streams``."""
 
 
 @dataclass(slots=True)
@@ -156,29 +190,44 @@ def _specs_memo(specs: list[ReplicaSpec]) -> _Specs:
     return _Specs(specs, serving, connecting)
 
 
-def _lookup_of(found: dict[StreamId, PrefixMatch] | IndexUnavailableError) -> _Lookup:
-    """Best match per replica over its ranks, or the index's outage as ``degraded``."""
+def _lookup_of(found: HeldRuns | IndexUnavailableError) -> _Lookup:
+    """The index's holders, to be resolved (:meth:`_Lookup.resolve`), or its outage as
+    ``degraded``."""
     if isinstance(found, IndexUnavailableError):
         return _Lookup(degraded=f"index store unavailable: {found}")
-    lookup = _Lookup()
-    matches, ranks = lookup.matches, lookup.ranks
-    best_of = matches.get
-    for stream, match in found.items():  # every candidate's stream: kept lean
-        if not match.tiers:  # a non-holder reads NO_MATCH and rank 0 (its lowest) anyway
+    return _Lookup(found)
+
+
+def _py_best_matches(
+    runs: HeldRuns, replica_of: list[str], rank_of: list[int]
+) -> tuple[_Matches, dict[str, int]]:
+    """:meth:`_Lookup.resolve`'s (matches, ranks that are not 0) in Python: the reference
+    of the compiled loop, and the fallback."""
+    matches: _Matches = {}
+    ranks: dict[str, int] = {}
+    for match, run in runs:
+        num_blocks = len(match.tiers)
+        if not num_blocks:
             continue
-        replica = stream.replica
-        best = best_of(replica)
-        if best is None or len(match.tiers) > len(best.tiers):
+        for i in run:
+            replica, rank = replica_of[i], rank_of[i]
+            best = matches.get(replica)
+            if best is not None:
+                most = len(best.tiers)
+                if num_blocks < most or (num_blocks == most and rank > ranks.get(replica, 0)):
+                    continue
             matches[replica] = match
-            ranks[replica] = stream.rank
-    return lookup
+            if rank:
+                ranks[replica] = rank
+            elif best is not None:
+                ranks.pop(replica, None)
+    return matches, ranks
 
 
 def _all_streams(
     replicas: Sequence[str], specs: Sequence[ReplicaSpec], heard: Sequence[StreamId]
 ) -> _Ranked:
-    """Every rank of every replica (declared or heard of), sorted: ranks ascend, so the
-    lowest rank wins a tie in :func:`_lookup_of`."""
+    """Every rank of every replica (declared or heard of), sorted."""
     wanted = set(replicas)
     streams = {StreamId(r.id, rank) for r in specs if r.id in wanted for rank in range(r.dp_size)}
     streams.update(s for s in heard if s.replica in wanted)
@@ -187,7 +236,9 @@ def _all_streams(
     for stream in ordered:
         streams_of.setdefault(stream.replica, []).append(stream)
     position = {r: i for i, r in enumerate(replicas)}
-    return _Ranked(ordered, position, {r: tuple(s) for r, s in streams_of.items()})
+    by_replica = {r: tuple(s) for r, s in streams_of.items()}
+    replica_of, rank_of = [s.replica for s in ordered], [s.rank for s in ordered]
+    return _Ranked(ordered, position, by_replica, replica_of, rank_of)
 
 
 class Scorer:
@@ -212,6 +263,7 @@ class Scorer:
     ) -> None:
         self._settings = settings
         self._index = index
+        self._holders = holders_of(index)
         self._registry = registry
         self._loads = loads
         self._tokenizers = tokenizers
@@ -225,7 +277,8 @@ class Scorer:
         self._last_read: dict[str, CountedLoad] = {}
         """The last load read, folded into ``_last_loads`` only when an outage needs it (a
         read is per request; an outage is rare)."""
-        self._streams_memo: tuple[_StreamsBasis, _Ranked] | None = None
+        self._streams_memo: tuple[int, list[str], _Ranked] | None = None
+        """The registry's streams version and the candidates the streams were made for."""
         self._specs_memo: _Specs | None = None
         self._answers: list[str] = []
         """Answers made since the last load read: counted in the store by the next read."""
@@ -279,8 +332,9 @@ class Scorer:
         unhealthy = self._unhealthy(candidates, specs)
         ranked = [r for r in candidates if r not in unhealthy] if unhealthy else candidates
         ranked = ranked or candidates
-        streams = self._streams(ranked, specs)
+        streams = self._streams(ranked)
         lookup, loads = await self._read(keys, streams.streams, ranked)
+        lookup.resolve(streams)
         if policy is Policy.KV_AWARE and not weights.temperature:
             seen = _Seen(lookup, loads, {}, self._clock())
             seen, decision = self._decide_kv_aware(
@@ -489,12 +543,12 @@ class Scorer:
 
     def _read_stores(
         self, keys: list[int], streams: _Streams, replicas: Sequence[str], answers: list[str]
-    ) -> tuple[dict[StreamId, PrefixMatch] | IndexUnavailableError, dict[str, CountedLoad] | None]:
+    ) -> tuple[HeldRuns | IndexUnavailableError, dict[str, CountedLoad] | None]:
         """Both reads; an unreachable store is returned as its error (index) or None (load)
         so that the other read still happens."""
-        found: dict[StreamId, PrefixMatch] | IndexUnavailableError
+        found: HeldRuns | IndexUnavailableError
         try:
-            found = self._index.longest_prefix(keys, streams)
+            found = self._holders(keys, streams)
         except IndexUnavailableError as exc:
             found = exc
         try:
@@ -503,15 +557,18 @@ class Scorer:
             loads = None
         return found, loads
 
-    def _streams(self, replicas: Sequence[str], specs: Sequence[ReplicaSpec]) -> _Ranked:
-        """Every stream of the candidates (and of each one); remembered until the candidates,
-        the specs or the streams heard of change (comparing is much cheaper than rebuilding)."""
-        basis = (tuple(replicas), tuple(specs), tuple(self._registry.stream_ids()))
+    def _streams(self, replicas: list[str]) -> _Ranked:
+        """Every stream of the candidates (and of each one); remembered until the candidates
+        or the registry's :meth:`~kvindex.indexer.fleet.registry.RegistryView.streams_version`
+        change (the version is read first, so a list made from a later fleet is at worst
+        made again)."""
+        version = self._registry.streams_version()
         memo = self._streams_memo
-        if memo is not None and memo[0] == basis:
-            return memo[1]
-        streams = _all_streams(*basis)
-        self._streams_memo = (basis, streams)
+        if memo is not None and memo[0] == version and memo[1] == replicas:
+            return memo[2]
+        specs, heard = self._registry.replicas(), self._registry.stream_ids()
+        streams = _all_streams(replicas, specs, heard)
+        self._streams_memo = (version, list(replicas), streams)
         return streams
 
     # --- 5. load ---------------------------------------------------------------------------
@@ -728,6 +785,20 @@ def _contenders(
     per_block = w.cache * max(w.gpu, w.cpu, w.other) * factor / num_blocks
     per_block = per_block * (1.0 + 1e-9) + 1e-300  # above any rounding of the real credit
     threshold = _kth_smallest(penalties, top_k)
+    if _compiled_contenders is not None:
+        return _compiled_contenders(matches, penalties, position, per_block, threshold)
+    return _py_contenders(matches, penalties, position, per_block, threshold)
+
+
+def _py_contenders(
+    matches: _Matches,
+    penalties: list[float],
+    position: dict[str, int],
+    per_block: float,
+    threshold: float,
+) -> _Matches:
+    """The matches whose penalty less ``per_block`` per matched block is within
+    ``threshold``, in Python (the reference of the compiled loop, and the fallback)."""
     return {
         replica: match
         for replica, match in matches.items()

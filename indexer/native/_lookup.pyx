@@ -13,6 +13,9 @@ the extension is not built, and the tests hold the two to the same answers on ra
 * :func:`best` - ``kvindex.api.score._best``: one draw per candidate, then the indices of the
   best ``top_k`` in (score, load, draw, index) order;
 * :func:`kth_smallest` - ``sorted(values)[k - 1]`` without sorting the fleet;
+* :func:`best_matches` - ``kvindex.api.score._py_lookup_of``: each replica's best match
+  over its streams, from the holders alone;
+* :func:`contenders` - ``kvindex.api.score._py_contenders``: the holders a bound keeps;
 * :func:`json_token_ids` - a ``/score`` body's ``token_ids`` array read into the u32 bytes the
   block keys hash (``kvindex.api.schemas.decode_score_request``; anything but a plain array
   of ints in [0, 2**32) is left to the full decode).
@@ -23,7 +26,7 @@ Nothing here keeps state or holds a lock; every input is checked as the referenc
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
-from cpython.dict cimport PyDict_GetItem
+from cpython.dict cimport PyDict_GetItem, PyDict_Next
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.object cimport PyObject
 from cpython.tuple cimport PyTuple_Check, PyTuple_GET_ITEM, PyTuple_GET_SIZE
@@ -183,6 +186,71 @@ def best(list minus_scores, list penalties, object draw, object top_k):
         return [rows[i].index for i in range(k)]
     finally:
         free(rows)
+
+
+def best_matches(list runs, list replica_of, list rank_of):
+    """``(matches, ranks)`` from the holders' ``runs`` (``(match, stream indices)`` pairs,
+    ``kvindex.indexer.index.protocol.HeldRuns``): per replica (``replica_of[i]``) the
+    longest match over its streams, a tie going to the lowest rank (``rank_of[i]``), and
+    that rank when it is not 0 (absent: 0); see ``kvindex.api.score._py_best_matches``."""
+    cdef dict matches = {}, ranks = {}
+    cdef Py_ssize_t i, num_blocks, most, rank, best_rank, n = PyList_GET_SIZE(replica_of)
+    cdef PyObject* known
+    cdef PyObject* found_rank
+    cdef object match, replica, at
+    cdef tuple run
+    if PyList_GET_SIZE(rank_of) != n:
+        raise ValueError("replica_of and rank_of differ in length")
+    for run in runs:
+        match = run[0]
+        num_blocks = len(match.tiers)
+        if num_blocks == 0:
+            continue
+        for at in <list> run[1]:
+            i = at
+            if i < 0 or i >= n:
+                raise IndexError("stream index out of range")
+            replica = <object> PyList_GET_ITEM(replica_of, i)
+            rank = <object> PyList_GET_ITEM(rank_of, i)
+            known = PyDict_GetItem(matches, replica)
+            if known is not NULL:
+                most = len((<object> known).tiers)
+                if num_blocks < most:
+                    continue
+                if num_blocks == most:
+                    found_rank = PyDict_GetItem(ranks, replica)
+                    best_rank = 0 if found_rank is NULL else <object> found_rank
+                    if rank > best_rank:
+                        continue
+            matches[replica] = match
+            if rank:
+                ranks[replica] = rank
+            elif known is not NULL:
+                ranks.pop(replica, None)
+    return matches, ranks
+
+
+def contenders(dict matches, list penalties, dict position, double per_block, double threshold):
+    """The items of ``matches`` (replica -> ``PrefixMatch``), in its order, whose
+    ``penalties[position[replica]] - per_block * len(match.tiers) <= threshold`` (the same
+    IEEE operations as Python's); see ``kvindex.api.score._contenders``."""
+    cdef dict out = {}
+    cdef Py_ssize_t pos = 0, i, n = PyList_GET_SIZE(penalties)
+    cdef PyObject* key
+    cdef PyObject* value
+    cdef PyObject* at
+    cdef double penalty
+    while PyDict_Next(matches, &pos, &key, &value):
+        at = PyDict_GetItem(position, <object> key)
+        if at is NULL:
+            raise KeyError(<object> key)
+        i = <object> at
+        if i < 0 or i >= n:
+            raise IndexError("position out of range")
+        penalty = <double> <object> PyList_GET_ITEM(penalties, i)
+        if penalty - per_block * <double> len((<object> value).tiers) <= threshold:
+            out[<object> key] = <object> value
+    return out
 
 
 cdef inline bint _space(unsigned char c) noexcept nogil:

@@ -226,6 +226,8 @@ def test_the_python_loops_answer_as_the_compiled_ones(seed: int) -> None:
             (score_module, "_compiled_best"),
             (score_module, "_compiled_kth"),
             (policies_module, "_compiled_penalties"),
+            (score_module, "_compiled_matches"),
+            (score_module, "_compiled_contenders"),
             (memory_module, "_set_bits"),
         ):
             stack.enter_context(patch.object(module, name, None))
