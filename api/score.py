@@ -93,13 +93,11 @@ _compiled_best: (
 _compiled_best = None
 _compiled_kth: Callable[[list[float], int], float] | None = None
 _compiled_matches: (
-    Callable[[HeldRuns, list[str], list[int]], tuple[_Matches, dict[str, int]]] | None
+    Callable[[HeldRuns, list[str], list[int], bool], tuple[_Matches, dict[str, int]]] | None
 )
 _compiled_matches = None
-_compiled_contenders: (
-    Callable[[_Matches, list[float], dict[str, int], float, float], _Matches] | None
-) = None
-"""The compiled :func:`_best`, :func:`_kth_smallest`, :func:`_lookup_of` and
+_compiled_contenders: Callable[..., _Matches] | None = None  # as _py_contenders
+"""The compiled :func:`_best`, :func:`_kth_smallest`, :meth:`_Lookup.resolve` and
 :func:`_contenders` loops (None: not built, the Python ones serve)."""
 try:
     from kvindex.indexer.native import _lookup
@@ -150,7 +148,9 @@ class _Lookup:
         if not self.runs:
             return
         best_matches = _compiled_matches or _py_best_matches
-        self.matches, self.ranks = best_matches(self.runs, streams.replica_of, streams.rank_of)
+        self.matches, self.ranks = best_matches(
+            self.runs, streams.replica_of, streams.rank_of, streams.unique
+        )
 
 
 _Streams = tuple[StreamId, ...]
@@ -169,6 +169,10 @@ class _Ranked:
     """Each stream's replica, by its index in ``streams``."""
     rank_of: list[int]
     """Each stream's rank, by its index in ``streams``."""
+    position_of: list[int]
+    """Each stream's replica's index in the ranked list, by the stream's index."""
+    unique: bool
+    """No replica has two streams (data parallelism): each holder is its replica's best."""
 
 
 @dataclass(slots=True)
@@ -199,10 +203,11 @@ def _lookup_of(found: HeldRuns | IndexUnavailableError) -> _Lookup:
 
 
 def _py_best_matches(
-    runs: HeldRuns, replica_of: list[str], rank_of: list[int]
+    runs: HeldRuns, replica_of: list[str], rank_of: list[int], unique: bool
 ) -> tuple[_Matches, dict[str, int]]:
     """:meth:`_Lookup.resolve`'s (matches, ranks that are not 0) in Python: the reference
-    of the compiled loop, and the fallback."""
+    of the compiled loop, and the fallback (``unique``, no replica with two streams, only
+    spares the compiled loop its compares)."""
     matches: _Matches = {}
     ranks: dict[str, int] = {}
     for match, run in runs:
@@ -238,7 +243,9 @@ def _all_streams(
     position = {r: i for i, r in enumerate(replicas)}
     by_replica = {r: tuple(s) for r, s in streams_of.items()}
     replica_of, rank_of = [s.replica for s in ordered], [s.rank for s in ordered]
-    return _Ranked(ordered, position, by_replica, replica_of, rank_of)
+    position_of = [position[r] for r in replica_of]
+    unique = len(ordered) == len(by_replica)
+    return _Ranked(ordered, position, by_replica, replica_of, rank_of, position_of, unique)
 
 
 class Scorer:
@@ -644,9 +651,9 @@ class Scorer:
         penalties = load_penalties(ranked, seen.loads, seen.now, weights)
         top_k = self.top_k(request)
         contenders = _contenders(
-            matches,
+            seen.lookup,
             penalties,
-            streams.position,
+            streams,
             top_k=top_k,
             num_blocks=num_blocks,
             weights=weights,
@@ -759,16 +766,17 @@ class _Seen:
 
 
 def _contenders(
-    matches: dict[str, PrefixMatch],
+    lookup: _Lookup,
     penalties: list[float],
-    position: dict[str, int],
+    streams: _Ranked,
     *,
     top_k: int | None,
     num_blocks: int,
     weights: Weights,
 ) -> dict[str, PrefixMatch]:
     """The replicas that matched and may be among the best ``top_k`` whatever their
-    freshness (every one when ``top_k`` keeps them all), in the order of ``matches``.
+    freshness (every one when ``top_k`` keeps them all), each with its best match; a pass
+    over the holders' runs (:attr:`_Lookup.runs`), compiled when built.
 
     Why the others cannot: no credit is negative, so no minus score is above its
     candidate's penalty, and the ``top_k``-th smallest penalty bounds the ``top_k``-th
@@ -777,7 +785,10 @@ def _contenders(
     bound holds for the float arithmetic of :func:`~kvindex.api.policies.tier_credit`);
     a replica whose penalty less that most is still above the bound ranks after ``top_k``
     others, so its freshness is never read and its minus score is left at its penalty,
-    which changes neither the ``top_k`` nor their order."""
+    which changes neither the ``top_k`` nor their order. A replica's streams may hold
+    shorter matches than its best: one passing the bound means its best does.
+    """
+    matches = lookup.matches
     if top_k is None or top_k >= len(penalties) or not matches or num_blocks <= 0:
         return matches
     w = weights
@@ -785,25 +796,39 @@ def _contenders(
     per_block = w.cache * max(w.gpu, w.cpu, w.other) * factor / num_blocks
     per_block = per_block * (1.0 + 1e-9) + 1e-300  # above any rounding of the real credit
     threshold = _kth_smallest(penalties, top_k)
-    if _compiled_contenders is not None:
-        return _compiled_contenders(matches, penalties, position, per_block, threshold)
-    return _py_contenders(matches, penalties, position, per_block, threshold)
+    contenders = _compiled_contenders or _py_contenders
+    runs, position_of, replica_of = lookup.runs, streams.position_of, streams.replica_of
+    return contenders(
+        runs,
+        position_of,
+        replica_of,
+        matches=matches,
+        penalties=penalties,
+        per_block=per_block,
+        threshold=threshold,
+    )
 
 
 def _py_contenders(
+    runs: HeldRuns,
+    position_of: list[int],
+    replica_of: list[str],
+    *,
     matches: _Matches,
     penalties: list[float],
-    position: dict[str, int],
     per_block: float,
     threshold: float,
 ) -> _Matches:
-    """The matches whose penalty less ``per_block`` per matched block is within
-    ``threshold``, in Python (the reference of the compiled loop, and the fallback)."""
-    return {
-        replica: match
-        for replica, match in matches.items()
-        if penalties[position[replica]] - per_block * len(match.tiers) <= threshold
-    }
+    """Each replica with a holder stream whose penalty less ``per_block`` per block of its
+    match is within ``threshold``, with its best match, in Python (the reference of the
+    compiled loop, and the fallback)."""
+    out: _Matches = {}
+    for match, run in runs:
+        most = per_block * len(match.tiers)
+        for i in run:
+            if penalties[position_of[i]] - most <= threshold:
+                out.setdefault(replica_of[i], matches[replica_of[i]])
+    return out
 
 
 def _kth_smallest(values: list[float], k: int) -> float:

@@ -25,12 +25,17 @@ def best(
     top_k: int | None,
 ) -> list[int]: ...
 def best_matches(
-    runs: list[tuple[PrefixMatch, list[int]]], replica_of: list[str], rank_of: list[int]
+    runs: list[tuple[PrefixMatch, list[int]]],
+    replica_of: list[str],
+    rank_of: list[int],
+    unique: bool,
 ) -> tuple[dict[str, PrefixMatch], dict[str, int]]: ...
 def contenders(
+    runs: list[tuple[PrefixMatch, list[int]]],
+    position_of: list[int],
+    replica_of: list[str],
     matches: dict[str, PrefixMatch],
     penalties: list[float],
-    position: dict[str, int],
     per_block: float,
     threshold: float,
 ) -> dict[str, PrefixMatch]: ...

@@ -13,7 +13,7 @@ the extension is not built, and the tests hold the two to the same answers on ra
 * :func:`best` - ``kvindex.api.score._best``: one draw per candidate, then the indices of the
   best ``top_k`` in (score, load, draw, index) order;
 * :func:`kth_smallest` - ``sorted(values)[k - 1]`` without sorting the fleet;
-* :func:`best_matches` - ``kvindex.api.score._py_lookup_of``: each replica's best match
+* :func:`best_matches` - ``kvindex.api.score._py_best_matches``: each replica's best match
   over its streams, from the holders alone;
 * :func:`contenders` - ``kvindex.api.score._py_contenders``: the holders a bound keeps;
 * :func:`json_token_ids` - a ``/score`` body's ``token_ids`` array read into the u32 bytes the
@@ -188,19 +188,29 @@ def best(list minus_scores, list penalties, object draw, object top_k):
         free(rows)
 
 
-def best_matches(list runs, list replica_of, list rank_of):
+cdef extern from "Python.h":
+    object _PyDict_NewPresized(Py_ssize_t minused)
+    PyObject* PyDict_GetItemWithError(object p, object key) except? NULL
+
+
+def best_matches(list runs, list replica_of, list rank_of, bint unique):
     """``(matches, ranks)`` from the holders' ``runs`` (``(match, stream indices)`` pairs,
     ``kvindex.indexer.index.protocol.HeldRuns``): per replica (``replica_of[i]``) the
     longest match over its streams, a tie going to the lowest rank (``rank_of[i]``), and
-    that rank when it is not 0 (absent: 0); see ``kvindex.api.score._py_best_matches``."""
-    cdef dict matches = {}, ranks = {}
-    cdef Py_ssize_t i, num_blocks, most, rank, best_rank, n = PyList_GET_SIZE(replica_of)
+    that rank when it is not 0 (absent: 0); see ``kvindex.api.score._py_best_matches``.
+    ``unique``: no replica has two streams (nothing to compare: each holder is its
+    replica's best). ``matches`` is made at its final size (no regrowth per holder)."""
+    cdef Py_ssize_t i, num_blocks, most, rank, best_rank, total = 0
+    cdef Py_ssize_t n = PyList_GET_SIZE(replica_of)
     cdef PyObject* known
     cdef PyObject* found_rank
     cdef object match, replica, at
     cdef tuple run
     if PyList_GET_SIZE(rank_of) != n:
         raise ValueError("replica_of and rank_of differ in length")
+    for run in runs:
+        total += len(<list> run[1])
+    cdef dict matches = _PyDict_NewPresized(total), ranks = {}
     for run in runs:
         match = run[0]
         num_blocks = len(match.tiers)
@@ -212,13 +222,13 @@ def best_matches(list runs, list replica_of, list rank_of):
                 raise IndexError("stream index out of range")
             replica = <object> PyList_GET_ITEM(replica_of, i)
             rank = <object> PyList_GET_ITEM(rank_of, i)
-            known = PyDict_GetItem(matches, replica)
+            known = NULL if unique else PyDict_GetItemWithError(matches, replica)
             if known is not NULL:
                 most = len((<object> known).tiers)
                 if num_blocks < most:
                     continue
                 if num_blocks == most:
-                    found_rank = PyDict_GetItem(ranks, replica)
+                    found_rank = PyDict_GetItemWithError(ranks, replica)
                     best_rank = 0 if found_rank is NULL else <object> found_rank
                     if rank > best_rank:
                         continue
@@ -230,26 +240,42 @@ def best_matches(list runs, list replica_of, list rank_of):
     return matches, ranks
 
 
-def contenders(dict matches, list penalties, dict position, double per_block, double threshold):
-    """The items of ``matches`` (replica -> ``PrefixMatch``), in its order, whose
-    ``penalties[position[replica]] - per_block * len(match.tiers) <= threshold`` (the same
-    IEEE operations as Python's); see ``kvindex.api.score._contenders``."""
+def contenders(
+    list runs,
+    list position_of,
+    list replica_of,
+    dict matches,
+    list penalties,
+    double per_block,
+    double threshold,
+):
+    """``{replica: matches[replica]}`` for each replica with a holder stream ``i`` of a run
+    (``(match, stream indices)``) such that
+    ``penalties[position_of[i]] - per_block * len(match.tiers) <= threshold`` (the same
+    IEEE operations as Python's); see ``kvindex.api.score._py_contenders``. Per holder two
+    list reads and a compare: no hashing but for the replicas kept."""
     cdef dict out = {}
-    cdef Py_ssize_t pos = 0, i, n = PyList_GET_SIZE(penalties)
-    cdef PyObject* key
-    cdef PyObject* value
-    cdef PyObject* at
-    cdef double penalty
-    while PyDict_Next(matches, &pos, &key, &value):
-        at = PyDict_GetItem(position, <object> key)
-        if at is NULL:
-            raise KeyError(<object> key)
-        i = <object> at
-        if i < 0 or i >= n:
-            raise IndexError("position out of range")
-        penalty = <double> <object> PyList_GET_ITEM(penalties, i)
-        if penalty - per_block * <double> len((<object> value).tiers) <= threshold:
-            out[<object> key] = <object> value
+    cdef Py_ssize_t i, at, n = PyList_GET_SIZE(position_of), num_penalties = PyList_GET_SIZE(penalties)
+    cdef double penalty, most
+    cdef object match, index, replica
+    cdef tuple run
+    if PyList_GET_SIZE(replica_of) != n:
+        raise ValueError("position_of and replica_of differ in length")
+    for run in runs:
+        match = run[0]
+        most = per_block * <double> len(match.tiers)
+        for index in <list> run[1]:
+            i = index
+            if i < 0 or i >= n:
+                raise IndexError("stream index out of range")
+            at = <object> PyList_GET_ITEM(position_of, i)
+            if at < 0 or at >= num_penalties:
+                raise IndexError("position out of range")
+            penalty = <double> <object> PyList_GET_ITEM(penalties, at)
+            if penalty - most <= threshold:
+                replica = <object> PyList_GET_ITEM(replica_of, i)
+                if replica not in out:
+                    out[replica] = matches[replica]
     return out
 
 
