@@ -824,6 +824,8 @@ def _py_contenders(
     compiled loop, and the fallback)."""
     out: _Matches = {}
     for match, run in runs:
+        if not match.tiers:  # no match: none of its streams holds anything
+            continue
         most = per_block * len(match.tiers)
         for i in run:
             if penalties[position_of[i]] - most <= threshold:

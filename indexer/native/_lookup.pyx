@@ -250,7 +250,7 @@ def contenders(
     double threshold,
 ):
     """``{replica: matches[replica]}`` for each replica with a holder stream ``i`` of a run
-    (``(match, stream indices)``) such that
+    (``(match, stream indices)``, a match of one block at least) such that
     ``penalties[position_of[i]] - per_block * len(match.tiers) <= threshold`` (the same
     IEEE operations as Python's); see ``kvindex.api.score._py_contenders``. Per holder two
     list reads and a compare: no hashing but for the replicas kept."""
@@ -261,9 +261,13 @@ def contenders(
     cdef tuple run
     if PyList_GET_SIZE(replica_of) != n:
         raise ValueError("position_of and replica_of differ in length")
+    cdef Py_ssize_t num_blocks
     for run in runs:
         match = run[0]
-        most = per_block * <double> len(match.tiers)
+        num_blocks = len(match.tiers)
+        if num_blocks == 0:  # no match: none of its streams holds anything
+            continue
+        most = per_block * <double> num_blocks
         for index in <list> run[1]:
             i = index
             if i < 0 or i >= n:
