@@ -12,14 +12,19 @@ each holder's own answer, never the streams that hold nothing. Besides each stre
 maps, the tables keep one map block key → its holders, every stream having a small number of
 its own: a block held by one stream maps to that number (nothing allocated for the common
 private block), one held by several to a bitmap of their numbers. ``Tables.matched`` walks
-the prompt once, ANDing the holders of each block into the set still matching, and stops
-when it is empty; a stream that leaves the set at block ``i`` matched ``i`` blocks. Once a
-single stream is left, the walk goes on in that stream's own map (small, so in cache; the
+the prompt once, ANDing the holders of each block into the set still matching (a compare,
+no new int, where a block's holders are those of the block before), and stops when it is
+empty; a stream that leaves the set at block ``i`` matched ``i`` blocks. Once a single
+stream is left, the walk goes on in that stream's own map (small, so in cache; the
 fleet-wide map misses the cache at a million blocks). So 1,024 replicas of which 256 share a
-64-block system prompt cost 64 bitmap ANDs and 256 answers, not 1,024 walks of up to 65
-reads each. The requested streams cost a copy of a prepared no-match answer (C, no stream
-hashed) while they and the numbering stay the same; their numbers' bitmap filters the
-holders.
+64-block system prompt cost 64 bitmap compares and 256 answers, not 1,024 walks of up to 65
+reads each. :meth:`MemoryIndex.holders` answers those alone: per set of streams leaving at
+one block, one shared match and the list of their indices among the streams asked
+(``Tables.split_holders``: one C pass over the bitmap's bytes), so a lookup of 1,024 streams
+makes nothing for the 768 that hold nothing. :meth:`MemoryIndex.longest_prefix` adds them
+as a copy of a prepared no-match answer (C, no stream hashed). Both keep the numbers' bitmap
+and each number's index while the streams asked (the same tuple, or equal) and the
+numbering stay the same.
 
 The map is kept in step with the streams' own maps: a block joins it when a stream's
 counts for it go from nothing to something and leaves when they go back (a removal, a
