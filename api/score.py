@@ -97,7 +97,11 @@ _KEY_LIMIT = 2**64
 
 _Matches = dict[str, PrefixMatch]
 _compiled_best: (
-    Callable[[list[float], list[float], Callable[[], float], int | None], list[int]] | None
+    Callable[
+        [list[float], list[float], Callable[[], float], int | None, random.Random | None],
+        list[int],
+    ]
+    | None
 )
 _compiled_best = None
 _compiled_kth: Callable[[list[float], int], float] | None = None
@@ -401,8 +405,11 @@ class Scorer:
     def _candidates(
         self, request: ScoreRequest, specs: list[ReplicaSpec], outage: str | None
     ) -> list[str]:
-        """The replicas to rank. A model no replica serves is unknown (404) only when the
-        fleet read is current: during an outage it has no candidates (a degraded answer)."""
+        """The replicas to rank (the model's serving list itself when the request names
+        none: shared while the specs stay the same, never to be changed, so that the stream
+        list made for it is found by identity). A model no replica serves is unknown (404)
+        only when the fleet read is current: during an outage it has no candidates (a
+        degraded answer)."""
         serving = self._specs(specs).serving.get(request.model, [])
         if not serving and request.model not in self.known_models():
             if outage is not None:
@@ -411,7 +418,7 @@ class Scorer:
                 f"unknown model {request.model!r}; known models: {self.known_models()}"
             )
         if request.candidates is None:
-            return list(serving)
+            return serving
         unknown = sorted(set(request.candidates) - set(serving))
         if unknown:
             raise RequestError(
@@ -580,11 +587,11 @@ class Scorer:
         made again)."""
         version = self._registry.streams_version()
         memo = self._streams_memo
-        if memo is not None and memo[0] == version and memo[1] == replicas:
+        if memo is not None and memo[0] == version and (memo[1] is replicas or memo[1] == replicas):
             return memo[2]
         specs, heard = self._registry.replicas(), self._registry.stream_ids()
         streams = _all_streams(replicas, specs, heard)
-        self._streams_memo = (version, list(replicas), streams)
+        self._streams_memo = (version, replicas, streams)  # never changed (_candidates)
         return streams
 
     # --- 5. load ---------------------------------------------------------------------------
@@ -909,10 +916,18 @@ def _best(
     :func:`~kvindex.api.policies.rank`'s order: score, then lower load, then a draw per
     candidate (drawn from ``rng`` for every one, tie or not, as ``rank`` does). Compiled
     when the extension is built (one C loop: draws, then the best ``top_k`` kept by
-    insertion), else :func:`_py_best`; the two agree (``tests/unit/indexer/native``)."""
+    insertion; past :data:`_TWISTER_FROM` candidates an exact ``random.Random``'s draws are
+    made from its state in C, the same floats), else :func:`_py_best`; they agree
+    (``tests/unit/indexer/native``)."""
     if _compiled_best is not None:
-        return _compiled_best(minus_scores, penalties, rng.random, top_k)
+        many = len(minus_scores) >= _TWISTER_FROM and type(rng) is random.Random
+        return _compiled_best(minus_scores, penalties, rng.random, top_k, rng if many else None)
     return _py_best(minus_scores, penalties, rng, top_k)
+
+
+_TWISTER_FROM = 256
+"""Candidates from which the compiled draws read the generator's state rather than call it:
+a state's round trip (two copies of 625 ints) costs about 200 calls of ``random()``."""
 
 
 def _py_best(
