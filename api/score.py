@@ -97,11 +97,7 @@ _KEY_LIMIT = 2**64
 
 _Matches = dict[str, PrefixMatch]
 _compiled_best: (
-    Callable[
-        [list[float], list[float], Callable[[], float], int | None, random.Random | None],
-        list[int],
-    ]
-    | None
+    Callable[[list[float], list[float], Callable[[], float], int | None], list[int]] | None
 )
 _compiled_best = None
 _compiled_kth: Callable[[list[float], int], float] | None = None
@@ -916,18 +912,10 @@ def _best(
     :func:`~kvindex.api.policies.rank`'s order: score, then lower load, then a draw per
     candidate (drawn from ``rng`` for every one, tie or not, as ``rank`` does). Compiled
     when the extension is built (one C loop: draws, then the best ``top_k`` kept by
-    insertion; past :data:`_TWISTER_FROM` candidates an exact ``random.Random``'s draws are
-    made from its state in C, the same floats), else :func:`_py_best`; they agree
-    (``tests/unit/indexer/native``)."""
+    insertion), else :func:`_py_best`; the two agree (``tests/unit/indexer/native``)."""
     if _compiled_best is not None:
-        many = len(minus_scores) >= _TWISTER_FROM and type(rng) is random.Random
-        return _compiled_best(minus_scores, penalties, rng.random, top_k, rng if many else None)
+        return _compiled_best(minus_scores, penalties, rng.random, top_k)
     return _py_best(minus_scores, penalties, rng, top_k)
-
-
-_TWISTER_FROM = 256
-"""Candidates from which the compiled draws read the generator's state rather than call it:
-a state's round trip (two copies of 625 ints) costs about 200 calls of ``random()``."""
 
 
 def _py_best(

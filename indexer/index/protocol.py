@@ -142,7 +142,8 @@ class BlockIndex(Protocol):
     def longest_prefix(
         self, keys: Sequence[int], streams: Iterable[StreamId]
     ) -> dict[StreamId, PrefixMatch]:
-        """Per stream, the leading keys it holds, stopping at its first miss."""
+        """Per stream, the leading keys it holds, stopping at its first miss; every stream
+        asked is answered, in the order asked."""
         ...
 
     def stats(self, stream: StreamId) -> StreamStats:
@@ -204,6 +205,8 @@ def holders_of(index: BlockIndex) -> Holders:
 
     def holders(keys: Sequence[int], streams: Sequence[StreamId]) -> HeldRuns:
         found = index.longest_prefix(keys, streams)
+        if len(found) == len(streams):  # distinct: the answer is in the order asked
+            return [(match, [i]) for i, match in enumerate(found.values()) if match.tiers]
         return [(match, [i]) for i, s in enumerate(streams) if (match := found[s]).tiers]
 
     return holders

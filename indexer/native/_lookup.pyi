@@ -1,6 +1,5 @@
 """Types of the compiled ``_lookup`` (see ``_lookup.pyx``)."""
 
-import random
 from collections.abc import Callable
 
 from kvindex.api.load.model import CountedLoad
@@ -24,7 +23,6 @@ def best(
     penalties: list[float],
     draw: Callable[[], float],
     top_k: int | None,
-    rng: random.Random | None = None,
 ) -> list[int]: ...
 def best_matches(
     runs: list[tuple[PrefixMatch, list[int]]],

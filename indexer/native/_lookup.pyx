@@ -31,7 +31,7 @@ from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.object cimport PyObject
 from cpython.tuple cimport PyTuple_Check, PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from libc.math cimport pow
-from libc.stdint cimport uint32_t, uint64_t
+from libc.stdint cimport uint64_t
 from libc.stdlib cimport free, malloc, qsort
 
 
@@ -140,13 +140,10 @@ cdef inline bint _before(const Row* x, const Row* y) noexcept nogil:
     return _compare(x, y) < 0
 
 
-def best(list minus_scores, list penalties, object draw, object top_k, object rng=None):
+def best(list minus_scores, list penalties, object draw, object top_k):
     """Indices of the best ``top_k`` (None: every one), best first: ascending
     (minus score, penalty, draw, index), one ``draw()`` per candidate in index order,
-    whatever ``top_k``; see ``kvindex.api.score._best``. ``rng``: the exact
-    ``random.Random`` whose ``random`` ``draw`` is (not a subclass's), for many candidates:
-    the draws are then made here from its state (:func:`_twister_draws`), the same floats,
-    and the generator left in the same state."""
+    whatever ``top_k``; see ``kvindex.api.score._best``."""
     cdef Py_ssize_t n = PyList_GET_SIZE(minus_scores), i, j, k, kept = 0
     if PyList_GET_SIZE(penalties) != n:
         raise ValueError("minus_scores and penalties differ in length")
@@ -169,11 +166,8 @@ def best(list minus_scores, list penalties, object draw, object top_k, object rn
             rows[i].minus_score = <double> <object> PyList_GET_ITEM(minus_scores, i)
             rows[i].penalty = <double> <object> PyList_GET_ITEM(penalties, i)
             rows[i].index = i
-        if rng is not None:
-            _twister_draws(rng, rows, n)
-        else:
-            for i in range(n):
-                rows[i].draw = <double> draw()
+        for i in range(n):
+            rows[i].draw = <double> draw()
         if k == n:
             qsort(rows, n, sizeof(Row), _compare)
         else:
@@ -192,56 +186,6 @@ def best(list minus_scores, list penalties, object draw, object top_k, object rn
         return [rows[i].index for i in range(k)]
     finally:
         free(rows)
-
-
-# CPython's Mersenne Twister (Modules/_randommodule.c, the reference mt19937ar).
-DEF MT_N = 624
-DEF MT_M = 397
-
-
-cdef inline uint32_t _twist(uint32_t* mt, Py_ssize_t* index) noexcept nogil:
-    """The generator's next 32-bit output, as ``genrand_uint32`` makes it."""
-    cdef uint32_t y
-    cdef Py_ssize_t kk
-    if index[0] >= MT_N:
-        for kk in range(MT_N - MT_M):
-            y = (mt[kk] & 0x80000000U) | (mt[kk + 1] & 0x7fffffffU)
-            mt[kk] = mt[kk + MT_M] ^ (y >> 1) ^ (0x9908b0dfU if y & 1 else 0U)
-        for kk in range(MT_N - MT_M, MT_N - 1):
-            y = (mt[kk] & 0x80000000U) | (mt[kk + 1] & 0x7fffffffU)
-            mt[kk] = mt[kk + (MT_M - MT_N)] ^ (y >> 1) ^ (0x9908b0dfU if y & 1 else 0U)
-        y = (mt[MT_N - 1] & 0x80000000U) | (mt[0] & 0x7fffffffU)
-        mt[MT_N - 1] = mt[MT_M - 1] ^ (y >> 1) ^ (0x9908b0dfU if y & 1 else 0U)
-        index[0] = 0
-    y = mt[index[0]]
-    index[0] += 1
-    y ^= y >> 11
-    y ^= (y << 7) & 0x9d2c5680U
-    y ^= (y << 15) & 0xefc60000U
-    y ^= y >> 18
-    return y
-
-
-cdef int _twister_draws(object rng, Row* rows, Py_ssize_t n) except -1:
-    """``rows[i].draw`` for every row as ``rng.random()`` would draw them one by one:
-    ``rng``'s state read once (``getstate``), the twister run here, ``random()``'s float
-    made of two outputs, ``(a >> 5) * 2**26 + (b >> 6)`` over ``2**53``, and the state
-    put back (``setstate``): two state copies in place of ``n`` calls."""
-    cdef uint32_t mt[MT_N]
-    cdef uint32_t a, b
-    cdef Py_ssize_t i, index
-    version, internal, gauss = rng.getstate()
-    if len(internal) != MT_N + 1:
-        raise ValueError("not a Mersenne Twister state")
-    for i in range(MT_N):
-        mt[i] = <uint32_t> internal[i]
-    index = internal[MT_N]
-    for i in range(n):
-        a = _twist(mt, &index) >> 5
-        b = _twist(mt, &index) >> 6
-        rows[i].draw = (a * 67108864.0 + b) * (1.0 / 9007199254740992.0)
-    rng.setstate((version, tuple([mt[i] for i in range(MT_N)] + [index]), gauss))
-    return 0
 
 
 cdef extern from "Python.h":

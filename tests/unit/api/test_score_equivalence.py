@@ -256,8 +256,8 @@ def test_the_lean_path_draws_what_the_plain_one_draws(seed: int) -> None:
 
 @pytest.mark.parametrize("num_replicas", [50, 300, 1_500])
 def test_an_idle_fleet_ties_everywhere_and_the_draws_decide(num_replicas: int) -> None:
-    """Every replica idle and unmatched: scores and loads tie, the draws order them (past
-    256 candidates the compiled loop draws from the generator's state: the same draws)."""
+    """Every replica idle and unmatched: scores and loads tie, the draws order them; a real
+    answer moves the generator by one draw per candidate."""
     specs = tuple(ReplicaSpec(f"r{i}", MODEL) for i in range(num_replicas))
     registry = Registry(specs, clock=lambda: NOW)
     loads = MemoryLoadStore()

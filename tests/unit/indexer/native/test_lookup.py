@@ -110,24 +110,6 @@ def test_best_compiled_equals_python(
     assert compiled_rng.getstate() == python_rng.getstate()  # one draw each, whatever top_k
 
 
-@settings(max_examples=60)
-@given(st.integers(0, 3_000), st.integers(0, 2**32), st.integers(0, 700), st.none() | st.just(5))
-def test_best_drawing_from_the_generators_state_draws_what_random_draws(
-    n: int, seed: int, skip: int, top_k: int | None
-) -> None:
-    # Ties everywhere: the draws alone order the rows. Past 312 draws the twister makes its
-    # next 624 words (twice at 3,000), from any starting index.
-    drawn, called = random.Random(seed), random.Random(seed)
-    for rng in (drawn, called):
-        for _ in range(skip):
-            rng.random()
-    rows = [0.0] * n
-    got = _lookup.best(rows, rows, drawn.random, top_k, drawn)
-    assert got == _lookup.best(rows, rows, called.random, top_k)
-    assert drawn.getstate() == called.getstate()
-    assert drawn.random() == called.random()
-
-
 def test_best_with_tied_draws_orders_by_index() -> None:
     assert _lookup.best([0.0, 0.0, 0.0], [1.0, 1.0, 1.0], lambda: 0.5, 2) == [0, 1]
 
