@@ -35,9 +35,9 @@ match) with the freshness it needs; candidates, terms, freshness and load views,
 and their JSON for the best ``top_k`` alone, ordered as ``rank`` orders them (ties: lower
 load, then the draw), so ``best`` and the entries are those of the plain path
 (``tests/unit/api/test_score_equivalence.py``). At 1,024 replicas of which 256 hold a
-64-block prefix, the lookup and these passes cost 0.5 M instructions where they cost
-2.3 M (callgrind; the load penalties and load reads, 2.5 M, are then most of an answer's
-4.7 M). A body's ``token_ids`` are read as u32 bytes
+64-block prefix, the lookup and these passes cost 0.4 M instructions where they cost
+2.0 M (callgrind; the load penalties and load reads, 2.5 M, are then most of an answer's
+4.6 M). A body's ``token_ids`` are read as u32 bytes
 (:func:`~kvindex.api.schemas.decode_score_request`), no Python int per token. Other
 policies, and ``kv_aware`` with a temperature (a softmax over every score), build a
 candidate and a score per replica.
