@@ -43,9 +43,11 @@ from kvindex.indexer.index.protocol import (
     ApplyResult,
     BatchOps,
     BlockIndex,
+    HeldRuns,
     Op,
     PrefixMatch,
     StreamStats,
+    holders_of,
 )
 from kvindex.indexer.metrics import IngestCollector
 
@@ -186,6 +188,7 @@ class TimedIndex:
 
     def __init__(self, inner: BlockIndex, histogram: Histogram) -> None:
         self._inner = inner
+        self._holders = holders_of(inner)
         self._histogram = histogram
 
     def apply(self, stream: StreamId, seq: int, ts: float, ops: Sequence[Op]) -> ApplyResult:
@@ -212,6 +215,14 @@ class TimedIndex:
         started = time.perf_counter()
         try:
             return self._inner.longest_prefix(keys, streams)
+        finally:
+            self._histogram.observe(time.perf_counter() - started)
+
+    def holders(self, keys: Sequence[int], streams: Sequence[StreamId]) -> HeldRuns:
+        """The inner index's holders (``holders_of``), timed as a lookup."""
+        started = time.perf_counter()
+        try:
+            return self._holders(keys, streams)
         finally:
             self._histogram.observe(time.perf_counter() - started)
 

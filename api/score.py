@@ -22,16 +22,25 @@ Cost per request, for ``kv_aware`` (the default; no temperature): the lookup, th
 candidate one load penalty and one random draw (:func:`~kvindex.api.policies.load_penalties`,
 the draw :func:`~kvindex.api.policies.rank` makes for every one; both compiled loops when
 the extension is built, ``kvindex.indexer.native._lookup``), C-speed copies of the
-fleet's lists (specs sorted once per change, the stream list and loads kept as they
-change); the cache term only for the replicas that matched (one credit per shared match),
-and the freshness it needs only for those that may rank among the ``top_k`` whatever it
-is (:func:`_contenders`: a bound on what a match can add); candidates, terms, freshness
-and load views, entries and their JSON for the best ``top_k`` alone, ordered as ``rank``
-orders them (ties: lower load, then the draw), so ``best`` and the entries are those of
-the plain path (``tests/unit/api/test_score_equivalence.py``). A body's ``token_ids`` are
-read as u32 bytes (:func:`~kvindex.api.schemas.decode_score_request`), no Python int per
-token. Other policies, and ``kv_aware`` with a
-temperature (a softmax over every score), build a candidate and a score per replica.
+fleet's lists (specs sorted once per change, loads kept as they change). Everything else
+follows the holders, not the fleet: the index answers its holders alone, by index in the
+streams asked, in runs of one match (:func:`~kvindex.indexer.index.protocol.holders_of`;
+the memory index walks the matched prefix and names no other stream); each replica's best
+match and :func:`_contenders` (the holders that may rank among the ``top_k`` whatever
+their freshness: a bound on what a match can add) are a compiled pass over those runs,
+two list reads per holder, no hashing; the stream list (with each stream's replica, rank
+and candidate position) is kept while the registry's ``streams_version`` and the
+candidates stay the same. The cache term only for the contenders (one credit per shared
+match) with the freshness it needs; candidates, terms, freshness and load views, entries
+and their JSON for the best ``top_k`` alone, ordered as ``rank`` orders them (ties: lower
+load, then the draw), so ``best`` and the entries are those of the plain path
+(``tests/unit/api/test_score_equivalence.py``). At 1,024 replicas of which 256 hold a
+64-block prefix, the lookup and these passes cost 0.4 M instructions where they cost
+2.0 M (callgrind; the load penalties and load reads, 2.5 M, are then most of an answer's
+4.6 M). A body's ``token_ids`` are read as u32 bytes
+(:func:`~kvindex.api.schemas.decode_score_request`), no Python int per token. Other
+policies, and ``kv_aware`` with a temperature (a softmax over every score), build a
+candidate and a score per replica.
 """
 
 from __future__ import annotations
@@ -68,7 +77,14 @@ from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.events import StreamId, Tier
 from kvindex.indexer.fleet.registry import Freshness, RegistryView, StreamFreshness
 from kvindex.indexer.fleet.replica import ReplicaSpec
-from kvindex.indexer.index.protocol import NO_MATCH, BlockIndex, IndexUnavailableError, PrefixMatch
+from kvindex.indexer.index.protocol import (
+    NO_MATCH,
+    BlockIndex,
+    HeldRuns,
+    IndexUnavailableError,
+    PrefixMatch,
+    holders_of,
+)
 from kvindex.indexer.keys import (
     BlockKeyError,
     block_keys,
@@ -79,18 +95,26 @@ from kvindex.indexer.keys import (
 
 _KEY_LIMIT = 2**64
 
+_Matches = dict[str, PrefixMatch]
 _compiled_best: (
     Callable[[list[float], list[float], Callable[[], float], int | None], list[int]] | None
 )
 _compiled_best = None
 _compiled_kth: Callable[[list[float], int], float] | None = None
-"""The compiled :func:`_best` (None: not built, the Python one serves)."""
+_compiled_matches: (
+    Callable[[HeldRuns, list[str], list[int], bool], tuple[_Matches, dict[str, int]]] | None
+)
+_compiled_matches = None
+_compiled_contenders: Callable[..., _Matches] | None = None  # as _py_contenders
+"""The compiled :func:`_best`, :func:`_kth_smallest`, :meth:`_Lookup.resolve` and
+:func:`_contenders` loops (None: not built, the Python ones serve)."""
 try:
     from kvindex.indexer.native import _lookup
 except ImportError:
     pass
 else:
     _compiled_best, _compiled_kth = _lookup.best, _lookup.kth_smallest
+    _compiled_matches, _compiled_contenders = _lookup.best_matches, _lookup.contenders
 
 
 DEGRADED_REASONS = ("index_unavailable", "fleet_unreadable", "no_healthy_candidate")
@@ -110,20 +134,35 @@ class UnknownModelError(KvIndexError):
 
 @dataclass(slots=True)
 class _Lookup:
-    """Best match per replica (over its ranks) and which rank holds it."""
+    """What the index answered (its holders, by index in the streams asked), then, once
+    resolved against those streams (:meth:`resolve`), the best match per replica (over its
+    ranks) and which rank holds it."""
 
+    runs: HeldRuns = field(default_factory=list)
     matches: dict[str, PrefixMatch] = field(default_factory=dict)
     ranks: dict[str, int] = field(default_factory=dict)
+    """The rank of each replica's best match when it is not 0 (absent: rank 0, the usual
+    one: nothing kept per holder without data parallelism)."""
     degraded: str | None = None
 
     def num_matched(self) -> int:
         """Replicas holding at least the first block (only those are kept in ``matches``)."""
         return len(self.matches)
 
+    def resolve(self, streams: _Ranked) -> None:
+        """Each replica's best match over its streams (the longest; a tie: the lowest
+        rank), from the runs, whose indices are into ``streams.streams``: compiled when
+        built (one C pass over the holders, no stream read), else
+        :func:`_py_best_matches`."""
+        if not self.runs:
+            return
+        best_matches = _compiled_matches or _py_best_matches
+        self.matches, self.ranks = best_matches(
+            self.runs, streams.replica_of, streams.rank_of, streams.unique
+        )
+
 
 _Streams = tuple[StreamId, ...]
-_StreamsBasis = tuple[tuple[str, ...], tuple[ReplicaSpec, ...], tuple[StreamId, ...]]
-"""Candidates, the registry's specs, the streams heard of: all the stream list depends on."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +174,14 @@ class _Ranked:
     """Each candidate's index in the ranked list."""
     streams_of: dict[str, _Streams]
     """Each candidate's streams (declared ranks and ranks heard of)."""
+    replica_of: list[str]
+    """Each stream's replica, by its index in ``streams``."""
+    rank_of: list[int]
+    """Each stream's rank, by its index in ``streams``."""
+    position_of: list[int]
+    """Each stream's replica's index in the ranked list, by the stream's index."""
+    unique: bool
+    """No replica has two streams (data parallelism): each holder is its replica's best."""
 
 
 @dataclass(slots=True)
@@ -156,29 +203,45 @@ def _specs_memo(specs: list[ReplicaSpec]) -> _Specs:
     return _Specs(specs, serving, connecting)
 
 
-def _lookup_of(found: dict[StreamId, PrefixMatch] | IndexUnavailableError) -> _Lookup:
-    """Best match per replica over its ranks, or the index's outage as ``degraded``."""
+def _lookup_of(found: HeldRuns | IndexUnavailableError) -> _Lookup:
+    """The index's holders, to be resolved (:meth:`_Lookup.resolve`), or its outage as
+    ``degraded``."""
     if isinstance(found, IndexUnavailableError):
         return _Lookup(degraded=f"index store unavailable: {found}")
-    lookup = _Lookup()
-    matches, ranks = lookup.matches, lookup.ranks
-    best_of = matches.get
-    for stream, match in found.items():  # every candidate's stream: kept lean
-        if not match.tiers:  # a non-holder reads NO_MATCH and rank 0 (its lowest) anyway
+    return _Lookup(found)
+
+
+def _py_best_matches(
+    runs: HeldRuns, replica_of: list[str], rank_of: list[int], unique: bool
+) -> tuple[_Matches, dict[str, int]]:
+    """:meth:`_Lookup.resolve`'s (matches, ranks that are not 0) in Python: the reference
+    of the compiled loop, and the fallback (``unique``, no replica with two streams, only
+    spares the compiled loop its compares)."""
+    matches: _Matches = {}
+    ranks: dict[str, int] = {}
+    for match, run in runs:
+        num_blocks = len(match.tiers)
+        if not num_blocks:
             continue
-        replica = stream.replica
-        best = best_of(replica)
-        if best is None or len(match.tiers) > len(best.tiers):
+        for i in run:
+            replica, rank = replica_of[i], rank_of[i]
+            best = matches.get(replica)
+            if best is not None:
+                most = len(best.tiers)
+                if num_blocks < most or (num_blocks == most and rank > ranks.get(replica, 0)):
+                    continue
             matches[replica] = match
-            ranks[replica] = stream.rank
-    return lookup
+            if rank:
+                ranks[replica] = rank
+            elif best is not None:
+                ranks.pop(replica, None)
+    return matches, ranks
 
 
 def _all_streams(
     replicas: Sequence[str], specs: Sequence[ReplicaSpec], heard: Sequence[StreamId]
 ) -> _Ranked:
-    """Every rank of every replica (declared or heard of), sorted: ranks ascend, so the
-    lowest rank wins a tie in :func:`_lookup_of`."""
+    """Every rank of every replica (declared or heard of), sorted."""
     wanted = set(replicas)
     streams = {StreamId(r.id, rank) for r in specs if r.id in wanted for rank in range(r.dp_size)}
     streams.update(s for s in heard if s.replica in wanted)
@@ -187,7 +250,11 @@ def _all_streams(
     for stream in ordered:
         streams_of.setdefault(stream.replica, []).append(stream)
     position = {r: i for i, r in enumerate(replicas)}
-    return _Ranked(ordered, position, {r: tuple(s) for r, s in streams_of.items()})
+    by_replica = {r: tuple(s) for r, s in streams_of.items()}
+    replica_of, rank_of = [s.replica for s in ordered], [s.rank for s in ordered]
+    position_of = [position[r] for r in replica_of]
+    unique = len(ordered) == len(by_replica)
+    return _Ranked(ordered, position, by_replica, replica_of, rank_of, position_of, unique)
 
 
 class Scorer:
@@ -212,6 +279,7 @@ class Scorer:
     ) -> None:
         self._settings = settings
         self._index = index
+        self._holders = holders_of(index)
         self._registry = registry
         self._loads = loads
         self._tokenizers = tokenizers
@@ -225,7 +293,8 @@ class Scorer:
         self._last_read: dict[str, CountedLoad] = {}
         """The last load read, folded into ``_last_loads`` only when an outage needs it (a
         read is per request; an outage is rare)."""
-        self._streams_memo: tuple[_StreamsBasis, _Ranked] | None = None
+        self._streams_memo: tuple[int, list[str], _Ranked] | None = None
+        """The registry's streams version and the candidates the streams were made for."""
         self._specs_memo: _Specs | None = None
         self._answers: list[str] = []
         """Answers made since the last load read: counted in the store by the next read."""
@@ -279,8 +348,9 @@ class Scorer:
         unhealthy = self._unhealthy(candidates, specs)
         ranked = [r for r in candidates if r not in unhealthy] if unhealthy else candidates
         ranked = ranked or candidates
-        streams = self._streams(ranked, specs)
+        streams = self._streams(ranked)
         lookup, loads = await self._read(keys, streams.streams, ranked)
+        lookup.resolve(streams)
         if policy is Policy.KV_AWARE and not weights.temperature:
             seen = _Seen(lookup, loads, {}, self._clock())
             seen, decision = self._decide_kv_aware(
@@ -331,8 +401,11 @@ class Scorer:
     def _candidates(
         self, request: ScoreRequest, specs: list[ReplicaSpec], outage: str | None
     ) -> list[str]:
-        """The replicas to rank. A model no replica serves is unknown (404) only when the
-        fleet read is current: during an outage it has no candidates (a degraded answer)."""
+        """The replicas to rank (the model's serving list itself when the request names
+        none: shared while the specs stay the same, never to be changed, so that the stream
+        list made for it is found by identity). A model no replica serves is unknown (404)
+        only when the fleet read is current: during an outage it has no candidates (a
+        degraded answer)."""
         serving = self._specs(specs).serving.get(request.model, [])
         if not serving and request.model not in self.known_models():
             if outage is not None:
@@ -341,7 +414,7 @@ class Scorer:
                 f"unknown model {request.model!r}; known models: {self.known_models()}"
             )
         if request.candidates is None:
-            return list(serving)
+            return serving
         unknown = sorted(set(request.candidates) - set(serving))
         if unknown:
             raise RequestError(
@@ -489,12 +562,12 @@ class Scorer:
 
     def _read_stores(
         self, keys: list[int], streams: _Streams, replicas: Sequence[str], answers: list[str]
-    ) -> tuple[dict[StreamId, PrefixMatch] | IndexUnavailableError, dict[str, CountedLoad] | None]:
+    ) -> tuple[HeldRuns | IndexUnavailableError, dict[str, CountedLoad] | None]:
         """Both reads; an unreachable store is returned as its error (index) or None (load)
         so that the other read still happens."""
-        found: dict[StreamId, PrefixMatch] | IndexUnavailableError
+        found: HeldRuns | IndexUnavailableError
         try:
-            found = self._index.longest_prefix(keys, streams)
+            found = self._holders(keys, streams)
         except IndexUnavailableError as exc:
             found = exc
         try:
@@ -503,15 +576,18 @@ class Scorer:
             loads = None
         return found, loads
 
-    def _streams(self, replicas: Sequence[str], specs: Sequence[ReplicaSpec]) -> _Ranked:
-        """Every stream of the candidates (and of each one); remembered until the candidates,
-        the specs or the streams heard of change (comparing is much cheaper than rebuilding)."""
-        basis = (tuple(replicas), tuple(specs), tuple(self._registry.stream_ids()))
+    def _streams(self, replicas: list[str]) -> _Ranked:
+        """Every stream of the candidates (and of each one); remembered until the candidates
+        or the registry's :meth:`~kvindex.indexer.fleet.registry.RegistryView.streams_version`
+        change (the version is read first, so a list made from a later fleet is at worst
+        made again)."""
+        version = self._registry.streams_version()
         memo = self._streams_memo
-        if memo is not None and memo[0] == basis:
-            return memo[1]
-        streams = _all_streams(*basis)
-        self._streams_memo = (basis, streams)
+        if memo is not None and memo[0] == version and (memo[1] is replicas or memo[1] == replicas):
+            return memo[2]
+        specs, heard = self._registry.replicas(), self._registry.stream_ids()
+        streams = _all_streams(replicas, specs, heard)
+        self._streams_memo = (version, replicas, streams)  # never changed (_candidates)
         return streams
 
     # --- 5. load ---------------------------------------------------------------------------
@@ -587,9 +663,9 @@ class Scorer:
         penalties = load_penalties(ranked, seen.loads, seen.now, weights)
         top_k = self.top_k(request)
         contenders = _contenders(
-            matches,
+            seen.lookup,
             penalties,
-            streams.position,
+            streams,
             top_k=top_k,
             num_blocks=num_blocks,
             weights=weights,
@@ -702,16 +778,17 @@ class _Seen:
 
 
 def _contenders(
-    matches: dict[str, PrefixMatch],
+    lookup: _Lookup,
     penalties: list[float],
-    position: dict[str, int],
+    streams: _Ranked,
     *,
     top_k: int | None,
     num_blocks: int,
     weights: Weights,
 ) -> dict[str, PrefixMatch]:
     """The replicas that matched and may be among the best ``top_k`` whatever their
-    freshness (every one when ``top_k`` keeps them all), in the order of ``matches``.
+    freshness (every one when ``top_k`` keeps them all), each with its best match; a pass
+    over the holders' runs (:attr:`_Lookup.runs`), compiled when built.
 
     Why the others cannot: no credit is negative, so no minus score is above its
     candidate's penalty, and the ``top_k``-th smallest penalty bounds the ``top_k``-th
@@ -720,7 +797,10 @@ def _contenders(
     bound holds for the float arithmetic of :func:`~kvindex.api.policies.tier_credit`);
     a replica whose penalty less that most is still above the bound ranks after ``top_k``
     others, so its freshness is never read and its minus score is left at its penalty,
-    which changes neither the ``top_k`` nor their order."""
+    which changes neither the ``top_k`` nor their order. A replica's streams may hold
+    shorter matches than its best: one passing the bound means its best does.
+    """
+    matches = lookup.matches
     if top_k is None or top_k >= len(penalties) or not matches or num_blocks <= 0:
         return matches
     w = weights
@@ -728,11 +808,41 @@ def _contenders(
     per_block = w.cache * max(w.gpu, w.cpu, w.other) * factor / num_blocks
     per_block = per_block * (1.0 + 1e-9) + 1e-300  # above any rounding of the real credit
     threshold = _kth_smallest(penalties, top_k)
-    return {
-        replica: match
-        for replica, match in matches.items()
-        if penalties[position[replica]] - per_block * len(match.tiers) <= threshold
-    }
+    contenders = _compiled_contenders or _py_contenders
+    runs, position_of, replica_of = lookup.runs, streams.position_of, streams.replica_of
+    return contenders(
+        runs,
+        position_of,
+        replica_of,
+        matches=matches,
+        penalties=penalties,
+        per_block=per_block,
+        threshold=threshold,
+    )
+
+
+def _py_contenders(
+    runs: HeldRuns,
+    position_of: list[int],
+    replica_of: list[str],
+    *,
+    matches: _Matches,
+    penalties: list[float],
+    per_block: float,
+    threshold: float,
+) -> _Matches:
+    """Each replica with a holder stream whose penalty less ``per_block`` per block of its
+    match is within ``threshold``, with its best match, in Python (the reference of the
+    compiled loop, and the fallback)."""
+    out: _Matches = {}
+    for match, run in runs:
+        if not match.tiers:  # no match: none of its streams holds anything
+            continue
+        most = per_block * len(match.tiers)
+        for i in run:
+            if penalties[position_of[i]] - most <= threshold:
+                out.setdefault(replica_of[i], matches[replica_of[i]])
+    return out
 
 
 def _kth_smallest(values: list[float], k: int) -> float:

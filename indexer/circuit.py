@@ -24,11 +24,13 @@ from kvindex.indexer.index.protocol import (
     ApplyResult,
     BatchOps,
     BlockIndex,
+    HeldRuns,
     IndexUnavailableError,
     Op,
     PrefixMatch,
     StoreIdentity,
     StreamStats,
+    holders_of,
 )
 
 T = TypeVar("T")
@@ -122,6 +124,7 @@ class CircuitIndex:
 
     def __init__(self, inner: BlockIndex, circuit: StoreCircuit) -> None:
         self._inner = inner
+        self._holders = holders_of(inner)
         self._circuit = circuit
 
     def apply(self, stream: StreamId, seq: int, ts: float, ops: Sequence[Op]) -> ApplyResult:
@@ -146,6 +149,10 @@ class CircuitIndex:
         self, keys: Sequence[int], streams: Iterable[StreamId]
     ) -> dict[StreamId, PrefixMatch]:
         return self._circuit.call(self._inner.longest_prefix, keys, streams)
+
+    def holders(self, keys: Sequence[int], streams: Sequence[StreamId]) -> HeldRuns:
+        """The inner index's holders (``holders_of``), through the circuit."""
+        return self._circuit.call(self._holders, keys, streams)
 
     def stats(self, stream: StreamId) -> StreamStats:
         return self._circuit.call(self._inner.stats, stream)

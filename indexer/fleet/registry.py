@@ -82,6 +82,8 @@ class Registry:
         self._stale_after_s = stale_after_s
         self._clock = clock
         self._version = 0
+        self._streams_version = 0
+        """Bumped whenever a spec or the set of stream records changes."""
         self._unrouted = UnroutedCounters()
         self._replica_health: dict[str, ReplicaHealth] = {}
         self._sorted: tuple[ReplicaSpec, ...] | None = None
@@ -98,6 +100,7 @@ class Registry:
                 return False
             self._replicas[spec.id] = spec
             self._version += 1
+            self._streams_version += 1
             self._sorted = None
             self._model_to_block_size.clear()
             return True
@@ -109,6 +112,7 @@ class Registry:
             for stream in [s for s in self._health if s.replica == replica]:
                 del self._health[stream]
             self._replica_health.pop(replica, None)
+            self._streams_version += 1
             if spec is not None:
                 self._version += 1
                 self._sorted = None
@@ -131,6 +135,11 @@ class Registry:
         """Bumped on every add/remove, so the subscriber knows to reconcile its sockets."""
         with self._lock:
             return self._version
+
+    def streams_version(self) -> int:
+        """Changes whenever :meth:`replicas` or :meth:`stream_ids` may have (one int read:
+        the API asks per request, to keep what it made of them meanwhile)."""
+        return self._streams_version
 
     def models(self) -> list[str]:
         with self._lock:
@@ -173,6 +182,7 @@ class Registry:
             health = self._health.get(stream)
             if health is None:
                 health = self._health[stream] = StreamHealth()
+                self._streams_version += 1
             block_size = health.block_size
             health.update(report, now)
             if health.block_size != block_size:
@@ -183,6 +193,7 @@ class Registry:
         with self._lock:
             if self._health.pop(stream, None) is not None:
                 self._model_to_block_size.clear()
+                self._streams_version += 1
 
     def record_unrouted(self, totals: UnroutedCounters) -> None:
         """Replace the bound SUB's unrouted counters with the write path's running totals."""
@@ -405,6 +416,11 @@ class RegistryView(Protocol):
         ...
 
     def stream_ids(self) -> list[StreamId]: ...
+
+    def streams_version(self) -> int:
+        """A number that changes whenever :meth:`replicas` or :meth:`stream_ids` may have
+        (it may change without them): equal numbers, the same specs and streams."""
+        ...
 
     def block_size(self, model: str) -> int | None: ...
 

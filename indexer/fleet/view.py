@@ -117,6 +117,8 @@ class RedisFleetView:
         self._remove = client.register_script(_REMOVE_LUA)
         self._lock = threading.Lock()
         self._fleet = _Fleet()
+        self._generation = 0
+        """Bumped whenever ``_fleet`` is replaced (:meth:`streams_version`)."""
         self._expires = float("-inf")
         self._outage: str | None = None
         self.num_errors = 0
@@ -150,6 +152,7 @@ class RedisFleetView:
                 statuses = [s for s in self._fleet.statuses if s.stream.replica != replica]
                 health = {k: v for k, v in self._fleet.health.items() if k != replica}
                 self._fleet = replace(self._fleet, specs=specs, statuses=statuses, health=health)
+                self._generation += 1
         return None if raw is None else decode_spec(raw)
 
     def _remove_spec(self, keys: list[str], replica: str) -> bytes | None:
@@ -180,6 +183,11 @@ class RedisFleetView:
 
     def stream_ids(self) -> list[StreamId]:
         return [s.stream for s in self._current().statuses]
+
+    def streams_version(self) -> int:
+        """Changes with every snapshot read or changed (at most once a cache period)."""
+        self._current()
+        return self._generation
 
     def freshness(self, streams: Collection[StreamId] | None = None) -> list[StreamFreshness]:
         fleet = self._current()
@@ -288,6 +296,7 @@ class RedisFleetView:
     def _refresh(self, fleet: _Fleet) -> None:
         """Take a good read, unless Redis lost the fleet since the last one: then keep the
         last (with whatever was added since) until an indexer republishes it."""
+        self._generation += 1
         if fleet.marked or not self._fleet.marked:
             self._fleet = fleet
             self._set_outage(None)

@@ -12,14 +12,19 @@ each holder's own answer, never the streams that hold nothing. Besides each stre
 maps, the tables keep one map block key → its holders, every stream having a small number of
 its own: a block held by one stream maps to that number (nothing allocated for the common
 private block), one held by several to a bitmap of their numbers. ``Tables.matched`` walks
-the prompt once, ANDing the holders of each block into the set still matching, and stops
-when it is empty; a stream that leaves the set at block ``i`` matched ``i`` blocks. Once a
-single stream is left, the walk goes on in that stream's own map (small, so in cache; the
+the prompt once, ANDing the holders of each block into the set still matching (a compare,
+no new int, where a block's holders are those of the block before), and stops when it is
+empty; a stream that leaves the set at block ``i`` matched ``i`` blocks. Once a single
+stream is left, the walk goes on in that stream's own map (small, so in cache; the
 fleet-wide map misses the cache at a million blocks). So 1,024 replicas of which 256 share a
-64-block system prompt cost 64 bitmap ANDs and 256 answers, not 1,024 walks of up to 65
-reads each. The requested streams cost a copy of a prepared no-match answer (C, no stream
-hashed) while they and the numbering stay the same; their numbers' bitmap filters the
-holders.
+64-block system prompt cost 64 bitmap compares and 256 answers, not 1,024 walks of up to 65
+reads each. :meth:`MemoryIndex.holders` answers those alone: per set of streams leaving at
+one block, one shared match and the list of their indices among the streams asked
+(``Tables.split_holders``: one C pass over the bitmap's bytes), so a lookup of 1,024 streams
+makes nothing for the 768 that hold nothing. :meth:`MemoryIndex.longest_prefix` adds them
+as a copy of a prepared no-match answer (C, no stream hashed). Both keep the numbers' bitmap
+and each number's index while the streams asked (the same tuple, or equal) and the
+numbering stay the same.
 
 The map is kept in step with the streams' own maps: a block joins it when a stream's
 counts for it go from nothing to something and leaves when they go back (a removal, a
@@ -48,6 +53,7 @@ from kvindex.indexer.index.protocol import (
     SKIPPED,
     ApplyResult,
     BatchOps,
+    HeldRuns,
     Op,
     OpKind,
     PrefixMatch,
@@ -105,6 +111,11 @@ class Tables(Protocol):
     def best_tiers(self, number: int, keys: list[int], num_blocks: int) -> list[int]:
         """The best tier of each of the first ``num_blocks`` keys (stream ``number`` holds
         them all)."""
+        ...
+
+    def split_holders(self, bitmap: int, index_of: list[int]) -> tuple[list[int], list[int]]:
+        """``(index_of[number] of each stream number of bitmap holding blocks on GPU only,
+        the numbers of the others)``, both ascending by number."""
         ...
 
 
@@ -165,6 +176,16 @@ class PyTables:
         counts_of = self._of(number).key_to_counts
         return [_best_tier(counts_of[key]) for key in keys[:num_blocks]]
 
+    def split_holders(self, bitmap: int, index_of: list[int]) -> tuple[list[int], list[int]]:
+        indices, mixed = [], []
+        for number in _numbers(bitmap):
+            _, on_cpu, on_other = self._of(number).blocks_by_tier
+            if on_cpu or on_other:
+                mixed.append(number)
+            else:
+                indices.append(index_of[number])
+        return indices, mixed
+
 
 def new_tables(*, compiled: bool = True) -> Tables:
     """The compiled tables when asked for and built, else :class:`PyTables`."""
@@ -214,6 +235,8 @@ class _Asked:
     """Never changed: each answer is a copy."""
     wanted: int
     """Bitmap of the numbers of the streams the index holds state for."""
+    index_of: list[int]
+    """Stream number → the index of its stream among those asked (-1: not asked, free)."""
 
 
 class MemoryIndex:
@@ -324,35 +347,62 @@ class MemoryIndex:
         asked = tuple(streams)
         keys = keys if type(keys) is list else list(keys)
         with self._lock:
-            no_matches, wanted = self._asked_for(asked)
-            result = no_matches.copy()
-            state_of, tables = self._state_of, self._tables
-            for leavers, num_blocks in tables.matched(keys):
-                on_gpu = PrefixMatch(_ON_GPU * num_blocks)
-                for number in _numbers(leavers & wanted):
-                    state: _Stream = state_of[number]  # type: ignore[assignment]
-                    _, on_cpu, on_other = tables.blocks_by_tier(number)
-                    if not on_cpu and not on_other:
-                        result[state.stream] = on_gpu
-                    else:
-                        tiers = tables.best_tiers(number, keys, num_blocks)
-                        result[state.stream] = PrefixMatch(tuple(map(Tier, tiers)))
+            memo = self._asked_for(asked)
+            result = memo.no_matches.copy()
+            for match, run in self._held(keys, memo):
+                for i in run:
+                    result[asked[i]] = match
         return result
 
-    def _asked_for(self, streams: tuple[StreamId, ...]) -> tuple[dict[StreamId, PrefixMatch], int]:
-        """``NO_MATCH`` for each stream (to be copied) and the bitmap of their numbers: the
-        last call's when the streams and the numbering are the same (the API asks for the
-        same tuple each time: compared by identity of its items, no stream hashed)."""
+    def holders(self, keys: Sequence[int], streams: Sequence[StreamId]) -> HeldRuns:
+        """:meth:`longest_prefix`'s holders by index
+        (:class:`~kvindex.indexer.index.protocol.HolderLookup`): nothing made per stream
+        asked, so the cost follows the holders and the matched prefix alone."""
+        asked = tuple(streams)  # the same tuple when given one: no copy
+        keys = keys if type(keys) is list else list(keys)
+        with self._lock:
+            return self._held(keys, self._asked_for(asked))
+
+    def _held(self, keys: list[int], asked: _Asked) -> HeldRuns:
+        """The asked streams holding ``keys[0]``, by index, in runs of one match: per set
+        of streams leaving the match at one block, one shared answer for those on GPU only
+        (their indices collected in compiled code when built), the tiers read for the
+        others."""
+        runs: HeldRuns = []
+        tables, index_of, wanted = self._tables, asked.index_of, asked.wanted
+        for leavers, num_blocks in tables.matched(keys):
+            if not (asked_leavers := leavers & wanted):
+                continue
+            on_gpu, mixed = tables.split_holders(asked_leavers, index_of)
+            if on_gpu:
+                runs.append((PrefixMatch(_ON_GPU * num_blocks), on_gpu))
+            for number in mixed:
+                tiers = tables.best_tiers(number, keys, num_blocks)
+                runs.append((PrefixMatch(tuple(map(Tier, tiers))), [index_of[number]]))
+        return runs
+
+    def _asked_for(self, streams: tuple[StreamId, ...]) -> _Asked:
+        """``NO_MATCH`` for each stream (to be copied), the bitmap of their numbers and
+        each number's index among them: the last call's when the streams and the numbering
+        are the same (the API asks for the same tuple each time: the same object, or
+        compared by identity of its items, no stream hashed)."""
         last = self._asked
-        if last is not None and last.numbering == self._numbering and last.streams == streams:
-            return last.no_matches, last.wanted
+        if (
+            last is not None
+            and last.numbering == self._numbering
+            and (last.streams is streams or last.streams == streams)
+        ):
+            return last
         wanted = 0
-        for stream in streams:
+        index_of = [-1] * len(self._state_of)
+        for i, stream in enumerate(streams):
             state = self._streams.get(stream)
             if state is not None:
                 wanted |= 1 << state.number
-        self._asked = _Asked(streams, self._numbering, dict.fromkeys(streams, NO_MATCH), wanted)
-        return self._asked.no_matches, wanted
+                index_of[state.number] = i
+        no_matches = dict.fromkeys(streams, NO_MATCH)
+        self._asked = _Asked(streams, self._numbering, no_matches, wanted, index_of)
+        return self._asked
 
     def stats(self, stream: StreamId) -> StreamStats:
         with self._lock:

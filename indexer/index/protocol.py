@@ -15,14 +15,15 @@ Guarantees every backend gives (the contract suite in ``tests/contract`` checks 
   indexers on one stream are safe, and a retry after a dropped connection is idempotent).
 * Counts are per (stream, block, tier): a block stored twice needs two removals, and a
   block removed from CPU is still matched while GPU holds it.
-* :meth:`BlockIndex.longest_prefix` stops at the first missing key per stream.
+* :meth:`BlockIndex.longest_prefix` stops at the first missing key per stream;
+  :func:`prefix_holders` is the same answer without the streams that match nothing.
 * Clearing or dropping a stream costs that stream's own blocks, never a keyspace scan.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeAlias, runtime_checkable
 
@@ -141,7 +142,8 @@ class BlockIndex(Protocol):
     def longest_prefix(
         self, keys: Sequence[int], streams: Iterable[StreamId]
     ) -> dict[StreamId, PrefixMatch]:
-        """Per stream, the leading keys it holds, stopping at its first miss."""
+        """Per stream, the leading keys it holds, stopping at its first miss; every stream
+        asked is answered, in the order asked."""
         ...
 
     def stats(self, stream: StreamId) -> StreamStats:
@@ -169,6 +171,53 @@ class StoreIdentity(Protocol):
         :class:`IndexUnavailableError` when the store cannot be reached. The memory
         backend never loses its data."""
         ...
+
+
+HeldRuns: TypeAlias = list[tuple[PrefixMatch, list[int]]]
+"""Holders grouped by their match: ``(match, the indices in the streams asked of the
+streams whose longest prefix it is)``; each holder in one run, runs in no particular order."""
+
+
+@runtime_checkable
+class HolderLookup(Protocol):
+    """An index that answers a lookup with its holders alone, at a cost that follows them
+    and the matched prefix rather than the streams asked (the memory backend). A Protocol
+    of its own, as :class:`StoreIdentity`: every index answers :func:`prefix_holders`,
+    through this call when it has it, else through :meth:`BlockIndex.longest_prefix`."""
+
+    def holders(self, keys: Sequence[int], streams: Sequence[StreamId]) -> HeldRuns:
+        """The ``streams`` (distinct) holding ``keys[0]``, by index, in runs of one match
+        (:data:`HeldRuns`): what :meth:`BlockIndex.longest_prefix` answers for them; every
+        other stream's match is :data:`NO_MATCH`."""
+        ...
+
+
+Holders = Callable[[Sequence[int], Sequence[StreamId]], HeldRuns]
+"""``(keys, streams)`` → the holders among ``streams`` (:meth:`HolderLookup.holders`)."""
+
+
+def holders_of(index: BlockIndex) -> Holders:
+    """The index's :meth:`HolderLookup.holders` when it has one, else the same answer made
+    from its :meth:`~BlockIndex.longest_prefix` (found once: callers keep it, as a wrapper
+    passing the call on does)."""
+    if isinstance(index, HolderLookup):
+        return index.holders
+
+    def holders(keys: Sequence[int], streams: Sequence[StreamId]) -> HeldRuns:
+        found = index.longest_prefix(keys, streams)
+        if len(found) == len(streams):  # distinct: the answer is in the order asked
+            return [(match, [i]) for i, match in enumerate(found.values()) if match.tiers]
+        return [(match, [i]) for i, s in enumerate(streams) if (match := found[s]).tiers]
+
+    return holders
+
+
+def prefix_holders(
+    index: BlockIndex, keys: Sequence[int], streams: Sequence[StreamId]
+) -> dict[StreamId, PrefixMatch]:
+    """Each of ``streams`` that holds ``keys[0]`` → its longest prefix (every other one's is
+    :data:`NO_MATCH`), on any index, through :func:`holders_of`."""
+    return {streams[i]: match for match, run in holders_of(index)(keys, streams) for i in run}
 
 
 def drop_replica(index: BlockIndex, replica: str) -> list[StreamId]:

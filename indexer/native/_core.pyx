@@ -723,6 +723,10 @@ cdef class NativeBatch:
         return out
 
 
+cdef extern from *:
+    int _lowest_bit "__builtin_ctz" (unsigned int x) nogil
+
+
 cdef inline uint32_t _le32(const unsigned char* b) noexcept nogil:
     return b[0] | (<uint32_t> b[1] << 8) | (<uint32_t> b[2] << 16) | (<uint32_t> b[3] << 24)
 
@@ -1012,7 +1016,8 @@ cdef class Tables:
         cdef Py_ssize_t n = len(keys), num_blocks = 1, lone
         cdef uint64_t entry = 0
         cdef list out = []
-        cdef object matching, still
+        cdef object matching, still, shared
+        cdef bint several = False
         if n == 0 or not _get(&self._holders, keys[0], &entry):
             return out
         if entry & LONE:  # one holder: no bitmaps at all
@@ -1020,22 +1025,25 @@ cdef class Tables:
             matching = _ONE << lone
         else:
             matching = self._shared[<Py_ssize_t> (entry >> 1)]
-            while num_blocks < n and matching & (matching - 1):
-                if _get(&self._holders, keys[num_blocks], &entry):
-                    still = matching & (
-                        (_ONE << _holder(entry)) if entry & LONE
-                        else self._shared[<Py_ssize_t> (entry >> 1)]
-                    )
-                else:
+            several = (matching & (matching - 1)) != 0
+            while num_blocks < n and several:
+                if not _get(&self._holders, keys[num_blocks], &entry):
                     still = 0
-                if still != matching:
+                elif entry & LONE:
+                    still = matching & (_ONE << _holder(entry))
+                else:
+                    # A shared prefix's blocks have equal holders: a compare, no new int.
+                    shared = self._shared[<Py_ssize_t> (entry >> 1)]
+                    still = matching if shared == matching else matching & shared
+                if still is not matching and still != matching:
                     out.append((matching ^ still, num_blocks))
                     if not still:
                         return out
                     matching = still
+                    several = (matching & (matching - 1)) != 0
                 num_blocks += 1
             lone = matching.bit_length() - 1
-        if num_blocks < n and not matching & (matching - 1):
+        if num_blocks < n and not several:
             num_blocks = self._held_from(lone, keys, num_blocks)
         out.append((matching, num_blocks))
         return out
@@ -1065,6 +1073,34 @@ cdef class Tables:
                 tier += 1
             tiers.append(tier)
         return tiers
+
+    def split_holders(self, object bitmap, list index_of):
+        """``(indices, mixed)`` for the stream numbers of ``bitmap``: ``index_of[number]``
+        of each one holding blocks on GPU only, and the numbers of the others (some block
+        on another tier: their tiers are for the caller to read, :meth:`best_tiers`), both
+        ascending by number. One pass over the bitmap's bytes, no Python object made per
+        stream (``index_of`` must cover every number of ``bitmap``)."""
+        cdef list indices = [], mixed = []
+        if not bitmap:
+            return indices, mixed
+        cdef bytes raw = bitmap.to_bytes((bitmap.bit_length() + 7) // 8, "little")
+        cdef const unsigned char* data = <const unsigned char*> PyBytes_AS_STRING(raw)
+        cdef Py_ssize_t i, number, num_known = len(index_of)
+        cdef unsigned int byte
+        cdef Stream* s
+        for i in range(PyBytes_GET_SIZE(raw)):
+            byte = data[i]
+            while byte:
+                number = i * 8 + _lowest_bit(byte)
+                byte &= byte - 1
+                if number >= num_known or number >= self._num_streams:
+                    raise IndexError(f"stream number {number} has no index")
+                s = &self._streams[number]
+                if s.blocks_by_tier[1] or s.blocks_by_tier[2]:
+                    mixed.append(number)
+                else:
+                    indices.append(index_of[number])
+        return indices, mixed
 
     def nbytes(self):
         """Bytes the tables hold (slots allocated, not only those in use)."""

@@ -3,6 +3,7 @@
 from collections.abc import Callable
 
 from kvindex.api.load.model import CountedLoad
+from kvindex.indexer.index.protocol import PrefixMatch
 
 def set_bits(bitmap: int) -> list[int]: ...
 def load_penalties(
@@ -23,6 +24,21 @@ def best(
     draw: Callable[[], float],
     top_k: int | None,
 ) -> list[int]: ...
+def best_matches(
+    runs: list[tuple[PrefixMatch, list[int]]],
+    replica_of: list[str],
+    rank_of: list[int],
+    unique: bool,
+) -> tuple[dict[str, PrefixMatch], dict[str, int]]: ...
+def contenders(
+    runs: list[tuple[PrefixMatch, list[int]]],
+    position_of: list[int],
+    replica_of: list[str],
+    matches: dict[str, PrefixMatch],
+    penalties: list[float],
+    per_block: float,
+    threshold: float,
+) -> dict[str, PrefixMatch]: ...
 def json_token_ids(raw: object, max_length: int) -> bytes | None: ...
 def kth_smallest(values: list[float], k: int) -> float: ...
 def json_token_span(body: object, max_length: int) -> tuple[bytes, int, int] | None: ...

@@ -13,6 +13,9 @@ the extension is not built, and the tests hold the two to the same answers on ra
 * :func:`best` - ``kvindex.api.score._best``: one draw per candidate, then the indices of the
   best ``top_k`` in (score, load, draw, index) order;
 * :func:`kth_smallest` - ``sorted(values)[k - 1]`` without sorting the fleet;
+* :func:`best_matches` - ``kvindex.api.score._py_best_matches``: each replica's best match
+  over its streams, from the holders alone;
+* :func:`contenders` - ``kvindex.api.score._py_contenders``: the holders a bound keeps;
 * :func:`json_token_ids` - a ``/score`` body's ``token_ids`` array read into the u32 bytes the
   block keys hash (``kvindex.api.schemas.decode_score_request``; anything but a plain array
   of ints in [0, 2**32) is left to the full decode).
@@ -23,7 +26,7 @@ Nothing here keeps state or holds a lock; every input is checked as the referenc
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
-from cpython.dict cimport PyDict_GetItem
+from cpython.dict cimport PyDict_GetItem, PyDict_Next
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.object cimport PyObject
 from cpython.tuple cimport PyTuple_Check, PyTuple_GET_ITEM, PyTuple_GET_SIZE
@@ -259,6 +262,101 @@ def best(list minus_scores, list penalties, object draw, object top_k):
         return [rows[i].index for i in range(k)]
     finally:
         free(rows)
+
+
+cdef extern from "Python.h":
+    object _PyDict_NewPresized(Py_ssize_t minused)
+    PyObject* PyDict_GetItemWithError(object p, object key) except? NULL
+
+
+def best_matches(list runs, list replica_of, list rank_of, bint unique):
+    """``(matches, ranks)`` from the holders' ``runs`` (``(match, stream indices)`` pairs,
+    ``kvindex.indexer.index.protocol.HeldRuns``): per replica (``replica_of[i]``) the
+    longest match over its streams, a tie going to the lowest rank (``rank_of[i]``), and
+    that rank when it is not 0 (absent: 0); see ``kvindex.api.score._py_best_matches``.
+    ``unique``: no replica has two streams (nothing to compare: each holder is its
+    replica's best). ``matches`` is made at its final size (no regrowth per holder)."""
+    cdef Py_ssize_t i, num_blocks, most, rank, best_rank, total = 0
+    cdef Py_ssize_t n = PyList_GET_SIZE(replica_of)
+    cdef PyObject* known
+    cdef PyObject* found_rank
+    cdef object match, replica, at
+    cdef tuple run
+    if PyList_GET_SIZE(rank_of) != n:
+        raise ValueError("replica_of and rank_of differ in length")
+    for run in runs:
+        total += len(<list> run[1])
+    cdef dict matches = _PyDict_NewPresized(total), ranks = {}
+    for run in runs:
+        match = run[0]
+        num_blocks = len(match.tiers)
+        if num_blocks == 0:
+            continue
+        for at in <list> run[1]:
+            i = at
+            if i < 0 or i >= n:
+                raise IndexError("stream index out of range")
+            replica = <object> PyList_GET_ITEM(replica_of, i)
+            rank = <object> PyList_GET_ITEM(rank_of, i)
+            known = NULL if unique else PyDict_GetItemWithError(matches, replica)
+            if known is not NULL:
+                most = len((<object> known).tiers)
+                if num_blocks < most:
+                    continue
+                if num_blocks == most:
+                    found_rank = PyDict_GetItemWithError(ranks, replica)
+                    best_rank = 0 if found_rank is NULL else <object> found_rank
+                    if rank > best_rank:
+                        continue
+            matches[replica] = match
+            if rank:
+                ranks[replica] = rank
+            elif known is not NULL:
+                ranks.pop(replica, None)
+    return matches, ranks
+
+
+def contenders(
+    list runs,
+    list position_of,
+    list replica_of,
+    dict matches,
+    list penalties,
+    double per_block,
+    double threshold,
+):
+    """``{replica: matches[replica]}`` for each replica with a holder stream ``i`` of a run
+    (``(match, stream indices)``, a match of one block at least) such that
+    ``penalties[position_of[i]] - per_block * len(match.tiers) <= threshold`` (the same
+    IEEE operations as Python's); see ``kvindex.api.score._py_contenders``. Per holder two
+    list reads and a compare: no hashing but for the replicas kept."""
+    cdef dict out = {}
+    cdef Py_ssize_t i, at, n = PyList_GET_SIZE(position_of), num_penalties = PyList_GET_SIZE(penalties)
+    cdef double penalty, most
+    cdef object match, index, replica
+    cdef tuple run
+    if PyList_GET_SIZE(replica_of) != n:
+        raise ValueError("position_of and replica_of differ in length")
+    cdef Py_ssize_t num_blocks
+    for run in runs:
+        match = run[0]
+        num_blocks = len(match.tiers)
+        if num_blocks == 0:  # no match: none of its streams holds anything
+            continue
+        most = per_block * <double> num_blocks
+        for index in <list> run[1]:
+            i = index
+            if i < 0 or i >= n:
+                raise IndexError("stream index out of range")
+            at = <object> PyList_GET_ITEM(position_of, i)
+            if at < 0 or at >= num_penalties:
+                raise IndexError("position out of range")
+            penalty = <double> <object> PyList_GET_ITEM(penalties, at)
+            if penalty - most <= threshold:
+                replica = <object> PyList_GET_ITEM(replica_of, i)
+                if replica not in out:
+                    out[replica] = matches[replica]
+    return out
 
 
 cdef inline bint _space(unsigned char c) noexcept nogil:

@@ -26,6 +26,8 @@ from kvindex.indexer.index.protocol import (
     StoreIdentity,
     StreamStats,
     drop_replica,
+    holders_of,
+    prefix_holders,
 )
 from tests.contract.conftest import IndexFactory
 
@@ -481,6 +483,42 @@ def test_the_same_streams_twice_get_answers_of_their_own(index: BlockIndex) -> N
     assert index.longest_prefix([102], [S]) == {S: PrefixMatch((GPU,))}
 
 
+def test_prefix_holders_are_the_longest_prefix_less_the_streams_matching_nothing(
+    index: BlockIndex,
+) -> None:
+    # Shared, private and off-GPU prefixes, a stream holding only a later block, one never
+    # seen: the holders' answer is longest_prefix's without its NO_MATCH entries.
+    keys = list(range(3001, 3021))
+    streams = [StreamId(f"p{i:02d}", i % 3) for i in range(40)]
+    for i, stream in enumerate(streams):
+        held = keys[: i % 7] if i % 5 else keys[1:]
+        tier = CPU if i % 11 == 0 else GPU
+        index.apply(stream, 0, 1.0, [store(k, k, tier) for k in held])
+    asked = [*streams[::-1], StreamId("never", 0)]
+    found = index.longest_prefix(keys, asked)
+    holders = prefix_holders(index, keys, asked)
+    assert holders == {s: m for s, m in found.items() if m != NO_MATCH}
+    assert holders and len(holders) < len(asked)
+
+
+def test_holders_come_in_runs_of_one_match_by_index(index: BlockIndex) -> None:
+    seed(index, stream=S)
+    seed(index, stream=S_OTHER)
+    index.apply(S_RANK1, 0, 1.0, [store(1, 101, CPU)])
+    asked = [S_OTHER, StreamId("nobody"), S_RANK1, S]
+    runs = holders_of(index)([101, 102], asked)
+    indices = sorted(i for _, run in runs for i in run)
+    assert indices == [0, 2, 3]  # each holder once, the stream holding nothing left out
+    assert {asked[i]: match for match, run in runs for i in run} == {
+        S: PrefixMatch((GPU, GPU)),
+        S_OTHER: PrefixMatch((GPU, GPU)),
+        S_RANK1: PrefixMatch((CPU,)),
+    }
+    assert holders_of(index)([999, 101], asked) == []
+    assert holders_of(index)([], asked) == []
+    assert holders_of(index)([101], []) == []
+
+
 def test_longest_prefix_of_no_keys_is_empty_per_stream(index: BlockIndex) -> None:
     seed(index)
     assert index.longest_prefix([], [S, S_OTHER]) == {S: NO_MATCH, S_OTHER: NO_MATCH}
@@ -714,7 +752,9 @@ def _assert_same(index: BlockIndex, model: ReferenceIndex) -> None:
         assert index.stats(stream) == model.stats(stream)
         assert index.resolve(stream, ENGINE_HASHES) == model.resolve(stream, ENGINE_HASHES)
     for keys in QUERIES:
-        assert index.longest_prefix(keys, STREAMS) == model.longest_prefix(keys, STREAMS)
+        found = model.longest_prefix(keys, STREAMS)
+        assert index.longest_prefix(keys, STREAMS) == found
+        assert prefix_holders(index, keys, STREAMS) == {s: m for s, m in found.items() if m.tiers}
 
 
 @settings(

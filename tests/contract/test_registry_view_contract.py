@@ -127,6 +127,22 @@ def test_removing_a_replica_drops_its_streams(fleet: Fleet) -> None:
     assert fleet.writer.stream_ids() == []
 
 
+def test_the_streams_version_changes_when_specs_or_streams_do(fleet: Fleet) -> None:
+    before = fleet.view.streams_version()
+    fleet.view.add(R2)
+    assert fleet.view.replicas() == [R2]
+    added = fleet.view.streams_version()
+    assert added != before
+    fleet.sync()
+    fleet.writer.record(StreamId("r2", 1), StreamReport(connected=True))
+    fleet.sync()
+    assert fleet.view.stream_ids() == [StreamId("r2", 1)]
+    assert fleet.view.streams_version() != added
+    heard = fleet.view.streams_version()
+    fleet.view.remove("r2")
+    assert fleet.view.streams_version() != heard
+
+
 POLICY = HealthPolicy(unhealthy_threshold=1, verdict_ttl_s=30.0)
 
 

@@ -7,13 +7,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import kvindex
 from kvindex.api.block_sizes import BlockSizeCheck
-from kvindex.api.metrics import ApiMetrics
+from kvindex.api.metrics import ApiMetrics, TimedIndex
 from kvindex.api.settings import ApiSettings
-from kvindex.indexer.events import StreamId
+from kvindex.indexer.events import StreamId, Tier
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index.memory import MemoryIndex
+from kvindex.indexer.index.protocol import OpKind, PrefixMatch
 
 
 def samples(metrics: ApiMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -87,3 +88,13 @@ def test_block_size_mismatches_are_counted_per_model() -> None:
     found = samples(ApiMetrics(registry, MemoryIndex(), block_sizes=check))
     assert found[("kvindex_block_size_mismatch_streams", (("model", "m"),))] == 1
     assert found[("kvindex_block_size_mismatch_streams", (("model", "n"),))] == 0
+
+
+def test_the_timed_index_times_a_holders_lookup_and_answers_the_inner_holders() -> None:
+    index, registry = MemoryIndex(), Registry()
+    metrics = ApiMetrics(registry, index)
+    stream = StreamId("r1")
+    index.apply(stream, 0, 1.0, [(OpKind.STORE, Tier.GPU, 1, 101)])
+    timed = TimedIndex(index, metrics.lookup_latency)
+    assert timed.holders([101, 102], [StreamId("r0"), stream]) == [(PrefixMatch((Tier.GPU,)), [1])]
+    assert samples(metrics)[("kvindex_lookup_seconds_count", ())] == 1

@@ -168,6 +168,17 @@ def test_streams_follow_a_rank_heard_beyond_the_declared_ones(fleet: Fleet) -> N
     assert (c.rank, c.matched_blocks) == (2, 2)
 
 
+def test_ranks_matching_as_long_leave_the_replica_on_its_lowest(fleet: Fleet) -> None:
+    # The index answers its holders in any order: rank 1 seen first must not keep the tie.
+    ops: list[Op] = [(OpKind.STORE, Tier.CPU, i, k) for i, k in enumerate(KEYS[:3])]
+    fleet.index.apply(StreamId("a", 0), 1, NOW, ops)  # as long as rank 1's, on CPU
+    a = fleet.score()["a"]
+    assert (a.rank, a.matched_blocks, a.tiers["cpu"]) == (0, 3, 2)  # its first on GPU too
+    fleet.index.apply(StreamId("a", 1), 1, NOW, [(OpKind.STORE, Tier.GPU, 3, KEYS[3])])
+    assert (fleet.score()["a"].rank, fleet.score()["a"].matched_blocks) == (1, 4)
+    assert fleet.answer().num_matched == 2
+
+
 def test_streams_follow_a_spec_whose_ranks_change(fleet: Fleet) -> None:
     fleet.index.apply(StreamId("b", 1), 0, NOW, [(OpKind.STORE, Tier.GPU, 9, KEYS[0])])
     assert fleet.score()["b"].rank == 0

@@ -226,6 +226,8 @@ def test_the_python_loops_answer_as_the_compiled_ones(seed: int) -> None:
             (score_module, "_compiled_best"),
             (score_module, "_compiled_kth"),
             (policies_module, "_compiled_penalties"),
+            (score_module, "_compiled_matches"),
+            (score_module, "_compiled_contenders"),
             (memory_module, "_set_bits"),
         ):
             stack.enter_context(patch.object(module, name, None))
@@ -252,9 +254,11 @@ def test_the_lean_path_draws_what_the_plain_one_draws(seed: int) -> None:
     assert answer(scorer, 2, dry_run=True).best == reference(fleet, 2, rng).best
 
 
-def test_an_idle_fleet_ties_everywhere_and_the_draws_decide() -> None:
-    """Every replica idle and unmatched: scores and loads tie, the draws order them."""
-    specs = tuple(ReplicaSpec(f"r{i}", MODEL) for i in range(50))
+@pytest.mark.parametrize("num_replicas", [50, 300, 1_500])
+def test_an_idle_fleet_ties_everywhere_and_the_draws_decide(num_replicas: int) -> None:
+    """Every replica idle and unmatched: scores and loads tie, the draws order them; a real
+    answer moves the generator by one draw per candidate."""
+    specs = tuple(ReplicaSpec(f"r{i}", MODEL) for i in range(num_replicas))
     registry = Registry(specs, clock=lambda: NOW)
     loads = MemoryLoadStore()
     for spec in specs:
@@ -275,3 +279,5 @@ def test_an_idle_fleet_ties_everywhere_and_the_draws_decide() -> None:
     draw = dict(zip(ids, [rng.random() for _ in ids], strict=True))
     assert [e.replica for e in got.scores] == sorted(ids, key=draw.__getitem__)[:5]
     assert {e.score for e in got.scores} == {0.0}
+    answer(scorer, 5)  # a real answer: the scorer's generator moves as the reference's
+    assert scorer._rng.getstate() == rng.getstate()

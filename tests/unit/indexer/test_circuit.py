@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from kvindex.indexer.circuit import CircuitIndex, StoreCircuit, StoreSkippedError
-from kvindex.indexer.events import StreamId
+from kvindex.indexer.events import StreamId, Tier
 from kvindex.indexer.index.memory import MemoryIndex
-from kvindex.indexer.index.protocol import IndexUnavailableError
+from kvindex.indexer.index.protocol import IndexUnavailableError, OpKind, PrefixMatch
 from tests.support.clock import Clock
 
 COOLDOWN_S = 0.5
@@ -133,3 +133,16 @@ def test_the_index_wrapper_asks_whether_the_store_kept_its_data_through_the_circ
         index.streams()  # opens the circuit
     with pytest.raises(StoreSkippedError):
         index.intact()  # the write path's once-a-second look does not wait on it either
+
+
+def test_the_index_wrapper_passes_a_holders_lookup_through_the_circuit(
+    circuit: StoreCircuit,
+) -> None:
+    inner = DownIndex()
+    inner.apply(StreamId("r1"), 0, 1.0, [(OpKind.STORE, Tier.GPU, 1, 101)])
+    index = CircuitIndex(inner, circuit)
+    assert index.holders([101], [StreamId("r1")]) == [(PrefixMatch((Tier.GPU,)), [0])]
+    with pytest.raises(IndexUnavailableError):
+        index.streams()  # opens the circuit
+    with pytest.raises(StoreSkippedError):
+        index.holders([101], [StreamId("r1")])

@@ -86,3 +86,27 @@ def test_the_block_size_follows_streams_specs_and_sizes_though_remembered() -> N
     assert (registry.block_size("m"), registry.block_size("other")) == (None, 64)
     registry.add(ReplicaSpec("a", "m"))  # the replica changes model
     assert (registry.block_size("m"), registry.block_size("other")) == (64, None)
+
+
+def test_the_streams_version_moves_with_the_specs_and_the_streams_heard_of() -> None:
+    registry = Registry((ReplicaSpec("a", "m", dp_size=2),))
+    seen = [registry.streams_version()]
+
+    def moved() -> bool:
+        seen.append(registry.streams_version())
+        return seen[-1] != seen[-2]
+
+    registry.record(A0, StreamReport(last_seq=1))
+    assert moved()  # a new stream
+    registry.record(A0, StreamReport(last_seq=2))
+    assert not moved()  # the same streams: what the scorer made of them holds
+    registry.add(ReplicaSpec("b", "m"))
+    assert moved()
+    registry.add(ReplicaSpec("b", "m"))
+    assert not moved()  # the same spec
+    registry.forget(A0)
+    assert moved()
+    registry.forget(A0)
+    assert not moved()
+    registry.remove("b")
+    assert moved()

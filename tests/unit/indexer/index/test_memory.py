@@ -2,7 +2,8 @@
 the rest). ``longest_prefix`` reads no counts while a stream holds blocks on GPU only; these tests
 move streams in and out of that case and check the answer never changes. A lookup walks the
 block → holders map, not the streams: tests count its reads and check that it forgets what no
-stream holds."""
+stream holds. ``holders`` answers the holders alone, by index in the streams asked, in runs
+of one match."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 from kvindex.indexer.events import StreamId, Tier
 from kvindex.indexer.index.memory import MemoryIndex, PyTables
-from kvindex.indexer.index.protocol import NO_MATCH, Op, OpKind, PrefixMatch
+from kvindex.indexer.index.protocol import NO_MATCH, HolderLookup, Op, OpKind, PrefixMatch
 
 S = StreamId("r1")
 GPU, CPU, OTHER = Tier.GPU, Tier.CPU, Tier.OTHER
@@ -127,3 +128,40 @@ def test_stream_numbers_are_reused_after_drops() -> None:
         assert _python(index).holders[101] == (1 << 50) - 1  # numbers 0..49, whatever the round
         for stream in streams:
             index.drop(stream)
+
+
+def test_holders_answer_the_holders_alone_in_runs_of_one_match() -> None:
+    for compiled in (True, False):
+        index = MemoryIndex(compiled=compiled)
+        assert isinstance(index, HolderLookup)
+        streams = [StreamId(f"r{i}") for i in range(300)]
+        for i, stream in enumerate(streams):  # every 3rd holds 2 blocks, one of them on CPU
+            ops = [store(1, 10_000 + i)]
+            if i % 3 == 0:
+                ops += [store(2, 101), store(3, 102, CPU if i == 150 else GPU)]
+            index.apply(stream, 0, 1.0, ops)
+        asked = tuple(streams[::-1])
+        runs = index.holders(KEYS, asked)
+        on_gpu = PrefixMatch((GPU, GPU))
+        assert [(m, sorted(asked[i] for i in run)) for m, run in runs] == [
+            (on_gpu, sorted(s for i, s in enumerate(streams) if i % 3 == 0 and i != 150)),
+            (PrefixMatch((GPU, CPU)), [streams[150]]),
+        ]
+        assert runs[0][0] is not NO_MATCH and len(runs[0][1]) == 99  # one answer shared
+        assert index.holders([999, *KEYS], asked) == []
+        assert index.holders(KEYS, asked[:1]) == []  # r299 holds nothing of the prompt
+        found = index.longest_prefix(KEYS, asked)
+        assert {asked[i]: m for m, run in runs for i in run} == {
+            s: m for s, m in found.items() if m.tiers
+        }
+
+
+def test_holders_read_the_matched_prefix_not_the_streams() -> None:
+    index = MemoryIndex(compiled=False)
+    holders = _counting(index)
+    streams = [StreamId(f"r{i}") for i in range(500)]
+    for i, stream in enumerate(streams):
+        index.apply(stream, 0, 1.0, [store(1, 10_000 + i)] + ([store(2, 101)] if i == 7 else []))
+    holders.num_gets = 0
+    assert index.holders(KEYS, streams) == [(PrefixMatch((GPU,)), [7])]
+    assert holders.num_gets == 1  # 101 alone: one holder, its own map walks on

@@ -108,6 +108,7 @@ def _run(index: MemoryIndex, steps: list[Step]) -> list[object]:
     for start in range(13):
         keys = [(start + i) % 13 for i in range(6)]
         seen.append(index.longest_prefix(keys, STREAMS))
+        seen.append(index.holders(keys, STREAMS))  # the same runs, in the same order
     return seen
 
 

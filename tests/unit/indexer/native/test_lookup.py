@@ -4,8 +4,9 @@ The install builds the extension (setup.py), so these tests require it, as ``tes
 does. Random inputs (hypothesis) judge agreement, bit for bit where floats are returned: the
 set bits of wide bitmaps, the load penalty of random fleets (missing loads, loads from the
 future, requests in flight, a zero half-life, integer weights), and the best ``top_k`` of
-random scores with ties on every key, the random generator left in the same state, and the
-k-th smallest of random scores.
+random scores with ties on every key, the random generator left in the same state, the
+k-th smallest of random scores, and each replica's best match and the contenders from random
+holders' runs (data-parallel ranks, ties in length, matches of no block).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from hypothesis import strategies as st
 from kvindex.api import policies, score
 from kvindex.api.load.model import CountedLoad, InFlight, Load
 from kvindex.api.policies import Weights
+from kvindex.indexer.events import Tier
 from kvindex.indexer.index import memory
+from kvindex.indexer.index.protocol import HeldRuns, PrefixMatch
 from kvindex.indexer.native import _lookup
 
 NOW = 1_000_000.0
@@ -180,3 +183,78 @@ def test_json_token_span_leaves_other_bodies_alone() -> None:
         b'{"model": "m"}',
     ):
         assert _lookup.json_token_span(body, 2) is None
+
+
+@st.composite
+def _held(draw: st.DrawFn) -> tuple[HeldRuns, list[str], list[int]]:
+    """Random holders' runs over streams of a few replicas (some with several ranks), each
+    stream in one run at most, with matches of 0 to 4 blocks on random tiers."""
+    num_streams = draw(st.integers(0, 30))
+    replica_of = [f"r{draw(st.integers(0, 9))}" for _ in range(num_streams)]
+    rank_of = [draw(st.integers(0, 3)) for _ in range(num_streams)]
+    indices = draw(st.permutations(list(range(num_streams))))
+    runs: HeldRuns = []
+    while indices:
+        size = draw(st.integers(1, len(indices)))
+        tiers = draw(st.lists(st.sampled_from(list(Tier)), max_size=4))
+        runs.append((PrefixMatch(tuple(tiers)), list(indices[:size])))
+        indices = indices[size:]
+    return runs, replica_of, rank_of
+
+
+@settings(max_examples=300)
+@given(_held())
+def test_best_matches_compiled_equal_python(held: tuple[HeldRuns, list[str], list[int]]) -> None:
+    runs, replica_of, rank_of = held
+    unique = len(set(replica_of)) == len(replica_of)
+    compiled = _lookup.best_matches(runs, replica_of, rank_of, unique)
+    assert compiled == score._py_best_matches(runs, replica_of, rank_of, unique)
+    matches, ranks = compiled
+    for replica, match in matches.items():  # the longest over its streams, then lowest rank
+        mine = [(m, rank_of[i]) for m, run in runs for i in run if replica_of[i] == replica]
+        longest = max(len(m.tiers) for m, _ in mine)
+        rank = min(r for m, r in mine if len(m.tiers) == longest)
+        assert (len(match.tiers), ranks.get(replica, 0)) == (longest, rank)
+        assert 0 not in ranks.values()
+    assert all(any(m.tiers for m, _ in runs) for _ in matches)
+
+
+@settings(max_examples=300)
+@given(_held(), st.lists(_SCORE, min_size=10, max_size=10), _SCORE, st.floats(0, 0.5))
+def test_contenders_compiled_equal_python(
+    held: tuple[HeldRuns, list[str], list[int]],
+    penalties: list[float],
+    threshold: float,
+    per_block: float,
+) -> None:
+    runs, replica_of, rank_of = held
+    matches, _ = score._py_best_matches(runs, replica_of, rank_of, False)
+    position_of = [int(r[1:]) for r in replica_of]
+    compiled = _lookup.contenders(
+        runs, position_of, replica_of, matches, penalties, per_block, threshold
+    )
+    assert compiled == score._py_contenders(
+        runs,
+        position_of,
+        replica_of,
+        matches=matches,
+        penalties=penalties,
+        per_block=per_block,
+        threshold=threshold,
+    )
+    expected = {  # the bound on each replica's best match, as the scorer first wrote it
+        r: m
+        for r, m in matches.items()
+        if penalties[int(r[1:])] - per_block * len(m.tiers) <= threshold
+    }
+    assert compiled == expected
+
+
+def test_best_matches_and_contenders_check_their_indices() -> None:
+    runs: HeldRuns = [(PrefixMatch((Tier.GPU,)), [3])]
+    with pytest.raises(IndexError):
+        _lookup.best_matches(runs, ["a"], [0], True)
+    with pytest.raises(ValueError, match="differ in length"):
+        _lookup.best_matches(runs, ["a"], [], True)
+    with pytest.raises(IndexError):
+        _lookup.contenders(runs, [0], ["a"], {}, [0.0], 0.1, 0.0)
