@@ -420,10 +420,13 @@ cdef void _place(Table* t, Entry entry) noexcept nogil:
 cdef int _resize(Table* t, Py_ssize_t capacity) except -1 nogil:
     """Move every entry to a new array of ``capacity`` slots. The old one is read from an
     empty slot on, so entries come in the order of their homes (Robin Hood runs are sorted
-    by home, and homes keep their order at any capacity): each lands just after the one
-    before it, in memory already in cache, rather than at a random place."""
+    by home, and homes keep their order at any capacity): each goes to its home or just
+    after the one placed before it, without a walk of its run. An entry out of that order
+    (two old homes that were one and now differ the other way, or the homes wrapping past
+    the end) is inserted by :func:`_place`."""
     cdef Entry* old = t.slots
-    cdef Py_ssize_t old_capacity = t.capacity, start = 0, n, i
+    cdef Py_ssize_t old_capacity = t.capacity, start = 0, n, i, home, pos
+    cdef Py_ssize_t last = -1, last_home = 0  # where the last entry in order went, its home
     cdef Entry* slots = <Entry*> PyMem_RawMalloc(capacity * sizeof(Entry))
     if slots == NULL:
         with gil:
@@ -437,8 +440,17 @@ cdef int _resize(Table* t, Py_ssize_t capacity) except -1 nogil:
         i = start + n
         if i >= old_capacity:
             i -= old_capacity
-        if old[i].key != 0:
-            _place(t, old[i])
+        if old[i].key == 0:
+            continue
+        home = _home(t, old[i].key)
+        pos = home if home > last else last + 1
+        if home >= last_home and pos < capacity and slots[pos].key == 0:
+            slots[pos] = old[i]  # [home, pos) is full: its entries' homes are <= home
+            last, last_home = pos, home
+            continue
+        _place(t, old[i])
+        while last + 1 < capacity and slots[last + 1].key != 0:  # the run may have grown
+            last += 1
     PyMem_RawFree(old)
     return 0
 
