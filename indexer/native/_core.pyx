@@ -473,6 +473,15 @@ cdef uint64_t* _value_of(Table* t, uint64_t key) noexcept nogil:
     i = _find(t, key)
     return NULL if i < 0 else &t.slots[i].value
 
+cdef inline bint _full(const Table* t) noexcept nogil:
+    """Whether one more entry would take the load factor past 0.9."""
+    return (t.size + 1) * 10 > t.capacity * 9
+
+cdef int _grow(Table* t) except -1 nogil:
+    if t.capacity < DOUBLING_BELOW:
+        return _resize(t, max(2 * t.capacity, MIN_CAPACITY))
+    return _resize(t, t.capacity + t.capacity // 4)
+
 cdef int _insert(Table* t, uint64_t key, uint64_t value) except -1 nogil:
     """Insert ``key``, known to be absent (one probe less than :func:`_put`)."""
     cdef Entry entry
@@ -480,16 +489,53 @@ cdef int _insert(Table* t, uint64_t key, uint64_t value) except -1 nogil:
         t.has_zero = True
         t.zero_value = value
         return 0
-    if (t.size + 1) * 10 > t.capacity * 9:  # load factor at most 0.9
-        if t.capacity < DOUBLING_BELOW:
-            _resize(t, max(2 * t.capacity, MIN_CAPACITY))
-        else:
-            _resize(t, t.capacity + t.capacity // 4)
+    if _full(t):
+        _grow(t)
     entry.key = key
     entry.value = value
     _place(t, entry)
     t.size += 1
     return 0
+
+cdef uint64_t* _slot_for(Table* t, uint64_t key, bint* added) except NULL nogil:
+    """Where ``key``'s value is kept, ``key`` inserted (its value 0, ``added`` set) if it
+    was absent: one walk of its run, where a miss and then :func:`_insert` make two (the
+    miss stops where the key belongs). Valid until the next insertion."""
+    cdef Py_ssize_t i = 0, d = 0, j, k
+    cdef uint64_t found
+    if key == 0:
+        added[0] = not t.has_zero
+        if added[0]:
+            t.has_zero = True
+            t.zero_value = 0
+        return &t.zero_value
+    if t.capacity:
+        i = _home(t, key)
+        while True:
+            found = t.slots[i].key
+            if found == key:
+                added[0] = False
+                return &t.slots[i].value
+            if found == 0 or _distance(t, found, i) < d:
+                break
+            i = _next(t, i)
+            d += 1
+    added[0] = True
+    if _full(t):  # the slot found moves: insert anew (rare)
+        _grow(t)
+        _insert(t, key, 0)
+        return &t.slots[_find(t, key)].value
+    j = i
+    while t.slots[j].key != 0:
+        j = _next(t, j)
+    while j != i:  # the run [i, j) moves up one slot, from its end
+        k = j - 1 if j > 0 else t.capacity - 1
+        t.slots[j] = t.slots[k]
+        j = k
+    t.slots[i].key = key
+    t.slots[i].value = 0
+    t.size += 1
+    return &t.slots[i].value
 
 cdef int _put(Table* t, uint64_t key, uint64_t value) except -1 nogil:
     """Insert or overwrite."""
@@ -1076,22 +1122,23 @@ cdef class Tables:
         block not held, :data:`UNRESOLVED_STORE` for a store by an unknown hash, else 0."""
         cdef uint64_t previous, counts
         cdef uint64_t* mapped
+        cdef bint added
         if kind == OP_REMOVE:
             return 0 if self._remove(s, number, engine_hash, tier) else UNKNOWN_REMOVAL
         if kind == OP_STORE:
-            mapped = _value_of(&s.hash_to_key, engine_hash)
-            if mapped == NULL:
-                _insert(&s.hash_to_key, engine_hash, key)
+            mapped = _slot_for(&s.hash_to_key, engine_hash, &added)
+            if added:
+                mapped[0] = key
             elif mapped[0] != key:
                 previous = mapped[0]
                 mapped[0] = key
                 self._unlink(s, number, previous)  # it does not touch ``hash_to_key``
-            if _value_of(&self._holders, key) == NULL:
+            mapped = _slot_for(&self._holders, key, &added)
+            if added:
                 # Held by no stream (the common new block): this one holds it alone,
                 # its one count folded into the entry, as _join would do in 3 probes.
                 s.blocks_by_tier[tier] += 1
-                counts = (<uint64_t> 1) << (LANE_BITS * tier)
-                _insert(&self._holders, key, _folded(number, counts))
+                mapped[0] = _folded(number, (<uint64_t> 1) << (LANE_BITS * tier))
                 return 0
         elif kind == OP_STORE_BY_HASH:
             if not _get(&s.hash_to_key, engine_hash, &key):
