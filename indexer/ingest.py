@@ -53,11 +53,20 @@ stores, the last store's block size (-1: none)."""
 
 
 class KeyCache(Protocol):
-    """The per-stream engine hash → key cache, as the compiled ingest path reads it."""
+    """A stream's engine hash → key cache: :class:`_KeyCache`, or the compiled
+    ``native.KeyCache`` (the same generations in compiled tables, which the compiled
+    ingest path reads without the GIL) when the core is built."""
 
-    capacity: int
-    young: dict[int, int]
-    old: dict[int, int]
+    @property
+    def capacity(self) -> int: ...
+
+    def get(self, engine_hash: int) -> int | None:
+        """The key cached for ``engine_hash``, or None."""
+
+    def put(self, engine_hash: int, key: int) -> None: ...
+
+    def age(self) -> None:
+        """Start a new generation if the young one is full (after each batch)."""
 
 
 class NativeIngest(Protocol):
@@ -102,6 +111,9 @@ class _KeyCache:
                 self.young[engine_hash] = key
         return key
 
+    def put(self, engine_hash: int, key: int) -> None:
+        self.young[engine_hash] = key
+
     def age(self) -> None:
         """Start a new generation if the young one is full."""
         if len(self.young) >= self.capacity // 2:
@@ -115,7 +127,7 @@ class _Context:
 
     stream: StreamId
     model: str
-    cache: _KeyCache
+    cache: KeyCache
     ops: list[Op]
     report: StreamReport
 
@@ -143,7 +155,7 @@ class Ingestor:
     def __init__(self, index: BlockIndex, *, cache_size: int = 1 << 16) -> None:
         self._index = index
         self._cache_size = cache_size
-        self._caches: dict[StreamId, _KeyCache] = {}
+        self._caches: dict[StreamId, KeyCache] = {}
         self._roots: dict[str, int] = {}
         self._pending: _Pending | None = None
         native_index: NativeIngest = index  # type: ignore[assignment]  # checked next
@@ -225,10 +237,11 @@ class Ingestor:
         if block_size >= 0:
             report.block_size = block_size
 
-    def _cache(self, stream: StreamId) -> _KeyCache:
+    def _cache(self, stream: StreamId) -> KeyCache:
         cache = self._caches.get(stream)
         if cache is None:
-            cache = self._caches[stream] = _KeyCache(self._cache_size)
+            new = _KeyCache if native.KeyCache is None else native.KeyCache
+            cache = self._caches[stream] = new(self._cache_size)
         return cache
 
     def _root(self, model: str) -> int:
@@ -303,17 +316,19 @@ class Ingestor:
         report.block_size = block_size
         parent = self._parent_key(event.parent_hash, context)
         tier = event.tier
-        mapping = context.cache.young
-        if extras is None and native.store_chain is not None:  # compiled: keys, ops, cache
+        cache = context.cache
+        if extras is None and native.store_chain is not None and type(cache) is native.KeyCache:
+            # compiled: keys, ops and the compiled cache's mappings in one call
             num_blocks = native.store_chain(
-                ops, mapping, _STORE, tier, hashes, parent, token_bytes, block_size
+                ops, cache, _STORE, tier, hashes, parent, token_bytes, block_size
             )
             report.num_blocks_stored += num_blocks
             return
         keys = chain_keys(parent, token_bytes, block_size, extras)
+        put = cache.put
         for engine_hash, key in zip(hashes, keys, strict=True):
             ops.append((_STORE, tier, engine_hash, key))
-            mapping[engine_hash] = key
+            put(engine_hash, key)
         report.num_blocks_stored += len(keys)
 
     def _parent_key(self, parent_hash: int | None, context: _Context) -> int:
@@ -325,7 +340,7 @@ class Ingestor:
         self._flush()  # the parent may be in a batch not yet sent to the index
         key = self._index.resolve(context.stream, [parent_hash])[0]
         if key is not None:
-            context.cache.young[parent_hash] = key
+            context.cache.put(parent_hash, key)
             return key
         context.report.num_orphan_stores += 1
         return orphan_root(parent_hash)

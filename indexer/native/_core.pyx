@@ -14,7 +14,9 @@ stream's table, its key in the index-wide one), where Python dicts of ints cost 
 """
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
-from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from cpython.mem cimport (
+    PyMem_Free, PyMem_Malloc, PyMem_RawFree, PyMem_RawMalloc, PyMem_RawRealloc, PyMem_Realloc,
+)
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy, memset, strlen
 
@@ -25,6 +27,16 @@ cdef extern from *:
 
     /* A key's home slot in a table of any capacity: the high bits of a 128-bit product
        (keys are mixed first: engine hashes in tests are small ints). */
+    /* A u32 stored little-endian (one store on a little-endian host). */
+    static inline void kv_store_le32(unsigned char* out, uint32_t value) {
+    #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        memcpy(out, &value, 4);
+    #else
+        out[0] = value & 0xFF; out[1] = (value >> 8) & 0xFF;
+        out[2] = (value >> 16) & 0xFF; out[3] = (value >> 24) & 0xFF;
+    #endif
+    }
+
     static inline Py_ssize_t kv_home(uint64_t key, uint64_t capacity) {
         uint64_t mixed = key * 0x9E3779B97F4A7C15ULL;
         return (Py_ssize_t)(((unsigned __int128)(mixed ^ (mixed >> 29)) * capacity) >> 64);
@@ -32,6 +44,7 @@ cdef extern from *:
     """
     uint64_t XXH3_64bits(const void* data, size_t length) nogil
     Py_ssize_t kv_home(uint64_t key, uint64_t capacity) nogil
+    void kv_store_le32(unsigned char* out, uint32_t value) nogil
 
 cdef extern from "Python.h":
     ctypedef struct PyObject
@@ -296,11 +309,11 @@ def unsigned_hashes(values):
     return tuple(<list> values)
 
 
-def store_chain(list ops, dict key_of_hash, object kind, object tier, engine_hashes,
+def store_chain(list ops, KeyCache cache, object kind, object tier, engine_hashes,
                 uint64_t parent, bytes token_bytes, Py_ssize_t block_size):
     """The store ops of one event, with the keys :func:`chain` gives: for each full block
     and its engine hash, ``(kind, tier, engine_hash, key)`` goes to ``ops`` and
-    ``key_of_hash[engine_hash] = key``. There must be one engine hash per full block
+    ``cache.put(engine_hash, key)``. There must be one engine hash per full block
     (ValueError). Returns the number of blocks."""
     if block_size <= 0:
         raise ValueError(f"block size must be positive, got {block_size}")
@@ -326,7 +339,7 @@ def store_chain(list ops, dict key_of_hash, object kind, object tier, engine_has
             key = parent
             engine_hash = <object> hashes[i]
             ops.append((kind, tier, engine_hash, key))
-            key_of_hash[engine_hash] = key
+            _put(&cache._young, PyLong_AsUnsignedLongLong(engine_hash), parent)
     finally:
         PyMem_Free(buf)
     return num_blocks
@@ -357,19 +370,19 @@ cdef enum:
     MIN_CAPACITY = 16
     DOUBLING_BELOW = 4096  # small tables double; large ones grow by a quarter
 
-cdef inline Py_ssize_t _home(const Table* t, uint64_t key) nogil:
+cdef inline Py_ssize_t _home(const Table* t, uint64_t key) noexcept nogil:
     return kv_home(key, <uint64_t> t.capacity)
 
-cdef inline Py_ssize_t _next(const Table* t, Py_ssize_t i) nogil:
+cdef inline Py_ssize_t _next(const Table* t, Py_ssize_t i) noexcept nogil:
     i += 1
     return 0 if i == t.capacity else i
 
-cdef inline Py_ssize_t _distance(const Table* t, uint64_t key, Py_ssize_t i) nogil:
+cdef inline Py_ssize_t _distance(const Table* t, uint64_t key, Py_ssize_t i) noexcept nogil:
     """How far slot ``i`` is past ``key``'s home slot (cyclically)."""
     cdef Py_ssize_t home = _home(t, key)
     return i - home if i >= home else i + t.capacity - home
 
-cdef Py_ssize_t _find(const Table* t, uint64_t key) nogil:
+cdef Py_ssize_t _find(const Table* t, uint64_t key) noexcept nogil:
     """The slot holding ``key`` (not 0), or -1. Robin Hood order: a slot whose entry is
     nearer its home than ``key`` would be here means ``key`` is absent (no full scan of
     the cluster, which at 90 % load is long)."""
@@ -386,7 +399,7 @@ cdef Py_ssize_t _find(const Table* t, uint64_t key) nogil:
         i = _next(t, i)
         d += 1
 
-cdef bint _get(const Table* t, uint64_t key, uint64_t* value) nogil:
+cdef bint _get(const Table* t, uint64_t key, uint64_t* value) noexcept nogil:
     cdef Py_ssize_t i
     if key == 0:
         value[0] = t.zero_value
@@ -415,16 +428,20 @@ cdef void _place(Table* t, Entry entry) noexcept nogil:
         j = k
     t.slots[i] = entry
 
-cdef int _resize(Table* t, Py_ssize_t capacity) except -1:
+cdef int _resize(Table* t, Py_ssize_t capacity) except -1 nogil:
     """Move every entry to a new array of ``capacity`` slots. The old one is read from an
     empty slot on, so entries come in the order of their homes (Robin Hood runs are sorted
-    by home, and homes keep their order at any capacity): each lands just after the one
-    before it, in memory already in cache, rather than at a random place."""
+    by home, and homes keep their order at any capacity): each goes to its home or just
+    after the one placed before it, without a walk of its run. An entry out of that order
+    (two old homes that were one and now differ the other way, or the homes wrapping past
+    the end) is inserted by :func:`_place`."""
     cdef Entry* old = t.slots
-    cdef Py_ssize_t old_capacity = t.capacity, start = 0, n, i
-    cdef Entry* slots = <Entry*> PyMem_Malloc(capacity * sizeof(Entry))
+    cdef Py_ssize_t old_capacity = t.capacity, start = 0, n, i, home, pos
+    cdef Py_ssize_t last = -1, last_home = 0  # where the last entry in order went, its home
+    cdef Entry* slots = <Entry*> PyMem_RawMalloc(capacity * sizeof(Entry))
     if slots == NULL:
-        raise MemoryError()
+        with gil:
+            raise MemoryError()
     memset(slots, 0, capacity * sizeof(Entry))
     t.slots = slots
     t.capacity = capacity
@@ -434,9 +451,18 @@ cdef int _resize(Table* t, Py_ssize_t capacity) except -1:
         i = start + n
         if i >= old_capacity:
             i -= old_capacity
-        if old[i].key != 0:
-            _place(t, old[i])
-    PyMem_Free(old)
+        if old[i].key == 0:
+            continue
+        home = _home(t, old[i].key)
+        pos = home if home > last else last + 1
+        if home >= last_home and pos < capacity and slots[pos].key == 0:
+            slots[pos] = old[i]  # [home, pos) is full: its entries' homes are <= home
+            last, last_home = pos, home
+            continue
+        _place(t, old[i])
+        while last + 1 < capacity and slots[last + 1].key != 0:  # the run may have grown
+            last += 1
+    PyMem_RawFree(old)
     return 0
 
 cdef uint64_t* _value_of(Table* t, uint64_t key) noexcept nogil:
@@ -447,25 +473,71 @@ cdef uint64_t* _value_of(Table* t, uint64_t key) noexcept nogil:
     i = _find(t, key)
     return NULL if i < 0 else &t.slots[i].value
 
-cdef int _insert(Table* t, uint64_t key, uint64_t value) except -1:
+cdef inline bint _full(const Table* t) noexcept nogil:
+    """Whether one more entry would take the load factor past 0.9."""
+    return (t.size + 1) * 10 > t.capacity * 9
+
+cdef int _grow(Table* t) except -1 nogil:
+    if t.capacity < DOUBLING_BELOW:
+        return _resize(t, max(2 * t.capacity, MIN_CAPACITY))
+    return _resize(t, t.capacity + t.capacity // 4)
+
+cdef int _insert(Table* t, uint64_t key, uint64_t value) except -1 nogil:
     """Insert ``key``, known to be absent (one probe less than :func:`_put`)."""
     cdef Entry entry
     if key == 0:
         t.has_zero = True
         t.zero_value = value
         return 0
-    if (t.size + 1) * 10 > t.capacity * 9:  # load factor at most 0.9
-        if t.capacity < DOUBLING_BELOW:
-            _resize(t, max(2 * t.capacity, MIN_CAPACITY))
-        else:
-            _resize(t, t.capacity + t.capacity // 4)
+    if _full(t):
+        _grow(t)
     entry.key = key
     entry.value = value
     _place(t, entry)
     t.size += 1
     return 0
 
-cdef int _put(Table* t, uint64_t key, uint64_t value) except -1:
+cdef uint64_t* _slot_for(Table* t, uint64_t key, bint* added) except NULL nogil:
+    """Where ``key``'s value is kept, ``key`` inserted (its value 0, ``added`` set) if it
+    was absent: one walk of its run, where a miss and then :func:`_insert` make two (the
+    miss stops where the key belongs). Valid until the next insertion."""
+    cdef Py_ssize_t i = 0, d = 0, j, k
+    cdef uint64_t found
+    if key == 0:
+        added[0] = not t.has_zero
+        if added[0]:
+            t.has_zero = True
+            t.zero_value = 0
+        return &t.zero_value
+    if t.capacity:
+        i = _home(t, key)
+        while True:
+            found = t.slots[i].key
+            if found == key:
+                added[0] = False
+                return &t.slots[i].value
+            if found == 0 or _distance(t, found, i) < d:
+                break
+            i = _next(t, i)
+            d += 1
+    added[0] = True
+    if _full(t):  # the slot found moves: insert anew (rare)
+        _grow(t)
+        _insert(t, key, 0)
+        return &t.slots[_find(t, key)].value
+    j = i
+    while t.slots[j].key != 0:
+        j = _next(t, j)
+    while j != i:  # the run [i, j) moves up one slot, from its end
+        k = j - 1 if j > 0 else t.capacity - 1
+        t.slots[j] = t.slots[k]
+        j = k
+    t.slots[i].key = key
+    t.slots[i].value = 0
+    t.size += 1
+    return &t.slots[i].value
+
+cdef int _put(Table* t, uint64_t key, uint64_t value) except -1 nogil:
     """Insert or overwrite."""
     cdef Py_ssize_t i
     if key == 0:
@@ -478,7 +550,7 @@ cdef int _put(Table* t, uint64_t key, uint64_t value) except -1:
         return 0
     return _insert(t, key, value)
 
-cdef bint _delete(Table* t, uint64_t key) nogil:
+cdef bint _delete(Table* t, uint64_t key) noexcept nogil:
     """Remove ``key``; False if it was not there. The entries after it shift back one
     slot, up to the first that is at its home (or an empty slot)."""
     cdef Py_ssize_t i, j
@@ -503,12 +575,94 @@ cdef bint _delete(Table* t, uint64_t key) nogil:
     t.size -= 1
     return True
 
-cdef void _free(Table* t) noexcept:
-    PyMem_Free(t.slots)
+cdef void _free(Table* t) noexcept nogil:
+    PyMem_RawFree(t.slots)
     memset(t, 0, sizeof(Table))
 
-cdef Py_ssize_t _nbytes(const Table* t) nogil:
+cdef void _clear(Table* t) noexcept nogil:
+    """Empty the table, keeping its slots (a cache generation refilled at about its size)."""
+    if t.capacity:
+        memset(t.slots, 0, t.capacity * sizeof(Entry))
+    t.size = 0
+    t.has_zero = False
+
+cdef inline Py_ssize_t _len(const Table* t) noexcept nogil:
+    return t.size + (1 if t.has_zero else 0)
+
+cdef Py_ssize_t _nbytes(const Table* t) noexcept nogil:
     return t.capacity * sizeof(Entry)
+
+
+# --- the engine hash -> key cache -----------------------------------------------------------
+
+
+cdef class KeyCache:
+    """Recent engine hash → key mappings of one stream, in two generations (what
+    ``kvindex.indexer.ingest``'s pure-Python cache does, in two tables): new mappings go to
+    the young one; when it holds ``capacity // 2`` (checked by :meth:`age`, after each
+    batch) it becomes the old one and the previous old one is dropped whole. A mapping
+    found in the old one is copied back to the young one. Engine hashes are unsigned 64-bit
+    (as the wire module normalises them; anything else raises OverflowError).
+    ``Tables.ingest`` reads and fills it without the GIL; not thread-safe otherwise (one
+    stream's batches are translated by one thread at a time)."""
+
+    cdef Table _young
+    cdef Table _old
+    cdef readonly Py_ssize_t capacity
+
+    def __cinit__(self, Py_ssize_t capacity):
+        memset(&self._young, 0, sizeof(Table))
+        memset(&self._old, 0, sizeof(Table))
+        self.capacity = capacity
+
+    def __dealloc__(self):
+        _free(&self._young)
+        _free(&self._old)
+
+    def __len__(self):
+        """Mappings in the young generation (what decides :meth:`age`)."""
+        return _len(&self._young)
+
+    def get(self, uint64_t engine_hash):
+        """The key cached for ``engine_hash`` (young first, then old: copied back), or None."""
+        cdef uint64_t key
+        if _get(&self._young, engine_hash, &key):
+            return key
+        if _get(&self._old, engine_hash, &key):
+            _put(&self._young, engine_hash, key)
+            return key
+        return None
+
+    def put(self, uint64_t engine_hash, uint64_t key):
+        _put(&self._young, engine_hash, key)
+
+    def age(self):
+        """Start a new generation if the young one is full."""
+        _age(&self._young, &self._old, self.capacity // 2)
+
+
+cdef inline void _age(Table* young, Table* old, Py_ssize_t half) noexcept nogil:
+    """The young generation becomes the old one once it holds ``half`` mappings (the
+    previous old one's slots are kept for the next young one)."""
+    cdef Table dropped
+    if _len(young) < half:
+        return
+    dropped = old[0]
+    old[0] = young[0]
+    young[0] = dropped
+    _clear(young)
+
+
+cdef int _cached_parent(Table* young, Table* old, Table* hash_to_key, uint64_t parent_hash,
+                        uint64_t* key) except -1 nogil:
+    """A parent's key from the cache (young, then old: copied back to young), else from the
+    stream's table (then cached); 0: unknown everywhere."""
+    if _get(young, parent_hash, key):
+        return 1
+    if _get(old, parent_hash, key) or _get(hash_to_key, parent_hash, key):
+        _put(young, parent_hash, key[0])
+        return 1
+    return 0
 
 
 # --- the memory store ---------------------------------------------------------------------
@@ -548,24 +702,24 @@ cdef struct Stream:
     int64_t blocks_by_tier[NUM_TIERS]
 
 
-cdef inline uint64_t _lane(uint64_t counts, long tier) nogil:
+cdef inline uint64_t _lane(uint64_t counts, long tier) noexcept nogil:
     return (counts >> (LANE_BITS * tier)) & LANE_MAX
 
-cdef inline bint _foldable(uint64_t counts) nogil:
+cdef inline bint _foldable(uint64_t counts) noexcept nogil:
     cdef long tier
     for tier in range(NUM_TIERS):
         if _lane(counts, tier) > SHORT_LANE_MAX:
             return False
     return True
 
-cdef inline uint64_t _folded(Py_ssize_t number, uint64_t counts) nogil:
+cdef inline uint64_t _folded(Py_ssize_t number, uint64_t counts) noexcept nogil:
     cdef uint64_t entry = LONE | (<uint64_t> number << NUMBER_SHIFT)
     cdef long tier
     for tier in range(NUM_TIERS):
         entry |= _lane(counts, tier) << (COUNTS_SHIFT + SHORT_LANE_BITS * tier)
     return entry
 
-cdef inline uint64_t _unfolded(uint64_t entry) nogil:
+cdef inline uint64_t _unfolded(uint64_t entry) noexcept nogil:
     cdef uint64_t counts = 0
     cdef long tier
     for tier in range(NUM_TIERS):
@@ -574,13 +728,13 @@ cdef inline uint64_t _unfolded(uint64_t entry) nogil:
         )
     return counts
 
-cdef inline Py_ssize_t _holder(uint64_t entry) nogil:
+cdef inline Py_ssize_t _holder(uint64_t entry) noexcept nogil:
     return <Py_ssize_t> ((entry >> NUMBER_SHIFT) & NUMBER_MAX)
 
 
 # --- the compiled ingest path's records ------------------------------------------------
 
-cdef struct Buffer:  # a growable byte array (PyMem_Realloc)
+cdef struct Buffer:  # a growable byte array (PyMem_RawRealloc: grown without the GIL)
     char* data
     Py_ssize_t size
     Py_ssize_t capacity
@@ -597,6 +751,12 @@ cdef struct Ingest:
     Py_ssize_t orphans
     Py_ssize_t block_size
 
+cdef struct Records:  # one NativeBatch's events, as Tables.ingest reads them without the GIL
+    Buffer words  # the records
+    Buffer tokens  # every store's token ids, packed
+    Buffer hashes  # every event's engine hashes, u64
+    uint64_t seq
+
 cdef struct Op:
     uint64_t engine_hash
     uint64_t key
@@ -604,22 +764,23 @@ cdef struct Op:
     long tier
 
 
-cdef int _reserve(Buffer* b, Py_ssize_t more) except -1:
+cdef int _reserve(Buffer* b, Py_ssize_t more) except -1 nogil:
     """Room for ``more`` bytes past ``b.size``."""
     cdef Py_ssize_t capacity
     cdef char* data
     if b.size + more <= b.capacity:
         return 0
     capacity = max(2 * b.capacity, b.size + more, 256)
-    data = <char*> PyMem_Realloc(b.data, capacity)
+    data = <char*> PyMem_RawRealloc(b.data, capacity)
     if data == NULL:
-        raise MemoryError()
+        with gil:
+            raise MemoryError()
     b.data = data
     b.capacity = capacity
     return 0
 
 cdef inline int _push_op(Buffer* b, long kind, long tier, uint64_t engine_hash,
-                         uint64_t key) except -1:
+                         uint64_t key) except -1 nogil:
     cdef Op* op
     if b.size + <Py_ssize_t> sizeof(Op) > b.capacity:
         _reserve(b, sizeof(Op))
@@ -631,14 +792,14 @@ cdef inline int _push_op(Buffer* b, long kind, long tier, uint64_t engine_hash,
     b.size += sizeof(Op)
     return 0
 
-cdef inline int _push_word(Buffer* b, uint64_t word) except -1:
+cdef inline int _push_word(Buffer* b, uint64_t word) except -1 nogil:
     if b.size + 8 > b.capacity:
         _reserve(b, 8)
     (<uint64_t*> (b.data + b.size))[0] = word
     b.size += 8
     return 0
 
-cdef uint64_t _orphan_root(uint64_t parent_hash) noexcept:
+cdef uint64_t _orphan_root(uint64_t parent_hash) noexcept nogil:
     """``kvindex.indexer.ingest.orphan_root``: XXH3-64 of ``b"kvindex/orphan\\x00"`` and the
     parent's engine hash (8 bytes, big-endian)."""
     cdef unsigned char buf[23]
@@ -669,19 +830,15 @@ cdef class NativeBatch:
     cdef readonly double ts
     cdef readonly object rank
     cdef readonly Py_ssize_t num_events
-    cdef Buffer _words  # the records
-    cdef Buffer _tokens  # every store's token ids, packed
-    cdef Buffer _hashes  # every event's engine hashes, u64
+    cdef Records _r
 
     def __cinit__(self):
-        memset(&self._words, 0, sizeof(Buffer))
-        memset(&self._tokens, 0, sizeof(Buffer))
-        memset(&self._hashes, 0, sizeof(Buffer))
+        memset(&self._r, 0, sizeof(Records))
 
     def __dealloc__(self):
-        PyMem_Free(self._words.data)
-        PyMem_Free(self._tokens.data)
-        PyMem_Free(self._hashes.data)
+        PyMem_RawFree(self._r.words.data)
+        PyMem_RawFree(self._r.tokens.data)
+        PyMem_RawFree(self._r.hashes.data)
 
     @property
     def num_bad_events(self):
@@ -693,8 +850,8 @@ cdef class NativeBatch:
         size, token ids, engine hashes)``, ``("remove", tier, engine hashes)``,
         ``("clear",)``, ``("other_group",)`` (an event of another KV-cache group) and
         ``("misaligned",)`` (a store whose token ids are not its blocks')."""
-        cdef const uint64_t* w = <const uint64_t*> self._words.data
-        cdef const uint64_t* end = w + self._words.size // 8
+        cdef const uint64_t* w = <const uint64_t*> self._r.words.data
+        cdef const uint64_t* end = w + self._r.words.size // 8
         cdef const unsigned char* t
         cdef const uint64_t* h
         cdef uint64_t kind, n, i
@@ -703,8 +860,8 @@ cdef class NativeBatch:
             kind = w[0] & 0xFF
             if kind == EV_STORE:
                 n = w[4]
-                t = <const unsigned char*> self._tokens.data + w[3]
-                h = (<const uint64_t*> self._hashes.data) + w[5]
+                t = <const unsigned char*> self._r.tokens.data + w[3]
+                h = (<const uint64_t*> self._r.hashes.data) + w[5]
                 out.append((
                     "store", <long> ((w[0] >> 8) & 0xFF), w[1] if w[0] & HAS_PARENT else None,
                     <Py_ssize_t> w[2], [_le32(t + 4 * i) for i in range(n * w[2])],
@@ -713,7 +870,7 @@ cdef class NativeBatch:
                 w += 6
             elif kind == EV_REMOVE:
                 n = w[1]
-                h = (<const uint64_t*> self._hashes.data) + w[2]
+                h = (<const uint64_t*> self._r.hashes.data) + w[2]
                 out.append(("remove", <long> ((w[0] >> 8) & 0xFF), tuple([h[i] for i in range(n)])))
                 w += 3
             else:
@@ -769,8 +926,8 @@ cdef class Tables:
             _free(&self._streams[n].key_to_counts)
         PyMem_Free(self._streams)
         _free(&self._holders)
-        PyMem_Free(self._ops.data)
-        PyMem_Free(self._scratch.data)
+        PyMem_RawFree(self._ops.data)
+        PyMem_RawFree(self._scratch.data)
 
     cdef Stream* _stream(self, Py_ssize_t number) except NULL:
         cdef Py_ssize_t grown
@@ -789,7 +946,7 @@ cdef class Tables:
 
     # a stream's counts of a block, wherever they are kept
 
-    cdef uint64_t _counts(self, Stream* s, Py_ssize_t number, uint64_t key):
+    cdef uint64_t _counts(self, Stream* s, Py_ssize_t number, uint64_t key) noexcept nogil:
         """Stream ``number``'s counts of ``key`` (0: it does not hold it)."""
         cdef uint64_t entry, counts
         if not _get(&self._holders, key, &entry):
@@ -804,7 +961,7 @@ cdef class Tables:
         return 0
 
     cdef int _set(self, Stream* s, Py_ssize_t number, uint64_t key, uint64_t old,
-                  uint64_t new) except -1:
+                  uint64_t new) except -1 nogil:
         """Stream ``number``'s counts of ``key`` go from ``old`` to ``new``."""
         cdef uint64_t entry
         if old == 0:
@@ -820,7 +977,8 @@ cdef class Tables:
                 _put(&self._holders, key, LONE | COUNTS_APART | (<uint64_t> number << NUMBER_SHIFT))
         return 0
 
-    cdef int _join(self, Stream* s, Py_ssize_t number, uint64_t key, uint64_t counts) except -1:
+    cdef int _join(self, Stream* s, Py_ssize_t number, uint64_t key,
+                   uint64_t counts) except -1 nogil:
         cdef uint64_t entry
         cdef Py_ssize_t other, i
         cdef Stream* o
@@ -837,25 +995,49 @@ cdef class Tables:
             if not entry & COUNTS_APART:
                 o = &self._streams[other]
                 _put(&o.key_to_counts, key, _unfolded(entry))
-            bitmap = (_ONE << other) | (_ONE << number)
-            if self._free_shared:
-                i = self._free_shared.pop()
-                self._shared[i] = bitmap
-            else:
-                i = len(self._shared)
-                self._shared.append(bitmap)
+            with gil:  # bitmaps are Python ints
+                i = self._new_shared(other, number)
             _put(&self._holders, key, 2 * <uint64_t> i)
         else:
-            i = <Py_ssize_t> (entry >> 1)
-            self._shared[i] = self._shared[i] | (_ONE << number)
+            with gil:
+                self._add_shared(<Py_ssize_t> (entry >> 1), number)
         return 0
 
-    cdef int _release(self, Py_ssize_t number, uint64_t key) except -1:
+    # the bitmaps of blocks with several holders (Python ints: the GIL is held)
+
+    cdef Py_ssize_t _new_shared(self, Py_ssize_t first, Py_ssize_t second) except -1:
+        """A slot for the bitmap of two holders (a free one, else a new one)."""
+        cdef Py_ssize_t i
+        bitmap = (_ONE << first) | (_ONE << second)
+        if self._free_shared:
+            i = self._free_shared.pop()
+            self._shared[i] = bitmap
+        else:
+            i = len(self._shared)
+            self._shared.append(bitmap)
+        return i
+
+    cdef int _add_shared(self, Py_ssize_t i, Py_ssize_t number) except -1:
+        self._shared[i] = self._shared[i] | (_ONE << number)
+        return 0
+
+    cdef Py_ssize_t _drop_shared(self, Py_ssize_t i, Py_ssize_t number) except -2:
+        """Stream ``number`` leaves bitmap ``i``: -1 if several holders are left, else
+        the one left (the slot is then freed)."""
+        bitmap = self._shared[i] & ~(_ONE << number)
+        if bitmap & (bitmap - 1):
+            self._shared[i] = bitmap
+            return -1
+        self._shared[i] = 0
+        self._free_shared.append(i)
+        return bitmap.bit_length() - 1
+
+    cdef int _release(self, Py_ssize_t number, uint64_t key) except -1 nogil:
         """Stream ``number`` no longer holds ``key``."""
         _delete(&self._streams[number].key_to_counts, key)
         return self._leave(number, key)
 
-    cdef int _leave(self, Py_ssize_t number, uint64_t key) except -1:
+    cdef int _leave(self, Py_ssize_t number, uint64_t key) except -1 nogil:
         """Take stream ``number`` out of ``key``'s holders (its own table is not touched).
         A single holder left keeps its counts in its own table: none of its engine hashes
         may map to the block any more, and a clear must still find it there."""
@@ -866,18 +1048,14 @@ cdef class Tables:
         if entry & LONE:
             _delete(&self._holders, key)
             return 0
-        i = <Py_ssize_t> (entry >> 1)
-        bitmap = self._shared[i] & ~(_ONE << number)
-        if bitmap & (bitmap - 1):
-            self._shared[i] = bitmap
+        with gil:
+            other = self._drop_shared(<Py_ssize_t> (entry >> 1), number)
+        if other < 0:
             return 0
-        self._shared[i] = 0
-        self._free_shared.append(i)
-        other = bitmap.bit_length() - 1
         _put(&self._holders, key, LONE | COUNTS_APART | (<uint64_t> other << NUMBER_SHIFT))
         return 0
 
-    cdef int _unlink(self, Stream* s, Py_ssize_t number, uint64_t key) except -1:
+    cdef int _unlink(self, Stream* s, Py_ssize_t number, uint64_t key) except -1 nogil:
         """The engine hash that mapped to ``key`` now maps elsewhere: if the stream holds
         it alone with folded counts, they move to its own table, where a clear finds them."""
         cdef uint64_t entry
@@ -913,7 +1091,7 @@ cdef class Tables:
         _free(&s.key_to_counts)
         memset(s.blocks_by_tier, 0, sizeof(s.blocks_by_tier))
 
-    cdef int _forget_folded(self, Py_ssize_t number, uint64_t key) except -1:
+    cdef int _forget_folded(self, Py_ssize_t number, uint64_t key) except -1 nogil:
         cdef uint64_t entry
         if (
             _get(&self._holders, key, &entry) and entry & LONE and not entry & COUNTS_APART
@@ -943,33 +1121,35 @@ cdef class Tables:
         return unknown, unresolved
 
     cdef int _apply_op(self, Stream* s, Py_ssize_t number, long kind, long tier,
-                       uint64_t engine_hash, uint64_t key) except -1:
+                       uint64_t engine_hash, uint64_t key) except -1 nogil:
         """One op (``tier`` in range); returns :data:`UNKNOWN_REMOVAL` for a removal of a
         block not held, :data:`UNRESOLVED_STORE` for a store by an unknown hash, else 0."""
         cdef uint64_t previous, counts
         cdef uint64_t* mapped
+        cdef bint added
         if kind == OP_REMOVE:
             return 0 if self._remove(s, number, engine_hash, tier) else UNKNOWN_REMOVAL
         if kind == OP_STORE:
-            mapped = _value_of(&s.hash_to_key, engine_hash)
-            if mapped == NULL:
-                _insert(&s.hash_to_key, engine_hash, key)
+            mapped = _slot_for(&s.hash_to_key, engine_hash, &added)
+            if added:
+                mapped[0] = key
             elif mapped[0] != key:
                 previous = mapped[0]
                 mapped[0] = key
                 self._unlink(s, number, previous)  # it does not touch ``hash_to_key``
-            if _value_of(&self._holders, key) == NULL:
+            mapped = _slot_for(&self._holders, key, &added)
+            if added:
                 # Held by no stream (the common new block): this one holds it alone,
                 # its one count folded into the entry, as _join would do in 3 probes.
                 s.blocks_by_tier[tier] += 1
-                counts = (<uint64_t> 1) << (LANE_BITS * tier)
-                _insert(&self._holders, key, _folded(number, counts))
+                mapped[0] = _folded(number, (<uint64_t> 1) << (LANE_BITS * tier))
                 return 0
         elif kind == OP_STORE_BY_HASH:
             if not _get(&s.hash_to_key, engine_hash, &key):
                 return UNRESOLVED_STORE
         else:
-            self.reset(number)
+            with gil:
+                self.reset(number)
             return 0
         counts = self._counts(s, number, key)
         if _lane(counts, tier) == 0:
@@ -978,7 +1158,8 @@ cdef class Tables:
             self._set(s, number, key, counts, counts + ((<uint64_t> 1) << (LANE_BITS * tier)))
         return 0
 
-    cdef bint _remove(self, Stream* s, Py_ssize_t number, uint64_t engine_hash, long tier) except -1:
+    cdef bint _remove(self, Stream* s, Py_ssize_t number, uint64_t engine_hash,
+                      long tier) except -1 nogil:
         cdef uint64_t key, counts, held
         if not _get(&s.hash_to_key, engine_hash, &key):
             return False
@@ -1113,7 +1294,7 @@ cdef class Tables:
 
     # the compiled ingest path
 
-    def ingest(self, Py_ssize_t number, list batches, object cache, uint64_t root,
+    def ingest(self, Py_ssize_t number, list batches, KeyCache cache, uint64_t root,
                object watermark):
         """Translate and apply :class:`NativeBatch` es of stream ``number`` in order, as
         ``kvindex.indexer.ingest.Ingestor`` and ``MemoryIndex.apply_many`` do for the same
@@ -1123,52 +1304,114 @@ cdef class Tables:
         applied unless its seq is at or below ``watermark``. Returns ``(watermark, last
         applied ts or None, batches applied, unknown removals, unresolved stores, blocks
         stored, blocks removed, clears, events of another group, misaligned events, orphan
-        stores, the last store's block size or -1)``."""
+        stores, the last store's block size or -1)``.
+
+        The GIL is released for the whole run (it is taken back only for a block with
+        several holders, whose bitmap is a Python int, and for a clear): the caller's lock
+        must keep every other call on these tables out meanwhile (``MemoryIndex`` holds
+        its lock), and ``cache`` must not be used by another thread."""
         cdef Stream* s = self._stream(number)
         cdef Ingest counts
-        cdef NativeBatch batch
-        cdef dict young = cache.young, old = cache.old
-        cdef Py_ssize_t half = cache.capacity // 2, i, num_ops
-        cdef object last_ts = None
-        cdef int done
-        cdef Op* op
+        cdef tuple held = tuple(batches)
+        cdef Py_ssize_t n = len(held), i, last = -1
+        cdef bint marked = watermark >= 0
+        cdef uint64_t mark = <uint64_t> watermark if marked else 0
+        cdef const Records** views = <const Records**> PyMem_RawMalloc(
+            max(n, 1) * sizeof(Records*)
+        )
+        if views == NULL:
+            raise MemoryError()
         memset(&counts, 0, sizeof(Ingest))
         counts.block_size = -1
         try:
-            for batch in batches:
-                self._ops.size = 0
-                self._translate(s, batch, young, old, root, &counts)
-                if len(young) >= half:
-                    old = young
-                    young = {}
-                if batch.seq <= watermark:
-                    continue
-                num_ops = self._ops.size // sizeof(Op)
-                for i in range(num_ops):
-                    op = (<Op*> self._ops.data) + i
-                    done = self._apply_op(s, number, op.kind, op.tier, op.engine_hash, op.key)
-                    if done == UNKNOWN_REMOVAL:
-                        counts.unknown += 1
-                    elif done == UNRESOLVED_STORE:
-                        counts.unresolved += 1
-                watermark = batch.seq
-                last_ts = batch.ts
-                counts.applied += 1
+            for i in range(n):
+                views[i] = &(<NativeBatch?> held[i])._r
+            with nogil:
+                last = self._ingest_run(
+                    s, number, views, n, &cache._young, &cache._old, cache.capacity // 2,
+                    root, &marked, &mark, &counts,
+                )
         finally:
-            cache.young = young
-            cache.old = old
+            PyMem_RawFree(views)
         return (
-            watermark, last_ts, counts.applied, counts.unknown, counts.unresolved,
-            counts.stored, counts.removed, counts.clears, counts.other_group,
-            counts.misaligned, counts.orphans, counts.block_size,
+            mark if last >= 0 else watermark, (<NativeBatch> held[last]).ts if last >= 0 else None,
+            counts.applied, counts.unknown, counts.unresolved, counts.stored, counts.removed,
+            counts.clears, counts.other_group, counts.misaligned, counts.orphans,
+            counts.block_size,
         )
 
-    cdef int _translate(self, Stream* s, NativeBatch batch, dict young, dict old,
-                        uint64_t root, Ingest* counts) except -1:
+    cdef Py_ssize_t _ingest_run(self, Stream* s, Py_ssize_t number, const Records** views,
+                                Py_ssize_t n, Table* young, Table* old, Py_ssize_t half,
+                                uint64_t root, bint* marked, uint64_t* mark,
+                                Ingest* counts) except -2 nogil:
+        """:meth:`ingest` 's loop; returns the index of the last batch applied (-1: none)."""
+        cdef Py_ssize_t b, i, num_ops, last = -1
+        cdef const Records* r
+        cdef const Op* op
+        for b in range(n):
+            r = views[b]
+            self._ops.size = 0
+            self._translate(s, r, young, old, root, counts)
+            _age(young, old, half)
+            if marked[0] and r.seq <= mark[0]:
+                continue
+            num_ops = self._ops.size // sizeof(Op)
+            i = 0
+            while i < num_ops:
+                op = (<const Op*> self._ops.data) + i
+                if not self._needs_gil(s, number, op):
+                    self._apply_counted(s, number, op, counts)
+                    i += 1
+                    continue
+                with gil:  # once for a run of such ops: taking it back costs a handover
+                    i = self._apply_with_gil(s, number, i, num_ops, counts)
+            marked[0] = True
+            mark[0] = r.seq
+            last = b
+            counts.applied += 1
+        return last
+
+    cdef int _apply_counted(self, Stream* s, Py_ssize_t number, const Op* op,
+                            Ingest* counts) except -1 nogil:
+        cdef int done = self._apply_op(s, number, op.kind, op.tier, op.engine_hash, op.key)
+        if done == UNKNOWN_REMOVAL:
+            counts.unknown += 1
+        elif done == UNRESOLVED_STORE:
+            counts.unresolved += 1
+        return 0
+
+    cdef Py_ssize_t _apply_with_gil(self, Stream* s, Py_ssize_t number, Py_ssize_t i,
+                                    Py_ssize_t num_ops, Ingest* counts) except -1:
+        """Apply ``self._ops`` from ``i`` on (the first one needs the GIL) for as long as
+        they need it; returns the index of the first op left."""
+        cdef const Op* op
+        while True:
+            op = (<const Op*> self._ops.data) + i
+            self._apply_counted(s, number, op, counts)
+            i += 1
+            if i == num_ops or not self._needs_gil(s, number, (<const Op*> self._ops.data) + i):
+                return i
+
+    cdef bint _needs_gil(self, Stream* s, Py_ssize_t number, const Op* op) noexcept nogil:
+        """Whether applying ``op`` may touch a Python object: a clear, or a block held by
+        another stream (its holders become or are a bitmap, a Python int)."""
+        cdef uint64_t key = op.key, entry
+        if op.kind == OP_CLEAR:
+            return True
+        if op.kind != OP_STORE and not _get(&s.hash_to_key, op.engine_hash, &key):
+            return False  # an unknown removal or an unresolved store changes nothing
+        if not _get(&self._holders, key, &entry):
+            return False
+        if op.kind == OP_REMOVE:
+            return not entry & LONE
+        return not entry & LONE or _holder(entry) != number
+
+    cdef int _translate(self, Stream* s, const Records* r, Table* young, Table* old,
+                        uint64_t root, Ingest* counts) except -1 nogil:
         """One batch's events → ops in ``self._ops`` (counted into ``counts``)."""
-        cdef const uint64_t* w = <const uint64_t*> batch._words.data
-        cdef const uint64_t* end = w + batch._words.size // 8
-        cdef const uint64_t* hashes = <const uint64_t*> batch._hashes.data
+        cdef const uint64_t* w = <const uint64_t*> r.words.data
+        cdef const uint64_t* end = w + r.words.size // 8
+        cdef const uint64_t* hashes = <const uint64_t*> r.hashes.data
         cdef uint64_t tag, kind, n, parent, i
         cdef long tier
         while w < end:
@@ -1177,14 +1420,15 @@ cdef class Tables:
             kind = tag & 0xFF
             if kind == EV_STORE:  # tag, parent, block size, token offset, n, hash offset
                 n = w[4]
-                if tag & HAS_PARENT:
-                    parent = self._parent_key(s, w[1], young, old, counts)
-                else:
-                    parent = root
+                parent = root
+                if tag & HAS_PARENT and not _cached_parent(young, old, &s.hash_to_key, w[1],
+                                                           &parent):
+                    counts.orphans += 1
+                    parent = _orphan_root(w[1])
                 counts.block_size = <Py_ssize_t> w[2]
                 self._store_ops(
                     young, tier, hashes + w[5], n, parent,
-                    <const unsigned char*> batch._tokens.data + w[3], <Py_ssize_t> w[2],
+                    <const unsigned char*> r.tokens.data + w[3], <Py_ssize_t> w[2],
                 )
                 counts.stored += n
                 w += 6
@@ -1206,28 +1450,9 @@ cdef class Tables:
                 w += 1
         return 0
 
-    cdef uint64_t _parent_key(self, Stream* s, uint64_t parent_hash, dict young, dict old,
-                              Ingest* counts) except? 0:
-        """The key of a store's parent: the cache (young, then old: moved back to young),
-        the stream's table, else an orphan root (counted)."""
-        cdef object h = parent_hash
-        cdef PyObject* found = PyDict_GetItem(young, h)
-        cdef uint64_t key
-        if found != NULL:
-            return <uint64_t> <object> found
-        found = PyDict_GetItem(old, h)
-        if found != NULL:
-            young[h] = <object> found
-            return <uint64_t> <object> found
-        if _get(&s.hash_to_key, parent_hash, &key):
-            young[h] = key
-            return key
-        counts.orphans += 1
-        return _orphan_root(parent_hash)
-
-    cdef int _store_ops(self, dict young, long tier, const uint64_t* hashes, uint64_t n,
+    cdef int _store_ops(self, Table* young, long tier, const uint64_t* hashes, uint64_t n,
                         uint64_t parent, const unsigned char* tokens,
-                        Py_ssize_t block_size) except -1:
+                        Py_ssize_t block_size) except -1 nogil:
         """The store ops of one event's blocks, keys chained from ``parent``; each engine
         hash → key goes to ``young``."""
         cdef Py_ssize_t stride = block_size * 4
@@ -1244,7 +1469,7 @@ cdef class Tables:
             memcpy(buf + 8, tokens + i * stride, stride)
             parent = XXH3_64bits(buf, 8 + stride)
             _push_op(&self._ops, OP_STORE, tier, hashes[i], parent)
-            young[hashes[i]] = parent
+            _put(young, hashes[i], parent)
         return 0
 
 
@@ -1530,17 +1755,17 @@ cdef int _field_value(NativeBatch batch, Reader* r, int f, Fields* out) except -
         return REJECT
     out.at[f] = start
     if f == F_HASHES:
-        n = _hashes_into(&batch._hashes, r)
+        n = _hashes_into(&batch._r.hashes, r)
         if n >= 0:
             out.num_hashes = n
-            out.hash_at = batch._hashes.size // 8 - n
+            out.hash_at = batch._r.hashes.size // 8 - n
             return 0
         r.pos = start
     elif f == F_TOKENS:
-        n = _tokens_into(&batch._tokens, r)
+        n = _tokens_into(&batch._r.tokens, r)
         if n >= 0:
             out.num_tokens = n
-            out.token_at = batch._tokens.size - 4 * n
+            out.token_at = batch._r.tokens.size - 4 * n
             return 0
         r.pos = start
     return _skip(r, 0)
@@ -1618,6 +1843,9 @@ cdef Py_ssize_t _tokens_into(Buffer* out, Reader* r) except -2:
         if head < 0x80:
             value = head
             r.pos += 1
+        elif head == 0xCD and r.pos + 3 <= r.size:  # most token ids: a u16, read at once
+            value = (<uint64_t> r.p[r.pos + 1] << 8) | r.p[r.pos + 2]
+            r.pos += 3
         else:
             width = _int_width(head)
             if width < 0:
@@ -1628,10 +1856,7 @@ cdef Py_ssize_t _tokens_into(Buffer* out, Reader* r) except -2:
             r.pos += 1 + width
             if (head >= 0xD0 and value >> (8 * width - 1)) or value >> 32:
                 return REJECT  # negative, or past u32
-        buf[4 * i] = value & 0xFF
-        buf[4 * i + 1] = (value >> 8) & 0xFF
-        buf[4 * i + 2] = (value >> 16) & 0xFF
-        buf[4 * i + 3] = (value >> 24) & 0xFF
+        kv_store_le32(buf + 4 * i, <uint32_t> value)
     out.size = start + 4 * n
     return n
 
@@ -1708,11 +1933,11 @@ cdef int _read_removed(NativeBatch batch, const Reader* r, const Fields* f) exce
     if _optional_int(r, f.at[F_GROUP], &main) < 0:
         return REJECT
     if not main:
-        _push_word(&batch._words, EV_OTHER_GROUP)
+        _push_word(&batch._r.words, EV_OTHER_GROUP)
         return 0
-    _push_word(&batch._words, EV_REMOVE | (<uint64_t> tier << 8))
-    _push_word(&batch._words, <uint64_t> f.num_hashes)
-    _push_word(&batch._words, <uint64_t> f.hash_at)
+    _push_word(&batch._r.words, EV_REMOVE | (<uint64_t> tier << 8))
+    _push_word(&batch._r.words, <uint64_t> f.num_hashes)
+    _push_word(&batch._r.words, <uint64_t> f.hash_at)
     return 0
 
 
@@ -1769,14 +1994,14 @@ cdef int _read_stored(NativeBatch batch, const Reader* r, const Fields* f) excep
     if not main or block_size <= 0 or num_tokens % block_size or (
         num_tokens // block_size != num_hashes
     ):
-        _push_word(&batch._words, EV_MISALIGNED if main else EV_OTHER_GROUP)
+        _push_word(&batch._r.words, EV_MISALIGNED if main else EV_OTHER_GROUP)
         return 0
-    _push_word(&batch._words, tag)
-    _push_word(&batch._words, parent)
-    _push_word(&batch._words, <uint64_t> block_size)
-    _push_word(&batch._words, <uint64_t> f.token_at if f.at[F_TOKENS] >= 0 else 0)
-    _push_word(&batch._words, <uint64_t> num_hashes)
-    _push_word(&batch._words, <uint64_t> f.hash_at)
+    _push_word(&batch._r.words, tag)
+    _push_word(&batch._r.words, parent)
+    _push_word(&batch._r.words, <uint64_t> block_size)
+    _push_word(&batch._r.words, <uint64_t> f.token_at if f.at[F_TOKENS] >= 0 else 0)
+    _push_word(&batch._r.words, <uint64_t> num_hashes)
+    _push_word(&batch._r.words, <uint64_t> f.hash_at)
     return 0
 
 
@@ -1788,7 +2013,7 @@ cdef int _read_event(NativeBatch batch, Reader* r, int form) except -2:
     if kind == K_REMOVED:
         return _read_removed(batch, r, &f)
     if kind == K_CLEARED:
-        _push_word(&batch._words, EV_CLEAR)
+        _push_word(&batch._r.words, EV_CLEAR)
         return 0
     return REJECT
 
@@ -1806,7 +2031,7 @@ cdef int _form(const Reader* r) noexcept nogil:
     return REJECT
 
 
-cdef object _read_batch(object seq, const unsigned char* p, Py_ssize_t size):
+cdef object _read_batch(uint64_t seq, const unsigned char* p, Py_ssize_t size):
     """``[ts, events, data_parallel_rank]`` as a NativeBatch, or None."""
     cdef Reader r
     cdef Py_ssize_t n, num_events, i
@@ -1823,6 +2048,7 @@ cdef object _read_batch(object seq, const unsigned char* p, Py_ssize_t size):
         return None
     batch = NativeBatch.__new__(NativeBatch)
     batch.seq = seq
+    batch._r.seq = seq
     memcpy(&batch.ts, &bits, 8)
     batch.num_events = num_events
     for i in range(num_events):

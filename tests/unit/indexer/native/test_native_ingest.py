@@ -2,7 +2,8 @@
 ``native.Tables.ingest``) against the Python path it stands in for.
 
 Two pipelines over compiled memory indexes get the same live messages, one with
-``native_ingest`` (the default) and one without: every report they hand the registry
+``native_ingest`` (the default) and one without, whose ingestor also keeps the pure-Python
+engine hash → key cache (the reference of the compiled one): every report they hand the registry
 (counters, block size, last seq and timestamp) and everything the two indexes hold
 (stats, engine hash → key, best tier of every key) must be the same. Inputs: the captured
 vLLM frames (``tests/fixtures``), hypothesis-fuzzed frames (valid and corrupt, with gaps,
@@ -17,6 +18,7 @@ import base64
 import dataclasses
 import json
 import math
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,7 +44,8 @@ from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index.memory import MemoryIndex
-from kvindex.indexer.ingest import Ingestor
+from kvindex.indexer.ingest import Ingestor, _KeyCache
+from kvindex.indexer.keys import block_keys
 from kvindex.indexer.pipeline import Pipeline
 from kvindex.indexer.settings import IndexerSettings
 from kvindex.indexer.wire import (
@@ -133,7 +136,7 @@ def feed_both(
         for messages_ in deliveries:
             fast.pipeline.handle_frames(messages_, fast.stream)
     num_native = sum(counted)
-    with native_runs() as counted:
+    with native_runs() as counted, patch.object(native, "KeyCache", None):
         for messages_ in deliveries:
             slow.pipeline.handle_frames(messages_, slow.stream)
     assert not counted, "the Python pipeline took the compiled path"
@@ -428,3 +431,89 @@ def test_random_chains_give_the_same_index_and_reports(
     assert all(_same_reading(f) for f in frames)  # only common events here
     deliveries = [frames[i : i + drain] for i in range(0, len(frames), drain)]
     feed_both(deliveries, list(range(POOL)), cache_size=cache_size)
+
+
+# --- the compiled key cache -------------------------------------------------------------
+
+_cache_op = st.one_of(
+    st.tuples(st.just("get"), _hash),
+    st.tuples(st.just("put"), _hash, st.integers(0, 2**64 - 1)),
+    st.tuples(st.just("age")),
+)
+
+
+@FAST
+@given(capacity=st.integers(0, 9), ops=st.lists(_cache_op, max_size=60))
+def test_the_compiled_key_cache_answers_as_the_python_one(
+    capacity: int, ops: list[tuple[Any, ...]]
+) -> None:
+    assert native.KeyCache is not None
+    compiled, python = native.KeyCache(capacity), _KeyCache(capacity)
+    for op in ops:
+        if op[0] == "get":
+            assert compiled.get(op[1]) == python.get(op[1])
+        elif op[0] == "put":
+            compiled.put(op[1], op[2])
+            python.put(op[1], op[2])
+        else:
+            compiled.age()
+            python.age()
+        assert len(compiled) == len(python.young)
+    for engine_hash in range(POOL):
+        assert compiled.get(engine_hash) == python.get(engine_hash)
+
+
+def test_the_compiled_key_cache_takes_only_unsigned_64_bit_hashes() -> None:
+    assert native.KeyCache is not None
+    cache = native.KeyCache(4)
+    cache.put(0, 7)  # the empty slot's key, kept apart
+    assert (cache.get(0), cache.get(2**64 - 1)) == (7, None)
+    with pytest.raises(OverflowError):
+        cache.put(-1, 1)
+
+
+# --- the compiled ingest runs without the GIL --------------------------------------------
+
+
+def _chain_frames(num_batches: int, blocks_per_batch: int) -> tuple[list[list[bytes]], list[int]]:
+    """One chain of blocks, a batch of stores at a time (engine hash = block number + 1)."""
+    frames, tokens = [], []
+    for seq in range(num_batches):
+        first = seq * blocks_per_batch + 1
+        hashes = tuple(range(first, first + blocks_per_batch))
+        block_tokens = [h % 7 for h in hashes for _ in (0, 1)]
+        tokens += block_tokens
+        event = BlockStored(hashes, first - 1 or None, block_tokens, 2, Tier.GPU)
+        payload = encode_batch([event], ts=float(seq), rank=0, encoding="array")
+        frames.append(encode_live(b"kv@r1@m", seq, payload))
+    return frames, tokens
+
+
+def test_lookups_during_the_compiled_ingest_see_whole_calls_only() -> None:
+    """Another thread's lookups run while the compiled ingest has released the GIL: each
+    sees the index between two ``handle_frames`` calls (a whole number of deliveries of
+    16 batches), never part of one."""
+    rig = Rig.of("r1", native_ingest=True, cache_size=0)
+    frames, tokens = _chain_frames(num_batches=400, blocks_per_batch=16)
+    keys = block_keys(MODEL, tokens, 2)
+    seen: list[int] = []
+    done = threading.Event()
+
+    def look() -> None:
+        while not done.is_set():
+            match = rig.index.longest_prefix(keys, [rig.stream])[rig.stream]
+            seen.append(match.num_blocks)
+
+    reader = threading.Thread(target=look)
+    reader.start()
+    try:
+        with native_runs() as counted:
+            for start in range(0, len(frames), 16):
+                rig.pipeline.handle_frames(frames[start : start + 16], rig.stream)
+    finally:
+        done.set()
+        reader.join()
+    assert sum(counted) >= 399  # (the stream's first batch, seq 0, starts it the Python way)
+    assert rig.index.longest_prefix(keys, [rig.stream])[rig.stream].num_blocks == len(keys)
+    assert seen and all(n % (16 * 16) == 0 for n in seen)
+    assert seen == sorted(seen)
