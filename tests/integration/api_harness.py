@@ -39,6 +39,24 @@ BLOCK = 16
 BASE_URL = "http://kvindex.test"
 
 
+CLOCK_FIELDS = ("lag_s", "silent_s")
+"""A score entry's freshness fields that depend on the clock (stream ages)."""
+
+
+def comparable_body(content: bytes) -> object:
+    """The body, less what depends on the clock (a score answer's stream ages): two
+    servers' answers to the same request compare equal."""
+    try:
+        decoded = msgspec.json.decode(content)
+    except msgspec.DecodeError:
+        return content
+    if isinstance(decoded, dict):
+        for entry in decoded.get("scores", []):
+            for name in CLOCK_FIELDS:
+                assert isinstance(entry["freshness"].pop(name), float)
+    return decoded
+
+
 def tokens(first_id: int, num_blocks: int, tail: int = 0) -> list[int]:
     """``num_blocks`` full blocks (plus ``tail`` tokens) of consecutive ids from ``first_id``."""
     return list(range(first_id, first_id + num_blocks * BLOCK + tail))

@@ -21,14 +21,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvindex.api.load.store import MemoryLoadStore
 from kvindex.api.settings import ApiSettings
 from kvindex.indexer.index.memory import MemoryIndex
-from tests.integration.api_harness import MODEL, Api, open_api, tokens
+from tests.integration.api_harness import MODEL, Api, comparable_body, open_api, tokens
 
 SETTINGS = ApiSettings(scrape_interval_s=0, seed=7, max_body_bytes=4096)
 TOKEN = "s3cret-token"
 _HEADERS = ("content-type", "www-authenticate", "connection")
 """The answer's headers that must agree (the ones a client acts on; the length is checked
 against each body)."""
-_CLOCK_FIELDS = ("lag_s", "silent_s")
 """The fields of an answer that depend on when it was made (how long since a stream was
 heard): left out of the comparison."""
 
@@ -70,26 +69,13 @@ def same_answer(
     """Send one request to both apps; assert the answers agree; return the lean one's."""
     lean, framework = (api.request(method, path, content=content, headers=headers) for api in twins)
     assert lean.status_code == framework.status_code, (lean.text, framework.text)
-    assert _comparable(lean.content) == _comparable(framework.content)
+    assert comparable_body(lean.content) == comparable_body(framework.content)
     for name in _HEADERS:
         assert lean.headers.get(name) == framework.headers.get(name), name
     for answer in (lean, framework):
         if answer.request.method != "HEAD":
             assert answer.headers["content-length"] == str(len(answer.content))
     return lean
-
-
-def _comparable(content: bytes) -> object:
-    """The body, less what depends on the clock (a score answer's stream ages)."""
-    try:
-        decoded = msgspec.json.decode(content)
-    except msgspec.DecodeError:
-        return content
-    if isinstance(decoded, dict):
-        for entry in decoded.get("scores", []):
-            for name in _CLOCK_FIELDS:
-                assert isinstance(entry["freshness"].pop(name), float)
-    return decoded
 
 
 def _score_body(**fields: object) -> bytes:

@@ -27,13 +27,12 @@ from kvindex.api.load.store import MemoryLoadStore
 from kvindex.api.server_protocol import hot_protocol
 from kvindex.api.settings import ApiSettings
 from kvindex.indexer.index.memory import MemoryIndex
-from tests.integration.api_harness import MODEL, Fleet, tokens
+from tests.integration.api_harness import MODEL, Fleet, comparable_body, tokens
 
 SETTINGS = ApiSettings(scrape_interval_s=0, seed=7, max_body_bytes=4096, body_timeout_s=0.5)
 TOKEN = "s3cret-token"
 _HEADERS = (b"content-type", b"www-authenticate", b"connection", b"server")
 """The headers that must agree (the length follows the body, whose clock fields vary)."""
-_CLOCK_FIELDS = ("lag_s", "silent_s")
 
 
 @dataclass(frozen=True)
@@ -137,24 +136,11 @@ def same(twins: Twins, *parts: bytes, num_answers: int = 1, pause_s: float = 0.0
     assert hot.closed == plain.closed
     for mine, theirs in zip(hot.answers, plain.answers, strict=True):
         assert mine.status_line == theirs.status_line, (mine, theirs)
-        assert _comparable(mine.body) == _comparable(theirs.body)
+        assert comparable_body(mine.body) == comparable_body(theirs.body)
         for name in _HEADERS:
             assert mine.headers.get(name) == theirs.headers.get(name), name
         assert b"date" in mine.headers
     return hot
-
-
-def _comparable(content: bytes) -> object:
-    """The body, less what depends on the clock (a score answer's stream ages)."""
-    try:
-        decoded = msgspec.json.decode(content)
-    except msgspec.DecodeError:
-        return content
-    if isinstance(decoded, dict):
-        for entry in decoded.get("scores", []):
-            for name in _CLOCK_FIELDS:
-                assert isinstance(entry["freshness"].pop(name), float)
-    return decoded
 
 
 def request(
