@@ -382,6 +382,17 @@ cdef inline Py_ssize_t _distance(const Table* t, uint64_t key, Py_ssize_t i) noe
     cdef Py_ssize_t home = _home(t, key)
     return i - home if i >= home else i + t.capacity - home
 
+cdef inline void _shift_up(Table* t, Py_ssize_t i) noexcept nogil:
+    """Move the entries from slot ``i`` to the next empty slot up one slot (from the end),
+    freeing slot ``i`` (the caller fills it). The table must have an empty slot."""
+    cdef Py_ssize_t j = i, k
+    while t.slots[j].key != 0:
+        j = _next(t, j)
+    while j != i:
+        k = j - 1 if j > 0 else t.capacity - 1
+        t.slots[j] = t.slots[k]
+        j = k
+
 cdef Py_ssize_t _find(const Table* t, uint64_t key) noexcept nogil:
     """The slot holding ``key`` (not 0), or -1. Robin Hood order: a slot whose entry is
     nearer its home than ``key`` would be here means ``key`` is absent (no full scan of
@@ -415,17 +426,11 @@ cdef void _place(Table* t, Entry entry) noexcept nogil:
     homes monotonic in the mixed key (``kv_home``), that order sorts each run by home:
     the entry goes before the first entry of its run whose home lies past its own, and
     the rest of the run moves up one slot (no per-slot home computed for the move)."""
-    cdef Py_ssize_t i = _home(t, entry.key), d = 0, j, k
+    cdef Py_ssize_t i = _home(t, entry.key), d = 0
     while t.slots[i].key != 0 and _distance(t, t.slots[i].key, i) >= d:
         i = _next(t, i)
         d += 1
-    j = i
-    while t.slots[j].key != 0:
-        j = _next(t, j)
-    while j != i:  # the run [i, j) moves up one slot, from its end
-        k = j - 1 if j > 0 else t.capacity - 1
-        t.slots[j] = t.slots[k]
-        j = k
+    _shift_up(t, i)
     t.slots[i] = entry
 
 cdef int _resize(Table* t, Py_ssize_t capacity) except -1 nogil:
@@ -501,7 +506,7 @@ cdef uint64_t* _slot_for(Table* t, uint64_t key, bint* added) except NULL nogil:
     """Where ``key``'s value is kept, ``key`` inserted (its value 0, ``added`` set) if it
     was absent: one walk of its run, where a miss and then :func:`_insert` make two (the
     miss stops where the key belongs). Valid until the next insertion."""
-    cdef Py_ssize_t i = 0, d = 0, j, k
+    cdef Py_ssize_t i = 0, d = 0
     cdef uint64_t found
     if key == 0:
         added[0] = not t.has_zero
@@ -525,13 +530,7 @@ cdef uint64_t* _slot_for(Table* t, uint64_t key, bint* added) except NULL nogil:
         _grow(t)
         _insert(t, key, 0)
         return &t.slots[_find(t, key)].value
-    j = i
-    while t.slots[j].key != 0:
-        j = _next(t, j)
-    while j != i:  # the run [i, j) moves up one slot, from its end
-        k = j - 1 if j > 0 else t.capacity - 1
-        t.slots[j] = t.slots[k]
-        j = k
+    _shift_up(t, i)
     t.slots[i].key = key
     t.slots[i].value = 0
     t.size += 1
