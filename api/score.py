@@ -55,7 +55,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvindex.api.load.model import CountedLoad, Load, is_newer_or_same
-from kvindex.api.load.store import LoadStore
+from kvindex.api.load.store import LoadChanges, LoadStore
+from kvindex.api.penalty_floors import PenaltyFloors
+from kvindex.api.penalty_floors import available as _floors_available
 from kvindex.api.policies import (
     Candidate,
     Decision,
@@ -67,6 +69,7 @@ from kvindex.api.policies import (
     decide,
     kv_aware,
     load_penalties,
+    tie_order,
     tier_credit,
 )
 from kvindex.api.routing_rules import WORKLOAD_HEADER, RoutingRule, RuleInput, first_match
@@ -96,10 +99,7 @@ from kvindex.indexer.keys import (
 _KEY_LIMIT = 2**64
 
 _Matches = dict[str, PrefixMatch]
-_compiled_best: (
-    Callable[[list[float], list[float], Callable[[], float], int | None], list[int]] | None
-)
-_compiled_best = None
+_compiled_best: Callable[..., list[int]] | None = None  # as policies.tie_order
 _compiled_kth: Callable[[list[float], int], float] | None = None
 _compiled_matches: (
     Callable[[HeldRuns, list[str], list[int], bool], tuple[_Matches, dict[str, int]]] | None
@@ -113,8 +113,11 @@ try:
 except ImportError:
     pass
 else:
-    _compiled_best, _compiled_kth = _lookup.best, _lookup.kth_smallest
+    _compiled_best, _compiled_kth = _lookup.best_tied, _lookup.kth_smallest
     _compiled_matches, _compiled_contenders = _lookup.best_matches, _lookup.contenders
+
+_MAX_FLOORS = 8
+"""Weights whose penalty floors a scorer keeps (the default, and rules' or requests')."""
 
 
 DEGRADED_REASONS = ("index_unavailable", "fleet_unreadable", "no_healthy_candidate")
@@ -300,6 +303,10 @@ class Scorer:
         """Answers made since the last load read: counted in the store by the next read."""
         self._health_policy = settings.health_policy()
         self._default_weights = settings.weights.as_dict()
+        self._changes = loads if isinstance(loads, LoadChanges) else None
+        self._floors: dict[Weights, PenaltyFloors] = {}
+        """Per weights, the penalty floors of the last candidate list scored with them
+        (:mod:`~kvindex.api.penalty_floors`; the last :data:`_MAX_FLOORS`)."""
 
     def note_load(self, replica: str, load: Load) -> None:
         """Remember a load this process accepted (``POST /load``), so that an answer made
@@ -349,10 +356,10 @@ class Scorer:
         ranked = [r for r in candidates if r not in unhealthy] if unhealthy else candidates
         ranked = ranked or candidates
         streams = self._streams(ranked)
-        lookup, loads = await self._read(keys, streams.streams, ranked)
+        lookup, loads, version = await self._read(keys, streams.streams, ranked)
         lookup.resolve(streams)
         if policy is Policy.KV_AWARE and not weights.temperature:
-            seen = _Seen(lookup, loads, {}, self._clock())
+            seen = _Seen(lookup, loads, {}, self._clock(), version)
             seen, decision = self._decide_kv_aware(
                 ranked, streams, seen, keys=keys, request=request, weights=weights
             )
@@ -545,36 +552,43 @@ class Scorer:
 
     async def _read(
         self, keys: list[int], streams: _Streams, replicas: Sequence[str]
-    ) -> tuple[_Lookup, dict[str, CountedLoad]]:
+    ) -> tuple[_Lookup, dict[str, CountedLoad], int | None]:
         """The request's two store reads (index, then load with the answers made since the
         last read counted first), in one worker-thread hop when the stores block (a hop
         costs about as much as a Redis round trip on loopback). Answers that could not be
         counted (the load store unreachable) are dropped: counted after the outage, they
-        would weigh on loads measured after they were made."""
+        would weigh on loads measured after they were made. The version: the load store's
+        change version read just before its read (None: the loads are not the store's,
+        or it keeps none), for the penalty floors (:meth:`_penalties`)."""
         answers, self._answers = self._answers, []
         if self._blocking:
-            found, loads = await asyncio.to_thread(
+            found, loads, version = await asyncio.to_thread(
                 self._read_stores, keys, streams, replicas, answers
             )
         else:
-            found, loads = self._read_stores(keys, streams, replicas, answers)
-        return _lookup_of(found), self._loads_seen(loads, replicas)
+            found, loads, version = self._read_stores(keys, streams, replicas, answers)
+        if loads is None:
+            version = None
+        return _lookup_of(found), self._loads_seen(loads, replicas), version
 
     def _read_stores(
         self, keys: list[int], streams: _Streams, replicas: Sequence[str], answers: list[str]
-    ) -> tuple[HeldRuns | IndexUnavailableError, dict[str, CountedLoad] | None]:
-        """Both reads; an unreachable store is returned as its error (index) or None (load)
-        so that the other read still happens."""
+    ) -> tuple[HeldRuns | IndexUnavailableError, dict[str, CountedLoad] | None, int | None]:
+        """Both reads (and the load store's change version just before its read); an
+        unreachable store is returned as its error (index) or None (load) so that the other
+        read still happens."""
         found: HeldRuns | IndexUnavailableError
         try:
             found = self._holders(keys, streams)
         except IndexUnavailableError as exc:
             found = exc
+        changes = self._changes
+        version = changes.change_version() if changes is not None else None
         try:
             loads = self._loads.get_counted(replicas, answers)
         except IndexUnavailableError:
             loads = None
-        return found, loads
+        return found, loads, version
 
     def _streams(self, replicas: list[str]) -> _Ranked:
         """Every stream of the candidates (and of each one); remembered until the candidates
@@ -660,8 +674,8 @@ class Scorer:
         order: score, then lower load, then the candidate's draw)."""
         rng = copy.copy(self._rng) if request.dry_run else self._rng
         matches, num_blocks, streams_of = seen.lookup.matches, len(keys), streams.streams_of
-        penalties = load_penalties(ranked, seen.loads, seen.now, weights)
         top_k = self.top_k(request)
+        penalties, positions, threshold = self._penalties(ranked, streams, seen, weights, top_k)
         contenders = _contenders(
             seen.lookup,
             penalties,
@@ -669,6 +683,7 @@ class Scorer:
             top_k=top_k,
             num_blocks=num_blocks,
             weights=weights,
+            threshold=threshold,
         )
         held = self._registry.freshness([s for r in contenders for s in streams_of.get(r, ())])
         states = _states(held)
@@ -682,7 +697,7 @@ class Scorer:
             num_blocks=num_blocks,
             weights=weights,
         )
-        order = _best(minus_scores, penalties, rng, top_k)
+        order = _best(minus_scores, penalties, rng, top_k, positions)
         winners = [ranked[i] for i in order]
         chosen = set(winners)
         seen.statuses.update(_by_replica([s for s in held if s.stream.replica in chosen]))
@@ -692,6 +707,48 @@ class Scorer:
         scored = kv_aware(cands, num_blocks, weights, [credit_of.get(r) for r in winners])
         assert all(s.score == -minus_scores[i] for s, i in zip(scored, order, strict=True))
         return seen, Decision(winners[0] if winners else None, scored)
+
+    def _penalties(
+        self,
+        ranked: list[str],
+        streams: _Ranked,
+        seen: _Seen,
+        weights: Weights,
+        top_k: int | None,
+    ) -> tuple[list[float], list[int] | None, float | None]:
+        """``(penalties, positions, kth)``: each candidate's load penalty by its position
+        in ``ranked``, as far as the answer needs them. From the penalty floors kept for
+        these candidates and weights (:class:`~kvindex.api.penalty_floors.PenaltyFloors`,
+        brought up to date with the load store's changes, made again when they no longer
+        hold): the holders', the changed replicas' and those that can be among the
+        ``top_k`` lowest, ``inf`` elsewhere, with the positions computed and the ``top_k``-th
+        lowest penalty. Else (every candidate explained, loads not read from the store,
+        or no compiled loops): every one, and None twice."""
+        changes, version = self._changes, seen.version
+        if (
+            changes is None
+            or version is None
+            or not top_k
+            or top_k >= len(ranked)
+            or not _floors_available()
+        ):
+            return load_penalties(ranked, seen.loads, seen.now, weights), None, None
+        kept = self._floors
+        floors = kept.get(weights)
+        if floors is not None and floors.holds(ranked, seen.now):
+            changed = changes.changed_since(floors.version)
+            if changed is None or not floors.note_changed(changed, streams.position, version):
+                floors = None
+        else:
+            floors = None
+        if floors is None:
+            floors = PenaltyFloors(ranked, weights, seen.loads, now=seen.now, version=version)
+            kept.pop(weights, None)
+            if len(kept) >= _MAX_FLOORS:
+                del kept[next(iter(kept))]  # the weights least recently made again
+            kept[weights] = floors
+        holders = list(map(streams.position.__getitem__, seen.lookup.matches))
+        return floors.penalties(seen.loads, seen.now, holders, top_k)
 
     def _decide(
         self,
@@ -731,6 +788,8 @@ class _Seen:
     loads: dict[str, CountedLoad]
     statuses: dict[str, list[StreamFreshness]]
     now: float
+    version: int | None = None
+    """The load store's change version before the loads were read (None: not the store's)."""
 
     def state(self, replica: str) -> Freshness:
         """The replica's freshness: its least fresh stream's."""
@@ -785,10 +844,12 @@ def _contenders(
     top_k: int | None,
     num_blocks: int,
     weights: Weights,
+    threshold: float | None = None,
 ) -> dict[str, PrefixMatch]:
     """The replicas that matched and may be among the best ``top_k`` whatever their
     freshness (every one when ``top_k`` keeps them all), each with its best match; a pass
-    over the holders' runs (:attr:`_Lookup.runs`), compiled when built.
+    over the holders' runs (:attr:`_Lookup.runs`), compiled when built. ``threshold``:
+    the ``top_k``-th smallest penalty when the caller knows it (the penalty floors' walk).
 
     Why the others cannot: no credit is negative, so no minus score is above its
     candidate's penalty, and the ``top_k``-th smallest penalty bounds the ``top_k``-th
@@ -807,7 +868,8 @@ def _contenders(
     factor = max(1.0, w.replaying_factor, w.stale_factor)
     per_block = w.cache * max(w.gpu, w.cpu, w.other) * factor / num_blocks
     per_block = per_block * (1.0 + 1e-9) + 1e-300  # above any rounding of the real credit
-    threshold = _kth_smallest(penalties, top_k)
+    if threshold is None:
+        threshold = _kth_smallest(penalties, top_k)
     contenders = _compiled_contenders or _py_contenders
     runs, position_of, replica_of = lookup.runs, streams.position_of, streams.replica_of
     return contenders(
@@ -906,31 +968,23 @@ def _by_replica(statuses: Sequence[StreamFreshness]) -> dict[str, list[StreamFre
 
 
 def _best(
-    minus_scores: list[float], penalties: list[float], rng: random.Random, top_k: int | None
+    minus_scores: list[float],
+    penalties: list[float],
+    rng: random.Random,
+    top_k: int | None,
+    positions: list[int] | None = None,
 ) -> list[int]:
     """Indices of the best ``top_k`` (None: every one), best first, in
-    :func:`~kvindex.api.policies.rank`'s order: score, then lower load, then a draw per
-    candidate (drawn from ``rng`` for every one, tie or not, as ``rank`` does). Compiled
-    when the extension is built (one C loop: draws, then the best ``top_k`` kept by
-    insertion), else :func:`_py_best`; the two agree (``tests/unit/indexer/native``)."""
+    :func:`~kvindex.api.policies.rank`'s order: score, then lower load, then chance (a
+    draw from ``rng`` per candidate of each tie the ``top_k`` reaches, and none
+    otherwise: :func:`~kvindex.api.policies.tie_order`). ``positions``: the only
+    candidates that can be among the ``top_k`` (None: every one; the others' minus scores
+    are above the ``top_k``-th, so none ties with those kept). Compiled when the extension
+    is built (``_lookup.best_tied``: the best ``top_k`` kept by insertion, then the draws),
+    else the Python reference; the two agree (``tests/unit/indexer/native``)."""
     if _compiled_best is not None:
-        return _compiled_best(minus_scores, penalties, rng.random, top_k)
-    return _py_best(minus_scores, penalties, rng, top_k)
-
-
-def _py_best(
-    minus_scores: list[float], penalties: list[float], rng: random.Random, top_k: int | None
-) -> list[int]:
-    """:func:`_best` in Python (the reference, and the fallback): only the candidates
-    scoring at least the ``top_k``-th best are ordered."""
-    draw = rng.random
-    draws = [draw() for _ in minus_scores]
-    picked: Sequence[int] = range(len(minus_scores))
-    if top_k and top_k < len(minus_scores):
-        threshold = sorted(minus_scores)[top_k - 1]
-        picked = [i for i, m in enumerate(minus_scores) if m <= threshold]
-    rows = sorted((minus_scores[i], penalties[i], draws[i], i) for i in picked)
-    return [row[3] for row in rows[:top_k]]
+        return _compiled_best(minus_scores, penalties, rng.random, top_k, positions)
+    return tie_order(minus_scores, penalties, rng.random, top_k, positions)
 
 
 def _events_down(statuses: Sequence[StreamFreshness], after_s: float) -> str | None:

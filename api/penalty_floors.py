@@ -1,0 +1,132 @@
+"""Load penalties kept per change of the loads, so that an answer computes few of them.
+
+A ``kv_aware`` answer needs the exact load penalty (:func:`~kvindex.api.policies.load_penalties`)
+of the replicas that can rank among its ``top_k``: the holders of the prompt's prefix
+(their cache credit may lift them), and the non-holders with the lowest penalties (a
+non-holder's score is minus its penalty). A penalty depends on its replica's counted load,
+the weights, and the clock (a load's weight halves every ``load_half_life_s``), so it
+cannot be kept as such; but as time passes it can only fall (:func:`floors`), so a floor
+under it holds for a while. :class:`PenaltyFloors` keeps, per candidate list and
+weights, each candidate's floor until a time ``until`` (a 16th of the half-life ahead),
+and the candidates in ascending order of floor (compiled: ``_lookup.penalty_floors`` and
+``_lookup.ascending``). An answer then computes the penalties of the holders and of the
+replicas whose load changed since the floors were made (the load store's
+:class:`~kvindex.api.load.store.LoadChanges`: each routed answer changes one), then walks
+the order while a floor is at most the ``top_k``-th lowest penalty computed so far
+(``_lookup.penalties_within``): every replica after that has a higher penalty than
+``top_k`` others, so it ranks after them (no credit is negative) and ties with none of
+them. What it costs: the holders, the changes, the ``top_k`` and the few replicas whose
+floor is within the window's decay of the ``top_k``-th penalty, not the fleet. The floors
+are made again (one pass over the fleet) when the clock passes ``until``, when more than
+:data:`MAX_CHANGED` replicas (or an eighth of them) changed, when the candidates change,
+or when the store cannot say what changed (it was emptied, or read whole again).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+from kvindex.api.load.model import CountedLoad
+from kvindex.api.policies import Weights
+
+_Floors = Callable[..., list[float]]  # as _lookup.penalty_floors
+_Within = Callable[..., tuple[list[float], list[int], float]]  # as _lookup.penalties_within
+_compiled_floors: _Floors | None = None
+_compiled_ascending: Callable[[list[float]], list[int]] | None = None
+_compiled_within: _Within | None = None
+"""The compiled loops (None: not built; the scorer then computes every penalty)."""
+try:
+    from kvindex.indexer.native import _lookup
+except ImportError:
+    pass
+else:
+    _compiled_floors, _compiled_ascending = _lookup.penalty_floors, _lookup.ascending
+    _compiled_within = _lookup.penalties_within
+
+WINDOW_OF_HALF_LIFE = 1 / 16
+"""How far ahead floors hold, in half-lives (0.625 s at the default 10 s): a decaying
+penalty's floor is then within 4.2% of it (``1 - 0.5 ** (1 / 16)``), so few replicas
+beyond the ``top_k`` are computed, and the floors are made again at most 1.6 times a
+second however busy the API."""
+MAX_CHANGED = 256
+"""Changed replicas (whose penalties are computed every answer) before floors are made
+again; an eighth of the candidates when that is fewer."""
+
+
+def available() -> bool:
+    """The compiled loops are built (without them every penalty is computed)."""
+    return _compiled_within is not None
+
+
+def _weights_args(w: Weights) -> tuple[float, ...]:
+    return (
+        w.in_flight,
+        w.in_flight_tokens,
+        w.load_half_life_s,
+        w.waiting,
+        w.running,
+        w.routed,
+        w.kv_usage,
+    )
+
+
+class PenaltyFloors:
+    """Floors under the load penalties of ``replicas`` (the scorer's ranked list, never
+    changed) under ``weights``, made from a load read at store version ``version`` (see
+    :class:`~kvindex.api.load.store.LoadChanges`) and holding until ``until``. Not
+    thread-safe (the scorer uses it on its event loop)."""
+
+    __slots__ = ("_args", "_changed", "_dirty", "_floors", "_order", "replicas", "until", "version")
+
+    def __init__(
+        self,
+        replicas: list[str],
+        weights: Weights,
+        counted: dict[str, CountedLoad],
+        *,
+        now: float,
+        version: int,
+    ) -> None:
+        assert _compiled_floors is not None and _compiled_ascending is not None
+        half_life = weights.load_half_life_s
+        self.replicas = replicas
+        self.until = now + half_life * WINDOW_OF_HALF_LIFE if half_life else math.inf
+        self.version = version
+        self._args = _weights_args(weights)
+        self._floors = _compiled_floors(replicas, counted, self.until, *self._args)
+        self._order = _compiled_ascending(self._floors)
+        self._dirty: list[int] = []
+        """Positions whose floors may be out of date: computed every answer."""
+        self._changed: set[int] = set()
+
+    def holds(self, replicas: list[str], now: float) -> bool:
+        """The floors are for ``replicas`` and hold at ``now``."""
+        same = self.replicas is replicas or self.replicas == replicas
+        return same and now <= self.until
+
+    def note_changed(self, changed: Iterable[str], position: dict[str, int], version: int) -> bool:
+        """Mark the replicas whose load changed (the store's ``changed_since`` the floors'
+        version, read after ``version``: the store's version before the current read);
+        False when so many changed that the floors should be made again."""
+        dirty, known = self._dirty, self._changed
+        for replica in changed:
+            at = position.get(replica)
+            if at is not None and at not in known:
+                known.add(at)
+                dirty.append(at)
+        self.version = version
+        return len(dirty) <= min(MAX_CHANGED, len(self.replicas) // 8 + 1)
+
+    def penalties(
+        self, counted: dict[str, CountedLoad], now: float, holders: list[int], k: int
+    ) -> tuple[list[float], list[int], float]:
+        """``(penalties, positions, kth)``: as of ``now``, the exact penalty of every
+        replica that can be among the ``k`` lowest and of the ``holders`` (positions), at
+        its position (``inf`` for the others), the positions computed, and the ``k``-th
+        lowest penalty of all (``1 <= k <= len(replicas)``)."""
+        assert _compiled_within is not None
+        exact = self._dirty + holders if self._dirty else holders
+        return _compiled_within(
+            self.replicas, counted, now, self._order, self._floors, exact, k, *self._args
+        )
