@@ -24,8 +24,9 @@ or when the store cannot say what changed (it was emptied, or read whole again).
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from kvindex.api.load.model import CountedLoad
 from kvindex.api.policies import Weights
@@ -35,6 +36,7 @@ _Within = Callable[..., tuple[list[float], list[int], float]]  # as _lookup.pena
 _compiled_floors: _Floors | None = None
 _compiled_ascending: Callable[[list[float]], list[int]] | None = None
 _compiled_within: _Within | None = None
+_compiled_penalties: _Floors | None = None  # as _lookup.load_penalties
 """The compiled loops (None: not built; the scorer then computes every penalty)."""
 try:
     from kvindex.indexer.native import _lookup
@@ -43,6 +45,7 @@ except ImportError:
 else:
     _compiled_floors, _compiled_ascending = _lookup.penalty_floors, _lookup.ascending
     _compiled_within = _lookup.penalties_within
+    _compiled_penalties = _lookup.load_penalties
 
 WINDOW_OF_HALF_LIFE = 1 / 16
 """How far ahead floors hold, in half-lives (0.625 s at the default 10 s): a decaying
@@ -74,10 +77,11 @@ def _weights_args(w: Weights) -> tuple[float, ...]:
 class PenaltyFloors:
     """Floors under the load penalties of ``replicas`` (the scorer's ranked list, never
     changed) under ``weights``, made from a load read at store version ``version`` (see
-    :class:`~kvindex.api.load.store.LoadChanges`) and holding until ``until``. Not
+    :class:`~kvindex.api.load.store.LoadChanges`) and holding until ``until``; a changed
+    replica's floor is made again and moved in the order (:meth:`note_changed`). Not
     thread-safe (the scorer uses it on its event loop)."""
 
-    __slots__ = ("_args", "_changed", "_dirty", "_floors", "_order", "replicas", "until", "version")
+    __slots__ = ("_args", "_floors", "_order", "_ordered", "replicas", "until", "version")
 
     def __init__(
         self,
@@ -95,38 +99,106 @@ class PenaltyFloors:
         self.version = version
         self._args = _weights_args(weights)
         self._floors = _compiled_floors(replicas, counted, self.until, *self._args)
+        """Each replica's floor, by position."""
         self._order = _compiled_ascending(self._floors)
-        self._dirty: list[int] = []
-        """Positions whose floors may be out of date: computed every answer."""
-        self._changed: set[int] = set()
+        """The positions in ascending order of floor."""
+        self._ordered = [self._floors[i] for i in self._order]
+        """The floors in that order (what a changed floor is found and placed by)."""
 
     def holds(self, replicas: list[str], now: float) -> bool:
         """The floors are for ``replicas`` and hold at ``now``."""
         same = self.replicas is replicas or self.replicas == replicas
         return same and now <= self.until
 
-    def note_changed(self, changed: Iterable[str], position: dict[str, int], version: int) -> bool:
-        """Mark the replicas whose load changed (the store's ``changed_since`` the floors'
-        version, read after ``version``: the store's version before the current read);
-        False when so many changed that the floors should be made again."""
-        dirty, known = self._dirty, self._changed
-        for replica in changed:
-            at = position.get(replica)
-            if at is not None and at not in known:
-                known.add(at)
-                dirty.append(at)
+    def note_changed(
+        self,
+        changed: Sequence[str],
+        position: dict[str, int],
+        counted: dict[str, CountedLoad],
+        version: int,
+    ) -> bool:
+        """Make the floors of the replicas whose load changed again from ``counted`` (the
+        store's ``changed_since`` the floors' version, read after ``counted`` was, which the
+        store's version was ``version`` before) and move them in the order; False, and
+        nothing changed, when so many changed that the floors should be made again. A change
+        after ``version`` is given again by the next answer's ``changed_since``."""
+        assert _compiled_floors is not None
+        moved = [at for replica in changed if (at := position.get(replica)) is not None]
+        if len(moved) > min(MAX_CHANGED, len(self.replicas) // 8 + 1):
+            return False
+        if moved:
+            replicas = self.replicas
+            fresh = _compiled_floors(
+                [replicas[at] for at in moved], counted, self.until, *self._args
+            )
+            for at, floor in zip(moved, fresh, strict=True):
+                self._move(at, floor)
         self.version = version
-        return len(dirty) <= min(MAX_CHANGED, len(self.replicas) // 8 + 1)
+        return True
 
-    def penalties(
-        self, counted: dict[str, CountedLoad], now: float, holders: list[int], k: int
-    ) -> tuple[list[float], list[int], float]:
-        """``(penalties, positions, kth)``: as of ``now``, the exact penalty of every
-        replica that can be among the ``k`` lowest and of the ``holders`` (positions), at
-        its position (``inf`` for the others), the positions computed, and the ``k``-th
-        lowest penalty of all (``1 <= k <= len(replicas)``)."""
+    def _move(self, at: int, floor: float) -> None:
+        floors, order, ordered = self._floors, self._order, self._ordered
+        old = floors[at]
+        if old == floor:
+            return
+        i = bisect.bisect_left(ordered, old)
+        while order[i] != at:  # among equal floors
+            i += 1
+        del order[i], ordered[i]
+        j = bisect.bisect_left(ordered, floor)
+        order.insert(j, at)
+        ordered.insert(j, floor)
+        floors[at] = floor
+
+    def walk(self, counted: dict[str, CountedLoad], now: float, k: int) -> Walk:
+        """The exact penalties, as of ``now``, of every replica that can be among the ``k``
+        lowest (``1 <= k <= len(replicas)``): see :class:`Walk`."""
         assert _compiled_within is not None
-        exact = self._dirty + holders if self._dirty else holders
-        return _compiled_within(
-            self.replicas, counted, now, self._order, self._floors, exact, k, *self._args
+        penalties, positions, kth = _compiled_within(
+            self.replicas, counted, now, self._order, self._floors, [], k, *self._args
         )
+        return Walk(self, counted, now, penalties=penalties, positions=positions, kth=kth)
+
+
+class Walk:
+    """One answer's penalties from :class:`PenaltyFloors`: ``penalties`` by position (exact
+    where computed, ``inf`` elsewhere), ``positions`` computed, and ``kth``, the ``k``-th
+    lowest penalty of all; :meth:`complete` adds the holders the scorer needs."""
+
+    __slots__ = ("_counted", "_floors", "_now", "kth", "penalties", "positions")
+
+    def __init__(
+        self,
+        floors: PenaltyFloors,
+        counted: dict[str, CountedLoad],
+        now: float,
+        *,
+        penalties: list[float],
+        positions: list[int],
+        kth: float,
+    ) -> None:
+        self._floors, self._counted, self._now = floors, counted, now
+        self.penalties, self.positions, self.kth = penalties, positions, kth
+
+    def bounds(self) -> list[float]:
+        """A floor under every penalty, by position: the exact one where computed."""
+        out = self._floors._floors.copy()
+        penalties = self.penalties
+        for at in self.positions:
+            out[at] = penalties[at]
+        return out
+
+    def complete(self, wanted: Iterable[int]) -> None:
+        """Compute the exact penalties of the positions ``wanted`` not computed yet (the
+        holders that may rank among the ``top_k``, found from :meth:`bounds`)."""
+        assert _compiled_penalties is not None
+        penalties, inf = self.penalties, math.inf
+        missing = [at for at in wanted if penalties[at] == inf]
+        if not missing:
+            return
+        floors = self._floors
+        replicas = [floors.replicas[at] for at in missing]
+        exact = _compiled_penalties(replicas, self._counted, self._now, *floors._args)
+        for at, penalty in zip(missing, exact, strict=True):
+            penalties[at] = penalty
+        self.positions.extend(missing)

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 
 from kvindex.api.load.model import CountedLoad, Load, is_newer_or_same
 from kvindex.api.load.store import LoadChanges, LoadStore
-from kvindex.api.penalty_floors import PenaltyFloors
+from kvindex.api.penalty_floors import PenaltyFloors, Walk
 from kvindex.api.penalty_floors import available as _floors_available
 from kvindex.api.policies import (
     Candidate,
@@ -675,16 +675,24 @@ class Scorer:
         rng = copy.copy(self._rng) if request.dry_run else self._rng
         matches, num_blocks, streams_of = seen.lookup.matches, len(keys), streams.streams_of
         top_k = self.top_k(request)
-        penalties, positions, threshold = self._penalties(ranked, streams, seen, weights, top_k)
+        walk = self._penalties(ranked, streams, seen, weights, top_k)
+        if isinstance(walk, list):
+            penalties = bounds = walk
+            positions, threshold = None, None
+        else:  # floors under the others' penalties bound the contenders as well
+            penalties, positions, threshold = walk.penalties, walk.positions, walk.kth
+            bounds = walk.bounds()
         contenders = _contenders(
             seen.lookup,
-            penalties,
+            bounds,
             streams,
             top_k=top_k,
             num_blocks=num_blocks,
             weights=weights,
             threshold=threshold,
         )
+        if not isinstance(walk, list):
+            walk.complete(map(streams.position.__getitem__, contenders))
         held = self._registry.freshness([s for r in contenders for s in streams_of.get(r, ())])
         states = _states(held)
         credit_of: dict[str, tuple[float, float]] = {}
@@ -715,15 +723,14 @@ class Scorer:
         seen: _Seen,
         weights: Weights,
         top_k: int | None,
-    ) -> tuple[list[float], list[int] | None, float | None]:
-        """``(penalties, positions, kth)``: each candidate's load penalty by its position
-        in ``ranked``, as far as the answer needs them. From the penalty floors kept for
-        these candidates and weights (:class:`~kvindex.api.penalty_floors.PenaltyFloors`,
-        brought up to date with the load store's changes, made again when they no longer
-        hold): the holders', the changed replicas' and those that can be among the
-        ``top_k`` lowest, ``inf`` elsewhere, with the positions computed and the ``top_k``-th
-        lowest penalty. Else (every candidate explained, loads not read from the store,
-        or no compiled loops): every one, and None twice."""
+    ) -> list[float] | Walk:
+        """Each candidate's load penalty by its position in ``ranked``, as far as the
+        answer needs them: from the penalty floors kept for these candidates and weights
+        (:class:`~kvindex.api.penalty_floors.PenaltyFloors`, brought up to date with the
+        load store's changes, made again when they no longer hold), those that can be among
+        the ``top_k`` lowest (a :class:`~kvindex.api.penalty_floors.Walk`: the holders that
+        may rank are added once the contenders are known). Else (every candidate
+        explained, loads not read from the store, or no compiled loops): every one."""
         changes, version = self._changes, seen.version
         if (
             changes is None
@@ -732,23 +739,24 @@ class Scorer:
             or top_k >= len(ranked)
             or not _floors_available()
         ):
-            return load_penalties(ranked, seen.loads, seen.now, weights), None, None
-        kept = self._floors
+            return load_penalties(ranked, seen.loads, seen.now, weights)
+        kept, loads = self._floors, seen.loads
         floors = kept.get(weights)
         if floors is not None and floors.holds(ranked, seen.now):
             changed = changes.changed_since(floors.version)
-            if changed is None or not floors.note_changed(changed, streams.position, version):
+            if changed is None or not floors.note_changed(
+                changed, streams.position, loads, version
+            ):
                 floors = None
         else:
             floors = None
         if floors is None:
-            floors = PenaltyFloors(ranked, weights, seen.loads, now=seen.now, version=version)
+            floors = PenaltyFloors(ranked, weights, loads, now=seen.now, version=version)
             kept.pop(weights, None)
             if len(kept) >= _MAX_FLOORS:
                 del kept[next(iter(kept))]  # the weights least recently made again
             kept[weights] = floors
-        holders = list(map(streams.position.__getitem__, seen.lookup.matches))
-        return floors.penalties(seen.loads, seen.now, holders, top_k)
+        return floors.walk(loads, seen.now, top_k)
 
     def _decide(
         self,
