@@ -1,25 +1,30 @@
 """Load penalties kept per change of the loads, so that an answer computes few of them.
 
 A ``kv_aware`` answer needs the exact load penalty (:func:`~kvindex.api.policies.load_penalties`)
-of the replicas that can rank among its ``top_k``: the holders of the prompt's prefix
-(their cache credit may lift them), and the non-holders with the lowest penalties (a
-non-holder's score is minus its penalty). A penalty depends on its replica's counted load,
-the weights, and the clock (a load's weight halves every ``load_half_life_s``), so it
-cannot be kept as such; but as time passes it can only fall (:func:`floors`), so a floor
-under it holds for a while. :class:`PenaltyFloors` keeps, per candidate list and
-weights, each candidate's floor until a time ``until`` (a 16th of the half-life ahead),
-and the candidates in ascending order of floor (compiled: ``_lookup.penalty_floors`` and
-``_lookup.ascending``). An answer then computes the penalties of the holders and of the
-replicas whose load changed since the floors were made (the load store's
-:class:`~kvindex.api.load.store.LoadChanges`: each routed answer changes one), then walks
-the order while a floor is at most the ``top_k``-th lowest penalty computed so far
-(``_lookup.penalties_within``): every replica after that has a higher penalty than
-``top_k`` others, so it ranks after them (no credit is negative) and ties with none of
-them. What it costs: the holders, the changes, the ``top_k`` and the few replicas whose
-floor is within the window's decay of the ``top_k``-th penalty, not the fleet. The floors
-are made again (one pass over the fleet) when the clock passes ``until``, when more than
-:data:`MAX_CHANGED` replicas (or an eighth of them) changed, when the candidates change,
-or when the store cannot say what changed (it was emptied, or read whole again).
+of the replicas that can rank among its ``top_k``: the non-holders with the lowest
+penalties (a non-holder's score is minus its penalty), and the holders of the prompt's
+prefix whose cache credit may lift them there. A penalty depends on its replica's counted
+load, the weights and the clock (a load's weight halves every ``load_half_life_s``), so it
+cannot be kept as such; but it only falls as time passes, so its value at a time ahead is
+a floor under it until then (``_lookup.penalty_floors``, with a margin for rounding).
+
+:class:`PenaltyFloors` keeps, per candidate list and weights, each candidate's floor until
+``until`` (a 16th of the half-life ahead) and the candidates in ascending order of floor
+(``_lookup.ascending``). A replica whose load changed since (the load store's
+:class:`~kvindex.api.load.store.LoadChanges`: each routed answer changes one) has its floor
+made again and moved in the order (a bisection and a move of a list). An answer
+(:meth:`PenaltyFloors.walk`, ``_lookup.penalties_within``) walks the order computing exact
+penalties while a floor is at most the ``top_k``-th lowest penalty computed so far: every
+replica after that has a penalty above ``top_k`` others', so it ranks after them (no
+credit is negative) and ties with none of them. The holders are then bounded with the
+floors (:meth:`Walk.bounds`: the scorer's contender test with a floor for a penalty keeps
+a superset) and only those kept computed (:meth:`Walk.complete`). What an answer costs:
+the changes, the ``top_k`` and the few replicas whose floor is within the window's decay of
+the ``top_k``-th penalty, and the holders that may rank; not the fleet. The floors are made
+again (a pass over the fleet and a sort) when the clock passes ``until``, when more than
+:data:`MAX_CHANGED` replicas (or an eighth of them) changed between two answers, when the
+candidates change, or when the store cannot say what changed (it was emptied, or read
+whole again).
 """
 
 from __future__ import annotations
@@ -52,6 +57,10 @@ WINDOW_OF_HALF_LIFE = 1 / 16
 penalty's floor is then within 4.2% of it (``1 - 0.5 ** (1 / 16)``), so few replicas
 beyond the ``top_k`` are computed, and the floors are made again at most 1.6 times a
 second however busy the API."""
+MIN_CANDIDATES = 128
+"""Fewer candidates than this: every penalty is computed (cheaper than keeping floors: an
+answer of ``bench/score.py``'s lookup took 4% more instructions with floors at 64
+replicas, 6% fewer at 256)."""
 MAX_CHANGED = 256
 """Changed replicas (whose penalties are computed every answer) before floors are made
 again; an eighth of the candidates when that is fewer."""
@@ -60,6 +69,18 @@ again; an eighth of the candidates when that is fewer."""
 def available() -> bool:
     """The compiled loops are built (without them every penalty is computed)."""
     return _compiled_within is not None
+
+
+def pays(num_candidates: int, top_k: int | None) -> bool:
+    """Whether floors pay for an answer explaining ``top_k`` of ``num_candidates``: the
+    compiled loops are built, the candidates are :data:`MIN_CANDIDATES` or more, and the
+    ``top_k`` leaves some out."""
+    return (
+        _compiled_within is not None
+        and num_candidates >= MIN_CANDIDATES
+        and top_k is not None
+        and 0 < top_k < num_candidates
+    )
 
 
 def _weights_args(w: Weights) -> tuple[float, ...]:

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from kvindex.api.load.model import CountedLoad, Load, is_newer_or_same
 from kvindex.api.load.store import LoadChanges, LoadStore
 from kvindex.api.penalty_floors import PenaltyFloors, Walk
-from kvindex.api.penalty_floors import available as _floors_available
+from kvindex.api.penalty_floors import pays as _floors_pay
 from kvindex.api.policies import (
     Candidate,
     Decision,
@@ -307,6 +307,7 @@ class Scorer:
         self._floors: dict[Weights, PenaltyFloors] = {}
         """Per weights, the penalty floors of the last candidate list scored with them
         (:mod:`~kvindex.api.penalty_floors`; the last :data:`_MAX_FLOORS`)."""
+        self._last_floors: tuple[Weights, PenaltyFloors] | None = None
 
     def note_load(self, replica: str, load: Load) -> None:
         """Remember a load this process accepted (``POST /load``), so that an answer made
@@ -729,19 +730,16 @@ class Scorer:
         (:class:`~kvindex.api.penalty_floors.PenaltyFloors`, brought up to date with the
         load store's changes, made again when they no longer hold), those that can be among
         the ``top_k`` lowest (a :class:`~kvindex.api.penalty_floors.Walk`: the holders that
-        may rank are added once the contenders are known). Else (every candidate
-        explained, loads not read from the store, or no compiled loops): every one."""
+        may rank are added once the contenders are known). Else (fewer candidates than
+        floors pay for, every one explained, loads not read from the store, or no
+        compiled loops): every one."""
         changes, version = self._changes, seen.version
-        if (
-            changes is None
-            or version is None
-            or not top_k
-            or top_k >= len(ranked)
-            or not _floors_available()
-        ):
+        if changes is None or version is None or not _floors_pay(len(ranked), top_k):
             return load_penalties(ranked, seen.loads, seen.now, weights)
+        assert top_k is not None
         kept, loads = self._floors, seen.loads
-        floors = kept.get(weights)
+        last = self._last_floors  # the same weights object as the last answer's: no hashing
+        floors = last[1] if last is not None and last[0] is weights else kept.get(weights)
         if floors is not None and floors.holds(ranked, seen.now):
             changed = changes.changed_since(floors.version)
             if changed is None or not floors.note_changed(
@@ -756,6 +754,7 @@ class Scorer:
             if len(kept) >= _MAX_FLOORS:
                 del kept[next(iter(kept))]  # the weights least recently made again
             kept[weights] = floors
+        self._last_floors = (weights, floors)
         return floors.walk(loads, seen.now, top_k)
 
     def _decide(

@@ -8,7 +8,7 @@ request, the clock passing the floors' window, a store read whole again."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from unittest.mock import patch
 
 import fakeredis
@@ -29,6 +29,14 @@ from kvindex.indexer.index.protocol import IndexUnavailableError
 from kvindex.indexer.redis_schema import Schema
 
 pytestmark = pytest.mark.skipif(not penalty_floors.available(), reason="not compiled")
+
+
+@pytest.fixture(autouse=True)
+def _floors_for_small_fleets() -> Iterator[None]:
+    """Floors from one candidate on (these fleets are below the configured threshold)."""
+    with patch.object(penalty_floors, "MIN_CANDIDATES", 1):
+        yield
+
 
 NOW = 1_000_000.0
 NUM_REPLICAS = 40
@@ -146,3 +154,14 @@ def test_a_snapshot_emptied_by_an_outage_makes_the_floors_again() -> None:
     loads.put("r39", Load(0.0, 0.0, 0.0, NOW + 1.0, "push"))
     assert api.best() == ["r39", "r0"]
     assert api.made == 2
+
+
+def test_below_the_threshold_every_penalty_is_computed() -> None:
+    loads = MemoryLoadStore()
+    _fill(loads)
+    api = Api(loads)
+    with patch.object(penalty_floors, "MIN_CANDIDATES", NUM_REPLICAS + 1):
+        assert api.best() == ["r0", "r1"]
+    assert api.made == 0
+    assert api.best() == ["r0", "r1"]
+    assert api.made == 1

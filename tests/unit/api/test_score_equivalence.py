@@ -15,7 +15,7 @@ import asyncio
 import copy
 import itertools
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from unittest.mock import patch
 
@@ -44,6 +44,16 @@ from kvindex.indexer.keys import block_keys
 
 MODEL = "m"
 NOW = 10_000.0
+
+
+@pytest.fixture(autouse=True, params=[1, floors_module.MIN_CANDIDATES], ids=["floors", "plain"])
+def _floors_from(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test twice: with penalty floors from one candidate on (these fleets are
+    small), and as configured (below the threshold every penalty is computed)."""
+    with patch.object(floors_module, "MIN_CANDIDATES", request.param):
+        yield
+
+
 BLOCK_SIZE = 16
 TOKENS = list(range(1, 16 * BLOCK_SIZE + 1))
 KEYS = block_keys(MODEL, TOKENS, BLOCK_SIZE)
