@@ -202,12 +202,9 @@ class Walk:
         self.penalties, self.positions, self.kth = penalties, positions, kth
 
     def bounds(self) -> list[float]:
-        """A floor under every penalty, by position: the exact one where computed."""
-        out = self._floors._floors.copy()
-        penalties = self.penalties
-        for at in self.positions:
-            out[at] = penalties[at]
-        return out
+        """A floor under every penalty, by position (the floors' own list, not to be
+        changed: a copy would touch every replica's float, a cache line each)."""
+        return self._floors._floors
 
     def complete(self, wanted: Iterable[int]) -> None:
         """Compute the exact penalties of the positions ``wanted`` not computed yet (the

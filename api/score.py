@@ -18,11 +18,20 @@ The read path, step by step (the README's diagram numbers them the same way):
    (:func:`kvindex.api.policies.decide`); only those become entries, every term reported,
    the rest counted (``num_candidates``, ``num_matched``).
 
-Cost per request, for ``kv_aware`` (the default; no temperature): the lookup, then per
-candidate one load penalty and one random draw (:func:`~kvindex.api.policies.load_penalties`,
-the draw :func:`~kvindex.api.policies.rank` makes for every one; both compiled loops when
-the extension is built, ``kvindex.indexer.native._lookup``), C-speed copies of the
-fleet's lists (specs sorted once per change, loads kept as they change). Everything else
+Cost per request, for ``kv_aware`` (the default; no temperature): the lookup, then the load
+penalties the answer needs. From 128 candidates on, with a ``top_k`` that leaves some out,
+they come from floors kept per candidate list and weights
+(:mod:`~kvindex.api.penalty_floors`): a changed replica's floor made again (the load
+store's :class:`~kvindex.api.load.store.LoadChanges`: an answer counted changes one), then
+exact penalties only for the replicas whose floor may be among the ``top_k`` lowest and
+the holders whose floor, less the most their match can add, may be; the floors are made
+again (a pass over the fleet) once the clock passes a 16th of the load half-life. Below
+that, or with every candidate explained, every penalty is computed
+(:func:`~kvindex.api.policies.load_penalties`, one compiled loop). A random draw is made
+only for a tie the ``top_k`` reaches (:func:`~kvindex.api.policies.tie_order`, as ``rank``
+draws: the same law of answers as a draw per candidate). Left per candidate: C-speed
+copies of the fleet's lists (the load read's dict, the answer's list of penalties; specs
+sorted once per change). Everything else
 follows the holders, not the fleet: the index answers its holders alone, by index in the
 streams asked, in runs of one match (:func:`~kvindex.indexer.index.protocol.holders_of`;
 the memory index walks the matched prefix and names no other stream); each replica's best
@@ -34,10 +43,12 @@ candidates stay the same. The cache term only for the contenders (one credit per
 match) with the freshness it needs; candidates, terms, freshness and load views, entries
 and their JSON for the best ``top_k`` alone, ordered as ``rank`` orders them (ties: lower
 load, then the draw), so ``best`` and the entries are those of the plain path
-(``tests/unit/api/test_score_equivalence.py``). At 1,024 replicas of which 256 hold a
-64-block prefix, the lookup and these passes cost 0.4 M instructions where they cost
-2.0 M (callgrind; the load penalties and load reads, 2.5 M, are then most of an answer's
-4.6 M). A body's ``token_ids`` are read as u32 bytes
+(``tests/unit/api/test_score_equivalence.py``). An answer of ``bench/score.py``'s lookup
+(memory store, 1,024 replicas of which 256 hold a 64-block prefix, default ``top_k``)
+costs 2.07 M instructions where it cost 3.00 M with a penalty and a draw per candidate
+(callgrind, 200 answers; at 32 replicas, 32,768 blocks, 1.55 M and 1.54 M): about 130
+penalties computed instead of 1,024, no draw without a tie. A body's ``token_ids`` are read
+as u32 bytes
 (:func:`~kvindex.api.schemas.decode_score_request`), no Python int per token. Other
 policies, and ``kv_aware`` with a temperature (a softmax over every score), build a
 candidate and a score per replica.
