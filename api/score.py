@@ -45,7 +45,7 @@ and their JSON for the best ``top_k`` alone, ordered as ``rank`` orders them (ti
 load, then the draw), so ``best`` and the entries are those of the plain path
 (``tests/unit/api/test_score_equivalence.py``). An answer of ``bench/score.py``'s lookup
 (memory store, 1,024 replicas of which 256 hold a 64-block prefix, default ``top_k``)
-costs 2.07 M instructions where it cost 3.00 M with a penalty and a draw per candidate
+costs 2.05 M instructions where it cost 3.00 M with a penalty and a draw per candidate
 (callgrind, 200 answers; at 32 replicas, 32,768 blocks, 1.55 M and 1.54 M): about 130
 penalties computed instead of 1,024, no draw without a tie. A body's ``token_ids`` are read
 as u32 bytes
