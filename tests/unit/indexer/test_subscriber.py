@@ -89,7 +89,8 @@ def _open_sockets_until_full(context: Context, timeout_s: float = 3.0) -> int:
 def test_out_of_sockets_at_start_is_a_named_error_with_nothing_left_open() -> None:
     context = _tiny_context(8)  # a stream holds 3 sockets: the third replica does not fit
     registry = Registry(_replicas(5))
-    subscriber = Subscriber(IndexerSettings(), MemoryIndex(), registry, context=context)
+    settings = IndexerSettings(ingest_workers=1)  # the counts below are one loop's
+    subscriber = Subscriber(settings, MemoryIndex(), registry, context=context)
     try:
         with pytest.raises(SocketLimitError) as caught:
             subscriber.start()
@@ -109,7 +110,8 @@ def test_a_replica_that_does_not_fit_later_is_one_error_line_and_opens_once_room
 ) -> None:
     context = _tiny_context(6)
     registry = Registry(_replicas(3))
-    subscriber = Subscriber(IndexerSettings(), MemoryIndex(), registry, context=context)
+    settings = IndexerSettings(ingest_workers=1)  # the counts below are one loop's
+    subscriber = Subscriber(settings, MemoryIndex(), registry, context=context)
     try:
         with caplog.at_level(logging.ERROR, logger="kvindex.subscriber"):
             for _ in range(3):
