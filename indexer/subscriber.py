@@ -573,6 +573,7 @@ class Subscriber:
         ]
         self._threads: list[threading.Thread | None] = [None] * num
         self._supervisor: threading.Thread | None = None
+        self._opened = False
         self.num_restarts = 0
         """Workers started again after their thread ended unexpectedly."""
 
@@ -601,16 +602,26 @@ class Subscriber:
 
     # --- lifecycle -----------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Open every worker's sockets now (so bind errors and :class:`SocketLimitError`
-        surface here, every socket closed again), then run each in a daemon thread, and a
-        supervisor that restarts a worker whose thread died."""
+    def open(self) -> None:
+        """Open every worker's sockets (so bind errors and :class:`SocketLimitError`
+        surface here, every socket closed again) without running the workers yet: what
+        arrives meanwhile waits in the sockets (a benchmark's backlog). :meth:`start`
+        does it if not done."""
+        if self._opened:
+            return
         try:
             for loop in self.loops:
                 loop.open()
         except (SocketLimitError, zmq.ZMQError):
             self._close_all()
             raise
+        self._opened = True
+        log.info("ingest workers: %d", len(self.loops))
+
+    def start(self) -> None:
+        """:meth:`open`, then run each worker in a daemon thread, and a supervisor that
+        restarts a worker whose thread died."""
+        self.open()
         for worker in range(len(self.loops)):
             self._start_worker(worker)
         self._supervisor = threading.Thread(
