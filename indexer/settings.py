@@ -38,9 +38,11 @@ StoreKind = Literal["memory", "redis"]
 ShardMode = Literal["auto", "on", "off"]
 SHARD_MODES: tuple[str, ...] = get_args(ShardMode)
 ENV_PREFIX = "KVINDEX_"
-MAX_AUTO_INGEST_WORKERS = 4
-"""Most ingest workers ``ingest_workers = 0`` starts: past the GIL-free part's share of
-ingest (about half), more loops only wait on the GIL and the index lock."""
+MAX_AUTO_INGEST_WORKERS = 2
+"""Most ingest workers ``ingest_workers = 0`` starts. What two workers can overlap is one's
+compiled ingest (without the GIL, under the index lock) with the other's receiving and
+decoding (under the GIL): the smaller of the two is a quarter to a third of a worker's
+time, so a third worker finds nothing left to overlap."""
 MAX_INGEST_WORKERS = 64
 """Most ingest workers a setting may ask for."""
 API_SECTIONS = ("api", "models", "rules", "proxy")
@@ -125,11 +127,13 @@ class IndexerSettings:
     ingest_workers: int = 0
     """Subscriber loops of the memory store's write path, each owning the sockets and the
     pipeline of its share of the connect-mode streams (a stream stays on one loop: its
-    batches keep their order); the bound SUB is read by the first. They overlap where the
-    compiled ingest runs without the GIL, about half of it (README, Performance). 0: one
-    per core available to the process (``os.sched_getaffinity``), at most
-    :data:`MAX_AUTO_INGEST_WORKERS`. On Redis one loop per process (run more sharded
-    indexers to use more cores); a count above 1 there is refused."""
+    batches keep their order); the bound SUB is read by the first. They overlap only where
+    the compiled ingest runs without the GIL (README, Performance). 0: one per two cores
+    available to the process (``os.sched_getaffinity``: a worker's core, and one for the
+    API and everything else that holds the GIL), at least 1, at most
+    :data:`MAX_AUTO_INGEST_WORKERS`; on 2 cores that is 1, as two measured no faster there.
+    On Redis one loop per process (run more sharded indexers to use more cores); a count
+    above 1 there is refused."""
 
     @property
     def key_cache_entries(self) -> int:
@@ -140,13 +144,13 @@ class IndexerSettings:
 
     @property
     def num_ingest_workers(self) -> int:
-        """``ingest_workers`` with 0 resolved: 1 on Redis, else the cores available to the
-        process (at most :data:`MAX_AUTO_INGEST_WORKERS`)."""
+        """``ingest_workers`` with 0 resolved: 1 on Redis, else one per two cores available
+        to the process, between 1 and :data:`MAX_AUTO_INGEST_WORKERS`."""
         if self.ingest_workers > 0:
             return self.ingest_workers
         if self.store == "redis":
             return 1
-        return max(1, min(len(os.sched_getaffinity(0)), MAX_AUTO_INGEST_WORKERS))
+        return max(1, min(len(os.sched_getaffinity(0)) // 2, MAX_AUTO_INGEST_WORKERS))
 
     @property
     def sharded(self) -> bool:

@@ -116,7 +116,7 @@ _ingest_workers_option = click.option(
     type=click.IntRange(min=0),
     help="Ingest workers of the memory store, each with its share of the connect-mode"
     " streams (else env KVINDEX_INGEST_WORKERS, ingest_workers; 0, the default: one per"
-    " core available, at most 4).",
+    " two cores available, 1 to 2).",
 )
 _stats_every_option = click.option(
     "--stats-every",

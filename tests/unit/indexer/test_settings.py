@@ -150,10 +150,10 @@ def test_an_indexer_id_comes_from_the_environment() -> None:
     assert settings.indexer_id == "idx-0"
 
 
-def test_ingest_workers_default_to_the_cores_available_at_most_four(
+def test_ingest_workers_default_to_one_per_two_cores_available_at_most_two(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    for cores, expected in ((1, 1), (2, 2), (3, 3), (16, 4)):
+    for cores, expected in ((1, 1), (2, 1), (3, 1), (4, 2), (16, 2)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
         assert IndexerSettings().num_ingest_workers == expected
     assert IndexerSettings(ingest_workers=8).num_ingest_workers == 8
