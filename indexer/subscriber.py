@@ -351,11 +351,12 @@ class SubscriberLoop:
         if self._shard.tick() or fenced:
             self._rebalance()
 
-    def _owned_ranks(self, spec: ReplicaSpec) -> tuple[int, ...]:
+    def _owned_ranks(self, spec: ReplicaSpec, every_worker: bool = False) -> tuple[int, ...]:
         """The replica's ranks this loop subscribes to: those of its worker (all with one
-        worker), of them the ones this process owns when sharded."""
+        worker; ``every_worker``: those of every worker, what the process subscribes to),
+        of them the ones this process owns when sharded."""
         ranks: list[int] | range = range(spec.dp_size)
-        if self._partition is not None:
+        if self._partition is not None and not every_worker:
             worker_of = self._partition.worker_of
             ranks = [r for r in ranks if worker_of(StreamId(spec.id, r)) == self.worker]
         if self._shard is None:
@@ -436,8 +437,12 @@ class SubscriberLoop:
             for s in self._specs
             if s.events is not None and s.id not in self._sockets_of and self._owned_ranks(s)
         ]
-        if strict and unopened:
-            self._log_files_needed(sum(s.dp_size for s in unopened))
+        if strict and self.worker == 0:  # at start, for every worker: one line, the total
+            process = [
+                s for s in self._specs if s.events is not None and self._owned_ranks(s, True)
+            ]
+            if process:
+                self._log_files_needed(sum(s.dp_size for s in process))
         error: SocketLimitError | None = None
         for spec in unopened:
             try:
