@@ -213,3 +213,41 @@ def test_a_worker_that_dies_is_logged_restarted_and_its_stream_resynced(
                 wait_until(ix.applied(stream, last[i]), what=f"{stream} after the restart")
                 assert matched(index, i, stream) == NUM_BATCHES  # the dropped one replayed
                 assert ix.status(stream).health.num_orphan_stores == 0
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_an_engine_restart_and_a_purge_are_handled_by_the_streams_worker(workers: int) -> None:
+    """r0's engine restarts (seq from 0 again, same endpoints): r0 is cleared and holds only
+    what the new engine stored; r1's replica goes away: its blocks are purged after
+    ``purge_after_s``. Each on its own worker with 2."""
+    index = MemoryIndex()
+    first, gone = publisher_at(None, None), publisher_at(None, None)
+    specs = [replica_of(first, "r0"), replica_of(gone, "r1")]
+    settings = settings_for(*specs, ingest_workers=workers, purge_after_s=0.5)
+    r0, r1 = StreamId("r0"), StreamId("r1")
+    second: EventPublisher | None = None
+    try:
+        with running_indexer(settings, index) as ix:
+            for pub, stream in ((first, r0), (gone, r1)):
+                warm_up(ix, pub, stream)
+            for block in range(3):
+                last0 = first.publish(chain_batch(0, block))
+                last1 = gone.publish(chain_batch(1, block))
+            wait_until(ix.applied(r0, last0), what="r0 applied")
+            wait_until(ix.applied(r1, last1), what="r1 applied")
+            assert (matched(index, 0, r0), matched(index, 1, r1)) == (3, 3)
+            assert first.replay_endpoint is not None
+            endpoint, replay = first.endpoint, first.replay_endpoint
+            first.close()
+            gone.close()
+            second = publisher_at(int(endpoint.rsplit(":", 1)[1]), int(replay.rsplit(":", 1)[1]))
+            second.publish(chain_batch(0, 0))  # the new engine: seq 0, one block
+            wait_until(lambda: ix.status(r0).health.num_restarts >= 1, what="r0 restart seen")
+            wait_until(lambda: index.stats(r0).num_blocks == 1, what="r0 holds the new block")
+            assert matched(index, 0, r0) == 1
+            wait_until(lambda: index.stats(r1).num_blocks == 0, what="r1 purged")
+    finally:
+        for pub in (first, gone):
+            pub.close()  # again if closed: a no-op
+        if second is not None:
+            second.close()
