@@ -447,7 +447,8 @@ cdef extern from *:
 
 cdef inline Py_ssize_t _json_uint(const unsigned char* p, Py_ssize_t pos, uint64_t* value) noexcept nogil:
     """Past the JSON integer at ``p[pos]`` (its value in ``*value``), or -1 unless it is one
-    in [0, 2**32) (a digit first, no leading 0)."""
+    in [0, 2**32) (a digit first, no leading 0). The digit loop is bounded (11 digits read
+    at most), which lets the compiler unroll it."""
     cdef Py_ssize_t start = pos
     cdef uint64_t v = 0
     cdef unsigned char c = p[pos]
@@ -494,6 +495,13 @@ cdef object _json_array(
         kv_store_le32(buf + 4 * n, <unsigned int> value)
         n += 1
         c = p[pos]
+        if c == 44:  # ',' right after the id: the compact spelling, tested first
+            pos += 1
+            if p[pos] > 32:  # no space next (a space, tab, CR and LF are all <= 32)
+                continue
+            while _space(p[pos]):
+                pos += 1
+            continue
         while _space(c):
             pos += 1
             c = p[pos]
