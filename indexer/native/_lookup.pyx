@@ -447,17 +447,28 @@ cdef extern from *:
 
 cdef inline Py_ssize_t _json_uint(const unsigned char* p, Py_ssize_t pos, uint64_t* value) noexcept nogil:
     """Past the JSON integer at ``p[pos]`` (its value in ``*value``), or -1 unless it is one
-    in [0, 2**32) (a digit first, no leading 0). The digit loop is bounded (11 digits read
-    at most), which lets the compiler unroll it."""
+    in [0, 2**32) (a digit first, no leading 0). Digits are read two at a time after the
+    first (a digit is never the buffer's last byte: a bracket or brace closes it), 11 at
+    most: the loop is bounded, and 11 digits are past u32."""
     cdef Py_ssize_t start = pos
-    cdef uint64_t v = 0
-    cdef unsigned char c = p[pos]
-    while 48 <= c <= 57 and pos - start < 11:
-        v = v * 10 + (c - 48)
-        pos += 1
-        c = p[pos]
-    if pos == start or v >> 32 or (p[start] == 48 and pos - start > 1):
-        return -1  # not a digit, past u32, or a leading 0
+    cdef unsigned char d0 = p[pos] - 48, d1
+    if d0 > 9:
+        return -1
+    cdef uint64_t v = d0
+    pos += 1
+    while pos - start < 11:
+        d0 = p[pos] - 48
+        if d0 > 9:
+            break
+        d1 = p[pos + 1] - 48
+        if d1 > 9:
+            v = v * 10 + d0
+            pos += 1
+            break
+        v = v * 100 + d0 * 10 + d1
+        pos += 2
+    if v >> 32 or (p[start] == 48 and pos - start > 1):
+        return -1  # past u32, or a leading 0
     value[0] = v
     return pos
 
