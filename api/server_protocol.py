@@ -21,6 +21,12 @@ decided when the head is complete, before any of the body is read: another metho
 app answers 401), a forwarded client address (the app's proxy-headers rewrite applies), a
 request pipelined behind one not yet answered. Pipelined requests are answered in order:
 while an answer waits, the next request queues as uvicorn queues it.
+
+Between requests uvicorn's keep-alive timeout applies, for every request of the connection
+(hot or not), kept by one timer per connection instead of one made and cancelled per answer
+(:meth:`HotProtocol.on_response_complete`): an answer costs a clock read. A request pipelined
+behind a hot answer, in the same bytes, is no idle time (uvicorn's own timer, armed by that
+answer, would close the connection while a slow answer to it waits).
 """
 
 from __future__ import annotations
@@ -59,6 +65,9 @@ class _NoEvent:
         pass
 
 
+_NO_EVENT = _NoEvent()
+
+
 @dataclass(slots=True)
 class _HotCycle:
     """A hot request as uvicorn's connection bookkeeping sees it (its ``cycle``): the
@@ -72,7 +81,7 @@ class _HotCycle:
     response_complete: bool = False
     disconnected: bool = False
     keep_alive: bool = True
-    message_event: _NoEvent = field(default_factory=_NoEvent)
+    message_event: _NoEvent = _NO_EVENT
 
 
 class HotProtocol(HeadDeadlineProtocol):
@@ -83,8 +92,16 @@ class HotProtocol(HeadDeadlineProtocol):
     """Set per server by :func:`hot_protocol` (None: every request goes to the app)."""
     _pending: _HotCycle | None = None
     """The hot request whose body is being read."""
+    _idle_since: float | None = None
+    """Loop time of the last answer with no request begun since (None: one is in hand)."""
+    _idle_timer: asyncio.TimerHandle | None = None
+    """The connection's one keep-alive timer (:meth:`on_response_complete`)."""
+    _head_of: list[tuple[bytes, bytes]] | None = None
+    _head: bytes = b""
+    """The server's default headers (``_head_of``) as they are written."""
 
     def data_received(self, data: bytes) -> None:
+        self._idle_since = None
         super().data_received(data)
         cycle = self._pending
         if cycle is not None and cycle.timer is None and cycle.route.reads_body:
@@ -92,6 +109,11 @@ class HotProtocol(HeadDeadlineProtocol):
             # here, once the bytes read are parsed, so that a whole request costs no timer).
             timeout_s = self._serving().body_timeout_s
             cycle.timer = self.loop.call_later(timeout_s, self._body_too_late, cycle)
+
+    def on_message_begin(self) -> None:
+        # Not idle from here (a request pipelined behind an answer comes with no new read).
+        self._idle_since = None
+        super().on_message_begin()
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -128,7 +150,39 @@ class HotProtocol(HeadDeadlineProtocol):
                 cycle.timer.cancel()
             cycle.response_complete = True
             self._observe(cycle, 500)
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
         super().connection_lost(exc)
+
+    def on_response_complete(self) -> None:
+        """uvicorn's, but with one keep-alive timer per connection, not one per answer: an
+        answer notes the time; the timer, armed when none is, closes the connection when it
+        fires ``timeout_keep_alive`` after the last answer with no request begun since, and
+        else is armed again for when that will be (none while a request is in hand: the
+        next answer arms it). What uvicorn does with a timer made and cancelled per answer."""
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+            return
+        self._idle_since = now = self.loop.time()
+        if self._idle_timer is None:
+            self._idle_timer = self.loop.call_at(now + self.timeout_keep_alive, self._idle_due)
+
+    def _idle_due(self) -> None:
+        self._idle_timer = None
+        since = self._idle_since
+        if since is None:
+            return
+        due = since + self.timeout_keep_alive
+        if self.loop.time() < due:
+            self._idle_timer = self.loop.call_at(due, self._idle_due)
+        else:
+            self.timeout_keep_alive_handler()
 
     def _serving(self) -> HotServing:
         assert self.hot is not None  # only called for a hot request
@@ -179,7 +233,8 @@ class HotProtocol(HeadDeadlineProtocol):
             self._finish(cycle, 500, STATUS_LINE[500] + self._default_head() + _SERVER_ERROR)
         else:
             head = b"content-length: %d\r\ncontent-type: application/json\r\n\r\n" % len(payload)
-            self._finish(cycle, 200, STATUS_LINE[200] + self._default_head() + head + payload)
+            parts = (STATUS_LINE[200], self._default_head(), head, payload)
+            self._finish(cycle, 200, b"".join(parts))  # the payload copied once
 
     def _send_error(self, cycle: _HotCycle, exc: Exception) -> None:
         """The app's answer to ``exc`` (its one error mapping)."""
@@ -193,8 +248,13 @@ class HotProtocol(HeadDeadlineProtocol):
         self._finish(cycle, response.status_code, b"".join(lines))
 
     def _default_head(self) -> bytes:
-        """The headers uvicorn puts on every answer (``date``, ``server``)."""
-        return b"".join(b"%s: %s\r\n" % pair for pair in self.server_state.default_headers)
+        """The headers uvicorn puts on every answer (``date``, ``server``): written out once
+        per list (the server makes a new one when the date changes, once a second)."""
+        headers = self.server_state.default_headers
+        if headers is not self._head_of:
+            self._head = b"".join(b"%s: %s\r\n" % pair for pair in headers)
+            self._head_of = headers
+        return self._head
 
     def _finish(self, cycle: _HotCycle, status: int, response: bytes) -> None:
         """Write ``response`` (one write), count it, and go on as uvicorn does after an answer

@@ -8,6 +8,7 @@ Usage (from the repository root)::
     .venv/bin/python bench/ingest.py --quick --drain 1  # a subscriber with nothing queued
     .venv/bin/python bench/ingest.py --quick --backends redis --indexers 1,2  # sharded
     .venv/bin/python bench/ingest.py --quick --backends memory,memory-python
+    .venv/bin/python bench/ingest.py --quick --backends memory --workers 1,2  # over ZeroMQ
 
 What is timed, per backend: every pre-generated frame (see ``workload.py``), interleaved
 across replicas by engine timestamp, through ``Pipeline.handle_frames`` (the subscriber
@@ -45,8 +46,26 @@ the run is CPU-bound and more processes cannot go faster). Without ``--indexers`
 Redis run is the unsharded one, as before. ``--cluster``: the sharded runs on a private
 3-master Redis Cluster instead (``redis_cpu_s`` summed over the masters).
 
-One JSON line per backend (and per indexer count) goes to stdout; everything else goes to
-stderr.
+``--workers N[,M...]``: the memory store behind the real subscriber over ZeroMQ, once per
+count of ingest workers (``ingest_workers``), ``--repeat`` times each, the counts
+alternated, the median reported (backend ``memory-zmq``). A forked publisher process binds
+one PUB per replica on loopback (connect mode: the subscriber connects a SUB to each, as to
+vLLM) and queues every frame on them before the subscriber's workers start (what does not
+fit in the sockets' buffers waits in the publisher's unbounded send queue: nothing is
+dropped, and its sending is not timed); timed from the workers' start until the registry
+counts every batch applied. The line adds ``workers``, ``cpu_s`` (this process's user +
+system CPU in the timed part: the workers, ZeroMQ's I/O threads, the timer's polling),
+``cores_busy`` (that CPU / the wall time) and, from the second count on, ``speedup`` (the
+first count's median time / this one's).
+
+``--lookup-wait``: while the memory store ingests (in process and over ZeroMQ), another
+thread asks it one lookup per millisecond (an 8,192-token prompt's 512 keys over every
+stream, as the API's ``/score`` does) and the line adds the lookups' ``lookup_p50_ms``,
+``lookup_p99_ms`` and ``lookup_max_ms``: how long the API waits on the index lock while
+ingest applies a backlog.
+
+One JSON line per backend (and per indexer and worker count) goes to stdout; everything else
+goes to stderr.
 """
 
 from __future__ import annotations
@@ -58,9 +77,11 @@ import logging
 import math
 import multiprocessing
 import os
+import random
 import resource
 import statistics
 import sys
+import threading
 import time
 import tracemalloc
 from collections.abc import Iterator
@@ -68,10 +89,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import zmq
 from machine import calibration_ms
 from redis.cluster import RedisCluster
 from redis_server import private_cluster, private_redis
-from workload import MODEL, Workload, WorkloadConfig, build_workload
+from workload import MODEL, Workload, WorkloadConfig, build_workload, topic
 
 from kvindex.indexer.events import StreamId, Topic
 from kvindex.indexer.fleet.registry import Registry, fleet_totals
@@ -84,6 +106,7 @@ from kvindex.indexer.pipeline import Pipeline
 from kvindex.indexer.redis_connection import RedisClient, connect
 from kvindex.indexer.redis_schema import Schema
 from kvindex.indexer.settings import IndexerSettings
+from kvindex.indexer.subscriber import Subscriber
 from kvindex.indexer.wire import Encoding
 
 _BACKENDS = ("memory", "memory-python", "redis")
@@ -115,6 +138,10 @@ class BenchArgs:
     """Sharded runs on Redis: one per count (empty: the unsharded run only)."""
     cluster: bool = False
     """The sharded runs on a private 3-master Redis Cluster."""
+    workers: tuple[int, ...] = ()
+    """Runs over ZeroMQ into the memory store, one per count of ingest workers."""
+    lookup_wait: bool = False
+    """Time lookups from another thread while the memory store ingests."""
 
 
 def parse_args(argv: list[str] | None = None) -> BenchArgs:
@@ -134,6 +161,8 @@ def parse_args(argv: list[str] | None = None) -> BenchArgs:
     add("--drain", type=int, default=16, help="messages per replica per socket wake (1: live)")
     add("--indexers", default="", help="redis: sharded runs of N indexer processes, e.g. 1,2")
     add("--cluster", action="store_true", help="the --indexers runs on a 3-master cluster")
+    add("--workers", default="", help="memory over ZeroMQ: runs of N ingest workers, e.g. 1,2")
+    add("--lookup-wait", action="store_true", help="memory: time lookups during ingest")
     ns = parser.parse_args(argv)
     backends = tuple(b.strip() for b in ns.backends.split(",") if b.strip())
     if not set(backends) <= set(_BACKENDS) or min(ns.replicas, ns.repeat, ns.drain) < 1:
@@ -146,10 +175,17 @@ def parse_args(argv: list[str] | None = None) -> BenchArgs:
         parser.error("--indexers needs counts >= 1 and the redis backend (a private one)")
     if ns.cluster and not indexers:
         parser.error("--cluster is for the --indexers runs")
+    try:
+        workers = tuple(int(n) for n in ns.workers.split(",") if n.strip())
+    except ValueError:
+        parser.error(f"--workers must be counts such as 1,2, got {ns.workers!r}")
+    if workers and min(workers) < 1:
+        parser.error("--workers needs counts >= 1")
     entries = ns.entries or (QUICK_ENTRIES if ns.quick else FULL_ENTRIES)
     return BenchArgs(
-        ns.quick, ns.redis_url, ns.replicas, ns.encoding, ns.repeat, entries,
-        ns.turnover, backends, ns.seed, ns.jobs, ns.keep, ns.drain, indexers, ns.cluster,
+        ns.quick, ns.redis_url, ns.replicas, ns.encoding, ns.repeat, entries, ns.turnover,
+        backends, ns.seed, ns.jobs, ns.keep, ns.drain, indexers, ns.cluster, workers,
+        ns.lookup_wait,
     )  # fmt: skip
 
 
@@ -257,6 +293,58 @@ def collected() -> Iterator[None]:
         gc.unfreeze()
 
 
+class LookupProbe:
+    """A thread asking ``index`` one lookup per millisecond until stopped; the latencies."""
+
+    PROMPT_BLOCKS = 512
+
+    def __init__(self, index: MemoryIndex, streams: list[StreamId]) -> None:
+        rng = random.Random(0)
+        self._keys = [rng.getrandbits(64) for _ in range(self.PROMPT_BLOCKS)]
+        self._index, self._streams = index, tuple(streams)
+        self._stop = threading.Event()
+        self.latencies_s: list[float] = []
+        self._thread = threading.Thread(target=self._run, name="bench-lookups", daemon=True)
+
+    def __enter__(self) -> LookupProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        holders, keys, streams = self._index.holders, self._keys, self._streams
+        while not self._stop.wait(0.001):
+            started = time.perf_counter()
+            holders(keys, streams)
+            self.latencies_s.append(time.perf_counter() - started)
+
+
+def lookup_summary(latencies_s: list[float]) -> dict[str, Any]:
+    """The fields ``--lookup-wait`` adds to a line."""
+    ms = sorted(1000 * t for t in latencies_s) or [0.0]
+    p99 = ms[min(len(ms) - 1, int(0.99 * len(ms)))]
+    return {
+        "lookups": len(latencies_s),
+        "lookup_p50_ms": round(statistics.median(ms), 3),
+        "lookup_p99_ms": round(p99, 3),
+        "lookup_max_ms": round(ms[-1], 3),
+    }
+
+
+@contextmanager
+def probed(index: MemoryIndex, workload: Workload, on: bool) -> Iterator[LookupProbe | None]:
+    """A :class:`LookupProbe` over every stream of ``workload`` while the block runs (or
+    nothing, when not ``on``)."""
+    if not on:
+        yield None
+        return
+    with LookupProbe(index, [StreamId(t.replica, 0) for t in workload.traces]) as probe:
+        yield probe
+
+
 # --- checks ---------------------------------------------------------------------------------
 
 
@@ -327,20 +415,29 @@ def memory_index_bytes(workload: Workload, plan: list[Delivery], *, compiled: bo
 
 
 def run_memory(
-    workload: Workload, plan: list[Delivery], repeat: int, *, python: bool = False
+    workload: Workload,
+    plan: list[Delivery],
+    repeat: int,
+    *,
+    python: bool = False,
+    lookup_wait: bool = False,
 ) -> dict[str, Any]:
     """``repeat`` runs on fresh indexes; the median time is reported, the last one checked,
     then one more (not timed) measures the index's bytes. ``python``: on the pure-Python
-    tables."""
+    tables. ``lookup_wait``: the lookups of a :class:`LookupProbe` timed meanwhile (all
+    runs' together)."""
     times: list[float] = []
     checked: dict[str, Any] = {}
     backend = "memory-python" if python else "memory"
     compiled = MemoryIndex(compiled=not python).compiled
+    latencies: list[float] = []
     for i in range(repeat):
         index = MemoryIndex(compiled=not python)
         pipeline, registry = new_pipeline(index, workload)
-        with collected():
+        with collected(), probed(index, workload, lookup_wait) as probe:
             times.append(drive(pipeline, plan))
+        if probe is not None:
+            latencies += probe.latencies_s
         log.info("%s run %d/%d: %.2fs", backend, i + 1, repeat, times[-1])
         if i == repeat - 1:
             checked = check(index, registry, workload)
@@ -349,9 +446,11 @@ def run_memory(
     num_bytes = memory_index_bytes(workload, plan, compiled=not python)
     per_entry = num_bytes / max(checked["entries"], 1)
     log.info("%s index: %.1f MB, %.1f bytes per entry", backend, num_bytes / 1e6, per_entry)
+    waits = lookup_summary(latencies) if lookup_wait else {}
     return result(
         backend, workload, seconds, repeat=repeat, seconds_all=[round(t, 3) for t in times],
         **checked, bytes_per_entry=round(per_entry, 1), index_bytes=num_bytes, compiled=compiled,
+        **waits,
     )  # fmt: skip
 
 
@@ -521,6 +620,120 @@ def run_sharded(
     )  # fmt: skip
 
 
+# --- over ZeroMQ, with ingest workers -------------------------------------------------------
+
+_ZMQ_TIMEOUT_S = 300.0
+"""Longest a ZeroMQ run may take before it is reported as inconsistent."""
+
+
+def _publisher_process(workload: Workload, endpoints: Any, go: Any, sent: Any, done: Any) -> None:
+    """One PUB per replica on loopback (unbounded send queue, so nothing is dropped): their
+    endpoints out, then on ``go`` every frame in arrival order, ``sent``, held open until
+    ``done``."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    pub_of: dict[bytes, zmq.Socket[bytes]] = {}
+    out: dict[str, str] = {}
+    for trace in workload.traces:
+        pub = context.socket(zmq.PUB)
+        pub.setsockopt(zmq.SNDHWM, 0)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind("tcp://127.0.0.1:0")
+        pub_of[topic(trace.replica)] = pub
+        out[trace.replica] = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+    endpoints.put(out)
+    go.wait()
+    for frame in workload.frames:
+        pub_of[frame[0]].send_multipart(frame)
+    sent.set()
+    done.wait()
+    for pub in pub_of.values():
+        pub.close()
+    context.term()
+
+
+def _zmq_run(
+    workload: Workload, num_workers: int, lookup_wait: bool = False
+) -> tuple[float, float, dict[str, Any], list[float]]:
+    """One run: (seconds, CPU seconds of this process, the checks, the lookups' latencies
+    when ``lookup_wait``)."""
+    context = multiprocessing.get_context("fork")
+    endpoints_q, go, sent, done = context.Queue(), context.Event(), context.Event(), context.Event()
+    publisher = context.Process(
+        target=_publisher_process, args=(workload, endpoints_q, go, sent, done)
+    )
+    publisher.start()
+    try:
+        endpoints: dict[str, str] = endpoints_q.get(timeout=60)
+        specs = tuple(
+            ReplicaSpec(id=t.replica, model=MODEL, events=endpoints[t.replica])
+            for t in workload.traces
+        )
+        settings = IndexerSettings(replicas=specs, ingest_workers=num_workers)
+        index, registry = MemoryIndex(), Registry(specs)
+        subscriber = Subscriber(settings, index, registry)
+        subscriber.open()  # connected, not read: the frames queue until the workers start
+        time.sleep(0.5)  # every SUB connected and subscribed
+        go.set()
+        if not sent.wait(_ZMQ_TIMEOUT_S):
+            raise RuntimeError("the publisher did not send its frames in time")
+        with collected(), probed(index, workload, lookup_wait) as probe:
+            seconds, cpu = _drain_timed(subscriber, registry, len(workload.frames))
+        checked = check(index, registry, workload)
+        subscriber.stop()
+    finally:
+        done.set()
+        publisher.join(10)
+    return seconds, cpu, checked, [] if probe is None else probe.latencies_s
+
+
+def _drain_timed(
+    subscriber: Subscriber, registry: Registry, num_batches: int
+) -> tuple[float, float]:
+    """Start the workers; the seconds and CPU until every batch is applied (or the timeout)."""
+    cpu, started = _cpu_s(), time.monotonic()
+    subscriber.start()
+    deadline = started + _ZMQ_TIMEOUT_S
+    while fleet_totals(registry).counters.num_batches < num_batches:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.005)
+    return time.monotonic() - started, _cpu_s() - cpu
+
+
+def run_workers(
+    workload: Workload, counts: tuple[int, ...], repeat: int, *, lookup_wait: bool = False
+) -> list[dict[str, Any]]:
+    """``repeat`` rounds of one run per worker count (alternated); medians reported."""
+    times: dict[int, list[float]] = {n: [] for n in counts}
+    cpus: dict[int, list[float]] = {n: [] for n in counts}
+    waits: dict[int, list[float]] = {n: [] for n in counts}
+    checked: dict[int, dict[str, Any]] = {}
+    for i in range(repeat):
+        for n in counts:
+            seconds, cpu, checks, latencies = _zmq_run(workload, n, lookup_wait)
+            waits[n] += latencies
+            times[n].append(seconds)
+            cpus[n].append(cpu)
+            consistent = checked.get(n, checks)["consistent"] and checks["consistent"]
+            checked[n] = {**checks, "consistent": consistent}
+            log.info("memory over ZeroMQ, %d workers, run %d/%d: %.2fs, CPU %.2fs",
+                     n, i + 1, repeat, seconds, cpu)  # fmt: skip
+    lines = []
+    first = statistics.median(times[counts[0]])
+    for n in counts:
+        seconds, cpu = statistics.median(times[n]), statistics.median(cpus[n])
+        extra: dict[str, Any] = {"speedup": round(first / seconds, 2)} if n != counts[0] else {}
+        if lookup_wait:
+            extra.update(lookup_summary(waits[n]))
+        lines.append(result(
+            "memory-zmq", workload, seconds, workers=n, repeat=repeat,
+            seconds_all=[round(t, 3) for t in times[n]], cpu_s=round(cpu, 2),
+            cores_busy=round(cpu / seconds, 2), cpu_count=len(os.sched_getaffinity(0)),
+            **checked[n], **extra,
+        ))  # fmt: skip
+    return lines
+
+
 def _check_entries(index: BlockIndex, workload: Workload) -> tuple[int, bool]:
     """Resident entries, and whether every stream holds what its simulated cache does."""
     held = [index.stats(StreamId(t.replica, 0)).num_blocks for t in workload.traces]
@@ -532,7 +745,7 @@ def run_backends(args: BenchArgs, workload: Workload) -> list[dict[str, Any]]:
     plan = deliveries(workload, args.drain)
     results: list[dict[str, Any]] = []
     if "memory" in args.backends:
-        results.append(run_memory(workload, plan, args.repeat))
+        results.append(run_memory(workload, plan, args.repeat, lookup_wait=args.lookup_wait))
     if "memory-python" in args.backends:
         results.append(run_memory(workload, plan, args.repeat, python=True))
     if "redis" in args.backends:
@@ -551,6 +764,8 @@ def run_backends(args: BenchArgs, workload: Workload) -> list[dict[str, Any]]:
     for line in results:
         line["drain"] = args.drain
         line["calls"] = len(plan)
+    if args.workers:
+        results += run_workers(workload, args.workers, args.repeat, lookup_wait=args.lookup_wait)
     return results
 
 

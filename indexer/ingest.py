@@ -10,7 +10,9 @@ by replay.
 
 Consecutive batches of a stream are applied in one index call (:meth:`Ingestor.apply_many`);
 the pending ones are flushed first whenever a parent must be looked up in the index.
-Callers must apply a stream's batches in order from one thread.
+Callers must apply a stream's batches in order from one thread. An :class:`Ingestor` is one
+pipeline's (one ingest worker's, over the index the workers share): its key caches are its
+streams' alone, read and filled by that worker's thread only.
 
 The compiled ingest path: over an index that offers it (the memory store on the compiled
 tables), live batches decoded as ``native.NativeBatch`` (see

@@ -15,7 +15,10 @@ undecodable frames and bad events are logged once per stream, counted and skippe
 unreachable index store is counted and the stream resynced once the store is back.
 
 Not thread-safe: one thread calls every method, so each stream's batches are applied in
-order. Other threads read the registry.
+order. Several pipelines may share one index and one registry (the subscriber's ingest
+workers: each keeps its own streams, and a stream is kept by one), both thread-safe;
+everything else a pipeline holds (trackers, key caches, pending batches) is its own.
+Other threads read the registry.
 """
 
 from __future__ import annotations
@@ -110,6 +113,9 @@ class Pipeline:
     and the stream is no longer written here: :meth:`take_fenced` hands it to the caller,
     which stops subscribing to it (connect mode) and :meth:`release` s it.
 
+    ``publish_unrouted``: where the unrouted totals go after a call that changed them
+    (default: ``registry.record_unrouted``; the ingest workers sum every pipeline's).
+
     ``native_ingest`` (the default): over an index with the compiled ingest path (the
     memory store on the compiled tables), a live message of a known stream that is its
     next batch, with only common events, is decoded straight to a ``native.NativeBatch``
@@ -128,6 +134,7 @@ class Pipeline:
         clock: Callable[[], float] = time.monotonic,
         claim: Callable[[StreamId], None] | None = None,
         native_ingest: bool = True,
+        publish_unrouted: Callable[[UnroutedCounters], None] | None = None,
     ) -> None:
         self._settings = settings
         self._claim = claim
@@ -146,6 +153,7 @@ class Pipeline:
         """Running totals, published to the registry after each call that changed them."""
         self._num_self_registered = 0
         self._published = UnroutedCounters()
+        self._publish_unrouted = publish_unrouted or registry.record_unrouted
         self._identity = index if isinstance(index, StoreIdentity) else None
         self._check_store()  # adopts the store as it is now: a later loss is told apart
 
@@ -182,6 +190,19 @@ class Pipeline:
         """Streams fenced out since the last call (each once), for the caller to release."""
         fenced, self._fenced = self._fenced, []
         return fenced
+
+    def restart(self) -> None:
+        """After the thread calling this pipeline died in a call (nothing it was doing can
+        be trusted to have finished): every stream is resynced from the index at the next
+        :meth:`maintain`, as after a store failure (its tracker restarted from the stored
+        watermark, then a replay from there; without a replay endpoint what was lost is
+        counted as a gap). Its open replays are closed; nothing pending is applied."""
+        for runtime in self._runtimes.values():
+            self._end_replay(runtime)
+            runtime.pending = []
+            runtime.queued = False
+            if not runtime.fenced:
+                runtime.broken = True
 
     def close(self) -> None:
         """End every open replay (their undecodable replies counted)."""
@@ -232,7 +253,7 @@ class Pipeline:
             self._record(runtime)
         if self.counters != self._published:
             self._published = replace(self.counters)
-            self._registry.record_unrouted(self._published)
+            self._publish_unrouted(self._published)
 
     def _took_native(self, runtime: _Runtime | None, frames: list[bytes]) -> bool:
         """The compiled ingest path: True if the message was the stream's next batch of

@@ -38,6 +38,13 @@ StoreKind = Literal["memory", "redis"]
 ShardMode = Literal["auto", "on", "off"]
 SHARD_MODES: tuple[str, ...] = get_args(ShardMode)
 ENV_PREFIX = "KVINDEX_"
+MAX_AUTO_INGEST_WORKERS = 2
+"""Most ingest workers ``ingest_workers = 0`` starts. What two workers can overlap is one's
+compiled ingest (without the GIL, under the index lock) with the other's receiving and
+decoding (under the GIL): the smaller of the two is a quarter to a third of a worker's
+time, so a third worker finds nothing left to overlap."""
+MAX_INGEST_WORKERS = 64
+"""Most ingest workers a setting may ask for."""
 API_SECTIONS = ("api", "models", "rules", "proxy")
 """TOML sections of the API process (``kvindex.api.settings``) and of the proxy
 (``kvindex.clients.proxy.settings``); the indexer skips them."""
@@ -117,6 +124,16 @@ class IndexerSettings:
     """A sharded indexer that has not renewed its lease for this long (renewed every third
     of it) loses its streams to the others: the takeover bound is this, plus a third of it,
     plus one replay."""
+    ingest_workers: int = 0
+    """Subscriber loops of the memory store's write path, each owning the sockets and the
+    pipeline of its share of the connect-mode streams (a stream stays on one loop: its
+    batches keep their order); the bound SUB is read by the first. They overlap only where
+    the compiled ingest runs without the GIL (README, Performance). 0: one per two cores
+    available to the process (``os.sched_getaffinity``: a worker's core, and one for the
+    API and everything else that holds the GIL), at least 1, at most
+    :data:`MAX_AUTO_INGEST_WORKERS`; on 2 cores that is 1, as two measured no faster there.
+    On Redis one loop per process (run more sharded indexers to use more cores); a count
+    above 1 there is refused."""
 
     @property
     def key_cache_entries(self) -> int:
@@ -124,6 +141,16 @@ class IndexerSettings:
         if self.key_cache_size >= 0:
             return self.key_cache_size
         return 65_536 if self.store == "redis" else 0
+
+    @property
+    def num_ingest_workers(self) -> int:
+        """``ingest_workers`` with 0 resolved: 1 on Redis, else one per two cores available
+        to the process, between 1 and :data:`MAX_AUTO_INGEST_WORKERS`."""
+        if self.ingest_workers > 0:
+            return self.ingest_workers
+        if self.store == "redis":
+            return 1
+        return max(1, min(len(os.sched_getaffinity(0)) // 2, MAX_AUTO_INGEST_WORKERS))
 
     @property
     def sharded(self) -> bool:
@@ -143,6 +170,7 @@ class IndexerSettings:
             raise SettingsError(str(exc)) from exc
         check_endpoint("bind", self.bind)
         _check_shard(self)
+        _check_ingest_workers(self)
         if self.key_cache_size < -1:
             raise SettingsError(f"key_cache_size must be >= -1, got {self.key_cache_size!r}")
         if self.max_open_files < 0:
@@ -179,6 +207,19 @@ def _check_shard(settings: IndexerSettings) -> None:
             check_name("indexer_id", settings.indexer_id)
         except SchemaError as exc:
             raise SettingsError(str(exc)) from exc
+
+
+def _check_ingest_workers(settings: IndexerSettings) -> None:
+    if not 0 <= settings.ingest_workers <= MAX_INGEST_WORKERS:
+        raise SettingsError(
+            f"ingest_workers must be 0 (one per core) to {MAX_INGEST_WORKERS},"
+            f" got {settings.ingest_workers!r}"
+        )
+    if settings.ingest_workers > 1 and settings.store == "redis":
+        raise SettingsError(
+            f"ingest_workers = {settings.ingest_workers} is for the memory store; on Redis"
+            " run more `kvindex indexer` processes (they split the streams)"
+        )
 
 
 def _check_status(settings: IndexerSettings) -> None:

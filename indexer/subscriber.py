@@ -30,10 +30,37 @@ decoding every stream's frames everywhere and writing only the owned ones would 
 process the whole fleet's decoding. Bind-mode streams belong to the indexer the replica
 publishes to (it claims them on their first event).
 
-One thread runs the loop: it owns every socket and the
-:class:`~kvindex.indexer.pipeline.Pipeline`, which decides everything else (ordering,
-replays, registration, purges, recovery). The loop hands the pipeline what the sockets
-deliver and carries out its replay requests.
+Threading: ingest workers (``ingest_workers``; on the memory store one per two cores
+available, 1 to 2; one on Redis and whenever sharded). Each worker is a
+:class:`SubscriberLoop` in a thread of its own that owns the sockets of its share of the
+connect-mode streams (:class:`~kvindex.indexer.partition.StreamPartition`: each stream,
+rank by rank, given to the worker with the fewest when first seen, and kept there) and its
+own :class:`~kvindex.indexer.pipeline.Pipeline`, which decides everything else for those
+streams (ordering, replays, registration, purges, recovery). A stream is on one worker, so
+its batches are applied in order, and its replays, restarts and resyncs run on that worker
+while the others go on. The workers share the one index (thread-safe: one lock, see
+:mod:`~kvindex.indexer.index.memory`), the registry (thread-safe; each worker records its
+own streams, and their unrouted totals are summed) and one ZeroMQ context (an I/O thread
+per worker). The bound SUB is read by the first worker alone: one socket receives every
+replica that connects, and handing its frames to other threads by topic would cost a copy
+and a queue per message in Python, under the GIL, which is most of what a frame costs
+(below); so bind mode ingests on one core, and a fleet that needs more publishes in connect
+mode.
+
+What overlaps, and what it costs: only the compiled ingest (``Tables.ingest``: translation
+and apply) runs without the GIL, and it holds the index lock; receiving (pyzmq), reading
+the msgpack (``native_live``) and the pipeline's bookkeeping hold the GIL. So two workers
+overlap one's compiled ingest with the other's Python, and the larger of the two parts is
+the ceiling. One worker's thread CPU over ZeroMQ: on ``bench/ingest.py --quick`` (5.4
+events of 1.7 blocks a batch) receiving 40 %, the compiled ingest 26 %, the pipeline's
+Python 15 %, reading the msgpack 14 %, the poll loop 4 % (the GIL's part, 74 %, is the
+ceiling: at most 1.35x); on batches of 16 events of 16 blocks (the side-by-side
+benchmark's) the compiled ingest 78 %, receiving 8 %, reading 9 %, the pipeline 4 % (the
+index lock's part is the ceiling: at most 1.28x). On this 2-core host two workers measured
+0.97x of one, for 12 % more CPU (the threads hand the GIL and the lock to each other), so
+the default gives a worker per two cores. A worker whose thread dies (an exception its
+loop does not catch) is logged and started again within half a second, its streams
+resynced from the index.
 """
 
 from __future__ import annotations
@@ -52,8 +79,10 @@ from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.events import StreamId
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.health import UnroutedCounters
 from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.membership import Shard
+from kvindex.indexer.partition import StreamPartition, UnroutedTotals
 from kvindex.indexer.pipeline import Pipeline
 from kvindex.indexer.process_limits import (
     describe_limits,
@@ -69,6 +98,8 @@ log = logging.getLogger("kvindex.subscriber")
 _POLL_MS = 50
 _MAX_MESSAGES_PER_WAKE = 1024
 _MAINTENANCE_EVERY_S = 1.0
+_SUPERVISE_S = 0.5
+"""How often the subscriber looks for a worker whose thread died."""
 _RECEIVE_HWM = 8
 """Messages a SUB queues per publisher before it stops reading from that connection (TCP
 then holds the publisher back, whose own queue takes the rest: vLLM's holds 100,000).
@@ -213,8 +244,10 @@ class _ReplaySockets:
         return session.num_bad_frames
 
 
-class Subscriber:
-    """Subscribes to every replica and feeds what arrives to a :class:`Pipeline`."""
+class SubscriberLoop:
+    """One ingest worker's loop: the sockets of its share of the streams (``partition``)
+    and the bound SUB if it is the first, fed to its own :class:`Pipeline`. Used from one
+    thread at a time (the :class:`Subscriber` runs each loop in a thread of its own)."""
 
     def __init__(
         self,
@@ -222,26 +255,35 @@ class Subscriber:
         index: BlockIndex,
         registry: Registry,
         *,
-        context: Context | None = None,
+        context: Callable[[], Context],
+        stop: threading.Event,
         clock: Callable[[], float] = time.monotonic,
         shard: Shard | None = None,
+        worker: int = 0,
+        partition: StreamPartition | None = None,
+        publish_unrouted: Callable[[UnroutedCounters], None] | None = None,
     ) -> None:
         self._settings = settings
         self._shard = shard
+        self.worker = worker
+        self._partition = partition
         self._ranks_of: dict[str, tuple[int, ...]] = {}
-        """The ranks subscribed per replica (all of them unless sharded)."""
+        """The ranks subscribed per replica (all of them unless sharded or shared out)."""
         self._excluded: dict[StreamId, float] = {}
         """Streams fenced out, and until when they are not taken back."""
-        self._given_context = context
-        self._owned_context: Context | None = None
+        self._zmq_context = context
         self._clock = clock
         self._poller = ReadablePoller()
-        self._replays = _ReplaySockets(
-            self._zmq_context, self._poller, settings.replay_timeout_s, clock
-        )
+        self._replays = _ReplaySockets(context, self._poller, settings.replay_timeout_s, clock)
         claim = None if shard is None else shard.claim
         self.pipeline = Pipeline(
-            settings, index, registry, replays=self._replays, clock=clock, claim=claim
+            settings,
+            index,
+            registry,
+            replays=self._replays,
+            clock=clock,
+            claim=claim,
+            publish_unrouted=publish_unrouted,
         )
         self._sub_of: dict[Socket, StreamId] = {}
         self._monitor_of: dict[Socket, StreamId] = {}
@@ -250,53 +292,33 @@ class Subscriber:
         self._num_unopened = 0
         self._bound: Socket | None = None
         self._next_maintenance = 0.0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._stop = stop
         self.bound_endpoint: str | None = None
 
     # --- lifecycle -----------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Open sockets now (so bind errors and :class:`SocketLimitError` surface here, every
-        socket closed again), then run in a daemon thread."""
-        try:
+    def open(self) -> None:
+        """Open the bound SUB (the first worker) and the sockets of the streams owned now;
+        raises :class:`SocketLimitError` or :class:`zmq.ZMQError` (the caller closes)."""
+        if self.worker == 0:
             self._open_bound()
-            self._reconcile(strict=True)
-        except (SocketLimitError, zmq.ZMQError):
-            self._close_all()
-            raise
-        self._thread = threading.Thread(target=self._run, name="kvindex-subscriber", daemon=True)
-        self._thread.start()
-
-    @property
-    def running(self) -> bool:
-        """True while the loop thread runs (started, not ended)."""
-        return self._thread is not None and self._thread.is_alive()
+        self._reconcile(strict=True)
 
     @property
     def subscribed_replicas(self) -> list[str]:
-        """Ids of the replicas whose sockets are open, sorted (read from the loop's thread,
-        or while it does not run)."""
+        """Ids of the replicas with sockets of this loop open, sorted (read from the loop's
+        thread, or while it does not run)."""
         return sorted(self._sockets_of)
 
-    def stop(self, timeout_s: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-        self._close_all()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.run_once()
-            except Exception:  # the loop must survive anything; the data is counted
-                log.exception("subscriber loop error (continuing)")
-                time.sleep(0.1)
+    @property
+    def num_streams_open(self) -> int:
+        """Connect-mode streams whose SUB this loop holds."""
+        return len(self._sub_of)
 
     def run_once(self, timeout_ms: int = _POLL_MS) -> None:
         """One loop turn: reconcile replicas, poll, handle, expire, maintain.
 
-        It waits up to ``timeout_ms`` for a socket (or for :meth:`stop`): with no socket
+        It waits up to ``timeout_ms`` for a socket (or for the stop event): with no socket
         registered a poll would return at once, which would spin a core.
         """
         self._reconcile()
@@ -329,14 +351,20 @@ class Subscriber:
         if self._shard.tick() or fenced:
             self._rebalance()
 
-    def _owned_ranks(self, spec: ReplicaSpec) -> tuple[int, ...]:
-        """The replica's ranks this process subscribes to: all, or the ones it owns."""
+    def _owned_ranks(self, spec: ReplicaSpec, every_worker: bool = False) -> tuple[int, ...]:
+        """The replica's ranks this loop subscribes to: those of its worker (all with one
+        worker; ``every_worker``: those of every worker, what the process subscribes to),
+        of them the ones this process owns when sharded."""
+        ranks: list[int] | range = range(spec.dp_size)
+        if self._partition is not None and not every_worker:
+            worker_of = self._partition.worker_of
+            ranks = [r for r in ranks if worker_of(StreamId(spec.id, r)) == self.worker]
         if self._shard is None:
-            return tuple(range(spec.dp_size))
+            return tuple(ranks)
         now = self._clock()
         return tuple(
             rank
-            for rank in range(spec.dp_size)
+            for rank in ranks
             if self._shard.owns(stream := StreamId(spec.id, rank))
             and self._excluded.get(stream, now) <= now
         )
@@ -369,16 +397,6 @@ class Subscriber:
             self._on_replay_readable(self._replays.stream_of[sock])
 
     # --- sockets -------------------------------------------------------------------------
-
-    def _zmq_context(self) -> Context:
-        """The context given, or the subscriber's own, opened on first use (a subscriber
-        built and never started holds none) and sized to the open-file limit then, which
-        the service has raised by that time; closed with the subscriber."""
-        if self._given_context is not None:
-            return self._given_context
-        if self._owned_context is None:
-            self._owned_context = sized_context(file_limit().soft)
-        return self._owned_context
 
     def _open_bound(self) -> None:
         if self._settings.bind is None or self._bound is not None:
@@ -419,8 +437,12 @@ class Subscriber:
             for s in self._specs
             if s.events is not None and s.id not in self._sockets_of and self._owned_ranks(s)
         ]
-        if strict and unopened:
-            self._log_files_needed(sum(s.dp_size for s in unopened))
+        if strict and self.worker == 0:  # at start, for every worker: one line, the total
+            process = [
+                s for s in self._specs if s.events is not None and self._owned_ranks(s, True)
+            ]
+            if process:
+                self._log_files_needed(sum(s.dp_size for s in process))
         error: SocketLimitError | None = None
         for spec in unopened:
             try:
@@ -495,7 +517,8 @@ class Subscriber:
             self._monitor_of.pop(sock, None)
             sock.close(linger=0)
 
-    def _close_all(self) -> None:
+    def close(self) -> None:
+        """Close every socket of this loop (its replays' undecodable replies counted)."""
         self.pipeline.close()
         for replica in list(self._sockets_of):
             self._close_replica(replica)
@@ -506,9 +529,6 @@ class Subscriber:
             self._bound.close(linger=0)
             self._bound = None
         self._poller.close()
-        if self._owned_context is not None:
-            self._owned_context.term()
-            self._owned_context = None
 
     # --- what the sockets deliver --------------------------------------------------------
 
@@ -536,3 +556,185 @@ class Subscriber:
                 self.pipeline.on_connected(stream)
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self.pipeline.on_disconnected(stream)
+
+
+class Subscriber:
+    """Subscribes to every replica and feeds what arrives to the pipelines: the ingest
+    workers (``settings.num_ingest_workers``; one when sharded), each a
+    :class:`SubscriberLoop` in a thread of its own, sharing the index, the registry and one
+    ZeroMQ context. The first worker also reads the bound SUB.
+
+    ``num_workers`` overrides the setting (tests, benchmarks). A worker whose thread ends
+    other than by :meth:`stop` (an exception its loop does not catch) is logged as an error
+    and started again within :data:`_SUPERVISE_S`, its streams resynced from the index
+    (:meth:`Pipeline.restart`): what it had not applied is replayed or counted, not lost.
+    """
+
+    def __init__(
+        self,
+        settings: IndexerSettings,
+        index: BlockIndex,
+        registry: Registry,
+        *,
+        context: Context | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        shard: Shard | None = None,
+        num_workers: int | None = None,
+    ) -> None:
+        num = 1 if shard is not None else (num_workers or settings.num_ingest_workers)
+        self._given_context = context
+        self._owned_context: Context | None = None
+        self._context_lock = threading.Lock()
+        self._stop = threading.Event()
+        self.partition = StreamPartition(num)
+        unrouted = UnroutedTotals(registry, num) if num > 1 else None
+        self.loops = [
+            SubscriberLoop(
+                settings,
+                index,
+                registry,
+                context=self._zmq_context,
+                stop=self._stop,
+                clock=clock,
+                shard=shard,
+                worker=i,
+                partition=self.partition if num > 1 else None,
+                publish_unrouted=None if unrouted is None else unrouted.publisher(i),
+            )
+            for i in range(num)
+        ]
+        self._threads: list[threading.Thread | None] = [None] * num
+        self._supervisor: threading.Thread | None = None
+        self._opened = False
+        self.num_restarts = 0
+        """Workers started again after their thread ended unexpectedly."""
+
+    @property
+    def pipeline(self) -> Pipeline:
+        """The first worker's pipeline (the only one with one worker; the bound SUB's)."""
+        return self.loops[0].pipeline
+
+    @property
+    def pipelines(self) -> list[Pipeline]:
+        return [loop.pipeline for loop in self.loops]
+
+    @property
+    def bound_endpoint(self) -> str | None:
+        return self.loops[0].bound_endpoint
+
+    @property
+    def subscribed_replicas(self) -> list[str]:
+        """Ids of the replicas with sockets open in any worker, sorted (read while the
+        workers do not run, or as a snapshot that may be a turn old)."""
+        return sorted({r for loop in self.loops for r in loop.subscribed_replicas})
+
+    def worker_of(self, stream: StreamId) -> int:
+        """The worker that owns a connect-mode stream."""
+        return self.partition.worker_of(stream)
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Open every worker's sockets (so bind errors and :class:`SocketLimitError`
+        surface here, every socket closed again) without running the workers yet: what
+        arrives meanwhile waits in the sockets (a benchmark's backlog). :meth:`start`
+        does it if not done."""
+        if self._opened:
+            return
+        try:
+            for loop in self.loops:
+                loop.open()
+        except (SocketLimitError, zmq.ZMQError):
+            self._close_all()
+            raise
+        self._opened = True
+        log.info("ingest workers: %d", len(self.loops))
+
+    def start(self) -> None:
+        """:meth:`open`, then run each worker in a daemon thread, and a supervisor that
+        restarts a worker whose thread died."""
+        self.open()
+        for worker in range(len(self.loops)):
+            self._start_worker(worker)
+        self._supervisor = threading.Thread(
+            target=self._supervise, name="kvindex-ingest-supervisor", daemon=True
+        )
+        self._supervisor.start()
+
+    @property
+    def running(self) -> bool:
+        """True while every worker's thread runs (started, not ended)."""
+        return all(t is not None and t.is_alive() for t in self._threads)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop every worker (each within one poll turn), then close every socket."""
+        self._stop.set()
+        deadline = time.monotonic() + timeout_s
+        for thread in [self._supervisor, *self._threads]:
+            if thread is not None:
+                thread.join(max(0.0, deadline - time.monotonic()))
+        self._close_all()
+
+    def run_once(self, timeout_ms: int = _POLL_MS) -> None:
+        """One turn of every worker's loop, in order (tests, when the threads do not run)."""
+        for loop in self.loops:
+            loop.run_once(timeout_ms)
+
+    def _start_worker(self, worker: int) -> None:
+        thread = threading.Thread(
+            target=self._run, args=(self.loops[worker],), name=f"kvindex-ingest-{worker}"
+        )
+        thread.daemon = True
+        self._threads[worker] = thread
+        thread.start()
+
+    def _run(self, loop: SubscriberLoop) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    loop.run_once()
+                except Exception:  # the loop must survive anything; the data is counted
+                    log.exception("ingest worker %d: loop error (continuing)", loop.worker)
+                    time.sleep(0.1)
+        except BaseException:  # not re-raised: the supervisor restarts it
+            log.critical("ingest worker %d died", loop.worker, exc_info=True)
+
+    def _supervise(self) -> None:
+        """Every :data:`_SUPERVISE_S`: a worker whose thread ended before :meth:`stop` is
+        logged, its streams set to resync, and started again."""
+        while not self._stop.wait(_SUPERVISE_S):
+            for worker, thread in enumerate(self._threads):
+                if thread is None or thread.is_alive() or self._stop.is_set():
+                    continue
+                self.num_restarts += 1
+                log.error(
+                    "ingest worker %d stopped unexpectedly: restarted, its streams resync"
+                    " from the index (%d restarts)",
+                    worker,
+                    self.num_restarts,
+                )
+                self.loops[worker].pipeline.restart()
+                self._start_worker(worker)
+
+    # --- the shared context --------------------------------------------------------------
+
+    def _zmq_context(self) -> Context:
+        """The context given, or the subscriber's own, opened on first use (a subscriber
+        built and never started holds none) and sized to the open-file limit then, which
+        the service has raised by that time, with an I/O thread per worker; closed with
+        the subscriber. Called from every worker's thread."""
+        if self._given_context is not None:
+            return self._given_context
+        with self._context_lock:
+            if self._owned_context is None:
+                context = sized_context(file_limit().soft)
+                context.set(zmq.IO_THREADS, len(self.loops))
+                self._owned_context = context
+            return self._owned_context
+
+    def _close_all(self) -> None:
+        for loop in self.loops:
+            loop.close()
+        if self._owned_context is not None:
+            self._owned_context.term()
+            self._owned_context = None

@@ -111,6 +111,13 @@ def main(verbose: bool, log_format: LogFormat, log_repeat_s: float) -> None:
         logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
+_ingest_workers_option = click.option(
+    "--ingest-workers",
+    type=click.IntRange(min=0),
+    help="Ingest workers of the memory store, each with its share of the connect-mode"
+    " streams (else env KVINDEX_INGEST_WORKERS, ingest_workers; 0, the default: one per"
+    " two cores available, 1 to 2).",
+)
 _stats_every_option = click.option(
     "--stats-every",
     default=5.0,
@@ -127,6 +134,7 @@ _stats_every_option = click.option(
     help="Port of /metrics, /healthz, /readyz (default 8090 on status_host 127.0.0.1;"
     " 0: any free one, logged; -1: none).",
 )
+@_ingest_workers_option
 @_stats_every_option
 def indexer(
     config: Path | None,
@@ -135,6 +143,7 @@ def indexer(
     store: str | None,
     redis_url: str | None,
     status_port: int | None,
+    ingest_workers: int | None,
     stats_every: float,
 ) -> None:
     """Run the write path: subscribe to replicas and keep the block index."""
@@ -146,6 +155,7 @@ def indexer(
                 "store": store,
                 "redis_url": redis_url,
                 "status_port": status_port,
+                "ingest_workers": ingest_workers,
             },
             extra_replicas=replicas,
         )
@@ -185,6 +195,7 @@ def _api_settings(config: Path | None, overrides: dict[str, Any]) -> ApiSettings
 @click.option("--port", type=int, help="API listen port (default 8000).")
 @_token_file_option
 @_access_log_option
+@_ingest_workers_option
 @_stats_every_option
 def serve(
     config: Path | None,
@@ -196,13 +207,19 @@ def serve(
     port: int | None,
     token_file: Path | None,
     access_log: bool | None,
+    ingest_workers: int | None,
     stats_every: float,
 ) -> None:
     """Run the indexer and the scoring API in one process."""
     try:
         settings = load_settings(
             config,
-            overrides={"bind": bind, "store": store, "redis_url": redis_url},
+            overrides={
+                "bind": bind,
+                "store": store,
+                "redis_url": redis_url,
+                "ingest_workers": ingest_workers,
+            },
             extra_replicas=replicas,
         )
         api = _api_settings(

@@ -40,6 +40,7 @@ class NativeBatch:
     rank: int
     num_events: int
     num_bad_events: int
+    num_blocks: int
     def records(self) -> list[tuple[Any, ...]]: ...
 
 def native_live(frames: list[bytes]) -> NativeBatch | None: ...

@@ -844,6 +844,12 @@ cdef class NativeBatch:
         """Always 0: a batch with an undecodable event is never made one."""
         return 0
 
+    @property
+    def num_blocks(self):
+        """Engine hashes its events name (a store's blocks and a removal's): what applying
+        it costs, which ``MemoryIndex`` bounds its lock holds by."""
+        return self._r.hashes.size // 8
+
     def records(self):
         """The events as read (for tests): ``("store", tier, parent hash or None, block
         size, token ids, engine hashes)``, ``("remove", tier, engine hashes)``,

@@ -34,6 +34,7 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.dict cimport PyDict_GetItem, PyDict_Next
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.object cimport PyObject
+from cpython.ref cimport Py_DECREF, Py_INCREF
 from cpython.tuple cimport PyTuple_Check, PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from libc.math cimport INFINITY, pow
 from libc.stdint cimport uint64_t
@@ -680,18 +681,69 @@ def json_token_span(object body, Py_ssize_t max_length):
         PyBuffer_Release(&view)
 
 
+cdef extern from "Python.h":
+    bytes PyBytes_FromStringAndSize(const char* v, Py_ssize_t size)
+    int _PyBytes_Resize(PyObject** string, Py_ssize_t size) except -1
+
+
+cdef extern from *:
+    """
+    #include <stdint.h>
+    #include <string.h>
+
+    static inline void kv_store_le32(unsigned char* out, uint32_t v) {
+    #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+        v = __builtin_bswap32(v);
+    #endif
+        memcpy(out, &v, 4);
+    }
+    """
+    void kv_store_le32(unsigned char* out, unsigned int v) noexcept nogil
+
+
+cdef inline Py_ssize_t _json_uint(const unsigned char* p, Py_ssize_t pos, uint64_t* value) noexcept nogil:
+    """Past the JSON integer at ``p[pos]`` (its value in ``*value``), or -1 unless it is one
+    in [0, 2**32) (a digit first, no leading 0). Digits are read two at a time after the
+    first (a digit is never the buffer's last byte: a bracket or brace closes it), 11 at
+    most: the loop is bounded, and 11 digits are past u32."""
+    cdef Py_ssize_t start = pos
+    cdef unsigned char d0 = p[pos] - 48, d1
+    if d0 > 9:
+        return -1
+    cdef uint64_t v = d0
+    pos += 1
+    while pos - start < 11:
+        d0 = p[pos] - 48
+        if d0 > 9:
+            break
+        d1 = p[pos + 1] - 48
+        if d1 > 9:
+            v = v * 10 + d0
+            pos += 1
+            break
+        v = v * 100 + d0 * 10 + d1
+        pos += 2
+    if v >> 32 or (p[start] == 48 and pos - start > 1):
+        return -1  # past u32, or a leading 0
+    value[0] = v
+    return pos
+
+
 cdef object _json_array(
     const unsigned char* p, Py_ssize_t pos, Py_ssize_t end, Py_ssize_t max_length,
     Py_ssize_t* after,
 ):
     """The u32 bytes of the array opening at ``p[pos]`` (``[``), ``*after`` set past its
     ``]``; None unless it is a plain array of ints in [0, 2**32) of at most ``max_length``.
-    A byte before ``end`` that is no digit, space or comma must stop every scan."""
-    cdef Py_ssize_t n = 0, start
-    cdef uint64_t value
+    A byte before ``end`` that is no digit, space or comma must stop every scan.
+
+    The ids are written straight into the bytes object returned: made for the most ids the
+    array's bytes can hold (two bytes each at least: a digit and a comma or the closing
+    bracket), left uninitialised, and shrunk in place to the ids read (no zeroing, no copy)."""
+    cdef Py_ssize_t n = 0
+    cdef uint64_t value = 0
     cdef unsigned char c
     pos += 1
-    # Each id takes two bytes at least (a digit and a comma or the closing bracket).
     cdef Py_ssize_t most = (end - pos) // 2
     if most > max_length:
         most = max_length
@@ -700,25 +752,23 @@ cdef object _json_array(
     if p[pos] == 93:  # "[]"
         after[0] = pos + 1
         return b""
-    cdef bytearray out = bytearray(4 * most)
-    cdef unsigned char* buf = out
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, 4 * most)
+    cdef unsigned char* buf = <unsigned char*> PyBytes_AS_STRING(out)
+    cdef PyObject* raw
     while True:
-        start = pos
-        value = 0
-        c = p[pos]
-        while 48 <= c <= 57 and pos - start < 11:
-            value = value * 10 + (c - 48)
-            pos += 1
-            c = p[pos]
-        if pos == start or value >> 32 or (p[start] == 48 and pos - start > 1):
-            return None  # not a digit, past u32, or a leading 0
-        if n >= most:
+        pos = _json_uint(p, pos, &value)
+        if pos < 0 or n >= most:
             return None
-        buf[4 * n] = value & 0xFF
-        buf[4 * n + 1] = (value >> 8) & 0xFF
-        buf[4 * n + 2] = (value >> 16) & 0xFF
-        buf[4 * n + 3] = (value >> 24) & 0xFF
+        kv_store_le32(buf + 4 * n, <unsigned int> value)
         n += 1
+        c = p[pos]
+        if c == 44:  # ',' right after the id: the compact spelling, tested first
+            pos += 1
+            if p[pos] > 32:  # no space next (a space, tab, CR and LF are all <= 32)
+                continue
+            while _space(p[pos]):
+                pos += 1
+            continue
         while _space(c):
             pos += 1
             c = p[pos]
@@ -729,7 +779,17 @@ cdef object _json_array(
             continue
         if c == 93:  # the closing bracket
             after[0] = pos + 1
-            return bytes(out[: 4 * n])
+            if n == most:
+                return out
+            # Shrunk in place: ``_PyBytes_Resize`` wants the only reference, so ``raw``
+            # takes over the one ``out`` held (on failure it frees the object and raises).
+            raw = <PyObject*> out
+            Py_INCREF(out)
+            out = None
+            _PyBytes_Resize(&raw, 4 * n)
+            resized = <bytes> raw  # a new reference; the one ``raw`` held is dropped next
+            Py_DECREF(resized)
+            return resized
         return None  # a fraction, an exponent, anything else
 
 

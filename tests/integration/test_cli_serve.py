@@ -169,3 +169,37 @@ def test_serve_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
         process.terminate()
         assert process.wait(timeout=10) == 0
     assert "Traceback" not in (tmp_path / "serve.log").read_text()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_serve_in_connect_mode_with_ingest_workers(tmp_path: Path, workers: int) -> None:
+    """``serve --ingest-workers N`` with four connect-mode replicas: every replica indexed
+    through the workers' sockets, the workers' count in the log."""
+    publishers = [EventPublisher("tcp://127.0.0.1:*", topic="") for _ in range(4)]
+    replicas = [
+        arg
+        for i, pub in enumerate(publishers)
+        for arg in ("--replica", f"id=r{i},model={MODEL},events={pub.endpoint}")
+    ]
+    port, log = free_port(), tmp_path / "serve.log"
+    args = ("serve", *replicas, "--port", str(port), "--ingest-workers", str(workers))
+    try:
+        with (
+            running(log, *args) as process,
+            httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=5) as http,
+        ):
+
+            def indexed() -> bool:
+                for publisher in publishers:
+                    publisher.publish([BlockStored((1, 2, 3, 4), None, TOKENS, 16, Tier.GPU)])
+                answer = http.post("/score", json={"model": MODEL, "token_ids": TOKENS})
+                scores = answer.json()["scores"] if answer.status_code == 200 else []
+                return len(scores) == 4 and all(s["matched_blocks"] == 4 for s in scores)
+
+            _until(indexed)  # each SUB is a slow joiner: publish until all are seen
+            assert http.get("/stats").json()["blocks"]["gpu"] == 16
+            assert process.poll() is None
+    finally:
+        for publisher in publishers:
+            publisher.close()
+    assert f"ingest workers: {workers}" in log.read_text()

@@ -10,12 +10,14 @@ status line, body, the headers a client acts on, and whether the connection stay
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import socket
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import pytest
@@ -24,7 +26,8 @@ from starlette.datastructures import Headers
 from kvindex.api.app import ApiDeps, create_app, hot_serving
 from kvindex.api.background import BackgroundServer
 from kvindex.api.load.store import MemoryLoadStore
-from kvindex.api.server_protocol import hot_protocol
+from kvindex.api.schemas import MAX_TOKEN_IDS
+from kvindex.api.server_protocol import HotProtocol, hot_protocol
 from kvindex.api.settings import ApiSettings
 from kvindex.indexer.index.memory import MemoryIndex
 from tests.integration.api_harness import MODEL, Fleet, comparable_body, tokens
@@ -308,3 +311,114 @@ def test_an_answer_that_raises_an_unmapped_error_is_a_logged_500_and_closed(
     assert answer.body == b"Internal Server Error"
     assert sent.closed
     assert "answering POST /score failed" in caplog.text
+
+
+KEEP_ALIVE_S = 0.4
+
+
+def _keep_alive(protocol: type[HotProtocol], seconds: float) -> type[HotProtocol]:
+    """``protocol`` with uvicorn's keep-alive timeout set to ``seconds`` (its config's
+    ``timeout_keep_alive``, read by the protocol as each connection opens)."""
+
+    class ShortKeepAlive(protocol):  # type: ignore[valid-type,misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.timeout_keep_alive = seconds
+
+    return ShortKeepAlive
+
+
+@contextmanager
+def _short_keep_alive_twins() -> Iterator[Twins]:
+    with ExitStack() as stack:
+        ports = []
+        for hot in (True, False):
+            fleet = Fleet.over(MemoryIndex())
+            fleet.add("r1")
+            deps = ApiDeps(SETTINGS, fleet.index, fleet.registry, MemoryLoadStore(), False)
+            app = create_app(deps)
+            protocol = hot_protocol(10.0, hot_serving(app) if hot else None)
+            server = BackgroundServer(app, http=_keep_alive(protocol, KEEP_ALIVE_S))
+            ports.append(stack.enter_context(server).port)
+        yield Twins(*ports)
+
+
+def _seconds_until_closed(sock: socket.socket) -> float:
+    started = time.monotonic()
+    sock.settimeout(5)
+    assert sock.recv(1) == b""
+    return time.monotonic() - started
+
+
+@pytest.mark.parametrize("sent", [request("GET", "/healthz"), request("GET", "/readyz")])
+def test_an_idle_connection_is_closed_after_the_keep_alive_timeout(sent: bytes) -> None:
+    """Answered by the hot path or by the app, on either server: one timer per connection
+    closes it ``timeout_keep_alive`` after the last answer, however many came before."""
+    with _short_keep_alive_twins() as twins:
+        for port in twins.ports:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                reader = _Reader(sock)
+                started = time.monotonic()
+                for _ in range(5):  # busier than the timeout for longer than it
+                    sock.sendall(sent)
+                    assert reader.answer().status_line.endswith(b"200 OK")
+                    time.sleep(KEEP_ALIVE_S / 2)
+                assert time.monotonic() - started > 2 * KEEP_ALIVE_S
+                idle_s = _seconds_until_closed(sock) + KEEP_ALIVE_S / 2
+                assert KEEP_ALIVE_S * 0.9 < idle_s < KEEP_ALIVE_S + 1.5
+
+
+def test_a_slow_answer_pipelined_behind_a_hot_one_outlives_the_keep_alive_timeout() -> None:
+    """The hot answer goes out while the next request is still unread in the same bytes:
+    that request's time is no idle time, however long its answer takes."""
+
+    async def slow(_body: bytes, _headers: Headers) -> bytes:
+        await asyncio.sleep(2.5 * KEEP_ALIVE_S)
+        return b'{"slow":true}'
+
+    fleet = Fleet.over(MemoryIndex())
+    app = create_app(ApiDeps(SETTINGS, fleet.index, fleet.registry, MemoryLoadStore(), False))
+    serving = hot_serving(app)
+    assert serving is not None
+    key = (b"POST", b"/score")
+    routes = serving.routes | {key: dataclasses.replace(serving.routes[key], answer=slow)}
+    protocol = hot_protocol(10.0, dataclasses.replace(serving, routes=routes))
+    with BackgroundServer(app, http=_keep_alive(protocol, KEEP_ALIVE_S)) as server:
+        sent = exchange(server.port, request("GET", "/healthz") + request("POST", "/score", VALID),
+                        num_answers=2)  # fmt: skip
+    assert [a.body for a in sent.answers] == [b'{"status":"ok"}', b'{"slow":true}']
+
+
+def test_a_body_cut_anywhere_is_read_whole(twins: Twins) -> None:
+    sent = request("POST", "/score", VALID)
+    start = sent.index(b"[")
+    for cut in (start, start + 1, start + 6, len(sent) - 2, len(sent) - 1):
+        answer = same(twins, sent[:cut], sent[cut:], pause_s=0.02).answers[0]
+        assert answer.status_line == b"HTTP/1.1 200 OK"
+    pieces = [sent[i : i + 97] for i in range(0, len(sent), 97)]
+    assert same(twins, *pieces, pause_s=0.002).answers[0].status_line == b"HTTP/1.1 200 OK"
+
+
+@pytest.mark.parametrize(
+    "array",
+    [b"[01, 2]", b"[4294967296]", b"[1.0]", b"[1e3]", b"[1,]", b"[1 2]", b'["1"]', b"[1,,2]"],
+)
+def test_token_arrays_the_packed_read_refuses_are_answered_alike(
+    twins: Twins, array: bytes
+) -> None:
+    body = b'{"model": "' + MODEL.encode() + b'", "token_ids": ' + array + b"}"
+    assert same(twins, request("POST", "/score", body)).answers[0].status_line[9:12] == b"422"
+
+
+def test_huge_token_arrays_are_answered_alike() -> None:
+    big = dataclasses.replace(SETTINGS, max_body_bytes=16 << 20)
+    with twins_over(big) as twins:
+        ids = tokens(1_000, 8) + list(range(2**32 - 200_000, 2**32))
+        spaced = score_body(token_ids=ids).replace(b",", b", ")
+        for body in (score_body(token_ids=ids), spaced):
+            answer = same(twins, request("POST", "/score", body)).answers[0]
+            assert answer.status_line == b"HTTP/1.1 200 OK"
+        too_many = score_body(token_ids=[7] * (MAX_TOKEN_IDS + 1))
+        assert same(twins, request("POST", "/score", too_many)).answers[0].status_line[9:12] == (
+            b"422"
+        )

@@ -12,7 +12,7 @@ from kvindex.api.views import stats_view
 from kvindex.indexer.events import BlockStored, Event, EventBatch, StreamId, Tier
 from kvindex.indexer.fleet.registry import Freshness, Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
-from kvindex.indexer.health import StreamHealth
+from kvindex.indexer.health import StreamHealth, UnroutedCounters
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import (
     ApplyResult,
@@ -580,3 +580,35 @@ def test_a_live_batch_during_a_probe_is_applied_at_once() -> None:
     r.pipeline.on_replay(R1, replies())  # the probe's late end: closes it, changes nothing
     assert r.replays.open == set()
     assert (r.blocks(0, 1, 2, 3), r.health().num_restarts) == (4, 0)
+
+
+# --- after its thread died ------------------------------------------------------------------
+
+
+def test_a_restart_resyncs_every_stream_from_the_index_by_replay() -> None:
+    r = rig()
+    synced(r, last=1)
+    r.pipeline.handle_frames([frames(3)], R1)  # a gap: a replay from 2 is open
+    assert r.replays.open == {R1}
+    r.pipeline.restart()  # the thread that ran this pipeline died mid-call
+    assert r.replays.open == set()  # its replay closed
+    r.pipeline.handle_frames([frames(4)], R1)  # not applied: nothing is trusted yet
+    assert r.health().last_seq == 1
+    r.clock.now += 1
+    r.pipeline.maintain()  # the tracker restarts from the index's watermark, and resyncs
+    assert r.replays.started[-1] == (R1, REPLAY, 0)  # the engine's whole buffer
+    r.pipeline.on_replay(R1, replies(*(batch(s) for s in range(5))))
+    assert r.blocks(0, 1, 2, 3, 4) == 5 and r.health().last_seq == 4
+    assert r.health().num_duplicates == 2  # 0 and 1: the index held them already
+    assert r.freshness() is Freshness.LIVE
+
+
+def test_unrouted_totals_go_where_the_caller_says() -> None:
+    spec = ReplicaSpec("r1", MODEL)
+    settings = IndexerSettings(replicas=(spec,))
+    registry = Registry(settings.replicas)
+    published: list[UnroutedCounters] = []
+    pipeline = Pipeline(settings, MemoryIndex(), registry, publish_unrouted=published.append)
+    pipeline.handle_frames([[b"only-one-frame"]], None)
+    assert published == [UnroutedCounters(num_undecodable=1)]
+    assert registry.unrouted() == UnroutedCounters()  # the sink sums the workers' for it

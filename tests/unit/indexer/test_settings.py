@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -147,3 +148,17 @@ def test_bad_shard_settings_are_named(env: dict[str, str], message: str) -> None
 def test_an_indexer_id_comes_from_the_environment() -> None:
     settings = load_settings(env={"KVINDEX_STORE": "redis", "KVINDEX_INDEXER_ID": "idx-0"})
     assert settings.indexer_id == "idx-0"
+
+
+def test_ingest_workers_default_to_one_per_two_cores_available_at_most_two(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for cores, expected in ((1, 1), (2, 1), (3, 1), (4, 2), (16, 2)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+        assert IndexerSettings().num_ingest_workers == expected
+    assert IndexerSettings(ingest_workers=8).num_ingest_workers == 8
+    assert IndexerSettings(store="redis").num_ingest_workers == 1
+    assert load_settings(env={"KVINDEX_INGEST_WORKERS": "3"}).num_ingest_workers == 3
+    for bad in (-1, 65):
+        with pytest.raises(SettingsError, match="ingest_workers must be 0"):
+            IndexerSettings(ingest_workers=bad)

@@ -10,6 +10,7 @@ import fakeredis
 import pytest
 import zmq
 
+from kvindex.indexer.errors import SettingsError
 from kvindex.indexer.events import StreamId
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
@@ -28,9 +29,11 @@ from tests.support.clock import Clock
 from tests.support.redis_server import free_port
 
 
-def test_a_loop_with_no_socket_to_poll_waits_instead_of_spinning() -> None:
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_loop_with_no_socket_to_poll_waits_instead_of_spinning(workers: int) -> None:
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    subscriber = Subscriber(IndexerSettings(), MemoryIndex(), Registry(()), context=context)
+    settings = IndexerSettings(ingest_workers=workers)
+    subscriber = Subscriber(settings, MemoryIndex(), Registry(()), context=context)
     subscriber.start()  # no replica, no bind: nothing to poll
     try:
         cpu_before = time.process_time()
@@ -89,7 +92,8 @@ def _open_sockets_until_full(context: Context, timeout_s: float = 3.0) -> int:
 def test_out_of_sockets_at_start_is_a_named_error_with_nothing_left_open() -> None:
     context = _tiny_context(8)  # a stream holds 3 sockets: the third replica does not fit
     registry = Registry(_replicas(5))
-    subscriber = Subscriber(IndexerSettings(), MemoryIndex(), registry, context=context)
+    settings = IndexerSettings(ingest_workers=1)  # the counts below are one loop's
+    subscriber = Subscriber(settings, MemoryIndex(), registry, context=context)
     try:
         with pytest.raises(SocketLimitError) as caught:
             subscriber.start()
@@ -109,7 +113,8 @@ def test_a_replica_that_does_not_fit_later_is_one_error_line_and_opens_once_room
 ) -> None:
     context = _tiny_context(6)
     registry = Registry(_replicas(3))
-    subscriber = Subscriber(IndexerSettings(), MemoryIndex(), registry, context=context)
+    settings = IndexerSettings(ingest_workers=1)  # the counts below are one loop's
+    subscriber = Subscriber(settings, MemoryIndex(), registry, context=context)
     try:
         with caplog.at_level(logging.ERROR, logger="kvindex.subscriber"):
             for _ in range(3):
@@ -212,3 +217,58 @@ def test_a_sharded_subscriber_opens_the_streams_it_owns_and_takes_over_a_leaver(
         assert subscriber.subscribed_replicas == sorted(s.id for s in specs)
     finally:
         subscriber.stop()
+
+
+# --- ingest workers ------------------------------------------------------------------------
+
+
+def test_workers_share_the_replicas_the_first_reads_the_bound_sub_and_stop_stops_all() -> None:
+    context: Context = zmq.Context()
+    specs = _replicas(5)
+    settings = IndexerSettings(replicas=specs, bind="tcp://127.0.0.1:0", ingest_workers=2)
+    subscriber = Subscriber(settings, MemoryIndex(), Registry(specs), context=context)
+    subscriber.start()
+    try:
+        assert [len(loop.subscribed_replicas) for loop in subscriber.loops] == [3, 2]
+        assert subscriber.subscribed_replicas == [s.id for s in specs]
+        assert subscriber.bound_endpoint is not None
+        assert subscriber.loops[1].bound_endpoint is None
+        assert subscriber.running
+        threads = [t for t in subscriber._threads if t is not None]
+        assert len(threads) == 2 and all(t.is_alive() for t in threads)
+    finally:
+        subscriber.stop()
+        context.term()
+    assert not subscriber.running and not any(t.is_alive() for t in threads)
+    assert subscriber.subscribed_replicas == []
+
+
+def test_a_replica_added_later_goes_to_the_worker_with_fewer_streams() -> None:
+    context: Context = zmq.Context()
+    specs = _replicas(4)
+    registry = Registry(specs[:3])
+    settings = IndexerSettings(ingest_workers=2)
+    subscriber = Subscriber(settings, MemoryIndex(), registry, context=context)
+    try:
+        subscriber.run_once(timeout_ms=1)
+        assert [loop.subscribed_replicas for loop in subscriber.loops] == [["r0", "r2"], ["r1"]]
+        registry.add(specs[3])
+        subscriber.run_once(timeout_ms=1)
+        assert subscriber.loops[1].subscribed_replicas == ["r1", "r3"]
+        assert subscriber.worker_of(StreamId("r3")) == 1
+    finally:
+        subscriber.stop()
+        context.term()
+
+
+def test_a_sharded_indexer_runs_one_worker_and_redis_refuses_more() -> None:
+    client = fakeredis.FakeRedis()
+    membership = Membership(client, Schema("test"), "a", lease_ttl_s=3.0)
+    index = RedisIndex(client, Schema("test"), owner=membership.token)
+    settings = IndexerSettings(store="redis")
+    assert settings.num_ingest_workers == 1
+    shard = Shard(membership, index)
+    subscriber = Subscriber(settings, index, Registry(()), shard=shard, num_workers=4)
+    assert len(subscriber.loops) == 1
+    with pytest.raises(SettingsError, match="ingest_workers = 2 is for the memory store"):
+        IndexerSettings(store="redis", ingest_workers=2)

@@ -7,10 +7,15 @@ of one match."""
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
+import pytest
+
 from kvindex.indexer.events import StreamId, Tier
-from kvindex.indexer.index.memory import MemoryIndex, PyTables
+from kvindex.indexer.index import memory
+from kvindex.indexer.index.memory import IndexLock, MemoryIndex, PyTables
 from kvindex.indexer.index.protocol import NO_MATCH, HolderLookup, Op, OpKind, PrefixMatch
 
 S = StreamId("r1")
@@ -165,3 +170,79 @@ def test_holders_read_the_matched_prefix_not_the_streams() -> None:
     holders.num_gets = 0
     assert index.holders(KEYS, streams) == [(PrefixMatch((GPU,)), [7])]
     assert holders.num_gets == 1  # 101 alone: one holder, its own map walks on
+
+
+# --- the lock ------------------------------------------------------------------------------
+
+
+def test_a_hand_over_lets_the_waiting_thread_in_before_the_holder_goes_on() -> None:
+    lock = IndexLock()
+    order: list[str] = []
+
+    def waiter() -> None:
+        with lock:
+            order.append("waiter")
+
+    with lock:
+        assert not lock.hand_over()  # nobody waits: it keeps the lock
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        deadline = time.monotonic() + 5
+        while lock.num_waiting == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert lock.num_waiting == 1
+        assert lock.hand_over()
+        order.append("holder")  # taken back only after the waiter's hold
+    thread.join(5)
+    assert order == ["waiter", "holder"] and lock.num_waiting == 0
+
+
+def test_a_write_hands_the_lock_over_every_hold_blocks_ops_and_rereads_its_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Between two pieces of a write another thread may clear or drop the stream: the
+    rest is applied to the stream as it is then, never to a stale number."""
+    monkeypatch.setattr(memory, "HOLD_BLOCKS", 2)
+    index = MemoryIndex(compiled=False)
+    thief = StreamId("thief")
+    handed: list[int] = []
+
+    class _Turns(IndexLock):
+        def hand_over(self) -> bool:
+            handed.append(len(handed))
+            if len(handed) == 1:  # another thread's turn, taken here in its place
+                self._lock.release()
+                index.drop(S)
+                index.apply(thief, 0, 0.0, [store(900, 9000)])  # it takes S's old number
+                self._lock.acquire()
+            return True
+
+    index._lock = _Turns()
+    batches = [
+        (seq, float(seq), [store(seq, 100 + seq), store(seq + 50, 200 + seq)]) for seq in range(3)
+    ]
+    results = index.apply_many(S, batches)
+    assert len(handed) == 2 and all(r.applied for r in results)
+    stats = index.stats(S)
+    assert (stats.watermark, stats.num_blocks) == (2, 4)  # batch 0 dropped with the stream
+    assert index.resolve(S, [0, 1, 2]) == [None, 101, 102]
+    assert index.stats(thief).num_blocks == 1 and index.resolve(thief, [900, 1]) == [9000, None]
+
+
+def test_native_pieces_cover_the_batches_in_order_and_hold_about_hold_blocks() -> None:
+    sizes = [700, 700, 700, 5000, 10, 10, 2048, 1]
+
+    class _Sized:
+        def __init__(self, num_blocks: int) -> None:
+            self.num_blocks = num_blocks
+
+    batches: list[Any] = [_Sized(n) for n in sizes]
+    pieces = memory._pieces(batches)
+    assert [b for piece in pieces for b in piece] == batches
+    assert [[b.num_blocks for b in p] for p in pieces] == [
+        [700, 700, 700], [5000], [10, 10, 2048], [1],
+    ]  # fmt: skip
+    totals = [0] * 9 + [-1]
+    memory._add_counts(totals, (1, 0, 0, 5, 0, 0, 0, 0, 0, 16))
+    memory._add_counts(totals, (2, 1, 0, 0, 3, 0, 0, 0, 0, -1))
+    assert totals == [3, 1, 0, 5, 3, 0, 0, 0, 0, 16]

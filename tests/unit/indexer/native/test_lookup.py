@@ -15,6 +15,7 @@ import random
 import struct
 from typing import cast
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -367,3 +368,41 @@ def test_best_matches_and_contenders_check_their_indices() -> None:
         _lookup.best_matches(runs, ["a"], [], True)
     with pytest.raises(IndexError):
         _lookup.contenders(runs, [0], ["a"], {}, [0.0], 0.1, 0.0)
+
+
+@given(
+    st.lists(
+        st.integers(1, 9).map(lambda digits: 10**digits - 1)
+        | st.sampled_from([0, 10**9, 2**32 - 1])
+        | st.integers(0, 2**32 - 1)
+    ),
+    st.lists(st.sampled_from(["", " ", "\n", "\t", "\r\n"]), min_size=2, max_size=2),
+)
+def test_json_token_ids_reads_ids_of_every_length_in_any_spacing(
+    ids: list[int], spaces: list[str]
+) -> None:
+    before, after = spaces
+    array = "[" + ",".join(f"{before}{i}{after}" for i in ids) + "]"
+    packed = _lookup.json_token_ids(array.encode(), len(ids))
+    assert packed == struct.pack(f"<{len(ids)}I", *ids)
+    assert type(packed) is bytes
+
+
+@pytest.mark.parametrize(
+    "array",
+    [b"[01]", b"[1,02]", b"[4294967296]", b"[99999999999]", b"[1.5]", b"[1e3]", b"[-1]",
+     b"[1,]", b"[,1]", b"[1 2]", b'[1,"2"]', b"[1,null]", b"[1,,2]", b"[00]"],
+)  # fmt: skip
+def test_json_token_ids_refuses_what_is_no_plain_array_of_u32(array: bytes) -> None:
+    assert _lookup.json_token_ids(array, 10) is None
+    assert _lookup.json_token_span(b'{"model": "m", "token_ids": ' + array + b"}", 10) is None
+
+
+def test_json_token_ids_takes_max_length_ids_and_no_more() -> None:
+    ids = [2**32 - 1, 0] * 50_000
+    array = msgspec.json.encode(ids)
+    assert _lookup.json_token_ids(array, len(ids)) == struct.pack(f"<{len(ids)}I", *ids)
+    assert _lookup.json_token_ids(array, len(ids) - 1) is None
+    # Short ids far apart: the ids read are a fraction of what the bytes could hold.
+    sparse = ("[" + ",".join(["7" + " " * 30] * 1000) + "]").encode()
+    assert _lookup.json_token_ids(sparse, 10**6) == struct.pack("<1000I", *[7] * 1000)

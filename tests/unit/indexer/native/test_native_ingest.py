@@ -43,6 +43,7 @@ from kvindex.indexer.events import (
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.health import StreamReport
+from kvindex.indexer.index import memory
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.ingest import Ingestor, _KeyCache
 from kvindex.indexer.keys import block_keys
@@ -517,3 +518,39 @@ def test_lookups_during_the_compiled_ingest_see_whole_calls_only() -> None:
     assert rig.index.longest_prefix(keys, [rig.stream])[rig.stream].num_blocks == len(keys)
     assert seen and all(n % (16 * 16) == 0 for n in seen)
     assert seen == sorted(seen)
+
+
+def test_a_long_drain_lets_lookups_in_between_its_pieces_at_batch_edges(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One ``handle_frames`` call of 2,000 batches, applied in pieces of about 1,024 blocks
+    (``HOLD_BLOCKS``): another thread's lookups get in between pieces (the index lock is
+    handed over), and each sees a whole number of batches, never part of one."""
+    monkeypatch.setattr(memory, "HOLD_BLOCKS", 1024)
+    rig = Rig.of("r1", native_ingest=True, cache_size=0)
+    frames, tokens = _chain_frames(num_batches=2000, blocks_per_batch=16)
+    keys = block_keys(MODEL, tokens, 2)
+    rig.pipeline.handle_frames(frames[:1], rig.stream)  # seq 0 starts it the Python way
+    seen: list[int] = []
+    started, done = threading.Event(), threading.Event()
+
+    def look() -> None:
+        while not done.is_set():
+            seen.append(rig.index.longest_prefix(keys, [rig.stream])[rig.stream].num_blocks)
+            started.set()
+
+    reader = threading.Thread(target=look)
+    reader.start()
+    try:
+        started.wait(5)
+        with native_runs() as counted:
+            rig.pipeline.handle_frames(frames[1:], rig.stream)
+    finally:
+        done.set()
+        reader.join()
+    assert counted == [1999]  # one compiled run, applied in pieces
+    assert rig.index.longest_prefix(keys, [rig.stream])[rig.stream].num_blocks == len(keys)
+    assert all(n % 16 == 0 for n in seen) and seen == sorted(seen)
+    assert any(16 < n < len(keys) for n in seen), "no lookup got in during the drain"
+    health = rig.reports[-1]
+    assert (health["num_batches"], health["last_seq"]) == (1999, 1999)
