@@ -26,7 +26,8 @@ plus the answers since and the requests in flight are two estimates of one queue
 report's is second-hand and as old as the last scrape, the proxies' misses other traffic,
 so ``queue`` takes the larger rather than their sum (which would count each proxied request
 twice once the replica reports it). The uncached tokens in flight are the prefill work sent
-to the replica, which no report shows: they add. Ties go to the lower load, then to chance.
+to the replica, which no report shows: they add. Ties go to the lower load, then to chance
+(a draw per candidate of each tie that reaches the answer's ``top_k``: :func:`tie_order`).
 With ``w.temperature > 0`` the winner is drawn from a softmax over scores instead of taken
 as the maximum.
 """
@@ -34,7 +35,6 @@ as the maximum.
 from __future__ import annotations
 
 import enum
-import heapq
 import math
 import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -384,26 +384,75 @@ def rank(
 ) -> Decision:
     """Order best first: by score, then lower load, then chance; softmax if temperature.
 
-    ``ranked`` keeps the best ``top_k`` (None or 0: every one), chosen in O(n log k) without
-    sorting the rest; ``best`` and the draws from ``rng`` are the same whatever ``top_k``.
+    ``ranked`` keeps the best ``top_k`` (None or 0: every one), chosen without sorting the
+    rest (:func:`tie_order`); ``best`` and ``ranked`` are the first ``top_k`` of the full
+    ranking the same ``rng`` would give. Chance is a draw from ``rng`` per candidate of
+    each tie the ``top_k`` reaches, none for the others (see :func:`tie_order` for why the
+    answers are as likely as with a draw per candidate). With a temperature, every
+    candidate draws (the softmax weighs them all, in order), then the winner is drawn.
     """
     if not scored:
         return Decision(None, [])
-    # One draw per replica, tie or not, so that later draws do not depend on the scores.
-    tiebreak = {s.replica: rng.random() for s in scored}
-    key: Callable[[Scored], Any] = _minus_score
-    if len({s.score for s in scored}) != len(scored):  # a tie: lower load, then chance
-        key = _tie_key({c.replica: candidate_penalty(c, w)[0] for c in cands}, tiebreak)
     if w.temperature > 0 and len(scored) > 1:  # the draw weighs every one, in order
+        tiebreak = {s.replica: rng.random() for s in scored}
+        key: Callable[[Scored], Any] = _minus_score
+        if len({s.score for s in scored}) != len(scored):  # a tie: lower load, then chance
+            key = _tie_key({c.replica: candidate_penalty(c, w)[0] for c in cands}, tiebreak)
         ordered = sorted(scored, key=key)
         best = _softmax_pick(ordered, w.temperature, rng)
         ordered = [best] + [s for s in ordered if s is not best]
         return Decision(best.replica, ordered[: top_k or None])
-    if top_k and top_k < len(scored):
-        ordered = heapq.nsmallest(top_k, scored, key=key)  # == sorted(...)[:top_k]
-    else:
-        ordered = sorted(scored, key=key)
+    minus_scores = [-s.score for s in scored]
+    if len(set(minus_scores)) != len(scored):  # a tie: lower load, then chance
+        load_of = {c.replica: candidate_penalty(c, w)[0] for c in cands}
+        loads = [load_of[s.replica] for s in scored]
+    else:  # no two scores equal: the load never decides
+        loads = [0.0] * len(scored)
+    ordered = [scored[i] for i in tie_order(minus_scores, loads, rng.random, top_k)]
     return Decision(ordered[0].replica, ordered)
+
+
+def tie_order(
+    minus_scores: Sequence[float],
+    penalties: Sequence[float],
+    draw: Callable[[], float],
+    top_k: int | None,
+    positions: Sequence[int] | None = None,
+) -> list[int]:
+    """Indices of the best ``top_k`` (None or 0: every one) of the rows at ``positions``
+    (None: every row), best first: ascending (minus score, penalty), a tie in both broken
+    by chance, one ``draw()`` per row of each tied group that the ``top_k`` reaches (the
+    groups in order, a group's rows in index order), the group then in (draw, index)
+    order. A row alone in its group, or in a group after the ``top_k``, draws nothing.
+
+    Why this gives each answer the probability that one draw per row gives (the rule
+    before, ``tests/unit/api/test_policies.py`` checks it by counting): with a draw per
+    row, the ``top_k`` are the groups the ``top_k`` reaches, each ordered by its own rows'
+    draws; draws are independent and uniform, so each group's order is a uniformly random
+    permutation, independent of the other groups' and of which draws other rows got. Here
+    each such group gets its own fresh independent uniform draws: the same law for each
+    group's order, the same independence, hence the same law for the answer (and for a
+    sequence of answers: every answer's draws are fresh). Equal draws (probability about
+    2**-53) go to the lower index, as before. What is not the same: how far ``draw`` is
+    advanced, which now depends on the ties.
+    """
+    picked: Sequence[int] = range(len(minus_scores)) if positions is None else positions
+    rows = sorted((minus_scores[i], penalties[i], i) for i in picked)
+    k = len(rows) if not top_k or top_k >= len(rows) else top_k
+    out: list[int] = []
+    start = 0
+    while len(out) < k:
+        minus, penalty, _ = rows[start]
+        end = start + 1
+        while end < len(rows) and rows[end][0] == minus and rows[end][1] == penalty:
+            end += 1
+        if end - start == 1:
+            out.append(rows[start][2])
+        else:
+            drawn = sorted((draw(), i) for _, _, i in rows[start:end])
+            out.extend(i for _, i in drawn)
+        start = end
+    return out[:k]
 
 
 def _minus_score(s: Scored) -> float:

@@ -18,11 +18,20 @@ The read path, step by step (the README's diagram numbers them the same way):
    (:func:`kvindex.api.policies.decide`); only those become entries, every term reported,
    the rest counted (``num_candidates``, ``num_matched``).
 
-Cost per request, for ``kv_aware`` (the default; no temperature): the lookup, then per
-candidate one load penalty and one random draw (:func:`~kvindex.api.policies.load_penalties`,
-the draw :func:`~kvindex.api.policies.rank` makes for every one; both compiled loops when
-the extension is built, ``kvindex.indexer.native._lookup``), C-speed copies of the
-fleet's lists (specs sorted once per change, loads kept as they change). Everything else
+Cost per request, for ``kv_aware`` (the default; no temperature): the lookup, then the load
+penalties the answer needs. From 128 candidates on, with a ``top_k`` that leaves some out,
+they come from floors kept per candidate list and weights
+(:mod:`~kvindex.api.penalty_floors`): a changed replica's floor made again (the load
+store's :class:`~kvindex.api.load.store.LoadChanges`: an answer counted changes one), then
+exact penalties only for the replicas whose floor may be among the ``top_k`` lowest and
+the holders whose floor, less the most their match can add, may be; the floors are made
+again (a pass over the fleet) once the clock passes a 16th of the load half-life. Below
+that, or with every candidate explained, every penalty is computed
+(:func:`~kvindex.api.policies.load_penalties`, one compiled loop). A random draw is made
+only for a tie the ``top_k`` reaches (:func:`~kvindex.api.policies.tie_order`, as ``rank``
+draws: the same law of answers as a draw per candidate). Left per candidate: C-speed
+copies of the fleet's lists (the load read's dict, the answer's list of penalties; specs
+sorted once per change). Everything else
 follows the holders, not the fleet: the index answers its holders alone, by index in the
 streams asked, in runs of one match (:func:`~kvindex.indexer.index.protocol.holders_of`;
 the memory index walks the matched prefix and names no other stream); each replica's best
@@ -34,10 +43,12 @@ candidates stay the same. The cache term only for the contenders (one credit per
 match) with the freshness it needs; candidates, terms, freshness and load views, entries
 and their JSON for the best ``top_k`` alone, ordered as ``rank`` orders them (ties: lower
 load, then the draw), so ``best`` and the entries are those of the plain path
-(``tests/unit/api/test_score_equivalence.py``). At 1,024 replicas of which 256 hold a
-64-block prefix, the lookup and these passes cost 0.4 M instructions where they cost
-2.0 M (callgrind; the load penalties and load reads, 2.5 M, are then most of an answer's
-4.6 M). A body's ``token_ids`` are read as u32 bytes
+(``tests/unit/api/test_score_equivalence.py``). An answer of ``bench/score.py``'s lookup
+(memory store, 1,024 replicas of which 256 hold a 64-block prefix, default ``top_k``)
+costs 2.05 M instructions where it cost 3.00 M with a penalty and a draw per candidate
+(callgrind, 200 answers; at 32 replicas, 32,768 blocks, 1.55 M and 1.54 M): about 130
+penalties computed instead of 1,024, no draw without a tie. A body's ``token_ids`` are read
+as u32 bytes
 (:func:`~kvindex.api.schemas.decode_score_request`), no Python int per token. Other
 policies, and ``kv_aware`` with a temperature (a softmax over every score), build a
 candidate and a score per replica.
@@ -55,7 +66,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvindex.api.load.model import CountedLoad, Load, is_newer_or_same
-from kvindex.api.load.store import LoadStore
+from kvindex.api.load.store import LoadChanges, LoadStore
+from kvindex.api.penalty_floors import PenaltyFloors, Walk
+from kvindex.api.penalty_floors import pays as _floors_pay
 from kvindex.api.policies import (
     Candidate,
     Decision,
@@ -67,6 +80,7 @@ from kvindex.api.policies import (
     decide,
     kv_aware,
     load_penalties,
+    tie_order,
     tier_credit,
 )
 from kvindex.api.routing_rules import WORKLOAD_HEADER, RoutingRule, RuleInput, first_match
@@ -96,10 +110,7 @@ from kvindex.indexer.keys import (
 _KEY_LIMIT = 2**64
 
 _Matches = dict[str, PrefixMatch]
-_compiled_best: (
-    Callable[[list[float], list[float], Callable[[], float], int | None], list[int]] | None
-)
-_compiled_best = None
+_compiled_best: Callable[..., list[int]] | None = None  # as policies.tie_order
 _compiled_kth: Callable[[list[float], int], float] | None = None
 _compiled_matches: (
     Callable[[HeldRuns, list[str], list[int], bool], tuple[_Matches, dict[str, int]]] | None
@@ -113,8 +124,11 @@ try:
 except ImportError:
     pass
 else:
-    _compiled_best, _compiled_kth = _lookup.best, _lookup.kth_smallest
+    _compiled_best, _compiled_kth = _lookup.best_tied, _lookup.kth_smallest
     _compiled_matches, _compiled_contenders = _lookup.best_matches, _lookup.contenders
+
+_MAX_FLOORS = 8
+"""Weights whose penalty floors a scorer keeps (the default, and rules' or requests')."""
 
 
 DEGRADED_REASONS = ("index_unavailable", "fleet_unreadable", "no_healthy_candidate")
@@ -300,6 +314,11 @@ class Scorer:
         """Answers made since the last load read: counted in the store by the next read."""
         self._health_policy = settings.health_policy()
         self._default_weights = settings.weights.as_dict()
+        self._changes = loads if isinstance(loads, LoadChanges) else None
+        self._floors: dict[Weights, PenaltyFloors] = {}
+        """Per weights, the penalty floors of the last candidate list scored with them
+        (:mod:`~kvindex.api.penalty_floors`; the last :data:`_MAX_FLOORS`)."""
+        self._last_floors: tuple[Weights, PenaltyFloors] | None = None
 
     def note_load(self, replica: str, load: Load) -> None:
         """Remember a load this process accepted (``POST /load``), so that an answer made
@@ -349,10 +368,10 @@ class Scorer:
         ranked = [r for r in candidates if r not in unhealthy] if unhealthy else candidates
         ranked = ranked or candidates
         streams = self._streams(ranked)
-        lookup, loads = await self._read(keys, streams.streams, ranked)
+        lookup, loads, version = await self._read(keys, streams.streams, ranked)
         lookup.resolve(streams)
         if policy is Policy.KV_AWARE and not weights.temperature:
-            seen = _Seen(lookup, loads, {}, self._clock())
+            seen = _Seen(lookup, loads, {}, self._clock(), version)
             seen, decision = self._decide_kv_aware(
                 ranked, streams, seen, keys=keys, request=request, weights=weights
             )
@@ -545,36 +564,43 @@ class Scorer:
 
     async def _read(
         self, keys: list[int], streams: _Streams, replicas: Sequence[str]
-    ) -> tuple[_Lookup, dict[str, CountedLoad]]:
+    ) -> tuple[_Lookup, dict[str, CountedLoad], int | None]:
         """The request's two store reads (index, then load with the answers made since the
         last read counted first), in one worker-thread hop when the stores block (a hop
         costs about as much as a Redis round trip on loopback). Answers that could not be
         counted (the load store unreachable) are dropped: counted after the outage, they
-        would weigh on loads measured after they were made."""
+        would weigh on loads measured after they were made. The version: the load store's
+        change version read just before its read (None: the loads are not the store's,
+        or it keeps none), for the penalty floors (:meth:`_penalties`)."""
         answers, self._answers = self._answers, []
         if self._blocking:
-            found, loads = await asyncio.to_thread(
+            found, loads, version = await asyncio.to_thread(
                 self._read_stores, keys, streams, replicas, answers
             )
         else:
-            found, loads = self._read_stores(keys, streams, replicas, answers)
-        return _lookup_of(found), self._loads_seen(loads, replicas)
+            found, loads, version = self._read_stores(keys, streams, replicas, answers)
+        if loads is None:
+            version = None
+        return _lookup_of(found), self._loads_seen(loads, replicas), version
 
     def _read_stores(
         self, keys: list[int], streams: _Streams, replicas: Sequence[str], answers: list[str]
-    ) -> tuple[HeldRuns | IndexUnavailableError, dict[str, CountedLoad] | None]:
-        """Both reads; an unreachable store is returned as its error (index) or None (load)
-        so that the other read still happens."""
+    ) -> tuple[HeldRuns | IndexUnavailableError, dict[str, CountedLoad] | None, int | None]:
+        """Both reads (and the load store's change version just before its read); an
+        unreachable store is returned as its error (index) or None (load) so that the other
+        read still happens."""
         found: HeldRuns | IndexUnavailableError
         try:
             found = self._holders(keys, streams)
         except IndexUnavailableError as exc:
             found = exc
+        changes = self._changes
+        version = changes.change_version() if changes is not None else None
         try:
             loads = self._loads.get_counted(replicas, answers)
         except IndexUnavailableError:
             loads = None
-        return found, loads
+        return found, loads, version
 
     def _streams(self, replicas: list[str]) -> _Ranked:
         """Every stream of the candidates (and of each one); remembered until the candidates
@@ -660,16 +686,25 @@ class Scorer:
         order: score, then lower load, then the candidate's draw)."""
         rng = copy.copy(self._rng) if request.dry_run else self._rng
         matches, num_blocks, streams_of = seen.lookup.matches, len(keys), streams.streams_of
-        penalties = load_penalties(ranked, seen.loads, seen.now, weights)
         top_k = self.top_k(request)
+        walk = self._penalties(ranked, streams, seen, weights, top_k)
+        if isinstance(walk, list):
+            penalties = bounds = walk
+            positions, threshold = None, None
+        else:  # floors under the others' penalties bound the contenders as well
+            penalties, positions, threshold = walk.penalties, walk.positions, walk.kth
+            bounds = walk.bounds()
         contenders = _contenders(
             seen.lookup,
-            penalties,
+            bounds,
             streams,
             top_k=top_k,
             num_blocks=num_blocks,
             weights=weights,
+            threshold=threshold,
         )
+        if not isinstance(walk, list):
+            walk.complete(map(streams.position.__getitem__, contenders))
         held = self._registry.freshness([s for r in contenders for s in streams_of.get(r, ())])
         states = _states(held)
         credit_of: dict[str, tuple[float, float]] = {}
@@ -682,7 +717,7 @@ class Scorer:
             num_blocks=num_blocks,
             weights=weights,
         )
-        order = _best(minus_scores, penalties, rng, top_k)
+        order = _best(minus_scores, penalties, rng, top_k, positions)
         winners = [ranked[i] for i in order]
         chosen = set(winners)
         seen.statuses.update(_by_replica([s for s in held if s.stream.replica in chosen]))
@@ -692,6 +727,46 @@ class Scorer:
         scored = kv_aware(cands, num_blocks, weights, [credit_of.get(r) for r in winners])
         assert all(s.score == -minus_scores[i] for s, i in zip(scored, order, strict=True))
         return seen, Decision(winners[0] if winners else None, scored)
+
+    def _penalties(
+        self,
+        ranked: list[str],
+        streams: _Ranked,
+        seen: _Seen,
+        weights: Weights,
+        top_k: int | None,
+    ) -> list[float] | Walk:
+        """Each candidate's load penalty by its position in ``ranked``, as far as the
+        answer needs them: from the penalty floors kept for these candidates and weights
+        (:class:`~kvindex.api.penalty_floors.PenaltyFloors`, brought up to date with the
+        load store's changes, made again when they no longer hold), those that can be among
+        the ``top_k`` lowest (a :class:`~kvindex.api.penalty_floors.Walk`: the holders that
+        may rank are added once the contenders are known). Else (fewer candidates than
+        floors pay for, every one explained, loads not read from the store, or no
+        compiled loops): every one."""
+        changes, version = self._changes, seen.version
+        if changes is None or version is None or not _floors_pay(len(ranked), top_k):
+            return load_penalties(ranked, seen.loads, seen.now, weights)
+        assert top_k is not None
+        kept, loads = self._floors, seen.loads
+        last = self._last_floors  # the same weights object as the last answer's: no hashing
+        floors = last[1] if last is not None and last[0] is weights else kept.get(weights)
+        if floors is not None and floors.holds(ranked, seen.now):
+            changed = changes.changed_since(floors.version)
+            if changed is None or not floors.note_changed(
+                changed, streams.position, loads, version
+            ):
+                floors = None
+        else:
+            floors = None
+        if floors is None:
+            floors = PenaltyFloors(ranked, weights, loads, now=seen.now, version=version)
+            kept.pop(weights, None)
+            if len(kept) >= _MAX_FLOORS:
+                del kept[next(iter(kept))]  # the weights least recently made again
+            kept[weights] = floors
+        self._last_floors = (weights, floors)
+        return floors.walk(loads, seen.now, top_k)
 
     def _decide(
         self,
@@ -731,6 +806,8 @@ class _Seen:
     loads: dict[str, CountedLoad]
     statuses: dict[str, list[StreamFreshness]]
     now: float
+    version: int | None = None
+    """The load store's change version before the loads were read (None: not the store's)."""
 
     def state(self, replica: str) -> Freshness:
         """The replica's freshness: its least fresh stream's."""
@@ -785,10 +862,12 @@ def _contenders(
     top_k: int | None,
     num_blocks: int,
     weights: Weights,
+    threshold: float | None = None,
 ) -> dict[str, PrefixMatch]:
     """The replicas that matched and may be among the best ``top_k`` whatever their
     freshness (every one when ``top_k`` keeps them all), each with its best match; a pass
-    over the holders' runs (:attr:`_Lookup.runs`), compiled when built.
+    over the holders' runs (:attr:`_Lookup.runs`), compiled when built. ``threshold``:
+    the ``top_k``-th smallest penalty when the caller knows it (the penalty floors' walk).
 
     Why the others cannot: no credit is negative, so no minus score is above its
     candidate's penalty, and the ``top_k``-th smallest penalty bounds the ``top_k``-th
@@ -807,7 +886,8 @@ def _contenders(
     factor = max(1.0, w.replaying_factor, w.stale_factor)
     per_block = w.cache * max(w.gpu, w.cpu, w.other) * factor / num_blocks
     per_block = per_block * (1.0 + 1e-9) + 1e-300  # above any rounding of the real credit
-    threshold = _kth_smallest(penalties, top_k)
+    if threshold is None:
+        threshold = _kth_smallest(penalties, top_k)
     contenders = _compiled_contenders or _py_contenders
     runs, position_of, replica_of = lookup.runs, streams.position_of, streams.replica_of
     return contenders(
@@ -906,31 +986,23 @@ def _by_replica(statuses: Sequence[StreamFreshness]) -> dict[str, list[StreamFre
 
 
 def _best(
-    minus_scores: list[float], penalties: list[float], rng: random.Random, top_k: int | None
+    minus_scores: list[float],
+    penalties: list[float],
+    rng: random.Random,
+    top_k: int | None,
+    positions: list[int] | None = None,
 ) -> list[int]:
     """Indices of the best ``top_k`` (None: every one), best first, in
-    :func:`~kvindex.api.policies.rank`'s order: score, then lower load, then a draw per
-    candidate (drawn from ``rng`` for every one, tie or not, as ``rank`` does). Compiled
-    when the extension is built (one C loop: draws, then the best ``top_k`` kept by
-    insertion), else :func:`_py_best`; the two agree (``tests/unit/indexer/native``)."""
+    :func:`~kvindex.api.policies.rank`'s order: score, then lower load, then chance (a
+    draw from ``rng`` per candidate of each tie the ``top_k`` reaches, and none
+    otherwise: :func:`~kvindex.api.policies.tie_order`). ``positions``: the only
+    candidates that can be among the ``top_k`` (None: every one; the others' minus scores
+    are above the ``top_k``-th, so none ties with those kept). Compiled when the extension
+    is built (``_lookup.best_tied``: the best ``top_k`` kept by insertion, then the draws),
+    else the Python reference; the two agree (``tests/unit/indexer/native``)."""
     if _compiled_best is not None:
-        return _compiled_best(minus_scores, penalties, rng.random, top_k)
-    return _py_best(minus_scores, penalties, rng, top_k)
-
-
-def _py_best(
-    minus_scores: list[float], penalties: list[float], rng: random.Random, top_k: int | None
-) -> list[int]:
-    """:func:`_best` in Python (the reference, and the fallback): only the candidates
-    scoring at least the ``top_k``-th best are ordered."""
-    draw = rng.random
-    draws = [draw() for _ in minus_scores]
-    picked: Sequence[int] = range(len(minus_scores))
-    if top_k and top_k < len(minus_scores):
-        threshold = sorted(minus_scores)[top_k - 1]
-        picked = [i for i, m in enumerate(minus_scores) if m <= threshold]
-    rows = sorted((minus_scores[i], penalties[i], draws[i], i) for i in picked)
-    return [row[3] for row in rows[:top_k]]
+        return _compiled_best(minus_scores, penalties, rng.random, top_k, positions)
+    return tie_order(minus_scores, penalties, rng.random, top_k, positions)
 
 
 def _events_down(statuses: Sequence[StreamFreshness], after_s: float) -> str | None:

@@ -22,7 +22,10 @@ decoded ``ScoreRequest`` of 8,192 token ids: block keys, the longest-prefix look
 replicas' streams (through the API's timing wrapper, off the loop for Redis as in the API),
 the load of every replica, ``kv_aware`` scoring and the response struct. The registry holds
 a live status per stream and every replica has a pushed load, as in a running fleet.
-``keys_p50_ms`` and ``index_p50_ms`` time ``block_keys`` and ``index.longest_prefix`` alone.
+``keys_p50_ms`` and ``index_p50_ms`` time ``block_keys`` and the index lookup the scorer makes
+(``holders_of(index)`` over every replica's stream: its holders alone) by themselves;
+``longest_prefix_p50_ms`` times ``index.longest_prefix`` (a match per stream asked), which the
+scorer no longer calls.
 The memory index is filled with ``index.apply_many`` (STORE ops as the indexer makes them),
 the Redis one with ``RedisIndex.apply_many`` under the prefix the API uses.
 
@@ -102,7 +105,7 @@ from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index.memory import MemoryIndex
-from kvindex.indexer.index.protocol import BatchOps, BlockIndex
+from kvindex.indexer.index.protocol import BatchOps, BlockIndex, holders_of
 from kvindex.indexer.index.redis import RedisIndex
 from kvindex.indexer.keys import block_keys
 from kvindex.indexer.redis_connection import connect
@@ -383,7 +386,7 @@ def profile_scores(
     lookup in a worker thread, which the first profile does not see); to stderr."""
     runs: list[tuple[str, Callable[[], object]]] = [
         ("lookup+score", lambda: asyncio.run(_time_scores(scorer, request, n))),
-        ("index.longest_prefix", lambda: time_calls(index_call, n)),
+        ("index holders lookup", lambda: time_calls(index_call, n)),
     ]
     for what, run in runs:
         profiler = cProfile.Profile()
@@ -463,9 +466,11 @@ def run_lookup(
     latencies = asyncio.run(_time_scores(scorer, request, args.iterations))
     used = redis_used(before, redis_account(target), args.iterations)
     keys_ns = time_calls(lambda: block_keys(MODEL, tokens, BLOCK_SIZE), args.iterations)
-    index_ns = time_calls(lambda: index.longest_prefix(keys, streams), args.iterations)
+    holders, asked = holders_of(index), tuple(sorted(streams))  # as the scorer asks
+    index_ns = time_calls(lambda: holders(keys, asked), args.iterations)
+    prefix_ns = time_calls(lambda: index.longest_prefix(keys, streams), args.iterations)
     if args.profile:
-        index_call = partial(index.longest_prefix, keys, streams)
+        index_call = partial(holders, keys, asked)
         profile_scores(scorer, request, index_call, args.profile, backend)
     return {
         "bench": "lookup",
@@ -473,6 +478,7 @@ def run_lookup(
         **summary(latencies),
         "keys_p50_ms": percentile_ms(keys_ns, 50),
         "index_p50_ms": percentile_ms(index_ns, 50),
+        "longest_prefix_p50_ms": percentile_ms(prefix_ns, 50),
         **used,
         "iterations": args.iterations,
         "replicas": fleet.config.replicas,

@@ -10,8 +10,11 @@ What a read costs (``get_counted``, once per ``/score`` answer): both stores kee
 counted loads as they change (:class:`_Fleet`: one ``CountedLoad`` per replica, made when its
 load or count changes, not per read), so a read is one copy of a dict plus one entry per
 replica with requests in flight, whatever the fleet's size. The memory store changes it in
-place. The Redis store keeps it as a snapshot of the shared hash and reads **only what
-changed since its last read**, in one round trip:
+place. Each snapshot also says which replicas' entries changed since a version of it
+(:class:`LoadChanges`: a version per change, the changed replicas read newest first, so
+O(changes)), which is how the scorer keeps its penalty floors per change, not per read.
+The Redis store keeps it as a snapshot of the shared hash and reads **only what changed
+since its last read**, in one round trip:
 
 * every put, answer count and removal bumps a change sequence (``#seq``, a field of the
   load hash) and records the replica under it, in the same script: a put or a count in
@@ -41,7 +44,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, cast, runtime_checkable
 
 import msgspec
 import redis
@@ -130,6 +133,25 @@ class LoadStore(Protocol):
         ...
 
 
+@runtime_checkable
+class LoadChanges(Protocol):
+    """Which replicas' reads may differ since a version of this process's snapshot (both
+    stores keep one: :class:`_Fleet`), so that what a reader derives from the loads (the
+    scorer's penalty floors) is redone for those alone. In memory, no I/O, thread-safe."""
+
+    def change_version(self) -> int:
+        """The snapshot's version now (it only grows); read it before a
+        :meth:`LoadStore.get_counted` whose result is to be followed from then on."""
+        ...
+
+    def changed_since(self, version: int) -> list[str] | None:
+        """Every replica whose ``get_counted`` entry (load, count or requests in flight)
+        may differ from what a read made at ``version`` gave (a superset: changes up to the
+        call), once each; None when that is unknown (the snapshot was emptied since, or
+        ``version`` is not one it had), for the reader to start again."""
+        ...
+
+
 _MAX_VIEWS = 8
 """Replica lists whose view :class:`_Fleet` keeps up to date (one per model asked about)."""
 
@@ -150,12 +172,42 @@ class _Fleet:
         self._counted: dict[str, CountedLoad] = {}
         """Per replica with a load: its load and count, none in flight."""
         self._views: dict[tuple[str, ...], tuple[frozenset[str], dict[str, CountedLoad]]] = {}
+        self.version = 0
+        """Bumped by every change of a read's entries (:meth:`changed_since`)."""
+        self._cleared = 0
+        """The version of the last :meth:`clear`: what came before it is unknown."""
+        self._changed: dict[str, int] = {}
+        """Replica -> version of its last change, in the order of those changes (a change
+        moves its replica to the end), so the changes since a version are read from the end."""
+        self._in_flight: Mapping[str, InFlight] = {}
+        """The ledger's totals the last read gave (their changes are changes of a read)."""
 
     def clear(self) -> None:
         self.loads, self.counts, self._counted, self._views = {}, {}, {}, {}
+        self.version += 1
+        self._cleared, self._changed, self._in_flight = self.version, {}, {}
+
+    def _note(self, replica: str) -> None:
+        self.version += 1
+        changed = self._changed
+        changed.pop(replica, None)
+        changed[replica] = self.version
+
+    def changed_since(self, version: int) -> list[str] | None:
+        """:meth:`LoadChanges.changed_since`: O(changes since), newest first."""
+        if version < self._cleared or version > self.version:
+            return None
+        out: list[str] = []
+        changed = self._changed
+        for replica in reversed(changed):
+            if changed[replica] <= version:
+                break
+            out.append(replica)
+        return out
 
     def set(self, replica: str, load: Load | None, count: int) -> None:
         """The replica's load (None: none stored) and count, as they now are."""
+        self._note(replica)
         counted = None
         if load is None:
             self.loads.pop(replica, None)
@@ -185,6 +237,12 @@ class _Fleet:
             found = self._view(key)
         wanted, view = found
         out = view.copy()
+        if in_flight != self._in_flight:  # few entries: the replicas proxies reserved
+            last = self._in_flight
+            for replica in last.keys() | in_flight.keys():
+                if last.get(replica) != in_flight.get(replica):
+                    self._note(replica)
+            self._in_flight = dict(in_flight)
         for replica, flying in in_flight.items():  # few: the replicas proxies reserved
             if replica in wanted:
                 load, count = self.loads.get(replica), self.counts.get(replica, 0)
@@ -236,6 +294,14 @@ class MemoryLoadStore:
             for replica in answers:
                 fleet.set(replica, fleet.loads.get(replica), fleet.counts.get(replica, 0) + 1)
             return fleet.read(replicas, in_flight)
+
+    def change_version(self) -> int:
+        with self._lock:
+            return self._fleet.version
+
+    def changed_since(self, version: int) -> list[str] | None:
+        with self._lock:
+            return self._fleet.changed_since(version)
 
     def claim_scrapes(self, replicas: Sequence[str], hold_s: float) -> set[str]:
         return set(replicas)
@@ -519,6 +585,14 @@ class RedisLoadStore:
         for name in removed:
             fleet.set(name.decode(), None, 0)
 
+    def change_version(self) -> int:
+        with self._lock:
+            return self._fleet.version
+
+    def changed_since(self, version: int) -> list[str] | None:
+        with self._lock:
+            return self._fleet.changed_since(version)
+
     def claim_scrapes(self, replicas: Sequence[str], hold_s: float) -> set[str]:
         wanted = list(dict.fromkeys(replicas))
         if not wanted:
@@ -547,6 +621,7 @@ class CircuitLoadStore:
         self._inner = inner
         self._circuit = circuit
         self._ledger = CircuitLedger(inner.ledger, circuit)
+        self._changes = inner if isinstance(inner, LoadChanges) else None
 
     @property
     def ledger(self) -> Ledger:
@@ -562,6 +637,15 @@ class CircuitLoadStore:
         self, replicas: Sequence[str], answers: Sequence[str] = ()
     ) -> dict[str, CountedLoad]:
         return self._circuit.call(self._inner.get_counted, replicas, answers)
+
+    def change_version(self) -> int:
+        """The inner store's (0 when it keeps none): no I/O, so not through the circuit."""
+        changes = self._changes
+        return changes.change_version() if changes is not None else 0
+
+    def changed_since(self, version: int) -> list[str] | None:
+        changes = self._changes
+        return changes.changed_since(version) if changes is not None else None
 
     def claim_scrapes(self, replicas: Sequence[str], hold_s: float) -> set[str]:
         return self._circuit.call(self._inner.claim_scrapes, replicas, hold_s)

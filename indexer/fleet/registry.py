@@ -79,6 +79,9 @@ class Registry:
         self._lock = threading.Lock()
         self._replicas: dict[str, ReplicaSpec] = {r.id: r for r in replicas}
         self._health: dict[StreamId, StreamHealth] = {}
+        self._disconnected: set[StreamId] = set()
+        """The streams whose record says not connected, kept as records change (the API
+        asks per request: no pass over every record)."""
         self._stale_after_s = stale_after_s
         self._clock = clock
         self._version = 0
@@ -111,6 +114,7 @@ class Registry:
             spec = self._replicas.pop(replica, None)
             for stream in [s for s in self._health if s.replica == replica]:
                 del self._health[stream]
+                self._disconnected.discard(stream)
             self._replica_health.pop(replica, None)
             self._streams_version += 1
             if spec is not None:
@@ -185,6 +189,10 @@ class Registry:
                 self._streams_version += 1
             block_size = health.block_size
             health.update(report, now)
+            if health.connected:
+                self._disconnected.discard(stream)
+            else:
+                self._disconnected.add(stream)
             if health.block_size != block_size:
                 self._model_to_block_size.clear()
 
@@ -192,6 +200,7 @@ class Registry:
         """Drop one stream's record (another indexer keeps the stream now)."""
         with self._lock:
             if self._health.pop(stream, None) is not None:
+                self._disconnected.discard(stream)
                 self._model_to_block_size.clear()
                 self._streams_version += 1
 
@@ -235,10 +244,11 @@ class Registry:
             return views
 
     def disconnected(self) -> list[StreamId]:
-        """The streams whose socket is not connected, in record order (every bind-mode
-        stream reads so: see :attr:`StreamFreshness.connected`)."""
+        """The streams whose socket is not connected, sorted (every bind-mode stream reads
+        so: see :attr:`StreamFreshness.connected`); kept as records change, so it costs
+        the streams down, not the fleet."""
         with self._lock:
-            return [s for s, health in self._health.items() if not health.connected]
+            return sorted(self._disconnected)
 
     def statuses(self) -> list[StreamStatus]:
         with self._lock:
@@ -412,7 +422,7 @@ class RegistryView(Protocol):
         ...
 
     def disconnected(self) -> list[StreamId]:
-        """The streams whose socket is not connected (bind-mode streams included)."""
+        """The streams whose socket is not connected (bind-mode streams included), sorted."""
         ...
 
     def stream_ids(self) -> list[StreamId]: ...

@@ -92,6 +92,15 @@ class _Fleet:
     """When it was read (the statuses' silences are as of then)."""
 
 
+def _same_streams(a: _Fleet, b: _Fleet) -> bool:
+    """The same specs and the same streams (what ``streams_version`` stands for)."""
+    if a is b:
+        return True
+    if len(a.statuses) != len(b.statuses) or a.specs != b.specs:
+        return False
+    return all(x.stream == y.stream for x, y in zip(a.statuses, b.statuses, strict=True))
+
+
 class RedisFleetView:
     """A thread-safe :class:`~kvindex.indexer.fleet.registry.RegistryView` backed by Redis."""
 
@@ -118,7 +127,9 @@ class RedisFleetView:
         self._lock = threading.Lock()
         self._fleet = _Fleet()
         self._generation = 0
-        """Bumped whenever ``_fleet`` is replaced (:meth:`streams_version`)."""
+        """Bumped whenever ``_fleet``'s specs or streams change (:meth:`streams_version`)."""
+        self._down: tuple[_Fleet, list[StreamId]] | None = None
+        """The snapshot :meth:`disconnected` last answered for, and its answer."""
         self._expires = float("-inf")
         self._outage: str | None = None
         self.num_errors = 0
@@ -185,7 +196,9 @@ class RedisFleetView:
         return [s.stream for s in self._current().statuses]
 
     def streams_version(self) -> int:
-        """Changes with every snapshot read or changed (at most once a cache period)."""
+        """Changes when a snapshot read or changed has other specs or streams than the one
+        before (a refresh that reads the same fleet keeps it: the API keeps what it made of
+        them meanwhile)."""
         self._current()
         return self._generation
 
@@ -201,7 +214,15 @@ class RedisFleetView:
         ]
 
     def disconnected(self) -> list[StreamId]:
-        return [s.stream for s in self._current().statuses if not s.health.connected]
+        """Made once per snapshot (the API asks per request)."""
+        fleet = self._current()
+        down = self._down
+        if down is None or down[0] is not fleet:
+            down = self._down = (
+                fleet,
+                [s.stream for s in fleet.statuses if not s.health.connected],
+            )
+        return list(down[1])
 
     def replica_health(self) -> dict[str, ReplicaHealth]:
         return dict(self._current().health)
@@ -296,7 +317,12 @@ class RedisFleetView:
     def _refresh(self, fleet: _Fleet) -> None:
         """Take a good read, unless Redis lost the fleet since the last one: then keep the
         last (with whatever was added since) until an indexer republishes it."""
-        self._generation += 1
+        before = self._fleet
+        self._take(fleet)
+        if not _same_streams(before, self._fleet):
+            self._generation += 1
+
+    def _take(self, fleet: _Fleet) -> None:
         if fleet.marked or not self._fleet.marked:
             self._fleet = fleet
             self._set_outage(None)

@@ -18,11 +18,41 @@ def load_penalties(
     w_routed: float,
     w_kv: float,
 ) -> list[float]: ...
-def best(
+def penalty_floors(
+    replicas: list[str],
+    counted: dict[str, CountedLoad],
+    until: float,
+    w_in_flight: float,
+    w_tokens: float,
+    half_life: float,
+    w_waiting: float,
+    w_running: float,
+    w_routed: float,
+    w_kv: float,
+) -> list[float]: ...
+def ascending(values: list[float]) -> list[int]: ...
+def penalties_within(
+    replicas: list[str],
+    counted: dict[str, CountedLoad],
+    now: float,
+    order: list[int],
+    floors: list[float],
+    exact: list[int],
+    k: int,
+    w_in_flight: float,
+    w_tokens: float,
+    half_life: float,
+    w_waiting: float,
+    w_running: float,
+    w_routed: float,
+    w_kv: float,
+) -> tuple[list[float], list[int], float]: ...
+def best_tied(
     minus_scores: list[float],
     penalties: list[float],
     draw: Callable[[], float],
     top_k: int | None,
+    positions: list[int] | None,
 ) -> list[int]: ...
 def best_matches(
     runs: list[tuple[PrefixMatch, list[int]]],

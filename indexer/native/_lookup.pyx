@@ -10,8 +10,13 @@ the extension is not built, and the tests hold the two to the same answers on ra
 * :func:`load_penalties` - ``kvindex.api.policies.load_penalties``: one load penalty per
   candidate, the same IEEE operations in the same order (built with ``-ffp-contract=off``,
   so no fused multiply-add changes a rounding), hence bit-equal floats;
-* :func:`best` - ``kvindex.api.score._best``: one draw per candidate, then the indices of the
-  best ``top_k`` in (score, load, draw, index) order;
+* :func:`best_tied` - ``kvindex.api.policies.tie_order``: the indices of the best ``top_k`` in
+  (score, load) order, a draw only for each tie the ``top_k`` reaches;
+* :func:`penalty_floors`, :func:`ascending`, :func:`penalties_within` -
+  ``kvindex.api.penalty_floors``: a floor under each penalty until a time, the candidates
+  by floor, and the exact penalties of those that can be among the ``top_k`` lowest (no
+  Python twin: without them the scorer computes every penalty, and the tests hold these
+  to ``load_penalties``);
 * :func:`kth_smallest` - ``sorted(values)[k - 1]`` without sorting the fleet;
 * :func:`best_matches` - ``kvindex.api.score._py_best_matches``: each replica's best match
   over its streams, from the holders alone;
@@ -31,9 +36,9 @@ from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_DECREF, Py_INCREF
 from cpython.tuple cimport PyTuple_Check, PyTuple_GET_ITEM, PyTuple_GET_SIZE
-from libc.math cimport pow
+from libc.math cimport INFINITY, pow
 from libc.stdint cimport uint64_t
-from libc.stdlib cimport free, malloc, qsort
+from libc.stdlib cimport calloc, free, malloc, qsort
 
 
 cdef extern from *:
@@ -133,6 +138,76 @@ cdef inline double _number(object x) except? -1.0:
     return <double> x
 
 
+cdef struct _Weights:
+    double in_flight, tokens, half_life, waiting, running, routed, kv
+
+
+cdef inline _Weights _weights(
+    double w_in_flight, double w_tokens, double half_life, double w_waiting, double w_running,
+    double w_routed, double w_kv,
+) noexcept:
+    cdef _Weights w
+    w.in_flight, w.tokens, w.half_life = w_in_flight, w_tokens, half_life
+    w.waiting, w.running, w.routed, w.kv = w_waiting, w_running, w_routed, w_kv
+    return w
+
+
+cdef enum:
+    _CONSTANT = 0  # the penalty does not depend on the clock
+    _DECAYS = 1  # it can only fall as the clock advances (its load's recency decays)
+    _UNKNOWN = 2  # a negative input: no bound over time is claimed
+
+
+cdef double _penalty(object found, double now, const _Weights* w, int* kind) except? -1.0:
+    """A replica's load penalty from its ``CountedLoad`` (``found``; None: none stored), as
+    of ``now``, and in ``kind`` how it moves with the clock; see ``load_penalties``."""
+    cdef object c, load, routed, in_flight, num_requests, num_tokens
+    cdef double first_hand, prefill, age, recency, queue, ts, waiting, running, kv_usage
+    kind[0] = _CONSTANT
+    if found is None:
+        return w.in_flight * 0.0 + w.tokens * 0.0
+    c = found
+    if PyTuple_Check(c) and PyTuple_GET_SIZE(c) == 3:  # a CountedLoad (a NamedTuple)
+        load = <object> PyTuple_GET_ITEM(c, 0)
+        routed = <object> PyTuple_GET_ITEM(c, 1)
+        in_flight = <object> PyTuple_GET_ITEM(c, 2)
+    else:
+        load, routed, in_flight = c
+    if PyTuple_Check(in_flight) and PyTuple_GET_SIZE(in_flight) == 2:
+        num_requests = <object> PyTuple_GET_ITEM(in_flight, 0)
+        num_tokens = <object> PyTuple_GET_ITEM(in_flight, 1)
+    else:
+        num_requests, num_tokens = in_flight
+    first_hand = w.in_flight * _number(num_requests)
+    prefill = w.tokens * _number(num_tokens)
+    if load is None:
+        return first_hand + prefill
+    if Py_TYPE(load) is _load_type or (_load_type is NULL and _learn_load_type(load)):
+        ts, waiting = _number(_field(load, 0)), _number(_field(load, 1))
+        running, kv_usage = _number(_field(load, 2)), _number(_field(load, 3))
+    else:
+        ts, waiting = _number(load.ts), _number(load.waiting)
+        running, kv_usage = _number(load.running), _number(load.kv_usage)
+    age = now - ts
+    if w.half_life:
+        recency = pow(0.5, (0.0 if age < 0.0 else age) / w.half_life)
+    else:
+        recency = 1.0
+    queue = (w.waiting * waiting + w.running * running) * recency
+    queue = queue + w.routed * _number(routed)
+    queue = queue if queue > first_hand else first_hand
+    if waiting < 0.0 or running < 0.0 or kv_usage < 0.0 or not (recency == recency):
+        kind[0] = _UNKNOWN
+    elif w.half_life and (w.waiting * waiting + w.running * running != 0.0 or w.kv * kv_usage != 0.0):
+        kind[0] = _DECAYS
+    return queue + w.kv * kv_usage * recency + prefill
+
+
+cdef inline object _counted_of(dict counted, object replica):
+    cdef PyObject* found = PyDict_GetItem(counted, replica)
+    return None if found is NULL else <object> found
+
+
 def load_penalties(
     list replicas,
     dict counted,
@@ -151,47 +226,170 @@ def load_penalties(
     from its slots when its type keeps them there (``_learn_load_type``), else by name."""
     cdef Py_ssize_t n = PyList_GET_SIZE(replicas), i
     cdef list out = [None] * n
-    cdef PyObject* found
-    cdef object c, load, routed, in_flight, num_requests, num_tokens
-    cdef double first_hand, prefill, age, recency, queue, ts, waiting, running, kv_usage
+    cdef int kind
+    cdef _Weights w = _weights(
+        w_in_flight, w_tokens, half_life, w_waiting, w_running, w_routed, w_kv
+    )
     for i in range(n):
-        found = PyDict_GetItem(counted, <object> PyList_GET_ITEM(replicas, i))
-        if found is NULL:
-            out[i] = w_in_flight * 0.0 + w_tokens * 0.0
-            continue
-        c = <object> found
-        if PyTuple_Check(c) and PyTuple_GET_SIZE(c) == 3:  # a CountedLoad (a NamedTuple)
-            load = <object> PyTuple_GET_ITEM(c, 0)
-            routed = <object> PyTuple_GET_ITEM(c, 1)
-            in_flight = <object> PyTuple_GET_ITEM(c, 2)
-        else:
-            load, routed, in_flight = c
-        if PyTuple_Check(in_flight) and PyTuple_GET_SIZE(in_flight) == 2:
-            num_requests = <object> PyTuple_GET_ITEM(in_flight, 0)
-            num_tokens = <object> PyTuple_GET_ITEM(in_flight, 1)
-        else:
-            num_requests, num_tokens = in_flight
-        first_hand = w_in_flight * _number(num_requests)
-        prefill = w_tokens * _number(num_tokens)
-        if load is None:
-            out[i] = first_hand + prefill
-            continue
-        if Py_TYPE(load) is _load_type or (_load_type is NULL and _learn_load_type(load)):
-            ts, waiting = _number(_field(load, 0)), _number(_field(load, 1))
-            running, kv_usage = _number(_field(load, 2)), _number(_field(load, 3))
-        else:
-            ts, waiting = _number(load.ts), _number(load.waiting)
-            running, kv_usage = _number(load.running), _number(load.kv_usage)
-        age = now - ts
-        if half_life:
-            recency = pow(0.5, (0.0 if age < 0.0 else age) / half_life)
-        else:
-            recency = 1.0
-        queue = (w_waiting * waiting + w_running * running) * recency
-        queue = queue + w_routed * _number(routed)
-        queue = queue if queue > first_hand else first_hand
-        out[i] = queue + w_kv * kv_usage * recency + prefill
+        found = _counted_of(counted, <object> PyList_GET_ITEM(replicas, i))
+        out[i] = _penalty(found, now, &w, &kind)
     return out
+
+
+def penalty_floors(
+    list replicas,
+    dict counted,
+    double until,
+    double w_in_flight,
+    double w_tokens,
+    double half_life,
+    double w_waiting,
+    double w_running,
+    double w_routed,
+    double w_kv,
+):
+    """A floor under each replica's :func:`load_penalties` at any time up to ``until``
+    (from its first use on), in the order of ``replicas``: the penalty itself when it does
+    not depend on the clock; when its load's recency decays, the penalty at ``until``
+    less a margin (1e-12 of it: a rounding of ``pow`` that is not monotone cannot cross
+    it), the penalty only falling as time passes; ``-inf`` when an input is negative."""
+    cdef Py_ssize_t n = PyList_GET_SIZE(replicas), i
+    cdef list out = [None] * n
+    cdef int kind
+    cdef double value
+    cdef _Weights w = _weights(
+        w_in_flight, w_tokens, half_life, w_waiting, w_running, w_routed, w_kv
+    )
+    for i in range(n):
+        found = _counted_of(counted, <object> PyList_GET_ITEM(replicas, i))
+        value = _penalty(found, until, &w, &kind)
+        if kind == _DECAYS:
+            value = value - (value * 1e-12 + 1e-300)
+        elif kind == _UNKNOWN or not (value == value):
+            value = -INFINITY
+        out[i] = value
+    return out
+
+
+cdef struct Floor:
+    double value
+    Py_ssize_t index
+
+
+cdef int _compare_floors(const void* a, const void* b) noexcept nogil:
+    cdef const Floor* x = <const Floor*> a
+    cdef const Floor* y = <const Floor*> b
+    if x.value != y.value:
+        return -1 if x.value < y.value else 1
+    return -1 if x.index < y.index else (1 if x.index > y.index else 0)
+
+
+def ascending(list values):
+    """The indices of ``values`` (floats, none NaN) in ascending order of value, a tie in
+    index order: ``sorted(range(len(values)), key=values.__getitem__)``."""
+    cdef Py_ssize_t n = PyList_GET_SIZE(values), i
+    cdef Floor* rows = <Floor*> malloc((n if n else 1) * sizeof(Floor))
+    if rows is NULL:
+        raise MemoryError()
+    try:
+        for i in range(n):
+            rows[i].value = <double> <object> PyList_GET_ITEM(values, i)
+            rows[i].index = i
+        qsort(rows, n, sizeof(Floor), _compare_floors)
+        return [rows[i].index for i in range(n)]
+    finally:
+        free(rows)
+
+
+cdef inline Py_ssize_t _keep_smallest(
+    double* best, Py_ssize_t kept, Py_ssize_t k, double value
+) noexcept:
+    """Insert ``value`` into the ascending ``best[0:kept]`` capped at ``k``; the new count."""
+    cdef Py_ssize_t j
+    if kept == k and not value < best[k - 1]:
+        return kept
+    j = kept if kept < k else k - 1
+    while j > 0 and value < best[j - 1]:
+        best[j] = best[j - 1]
+        j -= 1
+    best[j] = value
+    return kept + 1 if kept < k else kept
+
+
+def penalties_within(
+    list replicas,
+    dict counted,
+    double now,
+    list order,
+    list floors,
+    list exact,
+    Py_ssize_t k,
+    double w_in_flight,
+    double w_tokens,
+    double half_life,
+    double w_waiting,
+    double w_running,
+    double w_routed,
+    double w_kv,
+):
+    """``(penalties, positions, kth)``: the load penalty as of ``now`` (as
+    :func:`load_penalties`) of every replica that can be among the ``k`` lowest, at its
+    position in a list of ``len(replicas)`` (``inf`` elsewhere), the positions computed,
+    and the ``k``-th lowest penalty of all (``1 <= k <= len(replicas)``).
+
+    Computed: the positions ``exact`` (whose floors are out of date, and the holders,
+    which the caller scores), then the others in ``order`` (ascending ``floors``, each a
+    floor under its replica's penalty as of ``now``) while a floor is at most the ``k``-th
+    lowest penalty computed so far: every later one is above it, so neither is among the
+    ``k`` lowest nor ties with the ``k``-th."""
+    cdef Py_ssize_t n = PyList_GET_SIZE(replicas), i, at, kept = 0
+    if k < 1 or k > n:
+        raise IndexError("k out of range")
+    if PyList_GET_SIZE(order) != n or PyList_GET_SIZE(floors) != n:
+        raise ValueError("order, floors and replicas differ in length")
+    cdef _Weights w = _weights(
+        w_in_flight, w_tokens, half_life, w_waiting, w_running, w_routed, w_kv
+    )
+    cdef list out = [INFINITY] * n, positions = []
+    cdef int kind
+    cdef double value
+    cdef unsigned char* seen = <unsigned char*> calloc(n, 1)
+    cdef double* best = <double*> malloc(k * sizeof(double))
+    if seen is NULL or best is NULL:
+        free(seen)
+        free(best)
+        raise MemoryError()
+    try:
+        for index in exact:
+            at = index
+            if at < 0 or at >= n:
+                raise IndexError("position out of range")
+            if seen[at]:
+                continue
+            seen[at] = 1
+            found = _counted_of(counted, <object> PyList_GET_ITEM(replicas, at))
+            value = _penalty(found, now, &w, &kind)
+            out[at] = value
+            positions.append(at)
+            kept = _keep_smallest(best, kept, k, value)
+        for i in range(n):
+            at = <object> PyList_GET_ITEM(order, i)
+            if at < 0 or at >= n:
+                raise IndexError("position out of range")
+            if seen[at]:
+                continue
+            if kept == k and <double> <object> PyList_GET_ITEM(floors, at) > best[k - 1]:
+                break
+            seen[at] = 1
+            found = _counted_of(counted, <object> PyList_GET_ITEM(replicas, at))
+            value = _penalty(found, now, &w, &kind)
+            out[at] = value
+            positions.append(at)
+            kept = _keep_smallest(best, kept, k, value)
+        return out, positions, best[k - 1]
+    finally:
+        free(seen)
+        free(best)
 
 
 cdef struct Row:
@@ -201,68 +399,126 @@ cdef struct Row:
     Py_ssize_t index
 
 
-cdef int _compare(const void* a, const void* b) noexcept nogil:
+cdef int _compare_keys(const void* a, const void* b) noexcept nogil:
+    """(minus score, penalty, index) order: the draw left out."""
     cdef const Row* x = <const Row*> a
     cdef const Row* y = <const Row*> b
     if x.minus_score != y.minus_score:
         return -1 if x.minus_score < y.minus_score else 1
     if x.penalty != y.penalty:
         return -1 if x.penalty < y.penalty else 1
+    return -1 if x.index < y.index else (1 if x.index > y.index else 0)
+
+
+cdef int _compare_draws(const void* a, const void* b) noexcept nogil:
+    """(draw, index) order: within a tied group."""
+    cdef const Row* x = <const Row*> a
+    cdef const Row* y = <const Row*> b
     if x.draw != y.draw:
         return -1 if x.draw < y.draw else 1
     return -1 if x.index < y.index else (1 if x.index > y.index else 0)
 
 
-cdef inline bint _before(const Row* x, const Row* y) noexcept nogil:
-    return _compare(x, y) < 0
+cdef inline bint _same_key(const Row* x, const Row* y) noexcept nogil:
+    return x.minus_score == y.minus_score and x.penalty == y.penalty
 
 
-def best(list minus_scores, list penalties, object draw, object top_k):
-    """Indices of the best ``top_k`` (None: every one), best first: ascending
-    (minus score, penalty, draw, index), one ``draw()`` per candidate in index order,
-    whatever ``top_k``; see ``kvindex.api.score._best``."""
-    cdef Py_ssize_t n = PyList_GET_SIZE(minus_scores), i, j, k, kept = 0
+cdef int _draw_group(Row* group, Py_ssize_t size, object draw) except -1:
+    """One ``draw()`` per row of a tied group (in index order, as it comes), then the
+    group in (draw, index) order."""
+    cdef Py_ssize_t i
+    for i in range(size):
+        group[i].draw = <double> draw()
+    qsort(group, size, sizeof(Row), _compare_draws)
+    return 0
+
+
+def best_tied(list minus_scores, list penalties, object draw, object top_k, list positions):
+    """Indices of the best ``top_k`` (None or 0: every one) of the rows at ``positions``
+    (None: every row), best first, in ascending (minus score, penalty) order, a tie in both broken
+    by chance: one ``draw()`` per row of each tied group the ``top_k`` reaches (the groups
+    in order, a group's rows in index order), then (draw, index) within the group. No draw
+    for a row alone in its group or beyond the ``top_k``; see
+    ``kvindex.api.policies.tie_order`` (the reference)."""
+    cdef Py_ssize_t n = PyList_GET_SIZE(minus_scores), m, i, j, k, kept = 0, at, start
+    cdef Py_ssize_t num_tied = 0
     if PyList_GET_SIZE(penalties) != n:
         raise ValueError("minus_scores and penalties differ in length")
-    if top_k is None:
-        k = n
+    m = n if positions is None else PyList_GET_SIZE(positions)
+    if top_k is None or top_k == 0:
+        k = m
     elif top_k < 0:
         raise ValueError("top_k must be None or >= 0")
     else:
-        k = n if top_k >= n else top_k
-    if k == 0:  # no row is kept, but every candidate still takes its draw
-        for i in range(n):
-            draw()
+        k = m if top_k >= m else top_k
+    if k == 0:
         return []
-    cdef Row* rows = <Row*> malloc(n * sizeof(Row))
-    if rows is NULL:
+    cdef Row* rows = <Row*> malloc(m * sizeof(Row))
+    cdef Row* tied = <Row*> malloc(m * sizeof(Row))
+    if rows is NULL or tied is NULL:
+        free(rows)
+        free(tied)
         raise MemoryError()
-    cdef Row row
+    cdef Row row, last
     try:
-        for i in range(n):
-            rows[i].minus_score = <double> <object> PyList_GET_ITEM(minus_scores, i)
-            rows[i].penalty = <double> <object> PyList_GET_ITEM(penalties, i)
-            rows[i].index = i
-        for i in range(n):
-            rows[i].draw = <double> draw()
-        if k == n:
-            qsort(rows, n, sizeof(Row), _compare)
-        else:
-            # Keep the best k sorted in rows[0:k] (insertion: k is small next to n).
-            for i in range(n):
+        for i in range(m):
+            at = i if positions is None else <object> PyList_GET_ITEM(positions, i)
+            if at < 0 or at >= n:
+                raise IndexError("position out of range")
+            rows[i].minus_score = <double> <object> PyList_GET_ITEM(minus_scores, at)
+            rows[i].penalty = <double> <object> PyList_GET_ITEM(penalties, at)
+            rows[i].draw = 0.0
+            rows[i].index = at
+        if k == m:
+            qsort(rows, m, sizeof(Row), _compare_keys)
+            kept = m
+        else:  # the best k kept sorted in rows[0:k] (insertion: k is small next to m)
+            for i in range(m):
                 row = rows[i]
-                if kept == k and not _before(&row, &rows[k - 1]):
+                if kept == k and _compare_keys(&row, &rows[k - 1]) >= 0:
                     continue
                 j = kept if kept < k else k - 1
-                while j > 0 and _before(&row, &rows[j - 1]):
+                while j > 0 and _compare_keys(&row, &rows[j - 1]) < 0:
                     rows[j] = rows[j - 1]
                     j -= 1
                 rows[j] = row
                 if kept < k:
                     kept += 1
-        return [rows[i].index for i in range(k)]
+        # The group the k-th row ends in may go on past it: all of its rows, by index.
+        last = rows[k - 1]
+        start = k - 1
+        while start > 0 and _same_key(&rows[start - 1], &last):
+            start -= 1
+        for i in range(start, k):
+            tied[num_tied] = rows[i]
+            num_tied += 1
+        if k < m:
+            for i in range(m):
+                at = i if positions is None else <object> PyList_GET_ITEM(positions, i)
+                row.minus_score = <double> <object> PyList_GET_ITEM(minus_scores, at)
+                row.penalty = <double> <object> PyList_GET_ITEM(penalties, at)
+                row.index = at
+                if _same_key(&row, &last) and row.index > last.index:
+                    tied[num_tied] = row
+                    num_tied += 1
+            qsort(tied, num_tied, sizeof(Row), _compare_keys)  # by index (one key)
+        # The groups before it, in order, then it.
+        i = 0
+        while i < start:
+            j = i + 1
+            while j < start and _same_key(&rows[j], &rows[i]):
+                j += 1
+            if j - i > 1:
+                _draw_group(&rows[i], j - i, draw)
+            i = j
+        if num_tied > 1:
+            _draw_group(tied, num_tied, draw)
+        out = [rows[i].index for i in range(start)]
+        out.extend([tied[i].index for i in range(k - start)])
+        return out
     finally:
         free(rows)
+        free(tied)
 
 
 cdef extern from "Python.h":

@@ -12,13 +12,18 @@ afterwards must be the same."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import random
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from unittest.mock import patch
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kvindex.api import penalty_floors as floors_module
 from kvindex.api import policies as policies_module
 from kvindex.api import score as score_module
 from kvindex.api.load.model import NO_IN_FLIGHT, Load
@@ -39,6 +44,16 @@ from kvindex.indexer.keys import block_keys
 
 MODEL = "m"
 NOW = 10_000.0
+
+
+@pytest.fixture(autouse=True, params=[1, floors_module.MIN_CANDIDATES], ids=["floors", "plain"])
+def _floors_from(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test twice: with penalty floors from one candidate on (these fleets are
+    small), and as configured (below the threshold every penalty is computed)."""
+    with patch.object(floors_module, "MIN_CANDIDATES", request.param):
+        yield
+
+
 BLOCK_SIZE = 16
 TOKENS = list(range(1, 16 * BLOCK_SIZE + 1))
 KEYS = block_keys(MODEL, TOKENS, BLOCK_SIZE)
@@ -90,7 +105,7 @@ class RandomFleet:
         if rng.random() < 0.15:
             self.reservations.reserve(spec.id, rng.choice([0, 500]))
 
-    def scorer(self, seed: int) -> Scorer:
+    def scorer(self, seed: int, clock: Callable[[], float] = lambda: NOW) -> Scorer:
         settings = ApiSettings(seed=seed, weights=self.weights)
         return Scorer(
             settings,
@@ -99,12 +114,20 @@ class RandomFleet:
             self.loads,
             tokenizers=lambda _: None,
             blocking_store=False,
-            clock=lambda: NOW,
+            clock=clock,
         )
 
 
-def reference(fleet: RandomFleet, top_k: int | None, rng: random.Random) -> Decision:
-    """The plain read path: every candidate built, scored and ranked."""
+def reference(
+    fleet: RandomFleet,
+    top_k: int | None,
+    rng: random.Random,
+    *,
+    now: float = NOW,
+    weights: Weights | None = None,
+) -> Decision:
+    """The plain read path: every candidate built, scored and ranked (loads aged as of
+    ``now``; ``weights``: the fleet's unless given)."""
     replicas = [s.id for s in fleet.registry.replicas()]
     streams = sorted(
         {StreamId(s.id, r) for s in fleet.specs for r in range(s.dp_size)}
@@ -127,7 +150,7 @@ def reference(fleet: RandomFleet, top_k: int | None, rng: random.Random) -> Deci
         load, routed, in_flight = counted if counted is not None else (None, 0, NO_IN_FLIGHT)
         load_input = None
         if load is not None:
-            age = max(0.0, NOW - load.ts)
+            age = max(0.0, now - load.ts)
             load_input = LoadInput(load.running, load.waiting, load.kv_usage, age, routed)
         flying = (float(in_flight.num_requests), float(in_flight.num_tokens))
         cands.append(Candidate(replica, best.get(replica, ()), state, load_input, *flying))
@@ -135,7 +158,7 @@ def reference(fleet: RandomFleet, top_k: int | None, rng: random.Random) -> Deci
         Policy.KV_AWARE,
         cands,
         KEYS,
-        fleet.weights,
+        weights or fleet.weights,
         session=None,
         turns=itertools.count(),
         rng=rng,
@@ -143,8 +166,15 @@ def reference(fleet: RandomFleet, top_k: int | None, rng: random.Random) -> Deci
     )
 
 
-def answer(scorer: Scorer, top_k: int | None, dry_run: bool = False) -> ScoreResponse:
-    request = ScoreRequest(model=MODEL, token_ids=TOKENS, top_k=top_k, dry_run=dry_run)
+def answer(
+    scorer: Scorer,
+    top_k: int | None,
+    dry_run: bool = False,
+    weights: dict[str, float] | None = None,
+) -> ScoreResponse:
+    request = ScoreRequest(
+        model=MODEL, token_ids=TOKENS, top_k=top_k, dry_run=dry_run, weights=weights
+    )
     return asyncio.run(scorer.score(request))
 
 
@@ -229,6 +259,7 @@ def test_the_python_loops_answer_as_the_compiled_ones(seed: int) -> None:
             (score_module, "_compiled_matches"),
             (score_module, "_compiled_contenders"),
             (memory_module, "_set_bits"),
+            (floors_module, "_compiled_within"),
         ):
             stack.enter_context(patch.object(module, name, None))
         python = answer(fleet.scorer(seed), top_k, dry_run=True)
@@ -280,4 +311,60 @@ def test_an_idle_fleet_ties_everywhere_and_the_draws_decide(num_replicas: int) -
     assert [e.replica for e in got.scores] == sorted(ids, key=draw.__getitem__)[:5]
     assert {e.score for e in got.scores} == {0.0}
     answer(scorer, 5)  # a real answer: the scorer's generator moves as the reference's
+    assert scorer._rng.getstate() == rng.getstate()
+
+
+_STEPS = st.sampled_from(["answer", "dry_run", "put", "reserve", "release", "tick", "weights"])
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    top_k=st.sampled_from([1, 2, 3, 5, 16]),
+    steps=st.lists(st.tuples(_STEPS, st.integers(0, 2**32)), min_size=1, max_size=10),
+)
+def test_kept_penalty_floors_and_one_call_draws_answer_as_the_plain_path(
+    seed: int, top_k: int, steps: list[tuple[str, int]]
+) -> None:
+    """Answers one after another while loads change (puts, answers counted, requests in
+    flight coming and going), the clock moves (within a floor's window and past it) and
+    requests change the weights: each answer's ``best`` and entries are the plain path's,
+    and the generator moves as the plain path's (real answers draw from both)."""
+    fleet = RandomFleet(seed)
+    busy = random.Random(-seed)
+    for spec in fleet.specs:  # fewer idle ties than RandomFleet's: a change must be seen
+        if busy.random() < 0.95:
+            numbers = (float(busy.randint(0, 8)), float(busy.randint(0, 3)), busy.random())
+            fleet.loads.remove(spec.id)
+            fleet.loads.put(spec.id, Load(*numbers, NOW - busy.choice([0.0, 1.0, 3.0]), "push"))
+    clock = [NOW]
+    scorer = fleet.scorer(seed, lambda: clock[0])
+    rng = random.Random(seed)
+    leases = []
+    for kind, x in steps:
+        pick = random.Random(x)
+        replica = pick.choice(fleet.specs).id
+        weights: dict[str, float] | None = None
+        if kind == "put":
+            numbers = (float(pick.randint(0, 8)), float(pick.randint(0, 3)), pick.random())
+            numbers = pick.choice([numbers, (0.0, 0.0, 0.0)])  # idle: it may now rank first
+            fleet.loads.put(replica, Load(*numbers, clock[0] - pick.choice([0.0, 2.0]), "push"))
+        elif kind == "reserve":
+            leases.append(fleet.reservations.reserve(replica, pick.choice([0, 500])))
+        elif kind == "release" and leases:
+            fleet.reservations.release(leases.pop(pick.randrange(len(leases))))
+        elif kind == "tick":
+            clock[0] += pick.choice([0.001, 0.05, 0.5, 20.0])
+        elif kind == "weights":
+            weights = {"waiting": pick.choice([0.0, 0.1, 1.0]), "kv_usage": pick.random()}
+        dry_run = kind == "dry_run"
+        got = answer(scorer, top_k, dry_run=dry_run, weights=weights)
+        w = fleet.weights.overridden(weights)
+        expected = reference(
+            fleet, top_k, copy.copy(rng) if dry_run else rng, now=clock[0], weights=w
+        )
+        assert got.best == expected.best
+        assert [(e.replica, e.score, e.terms) for e in got.scores] == [
+            (s.replica, s.score, s.terms) for s in expected.ranked
+        ]
     assert scorer._rng.getstate() == rng.getstate()

@@ -6,6 +6,7 @@ import json
 import threading
 from collections.abc import Iterator
 from typing import cast
+from unittest.mock import patch
 
 import fakeredis
 import pytest
@@ -15,7 +16,9 @@ from redis.crc import key_slot
 from redis.retry import Retry
 
 from kvindex.api.load.model import CountedLoad
-from kvindex.api.load.store import MemoryLoadStore, RedisLoadStore
+from kvindex.api.load.reservations import Reservations
+from kvindex.api.load.store import CircuitLoadStore, LoadChanges, MemoryLoadStore, RedisLoadStore
+from kvindex.indexer.circuit import StoreCircuit
 from kvindex.indexer.index.protocol import IndexUnavailableError
 from kvindex.indexer.redis_schema import MAX_LOAD_TOMBSTONES, Schema
 from tests.support.redis_server import free_port
@@ -197,3 +200,76 @@ def test_after_redis_was_unreachable_the_next_read_is_whole() -> None:
         "r1": CountedLoad(a_load(ts=1.0), 0),
         "r2": CountedLoad(a_load(ts=3.0), 0),
     }
+
+
+# --- the change log a reader follows (LoadChanges) ---------------------------------------------
+
+
+def _changed(store: LoadChanges, version: int) -> set[str] | None:
+    changed = store.changed_since(version)
+    return None if changed is None else set(changed)
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+def test_the_snapshot_says_which_replicas_changed_since_a_version(kind: str) -> None:
+    store: MemoryLoadStore | RedisLoadStore
+    store = MemoryLoadStore() if kind == "memory" else RedisLoadStore(fakeredis.FakeRedis())
+    store.put("a", a_load(ts=1.0))
+    store.put("b", a_load(ts=1.0))
+    store.get_counted(["a", "b"])
+    start = store.change_version()
+    assert _changed(store, start) == set()
+    store.get_counted(["a", "b"], ["a"])  # an answer counted: a's entry changes
+    assert _changed(store, start) == {"a"}
+    after_a = store.change_version()
+    store.put("b", a_load(ts=2.0))
+    store.get_counted(["a", "b"])  # Redis: seen by the snapshot at the next read
+    assert _changed(store, start) == {"a", "b"}
+    assert _changed(store, after_a) == {"b"}
+    store.remove("a")
+    store.get_counted(["a", "b"])
+    assert _changed(store, after_a) == {"a", "b"}
+    assert store.changed_since(store.change_version()) == []
+    assert store.changed_since(store.change_version() + 1) is None  # not a version it had
+
+
+def test_requests_in_flight_that_come_and_go_are_changes() -> None:
+    store = MemoryLoadStore()
+    store.put("a", a_load(ts=1.0))
+    reservations = Reservations(store.ledger, 60.0, holder="proxy")
+    store.get_counted(["a", "b"])
+    start = store.change_version()
+    lease = reservations.reserve("b", 100)
+    assert store.get_counted(["a", "b"])["b"].in_flight.num_requests == 1
+    assert _changed(store, start) == {"b"}
+    middle = store.change_version()
+    store.get_counted(["a", "b"])  # the same totals: nothing new
+    assert _changed(store, middle) == set()
+    reservations.release(lease)
+    assert "b" not in store.get_counted(["a", "b"])
+    assert _changed(store, middle) == {"b"}
+
+
+def test_a_snapshot_read_whole_again_forgets_what_changed_before() -> None:
+    """After Redis was unreachable the snapshot is emptied: a reader of an older version is
+    told to start again (None), not given a partial list."""
+    client = fakeredis.FakeRedis()
+    store = RedisLoadStore(client, Schema("p"))
+    store.put("a", a_load(ts=1.0))
+    store.get_counted(["a"])
+    before = store.change_version()
+    down = patch.object(store, "_read_changes", side_effect=IndexUnavailableError("down"))
+    with down, pytest.raises(IndexUnavailableError):
+        store.get_counted(["a"])
+    store.get_counted(["a"])
+    assert store.changed_since(before) is None
+    assert store.changed_since(store.change_version()) == []
+
+
+def test_the_circuit_wrapper_passes_the_change_log_through() -> None:
+    inner = MemoryLoadStore()
+    wrapped = CircuitLoadStore(inner, StoreCircuit(1.0))
+    inner.put("a", a_load(ts=1.0))
+    assert isinstance(wrapped, LoadChanges)
+    assert wrapped.change_version() == inner.change_version() > 0
+    assert wrapped.changed_since(0) == ["a"]

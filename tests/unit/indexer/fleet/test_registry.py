@@ -110,3 +110,22 @@ def test_the_streams_version_moves_with_the_specs_and_the_streams_heard_of() -> 
     assert not moved()
     registry.remove("b")
     assert moved()
+
+
+def test_the_streams_down_are_kept_as_records_change() -> None:
+    registry = Registry((ReplicaSpec("a", "m", dp_size=2), ReplicaSpec("b", "m")))
+    for stream in (B0, A1, A0):
+        registry.record(stream, StreamReport(connected=True))
+    assert registry.disconnected() == []
+    registry.record(B0, StreamReport(connected=False))
+    registry.record(A0, StreamReport(connected=False))
+    assert registry.disconnected() == [A0, B0]  # sorted
+    registry.record(A0, StreamReport(last_seq=3))  # no news of the socket: still down
+    assert registry.disconnected() == [A0, B0]
+    registry.record(A0, StreamReport(connected=True))
+    assert registry.disconnected() == [B0]
+    registry.forget(B0)
+    registry.record(A1, StreamReport(connected=False))
+    assert registry.disconnected() == [A1]
+    registry.remove("a")
+    assert registry.disconnected() == []

@@ -6,13 +6,18 @@ from __future__ import annotations
 import fakeredis
 import pytest
 
+from kvindex.indexer.events import StreamId
+from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.fleet.replica_health import HealthPolicy, ReplicaHealth
+from kvindex.indexer.fleet.sync import FleetSync
 from kvindex.indexer.fleet.view import RedisFleetView
+from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index.protocol import IndexUnavailableError
 from kvindex.indexer.redis_schema import Schema
 
 SCHEMA = Schema("t")
+NOW = 1_000_000.0
 POLICY = HealthPolicy()
 
 
@@ -67,3 +72,30 @@ def test_an_undecodable_record_reads_as_healthy() -> None:
     assert first.replica_health() == {"r1": ReplicaHealth()}
     [(before, _)] = first.update_health({"r1": _failed}).values()
     assert before == ReplicaHealth()
+
+
+def test_the_streams_version_stays_while_refreshes_read_the_same_fleet() -> None:
+    """A refresh that reads the same specs and streams keeps the version (the API keeps the
+    stream list it made for it); another spec or stream moves it; the streams down are
+    the snapshot's."""
+    client = fakeredis.FakeRedis(server=SERVER)
+    client.flushall()
+    registry = Registry(clock=lambda: NOW)
+    registry.record(StreamId("r1"), StreamReport(connected=True, last_event_ts=NOW))
+    sync = FleetSync(client, SCHEMA, registry, clock=lambda: NOW)
+    sync.tick()
+    view = RedisFleetView(
+        fakeredis.FakeRedis(server=SERVER), SCHEMA, cache_ttl_s=0.0, clock=lambda: NOW
+    )
+    view.add(ReplicaSpec("r1", "m"))
+    first = view.streams_version()
+    assert [view.streams_version() for _ in range(3)] == [first] * 3
+    assert view.disconnected() == []
+    registry.record(StreamId("r1", 1), StreamReport(connected=False))
+    sync.tick()
+    second = view.streams_version()
+    assert second != first
+    assert view.streams_version() == second
+    assert view.disconnected() == [StreamId("r1", 1)]
+    view.add(ReplicaSpec("r2", "m"))
+    assert view.streams_version() != second

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from kvindex.api import policies, score
 from kvindex.api.load.model import CountedLoad, InFlight, Load
+from kvindex.api.penalty_floors import _weights_args
 from kvindex.api.policies import Weights
 from kvindex.indexer.events import Tier
 from kvindex.indexer.index import memory
@@ -124,30 +125,138 @@ def test_load_penalties_read_loads_of_other_types_and_int_fields_alike() -> None
 _SCORE = st.sampled_from([-1.0, -0.5, 0.0, 0.25]) | st.floats(-2, 2)
 
 
-@settings(max_examples=300)
+@settings(max_examples=400)
 @given(
     st.lists(st.tuples(_SCORE, st.sampled_from([0.0, 0.1]) | st.floats(0, 2)), max_size=60),
     st.none() | st.integers(0, 70),
     st.integers(0, 2**32),
+    st.data(),
 )
-def test_best_compiled_equals_python(
-    rows: list[tuple[float, float]], top_k: int | None, seed: int
+def test_best_tied_compiled_equals_python(
+    rows: list[tuple[float, float]], top_k: int | None, seed: int, data: st.DataObject
 ) -> None:
+    """The same indices and the same draws taken (the generator's state after), over every
+    row or a subset of them (``positions``, in any order)."""
     minus_scores = [m for m, _ in rows]
     penalties = [p for _, p in rows]
+    positions: list[int] | None = None
+    if data.draw(st.booleans()) and len(rows) > 0:
+        shuffled: list[int] = data.draw(st.permutations(list(range(len(rows)))))
+        positions = shuffled[: data.draw(st.integers(0, len(rows)))]
     compiled_rng, python_rng = random.Random(seed), random.Random(seed)
-    compiled = _lookup.best(minus_scores, penalties, compiled_rng.random, top_k)
-    assert compiled == score._py_best(minus_scores, penalties, python_rng, top_k)
-    assert compiled_rng.getstate() == python_rng.getstate()  # one draw each, whatever top_k
+    compiled = _lookup.best_tied(minus_scores, penalties, compiled_rng.random, top_k, positions)
+    python = policies.tie_order(minus_scores, penalties, python_rng.random, top_k, positions)
+    assert compiled == python
+    assert compiled_rng.getstate() == python_rng.getstate()
 
 
-def test_best_with_tied_draws_orders_by_index() -> None:
-    assert _lookup.best([0.0, 0.0, 0.0], [1.0, 1.0, 1.0], lambda: 0.5, 2) == [0, 1]
+def test_best_tied_draws_only_for_the_ties_the_top_k_reaches() -> None:
+    draws: list[int] = []
+
+    def draw() -> float:
+        draws.append(1)
+        return 0.5 - 0.1 * len(draws)  # later draws are smaller: a tie reverses
+
+    minus = [0.0, 0.0, 1.0, 2.0, 2.0, 3.0, 3.0]
+    penalties = [0.0] * 7
+    assert _lookup.best_tied(minus, penalties, draw, 1, None) == [1]  # the first tie: 2 draws
+    assert len(draws) == 2
+    draws.clear()
+    assert _lookup.best_tied(minus, penalties, draw, 3, None) == [1, 0, 2]  # 2 is alone
+    assert len(draws) == 2
+    draws.clear()
+    assert _lookup.best_tied(minus, penalties, draw, 4, None) == [1, 0, 2, 4]  # 3 and 4 tie
+    assert len(draws) == 4
+    draws.clear()
+    assert _lookup.best_tied([0.0, 0.0], [1.0, 0.5], draw, None, None) == [1, 0]  # load first
+    assert not draws
 
 
-def test_best_rejects_lists_of_different_lengths() -> None:
+def test_best_tied_with_tied_draws_orders_by_index() -> None:
+    assert _lookup.best_tied([0.0, 0.0, 0.0], [1.0, 1.0, 1.0], lambda: 0.5, 2, None) == [0, 1]
+
+
+def test_best_tied_checks_its_inputs() -> None:
     with pytest.raises(ValueError, match="differ in length"):
-        _lookup.best([0.0], [], random.random, None)
+        _lookup.best_tied([0.0], [], random.random, None, None)
+    with pytest.raises(IndexError):
+        _lookup.best_tied([0.0], [0.0], random.random, 1, [3])
+    with pytest.raises(ValueError, match="top_k"):
+        _lookup.best_tied([0.0], [0.0], random.random, -1, None)
+
+
+_TIMES = st.floats(-20, 20)
+
+
+@settings(max_examples=300)
+@given(st.lists(st.none() | _COUNTED, max_size=40), _WEIGHTS, _TIMES, st.floats(0, 30), st.data())
+def test_penalty_floors_are_under_every_penalty_until_their_time(
+    counted: list[CountedLoad | None],
+    weights: Weights,
+    shift: float,
+    ahead: float,
+    data: st.DataObject,
+) -> None:
+    replicas = [f"r{i}" for i in range(len(counted))]
+    loads = {r: c for r, c in zip(replicas, counted, strict=True) if c is not None}
+    until = NOW + shift + ahead
+    floors = _lookup.penalty_floors(replicas, loads, until, *_weights_args(weights))
+    for now in (NOW + shift, until, data.draw(st.floats(NOW - 1_000, until))):
+        penalties = policies.load_penalties(replicas, loads, now, weights)
+        assert all(f <= p for f, p in zip(floors, penalties, strict=True))
+    at_until = policies.load_penalties(replicas, loads, until, weights)
+    assert all(f >= p - 1e-9 * (1 + p) for f, p in zip(floors, at_until, strict=True))
+
+
+@given(st.lists(st.sampled_from([0.0, 1.0, -float("inf")]) | st.floats(-5, 5), max_size=60))
+def test_ascending_is_the_stable_sort_of_the_indices(values: list[float]) -> None:
+    assert _lookup.ascending(values) == sorted(range(len(values)), key=values.__getitem__)
+
+
+@settings(max_examples=300)
+@given(
+    st.lists(st.none() | _COUNTED, min_size=1, max_size=40),
+    _WEIGHTS,
+    st.floats(0, 30),
+    st.data(),
+)
+def test_penalties_within_computes_every_one_that_can_be_among_the_k_lowest(
+    counted: list[CountedLoad | None], weights: Weights, ahead: float, data: st.DataObject
+) -> None:
+    """Exact penalties where computed (the ``exact`` positions and the walk), ``inf``
+    elsewhere; the ``k``-th lowest of all; each one left out above it."""
+    replicas = [f"r{i}" for i in range(len(counted))]
+    loads = {r: c for r, c in zip(replicas, counted, strict=True) if c is not None}
+    now = NOW + data.draw(_TIMES)
+    until = now + ahead
+    args = _weights_args(weights)
+    floors = _lookup.penalty_floors(replicas, loads, until, *args)
+    order = _lookup.ascending(floors)
+    n = len(replicas)
+    exact = data.draw(st.lists(st.integers(0, n - 1), max_size=6))
+    k = data.draw(st.integers(1, n))
+    got, positions, kth = _lookup.penalties_within(
+        replicas, loads, now, order, floors, exact, k, *args
+    )
+    penalties = policies.load_penalties(replicas, loads, now, weights)
+    assert kth == sorted(penalties)[k - 1]
+    assert set(exact) <= set(positions) and len(positions) == len(set(positions))
+    for i in range(n):
+        if i in positions:
+            assert _bits([got[i]]) == _bits([penalties[i]])
+        else:
+            assert got[i] == float("inf") and penalties[i] > kth
+
+
+def test_penalties_within_checks_its_inputs() -> None:
+    loads: dict[str, CountedLoad] = {}
+    args = _weights_args(Weights())
+    with pytest.raises(IndexError, match="k out of range"):
+        _lookup.penalties_within(["a"], loads, NOW, [0], [0.0], [], 2, *args)
+    with pytest.raises(ValueError, match="differ in length"):
+        _lookup.penalties_within(["a", "b"], loads, NOW, [0], [0.0], [], 1, *args)
+    with pytest.raises(IndexError, match="position out of range"):
+        _lookup.penalties_within(["a"], loads, NOW, [0], [0.0], [5], 1, *args)
 
 
 @given(st.lists(_SCORE, min_size=1, max_size=60), st.data())
