@@ -101,11 +101,15 @@ from kvindex.indexer.redis_connection import (
     connect,
 )
 from kvindex.indexer.redis_schema import (
+    CLUSTER_INDEX_GROUPS,
     INDEX_VERSION,
     META_OWNER,
     META_TIER_PREFIX,
     META_TS,
     META_WATERMARK,
+    OLD_INDEX_VERSIONS,
+    STANDALONE_INDEX_GROUPS,
+    TOPOLOGY_INDEX_GROUPS,
     Schema,
     SchemaVersionError,
     check_name,
@@ -252,7 +256,7 @@ class RedisIndex:
         self, client: RedisClient, schema: Schema | None = None, *, owner: str | None = None
     ) -> None:
         self._client = client
-        self._schema = schema or Schema()
+        self._schema = (schema or Schema()).for_topology(cluster=isinstance(client, RedisCluster))
         self._owner = owner
         self._apply = client.register_script(_with_holders("apply_batch.lua"))
         self._clear = client.register_script(_with_holders("clear_stream.lua"))
@@ -265,6 +269,8 @@ class RedisIndex:
         self._plan: _Plan | None = None
         self._identity: bytes | None = None
         """The marker token this index last saw (None: not looked at yet)."""
+        self._schema_checked = False
+        """Whether :meth:`check_schema` passed (a lookup runs it if not)."""
 
     @property
     def client(self) -> RedisClient:
@@ -273,7 +279,8 @@ class RedisIndex:
 
     @property
     def schema(self) -> Schema:
-        """Its key names (other shared state of the deployment uses the same prefix)."""
+        """Its key names, its group count chosen for this Redis (other shared state of the
+        deployment uses the same prefix)."""
         return self._schema
 
     @classmethod
@@ -312,11 +319,13 @@ class RedisIndex:
             for i in range(0, len(reply) - 1, 3)
         ]
 
-    def _groups_differ(self, stored: int) -> SchemaVersionError:
+    def _groups_differ(self, stored: object) -> SchemaVersionError:
         return SchemaVersionError(
             f"redis prefix {self._schema.prefix!r}: the index was written with {stored} stream"
             f" groups, this process uses {self._schema.index_groups}: every process of a"
-            " deployment must use the same number"
+            " deployment (indexers, API, proxies) must use the same number (redis_index_groups;"
+            f" {TOPOLOGY_INDEX_GROUPS}: {STANDALONE_INDEX_GROUPS} on standalone Redis,"
+            f" {CLUSTER_INDEX_GROUPS} on a cluster)"
         )
 
     def _register(self, stream: StreamId) -> None:
@@ -384,6 +393,8 @@ class RedisIndex:
         answer = plan.no_match.copy()
         if not keys or not plan.groups:
             return answer
+        if not self._schema_checked:  # once: a mismatched store is an error, not no match
+            self.check_schema()
         # Whole keys, big-endian: one C call; the script reads each one's field (low 6 bytes).
         wanted = struct.pack(f">{len(keys)}Q", *keys)
         with unavailable_on_connection_errors():
@@ -494,17 +505,41 @@ class RedisIndex:
 
     def check_schema(self) -> None:
         """Raise :class:`SchemaVersionError` when the Redis holds this prefix's index data
-        in an older schema version (its streams SET or marker): this version would start
-        empty beside it and never read it. One EXISTS per old key (each its own slot)."""
+        in an older schema version (its streams SET or marker: this version would start
+        empty beside it and never read it), or in another number of stream groups (the
+        ``groups`` key, set here when absent: the first process to open the index names the
+        count). One EXISTS per old key and a SET NX and GET (each its own slot). Every
+        process opening the index runs it: the indexer at its first :meth:`intact`, the API
+        at start, and a lookup if it has not passed yet (a batch is refused by its group's
+        ``#groups``)."""
         with unavailable_on_connection_errors():
             found = [name for name in self._schema.old_index_keys() if self._client.exists(name)]
+            stored = None if found else self._claim_groups()
         if found:
-            raise SchemaVersionError(
-                f"redis holds kvindex index data of an older schema ({', '.join(found)});"
-                f" this version uses {INDEX_VERSION} keys and does not read it: delete the"
-                f" old keys ({self._schema.prefix}:v1:*), and the indexers refill the index"
-                " from the replicas' replay, or keep running the older kvindex"
-            )
+            raise self._older_schema(found)
+        if stored is not None and stored != str(self._schema.index_groups).encode():
+            raise self._groups_differ(stored.decode(errors="replace"))
+        self._schema_checked = True
+
+    def _claim_groups(self) -> bytes | None:
+        """The ``groups`` key's count, this process's set first if it had none."""
+        key = self._schema.index_groups_key
+        self._client.set(key, self._schema.index_groups, nx=True)
+        return cast("bytes | None", self._client.get(key))
+
+    def _older_schema(self, found: list[str]) -> SchemaVersionError:
+        prefix = self._schema.prefix
+        old = [
+            f"{prefix}:{v}:*"
+            for v in OLD_INDEX_VERSIONS
+            if any(name.startswith(f"{prefix}:{v}:") for name in found)
+        ]
+        return SchemaVersionError(
+            f"redis holds kvindex index data of an older schema ({', '.join(found)});"
+            f" this version uses {INDEX_VERSION} keys and does not read it: delete the"
+            f" old keys ({', '.join(old)}), and the indexers refill the index from the"
+            " replicas' replay, or keep running the older kvindex"
+        )
 
     def intact(self) -> bool:
         """The marker key holds the token seen last time: one GET. Absent (the data was
@@ -521,6 +556,8 @@ class RedisIndex:
             if token is None:
                 self._client.set(marker, secrets.token_hex(8), nx=True)
                 token = cast("bytes | None", self._client.get(marker))
+                # The data (and so the group count) may be gone: name this process's again.
+                self._client.set(self._schema.index_groups_key, self._schema.index_groups, nx=True)
         first = self._identity is None
         self._identity = token
         if not first:
