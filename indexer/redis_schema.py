@@ -130,6 +130,10 @@ LOAD_VERSION = "v2"
 """The version of the load's keys (its hash and change log)."""
 OLD_INDEX_VERSIONS = ("v1", "v2")
 """Index versions whose data :meth:`RedisIndex.check_schema` refuses to start beside."""
+_OLD_INDEX_STREAM_GLOBS = {"v1": "{*/*}:*", "v2": "{ix*}:*"}
+"""An old version's per-stream and per-group keys (v1: hash tag "{replica/rank}", v2:
+"{ix<g>}"), beside its streams SET and marker: what an operator deletes. Not "<p>:<v>:*":
+v1 is also :data:`SCHEMA_VERSION` and v2 :data:`LOAD_VERSION`, whose keys are kept."""
 TOPOLOGY_INDEX_GROUPS = 0
 """``Schema.index_groups`` (and the ``redis_index_groups`` setting) meaning "by topology":
 :data:`STANDALONE_INDEX_GROUPS` on standalone Redis, :data:`CLUSTER_INDEX_GROUPS` on a
@@ -310,6 +314,12 @@ class Schema:
         """Keys an index of an older schema version leaves (its streams SET and marker)."""
         old = [f"{self.prefix}:{v}" for v in OLD_INDEX_VERSIONS]
         return [name for root in old for name in (f"{root}:streams", f"{root}:index")]
+
+    def old_index_globs(self, version: str) -> list[str]:
+        """Every key of an older index version, as ``SCAN MATCH`` patterns (its streams SET,
+        its marker, its streams' and groups' keys), and only those."""
+        root = f"{self.prefix}:{version}"
+        return [f"{root}:streams", f"{root}:index", f"{root}:{_OLD_INDEX_STREAM_GLOBS[version]}"]
 
     def group_of(self, stream: StreamId) -> int:
         """The stream's group: CRC-32 of its name, so every process agrees with no lookup."""

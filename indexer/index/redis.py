@@ -530,15 +530,17 @@ class RedisIndex:
     def _older_schema(self, found: list[str]) -> SchemaVersionError:
         prefix = self._schema.prefix
         old = [
-            f"{prefix}:{v}:*"
+            glob
             for v in OLD_INDEX_VERSIONS
             if any(name.startswith(f"{prefix}:{v}:") for name in found)
+            for glob in self._schema.old_index_globs(v)
         ]
         return SchemaVersionError(
             f"redis holds kvindex index data of an older schema ({', '.join(found)});"
-            f" this version uses {INDEX_VERSION} keys and does not read it: delete the"
-            f" old keys ({', '.join(old)}), and the indexers refill the index from the"
-            " replicas' replay, or keep running the older kvindex"
+            f" this version uses {INDEX_VERSION} keys and does not read it: stop the older"
+            f" processes, delete the old index keys (redis-cli --scan --pattern each of"
+            f" {' '.join(repr(g) for g in old)}; no other key), and the indexers refill the"
+            " index from the replicas' replay; or keep running the older kvindex"
         )
 
     def intact(self) -> bool:

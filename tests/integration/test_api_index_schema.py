@@ -50,8 +50,9 @@ def test_an_api_on_an_older_index_refuses_to_start_naming_the_fix(
     redis_server: RedisServer, redis_client: redis.Redis, version: str
 ) -> None:
     redis_client.sadd(f"kvindex:{version}:streams", "r1/0")
-    with pytest.raises(SchemaVersionError, match=rf"older schema .*delete .*kvindex:{version}:\*"):
+    with pytest.raises(SchemaVersionError, match="older schema") as refused:
         _open_api(redis_server.url)
+    assert f"'kvindex:{version}:streams' 'kvindex:{version}:index'" in str(refused.value)
 
 
 def test_an_api_with_another_group_count_than_the_indexer_refuses_to_start(

@@ -101,6 +101,11 @@ def test_the_old_index_keys_are_the_v1_and_v2_streams_sets_and_markers() -> None
     ]
 
 
+def test_the_old_index_globs_name_each_versions_streams_and_groups_keys() -> None:
+    assert Schema("p").old_index_globs("v1") == ["p:v1:streams", "p:v1:index", "p:v1:{*/*}:*"]
+    assert Schema("p").old_index_globs("v2") == ["p:v2:streams", "p:v2:index", "p:v2:{ix*}:*"]
+
+
 def test_meta_field_names() -> None:
     assert (META_WATERMARK, META_TS, META_TIER_PREFIX) == ("wm", "ts", "n")
 

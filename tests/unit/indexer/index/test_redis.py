@@ -573,14 +573,38 @@ def test_an_index_opened_on_older_data_refuses_with_the_fix_named(
     index: RedisIndex, redis_client: redis.Redis, left: str
 ) -> None:
     redis_client.set(left, "x") if left.endswith("index") else redis_client.sadd(left, "r1/0")
-    old = left.rsplit(":", 1)[0]  # test:v1 or test:v2
-    with pytest.raises(SchemaVersionError, match=rf"older schema .*delete .*{old}:\*"):
+    version = left.split(":")[1]
+    with pytest.raises(SchemaVersionError, match="older schema") as refused:
         index.intact()
+    globs = " ".join(repr(g) for g in SCHEMA.old_index_globs(version))
+    assert f"delete the old index keys (redis-cli --scan --pattern each of {globs};" in str(
+        refused.value
+    )
     with pytest.raises(SchemaVersionError, match="older schema"):  # the API's first lookup
         RedisIndex(redis_client, SCHEMA).longest_prefix([101], [S])
     assert not any(k.startswith(b"test:v3") for k in redis_client.scan_iter())
     redis_client.delete(left)
     assert index.intact()
+
+
+def test_the_old_index_globs_match_the_old_index_keys_only(redis_client: redis.Redis) -> None:
+    index_keys = {
+        "v1": ["test:v1:streams", "test:v1:index", "test:v1:{r1/0}:keys", "test:v1:{r1/0}:meta"],
+        "v2": [
+            "test:v2:streams",
+            "test:v2:index",
+            "test:v2:{ix3}:holders",
+            "test:v2:{ix3}:r1/0:hash",
+        ],
+    }
+    kept = ["test:v1:{fleet}:replicas", "test:v1:{inflight}:totals", "test:v1:indexers"]
+    kept += ["test:v2:{load}:loads", "test:v2:{load}:changes", "test:v3:streams"]
+    for name in [*kept, *index_keys["v1"], *index_keys["v2"]]:
+        redis_client.set(name, "x")
+    for version, names in index_keys.items():
+        globs = SCHEMA.old_index_globs(version)
+        matched = {k.decode() for g in globs for k in redis_client.scan_iter(match=g)}
+        assert matched == set(names), version
 
 
 def test_the_first_process_names_the_group_count_and_another_count_is_refused_at_open(
