@@ -76,7 +76,8 @@ costs 2 bytes per holder beyond the first.
 Why 6-byte fields: Redis allocates a short string in 8- or 16-byte size classes, and an
 8-byte field (with its header) lands in 16 while 6 bytes fit in 8 — 8 bytes saved per block.
 A false match then needs two blocks of one group whose keys share their low 48 bits
-(probability ~ n / 2⁴⁸ per prompt block, n the group's blocks: 4·10⁻⁹ at a million). The
+(probability ~ n / 2⁴⁸ per prompt block, n the group's blocks: 4·10⁻⁹ at a million, the
+whole index in the one group of a standalone Redis; 4·10⁻⁷ at a hundred million). The
 engine-hash map keeps whole 8-byte keys, because chaining a child block needs its parent's
 full key.
 

@@ -1,10 +1,12 @@
 """The Redis :class:`~kvindex.indexer.index.protocol.BlockIndex`: the shared, production store.
 
-Layout (index version v2, ``redis_schema``): streams are put in a fixed number of groups by a hash
-of their name (16 by default); each group keeps one hash, block → the packed records of its
-holders in the group (a stream's number there and its counts per tier, 2 bytes in the
-common case), and each stream keeps its engine-hash map and meta. Every key of a stream and
-its group's share one hash tag, so a batch is one single-slot script on Redis Cluster too.
+Layout (index version v3, ``redis_schema``): streams are put in a fixed number of groups by a
+hash of their name (by topology: one on standalone Redis, 16 on a cluster; the
+``redis_index_groups`` setting overrides it); each group keeps one hash, block → the packed
+records of its holders in the group (a stream's number there and its counts per tier, 2
+bytes in the common case), and each stream keeps its engine-hash map and meta. Every key
+of a stream and its group's share one hash tag, so a batch is one single-slot script on
+Redis Cluster too.
 
 One Lua script per call of :meth:`RedisIndex.apply_many` (``apply_batch.lua``) applies
 every op and moves the watermark atomically; a retry after a dropped connection finds the
@@ -43,8 +45,16 @@ What the groups cost: a prefix held in every group (the shared system prompt) is
 once per group, and on standalone Redis one call carries every group (a call per group
 copied the 4 KB prompt into Lua 16 times: 17 EVALSHAs at 32 replicas). Fewer groups walk a
 shared prefix fewer times (1,024 replicas: 676 HGETs with 4 groups, 1,128 with 8, 1,680
-with 16), but the groups are what spreads the index over a cluster's masters, so 16
-(``redis_schema.DEFAULT_INDEX_GROUPS``).
+with 16). On a cluster the groups are what spreads the index over the masters, so 16
+(``redis_schema.CLUSTER_INDEX_GROUPS``); on standalone Redis they spread nothing, so one
+(``STANDALONE_INDEX_GROUPS``): the shared prefix is walked once, and Redis instructions
+per lookup of ``bench/score.py``'s prompt fell from 3.2 M to 1.7 M at 32 replicas and
+from 5.9 M to 2.7 M at 1,024 (callgrind; 1.6 times from 32 to 1,024, was 1.9).
+
+Opening: :meth:`RedisIndex.check_schema` (the indexer's first :meth:`RedisIndex.intact`,
+the API's start, else the first lookup) refuses a Redis holding an older index version or
+one kept in another group count (the ``groups`` key the first opener set): a few
+single-key calls, once per process.
 
 A holder's number is only meaningful with the group's numbering: the script returns the
 group's ``#gen`` (bumped whenever a number is given or freed) and the whole numbering when
@@ -88,6 +98,7 @@ from kvindex.indexer.index.protocol import (
     ApplyResult,
     BatchOps,
     FencedError,
+    HeldRuns,
     IndexUnavailableError,
     Op,
     PrefixMatch,
@@ -227,10 +238,14 @@ class _Plan:
     """Every target → :data:`NO_MATCH`: copied, then the holders' matches set in it."""
     groups: tuple[int, ...]
     """The groups holding a target."""
+    index_of: dict[StreamId, int]
+    """Every target → its index in ``targets`` (:meth:`RedisIndex.holders`' answer)."""
     decoded: dict[tuple[int, bytes, bytes], dict[StreamId, PrefixMatch]] = field(
         default_factory=dict
     )
     """(group, #gen, runs) → the targets' matches in it: a group's answer decoded once."""
+    held: dict[tuple[int, bytes, bytes], HeldRuns] = field(default_factory=dict)
+    """(group, #gen, runs) → the same matches as runs of target indices (one per match)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -391,8 +406,26 @@ class RedisIndex:
     ) -> dict[StreamId, PrefixMatch]:
         plan = self._plan_for(list(streams))
         answer = plan.no_match.copy()
+        for group, reply in self._group_replies(plan, keys):
+            answer.update(self._group_answer(plan, group, reply))
+        return answer
+
+    def holders(self, keys: Sequence[int], streams: Sequence[StreamId]) -> HeldRuns:
+        """:meth:`longest_prefix`'s holders by index in ``streams`` (distinct;
+        :class:`~kvindex.indexer.index.protocol.HolderLookup`): the same calls to Redis,
+        but nothing made per stream asked, so the Python side follows the holders (a
+        group's runs are made once per answer of the group). The runs' index lists are
+        shared from call to call: callers only read them."""
+        plan = self._plan_for(list(streams))
+        runs: HeldRuns = []
+        for group, reply in self._group_replies(plan, keys):
+            runs += self._group_held(plan, group, reply)
+        return runs
+
+    def _group_replies(self, plan: _Plan, keys: Sequence[int]) -> list[tuple[int, list[object]]]:
+        """(group, reply) of each of the plan's groups holding ``keys[0]``: one pipeline."""
         if not keys or not plan.groups:
-            return answer
+            return []
         if not self._schema_checked:  # once: a mismatched store is an error, not no match
             self.check_schema()
         # Whole keys, big-endian: one C call; the script reads each one's field (low 6 bytes).
@@ -403,10 +436,23 @@ class RedisIndex:
             except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts
                 self._client.script_load(self._prefix.script)  # on a cluster: every master
                 replies = self._prefix_pipeline(plan.groups, wanted)
-        for group, reply in zip(plan.groups, replies, strict=True):
-            if reply:  # empty: the group holds nothing of the first block
-                answer.update(self._group_answer(plan, group, reply))
-        return answer
+        # an empty reply: the group holds nothing of the first block
+        return [(g, reply) for g, reply in zip(plan.groups, replies, strict=True) if reply]
+
+    def _group_held(self, plan: _Plan, group: int, reply: list[object]) -> HeldRuns:
+        """One group's reply → its holders among the targets, in runs of one match object
+        (``_prefix`` shares one per path), made once per answer as :meth:`_group_answer`."""
+        key = (group, cast("bytes", reply[0]), cast("bytes", reply[3]))
+        held = plan.held.get(key)
+        if held is None:
+            index_of = plan.index_of
+            by_match: dict[int, tuple[PrefixMatch, list[int]]] = {}
+            for stream, match in self._group_answer(plan, group, reply).items():
+                by_match.setdefault(id(match), (match, []))[1].append(index_of[stream])
+            if len(plan.held) >= _MAX_CACHED:
+                plan.held.clear()
+            held = plan.held[key] = list(by_match.values())
+        return held
 
     def _group_answer(
         self, plan: _Plan, group: int, reply: list[object]
@@ -432,7 +478,8 @@ class RedisIndex:
         plan = self._plan
         if plan is None or plan.targets != targets:
             groups = tuple(sorted({self._schema.group_of(s) for s in targets}))
-            plan = self._plan = _Plan(targets, dict.fromkeys(targets, NO_MATCH), groups)
+            index_of = {s: i for i, s in enumerate(targets)}
+            plan = self._plan = _Plan(targets, dict.fromkeys(targets, NO_MATCH), groups, index_of)
         return plan
 
     def _names(self, group: int, reply: list[object]) -> dict[int, StreamId]:

@@ -23,6 +23,7 @@ from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import (
     SKIPPED,
     BlockIndex,
+    HolderLookup,
     IndexUnavailableError,
     Op,
     OpKind,
@@ -771,3 +772,25 @@ def test_one_group_and_sixteen_answer_every_lookup_alike(redis_client: redis.Red
         index.apply(streams[1], 1, 2.0, [(OpKind.REMOVE, Tier.GPU, prefix[40], 0)])
     for index in indexes[:-1]:
         assert index.longest_prefix(prefix, streams)[streams[1]] == PrefixMatch((Tier.GPU,) * 40)
+
+
+def test_the_holders_are_answered_natively_in_runs_of_one_match(
+    index: RedisIndex, redis_client: redis.Redis
+) -> None:
+    assert isinstance(index, HolderLookup)
+    asked = [StreamId(f"h{i}") for i in range(40)]
+    for i, stream in enumerate(asked[:30]):  # 10 hold 2 blocks on GPU, 20 hold one
+        index.apply(stream, 0, 1.0, [store(1, 101), *([store(2, 102)] if i % 3 == 0 else [])])
+    first = index.holders([101, 102], asked)
+    again = index.holders([101, 102], asked)  # the same answer of Redis: made once
+    assert first == again and first is not again
+    assert sorted(i for _, run in first for i in run) == list(range(30))
+    two = [run for match, run in first if match == PrefixMatch((Tier.GPU, Tier.GPU))]
+    assert sorted(i for run in two for i in run) == list(range(0, 30, 3))
+    assert len(first) <= 2 * len({SCHEMA.group_of(s) for s in asked})  # a run per match and group
+    index.apply(asked[1], 1, 2.0, [store(2, 102)])  # the answer changes: made again
+    changed = index.holders([101, 102], asked)
+    assert {i for match, run in changed for i in run if match.num_blocks == 2} == {
+        *range(0, 30, 3),
+        1,
+    }
