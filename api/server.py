@@ -16,6 +16,7 @@ the wait, and one probe per cool-down tells them all that it is back.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -31,12 +32,13 @@ from kvindex.api.settings import ApiSettings
 from kvindex.indexer.circuit import CircuitIndex, StoreCircuit
 from kvindex.indexer.fleet.registry import RegistryView
 from kvindex.indexer.fleet.view import RedisFleetView
-from kvindex.indexer.index.protocol import BlockIndex
+from kvindex.indexer.index.protocol import BlockIndex, IndexUnavailableError
 from kvindex.indexer.index.redis import RedisIndex
 from kvindex.indexer.redis_connection import connect_bounded
-from kvindex.indexer.redis_schema import Schema
 from kvindex.indexer.service import IndexerService
 from kvindex.indexer.settings import IndexerSettings
+
+log = logging.getLogger("kvindex.api")
 
 
 @dataclass
@@ -75,16 +77,31 @@ class Service:
 def _bounded_stores(
     redis_url: str, settings: IndexerSettings, api: ApiSettings
 ) -> tuple[BlockIndex, LoadStore, RegistryView, StoreCircuit]:
-    """The API's index, load and fleet on one bounded connection, and their one circuit."""
-    schema = Schema(settings.redis_prefix)
+    """The API's index, load and fleet on one bounded connection, and their one circuit.
+
+    The index's schema is checked here (:func:`_checked_index`): an index of another
+    version or group count is refused at start, not answered as no match."""
+    schema = settings.redis_schema
     client = connect_bounded(
         redis_url, timeout_s=api.redis_timeout_s, cluster=settings.redis_cluster
     )
     circuit = StoreCircuit(api.redis_cooldown_s)
-    index = CircuitIndex(RedisIndex(client, schema), circuit)
+    index = CircuitIndex(_checked_index(RedisIndex(client, schema)), circuit)
     loads = CircuitLoadStore(RedisLoadStore(client, schema), circuit)
     fleet = RedisFleetView(client, schema, stale_after_s=settings.stale_after_s, circuit=circuit)
     return index, loads, fleet, circuit
+
+
+def _checked_index(index: RedisIndex) -> RedisIndex:
+    """``index`` once :meth:`RedisIndex.check_schema` passed; raises
+    :class:`~kvindex.indexer.redis_schema.SchemaVersionError` when the Redis holds index
+    data this process would not read. A Redis down at start is not an error (the API
+    answers degraded meanwhile): the index then checks at its first lookup."""
+    try:
+        index.check_schema()
+    except IndexUnavailableError as exc:
+        log.warning("redis unreachable at start, its index is checked when it answers: %s", exc)
+    return index
 
 
 def api_deps(redis_url: str, settings: IndexerSettings, api: ApiSettings) -> ApiDeps:

@@ -21,6 +21,9 @@ load's carry a layout version of their own)::
     <p>:<iv>:index                  STRING the index's identity: a random token set (if absent)
                                           by the first indexer to open the store; gone
                                           means the data was lost (``RedisIndex.intact``)
+    <p>:<iv>:groups                 STRING the number of stream groups the index is kept in:
+                                          set (if absent) by the first process to open the
+                                          index; one that counts otherwise refuses to start
     <p>:<lv>:{load}:loads           HASH  replica id → its latest load (msgspec JSON, ``Load``);
                                           "<replica id>/answers" → n: /score answers (of every
                                           API process) that chose it since; #epoch (a random
@@ -58,29 +61,33 @@ load's carry a layout version of their own)::
                                           process that health-checks the replica this round
 
 Streams are put in :attr:`Schema.index_groups` groups by a hash of their name
-(:meth:`Schema.group_of`); every key of a stream and its group's two hashes share the hash tag
-``{ix<g>}``, so a batch is still one single-slot script, and a lookup is one script per
-group (``index/redis.py`` says what it costs). A holder record is 2 bytes, ``number · 4 +
-form``, when the stream holds the block once on one tier (form 0 GPU, 1 CPU, 2 other), and 8
-with form 3: then three u16 counts (gpu, cpu, other) follow. Records are sorted by number,
-so two blocks with the same holders and counts have equal values (a lookup compares them
-whole). A block held by one stream costs what a v1 per-stream entry did (a 6-byte field and
-a 2-byte value: Redis's 8-byte size class); one held by several costs 2 bytes per holder
-beyond the first.
+(:meth:`Schema.group_of`): one on standalone Redis, :data:`CLUSTER_INDEX_GROUPS` on a
+cluster (the ``redis_index_groups`` setting overrides it); every key of a stream and its
+group's two hashes share the hash tag ``{ix<g>}``, so a batch is still one single-slot
+script, and a lookup is one script per group on a cluster, one for every group on
+standalone Redis (``index/redis.py`` says what it costs). A holder record is 2 bytes,
+``number · 4 + form``, when the stream holds the block once on one tier (form 0 GPU, 1 CPU,
+2 other), and 8 with form 3: then three u16 counts (gpu, cpu, other) follow. Records are
+sorted by number, so two blocks with the same holders and counts have equal values (a
+lookup compares them whole). A block held by one stream costs what a v1 per-stream entry
+did (a 6-byte field and a 2-byte value: Redis's 8-byte size class); one held by several
+costs 2 bytes per holder beyond the first.
 
 Why 6-byte fields: Redis allocates a short string in 8- or 16-byte size classes, and an
 8-byte field (with its header) lands in 16 while 6 bytes fit in 8 — 8 bytes saved per block.
 A false match then needs two blocks of one group whose keys share their low 48 bits
-(probability ~ n / 2⁴⁸ per prompt block, n the group's blocks: 4·10⁻⁹ at a million). The
+(probability ~ n / 2⁴⁸ per prompt block, n the group's blocks: 4·10⁻⁹ at a million, the
+whole index in the one group of a standalone Redis; 4·10⁻⁷ at a hundred million). The
 engine-hash map keeps whole 8-byte keys, because chaining a child block needs its parent's
 full key.
 
-Index versions: v2 (stream groups) replaced v1 (one block hash per stream); the rest of
-the layout is unchanged (still :data:`SCHEMA_VERSION` v1). The version is in every index
-key, so two versions never share a key; an index opened on a Redis that holds v1 index
-data raises :class:`SchemaVersionError` (``RedisIndex.check_schema``) rather than
-start empty beside it, and a group whose ``#groups`` differs from the process's
-``index_groups`` raises it too.
+Index versions: v3 (one group on standalone Redis) replaced v2 (16 groups wherever), which
+replaced v1 (one block hash per stream); the rest of the layout is unchanged (still
+:data:`SCHEMA_VERSION` v1). The version is in every index key, so two versions never share
+a key: a v2 store's 16 groups are never read as a v3 one's. An index opened on a Redis
+that holds v1 or v2 index data raises :class:`SchemaVersionError`
+(``RedisIndex.check_schema``) rather than start empty beside it, and so does one whose
+group count differs from the ``groups`` key (at open) or a group's ``#groups`` (per call).
 
 Load versions: v2 (a change log beside the load hash, so that an API process reads only
 what changed since its last read: ``kvindex.api.load.store``) replaced v1 (the hash alone,
@@ -111,23 +118,36 @@ from __future__ import annotations
 
 import re
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.events import StreamId
 
 SCHEMA_VERSION = "v1"
 """The version of every key but the block index's."""
-INDEX_VERSION = "v2"
+INDEX_VERSION = "v3"
 """The version of the block index's keys (its streams SET, marker, groups and streams)."""
 LOAD_VERSION = "v2"
 """The version of the load's keys (its hash and change log)."""
-OLD_INDEX_VERSIONS = ("v1",)
+OLD_INDEX_VERSIONS = ("v1", "v2")
 """Index versions whose data :meth:`RedisIndex.check_schema` refuses to start beside."""
-DEFAULT_INDEX_GROUPS = 16
-"""Stream groups of the index. A lookup sends one script per group, so fewer is cheaper on
-one Redis; on a cluster the groups are what spreads the index over the masters (16 slots
-over 3 masters: 4-7 each). A group holds at most :data:`MAX_GROUP_STREAMS` streams."""
+_OLD_INDEX_STREAM_GLOBS = {"v1": "{*/*}:*", "v2": "{ix*}:*"}
+"""An old version's per-stream and per-group keys (v1: hash tag "{replica/rank}", v2:
+"{ix<g>}"), beside its streams SET and marker: what an operator deletes. Not "<p>:<v>:*":
+v1 is also :data:`SCHEMA_VERSION` and v2 :data:`LOAD_VERSION`, whose keys are kept."""
+TOPOLOGY_INDEX_GROUPS = 0
+"""``Schema.index_groups`` (and the ``redis_index_groups`` setting) meaning "by topology":
+:data:`STANDALONE_INDEX_GROUPS` on standalone Redis, :data:`CLUSTER_INDEX_GROUPS` on a
+cluster (:meth:`Schema.for_topology`, which ``RedisIndex`` calls)."""
+STANDALONE_INDEX_GROUPS = 1
+"""Stream groups on standalone Redis. A lookup walks the prompt once per group holding
+it, so one group walks a prefix the whole fleet shares once (with 16 its 64 blocks were
+walked in each of the 16 groups at 1,024 replicas); on one server the groups spread
+nothing."""
+CLUSTER_INDEX_GROUPS = 16
+"""Stream groups on Redis Cluster: what spreads the index over the masters (16 slots over
+3 masters: 4-7 each); a lookup sends one script per group holding a requested stream. A
+group holds at most :data:`MAX_GROUP_STREAMS` streams."""
 MAX_INDEX_GROUPS = 1024
 MAX_GROUP_STREAMS = 16384
 """A holder record's number has 14 bits (``apply_batch.lua`` refuses a stream beyond)."""
@@ -177,14 +197,36 @@ class Schema:
     """Key names under one prefix."""
 
     prefix: str = DEFAULT_PREFIX
-    index_groups: int = DEFAULT_INDEX_GROUPS
-    """Stream groups of the block index (every process of a deployment must agree: a
-    group's ``#groups`` field says which count wrote it)."""
+    index_groups: int = TOPOLOGY_INDEX_GROUPS
+    """Stream groups of the block index, 1 to :data:`MAX_INDEX_GROUPS`, or
+    :data:`TOPOLOGY_INDEX_GROUPS` (0): chosen by the Redis (:meth:`for_topology`). Every
+    process of a deployment must agree: the ``groups`` key and each group's ``#groups``
+    field say which count wrote it."""
 
     def __post_init__(self) -> None:
         check_name("key prefix", self.prefix)
-        if not 1 <= self.index_groups <= MAX_INDEX_GROUPS:
-            raise SchemaError(f"index groups {self.index_groups!r}: 1 to {MAX_INDEX_GROUPS}")
+        if not 0 <= self.index_groups <= MAX_INDEX_GROUPS:
+            raise SchemaError(
+                f"index groups {self.index_groups!r}: 1 to {MAX_INDEX_GROUPS}"
+                f" ({TOPOLOGY_INDEX_GROUPS}: by topology)"
+            )
+
+    def for_topology(self, *, cluster: bool) -> Schema:
+        """This schema with its group count chosen for the Redis, when it is
+        :data:`TOPOLOGY_INDEX_GROUPS`: :data:`CLUSTER_INDEX_GROUPS` on a cluster,
+        :data:`STANDALONE_INDEX_GROUPS` on standalone Redis; a count given is kept."""
+        if self.index_groups != TOPOLOGY_INDEX_GROUPS:
+            return self
+        groups = CLUSTER_INDEX_GROUPS if cluster else STANDALONE_INDEX_GROUPS
+        return replace(self, index_groups=groups)
+
+    @property
+    def num_groups(self) -> int:
+        """The group count, once chosen (:meth:`for_topology`); the block index's key
+        names need it, so asking an unchosen schema for them is a :class:`SchemaError`."""
+        if self.index_groups == TOPOLOGY_INDEX_GROUPS:
+            raise SchemaError("index groups not chosen yet: Schema.for_topology chooses them")
+        return self.index_groups
 
     @property
     def root(self) -> str:
@@ -203,6 +245,12 @@ class Schema:
     def index_marker(self) -> str:
         """The STRING whose token identifies the index's data; absent or changed: lost."""
         return f"{self.index_root}:index"
+
+    @property
+    def index_groups_key(self) -> str:
+        """The STRING holding the group count the index is kept in (set by its first
+        opener; ``RedisIndex.check_schema`` compares it)."""
+        return f"{self.index_root}:groups"
 
     @property
     def load(self) -> str:
@@ -268,9 +316,15 @@ class Schema:
         old = [f"{self.prefix}:{v}" for v in OLD_INDEX_VERSIONS]
         return [name for root in old for name in (f"{root}:streams", f"{root}:index")]
 
+    def old_index_globs(self, version: str) -> list[str]:
+        """Every key of an older index version, as ``SCAN MATCH`` patterns (its streams SET,
+        its marker, its streams' and groups' keys), and only those."""
+        root = f"{self.prefix}:{version}"
+        return [f"{root}:streams", f"{root}:index", f"{root}:{_OLD_INDEX_STREAM_GLOBS[version]}"]
+
     def group_of(self, stream: StreamId) -> int:
         """The stream's group: CRC-32 of its name, so every process agrees with no lookup."""
-        return zlib.crc32(str(stream).encode()) % self.index_groups
+        return zlib.crc32(str(stream).encode()) % self.num_groups
 
     def group(self, group: int) -> tuple[str, str]:
         """(holders, members) of one group."""

@@ -19,7 +19,6 @@ from kvindex.indexer.index.redis import RedisIndex
 from kvindex.indexer.membership import Membership, Shard
 from kvindex.indexer.process_limits import raise_file_limit
 from kvindex.indexer.redis_connection import connect
-from kvindex.indexer.redis_schema import Schema
 from kvindex.indexer.settings import IndexerSettings
 from kvindex.indexer.status_server import IndexerStatus
 from kvindex.indexer.subscriber import Subscriber
@@ -39,7 +38,7 @@ def open_index(settings: IndexerSettings, *, owner: str | None = None) -> BlockI
     token that fences its writes, for sharded indexers)."""
     if settings.store == "redis":
         client = connect(settings.redis_url, cluster=settings.redis_cluster)
-        return RedisIndex(client, Schema(settings.redis_prefix), owner=owner)
+        return RedisIndex(client, settings.redis_schema, owner=owner)
     return MemoryIndex()
 
 
@@ -61,7 +60,7 @@ def _membership(
     if not settings.sharded or index is not None:
         return (index if index is not None else open_index(settings)), None
     client = connect(settings.redis_url, cluster=settings.redis_cluster)
-    schema = Schema(settings.redis_prefix)
+    schema = settings.redis_schema
     membership = Membership(client, schema, indexer_id(settings), lease_ttl_s=settings.lease_ttl_s)
     return RedisIndex(client, schema, owner=membership.token), membership
 

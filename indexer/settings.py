@@ -32,7 +32,13 @@ from typing import Any, Literal, get_args
 from kvindex.indexer.errors import SettingsError
 from kvindex.indexer.fleet.replica import ReplicaSpec, check_endpoint, replica_from_mapping
 from kvindex.indexer.redis_connection import CLUSTER_MODES, ClusterMode
-from kvindex.indexer.redis_schema import SchemaError, check_name
+from kvindex.indexer.redis_schema import (
+    MAX_INDEX_GROUPS,
+    TOPOLOGY_INDEX_GROUPS,
+    Schema,
+    SchemaError,
+    check_name,
+)
 
 StoreKind = Literal["memory", "redis"]
 ShardMode = Literal["auto", "on", "off"]
@@ -63,6 +69,11 @@ class IndexerSettings:
     ``on`` / ``off`` say it (``on`` for a cluster that may be down while kvindex starts)."""
     redis_prefix: str = "kvindex"
     """Prefix of every Redis key (several deployments can share one Redis)."""
+    redis_index_groups: int = TOPOLOGY_INDEX_GROUPS
+    """Stream groups of the Redis block index, 1 to 1024; 0 = by topology: 1 on standalone
+    Redis (a lookup walks the prompt once), 16 on a cluster (the groups spread the index over
+    the masters). Every process of a deployment (indexers, API, proxies) must agree: one
+    that counts otherwise refuses to start (``redis_schema.SchemaVersionError``)."""
     bind: str | None = None
     """Bind one SUB here (e.g. ``tcp://10.0.0.2:5557``) for replicas that connect to us;
     each is identified by its topic ``kv@<replica>@<model>`` and registered on first event."""
@@ -153,6 +164,12 @@ class IndexerSettings:
         return max(1, min(len(os.sched_getaffinity(0)) // 2, MAX_AUTO_INGEST_WORKERS))
 
     @property
+    def redis_schema(self) -> Schema:
+        """The Redis key names of ``redis_prefix`` and ``redis_index_groups`` (every process
+        builds its stores' schema here, so they all name the same keys)."""
+        return Schema(self.redis_prefix, self.redis_index_groups)
+
+    @property
     def sharded(self) -> bool:
         """Whether this process shares the streams with other indexers on its store."""
         return self.shard == "on" or (self.shard == "auto" and self.store == "redis")
@@ -160,14 +177,7 @@ class IndexerSettings:
     def __post_init__(self) -> None:
         if self.store not in get_args(StoreKind):
             raise SettingsError(f"store must be one of {get_args(StoreKind)}, got {self.store!r}")
-        if self.redis_cluster not in CLUSTER_MODES:
-            raise SettingsError(
-                f"redis_cluster must be one of {CLUSTER_MODES}, got {self.redis_cluster!r}"
-            )
-        try:
-            check_name("redis_prefix", self.redis_prefix)
-        except SchemaError as exc:
-            raise SettingsError(str(exc)) from exc
+        _check_redis(self)
         check_endpoint("bind", self.bind)
         _check_shard(self)
         _check_ingest_workers(self)
@@ -193,6 +203,22 @@ class IndexerSettings:
         ids = [r.id for r in self.replicas]
         if len(ids) != len(set(ids)):
             raise SettingsError(f"replicas: duplicate ids in {ids}")
+
+
+def _check_redis(settings: IndexerSettings) -> None:
+    if settings.redis_cluster not in CLUSTER_MODES:
+        raise SettingsError(
+            f"redis_cluster must be one of {CLUSTER_MODES}, got {settings.redis_cluster!r}"
+        )
+    try:
+        check_name("redis_prefix", settings.redis_prefix)
+    except SchemaError as exc:
+        raise SettingsError(str(exc)) from exc
+    if not TOPOLOGY_INDEX_GROUPS <= settings.redis_index_groups <= MAX_INDEX_GROUPS:
+        raise SettingsError(
+            f"redis_index_groups must be 1 to {MAX_INDEX_GROUPS} (0: by topology),"
+            f" got {settings.redis_index_groups!r}"
+        )
 
 
 def _check_shard(settings: IndexerSettings) -> None:

@@ -274,7 +274,10 @@ def api(
         raise click.ClickException(str(exc)) from exc
     where = f"http://{api_settings.host}:{api_settings.port}"
     make_console().print(f"kvindex api (redis fleet, index and load) on {where}")
-    serve_api(settings.redis_url, settings, api_settings)
+    try:
+        serve_api(settings.redis_url, settings, api_settings)
+    except KvIndexError as exc:  # e.g. an index this version does not read
+        raise click.ClickException(str(exc)) from exc
 
 
 @main.command()
@@ -335,7 +338,10 @@ def proxy(
         raise click.ClickException(str(exc)) from exc
     where = f"http://{api_settings.host}:{api_settings.port}"
     make_console().print(f"kvindex proxy ({settings.store} store) on {where}/v1")
-    serve_proxy(settings, api_settings, proxy_settings)
+    try:
+        serve_proxy(settings, api_settings, proxy_settings)
+    except KvIndexError as exc:  # e.g. an index this version does not read
+        raise click.ClickException(str(exc)) from exc
 
 
 @main.command("replica-sim")

@@ -1,10 +1,12 @@
 """The Redis :class:`~kvindex.indexer.index.protocol.BlockIndex`: the shared, production store.
 
-Layout (index version v2, ``redis_schema``): streams are put in a fixed number of groups by a hash
-of their name (16 by default); each group keeps one hash, block → the packed records of its
-holders in the group (a stream's number there and its counts per tier, 2 bytes in the
-common case), and each stream keeps its engine-hash map and meta. Every key of a stream and
-its group's share one hash tag, so a batch is one single-slot script on Redis Cluster too.
+Layout (index version v3, ``redis_schema``): streams are put in a fixed number of groups by a
+hash of their name (by topology: one on standalone Redis, 16 on a cluster; the
+``redis_index_groups`` setting overrides it); each group keeps one hash, block → the packed
+records of its holders in the group (a stream's number there and its counts per tier, 2
+bytes in the common case), and each stream keeps its engine-hash map and meta. Every key
+of a stream and its group's share one hash tag, so a batch is one single-slot script on
+Redis Cluster too.
 
 One Lua script per call of :meth:`RedisIndex.apply_many` (``apply_batch.lua``) applies
 every op and moves the watermark atomically; a retry after a dropped connection finds the
@@ -43,8 +45,16 @@ What the groups cost: a prefix held in every group (the shared system prompt) is
 once per group, and on standalone Redis one call carries every group (a call per group
 copied the 4 KB prompt into Lua 16 times: 17 EVALSHAs at 32 replicas). Fewer groups walk a
 shared prefix fewer times (1,024 replicas: 676 HGETs with 4 groups, 1,128 with 8, 1,680
-with 16), but the groups are what spreads the index over a cluster's masters, so 16
-(``redis_schema.DEFAULT_INDEX_GROUPS``).
+with 16). On a cluster the groups are what spreads the index over the masters, so 16
+(``redis_schema.CLUSTER_INDEX_GROUPS``); on standalone Redis they spread nothing, so one
+(``STANDALONE_INDEX_GROUPS``): the shared prefix is walked once, and Redis instructions
+per lookup of ``bench/score.py``'s prompt fell from 3.2 M to 1.7 M at 32 replicas and
+from 5.9 M to 2.7 M at 1,024 (callgrind; 1.6 times from 32 to 1,024, was 1.9).
+
+Opening: :meth:`RedisIndex.check_schema` (the indexer's first :meth:`RedisIndex.intact`,
+the API's start, else the first lookup) refuses a Redis holding an older index version or
+one kept in another group count (the ``groups`` key the first opener set): a few
+single-key calls, once per process.
 
 A holder's number is only meaningful with the group's numbering: the script returns the
 group's ``#gen`` (bumped whenever a number is given or freed) and the whole numbering when
@@ -88,6 +98,7 @@ from kvindex.indexer.index.protocol import (
     ApplyResult,
     BatchOps,
     FencedError,
+    HeldRuns,
     IndexUnavailableError,
     Op,
     PrefixMatch,
@@ -101,11 +112,15 @@ from kvindex.indexer.redis_connection import (
     connect,
 )
 from kvindex.indexer.redis_schema import (
+    CLUSTER_INDEX_GROUPS,
     INDEX_VERSION,
     META_OWNER,
     META_TIER_PREFIX,
     META_TS,
     META_WATERMARK,
+    OLD_INDEX_VERSIONS,
+    STANDALONE_INDEX_GROUPS,
+    TOPOLOGY_INDEX_GROUPS,
     Schema,
     SchemaVersionError,
     check_name,
@@ -223,10 +238,14 @@ class _Plan:
     """Every target → :data:`NO_MATCH`: copied, then the holders' matches set in it."""
     groups: tuple[int, ...]
     """The groups holding a target."""
+    index_of: dict[StreamId, int]
+    """Every target → its index in ``targets`` (:meth:`RedisIndex.holders`' answer)."""
     decoded: dict[tuple[int, bytes, bytes], dict[StreamId, PrefixMatch]] = field(
         default_factory=dict
     )
     """(group, #gen, runs) → the targets' matches in it: a group's answer decoded once."""
+    held: dict[tuple[int, bytes, bytes], HeldRuns] = field(default_factory=dict)
+    """(group, #gen, runs) → the same matches as runs of target indices (one per match)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,7 +271,7 @@ class RedisIndex:
         self, client: RedisClient, schema: Schema | None = None, *, owner: str | None = None
     ) -> None:
         self._client = client
-        self._schema = schema or Schema()
+        self._schema = (schema or Schema()).for_topology(cluster=isinstance(client, RedisCluster))
         self._owner = owner
         self._apply = client.register_script(_with_holders("apply_batch.lua"))
         self._clear = client.register_script(_with_holders("clear_stream.lua"))
@@ -265,6 +284,8 @@ class RedisIndex:
         self._plan: _Plan | None = None
         self._identity: bytes | None = None
         """The marker token this index last saw (None: not looked at yet)."""
+        self._schema_checked = False
+        """Whether :meth:`check_schema` passed (a lookup runs it if not)."""
 
     @property
     def client(self) -> RedisClient:
@@ -273,7 +294,8 @@ class RedisIndex:
 
     @property
     def schema(self) -> Schema:
-        """Its key names (other shared state of the deployment uses the same prefix)."""
+        """Its key names, its group count chosen for this Redis (other shared state of the
+        deployment uses the same prefix)."""
         return self._schema
 
     @classmethod
@@ -312,11 +334,13 @@ class RedisIndex:
             for i in range(0, len(reply) - 1, 3)
         ]
 
-    def _groups_differ(self, stored: int) -> SchemaVersionError:
+    def _groups_differ(self, stored: object) -> SchemaVersionError:
         return SchemaVersionError(
             f"redis prefix {self._schema.prefix!r}: the index was written with {stored} stream"
             f" groups, this process uses {self._schema.index_groups}: every process of a"
-            " deployment must use the same number"
+            " deployment (indexers, API, proxies) must use the same number (redis_index_groups;"
+            f" {TOPOLOGY_INDEX_GROUPS}: {STANDALONE_INDEX_GROUPS} on standalone Redis,"
+            f" {CLUSTER_INDEX_GROUPS} on a cluster)"
         )
 
     def _register(self, stream: StreamId) -> None:
@@ -382,8 +406,28 @@ class RedisIndex:
     ) -> dict[StreamId, PrefixMatch]:
         plan = self._plan_for(list(streams))
         answer = plan.no_match.copy()
+        for group, reply in self._group_replies(plan, keys):
+            answer.update(self._group_answer(plan, group, reply))
+        return answer
+
+    def holders(self, keys: Sequence[int], streams: Sequence[StreamId]) -> HeldRuns:
+        """:meth:`longest_prefix`'s holders by index in ``streams`` (distinct;
+        :class:`~kvindex.indexer.index.protocol.HolderLookup`): the same calls to Redis,
+        but nothing made per stream asked, so the Python side follows the holders (a
+        group's runs are made once per answer of the group). The runs' index lists are
+        shared from call to call: callers only read them."""
+        plan = self._plan_for(list(streams))
+        runs: HeldRuns = []
+        for group, reply in self._group_replies(plan, keys):
+            runs += self._group_held(plan, group, reply)
+        return runs
+
+    def _group_replies(self, plan: _Plan, keys: Sequence[int]) -> list[tuple[int, list[object]]]:
+        """(group, reply) of each of the plan's groups holding ``keys[0]``: one pipeline."""
         if not keys or not plan.groups:
-            return answer
+            return []
+        if not self._schema_checked:  # once: a mismatched store is an error, not no match
+            self.check_schema()
         # Whole keys, big-endian: one C call; the script reads each one's field (low 6 bytes).
         wanted = struct.pack(f">{len(keys)}Q", *keys)
         with unavailable_on_connection_errors():
@@ -392,10 +436,23 @@ class RedisIndex:
             except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts
                 self._client.script_load(self._prefix.script)  # on a cluster: every master
                 replies = self._prefix_pipeline(plan.groups, wanted)
-        for group, reply in zip(plan.groups, replies, strict=True):
-            if reply:  # empty: the group holds nothing of the first block
-                answer.update(self._group_answer(plan, group, reply))
-        return answer
+        # an empty reply: the group holds nothing of the first block
+        return [(g, reply) for g, reply in zip(plan.groups, replies, strict=True) if reply]
+
+    def _group_held(self, plan: _Plan, group: int, reply: list[object]) -> HeldRuns:
+        """One group's reply → its holders among the targets, in runs of one match object
+        (``_prefix`` shares one per path), made once per answer as :meth:`_group_answer`."""
+        key = (group, cast("bytes", reply[0]), cast("bytes", reply[3]))
+        held = plan.held.get(key)
+        if held is None:
+            index_of = plan.index_of
+            by_match: dict[int, tuple[PrefixMatch, list[int]]] = {}
+            for stream, match in self._group_answer(plan, group, reply).items():
+                by_match.setdefault(id(match), (match, []))[1].append(index_of[stream])
+            if len(plan.held) >= _MAX_CACHED:
+                plan.held.clear()
+            held = plan.held[key] = list(by_match.values())
+        return held
 
     def _group_answer(
         self, plan: _Plan, group: int, reply: list[object]
@@ -421,7 +478,8 @@ class RedisIndex:
         plan = self._plan
         if plan is None or plan.targets != targets:
             groups = tuple(sorted({self._schema.group_of(s) for s in targets}))
-            plan = self._plan = _Plan(targets, dict.fromkeys(targets, NO_MATCH), groups)
+            index_of = {s: i for i, s in enumerate(targets)}
+            plan = self._plan = _Plan(targets, dict.fromkeys(targets, NO_MATCH), groups, index_of)
         return plan
 
     def _names(self, group: int, reply: list[object]) -> dict[int, StreamId]:
@@ -494,17 +552,43 @@ class RedisIndex:
 
     def check_schema(self) -> None:
         """Raise :class:`SchemaVersionError` when the Redis holds this prefix's index data
-        in an older schema version (its streams SET or marker): this version would start
-        empty beside it and never read it. One EXISTS per old key (each its own slot)."""
+        in an older schema version (its streams SET or marker: this version would start
+        empty beside it and never read it), or in another number of stream groups (the
+        ``groups`` key, set here when absent: the first process to open the index names the
+        count). One EXISTS per old key and a SET NX and GET (each its own slot). Every
+        process opening the index runs it: the indexer at its first :meth:`intact`, the API
+        at start, and a lookup if it has not passed yet (a batch is refused by its group's
+        ``#groups``)."""
         with unavailable_on_connection_errors():
             found = [name for name in self._schema.old_index_keys() if self._client.exists(name)]
+            stored = None if found else self._claim_groups()
         if found:
-            raise SchemaVersionError(
-                f"redis holds kvindex index data of an older schema ({', '.join(found)});"
-                f" this version uses {INDEX_VERSION} keys and does not read it: delete the"
-                f" old keys ({self._schema.prefix}:v1:*), and the indexers refill the index"
-                " from the replicas' replay, or keep running the older kvindex"
-            )
+            raise self._older_schema(found)
+        if stored is not None and stored != str(self._schema.index_groups).encode():
+            raise self._groups_differ(stored.decode(errors="replace"))
+        self._schema_checked = True
+
+    def _claim_groups(self) -> bytes | None:
+        """The ``groups`` key's count, this process's set first if it had none."""
+        key = self._schema.index_groups_key
+        self._client.set(key, self._schema.index_groups, nx=True)
+        return cast("bytes | None", self._client.get(key))
+
+    def _older_schema(self, found: list[str]) -> SchemaVersionError:
+        prefix = self._schema.prefix
+        old = [
+            glob
+            for v in OLD_INDEX_VERSIONS
+            if any(name.startswith(f"{prefix}:{v}:") for name in found)
+            for glob in self._schema.old_index_globs(v)
+        ]
+        return SchemaVersionError(
+            f"redis holds kvindex index data of an older schema ({', '.join(found)});"
+            f" this version uses {INDEX_VERSION} keys and does not read it: stop the older"
+            f" processes, delete the old index keys (redis-cli --scan --pattern each of"
+            f" {' '.join(repr(g) for g in old)}; no other key), and the indexers refill the"
+            " index from the replicas' replay; or keep running the older kvindex"
+        )
 
     def intact(self) -> bool:
         """The marker key holds the token seen last time: one GET. Absent (the data was
@@ -521,6 +605,8 @@ class RedisIndex:
             if token is None:
                 self._client.set(marker, secrets.token_hex(8), nx=True)
                 token = cast("bytes | None", self._client.get(marker))
+                # The data (and so the group count) may be gone: name this process's again.
+                self._client.set(self._schema.index_groups_key, self._schema.index_groups, nx=True)
         first = self._identity is None
         self._identity = token
         if not first:

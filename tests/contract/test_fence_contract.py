@@ -92,4 +92,4 @@ def test_an_unfenced_writer_is_unaffected_and_claims_nothing(client: RedisClient
 def test_the_owner_lives_in_the_stream_own_meta_hash(client: RedisClient) -> None:
     a, _ = writers(client)
     a.claim(S)
-    assert client.hget(SCHEMA.stream(S).meta, META_OWNER) == b"a#1"
+    assert client.hget(a.schema.stream(S).meta, META_OWNER) == b"a#1"

@@ -10,12 +10,15 @@ from redis.crc import key_slot
 from kvindex.indexer.errors import KvIndexError
 from kvindex.indexer.events import StreamId
 from kvindex.indexer.redis_schema import (
+    CLUSTER_INDEX_GROUPS,
     DEFAULT_PREFIX,
     INDEX_VERSION,
     META_TIER_PREFIX,
     META_TS,
     META_WATERMARK,
     SCHEMA_VERSION,
+    STANDALONE_INDEX_GROUPS,
+    TOPOLOGY_INDEX_GROUPS,
     Schema,
     SchemaError,
     StreamKeys,
@@ -25,55 +28,82 @@ from kvindex.indexer.redis_schema import (
 
 
 def test_version_and_default_prefix() -> None:
-    assert (SCHEMA_VERSION, INDEX_VERSION) == ("v1", "v2")
+    assert (SCHEMA_VERSION, INDEX_VERSION) == ("v1", "v3")
     assert DEFAULT_PREFIX == "kvindex"
     assert Schema() == Schema(DEFAULT_PREFIX)
 
 
 def test_root_and_streams_set_names() -> None:
     assert Schema().root == "kvindex:v1"
-    assert Schema().index_root == "kvindex:v2"
-    assert Schema().streams == "kvindex:v2:streams"
-    assert Schema("fleet-a").streams == "fleet-a:v2:streams"
-    assert Schema().index_marker == "kvindex:v2:index"
+    assert Schema().index_root == "kvindex:v3"
+    assert Schema().streams == "kvindex:v3:streams"
+    assert Schema("fleet-a").streams == "fleet-a:v3:streams"
+    assert Schema().index_marker == "kvindex:v3:index"
+    assert Schema().index_groups_key == "kvindex:v3:groups"
 
 
 def test_stream_key_names() -> None:
     stream = StreamId("r1", 2)
-    g = Schema("p").group_of(stream)
-    keys = Schema("p").stream(stream)
-    own = f"p:v2:{{ix{g}}}:r1/2"
+    schema = Schema("p", CLUSTER_INDEX_GROUPS)
+    g = schema.group_of(stream)
+    keys = schema.stream(stream)
+    own = f"p:v3:{{ix{g}}}:r1/2"
     assert keys == StreamKeys(
         meta=f"{own}:meta",
         hashes=f"{own}:hash",
         lost=f"{own}:lost",
-        holders=f"p:v2:{{ix{g}}}:holders",
-        members=f"p:v2:{{ix{g}}}:members",
+        holders=f"p:v3:{{ix{g}}}:holders",
+        members=f"p:v3:{{ix{g}}}:members",
     )
-    assert Schema("p").group(g) == (keys.holders, keys.members)
+    assert schema.group(g) == (keys.holders, keys.members)
 
 
 def test_all_is_in_the_order_apply_batch_lua_reads() -> None:
-    keys = Schema().stream(StreamId("r1"))
+    keys = Schema(index_groups=1).stream(StreamId("r1"))
     assert keys.all() == (keys.meta, keys.hashes, keys.lost, keys.holders, keys.members)
     assert keys.own() == (keys.meta, keys.hashes, keys.lost)
 
 
 def test_a_stream_group_is_a_pure_function_of_its_name_and_the_group_count() -> None:
     stream = StreamId("pod-3", 1)
-    assert Schema("a").group_of(stream) == Schema("b").group_of(stream)
+    assert Schema("a", 16).group_of(stream) == Schema("b", 16).group_of(stream)
     assert 0 <= Schema(index_groups=5).group_of(stream) < 5
     assert Schema(index_groups=1).group_of(stream) == 0
 
 
-@pytest.mark.parametrize("groups", [0, -1, 1025])
+def test_the_group_count_is_by_topology_unless_given() -> None:
+    assert Schema().index_groups == TOPOLOGY_INDEX_GROUPS == 0
+    assert Schema("p").for_topology(cluster=False) == Schema("p", STANDALONE_INDEX_GROUPS)
+    assert Schema("p").for_topology(cluster=True) == Schema("p", CLUSTER_INDEX_GROUPS)
+    assert (STANDALONE_INDEX_GROUPS, CLUSTER_INDEX_GROUPS) == (1, 16)
+    for cluster in (False, True):
+        assert Schema("p", 4).for_topology(cluster=cluster) == Schema("p", 4)
+
+
+def test_a_schema_without_its_group_count_names_no_index_key() -> None:
+    with pytest.raises(SchemaError, match="not chosen"):
+        Schema("p").stream(StreamId("r1"))
+    assert Schema("p").streams == "p:v3:streams"  # the keys outside the groups need none
+
+
+@pytest.mark.parametrize("groups", [-1, 1025])
 def test_a_bad_group_count_raises_schema_error(groups: int) -> None:
     with pytest.raises(SchemaError, match="index groups"):
         Schema(index_groups=groups)
 
 
-def test_the_old_index_keys_are_the_v1_streams_set_and_marker() -> None:
-    assert Schema("p").old_index_keys() == ["p:v1:streams", "p:v1:index"]
+def test_the_old_index_keys_are_the_v1_and_v2_streams_sets_and_markers() -> None:
+    assert Schema("p").old_index_keys() == [
+        "p:v1:streams",
+        "p:v1:index",
+        "p:v2:streams",
+        "p:v2:index",
+    ]
+
+
+def test_the_old_index_globs_name_each_versions_streams_and_groups_keys() -> None:
+    assert Schema("p").old_index_globs("v1") == ["p:v1:streams", "p:v1:index", "p:v1:{*/*}:*"]
+    assert Schema("p").old_index_globs("v2") == ["p:v2:streams", "p:v2:index", "p:v2:{ix*}:*"]
 
 
 def test_meta_field_names() -> None:
@@ -82,16 +112,16 @@ def test_meta_field_names() -> None:
 
 @pytest.mark.parametrize("stream", [StreamId("r1"), StreamId("r1", 7), StreamId("a.b:c-d_e", 3)])
 def test_stream_keys_share_the_group_hash_slot(stream: StreamId) -> None:
-    slots = {key_slot(name.encode()) for name in Schema("p").stream(stream).all()}
-    assert slots == {key_slot(f"ix{Schema('p').group_of(stream)}".encode())}
+    schema = Schema("p", CLUSTER_INDEX_GROUPS)
+    slots = {key_slot(name.encode()) for name in schema.stream(stream).all()}
+    assert slots == {key_slot(f"ix{schema.group_of(stream)}".encode())}
 
 
 def test_hash_tag_ignores_the_prefix() -> None:
     stream = StreamId("r1", 1)
-    assert Schema("a").stream(stream).meta != Schema("b").stream(stream).meta
-    assert key_slot(Schema("a").stream(stream).meta.encode()) == key_slot(
-        Schema("b").stream(stream).meta.encode()
-    )
+    a, b = Schema("a", CLUSTER_INDEX_GROUPS), Schema("b", CLUSTER_INDEX_GROUPS)
+    assert a.stream(stream).meta != b.stream(stream).meta
+    assert key_slot(a.stream(stream).meta.encode()) == key_slot(b.stream(stream).meta.encode())
 
 
 @pytest.mark.parametrize("prefix", ["kvindex", "a", "fleet.prod-1", "team_x:kv", "X9"])

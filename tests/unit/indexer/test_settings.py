@@ -10,6 +10,7 @@ import pytest
 
 from kvindex.indexer.errors import SettingsError
 from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.redis_schema import Schema
 from kvindex.indexer.settings import IndexerSettings, load_settings, replace
 
 REPLICA_TOML = """
@@ -55,6 +56,15 @@ def test_env_beats_the_file_and_overrides_beat_env(tmp_path: Path) -> None:
     assert (settings.redis_prefix, settings.store) == ("file", "memory")  # None: not given
 
 
+def test_the_index_groups_are_by_topology_unless_set(tmp_path: Path) -> None:
+    assert IndexerSettings().redis_index_groups == 0
+    assert IndexerSettings(redis_prefix="p").redis_schema == Schema("p", 0)
+    path = toml(tmp_path, 'redis_prefix = "p"\nredis_index_groups = 4\n')
+    assert load_settings(path, env={}).redis_schema == Schema("p", 4)
+    from_env = load_settings(env={"KVINDEX_REDIS_INDEX_GROUPS": "16"})
+    assert from_env.redis_schema.index_groups == 16
+
+
 def test_command_line_replicas_add_to_the_files(tmp_path: Path) -> None:
     extra = (ReplicaSpec("r2", "m", events="tcp://10.0.0.6:5557"),)
     settings = load_settings(toml(tmp_path, REPLICA_TOML), env={}, extra_replicas=extra)
@@ -74,6 +84,14 @@ def test_command_line_replicas_add_to_the_files(tmp_path: Path) -> None:
             "redis_cluster must be one of ('auto', 'on', 'off'), got 'yes'",
         ),
         ({"KVINDEX_BIND": "udp://x"}, "bind"),
+        (
+            {"KVINDEX_REDIS_INDEX_GROUPS": "1025"},
+            "redis_index_groups must be 1 to 1024 (0: by topology), got 1025",
+        ),
+        (
+            {"KVINDEX_REDIS_INDEX_GROUPS": "-1"},
+            "redis_index_groups must be 1 to 1024 (0: by topology), got -1",
+        ),
     ],
 )
 def test_a_bad_value_names_its_key(env: dict[str, str], message: str) -> None:

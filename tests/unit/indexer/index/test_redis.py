@@ -23,6 +23,7 @@ from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import (
     SKIPPED,
     BlockIndex,
+    HolderLookup,
     IndexUnavailableError,
     Op,
     OpKind,
@@ -32,10 +33,12 @@ from kvindex.indexer.index.protocol import (
 from kvindex.indexer.index.redis import RedisIndex, group_matches, holder_tiers
 from kvindex.indexer.redis_connection import RedisClient, connect, connect_bounded
 from kvindex.indexer.redis_schema import (
+    CLUSTER_INDEX_GROUPS,
     DEFAULT_PREFIX,
     META_TIER_PREFIX,
     META_TS,
     META_WATERMARK,
+    STANDALONE_INDEX_GROUPS,
     Schema,
     SchemaError,
     SchemaVersionError,
@@ -45,7 +48,9 @@ from tests.support.redis_server import RedisServer, free_port, running_redis
 
 pytestmark = pytest.mark.redis_server
 
-SCHEMA = Schema("test")
+SCHEMA = Schema("test", CLUSTER_INDEX_GROUPS)
+"""Most tests here: several groups on one server (the contract suites run the count
+chosen by topology, one group on standalone Redis)."""
 S = StreamId("r1", 0)
 S_RANK1 = StreamId("r1", 1)
 S_OTHER = StreamId("r2", 3)
@@ -148,10 +153,12 @@ def test_stored_layout(index: RedisIndex, redis_client: redis.Redis) -> None:
 
 
 def test_default_prefix(redis_client: redis.Redis) -> None:
-    RedisIndex(redis_client).apply(S, 0, 1.0, [store(1, 101)])
+    index = RedisIndex(redis_client)
+    index.apply(S, 0, 1.0, [store(1, 101)])
+    assert index.schema == Schema(DEFAULT_PREFIX, STANDALONE_INDEX_GROUPS)  # by topology
     names = {k.decode() for k in redis_client.scan_iter()}
-    assert names == {Schema().streams, *(n.decode() for n in stream_keys(S, Schema()))}
-    assert all(name.startswith(f"{DEFAULT_PREFIX}:v2:") for name in names)  # the index's own
+    assert names == {Schema().streams, *(n.decode() for n in stream_keys(S, index.schema))}
+    assert all(name.startswith(f"{DEFAULT_PREFIX}:v3:") for name in names)  # the index's own
 
 
 def test_holders_of_one_block_share_its_field_in_number_order(
@@ -186,7 +193,8 @@ def test_two_prefixes_do_not_see_each_other(redis_client: redis.Redis) -> None:
     assert a.streams() == [S]
     assert a.longest_prefix([101], [S]) == {S: PrefixMatch((Tier.GPU,))}
     assert a.stats(S) == StreamStats(S, 5, 1.0, GPU_ONLY)
-    assert {k.split(b":")[0] for k in redis_client.scan_iter()} == {b"a"}
+    b_left = {k for k in redis_client.scan_iter() if not k.startswith(b"a:")}
+    assert b_left == {b"b:v3:groups"}  # b's lookup named its group count, nothing else
 
 
 # --- clear and drop touch only the stream's own keys --------------------------------------
@@ -506,6 +514,19 @@ def test_a_cluster_lookup_is_one_script_per_group_and_asks_nothing_else(
     assert len({redis_cluster.owner(key_slot(SCHEMA.group(g)[0].encode())) for g in groups}) > 1
 
 
+def test_the_group_count_is_chosen_by_topology_unless_given(
+    redis_client: redis.Redis, redis_cluster_client: RedisCluster
+) -> None:
+    assert RedisIndex(redis_client, Schema("t")).schema.index_groups == STANDALONE_INDEX_GROUPS
+    on_cluster = RedisIndex(redis_cluster_client, Schema("t"))
+    assert on_cluster.schema.index_groups == CLUSTER_INDEX_GROUPS
+    on_cluster.apply(S, 0, 1.0, [store(1, 101)])
+    members = on_cluster.schema.stream(S).members
+    assert redis_cluster_client.hget(members, "#groups") == b"16"
+    for client in (redis_client, redis_cluster_client):
+        assert RedisIndex(client, Schema("t", 4)).schema.index_groups == 4  # the setting's
+
+
 def test_a_cluster_lookup_after_every_master_flushed_its_scripts(
     redis_cluster_client: RedisCluster,
 ) -> None:
@@ -543,23 +564,82 @@ def test_a_cluster_node_used_as_standalone_is_unavailable_with_the_fix_named(
     index.close()
 
 
-# --- schema v2: versions, group counts, the groups' numbering -------------------------------
+# --- schema v3: versions, group counts, the groups' numbering -------------------------------
 
 
-@pytest.mark.parametrize("left", ["test:v1:streams", "test:v1:index"])
-def test_an_index_opened_on_v1_data_refuses_with_the_fix_named(
+@pytest.mark.parametrize(
+    "left", ["test:v1:streams", "test:v1:index", "test:v2:streams", "test:v2:index"]
+)
+def test_an_index_opened_on_older_data_refuses_with_the_fix_named(
     index: RedisIndex, redis_client: redis.Redis, left: str
 ) -> None:
     redis_client.set(left, "x") if left.endswith("index") else redis_client.sadd(left, "r1/0")
-    with pytest.raises(SchemaVersionError, match=r"older schema .*test:v1:\*"):
+    version = left.split(":")[1]
+    with pytest.raises(SchemaVersionError, match="older schema") as refused:
         index.intact()
-    assert not any(k.startswith(b"test:v2") for k in redis_client.scan_iter())
+    globs = " ".join(repr(g) for g in SCHEMA.old_index_globs(version))
+    assert f"delete the old index keys (redis-cli --scan --pattern each of {globs};" in str(
+        refused.value
+    )
+    with pytest.raises(SchemaVersionError, match="older schema"):  # the API's first lookup
+        RedisIndex(redis_client, SCHEMA).longest_prefix([101], [S])
+    assert not any(k.startswith(b"test:v3") for k in redis_client.scan_iter())
     redis_client.delete(left)
     assert index.intact()
 
 
+def test_the_old_index_globs_match_the_old_index_keys_only(redis_client: redis.Redis) -> None:
+    index_keys = {
+        "v1": ["test:v1:streams", "test:v1:index", "test:v1:{r1/0}:keys", "test:v1:{r1/0}:meta"],
+        "v2": [
+            "test:v2:streams",
+            "test:v2:index",
+            "test:v2:{ix3}:holders",
+            "test:v2:{ix3}:r1/0:hash",
+        ],
+    }
+    kept = ["test:v1:{fleet}:replicas", "test:v1:{inflight}:totals", "test:v1:indexers"]
+    kept += ["test:v2:{load}:loads", "test:v2:{load}:changes", "test:v3:streams"]
+    for name in [*kept, *index_keys["v1"], *index_keys["v2"]]:
+        redis_client.set(name, "x")
+    for version, names in index_keys.items():
+        globs = SCHEMA.old_index_globs(version)
+        matched = {k.decode() for g in globs for k in redis_client.scan_iter(match=g)}
+        assert matched == set(names), version
+
+
+def test_the_first_process_names_the_group_count_and_another_count_is_refused_at_open(
+    redis_client: redis.Redis,
+) -> None:
+    writer = RedisIndex(redis_client, Schema("test", 1))
+    assert writer.intact()  # the indexer's start
+    assert redis_client.get("test:v3:groups") == b"1"
+    writer.apply(S, 0, 1.0, [store(1, 101)])
+    reader = RedisIndex(redis_client, SCHEMA)
+    elsewhere = next(s for s in (StreamId(f"e{i}") for i in range(100)) if SCHEMA.group_of(s))
+    with pytest.raises(SchemaVersionError, match="written with 1 stream groups"):
+        reader.check_schema()
+    # its lookup would read groups the writer never wrote (no match): it refuses instead
+    with pytest.raises(SchemaVersionError, match="this process uses 16"):
+        reader.longest_prefix([101], [elsewhere])
+    RedisIndex(redis_client, Schema("test", 1)).check_schema()  # the same count passes
+
+
+def test_the_group_count_is_named_again_after_the_data_was_lost(
+    redis_client: redis.Redis,
+) -> None:
+    index = RedisIndex(redis_client, SCHEMA)
+    assert index.intact()
+    redis_client.flushall()
+    assert not index.intact()
+    assert redis_client.get("test:v3:groups") == b"16"
+    with pytest.raises(SchemaVersionError, match="16 stream groups"):
+        RedisIndex(redis_client, Schema("test", 1)).check_schema()
+
+
 def test_processes_with_another_group_count_are_refused(redis_client: redis.Redis) -> None:
     index = RedisIndex(redis_client, SCHEMA)
+    assert index.intact()  # the indexer's start names the count
     index.apply(S, 0, 1.0, [store(1, 101)])
     other = RedisIndex(redis_client, Schema("test", index_groups=1))
     # the one group of a 1-group process is group 0, which a 16-group writer also uses
@@ -675,7 +755,7 @@ def test_one_group_and_sixteen_answer_every_lookup_alike(redis_client: redis.Red
     prefix, chain = list(range(1, 71)), list(range(1001, 1401))
     streams = [StreamId(f"s{i:02d}") for i in range(40)]
     indexes: list[BlockIndex] = [
-        RedisIndex(redis_client, Schema("g16")),
+        RedisIndex(redis_client, Schema("g16", CLUSTER_INDEX_GROUPS)),
         RedisIndex(redis_client, Schema("g1", index_groups=1)),
         MemoryIndex(),
     ]
@@ -692,3 +772,25 @@ def test_one_group_and_sixteen_answer_every_lookup_alike(redis_client: redis.Red
         index.apply(streams[1], 1, 2.0, [(OpKind.REMOVE, Tier.GPU, prefix[40], 0)])
     for index in indexes[:-1]:
         assert index.longest_prefix(prefix, streams)[streams[1]] == PrefixMatch((Tier.GPU,) * 40)
+
+
+def test_the_holders_are_answered_natively_in_runs_of_one_match(
+    index: RedisIndex, redis_client: redis.Redis
+) -> None:
+    assert isinstance(index, HolderLookup)
+    asked = [StreamId(f"h{i}") for i in range(40)]
+    for i, stream in enumerate(asked[:30]):  # 10 hold 2 blocks on GPU, 20 hold one
+        index.apply(stream, 0, 1.0, [store(1, 101), *([store(2, 102)] if i % 3 == 0 else [])])
+    first = index.holders([101, 102], asked)
+    again = index.holders([101, 102], asked)  # the same answer of Redis: made once
+    assert first == again and first is not again
+    assert sorted(i for _, run in first for i in run) == list(range(30))
+    two = [run for match, run in first if match == PrefixMatch((Tier.GPU, Tier.GPU))]
+    assert sorted(i for run in two for i in run) == list(range(0, 30, 3))
+    assert len(first) <= 2 * len({SCHEMA.group_of(s) for s in asked})  # a run per match and group
+    index.apply(asked[1], 1, 2.0, [store(2, 102)])  # the answer changes: made again
+    changed = index.holders([101, 102], asked)
+    assert {i for match, run in changed for i in run if match.num_blocks == 2} == {
+        *range(0, 30, 3),
+        1,
+    }
