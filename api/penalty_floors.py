@@ -34,7 +34,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 
 from kvindex.api.load.model import CountedLoad
-from kvindex.api.policies import Weights
+from kvindex.api.policies import Weights, penalty_weights
 
 _Floors = Callable[..., list[float]]  # as _lookup.penalty_floors
 _Within = Callable[..., tuple[list[float], list[int], float]]  # as _lookup.penalties_within
@@ -83,18 +83,6 @@ def pays(num_candidates: int, top_k: int | None) -> bool:
     )
 
 
-def _weights_args(w: Weights) -> tuple[float, ...]:
-    return (
-        w.in_flight,
-        w.in_flight_tokens,
-        w.load_half_life_s,
-        w.waiting,
-        w.running,
-        w.routed,
-        w.kv_usage,
-    )
-
-
 class PenaltyFloors:
     """Floors under the load penalties of ``replicas`` (the scorer's ranked list, never
     changed) under ``weights``, made from a load read at store version ``version`` (see
@@ -118,7 +106,7 @@ class PenaltyFloors:
         self.replicas = replicas
         self.until = now + half_life * WINDOW_OF_HALF_LIFE if half_life else math.inf
         self.version = version
-        self._args = _weights_args(weights)
+        self._args = penalty_weights(weights)
         self._floors = _compiled_floors(replicas, counted, self.until, *self._args)
         """Each replica's floor, by position."""
         self._order = _compiled_ascending(self._floors)

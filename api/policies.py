@@ -230,10 +230,12 @@ def load_penalties(
     compiled = _compiled_penalties
     if compiled is None or type(replicas) is not list or type(counted) is not dict:
         return py_load_penalties(replicas, counted, now, w)
-    return compiled(
-        replicas,
-        counted,
-        now,
+    return compiled(replicas, counted, now, *penalty_weights(w))
+
+
+def penalty_weights(w: Weights) -> tuple[float, float, float, float, float, float, float]:
+    """The weights a compiled load penalty reads, in its arguments' order."""
+    return (
         w.in_flight,
         w.in_flight_tokens,
         w.load_half_life_s,

@@ -22,8 +22,7 @@ from hypothesis import strategies as st
 
 from kvindex.api import policies, score
 from kvindex.api.load.model import CountedLoad, InFlight, Load
-from kvindex.api.penalty_floors import _weights_args
-from kvindex.api.policies import Weights
+from kvindex.api.policies import Weights, penalty_weights
 from kvindex.indexer.events import Tier
 from kvindex.indexer.index import memory
 from kvindex.indexer.index.protocol import HeldRuns, PrefixMatch
@@ -200,7 +199,7 @@ def test_penalty_floors_are_under_every_penalty_until_their_time(
     replicas = [f"r{i}" for i in range(len(counted))]
     loads = {r: c for r, c in zip(replicas, counted, strict=True) if c is not None}
     until = NOW + shift + ahead
-    floors = _lookup.penalty_floors(replicas, loads, until, *_weights_args(weights))
+    floors = _lookup.penalty_floors(replicas, loads, until, *penalty_weights(weights))
     for now in (NOW + shift, until, data.draw(st.floats(NOW - 1_000, until))):
         penalties = policies.load_penalties(replicas, loads, now, weights)
         assert all(f <= p for f, p in zip(floors, penalties, strict=True))
@@ -229,7 +228,7 @@ def test_penalties_within_computes_every_one_that_can_be_among_the_k_lowest(
     loads = {r: c for r, c in zip(replicas, counted, strict=True) if c is not None}
     now = NOW + data.draw(_TIMES)
     until = now + ahead
-    args = _weights_args(weights)
+    args = penalty_weights(weights)
     floors = _lookup.penalty_floors(replicas, loads, until, *args)
     order = _lookup.ascending(floors)
     n = len(replicas)
@@ -250,7 +249,7 @@ def test_penalties_within_computes_every_one_that_can_be_among_the_k_lowest(
 
 def test_penalties_within_checks_its_inputs() -> None:
     loads: dict[str, CountedLoad] = {}
-    args = _weights_args(Weights())
+    args = penalty_weights(Weights())
     with pytest.raises(IndexError, match="k out of range"):
         _lookup.penalties_within(["a"], loads, NOW, [0], [0.0], [], 2, *args)
     with pytest.raises(ValueError, match="differ in length"):
