@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 from redis.cluster import RedisCluster
 
 from kvindex.clients.fake_vllm.publisher import EventPublisher
@@ -140,8 +141,10 @@ def test_serve_on_a_redis_cluster_given_one_node(
 
 
 def test_api_takes_its_redis_url_from_env_and_its_token_from_a_file(
-    redis_server: RedisServer, tmp_path: Path
+    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
+    """On the session's Redis, flushed first (``redis_client``): an index left by an earlier
+    test with another group count would rightly stop the API at start."""
     token_file = tmp_path / "token"
     token_file.write_text("s3cret\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVINDEX_")}
