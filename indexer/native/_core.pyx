@@ -639,6 +639,47 @@ cdef class KeyCache:
         """Start a new generation if the young one is full."""
         _age(&self._young, &self._old, self.capacity // 2)
 
+    def translate(self, list batches, uint64_t root):
+        """The first phase of ``Tables.ingest`` for ``batches`` (:class:`NativeBatch` es of
+        this cache's stream, in order), without the GIL and without any index: each
+        batch's ops are made in order, as ``ingest`` makes them, a parent looked up in this
+        cache alone, until a store whose parent is in neither generation (only the index
+        may know it). ``Tables.ingest`` translates the rest, from that store on, with the
+        stream's table at hand, under the caller's lock. Returns the batches translated
+        whole.
+
+        What it reads and changes is this cache and the batches only, so a clear or a drop
+        of the stream meanwhile changes nothing of it (the serial order is the clear, then
+        the ingest: the ops made from the cache are the same). The batches must next go to
+        ``Tables.ingest``, in the same order, with this cache and ``root``, before the cache
+        is used otherwise: it already holds their mappings. ValueError for a batch already
+        translated and not yet ingested."""
+        cdef tuple held = tuple(batches)
+        cdef Py_ssize_t n = len(held), i, done = 0
+        cdef NativeBatch batch
+        cdef void** views = <void**> PyMem_RawMalloc(max(2 * n, 1) * sizeof(void*))
+        if views == NULL:
+            raise MemoryError()
+        try:
+            for i in range(n):
+                batch = <NativeBatch?> held[i]
+                if batch._t.resume >= 0:
+                    raise ValueError("a batch translated ahead and not yet ingested")
+                views[i] = &batch._r
+                views[n + i] = &batch._t
+            for i in range(n):
+                batch = <NativeBatch> held[i]
+                batch._cache = self
+                batch._root = root
+            with nogil:
+                done = _translate_run(
+                    <const Records**> views, <Translation**> (views + n), n, &self._young,
+                    &self._old, self.capacity // 2, root,
+                )
+        finally:
+            PyMem_RawFree(views)
+        return done
+
 
 cdef inline void _age(Table* young, Table* old, Py_ssize_t half) noexcept nogil:
     """The young generation becomes the old one once it holds ``half`` mappings (the
@@ -653,12 +694,18 @@ cdef inline void _age(Table* young, Table* old, Py_ssize_t half) noexcept nogil:
 
 
 cdef int _cached_parent(Table* young, Table* old, Table* hash_to_key, uint64_t parent_hash,
-                        uint64_t* key) except -1 nogil:
+                        uint64_t* key) except -2 nogil:
     """A parent's key from the cache (young, then old: copied back to young), else from the
-    stream's table (then cached); 0: unknown everywhere."""
+    stream's table (then cached); 0: unknown everywhere; -1: in neither generation and
+    ``hash_to_key`` is NULL (the translation without the index: nothing was changed)."""
     if _get(young, parent_hash, key):
         return 1
-    if _get(old, parent_hash, key) or _get(hash_to_key, parent_hash, key):
+    if _get(old, parent_hash, key):
+        _put(young, parent_hash, key[0])
+        return 1
+    if hash_to_key == NULL:
+        return -1
+    if _get(hash_to_key, parent_hash, key):
         _put(young, parent_hash, key[0])
         return 1
     return 0
@@ -762,6 +809,11 @@ cdef struct Op:
     long kind
     long tier
 
+cdef struct Translation:  # a batch's ops made ahead of Tables.ingest (KeyCache.translate)
+    Buffer ops
+    Ingest counts  # what making them counted (the translation's counts only)
+    Py_ssize_t resume  # the word its translation stopped at (-1: not translated)
+
 
 cdef int _reserve(Buffer* b, Py_ssize_t more) except -1 nogil:
     """Room for ``more`` bytes past ``b.size``."""
@@ -830,14 +882,33 @@ cdef class NativeBatch:
     cdef readonly object rank
     cdef readonly Py_ssize_t num_events
     cdef Records _r
+    cdef Translation _t
+    cdef object _cache  # the KeyCache that translated it ahead (None: not translated)
+    cdef uint64_t _root  # and the root it chained from
 
     def __cinit__(self):
         memset(&self._r, 0, sizeof(Records))
+        memset(&self._t, 0, sizeof(Translation))
+        self._t.resume = -1
 
     def __dealloc__(self):
         PyMem_RawFree(self._r.words.data)
         PyMem_RawFree(self._r.tokens.data)
         PyMem_RawFree(self._r.hashes.data)
+        PyMem_RawFree(self._t.ops.data)
+
+    @property
+    def translated(self):
+        """Whether :meth:`KeyCache.translate` made (some of) its ops and ``Tables.ingest``
+        has not consumed them yet."""
+        return self._t.resume >= 0
+
+    cdef void _consume(self) noexcept:
+        """Forget a translation made ahead (its ops applied or given up)."""
+        PyMem_RawFree(self._t.ops.data)
+        memset(&self._t, 0, sizeof(Translation))
+        self._t.resume = -1
+        self._cache = None
 
     @property
     def num_bad_events(self):
@@ -1311,6 +1382,12 @@ cdef class Tables:
         stored, blocks removed, clears, events of another group, misaligned events, orphan
         stores, the last store's block size or -1)``.
 
+        A batch :meth:`KeyCache.translate` translated ahead (with ``cache`` and ``root``:
+        ValueError otherwise, or for one following a batch not translated whole) is not
+        translated again: its ops are applied, after translating the rest of it if the
+        translation stopped at a parent the cache lacked (the stream's table as the batch
+        before left it); the translation is consumed (the batch can be ingested again).
+
         The GIL is released for the whole run (it is taken back only for a block with
         several holders, whose bitmap is a Python int, and for a clear): the caller's lock
         must keep every other call on these tables out meanwhile (``MemoryIndex`` holds
@@ -1321,23 +1398,27 @@ cdef class Tables:
         cdef Py_ssize_t n = len(held), i, last = -1
         cdef bint marked = watermark >= 0
         cdef uint64_t mark = <uint64_t> watermark if marked else 0
-        cdef const Records** views = <const Records**> PyMem_RawMalloc(
-            max(n, 1) * sizeof(Records*)
-        )
+        cdef void** views = <void**> PyMem_RawMalloc(max(2 * n, 1) * sizeof(void*))
         if views == NULL:
             raise MemoryError()
         memset(&counts, 0, sizeof(Ingest))
         counts.block_size = -1
         try:
+            self._check_translated(held, cache, root)
             for i in range(n):
-                views[i] = &(<NativeBatch?> held[i])._r
+                views[i] = &(<NativeBatch> held[i])._r
+                views[n + i] = &(<NativeBatch> held[i])._t
             with nogil:
                 last = self._ingest_run(
-                    s, number, views, n, &cache._young, &cache._old, cache.capacity // 2,
-                    root, &marked, &mark, &counts,
+                    s, number, <const Records**> views, <Translation**> (views + n), n,
+                    &cache._young, &cache._old, cache.capacity // 2, root, &marked, &mark,
+                    &counts,
                 )
         finally:
             PyMem_RawFree(views)
+            for i in range(n):
+                if type(held[i]) is NativeBatch and (<NativeBatch> held[i])._cache is not None:
+                    (<NativeBatch> held[i])._consume()
         return (
             mark if last >= 0 else watermark, (<NativeBatch> held[last]).ts if last >= 0 else None,
             counts.applied, counts.unknown, counts.unresolved, counts.stored, counts.removed,
@@ -1345,36 +1426,66 @@ cdef class Tables:
             counts.block_size,
         )
 
+    cdef int _check_translated(self, tuple held, KeyCache cache, uint64_t root) except -1:
+        """ValueError unless the batches translated ahead came first, all but the last of
+        them whole, translated with ``cache`` and ``root``."""
+        cdef NativeBatch batch
+        cdef bint whole = True  # every batch before was translated whole
+        for item in held:
+            batch = <NativeBatch?> item
+            if batch._t.resume < 0:
+                whole = False
+                continue
+            if not whole or batch._cache is not cache or batch._root != root:
+                raise ValueError("batches translated ahead must come first, by this cache")
+            whole = batch._t.resume == batch._r.words.size // 8
+        return 0
+
     cdef Py_ssize_t _ingest_run(self, Stream* s, Py_ssize_t number, const Records** views,
-                                Py_ssize_t n, Table* young, Table* old, Py_ssize_t half,
-                                uint64_t root, bint* marked, uint64_t* mark,
+                                Translation** made, Py_ssize_t n, Table* young, Table* old,
+                                Py_ssize_t half, uint64_t root, bint* marked, uint64_t* mark,
                                 Ingest* counts) except -2 nogil:
         """:meth:`ingest` 's loop; returns the index of the last batch applied (-1: none)."""
-        cdef Py_ssize_t b, i, num_ops, last = -1
+        cdef Py_ssize_t b, last = -1
         cdef const Records* r
-        cdef const Op* op
+        cdef Translation* t
+        cdef Buffer* ops
         for b in range(n):
             r = views[b]
-            self._ops.size = 0
-            self._translate(s, r, young, old, root, counts)
-            _age(young, old, half)
+            t = made[b]
+            if t.resume < 0:
+                ops = &self._ops
+                ops.size = 0
+                _translate(r, 0, ops, &self._scratch, young, old, &s.hash_to_key, root, counts)
+                _age(young, old, half)
+            else:
+                ops = &t.ops
+                _add_translated(counts, &t.counts)
+                if t.resume < r.words.size // 8:  # stopped at a parent the cache lacked
+                    _translate(r, t.resume, ops, &self._scratch, young, old, &s.hash_to_key,
+                               root, counts)
+                    _age(young, old, half)
             if marked[0] and r.seq <= mark[0]:
                 continue
-            num_ops = self._ops.size // sizeof(Op)
-            i = 0
-            while i < num_ops:
-                op = (<const Op*> self._ops.data) + i
-                if not self._needs_gil(s, number, op):
-                    self._apply_counted(s, number, op, counts)
-                    i += 1
-                    continue
-                with gil:  # once for a run of such ops: taking it back costs a handover
-                    i = self._apply_with_gil(s, number, i, num_ops, counts)
+            self._apply_ops(s, number, <const Op*> ops.data, ops.size // sizeof(Op), counts)
             marked[0] = True
             mark[0] = r.seq
             last = b
             counts.applied += 1
         return last
+
+    cdef int _apply_ops(self, Stream* s, Py_ssize_t number, const Op* ops, Py_ssize_t num_ops,
+                        Ingest* counts) except -1 nogil:
+        """One batch's ops, in order."""
+        cdef Py_ssize_t i = 0
+        while i < num_ops:
+            if not self._needs_gil(s, number, ops + i):
+                self._apply_counted(s, number, ops + i, counts)
+                i += 1
+                continue
+            with gil:  # once for a run of such ops: taking it back costs a handover
+                i = self._apply_with_gil(s, number, ops, i, num_ops, counts)
+        return 0
 
     cdef int _apply_counted(self, Stream* s, Py_ssize_t number, const Op* op,
                             Ingest* counts) except -1 nogil:
@@ -1385,16 +1496,15 @@ cdef class Tables:
             counts.unresolved += 1
         return 0
 
-    cdef Py_ssize_t _apply_with_gil(self, Stream* s, Py_ssize_t number, Py_ssize_t i,
-                                    Py_ssize_t num_ops, Ingest* counts) except -1:
-        """Apply ``self._ops`` from ``i`` on (the first one needs the GIL) for as long as
-        they need it; returns the index of the first op left."""
-        cdef const Op* op
+    cdef Py_ssize_t _apply_with_gil(self, Stream* s, Py_ssize_t number, const Op* ops,
+                                    Py_ssize_t i, Py_ssize_t num_ops,
+                                    Ingest* counts) except -1:
+        """Apply ``ops`` from ``i`` on (the first one needs the GIL) for as long as they
+        need it; returns the index of the first op left."""
         while True:
-            op = (<const Op*> self._ops.data) + i
-            self._apply_counted(s, number, op, counts)
+            self._apply_counted(s, number, ops + i, counts)
             i += 1
-            if i == num_ops or not self._needs_gil(s, number, (<const Op*> self._ops.data) + i):
+            if i == num_ops or not self._needs_gil(s, number, ops + i):
                 return i
 
     cdef bint _needs_gil(self, Stream* s, Py_ssize_t number, const Op* op) noexcept nogil:
@@ -1411,71 +1521,120 @@ cdef class Tables:
             return not entry & LONE
         return not entry & LONE or _holder(entry) != number
 
-    cdef int _translate(self, Stream* s, const Records* r, Table* young, Table* old,
-                        uint64_t root, Ingest* counts) except -1 nogil:
-        """One batch's events → ops in ``self._ops`` (counted into ``counts``)."""
-        cdef const uint64_t* w = <const uint64_t*> r.words.data
-        cdef const uint64_t* end = w + r.words.size // 8
-        cdef const uint64_t* hashes = <const uint64_t*> r.hashes.data
-        cdef uint64_t tag, kind, n, parent, i
-        cdef long tier
-        while w < end:
-            tag = w[0]
-            tier = (tag >> 8) & 0xFF
-            kind = tag & 0xFF
-            if kind == EV_STORE:  # tag, parent, block size, token offset, n, hash offset
-                n = w[4]
-                parent = root
-                if tag & HAS_PARENT and not _cached_parent(young, old, &s.hash_to_key, w[1],
-                                                           &parent):
+
+cdef void _add_translated(Ingest* counts, const Ingest* made) noexcept nogil:
+    """Add what a translation made ahead counted (it came before what follows)."""
+    counts.stored += made.stored
+    counts.removed += made.removed
+    counts.clears += made.clears
+    counts.other_group += made.other_group
+    counts.misaligned += made.misaligned
+    counts.orphans += made.orphans
+    if made.block_size >= 0:
+        counts.block_size = made.block_size
+
+
+cdef Py_ssize_t _translate_run(const Records** views, Translation** made, Py_ssize_t n,
+                               Table* young, Table* old, Py_ssize_t half,
+                               uint64_t root) except -1 nogil:
+    """:meth:`KeyCache.translate` 's loop: batches translated whole (each then aged, as
+    ``Tables.ingest`` ages it), then the one stopped at a parent the cache lacks."""
+    cdef Buffer scratch
+    cdef Py_ssize_t b, done = 0
+    cdef Translation* t
+    memset(&scratch, 0, sizeof(Buffer))
+    try:
+        for b in range(n):
+            t = made[b]
+            memset(&t.counts, 0, sizeof(Ingest))
+            t.counts.block_size = -1
+            t.ops.size = 0
+            _reserve(&t.ops, (views[b].hashes.size // 8) * sizeof(Op))
+            t.resume = _translate(views[b], 0, &t.ops, &scratch, young, old, NULL, root,
+                                  &t.counts)
+            if t.resume < views[b].words.size // 8:
+                break
+            _age(young, old, half)
+            done += 1
+    finally:
+        PyMem_RawFree(scratch.data)
+    return done
+
+
+cdef Py_ssize_t _translate(const Records* r, Py_ssize_t start, Buffer* ops, Buffer* scratch,
+                           Table* young, Table* old, Table* hash_to_key, uint64_t root,
+                           Ingest* counts) except -1 nogil:
+    """One batch's events from word ``start`` on → ops appended to ``ops`` (counted into
+    ``counts``); returns the word it stopped at: the end, or, ``hash_to_key`` being NULL,
+    the first store whose parent is in neither cache generation (nothing of it done)."""
+    cdef const uint64_t* words = <const uint64_t*> r.words.data
+    cdef const uint64_t* w = words + start
+    cdef const uint64_t* end = words + r.words.size // 8
+    cdef const uint64_t* hashes = <const uint64_t*> r.hashes.data
+    cdef uint64_t tag, kind, n, parent, i
+    cdef long tier
+    cdef int found
+    while w < end:
+        tag = w[0]
+        tier = (tag >> 8) & 0xFF
+        kind = tag & 0xFF
+        if kind == EV_STORE:  # tag, parent, block size, token offset, n, hash offset
+            n = w[4]
+            parent = root
+            if tag & HAS_PARENT:
+                found = _cached_parent(young, old, hash_to_key, w[1], &parent)
+                if found < 0:
+                    return w - words
+                if found == 0:
                     counts.orphans += 1
                     parent = _orphan_root(w[1])
-                counts.block_size = <Py_ssize_t> w[2]
-                self._store_ops(
-                    young, tier, hashes + w[5], n, parent,
-                    <const unsigned char*> r.tokens.data + w[3], <Py_ssize_t> w[2],
-                )
-                counts.stored += n
-                w += 6
-            elif kind == EV_REMOVE:  # tag, n, hash offset
-                n = w[1]
-                for i in range(n):
-                    _push_op(&self._ops, OP_REMOVE, tier, hashes[w[2] + i], 0)
-                counts.removed += n
-                w += 3
-            elif kind == EV_CLEAR:
-                _push_op(&self._ops, OP_CLEAR, 0, 0, 0)
-                counts.clears += 1
-                w += 1
-            elif kind == EV_OTHER_GROUP:
-                counts.other_group += 1
-                w += 1
-            else:
-                counts.misaligned += 1
-                w += 1
-        return 0
+            counts.block_size = <Py_ssize_t> w[2]
+            _store_ops(
+                ops, scratch, young, tier, hashes + w[5], n, parent,
+                <const unsigned char*> r.tokens.data + w[3], <Py_ssize_t> w[2],
+            )
+            counts.stored += n
+            w += 6
+        elif kind == EV_REMOVE:  # tag, n, hash offset
+            n = w[1]
+            for i in range(n):
+                _push_op(ops, OP_REMOVE, tier, hashes[w[2] + i], 0)
+            counts.removed += n
+            w += 3
+        elif kind == EV_CLEAR:
+            _push_op(ops, OP_CLEAR, 0, 0, 0)
+            counts.clears += 1
+            w += 1
+        elif kind == EV_OTHER_GROUP:
+            counts.other_group += 1
+            w += 1
+        else:
+            counts.misaligned += 1
+            w += 1
+    return w - words
 
-    cdef int _store_ops(self, Table* young, long tier, const uint64_t* hashes, uint64_t n,
-                        uint64_t parent, const unsigned char* tokens,
-                        Py_ssize_t block_size) except -1 nogil:
-        """The store ops of one event's blocks, keys chained from ``parent``; each engine
-        hash → key goes to ``young``."""
-        cdef Py_ssize_t stride = block_size * 4
-        cdef uint64_t i
-        cdef int j
-        cdef unsigned char* buf
-        if n == 0:  # nothing to hash (and a block size of 2**31 must not allocate 8 GB)
-            return 0
-        _reserve(&self._scratch, 8 + stride)
-        buf = <unsigned char*> self._scratch.data
-        for i in range(n):
-            for j in range(8):
-                buf[j] = (parent >> (8 * j)) & 0xFF
-            memcpy(buf + 8, tokens + i * stride, stride)
-            parent = XXH3_64bits(buf, 8 + stride)
-            _push_op(&self._ops, OP_STORE, tier, hashes[i], parent)
-            _put(young, hashes[i], parent)
+
+cdef int _store_ops(Buffer* ops, Buffer* scratch, Table* young, long tier,
+                    const uint64_t* hashes, uint64_t n, uint64_t parent,
+                    const unsigned char* tokens, Py_ssize_t block_size) except -1 nogil:
+    """The store ops of one event's blocks, keys chained from ``parent``; each engine hash
+    → key goes to ``young``."""
+    cdef Py_ssize_t stride = block_size * 4
+    cdef uint64_t i
+    cdef int j
+    cdef unsigned char* buf
+    if n == 0:  # nothing to hash (and a block size of 2**31 must not allocate 8 GB)
         return 0
+    _reserve(scratch, 8 + stride)
+    buf = <unsigned char*> scratch.data
+    for i in range(n):
+        for j in range(8):
+            buf[j] = (parent >> (8 * j)) & 0xFF
+        memcpy(buf + 8, tokens + i * stride, stride)
+        parent = XXH3_64bits(buf, 8 + stride)
+        _push_op(ops, OP_STORE, tier, hashes[i], parent)
+        _put(young, hashes[i], parent)
+    return 0
 
 
 # --- live messages read straight into NativeBatch es --------------------------------------

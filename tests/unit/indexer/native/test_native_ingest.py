@@ -19,7 +19,7 @@ import dataclasses
 import json
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +46,7 @@ from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index import memory
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.ingest import Ingestor, _KeyCache
-from kvindex.indexer.keys import block_keys
+from kvindex.indexer.keys import block_keys, chain_keys, tokens_to_bytes
 from kvindex.indexer.pipeline import Pipeline
 from kvindex.indexer.settings import IndexerSettings
 from kvindex.indexer.wire import (
@@ -493,10 +493,13 @@ def _chain_frames(num_batches: int, blocks_per_batch: int) -> tuple[list[list[by
 def test_lookups_during_the_compiled_ingest_see_whole_calls_only() -> None:
     """Another thread's lookups run while the compiled ingest has released the GIL: each
     sees the index between two ``handle_frames`` calls (a whole number of deliveries of
-    16 batches), never part of one."""
+    16 batches after the first batch), never part of one. (The first batch, seq 0, takes
+    the Python path: in a delivery of its own, as a delivery's Python batches are applied
+    in a lock hold of their own, before its compiled run's translation.)"""
     rig = Rig.of("r1", native_ingest=True, cache_size=0)
-    frames, tokens = _chain_frames(num_batches=400, blocks_per_batch=16)
+    frames, tokens = _chain_frames(num_batches=401, blocks_per_batch=16)
     keys = block_keys(MODEL, tokens, 2)
+    rig.pipeline.handle_frames(frames[:1], rig.stream)
     seen: list[int] = []
     done = threading.Event()
 
@@ -509,14 +512,14 @@ def test_lookups_during_the_compiled_ingest_see_whole_calls_only() -> None:
     reader.start()
     try:
         with native_runs() as counted:
-            for start in range(0, len(frames), 16):
+            for start in range(1, len(frames), 16):
                 rig.pipeline.handle_frames(frames[start : start + 16], rig.stream)
     finally:
         done.set()
         reader.join()
-    assert sum(counted) >= 399  # (the stream's first batch, seq 0, starts it the Python way)
+    assert counted == [16] * 25
     assert rig.index.longest_prefix(keys, [rig.stream])[rig.stream].num_blocks == len(keys)
-    assert seen and all(n % (16 * 16) == 0 for n in seen)
+    assert seen and all((n - 16) % (16 * 16) == 0 for n in seen), sorted(set(seen))
     assert seen == sorted(seen)
 
 
@@ -554,3 +557,183 @@ def test_a_long_drain_lets_lookups_in_between_its_pieces_at_batch_edges(
     assert any(16 < n < len(keys) for n in seen), "no lookup got in during the drain"
     health = rig.reports[-1]
     assert (health["num_batches"], health["last_seq"]) == (1999, 1999)
+
+
+# --- the translation ahead of the lock (``KeyCache.translate``, then ``Tables.ingest``) ----
+
+
+def _native_batches(batches: list[list[Event]], encoding: str = "array") -> list[Any]:
+    """Each batch of events as the live path decodes it for the compiled ingest (seq = its
+    position); all of these events take that path."""
+    out = []
+    for seq, events in enumerate(batches):
+        payload = encode_batch(events, ts=float(seq), rank=0, encoding=encoding)  # type: ignore[arg-type]
+        batch = decode_live_native(encode_live(b"kv@r1@m", seq, payload))
+        assert batch is not None
+        out.append(batch)
+    return out
+
+
+def _holding(tables: Any) -> tuple[object, ...]:
+    return tables.resolve(0, range(POOL)), tables.blocks_by_tier(0)
+
+
+@FAST
+@given(
+    batches=st.lists(st.lists(_event, max_size=5), max_size=14),
+    drain=st.integers(1, 6),
+    cache_size=st.sampled_from([0, 2, 4, 65_536]),
+    between=st.sampled_from(["nothing", "reset"]),
+)
+def test_translating_ahead_then_ingesting_is_ingesting_alone(
+    batches: list[list[Event]], drain: int, cache_size: int, between: str
+) -> None:
+    """Per delivery, ``KeyCache.translate`` then ``Tables.ingest`` gives the counts, the
+    watermark, the tables and the cache that ``Tables.ingest`` alone gives, with the
+    stream reset (a clear or a drop) between the two phases or not: the reference does
+    the reset first. The run stops at a parent the cache lacks, translated on by the
+    ingest."""
+    assert native.Tables is not None and native.KeyCache is not None
+    ahead, alone = native.Tables(), native.Tables()
+    ahead_cache, alone_cache = native.KeyCache(cache_size), native.KeyCache(cache_size)
+    root = 12345
+    mark_ahead = mark_alone = -1
+    decoded = _native_batches(batches)
+    for start in range(0, len(decoded), drain):
+        piece = decoded[start : start + drain]
+        whole = ahead_cache.translate(piece, root)
+        assert 0 <= whole <= len(piece)
+        assert [b.translated for b in piece] == [i <= whole for i in range(len(piece))][
+            : len(piece)
+        ]
+        if between == "reset":
+            ahead.reset(0)
+            alone.reset(0)
+            mark_ahead = mark_alone = -1
+        out_ahead = ahead.ingest(0, piece, ahead_cache, root, mark_ahead)
+        assert not any(b.translated for b in piece)  # consumed
+        out_alone = alone.ingest(0, piece, alone_cache, root, mark_alone)
+        assert out_ahead == out_alone
+        mark_ahead = mark_alone = out_ahead[0]
+        assert _holding(ahead) == _holding(alone)
+    for engine_hash in range(POOL):
+        assert ahead_cache.get(engine_hash) == alone_cache.get(engine_hash)
+
+
+def test_a_translation_stops_at_a_parent_only_the_index_knows() -> None:
+    """A store whose parent left the cache (capacity 0: aged out) but is in the stream's
+    table: the translation stops there, before changing anything of it, and the ingest
+    chains it from the table's key (no orphan)."""
+    assert native.Tables is not None and native.KeyCache is not None
+    tables, cache = native.Tables(), native.KeyCache(0)
+    first = BlockStored((1, 2), None, [1, 1, 2, 2], 2, Tier.GPU)
+    second = BlockStored((3,), 2, [3, 3], 2, Tier.GPU)
+    early, late = _native_batches([[first], [second]])
+    cache.translate([early], 7)
+    tables.ingest(0, [early], cache, 7, -1)
+    cache.age()  # capacity 0: every generation is full; 2's key is gone from both
+    cache.age()
+    assert cache.get(2) is None
+    assert cache.translate([late], 7) == 0 and late.translated
+    out = tables.ingest(0, [late], cache, 7, 0)
+    assert out[0] == 1 and out[10] == 0  # applied, no orphan
+    key_2 = tables.resolve(0, [2])[0]
+    assert key_2 is not None
+    assert tables.resolve(0, [3]) == chain_keys(key_2, tokens_to_bytes([3, 3]), 2, None)
+
+
+def test_ingest_refuses_a_translation_made_with_another_cache_or_out_of_order() -> None:
+    """Refused before anything is applied, the translation given up (the batch can be
+    translated again)."""
+    assert native.Tables is not None and native.KeyCache is not None
+    tables, cache = native.Tables(), native.KeyCache(16)
+    one, two = _native_batches([[BlockStored((1,), None, [1, 1], 2, Tier.GPU)]] * 2)
+    cache.translate([two], 7)
+    with pytest.raises(ValueError, match="translated ahead"):
+        cache.translate([two], 7)
+    other = native.KeyCache(16)
+    refused: list[Callable[[], object]] = [
+        (lambda: tables.ingest(0, [one, two], cache, 7, -1)),  # after one not translated
+        (lambda: tables.ingest(0, [two], other, 7, -1)),  # another cache
+        (lambda: tables.ingest(0, [two], cache, 8, -1)),  # another root
+    ]
+    for ingest in refused:
+        if not two.translated:
+            cache.translate([two], 7)
+        with pytest.raises(ValueError, match="translated ahead"):
+            ingest()
+        assert not two.translated
+    assert tables.resolve(0, [1]) == [None]
+
+
+class _Hooked(native.KeyCache if native.KeyCache is not None else object):  # type: ignore[misc]
+    """A compiled key cache that runs ``hook`` after each translation (the first phase of
+    ``MemoryIndex.apply_native``, outside the index lock)."""
+
+    hook: Any = None
+
+    def translate(self, batches: list[Any], root: int) -> int:
+        whole: int = super().translate(batches, root)
+        if self.hook is not None:
+            self.hook()
+        return whole
+
+
+@pytest.mark.parametrize("capacity", [2, 16])
+@pytest.mark.parametrize("between", ["clear", "drop", "drop-and-reuse"])
+def test_a_clear_or_drop_between_the_two_phases_is_one_before_the_ingest(
+    between: str, capacity: int
+) -> None:
+    """``MemoryIndex.apply_native`` with a clear, a drop, or a drop whose number another
+    stream takes, made (by another thread: the lock is free) between the translation and
+    the ingest: the index and the counts are those of the same change made before the
+    whole call (the translation read only the cache), orphans included. A cache of 2
+    has lost block 2 by the last batch: only the index (as the change left it) has it."""
+    stream, other = StreamId("r1"), StreamId("r2")
+    earlier: list[list[Event]] = [
+        [BlockStored((1, 2), None, [1, 1, 2, 2], 2, Tier.GPU)],
+        [BlockStored((3,), 2, [3, 3], 2, Tier.GPU), BlockRemoved((1,), Tier.GPU)],
+    ]
+    later: list[list[Event]] = [
+        [BlockStored((4,), 3, [4, 4], 2, Tier.GPU)],  # parent in the cache
+        [BlockStored((5,), 9, [5, 5], 2, Tier.GPU)],  # 9: nowhere
+        [
+            BlockStored((6,), 4, [6, 6], 2, Tier.CPU),
+            BlockRemoved((3, 8), Tier.GPU),
+            BlockStored((7,), 2, [7, 7], 2, Tier.GPU),
+        ],
+    ]
+
+    def change(index: MemoryIndex) -> None:
+        if between == "clear":
+            index.clear(stream)
+            return
+        index.drop(stream)
+        if between == "drop-and-reuse":
+            held = _native_batches([[BlockStored((4, 5), None, [9, 9, 8, 8], 2, Tier.GPU)]])
+            index.apply_native(other, held, native.KeyCache(16), 99)  # type: ignore[misc]
+
+    def run(*, hooked: bool) -> tuple[object, ...]:
+        index = MemoryIndex()
+        cache = _Hooked(capacity)
+        first = index.apply_native(stream, _native_batches(earlier), cache, 7)
+        batches = _native_batches(earlier + later)[len(earlier) :]
+        for seq, batch in enumerate(batches, start=len(earlier)):
+            assert batch.seq == seq
+        if hooked:
+            cache.hook = lambda: change(index)
+        else:
+            change(index)
+        counts = index.apply_native(stream, batches, cache, 7)
+        stats = index.stats(stream)
+        return (
+            first, counts, stats.watermark, stats.blocks_by_tier, index.streams(),
+            index.resolve(stream, list(range(1, 10))), index.resolve(other, list(range(1, 10))),
+        )  # fmt: skip
+
+    assert native.KeyCache is not None
+    hooked = run(hooked=True)
+    assert hooked == run(hooked=False)
+    counts = hooked[1]
+    assert isinstance(counts, tuple)
+    assert counts[8] == (2 if capacity == 2 else 1)  # orphans: 9, and 2 if the cache lost it
