@@ -57,8 +57,14 @@ class Rewriter:
     ports: dict[tuple[str, int], int]
 
     def port(self, service: str, port: int) -> int:
+        """The loopback port given to ``service``'s ``port``: free now, and none given before
+        (two calls of ``free_port`` may return the same port: it is only free, not held)."""
         if (service, port) not in self.ports:
-            self.ports[service, port] = free_port()
+            taken = set(self.ports.values())
+            chosen = free_port()
+            while chosen in taken:
+                chosen = free_port()
+            self.ports[service, port] = chosen
         return self.ports[service, port]
 
     def command(self, service: str, args: list[Any]) -> list[str]:
