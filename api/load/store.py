@@ -258,12 +258,28 @@ class _Fleet:
         return made
 
 
-class MemoryLoadStore:
+class _Snapshotted:
+    """What both stores keep: this process's snapshot of the fleet's loads under one lock,
+    and what changed in it (:class:`LoadChanges`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fleet = _Fleet()
+
+    def change_version(self) -> int:
+        with self._lock:
+            return self._fleet.version
+
+    def changed_since(self, version: int) -> list[str] | None:
+        with self._lock:
+            return self._fleet.changed_since(version)
+
+
+class MemoryLoadStore(_Snapshotted):
     """In-process :class:`LoadStore` (one API process). Thread-safe (one lock)."""
 
     def __init__(self, ledger: MemoryLedger | None = None) -> None:
-        self._lock = threading.Lock()
-        self._fleet = _Fleet()
+        super().__init__()
         self._ledger = ledger or MemoryLedger()
 
     @property
@@ -294,14 +310,6 @@ class MemoryLoadStore:
             for replica in answers:
                 fleet.set(replica, fleet.loads.get(replica), fleet.counts.get(replica, 0) + 1)
             return fleet.read(replicas, in_flight)
-
-    def change_version(self) -> int:
-        with self._lock:
-            return self._fleet.version
-
-    def changed_since(self, version: int) -> list[str] | None:
-        with self._lock:
-            return self._fleet.changed_since(version)
 
     def claim_scrapes(self, replicas: Sequence[str], hold_s: float) -> set[str]:
         return set(replicas)
@@ -443,7 +451,7 @@ _DECODER = msgspec.json.Decoder(Load)
 _ANSWERS_SUFFIX = ANSWERS_SUFFIX.encode()
 
 
-class RedisLoadStore:
+class RedisLoadStore(_Snapshotted):
     """Shared :class:`LoadStore`: the ``{load}`` keys of :class:`Schema` (a HASH replica id →
     load as JSON, its answer counts and the change log's fields; the ``changes`` and
     ``removed`` ZSETs), and the snapshot of them this process last read (the module says
@@ -473,8 +481,7 @@ class RedisLoadStore:
         self._remove = client.register_script(_REMOVE_LUA)
         self._read = client.register_script(_READ_LUA)
         self._ledger = RedisLedger(client, self._schema)
-        self._lock = threading.Lock()
-        self._fleet = _Fleet()
+        super().__init__()
         self._epoch = b""
         """The log the snapshot follows (b"": none yet, or forgotten)."""
         self._seq = 0
@@ -584,14 +591,6 @@ class RedisLoadStore:
             fleet.set(replica, load, _parse_count(count))
         for name in removed:
             fleet.set(name.decode(), None, 0)
-
-    def change_version(self) -> int:
-        with self._lock:
-            return self._fleet.version
-
-    def changed_since(self, version: int) -> list[str] | None:
-        with self._lock:
-            return self._fleet.changed_since(version)
 
     def claim_scrapes(self, replicas: Sequence[str], hold_s: float) -> set[str]:
         wanted = list(dict.fromkeys(replicas))
