@@ -54,6 +54,16 @@ def _until(check: object, timeout_s: float = 20.0) -> None:
     raise AssertionError("timed out")
 
 
+def _four_indexed(publishers: list[EventPublisher], http: httpx.Client) -> bool:
+    """Each of the four replicas' publishers stores ``TOKENS`` once more; True when the
+    API's answer shows every replica holding its four blocks."""
+    for publisher in publishers:
+        publisher.publish([BlockStored((1, 2, 3, 4), None, TOKENS, 16, Tier.GPU)])
+    answer = http.post("/score", json={"model": MODEL, "token_ids": TOKENS})
+    scores = answer.json()["scores"] if answer.status_code == 200 else []
+    return len(scores) == 4 and all(s["matched_blocks"] == 4 for s in scores)
+
+
 def test_serve_indexes_events_and_answers_score(serve: tuple[str, str, Path]) -> None:
     url, events, log = serve
     with httpx.Client(base_url=url, trust_env=False, timeout=5) as http:
@@ -121,15 +131,7 @@ def test_serve_on_a_redis_cluster_given_one_node(
         _until(lambda: http.get("/readyz").status_code == 200)
         publishers = [EventPublisher(events, topic=f"kv@r{i}@{MODEL}") for i in range(4)]
         try:
-
-            def indexed() -> bool:
-                for publisher in publishers:
-                    publisher.publish([BlockStored((1, 2, 3, 4), None, TOKENS, 16, Tier.GPU)])
-                answer = http.post("/score", json={"model": MODEL, "token_ids": TOKENS})
-                scores = answer.json()["scores"] if answer.status_code == 200 else []
-                return len(scores) == 4 and all(s["matched_blocks"] == 4 for s in scores)
-
-            _until(indexed)
+            _until(lambda: _four_indexed(publishers, http))
         finally:
             for publisher in publishers:
                 publisher.close()
@@ -191,15 +193,8 @@ def test_serve_in_connect_mode_with_ingest_workers(tmp_path: Path, workers: int)
             running(log, *args) as process,
             httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=5) as http,
         ):
-
-            def indexed() -> bool:
-                for publisher in publishers:
-                    publisher.publish([BlockStored((1, 2, 3, 4), None, TOKENS, 16, Tier.GPU)])
-                answer = http.post("/score", json={"model": MODEL, "token_ids": TOKENS})
-                scores = answer.json()["scores"] if answer.status_code == 200 else []
-                return len(scores) == 4 and all(s["matched_blocks"] == 4 for s in scores)
-
-            _until(indexed)  # each SUB is a slow joiner: publish until all are seen
+            # each SUB is a slow joiner: publish until all are seen
+            _until(lambda: _four_indexed(publishers, http))
             assert http.get("/stats").json()["blocks"]["gpu"] == 16
             assert process.poll() is None
     finally:
