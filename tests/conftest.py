@@ -1,5 +1,6 @@
 """Shared fixtures: a real redis-server and a real 3-master Redis Cluster per test session
-(the cluster started on first use), each flushed between the tests that use it."""
+(the cluster started on first use), each flushed between the tests that use it; and the
+cyclic garbage collector paused for tests marked ``latency_bound`` (``support/collector``)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,20 @@ import pytest
 import redis
 from redis.cluster import RedisCluster
 
+from tests.support.collector import collector_paused
 from tests.support.redis_cluster import ClusterNodes, running_cluster
 from tests.support.redis_server import RedisServer, running_redis
+
+
+@pytest.fixture(autouse=True)
+def _collector_paused_if_latency_bound(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A ``latency_bound`` test runs with the collector paused: its bounds time the code
+    under test, not a collection of the whole run's objects."""
+    if request.node.get_closest_marker("latency_bound") is None:
+        yield
+        return
+    with collector_paused():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -33,7 +33,7 @@ from tests.integration.harness import wait_until
 from tests.support.redis_server import RedisServer, running_redis
 from tests.support.score_load import Sample, during, run_load
 
-pytestmark = pytest.mark.redis_server
+pytestmark = [pytest.mark.redis_server, pytest.mark.latency_bound]
 
 BUDGET_S = 0.25
 """Every answer while Redis is down: its usual latency plus the Redis timeout, well within."""

@@ -83,6 +83,7 @@ def test_a_failing_route_answers_500_and_the_server_goes_on() -> None:
         assert http.get("/x").status_code == 200
 
 
+@pytest.mark.latency_bound
 def test_a_silent_client_holds_neither_the_loop_nor_another_answer() -> None:
     with serving(ROUTES, timeout_s=5.0) as (server, http):
         idle = socket.create_connection(server.address)  # connects, never sends a request
@@ -167,6 +168,7 @@ def test_the_probe_reports_the_last_answer_and_why_it_failed() -> None:
     assert not probe.check().ok and "stale" in probe.check().reasons[0]
 
 
+@pytest.mark.latency_bound
 def test_a_hung_store_never_blocks_a_check() -> None:
     release = threading.Event()
     probe = StoreProbe(lambda: release.wait(10), interval_s=0.05)

@@ -29,6 +29,7 @@ from tests.support.clock import Clock
 from tests.support.redis_server import free_port
 
 
+@pytest.mark.latency_bound
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_loop_with_no_socket_to_poll_waits_instead_of_spinning(workers: int) -> None:
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()

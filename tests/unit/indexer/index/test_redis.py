@@ -409,6 +409,7 @@ def test_a_float_watermark_left_by_older_code_reads_as_none_and_is_overwritten(
     assert index.stats(S).watermark == 5
 
 
+@pytest.mark.latency_bound
 @pytest.mark.parametrize("silent", [True, False], ids=["accepts-never-answers", "refuses"])
 def test_a_bounded_client_fails_within_its_timeout(silent: bool) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
