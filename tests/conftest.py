@@ -5,6 +5,7 @@ cyclic garbage collector paused for tests marked ``latency_bound`` (``support/co
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import nullcontext
 
 import pytest
 import redis
@@ -19,10 +20,8 @@ from tests.support.redis_server import RedisServer, running_redis
 def _collector_paused_if_latency_bound(request: pytest.FixtureRequest) -> Iterator[None]:
     """A ``latency_bound`` test runs with the collector paused: its bounds time the code
     under test, not a collection of the whole run's objects."""
-    if request.node.get_closest_marker("latency_bound") is None:
-        yield
-        return
-    with collector_paused():
+    marked = request.node.get_closest_marker("latency_bound") is not None
+    with collector_paused() if marked else nullcontext():
         yield
 
 
