@@ -82,7 +82,6 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
-from importlib import resources
 from itertools import starmap
 from typing import cast
 
@@ -105,6 +104,7 @@ from kvindex.indexer.index.protocol import (
     StreamStats,
     applied,
 )
+from kvindex.indexer.lua import lua_script
 from kvindex.indexer.redis_connection import (
     CLUSTER_AS_STANDALONE,
     STORE_ERRORS,
@@ -137,15 +137,6 @@ _TIERS = tuple(Tier)
 _LONG_FORM = 3
 """A holder record's form carrying its counts (``redis_schema``); forms 0-2 are one block
 on that tier."""
-
-
-def _script(name: str) -> str:
-    return resources.files("kvindex.indexer.index").joinpath(name).read_text("utf-8")
-
-
-def _with_holders(name: str) -> str:
-    """A script with ``holders.lua`` (the holder records' functions) before it."""
-    return _script("holders.lua") + "\n" + _script(name)
 
 
 @contextmanager
@@ -273,9 +264,13 @@ class RedisIndex:
         self._client = client
         self._schema = (schema or Schema()).for_topology(cluster=isinstance(client, RedisCluster))
         self._owner = owner
-        self._apply = client.register_script(_with_holders("apply_batch.lua"))
-        self._clear = client.register_script(_with_holders("clear_stream.lua"))
-        self._prefix = client.register_script(_script("longest_prefix.lua"))
+        self._apply = client.register_script(
+            lua_script(__name__, "apply_batch.lua", after=("holders.lua",))
+        )
+        self._clear = client.register_script(
+            lua_script(__name__, "clear_stream.lua", after=("holders.lua",))
+        )
+        self._prefix = client.register_script(lua_script(__name__, "longest_prefix.lua"))
         self._registered: set[StreamId] = set()
         self._keys_of: dict[StreamId, tuple[str, ...]] = {}
         self._group_keys = [self._schema.group(g) for g in range(self._schema.index_groups)]
