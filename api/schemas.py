@@ -39,7 +39,8 @@ class ScoreRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     messages: list[dict[str, Any]] | None = None
     """OpenAI chat messages: the whole conversation (rendered with the model's template)."""
     block_keys: Annotated[list[BlockKey], msgspec.Meta(max_length=MAX_BLOCK_KEYS)] | None = None
-    """Keys precomputed with ``kvindex.indexer.keys.block_keys`` (the router skips tokenization)."""
+    """Keys precomputed with ``kvindex.indexer.domain.keys.block_keys`` (the router skips
+    tokenization)."""
     block_size: int | None = None
     """The block size the keys (or tokens) were meant for; a mismatch with the model's is a
     422 instead of a silent miss."""

@@ -6,29 +6,29 @@ The read path, step by step (the README's diagram numbers them the same way):
 2. tokens from ``token_ids``, or ``prompt`` / ``messages`` through the model's tokenizer
    (the caller's choice; the app's is :class:`kvindex.api.tokenize.choice.ModelTokenizers`),
    or ``block_keys`` as given;
-3. block keys with ``kvindex.indexer.keys`` (the indexer's own key function) at the model's
+3. block keys with ``kvindex.indexer.domain.keys`` (the indexer's own key function) at the model's
    block size (as its replicas publish it); then the first ``[[rules]]`` entry matching the
-   request (:mod:`kvindex.api.routing_rules`: model, workload, user, headers, prompt
+   request (:mod:`kvindex.api.decision.routing_rules`: model, workload, user, headers, prompt
    length, tools) chooses its policy and weights, unless the request chose them;
 4. longest cached prefix per (replica, rank) from the index — if the store is
    unreachable, the answer is made from load alone and says ``degraded``;
 5. load per replica (pushed or scraped), with its age, and the requests in flight to it
    that proxies reserved (``LoadStore.get_counted`` reads both);
 6. the policy scores every candidate and keeps the best ``top_k``
-   (:func:`kvindex.api.policies.decide`); only those become entries, every term reported,
+   (:func:`kvindex.api.decision.policies.decide`); only those become entries, every term reported,
    the rest counted (``num_candidates``, ``num_matched``).
 
 Cost per request, for ``kv_aware`` (the default; no temperature): the lookup, then the load
 penalties the answer needs. From 128 candidates on, with a ``top_k`` that leaves some out,
 they come from floors kept per candidate list and weights
-(:mod:`~kvindex.api.penalty_floors`): a changed replica's floor made again (the load
+(:mod:`~kvindex.api.decision.penalty_floors`): a changed replica's floor made again (the load
 store's :class:`~kvindex.api.load.store.LoadChanges`: an answer counted changes one), then
 exact penalties only for the replicas whose floor may be among the ``top_k`` lowest and
 the holders whose floor, less the most their match can add, may be; the floors are made
 again (a pass over the fleet) once the clock passes a 16th of the load half-life. Below
 that, or with every candidate explained, every penalty is computed
-(:func:`~kvindex.api.policies.load_penalties`, one compiled loop). A random draw is made
-only for a tie the ``top_k`` reaches (:func:`~kvindex.api.policies.tie_order`, as ``rank``
+(:func:`~kvindex.api.decision.policies.load_penalties`, one compiled loop). A random draw is made
+only for a tie the ``top_k`` reaches (:func:`~kvindex.api.decision.policies.tie_order`, as ``rank``
 draws: the same law of answers as a draw per candidate). Left per candidate: C-speed
 copies of the fleet's lists (the load read's dict, the answer's list of penalties; specs
 sorted once per change). Everything else
@@ -65,11 +65,10 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvindex.api.load.model import CountedLoad, Load, is_newer_or_same
-from kvindex.api.load.store import LoadChanges, LoadStore
-from kvindex.api.penalty_floors import PenaltyFloors, Walk
-from kvindex.api.penalty_floors import pays as _floors_pay
-from kvindex.api.policies import (
+from kvindex.api.config.settings import ApiSettings
+from kvindex.api.decision.penalty_floors import PenaltyFloors, Walk
+from kvindex.api.decision.penalty_floors import pays as _floors_pay
+from kvindex.api.decision.policies import (
     Candidate,
     Decision,
     LoadInput,
@@ -83,12 +82,26 @@ from kvindex.api.policies import (
     tie_order,
     tier_credit,
 )
-from kvindex.api.routing_rules import WORKLOAD_HEADER, RoutingRule, RuleInput, first_match
-from kvindex.api.schemas import FreshnessView, LoadView, ScoreEntry, ScoreRequest, ScoreResponse
-from kvindex.api.settings import ApiSettings
+from kvindex.api.decision.routing_rules import WORKLOAD_HEADER, RoutingRule, RuleInput, first_match
+from kvindex.api.load.model import CountedLoad, Load, is_newer_or_same
+from kvindex.api.load.store import LoadChanges, LoadStore
+from kvindex.api.schemas import (
+    FreshnessView,
+    LoadView,
+    ScoreEntry,
+    ScoreRequest,
+    ScoreResponse,
+)
 from kvindex.api.tokenize.protocol import Tokenizer
-from kvindex.indexer.errors import KvIndexError
-from kvindex.indexer.events import StreamId, Tier
+from kvindex.indexer.domain.errors import KvIndexError
+from kvindex.indexer.domain.events import StreamId, Tier
+from kvindex.indexer.domain.keys import (
+    BlockKeyError,
+    block_keys,
+    chain_keys,
+    model_root,
+    request_extra_keys,
+)
 from kvindex.indexer.fleet.registry import Freshness, RegistryView, StreamFreshness
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.protocol import (
@@ -98,13 +111,6 @@ from kvindex.indexer.index.protocol import (
     IndexUnavailableError,
     PrefixMatch,
     holders_of,
-)
-from kvindex.indexer.keys import (
-    BlockKeyError,
-    block_keys,
-    chain_keys,
-    model_root,
-    request_extra_keys,
 )
 
 _KEY_LIMIT = 2**64
@@ -317,7 +323,7 @@ class Scorer:
         self._changes = loads if isinstance(loads, LoadChanges) else None
         self._floors: dict[Weights, PenaltyFloors] = {}
         """Per weights, the penalty floors of the last candidate list scored with them
-        (:mod:`~kvindex.api.penalty_floors`; the last :data:`_MAX_FLOORS`)."""
+        (:mod:`~kvindex.api.decision.penalty_floors`; the last :data:`_MAX_FLOORS`)."""
         self._last_floors: tuple[Weights, PenaltyFloors] | None = None
 
     def note_load(self, replica: str, load: Load) -> None:
@@ -682,7 +688,8 @@ class Scorer:
         """``kv_aware`` without a temperature, as :func:`decide` ranks it, at a cost per
         candidate of one load penalty and one random draw: the cache term (and the
         freshness it needs) only for the replicas that matched, the candidates, terms and
-        freshness views only for the ``top_k`` explained (:func:`~kvindex.api.policies.rank`'s
+        freshness views only for the ``top_k`` explained
+        (:func:`~kvindex.api.decision.policies.rank`'s
         order: score, then lower load, then the candidate's draw)."""
         rng = copy.copy(self._rng) if request.dry_run else self._rng
         matches, num_blocks, streams_of = seen.lookup.matches, len(keys), streams.streams_of
@@ -738,9 +745,9 @@ class Scorer:
     ) -> list[float] | Walk:
         """Each candidate's load penalty by its position in ``ranked``, as far as the
         answer needs them: from the penalty floors kept for these candidates and weights
-        (:class:`~kvindex.api.penalty_floors.PenaltyFloors`, brought up to date with the
+        (:class:`~kvindex.api.decision.penalty_floors.PenaltyFloors`, brought up to date with the
         load store's changes, made again when they no longer hold), those that can be among
-        the ``top_k`` lowest (a :class:`~kvindex.api.penalty_floors.Walk`: the holders that
+        the ``top_k`` lowest (a :class:`~kvindex.api.decision.penalty_floors.Walk`: the holders that
         may rank are added once the contenders are known). Else (fewer candidates than
         floors pay for, every one explained, loads not read from the store, or no
         compiled loops): every one."""
@@ -776,7 +783,7 @@ class Scorer:
         request: ScoreRequest,
         weights: Weights,
     ) -> Decision:
-        """The policy's decision (:func:`~kvindex.api.policies.decide`); RequestError (422)
+        """The policy's decision (:func:`~kvindex.api.decision.policies.decide`); RequestError (422)
         when the request lacks what the policy needs."""
         turns, rng = self._turns[request.model], self._rng
         if request.dry_run:  # decide on copies: the next real answer is as if none was asked
@@ -873,7 +880,7 @@ def _contenders(
     candidate's penalty, and the ``top_k``-th smallest penalty bounds the ``top_k``-th
     smallest minus score. A match of ``n`` blocks adds at most ``n`` times the best tier's
     weight at the largest freshness factor, over the prompt's blocks (rounded up: the
-    bound holds for the float arithmetic of :func:`~kvindex.api.policies.tier_credit`);
+    bound holds for the float arithmetic of :func:`~kvindex.api.decision.policies.tier_credit`);
     a replica whose penalty less that most is still above the bound ranks after ``top_k``
     others, so its freshness is never read and its minus score is left at its penalty,
     which changes neither the ``top_k`` nor their order. A replica's streams may hold
@@ -944,7 +951,7 @@ def _minus_scores(
 ) -> list[float]:
     """Each candidate's ``kv_aware`` score, negated: its load penalty, less the cache credit
     of its match at its freshness for the replicas that matched (no record: stale), whose
-    :func:`~kvindex.api.policies.tier_credit` (credit, factor) goes into ``credit_of``."""
+    :func:`~kvindex.api.decision.policies.tier_credit` (credit, factor) goes into ``credit_of``."""
     minus_scores = penalties.copy()
     # Credit per (match, freshness): the holders of one prefix share its match object, and
     # come one after another (the last pair is checked first: no hashing).
@@ -968,7 +975,7 @@ def _minus_scores(
 
 
 def _packed_keys(request: ScoreRequest, packed: bytes, block_size: int) -> list[int]:
-    """:func:`~kvindex.indexer.keys.block_keys` of token ids given as u32 bytes (the same
+    """:func:`~kvindex.indexer.domain.keys.block_keys` of token ids given as u32 bytes (the same
     keys: ``block_keys`` hashes those bytes)."""
     num_blocks = len(packed) // 4 // block_size if block_size > 0 else 0
     extras = request_extra_keys(num_blocks, request.lora_name, request.cache_salt)
@@ -993,9 +1000,9 @@ def _best(
     positions: list[int] | None = None,
 ) -> list[int]:
     """Indices of the best ``top_k`` (None: every one), best first, in
-    :func:`~kvindex.api.policies.rank`'s order: score, then lower load, then chance (a
+    :func:`~kvindex.api.decision.policies.rank`'s order: score, then lower load, then chance (a
     draw from ``rng`` per candidate of each tie the ``top_k`` reaches, and none
-    otherwise: :func:`~kvindex.api.policies.tie_order`). ``positions``: the only
+    otherwise: :func:`~kvindex.api.decision.policies.tie_order`). ``positions``: the only
     candidates that can be among the ``top_k`` (None: every one; the others' minus scores
     are above the ``top_k``-th, so none ties with those kept). Compiled when the extension
     is built (``_lookup.best_tied``: the best ``top_k`` kept by insertion, then the draws),

@@ -15,9 +15,9 @@ candidate is scored). Stacks:
   ``/healthz`` through FastAPI's router, dependency (the token check on ``/score``) and
   ``Request``/``Response`` objects.
 * ``lean``: the app as served (``create_app``): ``POST /score`` and ``GET /healthz`` answered
-  by :class:`~kvindex.api.hot_routes.HotRoutes` inside the same middlewares; the rest FastAPI.
+  by :class:`~kvindex.api.http.hot_routes.HotRoutes` inside the same middlewares; the rest FastAPI.
   Under uvicorn their plain requests are answered by the server's protocol itself
-  (:mod:`kvindex.api.server_protocol`), as every kvindex API process serves them; in
+  (:mod:`kvindex.api.http.server_protocol`), as every kvindex API process serves them; in
   process (no server) by the middleware. The ``fastapi`` and ``bare`` stacks are served
   without that protocol path.
 * ``bare``: the floor: a bare ASGI callable that answers ``GET /healthz`` and ``POST /score``
@@ -59,17 +59,17 @@ from typing import Any
 import msgspec
 from score_http import Api, LoadPlan, LoadResult, run_load, running_api
 
-from kvindex.api.app import ApiDeps, create_app
+from kvindex.api.config.settings import ApiSettings
+from kvindex.api.http.app import ApiDeps, create_app
 from kvindex.api.load.store import MemoryLoadStore
 from kvindex.api.schemas import decode_score_request
 from kvindex.api.score import Scorer
-from kvindex.api.settings import ApiSettings
-from kvindex.indexer.events import BlockStored, EventBatch, StreamId, Tier
+from kvindex.indexer.domain.events import BlockStored, EventBatch, StreamId, Tier
+from kvindex.indexer.domain.health import StreamReport
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
-from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index.memory import MemoryIndex
-from kvindex.indexer.ingest import Ingestor
+from kvindex.indexer.ingest.ingestor import Ingestor
 
 log = logging.getLogger("kvindex.bench")
 MODEL = "bench-model"
@@ -290,8 +290,8 @@ def _serve(server: str, stack: str, port: int, args: argparse.Namespace) -> None
     deps = _deps(args, settings)
     app: Any = _bare_app(deps) if stack == "bare" else create_app(deps, lean_routes=stack == "lean")
     if server == "uvicorn":
-        from kvindex.api.app import hot_serving  # noqa: PLC0415 (the child's own import)
-        from kvindex.api.server import run_app  # noqa: PLC0415
+        from kvindex.api.http.app import hot_serving  # noqa: PLC0415 (the child's own import)
+        from kvindex.api.http.server import run_app  # noqa: PLC0415
 
         run_app(app, settings, hot=hot_serving(app) if stack != "bare" else None)
     else:

@@ -39,7 +39,7 @@ when the compiled core is not built; the compiled ingest path then does not serv
 ``--indexers N[,M...]`` (Redis): each count is a run of that many sharded indexers on one
 Redis, each a process of its own (forked, sharing the pre-generated frames) with its own
 pipeline over a fenced ``RedisIndex``, handed the frames of the streams it owns by the
-rendezvous hash (``kvindex.indexer.membership``), started together; timed from the start
+rendezvous hash (``kvindex.indexer.ingest.membership``), started together; timed from the start
 to the last one's end. Such a line adds ``indexers``, ``cpu_s_per_indexer`` (each
 process's user + system CPU in the timed part), ``redis_cpu_s`` (the server's, from INFO
 cpu) and ``cores_busy`` (all of that CPU / the wall time: at the machine's core count,
@@ -102,19 +102,19 @@ from redis.cluster import RedisCluster
 from redis_server import private_cluster, private_redis
 from workload import MODEL, Workload, WorkloadConfig, build_workload, topic
 
-from kvindex.indexer.events import EventBatch, StreamId, Topic
+from kvindex.indexer.config.settings import IndexerSettings
+from kvindex.indexer.domain.events import EventBatch, StreamId, Topic
 from kvindex.indexer.fleet.registry import Registry, fleet_totals
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.index.redis import RedisIndex
-from kvindex.indexer.membership import rendezvous_owner
-from kvindex.indexer.pipeline import Pipeline
-from kvindex.indexer.redis_connection import RedisClient, connect
-from kvindex.indexer.redis_schema import Schema
-from kvindex.indexer.settings import IndexerSettings
-from kvindex.indexer.subscriber import Subscriber
-from kvindex.indexer.wire import Encoding, decode_payload, encode_batch, encode_live
+from kvindex.indexer.ingest.membership import rendezvous_owner
+from kvindex.indexer.ingest.pipeline import Pipeline
+from kvindex.indexer.ingest.subscriber import Subscriber
+from kvindex.indexer.ingest.wire import Encoding, decode_payload, encode_batch, encode_live
+from kvindex.indexer.redis.connection import RedisClient, connect
+from kvindex.indexer.redis.schema import Schema
 
 _BACKENDS = ("memory", "memory-python", "redis")
 FULL_ENTRIES = 1_000_000

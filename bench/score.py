@@ -94,22 +94,22 @@ from score_http import (
     stack_summary,
 )
 
+from kvindex.api.config.settings import ApiSettings
+from kvindex.api.http.metrics import ApiMetrics, TimedIndex
 from kvindex.api.load.model import Load
 from kvindex.api.load.store import LoadStore, MemoryLoadStore, RedisLoadStore
-from kvindex.api.metrics import ApiMetrics, TimedIndex
 from kvindex.api.schemas import LoadReport, ScoreRequest, ScoreResponse
 from kvindex.api.score import Scorer
-from kvindex.api.settings import ApiSettings
-from kvindex.indexer.events import StreamId
+from kvindex.indexer.domain.events import StreamId
+from kvindex.indexer.domain.health import StreamReport
+from kvindex.indexer.domain.keys import block_keys
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
-from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import BatchOps, BlockIndex, holders_of
 from kvindex.indexer.index.redis import RedisIndex
-from kvindex.indexer.keys import block_keys
-from kvindex.indexer.redis_connection import connect
-from kvindex.indexer.redis_schema import Schema
+from kvindex.indexer.redis.connection import connect
+from kvindex.indexer.redis.schema import Schema
 
 FULL_BLOCKS = 1_000_000
 QUICK_BLOCKS = 131_072

@@ -28,9 +28,9 @@ from array import array
 from dataclasses import dataclass, field
 
 from kvindex.clients.fake_vllm.engine_hash import engine_chain, engine_root
-from kvindex.indexer.events import BlockStored, Tier
+from kvindex.indexer.domain.events import BlockStored, Tier
+from kvindex.indexer.domain.keys import block_keys, chain_keys, model_root
 from kvindex.indexer.index.protocol import Op, OpKind
-from kvindex.indexer.keys import block_keys, chain_keys, model_root
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 BLOCK_SIZE = 16

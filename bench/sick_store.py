@@ -28,8 +28,8 @@ from redis_server import free_port
 
 from kvindex.indexer.fleet.sync import FleetSync
 from kvindex.indexer.index.redis import RedisIndex
-from kvindex.indexer.redis_connection import connect
-from kvindex.indexer.redis_schema import Schema
+from kvindex.indexer.redis.connection import connect
+from kvindex.indexer.redis.schema import Schema
 from tests.integration.api_harness import MODEL, Fleet, tokens
 from tests.support.redis_server import running_redis
 from tests.support.score_load import during, summary

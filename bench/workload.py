@@ -5,7 +5,7 @@ scheduler, stepped offline: chunked prefill under a token budget, decode, LRU ev
 over a :class:`~kvindex.clients.fake_vllm.block_pool.BlockPool` of ``capacity_blocks``
 blocks of 16 tokens, serving :class:`~kvindex.clients.workloads.ChatSessions` (turns of
 chats behind a few system prompts shared fleet-wide). One scheduler step that produced
-events is one batch ``[ts, events, 0]``, encoded by :func:`kvindex.indexer.wire.encode_batch`
+events is one batch ``[ts, events, 0]``, encoded by :func:`kvindex.indexer.ingest.wire.encode_batch`
 as vLLM 0.33 (events are maps) or 0.23 (events are arrays) sends it, field for field.
 
 Each replica has its own engine-hash root
@@ -29,8 +29,8 @@ from kvindex.clients.fake_vllm.block_pool import BlockPool
 from kvindex.clients.fake_vllm.engine_hash import engine_root
 from kvindex.clients.fake_vllm.scheduler import STEP_BASE_S, StepScheduler
 from kvindex.clients.workloads import ChatSessions, chat_system_prompts
-from kvindex.indexer.events import StreamId
-from kvindex.indexer.wire import Encoding, encode_batch, encode_live
+from kvindex.indexer.domain.events import StreamId
+from kvindex.indexer.ingest.wire import Encoding, encode_batch, encode_live
 
 BLOCK_SIZE = 16
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

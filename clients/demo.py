@@ -35,10 +35,10 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from kvindex.api.app import ApiDeps, create_app
-from kvindex.api.background import BackgroundServer, ServerStartError
+from kvindex.api.config.settings import ApiSettings
+from kvindex.api.http.app import ApiDeps, create_app
+from kvindex.api.http.background import BackgroundServer, ServerStartError
 from kvindex.api.load.store import MemoryLoadStore
-from kvindex.api.settings import ApiSettings
 from kvindex.clients.console import ProgressBars, column, make_table, progress_console
 from kvindex.clients.fake_vllm.replica import (
     VOCAB_SIZE,
@@ -48,12 +48,12 @@ from kvindex.clients.fake_vllm.replica import (
 )
 from kvindex.clients.http import AsyncKvIndexClient
 from kvindex.clients.workloads import UserSession, user_sessions
-from kvindex.indexer.errors import KvIndexError
-from kvindex.indexer.events import StreamId
+from kvindex.indexer.config.settings import IndexerSettings
+from kvindex.indexer.domain.errors import KvIndexError
+from kvindex.indexer.domain.events import StreamId
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.service import IndexerService
-from kvindex.indexer.settings import IndexerSettings
 
 POLICIES = ("round_robin", "kv_aware")
 """Compared in this order, each on a fresh fleet."""

@@ -1,7 +1,8 @@
 """Python client of the kvindex HTTP API: :class:`KvIndexClient` (sync) and
 :class:`AsyncKvIndexClient` (asyncio), with the same methods.
 
-Results are the API's own msgspec Structs (:mod:`kvindex.api.schemas`), decoded straight from the
+Results are the API's own msgspec Structs (:mod:`kvindex.api.schemas`), decoded straight from
+the
 response bytes; bodies are encoded with msgspec too (an 8k-token request never goes through
 ``json.dumps``). Importing this module needs httpx, msgspec and xxhash, never FastAPI.
 
@@ -35,8 +36,8 @@ from kvindex.api.schemas import (
     ScoreRequest,
     ScoreResponse,
 )
-from kvindex.indexer.errors import KvIndexError
-from kvindex.indexer.keys import BlockKeyError, block_keys
+from kvindex.indexer.domain.errors import KvIndexError
+from kvindex.indexer.domain.keys import BlockKeyError, block_keys
 
 __all__ = [
     "AsyncKvIndexClient",
@@ -245,7 +246,8 @@ def _score_tokens_call(
 ) -> _Call[ScoreResponse]:
     """``POST /score`` for ``request.token_ids``, sent as block keys when ``compute_keys``.
 
-    Keys are ``kvindex.indexer.keys.block_keys`` of the tokens at ``block_size`` with the request's
+    Keys are ``kvindex.indexer.domain.keys.block_keys`` of the tokens at ``block_size`` with the
+    request's
     LoRA name and cache salt (which the keys then carry, so they are not sent). Raises
     :class:`BadRequestError` (status None) for token ids that cannot form keys; the answer
     raises it when the server's block size for the model is not ``block_size`` (the keys

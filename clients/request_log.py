@@ -36,7 +36,7 @@ from kvindex.api.tokenize.chat_template import ChatTemplate
 from kvindex.api.tokenize.local import LocalTokenizer
 from kvindex.api.tokenize.protocol import Tokenizer, TokenizerError
 from kvindex.api.tokenize.replica import ReplicaTokenizer
-from kvindex.indexer.errors import KvIndexError
+from kvindex.indexer.domain.errors import KvIndexError
 
 TIMESTAMP_FIELDS = ("timestamp", "created", "time", "arrival_time")
 """Where a line's arrival time is looked for, first found (beside ``body``, then in it)."""

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import msgspec
 
-from kvindex.indexer.errors import KvIndexError
+from kvindex.indexer.domain.errors import KvIndexError
 
 if TYPE_CHECKING:  # the reader pulls in the tokenizers; a trace or a generator needs none
     from kvindex.clients.request_log import TokenizedRequest

@@ -44,9 +44,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvindex import __version__
-from kvindex.indexer.events import Tier
+from kvindex.indexer.domain.events import Tier
+from kvindex.indexer.domain.health import UnroutedCounters
 from kvindex.indexer.fleet.registry import FleetTotals, RegistryView, StreamStatus, fleet_totals
-from kvindex.indexer.health import UnroutedCounters
 from kvindex.indexer.index.protocol import BlockIndex
 
 Family = CounterMetricFamily | GaugeMetricFamily
@@ -58,7 +58,7 @@ class CounterSeries(NamedTuple):
     name: str
     """``kvindex_<name>_total``."""
     field: str
-    """The :class:`~kvindex.indexer.health.StreamCounters` field it reads."""
+    """The :class:`~kvindex.indexer.domain.health.StreamCounters` field it reads."""
     doc: str
 
 
@@ -96,7 +96,7 @@ COUNTERS: tuple[CounterSeries, ...] = (
     ),
     CounterSeries("probes", "num_probes", "Seq-reset probes of silent streams"),
 )
-"""Every :class:`~kvindex.indexer.health.StreamCounters` field, exported as
+"""Every :class:`~kvindex.indexer.domain.health.StreamCounters` field, exported as
 ``kvindex_<name>_total`` (a unit test fails when a field has no row here: add one)."""
 
 _STREAM_LABELS = ["replica", "rank", "model"]

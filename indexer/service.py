@@ -10,18 +10,18 @@ import os
 import socket
 from dataclasses import dataclass
 
-from kvindex.indexer.circuit import CircuitIndex, StoreCircuit
+from kvindex.indexer.config.settings import IndexerSettings
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.sync import FleetSync
+from kvindex.indexer.index.circuit import CircuitIndex, StoreCircuit
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.index.redis import RedisIndex
-from kvindex.indexer.membership import Membership, Shard
-from kvindex.indexer.process_limits import raise_file_limit
-from kvindex.indexer.redis_connection import connect
-from kvindex.indexer.settings import IndexerSettings
+from kvindex.indexer.ingest.membership import Membership, Shard
+from kvindex.indexer.ingest.process_limits import raise_file_limit
+from kvindex.indexer.ingest.subscriber import Subscriber
+from kvindex.indexer.redis.connection import connect
 from kvindex.indexer.status_server import IndexerStatus
-from kvindex.indexer.subscriber import Subscriber
 
 log = logging.getLogger("kvindex.indexer")
 

@@ -33,13 +33,13 @@ from typing import Any, NamedTuple
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
-from kvindex.indexer.errors import KvIndexError
+from kvindex.indexer.config.settings import IndexerSettings
+from kvindex.indexer.domain.errors import KvIndexError
 from kvindex.indexer.fleet.registry import RegistryView
 from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.index.redis import RedisIndex
 from kvindex.indexer.metrics import IndexerProcessCollector, IngestCollector
-from kvindex.indexer.redis_connection import connect_bounded, ping
-from kvindex.indexer.settings import IndexerSettings
+from kvindex.indexer.redis.connection import connect_bounded, ping
 
 log = logging.getLogger("kvindex.status_server")
 

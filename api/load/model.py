@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from kvindex.indexer.errors import KvIndexError
+from kvindex.indexer.domain.errors import KvIndexError
 
 SOURCES = ("push", "scrape")
 """Allowed values of :attr:`Load.source`."""

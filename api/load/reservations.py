@@ -50,11 +50,11 @@ from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
 from kvindex.api.load.model import InFlight
-from kvindex.api.periodic import Periodic
-from kvindex.indexer.circuit import StoreCircuit
+from kvindex.api.loop.periodic import Periodic
+from kvindex.indexer.index.circuit import StoreCircuit
 from kvindex.indexer.index.redis import unavailable_on_connection_errors
-from kvindex.indexer.redis_connection import RedisClient
-from kvindex.indexer.redis_schema import TOKENS_SUFFIX, Schema, check_name
+from kvindex.indexer.redis.connection import RedisClient
+from kvindex.indexer.redis.schema import TOKENS_SUFFIX, Schema, check_name
 
 logger = logging.getLogger(__name__)
 
@@ -441,7 +441,7 @@ def _count(raw: bytes | str) -> int:
 
 class CircuitLedger:
     """A :class:`Ledger` whose every call goes through a
-    :class:`~kvindex.indexer.circuit.StoreCircuit` (a skipped call raises
+    :class:`~kvindex.indexer.index.circuit.StoreCircuit` (a skipped call raises
     ``StoreSkippedError``, an ``IndexUnavailableError``)."""
 
     def __init__(self, inner: Ledger, circuit: StoreCircuit) -> None:

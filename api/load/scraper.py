@@ -15,7 +15,7 @@ import httpx
 from kvindex.api.load.model import Load, LoadError
 from kvindex.api.load.store import LoadStore
 from kvindex.api.load.vllm_metrics import metrics_url, parse_vllm_metrics
-from kvindex.api.periodic import Periodic
+from kvindex.api.loop.periodic import Periodic
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ since its last read**, in one round trip:
 * every put, answer count and removal bumps a change sequence (``#seq``, a field of the
   load hash) and records the replica under it, in the same script: a put or a count in
   the ``changes`` ZSET (replica → seq of its last change), a removal as a tombstone in the
-  ``removed`` ZSET (the newest :data:`~kvindex.indexer.redis_schema.MAX_LOAD_TOMBSTONES`
+  ``removed`` ZSET (the newest :data:`~kvindex.indexer.redis.schema.MAX_LOAD_TOMBSTONES`
   kept; ``#trimmed`` says up to which seq some were dropped);
 * a read is one script: count this process's answers, then return the fields of the
   replicas changed after the reader's seq, and the tombstones after it. Answers of other
@@ -59,11 +59,11 @@ from kvindex.api.load.model import (
     is_newer_or_same,
 )
 from kvindex.api.load.reservations import CircuitLedger, Ledger, MemoryLedger, RedisLedger
-from kvindex.indexer.circuit import StoreCircuit
+from kvindex.indexer.index.circuit import StoreCircuit
 from kvindex.indexer.index.protocol import IndexUnavailableError
 from kvindex.indexer.index.redis import unavailable_on_connection_errors
-from kvindex.indexer.redis_connection import RedisClient
-from kvindex.indexer.redis_schema import (
+from kvindex.indexer.redis.connection import RedisClient
+from kvindex.indexer.redis.schema import (
     ANSWERS_SUFFIX,
     LOAD_EPOCH,
     LOAD_SEQ,
@@ -613,7 +613,7 @@ class RedisLoadStore(_Snapshotted):
 
 class CircuitLoadStore:
     """A :class:`LoadStore` whose every call goes through a
-    :class:`~kvindex.indexer.circuit.StoreCircuit` (a skipped call raises
+    :class:`~kvindex.indexer.index.circuit.StoreCircuit` (a skipped call raises
     ``StoreSkippedError``, an ``IndexUnavailableError``)."""
 
     def __init__(self, inner: LoadStore, circuit: StoreCircuit) -> None:

@@ -10,7 +10,7 @@ from typing import Literal, get_args
 
 import httpx
 
-from kvindex.api.settings import ApiSettings
+from kvindex.api.config.settings import ApiSettings
 from kvindex.api.tokenize.cache import CachingTokenizer
 from kvindex.api.tokenize.protocol import Tokenizer, TokenizerError
 from kvindex.api.tokenize.replica import ReplicaTokenizer

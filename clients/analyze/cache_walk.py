@@ -1,6 +1,7 @@
 """The cache walk: every request, in log order, through one unbounded cache of blocks.
 
-For each request it keys the prompt's full blocks with :func:`kvindex.indexer.keys.block_keys`
+For each request it keys the prompt's full blocks with
+:func:`kvindex.indexer.domain.keys.block_keys`
 (the index's own key function) and counts the leading blocks some earlier request already
 had: keys are chained, so a request's cached blocks are always a prefix of it. That is the
 single-cache ceiling: what any router could at best reuse. The walk hands each request to
@@ -22,7 +23,7 @@ import numpy.typing as npt
 
 from kvindex.clients.analyze.fragmentation import FragmentationFinder
 from kvindex.clients.analyze.prefixes import PrefixTree
-from kvindex.indexer.keys import block_keys
+from kvindex.indexer.domain.keys import block_keys
 
 START_TOKENS = 48
 """Tokens kept from the start of every request (a shared prefix is shown by them)."""

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from kvindex.indexer.keys import chain_keys, model_root, tokens_to_bytes
+from kvindex.indexer.domain.keys import chain_keys, model_root, tokens_to_bytes
 
 WINDOW_TOKENS = 16
 """Tokens per hashed window (shared content must run at least this long to be seen)."""

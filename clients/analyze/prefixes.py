@@ -58,7 +58,7 @@ class PrefixTree:
 
     def add(self, keys: Sequence[int]) -> int:
         """Record the next request's block keys (chained, as
-        :func:`~kvindex.indexer.keys.block_keys` makes them); the number of its leading
+        :func:`~kvindex.indexer.domain.keys.block_keys` makes them); the number of its leading
         keys an earlier request had (they are always a prefix of them)."""
         index = self.num_requests
         self.num_requests += 1

@@ -7,12 +7,13 @@ events were missed) and compares, block by block:
 1. **block size**: the events' ``block_size`` against the expected one;
 2. **token ids**: the events cover the prompt's full blocks, in order, with its tokens;
 3. **chain**: the first block's parent is null and every parent is the previous block;
-4. **extra keys**: per block, what :func:`kvindex.indexer.keys.request_extra_keys` gives for the
+4. **extra keys**: per block, what :func:`kvindex.indexer.domain.keys.request_extra_keys` gives for
+the
    request's LoRA name and cache salt;
 5. **kvindex keys**: keys from the events through the indexer's own path (an
-   :class:`~kvindex.indexer.ingest.Ingestor` over a
+   :class:`~kvindex.indexer.ingest.ingestor.Ingestor` over a
    :class:`~kvindex.indexer.index.memory.MemoryIndex`, then
-   ``resolve``) equal :func:`kvindex.indexer.keys.block_keys` of the request.
+   ``resolve``) equal :func:`kvindex.indexer.domain.keys.block_keys` of the request.
 
 :func:`compare` is pure (hand-made events in, :class:`CheckReport` out);
 :func:`run_check` does the I/O; :data:`check_hash_command` is the thin click shell.
@@ -32,14 +33,14 @@ import click
 import httpx
 import zmq
 
-from kvindex.indexer.errors import KvIndexError, SettingsError
-from kvindex.indexer.events import BlockStored, EventBatch, StreamId
+from kvindex.indexer.domain.errors import KvIndexError, SettingsError
+from kvindex.indexer.domain.events import BlockStored, EventBatch, StreamId
+from kvindex.indexer.domain.keys import block_keys, request_extra_keys
 from kvindex.indexer.fleet.replica import check_endpoint
 from kvindex.indexer.index.memory import MemoryIndex
-from kvindex.indexer.ingest import Ingestor
-from kvindex.indexer.keys import block_keys, request_extra_keys
-from kvindex.indexer.replay import ReplayTimeoutError, fetch_replay
-from kvindex.indexer.wire import WireError, decode_live, payload_shape
+from kvindex.indexer.ingest.ingestor import Ingestor
+from kvindex.indexer.ingest.replay import ReplayTimeoutError, fetch_replay
+from kvindex.indexer.ingest.wire import WireError, decode_live, payload_shape
 
 PromptMode = Literal["tokens", "text"]
 _WARMUP_TOKENS = 257

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from kvindex.api.server import serve as run_server
-from kvindex.api.server import serve_api
-from kvindex.api.settings import ApiSettings, load_api_settings
+from kvindex.api.config.settings import ApiSettings, load_api_settings
+from kvindex.api.http.server import serve as run_server
+from kvindex.api.http.server import serve_api
 from kvindex.clients.cli.check_hash import check_hash_command
 from kvindex.clients.cli.log_format import LOG_FORMATS, LogFormat, configure_logging
 from kvindex.clients.cli.status import FleetStatus, StatusLog
@@ -35,11 +35,11 @@ from kvindex.clients.workloads import (
     logged_trace,
     read_trace,
 )
-from kvindex.indexer.errors import KvIndexError
+from kvindex.indexer.config.settings import IndexerSettings, load_settings, read_toml
+from kvindex.indexer.domain.errors import KvIndexError
 from kvindex.indexer.fleet.registry import Freshness, fleet_totals
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.service import IndexerService
-from kvindex.indexer.settings import IndexerSettings, load_settings, read_toml
 
 if TYPE_CHECKING:  # imported where used: `serve` must not pay for tokenizers and numpy
     from kvindex.clients.request_log import TokenizerOptions

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvindex.clients.fake_vllm.engine_hash import engine_chain
-from kvindex.indexer.events import BlockRemoved, BlockStored, Event, ExtraKeys, Tier
-from kvindex.indexer.keys import request_extra_keys
+from kvindex.indexer.domain.events import BlockRemoved, BlockStored, Event, ExtraKeys, Tier
+from kvindex.indexer.domain.keys import request_extra_keys
 
 GROUP_IDX = 0
 """The KV-cache group of a plain (non-hybrid) model, as vLLM numbers it in events."""

@@ -8,7 +8,7 @@ hash: uniform over u64 (half of the values ≥ 2**63), and a function of the roo
 with different roots publish different hashes for the same tokens, as vLLM replicas with
 different seeds do.
 
-This is deliberately not kvindex's block key (:mod:`kvindex.indexer.keys`): the indexer must
+This is deliberately not kvindex's block key (:mod:`kvindex.indexer.domain.keys`): the indexer must
 map engine hashes to its own keys through the events' token ids, as it must with a real vLLM.
 """
 
@@ -20,8 +20,8 @@ from collections.abc import Sequence
 import msgspec
 import xxhash
 
-from kvindex.indexer.events import ExtraKeys
-from kvindex.indexer.keys import tokens_to_bytes
+from kvindex.indexer.domain.events import ExtraKeys
+from kvindex.indexer.domain.keys import tokens_to_bytes
 
 _ROOT_PREFIX = b"kvindex/fake-vllm/root\x00"
 _TOKEN_BYTES = 4

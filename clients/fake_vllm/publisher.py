@@ -5,7 +5,7 @@ Mirrors ``vllm.distributed.kv_events.ZmqEventPublisher``: a PUB socket sends
 batches from a requested seq, then an end marker. Both event encodings (``"map"``: vLLM ≥
 0.24; ``"array"``: ≤ 0.23) and both replay layouts (``"topic"``: ≥ 0.26; ``"legacy"``) are
 available, so tests, benchmarks and the replica simulator exercise exactly what real
-replicas send; every frame is built by :mod:`kvindex.indexer.wire`'s encoders. One
+replicas send; every frame is built by :mod:`kvindex.indexer.ingest.wire`'s encoders. One
 background thread owns both sockets, as in vLLM.
 """
 
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import zmq
 
-from kvindex.indexer.events import Event
-from kvindex.indexer.wire import (
+from kvindex.indexer.domain.events import Event
+from kvindex.indexer.ingest.wire import (
     Encoding,
     ReplayLayout,
     WireError,

@@ -35,14 +35,14 @@ import xxhash
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
-from kvindex.api.background import BackgroundServer, ServerStartError
+from kvindex.api.http.background import BackgroundServer, ServerStartError
 from kvindex.api.schemas import TokenId
 from kvindex.clients.fake_vllm.block_pool import Admission, BlockPool
 from kvindex.clients.fake_vllm.engine_hash import engine_root
 from kvindex.clients.fake_vllm.publisher import EventPublisher
-from kvindex.indexer.errors import KvIndexError
-from kvindex.indexer.events import Event
-from kvindex.indexer.wire import Encoding, ReplayLayout
+from kvindex.indexer.domain.errors import KvIndexError
+from kvindex.indexer.domain.events import Event
+from kvindex.indexer.ingest.wire import Encoding, ReplayLayout
 
 VOCAB_SIZE = 50_000
 """Toy vocabulary: a word's token id is a stable hash of it modulo this."""

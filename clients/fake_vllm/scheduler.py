@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from kvindex.clients.fake_vllm.block_pool import BlockPool
 from kvindex.clients.fake_vllm.engine_hash import engine_chain
 from kvindex.clients.workloads import Chat, ChatSessions, ChatTurn
-from kvindex.indexer.events import Event
+from kvindex.indexer.domain.events import Event
 
 STEP_BASE_S = 0.008
 """Engine time of a step, whatever it computes."""

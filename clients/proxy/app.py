@@ -35,9 +35,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvindex.api.body_limit import BodyTimeoutError, BodyTooLargeError
+from kvindex.api.config.settings import ApiSettings
+from kvindex.api.http.body_limit import BodyTimeoutError, BodyTooLargeError
 from kvindex.api.score import RequestError, UnknownModelError
-from kvindex.api.settings import ApiSettings
 from kvindex.clients.proxy.auth import InboundAuth, UnauthorizedError
 from kvindex.clients.proxy.forwarding import (
     REQUEST_ID,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Mapping
 
-from kvindex.indexer.errors import KvIndexError
+from kvindex.indexer.domain.errors import KvIndexError
 
 OPEN_PATHS = frozenset({"/health", "/healthz", "/readyz"})
 """Routes a probe reaches without the token (they say nothing but up or ready)."""

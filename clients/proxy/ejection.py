@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from kvindex.api.settings import ApiSettings
+from kvindex.api.config.settings import ApiSettings
 from kvindex.indexer.fleet.registry import HealthChange, HealthUpdate, RegistryView
 from kvindex.indexer.fleet.replica_health import Ejection, ReplicaHealth
 from kvindex.indexer.index.protocol import IndexUnavailableError

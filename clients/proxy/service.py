@@ -2,15 +2,15 @@
 proxy's app on top, under uvicorn.
 
 With the memory store (the default) the process runs the indexer too, as ``kvindex serve``
-does (:class:`kvindex.api.server.Service`: its own subscriber to every replica's events);
+does (:class:`kvindex.api.http.server.Service`: its own subscriber to every replica's events);
 with ``store = "redis"`` it reads the index, load and fleet a ``kvindex indexer`` writes, as
-``kvindex api`` does (:func:`kvindex.api.server.api_deps`). Either way the scorer is the
+``kvindex api`` does (:func:`kvindex.api.http.server.api_deps`). Either way the scorer is the
 one ``/score`` uses, on the same settings (``[api]``, ``[[models]]``), and each replica's
 load is scraped from its ``/metrics`` (``api.scrape_interval_s``). The requests it sends are
 reserved in that load store's ledger under the proxy's lease (``proxy.lease_ttl_s``,
 renewed by a :class:`~kvindex.api.load.reservations.LeaseKeeper`), so other proxies and
 ``/score`` on the same Redis count them. Each replica's health is checked
-(:mod:`kvindex.api.health_checker`) and judged by the forwards' outcomes (:mod:`.ejection`):
+(:mod:`kvindex.api.fleet.health_checker`) and judged by the forwards' outcomes (:mod:`.ejection`):
 an ejected replica is left out of the scorer's ranking, so never chosen while another one is
 healthy.
 """
@@ -24,13 +24,13 @@ from contextlib import asynccontextmanager
 import httpx
 from starlette.applications import Starlette
 
-from kvindex.api.app import ApiDeps
-from kvindex.api.health_checker import HealthChecker
+from kvindex.api.config.settings import ApiSettings
+from kvindex.api.fleet.health_checker import HealthChecker
+from kvindex.api.http.app import ApiDeps
+from kvindex.api.http.server import Service, api_deps, run_app
 from kvindex.api.load.reservations import LeaseKeeper, Reservations
 from kvindex.api.load.scraper import MetricsScraper
 from kvindex.api.score import Scorer
-from kvindex.api.server import Service, api_deps, run_app
-from kvindex.api.settings import ApiSettings
 from kvindex.clients.proxy.app import ProxyParts, create_proxy_app
 from kvindex.clients.proxy.ejection import EjectionMetrics, ReplicaBreakers
 from kvindex.clients.proxy.forwarding import Forwarder, ReservationDesk
@@ -38,7 +38,7 @@ from kvindex.clients.proxy.metrics import ProxyMetrics
 from kvindex.clients.proxy.settings import ProxySettings
 from kvindex.clients.proxy.tokenizers import ProxyTokenizers
 from kvindex.clients.proxy.upstream import UpstreamPicker
-from kvindex.indexer.settings import IndexerSettings
+from kvindex.indexer.config.settings import IndexerSettings
 
 
 def build_proxy_app(deps: ApiDeps, proxy: ProxySettings) -> Starlette:

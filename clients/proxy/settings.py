@@ -28,8 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvindex.api.settings import from_env_text, read_token
-from kvindex.indexer.errors import SettingsError
+from kvindex.api.config.settings import from_env_text, read_token
+from kvindex.indexer.domain.errors import SettingsError
 
 
 @dataclass(frozen=True, slots=True)

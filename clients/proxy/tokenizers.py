@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from kvindex.api.settings import ApiSettings
+from kvindex.api.config.settings import ApiSettings
 from kvindex.api.tokenize.cache import CachingTokenizer
 from kvindex.api.tokenize.choice import ModelTokenizers
 from kvindex.api.tokenize.protocol import Tokenizer, TokenizerError

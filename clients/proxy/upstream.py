@@ -24,7 +24,7 @@ from typing import Any
 from kvindex.api.schemas import ScoreRequest, ScoreResponse
 from kvindex.api.score import Scorer, UnknownModelError
 from kvindex.api.tokenize.protocol import TokenizerError
-from kvindex.indexer.errors import KvIndexError
+from kvindex.indexer.domain.errors import KvIndexError
 from kvindex.indexer.fleet.registry import RegistryView
 from kvindex.indexer.fleet.replica_health import HealthPolicy
 

@@ -6,7 +6,7 @@
   that read the index (``kv_aware``) get the replicas' KV events through a sink,
   ``event_delay_s`` after the replica emitted them: :class:`IngestSink` encodes them in
   vLLM's wire format and hands the frames to the indexer's own
-  :class:`~kvindex.indexer.pipeline.Pipeline` (decode, ordering, ingest, registry: the
+  :class:`~kvindex.indexer.ingest.pipeline.Pipeline` (decode, ordering, ingest, registry: the
   subscriber without its sockets) over a :class:`~kvindex.indexer.index.memory.MemoryIndex`;
   :class:`ZmqSink` sends them in vLLM's wire format over real ZeroMQ (one PUB per replica,
   connecting to the bound SUB of an in-process :class:`~kvindex.indexer.service.IndexerService`
@@ -29,9 +29,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvindex.api.load.model import Load
-from kvindex.api.load.store import MemoryLoadStore
-from kvindex.api.policies import (
+from kvindex.api.config.settings import ApiSettings, ModelSpec
+from kvindex.api.decision.policies import (
     Candidate,
     LoadInput,
     Policy,
@@ -40,21 +39,22 @@ from kvindex.api.policies import (
     kv_aware,
     rank,
 )
+from kvindex.api.load.model import Load
+from kvindex.api.load.store import MemoryLoadStore
 from kvindex.api.schemas import ScoreRequest
 from kvindex.api.score import Scorer
-from kvindex.api.settings import ApiSettings, ModelSpec
 from kvindex.clients.fake_vllm.block_pool import BlockPool
 from kvindex.clients.fake_vllm.publisher import EventPublisher
 from kvindex.clients.simulate.fleet import FleetSettings, Job, ReplicaLoad, SimulationError
-from kvindex.indexer.events import Event, StreamId, Tier
+from kvindex.indexer.config.settings import IndexerSettings
+from kvindex.indexer.domain.events import Event, StreamId, Tier
+from kvindex.indexer.domain.health import StreamReport
 from kvindex.indexer.fleet.registry import Freshness, Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
-from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index.memory import MemoryIndex
-from kvindex.indexer.pipeline import Pipeline
+from kvindex.indexer.ingest.pipeline import Pipeline
+from kvindex.indexer.ingest.wire import encode_batch, encode_live
 from kvindex.indexer.service import IndexerService
-from kvindex.indexer.settings import IndexerSettings
-from kvindex.indexer.wire import encode_batch, encode_live
 
 ORACLE = "oracle"
 INDEX_POLICIES = frozenset({Policy.KV_AWARE})
@@ -66,7 +66,7 @@ class PolicySpec:
     label: str
     """As given (``kv_aware:waiting=0.5``); names the policy in every output."""
     policy: str
-    """A :class:`~kvindex.api.policies.Policy` value, or ``oracle``."""
+    """A :class:`~kvindex.api.decision.policies.Policy` value, or ``oracle``."""
     weights: dict[str, float] = field(default_factory=dict)
 
 
@@ -141,9 +141,9 @@ class _Delayed:
 
 class IngestSink:
     """Events encoded as a vLLM publisher would (frames ``[topic, seq, payload]``) and
-    handed to the indexer's :class:`~kvindex.indexer.pipeline.Pipeline` as the subscriber's
+    handed to the indexer's :class:`~kvindex.indexer.ingest.pipeline.Pipeline` as the subscriber's
     socket loop would: wire decoding, per-stream ordering, the
-    :class:`~kvindex.indexer.ingest.Ingestor` and the registry's bookkeeping all run."""
+    :class:`~kvindex.indexer.ingest.ingestor.Ingestor` and the registry's bookkeeping all run."""
 
     def __init__(
         self, fleet: FleetSettings, clock: SimClock, *, event_delay_s: float, stale_after_s: float

@@ -3,7 +3,7 @@
 Replicas come from the settings (config file, command line), from run-time calls
 (:meth:`Registry.add` / :meth:`Registry.remove`, exposed over HTTP by the API) and, in
 bind mode, from the topic ``kv@<replica>@<model>`` of their first event. The write path
-(the pipeline thread) changes a stream's :class:`~kvindex.indexer.health.StreamHealth`
+(the pipeline thread) changes a stream's :class:`~kvindex.indexer.domain.health.StreamHealth`
 only through :meth:`Registry.record`; any thread may read a consistent snapshot.
 :func:`fleet_totals` adds up the fleet for ``GET /stats``, ``/metrics`` and the CLI.
 """
@@ -17,10 +17,15 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol
 
-from kvindex.indexer.events import StreamId, Tier
+from kvindex.indexer.domain.events import StreamId, Tier
+from kvindex.indexer.domain.health import (
+    StreamCounters,
+    StreamHealth,
+    StreamReport,
+    UnroutedCounters,
+)
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.fleet.replica_health import HEALTHY, ReplicaHealth
-from kvindex.indexer.health import StreamCounters, StreamHealth, StreamReport, UnroutedCounters
 from kvindex.indexer.index.protocol import BlockIndex
 
 

@@ -3,7 +3,7 @@
 A spec comes from the settings (TOML ``[[replicas]]``, ``--replica``), from ``POST
 /replicas``, from the shared fleet state in Redis, or, in bind mode, from the topic of a
 replica's first event. Every way in validates the same: a bad value raises
-:class:`~kvindex.indexer.errors.SettingsError` naming the replica and the value.
+:class:`~kvindex.indexer.domain.errors.SettingsError` naming the replica and the value.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvindex.indexer.errors import SettingsError
-from kvindex.indexer.redis_schema import SchemaError, check_name
+from kvindex.indexer.domain.errors import SettingsError
+from kvindex.indexer.redis.schema import SchemaError, check_name
 
 MAX_DP_SIZE = 1024
 """The most data-parallel ranks one replica may declare: each rank costs the indexer two

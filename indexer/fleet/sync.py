@@ -2,7 +2,7 @@
 
 Two hashes (names in ``redis_schema``): replica id → :class:`ReplicaSpec`, and
 "replica/rank" → :class:`StreamRecord` (the stream's
-:class:`~kvindex.indexer.health.StreamHealth` record, the same one the in-process registry
+:class:`~kvindex.indexer.domain.health.StreamHealth` record, the same one the in-process registry
 keeps, and when it was written). :class:`FleetSync` runs in the indexer process, in its own thread:
 
 1. at start it writes the config-declared replicas to the replicas hash;
@@ -26,13 +26,13 @@ from typing import cast
 import msgspec
 import redis
 
-from kvindex.indexer.errors import KvIndexError
-from kvindex.indexer.events import StreamId
+from kvindex.indexer.domain.errors import KvIndexError
+from kvindex.indexer.domain.events import StreamId
+from kvindex.indexer.domain.health import StreamHealth, UnroutedCounters
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
-from kvindex.indexer.health import StreamHealth, UnroutedCounters
-from kvindex.indexer.redis_connection import RedisClient
-from kvindex.indexer.redis_schema import FLEET_MARKER, UNROUTED_FIELD, Schema
+from kvindex.indexer.redis.connection import RedisClient
+from kvindex.indexer.redis.schema import FLEET_MARKER, UNROUTED_FIELD, Schema
 
 log = logging.getLogger("kvindex.fleet")
 

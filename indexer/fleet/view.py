@@ -6,7 +6,7 @@ Reads come from one snapshot (both hashes, one round trip) cached for ``cache_tt
 its fleet hash lost the indexer's marker (Redis restarted empty, flushed: the indexer
 republishes it within its sync period), the last snapshot keeps serving and
 :meth:`RedisFleetView.outage` says why until a good read; a transition is logged once.
-With a :class:`~kvindex.indexer.circuit.StoreCircuit` (shared with the process's other
+With a :class:`~kvindex.indexer.index.circuit.StoreCircuit` (shared with the process's other
 stores), reads skip Redis while it is open and never probe it: reads run on the API's
 event loop, so they must not be the ones that wait on a store that may still be down.
 ``add``/``remove`` write through (raising :class:`IndexUnavailableError` when Redis is
@@ -28,8 +28,8 @@ from typing import Any, TypeVar, cast
 import msgspec
 import redis
 
-from kvindex.indexer.circuit import StoreCircuit
-from kvindex.indexer.events import StreamId
+from kvindex.indexer.domain.events import StreamId
+from kvindex.indexer.domain.health import UnroutedCounters
 from kvindex.indexer.fleet.registry import (
     Freshness,
     HealthChange,
@@ -49,11 +49,11 @@ from kvindex.indexer.fleet.sync import (
     encode_spec,
     specs_of,
 )
-from kvindex.indexer.health import UnroutedCounters
+from kvindex.indexer.index.circuit import StoreCircuit
 from kvindex.indexer.index.protocol import IndexUnavailableError
 from kvindex.indexer.index.redis import unavailable_on_connection_errors
-from kvindex.indexer.redis_connection import RedisClient
-from kvindex.indexer.redis_schema import FLEET_MARKER, UNROUTED_FIELD, Schema, check_name
+from kvindex.indexer.redis.connection import RedisClient
+from kvindex.indexer.redis.schema import FLEET_MARKER, UNROUTED_FIELD, Schema, check_name
 
 T = TypeVar("T")
 log = logging.getLogger("kvindex.fleet")

@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from kvindex.indexer import native
-from kvindex.indexer.events import StreamId, Tier
+from kvindex.indexer.domain.events import StreamId, Tier
 from kvindex.indexer.index.protocol import (
     NO_MATCH,
     SKIPPED,
@@ -87,7 +87,7 @@ else:
     _set_bits = _lookup.set_bits
 
 if TYPE_CHECKING:
-    from kvindex.indexer.ingest import KeyCache, NativeCounts
+    from kvindex.indexer.ingest.ingestor import KeyCache, NativeCounts
     from kvindex.indexer.native import _core as native_core
     from kvindex.indexer.native._core import NativeBatch
 
@@ -527,7 +527,7 @@ def _pieces(batches: list[NativeBatch]) -> list[list[NativeBatch]]:
 
 
 def _add_counts(totals: list[int], counts: tuple[int, ...]) -> None:
-    """Add one piece's :data:`~kvindex.indexer.ingest.NativeCounts` to ``totals``: sums,
+    """Add one piece's :data:`~kvindex.indexer.ingest.ingestor.NativeCounts` to ``totals``: sums,
     but the last store's block size is the latest one seen (-1: none)."""
     for i in range(9):
         totals[i] += counts[i]

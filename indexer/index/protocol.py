@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeAlias, runtime_checkable
 
-from kvindex.indexer.errors import KvIndexError
-from kvindex.indexer.events import StreamId, Tier
+from kvindex.indexer.domain.errors import KvIndexError
+from kvindex.indexer.domain.events import StreamId, Tier
 
 MAX_SEQ = 2**64
 """Seqs are below this (the wire's 8-byte unsigned counter); backends store them exactly."""

@@ -89,7 +89,7 @@ import redis
 from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 
-from kvindex.indexer.events import StreamId, Tier
+from kvindex.indexer.domain.events import StreamId, Tier
 from kvindex.indexer.index.protocol import (
     MAX_SEQ,
     NO_MATCH,
@@ -104,14 +104,14 @@ from kvindex.indexer.index.protocol import (
     StreamStats,
     applied,
 )
-from kvindex.indexer.lua import lua_script
-from kvindex.indexer.redis_connection import (
+from kvindex.indexer.redis.connection import (
     CLUSTER_AS_STANDALONE,
     STORE_ERRORS,
     RedisClient,
     connect,
 )
-from kvindex.indexer.redis_schema import (
+from kvindex.indexer.redis.lua import lua_script
+from kvindex.indexer.redis.schema import (
     CLUSTER_INDEX_GROUPS,
     INDEX_VERSION,
     META_OWNER,
@@ -252,7 +252,7 @@ class RedisIndex:
 
     Every method raises :class:`IndexUnavailableError` when Redis cannot be reached.
 
-    ``owner``: this writer's lease token (sharded indexers, ``kvindex.indexer.membership``).
+    ``owner``: this writer's lease token (sharded indexers, ``kvindex.indexer.ingest.membership``).
     With it every batch and clear is fenced inside its script: a stream whose meta names
     another owner is left as it is and :class:`FencedError` raised; :meth:`claim` makes the
     token the stream's owner. Without it (one indexer per store) nothing is fenced.

@@ -68,7 +68,7 @@ cdef extern from "Python.h":
 def chain(uint64_t parent, bytes token_bytes, Py_ssize_t block_size):
     """Keys of the full blocks of ``token_bytes`` chained from ``parent``: for each block,
     XXH3-64 of ``parent (u64, little-endian) | the block's token bytes`` (what
-    ``kvindex.indexer.keys.chain_keys`` hashes when there are no extra keys)."""
+    ``kvindex.indexer.domain.keys.chain_keys`` hashes when there are no extra keys)."""
     if block_size <= 0:
         raise ValueError(f"block size must be positive, got {block_size}")
     cdef Py_ssize_t stride = block_size * 4
@@ -597,7 +597,7 @@ cdef Py_ssize_t _nbytes(const Table* t) noexcept nogil:
 
 cdef class KeyCache:
     """Recent engine hash → key mappings of one stream, in two generations (what
-    ``kvindex.indexer.ingest``'s pure-Python cache does, in two tables): new mappings go to
+    ``kvindex.indexer.ingest.ingestor``'s pure-Python cache does, in two tables): new mappings go to
     the young one; when it holds ``capacity // 2`` (checked by :meth:`age`, after each
     batch) it becomes the old one and the previous old one is dropped whole. A mapping
     found in the old one is copied back to the young one. Engine hashes are unsigned 64-bit
@@ -851,7 +851,7 @@ cdef inline int _push_word(Buffer* b, uint64_t word) except -1 nogil:
     return 0
 
 cdef uint64_t _orphan_root(uint64_t parent_hash) noexcept nogil:
-    """``kvindex.indexer.ingest.orphan_root``: XXH3-64 of ``b"kvindex/orphan\\x00"`` and the
+    """``kvindex.indexer.ingest.ingestor.orphan_root``: XXH3-64 of ``b"kvindex/orphan\\x00"`` and the
     parent's engine hash (8 bytes, big-endian)."""
     cdef unsigned char buf[23]
     cdef int j
@@ -1373,7 +1373,7 @@ cdef class Tables:
     def ingest(self, Py_ssize_t number, list batches, KeyCache cache, uint64_t root,
                object watermark):
         """Translate and apply :class:`NativeBatch` es of stream ``number`` in order, as
-        ``kvindex.indexer.ingest.Ingestor`` and ``MemoryIndex.apply_many`` do for the same
+        ``kvindex.indexer.ingest.ingestor.Ingestor`` and ``MemoryIndex.apply_many`` do for the same
         events (the reference the tests hold this to): each batch's ops are made first
         (a parent is looked up in ``cache``, the ``Ingestor``'s two-generation engine hash
         → key cache, then in the stream's table as the previous batch left it), then

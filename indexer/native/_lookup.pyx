@@ -7,13 +7,13 @@ the extension is not built, and the tests hold the two to the same answers on ra
 
 * :func:`set_bits` - ``kvindex.indexer.index.memory._numbers``: the stream numbers of a
   holders bitmap (a Python int of up to the fleet's width);
-* :func:`load_penalties` - ``kvindex.api.policies.load_penalties``: one load penalty per
+* :func:`load_penalties` - ``kvindex.api.decision.policies.load_penalties``: one load penalty per
   candidate, the same IEEE operations in the same order (built with ``-ffp-contract=off``,
   so no fused multiply-add changes a rounding), hence bit-equal floats;
-* :func:`best_tied` - ``kvindex.api.policies.tie_order``: the indices of the best ``top_k`` in
+* :func:`best_tied` - ``kvindex.api.decision.policies.tie_order``: the indices of the best ``top_k`` in
   (score, load) order, a draw only for each tie the ``top_k`` reaches;
 * :func:`penalty_floors`, :func:`ascending`, :func:`penalties_within` -
-  ``kvindex.api.penalty_floors``: a floor under each penalty until a time, the candidates
+  ``kvindex.api.decision.penalty_floors``: a floor under each penalty until a time, the candidates
   by floor, and the exact penalties of those that can be among the ``top_k`` lowest (no
   Python twin: without them the scorer computes every penalty, and the tests hold these
   to ``load_penalties``);
@@ -222,7 +222,7 @@ def load_penalties(
 ):
     """Each replica's load penalty from ``counted`` (replica -> ``CountedLoad``: load or
     None, answers since, (requests, tokens) in flight), as of ``now``, in the order of
-    ``replicas``; see ``kvindex.api.policies.load_penalties``. A load's fields are read
+    ``replicas``; see ``kvindex.api.decision.policies.load_penalties``. A load's fields are read
     from its slots when its type keeps them there (``_learn_load_type``), else by name."""
     cdef Py_ssize_t n = PyList_GET_SIZE(replicas), i
     cdef list out = [None] * n
@@ -439,7 +439,7 @@ def best_tied(list minus_scores, list penalties, object draw, object top_k, list
     by chance: one ``draw()`` per row of each tied group the ``top_k`` reaches (the groups
     in order, a group's rows in index order), then (draw, index) within the group. No draw
     for a row alone in its group or beyond the ``top_k``; see
-    ``kvindex.api.policies.tie_order`` (the reference)."""
+    ``kvindex.api.decision.policies.tie_order`` (the reference)."""
     cdef Py_ssize_t n = PyList_GET_SIZE(minus_scores), m, i, j, k, kept = 0, at, start
     cdef Py_ssize_t num_tied = 0
     if PyList_GET_SIZE(penalties) != n:

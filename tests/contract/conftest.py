@@ -19,8 +19,8 @@ import pytest
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.index.redis import RedisIndex
-from kvindex.indexer.redis_connection import RedisClient
-from kvindex.indexer.redis_schema import Schema
+from kvindex.indexer.redis.connection import RedisClient
+from kvindex.indexer.redis.schema import Schema
 
 REDIS_BACKENDS = ("fakeredis", "redis", "cluster")
 BACKENDS = ("memory", *REDIS_BACKENDS)

@@ -7,11 +7,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvindex.indexer.events import StreamId, Tier
+from kvindex.indexer.domain.events import StreamId, Tier
 from kvindex.indexer.index.protocol import FencedError, OpKind
 from kvindex.indexer.index.redis import RedisIndex
-from kvindex.indexer.redis_connection import RedisClient
-from kvindex.indexer.redis_schema import META_OWNER, Schema
+from kvindex.indexer.redis.connection import RedisClient
+from kvindex.indexer.redis.schema import META_OWNER, Schema
 from tests.contract.conftest import REDIS_BACKENDS, redis_store_client
 
 S = StreamId("r1", 3)

@@ -14,7 +14,7 @@ import pytest
 
 from kvindex.api.load.model import CountedLoad, Load
 from kvindex.api.load.store import LoadStore, MemoryLoadStore, RedisLoadStore
-from kvindex.indexer.redis_schema import Schema, SchemaError
+from kvindex.indexer.redis.schema import Schema, SchemaError
 from tests.contract.conftest import BACKENDS, REDIS_BACKENDS, redis_store_client
 
 

@@ -10,14 +10,14 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvindex.indexer.events import StreamId
+from kvindex.indexer.domain.events import StreamId
+from kvindex.indexer.domain.health import StreamReport
 from kvindex.indexer.fleet.registry import Freshness, Registry, RegistryView
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.fleet.replica_health import HEALTHY, Ejection, HealthPolicy, ReplicaHealth
 from kvindex.indexer.fleet.sync import FleetSync
 from kvindex.indexer.fleet.view import RedisFleetView
-from kvindex.indexer.health import StreamReport
-from kvindex.indexer.redis_schema import Schema
+from kvindex.indexer.redis.schema import Schema
 from tests.contract.conftest import BACKENDS, redis_store_client
 from tests.support.clock import Clock
 

@@ -17,7 +17,7 @@ import redis
 from kvindex.api.load.model import NO_IN_FLIGHT, CountedLoad, InFlight, Load
 from kvindex.api.load.reservations import MemoryLedger, Reservations
 from kvindex.api.load.store import LoadStore, MemoryLoadStore, RedisLoadStore
-from kvindex.indexer.redis_schema import Schema
+from kvindex.indexer.redis.schema import Schema
 from tests.contract.conftest import BACKENDS, REDIS_BACKENDS, redis_store_client
 from tests.support.redis_server import RedisServer
 

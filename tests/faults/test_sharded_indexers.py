@@ -16,11 +16,11 @@ import pytest
 import redis
 import zmq
 
-from kvindex.indexer.events import StreamId
+from kvindex.indexer.domain.events import StreamId
 from kvindex.indexer.index.redis import RedisIndex
-from kvindex.indexer.membership import member_of, rendezvous_owner
-from kvindex.indexer.redis_schema import Schema
-from kvindex.indexer.replay import fetch_replay
+from kvindex.indexer.ingest.membership import member_of, rendezvous_owner
+from kvindex.indexer.ingest.replay import fetch_replay
+from kvindex.indexer.redis.schema import Schema
 from tests.faults.convergence import Recorder
 from tests.faults.fleet import REPLAY_TIMEOUT_S, FaultFleet, FleetShape, prompts_of
 from tests.faults.scale import Scale

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvindex.api.settings import ApiSettings
+from kvindex.api.config.settings import ApiSettings
 from kvindex.clients.fake_vllm.replica import tokenize_text
 from tests.faults.convergence import Recorder
 from tests.faults.fleet import MODEL, FaultFleet, prompts_of, wait_agreement

@@ -20,18 +20,18 @@ import httpx
 import msgspec
 from fastapi import FastAPI
 
-from kvindex.api.app import ApiDeps, create_app, hot_serving
-from kvindex.api.background import BackgroundServer
+from kvindex.api.config.settings import ApiSettings
+from kvindex.api.http.app import ApiDeps, create_app, hot_serving
+from kvindex.api.http.background import BackgroundServer
+from kvindex.api.http.server_protocol import hot_protocol
 from kvindex.api.load.store import LoadStore
 from kvindex.api.schemas import ScoreEntry, ScoreResponse
-from kvindex.api.server_protocol import hot_protocol
-from kvindex.api.settings import ApiSettings
-from kvindex.indexer.events import BlockStored, EventBatch, ExtraKeys, StreamId, Tier
+from kvindex.indexer.domain.events import BlockStored, EventBatch, ExtraKeys, StreamId, Tier
+from kvindex.indexer.domain.health import StreamReport
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
-from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index.protocol import BlockIndex
-from kvindex.indexer.ingest import Ingestor
+from kvindex.indexer.ingest.ingestor import Ingestor
 
 MODEL = "demo-model"
 BLOCK = 16

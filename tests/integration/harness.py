@@ -11,13 +11,13 @@ from dataclasses import dataclass
 import zmq
 
 from kvindex.clients.fake_vllm.publisher import EventPublisher
-from kvindex.indexer.events import StreamId
+from kvindex.indexer.config.settings import IndexerSettings
+from kvindex.indexer.domain.events import StreamId
 from kvindex.indexer.fleet.registry import Freshness, StreamStatus
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.protocol import BlockIndex
+from kvindex.indexer.ingest.wire import Encoding, ReplayLayout
 from kvindex.indexer.service import IndexerService
-from kvindex.indexer.settings import IndexerSettings
-from kvindex.indexer.wire import Encoding, ReplayLayout
 from tests.support.redis_server import free_port
 
 MODEL = "demo-model"

@@ -19,19 +19,19 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvindex.api.app import ApiDeps, create_app
+from kvindex.api.config.settings import ApiSettings, ModelSpec
+from kvindex.api.decision.policies import Weights
+from kvindex.api.decision.routing_rules import RoutingRule, rule_from_table
+from kvindex.api.http.app import ApiDeps, create_app
 from kvindex.api.load.store import LoadStore, MemoryLoadStore, RedisLoadStore
-from kvindex.api.policies import Weights
-from kvindex.api.routing_rules import RoutingRule, rule_from_table
-from kvindex.api.settings import ApiSettings, ModelSpec
-from kvindex.indexer.events import StreamId, Tier
+from kvindex.indexer.domain.events import StreamId, Tier
+from kvindex.indexer.domain.keys import block_keys
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.index.redis import RedisIndex
-from kvindex.indexer.keys import block_keys
-from kvindex.indexer.redis_connection import connect
-from kvindex.indexer.redis_schema import Schema
+from kvindex.indexer.redis.connection import connect
+from kvindex.indexer.redis.schema import Schema
 from tests.integration.api_harness import (
     BASE_URL,
     BLOCK,

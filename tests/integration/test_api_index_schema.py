@@ -11,15 +11,15 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from kvindex.api.server import api_deps
-from kvindex.api.settings import ApiSettings
+from kvindex.api.config.settings import ApiSettings
+from kvindex.api.http.server import api_deps
 from kvindex.clients.cli.main import main
-from kvindex.indexer.events import StreamId, Tier
+from kvindex.indexer.config.settings import IndexerSettings
+from kvindex.indexer.domain.events import StreamId, Tier
 from kvindex.indexer.index.protocol import IndexUnavailableError, OpKind
 from kvindex.indexer.index.redis import RedisIndex
-from kvindex.indexer.redis_connection import connect
-from kvindex.indexer.redis_schema import Schema, SchemaVersionError
-from kvindex.indexer.settings import IndexerSettings
+from kvindex.indexer.redis.connection import connect
+from kvindex.indexer.redis.schema import Schema, SchemaVersionError
 from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis_server

@@ -15,10 +15,10 @@ from contextlib import contextmanager
 import msgspec
 import pytest
 
-from kvindex.api.app import ApiDeps, create_app
+from kvindex.api.config.settings import ApiSettings
+from kvindex.api.http.app import ApiDeps, create_app
 from kvindex.api.load.store import MemoryLoadStore
 from kvindex.api.schemas import MAX_BLOCK_KEYS, MAX_TOKEN_IDS
-from kvindex.api.settings import ApiSettings
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.index.memory import MemoryIndex
 from tests.integration.api_harness import MODEL, Api, open_api, serving_http

@@ -14,20 +14,20 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvindex.api.app import create_app
-from kvindex.api.background import BackgroundServer
+from kvindex.api.config.settings import ApiSettings
+from kvindex.api.http.app import create_app
+from kvindex.api.http.background import BackgroundServer
+from kvindex.api.http.server import api_deps
 from kvindex.api.load.store import MemoryLoadStore
-from kvindex.api.server import api_deps
-from kvindex.api.settings import ApiSettings
-from kvindex.indexer.events import StreamId
+from kvindex.indexer.config.settings import IndexerSettings
+from kvindex.indexer.domain.events import StreamId
+from kvindex.indexer.domain.health import StreamReport
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.fleet.sync import FleetSync
-from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.redis import RedisIndex
-from kvindex.indexer.redis_connection import connect
-from kvindex.indexer.redis_schema import Schema
-from kvindex.indexer.settings import IndexerSettings
+from kvindex.indexer.redis.connection import connect
+from kvindex.indexer.redis.schema import Schema
 from tests.integration.api_harness import MODEL, Api, Fleet, open_api, tokens
 from tests.integration.harness import wait_until
 from tests.support.redis_server import free_port, running_redis

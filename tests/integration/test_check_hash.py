@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from kvindex.clients.cli.check_hash import CheckSettings, run_check
 from kvindex.clients.cli.main import main
 from kvindex.clients.fake_vllm.replica import ReplicaSim, ReplicaSimSettings
-from kvindex.indexer.wire import Encoding
+from kvindex.indexer.ingest.wire import Encoding
 from tests.support.redis_server import free_port
 
 MODEL = "sim-model"

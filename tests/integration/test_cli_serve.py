@@ -15,7 +15,7 @@ import redis
 from redis.cluster import RedisCluster
 
 from kvindex.clients.fake_vllm.publisher import EventPublisher
-from kvindex.indexer.events import BlockStored, Tier
+from kvindex.indexer.domain.events import BlockStored, Tier
 from tests.support.processes import running
 from tests.support.redis_cluster import ClusterNodes
 from tests.support.redis_server import RedisServer, free_port

@@ -17,12 +17,12 @@ import msgspec
 import pytest
 from click.testing import CliRunner, Result
 
-from kvindex.api.app import ApiDeps, create_app
-from kvindex.api.background import BackgroundServer
+from kvindex.api.config.settings import ApiSettings
+from kvindex.api.decision.routing_rules import RoutingRule
+from kvindex.api.http.app import ApiDeps, create_app
+from kvindex.api.http.background import BackgroundServer
 from kvindex.api.load.store import MemoryLoadStore
-from kvindex.api.routing_rules import RoutingRule
 from kvindex.api.schemas import ReplicaView, ScoreResponse
-from kvindex.api.settings import ApiSettings
 from kvindex.clients.cli.main import main
 from kvindex.clients.http import KvIndexClient
 from kvindex.indexer.fleet.registry import Registry

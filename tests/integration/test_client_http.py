@@ -22,11 +22,11 @@ from typing import Any, cast
 
 import pytest
 
-from kvindex.api.app import ApiDeps, create_app
-from kvindex.api.background import BackgroundServer
+from kvindex.api.config.settings import ApiSettings
+from kvindex.api.http.app import ApiDeps, create_app
+from kvindex.api.http.background import BackgroundServer
 from kvindex.api.load.store import MemoryLoadStore
 from kvindex.api.schemas import ScoreResponse
-from kvindex.api.settings import ApiSettings
 from kvindex.clients.http import (
     AsyncKvIndexClient,
     BadRequestError,
@@ -35,11 +35,11 @@ from kvindex.clients.http import (
     UnauthorizedError,
     UnreachableError,
 )
-from kvindex.indexer.events import BlockStored, EventBatch, StreamId, Tier
+from kvindex.indexer.domain.events import BlockStored, EventBatch, StreamId, Tier
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.memory import MemoryIndex
-from kvindex.indexer.ingest import Ingestor
+from kvindex.indexer.ingest.ingestor import Ingestor
 
 MODEL = "demo-model"
 BLOCK = 8

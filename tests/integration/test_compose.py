@@ -27,10 +27,10 @@ import openai
 import pytest
 import yaml
 
-from kvindex.indexer.events import StreamId
+from kvindex.indexer.domain.events import StreamId
 from kvindex.indexer.index.redis import RedisIndex
-from kvindex.indexer.redis_connection import RedisClient
-from kvindex.indexer.redis_schema import Schema
+from kvindex.indexer.redis.connection import RedisClient
+from kvindex.indexer.redis.schema import Schema
 from tests.support.redis_cluster import ClusterNodes
 from tests.support.redis_server import RedisServer, free_port
 

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from kvindex.api.app import create_app
-from kvindex.api.server import Service
-from kvindex.api.settings import ApiSettings
+from kvindex.api.config.settings import ApiSettings
+from kvindex.api.http.app import create_app
+from kvindex.api.http.server import Service
 from kvindex.clients.fake_vllm.publisher import EventPublisher
-from kvindex.indexer.events import BlockRemoved, BlockStored, StreamId, Tier
+from kvindex.indexer.domain.events import BlockRemoved, BlockStored, StreamId, Tier
 from tests.integration.api_harness import BLOCK, MODEL, serving_http, tokens
 from tests.integration.harness import (
     Indexer,

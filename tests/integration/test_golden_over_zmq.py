@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from kvindex.indexer.events import StreamId
+from kvindex.indexer.domain.events import StreamId
+from kvindex.indexer.domain.keys import block_keys
 from kvindex.indexer.index.memory import MemoryIndex
-from kvindex.indexer.keys import block_keys
-from kvindex.indexer.wire import ReplayLayout
+from kvindex.indexer.ingest.wire import ReplayLayout
 from tests.integration.harness import (
     publisher_at,
     replica_of,

@@ -1,7 +1,7 @@
 """The hot routes answer as FastAPI's routes do: one app with them, one without, same requests.
 
 Two in-process apps (``httpx.ASGITransport``) over twin memory-store fleets filled the same
-way, one built with the plain-ASGI :class:`~kvindex.api.hot_routes.HotRoutes` (as served),
+way, one built with the plain-ASGI :class:`~kvindex.api.http.hot_routes.HotRoutes` (as served),
 one with FastAPI's routes alone (``lean_routes=False``). Every request goes to both, in the
 same order (each app's scorer then makes the same choices), and the two answers must agree:
 status, body and the headers a client acts on. Then what the hot routes must keep beyond the
@@ -18,8 +18,8 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvindex.api.config.settings import ApiSettings
 from kvindex.api.load.store import MemoryLoadStore
-from kvindex.api.settings import ApiSettings
 from kvindex.indexer.index.memory import MemoryIndex
 from tests.integration.api_harness import MODEL, Api, comparable_body, open_api, tokens
 

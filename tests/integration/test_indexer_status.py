@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvindex import __version__
 from kvindex.clients.fake_vllm.publisher import EventPublisher
-from kvindex.indexer.events import BlockStored, Tier
+from kvindex.indexer.domain.events import BlockStored, Tier
 from kvindex.indexer.metrics import COUNTERS
 from tests.support.processes import running
 from tests.support.redis_server import RedisServer, free_port, running_redis

@@ -13,13 +13,13 @@ import pytest
 import zmq
 
 from kvindex.clients.fake_vllm.publisher import EventPublisher
-from kvindex.indexer.events import BlockStored, Event, StreamId, Tier
+from kvindex.indexer.domain.events import BlockStored, Event, StreamId, Tier
+from kvindex.indexer.domain.keys import block_keys
 from kvindex.indexer.fleet.registry import Freshness
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.memory import MemoryIndex
-from kvindex.indexer.keys import block_keys
-from kvindex.indexer.subscriber import SubscriberLoop
-from kvindex.indexer.wire import encode_batch, encode_replay_end, encode_replay_reply
+from kvindex.indexer.ingest.subscriber import SubscriberLoop
+from kvindex.indexer.ingest.wire import encode_batch, encode_replay_end, encode_replay_reply
 from tests.integration.harness import (
     MODEL,
     Indexer,

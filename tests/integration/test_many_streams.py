@@ -20,9 +20,9 @@ import httpx
 import pytest
 import zmq
 
-from kvindex.indexer.events import BlockStored, Tier
-from kvindex.indexer.process_limits import raise_file_limit, sized_context
-from kvindex.indexer.wire import (
+from kvindex.indexer.domain.events import BlockStored, Tier
+from kvindex.indexer.ingest.process_limits import raise_file_limit, sized_context
+from kvindex.indexer.ingest.wire import (
     WireError,
     decode_replay_request,
     encode_batch,

@@ -21,7 +21,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvindex.clients.fake_vllm.publisher import EventPublisher
-from kvindex.indexer.events import BlockStored, Tier
+from kvindex.indexer.domain.events import BlockStored, Tier
 from tests.support.paths import ROOT
 from tests.support.processes import running
 from tests.support.redis_server import free_port

@@ -23,15 +23,15 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from kvindex.api.app import ApiDeps, create_app
+from kvindex.api.config.settings import ApiSettings
+from kvindex.api.http.app import ApiDeps, create_app
 from kvindex.api.load.store import MemoryLoadStore
-from kvindex.api.settings import ApiSettings
-from kvindex.indexer.events import BlockStored, EventBatch, StreamId, Tier
+from kvindex.indexer.domain.events import BlockStored, EventBatch, StreamId, Tier
+from kvindex.indexer.domain.health import StreamReport
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
-from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index.memory import MemoryIndex
-from kvindex.indexer.ingest import Ingestor
+from kvindex.indexer.ingest.ingestor import Ingestor
 
 MODEL = "demo-model"
 BLOCK = 16

@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from kvindex.indexer.fleet.replica_health import ReplicaHealth
-from kvindex.indexer.redis_schema import Schema
+from kvindex.indexer.redis.schema import Schema
 from tests.support.processes import Child, http_ok, kvindex_child
 from tests.support.redis_server import RedisServer, free_port
 

@@ -24,7 +24,7 @@ import redis
 
 from kvindex.api.load.model import InFlight
 from kvindex.api.load.store import RedisLoadStore
-from kvindex.indexer.redis_schema import Schema
+from kvindex.indexer.redis.schema import Schema
 from tests.integration.test_proxy import MODEL, Sim
 from tests.support.processes import Child, http_ok, kvindex_child
 from tests.support.redis_server import RedisServer, free_port

@@ -8,9 +8,9 @@ import time
 import zmq
 
 from kvindex.clients.fake_vllm.publisher import EventPublisher
-from kvindex.indexer.events import BlockStored, Tier
-from kvindex.indexer.replay import fetch_replay
-from kvindex.indexer.wire import decode_seq
+from kvindex.indexer.domain.events import BlockStored, Tier
+from kvindex.indexer.ingest.replay import fetch_replay
+from kvindex.indexer.ingest.wire import decode_seq
 
 NUM_FRAMES = 1000
 BIG = BlockStored(tuple(range(64)), None, [70_000 + i for i in range(64 * 16)], 16, Tier.GPU)

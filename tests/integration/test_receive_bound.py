@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from kvindex.indexer.events import BlockStored, Event, StreamId, Tier
+from kvindex.indexer.domain.events import BlockStored, Event, StreamId, Tier
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import ApplyResult, BatchOps
 from tests.integration.harness import (

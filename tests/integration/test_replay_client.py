@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import zmq
 
-from kvindex.indexer.events import BlockStored, Tier
-from kvindex.indexer.replay import ReplayTimeoutError, fetch_replay
-from kvindex.indexer.wire import ReplayLayout
+from kvindex.indexer.domain.events import BlockStored, Tier
+from kvindex.indexer.ingest.replay import ReplayTimeoutError, fetch_replay
+from kvindex.indexer.ingest.wire import ReplayLayout
 from tests.integration.harness import publisher_at
 
 STORE = BlockStored((1, 2), None, list(range(32)), 16, Tier.GPU)

@@ -12,11 +12,11 @@ import pytest
 from kvindex.clients.cli.main import replica_sim as replica_sim_command
 from kvindex.clients.fake_vllm import replica as replica_module
 from kvindex.clients.fake_vllm.replica import LOOPBACK_EVENTS, ReplicaSim, ReplicaSimSettings
-from kvindex.indexer.events import StreamId
+from kvindex.indexer.domain.events import StreamId
+from kvindex.indexer.domain.keys import block_keys
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.memory import MemoryIndex
-from kvindex.indexer.keys import block_keys
-from kvindex.indexer.wire import Encoding
+from kvindex.indexer.ingest.wire import Encoding
 from tests.integration.harness import Indexer, running_indexer, settings_for, wait_until, warm_up
 
 MODEL = "sim-model"

@@ -19,15 +19,15 @@ from typing import Any
 import httpx
 import pytest
 
-from kvindex.api.app import create_app
-from kvindex.api.background import BackgroundServer
-from kvindex.api.server import api_deps
-from kvindex.api.settings import ApiSettings
+from kvindex.api.config.settings import ApiSettings
+from kvindex.api.http.app import create_app
+from kvindex.api.http.background import BackgroundServer
+from kvindex.api.http.server import api_deps
+from kvindex.indexer.config.settings import IndexerSettings
 from kvindex.indexer.fleet.sync import FleetSync
 from kvindex.indexer.index.redis import RedisIndex
-from kvindex.indexer.redis_connection import connect
-from kvindex.indexer.redis_schema import Schema
-from kvindex.indexer.settings import IndexerSettings
+from kvindex.indexer.redis.connection import connect
+from kvindex.indexer.redis.schema import Schema
 from tests.integration.api_harness import MODEL, Fleet, tokens
 from tests.integration.harness import wait_until
 from tests.support.redis_server import RedisServer, running_redis

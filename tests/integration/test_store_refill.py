@@ -16,11 +16,11 @@ import pytest
 import redis
 
 from kvindex.clients.fake_vllm.publisher import EventPublisher
-from kvindex.indexer.events import BlockStored, StreamId, Tier
+from kvindex.indexer.domain.events import BlockStored, StreamId, Tier
+from kvindex.indexer.domain.keys import block_keys
 from kvindex.indexer.index.redis import RedisIndex
-from kvindex.indexer.keys import block_keys
-from kvindex.indexer.redis_connection import connect
-from kvindex.indexer.redis_schema import Schema
+from kvindex.indexer.redis.connection import connect
+from kvindex.indexer.redis.schema import Schema
 from tests.integration.harness import (
     MODEL,
     Indexer,

@@ -18,7 +18,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from kvindex.api.background import BackgroundServer
+from kvindex.api.http.background import BackgroundServer
 from kvindex.api.tokenize.cache import CachingTokenizer
 from kvindex.api.tokenize.choice import TokenizerSpec, build_tokenizer
 from kvindex.api.tokenize.protocol import Tokenizer, TokenizerError

@@ -11,15 +11,21 @@ import redis
 import zmq
 
 from kvindex.clients.fake_vllm.publisher import EventPublisher
-from kvindex.indexer.events import AllBlocksCleared, BlockRemoved, BlockStored, StreamId, Tier
+from kvindex.indexer.domain.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    StreamId,
+    Tier,
+)
+from kvindex.indexer.domain.keys import block_keys
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.index.redis import RedisIndex
-from kvindex.indexer.keys import block_keys
-from kvindex.indexer.redis_connection import connect
-from kvindex.indexer.redis_schema import Schema
+from kvindex.indexer.ingest.wire import Encoding, ReplayLayout, encode_batch, encode_live, to_wire
+from kvindex.indexer.redis.connection import connect
+from kvindex.indexer.redis.schema import Schema
 from kvindex.indexer.service import IndexerService
-from kvindex.indexer.wire import Encoding, ReplayLayout, encode_batch, encode_live, to_wire
 from tests.integration.harness import (
     MODEL,
     consecutive_free_ports,

@@ -1,12 +1,12 @@
 """Fuzzing the write path: hypothesis strategies for live frames and replay replies, valid
-and corrupt, and the properties the socket-free :class:`~kvindex.indexer.pipeline.Pipeline`
+and corrupt, and the properties the socket-free :class:`~kvindex.indexer.ingest.pipeline.Pipeline`
 must keep over them.
 
 One home for both runs: ``tests/unit/indexer/test_wire_fuzz.py`` (short, in CI) and
 ``bench/fuzz.py`` (long, ``--cases``) draw from the same strategies and check the same
 properties.
 
-Valid frames are built with ``kvindex.indexer.wire``'s own structs and encoders; every hash
+Valid frames are built with ``kvindex.indexer.ingest.wire``'s own structs and encoders; every hash
 is sent in one of vLLM's forms (a non-negative int, the same value as a negative int, a
 32-byte digest ending in it), so all of them must land on the same blocks. Corrupt frames
 are valid ones broken in a way that makes them undecodable *by construction* (so the
@@ -38,7 +38,8 @@ from typing import Any, Literal, TypeAlias
 import msgspec
 from hypothesis import strategies as st
 
-from kvindex.indexer.events import (
+from kvindex.indexer.config.settings import IndexerSettings
+from kvindex.indexer.domain.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -46,13 +47,12 @@ from kvindex.indexer.events import (
     StreamId,
     Tier,
 )
+from kvindex.indexer.domain.health import StreamCounters, StreamHealth
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
-from kvindex.indexer.health import StreamCounters, StreamHealth
 from kvindex.indexer.index.memory import MemoryIndex
-from kvindex.indexer.pipeline import MAX_TOPIC_RANKS, Pipeline
-from kvindex.indexer.settings import IndexerSettings
-from kvindex.indexer.wire import (
+from kvindex.indexer.ingest.pipeline import MAX_TOPIC_RANKS, Pipeline
+from kvindex.indexer.ingest.wire import (
     END_SEQ_BYTES,
     BlockStoredArray,
     Encoding,
@@ -405,7 +405,7 @@ def replies(draw: st.DrawFn, max_size: int = 10) -> list[Reply]:
 @dataclass
 class Replays:
     """The socket owner's side of replays: counts undecodable replies as the replay
-    session does (``kvindex.indexer.replay``)."""
+    session does (``kvindex.indexer.ingest.replay``)."""
 
     open: set[StreamId] = field(default_factory=set)
     num_bad_frames: int = 0

@@ -92,7 +92,7 @@ def imports_of(path: Path) -> set[str]:
     found: set[str] = set()
     for node in ast.walk(ast.parse((ROOT / path).read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
+            # ``from a.b import c`` names the module a.b.c if there is one, else a.b.
             found.update(f"{node.module}.{alias.name}" for alias in node.names)
         elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
@@ -125,8 +125,11 @@ def _in_tree(imported: str, paths: dict[str, Path]) -> str:
 
 def room_of(module: str, graph: dict[str, set[str]]) -> str:
     """A module's room: the package it sits in (a package's ``__init__`` is in its own)."""
-    has_children = any(other.startswith(module + ".") for other in graph)
-    return module if has_children else module.rpartition(".")[0]
+    return module if module in _packages() else module.rpartition(".")[0]
+
+
+def _packages() -> set[str]:
+    return {module_name(p) for p in source_files() if p.name == "__init__.py"}
 
 
 def room_imports(graph: dict[str, set[str]]) -> dict[str, dict[str, list[str]]]:

@@ -10,12 +10,12 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from kvindex.api.policies import Weights
-from kvindex.api.routing_rules import RoutingRule
-from kvindex.api.settings import ApiSettings, ModelSpec, load_api_settings
+from kvindex.api.config.settings import ApiSettings, ModelSpec, load_api_settings
+from kvindex.api.decision.policies import Weights
+from kvindex.api.decision.routing_rules import RoutingRule
 from kvindex.clients.proxy.settings import ProxySettings, load_proxy_settings
+from kvindex.indexer.config.settings import IndexerSettings, load_settings, read_toml
 from kvindex.indexer.fleet.replica import ReplicaSpec
-from kvindex.indexer.settings import IndexerSettings, load_settings, read_toml
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "kvindex.toml"
 _COMMENTED_KEY = re.compile(r"^# ([a-z_]+ = .*)$", re.MULTILINE)

@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvindex.api import schemas
+from kvindex.api.config.settings import ApiSettings
 from kvindex.api.load.store import MemoryLoadStore
 from kvindex.api.schemas import (
     MAX_TOKEN_IDS,
@@ -29,14 +30,13 @@ from kvindex.api.schemas import (
     decode_score_request,
 )
 from kvindex.api.score import Scorer
-from kvindex.api.settings import ApiSettings
-from kvindex.indexer.events import StreamId, Tier
+from kvindex.indexer.domain.events import StreamId, Tier
+from kvindex.indexer.domain.health import StreamReport
+from kvindex.indexer.domain.keys import block_keys
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
-from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import OpKind
-from kvindex.indexer.keys import block_keys
 
 
 def _full(body: bytes) -> ScoreRequest | str:

@@ -13,22 +13,28 @@ import fakeredis
 import pytest
 
 from kvindex.api import score as score_module
+from kvindex.api.config.settings import ApiSettings
+from kvindex.api.decision.policies import Weights
 from kvindex.api.load.model import CountedLoad, Load
 from kvindex.api.load.reservations import Reservations
 from kvindex.api.load.store import LoadStore, MemoryLoadStore, RedisLoadStore
-from kvindex.api.policies import Weights
-from kvindex.api.schemas import FreshnessView, LoadView, ScoreEntry, ScoreRequest, ScoreResponse
+from kvindex.api.schemas import (
+    FreshnessView,
+    LoadView,
+    ScoreEntry,
+    ScoreRequest,
+    ScoreResponse,
+)
 from kvindex.api.score import Scorer
-from kvindex.api.settings import ApiSettings
-from kvindex.indexer.events import StreamId, Tier
+from kvindex.indexer.domain.events import StreamId, Tier
+from kvindex.indexer.domain.health import StreamReport
+from kvindex.indexer.domain.keys import block_keys
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.fleet.view import RedisFleetView
-from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import IndexUnavailableError, Op, OpKind
-from kvindex.indexer.keys import block_keys
-from kvindex.indexer.redis_schema import Schema
+from kvindex.indexer.redis.schema import Schema
 
 MODEL = "m"
 NOW = 1_000.0

@@ -4,7 +4,7 @@ The scorer ranks ``kv_aware`` without building a candidate per replica (one load
 and one draw each, the cache term for the replicas that matched, the explained entries
 for the ``top_k`` alone). The reference below is the plain read path: every candidate
 built from every stream's freshness, every one scored and ranked by
-:func:`kvindex.api.policies.decide`. On random fleets (data-parallel ranks, stale and
+:func:`kvindex.api.decision.policies.decide`. On random fleets (data-parallel ranks, stale and
 replaying streams, CPU tiers, missing loads, identical idle loads that tie, requests in
 flight, any ``top_k``), ``best``, every entry's score and terms, and the random generator
 afterwards must be the same."""
@@ -23,24 +23,24 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvindex.api import penalty_floors as floors_module
-from kvindex.api import policies as policies_module
 from kvindex.api import score as score_module
+from kvindex.api.config.settings import ApiSettings
+from kvindex.api.decision import penalty_floors as floors_module
+from kvindex.api.decision import policies as policies_module
+from kvindex.api.decision.policies import Candidate, Decision, LoadInput, Policy, Weights, decide
 from kvindex.api.load.model import NO_IN_FLIGHT, Load
 from kvindex.api.load.reservations import Reservations
 from kvindex.api.load.store import MemoryLoadStore
-from kvindex.api.policies import Candidate, Decision, LoadInput, Policy, Weights, decide
 from kvindex.api.schemas import ScoreRequest, ScoreResponse
 from kvindex.api.score import Scorer
-from kvindex.api.settings import ApiSettings
-from kvindex.indexer.events import StreamId, Tier
+from kvindex.indexer.domain.events import StreamId, Tier
+from kvindex.indexer.domain.health import StreamReport
+from kvindex.indexer.domain.keys import block_keys
 from kvindex.indexer.fleet.registry import Freshness, Registry, StreamFreshness
 from kvindex.indexer.fleet.replica import ReplicaSpec
-from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index import memory as memory_module
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import Op, OpKind
-from kvindex.indexer.keys import block_keys
 
 MODEL = "m"
 NOW = 10_000.0

@@ -6,19 +6,19 @@ from __future__ import annotations
 
 import asyncio
 
+from kvindex.api.config.settings import ApiSettings
 from kvindex.api.load.model import Load
 from kvindex.api.load.store import MemoryLoadStore
 from kvindex.api.schemas import ScoreRequest, ScoreResponse
 from kvindex.api.score import Scorer
-from kvindex.api.settings import ApiSettings
-from kvindex.indexer.events import StreamId, Tier
+from kvindex.indexer.domain.events import StreamId, Tier
+from kvindex.indexer.domain.health import StreamReport
+from kvindex.indexer.domain.keys import block_keys
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.fleet.replica_health import ReplicaHealth
-from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import Op, OpKind
-from kvindex.indexer.keys import block_keys
 from tests.support.clock import Clock
 
 MODEL = "m"

@@ -39,8 +39,8 @@ from kvindex.clients.http import (
     UnavailableError,
     UnreachableError,
 )
-from kvindex.indexer.errors import KvIndexError
-from kvindex.indexer.keys import block_keys
+from kvindex.indexer.domain.errors import KvIndexError
+from kvindex.indexer.domain.keys import block_keys
 from tests.support.paths import ROOT
 
 BASE = "http://kvindex.test:8000"

@@ -9,10 +9,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvindex import __version__
-from kvindex.indexer.events import StreamId, Tier
+from kvindex.indexer.domain.events import StreamId, Tier
+from kvindex.indexer.domain.health import StreamCounters, StreamReport, UnroutedCounters
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
-from kvindex.indexer.health import StreamCounters, StreamReport, UnroutedCounters
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import OpKind, StreamStats
 from kvindex.indexer.metrics import COUNTERS, IndexerProcessCollector, IngestCollector

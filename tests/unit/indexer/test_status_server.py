@@ -13,10 +13,10 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvindex.indexer.errors import SettingsError
+from kvindex.indexer.config.settings import IndexerSettings, load_settings
+from kvindex.indexer.domain.errors import SettingsError
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.service import IndexerService
-from kvindex.indexer.settings import IndexerSettings, load_settings
 from kvindex.indexer.status_server import (
     Answer,
     StatusPortError,

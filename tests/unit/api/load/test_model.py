@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from kvindex.api.load.model import MAX_FUTURE_S, Load, LoadError, is_newer_or_same
-from kvindex.indexer.errors import KvIndexError
+from kvindex.indexer.domain.errors import KvIndexError
 from tests.unit.api.load.samples import a_load
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from kvindex.api.load.reservations import LeaseKeeper, MemoryLedger, Reservations, new_holder
 from kvindex.indexer.index.protocol import IndexUnavailableError
-from kvindex.indexer.redis_schema import SchemaError, check_name
+from kvindex.indexer.redis.schema import SchemaError, check_name
 
 
 def test_the_lease_keeper_renews_until_stopped_and_counts_failures() -> None:

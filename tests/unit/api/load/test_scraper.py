@@ -15,7 +15,7 @@ from kvindex.api.load.scraper import MetricsScraper, ScrapeStats, ScrapeTarget
 from kvindex.api.load.store import MemoryLoadStore, RedisLoadStore
 from kvindex.api.load.vllm_metrics import KV_USAGE, RUNNING
 from kvindex.indexer.index.protocol import IndexUnavailableError
-from kvindex.indexer.redis_schema import Schema
+from kvindex.indexer.redis.schema import Schema
 from tests.unit.api.load.samples import NOW
 
 

@@ -18,9 +18,9 @@ from redis.retry import Retry
 from kvindex.api.load.model import CountedLoad
 from kvindex.api.load.reservations import Reservations
 from kvindex.api.load.store import CircuitLoadStore, LoadChanges, MemoryLoadStore, RedisLoadStore
-from kvindex.indexer.circuit import StoreCircuit
+from kvindex.indexer.index.circuit import StoreCircuit
 from kvindex.indexer.index.protocol import IndexUnavailableError
-from kvindex.indexer.redis_schema import MAX_LOAD_TOMBSTONES, Schema
+from kvindex.indexer.redis.schema import MAX_LOAD_TOMBSTONES, Schema
 from tests.support.redis_server import free_port
 from tests.unit.api.load.samples import NOW, a_load
 

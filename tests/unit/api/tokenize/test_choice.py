@@ -10,7 +10,7 @@ import httpx
 import pytest
 import tokenizers
 
-from kvindex.api.settings import ApiSettings, ModelSpec
+from kvindex.api.config.settings import ApiSettings, ModelSpec
 from kvindex.api.tokenize.cache import CachingTokenizer
 from kvindex.api.tokenize.choice import ModelTokenizers, TokenizerSpec, build_tokenizer
 from kvindex.api.tokenize.local import LocalTokenizer

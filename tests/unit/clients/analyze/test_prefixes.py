@@ -6,7 +6,7 @@ import random
 from collections import Counter
 
 from kvindex.clients.analyze.prefixes import PrefixCounts, PrefixTree
-from kvindex.indexer.keys import block_keys
+from kvindex.indexer.domain.keys import block_keys
 
 
 def counts_of(*rows: list[int]) -> PrefixCounts:

@@ -18,7 +18,7 @@ from kvindex.clients.cli.check_hash import (
 )
 from kvindex.clients.cli.main import main
 from kvindex.clients.fake_vllm.block_pool import BlockPool
-from kvindex.indexer.events import BlockStored
+from kvindex.indexer.domain.events import BlockStored
 
 MODEL = "m"
 SIZE = 4

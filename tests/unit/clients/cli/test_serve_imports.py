@@ -14,10 +14,10 @@ httpcore (and a TLS context): the first outgoing request (no replica here gives 
 _SERVE_PATH = """
 import json, sys
 from kvindex.clients.cli.main import main  # the console script's import
-from kvindex.api.app import create_app
-from kvindex.api.server import Service
-from kvindex.api.settings import load_api_settings
-from kvindex.indexer.settings import load_settings
+from kvindex.api.http.app import create_app
+from kvindex.api.http.server import Service
+from kvindex.api.config.settings import load_api_settings
+from kvindex.indexer.config.settings import load_settings
 
 settings = load_settings(None, env={}, overrides={"store": "memory"})
 service = Service.build(settings, load_api_settings(None, None, env={}))

@@ -10,9 +10,9 @@ from dataclasses import replace
 import pytest
 
 from kvindex.clients.cli.status import MAX_NAMED, FleetStatus, StatusLog, status_line
-from kvindex.indexer.events import Tier
+from kvindex.indexer.domain.events import Tier
+from kvindex.indexer.domain.health import StreamCounters, UnroutedCounters
 from kvindex.indexer.fleet.registry import FleetTotals, Freshness
-from kvindex.indexer.health import StreamCounters, UnroutedCounters
 
 
 def fleet(live: int = 2, stale: tuple[str, ...] = ("r3/0",), num_batches: int = 100) -> FleetStatus:

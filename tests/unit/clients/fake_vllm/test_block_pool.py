@@ -7,10 +7,17 @@ import time
 
 from kvindex.clients.fake_vllm.block_pool import BlockPool
 from kvindex.clients.fake_vllm.engine_hash import engine_chain
-from kvindex.indexer.events import BlockRemoved, BlockStored, Event, EventBatch, StreamId, Tier
+from kvindex.indexer.domain.events import (
+    BlockRemoved,
+    BlockStored,
+    Event,
+    EventBatch,
+    StreamId,
+    Tier,
+)
+from kvindex.indexer.domain.keys import block_keys
 from kvindex.indexer.index.memory import MemoryIndex
-from kvindex.indexer.ingest import Ingestor
-from kvindex.indexer.keys import block_keys
+from kvindex.indexer.ingest.ingestor import Ingestor
 
 ROOT = 7
 

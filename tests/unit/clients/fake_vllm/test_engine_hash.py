@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvindex.clients.fake_vllm.engine_hash import engine_chain, engine_root
-from kvindex.indexer.keys import chain_keys, tokens_to_bytes
+from kvindex.indexer.domain.keys import chain_keys, tokens_to_bytes
 
 TOKENS = list(range(100, 132))  # 4 blocks of 8
 

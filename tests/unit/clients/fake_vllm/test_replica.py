@@ -28,7 +28,7 @@ from kvindex.clients.fake_vllm.replica import (
     service_times,
     tokenize_text,
 )
-from kvindex.indexer.events import Event
+from kvindex.indexer.domain.events import Event
 
 ROOT = 7
 

@@ -8,7 +8,7 @@ import asyncio
 import httpx
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvindex.api.settings import ApiSettings
+from kvindex.api.config.settings import ApiSettings
 from kvindex.clients.proxy.ejection import EjectionMetrics, ReplicaBreakers
 from kvindex.clients.proxy.forwarding import Forwarder
 from kvindex.clients.proxy.metrics import ProxyMetrics

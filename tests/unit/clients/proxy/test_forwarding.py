@@ -28,7 +28,7 @@ from kvindex.clients.proxy.forwarding import (
 from kvindex.clients.proxy.metrics import ProxyMetrics
 from kvindex.clients.proxy.settings import ProxySettings
 from kvindex.clients.proxy.upstream import Upstream
-from kvindex.indexer.errors import SettingsError
+from kvindex.indexer.domain.errors import SettingsError
 from kvindex.indexer.index.protocol import IndexUnavailableError
 
 UPSTREAMS = tuple(Upstream(f"r{i}", f"http://r{i}.test:8000") for i in (1, 2, 3))

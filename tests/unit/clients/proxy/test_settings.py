@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvindex.clients.proxy.settings import ProxySettings, load_proxy_settings
-from kvindex.indexer.errors import SettingsError
+from kvindex.indexer.domain.errors import SettingsError
 
 
 def test_file_then_env_then_command_line() -> None:

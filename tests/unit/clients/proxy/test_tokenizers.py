@@ -9,7 +9,7 @@ import re
 import httpx
 import pytest
 
-from kvindex.api.settings import ApiSettings, ModelSpec
+from kvindex.api.config.settings import ApiSettings, ModelSpec
 from kvindex.api.tokenize.protocol import TokenizerError
 from kvindex.clients.proxy.tokenizers import FailoverTokenizer, ProxyTokenizers
 from kvindex.indexer.fleet.registry import Registry

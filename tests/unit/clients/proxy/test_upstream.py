@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
+from kvindex.api.config.settings import ApiSettings
+from kvindex.api.decision.routing_rules import RoutingRule
 from kvindex.api.load.store import MemoryLoadStore
-from kvindex.api.routing_rules import RoutingRule
 from kvindex.api.score import Scorer, UnknownModelError
-from kvindex.api.settings import ApiSettings
 from kvindex.api.tokenize.protocol import Tokenizer, TokenizerError
 from kvindex.clients.proxy.upstream import (
     BadRequestBodyError,
@@ -19,14 +19,14 @@ from kvindex.clients.proxy.upstream import (
     NoUpstreamError,
     UpstreamPicker,
 )
-from kvindex.indexer.events import StreamId, Tier
+from kvindex.indexer.domain.events import StreamId, Tier
+from kvindex.indexer.domain.health import StreamReport
+from kvindex.indexer.domain.keys import block_keys
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.fleet.replica_health import HealthPolicy
-from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import Op, OpKind
-from kvindex.indexer.keys import block_keys
 
 MODEL = "m"
 NOW = 1_000.0

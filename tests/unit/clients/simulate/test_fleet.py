@@ -26,7 +26,7 @@ from kvindex.clients.simulate.run import (
     single_cache_hit_rate,
 )
 from kvindex.clients.workloads import TraceRequest
-from kvindex.indexer.events import BlockRemoved, BlockStored, Event
+from kvindex.indexer.domain.events import BlockRemoved, BlockStored, Event
 
 
 class Fixed:

@@ -21,8 +21,8 @@ from kvindex.clients.simulate.routing import (
     parse_policy,
 )
 from kvindex.clients.workloads import TraceRequest
-from kvindex.indexer.events import BlockStored, Event, StreamId, Tier
-from kvindex.indexer.keys import block_keys
+from kvindex.indexer.domain.events import BlockStored, Event, StreamId, Tier
+from kvindex.indexer.domain.keys import block_keys
 
 FLEET = FleetSettings(replicas=3, capacity_blocks=64, block_size=4)
 ROOT = engine_root(FLEET.model)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from kvindex.indexer.events import StreamId, Tier
+from kvindex.indexer.domain.events import StreamId, Tier
+from kvindex.indexer.domain.health import StreamReport
 from kvindex.indexer.fleet.registry import Freshness, Registry, fleet_totals
 from kvindex.indexer.fleet.replica import ReplicaSpec
-from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import OpKind
 from tests.support.clock import Clock

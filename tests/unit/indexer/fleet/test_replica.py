@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvindex.indexer.errors import SettingsError
+from kvindex.indexer.domain.errors import SettingsError
 from kvindex.indexer.fleet.replica import ReplicaSpec, endpoint_for_rank, replica_from_mapping
 
 

@@ -7,15 +7,15 @@ from __future__ import annotations
 import fakeredis
 import pytest
 
-from kvindex.indexer.circuit import StoreCircuit
-from kvindex.indexer.events import StreamId
+from kvindex.indexer.domain.events import StreamId
+from kvindex.indexer.domain.health import StreamHealth, StreamReport, UnroutedCounters
 from kvindex.indexer.fleet.registry import Freshness, Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.fleet.sync import FleetSync, StreamRecord, encode_record, encode_spec
 from kvindex.indexer.fleet.view import RedisFleetView
-from kvindex.indexer.health import StreamHealth, StreamReport, UnroutedCounters
+from kvindex.indexer.index.circuit import StoreCircuit
 from kvindex.indexer.index.protocol import IndexUnavailableError
-from kvindex.indexer.redis_schema import UNROUTED_FIELD, Schema
+from kvindex.indexer.redis.schema import UNROUTED_FIELD, Schema
 from tests.support.clock import Clock
 
 SCHEMA = Schema("test")

@@ -6,15 +6,15 @@ from __future__ import annotations
 import fakeredis
 import pytest
 
-from kvindex.indexer.events import StreamId
+from kvindex.indexer.domain.events import StreamId
+from kvindex.indexer.domain.health import StreamReport
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.fleet.replica_health import HealthPolicy, ReplicaHealth
 from kvindex.indexer.fleet.sync import FleetSync
 from kvindex.indexer.fleet.view import RedisFleetView
-from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index.protocol import IndexUnavailableError
-from kvindex.indexer.redis_schema import Schema
+from kvindex.indexer.redis.schema import Schema
 
 SCHEMA = Schema("t")
 NOW = 1_000_000.0

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvindex.indexer.events import StreamId, Tier
+from kvindex.indexer.domain.events import StreamId, Tier
 from kvindex.indexer.index import memory
 from kvindex.indexer.index.memory import IndexLock, MemoryIndex, PyTables
 from kvindex.indexer.index.protocol import NO_MATCH, HolderLookup, Op, OpKind, PrefixMatch

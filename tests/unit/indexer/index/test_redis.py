@@ -18,7 +18,7 @@ from redis.cluster import RedisCluster
 from redis.crc import key_slot
 from redis.retry import Retry
 
-from kvindex.indexer.events import StreamId, Tier
+from kvindex.indexer.domain.events import StreamId, Tier
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import (
     SKIPPED,
@@ -31,8 +31,8 @@ from kvindex.indexer.index.protocol import (
     StreamStats,
 )
 from kvindex.indexer.index.redis import RedisIndex, group_matches, holder_tiers
-from kvindex.indexer.redis_connection import RedisClient, connect, connect_bounded
-from kvindex.indexer.redis_schema import (
+from kvindex.indexer.redis.connection import RedisClient, connect, connect_bounded
+from kvindex.indexer.redis.schema import (
     CLUSTER_INDEX_GROUPS,
     DEFAULT_PREFIX,
     META_TIER_PREFIX,

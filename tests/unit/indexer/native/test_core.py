@@ -21,8 +21,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvindex.indexer import native, wire
-from kvindex.indexer.events import (
+from kvindex.indexer import native
+from kvindex.indexer.domain.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -31,11 +31,12 @@ from kvindex.indexer.events import (
     StreamId,
     Tier,
 )
-from kvindex.indexer.health import StreamReport
+from kvindex.indexer.domain.health import StreamReport
+from kvindex.indexer.domain.keys import BlockKeyError, block_keys, chain_keys, tokens_to_bytes
 from kvindex.indexer.index.memory import MemoryIndex, PyTables, new_tables
 from kvindex.indexer.index.protocol import Op, OpKind
-from kvindex.indexer.ingest import Ingestor
-from kvindex.indexer.keys import BlockKeyError, block_keys, chain_keys, tokens_to_bytes
+from kvindex.indexer.ingest import wire
+from kvindex.indexer.ingest.ingestor import Ingestor
 
 U64 = st.integers(0, 2**64 - 1)
 

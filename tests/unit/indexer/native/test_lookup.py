@@ -20,10 +20,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvindex.api import policies, score
+from kvindex.api import score
+from kvindex.api.decision import policies
+from kvindex.api.decision.policies import Weights, penalty_weights
 from kvindex.api.load.model import CountedLoad, InFlight, Load
-from kvindex.api.policies import Weights, penalty_weights
-from kvindex.indexer.events import Tier
+from kvindex.indexer.domain.events import Tier
 from kvindex.indexer.index import memory
 from kvindex.indexer.index.protocol import HeldRuns, PrefixMatch
 from kvindex.indexer.native import _lookup

@@ -32,7 +32,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvindex.indexer import native
-from kvindex.indexer.events import (
+from kvindex.indexer.config.settings import IndexerSettings
+from kvindex.indexer.domain.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -40,16 +41,15 @@ from kvindex.indexer.events import (
     StreamId,
     Tier,
 )
+from kvindex.indexer.domain.health import StreamReport
+from kvindex.indexer.domain.keys import block_keys, chain_keys, tokens_to_bytes
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
-from kvindex.indexer.health import StreamReport
 from kvindex.indexer.index import memory
 from kvindex.indexer.index.memory import MemoryIndex
-from kvindex.indexer.ingest import Ingestor, _KeyCache
-from kvindex.indexer.keys import block_keys, chain_keys, tokens_to_bytes
-from kvindex.indexer.pipeline import Pipeline
-from kvindex.indexer.settings import IndexerSettings
-from kvindex.indexer.wire import (
+from kvindex.indexer.ingest.ingestor import Ingestor, _KeyCache
+from kvindex.indexer.ingest.pipeline import Pipeline
+from kvindex.indexer.ingest.wire import (
     decode_live,
     decode_live_native,
     encode_batch,

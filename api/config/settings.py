@@ -1,0 +1,459 @@
+"""The API process's typed settings (TOML ``[api]``, ``[api.weights]``, ``[[models]]``).
+
+Like the indexer's, every field has a default and a one-line doc, the object is frozen and
+passed down, and :func:`load_api_settings` raises :class:`SettingsError` naming the key
+(or the environment variable) and the bad value. Precedence: command line > environment
+(``KVINDEX_API_<FIELD>``, ``KVINDEX_API_WEIGHTS_<NAME>``, ``KVINDEX_API_MODELS`` as JSON)
+> TOML > defaults.
+
+Environment::
+
+    KVINDEX_API_PORT=9000
+    KVINDEX_API_REPLICA_NETWORKS=10.0.0.0/8,fd00::/8
+    KVINDEX_API_WEIGHTS_WAITING=0.5
+
+TOML::
+
+    [api]
+    port = 8000
+    default_policy = "kv_aware"
+
+    [api.weights]
+    waiting = 0.1
+
+    [[models]]
+    name = "meta-llama/Llama-3.1-8B-Instruct"
+    block_size = 16
+    policy = "kv_aware"
+    tokenizer = "/models/llama/tokenizer.json"   # or "replica": ask a replica's /tokenize
+
+    [[rules]]                                     # see kvindex.api.decision.routing_rules
+    name = "batch"
+    workload = "batch"
+    policy = "least_load"
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from kvindex.api.config.url_policy import UrlPolicy
+from kvindex.api.decision.policies import Policy, ScoringError, Weights
+from kvindex.api.decision.routing_rules import RoutingRule, rule_from_table
+from kvindex.indexer.domain.errors import SettingsError
+from kvindex.indexer.fleet.replica_health import HealthPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Per-model routing settings."""
+
+    name: str
+    block_size: int | None = None
+    """Tokens per KV block; default: as seen in the replicas' events, else the API default."""
+    policy: str | None = None
+    """Routing policy for this model (a request may still choose its own)."""
+    tokenizer: str | None = None
+    """Path of a ``tokenizer.json`` (chat template from a sibling ``tokenizer_config.json``),
+    or ``replica`` to use a replica's own ``POST /tokenize``."""
+    loras: tuple[str, ...] = ()
+    """LoRA adapters the model's replicas serve under their own names (vLLM's
+    ``--lora-modules name=path``): the proxy sends a request naming one to this model's
+    replicas, its blocks keyed with that ``lora_name``."""
+
+    def __post_init__(self) -> None:
+        loras = self.loras
+        if not isinstance(loras, tuple) or not all(isinstance(n, str) and n for n in loras):
+            raise SettingsError(f"models.{self.name}.loras must be a list of names, got {loras!r}")
+        if self.block_size is not None:
+            _check_number(f"models.{self.name}.block_size", self.block_size, _POSITIVE_INT)
+        if self.policy is not None:
+            _check_policy(f"models.{self.name}.policy", self.policy)
+
+
+@dataclass(frozen=True, slots=True)
+class ApiSettings:
+    host: str = "127.0.0.1"
+    """Listen address."""
+    port: int = 8000
+    """Listen port."""
+    auth_token: str | None = None
+    """Bearer token required on every endpoint but /healthz and /readyz (env
+    KVINDEX_API_AUTH_TOKEN or KVINDEX_API_TOKEN)."""
+    auth_token_file: str | None = None
+    """A file holding the bearer token (env KVINDEX_API_AUTH_TOKEN_FILE or KVINDEX_API_TOKEN_FILE,
+    ``--token-file``); when
+    set, its content (stripped) is ``auth_token``, so the token need not be in argv or env."""
+    default_policy: str = "kv_aware"
+    """Policy when neither the request nor the model's settings choose one."""
+    default_block_size: int = 16
+    """Block size when the events have not shown one yet (vLLM's default is 16)."""
+    default_top_k: int = 16
+    """Candidates explained in a ``/score`` answer when the request sets no ``top_k``
+    (0: every candidate); the rest are only counted, so an answer stays small on a large
+    fleet."""
+    weights: Weights = field(default_factory=Weights)
+    """Default scoring weights (``[api.weights]``)."""
+    models: tuple[ModelSpec, ...] = ()
+    """Per-model settings (``[[models]]``)."""
+    rules: tuple[RoutingRule, ...] = ()
+    """Routing rules per workload (``[[rules]]``), first match wins
+    (:mod:`kvindex.api.decision.routing_rules`)."""
+    scrape_interval_s: float = 2.0
+    """Scrape every replica's vLLM /metrics this often (0: never; rely on POST /load)."""
+    scrape_timeout_s: float = 1.0
+    """Timeout of one /metrics or /tokenize call."""
+    tokenizer_cache_entries: int = 4096
+    """Tokenizations of repeated prompts kept per model."""
+    seed: int | None = None
+    """Seed of tie-breaks and random policies (tests); None: from the OS."""
+    max_body_bytes: int = 8 * 1024 * 1024
+    """Largest request body; a larger one (declared or counted) is refused with 413 before
+    it is read whole."""
+    header_timeout_s: float = 10.0
+    """A request head (request line and headers) must arrive whole this long after the
+    connection opens or its first byte; else the connection is closed unanswered."""
+    body_timeout_s: float = 10.0
+    """A request body must arrive whole this long after the route starts reading it (408)."""
+    replica_networks: tuple[str, ...] = ()
+    """Networks (CIDR) a replica URL from ``POST /replicas`` may resolve into; empty: any
+    address but a link-local one (169.254.0.0/16, fe80::/10)."""
+    redis_timeout_s: float = 0.1
+    """Timeout of one Redis call of the API (connect, send, reply): with Redis stopped or
+    overloaded, /score answers ``degraded`` this much later than usual, never later."""
+    redis_cooldown_s: float = 0.5
+    """After a failed Redis call, the API skips Redis this long (answering ``degraded``),
+    then lets one call probe it."""
+    access_log: bool = False
+    """Log one line per HTTP request (logger ``kvindex.access``: method, path, status,
+    milliseconds), in the process's log format (``--access-log``)."""
+    health_check_interval_s: float = 2.0
+    """Check every replica's ``health_check_path`` this often (0: never); processes sharing
+    a Redis check each replica once a round between them."""
+    health_check_timeout_s: float = 1.0
+    """Timeout of one health check (connect to last byte); a timeout is a failure."""
+    health_check_path: str = "/health"
+    """Path appended to a replica's ``url`` for its health check (vLLM serves ``/health``)."""
+    unhealthy_threshold: int = 3
+    """Consecutive failed health checks that eject a replica from routing."""
+    healthy_threshold: int = 2
+    """Consecutive passed health checks that restore an ejected replica."""
+    breaker_failures: int = 5
+    """Consecutive failed forwards (connect error, 5xx) that open a replica's breaker in
+    ``kvindex proxy``: the replica is out of routing for ``breaker_cooldown_s``."""
+    breaker_cooldown_s: float = 10.0
+    """An open breaker's cool-down; then the replica takes requests again and the next
+    answer closes the breaker (success) or reopens it (failure)."""
+    events_down_after_s: float = 2.0
+    """A replica whose events stream (connect mode) has been disconnected this long, or
+    never connected, is out of routing while another candidate is healthy."""
+
+    def __post_init__(self) -> None:
+        _check_policy("api.default_policy", self.default_policy)
+        _check_number("api.port", self.port, _PORT)
+        _check_number("api.default_block_size", self.default_block_size, _POSITIVE_INT)
+        _check_number("api.default_top_k", self.default_top_k, _COUNT)
+        _check_number("api.scrape_interval_s", self.scrape_interval_s, _NON_NEGATIVE)
+        _check_number("api.scrape_timeout_s", self.scrape_timeout_s, _POSITIVE)
+        _check_number("api.tokenizer_cache_entries", self.tokenizer_cache_entries, _COUNT)
+        _check_number("api.max_body_bytes", self.max_body_bytes, _POSITIVE_INT)
+        _check_number("api.body_timeout_s", self.body_timeout_s, _POSITIVE)
+        _check_number("api.header_timeout_s", self.header_timeout_s, _POSITIVE)
+        _check_number("api.redis_timeout_s", self.redis_timeout_s, _POSITIVE)
+        _check_number("api.redis_cooldown_s", self.redis_cooldown_s, _POSITIVE)
+        self._check_health()
+        if not isinstance(self.access_log, bool):
+            raise SettingsError(f"api.access_log must be true or false, got {self.access_log!r}")
+        names = [m.name for m in self.models]
+        if len(names) != len(set(names)):
+            raise SettingsError(f"models: duplicate names in {names}")
+        loras = [lora for m in self.models for lora in m.loras]
+        if len(loras) != len(set(loras)) or set(loras) & set(names):
+            raise SettingsError(f"models: a LoRA name is a model's or another LoRA's in {loras}")
+        rule_names = [r.name for r in self.rules]
+        if len(rule_names) != len(set(rule_names)):
+            raise SettingsError(f"rules: duplicate names in {rule_names}")
+        self.url_policy()
+
+    def _check_health(self) -> None:
+        _check_number("api.health_check_interval_s", self.health_check_interval_s, _NON_NEGATIVE)
+        _check_number("api.health_check_timeout_s", self.health_check_timeout_s, _POSITIVE)
+        _check_number("api.unhealthy_threshold", self.unhealthy_threshold, _POSITIVE_INT)
+        _check_number("api.healthy_threshold", self.healthy_threshold, _POSITIVE_INT)
+        _check_number("api.breaker_failures", self.breaker_failures, _POSITIVE_INT)
+        _check_number("api.breaker_cooldown_s", self.breaker_cooldown_s, _POSITIVE)
+        _check_number("api.events_down_after_s", self.events_down_after_s, _NON_NEGATIVE)
+        path = self.health_check_path
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise SettingsError(f"api.health_check_path must start with '/', got {path!r}")
+
+    def health_policy(self) -> HealthPolicy:
+        """The health thresholds; a check verdict is trusted for three intervals (at least
+        10 s), so one no process renews any more stops ejecting its replica."""
+        return HealthPolicy(
+            unhealthy_threshold=self.unhealthy_threshold,
+            healthy_threshold=self.healthy_threshold,
+            breaker_failures=self.breaker_failures,
+            breaker_cooldown_s=self.breaker_cooldown_s,
+            verdict_ttl_s=max(
+                10.0, 3 * (self.health_check_interval_s + self.health_check_timeout_s)
+            ),
+        )
+
+    def url_policy(self) -> UrlPolicy:
+        """The replica URL policy of ``replica_networks`` (SettingsError names a bad one)."""
+        networks = self.replica_networks
+        if not isinstance(networks, tuple) or not all(isinstance(n, str) for n in networks):
+            raise SettingsError(f"api.replica_networks must be a list of CIDRs, got {networks!r}")
+        try:
+            return UrlPolicy.parse(networks)
+        except ValueError as exc:
+            raise SettingsError(f"api.replica_networks: {exc}") from None
+
+    def model(self, name: str) -> ModelSpec | None:
+        return next((m for m in self.models if m.name == name), None)
+
+    def lora_base(self, name: str) -> str | None:
+        """The base model serving the LoRA adapter ``name`` (None: not a declared LoRA)."""
+        return next((m.name for m in self.models if name in m.loras), None)
+
+
+@dataclass(frozen=True, slots=True)
+class _Range:
+    """What a numeric setting accepts, and how to say it in an error."""
+
+    low: float
+    high: float
+    integer: bool
+    low_inclusive: bool
+    text: str
+
+
+_PORT = _Range(0, 65_535, True, True, "an integer in [0, 65535]")
+_POSITIVE_INT = _Range(0, math.inf, True, False, "an integer > 0")
+_COUNT = _Range(0, math.inf, True, True, "an integer >= 0")
+_NON_NEGATIVE = _Range(0, math.inf, False, True, "a finite number >= 0")
+_POSITIVE = _Range(0, math.inf, False, False, "a finite number > 0")
+
+
+def _check_number(key: str, value: object, wanted: _Range) -> None:
+    # bool is an int: reject it explicitly, it is never a count or a duration.
+    kind = int if wanted.integer else int | float
+    if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value):
+        raise SettingsError(f"{key} must be {wanted.text}, got {value!r}")
+    above = value >= wanted.low if wanted.low_inclusive else value > wanted.low
+    if not (above and value <= wanted.high):
+        raise SettingsError(f"{key} must be {wanted.text}, got {value!r}")
+
+
+def _check_policy(key: str, value: str) -> None:
+    try:
+        Policy(value)
+    except ValueError:
+        raise SettingsError(
+            f"{key} must be one of {[p.value for p in Policy]}, got {value!r}"
+        ) from None
+
+
+ENV_PREFIX = "KVINDEX_API_"
+"""Every ApiSettings field ``f`` is read from ``KVINDEX_API_<F>``; every weight ``w`` from
+``KVINDEX_API_WEIGHTS_<W>``."""
+_ENV_ALIASES = {"KVINDEX_API_TOKEN": "auth_token", "KVINDEX_API_TOKEN_FILE": "auth_token_file"}
+"""Older names of ``KVINDEX_API_AUTH_TOKEN[_FILE]``, still read (the longer name wins)."""
+_WEIGHTS_ENV = ENV_PREFIX + "WEIGHTS_"
+
+
+def load_api_settings(
+    values: Mapping[str, Any] | None = None,
+    models: list[Mapping[str, Any]] | None = None,
+    *,
+    rules: list[Mapping[str, Any]] | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> ApiSettings:
+    """Defaults < a TOML ``[api]`` table, ``[[models]]`` and ``[[rules]]`` arrays <
+    ``KVINDEX_API_*`` env < ``overrides`` (None values ignored).
+
+    Env values are strings, coerced to the field's type (comma-separated for lists, a
+    JSON array of tables for ``KVINDEX_API_MODELS`` and ``KVINDEX_API_RULES``); an empty
+    one counts as unset, and
+    an unknown ``KVINDEX_API_*`` name is an error. A token file (``auth_token_file``,
+    whichever layer set it) replaces any token given otherwise.
+    """
+    raw = dict(values or {})
+    weights = dict(raw.pop("weights", None) or {})
+    unknown = sorted(set(raw) - _SCALAR_NAMES)
+    if unknown:
+        raise SettingsError(f"[api]: unknown settings {unknown} (known: {sorted(_SCALAR_NAMES)})")
+    from_env = _ApiEnv.read(os.environ if env is None else env)
+    raw.update(from_env.values)
+    weights.update(from_env.weights)
+    raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    if raw.get("auth_token_file") is not None:
+        raw["auth_token_file"] = str(raw["auth_token_file"])
+        raw["auth_token"] = read_token(raw["auth_token_file"])
+    if isinstance(raw.get("replica_networks"), list):  # TOML arrays are lists
+        raw["replica_networks"] = tuple(raw["replica_networks"])
+    model_tables = from_env.models if from_env.models is not None else models
+    rule_tables = from_env.rules if from_env.rules is not None else rules
+    try:
+        return ApiSettings(
+            **raw,
+            weights=Weights().overridden(weights),
+            models=tuple(_model(m) for m in model_tables or []),
+            rules=_rules(rule_tables),
+        )
+    except (TypeError, ScoringError) as exc:
+        raise SettingsError(f"[api]: {exc}") from exc
+    except SettingsError as exc:
+        raise from_env.blamed(exc) from None
+
+
+_SCALAR_NAMES = {f.name for f in fields(ApiSettings)} - {"weights", "models", "rules"}
+
+
+@dataclass(slots=True)
+class _ApiEnv:
+    """What the ``KVINDEX_API_*`` variables set, coerced, and which variable set what."""
+
+    values: dict[str, Any] = field(default_factory=dict)
+    weights: dict[str, Any] = field(default_factory=dict)
+    models: list[Mapping[str, Any]] | None = None
+    rules: list[Mapping[str, Any]] | None = None
+    key_to_variable: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, environ: Mapping[str, str]) -> _ApiEnv:
+        """Every non-empty ``KVINDEX_API_*`` variable (aliases first, so the full names win);
+        SettingsError names the variable and its value when one cannot be taken."""
+        found = cls()
+        names = sorted(n for n in environ if n.startswith(ENV_PREFIX) and environ[n])
+        for name in sorted(names, key=lambda n: n not in _ENV_ALIASES):
+            found._take(name, environ[name])
+        return found
+
+    def _take(self, variable: str, text: str) -> None:
+        if variable.startswith(_WEIGHTS_ENV):
+            weight = variable.removeprefix(_WEIGHTS_ENV).lower()
+            kinds = {f.name: str(f.type) for f in fields(Weights)}
+            if weight not in kinds:
+                raise SettingsError(
+                    f"{variable}: no such weight {weight!r} (known: {sorted(kinds)})"
+                )
+            self.weights[weight] = from_env_text(variable, text, kinds[weight])
+            self.key_to_variable[f"weights.{weight}"] = variable
+            return
+        key = _ENV_ALIASES.get(variable) or variable.removeprefix(ENV_PREFIX).lower()
+        if key == "models":
+            self.models = _tables_of(variable, text, '[{"name": "m", "block_size": 16}]')
+        elif key == "rules":
+            example = '[{"name": "batch", "workload": "batch", "policy": "least_load"}]'
+            self.rules = _tables_of(variable, text, example)
+        elif key in _FIELD_TYPES:
+            self.values[key] = from_env_text(variable, text, _FIELD_TYPES[key])
+        else:
+            tables = ("models", "rules")
+            known = [ENV_PREFIX + n.upper() for n in (*sorted(_FIELD_TYPES), *tables)]
+            known.append(_WEIGHTS_ENV + "<NAME>")
+            raise SettingsError(f"{variable}: no such API setting (known: {known})")
+        self.key_to_variable[f"api.{key}"] = variable
+
+    def blamed(self, exc: SettingsError) -> SettingsError:
+        """``exc``, naming the variable that set the key it names (if one did)."""
+        text = str(exc)
+        for key, variable in self.key_to_variable.items():
+            if key in text:
+                return SettingsError(f"{text} (set by {variable})")
+        return exc
+
+
+_FIELD_TYPES = {f.name: str(f.type) for f in fields(ApiSettings) if f.name in _SCALAR_NAMES}
+"""Field name → its annotation (a string: this module uses postponed annotations)."""
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _boolean(text: str) -> bool:
+    word = text.strip().lower()
+    if word not in _TRUE | _FALSE:
+        raise ValueError(text)
+    return word in _TRUE
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+_PARSERS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
+    ("tuple[str", _names, "a comma-separated list"),
+    ("int", int, "an integer"),
+    ("float", float, "a number"),
+    ("bool", _boolean, "a boolean (true/false)"),
+    ("str", str, "a string"),
+)
+"""How a variable is read, by the start of the field's annotation."""
+
+
+def from_env_text(variable: str, text: str, kind: str) -> Any:
+    """``text`` as the type ``kind`` (a field's annotation, as a string) names;
+    SettingsError names the variable and value. The proxy's settings read theirs so too."""
+    for prefix, parse, wanted in _PARSERS:
+        if kind.startswith(prefix):
+            try:
+                return parse(text)
+            except ValueError:
+                raise SettingsError(f"{variable} must be {wanted}, got {text!r}") from None
+    raise SettingsError(f"{variable}: a {kind} setting cannot be read from the environment")
+
+
+def _tables_of(variable: str, text: str, example: str) -> list[Mapping[str, Any]]:
+    """``KVINDEX_API_MODELS`` or ``KVINDEX_API_RULES``: a JSON array of tables."""
+    try:
+        tables = json.loads(text)
+    except ValueError:
+        tables = None
+    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+        raise SettingsError(
+            f"{variable} must be a JSON array of tables (e.g. {example}), got {text!r}"
+        )
+    return tables
+
+
+def read_token(path: str, *, key: str = "api.auth_token_file") -> str:
+    """The token in a file, surrounding whitespace stripped; SettingsError names the key
+    and the file (never the token)."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            token = handle.read().strip()
+    except OSError as exc:
+        raise SettingsError(f"{key} {path}: {exc.strerror}") from None
+    if not token:
+        raise SettingsError(f"{key} {path}: the file is empty")
+    return token
+
+
+def _model(values: Mapping[str, Any]) -> ModelSpec:
+    if "name" not in values:
+        raise SettingsError("[[models]]: every model needs a name")
+    values = dict(values)
+    if isinstance(values.get("loras"), list):  # TOML and JSON arrays are lists
+        values["loras"] = tuple(values["loras"])
+    try:
+        return ModelSpec(**values)
+    except TypeError as exc:
+        raise SettingsError(f"[[models]] {values.get('name')}: {exc}") from exc
+
+
+def _rules(tables: Sequence[Mapping[str, Any]] | None) -> tuple[RoutingRule, ...]:
+    """``[[rules]]`` in order (the first match wins); SettingsError names the bad one."""
+    if tables is not None and not isinstance(tables, list | tuple):
+        raise SettingsError(f"rules must be an array of tables ([[rules]]), got {tables!r}")
+    try:
+        return tuple(rule_from_table(t, i) for i, t in enumerate(tables or (), 1))
+    except TypeError as exc:
+        raise SettingsError(f"[[rules]]: {exc}") from exc

@@ -1,0 +1,103 @@
+"""Streams whose block size is not their model's: they can never match a request's keys.
+
+A request's block keys are cut at the model's block size (``[[models]]`` ``block_size`` if
+set, else the most common size the model's streams publish); a stream publishing another
+size (32 where the model uses 16) holds keys no request computes, so it silently never
+matches. :class:`BlockSizeCheck` finds such streams for ``GET /replicas`` (each stream's
+``block_size`` and ``block_size_mismatch``) and for the
+``kvindex_block_size_mismatch_streams{model}`` gauge, and logs one warning per stream and
+size the first time it sees it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvindex.api.config.settings import ApiSettings
+from kvindex.indexer.domain.events import StreamId
+from kvindex.indexer.fleet.registry import RegistryView, StreamStatus
+from kvindex.indexer.fleet.replica import ReplicaSpec
+
+logger = logging.getLogger("kvindex.api.fleet.block_sizes")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockSizeMismatch:
+    """One stream publishing ``block_size`` where its model uses ``expected``."""
+
+    stream: StreamId
+    model: str
+    block_size: int
+    expected: int
+
+
+class BlockSizeCheck:
+    """Compares every stream's published block size with its model's. Thread-safe (the
+    routes run it in worker threads); remembers which mismatches it has warned of."""
+
+    def __init__(self, settings: ApiSettings, registry: RegistryView) -> None:
+        self._settings = settings
+        self._registry = registry
+        self._lock = threading.Lock()
+        self._warned: set[tuple[StreamId, int, int]] = set()
+
+    def models(self) -> list[str]:
+        """Every model configured or served (the gauge exports a 0 for each)."""
+        configured = {m.name for m in self._settings.models}
+        return sorted(configured | set(self._registry.models()))
+
+    def expected(self, model: str) -> int | None:
+        """The model's block size: configured, else the fleet's most common (None: unseen)."""
+        spec = self._settings.model(model)
+        if spec is not None and spec.block_size:
+            return spec.block_size
+        return self._registry.block_size(model)
+
+    def mismatches(
+        self,
+        statuses: Iterable[StreamStatus] | None = None,
+        specs: Iterable[ReplicaSpec] | None = None,
+    ) -> dict[StreamId, BlockSizeMismatch]:
+        """Every stream whose published size (once seen) differs from its model's; reads
+        the registry for what is not given, and warns of each new mismatch once."""
+        replica_to_model = {
+            s.id: s.model for s in (specs if specs is not None else self._registry.replicas())
+        }
+        model_to_expected: dict[str, int | None] = {}
+        found: dict[StreamId, BlockSizeMismatch] = {}
+        for status in statuses if statuses is not None else self._registry.statuses():
+            size = status.health.block_size
+            model = replica_to_model.get(status.stream.replica)
+            if not size or model is None:
+                continue
+            if model not in model_to_expected:
+                model_to_expected[model] = self.expected(model)
+            expected = model_to_expected[model]
+            if expected is not None and size != expected:
+                found[status.stream] = BlockSizeMismatch(status.stream, model, size, expected)
+        self._warn(found.values())
+        return found
+
+    def _warn(self, mismatches: Iterable[BlockSizeMismatch]) -> None:
+        with self._lock:
+            new = [
+                m for m in mismatches if (m.stream, m.block_size, m.expected) not in self._warned
+            ]
+            self._warned.update((m.stream, m.block_size, m.expected) for m in new)
+        for m in new:
+            logger.warning(
+                "stream %s publishes block size %d but model %s uses %d: it can never match",
+                m.stream,
+                m.block_size,
+                m.model,
+                m.expected,
+                extra={"stream": str(m.stream), "model": m.model, "block_size": m.block_size},
+            )
+
+
+def _seen_as(mismatch: BlockSizeMismatch) -> tuple[StreamId, int, int]:
+    """A mismatch is warned of again only when the stream's or the model's size changes."""
+    return mismatch.stream, mismatch.block_size, mismatch.expected

@@ -1,0 +1,153 @@
+"""The active health checker: ``GET <url><health_check_path>`` of every replica, every
+``api.health_check_interval_s``, folded into each replica's shared
+:class:`~kvindex.indexer.fleet.replica_health.ReplicaHealth` (``unhealthy_threshold``
+consecutive failures eject it, ``healthy_threshold`` consecutive passes restore it).
+
+It runs in every process that routes (``kvindex api``, ``serve``, ``proxy``). Processes
+sharing a Redis claim each replica for a round first (``RegistryView.claim_health_checks``,
+expiring before the next round), so a replica is checked once a round between them and a
+process that stops checking is taken over within a round; the outcome is applied to the
+shared record atomically, so two checkers never lose each other's count. Nothing a replica
+answers stops the checker: a refused connection, a timeout, a non-2xx status or a broken
+answer is a failed check; a store that cannot be reached skips the round (logged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import httpx
+
+from kvindex.api.config.settings import ApiSettings
+from kvindex.api.loop.periodic import Periodic
+from kvindex.indexer.fleet.registry import HealthChange, HealthUpdate, RegistryView
+from kvindex.indexer.fleet.replica_health import Ejection, ReplicaHealth
+from kvindex.indexer.index.protocol import IndexUnavailableError
+
+T = TypeVar("T")
+logger = logging.getLogger("kvindex.health")
+_CLAIM_SHARE = 0.8
+"""A check claim lasts this share of the interval: gone before the next round starts."""
+
+Outcome = tuple[bool, str | None]
+"""(passed, why it failed)."""
+
+
+class HealthChecker:
+    """Checks every replica with a ``url`` each interval (see the module docstring).
+
+    ``on_ejected(replica, reason)`` is told when a check this process made ejected a
+    replica (``reason`` is :attr:`Ejection.HEALTH_CHECK`). ``start`` and ``stop`` run on the
+    checker's event loop; ``blocking_store``: the registry does network I/O (Redis), so its
+    calls run in a worker thread.
+    """
+
+    def __init__(
+        self,
+        settings: ApiSettings,
+        registry: RegistryView,
+        client: httpx.AsyncClient,
+        *,
+        blocking_store: bool,
+        clock: Callable[[], float] = time.time,
+        on_ejected: Callable[[str, Ejection], None] = lambda _replica, _reason: None,
+    ) -> None:
+        self._registry = registry
+        self._client = client
+        self._interval_s = settings.health_check_interval_s
+        self._timeout_s = settings.health_check_timeout_s
+        self._path = settings.health_check_path
+        self._policy = settings.health_policy()
+        self._blocking = blocking_store
+        self._clock = clock
+        self._on_ejected = on_ejected
+        self._rounds = (
+            Periodic("the health checker", self.check_once, self._interval_s)
+            if self._interval_s > 0
+            else None
+        )
+        self._store_failing = False
+
+    async def start(self) -> None:
+        """Check in a task on the running loop (first round right away), unless the
+        interval is 0; returns at once."""
+        if self._rounds is not None and not self._rounds.running:
+            await self._rounds.start()
+
+    async def stop(self) -> None:
+        """Cancel the task and wait until it and its requests are gone (idempotent)."""
+        if self._rounds is not None:
+            await self._rounds.stop()
+
+    async def check_once(self) -> dict[str, HealthUpdate]:
+        """One round: every replica this process claims, checked concurrently, then every
+        outcome applied to the shared records in one update; returns the updates (empty
+        when the store could not be reached)."""
+        urls = {r.id: r.url for r in self._registry.replicas() if r.url}
+        try:
+            mine = await self._call(
+                self._registry.claim_health_checks, list(urls), self._interval_s * _CLAIM_SHARE
+            )
+            outcomes = await asyncio.gather(*(self._check(urls[r]) for r in sorted(mine)))
+            now = self._clock()
+            changes = {r: self._change(o, now) for r, o in zip(sorted(mine), outcomes, strict=True)}
+            updates = await self._call(self._registry.update_health, changes)
+        except IndexUnavailableError as exc:
+            self._store(failing=str(exc))
+            return {}
+        self._store(failing=None)
+        for replica, update in updates.items():
+            self._report(replica, *update)
+        return updates
+
+    def _change(self, outcome: Outcome, now: float) -> HealthChange:
+        ok, error = outcome
+        policy = self._policy
+
+        def change(record: ReplicaHealth) -> ReplicaHealth:
+            return record.after_check(ok, error, now, policy)
+
+        return change
+
+    async def _check(self, base_url: str) -> Outcome:
+        url = base_url.rstrip("/") + self._path
+        try:
+            # httpx's timeout is per phase; this bounds the whole check (slow trickles too).
+            async with asyncio.timeout(self._timeout_s):
+                response = await self._client.get(url, timeout=self._timeout_s)
+        except (TimeoutError, httpx.TimeoutException):
+            return False, f"timed out after {self._timeout_s:g}s"
+        except (httpx.HTTPError, httpx.InvalidURL, OSError) as exc:
+            return False, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        if not response.is_success:
+            return False, f"HTTP {response.status_code}"
+        return True, None
+
+    def _report(self, replica: str, before: ReplicaHealth, after: ReplicaHealth) -> None:
+        if after.check_ejected and not before.check_ejected:
+            logger.warning(
+                "replica %s ejected: %d failed health checks (%s)",
+                replica,
+                after.check_failures,
+                after.last_error,
+            )
+            self._on_ejected(replica, Ejection.HEALTH_CHECK)
+        elif before.check_ejected and not after.check_ejected:
+            logger.warning("replica %s restored: it passes its health checks again", replica)
+
+    def _store(self, *, failing: str | None) -> None:
+        """Log once when the shared health state stops or starts being reachable."""
+        if failing is not None and not self._store_failing:
+            logger.warning("health checks skipped: the fleet state is unreachable (%s)", failing)
+        elif failing is None and self._store_failing:
+            logger.warning("health checks resumed: the fleet state is reachable again")
+        self._store_failing = failing is not None
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._blocking:
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)

@@ -1,0 +1,233 @@
+"""Prometheus metrics of one API process: a per-app registry, never the global one.
+
+Exported once per fleet: the write path's series (:class:`~kvindex.indexer.metrics.IngestCollector`:
+per-stream counters, ``kvindex_blocks``, ``kvindex_replicas``, ``kvindex_streams``,
+``kvindex_unrouted_frames``) are registered only when the process runs the write path itself
+(``kvindex serve``, the in-process registry). An API-only process (``kvindex api``, reading the
+fleet an indexer publishes in Redis) leaves them to the indexer's own port: every API pod
+exporting the same fleet-wide numbers would make ``sum()`` count them once per pod.
+
+The API's own series, by name and labels:
+
+- ``kvindex_http_requests_total{route,method,status}``: answers by route template (e.g.
+  ``/replicas/{replica_id}``, never the raw path; ``unmatched`` when no route matched).
+- ``kvindex_http_request_seconds{route}``: time to answer, histogram.
+- ``kvindex_score_seconds{policy}``, ``kvindex_lookup_seconds``: /score and index lookups.
+- ``kvindex_degraded_answers_total{reason}``: /score answers marked ``degraded``, by why
+  (``index_unavailable``, ``fleet_unreadable``).
+- ``kvindex_score_rule_matches_total{rule}``: /score answers each ``[[rules]]`` entry
+  matched (every configured rule present from 0; answers no rule matched are not counted).
+- ``kvindex_api_store_up``: 1 while the API's Redis circuit is closed, 0 while it skips
+  Redis; 1 on the in-process store.
+- ``kvindex_load_scrape_failures_total{replica}``: failed scrapes of a replica's vLLM /metrics.
+- ``kvindex_block_size_mismatch_streams{model}``: streams whose block size is not their
+  model's (:mod:`kvindex.api.fleet.block_sizes`), read at scrape time.
+- ``kvindex_build_info{version,component="api"}``: always 1.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvindex import __version__
+from kvindex.api.fleet.block_sizes import BlockSizeCheck
+from kvindex.api.score import DEGRADED_REASONS
+from kvindex.indexer.domain.events import StreamId
+from kvindex.indexer.fleet.registry import RegistryView
+from kvindex.indexer.index.protocol import (
+    ApplyResult,
+    BatchOps,
+    BlockIndex,
+    HeldRuns,
+    Op,
+    PrefixMatch,
+    StreamStats,
+    holders_of,
+)
+from kvindex.indexer.metrics import IngestCollector
+
+_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+_HTTP_BUCKETS = (*_LATENCY_BUCKETS, 1.0, 2.5, 10.0)
+"""Whole requests: also the slow ones (a body read up to its timeout, a replica's /tokenize)."""
+UNMATCHED_ROUTE = "unmatched"
+"""The ``route`` label of a request no route matched (its raw path would be unbounded)."""
+
+
+class ApiMetrics:
+    """Everything /metrics exposes for one app.
+
+    ``runs_write_path``: this process runs the indexer whose ``registry`` and ``index`` it
+    is given (export the write path's series); False for an API reading another process's
+    fleet. ``store_up`` says whether the API's store is being called (its circuit closed).
+    ``block_sizes`` feeds the mismatch gauge (None: not exported; the app always gives it).
+    ``rule_names``: the configured ``[[rules]]``, exported from 0.
+    """
+
+    def __init__(
+        self,
+        registry: RegistryView,
+        index: BlockIndex,
+        *,
+        runs_write_path: bool = True,
+        store_up: Callable[[], bool] = lambda: True,
+        block_sizes: BlockSizeCheck | None = None,
+        rule_names: Sequence[str] = (),
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._request_series()
+        self._score_series()
+        self._rule_series(rule_names)
+        store = Gauge(
+            "kvindex_api_store_up",
+            "1 while the API calls its store (circuit closed), 0 while it skips it",
+            registry=self.registry,
+        )
+        store.set_function(lambda: 1.0 if store_up() else 0.0)
+        build = Gauge(
+            "kvindex_build_info",
+            "Always 1: the version of this process",
+            ["version", "component"],
+            registry=self.registry,
+        )
+        build.labels(__version__, "api").set(1)
+        if block_sizes is not None:
+            self.registry.register(_BlockSizeCollector(block_sizes))
+        if runs_write_path:
+            self.registry.register(IngestCollector(registry, index))
+
+    def _request_series(self) -> None:
+        self.http_requests = Counter(
+            "kvindex_http_requests",
+            "HTTP answers by route template, method and status",
+            ["route", "method", "status"],
+            registry=self.registry,
+        )
+        self.http_latency = Histogram(
+            "kvindex_http_request_seconds",
+            "Time to answer an HTTP request, by route template",
+            ["route"],
+            buckets=_HTTP_BUCKETS,
+            registry=self.registry,
+        )
+
+    def _score_series(self) -> None:
+        self.score_latency = Histogram(
+            "kvindex_score_seconds",
+            "Time to answer POST /score",
+            ["policy"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.lookup_latency = Histogram(
+            "kvindex_lookup_seconds",
+            "Time of one index longest-prefix lookup",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.degraded_answers = Counter(
+            "kvindex_degraded_answers",
+            "POST /score answers marked degraded, by reason",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in DEGRADED_REASONS:  # present from the start, so rate() sees the first
+            self.degraded_answers.labels(reason)
+        self.scrape_failures = Counter(
+            "kvindex_load_scrape_failures",
+            "Scrapes of a replica's vLLM /metrics that failed",
+            ["replica"],
+            registry=self.registry,
+        )
+
+    def _rule_series(self, rule_names: Sequence[str]) -> None:
+        self.rule_matches = Counter(
+            "kvindex_score_rule_matches",
+            "POST /score answers by the [[rules]] entry that matched the request",
+            ["rule"],
+            registry=self.registry,
+        )
+        for name in rule_names:  # present from the start, so rate() sees the first
+            self.rule_matches.labels(name)
+
+    def count_rule(self, rule: str | None) -> None:
+        """One /score answer and the rule it matched (None: no rule, not counted)."""
+        if rule is not None:
+            self.rule_matches.labels(rule).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _BlockSizeCollector(Collector):
+    """``kvindex_block_size_mismatch_streams{model}``, computed when Prometheus scrapes."""
+
+    def __init__(self, check: BlockSizeCheck) -> None:
+        self._check = check
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        gauge = GaugeMetricFamily(
+            "kvindex_block_size_mismatch_streams",
+            "Streams whose block size differs from their model's (they never match)",
+            labels=["model"],
+        )
+        model_to_count: dict[str, int] = dict.fromkeys(self._check.models(), 0)
+        for mismatch in self._check.mismatches().values():
+            model_to_count[mismatch.model] = model_to_count.get(mismatch.model, 0) + 1
+        for model, count in sorted(model_to_count.items()):
+            gauge.add_metric([model], count)
+        yield gauge
+
+
+class TimedIndex:
+    """A BlockIndex that times lookups; everything else passes through."""
+
+    def __init__(self, inner: BlockIndex, histogram: Histogram) -> None:
+        self._inner = inner
+        self._holders = holders_of(inner)
+        self._histogram = histogram
+
+    def apply(self, stream: StreamId, seq: int, ts: float, ops: Sequence[Op]) -> ApplyResult:
+        return self._inner.apply(stream, seq, ts, ops)
+
+    def apply_many(self, stream: StreamId, batches: Sequence[BatchOps]) -> list[ApplyResult]:
+        return self._inner.apply_many(stream, batches)
+
+    def resolve(self, stream: StreamId, engine_hashes: Sequence[int]) -> list[int | None]:
+        return self._inner.resolve(stream, engine_hashes)
+
+    def clear(self, stream: StreamId) -> None:
+        self._inner.clear(stream)
+
+    def drop(self, stream: StreamId) -> None:
+        self._inner.drop(stream)
+
+    def streams(self) -> list[StreamId]:
+        return self._inner.streams()
+
+    def longest_prefix(
+        self, keys: Sequence[int], streams: Iterable[StreamId]
+    ) -> dict[StreamId, PrefixMatch]:
+        started = time.perf_counter()
+        try:
+            return self._inner.longest_prefix(keys, streams)
+        finally:
+            self._histogram.observe(time.perf_counter() - started)
+
+    def holders(self, keys: Sequence[int], streams: Sequence[StreamId]) -> HeldRuns:
+        """The inner index's holders (``holders_of``), timed as a lookup."""
+        started = time.perf_counter()
+        try:
+            return self._holders(keys, streams)
+        finally:
+            self._histogram.observe(time.perf_counter() - started)
+
+    def stats(self, stream: StreamId) -> StreamStats:
+        return self._inner.stats(stream)
+
+    def close(self) -> None:
+        self._inner.close()

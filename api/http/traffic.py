@@ -1,0 +1,95 @@
+"""Every HTTP request counted, timed and (optionally) logged, by route template.
+
+:class:`TrafficObserver` is a plain ASGI middleware, the outermost one of the app, so it
+also sees the answers the body limit gives (413, 408) and the 401s of the token check. It
+labels a request with the template of the route that answered it (``/replicas/{replica_id}``,
+never the raw path: one series per route, whatever ids clients send), or ``unmatched``.
+A method outside the standard ones is labelled ``other`` (a client cannot make series).
+Costs a dict lookup, two clock reads and two child updates per request (the labelled
+children are kept per route, method and status); the access log line, when on, goes
+through the ``kvindex.access`` logger (so the process's log format applies to it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from prometheus_client import Counter, Histogram
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvindex.api.http.metrics import UNMATCHED_ROUTE, ApiMetrics
+
+access_logger = logging.getLogger("kvindex.access")
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+_OTHER_METHOD = "other"
+
+
+class TrafficObserver:
+    """Counts (``kvindex_http_requests_total``) and times (``kvindex_http_request_seconds``)
+    every HTTP request once its answer is sent, and logs it when ``access_log`` is on. A
+    request whose app raised before answering is counted as a 500 (what the server sends)."""
+
+    def __init__(self, app: ASGIApp, *, metrics: ApiMetrics, access_log: bool) -> None:
+        self.app = app
+        self._metrics = metrics
+        self._access_log = access_log
+        self._children: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
+        """(route, method, status) → its counter and histogram children (bounded: routes
+        are templates, methods a fixed set, statuses three digits)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+
+        async def send_observed(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_observed)
+        finally:
+            self.observe(scope, status, time.perf_counter() - started)
+
+    def observe(self, scope: Scope, status: int, elapsed_s: float) -> None:
+        """Count and time one answered request (``scope["route"]``: the route that answered;
+        also called by the server's hot path, :mod:`kvindex.api.http.server_protocol`)."""
+        # The router stores the matched route in the scope (FastAPI and Starlette routes
+        # both have the template as ``path``).
+        route = getattr(scope.get("route"), "path", None) or UNMATCHED_ROUTE
+        method = scope["method"] if scope["method"] in _METHODS else _OTHER_METHOD
+        key = (route, method, status)
+        children = self._children.get(key)
+        if children is None:
+            counter = self._metrics.http_requests.labels(route, method, str(status))
+            children = self._children[key] = (counter, self._metrics.http_latency.labels(route))
+        children[0].inc()
+        children[1].observe(elapsed_s)
+        if self._access_log:
+            _log_access(scope, route, status, elapsed_s)
+
+
+def _log_access(scope: Scope, route: str, status: int, elapsed_s: float) -> None:
+    """One line per request: method, path (without its query), status, milliseconds."""
+    client = scope.get("client")
+    duration_ms = round(elapsed_s * 1000, 3)
+    access_logger.info(
+        "%s %s %d %.1f ms",
+        scope["method"],
+        scope["path"],
+        status,
+        duration_ms,
+        extra={
+            "method": scope["method"],
+            "path": scope["path"],
+            "route": route,
+            "status": status,
+            "duration_ms": duration_ms,
+            "client": f"{client[0]}:{client[1]}" if client else None,
+        },
+    )

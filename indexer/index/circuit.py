@@ -1,0 +1,169 @@
+"""The store circuit: skip a store that is down instead of waiting on it at every call.
+
+One :class:`StoreCircuit` guards every store of a process that shares one connection (an
+API process: its index, load and fleet reads all go to one Redis), so the first call that
+finds Redis down spares the others the wait. The indexer's write path has one too: without
+it, every broken stream's resync attempt would wait out its own failed call (0.7 s each
+with Redis refused, 20 s with Redis stopped), one stream after the other, in the one loop
+that also drains the sockets. :class:`CircuitIndex` puts it around a
+:class:`~kvindex.indexer.index.protocol.BlockIndex`; other stores wrap themselves the same
+way (``kvindex.api.load.store.CircuitLoadStore``); the fleet view takes the circuit itself,
+because it answers from its last snapshot instead of raising.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+from kvindex.indexer.domain.events import StreamId
+from kvindex.indexer.index.protocol import (
+    ApplyResult,
+    BatchOps,
+    BlockIndex,
+    HeldRuns,
+    IndexUnavailableError,
+    Op,
+    PrefixMatch,
+    StoreIdentity,
+    StreamStats,
+    holders_of,
+)
+
+T = TypeVar("T")
+log = logging.getLogger("kvindex.store")
+
+
+class StoreSkippedError(IndexUnavailableError):
+    """A call not made: the store failed less than the circuit's cool-down ago."""
+
+
+class StoreCircuit:
+    """Closed, every call goes through. A call failing with :class:`IndexUnavailableError`
+    opens it: for ``cooldown_s`` every call is refused at once (:class:`StoreSkippedError`,
+    the callers answer from what they have); after that, the first call is let through as a
+    probe (the others keep being refused for another ``cooldown_s``): its success closes
+    the circuit, its failure keeps it open. Any other exception is not an outage and
+    changes nothing. Thread-safe; logs each opening and closing once.
+    """
+
+    def __init__(
+        self, cooldown_s: float, *, name: str = "redis", clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._cooldown_s = cooldown_s
+        self._name = name
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._retry_at: float | None = None
+        """None: closed. Else when the next probe may go."""
+        self._last_error = ""
+        self.num_openings = 0
+        self.num_skipped = 0
+
+    @property
+    def is_open(self) -> bool:
+        with self._lock:
+            return self._retry_at is not None
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, unless the circuit refuses it (raises :class:`StoreSkippedError`)."""
+        self._admit(probe=True)
+        return self._guarded(fn, *args)
+
+    def call_if_closed(self, fn: Callable[..., T], *args: Any) -> T:
+        """Like :meth:`call`, but never as the probe: for callers that must not wait on a
+        store that may still be down (the fleet view, read on the event loop)."""
+        self._admit(probe=False)
+        return self._guarded(fn, *args)
+
+    def _admit(self, *, probe: bool) -> None:
+        with self._lock:
+            if self._retry_at is None:
+                return
+            now = self._clock()
+            if probe and now >= self._retry_at:
+                self._retry_at = now + self._cooldown_s  # this call probes; others wait
+                return
+            self.num_skipped += 1
+            error = self._last_error
+        raise StoreSkippedError(f"{self._name} skipped (down, next probe soon): {error}")
+
+    def _guarded(self, fn: Callable[..., T], *args: Any) -> T:
+        try:
+            result = fn(*args)
+        except IndexUnavailableError as exc:
+            self._failed(exc)
+            raise
+        self._succeeded()
+        return result
+
+    def _failed(self, exc: IndexUnavailableError) -> None:
+        with self._lock:
+            opened = self._retry_at is None
+            self._retry_at = self._clock() + self._cooldown_s
+            self._last_error = str(exc)
+            if opened:
+                self.num_openings += 1
+        if opened:
+            log.warning("%s unreachable; skipping it between probes: %s", self._name, exc)
+
+    def _succeeded(self) -> None:
+        with self._lock:
+            closed = self._retry_at is not None
+            self._retry_at = None
+        if closed:
+            log.warning("%s reachable again", self._name)
+
+
+class CircuitIndex:
+    """A :class:`BlockIndex` whose every call goes through a :class:`StoreCircuit` (a
+    skipped call raises :class:`StoreSkippedError`, an ``IndexUnavailableError``)."""
+
+    def __init__(self, inner: BlockIndex, circuit: StoreCircuit) -> None:
+        self._inner = inner
+        self._holders = holders_of(inner)
+        self._circuit = circuit
+
+    def apply(self, stream: StreamId, seq: int, ts: float, ops: Sequence[Op]) -> ApplyResult:
+        return self._circuit.call(self._inner.apply, stream, seq, ts, ops)
+
+    def apply_many(self, stream: StreamId, batches: Sequence[BatchOps]) -> list[ApplyResult]:
+        return self._circuit.call(self._inner.apply_many, stream, batches)
+
+    def resolve(self, stream: StreamId, engine_hashes: Sequence[int]) -> list[int | None]:
+        return self._circuit.call(self._inner.resolve, stream, engine_hashes)
+
+    def clear(self, stream: StreamId) -> None:
+        self._circuit.call(self._inner.clear, stream)
+
+    def drop(self, stream: StreamId) -> None:
+        self._circuit.call(self._inner.drop, stream)
+
+    def streams(self) -> list[StreamId]:
+        return self._circuit.call(self._inner.streams)
+
+    def longest_prefix(
+        self, keys: Sequence[int], streams: Iterable[StreamId]
+    ) -> dict[StreamId, PrefixMatch]:
+        return self._circuit.call(self._inner.longest_prefix, keys, streams)
+
+    def holders(self, keys: Sequence[int], streams: Sequence[StreamId]) -> HeldRuns:
+        """The inner index's holders (``holders_of``), through the circuit."""
+        return self._circuit.call(self._holders, keys, streams)
+
+    def stats(self, stream: StreamId) -> StreamStats:
+        return self._circuit.call(self._inner.stats, stream)
+
+    def intact(self) -> bool:
+        """The inner store's :meth:`~kvindex.indexer.index.protocol.StoreIdentity.intact`,
+        through the circuit; True for a store that cannot lose its data (has no such call)."""
+        inner = self._inner
+        if not isinstance(inner, StoreIdentity):
+            return True
+        return self._circuit.call(inner.intact)
+
+    def close(self) -> None:
+        self._inner.close()

@@ -1,0 +1,725 @@
+"""The socket-free core of the write path: frames in, index and stream records updated.
+
+A :class:`Pipeline` keeps, for every stream (replica, data-parallel rank), a
+:class:`~kvindex.indexer.ingest.stream.StreamTracker` and the batches waiting to be applied. It
+decodes live frames, orders them, applies them through the
+:class:`~kvindex.indexer.ingest.ingestor.Ingestor`, and tells the registry what it learnt with one
+:class:`~kvindex.indexer.domain.health.StreamReport` per stream per call. It decides when a stream
+needs a replay, when an engine restarted, when a removed or long-disconnected replica's blocks
+are purged, and when a stream whose index store failed is resynced.
+
+It owns no socket. Its caller (:class:`~kvindex.indexer.ingest.subscriber.Subscriber`, or a test,
+a benchmark, the fleet simulator) hands it frames and replay replies, and carries out its
+replay requests through :class:`ReplayRequests`. Nothing it receives can kill it:
+undecodable frames and bad events are logged once per stream, counted and skipped; an
+unreachable index store is counted and the stream resynced once the store is back.
+
+Not thread-safe: one thread calls every method, so each stream's batches are applied in
+order. Several pipelines may share one index and one registry (the subscriber's ingest
+workers: each keeps its own streams, and a stream is kept by one), both thread-safe;
+everything else a pipeline holds (trackers, key caches, pending batches) is its own.
+Other threads read the registry.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from kvindex.indexer.config.settings import IndexerSettings
+from kvindex.indexer.domain.errors import SettingsError
+from kvindex.indexer.domain.events import EventBatch, StreamId, Topic
+from kvindex.indexer.domain.health import StreamReport, UnroutedCounters
+from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.index.protocol import (
+    BlockIndex,
+    FencedError,
+    IndexUnavailableError,
+    StoreIdentity,
+    drop_replica,
+)
+from kvindex.indexer.ingest.ingestor import AnyBatch, Ingestor
+from kvindex.indexer.ingest.stream import Step, StreamTracker
+from kvindex.indexer.ingest.wire import ReplayReply, WireError, decode_live, decode_live_native
+from kvindex.indexer.redis.schema import SchemaError, check_name
+
+log = logging.getLogger("kvindex.subscriber")  # the write path's one logger, as before the split
+
+_UNKNOWN_TS = -1.0
+"""Engine timestamp given to a batch whose payload could not be read."""
+
+
+class ReplayRequests(Protocol):
+    """Replays the pipeline asks its socket owner for (at most one open per stream)."""
+
+    def start_replay(self, stream: StreamId, endpoint: str, start_seq: int) -> None:
+        """Ask ``endpoint`` for every batch from ``start_seq`` on; the replies come back
+        through :meth:`Pipeline.on_replay`. The stream has no replay open."""
+        ...
+
+    def end_replay(self, stream: StreamId) -> int:
+        """Close the stream's replay; returns how many of its replies were undecodable."""
+        ...
+
+
+MAX_TOPIC_ID_CHARS = 128
+"""Longest replica id a topic may register (bind mode)."""
+MAX_TOPIC_MODEL_CHARS = 256
+"""Longest model name a topic may register (bind mode)."""
+MAX_TOPIC_RANKS = 1024
+"""A self-registered stream's data-parallel rank (from the payload) is below this."""
+
+
+@dataclass(slots=True)
+class _Runtime:
+    """What the pipeline keeps for one stream."""
+
+    stream: StreamId
+    model: str
+    tracker: StreamTracker
+    replay_endpoint: str | None
+    report: StreamReport
+    """What to tell the registry next; the tracker counts into it too."""
+    replay_open: bool = False
+    last_rebuild: float = float("-inf")
+    broken: bool = False
+    purged: bool = False
+    disconnected: bool = False
+    """Its socket reported a disconnect and no connect since (never probed then)."""
+    heard_at: float = float("-inf")
+    """When a live message of it (or a probe) was last handled: silence is judged from it."""
+    pending: list[AnyBatch] = field(default_factory=list)
+    """In-order live batches not yet applied (flushed at the end of a call)."""
+    queued: bool = False
+    logged: set[str] = field(default_factory=set)
+    fenced: bool = False
+    """Another indexer owns the stream now: nothing more is written for it here."""
+
+
+class Pipeline:
+    """Keeps the index and the registry's stream records in step with the replicas' frames.
+
+    ``replays`` carries out replay requests; without it no stream can replay (as if no
+    replica had a ``replay`` endpoint), which suits callers without sockets.
+
+    ``claim`` (sharded indexers): called for a stream before its watermark is read to start
+    keeping it, so that a previous owner is fenced out first (it may raise
+    :class:`IndexUnavailableError`). A write the store refuses because another indexer owns
+    the stream (:class:`FencedError`) is dropped and counted (:attr:`num_fenced_batches`),
+    and the stream is no longer written here: :meth:`take_fenced` hands it to the caller,
+    which stops subscribing to it (connect mode) and :meth:`release` s it.
+
+    ``publish_unrouted``: where the unrouted totals go after a call that changed them
+    (default: ``registry.record_unrouted``; the ingest workers sum every pipeline's).
+
+    ``native_ingest`` (the default): over an index with the compiled ingest path (the
+    memory store on the compiled tables), a live message of a known stream that is its
+    next batch, with only common events, is decoded straight to a ``native.NativeBatch``
+    and applied by compiled code; anything else (a gap, a restart, a bad frame or event,
+    an uncommon event) takes the Python path, as without it. ``False``: always the Python
+    path (the tests compare the two).
+    """
+
+    def __init__(
+        self,
+        settings: IndexerSettings,
+        index: BlockIndex,
+        registry: Registry,
+        *,
+        replays: ReplayRequests | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        claim: Callable[[StreamId], None] | None = None,
+        native_ingest: bool = True,
+        publish_unrouted: Callable[[UnroutedCounters], None] | None = None,
+    ) -> None:
+        self._settings = settings
+        self._claim = claim
+        self._fenced: list[StreamId] = []
+        self.num_fenced_batches = 0
+        """Batches (and clears) refused by the store's fence: another indexer owns them."""
+        self._index = index
+        self._registry = registry
+        self._replays = replays
+        self._clock = clock
+        self._ingestor = Ingestor(index, cache_size=settings.key_cache_entries)
+        self._native = native_ingest and self._ingestor.native
+        self._runtimes: dict[StreamId, _Runtime] = {}
+        self._known_version = -1
+        self.counters = UnroutedCounters()
+        """Running totals, published to the registry after each call that changed them."""
+        self._num_self_registered = 0
+        self._published = UnroutedCounters()
+        self._publish_unrouted = publish_unrouted or registry.record_unrouted
+        self._identity = index if isinstance(index, StoreIdentity) else None
+        self._check_store()  # adopts the store as it is now: a later loss is told apart
+
+    # --- the fleet -----------------------------------------------------------------------
+
+    def reconcile(self) -> list[ReplicaSpec] | None:
+        """None if the registry's replicas are as at the last call. Otherwise: forget the
+        streams of removed replicas (closing their replays, purging their blocks) and return
+        every replica now registered, for the caller to open or close sockets."""
+        version = self._registry.version
+        if version == self._known_version:
+            return None
+        self._known_version = version
+        wanted = self._registry.replicas()
+        for replica in {s.replica for s in self._runtimes} - {r.id for r in wanted}:
+            self._forget_replica(replica)
+        return wanted
+
+    def track(self, stream: StreamId, spec: ReplicaSpec) -> None:
+        """Start keeping a stream its caller subscribed to (connect mode); a no-op if kept."""
+        self._runtime(stream, spec)
+
+    def release(self, stream: StreamId) -> None:
+        """Stop keeping a stream (another indexer owns it now): its replay closed, its
+        record dropped from the registry (the new owner publishes it); its blocks stay."""
+        runtime = self._runtimes.pop(stream, None)
+        if runtime is None:
+            return
+        self._end_replay(runtime)
+        self._ingestor.forget(stream)
+        self._registry.forget(stream)
+
+    def take_fenced(self) -> list[StreamId]:
+        """Streams fenced out since the last call (each once), for the caller to release."""
+        fenced, self._fenced = self._fenced, []
+        return fenced
+
+    def restart(self) -> None:
+        """After the thread calling this pipeline died in a call (nothing it was doing can
+        be trusted to have finished): every stream is resynced from the index at the next
+        :meth:`maintain`, as after a store failure (its tracker restarted from the stored
+        watermark, then a replay from there; without a replay endpoint what was lost is
+        counted as a gap). Its open replays are closed; nothing pending is applied."""
+        for runtime in self._runtimes.values():
+            self._end_replay(runtime)
+            runtime.pending = []
+            runtime.queued = False
+            if not runtime.fenced:
+                runtime.broken = True
+
+    def close(self) -> None:
+        """End every open replay (their undecodable replies counted)."""
+        for runtime in self._runtimes.values():
+            if runtime.replay_open:
+                self._end_replay(runtime)
+                self._record(runtime)
+
+    # --- live frames ---------------------------------------------------------------------
+
+    def handle_live(self, frames: list[bytes], stream: StreamId | None) -> None:
+        """One live message from a known stream (connect mode) or the bound SUB (None)."""
+        self.handle_frames([frames], stream)
+
+    def handle_frames(self, messages: list[list[bytes]], stream: StreamId | None) -> None:
+        """Live messages in arrival order, as drained from one socket (``stream``: the
+        socket's, or None for the bound SUB, where each topic names its stream).
+
+        In-order batches of a stream are applied together (one index round trip); anything
+        else (a gap, a restart) first flushes what is pending, then is carried out. Each
+        stream touched is reported to the registry once, at the end.
+        """
+        touched: list[_Runtime] = []
+        native = self._native and stream is not None
+        runtime: _Runtime | None = None
+        for frames in messages:
+            if native:
+                runtime = runtime or self._runtimes.get(stream)  # type: ignore[arg-type]
+                if self._took_native(runtime, frames):
+                    if not runtime.queued:  # type: ignore[union-attr]  # took it: not None
+                        runtime.queued = True  # type: ignore[union-attr]
+                        touched.append(runtime)  # type: ignore[arg-type]
+                    continue
+            try:
+                message = decode_live(frames)
+            except WireError as exc:
+                runtime = self._bad_frame(stream, exc)
+            else:
+                runtime = self._on_batch(stream, message.topic, message.batch)
+            if runtime is not None and not runtime.queued:
+                runtime.queued = True
+                touched.append(runtime)
+        now = self._clock() if touched else 0.0
+        for runtime in touched:
+            runtime.queued = False
+            runtime.heard_at = now
+            self._flush(runtime)
+            self._record(runtime)
+        if self.counters != self._published:
+            self._published = replace(self.counters)
+            self._publish_unrouted(self._published)
+
+    def _took_native(self, runtime: _Runtime | None, frames: list[bytes]) -> bool:
+        """The compiled ingest path: True if the message was the stream's next batch of
+        common events, now pending as a ``NativeBatch``; False: nothing was done."""
+        if runtime is None or runtime.broken or runtime.fenced:
+            return False
+        batch = decode_live_native(frames)
+        if batch is None or not runtime.tracker.accept_next(batch):
+            return False
+        runtime.pending.append(batch)
+        return True
+
+    def _on_batch(self, stream: StreamId | None, topic: str, batch: EventBatch) -> _Runtime | None:
+        runtime = self._runtime_for(stream, topic, batch)
+        if runtime is None or runtime.broken or runtime.fenced:
+            return None
+        if runtime.tracker.accept_next(batch):
+            runtime.pending.append(batch)
+            return runtime
+        step = runtime.tracker.on_live(batch)
+        if step.clear or step.replay_from is not None:
+            self._flush(runtime)
+            self._execute(runtime, step, live=True)
+        else:
+            runtime.pending.extend(step.batches)
+        return runtime
+
+    def _bad_frame(self, stream: StreamId | None, exc: WireError) -> _Runtime | None:
+        runtime = None if stream is None else self._runtimes.get(stream)
+        if runtime is None:
+            self.counters.num_undecodable += 1
+            if self.counters.num_undecodable == 1:
+                log.warning("undecodable frame on the bound SUB (further ones counted): %s", exc)
+            return None
+        runtime.report.num_decode_errors += 1
+        self._log_once(runtime, "decode", "undecodable frame (further ones counted): %s", exc)
+        if exc.seq is not None:
+            # Only the payload was bad: move past this seq rather than replay it forever.
+            skipped = EventBatch(exc.seq, _UNKNOWN_TS, runtime.stream.rank, ())
+            self._on_batch(runtime.stream, "", skipped)
+            self._flush(runtime)
+        return runtime
+
+    # --- streams -------------------------------------------------------------------------
+
+    def _runtime_for(
+        self, stream: StreamId | None, topic: str, batch: EventBatch
+    ) -> _Runtime | None:
+        if stream is None:
+            return self._register_from_topic(topic, batch.rank)
+        runtime = self._runtimes.get(stream)
+        if runtime is None:
+            spec = self._registry.get(stream.replica)
+            if spec is None:
+                self.counters.num_unidentified += 1
+                return None
+            runtime = self._runtime(stream, spec)
+        return runtime
+
+    def _register_from_topic(self, topic: str, rank: int) -> _Runtime | None:
+        """Bind mode: the topic ``kv@<replica>@<model>`` names the stream. A replica not yet
+        registered is registered from it within the limits (id and model length, rank
+        range, ``max_self_registered``); a batch past them is counted as refused."""
+        parsed = Topic.parse(topic)
+        replica = parsed.replica or topic
+        stream = StreamId(replica, rank)
+        runtime = self._runtimes.get(stream)
+        if runtime is not None:
+            return runtime
+        spec = self._registry.get(replica)
+        if spec is None:
+            spec = self._spec_from_topic(topic, replica, parsed.model)
+        if spec is None or not self._rank_in_range(spec, rank, topic):
+            return None
+        if self._registry.add(spec):
+            self._num_self_registered += 1
+            self._known_version = self._registry.version  # nothing to open for it
+        log.info("replica %s rank %d registered from its topic %r", replica, rank, topic[:200])
+        return self._runtime(stream, spec)
+
+    def _spec_from_topic(self, topic: str, replica: str, model: str | None) -> ReplicaSpec | None:
+        model = model or self._settings.default_model
+        if not replica or model is None:
+            self._unrouted("unidentified", "event with topic %r names no replica", topic)
+            return None
+        if (
+            len(replica) > MAX_TOPIC_ID_CHARS
+            or len(model) > MAX_TOPIC_MODEL_CHARS
+            or self._num_self_registered >= self._settings.max_self_registered
+        ):
+            self._unrouted("refused", "topic %r refused: past a registration limit", topic)
+            return None
+        try:
+            check_name("replica id", replica)
+            return ReplicaSpec(id=replica, model=model)
+        except (SchemaError, SettingsError):
+            self._unrouted("refused", "topic %r refused: not a valid replica id", topic)
+            return None
+
+    def _rank_in_range(self, spec: ReplicaSpec, rank: int, topic: str) -> bool:
+        """A rank from the payload: below the spec's ``dp_size`` if it declares several,
+        else below :data:`MAX_TOPIC_RANKS`."""
+        limit = spec.dp_size if spec.dp_size > 1 else MAX_TOPIC_RANKS
+        if 0 <= rank < limit:
+            return True
+        self._unrouted("refused", "topic %r refused: rank out of range", topic)
+        return False
+
+    def _unrouted(self, kind: str, message: str, topic: str) -> None:
+        """Count a batch that reaches no stream; the first of each kind is logged."""
+        if kind == "refused":
+            self.counters.num_refused += 1
+            first = self.counters.num_refused == 1
+        else:
+            self.counters.num_unidentified += 1
+            first = self.counters.num_unidentified == 1
+        if first:
+            log.warning(message + " (further ones counted)", topic[:200])
+
+    def _runtime(self, stream: StreamId, spec: ReplicaSpec) -> _Runtime:
+        runtime = self._runtimes.get(stream)
+        if runtime is not None:
+            return runtime
+        replay = None if self._replays is None else spec.replay_for_rank(stream.rank)
+        can_replay = replay is not None
+        report = StreamReport()
+        try:
+            if self._claim is not None:
+                self._claim(stream)  # fence out the previous owner before reading its mark
+            tracker = self._tracker_from_index(stream, can_replay=can_replay, report=report)
+        except IndexUnavailableError:  # the first store call will fail too, and be counted
+            tracker = StreamTracker(can_replay=can_replay, counters=report)
+        runtime = _Runtime(stream, spec.model, tracker, replay, report, heard_at=self._clock())
+        self._runtimes[stream] = runtime
+        self._registry.record(stream, report)  # an empty report: the record exists from now
+        return runtime
+
+    def _tracker_from_index(
+        self, stream: StreamId, *, can_replay: bool, report: StreamReport
+    ) -> StreamTracker:
+        """A tracker that starts from what the index holds (after an indexer restart, or a
+        store failure); raises :class:`IndexUnavailableError` when the store is down."""
+        stats = self._index.stats(stream)
+        return StreamTracker(
+            can_replay=can_replay,
+            watermark=stats.watermark,
+            last_ts=stats.last_event_ts,
+            counters=report,
+        )
+
+    def _forget_replica(self, replica: str) -> None:
+        """A removed replica: its replays closed, its blocks purged from the index."""
+        for stream in [s for s in self._runtimes if s.replica == replica]:
+            self._end_replay(self._runtimes.pop(stream))
+            self._ingestor.forget(stream)
+        try:
+            dropped = drop_replica(self._index, replica)
+        except IndexUnavailableError as exc:
+            log.warning("replica %s removed but its blocks could not be purged: %s", replica, exc)
+            return
+        log.info("replica %s removed; purged %d stream(s)", replica, len(dropped))
+
+    def _record(self, runtime: _Runtime) -> None:
+        """Hand the stream's report to the registry; the tracker counts into a fresh one."""
+        report = runtime.report
+        report.replaying = runtime.tracker.replaying
+        runtime.report = runtime.tracker.counters = StreamReport()
+        self._registry.record(runtime.stream, report)
+
+    # --- carrying out steps --------------------------------------------------------------
+
+    def _execute(self, runtime: _Runtime, step: Step, *, live: bool = False) -> None:
+        """Carry out a step (``live``: its batches came live, not from a replay)."""
+        stream = runtime.stream
+        if step.clear:
+            try:
+                self._index.clear(stream)
+            except IndexUnavailableError as exc:
+                self._store_failed(runtime, exc)
+                return
+            except FencedError:
+                self._fenced_out(runtime, 1)
+                return
+            self._ingestor.forget(stream)
+            log.info("stream %s cleared (engine restart, rebuild or lost history)", stream)
+        if step.history_lost:
+            self._history_lost(runtime)
+        runtime.pending.extend(step.batches)
+        self._flush(runtime, live=live)
+        if not runtime.broken and step.replay_from is not None:
+            self._start_replay(runtime, step.replay_from)
+
+    def _history_lost(self, runtime: _Runtime) -> None:
+        """The stream was cleared for history no replay could give back. Stores that follow
+        may name parents lost with it (orphans): a rebuild could not find them either, so
+        the rebuild cooldown starts now rather than at the first orphan."""
+        runtime.last_rebuild = self._clock()
+        self._log_once(
+            runtime,
+            "history",
+            "stream %s: history lost (a gap no replay could fill); its blocks were dropped "
+            "and it is rebuilt from the batches that follow (further ones counted)",
+            runtime.stream,
+        )
+
+    def _flush(self, runtime: _Runtime, *, live: bool = True) -> None:
+        """Apply the stream's pending batches in one index call (``live``: they came live,
+        so the last one's age is lag; a replayed batch's is not)."""
+        batches = runtime.pending
+        if not batches:
+            return
+        runtime.pending = []
+        if runtime.broken or runtime.fenced:
+            return
+        report = runtime.report
+        num_orphans = report.num_orphan_stores
+        try:
+            self._ingestor.apply_many(runtime.stream, runtime.model, batches, report)
+        except IndexUnavailableError as exc:
+            self._store_failed(runtime, exc)
+            return
+        except FencedError:
+            self._fenced_out(runtime, len(batches))
+            return
+        last = batches[-1]
+        report.last_seq = last.seq
+        report.last_event_ts = last.ts
+        report.last_replayed = not live
+        if (
+            report.num_orphan_stores
+            or report.num_unknown_removals
+            or report.num_misaligned_events
+            or report.num_bad_events
+        ):
+            self._log_problems(runtime, report)
+        if report.num_orphan_stores > num_orphans and not runtime.tracker.replaying:
+            self._maybe_rebuild(runtime)
+
+    def _log_problems(self, runtime: _Runtime, report: StreamReport) -> None:
+        self._log_once(
+            runtime,
+            "report",
+            "stream %s: %d orphan stores, %d unknown removals, %d misaligned and %d bad "
+            "events (further ones counted)",
+            runtime.stream,
+            report.num_orphan_stores,
+            report.num_unknown_removals,
+            report.num_misaligned_events,
+            report.num_bad_events,
+        )
+
+    def _maybe_rebuild(self, runtime: _Runtime) -> None:
+        """Orphaned stores: rebuild from the engine's replay buffer, at most once a while."""
+        now = self._clock()
+        if now - runtime.last_rebuild < self._settings.rebuild_cooldown_s:
+            return
+        runtime.last_rebuild = now
+        step = runtime.tracker.resync(rebuild=True)
+        if step.replay_from is not None:
+            log.info("stream %s: orphaned stores, rebuilding by replay", runtime.stream)
+            self._start_replay(runtime, step.replay_from)
+
+    def _store_failed(self, runtime: _Runtime, exc: IndexUnavailableError) -> None:
+        runtime.broken = True
+        self._end_replay(runtime)
+        runtime.report.num_store_errors += 1
+        log.warning("stream %s: index store unavailable, will resync: %s", runtime.stream, exc)
+
+    def _fenced_out(self, runtime: _Runtime, num_batches: int) -> None:
+        """Another indexer claimed the stream: drop the write, count it, stop writing."""
+        self.num_fenced_batches += num_batches
+        if runtime.fenced:
+            return
+        runtime.fenced = True
+        self._end_replay(runtime)
+        self._fenced.append(runtime.stream)
+        log.info(
+            "stream %s: owned by another indexer now (%d batch(es) fenced out): handed over",
+            runtime.stream,
+            num_batches,
+        )
+
+    def _log_once(self, runtime: _Runtime, kind: str, message: str, *args: object) -> None:
+        if kind not in runtime.logged:
+            runtime.logged.add(kind)
+            log.warning(message, *args)
+
+    # --- replay --------------------------------------------------------------------------
+
+    def on_replay(self, stream: StreamId, replies: Sequence[ReplayReply]) -> None:
+        """Replies of the stream's open replay, in arrival order; an end marker ends it."""
+        runtime = self._runtimes.get(stream)
+        if runtime is None or not runtime.replay_open:
+            return
+        for reply in replies:
+            if reply.batch is None:
+                num_undecodable = self._end_replay(runtime)
+                step = runtime.tracker.on_replay_end(complete=num_undecodable == 0)
+                self._execute(runtime, step)
+                break
+            self._execute(runtime, runtime.tracker.on_replay(reply.batch))
+            if runtime.broken:
+                break
+        self._record(runtime)
+
+    def replay_timed_out(self, stream: StreamId) -> None:
+        """The stream's replay went silent for too long: give it up, apply what waited."""
+        runtime = self._runtimes.get(stream)
+        if runtime is None or not runtime.replay_open:
+            return
+        log.warning("stream %s: replay timed out", stream)
+        self._end_replay(runtime)
+        self._execute(runtime, runtime.tracker.on_replay_failed())
+        self._record(runtime)
+
+    def _start_replay(self, runtime: _Runtime, start_seq: int, *, probe: bool = False) -> None:
+        if runtime.replay_endpoint is None or self._replays is None:
+            return
+        self._end_replay(runtime)
+        self._replays.start_replay(runtime.stream, runtime.replay_endpoint, start_seq)
+        runtime.replay_open = True
+        # A probe of each silent stream every few seconds would flood the info log.
+        log.log(
+            logging.DEBUG if probe else logging.INFO,
+            "stream %s: replay from seq %d%s",
+            runtime.stream,
+            start_seq,
+            " (probe)" if probe else "",
+        )
+
+    def _end_replay(self, runtime: _Runtime) -> int:
+        """Close the stream's replay, if open; returns its undecodable replies (counted)."""
+        if not runtime.replay_open or self._replays is None:
+            return 0
+        runtime.replay_open = False
+        num_undecodable = self._replays.end_replay(runtime.stream)
+        runtime.report.num_decode_errors += num_undecodable
+        return num_undecodable
+
+    # --- connection ----------------------------------------------------------------------
+
+    def on_connected(self, stream: StreamId) -> None:
+        """The stream's socket (re)connected: resync it from the engine's replay buffer."""
+        runtime = self._runtimes.get(stream)
+        if runtime is None:
+            return
+        runtime.report.connected = True
+        runtime.purged = runtime.disconnected = False
+        runtime.heard_at = self._clock()
+        log.info("stream %s: connected; resyncing", stream)
+        self._execute(runtime, runtime.tracker.resync())
+        self._record(runtime)
+
+    def on_disconnected(self, stream: StreamId) -> None:
+        runtime = self._runtimes.get(stream)
+        if runtime is None:
+            return
+        runtime.report.connected = False
+        runtime.disconnected = True
+        log.warning("stream %s: disconnected", stream)
+        self._record(runtime)
+
+    # --- periodic ------------------------------------------------------------------------
+
+    def maintain(self) -> None:
+        """Refill every stream if the store lost its data; resync streams whose store is
+        back; probe streams silent for ``probe_interval_s``; purge the blocks of streams
+        disconnected for longer than ``purge_after_s``. Call it about once a second."""
+        self._check_store()
+        now = self._clock()
+        for runtime in list(self._runtimes.values()):
+            if runtime.fenced:
+                continue
+            if runtime.broken:
+                self._recover(runtime)
+            self._maybe_probe(runtime, now)
+            self._maybe_purge(runtime)
+
+    def _check_store(self) -> None:
+        """One cheap look (a GET on Redis) at whether the store lost its data; if it did,
+        refill every stream at once, not at its next event (a quiet stream would wait
+        forever). A store that kept its data (Redis restarted with AOF) costs nothing."""
+        if self._identity is None:
+            return
+        try:
+            intact = self._identity.intact()
+        except IndexUnavailableError:
+            return  # a stream's next write counts it; the next call looks again
+        if intact:
+            return
+        log.warning(
+            "index store lost its data (restarted empty or flushed): refilling %d stream(s)",
+            len(self._runtimes),
+        )
+        for runtime in list(self._runtimes.values()):
+            if not runtime.fenced:
+                self._refill(runtime)
+
+    def _refill(self, runtime: _Runtime) -> None:
+        """Rebuild one stream from nothing: a fresh tracker (empty watermark), the stream
+        cleared (batches applied since the loss would hide older ones: the index skips
+        seqs at or below its watermark), then a replay from 0 (the engine's whole buffer)
+        or, without a replay endpoint, its next batch on."""
+        self._end_replay(runtime)
+        runtime.pending = []
+        runtime.broken = False
+        runtime.tracker = StreamTracker(
+            can_replay=runtime.tracker.can_replay, counters=runtime.report
+        )
+        runtime.report.num_store_refills += 1
+        self._ingestor.forget(runtime.stream)
+        try:
+            self._index.clear(runtime.stream)
+        except IndexUnavailableError as exc:
+            self._store_failed(runtime, exc)
+        except FencedError:
+            self._fenced_out(runtime, 1)
+        else:
+            if not runtime.disconnected:  # else its reconnect resyncs it
+                self._execute(runtime, runtime.tracker.resync())
+        self._record(runtime)
+
+    def _maybe_probe(self, runtime: _Runtime, now: float) -> None:
+        """A stream with a replay endpoint silent for ``probe_interval_s``: probe it for a
+        seq reset (a replica restarted quiet, in bind mode or with a missed reconnect)."""
+        interval = self._settings.probe_interval_s
+        if interval <= 0 or runtime.replay_endpoint is None or now - runtime.heard_at < interval:
+            return
+        if runtime.broken or runtime.replay_open or runtime.disconnected:
+            return
+        runtime.heard_at = now
+        step = runtime.tracker.probe()
+        if step.replay_from is not None:
+            self._start_replay(runtime, step.replay_from, probe=True)
+            self._record(runtime)
+
+    def _recover(self, runtime: _Runtime) -> None:
+        """The store is back: restart the stream's tracker from the index and resync."""
+        can_replay = runtime.tracker.can_replay
+        try:
+            tracker = self._tracker_from_index(
+                runtime.stream, can_replay=can_replay, report=runtime.report
+            )
+        except IndexUnavailableError:
+            return
+        runtime.tracker = tracker
+        runtime.broken = False
+        self._ingestor.forget(runtime.stream)
+        log.info("stream %s: index store reachable again; resyncing", runtime.stream)
+        self._execute(runtime, tracker.resync())
+        self._record(runtime)
+
+    def _maybe_purge(self, runtime: _Runtime) -> None:
+        limit = self._settings.purge_after_s
+        if limit <= 0 or runtime.purged:
+            return
+        gone_for = self._registry.disconnected_for(runtime.stream)
+        if gone_for is None or gone_for < limit:
+            return
+        try:
+            self._index.clear(runtime.stream)
+        except IndexUnavailableError:
+            return
+        except FencedError:
+            self._fenced_out(runtime, 1)
+            return
+        runtime.purged = True
+        self._ingestor.forget(runtime.stream)
+        log.warning("stream %s: disconnected %.0fs, blocks purged", runtime.stream, gone_for)

@@ -1,0 +1,740 @@
+"""ZeroMQ side of the write path: sockets, topologies, reconnects. Nothing else.
+
+Two topologies, as vLLM allows (both may be used at once):
+
+* **connect** — a replica's ``endpoint`` binds (``tcp://*:5557``, vLLM's default); the
+  indexer connects one SUB per (replica, data-parallel rank), rank r at port + r. The
+  stream is known from the socket; a socket monitor tells connects from disconnects.
+* **bind** — the indexer binds one SUB (``settings.bind``); replicas connect to it (a vLLM
+  endpoint without ``*``). Each stream is known from its topic ``kv@<replica>@<model>``
+  and the batch's data-parallel rank, and is registered on its first event.
+
+Replays use one DEALER per replay (:class:`~kvindex.indexer.ingest.replay.ReplaySession`), open
+only while the replay runs.
+
+Scale: a connect-mode stream holds three sockets (SUB and its monitor's two ends) and about
+four open files, so the subscriber opens its own context sized to the open-file limit
+(:mod:`~kvindex.indexer.ingest.process_limits`): thousands of replicas fit where the file limit
+allows. A socket that still cannot open raises :class:`SocketLimitError` at start (the CLI
+prints it) and is one error line later (a replica added at run time, a replay), naming the
+limits and the fix; a replay that cannot open fails as a timed-out one does.
+
+Sharded indexers (a :class:`~kvindex.indexer.ingest.membership.Shard`): only the connect-mode
+streams this process owns are subscribed, each rank of a replica on its own (a replica's
+ranks may belong to different indexers). At every lease renew the loop re-evaluates
+ownership: a stream gained is claimed (fencing its previous owner out) and subscribed (its
+connect resyncs it from the stored watermark); a stream lost is unsubscribed and released.
+A stream the store fenced out is released at once and not taken back before the next renew
+period. Subscribing to owned streams only is what makes ingest scale with the processes:
+decoding every stream's frames everywhere and writing only the owned ones would cost each
+process the whole fleet's decoding. Bind-mode streams belong to the indexer the replica
+publishes to (it claims them on their first event).
+
+Threading: ingest workers (``ingest_workers``; on the memory store one per two cores
+available, 1 to 2; one on Redis and whenever sharded). Each worker is a
+:class:`SubscriberLoop` in a thread of its own that owns the sockets of its share of the
+connect-mode streams (:class:`~kvindex.indexer.ingest.partition.StreamPartition`: each stream,
+rank by rank, given to the worker with the fewest when first seen, and kept there) and its
+own :class:`~kvindex.indexer.ingest.pipeline.Pipeline`, which decides everything else for those
+streams (ordering, replays, registration, purges, recovery). A stream is on one worker, so
+its batches are applied in order, and its replays, restarts and resyncs run on that worker
+while the others go on. The workers share the one index (thread-safe: one lock, see
+:mod:`~kvindex.indexer.index.memory`), the registry (thread-safe; each worker records its
+own streams, and their unrouted totals are summed) and one ZeroMQ context (an I/O thread
+per worker). The bound SUB is read by the first worker alone: one socket receives every
+replica that connects, and handing its frames to other threads by topic would cost a copy
+and a queue per message in Python, under the GIL, which is most of what a frame costs
+(below); so bind mode ingests on one core, and a fleet that needs more publishes in connect
+mode.
+
+What overlaps, and what it costs: only the compiled ingest (``Tables.ingest``: translation
+and apply) runs without the GIL, and it holds the index lock; receiving (pyzmq), reading
+the msgpack (``native_live``) and the pipeline's bookkeeping hold the GIL. So two workers
+overlap one's compiled ingest with the other's Python, and the larger of the two parts is
+the ceiling. One worker's thread CPU over ZeroMQ: on ``bench/ingest.py --quick`` (5.4
+events of 1.7 blocks a batch) receiving 40 %, the compiled ingest 26 %, the pipeline's
+Python 15 %, reading the msgpack 14 %, the poll loop 4 % (the GIL's part, 74 %, is the
+ceiling: at most 1.35x); on batches of 16 events of 16 blocks (the side-by-side
+benchmark's) the compiled ingest 78 %, receiving 8 %, reading 9 %, the pipeline 4 % (the
+index lock's part is the ceiling: at most 1.28x). On this 2-core host two workers measured
+0.97x of one, for 12 % more CPU (the threads hand the GIL and the lock to each other), so
+the default gives a worker per two cores. A worker whose thread dies (an exception its
+loop does not catch) is logged and started again within half a second, its streams
+resynced from the index.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import select
+import threading
+import time
+from collections.abc import Callable
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from kvindex.indexer.config.settings import IndexerSettings
+from kvindex.indexer.domain.errors import KvIndexError
+from kvindex.indexer.domain.events import StreamId
+from kvindex.indexer.domain.health import UnroutedCounters
+from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.index.protocol import BlockIndex
+from kvindex.indexer.ingest.membership import Shard
+from kvindex.indexer.ingest.partition import StreamPartition, UnroutedTotals
+from kvindex.indexer.ingest.pipeline import Pipeline
+from kvindex.indexer.ingest.process_limits import (
+    describe_limits,
+    file_limit,
+    files_needed,
+    sized_context,
+)
+from kvindex.indexer.ingest.replay import ReplaySession
+
+log = logging.getLogger("kvindex.subscriber")
+
+_POLL_MS = 50
+_MAX_MESSAGES_PER_WAKE = 1024
+_MAINTENANCE_EVERY_S = 1.0
+_SUPERVISE_S = 0.5
+"""How often the subscriber looks for a worker whose thread died."""
+_RECEIVE_HWM = 8
+"""Messages a SUB queues per publisher before it stops reading from that connection (TCP
+then holds the publisher back, whose own queue takes the rest: vLLM's holds 100,000).
+Unbounded, a burst faster than ingest piled up in this process, for the whole fleet
+(12 MB for 16 replicas sending 200,000 blocks at once); the loop drains what is queued at
+each wake, so a few messages per stream are all it needs at hand."""
+
+Context = zmq.Context[zmq.Socket[bytes]]
+Socket = zmq.Socket[bytes]
+_OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
+
+
+class SocketLimitError(KvIndexError):
+    """A socket could not open: the process reached its open-file or ZeroMQ socket limit."""
+
+
+def _out_of_files(exc: zmq.ZMQError) -> bool:
+    return exc.errno in _OUT_OF_FILES
+
+
+def _int_option(sock: Socket, option: int) -> int:
+    value = sock.getsockopt(option)
+    assert isinstance(value, int)
+    return value
+
+
+class ReadablePoller:
+    """``zmq.Poller``'s register / unregister / poll for readability, costing the sockets that
+    are ready rather than every socket registered: with thousands of streams a
+    ``zmq.Poller.poll`` walks every socket each turn (9-16 ms for 4,000 here, 0.2 ms this way).
+
+    An epoll watches each socket's ``ZMQ_FD``, which signals when the socket's state may have
+    changed; ``ZMQ_EVENTS`` then says whether it is readable. A socket reported readable is
+    checked again at the next poll (without waiting) until it is not, so a caller that stops
+    draining early, or that sends on it, loses no wake-up. Used from one thread; a socket is
+    unregistered before it is closed."""
+
+    def __init__(self) -> None:
+        self._epoll = select.epoll()
+        self._socket_of: dict[int, Socket] = {}
+        self._unchecked: set[Socket] = set()
+
+    @property
+    def sockets(self) -> list[Socket]:
+        return list(self._socket_of.values())
+
+    def register(self, sock: Socket) -> None:
+        fd = _int_option(sock, zmq.FD)
+        self._epoll.register(fd, select.EPOLLIN)
+        self._socket_of[fd] = sock
+        self._unchecked.add(sock)  # it may hold messages already
+
+    def unregister(self, sock: Socket) -> None:
+        fd = _int_option(sock, zmq.FD)
+        self._epoll.unregister(fd)
+        del self._socket_of[fd]
+        self._unchecked.discard(sock)
+
+    def poll(self, timeout_ms: int) -> list[Socket]:
+        """The readable sockets, waiting up to ``timeout_ms`` for one (not at all while a
+        socket reported last time is still to be checked)."""
+        timeout_s = 0.0 if self._unchecked else timeout_ms / 1000
+        for fd, _ in self._epoll.poll(timeout_s):
+            sock = self._socket_of.get(fd)
+            if sock is not None:
+                self._unchecked.add(sock)
+        ready = [s for s in self._unchecked if _int_option(s, zmq.EVENTS) & zmq.POLLIN]
+        self._unchecked = set(ready)
+        return ready
+
+    def close(self) -> None:
+        """Stop watching (every socket should be unregistered by now); idempotent."""
+        self._socket_of.clear()
+        self._unchecked.clear()
+        self._epoll.close()
+
+
+class _ReplaySockets:
+    """The pipeline's :class:`~kvindex.indexer.ingest.pipeline.ReplayRequests`: one DEALER per open
+    replay, polled by the loop. A replay whose DEALER cannot open (out of files) is held as
+    expired, so the pipeline gives it up as a timed-out one. Used from the loop's thread only."""
+
+    def __init__(
+        self,
+        context: Callable[[], Context],
+        poller: ReadablePoller,
+        timeout_s: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self._context = context
+        self._poller = poller
+        self._timeout_s = timeout_s
+        self._clock = clock
+        self.sessions: dict[StreamId, ReplaySession] = {}
+        self.stream_of: dict[Socket, StreamId] = {}
+        self.unopened: set[StreamId] = set()
+        self._limit_logged = False
+
+    def start_replay(self, stream: StreamId, endpoint: str, start_seq: int) -> None:
+        try:
+            session = ReplaySession(
+                self._context(),
+                endpoint,
+                start_seq,
+                idle_timeout_s=self._timeout_s,
+                clock=self._clock,
+            )
+        except zmq.ZMQError as exc:
+            if not _out_of_files(exc):
+                raise
+            self._on_unopened(stream, exc)
+            return
+        self._limit_logged = False
+        self.sessions[stream] = session
+        self.stream_of[session.socket] = stream
+        self._poller.register(session.socket)
+
+    def _on_unopened(self, stream: StreamId, exc: zmq.ZMQError) -> None:
+        self.unopened.add(stream)
+        if not self._limit_logged:  # once until a replay opens again: not once per stream
+            self._limit_logged = True
+            log.error(
+                "stream %s: cannot open a replay socket (%s): %s",
+                stream,
+                exc.strerror,
+                describe_limits(self._context()),
+            )
+
+    def expired(self) -> list[StreamId]:
+        """Streams whose replay went silent too long or never opened."""
+        late = [s for s, session in self.sessions.items() if session.expired()]
+        return late + sorted(self.unopened)
+
+    def end_replay(self, stream: StreamId) -> int:
+        self.unopened.discard(stream)
+        session = self.sessions.pop(stream, None)
+        if session is None:
+            return 0
+        self._poller.unregister(session.socket)
+        del self.stream_of[session.socket]
+        session.close()
+        return session.num_bad_frames
+
+
+class SubscriberLoop:
+    """One ingest worker's loop: the sockets of its share of the streams (``partition``)
+    and the bound SUB if it is the first, fed to its own :class:`Pipeline`. Used from one
+    thread at a time (the :class:`Subscriber` runs each loop in a thread of its own)."""
+
+    def __init__(
+        self,
+        settings: IndexerSettings,
+        index: BlockIndex,
+        registry: Registry,
+        *,
+        context: Callable[[], Context],
+        stop: threading.Event,
+        clock: Callable[[], float] = time.monotonic,
+        shard: Shard | None = None,
+        worker: int = 0,
+        partition: StreamPartition | None = None,
+        publish_unrouted: Callable[[UnroutedCounters], None] | None = None,
+    ) -> None:
+        self._settings = settings
+        self._shard = shard
+        self.worker = worker
+        self._partition = partition
+        self._ranks_of: dict[str, tuple[int, ...]] = {}
+        """The ranks subscribed per replica (all of them unless sharded or shared out)."""
+        self._excluded: dict[StreamId, float] = {}
+        """Streams fenced out, and until when they are not taken back."""
+        self._zmq_context = context
+        self._clock = clock
+        self._poller = ReadablePoller()
+        self._replays = _ReplaySockets(context, self._poller, settings.replay_timeout_s, clock)
+        claim = None if shard is None else shard.claim
+        self.pipeline = Pipeline(
+            settings,
+            index,
+            registry,
+            replays=self._replays,
+            clock=clock,
+            claim=claim,
+            publish_unrouted=publish_unrouted,
+        )
+        self._sub_of: dict[Socket, StreamId] = {}
+        self._monitor_of: dict[Socket, StreamId] = {}
+        self._sockets_of: dict[str, list[Socket]] = {}
+        self._specs: list[ReplicaSpec] = []
+        self._num_unopened = 0
+        self._bound: Socket | None = None
+        self._next_maintenance = 0.0
+        self._stop = stop
+        self.bound_endpoint: str | None = None
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Open the bound SUB (the first worker) and the sockets of the streams owned now;
+        raises :class:`SocketLimitError` or :class:`zmq.ZMQError` (the caller closes)."""
+        if self.worker == 0:
+            self._open_bound()
+        self._reconcile(strict=True)
+
+    @property
+    def subscribed_replicas(self) -> list[str]:
+        """Ids of the replicas with sockets of this loop open, sorted (read from the loop's
+        thread, or while it does not run)."""
+        return sorted(self._sockets_of)
+
+    @property
+    def num_streams_open(self) -> int:
+        """Connect-mode streams whose SUB this loop holds."""
+        return len(self._sub_of)
+
+    def run_once(self, timeout_ms: int = _POLL_MS) -> None:
+        """One loop turn: reconcile replicas, poll, handle, expire, maintain.
+
+        It waits up to ``timeout_ms`` for a socket (or for the stop event): with no socket
+        registered a poll would return at once, which would spin a core.
+        """
+        self._reconcile()
+        if self._shard is not None:
+            self._shard_turn()
+        if not self._poller.sockets:
+            self._stop.wait(timeout_ms / 1000)
+        for sock in self._poller.poll(timeout_ms):
+            self._dispatch(sock)
+        for stream in self._replays.expired():
+            self.pipeline.replay_timed_out(stream)
+        now = self._clock()
+        if now >= self._next_maintenance:
+            self._next_maintenance = now + _MAINTENANCE_EVERY_S
+            self.pipeline.maintain()
+            if self._num_unopened:
+                self._open_replicas(strict=False)
+
+    # --- sharding ------------------------------------------------------------------------
+
+    def _shard_turn(self) -> None:
+        """Release what was fenced out; rebalance after each lease renew (or a fence)."""
+        assert self._shard is not None
+        fenced = self.pipeline.take_fenced()
+        hold_off = self._clock() + self._shard.membership.renew_period_s
+        for stream in fenced:
+            self._excluded[stream] = hold_off
+            if stream.replica not in self._sockets_of:  # bind mode: no socket of its own
+                self.pipeline.release(stream)
+        if self._shard.tick() or fenced:
+            self._rebalance()
+
+    def _owned_ranks(self, spec: ReplicaSpec, every_worker: bool = False) -> tuple[int, ...]:
+        """The replica's ranks this loop subscribes to: those of its worker (all with one
+        worker; ``every_worker``: those of every worker, what the process subscribes to),
+        of them the ones this process owns when sharded."""
+        ranks: list[int] | range = range(spec.dp_size)
+        if self._partition is not None and not every_worker:
+            worker_of = self._partition.worker_of
+            ranks = [r for r in ranks if worker_of(StreamId(spec.id, r)) == self.worker]
+        if self._shard is None:
+            return tuple(ranks)
+        now = self._clock()
+        return tuple(
+            rank
+            for rank in ranks
+            if self._shard.owns(stream := StreamId(spec.id, rank))
+            and self._excluded.get(stream, now) <= now
+        )
+
+    def _rebalance(self) -> None:
+        """Close the replicas whose owned ranks changed (releasing the ranks lost), then
+        open every replica with owned ranks and no sockets (claims happen as they open)."""
+        now = self._clock()
+        self._excluded = {s: t for s, t in self._excluded.items() if t > now}
+        spec_of = {s.id: s for s in self._specs}
+        for replica, ranks in list(self._ranks_of.items()):
+            spec = spec_of.get(replica)
+            owned = () if spec is None else self._owned_ranks(spec)
+            if owned == ranks:
+                continue
+            self._close_replica(replica)
+            for rank in set(ranks) - set(owned):
+                self.pipeline.release(StreamId(replica, rank))
+                log.info("replica %s rank %d: handed to another indexer", replica, rank)
+        self._open_replicas(strict=False)
+
+    def _dispatch(self, sock: Socket) -> None:
+        if sock is self._bound:
+            self._drain_sub(sock, None)
+        elif sock in self._sub_of:
+            self._drain_sub(sock, self._sub_of[sock])
+        elif sock in self._monitor_of:
+            self._on_monitor(sock, self._monitor_of[sock])
+        elif sock in self._replays.stream_of:
+            self._on_replay_readable(self._replays.stream_of[sock])
+
+    # --- sockets -------------------------------------------------------------------------
+
+    def _open_bound(self) -> None:
+        if self._settings.bind is None or self._bound is not None:
+            return
+        sock = self._new_sub()
+        sock.bind(self._settings.bind)
+        self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._bound = sock
+        self._poller.register(sock)
+        log.info("bound SUB on %s", self.bound_endpoint)
+
+    def _new_sub(self) -> Socket:
+        sock = self._zmq_context().socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, _RECEIVE_HWM)
+        sock.setsockopt(zmq.RECONNECT_IVL, int(self._settings.reconnect_min_s * 1000))
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(self._settings.reconnect_max_s * 1000))
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        return sock
+
+    def _reconcile(self, *, strict: bool = False) -> None:
+        """When the registry changed: open SUBs for new replicas, close removed ones'."""
+        specs = self.pipeline.reconcile()
+        if specs is None:
+            return
+        self._specs = list(specs)
+        wanted = {r.id for r in specs}
+        for replica in [r for r in self._sockets_of if r not in wanted]:
+            self._close_replica(replica)
+        self._open_replicas(strict=strict)
+
+    def _open_replicas(self, *, strict: bool) -> None:
+        """Open the sockets of every registered replica that has none. Out of files:
+        ``strict`` raises :class:`SocketLimitError`; else one error line when the number
+        of replicas left unopened changes (they are tried again each maintenance turn)."""
+        unopened = [
+            s
+            for s in self._specs
+            if s.events is not None and s.id not in self._sockets_of and self._owned_ranks(s)
+        ]
+        if strict and self.worker == 0:  # at start, for every worker: one line, the total
+            process = [
+                s for s in self._specs if s.events is not None and self._owned_ranks(s, True)
+            ]
+            if process:
+                self._log_files_needed(sum(s.dp_size for s in process))
+        error: SocketLimitError | None = None
+        for spec in unopened:
+            try:
+                self._connect_replica(spec)
+            except SocketLimitError as exc:
+                if strict:
+                    raise
+                error = error or exc
+        num_unopened = sum(s.id not in self._sockets_of for s in unopened)
+        if error is not None and num_unopened != self._num_unopened:
+            log.error("%d replicas not subscribed: %s", num_unopened, error)
+        self._num_unopened = num_unopened
+
+    def _log_files_needed(self, num_streams: int) -> None:
+        """Say at start what ``num_streams`` streams will hold against the file limit."""
+        needed, limit = files_needed(len(self._sub_of) + num_streams), file_limit()
+        level = logging.WARNING if needed > limit.soft else logging.INFO
+        message = "subscribing to %d streams: about %d open files, open-file limit %s"
+        log.log(level, message, num_streams, needed, limit)
+
+    def _connect_replica(self, spec: ReplicaSpec) -> None:
+        """Every rank's SUB and monitor, then the streams tracked; out of files, none of the
+        replica's sockets stays open and :class:`SocketLimitError` says which limit."""
+        sockets: list[Socket] = []
+        pairs: list[tuple[StreamId, Socket, Socket]] = []
+        ranks = self._owned_ranks(spec)
+        try:
+            for rank in ranks:
+                sub = self._new_sub()
+                sockets.append(sub)
+                monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+                sockets.append(monitor)
+                pairs.append((StreamId(spec.id, rank), sub, monitor))
+        except zmq.ZMQError as exc:
+            self._close_sockets(sockets)
+            if not _out_of_files(exc):
+                raise
+            raise SocketLimitError(
+                f"cannot open the sockets of replica {spec.id!r} ({len(self._sub_of)} streams"
+                f" open): {exc.strerror}; {describe_limits(self._zmq_context())}"
+            ) from None
+        for stream, sub, monitor in pairs:
+            self._subscribe(spec, stream, sub, monitor)
+        self._sockets_of[spec.id] = sockets
+        self._ranks_of[spec.id] = ranks
+
+    def _subscribe(self, spec: ReplicaSpec, stream: StreamId, sub: Socket, monitor: Socket) -> None:
+        endpoint = spec.events_for_rank(stream.rank)
+        assert endpoint is not None
+        sub.connect(endpoint)
+        self._sub_of[sub] = stream
+        self._monitor_of[monitor] = stream
+        self._poller.register(sub)
+        self._poller.register(monitor)
+        self.pipeline.track(stream, spec)
+        log.info("replica %s rank %d: connecting to %s", spec.id, stream.rank, endpoint)
+
+    def _close_sockets(self, sockets: list[Socket]) -> None:
+        """Close sockets not (yet) registered anywhere: a SUB's monitor is disabled first."""
+        for sock in sockets:
+            if sock.type == zmq.SUB:
+                sock.disable_monitor()
+            sock.close(linger=0)
+
+    def _close_replica(self, replica: str) -> None:
+        self._ranks_of.pop(replica, None)
+        for sock in self._sockets_of.pop(replica, []):
+            self._poller.unregister(sock)
+            if sock in self._sub_of:
+                del self._sub_of[sock]
+                sock.disable_monitor()
+            self._monitor_of.pop(sock, None)
+            sock.close(linger=0)
+
+    def close(self) -> None:
+        """Close every socket of this loop (its replays' undecodable replies counted)."""
+        self.pipeline.close()
+        for replica in list(self._sockets_of):
+            self._close_replica(replica)
+        for stream in list(self._replays.sessions):
+            self._replays.end_replay(stream)
+        if self._bound is not None:
+            self._poller.unregister(self._bound)
+            self._bound.close(linger=0)
+            self._bound = None
+        self._poller.close()
+
+    # --- what the sockets deliver --------------------------------------------------------
+
+    def _drain_sub(self, sock: Socket, stream: StreamId | None) -> None:
+        messages: list[list[bytes]] = []
+        for _ in range(_MAX_MESSAGES_PER_WAKE):
+            try:
+                messages.append(sock.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+        self.pipeline.handle_frames(messages, stream)
+
+    def _on_replay_readable(self, stream: StreamId) -> None:
+        session = self._replays.sessions.get(stream)
+        if session is not None:
+            self.pipeline.on_replay(stream, session.receive())
+
+    def _on_monitor(self, sock: Socket, stream: StreamId) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(sock, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_CONNECTED:
+                self.pipeline.on_connected(stream)
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self.pipeline.on_disconnected(stream)
+
+
+class Subscriber:
+    """Subscribes to every replica and feeds what arrives to the pipelines: the ingest
+    workers (``settings.num_ingest_workers``; one when sharded), each a
+    :class:`SubscriberLoop` in a thread of its own, sharing the index, the registry and one
+    ZeroMQ context. The first worker also reads the bound SUB.
+
+    ``num_workers`` overrides the setting (tests, benchmarks). A worker whose thread ends
+    other than by :meth:`stop` (an exception its loop does not catch) is logged as an error
+    and started again within :data:`_SUPERVISE_S`, its streams resynced from the index
+    (:meth:`Pipeline.restart`): what it had not applied is replayed or counted, not lost.
+    """
+
+    def __init__(
+        self,
+        settings: IndexerSettings,
+        index: BlockIndex,
+        registry: Registry,
+        *,
+        context: Context | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        shard: Shard | None = None,
+        num_workers: int | None = None,
+    ) -> None:
+        num = 1 if shard is not None else (num_workers or settings.num_ingest_workers)
+        self._given_context = context
+        self._owned_context: Context | None = None
+        self._context_lock = threading.Lock()
+        self._stop = threading.Event()
+        self.partition = StreamPartition(num)
+        unrouted = UnroutedTotals(registry, num) if num > 1 else None
+        self.loops = [
+            SubscriberLoop(
+                settings,
+                index,
+                registry,
+                context=self._zmq_context,
+                stop=self._stop,
+                clock=clock,
+                shard=shard,
+                worker=i,
+                partition=self.partition if num > 1 else None,
+                publish_unrouted=None if unrouted is None else unrouted.publisher(i),
+            )
+            for i in range(num)
+        ]
+        self._threads: list[threading.Thread | None] = [None] * num
+        self._supervisor: threading.Thread | None = None
+        self._opened = False
+        self.num_restarts = 0
+        """Workers started again after their thread ended unexpectedly."""
+
+    @property
+    def pipeline(self) -> Pipeline:
+        """The first worker's pipeline (the only one with one worker; the bound SUB's)."""
+        return self.loops[0].pipeline
+
+    @property
+    def pipelines(self) -> list[Pipeline]:
+        return [loop.pipeline for loop in self.loops]
+
+    @property
+    def bound_endpoint(self) -> str | None:
+        return self.loops[0].bound_endpoint
+
+    @property
+    def subscribed_replicas(self) -> list[str]:
+        """Ids of the replicas with sockets open in any worker, sorted (read while the
+        workers do not run, or as a snapshot that may be a turn old)."""
+        return sorted({r for loop in self.loops for r in loop.subscribed_replicas})
+
+    def worker_of(self, stream: StreamId) -> int:
+        """The worker that owns a connect-mode stream."""
+        return self.partition.worker_of(stream)
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Open every worker's sockets (so bind errors and :class:`SocketLimitError`
+        surface here, every socket closed again) without running the workers yet: what
+        arrives meanwhile waits in the sockets (a benchmark's backlog). :meth:`start`
+        does it if not done."""
+        if self._opened:
+            return
+        try:
+            for loop in self.loops:
+                loop.open()
+        except (SocketLimitError, zmq.ZMQError):
+            self._close_all()
+            raise
+        self._opened = True
+        log.info("ingest workers: %d", len(self.loops))
+
+    def start(self) -> None:
+        """:meth:`open`, then run each worker in a daemon thread, and a supervisor that
+        restarts a worker whose thread died."""
+        self.open()
+        for worker in range(len(self.loops)):
+            self._start_worker(worker)
+        self._supervisor = threading.Thread(
+            target=self._supervise, name="kvindex-ingest-supervisor", daemon=True
+        )
+        self._supervisor.start()
+
+    @property
+    def running(self) -> bool:
+        """True while every worker's thread runs (started, not ended)."""
+        return all(t is not None and t.is_alive() for t in self._threads)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop every worker (each within one poll turn), then close every socket."""
+        self._stop.set()
+        deadline = time.monotonic() + timeout_s
+        for thread in [self._supervisor, *self._threads]:
+            if thread is not None:
+                thread.join(max(0.0, deadline - time.monotonic()))
+        self._close_all()
+
+    def run_once(self, timeout_ms: int = _POLL_MS) -> None:
+        """One turn of every worker's loop, in order (tests, when the threads do not run)."""
+        for loop in self.loops:
+            loop.run_once(timeout_ms)
+
+    def _start_worker(self, worker: int) -> None:
+        thread = threading.Thread(
+            target=self._run, args=(self.loops[worker],), name=f"kvindex-ingest-{worker}"
+        )
+        thread.daemon = True
+        self._threads[worker] = thread
+        thread.start()
+
+    def _run(self, loop: SubscriberLoop) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    loop.run_once()
+                except Exception:  # the loop must survive anything; the data is counted
+                    log.exception("ingest worker %d: loop error (continuing)", loop.worker)
+                    time.sleep(0.1)
+        except BaseException:  # not re-raised: the supervisor restarts it
+            log.critical("ingest worker %d died", loop.worker, exc_info=True)
+
+    def _supervise(self) -> None:
+        """Every :data:`_SUPERVISE_S`: a worker whose thread ended before :meth:`stop` is
+        logged, its streams set to resync, and started again."""
+        while not self._stop.wait(_SUPERVISE_S):
+            for worker, thread in enumerate(self._threads):
+                if thread is None or thread.is_alive() or self._stop.is_set():
+                    continue
+                self.num_restarts += 1
+                log.error(
+                    "ingest worker %d stopped unexpectedly: restarted, its streams resync"
+                    " from the index (%d restarts)",
+                    worker,
+                    self.num_restarts,
+                )
+                self.loops[worker].pipeline.restart()
+                self._start_worker(worker)
+
+    # --- the shared context --------------------------------------------------------------
+
+    def _zmq_context(self) -> Context:
+        """The context given, or the subscriber's own, opened on first use (a subscriber
+        built and never started holds none) and sized to the open-file limit then, which
+        the service has raised by that time, with an I/O thread per worker; closed with
+        the subscriber. Called from every worker's thread."""
+        if self._given_context is not None:
+            return self._given_context
+        with self._context_lock:
+            if self._owned_context is None:
+                context = sized_context(file_limit().soft)
+                context.set(zmq.IO_THREADS, len(self.loops))
+                self._owned_context = context
+            return self._owned_context
+
+    def _close_all(self) -> None:
+        for loop in self.loops:
+            loop.close()
+        if self._owned_context is not None:
+            self._owned_context.term()
+            self._owned_context = None

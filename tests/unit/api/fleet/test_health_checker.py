@@ -1,0 +1,146 @@
+"""kvindex.api.fleet.health_checker: rounds of checks over a mock transport, on a fake clock
+(real replicas: tests/integration/test_proxy_health.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import fakeredis
+import httpx
+
+from kvindex.api.config.settings import ApiSettings
+from kvindex.api.fleet.health_checker import HealthChecker
+from kvindex.indexer.fleet.registry import Registry, RegistryView
+from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.fleet.replica_health import Ejection
+from kvindex.indexer.fleet.view import RedisFleetView
+from kvindex.indexer.index.protocol import IndexUnavailableError
+from kvindex.indexer.redis.schema import Schema
+from tests.support.clock import Clock
+
+SETTINGS = ApiSettings(health_check_interval_s=1.0, health_check_timeout_s=0.5)
+SPECS = (
+    ReplicaSpec("up", "m", url="http://up:8000"),
+    ReplicaSpec("down", "m", url="http://down:8000/"),
+    ReplicaSpec("sick", "m", url="http://sick:8000"),
+    ReplicaSpec("nourl", "m"),
+)
+
+
+class Replicas:
+    """A mock transport: ``up`` answers 200, ``sick`` 503, ``down`` refuses; a host in
+    ``refused`` refuses too."""
+
+    def __init__(self) -> None:
+        self.refused = {"down"}
+        self.paths: list[str] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.paths.append(f"{request.url.host}{request.url.path}")
+        if request.url.host in self.refused:
+            raise httpx.ConnectError("connection refused", request=request)
+        return httpx.Response(503 if request.url.host == "sick" else 200)
+
+
+def _rounds(
+    registry: RegistryView, replicas: Replicas, clock: Clock, num_rounds: int
+) -> list[tuple[str, Ejection]]:
+    """Run rounds one second apart; the ejections reported."""
+    ejected: list[tuple[str, Ejection]] = []
+
+    async def main() -> None:
+        transport = httpx.MockTransport(replicas)
+        async with httpx.AsyncClient(transport=transport) as client:
+            checker = HealthChecker(
+                SETTINGS,
+                registry,
+                client,
+                blocking_store=False,
+                clock=clock,
+                on_ejected=lambda r, why: ejected.append((r, why)),
+            )
+            for _ in range(num_rounds):
+                clock.now += 1.0
+                await checker.check_once()
+
+    asyncio.run(main())
+    return ejected
+
+
+def _ejected(registry: RegistryView, clock: Clock) -> set[str]:
+    policy = SETTINGS.health_policy()
+    return {r for r, h in registry.replica_health().items() if h.ejection(clock.now, policy)}
+
+
+def test_the_third_failed_round_ejects_and_two_good_ones_restore() -> None:
+    clock, replicas = Clock(), Replicas()
+    registry = Registry(SPECS, clock=clock)
+    assert _rounds(registry, replicas, clock, 2) == []
+    assert _ejected(registry, clock) == set()
+    ejected = _rounds(registry, replicas, clock, 1)
+    assert sorted(ejected) == [("down", Ejection.HEALTH_CHECK), ("sick", Ejection.HEALTH_CHECK)]
+    health = registry.replica_health()
+    assert health["sick"].last_error == "HTTP 503"
+    assert health["down"].last_error == "ConnectError: connection refused"
+    assert "nourl" not in health and _ejected(registry, clock) == {"down", "sick"}
+    assert "down/health" in replicas.paths and "up/health" in replicas.paths
+    replicas.refused.clear()
+    _rounds(registry, replicas, clock, 1)
+    assert _ejected(registry, clock) == {"down", "sick"}
+    _rounds(registry, replicas, clock, 1)
+    assert _ejected(registry, clock) == {"sick"}
+
+
+def test_a_slow_replica_fails_by_the_timeout() -> None:
+    clock = Clock()
+    registry = Registry((ReplicaSpec("slow", "m", url="http://slow"),), clock=clock)
+
+    async def slow(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(5)
+        return httpx.Response(200)
+
+    async def main() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(slow)) as client:
+            checker = HealthChecker(SETTINGS, registry, client, blocking_store=False, clock=clock)
+            await checker.check_once()
+
+    asyncio.run(main())
+    assert registry.replica_health()["slow"].last_error == "timed out after 0.5s"
+
+
+def test_processes_sharing_redis_check_each_replica_once_a_round() -> None:
+    client = fakeredis.FakeRedis()
+    clock, replicas = Clock(), Replicas()
+    views = [RedisFleetView(client, Schema("t"), cache_ttl_s=0.0, clock=clock) for _ in range(2)]
+    for spec in SPECS:
+        views[0].add(spec)
+    for view in views:
+        _rounds(view, replicas, clock, 1)
+    assert sorted(replicas.paths) == ["down/health", "sick/health", "up/health"]
+    # both views read one record per replica, counted once
+    assert views[1].replica_health()["down"].check_failures == 1
+
+
+class DownRegistry(Registry):
+    def claim_health_checks(self, replicas: Sequence[str], hold_s: float) -> set[str]:
+        raise IndexUnavailableError("redis: down")
+
+
+def test_an_unreachable_store_skips_the_round() -> None:
+    clock, replicas = Clock(), Replicas()
+    registry = DownRegistry(SPECS, clock=clock)
+    assert _rounds(registry, replicas, clock, 3) == []
+    assert replicas.paths == [] and registry.replica_health() == {}
+
+
+def test_start_and_stop_on_a_zero_interval_do_nothing() -> None:
+    settings = ApiSettings(health_check_interval_s=0)
+
+    async def main() -> None:
+        async with httpx.AsyncClient() as client:
+            checker = HealthChecker(settings, Registry(SPECS), client, blocking_store=False)
+            await checker.start()
+            await checker.stop()
+
+    asyncio.run(main())

@@ -1,0 +1,100 @@
+"""kvindex.api.http.metrics: the API's own series, and the write path's only where it runs (the
+write path's series themselves: tests/unit/indexer/test_metrics.py)."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+import kvindex
+from kvindex.api.config.settings import ApiSettings
+from kvindex.api.fleet.block_sizes import BlockSizeCheck
+from kvindex.api.http.metrics import ApiMetrics, TimedIndex
+from kvindex.indexer.domain.events import StreamId, Tier
+from kvindex.indexer.domain.health import StreamReport
+from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.index.memory import MemoryIndex
+from kvindex.indexer.index.protocol import OpKind, PrefixMatch
+
+
+def samples(metrics: ApiMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for s in family.samples
+    }
+
+
+# --- what an API process exports of its own, and what it leaves to the indexer ----------
+
+WRITE_PATH_SERIES = ("kvindex_batches_total", "kvindex_blocks", "kvindex_replicas")
+
+
+def names(metrics: ApiMetrics) -> set[str]:
+    return {name for name, _ in samples(metrics)}
+
+
+def test_an_api_only_process_leaves_the_fleet_series_to_the_indexer() -> None:
+    """Each API pod exporting the fleet's counters makes sum() count them once per pod."""
+    registry = Registry((ReplicaSpec("r1", "m"),))
+    registry.record(StreamId("r1"), StreamReport(num_batches=5))
+    api_only = names(ApiMetrics(registry, MemoryIndex(), runs_write_path=False))
+    with_indexer = names(ApiMetrics(registry, MemoryIndex(), runs_write_path=True))
+    for series in WRITE_PATH_SERIES:
+        assert series not in api_only, series
+        assert series in with_indexer, series
+
+
+def test_store_up_follows_the_circuit_and_build_info_names_the_version() -> None:
+    registry = Registry(())
+    up = [True]
+    metrics = ApiMetrics(registry, MemoryIndex(), store_up=lambda: up[0])
+    assert samples(metrics)[("kvindex_api_store_up", ())] == 1
+    up[0] = False
+    assert samples(metrics)[("kvindex_api_store_up", ())] == 0
+    build = (("component", "api"), ("version", kvindex.__version__))
+    assert samples(metrics)[("kvindex_build_info", build)] == 1
+
+
+def test_degraded_reasons_are_exported_from_zero() -> None:
+    metrics = ApiMetrics(Registry(()), MemoryIndex())
+    metrics.degraded_answers.labels("fleet_unreadable").inc()
+    found = samples(metrics)
+    assert found[("kvindex_degraded_answers_total", (("reason", "index_unavailable"),))] == 0
+    assert found[("kvindex_degraded_answers_total", (("reason", "fleet_unreadable"),))] == 1
+
+
+def test_each_rule_counts_the_answers_it_matched_from_zero() -> None:
+    metrics = ApiMetrics(Registry(()), MemoryIndex(), rule_names=["batch", "acme"])
+    metrics.count_rule("acme")
+    metrics.count_rule("acme")
+    metrics.count_rule(None)
+    found = samples(metrics)
+    rules = {
+        labels: v
+        for (name, labels), v in found.items()
+        if name == "kvindex_score_rule_matches_total"
+    }
+    assert rules == {(("rule", "batch"),): 0, (("rule", "acme"),): 2}
+
+
+def test_block_size_mismatches_are_counted_per_model() -> None:
+    registry = Registry(
+        (ReplicaSpec("a", "m"), ReplicaSpec("b", "m"), ReplicaSpec("c", "m"), ReplicaSpec("d", "n"))
+    )
+    for replica, size in (("a", 16), ("b", 16), ("c", 32), ("d", 16)):
+        registry.record(StreamId(replica), StreamReport(block_size=size))
+    check = BlockSizeCheck(ApiSettings(), registry)
+    found = samples(ApiMetrics(registry, MemoryIndex(), block_sizes=check))
+    assert found[("kvindex_block_size_mismatch_streams", (("model", "m"),))] == 1
+    assert found[("kvindex_block_size_mismatch_streams", (("model", "n"),))] == 0
+
+
+def test_the_timed_index_times_a_holders_lookup_and_answers_the_inner_holders() -> None:
+    index, registry = MemoryIndex(), Registry()
+    metrics = ApiMetrics(registry, index)
+    stream = StreamId("r1")
+    index.apply(stream, 0, 1.0, [(OpKind.STORE, Tier.GPU, 1, 101)])
+    timed = TimedIndex(index, metrics.lookup_latency)
+    assert timed.holders([101, 102], [StreamId("r0"), stream]) == [(PrefixMatch((Tier.GPU,)), [1])]
+    assert samples(metrics)[("kvindex_lookup_seconds_count", ())] == 1

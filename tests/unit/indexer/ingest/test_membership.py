@@ -1,0 +1,186 @@
+"""Membership: rendezvous assignment, leases over a fake Redis and a hand-set clock, and
+the pipeline's side of the fence (a batch another indexer's claim refuses)."""
+
+from __future__ import annotations
+
+import logging
+
+import fakeredis
+import pytest
+
+from kvindex.indexer.config.settings import IndexerSettings
+from kvindex.indexer.domain.events import StreamId
+from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.index.protocol import IndexUnavailableError
+from kvindex.indexer.index.redis import RedisIndex
+from kvindex.indexer.ingest.membership import (
+    Membership,
+    Shard,
+    member_of,
+    rendezvous_owner,
+)
+from kvindex.indexer.ingest.pipeline import Pipeline
+from kvindex.indexer.redis.schema import Schema
+from tests.support.clock import Clock
+from tests.unit.indexer.ingest.test_pipeline import MODEL, R1, frames
+
+SCHEMA = Schema("test")
+TTL = 9.0
+STREAMS = [StreamId(f"r{i}", rank) for i in range(300) for rank in range(2)]
+
+
+def owners(members: list[str]) -> dict[StreamId, str | None]:
+    return {s: rendezvous_owner(str(s), members) for s in STREAMS}
+
+
+# --- rendezvous ---------------------------------------------------------------------------
+
+
+def test_no_member_owns_nothing_and_one_member_owns_everything() -> None:
+    assert set(owners([]).values()) == {None}
+    assert set(owners(["a"]).values()) == {"a"}
+
+
+def test_the_owner_does_not_depend_on_the_order_members_are_listed() -> None:
+    assert owners(["a", "b", "c"]) == owners(["c", "a", "b"])
+
+
+def test_streams_split_about_evenly() -> None:
+    counts = {m: 0 for m in ("a", "b", "c")}
+    for owner in owners(["a", "b", "c"]).values():
+        assert owner is not None
+        counts[owner] += 1
+    for count in counts.values():
+        assert len(STREAMS) / 3 * 0.75 < count < len(STREAMS) / 3 * 1.25, counts
+
+
+def test_a_member_leaving_moves_only_its_streams_and_a_join_takes_only_new_ones() -> None:
+    before, after = owners(["a", "b", "c"]), owners(["a", "b"])
+    moved = [s for s in STREAMS if before[s] != after[s]]
+    assert moved and all(before[s] == "c" for s in moved)
+    assert all(after[s] == before[s] for s in STREAMS if before[s] != "c")
+
+
+def test_a_token_names_its_member() -> None:
+    assert member_of("host-1:80#ab12cd34") == "host-1:80"
+
+
+# --- leases -------------------------------------------------------------------------------
+
+
+def members(client: fakeredis.FakeRedis, clock: Clock, *ids: str) -> list[Membership]:
+    return [Membership(client, SCHEMA, i, lease_ttl_s=TTL, clock=clock) for i in ids]
+
+
+def test_members_see_each_other_and_split_every_stream_once() -> None:
+    clock, client = Clock(), fakeredis.FakeRedis()
+    a, b = members(client, clock, "a", "b")
+    a.renew()
+    b.renew()
+    a.renew()
+    assert a.members == b.members == ("a", "b")
+    for stream in STREAMS:
+        assert a.owns(stream) != b.owns(stream)
+
+
+def test_a_member_that_stops_renewing_drops_out_after_its_ttl() -> None:
+    clock, client = Clock(), fakeredis.FakeRedis()
+    a, b = members(client, clock, "a", "b")
+    a.renew()
+    b.renew()
+    clock.now += TTL - 0.5
+    assert a.renew() == ("a", "b")  # b's lease still runs
+    clock.now += 1.0
+    assert a.renew() == ("a",)
+    assert all(a.owns(s) for s in STREAMS)
+
+
+def test_leave_removes_the_lease_at_once() -> None:
+    clock, client = Clock(), fakeredis.FakeRedis()
+    a, b = members(client, clock, "a", "b")
+    a.renew()
+    b.renew()
+    b.leave()
+    assert a.renew() == ("a",)
+
+
+def test_tick_renews_once_a_third_of_the_ttl() -> None:
+    clock, client = Clock(), fakeredis.FakeRedis()
+    a, b = members(client, clock, "a", "b")
+    assert a.tick()
+    b.renew()
+    clock.now += TTL / 3 - 0.1
+    assert not a.tick()
+    assert a.members == ("a",)  # not renewed: the view is the last one
+    clock.now += 0.2
+    assert a.tick()
+    assert list(a.members) == ["a", "b"]
+
+
+def test_tick_keeps_the_last_view_while_redis_is_down(caplog: pytest.LogCaptureFixture) -> None:
+    clock, server = Clock(), fakeredis.FakeServer()
+    a = Membership(fakeredis.FakeRedis(server=server), SCHEMA, "a", lease_ttl_s=TTL, clock=clock)
+    assert a.tick()
+    server.connected = False
+    clock.now += TTL
+    with pytest.raises(IndexUnavailableError):
+        a.renew()
+    assert not a.tick()
+    assert a.members == ("a",)
+    assert "lease not renewed" in caplog.text
+
+
+def test_a_second_live_indexer_under_one_id_is_reported(caplog: pytest.LogCaptureFixture) -> None:
+    clock, client = Clock(), fakeredis.FakeRedis()
+    a, twin = members(client, clock, "a", "a")
+    caplog.set_level(logging.ERROR)
+    for _ in range(5):  # both keep renewing for longer than a ttl
+        a.renew()
+        twin.renew()
+        clock.now += TTL / 3
+    assert "give each indexer its own indexer_id" in caplog.text
+
+
+def test_a_restarted_indexer_predecessor_is_not_reported(caplog: pytest.LogCaptureFixture) -> None:
+    clock, client = Clock(), fakeredis.FakeRedis()
+    dead, restarted = members(client, clock, "a", "a")
+    dead.renew()
+    caplog.set_level(logging.ERROR)
+    for _ in range(5):
+        restarted.renew()
+        clock.now += TTL / 3
+    assert "indexer_id" not in caplog.text
+
+
+# --- the pipeline behind a fence ----------------------------------------------------------
+
+
+def fenced_pipeline(client: fakeredis.FakeRedis, member: str) -> tuple[Pipeline, Shard]:
+    membership = Membership(client, SCHEMA, member, lease_ttl_s=TTL, clock=Clock())
+    index = RedisIndex(client, SCHEMA, owner=membership.token)
+    shard = Shard(membership, index)
+    spec = ReplicaSpec("r1", MODEL)
+    config = IndexerSettings(replicas=(spec,))
+    pipeline = Pipeline(config, index, Registry(config.replicas), claim=shard.claim)
+    pipeline.track(R1, spec)
+    return pipeline, shard
+
+
+def test_a_batch_after_another_indexer_claimed_is_dropped_counted_and_handed_over() -> None:
+    client = fakeredis.FakeRedis()
+    old, _ = fenced_pipeline(client, "a")
+    old.handle_frames([frames(0), frames(1)], R1)
+    new, _ = fenced_pipeline(client, "b")  # claims r1, resumes from the stored mark
+    reader = RedisIndex(client, SCHEMA)
+    assert reader.stats(R1).watermark == 1
+    old.handle_frames([frames(2)], R1)
+    assert old.num_fenced_batches == 1
+    assert old.take_fenced() == [R1]
+    assert old.take_fenced() == []
+    old.handle_frames([frames(3)], R1)  # nothing more is even tried for it
+    assert old.num_fenced_batches == 1
+    assert reader.stats(R1).watermark == 1
+    new.handle_frames([frames(2), frames(3)], R1)
+    assert reader.stats(R1).watermark == 3
+    assert new.num_fenced_batches == 0
