@@ -276,7 +276,10 @@ def configuration_markdown() -> str:
         if table.note:
             out += [table.note, ""]
         out += [f"Class: `{table.path}`.", ""]
-        out += ["| key | type | default | environment | meaning |", "| --- | --- | --- | --- | --- |"]
+        out += [
+            "| key | type | default | environment | meaning |",
+            "| --- | --- | --- | --- | --- |",
+        ]
         for s in settings_of(table):
             variable = s.variable if s.variable is None or " " in s.variable else f"`{s.variable}`"
             out.append(
@@ -345,10 +348,15 @@ def option_row(option: click.Option) -> str:
     if option.multiple:
         kind += ", repeatable"
     default = option.to_info_dict().get("default")
-    shown = "—" if default in (None, (), []) or (option.is_flag and default is False) else f"`{default}`"
+    shown = (
+        "—"
+        if default in (None, (), []) or (option.is_flag and default is False)
+        else f"`{default}`"
+    )
     envvar = option.envvar
     env = ", ".join(f"`{e}`" for e in ([envvar] if isinstance(envvar, str) else envvar or []))
-    return f"| {names} | {kind} | {shown} | {env or '—'} | {cell(option.help or '') or '**no help**'} |"
+    text = cell(option.help or "") or "**no help**"
+    return f"| {names} | {kind} | {shown} | {env or '—'} | {text} |"
 
 
 def cli_markdown() -> str:
