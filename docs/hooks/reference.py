@@ -187,11 +187,12 @@ def settings_of(table: Table) -> list[Setting]:
     cls = load(table.path)
     hints = get_type_hints(cls)
     docs = field_docs(cls)
+    kinds = {name: type_text(hint) for name, hint in hints.items()}
     return [
         Setting(
             key=table.key(f.name),
-            type=type_text(hints[f.name]),
-            default=default_text(f),
+            type=kinds[f.name],
+            default=default_text(f, kinds[f.name]),
             variable=table.variable(f.name),
             doc=docs.get(f.name, ""),
         )
@@ -213,19 +214,26 @@ def type_text(hint: Any) -> str:
     if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
         item = args[0]
         if get_origin(item) is tuple and get_args(item)[0] is str:  # pairs: a TOML table
-            return f"table of {type_text(get_args(item)[1])}"
+            return f"table of {_plural(type_text(get_args(item)[1]))}"
         if dataclasses.is_dataclass(item):
             return "array of tables"
-        return f"list of {type_text(item)}"
+        return f"list of {_plural(type_text(item))}"
     if origin is dict:
-        return f"table of {type_text(args[1])}"
+        return f"table of {_plural(type_text(args[1]))}"
     if dataclasses.is_dataclass(hint):
         return "table"
     return _SCALARS.get(hint, getattr(hint, "__name__", str(hint)))
 
 
-def default_text(f: dataclasses.Field[Any]) -> str:
-    """A field's default as written in TOML; ``required`` when it has none."""
+def _plural(text: str) -> str:
+    if text in _SCALARS.values():
+        return f"{text}s"
+    return f"lists of {text.removeprefix('list of ')}" if text.startswith("list of ") else text
+
+
+def default_text(f: dataclasses.Field[Any], kind: str = "") -> str:
+    """A field's default as written in TOML (``kind``: its :func:`type_text`); ``required``
+    when it has none."""
     if f.default is not dataclasses.MISSING:
         value = f.default
     elif f.default_factory is not dataclasses.MISSING:
@@ -234,6 +242,8 @@ def default_text(f: dataclasses.Field[Any]) -> str:
         return "required"
     if dataclasses.is_dataclass(value):
         return "its table"
+    if kind.startswith("table") and value == ():  # a table kept as pairs
+        return "`{}`"
     return toml_text(value)
 
 
