@@ -28,5 +28,9 @@ lint: install
 bench: install
 	$(BIN)/python bench/ingest.py --quick
 
+.PHONY: docs
+docs: install ## the docs site into site/ (strict: a broken link or a missing page fails)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
