@@ -8,7 +8,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from kvindex.clients.cli.main import main
+from kvindex.clients.cli.main import demo, main
 from kvindex.clients.demo import POLICIES, DemoSettings, build_workload, run_demo
 
 SMALL = DemoSettings(replicas=3, requests=60, speed=100.0, concurrency=8)
@@ -57,3 +57,11 @@ def test_cli_demo_prints_the_table_and_writes_json(tmp_path: Path) -> None:
     body = json.loads(out.read_text())
     assert set(body["policies"]) == set(POLICIES)
     assert set(threading.enumerate()) <= before, "the demo left threads running"
+
+
+def test_cli_defaults_are_the_settings_defaults() -> None:
+    """Literals in the options (the command imports the demo only when it runs)."""
+    defaults = DemoSettings()
+    for param in demo.params:
+        if param.name in ("replicas", "requests", "seed", "speed"):
+            assert param.default == getattr(defaults, param.name), param.name
