@@ -1,26 +1,20 @@
 """``kvindex demo``: the same seeded workload routed round-robin and by ``POST /score``.
 
-Everything runs in this process on loopback with nothing else installed: N
-:class:`~kvindex.clients.fake_vllm.replica.ReplicaSim` (real block caches, vLLM KV events,
-HTTP), the
-indexer (:class:`~kvindex.indexer.service.IndexerService` over a :class:`MemoryIndex`, the sims as
-connect-mode replicas with replay and URLs) and the API (uvicorn in a background thread,
-scraping the sims' ``/metrics``). Each policy starts from a fresh fleet (cold caches).
-
-The workload (:func:`~kvindex.clients.workloads.user_sessions`) is a function of the seed: a
-few shared system prompts used by many users, multi-turn chats whose prompt is the whole
-history (the replica's own output included, so the next turn can hit it), and RAG queries
-drawing chunks from a shared, Zipf-popular document pool. Sessions run ``concurrency`` at a
-time, turns of one session in order, so queues form and load matters.
-
-Guarantees: :func:`run_demo` stops every server, thread and socket it started before it
-returns or raises; only 127.0.0.1 is used.
+Everything runs in this process on loopback: replica sims (real block caches, vLLM KV events,
+HTTP), the indexer over a :class:`MemoryIndex` and the API in a background thread; each policy
+starts from a fresh fleet. Every figure but the wall time is a function of the settings: the
+replay runs in rounds (each of ``concurrency`` sessions sends its next turn), routed one by
+one once the index holds every earlier event; a replica serves its round's requests in the
+order routed, and time to first token comes from the sims' time model (a request queues
+behind the ones routed to its replica before it, ``max_running`` at once), not from a clock.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
+import heapq
 import json
 import statistics
 import time
@@ -44,6 +38,7 @@ from kvindex.clients.fake_vllm.replica import (
     VOCAB_SIZE,
     ReplicaSim,
     ReplicaSimSettings,
+    service_times,
     tokenize_text,
 )
 from kvindex.clients.http import AsyncKvIndexClient
@@ -72,11 +67,11 @@ class DemoSettings:
     requests: int = 320
     """Requests replayed per policy (the last session is cut to fit)."""
     seed: int = 0
-    """Seed of the workload (and of the sims' block-hash root)."""
+    """Seed of the workload, of the sims' block-hash root and of the API's tie-breaks."""
     speed: float = 20.0
     """Time compression of the sims: real sleep = simulated time / speed."""
     concurrency: int = 16
-    """Sessions in flight at once."""
+    """Sessions in flight at once (one turn each per round)."""
     model: str = "demo-model"
     """Model name served by every sim."""
     block_size: int = 16
@@ -84,27 +79,27 @@ class DemoSettings:
     capacity_blocks: int = 320
     """KV blocks per replica (small on purpose: the fleet's cache is the scarce resource)."""
     max_running: int = 4
-    """Requests a sim runs at once; the rest queue."""
+    """Requests a replica runs at once in the time model; the rest queue."""
     max_tokens: int = 24
     """Output tokens per request."""
-    scrape_interval_s: float = 0.1
-    """How often the API scrapes the sims' /metrics for load."""
+    prefill_tps: float = 8_000.0
+    """Prompt tokens per simulated second a sim computes."""
+    decode_tps: float = 50.0
+    """Output tokens per simulated second of one request."""
 
     def __post_init__(self) -> None:
         for name in ("replicas", "requests", "concurrency", "capacity_blocks", "max_tokens"):
             if getattr(self, name) < 1:
                 raise DemoError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        for name in ("speed", "scrape_interval_s"):
+        if self.max_running < 1:
+            raise DemoError(f"max_running must be >= 1, got {self.max_running!r}")
+        for name in ("speed", "prefill_tps", "decode_tps"):
             if not getattr(self, name) > 0:
                 raise DemoError(f"{name} must be > 0, got {getattr(self, name)!r}")
 
 
-# --- the workload -------------------------------------------------------------------------
-
-
 def build_workload(settings: DemoSettings) -> list[UserSession]:
-    """The demo's sessions (:func:`~kvindex.clients.workloads.user_sessions`) in the replica
-    simulator's vocabulary, so that its toy tokenizer can write them out as text."""
+    """The demo's sessions, in the vocabulary of the sims' toy tokenizer."""
     return user_sessions(settings.requests, settings.seed, vocab=VOCAB_SIZE)
 
 
@@ -113,7 +108,7 @@ def build_workload(settings: DemoSettings) -> list[UserSession]:
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """One finished request, as the sim reported it (times in simulated seconds)."""
+    """One finished request (times in simulated seconds)."""
 
     replica: str
     prompt_tokens: int
@@ -154,6 +149,10 @@ class PolicyReport:
             requests_per_replica=dict(sorted(per_replica.items())),
             wall_s=wall_s,
         )
+
+    def figures(self) -> dict[str, Any]:
+        """Everything but the wall time: a function of the settings."""
+        return {k: v for k, v in asdict(self).items() if k != "wall_s"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +197,8 @@ def report_table(report: DemoReport) -> Table:
 class Fleet:
     api_url: str
     replica_urls: dict[str, str]
+    sync: Callable[[], None]
+    """Returns once the index holds every event the sims published before the call."""
 
 
 @contextmanager
@@ -223,9 +224,11 @@ def running_fleet(settings: DemoSettings) -> Iterator[Fleet]:
         service.start()
         stack.callback(service.stop)
         for sim in sims:
-            _wait_live(service, sim)
+            _wait(functools.partial(_connected, service, sim), f"{sim.settings.id} to connect")
+        sync = functools.partial(_sync, service, sims)
+        sync()
         api_url = stack.enter_context(_api_server(settings, service))
-        yield Fleet(api_url, {sim.settings.id: sim.base_url for sim in sims})
+        yield Fleet(api_url, {sim.settings.id: sim.base_url for sim in sims}, sync)
 
 
 @contextmanager
@@ -238,6 +241,8 @@ def _sim(settings: DemoSettings, replica: str) -> Iterator[ReplicaSim]:
         events="tcp://127.0.0.1:*",
         replay="tcp://127.0.0.1:*",
         port=0,
+        prefill_tps=settings.prefill_tps,
+        decode_tps=settings.decode_tps,
         max_running=settings.max_running,
         speed=settings.speed,
         seed=settings.seed,
@@ -251,32 +256,38 @@ def _wait(predicate: Callable[[], bool], what: str, timeout_s: float = 10.0) -> 
     while not predicate():
         if time.monotonic() > deadline:
             raise DemoError(f"timed out waiting for {what}")
-        time.sleep(0.01)
+        time.sleep(0.001)
 
 
-def _wait_live(service: IndexerService, sim: ReplicaSim) -> None:
-    """Wait until the indexer receives ``sim``'s events live (ZeroMQ's slow joiner: a
-    batch published before the subscription is up would only arrive by replay)."""
-    stream = StreamId(sim.settings.id, 0)
+def _connected(service: IndexerService, sim: ReplicaSim) -> bool:
+    status = service.registry.status(StreamId(sim.settings.id, 0))
+    return status is not None and status.health.connected
 
-    def applied(seq: int) -> Callable[[], bool]:
-        def check() -> bool:
+
+def _sync(service: IndexerService, sims: Sequence[ReplicaSim]) -> None:
+    """Publish an empty batch per sim and wait until the indexer applied it, so every batch
+    before it is applied too (per-stream order; a batch lost to ZeroMQ's slow joiner comes
+    by replay)."""
+    fences = {}
+    for sim in sims:
+        assert sim.publisher is not None, "sim not started"
+        fences[StreamId(sim.settings.id, 0)] = sim.publisher.publish([])
+
+    def applied() -> bool:
+        for stream, seq in fences.items():
             status = service.registry.status(stream)
-            return status is not None and status.health.connected and status.health.last_seq >= seq
+            if status is None or not status.health.connected or status.health.last_seq < seq:
+                return False
+        return True
 
-        return check
-
-    assert sim.publisher is not None, "sim not started"
-    _wait(
-        lambda: (s := service.registry.status(stream)) is not None and s.health.connected, "connect"
-    )
-    _wait(applied(sim.publisher.publish([])), f"{stream} first batch")
+    _wait(applied, "the indexer to apply the sims' events")
 
 
 @contextmanager
 def _api_server(settings: DemoSettings, service: IndexerService) -> Iterator[str]:
-    """The API over the service's index and registry, uvicorn in a thread on a free port."""
-    api = ApiSettings(port=0, scrape_interval_s=settings.scrape_interval_s, seed=settings.seed)
+    """The API over the service's index and registry, in a thread on a free port; no load
+    scraper (the replay reports load itself, see :func:`_run_round`)."""
+    api = ApiSettings(port=0, scrape_interval_s=0.0, seed=settings.seed)
     loads = MemoryLoadStore()
     deps = ApiDeps(api, service.index, service.registry, loads, blocking_store=False)
     server = BackgroundServer(create_app(deps), name="kvindex-demo-api")
@@ -295,6 +306,19 @@ def _api_server(settings: DemoSettings, service: IndexerService) -> Iterator[str
 # --- replaying the workload ---------------------------------------------------------------
 
 
+@dataclass(slots=True)
+class _Session:
+    """A session in flight: its next turn and, for a chat, the history so far."""
+
+    session: UserSession
+    history: list[int]
+    turn: int = 0
+
+    def prompt(self) -> list[int]:
+        turn = self.session.turns[self.turn]
+        return self.history + turn if self.session.chat else self.session.system + turn
+
+
 @dataclass(frozen=True, slots=True)
 class _Run:
     """What every request of one policy's replay needs."""
@@ -304,7 +328,7 @@ class _Run:
     policy: str
     http: httpx.AsyncClient
     router: AsyncKvIndexClient
-    record: Callable[[Outcome], None]
+    on_done: Callable[[], None]
 
 
 async def replay(
@@ -314,48 +338,71 @@ async def replay(
     sessions: Sequence[UserSession],
     on_done: Callable[[], None],
 ) -> list[Outcome]:
-    """Run every session (``concurrency`` at a time), routing each request by ``policy``
-    through ``POST /score``; the outcomes in completion order."""
+    """Every session, ``concurrency`` at a time, in rounds (see the module doc), each
+    request routed by ``policy`` through ``POST /score``; the outcomes in a fixed order."""
     outcomes: list[Outcome] = []
-    pending = list(reversed(sessions))
-
-    def record(outcome: Outcome) -> None:
-        outcomes.append(outcome)
-        on_done()
-
+    pending = collections.deque(sessions)
+    active: list[_Session] = []
     limits = httpx.Limits(max_connections=4 * settings.concurrency)
     async with (
         httpx.AsyncClient(timeout=60, limits=limits, trust_env=False) as http,
         AsyncKvIndexClient(fleet.api_url, timeout_s=30, http=http) as router,
     ):
-        run = _Run(settings, fleet, policy, http, router, record)
-
-        async def worker() -> None:
-            while pending:
-                await _run_session(run, pending.pop())
-
-        await asyncio.gather(*(worker() for _ in range(settings.concurrency)))
+        run = _Run(settings, fleet, policy, http, router, on_done)
+        while pending or active:
+            while pending and len(active) < settings.concurrency:
+                session = pending.popleft()
+                active.append(_Session(session, list(session.system)))
+            outcomes += await _run_round(run, active)
+            active = [s for s in active if s.turn < len(s.session.turns)]
     return outcomes
 
 
-async def _run_session(run: _Run, session: UserSession) -> None:
-    """The session's turns in order; a chat's next prompt carries the replica's answer."""
-    model, fleet = run.settings.model, run.fleet
-    history = list(session.system)
-    for turn in session.turns:
-        prompt = history + turn if session.chat else session.system + turn
+async def _run_round(run: _Run, active: Sequence[_Session]) -> list[Outcome]:
+    """Route each session's next turn in order, then let each replica serve its share.
+    Load is reported idle first (the last round has ended), and the API counts the answers
+    routed since, so a decision sees the ones before it."""
+    run.fleet.sync()
+    for replica in run.fleet.replica_urls:
+        await run.router.report_load(replica, running=0, waiting=0)
+    shares: dict[str, list[_Session]] = {r: [] for r in run.fleet.replica_urls}
+    for session in active:
         answer = await run.router.score_tokens(
-            model, prompt, block_size=run.settings.block_size, policy=run.policy
+            run.settings.model,
+            session.prompt(),
+            block_size=run.settings.block_size,
+            policy=run.policy,
         )
-        replica = answer.best or next(iter(fleet.replica_urls))
-        body = {"model": model, "prompt": prompt, "max_tokens": run.settings.max_tokens}
-        response = await run.http.post(fleet.replica_urls[replica] + "/v1/completions", json=body)
+        shares[answer.best or next(iter(shares))].append(session)
+    served = await asyncio.gather(*(_serve(run, r, s) for r, s in shares.items() if s))
+    return [outcome for share in served for outcome in share]
+
+
+async def _serve(run: _Run, replica: str, share: Sequence[_Session]) -> list[Outcome]:
+    """The replica's requests of one round, one after another in the order routed (so its
+    cache sees them in that order); each one's queue from the time model."""
+    settings = run.settings
+    free_at = [0.0] * settings.max_running
+    outcomes = []
+    for session in share:
+        prompt = session.prompt()
+        body = {"model": settings.model, "prompt": prompt, "max_tokens": settings.max_tokens}
+        url = run.fleet.replica_urls[replica] + "/v1/completions"
+        response = await run.http.post(url, json=body)
         if response.status_code != 200:
             raise DemoError(f"{replica} answered {response.status_code}: {response.text}")
         result = response.json()
-        kvsim = result["kvsim"]
-        run.record(Outcome(replica, len(prompt), kvsim["cached_tokens"], kvsim["ttft_s"]))
-        history = prompt + tokenize_text(result["choices"][0]["text"])
+        cached = result["kvsim"]["cached_tokens"]
+        prefill_s, decode_s = service_times(
+            len(prompt) - cached, settings.max_tokens, settings.prefill_tps, settings.decode_tps
+        )
+        start_s = heapq.heappop(free_at)
+        heapq.heappush(free_at, start_s + prefill_s + decode_s)
+        outcomes.append(Outcome(replica, len(prompt), cached, start_s + prefill_s))
+        session.history = prompt + tokenize_text(result["choices"][0]["text"])
+        session.turn += 1
+        run.on_done()
+    return outcomes
 
 
 # --- the whole demo -----------------------------------------------------------------------
@@ -382,7 +429,10 @@ def demo_main(settings: DemoSettings, json_path: Path | None, console: Console) 
     ``console``, write ``json_path`` if given."""
     report = run_demo(settings, progress_console())
     console.print(report_table(report))
-    console.print(f"wall time {report.wall_s:.1f} s")
+    console.print(
+        f"wall time {report.wall_s:.1f} s; every other figure is the same on every run"
+        f" with seed {settings.seed}"
+    )
     if json_path is not None:
         json_path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
     return report

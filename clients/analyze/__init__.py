@@ -1,9 +1,5 @@
 """``kvindex analyze``: what a request log could reuse, what breaks it, and which policy fits.
 
-The data flow: the request log (:mod:`kvindex.clients.request_log`: read; tokenized many
-requests a call by batches.py) → the cache walk (cache_walk.py: block keys, the
-single-cache ceiling, per-position counts) with the fragmentation finder (fragmentation.py)
-and the tree of distinct keys that counts the shared prefixes (prefixes.py) → the verdict
-(verdict.py) → the report (report.py) → its table and plot (table.py); run.py is the
-command.
-"""
+The log is tokenized (batches.py), walked through one cache (cache_walk.py) with the
+fragmentation finder and the prefix tree, judged (verdict.py) and reported (report.py,
+table.py); run.py is the command."""

@@ -1,15 +1,8 @@
 """Logged requests tokenized in batches: one call of the local tokenizer for many prompts.
 
-``tokenizers`` encodes a list of texts in one call, releasing the GIL while it works
-(``encode_batch_fast`` where the library has it: the same ids without the character
-offsets, which the analysis never reads; in parallel over the cores when the library's
-parallelism is on). A batch's chat templates are rendered on the event loop, then its texts
-are encoded in one worker thread: one thread hand-off and one call into the library per
-batch instead of per request. The texts and the special tokens are the tokenizer layer's
-(:meth:`~kvindex.clients.request_log.LogTokenizer.tokens`: a chat rendered by the
-template without special tokens added, a completions prompt with them, token ids as
-given), so the ids are the same. A batch the library rejects is tokenized again one
-request at a time, so a bad request is reported with its line as before.
+A batch's templates are rendered on the event loop, its texts encoded in one worker thread
+(the library releases the GIL); the texts are the tokenizer layer's, so the ids are the
+same as one call per request. A batch the library rejects is retried one request at a time.
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """The fragmentation finder: a short span that differs, before content many requests share.
 
-A timestamp or a request id near the top of a prompt makes every block after it unique,
-so no cache (and no router) can reuse the shared content that follows. The finder sees
-each request once, in log order, right after the cache walk has found where it stopped
-matching every earlier request (its *break*, a block boundary):
-
-1. It hashes every :data:`WINDOW_TOKENS`-token window of the :data:`SCAN_TOKENS` tokens from
-   the break; a window whose hash is a multiple of :data:`ANCHOR_EVERY` is an *anchor*
-   (chosen by content, so the same shared text gives the same anchors wherever it starts).
-2. An anchor after the break (not at it) that an earlier request also had, and the next
-   anchor too, is where shared content resumes (of several, the one most requests resumed
-   at before): the tokens before it are the *span*.
-3. The fix is simulated: the span moved after the rest (the prompt becomes head + shared
-   content + span). The fixed prompt's blocks are keyed as the index would key them and
-   looked up in a cache of the earlier fixed prompts: the blocks found are *recoverable*.
-4. Requests are grouped by the anchor they resumed at; a group is a finding once it has
-   :data:`MIN_REQUESTS` requests and recovers :data:`MIN_RECOVERABLE_FRACTION` of the log.
-
-The fix keeps in front what the group's first member had before its break (``base``) and
-moves the rest of the span. Conservative by construction: a group's first request had
-nothing to resume at, so its second one counts no recoverable blocks (the true fix would
-give it some), and content that resumes farther than :data:`MAX_SPAN_TOKENS` after the
-break is not found.
+From each request's *break* (where the cache walk stopped matching), content-chosen windows
+(*anchors*) that an earlier request also had mark where shared content resumes; the tokens
+before it are the *span*. The fix (the span moved after the shared content) is keyed as the
+index would key it and looked up among earlier fixed prompts: the blocks found are
+*recoverable*. Requests resuming at the same anchor form a group, a finding once it is big
+enough. Conservative: a group's second request recovers nothing, and spans longer than
+:data:`MAX_SPAN_TOKENS` are not found.
 """
 
 from __future__ import annotations
@@ -57,9 +42,8 @@ class FragmentGroup:
     """Requests that resumed at the same shared content after a span of their own."""
 
     base: int
-    """Token offset (a block boundary) where the group's spans start: the break of its
-    first member (what it shared with earlier requests is the head every member keeps in
-    front). The fix keeps ``tokens[:base]`` in front."""
+    """Where the group's spans start (its first member's break); the fix keeps
+    ``tokens[:base]`` in front."""
     members: int = 0
     """Requests that resumed at the content (the one that first had it is not one)."""
     recoverable_tokens: int = 0
@@ -81,18 +65,12 @@ def anchors(tokens: Sequence[int], start: int) -> list[tuple[int, int]]:
 
 
 class FragmentationFinder:
-    """Sees each request once, in order (:meth:`observe`); :attr:`groups` by anchor hash.
-
-    Memory: the anchors of every request's scanned window (about
-    ``SCAN_TOKENS / ANCHOR_EVERY`` each, one set of hashes) and the keys of the fixed
-    prompts' blocks.
-    """
+    """Sees each request once, in order (:meth:`observe`); :attr:`groups` by anchor hash."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.groups: dict[int, FragmentGroup] = {}
-        self._anchors: set[int] = set()
-        """Hashes of the anchors every earlier request had."""
+        self._anchors: set[int] = set()  # every earlier request's anchors
         self._seen_fixed: set[int] = set()
 
     def observe(
@@ -114,9 +92,8 @@ class FragmentationFinder:
 
     def _resume(self, found: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
         """Where shared content resumes: an anchor past the break that an earlier request
-        had, the next anchor (if any) too; of those, the one of the largest group, else the
-        first (a window that straddles the span's end can match by chance, as a timestamp
-        ending in the same digit does)."""
+        had, and the next one too (one straddling the span's end can match by chance); of
+        those, the largest group's, else the first."""
         known, groups = self._anchors, self.groups
         best: tuple[int, int] | None = None
         best_members = -1

@@ -1,16 +1,9 @@
 """The shared prefixes: the longest prefixes that several requests have in common.
 
-Keys are chained: the key of block ``n - 1`` names the whole ``n``-block prefix, and the
-key before it is its parent. So the distinct keys of a log form a tree, and each is stored
-once (:class:`PrefixTree`): a request adds the keys no earlier request had (a branch hung
-on its last cached key) and one *end* at its last key. The requests that have a prefix are
-the ends under its key, counted once at the end with numpy, level by level
-(:class:`PrefixCounts`). Memory grows with the distinct keys, not with every request's
-blocks: a log of shared system prompts costs little per request.
-
-A prefix is *maximal* where the requests having it stop sharing: some of them end there,
-or they go on into different blocks (its most shared child has fewer requests). The same
-counts say how the requests would group under ``prefix_hash`` for each ``prefix_blocks``.
+Chained block keys make a log's distinct keys a tree, stored once (:class:`PrefixTree`: a
+request adds the keys no earlier request had and one *end* at its last key); the requests
+having a prefix are the ends under its key, counted level by level with numpy
+(:class:`PrefixCounts`). A prefix is *maximal* where the requests having it stop sharing.
 """
 
 from __future__ import annotations

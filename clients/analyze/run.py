@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import time
+from collections.abc import Iterator
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -16,7 +18,9 @@ from kvindex.clients.analyze.batches import BATCH_REQUESTS, tokenized_in_batches
 from kvindex.clients.analyze.cache_walk import CacheWalk
 from kvindex.clients.analyze.report import AnalysisReport, build_report
 from kvindex.clients.analyze.table import plot, print_report
+from kvindex.clients.progress import ProgressLog
 from kvindex.clients.request_log import (
+    LoggedRequest,
     LogTokenizer,
     Problems,
     RequestLogError,
@@ -35,6 +39,8 @@ class AnalyzeSettings:
     tokenize_batch: int = BATCH_REQUESTS
     """Requests per call of a local tokenizer (1: one call per request; a
     ``--tokenizer-url`` is always asked one request at a time)."""
+    progress_every_s: float = 0.0
+    """Seconds between progress lines on stderr (0: none)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -43,6 +49,8 @@ class AnalyzeSettings:
             raise RequestLogError(f"tokenize batch must be >= 1, got {self.tokenize_batch}")
         if self.limit is not None and self.limit < 1:
             raise RequestLogError(f"limit must be >= 1, got {self.limit}")
+        if not self.progress_every_s >= 0:
+            raise RequestLogError(f"progress interval must be >= 0 s, got {self.progress_every_s}")
 
 
 async def analyze_log(
@@ -55,8 +63,9 @@ async def analyze_log(
     started = time.perf_counter()
     problems = Problems()
     walk = CacheWalk(settings.block_size)
+    progress = _progress(path, settings)
     async with LogTokenizer(settings.tokenizer, client) as tokenizer:
-        requests = read_request_log(path, problems)
+        requests = _counted(read_request_log(path, problems), progress)
         walk_s = 0.0
         stream = tokenized_in_batches(
             requests, tokenizer, problems, batch_size=settings.tokenize_batch, limit=settings.limit
@@ -66,6 +75,7 @@ async def analyze_log(
                 walk_started = time.perf_counter()
                 walk.add(done.request.model, done.tokens)
                 walk_s += time.perf_counter() - walk_started
+        progress.finish()
         if not walk.num_requests:
             raise RequestLogError(f"{path}: no request could be read ({problems.count} skipped)")
         read_s = time.perf_counter() - started - walk_s
@@ -78,6 +88,34 @@ async def analyze_log(
         wall_s=time.perf_counter() - started,
         timings={"read_and_tokenize_s": read_s, "walk_s": walk_s, "report_s": report_s},
     )
+
+
+def _progress(path: Path, settings: AnalyzeSettings) -> ProgressLog:
+    """Lines of the log read so far (counted first: cheap beside tokenizing them)."""
+    total = count_lines(path) if settings.progress_every_s > 0 else 0
+    if settings.limit is not None:
+        total = min(total, settings.limit)
+    return ProgressLog("analyze", total, every_s=settings.progress_every_s, unit="lines")
+
+
+def _counted(requests: Iterator[LoggedRequest], progress: ProgressLog) -> Iterator[LoggedRequest]:
+    for request in requests:
+        progress.advance(request.line - progress.done)
+        yield request
+
+
+def count_lines(path: Path) -> int:
+    """Lines of a plain or gzip file (told by its first bytes, as the log reader does)."""
+    try:
+        with path.open("rb") as probe:
+            gzipped = probe.read(2) == b"\x1f\x8b"
+        count, last = 0, b"\n"
+        with gzip.open(path, "rb") if gzipped else path.open("rb") as lines:
+            for chunk in iter(lambda: lines.read(1 << 20), b""):
+                count, last = count + chunk.count(b"\n"), chunk[-1:]
+        return count + (last != b"\n")
+    except (OSError, EOFError) as exc:
+        raise RequestLogError(f"{path}: {exc}") from exc
 
 
 def analyze_main(

@@ -21,20 +21,9 @@ from kvindex.clients.cli.log_format import LOG_FORMATS, LogFormat, configure_log
 from kvindex.clients.cli.status import FleetStatus, StatusLog
 from kvindex.clients.cli.views import register_views
 from kvindex.clients.console import make_console
-from kvindex.clients.demo import DemoSettings, demo_main
 from kvindex.clients.fake_vllm.replica import ReplicaSim, ReplicaSimError, ReplicaSimSettings
 from kvindex.clients.proxy.service import serve_proxy
 from kvindex.clients.proxy.settings import load_proxy_settings
-from kvindex.clients.simulate.fleet import FleetSettings
-from kvindex.clients.simulate.routing import PolicySpec, parse_policy
-from kvindex.clients.simulate.run import DEFAULT_POLICIES, SimulateSettings, simulate_main
-from kvindex.clients.workloads import (
-    WORKLOADS,
-    GeneratorSettings,
-    TraceRequest,
-    logged_trace,
-    read_trace,
-)
 from kvindex.indexer.config.settings import IndexerSettings, load_settings, read_toml
 from kvindex.indexer.domain.errors import KvIndexError
 from kvindex.indexer.fleet.registry import Freshness, fleet_totals
@@ -43,8 +32,8 @@ from kvindex.indexer.service import IndexerService
 
 if TYPE_CHECKING:  # imported where used: `serve` must not pay for tokenizers and numpy
     from kvindex.clients.request_log import TokenizerOptions
-
-_DEMO = DemoSettings()
+    from kvindex.clients.simulate.routing import PolicySpec
+    from kvindex.clients.workloads import TraceRequest
 
 
 def _replica_option(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> Any:
@@ -424,13 +413,15 @@ def replica_sim(
 
 
 @main.command()
-@click.option("--replicas", default=_DEMO.replicas, show_default=True, help="Simulated replicas.")
-@click.option("--requests", default=_DEMO.requests, show_default=True, help="Requests per policy.")
-@click.option("--seed", default=_DEMO.seed, show_default=True, help="Workload seed.")
-@click.option("--speed", default=_DEMO.speed, show_default=True, help="Sim time compression.")
+@click.option("--replicas", default=4, show_default=True, help="Simulated replicas.")
+@click.option("--requests", default=320, show_default=True, help="Requests per policy.")
+@click.option("--seed", default=0, show_default=True, help="Workload seed.")
+@click.option("--speed", default=20.0, show_default=True, help="Sim time compression.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False))
 def demo(replicas: int, requests: int, seed: int, speed: float, json_path: Path | None) -> None:
     """Replay a seeded workload on simulated replicas: round-robin vs kv_aware."""
+    from kvindex.clients.demo import DemoSettings, demo_main  # noqa: PLC0415 (servers)
+
     try:
         settings = DemoSettings(replicas=replicas, requests=requests, seed=seed, speed=speed)
         demo_main(settings, json_path, make_console())
@@ -439,7 +430,7 @@ def demo(replicas: int, requests: int, seed: int, speed: float, json_path: Path 
 
 
 def _tokenizer_options(command: Callable[..., None]) -> Callable[..., None]:
-    """How a request log is tokenized (``analyze``, ``simulate --requests``)."""
+    """How a request log is tokenized (``analyze``, ``simulate --request-log``)."""
     options = [
         click.option(
             "--tokenizer",
@@ -473,10 +464,22 @@ def _tokenizer_choice(
     return TokenizerOptions(tokenizer_path, chat_template_path, tokenizer_url)
 
 
-_SIM = FleetSettings()
+_POLICIES = "round_robin,random,least_load,session_affinity,prefix_hash,kv_aware,kv_aware_instant"
+_WORKLOADS = ("few_shot", "multi_turn", "rag", "system_prompts", "unique")
+_DEFAULT_REQUESTS = 2000
+_progress_option = click.option(
+    "--progress-every",
+    "progress_every_s",
+    type=click.FloatRange(min=0),
+    default=10.0,
+    show_default=True,
+    help="Seconds between progress lines on stderr (0: none).",
+)
 
 
 def _policy_list(_ctx: click.Context, _param: click.Parameter, value: str) -> Any:
+    from kvindex.clients.simulate.routing import parse_policy  # noqa: PLC0415 (the scorer)
+
     try:
         return tuple(parse_policy(p) for p in value.split(",") if p.strip())
     except KvIndexError as exc:
@@ -484,6 +487,8 @@ def _policy_list(_ctx: click.Context, _param: click.Parameter, value: str) -> An
 
 
 def _variants(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> Any:
+    from kvindex.clients.simulate.routing import parse_policy  # noqa: PLC0415 (the scorer)
+
     try:
         return tuple(parse_policy(v) for v in values)
     except KvIndexError as exc:
@@ -496,12 +501,17 @@ def _variants(_ctx: click.Context, _param: click.Parameter, values: tuple[str, .
     type=click.Path(path_type=Path, dir_okay=False, exists=True),
     help="Mooncake JSONL trace (plain or .gz).",
 )
-@click.option("--workload", type=click.Choice(sorted(WORKLOADS)), help="A built-in generator.")
+@click.option("--workload", type=click.Choice(_WORKLOADS), help="A built-in generator.")
 @click.option(
     "--requests",
     "requests_arg",
-    help="With --workload: how many requests (2000). Alone: a request log (one OpenAI request"
-    " body a line, as kvindex analyze reads), tokenized with --tokenizer or --tokenizer-url.",
+    help=f"How many requests --workload generates ({_DEFAULT_REQUESTS}).",
+)
+@click.option(
+    "--request-log",
+    type=click.Path(path_type=Path, dir_okay=False, exists=True),
+    help="A request log (one OpenAI request body a line, as kvindex analyze reads),"
+    " tokenized with --tokenizer or --tokenizer-url.",
 )
 @_tokenizer_options
 @click.option(
@@ -511,33 +521,26 @@ def _variants(_ctx: click.Context, _param: click.Parameter, values: tuple[str, .
     " timestamps, default 20/s without them).",
 )
 @click.option("--limit", type=int, help="Read at most this many trace or log requests.")
-@click.option("--replicas", default=_SIM.replicas, show_default=True)
+@click.option("--replicas", default=8, show_default=True)
 @click.option(
-    "--capacity-blocks",
-    default=_SIM.capacity_blocks,
-    show_default=True,
-    help="KV-cache blocks per replica.",
+    "--capacity-blocks", default=16_384, show_default=True, help="KV-cache blocks per replica."
 )
-@click.option("--block-size", default=_SIM.block_size, show_default=True)
+@click.option("--block-size", default=16, show_default=True)
 @click.option(
     "--prefill-tps",
-    default=_SIM.prefill_tps,
+    default=12_000.0,
     show_default=True,
     help="Prompt tokens/s per replica (serial prefill).",
 )
-@click.option(
-    "--decode-tps", default=_SIM.decode_tps, show_default=True, help="Output tokens/s per request."
-)
-@click.option(
-    "--max-running", default=_SIM.max_running, show_default=True, help="Batch limit per replica."
-)
+@click.option("--decode-tps", default=40.0, show_default=True, help="Output tokens/s per request.")
+@click.option("--max-running", default=64, show_default=True, help="Batch limit per replica.")
 @click.option(
     "--policies",
     "policies",
-    default=",".join(DEFAULT_POLICIES),
+    default=_POLICIES,
     show_default=True,
     callback=_policy_list,
-    help="Comma-separated; 'oracle' is the reference.",
+    help="Comma-separated. Every report ends with the oracle, the hit rate no policy beats.",
 )
 @click.option(
     "--variant",
@@ -572,10 +575,12 @@ def _variants(_ctx: click.Context, _param: click.Parameter, values: tuple[str, .
     type=click.Path(path_type=Path, dir_okay=False),
     help="PNG: hit rate and TTFT p90 per policy, hit rate over time.",
 )
+@_progress_option
 def simulate(
     trace: Path | None,
     workload: str | None,
     requests_arg: str | None,
+    request_log: Path | None,
     tokenizer_path: Path | None,
     chat_template_path: Path | None,
     tokenizer_url: str | None,
@@ -590,21 +595,27 @@ def simulate(
     via_zmq: bool,
     json_path: Path | None,
     plot_path: Path | None,
+    progress_every_s: float,
     **fleet: Any,
 ) -> None:
     """Replay a trace, a request log or a generated workload through a simulated fleet,
     once per policy."""
-    log = None if workload is not None or requests_arg is None else Path(requests_arg)
-    if sum(x is not None for x in (trace, workload, log)) != 1:
+    from kvindex.clients.simulate.fleet import FleetSettings  # noqa: PLC0415
+    from kvindex.clients.simulate.run import SimulateSettings, simulate_main  # noqa: PLC0415
+    from kvindex.clients.workloads import WORKLOADS, GeneratorSettings, read_trace  # noqa: PLC0415
+
+    request_log = request_log or _deprecated_log(workload, requests_arg)
+    if sum(x is not None for x in (trace, workload, request_log)) != 1:
         raise click.UsageError(
-            "give exactly one of --trace FILE, --requests LOG.jsonl or --workload NAME"
+            "give exactly one of --trace FILE, --request-log LOG.jsonl or --workload NAME"
         )
     try:
         if trace is not None:
             reqs, source = read_trace(trace, limit=limit), trace.name
-        elif log is not None:
+        elif request_log is not None:
             options = _tokenizer_choice(tokenizer_path, chat_template_path, tokenizer_url)
-            reqs, source = _logged_requests(log, options, limit, rate, seed), log.name
+            reqs = _logged_requests(request_log, options, limit, rate, seed)
+            source = request_log.name
         else:
             assert workload is not None
             count = _request_count(requests_arg)
@@ -626,9 +637,30 @@ def simulate(
             console=make_console(),
             json_path=json_path,
             plot_path=plot_path,
+            progress_every_s=progress_every_s,
         )
     except KvIndexError as exc:
         raise click.ClickException(str(exc)) from exc
+
+
+def _deprecated_log(workload: str | None, requests_arg: str | None) -> Path | None:
+    """``--requests LOG.jsonl`` without ``--workload``: the old spelling of
+    ``--request-log``, still read this release, with a warning."""
+    if workload is not None or requests_arg is None or requests_arg.strip().isdigit():
+        return None
+    path = Path(requests_arg)
+    if not path.is_file():
+        raise click.BadParameter(
+            f"a number of requests for --workload, got {requests_arg!r}"
+            " (a request log is --request-log PATH)",
+            param_hint="--requests",
+        )
+    click.echo(
+        f"warning: --requests {requests_arg} reads a request log for the last release:"
+        f" use --request-log {requests_arg} (--requests is how many --workload generates)",
+        err=True,
+    )
+    return path
 
 
 @main.command()
@@ -649,6 +681,7 @@ def simulate(
     type=click.Path(path_type=Path, dir_okay=False),
     help="PNG: share of prompt tokens cacheable by position, before and after the fix.",
 )
+@_progress_option
 def analyze(
     requests_path: Path,
     tokenizer_path: Path | None,
@@ -658,13 +691,16 @@ def analyze(
     limit: int | None,
     json_path: Path | None,
     plot_path: Path | None,
+    progress_every_s: float,
 ) -> None:
     """What a request log could reuse, what breaks its prefixes, and which policy fits."""
     from kvindex.clients.analyze.run import AnalyzeSettings, analyze_main  # noqa: PLC0415 (numpy)
 
     try:
         options = _tokenizer_choice(tokenizer_path, chat_template_path, tokenizer_url)
-        settings = AnalyzeSettings(options, block_size=block_size, limit=limit)
+        settings = AnalyzeSettings(
+            options, block_size=block_size, limit=limit, progress_every_s=progress_every_s
+        )
         analyze_main(
             requests_path,
             settings,
@@ -678,7 +714,7 @@ def analyze(
 
 def _request_count(value: str | None) -> int:
     if value is None:
-        return 2000
+        return _DEFAULT_REQUESTS
     try:
         return int(value)
     except ValueError:
@@ -693,6 +729,7 @@ def _logged_requests(
     """The log's requests, tokenized, as the simulator replays them; skipped lines are
     reported on stderr."""
     from kvindex.clients.request_log import read_tokenized_log  # noqa: PLC0415 (tokenizers)
+    from kvindex.clients.workloads import logged_trace  # noqa: PLC0415
 
     done, problems = asyncio.run(read_tokenized_log(log, options, limit=limit))
     stderr = make_console(sys.stderr)

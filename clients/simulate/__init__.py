@@ -1,3 +1,1 @@
-"""``kvindex simulate``: every routing policy over a fresh simulated fleet (run.py); the
-discrete-event fleet and its time model (fleet.py); the routers, among them the real
-Scorer fed by the real indexer pipeline, and the oracle (routing.py)."""
+"""``kvindex simulate``: every policy over a simulated fleet (run.py, fleet.py, routing.py)."""

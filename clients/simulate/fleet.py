@@ -1,26 +1,12 @@
 """The discrete-event core of ``kvindex simulate``: N replicas, their caches, their queues.
 
-Each replica has the block pool of every vLLM stand-in
-(:class:`~kvindex.clients.fake_vllm.block_pool.BlockPool`:
-prefix hits, blocks of running requests pinned, unreferenced blocks evicted LRU, every
-store and eviction returned as vLLM KV events) and this time model:
-
-* a request waits in the replica's FIFO queue until the replica's prefill is free, fewer
-  than ``max_running`` requests run and the pool can hold its prompt and output
-  (head-of-line, as vLLM's scheduler); then it is admitted: its hit is the longest cached
-  prefix at that instant (at most all prompt blocks but the one holding the last token, as
-  in vLLM) and its prompt blocks are cached;
-* prefill is compute-bound and serial per replica: it takes ``uncached prompt tokens /
-  prefill_tps`` and the first token comes at its end (TTFT = that instant - arrival);
-* decode runs in the batch: ``output tokens / decode_tps`` after the prefill, then the
-  request's blocks are released (its answer cached first, when the workload knows it).
-
-A replica's load, as it would report it: ``running`` = admitted requests (in prefill or
-decode), ``waiting`` = its queue, ``kv_usage`` = blocks pinned by running requests.
-The router picks a replica at each arrival (:class:`Router`); events go to the router as
-the pool emits them (:meth:`Router.emitted`), which may deliver them to an index late.
-Queue depth and KV-cache usage are sampled at every arrival over every replica. Time is
-simulated seconds; nothing here sleeps, so a run is a pure function of its inputs and the router.
+Each replica has a vLLM stand-in's block pool and this time model: a FIFO queue, head of line
+admitted when its prefill is free, fewer than ``max_running`` run and the pool holds the
+request (its hit: the longest cached prefix, all blocks but the last token's); prefill is
+serial (``uncached tokens / prefill_tps``, the first token at its end); decode runs in the
+batch (``output tokens / decode_tps``), then the blocks are released, the answer cached first.
+The router picks a replica at each arrival and sees every event the pools emit. Nothing
+sleeps: a run is a pure function of its inputs and the router.
 """
 
 from __future__ import annotations
@@ -151,7 +137,7 @@ class FleetResult:
 
 class Prompts:
     """Each request's prompt tokens and engine block hashes, made on first use and kept
-    packed (2 or 4 bytes a token, 8 a hash), so every policy of a run shares them."""
+    packed, so every policy of a run shares them."""
 
     def __init__(self, requests: Sequence[TraceRequest], settings: FleetSettings) -> None:
         self.requests = requests

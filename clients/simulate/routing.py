@@ -1,22 +1,14 @@
-"""Routers for ``kvindex simulate``: the real scorer over the real index, and the oracle.
+"""Routers for ``kvindex simulate``: the real scorer over the real index, and the instant one.
 
-* :class:`ScorerRouter` asks :class:`kvindex.api.score.Scorer` (the code behind ``POST /score``)
-  for every request, with the replicas' load pushed as ``POST /load`` would: at every
-  request, or every ``load_interval_s`` (then the scorer sees it age, as with a scraper). Policies
-  that read the index (``kv_aware``) get the replicas' KV events through a sink,
-  ``event_delay_s`` after the replica emitted them: :class:`IngestSink` encodes them in
-  vLLM's wire format and hands the frames to the indexer's own
-  :class:`~kvindex.indexer.ingest.pipeline.Pipeline` (decode, ordering, ingest, registry: the
-  subscriber without its sockets) over a :class:`~kvindex.indexer.index.memory.MemoryIndex`;
-  :class:`ZmqSink` sends them in vLLM's wire format over real ZeroMQ (one PUB per replica,
-  connecting to the bound SUB of an in-process :class:`~kvindex.indexer.service.IndexerService`
-  on a free loopback port) and waits until the indexer has applied them. Other policies
-  never read the index, so their runs skip it.
-* :class:`OracleRouter` makes the ``kv_aware`` decision with perfect knowledge: each
-  replica's longest cached prefix read from its pool at the instant of the request.
-
-A policy spec is a policy name, optionally with weight overrides:
-``kv_aware:waiting=0.5,cache=2`` (:func:`parse_policy`).
+:class:`ScorerRouter` asks :class:`kvindex.api.score.Scorer` (the code behind ``POST /score``)
+for every request, with load pushed at every request or every ``load_interval_s``. Policies
+that read the index get the replicas' KV events ``event_delay_s`` late, in vLLM's wire
+format: :class:`IngestSink` hands them to the indexer's own
+:class:`~kvindex.indexer.ingest.pipeline.Pipeline`, :class:`ZmqSink` sends them over real
+ZeroMQ to an in-process :class:`~kvindex.indexer.service.IndexerService`.
+:class:`InstantRouter` (``kv_aware_instant``) makes the ``kv_aware`` decision with perfect,
+instant knowledge of every pool: greedy, so not a bound (the report's oracle is).
+A policy spec is a name with optional weight overrides: ``kv_aware:waiting=0.5,cache=2``.
 """
 
 from __future__ import annotations
@@ -56,7 +48,7 @@ from kvindex.indexer.ingest.pipeline import Pipeline
 from kvindex.indexer.ingest.wire import encode_batch, encode_live
 from kvindex.indexer.service import IndexerService
 
-ORACLE = "oracle"
+INSTANT = "kv_aware_instant"
 INDEX_POLICIES = frozenset({Policy.KV_AWARE})
 """Policies whose decision reads the index (the others run without one)."""
 
@@ -66,14 +58,19 @@ class PolicySpec:
     label: str
     """As given (``kv_aware:waiting=0.5``); names the policy in every output."""
     policy: str
-    """A :class:`~kvindex.api.decision.policies.Policy` value, or ``oracle``."""
+    """A :class:`~kvindex.api.decision.policies.Policy` value, or :data:`INSTANT`."""
     weights: dict[str, float] = field(default_factory=dict)
 
 
 def parse_policy(text: str) -> PolicySpec:
     """``name`` or ``name:weight=value,weight=value``; raises :class:`SimulationError`."""
     name, _, rest = text.strip().partition(":")
-    known = [p.value for p in Policy] + [ORACLE]
+    known = [p.value for p in Policy] + [INSTANT]
+    if name == "oracle":
+        raise SimulationError(
+            f"'oracle' is not a policy: every report ends with the oracle, the bound no policy"
+            f" beats; kv_aware with perfect knowledge is {INSTANT!r}"
+        )
     if name not in known:
         raise SimulationError(f"policy {name!r} is not one of {known}")
     overrides: dict[str, float] = {}
@@ -311,7 +308,7 @@ class ScorerRouter:
             self._sink.close()
 
 
-class OracleRouter:
+class InstantRouter:
     """``kv_aware`` with instant, perfect knowledge of every replica's cache."""
 
     def __init__(self, spec: PolicySpec, *, seed: int) -> None:
@@ -332,7 +329,7 @@ class OracleRouter:
 
     def _candidate(self, chain: Sequence[int], load: ReplicaLoad) -> Candidate:
         if self._cache_of is None:
-            raise SimulationError("OracleRouter.watch() was not called")
+            raise SimulationError("InstantRouter.watch() was not called")
         cache = self._cache_of(load.replica)
         matched = 0
         for block in chain:
@@ -347,7 +344,7 @@ class OracleRouter:
         )
 
     def emitted(self, replica: str, events: list[Event], now: float) -> None:
-        """The oracle reads the pools themselves."""
+        """It reads the pools themselves."""
 
     def close(self) -> None:
         """Nothing to release."""

@@ -1,24 +1,9 @@
 """``kvindex simulate``: the same requests through a simulated fleet under each policy.
 
-For each policy (in the order given) a fresh fleet (:mod:`kvindex.clients.simulate.fleet`)
-replays the
-requests (:mod:`kvindex.clients.workloads`) with that policy's router
-(:mod:`kvindex.clients.simulate.routing`);
-then the references: the **oracle** (``kv_aware`` with perfect, instant knowledge; listed
-as a policy), the **ceiling** (the hit rate of one unbounded cache that sees every request
-in arrival order, answers cached as replicas cache them: no policy can beat it) and the
-**single cache** (the same with one LRU pool of the whole fleet's capacity, nothing pinned:
-what routing could reach if the fleet were one cache; a fleet of separate pools may beat it
-when long prompts thrash one LRU).
-
-Per policy (:class:`PolicyStats`), what the practice says to watch: prefix-cache hit rate
-(token-weighted: cached prompt tokens / prompt tokens), prompt tokens computed, TTFT mean /
-p50 / p90 / p99 (nearest-rank), throughput (requests/s, tokens/s), queue depth mean and max
-(waiting requests per replica, sampled at each arrival), KV-cache usage mean and p90 (blocks
-held by running requests / capacity, sampled likewise), cost per task (GPU-seconds per
-request, prefill + decode), requests per replica max / mean (``imbalance``), rejected
-requests (longer than one replica's pool), and the hit rate over time. Output: a table,
-``--json`` and ``--plot``.
+Each policy replays the requests on a fresh fleet (fleet.py) with its router (routing.py);
+then two references: the **oracle**, one unbounded cache seeing every request in arrival
+order (:func:`ceiling_hit_rate`: no policy can beat its hit rate), and **one LRU cache** of
+the fleet's capacity (:func:`single_cache_hit_rate`). Per policy, :class:`PolicyStats`.
 """
 
 from __future__ import annotations
@@ -33,12 +18,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
+from rich.console import Console, Group
+from rich.text import Text
 
-from kvindex.clients.console import ProgressBars, column, make_table, progress_console
+from kvindex.clients.console import column, make_table
 from kvindex.clients.fake_vllm.block_pool import BlockPool
 from kvindex.clients.fake_vllm.engine_hash import engine_chain
+from kvindex.clients.progress import ProgressLog
 from kvindex.clients.simulate.fleet import (
     FleetResult,
     FleetSettings,
@@ -49,9 +35,9 @@ from kvindex.clients.simulate.fleet import (
 )
 from kvindex.clients.simulate.routing import (
     INDEX_POLICIES,
-    ORACLE,
+    INSTANT,
     IngestSink,
-    OracleRouter,
+    InstantRouter,
     PolicySpec,
     ScorerRouter,
     SimClock,
@@ -67,7 +53,7 @@ DEFAULT_POLICIES = (
     "session_affinity",
     "prefix_hash",
     "kv_aware",
-    ORACLE,
+    INSTANT,
 )
 TIMELINE_POINTS = 40
 """Windows of the hit-rate-over-time series."""
@@ -81,7 +67,7 @@ class SimulateSettings:
     """Lag between a replica emitting a KV event and the index applying it."""
     load_interval_s: float = 0.0
     """How often the router learns the replicas' load (0: at every request; the API's
-    scraper default is 2 s). The oracle always knows it."""
+    scraper default is 2 s). kv_aware_instant always knows it."""
     stale_after_s: float = 300.0
     """A replica silent this long is stale (its cache credit is reduced), as in the indexer."""
     speed: float = 1.0
@@ -335,10 +321,10 @@ async def run_policy(
     started = time.perf_counter()
     clock = SimClock()
     fleet = settings.fleet
-    if spec.policy == ORACLE:
-        oracle = OracleRouter(spec, seed=settings.seed)
-        sim = FleetSim(fleet, oracle, requests, prompts=prompts, publish=False, progress=progress)
-        oracle.watch(sim.cache)
+    if spec.policy == INSTANT:
+        instant = InstantRouter(spec, seed=settings.seed)
+        sim = FleetSim(fleet, instant, requests, prompts=prompts, publish=False, progress=progress)
+        instant.watch(sim.cache)
         result = await sim.run()
     else:
         sink = _sink(settings, spec, clock)
@@ -388,18 +374,20 @@ def run_simulation(
     settings: SimulateSettings,
     requests: Sequence[TraceRequest],
     *,
-    progress_for: Callable[[str], Callable[[int], None]] | None = None,
+    progress: ProgressLog | None = None,
     source: str = "",
 ) -> SimReport:
-    """Every policy, then the ceiling and the single cache. ``progress_for(label)`` gives
-    the callback a policy's run calls once per finished request."""
+    """Every policy, then the references; ``progress`` counts every request of every
+    policy (``len(requests)`` times the policies)."""
     started = time.perf_counter()
     requests = scaled(requests, settings.speed)
     prompts = Prompts(requests, settings.fleet)
     stats = []
     for spec in settings.policies:
-        progress = progress_for(spec.label) if progress_for is not None else None
-        stats.append(asyncio.run(run_policy(settings, spec, requests, progress, prompts)))
+        advance = None
+        if progress is not None:
+            progress.stage, advance = spec.label, progress.advance
+        stats.append(asyncio.run(run_policy(settings, spec, requests, advance, prompts)))
     ceiling = ceiling_hit_rate(requests, settings.fleet, prompts)
     single = single_cache_hit_rate(requests, settings.fleet, prompts)
     params = _params(settings, requests, source)
@@ -414,15 +402,13 @@ def simulate_main(
     console: Console,
     json_path: Path | None = None,
     plot_path: Path | None = None,
+    progress_every_s: float = 0.0,
 ) -> SimReport:
-    """The command: progress bars (on stderr), the table, then ``--json`` and ``--plot``."""
-    with ProgressBars(progress_console(), label_width=20) as bars:
-        report = run_simulation(
-            settings,
-            requests,
-            progress_for=lambda label: bars.add(label, total=len(requests)),
-            source=source,
-        )
+    """The command: progress lines on stderr, the table, then ``--json`` and ``--plot``."""
+    total = len(requests) * len(settings.policies)
+    progress = ProgressLog("simulate", total, every_s=progress_every_s)
+    report = run_simulation(settings, requests, progress=progress, source=source)
+    progress.finish()
     console.print(report_table(report))
     try:
         if json_path is not None:
@@ -457,18 +443,12 @@ def _params(
 # --- output ----------------------------------------------------------------------------------
 
 
-def report_table(report: SimReport) -> Table:
-    """TTFT in seconds; queue = waiting requests per replica, mean/max; KV = used /
-    capacity, mean / p90; GPU-s/req = busy GPU-seconds per request (prefill + decode);
-    balance = requests per replica max / mean. Prefill tokens, TTFT mean and the cost's
-    split are in the JSON. Eleven figures: the table fits 100 columns."""
-    numbers = ("hit rate", "TTFT p50", "p90", "p99", "req/s", "tok/s", "queue/max")
+def report_table(report: SimReport) -> Group:
+    """The figures that fit 80 columns, then the references' rows; the rest is in the JSON."""
+    numbers = ("hit rate", "TTFT p50", "p90", "p99", "queue", "GPU-s", "balance")
     table = make_table(
         column("policy"),
         *(column(name, justify="right") for name in numbers),
-        *(column(name, justify="right") for name in ("KV mean/p90", "GPU-s/req")),
-        column("balance", justify="right"),
-        column("rejected", justify="right"),
         title=f"kvindex simulate: {report.params.get('source', '')}",
     )
     for p in report.policies:
@@ -476,21 +456,25 @@ def report_table(report: SimReport) -> Table:
             p.policy,
             f"{p.hit_rate:.1%}",
             *(f"{v:.3f}" for v in (p.ttft_p50_s, p.ttft_p90_s, p.ttft_p99_s)),
-            f"{p.throughput_rps:.2f}",
-            f"{p.throughput_tps:,.0f}",
             f"{p.queue_mean:.2f}/{p.queue_max}",
-            f"{p.kv_usage_mean:.0%}/{p.kv_usage_p90:.0%}",
             f"{p.gpu_s_per_request:.3f}",
             f"{p.imbalance:.2f}",
-            str(p.rejected),
         )
-    table.caption = (
-        f"ceiling hit rate {report.ceiling_hit_rate:.1%} (one unbounded cache, answers"
-        f" included: no policy beats it); single-cache hit rate"
-        f" {report.single_cache_hit_rate:.1%} (one LRU cache of the fleet's capacity);"
-        f" TTFT in s; {report.wall_s:.1f} s wall"
-    )
-    return table
+    for label, hit_rate in (
+        ("oracle", report.ceiling_hit_rate),
+        ("one LRU cache", report.single_cache_hit_rate),
+    ):
+        table.add_row(label, f"{hit_rate:.1%}", *("-" * 6))
+    lines = [
+        "oracle: one unbounded cache seeing every request in order; no policy beats it.",
+        f"{INSTANT}: kv_aware knowing every cache at once; greedy, so beatable.",
+        "TTFT in s; queue: waiting per replica, mean/max; GPU-s: busy GPU-seconds per",
+        f"request; balance: requests per replica, max/mean. {report.wall_s:.1f} s wall.",
+    ]
+    rejected = sum(p.rejected for p in report.policies)
+    if rejected:
+        lines.append(f"{rejected} requests rejected: longer than a replica's KV cache.")
+    return Group(table, Text("\n".join(lines)))
 
 
 POLICY_COLOURS = {
@@ -500,7 +484,7 @@ POLICY_COLOURS = {
     "session_affinity": "tab:purple",
     "prefix_hash": "tab:orange",
     "kv_aware": "tab:blue",
-    "oracle": "tab:green",
+    INSTANT: "tab:green",
 }
 """Each policy's colour in every panel (and in every plot: the same policy, the same colour)."""
 _VARIANT_COLOURS = ("tab:red", "tab:cyan", "tab:pink", "black", "gold", "navy")
@@ -584,7 +568,7 @@ def _ticks(ax: Any, values: Sequence[float], label: str | None = None) -> None:
 
 
 def _hit_panel(ax: Any, report: SimReport, colours: dict[str, str]) -> None:
-    """Hit rate per policy; the ceiling (dashed) and the single LRU cache (dotted)."""
+    """Hit rate per policy; the oracle (dashed) and the single LRU cache (dotted)."""
     stats = report.policies
     hits = [p.hit_rate for p in stats]
     _bars(ax, stats, colours, hits, [f"{h:.1%}" for h in hits])
@@ -593,7 +577,7 @@ def _hit_panel(ax: Any, report: SimReport, colours: dict[str, str]) -> None:
     ax.axvline(single, color="dimgray", linestyle=":", linewidth=1.5, zorder=0)
     ax.set_xlim(0, max(ceiling, single, *hits) * 1.3 or 1.0)
     ax.set_xlabel(
-        f"hit rate (token-weighted) · ceiling {ceiling:.1%} (dashed)"
+        f"hit rate (token-weighted) · oracle {ceiling:.1%} (dashed)"
         f" · one LRU cache {single:.1%} (dotted)"
     )
 
@@ -630,21 +614,21 @@ def _cost_panel(ax: Any, stats: Sequence[PolicyStats], colours: dict[str, str]) 
 
 
 def _timeline_panel(ax: Any, stats: Sequence[PolicyStats], colours: dict[str, str]) -> None:
-    """Hit rate over time; kv_aware thick and the oracle thin and dashed over it, so
-    both stay visible where they agree."""
+    """Hit rate over time; kv_aware thick and kv_aware_instant thin and dashed over it,
+    so both stay visible where they agree."""
     for p in stats:
         if not p.hit_rate_timeline:
             continue
         xs, ys = zip(*p.hit_rate_timeline, strict=True)
-        oracle, kv = p.policy == ORACLE, p.policy == "kv_aware"
+        instant, kv = p.policy == INSTANT, p.policy == "kv_aware"
         ax.plot(
             xs,
             ys,
             label=p.policy,
             color=colours[p.policy],
-            linestyle="--" if oracle else "-",
+            linestyle="--" if instant else "-",
             linewidth=3.5 if kv else 1.5,
-            zorder=5 if oracle else (4 if kv else 2),
+            zorder=5 if instant else (4 if kv else 2),
         )
     ax.set_xlabel("arrival time (s)")
     ax.set_ylabel("hit rate")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from kvindex.clients.cli.main import main
+from kvindex.clients.cli.main import demo, main
 from kvindex.clients.demo import POLICIES, DemoSettings, build_workload, run_demo
 
 SMALL = DemoSettings(replicas=3, requests=60, speed=100.0, concurrency=8)
@@ -35,6 +35,11 @@ def test_kv_aware_beats_round_robin_and_stops_everything() -> None:
     assert set(threading.enumerate()) <= before, "the demo left threads running"
 
 
+def test_the_same_seed_gives_the_same_figures() -> None:
+    first, second = run_demo(SMALL), run_demo(SMALL)
+    assert [p.figures() for p in first.policies] == [p.figures() for p in second.policies]
+
+
 def test_cli_demo_prints_the_table_and_writes_json(tmp_path: Path) -> None:
     before = set(threading.enumerate())
     out = tmp_path / "demo.json"
@@ -48,6 +53,15 @@ def test_cli_demo_prints_the_table_and_writes_json(tmp_path: Path) -> None:
     for policy in POLICIES:  # not a terminal: one whole line per policy
         cells = next(line for line in result.stdout.splitlines() if line.startswith(policy))
         assert "%" in cells and cells.count(" ms") == 2 and "r1:" in cells and "r2:" in cells
+    assert "every other figure is the same on every run with seed 0" in result.stdout
     body = json.loads(out.read_text())
     assert set(body["policies"]) == set(POLICIES)
     assert set(threading.enumerate()) <= before, "the demo left threads running"
+
+
+def test_cli_defaults_are_the_settings_defaults() -> None:
+    """Literals in the options (the command imports the demo only when it runs)."""
+    defaults = DemoSettings()
+    for param in demo.params:
+        if param.name in ("replicas", "requests", "seed", "speed"):
+            assert param.default == getattr(defaults, param.name), param.name

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import pytest
 import tokenizers
 
 from kvindex.clients.analyze.report import AnalysisReport
-from kvindex.clients.analyze.run import AnalyzeSettings, analyze_log, analyze_main
+from kvindex.clients.analyze.run import AnalyzeSettings, analyze_log, analyze_main, count_lines
 from kvindex.clients.console import make_console
 from kvindex.clients.request_log import LogTokenizer, RequestLogError, TokenizerOptions
 from tests.support import request_logs as samples
@@ -169,3 +170,24 @@ def test_a_replica_can_tokenize_and_decode(tokenizer_path: Path, tmp_path: Path)
     starts = {r["prompt"][:30] for r in rows}
     assert len(report.top_prefixes) == 4
     assert all(p.start[:30] in starts and p.share == 0.25 for p in report.top_prefixes)
+
+
+def test_a_long_analysis_prints_progress_lines_with_an_eta(
+    tokenizer_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = write_log(tmp_path / "log.jsonl.gz", samples.timestamped_rules(100), gz=True)
+    analyze(tokenizer_path, log, tokenize_batch=1, progress_every_s=1e-9)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) >= 2
+    assert re.fullmatch(
+        r"analyze: \d+/100 lines \(\d+%\) · \d+:\d\d elapsed · ETA \d+:\d\d", lines[0]
+    ), lines[0]
+    assert lines[-1].startswith("analyze: 100/100 lines (100%)")
+
+
+def test_lines_are_counted_in_plain_and_gzip_logs(tmp_path: Path) -> None:
+    rows = samples.timestamped_rules(3)
+    assert count_lines(write_log(tmp_path / "a.jsonl", rows)) == 3
+    assert count_lines(write_log(tmp_path / "a.jsonl.gz", rows, gz=True)) == 3
+    (tmp_path / "b.jsonl").write_text("{}\n{}")  # no newline at the end
+    assert count_lines(tmp_path / "b.jsonl") == 2

@@ -1,4 +1,4 @@
-"""``kvindex simulate --requests LOG``: the user's own traffic through every policy."""
+"""``kvindex simulate --request-log LOG``: the user's own traffic through every policy."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def test_a_request_log_runs_through_every_policy(tmp_path: Path) -> None:
     rows.insert(2, "{broken")
     log = write_log(tmp_path / "requests.jsonl", rows)
     out = tmp_path / "sim.json"
-    args = ["simulate", "--requests", str(log), "--tokenizer", str(tokenizer)]
+    args = ["simulate", "--request-log", str(log), "--tokenizer", str(tokenizer)]
     args += ["--replicas", "2", "--rate", "5", "--json", str(out)]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
@@ -36,7 +36,7 @@ def test_timestamps_set_the_arrivals(tmp_path: Path) -> None:
     tokenizer = make_tokenizer(tmp_path / "tokenizer.json")
     log = write_log(tmp_path / "requests.jsonl", samples.timestamped_rules(12))
     out = tmp_path / "sim.json"
-    args = ["simulate", "--requests", str(log), "--tokenizer", str(tokenizer)]
+    args = ["simulate", "--request-log", str(log), "--tokenizer", str(tokenizer)]
     args += ["--replicas", "2", "--policies", "least_load", "--json", str(out)]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
@@ -44,20 +44,24 @@ def test_timestamps_set_the_arrivals(tmp_path: Path) -> None:
     assert timeline[-1][0] <= 11.0  # 12 requests one second apart
 
 
-def test_requests_is_a_count_with_a_workload_and_a_log_alone(tmp_path: Path) -> None:
+def test_requests_is_a_count_and_a_log_is_request_log(tmp_path: Path) -> None:
     runner = CliRunner()
     result = runner.invoke(main, ["simulate", "--workload", "unique", "--requests", "x.jsonl"])
     assert result.exit_code == 2 and "a number of requests" in result.output
     result = runner.invoke(main, ["simulate"])
     assert result.exit_code == 2 and "exactly one of" in result.output
-    result = runner.invoke(
-        main,
-        [
-            "simulate",
-            "--requests",
-            str(tmp_path / "none.jsonl"),
-            "--tokenizer-url",
-            "http://127.0.0.1:9",
-        ],
-    )
-    assert result.exit_code == 1 and "no such file" in result.output
+    assert "--request-log" in result.output
+    result = runner.invoke(main, ["simulate", "--requests", str(tmp_path / "none.jsonl")])
+    assert result.exit_code == 2 and "--request-log PATH" in result.output
+    result = runner.invoke(main, ["simulate", "--request-log", str(tmp_path / "none.jsonl")])
+    assert result.exit_code == 2 and "does not exist" in result.output
+
+
+def test_the_old_requests_log_form_still_runs_and_names_the_new_option(tmp_path: Path) -> None:
+    tokenizer = make_tokenizer(tmp_path / "tokenizer.json")
+    log = write_log(tmp_path / "requests.jsonl", samples.timestamped_rules(6))
+    args = ["simulate", "--requests", str(log), "--tokenizer", str(tokenizer)]
+    result = CliRunner().invoke(main, [*args, "--replicas", "2", "--policies", "least_load"])
+    assert result.exit_code == 0, result.output
+    assert f"use --request-log {log}" in result.stderr
+    assert "least_load" in result.stdout and "warning" not in result.stdout

@@ -14,7 +14,7 @@ from kvindex.clients.simulate.fleet import (
 )
 from kvindex.clients.simulate.routing import (
     IngestSink,
-    OracleRouter,
+    InstantRouter,
     PolicySpec,
     ScorerRouter,
     SimClock,
@@ -54,7 +54,9 @@ def test_policy_specs_parse_with_weight_overrides() -> None:
         "kv_aware",
         {"waiting": 0.5, "cache": 2.0},
     )
-    assert parse_policy("oracle").policy == "oracle"
+    assert parse_policy("kv_aware_instant").policy == "kv_aware_instant"
+    with pytest.raises(SimulationError, match="'kv_aware_instant'"):
+        parse_policy("oracle")  # the bound every report ends with, not a policy
 
 
 @pytest.mark.parametrize(
@@ -129,15 +131,15 @@ def test_session_affinity_sticks_to_one_replica_per_session() -> None:
     assert len(picks) == 1
 
 
-def test_the_oracle_reads_the_pools_directly() -> None:
+def test_the_instant_router_reads_the_pools_directly() -> None:
     caches = {r: BlockPool(64, FLEET.block_size, ROOT) for r in FLEET.replica_ids()}
     admitted = caches["r1"].admit(0, PROMPT, len(PROMPT), chain=engine_chain(ROOT, PROMPT, 4))
     assert admitted is not None
-    oracle = OracleRouter(parse_policy("oracle"), seed=0)
+    instant = InstantRouter(parse_policy("kv_aware_instant"), seed=0)
     with pytest.raises(SimulationError, match="watch"):
-        asyncio.run(oracle.route(job(PROMPT), 0.0, idle()))
-    oracle.watch(caches.__getitem__)
-    assert asyncio.run(oracle.route(job([*PROMPT, 5]), 0.0, idle())) == "r1"
+        asyncio.run(instant.route(job(PROMPT), 0.0, idle()))
+    instant.watch(caches.__getitem__)
+    assert asyncio.run(instant.route(job([*PROMPT, 5]), 0.0, idle())) == "r1"
     assert isinstance(stored(PROMPT)[0], BlockStored)
 
 
