@@ -5,16 +5,31 @@ BIN := $(VENV)/bin
 
 .PHONY: run test lint bench install clean
 
-# The compiled core (setup.py) is rebuilt by the same install when its sources change.
-$(BIN)/kvindex: pyproject.toml setup.py indexer/native/_core.pyx
+# `make run` installs the service alone (its runtime dependencies); `make install` adds the
+# dev extra (tests, linters, plots). Each step says what it does, and pip shows its own
+# progress. The compiled core (setup.py) is rebuilt by either install when its sources change.
+SOURCES := pyproject.toml setup.py $(wildcard indexer/native/*.pyx)
+
+$(BIN)/pip:
+	@echo "==> creating the virtual environment $(VENV)"
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	@echo "==> upgrading pip"
+	$(BIN)/pip install --upgrade pip
+
+$(VENV)/.run-installed: $(SOURCES) | $(BIN)/pip
+	@echo "==> installing kvindex and its runtime dependencies, compiling its core"
+	$(BIN)/pip install -e .
 	touch $@
 
-install: $(BIN)/kvindex
+$(VENV)/.dev-installed: $(SOURCES) | $(BIN)/pip
+	@echo "==> installing kvindex with its dev extra (tests, linters, plots), compiling its core"
+	$(BIN)/pip install -e '.[dev]'
+	touch $@ $(VENV)/.run-installed
 
-run: install ## the main job on the embedded store: the demo (replica-sims, indexer, API)
+install: $(VENV)/.dev-installed
+
+run: $(VENV)/.run-installed ## the main job on the embedded store: the demo (replica-sims, indexer, API)
+	@echo "==> kvindex demo"
 	$(BIN)/kvindex demo
 
 test: install ## the whole test suite (starts its own redis-server and Redis Cluster on loopback)

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from kvindex.clients.analyze.report import AnalysisReport
 from kvindex.clients.console import column, make_table
+from kvindex.clients.plotting import pyplot
 
 TEXT_CHARS = 60
 """Decoded text is cut to this many characters in the tables (``--json`` has all of it)."""
@@ -88,11 +89,7 @@ def _prefixes_table(report: AnalysisReport) -> Table:
 
 def plot(report: AnalysisReport, path: Path) -> None:
     """Share of prompt tokens cacheable by position, before and after the fix (PNG)."""
-    import matplotlib  # noqa: PLC0415 (heavy; only for --plot)
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
+    plt = pyplot()
     points = report.cacheable_by_position
     xs = [p.token_offset for p in points]
     fig, ax = plt.subplots(figsize=(10, 5))

@@ -24,6 +24,7 @@ from rich.text import Text
 from kvindex.clients.console import column, make_table
 from kvindex.clients.fake_vllm.block_pool import BlockPool
 from kvindex.clients.fake_vllm.engine_hash import engine_chain
+from kvindex.clients.plotting import pyplot
 from kvindex.clients.progress import ProgressLog
 from kvindex.clients.simulate.fleet import (
     FleetResult,
@@ -513,11 +514,7 @@ def fleet_caption(params: dict[str, Any]) -> str:
 def plot(report: SimReport, path: Path) -> None:
     """Per policy, one colour each: hit rate (and the references), TTFT p90 (and p50),
     throughput, KV-cache usage, GPU-seconds per request, and hit rate over time (PNG)."""
-    import matplotlib  # noqa: PLC0415 (heavy; only for --plot)
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
+    plt = pyplot()
     stats = report.policies
     colours = policy_colours([p.policy for p in stats])
     fig, axes = plt.subplots(2, 3, figsize=(20, 10))

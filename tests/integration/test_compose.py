@@ -3,10 +3,12 @@
 ports, and the Redis URL to the private redis-server of ``tests/conftest.py`` (or to one
 node of its 3-master Redis Cluster: the same commands run on it unchanged).
 
-Then: completions on a simulator → the indexer process → Redis → ``POST /score`` on the
-API process names that simulator, and the proxy process sends the same prompt (through the
-real ``openai`` package) to it; ``POST``/``DELETE /replicas`` on the API process reach
-the indexer process (it opens the new replica's stream; it stops indexing a deleted one).
+Every kvindex service's healthcheck (the image's probe, run here with this interpreter)
+passes once the processes are up. Completions on a simulator → the indexer process → Redis
+→ ``POST /score`` on the API process names that simulator, and the proxy process sends
+the same prompt (through the real ``openai`` package) to it; ``POST``/``DELETE /replicas``
+on the API process reach the indexer process (it opens the new replica's stream; it stops
+indexing a deleted one).
 """
 
 from __future__ import annotations
@@ -43,9 +45,14 @@ _URL = re.compile(r"(?P<scheme>tcp|http|redis)://(?P<host>[^:/\s,]+):(?P<port>\d
 pytestmark = pytest.mark.timeout(120)
 
 
-def compose_services() -> dict[str, dict[str, Any]]:
+def compose_file() -> dict[str, Any]:
     with (ROOT / "compose.yaml").open() as file:
-        services: dict[str, dict[str, Any]] = yaml.safe_load(file)["services"]
+        loaded: dict[str, Any] = yaml.safe_load(file)
+    return loaded
+
+
+def compose_services() -> dict[str, dict[str, Any]]:
+    services: dict[str, dict[str, Any]] = compose_file()["services"]
     return services
 
 
@@ -154,7 +161,7 @@ def fleet(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Fleet]:
     commands = {
         name: rewriter.command(name, service["command"])
         for name, service in compose_services().items()
-        if name != "redis"  # the fixture's private redis-server stands in for it
+        if "build" in service  # kvindex's own: the test's redis-server stands in for redis
     }
     with (
         processes(commands, tmp_path),
@@ -253,3 +260,24 @@ def test_the_proxy_service_sends_a_prompt_to_the_replica_holding_it(fleet: Fleet
     assert raw.headers["x-kvindex-replica"] == "r2"
     assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
     assert answer.usage.prompt_tokens_details.cached_tokens  # r2 held it: a cache hit
+
+
+def probe(url: str) -> int:
+    """The exit status of the kvindex services' healthcheck command run against ``url``."""
+    command = compose_file()["x-kvindex-healthcheck"]["test"]
+    assert command[:2] == ["CMD", "python"]
+    env = {**os.environ, "HEALTHCHECK_URL": url}
+    return subprocess.run([sys.executable, *command[2:]], env=env, check=False).returncode
+
+
+def test_every_healthcheck_passes_once_the_fleet_is_up(fleet: Fleet) -> None:
+    for name, service in compose_services().items():
+        if "build" not in service:
+            continue
+        found = re.fullmatch(
+            r"http://127\.0\.0\.1:(\d+)(/\w+)", service["environment"]["HEALTHCHECK_URL"]
+        )
+        assert found is not None, name
+        url = f"http://127.0.0.1:{fleet.rewriter.port(name, int(found[1]))}{found[2]}"
+        wait_for(lambda u=url: probe(u) == 0, f"{name}'s healthcheck")
+    assert probe(f"http://127.0.0.1:{free_port()}/readyz") != 0  # nothing listens there

@@ -3,15 +3,18 @@
 Every expression is parsed as PromQL (so a typo fails here, not in Grafana), and every
 ``kvindex_*`` series it selects, with every label it matches on, must appear in a live
 ``/metrics``: the API's of a running ``kvindex serve`` (which runs the write path too) and
-the status port of a running ``kvindex indexer``, both fed by a publisher.
+the status port of a running ``kvindex indexer``, both fed by a publisher, and a running
+``kvindex proxy``'s in front of two replica-sims, one of them failing (errors, a retry, an
+ejection).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvindex.clients.fake_vllm.publisher import EventPublisher
 from kvindex.indexer.domain.events import BlockStored, Tier
 from tests.support.paths import ROOT
-from tests.support.processes import running
+from tests.support.processes import http_ok, kvindex_child, running
 from tests.support.redis_server import free_port
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvindex.json"
@@ -32,7 +35,17 @@ MODEL = "demo-model"
 GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h"}
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
-pytestmark = pytest.mark.timeout(60)
+PROXY_SERIES = (
+    'kvindex_proxy_requests_total{replica="ok",route="/v1/chat/completions",status="200"}',
+    'kvindex_proxy_upstream_errors_total{kind="status_500",replica="broken"}',
+    "kvindex_proxy_retries_total{",
+    'kvindex_proxy_ejections_total{reason="breaker",replica="broken"}',
+    "kvindex_proxy_time_to_first_byte_seconds_bucket{",
+)
+"""Samples the proxy shows once a request has been retried after the broken replica's 500."""
+PROXY_CONFIG = "[api]\nbreaker_failures = 1\n"
+
+pytestmark = pytest.mark.timeout(90)
 
 
 @dataclass(frozen=True)
@@ -102,9 +115,18 @@ def exported(text: str) -> dict[str, set[str]]:
 
 
 @pytest.fixture(scope="module")
-def live_metrics(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, set[str]]]:
-    """Series of a running ``kvindex serve`` and ``kvindex indexer``, each fed one stream."""
+def live_metrics(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[str]]:
+    """Series of a running ``kvindex serve``, ``kvindex indexer`` and ``kvindex proxy``."""
     logs = tmp_path_factory.mktemp("monitoring")
+    merged: dict[str, set[str]] = {}
+    for page in (*_routing_and_ingest_pages(logs), _proxy_page(logs)):
+        for name, labels in exported(page).items():
+            merged.setdefault(name, set()).update(labels)
+    return merged
+
+
+def _routing_and_ingest_pages(logs: Path) -> tuple[str, str]:
+    """/metrics of a ``kvindex serve`` and a ``kvindex indexer``, each fed one stream."""
     serve_events, indexer_events = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
     api_port, status_port = free_port(), free_port()
     serve_args = ["serve", "--bind", serve_events, "--port", str(api_port)]
@@ -130,11 +152,46 @@ def live_metrics(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
                 in http.get(f"{api}/metrics").text
             )
         )  # a replica whose vLLM /metrics cannot be scraped
-        merged: dict[str, set[str]] = {}
-        for page in (http.get(f"{api}/metrics").text, http.get(f"{status}/metrics").text):
-            for name, labels in exported(page).items():
-                merged.setdefault(name, set()).update(labels)
-        yield merged
+        return http.get(f"{api}/metrics").text, http.get(f"{status}/metrics").text
+
+
+def _proxy_page(logs: Path) -> str:
+    """/metrics of a ``kvindex proxy`` before replica-sims ``ok`` and ``broken`` (every
+    answer a 500; one failure ejects it), once it shows every sample of PROXY_SERIES."""
+    config = logs / "proxy.toml"
+    config.write_text(PROXY_CONFIG)
+    port = free_port()
+    args = ["proxy", "--port", str(port), "--config", str(config)]
+    with ExitStack() as stack, httpx.Client(trust_env=False, timeout=10) as http:
+        for rid, extra in (("ok", []), ("broken", ["--fail-status", "500"])):
+            args += ["--replica", _start_sim(stack, logs, rid, extra)]
+        proxy = kvindex_child("proxy", args, logs / "proxy.log", http_ok(port, "/readyz"))
+        stack.callback(proxy.stop)
+        proxy.start(40)
+        base = f"http://127.0.0.1:{port}"
+        for n in range(40):
+            content = f"question {n} " + "word " * 40
+            body = {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+            answer = http.post(f"{base}/v1/chat/completions", json={**body, "max_tokens": 1})
+            assert answer.status_code == 200, answer.text
+            page = http.get(f"{base}/metrics").text
+            if all(series in page for series in PROXY_SERIES):
+                return page
+        missing = [series for series in PROXY_SERIES if series not in page]
+        raise AssertionError(f"the proxy never showed {missing}: {proxy.tail()}")
+
+
+def _start_sim(stack: ExitStack, logs: Path, rid: str, extra: list[str]) -> str:
+    """A running ``kvindex replica-sim``; its ``--replica`` spec."""
+    http_port, events = free_port(), f"tcp://127.0.0.1:{free_port()}"
+    args = [
+        "replica-sim", "--id", rid, "--model", MODEL, "--port", str(http_port),
+        "--events", events, "--bind-events", "--replay", "", "--speed", "1000", *extra,
+    ]  # fmt: skip
+    sim = kvindex_child(f"sim {rid}", args, logs / f"{rid}.log", http_ok(http_port, "/health"))
+    stack.callback(sim.stop)
+    sim.start(40)
+    return f"id={rid},model={MODEL},url=http://127.0.0.1:{http_port},events={events}"
 
 
 def _publish_until_indexed(endpoint: str, http: httpx.Client, replicas: str, status: str) -> None:
