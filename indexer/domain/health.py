@@ -12,6 +12,7 @@ metrics, the CLI and the Redis-shared fleet state read whole.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeAlias
 
 
 @dataclass(slots=True)
@@ -117,6 +118,12 @@ class StreamReport(StreamCounters):
     """Whether the stream is being replayed now (None: unchanged)."""
     connected: bool | None = None
     """Whether its socket is connected now (None: unchanged)."""
+
+
+NativeCounts: TypeAlias = tuple[int, int, int, int, int, int, int, int, int, int]
+"""A report's counts as the compiled ingest path returns them: batches applied, unknown
+removals, unresolved stores, blocks stored, blocks removed, clears, events of another group,
+misaligned events, orphan stores, the last store's block size (-1: none)."""
 
 
 @dataclass(slots=True)

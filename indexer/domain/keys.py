@@ -22,6 +22,7 @@ import struct
 import sys
 from array import array
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import msgspec
 import xxhash
@@ -173,3 +174,20 @@ def block_keys(
     # Only whole blocks are keyed (and checked); copy the ids only if some are left over.
     used = token_ids if num_used == len(token_ids) else token_ids[:num_used]
     return chain_keys(model_root(model), tokens_to_bytes(used), block_size, extras)
+
+
+class KeyCache(Protocol):
+    """A stream's engine hash → key cache: the ingestor's ``_KeyCache``, or the compiled
+    ``native.KeyCache`` (the same generations, read by the compiled ingest path without
+    the GIL) when the core is built."""
+
+    @property
+    def capacity(self) -> int: ...
+
+    def get(self, engine_hash: int) -> int | None:
+        """The key cached for ``engine_hash``, or None."""
+
+    def put(self, engine_hash: int, key: int) -> None: ...
+
+    def age(self) -> None:
+        """Start a new generation if the young one is full (after each batch)."""

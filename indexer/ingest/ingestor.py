@@ -39,8 +39,14 @@ from kvindex.indexer.domain.events import (
     EventBatch,
     StreamId,
 )
-from kvindex.indexer.domain.health import StreamReport
-from kvindex.indexer.domain.keys import BlockKeyError, chain_keys, model_root, tokens_to_bytes
+from kvindex.indexer.domain.health import NativeCounts, StreamReport
+from kvindex.indexer.domain.keys import (
+    BlockKeyError,
+    KeyCache,
+    chain_keys,
+    model_root,
+    tokens_to_bytes,
+)
 from kvindex.indexer.index.protocol import APPLIED, ApplyResult, BatchOps, BlockIndex, Op, OpKind
 
 if TYPE_CHECKING:
@@ -48,28 +54,6 @@ if TYPE_CHECKING:
 
 AnyBatch: TypeAlias = "EventBatch | NativeBatch"
 """A batch of domain events, or a live batch decoded for the compiled ingest path."""
-
-NativeCounts: TypeAlias = tuple[int, int, int, int, int, int, int, int, int, int]
-"""What the compiled ingest path did: batches applied, unknown removals, unresolved stores,
-blocks stored, blocks removed, clears, events of another group, misaligned events, orphan
-stores, the last store's block size (-1: none)."""
-
-
-class KeyCache(Protocol):
-    """A stream's engine hash → key cache: :class:`_KeyCache`, or the compiled
-    ``native.KeyCache`` (the same generations in compiled tables, which the compiled
-    ingest path reads without the GIL) when the core is built."""
-
-    @property
-    def capacity(self) -> int: ...
-
-    def get(self, engine_hash: int) -> int | None:
-        """The key cached for ``engine_hash``, or None."""
-
-    def put(self, engine_hash: int, key: int) -> None: ...
-
-    def age(self) -> None:
-        """Start a new generation if the young one is full (after each batch)."""
 
 
 class NativeIngest(Protocol):
