@@ -43,25 +43,13 @@ from kvindex.indexer.index.circuit import StoreCircuit
 from kvindex.indexer.index.protocol import IndexUnavailableError
 from kvindex.indexer.index.redis import RedisIndex, unavailable_on_connection_errors
 from kvindex.indexer.redis.connection import RedisClient
+from kvindex.indexer.redis.lua import lua_script
 from kvindex.indexer.redis.schema import Schema, check_name
 
 log = logging.getLogger("kvindex.membership")
 
 TOKEN_SEPARATOR = "#"
 """Between an indexer id and its random part in a lease token (never in an id)."""
-
-_RENEW_LUA = """
-local now = tonumber(ARGV[2])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if ARGV[4] == '1' then
-  redis.call('ZREM', KEYS[1], ARGV[1])
-else
-  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
-end
-return redis.call('ZRANGE', KEYS[1], 0, -1)
-"""
-"""KEYS: the leases ZSET. ARGV: token, now (ms), ttl (ms), leave (0/1). Drops expired
-leases, extends (or removes) this one, returns every live lease token."""
 
 
 def weight(member: str, key: str) -> int:
@@ -103,7 +91,7 @@ class Membership:
         self._key = schema.indexers
         self._ttl_s = lease_ttl_s
         self._clock = clock
-        self._renew = client.register_script(_RENEW_LUA)
+        self._renew = client.register_script(lua_script(__name__, "renew_lease.lua"))
         self._next_renew = float("-inf")
         self._failing = False
         self._namesakes: dict[str, float] = {}
