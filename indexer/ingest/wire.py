@@ -43,6 +43,7 @@ from kvindex.indexer.domain.events import (
     EventBatch,
     Tier,
 )
+from kvindex.indexer.ingest.batch_walker import walk_batch
 
 if TYPE_CHECKING:
     from kvindex.indexer.native._core import NativeBatch
@@ -197,7 +198,9 @@ class EventBatchArray(msgspec.Struct, array_like=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class _RawBatch(msgspec.Struct, array_like=True, gc=False):
+class RawBatch(msgspec.Struct, array_like=True, gc=False):
+    """A batch with its events left as msgpack bytes (read one by one when one is bad)."""
+
     ts: float
     events: list[msgspec.Raw]
     data_parallel_rank: int | None = None
@@ -231,7 +234,7 @@ _BATCH_DECODERS = (
     msgspec.msgpack.Decoder(EventBatchMap),
     msgspec.msgpack.Decoder(EventBatchArray),
 )
-_RAW_BATCH = msgspec.msgpack.Decoder(_RawBatch)
+_RAW_BATCH = msgspec.msgpack.Decoder(RawBatch)
 _RawStoredMap = _with_raw_tokens(BlockStoredMap, "BlockStored")
 _RawStoredArray = _with_raw_tokens(BlockStoredArray, "BlockStored")
 
@@ -354,7 +357,9 @@ def decode_payload(payload: bytes, seq: int) -> EventBatch:
 
 
 def _decode_packed(payload: bytes, seq: int) -> EventBatch | None:
-    """The fast path: None unless every event is well formed, with packable token ids."""
+    """Reference: kvindex.indexer.ingest.wire._decode_general; tests/unit/indexer/native/test_core.py::test_packed_decoding_agrees_with_the_general_one
+    The same batch with token ids packed; None unless every event is well formed, with
+    packable token ids."""  # noqa: E501
     for decoder in _FAST_BATCH_DECODERS:
         try:
             batch = decoder.decode(payload)
@@ -382,11 +387,15 @@ def _decode_general(payload: bytes, seq: int) -> EventBatch:
 def _decode_leniently(payload: bytes, seq: int) -> EventBatch:
     """Slow path: decode event by event so that one bad event does not lose the batch."""
     try:
-        raw_batch = _RAW_BATCH.decode(payload)
+        raw_batch = decode_raw_batch(payload)
     except RecursionError as exc:
         # An item nested deeper than msgspec recurses: find the events without recursion,
         # so that only the deep one is lost.
-        raw_batch = _walk_batch(payload, seq, exc)
+        try:
+            raw_batch = RawBatch(*walk_batch(payload))
+        except (*_DECODE_ERRORS, ValueError, IndexError) as walk_exc:
+            message = f"undecodable batch payload (seq {seq}): {exc}: {walk_exc}"
+            raise WireError(message, seq=seq) from walk_exc
     except _DECODE_ERRORS as exc:
         raise WireError(f"undecodable batch payload (seq {seq}): {exc}", seq=seq) from exc
     events: list[Event] = []
@@ -401,84 +410,10 @@ def _decode_leniently(payload: bytes, seq: int) -> EventBatch:
     return EventBatch(seq, raw_batch.ts, rank, tuple(events), num_bad)
 
 
-_MAX_WALKED_BYTES = 1 << 20
-"""Largest payload :func:`_walk_batch` walks (in Python, byte by byte); a larger one nested
-past msgspec's depth is undecodable."""
-_SCALAR_SIZES = {
-    **dict.fromkeys((0xC0, 0xC2, 0xC3), 0),
-    **{0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8},
-    **{0xCA: 4, 0xCB: 8, 0xD4: 2, 0xD5: 3, 0xD6: 5, 0xD7: 9, 0xD8: 17},
-}
-"""msgpack heads followed by a fixed number of bytes (nil, bools, numbers, fixext)."""
-_SIZED = {0xC4: 1, 0xC5: 2, 0xC6: 4, 0xD9: 1, 0xDA: 2, 0xDB: 4, 0xC7: 1, 0xC8: 2, 0xC9: 4}
-"""bin, str and ext heads: how many bytes give the length (ext adds a type byte)."""
-_CONTAINERS = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}
-"""array and map heads: bytes of the count, items per counted element."""
-
-
-def _head(buf: bytes, pos: int) -> tuple[int, int]:
-    """The msgpack head at ``pos``: where its own bytes end, and how many items follow it
-    as its content (array elements, map keys and values)."""
-    head = buf[pos]
-    pos += 1
-    if head < 0x80 or head >= 0xE0:  # fixint
-        return pos, 0
-    if head < 0xA0:  # fixmap, fixarray
-        return pos, (head & 0x0F) * (2 if head < 0x90 else 1)
-    if head < 0xC0:  # fixstr
-        return pos + (head & 0x1F), 0
-    if head in _SCALAR_SIZES:
-        return pos + _SCALAR_SIZES[head], 0
-    if head in _SIZED:
-        width = _SIZED[head]
-        extra = 1 if head in (0xC7, 0xC8, 0xC9) else 0
-        return pos + width + extra + int.from_bytes(buf[pos : pos + width], "big"), 0
-    if head in _CONTAINERS:
-        width, per = _CONTAINERS[head]
-        return pos + width, per * int.from_bytes(buf[pos : pos + width], "big")
-    raise ValueError(f"invalid msgpack head {head:#x}")
-
-
-def _skip(buf: bytes, pos: int) -> int:
-    """Where the msgpack item at ``pos`` ends, found without recursion."""
-    remaining = 1
-    while remaining:
-        pos, items = _head(buf, pos)
-        remaining += items - 1
-    if pos > len(buf):
-        raise ValueError("truncated")
-    return pos
-
-
-def _items(buf: bytes, pos: int) -> list[bytes]:
-    """The elements of the msgpack array at ``pos``, each as its own bytes."""
-    if not (0x90 <= buf[pos] <= 0x9F or buf[pos] in (0xDC, 0xDD)):
-        raise ValueError("not an array")
-    pos, count = _head(buf, pos)
-    found = []
-    for _ in range(count):
-        end = _skip(buf, pos)
-        found.append(buf[pos:end])
-        pos = end
-    return found
-
-
-def _walk_batch(payload: bytes, seq: int, cause: RecursionError) -> _RawBatch:
-    """The batch read with every event left raw, for a payload msgspec cannot read for its
-    depth; raises :class:`WireError` if the batch itself is bad (or too large to walk)."""
-    try:
-        if len(payload) > _MAX_WALKED_BYTES or _skip(payload, 0) != len(payload):
-            raise ValueError("too large to walk, or trailing bytes")
-        fields = _items(payload, 0)
-        if len(fields) not in (2, 3):
-            raise ValueError("a batch is [ts, events, data_parallel_rank]")
-        ts = msgspec.msgpack.decode(fields[0], type=float)
-        events = [msgspec.Raw(item) for item in _items(fields[1], 0)]
-        rank = msgspec.msgpack.decode(fields[2], type=int | None) if len(fields) == 3 else None
-    except (*_DECODE_ERRORS, ValueError, IndexError) as exc:
-        message = f"undecodable batch payload (seq {seq}): {cause}: {exc}"
-        raise WireError(message, seq=seq) from exc
-    return _RawBatch(ts, events, rank)
+def decode_raw_batch(payload: bytes) -> RawBatch:
+    """``[ts, events, data_parallel_rank]`` with the events left raw; raises msgspec's errors
+    (``RecursionError`` for a payload nested past its depth)."""
+    return _RAW_BATCH.decode(payload)
 
 
 def _decode_event(item: msgspec.Raw) -> Event | None:
@@ -495,7 +430,7 @@ def payload_shape(payload: bytes) -> tuple[str, str]:
     (``int`` / ``bytes``), read from its first readable ``BlockStored`` event; ``unknown``
     parts when it has none or the batch cannot be read. Never raises."""
     try:
-        raw_batch = _RAW_BATCH.decode(payload)
+        raw_batch = decode_raw_batch(payload)
     except _DECODE_ERRORS:
         return "unknown", "unknown"
     map_decoder, array_decoder = _EVENT_DECODERS
