@@ -1,12 +1,5 @@
-"""Domain events: what the rest of kvindex sees of vLLM's KV-event stream.
-
-Wire structs (``kvindex.indexer.ingest.wire``) are turned into these right at the edge: hashes are
-normalised to unsigned 64-bit ints, ``medium`` is folded into a :class:`Tier`, and the
-stream (replica, data-parallel rank) is attached. Nothing downstream touches msgpack.
-
-Events are frozen ``msgspec.Struct`` s rather than dataclasses only because they are built
-for every event on the hot path and Struct construction is several times cheaper.
-"""
+"""Domain events: what the rest of kvindex sees of vLLM's KV-event stream (hashes as u64,
+``medium`` folded into a :class:`Tier`). Frozen Structs: built per event on the hot path."""
 
 from __future__ import annotations
 
@@ -20,7 +13,6 @@ EngineHash: TypeAlias = int
 """A vLLM block hash as published, normalised to unsigned 64-bit."""
 
 ExtraKeys: TypeAlias = tuple[object, ...] | None
-"""The non-token inputs of one block's hash (LoRA name, multimodal items, cache salt)."""
 
 
 class Tier(enum.IntEnum):
@@ -62,12 +54,8 @@ class StreamId(msgspec.Struct, frozen=True, order=True, gc=False):
 
 
 class BlockStored(msgspec.Struct, frozen=True, gc=False):
-    """Blocks newly cached on one tier, in chain order.
-
-    ``token_ids`` covers ``len(block_hashes) * block_size`` tokens, except for vLLM's
-    CPU-offload placeholders, which carry no tokens (``token_ids == ()``, ``block_size == 0``)
-    and must be resolved through the engine-hash map.
-    """
+    """Blocks newly cached on one tier, in chain order; ``len(block_hashes) * block_size``
+    tokens, except CPU-offload placeholders (no tokens, block size 0)."""
 
     block_hashes: Sequence[EngineHash]
     parent_hash: EngineHash | None
@@ -106,12 +94,11 @@ class EventBatch(msgspec.Struct, frozen=True, gc=False):
     rank: int
     events: Sequence[Event]
     num_bad_events: int = 0
-    """Events in the payload that could not be decoded; they were skipped, the rest kept."""
+    """Undecodable events of the payload: skipped, the rest kept."""
 
 
 class Numbered(Protocol):
-    """What ordering a batch needs of it: an :class:`EventBatch`, or a live batch decoded
-    for the compiled ingest path (``kvindex.indexer.native.NativeBatch``)."""
+    """What ordering needs of a batch: an :class:`EventBatch` or a ``native.NativeBatch``."""
 
     @property
     def seq(self) -> int: ...
