@@ -23,8 +23,7 @@ _CONTAINERS = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}
 
 
 def _head(buf: bytes, pos: int) -> tuple[int, int]:
-    """The msgpack head at ``pos``: where its own bytes end, and how many items follow it
-    as its content (array elements, map keys and values)."""
+    """The msgpack head at ``pos``: where its bytes end, and how many items follow."""
     head = buf[pos]
     pos += 1
     if head < 0x80 or head >= 0xE0:  # fixint

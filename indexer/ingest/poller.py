@@ -1,4 +1,4 @@
-"""Readiness polling over many ZeroMQ sockets at the cost of the ready ones."""
+"""Readiness polling over many ZeroMQ sockets, costing the ready ones, not all registered."""
 
 from __future__ import annotations
 
@@ -16,15 +16,9 @@ def _int_option(sock: Socket, option: int) -> int:
 
 
 class ReadablePoller:
-    """``zmq.Poller``'s register / unregister / poll for readability, costing the sockets that
-    are ready rather than every socket registered: with thousands of streams a
-    ``zmq.Poller.poll`` walks every socket each turn (9-16 ms for 4,000 here, 0.2 ms this way).
-
-    An epoll watches each socket's ``ZMQ_FD``, which signals when the socket's state may have
-    changed; ``ZMQ_EVENTS`` then says whether it is readable. A socket reported readable is
-    checked again at the next poll (without waiting) until it is not, so a caller that stops
-    draining early, or that sends on it, loses no wake-up. Used from one thread; a socket is
-    unregistered before it is closed."""
+    """``zmq.Poller``'s register / unregister / poll for readability over an epoll of each
+    socket's ``ZMQ_FD``, checked by ``ZMQ_EVENTS``. A socket reported readable is checked
+    again at the next poll until it is not, so no wake-up is lost. One thread."""
 
     def __init__(self) -> None:
         self._epoll = select.epoll()
@@ -48,8 +42,7 @@ class ReadablePoller:
         self._unchecked.discard(sock)
 
     def poll(self, timeout_ms: int) -> list[Socket]:
-        """The readable sockets, waiting up to ``timeout_ms`` for one (not at all while a
-        socket reported last time is still to be checked)."""
+        """The readable sockets, waiting up to ``timeout_ms`` (not while one is unchecked)."""
         timeout_s = 0.0 if self._unchecked else timeout_ms / 1000
         for fd, _ in self._epoll.poll(timeout_s):
             sock = self._socket_of.get(fd)
@@ -60,7 +53,6 @@ class ReadablePoller:
         return ready
 
     def close(self) -> None:
-        """Stop watching (every socket should be unregistered by now); idempotent."""
         self._socket_of.clear()
         self._unchecked.clear()
         self._epoll.close()
