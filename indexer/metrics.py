@@ -24,8 +24,6 @@ Family = CounterMetricFamily | GaugeMetricFamily
 
 
 class CounterSeries(NamedTuple):
-    """One counter of a stream's record and the series it is exported as."""
-
     name: str
     field: str
     doc: str

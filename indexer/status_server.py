@@ -120,8 +120,6 @@ class StoreProbe:
 
 
 class _Server(ThreadingHTTPServer):
-    """A threading HTTP server that refuses connections past ``max_connections``."""
-
     daemon_threads = True
     block_on_close = False
 
@@ -349,12 +347,10 @@ class IndexerStatus:
 
 
 def liveness(loop_alive: Callable[[], bool]) -> Check:
-    """Alive while the subscriber's loop runs (the store plays no part)."""
     return Check(True) if loop_alive() else Check(False, ("subscriber loop not running",))
 
 
 def readiness(loop_alive: Callable[[], bool], probe: StoreProbe) -> Check:
-    """Ready when alive and the store answered its last probe; every reason it is not."""
     reasons = liveness(loop_alive).reasons + probe.check().reasons
     return Check(not reasons, reasons)
 

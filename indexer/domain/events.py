@@ -10,7 +10,6 @@ from typing import Protocol, TypeAlias
 import msgspec
 
 EngineHash: TypeAlias = int
-"""A vLLM block hash as published, normalised to unsigned 64-bit."""
 
 ExtraKeys: TypeAlias = tuple[object, ...] | None
 
@@ -24,7 +23,6 @@ class Tier(enum.IntEnum):
 
     @classmethod
     def from_medium(cls, medium: str | None) -> Tier:
-        """Fold vLLM's ``medium`` string (any case; missing means GPU) into a tier."""
         if medium is None:
             return cls.GPU
         folded = medium.casefold()
@@ -46,7 +44,6 @@ class StreamId(msgspec.Struct, frozen=True, order=True, gc=False):
 
     @classmethod
     def parse(cls, text: str) -> StreamId:
-        """Inverse of ``str()``: ``"r1/0"`` → ``StreamId("r1", 0)``; no rank means 0."""
         replica, sep, rank = text.rpartition("/")
         if not sep:
             return cls(text, 0)
@@ -72,8 +69,6 @@ class BlockStored(msgspec.Struct, frozen=True, gc=False):
 
 
 class BlockRemoved(msgspec.Struct, frozen=True, gc=False):
-    """Blocks no longer reusable on one tier."""
-
     block_hashes: Sequence[EngineHash]
     tier: Tier
     group_idx: int | None = None
@@ -87,14 +82,11 @@ Event: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class EventBatch(msgspec.Struct, frozen=True, gc=False):
-    """One published batch: what one scheduler step of one rank produced."""
-
     seq: int
     ts: float
     rank: int
     events: Sequence[Event]
     num_bad_events: int = 0
-    """Undecodable events of the payload: skipped, the rest kept."""
 
 
 class Numbered(Protocol):

@@ -12,7 +12,6 @@ class StreamCounters:
     """Every counter of one stream: running totals in a record, a delta in a report."""
 
     num_batches: int = 0
-    """Batches accepted in order (live or replayed)."""
     num_gaps: int = 0
     num_unrepaired_gaps: int = 0
     num_replays: int = 0
@@ -23,9 +22,7 @@ class StreamCounters:
     num_rebuilds: int = 0
     num_probes: int = 0
     num_history_lost: int = 0
-    """Clears for a gap no replay could repair (rebuilt from the batches that followed)."""
     num_store_refills: int = 0
-    """Rebuilds because the index store lost its data (a Redis restarted empty)."""
     num_decode_errors: int = 0
     num_store_errors: int = 0
     num_orphan_stores: int = 0
@@ -35,7 +32,6 @@ class StreamCounters:
 
     @property
     def num_errors(self) -> int:
-        """What an operator reads as errors: bad frames, bad events, store failures."""
         return self.num_decode_errors + self.num_bad_events + self.num_store_errors
 
     def add(self, other: StreamCounters) -> None:
@@ -61,12 +57,9 @@ class StreamCounters:
 
 @dataclass(slots=True)
 class UnroutedCounters:
-    """Frames of the bound SUB that reached no stream (running totals)."""
-
     num_undecodable: int = 0
     num_unidentified: int = 0
     num_refused: int = 0
-    """Batches whose topic would register a replica past a limit."""
 
 
 @dataclass(slots=True)
@@ -84,7 +77,6 @@ class StreamReport(StreamCounters):
     last_seq: int | None = None
     last_event_ts: float = 0.0
     last_replayed: bool = False
-    """A replayed batch moves ``last_seq`` but not the lag."""
     replaying: bool | None = None
     connected: bool | None = None
 
@@ -106,12 +98,10 @@ class StreamHealth(StreamCounters):
     last_seq: int = -1
     last_event_ts: float | None = None
     lag_s: float | None = None
-    """Receive time minus engine timestamp of the last *live* batch."""
     last_heard: float | None = None
     block_size: int = 0
 
     def update(self, report: StreamReport, now: float) -> None:
-        """Fold in a report received at ``now``: counters add, set fields replace."""
         self.add(report)
         if report.last_seq is not None:
             self.last_seq = report.last_seq

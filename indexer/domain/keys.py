@@ -34,7 +34,6 @@ class BlockKeyError(KvIndexError):
 
 
 def model_root(model: str) -> int:
-    """The chain's starting point for a model (the parent key of every first block)."""
     return _hash(_ROOT_PREFIX + model.encode("utf-8"))
 
 
@@ -165,5 +164,4 @@ class KeyCache(Protocol):
 
     def put(self, engine_hash: int, key: int) -> None: ...
 
-    def age(self) -> None:
-        """Start a new generation if the young one is full (after each batch)."""
+    def age(self) -> None: ...

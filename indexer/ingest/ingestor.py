@@ -106,8 +106,6 @@ _STORE, _STORE_BY_HASH, _REMOVE, _CLEAR = (
 
 
 class Ingestor:
-    """Translates and applies batches for any number of streams over one index."""
-
     def __init__(self, index: BlockIndex, *, cache_size: int = 1 << 16) -> None:
         self._index = index
         self._cache_size = cache_size
@@ -123,11 +121,9 @@ class Ingestor:
 
     @property
     def native(self) -> bool:
-        """Whether :meth:`apply_many` takes ``native.NativeBatch`` es."""
         return self._apply_native is not None
 
     def forget(self, stream: StreamId) -> None:
-        """Drop cached mappings of a stream (after its engine restarted or it was dropped)."""
         self._caches.pop(stream, None)
 
     def apply(self, stream: StreamId, model: str, batch: EventBatch) -> StreamReport:
@@ -310,7 +306,6 @@ def _remove_ops(event: BlockRemoved, ops: list[Op], report: StreamReport) -> Non
 
 
 def _extras(event: BlockStored, num_blocks: int) -> Sequence[object] | None:
-    """Per-block extra keys: as published (vLLM 0.17+), else the LoRA name on every block."""
     extra_keys = event.extra_keys
     if extra_keys is not None:
         if extra_keys.count(None) == len(extra_keys):

@@ -37,7 +37,6 @@ def weight(member: str, key: str) -> int:
 
 
 def rendezvous_owner(key: str, members: Iterable[str]) -> str | None:
-    """The member with the highest weight for ``key`` (ties by name); None without members."""
     best: tuple[int, str] | None = None
     for member in members:
         candidate = (weight(member, key), member)
@@ -75,7 +74,6 @@ class Membership:
         self._namesakes: dict[str, float] = {}
         self._reported: set[str] = set()
         self.members: tuple[str, ...] = ()
-        """Ids of the live members at the last renew, sorted (empty before one)."""
 
     @property
     def renew_period_s(self) -> float:
@@ -85,7 +83,6 @@ class Membership:
         return self._clock() >= self._next_renew
 
     def tick(self) -> bool:
-        """Renew if due; True when it ran. Redis unreachable: the last view is kept."""
         if not self.due():
             return False
         self._next_renew = self._clock() + self.renew_period_s
@@ -173,7 +170,6 @@ class Shard:
         return self.membership.owns(stream)
 
     def claim(self, stream: StreamId) -> None:
-        """Fence the previous owner out; raises :class:`IndexUnavailableError`."""
         if self._circuit is None:
             self._index.claim(stream)
         else:

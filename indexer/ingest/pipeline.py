@@ -55,7 +55,6 @@ class ReplayRequests(Protocol):
 MAX_TOPIC_ID_CHARS = 128
 MAX_TOPIC_MODEL_CHARS = 256
 MAX_TOPIC_RANKS = 1024
-"""A self-registered stream's rank (from the payload) is below this."""
 
 
 @dataclass(slots=True)
@@ -65,7 +64,6 @@ class _Runtime:
     tracker: StreamTracker
     replay_endpoint: str | None
     report: StreamReport
-    """What to tell the registry next; the tracker counts into it too."""
     replay_open: bool = False
     last_rebuild: float = float("-inf")
     broken: bool = False
@@ -136,7 +134,6 @@ class Pipeline:
         self._runtime(stream, spec)
 
     def release(self, stream: StreamId) -> None:
-        """Stop keeping a stream another indexer owns now (its blocks stay)."""
         runtime = self._runtimes.pop(stream, None)
         if runtime is None:
             return
@@ -338,7 +335,6 @@ class Pipeline:
     def _tracker_from_index(
         self, stream: StreamId, *, can_replay: bool, report: StreamReport
     ) -> StreamTracker:
-        """A tracker from the index's watermark; raises :class:`IndexUnavailableError`."""
         stats = self._index.stats(stream)
         return StreamTracker(
             can_replay=can_replay,
@@ -399,7 +395,6 @@ class Pipeline:
         )
 
     def _flush(self, runtime: _Runtime, *, live: bool = True) -> None:
-        """Apply the pending batches in one index call (``live``: their age is lag)."""
         batches = runtime.pending
         if not batches:
             return
@@ -564,7 +559,6 @@ class Pipeline:
             self._maybe_purge(runtime)
 
     def _check_store(self) -> None:
-        """If the store lost its data (one cheap look), refill every stream now."""
         if self._identity is None:
             return
         try:
@@ -604,7 +598,6 @@ class Pipeline:
         self._record(runtime)
 
     def _maybe_probe(self, runtime: _Runtime, now: float) -> None:
-        """Probe a stream silent for ``probe_interval_s`` for a seq reset."""
         interval = self._settings.probe_interval_s
         if interval <= 0 or runtime.replay_endpoint is None or now - runtime.heard_at < interval:
             return

@@ -1,18 +1,11 @@
 """Per-stream ordering: seq tracking, gaps, replays, engine restarts; no I/O.
 
-A :class:`StreamTracker` answers each live or replayed batch with a :class:`Step` (clear,
-apply, replay) that the pipeline carries out. Rules:
-
-* ``seq == last + 1``: apply. A gap: replay from ``last + 1``, buffering live batches.
-* History no replay can give back (no endpoint, a failed replay, one that begins past
-  ``last + 1``) is not credited: the stream is cleared and rebuilt from what follows
-  (``num_history_lost``): a missed removal must not keep a block credited.
-* ``seq <= last`` live: a duplicate (same seq and timestamp) is dropped; anything else is
-  checked by a replay from 0, or, without an endpoint, judged by the next live batch. A
-  restart clears the stream and applies the restarted engine's batches.
-* Start, reconnect and rebuild replay from 0; a whole history that ends below ``last``,
-  or none at all, is a restart. A *probe* of a silent stream replays from ``last``: the
-  same batch back confirms the engine, anything else starts a replay from 0.
+A :class:`StreamTracker` answers each batch with a :class:`Step` (clear, apply, replay).
+``seq == last + 1`` applies; a gap replays from ``last + 1``. History no replay can give back
+is not credited: the stream is cleared and rebuilt from what follows. A live ``seq <= last``
+is a duplicate (same timestamp) or checked by a replay from 0 (without an endpoint: judged by
+the next batch); a restart clears the stream. A replay from 0 whose history ends below
+``last``, or is empty, shows a restart; a probe of a silent stream replays from ``last``.
 """
 
 from __future__ import annotations
@@ -25,7 +18,6 @@ from kvindex.indexer.domain.events import EventBatch, Numbered
 from kvindex.indexer.domain.health import StreamCounters
 
 _TS_MEMORY = 4096
-"""Recent (seq, ts) pairs kept to tell a duplicate from a restart (trimmed in bulk)."""
 
 
 class Mode(enum.Enum):
@@ -33,7 +25,6 @@ class Mode(enum.Enum):
     LIVE = "live"
     REPLAYING = "replaying"
     SUSPECT = "suspect"
-    """A backwards live batch held until the next one decides (no replay endpoint)."""
 
 
 @dataclass(slots=True)
@@ -44,7 +35,6 @@ class Step:
     batches: list[EventBatch] = field(default_factory=list)
     replay_from: int | None = None
     history_lost: bool = False
-    """The clear drops history no replay could give back."""
 
 
 @dataclass(slots=True)
@@ -56,7 +46,6 @@ class _Replay:
     """Replayed batches skipped as applied: applied after all if the replay shows a restart."""
     gap_seq: int | None = None
     for_restart: bool = False
-    """Started to judge ``pending[0]`` (a backwards batch), which the replay supersedes."""
     num_received: int = 0
     first_seq: int | None = None
     max_seq: int = -1
@@ -91,7 +80,6 @@ class StreamTracker:
 
     @property
     def replaying(self) -> bool:
-        """Whether a replay other than a probe is open."""
         return self._replay is not None and not self._replay.probe
 
     # --- triggers ------------------------------------------------------------------------
@@ -167,7 +155,6 @@ class StreamTracker:
         return step
 
     def on_replay_end(self, *, complete: bool = True) -> Step:
-        """The end marker came; ``complete=False``: some replies were undecodable."""
         return self._finish_replay(failed=False, complete=complete)
 
     def on_replay_failed(self) -> Step:
@@ -224,7 +211,6 @@ class StreamTracker:
     def _live(
         self, batch: EventBatch, *, repair_above: int | None, counted_gap: int | None = None
     ) -> Step:
-        """Apply a live (or drained) batch; a gap above ``repair_above`` starts a replay."""
         seq = batch.seq
         if seq <= self.last_seq:
             return self._backwards(batch)
@@ -333,7 +319,6 @@ class StreamTracker:
         return replay.first_seq == 0 and replay.max_seq < self.last_seq
 
     def _drain(self, replay: _Replay, *, failed: bool) -> Step:
-        """Apply the batches buffered during a replay; a new gap or restart starts another."""
         step = Step()
         repair_above = None if failed else replay.start
         pending = replay.pending

@@ -1,16 +1,10 @@
 """ZeroMQ side of the write path: sockets, topologies, reconnects, ingest workers.
 
-* **connect**: one SUB per (replica, data-parallel rank) on the replica's bound endpoint
-  (rank r at port + r); a socket monitor tells connects from disconnects.
-* **bind**: one SUB on ``settings.bind``; each stream is named by its topic
-  ``kv@<replica>@<model>`` and the batch's rank, and registered on its first event.
-
-Each ingest worker is a :class:`SubscriberLoop` in its own thread, with its share of the
-connect-mode streams (:class:`~kvindex.indexer.ingest.partition.StreamPartition`) and its own
-:class:`~kvindex.indexer.ingest.pipeline.Pipeline`, so a stream's batches are applied in order;
-the first also reads the bound SUB. Workers share the index, the registry and one ZeroMQ
-context sized to the open-file limit. Sharded, a loop subscribes only to the streams its
-process owns, re-evaluated at each lease renew. A worker whose thread dies is restarted.
+Connect mode: one SUB per (replica, rank) on its endpoint, a monitor telling connects from
+disconnects. Bind mode: one SUB on ``settings.bind``, each stream named by its topic and rank.
+Each worker (:class:`SubscriberLoop`, a thread) owns its share of the streams and its own
+pipeline, so a stream's batches apply in order; the first also reads the bound SUB. Sharded,
+a loop subscribes only to the streams its process owns. A dead worker is restarted.
 """
 
 from __future__ import annotations
@@ -50,7 +44,6 @@ _MAX_MESSAGES_PER_WAKE = 1024
 _MAINTENANCE_EVERY_S = 1.0
 _SUPERVISE_S = 0.5
 _RECEIVE_HWM = 8
-"""Messages a SUB queues per publisher: past it, TCP holds the publisher back."""
 
 Context = zmq.Context[zmq.Socket[bytes]]
 Socket = zmq.Socket[bytes]
@@ -196,7 +189,6 @@ class SubscriberLoop:
         return len(self._sub_of)
 
     def run_once(self, timeout_ms: int = _POLL_MS) -> None:
-        """One turn: reconcile, poll (up to ``timeout_ms``: never spinning), expire, maintain."""
         self._reconcile()
         if self._shard is not None:
             self._shard_turn()
@@ -469,7 +461,6 @@ class Subscriber:
 
     @property
     def pipeline(self) -> Pipeline:
-        """The first worker's pipeline (the bound SUB's)."""
         return self.loops[0].pipeline
 
     @property
@@ -482,7 +473,6 @@ class Subscriber:
 
     @property
     def subscribed_replicas(self) -> list[str]:
-        """Ids of the replicas with sockets open in any worker (a snapshot while they run)."""
         return sorted({r for loop in self.loops for r in loop.subscribed_replicas})
 
     def worker_of(self, stream: StreamId) -> int:
@@ -505,7 +495,6 @@ class Subscriber:
         log.info("ingest workers: %d", len(self.loops))
 
     def start(self) -> None:
-        """:meth:`open`, then run each worker in a daemon thread, and their supervisor."""
         self.open()
         for worker in range(len(self.loops)):
             self._start_worker(worker)
@@ -527,7 +516,6 @@ class Subscriber:
         self._close_all()
 
     def run_once(self, timeout_ms: int = _POLL_MS) -> None:
-        """One turn of every worker's loop, in order (when the threads do not run)."""
         for loop in self.loops:
             loop.run_once(timeout_ms)
 

@@ -43,11 +43,8 @@ _U64 = (1 << 64) - 1
 _DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
 
 Encoding = Literal["map", "array"]
-"""Event encoding: ``map`` (vLLM ≥ 0.24) or ``array`` (vLLM ≤ 0.23)."""
 ReplayLayout = Literal["topic", "legacy"]
-"""Replay reply layout: ``topic`` (vLLM ≥ 0.26) or ``legacy`` (``[seq, payload]``)."""
 WireHash: TypeAlias = int | bytes
-"""A block hash as vLLM sends it: an int of any msgpack width, or a 32-byte digest."""
 WireExtraKeys: TypeAlias = list[tuple[Any, ...] | None] | None
 
 
@@ -85,8 +82,6 @@ class BlockStoredMap(msgspec.Struct, tag="BlockStored", gc=False):
 
 
 class VllmBlockStoredMap(BlockStoredMap, omit_defaults=True):
-    """vLLM 0.33's ``BlockStored`` map, every field in its order."""
-
     parent_block_hash: WireHash | None
     token_ids: list[int]
     block_size: int
@@ -108,8 +103,6 @@ class BlockRemovedMap(msgspec.Struct, tag="BlockRemoved", gc=False):
 
 
 class VllmBlockRemovedMap(BlockRemovedMap, omit_defaults=True):
-    """vLLM 0.33's ``BlockRemoved`` map, every field in its order."""
-
     medium: str | None
     locality: str | None = None
     ownership: str | None = None
@@ -134,15 +127,11 @@ class BlockStoredArray(msgspec.Struct, tag="BlockStored", array_like=True, gc=Fa
 
 
 class VllmBlockStoredArray(BlockStoredArray):
-    """vLLM 0.23's ``BlockStored`` array, every field in its order."""
-
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
 
 
 class BlockRemovedArray(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):
-    """vLLM ≤ 0.23's ``BlockRemoved`` (0.23's fields, all of them: one Struct both ways)."""
-
     block_hashes: list[WireHash]
     medium: str | None = None
     group_idx: int | None = None
@@ -160,16 +149,12 @@ VllmArrayEvent: TypeAlias = VllmBlockStoredArray | BlockRemovedArray | AllBlocks
 
 
 class EventBatchMap(msgspec.Struct, array_like=True, gc=False):
-    """vLLM's ``KVEventBatch`` of map events."""
-
     ts: float
     events: list[MapEvent]
     data_parallel_rank: int | None = None
 
 
 class EventBatchArray(msgspec.Struct, array_like=True, gc=False):
-    """vLLM's ``KVEventBatch`` of array events."""
-
     ts: float
     events: list[ArrayEvent]
     data_parallel_rank: int | None = None
@@ -504,8 +489,6 @@ def decode_seq(frame: bytes) -> int:
 
 
 class LiveMessage(msgspec.Struct, frozen=True, gc=False):
-    """One live PUB message, decoded."""
-
     topic: str
     batch: EventBatch
 
@@ -548,7 +531,6 @@ def _decode_topic(frame: bytes) -> str:
 
 
 def encode_replay_request(start_seq: int) -> list[bytes]:
-    """A DEALER's replay request (a negative start asks from 0)."""
     return [b"", max(start_seq, 0).to_bytes(SEQ_BYTES, "big")]
 
 
@@ -562,14 +544,12 @@ def decode_replay_request(frames: list[bytes]) -> int:
 def encode_replay_reply(
     seq: int, payload: bytes, *, topic: bytes, layout: ReplayLayout
 ) -> list[bytes]:
-    """One buffered batch as vLLM's ROUTER sends it (after identity and delimiter)."""
     if layout == "topic":
         return [topic, encode_seq(seq), payload]
     return [encode_seq(seq), payload]
 
 
 def encode_replay_end(layout: ReplayLayout) -> list[bytes]:
-    """The end-of-replay marker as vLLM's ROUTER sends it."""
     return encode_replay_reply(END_SEQ, b"", topic=b"", layout=layout)
 
 

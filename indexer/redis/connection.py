@@ -21,7 +21,6 @@ from kvindex.indexer.domain.errors import KvIndexError
 log = logging.getLogger("kvindex.redis")
 
 RedisClient: TypeAlias = redis.Redis | RedisCluster
-"""What every Redis-backed store of kvindex is given."""
 
 ClusterMode = Literal["auto", "on", "off"]
 CLUSTER_MODES: tuple[str, ...] = get_args(ClusterMode)
@@ -45,7 +44,6 @@ class StoreConnectError(KvIndexError):
 
 
 def is_cluster(url: str, *, timeout_s: float) -> bool:
-    """Whether the node at ``url`` runs in cluster mode; raises when it cannot be asked."""
     client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
     try:
         info = client.info("cluster")
@@ -92,7 +90,6 @@ def _cluster(url: str, retry: Retry, timeout_s: float) -> RedisCluster:
 def connect(
     url: str, *, cluster: ClusterMode = "auto", socket_timeout_s: float = 5.0
 ) -> RedisClient:
-    """A client that retries idempotent calls across a dropped connection (the write path)."""
     retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), 3)
     if _wants_cluster(url, cluster, socket_timeout_s):
         return _cluster(url, retry, socket_timeout_s)
@@ -122,7 +119,6 @@ def connect_bounded(url: str, *, timeout_s: float, cluster: ClusterMode = "auto"
 
 
 def ping(client: RedisClient) -> bool:
-    """PING the server, or every master of a cluster (a cluster's PING asks one node)."""
     if isinstance(client, RedisCluster):
         return bool(client.ping(target_nodes=RedisCluster.PRIMARIES))
     return bool(client.ping())

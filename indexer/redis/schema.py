@@ -23,14 +23,11 @@ from kvindex.indexer.domain.errors import KvIndexError
 from kvindex.indexer.domain.events import StreamId
 
 SCHEMA_VERSION = "v1"
-"""The version of every key but the block index's."""
 INDEX_VERSION = "v3"
 """The version of the block index's keys (its streams SET, marker, groups and streams)."""
 LOAD_VERSION = "v2"
-"""The version of the load's keys (its hash and change log)."""
 OLD_INDEX_VERSIONS = ("v1", "v2")
 _OLD_INDEX_STREAM_GLOBS = {"v1": "{*/*}:*", "v2": "{ix*}:*"}
-"""An old version's per-stream and per-group keys, beside its streams SET and marker."""
 TOPOLOGY_INDEX_GROUPS = 0
 """``Schema.index_groups`` meaning "by topology" (:meth:`Schema.for_topology`)."""
 STANDALONE_INDEX_GROUPS = 1
@@ -79,8 +76,6 @@ class StreamKeys:
 
 @dataclass(frozen=True, slots=True)
 class Schema:
-    """Key names under one prefix."""
-
     prefix: str = DEFAULT_PREFIX
     index_groups: int = TOPOLOGY_INDEX_GROUPS
     """Stream groups of the block index; :data:`TOPOLOGY_INDEX_GROUPS`: chosen by the Redis.
@@ -95,7 +90,6 @@ class Schema:
             )
 
     def for_topology(self, *, cluster: bool) -> Schema:
-        """This schema with its group count chosen for the Redis, unless one was given."""
         if self.index_groups != TOPOLOGY_INDEX_GROUPS:
             return self
         groups = CLUSTER_INDEX_GROUPS if cluster else STANDALONE_INDEX_GROUPS
@@ -103,7 +97,6 @@ class Schema:
 
     @property
     def num_groups(self) -> int:
-        """The group count, once chosen; unchosen: :class:`SchemaError`."""
         if self.index_groups == TOPOLOGY_INDEX_GROUPS:
             raise SchemaError("index groups not chosen yet: Schema.for_topology chooses them")
         return self.index_groups
@@ -184,7 +177,6 @@ class Schema:
         return [name for root in old for name in (f"{root}:streams", f"{root}:index")]
 
     def old_index_globs(self, version: str) -> list[str]:
-        """Every key of an older index version, as ``SCAN MATCH`` patterns, and only those."""
         root = f"{self.prefix}:{version}"
         return [f"{root}:streams", f"{root}:index", f"{root}:{_OLD_INDEX_STREAM_GLOBS[version]}"]
 
