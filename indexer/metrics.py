@@ -1,38 +1,9 @@
-"""The write path's Prometheus series, read from the registry and the index at scrape time.
-
-Who exports them, so that ``sum()`` across pods counts each stream once:
-
-* ``kvindex indexer`` on its status port (``/metrics``, :mod:`kvindex.indexer.status_server`):
-  :class:`IngestCollector` and :class:`IndexerProcessCollector`;
-* ``kvindex serve``, which runs the write path in the API process: :class:`IngestCollector`
-  on the API's ``/metrics``;
-* an API-only process (``kvindex api``) does not: it runs no write path, and the fleet it
-  reads from Redis is the indexer's, already exported by the indexer.
-
-:class:`IngestCollector` is a custom collector: nothing is counted twice, the pipeline never
-imports metrics code, and a scrape reads each stream's record whole. Its series:
-
-=========================================  ======================================================
-``kvindex_<counter>_total``                every ``StreamCounters`` field (:data:`COUNTERS`),
-                                           labels ``replica``, ``rank``, ``model``
-``kvindex_stream_lag_seconds``             receive time minus engine time of the last applied
-                                           batch (a sample only once a batch was applied)
-``kvindex_stream_silent_seconds``          seconds since the stream was last heard (only when
-                                           it was heard)
-``kvindex_stream_connected``               1 while its socket is connected, else 0 (bind-mode
-                                           streams have no socket of their own: 0)
-``kvindex_stream_block_size``              tokens per block of its events (only once seen)
-``kvindex_blocks``                         blocks held, labels ``replica``, ``rank``, ``model``,
-                                           ``tier`` (none while the store is down)
-``kvindex_replicas``                       replicas registered
-``kvindex_streams``                        streams by ``state`` (live, replaying, stale)
-``kvindex_unrouted_frames_total``          frames of the bound SUB that reached no stream, by
-                                           ``reason``
-=========================================  ======================================================
-
-:class:`IndexerProcessCollector` adds ``kvindex_indexer_store_up`` (1 up, 0 down, from the
-status server's cached store probe; 1 on the memory store) and
-``kvindex_build_info{version, component="indexer"}`` (always 1).
+"""The write path's Prometheus series, read whole from the registry and the index at scrape
+time. ``kvindex indexer`` exports them on its status port, ``kvindex serve`` on the API's
+``/metrics``; an API-only process does not (the fleet it reads is the indexer's). Series:
+``kvindex_<counter>_total`` per stream counter, the stream gauges (lag, silence, connected,
+block size), ``kvindex_blocks``, ``kvindex_replicas``, ``kvindex_streams`` and
+``kvindex_unrouted_frames_total``; the indexer adds its store's state and build info.
 """
 
 from __future__ import annotations
@@ -53,12 +24,8 @@ Family = CounterMetricFamily | GaugeMetricFamily
 
 
 class CounterSeries(NamedTuple):
-    """One counter of a stream's record and the series it is exported as."""
-
     name: str
-    """``kvindex_<name>_total``."""
     field: str
-    """The :class:`~kvindex.indexer.domain.health.StreamCounters` field it reads."""
     doc: str
 
 
@@ -96,20 +63,15 @@ COUNTERS: tuple[CounterSeries, ...] = (
     ),
     CounterSeries("probes", "num_probes", "Seq-reset probes of silent streams"),
 )
-"""Every :class:`~kvindex.indexer.domain.health.StreamCounters` field, exported as
-``kvindex_<name>_total`` (a unit test fails when a field has no row here: add one)."""
+"""Every ``StreamCounters`` field as ``kvindex_<name>_total`` (a test checks none is left)."""
 
 _STREAM_LABELS = ["replica", "rank", "model"]
 
 
 class IngestCollector(Collector):
-    """Reads the write path's counters and gauges when Prometheus scrapes.
-
-    Never fails a scrape: when ``index`` cannot be read, ``kvindex_blocks`` keeps only the
-    samples read before the failure (one failed read ends the scrape's reads).
-    ``store_up``, if given, is asked first (it must not block: a cached probe); when it says
-    down the index is not read at all, so a scrape never waits on a sick store.
-    """
+    """Reads the write path's counters and gauges at scrape time. Never fails a scrape: a
+    store ``store_up`` (cached, non-blocking) says is down is not read, and an index read
+    that fails ends the scrape's reads."""
 
     def __init__(
         self,
@@ -149,11 +111,9 @@ class IngestCollector(Collector):
 
 
 Labelled = Sequence[tuple[StreamStatus, list[str]]]
-"""Each stream's status with its label values (``_STREAM_LABELS``)."""
 
 
 def _labels(status: StreamStatus, model_of: dict[str, str]) -> list[str]:
-    """A stream's label values; model ``""`` for a replica removed since the read."""
     stream = status.stream
     return [stream.replica, str(stream.rank), model_of.get(stream.replica, "")]
 
@@ -209,11 +169,8 @@ def _unrouted(unrouted: UnroutedCounters) -> CounterMetricFamily:
 
 
 class IndexerProcessCollector(Collector):
-    """The indexer process's own series: its store's state and its build.
-
-    ``store_up`` must not block (the status server's cached probe). Exported by the indexer's
-    status port only: an API process reports its own store and build.
-    """
+    """The indexer process's own series: its store's state (``store_up`` must not block)
+    and its build."""
 
     def __init__(self, store_up: Callable[[], bool], *, version: str = __version__) -> None:
         self._store_up = store_up

@@ -1,7 +1,5 @@
-"""Assembles an indexer process from its settings: store, registry, subscriber, on Redis
-the fleet sync that shares replicas and stream status with API processes and, sharded
-(``shard``), the lease that splits the streams with the other indexers on that Redis
-(``membership``); for ``kvindex indexer``, the status port (/metrics, /healthz, /readyz)."""
+"""Assembles an indexer process from its settings: store, registry, subscriber; on Redis the
+fleet sync and, sharded, the lease; for ``kvindex indexer``, the status port."""
 
 from __future__ import annotations
 
@@ -27,15 +25,13 @@ log = logging.getLogger("kvindex.indexer")
 
 
 def _raise_file_limit(settings: IndexerSettings) -> None:
-    """Raise the soft open-file limit as ``max_open_files`` says (logged when it moved)."""
     before, after = raise_file_limit(settings.max_open_files)
     if after.soft != before.soft:
         log.info("open-file limit raised from %s to %s", before, after)
 
 
 def open_index(settings: IndexerSettings, *, owner: str | None = None) -> BlockIndex:
-    """The store the settings name: in-process (default) or Redis (``owner``: the lease
-    token that fences its writes, for sharded indexers)."""
+    """The store the settings name (``owner``: the lease token fencing its writes)."""
     if settings.store == "redis":
         client = connect(settings.redis_url, cluster=settings.redis_cluster)
         return RedisIndex(client, settings.redis_schema, owner=owner)
@@ -43,9 +39,8 @@ def open_index(settings: IndexerSettings, *, owner: str | None = None) -> BlockI
 
 
 def indexer_id(settings: IndexerSettings) -> str:
-    """``indexer_id``, or the host name (made safe for a key name). Not the pid: an indexer
-    restarted on its host (a container, a pod, a unit) keeps its id, so it takes its streams
-    back at once instead of waiting for its dead lease to run out."""
+    """``indexer_id``, or the host name (not the pid: restarted on its host, an indexer
+    takes its streams back at once instead of waiting for its dead lease)."""
     if settings.indexer_id:
         return settings.indexer_id
     host = "".join(c if c.isalnum() or c in "._-" else "-" for c in socket.gethostname())
@@ -55,8 +50,6 @@ def indexer_id(settings: IndexerSettings) -> str:
 def _membership(
     settings: IndexerSettings, index: BlockIndex | None
 ) -> tuple[BlockIndex, Membership | None]:
-    """The index, fenced with this process's lease token when sharded (a given index is
-    used as it is: unsharded unless it was built with the token)."""
     if not settings.sharded or index is not None:
         return (index if index is not None else open_index(settings)), None
     client = connect(settings.redis_url, cluster=settings.redis_cluster)
@@ -74,11 +67,8 @@ class IndexerService:
     registry: Registry
     subscriber: Subscriber
     fleet: FleetSync | None = None
-    """Publishes the fleet state to Redis (``store = "redis"`` only)."""
     status: IndexerStatus | None = None
-    """The status port (``build(..., with_status=True)`` and ``status_port`` not -1)."""
     shard: Shard | None = None
-    """This process's lease and share of the streams (``shard`` on)."""
 
     @classmethod
     def build(
@@ -88,9 +78,7 @@ class IndexerService:
         *,
         with_status: bool = False,
     ) -> IndexerService:
-        """The service the settings describe. ``with_status``: also serve the status port
-        (the ``kvindex indexer`` process; a process that embeds the write path, such as
-        ``kvindex serve``, exports its series its own way)."""
+        """The service the settings describe; ``with_status``: also the status port."""
         _raise_file_limit(settings)  # before the subscriber sizes its context to it
         index, membership = _membership(settings, index)
         registry = Registry(settings.replicas, stale_after_s=settings.stale_after_s)
@@ -115,8 +103,8 @@ class IndexerService:
         return service
 
     def start(self) -> None:
-        """Open the status port first (a port in use fails here, before anything runs),
-        then the fleet sync and the subscriber."""
+        """Open the status port first (a port in use fails before anything runs), then the
+        fleet sync and the subscriber."""
         logging.getLogger("kvindex").setLevel(self.settings.log_level.upper())
         if self.status is not None:
             self.status.start()
@@ -138,5 +126,4 @@ class IndexerService:
         self.index.close()
 
     def loop_alive(self) -> bool:
-        """True while the subscriber's loop thread runs (started, not ended)."""
         return self.subscriber.running

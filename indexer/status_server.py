@@ -1,19 +1,7 @@
-"""The indexer's status port: ``/metrics``, ``/healthz`` and ``/readyz`` over plain HTTP.
-
-``kvindex indexer`` serves it on ``status_host:status_port`` (:class:`IndexerStatus`, started
-and stopped by :class:`~kvindex.indexer.service.IndexerService`). Contracts:
-
-* ``GET /metrics``: Prometheus text (``text/plain; version=0.0.4``), the series of
-  :mod:`kvindex.indexer.metrics`.
-* ``GET /healthz``: 200 while the subscriber's loop runs, else 503; it never touches the store.
-* ``GET /readyz``: 200 when the loop runs and the store answered its last probe, else 503 with
-  a JSON body whose ``reasons`` say why. It reads the :class:`StoreProbe`'s cached result, so
-  it answers at once even while the store hangs (a SIGSTOPped Redis).
-* ``HEAD`` as ``GET`` without a body; an unknown path is 404, another method 405.
-
-Bounded: each connection is served by its own daemon thread with a socket timeout, at most
-``max_connections`` at once (a connection past that is closed unanswered), so no client,
-however slow, holds the accept loop or another client's answer.
+"""The indexer's status port, plain HTTP: ``/metrics`` (Prometheus text), ``/healthz`` (200
+while the subscriber's loop runs; never touches the store), ``/readyz`` (200 when it runs
+and the store answered its cached probe, else 503 with ``reasons``). A daemon thread per
+connection with a socket timeout, at most ``max_connections`` at once.
 """
 
 from __future__ import annotations
@@ -51,15 +39,11 @@ class StatusPortError(KvIndexError):
 
 
 class Check(NamedTuple):
-    """A health verdict: ok, or the reasons it is not."""
-
     ok: bool
     reasons: tuple[str, ...] = ()
 
 
 class Answer(NamedTuple):
-    """One HTTP answer: status, content type, body."""
-
     status: int
     content_type: str
     body: bytes
@@ -69,14 +53,9 @@ class Answer(NamedTuple):
 
 
 class StoreProbe:
-    """Whether the index store answers, asked by a background thread every ``interval_s``;
-    :meth:`check` returns the last answer at once, never waiting on the store.
-
-    ``ping`` must return or raise within a bounded time (a client with a short socket
-    timeout). ``ping=None`` is a store in the process (memory): always up, no thread. Before
-    the first answer, and when the last one is older than ``3 * interval_s + 1`` s (the
-    probe itself is stuck), the store counts as down. Thread-safe.
-    """
+    """Whether the index store answers, asked every ``interval_s`` by a background thread;
+    :meth:`check` never waits on the store. No answer yet, or a stale one: down.
+    ``ping=None``: a store in the process, always up. Thread-safe."""
 
     def __init__(
         self,
@@ -106,7 +85,6 @@ class StoreProbe:
             self._thread.join(self._interval_s + 5.0)
 
     def check(self) -> Check:
-        """The last probe's verdict (a memory store: always up)."""
         if self._ping is None:
             return Check(True)
         with self._lock:
@@ -119,7 +97,6 @@ class StoreProbe:
         return self.check().ok
 
     def probe_once(self) -> Check:
-        """Ask the store now (blocks for at most the client's timeout) and keep the answer."""
         assert self._ping is not None
         try:
             self._ping()
@@ -143,8 +120,6 @@ class StoreProbe:
 
 
 class _Server(ThreadingHTTPServer):
-    """A threading HTTP server that refuses connections past ``max_connections``."""
-
     daemon_threads = True
     block_on_close = False
 
@@ -257,11 +232,8 @@ def _json(body: Mapping[str, object], status: int = 200) -> Answer:
 
 
 class StatusServer:
-    """An HTTP server answering ``routes`` (path → answer) in a daemon thread.
-
-    ``start`` binds (raising :class:`StatusPortError` when it cannot) and logs the bound
-    address; ``stop`` stops the loop and closes the socket.
-    """
+    """An HTTP server answering ``routes`` (path → answer) in a daemon thread; ``start``
+    raises :class:`StatusPortError` when it cannot bind."""
 
     def __init__(
         self,
@@ -281,13 +253,11 @@ class StatusServer:
 
     @property
     def address(self) -> tuple[str, int]:
-        """(host, port) bound; the port is the OS's choice when asked for 0."""
         assert self._server is not None, "not started"
         return self._server.server_name, self._server.server_port
 
     @property
     def url(self) -> str:
-        """``http://host:port`` of the bound address (an IPv6 host in brackets)."""
         host, port = self.address
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
@@ -326,16 +296,12 @@ class StatusServer:
 
 @dataclass
 class IndexerStatus:
-    """The indexer's status port: its server, the store probe it reads, what it reads with.
-
-    On Redis, the probe and the scrapes' index reads use a connection of their own with a
-    ``status_timeout_s`` socket timeout, so neither waits behind the write path's calls.
-    """
+    """The indexer's status port: its server and store probe; on Redis, over a connection
+    of its own with a ``status_timeout_s`` timeout."""
 
     server: StatusServer
     probe: StoreProbe
     scrape_index: RedisIndex | None
-    """The status port's own Redis index (closed on stop); None on the memory store."""
 
     @classmethod
     def build(
@@ -381,12 +347,10 @@ class IndexerStatus:
 
 
 def liveness(loop_alive: Callable[[], bool]) -> Check:
-    """Alive while the subscriber's loop runs (the store plays no part)."""
     return Check(True) if loop_alive() else Check(False, ("subscriber loop not running",))
 
 
 def readiness(loop_alive: Callable[[], bool], probe: StoreProbe) -> Check:
-    """Ready when alive and the store answered its last probe; every reason it is not."""
     reasons = liveness(loop_alive).reasons + probe.check().reasons
     return Check(not reasons, reasons)
 
@@ -394,7 +358,6 @@ def readiness(loop_alive: Callable[[], bool], probe: StoreProbe) -> Check:
 def status_routes(
     metrics: CollectorRegistry, alive: Callable[[], Check], ready: Callable[[], Check]
 ) -> dict[str, Callable[[], Answer]]:
-    """The three routes of the status port."""
     return {
         "/metrics": lambda: Answer(200, CONTENT_TYPE_PLAIN_0_0_4, generate_latest(metrics)),
         "/healthz": lambda: _verdict(alive(), "ok", "unhealthy"),

@@ -1,6 +1,5 @@
-"""The root of kvindex's exceptions. Each concrete error is defined beside its raiser, except
-:class:`SettingsError`: the indexer's and the API's settings and every replica spec raise it,
-so it sits here, below all of them."""
+"""The root of kvindex's exceptions, and :class:`SettingsError`, raised by every settings
+object and replica spec. Other errors are defined beside their raisers."""
 
 
 class KvIndexError(Exception):

@@ -1,12 +1,5 @@
-"""Domain events: what the rest of kvindex sees of vLLM's KV-event stream.
-
-Wire structs (``kvindex.indexer.ingest.wire``) are turned into these right at the edge: hashes are
-normalised to unsigned 64-bit ints, ``medium`` is folded into a :class:`Tier`, and the
-stream (replica, data-parallel rank) is attached. Nothing downstream touches msgpack.
-
-Events are frozen ``msgspec.Struct`` s rather than dataclasses only because they are built
-for every event on the hot path and Struct construction is several times cheaper.
-"""
+"""Domain events: what the rest of kvindex sees of vLLM's KV-event stream (hashes as u64,
+``medium`` folded into a :class:`Tier`). Frozen Structs: built per event on the hot path."""
 
 from __future__ import annotations
 
@@ -17,10 +10,8 @@ from typing import Protocol, TypeAlias
 import msgspec
 
 EngineHash: TypeAlias = int
-"""A vLLM block hash as published, normalised to unsigned 64-bit."""
 
 ExtraKeys: TypeAlias = tuple[object, ...] | None
-"""The non-token inputs of one block's hash (LoRA name, multimodal items, cache salt)."""
 
 
 class Tier(enum.IntEnum):
@@ -32,7 +23,6 @@ class Tier(enum.IntEnum):
 
     @classmethod
     def from_medium(cls, medium: str | None) -> Tier:
-        """Fold vLLM's ``medium`` string (any case; missing means GPU) into a tier."""
         if medium is None:
             return cls.GPU
         folded = medium.casefold()
@@ -54,7 +44,6 @@ class StreamId(msgspec.Struct, frozen=True, order=True, gc=False):
 
     @classmethod
     def parse(cls, text: str) -> StreamId:
-        """Inverse of ``str()``: ``"r1/0"`` → ``StreamId("r1", 0)``; no rank means 0."""
         replica, sep, rank = text.rpartition("/")
         if not sep:
             return cls(text, 0)
@@ -62,12 +51,8 @@ class StreamId(msgspec.Struct, frozen=True, order=True, gc=False):
 
 
 class BlockStored(msgspec.Struct, frozen=True, gc=False):
-    """Blocks newly cached on one tier, in chain order.
-
-    ``token_ids`` covers ``len(block_hashes) * block_size`` tokens, except for vLLM's
-    CPU-offload placeholders, which carry no tokens (``token_ids == ()``, ``block_size == 0``)
-    and must be resolved through the engine-hash map.
-    """
+    """Blocks newly cached on one tier, in chain order; ``len(block_hashes) * block_size``
+    tokens, except CPU-offload placeholders (no tokens, block size 0)."""
 
     block_hashes: Sequence[EngineHash]
     parent_hash: EngineHash | None
@@ -84,8 +69,6 @@ class BlockStored(msgspec.Struct, frozen=True, gc=False):
 
 
 class BlockRemoved(msgspec.Struct, frozen=True, gc=False):
-    """Blocks no longer reusable on one tier."""
-
     block_hashes: Sequence[EngineHash]
     tier: Tier
     group_idx: int | None = None
@@ -99,19 +82,15 @@ Event: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class EventBatch(msgspec.Struct, frozen=True, gc=False):
-    """One published batch: what one scheduler step of one rank produced."""
-
     seq: int
     ts: float
     rank: int
     events: Sequence[Event]
     num_bad_events: int = 0
-    """Events in the payload that could not be decoded; they were skipped, the rest kept."""
 
 
 class Numbered(Protocol):
-    """What ordering a batch needs of it: an :class:`EventBatch`, or a live batch decoded
-    for the compiled ingest path (``kvindex.indexer.native.NativeBatch``)."""
+    """What ordering needs of a batch: an :class:`EventBatch` or a ``native.NativeBatch``."""
 
     @property
     def seq(self) -> int: ...

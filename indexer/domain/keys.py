@@ -1,19 +1,9 @@
-"""kvindex block keys: computed from token ids, never from an engine's own hashes.
+"""Block keys, computed from token ids, never from an engine's own hashes.
 
-A block key is a chained XXH3-64 over ``(parent key, the block's token ids, the block's
-extra keys)``; the chain starts at a root derived from the model name. Engines, the
-indexer, the scoring API and routers all compute the same keys from the same tokens, so
-a fleet's ``--prefix-caching-hash-algo`` or ``PYTHONHASHSEED`` can never cause a silent
-miss. This module is deliberately small and dependency-light: ``api/`` and ``clients/``
-import it, and a router may vendor it.
-
-Byte layout hashed for one block (all little-endian)::
-
-    parent key (8 bytes, u64) | token ids (4 bytes each, u32) | msgpack(extra keys) if any
-
-Extra keys follow vLLM's per-block ``extra_keys`` as published in events (0.17+,
-untagged): LoRA name, multimodal ``(identifier, offset)`` items, then the cache salt on
-the request's first block only. ``None`` or an empty tuple mean "no extra keys".
+A key is XXH3-64 over ``parent key (u64) | token ids (u32 each) | msgpack(extra keys)``, all
+little-endian, chained from a root derived from the model name; extra keys follow vLLM's
+per-block ``extra_keys`` (LoRA name, multimodal items, the cache salt on the first block).
+Small and dependency-light: ``api/`` and ``clients/`` import it, and a router may vendor it.
 """
 
 from __future__ import annotations
@@ -22,6 +12,7 @@ import struct
 import sys
 from array import array
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import msgspec
 import xxhash
@@ -43,7 +34,6 @@ class BlockKeyError(KvIndexError):
 
 
 def model_root(model: str) -> int:
-    """The chain's starting point for a model (the parent key of every first block)."""
     return _hash(_ROOT_PREFIX + model.encode("utf-8"))
 
 
@@ -78,9 +68,8 @@ _MAX_LAYOUTS = 16
 
 
 def _block_layout(stride: int) -> tuple[str, Callable[[int, bytes], bytes]]:
-    """For blocks of ``stride`` token bytes: the ``struct`` format that splits token bytes
-    into blocks, and the packer of ``(parent key, block token bytes)`` as hashed. Kept in
-    a plain dict (a few block sizes at most): cheaper to read than an ``lru_cache``."""
+    """The ``struct`` format splitting ``stride`` token bytes per block, and the packer of
+    ``(parent key, block token bytes)`` (a plain dict: cheaper to read than ``lru_cache``)."""
     layout = _LAYOUTS.get(stride)
     if layout is None:
         if len(_LAYOUTS) >= _MAX_LAYOUTS:  # odd block sizes in bad input must not pile up
@@ -95,12 +84,8 @@ def chain_keys(
     block_size: int,
     extra_keys: Sequence[object] | None = None,
 ) -> list[int]:
-    """Keys of consecutive full blocks of ``token_bytes`` (see :func:`tokens_to_bytes`).
-
-    ``parent`` is the key before the first block (``model_root(model)`` at the start of a
-    sequence). A trailing partial block gets no key. ``extra_keys``, when given, has one
-    entry per block (fewer raises :class:`BlockKeyError`).
-    """
+    """Keys of the full blocks of ``token_bytes``, chained from ``parent``; ``extra_keys``
+    has one entry per block (fewer: :class:`BlockKeyError`)."""
     if block_size <= 0:
         raise BlockKeyError(f"block size must be positive, got {block_size}")
     stride = block_size * _TOKEN_BYTES
@@ -131,11 +116,7 @@ def chain_keys(
 def request_extra_keys(
     num_blocks: int, lora_name: str | None = None, cache_salt: str | None = None
 ) -> list[tuple[object, ...] | None] | None:
-    """Per-block extra keys of a text-only request, as vLLM publishes them.
-
-    LoRA name on every block, the cache salt on the first block only. ``None`` when the
-    request has neither (the common case, and the cheapest to hash).
-    """
+    """Per-block extra keys of a text-only request, as vLLM publishes them (None: none)."""
     if lora_name is None and cache_salt is None:
         return None
     extras: list[tuple[object, ...] | None] = []
@@ -157,10 +138,7 @@ def block_keys(
     lora_name: str | None = None,
     cache_salt: str | None = None,
 ) -> list[int]:
-    """Keys of every full block of a request's prompt, as the index stores them.
-
-    This is the one call a router needs: the same function the scorer uses.
-    """
+    """Keys of every full block of a prompt, as the index stores them (a router's one call)."""
     num_blocks = len(token_ids) // block_size if block_size > 0 else 0
     extras = request_extra_keys(num_blocks, lora_name, cache_salt)
     if extras is None and native.chain_tokens is not None and block_size > 0:
@@ -173,3 +151,17 @@ def block_keys(
     # Only whole blocks are keyed (and checked); copy the ids only if some are left over.
     used = token_ids if num_used == len(token_ids) else token_ids[:num_used]
     return chain_keys(model_root(model), tokens_to_bytes(used), block_size, extras)
+
+
+class KeyCache(Protocol):
+    """A stream's engine hash → key cache: the ingestor's ``_KeyCache``, or the compiled
+    ``native.KeyCache`` when the core is built."""
+
+    @property
+    def capacity(self) -> int: ...
+
+    def get(self, engine_hash: int) -> int | None: ...
+
+    def put(self, engine_hash: int, key: int) -> None: ...
+
+    def age(self) -> None: ...

@@ -87,7 +87,8 @@ else:
     _set_bits = _lookup.set_bits
 
 if TYPE_CHECKING:
-    from kvindex.indexer.ingest.ingestor import KeyCache, NativeCounts
+    from kvindex.indexer.domain.health import NativeCounts
+    from kvindex.indexer.domain.keys import KeyCache
     from kvindex.indexer.native import _core as native_core
     from kvindex.indexer.native._core import NativeBatch
 

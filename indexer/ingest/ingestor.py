@@ -1,26 +1,9 @@
-"""Domain events → index operations, applied in order per stream.
+"""Domain events → index operations, applied in order per stream, from one thread.
 
-Block keys are computed here from token ids (``kvindex.indexer.domain.keys``), chained from the
-parent's
-key. The parent's key comes from, in order: a block stored earlier in the same event or
-batch, a per-stream cache of recent engine hash → key mappings, the index itself. A store
-whose parent is unknown everywhere is an *orphan*: it is kept, chained from a root derived
-from the parent's engine hash (so removals and its descendants still apply, but it can never
-match a request by accident), counted, and reported so the pipeline can repair the stream
-by replay.
-
-Consecutive batches of a stream are applied in one index call (:meth:`Ingestor.apply_many`);
-the pending ones are flushed first whenever a parent must be looked up in the index.
-Callers must apply a stream's batches in order from one thread. An :class:`Ingestor` is one
-pipeline's (one ingest worker's, over the index the workers share): its key caches are its
-streams' alone, read and filled by that worker's thread only.
-
-The compiled ingest path: over an index that offers it (the memory store on the compiled
-tables), live batches decoded as ``native.NativeBatch`` (see
-``kvindex.indexer.ingest.wire.decode_live_native``) are translated and applied by compiled code
-in one call per run of them, with the same cache, parents, orphans, counts and watermark
-rules as the Python translation here (the tests hold both to the same index state and
-counters); batches of domain events in between take the Python path, in order.
+A store's parent key comes from the same batch, the stream's key cache, or the index; a
+store whose parent is unknown everywhere is an orphan, chained from a root off every real
+chain and counted, for the pipeline to repair by replay. Consecutive batches go to the index
+in one call. ``native.NativeBatch`` es take the compiled path over an index that offers it.
 """
 
 from __future__ import annotations
@@ -39,42 +22,23 @@ from kvindex.indexer.domain.events import (
     EventBatch,
     StreamId,
 )
-from kvindex.indexer.domain.health import StreamReport
-from kvindex.indexer.domain.keys import BlockKeyError, chain_keys, model_root, tokens_to_bytes
+from kvindex.indexer.domain.health import NativeCounts, StreamReport
+from kvindex.indexer.domain.keys import (
+    BlockKeyError,
+    KeyCache,
+    chain_keys,
+    model_root,
+    tokens_to_bytes,
+)
 from kvindex.indexer.index.protocol import APPLIED, ApplyResult, BatchOps, BlockIndex, Op, OpKind
 
 if TYPE_CHECKING:
     from kvindex.indexer.native._core import NativeBatch
 
 AnyBatch: TypeAlias = "EventBatch | NativeBatch"
-"""A batch of domain events, or a live batch decoded for the compiled ingest path."""
-
-NativeCounts: TypeAlias = tuple[int, int, int, int, int, int, int, int, int, int]
-"""What the compiled ingest path did: batches applied, unknown removals, unresolved stores,
-blocks stored, blocks removed, clears, events of another group, misaligned events, orphan
-stores, the last store's block size (-1: none)."""
-
-
-class KeyCache(Protocol):
-    """A stream's engine hash → key cache: :class:`_KeyCache`, or the compiled
-    ``native.KeyCache`` (the same generations in compiled tables, which the compiled
-    ingest path reads without the GIL) when the core is built."""
-
-    @property
-    def capacity(self) -> int: ...
-
-    def get(self, engine_hash: int) -> int | None:
-        """The key cached for ``engine_hash``, or None."""
-
-    def put(self, engine_hash: int, key: int) -> None: ...
-
-    def age(self) -> None:
-        """Start a new generation if the young one is full (after each batch)."""
 
 
 class NativeIngest(Protocol):
-    """An index that translates and applies ``NativeBatch`` es itself (compiled)."""
-
     native_ingest: bool
 
     def apply_native(
@@ -93,14 +57,8 @@ def orphan_root(parent_hash: int) -> int:
 
 @dataclass(slots=True)
 class _KeyCache:
-    """Recent engine hash → key mappings of one stream, in two generations.
-
-    New mappings go to ``young``; when it holds half the capacity it becomes ``old`` and
-    the previous ``old`` is dropped whole. A mapping found in ``old`` moves back to
-    ``young``, so a parent that keeps being chained from (a shared system prompt's last
-    block) stays. Nothing is ever copied: trimming a single dict by its oldest entries
-    cost a rebuild of most of it (5 % of ingest time).
-    """
+    """Recent engine hash → key mappings of one stream, in two generations: ``young`` becomes
+    ``old`` when half full, the previous ``old`` dropped whole; a hit in ``old`` moves back."""
 
     capacity: int
     young: dict[int, int] = field(default_factory=dict)
@@ -118,7 +76,6 @@ class _KeyCache:
         self.young[engine_hash] = key
 
     def age(self) -> None:
-        """Start a new generation if the young one is full."""
         if len(self.young) >= self.capacity // 2:
             self.old = self.young
             self.young = {}
@@ -126,8 +83,6 @@ class _KeyCache:
 
 @dataclass(slots=True)
 class _Context:
-    """What translating one batch needs at hand (one object: cheap to pass around)."""
-
     stream: StreamId
     model: str
     cache: KeyCache
@@ -137,8 +92,6 @@ class _Context:
 
 @dataclass(slots=True)
 class _Pending:
-    """Translated batches of one stream not yet sent to the index."""
-
     stream: StreamId
     batches: list[BatchOps]
     report: StreamReport
@@ -153,8 +106,6 @@ _STORE, _STORE_BY_HASH, _REMOVE, _CLEAR = (
 
 
 class Ingestor:
-    """Translates and applies batches for any number of streams over one index."""
-
     def __init__(self, index: BlockIndex, *, cache_size: int = 1 << 16) -> None:
         self._index = index
         self._cache_size = cache_size
@@ -170,16 +121,12 @@ class Ingestor:
 
     @property
     def native(self) -> bool:
-        """Whether :meth:`apply_many` takes ``native.NativeBatch`` es (the index is the
-        memory store on the compiled tables)."""
         return self._apply_native is not None
 
     def forget(self, stream: StreamId) -> None:
-        """Drop cached mappings of a stream (after its engine restarted or it was dropped)."""
         self._caches.pop(stream, None)
 
     def apply(self, stream: StreamId, model: str, batch: EventBatch) -> StreamReport:
-        """Translate one batch and apply it atomically (a no-op at or below the watermark)."""
         return self.apply_many(stream, model, [batch])
 
     def apply_many(
@@ -189,11 +136,8 @@ class Ingestor:
         batches: Sequence[AnyBatch],
         report: StreamReport | None = None,
     ) -> StreamReport:
-        """Translate consecutive batches of a stream and apply them in order.
-
-        ``native.NativeBatch`` es only when :attr:`native`. What it did is added to
-        ``report`` (a fresh one when None), which is returned.
-        """
+        """Translate consecutive batches of a stream and apply them in order, adding what
+        was done to ``report`` (a fresh one when None), which is returned."""
         if report is None:
             report = StreamReport()
         self._pending = pending = _Pending(stream, [], report)
@@ -220,7 +164,6 @@ class Ingestor:
     def _native_run(
         self, stream: StreamId, model: str, batches: list[NativeBatch], report: StreamReport
     ) -> None:
-        """Consecutive ``NativeBatch`` es, after the batches translated before them."""
         if self._apply_native is None:
             raise TypeError("a NativeBatch reached an index without the compiled ingest path")
         self._flush()
@@ -363,7 +306,6 @@ def _remove_ops(event: BlockRemoved, ops: list[Op], report: StreamReport) -> Non
 
 
 def _extras(event: BlockStored, num_blocks: int) -> Sequence[object] | None:
-    """Per-block extra keys: as published (vLLM 0.17+), else the LoRA name on every block."""
     extra_keys = event.extra_keys
     if extra_keys is not None:
         if extra_keys.count(None) == len(extra_keys):

@@ -1,30 +1,11 @@
 """Sharded indexers: leases in Redis, and which indexer owns which stream.
 
-Several ``kvindex indexer`` processes on one Redis (standalone or Cluster) split the
-streams between them:
-
-* **Leases.** Each process holds a lease: its token (``<indexer id>#<random>``) in one ZSET
-  (``Schema.indexers``) scored by its expiry. :meth:`Membership.renew` (one script: drop the
-  expired leases, extend this one, read the rest) runs every ``lease_ttl_s / 3``; a process
-  that stops renewing (killed, stopped, cut off) drops out of everyone's view once its
-  lease expires. Expiry is judged by each member's wall clock: skew between hosts only
-  moves when a takeover happens, never whether two processes write one stream (below).
-* **Assignment.** A stream belongs to the live member with the highest rendezvous (HRW)
-  weight ``xxh3_64(<indexer id> NUL <stream>)``: every member computes the same owner from
-  the same member list, and a member joining or leaving moves only the streams it gains or
-  held (about 1/N of them).
-* **Fence.** Ownership is enforced in the store, not trusted to views that may differ for
-  a moment (a member that has not seen a join yet): a new owner *claims* a stream (its token
-  written into the stream's meta, ``RedisIndex.claim``) before it reads the watermark to
-  resume from, and every batch script checks the token (``apply_batch.lua``). The previous
-  owner's next batch is refused whole (:class:`~kvindex.indexer.index.protocol.FencedError`),
-  dropped and counted, and it stops writing the stream. Never two writers on one stream.
-
-Takeover bound: a killed member's streams are claimed by the survivors within
-``lease_ttl_s`` (its lease runs out) plus one renew period (``lease_ttl_s / 3``: when they
-look), then each resumes from the stored watermark by a replay from the replica (connect,
-then one replay: milliseconds from a live engine, ``replay_timeout_s`` at worst). A member
-that stops cleanly removes its lease at once (:meth:`Membership.leave`).
+Each process renews a lease (its token in one ZSET, scored by expiry) every ``lease_ttl_s /
+3``. A stream belongs to the live member of highest rendezvous weight, so every member
+computes the same owner and a join or leave moves only its share. Ownership is enforced in
+the store: a new owner claims a stream (its token in the stream's meta) before reading its
+watermark, and every batch script checks the token, so a previous owner's batch is refused
+whole (``FencedError``): never two writers on one stream.
 """
 
 from __future__ import annotations
@@ -43,34 +24,19 @@ from kvindex.indexer.index.circuit import StoreCircuit
 from kvindex.indexer.index.protocol import IndexUnavailableError
 from kvindex.indexer.index.redis import RedisIndex, unavailable_on_connection_errors
 from kvindex.indexer.redis.connection import RedisClient
+from kvindex.indexer.redis.lua import lua_script
 from kvindex.indexer.redis.schema import Schema, check_name
 
 log = logging.getLogger("kvindex.membership")
 
 TOKEN_SEPARATOR = "#"
-"""Between an indexer id and its random part in a lease token (never in an id)."""
-
-_RENEW_LUA = """
-local now = tonumber(ARGV[2])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if ARGV[4] == '1' then
-  redis.call('ZREM', KEYS[1], ARGV[1])
-else
-  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
-end
-return redis.call('ZRANGE', KEYS[1], 0, -1)
-"""
-"""KEYS: the leases ZSET. ARGV: token, now (ms), ttl (ms), leave (0/1). Drops expired
-leases, extends (or removes) this one, returns every live lease token."""
 
 
 def weight(member: str, key: str) -> int:
-    """The rendezvous weight of ``member`` for ``key``."""
     return xxhash.xxh3_64_intdigest(f"{member}\x00{key}".encode())
 
 
 def rendezvous_owner(key: str, members: Iterable[str]) -> str | None:
-    """The member with the highest weight for ``key`` (ties by name); None without members."""
     best: tuple[int, str] | None = None
     for member in members:
         candidate = (weight(member, key), member)
@@ -80,13 +46,12 @@ def rendezvous_owner(key: str, members: Iterable[str]) -> str | None:
 
 
 def member_of(token: str) -> str:
-    """The indexer id of a lease token."""
     return token.rpartition(TOKEN_SEPARATOR)[0] or token
 
 
 class Membership:
-    """This process's lease and its view of the live members. Used from one thread (the
-    subscriber's loop); :attr:`members` may be read from any."""
+    """This process's lease and its view of the live members. One thread; :attr:`members`
+    may be read from any."""
 
     def __init__(
         self,
@@ -103,15 +68,12 @@ class Membership:
         self._key = schema.indexers
         self._ttl_s = lease_ttl_s
         self._clock = clock
-        self._renew = client.register_script(_RENEW_LUA)
+        self._renew = client.register_script(lua_script(__name__, "renew_lease.lua"))
         self._next_renew = float("-inf")
         self._failing = False
         self._namesakes: dict[str, float] = {}
-        """Other live lease tokens under this id, and when each was first seen."""
         self._reported: set[str] = set()
         self.members: tuple[str, ...] = ()
-        """Ids of the live members at the last renew, sorted (this one included once it
-        has renewed; empty before, or while Redis cannot be reached from the start)."""
 
     @property
     def renew_period_s(self) -> float:
@@ -121,9 +83,6 @@ class Membership:
         return self._clock() >= self._next_renew
 
     def tick(self) -> bool:
-        """Renew if due; True when the renew ran (the caller re-evaluates ownership then).
-        Redis unreachable: the last view is kept (nothing can be written meanwhile anyway),
-        logged once per outage, tried again next period."""
         if not self.due():
             return False
         self._next_renew = self._clock() + self.renew_period_s
@@ -140,8 +99,8 @@ class Membership:
         return True
 
     def renew(self, *, leave: bool = False) -> tuple[str, ...]:
-        """Extend this lease (or remove it: ``leave``) and read every live one; returns
-        the live members' ids. Raises :class:`IndexUnavailableError` when Redis is down."""
+        """Extend this lease (or remove it: ``leave``); returns the live members' ids.
+        Raises :class:`IndexUnavailableError` when Redis is down."""
         now_ms, ttl_ms = int(self._clock() * 1000), int(self._ttl_s * 1000)
         args: list[str | int] = [self.token, now_ms, ttl_ms, int(leave)]
         with unavailable_on_connection_errors():
@@ -157,10 +116,8 @@ class Membership:
         return members
 
     def _check_namesakes(self, tokens: Sequence[str]) -> None:
-        """Another live lease under this id is this process's predecessor (a restart: it
-        runs out within ``lease_ttl_s``) or, still live after that, a second indexer with
-        the same ``indexer_id``: both would claim the same streams in turn (each claim
-        fences the other out; nothing is written twice, but they keep handing over)."""
+        """A lease under this id still live past ``lease_ttl_s`` is a second indexer with
+        the same ``indexer_id`` (not a predecessor): logged once."""
         now = self._clock()
         others = {t for t in tokens if member_of(t) == self.member_id and t != self.token}
         self._namesakes = {t: self._namesakes.get(t, now) for t in others}
@@ -175,14 +132,12 @@ class Membership:
                 )
 
     def leave(self) -> None:
-        """Remove this lease now (a clean stop): the others take over at their next renew."""
         try:
             self.renew(leave=True)
         except (IndexUnavailableError, redis.RedisError) as exc:
             log.warning("indexer lease not removed (it expires in lease_ttl_s): %s", exc)
 
     def owner_of(self, stream: StreamId) -> str | None:
-        """The live member that owns ``stream`` in this view (None before any renew)."""
         return rendezvous_owner(str(stream), self.members)
 
     def owns(self, stream: StreamId) -> bool:
@@ -190,9 +145,8 @@ class Membership:
 
 
 class Shard:
-    """What the subscriber asks about ownership: the membership's view, and the claim of a
-    stream it takes (through the index that fences its batches, and the write path's
-    circuit if given: a store that is down costs one wait, not one per stream claimed)."""
+    """What the subscriber asks about ownership: the view, and claims (through the write
+    path's circuit if given)."""
 
     def __init__(
         self, membership: Membership, index: RedisIndex, circuit: StoreCircuit | None = None
@@ -216,7 +170,6 @@ class Shard:
         return self.membership.owns(stream)
 
     def claim(self, stream: StreamId) -> None:
-        """Fence the previous owner out; raises :class:`IndexUnavailableError`."""
         if self._circuit is None:
             self._index.claim(stream)
         else:

@@ -1,13 +1,7 @@
-"""Which ingest worker owns a stream (``ingest_workers``), and the workers' shared totals.
+"""Which ingest worker owns a stream, and the workers' shared unrouted totals.
 
-A stream belongs to one worker for the life of the process, so its batches are applied in
-order by one pipeline and its state (tracker, key cache, replay) lives in one place. The
-first worker to ask about a stream (each asks about every registered stream when it opens
-sockets) gives it to the worker owning the fewest streams, the lowest on a tie: 16 replicas
-split 8 and 8 on 2 workers, where a hash of the name can split them 11 and 5. A stream is
-never moved or forgotten (a replica removed and added again keeps its worker): moving one
-would need the two workers to hand its state over, and an entry costs about 200 bytes per
-stream ever seen.
+A stream is given to the worker owning the fewest when first asked about, and never moved,
+so one pipeline applies its batches in order and holds its state.
 """
 
 from __future__ import annotations
@@ -22,8 +16,7 @@ from kvindex.indexer.domain.health import UnroutedCounters
 
 
 class StreamPartition:
-    """The stream → worker map of ``num_workers`` workers. Thread-safe (one lock, taken
-    when a worker asks, which it does while opening sockets, not per frame)."""
+    """The stream → worker map of ``num_workers`` workers. Thread-safe."""
 
     def __init__(self, num_workers: int) -> None:
         if num_workers < 1:
@@ -47,21 +40,16 @@ class StreamPartition:
             return worker
 
     def num_streams(self) -> list[int]:
-        """Streams given to each worker so far."""
         with self._lock:
             return list(self._num_streams)
 
 
 class UnroutedSink(Protocol):
-    """Where the fleet's unrouted totals go (``Registry.record_unrouted``)."""
-
     def record_unrouted(self, totals: UnroutedCounters) -> None: ...
 
 
 class UnroutedTotals:
-    """The unrouted-frame totals of every worker's pipeline, summed for the registry: each
-    pipeline publishes its own running totals (:meth:`publisher`), and the registry gets
-    their sum (it keeps one set of totals for the process). Thread-safe."""
+    """Every worker's pipeline's unrouted totals, summed for the registry. Thread-safe."""
 
     def __init__(self, registry: UnroutedSink, num_workers: int) -> None:
         self._registry = registry

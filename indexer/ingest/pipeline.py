@@ -1,24 +1,11 @@
 """The socket-free core of the write path: frames in, index and stream records updated.
 
-A :class:`Pipeline` keeps, for every stream (replica, data-parallel rank), a
-:class:`~kvindex.indexer.ingest.stream.StreamTracker` and the batches waiting to be applied. It
-decodes live frames, orders them, applies them through the
-:class:`~kvindex.indexer.ingest.ingestor.Ingestor`, and tells the registry what it learnt with one
-:class:`~kvindex.indexer.domain.health.StreamReport` per stream per call. It decides when a stream
-needs a replay, when an engine restarted, when a removed or long-disconnected replica's blocks
-are purged, and when a stream whose index store failed is resynced.
-
-It owns no socket. Its caller (:class:`~kvindex.indexer.ingest.subscriber.Subscriber`, or a test,
-a benchmark, the fleet simulator) hands it frames and replay replies, and carries out its
-replay requests through :class:`ReplayRequests`. Nothing it receives can kill it:
-undecodable frames and bad events are logged once per stream, counted and skipped; an
-unreachable index store is counted and the stream resynced once the store is back.
-
-Not thread-safe: one thread calls every method, so each stream's batches are applied in
-order. Several pipelines may share one index and one registry (the subscriber's ingest
-workers: each keeps its own streams, and a stream is kept by one), both thread-safe;
-everything else a pipeline holds (trackers, key caches, pending batches) is its own.
-Other threads read the registry.
+A :class:`Pipeline` decodes, orders (a :class:`~kvindex.indexer.ingest.stream.StreamTracker`
+per stream) and applies live frames and replay replies, reports each stream to the registry
+once per call, and decides replays, restarts, purges and resyncs after store failures. Its
+caller owns the sockets and carries out its :class:`ReplayRequests`. Nothing it receives
+kills it: bad frames and events are counted. Not thread-safe: one thread calls it; several
+pipelines may share one (thread-safe) index and registry, each keeping its own streams.
 """
 
 from __future__ import annotations
@@ -47,18 +34,17 @@ from kvindex.indexer.ingest.stream import Step, StreamTracker
 from kvindex.indexer.ingest.wire import ReplayReply, WireError, decode_live, decode_live_native
 from kvindex.indexer.redis.schema import SchemaError, check_name
 
-log = logging.getLogger("kvindex.subscriber")  # the write path's one logger, as before the split
+log = logging.getLogger("kvindex.subscriber")  # the write path's one logger name
 
 _UNKNOWN_TS = -1.0
-"""Engine timestamp given to a batch whose payload could not be read."""
 
 
 class ReplayRequests(Protocol):
     """Replays the pipeline asks its socket owner for (at most one open per stream)."""
 
     def start_replay(self, stream: StreamId, endpoint: str, start_seq: int) -> None:
-        """Ask ``endpoint`` for every batch from ``start_seq`` on; the replies come back
-        through :meth:`Pipeline.on_replay`. The stream has no replay open."""
+        """Ask ``endpoint`` for every batch from ``start_seq`` on (replies come back through
+        :meth:`Pipeline.on_replay`)."""
         ...
 
     def end_replay(self, stream: StreamId) -> int:
@@ -67,61 +53,36 @@ class ReplayRequests(Protocol):
 
 
 MAX_TOPIC_ID_CHARS = 128
-"""Longest replica id a topic may register (bind mode)."""
 MAX_TOPIC_MODEL_CHARS = 256
-"""Longest model name a topic may register (bind mode)."""
 MAX_TOPIC_RANKS = 1024
-"""A self-registered stream's data-parallel rank (from the payload) is below this."""
 
 
 @dataclass(slots=True)
 class _Runtime:
-    """What the pipeline keeps for one stream."""
-
     stream: StreamId
     model: str
     tracker: StreamTracker
     replay_endpoint: str | None
     report: StreamReport
-    """What to tell the registry next; the tracker counts into it too."""
     replay_open: bool = False
     last_rebuild: float = float("-inf")
     broken: bool = False
     purged: bool = False
     disconnected: bool = False
-    """Its socket reported a disconnect and no connect since (never probed then)."""
     heard_at: float = float("-inf")
-    """When a live message of it (or a probe) was last handled: silence is judged from it."""
     pending: list[AnyBatch] = field(default_factory=list)
-    """In-order live batches not yet applied (flushed at the end of a call)."""
     queued: bool = False
     logged: set[str] = field(default_factory=set)
     fenced: bool = False
-    """Another indexer owns the stream now: nothing more is written for it here."""
 
 
 class Pipeline:
     """Keeps the index and the registry's stream records in step with the replicas' frames.
 
-    ``replays`` carries out replay requests; without it no stream can replay (as if no
-    replica had a ``replay`` endpoint), which suits callers without sockets.
-
-    ``claim`` (sharded indexers): called for a stream before its watermark is read to start
-    keeping it, so that a previous owner is fenced out first (it may raise
-    :class:`IndexUnavailableError`). A write the store refuses because another indexer owns
-    the stream (:class:`FencedError`) is dropped and counted (:attr:`num_fenced_batches`),
-    and the stream is no longer written here: :meth:`take_fenced` hands it to the caller,
-    which stops subscribing to it (connect mode) and :meth:`release` s it.
-
-    ``publish_unrouted``: where the unrouted totals go after a call that changed them
-    (default: ``registry.record_unrouted``; the ingest workers sum every pipeline's).
-
-    ``native_ingest`` (the default): over an index with the compiled ingest path (the
-    memory store on the compiled tables), a live message of a known stream that is its
-    next batch, with only common events, is decoded straight to a ``native.NativeBatch``
-    and applied by compiled code; anything else (a gap, a restart, a bad frame or event,
-    an uncommon event) takes the Python path, as without it. ``False``: always the Python
-    path (the tests compare the two).
+    Without ``replays`` no stream replays. ``claim`` fences a stream's previous owner out
+    before its watermark is read (sharded); a write refused by the fence is counted and the
+    stream handed to the caller (:meth:`take_fenced`). ``native_ingest``: a known stream's
+    next batch of common events takes the compiled path when the index offers it.
     """
 
     def __init__(
@@ -140,7 +101,6 @@ class Pipeline:
         self._claim = claim
         self._fenced: list[StreamId] = []
         self.num_fenced_batches = 0
-        """Batches (and clears) refused by the store's fence: another indexer owns them."""
         self._index = index
         self._registry = registry
         self._replays = replays
@@ -150,7 +110,6 @@ class Pipeline:
         self._runtimes: dict[StreamId, _Runtime] = {}
         self._known_version = -1
         self.counters = UnroutedCounters()
-        """Running totals, published to the registry after each call that changed them."""
         self._num_self_registered = 0
         self._published = UnroutedCounters()
         self._publish_unrouted = publish_unrouted or registry.record_unrouted
@@ -160,9 +119,8 @@ class Pipeline:
     # --- the fleet -----------------------------------------------------------------------
 
     def reconcile(self) -> list[ReplicaSpec] | None:
-        """None if the registry's replicas are as at the last call. Otherwise: forget the
-        streams of removed replicas (closing their replays, purging their blocks) and return
-        every replica now registered, for the caller to open or close sockets."""
+        """None if the registry's replicas are unchanged; else forget removed replicas'
+        streams (their blocks purged) and return every replica now registered."""
         version = self._registry.version
         if version == self._known_version:
             return None
@@ -173,12 +131,9 @@ class Pipeline:
         return wanted
 
     def track(self, stream: StreamId, spec: ReplicaSpec) -> None:
-        """Start keeping a stream its caller subscribed to (connect mode); a no-op if kept."""
         self._runtime(stream, spec)
 
     def release(self, stream: StreamId) -> None:
-        """Stop keeping a stream (another indexer owns it now): its replay closed, its
-        record dropped from the registry (the new owner publishes it); its blocks stay."""
         runtime = self._runtimes.pop(stream, None)
         if runtime is None:
             return
@@ -187,16 +142,12 @@ class Pipeline:
         self._registry.forget(stream)
 
     def take_fenced(self) -> list[StreamId]:
-        """Streams fenced out since the last call (each once), for the caller to release."""
         fenced, self._fenced = self._fenced, []
         return fenced
 
     def restart(self) -> None:
-        """After the thread calling this pipeline died in a call (nothing it was doing can
-        be trusted to have finished): every stream is resynced from the index at the next
-        :meth:`maintain`, as after a store failure (its tracker restarted from the stored
-        watermark, then a replay from there; without a replay endpoint what was lost is
-        counted as a gap). Its open replays are closed; nothing pending is applied."""
+        """After the calling thread died mid-call: every stream resyncs from the index at
+        the next :meth:`maintain`; open replays are closed, nothing pending is applied."""
         for runtime in self._runtimes.values():
             self._end_replay(runtime)
             runtime.pending = []
@@ -205,7 +156,6 @@ class Pipeline:
                 runtime.broken = True
 
     def close(self) -> None:
-        """End every open replay (their undecodable replies counted)."""
         for runtime in self._runtimes.values():
             if runtime.replay_open:
                 self._end_replay(runtime)
@@ -214,17 +164,12 @@ class Pipeline:
     # --- live frames ---------------------------------------------------------------------
 
     def handle_live(self, frames: list[bytes], stream: StreamId | None) -> None:
-        """One live message from a known stream (connect mode) or the bound SUB (None)."""
         self.handle_frames([frames], stream)
 
     def handle_frames(self, messages: list[list[bytes]], stream: StreamId | None) -> None:
-        """Live messages in arrival order, as drained from one socket (``stream``: the
-        socket's, or None for the bound SUB, where each topic names its stream).
-
-        In-order batches of a stream are applied together (one index round trip); anything
-        else (a gap, a restart) first flushes what is pending, then is carried out. Each
-        stream touched is reported to the registry once, at the end.
-        """
+        """Live messages drained from one socket (``stream`` None: the bound SUB's, named by
+        topic); each stream's in-order batches go to the index in one call, and each stream
+        touched is reported once."""
         touched: list[_Runtime] = []
         native = self._native and stream is not None
         runtime: _Runtime | None = None
@@ -256,8 +201,8 @@ class Pipeline:
             self._publish_unrouted(self._published)
 
     def _took_native(self, runtime: _Runtime | None, frames: list[bytes]) -> bool:
-        """The compiled ingest path: True if the message was the stream's next batch of
-        common events, now pending as a ``NativeBatch``; False: nothing was done."""
+        """True if the message was the stream's next batch, now pending as a ``NativeBatch``;
+        False: nothing was done."""
         if runtime is None or runtime.broken or runtime.fenced:
             return False
         batch = decode_live_native(frames)
@@ -314,9 +259,8 @@ class Pipeline:
         return runtime
 
     def _register_from_topic(self, topic: str, rank: int) -> _Runtime | None:
-        """Bind mode: the topic ``kv@<replica>@<model>`` names the stream. A replica not yet
-        registered is registered from it within the limits (id and model length, rank
-        range, ``max_self_registered``); a batch past them is counted as refused."""
+        """Bind mode: the topic names the stream; an unknown replica is registered from it
+        within the limits, else the batch is counted as refused."""
         parsed = Topic.parse(topic)
         replica = parsed.replica or topic
         stream = StreamId(replica, rank)
@@ -354,8 +298,6 @@ class Pipeline:
             return None
 
     def _rank_in_range(self, spec: ReplicaSpec, rank: int, topic: str) -> bool:
-        """A rank from the payload: below the spec's ``dp_size`` if it declares several,
-        else below :data:`MAX_TOPIC_RANKS`."""
         limit = spec.dp_size if spec.dp_size > 1 else MAX_TOPIC_RANKS
         if 0 <= rank < limit:
             return True
@@ -363,7 +305,6 @@ class Pipeline:
         return False
 
     def _unrouted(self, kind: str, message: str, topic: str) -> None:
-        """Count a batch that reaches no stream; the first of each kind is logged."""
         if kind == "refused":
             self.counters.num_refused += 1
             first = self.counters.num_refused == 1
@@ -394,8 +335,6 @@ class Pipeline:
     def _tracker_from_index(
         self, stream: StreamId, *, can_replay: bool, report: StreamReport
     ) -> StreamTracker:
-        """A tracker that starts from what the index holds (after an indexer restart, or a
-        store failure); raises :class:`IndexUnavailableError` when the store is down."""
         stats = self._index.stats(stream)
         return StreamTracker(
             can_replay=can_replay,
@@ -405,7 +344,6 @@ class Pipeline:
         )
 
     def _forget_replica(self, replica: str) -> None:
-        """A removed replica: its replays closed, its blocks purged from the index."""
         for stream in [s for s in self._runtimes if s.replica == replica]:
             self._end_replay(self._runtimes.pop(stream))
             self._ingestor.forget(stream)
@@ -417,7 +355,6 @@ class Pipeline:
         log.info("replica %s removed; purged %d stream(s)", replica, len(dropped))
 
     def _record(self, runtime: _Runtime) -> None:
-        """Hand the stream's report to the registry; the tracker counts into a fresh one."""
         report = runtime.report
         report.replaying = runtime.tracker.replaying
         runtime.report = runtime.tracker.counters = StreamReport()
@@ -426,7 +363,6 @@ class Pipeline:
     # --- carrying out steps --------------------------------------------------------------
 
     def _execute(self, runtime: _Runtime, step: Step, *, live: bool = False) -> None:
-        """Carry out a step (``live``: its batches came live, not from a replay)."""
         stream = runtime.stream
         if step.clear:
             try:
@@ -447,9 +383,8 @@ class Pipeline:
             self._start_replay(runtime, step.replay_from)
 
     def _history_lost(self, runtime: _Runtime) -> None:
-        """The stream was cleared for history no replay could give back. Stores that follow
-        may name parents lost with it (orphans): a rebuild could not find them either, so
-        the rebuild cooldown starts now rather than at the first orphan."""
+        """History no replay could give back was cleared: start the rebuild cooldown now, as
+        orphans that follow cannot be rebuilt either."""
         runtime.last_rebuild = self._clock()
         self._log_once(
             runtime,
@@ -460,8 +395,6 @@ class Pipeline:
         )
 
     def _flush(self, runtime: _Runtime, *, live: bool = True) -> None:
-        """Apply the stream's pending batches in one index call (``live``: they came live,
-        so the last one's age is lag; a replayed batch's is not)."""
         batches = runtime.pending
         if not batches:
             return
@@ -506,7 +439,6 @@ class Pipeline:
         )
 
     def _maybe_rebuild(self, runtime: _Runtime) -> None:
-        """Orphaned stores: rebuild from the engine's replay buffer, at most once a while."""
         now = self._clock()
         if now - runtime.last_rebuild < self._settings.rebuild_cooldown_s:
             return
@@ -523,7 +455,6 @@ class Pipeline:
         log.warning("stream %s: index store unavailable, will resync: %s", runtime.stream, exc)
 
     def _fenced_out(self, runtime: _Runtime, num_batches: int) -> None:
-        """Another indexer claimed the stream: drop the write, count it, stop writing."""
         self.num_fenced_batches += num_batches
         if runtime.fenced:
             return
@@ -544,7 +475,6 @@ class Pipeline:
     # --- replay --------------------------------------------------------------------------
 
     def on_replay(self, stream: StreamId, replies: Sequence[ReplayReply]) -> None:
-        """Replies of the stream's open replay, in arrival order; an end marker ends it."""
         runtime = self._runtimes.get(stream)
         if runtime is None or not runtime.replay_open:
             return
@@ -560,7 +490,6 @@ class Pipeline:
         self._record(runtime)
 
     def replay_timed_out(self, stream: StreamId) -> None:
-        """The stream's replay went silent for too long: give it up, apply what waited."""
         runtime = self._runtimes.get(stream)
         if runtime is None or not runtime.replay_open:
             return
@@ -585,7 +514,6 @@ class Pipeline:
         )
 
     def _end_replay(self, runtime: _Runtime) -> int:
-        """Close the stream's replay, if open; returns its undecodable replies (counted)."""
         if not runtime.replay_open or self._replays is None:
             return 0
         runtime.replay_open = False
@@ -596,7 +524,6 @@ class Pipeline:
     # --- connection ----------------------------------------------------------------------
 
     def on_connected(self, stream: StreamId) -> None:
-        """The stream's socket (re)connected: resync it from the engine's replay buffer."""
         runtime = self._runtimes.get(stream)
         if runtime is None:
             return
@@ -619,9 +546,8 @@ class Pipeline:
     # --- periodic ------------------------------------------------------------------------
 
     def maintain(self) -> None:
-        """Refill every stream if the store lost its data; resync streams whose store is
-        back; probe streams silent for ``probe_interval_s``; purge the blocks of streams
-        disconnected for longer than ``purge_after_s``. Call it about once a second."""
+        """Refill after a store loss, resync streams whose store is back, probe silent
+        streams, purge long-disconnected ones. About once a second."""
         self._check_store()
         now = self._clock()
         for runtime in list(self._runtimes.values()):
@@ -633,9 +559,6 @@ class Pipeline:
             self._maybe_purge(runtime)
 
     def _check_store(self) -> None:
-        """One cheap look (a GET on Redis) at whether the store lost its data; if it did,
-        refill every stream at once, not at its next event (a quiet stream would wait
-        forever). A store that kept its data (Redis restarted with AOF) costs nothing."""
         if self._identity is None:
             return
         try:
@@ -653,10 +576,8 @@ class Pipeline:
                 self._refill(runtime)
 
     def _refill(self, runtime: _Runtime) -> None:
-        """Rebuild one stream from nothing: a fresh tracker (empty watermark), the stream
-        cleared (batches applied since the loss would hide older ones: the index skips
-        seqs at or below its watermark), then a replay from 0 (the engine's whole buffer)
-        or, without a replay endpoint, its next batch on."""
+        """Rebuild one stream from nothing: a fresh tracker, the stream cleared (the index
+        skips seqs at or below its watermark), then a replay from 0 or its next batch on."""
         self._end_replay(runtime)
         runtime.pending = []
         runtime.broken = False
@@ -677,8 +598,6 @@ class Pipeline:
         self._record(runtime)
 
     def _maybe_probe(self, runtime: _Runtime, now: float) -> None:
-        """A stream with a replay endpoint silent for ``probe_interval_s``: probe it for a
-        seq reset (a replica restarted quiet, in bind mode or with a missed reconnect)."""
         interval = self._settings.probe_interval_s
         if interval <= 0 or runtime.replay_endpoint is None or now - runtime.heard_at < interval:
             return
@@ -691,7 +610,6 @@ class Pipeline:
             self._record(runtime)
 
     def _recover(self, runtime: _Runtime) -> None:
-        """The store is back: restart the stream's tracker from the index and resync."""
         can_replay = runtime.tracker.can_replay
         try:
             tracker = self._tracker_from_index(

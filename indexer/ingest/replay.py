@@ -1,11 +1,6 @@
-"""The client side of vLLM's replay protocol (a DEALER talking to the engine's ROUTER).
-
-vLLM answers a request ``["", start_seq]`` with every buffered batch from ``start_seq`` on,
-then an end marker; a malformed request gets no answer at all, so every replay has a
-timeout. A REQ socket can receive only the first reply, hence DEALER. Each replay uses a
-fresh DEALER so that a late answer to an abandoned replay can never be mistaken for the
-next one.
-"""
+"""The client side of vLLM's replay protocol: a fresh DEALER per replay (so a late answer to
+an abandoned one is never taken for the next), with a timeout (vLLM answers nothing to a
+malformed request)."""
 
 from __future__ import annotations
 
@@ -48,10 +43,7 @@ class ReplaySession:
         self.num_bad_frames = 0
 
     def receive(self) -> list[ReplayReply]:
-        """Every reply waiting now (non-blocking); the deadline moves with each one.
-
-        Undecodable replies are counted in :attr:`num_bad_frames` and skipped.
-        """
+        """Every reply waiting now (non-blocking; undecodable ones counted and skipped)."""
         replies: list[ReplayReply] = []
         while True:
             try:
@@ -79,11 +71,8 @@ def fetch_replay(
     *,
     timeout_s: float = 5.0,
 ) -> list[EventBatch]:
-    """Blocking replay: every batch from ``start_seq`` until the end marker, in order.
-
-    Raises :class:`ReplayTimeoutError` if the end marker does not come within ``timeout_s`` of
-    the previous reply.
-    """
+    """Blocking replay: every batch from ``start_seq`` to the end marker, in order; raises
+    :class:`ReplayTimeoutError` after ``timeout_s`` without a reply."""
     session = ReplaySession(context, endpoint, start_seq, idle_timeout_s=timeout_s)
     batches: list[EventBatch] = []
     try:

@@ -1,69 +1,11 @@
-"""Per-stream ordering: sequence tracking, gaps, replay, engine restarts. No I/O here.
+"""Per-stream ordering: seq tracking, gaps, replays, engine restarts; no I/O.
 
-A :class:`StreamTracker` sees every live batch and every replayed batch of one stream
-(replica, data-parallel rank) and answers with a :class:`Step`: whether to clear the
-stream, which batches to apply (in order), and whether to ask for a replay. The
-pipeline carries the step out. Rules:
-
-* ``seq == last + 1`` → apply. ``seq > last + 1`` → a gap: replay from ``last + 1``,
-  buffering live batches meanwhile; they are applied after the replay, deduplicated by seq.
-  A gap found among the buffered batches starts another replay, unless the replay failed
-  or the gap begins where the replay began (it had nothing to give): then it is counted
-  as unrepaired and its history as lost (below).
-* **History that cannot be repaired is not credited.** A gap no replay can fill (no
-  replay endpoint; a replay that failed or timed out; a replay that begins later than
-  ``last + 1``, the engine's buffer no longer reaching back) clears the stream, counted
-  ``num_history_lost``, and it is rebuilt from what the replica still sends: the truncated
-  replay's batches, then the live ones. Why clear rather than keep: the missing batches
-  may have removed blocks the index still credits, and nothing can tell which; a block
-  missed costs a cache hit, a block wrongly credited sends a request to a replica that
-  recomputes it. After the clear every credited block is one seen stored since. Stores
-  that follow may name parents lost with that history (orphans): the pipeline starts
-  the rebuild cooldown at the clear, so orphan repair cannot loop on them.
-* ``seq <= last`` on the live stream is either a duplicate or the first batch heard from a
-  restarted engine (vLLM restarts its counter at 0; its first batches may be lost before
-  the socket connects, so the seq seen may be above 0). The live batch alone cannot tell
-  (a peer may repeat a seq with any payload), so nothing is cleared on its word:
-
-  - a batch already seen (same seq *and* same engine timestamp, as after a replay
-    overlap) is a duplicate: counted and dropped;
-  - otherwise, with a replay endpoint, the stream is checked by a replay from 0 (nothing
-    cleared meanwhile): the engine's own history shows a restart (a remembered seq with
-    another timestamp, or a whole history that ends below ``last``), and then the stream
-    is cleared and rebuilt from it; if it shows none, the batch was a duplicate;
-  - without one, the batch is held and the next live batch decides: if it follows the
-    held one and is still at or below ``last`` (the counter moves on from the low seq),
-    the engine restarted: clear, apply both. Anything else (e.g. ``last + 1``: the old
-    counter goes on) makes the held batch a duplicate, counted and dropped. A restart
-    whose first batches were all lost and whose counter meets the old one exactly at
-    ``last`` is then taken for a duplicate: only a replay endpoint can see it.
-* On start or reconnect the stream resyncs: replay from the oldest available batch (0);
-  batches at or below what was applied are skipped, unless the engine restarted meanwhile,
-  shown by a timestamp that differs from the one remembered for that seq, by a replay
-  of the whole history (from seq 0) that ends below what was applied, or by a replay from
-  0 that returns nothing at all (end marker only) while something was applied: an engine
-  that ever sent a batch keeps its newest ones buffered, so an empty buffer is a
-  restarted one (a replica restarted but quiet). Then the stream is cleared (a restart)
-  and every batch of that replay is applied (they all come from the restarted engine).
-  The empty case is safe under vLLM < 0.33's lost tails (the ROUTER drops what overflows
-  its send limit): the first reply into a fresh DEALER's pipe is never dropped, and a
-  replay whose replies were undecodable proves nothing. (An engine run with
-  ``buffer_steps = 0`` always answers empty: each resync, and each probe, clears it.) A
-  batch that revealed a restart is judged once: the replay it started supersedes it.
-* A *probe* checks a silent stream for a seq reset (bind mode, or a reconnect the socket
-  monitor missed): a replay from ``last``. The same engine answers with that very batch
-  (same seq and timestamp) and anything newer, applied; an empty answer or another batch
-  starts a replay from 0, which decides as above. A live batch during a probe ends it
-  (the stream is not silent). The pipeline probes a stream silent for
-  ``probe_interval_s``, so a replica restarted quiet loses its old blocks within that
-  interval, a maintenance tick (1 s) and two replays (at worst ``replay_timeout_s`` each;
-  a live engine answers in milliseconds).
-* A *rebuild* (to repair orphaned stores) also replays from 0; if the engine still holds
-  its whole history (the replay starts at seq 0), the stream is cleared and rebuilt.
-* Without a replay endpoint, a gap is counted as unrepaired and loses the history (above),
-  and a confirmed restart (above) clears the stream and applies the batches.
-* A replay that starts later than asked is counted as truncated; what it returns is
-  applied, after a clear when it begins past ``last + 1`` (lost history).
+A :class:`StreamTracker` answers each batch with a :class:`Step` (clear, apply, replay).
+``seq == last + 1`` applies; a gap replays from ``last + 1``. History no replay can give back
+is not credited: the stream is cleared and rebuilt from what follows. A live ``seq <= last``
+is a duplicate (same timestamp) or checked by a replay from 0 (without an endpoint: judged by
+the next batch); a restart clears the stream. A replay from 0 whose history ends below
+``last``, or is empty, shows a restart; a probe of a silent stream replays from ``last``.
 """
 
 from __future__ import annotations
@@ -76,9 +18,6 @@ from kvindex.indexer.domain.events import EventBatch, Numbered
 from kvindex.indexer.domain.health import StreamCounters
 
 _TS_MEMORY = 4096
-"""How many recent (seq, ts) pairs are kept, at least, to tell a duplicate from a restart.
-Up to twice as many are held: they are trimmed in bulk (deleting a dict's oldest entry one
-at a time costs a scan over the holes left by earlier deletions)."""
 
 
 class Mode(enum.Enum):
@@ -86,8 +25,6 @@ class Mode(enum.Enum):
     LIVE = "live"
     REPLAYING = "replaying"
     SUSPECT = "suspect"
-    """A backwards live batch is held until the next one tells a restart from a duplicate
-    (no replay endpoint). Not LIVE, so :meth:`StreamTracker.accept_next` declines."""
 
 
 @dataclass(slots=True)
@@ -98,8 +35,6 @@ class Step:
     batches: list[EventBatch] = field(default_factory=list)
     replay_from: int | None = None
     history_lost: bool = False
-    """The clear drops history no replay could give back (counted ``num_history_lost``):
-    stores that follow may name parents the index never sees again."""
 
 
 @dataclass(slots=True)
@@ -107,35 +42,21 @@ class _Replay:
     start: int
     rebuild: bool
     pending: list[EventBatch] = field(default_factory=list)
-    """Live batches that arrived meanwhile, applied (deduplicated) when the replay ends."""
     skipped: list[EventBatch] = field(default_factory=list)
-    """Replayed batches skipped as already applied. Every replayed batch comes from the
-    engine as it is now, so if the replay reveals a restart these are applied after all."""
+    """Replayed batches skipped as applied: applied after all if the replay shows a restart."""
     gap_seq: int | None = None
-    """Seq of the live batch whose gap started this replay (that gap is already counted)."""
     for_restart: bool = False
-    """Started to check whether ``pending[0]`` (a backwards batch) means a restart; the
-    replay supersedes that batch."""
     num_received: int = 0
     first_seq: int | None = None
     max_seq: int = -1
     probe: bool = False
-    """A seq-reset probe: asked from ``last_seq``, whose batch must come back first, as
-    remembered, for the engine to be the same one."""
     confirmed: bool = False
-    """A probe whose first reply was the remembered batch."""
     doubted: bool = False
-    """A probe whose first reply was another batch: the rest is ignored, a check from 0
-    decides."""
 
 
 class StreamTracker:
-    """Ordering state of one stream. Not thread-safe: one owner (the pipeline).
-
-    It counts batches, gaps, replays, restarts and duplicates into :attr:`counters`, which
-    its owner may swap for a fresh one between calls (the pipeline hands each stream's
-    counts to the registry that way); left alone, they are running totals.
-    """
+    """Ordering state of one stream; one owner. Counts into :attr:`counters`, which the owner
+    may swap for a fresh one between calls."""
 
     def __init__(
         self,
@@ -159,14 +80,11 @@ class StreamTracker:
 
     @property
     def replaying(self) -> bool:
-        """Whether a replay is open, other than a probe (a probe changes nothing unless it
-        finds a restart, which it hands to a replay from 0)."""
         return self._replay is not None and not self._replay.probe
 
     # --- triggers ------------------------------------------------------------------------
 
     def resync(self, *, rebuild: bool = False) -> Step:
-        """Start (or reconnect): replay from the oldest batch the engine still buffers."""
         if not self.can_replay:
             if self._suspect is None:
                 self.mode = Mode.LIVE
@@ -178,13 +96,8 @@ class StreamTracker:
         return self._start_replay(0, rebuild=rebuild, pending=[])
 
     def probe(self) -> Step:
-        """A silent live stream: ask the engine again for the last applied batch.
-
-        The engine that sent it answers with it (same seq, same timestamp) and anything
-        newer; an empty answer or another batch means its counter went back, and a replay
-        from 0 follows to decide, as the module's rules say. A no-op (an empty step) without
-        a replay endpoint, during a replay, or before anything was applied.
-        """
+        """A silent live stream: ask again for the last applied batch (a no-op without a
+        replay endpoint, during a replay, or before anything was applied)."""
         if not self.can_replay or self._replay is not None or self.mode is not Mode.LIVE:
             return Step()
         if self.last_seq < 0:
@@ -195,8 +108,8 @@ class StreamTracker:
         return Step(replay_from=self.last_seq)
 
     def accept_next(self, batch: Numbered) -> bool:
-        """The common case, kept cheap: the next batch of a live stream is remembered and
-        True is returned (apply it). False: nothing was done; ask :meth:`on_live`."""
+        """The common case, kept cheap: True if ``batch`` is the live stream's next one (now
+        remembered); False: nothing was done, ask :meth:`on_live`."""
         if self.mode is Mode.LIVE and batch.seq == self.last_seq + 1 and self._replay is None:
             self._remember(batch)
             return True
@@ -242,12 +155,9 @@ class StreamTracker:
         return step
 
     def on_replay_end(self, *, complete: bool = True) -> Step:
-        """The end marker came. ``complete=False``: some replies were undecodable, so an
-        empty replay does not prove an empty engine buffer."""
         return self._finish_replay(failed=False, complete=complete)
 
     def on_replay_failed(self) -> Step:
-        """The replay timed out or its socket failed: apply what was buffered, count it."""
         return self._finish_replay(failed=True)
 
     # --- internals -----------------------------------------------------------------------
@@ -282,7 +192,6 @@ class StreamTracker:
             self._lose_history(step)
 
     def _probe_answer(self, replay: _Replay, batch: EventBatch) -> None:
-        """The first reply to a probe confirms the engine or casts doubt on it."""
         if replay.doubted:
             return
         if batch.seq == self.last_seq and self._seen.get(batch.seq) == batch.ts:
@@ -293,8 +202,6 @@ class StreamTracker:
             replay.doubted = True
 
     def _lose_history(self, step: Step) -> None:
-        """A gap no replay can fill: clear what the stream credited (if anything), so that
-        every block it credits from now on is one seen stored since."""
         if self.last_seq < 0:
             return
         self.counters.num_history_lost += 1
@@ -304,11 +211,6 @@ class StreamTracker:
     def _live(
         self, batch: EventBatch, *, repair_above: int | None, counted_gap: int | None = None
     ) -> Step:
-        """Apply a live (or drained) batch.
-
-        A gap starting above ``repair_above`` starts a replay (``None``: never, as after a
-        failed replay); a restart always does when the stream can replay.
-        """
         seq = batch.seq
         if seq <= self.last_seq:
             return self._backwards(batch)
@@ -332,10 +234,6 @@ class StreamTracker:
         return step
 
     def _backwards(self, batch: EventBatch) -> Step:
-        """A live batch at or below ``last_seq``: a duplicate, or a restarted engine's.
-
-        Nothing is cleared yet: a replay from 0 (with an endpoint) or the next live batch
-        (without) decides, as the module's rules say."""
         if self._is_known(batch, in_replay=False):
             self.counters.num_duplicates += 1
             return Step()
@@ -346,9 +244,6 @@ class StreamTracker:
         return Step()
 
     def _judge_suspect(self, suspect: EventBatch, batch: EventBatch) -> Step:
-        """The live batch after a held backwards one: a restart if the counter moves on
-        from the held seq while still at or below ``last_seq``; else the held one was a
-        duplicate."""
         self._suspect = None
         self.mode = Mode.LIVE
         if suspect.seq < batch.seq <= self.last_seq:
@@ -360,11 +255,8 @@ class StreamTracker:
         return self._live(batch, repair_above=-1)
 
     def _is_known(self, batch: EventBatch, *, in_replay: bool) -> bool:
-        """Whether a batch at or below ``last_seq`` was already applied.
-
-        A replayed batch whose timestamp is no longer remembered is taken as applied; on the
-        live stream it means the engine restarted.
-        """
+        """Whether a batch at or below ``last_seq`` was applied (a replayed one whose
+        timestamp is forgotten is taken as applied; a live one means a restart)."""
         known_ts = self._seen.get(batch.seq)
         return known_ts == batch.ts or (known_ts is None and in_replay)
 
@@ -375,8 +267,6 @@ class StreamTracker:
         return step
 
     def _restart_with(self, replay: _Replay) -> Step:
-        """A replay revealed a restart: clear, then apply what it skipped as already applied
-        (every replayed batch comes from the engine as it is now)."""
         step = self._restart()
         for skipped in replay.skipped:
             self._apply(skipped, step)
@@ -420,16 +310,8 @@ class StreamTracker:
         return step
 
     def _history_went_back(self, replay: _Replay, *, complete: bool) -> bool:
-        """Whether a replay from 0 that came back shows the engine's counter went back.
-
-        A running engine replays up to its newest batch, at least ``last_seq``. A whole
-        history (from seq 0) that ends below it, or no history at all, means a restart
-        (while the indexer was down, or a restarted replica that has published nothing
-        yet). Only a history from seq 0 is trusted that way: a replay may lose its tail
-        (vLLM < 0.33, the ROUTER's send limit), and then this clear costs a rebuild, never
-        blocks. An empty one cannot be a lost tail: the first message into a fresh DEALER's
-        pipe is never dropped, so an engine with any batch buffered sends at least one.
-        """
+        """Whether a replay from 0 shows the counter went back: a whole history ending below
+        ``last_seq``, or none (a fresh DEALER's first reply is never dropped)."""
         if replay.start != 0 or self.last_seq < 0:
             return False
         if replay.num_received == 0:
@@ -437,11 +319,6 @@ class StreamTracker:
         return replay.first_seq == 0 and replay.max_seq < self.last_seq
 
     def _drain(self, replay: _Replay, *, failed: bool) -> Step:
-        """Apply the batches buffered during a replay, in order.
-
-        A new gap or restart starts another replay (a gap only past where this one started,
-        so an empty reply cannot loop) and the remaining batches wait for it.
-        """
         step = Step()
         repair_above = None if failed else replay.start
         pending = replay.pending
@@ -456,17 +333,13 @@ class StreamTracker:
         return step
 
     def _superseded(self, replay: _Replay, *, failed: bool) -> bool:
-        """Whether the batch that revealed a restart is covered by the replay it started.
-
-        A replay that came back holds every batch the engine had published, so if the
-        batch is not among them it was stale. Judging it again could restart forever.
-        """
+        """Whether the batch that revealed a restart is covered by its replay (judging it
+        again could restart forever)."""
         revealing = replay.pending[0]
         return revealing.seq <= self.last_seq or (not failed and replay.num_received > 0)
 
 
 def _then(step: Step, later: Step) -> None:
-    """Fold ``later`` into ``step`` (a clear discards what ``step`` would have applied)."""
     if later.clear:
         step.clear = True
         step.batches.clear()

@@ -1,73 +1,16 @@
-"""ZeroMQ side of the write path: sockets, topologies, reconnects. Nothing else.
+"""ZeroMQ side of the write path: sockets, topologies, reconnects, ingest workers.
 
-Two topologies, as vLLM allows (both may be used at once):
-
-* **connect** — a replica's ``endpoint`` binds (``tcp://*:5557``, vLLM's default); the
-  indexer connects one SUB per (replica, data-parallel rank), rank r at port + r. The
-  stream is known from the socket; a socket monitor tells connects from disconnects.
-* **bind** — the indexer binds one SUB (``settings.bind``); replicas connect to it (a vLLM
-  endpoint without ``*``). Each stream is known from its topic ``kv@<replica>@<model>``
-  and the batch's data-parallel rank, and is registered on its first event.
-
-Replays use one DEALER per replay (:class:`~kvindex.indexer.ingest.replay.ReplaySession`), open
-only while the replay runs.
-
-Scale: a connect-mode stream holds three sockets (SUB and its monitor's two ends) and about
-four open files, so the subscriber opens its own context sized to the open-file limit
-(:mod:`~kvindex.indexer.ingest.process_limits`): thousands of replicas fit where the file limit
-allows. A socket that still cannot open raises :class:`SocketLimitError` at start (the CLI
-prints it) and is one error line later (a replica added at run time, a replay), naming the
-limits and the fix; a replay that cannot open fails as a timed-out one does.
-
-Sharded indexers (a :class:`~kvindex.indexer.ingest.membership.Shard`): only the connect-mode
-streams this process owns are subscribed, each rank of a replica on its own (a replica's
-ranks may belong to different indexers). At every lease renew the loop re-evaluates
-ownership: a stream gained is claimed (fencing its previous owner out) and subscribed (its
-connect resyncs it from the stored watermark); a stream lost is unsubscribed and released.
-A stream the store fenced out is released at once and not taken back before the next renew
-period. Subscribing to owned streams only is what makes ingest scale with the processes:
-decoding every stream's frames everywhere and writing only the owned ones would cost each
-process the whole fleet's decoding. Bind-mode streams belong to the indexer the replica
-publishes to (it claims them on their first event).
-
-Threading: ingest workers (``ingest_workers``; on the memory store one per two cores
-available, 1 to 2; one on Redis and whenever sharded). Each worker is a
-:class:`SubscriberLoop` in a thread of its own that owns the sockets of its share of the
-connect-mode streams (:class:`~kvindex.indexer.ingest.partition.StreamPartition`: each stream,
-rank by rank, given to the worker with the fewest when first seen, and kept there) and its
-own :class:`~kvindex.indexer.ingest.pipeline.Pipeline`, which decides everything else for those
-streams (ordering, replays, registration, purges, recovery). A stream is on one worker, so
-its batches are applied in order, and its replays, restarts and resyncs run on that worker
-while the others go on. The workers share the one index (thread-safe: one lock, see
-:mod:`~kvindex.indexer.index.memory`), the registry (thread-safe; each worker records its
-own streams, and their unrouted totals are summed) and one ZeroMQ context (an I/O thread
-per worker). The bound SUB is read by the first worker alone: one socket receives every
-replica that connects, and handing its frames to other threads by topic would cost a copy
-and a queue per message in Python, under the GIL, which is most of what a frame costs
-(below); so bind mode ingests on one core, and a fleet that needs more publishes in connect
-mode.
-
-What overlaps, and what it costs: only the compiled ingest (``Tables.ingest``: translation
-and apply) runs without the GIL, and it holds the index lock; receiving (pyzmq), reading
-the msgpack (``native_live``) and the pipeline's bookkeeping hold the GIL. So two workers
-overlap one's compiled ingest with the other's Python, and the larger of the two parts is
-the ceiling. One worker's thread CPU over ZeroMQ: on ``bench/ingest.py --quick`` (5.4
-events of 1.7 blocks a batch) receiving 40 %, the compiled ingest 26 %, the pipeline's
-Python 15 %, reading the msgpack 14 %, the poll loop 4 % (the GIL's part, 74 %, is the
-ceiling: at most 1.35x); on batches of 16 events of 16 blocks (the side-by-side
-benchmark's) the compiled ingest 78 %, receiving 8 %, reading 9 %, the pipeline 4 % (the
-index lock's part is the ceiling: at most 1.28x). On this 2-core host two workers measured
-0.97x of one, for 12 % more CPU (the threads hand the GIL and the lock to each other), so
-the default gives a worker per two cores. A worker whose thread dies (an exception its
-loop does not catch) is logged and started again within half a second, its streams
-resynced from the index.
+Connect mode: one SUB per (replica, rank) on its endpoint, a monitor telling connects from
+disconnects. Bind mode: one SUB on ``settings.bind``, each stream named by its topic and rank.
+Each worker (:class:`SubscriberLoop`, a thread) owns its share of the streams and its own
+pipeline, so a stream's batches apply in order; the first also reads the bound SUB. Sharded,
+a loop subscribes only to the streams its process owns. A dead worker is restarted.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
-import select
 import threading
 import time
 from collections.abc import Callable
@@ -85,6 +28,7 @@ from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.ingest.membership import Shard
 from kvindex.indexer.ingest.partition import StreamPartition, UnroutedTotals
 from kvindex.indexer.ingest.pipeline import Pipeline
+from kvindex.indexer.ingest.poller import ReadablePoller
 from kvindex.indexer.ingest.process_limits import (
     describe_limits,
     file_limit,
@@ -99,13 +43,7 @@ _POLL_MS = 50
 _MAX_MESSAGES_PER_WAKE = 1024
 _MAINTENANCE_EVERY_S = 1.0
 _SUPERVISE_S = 0.5
-"""How often the subscriber looks for a worker whose thread died."""
 _RECEIVE_HWM = 8
-"""Messages a SUB queues per publisher before it stops reading from that connection (TCP
-then holds the publisher back, whose own queue takes the rest: vLLM's holds 100,000).
-Unbounded, a burst faster than ingest piled up in this process, for the whole fleet
-(12 MB for 16 replicas sending 200,000 blocks at once); the loop drains what is queued at
-each wake, so a few messages per stream are all it needs at hand."""
 
 Context = zmq.Context[zmq.Socket[bytes]]
 Socket = zmq.Socket[bytes]
@@ -120,67 +58,9 @@ def _out_of_files(exc: zmq.ZMQError) -> bool:
     return exc.errno in _OUT_OF_FILES
 
 
-def _int_option(sock: Socket, option: int) -> int:
-    value = sock.getsockopt(option)
-    assert isinstance(value, int)
-    return value
-
-
-class ReadablePoller:
-    """``zmq.Poller``'s register / unregister / poll for readability, costing the sockets that
-    are ready rather than every socket registered: with thousands of streams a
-    ``zmq.Poller.poll`` walks every socket each turn (9-16 ms for 4,000 here, 0.2 ms this way).
-
-    An epoll watches each socket's ``ZMQ_FD``, which signals when the socket's state may have
-    changed; ``ZMQ_EVENTS`` then says whether it is readable. A socket reported readable is
-    checked again at the next poll (without waiting) until it is not, so a caller that stops
-    draining early, or that sends on it, loses no wake-up. Used from one thread; a socket is
-    unregistered before it is closed."""
-
-    def __init__(self) -> None:
-        self._epoll = select.epoll()
-        self._socket_of: dict[int, Socket] = {}
-        self._unchecked: set[Socket] = set()
-
-    @property
-    def sockets(self) -> list[Socket]:
-        return list(self._socket_of.values())
-
-    def register(self, sock: Socket) -> None:
-        fd = _int_option(sock, zmq.FD)
-        self._epoll.register(fd, select.EPOLLIN)
-        self._socket_of[fd] = sock
-        self._unchecked.add(sock)  # it may hold messages already
-
-    def unregister(self, sock: Socket) -> None:
-        fd = _int_option(sock, zmq.FD)
-        self._epoll.unregister(fd)
-        del self._socket_of[fd]
-        self._unchecked.discard(sock)
-
-    def poll(self, timeout_ms: int) -> list[Socket]:
-        """The readable sockets, waiting up to ``timeout_ms`` for one (not at all while a
-        socket reported last time is still to be checked)."""
-        timeout_s = 0.0 if self._unchecked else timeout_ms / 1000
-        for fd, _ in self._epoll.poll(timeout_s):
-            sock = self._socket_of.get(fd)
-            if sock is not None:
-                self._unchecked.add(sock)
-        ready = [s for s in self._unchecked if _int_option(s, zmq.EVENTS) & zmq.POLLIN]
-        self._unchecked = set(ready)
-        return ready
-
-    def close(self) -> None:
-        """Stop watching (every socket should be unregistered by now); idempotent."""
-        self._socket_of.clear()
-        self._unchecked.clear()
-        self._epoll.close()
-
-
 class _ReplaySockets:
-    """The pipeline's :class:`~kvindex.indexer.ingest.pipeline.ReplayRequests`: one DEALER per open
-    replay, polled by the loop. A replay whose DEALER cannot open (out of files) is held as
-    expired, so the pipeline gives it up as a timed-out one. Used from the loop's thread only."""
+    """The pipeline's ``ReplayRequests``: one DEALER per open replay, polled by the loop; one
+    that cannot open (out of files) is given up as a timed-out one. One thread."""
 
     def __init__(
         self,
@@ -229,7 +109,6 @@ class _ReplaySockets:
             )
 
     def expired(self) -> list[StreamId]:
-        """Streams whose replay went silent too long or never opened."""
         late = [s for s, session in self.sessions.items() if session.expired()]
         return late + sorted(self.unopened)
 
@@ -245,9 +124,8 @@ class _ReplaySockets:
 
 
 class SubscriberLoop:
-    """One ingest worker's loop: the sockets of its share of the streams (``partition``)
-    and the bound SUB if it is the first, fed to its own :class:`Pipeline`. Used from one
-    thread at a time (the :class:`Subscriber` runs each loop in a thread of its own)."""
+    """One ingest worker's loop: its share of the streams' sockets (and the bound SUB if it
+    is the first), fed to its own :class:`Pipeline`. One thread at a time."""
 
     def __init__(
         self,
@@ -268,9 +146,7 @@ class SubscriberLoop:
         self.worker = worker
         self._partition = partition
         self._ranks_of: dict[str, tuple[int, ...]] = {}
-        """The ranks subscribed per replica (all of them unless sharded or shared out)."""
         self._excluded: dict[StreamId, float] = {}
-        """Streams fenced out, and until when they are not taken back."""
         self._zmq_context = context
         self._clock = clock
         self._poller = ReadablePoller()
@@ -298,29 +174,21 @@ class SubscriberLoop:
     # --- lifecycle -----------------------------------------------------------------------
 
     def open(self) -> None:
-        """Open the bound SUB (the first worker) and the sockets of the streams owned now;
-        raises :class:`SocketLimitError` or :class:`zmq.ZMQError` (the caller closes)."""
+        """Open the bound SUB (first worker) and the owned streams' sockets; raises
+        :class:`SocketLimitError` or :class:`zmq.ZMQError` (the caller closes)."""
         if self.worker == 0:
             self._open_bound()
         self._reconcile(strict=True)
 
     @property
     def subscribed_replicas(self) -> list[str]:
-        """Ids of the replicas with sockets of this loop open, sorted (read from the loop's
-        thread, or while it does not run)."""
         return sorted(self._sockets_of)
 
     @property
     def num_streams_open(self) -> int:
-        """Connect-mode streams whose SUB this loop holds."""
         return len(self._sub_of)
 
     def run_once(self, timeout_ms: int = _POLL_MS) -> None:
-        """One loop turn: reconcile replicas, poll, handle, expire, maintain.
-
-        It waits up to ``timeout_ms`` for a socket (or for the stop event): with no socket
-        registered a poll would return at once, which would spin a core.
-        """
         self._reconcile()
         if self._shard is not None:
             self._shard_turn()
@@ -340,7 +208,6 @@ class SubscriberLoop:
     # --- sharding ------------------------------------------------------------------------
 
     def _shard_turn(self) -> None:
-        """Release what was fenced out; rebalance after each lease renew (or a fence)."""
         assert self._shard is not None
         fenced = self.pipeline.take_fenced()
         hold_off = self._clock() + self._shard.membership.renew_period_s
@@ -352,9 +219,8 @@ class SubscriberLoop:
             self._rebalance()
 
     def _owned_ranks(self, spec: ReplicaSpec, every_worker: bool = False) -> tuple[int, ...]:
-        """The replica's ranks this loop subscribes to: those of its worker (all with one
-        worker; ``every_worker``: those of every worker, what the process subscribes to),
-        of them the ones this process owns when sharded."""
+        """The replica's ranks this loop subscribes to (``every_worker``: the process's),
+        the owned ones when sharded."""
         ranks: list[int] | range = range(spec.dp_size)
         if self._partition is not None and not every_worker:
             worker_of = self._partition.worker_of
@@ -370,8 +236,6 @@ class SubscriberLoop:
         )
 
     def _rebalance(self) -> None:
-        """Close the replicas whose owned ranks changed (releasing the ranks lost), then
-        open every replica with owned ranks and no sockets (claims happen as they open)."""
         now = self._clock()
         self._excluded = {s: t for s, t in self._excluded.items() if t > now}
         spec_of = {s.id: s for s in self._specs}
@@ -418,7 +282,6 @@ class SubscriberLoop:
         return sock
 
     def _reconcile(self, *, strict: bool = False) -> None:
-        """When the registry changed: open SUBs for new replicas, close removed ones'."""
         specs = self.pipeline.reconcile()
         if specs is None:
             return
@@ -429,9 +292,8 @@ class SubscriberLoop:
         self._open_replicas(strict=strict)
 
     def _open_replicas(self, *, strict: bool) -> None:
-        """Open the sockets of every registered replica that has none. Out of files:
-        ``strict`` raises :class:`SocketLimitError`; else one error line when the number
-        of replicas left unopened changes (they are tried again each maintenance turn)."""
+        """Open every registered replica without sockets. Out of files: ``strict`` raises
+        :class:`SocketLimitError`; else one error line when the count left unopened changes."""
         unopened = [
             s
             for s in self._specs
@@ -457,15 +319,13 @@ class SubscriberLoop:
         self._num_unopened = num_unopened
 
     def _log_files_needed(self, num_streams: int) -> None:
-        """Say at start what ``num_streams`` streams will hold against the file limit."""
         needed, limit = files_needed(len(self._sub_of) + num_streams), file_limit()
         level = logging.WARNING if needed > limit.soft else logging.INFO
         message = "subscribing to %d streams: about %d open files, open-file limit %s"
         log.log(level, message, num_streams, needed, limit)
 
     def _connect_replica(self, spec: ReplicaSpec) -> None:
-        """Every rank's SUB and monitor, then the streams tracked; out of files, none of the
-        replica's sockets stays open and :class:`SocketLimitError` says which limit."""
+        """Every rank's SUB and monitor; out of files none stays open: :class:`SocketLimitError`."""
         sockets: list[Socket] = []
         pairs: list[tuple[StreamId, Socket, Socket]] = []
         ranks = self._owned_ranks(spec)
@@ -501,7 +361,6 @@ class SubscriberLoop:
         log.info("replica %s rank %d: connecting to %s", spec.id, stream.rank, endpoint)
 
     def _close_sockets(self, sockets: list[Socket]) -> None:
-        """Close sockets not (yet) registered anywhere: a SUB's monitor is disabled first."""
         for sock in sockets:
             if sock.type == zmq.SUB:
                 sock.disable_monitor()
@@ -518,7 +377,6 @@ class SubscriberLoop:
             sock.close(linger=0)
 
     def close(self) -> None:
-        """Close every socket of this loop (its replays' undecodable replies counted)."""
         self.pipeline.close()
         for replica in list(self._sockets_of):
             self._close_replica(replica)
@@ -559,16 +417,9 @@ class SubscriberLoop:
 
 
 class Subscriber:
-    """Subscribes to every replica and feeds what arrives to the pipelines: the ingest
-    workers (``settings.num_ingest_workers``; one when sharded), each a
-    :class:`SubscriberLoop` in a thread of its own, sharing the index, the registry and one
-    ZeroMQ context. The first worker also reads the bound SUB.
-
-    ``num_workers`` overrides the setting (tests, benchmarks). A worker whose thread ends
-    other than by :meth:`stop` (an exception its loop does not catch) is logged as an error
-    and started again within :data:`_SUPERVISE_S`, its streams resynced from the index
-    (:meth:`Pipeline.restart`): what it had not applied is replayed or counted, not lost.
-    """
+    """Subscribes to every replica and feeds the ingest workers' pipelines (one worker when
+    sharded; ``num_workers`` overrides the setting). A worker whose thread ends other than by
+    :meth:`stop` is restarted within :data:`_SUPERVISE_S`, its streams resynced."""
 
     def __init__(
         self,
@@ -607,11 +458,9 @@ class Subscriber:
         self._supervisor: threading.Thread | None = None
         self._opened = False
         self.num_restarts = 0
-        """Workers started again after their thread ended unexpectedly."""
 
     @property
     def pipeline(self) -> Pipeline:
-        """The first worker's pipeline (the only one with one worker; the bound SUB's)."""
         return self.loops[0].pipeline
 
     @property
@@ -624,21 +473,16 @@ class Subscriber:
 
     @property
     def subscribed_replicas(self) -> list[str]:
-        """Ids of the replicas with sockets open in any worker, sorted (read while the
-        workers do not run, or as a snapshot that may be a turn old)."""
         return sorted({r for loop in self.loops for r in loop.subscribed_replicas})
 
     def worker_of(self, stream: StreamId) -> int:
-        """The worker that owns a connect-mode stream."""
         return self.partition.worker_of(stream)
 
     # --- lifecycle -----------------------------------------------------------------------
 
     def open(self) -> None:
-        """Open every worker's sockets (so bind errors and :class:`SocketLimitError`
-        surface here, every socket closed again) without running the workers yet: what
-        arrives meanwhile waits in the sockets (a benchmark's backlog). :meth:`start`
-        does it if not done."""
+        """Open every worker's sockets without running the workers (errors surface here,
+        every socket closed again); :meth:`start` does it if not done."""
         if self._opened:
             return
         try:
@@ -651,8 +495,6 @@ class Subscriber:
         log.info("ingest workers: %d", len(self.loops))
 
     def start(self) -> None:
-        """:meth:`open`, then run each worker in a daemon thread, and a supervisor that
-        restarts a worker whose thread died."""
         self.open()
         for worker in range(len(self.loops)):
             self._start_worker(worker)
@@ -663,11 +505,9 @@ class Subscriber:
 
     @property
     def running(self) -> bool:
-        """True while every worker's thread runs (started, not ended)."""
         return all(t is not None and t.is_alive() for t in self._threads)
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop every worker (each within one poll turn), then close every socket."""
         self._stop.set()
         deadline = time.monotonic() + timeout_s
         for thread in [self._supervisor, *self._threads]:
@@ -676,7 +516,6 @@ class Subscriber:
         self._close_all()
 
     def run_once(self, timeout_ms: int = _POLL_MS) -> None:
-        """One turn of every worker's loop, in order (tests, when the threads do not run)."""
         for loop in self.loops:
             loop.run_once(timeout_ms)
 
@@ -700,8 +539,6 @@ class Subscriber:
             log.critical("ingest worker %d died", loop.worker, exc_info=True)
 
     def _supervise(self) -> None:
-        """Every :data:`_SUPERVISE_S`: a worker whose thread ended before :meth:`stop` is
-        logged, its streams set to resync, and started again."""
         while not self._stop.wait(_SUPERVISE_S):
             for worker, thread in enumerate(self._threads):
                 if thread is None or thread.is_alive() or self._stop.is_set():
@@ -719,10 +556,8 @@ class Subscriber:
     # --- the shared context --------------------------------------------------------------
 
     def _zmq_context(self) -> Context:
-        """The context given, or the subscriber's own, opened on first use (a subscriber
-        built and never started holds none) and sized to the open-file limit then, which
-        the service has raised by that time, with an I/O thread per worker; closed with
-        the subscriber. Called from every worker's thread."""
+        """The context given, or the subscriber's own, opened on first use, sized to the
+        open-file limit then, with an I/O thread per worker. Called from every worker."""
         if self._given_context is not None:
             return self._given_context
         with self._context_lock:

@@ -1,27 +1,14 @@
-"""vLLM's KV-event wire format (``--kv-events-config``), both directions, in one module.
+"""vLLM's KV-event wire format (``--kv-events-config``), both directions; pure, and the only
+module that reads msgpack (:class:`WireError` on bad input).
 
-Live message: ``[topic, seq (8 bytes big-endian), payload]``. Payload: msgpack array
-``[ts, events, data_parallel_rank]``. Events are msgpack arrays tagged by their first
-element (vLLM ≤ 0.23) or maps tagged by key ``"type"`` (vLLM ≥ 0.24); trailing optional
-fields may be absent and unknown extra fields are ignored. Hashes arrive as any msgpack
-int width or as a 32-byte bin and are normalised to unsigned 64-bit (the last 8 bytes,
-big-endian — vLLM's own int projection).
+Live: ``[topic, seq (8 bytes big-endian), payload]``, payload ``[ts, events, rank]``; events
+are arrays tagged first (vLLM ≤ 0.23) or maps tagged by ``"type"`` (≥ 0.24). Hashes of any
+int width or 32-byte bins become u64 (the last 8 bytes, big-endian: vLLM's projection).
+Replay: request ``["", start_seq]``; replies ``["", seq, payload]`` (< 0.26) or ``["",
+topic, seq, payload]``, told apart by frame count; the end has seq ``0xFF * 8``, no payload.
 
-Replay (DEALER ↔ vLLM's ROUTER): request ``["", start_seq (8 bytes)]``; each reply is
-``["", seq, payload]`` (vLLM < 0.26) or ``["", topic, seq, payload]`` (≥ 0.26); the end
-marker has an empty payload and seq ``0xFF * 8``. Layouts are told apart by frame count.
-
-One set of msgspec Structs mirrors vLLM's own (``vllm/distributed/kv_events.py``) and serves
-both directions, as vLLM's does. For each event type a base Struct holds the fields kvindex
-reads, each one a producer may leave out defaulted: the indexer decodes with it
-(``decode_*``), and nothing else is parsed on the hot path. Its ``Vllm*`` subclass is the
-whole of vLLM's struct (0.33's fields for map events, 0.23's for array events): the
-publisher, the simulators and the benchmarks encode with it (``encode_*``, :func:`to_wire`),
-byte for byte as vLLM writes it, which the tests check against the captures in
-``tests/fixtures``.
-
-Everything here is pure: bytes in, domain objects out (and back), :class:`WireError` on bad
-input.
+Per event type a base Struct holds what kvindex reads (decoding); its ``Vllm*`` subclass is
+vLLM's whole struct (encoding, byte for byte as vLLM writes it, checked against captures).
 """
 
 from __future__ import annotations
@@ -43,6 +30,7 @@ from kvindex.indexer.domain.events import (
     EventBatch,
     Tier,
 )
+from kvindex.indexer.ingest.batch_walker import walk_batch
 
 if TYPE_CHECKING:
     from kvindex.indexer.native._core import NativeBatch
@@ -55,22 +43,14 @@ _U64 = (1 << 64) - 1
 _DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
 
 Encoding = Literal["map", "array"]
-"""Event encoding: ``map`` (vLLM ≥ 0.24) or ``array`` (vLLM ≤ 0.23)."""
 ReplayLayout = Literal["topic", "legacy"]
-"""Replay reply layout: ``topic`` (``[topic, seq, payload]``, vLLM ≥ 0.26) or ``legacy``
-(``[seq, payload]``)."""
 WireHash: TypeAlias = int | bytes
-"""A block hash as vLLM sends it: an int of any msgpack width, or a 32-byte digest."""
 WireExtraKeys: TypeAlias = list[tuple[Any, ...] | None] | None
-"""Per-block extra keys as sent (each block's a msgpack array, or nil)."""
 
 
 class WireError(KvIndexError):
-    """A frame or payload that is not vLLM's KV-event format.
-
-    ``seq`` is set when the message's sequence frame was readable (only its payload was
-    bad), so the stream can move past that batch instead of asking for it again.
-    """
+    """A frame or payload that is not vLLM's KV-event format; ``seq`` is set when only the
+    payload was bad, so the stream can move past that batch."""
 
     def __init__(self, message: str, *, seq: int | None = None) -> None:
         super().__init__(message)
@@ -102,8 +82,6 @@ class BlockStoredMap(msgspec.Struct, tag="BlockStored", gc=False):
 
 
 class VllmBlockStoredMap(BlockStoredMap, omit_defaults=True):
-    """vLLM 0.33's ``BlockStored`` map, every field in its order, as vLLM writes it."""
-
     parent_block_hash: WireHash | None
     token_ids: list[int]
     block_size: int
@@ -119,16 +97,12 @@ class VllmBlockStoredMap(BlockStoredMap, omit_defaults=True):
 
 
 class BlockRemovedMap(msgspec.Struct, tag="BlockRemoved", gc=False):
-    """vLLM ≥ 0.24's ``BlockRemoved`` as the indexer reads it."""
-
     block_hashes: list[WireHash]
     medium: str | None = None
     group_idx: int | None = None
 
 
 class VllmBlockRemovedMap(BlockRemovedMap, omit_defaults=True):
-    """vLLM 0.33's ``BlockRemoved`` map, every field in its order, as vLLM writes it."""
-
     medium: str | None
     locality: str | None = None
     ownership: str | None = None
@@ -139,8 +113,7 @@ class AllBlocksClearedMap(msgspec.Struct, tag="AllBlocksCleared", gc=False):
 
 
 class BlockStoredArray(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
-    """vLLM ≤ 0.23's ``BlockStored`` as the indexer reads it: an array, tag first (the
-    first five fields are all that vLLM 0.9 sent)."""
+    """vLLM ≤ 0.23's ``BlockStored`` as the indexer reads it (vLLM 0.9 sent five fields)."""
 
     block_hashes: list[WireHash]
     parent_block_hash: WireHash | None
@@ -154,15 +127,11 @@ class BlockStoredArray(msgspec.Struct, tag="BlockStored", array_like=True, gc=Fa
 
 
 class VllmBlockStoredArray(BlockStoredArray):
-    """vLLM 0.23's ``BlockStored`` array, every field in its order."""
-
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
 
 
 class BlockRemovedArray(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):
-    """vLLM ≤ 0.23's ``BlockRemoved`` (0.23's fields, all of them: one Struct both ways)."""
-
     block_hashes: list[WireHash]
     medium: str | None = None
     group_idx: int | None = None
@@ -176,37 +145,32 @@ MapEvent: TypeAlias = BlockStoredMap | BlockRemovedMap | AllBlocksClearedMap
 ArrayEvent: TypeAlias = BlockStoredArray | BlockRemovedArray | AllBlocksClearedArray
 WireEvent: TypeAlias = MapEvent | ArrayEvent
 VllmMapEvent: TypeAlias = VllmBlockStoredMap | VllmBlockRemovedMap | AllBlocksClearedMap
-"""A map event with every field vLLM 0.33 sends (what :func:`to_wire` makes)."""
 VllmArrayEvent: TypeAlias = VllmBlockStoredArray | BlockRemovedArray | AllBlocksClearedArray
-"""An array event with every field vLLM 0.23 sends (what :func:`to_wire` makes)."""
 
 
 class EventBatchMap(msgspec.Struct, array_like=True, gc=False):
-    """vLLM's ``KVEventBatch`` of map events: ``[ts, events, data_parallel_rank]``."""
-
     ts: float
     events: list[MapEvent]
     data_parallel_rank: int | None = None
 
 
 class EventBatchArray(msgspec.Struct, array_like=True, gc=False):
-    """vLLM's ``KVEventBatch`` of array events: ``[ts, events, data_parallel_rank]``."""
-
     ts: float
     events: list[ArrayEvent]
     data_parallel_rank: int | None = None
 
 
-class _RawBatch(msgspec.Struct, array_like=True, gc=False):
+class RawBatch(msgspec.Struct, array_like=True, gc=False):
+    """A batch with its events left as msgpack bytes (read one by one when one is bad)."""
+
     ts: float
     events: list[msgspec.Raw]
     data_parallel_rank: int | None = None
 
 
 def _with_raw_tokens(base: type[msgspec.Struct], tag: str) -> type[msgspec.Struct]:
-    """``base`` as decoded on the fast path: the same fields, tag and layout, but token ids
-    left as their msgpack bytes (``msgspec.Raw``) for the compiled code to pack (no Python
-    int is made per token). Derived from ``base``, never written twice."""
+    """``base`` with its token ids left as msgpack bytes for the core to pack (derived, so
+    never written twice)."""
     fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
     for info in msgspec.structs.fields(base):
         if info.name == "token_ids" and info.default_factory is list:
@@ -231,7 +195,7 @@ _BATCH_DECODERS = (
     msgspec.msgpack.Decoder(EventBatchMap),
     msgspec.msgpack.Decoder(EventBatchArray),
 )
-_RAW_BATCH = msgspec.msgpack.Decoder(_RawBatch)
+_RAW_BATCH = msgspec.msgpack.Decoder(RawBatch)
 _RawStoredMap = _with_raw_tokens(BlockStoredMap, "BlockStored")
 _RawStoredArray = _with_raw_tokens(BlockStoredArray, "BlockStored")
 
@@ -252,8 +216,7 @@ _FAST_BATCH_DECODERS = (
         "_FastBatchArray", _RawStoredArray | BlockRemovedArray | AllBlocksClearedArray
     ),
 )
-"""The fast path (the compiled core built): :data:`_BATCH_DECODERS`' batches with the
-token ids of stores left raw, packed by ``native.packed_tokens``."""
+"""The packed path: the batches with stores' token ids left raw, packed by the core."""
 _STORED_KINDS = frozenset((BlockStoredMap, BlockStoredArray, _RawStoredMap, _RawStoredArray))
 _EVENT_DECODERS = (msgspec.msgpack.Decoder(MapEvent), msgspec.msgpack.Decoder(ArrayEvent))
 
@@ -262,10 +225,7 @@ _EVENT_DECODERS = (msgspec.msgpack.Decoder(MapEvent), msgspec.msgpack.Decoder(Ar
 
 
 def normalize_hash(value: WireHash) -> EngineHash:
-    """vLLM's int projection: the last 8 bytes big-endian, as unsigned 64-bit.
-
-    Negative ints (Python ``hash()`` before vLLM 0.10.2) are reinterpreted as unsigned.
-    """
+    """vLLM's int projection: the last 8 bytes big-endian; negative ints as unsigned."""
     if isinstance(value, bytes):
         return int.from_bytes(value[-SEQ_BYTES:], "big")
     return value & _U64
@@ -329,8 +289,7 @@ def _to_domain(event: WireEvent) -> Event:
 
 
 class _NotPackedError(Exception):
-    """Token ids the compiled core does not pack (not all ints in [0, 2**32)): the batch
-    is decoded the general way, which tells what is wrong with them."""
+    """Token ids the core does not pack: the batch is decoded the general way."""
 
 
 _Raw = msgspec.Raw
@@ -338,14 +297,8 @@ _pack = native.packed_tokens
 
 
 def decode_payload(payload: bytes, seq: int) -> EventBatch:
-    """Decode one batch payload. Bad events are skipped and counted in ``num_bad_events``.
-
-    With the compiled core built, a store's token ids are a ``native.PackedTokens`` (a
-    sequence equal to the list of them) whenever they are all ints in [0, 2**32), which
-    is what any engine sends; otherwise a list, as decoded without it.
-
-    Raises :class:`WireError` only when the batch itself (not one event) is unreadable.
-    """
+    """One batch payload; bad events are skipped and counted, :class:`WireError` only for an
+    unreadable batch. Token ids are ``native.PackedTokens`` when the core packs them."""
     if native.packed_tokens is not None:
         batch = _decode_packed(payload, seq)
         if batch is not None:
@@ -354,7 +307,9 @@ def decode_payload(payload: bytes, seq: int) -> EventBatch:
 
 
 def _decode_packed(payload: bytes, seq: int) -> EventBatch | None:
-    """The fast path: None unless every event is well formed, with packable token ids."""
+    """Reference: kvindex.indexer.ingest.wire._decode_general; tests/unit/indexer/native/test_core.py::test_packed_decoding_agrees_with_the_general_one
+    The same batch with token ids packed; None unless every event is well formed, with
+    packable token ids."""  # noqa: E501
     for decoder in _FAST_BATCH_DECODERS:
         try:
             batch = decoder.decode(payload)
@@ -380,13 +335,17 @@ def _decode_general(payload: bytes, seq: int) -> EventBatch:
 
 
 def _decode_leniently(payload: bytes, seq: int) -> EventBatch:
-    """Slow path: decode event by event so that one bad event does not lose the batch."""
+    """Event by event, so that one bad event does not lose the batch."""
     try:
-        raw_batch = _RAW_BATCH.decode(payload)
+        raw_batch = decode_raw_batch(payload)
     except RecursionError as exc:
         # An item nested deeper than msgspec recurses: find the events without recursion,
         # so that only the deep one is lost.
-        raw_batch = _walk_batch(payload, seq, exc)
+        try:
+            raw_batch = RawBatch(*walk_batch(payload))
+        except (*_DECODE_ERRORS, ValueError, IndexError) as walk_exc:
+            message = f"undecodable batch payload (seq {seq}): {exc}: {walk_exc}"
+            raise WireError(message, seq=seq) from walk_exc
     except _DECODE_ERRORS as exc:
         raise WireError(f"undecodable batch payload (seq {seq}): {exc}", seq=seq) from exc
     events: list[Event] = []
@@ -401,84 +360,10 @@ def _decode_leniently(payload: bytes, seq: int) -> EventBatch:
     return EventBatch(seq, raw_batch.ts, rank, tuple(events), num_bad)
 
 
-_MAX_WALKED_BYTES = 1 << 20
-"""Largest payload :func:`_walk_batch` walks (in Python, byte by byte); a larger one nested
-past msgspec's depth is undecodable."""
-_SCALAR_SIZES = {
-    **dict.fromkeys((0xC0, 0xC2, 0xC3), 0),
-    **{0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8},
-    **{0xCA: 4, 0xCB: 8, 0xD4: 2, 0xD5: 3, 0xD6: 5, 0xD7: 9, 0xD8: 17},
-}
-"""msgpack heads followed by a fixed number of bytes (nil, bools, numbers, fixext)."""
-_SIZED = {0xC4: 1, 0xC5: 2, 0xC6: 4, 0xD9: 1, 0xDA: 2, 0xDB: 4, 0xC7: 1, 0xC8: 2, 0xC9: 4}
-"""bin, str and ext heads: how many bytes give the length (ext adds a type byte)."""
-_CONTAINERS = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}
-"""array and map heads: bytes of the count, items per counted element."""
-
-
-def _head(buf: bytes, pos: int) -> tuple[int, int]:
-    """The msgpack head at ``pos``: where its own bytes end, and how many items follow it
-    as its content (array elements, map keys and values)."""
-    head = buf[pos]
-    pos += 1
-    if head < 0x80 or head >= 0xE0:  # fixint
-        return pos, 0
-    if head < 0xA0:  # fixmap, fixarray
-        return pos, (head & 0x0F) * (2 if head < 0x90 else 1)
-    if head < 0xC0:  # fixstr
-        return pos + (head & 0x1F), 0
-    if head in _SCALAR_SIZES:
-        return pos + _SCALAR_SIZES[head], 0
-    if head in _SIZED:
-        width = _SIZED[head]
-        extra = 1 if head in (0xC7, 0xC8, 0xC9) else 0
-        return pos + width + extra + int.from_bytes(buf[pos : pos + width], "big"), 0
-    if head in _CONTAINERS:
-        width, per = _CONTAINERS[head]
-        return pos + width, per * int.from_bytes(buf[pos : pos + width], "big")
-    raise ValueError(f"invalid msgpack head {head:#x}")
-
-
-def _skip(buf: bytes, pos: int) -> int:
-    """Where the msgpack item at ``pos`` ends, found without recursion."""
-    remaining = 1
-    while remaining:
-        pos, items = _head(buf, pos)
-        remaining += items - 1
-    if pos > len(buf):
-        raise ValueError("truncated")
-    return pos
-
-
-def _items(buf: bytes, pos: int) -> list[bytes]:
-    """The elements of the msgpack array at ``pos``, each as its own bytes."""
-    if not (0x90 <= buf[pos] <= 0x9F or buf[pos] in (0xDC, 0xDD)):
-        raise ValueError("not an array")
-    pos, count = _head(buf, pos)
-    found = []
-    for _ in range(count):
-        end = _skip(buf, pos)
-        found.append(buf[pos:end])
-        pos = end
-    return found
-
-
-def _walk_batch(payload: bytes, seq: int, cause: RecursionError) -> _RawBatch:
-    """The batch read with every event left raw, for a payload msgspec cannot read for its
-    depth; raises :class:`WireError` if the batch itself is bad (or too large to walk)."""
-    try:
-        if len(payload) > _MAX_WALKED_BYTES or _skip(payload, 0) != len(payload):
-            raise ValueError("too large to walk, or trailing bytes")
-        fields = _items(payload, 0)
-        if len(fields) not in (2, 3):
-            raise ValueError("a batch is [ts, events, data_parallel_rank]")
-        ts = msgspec.msgpack.decode(fields[0], type=float)
-        events = [msgspec.Raw(item) for item in _items(fields[1], 0)]
-        rank = msgspec.msgpack.decode(fields[2], type=int | None) if len(fields) == 3 else None
-    except (*_DECODE_ERRORS, ValueError, IndexError) as exc:
-        message = f"undecodable batch payload (seq {seq}): {cause}: {exc}"
-        raise WireError(message, seq=seq) from exc
-    return _RawBatch(ts, events, rank)
+def decode_raw_batch(payload: bytes) -> RawBatch:
+    """The batch with its events raw; raises msgspec's errors (``RecursionError`` when
+    nested past its depth)."""
+    return _RAW_BATCH.decode(payload)
 
 
 def _decode_event(item: msgspec.Raw) -> Event | None:
@@ -491,11 +376,10 @@ def _decode_event(item: msgspec.Raw) -> Event | None:
 
 
 def payload_shape(payload: bytes) -> tuple[str, str]:
-    """How a batch payload was written: its encoding (``map`` / ``array``) and its hash form
-    (``int`` / ``bytes``), read from its first readable ``BlockStored`` event; ``unknown``
-    parts when it has none or the batch cannot be read. Never raises."""
+    """A payload's encoding (``map`` / ``array``) and hash form (``int`` / ``bytes``), from
+    its first readable store; ``unknown`` otherwise. Never raises."""
     try:
-        raw_batch = _RAW_BATCH.decode(payload)
+        raw_batch = decode_raw_batch(payload)
     except _DECODE_ERRORS:
         return "unknown", "unknown"
     map_decoder, array_decoder = _EVENT_DECODERS
@@ -534,7 +418,6 @@ _StoredFields: TypeAlias = tuple[
 
 
 def _stored_fields(event: BlockStored) -> _StoredFields:
-    """The fields both encodings share, in their (common) order, up to the spec kind."""
     extra_keys = event.extra_keys
     return (
         list(event.block_hashes),
@@ -575,23 +458,13 @@ def _to_array(event: Event) -> VllmArrayEvent:
 
 
 def to_wire(event: Event, encoding: Encoding) -> VllmMapEvent | VllmArrayEvent:
-    """The struct vLLM would send for a domain event, in ``encoding``.
-
-    What the domain event does not keep is filled in as vLLM fills it for a plain model:
-    ``lora_id`` 1 for a LoRA store, ``kv_cache_spec_kind`` ``"full_attention"`` (none for a
-    CPU placeholder), ``locality`` ``"LOCAL"`` on the CPU tier (map events); ``Tier.OTHER``
-    is sent as medium ``"STORAGE"``. Decoding the result gives ``event`` back, field for
-    field, whenever ``event`` is in decoded form (hashes as a tuple of u64, token ids as a
-    list, extra keys as a tuple of tuples).
-    """
+    """The struct vLLM would send for a domain event, what the event does not keep filled
+    in as vLLM fills it for a plain model; decoding it gives the (decoded-form) event back."""
     return _to_map(event) if encoding == "map" else _to_array(event)
 
 
 def encode_batch(events: Sequence[Event], *, ts: float, rank: int, encoding: Encoding) -> bytes:
-    """One batch payload ``[ts, events, data_parallel_rank]``, as vLLM encodes it.
-
-    The inverse of :func:`decode_payload` (see :func:`to_wire` for what is filled in).
-    """
+    """One batch payload as vLLM encodes it: the inverse of :func:`decode_payload`."""
     if encoding == "array":
         return _encoder.encode(EventBatchArray(ts, [_to_array(e) for e in events], rank))
     return _encoder.encode(EventBatchMap(ts, [_to_map(e) for e in events], rank))
@@ -601,16 +474,13 @@ def encode_batch(events: Sequence[Event], *, ts: float, rank: int, encoding: Enc
 
 
 def encode_seq(seq: int) -> bytes:
-    """The 8-byte big-endian sequence frame; ``END_SEQ`` gives the end marker's ``0xFF * 8``."""
     if seq == END_SEQ:
         return END_SEQ_BYTES
     return seq.to_bytes(SEQ_BYTES, "big")
 
 
 def decode_seq(frame: bytes) -> int:
-    """The 8-byte big-endian sequence frame, an ``int`` with ``0 <= seq < 2**64 - 1``; the
-    replay end marker (``0xFF * 8``) decodes as ``END_SEQ``. Raises :class:`WireError` for
-    any other length."""
+    """The sequence frame (the end marker's as ``END_SEQ``); another length: :class:`WireError`."""
     if len(frame) != SEQ_BYTES:
         raise WireError(f"sequence frame must be {SEQ_BYTES} bytes, got {len(frame)}")
     if frame == END_SEQ_BYTES:
@@ -619,20 +489,16 @@ def decode_seq(frame: bytes) -> int:
 
 
 class LiveMessage(msgspec.Struct, frozen=True, gc=False):
-    """One live PUB message, decoded (a Struct: one is built per batch on the hot path)."""
-
     topic: str
     batch: EventBatch
 
 
 def encode_live(topic: bytes, seq: int, payload: bytes) -> list[bytes]:
-    """A live PUB message ``[topic, seq, payload]`` (``topic`` already UTF-8)."""
     return [topic, encode_seq(seq), payload]
 
 
 def decode_live(frames: list[bytes]) -> LiveMessage:
-    """A live PUB message ``[topic, seq, payload]``; its seq is ``0 <= seq < 2**64 - 1``
-    (the end marker's seq is refused: :class:`WireError`)."""
+    """A live PUB message; the end marker's seq is refused (:class:`WireError`)."""
     if len(frames) != 3:
         raise WireError(f"live message must have 3 frames, got {len(frames)}")
     topic_frame, seq_frame, payload = frames
@@ -644,13 +510,8 @@ def decode_live(frames: list[bytes]) -> LiveMessage:
 
 
 def decode_live_native(frames: list[bytes]) -> NativeBatch | None:
-    """A live message read for the compiled ingest path (the compiled core built): what
-    :func:`decode_live` reads, kept as a ``native.NativeBatch`` (msgpack read in compiled
-    code, which accepts only what the fast decoders here surely read the same way) rather
-    than domain events. None whenever anything is unusual (a frame :func:`decode_live`
-    refuses, a payload or event the reader declines, a LoRA store, extra keys, an uncommon
-    medium, a placeholder): the caller then decodes the message with :func:`decode_live`,
-    which counts and reports it as ever."""
+    """A live message as a ``native.NativeBatch`` for the compiled ingest path; None for
+    anything unusual, which the caller then decodes with :func:`decode_live`."""
     if _native_live is None:
         return None
     return _native_live(frames)
@@ -670,15 +531,11 @@ def _decode_topic(frame: bytes) -> str:
 
 
 def encode_replay_request(start_seq: int) -> list[bytes]:
-    """What a DEALER sends to vLLM's replay ROUTER: empty delimiter, then the start seq
-    (a negative one asks from 0)."""
     return [b"", max(start_seq, 0).to_bytes(SEQ_BYTES, "big")]
 
 
 def decode_replay_request(frames: list[bytes]) -> int:
-    """The start seq of a request as vLLM's ROUTER reads it, after the identity frame:
-    ``["", start_seq]`` (big-endian). Raises :class:`WireError` for anything else (vLLM
-    answers nothing to those)."""
+    """The start seq of a request as vLLM's ROUTER reads it; else :class:`WireError`."""
     if len(frames) != 2 or frames[0] != b"":
         raise WireError(f"replay request must be an empty delimiter and a seq: {frames!r}")
     return int.from_bytes(frames[1], "big")
@@ -687,16 +544,12 @@ def decode_replay_request(frames: list[bytes]) -> int:
 def encode_replay_reply(
     seq: int, payload: bytes, *, topic: bytes, layout: ReplayLayout
 ) -> list[bytes]:
-    """One buffered batch as vLLM's ROUTER sends it, after the identity and the empty
-    delimiter: ``[topic, seq, payload]`` (``topic`` layout) or ``[seq, payload]``."""
     if layout == "topic":
         return [topic, encode_seq(seq), payload]
     return [encode_seq(seq), payload]
 
 
 def encode_replay_end(layout: ReplayLayout) -> list[bytes]:
-    """The end-of-replay marker, after the identity and the empty delimiter: seq
-    ``0xFF * 8`` and an empty payload (and an empty topic in the ``topic`` layout)."""
     return encode_replay_reply(END_SEQ, b"", topic=b"", layout=layout)
 
 
@@ -714,12 +567,7 @@ class ReplayReply:
 
 
 def decode_replay(frames: list[bytes], *, delimited: bool = True) -> ReplayReply:
-    """A replay reply, in either layout (told apart by frame count, never by content).
-
-    A DEALER (``delimited``) receives ``["", seq, payload]`` (vLLM < 0.26) or
-    ``["", topic, seq, payload]`` (≥ 0.26); a REQ socket strips the empty delimiter.
-    The end marker has an empty payload and seq ``0xFF * 8``.
-    """
+    """A replay reply in either layout; ``delimited``: a DEALER's, with the empty frame."""
     if delimited:
         if not frames or frames[0] != b"":
             raise WireError("replay reply must start with an empty delimiter frame")

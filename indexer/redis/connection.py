@@ -1,17 +1,9 @@
 """The one place kvindex builds a Redis client: standalone Redis or Redis Cluster.
 
-Given the URL of any node, :func:`connect` and :func:`connect_bounded` ask it ``INFO
-cluster`` (setting ``redis_cluster = "auto"``, the default) and return a
-:class:`redis.Redis` or a :class:`redis.cluster.RedisCluster` that found the other nodes
-from it; ``"on"`` / ``"off"`` skip the question. Every store (index, load, fleet) takes
-either as a :data:`RedisClient`: their key layout keeps each multi-key call on one slot
-(``redis_schema``), and the index groups a lookup's scripts per slot (``index/redis.py``).
-
-A standalone client connects lazily (a process may start before its Redis); a cluster
-client reads the slot map when it is built, so ``"on"`` or a detected cluster that cannot
-be reached then is a :class:`StoreConnectError`. When ``"auto"`` cannot reach the node,
-the client is a standalone one and a warning says so: set ``redis_cluster = "on"`` for a
-cluster that may be down while kvindex starts.
+``redis_cluster = "auto"`` asks the node given (``INFO cluster``); ``"on"`` / ``"off"`` skip
+the question. A standalone client connects lazily; a cluster client reads its slot map when
+built (:class:`StoreConnectError` if it cannot). "auto" that cannot reach the node builds a
+standalone client, with a warning.
 """
 
 from __future__ import annotations
@@ -29,7 +21,6 @@ from kvindex.indexer.domain.errors import KvIndexError
 log = logging.getLogger("kvindex.redis")
 
 RedisClient: TypeAlias = redis.Redis | RedisCluster
-"""What every Redis-backed store of kvindex is given."""
 
 ClusterMode = Literal["auto", "on", "off"]
 CLUSTER_MODES: tuple[str, ...] = get_args(ClusterMode)
@@ -40,14 +31,12 @@ STORE_ERRORS = (
     redis.exceptions.ClusterDownError,
     redis.exceptions.SlotNotCoveredError,
 )
-"""Errors meaning "the store cannot answer now" (not "the call was wrong"); a cluster adds
-a slot without a reachable master and a cluster that is down or resharding."""
+"""Errors meaning "the store cannot answer now" (not "the call was wrong")."""
 
 CLUSTER_AS_STANDALONE = (
     "a Redis Cluster node used as standalone Redis (it could not be asked when this process "
     'started, or redis_cluster = "off"): restart the process, or set redis_cluster = "on"'
 )
-"""Why a standalone client got a cluster's redirection (MOVED/ASK): said in the error."""
 
 
 class StoreConnectError(KvIndexError):
@@ -55,9 +44,6 @@ class StoreConnectError(KvIndexError):
 
 
 def is_cluster(url: str, *, timeout_s: float) -> bool:
-    """Whether the node at ``url`` runs in cluster mode (``INFO cluster``: cluster_enabled).
-
-    Raises ``redis.ConnectionError`` / ``redis.TimeoutError`` when it cannot be asked."""
     client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
     try:
         info = client.info("cluster")
@@ -84,7 +70,6 @@ def _wants_cluster(url: str, mode: ClusterMode, timeout_s: float) -> bool:
 
 
 def _safe(url: str) -> str:
-    """The URL without its credentials (for logs)."""
     scheme, sep, rest = url.partition("://")
     return f"{scheme}{sep}{rest.rpartition('@')[2]}" if sep else url
 
@@ -105,7 +90,6 @@ def _cluster(url: str, retry: Retry, timeout_s: float) -> RedisCluster:
 def connect(
     url: str, *, cluster: ClusterMode = "auto", socket_timeout_s: float = 5.0
 ) -> RedisClient:
-    """A client that retries idempotent calls across a dropped connection (the write path)."""
     retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), 3)
     if _wants_cluster(url, cluster, socket_timeout_s):
         return _cluster(url, retry, socket_timeout_s)
@@ -120,13 +104,8 @@ def connect(
 
 
 def connect_bounded(url: str, *, timeout_s: float, cluster: ClusterMode = "auto") -> RedisClient:
-    """A client for a process that answers requests (the API): every call returns or fails
-    within about ``timeout_s`` (connect, send, reply; Redis's own ``socket_timeout``),
-    whatever the server does. A dropped connection (refused, reset: e.g. just after a
-    Redis restart) is retried once at once; on standalone Redis a timeout is not retried, a
-    stopped or overloaded server would only make the caller wait twice as long. (A cluster
-    client retries either once, after reading the slot map again: a failed node may have
-    been replaced.)"""
+    """A client for a process that answers requests: every call returns or fails within
+    about ``timeout_s``; a dropped connection is retried once, a timeout is not."""
     if _wants_cluster(url, cluster, timeout_s):
         return _cluster(url, Retry(NoBackoff(), 1), timeout_s)
     return redis.Redis.from_url(
@@ -140,8 +119,6 @@ def connect_bounded(url: str, *, timeout_s: float, cluster: ClusterMode = "auto"
 
 
 def ping(client: RedisClient) -> bool:
-    """PING the server, or every master of a cluster (a cluster's own PING asks one node, so
-    a master down would go unseen). Raises as the client's calls do when one cannot answer."""
     if isinstance(client, RedisCluster):
         return bool(client.ping(target_nodes=RedisCluster.PRIMARIES))
     return bool(client.ping())

@@ -1,4 +1,4 @@
-"""Redis Lua scripts: each in its own ``.lua`` file beside the module that runs it, read one way."""
+"""Redis Lua scripts: each in its own ``.lua`` file beside the module that runs it."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from importlib import resources
 
 
 def lua_script(module: str, name: str, *, after: tuple[str, ...] = ()) -> str:
-    """The text of the file ``name`` beside ``module`` (pass ``__name__``), preceded by the
-    files ``after`` (shared Lua functions it calls), each read from the installed package."""
+    """The file ``name`` beside ``module`` (pass ``__name__``), after the files ``after``
+    (shared Lua functions it calls)."""
     files = resources.files(module.rpartition(".")[0])
     return "\n".join(files.joinpath(part).read_text("utf-8") for part in (*after, name))
