@@ -54,6 +54,7 @@ from kvindex.api.loop.periodic import Periodic
 from kvindex.indexer.index.circuit import StoreCircuit
 from kvindex.indexer.index.redis import unavailable_on_connection_errors
 from kvindex.indexer.redis.connection import RedisClient
+from kvindex.indexer.redis.lua import lua_script
 from kvindex.indexer.redis.schema import TOKENS_SUFFIX, Schema, check_name
 
 logger = logging.getLogger(__name__)
@@ -193,120 +194,6 @@ class _Lease:
     id_to_reservation: dict[str, Reservation] = field(default_factory=dict)
 
 
-# Shared by every script: the server's clock in ms, and a lease's removal (its reservations
-# taken off the totals, then the lease forgotten). KEYS of every script start with the
-# totals HASH and the leases ZSET; all of them carry the hash tag {inflight}.
-_PRELUDE = """
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-local function subtract(totals, replica, tokens)
-  if redis.call('HINCRBY', totals, replica, -1) <= 0 then
-    redis.call('HDEL', totals, replica, replica .. '/tokens')
-  else
-    redis.call('HINCRBY', totals, replica .. '/tokens', -tokens)
-  end
-end
-local function drop(totals, leases, lease, holder)
-  local held = redis.call('HVALS', lease)
-  for _, value in ipairs(held) do
-    local sep = string.find(value, ' ', 1, true)
-    subtract(totals, string.sub(value, 1, sep - 1), tonumber(string.sub(value, sep + 1)))
-  end
-  redis.call('DEL', lease)
-  redis.call('ZREM', leases, holder)
-  return #held
-end
--- 1 when the holder's lease is live; a lapsed one is dropped (0), none is 0.
-local function live(totals, leases, lease, holder, now)
-  local expiry = tonumber(redis.call('ZSCORE', leases, holder))
-  if not expiry then
-    return 0
-  end
-  if expiry <= now then
-    drop(totals, leases, lease, holder)
-    return 0
-  end
-  return 1
-end
-"""
-
-# KEYS: totals, leases, the holder's lease; ARGV: holder, ttl ms, id, replica, tokens.
-_RESERVE_LUA = (
-    _PRELUDE
-    + """
-local now = now_ms()
-local was_live = live(KEYS[1], KEYS[2], KEYS[3], ARGV[1], now)
-redis.call('HSET', KEYS[3], ARGV[3], ARGV[4] .. ' ' .. ARGV[5])
-redis.call('HINCRBY', KEYS[1], ARGV[4], 1)
-redis.call('HINCRBY', KEYS[1], ARGV[4] .. '/tokens', ARGV[5])
-redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[1])
-return was_live
-"""
-)
-
-# KEYS: totals, leases, the holder's lease; ARGV: holder, id. 1: released, 0: not held.
-_RELEASE_LUA = (
-    _PRELUDE
-    + """
-if live(KEYS[1], KEYS[2], KEYS[3], ARGV[1], now_ms()) == 0 then
-  return 0
-end
-local value = redis.call('HGET', KEYS[3], ARGV[2])
-if not value then
-  return 0
-end
-redis.call('HDEL', KEYS[3], ARGV[2])
-local sep = string.find(value, ' ', 1, true)
-subtract(KEYS[1], string.sub(value, 1, sep - 1), tonumber(string.sub(value, sep + 1)))
-return 1
-"""
-)
-
-# KEYS: totals, leases, the holder's lease; ARGV: holder, ttl ms.
-_RENEW_LUA = (
-    _PRELUDE
-    + """
-local now = now_ms()
-local was_live = live(KEYS[1], KEYS[2], KEYS[3], ARGV[1], now)
-redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[1])
-return was_live
-"""
-)
-
-# KEYS: totals, leases, the holder's lease; ARGV: holder.
-_DROP_LUA = _PRELUDE + "return drop(KEYS[1], KEYS[2], KEYS[3], ARGV[1])"
-
-# KEYS: totals, leases, then the lease of each holder in ARGV. Drops those that lapsed
-# (each checked again: one may have renewed since it was seen lapsed).
-_REAP_LUA = (
-    _PRELUDE
-    + """
-local now, num_dropped = now_ms(), 0
-for i, holder in ipairs(ARGV) do
-  if live(KEYS[1], KEYS[2], KEYS[2 + i], holder, now) == 0 then
-    num_dropped = num_dropped + 1
-  end
-end
-return num_dropped
-"""
-)
-
-# KEYS: totals, leases. {0, lapsed holders} when some lease lapsed (the caller reaps them,
-# naming their keys, and reads again), else {1, the totals HASH: field, value, ...}: one
-# field per replica with requests in flight (and its tokens), whatever the fleet's size.
-_READ_LUA = (
-    _PRELUDE
-    + """
-local lapsed = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now_ms(), 'LIMIT', 0, 64)
-if #lapsed > 0 then
-  return {0, lapsed}
-end
-return {1, redis.call('HGETALL', KEYS[1])}
-"""
-)
-
 _MAX_REAP_ROUNDS = 4
 """Reads that may each find lapsed leases before one reads the totals as they are."""
 
@@ -325,12 +212,12 @@ class RedisLedger:
         self._keys = [self._schema.in_flight, self._schema.leases]
         self._slot = key_slot(self._keys[0].encode())
         """The cluster slot of every in-flight key (one hash tag)."""
-        self._reserve = client.register_script(_RESERVE_LUA)
-        self._release = client.register_script(_RELEASE_LUA)
-        self._renew = client.register_script(_RENEW_LUA)
-        self._drop = client.register_script(_DROP_LUA)
-        self._reap = client.register_script(_REAP_LUA)
-        self._read = client.register_script(_READ_LUA)
+        self._reserve = client.register_script(_script("ledger_reserve.lua"))
+        self._release = client.register_script(_script("ledger_release.lua"))
+        self._renew = client.register_script(_script("ledger_renew.lua"))
+        self._drop = client.register_script(_script("ledger_drop.lua"))
+        self._reap = client.register_script(_script("ledger_reap.lua"))
+        self._read = client.register_script(_script("ledger_read.lua"))
 
     def reserve(self, holder: str, lease_ttl_s: float, reservation: Reservation) -> bool:
         check_name("replica id", reservation.replica)
@@ -404,6 +291,10 @@ class RedisLedger:
 
     def _holder_keys(self, holder: str) -> list[str]:
         return [*self._keys, self._schema.lease(holder)]
+
+
+def _script(name: str) -> str:
+    return lua_script(__name__, name, after=("ledger_prelude.lua",))
 
 
 def _ms(seconds: float) -> int:

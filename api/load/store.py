@@ -63,11 +63,9 @@ from kvindex.indexer.index.circuit import StoreCircuit
 from kvindex.indexer.index.protocol import IndexUnavailableError
 from kvindex.indexer.index.redis import unavailable_on_connection_errors
 from kvindex.indexer.redis.connection import RedisClient
+from kvindex.indexer.redis.lua import lua_script
 from kvindex.indexer.redis.schema import (
     ANSWERS_SUFFIX,
-    LOAD_EPOCH,
-    LOAD_SEQ,
-    LOAD_TRIMMED,
     MAX_LOAD_TOMBSTONES,
     Schema,
     check_name,
@@ -322,129 +320,9 @@ class MemoryLoadStore(_Snapshotted):
         """Nothing to release."""
 
 
-# Shared by the load scripts. KEYS of each: the load HASH, the changes ZSET, the removed
-# ZSET (one hash tag, {load}); ARGV[1] the caller's token, part of the epoch of a log it
-# opens (a hash without one).
-_LOG_NAMES = (
-    f"local EPOCH, SEQ, TRIMMED = '{LOAD_EPOCH}', '{LOAD_SEQ}', '{LOAD_TRIMMED}'\n"
-    f"local ANSWERS = '{ANSWERS_SUFFIX}'\n"
-)
-_LOG_LUA = (
-    _LOG_NAMES
-    + """
-local function open_log()
-  if redis.call('HEXISTS', KEYS[1], EPOCH) == 0 then
-    -- the caller's token and the server's clock: a process that opens a log again (after
-    -- a FLUSHALL) gives it another identity
-    local t = redis.call('TIME')
-    redis.call('HSET', KEYS[1], EPOCH, ARGV[1] .. '.' .. t[1] .. '.' .. t[2])
-    -- a new log (the hash was lost): nothing recorded before describes this hash
-    redis.call('HDEL', KEYS[1], SEQ, TRIMMED)
-    redis.call('DEL', KEYS[2], KEYS[3])
-  end
-end
-local function changed(replica)
-  local seq = redis.call('HINCRBY', KEYS[1], SEQ, 1)
-  redis.call('ZADD', KEYS[2], seq, replica)
-  redis.call('ZREM', KEYS[3], replica)
-end
-"""
-)
+def _script(name: str) -> str:
+    return lua_script(__name__, name, after=("load_log.lua",))
 
-# ARGV: token, replica, ts of the new load, the new load (JSON). 1 when stored, 0 when the
-# stored load is newer. An undecodable stored value counts as older: it is overwritten
-# rather than blocking the replica forever.
-_PUT_IF_NEWER_LUA = (
-    _LOG_LUA
-    + """
-local old = redis.call('HGET', KEYS[1], ARGV[2])
-local newer = true
-if old then
-  local ok, decoded = pcall(cjson.decode, old)
-  if ok and type(decoded) == 'table' then
-    local old_ts = tonumber(decoded['ts'])
-    if old_ts and old_ts > tonumber(ARGV[3]) then
-      return 0
-    end
-    newer = not (old_ts and old_ts == tonumber(ARGV[3]))
-  end
-end
-open_log()
-redis.call('HSET', KEYS[1], ARGV[2], ARGV[4])
-if newer then
-  redis.call('HDEL', KEYS[1], ARGV[2] .. ANSWERS)  -- a new measurement: its answers from 0
-end
-changed(ARGV[2])
-return 1
-"""
-)
-
-# ARGV: token, replica, tombstones kept. 1 when removed, 0 when nothing was stored.
-_REMOVE_LUA = (
-    _LOG_LUA
-    + """
-if redis.call('HDEL', KEYS[1], ARGV[2], ARGV[2] .. ANSWERS) == 0 then
-  return 0
-end
-open_log()
-local seq = redis.call('HINCRBY', KEYS[1], SEQ, 1)
-redis.call('ZREM', KEYS[2], ARGV[2])
-redis.call('ZADD', KEYS[3], seq, ARGV[2])
-local over = redis.call('ZCARD', KEYS[3]) - tonumber(ARGV[3])
-if over > 0 then
-  local newest = redis.call('ZRANGE', KEYS[3], over - 1, over - 1, 'WITHSCORES')
-  redis.call('HSET', KEYS[1], TRIMMED, newest[2])
-  redis.call('ZREMRANGEBYRANK', KEYS[3], 0, over - 1)
-end
-return 1
-"""
-)
-
-# ARGV: token, the reader's epoch ('' none), its seq, then one replica per answer to count.
-# Returns {epoch, seq, 1, HGETALL} (read everything) or {epoch, seq, 0, {replica, load,
-# count, ...} of the replicas changed after the reader's seq, the replicas removed after it}.
-_READ_LUA = (
-    _LOG_LUA
-    + """
-if #ARGV > 3 then
-  open_log()
-  for i = 4, #ARGV do
-    -- an unreadable count fails its HINCRBY alone: it reads as 0 until a newer load
-    redis.pcall('HINCRBY', KEYS[1], ARGV[i] .. ANSWERS, 1)
-    changed(ARGV[i])
-  end
-end
-local meta = redis.call('HMGET', KEYS[1], EPOCH, SEQ, TRIMMED)
-local epoch, seq, known = meta[1] or '', tonumber(meta[2]) or 0, tonumber(ARGV[3])
-if epoch ~= ARGV[2] or known > seq or known < (tonumber(meta[3]) or 0) then
-  return {epoch, seq, 1, redis.call('HGETALL', KEYS[1])}
-end
-if known == seq then
-  return {epoch, seq, 0, {}, {}}
-end
-local replicas = redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. ARGV[3], '+inf')
-if #replicas > 64 and #replicas * 4 > redis.call('HLEN', KEYS[1]) then
-  return {epoch, seq, 1, redis.call('HGETALL', KEYS[1])}  -- most of it: one whole read
-end
-local out = {}
-for first = 1, #replicas, 500 do
-  local last = math.min(first + 499, #replicas)
-  local fields = {}
-  for i = first, last do
-    fields[#fields + 1] = replicas[i]
-    fields[#fields + 1] = replicas[i] .. ANSWERS
-  end
-  local values = redis.call('HMGET', KEYS[1], unpack(fields))
-  for i = first, last do
-    local j = 2 * (i - first)
-    out[#out + 1] = replicas[i]
-    out[#out + 1] = values[j + 1]
-    out[#out + 1] = values[j + 2]
-  end
-end
-return {epoch, seq, 0, out, redis.call('ZRANGEBYSCORE', KEYS[3], '(' .. ARGV[3], '+inf')}
-"""
-)
 
 _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder(Load)
@@ -477,9 +355,9 @@ class RedisLoadStore(_Snapshotted):
         """The cluster slot of every load key (one hash tag)."""
         self._token = uuid.uuid4().hex[:12]
         """This process's part of the epoch of a log it opens (with the server's clock)."""
-        self._put = client.register_script(_PUT_IF_NEWER_LUA)
-        self._remove = client.register_script(_REMOVE_LUA)
-        self._read = client.register_script(_READ_LUA)
+        self._put = client.register_script(_script("load_put.lua"))
+        self._remove = client.register_script(_script("load_remove.lua"))
+        self._read = client.register_script(_script("load_read.lua"))
         self._ledger = RedisLedger(client, self._schema)
         super().__init__()
         self._epoch = b""
