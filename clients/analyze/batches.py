@@ -23,7 +23,7 @@ import tokenizers
 
 from kvindex.api.tokenize.local import LocalTokenizer
 from kvindex.api.tokenize.protocol import TokenizerError
-from kvindex.clients.request_log import (
+from kvindex.clients.workloads.request_log import (
     LoggedRequest,
     LogTokenizer,
     Problems,

@@ -16,7 +16,7 @@ from kvindex.clients.analyze.batches import BATCH_REQUESTS, tokenized_in_batches
 from kvindex.clients.analyze.cache_walk import CacheWalk
 from kvindex.clients.analyze.report import AnalysisReport, build_report
 from kvindex.clients.analyze.table import plot, print_report
-from kvindex.clients.request_log import (
+from kvindex.clients.workloads.request_log import (
     LogTokenizer,
     Problems,
     RequestLogError,

@@ -28,7 +28,7 @@ from kvindex.clients.proxy.settings import load_proxy_settings
 from kvindex.clients.simulate.fleet import FleetSettings
 from kvindex.clients.simulate.routing import PolicySpec, parse_policy
 from kvindex.clients.simulate.run import DEFAULT_POLICIES, SimulateSettings, simulate_main
-from kvindex.clients.workloads import (
+from kvindex.clients.workloads.generators import (
     WORKLOADS,
     GeneratorSettings,
     TraceRequest,
@@ -42,7 +42,7 @@ from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.service import IndexerService
 
 if TYPE_CHECKING:  # imported where used: `serve` must not pay for tokenizers and numpy
-    from kvindex.clients.request_log import TokenizerOptions
+    from kvindex.clients.workloads.request_log import TokenizerOptions
 
 _DEMO = DemoSettings()
 
@@ -468,7 +468,7 @@ def _tokenizer_options(command: Callable[..., None]) -> Callable[..., None]:
 def _tokenizer_choice(
     tokenizer_path: Path | None, chat_template_path: Path | None, tokenizer_url: str | None
 ) -> TokenizerOptions:
-    from kvindex.clients.request_log import TokenizerOptions  # noqa: PLC0415 (tokenizers)
+    from kvindex.clients.workloads.request_log import TokenizerOptions  # noqa: PLC0415 (tokenizers)
 
     return TokenizerOptions(tokenizer_path, chat_template_path, tokenizer_url)
 
@@ -692,7 +692,7 @@ def _logged_requests(
 ) -> list[TraceRequest]:
     """The log's requests, tokenized, as the simulator replays them; skipped lines are
     reported on stderr."""
-    from kvindex.clients.request_log import read_tokenized_log  # noqa: PLC0415 (tokenizers)
+    from kvindex.clients.workloads.request_log import read_tokenized_log  # noqa: PLC0415 (tokenizers)
 
     done, problems = asyncio.run(read_tokenized_log(log, options, limit=limit))
     stderr = make_console(sys.stderr)

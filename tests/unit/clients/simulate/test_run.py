@@ -19,7 +19,7 @@ from kvindex.clients.simulate.run import (
     policy_colours,
     run_simulation,
 )
-from kvindex.clients.workloads import WORKLOADS, GeneratorSettings, read_trace
+from kvindex.clients.workloads.generators import WORKLOADS, GeneratorSettings, read_trace
 
 SMALL = FleetSettings(replicas=4, capacity_blocks=1024)
 

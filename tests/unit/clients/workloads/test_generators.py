@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvindex.clients.request_log import LoggedRequest, TokenizedRequest
-from kvindex.clients.workloads import (
+from kvindex.clients.workloads.generators import (
     CHAT_VOCAB,
     DEFAULT_LOG_RATE,
     DEFAULT_OUTPUT_TOKENS,
@@ -29,6 +28,7 @@ from kvindex.clients.workloads import (
     trace_tokens,
     user_sessions,
 )
+from kvindex.clients.workloads.request_log import LoggedRequest, TokenizedRequest
 from tests.support.paths import MOONCAKE_TRACE
 
 MOONCAKE = MOONCAKE_TRACE

@@ -18,7 +18,7 @@ length and, when the workload has one, a session key. Prompts are token ids:
   ``unique`` (short prompts that share nothing: routing by cache cannot help there).
   Arrivals are Poisson at ``rate`` requests/s.
 * **Request logs** (:func:`logged_trace`): the user's own requests, tokenized
-  (:mod:`kvindex.clients.request_log`). Arrivals are the log's timestamps (relative to the
+  (:mod:`kvindex.clients.workloads.request_log`). Arrivals are the log's timestamps (relative to the
   first) when every request has one and no rate is given, else Poisson at ``rate``
   (default :data:`DEFAULT_LOG_RATE`) in log order. A request's output length is its
   ``max_tokens`` (an upper bound: real answers are often shorter), else
@@ -48,7 +48,7 @@ import msgspec
 from kvindex.indexer.domain.errors import KvIndexError
 
 if TYPE_CHECKING:  # the reader pulls in the tokenizers; a trace or a generator needs none
-    from kvindex.clients.request_log import TokenizedRequest
+    from kvindex.clients.workloads.request_log import TokenizedRequest
 
 TRACE_BLOCK_TOKENS = 512
 """Tokens per ``hash_ids`` entry in Mooncake traces."""
