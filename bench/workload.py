@@ -28,7 +28,7 @@ from itertools import repeat
 from kvindex.clients.fake_vllm.block_pool import BlockPool
 from kvindex.clients.fake_vllm.engine_hash import engine_root
 from kvindex.clients.fake_vllm.scheduler import STEP_BASE_S, StepScheduler
-from kvindex.clients.workloads.generators import ChatSessions, chat_system_prompts
+from kvindex.clients.workloads.chats import ChatSessions, chat_system_prompts
 from kvindex.indexer.domain.events import StreamId
 from kvindex.indexer.ingest.wire import Encoding, encode_batch, encode_live
 

@@ -28,13 +28,9 @@ from kvindex.clients.proxy.settings import load_proxy_settings
 from kvindex.clients.simulate.fleet import FleetSettings
 from kvindex.clients.simulate.routing import PolicySpec, parse_policy
 from kvindex.clients.simulate.run import DEFAULT_POLICIES, SimulateSettings, simulate_main
-from kvindex.clients.workloads.generators import (
-    WORKLOADS,
-    GeneratorSettings,
-    TraceRequest,
-    logged_trace,
-    read_trace,
-)
+from kvindex.clients.workloads.generators import WORKLOADS, GeneratorSettings
+from kvindex.clients.workloads.log_trace import logged_trace
+from kvindex.clients.workloads.trace import TraceRequest, read_trace
 from kvindex.indexer.config.settings import IndexerSettings, load_settings, read_toml
 from kvindex.indexer.domain.errors import KvIndexError
 from kvindex.indexer.fleet.registry import Freshness, fleet_totals

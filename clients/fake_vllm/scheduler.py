@@ -1,7 +1,7 @@
 """vLLM's v1 scheduler, stepped offline over one block pool: a replica as fast as it can go.
 
 A model of ``vllm/v1/core/sched/scheduler.py`` under saturating chat load
-(:class:`~kvindex.clients.workloads.generators.ChatSessions`), for the ingest benchmark:
+(:class:`~kvindex.clients.workloads.chats.ChatSessions`), for the ingest benchmark:
 
 * every step, running requests are served first (a prefill chunk, or one decode token),
   then waiting ones are admitted while the step's token budget (``max_batched_tokens``)
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from kvindex.clients.fake_vllm.block_pool import BlockPool
 from kvindex.clients.fake_vllm.engine_hash import engine_chain
-from kvindex.clients.workloads.generators import Chat, ChatSessions, ChatTurn
+from kvindex.clients.workloads.chats import Chat, ChatSessions, ChatTurn
 from kvindex.indexer.domain.events import Event
 
 STEP_BASE_S = 0.008

@@ -58,7 +58,7 @@ from kvindex.clients.simulate.routing import (
     ZmqSink,
     parse_policy,
 )
-from kvindex.clients.workloads.generators import TraceRequest
+from kvindex.clients.workloads.trace import TraceRequest
 
 DEFAULT_POLICIES = (
     "round_robin",
