@@ -1,20 +1,11 @@
 """Python client of the kvindex HTTP API: :class:`KvIndexClient` (sync) and
-:class:`AsyncKvIndexClient` (asyncio), with the same methods.
+:class:`AsyncKvIndexClient` (asyncio), with the same methods and contracts.
 
-Results are the API's own msgspec Structs (:mod:`kvindex.api.schemas`), decoded straight from
-the
-response bytes; bodies are encoded with msgspec too (an 8k-token request never goes through
-``json.dumps``). Importing this module needs httpx, msgspec and xxhash, never FastAPI.
-
-Each method has two halves. The shared half, a ``_*_call`` function of this module, builds a
-:class:`_Call`: method, path, encoded body, and how to read the answer. The other half is the
-I/O, the only thing each client does (:meth:`KvIndexClient._run`,
-:meth:`AsyncKvIndexClient._run`), so the two clients cannot drift apart.
-
-Every failure raises a :class:`KvIndexClientError`: the server's error answers
-(``{"error": kind, "detail": message}``) by HTTP status, and a server that cannot be reached
-or does not answer in time as :class:`UnreachableError`. Only :meth:`~KvIndexClient.healthy`
-and :meth:`~KvIndexClient.ready` never raise: they answer False instead.
+Results are the API's msgspec Structs (:mod:`kvindex.api.schemas`) decoded from the response
+bytes; importing it needs httpx, msgspec and xxhash, never FastAPI. Each method describes its
+exchange as a :class:`_Call` shared by both clients, so only their I/O (``_run``) differs.
+Every failure raises a :class:`KvIndexClientError` (by HTTP status; no answer:
+:class:`UnreachableError`), except ``healthy`` and ``ready``, which answer False instead.
 """
 
 from __future__ import annotations
@@ -237,7 +228,6 @@ def _score_request(
 
 
 def _score_call(request: ScoreRequest) -> _Call[ScoreResponse]:
-    """``POST /score``."""
     return _Call("POST", "/score", _decoded(ScoreResponse), _encode_body(request))
 
 
@@ -247,8 +237,7 @@ def _score_tokens_call(
     """``POST /score`` for ``request.token_ids``, sent as block keys when ``compute_keys``.
 
     Keys are ``kvindex.indexer.domain.keys.block_keys`` of the tokens at ``block_size`` with the
-    request's
-    LoRA name and cache salt (which the keys then carry, so they are not sent). Raises
+    request's LoRA name and cache salt (which the keys then carry, so they are not sent). Raises
     :class:`BadRequestError` (status None) for token ids that cannot form keys; the answer
     raises it when the server's block size for the model is not ``block_size`` (the keys
     could then never match).
@@ -294,12 +283,10 @@ def _same_block_size(block_size: int) -> Callable[[httpx.Response], ScoreRespons
 
 
 def _load_call(report: LoadReport) -> _Call[None]:
-    """``POST /load``."""
     return _Call("POST", "/load", _check, _encode_body(report))
 
 
 def _replicas_call() -> _Call[list[ReplicaView]]:
-    """``GET /replicas``."""
     return _Call("GET", "/replicas", _decoded(list[ReplicaView]))
 
 
@@ -309,17 +296,14 @@ def _add_replica_call(replica: ReplicaIn) -> _Call[bool]:
 
 
 def _remove_replica_call(replica_id: str) -> _Call[None]:
-    """``DELETE /replicas/{id}``."""
     return _Call("DELETE", f"/replicas/{quote(replica_id, safe='')}", _check)
 
 
 def _stats_call() -> _Call[dict[str, Any]]:
-    """``GET /stats``."""
     return _Call("GET", "/stats", _decoded(dict[str, Any]))
 
 
 def _config_call() -> _Call[dict[str, Any]]:
-    """``GET /config``."""
     return _Call("GET", "/config", _decoded(dict[str, Any]))
 
 
@@ -603,7 +587,6 @@ class AsyncKvIndexClient:
         dry_run: bool = False,
         workload: str | None = None,
     ) -> ScoreResponse:
-        """See :meth:`KvIndexClient.score`."""
         request = _score_request(
             model,
             token_ids=token_ids,
@@ -639,7 +622,6 @@ class AsyncKvIndexClient:
         dry_run: bool = False,
         workload: str | None = None,
     ) -> ScoreResponse:
-        """See :meth:`KvIndexClient.score_tokens`."""
         request = _score_request(
             model,
             token_ids=token_ids,
@@ -663,14 +645,12 @@ class AsyncKvIndexClient:
         kv_usage: float = 0.0,
         ts: float | None = None,
     ) -> None:
-        """See :meth:`KvIndexClient.report_load`."""
         report = LoadReport(
             replica=replica, running=running, waiting=waiting, kv_usage=kv_usage, ts=ts
         )
         await self._run(_load_call(report))
 
     async def replicas(self) -> list[ReplicaView]:
-        """See :meth:`KvIndexClient.replicas`."""
         return await self._run(_replicas_call())
 
     async def add_replica(
@@ -683,28 +663,22 @@ class AsyncKvIndexClient:
         url: str | None = None,
         dp_size: int = 1,
     ) -> bool:
-        """See :meth:`KvIndexClient.add_replica`."""
         replica = ReplicaIn(
             id=id, model=model, events=events, replay=replay, url=url, dp_size=dp_size
         )
         return await self._run(_add_replica_call(replica))
 
     async def remove_replica(self, id: str) -> None:
-        """See :meth:`KvIndexClient.remove_replica`."""
         await self._run(_remove_replica_call(id))
 
     async def stats(self) -> dict[str, Any]:
-        """See :meth:`KvIndexClient.stats`."""
         return await self._run(_stats_call())
 
     async def config(self) -> dict[str, Any]:
-        """See :meth:`KvIndexClient.config`."""
         return await self._run(_config_call())
 
     async def healthy(self) -> bool:
-        """See :meth:`KvIndexClient.healthy`."""
         return await self._run(_probe_call("/healthz"))
 
     async def ready(self) -> bool:
-        """See :meth:`KvIndexClient.ready`."""
         return await self._run(_probe_call("/readyz"))
