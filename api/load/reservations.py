@@ -1,36 +1,9 @@
-"""Requests in flight, as the proxies that sent them know first-hand: reserved on dispatch,
-released at the last byte, held under a per-proxy lease so that a dead proxy leaks nothing.
+"""Requests in flight, reserved by the proxies that sent them from dispatch to the last byte,
+under a per-proxy lease so that a dead proxy leaks nothing.
 
-The parts:
-
-* a :class:`Ledger` is the shared record of every holder's reservations and their totals
-  per replica (:class:`~kvindex.api.load.model.InFlight`): :class:`MemoryLedger` in one
-  process, :class:`RedisLedger` shared by every process on one Redis. The load store owns
-  one (``LoadStore.ledger``) and reads its totals with every load
-  (``LoadStore.get_counted``), so ``/score`` and every proxy on one store count the same
-  requests in flight;
-* :class:`Reservations` is one holder (one proxy process) on a ledger, under its lease;
-* :class:`LeaseKeeper` renews a holder's lease while the process lives.
-
-Guarantees, on both ledgers:
-
-* **Atomic**: a reservation, a release, a renewal and a lapsed lease's removal each change
-  the holder's record and the totals together (one Lua script in Redis, one lock in
-  memory); a read sees every one of them whole or not at all.
-* **Leases**: a lease lapses ``lease_ttl_s`` after the holder last reserved or renewed,
-  on one clock (Redis' own, whatever the proxies' clocks say). A lapsed lease's
-  reservations stop counting at once: the first read, reservation or release that finds it
-  takes them off the totals. So a proxy killed with SIGKILL leaks nothing past the TTL,
-  even when no other proxy runs (``/score``'s reads remove it).
-* **Releases** count once: releasing twice, or after the lease lapsed, changes nothing
-  (and says so: ``False``).
-* **Races**: a reservation counts in every read that starts after :meth:`Reservations.reserve`
-  returns. On the memory ledger the proxy reserves its choice before anything else runs on
-  its event loop, so the scorer's read, its choice and the reservation are one step. On
-  Redis they are two ("select-and-reserve" in one script would need the scorer inside
-  Redis): two choices made at the same instant (inside one store round trip of each other,
-  in one proxy or two) may each miss the other's request. At most those requests are
-  missed, for one decision each; none is counted twice or lost.
+A :class:`Ledger` (in process, or in Redis on Redis' clock) changes a holder's reservations
+and the totals together; a lapsed lease stops counting at the first call that finds it. On
+Redis, two choices made within one round trip may each miss the other's request.
 """
 
 from __future__ import annotations
@@ -67,55 +40,47 @@ class Reservation:
     id: str
     replica: str
     num_tokens: int
-    """Its uncached prompt tokens (the prompt minus what the replica had cached)."""
+    """Its prompt tokens the replica had not cached."""
 
 
 class Ledger(Protocol):
-    """Every holder's reservations and their totals per replica; safe from any thread.
-
-    The calls that change it name the holder; a holder is one lease (see the module's
-    guarantees). Redis-backed ledgers raise ``IndexUnavailableError`` when Redis cannot be
-    reached.
-    """
+    """Every holder's reservations (one lease each) and their totals per replica;
+    thread-safe. Redis-backed ledgers raise ``IndexUnavailableError`` when unreachable."""
 
     def reserve(self, holder: str, lease_ttl_s: float, reservation: Reservation) -> bool:
-        """Add ``reservation`` to the holder's lease and the totals, and extend the lease;
-        False when the holder had no live lease (a new one starts: what it held before,
-        if anything, already stopped counting)."""
+        """Add ``reservation`` and extend the lease; False when the holder had no live lease
+        (a new one starts)."""
         ...
 
     def release(self, holder: str, reservation_id: str) -> bool:
-        """Take a reservation off; False when it was not held (released already, or its
-        lease lapsed)."""
+        """Take a reservation off; False when it was not held (released, or lease lapsed)."""
         ...
 
     def renew(self, holder: str, lease_ttl_s: float) -> bool:
-        """Extend the holder's lease; False when it had none live (a new, empty one starts)."""
+        """Extend the holder's lease; False when it had none live (a new one starts)."""
         ...
 
     def drop(self, holder: str) -> int:
-        """End the holder's lease and release everything in it; how many it held."""
+        """End the holder's lease, releasing everything in it; how many it held."""
         ...
 
     def in_flight(self, replicas: Sequence[str]) -> dict[str, InFlight]:
-        """The totals of every live lease, per replica; replicas with none are absent."""
+        """The totals of every live lease per replica; replicas with none are absent."""
         ...
 
     def totals(self) -> dict[str, InFlight]:
-        """:meth:`in_flight` of every replica with a request in flight (what it costs
-        grows with those replicas, not with the fleet)."""
+        """:meth:`in_flight` of every replica with a request in flight."""
         ...
 
 
 class MemoryLedger:
-    """In-process :class:`Ledger` (holders of one process); one lock; ``clock`` in seconds."""
+    """In-process :class:`Ledger`; ``clock`` in seconds."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._lock = threading.Lock()
         self._holder_to_lease: dict[str, _Lease] = {}
-        self._totals: dict[str, list[int]] = {}
-        """replica → [requests, tokens] over every live lease."""
+        self._totals: dict[str, list[int]] = {}  # replica -> [requests, tokens]
 
     def reserve(self, holder: str, lease_ttl_s: float, reservation: Reservation) -> bool:
         with self._lock:
@@ -159,7 +124,6 @@ class MemoryLedger:
             return {r: InFlight(*total) for r, total in self._totals.items()}
 
     def _live(self, holder: str) -> tuple[_Lease, bool]:
-        """The holder's lease, made if it had none live (the lapsed one dropped)."""
         self._reap()
         lease = self._holder_to_lease.get(holder)
         if lease is not None:
@@ -194,24 +158,18 @@ class _Lease:
     id_to_reservation: dict[str, Reservation] = field(default_factory=dict)
 
 
-_MAX_REAP_ROUNDS = 4
-"""Reads that may each find lapsed leases before one reads the totals as they are."""
+_MAX_REAP_ROUNDS = 4  # reads that may each find lapsed leases before one reads as they are
 
 
 class RedisLedger:
-    """Shared :class:`Ledger`: the ``{inflight}`` keys of :class:`Schema` (a totals HASH,
-    a ZSET of lease expiries, a HASH per lease), changed only by Lua scripts on Redis'
-    clock. :meth:`totals` (and :meth:`in_flight`) is one script call reading the totals HASH
-    whole, a field per replica with requests in flight (two more when a lease lapsed since
-    the last read: the reap, then the read again); a load store queues the same read in
-    its own pipeline (:meth:`queue_read`, :meth:`read_reply`)."""
+    """Shared :class:`Ledger` on the ``{inflight}`` keys of :class:`Schema`, changed only by
+    its scripts (``ledger_*.lua``); a load store queues its read in its own pipeline."""
 
     def __init__(self, client: RedisClient, schema: Schema | None = None) -> None:
         self._client = client
         self._schema = schema or Schema()
         self._keys = [self._schema.in_flight, self._schema.leases]
-        self._slot = key_slot(self._keys[0].encode())
-        """The cluster slot of every in-flight key (one hash tag)."""
+        self._slot = key_slot(self._keys[0].encode())  # every in-flight key's (one hash tag)
         self._reserve = client.register_script(_script("ledger_reserve.lua"))
         self._release = client.register_script(_script("ledger_release.lua"))
         self._renew = client.register_script(_script("ledger_renew.lua"))
@@ -255,10 +213,9 @@ class RedisLedger:
             return self._read_totals(None)
 
     def queue_read(self, pipe: Any) -> None:
-        """Queue the read of :meth:`totals` in ``pipe``; its reply goes to
-        :meth:`read_reply`. A raw EVALSHA: redis-py's cluster pipeline refuses ``evalsha``,
-        and on a cluster it names the master of the ``{inflight}`` slot (else redis-py
-        would ask a node for the command's keys first)."""
+        """Queue the read of :meth:`totals` in ``pipe``; its reply goes to :meth:`read_reply`."""
+        # A raw EVALSHA: redis-py's cluster pipeline refuses evalsha; on a cluster it names
+        # the master of the {inflight} slot (else redis-py would ask a node for the keys).
         route: dict[str, Any] = {}
         if isinstance(self._client, RedisCluster):
             node = self._client.nodes_manager.get_node_from_slot(self._slot)
@@ -266,8 +223,7 @@ class RedisLedger:
         pipe.execute_command("EVALSHA", self._read.sha, 2, *self._keys, **route)
 
     def read_reply(self, reply: Any) -> dict[str, InFlight]:
-        """The totals from a reply of :meth:`queue_read`: read again when the script was
-        not loaded yet or a lease had lapsed (reaped first)."""
+        """The totals from a reply of :meth:`queue_read`."""
         with unavailable_on_connection_errors():
             if isinstance(reply, redis.exceptions.NoScriptError):
                 return self._read_totals(None)
@@ -305,7 +261,6 @@ _TOKENS_SUFFIX = TOKENS_SUFFIX.encode()
 
 
 def _totals(flat: Sequence[bytes]) -> dict[str, InFlight]:
-    """The totals HASH (HGETALL: field, value, ...) per replica with a request in flight."""
     requests: dict[bytes, bytes] = {}
     tokens: dict[bytes, bytes] = {}
     for i in range(0, len(flat), 2):
@@ -323,7 +278,6 @@ def _totals(flat: Sequence[bytes]) -> dict[str, InFlight]:
 
 
 def _count(raw: bytes | str) -> int:
-    """A stored total; 0 when absent ('') or unreadable."""
     try:
         return max(int(raw), 0) if raw else 0
     except ValueError:
@@ -331,9 +285,7 @@ def _count(raw: bytes | str) -> int:
 
 
 class CircuitLedger:
-    """A :class:`Ledger` whose every call goes through a
-    :class:`~kvindex.indexer.index.circuit.StoreCircuit` (a skipped call raises
-    ``StoreSkippedError``, an ``IndexUnavailableError``)."""
+    """A :class:`Ledger` whose every call goes through a ``StoreCircuit``."""
 
     def __init__(self, inner: Ledger, circuit: StoreCircuit) -> None:
         self._inner = inner
@@ -359,19 +311,14 @@ class CircuitLedger:
 
 
 def new_holder() -> str:
-    """A holder id no other process has: the pid and 48 random bits."""
+    """A holder id no other process has."""
     return f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
 class Reservations:
-    """One holder's reservations on a :class:`Ledger`, under one lease of ``lease_ttl_s``
-    (kept by :meth:`reserve` and :meth:`renew`: renew well within it, see
-    :class:`LeaseKeeper`). Thread-safe; calls block on the ledger's I/O.
-
-    The holder remembers how many reservations it holds, so it can tell when its lease
-    lapsed with some of them (:meth:`renew` and :meth:`reserve` then report it through
-    ``on_lost``: those requests stopped counting, though they may still be running).
-    """
+    """One holder's reservations on a :class:`Ledger` under one lease of ``lease_ttl_s``;
+    thread-safe, blocking on the ledger's I/O. A lease that lapsed with reservations held is
+    reported through ``on_lost`` (their count)."""
 
     def __init__(
         self,
@@ -389,9 +336,7 @@ class Reservations:
         self._on_lost = on_lost
         self._lock = threading.Lock()
         self._held: set[str] = set()
-        self._unreleased: list[str] = []
-        """Releases the ledger could not take (unreachable): tried again at each renewal,
-        so a store outage does not leave them counted for as long as the lease lives."""
+        self._unreleased: list[str] = []  # releases that failed: tried at each renewal
 
     def reserve(self, replica: str, num_tokens: int) -> Reservation:
         """Reserve one request of ``num_tokens`` uncached prompt tokens on ``replica``."""
@@ -405,9 +350,8 @@ class Reservations:
         return reservation
 
     def release(self, reservation: Reservation) -> bool:
-        """Release it; False when it no longer counted (released, or its lease lapsed).
-        When the ledger cannot be reached, the release is kept and tried again at each
-        :meth:`renew` (the error is raised)."""
+        """Release it; False when it no longer counted. A release the ledger cannot take
+        raises, and is tried again at each :meth:`renew`."""
         with self._lock:
             if reservation.id not in self._held:
                 return False
@@ -420,8 +364,7 @@ class Reservations:
             raise
 
     def renew(self) -> bool:
-        """Make the releases that failed, then extend the lease; False when it had lapsed
-        (its reservations stopped counting)."""
+        """Retry failed releases, then extend the lease; False when it had lapsed."""
         with self._lock:
             unreleased, self._unreleased = self._unreleased, []
         for number, reservation_id in enumerate(unreleased):
@@ -459,9 +402,8 @@ class Reservations:
 
 
 class LeaseKeeper:
-    """Renews a :class:`Reservations` lease every third of its TTL on the running loop
-    (in a worker thread when the ledger blocks), until :meth:`stop`. A failed renewal is
-    logged and tried again at the next turn (the lease outlives two of them)."""
+    """Renews a :class:`Reservations` lease every third of its TTL on the running loop (in a
+    worker thread when the ledger blocks); a failed renewal is logged and retried next turn."""
 
     def __init__(
         self,
@@ -476,8 +418,8 @@ class LeaseKeeper:
         self._rounds = Periodic("the lease keeper", self._renew, reservations.lease_ttl_s / 3)
 
     async def start(self) -> None:
-        """Renew in a task on the running loop (first renewal at once); returns at once.
-        Raises RuntimeError when already running."""
+        """Renew in a task on the running loop (first renewal at once); RuntimeError when
+        already running."""
         await self._rounds.start()
 
     async def stop(self) -> None:
