@@ -1,20 +1,9 @@
 """The prefix-cache block pool of every stand-in for vLLM, and the KV events it publishes.
 
-One pool serves the replica simulator (:mod:`~kvindex.clients.fake_vllm.replica`), the
-offline scheduler of the benchmarks (:mod:`~kvindex.clients.fake_vllm.scheduler`) and the
-fleet simulator (:mod:`kvindex.clients.simulate`). It behaves like vLLM's v1 ``BlockPool``
-(``vllm/v1/core/block_pool.py``) for one KV-cache group: blocks are chained by their engine
-hashes (:mod:`~kvindex.clients.fake_vllm.engine_hash`), a request reuses the longest cached
-prefix of its blocks, blocks of running requests are pinned, and unreferenced cached blocks
-are evicted least recently freed first (a request frees its blocks tail first, as vLLM
-does). Every store and eviction is returned as the domain event vLLM publishes for it
-(``extra_keys`` per block and ``group_idx`` 0, as vLLM 0.33 sends them).
-
-Deliberate simplifications: a block that holds no full hash is empty and is handed out
-before any cached block is evicted (vLLM hands blocks out in the order they were freed,
-whatever they hold); a block computed twice concurrently is cached once (vLLM would cache
-and publish it twice).
-"""
+It behaves like vLLM's v1 ``BlockPool`` for one KV-cache group (chained block hashes, longest
+cached prefix reused, running requests' blocks pinned, least recently freed evicted first),
+except that empty blocks are handed out before any cached block is evicted and a block
+computed twice at once is cached once."""
 
 from __future__ import annotations
 
@@ -47,24 +36,17 @@ class Admission:
 
 
 class BlockPool:
-    """A fixed pool of ``capacity_blocks`` blocks of ``block_size`` tokens.
+    """A fixed pool of ``capacity_blocks`` blocks of ``block_size`` tokens; not thread-safe.
 
-    Every block is empty, cached (keyed by its chain hash; referenced by requests or
-    evictable), or a slot held by a request that is not full yet. Invariant:
-    ``num_empty + held slots + cached blocks == capacity_blocks``. Methods that change the
-    pool return the events to publish, in order. Not thread-safe.
-
-    Two ways to drive it: :meth:`admit` (all of a request's blocks reserved at once, its
-    prompt cached at once) then :meth:`cache_full_blocks` and :meth:`release`; or step by step as
-    vLLM's scheduler does, :meth:`touch`, then :meth:`allocate` and :meth:`cache_full_blocks` as
-    tokens are computed, then :meth:`release`.
-    """
+    Each block is empty, cached or a slot held by a request; methods that change the pool
+    return the events to publish, in order. Drive it by :meth:`admit`, or step by step as
+    vLLM's scheduler does (:meth:`touch`, :meth:`allocate`, :meth:`cache_full_blocks`), then
+    :meth:`release`."""
 
     def __init__(
         self, capacity_blocks: int, block_size: int, root: int, *, publish: bool = True
     ) -> None:
-        """``root``: the engine-hash chain root. ``publish=False``: make no events (a pool
-        nobody listens to; faster)."""
+        """``publish=False``: make no events (a pool nobody listens to)."""
         self.capacity_blocks = capacity_blocks
         self.block_size = block_size
         self.root = root
@@ -135,12 +117,8 @@ class BlockPool:
         cache_salt: str | None = None,
         chain: Sequence[int] | None = None,
     ) -> Admission | None:
-        """Reserve blocks for a request of ``total_tokens`` (prompt + output) and cache its
-        full prompt blocks; None when there is no room now (nothing changed). Hits are the
-        leading cached blocks, at most ``(len(prompt) - 1) // block_size`` (one prompt token
-        is always computed, as in vLLM). ``chain``: the prompt's block hashes when the
-        caller already has them (:meth:`chain`'s result, or any hashes that identify each
-        block with its prefix)."""
+        """Reserve blocks for a request of ``total_tokens`` and cache its full prompt blocks
+        (``chain``: their hashes, when known); None when there is no room (nothing changed)."""
         if chain is None:
             chain = self.chain(prompt, lora_name, cache_salt)
         limit = min((len(prompt) - 1) // self.block_size, len(chain))
@@ -165,17 +143,15 @@ class BlockPool:
     # --- step by step ----------------------------------------------------------------------
 
     def touch(self, request_id: int, chain: Sequence[int], limit: int) -> int:
-        """Start holding blocks for a new request (no LoRA, no cache salt): pin the longest
-        cached prefix of ``chain`` (at most ``limit`` blocks); returns its length. The
-        request holds no slot yet (see :meth:`allocate`)."""
+        """Pin the longest cached prefix of ``chain`` (at most ``limit`` blocks) for a new
+        request; its length."""
         hits = self._num_hits(chain, limit)
         self._pin(request_id, chain[:hits], None, None)
         return hits
 
     def allocate(self, request_id: int, count: int) -> list[Event]:
-        """Give the request ``count`` more slots: empty blocks first, then evicted ones,
-        least recently freed first (one ``BlockRemoved`` each, as vLLM publishes). The
-        caller has checked there is room (``count <= num_free``)."""
+        """Give the request ``count`` more slots (the caller checked ``count <= num_free``),
+        evicting least recently freed blocks once no empty one is left."""
         take = min(count, self.num_empty)
         self.num_empty -= take
         self._held[request_id].num_slots += count
@@ -192,10 +168,8 @@ class BlockPool:
     def cache_full_blocks(
         self, request_id: int, tokens: Sequence[int], chain: Sequence[int] | None = None
     ) -> list[Event]:
-        """Turn the request's slots into cached blocks for every full block of ``tokens``
-        not cached yet (``chain``: their block hashes, as for :meth:`admit`; it may stop
-        before the last full block). One ``BlockStored`` per run of newly cached blocks;
-        a block another request cached meanwhile is shared, not stored again."""
+        """Cache every full block of ``tokens`` not cached yet (one ``BlockStored`` per run
+        of newly cached blocks; a block cached meanwhile by another request is shared)."""
         held = self._held[request_id]
         if chain is None:
             chain = self.chain(tokens, held.lora_name, held.cache_salt)
@@ -234,8 +208,7 @@ class BlockPool:
         self._held[request_id] = _Held(list(hits), 0, lora_name, cache_salt)
 
     def _cache_new(self, held: _Held, chain: Sequence[int]) -> list[tuple[int, int]]:
-        """Cache ``chain``'s blocks past those ``held`` has; the (first, end) index runs of
-        blocks newly cached (a block another request cached meanwhile is shared)."""
+        """The (first, end) runs of ``chain``'s blocks newly cached past those ``held`` has."""
         start = len(held.hashes)
         new = chain[start:]
         if not new:

@@ -1,20 +1,10 @@
-"""vLLM's v1 scheduler, stepped offline over one block pool: a replica as fast as it can go.
+"""vLLM's v1 scheduler, stepped offline over one block pool under saturating chat load: a
+replica as fast as it can go, for the ingest benchmark.
 
-A model of ``vllm/v1/core/sched/scheduler.py`` under saturating chat load
-(:class:`~kvindex.clients.workloads.chats.ChatSessions`), for the ingest benchmark:
-
-* every step, running requests are served first (a prefill chunk, or one decode token),
-  then waiting ones are admitted while the step's token budget (``max_batched_tokens``)
-  and ``max_running`` allow and the pool can hold all of the request; an admitted request
-  reuses the longest cached prefix of its prompt (no store event for it);
-* blocks are allocated as tokens are computed (an eviction publishes one ``BlockRemoved``
-  then), and every block that becomes full is cached: one ``BlockStored`` per request per
-  step, chained to the parent block's hash (often stored many batches ago);
-* finished requests free their blocks tail first, and their chat's next turn may come.
-
-A step takes ``STEP_BASE_S + STEP_PER_TOKEN_S`` per token computed, in engine time; nothing
-sleeps. Not thread-safe; deterministic for a given pool, chats and call order.
-"""
+Each step serves running requests (a prefill chunk or one decode token), then admits waiting
+ones within ``max_batched_tokens`` and ``max_running``, caching every block that becomes full;
+a step takes ``STEP_BASE_S + STEP_PER_TOKEN_S`` per token in engine time (nothing sleeps).
+Not thread-safe; deterministic for a given pool, chats and call order."""
 
 from __future__ import annotations
 
@@ -88,8 +78,8 @@ class StepScheduler:
                 yield ts, events
 
     def step(self) -> tuple[list[Event], int]:
-        """One scheduler step: running requests first, then admissions, then retirements.
-        Returns the step's events and the number of tokens it computed."""
+        """One step: running requests, then admissions, then retirements; its events and the
+        number of tokens it computed."""
         events: list[Event] = []
         budget = self._max_batched_tokens
         size = self._block_size

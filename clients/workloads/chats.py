@@ -22,11 +22,7 @@ _P_CONTINUE = 0.7
 
 
 def random_tokens(rng: random.Random, count: int) -> list[int]:
-    """``count`` token ids below :data:`CHAT_VOCAB`, drawn as bytes (fast for long prompts).
-
-    The chats' ids span Llama 3's vocabulary, as the payloads the ingest benchmark times
-    must; the generators (:mod:`~kvindex.clients.workloads.generators`) draw below 32,000
-    (changing it would change every simulated figure)."""
+    """``count`` token ids below :data:`CHAT_VOCAB`, drawn as bytes (fast for long prompts)."""
     return [t % CHAT_VOCAB for t in array("I", rng.randbytes(count * 4))]
 
 
@@ -62,15 +58,9 @@ class ChatTurn:
 
 
 class ChatSessions:
-    """Chats for one replica under saturating load (the ingest benchmark's workload).
-
-    :meth:`next_turn` is another turn of an idle chat (always once ``max_idle`` chats are
-    idle, else with probability 0.7) or the first turn of a new chat, behind a system prompt
-    picked with weights 1, 1/2, 1/3, ...; :meth:`end_turn` makes the chat idle again until
-    its 1-8 turns are done or its history reaches :data:`MAX_CHAT_TOKENS`. User messages
-    are 32-768 tokens, answers 32-512. Every draw comes from ``rng``, in call order, so a
-    run is a function of the seed and of the order of the calls.
-    """
+    """Chats for one replica under saturating load: :meth:`next_turn` is another turn of
+    an idle chat or a new chat's first; :meth:`end_turn` makes it idle until its turns are done
+    or its history reaches :data:`MAX_CHAT_TOKENS`. A function of ``rng`` and the call order."""
 
     def __init__(
         self, rng: random.Random, system_prompts: Sequence[list[int]], *, max_idle: int

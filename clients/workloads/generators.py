@@ -61,12 +61,9 @@ class UserSession:
 
 
 def user_sessions(num_requests: int, seed: int, *, vocab: int = VOCAB) -> list[UserSession]:
-    """Sessions totalling exactly ``num_requests`` turns; a function of the seed only.
-
-    70% chats (2-6 turns of 30-120 user tokens) and 30% RAG sessions (1-3 queries, each 3
-    chunks of 160 tokens from a pool of 40, Zipf-popular, + a 20-60 token question), over 4
-    system prompts of 300-600 tokens chosen Zipf-like (a few apps dominate). Token ids are
-    below ``vocab``. The demo replays them; their answers join a chat's history."""
+    """Sessions totalling exactly ``num_requests`` turns, a function of the seed: 70% chats,
+    30% RAG sessions over Zipf-popular chunks, behind 4 system prompts; token ids below
+    ``vocab``."""
     rng = random.Random(seed)
     systems = [_tokens(rng, rng.randint(300, 600), vocab) for _ in range(4)]
     chunks = [_tokens(rng, 160, vocab) for _ in range(40)]

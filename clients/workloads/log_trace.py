@@ -1,9 +1,5 @@
-"""A tokenized request log (:mod:`kvindex.clients.workloads.request_log`) as a trace to replay.
-
-Arrivals are the log's timestamps (relative to the first) when every request has one and no
-rate is given, else Poisson at ``rate`` in log order. Answers are not reused as cached
-blocks (their tokens are not logged).
-"""
+"""A tokenized request log as a trace to replay: arrivals at the log's timestamps when
+every request has one and no rate is given, else Poisson at ``rate`` in log order."""
 
 from __future__ import annotations
 

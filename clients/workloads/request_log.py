@@ -1,20 +1,9 @@
-"""A log of OpenAI API request bodies, read line by line and tokenized as the engine would.
+"""A log of OpenAI API request bodies (JSONL, plain or ``.gz``; a body bare or under
+``"body"``), read line by line and tokenized as the engine would.
 
-One JSON object a line (plain or ``.gz``), as the API receives it: a chat request
-(``messages``) or a completions request (``prompt``: a string or a list of token ids), with
-``model``; optionally a timestamp (:data:`TIMESTAMP_FIELDS`: seconds or milliseconds since
-the epoch, or an ISO-8601 string), ``max_tokens`` / ``max_completion_tokens`` and ``user``.
-A line may also wrap the body as ``{"body": {...}}`` (a gateway's or a batch file's
-layout), its timestamp beside ``body`` or inside it. Empty lines are skipped; a line that
-is not such an object is reported (:class:`LogProblem`, with its line number) and skipped:
-reading never stops on one bad line.
-
-Tokenization (:class:`LogTokenizer`) goes through the scoring API's tokenizer layer
-(:mod:`kvindex.api.tokenize`): a ``tokenizer.json`` with the model's chat template (or
-``--chat-template FILE``; with neither, :data:`DEFAULT_CHAT_TEMPLATE`), or a replica's
-``POST /tokenize`` (one :class:`~kvindex.api.tokenize.replica.ReplicaTokenizer` per
-model). A request it cannot tokenize is reported like a bad line.
-"""
+A line that is not a request is reported (:class:`LogProblem`, with its number) and skipped;
+so is one that cannot be tokenized (:class:`LogTokenizer`: the API's tokenizer layer, from a
+``tokenizer.json`` and chat template or a replica's ``POST /tokenize``)."""
 
 from __future__ import annotations
 
@@ -50,11 +39,8 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% endfor %}"
     "<|assistant|>{{ '\\n' }}"  # Jinja drops a template's final newline: written as an expression
 )
-"""How messages are rendered when the tokenizer has no chat template and none is given:
-each message as ``<|role|>``, a newline, its text and a newline, then ``<|assistant|>``
-and a newline (the generation prompt). Text content parts are joined with newlines; other
-parts (images, audio) are left out. Real templates differ in their markers, not in what
-is shared between requests, so the analysis holds with this one too."""
+"""Rendering without a chat template: each message as ``<|role|>``, newline, text,
+newline, then ``<|assistant|>`` and a newline (real templates differ in markers only)."""
 TOKENIZE_CONCURRENCY = 16
 """Requests tokenized at once (a replica's ``/tokenize`` answers several in parallel)."""
 
@@ -138,9 +124,8 @@ def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
 
 
 def read_request_log(path: Path, problems: Problems) -> Iterator[LoggedRequest]:
-    """The requests of the log at ``path`` (plain or gzip, told by its first bytes), in
-    order; bad lines go to ``problems``. Raises :class:`RequestLogError` only when the file
-    itself cannot be read."""
+    """The requests of the log at ``path``, in order; bad lines go to ``problems``.
+    :class:`RequestLogError` only when the file itself cannot be read."""
     if not path.is_file():
         raise RequestLogError(f"{path}: no such file")
     for lineno, line in _lines(path):
@@ -257,11 +242,8 @@ class TokenizerOptions:
 
 
 class LogTokenizer:
-    """Token ids of logged requests, and text of token ids (for examples), by one source.
-
-    Use as an async context manager: it closes the HTTP client of a replica source, unless
-    ``client`` was given (then the caller owns it).
-    """
+    """Token ids of logged requests, and text of token ids, by one source; an async
+    context manager that closes its HTTP client unless ``client`` was given."""
 
     def __init__(self, options: TokenizerOptions, client: httpx.AsyncClient | None = None) -> None:
         self.options = options
@@ -362,9 +344,8 @@ def accepted_requests(
     answers: Sequence[list[int] | BaseException],
     problems: Problems,
 ) -> list[TokenizedRequest]:
-    """The requests of ``batch`` whose answer (same order) is a non-empty list of token
-    ids; a :class:`TokenizerError` or an empty prompt is a problem of its line, any other
-    exception is raised."""
+    """The requests of ``batch`` whose answer is a non-empty list of token ids; a
+    tokenizer error or an empty prompt is a problem of its line."""
     out: list[TokenizedRequest] = []
     for request, answer in zip(batch, answers, strict=True):
         if isinstance(answer, TokenizerError):

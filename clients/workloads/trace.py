@@ -1,9 +1,6 @@
-"""Requests as a router sees them (:class:`TraceRequest`), and Mooncake traces read into them.
-
-A Mooncake trace (JSONL: ``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids`` of
-512-token blocks; equal ids mean an identical prefix) has no text: each block id gets
-deterministic tokens (:func:`block_tokens`), and no session ids (:func:`trace_sessions`).
-"""
+"""Requests as a router sees them (:class:`TraceRequest`), and Mooncake traces read into
+them (JSONL of ``timestamp`` ms, lengths and ``hash_ids`` of 512-token blocks: each block id
+gets deterministic tokens, each request a session derived from its blocks)."""
 
 from __future__ import annotations
 
@@ -104,18 +101,10 @@ SHARED_MIN_SHARE = 0.01
 
 
 def trace_sessions(hash_ids_of: Sequence[Sequence[int]]) -> list[str]:
-    """A session key per request of a trace without session ids, from each request's
-    chained block ids (an id names a block and its whole prefix: Mooncake's ``hash_ids``,
-    or the engine's block hashes of a prompt).
-
-    The shared prefix of a request ends after its deepest block that many different
-    continuations follow (at least :data:`SHARED_MIN_FANOUT`, and at least
-    :data:`SHARED_MIN_SHARE` of the number of requests: a system prompt or a tool list
-    everyone sends, not a document a few questions share); its session is the first block
-    after it (``b<id>``). A chat's later turns extend its first one, so they keep its
-    session; requests that only share a system prompt get sessions of their own instead of
-    all landing on one replica. A request that is all shared prefix is keyed by its last
-    block."""
+    """A session key per request, from each request's chained block ids: the first block
+    after its shared prefix (``b<id>``), that prefix ending after its deepest block followed by
+    many different blocks (:data:`SHARED_MIN_FANOUT`, :data:`SHARED_MIN_SHARE`). A chat's
+    turns keep one session; requests sharing only a system prompt get their own."""
     threshold = max(SHARED_MIN_FANOUT, math.ceil(SHARED_MIN_SHARE * len(hash_ids_of)))
     shared = _shared_blocks(hash_ids_of, threshold)
     sessions = []
@@ -129,9 +118,7 @@ def trace_sessions(hash_ids_of: Sequence[Sequence[int]]) -> list[str]:
 
 
 def _shared_blocks(hash_ids_of: Sequence[Sequence[int]], threshold: int) -> set[int]:
-    """Blocks followed by at least ``threshold`` different next blocks. Memory: one int
-    per block with one successor, a set only for blocks with several (counted no further
-    than ``threshold``)."""
+    """Blocks followed by at least ``threshold`` different next blocks."""
     first_next: dict[int, int] = {}
     more_next: dict[int, set[int]] = {}
     for ids in hash_ids_of:
