@@ -1,12 +1,7 @@
 """Python client of the kvindex HTTP API: :class:`KvIndexClient` (sync) and
-:class:`AsyncKvIndexClient` (asyncio), with the same methods and contracts.
-
-Results are the API's msgspec Structs (:mod:`kvindex.api.schemas`) decoded from the response
-bytes; importing it needs httpx, msgspec and xxhash, never FastAPI. Each method describes its
-exchange as a :class:`_Call` shared by both clients, so only their I/O (``_run``) differs.
-Every failure raises a :class:`KvIndexClientError` (by HTTP status; no answer:
-:class:`UnreachableError`), except ``healthy`` and ``ready``, which answer False instead.
-"""
+:class:`AsyncKvIndexClient` (asyncio), with the same methods and contracts, built on shared
+request descriptions (:class:`_Call`). Every failure raises a :class:`KvIndexClientError`
+(no answer: :class:`UnreachableError`), except ``healthy`` and ``ready`` (False instead)."""
 
 from __future__ import annotations
 
@@ -51,9 +46,8 @@ _MAX_DETAIL = 500
 
 
 class KvIndexClientError(KvIndexError):
-    """A kvindex call failed. ``status`` is the HTTP status (None: no answer, or a check
-    made by the client itself), ``kind`` the server's error name (``invalid_request``,
-    ``unknown_model``, …), ``detail`` its message."""
+    """A kvindex call failed: ``status`` the HTTP status (None: no answer, or the client's
+    own check), ``kind`` the server's error name, ``detail`` its message."""
 
     def __init__(self, kind: str, detail: str, status: int | None = None) -> None:
         super().__init__(kind, detail, status)  # all in args: the error pickles
@@ -129,11 +123,8 @@ def _reraise(error: UnreachableError) -> NoReturn:
 
 @dataclass(frozen=True, slots=True)
 class _Call(Generic[T]):
-    """One HTTP exchange, described without doing it.
-
-    ``read`` turns any answer into the result or raises; ``unreachable`` is called instead
-    when no answer came (by default it raises the :class:`UnreachableError` it is given).
-    """
+    """One HTTP exchange, described without doing it: ``read`` turns an answer into the
+    result or raises; ``unreachable`` stands for an answer when none came."""
 
     method: str
     path: str
@@ -143,9 +134,8 @@ class _Call(Generic[T]):
 
 
 def _encode_body(struct: msgspec.Struct) -> bytes:
-    """JSON of a request Struct without its None fields and its flags left at their
-    default (the server's defaults apply, and a server older than a flag, which refuses
-    unknown fields, still takes requests that do not set it)."""
+    """JSON of a request Struct without its None fields and flags left at their default (a
+    server older than a flag, which refuses unknown fields, still takes it)."""
     values = msgspec.structs.asdict(struct)
     sent = {
         f.name: values[f.name]
@@ -234,14 +224,9 @@ def _score_call(request: ScoreRequest) -> _Call[ScoreResponse]:
 def _score_tokens_call(
     request: ScoreRequest, *, block_size: int, compute_keys: bool
 ) -> _Call[ScoreResponse]:
-    """``POST /score`` for ``request.token_ids``, sent as block keys when ``compute_keys``.
-
-    Keys are ``kvindex.indexer.domain.keys.block_keys`` of the tokens at ``block_size`` with the
-    request's LoRA name and cache salt (which the keys then carry, so they are not sent). Raises
-    :class:`BadRequestError` (status None) for token ids that cannot form keys; the answer
-    raises it when the server's block size for the model is not ``block_size`` (the keys
-    could then never match).
-    """
+    """``POST /score`` for ``request.token_ids``, sent as their block keys (with the LoRA
+    name and cache salt) when ``compute_keys``. :class:`BadRequestError` for token ids that
+    cannot form keys, or when the server's block size for the model is not ``block_size``."""
     if not compute_keys:
         return _score_call(request)
     assert request.token_ids is not None, "score_tokens always sets token_ids"
@@ -337,11 +322,8 @@ class _Endpoint:
 
 
 class KvIndexClient:
-    """Sync client. Thread-safe (as httpx.Client is); one instance per process is enough.
-
-    ``timeout_s`` bounds every phase of every request (connect, write, read, pool), also on
-    an injected ``http`` client. An injected client is not closed by :meth:`close`.
-    """
+    """Sync client; thread-safe. ``timeout_s`` bounds every phase of every request, also on
+    an injected ``http`` client (which :meth:`close` leaves open)."""
 
     def __init__(
         self,
@@ -404,11 +386,8 @@ class KvIndexClient:
         workload: str | None = None,
     ) -> ScoreResponse:
         """Rank the replicas serving ``model``; give exactly one of token_ids, prompt,
-        messages, block_keys (the server checks: :class:`BadRequestError` otherwise).
-        ``top_k``: entries in ``scores`` (0: every candidate; None: the server's
-        ``default_top_k``), the others counted in ``num_candidates`` / ``num_matched``.
-        ``workload``: the request's workload, as the API's ``[[rules]]`` match it (the
-        answer's ``rule`` names the one that matched)."""
+        messages, block_keys. ``top_k``: entries in ``scores`` (0: all; None: the server's
+        default); ``workload``: what the API's ``[[rules]]`` match."""
         request = _score_request(
             model,
             token_ids=token_ids,
@@ -445,8 +424,7 @@ class KvIndexClient:
         workload: str | None = None,
     ) -> ScoreResponse:
         """Like ``score(model, token_ids=...)``, but the block keys are computed here and
-        sent instead of the tokens (one integer per block); see :func:`_score_tokens_call`.
-        The answer's ``num_tokens`` then counts full blocks only."""
+        sent instead of the tokens; the answer's ``num_tokens`` counts full blocks only."""
         request = _score_request(
             model,
             token_ids=token_ids,
@@ -518,10 +496,8 @@ class KvIndexClient:
 
 
 class AsyncKvIndexClient:
-    """Asyncio client with :class:`KvIndexClient`'s methods (awaitable) and contracts.
-
-    Use it from one event loop. An injected ``http`` client is not closed by :meth:`close`.
-    """
+    """Asyncio client with :class:`KvIndexClient`'s methods (awaitable) and contracts; use
+    it from one event loop."""
 
     def __init__(
         self,

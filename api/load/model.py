@@ -10,7 +10,6 @@ import msgspec
 from kvindex.indexer.domain.errors import KvIndexError
 
 SOURCES = ("push", "scrape")
-"""Allowed values of :attr:`Load.source`."""
 MAX_FUTURE_S = 60.0
 """How far past the receiver's clock a reported ``ts`` may be (clock skew between hosts)."""
 

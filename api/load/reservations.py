@@ -1,10 +1,6 @@
 """Requests in flight, reserved by the proxies that sent them from dispatch to the last byte,
-under a per-proxy lease so that a dead proxy leaks nothing.
-
-A :class:`Ledger` (in process, or in Redis on Redis' clock) changes a holder's reservations
-and the totals together; a lapsed lease stops counting at the first call that finds it. On
-Redis, two choices made within one round trip may each miss the other's request.
-"""
+under a per-proxy lease so that a dead proxy leaks nothing. A :class:`Ledger` (in process,
+or in Redis on Redis' clock) changes a holder's reservations and the totals together."""
 
 from __future__ import annotations
 
@@ -162,8 +158,8 @@ _MAX_REAP_ROUNDS = 4  # reads that may each find lapsed leases before one reads 
 
 
 class RedisLedger:
-    """Shared :class:`Ledger` on the ``{inflight}`` keys of :class:`Schema`, changed only by
-    its scripts (``ledger_*.lua``); a load store queues its read in its own pipeline."""
+    """Shared :class:`Ledger` on the ``{inflight}`` keys of :class:`Schema`, changed only by its
+    scripts; two choices made within one round trip may each miss the other's request."""
 
     def __init__(self, client: RedisClient, schema: Schema | None = None) -> None:
         self._client = client
@@ -223,7 +219,6 @@ class RedisLedger:
         pipe.execute_command("EVALSHA", self._read.sha, 2, *self._keys, **route)
 
     def read_reply(self, reply: Any) -> dict[str, InFlight]:
-        """The totals from a reply of :meth:`queue_read`."""
         with unavailable_on_connection_errors():
             if isinstance(reply, redis.exceptions.NoScriptError):
                 return self._read_totals(None)
@@ -311,14 +306,12 @@ class CircuitLedger:
 
 
 def new_holder() -> str:
-    """A holder id no other process has."""
     return f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
 class Reservations:
-    """One holder's reservations on a :class:`Ledger` under one lease of ``lease_ttl_s``;
-    thread-safe, blocking on the ledger's I/O. A lease that lapsed with reservations held is
-    reported through ``on_lost`` (their count)."""
+    """One holder's reservations under one lease of ``lease_ttl_s``; thread-safe. A lease that
+    lapsed with reservations held is reported through ``on_lost`` (their count)."""
 
     def __init__(
         self,
@@ -418,8 +411,7 @@ class LeaseKeeper:
         self._rounds = Periodic("the lease keeper", self._renew, reservations.lease_ttl_s / 3)
 
     async def start(self) -> None:
-        """Renew in a task on the running loop (first renewal at once); RuntimeError when
-        already running."""
+        """Renew in a task on the running loop; RuntimeError when already running."""
         await self._rounds.start()
 
     async def stop(self) -> None:

@@ -39,13 +39,9 @@ _CLAIM_SHARE = 0.8  # a claim lasts this share of the interval: gone before the 
 
 
 class MetricsScraper:
-    """Scrapes every replica's ``{base_url}/metrics`` each ``interval_s`` into a store.
-
-    Each round lists ``targets()``, claims them in the store (processes sharing a store
-    scrape each replica once a round) and scrapes its claims concurrently, each under its own
-    ``timeout_s``; no failure stops it: each is counted in :meth:`stats` (thread-safe) and
-    passed to ``on_failure`` (the replica id).
-    """
+    """Scrapes every replica's ``{base_url}/metrics`` each ``interval_s`` into a store: the
+    targets this process claims, concurrently, each under ``timeout_s``. No failure stops it;
+    each is counted in :meth:`stats` (thread-safe) and passed to ``on_failure``."""
 
     def __init__(
         self,

@@ -1,9 +1,6 @@
-"""Where load is kept: the :class:`LoadStore` Protocol, in process and in Redis.
-
-Each store keeps this process's snapshot of the fleet's counted loads (:class:`_Fleet`); the
-Redis one reads only the changes since it, from a change log its scripts keep beside the load
-hash (``load_log.lua``), or the whole hash when the log is not the one the snapshot follows.
-"""
+"""Where load is kept: the :class:`LoadStore` Protocol, in process and in Redis. Each store
+keeps this process's snapshot of the fleet's counted loads (:class:`_Fleet`); the Redis one
+reads only the changes since it, from a change log beside the load hash (``load_log.lua``)."""
 
 from __future__ import annotations
 
@@ -76,19 +73,15 @@ class LoadStore(Protocol):
         """Forget the replica's load and answers (a no-op for an unknown replica)."""
         ...
 
-    def close(self) -> None:
-        """Release connections. The store must not be used afterwards."""
-        ...
+    def close(self) -> None: ...
 
 
 @runtime_checkable
 class LoadChanges(Protocol):
-    """Which replicas' reads may differ since a version of the snapshot (the scorer redoes
-    its penalty floors for those alone); no I/O, thread-safe."""
+    """Which replicas' reads may differ since a version of the snapshot; no I/O, thread-safe."""
 
     def change_version(self) -> int:
-        """The snapshot's version now (it only grows); read it before the ``get_counted``
-        to follow."""
+        """The snapshot's version (it only grows): read it before the ``get_counted`` to follow."""
         ...
 
     def changed_since(self, version: int) -> list[str] | None:
@@ -160,7 +153,6 @@ class _Fleet:
     def read(
         self, replicas: Sequence[str], in_flight: Mapping[str, InFlight]
     ) -> dict[str, CountedLoad]:
-        """A new dict: each of ``replicas`` with a load or a request in flight."""
         key = tuple(replicas)
         found = self._views.get(key)
         if found is None:
@@ -261,11 +253,8 @@ _ANSWERS_SUFFIX = ANSWERS_SUFFIX.encode()
 
 
 class RedisLoadStore(_Snapshotted):
-    """Shared :class:`LoadStore` on the ``{load}`` keys of :class:`Schema`: a put, a remove
-    and a read are one script each (atomic across processes); ``get_counted`` is one round
-    trip (the read and its :class:`RedisLedger`'s totals). Raises
-    :class:`IndexUnavailableError` when Redis cannot be reached; an undecodable stored load
-    reads as absent."""
+    """Shared :class:`LoadStore` on the ``{load}`` keys of :class:`Schema`, changed only by its
+    scripts; raises :class:`IndexUnavailableError` when Redis cannot be reached."""
 
     def __init__(self, client: RedisClient, schema: Schema | None = None) -> None:
         self._client = client
@@ -339,8 +328,7 @@ class RedisLoadStore(_Snapshotted):
             return reply, self._ledger.read_reply(totals)
 
     def _apply(self, reply: Any, known: int) -> None:
-        """Bring the snapshot to a read's reply made from seq ``known``, unless the snapshot
-        is newer (a later read of another thread applied first)."""
+        """Apply a read's reply made from seq ``known``, unless the snapshot is newer."""
         epoch, seq, whole, *rest = reply
         epoch = bytes(epoch) if epoch else b""
         seq = int(seq)
