@@ -198,7 +198,6 @@ def _score_request(
     dry_run: bool = False,
     workload: str | None = None,
 ) -> ScoreRequest:
-    """The ``POST /score`` body; sequences are sent as they are when already lists."""
     return ScoreRequest(
         model=model,
         token_ids=_listed(token_ids),
@@ -531,7 +530,6 @@ class AsyncKvIndexClient:
             await self._http.aclose()
 
     async def aclose(self) -> None:
-        """Same as :meth:`close` (for ``contextlib.aclosing``)."""
         await self.close()
 
     async def __aenter__(self) -> Self:

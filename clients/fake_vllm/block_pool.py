@@ -199,7 +199,6 @@ class BlockPool:
     def _pin(
         self, request_id: int, hits: Sequence[int], lora_name: str | None, cache_salt: str | None
     ) -> None:
-        """The request starts holding ``hits`` (cached blocks) and no slot."""
         assert request_id not in self._held, f"request {request_id} already holds blocks"
         ref, evictable = self._ref, self._evictable
         for h in hits:
@@ -246,7 +245,6 @@ class BlockPool:
         extras: list[ExtraKeys] | None,
         lora_name: str | None,
     ) -> Event:
-        """The ``BlockStored`` of blocks ``first`` to ``end - 1``."""
         size = self.block_size
         return BlockStored(
             block_hashes=tuple(chain[first:end]),

@@ -30,7 +30,6 @@ class _Request:
     """Prompt then output: the output is drawn up front, decoding reveals it."""
     num_prompt_tokens: int
     hashes: list[int]
-    """Engine hashes of the full blocks of ``tokens``."""
     num_blocks_needed: int
     num_blocks: int = 0
     """Blocks held in the pool: the cached prefix hit at admission, then allocated ones."""

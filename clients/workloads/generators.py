@@ -16,7 +16,6 @@ VOCAB = 32_000
 @dataclass(frozen=True, slots=True)
 class GeneratorSettings:
     requests: int = 2000
-    """How many requests to make."""
     rate: float | None = None
     """Mean arrivals per second (Poisson); None: the workload's :data:`DEFAULT_RATES`."""
     seed: int = 0
