@@ -1,3 +1,1 @@
-"""Replica load: pushed (``POST /load``) or scraped from vLLM's ``/metrics``, kept in a store
-(in process or Redis) with the ``/score`` answers that chose each replica since, and the
-requests in flight that proxies reserve (:mod:`~kvindex.api.load.reservations`)."""
+"""Replica load, pushed or scraped, kept with the answers and requests in flight since."""

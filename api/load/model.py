@@ -36,8 +36,7 @@ class Load(msgspec.Struct, frozen=True):
         self.validated()
 
     def validated(self, *, now: float | None = None) -> Load:
-        """``self`` once checked; with ``now``, also that ``ts`` is at most
-        :data:`MAX_FUTURE_S` ahead of it."""
+        """``self`` once checked; with ``now``, ``ts`` at most :data:`MAX_FUTURE_S` ahead of it."""
         for name in ("running", "waiting", "ts"):
             _check_number(name, getattr(self, name), high=math.inf)
         if now is not None and self.ts > now + MAX_FUTURE_S:
@@ -80,8 +79,7 @@ NO_IN_FLIGHT = InFlight(0, 0)
 
 
 class CountedLoad(NamedTuple):
-    """A replica's stored load (None: none yet), the answers that chose it since, and
-    the requests in flight to it."""
+    """A stored load (None: none yet), the answers that chose it since, the requests in flight."""
 
     load: Load | None
     routed: int

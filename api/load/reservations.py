@@ -1,6 +1,5 @@
-"""Requests in flight, reserved by the proxies that sent them from dispatch to the last byte,
-under a per-proxy lease so that a dead proxy leaks nothing. A :class:`Ledger` (in process,
-or in Redis on Redis' clock) changes a holder's reservations and the totals together."""
+"""Requests in flight, reserved by the proxies that sent them until the last byte, in a
+:class:`Ledger` under a per-proxy lease (on Redis' clock there) so a dead proxy leaks nothing."""
 
 from __future__ import annotations
 
@@ -40,12 +39,10 @@ class Reservation:
 
 
 class Ledger(Protocol):
-    """Every holder's reservations (one lease each) and their totals per replica;
-    thread-safe. Redis-backed ledgers raise ``IndexUnavailableError`` when unreachable."""
+    """Every holder's reservations (one lease each) and their totals per replica; thread-safe."""
 
     def reserve(self, holder: str, lease_ttl_s: float, reservation: Reservation) -> bool:
-        """Add ``reservation`` and extend the lease; False when the holder had no live lease
-        (a new one starts)."""
+        """Add ``reservation``, extend the lease; False when none was live (a new one starts)."""
         ...
 
     def release(self, holder: str, reservation_id: str) -> bool:
@@ -343,8 +340,7 @@ class Reservations:
         return reservation
 
     def release(self, reservation: Reservation) -> bool:
-        """Release it; False when it no longer counted. A release the ledger cannot take
-        raises, and is tried again at each :meth:`renew`."""
+        """Release it (False: it no longer counted); a failed one is retried at :meth:`renew`."""
         with self._lock:
             if reservation.id not in self._held:
                 return False
@@ -395,8 +391,7 @@ class Reservations:
 
 
 class LeaseKeeper:
-    """Renews a :class:`Reservations` lease every third of its TTL on the running loop (in a
-    worker thread when the ledger blocks); a failed renewal is logged and retried next turn."""
+    """Renews a :class:`Reservations` lease every third of its TTL; a failure is logged, retried."""
 
     def __init__(
         self,

@@ -88,8 +88,7 @@ class MetricsScraper:
     async def _claimed(
         self, targets: list[tuple[str, str, str | None]]
     ) -> list[tuple[str, str, str | None]]:
-        """The targets no other API process scrapes this round (all of them when claims
-        cannot be made)."""
+        """The targets no other API process scrapes this round (all when claims fail)."""
         if not targets:
             return targets
         replicas = [r for r, _, _ in targets]

@@ -1,6 +1,5 @@
-"""Where load is kept: the :class:`LoadStore` Protocol, in process and in Redis. Each store
-keeps this process's snapshot of the fleet's counted loads (:class:`_Fleet`); the Redis one
-reads only the changes since it, from a change log beside the load hash (``load_log.lua``)."""
+"""Where load is kept (:class:`LoadStore`): in process, or in Redis read as the changes since
+this process's snapshot (:class:`_Fleet`), from a change log beside the load hash."""
 
 from __future__ import annotations
 
@@ -53,10 +52,9 @@ class LoadStore(Protocol):
     def get_counted(
         self, replicas: Sequence[str], answers: Sequence[str] = ()
     ) -> dict[str, CountedLoad]:
-        """Count ``answers`` (the replica each chose), then read each replica's load, the
-        answers counted since it was stored (a newer ``ts`` starts at 0) and its requests in
-        flight (:attr:`ledger`'s totals); replicas with neither are absent. Sees every
-        change that returned before the call, in any process sharing the store."""
+        """Count ``answers`` (the replica each chose), then read each replica's load, the answers
+        since it was stored (a newer ``ts`` starts at 0) and its requests in flight; replicas with
+        neither are absent. Sees every change that returned before the call, in any process."""
         ...
 
     @property
@@ -65,8 +63,7 @@ class LoadStore(Protocol):
         ...
 
     def claim_scrapes(self, replicas: Sequence[str], hold_s: float) -> set[str]:
-        """The replicas this process is to scrape now: those no other caller claimed in the
-        last ``hold_s`` seconds."""
+        """The replicas no other caller claimed in the last ``hold_s`` seconds: to scrape now."""
         ...
 
     def remove(self, replica: str) -> None:
@@ -85,8 +82,7 @@ class LoadChanges(Protocol):
         ...
 
     def changed_since(self, version: int) -> list[str] | None:
-        """Each replica whose ``get_counted`` entry may differ from a read made at
-        ``version`` (a superset), once; None when unknown (start again)."""
+        """Replicas whose ``get_counted`` entry may differ since ``version`` (None: unknown)."""
         ...
 
 
@@ -94,8 +90,7 @@ _MAX_VIEWS = 8  # replica lists whose view _Fleet keeps up to date (one per mode
 
 
 class _Fleet:
-    """Every replica's load, answer count and ``CountedLoad``, and a view per replica list
-    read lately, kept as they change (a read copies a dict); its store's lock guards it."""
+    """Every replica's load, count and ``CountedLoad``, and views of lists read, kept current."""
 
     def __init__(self) -> None:
         self.loads: dict[str, Load] = {}

@@ -20,10 +20,9 @@ _WANTED = frozenset(
 
 
 def parse_vllm_metrics(text: str, *, now: float, model: str | None = None) -> Load:
-    """A scraped :class:`Load` (stamped ``now``) from a vLLM ``/metrics`` exposition:
-    running and waiting summed over label sets (data-parallel engines), KV usage their max;
-    with ``model``, only samples of that ``model_name``. :class:`LoadError` when it does not
-    parse, holds none of these metrics, or a value is invalid."""
+    """A scraped :class:`Load` (stamped ``now``) from a vLLM ``/metrics`` exposition, summed
+    over data-parallel engines (KV usage: their max), of ``model`` only when given;
+    :class:`LoadError` when it does not parse, lacks these metrics, or a value is invalid."""
     values, models_seen = _collect(text, model)
     if not values:
         wanted = "" if model is None else f" for model_name={model!r}"
