@@ -1,7 +1,5 @@
-"""Python client of the kvindex HTTP API: :class:`KvIndexClient` (sync) and
-:class:`AsyncKvIndexClient` (asyncio), with the same methods and contracts, built on shared
-request descriptions (:class:`_Call`). Every failure raises a :class:`KvIndexClientError`
-(no answer: :class:`UnreachableError`), except ``healthy`` and ``ready`` (False instead)."""
+"""Python client of the kvindex HTTP API, sync (:class:`KvIndexClient`) and asyncio, on shared
+request descriptions (:class:`_Call`); failures raise :class:`KvIndexClientError`."""
 
 from __future__ import annotations
 
@@ -46,8 +44,7 @@ _MAX_DETAIL = 500
 
 
 class KvIndexClientError(KvIndexError):
-    """A kvindex call failed: ``status`` the HTTP status (None: no answer, or the client's
-    own check), ``kind`` the server's error name, ``detail`` its message."""
+    """A call failed: HTTP ``status`` (None: no answer, or a client check), ``kind``, ``detail``."""
 
     def __init__(self, kind: str, detail: str, status: int | None = None) -> None:
         super().__init__(kind, detail, status)  # all in args: the error pickles
@@ -123,8 +120,7 @@ def _reraise(error: UnreachableError) -> NoReturn:
 
 @dataclass(frozen=True, slots=True)
 class _Call(Generic[T]):
-    """One HTTP exchange, described without doing it: ``read`` turns an answer into the
-    result or raises; ``unreachable`` stands for an answer when none came."""
+    """One HTTP exchange, described; ``unreachable`` stands for an answer when none came."""
 
     method: str
     path: str
@@ -134,8 +130,7 @@ class _Call(Generic[T]):
 
 
 def _encode_body(struct: msgspec.Struct) -> bytes:
-    """JSON of a request Struct without its None fields and flags left at their default (a
-    server older than a flag, which refuses unknown fields, still takes it)."""
+    """JSON of a request without None fields and flags left at their default (older servers)."""
     values = msgspec.structs.asdict(struct)
     sent = {
         f.name: values[f.name]
@@ -223,9 +218,8 @@ def _score_call(request: ScoreRequest) -> _Call[ScoreResponse]:
 def _score_tokens_call(
     request: ScoreRequest, *, block_size: int, compute_keys: bool
 ) -> _Call[ScoreResponse]:
-    """``POST /score`` for ``request.token_ids``, sent as their block keys (with the LoRA
-    name and cache salt) when ``compute_keys``. :class:`BadRequestError` for token ids that
-    cannot form keys, or when the server's block size for the model is not ``block_size``."""
+    """``POST /score`` of ``request.token_ids``, as block keys when ``compute_keys``;
+    :class:`BadRequestError` for bad token ids or a server block size not ``block_size``."""
     if not compute_keys:
         return _score_call(request)
     assert request.token_ids is not None, "score_tokens always sets token_ids"
@@ -300,8 +294,6 @@ def _probe_call(path: str) -> _Call[bool]:
 
 
 class _Endpoint:
-    """Where and how to send: base URL, headers, timeout (shared by both clients)."""
-
     def __init__(self, base_url: str, token: str | None, timeout_s: float) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = httpx.Timeout(timeout_s)
@@ -321,8 +313,7 @@ class _Endpoint:
 
 
 class KvIndexClient:
-    """Sync client; thread-safe. ``timeout_s`` bounds every phase of every request, also on
-    an injected ``http`` client (which :meth:`close` leaves open)."""
+    """Sync client; thread-safe. ``timeout_s`` bounds every phase of every request."""
 
     def __init__(
         self,
@@ -384,9 +375,8 @@ class KvIndexClient:
         dry_run: bool = False,
         workload: str | None = None,
     ) -> ScoreResponse:
-        """Rank the replicas serving ``model``; give exactly one of token_ids, prompt,
-        messages, block_keys. ``top_k``: entries in ``scores`` (0: all; None: the server's
-        default); ``workload``: what the API's ``[[rules]]`` match."""
+        """Rank the replicas serving ``model`` for one of token_ids, prompt, messages or
+        block_keys; ``top_k`` 0: every candidate, None: the server's default."""
         request = _score_request(
             model,
             token_ids=token_ids,
@@ -422,8 +412,7 @@ class KvIndexClient:
         dry_run: bool = False,
         workload: str | None = None,
     ) -> ScoreResponse:
-        """Like ``score(model, token_ids=...)``, but the block keys are computed here and
-        sent instead of the tokens; the answer's ``num_tokens`` counts full blocks only."""
+        """``score(model, token_ids=...)`` sent as block keys computed here (full blocks only)."""
         request = _score_request(
             model,
             token_ids=token_ids,
@@ -495,8 +484,7 @@ class KvIndexClient:
 
 
 class AsyncKvIndexClient:
-    """Asyncio client with :class:`KvIndexClient`'s methods (awaitable) and contracts; use
-    it from one event loop."""
+    """Asyncio client with :class:`KvIndexClient`'s methods and contracts; one event loop."""
 
     def __init__(
         self,

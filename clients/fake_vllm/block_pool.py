@@ -1,9 +1,5 @@
-"""The prefix-cache block pool of every stand-in for vLLM, and the KV events it publishes.
-
-It behaves like vLLM's v1 ``BlockPool`` for one KV-cache group (chained block hashes, longest
-cached prefix reused, running requests' blocks pinned, least recently freed evicted first),
-except that empty blocks are handed out before any cached block is evicted and a block
-computed twice at once is cached once."""
+"""The prefix-cache block pool of every stand-in for vLLM (vLLM's v1 ``BlockPool`` for one
+KV-cache group, empty blocks handed out before any eviction), and the KV events it publishes."""
 
 from __future__ import annotations
 
@@ -36,12 +32,8 @@ class Admission:
 
 
 class BlockPool:
-    """A fixed pool of ``capacity_blocks`` blocks of ``block_size`` tokens; not thread-safe.
-
-    Each block is empty, cached or a slot held by a request; methods that change the pool
-    return the events to publish, in order. Drive it by :meth:`admit`, or step by step as
-    vLLM's scheduler does (:meth:`touch`, :meth:`allocate`, :meth:`cache_full_blocks`), then
-    :meth:`release`."""
+    """``capacity_blocks`` blocks of ``block_size`` tokens; not thread-safe; changes return their
+    events in order. Drive it by :meth:`admit`, or :meth:`touch` and :meth:`allocate`."""
 
     def __init__(
         self, capacity_blocks: int, block_size: int, root: int, *, publish: bool = True
@@ -117,8 +109,7 @@ class BlockPool:
         cache_salt: str | None = None,
         chain: Sequence[int] | None = None,
     ) -> Admission | None:
-        """Reserve blocks for a request of ``total_tokens`` and cache its full prompt blocks
-        (``chain``: their hashes, when known); None when there is no room (nothing changed)."""
+        """Reserve blocks for ``total_tokens`` and cache the full prompt blocks; None: no room."""
         if chain is None:
             chain = self.chain(prompt, lora_name, cache_salt)
         limit = min((len(prompt) - 1) // self.block_size, len(chain))
@@ -143,15 +134,13 @@ class BlockPool:
     # --- step by step ----------------------------------------------------------------------
 
     def touch(self, request_id: int, chain: Sequence[int], limit: int) -> int:
-        """Pin the longest cached prefix of ``chain`` (at most ``limit`` blocks) for a new
-        request; its length."""
+        """Pin the longest cached prefix of ``chain`` (up to ``limit``) for a request; its size."""
         hits = self._num_hits(chain, limit)
         self._pin(request_id, chain[:hits], None, None)
         return hits
 
     def allocate(self, request_id: int, count: int) -> list[Event]:
-        """Give the request ``count`` more slots (the caller checked ``count <= num_free``),
-        evicting least recently freed blocks once no empty one is left."""
+        """``count`` more slots (``count <= num_free``), evicting least recently freed first."""
         take = min(count, self.num_empty)
         self.num_empty -= take
         self._held[request_id].num_slots += count
@@ -168,8 +157,7 @@ class BlockPool:
     def cache_full_blocks(
         self, request_id: int, tokens: Sequence[int], chain: Sequence[int] | None = None
     ) -> list[Event]:
-        """Cache every full block of ``tokens`` not cached yet (one ``BlockStored`` per run
-        of newly cached blocks; a block cached meanwhile by another request is shared)."""
+        """Cache the full blocks of ``tokens`` not cached yet (one ``BlockStored`` per run)."""
         held = self._held[request_id]
         if chain is None:
             chain = self.chain(tokens, held.lora_name, held.cache_salt)

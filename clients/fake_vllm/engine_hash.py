@@ -1,7 +1,5 @@
-"""The engine's own block hashes, as every stand-in for vLLM publishes them: each full block
-chained from its parent's hash with XXH3-64, from a root per engine (like vLLM's
-``NONE_HASH``). Deliberately not kvindex's block key: the indexer must map them through the
-events' token ids, as it must with a real vLLM."""
+"""The engine's own block hashes (XXH3-64 chained from a root per engine, like vLLM's
+``NONE_HASH``), deliberately not kvindex's block keys, as with a real vLLM."""
 
 from __future__ import annotations
 
@@ -33,8 +31,7 @@ def engine_chain(
     block_size: int,
     extra_keys: Sequence[ExtraKeys] | None = None,
 ) -> list[int]:
-    """Hashes of the full blocks of ``token_ids``, chained from ``parent`` (the root, or the
-    hash of the block before); ``extra_keys`` has an entry per full block (else ValueError)."""
+    """Hashes of the full blocks of ``token_ids`` from ``parent``; ``extra_keys``: one a block."""
     stride = block_size * _TOKEN_BYTES
     data = memoryview(tokens_to_bytes(token_ids))
     num_bytes = len(data) // stride * stride

@@ -1,7 +1,5 @@
-"""A vLLM-compatible KV-event publisher (``vllm.distributed.kv_events.ZmqEventPublisher``
-without vLLM): a PUB socket sends ``[topic, seq, batch]``, a ROUTER socket replays from a
-seq, in every encoding and replay layout :mod:`kvindex.indexer.ingest.wire` writes; one
-background thread owns both sockets, as in vLLM."""
+"""A vLLM-compatible KV-event publisher (vLLM's ``ZmqEventPublisher`` without vLLM): PUB
+sends, ROUTER replays, in every layout :mod:`kvindex.indexer.ingest.wire` writes."""
 
 from __future__ import annotations
 
@@ -55,9 +53,8 @@ class EventPublisher:
         send_hwm: int = 0,
         send_buffer_bytes: int = 0,
     ) -> None:
-        """``bind`` None follows vLLM's rule (:func:`_open`); ``send_hwm``: the PUB's high-water
-        mark (0: unbounded; past it a slow subscriber's frames drop); ``send_buffer_bytes``: its TCP
-        send buffer (0: the OS's)."""
+        """``bind`` None: vLLM's rule (:func:`_open`); ``send_hwm`` 0: unbounded;
+        ``send_buffer_bytes`` 0: the OS's."""
         self._bind = bind
         self._send_hwm = send_hwm
         self._send_buffer_bytes = send_buffer_bytes
@@ -100,8 +97,7 @@ class EventPublisher:
             self._router.close(linger=0)
 
     def publish(self, events: list[Event], *, ts: float | None = None, drop: bool = False) -> int:
-        """Queue one batch; returns its seq. ``drop=True`` buffers it for replay but never
-        sends it live (a slow-subscriber drop: the subscriber sees a gap)."""
+        """Queue one batch; its seq. ``drop=True``: kept for replay, never sent live (a gap)."""
         payload = encode_batch(
             events, ts=time.time() if ts is None else ts, rank=self.rank, encoding=self.encoding
         )

@@ -1,10 +1,5 @@
-"""vLLM's v1 scheduler, stepped offline over one block pool under saturating chat load: a
-replica as fast as it can go, for the ingest benchmark.
-
-Each step serves running requests (a prefill chunk or one decode token), then admits waiting
-ones within ``max_batched_tokens`` and ``max_running``, caching every block that becomes full;
-a step takes ``STEP_BASE_S + STEP_PER_TOKEN_S`` per token in engine time (nothing sleeps).
-Not thread-safe; deterministic for a given pool, chats and call order."""
+"""vLLM's v1 scheduler stepped offline over one block pool under saturating chat load, in
+engine time (the ingest benchmark's replica); deterministic for a pool, chats and call order."""
 
 from __future__ import annotations
 
@@ -67,8 +62,7 @@ class StepScheduler:
         self.num_prompt_blocks_hit = 0
 
     def batches(self, start_ts: float) -> Iterator[tuple[float, list[Event]]]:
-        """Step forever from engine time ``start_ts``; yields ``(ts, events)`` for every step
-        that published events (``ts``: when the step ended)."""
+        """Step forever from ``start_ts``; ``(end ts, events)`` of every step with events."""
         ts = start_ts
         while True:
             events, num_tokens = self.step()
@@ -77,8 +71,7 @@ class StepScheduler:
                 yield ts, events
 
     def step(self) -> tuple[list[Event], int]:
-        """One step: running requests, then admissions, then retirements; its events and the
-        number of tokens it computed."""
+        """One step; its events and the number of tokens it computed."""
         events: list[Event] = []
         budget = self._max_batched_tokens
         size = self._block_size

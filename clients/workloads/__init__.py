@@ -1,2 +1,1 @@
-"""The requests a router sees: Mooncake traces, request logs, generated workloads and
-closed-loop chats; one home for what ``kvindex simulate``, the demo and the benchmarks send."""
+"""The requests a router sees: traces, request logs, generated workloads, closed-loop chats."""

@@ -1,6 +1,4 @@
-"""Closed-loop chats (:class:`ChatSessions`): a replica under saturating load asks for its
-next request whenever it has room, and a chat's next turn waits for its last one to end, so
-there are no arrival times. The ingest benchmark's replicas run on them."""
+"""Closed-loop chats (:class:`ChatSessions`): a chat's next turn waits for its last one to end."""
 
 from __future__ import annotations
 
@@ -48,8 +46,7 @@ class Chat:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class ChatTurn:
-    """One request: the chat's history, a new user message, then the answer (drawn up
-    front; a replica reveals it by decoding)."""
+    """One request: the chat's history, a new user message, then the answer (drawn up front)."""
 
     chat: Chat
     tokens: list[int]
@@ -58,9 +55,7 @@ class ChatTurn:
 
 
 class ChatSessions:
-    """Chats for one replica under saturating load: :meth:`next_turn` is another turn of
-    an idle chat or a new chat's first; :meth:`end_turn` makes it idle until its turns are done
-    or its history reaches :data:`MAX_CHAT_TOKENS`. A function of ``rng`` and the call order."""
+    """Chats for one replica: a function of ``rng`` and the call order."""
 
     def __init__(
         self, rng: random.Random, system_prompts: Sequence[list[int]], *, max_idle: int
@@ -79,8 +74,7 @@ class ChatSessions:
         return ChatTurn(chat, chat.tokens + user + output, len(chat.tokens) + len(user))
 
     def end_turn(self, turn: ChatTurn) -> bool:
-        """The turn is answered: its tokens become the chat's history. True if the chat
-        goes on (it is idle until a :meth:`next_turn` picks it)."""
+        """The turn is answered: it joins the chat's history. True if the chat goes on."""
         chat = turn.chat
         chat.tokens = turn.tokens
         chat.turns_left -= 1

@@ -1,5 +1,5 @@
-"""Generated workloads (:data:`WORKLOADS`), each a function of a seed and a size, arriving
-Poisson at ``rate`` requests/s; and the demo's sessions (:func:`user_sessions`)."""
+"""Generated workloads (:data:`WORKLOADS`), each a function of a seed and a size, and the
+demo's sessions (:func:`user_sessions`)."""
 
 from __future__ import annotations
 
@@ -37,8 +37,7 @@ DEFAULT_RATES = {
     "few_shot": 15.0,
     "unique": 100.0,
 }
-"""Arrivals/s that load the default fleet (8 replicas, 12,000 prefill tokens/s each) to
-roughly half its prefill capacity with no cache hits, so that queues form and load matters."""
+"""Arrivals/s that load the default fleet to about half its prefill capacity."""
 
 
 def _tokens(rng: random.Random, n: int, vocab: int = VOCAB) -> list[int]:
@@ -51,8 +50,7 @@ def _zipf(rng: random.Random, n: int, s: float = 1.1) -> int:
 
 @dataclass(frozen=True, slots=True)
 class UserSession:
-    """One user's requests. A chat's turn k prompt is the whole history so far (previous
-    prompt + the replica's answer) + ``turns[k]``; a RAG query is ``system + turns[k]``."""
+    """One user's requests: a chat's turn k repeats its history; RAG's is ``system + turns[k]``."""
 
     system: list[int]
     turns: list[list[int]]
@@ -60,9 +58,7 @@ class UserSession:
 
 
 def user_sessions(num_requests: int, seed: int, *, vocab: int = VOCAB) -> list[UserSession]:
-    """Sessions totalling exactly ``num_requests`` turns, a function of the seed: 70% chats,
-    30% RAG sessions over Zipf-popular chunks, behind 4 system prompts; token ids below
-    ``vocab``."""
+    """Sessions totalling ``num_requests`` turns (70% chats, 30% RAG), a function of the seed."""
     rng = random.Random(seed)
     systems = [_tokens(rng, rng.randint(300, 600), vocab) for _ in range(4)]
     chunks = [_tokens(rng, 160, vocab) for _ in range(40)]
@@ -91,8 +87,7 @@ def _rag_query(rng: random.Random, chunks: list[list[int]], vocab: int) -> list[
 
 
 def system_prompts(settings: GeneratorSettings) -> list[TraceRequest]:
-    """16 apps with system prompts of 1-4k tokens, Zipf-popular; each request is one app's
-    prompt + a 50-300-token user question; 100-400 output tokens."""
+    """16 Zipf-popular apps' system prompts of 1-4k tokens, each + a 50-300-token question."""
     rng = random.Random(settings.seed)
     rate = settings.rate_for("system_prompts")
     apps = [_tokens(rng, rng.randint(1024, 4096)) for _ in range(16)]
@@ -105,9 +100,7 @@ def system_prompts(settings: GeneratorSettings) -> list[TraceRequest]:
 
 
 def multi_turn(settings: GeneratorSettings) -> list[TraceRequest]:
-    """Chats of 3-10 turns behind one of 4 system prompts; turn k's prompt is the whole
-    history (earlier questions and answers) + a new 30-200-token question; answers are
-    100-300 tokens; 5-30 s between turns of one chat. Chats start at Poisson times."""
+    """Chats of 3-10 turns behind 4 system prompts, each turn's prompt their whole history."""
     rng = random.Random(settings.seed)
     rate = settings.rate_for("multi_turn")
     systems = [_tokens(rng, rng.randint(500, 1500)) for _ in range(4)]
@@ -134,8 +127,7 @@ def multi_turn(settings: GeneratorSettings) -> list[TraceRequest]:
 
 
 def rag(settings: GeneratorSettings) -> list[TraceRequest]:
-    """A 300-token system prompt, then 4 chunks of 512 tokens from a pool of 400, the first
-    chunk Zipf-popular (a hot document), the rest uniform; a 20-100-token question."""
+    """A system prompt, 4 chunks of 512 tokens (the first Zipf-popular), a short question."""
     rng = random.Random(settings.seed)
     rate = settings.rate_for("rag")
     system = _tokens(rng, 300)
@@ -152,8 +144,7 @@ def rag(settings: GeneratorSettings) -> list[TraceRequest]:
 
 
 def few_shot(settings: GeneratorSettings) -> list[TraceRequest]:
-    """8 task templates of 2-6k tokens (instructions + examples), uniform; each request
-    appends a 100-400-token input; 20-100 output tokens (classification, extraction)."""
+    """8 few-shot templates of 2-6k tokens, each + a 100-400-token input; short outputs."""
     rng = random.Random(settings.seed)
     rate = settings.rate_for("few_shot")
     templates = [_tokens(rng, rng.randint(2048, 6144)) for _ in range(8)]

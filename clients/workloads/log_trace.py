@@ -1,5 +1,4 @@
-"""A tokenized request log as a trace to replay: arrivals at the log's timestamps when
-every request has one and no rate is given, else Poisson at ``rate`` in log order."""
+"""A tokenized request log as a trace: at its timestamps, or Poisson at ``rate``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""Requests as a router sees them (:class:`TraceRequest`), and Mooncake traces read into
-them (JSONL of ``timestamp`` ms, lengths and ``hash_ids`` of 512-token blocks: each block id
-gets deterministic tokens, each request a session derived from its blocks)."""
+"""Requests as a router sees them (:class:`TraceRequest`), and Mooncake traces read into them."""
 
 from __future__ import annotations
 
@@ -39,8 +37,7 @@ class TraceRequest:
     prompt: Sequence[int] | None = None
     hash_ids: Sequence[int] = ()
     output: Sequence[int] | None = None
-    """The answer's tokens when the workload knows them (a chat's next turn repeats them);
-    None: the answer is never reused, so its blocks are not cached."""
+    """The answer's tokens, when a later request repeats them (None: never cached)."""
 
     def tokens(self) -> list[int]:
         if self.prompt is not None:
@@ -57,8 +54,7 @@ def poisson_arrivals(rng: random.Random, rate: float) -> Iterator[float]:
 
 
 def block_tokens(block_id: int, num_tokens: int = TRACE_BLOCK_TOKENS) -> list[int]:
-    """Deterministic tokens (ids below 65,536) of one trace block: the first ``num_tokens``
-    of its 512."""
+    """Deterministic tokens of one trace block: the first ``num_tokens`` of its 512."""
     digest = hashlib.shake_128(b"kvindex-sim/" + block_id.to_bytes(8, "little")).digest(
         2 * num_tokens
     )
@@ -80,8 +76,7 @@ def trace_tokens(hash_ids: Sequence[int], input_length: int) -> list[int]:
 
 
 def read_trace(path: Path, *, limit: int | None = None) -> list[TraceRequest]:
-    """Read a Mooncake JSONL trace (plain or ``.gz``), sorted by arrival, each request's
-    session derived by :func:`trace_sessions`."""
+    """A Mooncake JSONL trace (plain or gzip), sorted by arrival, with derived sessions."""
     requests: list[TraceRequest] = []
     for lineno, line in _rows(path):
         requests.append(_trace_request(path, lineno, line))
@@ -95,16 +90,12 @@ def read_trace(path: Path, *, limit: int | None = None) -> list[TraceRequest]:
 
 
 SHARED_MIN_FANOUT = 4
-"""A block followed by at least this many different blocks (and by at least
-:data:`SHARED_MIN_SHARE` of the requests' count) is shared content, not a session."""
+"""A block followed by this many different blocks (and SHARED_MIN_SHARE) is shared."""
 SHARED_MIN_SHARE = 0.01
 
 
 def trace_sessions(hash_ids_of: Sequence[Sequence[int]]) -> list[str]:
-    """A session key per request, from each request's chained block ids: the first block
-    after its shared prefix (``b<id>``), that prefix ending after its deepest block followed by
-    many different blocks (:data:`SHARED_MIN_FANOUT`, :data:`SHARED_MIN_SHARE`). A chat's
-    turns keep one session; requests sharing only a system prompt get their own."""
+    """A session per request: the first block after its shared prefix (``b<id>``)."""
     threshold = max(SHARED_MIN_FANOUT, math.ceil(SHARED_MIN_SHARE * len(hash_ids_of)))
     shared = _shared_blocks(hash_ids_of, threshold)
     sessions = []
