@@ -37,7 +37,7 @@ from pathlib import Path
 
 from kvindex.clients.analyze.batches import BATCH_REQUESTS
 from kvindex.clients.analyze.run import AnalyzeSettings, analyze_log
-from kvindex.clients.request_log import TokenizerOptions
+from kvindex.clients.workloads.request_log import TokenizerOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test support's tokenizer
 from tests.support.request_logs import WORDS, make_tokenizer

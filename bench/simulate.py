@@ -32,7 +32,8 @@ from kvindex.clients.simulate.run import (
     SimulateSettings,
     run_simulation,
 )
-from kvindex.clients.workloads import WORKLOADS, GeneratorSettings, read_trace
+from kvindex.clients.workloads.generators import WORKLOADS, GeneratorSettings
+from kvindex.clients.workloads.trace import read_trace
 
 TRACE = Path(__file__).parent / "traces/mooncake_fast25_synthetic_trace.jsonl.gz"
 

@@ -3,7 +3,7 @@
 Each replica is a :class:`~kvindex.clients.fake_vllm.scheduler.StepScheduler` (vLLM's v1
 scheduler, stepped offline: chunked prefill under a token budget, decode, LRU eviction)
 over a :class:`~kvindex.clients.fake_vllm.block_pool.BlockPool` of ``capacity_blocks``
-blocks of 16 tokens, serving :class:`~kvindex.clients.workloads.ChatSessions` (turns of
+blocks of 16 tokens, serving :class:`~kvindex.clients.workloads.chats.ChatSessions` (turns of
 chats behind a few system prompts shared fleet-wide). One scheduler step that produced
 events is one batch ``[ts, events, 0]``, encoded by :func:`kvindex.indexer.ingest.wire.encode_batch`
 as vLLM 0.33 (events are maps) or 0.23 (events are arrays) sends it, field for field.
@@ -28,7 +28,7 @@ from itertools import repeat
 from kvindex.clients.fake_vllm.block_pool import BlockPool
 from kvindex.clients.fake_vllm.engine_hash import engine_root
 from kvindex.clients.fake_vllm.scheduler import STEP_BASE_S, StepScheduler
-from kvindex.clients.workloads import ChatSessions, chat_system_prompts
+from kvindex.clients.workloads.chats import ChatSessions, chat_system_prompts
 from kvindex.indexer.domain.events import StreamId
 from kvindex.indexer.ingest.wire import Encoding, encode_batch, encode_live
 

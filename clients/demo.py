@@ -42,7 +42,7 @@ from kvindex.clients.fake_vllm.replica import (
     tokenize_text,
 )
 from kvindex.clients.http import AsyncKvIndexClient
-from kvindex.clients.workloads import UserSession, user_sessions
+from kvindex.clients.workloads.generators import UserSession, user_sessions
 from kvindex.indexer.config.settings import IndexerSettings
 from kvindex.indexer.domain.errors import KvIndexError
 from kvindex.indexer.domain.events import StreamId

@@ -1,21 +1,5 @@
-"""Python client of the kvindex HTTP API: :class:`KvIndexClient` (sync) and
-:class:`AsyncKvIndexClient` (asyncio), with the same methods.
-
-Results are the API's own msgspec Structs (:mod:`kvindex.api.schemas`), decoded straight from
-the
-response bytes; bodies are encoded with msgspec too (an 8k-token request never goes through
-``json.dumps``). Importing this module needs httpx, msgspec and xxhash, never FastAPI.
-
-Each method has two halves. The shared half, a ``_*_call`` function of this module, builds a
-:class:`_Call`: method, path, encoded body, and how to read the answer. The other half is the
-I/O, the only thing each client does (:meth:`KvIndexClient._run`,
-:meth:`AsyncKvIndexClient._run`), so the two clients cannot drift apart.
-
-Every failure raises a :class:`KvIndexClientError`: the server's error answers
-(``{"error": kind, "detail": message}``) by HTTP status, and a server that cannot be reached
-or does not answer in time as :class:`UnreachableError`. Only :meth:`~KvIndexClient.healthy`
-and :meth:`~KvIndexClient.ready` never raise: they answer False instead.
-"""
+"""Python client of the kvindex HTTP API, sync (:class:`KvIndexClient`) and asyncio, on shared
+request descriptions (:class:`_Call`); failures raise :class:`KvIndexClientError`."""
 
 from __future__ import annotations
 
@@ -60,9 +44,7 @@ _MAX_DETAIL = 500
 
 
 class KvIndexClientError(KvIndexError):
-    """A kvindex call failed. ``status`` is the HTTP status (None: no answer, or a check
-    made by the client itself), ``kind`` the server's error name (``invalid_request``,
-    ``unknown_model``, …), ``detail`` its message."""
+    """A call failed: HTTP ``status`` (None: no answer, or a client check), ``kind``, ``detail``."""
 
     def __init__(self, kind: str, detail: str, status: int | None = None) -> None:
         super().__init__(kind, detail, status)  # all in args: the error pickles
@@ -138,11 +120,7 @@ def _reraise(error: UnreachableError) -> NoReturn:
 
 @dataclass(frozen=True, slots=True)
 class _Call(Generic[T]):
-    """One HTTP exchange, described without doing it.
-
-    ``read`` turns any answer into the result or raises; ``unreachable`` is called instead
-    when no answer came (by default it raises the :class:`UnreachableError` it is given).
-    """
+    """One HTTP exchange, described; ``unreachable`` stands for an answer when none came."""
 
     method: str
     path: str
@@ -152,9 +130,7 @@ class _Call(Generic[T]):
 
 
 def _encode_body(struct: msgspec.Struct) -> bytes:
-    """JSON of a request Struct without its None fields and its flags left at their
-    default (the server's defaults apply, and a server older than a flag, which refuses
-    unknown fields, still takes requests that do not set it)."""
+    """JSON of a request without None fields and flags left at their default (older servers)."""
     values = msgspec.structs.asdict(struct)
     sent = {
         f.name: values[f.name]
@@ -217,7 +193,6 @@ def _score_request(
     dry_run: bool = False,
     workload: str | None = None,
 ) -> ScoreRequest:
-    """The ``POST /score`` body; sequences are sent as they are when already lists."""
     return ScoreRequest(
         model=model,
         token_ids=_listed(token_ids),
@@ -237,22 +212,14 @@ def _score_request(
 
 
 def _score_call(request: ScoreRequest) -> _Call[ScoreResponse]:
-    """``POST /score``."""
     return _Call("POST", "/score", _decoded(ScoreResponse), _encode_body(request))
 
 
 def _score_tokens_call(
     request: ScoreRequest, *, block_size: int, compute_keys: bool
 ) -> _Call[ScoreResponse]:
-    """``POST /score`` for ``request.token_ids``, sent as block keys when ``compute_keys``.
-
-    Keys are ``kvindex.indexer.domain.keys.block_keys`` of the tokens at ``block_size`` with the
-    request's
-    LoRA name and cache salt (which the keys then carry, so they are not sent). Raises
-    :class:`BadRequestError` (status None) for token ids that cannot form keys; the answer
-    raises it when the server's block size for the model is not ``block_size`` (the keys
-    could then never match).
-    """
+    """``POST /score`` of ``request.token_ids``, as block keys when ``compute_keys``;
+    :class:`BadRequestError` for bad token ids or a server block size not ``block_size``."""
     if not compute_keys:
         return _score_call(request)
     assert request.token_ids is not None, "score_tokens always sets token_ids"
@@ -294,12 +261,10 @@ def _same_block_size(block_size: int) -> Callable[[httpx.Response], ScoreRespons
 
 
 def _load_call(report: LoadReport) -> _Call[None]:
-    """``POST /load``."""
     return _Call("POST", "/load", _check, _encode_body(report))
 
 
 def _replicas_call() -> _Call[list[ReplicaView]]:
-    """``GET /replicas``."""
     return _Call("GET", "/replicas", _decoded(list[ReplicaView]))
 
 
@@ -309,17 +274,14 @@ def _add_replica_call(replica: ReplicaIn) -> _Call[bool]:
 
 
 def _remove_replica_call(replica_id: str) -> _Call[None]:
-    """``DELETE /replicas/{id}``."""
     return _Call("DELETE", f"/replicas/{quote(replica_id, safe='')}", _check)
 
 
 def _stats_call() -> _Call[dict[str, Any]]:
-    """``GET /stats``."""
     return _Call("GET", "/stats", _decoded(dict[str, Any]))
 
 
 def _config_call() -> _Call[dict[str, Any]]:
-    """``GET /config``."""
     return _Call("GET", "/config", _decoded(dict[str, Any]))
 
 
@@ -332,8 +294,6 @@ def _probe_call(path: str) -> _Call[bool]:
 
 
 class _Endpoint:
-    """Where and how to send: base URL, headers, timeout (shared by both clients)."""
-
     def __init__(self, base_url: str, token: str | None, timeout_s: float) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = httpx.Timeout(timeout_s)
@@ -353,11 +313,7 @@ class _Endpoint:
 
 
 class KvIndexClient:
-    """Sync client. Thread-safe (as httpx.Client is); one instance per process is enough.
-
-    ``timeout_s`` bounds every phase of every request (connect, write, read, pool), also on
-    an injected ``http`` client. An injected client is not closed by :meth:`close`.
-    """
+    """Sync client; thread-safe. ``timeout_s`` bounds every phase of every request."""
 
     def __init__(
         self,
@@ -419,12 +375,8 @@ class KvIndexClient:
         dry_run: bool = False,
         workload: str | None = None,
     ) -> ScoreResponse:
-        """Rank the replicas serving ``model``; give exactly one of token_ids, prompt,
-        messages, block_keys (the server checks: :class:`BadRequestError` otherwise).
-        ``top_k``: entries in ``scores`` (0: every candidate; None: the server's
-        ``default_top_k``), the others counted in ``num_candidates`` / ``num_matched``.
-        ``workload``: the request's workload, as the API's ``[[rules]]`` match it (the
-        answer's ``rule`` names the one that matched)."""
+        """Rank the replicas serving ``model`` for one of token_ids, prompt, messages or
+        block_keys; ``top_k`` 0: every candidate, None: the server's default."""
         request = _score_request(
             model,
             token_ids=token_ids,
@@ -460,9 +412,7 @@ class KvIndexClient:
         dry_run: bool = False,
         workload: str | None = None,
     ) -> ScoreResponse:
-        """Like ``score(model, token_ids=...)``, but the block keys are computed here and
-        sent instead of the tokens (one integer per block); see :func:`_score_tokens_call`.
-        The answer's ``num_tokens`` then counts full blocks only."""
+        """``score(model, token_ids=...)`` sent as block keys computed here (full blocks only)."""
         request = _score_request(
             model,
             token_ids=token_ids,
@@ -534,10 +484,7 @@ class KvIndexClient:
 
 
 class AsyncKvIndexClient:
-    """Asyncio client with :class:`KvIndexClient`'s methods (awaitable) and contracts.
-
-    Use it from one event loop. An injected ``http`` client is not closed by :meth:`close`.
-    """
+    """Asyncio client with :class:`KvIndexClient`'s methods and contracts; one event loop."""
 
     def __init__(
         self,
@@ -571,7 +518,6 @@ class AsyncKvIndexClient:
             await self._http.aclose()
 
     async def aclose(self) -> None:
-        """Same as :meth:`close` (for ``contextlib.aclosing``)."""
         await self.close()
 
     async def __aenter__(self) -> Self:
@@ -603,7 +549,6 @@ class AsyncKvIndexClient:
         dry_run: bool = False,
         workload: str | None = None,
     ) -> ScoreResponse:
-        """See :meth:`KvIndexClient.score`."""
         request = _score_request(
             model,
             token_ids=token_ids,
@@ -639,7 +584,6 @@ class AsyncKvIndexClient:
         dry_run: bool = False,
         workload: str | None = None,
     ) -> ScoreResponse:
-        """See :meth:`KvIndexClient.score_tokens`."""
         request = _score_request(
             model,
             token_ids=token_ids,
@@ -663,14 +607,12 @@ class AsyncKvIndexClient:
         kv_usage: float = 0.0,
         ts: float | None = None,
     ) -> None:
-        """See :meth:`KvIndexClient.report_load`."""
         report = LoadReport(
             replica=replica, running=running, waiting=waiting, kv_usage=kv_usage, ts=ts
         )
         await self._run(_load_call(report))
 
     async def replicas(self) -> list[ReplicaView]:
-        """See :meth:`KvIndexClient.replicas`."""
         return await self._run(_replicas_call())
 
     async def add_replica(
@@ -683,28 +625,22 @@ class AsyncKvIndexClient:
         url: str | None = None,
         dp_size: int = 1,
     ) -> bool:
-        """See :meth:`KvIndexClient.add_replica`."""
         replica = ReplicaIn(
             id=id, model=model, events=events, replay=replay, url=url, dp_size=dp_size
         )
         return await self._run(_add_replica_call(replica))
 
     async def remove_replica(self, id: str) -> None:
-        """See :meth:`KvIndexClient.remove_replica`."""
         await self._run(_remove_replica_call(id))
 
     async def stats(self) -> dict[str, Any]:
-        """See :meth:`KvIndexClient.stats`."""
         return await self._run(_stats_call())
 
     async def config(self) -> dict[str, Any]:
-        """See :meth:`KvIndexClient.config`."""
         return await self._run(_config_call())
 
     async def healthy(self) -> bool:
-        """See :meth:`KvIndexClient.healthy`."""
         return await self._run(_probe_call("/healthz"))
 
     async def ready(self) -> bool:
-        """See :meth:`KvIndexClient.ready`."""
         return await self._run(_probe_call("/readyz"))

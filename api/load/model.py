@@ -1,9 +1,4 @@
-"""One replica's load at one instant, and the rule that says which of two loads a store keeps.
-
-Every :class:`Load` is valid (checked on construction and on decode); every invalid load or
-load that could not be obtained is a :class:`LoadError`, whichever module of
-:mod:`kvindex.api.load` raises it.
-"""
+"""One replica's load at one instant (always valid), and which of two loads a store keeps."""
 
 from __future__ import annotations
 
@@ -15,10 +10,8 @@ import msgspec
 from kvindex.indexer.domain.errors import KvIndexError
 
 SOURCES = ("push", "scrape")
-"""Allowed values of :attr:`Load.source`."""
 MAX_FUTURE_S = 60.0
-"""How far past the receiver's clock a reported ``ts`` may be (clock skew between hosts);
-a load stamped later would otherwise win over every real one until that time."""
+"""How far past the receiver's clock a reported ``ts`` may be (clock skew between hosts)."""
 
 
 class LoadError(KvIndexError):
@@ -26,12 +19,7 @@ class LoadError(KvIndexError):
 
 
 class Load(msgspec.Struct, frozen=True):
-    """One replica's load at one instant. Always valid: checked on construction and decode.
-
-    Raises :class:`LoadError` naming the field when a count or ``ts`` is negative, the
-    usage is outside [0, 1], any number is not finite, or ``source`` is not one of
-    :data:`SOURCES`.
-    """
+    """Checked on construction and decode: :class:`LoadError` names the bad field."""
 
     running: float
     """Requests being processed (summed over data-parallel engines)."""
@@ -48,11 +36,7 @@ class Load(msgspec.Struct, frozen=True):
         self.validated()
 
     def validated(self, *, now: float | None = None) -> Load:
-        """``self`` once checked (construction already checks; this states it at call sites).
-
-        With ``now`` (the receiver's clock), also raises :class:`LoadError` naming ``ts`` when
-        it is more than :data:`MAX_FUTURE_S` ahead of it.
-        """
+        """``self`` once checked; with ``now``, ``ts`` at most :data:`MAX_FUTURE_S` ahead of it."""
         for name in ("running", "waiting", "ts"):
             _check_number(name, getattr(self, name), high=math.inf)
         if now is not None and self.ts > now + MAX_FUTURE_S:
@@ -79,29 +63,23 @@ def _check_number(name: str, value: object, *, high: float) -> None:
 
 
 def is_newer_or_same(new: Load, old: Load | None) -> bool:
-    """The store rule: ``new`` replaces ``old`` unless ``old`` was measured strictly later.
-
-    At equal timestamps the later write wins (a repeated put is idempotent).
-    """
+    """The store rule: ``new`` replaces ``old`` unless ``old`` was measured strictly later."""
     return old is None or new.ts >= old.ts
 
 
 class InFlight(NamedTuple):
-    """Requests in flight to one replica, as the proxies that sent them reserved them
-    (:mod:`~kvindex.api.load.reservations`), summed over every live lease."""
+    """Requests in flight to one replica, summed over every live lease."""
 
     num_requests: int
     num_tokens: int
-    """Their uncached prompt tokens: each request's prompt minus what the replica had
-    cached when it was chosen (the prefill work sent to it)."""
+    """Their prompt tokens the replica had not cached when chosen (prefill sent to it)."""
 
 
 NO_IN_FLIGHT = InFlight(0, 0)
 
 
 class CountedLoad(NamedTuple):
-    """A replica's stored load (None: none stored yet), the answers that chose it since
-    it was stored, and the requests in flight to it (reserved by proxies)."""
+    """A stored load (None: none yet), the answers that chose it since, the requests in flight."""
 
     load: Load | None
     routed: int

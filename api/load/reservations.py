@@ -1,37 +1,5 @@
-"""Requests in flight, as the proxies that sent them know first-hand: reserved on dispatch,
-released at the last byte, held under a per-proxy lease so that a dead proxy leaks nothing.
-
-The parts:
-
-* a :class:`Ledger` is the shared record of every holder's reservations and their totals
-  per replica (:class:`~kvindex.api.load.model.InFlight`): :class:`MemoryLedger` in one
-  process, :class:`RedisLedger` shared by every process on one Redis. The load store owns
-  one (``LoadStore.ledger``) and reads its totals with every load
-  (``LoadStore.get_counted``), so ``/score`` and every proxy on one store count the same
-  requests in flight;
-* :class:`Reservations` is one holder (one proxy process) on a ledger, under its lease;
-* :class:`LeaseKeeper` renews a holder's lease while the process lives.
-
-Guarantees, on both ledgers:
-
-* **Atomic**: a reservation, a release, a renewal and a lapsed lease's removal each change
-  the holder's record and the totals together (one Lua script in Redis, one lock in
-  memory); a read sees every one of them whole or not at all.
-* **Leases**: a lease lapses ``lease_ttl_s`` after the holder last reserved or renewed,
-  on one clock (Redis' own, whatever the proxies' clocks say). A lapsed lease's
-  reservations stop counting at once: the first read, reservation or release that finds it
-  takes them off the totals. So a proxy killed with SIGKILL leaks nothing past the TTL,
-  even when no other proxy runs (``/score``'s reads remove it).
-* **Releases** count once: releasing twice, or after the lease lapsed, changes nothing
-  (and says so: ``False``).
-* **Races**: a reservation counts in every read that starts after :meth:`Reservations.reserve`
-  returns. On the memory ledger the proxy reserves its choice before anything else runs on
-  its event loop, so the scorer's read, its choice and the reservation are one step. On
-  Redis they are two ("select-and-reserve" in one script would need the scorer inside
-  Redis): two choices made at the same instant (inside one store round trip of each other,
-  in one proxy or two) may each miss the other's request. At most those requests are
-  missed, for one decision each; none is counted twice or lost.
-"""
+"""Requests in flight, reserved by the proxies that sent them until the last byte, in a
+:class:`Ledger` under a per-proxy lease (on Redis' clock there) so a dead proxy leaks nothing."""
 
 from __future__ import annotations
 
@@ -54,6 +22,7 @@ from kvindex.api.loop.periodic import Periodic
 from kvindex.indexer.index.circuit import StoreCircuit
 from kvindex.indexer.index.redis import unavailable_on_connection_errors
 from kvindex.indexer.redis.connection import RedisClient
+from kvindex.indexer.redis.lua import lua_script
 from kvindex.indexer.redis.schema import TOKENS_SUFFIX, Schema, check_name
 
 logger = logging.getLogger(__name__)
@@ -66,55 +35,45 @@ class Reservation:
     id: str
     replica: str
     num_tokens: int
-    """Its uncached prompt tokens (the prompt minus what the replica had cached)."""
+    """Its prompt tokens the replica had not cached."""
 
 
 class Ledger(Protocol):
-    """Every holder's reservations and their totals per replica; safe from any thread.
-
-    The calls that change it name the holder; a holder is one lease (see the module's
-    guarantees). Redis-backed ledgers raise ``IndexUnavailableError`` when Redis cannot be
-    reached.
-    """
+    """Every holder's reservations (one lease each) and their totals per replica; thread-safe."""
 
     def reserve(self, holder: str, lease_ttl_s: float, reservation: Reservation) -> bool:
-        """Add ``reservation`` to the holder's lease and the totals, and extend the lease;
-        False when the holder had no live lease (a new one starts: what it held before,
-        if anything, already stopped counting)."""
+        """Add ``reservation``, extend the lease; False when none was live (a new one starts)."""
         ...
 
     def release(self, holder: str, reservation_id: str) -> bool:
-        """Take a reservation off; False when it was not held (released already, or its
-        lease lapsed)."""
+        """Take a reservation off; False when it was not held (released, or lease lapsed)."""
         ...
 
     def renew(self, holder: str, lease_ttl_s: float) -> bool:
-        """Extend the holder's lease; False when it had none live (a new, empty one starts)."""
+        """Extend the holder's lease; False when it had none live (a new one starts)."""
         ...
 
     def drop(self, holder: str) -> int:
-        """End the holder's lease and release everything in it; how many it held."""
+        """End the holder's lease, releasing everything in it; how many it held."""
         ...
 
     def in_flight(self, replicas: Sequence[str]) -> dict[str, InFlight]:
-        """The totals of every live lease, per replica; replicas with none are absent."""
+        """The totals of every live lease per replica; replicas with none are absent."""
         ...
 
     def totals(self) -> dict[str, InFlight]:
-        """:meth:`in_flight` of every replica with a request in flight (what it costs
-        grows with those replicas, not with the fleet)."""
+        """:meth:`in_flight` of every replica with a request in flight."""
         ...
 
 
 class MemoryLedger:
-    """In-process :class:`Ledger` (holders of one process); one lock; ``clock`` in seconds."""
+    """In-process :class:`Ledger`; ``clock`` in seconds."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._lock = threading.Lock()
         self._holder_to_lease: dict[str, _Lease] = {}
-        self._totals: dict[str, list[int]] = {}
-        """replica → [requests, tokens] over every live lease."""
+        self._totals: dict[str, list[int]] = {}  # replica -> [requests, tokens]
 
     def reserve(self, holder: str, lease_ttl_s: float, reservation: Reservation) -> bool:
         with self._lock:
@@ -158,7 +117,6 @@ class MemoryLedger:
             return {r: InFlight(*total) for r, total in self._totals.items()}
 
     def _live(self, holder: str) -> tuple[_Lease, bool]:
-        """The holder's lease, made if it had none live (the lapsed one dropped)."""
         self._reap()
         lease = self._holder_to_lease.get(holder)
         if lease is not None:
@@ -193,144 +151,24 @@ class _Lease:
     id_to_reservation: dict[str, Reservation] = field(default_factory=dict)
 
 
-# Shared by every script: the server's clock in ms, and a lease's removal (its reservations
-# taken off the totals, then the lease forgotten). KEYS of every script start with the
-# totals HASH and the leases ZSET; all of them carry the hash tag {inflight}.
-_PRELUDE = """
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-local function subtract(totals, replica, tokens)
-  if redis.call('HINCRBY', totals, replica, -1) <= 0 then
-    redis.call('HDEL', totals, replica, replica .. '/tokens')
-  else
-    redis.call('HINCRBY', totals, replica .. '/tokens', -tokens)
-  end
-end
-local function drop(totals, leases, lease, holder)
-  local held = redis.call('HVALS', lease)
-  for _, value in ipairs(held) do
-    local sep = string.find(value, ' ', 1, true)
-    subtract(totals, string.sub(value, 1, sep - 1), tonumber(string.sub(value, sep + 1)))
-  end
-  redis.call('DEL', lease)
-  redis.call('ZREM', leases, holder)
-  return #held
-end
--- 1 when the holder's lease is live; a lapsed one is dropped (0), none is 0.
-local function live(totals, leases, lease, holder, now)
-  local expiry = tonumber(redis.call('ZSCORE', leases, holder))
-  if not expiry then
-    return 0
-  end
-  if expiry <= now then
-    drop(totals, leases, lease, holder)
-    return 0
-  end
-  return 1
-end
-"""
-
-# KEYS: totals, leases, the holder's lease; ARGV: holder, ttl ms, id, replica, tokens.
-_RESERVE_LUA = (
-    _PRELUDE
-    + """
-local now = now_ms()
-local was_live = live(KEYS[1], KEYS[2], KEYS[3], ARGV[1], now)
-redis.call('HSET', KEYS[3], ARGV[3], ARGV[4] .. ' ' .. ARGV[5])
-redis.call('HINCRBY', KEYS[1], ARGV[4], 1)
-redis.call('HINCRBY', KEYS[1], ARGV[4] .. '/tokens', ARGV[5])
-redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[1])
-return was_live
-"""
-)
-
-# KEYS: totals, leases, the holder's lease; ARGV: holder, id. 1: released, 0: not held.
-_RELEASE_LUA = (
-    _PRELUDE
-    + """
-if live(KEYS[1], KEYS[2], KEYS[3], ARGV[1], now_ms()) == 0 then
-  return 0
-end
-local value = redis.call('HGET', KEYS[3], ARGV[2])
-if not value then
-  return 0
-end
-redis.call('HDEL', KEYS[3], ARGV[2])
-local sep = string.find(value, ' ', 1, true)
-subtract(KEYS[1], string.sub(value, 1, sep - 1), tonumber(string.sub(value, sep + 1)))
-return 1
-"""
-)
-
-# KEYS: totals, leases, the holder's lease; ARGV: holder, ttl ms.
-_RENEW_LUA = (
-    _PRELUDE
-    + """
-local now = now_ms()
-local was_live = live(KEYS[1], KEYS[2], KEYS[3], ARGV[1], now)
-redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[1])
-return was_live
-"""
-)
-
-# KEYS: totals, leases, the holder's lease; ARGV: holder.
-_DROP_LUA = _PRELUDE + "return drop(KEYS[1], KEYS[2], KEYS[3], ARGV[1])"
-
-# KEYS: totals, leases, then the lease of each holder in ARGV. Drops those that lapsed
-# (each checked again: one may have renewed since it was seen lapsed).
-_REAP_LUA = (
-    _PRELUDE
-    + """
-local now, num_dropped = now_ms(), 0
-for i, holder in ipairs(ARGV) do
-  if live(KEYS[1], KEYS[2], KEYS[2 + i], holder, now) == 0 then
-    num_dropped = num_dropped + 1
-  end
-end
-return num_dropped
-"""
-)
-
-# KEYS: totals, leases. {0, lapsed holders} when some lease lapsed (the caller reaps them,
-# naming their keys, and reads again), else {1, the totals HASH: field, value, ...}: one
-# field per replica with requests in flight (and its tokens), whatever the fleet's size.
-_READ_LUA = (
-    _PRELUDE
-    + """
-local lapsed = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now_ms(), 'LIMIT', 0, 64)
-if #lapsed > 0 then
-  return {0, lapsed}
-end
-return {1, redis.call('HGETALL', KEYS[1])}
-"""
-)
-
-_MAX_REAP_ROUNDS = 4
-"""Reads that may each find lapsed leases before one reads the totals as they are."""
+_MAX_REAP_ROUNDS = 4  # reads that may each find lapsed leases before one reads as they are
 
 
 class RedisLedger:
-    """Shared :class:`Ledger`: the ``{inflight}`` keys of :class:`Schema` (a totals HASH,
-    a ZSET of lease expiries, a HASH per lease), changed only by Lua scripts on Redis'
-    clock. :meth:`totals` (and :meth:`in_flight`) is one script call reading the totals HASH
-    whole, a field per replica with requests in flight (two more when a lease lapsed since
-    the last read: the reap, then the read again); a load store queues the same read in
-    its own pipeline (:meth:`queue_read`, :meth:`read_reply`)."""
+    """Shared :class:`Ledger` on the ``{inflight}`` keys of :class:`Schema`, changed only by its
+    scripts; two choices made within one round trip may each miss the other's request."""
 
     def __init__(self, client: RedisClient, schema: Schema | None = None) -> None:
         self._client = client
         self._schema = schema or Schema()
         self._keys = [self._schema.in_flight, self._schema.leases]
-        self._slot = key_slot(self._keys[0].encode())
-        """The cluster slot of every in-flight key (one hash tag)."""
-        self._reserve = client.register_script(_RESERVE_LUA)
-        self._release = client.register_script(_RELEASE_LUA)
-        self._renew = client.register_script(_RENEW_LUA)
-        self._drop = client.register_script(_DROP_LUA)
-        self._reap = client.register_script(_REAP_LUA)
-        self._read = client.register_script(_READ_LUA)
+        self._slot = key_slot(self._keys[0].encode())  # every in-flight key's (one hash tag)
+        self._reserve = client.register_script(_script("ledger_reserve.lua"))
+        self._release = client.register_script(_script("ledger_release.lua"))
+        self._renew = client.register_script(_script("ledger_renew.lua"))
+        self._drop = client.register_script(_script("ledger_drop.lua"))
+        self._reap = client.register_script(_script("ledger_reap.lua"))
+        self._read = client.register_script(_script("ledger_read.lua"))
 
     def reserve(self, holder: str, lease_ttl_s: float, reservation: Reservation) -> bool:
         check_name("replica id", reservation.replica)
@@ -368,10 +206,9 @@ class RedisLedger:
             return self._read_totals(None)
 
     def queue_read(self, pipe: Any) -> None:
-        """Queue the read of :meth:`totals` in ``pipe``; its reply goes to
-        :meth:`read_reply`. A raw EVALSHA: redis-py's cluster pipeline refuses ``evalsha``,
-        and on a cluster it names the master of the ``{inflight}`` slot (else redis-py
-        would ask a node for the command's keys first)."""
+        """Queue the read of :meth:`totals` in ``pipe``; its reply goes to :meth:`read_reply`."""
+        # A raw EVALSHA: redis-py's cluster pipeline refuses evalsha; on a cluster it names
+        # the master of the {inflight} slot (else redis-py would ask a node for the keys).
         route: dict[str, Any] = {}
         if isinstance(self._client, RedisCluster):
             node = self._client.nodes_manager.get_node_from_slot(self._slot)
@@ -379,8 +216,6 @@ class RedisLedger:
         pipe.execute_command("EVALSHA", self._read.sha, 2, *self._keys, **route)
 
     def read_reply(self, reply: Any) -> dict[str, InFlight]:
-        """The totals from a reply of :meth:`queue_read`: read again when the script was
-        not loaded yet or a lease had lapsed (reaped first)."""
         with unavailable_on_connection_errors():
             if isinstance(reply, redis.exceptions.NoScriptError):
                 return self._read_totals(None)
@@ -406,6 +241,10 @@ class RedisLedger:
         return [*self._keys, self._schema.lease(holder)]
 
 
+def _script(name: str) -> str:
+    return lua_script(__name__, name, after=("ledger_prelude.lua",))
+
+
 def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
@@ -414,7 +253,6 @@ _TOKENS_SUFFIX = TOKENS_SUFFIX.encode()
 
 
 def _totals(flat: Sequence[bytes]) -> dict[str, InFlight]:
-    """The totals HASH (HGETALL: field, value, ...) per replica with a request in flight."""
     requests: dict[bytes, bytes] = {}
     tokens: dict[bytes, bytes] = {}
     for i in range(0, len(flat), 2):
@@ -432,7 +270,6 @@ def _totals(flat: Sequence[bytes]) -> dict[str, InFlight]:
 
 
 def _count(raw: bytes | str) -> int:
-    """A stored total; 0 when absent ('') or unreadable."""
     try:
         return max(int(raw), 0) if raw else 0
     except ValueError:
@@ -440,9 +277,7 @@ def _count(raw: bytes | str) -> int:
 
 
 class CircuitLedger:
-    """A :class:`Ledger` whose every call goes through a
-    :class:`~kvindex.indexer.index.circuit.StoreCircuit` (a skipped call raises
-    ``StoreSkippedError``, an ``IndexUnavailableError``)."""
+    """A :class:`Ledger` whose every call goes through a ``StoreCircuit``."""
 
     def __init__(self, inner: Ledger, circuit: StoreCircuit) -> None:
         self._inner = inner
@@ -468,19 +303,12 @@ class CircuitLedger:
 
 
 def new_holder() -> str:
-    """A holder id no other process has: the pid and 48 random bits."""
     return f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
 class Reservations:
-    """One holder's reservations on a :class:`Ledger`, under one lease of ``lease_ttl_s``
-    (kept by :meth:`reserve` and :meth:`renew`: renew well within it, see
-    :class:`LeaseKeeper`). Thread-safe; calls block on the ledger's I/O.
-
-    The holder remembers how many reservations it holds, so it can tell when its lease
-    lapsed with some of them (:meth:`renew` and :meth:`reserve` then report it through
-    ``on_lost``: those requests stopped counting, though they may still be running).
-    """
+    """One holder's reservations under one lease of ``lease_ttl_s``; thread-safe. A lease that
+    lapsed with reservations held is reported through ``on_lost`` (their count)."""
 
     def __init__(
         self,
@@ -498,9 +326,7 @@ class Reservations:
         self._on_lost = on_lost
         self._lock = threading.Lock()
         self._held: set[str] = set()
-        self._unreleased: list[str] = []
-        """Releases the ledger could not take (unreachable): tried again at each renewal,
-        so a store outage does not leave them counted for as long as the lease lives."""
+        self._unreleased: list[str] = []  # releases that failed: tried at each renewal
 
     def reserve(self, replica: str, num_tokens: int) -> Reservation:
         """Reserve one request of ``num_tokens`` uncached prompt tokens on ``replica``."""
@@ -514,9 +340,7 @@ class Reservations:
         return reservation
 
     def release(self, reservation: Reservation) -> bool:
-        """Release it; False when it no longer counted (released, or its lease lapsed).
-        When the ledger cannot be reached, the release is kept and tried again at each
-        :meth:`renew` (the error is raised)."""
+        """Release it (False: it no longer counted); a failed one is retried at :meth:`renew`."""
         with self._lock:
             if reservation.id not in self._held:
                 return False
@@ -529,8 +353,7 @@ class Reservations:
             raise
 
     def renew(self) -> bool:
-        """Make the releases that failed, then extend the lease; False when it had lapsed
-        (its reservations stopped counting)."""
+        """Retry failed releases, then extend the lease; False when it had lapsed."""
         with self._lock:
             unreleased, self._unreleased = self._unreleased, []
         for number, reservation_id in enumerate(unreleased):
@@ -568,9 +391,7 @@ class Reservations:
 
 
 class LeaseKeeper:
-    """Renews a :class:`Reservations` lease every third of its TTL on the running loop
-    (in a worker thread when the ledger blocks), until :meth:`stop`. A failed renewal is
-    logged and tried again at the next turn (the lease outlives two of them)."""
+    """Renews a :class:`Reservations` lease every third of its TTL; a failure is logged, retried."""
 
     def __init__(
         self,
@@ -585,8 +406,7 @@ class LeaseKeeper:
         self._rounds = Periodic("the lease keeper", self._renew, reservations.lease_ttl_s / 3)
 
     async def start(self) -> None:
-        """Renew in a task on the running loop (first renewal at once); returns at once.
-        Raises RuntimeError when already running."""
+        """Renew in a task on the running loop; RuntimeError when already running."""
         await self._rounds.start()
 
     async def stop(self) -> None:

@@ -29,36 +29,19 @@ class ScrapeStats:
     """Scrape counters of one replica (a snapshot)."""
 
     num_scrapes: int = 0
-    """Scrapes attempted (successes and failures)."""
     num_failures: int = 0
-    """Scrapes that failed: connection, timeout, HTTP status, parse or store error."""
-    last_error: str | None = None
-    """Why the latest scrape failed; None when it succeeded (or none ran yet)."""
-    last_success_ts: float | None = None
-    """``ts`` of the latest load scraped and stored."""
-    num_left_to_peers: int = 0
-    """Rounds another API process sharing the load store scraped it instead."""
+    last_error: str | None = None  # why the latest scrape failed; None when it succeeded
+    last_success_ts: float | None = None  # ``ts`` of the latest load scraped and stored
+    num_left_to_peers: int = 0  # rounds another process sharing the store scraped it
 
 
-_CLAIM_SHARE = 0.8
-"""A scrape claim lasts this share of the interval: gone before the next round starts."""
+_CLAIM_SHARE = 0.8  # a claim lasts this share of the interval: gone before the next round
 
 
 class MetricsScraper:
-    """Scrapes every replica's ``{base_url}/metrics`` each ``interval_s`` into a store.
-
-    Each round asks ``targets()`` for the current replicas (so replicas added or removed at
-    run time are picked up), claims them in the store (API processes sharing a Redis store
-    scrape each replica once a round between them) and scrapes its claims concurrently;
-    each request has its own ``timeout_s`` deadline (connect to last byte) and its load is
-    stored as soon as it is parsed, so a slow or dead replica never delays the others'
-    results. Rounds start every ``interval_s``, or when the last one ended if it took
-    longer: a round lasts at most ``timeout_s`` plus two store calls, so keep
-    ``timeout_s <= interval_s`` for a steady cadence. Nothing a replica sends can stop the
-    scraper: every failure is counted in :meth:`stats` and reported to ``on_failure``
-    (the replica's id; the ``kvindex_load_scrape_failures_total`` counter). ``start`` and
-    ``stop`` run on the scraper's event loop; :meth:`stats` may be called from any thread.
-    """
+    """Scrapes every replica's ``{base_url}/metrics`` each ``interval_s`` into a store: the
+    targets this process claims, concurrently, each under ``timeout_s``. No failure stops it;
+    each is counted in :meth:`stats` (thread-safe) and passed to ``on_failure``."""
 
     def __init__(
         self,
@@ -85,8 +68,7 @@ class MetricsScraper:
         self._rounds = Periodic("the metrics scraper", self.scrape_once, interval_s)
 
     async def start(self) -> None:
-        """Start scraping in a task on the running loop (first round right away); returns
-        at once. Raises RuntimeError when already running."""
+        """Start scraping in a task on the running loop; RuntimeError when already running."""
         await self._rounds.start()
 
     async def stop(self) -> None:
@@ -94,23 +76,19 @@ class MetricsScraper:
         await self._rounds.stop()
 
     def stats(self) -> dict[str, ScrapeStats]:
-        """Counters per replica of the latest round's targets (a copy)."""
+        """Counters per replica of the latest round's targets."""
         with self._lock:
             return dict(self._replica_to_stats)
 
     async def scrape_once(self) -> None:
-        """One round: every target this process claims (:meth:`LoadStore.claim_scrapes`),
-        concurrently; returns once each succeeded or failed."""
+        """One round: every target this process claims, concurrently."""
         targets = await self._claimed(self._current_targets())
         await asyncio.gather(*(self._scrape(r, url, model) for r, url, model in targets))
 
     async def _claimed(
         self, targets: list[tuple[str, str, str | None]]
     ) -> list[tuple[str, str, str | None]]:
-        """The targets no other API process scrapes this round. Claims expire before the
-        next round (``_CLAIM_SHARE`` of the interval), so a process that stops scraping is
-        taken over within a round. Claims that cannot be made: scrape everything (each
-        store call then fails or succeeds on its own)."""
+        """The targets no other API process scrapes this round (all when claims fail)."""
         if not targets:
             return targets
         replicas = [r for r, _, _ in targets]

@@ -1,42 +1,5 @@
-"""Where load is kept: the :class:`LoadStore` Protocol, in-process and in Redis.
-
-Both stores keep the newest load per replica (:func:`~kvindex.api.load.model.is_newer_or_same`)
-and count the answers that chose it since; each owns the ledger of the requests in flight
-that proxies reserve in it (:mod:`~kvindex.api.load.reservations`) and reads its totals
-with the loads. ``tests/contract/test_load_contract.py`` and
-``tests/contract/test_reservation_contract.py`` run one suite against both.
-
-What a read costs (``get_counted``, once per ``/score`` answer): both stores keep the fleet's
-counted loads as they change (:class:`_Fleet`: one ``CountedLoad`` per replica, made when its
-load or count changes, not per read), so a read is one copy of a dict plus one entry per
-replica with requests in flight, whatever the fleet's size. The memory store changes it in
-place. Each snapshot also says which replicas' entries changed since a version of it
-(:class:`LoadChanges`: a version per change, the changed replicas read newest first, so
-O(changes)), which is how the scorer keeps its penalty floors per change, not per read.
-The Redis store keeps it as a snapshot of the shared hash and reads **only what changed
-since its last read**, in one round trip:
-
-* every put, answer count and removal bumps a change sequence (``#seq``, a field of the
-  load hash) and records the replica under it, in the same script: a put or a count in
-  the ``changes`` ZSET (replica → seq of its last change), a removal as a tombstone in the
-  ``removed`` ZSET (the newest :data:`~kvindex.indexer.redis.schema.MAX_LOAD_TOMBSTONES`
-  kept; ``#trimmed`` says up to which seq some were dropped);
-* a read is one script: count this process's answers, then return the fields of the
-  replicas changed after the reader's seq, and the tombstones after it. Answers of other
-  processes and their puts are changes like any other: seen by the next read;
-* the log has an identity, ``#epoch`` (a random token set by the first write to a hash
-  without one, which then empties the ZSETs). A reader whose epoch differs (the hash was
-  lost: FLUSHALL, a Redis restarted empty), whose seq is ahead of the store's (a Redis
-  restarted on older data) or below ``#trimmed``, and one that saw Redis unreachable (it
-  forgets its snapshot), reads the whole hash instead, once;
-* the ledger's totals are read whole (one field per replica with requests in flight, not
-  one per replica asked for), by a second script in the same pipeline (its keys are apart,
-  ``{inflight}``).
-
-Reads in several threads at once each apply their reply only when it is newer than the
-snapshot (a higher seq, or a whole read of another epoch), so a late reply never replaces
-a newer one.
-"""
+"""Where load is kept (:class:`LoadStore`): in process, or in Redis read as the changes since
+this process's snapshot (:class:`_Fleet`), from a change log beside the load hash."""
 
 from __future__ import annotations
 
@@ -63,11 +26,9 @@ from kvindex.indexer.index.circuit import StoreCircuit
 from kvindex.indexer.index.protocol import IndexUnavailableError
 from kvindex.indexer.index.redis import unavailable_on_connection_errors
 from kvindex.indexer.redis.connection import RedisClient
+from kvindex.indexer.redis.lua import lua_script
 from kvindex.indexer.redis.schema import (
     ANSWERS_SUFFIX,
-    LOAD_EPOCH,
-    LOAD_SEQ,
-    LOAD_TRIMMED,
     MAX_LOAD_TOMBSTONES,
     Schema,
     check_name,
@@ -77,16 +38,11 @@ logger = logging.getLogger(__name__)
 
 
 class LoadStore(Protocol):
-    """The latest load of each replica, and the answers that chose it since.
-
-    Implementations are safe to call from any thread.
-    """
+    """The latest load of each replica, and the answers that chose it since; thread-safe."""
 
     def put(self, replica: str, load: Load) -> None:
         """Keep ``load`` unless the stored one is newer (:func:`is_newer_or_same`), atomically.
-
-        Raises ``SchemaError`` for a replica id unusable in a Redis key.
-        """
+        Raises ``SchemaError`` for a replica id unusable in a Redis key."""
         ...
 
     def get_many(self, replicas: Sequence[str]) -> dict[str, Load]:
@@ -96,91 +52,56 @@ class LoadStore(Protocol):
     def get_counted(
         self, replicas: Sequence[str], answers: Sequence[str] = ()
     ) -> dict[str, CountedLoad]:
-        """Count ``answers`` (the replica each chose) first, then read each replica's load
-        with the answers counted for it since that load was stored and the requests in
-        flight to it (:attr:`ledger`'s totals, every live lease's); replicas with neither a
-        load nor a request in flight are absent, those with no load have ``load`` None. A
-        put that stores a newer load starts its replica's count again; one that stores an
-        equal ``ts`` (the same measurement) does not.
-
-        An answer made on a load that a newer one replaced meanwhile counts toward the newer
-        one: at most the answers in flight are over-counted, never lost.
-
-        Every put, count and removal that returned before the call (in any process sharing
-        the store) is seen. The dict is the caller's own; its entries (immutable) may be
-        the same objects as in other reads.
-        """
+        """Count ``answers`` (the replica each chose), then read each replica's load, the answers
+        since it was stored (a newer ``ts`` starts at 0) and its requests in flight; replicas with
+        neither are absent. Sees every change that returned before the call, in any process."""
         ...
 
     @property
     def ledger(self) -> Ledger:
-        """The requests in flight that proxies reserved in this store
-        (:mod:`~kvindex.api.load.reservations`); :meth:`get_counted` reads its totals."""
+        """The requests in flight that proxies reserved in this store."""
         ...
 
     def claim_scrapes(self, replicas: Sequence[str], hold_s: float) -> set[str]:
-        """The replicas this process is to scrape now: each one no other caller claimed in
-        the last ``hold_s`` seconds (every one, for a store serving one process). API
-        processes sharing a store thus scrape each replica once a round, not once each."""
+        """The replicas no other caller claimed in the last ``hold_s`` seconds: to scrape now."""
         ...
 
     def remove(self, replica: str) -> None:
         """Forget the replica's load and answers (a no-op for an unknown replica)."""
         ...
 
-    def close(self) -> None:
-        """Release connections. The store must not be used afterwards."""
-        ...
+    def close(self) -> None: ...
 
 
 @runtime_checkable
 class LoadChanges(Protocol):
-    """Which replicas' reads may differ since a version of this process's snapshot (both
-    stores keep one: :class:`_Fleet`), so that what a reader derives from the loads (the
-    scorer's penalty floors) is redone for those alone. In memory, no I/O, thread-safe."""
+    """Which replicas' reads may differ since a version of the snapshot; no I/O, thread-safe."""
 
     def change_version(self) -> int:
-        """The snapshot's version now (it only grows); read it before a
-        :meth:`LoadStore.get_counted` whose result is to be followed from then on."""
+        """The snapshot's version (it only grows): read it before the ``get_counted`` to follow."""
         ...
 
     def changed_since(self, version: int) -> list[str] | None:
-        """Every replica whose ``get_counted`` entry (load, count or requests in flight)
-        may differ from what a read made at ``version`` gave (a superset: changes up to the
-        call), once each; None when that is unknown (the snapshot was emptied since, or
-        ``version`` is not one it had), for the reader to start again."""
+        """Replicas whose ``get_counted`` entry may differ since ``version`` (None: unknown)."""
         ...
 
 
-_MAX_VIEWS = 8
-"""Replica lists whose view :class:`_Fleet` keeps up to date (one per model asked about)."""
+_MAX_VIEWS = 8  # replica lists whose view _Fleet keeps up to date (one per model asked about)
 
 
 class _Fleet:
-    """Every replica's load and answer count, and the ``CountedLoad`` they make, kept as
-    they change; not thread-safe (its store's lock guards it).
-
-    A read names the replicas it wants; the view of each list asked for (the last
-    :data:`_MAX_VIEWS`) is kept up to date too, so a read copies a dict rather than picking
-    the fleet's replicas one by one.
-    """
+    """Every replica's load, count and ``CountedLoad``, and views of lists read, kept current."""
 
     def __init__(self) -> None:
         self.loads: dict[str, Load] = {}
-        self.counts: dict[str, int] = {}
-        """Per replica (with a load or not): answers that chose it since its load was stored."""
-        self._counted: dict[str, CountedLoad] = {}
-        """Per replica with a load: its load and count, none in flight."""
+        self.counts: dict[str, int] = {}  # answers since the load was stored (or no load)
+        self._counted: dict[str, CountedLoad] = {}  # replicas with a load; none in flight
         self._views: dict[tuple[str, ...], tuple[frozenset[str], dict[str, CountedLoad]]] = {}
         self.version = 0
-        """Bumped by every change of a read's entries (:meth:`changed_since`)."""
-        self._cleared = 0
-        """The version of the last :meth:`clear`: what came before it is unknown."""
+        self._cleared = 0  # the version of the last clear(): what came before is unknown
+        # replica -> version of its last change, in change order (read from the end)
         self._changed: dict[str, int] = {}
-        """Replica -> version of its last change, in the order of those changes (a change
-        moves its replica to the end), so the changes since a version are read from the end."""
-        self._in_flight: Mapping[str, InFlight] = {}
-        """The ledger's totals the last read gave (their changes are changes of a read)."""
+        self._in_flight: Mapping[str, InFlight] = {}  # the ledger's totals the last read gave
 
     def clear(self) -> None:
         self.loads, self.counts, self._counted, self._views = {}, {}, {}, {}
@@ -194,7 +115,6 @@ class _Fleet:
         changed[replica] = self.version
 
     def changed_since(self, version: int) -> list[str] | None:
-        """:meth:`LoadChanges.changed_since`: O(changes since), newest first."""
         if version < self._cleared or version > self.version:
             return None
         out: list[str] = []
@@ -206,7 +126,6 @@ class _Fleet:
         return out
 
     def set(self, replica: str, load: Load | None, count: int) -> None:
-        """The replica's load (None: none stored) and count, as they now are."""
         self._note(replica)
         counted = None
         if load is None:
@@ -229,8 +148,6 @@ class _Fleet:
     def read(
         self, replicas: Sequence[str], in_flight: Mapping[str, InFlight]
     ) -> dict[str, CountedLoad]:
-        """A new dict: each of ``replicas`` with a load or a request in flight
-        (``in_flight``: the ledger's totals, every replica with any)."""
         key = tuple(replicas)
         found = self._views.get(key)
         if found is None:
@@ -259,8 +176,7 @@ class _Fleet:
 
 
 class _Snapshotted:
-    """What both stores keep: this process's snapshot of the fleet's loads under one lock,
-    and what changed in it (:class:`LoadChanges`)."""
+    """This process's snapshot of the fleet's loads under one lock (:class:`LoadChanges`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -276,7 +192,7 @@ class _Snapshotted:
 
 
 class MemoryLoadStore(_Snapshotted):
-    """In-process :class:`LoadStore` (one API process). Thread-safe (one lock)."""
+    """In-process :class:`LoadStore` (one API process)."""
 
     def __init__(self, ledger: MemoryLedger | None = None) -> None:
         super().__init__()
@@ -319,132 +235,12 @@ class MemoryLoadStore(_Snapshotted):
             self._fleet.set(replica, None, 0)
 
     def close(self) -> None:
-        """Nothing to release."""
+        pass  # nothing to release
 
 
-# Shared by the load scripts. KEYS of each: the load HASH, the changes ZSET, the removed
-# ZSET (one hash tag, {load}); ARGV[1] the caller's token, part of the epoch of a log it
-# opens (a hash without one).
-_LOG_NAMES = (
-    f"local EPOCH, SEQ, TRIMMED = '{LOAD_EPOCH}', '{LOAD_SEQ}', '{LOAD_TRIMMED}'\n"
-    f"local ANSWERS = '{ANSWERS_SUFFIX}'\n"
-)
-_LOG_LUA = (
-    _LOG_NAMES
-    + """
-local function open_log()
-  if redis.call('HEXISTS', KEYS[1], EPOCH) == 0 then
-    -- the caller's token and the server's clock: a process that opens a log again (after
-    -- a FLUSHALL) gives it another identity
-    local t = redis.call('TIME')
-    redis.call('HSET', KEYS[1], EPOCH, ARGV[1] .. '.' .. t[1] .. '.' .. t[2])
-    -- a new log (the hash was lost): nothing recorded before describes this hash
-    redis.call('HDEL', KEYS[1], SEQ, TRIMMED)
-    redis.call('DEL', KEYS[2], KEYS[3])
-  end
-end
-local function changed(replica)
-  local seq = redis.call('HINCRBY', KEYS[1], SEQ, 1)
-  redis.call('ZADD', KEYS[2], seq, replica)
-  redis.call('ZREM', KEYS[3], replica)
-end
-"""
-)
+def _script(name: str) -> str:
+    return lua_script(__name__, name, after=("load_log.lua",))
 
-# ARGV: token, replica, ts of the new load, the new load (JSON). 1 when stored, 0 when the
-# stored load is newer. An undecodable stored value counts as older: it is overwritten
-# rather than blocking the replica forever.
-_PUT_IF_NEWER_LUA = (
-    _LOG_LUA
-    + """
-local old = redis.call('HGET', KEYS[1], ARGV[2])
-local newer = true
-if old then
-  local ok, decoded = pcall(cjson.decode, old)
-  if ok and type(decoded) == 'table' then
-    local old_ts = tonumber(decoded['ts'])
-    if old_ts and old_ts > tonumber(ARGV[3]) then
-      return 0
-    end
-    newer = not (old_ts and old_ts == tonumber(ARGV[3]))
-  end
-end
-open_log()
-redis.call('HSET', KEYS[1], ARGV[2], ARGV[4])
-if newer then
-  redis.call('HDEL', KEYS[1], ARGV[2] .. ANSWERS)  -- a new measurement: its answers from 0
-end
-changed(ARGV[2])
-return 1
-"""
-)
-
-# ARGV: token, replica, tombstones kept. 1 when removed, 0 when nothing was stored.
-_REMOVE_LUA = (
-    _LOG_LUA
-    + """
-if redis.call('HDEL', KEYS[1], ARGV[2], ARGV[2] .. ANSWERS) == 0 then
-  return 0
-end
-open_log()
-local seq = redis.call('HINCRBY', KEYS[1], SEQ, 1)
-redis.call('ZREM', KEYS[2], ARGV[2])
-redis.call('ZADD', KEYS[3], seq, ARGV[2])
-local over = redis.call('ZCARD', KEYS[3]) - tonumber(ARGV[3])
-if over > 0 then
-  local newest = redis.call('ZRANGE', KEYS[3], over - 1, over - 1, 'WITHSCORES')
-  redis.call('HSET', KEYS[1], TRIMMED, newest[2])
-  redis.call('ZREMRANGEBYRANK', KEYS[3], 0, over - 1)
-end
-return 1
-"""
-)
-
-# ARGV: token, the reader's epoch ('' none), its seq, then one replica per answer to count.
-# Returns {epoch, seq, 1, HGETALL} (read everything) or {epoch, seq, 0, {replica, load,
-# count, ...} of the replicas changed after the reader's seq, the replicas removed after it}.
-_READ_LUA = (
-    _LOG_LUA
-    + """
-if #ARGV > 3 then
-  open_log()
-  for i = 4, #ARGV do
-    -- an unreadable count fails its HINCRBY alone: it reads as 0 until a newer load
-    redis.pcall('HINCRBY', KEYS[1], ARGV[i] .. ANSWERS, 1)
-    changed(ARGV[i])
-  end
-end
-local meta = redis.call('HMGET', KEYS[1], EPOCH, SEQ, TRIMMED)
-local epoch, seq, known = meta[1] or '', tonumber(meta[2]) or 0, tonumber(ARGV[3])
-if epoch ~= ARGV[2] or known > seq or known < (tonumber(meta[3]) or 0) then
-  return {epoch, seq, 1, redis.call('HGETALL', KEYS[1])}
-end
-if known == seq then
-  return {epoch, seq, 0, {}, {}}
-end
-local replicas = redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. ARGV[3], '+inf')
-if #replicas > 64 and #replicas * 4 > redis.call('HLEN', KEYS[1]) then
-  return {epoch, seq, 1, redis.call('HGETALL', KEYS[1])}  -- most of it: one whole read
-end
-local out = {}
-for first = 1, #replicas, 500 do
-  local last = math.min(first + 499, #replicas)
-  local fields = {}
-  for i = first, last do
-    fields[#fields + 1] = replicas[i]
-    fields[#fields + 1] = replicas[i] .. ANSWERS
-  end
-  local values = redis.call('HMGET', KEYS[1], unpack(fields))
-  for i = first, last do
-    local j = 2 * (i - first)
-    out[#out + 1] = replicas[i]
-    out[#out + 1] = values[j + 1]
-    out[#out + 1] = values[j + 2]
-  end
-end
-return {epoch, seq, 0, out, redis.call('ZRANGEBYSCORE', KEYS[3], '(' .. ARGV[3], '+inf')}
-"""
-)
 
 _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder(Load)
@@ -452,40 +248,23 @@ _ANSWERS_SUFFIX = ANSWERS_SUFFIX.encode()
 
 
 class RedisLoadStore(_Snapshotted):
-    """Shared :class:`LoadStore`: the ``{load}`` keys of :class:`Schema` (a HASH replica id →
-    load as JSON, its answer counts and the change log's fields; the ``changes`` and
-    ``removed`` ZSETs), and the snapshot of them this process last read (the module says
-    how it stays current).
-
-    A put and a remove are one Lua script each (compare ``ts``, then set, then log the
-    change: atomic across API processes); a ``get_many`` is one HMGET; a ``get_counted`` is
-    one round trip of two scripts (count the answers and read the changes; read the
-    in-flight totals of its :class:`RedisLedger`, whose keys are apart: ``{inflight}``). A
-    replica's answers are its field ``<replica>/answers`` of the same HASH (no replica id
-    contains ``/``); the put script deletes that field when it stores a newer load. Every
-    method raises :class:`IndexUnavailableError` when Redis cannot be reached. A stored
-    value that cannot be decoded reads as absent (logged when read). Scrape claims are
-    short-lived keys (``Schema.scrape_claim``, SET NX PX).
-    """
+    """Shared :class:`LoadStore` on the ``{load}`` keys of :class:`Schema`, changed only by its
+    scripts; raises :class:`IndexUnavailableError` when Redis cannot be reached."""
 
     def __init__(self, client: RedisClient, schema: Schema | None = None) -> None:
         self._client = client
         self._schema = schema or Schema()
         self._key = self._schema.load
         self._keys = [self._key, self._schema.load_changes, self._schema.load_removed]
-        self._slot = key_slot(self._key.encode())
-        """The cluster slot of every load key (one hash tag)."""
-        self._token = uuid.uuid4().hex[:12]
-        """This process's part of the epoch of a log it opens (with the server's clock)."""
-        self._put = client.register_script(_PUT_IF_NEWER_LUA)
-        self._remove = client.register_script(_REMOVE_LUA)
-        self._read = client.register_script(_READ_LUA)
+        self._slot = key_slot(self._key.encode())  # every load key's (one hash tag)
+        self._token = uuid.uuid4().hex[:12]  # this process's part of a log's epoch
+        self._put = client.register_script(_script("load_put.lua"))
+        self._remove = client.register_script(_script("load_remove.lua"))
+        self._read = client.register_script(_script("load_read.lua"))
         self._ledger = RedisLedger(client, self._schema)
         super().__init__()
-        self._epoch = b""
-        """The log the snapshot follows (b"": none yet, or forgotten)."""
-        self._seq = 0
-        """The last change the snapshot holds."""
+        self._epoch = b""  # the log the snapshot follows (b"": none yet, or forgotten)
+        self._seq = 0  # the last change the snapshot holds
 
     @property
     def ledger(self) -> Ledger:
@@ -493,7 +272,6 @@ class RedisLoadStore(_Snapshotted):
 
     @property
     def client(self) -> RedisClient:
-        """The connection (shared with the index of the same deployment)."""
         return self._client
 
     def put(self, replica: str, load: Load) -> None:
@@ -529,7 +307,6 @@ class RedisLoadStore(_Snapshotted):
             return self._fleet.read(replicas, in_flight)
 
     def _read_changes(self, args: list[str | bytes | int]) -> tuple[Any, dict[str, InFlight]]:
-        """One round trip: the read script's reply, and the ledger's totals."""
         route: dict[str, Any] = {}
         if isinstance(self._client, RedisCluster):
             route = {"target_nodes": self._client.nodes_manager.get_node_from_slot(self._slot)}
@@ -546,9 +323,7 @@ class RedisLoadStore(_Snapshotted):
             return reply, self._ledger.read_reply(totals)
 
     def _apply(self, reply: Any, known: int) -> None:
-        """Bring the snapshot to a reply of the read script made from seq ``known``, unless
-        it is older (a reply of another thread's read that started earlier and finished
-        later). A whole read below ``known`` (Redis went back to older data) replaces it."""
+        """Apply a read's reply made from seq ``known``, unless the snapshot is newer."""
         epoch, seq, whole, *rest = reply
         epoch = bytes(epoch) if epoch else b""
         seq = int(seq)
@@ -565,7 +340,6 @@ class RedisLoadStore(_Snapshotted):
         self._epoch, self._seq = epoch, seq
 
     def _read_whole(self, flat: list[bytes]) -> None:
-        """The snapshot from the whole hash (HGETALL: field, value, ...)."""
         loads: dict[str, bytes] = {}
         counts: dict[str, bytes] = {}
         for i in range(0, len(flat), 2):
@@ -582,7 +356,6 @@ class RedisLoadStore(_Snapshotted):
             self._fleet.set(replica, load, _parse_count(counts.get(replica)))
 
     def _read_delta(self, changed: list[bytes | None], removed: list[bytes]) -> None:
-        """The changes (replica, load, count, ...) and removals since the snapshot's seq."""
         fleet = self._fleet
         for i in range(0, len(changed), 3):
             replica = cast("bytes", changed[i]).decode()
@@ -612,9 +385,7 @@ class RedisLoadStore(_Snapshotted):
 
 
 class CircuitLoadStore:
-    """A :class:`LoadStore` whose every call goes through a
-    :class:`~kvindex.indexer.index.circuit.StoreCircuit` (a skipped call raises
-    ``StoreSkippedError``, an ``IndexUnavailableError``)."""
+    """A :class:`LoadStore` whose every call goes through a ``StoreCircuit``."""
 
     def __init__(self, inner: LoadStore, circuit: StoreCircuit) -> None:
         self._inner = inner
@@ -638,7 +409,7 @@ class CircuitLoadStore:
         return self._circuit.call(self._inner.get_counted, replicas, answers)
 
     def change_version(self) -> int:
-        """The inner store's (0 when it keeps none): no I/O, so not through the circuit."""
+        # the inner store's (0 when it keeps none): no I/O, so not through the circuit
         changes = self._changes
         return changes.change_version() if changes is not None else 0
 
@@ -657,7 +428,6 @@ class CircuitLoadStore:
 
 
 def _parse_count(raw: bytes | None) -> int:
-    """A stored answer count; 0 when absent or unreadable."""
     try:
         return max(int(raw), 0) if raw is not None else 0
     except ValueError:

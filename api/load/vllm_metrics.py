@@ -12,8 +12,7 @@ from kvindex.api.load.model import Load, LoadError
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
-GPU_USAGE_OLD = "vllm:gpu_cache_usage_perc"
-"""The name of :data:`KV_USAGE` before vLLM 0.10 (read only when the new one is absent)."""
+GPU_USAGE_OLD = "vllm:gpu_cache_usage_perc"  # KV_USAGE before vLLM 0.10 (read when it is absent)
 _TOTAL = "_total"
 _WANTED = frozenset(
     name + suffix for name in (RUNNING, WAITING, KV_USAGE, GPU_USAGE_OLD) for suffix in ("", _TOTAL)
@@ -21,18 +20,9 @@ _WANTED = frozenset(
 
 
 def parse_vllm_metrics(text: str, *, now: float, model: str | None = None) -> Load:
-    """A scraped :class:`Load` (stamped ``now``) from a vLLM ``/metrics`` exposition.
-
-    * running / waiting: summed over every label set (one per data-parallel ``engine``);
-    * KV usage: the **max** over label sets of ``vllm:kv_cache_usage_perc``, or of the
-      older ``vllm:gpu_cache_usage_perc`` when the new name is absent;
-    * a name is read as written or, when absent so, with a ``_total`` suffix;
-    * with ``model``, only samples whose ``model_name`` label equals it count;
-    * any other metric, HELP/TYPE line or label is ignored; an absent metric reads as 0.
-
-    Raises :class:`LoadError` when the text does not parse, when none of the metrics above
-    is present (for ``model``), or when a value is invalid (e.g. usage above 1).
-    """
+    """A scraped :class:`Load` (stamped ``now``) from a vLLM ``/metrics`` exposition, summed
+    over data-parallel engines (KV usage: their max), of ``model`` only when given;
+    :class:`LoadError` when it does not parse, lacks these metrics, or a value is invalid."""
     values, models_seen = _collect(text, model)
     if not values:
         wanted = "" if model is None else f" for model_name={model!r}"
@@ -49,7 +39,6 @@ def parse_vllm_metrics(text: str, *, now: float, model: str | None = None) -> Lo
 
 
 def _collect(text: str, model: str | None) -> tuple[dict[str, list[float]], set[str]]:
-    """Values of the wanted samples by sample name, and every ``model_name`` label seen."""
     name_to_values: dict[str, list[float]] = defaultdict(list)
     models_seen: set[str] = set()
     try:

@@ -16,7 +16,7 @@ import tokenizers
 
 from kvindex.api.tokenize.local import LocalTokenizer
 from kvindex.api.tokenize.protocol import TokenizerError
-from kvindex.clients.request_log import (
+from kvindex.clients.workloads.request_log import (
     LoggedRequest,
     LogTokenizer,
     Problems,
@@ -40,7 +40,7 @@ async def tokenized_in_batches(
     limit: int | None = None,
 ) -> AsyncGenerator[TokenizedRequest]:
     """``requests`` with their token ids, in order, as
-    :func:`~kvindex.clients.request_log.tokenized` gives them (a request that cannot be
+    :func:`~kvindex.clients.workloads.request_log.tokenized` gives them (a request that cannot be
     tokenized, or has no tokens, goes to ``problems``), ``batch_size`` at a time; at most
     ``limit`` of them, reading no request past the last one needed. Without a local
     tokenizer (``--tokenizer-url``), or with ``batch_size`` 1, each batch goes through

@@ -16,7 +16,7 @@ from kvindex.clients.analyze.fragmentation import (
 )
 from kvindex.clients.analyze.prefixes import SharedPrefix
 from kvindex.clients.analyze.verdict import Evidence, Verdict, decide
-from kvindex.clients.request_log import LogProblem
+from kvindex.clients.workloads.request_log import LogProblem
 
 TOP_PREFIXES = 10
 """Shared prefixes listed."""

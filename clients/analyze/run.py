@@ -19,7 +19,7 @@ from kvindex.clients.analyze.cache_walk import CacheWalk
 from kvindex.clients.analyze.report import AnalysisReport, build_report
 from kvindex.clients.analyze.table import plot, print_report
 from kvindex.clients.progress import ProgressLog
-from kvindex.clients.request_log import (
+from kvindex.clients.workloads.request_log import (
     LoggedRequest,
     LogTokenizer,
     Problems,

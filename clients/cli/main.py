@@ -31,9 +31,9 @@ from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.service import IndexerService
 
 if TYPE_CHECKING:  # imported where used: `serve` must not pay for tokenizers and numpy
-    from kvindex.clients.request_log import TokenizerOptions
     from kvindex.clients.simulate.routing import PolicySpec
-    from kvindex.clients.workloads import TraceRequest
+    from kvindex.clients.workloads.request_log import TokenizerOptions
+    from kvindex.clients.workloads.trace import TraceRequest
 
 
 def _replica_option(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> Any:
@@ -459,7 +459,7 @@ def _tokenizer_options(command: Callable[..., None]) -> Callable[..., None]:
 def _tokenizer_choice(
     tokenizer_path: Path | None, chat_template_path: Path | None, tokenizer_url: str | None
 ) -> TokenizerOptions:
-    from kvindex.clients.request_log import TokenizerOptions  # noqa: PLC0415 (tokenizers)
+    from kvindex.clients.workloads.request_log import TokenizerOptions  # noqa: PLC0415 (tokenizers)
 
     return TokenizerOptions(tokenizer_path, chat_template_path, tokenizer_url)
 
@@ -602,7 +602,8 @@ def simulate(
     once per policy."""
     from kvindex.clients.simulate.fleet import FleetSettings  # noqa: PLC0415
     from kvindex.clients.simulate.run import SimulateSettings, simulate_main  # noqa: PLC0415
-    from kvindex.clients.workloads import WORKLOADS, GeneratorSettings, read_trace  # noqa: PLC0415
+    from kvindex.clients.workloads.generators import WORKLOADS, GeneratorSettings  # noqa: PLC0415
+    from kvindex.clients.workloads.trace import read_trace  # noqa: PLC0415
 
     request_log = request_log or _deprecated_log(workload, requests_arg)
     if sum(x is not None for x in (trace, workload, request_log)) != 1:
@@ -728,8 +729,8 @@ def _logged_requests(
 ) -> list[TraceRequest]:
     """The log's requests, tokenized, as the simulator replays them; skipped lines are
     reported on stderr."""
-    from kvindex.clients.request_log import read_tokenized_log  # noqa: PLC0415 (tokenizers)
-    from kvindex.clients.workloads import logged_trace  # noqa: PLC0415
+    from kvindex.clients.workloads.log_trace import logged_trace  # noqa: PLC0415
+    from kvindex.clients.workloads.request_log import read_tokenized_log  # noqa: PLC0415
 
     done, problems = asyncio.run(read_tokenized_log(log, options, limit=limit))
     stderr = make_console(sys.stderr)

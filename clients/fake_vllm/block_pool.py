@@ -1,20 +1,5 @@
-"""The prefix-cache block pool of every stand-in for vLLM, and the KV events it publishes.
-
-One pool serves the replica simulator (:mod:`~kvindex.clients.fake_vllm.replica`), the
-offline scheduler of the benchmarks (:mod:`~kvindex.clients.fake_vllm.scheduler`) and the
-fleet simulator (:mod:`kvindex.clients.simulate`). It behaves like vLLM's v1 ``BlockPool``
-(``vllm/v1/core/block_pool.py``) for one KV-cache group: blocks are chained by their engine
-hashes (:mod:`~kvindex.clients.fake_vllm.engine_hash`), a request reuses the longest cached
-prefix of its blocks, blocks of running requests are pinned, and unreferenced cached blocks
-are evicted least recently freed first (a request frees its blocks tail first, as vLLM
-does). Every store and eviction is returned as the domain event vLLM publishes for it
-(``extra_keys`` per block and ``group_idx`` 0, as vLLM 0.33 sends them).
-
-Deliberate simplifications: a block that holds no full hash is empty and is handed out
-before any cached block is evicted (vLLM hands blocks out in the order they were freed,
-whatever they hold); a block computed twice concurrently is cached once (vLLM would cache
-and publish it twice).
-"""
+"""The prefix-cache block pool of every stand-in for vLLM (vLLM's v1 ``BlockPool`` for one
+KV-cache group, empty blocks handed out before any eviction), and the KV events it publishes."""
 
 from __future__ import annotations
 
@@ -47,24 +32,13 @@ class Admission:
 
 
 class BlockPool:
-    """A fixed pool of ``capacity_blocks`` blocks of ``block_size`` tokens.
-
-    Every block is empty, cached (keyed by its chain hash; referenced by requests or
-    evictable), or a slot held by a request that is not full yet. Invariant:
-    ``num_empty + held slots + cached blocks == capacity_blocks``. Methods that change the
-    pool return the events to publish, in order. Not thread-safe.
-
-    Two ways to drive it: :meth:`admit` (all of a request's blocks reserved at once, its
-    prompt cached at once) then :meth:`cache_full_blocks` and :meth:`release`; or step by step as
-    vLLM's scheduler does, :meth:`touch`, then :meth:`allocate` and :meth:`cache_full_blocks` as
-    tokens are computed, then :meth:`release`.
-    """
+    """``capacity_blocks`` blocks of ``block_size`` tokens; not thread-safe; changes return their
+    events in order. Drive it by :meth:`admit`, or :meth:`touch` and :meth:`allocate`."""
 
     def __init__(
         self, capacity_blocks: int, block_size: int, root: int, *, publish: bool = True
     ) -> None:
-        """``root``: the engine-hash chain root. ``publish=False``: make no events (a pool
-        nobody listens to; faster)."""
+        """``publish=False``: make no events (a pool nobody listens to)."""
         self.capacity_blocks = capacity_blocks
         self.block_size = block_size
         self.root = root
@@ -135,12 +109,7 @@ class BlockPool:
         cache_salt: str | None = None,
         chain: Sequence[int] | None = None,
     ) -> Admission | None:
-        """Reserve blocks for a request of ``total_tokens`` (prompt + output) and cache its
-        full prompt blocks; None when there is no room now (nothing changed). Hits are the
-        leading cached blocks, at most ``(len(prompt) - 1) // block_size`` (one prompt token
-        is always computed, as in vLLM). ``chain``: the prompt's block hashes when the
-        caller already has them (:meth:`chain`'s result, or any hashes that identify each
-        block with its prefix)."""
+        """Reserve blocks for ``total_tokens`` and cache the full prompt blocks; None: no room."""
         if chain is None:
             chain = self.chain(prompt, lora_name, cache_salt)
         limit = min((len(prompt) - 1) // self.block_size, len(chain))
@@ -165,17 +134,13 @@ class BlockPool:
     # --- step by step ----------------------------------------------------------------------
 
     def touch(self, request_id: int, chain: Sequence[int], limit: int) -> int:
-        """Start holding blocks for a new request (no LoRA, no cache salt): pin the longest
-        cached prefix of ``chain`` (at most ``limit`` blocks); returns its length. The
-        request holds no slot yet (see :meth:`allocate`)."""
+        """Pin the longest cached prefix of ``chain`` (up to ``limit``) for a request; its size."""
         hits = self._num_hits(chain, limit)
         self._pin(request_id, chain[:hits], None, None)
         return hits
 
     def allocate(self, request_id: int, count: int) -> list[Event]:
-        """Give the request ``count`` more slots: empty blocks first, then evicted ones,
-        least recently freed first (one ``BlockRemoved`` each, as vLLM publishes). The
-        caller has checked there is room (``count <= num_free``)."""
+        """``count`` more slots (``count <= num_free``), evicting least recently freed first."""
         take = min(count, self.num_empty)
         self.num_empty -= take
         self._held[request_id].num_slots += count
@@ -192,10 +157,7 @@ class BlockPool:
     def cache_full_blocks(
         self, request_id: int, tokens: Sequence[int], chain: Sequence[int] | None = None
     ) -> list[Event]:
-        """Turn the request's slots into cached blocks for every full block of ``tokens``
-        not cached yet (``chain``: their block hashes, as for :meth:`admit`; it may stop
-        before the last full block). One ``BlockStored`` per run of newly cached blocks;
-        a block another request cached meanwhile is shared, not stored again."""
+        """Cache the full blocks of ``tokens`` not cached yet (one ``BlockStored`` per run)."""
         held = self._held[request_id]
         if chain is None:
             chain = self.chain(tokens, held.lora_name, held.cache_salt)
@@ -225,7 +187,6 @@ class BlockPool:
     def _pin(
         self, request_id: int, hits: Sequence[int], lora_name: str | None, cache_salt: str | None
     ) -> None:
-        """The request starts holding ``hits`` (cached blocks) and no slot."""
         assert request_id not in self._held, f"request {request_id} already holds blocks"
         ref, evictable = self._ref, self._evictable
         for h in hits:
@@ -234,8 +195,7 @@ class BlockPool:
         self._held[request_id] = _Held(list(hits), 0, lora_name, cache_salt)
 
     def _cache_new(self, held: _Held, chain: Sequence[int]) -> list[tuple[int, int]]:
-        """Cache ``chain``'s blocks past those ``held`` has; the (first, end) index runs of
-        blocks newly cached (a block another request cached meanwhile is shared)."""
+        """The (first, end) runs of ``chain``'s blocks newly cached past those ``held`` has."""
         start = len(held.hashes)
         new = chain[start:]
         if not new:
@@ -273,7 +233,6 @@ class BlockPool:
         extras: list[ExtraKeys] | None,
         lora_name: str | None,
     ) -> Event:
-        """The ``BlockStored`` of blocks ``first`` to ``end - 1``."""
         size = self.block_size
         return BlockStored(
             block_hashes=tuple(chain[first:end]),

@@ -1,16 +1,5 @@
-"""The engine's own block hashes: what every stand-in for vLLM publishes as ``block_hashes``.
-
-vLLM hashes each full block from its parent's hash, its token ids and its extra keys,
-starting at a root (``NONE_HASH``: random, or fixed by ``PYTHONHASHSEED``), and publishes
-the digest's last 8 bytes. The stand-ins here (the replica simulator, the fleet simulator,
-the benchmarks) chain the same inputs the same way with XXH3-64, seeded with the parent's
-hash: uniform over u64 (half of the values ≥ 2**63), and a function of the root, so replicas
-with different roots publish different hashes for the same tokens, as vLLM replicas with
-different seeds do.
-
-This is deliberately not kvindex's block key (:mod:`kvindex.indexer.domain.keys`): the indexer must
-map engine hashes to its own keys through the events' token ids, as it must with a real vLLM.
-"""
+"""The engine's own block hashes (XXH3-64 chained from a root per engine, like vLLM's
+``NONE_HASH``), deliberately not kvindex's block keys, as with a real vLLM."""
 
 from __future__ import annotations
 
@@ -30,8 +19,7 @@ _encode = msgspec.msgpack.encode
 
 
 def engine_root(seed: int | str | None = None) -> int:
-    """An engine's chain root (the parent of every first block), like vLLM's ``NONE_HASH``:
-    the same ``seed`` always gives the same root; ``None`` gives a random one."""
+    """An engine's chain root: the same ``seed`` gives the same root; None a random one."""
     if seed is None:
         return int.from_bytes(os.urandom(8), "big")
     return _hash(_ROOT_PREFIX + str(seed).encode())
@@ -43,14 +31,7 @@ def engine_chain(
     block_size: int,
     extra_keys: Sequence[ExtraKeys] | None = None,
 ) -> list[int]:
-    """Hashes of the full blocks of ``token_ids``, chained from ``parent``.
-
-    ``parent`` is the root (:func:`engine_root`) for a sequence's first block, or the hash of
-    the block before ``token_ids[0]``. A trailing partial block gets no hash. Block ``i``'s
-    hash is XXH3-64 of its token ids (little-endian u32) and, when ``extra_keys[i]`` is
-    neither None nor empty, their msgpack, seeded with the previous hash. ``extra_keys``,
-    when given, has an entry for every full block (fewer raises ValueError).
-    """
+    """Hashes of the full blocks of ``token_ids`` from ``parent``; ``extra_keys``: one a block."""
     stride = block_size * _TOKEN_BYTES
     data = memoryview(tokens_to_bytes(token_ids))
     num_bytes = len(data) // stride * stride

@@ -1,13 +1,5 @@
-"""A vLLM-compatible KV-event publisher: vLLM's wire format without vLLM.
-
-Mirrors ``vllm.distributed.kv_events.ZmqEventPublisher``: a PUB socket sends
-``[topic, seq (8 bytes big-endian), msgpack batch]``; a ROUTER socket replays buffered
-batches from a requested seq, then an end marker. Both event encodings (``"map"``: vLLM ≥
-0.24; ``"array"``: ≤ 0.23) and both replay layouts (``"topic"``: ≥ 0.26; ``"legacy"``) are
-available, so tests, benchmarks and the replica simulator exercise exactly what real
-replicas send; every frame is built by :mod:`kvindex.indexer.ingest.wire`'s encoders. One
-background thread owns both sockets, as in vLLM.
-"""
+"""A vLLM-compatible KV-event publisher (vLLM's ``ZmqEventPublisher`` without vLLM): PUB
+sends, ROUTER replays, in every layout :mod:`kvindex.indexer.ingest.wire` writes."""
 
 from __future__ import annotations
 
@@ -61,12 +53,8 @@ class EventPublisher:
         send_hwm: int = 0,
         send_buffer_bytes: int = 0,
     ) -> None:
-        """``bind`` None follows vLLM's rule for ``endpoint`` (bind iff it has ``*`` or
-        ``::``); True binds exactly there (e.g. a fixed loopback port in tests).
-        ``send_hwm``: the PUB's high-water mark in messages (0: unbounded); past it a slow
-        subscriber's frames are dropped, as a real PUB does (vLLM's default is 100,000).
-        ``send_buffer_bytes``: the kernel send buffer of its TCP connections (0: the OS's,
-        which grows to megabytes on loopback); small, the HWM is reached sooner."""
+        """``bind`` None: vLLM's rule (:func:`_open`); ``send_hwm`` 0: unbounded;
+        ``send_buffer_bytes`` 0: the OS's."""
         self._bind = bind
         self._send_hwm = send_hwm
         self._send_buffer_bytes = send_buffer_bytes
@@ -109,8 +97,7 @@ class EventPublisher:
             self._router.close(linger=0)
 
     def publish(self, events: list[Event], *, ts: float | None = None, drop: bool = False) -> int:
-        """Queue one batch; returns its seq. ``drop=True`` buffers it for replay but never
-        sends it live (a slow-subscriber drop: the subscriber sees a gap)."""
+        """Queue one batch; its seq. ``drop=True``: kept for replay, never sent live (a gap)."""
         payload = encode_batch(
             events, ts=time.time() if ts is None else ts, rank=self.rank, encoding=self.encoding
         )
@@ -177,8 +164,7 @@ class EventPublisher:
 
 
 def _open(sock: zmq.Socket[bytes], endpoint: str, bind: bool | None) -> str:
-    """vLLM's rule: bind when the endpoint has ``*`` or ``::`` (or is ipc/inproc), else
-    connect (the subscriber has bound)."""
+    """Bind or connect; ``bind`` None: vLLM's rule (bind when it has ``*``, ``::``, ipc, inproc)."""
     if bind is None:
         bind = "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
     if bind:

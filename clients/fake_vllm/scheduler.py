@@ -1,20 +1,5 @@
-"""vLLM's v1 scheduler, stepped offline over one block pool: a replica as fast as it can go.
-
-A model of ``vllm/v1/core/sched/scheduler.py`` under saturating chat load
-(:class:`~kvindex.clients.workloads.ChatSessions`), for the ingest benchmark:
-
-* every step, running requests are served first (a prefill chunk, or one decode token),
-  then waiting ones are admitted while the step's token budget (``max_batched_tokens``)
-  and ``max_running`` allow and the pool can hold all of the request; an admitted request
-  reuses the longest cached prefix of its prompt (no store event for it);
-* blocks are allocated as tokens are computed (an eviction publishes one ``BlockRemoved``
-  then), and every block that becomes full is cached: one ``BlockStored`` per request per
-  step, chained to the parent block's hash (often stored many batches ago);
-* finished requests free their blocks tail first, and their chat's next turn may come.
-
-A step takes ``STEP_BASE_S + STEP_PER_TOKEN_S`` per token computed, in engine time; nothing
-sleeps. Not thread-safe; deterministic for a given pool, chats and call order.
-"""
+"""vLLM's v1 scheduler stepped offline over one block pool under saturating chat load, in
+engine time (the ingest benchmark's replica); deterministic for a pool, chats and call order."""
 
 from __future__ import annotations
 
@@ -23,7 +8,7 @@ from dataclasses import dataclass
 
 from kvindex.clients.fake_vllm.block_pool import BlockPool
 from kvindex.clients.fake_vllm.engine_hash import engine_chain
-from kvindex.clients.workloads import Chat, ChatSessions, ChatTurn
+from kvindex.clients.workloads.chats import Chat, ChatSessions, ChatTurn
 from kvindex.indexer.domain.events import Event
 
 STEP_BASE_S = 0.008
@@ -40,7 +25,6 @@ class _Request:
     """Prompt then output: the output is drawn up front, decoding reveals it."""
     num_prompt_tokens: int
     hashes: list[int]
-    """Engine hashes of the full blocks of ``tokens``."""
     num_blocks_needed: int
     num_blocks: int = 0
     """Blocks held in the pool: the cached prefix hit at admission, then allocated ones."""
@@ -78,8 +62,7 @@ class StepScheduler:
         self.num_prompt_blocks_hit = 0
 
     def batches(self, start_ts: float) -> Iterator[tuple[float, list[Event]]]:
-        """Step forever from engine time ``start_ts``; yields ``(ts, events)`` for every step
-        that published events (``ts``: when the step ended)."""
+        """Step forever from ``start_ts``; ``(end ts, events)`` of every step with events."""
         ts = start_ts
         while True:
             events, num_tokens = self.step()
@@ -88,8 +71,7 @@ class StepScheduler:
                 yield ts, events
 
     def step(self) -> tuple[list[Event], int]:
-        """One scheduler step: running requests first, then admissions, then retirements.
-        Returns the step's events and the number of tokens it computed."""
+        """One step; its events and the number of tokens it computed."""
         events: list[Event] = []
         budget = self._max_batched_tokens
         size = self._block_size

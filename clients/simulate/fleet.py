@@ -20,7 +20,7 @@ from typing import Protocol
 
 from kvindex.clients.fake_vllm.block_pool import BlockPool
 from kvindex.clients.fake_vllm.engine_hash import engine_chain, engine_root
-from kvindex.clients.workloads import TraceRequest
+from kvindex.clients.workloads.trace import TraceRequest
 from kvindex.indexer.domain.errors import KvIndexError
 from kvindex.indexer.domain.events import Event
 

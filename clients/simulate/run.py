@@ -45,7 +45,7 @@ from kvindex.clients.simulate.routing import (
     ZmqSink,
     parse_policy,
 )
-from kvindex.clients.workloads import TraceRequest
+from kvindex.clients.workloads.trace import TraceRequest
 
 DEFAULT_POLICIES = (
     "round_robin",

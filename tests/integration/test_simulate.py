@@ -14,7 +14,7 @@ from kvindex.clients.cli.main import main, simulate
 from kvindex.clients.simulate.fleet import FleetSettings
 from kvindex.clients.simulate.routing import parse_policy
 from kvindex.clients.simulate.run import DEFAULT_POLICIES, SimulateSettings, run_simulation
-from kvindex.clients.workloads import WORKLOADS, GeneratorSettings
+from kvindex.clients.workloads.generators import WORKLOADS, GeneratorSettings
 
 TRACE = Path(__file__).parents[2] / "bench/traces/mooncake_fast25_synthetic_trace.jsonl.gz"
 SMALL = FleetSettings(replicas=4, capacity_blocks=2048)

@@ -20,7 +20,15 @@ from kvindex.api.load.reservations import Reservations
 from kvindex.api.load.store import CircuitLoadStore, LoadChanges, MemoryLoadStore, RedisLoadStore
 from kvindex.indexer.index.circuit import StoreCircuit
 from kvindex.indexer.index.protocol import IndexUnavailableError
-from kvindex.indexer.redis.schema import MAX_LOAD_TOMBSTONES, Schema
+from kvindex.indexer.redis.lua import lua_script
+from kvindex.indexer.redis.schema import (
+    ANSWERS_SUFFIX,
+    LOAD_EPOCH,
+    LOAD_SEQ,
+    LOAD_TRIMMED,
+    MAX_LOAD_TOMBSTONES,
+    Schema,
+)
 from tests.support.redis_server import free_port
 from tests.unit.api.load.samples import NOW, a_load
 
@@ -35,6 +43,13 @@ def test_load_key_names() -> None:
     assert Schema().load == "kvindex:v2:{load}:loads"
     # One hash tag: a put, a count and a removal change the hash and its log in one script.
     assert len({key_slot(k.encode()) for k in (LOAD, CHANGES, REMOVED)}) == 1
+
+
+def test_the_scripts_name_the_log_fields_of_the_schema() -> None:
+    prelude = lua_script("kvindex.api.load.store", "load_log.lua")
+    names = f"'{LOAD_EPOCH}', '{LOAD_SEQ}', '{LOAD_TRIMMED}'"
+    assert f"local EPOCH, SEQ, TRIMMED = {names}\n" in prelude
+    assert f"local ANSWERS = '{ANSWERS_SUFFIX}'\n" in prelude
 
 
 def test_memory_store_is_thread_safe_and_keeps_the_newest() -> None:

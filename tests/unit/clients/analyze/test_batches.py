@@ -14,7 +14,7 @@ from tokenizers import processors
 from kvindex.clients.analyze import batches
 from kvindex.clients.analyze.batches import tokenized_in_batches
 from kvindex.clients.analyze.run import AnalyzeSettings, analyze_log
-from kvindex.clients.request_log import (
+from kvindex.clients.workloads.request_log import (
     LogTokenizer,
     Problems,
     TokenizerOptions,

@@ -15,7 +15,7 @@ import tokenizers
 from kvindex.clients.analyze.report import AnalysisReport
 from kvindex.clients.analyze.run import AnalyzeSettings, analyze_log, analyze_main, count_lines
 from kvindex.clients.console import make_console
-from kvindex.clients.request_log import LogTokenizer, RequestLogError, TokenizerOptions
+from kvindex.clients.workloads.request_log import LogTokenizer, RequestLogError, TokenizerOptions
 from tests.support import request_logs as samples
 from tests.support.request_logs import write_log
 
@@ -33,7 +33,7 @@ def system_blocks(tokenizer: Path, system: str, block_size: int = 16) -> int:
 
 
 def samples_request(system: str) -> Any:
-    from kvindex.clients.request_log import LoggedRequest  # noqa: PLC0415
+    from kvindex.clients.workloads.request_log import LoggedRequest  # noqa: PLC0415
 
     return LoggedRequest(1, "m", messages=[{"role": "system", "content": system}])
 

@@ -9,7 +9,7 @@ import pytest
 
 from kvindex.clients.fake_vllm.block_pool import BlockPool
 from kvindex.clients.fake_vllm.scheduler import STEP_BASE_S, STEP_PER_TOKEN_S, StepScheduler
-from kvindex.clients.workloads import ChatSessions, chat_system_prompts
+from kvindex.clients.workloads.chats import ChatSessions, chat_system_prompts
 from kvindex.indexer.domain.events import BlockRemoved, BlockStored, Event, EventBatch, StreamId
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.ingest.ingestor import Ingestor

@@ -25,7 +25,7 @@ from kvindex.clients.simulate.run import (
     policy_stats,
     single_cache_hit_rate,
 )
-from kvindex.clients.workloads import TraceRequest
+from kvindex.clients.workloads.trace import TraceRequest
 from kvindex.indexer.domain.events import BlockRemoved, BlockStored, Event
 
 

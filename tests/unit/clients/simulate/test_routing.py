@@ -20,7 +20,7 @@ from kvindex.clients.simulate.routing import (
     SimClock,
     parse_policy,
 )
-from kvindex.clients.workloads import TraceRequest
+from kvindex.clients.workloads.trace import TraceRequest
 from kvindex.indexer.domain.events import BlockStored, Event, StreamId, Tier
 from kvindex.indexer.domain.keys import block_keys
 

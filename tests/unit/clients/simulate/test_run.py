@@ -23,7 +23,8 @@ from kvindex.clients.simulate.run import (
     report_table,
     run_simulation,
 )
-from kvindex.clients.workloads import WORKLOADS, GeneratorSettings, read_trace
+from kvindex.clients.workloads.generators import WORKLOADS, GeneratorSettings
+from kvindex.clients.workloads.trace import read_trace
 
 SMALL = FleetSettings(replicas=4, capacity_blocks=1024)
 

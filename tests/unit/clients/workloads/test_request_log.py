@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvindex.clients.request_log import (
+from kvindex.clients.workloads.request_log import (
     DEFAULT_MODEL,
     LoggedRequest,
     LogProblem,

@@ -1,20 +1,5 @@
-"""A log of OpenAI API request bodies, read line by line and tokenized as the engine would.
-
-One JSON object a line (plain or ``.gz``), as the API receives it: a chat request
-(``messages``) or a completions request (``prompt``: a string or a list of token ids), with
-``model``; optionally a timestamp (:data:`TIMESTAMP_FIELDS`: seconds or milliseconds since
-the epoch, or an ISO-8601 string), ``max_tokens`` / ``max_completion_tokens`` and ``user``.
-A line may also wrap the body as ``{"body": {...}}`` (a gateway's or a batch file's
-layout), its timestamp beside ``body`` or inside it. Empty lines are skipped; a line that
-is not such an object is reported (:class:`LogProblem`, with its line number) and skipped:
-reading never stops on one bad line.
-
-Tokenization (:class:`LogTokenizer`) goes through the scoring API's tokenizer layer
-(:mod:`kvindex.api.tokenize`): a ``tokenizer.json`` with the model's chat template (or
-``--chat-template FILE``; with neither, :data:`DEFAULT_CHAT_TEMPLATE`), or a replica's
-``POST /tokenize`` (one :class:`~kvindex.api.tokenize.replica.ReplicaTokenizer` per
-model). A request it cannot tokenize is reported like a bad line.
-"""
+"""A log of OpenAI API request bodies (JSONL, plain or gzip), read line by line and tokenized
+as the engine would (:class:`LogTokenizer`); bad lines are reported (:class:`LogProblem`)."""
 
 from __future__ import annotations
 
@@ -50,11 +35,7 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% endfor %}"
     "<|assistant|>{{ '\\n' }}"  # Jinja drops a template's final newline: written as an expression
 )
-"""How messages are rendered when the tokenizer has no chat template and none is given:
-each message as ``<|role|>``, a newline, its text and a newline, then ``<|assistant|>``
-and a newline (the generation prompt). Text content parts are joined with newlines; other
-parts (images, audio) are left out. Real templates differ in their markers, not in what
-is shared between requests, so the analysis holds with this one too."""
+"""Without a chat template: ``<|role|>``, newline, text, newline per message; ``<|assistant|>``."""
 TOKENIZE_CONCURRENCY = 16
 """Requests tokenized at once (a replica's ``/tokenize`` answers several in parallel)."""
 
@@ -77,8 +58,7 @@ class LoggedRequest:
     user: str | None = None
 
     def conversation(self) -> str:
-        """What identifies the conversation: ``user`` if given, else a digest of the chat's
-        first two messages (a chat's later turns repeat them), else of the line."""
+        """``user`` if given, else a digest of the chat's first two messages, else of the line."""
         if self.user:
             return f"user:{self.user}"
         if self.messages:
@@ -138,9 +118,7 @@ def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
 
 
 def read_request_log(path: Path, problems: Problems) -> Iterator[LoggedRequest]:
-    """The requests of the log at ``path`` (plain or gzip, told by its first bytes), in
-    order; bad lines go to ``problems``. Raises :class:`RequestLogError` only when the file
-    itself cannot be read."""
+    """The requests of the log at ``path``, in order; bad lines go to ``problems``."""
     if not path.is_file():
         raise RequestLogError(f"{path}: no such file")
     for lineno, line in _lines(path):
@@ -257,11 +235,7 @@ class TokenizerOptions:
 
 
 class LogTokenizer:
-    """Token ids of logged requests, and text of token ids (for examples), by one source.
-
-    Use as an async context manager: it closes the HTTP client of a replica source, unless
-    ``client`` was given (then the caller owns it).
-    """
+    """Token ids of logged requests and text of token ids, by one source; a context manager."""
 
     def __init__(self, options: TokenizerOptions, client: httpx.AsyncClient | None = None) -> None:
         self.options = options
@@ -281,8 +255,7 @@ class LogTokenizer:
 
     @property
     def local(self) -> LocalTokenizer | None:
-        """The in-process tokenizer (``--tokenizer``, its chat template always set); None
-        with ``--tokenizer-url``."""
+        """The in-process tokenizer; None with ``--tokenizer-url``."""
         return self._local
 
     def _tokenizer(self, model: str) -> Tokenizer:
@@ -308,8 +281,7 @@ class LogTokenizer:
         return await tokenizer.encode_prompt(request.prompt)
 
     async def decode(self, model: str, token_ids: list[int]) -> str:
-        """Text of ``token_ids``: the local tokenizer's decoding, or the replica's
-        ``POST /detokenize``; the ids themselves when neither can say."""
+        """Text of ``token_ids`` (the ids themselves when the source cannot say)."""
         if self._local is not None:
             return self._local.tokenizer.decode(token_ids, skip_special_tokens=False)
         assert self.options.url is not None
@@ -337,8 +309,7 @@ def _local_tokenizer(path: Path, chat_template_path: Path | None) -> LocalTokeni
 async def tokenized(
     requests: Iterator[LoggedRequest], tokenizer: LogTokenizer, problems: Problems
 ) -> AsyncGenerator[TokenizedRequest]:
-    """``requests`` with their token ids, in order, up to :data:`TOKENIZE_CONCURRENCY` at
-    once; a request that cannot be tokenized (or has no tokens) goes to ``problems``."""
+    """``requests`` with their token ids, in order; the ones that cannot be go to ``problems``."""
     batch: list[LoggedRequest] = []
     for request in requests:
         batch.append(request)
@@ -362,9 +333,7 @@ def accepted_requests(
     answers: Sequence[list[int] | BaseException],
     problems: Problems,
 ) -> list[TokenizedRequest]:
-    """The requests of ``batch`` whose answer (same order) is a non-empty list of token
-    ids; a :class:`TokenizerError` or an empty prompt is a problem of its line, any other
-    exception is raised."""
+    """The requests of ``batch`` whose answer is a non-empty list of token ids."""
     out: list[TokenizedRequest] = []
     for request, answer in zip(batch, answers, strict=True):
         if isinstance(answer, TokenizerError):
@@ -385,8 +354,7 @@ async def read_tokenized_log(
     limit: int | None = None,
     client: httpx.AsyncClient | None = None,
 ) -> tuple[list[TokenizedRequest], Problems]:
-    """Every request of the log with its token ids (at most ``limit``), and the problems
-    met; for ``kvindex simulate``, which replays them all (``analyze`` streams instead)."""
+    """Every request of the log with its token ids (at most ``limit``), and the problems met."""
     problems = Problems()
     out: list[TokenizedRequest] = []
     async with LogTokenizer(options, client) as tokenizer:

@@ -1,0 +1,1 @@
+"""The requests a router sees: traces, request logs, generated workloads, closed-loop chats."""
