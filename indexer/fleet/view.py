@@ -53,24 +53,12 @@ from kvindex.indexer.index.circuit import StoreCircuit
 from kvindex.indexer.index.protocol import IndexUnavailableError
 from kvindex.indexer.index.redis import unavailable_on_connection_errors
 from kvindex.indexer.redis.connection import RedisClient
+from kvindex.indexer.redis.lua import lua_script
 from kvindex.indexer.redis.schema import FLEET_MARKER, UNROUTED_FIELD, Schema, check_name
 
 T = TypeVar("T")
 log = logging.getLogger("kvindex.fleet")
 
-_REMOVE_LUA = """
-local spec = redis.call('HGET', KEYS[1], ARGV[1])
-if not spec then return false end
-redis.call('HDEL', KEYS[1], ARGV[1])
-local prefix = ARGV[1] .. '/'
-for _, f in ipairs(redis.call('HKEYS', KEYS[2])) do
-  if string.sub(f, 1, #prefix) == prefix then redis.call('HDEL', KEYS[2], f) end
-end
-redis.call('HDEL', KEYS[3], ARGV[1])
-return spec
-"""
-"""Drop a replica's spec, its streams' statuses and its health record atomically; returns
-the spec or nil."""
 _HEALTH_DECODER = msgspec.json.Decoder(ReplicaHealth)
 _HEALTH_ENCODER = msgspec.json.Encoder()
 _HEALTH_ATTEMPTS = 5
@@ -123,7 +111,7 @@ class RedisFleetView:
         """A status not rewritten for this long means no indexer keeps it: stale."""
         self._cache_ttl_s = cache_ttl_s
         self._clock = clock
-        self._remove = client.register_script(_REMOVE_LUA)
+        self._remove = client.register_script(lua_script(__name__, "remove_replica.lua"))
         self._lock = threading.Lock()
         self._fleet = _Fleet()
         self._generation = 0
