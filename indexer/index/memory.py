@@ -1,56 +1,9 @@
-"""The in-process :class:`~kvindex.indexer.index.protocol.BlockIndex`: the embedded default.
+"""The in-process :class:`~kvindex.indexer.index.protocol.BlockIndex`, the embedded default.
 
-One lock over the index's tables; the same semantics as the Redis backend, proven by the
-shared contract suite. The tables are compiled (``kvindex.indexer.native``: open-addressing
-arrays of 64-bit keys and values, about 16 bytes a slot where a dict of ints costs 100+)
-when the extension is built, else :class:`PyTables` (plain dicts), the reference the tests
-hold the compiled tables to. :class:`MemoryIndex` keeps what is per stream and small (its
-number, watermark, last timestamp); the tables keep the blocks, by stream number.
-
-What a lookup costs: the prompt's blocks up to the longest match (over every stream), plus
-each holder's own answer, never the streams that hold nothing. Besides each stream's own
-maps, the tables keep one map block key → its holders, every stream having a small number of
-its own: a block held by one stream maps to that number (nothing allocated for the common
-private block), one held by several to a bitmap of their numbers. ``Tables.matched`` walks
-the prompt once, ANDing the holders of each block into the set still matching (a compare,
-no new int, where a block's holders are those of the block before), and stops when it is
-empty; a stream that leaves the set at block ``i`` matched ``i`` blocks. Once a single
-stream is left, the walk goes on in that stream's own map (small, so in cache; the
-fleet-wide map misses the cache at a million blocks). So 1,024 replicas of which 256 share a
-64-block system prompt cost 64 bitmap compares and 256 answers, not 1,024 walks of up to 65
-reads each. :meth:`MemoryIndex.holders` answers those alone: per set of streams leaving at
-one block, one shared match and the list of their indices among the streams asked
-(``Tables.split_holders``: one C pass over the bitmap's bytes), so a lookup of 1,024 streams
-makes nothing for the 768 that hold nothing. :meth:`MemoryIndex.longest_prefix` adds them
-as a copy of a prepared no-match answer (C, no stream hashed). Both keep the numbers' bitmap
-and each number's index while the streams asked (the same tuple, or equal) and the
-numbering stay the same.
-
-The map is kept in step with the streams' own maps: a block joins it when a stream's
-counts for it go from nothing to something and leaves when they go back (a removal, a
-clear, a drop: the cost of that stream's own blocks). Numbers freed by a drop are reused,
-so bitmaps stay as wide as the fleet, not as its history.
-
-Locking: one lock (:class:`IndexLock`) over the tables, taken by every call. The compiled
-ingest (``Tables.ingest``) runs without the GIL while it holds it, so while one thread
-applies, others run Python (decoding the next frames, answering HTTP) until they need the
-index. Its pure part runs before, without the lock (``KeyCache.translate``: the keys of
-each block whose parent is in the stream's own key cache, chained while another ingest
-worker applies): about a quarter of the compiled ingest on batches of chained stores, next
-to nothing where parents are found in the index (prefix hits with the memory store's
-default key cache of 0), as the translation stops at the first such parent. A write holds
-the lock for at most :data:`HOLD_BLOCKS` blocks at a time (whole batches: each stays
-atomic) and then lets a thread waiting for it in first: a backlog of thousands of messages
-used to keep the API's lookup waiting for the whole drain (``threading.Lock`` is unfair: a
-thread that releases and takes it again at once nearly always wins), about 250 ms; now it
-waits for one piece (README, Performance). The compiled path releases the lock between two
-pieces anyway, to translate the next one.
-
-In :class:`PyTables` a block's counts are one int, ``gpu + cpu * 2**32 + other * 2**64``
-(Python ints do not overflow), not a list: a GPU-only block's counts are then a cached small
-int, nothing is allocated per store, and the dicts hold only ints, which the garbage
-collector does not track. The compiled tables pack them in 21 bits a tier (a count
-saturates at 2**21 - 1 stores of one block without a removal, which no engine makes).
+The blocks live in the compiled ``native.Tables``: per stream, its blocks by key and by
+engine hash; fleet-wide, each block key's holders (one stream number, or a bitmap of them),
+so a lookup walks the prompt once and costs the holders alone. One :class:`IndexLock` over
+the tables; a write hands it to a waiting reader every :data:`HOLD_BLOCKS` blocks.
 """
 
 from __future__ import annotations
@@ -58,8 +11,8 @@ from __future__ import annotations
 import heapq
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from kvindex.indexer import native
@@ -71,20 +24,10 @@ from kvindex.indexer.index.protocol import (
     BatchOps,
     HeldRuns,
     Op,
-    OpKind,
     PrefixMatch,
     StreamStats,
     applied,
 )
-
-_set_bits: Callable[[int], list[int]] | None = None
-"""The compiled :func:`_numbers` (None: not built, the Python one serves)."""
-try:
-    from kvindex.indexer.native import _lookup
-except ImportError:
-    pass
-else:
-    _set_bits = _lookup.set_bits
 
 if TYPE_CHECKING:
     from kvindex.indexer.ingest.ingestor import KeyCache, NativeCounts
@@ -93,27 +36,17 @@ if TYPE_CHECKING:
 
 HOLD_BLOCKS = 2048
 """Blocks (ops) a write applies per hold of the index lock before it lets a waiting thread
-in: about 1-3 ms of the compiled ingest on this machine (whole batches: a larger one is
-applied in one hold)."""
+in (whole batches: a larger one is applied in one hold)."""
 _HAND_OVER_S = 0.005
 """Longest a writer waits, lock released, for the thread that waits for it to take it."""
 
-_NUM_TIERS = len(Tier)
-_LANE_BITS = 32
-_LANE = (1 << _LANE_BITS) - 1
-_UNIT = tuple(1 << (_LANE_BITS * t) for t in range(_NUM_TIERS))
-"""What one more block on a tier adds to a block's packed counts."""
-_SHIFT = tuple(_LANE_BITS * t for t in range(_NUM_TIERS))
-_STORE, _STORE_BY_HASH, _REMOVE = int(OpKind.STORE), int(OpKind.STORE_BY_HASH), int(OpKind.REMOVE)
 _TIERS = tuple(Tier)
-_CPU, _OTHER = int(Tier.CPU), int(Tier.OTHER)
 _ON_GPU = (Tier.GPU,)
 
 
 class Tables(Protocol):
     """The blocks of every stream of one index, by stream number, and the block → holders
-    map. Not thread-safe (the index locks). Implemented by :class:`PyTables` and by the
-    compiled ``kvindex.indexer.native.Tables``; the tests hold them to the same answers."""
+    map; not thread-safe (the index locks). The compiled ``native.Tables`` in production."""
 
     def reset(self, number: int) -> None:
         """Forget every block of stream ``number`` (and its place among their holders)."""
@@ -140,105 +73,6 @@ class Tables(Protocol):
         """``(index_of[number] of each stream number of bitmap holding blocks on GPU only,
         the numbers of the others)``, both ascending by number."""
         ...
-
-
-@dataclass(slots=True)
-class _Blocks:
-    """One stream's blocks in :class:`PyTables`."""
-
-    number: int
-    """Its bit in the holder bitmaps (unique among the index's live streams)."""
-    holders: dict[int, int]
-    """The tables' block key → holders map (shared by every stream)."""
-    key_to_counts: dict[int, int] = field(default_factory=dict)
-    hash_to_key: dict[int, int] = field(default_factory=dict)
-    blocks_by_tier: list[int] = field(default_factory=lambda: [0] * _NUM_TIERS)
-
-    def reset(self) -> None:
-        """Forget every block (in place: the hot loop holds references to these)."""
-        holders, number = self.holders, self.number
-        for key in self.key_to_counts:
-            _release(holders, key, number)
-        self.key_to_counts.clear()
-        self.hash_to_key.clear()
-        self.blocks_by_tier[:] = [0] * _NUM_TIERS
-
-
-class PyTables:
-    """:class:`Tables` in plain dicts: the reference, and the fallback when the compiled
-    extension is not built. ``holders`` maps a block key to ``~number`` of its one holder
-    (a negative int: nothing allocated for the common private block) or the bitmap of its
-    holders' numbers."""
-
-    def __init__(self) -> None:
-        self.holders: dict[int, int] = {}
-        self._blocks: list[_Blocks] = []
-
-    def _of(self, number: int) -> _Blocks:
-        while number >= len(self._blocks):
-            self._blocks.append(_Blocks(len(self._blocks), self.holders))
-        return self._blocks[number]
-
-    def reset(self, number: int) -> None:
-        self._of(number).reset()
-
-    def apply(self, number: int, ops: Sequence[Op]) -> tuple[int, int]:
-        return _apply_ops(self._of(number), ops)
-
-    def resolve(self, number: int, engine_hashes: Sequence[int]) -> list[int | None]:
-        get = self._of(number).hash_to_key.get
-        return [get(h) for h in engine_hashes]
-
-    def blocks_by_tier(self, number: int) -> list[int]:
-        return list(self._of(number).blocks_by_tier)
-
-    def matched(self, keys: list[int]) -> list[tuple[int, int]]:
-        return list(_matched(self.holders, keys, self._blocks))
-
-    def best_tiers(self, number: int, keys: list[int], num_blocks: int) -> list[int]:
-        counts_of = self._of(number).key_to_counts
-        return [_best_tier(counts_of[key]) for key in keys[:num_blocks]]
-
-    def split_holders(self, bitmap: int, index_of: list[int]) -> tuple[list[int], list[int]]:
-        indices, mixed = [], []
-        for number in _numbers(bitmap):
-            _, on_cpu, on_other = self._of(number).blocks_by_tier
-            if on_cpu or on_other:
-                mixed.append(number)
-            else:
-                indices.append(index_of[number])
-        return indices, mixed
-
-
-def new_tables(*, compiled: bool = True) -> Tables:
-    """The compiled tables when asked for and built, else :class:`PyTables`."""
-    if compiled and native.Tables is not None:
-        return native.Tables()
-    return PyTables()
-
-
-def _joined(holders: int, number: int) -> int:
-    """The holders of a block once stream ``number`` (not yet one of them) holds it too."""
-    if holders < 0:
-        return (1 << ~holders) | (1 << number)
-    return holders | (1 << number)
-
-
-def _release(holders: dict[int, int], key: int, number: int) -> None:
-    """Stream ``number`` no longer holds ``key``: drop its bit (a lone holder: the entry)."""
-    if (held := holders.pop(key)) >= 0:
-        _put_back(holders, key, held, number)
-
-
-def _put_back(holders: dict[int, int], key: int, bitmap: int, number: int) -> None:
-    """Put back ``key``'s entry (just popped: the bitmap of several holders) without stream
-    ``number``; one holder left takes its compact form."""
-    bitmap &= ~(1 << number)
-    holders[key] = bitmap if bitmap & (bitmap - 1) else ~(bitmap.bit_length() - 1)
-
-
-def _bitmap(held: int) -> int:
-    return (1 << ~held) if held < 0 else held
 
 
 class IndexLock:
@@ -309,21 +143,24 @@ class _Asked:
 class MemoryIndex:
     """In-process block index. Thread-safe; every call holds one lock briefly.
 
-    ``compiled=False`` keeps the blocks in :class:`PyTables` even when the extension is
-    built (the tests run the contract suite on both); :attr:`compiled` says which serve.
+    ``tables``: where the blocks live (default: the compiled ``native.Tables``; the tests
+    pass their Python oracle); :attr:`compiled` says whether the compiled ones serve.
     """
 
-    def __init__(self, *, compiled: bool = True) -> None:
-        self._tables = new_tables(compiled=compiled)
-        self.compiled = not isinstance(self._tables, PyTables)
+    def __init__(self, *, tables: Tables | None = None) -> None:
+        if tables is None:
+            if native.Tables is None:
+                raise ImportError("kvindex.indexer.native is not built: install the package")
+            tables = native.Tables()
+        self._tables = tables
+        self.compiled = native.Tables is not None and type(tables) is native.Tables
         self.native_ingest = (
             self.compiled
             and native.NativeBatch is not None
             and type(self).apply_many is MemoryIndex.apply_many
         )
-        """Whether :meth:`apply_native` serves (the compiled tables and ingest path). Not
-        for a subclass that overrides :meth:`apply_many` (to wrap or fail writes): every
-        write then still goes through it."""
+        """Whether :meth:`apply_native` serves (not for a subclass that overrides
+        :meth:`apply_many` to wrap or fail writes)."""
         self._streams: dict[StreamId, _Stream] = {}
         self._state_of: list[_Stream | None] = []
         """Stream number → the stream's state (None: free, listed in ``_free``)."""
@@ -533,124 +370,3 @@ def _add_counts(totals: list[int], counts: tuple[int, ...]) -> None:
         totals[i] += counts[i]
     if counts[9] >= 0:
         totals[9] = counts[9]
-
-
-def _apply_ops(state: _Blocks, ops: Sequence[Op]) -> tuple[int, int]:
-    """The hot loop (inlined on purpose): returns (unknown removals, unresolved stores)."""
-    hash_to_key = state.hash_to_key
-    key_to_counts = state.key_to_counts
-    get_counts = key_to_counts.get
-    by_tier = state.blocks_by_tier
-    holders = state.holders
-    join = holders.setdefault
-    number, alone = state.number, ~state.number
-    unknown = unresolved = 0
-    for kind, tier, engine_hash, op_key in ops:
-        if kind == _REMOVE:
-            if not _remove(state, engine_hash, tier):
-                unknown += 1
-            continue
-        if kind == _STORE:
-            key = hash_to_key[engine_hash] = op_key
-        elif kind == _STORE_BY_HASH:
-            found = hash_to_key.get(engine_hash)
-            if found is None:
-                unresolved += 1
-                continue
-            key = found
-        else:
-            state.reset()
-            continue
-        counts = get_counts(key, 0)
-        # New to the stream: it joins the block's holders (one C call for a block no other
-        # stream holds: it cannot map to ``alone`` already, this stream did not hold it).
-        if not counts and (held := join(key, alone)) != alone:
-            holders[key] = _joined(held, number)
-        if not (counts >> _SHIFT[tier]) & _LANE:
-            by_tier[tier] += 1
-        key_to_counts[key] = counts + _UNIT[tier]
-    return unknown, unresolved
-
-
-def _remove(state: _Blocks, engine_hash: int, tier: int) -> bool:
-    """Count a block once less on a tier; False (nothing changes) if it is not held there."""
-    key = state.hash_to_key.get(engine_hash)
-    counts = 0 if key is None else state.key_to_counts.get(key, 0)
-    held = (counts >> _SHIFT[tier]) & _LANE
-    if not held:
-        return False
-    counts -= _UNIT[tier]
-    if held == 1:
-        state.blocks_by_tier[tier] -= 1
-        if not counts:
-            del state.key_to_counts[key]  # type: ignore[arg-type]
-            del state.hash_to_key[engine_hash]
-            if (others := state.holders.pop(key)) >= 0:  # type: ignore[arg-type]  # not alone
-                _put_back(state.holders, key, others, state.number)  # type: ignore[arg-type]
-            return True
-    state.key_to_counts[key] = counts  # type: ignore[index]
-    return True
-
-
-def _matched(
-    holders: dict[int, int], keys: Sequence[int], blocks: list[_Blocks]
-) -> Iterator[tuple[int, int]]:
-    """(bitmap of stream numbers, blocks they matched) for every stream holding ``keys[0]``:
-    the prompt is walked once, the set still matching narrowed block by block until empty.
-    Once one stream is left, the walk goes on in that stream's own (small, cached) dict
-    rather than in the map of every block of the fleet."""
-    if not keys or (first := holders.get(keys[0])) is None:
-        return
-    matching = _bitmap(first)
-    holders_of = holders.get
-    num_blocks = 1
-    while num_blocks < len(keys) and matching & (matching - 1):
-        held = holders_of(keys[num_blocks])
-        still = 0 if held is None else matching & ((1 << ~held) if held < 0 else held)
-        if still != matching:
-            yield matching ^ still, num_blocks
-            if not still:
-                return
-            matching = still
-        num_blocks += 1
-    if num_blocks < len(keys) and not matching & (matching - 1):
-        key_to_counts = blocks[matching.bit_length() - 1].key_to_counts
-        num_blocks = _held_from(key_to_counts, keys, num_blocks)
-    yield matching, num_blocks
-
-
-def _held_from(key_to_counts: dict[int, int], keys: Sequence[int], start: int) -> int:
-    """How many leading keys a stream holds, knowing it holds the first ``start``."""
-    for num_blocks in range(start, len(keys)):
-        if keys[num_blocks] not in key_to_counts:
-            return num_blocks
-    return len(keys)
-
-
-def _numbers(bitmap: int) -> Iterable[int]:
-    """The set bits of a bitmap, ascending: compiled when built (one pass over its bytes),
-    else :func:`_py_numbers`."""
-    if _set_bits is not None:
-        return _set_bits(bitmap)
-    return _py_numbers(bitmap)
-
-
-def _py_numbers(bitmap: int) -> Iterator[int]:
-    """:func:`_numbers` in Python (C string scans: a bit operation on a wide int would
-    allocate a new one per bit)."""
-    if not bitmap & (bitmap - 1):  # none or one
-        if bitmap:
-            yield bitmap.bit_length() - 1
-        return
-    bits = bin(bitmap)[:1:-1]  # bit i at index i
-    number = bits.find("1")
-    while number >= 0:
-        yield number
-        number = bits.find("1", number + 1)
-
-
-def _best_tier(counts: int) -> int:
-    for tier in range(_NUM_TIERS):
-        if (counts >> _SHIFT[tier]) & _LANE:
-            return tier
-    raise AssertionError("a held block has a non-zero count on some tier")

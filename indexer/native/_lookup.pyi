@@ -5,7 +5,6 @@ from collections.abc import Callable
 from kvindex.api.load.model import CountedLoad
 from kvindex.indexer.index.protocol import PrefixMatch
 
-def set_bits(bitmap: int) -> list[int]: ...
 def load_penalties(
     replicas: list[str],
     counted: dict[str, CountedLoad],

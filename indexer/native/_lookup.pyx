@@ -41,32 +41,8 @@ from libc.stdint cimport uint64_t
 from libc.stdlib cimport calloc, free, malloc, qsort
 
 
-cdef extern from *:
-    int __builtin_ctz(unsigned int x) nogil
-
-
 cdef extern from "string.h":
     void* memmem(const void* haystack, size_t size, const void* needle, size_t length) nogil
-
-
-def set_bits(object bitmap):
-    """The positions of the set bits of a non-negative int, ascending."""
-    cdef list out = []
-    if not bitmap:
-        return out
-    cdef Py_ssize_t width = (bitmap.bit_length() + 7) // 8
-    cdef bytes raw = bitmap.to_bytes(width, "little")
-    cdef const unsigned char* data = <const unsigned char*> PyBytes_AS_STRING(raw)
-    cdef Py_ssize_t i
-    cdef unsigned int byte, bit
-    for i in range(PyBytes_GET_SIZE(raw)):
-        byte = data[i]
-        while byte:
-            bit = __builtin_ctz(byte)
-            out.append(i * 8 + bit)
-            byte &= byte - 1
-    return out
-
 
 
 cdef extern from "Python.h":

@@ -2,7 +2,7 @@
 
 The install builds the extension (setup.py), so these tests require it, as ``test_core.py``
 does. Random inputs (hypothesis) judge agreement, bit for bit where floats are returned: the
-set bits of wide bitmaps, the load penalty of random fleets (missing loads, loads from the
+load penalty of random fleets (missing loads, loads from the
 future, requests in flight, a zero half-life, integer weights), and the best ``top_k`` of
 random scores with ties on every key, the random generator left in the same state, the
 k-th smallest of random scores, and each replica's best match and the contenders from random
@@ -25,7 +25,6 @@ from kvindex.api.decision import policies
 from kvindex.api.decision.policies import Weights, penalty_weights
 from kvindex.api.load.model import CountedLoad, InFlight, Load
 from kvindex.indexer.domain.events import Tier
-from kvindex.indexer.index import memory
 from kvindex.indexer.index.protocol import HeldRuns, PrefixMatch
 from kvindex.indexer.native import _lookup
 
@@ -35,16 +34,6 @@ NOW = 1_000_000.0
 def _bits(values: list[float]) -> list[bytes]:
     """Each float's IEEE bytes (so 0.0 and -0.0 differ, as equal floats may not)."""
     return [struct.pack("<d", float(v)) for v in values]
-
-
-@given(st.integers(0, 2**2100))
-def test_set_bits_equals_the_python_scan(bitmap: int) -> None:
-    assert _lookup.set_bits(bitmap) == list(memory._py_numbers(bitmap))
-
-
-def test_set_bits_of_nothing_and_of_one_bit() -> None:
-    assert _lookup.set_bits(0) == []
-    assert _lookup.set_bits(1 << 1023) == [1023]
 
 
 _LOAD = st.builds(
