@@ -23,6 +23,7 @@ setup(
             Extension(
                 "kvindex.indexer.native._json",
                 ["indexer/native/_json.pyx"],
+                include_dirs=["indexer/native"],
                 extra_compile_args=["-O3", "-ffp-contract=off"],
             ),
         ],

@@ -86,18 +86,7 @@ cdef extern from "Python.h":
     int _PyBytes_Resize(PyObject** string, Py_ssize_t size) except -1
 
 
-cdef extern from *:
-    """
-    #include <stdint.h>
-    #include <string.h>
-
-    static inline void kv_store_le32(unsigned char* out, uint32_t v) {
-    #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-        v = __builtin_bswap32(v);
-    #endif
-        memcpy(out, &v, 4);
-    }
-    """
+cdef extern from "kv_inline.h":
     void kv_store_le32(unsigned char* out, unsigned int v) noexcept nogil
 
 

@@ -64,6 +64,26 @@ def test_compiled_chain_agrees_with_python(parent: int, tokens: list[int], size:
     assert native.chain_tokens(parent, tuple(tokens), size) == expected
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 2**32 - 1) | st.integers(-5, -1) | st.just(2**32), max_size=50),
+    st.booleans(),
+)
+def test_pack_tokens_equal_the_python_packing(tokens: list[int], as_tuple: bool) -> None:
+    """The same bytes, or the same refusal (BlockKeyError), for a list or a tuple."""
+    given_ids: Sequence[int] = tuple(tokens) if as_tuple else tokens
+
+    def packed() -> bytes | str:
+        try:
+            return tokens_to_bytes(given_ids)
+        except BlockKeyError:
+            return "refused"
+
+    compiled = packed()
+    with patch.object(native, "pack_tokens", None):
+        assert packed() == compiled
+
+
 @pytest.mark.parametrize("bad", [[-1], [2**32], ["7"], [1.5]])
 def test_block_keys_rejects_bad_token_ids(bad: list[object]) -> None:
     with pytest.raises(BlockKeyError):
