@@ -37,8 +37,7 @@ if TYPE_CHECKING:
 HOLD_BLOCKS = 2048
 """Blocks (ops) a write applies per hold of the index lock before it lets a waiting thread
 in (whole batches: a larger one is applied in one hold)."""
-_HAND_OVER_S = 0.005
-"""Longest a writer waits, lock released, for the thread that waits for it to take it."""
+_HAND_OVER_S = 0.005  # longest a writer waits, lock released, for a waiter to take it
 
 _TIERS = tuple(Tier)
 _ON_GPU = (Tier.GPU,)
@@ -48,8 +47,7 @@ class Tables(Protocol):
     """The blocks of every stream of one index, by stream number, and the block → holders
     map; not thread-safe (the index locks). The compiled ``native.Tables`` in production."""
 
-    def reset(self, number: int) -> None:
-        """Forget every block of stream ``number`` (and its place among their holders)."""
+    def reset(self, number: int) -> None: ...
 
     def apply(self, number: int, ops: Sequence[Op]) -> tuple[int, int]:
         """Apply ops in order; returns (unknown removals, unresolved stores)."""
@@ -60,34 +58,28 @@ class Tables(Protocol):
     def blocks_by_tier(self, number: int) -> list[int]: ...
 
     def matched(self, keys: list[int]) -> list[tuple[int, int]]:
-        """(bitmap of stream numbers, blocks they matched) for every stream holding
-        ``keys[0]``."""
+        """(bitmap of stream numbers, blocks they matched) per stream holding ``keys[0]``."""
         ...
 
     def best_tiers(self, number: int, keys: list[int], num_blocks: int) -> list[int]:
-        """The best tier of each of the first ``num_blocks`` keys (stream ``number`` holds
-        them all)."""
+        """The best tier of each of the first ``num_blocks`` keys, all held by ``number``."""
         ...
 
     def split_holders(self, bitmap: int, index_of: list[int]) -> tuple[list[int], list[int]]:
-        """``(index_of[number] of each stream number of bitmap holding blocks on GPU only,
-        the numbers of the others)``, both ascending by number."""
+        """``index_of[number]`` of the streams of ``bitmap`` holding blocks on GPU only, and
+        the others' numbers, both ascending."""
         ...
 
 
 class IndexLock:
-    """A lock that a long holder can hand over: ``with lock:`` as with ``threading.Lock``,
-    and :meth:`hand_over` between two pieces of a long write lets a thread that waits for
-    the lock take it first. Its cost where nobody waits: one failed-or-not non-blocking
-    acquire more per ``with`` (the waiters are announced only by threads that find it
-    taken) and one list length per hand-over."""
+    """A ``threading.Lock`` that a long holder can hand over (:meth:`hand_over`) to a thread
+    waiting for it, between two pieces of a long write (``threading.Lock`` is unfair)."""
 
     __slots__ = ("_lock", "_waiting")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._waiting: list[None] = []
-        """One item per thread blocked on the lock (append and pop are atomic)."""
+        self._waiting: list[None] = []  # one item per blocked thread (append, pop: atomic)
 
     def __enter__(self) -> None:
         if not self._lock.acquire(False):
@@ -102,13 +94,11 @@ class IndexLock:
 
     @property
     def num_waiting(self) -> int:
-        """Threads blocked on the lock now."""
         return len(self._waiting)
 
     def hand_over(self) -> bool:
-        """Held by the caller: if a thread waits, release the lock until it has it (or
-        :data:`_HAND_OVER_S` passed), then take it back (after that thread's hold). True
-        if it was handed over: the holder must read the state it kept again."""
+        """If a thread waits, let it take the lock first, then take it back. True if handed
+        over: the holder must read the state it kept again."""
         if not self._waiting:
             return False
         self._lock.release()
@@ -122,8 +112,7 @@ class IndexLock:
 @dataclass(slots=True)
 class _Stream:
     stream: StreamId
-    number: int
-    """Its number in the tables (unique among the index's live streams)."""
+    number: int  # unique among the index's live streams
     watermark: int = -1
     last_ts: float | None = None
 
@@ -132,12 +121,9 @@ class _Stream:
 class _Asked:
     streams: tuple[StreamId, ...]
     numbering: int
-    no_matches: dict[StreamId, PrefixMatch]
-    """Never changed: each answer is a copy."""
-    wanted: int
-    """Bitmap of the numbers of the streams the index holds state for."""
-    index_of: list[int]
-    """Stream number → the index of its stream among those asked (-1: not asked, free)."""
+    no_matches: dict[StreamId, PrefixMatch]  # never changed: each answer is a copy
+    wanted: int  # bitmap of the asked streams' numbers
+    index_of: list[int]  # stream number → its index among those asked (-1: none)
 
 
 class MemoryIndex:
@@ -159,20 +145,16 @@ class MemoryIndex:
             and native.NativeBatch is not None
             and type(self).apply_many is MemoryIndex.apply_many
         )
-        """Whether :meth:`apply_native` serves (not for a subclass that overrides
-        :meth:`apply_many` to wrap or fail writes)."""
+        """Whether :meth:`apply_native` serves (not for a subclass overriding apply_many)."""
         self._streams: dict[StreamId, _Stream] = {}
-        self._state_of: list[_Stream | None] = []
-        """Stream number → the stream's state (None: free, listed in ``_free``)."""
+        self._state_of: list[_Stream | None] = []  # by stream number (None: free)
         self._free: list[int] = []
-        self._numbering = 0
-        """Changes whenever a stream gets or gives up its number."""
-        self._asked: _Asked | None = None
-        """The streams of the last lookup, their answer with no match and their numbers."""
+        self._numbering = 0  # changes whenever a stream gets or gives up its number
+        self._asked: _Asked | None = None  # the last lookup's streams, prepared
         self._lock = IndexLock()
 
     def _state(self, stream: StreamId) -> _Stream:
-        """The stream's state, created (with the lowest free number) on first use."""
+        """The stream's state, created with the lowest free number on first use."""
         state = self._streams.get(stream)
         if state is None:
             number = heapq.heappop(self._free) if self._free else len(self._state_of)
@@ -188,8 +170,7 @@ class MemoryIndex:
         return self.apply_many(stream, [(seq, ts, ops)])[0]
 
     def apply_many(self, stream: StreamId, batches: Sequence[BatchOps]) -> list[ApplyResult]:
-        """Each batch atomically, in order; the lock is handed over to a waiting thread
-        after every :data:`HOLD_BLOCKS` ops (between batches)."""
+        """Each batch atomically, in order; the lock handed over every :data:`HOLD_BLOCKS` ops."""
         results: list[ApplyResult] = []
         apply = self._tables.apply
         with self._lock:
@@ -213,16 +194,10 @@ class MemoryIndex:
     def apply_native(
         self, stream: StreamId, batches: list[NativeBatch], cache: KeyCache, root: int
     ) -> NativeCounts:
-        """Translate and apply live batches decoded for the compiled ingest path (only when
-        :attr:`native_ingest`): what ``Ingestor.apply_many`` and :meth:`apply_many` do for
-        the same events, in compiled code; returns its counts. In pieces of about
-        :data:`HOLD_BLOCKS` blocks, each in two phases, the GIL released in both: the
-        keys chained from the cache alone (``native.KeyCache.translate``) without the lock,
-        so another ingest worker applies meanwhile; then, under the lock, the rest
-        translated (from a store whose parent only the index may know) and all applied
-        (``native.Tables.ingest``). A clear or a drop of the stream between the two
-        changes nothing of the first: it reads and fills the stream's cache alone, which
-        only its worker's thread touches (see ``KeyCache.translate``)."""
+        """What ``Ingestor.apply_many`` does for these batches, compiled (only when
+        :attr:`native_ingest`); returns its counts. Per piece of about :data:`HOLD_BLOCKS`
+        blocks: keys chained from the cache alone without the lock (``KeyCache.translate``),
+        then the rest translated and applied under it (``Tables.ingest``)."""
         tables: native_core.Tables = self._tables  # type: ignore[assignment]
         own_cache: native_core.KeyCache = cache  # type: ignore[assignment]
         pieces = _pieces(batches) if len(batches) > 1 else [batches]
@@ -282,19 +257,14 @@ class MemoryIndex:
         return result
 
     def holders(self, keys: Sequence[int], streams: Sequence[StreamId]) -> HeldRuns:
-        """:meth:`longest_prefix`'s holders by index
-        (:class:`~kvindex.indexer.index.protocol.HolderLookup`): nothing made per stream
-        asked, so the cost follows the holders and the matched prefix alone."""
         asked = tuple(streams)  # the same tuple when given one: no copy
         keys = keys if type(keys) is list else list(keys)
         with self._lock:
             return self._held(keys, self._asked_for(asked))
 
     def _held(self, keys: list[int], asked: _Asked) -> HeldRuns:
-        """The asked streams holding ``keys[0]``, by index, in runs of one match: per set
-        of streams leaving the match at one block, one shared answer for those on GPU only
-        (their indices collected in compiled code when built), the tiers read for the
-        others."""
+        """Runs of one match: a shared answer for the streams on GPU only that leave at one
+        block, the tiers read for the others."""
         runs: HeldRuns = []
         tables, index_of, wanted = self._tables, asked.index_of, asked.wanted
         for leavers, num_blocks in tables.matched(keys):
@@ -309,10 +279,8 @@ class MemoryIndex:
         return runs
 
     def _asked_for(self, streams: tuple[StreamId, ...]) -> _Asked:
-        """``NO_MATCH`` for each stream (to be copied), the bitmap of their numbers and
-        each number's index among them: the last call's when the streams and the numbering
-        are the same (the API asks for the same tuple each time: the same object, or
-        compared by identity of its items, no stream hashed)."""
+        """The prepared lookup of ``streams``: the last call's while the streams and the
+        numbering are the same (the API asks for the same tuple each time)."""
         last = self._asked
         if (
             last is not None
@@ -349,8 +317,7 @@ class MemoryIndex:
 
 
 def _pieces(batches: list[NativeBatch]) -> list[list[NativeBatch]]:
-    """Consecutive runs of ``batches`` of about :data:`HOLD_BLOCKS` blocks each (a batch
-    larger than that is a run of its own)."""
+    """Consecutive runs of ``batches`` of about :data:`HOLD_BLOCKS` blocks each."""
     pieces: list[list[NativeBatch]] = []
     start = num_blocks = 0
     for i, batch in enumerate(batches):
@@ -364,8 +331,7 @@ def _pieces(batches: list[NativeBatch]) -> list[list[NativeBatch]]:
 
 
 def _add_counts(totals: list[int], counts: tuple[int, ...]) -> None:
-    """Add one piece's :data:`~kvindex.indexer.ingest.ingestor.NativeCounts` to ``totals``: sums,
-    but the last store's block size is the latest one seen (-1: none)."""
+    """Add one piece's ``NativeCounts``: sums, but the last store's block size is the latest."""
     for i in range(9):
         totals[i] += counts[i]
     if counts[9] >= 0:
