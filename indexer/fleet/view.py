@@ -1,19 +1,10 @@
 """The fleet as an API process sees it: a :class:`RegistryView` over the Redis hashes an
-indexer's :class:`~kvindex.indexer.fleet.sync.FleetSync` writes (names in ``redis_schema``).
+indexer's :class:`~kvindex.indexer.fleet.sync.FleetSync` writes.
 
-Reads come from one snapshot (both hashes, one round trip) cached for ``cache_ttl_s``, so
-``/score`` does not ask Redis for the fleet on every request. When Redis cannot be read, or
-its fleet hash lost the indexer's marker (Redis restarted empty, flushed: the indexer
-republishes it within its sync period), the last snapshot keeps serving and
-:meth:`RedisFleetView.outage` says why until a good read; a transition is logged once.
-With a :class:`~kvindex.indexer.index.circuit.StoreCircuit` (shared with the process's other
-stores), reads skip Redis while it is open and never probe it: reads run on the API's
-event loop, so they must not be the ones that wait on a store that may still be down.
-``add``/``remove`` write through (raising :class:`IndexUnavailableError` when Redis is
-down) and drop the cache, so this view sees its own writes at once. Replica health records
-(one hash, written by API and proxy processes, read with the rest of the snapshot) change
-through :meth:`RedisFleetView.update_health`, an optimistic transaction (WATCH/MULTI) so
-that two processes judging one replica never lose each other's change.
+Reads come from one snapshot cached for ``cache_ttl_s``; when Redis cannot be read or lost
+the fleet, the last snapshot serves and :meth:`RedisFleetView.outage` says why. Reads never
+probe an open circuit; writes go through and drop the cache. Health records change in an
+optimistic transaction, so two processes never lose each other's change.
 """
 
 from __future__ import annotations
@@ -61,23 +52,17 @@ log = logging.getLogger("kvindex.fleet")
 
 _HEALTH_DECODER = msgspec.json.Decoder(ReplicaHealth)
 _HEALTH_ENCODER = msgspec.json.Encoder()
-_HEALTH_ATTEMPTS = 5
-"""Tries of one health update that another process's write keeps invalidating."""
+_HEALTH_ATTEMPTS = 5  # tries of a health update other processes' writes keep invalidating
 
 
 @dataclass(frozen=True, slots=True)
 class _Fleet:
     specs: dict[str, ReplicaSpec] = field(default_factory=dict)
-    statuses: list[StreamStatus] = field(default_factory=list)
-    """Statuses of the streams of ``specs`` only, sorted by stream."""
-    marked: bool = False
-    """The replicas hash held the indexer's marker (absent after a good read: Redis lost it)."""
+    statuses: list[StreamStatus] = field(default_factory=list)  # of ``specs``, sorted
+    marked: bool = False  # the indexer's marker was there (absent: Redis lost the fleet)
     unrouted: UnroutedCounters = field(default_factory=UnroutedCounters)
-    """The indexer's counters of bound-SUB frames that reached no stream."""
     health: dict[str, ReplicaHealth] = field(default_factory=dict)
-    """Health records of the replicas of ``specs`` (absent: never judged)."""
-    now: float = 0.0
-    """When it was read (the statuses' silences are as of then)."""
+    now: float = 0.0  # when it was read
 
 
 def _same_streams(a: _Fleet, b: _Fleet) -> bool:
