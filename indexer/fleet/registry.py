@@ -60,8 +60,7 @@ HealthUpdate = tuple[ReplicaHealth, ReplicaHealth]  # a record before and after 
 
 
 class Registry:
-    """Thread-safe map of replica id → spec, plus one health record per stream and one
-    :class:`~kvindex.indexer.fleet.replica_health.ReplicaHealth` per replica."""
+    """Thread-safe: replica id → spec, a health record per stream and one per replica."""
 
     def __init__(
         self,
@@ -154,14 +153,12 @@ class Registry:
         return out
 
     def claim_health_checks(self, replicas: Sequence[str], hold_s: float) -> set[str]:
-        """Every one: a process alone on its registry checks every replica."""
         return set(replicas)
 
     # --- stream health (written by the pipeline) -----------------------------------------
 
     def record(self, stream: StreamId, report: StreamReport) -> None:
-        """Fold a report into the stream's record (creating it); reports of one stream come
-        from one thread, in order, and are not kept."""
+        """Fold a report into the stream's record; one stream's come from one thread, in order."""
         now = self._clock()
         with self._lock:
             health = self._health.get(stream)
@@ -232,7 +229,6 @@ class Registry:
         )
 
     def records(self) -> dict[StreamId, StreamHealth]:
-        """A copy of every stream's record."""
         with self._lock:
             return {s: replace(health) for s, health in self._health.items()}
 
@@ -263,8 +259,8 @@ class Registry:
 
 
 def freshness_of(health: StreamHealth, silent_s: float | None, stale_after_s: float) -> Freshness:
-    """Replaying while a replay is open; else stale when silent past ``stale_after_s``,
-    disconnected, or neither connected nor ever heard from; else live."""
+    """Replaying during a replay; else stale if silent past ``stale_after_s``, disconnected,
+    or never connected nor heard from; else live."""
     if health.replaying:
         return Freshness.REPLAYING
     if silent_s is not None and silent_s > stale_after_s:
@@ -310,8 +306,6 @@ def most_common(sizes: list[int]) -> int | None:
 
 @dataclass(frozen=True, slots=True)
 class FleetTotals:
-    """The fleet added up (:func:`fleet_totals`)."""
-
     num_replicas: int
     num_streams: int
     num_streams_by_freshness: dict[Freshness, int]

@@ -1,8 +1,5 @@
-"""One vLLM replica as kvindex knows it: its id, model and endpoints (:class:`ReplicaSpec`).
-
-Every way a spec comes in (settings, ``POST /replicas``, Redis, a bound SUB's topic)
-validates the same: a bad value raises ``SettingsError`` naming the replica and the value.
-"""
+"""One vLLM replica as kvindex knows it (:class:`ReplicaSpec`); every way a spec comes in
+validates the same, a bad value raising ``SettingsError`` that names it."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """One replica's serving health: the record every process reads, and the rules that change it.
 
-Two verdicts in one :class:`ReplicaHealth`: active checks eject a replica after
-``unhealthy_threshold`` failures and restore it after ``healthy_threshold`` passes; a
-circuit breaker fed by forwarding outcomes opens after ``breaker_failures`` for
-``breaker_cooldown_s``, then half-opens. Records are values; every change is a pure function.
+Two verdicts in one :class:`ReplicaHealth`, active checks and a circuit breaker fed by
+forwarding outcomes; records are values, every change a pure function.
 """
 
 from __future__ import annotations

@@ -100,9 +100,7 @@ class RedisFleetView:
         self._lock = threading.Lock()
         self._fleet = _Fleet()
         self._generation = 0
-        """Bumped whenever ``_fleet``'s specs or streams change (:meth:`streams_version`)."""
         self._down: tuple[_Fleet, list[StreamId]] | None = None
-        """The snapshot :meth:`disconnected` last answered for, and its answer."""
         self._expires = float("-inf")
         self._outage: str | None = None
         self.num_errors = 0
@@ -110,7 +108,6 @@ class RedisFleetView:
     # --- writes --------------------------------------------------------------------------
 
     def add(self, spec: ReplicaSpec) -> bool:
-        """Register or update a replica; False if an identical spec was already there."""
         if not self._guarded(self._write_spec, spec):
             return False
         self._invalidate()
@@ -125,7 +122,6 @@ class RedisFleetView:
         return True
 
     def remove(self, replica: str) -> ReplicaSpec | None:
-        """Forget a replica and its streams' statuses (one script); returns the removed spec."""
         check_name("replica id", replica)
         keys = [self._schema.replicas, self._schema.stream_status, self._schema.replica_health]
         raw = self._guarded(self._remove_spec, keys, replica)
@@ -169,9 +165,6 @@ class RedisFleetView:
         return [s.stream for s in self._current().statuses]
 
     def streams_version(self) -> int:
-        """Changes when a snapshot read or changed has other specs or streams than the one
-        before (a refresh that reads the same fleet keeps it: the API keeps what it made of
-        them meanwhile)."""
         self._current()
         return self._generation
 
@@ -187,7 +180,6 @@ class RedisFleetView:
         ]
 
     def disconnected(self) -> list[StreamId]:
-        """Made once per snapshot (the API asks per request)."""
         fleet = self._current()
         down = self._down
         if down is None or down[0] is not fleet:
@@ -201,8 +193,6 @@ class RedisFleetView:
         return dict(self._current().health)
 
     def update_health(self, changes: dict[str, HealthChange]) -> dict[str, HealthUpdate]:
-        """Apply the changes in one transaction (retried when another process wrote the
-        hash meanwhile); changes of replicas not in the fleet are dropped."""
         if not changes:
             return {}
         out = self._guarded(self._update_health, changes)
@@ -248,16 +238,13 @@ class RedisFleetView:
         return {r for r, ok in zip(replicas, won, strict=True) if ok}
 
     def unrouted(self) -> UnroutedCounters:
-        """The counters the indexer last published (zeros before it has)."""
         return self._current().unrouted
 
     def outage(self) -> str | None:
-        """Why the fleet shown is the last one read, not the current one (None: current)."""
         self._current()
         return self._outage
 
     def block_size(self, model: str) -> int | None:
-        """The block size the model's replicas publish (the most common one), if seen."""
         fleet = self._current()
         sizes = [
             size
@@ -288,8 +275,7 @@ class RedisFleetView:
             return self._fleet
 
     def _refresh(self, fleet: _Fleet) -> None:
-        """Take a good read, unless Redis lost the fleet since the last one: then keep the
-        last (with whatever was added since) until an indexer republishes it."""
+        """Take a good read, unless Redis lost the fleet: then keep the last, merged."""
         before = self._fleet
         self._take(fleet)
         if not _same_streams(before, self._fleet):

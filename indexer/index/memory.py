@@ -35,8 +35,7 @@ if TYPE_CHECKING:
     from kvindex.indexer.native._core import NativeBatch
 
 HOLD_BLOCKS = 2048
-"""Blocks (ops) a write applies per hold of the index lock before it lets a waiting thread
-in (whole batches: a larger one is applied in one hold)."""
+"""Blocks a write applies per hold of the index lock before it lets a waiting thread in."""
 _HAND_OVER_S = 0.005  # longest a writer waits, lock released, for a waiter to take it
 
 _TIERS = tuple(Tier)
@@ -44,8 +43,7 @@ _ON_GPU = (Tier.GPU,)
 
 
 class Tables(Protocol):
-    """The blocks of every stream of one index, by stream number, and the block → holders
-    map; not thread-safe (the index locks). The compiled ``native.Tables`` in production."""
+    """Every stream's blocks by stream number, and block → holders; not thread-safe."""
 
     def reset(self, number: int) -> None: ...
 
@@ -72,8 +70,7 @@ class Tables(Protocol):
 
 
 class IndexLock:
-    """A ``threading.Lock`` that a long holder can hand over (:meth:`hand_over`) to a thread
-    waiting for it, between two pieces of a long write (``threading.Lock`` is unfair)."""
+    """A lock a long holder can hand over to a waiting thread (``threading.Lock`` is unfair)."""
 
     __slots__ = ("_lock", "_waiting")
 
@@ -127,11 +124,7 @@ class _Asked:
 
 
 class MemoryIndex:
-    """In-process block index. Thread-safe; every call holds one lock briefly.
-
-    ``tables``: where the blocks live (default: the compiled ``native.Tables``; the tests
-    pass their Python oracle); :attr:`compiled` says whether the compiled ones serve.
-    """
+    """In-process block index, thread-safe; ``tables`` default to the compiled ones."""
 
     def __init__(self, *, tables: Tables | None = None) -> None:
         if tables is None:
@@ -154,7 +147,6 @@ class MemoryIndex:
         self._lock = IndexLock()
 
     def _state(self, stream: StreamId) -> _Stream:
-        """The stream's state, created with the lowest free number on first use."""
         state = self._streams.get(stream)
         if state is None:
             number = heapq.heappop(self._free) if self._free else len(self._state_of)
@@ -194,10 +186,8 @@ class MemoryIndex:
     def apply_native(
         self, stream: StreamId, batches: list[NativeBatch], cache: KeyCache, root: int
     ) -> NativeCounts:
-        """What ``Ingestor.apply_many`` does for these batches, compiled (only when
-        :attr:`native_ingest`); returns its counts. Per piece of about :data:`HOLD_BLOCKS`
-        blocks: keys chained from the cache alone without the lock (``KeyCache.translate``),
-        then the rest translated and applied under it (``Tables.ingest``)."""
+        """``Ingestor.apply_many`` for these batches, compiled; per piece of :data:`HOLD_BLOCKS`
+        blocks, keys chained without the lock, then applied under it. Returns the counts."""
         tables: native_core.Tables = self._tables  # type: ignore[assignment]
         own_cache: native_core.KeyCache = cache  # type: ignore[assignment]
         pieces = _pieces(batches) if len(batches) > 1 else [batches]
@@ -263,8 +253,6 @@ class MemoryIndex:
             return self._held(keys, self._asked_for(asked))
 
     def _held(self, keys: list[int], asked: _Asked) -> HeldRuns:
-        """Runs of one match: a shared answer for the streams on GPU only that leave at one
-        block, the tiers read for the others."""
         runs: HeldRuns = []
         tables, index_of, wanted = self._tables, asked.index_of, asked.wanted
         for leavers, num_blocks in tables.matched(keys):
@@ -279,8 +267,7 @@ class MemoryIndex:
         return runs
 
     def _asked_for(self, streams: tuple[StreamId, ...]) -> _Asked:
-        """The prepared lookup of ``streams``: the last call's while the streams and the
-        numbering are the same (the API asks for the same tuple each time)."""
+        """The prepared lookup of ``streams``: the last call's while nothing changed."""
         last = self._asked
         if (
             last is not None
@@ -309,7 +296,6 @@ class MemoryIndex:
             return StreamStats(stream, state.watermark, state.last_ts, by_tier)
 
     def intact(self) -> bool:
-        """Always True: the data lives and dies with this process."""
         return True
 
     def close(self) -> None:
@@ -317,7 +303,6 @@ class MemoryIndex:
 
 
 def _pieces(batches: list[NativeBatch]) -> list[list[NativeBatch]]:
-    """Consecutive runs of ``batches`` of about :data:`HOLD_BLOCKS` blocks each."""
     pieces: list[list[NativeBatch]] = []
     start = num_blocks = 0
     for i, batch in enumerate(batches):

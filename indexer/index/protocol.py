@@ -1,10 +1,9 @@
 """The block index: one Protocol, two backends (``memory.py``, ``redis.py``).
 
-Per stream (replica, data-parallel rank): block key → its count on each tier, engine hash →
-block key, and the watermark (last applied seq, exact, ``0 <= seq < MAX_SEQ``). Guarantees
-every backend gives (``tests/contract``): a batch is applied atomically with the watermark,
-and one at or below it is a no-op; counts are per (stream, block, tier); a longest prefix
-stops at each stream's first miss; clearing a stream costs its own blocks, never a scan.
+Per stream: block key → its count per tier, engine hash → block key, and the watermark (last
+applied seq, exact). Every backend (``tests/contract``): a batch is atomic with the watermark
+and a no-op at or below it; a longest prefix stops at each stream's first miss; clearing a
+stream costs its own blocks, never a scan.
 """
 
 from __future__ import annotations
@@ -26,10 +25,8 @@ class IndexUnavailableError(KvIndexError):
 
 
 class OpKind(enum.IntEnum):
-    """Index operations (values stable: the Redis script reads them). STORE counts ``key``
-    once more on ``tier`` and maps ``engine_hash`` to it; STORE_BY_HASH finds the key through
-    that map (tokenless stores); REMOVE counts the block once less; CLEAR forgets the stream's
-    blocks (the watermark moves on)."""
+    """Index operations (values stable: the Redis script reads them); STORE_BY_HASH finds
+    its key through the engine-hash map (tokenless stores)."""
 
     STORE = 0
     STORE_BY_HASH = 1
@@ -46,8 +43,7 @@ BatchOps: TypeAlias = tuple[int, float, Sequence[Op]]
 
 @dataclass(frozen=True, slots=True)
 class ApplyResult:
-    """What applying one batch did: not applied at or below the watermark; REMOVE ops of a
-    block not held and STORE_BY_HASH ops of an unknown hash are no-ops, counted."""
+    """What applying one batch did (REMOVEs of blocks not held, unknown hashes: counted)."""
 
     applied: bool
     num_unknown_removals: int = 0
@@ -139,15 +135,13 @@ class StoreIdentity(Protocol):
     """An index that can tell whether its store still holds what was written to it."""
 
     def intact(self) -> bool:
-        """False once the store lost its data since the last call (a Redis restarted empty):
-        the next call returns True until the next loss. The first call adopts the store.
-        Raises :class:`IndexUnavailableError` when the store cannot be reached."""
+        """False once the store lost its data since the last call (a Redis restarted empty),
+        True again after; the first call adopts the store."""
         ...
 
 
 HeldRuns: TypeAlias = list[tuple[PrefixMatch, list[int]]]
-"""``(match, indices in the streams asked of those whose longest prefix it is)``; each holder
-in one run, runs in no particular order."""
+"""``(match, indices in the streams asked of those it is the longest prefix of)``, any order."""
 
 
 @runtime_checkable
@@ -156,8 +150,7 @@ class HolderLookup(Protocol):
     rather than the streams asked."""
 
     def holders(self, keys: Sequence[int], streams: Sequence[StreamId]) -> HeldRuns:
-        """The ``streams`` (distinct) holding ``keys[0]`` as :data:`HeldRuns`: what
-        :meth:`BlockIndex.longest_prefix` answers; every other stream's is :data:`NO_MATCH`."""
+        """The ``streams`` (distinct) holding ``keys[0]``, as :meth:`BlockIndex.longest_prefix`."""
         ...
 
 
@@ -165,8 +158,7 @@ Holders = Callable[[Sequence[int], Sequence[StreamId]], HeldRuns]  # HolderLooku
 
 
 def holders_of(index: BlockIndex) -> Holders:
-    """The index's :meth:`HolderLookup.holders`, else the same answer made from its
-    :meth:`~BlockIndex.longest_prefix`."""
+    """The index's :meth:`HolderLookup.holders`, else the same from ``longest_prefix``."""
     if isinstance(index, HolderLookup):
         return index.holders
 

@@ -90,8 +90,7 @@ def encode_ops(ops: Sequence[Op]) -> bytes:
 
 @lru_cache(maxsize=4096)
 def holder_tiers(value: bytes) -> dict[int, int]:
-    """A block's holder records → stream number → its best tier (0 GPU, 1 CPU, 2 other); the
-    dict is cached and shared: callers only read it."""
+    """A block's holder records → stream number → best tier (cached, shared: read only)."""
     out: dict[int, int] = {}
     i, size = 0, len(value)
     while i + 2 <= size:  # a torn record at the end (never written) is ignored
@@ -111,7 +110,6 @@ def holder_tiers(value: bytes) -> dict[int, int]:
 
 @lru_cache(maxsize=4096)
 def _prefix(path: tuple[tuple[int, int], ...]) -> PrefixMatch:
-    """(blocks, tier) runs → their match (cached: many holders share a path)."""
     tiers: tuple[Tier, ...] = ()
     for count, tier in path:
         tiers += (_TIERS[tier],) * count
@@ -164,8 +162,6 @@ class _Plan:
 
 @dataclass(frozen=True, slots=True)
 class _Numbering:
-    """One group's numbering as of its ``#gen``."""
-
     gen: bytes
     names: dict[int, StreamId]
 
@@ -196,18 +192,14 @@ class RedisIndex:
         self._numbering: dict[int, _Numbering] = {}
         self._plan: _Plan | None = None
         self._identity: bytes | None = None
-        """The marker token this index last saw (None: not looked at yet)."""
         self._schema_checked = False
-        """Whether :meth:`check_schema` passed (a lookup runs it if not)."""
 
     @property
     def client(self) -> RedisClient:
-        """The connection (other stores of the deployment share it)."""
         return self._client
 
     @property
     def schema(self) -> Schema:
-        """Its key names, with the group count chosen for this Redis."""
         return self._schema
 
     @classmethod
@@ -286,15 +278,13 @@ class RedisIndex:
         return bool(done)
 
     def claim(self, stream: StreamId) -> None:
-        """Make this writer's token the stream's owner: the previous owner's next batch is
-        fenced out. Call it before reading the watermark to resume from (:meth:`stats`)."""
+        """Make this writer the stream's owner; call it before reading the watermark to resume."""
         if self._owner is None:
             return
         with unavailable_on_connection_errors():
             self._client.hset(self._keys(stream)[0], META_OWNER, self._owner)
 
     def owner(self, stream: StreamId) -> str | None:
-        """The lease token that owns the stream (None: no owner recorded)."""
         with unavailable_on_connection_errors():
             raw = cast("bytes | None", self._client.hget(self._keys(stream)[0], META_OWNER))
         return None if raw is None else raw.decode()
@@ -321,8 +311,7 @@ class RedisIndex:
         return answer
 
     def holders(self, keys: Sequence[int], streams: Sequence[StreamId]) -> HeldRuns:
-        """:class:`~kvindex.indexer.index.protocol.HolderLookup`; the runs' index lists are
-        shared from call to call: callers only read them."""
+        """The runs' index lists are shared from call to call: callers only read them."""
         plan = self._plan_for(list(streams))
         runs: HeldRuns = []
         for group, reply in self._group_replies(plan, keys):
@@ -330,7 +319,6 @@ class RedisIndex:
         return runs
 
     def _group_replies(self, plan: _Plan, keys: Sequence[int]) -> list[tuple[int, list[object]]]:
-        """(group, reply) of each of the plan's groups holding ``keys[0]``: one pipeline."""
         if not keys or not plan.groups:
             return []
         if not self._schema_checked:  # once: a mismatched store is an error, not no match
@@ -399,9 +387,9 @@ class RedisIndex:
         return names
 
     def _prefix_pipeline(self, groups: tuple[int, ...], wanted: bytes) -> list[list[object]]:
-        """Each group's reply, in one round trip (one per master on a cluster). Raw EVALSHA
-        naming its master: redis-py's Script adds SCRIPT EXISTS in a pipeline, its cluster
-        pipeline refuses ``evalsha``, and unrouted it asks COMMAND GETKEYS per call."""
+        """Each group's reply in one round trip (one per master on a cluster)."""
+        # Raw EVALSHA naming its master: redis-py's Script adds SCRIPT EXISTS in a pipeline,
+        # its cluster pipeline refuses evalsha, and unrouted it asks COMMAND GETKEYS per call.
         calls = [groups] if not isinstance(self._client, RedisCluster) else [(g,) for g in groups]
         with self._client.pipeline(transaction=False) as pipe:
             for call in calls:
@@ -425,7 +413,6 @@ class RedisIndex:
         return {"target_nodes": self._client.nodes_manager.get_node_from_slot(slot)}
 
     def _keys(self, stream: StreamId) -> tuple[str, ...]:
-        """(meta, hash, lost, holders, members) names of a stream, computed once."""
         keys = self._keys_of.get(stream)
         if keys is None:
             keys = self._keys_of[stream] = self._schema.stream(stream).all()
@@ -447,8 +434,7 @@ class RedisIndex:
 
     def check_schema(self) -> None:
         """Raise :class:`SchemaVersionError` when Redis holds this prefix's index in an older
-        version or in another number of stream groups (the ``groups`` key the first opener
-        set). Run by every process opening the index, once."""
+        version or another number of groups. Every process opening the index runs it once."""
         with unavailable_on_connection_errors():
             found = [name for name in self._schema.old_index_keys() if self._client.exists(name)]
             stored = None if found else self._claim_groups()
@@ -480,8 +466,7 @@ class RedisIndex:
         )
 
     def intact(self) -> bool:
-        """The marker key still holds the token seen last time (one GET); a lost one is set
-        anew and adopted. The first call also runs :meth:`check_schema`."""
+        """The marker key still holds the token seen last (a lost one is set anew and adopted)."""
         marker = self._schema.index_marker
         if self._identity is None:
             self.check_schema()
@@ -505,8 +490,7 @@ class RedisIndex:
 
 
 def _watermark(stored: str | None) -> int:
-    """The stored watermark as an exact int; -1 when absent or not a decimal integer (as the
-    script reads it)."""
+    """The stored watermark as an exact int; -1 when absent or not a decimal integer."""
     if stored is None or not (stored.isascii() and stored.isdigit()) or len(stored) > 20:
         return -1
     return int(stored)

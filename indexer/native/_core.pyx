@@ -45,8 +45,7 @@ cdef extern from "Python.h":
 def chain(uint64_t parent, bytes token_bytes, Py_ssize_t block_size):
     """Reference: kvindex.indexer.domain.keys.chain_keys; tests/unit/indexer/native/test_core.py::test_compiled_chain_agrees_with_python
 
-    Keys of the full blocks of ``token_bytes``: each XXH3-64 of its parent (u64 LE) and the
-    block's bytes."""
+    Keys of the full blocks of ``token_bytes``: each XXH3-64 of its parent (u64 LE) and bytes."""
     if block_size <= 0:
         raise ValueError(f"block size must be positive, got {block_size}")
     cdef Py_ssize_t stride = block_size * 4
@@ -195,8 +194,7 @@ cdef inline uint64_t _be(const unsigned char* p, int width) noexcept nogil:
 def packed_tokens(raw):
     """Reference: kvindex.indexer.ingest.wire._decode_general; tests/unit/indexer/native/test_core.py::test_packed_decoding_agrees_with_the_general_one
 
-    A buffer holding exactly one msgpack array of ints in [0, 2**32) as
-    :class:`PackedTokens`, else None."""
+    One msgpack array of ints in [0, 2**32) as :class:`PackedTokens`, else None."""
     cdef Py_buffer view
     PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE)
     try:
@@ -473,8 +471,7 @@ cdef int _insert(Table* t, uint64_t key, uint64_t value) except -1 nogil:
     return 0
 
 cdef uint64_t* _slot_for(Table* t, uint64_t key, bint* added) except NULL nogil:
-    """Where ``key``'s value is kept, inserted with value 0 (``added`` set) if absent: one walk
-    of its run. Valid until the next insertion."""
+    """Where ``key``'s value is kept, inserted as 0 (``added`` set) if absent: one walk."""
     cdef Py_ssize_t i = 0, d = 0
     cdef uint64_t found
     if key == 0:
@@ -518,8 +515,7 @@ cdef int _put(Table* t, uint64_t key, uint64_t value) except -1 nogil:
     return _insert(t, key, value)
 
 cdef bint _delete(Table* t, uint64_t key) noexcept nogil:
-    """Remove ``key`` (False if absent): the entries after it shift back one slot, up to the
-    first at its home or an empty slot."""
+    """Remove ``key`` (False if absent); the entries after it shift back (no tombstone)."""
     cdef Py_ssize_t i, j
     cdef uint64_t found
     if key == 0:
@@ -867,9 +863,7 @@ cdef class NativeBatch:
         return self._r.hashes.size // 8
 
     def records(self):
-        """The events as read (for tests): ``("store", tier, parent hash or None, block size,
-        token ids, engine hashes)``, ``("remove", tier, hashes)``, ``("clear",)``,
-        ``("other_group",)``, ``("misaligned",)``."""
+        """The events as read, as tuples (for tests)."""
         cdef const uint64_t* w = <const uint64_t*> self._r.words.data
         cdef const uint64_t* end = w + self._r.words.size // 8
         cdef const unsigned char* t
@@ -1033,8 +1027,7 @@ cdef class Tables:
         return 0
 
     cdef Py_ssize_t _drop_shared(self, Py_ssize_t i, Py_ssize_t number) except -2:
-        """Stream ``number`` leaves bitmap ``i``: -1 if several holders are left, else the one
-        left (the slot is then freed)."""
+        """Stream ``number`` leaves bitmap ``i``: -1 if several are left, else the one left."""
         bitmap = self._shared[i] & ~(_ONE << number)
         if bitmap & (bitmap - 1):
             self._shared[i] = bitmap
@@ -1292,11 +1285,9 @@ cdef class Tables:
                object watermark):
         """Reference: kvindex.indexer.ingest.ingestor.Ingestor; tests/unit/indexer/native/test_native_ingest.py::test_captured_frames_give_the_same_index_and_reports
 
-        Translate and apply :class:`NativeBatch` es of stream ``number`` in order, as the
-        ``Ingestor`` and ``MemoryIndex.apply_many`` do; a batch at or below ``watermark`` is
-        skipped. Returns the watermark, last ts and ``NativeCounts``. A batch translated ahead
-        is not translated again (ValueError unless with ``cache`` and ``root``). Runs without the
-        GIL: the caller's lock keeps other calls out, and ``cache`` is this thread's alone."""
+        Translate and apply :class:`NativeBatch` es of stream ``number`` above ``watermark``, in
+        order; returns the watermark, last ts and ``NativeCounts``. Runs without the GIL: the
+        caller's lock keeps other calls out, and ``cache`` is this thread's alone."""
         cdef Stream* s = self._stream(number)
         cdef Ingest counts
         cdef tuple held = tuple(batches)
@@ -1664,8 +1655,7 @@ cdef int _int(Reader* r, uint64_t* bits, bint* negative) noexcept nogil:
     return 0
 
 cdef int _wire_hash_at(Reader* r, uint64_t* out) noexcept nogil:
-    """An engine hash as ``normalize_hash`` makes it: an int masked to 64 bits, or a bin's
-    last 8 bytes big-endian."""
+    """An engine hash as ``normalize_hash`` makes it (int: low 64 bits; bin: last 8, BE)."""
     cdef unsigned char head
     cdef Py_ssize_t n
     cdef int width

@@ -1,8 +1,6 @@
 # cython: boundscheck=False, wraparound=False, cdivision=False
 """The read path's compiled loops after the lookup: load penalties, the best ``top_k``, the
-holders' best matches. Each names its reference and the test holding the two equal; none
-keeps state or holds a lock, and a wrong input type raises ``TypeError`` as the reference does.
-"""
+holders' best matches. None keeps state; a wrong input type raises ``TypeError``."""
 
 from cpython.dict cimport PyDict_GetItem, PyDict_Next
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
@@ -35,8 +33,7 @@ cdef Py_ssize_t _load_offsets[4]
 
 
 cdef bint _learn_load_type(object load):
-    """Learn where ``type(load)`` keeps the fields a penalty reads, if each is a plain slot
-    (as a msgspec Struct's are): a read is then one load from memory. False if not."""
+    """Learn the slots of ``type(load)``'s fields a penalty reads (False: not all slots)."""
     global _load_type
     cdef object cls = type(load), descriptor
     cdef PyMemberDef* member
@@ -101,8 +98,7 @@ cdef enum:
 
 
 cdef double _penalty(object found, double now, const _Weights* w, int* kind) except? -1.0:
-    """A replica's load penalty from its ``CountedLoad`` (None: none), as of ``now``; in
-    ``kind``, how it moves with the clock."""
+    """A replica's penalty from its ``CountedLoad`` (None: none); ``kind``: how it moves."""
     cdef object c, load, routed, in_flight, num_requests, num_tokens
     cdef double first_hand, prefill, age, recency, queue, ts, waiting, running, kv_usage
     kind[0] = _CONSTANT
@@ -192,9 +188,8 @@ def penalty_floors(
 ):
     """Reference: tests.oracles.lookup.load_penalties; tests/unit/indexer/native/test_lookup.py::test_penalty_floors_are_under_every_penalty_until_their_time
 
-    A floor under each penalty at any time up to ``until``: the penalty when the clock does
-    not move it; when it decays, the one at ``until`` less 1e-12 of it (``pow`` may round
-    non-monotonically); ``-inf`` when an input is negative."""
+    A floor under each penalty up to ``until``: the one at ``until`` less 1e-12 of it when it
+    decays (``pow`` may round non-monotonically); ``-inf`` for a negative input."""
     cdef Py_ssize_t n = PyList_GET_SIZE(replicas), i
     cdef list out = [None] * n
     cdef int kind
@@ -277,10 +272,8 @@ def penalties_within(
 ):
     """Reference: tests.oracles.lookup.load_penalties; tests/unit/indexer/native/test_lookup.py::test_penalties_within_computes_every_one_that_can_be_among_the_k_lowest
 
-    ``(penalties, positions, kth)``: the penalty of every replica that can be among the
-    ``k`` lowest (``inf`` elsewhere), the positions computed, and the ``k``-th lowest of
-    all. Computed: ``exact``, then the rest in ``order`` (ascending ``floors``) while a
-    floor is at most the ``k``-th lowest so far: every later one is above it."""
+    ``(penalties, positions, kth)``: the penalty of each replica that can be among the ``k``
+    lowest (``inf`` elsewhere): ``exact``, then ``order`` while a floor is at most the kth."""
     cdef Py_ssize_t n = PyList_GET_SIZE(replicas), i, at, kept = 0
     if k < 1 or k > n:
         raise IndexError("k out of range")
@@ -374,9 +367,8 @@ cdef int _draw_group(Row* group, Py_ssize_t size, object draw) except -1:
 def best_tied(list minus_scores, list penalties, object draw, object top_k, list positions):
     """Reference: kvindex.api.decision.policies.tie_order; tests/unit/indexer/native/test_lookup.py::test_best_tied_compiled_equals_python
 
-    Indices of the best ``top_k`` (None or 0: all) of the rows at ``positions`` (None: all)
-    by (minus score, penalty); one ``draw()`` per row of each tied group the ``top_k``
-    reaches, in index order, then (draw, index) within the group."""
+    Indices of the best ``top_k`` (None or 0: all) of the rows at ``positions`` (None: all);
+    one ``draw()`` per row of each tied group the ``top_k`` reaches, in index order."""
     cdef Py_ssize_t n = PyList_GET_SIZE(minus_scores), m, i, j, k, kept = 0, at, start
     cdef Py_ssize_t num_tied = 0
     if PyList_GET_SIZE(penalties) != n:
@@ -466,8 +458,7 @@ cdef extern from "Python.h":
 def best_matches(list runs, list replica_of, list rank_of, bint unique):
     """Reference: tests.oracles.lookup.best_matches; tests/unit/indexer/native/test_lookup.py::test_best_matches_compiled_equal_python
 
-    ``(matches, ranks)``: per replica the longest match over its streams' ``runs``, a tie
-    to the lowest rank, and that rank when not 0. ``unique``: no replica has two streams."""
+    ``(matches, ranks)``: per replica its longest match, a tie to the lowest rank (when not 0)."""
     cdef Py_ssize_t i, num_blocks, most, rank, best_rank, total = 0
     cdef Py_ssize_t n = PyList_GET_SIZE(replica_of)
     cdef PyObject* known
@@ -553,8 +544,7 @@ def contenders(
 def kth_smallest(list values, Py_ssize_t k):
     """Reference: builtins.sorted; tests/unit/indexer/native/test_lookup.py::test_kth_smallest_is_the_sorted_list_at_k
 
-    ``sorted(values)[k - 1]`` (``IndexError`` unless ``1 <= k <= len(values)``), keeping
-    the ``k`` smallest by insertion (``k`` is small next to the fleet)."""
+    ``sorted(values)[k - 1]``, the ``k`` smallest kept by insertion (``k`` is small)."""
     cdef Py_ssize_t n = PyList_GET_SIZE(values), i, j, kept = 0
     if k < 1 or k > n:
         raise IndexError("k out of range")
