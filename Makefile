@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 # `make run` installs the service alone (its runtime dependencies); `make install` adds the
 # dev extra (tests, linters, plots). Each step says what it does, and pip shows its own
 # progress. The compiled core (setup.py) is rebuilt by either install when its sources change.
-SOURCES := pyproject.toml setup.py $(wildcard indexer/native/*.pyx)
+SOURCES := pyproject.toml setup.py $(wildcard indexer/native/*.pyx indexer/native/*.h)
 
 $(BIN)/pip:
 	@echo "==> creating the virtual environment $(VENV)"

@@ -1,6 +1,6 @@
 """Builds kvindex's compiled hot loops (``kvindex.indexer.native._core``: ingest, keys and
-the memory store's tables; ``kvindex.indexer.native._lookup``: the read path's loops after
-the lookup); the rest of the package's metadata is in pyproject.toml."""
+the memory store's tables; ``_lookup``: the read path's loops after the lookup; ``_json``:
+a ``/score`` body's token ids); the rest of the package's metadata is in pyproject.toml."""
 
 from Cython.Build import cythonize
 from setuptools import Extension, setup
@@ -18,6 +18,12 @@ setup(
                 "kvindex.indexer.native._lookup",
                 ["indexer/native/_lookup.pyx"],
                 # No fused multiply-add: the scores must round as Python's arithmetic does.
+                extra_compile_args=["-O3", "-ffp-contract=off"],
+            ),
+            Extension(
+                "kvindex.indexer.native._json",
+                ["indexer/native/_json.pyx"],
+                include_dirs=["indexer/native"],
                 extra_compile_args=["-O3", "-ffp-contract=off"],
             ),
         ],

@@ -33,8 +33,8 @@ operation each); ``blocks_stored`` alone gives ``stored_blocks_per_s``. ``entrie
 memory store, what dropping the filled index frees (``tracemalloc``, over one more run that
 is not timed: the pipeline is dropped first, so only what the index alone holds counts) /
 ``entries``, and ``compiled`` says whether its tables were the compiled ones. The
-``memory-python`` backend is the memory store on its pure-Python tables (the fallback
-when the compiled core is not built; the compiled ingest path then does not serve).
+``memory-python`` backend is the memory store on the Python oracle of its tables
+(``tests.oracles.tables``; the compiled ingest path then does not serve).
 
 ``--indexers N[,M...]`` (Redis): each count is a run of that many sharded indexers on one
 Redis, each a process of its own (forked, sharing the pre-generated frames) with its own
@@ -115,6 +115,7 @@ from kvindex.indexer.ingest.subscriber import Subscriber
 from kvindex.indexer.ingest.wire import Encoding, decode_payload, encode_batch, encode_live
 from kvindex.indexer.redis.connection import RedisClient, connect
 from kvindex.indexer.redis.schema import Schema
+from tests.oracles.tables import python_index
 
 _BACKENDS = ("memory", "memory-python", "redis")
 FULL_ENTRIES = 1_000_000
@@ -447,7 +448,7 @@ def memory_index_bytes(workload: Workload, plan: list[Delivery], *, compiled: bo
     """Bytes a memory index filled by ``plan`` holds: what dropping it frees (traced)."""
     tracemalloc.start()
     try:
-        index = MemoryIndex(compiled=compiled)
+        index = MemoryIndex() if compiled else python_index()
         pipeline, registry = new_pipeline(index, workload)
         drive(pipeline, plan)
         del pipeline, registry
@@ -475,10 +476,10 @@ def run_memory(
     times: list[float] = []
     checked: dict[str, Any] = {}
     backend = "memory-python" if python else "memory"
-    compiled = MemoryIndex(compiled=not python).compiled
+    compiled = not python
     latencies: list[float] = []
     for i in range(repeat):
-        index = MemoryIndex(compiled=not python)
+        index = python_index() if python else MemoryIndex()
         pipeline, registry = new_pipeline(index, workload)
         with collected(), probed(index, workload, lookup_wait) as probe:
             times.append(drive(pipeline, plan))

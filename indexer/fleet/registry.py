@@ -1,11 +1,7 @@
 """The replicas kvindex knows, and the health record of each of their streams.
 
-Replicas come from the settings (config file, command line), from run-time calls
-(:meth:`Registry.add` / :meth:`Registry.remove`, exposed over HTTP by the API) and, in
-bind mode, from the topic ``kv@<replica>@<model>`` of their first event. The write path
-(the pipeline thread) changes a stream's :class:`~kvindex.indexer.domain.health.StreamHealth`
-only through :meth:`Registry.record`; any thread may read a consistent snapshot.
-:func:`fleet_totals` adds up the fleet for ``GET /stats``, ``/metrics`` and the CLI.
+The write path changes a stream's record only through :meth:`Registry.record`; any thread
+may read a consistent snapshot. :func:`fleet_totals` adds up the fleet.
 """
 
 from __future__ import annotations
@@ -43,11 +39,9 @@ class StreamStatus:
 
     stream: StreamId
     freshness: Freshness
-    silent_s: float | None
-    """Seconds since anything was heard from the stream."""
+    silent_s: float | None  # seconds since anything was heard from the stream
     health: StreamHealth
-    owner: str | None = None
-    """The sharded indexer that keeps the stream (None: one indexer, or in-process)."""
+    owner: str | None = None  # the sharded indexer that keeps it (None: not sharded)
 
 
 class StreamFreshness(NamedTuple):
@@ -57,22 +51,16 @@ class StreamFreshness(NamedTuple):
     freshness: Freshness
     lag_s: float | None
     silent_s: float | None
-    connected: bool = True
-    """Its socket is connected (connect mode); bind-mode streams read False."""
+    connected: bool = True  # connect mode's socket; bind-mode streams read False
     disconnected_s: float | None = None
-    """Seconds since the socket monitor said it disconnected (None: connected, or never
-    connected)."""
 
 
-HealthChange = Callable[[ReplicaHealth], ReplicaHealth]
-"""A pure change of a replica's health record (``ReplicaHealth.after_check`` and co.)."""
-HealthUpdate = tuple[ReplicaHealth, ReplicaHealth]
-"""A record before and after a change."""
+HealthChange = Callable[[ReplicaHealth], ReplicaHealth]  # a pure change of a record
+HealthUpdate = tuple[ReplicaHealth, ReplicaHealth]  # a record before and after a change
 
 
 class Registry:
-    """Thread-safe map of replica id → spec, plus one health record per stream and one
-    :class:`~kvindex.indexer.fleet.replica_health.ReplicaHealth` per replica."""
+    """Thread-safe: replica id → spec, a health record per stream and one per replica."""
 
     def __init__(
         self,
@@ -85,24 +73,21 @@ class Registry:
         self._replicas: dict[str, ReplicaSpec] = {r.id: r for r in replicas}
         self._health: dict[StreamId, StreamHealth] = {}
         self._disconnected: set[StreamId] = set()
-        """The streams whose record says not connected, kept as records change (the API
-        asks per request: no pass over every record)."""
+
         self._stale_after_s = stale_after_s
         self._clock = clock
         self._version = 0
         self._streams_version = 0
-        """Bumped whenever a spec or the set of stream records changes."""
+
         self._unrouted = UnroutedCounters()
         self._replica_health: dict[str, ReplicaHealth] = {}
         self._sorted: tuple[ReplicaSpec, ...] | None = None
-        """``replicas()`` as of the last change (None: to be sorted again)."""
+
         self._model_to_block_size: dict[str, int | None] = {}
-        """``block_size()`` per model, until a spec, a stream or a stream's size changes."""
 
     # --- replicas ------------------------------------------------------------------------
 
     def add(self, spec: ReplicaSpec) -> bool:
-        """Register or update a replica; False if an identical spec was already there."""
         with self._lock:
             if self._replicas.get(spec.id) == spec:
                 return False
@@ -114,7 +99,6 @@ class Registry:
             return True
 
     def remove(self, replica: str) -> ReplicaSpec | None:
-        """Forget a replica and its streams' records; returns the removed spec."""
         with self._lock:
             spec = self._replicas.pop(replica, None)
             for stream in [s for s in self._health if s.replica == replica]:
@@ -133,7 +117,6 @@ class Registry:
             return self._replicas.get(replica)
 
     def replicas(self) -> list[ReplicaSpec]:
-        """Every spec, by id (sorted once per change: the API reads it per request)."""
         with self._lock:
             if self._sorted is None:
                 self._sorted = tuple(sorted(self._replicas.values(), key=lambda r: r.id))
@@ -146,8 +129,6 @@ class Registry:
             return self._version
 
     def streams_version(self) -> int:
-        """Changes whenever :meth:`replicas` or :meth:`stream_ids` may have (one int read:
-        the API asks per request, to keep what it made of them meanwhile)."""
         return self._streams_version
 
     def models(self) -> list[str]:
@@ -157,13 +138,10 @@ class Registry:
     # --- replica health (written by health checks and breakers) ------------------------
 
     def replica_health(self) -> dict[str, ReplicaHealth]:
-        """The record of every registered replica judged so far (one absent is healthy)."""
         with self._lock:
             return dict(self._replica_health)
 
     def update_health(self, changes: dict[str, HealthChange]) -> dict[str, HealthUpdate]:
-        """Apply each change to its replica's record atomically; returns (before, after)
-        per registered replica (changes of unknown replicas are dropped)."""
         out: dict[str, HealthUpdate] = {}
         with self._lock:
             for replica, change in changes.items():
@@ -175,17 +153,12 @@ class Registry:
         return out
 
     def claim_health_checks(self, replicas: Sequence[str], hold_s: float) -> set[str]:
-        """Every one: a process alone on its registry checks every replica."""
         return set(replicas)
 
     # --- stream health (written by the pipeline) -----------------------------------------
 
     def record(self, stream: StreamId, report: StreamReport) -> None:
-        """Fold a report into the stream's record (creating it), as of the registry's clock.
-
-        Reports of one stream must come from one thread, in order; the report is read, not
-        kept, so the caller may reuse it afterwards.
-        """
+        """Fold a report into the stream's record; one stream's come from one thread, in order."""
         now = self._clock()
         with self._lock:
             health = self._health.get(stream)
@@ -210,14 +183,12 @@ class Registry:
                 self._streams_version += 1
 
     def record_unrouted(self, totals: UnroutedCounters) -> None:
-        """Replace the bound SUB's unrouted counters with the write path's running totals."""
         with self._lock:
             self._unrouted = replace(totals)
 
     # --- reading -------------------------------------------------------------------------
 
     def unrouted(self) -> UnroutedCounters:
-        """A copy of the bound SUB's counters of frames that reached no stream."""
         with self._lock:
             return replace(self._unrouted)
 
@@ -227,14 +198,10 @@ class Registry:
             return None if health is None else self._snapshot(stream, health)
 
     def stream_ids(self) -> list[StreamId]:
-        """The streams with a record (cheap: no snapshot)."""
         with self._lock:
             return list(self._health)
 
     def freshness(self, streams: Collection[StreamId] | None = None) -> list[StreamFreshness]:
-        """Freshness, lag and silence of every stream, in record order, read in one go; of
-        ``streams`` only when given (those with a record, in the order given: the API asks
-        for the few it explains)."""
         now = self._clock()
         with self._lock:
             items: Iterable[tuple[StreamId, StreamHealth]] = self._health.items()
@@ -249,9 +216,6 @@ class Registry:
             return views
 
     def disconnected(self) -> list[StreamId]:
-        """The streams whose socket is not connected, sorted (every bind-mode stream reads
-        so: see :attr:`StreamFreshness.connected`); kept as records change, so it costs
-        the streams down, not the fleet."""
         with self._lock:
             return sorted(self._disconnected)
 
@@ -265,13 +229,10 @@ class Registry:
         )
 
     def records(self) -> dict[StreamId, StreamHealth]:
-        """A copy of every stream's record (for publishing them to other processes)."""
         with self._lock:
             return {s: replace(health) for s, health in self._health.items()}
 
     def block_size(self, model: str) -> int | None:
-        """The block size the model's replicas publish (the most common one), if seen;
-        remembered until it may change (the API asks per request)."""
         with self._lock:
             known = self._model_to_block_size
             if model in known:
@@ -286,7 +247,6 @@ class Registry:
             return size
 
     def outage(self) -> None:
-        """Never: an in-process registry is always current."""
         return None
 
     def disconnected_for(self, stream: StreamId) -> float | None:
@@ -299,15 +259,8 @@ class Registry:
 
 
 def freshness_of(health: StreamHealth, silent_s: float | None, stale_after_s: float) -> Freshness:
-    """The freshness rule, shared by the in-process registry and the Redis fleet view.
-
-    Replaying while a replay is open. Otherwise stale when silent for more than
-    ``stale_after_s``, when disconnected (since the socket monitor said so), or when
-    neither connected nor ever heard from (a connect-mode stream whose endpoint is dead or
-    not up yet: what the index holds for it, e.g. from before an indexer restart, cannot be
-    vouched for). Else live: connected, or heard from recently (bind-mode streams have no
-    connection state; their first batch is what makes them known).
-    """
+    """Replaying during a replay; else stale if silent past ``stale_after_s``, disconnected,
+    or never connected nor heard from; else live."""
     if health.replaying:
         return Freshness.REPLAYING
     if silent_s is not None and silent_s > stale_after_s:
@@ -341,8 +294,7 @@ def snapshot(
     freshness: Freshness | None = None,
     owner: str | None = None,
 ) -> StreamStatus:
-    """A stream's status as of ``now``, holding ``health`` itself (pass a copy of a record
-    that changes); ``freshness`` overrides the computed one."""
+    """A stream's status as of ``now``, holding ``health`` itself (pass a copy)."""
     silent = None if health.last_heard is None else max(0.0, now - health.last_heard)
     fresh = freshness or freshness_of(health, silent, stale_after_s)
     return StreamStatus(stream, fresh, silent, health, owner)
@@ -354,18 +306,12 @@ def most_common(sizes: list[int]) -> int | None:
 
 @dataclass(frozen=True, slots=True)
 class FleetTotals:
-    """The fleet added up (:func:`fleet_totals`)."""
-
     num_replicas: int
     num_streams: int
     num_streams_by_freshness: dict[Freshness, int]
-    """Every freshness, 0 when no stream has it."""
-    blocks_by_tier: dict[Tier, int]
-    """Blocks the index holds on each tier, over every stream (empty: index not read)."""
+    blocks_by_tier: dict[Tier, int]  # empty: the index was not read
     counters: StreamCounters
-    """Every stream's counters, added."""
     unrouted: UnroutedCounters = field(default_factory=UnroutedCounters)
-    """Frames of the bound SUB that reached no stream."""
 
 
 def fleet_totals(
@@ -374,12 +320,7 @@ def fleet_totals(
     *,
     statuses: Sequence[StreamStatus] | None = None,
 ) -> FleetTotals:
-    """Totals over the streams of ``registry``: ``statuses`` when the caller has read them
-    already (so its rows and its totals agree), else a fresh read.
-
-    With an ``index``, also the blocks it holds (one ``stats`` call per stream; an
-    ``IndexUnavailableError`` propagates).
-    """
+    """Totals over ``statuses`` (default: a fresh read), with an ``index`` its blocks too."""
     if statuses is None:
         statuses = registry.statuses()
     by_freshness = dict.fromkeys(Freshness, 0)
@@ -399,12 +340,9 @@ def fleet_totals(
 
 
 class RegistryView(Protocol):
-    """What the API reads and changes of the fleet: the in-process :class:`Registry`, or
-    ``kvindex.indexer.fleet.view.RedisFleetView`` in an API process that shares Redis with an
-    indexer.
-
-    Reads may lag the writer by the view's cache period; ``add``/``remove`` are visible to
-    the same view at once."""
+    """What the API reads and changes of the fleet: the in-process :class:`Registry` or the
+    Redis-backed ``RedisFleetView``. Reads may lag by the view's cache period; its own
+    ``add``/``remove`` are visible at once."""
 
     def replicas(self) -> list[ReplicaSpec]: ...
 
@@ -427,14 +365,13 @@ class RegistryView(Protocol):
         ...
 
     def disconnected(self) -> list[StreamId]:
-        """The streams whose socket is not connected (bind-mode streams included), sorted."""
+        """The streams whose socket is not connected (bind-mode ones included), sorted."""
         ...
 
     def stream_ids(self) -> list[StreamId]: ...
 
     def streams_version(self) -> int:
-        """A number that changes whenever :meth:`replicas` or :meth:`stream_ids` may have
-        (it may change without them): equal numbers, the same specs and streams."""
+        """Changes whenever :meth:`replicas` or :meth:`stream_ids` may have."""
         ...
 
     def block_size(self, model: str) -> int | None: ...
@@ -444,21 +381,18 @@ class RegistryView(Protocol):
         ...
 
     def outage(self) -> str | None:
-        """Why the fleet read is the last one known rather than the current one (its store
-        cannot be read, or lost it), or None when it is current."""
+        """Why the fleet read is the last one known, not the current one (None: current)."""
         ...
 
     def replica_health(self) -> dict[str, ReplicaHealth]:
-        """The health record of every replica judged so far (one absent is healthy)."""
+        """The record of every replica judged so far (one absent is healthy)."""
         ...
 
     def update_health(self, changes: dict[str, HealthChange]) -> dict[str, HealthUpdate]:
-        """Apply each change to its replica's current record, atomically (another process
-        changing the same record is never lost); (before, after) per replica changed.
-        Raises ``IndexUnavailableError`` when the shared store cannot be written."""
+        """Apply each change atomically to its registered replica's record (no concurrent
+        change lost); (before, after) per replica changed."""
         ...
 
     def claim_health_checks(self, replicas: Sequence[str], hold_s: float) -> set[str]:
-        """The replicas this process is to check now: each one no other process sharing
-        the fleet claimed in the last ``hold_s`` seconds."""
+        """The replicas no other process sharing the fleet claimed in the last ``hold_s``."""
         ...

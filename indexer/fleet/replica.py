@@ -1,10 +1,5 @@
-"""One vLLM replica as kvindex knows it: its id, model and endpoints (:class:`ReplicaSpec`).
-
-A spec comes from the settings (TOML ``[[replicas]]``, ``--replica``), from ``POST
-/replicas``, from the shared fleet state in Redis, or, in bind mode, from the topic of a
-replica's first event. Every way in validates the same: a bad value raises
-:class:`~kvindex.indexer.domain.errors.SettingsError` naming the replica and the value.
-"""
+"""One vLLM replica as kvindex knows it (:class:`ReplicaSpec`); every way a spec comes in
+validates the same, a bad value raising ``SettingsError`` that names it."""
 
 from __future__ import annotations
 
@@ -17,9 +12,7 @@ from kvindex.indexer.domain.errors import SettingsError
 from kvindex.indexer.redis.schema import SchemaError, check_name
 
 MAX_DP_SIZE = 1024
-"""The most data-parallel ranks one replica may declare: each rank costs the indexer two
-sockets and every ``/score`` a lookup, so an unbounded ``dp_size`` (from ``POST /replicas``
-or a config file) could exhaust file descriptors or stall every request for the model."""
+"""The most data-parallel ranks one replica may declare (each costs two sockets and a lookup)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,16 +24,13 @@ class ReplicaSpec:
     model: str
     """Model name as served (the namespace of its block keys)."""
     events: str | None = None
-    """Its PUB endpoint (``--kv-events-config`` ``endpoint``, with the host filled in); the
-    indexer connects to it. None when the replica connects to the indexer's bound SUB."""
+    """Its PUB endpoint, which the indexer connects to (None: it connects to the bound SUB)."""
     replay: str | None = None
     """Its replay ROUTER endpoint (``replay_endpoint``); None disables gap repair."""
     url: str | None = None
-    """Base URL of its OpenAI-compatible server (``/metrics``, ``/tokenize``): http or https,
-    with a host."""
+    """Base URL of its OpenAI-compatible server (``/metrics``, ``/tokenize``), http(s)."""
     dp_size: int = 1
-    """Data-parallel ranks, 1 to :data:`MAX_DP_SIZE`; rank r publishes on port + r (PUB and
-    ROUTER)."""
+    """Data-parallel ranks, 1 to :data:`MAX_DP_SIZE`; rank r publishes on port + r."""
 
     def __post_init__(self) -> None:
         _check_replica_id(self.id)
@@ -88,8 +78,7 @@ def endpoint_for_rank(endpoint: str, rank: int) -> str:
 
 
 def replica_from_mapping(values: Mapping[str, Any], *, where: str) -> ReplicaSpec:
-    """A spec from loosely typed values (a TOML table, ``key=value`` text); ``where`` names
-    the source in the error."""
+    """A spec from loosely typed values; ``where`` names the source in the error."""
     known = {f.name for f in fields(ReplicaSpec)}
     unknown = set(values) - known
     if unknown:
@@ -114,8 +103,7 @@ def check_endpoint(name: str, value: str | None) -> None:
 
 
 def check_url(name: str, value: str | None) -> None:
-    """Reject anything but an ``http://`` or ``https://`` URL with a host (the API sends
-    prompts and scrapes there: ``file://`` and the like are never a replica)."""
+    """Reject anything but an ``http://`` or ``https://`` URL with a host."""
     if value is None:
         return
     try:

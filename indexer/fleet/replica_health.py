@@ -1,20 +1,7 @@
 """One replica's serving health: the record every process reads, and the rules that change it.
 
-A replica is judged two ways, and both verdicts live in its one :class:`ReplicaHealth`:
-
-* **active checks** (``GET <url>/health`` every interval, by one process a round): after
-  ``unhealthy_threshold`` consecutive failures the replica is ejected; while ejected, after
-  ``healthy_threshold`` consecutive successes it is restored;
-* **a circuit breaker** fed by a proxy's forwarding outcomes (connect errors, 5xx): open
-  after ``breaker_failures`` consecutive failures, for ``breaker_cooldown_s``; then
-  half-open: the replica takes requests again and the next outcome decides (a failure
-  reopens it, a success closes it).
-
-The record is shared: the in-process :class:`~kvindex.indexer.fleet.registry.Registry`
-keeps one per replica, and on Redis it is one field of the fleet's health hash
-(``kvindex.indexer.fleet.view.RedisFleetView``), so every proxy and API process excludes
-the same replicas. Records are values: every change is a pure function returning a new one,
-applied atomically by the store (``RegistryView.update_health``).
+Two verdicts in one :class:`ReplicaHealth`, active checks and a circuit breaker fed by
+forwarding outcomes; records are values, every change a pure function.
 """
 
 from __future__ import annotations
@@ -52,25 +39,19 @@ class ReplicaHealth(msgspec.Struct, frozen=True, kw_only=True):
     """One replica's health record (wall-clock timestamps: other processes read it)."""
 
     check_failures: int = 0
-    """Consecutive failed active checks (0 after a pass)."""
     check_successes: int = 0
-    """Consecutive passed active checks (0 after a failure)."""
     check_ejected: bool = False
-    """Ejected by active checks (until ``healthy_threshold`` passes)."""
     checked_at: float | None = None
-    """When the last check ended."""
     last_error: str | None = None
-    """Why the last failed check or forward failed."""
     breaker_open_until: float | None = None
     """None: the breaker is closed. In the future: open; in the past: half-open."""
     num_ejections: int = 0
-    """Times the replica was ejected (by either verdict)."""
 
     # --- verdicts ------------------------------------------------------------------------
 
     def ejection(self, now: float, policy: HealthPolicy) -> Ejection | None:
-        """Why the replica is out of routing at ``now``, or None. A check verdict older than
-        ``verdict_ttl_s`` is ignored: nobody vouches for it any more."""
+        """Why the replica is out of routing at ``now``, or None (a check verdict older than
+        ``verdict_ttl_s`` is ignored)."""
         if self.breaker_open_until is not None and now < self.breaker_open_until:
             return Ejection.BREAKER
         checked = self.checked_at
@@ -83,7 +64,7 @@ class ReplicaHealth(msgspec.Struct, frozen=True, kw_only=True):
         return self.breaker_open_until is not None and now >= self.breaker_open_until
 
     def describe(self, now: float, policy: HealthPolicy) -> str:
-        """A short sentence for an operator: ``healthy``, or why it is out."""
+        """``healthy``, or why it is out."""
         why = self.ejection(now, policy)
         error = f" ({self.last_error})" if self.last_error else ""
         if why is Ejection.BREAKER:
@@ -136,5 +117,4 @@ class ReplicaHealth(msgspec.Struct, frozen=True, kw_only=True):
         return msgspec.structs.replace(self, breaker_open_until=None)
 
 
-HEALTHY = ReplicaHealth()
-"""The record of a replica nothing was learnt about yet."""
+HEALTHY = ReplicaHealth()  # a replica nothing was learnt about yet

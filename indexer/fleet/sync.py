@@ -1,18 +1,9 @@
 """The fleet state an indexer shares through Redis, so API processes see what it sees.
 
-Two hashes (names in ``redis_schema``): replica id → :class:`ReplicaSpec`, and
-"replica/rank" → :class:`StreamRecord` (the stream's
-:class:`~kvindex.indexer.domain.health.StreamHealth` record, the same one the in-process registry
-keeps, and when it was written). :class:`FleetSync` runs in the indexer process, in its own thread:
-
-1. at start it writes the config-declared replicas to the replicas hash;
-2. every tick it reads that hash and adds/removes replicas in the in-process
-   :class:`Registry` (the subscriber then opens sockets or purges blocks, as it does for
-   any registry change); replicas the indexer learnt itself (bind mode) are written back;
-3. every tick it writes every stream's status (sharded: the streams it keeps, each naming
-   it as ``owner``; a stream handed over keeps its record until the new owner rewrites it).
-
-A Redis error is counted and logged, never fatal: the indexer keeps indexing.
+Two hashes: replica id → :class:`ReplicaSpec`, and stream → :class:`StreamRecord`.
+:class:`FleetSync` writes the declared replicas, follows the hash's adds and removes in the
+in-process registry, and writes every stream's record each tick; a Redis error is counted
+and logged, never fatal.
 """
 
 from __future__ import annotations
@@ -40,13 +31,10 @@ log = logging.getLogger("kvindex.fleet")
 class StreamRecord(msgspec.Struct, frozen=True):
     """One stream's record as published by the indexer."""
 
-    health: StreamHealth = msgspec.field(name="live")
-    """Its record. (Stored under the name "live", as before the record had its own type:
-    a reader of either release decodes a writer of the other, missing counters as 0.)"""
+    health: StreamHealth = msgspec.field(name="live")  # the wire name older releases read
     written_at: float
     """Writer's wall clock at the write; a reader treats an old record as stale."""
-    owner: str | None = None
-    """The id of the sharded indexer that wrote it (None: not sharded)."""
+    owner: str | None = None  # the sharded indexer that wrote it
 
 
 _SPEC_DECODER = msgspec.json.Decoder(ReplicaSpec)
@@ -107,10 +95,8 @@ def specs_of(raw: dict[bytes, bytes]) -> dict[str, ReplicaSpec]:
 
 
 class FleetSync:
-    """Mirrors the in-process registry to and from Redis; see the module docstring.
-
-    ``tick`` is the whole job (tests call it directly); ``start`` runs it every
-    ``period_s`` in a daemon thread. Not reentrant: one thread ticks."""
+    """Mirrors the in-process registry to and from Redis: ``tick`` is the whole job,
+    ``start`` runs it every ``period_s`` in a daemon thread. Not reentrant."""
 
     def __init__(
         self,
@@ -131,9 +117,9 @@ class FleetSync:
         self._period_s = period_s
         self._clock = clock
         self._known: set[str] = set()
-        """Replica ids in the hash at the last tick: one missing now was removed there."""
+
         self._written: set[str] = set()
-        """Status fields this process wrote (deleted once their stream is gone)."""
+
         self._declared_written = False
         self.num_errors = 0
         self._stop = threading.Event()
@@ -193,8 +179,7 @@ class FleetSync:
         self._known = set(stored)
 
     def _republish(self) -> None:
-        """The hash was never written or Redis lost it (restart): our registry is the truth
-        (removing every replica we know would empty the fleet), merged with what is there."""
+        """Redis lost the hash: our registry, merged with what is there, is the truth."""
         mapping = {s.id: encode_spec(s) for s in self._registry.replicas()}
         mapping[FLEET_MARKER] = b"1"
         self._client.hset(self._schema.replicas, mapping=mapping)  # type: ignore[arg-type]

@@ -1,19 +1,10 @@
 """The fleet as an API process sees it: a :class:`RegistryView` over the Redis hashes an
-indexer's :class:`~kvindex.indexer.fleet.sync.FleetSync` writes (names in ``redis_schema``).
+indexer's :class:`~kvindex.indexer.fleet.sync.FleetSync` writes.
 
-Reads come from one snapshot (both hashes, one round trip) cached for ``cache_ttl_s``, so
-``/score`` does not ask Redis for the fleet on every request. When Redis cannot be read, or
-its fleet hash lost the indexer's marker (Redis restarted empty, flushed: the indexer
-republishes it within its sync period), the last snapshot keeps serving and
-:meth:`RedisFleetView.outage` says why until a good read; a transition is logged once.
-With a :class:`~kvindex.indexer.index.circuit.StoreCircuit` (shared with the process's other
-stores), reads skip Redis while it is open and never probe it: reads run on the API's
-event loop, so they must not be the ones that wait on a store that may still be down.
-``add``/``remove`` write through (raising :class:`IndexUnavailableError` when Redis is
-down) and drop the cache, so this view sees its own writes at once. Replica health records
-(one hash, written by API and proxy processes, read with the rest of the snapshot) change
-through :meth:`RedisFleetView.update_health`, an optimistic transaction (WATCH/MULTI) so
-that two processes judging one replica never lose each other's change.
+Reads come from one snapshot cached for ``cache_ttl_s``; when Redis cannot be read or lost
+the fleet, the last snapshot serves and :meth:`RedisFleetView.outage` says why. Reads never
+probe an open circuit; writes go through and drop the cache. Health records change in an
+optimistic transaction, so two processes never lose each other's change.
 """
 
 from __future__ import annotations
@@ -53,43 +44,25 @@ from kvindex.indexer.index.circuit import StoreCircuit
 from kvindex.indexer.index.protocol import IndexUnavailableError
 from kvindex.indexer.index.redis import unavailable_on_connection_errors
 from kvindex.indexer.redis.connection import RedisClient
+from kvindex.indexer.redis.lua import lua_script
 from kvindex.indexer.redis.schema import FLEET_MARKER, UNROUTED_FIELD, Schema, check_name
 
 T = TypeVar("T")
 log = logging.getLogger("kvindex.fleet")
 
-_REMOVE_LUA = """
-local spec = redis.call('HGET', KEYS[1], ARGV[1])
-if not spec then return false end
-redis.call('HDEL', KEYS[1], ARGV[1])
-local prefix = ARGV[1] .. '/'
-for _, f in ipairs(redis.call('HKEYS', KEYS[2])) do
-  if string.sub(f, 1, #prefix) == prefix then redis.call('HDEL', KEYS[2], f) end
-end
-redis.call('HDEL', KEYS[3], ARGV[1])
-return spec
-"""
-"""Drop a replica's spec, its streams' statuses and its health record atomically; returns
-the spec or nil."""
 _HEALTH_DECODER = msgspec.json.Decoder(ReplicaHealth)
 _HEALTH_ENCODER = msgspec.json.Encoder()
-_HEALTH_ATTEMPTS = 5
-"""Tries of one health update that another process's write keeps invalidating."""
+_HEALTH_ATTEMPTS = 5  # tries of a health update other processes' writes keep invalidating
 
 
 @dataclass(frozen=True, slots=True)
 class _Fleet:
     specs: dict[str, ReplicaSpec] = field(default_factory=dict)
-    statuses: list[StreamStatus] = field(default_factory=list)
-    """Statuses of the streams of ``specs`` only, sorted by stream."""
-    marked: bool = False
-    """The replicas hash held the indexer's marker (absent after a good read: Redis lost it)."""
+    statuses: list[StreamStatus] = field(default_factory=list)  # of ``specs``, sorted
+    marked: bool = False  # the indexer's marker was there (absent: Redis lost the fleet)
     unrouted: UnroutedCounters = field(default_factory=UnroutedCounters)
-    """The indexer's counters of bound-SUB frames that reached no stream."""
     health: dict[str, ReplicaHealth] = field(default_factory=dict)
-    """Health records of the replicas of ``specs`` (absent: never judged)."""
-    now: float = 0.0
-    """When it was read (the statuses' silences are as of then)."""
+    now: float = 0.0  # when it was read
 
 
 def _same_streams(a: _Fleet, b: _Fleet) -> bool:
@@ -123,13 +96,11 @@ class RedisFleetView:
         """A status not rewritten for this long means no indexer keeps it: stale."""
         self._cache_ttl_s = cache_ttl_s
         self._clock = clock
-        self._remove = client.register_script(_REMOVE_LUA)
+        self._remove = client.register_script(lua_script(__name__, "remove_replica.lua"))
         self._lock = threading.Lock()
         self._fleet = _Fleet()
         self._generation = 0
-        """Bumped whenever ``_fleet``'s specs or streams change (:meth:`streams_version`)."""
         self._down: tuple[_Fleet, list[StreamId]] | None = None
-        """The snapshot :meth:`disconnected` last answered for, and its answer."""
         self._expires = float("-inf")
         self._outage: str | None = None
         self.num_errors = 0
@@ -137,7 +108,6 @@ class RedisFleetView:
     # --- writes --------------------------------------------------------------------------
 
     def add(self, spec: ReplicaSpec) -> bool:
-        """Register or update a replica; False if an identical spec was already there."""
         if not self._guarded(self._write_spec, spec):
             return False
         self._invalidate()
@@ -152,7 +122,6 @@ class RedisFleetView:
         return True
 
     def remove(self, replica: str) -> ReplicaSpec | None:
-        """Forget a replica and its streams' statuses (one script); returns the removed spec."""
         check_name("replica id", replica)
         keys = [self._schema.replicas, self._schema.stream_status, self._schema.replica_health]
         raw = self._guarded(self._remove_spec, keys, replica)
@@ -196,9 +165,6 @@ class RedisFleetView:
         return [s.stream for s in self._current().statuses]
 
     def streams_version(self) -> int:
-        """Changes when a snapshot read or changed has other specs or streams than the one
-        before (a refresh that reads the same fleet keeps it: the API keeps what it made of
-        them meanwhile)."""
         self._current()
         return self._generation
 
@@ -214,7 +180,6 @@ class RedisFleetView:
         ]
 
     def disconnected(self) -> list[StreamId]:
-        """Made once per snapshot (the API asks per request)."""
         fleet = self._current()
         down = self._down
         if down is None or down[0] is not fleet:
@@ -228,8 +193,6 @@ class RedisFleetView:
         return dict(self._current().health)
 
     def update_health(self, changes: dict[str, HealthChange]) -> dict[str, HealthUpdate]:
-        """Apply the changes in one transaction (retried when another process wrote the
-        hash meanwhile); changes of replicas not in the fleet are dropped."""
         if not changes:
             return {}
         out = self._guarded(self._update_health, changes)
@@ -275,16 +238,13 @@ class RedisFleetView:
         return {r for r, ok in zip(replicas, won, strict=True) if ok}
 
     def unrouted(self) -> UnroutedCounters:
-        """The counters the indexer last published (zeros before it has)."""
         return self._current().unrouted
 
     def outage(self) -> str | None:
-        """Why the fleet shown is the last one read, not the current one (None: current)."""
         self._current()
         return self._outage
 
     def block_size(self, model: str) -> int | None:
-        """The block size the model's replicas publish (the most common one), if seen."""
         fleet = self._current()
         sizes = [
             size
@@ -315,8 +275,7 @@ class RedisFleetView:
             return self._fleet
 
     def _refresh(self, fleet: _Fleet) -> None:
-        """Take a good read, unless Redis lost the fleet since the last one: then keep the
-        last (with whatever was added since) until an indexer republishes it."""
+        """Take a good read, unless Redis lost the fleet: then keep the last, merged."""
         before = self._fleet
         self._take(fleet)
         if not _same_streams(before, self._fleet):

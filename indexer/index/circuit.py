@@ -1,14 +1,7 @@
 """The store circuit: skip a store that is down instead of waiting on it at every call.
 
-One :class:`StoreCircuit` guards every store of a process that shares one connection (an
-API process: its index, load and fleet reads all go to one Redis), so the first call that
-finds Redis down spares the others the wait. The indexer's write path has one too: without
-it, every broken stream's resync attempt would wait out its own failed call (0.7 s each
-with Redis refused, 20 s with Redis stopped), one stream after the other, in the one loop
-that also drains the sockets. :class:`CircuitIndex` puts it around a
-:class:`~kvindex.indexer.index.protocol.BlockIndex`; other stores wrap themselves the same
-way (``kvindex.api.load.store.CircuitLoadStore``); the fleet view takes the circuit itself,
-because it answers from its last snapshot instead of raising.
+One :class:`StoreCircuit` guards every store of a process that shares one connection;
+:class:`CircuitIndex` puts it around a :class:`~kvindex.indexer.index.protocol.BlockIndex`.
 """
 
 from __future__ import annotations
@@ -42,13 +35,9 @@ class StoreSkippedError(IndexUnavailableError):
 
 
 class StoreCircuit:
-    """Closed, every call goes through. A call failing with :class:`IndexUnavailableError`
-    opens it: for ``cooldown_s`` every call is refused at once (:class:`StoreSkippedError`,
-    the callers answer from what they have); after that, the first call is let through as a
-    probe (the others keep being refused for another ``cooldown_s``): its success closes
-    the circuit, its failure keeps it open. Any other exception is not an outage and
-    changes nothing. Thread-safe; logs each opening and closing once.
-    """
+    """Closed, every call goes through. An :class:`IndexUnavailableError` opens it: for
+    ``cooldown_s`` every call raises :class:`StoreSkippedError` at once; then one call goes
+    through as a probe, whose success closes it. Thread-safe; logs each change once."""
 
     def __init__(
         self, cooldown_s: float, *, name: str = "redis", clock: Callable[[], float] = time.monotonic
@@ -58,7 +47,7 @@ class StoreCircuit:
         self._clock = clock
         self._lock = threading.Lock()
         self._retry_at: float | None = None
-        """None: closed. Else when the next probe may go."""
+
         self._last_error = ""
         self.num_openings = 0
         self.num_skipped = 0
@@ -74,8 +63,7 @@ class StoreCircuit:
         return self._guarded(fn, *args)
 
     def call_if_closed(self, fn: Callable[..., T], *args: Any) -> T:
-        """Like :meth:`call`, but never as the probe: for callers that must not wait on a
-        store that may still be down (the fleet view, read on the event loop)."""
+        """Like :meth:`call`, but never as the probe (for callers that must not wait)."""
         self._admit(probe=False)
         return self._guarded(fn, *args)
 
@@ -151,15 +139,13 @@ class CircuitIndex:
         return self._circuit.call(self._inner.longest_prefix, keys, streams)
 
     def holders(self, keys: Sequence[int], streams: Sequence[StreamId]) -> HeldRuns:
-        """The inner index's holders (``holders_of``), through the circuit."""
         return self._circuit.call(self._holders, keys, streams)
 
     def stats(self, stream: StreamId) -> StreamStats:
         return self._circuit.call(self._inner.stats, stream)
 
     def intact(self) -> bool:
-        """The inner store's :meth:`~kvindex.indexer.index.protocol.StoreIdentity.intact`,
-        through the circuit; True for a store that cannot lose its data (has no such call)."""
+        """The inner store's ``intact`` through the circuit; True for one without it."""
         inner = self._inner
         if not isinstance(inner, StoreIdentity):
             return True

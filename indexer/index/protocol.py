@@ -1,23 +1,9 @@
-"""The block index: one Protocol, two backends (``memory_store``, ``redis_store``).
+"""The block index: one Protocol, two backends (``memory.py``, ``redis.py``).
 
-The index holds, per stream (replica, data-parallel rank):
-
-* block key → how many times the block is cached on each tier (GPU / CPU / other);
-* engine hash → block key, so that ``BlockRemoved`` (which names engine hashes) and
-  tokenless CPU-offload stores can be applied;
-* the stream's watermark (last applied seq, an exact ``int``: seqs are
-  ``0 <= seq < MAX_SEQ``, vLLM's unsigned 64-bit counter) and the time of its last batch.
-
-Guarantees every backend gives (the contract suite in ``tests/contract`` checks them):
-
-* :meth:`BlockIndex.apply` applies one batch of :data:`Op` atomically together with the
-  watermark; a batch at or below the watermark is a no-op (replay overlap and two
-  indexers on one stream are safe, and a retry after a dropped connection is idempotent).
-* Counts are per (stream, block, tier): a block stored twice needs two removals, and a
-  block removed from CPU is still matched while GPU holds it.
-* :meth:`BlockIndex.longest_prefix` stops at the first missing key per stream;
-  :func:`prefix_holders` is the same answer without the streams that match nothing.
-* Clearing or dropping a stream costs that stream's own blocks, never a keyspace scan.
+Per stream: block key → its count per tier, engine hash → block key, and the watermark (last
+applied seq, exact). Every backend (``tests/contract``): a batch is atomic with the watermark
+and a no-op at or below it; a longest prefix stops at each stream's first miss; clearing a
+stream costs its own blocks, never a scan.
 """
 
 from __future__ import annotations
@@ -39,16 +25,13 @@ class IndexUnavailableError(KvIndexError):
 
 
 class OpKind(enum.IntEnum):
-    """Index operations. Values are stable: the Redis script reads them."""
+    """Index operations (values stable: the Redis script reads them); STORE_BY_HASH finds
+    its key through the engine-hash map (tokenless stores)."""
 
     STORE = 0
-    """Count ``key`` once more on ``tier``; map ``engine_hash`` → ``key``."""
     STORE_BY_HASH = 1
-    """Like STORE, with the key found through the engine-hash map (tokenless stores)."""
     REMOVE = 2
-    """Count the block of ``engine_hash`` once less on ``tier``."""
     CLEAR = 3
-    """Forget every block of the stream (``AllBlocksCleared``); the watermark moves on."""
 
 
 Op: TypeAlias = tuple[OpKind, Tier, int, int]
@@ -60,23 +43,18 @@ BatchOps: TypeAlias = tuple[int, float, Sequence[Op]]
 
 @dataclass(frozen=True, slots=True)
 class ApplyResult:
-    """What applying one batch did."""
+    """What applying one batch did (REMOVEs of blocks not held, unknown hashes: counted)."""
 
     applied: bool
-    """False when the batch was at or below the watermark (nothing changed)."""
     num_unknown_removals: int = 0
-    """REMOVE ops whose engine hash (or tier) was not held: no-ops, counted."""
     num_unresolved_stores: int = 0
-    """STORE_BY_HASH ops whose engine hash was unknown: skipped, counted."""
 
 
 SKIPPED = ApplyResult(applied=False)
-APPLIED = ApplyResult(applied=True)
-"""A batch applied with nothing to count (the common case: shared, not allocated)."""
+APPLIED = ApplyResult(applied=True)  # the common case: shared, not allocated
 
 
 def applied(num_unknown_removals: int, num_unresolved_stores: int) -> ApplyResult:
-    """The result of a batch applied above the watermark."""
     if num_unknown_removals or num_unresolved_stores:
         return ApplyResult(True, num_unknown_removals, num_unresolved_stores)
     return APPLIED
@@ -101,10 +79,8 @@ class StreamStats:
     stream: StreamId
     watermark: int
     """Last applied seq; -1 before the first batch (or after a restart cleared it)."""
-    last_event_ts: float | None
-    """The ``ts`` of the last applied batch (engine wall clock, seconds since the epoch)."""
-    blocks_by_tier: dict[Tier, int] = field(default_factory=dict)
-    """Distinct blocks held on each tier."""
+    last_event_ts: float | None  # the engine's ts of the last applied batch
+    blocks_by_tier: dict[Tier, int] = field(default_factory=dict)  # distinct blocks per tier
 
     @property
     def num_blocks(self) -> int:
@@ -119,8 +95,7 @@ class BlockIndex(Protocol):
         ...
 
     def apply_many(self, stream: StreamId, batches: Sequence[BatchOps]) -> list[ApplyResult]:
-        """Apply consecutive batches of one stream in order, each as :meth:`apply` would
-        (one round trip on Redis: how the subscriber keeps up with busy replicas)."""
+        """Apply consecutive batches of one stream in order, each as :meth:`apply` would."""
         ...
 
     def resolve(self, stream: StreamId, engine_hashes: Sequence[int]) -> list[int | None]:
@@ -151,55 +126,39 @@ class BlockIndex(Protocol):
         ...
 
     def close(self) -> None:
-        """Release connections. The index must not be used afterwards."""
+        """Release connections; the index must not be used afterwards."""
         ...
 
 
 @runtime_checkable
 class StoreIdentity(Protocol):
-    """An index that can tell whether its store still holds what was written to it.
-
-    Both backends implement it (the contract suite checks them); it is a Protocol of its
-    own so that wrappers of :class:`BlockIndex` that have no use for it need not pass it on.
-    """
+    """An index that can tell whether its store still holds what was written to it."""
 
     def intact(self) -> bool:
-        """False once the store lost its data since the last call (a Redis restarted
-        empty, a FLUSHALL: every stream's blocks and watermark are gone); True otherwise,
-        and from the first call, which adopts the store as it is. A call that returns
-        False marks the store again, so the next returns True until the next loss. Raises
-        :class:`IndexUnavailableError` when the store cannot be reached. The memory
-        backend never loses its data."""
+        """False once the store lost its data since the last call (a Redis restarted empty),
+        True again after; the first call adopts the store."""
         ...
 
 
 HeldRuns: TypeAlias = list[tuple[PrefixMatch, list[int]]]
-"""Holders grouped by their match: ``(match, the indices in the streams asked of the
-streams whose longest prefix it is)``; each holder in one run, runs in no particular order."""
+"""``(match, indices in the streams asked of those it is the longest prefix of)``, any order."""
 
 
 @runtime_checkable
 class HolderLookup(Protocol):
     """An index that answers a lookup with its holders alone, at a cost that follows them
-    and the matched prefix rather than the streams asked (the memory backend). A Protocol
-    of its own, as :class:`StoreIdentity`: every index answers :func:`prefix_holders`,
-    through this call when it has it, else through :meth:`BlockIndex.longest_prefix`."""
+    rather than the streams asked."""
 
     def holders(self, keys: Sequence[int], streams: Sequence[StreamId]) -> HeldRuns:
-        """The ``streams`` (distinct) holding ``keys[0]``, by index, in runs of one match
-        (:data:`HeldRuns`): what :meth:`BlockIndex.longest_prefix` answers for them; every
-        other stream's match is :data:`NO_MATCH`."""
+        """The ``streams`` (distinct) holding ``keys[0]``, as :meth:`BlockIndex.longest_prefix`."""
         ...
 
 
-Holders = Callable[[Sequence[int], Sequence[StreamId]], HeldRuns]
-"""``(keys, streams)`` → the holders among ``streams`` (:meth:`HolderLookup.holders`)."""
+Holders = Callable[[Sequence[int], Sequence[StreamId]], HeldRuns]  # HolderLookup.holders
 
 
 def holders_of(index: BlockIndex) -> Holders:
-    """The index's :meth:`HolderLookup.holders` when it has one, else the same answer made
-    from its :meth:`~BlockIndex.longest_prefix` (found once: callers keep it, as a wrapper
-    passing the call on does)."""
+    """The index's :meth:`HolderLookup.holders`, else the same from ``longest_prefix``."""
     if isinstance(index, HolderLookup):
         return index.holders
 
@@ -215,8 +174,7 @@ def holders_of(index: BlockIndex) -> Holders:
 def prefix_holders(
     index: BlockIndex, keys: Sequence[int], streams: Sequence[StreamId]
 ) -> dict[StreamId, PrefixMatch]:
-    """Each of ``streams`` that holds ``keys[0]`` → its longest prefix (every other one's is
-    :data:`NO_MATCH`), on any index, through :func:`holders_of`."""
+    """Each of ``streams`` that holds ``keys[0]`` → its longest prefix, on any index."""
     return {streams[i]: match for match, run in holders_of(index)(keys, streams) for i in run}
 
 
@@ -229,5 +187,4 @@ def drop_replica(index: BlockIndex, replica: str) -> list[StreamId]:
 
 
 class FencedError(KvIndexError):
-    """A write refused because another indexer owns the stream now (its lease token is the
-    stream's fence): nothing of the call was applied. The caller stops writing the stream."""
+    """A write refused, nothing applied: another indexer owns the stream now."""

@@ -1,12 +1,5 @@
-"""Compiled hot loops (Cython, built by ``pip install``): block-key chaining, decoded token
-ids kept packed, the memory store's tables, and the compiled ingest path (decoded live
-batches straight to ops applied to those tables) (``_core.pyx``; its types in
-``_core.pyi``).
-
-Each name is the compiled object, or None when the extension is not built (a checkout used
-without an install): callers then fall back to the pure-Python code, which stays the
-reference the tests compare the compiled code with.
-"""
+"""The compiled hot loops (Cython, built by ``pip install``; ``_core.pyx``, ``_lookup.pyx``,
+``_json.pyx``): each name here is the compiled object, or None when the extension is not built."""
 
 from __future__ import annotations
 

@@ -1,16 +1,9 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""kvindex's compiled hot loops: block-key chaining, the memory store's tables, and the
-compiled ingest path (live msgpack frames read into flat records, translated and applied
-to the tables in one call: ``native_live``, ``Tables.ingest``).
+"""Compiled hot loops: block-key chaining, the memory store's tables, and the compiled ingest
+path (live msgpack frames read into flat records, translated and applied in one call).
 
-Built by ``pip install`` (setup.py); ``kvindex.indexer.native`` says whether it loaded, and
-the pure-Python code it replaces stays the reference (tests prove both agree).
-
-The memory store keeps its maps in open-addressing tables of 16-byte slots (64-bit key,
-64-bit value; linear probing in Robin Hood order, multiplicative hashing, deletion by
-backward shift, so no tombstones), filled up to 90 % and grown by a quarter, allocated with ``PyMem_Malloc`` so
-``tracemalloc`` sees them. A (stream, block) entry costs two slots (its engine hash in the
-stream's table, its key in the index-wide one), where Python dicts of ints cost 100+ bytes.
+The tables are open-addressing arrays of 16-byte slots (Robin Hood linear probing, deletion
+by backward shift, at most 90 % full), allocated with ``PyMem_Malloc`` so ``tracemalloc`` sees them.
 """
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
@@ -21,28 +14,12 @@ from libc.stdint cimport int64_t, uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy, memset, strlen
 
 cdef extern from *:
-    """
-    #define XXH_INLINE_ALL
-    #include "vendor/xxhash.h"
+    "#define XXH_INLINE_ALL"
 
-    /* A key's home slot in a table of any capacity: the high bits of a 128-bit product
-       (keys are mixed first: engine hashes in tests are small ints). */
-    /* A u32 stored little-endian (one store on a little-endian host). */
-    static inline void kv_store_le32(unsigned char* out, uint32_t value) {
-    #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-        memcpy(out, &value, 4);
-    #else
-        out[0] = value & 0xFF; out[1] = (value >> 8) & 0xFF;
-        out[2] = (value >> 16) & 0xFF; out[3] = (value >> 24) & 0xFF;
-    #endif
-    }
-
-    static inline Py_ssize_t kv_home(uint64_t key, uint64_t capacity) {
-        uint64_t mixed = key * 0x9E3779B97F4A7C15ULL;
-        return (Py_ssize_t)(((unsigned __int128)(mixed ^ (mixed >> 29)) * capacity) >> 64);
-    }
-    """
+cdef extern from "vendor/xxhash.h":
     uint64_t XXH3_64bits(const void* data, size_t length) nogil
+
+cdef extern from "kv_inline.h":
     Py_ssize_t kv_home(uint64_t key, uint64_t capacity) nogil
     void kv_store_le32(unsigned char* out, uint32_t value) nogil
 
@@ -66,9 +43,9 @@ cdef extern from "Python.h":
 
 
 def chain(uint64_t parent, bytes token_bytes, Py_ssize_t block_size):
-    """Keys of the full blocks of ``token_bytes`` chained from ``parent``: for each block,
-    XXH3-64 of ``parent (u64, little-endian) | the block's token bytes`` (what
-    ``kvindex.indexer.domain.keys.chain_keys`` hashes when there are no extra keys)."""
+    """Reference: kvindex.indexer.domain.keys.chain_keys; tests/unit/indexer/native/test_core.py::test_compiled_chain_agrees_with_python
+
+    Keys of the full blocks of ``token_bytes``: each XXH3-64 of its parent (u64 LE) and bytes."""
     if block_size <= 0:
         raise ValueError(f"block size must be positive, got {block_size}")
     cdef Py_ssize_t stride = block_size * 4
@@ -93,9 +70,9 @@ def chain(uint64_t parent, bytes token_bytes, Py_ssize_t block_size):
 
 
 def chain_tokens(uint64_t parent, token_ids, Py_ssize_t block_size):
-    """:func:`chain` over token ids (a list or tuple of ints) rather than their bytes: the
-    ids of the full blocks only are read, each must be an int in [0, 2**32) (else
-    OverflowError or TypeError)."""
+    """Reference: kvindex.indexer.domain.keys.chain_keys; tests/unit/indexer/native/test_core.py::test_compiled_chain_agrees_with_python
+
+    :func:`chain` over token ids, ints in [0, 2**32) (else OverflowError or TypeError)."""
     if block_size <= 0:
         raise ValueError(f"block size must be positive, got {block_size}")
     cdef object seq = PySequence_Fast(token_ids, "token ids must be a sequence")
@@ -129,8 +106,9 @@ def chain_tokens(uint64_t parent, token_ids, Py_ssize_t block_size):
 
 
 def pack_tokens(token_ids):
-    """Token ids (a list or tuple of ints in [0, 2**32), else OverflowError or TypeError)
-    as little-endian u32 bytes."""
+    """Reference: kvindex.indexer.domain.keys.tokens_to_bytes; tests/unit/indexer/native/test_core.py::test_pack_tokens_equal_the_python_packing
+
+    Token ids (a list or tuple of ints in [0, 2**32)) as little-endian u32 bytes."""
     cdef object seq = PySequence_Fast(token_ids, "token ids must be a sequence")
     cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), i
     cdef PyObject** items = PySequence_Fast_ITEMS(seq)
@@ -154,10 +132,8 @@ def pack_tokens(token_ids):
 
 
 cdef class PackedTokens:
-    """A decoded event's token ids kept as little-endian u32 bytes (``packed``, what the
-    block keys hash) instead of a list of Python ints: a read-only sequence of ints that
-    equals the list it stands for (and only lists, as a list does), made by
-    :func:`packed_tokens` from the msgpack array as sent."""
+    """A decoded store's token ids as little-endian u32 bytes (``packed``): a read-only
+    sequence equal to the list it stands for, and only to lists."""
 
     cdef readonly bytes packed
     cdef Py_ssize_t _n
@@ -216,9 +192,9 @@ cdef inline uint64_t _be(const unsigned char* p, int width) noexcept nogil:
 
 
 def packed_tokens(raw):
-    """The token ids of a msgpack array (any buffer holding exactly one msgpack item) as
-    :class:`PackedTokens`; None unless it is an array of ints each in [0, 2**32) (the
-    caller then decodes it the general way, which says what is wrong with it)."""
+    """Reference: kvindex.indexer.ingest.wire._decode_general; tests/unit/indexer/native/test_core.py::test_packed_decoding_agrees_with_the_general_one
+
+    One msgpack array of ints in [0, 2**32) as :class:`PackedTokens`, else None."""
     cdef Py_buffer view
     PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE)
     try:
@@ -228,8 +204,7 @@ def packed_tokens(raw):
 
 
 cdef inline int _int_width(unsigned char head) noexcept nogil:
-    """Bytes after a msgpack uint or int head (0xCC-0xCF, 0xD0-0xD3); -1 for any other
-    head (the fixints are read by the caller)."""
+    # Bytes after a msgpack uint or int head; -1 for any other head (fixints: the caller).
     if head == 0xCC or head == 0xD0:
         return 1
     if head == 0xCD or head == 0xD1:
@@ -293,8 +268,9 @@ cdef object _packed(const unsigned char* p, Py_ssize_t size):
 
 
 def unsigned_hashes(values):
-    """``tuple(values)`` when ``values`` is a list of ints in [0, 2**64) (engine hashes that
-    need no normalising: vLLM's int form), else None (the caller normalises them)."""
+    """Reference: kvindex.indexer.ingest.wire._hashes; tests/unit/indexer/native/test_core.py::test_compiled_hash_fast_path_agrees_with_python
+
+    ``tuple(values)`` for a list of ints in [0, 2**64), else None (the caller normalises)."""
     cdef Py_ssize_t i
     cdef object item
     if type(values) is not list:
@@ -311,10 +287,10 @@ def unsigned_hashes(values):
 
 def store_chain(list ops, KeyCache cache, object kind, object tier, engine_hashes,
                 uint64_t parent, bytes token_bytes, Py_ssize_t block_size):
-    """The store ops of one event, with the keys :func:`chain` gives: for each full block
-    and its engine hash, ``(kind, tier, engine_hash, key)`` goes to ``ops`` and
-    ``cache.put(engine_hash, key)``. There must be one engine hash per full block
-    (ValueError). Returns the number of blocks."""
+    """Reference: kvindex.indexer.ingest.ingestor.Ingestor.translate; tests/unit/indexer/native/test_core.py::test_compiled_translation_agrees_with_python
+
+    A store's ``(kind, tier, engine_hash, key)`` ops to ``ops``, each mapping cached; one engine
+    hash per full block (ValueError). Returns the number of blocks."""
     if block_size <= 0:
         raise ValueError(f"block size must be positive, got {block_size}")
     cdef object seq = PySequence_Fast(engine_hashes, "engine hashes must be a sequence")
@@ -346,7 +322,9 @@ def store_chain(list ops, KeyCache cache, object kind, object tier, engine_hashe
 
 
 def remove_ops(list ops, object kind, object tier, engine_hashes):
-    """``(kind, tier, engine_hash, 0)`` to ``ops`` for each engine hash."""
+    """Reference: kvindex.indexer.ingest.ingestor.Ingestor.translate; tests/unit/indexer/native/test_core.py::test_compiled_translation_agrees_with_python
+
+    ``(kind, tier, engine_hash, 0)`` to ``ops`` for each engine hash."""
     cdef object engine_hash
     for engine_hash in engine_hashes:
         ops.append((kind, tier, engine_hash, 0))
@@ -378,13 +356,11 @@ cdef inline Py_ssize_t _next(const Table* t, Py_ssize_t i) noexcept nogil:
     return 0 if i == t.capacity else i
 
 cdef inline Py_ssize_t _distance(const Table* t, uint64_t key, Py_ssize_t i) noexcept nogil:
-    """How far slot ``i`` is past ``key``'s home slot (cyclically)."""
     cdef Py_ssize_t home = _home(t, key)
     return i - home if i >= home else i + t.capacity - home
 
 cdef inline void _shift_up(Table* t, Py_ssize_t i) noexcept nogil:
-    """Move the entries from slot ``i`` to the next empty slot up one slot (from the end),
-    freeing slot ``i`` (the caller fills it). The table must have an empty slot."""
+    # Move the entries from slot i to the next empty one up a slot, freeing slot i.
     cdef Py_ssize_t j = i, k
     while t.slots[j].key != 0:
         j = _next(t, j)
@@ -394,9 +370,8 @@ cdef inline void _shift_up(Table* t, Py_ssize_t i) noexcept nogil:
         j = k
 
 cdef Py_ssize_t _find(const Table* t, uint64_t key) noexcept nogil:
-    """The slot holding ``key`` (not 0), or -1. Robin Hood order: a slot whose entry is
-    nearer its home than ``key`` would be here means ``key`` is absent (no full scan of
-    the cluster, which at 90 % load is long)."""
+    """The slot holding ``key`` (not 0), or -1. Robin Hood order: a slot whose entry is nearer
+    its home than ``key`` would be means ``key`` is absent (no scan of the whole cluster)."""
     if t.capacity == 0:
         return -1
     cdef Py_ssize_t i = _home(t, key), d = 0
@@ -422,10 +397,8 @@ cdef bint _get(const Table* t, uint64_t key, uint64_t* value) noexcept nogil:
     return True
 
 cdef void _place(Table* t, Entry entry) noexcept nogil:
-    """Insert an entry whose key (not 0) is absent, keeping the Robin Hood order. With
-    homes monotonic in the mixed key (``kv_home``), that order sorts each run by home:
-    the entry goes before the first entry of its run whose home lies past its own, and
-    the rest of the run moves up one slot (no per-slot home computed for the move)."""
+    """Insert an absent ``key`` (not 0) before the first entry of its run whose home lies past
+    its own (homes are monotonic in the mixed key); the rest of the run moves up one slot."""
     cdef Py_ssize_t i = _home(t, entry.key), d = 0
     while t.slots[i].key != 0 and _distance(t, t.slots[i].key, i) >= d:
         i = _next(t, i)
@@ -434,12 +407,8 @@ cdef void _place(Table* t, Entry entry) noexcept nogil:
     t.slots[i] = entry
 
 cdef int _resize(Table* t, Py_ssize_t capacity) except -1 nogil:
-    """Move every entry to a new array of ``capacity`` slots. The old one is read from an
-    empty slot on, so entries come in the order of their homes (Robin Hood runs are sorted
-    by home, and homes keep their order at any capacity): each goes to its home or just
-    after the one placed before it, without a walk of its run. An entry out of that order
-    (two old homes that were one and now differ the other way, or the homes wrapping past
-    the end) is inserted by :func:`_place`."""
+    """Move every entry to ``capacity`` slots, read from an empty slot on so they come in home
+    order and each lands at its home or just after the one before; one out of order is placed."""
     cdef Entry* old = t.slots
     cdef Py_ssize_t old_capacity = t.capacity, start = 0, n, i, home, pos
     cdef Py_ssize_t last = -1, last_home = 0  # where the last entry in order went, its home
@@ -479,7 +448,6 @@ cdef uint64_t* _value_of(Table* t, uint64_t key) noexcept nogil:
     return NULL if i < 0 else &t.slots[i].value
 
 cdef inline bint _full(const Table* t) noexcept nogil:
-    """Whether one more entry would take the load factor past 0.9."""
     return (t.size + 1) * 10 > t.capacity * 9
 
 cdef int _grow(Table* t) except -1 nogil:
@@ -488,7 +456,7 @@ cdef int _grow(Table* t) except -1 nogil:
     return _resize(t, t.capacity + t.capacity // 4)
 
 cdef int _insert(Table* t, uint64_t key, uint64_t value) except -1 nogil:
-    """Insert ``key``, known to be absent (one probe less than :func:`_put`)."""
+    """Insert ``key``, known to be absent."""
     cdef Entry entry
     if key == 0:
         t.has_zero = True
@@ -503,9 +471,7 @@ cdef int _insert(Table* t, uint64_t key, uint64_t value) except -1 nogil:
     return 0
 
 cdef uint64_t* _slot_for(Table* t, uint64_t key, bint* added) except NULL nogil:
-    """Where ``key``'s value is kept, ``key`` inserted (its value 0, ``added`` set) if it
-    was absent: one walk of its run, where a miss and then :func:`_insert` make two (the
-    miss stops where the key belongs). Valid until the next insertion."""
+    """Where ``key``'s value is kept, inserted as 0 (``added`` set) if absent: one walk."""
     cdef Py_ssize_t i = 0, d = 0
     cdef uint64_t found
     if key == 0:
@@ -537,7 +503,6 @@ cdef uint64_t* _slot_for(Table* t, uint64_t key, bint* added) except NULL nogil:
     return &t.slots[i].value
 
 cdef int _put(Table* t, uint64_t key, uint64_t value) except -1 nogil:
-    """Insert or overwrite."""
     cdef Py_ssize_t i
     if key == 0:
         t.has_zero = True
@@ -550,8 +515,7 @@ cdef int _put(Table* t, uint64_t key, uint64_t value) except -1 nogil:
     return _insert(t, key, value)
 
 cdef bint _delete(Table* t, uint64_t key) noexcept nogil:
-    """Remove ``key``; False if it was not there. The entries after it shift back one
-    slot, up to the first that is at its home (or an empty slot)."""
+    """Remove ``key`` (False if absent); the entries after it shift back (no tombstone)."""
     cdef Py_ssize_t i, j
     cdef uint64_t found
     if key == 0:
@@ -579,7 +543,7 @@ cdef void _free(Table* t) noexcept nogil:
     memset(t, 0, sizeof(Table))
 
 cdef void _clear(Table* t) noexcept nogil:
-    """Empty the table, keeping its slots (a cache generation refilled at about its size)."""
+    """Empty the table, keeping its slots."""
     if t.capacity:
         memset(t.slots, 0, t.capacity * sizeof(Entry))
     t.size = 0
@@ -596,14 +560,11 @@ cdef Py_ssize_t _nbytes(const Table* t) noexcept nogil:
 
 
 cdef class KeyCache:
-    """Recent engine hash → key mappings of one stream, in two generations (what
-    ``kvindex.indexer.ingest.ingestor``'s pure-Python cache does, in two tables): new mappings go to
-    the young one; when it holds ``capacity // 2`` (checked by :meth:`age`, after each
-    batch) it becomes the old one and the previous old one is dropped whole. A mapping
-    found in the old one is copied back to the young one. Engine hashes are unsigned 64-bit
-    (as the wire module normalises them; anything else raises OverflowError).
-    ``Tables.ingest`` reads and fills it without the GIL; not thread-safe otherwise (one
-    stream's batches are translated by one thread at a time)."""
+    """Reference: kvindex.indexer.ingest.ingestor._KeyCache; tests/unit/indexer/native/test_native_ingest.py::test_the_compiled_key_cache_answers_as_the_python_one
+
+    Recent engine hash → key mappings of one stream in two generations: new ones go to the young;
+    :meth:`age` makes a young one of ``capacity // 2`` the old, dropping the old whole; a hit in the
+    old is copied back. Hashes are u64 (else OverflowError). Not thread-safe."""
 
     cdef Table _young
     cdef Table _old
@@ -619,11 +580,10 @@ cdef class KeyCache:
         _free(&self._old)
 
     def __len__(self):
-        """Mappings in the young generation (what decides :meth:`age`)."""
+        """Mappings in the young generation."""
         return _len(&self._young)
 
     def get(self, uint64_t engine_hash):
-        """The key cached for ``engine_hash`` (young first, then old: copied back), or None."""
         cdef uint64_t key
         if _get(&self._young, engine_hash, &key):
             return key
@@ -636,24 +596,13 @@ cdef class KeyCache:
         _put(&self._young, engine_hash, key)
 
     def age(self):
-        """Start a new generation if the young one is full."""
         _age(&self._young, &self._old, self.capacity // 2)
 
     def translate(self, list batches, uint64_t root):
-        """The first phase of ``Tables.ingest`` for ``batches`` (:class:`NativeBatch` es of
-        this cache's stream, in order), without the GIL and without any index: each
-        batch's ops are made in order, as ``ingest`` makes them, a parent looked up in this
-        cache alone, until a store whose parent is in neither generation (only the index
-        may know it). ``Tables.ingest`` translates the rest, from that store on, with the
-        stream's table at hand, under the caller's lock. Returns the batches translated
-        whole.
-
-        What it reads and changes is this cache and the batches only, so a clear or a drop
-        of the stream meanwhile changes nothing of it (the serial order is the clear, then
-        the ingest: the ops made from the cache are the same). The batches must next go to
-        ``Tables.ingest``, in the same order, with this cache and ``root``, before the cache
-        is used otherwise: it already holds their mappings. ValueError for a batch already
-        translated and not yet ingested."""
+        """The first phase of ``Tables.ingest``, without the GIL or the index: each batch's ops
+        made in order, a parent looked up in this cache alone, up to a store whose parent it
+        lacks. Returns the batches translated whole. They must next go to ``Tables.ingest`` in
+        order with this cache and ``root``; a batch translated and not ingested: ValueError."""
         cdef tuple held = tuple(batches)
         cdef Py_ssize_t n = len(held), i, done = 0
         cdef NativeBatch batch
@@ -682,8 +631,6 @@ cdef class KeyCache:
 
 
 cdef inline void _age(Table* young, Table* old, Py_ssize_t half) noexcept nogil:
-    """The young generation becomes the old one once it holds ``half`` mappings (the
-    previous old one's slots are kept for the next young one)."""
     cdef Table dropped
     if _len(young) < half:
         return
@@ -695,9 +642,8 @@ cdef inline void _age(Table* young, Table* old, Py_ssize_t half) noexcept nogil:
 
 cdef int _cached_parent(Table* young, Table* old, Table* hash_to_key, uint64_t parent_hash,
                         uint64_t* key) except -2 nogil:
-    """A parent's key from the cache (young, then old: copied back to young), else from the
-    stream's table (then cached); 0: unknown everywhere; -1: in neither generation and
-    ``hash_to_key`` is NULL (the translation without the index: nothing was changed)."""
+    """A parent's key from the cache (young, then old: copied back), else from the stream's
+    table (then cached): 1; 0: unknown; -1: in neither generation and ``hash_to_key`` NULL."""
     if _get(young, parent_hash, key):
         return 1
     if _get(old, parent_hash, key):
@@ -816,7 +762,6 @@ cdef struct Translation:  # a batch's ops made ahead of Tables.ingest (KeyCache.
 
 
 cdef int _reserve(Buffer* b, Py_ssize_t more) except -1 nogil:
-    """Room for ``more`` bytes past ``b.size``."""
     cdef Py_ssize_t capacity
     cdef char* data
     if b.size + more <= b.capacity:
@@ -851,8 +796,7 @@ cdef inline int _push_word(Buffer* b, uint64_t word) except -1 nogil:
     return 0
 
 cdef uint64_t _orphan_root(uint64_t parent_hash) noexcept nogil:
-    """``kvindex.indexer.ingest.ingestor.orphan_root``: XXH3-64 of ``b"kvindex/orphan\\x00"`` and the
-    parent's engine hash (8 bytes, big-endian)."""
+    """Reference: kvindex.indexer.ingest.ingestor.orphan_root; tests/unit/indexer/native/test_native_ingest.py::test_random_chains_give_the_same_index_and_reports"""
     cdef unsigned char buf[23]
     cdef int j
     memcpy(buf, b"kvindex/orphan\x00", 15)
@@ -872,10 +816,10 @@ cdef enum:
     HAS_PARENT = 1 << 16
 
 cdef class NativeBatch:
-    """One live batch decoded for the compiled ingest path (``Tables.ingest``): its seq,
-    engine timestamp and rank, and its events as flat records of 64-bit words (engine
-    hashes normalised, tiers folded, a store's token ids packed). Made by
-    :func:`native_live` only for batches whose events all take that path."""
+    """Reference: kvindex.indexer.ingest.wire.decode_payload; tests/unit/indexer/native/test_native_ingest.py::test_captured_frames_are_read_as_the_python_path_reads_them
+
+    One live batch for the compiled ingest path: seq, timestamp, rank and its events as flat
+    records of 64-bit words. Made by :func:`native_live` only when every event takes that path."""
 
     cdef readonly object seq
     cdef readonly double ts
@@ -899,12 +843,10 @@ cdef class NativeBatch:
 
     @property
     def translated(self):
-        """Whether :meth:`KeyCache.translate` made (some of) its ops and ``Tables.ingest``
-        has not consumed them yet."""
+        """Whether :meth:`KeyCache.translate` made ops ``Tables.ingest`` has not consumed yet."""
         return self._t.resume >= 0
 
     cdef void _consume(self) noexcept:
-        """Forget a translation made ahead (its ops applied or given up)."""
         PyMem_RawFree(self._t.ops.data)
         memset(&self._t, 0, sizeof(Translation))
         self._t.resume = -1
@@ -917,15 +859,11 @@ cdef class NativeBatch:
 
     @property
     def num_blocks(self):
-        """Engine hashes its events name (a store's blocks and a removal's): what applying
-        it costs, which ``MemoryIndex`` bounds its lock holds by."""
+        """Engine hashes its events name: what ``MemoryIndex`` bounds its lock holds by."""
         return self._r.hashes.size // 8
 
     def records(self):
-        """The events as read (for tests): ``("store", tier, parent hash or None, block
-        size, token ids, engine hashes)``, ``("remove", tier, engine hashes)``,
-        ``("clear",)``, ``("other_group",)`` (an event of another KV-cache group) and
-        ``("misaligned",)`` (a store whose token ids are not its blocks')."""
+        """The events as read, as tuples (for tests)."""
         cdef const uint64_t* w = <const uint64_t*> self._r.words.data
         cdef const uint64_t* end = w + self._r.words.size // 8
         cdef const unsigned char* t
@@ -965,18 +903,11 @@ cdef inline uint32_t _le32(const unsigned char* b) noexcept nogil:
 
 
 cdef class Tables:
-    """Every stream's block maps and the block → holders map of one memory index.
+    """Reference: tests.oracles.tables.PyTables; tests/unit/indexer/native/test_core.py::test_compiled_tables_agree_with_python
 
-    Streams are named by small numbers (below 2**24; the caller keeps the stream ↔ number
-    map). Each stream has engine hash → key; the index-wide table maps a block key to its
-    one holder with that holder's counts folded in (the common private block: no other
-    slot), or to the bitmap of its holders (a Python int: fleets of any size), whose counts
-    are then in their own tables. A stream's table of counts also takes a block it holds
-    alone that no engine hash of it maps to any more (so a clear still finds it) and one
-    with a count past 4,095. A tier's count saturates at 2**21 - 1 stores without a
-    removal (no engine stores one block that often; it never wraps). Not thread-safe: the
-    caller locks.
-    """
+    Every stream's block maps (streams numbered below 2**24) and the block → holders map: a key
+    maps to its one holder with its counts folded in, or to a bitmap of holders (a Python int).
+    A tier's count saturates at 2**21 - 1. Not thread-safe: the caller locks."""
 
     cdef Stream* _streams
     cdef Py_ssize_t _num_streams
@@ -1038,7 +969,6 @@ cdef class Tables:
 
     cdef int _set(self, Stream* s, Py_ssize_t number, uint64_t key, uint64_t old,
                   uint64_t new) except -1 nogil:
-        """Stream ``number``'s counts of ``key`` go from ``old`` to ``new``."""
         cdef uint64_t entry
         if old == 0:
             return self._join(s, number, key, new)
@@ -1082,7 +1012,6 @@ cdef class Tables:
     # the bitmaps of blocks with several holders (Python ints: the GIL is held)
 
     cdef Py_ssize_t _new_shared(self, Py_ssize_t first, Py_ssize_t second) except -1:
-        """A slot for the bitmap of two holders (a free one, else a new one)."""
         cdef Py_ssize_t i
         bitmap = (_ONE << first) | (_ONE << second)
         if self._free_shared:
@@ -1098,8 +1027,7 @@ cdef class Tables:
         return 0
 
     cdef Py_ssize_t _drop_shared(self, Py_ssize_t i, Py_ssize_t number) except -2:
-        """Stream ``number`` leaves bitmap ``i``: -1 if several holders are left, else
-        the one left (the slot is then freed)."""
+        """Stream ``number`` leaves bitmap ``i``: -1 if several are left, else the one left."""
         bitmap = self._shared[i] & ~(_ONE << number)
         if bitmap & (bitmap - 1):
             self._shared[i] = bitmap
@@ -1109,14 +1037,12 @@ cdef class Tables:
         return bitmap.bit_length() - 1
 
     cdef int _release(self, Py_ssize_t number, uint64_t key) except -1 nogil:
-        """Stream ``number`` no longer holds ``key``."""
         _delete(&self._streams[number].key_to_counts, key)
         return self._leave(number, key)
 
     cdef int _leave(self, Py_ssize_t number, uint64_t key) except -1 nogil:
-        """Take stream ``number`` out of ``key``'s holders (its own table is not touched).
-        A single holder left keeps its counts in its own table: none of its engine hashes
-        may map to the block any more, and a clear must still find it there."""
+        """Take stream ``number`` out of ``key``'s holders. A single holder left keeps its counts
+        in its own table, where a clear must still find them."""
         cdef uint64_t entry
         cdef Py_ssize_t i, other
         if not _get(&self._holders, key, &entry):
@@ -1132,8 +1058,8 @@ cdef class Tables:
         return 0
 
     cdef int _unlink(self, Stream* s, Py_ssize_t number, uint64_t key) except -1 nogil:
-        """The engine hash that mapped to ``key`` now maps elsewhere: if the stream holds
-        it alone with folded counts, they move to its own table, where a clear finds them."""
+        """The engine hash that mapped to ``key`` maps elsewhere now: folded counts of a block
+        the stream holds alone move to its own table, where a clear finds them."""
         cdef uint64_t entry
         if (
             _get(&self._holders, key, &entry) and entry & LONE and not entry & COUNTS_APART
@@ -1146,8 +1072,6 @@ cdef class Tables:
     # streams
 
     def reset(self, Py_ssize_t number):
-        """Forget every block of stream ``number`` (and its place among their holders):
-        the blocks its engine hashes name, then those of its table of counts."""
         cdef Stream* s = self._stream(number)
         cdef Py_ssize_t i
         cdef uint64_t entry
@@ -1177,8 +1101,6 @@ cdef class Tables:
         return 0
 
     def apply(self, Py_ssize_t number, ops):
-        """Apply ``(kind, tier, engine_hash, key)`` ops to stream ``number`` in order, as
-        ``MemoryIndex`` does; returns (unknown removals, unresolved stores)."""
         cdef Stream* s = self._stream(number)
         cdef long kind, tier
         cdef Py_ssize_t unknown = 0, unresolved = 0
@@ -1198,8 +1120,7 @@ cdef class Tables:
 
     cdef int _apply_op(self, Stream* s, Py_ssize_t number, long kind, long tier,
                        uint64_t engine_hash, uint64_t key) except -1 nogil:
-        """One op (``tier`` in range); returns :data:`UNKNOWN_REMOVAL` for a removal of a
-        block not held, :data:`UNRESOLVED_STORE` for a store by an unknown hash, else 0."""
+        """One op; :data:`UNKNOWN_REMOVAL`, :data:`UNRESOLVED_STORE` or 0."""
         cdef uint64_t previous, counts
         cdef uint64_t* mapped
         cdef bint added
@@ -1251,7 +1172,6 @@ cdef class Tables:
         return True
 
     def resolve(self, Py_ssize_t number, engine_hashes):
-        """The key each engine hash maps to in stream ``number`` (None: unknown)."""
         cdef Stream* s = self._stream(number)
         cdef uint64_t key, engine_hash
         cdef list keys = []
@@ -1260,16 +1180,12 @@ cdef class Tables:
         return keys
 
     def blocks_by_tier(self, Py_ssize_t number):
-        """Distinct blocks stream ``number`` holds on each tier."""
         cdef Stream* s = self._stream(number)
         return [s.blocks_by_tier[0], s.blocks_by_tier[1], s.blocks_by_tier[2]]
 
     # lookup
 
     def matched(self, list keys):
-        """``(bitmap of stream numbers, blocks they matched)`` for every stream holding
-        ``keys[0]``: the prompt walked once, the set still matching narrowed block by block;
-        once one stream is left, its own holding of each next block is checked."""
         cdef Py_ssize_t n = len(keys), num_blocks = 1, lone
         cdef uint64_t entry = 0
         cdef list out = []
@@ -1314,8 +1230,6 @@ cdef class Tables:
         return len(keys)
 
     def best_tiers(self, Py_ssize_t number, list keys, Py_ssize_t num_blocks):
-        """The best tier (lowest held) of each of the first ``num_blocks`` keys, which
-        stream ``number`` holds."""
         cdef Stream* s = self._stream(number)
         cdef Py_ssize_t i
         cdef long tier
@@ -1332,11 +1246,8 @@ cdef class Tables:
         return tiers
 
     def split_holders(self, object bitmap, list index_of):
-        """``(indices, mixed)`` for the stream numbers of ``bitmap``: ``index_of[number]``
-        of each one holding blocks on GPU only, and the numbers of the others (some block
-        on another tier: their tiers are for the caller to read, :meth:`best_tiers`), both
-        ascending by number. One pass over the bitmap's bytes, no Python object made per
-        stream (``index_of`` must cover every number of ``bitmap``)."""
+        """``(indices, mixed)``: ``index_of[number]`` of the streams of ``bitmap`` holding blocks
+        on GPU only, the others' numbers; ascending, in one pass, no object per stream."""
         cdef list indices = [], mixed = []
         if not bitmap:
             return indices, mixed
@@ -1372,26 +1283,11 @@ cdef class Tables:
 
     def ingest(self, Py_ssize_t number, list batches, KeyCache cache, uint64_t root,
                object watermark):
-        """Translate and apply :class:`NativeBatch` es of stream ``number`` in order, as
-        ``kvindex.indexer.ingest.ingestor.Ingestor`` and ``MemoryIndex.apply_many`` do for the same
-        events (the reference the tests hold this to): each batch's ops are made first
-        (a parent is looked up in ``cache``, the ``Ingestor``'s two-generation engine hash
-        → key cache, then in the stream's table as the previous batch left it), then
-        applied unless its seq is at or below ``watermark``. Returns ``(watermark, last
-        applied ts or None, batches applied, unknown removals, unresolved stores, blocks
-        stored, blocks removed, clears, events of another group, misaligned events, orphan
-        stores, the last store's block size or -1)``.
+        """Reference: kvindex.indexer.ingest.ingestor.Ingestor; tests/unit/indexer/native/test_native_ingest.py::test_captured_frames_give_the_same_index_and_reports
 
-        A batch :meth:`KeyCache.translate` translated ahead (with ``cache`` and ``root``:
-        ValueError otherwise, or for one following a batch not translated whole) is not
-        translated again: its ops are applied, after translating the rest of it if the
-        translation stopped at a parent the cache lacked (the stream's table as the batch
-        before left it); the translation is consumed (the batch can be ingested again).
-
-        The GIL is released for the whole run (it is taken back only for a block with
-        several holders, whose bitmap is a Python int, and for a clear): the caller's lock
-        must keep every other call on these tables out meanwhile (``MemoryIndex`` holds
-        its lock), and ``cache`` must not be used by another thread."""
+        Translate and apply :class:`NativeBatch` es of stream ``number`` above ``watermark``, in
+        order; returns the watermark, last ts and ``NativeCounts``. Runs without the GIL: the
+        caller's lock keeps other calls out, and ``cache`` is this thread's alone."""
         cdef Stream* s = self._stream(number)
         cdef Ingest counts
         cdef tuple held = tuple(batches)
@@ -1427,8 +1323,6 @@ cdef class Tables:
         )
 
     cdef int _check_translated(self, tuple held, KeyCache cache, uint64_t root) except -1:
-        """ValueError unless the batches translated ahead came first, all but the last of
-        them whole, translated with ``cache`` and ``root``."""
         cdef NativeBatch batch
         cdef bint whole = True  # every batch before was translated whole
         for item in held:
@@ -1445,7 +1339,7 @@ cdef class Tables:
                                 Translation** made, Py_ssize_t n, Table* young, Table* old,
                                 Py_ssize_t half, uint64_t root, bint* marked, uint64_t* mark,
                                 Ingest* counts) except -2 nogil:
-        """:meth:`ingest` 's loop; returns the index of the last batch applied (-1: none)."""
+        """``ingest``'s loop: the index of the last batch applied (-1: none)."""
         cdef Py_ssize_t b, last = -1
         cdef const Records* r
         cdef Translation* t
@@ -1476,7 +1370,6 @@ cdef class Tables:
 
     cdef int _apply_ops(self, Stream* s, Py_ssize_t number, const Op* ops, Py_ssize_t num_ops,
                         Ingest* counts) except -1 nogil:
-        """One batch's ops, in order."""
         cdef Py_ssize_t i = 0
         while i < num_ops:
             if not self._needs_gil(s, number, ops + i):
@@ -1499,8 +1392,7 @@ cdef class Tables:
     cdef Py_ssize_t _apply_with_gil(self, Stream* s, Py_ssize_t number, const Op* ops,
                                     Py_ssize_t i, Py_ssize_t num_ops,
                                     Ingest* counts) except -1:
-        """Apply ``ops`` from ``i`` on (the first one needs the GIL) for as long as they
-        need it; returns the index of the first op left."""
+        """Apply ``ops`` from ``i`` on while they need the GIL; the index of the first op left."""
         while True:
             self._apply_counted(s, number, ops + i, counts)
             i += 1
@@ -1508,8 +1400,7 @@ cdef class Tables:
                 return i
 
     cdef bint _needs_gil(self, Stream* s, Py_ssize_t number, const Op* op) noexcept nogil:
-        """Whether applying ``op`` may touch a Python object: a clear, or a block held by
-        another stream (its holders become or are a bitmap, a Python int)."""
+        """A clear, or a block another stream holds (its holders are a Python int)."""
         cdef uint64_t key = op.key, entry
         if op.kind == OP_CLEAR:
             return True
@@ -1523,7 +1414,6 @@ cdef class Tables:
 
 
 cdef void _add_translated(Ingest* counts, const Ingest* made) noexcept nogil:
-    """Add what a translation made ahead counted (it came before what follows)."""
     counts.stored += made.stored
     counts.removed += made.removed
     counts.clears += made.clears
@@ -1537,8 +1427,7 @@ cdef void _add_translated(Ingest* counts, const Ingest* made) noexcept nogil:
 cdef Py_ssize_t _translate_run(const Records** views, Translation** made, Py_ssize_t n,
                                Table* young, Table* old, Py_ssize_t half,
                                uint64_t root) except -1 nogil:
-    """:meth:`KeyCache.translate` 's loop: batches translated whole (each then aged, as
-    ``Tables.ingest`` ages it), then the one stopped at a parent the cache lacks."""
+    """``KeyCache.translate``'s loop: the number of batches translated whole."""
     cdef Buffer scratch
     cdef Py_ssize_t b, done = 0
     cdef Translation* t
@@ -1564,9 +1453,8 @@ cdef Py_ssize_t _translate_run(const Records** views, Translation** made, Py_ssi
 cdef Py_ssize_t _translate(const Records* r, Py_ssize_t start, Buffer* ops, Buffer* scratch,
                            Table* young, Table* old, Table* hash_to_key, uint64_t root,
                            Ingest* counts) except -1 nogil:
-    """One batch's events from word ``start`` on → ops appended to ``ops`` (counted into
-    ``counts``); returns the word it stopped at: the end, or, ``hash_to_key`` being NULL,
-    the first store whose parent is in neither cache generation (nothing of it done)."""
+    """One batch's events from word ``start`` on → ops; the word it stopped at: the end, or
+    (``hash_to_key`` NULL) the first store whose parent neither generation holds."""
     cdef const uint64_t* words = <const uint64_t*> r.words.data
     cdef const uint64_t* w = words + start
     cdef const uint64_t* end = words + r.words.size // 8
@@ -1617,8 +1505,7 @@ cdef Py_ssize_t _translate(const Records* r, Py_ssize_t start, Buffer* ops, Buff
 cdef int _store_ops(Buffer* ops, Buffer* scratch, Table* young, long tier,
                     const uint64_t* hashes, uint64_t n, uint64_t parent,
                     const unsigned char* tokens, Py_ssize_t block_size) except -1 nogil:
-    """The store ops of one event's blocks, keys chained from ``parent``; each engine hash
-    → key goes to ``young``."""
+    """A store's ops, keys chained from ``parent``; each engine hash → key goes to ``young``."""
     cdef Py_ssize_t stride = block_size * 4
     cdef uint64_t i
     cdef int j
@@ -1680,7 +1567,7 @@ cdef inline bint _has(const Reader* r, Py_ssize_t n) noexcept nogil:
 
 cdef int _container(Reader* r, unsigned char fix_low, unsigned char w16, unsigned char w32,
                     Py_ssize_t* count) noexcept nogil:
-    """An array (``0x90, 0xDC, 0xDD``) or map (``0x80, 0xDE, 0xDF``) head: its count."""
+    """An array or map head (``fix_low``, ``w16``, ``w32``): its count in ``count``."""
     cdef unsigned char head
     if not _has(r, 1):
         return REJECT
@@ -1706,7 +1593,6 @@ cdef inline int _map(Reader* r, Py_ssize_t* count) noexcept nogil:
     return _container(r, 0x80, 0xDE, 0xDF, count)
 
 cdef int _str(Reader* r, const unsigned char** text, Py_ssize_t* length) noexcept nogil:
-    """A str: where its bytes are and how many."""
     cdef unsigned char head
     cdef int width
     if not _has(r, 1):
@@ -1729,7 +1615,6 @@ cdef int _str(Reader* r, const unsigned char** text, Py_ssize_t* length) noexcep
     return 0
 
 cdef inline bint _is_nil(Reader* r) noexcept nogil:
-    """Consume a nil if there is one."""
     if _has(r, 1) and r.p[r.pos] == 0xC0:
         r.pos += 1
         return True
@@ -1770,8 +1655,7 @@ cdef int _int(Reader* r, uint64_t* bits, bint* negative) noexcept nogil:
     return 0
 
 cdef int _wire_hash_at(Reader* r, uint64_t* out) noexcept nogil:
-    """An engine hash as ``normalize_hash`` makes it: an int masked to 64 bits, or a bin's
-    last 8 bytes big-endian."""
+    """An engine hash as ``normalize_hash`` makes it (int: low 64 bits; bin: last 8, BE)."""
     cdef unsigned char head
     cdef Py_ssize_t n
     cdef int width
@@ -1792,8 +1676,7 @@ cdef int _wire_hash_at(Reader* r, uint64_t* out) noexcept nogil:
     return _int(r, out, &negative)
 
 cdef int _skip(Reader* r, int depth) noexcept nogil:
-    """Skip one item msgspec surely reads as some Python value (nil, bools, ints, floats,
-    valid UTF-8 str, bin, arrays and maps of those, not too deep); REJECT anything else."""
+    """Skip one item msgspec surely reads as some value; REJECT anything else."""
     cdef unsigned char head
     cdef Py_ssize_t n, i, width
     cdef uint64_t bits
@@ -1839,7 +1722,7 @@ cdef int _skip(Reader* r, int depth) noexcept nogil:
     return REJECT  # ext types and the unused head 0xC1
 
 cdef bint _utf8(const unsigned char* s, Py_ssize_t n) noexcept nogil:
-    """Whether ``s`` is valid UTF-8 (no surrogates, no overlong forms)."""
+    """Valid UTF-8: no surrogates, no overlong forms."""
     cdef Py_ssize_t i = 0, extra, j
     cdef uint32_t c
     cdef unsigned char b
@@ -1870,7 +1753,6 @@ cdef bint _utf8(const unsigned char* s, Py_ssize_t n) noexcept nogil:
     return True
 
 cdef int _field_of(const unsigned char* name, Py_ssize_t n) noexcept nogil:
-    """Which of the fields read here a map key names (-1: another one, skipped)."""
     cdef int f
     for f in range(NUM_FIELDS):
         if _FIELD_LENGTHS[f] == n and memcmp(_FIELD_NAMES[f], name, n) == 0:
@@ -1878,7 +1760,6 @@ cdef int _field_of(const unsigned char* name, Py_ssize_t n) noexcept nogil:
     return -1
 
 cdef int _kind_of(Reader* r) noexcept nogil:
-    """An event's tag: K_STORED, K_REMOVED, K_CLEARED, or REJECT."""
     cdef const unsigned char* text
     cdef Py_ssize_t n
     if _str(r, &text, &n) < 0:
@@ -1910,8 +1791,7 @@ cdef struct Fields:
 
 
 cdef int _field_value(NativeBatch batch, Reader* r, int f, Fields* out) except -2:
-    """Read one field's value: the engine hashes and token ids straight into the batch's
-    buffers (one pass), any other value checked and skipped."""
+    """One field's value: hashes and token ids into the batch's buffers, others checked, skipped."""
     cdef Py_ssize_t start = r.pos, n
     if f < 0:
         return _skip(r, 0)
@@ -1974,8 +1854,7 @@ cdef int _fields(NativeBatch batch, Reader* r, int form, Fields* out) except -2:
 
 
 cdef Py_ssize_t _hashes_into(Buffer* out, Reader* r) except -2:
-    """An array of engine hashes (ints, bins) appended to ``out``: their number, or REJECT
-    (nothing appended)."""
+    """Engine hashes (ints, bins) appended to ``out``: their number, or REJECT (none appended)."""
     cdef Py_ssize_t n, i, start = out.size
     cdef uint64_t value
     if _array(r, &n) < 0 or n > r.size - r.pos:
@@ -1991,8 +1870,7 @@ cdef Py_ssize_t _hashes_into(Buffer* out, Reader* r) except -2:
 
 
 cdef Py_ssize_t _tokens_into(Buffer* out, Reader* r) except -2:
-    """An array of ints in [0, 2**32) appended to ``out`` as little-endian u32: their
-    number, or REJECT (nothing appended)."""
+    """Ints in [0, 2**32) appended to ``out`` as u32 LE: their number, or REJECT (none appended)."""
     cdef Py_ssize_t n, i, start = out.size
     cdef uint64_t value
     cdef unsigned char head
@@ -2032,7 +1910,7 @@ cdef inline Reader _at(const Reader* r, Py_ssize_t pos) noexcept nogil:
 
 
 cdef int _optional_int(const Reader* r, Py_ssize_t pos, bint* is_zero) noexcept nogil:
-    """A field of type ``int | None`` (absent: None): ``is_zero`` unless a non-zero int."""
+    """An ``int | None`` field (absent: None): ``is_zero`` unless a non-zero int."""
     cdef Reader sub
     cdef uint64_t bits
     cdef bint negative
@@ -2070,7 +1948,7 @@ cdef int _medium(const Reader* r, Py_ssize_t pos, long* tier) noexcept nogil:
 
 
 cdef int _no_extras_at(const Reader* r, Py_ssize_t lora_name, Py_ssize_t extra_keys) noexcept nogil:
-    """No LoRA name (absent or nil), extra keys absent, nil, or nil for every block."""
+    """No LoRA name (absent or nil); extra keys absent, nil, or nil for every block."""
     cdef Reader sub
     cdef Py_ssize_t n, i
     if lora_name >= 0:
@@ -2123,9 +2001,8 @@ cdef int _block_size(const Reader* r, Py_ssize_t pos, long long* size) noexcept 
 
 
 cdef int _read_stored(NativeBatch batch, const Reader* r, const Fields* f) except -2:
-    """A store's record. Declines (REJECT) what the Python path must take: a LoRA name,
-    extra keys, an uncommon medium, a placeholder, a block size past 2**31, token ids not
-    all ints in [0, 2**32); and anything msgspec might not decode the same way."""
+    """A store's record; REJECT for what the Python path must take (a LoRA name, extra keys,
+    an uncommon medium, token ids not all u32) or msgspec might decode otherwise."""
     cdef long tier
     cdef bint main, lora_zero
     cdef long long block_size
@@ -2233,11 +2110,10 @@ cdef object _read_batch(uint64_t seq, const unsigned char* p, Py_ssize_t size):
 
 
 def native_live(list frames):
-    """A live message ``[topic, seq, payload]`` (bytes frames) read straight into a
-    :class:`NativeBatch`, or None: a frame count, seq or topic that ``decode_live`` would
-    refuse, a payload the wire module's fast decoders might not read the same way, or an
-    event the compiled ingest path does not take (the caller then decodes it the general
-    way, which counts and reports it as ever)."""
+    """Reference: kvindex.indexer.ingest.wire.decode_payload; tests/unit/indexer/native/test_native_ingest.py::test_fuzzed_frames_are_read_as_the_python_path_reads_them
+
+    A live message ``[topic, seq, payload]`` read into a :class:`NativeBatch`, or None for
+    anything the general decode must read (it then counts and reports it as ever)."""
     cdef Py_buffer view
     cdef const unsigned char* s
     cdef uint64_t seq

@@ -4,8 +4,9 @@ from collections.abc import Callable
 
 from kvindex.api.load.model import CountedLoad
 from kvindex.indexer.index.protocol import PrefixMatch
+from kvindex.indexer.native._json import json_token_ids as json_token_ids
+from kvindex.indexer.native._json import json_token_span as json_token_span
 
-def set_bits(bitmap: int) -> list[int]: ...
 def load_penalties(
     replicas: list[str],
     counted: dict[str, CountedLoad],
@@ -69,6 +70,4 @@ def contenders(
     per_block: float,
     threshold: float,
 ) -> dict[str, PrefixMatch]: ...
-def json_token_ids(raw: object, max_length: int) -> bytes | None: ...
 def kth_smallest(values: list[float], k: int) -> float: ...
-def json_token_span(body: object, max_length: int) -> tuple[bytes, int, int] | None: ...

@@ -1,72 +1,15 @@
 # cython: boundscheck=False, wraparound=False, cdivision=False
-"""The read path's compiled loops: what ``POST /score`` costs per candidate after the lookup.
+"""The read path's compiled loops after the lookup: load penalties, the best ``top_k``, the
+holders' best matches. None keeps state; a wrong input type raises ``TypeError``."""
 
-Each function is the compiled twin of a pure-Python reference that stays the fallback when
-the extension is not built, and the tests hold the two to the same answers on random input
-(``tests/unit/indexer/native/test_lookup.py``):
-
-* :func:`set_bits` - ``kvindex.indexer.index.memory._numbers``: the stream numbers of a
-  holders bitmap (a Python int of up to the fleet's width);
-* :func:`load_penalties` - ``kvindex.api.decision.policies.load_penalties``: one load penalty per
-  candidate, the same IEEE operations in the same order (built with ``-ffp-contract=off``,
-  so no fused multiply-add changes a rounding), hence bit-equal floats;
-* :func:`best_tied` - ``kvindex.api.decision.policies.tie_order``: the indices of the best ``top_k`` in
-  (score, load) order, a draw only for each tie the ``top_k`` reaches;
-* :func:`penalty_floors`, :func:`ascending`, :func:`penalties_within` -
-  ``kvindex.api.decision.penalty_floors``: a floor under each penalty until a time, the candidates
-  by floor, and the exact penalties of those that can be among the ``top_k`` lowest (no
-  Python twin: without them the scorer computes every penalty, and the tests hold these
-  to ``load_penalties``);
-* :func:`kth_smallest` - ``sorted(values)[k - 1]`` without sorting the fleet;
-* :func:`best_matches` - ``kvindex.api.score._py_best_matches``: each replica's best match
-  over its streams, from the holders alone;
-* :func:`contenders` - ``kvindex.api.score._py_contenders``: the holders a bound keeps;
-* :func:`json_token_ids` - a ``/score`` body's ``token_ids`` array read into the u32 bytes the
-  block keys hash (``kvindex.api.schemas.decode_score_request``; anything but a plain array
-  of ints in [0, 2**32) is left to the full decode).
-
-Nothing here keeps state or holds a lock; every input is checked as the reference checks it
-(a wrong type raises ``TypeError``, as the Python code would).
-"""
-
-from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.dict cimport PyDict_GetItem, PyDict_Next
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.object cimport PyObject
-from cpython.ref cimport Py_DECREF, Py_INCREF
 from cpython.tuple cimport PyTuple_Check, PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from libc.math cimport INFINITY, pow
-from libc.stdint cimport uint64_t
 from libc.stdlib cimport calloc, free, malloc, qsort
 
-
-cdef extern from *:
-    int __builtin_ctz(unsigned int x) nogil
-
-
-cdef extern from "string.h":
-    void* memmem(const void* haystack, size_t size, const void* needle, size_t length) nogil
-
-
-def set_bits(object bitmap):
-    """The positions of the set bits of a non-negative int, ascending."""
-    cdef list out = []
-    if not bitmap:
-        return out
-    cdef Py_ssize_t width = (bitmap.bit_length() + 7) // 8
-    cdef bytes raw = bitmap.to_bytes(width, "little")
-    cdef const unsigned char* data = <const unsigned char*> PyBytes_AS_STRING(raw)
-    cdef Py_ssize_t i
-    cdef unsigned int byte, bit
-    for i in range(PyBytes_GET_SIZE(raw)):
-        byte = data[i]
-        while byte:
-            bit = __builtin_ctz(byte)
-            out.append(i * 8 + bit)
-            byte &= byte - 1
-    return out
-
+from kvindex.indexer.native._json import json_token_ids, json_token_span  # callers read them here
 
 
 cdef extern from "Python.h":
@@ -85,15 +28,12 @@ cdef extern from "Python.h":
 
 
 _LOAD_FIELDS = ("ts", "waiting", "running", "kv_usage")
-cdef PyTypeObject* _load_type = NULL
-"""The type whose field offsets ``_load_offsets`` holds (None learnt yet)."""
+cdef PyTypeObject* _load_type = NULL  # the type whose field offsets _load_offsets holds
 cdef Py_ssize_t _load_offsets[4]
 
 
 cdef bint _learn_load_type(object load):
-    """Remember where ``type(load)`` keeps the four fields a penalty reads, when each is a
-    plain slot (a member descriptor of an object, as a msgspec Struct's fields are): an
-    attribute read is then one load from memory. False when they are not."""
+    """Learn the slots of ``type(load)``'s fields a penalty reads (False: not all slots)."""
     global _load_type
     cdef object cls = type(load), descriptor
     cdef PyMemberDef* member
@@ -129,8 +69,7 @@ cdef inline object _field(object load, int i):
 
 
 cdef inline double _number(object x) except? -1.0:
-    """``<double> x``, without the float made on the way for an int (the same value: an
-    int converts to the nearest double either way)."""
+    # <double> x, without making a float on the way for an int (the same nearest double).
     if PyFloat_CheckExact(x):
         return PyFloat_AS_DOUBLE(x)
     if PyLong_CheckExact(x):
@@ -159,8 +98,7 @@ cdef enum:
 
 
 cdef double _penalty(object found, double now, const _Weights* w, int* kind) except? -1.0:
-    """A replica's load penalty from its ``CountedLoad`` (``found``; None: none stored), as
-    of ``now``, and in ``kind`` how it moves with the clock; see ``load_penalties``."""
+    """A replica's penalty from its ``CountedLoad`` (None: none); ``kind``: how it moves."""
     cdef object c, load, routed, in_flight, num_requests, num_tokens
     cdef double first_hand, prefill, age, recency, queue, ts, waiting, running, kv_usage
     kind[0] = _CONSTANT
@@ -220,10 +158,10 @@ def load_penalties(
     double w_routed,
     double w_kv,
 ):
-    """Each replica's load penalty from ``counted`` (replica -> ``CountedLoad``: load or
-    None, answers since, (requests, tokens) in flight), as of ``now``, in the order of
-    ``replicas``; see ``kvindex.api.decision.policies.load_penalties``. A load's fields are read
-    from its slots when its type keeps them there (``_learn_load_type``), else by name."""
+    """Reference: tests.oracles.lookup.load_penalties; tests/unit/indexer/native/test_lookup.py::test_load_penalties_compiled_equal_python
+
+    Each replica's load penalty as of ``now``, in the order of ``replicas``: the same IEEE
+    operations in the same order (built with ``-ffp-contract=off``), so bit-equal floats."""
     cdef Py_ssize_t n = PyList_GET_SIZE(replicas), i
     cdef list out = [None] * n
     cdef int kind
@@ -248,11 +186,10 @@ def penalty_floors(
     double w_routed,
     double w_kv,
 ):
-    """A floor under each replica's :func:`load_penalties` at any time up to ``until``
-    (from its first use on), in the order of ``replicas``: the penalty itself when it does
-    not depend on the clock; when its load's recency decays, the penalty at ``until``
-    less a margin (1e-12 of it: a rounding of ``pow`` that is not monotone cannot cross
-    it), the penalty only falling as time passes; ``-inf`` when an input is negative."""
+    """Reference: tests.oracles.lookup.load_penalties; tests/unit/indexer/native/test_lookup.py::test_penalty_floors_are_under_every_penalty_until_their_time
+
+    A floor under each penalty up to ``until``: the one at ``until`` less 1e-12 of it when it
+    decays (``pow`` may round non-monotonically); ``-inf`` for a negative input."""
     cdef Py_ssize_t n = PyList_GET_SIZE(replicas), i
     cdef list out = [None] * n
     cdef int kind
@@ -285,8 +222,9 @@ cdef int _compare_floors(const void* a, const void* b) noexcept nogil:
 
 
 def ascending(list values):
-    """The indices of ``values`` (floats, none NaN) in ascending order of value, a tie in
-    index order: ``sorted(range(len(values)), key=values.__getitem__)``."""
+    """Reference: builtins.sorted; tests/unit/indexer/native/test_lookup.py::test_ascending_is_the_stable_sort_of_the_indices
+
+    ``sorted(range(len(values)), key=values.__getitem__)`` for floats, none NaN."""
     cdef Py_ssize_t n = PyList_GET_SIZE(values), i
     cdef Floor* rows = <Floor*> malloc((n if n else 1) * sizeof(Floor))
     if rows is NULL:
@@ -304,7 +242,7 @@ def ascending(list values):
 cdef inline Py_ssize_t _keep_smallest(
     double* best, Py_ssize_t kept, Py_ssize_t k, double value
 ) noexcept:
-    """Insert ``value`` into the ascending ``best[0:kept]`` capped at ``k``; the new count."""
+    # Insert value into the ascending best[0:kept] capped at k; returns the new count.
     cdef Py_ssize_t j
     if kept == k and not value < best[k - 1]:
         return kept
@@ -332,16 +270,10 @@ def penalties_within(
     double w_routed,
     double w_kv,
 ):
-    """``(penalties, positions, kth)``: the load penalty as of ``now`` (as
-    :func:`load_penalties`) of every replica that can be among the ``k`` lowest, at its
-    position in a list of ``len(replicas)`` (``inf`` elsewhere), the positions computed,
-    and the ``k``-th lowest penalty of all (``1 <= k <= len(replicas)``).
+    """Reference: tests.oracles.lookup.load_penalties; tests/unit/indexer/native/test_lookup.py::test_penalties_within_computes_every_one_that_can_be_among_the_k_lowest
 
-    Computed: the positions ``exact`` (whose floors are out of date, and the holders,
-    which the caller scores), then the others in ``order`` (ascending ``floors``, each a
-    floor under its replica's penalty as of ``now``) while a floor is at most the ``k``-th
-    lowest penalty computed so far: every later one is above it, so neither is among the
-    ``k`` lowest nor ties with the ``k``-th."""
+    ``(penalties, positions, kth)``: the penalty of each replica that can be among the ``k``
+    lowest (``inf`` elsewhere): ``exact``, then ``order`` while a floor is at most the kth."""
     cdef Py_ssize_t n = PyList_GET_SIZE(replicas), i, at, kept = 0
     if k < 1 or k > n:
         raise IndexError("k out of range")
@@ -400,7 +332,7 @@ cdef struct Row:
 
 
 cdef int _compare_keys(const void* a, const void* b) noexcept nogil:
-    """(minus score, penalty, index) order: the draw left out."""
+    # (minus score, penalty, index) order: the draw left out.
     cdef const Row* x = <const Row*> a
     cdef const Row* y = <const Row*> b
     if x.minus_score != y.minus_score:
@@ -411,7 +343,7 @@ cdef int _compare_keys(const void* a, const void* b) noexcept nogil:
 
 
 cdef int _compare_draws(const void* a, const void* b) noexcept nogil:
-    """(draw, index) order: within a tied group."""
+    # (draw, index) order: within a tied group.
     cdef const Row* x = <const Row*> a
     cdef const Row* y = <const Row*> b
     if x.draw != y.draw:
@@ -424,8 +356,7 @@ cdef inline bint _same_key(const Row* x, const Row* y) noexcept nogil:
 
 
 cdef int _draw_group(Row* group, Py_ssize_t size, object draw) except -1:
-    """One ``draw()`` per row of a tied group (in index order, as it comes), then the
-    group in (draw, index) order."""
+    # One draw() per row of a tied group (in index order), then (draw, index) order.
     cdef Py_ssize_t i
     for i in range(size):
         group[i].draw = <double> draw()
@@ -434,12 +365,10 @@ cdef int _draw_group(Row* group, Py_ssize_t size, object draw) except -1:
 
 
 def best_tied(list minus_scores, list penalties, object draw, object top_k, list positions):
-    """Indices of the best ``top_k`` (None or 0: every one) of the rows at ``positions``
-    (None: every row), best first, in ascending (minus score, penalty) order, a tie in both broken
-    by chance: one ``draw()`` per row of each tied group the ``top_k`` reaches (the groups
-    in order, a group's rows in index order), then (draw, index) within the group. No draw
-    for a row alone in its group or beyond the ``top_k``; see
-    ``kvindex.api.decision.policies.tie_order`` (the reference)."""
+    """Reference: kvindex.api.decision.policies.tie_order; tests/unit/indexer/native/test_lookup.py::test_best_tied_compiled_equals_python
+
+    Indices of the best ``top_k`` (None or 0: all) of the rows at ``positions`` (None: all);
+    one ``draw()`` per row of each tied group the ``top_k`` reaches, in index order."""
     cdef Py_ssize_t n = PyList_GET_SIZE(minus_scores), m, i, j, k, kept = 0, at, start
     cdef Py_ssize_t num_tied = 0
     if PyList_GET_SIZE(penalties) != n:
@@ -527,12 +456,9 @@ cdef extern from "Python.h":
 
 
 def best_matches(list runs, list replica_of, list rank_of, bint unique):
-    """``(matches, ranks)`` from the holders' ``runs`` (``(match, stream indices)`` pairs,
-    ``kvindex.indexer.index.protocol.HeldRuns``): per replica (``replica_of[i]``) the
-    longest match over its streams, a tie going to the lowest rank (``rank_of[i]``), and
-    that rank when it is not 0 (absent: 0); see ``kvindex.api.score._py_best_matches``.
-    ``unique``: no replica has two streams (nothing to compare: each holder is its
-    replica's best). ``matches`` is made at its final size (no regrowth per holder)."""
+    """Reference: tests.oracles.lookup.best_matches; tests/unit/indexer/native/test_lookup.py::test_best_matches_compiled_equal_python
+
+    ``(matches, ranks)``: per replica its longest match, a tie to the lowest rank (when not 0)."""
     cdef Py_ssize_t i, num_blocks, most, rank, best_rank, total = 0
     cdef Py_ssize_t n = PyList_GET_SIZE(replica_of)
     cdef PyObject* known
@@ -582,11 +508,10 @@ def contenders(
     double per_block,
     double threshold,
 ):
-    """``{replica: matches[replica]}`` for each replica with a holder stream ``i`` of a run
-    (``(match, stream indices)``, a match of one block at least) such that
-    ``penalties[position_of[i]] - per_block * len(match.tiers) <= threshold`` (the same
-    IEEE operations as Python's); see ``kvindex.api.score._py_contenders``. Per holder two
-    list reads and a compare: no hashing but for the replicas kept."""
+    """Reference: tests.oracles.lookup.contenders; tests/unit/indexer/native/test_lookup.py::test_contenders_compiled_equal_python
+
+    ``{replica: matches[replica]}`` for each replica with a holder stream ``i`` such that
+    ``penalties[position_of[i]] - per_block * len(match.tiers) <= threshold``."""
     cdef dict out = {}
     cdef Py_ssize_t i, at, n = PyList_GET_SIZE(position_of), num_penalties = PyList_GET_SIZE(penalties)
     cdef double penalty, most
@@ -616,187 +541,10 @@ def contenders(
     return out
 
 
-cdef inline bint _space(unsigned char c) noexcept nogil:
-    return c == 32 or c == 10 or c == 13 or c == 9
-
-
-def json_token_ids(object raw, Py_ssize_t max_length):
-    """The token ids of a JSON array (a buffer holding exactly it, as ``msgspec.Raw`` keeps
-    it) as little-endian u32 bytes, what the block keys hash; None unless it is an array of
-    at most ``max_length`` JSON integers each in [0, 2**32) (no sign, fraction or exponent:
-    the caller then decodes it the general way, which says what is wrong with it)."""
-    cdef Py_buffer view
-    cdef Py_ssize_t pos = 0, end, after = 0
-    PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE)
-    cdef const unsigned char* p = <const unsigned char*> view.buf
-    try:
-        end = view.len
-        while end > 0 and _space(p[end - 1]):
-            end -= 1
-        while pos < end and _space(p[pos]):
-            pos += 1
-        # The closing bracket stops every scan of the array (no digit, space or comma).
-        if end - pos < 2 or p[pos] != 91 or p[end - 1] != 93:  # '[' ... ']'
-            return None
-        packed = _json_array(p, pos, end, max_length, &after)
-        return packed if after == end else None
-    finally:
-        PyBuffer_Release(&view)
-
-
-def json_token_span(object body, Py_ssize_t max_length):
-    """``(ids, start, end)``: the ids of the first array that follows the bytes
-    ``"token_ids"``, a colon and spaces in a JSON object's text (``body[start:end]`` is the
-    array), as :func:`json_token_ids` reads them; None when there is no such array, it is
-    not one it reads, or the text does not end with ``}``. Where the array sits in the
-    object (top level or not) is for the caller to check."""
-    cdef Py_buffer view
-    cdef Py_ssize_t pos, end, after = 0
-    cdef const unsigned char* found
-    PyObject_GetBuffer(body, &view, PyBUF_SIMPLE)
-    cdef const unsigned char* p = <const unsigned char*> view.buf
-    try:
-        end = view.len
-        while end > 0 and _space(p[end - 1]):
-            end -= 1
-        # The object's closing brace stops every scan below (no digit, space or comma).
-        if end == 0 or p[end - 1] != 125:  # '}'
-            return None
-        found = <const unsigned char*> memmem(p, end, b'"token_ids"', 11)
-        if found is NULL:
-            return None
-        pos = (found - p) + 11
-        while _space(p[pos]):
-            pos += 1
-        if p[pos] != 58:  # ':'
-            return None
-        pos += 1
-        while _space(p[pos]):
-            pos += 1
-        if p[pos] != 91:  # '['
-            return None
-        packed = _json_array(p, pos, end, max_length, &after)
-        return None if packed is None else (packed, pos, after)
-    finally:
-        PyBuffer_Release(&view)
-
-
-cdef extern from "Python.h":
-    bytes PyBytes_FromStringAndSize(const char* v, Py_ssize_t size)
-    int _PyBytes_Resize(PyObject** string, Py_ssize_t size) except -1
-
-
-cdef extern from *:
-    """
-    #include <stdint.h>
-    #include <string.h>
-
-    static inline void kv_store_le32(unsigned char* out, uint32_t v) {
-    #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-        v = __builtin_bswap32(v);
-    #endif
-        memcpy(out, &v, 4);
-    }
-    """
-    void kv_store_le32(unsigned char* out, unsigned int v) noexcept nogil
-
-
-cdef inline Py_ssize_t _json_uint(const unsigned char* p, Py_ssize_t pos, uint64_t* value) noexcept nogil:
-    """Past the JSON integer at ``p[pos]`` (its value in ``*value``), or -1 unless it is one
-    in [0, 2**32) (a digit first, no leading 0). Digits are read two at a time after the
-    first (a digit is never the buffer's last byte: a bracket or brace closes it), 11 at
-    most: the loop is bounded, and 11 digits are past u32."""
-    cdef Py_ssize_t start = pos
-    cdef unsigned char d0 = p[pos] - 48, d1
-    if d0 > 9:
-        return -1
-    cdef uint64_t v = d0
-    pos += 1
-    while pos - start < 11:
-        d0 = p[pos] - 48
-        if d0 > 9:
-            break
-        d1 = p[pos + 1] - 48
-        if d1 > 9:
-            v = v * 10 + d0
-            pos += 1
-            break
-        v = v * 100 + d0 * 10 + d1
-        pos += 2
-    if v >> 32 or (p[start] == 48 and pos - start > 1):
-        return -1  # past u32, or a leading 0
-    value[0] = v
-    return pos
-
-
-cdef object _json_array(
-    const unsigned char* p, Py_ssize_t pos, Py_ssize_t end, Py_ssize_t max_length,
-    Py_ssize_t* after,
-):
-    """The u32 bytes of the array opening at ``p[pos]`` (``[``), ``*after`` set past its
-    ``]``; None unless it is a plain array of ints in [0, 2**32) of at most ``max_length``.
-    A byte before ``end`` that is no digit, space or comma must stop every scan.
-
-    The ids are written straight into the bytes object returned: made for the most ids the
-    array's bytes can hold (two bytes each at least: a digit and a comma or the closing
-    bracket), left uninitialised, and shrunk in place to the ids read (no zeroing, no copy)."""
-    cdef Py_ssize_t n = 0
-    cdef uint64_t value = 0
-    cdef unsigned char c
-    pos += 1
-    cdef Py_ssize_t most = (end - pos) // 2
-    if most > max_length:
-        most = max_length
-    while _space(p[pos]):
-        pos += 1
-    if p[pos] == 93:  # "[]"
-        after[0] = pos + 1
-        return b""
-    cdef bytes out = PyBytes_FromStringAndSize(NULL, 4 * most)
-    cdef unsigned char* buf = <unsigned char*> PyBytes_AS_STRING(out)
-    cdef PyObject* raw
-    while True:
-        pos = _json_uint(p, pos, &value)
-        if pos < 0 or n >= most:
-            return None
-        kv_store_le32(buf + 4 * n, <unsigned int> value)
-        n += 1
-        c = p[pos]
-        if c == 44:  # ',' right after the id: the compact spelling, tested first
-            pos += 1
-            if p[pos] > 32:  # no space next (a space, tab, CR and LF are all <= 32)
-                continue
-            while _space(p[pos]):
-                pos += 1
-            continue
-        while _space(c):
-            pos += 1
-            c = p[pos]
-        if c == 44:  # ','
-            pos += 1
-            while _space(p[pos]):
-                pos += 1
-            continue
-        if c == 93:  # the closing bracket
-            after[0] = pos + 1
-            if n == most:
-                return out
-            # Shrunk in place: ``_PyBytes_Resize`` wants the only reference, so ``raw``
-            # takes over the one ``out`` held (on failure it frees the object and raises).
-            raw = <PyObject*> out
-            Py_INCREF(out)
-            out = None
-            _PyBytes_Resize(&raw, 4 * n)
-            resized = <bytes> raw  # a new reference; the one ``raw`` held is dropped next
-            Py_DECREF(resized)
-            return resized
-        return None  # a fraction, an exponent, anything else
-
-
 def kth_smallest(list values, Py_ssize_t k):
-    """The ``k``-th smallest of ``values`` (1: the smallest), as ``sorted(values)[k - 1]``
-    (floats; ``1 <= k <= len(values)``, else ``IndexError``), keeping the ``k`` smallest seen
-    by insertion (``k`` is small next to the fleet)."""
+    """Reference: builtins.sorted; tests/unit/indexer/native/test_lookup.py::test_kth_smallest_is_the_sorted_list_at_k
+
+    ``sorted(values)[k - 1]``, the ``k`` smallest kept by insertion (``k`` is small)."""
     cdef Py_ssize_t n = PyList_GET_SIZE(values), i, j, kept = 0
     if k < 1 or k > n:
         raise IndexError("k out of range")

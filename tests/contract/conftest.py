@@ -1,7 +1,7 @@
 """The contract suite's fixtures: every test in ``tests/contract`` runs on each backend.
 
 Backends: ``memory`` (:class:`MemoryIndex` on its compiled tables when built),
-``memory-python`` (on ``PyTables``, the pure-Python fallback), ``fakeredis``
+``memory-python`` (on the Python oracle ``tests.oracles.tables.PyTables``), ``fakeredis``
 (:class:`RedisIndex` over an in-process fake whose Lua runs in lupa), ``redis``
 (:class:`RedisIndex` over the private redis-server of ``tests/conftest.py``) and ``cluster``
 (over its private 3-master Redis Cluster); ``memory-python`` only for the index suite. None
@@ -21,6 +21,7 @@ from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.index.redis import RedisIndex
 from kvindex.indexer.redis.connection import RedisClient
 from kvindex.indexer.redis.schema import Schema
+from tests.oracles.tables import python_index
 
 REDIS_BACKENDS = ("fakeredis", "redis", "cluster")
 BACKENDS = ("memory", *REDIS_BACKENDS)
@@ -33,7 +34,7 @@ IndexFactory = Callable[[], BlockIndex]
 
 def _memory_factory(*, compiled: bool) -> IndexFactory:
     def make() -> BlockIndex:
-        return MemoryIndex(compiled=compiled)
+        return MemoryIndex() if compiled else python_index()
 
     return make
 

@@ -38,7 +38,6 @@ from kvindex.indexer.domain.health import StreamReport
 from kvindex.indexer.domain.keys import block_keys
 from kvindex.indexer.fleet.registry import Freshness, Registry, StreamFreshness
 from kvindex.indexer.fleet.replica import ReplicaSpec
-from kvindex.indexer.index import memory as memory_module
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import Op, OpKind
 
@@ -258,7 +257,6 @@ def test_the_python_loops_answer_as_the_compiled_ones(seed: int) -> None:
             (policies_module, "_compiled_penalties"),
             (score_module, "_compiled_matches"),
             (score_module, "_compiled_contenders"),
-            (memory_module, "_set_bits"),
             (floors_module, "_compiled_within"),
         ):
             stack.enter_context(patch.object(module, name, None))

@@ -15,8 +15,9 @@ import pytest
 
 from kvindex.indexer.domain.events import StreamId, Tier
 from kvindex.indexer.index import memory
-from kvindex.indexer.index.memory import IndexLock, MemoryIndex, PyTables
+from kvindex.indexer.index.memory import IndexLock, MemoryIndex
 from kvindex.indexer.index.protocol import NO_MATCH, HolderLookup, Op, OpKind, PrefixMatch
+from tests.oracles.tables import PyTables, python_index
 
 S = StreamId("r1")
 GPU, CPU, OTHER = Tier.GPU, Tier.CPU, Tier.OTHER
@@ -94,7 +95,7 @@ def _counting(index: MemoryIndex) -> _CountingDict:
 
 
 def test_lookup_reads_the_matched_prefix_not_the_streams() -> None:
-    index = MemoryIndex(compiled=False)  # the compiled walk is the same (tests/contract)
+    index = python_index()  # the compiled walk is the same (tests/contract)
     holders = _counting(index)
     streams = [StreamId(f"r{i}") for i in range(500)]
     for i, stream in enumerate(streams):  # each its own block, two hold the prompt's start
@@ -113,7 +114,7 @@ def test_lookup_reads_the_matched_prefix_not_the_streams() -> None:
 
 
 def test_holders_map_forgets_what_no_stream_holds() -> None:
-    index = MemoryIndex(compiled=False)
+    index = python_index()
     other = StreamId("r2")
     index.apply(S, 0, 1.0, [store(1, 101), store(2, 102), store(2, 102, CPU)])
     index.apply(other, 0, 1.0, [store(1, 101), store(3, 103)])
@@ -125,7 +126,7 @@ def test_holders_map_forgets_what_no_stream_holds() -> None:
 
 
 def test_stream_numbers_are_reused_after_drops() -> None:
-    index = MemoryIndex(compiled=False)
+    index = python_index()
     for round_ in range(3):
         streams = [StreamId(f"r{round_}-{i}") for i in range(50)]
         for stream in streams:
@@ -137,7 +138,7 @@ def test_stream_numbers_are_reused_after_drops() -> None:
 
 def test_holders_answer_the_holders_alone_in_runs_of_one_match() -> None:
     for compiled in (True, False):
-        index = MemoryIndex(compiled=compiled)
+        index = MemoryIndex() if compiled else python_index()
         assert isinstance(index, HolderLookup)
         streams = [StreamId(f"r{i}") for i in range(300)]
         for i, stream in enumerate(streams):  # every 3rd holds 2 blocks, one of them on CPU
@@ -162,7 +163,7 @@ def test_holders_answer_the_holders_alone_in_runs_of_one_match() -> None:
 
 
 def test_holders_read_the_matched_prefix_not_the_streams() -> None:
-    index = MemoryIndex(compiled=False)
+    index = python_index()
     holders = _counting(index)
     streams = [StreamId(f"r{i}") for i in range(500)]
     for i, stream in enumerate(streams):
@@ -203,7 +204,7 @@ def test_a_write_hands_the_lock_over_every_hold_blocks_ops_and_rereads_its_strea
     """Between two pieces of a write another thread may clear or drop the stream: the
     rest is applied to the stream as it is then, never to a stale number."""
     monkeypatch.setattr(memory, "HOLD_BLOCKS", 2)
-    index = MemoryIndex(compiled=False)
+    index = python_index()
     thief = StreamId("thief")
     handed: list[int] = []
 

@@ -33,10 +33,11 @@ from kvindex.indexer.domain.events import (
 )
 from kvindex.indexer.domain.health import StreamReport
 from kvindex.indexer.domain.keys import BlockKeyError, block_keys, chain_keys, tokens_to_bytes
-from kvindex.indexer.index.memory import MemoryIndex, PyTables, new_tables
+from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import Op, OpKind
 from kvindex.indexer.ingest import wire
 from kvindex.indexer.ingest.ingestor import Ingestor
+from tests.oracles.tables import python_index
 
 U64 = st.integers(0, 2**64 - 1)
 
@@ -44,8 +45,7 @@ U64 = st.integers(0, 2**64 - 1)
 def test_the_install_built_the_extension() -> None:
     assert native.chain is not None and native.Tables is not None
     assert MemoryIndex().compiled
-    assert not MemoryIndex(compiled=False).compiled
-    assert isinstance(new_tables(compiled=False), PyTables)
+    assert not python_index().compiled
 
 
 def _python_chain(parent: int, token_bytes: bytes, block_size: int) -> list[int]:
@@ -62,6 +62,26 @@ def test_compiled_chain_agrees_with_python(parent: int, tokens: list[int], size:
     assert native.chain(parent, token_bytes, size) == expected
     assert native.chain_tokens(parent, tokens, size) == expected
     assert native.chain_tokens(parent, tuple(tokens), size) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 2**32 - 1) | st.integers(-5, -1) | st.just(2**32), max_size=50),
+    st.booleans(),
+)
+def test_pack_tokens_equal_the_python_packing(tokens: list[int], as_tuple: bool) -> None:
+    """The same bytes, or the same refusal (BlockKeyError), for a list or a tuple."""
+    given_ids: Sequence[int] = tuple(tokens) if as_tuple else tokens
+
+    def packed() -> bytes | str:
+        try:
+            return tokens_to_bytes(given_ids)
+        except BlockKeyError:
+            return "refused"
+
+    compiled = packed()
+    with patch.object(native, "pack_tokens", None):
+        assert packed() == compiled
 
 
 @pytest.mark.parametrize("bad", [[-1], [2**32], ["7"], [1.5]])
@@ -116,12 +136,12 @@ def _run(index: MemoryIndex, steps: list[Step]) -> list[object]:
 @settings(max_examples=300, deadline=None)
 @given(st.lists(_step, max_size=25))
 def test_compiled_tables_agree_with_python(steps: list[Step]) -> None:
-    assert _run(MemoryIndex(), steps) == _run(MemoryIndex(compiled=False), steps)
+    assert _run(MemoryIndex(), steps) == _run(python_index(), steps)
 
 
 def test_tables_grow_and_shrink_back_exactly() -> None:
     # Enough blocks for several resizes and many backward-shift deletions.
-    index, python = MemoryIndex(), MemoryIndex(compiled=False)
+    index, python = MemoryIndex(), python_index()
     stores = [(OpKind.STORE, Tier.GPU, h, h * 7919 % 100_003) for h in range(20_000)]
     removes = [(OpKind.REMOVE, Tier.GPU, h, 0) for h in range(0, 20_000, 3)]
     for each in (index, python):
@@ -143,7 +163,7 @@ def test_tables_agree_through_churn_of_random_hashes() -> None:
     # Random 64-bit hashes and keys (homes anywhere, runs wrapping past the array's end),
     # stored and removed in turns while the tables grow: every lookup and count as in dicts.
     rng = random.Random(14)
-    index, python = MemoryIndex(), MemoryIndex(compiled=False)
+    index, python = MemoryIndex(), python_index()
     held: list[int] = []
     for seq in range(40):
         ops: list[Op] = []

@@ -2,7 +2,7 @@
 
 The install builds the extension (setup.py), so these tests require it, as ``test_core.py``
 does. Random inputs (hypothesis) judge agreement, bit for bit where floats are returned: the
-set bits of wide bitmaps, the load penalty of random fleets (missing loads, loads from the
+load penalty of random fleets (missing loads, loads from the
 future, requests in flight, a zero half-life, integer weights), and the best ``top_k`` of
 random scores with ties on every key, the random generator left in the same state, the
 k-th smallest of random scores, and each replica's best match and the contenders from random
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 import struct
-from typing import cast
+from typing import Annotated, cast
 
 import msgspec
 import pytest
@@ -25,7 +25,6 @@ from kvindex.api.decision import policies
 from kvindex.api.decision.policies import Weights, penalty_weights
 from kvindex.api.load.model import CountedLoad, InFlight, Load
 from kvindex.indexer.domain.events import Tier
-from kvindex.indexer.index import memory
 from kvindex.indexer.index.protocol import HeldRuns, PrefixMatch
 from kvindex.indexer.native import _lookup
 
@@ -35,16 +34,6 @@ NOW = 1_000_000.0
 def _bits(values: list[float]) -> list[bytes]:
     """Each float's IEEE bytes (so 0.0 and -0.0 differ, as equal floats may not)."""
     return [struct.pack("<d", float(v)) for v in values]
-
-
-@given(st.integers(0, 2**2100))
-def test_set_bits_equals_the_python_scan(bitmap: int) -> None:
-    assert _lookup.set_bits(bitmap) == list(memory._py_numbers(bitmap))
-
-
-def test_set_bits_of_nothing_and_of_one_bit() -> None:
-    assert _lookup.set_bits(0) == []
-    assert _lookup.set_bits(1 << 1023) == [1023]
 
 
 _LOAD = st.builds(
@@ -282,6 +271,9 @@ def test_json_token_span_finds_the_array_and_reads_it(ids: list[int], space: str
     assert (
         packed == struct.pack(f"<{len(ids)}I", *ids) == _lookup.json_token_ids(array.encode(), 100)
     )
+    assert packed == _general_decode(
+        msgspec.json.encode(msgspec.json.decode(body)["token_ids"]), 100
+    )
 
 
 def test_json_token_span_leaves_other_bodies_alone() -> None:
@@ -396,6 +388,43 @@ def test_json_token_ids_reads_ids_of_every_length_in_any_spacing(
 def test_json_token_ids_refuses_what_is_no_plain_array_of_u32(array: bytes) -> None:
     assert _lookup.json_token_ids(array, 10) is None
     assert _lookup.json_token_span(b'{"model": "m", "token_ids": ' + array + b"}", 10) is None
+
+
+_U32 = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
+_JSON_ITEM = st.integers(0, 2**32 - 1).map(str) | st.sampled_from(
+    ["-1", "-0", "01", "1.5", "1e3", "1.0", "4294967296", "null", '"2"', "[]", ""]
+)
+_JSON_SEPARATOR = st.sampled_from([",", ", ", " ,", ",\n\t", ",,"])
+
+
+def _general_decode(raw: bytes, max_length: int) -> bytes | None:
+    """The ids as the general decode reads them (typed as ``token_ids``), packed."""
+    try:
+        ids = msgspec.json.decode(raw, type=list[_U32])
+    except msgspec.DecodeError:
+        return None
+    return struct.pack(f"<{len(ids)}I", *ids) if len(ids) <= max_length else None
+
+
+@settings(max_examples=400)
+@given(
+    st.lists(_JSON_ITEM, max_size=12),
+    _JSON_SEPARATOR,
+    st.sampled_from(["", " ", "\r\n"]),
+    st.integers(0, 12),
+    st.booleans(),
+)
+def test_json_token_ids_equal_the_general_decode(
+    items: list[str], separator: str, space: str, max_length: int, closed: bool
+) -> None:
+    """None or the general decode's ids, and those whenever the array is plain u32s."""
+    raw = f"{space}[{space}{separator.join(items)}{space}{']' if closed else ''}{space}".encode()
+    got = _lookup.json_token_ids(raw, max_length)
+    expected = _general_decode(raw, max_length)
+    assert got is None or got == expected
+    plain = all(item.isdigit() and (item == "0" or item[0] != "0") for item in items)
+    if plain and closed and separator != ",," and expected is not None:
+        assert got == expected
 
 
 def test_json_token_ids_takes_max_length_ids_and_no_more() -> None:

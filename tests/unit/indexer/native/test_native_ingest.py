@@ -56,6 +56,7 @@ from kvindex.indexer.ingest.wire import (
     encode_live,
     encode_seq,
 )
+from tests.oracles.tables import python_index
 from tests.support.frame_fuzz import Message, messages
 
 FIXTURES = Path(__file__).resolve().parents[3] / "fixtures"
@@ -150,8 +151,8 @@ def feed_both(
 def test_the_install_built_the_compiled_ingest_path() -> None:
     assert native.NativeBatch is not None
     assert MemoryIndex().native_ingest
-    assert not MemoryIndex(compiled=False).native_ingest
-    assert Ingestor(MemoryIndex()).native and not Ingestor(MemoryIndex(compiled=False)).native
+    assert not python_index().native_ingest
+    assert Ingestor(MemoryIndex()).native and not Ingestor(python_index()).native
 
 
 # --- the captured frames ------------------------------------------------------------------
