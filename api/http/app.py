@@ -39,8 +39,8 @@ from starlette.routing import BaseRoute
 
 from kvindex.api.config.settings import ApiSettings
 from kvindex.api.config.url_policy import UntrustedUrlError
-from kvindex.api.fleet.block_sizes import BlockSizeCheck
-from kvindex.api.fleet.health_checker import HealthChecker
+from kvindex.api.health.block_sizes import BlockSizeCheck
+from kvindex.api.health.checker import HealthChecker
 from kvindex.api.http.body_limit import BodyLimit, BodyTimeoutError, BodyTooLargeError
 from kvindex.api.http.hot_routes import HotRoute, HotRoutes, HotServing
 from kvindex.api.http.metrics import ApiMetrics, TimedIndex

@@ -21,7 +21,7 @@ The API's own series, by name and labels:
   Redis; 1 on the in-process store.
 - ``kvindex_load_scrape_failures_total{replica}``: failed scrapes of a replica's vLLM /metrics.
 - ``kvindex_block_size_mismatch_streams{model}``: streams whose block size is not their
-  model's (:mod:`kvindex.api.fleet.block_sizes`), read at scrape time.
+  model's (:mod:`kvindex.api.health.block_sizes`), read at scrape time.
 - ``kvindex_build_info{version,component="api"}``: always 1.
 """
 
@@ -35,7 +35,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvindex import __version__
-from kvindex.api.fleet.block_sizes import BlockSizeCheck
+from kvindex.api.health.block_sizes import BlockSizeCheck
 from kvindex.api.score import DEGRADED_REASONS
 from kvindex.indexer.domain.events import StreamId
 from kvindex.indexer.fleet.registry import RegistryView

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from kvindex.api.config.settings import ApiSettings
-from kvindex.api.fleet.block_sizes import BlockSizeCheck
+from kvindex.api.health.block_sizes import BlockSizeCheck
 from kvindex.api.load.model import Load
 from kvindex.api.load.store import LoadStore
 from kvindex.api.schemas import (

@@ -10,7 +10,7 @@ load is scraped from its ``/metrics`` (``api.scrape_interval_s``). The requests 
 reserved in that load store's ledger under the proxy's lease (``proxy.lease_ttl_s``,
 renewed by a :class:`~kvindex.api.load.reservations.LeaseKeeper`), so other proxies and
 ``/score`` on the same Redis count them. Each replica's health is checked
-(:mod:`kvindex.api.fleet.health_checker`) and judged by the forwards' outcomes (:mod:`.ejection`):
+(:mod:`kvindex.api.health.checker`) and judged by the forwards' outcomes (:mod:`.ejection`):
 an ejected replica is left out of the scorer's ranking, so never chosen while another one is
 healthy.
 """
@@ -25,18 +25,18 @@ import httpx
 from starlette.applications import Starlette
 
 from kvindex.api.config.settings import ApiSettings
-from kvindex.api.fleet.health_checker import HealthChecker
+from kvindex.api.health.checker import HealthChecker
+from kvindex.api.health.ejection import EjectionMetrics, ReplicaBreakers
 from kvindex.api.http.app import ApiDeps
 from kvindex.api.http.server import Service, api_deps, run_app
 from kvindex.api.load.reservations import LeaseKeeper, Reservations
 from kvindex.api.load.scraper import MetricsScraper
 from kvindex.api.score import Scorer
+from kvindex.api.tokenize.failover import ProxyTokenizers
 from kvindex.clients.proxy.app import ProxyParts, create_proxy_app
-from kvindex.clients.proxy.ejection import EjectionMetrics, ReplicaBreakers
 from kvindex.clients.proxy.forwarding import Forwarder, ReservationDesk
 from kvindex.clients.proxy.metrics import ProxyMetrics
 from kvindex.clients.proxy.settings import ProxySettings
-from kvindex.clients.proxy.tokenizers import ProxyTokenizers
 from kvindex.clients.proxy.upstream import UpstreamPicker
 from kvindex.indexer.config.settings import IndexerSettings
 

@@ -21,7 +21,7 @@ from kvindex.indexer.domain.events import StreamId
 from kvindex.indexer.fleet.registry import RegistryView, StreamStatus
 from kvindex.indexer.fleet.replica import ReplicaSpec
 
-logger = logging.getLogger("kvindex.api.fleet.block_sizes")
+logger = logging.getLogger("kvindex.api.health.block_sizes")
 
 
 @dataclass(frozen=True, slots=True)
