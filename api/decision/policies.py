@@ -48,21 +48,7 @@ from kvindex.api.load.model import CountedLoad
 from kvindex.indexer.domain.errors import KvIndexError
 from kvindex.indexer.domain.events import Tier
 from kvindex.indexer.fleet.registry import Freshness
-
-_compiled_penalties: (
-    Callable[
-        [list[str], dict[str, CountedLoad], float, float, float, float, float, float, float, float],
-        list[float],
-    ]
-    | None
-) = None
-"""The compiled :func:`load_penalties` loop (None: not built, the Python loop serves)."""
-try:
-    from kvindex.indexer.native import _lookup
-except ImportError:
-    pass
-else:
-    _compiled_penalties = _lookup.load_penalties
+from kvindex.indexer.native import _lookup
 
 
 class Policy(enum.StrEnum):
@@ -221,16 +207,13 @@ def _in_flight_terms(c: Candidate, w: Weights) -> tuple[float, float]:
 def load_penalties(
     replicas: Sequence[str], counted: Mapping[str, CountedLoad], now: float, w: Weights
 ) -> list[float]:
-    """:func:`load_penalty` of each replica's stored load (its age as of ``now``), answers
-    since and requests in flight (none when absent from ``counted``), in the order of
-    ``replicas``, without building a candidate: the same arithmetic, inlined (it runs for
-    every candidate of every request; the scorer's equivalence test holds it equal), and
-    compiled when the extension is built (a list and a dict; the same floats, bit for bit:
-    ``tests/unit/indexer/native/test_lookup.py``)."""
-    compiled = _compiled_penalties
-    if compiled is None or type(replicas) is not list or type(counted) is not dict:
-        return py_load_penalties(replicas, counted, now, w)
-    return compiled(replicas, counted, now, *penalty_weights(w))
+    """:func:`load_penalty` of each replica's counted load (aged as of ``now``), in the order
+    of ``replicas``, without building a candidate: one compiled loop (``_lookup``)."""
+    if type(replicas) is not list:
+        replicas = list(replicas)
+    if type(counted) is not dict:
+        counted = dict(counted)
+    return _lookup.load_penalties(replicas, counted, now, *penalty_weights(w))
 
 
 def penalty_weights(w: Weights) -> tuple[float, float, float, float, float, float, float]:
@@ -244,35 +227,6 @@ def penalty_weights(w: Weights) -> tuple[float, float, float, float, float, floa
         w.routed,
         w.kv_usage,
     )
-
-
-def py_load_penalties(
-    replicas: Sequence[str], counted: Mapping[str, CountedLoad], now: float, w: Weights
-) -> list[float]:
-    """:func:`load_penalties` in Python: the reference of the compiled loop, and the
-    fallback when it is not built."""
-    w_in_flight, w_tokens, half_life = w.in_flight, w.in_flight_tokens, w.load_half_life_s
-    w_waiting, w_running, w_routed, w_kv = w.waiting, w.running, w.routed, w.kv_usage
-    out: list[float] = []
-    append, get = out.append, counted.get
-    for replica in replicas:
-        c = get(replica)
-        if c is None:
-            append(w_in_flight * 0.0 + w_tokens * 0.0)
-            continue
-        load, routed, (num_requests, num_tokens) = c
-        first_hand = w_in_flight * num_requests
-        prefill = w_tokens * num_tokens
-        if load is None:
-            append(first_hand + prefill)
-            continue
-        age = now - load.ts
-        recency = 0.5 ** ((0.0 if age < 0.0 else age) / half_life) if half_life else 1.0
-        queue = (w_waiting * load.waiting + w_running * load.running) * recency
-        queue += w_routed * routed
-        queue = queue if queue > first_hand else first_hand
-        append(queue + w_kv * load.kv_usage * recency + prefill)
-    return out
 
 
 def cache_credit(c: Candidate, num_blocks: int, w: Weights) -> tuple[float, float]:

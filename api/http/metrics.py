@@ -35,8 +35,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvindex import __version__
+from kvindex.api.answer import DEGRADED_REASONS
 from kvindex.api.health.block_sizes import BlockSizeCheck
-from kvindex.api.score import DEGRADED_REASONS
 from kvindex.indexer.domain.events import StreamId
 from kvindex.indexer.fleet.registry import RegistryView
 from kvindex.indexer.index.protocol import (
