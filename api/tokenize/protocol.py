@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
+
+import msgspec
 
 from kvindex.indexer.domain.errors import KvIndexError
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
+"""A token id as engines hash it (unsigned 32-bit)."""
 
 
 class TokenizerError(KvIndexError):

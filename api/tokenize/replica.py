@@ -7,8 +7,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from kvindex.api.schemas import TokenId
-from kvindex.api.tokenize.protocol import TokenizerError
+from kvindex.api.tokenize.protocol import TokenId, TokenizerError
 
 _EXCERPT_CHARS = 200
 _JSON_HEADERS = {"content-type": "application/json"}
