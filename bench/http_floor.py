@@ -60,8 +60,9 @@ import msgspec
 from score_http import Api, LoadPlan, LoadResult, run_load, running_api
 
 from kvindex.api.config.settings import ApiSettings
-from kvindex.api.http.app import ApiDeps, create_app
+from kvindex.api.http.app import create_app
 from kvindex.api.load.store import MemoryLoadStore
+from kvindex.api.runtime import ApiDeps
 from kvindex.api.schemas import decode_score_request
 from kvindex.api.score import Scorer
 from kvindex.indexer.domain.events import BlockStored, EventBatch, StreamId, Tier

@@ -38,13 +38,15 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvindex.api.config.url_policy import UrlPolicy
 from kvindex.api.decision.policies import Policy, ScoringError, Weights
 from kvindex.api.decision.routing_rules import RoutingRule, rule_from_table
+from kvindex.indexer.config.loading import ConfigFile, from_env_text, layered, read_token
+from kvindex.indexer.config.store import StoreSettings
 from kvindex.indexer.domain.errors import SettingsError
 from kvindex.indexer.fleet.replica_health import HealthPolicy
 
@@ -291,12 +293,11 @@ def load_api_settings(
     if unknown:
         raise SettingsError(f"[api]: unknown settings {unknown} (known: {sorted(_SCALAR_NAMES)})")
     from_env = _ApiEnv.read(os.environ if env is None else env)
-    raw.update(from_env.values)
+    raw = layered(raw, from_env.values, overrides)
     weights.update(from_env.weights)
-    raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
     if raw.get("auth_token_file") is not None:
         raw["auth_token_file"] = str(raw["auth_token_file"])
-        raw["auth_token"] = read_token(raw["auth_token_file"])
+        raw["auth_token"] = read_token(raw["auth_token_file"], key="api.auth_token_file")
     if isinstance(raw.get("replica_networks"), list):  # TOML arrays are lists
         raw["replica_networks"] = tuple(raw["replica_networks"])
     model_tables = from_env.models if from_env.models is not None else models
@@ -374,41 +375,6 @@ class _ApiEnv:
 
 _FIELD_TYPES = {f.name: str(f.type) for f in fields(ApiSettings) if f.name in _SCALAR_NAMES}
 """Field name → its annotation (a string: this module uses postponed annotations)."""
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-
-
-def _boolean(text: str) -> bool:
-    word = text.strip().lower()
-    if word not in _TRUE | _FALSE:
-        raise ValueError(text)
-    return word in _TRUE
-
-
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in text.split(",") if part.strip())
-
-
-_PARSERS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
-    ("tuple[str", _names, "a comma-separated list"),
-    ("int", int, "an integer"),
-    ("float", float, "a number"),
-    ("bool", _boolean, "a boolean (true/false)"),
-    ("str", str, "a string"),
-)
-"""How a variable is read, by the start of the field's annotation."""
-
-
-def from_env_text(variable: str, text: str, kind: str) -> Any:
-    """``text`` as the type ``kind`` (a field's annotation, as a string) names;
-    SettingsError names the variable and value. The proxy's settings read theirs so too."""
-    for prefix, parse, wanted in _PARSERS:
-        if kind.startswith(prefix):
-            try:
-                return parse(text)
-            except ValueError:
-                raise SettingsError(f"{variable} must be {wanted}, got {text!r}") from None
-    raise SettingsError(f"{variable}: a {kind} setting cannot be read from the environment")
 
 
 def _tables_of(variable: str, text: str, example: str) -> list[Mapping[str, Any]]:
@@ -422,19 +388,6 @@ def _tables_of(variable: str, text: str, example: str) -> list[Mapping[str, Any]
             f"{variable} must be a JSON array of tables (e.g. {example}), got {text!r}"
         )
     return tables
-
-
-def read_token(path: str, *, key: str = "api.auth_token_file") -> str:
-    """The token in a file, surrounding whitespace stripped; SettingsError names the key
-    and the file (never the token)."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            token = handle.read().strip()
-    except OSError as exc:
-        raise SettingsError(f"{key} {path}: {exc.strerror}") from None
-    if not token:
-        raise SettingsError(f"{key} {path}: the file is empty")
-    return token
 
 
 def _model(values: Mapping[str, Any]) -> ModelSpec:
@@ -457,3 +410,27 @@ def _rules(tables: Sequence[Mapping[str, Any]] | None) -> tuple[RoutingRule, ...
         return tuple(rule_from_table(t, i) for i, t in enumerate(tables or (), 1))
     except TypeError as exc:
         raise SettingsError(f"[[rules]]: {exc}") from exc
+
+
+def api_settings_of(
+    file: ConfigFile,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> ApiSettings:
+    """:func:`load_api_settings` of the file's ``[api]``, ``[[models]]`` and ``[[rules]]``."""
+    return load_api_settings(
+        file.table("api"),
+        file.table("models"),
+        rules=file.table("rules"),
+        env=env,
+        overrides=overrides,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ReadPathSettings:
+    """What a read-path process is built from: where its stores are, and the API's own."""
+
+    store: StoreSettings
+    api: ApiSettings

@@ -18,17 +18,16 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
 
 import httpx
 
 from kvindex.api.config.settings import ApiSettings
+from kvindex.api.loop.off_loop import OffLoop
 from kvindex.api.loop.periodic import Periodic
 from kvindex.indexer.fleet.registry import HealthChange, HealthUpdate, RegistryView
 from kvindex.indexer.fleet.replica_health import Ejection, ReplicaHealth
 from kvindex.indexer.index.protocol import IndexUnavailableError
 
-T = TypeVar("T")
 logger = logging.getLogger("kvindex.health")
 _CLAIM_SHARE = 0.8
 """A check claim lasts this share of the interval: gone before the next round starts."""
@@ -62,7 +61,7 @@ class HealthChecker:
         self._timeout_s = settings.health_check_timeout_s
         self._path = settings.health_check_path
         self._policy = settings.health_policy()
-        self._blocking = blocking_store
+        self._call = OffLoop(blocking_store)
         self._clock = clock
         self._on_ejected = on_ejected
         self._rounds = (
@@ -146,8 +145,3 @@ class HealthChecker:
         elif failing is None and self._store_failing:
             logger.warning("health checks resumed: the fleet state is reachable again")
         self._store_failing = failing is not None
-
-    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        if self._blocking:
-            return await asyncio.to_thread(fn, *args)
-        return fn(*args)

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvindex.api.config.settings import ApiSettings
+from kvindex.api.loop.off_loop import OffLoop
 from kvindex.indexer.fleet.registry import HealthChange, HealthUpdate, RegistryView
 from kvindex.indexer.fleet.replica_health import Ejection, ReplicaHealth
 from kvindex.indexer.index.protocol import IndexUnavailableError
@@ -79,7 +80,7 @@ class ReplicaBreakers:
     ) -> None:
         self._fleet = fleet
         self._policy = settings.health_policy()
-        self._blocking = blocking_store
+        self._off_loop = OffLoop(blocking_store)
         self._clock = clock
         self._on_ejected = on_ejected
         self._failures: dict[str, int] = {}
@@ -105,12 +106,10 @@ class ReplicaBreakers:
             self._change(replica, lambda h: h.breaker_opened(now, policy, what))
 
     def _change(self, replica: str, change: HealthChange) -> None:
-        if not self._blocking:
+        if not self._off_loop.blocking:
             self._apply(replica, change)
             return
-        task = asyncio.get_running_loop().create_task(
-            asyncio.to_thread(self._apply, replica, change)
-        )
+        task = asyncio.get_running_loop().create_task(self._off_loop(self._apply, replica, change))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

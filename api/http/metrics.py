@@ -64,7 +64,7 @@ class ApiMetrics:
     ``runs_write_path``: this process runs the indexer whose ``registry`` and ``index`` it
     is given (export the write path's series); False for an API reading another process's
     fleet. ``store_up`` says whether the API's store is being called (its circuit closed).
-    ``block_sizes`` feeds the mismatch gauge (None: not exported; the app always gives it).
+    ``block_sizes`` feeds the mismatch gauge (None: not yet, :meth:`watch_block_sizes`).
     ``rule_names``: the configured ``[[rules]]``, exported from 0.
     """
 
@@ -96,9 +96,13 @@ class ApiMetrics:
         )
         build.labels(__version__, "api").set(1)
         if block_sizes is not None:
-            self.registry.register(_BlockSizeCollector(block_sizes))
+            self.watch_block_sizes(block_sizes)
         if runs_write_path:
             self.registry.register(IngestCollector(registry, index))
+
+    def watch_block_sizes(self, check: BlockSizeCheck) -> None:
+        """Export ``check``'s mismatches (read at scrape time)."""
+        self.registry.register(_BlockSizeCollector(check))
 
     def _request_series(self) -> None:
         self.http_requests = Counter(

@@ -108,6 +108,10 @@ class ProxyTokenizers:
             self._model_to_tokenizer[model] = tokenizer
         return tokenizer
 
+    def forget(self, model: str) -> None:
+        """Choose the model's local tokenizer again at its next request."""
+        self._local.forget(model)
+
     def _failover(self, model: str) -> Tokenizer:
         settings = self._settings
         inner = FailoverTokenizer(

@@ -37,6 +37,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvindex.api.config.settings import ApiSettings
 from kvindex.api.http.body_limit import BodyTimeoutError, BodyTooLargeError
+from kvindex.api.loop.off_loop import OffLoop
 from kvindex.api.score import RequestError, UnknownModelError
 from kvindex.clients.proxy.auth import InboundAuth, UnauthorizedError
 from kvindex.clients.proxy.forwarding import (
@@ -79,8 +80,8 @@ class ProxyParts:
     picker: UpstreamPicker
     forwarder: Forwarder
     metrics: ProxyMetrics
-    blocking_store: bool
-    """True when index calls do network I/O (Redis): run them off the loop."""
+    off_loop: OffLoop
+    """Runs the index and fleet reads (off the loop when they do network I/O)."""
     proxy: ProxySettings = field(default_factory=ProxySettings)
     auth: InboundAuth = field(init=False)
     """The bearer-token check of ``proxy.auth_token``."""
@@ -301,7 +302,7 @@ async def _ok(_: Request) -> Response:
 
 def _models(parts: ProxyParts) -> Callable[[Request], Awaitable[Response]]:
     async def models(_: Request) -> Response:
-        names = await _call(parts, parts.registry.models)
+        names = await parts.off_loop(parts.registry.models)
         data = [_model_entry(m) for m in names]
         specs = [m for m in parts.api.models if m.name in names]
         data += [_model_entry(lora, parent=m.name) for m in specs for lora in m.loras]
@@ -320,7 +321,7 @@ def _model_entry(name: str, parent: str | None = None) -> dict[str, Any]:
 def _ready(parts: ProxyParts) -> Callable[[Request], Awaitable[Response]]:
     async def ready(_: Request) -> Response:
         try:
-            await _call(parts, parts.index.streams)
+            await parts.off_loop(parts.index.streams)
         except IndexUnavailableError as exc:
             return _json({"status": "unavailable", "detail": str(exc)}, 503)
         return _json({"status": "ready"})
@@ -333,10 +334,3 @@ def _metrics(parts: ProxyParts) -> Callable[[Request], Awaitable[Response]]:
         return Response(parts.metrics.render(), media_type=_METRICS)
 
     return metrics
-
-
-async def _call(parts: ProxyParts, fn: Callable[[], Any]) -> Any:
-    """Run a store call off the event loop when it does network I/O."""
-    if parts.blocking_store:
-        return await asyncio.to_thread(fn)
-    return fn()

@@ -35,12 +35,13 @@ import logging
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 from starlette.types import Receive, Scope, Send
 
 from kvindex.api.load.reservations import Reservation, Reservations
+from kvindex.api.loop.off_loop import OffLoop
 from kvindex.clients.proxy.connections import AnswerBody, ReplicaTransport
 from kvindex.clients.proxy.metrics import ProxyMetrics
 from kvindex.clients.proxy.retry_policy import RetryPolicy
@@ -49,7 +50,6 @@ from kvindex.clients.proxy.upstream import Upstream
 from kvindex.indexer.domain.errors import KvIndexError
 
 logger = logging.getLogger("kvindex.proxy")
-_T = TypeVar("_T")
 REQUEST_ID = "x-request-id"
 REPLICA_HEADER = "x-kvindex-replica"
 """Response header naming the replica that answered."""
@@ -127,7 +127,7 @@ class ReservationDesk:
     ) -> None:
         self._reservations = reservations
         self._metrics = metrics
-        self._blocking = blocking
+        self._call = OffLoop(blocking).shielded
 
     async def reserve(self, upstream: Upstream) -> Dispatch:
         self._metrics.in_flight.labels(upstream.replica).inc()
@@ -165,12 +165,6 @@ class ReservationDesk:
             return
         if num_held:
             self._metrics.reservations_released.labels("shutdown").inc(num_held)
-
-    async def _call(self, fn: Callable[..., _T], *args: object) -> _T:
-        if self._blocking:
-            # shield: a cancelled request still waits for its store call (it runs anyway)
-            return await asyncio.shield(asyncio.to_thread(fn, *args))
-        return fn(*args)
 
     def _failed(self, op: str, exc: Exception) -> None:
         self._metrics.reservation_failures.labels(op).inc()

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvindex.api.config.settings import from_env_text, read_token
+from kvindex.indexer.config.loading import ConfigFile, from_env_text, layered, read_token
 from kvindex.indexer.domain.errors import SettingsError
 
 
@@ -149,8 +149,7 @@ def load_proxy_settings(
     if unknown:
         raise SettingsError(f"[proxy]: unknown settings {unknown} (known: {sorted(_FIELD_TYPES)})")
     from_env = _from_env(os.environ if env is None else env)
-    raw.update(from_env)
-    raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    raw = layered(raw, from_env, overrides)
     if raw.get("auth_token_file") is not None:
         raw["auth_token_file"] = str(raw["auth_token_file"])
         raw["auth_token"] = read_token(raw["auth_token_file"], key="proxy.auth_token_file")
@@ -191,3 +190,13 @@ def _api_keys_of(variable: str, text: str) -> dict[str, str]:
     if not isinstance(keys, dict):
         raise SettingsError(f'{variable} must be a JSON object (e.g. {{"r1": "key"}})')
     return keys
+
+
+def proxy_settings_of(
+    file: ConfigFile,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> ProxySettings:
+    """:func:`load_proxy_settings` of the file's ``[proxy]``."""
+    return load_proxy_settings(file.table("proxy"), env=env, overrides=overrides)
