@@ -82,8 +82,7 @@ def bounded_stores(
 ) -> tuple[BlockIndex, LoadStore, RegistryView, StoreCircuit]:
     """The API's index, load and fleet on one connection whose every call times out after
     ``api.redis_timeout_s``, behind one circuit (they share that connection and server: the
-    first call to find it down spares the others the wait). The index's schema is checked
-    here: an index of another version or group count is refused at start."""
+    first call to find it down spares the others the wait)."""
     schema = store.redis_schema
     client = connect_bounded(
         store.redis_url, timeout_s=api.redis_timeout_s, cluster=store.redis_cluster
@@ -220,7 +219,7 @@ def _check(off_loop: OffLoop, block_sizes: BlockSizeCheck) -> Callable[[], Await
 class _LazyTransport(httpx.AsyncBaseTransport):
     """httpx's transport (certificates verified, no proxy from the environment), built on
     the first request: a process whose replicas give no URL never loads httpcore and a TLS
-    context. Used from the event loop only."""
+    context."""
 
     def __init__(self) -> None:
         self._transport: httpx.AsyncHTTPTransport | None = None

@@ -62,8 +62,7 @@ class ScoreRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     candidate; default: the API's ``default_top_k``). ``best`` is the same whatever it is."""
     dry_run: bool = False
     """Ask without routing: the answer changes nothing (it is not counted as load, the
-    round-robin turn does not advance, random draws leave the seeded sequence alone).
-    Operator views send it; a router that acts on the answer does not."""
+    round-robin turn does not advance, random draws leave the seeded sequence alone)."""
 
 
 _RAW_NULL = msgspec.Raw(b"null")
@@ -108,12 +107,7 @@ _MARKER_RAW = msgspec.Raw(_MARKER)
 def decode_score_request(body: bytes) -> tuple[ScoreRequest, bytes | None]:
     """A ``POST /score`` body as its request, and its ``token_ids`` as little-endian u32
     bytes (what the block keys hash) when they were read that way: the request's
-    ``token_ids`` is then None. The ids are read by the compiled loop when it is built and
-    the array is plain (integers in [0, 2**32), at most :data:`MAX_TOKEN_IDS`), with no
-    Python int made per token, and the decoder skips the array (:func:`_spliced`) or keeps
-    it raw; any other body is decoded in full as a
-    :class:`ScoreRequest`, so every error (``msgspec.ValidationError`` /
-    ``DecodeError``) is the one that decode raises, and every answer the same."""
+    ``token_ids`` is then None."""
     spliced = _spliced(body)
     if spliced is not None:
         return spliced

@@ -1,17 +1,7 @@
-"""``POST /score`` as a library call, one request's steps in order (the README's diagram
-numbers them the same way):
-
-1. the model's candidates (the registry's replicas serving it), less those out of routing
-   (:mod:`kvindex.api.health.routing`);
-2. tokens (``token_ids``; ``prompt`` or ``messages`` through the model's tokenizer), then
-   block keys at the model's block size, or ``block_keys`` as given; the first matching
-   ``[[rules]]`` entry picks policy and weights (:mod:`kvindex.api.decision.routing_rules`);
-3. the index's holders of the prompt's prefix and each candidate's load, in one read
-   (:mod:`kvindex.api.lookup.matches`); an unreachable store makes the answer ``degraded``;
-4. the decision: ``kv_aware`` by :class:`~kvindex.api.decision.fast_kv_aware.FastKvAware`,
-   every other policy by :func:`~kvindex.api.decision.policies.decide`;
-5. the answer: the best ``top_k`` explained (:mod:`kvindex.api.answer`), the rest counted.
-"""
+"""``POST /score`` as a library call, one request's steps in order: candidates (less those
+out of routing), tokens and block keys, the matching ``[[rules]]`` entry, one read of the
+index's holders and the loads, the decision (``kv_aware``:
+:class:`~kvindex.api.decision.fast_kv_aware.FastKvAware`), the answer's best ``top_k``."""
 
 from __future__ import annotations
 
@@ -93,12 +83,7 @@ class _Specs:
 
 
 class Scorer:
-    """Answers score requests. Safe to share across concurrent requests of one event loop.
-
-    ``tokenizers`` gives a model's tokenizer, or None when it has none (a ``prompt`` or
-    ``messages`` request is then a 422); ``blocking_store``: the index and load store do
-    network I/O, so their reads run off the event loop; ``clock`` dates load ages.
-    """
+    """Answers score requests. Safe to share across concurrent requests of one event loop."""
 
     def __init__(
         self,
@@ -166,10 +151,7 @@ class Scorer:
         *,
         packed_tokens: bytes | None = None,
     ) -> ScoreResponse:
-        """The answer to ``request``: every candidate scored, the best :meth:`top_k`
-        explained. ``headers`` (lower-case names) are what ``[[rules]]`` may match besides
-        the body; ``packed_tokens``: the token ids as little-endian u32 bytes in place of
-        ``token_ids`` (as :func:`~kvindex.api.schemas.decode_score_request` reads them)."""
+        """The answer to ``request``: every candidate scored, the best :meth:`top_k` explained."""
         specs = self._registry.replicas()
         outage = self._registry.outage()
         candidates = self._candidates(request, specs, outage)
@@ -243,9 +225,7 @@ class Scorer:
     ) -> list[str]:
         """The replicas to rank (the model's serving list itself when the request names
         none: shared while the specs stay the same, never to be changed, so that the stream
-        list made for it is found by identity). A model no replica serves is unknown (404)
-        only when the fleet read is current: during an outage it has no candidates (a
-        degraded answer)."""
+        list made for it is found by identity)."""
         serving = self._specs(specs).serving.get(request.model, [])
         if not serving and request.model not in self.known_models():
             if outage is not None:
@@ -388,11 +368,7 @@ class Scorer:
     ) -> tuple[Lookup, dict[str, CountedLoad], int | None]:
         """The request's two store reads (index, then load with the answers made since the
         last read counted first), in one worker-thread hop when the stores block (a hop
-        costs about as much as a Redis round trip on loopback). Answers that could not be
-        counted (the load store unreachable) are dropped: counted after the outage, they
-        would weigh on loads measured after they were made. The version: the load store's
-        change version read just before its read (None: the loads are not the store's,
-        or it keeps none), for the penalty floors (:meth:`_penalties`)."""
+        costs about as much as a Redis round trip on loopback)."""
         answers, self._answers = self._answers, []
         found, loads, version = await self._off_loop(
             self._read_stores, keys, streams, replicas, answers

@@ -35,8 +35,9 @@ wall-clock latency.
 Measured per pair, on raw keep-alive sockets (``score_http.run_load``; bodies encoded once,
 warm-up untimed): ``GET /healthz`` at concurrency 1 (the HTTP floor), ``POST /score`` at
 concurrency 1 (p50/p99) and at ``--clients`` (q/s), and once more at concurrency 1 with an
-``x-forwarded-for`` header (as behind a load balancer: such a request reaches the app). ``--rounds`` repeats every pair, the order
-of the pairs reversed every other round (so a drift of the host's load spreads over all).
+``x-forwarded-for`` header (as behind a load balancer: such a request reaches the app).
+``--rounds`` repeats every pair, the order of the pairs reversed every other round (so a
+drift of the host's load spreads over all).
 Output: one JSON line per pair and round on stdout, then one summary line per pair (medians
 over the rounds); progress on stderr.
 """

@@ -1,37 +1,4 @@
-"""The API process's typed settings (TOML ``[api]``, ``[api.weights]``, ``[[models]]``).
-
-Like the indexer's, every field has a default and a one-line doc, the object is frozen and
-passed down, and :func:`load_api_settings` raises :class:`SettingsError` naming the key
-(or the environment variable) and the bad value. Precedence: command line > environment
-(``KVINDEX_API_<FIELD>``, ``KVINDEX_API_WEIGHTS_<NAME>``, ``KVINDEX_API_MODELS`` as JSON)
-> TOML > defaults.
-
-Environment::
-
-    KVINDEX_API_PORT=9000
-    KVINDEX_API_REPLICA_NETWORKS=10.0.0.0/8,fd00::/8
-    KVINDEX_API_WEIGHTS_WAITING=0.5
-
-TOML::
-
-    [api]
-    port = 8000
-    default_policy = "kv_aware"
-
-    [api.weights]
-    waiting = 0.1
-
-    [[models]]
-    name = "meta-llama/Llama-3.1-8B-Instruct"
-    block_size = 16
-    policy = "kv_aware"
-    tokenizer = "/models/llama/tokenizer.json"   # or "replica": ask a replica's /tokenize
-
-    [[rules]]                                     # see kvindex.api.decision.routing_rules
-    name = "batch"
-    workload = "batch"
-    policy = "least_load"
-"""
+"""The API process's typed settings (TOML ``[api]``, ``[api.weights]``, ``[[models]]``)."""
 
 from __future__ import annotations
 
@@ -279,14 +246,7 @@ def load_api_settings(
     overrides: Mapping[str, Any] | None = None,
 ) -> ApiSettings:
     """Defaults < a TOML ``[api]`` table, ``[[models]]`` and ``[[rules]]`` arrays <
-    ``KVINDEX_API_*`` env < ``overrides`` (None values ignored).
-
-    Env values are strings, coerced to the field's type (comma-separated for lists, a
-    JSON array of tables for ``KVINDEX_API_MODELS`` and ``KVINDEX_API_RULES``); an empty
-    one counts as unset, and
-    an unknown ``KVINDEX_API_*`` name is an error. A token file (``auth_token_file``,
-    whichever layer set it) replaces any token given otherwise.
-    """
+    ``KVINDEX_API_*`` env < ``overrides`` (None values ignored)."""
     raw = dict(values or {})
     weights = dict(raw.pop("weights", None) or {})
     unknown = sorted(set(raw) - _SCALAR_NAMES)

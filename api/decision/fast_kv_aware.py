@@ -1,6 +1,9 @@
-"""``kv_aware`` without a temperature at a cost per candidate of one load penalty at most:
-the cache term only for the holders that may rank, the candidates and terms only for the
-``top_k`` explained, the penalties from kept floors on a large fleet."""
+"""Reference: kvindex.api.decision.policies.decide; tests/unit/api/test_score_equivalence.py::test_the_lean_kv_aware_answer_equals_the_plain_one_on_random_fleets
+
+``kv_aware`` without a temperature at a cost per candidate of one load penalty at most: the
+cache term only for the holders that may rank, candidates and terms only for the ``top_k``
+explained, the penalties from kept floors on a large fleet.
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -21,12 +24,10 @@ _STALE = Freshness.STALE
 
 
 class FastKvAware:
-    """Reference: kvindex.api.decision.policies.decide; tests/unit/api/test_score_equivalence.py::test_the_lean_kv_aware_answer_equals_the_plain_one_on_random_fleets
-
-    The ``kv_aware`` decision as :func:`~kvindex.api.decision.policies.decide` makes it
+    """The ``kv_aware`` decision as :func:`~kvindex.api.decision.policies.decide` makes it
     (``best``, each entry's score and terms, the draws), for one scorer's event loop.
     ``changes``: the load store's change log (None: every penalty is computed).
-    """  # noqa: E501
+    """
 
     def __init__(self, registry: RegistryView, changes: LoadChanges | None) -> None:
         self._registry = registry

@@ -23,9 +23,7 @@ def best(
 ) -> list[int]:
     """Indices of the best ``top_k`` (None: every one), best first, in
     :func:`~kvindex.api.decision.policies.rank`'s order (score, lower load, a draw from
-    ``rng`` per candidate of a tie the ``top_k`` reaches). ``positions``: the only
-    candidates that can be among them (None: every one). Compiled: ``_lookup.best_tied``.
-    """
+    ``rng`` per candidate of a tie the ``top_k`` reaches)."""
     return _best_tied(minus_scores, penalties, rng.random, top_k, positions)
 
 
@@ -40,15 +38,7 @@ def contenders(
     threshold: float | None = None,
 ) -> Matches:
     """The replicas that matched and may be among the best ``top_k`` whatever their
-    freshness (every one when ``top_k`` keeps them all), each with its best match.
-    ``threshold``: the ``top_k``-th smallest penalty when the caller knows it.
-
-    Why the others cannot: no credit is negative, so the ``top_k``-th smallest penalty
-    bounds the ``top_k``-th smallest minus score; a match of ``n`` blocks adds at most ``n``
-    times the best tier's weight at the largest freshness factor over the prompt's blocks
-    (rounded up); a replica whose penalty less that most is above the bound ranks after
-    ``top_k`` others, so its freshness is never read and its minus score is its penalty.
-    """
+    freshness (every one when ``top_k`` keeps them all), each with its best match."""
     matches = lookup.matches
     if top_k is None or top_k >= len(penalties) or not matches or num_blocks <= 0:
         return matches

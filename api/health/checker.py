@@ -1,16 +1,7 @@
 """The active health checker: ``GET <url><health_check_path>`` of every replica, every
 ``api.health_check_interval_s``, folded into each replica's shared
 :class:`~kvindex.indexer.fleet.replica_health.ReplicaHealth` (``unhealthy_threshold``
-consecutive failures eject it, ``healthy_threshold`` consecutive passes restore it).
-
-It runs in every process that routes (``kvindex api``, ``serve``, ``proxy``). Processes
-sharing a Redis claim each replica for a round first (``RegistryView.claim_health_checks``,
-expiring before the next round), so a replica is checked once a round between them and a
-process that stops checking is taken over within a round; the outcome is applied to the
-shared record atomically, so two checkers never lose each other's count. Nothing a replica
-answers stops the checker: a refused connection, a timeout, a non-2xx status or a broken
-answer is a failed check; a store that cannot be reached skips the round (logged).
-"""
+consecutive failures eject it, ``healthy_threshold`` consecutive passes restore it)."""
 
 from __future__ import annotations
 
@@ -37,13 +28,7 @@ Outcome = tuple[bool, str | None]
 
 
 class HealthChecker:
-    """Checks every replica with a ``url`` each interval (see the module docstring).
-
-    ``on_ejected(replica, reason)`` is told when a check this process made ejected a
-    replica (``reason`` is :attr:`Ejection.HEALTH_CHECK`). ``start`` and ``stop`` run on the
-    checker's event loop; ``blocking_store``: the registry does network I/O (Redis), so its
-    calls run in a worker thread.
-    """
+    """Checks every replica with a ``url`` each interval (see the module docstring)."""
 
     def __init__(
         self,

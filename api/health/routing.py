@@ -18,9 +18,7 @@ def out_of_routing(
     policy: HealthPolicy,
     events_down_after_s: float,
 ) -> dict[str, str]:
-    """The candidates out of routing, in candidate order, each with why. ``connecting``:
-    the replicas in connect mode (a bound stream has no connection to lose). Costs an
-    attribute read per judged replica and per stream not connected."""
+    """The candidates out of routing, in candidate order, each with why."""
     health = registry.replica_health()
     judged = [r for r, h in health.items() if h.check_ejected or h.breaker_open_until is not None]
     down = registry.disconnected() if connecting else []

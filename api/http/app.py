@@ -1,21 +1,7 @@
-"""The FastAPI app, built by :func:`create_app` from explicit dependencies (no module state).
-
-Routes are thin: decode the body with msgspec, call the library (the read path in
-:mod:`kvindex.api.score`, the read-only bodies in :mod:`kvindex.api.http.views`), encode the
-answer; their OpenAPI operations come from :mod:`kvindex.api.http.openapi`. The hot ones
-(``POST /score``, ``GET /healthz``) are answered in plain ASGI by
-:mod:`kvindex.api.http.hot_routes` with the same functions, ahead of FastAPI's router (and
-their plain requests by the server's protocol itself, :mod:`kvindex.api.http.server_protocol`,
-from :func:`hot_serving`). Errors
-are mapped to HTTP in one place (:func:`_error_response`): a bad body or field → 422
-naming it, an unknown model → 404 naming the known ones, a body over
-``api.max_body_bytes`` → 413 and one not received within ``api.body_timeout_s`` → 408
-(:mod:`kvindex.api.http.body_limit`), a missing or wrong bearer token (when ``api.auth_token``
-is set) → 401, a tokenizer or replica failure → 502, an unreachable store → 503
-(``/score`` instead answers from load alone).
-Every request is counted and timed by route template, and logged when ``api.access_log``
-is on (:mod:`kvindex.api.http.traffic`, the outermost middleware); ``/metrics`` is
-:mod:`kvindex.api.http.metrics`.
+"""The FastAPI app, built by :func:`create_app` over one read path
+(:func:`~kvindex.api.runtime.build_read_path`); routes decode with msgspec, call the
+library and encode. Errors become HTTP in one place (:func:`_error_response`): 422, 404,
+413, 408, 401, 502, 503 (``/score`` answers from load alone instead).
 """
 
 from __future__ import annotations
@@ -67,10 +53,7 @@ _METRICS = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def create_app(deps: ApiDeps, *, lean_routes: bool = True) -> FastAPI:
-    """The app over ``deps``. ``lean_routes``: ``POST /score`` and ``GET /healthz`` are
-    answered by the plain-ASGI :class:`~kvindex.api.http.hot_routes.HotRoutes` in front of
-    FastAPI's router (the same answers for less framework); False leaves them to FastAPI's
-    routes (what the hot routes are tested against)."""
+    """The app over ``deps``."""
     state = _AppState(deps)
 
     @asynccontextmanager
@@ -93,8 +76,8 @@ def create_app(deps: ApiDeps, *, lean_routes: bool = True) -> FastAPI:
         docs_url=None if guarded else "/docs",
         redoc_url=None if guarded else "/redoc",
         # FastAPI's own OpenTelemetry spans and metrics are off: the app has its metrics
-        # (kvindex.api.http.traffic), and the check alone cost ~7 µs a request, a tenth of the
-        # HTTP floor (bench/http_floor.py).
+        # (kvindex.api.http.traffic), and the check alone costs a visible share of the HTTP
+        # floor (bench/http_floor.py).
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     health, routes = _health_routes(state), _routes(state)

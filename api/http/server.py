@@ -43,10 +43,7 @@ def serve(
     api: ApiSettings,
     watch: Callable[[IndexerService], AbstractContextManager[object]] | None = None,
 ) -> None:
-    """Run until interrupted (SIGINT/SIGTERM stop uvicorn, then everything else).
-
-    ``watch(indexer)``, if given, is entered once the indexer has started and left when
-    uvicorn stops (the CLI's periodic status line)."""
+    """Run until interrupted (SIGINT/SIGTERM stop uvicorn, then everything else)."""
     service = Service.build(settings, api)
     service.indexer.start()
     try:
@@ -68,8 +65,7 @@ def serve_api(settings: ReadPathSettings) -> None:
 class GracefulServer(uvicorn.Server):
     """uvicorn's server, except that the SIGTERM or SIGINT that stopped it is not raised
     again once it has: uvicorn re-raises it, so the process died of it at once and its
-    caller's cleanup (the indexer's threads, the store's connections) never ran. The
-    process then ends as its caller returns (exit status 0)."""
+    caller's cleanup (the indexer's threads, the store's connections) never ran."""
 
     @contextmanager
     def capture_signals(self) -> Iterator[None]:

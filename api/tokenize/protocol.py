@@ -17,11 +17,7 @@ class TokenizerError(KvIndexError):
 
 
 class Tokenizer(Protocol):
-    """Turns a prompt or a chat conversation into the token ids one model's engine sees.
-
-    Implementations return a fresh list the caller may keep or mutate, and raise only
-    :class:`TokenizerError`.
-    """
+    """Turns a prompt or a chat conversation into the token ids one model's engine sees."""
 
     async def encode_prompt(self, prompt: str) -> list[int]:
         """Token ids of a completions prompt, special tokens (e.g. BOS) added."""

@@ -1,24 +1,4 @@
-"""The proxy's routes, built by :func:`create_proxy_app` from explicit parts (no module state).
-
-* ``POST /v1/chat/completions`` and ``POST /v1/completions``: body read (at most
-  ``api.max_body_bytes``: 413 past it, 408 when it is not received within
-  ``api.body_timeout_s``), replicas chosen (:mod:`.upstream`), the request forwarded and
-  its answer streamed back (:mod:`.forwarding`).
-* Any other ``/v1/...`` route, any method: passed through as is (path, query, body) to a
-  replica, streamed back the same way: the model's best replicas when the body is a JSON
-  object naming a ``model``, else any replica with a URL, in turn.
-* ``GET /v1/models``: the models the fleet serves, in OpenAI's list shape, with the LoRA
-  adapters declared for them (``[[models]] loras``; ``parent`` names the base model).
-* ``GET /health`` and ``/healthz``: the process is up; ``/readyz``: the index store is
-  reachable; ``/metrics``: :mod:`.metrics`.
-
-With ``proxy.auth_token`` set, every route but ``/health``, ``/healthz`` and ``/readyz``
-needs the bearer token (:mod:`.auth`; 401 otherwise).
-
-Errors the proxy makes itself are answered in one place (:func:`_error_response`), in
-OpenAI's error shape ``{"error": {"message", "type", "code"}}``; a replica's own error
-answer is passed on untouched.
-"""
+"""The proxy's routes, built by :func:`create_proxy_app` from explicit parts (no module state)."""
 
 from __future__ import annotations
 
@@ -91,11 +71,9 @@ class ProxyParts:
 
 
 class _ProxyApp(Starlette):
-    """Starlette, but the forwarded routes' requests (``POST`` to an exact path of
-    ``hot``) go straight to their endpoint: the framework's middleware and router (tens of
-    microseconds a request, measured) add nothing there. The endpoint is the route's own,
-    which answers every error itself (an error past the answer's start reaches the
-    server, as through Starlette). Under a ``root_path`` everything goes through the router."""
+    """Starlette, but the forwarded routes' requests (``POST`` to an exact path of ``hot``)
+    go straight to their endpoint: the framework's middleware and router add nothing
+    there."""
 
     def __init__(self, hot: Mapping[str, ASGIApp], **kwargs: Any) -> None:
         super().__init__(**kwargs)

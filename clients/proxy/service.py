@@ -1,13 +1,6 @@
 """The ``kvindex proxy`` process: the read path as every read-path process builds it
 (:mod:`kvindex.api.runtime`), the proxy's own parts on top (forwarder, breakers,
-reservations and their lease keeper), under uvicorn.
-
-With the memory store the process runs the indexer too, as ``kvindex serve`` does; on
-Redis it reads the index, load and fleet a ``kvindex indexer`` writes, as ``kvindex api``
-does. The requests it sends are reserved in the load store under the proxy's lease, so
-other proxies and ``/score`` on the same Redis count them; an ejected replica (health
-checks, breakers: :mod:`kvindex.api.health`) is left out of the ranking.
-"""
+reservations and their lease keeper), under uvicorn."""
 
 from __future__ import annotations
 

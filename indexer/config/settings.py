@@ -118,7 +118,7 @@ class IndexerSettings(StoreSettings):
     the compiled ingest runs without the GIL (README, Performance). 0: one per two cores
     available to the process (``os.sched_getaffinity``: a worker's core, and one for the
     API and everything else that holds the GIL), at least 1, at most
-    :data:`MAX_AUTO_INGEST_WORKERS`; on 2 cores that is 1, as two measured no faster there.
+    :data:`MAX_AUTO_INGEST_WORKERS` (on 2 cores, 1).
     On Redis one loop per process (run more sharded indexers to use more cores); a count
     above 1 there is refused."""
 
