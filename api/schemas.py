@@ -1,8 +1,5 @@
-"""Request and response bodies of the HTTP API, as msgspec Structs (fast JSON both ways).
-
-An 8,192-token ``token_ids`` body decodes in tens of microseconds with msgspec, where
-pydantic would take milliseconds; the OpenAPI schema is generated from these same types.
-"""
+"""Request and response bodies of the HTTP API, as msgspec Structs (fast JSON both ways);
+the OpenAPI schema is generated from these same types."""
 
 from __future__ import annotations
 
@@ -11,8 +8,8 @@ from typing import Annotated, Any
 
 import msgspec
 
-TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
-"""A token id as engines hash it (unsigned 32-bit)."""
+from kvindex.api.tokenize.protocol import TokenId
+
 BlockKey = Annotated[int, msgspec.Meta(ge=0)]
 """A block key (unsigned 64-bit; the upper bound is checked by the scorer, since msgspec
 constraints stop at int64)."""
@@ -65,8 +62,7 @@ class ScoreRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     candidate; default: the API's ``default_top_k``). ``best`` is the same whatever it is."""
     dry_run: bool = False
     """Ask without routing: the answer changes nothing (it is not counted as load, the
-    round-robin turn does not advance, random draws leave the seeded sequence alone).
-    Operator views send it; a router that acts on the answer does not."""
+    round-robin turn does not advance, random draws leave the seeded sequence alone)."""
 
 
 _RAW_NULL = msgspec.Raw(b"null")
@@ -111,12 +107,7 @@ _MARKER_RAW = msgspec.Raw(_MARKER)
 def decode_score_request(body: bytes) -> tuple[ScoreRequest, bytes | None]:
     """A ``POST /score`` body as its request, and its ``token_ids`` as little-endian u32
     bytes (what the block keys hash) when they were read that way: the request's
-    ``token_ids`` is then None. The ids are read by the compiled loop when it is built and
-    the array is plain (integers in [0, 2**32), at most :data:`MAX_TOKEN_IDS`), with no
-    Python int made per token, and the decoder skips the array (:func:`_spliced`) or keeps
-    it raw; any other body is decoded in full as a
-    :class:`ScoreRequest`, so every error (``msgspec.ValidationError`` /
-    ``DecodeError``) is the one that decode raises, and every answer the same."""
+    ``token_ids`` is then None."""
     spliced = _spliced(body)
     if spliced is not None:
         return spliced

@@ -34,8 +34,10 @@ wall-clock latency.
 
 Measured per pair, on raw keep-alive sockets (``score_http.run_load``; bodies encoded once,
 warm-up untimed): ``GET /healthz`` at concurrency 1 (the HTTP floor), ``POST /score`` at
-concurrency 1 (p50/p99) and at ``--clients`` (q/s). ``--rounds`` repeats every pair, the order
-of the pairs reversed every other round (so a drift of the host's load spreads over all).
+concurrency 1 (p50/p99) and at ``--clients`` (q/s), and once more at concurrency 1 with an
+``x-forwarded-for`` header (as behind a load balancer: such a request reaches the app).
+``--rounds`` repeats every pair, the order of the pairs reversed every other round (so a
+drift of the host's load spreads over all).
 Output: one JSON line per pair and round on stdout, then one summary line per pair (medians
 over the rounds); progress on stderr.
 """
@@ -60,8 +62,9 @@ import msgspec
 from score_http import Api, LoadPlan, LoadResult, run_load, running_api
 
 from kvindex.api.config.settings import ApiSettings
-from kvindex.api.http.app import ApiDeps, create_app
+from kvindex.api.http.app import create_app
 from kvindex.api.load.store import MemoryLoadStore
+from kvindex.api.runtime import ApiDeps
 from kvindex.api.schemas import decode_score_request
 from kvindex.api.score import Scorer
 from kvindex.indexer.domain.events import BlockStored, EventBatch, StreamId, Tier
@@ -140,8 +143,11 @@ def _measure(server: str, stack: str, args: argparse.Namespace) -> dict[str, Any
         _check(score_request, api, args)
         score_c1 = run_load(api, score_request, one)
         score_cn = run_load(api, score_request, many)
+        forwarded = _request(api, "POST", "/score", body, forwarded=True)
+        score_fwd = run_load(api, forwarded, one)
     row: dict[str, Any] = {"server": server, "stack": stack, "tokens": args.tokens}
     row |= _latency("health_c1", health) | _latency("score_c1", score_c1)
+    row |= _latency("score_forwarded_c1", score_fwd)
     row |= _latency(f"score_c{args.clients}", score_cn)
     row["score_qps_c1"] = round(_qps(score_c1))
     row[f"score_qps_c{args.clients}"] = round(_qps(score_cn))
@@ -224,9 +230,13 @@ def _summary(server: str, stack: str, runs: list[dict[str, Any]]) -> dict[str, A
     return {"summary": True, "server": server, "stack": stack, "rounds": len(runs)} | medians
 
 
-def _request(api: Api, method: str, path: str, body: bytes) -> bytes:
+def _request(api: Api, method: str, path: str, body: bytes, *, forwarded: bool = False) -> bytes:
+    """A raw request; ``forwarded``: with the ``x-forwarded-for`` a load balancer adds (the
+    server's protocol leaves such a request to the app)."""
     host, port = api.host_port
     head = f"{method} {path} HTTP/1.1\r\nhost: {host}:{port}\r\n"
+    if forwarded:
+        head += "x-forwarded-for: 10.0.0.1\r\n"
     if body:
         head += f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
     return (head + "\r\n").encode() + body

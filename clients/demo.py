@@ -30,9 +30,10 @@ from rich.console import Console
 from rich.table import Table
 
 from kvindex.api.config.settings import ApiSettings
-from kvindex.api.http.app import ApiDeps, create_app
+from kvindex.api.http.app import create_app
 from kvindex.api.http.background import BackgroundServer, ServerStartError
 from kvindex.api.load.store import MemoryLoadStore
+from kvindex.api.runtime import ApiDeps
 from kvindex.clients.console import ProgressBars, column, make_table, progress_console
 from kvindex.clients.fake_vllm.replica import (
     VOCAB_SIZE,

@@ -1,50 +1,19 @@
-"""The API process's typed settings (TOML ``[api]``, ``[api.weights]``, ``[[models]]``).
-
-Like the indexer's, every field has a default and a one-line doc, the object is frozen and
-passed down, and :func:`load_api_settings` raises :class:`SettingsError` naming the key
-(or the environment variable) and the bad value. Precedence: command line > environment
-(``KVINDEX_API_<FIELD>``, ``KVINDEX_API_WEIGHTS_<NAME>``, ``KVINDEX_API_MODELS`` as JSON)
-> TOML > defaults.
-
-Environment::
-
-    KVINDEX_API_PORT=9000
-    KVINDEX_API_REPLICA_NETWORKS=10.0.0.0/8,fd00::/8
-    KVINDEX_API_WEIGHTS_WAITING=0.5
-
-TOML::
-
-    [api]
-    port = 8000
-    default_policy = "kv_aware"
-
-    [api.weights]
-    waiting = 0.1
-
-    [[models]]
-    name = "meta-llama/Llama-3.1-8B-Instruct"
-    block_size = 16
-    policy = "kv_aware"
-    tokenizer = "/models/llama/tokenizer.json"   # or "replica": ask a replica's /tokenize
-
-    [[rules]]                                     # see kvindex.api.decision.routing_rules
-    name = "batch"
-    workload = "batch"
-    policy = "least_load"
-"""
+"""The API process's typed settings (TOML ``[api]``, ``[api.weights]``, ``[[models]]``)."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvindex.api.config.url_policy import UrlPolicy
 from kvindex.api.decision.policies import Policy, ScoringError, Weights
 from kvindex.api.decision.routing_rules import RoutingRule, rule_from_table
+from kvindex.indexer.config.loading import ConfigFile, from_env_text, layered, read_token
+from kvindex.indexer.config.store import StoreSettings
 from kvindex.indexer.domain.errors import SettingsError
 from kvindex.indexer.fleet.replica_health import HealthPolicy
 
@@ -277,26 +246,18 @@ def load_api_settings(
     overrides: Mapping[str, Any] | None = None,
 ) -> ApiSettings:
     """Defaults < a TOML ``[api]`` table, ``[[models]]`` and ``[[rules]]`` arrays <
-    ``KVINDEX_API_*`` env < ``overrides`` (None values ignored).
-
-    Env values are strings, coerced to the field's type (comma-separated for lists, a
-    JSON array of tables for ``KVINDEX_API_MODELS`` and ``KVINDEX_API_RULES``); an empty
-    one counts as unset, and
-    an unknown ``KVINDEX_API_*`` name is an error. A token file (``auth_token_file``,
-    whichever layer set it) replaces any token given otherwise.
-    """
+    ``KVINDEX_API_*`` env < ``overrides`` (None values ignored)."""
     raw = dict(values or {})
     weights = dict(raw.pop("weights", None) or {})
     unknown = sorted(set(raw) - _SCALAR_NAMES)
     if unknown:
         raise SettingsError(f"[api]: unknown settings {unknown} (known: {sorted(_SCALAR_NAMES)})")
     from_env = _ApiEnv.read(os.environ if env is None else env)
-    raw.update(from_env.values)
+    raw = layered(raw, from_env.values, overrides)
     weights.update(from_env.weights)
-    raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
     if raw.get("auth_token_file") is not None:
         raw["auth_token_file"] = str(raw["auth_token_file"])
-        raw["auth_token"] = read_token(raw["auth_token_file"])
+        raw["auth_token"] = read_token(raw["auth_token_file"], key="api.auth_token_file")
     if isinstance(raw.get("replica_networks"), list):  # TOML arrays are lists
         raw["replica_networks"] = tuple(raw["replica_networks"])
     model_tables = from_env.models if from_env.models is not None else models
@@ -374,41 +335,6 @@ class _ApiEnv:
 
 _FIELD_TYPES = {f.name: str(f.type) for f in fields(ApiSettings) if f.name in _SCALAR_NAMES}
 """Field name → its annotation (a string: this module uses postponed annotations)."""
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-
-
-def _boolean(text: str) -> bool:
-    word = text.strip().lower()
-    if word not in _TRUE | _FALSE:
-        raise ValueError(text)
-    return word in _TRUE
-
-
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in text.split(",") if part.strip())
-
-
-_PARSERS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
-    ("tuple[str", _names, "a comma-separated list"),
-    ("int", int, "an integer"),
-    ("float", float, "a number"),
-    ("bool", _boolean, "a boolean (true/false)"),
-    ("str", str, "a string"),
-)
-"""How a variable is read, by the start of the field's annotation."""
-
-
-def from_env_text(variable: str, text: str, kind: str) -> Any:
-    """``text`` as the type ``kind`` (a field's annotation, as a string) names;
-    SettingsError names the variable and value. The proxy's settings read theirs so too."""
-    for prefix, parse, wanted in _PARSERS:
-        if kind.startswith(prefix):
-            try:
-                return parse(text)
-            except ValueError:
-                raise SettingsError(f"{variable} must be {wanted}, got {text!r}") from None
-    raise SettingsError(f"{variable}: a {kind} setting cannot be read from the environment")
 
 
 def _tables_of(variable: str, text: str, example: str) -> list[Mapping[str, Any]]:
@@ -422,19 +348,6 @@ def _tables_of(variable: str, text: str, example: str) -> list[Mapping[str, Any]
             f"{variable} must be a JSON array of tables (e.g. {example}), got {text!r}"
         )
     return tables
-
-
-def read_token(path: str, *, key: str = "api.auth_token_file") -> str:
-    """The token in a file, surrounding whitespace stripped; SettingsError names the key
-    and the file (never the token)."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            token = handle.read().strip()
-    except OSError as exc:
-        raise SettingsError(f"{key} {path}: {exc.strerror}") from None
-    if not token:
-        raise SettingsError(f"{key} {path}: the file is empty")
-    return token
 
 
 def _model(values: Mapping[str, Any]) -> ModelSpec:
@@ -457,3 +370,27 @@ def _rules(tables: Sequence[Mapping[str, Any]] | None) -> tuple[RoutingRule, ...
         return tuple(rule_from_table(t, i) for i, t in enumerate(tables or (), 1))
     except TypeError as exc:
         raise SettingsError(f"[[rules]]: {exc}") from exc
+
+
+def api_settings_of(
+    file: ConfigFile,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> ApiSettings:
+    """:func:`load_api_settings` of the file's ``[api]``, ``[[models]]`` and ``[[rules]]``."""
+    return load_api_settings(
+        file.table("api"),
+        file.table("models"),
+        rules=file.table("rules"),
+        env=env,
+        overrides=overrides,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ReadPathSettings:
+    """What a read-path process is built from: where its stores are, and the API's own."""
+
+    store: StoreSettings
+    api: ApiSettings

@@ -1,12 +1,4 @@
-"""Which replica URLs the API trusts with users' prompts (``/tokenize``) and its scrapes.
-
-A URL registered through ``POST /replicas`` is checked once, at registration, by
-:meth:`UrlPolicy.check`: every address its host resolves to must be allowed. With no
-allow-list (``api.replica_networks`` empty) any address but a link-local one is allowed
-(169.254.0.0/16 and fe80::/10 hold cloud metadata services); with one, only addresses
-inside its networks are (listing a link-local network there allows it). The scheme and
-shape of the URL are checked by :class:`~kvindex.indexer.fleet.replica.ReplicaSpec`.
-"""
+"""Which replica URLs the API trusts with users' prompts (``/tokenize``) and its scrapes."""
 
 from __future__ import annotations
 
@@ -47,9 +39,7 @@ class UrlPolicy:
         return not address.is_link_local
 
     async def check(self, url: str) -> None:
-        """Raise :class:`UntrustedUrlError` unless every address of ``url``'s host is
-        allowed. A host that does not resolve is refused only under an allow-list (with
-        none, there is nowhere to send anything yet)."""
+        """Raise :class:`UntrustedUrlError` unless every address of ``url``'s host is allowed."""
         host = urlsplit(url).hostname or ""
         addresses = await _resolve(host)
         if addresses is None:

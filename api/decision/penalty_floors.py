@@ -1,32 +1,4 @@
-"""Load penalties kept per change of the loads, so that an answer computes few of them.
-
-A ``kv_aware`` answer needs the exact load penalty
-(:func:`~kvindex.api.decision.policies.load_penalties`)
-of the replicas that can rank among its ``top_k``: the non-holders with the lowest
-penalties (a non-holder's score is minus its penalty), and the holders of the prompt's
-prefix whose cache credit may lift them there. A penalty depends on its replica's counted
-load, the weights and the clock (a load's weight halves every ``load_half_life_s``), so it
-cannot be kept as such; but it only falls as time passes, so its value at a time ahead is
-a floor under it until then (``_lookup.penalty_floors``, with a margin for rounding).
-
-:class:`PenaltyFloors` keeps, per candidate list and weights, each candidate's floor until
-``until`` (a 16th of the half-life ahead) and the candidates in ascending order of floor
-(``_lookup.ascending``). A replica whose load changed since (the load store's
-:class:`~kvindex.api.load.store.LoadChanges`: each routed answer changes one) has its floor
-made again and moved in the order (a bisection and a move of a list). An answer
-(:meth:`PenaltyFloors.walk`, ``_lookup.penalties_within``) walks the order computing exact
-penalties while a floor is at most the ``top_k``-th lowest penalty computed so far: every
-replica after that has a penalty above ``top_k`` others', so it ranks after them (no
-credit is negative) and ties with none of them. The holders are then bounded with the
-floors (:meth:`Walk.bounds`: the scorer's contender test with a floor for a penalty keeps
-a superset) and only those kept computed (:meth:`Walk.complete`). What an answer costs:
-the changes, the ``top_k`` and the few replicas whose floor is within the window's decay of
-the ``top_k``-th penalty, and the holders that may rank; not the fleet. The floors are made
-again (a pass over the fleet and a sort) when the clock passes ``until``, when more than
-:data:`MAX_CHANGED` replicas (or an eighth of them) changed between two answers, when the
-candidates change, or when the store cannot say what changed (it was emptied, or read
-whole again).
-"""
+"""Load penalties kept per change of the loads, so that an answer computes few of them."""
 
 from __future__ import annotations
 
@@ -54,14 +26,11 @@ else:
     _compiled_penalties = _lookup.load_penalties
 
 WINDOW_OF_HALF_LIFE = 1 / 16
-"""How far ahead floors hold, in half-lives (0.625 s at the default 10 s): a decaying
-penalty's floor is then within 4.2% of it (``1 - 0.5 ** (1 / 16)``), so few replicas
-beyond the ``top_k`` are computed, and the floors are made again at most 1.6 times a
-second however busy the API."""
+"""How far ahead floors hold, in half-lives: a decaying penalty's floor is then within
+``1 - 0.5 ** (1 / 16)`` of it, so few replicas beyond the ``top_k`` are computed."""
 MIN_CANDIDATES = 128
-"""Fewer candidates than this: every penalty is computed (cheaper than keeping floors: an
-answer of ``bench/score.py``'s lookup took 4% more instructions with floors at 64
-replicas, 6% fewer at 256)."""
+"""Fewer candidates than this: every penalty is computed (cheaper than keeping floors;
+``bench/score.py`` measures both)."""
 MAX_CHANGED = 256
 """Changed replicas (whose penalties are computed every answer) before floors are made
 again; an eighth of the candidates when that is fewer."""
@@ -88,8 +57,7 @@ class PenaltyFloors:
     """Floors under the load penalties of ``replicas`` (the scorer's ranked list, never
     changed) under ``weights``, made from a load read at store version ``version`` (see
     :class:`~kvindex.api.load.store.LoadChanges`) and holding until ``until``; a changed
-    replica's floor is made again and moved in the order (:meth:`note_changed`). Not
-    thread-safe (the scorer uses it on its event loop)."""
+    replica's floor is made again and moved in the order (:meth:`note_changed`)."""
 
     __slots__ = ("_args", "_floors", "_order", "_ordered", "replicas", "until", "version")
 
@@ -130,8 +98,7 @@ class PenaltyFloors:
         """Make the floors of the replicas whose load changed again from ``counted`` (the
         store's ``changed_since`` the floors' version, read after ``counted`` was, which the
         store's version was ``version`` before) and move them in the order; False, and
-        nothing changed, when so many changed that the floors should be made again. A change
-        after ``version`` is given again by the next answer's ``changed_since``."""
+        nothing changed, when so many changed that the floors should be made again."""
         assert _compiled_floors is not None
         moved = [at for replica in changed if (at := position.get(replica)) is not None]
         if len(moved) > min(MAX_CHANGED, len(self.replicas) // 8 + 1):

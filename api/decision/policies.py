@@ -1,35 +1,13 @@
-"""Routing policies: pure functions from (matches, load, freshness) to ranked scores.
+"""Routing policies: pure functions from (matches, load, freshness) to ranked scores;
+:func:`decide` is the entry point. ``kv_aware`` (the default)::
 
-Nothing here does I/O or keeps state: what a policy draws on (the random generator, the
-round-robin turn) is passed in. :func:`decide` is the one entry point (the policy named,
-then :func:`rank`); every weight is a field of :class:`Weights` (defaults from the settings,
-overridable per request), and every score is explained term by term.
-
-``kv_aware`` (the default)::
-
-    cache = w.cache · Σ tier_credit(tier of matched block) / num_blocks · freshness_factor
+    cache = w.cache · Σ tier_credit(tier) / num_blocks · freshness_factor
     queue = max((w.waiting · waiting + w.running · running) · recency + w.routed · routed,
                 w.in_flight · in_flight)
-    load  = queue + w.kv_usage · kv_usage · recency + w.in_flight_tokens · in_flight_tokens
-    score = cache - load
+    score = cache - (queue + w.kv_usage · kv_usage · recency + w.in_flight_tokens · tokens)
 
-``tier_credit`` is ``w.gpu`` / ``w.cpu`` / ``w.other``; ``freshness_factor`` is 1 for a live
-stream, ``w.replaying_factor`` while it replays and ``w.stale_factor`` when stale;
-``recency = 0.5 ** (age / w.load_half_life_s)``, so old load weighs less and unknown load
-weighs nothing; ``routed`` counts the answers (of every API process sharing the load store)
-that chose the replica since its load was stored, which the report cannot show yet
-(without it, every request between two load reports herds onto the replica that looked
-idle at the first). ``in_flight`` and ``in_flight_tokens`` are the requests in flight to the
-replica and their uncached prompt tokens, as every proxy sharing the load store reserved
-them (first-hand and current, but blind to traffic that bypasses the proxies). The report
-plus the answers since and the requests in flight are two estimates of one queue: the
-report's is second-hand and as old as the last scrape, the proxies' misses other traffic,
-so ``queue`` takes the larger rather than their sum (which would count each proxied request
-twice once the replica reports it). The uncached tokens in flight are the prefill work sent
-to the replica, which no report shows: they add. Ties go to the lower load, then to chance
-(a draw per candidate of each tie that reaches the answer's ``top_k``: :func:`tie_order`).
-With ``w.temperature > 0`` the winner is drawn from a softmax over scores instead of taken
-as the maximum.
+with ``recency = 0.5 ** (age / w.load_half_life_s)``; ties go to the lower load, then to
+chance; with ``w.temperature > 0`` the winner is drawn from a softmax over scores.
 """
 
 from __future__ import annotations
@@ -48,21 +26,7 @@ from kvindex.api.load.model import CountedLoad
 from kvindex.indexer.domain.errors import KvIndexError
 from kvindex.indexer.domain.events import Tier
 from kvindex.indexer.fleet.registry import Freshness
-
-_compiled_penalties: (
-    Callable[
-        [list[str], dict[str, CountedLoad], float, float, float, float, float, float, float, float],
-        list[float],
-    ]
-    | None
-) = None
-"""The compiled :func:`load_penalties` loop (None: not built, the Python loop serves)."""
-try:
-    from kvindex.indexer.native import _lookup
-except ImportError:
-    pass
-else:
-    _compiled_penalties = _lookup.load_penalties
+from kvindex.indexer.native import _lookup
 
 
 class Policy(enum.StrEnum):
@@ -151,7 +115,7 @@ class Weights:
 
 
 # The per-request types below are frozen msgspec Structs rather than frozen dataclasses: a
-# request builds one of each per candidate, and a Struct is built ~10x faster.
+# request builds one of each per candidate, and a Struct is built much faster.
 
 
 class LoadInput(msgspec.Struct, frozen=True):
@@ -221,16 +185,13 @@ def _in_flight_terms(c: Candidate, w: Weights) -> tuple[float, float]:
 def load_penalties(
     replicas: Sequence[str], counted: Mapping[str, CountedLoad], now: float, w: Weights
 ) -> list[float]:
-    """:func:`load_penalty` of each replica's stored load (its age as of ``now``), answers
-    since and requests in flight (none when absent from ``counted``), in the order of
-    ``replicas``, without building a candidate: the same arithmetic, inlined (it runs for
-    every candidate of every request; the scorer's equivalence test holds it equal), and
-    compiled when the extension is built (a list and a dict; the same floats, bit for bit:
-    ``tests/unit/indexer/native/test_lookup.py``)."""
-    compiled = _compiled_penalties
-    if compiled is None or type(replicas) is not list or type(counted) is not dict:
-        return py_load_penalties(replicas, counted, now, w)
-    return compiled(replicas, counted, now, *penalty_weights(w))
+    """:func:`load_penalty` of each replica's counted load (aged as of ``now``), in the order
+    of ``replicas``, without building a candidate: one compiled loop (``_lookup``)."""
+    if type(replicas) is not list:
+        replicas = list(replicas)
+    if type(counted) is not dict:
+        counted = dict(counted)
+    return _lookup.load_penalties(replicas, counted, now, *penalty_weights(w))
 
 
 def penalty_weights(w: Weights) -> tuple[float, float, float, float, float, float, float]:
@@ -244,35 +205,6 @@ def penalty_weights(w: Weights) -> tuple[float, float, float, float, float, floa
         w.routed,
         w.kv_usage,
     )
-
-
-def py_load_penalties(
-    replicas: Sequence[str], counted: Mapping[str, CountedLoad], now: float, w: Weights
-) -> list[float]:
-    """:func:`load_penalties` in Python: the reference of the compiled loop, and the
-    fallback when it is not built."""
-    w_in_flight, w_tokens, half_life = w.in_flight, w.in_flight_tokens, w.load_half_life_s
-    w_waiting, w_running, w_routed, w_kv = w.waiting, w.running, w.routed, w.kv_usage
-    out: list[float] = []
-    append, get = out.append, counted.get
-    for replica in replicas:
-        c = get(replica)
-        if c is None:
-            append(w_in_flight * 0.0 + w_tokens * 0.0)
-            continue
-        load, routed, (num_requests, num_tokens) = c
-        first_hand = w_in_flight * num_requests
-        prefill = w_tokens * num_tokens
-        if load is None:
-            append(first_hand + prefill)
-            continue
-        age = now - load.ts
-        recency = 0.5 ** ((0.0 if age < 0.0 else age) / half_life) if half_life else 1.0
-        queue = (w_waiting * load.waiting + w_running * load.running) * recency
-        queue += w_routed * routed
-        queue = queue if queue > first_hand else first_hand
-        append(queue + w_kv * load.kv_usage * recency + prefill)
-    return out
 
 
 def cache_credit(c: Candidate, num_blocks: int, w: Weights) -> tuple[float, float]:
@@ -303,8 +235,8 @@ def _freshness_factor(freshness: Freshness, w: Weights) -> float:
     return 1.0
 
 
-# Reading an enum member through its class (``Tier.GPU``) costs ~0.1-0.2 µs on Python 3.11:
-# the functions above run per candidate per request, so they use these aliases.
+# Reading an enum member through its class (``Tier.GPU``) is an attribute lookup more: the
+# functions above run per candidate per request, so they use these aliases.
 _GPU, _CPU = Tier.GPU, Tier.CPU
 _STALE, _REPLAYING = Freshness.STALE, Freshness.REPLAYING
 
@@ -384,15 +316,7 @@ def rank(
     rng: random.Random,
     top_k: int | None = None,
 ) -> Decision:
-    """Order best first: by score, then lower load, then chance; softmax if temperature.
-
-    ``ranked`` keeps the best ``top_k`` (None or 0: every one), chosen without sorting the
-    rest (:func:`tie_order`); ``best`` and ``ranked`` are the first ``top_k`` of the full
-    ranking the same ``rng`` would give. Chance is a draw from ``rng`` per candidate of
-    each tie the ``top_k`` reaches, none for the others (see :func:`tie_order` for why the
-    answers are as likely as with a draw per candidate). With a temperature, every
-    candidate draws (the softmax weighs them all, in order), then the winner is drawn.
-    """
+    """Order best first: by score, then lower load, then chance; softmax if temperature."""
     if not scored:
         return Decision(None, [])
     if w.temperature > 0 and len(scored) > 1:  # the draw weighs every one, in order
@@ -422,22 +346,9 @@ def tie_order(
     positions: Sequence[int] | None = None,
 ) -> list[int]:
     """Indices of the best ``top_k`` (None or 0: every one) of the rows at ``positions``
-    (None: every row), best first: ascending (minus score, penalty), a tie in both broken
-    by chance, one ``draw()`` per row of each tied group that the ``top_k`` reaches (the
-    groups in order, a group's rows in index order), the group then in (draw, index)
-    order. A row alone in its group, or in a group after the ``top_k``, draws nothing.
-
-    Why this gives each answer the probability that one draw per row gives (the rule
-    before, ``tests/unit/api/test_policies.py`` checks it by counting): with a draw per
-    row, the ``top_k`` are the groups the ``top_k`` reaches, each ordered by its own rows'
-    draws; draws are independent and uniform, so each group's order is a uniformly random
-    permutation, independent of the other groups' and of which draws other rows got. Here
-    each such group gets its own fresh independent uniform draws: the same law for each
-    group's order, the same independence, hence the same law for the answer (and for a
-    sequence of answers: every answer's draws are fresh). Equal draws (probability about
-    2**-53) go to the lower index, as before. What is not the same: how far ``draw`` is
-    advanced, which now depends on the ties.
-    """
+    (None: every row), best first: ascending (minus score, penalty), a tie in both broken by
+    chance, one ``draw()`` per row of each tied group that the ``top_k`` reaches (the groups
+    in order, a group's rows in index order), the group then in (draw, index) order."""
     picked: Sequence[int] = range(len(minus_scores)) if positions is None else positions
     rows = sorted((minus_scores[i], penalties[i], i) for i in picked)
     k = len(rows) if not top_k or top_k >= len(rows) else top_k
@@ -491,14 +402,7 @@ def decide(
     top_k: int | None = None,
 ) -> Decision:
     """Every candidate scored by ``policy``, then ranked (:func:`rank`, which keeps the best
-    ``top_k``: None or 0 for every one).
-
-    ``keys`` are the request's block keys; ``session`` its session key (required by
-    ``session_affinity``). ``round_robin`` takes one number from ``turns`` (if there are
-    candidates) and chooses the candidate at that turn; ``random`` draws its choice from
-    ``rng`` before :func:`rank` draws the tie-breaks. Raises :class:`ScoringError` naming
-    ``session`` when ``session_affinity`` has none.
-    """
+    ``top_k``: None or 0 for every one)."""
     if policy is Policy.KV_AWARE:
         scored = kv_aware(cands, len(keys), w)
     elif policy is Policy.LEAST_LOAD:

@@ -1,29 +1,4 @@
-"""Routing rules per workload (``[[rules]]``): which policy and weights a request gets.
-
-A rule names conditions on what a request shows (:class:`RuleInput`) and chooses a
-``policy``, ``weights`` overrides, or both. Every condition a rule gives must hold (an
-absent one matches anything); the rules are tried in the order of the file and the
-**first** that matches wins (:func:`first_match`); none matching, the model's and the API's
-settings apply as before. A value may be a string or a list of strings (any of them).
-
-TOML::
-
-    [[rules]]
-    name = "batch"                       # named in /score's answer ("rule")
-    workload = "batch"                   # the request's workload (body, or the header below)
-    policy = "least_load"
-
-    [[rules]]
-    name = "acme-agents"
-    headers = { "x-tenant" = "acme" }    # request headers (names case-insensitive)
-    tools = true                         # the request offers tools
-    min_prompt_tokens = 2048             # prompt length range, tokens, both ends included
-    policy = "kv_aware"
-    weights = { waiting = 0.3 }
-
-Precedence of what a request gets: its own ``policy`` / ``weights`` > the matched rule's >
-the model's ``[[models]] policy`` > ``api.default_policy`` / ``[api.weights]``.
-"""
+"""Routing rules per workload (``[[rules]]``): which policy and weights a request gets."""
 
 from __future__ import annotations
 

@@ -1,35 +1,17 @@
-"""The FastAPI app, built by :func:`create_app` from explicit dependencies (no module state).
-
-Routes are thin: decode the body with msgspec, call the library (the read path in
-:mod:`kvindex.api.score`, the read-only bodies in :mod:`kvindex.api.http.views`), encode the
-answer; their OpenAPI operations come from :mod:`kvindex.api.http.openapi`. The hot ones
-(``POST /score``, ``GET /healthz``) are answered in plain ASGI by
-:mod:`kvindex.api.http.hot_routes` with the same functions, ahead of FastAPI's router (and
-their plain requests by the server's protocol itself, :mod:`kvindex.api.http.server_protocol`,
-from :func:`hot_serving`). Errors
-are mapped to HTTP in one place (:func:`_error_response`): a bad body or field → 422
-naming it, an unknown model → 404 naming the known ones, a body over
-``api.max_body_bytes`` → 413 and one not received within ``api.body_timeout_s`` → 408
-(:mod:`kvindex.api.http.body_limit`), a missing or wrong bearer token (when ``api.auth_token``
-is set) → 401, a tokenizer or replica failure → 502, an unreachable store → 503
-(``/score`` instead answers from load alone).
-Every request is counted and timed by route template, and logged when ``api.access_log``
-is on (:mod:`kvindex.api.http.traffic`, the outermost middleware); ``/metrics`` is
-:mod:`kvindex.api.http.metrics`.
+"""The FastAPI app, built by :func:`create_app` over one read path
+(:func:`~kvindex.api.runtime.build_read_path`); routes decode with msgspec, call the
+library and encode. Errors become HTTP in one place (:func:`_error_response`): 422, 404,
+413, 408, 401, 502, 503 (``/score`` answers from load alone instead).
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import httpx
 import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -37,10 +19,7 @@ from prometheus_client import Histogram
 from starlette.datastructures import Headers
 from starlette.routing import BaseRoute
 
-from kvindex.api.config.settings import ApiSettings
 from kvindex.api.config.url_policy import UntrustedUrlError
-from kvindex.api.fleet.block_sizes import BlockSizeCheck
-from kvindex.api.fleet.health_checker import HealthChecker
 from kvindex.api.http.body_limit import BodyLimit, BodyTimeoutError, BodyTooLargeError
 from kvindex.api.http.hot_routes import HotRoute, HotRoutes, HotServing
 from kvindex.api.http.metrics import ApiMetrics, TimedIndex
@@ -48,8 +27,7 @@ from kvindex.api.http.openapi import document, operation
 from kvindex.api.http.traffic import TrafficObserver
 from kvindex.api.http.views import config_view, replica_views, stats_view
 from kvindex.api.load.model import Load, LoadError
-from kvindex.api.load.scraper import MetricsScraper
-from kvindex.api.load.store import LoadStore
+from kvindex.api.runtime import ApiDeps, Hooks, build_read_path
 from kvindex.api.schemas import (
     ConfigView,
     ErrorBody,
@@ -62,56 +40,29 @@ from kvindex.api.schemas import (
     StatusBody,
     decode_score_request,
 )
-from kvindex.api.score import RequestError, Scorer, UnknownModelError
-from kvindex.api.tokenize.choice import ModelTokenizers
+from kvindex.api.score import RequestError, UnknownModelError
 from kvindex.api.tokenize.protocol import TokenizerError
 from kvindex.indexer.domain.errors import KvIndexError, SettingsError
-from kvindex.indexer.fleet.registry import RegistryView
 from kvindex.indexer.fleet.replica import ReplicaSpec
-from kvindex.indexer.index.circuit import StoreCircuit
-from kvindex.indexer.index.protocol import BlockIndex, IndexUnavailableError, drop_replica
+from kvindex.indexer.index.protocol import IndexUnavailableError, drop_replica
 
 T = TypeVar("T")
-logger = logging.getLogger("kvindex.api")
-_BLOCK_SIZE_CHECK_S = 5.0
-"""How often the app looks for streams whose block size is not their model's."""
 _JSON = "application/json"
 _METRICS = "text/plain; version=0.0.4; charset=utf-8"
 """The Prometheus text exposition format (with the charset, as served and documented)."""
 
 
-@dataclass
-class ApiDeps:
-    """What the app is built from; the caller owns the index, registry and load store."""
-
-    settings: ApiSettings
-    index: BlockIndex
-    registry: RegistryView
-    loads: LoadStore
-    blocking_store: bool
-    """True when index and load calls do network I/O (Redis): run them off the loop."""
-    runs_write_path: bool = True
-    """True when this process runs the indexer behind ``registry`` and ``index`` (its
-    /metrics then exports the write path's series); False for an API reading a fleet
-    another process publishes (the indexer exports them, once for the fleet)."""
-    circuit: StoreCircuit | None = None
-    """The circuit around the API's store calls (None: an in-process store, always up)."""
-
-
 def create_app(deps: ApiDeps, *, lean_routes: bool = True) -> FastAPI:
-    """The app over ``deps``. ``lean_routes``: ``POST /score`` and ``GET /healthz`` are
-    answered by the plain-ASGI :class:`~kvindex.api.http.hot_routes.HotRoutes` in front of
-    FastAPI's router (the same answers for less framework); False leaves them to FastAPI's
-    routes (what the hot routes are tested against)."""
-    state = _AppState.build(deps)
+    """The app over ``deps``."""
+    state = _AppState(deps)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await state.start()
+        await state.read_path.start()
         try:
             yield
         finally:
-            await state.stop()
+            await state.read_path.stop()
 
     guarded = deps.settings.auth_token is not None
     app = FastAPI(
@@ -125,8 +76,8 @@ def create_app(deps: ApiDeps, *, lean_routes: bool = True) -> FastAPI:
         docs_url=None if guarded else "/docs",
         redoc_url=None if guarded else "/redoc",
         # FastAPI's own OpenTelemetry spans and metrics are off: the app has its metrics
-        # (kvindex.api.http.traffic), and the check alone cost ~7 µs a request, a tenth of the
-        # HTTP floor (bench/http_floor.py).
+        # (kvindex.api.http.traffic), and the check alone costs a visible share of the HTTP
+        # floor (bench/http_floor.py).
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     health, routes = _health_routes(state), _routes(state)
@@ -170,6 +121,7 @@ def create_app(deps: ApiDeps, *, lean_routes: bool = True) -> FastAPI:
             include_in_schema=False,
             dependencies=[Depends(state.authorize)],
         )
+    app.state.read_path = state.read_path
     return app
 
 
@@ -180,107 +132,33 @@ def hot_serving(app: FastAPI) -> HotServing | None:
     return serving
 
 
-class _LazyTransport(httpx.AsyncBaseTransport):
-    """httpx's transport, built on the first request: building it loads httpcore and a TLS
-    context with the CA bundle (2.4 MiB), which an API whose replicas give no URL (no
-    scrape, no health check, no replica tokenizer) would hold for nothing. The same
-    transport the client would build (certificates verified, no proxy from the
-    environment); used from the event loop only."""
-
-    def __init__(self) -> None:
-        self._transport: httpx.AsyncHTTPTransport | None = None
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if self._transport is None:
-            self._transport = httpx.AsyncHTTPTransport(trust_env=False)
-        return await self._transport.handle_async_request(request)
-
-    async def aclose(self) -> None:
-        if self._transport is not None:
-            await self._transport.aclose()
-
-
 class _AppState:
-    """Per-app objects (scorer, metrics, HTTP client, scraper, health checker, block-size
-    check)."""
+    """Per-app objects: the read path (:func:`~kvindex.api.runtime.build_read_path`) and
+    the app's metrics, which observe it."""
 
-    def __init__(
-        self, deps: ApiDeps, metrics: ApiMetrics, index: BlockIndex, block_sizes: BlockSizeCheck
-    ) -> None:
-        self.deps = deps
-        self.metrics = metrics
-        self.index = index
-        self.block_sizes = block_sizes
-        self._block_size_task: asyncio.Task[None] | None = None
-        self._score_latency: dict[str, Histogram] = {}
-        """Policy → its child of ``metrics.score_latency``."""
-        self.http = httpx.AsyncClient(
-            timeout=deps.settings.scrape_timeout_s, trust_env=False, transport=_LazyTransport()
-        )
-        self.tokenizers = ModelTokenizers(deps.settings, deps.registry, self.http)
-        self.scorer = Scorer(
-            deps.settings,
-            index,
-            deps.registry,
-            deps.loads,
-            tokenizers=self.tokenizers.tokenizer,
-            blocking_store=deps.blocking_store,
-            on_degraded=lambda reason: metrics.degraded_answers.labels(reason).inc(),
-        )
-        self.url_policy = deps.settings.url_policy()
-        self.scraper: MetricsScraper | None = None
-        if deps.settings.scrape_interval_s > 0:
-            self.scraper = MetricsScraper(
-                deps.loads,
-                self.http,
-                self.scrape_targets,
-                interval_s=deps.settings.scrape_interval_s,
-                timeout_s=deps.settings.scrape_timeout_s,
-                on_failure=lambda replica: metrics.scrape_failures.labels(replica).inc(),
-            )
-        self.health_checker = HealthChecker(
-            deps.settings, deps.registry, self.http, blocking_store=deps.blocking_store
-        )
-
-    @classmethod
-    def build(cls, deps: ApiDeps) -> _AppState:
+    def __init__(self, deps: ApiDeps) -> None:
         circuit = deps.circuit
-        block_sizes = BlockSizeCheck(deps.settings, deps.registry)
-        metrics = ApiMetrics(
+        metrics = self.metrics = ApiMetrics(
             deps.registry,
             deps.index,
             runs_write_path=deps.runs_write_path,
             store_up=lambda: circuit is None or not circuit.is_open,
-            block_sizes=block_sizes,
             rule_names=[rule.name for rule in deps.settings.rules],
         )
-        index = TimedIndex(deps.index, metrics.lookup_latency)
-        return cls(deps, metrics, index, block_sizes)
-
-    async def start(self) -> None:
-        if self.scraper is not None:
-            await self.scraper.start()
-        await self.health_checker.start()
-        self._block_size_task = asyncio.create_task(self._check_block_sizes())
-
-    async def stop(self) -> None:
-        if self._block_size_task is not None:
-            self._block_size_task.cancel()
-            await asyncio.wait([self._block_size_task])
-        if self.scraper is not None:
-            await self.scraper.stop()
-        await self.health_checker.stop()
-        await self.http.aclose()
-
-    async def _check_block_sizes(self) -> None:
-        """Look for block-size mismatches every few seconds, so that each is logged when
-        it appears even if nobody reads /replicas or /metrics."""
-        while True:
-            try:
-                await _call(self, self.block_sizes.mismatches)
-            except Exception:  # a check that fails this time is retried next time
-                logger.exception("checking the streams' block sizes failed")
-            await asyncio.sleep(_BLOCK_SIZE_CHECK_S)
+        hooks = Hooks(
+            wrap_index=lambda index: TimedIndex(index, metrics.lookup_latency),
+            on_degraded=lambda reason: metrics.degraded_answers.labels(reason).inc(),
+            on_scrape_failure=lambda replica: metrics.scrape_failures.labels(replica).inc(),
+        )
+        self.read_path = read_path = build_read_path(deps, hooks)
+        metrics.watch_block_sizes(read_path.block_sizes)
+        self.deps = deps
+        self.off_loop = read_path.off_loop
+        self.index, self.scorer = read_path.index, read_path.scorer
+        self.tokenizers, self.block_sizes = read_path.tokenizers, read_path.block_sizes
+        self.url_policy = deps.settings.url_policy()
+        self._score_latency: dict[str, Histogram] = {}
+        """Policy → its child of ``metrics.score_latency``."""
 
     async def score(self, body: bytes, headers: Headers) -> bytes:
         """``POST /score``'s answer to ``body`` (for both routes, FastAPI's and the hot one)."""
@@ -295,9 +173,6 @@ class _AppState:
         latency.observe(time.perf_counter() - started)
         self.metrics.count_rule(answer.rule)
         return msgspec.json.encode(answer)
-
-    def scrape_targets(self) -> list[tuple[str, str, str]]:
-        return [(r.id, r.url, r.model) for r in self.deps.registry.replicas() if r.url]
 
     async def authorize(self, request: Request) -> None:
         self.check_token(request.headers)
@@ -378,7 +253,7 @@ def _health_routes(state: _AppState) -> APIRouter:
     @router.get("/readyz", summary="The index store is reachable")
     async def readyz() -> Response:
         try:
-            await _call(state, state.index.streams)
+            await state.off_loop(state.index.streams)
         except IndexUnavailableError as exc:
             return _json({"status": "unavailable", "detail": str(exc)}, 503)
         return _json({"status": "ready"})
@@ -420,7 +295,7 @@ def _score_routes(router: APIRouter, state: _AppState) -> None:
             report.ts if report.ts is not None else now,
             "push",
         ).validated(now=now)
-        await _call(state, state.deps.loads.put, report.replica, measured)
+        await state.off_loop(state.deps.loads.put, report.replica, measured)
         state.scorer.note_load(report.replica, measured)
         return _json(StatusBody("ok"))
 
@@ -433,8 +308,7 @@ def _replica_routes(router: APIRouter, state: _AppState) -> None:
         openapi_extra=operation(None, ReplicaView, "Replicas, streams and load", many=True),
     )
     async def replicas() -> Response:
-        views = await _call(
-            state,
+        views = await state.off_loop(
             replica_views,
             registry,
             state.index,
@@ -462,7 +336,7 @@ def _replica_routes(router: APIRouter, state: _AppState) -> None:
         )
         if spec.url is not None:
             await state.url_policy.check(spec.url)
-        created = await _call(state, registry.add, spec)
+        created = await state.off_loop(registry.add, spec)
         state.tokenizers.forget(spec.model)
         return _json(
             StatusBody("created" if created else "unchanged", spec.id), 201 if created else 200
@@ -473,15 +347,15 @@ def _replica_routes(router: APIRouter, state: _AppState) -> None:
         openapi_extra=operation(None, StatusBody, "Remove a replica and purge its blocks"),
     )
     async def remove_replica(replica_id: str) -> Response:
-        spec = await _call(state, registry.get, replica_id)
+        spec = await state.off_loop(registry.get, replica_id)
         if spec is None:
             return _json(ErrorBody("unknown_replica", f"no replica {replica_id!r}"), 404)
         # Store calls first: if the store is down (503) the replica is still registered and
         # the call can be retried. A subscriber that writes in between purges again once it
         # sees the replica gone.
-        await _call(state, drop_replica, state.index, replica_id)
-        await _call(state, state.deps.loads.remove, replica_id)
-        await _call(state, registry.remove, replica_id)
+        await state.off_loop(drop_replica, state.index, replica_id)
+        await state.off_loop(state.deps.loads.remove, replica_id)
+        await state.off_loop(registry.remove, replica_id)
         state.scorer.forget(replica_id)
         state.tokenizers.forget(spec.model)
         return _json(StatusBody("removed", replica_id))
@@ -490,7 +364,7 @@ def _replica_routes(router: APIRouter, state: _AppState) -> None:
 def _info_routes(router: APIRouter, state: _AppState) -> None:
     @router.get("/stats", openapi_extra=operation(None, StatsView, "Index and ingestion totals"))
     async def stats() -> Response:
-        return _json(await _call(state, stats_view, state.deps.registry, state.index))
+        return _json(await state.off_loop(stats_view, state.deps.registry, state.index))
 
     @router.get(
         "/config", openapi_extra=operation(None, ConfigView, "Policies, default weights and models")
@@ -504,7 +378,7 @@ def _info_routes(router: APIRouter, state: _AppState) -> None:
         openapi_extra=operation(summary="Prometheus metrics", text=_METRICS),
     )
     async def metrics() -> Response:
-        body = await _call(state, state.metrics.render)
+        body = await state.off_loop(state.metrics.render)
         return Response(body, media_type=_METRICS)
 
 
@@ -532,10 +406,3 @@ def _route(router: APIRouter, path: str) -> BaseRoute:
     """The router's route with template ``path``."""
     (route,) = [r for r in router.routes if getattr(r, "path", None) == path]
     return route
-
-
-async def _call(state: _AppState, fn: Callable[..., T], *args: Any) -> T:
-    """Run a store call off the event loop when it does network I/O."""
-    if state.deps.blocking_store:
-        return await asyncio.to_thread(fn, *args)
-    return fn(*args)

@@ -1,9 +1,4 @@
-"""An ASGI app served by uvicorn in a background thread (demo, replica-sim, tests).
-
-:meth:`BackgroundServer.start` returns once the server listens (uvicorn binds the socket
-itself, so accepted connections get TCP_NODELAY); :meth:`BackgroundServer.stop` asks it to
-exit and joins the thread. Port 0 picks a free port, read back from the listening socket.
-"""
+"""An ASGI app served by uvicorn in a background thread (demo, replica-sim, tests)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,4 @@
-"""A request body is bounded in size and in time: :class:`BodyLimit`, an ASGI middleware.
-
-It wraps ``receive``, so nothing is refused until a route reads the body (a route that
-reads none is never slowed): the first read refuses a declared ``Content-Length`` above
-the limit before any byte of the body is read; later reads count the bytes as they come
-(chunked bodies declare no length) and refuse once the count passes the limit; and the
-whole body must arrive within ``timeout_s`` of the first read, so a client that declares
-10**11 bytes and sends none, or trickles them, holds a connection that long at most. The
-errors are raised inside the route, so the app's one error mapping answers them (413, 408)
-with an ``ErrorBody``.
-"""
+"""A request body is bounded in size and in time: :class:`BodyLimit`, an ASGI middleware."""
 
 from __future__ import annotations
 

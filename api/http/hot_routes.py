@@ -1,25 +1,10 @@
-"""The hot routes (``POST /score``, ``GET /healthz``) answered in plain ASGI: :class:`HotRoutes`.
+"""Reference: kvindex.api.http.app._score_routes; tests/integration/test_hot_routes.py::test_a_valid_score_request_gets_the_same_answer
 
-A hot route pays for no more framework than it needs. FastAPI's route does the same work
-(read the body, check the token, call the ``Scorer``, encode the answer) through its router,
-its dependency solver, a ``Request`` and a ``Response`` object, which cost a good part of the
-answer's time (``bench/http_floor.py`` measures both). :class:`HotRoutes` is a middleware of the
-app, the innermost one (the traffic observer and the body limit still see every request): it
-answers an exact method and path of its table itself, and passes every other request (the
-same path with another method included) on to FastAPI, whose routes stay the documented ones
-(the OpenAPI document is unchanged) and the ones an app without it answers with.
-:class:`HotServing` hands the same routes to a server that answers their plain requests
-in its own protocol, ahead of the ASGI call (:mod:`kvindex.api.http.server_protocol`, as
-``kvindex serve`` and ``kvindex api`` run); this middleware answers the rest, and every
-request of a server that does not.
-
-Guaranteed to answer as FastAPI's route does: the same ``answer`` function makes the body, the
-same token check runs first on a guarded route (401 before the body is read), the same
-``error_response`` maps every error the app maps (a body over the limit or too slow, raised by
-the body limit while it is read, included), and an error it does not map is raised on, as from
-the route. The request is labelled with the FastAPI route in the scope, so the traffic metrics
-count it under the same template as before.
-"""
+The hot routes (``POST /score``, ``GET /healthz``) answered in plain ASGI by the innermost
+middleware, :class:`HotRoutes`, with FastAPI's route's answer function, token check and
+error mapping; every other request goes on to FastAPI. :class:`HotServing` hands the same
+routes to the server's protocol (:mod:`kvindex.api.http.server_protocol`).
+"""  # noqa: E501
 
 from __future__ import annotations
 

@@ -1,29 +1,4 @@
-"""Prometheus metrics of one API process: a per-app registry, never the global one.
-
-Exported once per fleet: the write path's series (:class:`~kvindex.indexer.metrics.IngestCollector`:
-per-stream counters, ``kvindex_blocks``, ``kvindex_replicas``, ``kvindex_streams``,
-``kvindex_unrouted_frames``) are registered only when the process runs the write path itself
-(``kvindex serve``, the in-process registry). An API-only process (``kvindex api``, reading the
-fleet an indexer publishes in Redis) leaves them to the indexer's own port: every API pod
-exporting the same fleet-wide numbers would make ``sum()`` count them once per pod.
-
-The API's own series, by name and labels:
-
-- ``kvindex_http_requests_total{route,method,status}``: answers by route template (e.g.
-  ``/replicas/{replica_id}``, never the raw path; ``unmatched`` when no route matched).
-- ``kvindex_http_request_seconds{route}``: time to answer, histogram.
-- ``kvindex_score_seconds{policy}``, ``kvindex_lookup_seconds``: /score and index lookups.
-- ``kvindex_degraded_answers_total{reason}``: /score answers marked ``degraded``, by why
-  (``index_unavailable``, ``fleet_unreadable``).
-- ``kvindex_score_rule_matches_total{rule}``: /score answers each ``[[rules]]`` entry
-  matched (every configured rule present from 0; answers no rule matched are not counted).
-- ``kvindex_api_store_up``: 1 while the API's Redis circuit is closed, 0 while it skips
-  Redis; 1 on the in-process store.
-- ``kvindex_load_scrape_failures_total{replica}``: failed scrapes of a replica's vLLM /metrics.
-- ``kvindex_block_size_mismatch_streams{model}``: streams whose block size is not their
-  model's (:mod:`kvindex.api.fleet.block_sizes`), read at scrape time.
-- ``kvindex_build_info{version,component="api"}``: always 1.
-"""
+"""Prometheus metrics of one API process: a per-app registry, never the global one."""
 
 from __future__ import annotations
 
@@ -35,8 +10,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvindex import __version__
-from kvindex.api.fleet.block_sizes import BlockSizeCheck
-from kvindex.api.score import DEGRADED_REASONS
+from kvindex.api.answer import DEGRADED_REASONS
+from kvindex.api.health.block_sizes import BlockSizeCheck
 from kvindex.indexer.domain.events import StreamId
 from kvindex.indexer.fleet.registry import RegistryView
 from kvindex.indexer.index.protocol import (
@@ -59,14 +34,7 @@ UNMATCHED_ROUTE = "unmatched"
 
 
 class ApiMetrics:
-    """Everything /metrics exposes for one app.
-
-    ``runs_write_path``: this process runs the indexer whose ``registry`` and ``index`` it
-    is given (export the write path's series); False for an API reading another process's
-    fleet. ``store_up`` says whether the API's store is being called (its circuit closed).
-    ``block_sizes`` feeds the mismatch gauge (None: not exported; the app always gives it).
-    ``rule_names``: the configured ``[[rules]]``, exported from 0.
-    """
+    """Everything /metrics exposes for one app."""
 
     def __init__(
         self,
@@ -96,9 +64,13 @@ class ApiMetrics:
         )
         build.labels(__version__, "api").set(1)
         if block_sizes is not None:
-            self.registry.register(_BlockSizeCollector(block_sizes))
+            self.watch_block_sizes(block_sizes)
         if runs_write_path:
             self.registry.register(IngestCollector(registry, index))
+
+    def watch_block_sizes(self, check: BlockSizeCheck) -> None:
+        """Export ``check``'s mismatches (read at scrape time)."""
+        self.registry.register(_BlockSizeCollector(check))
 
     def _request_series(self) -> None:
         self.http_requests = Counter(

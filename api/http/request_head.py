@@ -1,19 +1,4 @@
-"""A request head must arrive whole in time: uvicorn's HTTP protocol with a deadline.
-
-uvicorn closes a keep-alive connection left idle after a response, but it waits forever
-for a request head (request line and headers) that trickles in, or for the first byte on
-a fresh connection: a client that opens connections and sends a header byte now and then
-holds each one, and the app never sees a request, so no middleware can refuse it (the
-body's own bound is :mod:`kvindex.api.http.body_limit`).
-
-:func:`head_deadline_protocol` makes a protocol class for ``uvicorn.Config(http=...)``
-that arms a timer when a connection opens and when the bytes of a request arrive without
-completing its head (armed once the bytes read are parsed: a head that comes whole with
-them costs no timer), and cancels it when the headers are complete; if it fires, the
-connection is closed without an answer (there is no request to answer). Between
-requests uvicorn's own keep-alive timeout applies. Built on uvicorn's httptools protocol
-(the one it picks when httptools is installed, as this package requires).
-"""
+"""A request head must arrive whole in time: uvicorn's HTTP protocol with a deadline."""
 
 from __future__ import annotations
 

@@ -1,33 +1,10 @@
-"""The hot routes answered by the server itself: :class:`HotProtocol`, uvicorn's protocol
-with a short path for ``POST /score`` and ``GET /healthz``.
+"""Reference: kvindex.api.http.app._score_routes; tests/integration/test_server_protocol.py::test_hot_answers_equal_the_apps
 
-uvicorn turns each request into an ASGI call: a scope, a task, a receive and a send, an
-event per body chunk, the app's middleware chain, and two writes (head, then body). For the
-hot routes that costs a good part of the answer (``bench/http_floor.py``). This protocol
-answers a plain hot request in the parser's callbacks instead: the body is collected as it
-is parsed, the route's own answer function runs as soon as the body is complete (in the
-same callback when it does not wait, which an in-process store never does; else in a task),
-and the answer goes out in one write.
-
-Guaranteed to answer as the app does (:class:`~kvindex.api.http.hot_routes.HotRoutes` behind the
-body limit and the traffic observer; the tests send the same requests to both): the same
-answer function, the same error mapping (:attr:`HotServing.error_response`), the same
-traffic metrics under the route's template (and the access log line), the body timeout's
-408 and the connection closed after it. Anything out of the plain case is left to the app,
-decided when the head is complete, before any of the body is read: another method or path
-(a query string or an escaped path included), HTTP/1.0, ``Connection: close``,
-``Expect: 100-continue``, an upgrade, a chunked body, a declared length over
-``api.max_body_bytes`` or a body on a route that reads none, a missing or wrong token (the
-app answers 401), a forwarded client address (the app's proxy-headers rewrite applies), a
-request pipelined behind one not yet answered. Pipelined requests are answered in order:
-while an answer waits, the next request queues as uvicorn queues it.
-
-Between requests uvicorn's keep-alive timeout applies, for every request of the connection
-(hot or not), kept by one timer per connection instead of one made and cancelled per answer
-(:meth:`HotProtocol.on_response_complete`): an answer costs a clock read. A request pipelined
-behind a hot answer, in the same bytes, is no idle time (uvicorn's own timer, armed by that
-answer, would close the connection while a slow answer to it waits).
-"""
+:class:`HotProtocol`: uvicorn's protocol answering a plain ``POST /score`` or ``GET
+/healthz`` in the parser's callbacks (one write), with the app's answer function, error
+mapping, traffic metrics and body timeout; anything else (HTTP/1.0, ``Connection: close``,
+a chunked body, ``x-forwarded-for``, a bad token, ...) is left to the app.
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -159,8 +136,8 @@ class HotProtocol(HeadDeadlineProtocol):
         """uvicorn's, but with one keep-alive timer per connection, not one per answer: an
         answer notes the time; the timer, armed when none is, closes the connection when it
         fires ``timeout_keep_alive`` after the last answer with no request begun since, and
-        else is armed again for when that will be (none while a request is in hand: the
-        next answer arms it). What uvicorn does with a timer made and cancelled per answer."""
+        else is armed again for when that will be (none while a request is in hand: the next
+        answer arms it)."""
         self.server_state.total_requests += 1
         if self.transport.is_closing():
             return

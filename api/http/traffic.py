@@ -1,14 +1,4 @@
-"""Every HTTP request counted, timed and (optionally) logged, by route template.
-
-:class:`TrafficObserver` is a plain ASGI middleware, the outermost one of the app, so it
-also sees the answers the body limit gives (413, 408) and the 401s of the token check. It
-labels a request with the template of the route that answered it (``/replicas/{replica_id}``,
-never the raw path: one series per route, whatever ids clients send), or ``unmatched``.
-A method outside the standard ones is labelled ``other`` (a client cannot make series).
-Costs a dict lookup, two clock reads and two child updates per request (the labelled
-children are kept per route, method and status); the access log line, when on, goes
-through the ``kvindex.access`` logger (so the process's log format applies to it).
-"""
+"""Every HTTP request counted, timed and (optionally) logged, by route template."""
 
 from __future__ import annotations
 
@@ -27,8 +17,7 @@ _OTHER_METHOD = "other"
 
 class TrafficObserver:
     """Counts (``kvindex_http_requests_total``) and times (``kvindex_http_request_seconds``)
-    every HTTP request once its answer is sent, and logs it when ``access_log`` is on. A
-    request whose app raised before answering is counted as a 500 (what the server sends)."""
+    every HTTP request once its answer is sent, and logs it when ``access_log`` is on."""
 
     def __init__(self, app: ASGIApp, *, metrics: ApiMetrics, access_log: bool) -> None:
         self.app = app

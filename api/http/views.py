@@ -1,16 +1,11 @@
-"""The bodies of the read-only routes, built from fleet and store state.
-
-Each function answers one route (``GET /replicas``, ``/stats``, ``/config``) with the
-msgspec view types of :mod:`kvindex.api.schemas`; the routes only run them (off the event
-loop when the stores do network I/O) and encode the result. Nothing here keeps state.
-"""
+"""The bodies of the read-only routes, built from fleet and store state."""
 
 from __future__ import annotations
 
 import time
 
 from kvindex.api.config.settings import ApiSettings
-from kvindex.api.fleet.block_sizes import BlockSizeCheck
+from kvindex.api.health.block_sizes import BlockSizeCheck
 from kvindex.api.load.model import Load
 from kvindex.api.load.store import LoadStore
 from kvindex.api.schemas import (
@@ -38,10 +33,9 @@ def replica_views(
     block_sizes: BlockSizeCheck,
     policy: HealthPolicy | None = None,
 ) -> list[ReplicaView]:
-    """``GET /replicas``: every replica with its streams (in the registry's order, each
-    with its block size, flagged when not its model's) and its load; a replica's state is
-    its worst stream's, ``stale`` when none was heard of. Does store calls: run it off the
-    loop when the stores block."""
+    """``GET /replicas``: every replica with its streams (in the registry's order, each with
+    its block size, flagged when not its model's) and its load; a replica's state is its
+    worst stream's, ``stale`` when none was heard of."""
     specs = registry.replicas()
     replica_to_load = loads.get_many([r.id for r in specs])
     all_statuses = registry.statuses()

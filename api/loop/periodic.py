@@ -12,12 +12,8 @@ logger = logging.getLogger(__name__)
 
 class Periodic:
     """``work()`` every ``interval_s`` seconds on the running loop, from :meth:`start` (the
-    first round at once) until :meth:`stop`; a round starts ``interval_s`` after the last one
-    started, or at once when that one took longer.
-
-    A round that raises is logged and the next one runs on time: a worker never dies of one
-    bad round. Not thread-safe: start and stop it on its loop.
-    """
+    first round at once) until :meth:`stop`; a round starts ``interval_s`` after the last
+    one started, or at once when that one took longer."""
 
     def __init__(self, name: str, work: Callable[[], Awaitable[object]], interval_s: float) -> None:
         if not interval_s > 0:

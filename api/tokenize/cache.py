@@ -31,17 +31,7 @@ def messages_key(messages: list[dict[str, Any]]) -> bytes:
 
 
 class CachingTokenizer:
-    """An LRU cache of at most ``max_entries`` tokenizations in front of another Tokenizer.
-
-    Keys are the exact prompt text, or :func:`messages_key` of the conversation (a ``str``
-    and a ``bytes`` key never compare equal, so prompts and conversations never collide).
-    Concurrent identical misses share one call to ``inner`` (in flight, shielded from a
-    caller's cancellation); only the call that starts it counts as a miss, the others as
-    hits. Errors are not cached. Token ids are stored as u32 (4 bytes per token).
-
-    ``num_hits`` and ``num_misses`` count calls answered without / by calling ``inner``.
-    Use from one event loop at a time (asyncio, no threads).
-    """
+    """An LRU cache of at most ``max_entries`` tokenizations in front of another Tokenizer."""
 
     def __init__(self, inner: Tokenizer, max_entries: int = 4096) -> None:
         if max_entries < 1:

@@ -67,11 +67,7 @@ def _chat_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
 
 
 class ChatTemplate:
-    """A compiled Hugging Face chat template and the special tokens it may reference.
-
-    Compiling happens once, here: a syntax error raises :class:`TokenizerError` at start,
-    not per request. Rendering is sandboxed and thread-safe.
-    """
+    """A compiled Hugging Face chat template and the special tokens it may reference."""
 
     def __init__(self, source: str, *, special_tokens: dict[str, str] | None = None) -> None:
         self.special_tokens: dict[str, str] = dict(special_tokens or {})
@@ -81,11 +77,7 @@ class ChatTemplate:
             raise TokenizerError(f"chat template: syntax error line {exc.lineno}: {exc}") from exc
 
     def render(self, messages: list[dict[str, Any]]) -> str:
-        """The conversation as text, generation prompt added (``add_generation_prompt``).
-
-        Raises :class:`TokenizerError` when the template rejects the conversation
-        (``raise_exception``) or fails on it.
-        """
+        """The conversation as text, generation prompt added (``add_generation_prompt``)."""
         try:
             return self._template.render(
                 messages=messages,
@@ -148,14 +140,7 @@ def _config_template(config: dict[str, Any], path: Path) -> str | None:
 def load_chat_template(
     tokenizer_path: Path, chat_template_path: Path | None = None
 ) -> ChatTemplate | None:
-    """The chat template of a model directory laid out like Hugging Face's.
-
-    Source, first found: ``chat_template_path`` (a ``.json`` is read as a tokenizer config,
-    anything else as Jinja2 text); else ``chat_template.jinja`` beside ``tokenizer_path``;
-    else the ``chat_template`` of ``tokenizer_config.json`` beside it. Special tokens come
-    from that config (or from ``chat_template_path`` when it is one). None when nothing
-    was given and there is no template; TokenizerError when a file cannot be used.
-    """
+    """The chat template of a model directory laid out like Hugging Face's."""
     config_path = tokenizer_path.parent / _TOKENIZER_CONFIG_FILE
     jinja_path: Path | None = tokenizer_path.parent / _CHAT_TEMPLATE_FILE
     if chat_template_path is not None:

@@ -73,16 +73,12 @@ def _forbid(spec: TokenizerSpec, names: tuple[str, ...], kind: str) -> None:
 
 
 def build_tokenizer(spec: TokenizerSpec, client: httpx.AsyncClient) -> Tokenizer:
-    """The Tokenizer a spec describes, cached unless ``cache_entries`` is 0.
-
-    ``client`` is used only by ``replica`` tokenizers; the caller keeps owning it. Loading a
-    local tokenizer reads its files now and raises :class:`TokenizerError` if they are bad.
-    """
+    """The Tokenizer a spec describes, cached unless ``cache_entries`` is 0."""
     inner: Tokenizer
     if spec.kind == "local":
         assert spec.path is not None  # checked by TokenizerSpec
         # Imported here: `tokenizers` and `jinja2` cost an API that has no local tokenizer
-        # (most of them) about 5 MiB of memory.
+        # (most of them) memory.
         from kvindex.api.tokenize.local import LocalTokenizer  # noqa: PLC0415
 
         inner = LocalTokenizer.from_files(spec.path, spec.chat_template_path)
@@ -99,20 +95,7 @@ _RECHECK_S = 1.0
 
 
 class ModelTokenizers:
-    """The tokenizer of each model, chosen by one rule and built on first use.
-
-    The rule: the model's ``[[models]] tokenizer`` path, read in-process; else (``"replica"``
-    or nothing configured) the ``/tokenize`` of the first registered replica of the model
-    that has a URL and is not ejected (by its health checks or a breaker: else the first
-    with a URL), with ``api.scrape_timeout_s`` per call; else None (the request must send
-    token ids or block keys). Both are cached (``api.tokenizer_cache_entries``).
-
-    A model's answer, None included, is kept until :meth:`forget` (call it when a replica of
-    the model is registered or removed: the replica asked may change), or until the replica
-    it asks is ejected (another one is then asked, if there is one). A build that raises
-    :class:`TokenizerError` (an unreadable file) is not kept: the next request tries again.
-    The caller owns ``client``. Use from one event loop (no lock).
-    """
+    """The tokenizer of each model, chosen by one rule and built on first use."""
 
     def __init__(
         self,

@@ -12,10 +12,7 @@ from kvindex.api.tokenize.chat_template import ChatTemplate, load_chat_template
 from kvindex.api.tokenize.protocol import TokenizerError
 
 INLINE_MAX_CHARS = 2048
-"""Texts up to this long are encoded on the event loop; longer ones in a worker thread.
-
-Measured (2-core machine, 32k-vocab byte-level BPE): ~0.5-0.7 µs per character, so 2048
-characters (~600 tokens) block the loop under 1 ms, while ~8k tokens take 10-20 ms."""
+"""Texts up to this long are encoded on the event loop; longer ones in a worker thread."""
 
 
 def _encode_one(tokenizer: tokenizers.Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
@@ -30,17 +27,7 @@ def _encode_off_loop(
 
 
 class LocalTokenizer:
-    """Tokenizes in-process with a ``tokenizers.Tokenizer`` and an optional chat template.
-
-    Texts up to ``inline_max_chars`` characters are encoded synchronously on the event
-    loop (≤ ~1 ms); longer ones with :func:`asyncio.to_thread` through ``encode_batch``,
-    which releases the GIL (an ~8k-token text takes 10-20 ms, too long to block the loop).
-    Safe to call concurrently. Without a chat template, :meth:`encode_messages` raises
-    :class:`TokenizerError` and :meth:`encode_prompt` still works.
-
-    Messages are passed to the template as given (like ``apply_chat_template``); vLLM may
-    normalise content parts first, so for exact engine parity prefer :class:`ReplicaTokenizer`.
-    """
+    """Tokenizes in-process with a ``tokenizers.Tokenizer`` and an optional chat template."""
 
     def __init__(
         self,

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
+
+import msgspec
 
 from kvindex.indexer.domain.errors import KvIndexError
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
+"""A token id as engines hash it (unsigned 32-bit)."""
 
 
 class TokenizerError(KvIndexError):
@@ -12,11 +17,7 @@ class TokenizerError(KvIndexError):
 
 
 class Tokenizer(Protocol):
-    """Turns a prompt or a chat conversation into the token ids one model's engine sees.
-
-    Implementations return a fresh list the caller may keep or mutate, and raise only
-    :class:`TokenizerError`.
-    """
+    """Turns a prompt or a chat conversation into the token ids one model's engine sees."""
 
     async def encode_prompt(self, prompt: str) -> list[int]:
         """Token ids of a completions prompt, special tokens (e.g. BOS) added."""

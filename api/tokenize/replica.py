@@ -7,8 +7,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from kvindex.api.schemas import TokenId
-from kvindex.api.tokenize.protocol import TokenizerError
+from kvindex.api.tokenize.protocol import TokenId, TokenizerError
 
 _EXCERPT_CHARS = 200
 _JSON_HEADERS = {"content-type": "application/json"}
@@ -27,13 +26,7 @@ def _excerpt(text: str) -> str:
 
 
 class ReplicaTokenizer:
-    """Tokenizes through a vLLM replica's ``POST {base_url}/tokenize``.
-
-    ``base_url`` is the server root (``http://host:8000``, not ``…/v1``). The caller owns
-    ``client`` (connection pooling, closing). Each call makes one request bounded by
-    ``timeout_s``; unreachable replicas, timeouts, HTTP error statuses and malformed
-    responses raise :class:`TokenizerError`. Safe to call concurrently.
-    """
+    """Tokenizes through a vLLM replica's ``POST {base_url}/tokenize``."""
 
     def __init__(
         self, client: httpx.AsyncClient, base_url: str, model: str, *, timeout_s: float = 5.0

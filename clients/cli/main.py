@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from kvindex.api.config.settings import ApiSettings, load_api_settings
+from kvindex.api.config.settings import ReadPathSettings, api_settings_of
 from kvindex.api.http.server import serve as run_server
 from kvindex.api.http.server import serve_api
 from kvindex.clients.cli.check_hash import check_hash_command
@@ -23,8 +23,9 @@ from kvindex.clients.cli.views import register_views
 from kvindex.clients.console import make_console
 from kvindex.clients.fake_vllm.replica import ReplicaSim, ReplicaSimError, ReplicaSimSettings
 from kvindex.clients.proxy.service import serve_proxy
-from kvindex.clients.proxy.settings import load_proxy_settings
-from kvindex.indexer.config.settings import IndexerSettings, load_settings, read_toml
+from kvindex.clients.proxy.settings import proxy_settings_of
+from kvindex.indexer.config.loading import ConfigFile
+from kvindex.indexer.config.settings import IndexerSettings, load_settings, load_store_settings
 from kvindex.indexer.domain.errors import KvIndexError
 from kvindex.indexer.fleet.registry import Freshness, fleet_totals
 from kvindex.indexer.fleet.replica import ReplicaSpec
@@ -166,18 +167,6 @@ _access_log_option = click.option(
 )
 
 
-def _api_settings(config: Path | None, overrides: dict[str, Any]) -> ApiSettings:
-    """The API's settings: ``[api]``/``[[models]]``/``[[rules]]`` of ``config`` < env <
-    ``overrides``."""
-    file_values = read_toml(config) if config is not None else {}
-    return load_api_settings(
-        file_values.get("api"),
-        file_values.get("models"),
-        rules=file_values.get("rules"),
-        overrides=overrides,
-    )
-
-
 @main.command()
 @_indexer_options
 @click.option("--host", help="API listen address (default 127.0.0.1).")
@@ -201,8 +190,9 @@ def serve(
 ) -> None:
     """Run the indexer and the scoring API in one process."""
     try:
+        file = ConfigFile.read(config)
         settings = load_settings(
-            config,
+            file,
             overrides={
                 "bind": bind,
                 "store": store,
@@ -211,9 +201,14 @@ def serve(
             },
             extra_replicas=replicas,
         )
-        api = _api_settings(
-            config,
-            {"host": host, "port": port, "auth_token_file": token_file, "access_log": access_log},
+        api = api_settings_of(
+            file,
+            overrides={
+                "host": host,
+                "port": port,
+                "auth_token_file": token_file,
+                "access_log": access_log,
+            },
         )
     except KvIndexError as exc:
         raise click.ClickException(str(exc)) from exc
@@ -254,17 +249,23 @@ def api(
 ) -> None:
     """Run the scoring API alone on the Redis a `kvindex indexer --store redis` writes."""
     try:
-        settings = load_settings(config, overrides={"store": "redis", "redis_url": redis_url})
-        api_settings = _api_settings(
-            config,
-            {"host": host, "port": port, "auth_token_file": token_file, "access_log": access_log},
+        file = ConfigFile.read(config)
+        store = load_store_settings(file, overrides={"store": "redis", "redis_url": redis_url})
+        api_settings = api_settings_of(
+            file,
+            overrides={
+                "host": host,
+                "port": port,
+                "auth_token_file": token_file,
+                "access_log": access_log,
+            },
         )
     except KvIndexError as exc:
         raise click.ClickException(str(exc)) from exc
     where = f"http://{api_settings.host}:{api_settings.port}"
     make_console().print(f"kvindex api (redis fleet, index and load) on {where}")
     try:
-        serve_api(settings.redis_url, settings, api_settings)
+        serve_api(ReadPathSettings(store, api_settings))
     except KvIndexError as exc:  # e.g. an index this version does not read
         raise click.ClickException(str(exc)) from exc
 
@@ -315,14 +316,14 @@ def proxy(
 
     Settings: [proxy] of --config < env KVINDEX_PROXY_<NAME> < these options."""
     try:
+        file = ConfigFile.read(config)
         settings = load_settings(
-            config,
+            file,
             overrides={"bind": bind, "store": store, "redis_url": redis_url},
             extra_replicas=replicas,
         )
-        api_settings = _api_settings(config, {"host": host, "port": port})
-        file_values = read_toml(config) if config is not None else {}
-        proxy_settings = load_proxy_settings(file_values.get("proxy"), overrides=forwarding)
+        api_settings = api_settings_of(file, overrides={"host": host, "port": port})
+        proxy_settings = proxy_settings_of(file, overrides=forwarding)
     except KvIndexError as exc:
         raise click.ClickException(str(exc)) from exc
     where = f"http://{api_settings.host}:{api_settings.port}"

@@ -36,7 +36,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
 from kvindex.api.http.background import BackgroundServer, ServerStartError
-from kvindex.api.schemas import TokenId
+from kvindex.api.tokenize.protocol import TokenId
 from kvindex.clients.fake_vllm.block_pool import Admission, BlockPool
 from kvindex.clients.fake_vllm.engine_hash import engine_root
 from kvindex.clients.fake_vllm.publisher import EventPublisher

@@ -1,24 +1,4 @@
-"""The proxy's routes, built by :func:`create_proxy_app` from explicit parts (no module state).
-
-* ``POST /v1/chat/completions`` and ``POST /v1/completions``: body read (at most
-  ``api.max_body_bytes``: 413 past it, 408 when it is not received within
-  ``api.body_timeout_s``), replicas chosen (:mod:`.upstream`), the request forwarded and
-  its answer streamed back (:mod:`.forwarding`).
-* Any other ``/v1/...`` route, any method: passed through as is (path, query, body) to a
-  replica, streamed back the same way: the model's best replicas when the body is a JSON
-  object naming a ``model``, else any replica with a URL, in turn.
-* ``GET /v1/models``: the models the fleet serves, in OpenAI's list shape, with the LoRA
-  adapters declared for them (``[[models]] loras``; ``parent`` names the base model).
-* ``GET /health`` and ``/healthz``: the process is up; ``/readyz``: the index store is
-  reachable; ``/metrics``: :mod:`.metrics`.
-
-With ``proxy.auth_token`` set, every route but ``/health``, ``/healthz`` and ``/readyz``
-needs the bearer token (:mod:`.auth`; 401 otherwise).
-
-Errors the proxy makes itself are answered in one place (:func:`_error_response`), in
-OpenAI's error shape ``{"error": {"message", "type", "code"}}``; a replica's own error
-answer is passed on untouched.
-"""
+"""The proxy's routes, built by :func:`create_proxy_app` from explicit parts (no module state)."""
 
 from __future__ import annotations
 
@@ -37,6 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvindex.api.config.settings import ApiSettings
 from kvindex.api.http.body_limit import BodyTimeoutError, BodyTooLargeError
+from kvindex.api.loop.off_loop import OffLoop
 from kvindex.api.score import RequestError, UnknownModelError
 from kvindex.clients.proxy.auth import InboundAuth, UnauthorizedError
 from kvindex.clients.proxy.forwarding import (
@@ -79,8 +60,8 @@ class ProxyParts:
     picker: UpstreamPicker
     forwarder: Forwarder
     metrics: ProxyMetrics
-    blocking_store: bool
-    """True when index calls do network I/O (Redis): run them off the loop."""
+    off_loop: OffLoop
+    """Runs the index and fleet reads (off the loop when they do network I/O)."""
     proxy: ProxySettings = field(default_factory=ProxySettings)
     auth: InboundAuth = field(init=False)
     """The bearer-token check of ``proxy.auth_token``."""
@@ -90,11 +71,9 @@ class ProxyParts:
 
 
 class _ProxyApp(Starlette):
-    """Starlette, but the forwarded routes' requests (``POST`` to an exact path of
-    ``hot``) go straight to their endpoint: the framework's middleware and router (tens of
-    microseconds a request, measured) add nothing there. The endpoint is the route's own,
-    which answers every error itself (an error past the answer's start reaches the
-    server, as through Starlette). Under a ``root_path`` everything goes through the router."""
+    """Starlette, but the forwarded routes' requests (``POST`` to an exact path of ``hot``)
+    go straight to their endpoint: the framework's middleware and router add nothing
+    there."""
 
     def __init__(self, hot: Mapping[str, ASGIApp], **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -301,7 +280,7 @@ async def _ok(_: Request) -> Response:
 
 def _models(parts: ProxyParts) -> Callable[[Request], Awaitable[Response]]:
     async def models(_: Request) -> Response:
-        names = await _call(parts, parts.registry.models)
+        names = await parts.off_loop(parts.registry.models)
         data = [_model_entry(m) for m in names]
         specs = [m for m in parts.api.models if m.name in names]
         data += [_model_entry(lora, parent=m.name) for m in specs for lora in m.loras]
@@ -320,7 +299,7 @@ def _model_entry(name: str, parent: str | None = None) -> dict[str, Any]:
 def _ready(parts: ProxyParts) -> Callable[[Request], Awaitable[Response]]:
     async def ready(_: Request) -> Response:
         try:
-            await _call(parts, parts.index.streams)
+            await parts.off_loop(parts.index.streams)
         except IndexUnavailableError as exc:
             return _json({"status": "unavailable", "detail": str(exc)}, 503)
         return _json({"status": "ready"})
@@ -333,10 +312,3 @@ def _metrics(parts: ProxyParts) -> Callable[[Request], Awaitable[Response]]:
         return Response(parts.metrics.render(), media_type=_METRICS)
 
     return metrics
-
-
-async def _call(parts: ProxyParts, fn: Callable[[], Any]) -> Any:
-    """Run a store call off the event loop when it does network I/O."""
-    if parts.blocking_store:
-        return await asyncio.to_thread(fn)
-    return fn()

@@ -1,10 +1,4 @@
-"""The inbound bearer token: who may use the proxy.
-
-Contract: with ``proxy.auth_token`` set, every route but the probes (:data:`OPEN_PATHS`)
-needs ``Authorization: Bearer <token>``, compared in constant time; a missing or wrong one
-is :class:`UnauthorizedError` (401 in OpenAI's error shape, with ``WWW-Authenticate``).
-Without a token every route is open. The token is never logged nor put in an answer.
-"""
+"""The inbound bearer token: who may use the proxy."""
 
 from __future__ import annotations
 

@@ -1,28 +1,4 @@
-"""HTTP/1.1 to the replicas: keep-alive connections, one pool per replica, as an httpx transport.
-
-The forwarder's answers go through :class:`ReplicaTransport` rather than httpx's own
-transport (httpcore, anyio, h11): on a forwarded request that stack cost more of the proxy's
-CPU than everything else the proxy does (its cancel scopes, locks and pure-Python parsing,
-a write for the head and another for the body). This one is an ``asyncio.Protocol`` per
-connection with uvicorn's C parser (``httptools``): the request goes out in one write and the
-answer is parsed as it arrives.
-
-Contract (what httpx's transport gives the forwarder, kept):
-
-* :meth:`ReplicaTransport.handle_async_request` returns once the answer's head has come; its
-  body is ``response.stream``, read chunk by chunk as the replica sends it (raw: de-chunked,
-  never decoded). A response read to its end and closed gives its connection back to the
-  pool (when both sides keep it alive); one closed before its end closes its connection, so
-  the replica sees the request aborted. Cancelled while waiting for the head: the connection
-  is closed too.
-* Errors as httpx raises them: ``httpx.ConnectError`` (refused, unreachable),
-  ``httpx.ConnectTimeout`` (not connected within ``connect_timeout_s``), ``httpx.PoolTimeout``
-  (all ``max_connections`` of the replica's busy for ``connect_timeout_s``),
-  ``httpx.RemoteProtocolError`` (the replica closed the connection before the answer's end,
-  or sent something that is not HTTP/1.1).
-* No timeout past connecting: the forwarder bounds the head and each chunk on the loop.
-* ``http://`` only: any other scheme (TLS) goes to httpx's own transport.
-"""
+"""HTTP/1.1 to the replicas: keep-alive connections, one pool per replica, as an httpx transport."""
 
 from __future__ import annotations
 
@@ -85,10 +61,7 @@ class _Connection(asyncio.Protocol):
             raise
 
     async def body(self) -> AsyncIterator[bytes]:
-        """The answer's body as it comes; raises ``RemoteProtocolError`` when it breaks.
-        What has arrived since the last read comes as one piece: the same bytes, never
-        waited for, and one write to the client instead of one per event when a stream's
-        events come faster than the client takes them."""
+        """The answer's body as it comes; raises ``RemoteProtocolError`` when it breaks."""
         while True:
             if self._chunks:
                 chunks = self._chunks

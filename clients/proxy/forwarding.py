@@ -1,31 +1,4 @@
-"""The forwarder: one request sent to the chosen replica, its answer streamed back as is.
-
-Contract:
-
-* **Attempts**: the upstreams of a :class:`~.upstream.Choice` in order, as
-  :mod:`.retry_policy` says: at most ``proxy.max_attempts``, the next one only while
-  nothing has reached the client, only after a connect error or a retried status (408,
-  429, 500, 502, 503, 504), after a jittered back-off. Any other failure ends the request
-  (502, or 504 on a timeout). The last attempt's answer is passed on as it is.
-* **Timeouts**: ``connect_timeout_s`` per connection, ``first_byte_timeout_s`` for the
-  answer's head, ``stream_idle_timeout_s`` between two chunks of its body,
-  ``total_timeout_s`` for everything.
-* **Credentials**: the client's ``Authorization`` is sent on, unless the replica has a key
-  (``proxy.replica_api_keys``, else ``proxy.upstream_api_key``): then ``Bearer <key>``.
-* **Bytes**: the answer's body goes to the client chunk by chunk as it arrives, not
-  decoded (``aiter_raw``: server-sent events, gzip and all), with its headers but the
-  hop-by-hop ones. A client that goes away before the answer starts (``open`` given the
-  request's ``receive``) or during a stream (an answer without ``Content-Length``) closes
-  the upstream connection, so the replica sees the request aborted (vLLM then stops it).
-* **In flight**: each attempt reserves its request and its uncached prompt tokens on its
-  replica before it is sent (:class:`ReservationDesk`, in the load store every proxy and
-  ``/score`` read), and releases it once: at the last byte, when the attempt or the stream
-  fails, or when the client goes away. A store that cannot be reached never fails a
-  request: it goes unreserved (counted).
-* **Headers**: the client's, but the hop-by-hop ones, ``host`` and ``content-length``;
-  ``x-request-id`` honoured or made, sent upstream and returned; ``traceparent`` passes
-  through like any other header.
-"""
+"""The forwarder: one request sent to the chosen replica, its answer streamed back as is."""
 
 from __future__ import annotations
 
@@ -35,12 +8,13 @@ import logging
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 from starlette.types import Receive, Scope, Send
 
 from kvindex.api.load.reservations import Reservation, Reservations
+from kvindex.api.loop.off_loop import OffLoop
 from kvindex.clients.proxy.connections import AnswerBody, ReplicaTransport
 from kvindex.clients.proxy.metrics import ProxyMetrics
 from kvindex.clients.proxy.retry_policy import RetryPolicy
@@ -49,7 +23,6 @@ from kvindex.clients.proxy.upstream import Upstream
 from kvindex.indexer.domain.errors import KvIndexError
 
 logger = logging.getLogger("kvindex.proxy")
-_T = TypeVar("_T")
 REQUEST_ID = "x-request-id"
 REPLICA_HEADER = "x-kvindex-replica"
 """Response header naming the replica that answered."""
@@ -118,16 +91,14 @@ class Dispatch:
 
 class ReservationDesk:
     """Reserves each attempt's request on its replica and releases it once; keeps the
-    ``kvindex_proxy_in_flight`` gauge and the release counters. ``reservations`` None:
-    counted in the metrics alone. Store calls run off the loop when ``blocking`` (Redis);
-    their failures are counted and logged, never raised."""
+    ``kvindex_proxy_in_flight`` gauge and the release counters."""
 
     def __init__(
         self, reservations: Reservations | None, metrics: ProxyMetrics, *, blocking: bool
     ) -> None:
         self._reservations = reservations
         self._metrics = metrics
-        self._blocking = blocking
+        self._call = OffLoop(blocking).shielded
 
     async def reserve(self, upstream: Upstream) -> Dispatch:
         self._metrics.in_flight.labels(upstream.replica).inc()
@@ -166,12 +137,6 @@ class ReservationDesk:
         if num_held:
             self._metrics.reservations_released.labels("shutdown").inc(num_held)
 
-    async def _call(self, fn: Callable[..., _T], *args: object) -> _T:
-        if self._blocking:
-            # shield: a cancelled request still waits for its store call (it runs anyway)
-            return await asyncio.shield(asyncio.to_thread(fn, *args))
-        return fn(*args)
-
     def _failed(self, op: str, exc: Exception) -> None:
         self._metrics.reservation_failures.labels(op).inc()
         logger.warning("reservations: %s failed: %s", op, exc)
@@ -192,12 +157,9 @@ class Opened:
 
 class Forwarder:
     """Sends requests upstream straight to a transport (no ``httpx.AsyncClient``: its
-    cookies, redirects, auth and default headers are a proxy's to leave alone), by default
-    a :class:`~.connections.ReplicaTransport` (one keep-alive pool per replica), owned
-    (:meth:`close`). ``transport`` replaces it (tests).
-    ``on_outcome(replica, ok, what)`` hears of the attempts' outcomes (a connect error, a
-    broken answer or a 5xx is a failure, an answer below 500 a success; a timeout or a
-    retried 408/429 is neither): the replicas' breakers."""
+    cookies, redirects, auth and default headers are a proxy's to leave alone), by default a
+    :class:`~.connections.ReplicaTransport` (one keep-alive pool per replica), owned
+    (:meth:`close`)."""
 
     def __init__(
         self,
@@ -260,13 +222,7 @@ class Forwarder:
     ) -> Opened:
         """The first answer worth passing on (see the module's contract for the attempts);
         ``path`` (with its query, if any) is appended to each replica's URL; ``route``
-        labels the retries (default: ``path``). With ``receive`` (the request's, its body
-        read), a client that goes away first ends the attempt in progress (its connection
-        closed) and raises :class:`ClientGoneError`.
-
-        The first attempt is reserved before anything else can run on the loop: with an
-        in-process store, the scorer's read, its choice and this reservation are one step
-        (a request chosen next sees it)."""
+        labels the retries (default: ``path``)."""
         attempts = self._retry.attempts(upstreams)
         first = await self._desk.reserve(attempts[0]) if attempts else None
         watch = None if receive is None else ClientWatch(receive)
@@ -391,13 +347,7 @@ def with_api_key(headers: list[tuple[str, str]], key: str | None) -> list[tuple[
 
 
 class StreamedAnswer:
-    """An ASGI response passing an opened answer on chunk by chunk (see the contract).
-
-    ``on_done(status, replica)`` is called once, when the last byte is sent, the stream
-    breaks or the client goes away. ``first_chunk_timeout_s`` bounds the wait for the body's
-    first chunk (a stream's head comes before its first token), ``idle_timeout_s`` each
-    wait after (None: only the deadline does). The request in flight is released then too,
-    or just before the client gets the last byte when the answer is whole."""
+    """An ASGI response passing an opened answer on chunk by chunk (see the contract)."""
 
     def __init__(
         self,
@@ -512,12 +462,7 @@ class ClientWatch:
     reads the request's ``receive`` (its body read whole, so the next message says the
     client left) and, while the request is inside :meth:`guard`, cancels the task serving
     it; the guard turns that cancellation into :class:`ClientGoneError` (a client gone
-    before the guard is entered raises it at once). Any other cancellation passes through
-    untouched. The task starts with the first :meth:`guard`; :meth:`stop` ends it
-    (idempotent; it is not waited for).
-
-    Why not race the request against a watcher with ``asyncio.wait``: that is two tasks
-    and two waits for each stage of every request, a good part of the proxy's own time."""
+    before the guard is entered raises it at once)."""
 
     def __init__(self, receive: Receive) -> None:
         self._receive = receive

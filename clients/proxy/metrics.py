@@ -1,9 +1,4 @@
-"""The proxy's Prometheus series (``kvindex_proxy_*``), on a registry of their own.
-
-One :class:`ProxyMetrics` per app; nothing here is module state. ``replica`` is the replica
-that answered (``none`` when no replica did: a refused body, an unknown model, every
-attempt failed).
-"""
+"""The proxy's Prometheus series (``kvindex_proxy_*``), on a registry of their own."""
 
 from __future__ import annotations
 

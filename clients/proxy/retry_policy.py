@@ -1,14 +1,4 @@
-"""The retry policy: which failed attempts go to another replica, and how long to wait first.
-
-Contract: a request is tried on at most ``proxy.max_attempts`` replicas, each a different
-one (the upstreams of a :class:`~.upstream.Choice` are distinct), and only while nothing has
-reached the client. An attempt is worth retrying when it failed to connect or was answered
-with :data:`RETRY_STATUSES`: the replica refused or lost the request before answering it
-(408 timeout, 429 too busy, 500 internal error, 502/503/504 a gateway or a replica going
-away). Before attempt ``n`` (``n >= 2``) the forwarder waits :meth:`RetryPolicy.backoff_s`:
-``retry_backoff_s * 2 ** (n - 2)``, capped by ``retry_backoff_max_s``, jittered (drawn uniformly
-between half of it and all of it) so that requests failed together do not retry together.
-"""
+"""The retry policy: which failed attempts go to another replica, and how long to wait first."""
 
 from __future__ import annotations
 

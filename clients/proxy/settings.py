@@ -1,24 +1,4 @@
-"""The proxy's typed settings: the ``[proxy]`` table of the config file.
-
-Like the API's, every field has a default and a one-line doc, the object is frozen and
-passed down, and :func:`load_proxy_settings` raises :class:`SettingsError` naming the key
-(or the environment variable) and the bad value. Precedence: command line > environment
-(``KVINDEX_PROXY_<FIELD>``; ``KVINDEX_PROXY_REPLICA_API_KEYS`` as a JSON object) > TOML >
-defaults.
-
-TOML::
-
-    [proxy]
-    max_attempts = 3
-    stream_idle_timeout_s = 120
-    auth_token_file = "/run/secrets/proxy-token"
-
-    [proxy.replica_api_keys]
-    r1 = "the key vLLM r1 was started with (--api-key)"
-
-Secrets (``auth_token``, ``upstream_api_key``, ``replica_api_keys``) are left out of the
-object's ``repr`` and of every error message.
-"""
+"""The proxy's typed settings: the ``[proxy]`` table of the config file."""
 
 from __future__ import annotations
 
@@ -28,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvindex.api.config.settings import from_env_text, read_token
+from kvindex.indexer.config.loading import ConfigFile, from_env_text, layered, read_token
 from kvindex.indexer.domain.errors import SettingsError
 
 
@@ -50,9 +30,7 @@ class ProxySettings:
     """Longest time one request may take, attempts and stream included; a stream cut by
     it ends early (the client sees an incomplete body)."""
     max_attempts: int = 3
-    """Replicas tried at most per request (1: no retry), each a different one. Retries
-    happen only before the first byte reaches the client, on a connect error or an answer
-    of 408, 429, 500, 502, 503 or 504."""
+    """Replicas tried at most per request (1: no retry), each a different one."""
     retry_backoff_s: float = 0.02
     """Wait before the second attempt; doubled before each further one, capped by
     ``retry_backoff_max_s``, and jittered (drawn uniformly between half of it and all of
@@ -139,9 +117,7 @@ def load_proxy_settings(
     overrides: Mapping[str, Any] | None = None,
 ) -> ProxySettings:
     """Defaults < a TOML ``[proxy]`` table < ``KVINDEX_PROXY_*`` env < ``overrides`` (None
-    values ignored). Unknown keys or variables and bad values are :class:`SettingsError`
-    naming them (never a secret's value). A token file (whichever layer set it) replaces
-    any token given otherwise."""
+    values ignored)."""
     if values is not None and not isinstance(values, Mapping):
         raise SettingsError(f"[proxy] must be a table, got {values!r}")
     raw = dict(values or {})
@@ -149,8 +125,7 @@ def load_proxy_settings(
     if unknown:
         raise SettingsError(f"[proxy]: unknown settings {unknown} (known: {sorted(_FIELD_TYPES)})")
     from_env = _from_env(os.environ if env is None else env)
-    raw.update(from_env)
-    raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    raw = layered(raw, from_env, overrides)
     if raw.get("auth_token_file") is not None:
         raw["auth_token_file"] = str(raw["auth_token_file"])
         raw["auth_token"] = read_token(raw["auth_token_file"], key="proxy.auth_token_file")
@@ -191,3 +166,13 @@ def _api_keys_of(variable: str, text: str) -> dict[str, str]:
     if not isinstance(keys, dict):
         raise SettingsError(f'{variable} must be a JSON object (e.g. {{"r1": "key"}})')
     return keys
+
+
+def proxy_settings_of(
+    file: ConfigFile,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> ProxySettings:
+    """:func:`load_proxy_settings` of the file's ``[proxy]``."""
+    return load_proxy_settings(file.table("proxy"), env=env, overrides=overrides)

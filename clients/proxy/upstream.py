@@ -1,17 +1,4 @@
-"""The upstream choice: which replicas a request should go to, best first.
-
-An OpenAI body becomes a :class:`~kvindex.api.schemas.ScoreRequest` (the whole ``messages``
-of a chat, or the ``prompt`` of a completion; ``cache_salt`` from the body; the session from
-``x-kvindex-session`` or the ``user`` field; for ``[[rules]]``, the headers, ``user`` and
-whether ``tools`` are offered) and is answered by the same
-:class:`~kvindex.api.score.Scorer` as ``/score`` (tokenizer, index, load, policy and
-weights per model). The candidates are the model's replicas that have a ``url``. A
-``model`` naming a LoRA adapter (``[[models]] loras``) is scored as its base model with
-``lora_name`` set: vLLM keys a LoRA's blocks with its name, on the base model's replicas.
-
-A request the scorer has nothing to say about (a pass-through route without a ``model``)
-goes to any replica with a ``url``, in turn (:meth:`UpstreamPicker.choose_any`).
-"""
+"""The upstream choice: which replicas a request should go to, best first."""
 
 from __future__ import annotations
 
@@ -62,14 +49,7 @@ class Choice:
 
 
 class UpstreamPicker:
-    """Turns a request body into a :class:`Choice`; use from the scorer's event loop.
-
-    ``on_tokenize_failure(model)`` is told when a prompt could not be tokenized (the
-    replica asked is down, say): the request is then ranked on load alone, never refused.
-    ``lora_base(name)`` names the base model of a LoRA adapter (None: ``name`` is none).
-    ``health_policy`` judges the replicas' health records for :meth:`choose_any` (the
-    scorer leaves the ejected ones out of :meth:`choose` itself).
-    """
+    """Turns a request body into a :class:`Choice`; use from the scorer's event loop."""
 
     def __init__(
         self,

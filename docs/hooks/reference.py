@@ -138,9 +138,13 @@ def discovered_classes() -> list[str]:
     return sorted(found)
 
 
+COMPOSITES = frozenset({"kvindex.api.config.settings.ReadPathSettings"})
+"""Settings classes made only of the tables above (no keys of their own)."""
+
+
 def checked_tables() -> tuple[Table, ...]:
     """:data:`TABLES`, once every discovered settings class is known to be among them."""
-    placed = {table.path for table in TABLES}
+    placed = {table.path for table in TABLES} | COMPOSITES
     missing = [path for path in discovered_classes() if path not in placed]
     if missing:
         raise ReferenceError(
@@ -151,7 +155,16 @@ def checked_tables() -> tuple[Table, ...]:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Each field's attribute docstring (the string statement under it), read with ast."""
+    """Each field's attribute docstring (the string statement under it), read with ast; the
+    fields a dataclass inherits carry their base class's docs."""
+    docs: dict[str, str] = {}
+    for base in reversed(cls.__mro__):
+        if base is not cls and dataclasses.is_dataclass(base):
+            docs.update(field_docs(base))
+    return docs | _own_field_docs(cls)
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
     source = inspect.getsource(inspect.getmodule(cls))  # type: ignore[arg-type]
     node = next(
         n

@@ -23,24 +23,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from kvindex.indexer.config.loading import ConfigFile, layered, read_toml
+from kvindex.indexer.config.store import StoreKind, StoreSettings, check_store
 from kvindex.indexer.domain.errors import SettingsError
 from kvindex.indexer.fleet.replica import ReplicaSpec, check_endpoint, replica_from_mapping
-from kvindex.indexer.redis.connection import CLUSTER_MODES, ClusterMode
-from kvindex.indexer.redis.schema import (
-    MAX_INDEX_GROUPS,
-    TOPOLOGY_INDEX_GROUPS,
-    Schema,
-    SchemaError,
-    check_name,
-)
+from kvindex.indexer.redis.schema import SchemaError, check_name
 
-StoreKind = Literal["memory", "redis"]
+__all__ = ["IndexerSettings", "StoreKind", "load_settings", "read_toml", "replace"]
 ShardMode = Literal["auto", "on", "off"]
 SHARD_MODES: tuple[str, ...] = get_args(ShardMode)
 ENV_PREFIX = "KVINDEX_"
@@ -51,29 +45,13 @@ decoding (under the GIL): the smaller of the two is a quarter to a third of a wo
 time, so a third worker finds nothing left to overlap."""
 MAX_INGEST_WORKERS = 64
 """Most ingest workers a setting may ask for."""
-API_SECTIONS = ("api", "models", "rules", "proxy")
-"""TOML sections of the API process (``kvindex.api.config.settings``) and of the proxy
-(``kvindex.clients.proxy.settings``); the indexer skips them."""
 
 
 @dataclass(frozen=True, slots=True)
-class IndexerSettings:
-    """Everything an indexer process needs; passed down explicitly, never global."""
+class IndexerSettings(StoreSettings):
+    """Everything an indexer process needs (the store's keys included); passed down
+    explicitly, never global."""
 
-    store: StoreKind = "memory"
-    """Index store: ``memory`` (in-process, one process) or ``redis`` (shared)."""
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    """Redis URL when ``store = "redis"``; on Redis Cluster, any node's."""
-    redis_cluster: ClusterMode = "auto"
-    """Redis Cluster or standalone: ``auto`` asks the node at start (``INFO cluster``),
-    ``on`` / ``off`` say it (``on`` for a cluster that may be down while kvindex starts)."""
-    redis_prefix: str = "kvindex"
-    """Prefix of every Redis key (several deployments can share one Redis)."""
-    redis_index_groups: int = TOPOLOGY_INDEX_GROUPS
-    """Stream groups of the Redis block index, 1 to 1024; 0 = by topology: 1 on standalone
-    Redis (a lookup walks the prompt once), 16 on a cluster (the groups spread the index over
-    the masters). Every process of a deployment (indexers, API, proxies) must agree: one
-    that counts otherwise refuses to start (``redis_schema.SchemaVersionError``)."""
     bind: str | None = None
     """Bind one SUB here (e.g. ``tcp://10.0.0.2:5557``) for replicas that connect to us;
     each is identified by its topic ``kv@<replica>@<model>`` and registered on first event."""
@@ -84,8 +62,6 @@ class IndexerSettings:
     and counted (``unrouted.num_refused``)."""
     replicas: tuple[ReplicaSpec, ...] = ()
     """Replicas to subscribe to (connect mode)."""
-    stale_after_s: float = 300.0
-    """A replica silent (or disconnected) this long is marked stale."""
     purge_after_s: float = 0.0
     """Drop the blocks of a replica disconnected this long (0 = never)."""
     replay_timeout_s: float = 5.0
@@ -142,7 +118,7 @@ class IndexerSettings:
     the compiled ingest runs without the GIL (README, Performance). 0: one per two cores
     available to the process (``os.sched_getaffinity``: a worker's core, and one for the
     API and everything else that holds the GIL), at least 1, at most
-    :data:`MAX_AUTO_INGEST_WORKERS`; on 2 cores that is 1, as two measured no faster there.
+    :data:`MAX_AUTO_INGEST_WORKERS` (on 2 cores, 1).
     On Redis one loop per process (run more sharded indexers to use more cores); a count
     above 1 there is refused."""
 
@@ -164,20 +140,12 @@ class IndexerSettings:
         return max(1, min(len(os.sched_getaffinity(0)) // 2, MAX_AUTO_INGEST_WORKERS))
 
     @property
-    def redis_schema(self) -> Schema:
-        """The Redis key names of ``redis_prefix`` and ``redis_index_groups`` (every process
-        builds its stores' schema here, so they all name the same keys)."""
-        return Schema(self.redis_prefix, self.redis_index_groups)
-
-    @property
     def sharded(self) -> bool:
         """Whether this process shares the streams with other indexers on its store."""
         return self.shard == "on" or (self.shard == "auto" and self.store == "redis")
 
     def __post_init__(self) -> None:
-        if self.store not in get_args(StoreKind):
-            raise SettingsError(f"store must be one of {get_args(StoreKind)}, got {self.store!r}")
-        _check_redis(self)
+        check_store(self)
         check_endpoint("bind", self.bind)
         _check_shard(self)
         _check_ingest_workers(self)
@@ -190,7 +158,6 @@ class IndexerSettings:
                 f"max_self_registered must be >= 0, got {self.max_self_registered!r}"
             )
         for name in (
-            "stale_after_s",
             "purge_after_s",
             "replay_timeout_s",
             "rebuild_cooldown_s",
@@ -203,22 +170,6 @@ class IndexerSettings:
         ids = [r.id for r in self.replicas]
         if len(ids) != len(set(ids)):
             raise SettingsError(f"replicas: duplicate ids in {ids}")
-
-
-def _check_redis(settings: IndexerSettings) -> None:
-    if settings.redis_cluster not in CLUSTER_MODES:
-        raise SettingsError(
-            f"redis_cluster must be one of {CLUSTER_MODES}, got {settings.redis_cluster!r}"
-        )
-    try:
-        check_name("redis_prefix", settings.redis_prefix)
-    except SchemaError as exc:
-        raise SettingsError(str(exc)) from exc
-    if not TOPOLOGY_INDEX_GROUPS <= settings.redis_index_groups <= MAX_INDEX_GROUPS:
-        raise SettingsError(
-            f"redis_index_groups must be 1 to {MAX_INDEX_GROUPS} (0: by topology),"
-            f" got {settings.redis_index_groups!r}"
-        )
 
 
 def _check_shard(settings: IndexerSettings) -> None:
@@ -259,45 +210,49 @@ def _check_status(settings: IndexerSettings) -> None:
 
 
 _SCALARS = {f.name: f for f in fields(IndexerSettings) if f.name != "replicas"}
+_STORE_KEYS = frozenset(f.name for f in fields(StoreSettings))
 
 
 def load_settings(
-    path: Path | None = None,
+    source: Path | ConfigFile | None = None,
     *,
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
     extra_replicas: tuple[ReplicaSpec, ...] = (),
 ) -> IndexerSettings:
-    """Defaults < TOML ``path`` < ``KVINDEX_*`` env < ``overrides`` (None values ignored)."""
-    values: dict[str, Any] = {}
-    replicas: list[ReplicaSpec] = []
-    if path is not None:
-        file_values = read_toml(path)
-        for section in API_SECTIONS:
-            file_values.pop(section, None)
-        replicas.extend(_replicas_from_toml(file_values.pop("replicas", []), path))
-        values.update(_checked(file_values, where=str(path)))
-    values.update(_from_env(os.environ if env is None else env))
-    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    replicas.extend(extra_replicas)
+    """Defaults < the config file's top level < ``KVINDEX_*`` env < ``overrides`` (None
+    values ignored); the file's replicas, then ``extra_replicas``."""
+    file = source if isinstance(source, ConfigFile) else ConfigFile.read(source)
+    file_values = _checked(file)
+    replicas = _replicas_from_toml(file_values.pop("replicas", []), file.path)
+    values = layered(file_values, _from_env(os.environ if env is None else env), overrides)
     try:
-        return IndexerSettings(**_coerce(values), replicas=tuple(replicas))
+        return IndexerSettings(**_coerce(values), replicas=(*replicas, *extra_replicas))
     except TypeError as exc:
         raise SettingsError(str(exc)) from exc
 
 
-def read_toml(path: Path) -> dict[str, Any]:
-    """A TOML file as a dict; :class:`SettingsError` naming the file when unreadable."""
+def load_store_settings(
+    source: Path | ConfigFile | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> StoreSettings:
+    """The store keys alone, layered as :func:`load_settings` layers them (the file's other
+    indexer keys are checked as names, not read)."""
+    file = source if isinstance(source, ConfigFile) else ConfigFile.read(source)
+    file_values = {k: v for k, v in _checked(file).items() if k in _STORE_KEYS}
+    env_values = _from_env(os.environ if env is None else env)
+    values = layered(
+        file_values, {k: v for k, v in env_values.items() if k in _STORE_KEYS}, overrides
+    )
     try:
-        with path.open("rb") as handle:
-            return tomllib.load(handle)
-    except OSError as exc:
-        raise SettingsError(f"config file {path}: {exc.strerror}") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise SettingsError(f"config file {path}: {exc}") from exc
+        return StoreSettings(**_coerce(values))
+    except TypeError as exc:
+        raise SettingsError(str(exc)) from exc
 
 
-def _replicas_from_toml(raw: Any, path: Path) -> list[ReplicaSpec]:
+def _replicas_from_toml(raw: Any, path: Path | None) -> list[ReplicaSpec]:
     if not isinstance(raw, list):
         raise SettingsError(f"{path}: replicas must be an array of tables ([[replicas]])")
     specs = []
@@ -308,11 +263,13 @@ def _replicas_from_toml(raw: Any, path: Path) -> list[ReplicaSpec]:
     return specs
 
 
-def _checked(values: Mapping[str, Any], *, where: str) -> dict[str, Any]:
-    unknown = set(values) - set(_SCALARS)
+def _checked(file: ConfigFile) -> dict[str, Any]:
+    """The file's top level; SettingsError names the keys no indexer setting has."""
+    values = file.top_level()
+    unknown = set(values) - set(_SCALARS) - {"replicas"}
     if unknown:
-        raise SettingsError(f"{where}: unknown settings {sorted(unknown)}")
-    return dict(values)
+        raise SettingsError(f"{file.path}: unknown settings {sorted(unknown)}")
+    return values
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:

@@ -21,10 +21,11 @@ import msgspec
 from fastapi import FastAPI
 
 from kvindex.api.config.settings import ApiSettings
-from kvindex.api.http.app import ApiDeps, create_app, hot_serving
+from kvindex.api.http.app import create_app, hot_serving
 from kvindex.api.http.background import BackgroundServer
 from kvindex.api.http.server_protocol import hot_protocol
 from kvindex.api.load.store import LoadStore
+from kvindex.api.runtime import ApiDeps
 from kvindex.api.schemas import ScoreEntry, ScoreResponse
 from kvindex.indexer.domain.events import BlockStored, EventBatch, ExtraKeys, StreamId, Tier
 from kvindex.indexer.domain.health import StreamReport

@@ -22,8 +22,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvindex.api.config.settings import ApiSettings, ModelSpec
 from kvindex.api.decision.policies import Weights
 from kvindex.api.decision.routing_rules import RoutingRule, rule_from_table
-from kvindex.api.http.app import ApiDeps, create_app
+from kvindex.api.http.app import create_app
 from kvindex.api.load.store import LoadStore, MemoryLoadStore, RedisLoadStore
+from kvindex.api.runtime import ApiDeps
 from kvindex.indexer.domain.events import StreamId, Tier
 from kvindex.indexer.domain.keys import block_keys
 from kvindex.indexer.fleet.replica import ReplicaSpec

@@ -1,4 +1,4 @@
-"""An API process (``server.api_deps``, as ``kvindex api`` builds it) refuses at start an
+"""An API process (``runtime.open_stores``, as ``kvindex api`` builds it) refuses at start an
 index it would not read (an older version, another group count), and the CLI says so in
 one line; a Redis it cannot reach at start is not an error (the lookup checks later)."""
 
@@ -11,8 +11,8 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from kvindex.api.config.settings import ApiSettings
-from kvindex.api.http.server import api_deps
+from kvindex.api.config.settings import ApiSettings, ReadPathSettings
+from kvindex.api.runtime import open_stores
 from kvindex.clients.cli.main import main
 from kvindex.indexer.config.settings import IndexerSettings
 from kvindex.indexer.domain.events import StreamId, Tier
@@ -33,7 +33,7 @@ def _settings(url: str, groups: int = 0) -> IndexerSettings:
 
 def _open_api(url: str, groups: int = 0) -> None:
     """Build an API process's stores and close them again."""
-    deps = api_deps(url, _settings(url, groups), ApiSettings(scrape_interval_s=0.0))
+    deps = open_stores(ReadPathSettings(_settings(url, groups), ApiSettings(scrape_interval_s=0.0)))
     deps.index.close()
 
 
@@ -69,7 +69,7 @@ def test_an_api_with_the_indexers_count_starts_and_answers(
 ) -> None:
     _indexer_started(redis_server.url, 0).close()
     settings = _settings(redis_server.url)
-    deps = api_deps(redis_server.url, settings, ApiSettings(scrape_interval_s=0.0))
+    deps = open_stores(ReadPathSettings(settings, ApiSettings(scrape_interval_s=0.0)))
     try:
         assert deps.index.longest_prefix([101], [S])[S].num_blocks == 1
     finally:
@@ -97,7 +97,7 @@ def unreachable_url() -> Iterator[str]:
 
 def test_a_redis_down_at_start_is_checked_at_the_first_lookup(unreachable_url: str) -> None:
     settings = _settings(unreachable_url)
-    deps = api_deps(unreachable_url, settings, ApiSettings(scrape_interval_s=0.0))
+    deps = open_stores(ReadPathSettings(settings, ApiSettings(scrape_interval_s=0.0)))
     try:
         with pytest.raises(IndexUnavailableError):
             deps.index.longest_prefix([101], [S])

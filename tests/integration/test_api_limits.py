@@ -16,8 +16,9 @@ import msgspec
 import pytest
 
 from kvindex.api.config.settings import ApiSettings
-from kvindex.api.http.app import ApiDeps, create_app
+from kvindex.api.http.app import create_app
 from kvindex.api.load.store import MemoryLoadStore
+from kvindex.api.runtime import ApiDeps
 from kvindex.api.schemas import MAX_BLOCK_KEYS, MAX_TOKEN_IDS
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.index.memory import MemoryIndex

@@ -2,7 +2,7 @@
 store's state, scrape failures, block-size mismatches, and the access log.
 
 The in-process app (``open_api``) over the memory store, plus an API-only process
-(``server.api_deps``, as ``kvindex api`` builds it) on a private redis-server that is killed.
+(``runtime.open_stores``, as ``kvindex api`` builds it) on a private redis-server that is killed.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvindex.api.config.settings import ApiSettings
+from kvindex.api.config.settings import ApiSettings, ReadPathSettings
 from kvindex.api.http.app import create_app
 from kvindex.api.http.background import BackgroundServer
-from kvindex.api.http.server import api_deps
 from kvindex.api.load.store import MemoryLoadStore
+from kvindex.api.runtime import open_stores
 from kvindex.indexer.config.settings import IndexerSettings
 from kvindex.indexer.domain.events import StreamId
 from kvindex.indexer.domain.health import StreamReport
@@ -166,7 +166,7 @@ def test_an_api_only_process_exports_its_own_series_not_the_fleets() -> None:
         fleet.store("r1", tokens(0, 4))
         FleetSync(writer, Schema(), fleet.registry).tick()
         settings = IndexerSettings(store="redis", redis_url=server.url)
-        deps = api_deps(server.url, settings, SETTINGS)
+        deps = open_stores(ReadPathSettings(settings, SETTINGS))
         body = {"model": MODEL, "token_ids": tokens(0, 4)}
         try:
             with BackgroundServer(create_app(deps)) as http:

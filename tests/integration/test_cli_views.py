@@ -19,9 +19,10 @@ from click.testing import CliRunner, Result
 
 from kvindex.api.config.settings import ApiSettings
 from kvindex.api.decision.routing_rules import RoutingRule
-from kvindex.api.http.app import ApiDeps, create_app
+from kvindex.api.http.app import create_app
 from kvindex.api.http.background import BackgroundServer
 from kvindex.api.load.store import MemoryLoadStore
+from kvindex.api.runtime import ApiDeps
 from kvindex.api.schemas import ReplicaView, ScoreResponse
 from kvindex.clients.cli.main import main
 from kvindex.clients.http import KvIndexClient

@@ -23,9 +23,10 @@ from typing import Any, cast
 import pytest
 
 from kvindex.api.config.settings import ApiSettings
-from kvindex.api.http.app import ApiDeps, create_app
+from kvindex.api.http.app import create_app
 from kvindex.api.http.background import BackgroundServer
 from kvindex.api.load.store import MemoryLoadStore
+from kvindex.api.runtime import ApiDeps
 from kvindex.api.schemas import ScoreResponse
 from kvindex.clients.http import (
     AsyncKvIndexClient,

@@ -24,8 +24,9 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from kvindex.api.config.settings import ApiSettings
-from kvindex.api.http.app import ApiDeps, create_app
+from kvindex.api.http.app import create_app
 from kvindex.api.load.store import MemoryLoadStore
+from kvindex.api.runtime import ApiDeps
 from kvindex.indexer.domain.events import BlockStored, EventBatch, StreamId, Tier
 from kvindex.indexer.domain.health import StreamReport
 from kvindex.indexer.fleet.registry import Registry

@@ -24,10 +24,11 @@ import pytest
 from starlette.datastructures import Headers
 
 from kvindex.api.config.settings import ApiSettings
-from kvindex.api.http.app import ApiDeps, create_app, hot_serving
+from kvindex.api.http.app import create_app, hot_serving
 from kvindex.api.http.background import BackgroundServer
 from kvindex.api.http.server_protocol import HotProtocol, hot_protocol
 from kvindex.api.load.store import MemoryLoadStore
+from kvindex.api.runtime import ApiDeps
 from kvindex.api.schemas import MAX_TOKEN_IDS
 from kvindex.indexer.index.memory import MemoryIndex
 from tests.integration.api_harness import MODEL, Fleet, comparable_body, tokens

@@ -1,4 +1,4 @@
-"""An API process (``server.api_deps``, as ``kvindex api`` builds it) on a private
+"""An API process (``runtime.open_stores``, as ``kvindex api`` builds it) on a private
 redis-server that is killed (SIGKILL) or stopped (SIGSTOP) under a small ``/score`` load
 (50 requests over 1 s, 8 in flight): every answer within 250 ms and ``degraded`` while it is
 down, ``/healthz`` fast, ``/readyz`` 503 within a second; answers normal again once Redis is
@@ -19,10 +19,10 @@ from typing import Any
 import httpx
 import pytest
 
-from kvindex.api.config.settings import ApiSettings
+from kvindex.api.config.settings import ApiSettings, ReadPathSettings
 from kvindex.api.http.app import create_app
 from kvindex.api.http.background import BackgroundServer
-from kvindex.api.http.server import api_deps
+from kvindex.api.runtime import open_stores
 from kvindex.indexer.config.settings import IndexerSettings
 from kvindex.indexer.fleet.sync import FleetSync
 from kvindex.indexer.index.redis import RedisIndex
@@ -70,7 +70,7 @@ def outage() -> Iterator[Outage]:
         sync = FleetSync(writer, Schema(), fleet.registry)
         sync.tick()
         settings = IndexerSettings(store="redis", redis_url=server.url)
-        deps = api_deps(server.url, settings, ApiSettings(scrape_interval_s=0.0))
+        deps = open_stores(ReadPathSettings(settings, ApiSettings(scrape_interval_s=0.0)))
         try:
             with BackgroundServer(create_app(deps)) as http:
                 yield Outage(server, sync, http.base_url)
@@ -164,7 +164,7 @@ def silent_url() -> Iterator[str]:
 def _unreadable_from_the_start(url: str) -> None:
     """An API whose Redis never answers a read: prompt 200 degraded answers, /readyz 503."""
     settings = IndexerSettings(store="redis", redis_url=url)
-    deps = api_deps(url, settings, ApiSettings(scrape_interval_s=0.0))
+    deps = open_stores(ReadPathSettings(settings, ApiSettings(scrape_interval_s=0.0)))
     try:
         with BackgroundServer(create_app(deps)) as http:
             samples = run_load(http.base_url, BODY, **{**LOAD, "duration_s": 0.4})

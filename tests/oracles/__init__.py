@@ -1,0 +1,2 @@
+"""Python references of the compiled loops: production runs the compiled ones, tests hold
+them equal to these."""

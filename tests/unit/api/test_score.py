@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import fakeredis
 import pytest
 
-from kvindex.api import score as score_module
+from kvindex.api import answer as answer_module
 from kvindex.api.config.settings import ApiSettings
 from kvindex.api.decision.policies import Weights
 from kvindex.api.load.model import CountedLoad, Load
@@ -440,8 +440,8 @@ def test_entries_are_built_for_the_returned_candidates_only(
         views.append(args)
         return FreshnessView(*args, **fields)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(score_module, "ScoreEntry", counted_entry)
-    monkeypatch.setattr(score_module, "FreshnessView", counted_view)
+    monkeypatch.setattr(answer_module, "ScoreEntry", counted_entry)
+    monkeypatch.setattr(answer_module, "FreshnessView", counted_view)
     answer = BigFleet(200).answer(top_k=2)
     assert built == [e.replica for e in answer.scores] and len(built) == 2
     assert len(views) == 2

@@ -23,14 +23,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvindex.api import score as score_module
 from kvindex.api.config.settings import ApiSettings
+from kvindex.api.decision import fast_kv_aware as fast_module
 from kvindex.api.decision import penalty_floors as floors_module
 from kvindex.api.decision import policies as policies_module
+from kvindex.api.decision import top_k as top_k_module
 from kvindex.api.decision.policies import Candidate, Decision, LoadInput, Policy, Weights, decide
 from kvindex.api.load.model import NO_IN_FLIGHT, Load
 from kvindex.api.load.reservations import Reservations
 from kvindex.api.load.store import MemoryLoadStore
+from kvindex.api.lookup import matches as matches_module
 from kvindex.api.schemas import ScoreRequest, ScoreResponse
 from kvindex.api.score import Scorer
 from kvindex.indexer.domain.events import StreamId, Tier
@@ -39,7 +41,8 @@ from kvindex.indexer.domain.keys import block_keys
 from kvindex.indexer.fleet.registry import Freshness, Registry, StreamFreshness
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.memory import MemoryIndex
-from kvindex.indexer.index.protocol import Op, OpKind
+from kvindex.indexer.index.protocol import HeldRuns, Op, OpKind, PrefixMatch
+from tests.oracles import lookup as oracle
 
 MODEL = "m"
 NOW = 10_000.0
@@ -243,23 +246,42 @@ def test_a_stale_holder_worth_more_than_live_still_wins() -> None:
     assert entry.score == pytest.approx(2 / 16 * 1.5 - 0.25)
 
 
+def _oracle_contenders(
+    runs: HeldRuns,
+    position_of: list[int],
+    replica_of: list[str],
+    matches: dict[str, PrefixMatch],
+    penalties: list[float],
+    per_block: float,
+    threshold: float,
+) -> dict[str, PrefixMatch]:
+    return oracle.contenders(
+        runs,
+        position_of,
+        replica_of,
+        matches=matches,
+        penalties=penalties,
+        per_block=per_block,
+        threshold=threshold,
+    )
+
+
 @pytest.mark.parametrize("seed", range(0, 60, 3))
-def test_the_python_loops_answer_as_the_compiled_ones(seed: int) -> None:
-    """Without the compiled read-path loops (an install without the extension), the same
-    answers: penalties, draws, the k-th penalty and the holders' numbers in Python."""
+def test_the_oracles_answer_as_the_compiled_loops(seed: int) -> None:
+    """With the compiled read-path loops replaced by their Python references (penalties,
+    draws, the k-th penalty, the holders' best matches and contenders), the same answers."""
     fleet = RandomFleet(seed)
     top_k = random.Random(seed).choice([1, 2, 3, 10])
     compiled = answer(fleet.scorer(seed), top_k, dry_run=True)
     with ExitStack() as stack:
-        for module, name in (
-            (score_module, "_compiled_best"),
-            (score_module, "_compiled_kth"),
-            (policies_module, "_compiled_penalties"),
-            (score_module, "_compiled_matches"),
-            (score_module, "_compiled_contenders"),
-            (floors_module, "_compiled_within"),
+        for module, name, reference in (
+            (top_k_module, "_best_tied", policies_module.tie_order),
+            (top_k_module, "_kth_smallest", lambda values, k: sorted(values)[k - 1]),
+            (top_k_module, "_contenders", _oracle_contenders),
+            (fast_module, "load_penalties", oracle.load_penalties),
+            (matches_module, "_best_matches", oracle.best_matches),
         ):
-            stack.enter_context(patch.object(module, name, None))
+            stack.enter_context(patch.object(module, name, reference))
         python = answer(fleet.scorer(seed), top_k, dry_run=True)
     assert [(e.replica, e.score, e.terms) for e in python.scores] == [
         (e.replica, e.score, e.terms) for e in compiled.scores

@@ -7,7 +7,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import kvindex
 from kvindex.api.config.settings import ApiSettings
-from kvindex.api.fleet.block_sizes import BlockSizeCheck
+from kvindex.api.health.block_sizes import BlockSizeCheck
 from kvindex.api.http.metrics import ApiMetrics, TimedIndex
 from kvindex.indexer.domain.events import StreamId, Tier
 from kvindex.indexer.domain.health import StreamReport

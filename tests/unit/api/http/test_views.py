@@ -11,7 +11,7 @@ from typing import Any
 
 from kvindex.api.config.settings import ApiSettings, ModelSpec, load_api_settings
 from kvindex.api.decision.policies import Weights
-from kvindex.api.fleet.block_sizes import BlockSizeCheck
+from kvindex.api.health.block_sizes import BlockSizeCheck
 from kvindex.api.http.views import config_view, replica_views, stats_view
 from kvindex.api.load.model import Load
 from kvindex.api.load.store import MemoryLoadStore

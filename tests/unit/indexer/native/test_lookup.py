@@ -20,13 +20,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvindex.api import score
 from kvindex.api.decision import policies
 from kvindex.api.decision.policies import Weights, penalty_weights
 from kvindex.api.load.model import CountedLoad, InFlight, Load
 from kvindex.indexer.domain.events import Tier
 from kvindex.indexer.index.protocol import HeldRuns, PrefixMatch
 from kvindex.indexer.native import _lookup
+from tests.oracles import lookup as oracle
 
 NOW = 1_000_000.0
 
@@ -71,7 +71,7 @@ def test_load_penalties_compiled_equal_python(
     loads = {r: c for r, c in zip(replicas, counted, strict=True) if c is not None}
     now = NOW + shift
     compiled = policies.load_penalties(replicas, loads, now, weights)
-    reference = policies.py_load_penalties(replicas, loads, now, weights)
+    reference = oracle.load_penalties(replicas, loads, now, weights)
     assert _bits(compiled) == _bits(reference)
 
 
@@ -107,7 +107,7 @@ def test_load_penalties_read_loads_of_other_types_and_int_fields_alike() -> None
     replicas = [*loads, "missing"]
     weights = Weights()
     compiled = policies.load_penalties(replicas, loads, NOW, weights)
-    assert _bits(compiled) == _bits(policies.py_load_penalties(replicas, loads, NOW, weights))
+    assert _bits(compiled) == _bits(oracle.load_penalties(replicas, loads, NOW, weights))
     assert compiled[0] == compiled[1] == compiled[2]
 
 
@@ -310,7 +310,7 @@ def test_best_matches_compiled_equal_python(held: tuple[HeldRuns, list[str], lis
     runs, replica_of, rank_of = held
     unique = len(set(replica_of)) == len(replica_of)
     compiled = _lookup.best_matches(runs, replica_of, rank_of, unique)
-    assert compiled == score._py_best_matches(runs, replica_of, rank_of, unique)
+    assert compiled == oracle.best_matches(runs, replica_of, rank_of, unique)
     matches, ranks = compiled
     for replica, match in matches.items():  # the longest over its streams, then lowest rank
         mine = [(m, rank_of[i]) for m, run in runs for i in run if replica_of[i] == replica]
@@ -330,12 +330,12 @@ def test_contenders_compiled_equal_python(
     per_block: float,
 ) -> None:
     runs, replica_of, rank_of = held
-    matches, _ = score._py_best_matches(runs, replica_of, rank_of, False)
+    matches, _ = oracle.best_matches(runs, replica_of, rank_of, False)
     position_of = [int(r[1:]) for r in replica_of]
     compiled = _lookup.contenders(
         runs, position_of, replica_of, matches, penalties, per_block, threshold
     )
-    assert compiled == score._py_contenders(
+    assert compiled == oracle.contenders(
         runs,
         position_of,
         replica_of,

@@ -1,16 +1,7 @@
 """The active health checker: ``GET <url><health_check_path>`` of every replica, every
 ``api.health_check_interval_s``, folded into each replica's shared
 :class:`~kvindex.indexer.fleet.replica_health.ReplicaHealth` (``unhealthy_threshold``
-consecutive failures eject it, ``healthy_threshold`` consecutive passes restore it).
-
-It runs in every process that routes (``kvindex api``, ``serve``, ``proxy``). Processes
-sharing a Redis claim each replica for a round first (``RegistryView.claim_health_checks``,
-expiring before the next round), so a replica is checked once a round between them and a
-process that stops checking is taken over within a round; the outcome is applied to the
-shared record atomically, so two checkers never lose each other's count. Nothing a replica
-answers stops the checker: a refused connection, a timeout, a non-2xx status or a broken
-answer is a failed check; a store that cannot be reached skips the round (logged).
-"""
+consecutive failures eject it, ``healthy_threshold`` consecutive passes restore it)."""
 
 from __future__ import annotations
 
@@ -18,17 +9,16 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
 
 import httpx
 
 from kvindex.api.config.settings import ApiSettings
+from kvindex.api.loop.off_loop import OffLoop
 from kvindex.api.loop.periodic import Periodic
 from kvindex.indexer.fleet.registry import HealthChange, HealthUpdate, RegistryView
 from kvindex.indexer.fleet.replica_health import Ejection, ReplicaHealth
 from kvindex.indexer.index.protocol import IndexUnavailableError
 
-T = TypeVar("T")
 logger = logging.getLogger("kvindex.health")
 _CLAIM_SHARE = 0.8
 """A check claim lasts this share of the interval: gone before the next round starts."""
@@ -38,13 +28,7 @@ Outcome = tuple[bool, str | None]
 
 
 class HealthChecker:
-    """Checks every replica with a ``url`` each interval (see the module docstring).
-
-    ``on_ejected(replica, reason)`` is told when a check this process made ejected a
-    replica (``reason`` is :attr:`Ejection.HEALTH_CHECK`). ``start`` and ``stop`` run on the
-    checker's event loop; ``blocking_store``: the registry does network I/O (Redis), so its
-    calls run in a worker thread.
-    """
+    """Checks every replica with a ``url`` each interval (see the module docstring)."""
 
     def __init__(
         self,
@@ -62,7 +46,7 @@ class HealthChecker:
         self._timeout_s = settings.health_check_timeout_s
         self._path = settings.health_check_path
         self._policy = settings.health_policy()
-        self._blocking = blocking_store
+        self._call = OffLoop(blocking_store)
         self._clock = clock
         self._on_ejected = on_ejected
         self._rounds = (
@@ -146,8 +130,3 @@ class HealthChecker:
         elif failing is None and self._store_failing:
             logger.warning("health checks resumed: the fleet state is reachable again")
         self._store_failing = failing is not None
-
-    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        if self._blocking:
-            return await asyncio.to_thread(fn, *args)
-        return fn(*args)

@@ -1,13 +1,4 @@
-"""Streams whose block size is not their model's: they can never match a request's keys.
-
-A request's block keys are cut at the model's block size (``[[models]]`` ``block_size`` if
-set, else the most common size the model's streams publish); a stream publishing another
-size (32 where the model uses 16) holds keys no request computes, so it silently never
-matches. :class:`BlockSizeCheck` finds such streams for ``GET /replicas`` (each stream's
-``block_size`` and ``block_size_mismatch``) and for the
-``kvindex_block_size_mismatch_streams{model}`` gauge, and logs one warning per stream and
-size the first time it sees it.
-"""
+"""Streams whose block size is not their model's: they can never match a request's keys."""
 
 from __future__ import annotations
 
@@ -21,7 +12,7 @@ from kvindex.indexer.domain.events import StreamId
 from kvindex.indexer.fleet.registry import RegistryView, StreamStatus
 from kvindex.indexer.fleet.replica import ReplicaSpec
 
-logger = logging.getLogger("kvindex.api.fleet.block_sizes")
+logger = logging.getLogger("kvindex.api.health.block_sizes")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,13 +1,6 @@
-"""The proxy's tokenizers: the API's rule (:class:`~kvindex.api.tokenize.choice.ModelTokenizers`),
-with a failover when a model is tokenized by its replicas' ``/tokenize``.
-
-The API asks the first replica of the model that has a URL; when that replica is dead
-every prompt would be routed on load alone. Here a model tokenized by replicas gets a
-:class:`FailoverTokenizer`: the replica that answered last is asked first, and when it
-fails (unreachable, timed out, an error answer) the next replicas of the model are asked,
-at most :data:`MAX_TRIES` in all. A model with a local ``tokenizer.json`` is tokenized as
-the API does.
-"""
+"""The proxy's tokenizers: the API's rule
+(:class:`~kvindex.api.tokenize.choice.ModelTokenizers`), with a failover when a model is
+tokenized by its replicas' ``/tokenize``."""
 
 from __future__ import annotations
 
@@ -29,9 +22,7 @@ MAX_TRIES = 3
 
 class FailoverTokenizer:
     """One model's tokens from the ``/tokenize`` of the first of its replicas that answers
-    (the registry is read at each call: replicas added or removed are seen at once).
-    Raises :class:`TokenizerError` naming every replica asked when none answered. Use from
-    one event loop."""
+    (the registry is read at each call: replicas added or removed are seen at once)."""
 
     def __init__(
         self,
@@ -107,6 +98,10 @@ class ProxyTokenizers:
             tokenizer = self._failover(model)
             self._model_to_tokenizer[model] = tokenizer
         return tokenizer
+
+    def forget(self, model: str) -> None:
+        """Choose the model's local tokenizer again at its next request."""
+        self._local.forget(model)
 
     def _failover(self, model: str) -> Tokenizer:
         settings = self._settings

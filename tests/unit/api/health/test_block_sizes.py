@@ -1,4 +1,4 @@
-"""kvindex.api.fleet.block_sizes: which streams can never match, and one warning per stream."""
+"""kvindex.api.health.block_sizes: which streams can never match, and one warning per stream."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from kvindex.api.config.settings import ApiSettings, ModelSpec
-from kvindex.api.fleet.block_sizes import BlockSizeCheck, BlockSizeMismatch
+from kvindex.api.health.block_sizes import BlockSizeCheck, BlockSizeMismatch
 from kvindex.indexer.domain.events import StreamId
 from kvindex.indexer.domain.health import StreamReport
 from kvindex.indexer.fleet.registry import Registry
@@ -36,7 +36,7 @@ def test_the_configured_size_wins_over_the_fleets() -> None:
 def test_each_mismatch_is_warned_of_once(caplog: pytest.LogCaptureFixture) -> None:
     registry = fleet(16, 16, 32)
     check = BlockSizeCheck(ApiSettings(), registry)
-    with caplog.at_level(logging.WARNING, logger="kvindex.api.fleet.block_sizes"):
+    with caplog.at_level(logging.WARNING, logger="kvindex.api.health.block_sizes"):
         for _ in range(3):
             check.mismatches()
         registry.record(StreamId("r2"), StreamReport(block_size=64, last_seq=1))

@@ -1,4 +1,4 @@
-"""kvindex.api.fleet.health_checker: rounds of checks over a mock transport, on a fake clock
+"""kvindex.api.health.checker: rounds of checks over a mock transport, on a fake clock
 (real replicas: tests/integration/test_proxy_health.py)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import fakeredis
 import httpx
 
 from kvindex.api.config.settings import ApiSettings
-from kvindex.api.fleet.health_checker import HealthChecker
+from kvindex.api.health.checker import HealthChecker
 from kvindex.indexer.fleet.registry import Registry, RegistryView
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.fleet.replica_health import Ejection

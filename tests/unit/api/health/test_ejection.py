@@ -1,4 +1,4 @@
-"""kvindex.clients.proxy.ejection: the per-replica breakers on a fake clock, fed by the
+"""kvindex.api.health.ejection: the per-replica breakers on a fake clock, fed by the
 forwarder's outcomes (real replicas: tests/integration/test_proxy_health.py)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import httpx
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvindex.api.config.settings import ApiSettings
-from kvindex.clients.proxy.ejection import EjectionMetrics, ReplicaBreakers
+from kvindex.api.health.ejection import EjectionMetrics, ReplicaBreakers
 from kvindex.clients.proxy.forwarding import Forwarder
 from kvindex.clients.proxy.metrics import ProxyMetrics
 from kvindex.clients.proxy.settings import ProxySettings

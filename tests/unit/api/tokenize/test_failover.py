@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from kvindex.api.config.settings import ApiSettings, ModelSpec
+from kvindex.api.tokenize.failover import FailoverTokenizer, ProxyTokenizers
 from kvindex.api.tokenize.protocol import TokenizerError
-from kvindex.clients.proxy.tokenizers import FailoverTokenizer, ProxyTokenizers
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
 

@@ -1,16 +1,6 @@
 """Passive ejection in the proxy: a circuit breaker per replica fed by forwarding outcomes,
-and the ejection series (``kvindex_proxy_ejections_total``, ``kvindex_proxy_ejected_replicas``).
-
-:class:`ReplicaBreakers` counts this proxy's consecutive failed forwards per replica (a
-connect error, a 5xx answer) in memory: nothing is written on a request's path while the
-replica answers. After ``api.breaker_failures`` of them it opens the replica's breaker in
-the shared :class:`~kvindex.indexer.fleet.replica_health.ReplicaHealth` (every proxy and
-``/score`` then leave the replica out for ``api.breaker_cooldown_s``). Once the cool-down
-is over the breaker is half-open: the replica takes requests again, and the first outcome
-this proxy sees decides: a failure reopens it at once, a success closes it. (Processes
-sharing the fleet may each send a request during the half-open moment: the probe is one
-per proxy, not one for the fleet.)
-"""
+and the ejection series (``kvindex_proxy_ejections_total``,
+``kvindex_proxy_ejected_replicas``)."""
 
 from __future__ import annotations
 
@@ -22,6 +12,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvindex.api.config.settings import ApiSettings
+from kvindex.api.loop.off_loop import OffLoop
 from kvindex.indexer.fleet.registry import HealthChange, HealthUpdate, RegistryView
 from kvindex.indexer.fleet.replica_health import Ejection, ReplicaHealth
 from kvindex.indexer.index.protocol import IndexUnavailableError
@@ -64,9 +55,7 @@ class EjectionMetrics:
 
 
 class ReplicaBreakers:
-    """One breaker per replica (see the module docstring). :meth:`outcome` is called on the
-    proxy's event loop; with a ``blocking_store`` the shared record is changed in a worker
-    thread, in a task of its own (the request never waits for it)."""
+    """One breaker per replica (see the module docstring)."""
 
     def __init__(
         self,
@@ -79,7 +68,7 @@ class ReplicaBreakers:
     ) -> None:
         self._fleet = fleet
         self._policy = settings.health_policy()
-        self._blocking = blocking_store
+        self._off_loop = OffLoop(blocking_store)
         self._clock = clock
         self._on_ejected = on_ejected
         self._failures: dict[str, int] = {}
@@ -105,12 +94,10 @@ class ReplicaBreakers:
             self._change(replica, lambda h: h.breaker_opened(now, policy, what))
 
     def _change(self, replica: str, change: HealthChange) -> None:
-        if not self._blocking:
+        if not self._off_loop.blocking:
             self._apply(replica, change)
             return
-        task = asyncio.get_running_loop().create_task(
-            asyncio.to_thread(self._apply, replica, change)
-        )
+        task = asyncio.get_running_loop().create_task(self._off_loop(self._apply, replica, change))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

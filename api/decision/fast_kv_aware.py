@@ -1,0 +1,160 @@
+"""Reference: kvindex.api.decision.policies.decide; tests/unit/api/test_score_equivalence.py::test_the_lean_kv_aware_answer_equals_the_plain_one_on_random_fleets
+
+``kv_aware`` without a temperature at a cost per candidate of one load penalty at most: the
+cache term only for the holders that may rank, candidates and terms only for the ``top_k``
+explained, the penalties from kept floors on a large fleet.
+"""  # noqa: E501
+
+from __future__ import annotations
+
+import random
+
+from kvindex.api.decision.candidates import Seen, by_replica, states
+from kvindex.api.decision.penalty_floors import PenaltyFloors, Walk, pays
+from kvindex.api.decision.policies import Decision, Weights, kv_aware, load_penalties, tier_credit
+from kvindex.api.decision.top_k import best, contenders
+from kvindex.api.load.store import LoadChanges
+from kvindex.api.lookup.matches import Matches, RankedStreams
+from kvindex.indexer.fleet.registry import Freshness, RegistryView
+from kvindex.indexer.index.protocol import PrefixMatch
+
+MAX_FLOORS = 8
+"""Weights whose penalty floors are kept (the default, and rules' or requests')."""
+_STALE = Freshness.STALE
+
+
+class FastKvAware:
+    """The ``kv_aware`` decision as :func:`~kvindex.api.decision.policies.decide` makes it
+    (``best``, each entry's score and terms, the draws), for one scorer's event loop.
+    ``changes``: the load store's change log (None: every penalty is computed).
+    """
+
+    def __init__(self, registry: RegistryView, changes: LoadChanges | None) -> None:
+        self._registry = registry
+        self._changes = changes
+        self._floors: dict[Weights, PenaltyFloors] = {}
+        """Per weights, the floors of the last candidate list scored with them."""
+        self._last_floors: tuple[Weights, PenaltyFloors] | None = None
+
+    def decide(
+        self,
+        ranked: list[str],
+        streams: RankedStreams,
+        seen: Seen,
+        *,
+        num_blocks: int,
+        top_k: int | None,
+        weights: Weights,
+        rng: random.Random,
+    ) -> Decision:
+        """The decision over ``ranked``; fills ``seen.statuses`` for the ``top_k`` chosen."""
+        matches, streams_of = seen.lookup.matches, streams.streams_of
+        walk = self._penalties(ranked, streams, seen, weights, top_k)
+        if isinstance(walk, list):
+            penalties = bounds = walk
+            positions, threshold = None, None
+        else:  # floors under the others' penalties bound the contenders as well
+            penalties, positions, threshold = walk.penalties, walk.positions, walk.kth
+            bounds = walk.bounds()
+        held_by = contenders(
+            seen.lookup,
+            bounds,
+            streams,
+            top_k=top_k,
+            num_blocks=num_blocks,
+            weights=weights,
+            threshold=threshold,
+        )
+        if not isinstance(walk, list):
+            walk.complete(map(streams.position.__getitem__, held_by))
+        held = self._registry.freshness([s for r in held_by for s in streams_of.get(r, ())])
+        credit_of: dict[str, tuple[float, float]] = {}
+        minus_scores = _minus_scores(
+            penalties,
+            held_by,
+            states(held),
+            position=streams.position,
+            credit_of=credit_of,
+            num_blocks=num_blocks,
+            weights=weights,
+        )
+        order = best(minus_scores, penalties, rng, top_k, positions)
+        winners = [ranked[i] for i in order]
+        chosen = set(winners)
+        seen.statuses.update(by_replica([s for s in held if s.stream.replica in chosen]))
+        rest = [s for r in winners if r not in matches for s in streams_of.get(r, ())]
+        seen.statuses.update(by_replica(self._registry.freshness(rest)))
+        cands = [seen.candidate(r) for r in winners]
+        scored = kv_aware(cands, num_blocks, weights, [credit_of.get(r) for r in winners])
+        assert all(s.score == -minus_scores[i] for s, i in zip(scored, order, strict=True))
+        return Decision(winners[0] if winners else None, scored)
+
+    def _penalties(
+        self,
+        ranked: list[str],
+        streams: RankedStreams,
+        seen: Seen,
+        weights: Weights,
+        top_k: int | None,
+    ) -> list[float] | Walk:
+        """Each candidate's load penalty as far as the answer needs them: from the floors
+        kept for these candidates and weights when floors pay (:func:`pays`, loads read
+        from a store that logs its changes), else every one."""
+        changes, version = self._changes, seen.version
+        if changes is None or version is None or not pays(len(ranked), top_k):
+            return load_penalties(ranked, seen.loads, seen.now, weights)
+        assert top_k is not None
+        kept, loads = self._floors, seen.loads
+        last = self._last_floors  # the same weights object as the last answer's: no hashing
+        floors = last[1] if last is not None and last[0] is weights else kept.get(weights)
+        if floors is not None and floors.holds(ranked, seen.now):
+            changed = changes.changed_since(floors.version)
+            if changed is None or not floors.note_changed(
+                changed, streams.position, loads, version
+            ):
+                floors = None
+        else:
+            floors = None
+        if floors is None:
+            floors = PenaltyFloors(ranked, weights, loads, now=seen.now, version=version)
+            kept.pop(weights, None)
+            if len(kept) >= MAX_FLOORS:
+                del kept[next(iter(kept))]  # the weights least recently made again
+            kept[weights] = floors
+        self._last_floors = (weights, floors)
+        return floors.walk(loads, seen.now, top_k)
+
+
+def _minus_scores(
+    penalties: list[float],
+    matches: Matches,
+    freshness_of: dict[str, Freshness],
+    *,
+    position: dict[str, int],
+    credit_of: dict[str, tuple[float, float]],
+    num_blocks: int,
+    weights: Weights,
+) -> list[float]:
+    """Each candidate's ``kv_aware`` score, negated: its penalty, less the cache credit of
+    its match at its freshness for the replicas in ``matches`` (no record: stale), whose
+    (credit, factor) go into ``credit_of``."""
+    minus_scores = penalties.copy()
+    # Credit per (match, freshness): the holders of one prefix share its match object, and
+    # come one after another (the last pair is checked first: no hashing).
+    credits: dict[tuple[int, str], tuple[float, float]] = {}
+    last: tuple[PrefixMatch, Freshness, tuple[float, float]] | None = None
+    state_of = freshness_of.get
+    for replica, match in matches.items():
+        i, state = position[replica], state_of(replica, _STALE)
+        if last is not None and last[0] is match and last[1] is state:
+            credit = last[2]
+        else:  # keyed by the state's value: an enum member hashes in Python
+            key = (id(match), state._value_)  # the matches live until the answer is made
+            known = credits.get(key)
+            if known is None:
+                known = credits[key] = tier_credit(match.tiers, state, num_blocks, weights)
+            credit = known
+            last = (match, state, credit)
+        credit_of[replica] = credit
+        minus_scores[i] = penalties[i] - credit[0]  # == -(credit - penalty), exactly
+    return minus_scores

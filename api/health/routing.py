@@ -1,0 +1,61 @@
+"""Which candidates are out of routing, and why: ejected (failed health checks, an open
+breaker), or a connect-mode replica whose events stream is down."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+
+from kvindex.indexer.fleet.registry import RegistryView, StreamFreshness
+from kvindex.indexer.fleet.replica_health import HealthPolicy
+
+
+def out_of_routing(
+    candidates: Sequence[str],
+    registry: RegistryView,
+    connecting: Collection[str],
+    *,
+    clock: Callable[[], float],
+    policy: HealthPolicy,
+    events_down_after_s: float,
+) -> dict[str, str]:
+    """The candidates out of routing, in candidate order, each with why."""
+    health = registry.replica_health()
+    judged = [r for r, h in health.items() if h.check_ejected or h.breaker_open_until is not None]
+    down = registry.disconnected() if connecting else []
+    down = [s for s in down if s.replica in connecting]
+    if not judged and not down:
+        return {}
+    now, wanted = clock(), set(candidates)
+    out: dict[str, str] = {}
+    for replica in judged:
+        if replica in wanted and health[replica].ejection(now, policy) is not None:
+            out[replica] = health[replica].describe(now, policy)
+    statuses: dict[str, list[StreamFreshness]] = {}
+    for status in registry.freshness(down):
+        statuses.setdefault(status.stream.replica, []).append(status)
+    for replica, mine in statuses.items():
+        if replica in wanted and replica not in out:
+            why = events_down(mine, events_down_after_s)
+            if why is not None:
+                out[replica] = why
+    return {r: out[r] for r in candidates if r in out}
+
+
+def events_down(statuses: Sequence[StreamFreshness], after_s: float) -> str | None:
+    """Why a connect-mode replica's events are down (None: they are not): a stream never
+    connected nor heard from, or disconnected and silent for ``after_s``."""
+    for status in statuses:
+        if status.connected:
+            continue
+        gone, silent = status.disconnected_s, status.silent_s
+        if gone is None and silent is None:
+            return "events stream never connected"
+        if gone is not None and gone >= after_s and (silent is None or silent >= after_s):
+            return f"events stream disconnected {gone:.1f}s"
+    return None
+
+
+def no_healthy(unhealthy: dict[str, str]) -> str:
+    """The degraded reason of an answer whose every candidate is out of routing."""
+    whys = "; ".join(f"{replica}: {why}" for replica, why in sorted(unhealthy.items()))
+    return f"no healthy candidate, every one ranked ({whys})"

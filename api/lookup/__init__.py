@@ -1,0 +1,1 @@
+"""The index's answer for one request: each candidate's streams and each replica's best match."""

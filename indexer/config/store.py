@@ -1,0 +1,71 @@
+"""Where a process's index, load and fleet live: the settings every process kind shares
+(top-level keys of the config file, ``KVINDEX_<FIELD>`` in the environment)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from kvindex.indexer.domain.errors import SettingsError
+from kvindex.indexer.redis.connection import CLUSTER_MODES, ClusterMode
+from kvindex.indexer.redis.schema import (
+    MAX_INDEX_GROUPS,
+    TOPOLOGY_INDEX_GROUPS,
+    Schema,
+    SchemaError,
+    check_name,
+)
+
+StoreKind = Literal["memory", "redis"]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSettings:
+    """The store connection: what ``kvindex api`` reads of the indexer's keys."""
+
+    store: StoreKind = "memory"
+    """Index store: ``memory`` (in-process, one process) or ``redis`` (shared)."""
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Redis URL when ``store = "redis"``; on Redis Cluster, any node's."""
+    redis_cluster: ClusterMode = "auto"
+    """Redis Cluster or standalone: ``auto`` asks the node at start (``INFO cluster``),
+    ``on`` / ``off`` say it (``on`` for a cluster that may be down while kvindex starts)."""
+    redis_prefix: str = "kvindex"
+    """Prefix of every Redis key (several deployments can share one Redis)."""
+    redis_index_groups: int = TOPOLOGY_INDEX_GROUPS
+    """Stream groups of the Redis block index, 1 to 1024; 0 = by topology: 1 on standalone
+    Redis (a lookup walks the prompt once), 16 on a cluster (the groups spread the index over
+    the masters). Every process of a deployment (indexers, API, proxies) must agree: one
+    that counts otherwise refuses to start (``redis_schema.SchemaVersionError``)."""
+    stale_after_s: float = 300.0
+    """A replica silent (or disconnected) this long is marked stale."""
+
+    @property
+    def redis_schema(self) -> Schema:
+        """The Redis key names of ``redis_prefix`` and ``redis_index_groups`` (every process
+        builds its stores' schema here, so they all name the same keys)."""
+        return Schema(self.redis_prefix, self.redis_index_groups)
+
+    def __post_init__(self) -> None:
+        check_store(self)
+
+
+def check_store(settings: StoreSettings) -> None:
+    """:class:`SettingsError` naming the first bad store key."""
+    if settings.store not in get_args(StoreKind):
+        raise SettingsError(f"store must be one of {get_args(StoreKind)}, got {settings.store!r}")
+    if settings.redis_cluster not in CLUSTER_MODES:
+        raise SettingsError(
+            f"redis_cluster must be one of {CLUSTER_MODES}, got {settings.redis_cluster!r}"
+        )
+    try:
+        check_name("redis_prefix", settings.redis_prefix)
+    except SchemaError as exc:
+        raise SettingsError(str(exc)) from exc
+    if not TOPOLOGY_INDEX_GROUPS <= settings.redis_index_groups <= MAX_INDEX_GROUPS:
+        raise SettingsError(
+            f"redis_index_groups must be 1 to {MAX_INDEX_GROUPS} (0: by topology),"
+            f" got {settings.redis_index_groups!r}"
+        )
+    if settings.stale_after_s < 0:
+        raise SettingsError(f"stale_after_s must be >= 0, got {settings.stale_after_s!r}")
