@@ -65,7 +65,7 @@ def decide(e: Evidence) -> Verdict:
     if fix and e.best_fix <= e.ceiling:
         steps.append(fix)
     steps.append(
-        "measure the hit rate before and after each change: kvindex simulate --requests LOG"
+        "measure the hit rate before and after each change: kvindex simulate --request-log LOG"
     )
     return Verdict(policy, reason, steps, prefix_blocks)
 
