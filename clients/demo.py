@@ -1,9 +1,7 @@
 """``kvindex demo``: the same seeded workload routed round-robin and by ``POST /score``.
 
-Replica sims, the indexer (:class:`MemoryIndex`) and the API run in this process on loopback,
-a fresh fleet per policy. The replay goes in rounds (each of ``concurrency`` sessions sends its
-next turn); time to first token comes from vLLM's step model (:func:`first_token_times`), not
-from a clock, so every figure but the wall time is a function of the settings.
+Replica sims, indexer and API in this process on loopback, a fresh fleet per policy, replayed
+in rounds; TTFT comes from vLLM's step model (:func:`first_token_times`), not from a clock.
 """
 
 from __future__ import annotations
@@ -48,7 +46,6 @@ from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.service import IndexerService
 
 POLICIES = ("round_robin", "kv_aware")
-"""Compared in this order, each on a fresh fleet."""
 
 
 class DemoError(KvIndexError):
@@ -57,10 +54,7 @@ class DemoError(KvIndexError):
 
 @dataclass(frozen=True, slots=True)
 class DemoSettings:
-    """The demo's knobs; validated on construction."""
-
     replicas: int = 4
-    """Simulated replicas in the fleet."""
     requests: int = 320
     """Requests replayed per policy (the last session is cut to fit)."""
     seed: int = 0
@@ -70,17 +64,14 @@ class DemoSettings:
     concurrency: int = 16
     """Sessions in flight at once (one turn each per round)."""
     model: str = "demo-model"
-    """Model name served by every sim."""
     block_size: int = 16
-    """Tokens per KV block."""
     capacity_blocks: int = 320
-    """KV blocks per replica (small on purpose: the fleet's cache is the scarce resource)."""
+    """KV blocks per replica (few: the cache is the scarce resource)."""
     max_running: int = 4
     """Requests a replica runs at once (vLLM's ``max_num_seqs``); the rest wait."""
     max_batched_tokens: int = 2_048
     """Tokens a replica computes per step (vLLM's ``max_num_batched_tokens``)."""
     max_tokens: int = 24
-    """Output tokens per request."""
 
     def __post_init__(self) -> None:
         names = ("replicas", "requests", "concurrency", "capacity_blocks", "max_running")
@@ -92,7 +83,6 @@ class DemoSettings:
 
 
 def build_workload(settings: DemoSettings) -> list[UserSession]:
-    """The demo's sessions, in the vocabulary of the sims' toy tokenizer."""
     return user_sessions(settings.requests, settings.seed, vocab=VOCAB_SIZE)
 
 
@@ -101,14 +91,13 @@ def build_workload(settings: DemoSettings) -> list[UserSession]:
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """One finished request (times in simulated seconds)."""
-
     replica: str
     prompt_tokens: int
     cached_tokens: int
     ttft_s: float
+    """In simulated seconds."""
     waited: bool
-    """Admitted after its round's first step (no free slot or no token budget left)."""
+    """Admitted after its round's first step."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +107,6 @@ class PolicyReport:
     prompt_tokens: int
     cached_tokens: int
     hit_rate: float
-    """Cached prompt tokens / prompt tokens."""
     prefill_tokens: int
     """Prompt tokens the replicas computed (prompt - cached)."""
     ttft_mean_s: float
@@ -150,7 +138,7 @@ class PolicyReport:
         )
 
     def figures(self) -> dict[str, Any]:
-        """Everything but the wall time: a function of the settings."""
+        """Everything but the wall time."""
         return {k: v for k, v in asdict(self).items() if k != "wall_s"}
 
 
@@ -194,7 +182,6 @@ def report_table(report: DemoReport) -> Table:
 
 
 def report_notes(report: DemoReport) -> str:
-    """What the table's columns measure, wrapped at 80 columns."""
     s = report.settings
     waited = ", ".join(f"{p.policy} {p.num_waited}" for p in report.policies)
     return textwrap.fill(
@@ -219,8 +206,7 @@ class Fleet:
 
 @contextmanager
 def running_fleet(settings: DemoSettings) -> Iterator[Fleet]:
-    """Fresh sims, an indexer subscribed to all of them (synced and live), and the API on a
-    free loopback port; everything stopped on exit, in reverse order."""
+    """Fresh sims, an indexer synced with them and the API on loopback; stopped on exit."""
     with ExitStack() as stack:
         sims = [stack.enter_context(_sim(settings, f"r{i + 1}")) for i in range(settings.replicas)]
         specs = tuple(
@@ -281,9 +267,8 @@ def _connected(service: IndexerService, sim: ReplicaSim) -> bool:
 
 
 def _sync(service: IndexerService, sims: Sequence[ReplicaSim]) -> None:
-    """Publish an empty batch per sim and wait until the indexer applied it, so every batch
-    before it is applied too (per-stream order; a batch lost to ZeroMQ's slow joiner comes
-    by replay)."""
+    """Wait until the indexer applied an empty batch from every sim, so every batch before
+    it too (streams are ordered; one lost to ZeroMQ's slow joiner comes by replay)."""
     fences = {}
     for sim in sims:
         assert sim.publisher is not None, "sim not started"
@@ -301,8 +286,7 @@ def _sync(service: IndexerService, sims: Sequence[ReplicaSim]) -> None:
 
 @contextmanager
 def _api_server(settings: DemoSettings, service: IndexerService) -> Iterator[str]:
-    """The API over the service's index and registry, in a thread on a free port; no load
-    scraper (the replay reports load itself, see :func:`_run_round`)."""
+    """The API over the service's index, in a thread; no load scraper (the replay reports it)."""
     api = ApiSettings(port=0, scrape_interval_s=0.0, seed=settings.seed)
     loads = MemoryLoadStore()
     deps = ApiDeps(api, service.index, service.registry, loads, blocking_store=False)
@@ -324,8 +308,6 @@ def _api_server(settings: DemoSettings, service: IndexerService) -> Iterator[str
 
 @dataclass(slots=True)
 class _Session:
-    """A session in flight: its next turn and, for a chat, the history so far."""
-
     session: UserSession
     history: list[int]
     turn: int = 0
@@ -337,8 +319,6 @@ class _Session:
 
 @dataclass(frozen=True, slots=True)
 class _Run:
-    """What every request of one policy's replay needs."""
-
     settings: DemoSettings
     fleet: Fleet
     policy: str
@@ -354,8 +334,8 @@ async def replay(
     sessions: Sequence[UserSession],
     on_done: Callable[[], None],
 ) -> list[Outcome]:
-    """Every session, ``concurrency`` at a time, in rounds (see the module doc), each
-    request routed by ``policy`` through ``POST /score``; the outcomes in a fixed order."""
+    """Every session, ``concurrency`` at a time, in rounds, routed by ``policy``; the
+    outcomes in a fixed order."""
     outcomes: list[Outcome] = []
     pending = collections.deque(sessions)
     active: list[_Session] = []
@@ -431,10 +411,10 @@ class _Job:
     ttft_s: float = 0.0
     waited: bool = False
     first_token: bool = False
-    """Whether the last step completed its prefill (and sampled its first token)."""
+    """The last step completed its prefill."""
 
     def advance(self, budget: int) -> int:
-        """One step: a prefill chunk or one decode token, within ``budget``; tokens used."""
+        """A prefill chunk or one decode token within ``budget``; the tokens used."""
         self.first_token = False
         if budget <= 0:
             return 0
@@ -452,14 +432,9 @@ class _Job:
 def first_token_times(
     uncached_tokens: Sequence[int], max_tokens: int, max_running: int, max_batched_tokens: int
 ) -> list[tuple[float, bool]]:
-    """(seconds to first token, waited to be admitted) of requests that reach an idle
-    replica together, in this order.
-
-    vLLM's v1 step as :class:`~kvindex.clients.fake_vllm.scheduler.StepScheduler` models it:
-    running requests first (a prefill chunk or one decode token each), then waiting ones
-    admitted in order while the token budget and ``max_running`` allow; a step takes
-    ``STEP_BASE_S + STEP_PER_TOKEN_S`` per token computed. At least one token is computed.
-    """
+    """(seconds to first token, waited) of requests reaching an idle replica together, on
+    vLLM's step as :class:`~kvindex.clients.fake_vllm.scheduler.StepScheduler` models it:
+    running requests first, then admissions in order while budget and slots allow."""
     waiting = collections.deque(
         _Job(i, max(1, n), max_tokens) for i, n in enumerate(uncached_tokens)
     )
@@ -487,7 +462,7 @@ def first_token_times(
 
 def run_demo(settings: DemoSettings, console: Console | None = None) -> DemoReport:
     """Replay the workload once per policy, each on a fresh fleet; a progress bar on
-    ``console`` (None: quiet). Everything started is stopped before returning."""
+    ``console`` (None: quiet)."""
     started = time.monotonic()
     sessions = build_workload(settings)
     reports: list[PolicyReport] = []
@@ -502,8 +477,7 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> DemoRepo
 
 
 def demo_main(settings: DemoSettings, json_path: Path | None, console: Console) -> DemoReport:
-    """The ``kvindex demo`` command: run (progress on stderr), print the table on
-    ``console``, write ``json_path`` if given."""
+    """The command: progress on stderr, the table on ``console``, then ``json_path``."""
     report = run_demo(settings, progress_console())
     console.print(report_table(report))
     console.print(report_notes(report))
