@@ -18,6 +18,7 @@ from kvindex.clients.analyze.batches import BATCH_REQUESTS, tokenized_in_batches
 from kvindex.clients.analyze.cache_walk import CacheWalk
 from kvindex.clients.analyze.report import AnalysisReport, build_report
 from kvindex.clients.analyze.table import plot, print_report
+from kvindex.clients.plotting import pyplot
 from kvindex.clients.progress import ProgressLog
 from kvindex.clients.request_log import (
     LoggedRequest,
@@ -121,6 +122,8 @@ def analyze_main(
     plot_path: Path | None = None,
 ) -> AnalysisReport:
     """The command: the tables, then ``--json`` and ``--plot``."""
+    if plot_path is not None:
+        pyplot()  # without the extra, say so before the run, not after it
     report = asyncio.run(analyze_log(path, settings))
     print_report(report, console)
     try:

@@ -448,7 +448,7 @@ def _tokenizer_options(command: Callable[..., None]) -> Callable[..., None]:
             "chat_template_path",
             type=click.Path(path_type=Path, dir_okay=False, exists=True),
             help="A Jinja2 chat template or tokenizer_config.json (default: beside"
-            " --tokenizer; else a plain '<|role|>' rendering, see the README).",
+            " --tokenizer; else a plain '<|role|>' rendering).",
         ),
         click.option(
             "--tokenizer-url",
@@ -588,7 +588,7 @@ def _variants(_ctx: click.Context, _param: click.Parameter, values: tuple[str, .
     "--plot",
     "plot_path",
     type=click.Path(path_type=Path, dir_okay=False),
-    help="PNG: hit rate and TTFT p90 per policy, hit rate over time.",
+    help="PNG: every figure per policy, and hit rate over time (needs kvindex[plot]).",
 )
 @_progress_option
 def simulate(
@@ -707,7 +707,8 @@ def _warn_old_log_spelling(path: Path, why: str = "") -> None:
     "--plot",
     "plot_path",
     type=click.Path(path_type=Path, dir_okay=False),
-    help="PNG: share of prompt tokens cacheable by position, before and after the fix.",
+    help="PNG: share of prompt tokens cacheable by position, before and after the fix"
+    " (needs kvindex[plot]).",
 )
 @_progress_option
 def analyze(

@@ -382,6 +382,8 @@ def simulate_main(
     progress_every_s: float = 0.0,
 ) -> SimReport:
     """The command: progress on stderr, the table, then ``--json`` and ``--plot``."""
+    if plot_path is not None:
+        pyplot()  # without the extra, say so before the run, not after it
     total = len(requests) * len(settings.policies)
     progress = ProgressLog("simulate", total, every_s=progress_every_s)
     report = run_simulation(settings, requests, progress=progress, source=source)
