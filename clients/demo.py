@@ -1,12 +1,7 @@
 """``kvindex demo``: the same seeded workload routed round-robin and by ``POST /score``.
 
-Everything runs in this process on loopback: replica sims (real block caches, vLLM KV events,
-HTTP), the indexer over a :class:`MemoryIndex` and the API in a background thread; each policy
-starts from a fresh fleet. Every figure but the wall time is a function of the settings: the
-replay runs in rounds (each of ``concurrency`` sessions sends its next turn), routed one by
-one once the index holds every earlier event; a replica serves its round's requests in the
-order routed, and time to first token comes from the sims' time model (a request queues
-behind the ones routed to its replica before it, ``max_running`` at once), not from a clock.
+Replica sims, indexer and API in this process on loopback, a fresh fleet per policy, replayed
+in rounds; TTFT comes from vLLM's step model (:func:`first_token_times`), not from a clock.
 """
 
 from __future__ import annotations
@@ -14,9 +9,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
-import heapq
 import json
 import statistics
+import textwrap
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -39,9 +34,9 @@ from kvindex.clients.fake_vllm.replica import (
     VOCAB_SIZE,
     ReplicaSim,
     ReplicaSimSettings,
-    service_times,
     tokenize_text,
 )
+from kvindex.clients.fake_vllm.scheduler import STEP_BASE_S, STEP_PER_TOKEN_S
 from kvindex.clients.http import AsyncKvIndexClient
 from kvindex.clients.workloads.generators import UserSession, user_sessions
 from kvindex.indexer.config.settings import IndexerSettings
@@ -52,7 +47,6 @@ from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.service import IndexerService
 
 POLICIES = ("round_robin", "kv_aware")
-"""Compared in this order, each on a fresh fleet."""
 
 
 class DemoError(KvIndexError):
@@ -61,10 +55,7 @@ class DemoError(KvIndexError):
 
 @dataclass(frozen=True, slots=True)
 class DemoSettings:
-    """The demo's knobs; validated on construction."""
-
     replicas: int = 4
-    """Simulated replicas in the fleet."""
     requests: int = 320
     """Requests replayed per policy (the last session is cut to fit)."""
     seed: int = 0
@@ -74,33 +65,25 @@ class DemoSettings:
     concurrency: int = 16
     """Sessions in flight at once (one turn each per round)."""
     model: str = "demo-model"
-    """Model name served by every sim."""
     block_size: int = 16
-    """Tokens per KV block."""
     capacity_blocks: int = 320
-    """KV blocks per replica (small on purpose: the fleet's cache is the scarce resource)."""
+    """KV blocks per replica (few: the cache is the scarce resource)."""
     max_running: int = 4
-    """Requests a replica runs at once in the time model; the rest queue."""
+    """Requests a replica runs at once (vLLM's ``max_num_seqs``); the rest wait."""
+    max_batched_tokens: int = 2_048
+    """Tokens a replica computes per step (vLLM's ``max_num_batched_tokens``)."""
     max_tokens: int = 24
-    """Output tokens per request."""
-    prefill_tps: float = 8_000.0
-    """Prompt tokens per simulated second a sim computes."""
-    decode_tps: float = 50.0
-    """Output tokens per simulated second of one request."""
 
     def __post_init__(self) -> None:
-        for name in ("replicas", "requests", "concurrency", "capacity_blocks", "max_tokens"):
+        names = ("replicas", "requests", "concurrency", "capacity_blocks", "max_running")
+        for name in (*names, "max_batched_tokens", "max_tokens"):
             if getattr(self, name) < 1:
                 raise DemoError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        if self.max_running < 1:
-            raise DemoError(f"max_running must be >= 1, got {self.max_running!r}")
-        for name in ("speed", "prefill_tps", "decode_tps"):
-            if not getattr(self, name) > 0:
-                raise DemoError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not self.speed > 0:
+            raise DemoError(f"speed must be > 0, got {self.speed!r}")
 
 
 def build_workload(settings: DemoSettings) -> list[UserSession]:
-    """The demo's sessions, in the vocabulary of the sims' toy tokenizer."""
     return user_sessions(settings.requests, settings.seed, vocab=VOCAB_SIZE)
 
 
@@ -109,12 +92,13 @@ def build_workload(settings: DemoSettings) -> list[UserSession]:
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """One finished request (times in simulated seconds)."""
-
     replica: str
     prompt_tokens: int
     cached_tokens: int
     ttft_s: float
+    """In simulated seconds."""
+    waited: bool
+    """Admitted after its round's first step."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,11 +108,12 @@ class PolicyReport:
     prompt_tokens: int
     cached_tokens: int
     hit_rate: float
-    """Cached prompt tokens / prompt tokens."""
     prefill_tokens: int
     """Prompt tokens the replicas computed (prompt - cached)."""
     ttft_mean_s: float
+    ttft_p50_s: float
     ttft_p90_s: float
+    num_waited: int
     requests_per_replica: dict[str, int]
     wall_s: float
 
@@ -146,13 +131,15 @@ class PolicyReport:
             hit_rate=cached / prompt if prompt else 0.0,
             prefill_tokens=prompt - cached,
             ttft_mean_s=statistics.fmean(ttfts) if ttfts else 0.0,
-            ttft_p90_s=ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))] if ttfts else 0.0,
+            ttft_p50_s=_quantile(ttfts, 0.5),
+            ttft_p90_s=_quantile(ttfts, 0.9),
+            num_waited=sum(o.waited for o in outcomes),
             requests_per_replica=dict(sorted(per_replica.items())),
             wall_s=wall_s,
         )
 
     def figures(self) -> dict[str, Any]:
-        """Everything but the wall time: a function of the settings."""
+        """Everything but the wall time."""
         return {k: v for k, v in asdict(self).items() if k != "wall_s"}
 
 
@@ -170,9 +157,13 @@ class DemoReport:
         }
 
 
+def _quantile(ordered: Sequence[float], q: float) -> float:
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
 def report_table(report: DemoReport) -> Table:
     s = report.settings
-    numbers = ("hit rate", "prefill tokens", "TTFT mean", "TTFT p90")
+    numbers = ("hit rate", "prefilled", "TTFT p50", "TTFT mean")
     table = make_table(
         column("policy"),
         *(column(name, justify="right") for name in numbers),
@@ -184,11 +175,23 @@ def report_table(report: DemoReport) -> Table:
             p.policy,
             f"{p.hit_rate:.1%}",
             f"{p.prefill_tokens:,}",
+            f"{p.ttft_p50_s * 1000:.0f} ms",
             f"{p.ttft_mean_s * 1000:.0f} ms",
-            f"{p.ttft_p90_s * 1000:.0f} ms",
             " ".join(f"{r}:{n}" for r, n in p.requests_per_replica.items()),
         )
     return table
+
+
+def report_notes(report: DemoReport) -> str:
+    s = report.settings
+    waited = ", ".join(f"{p.policy} {p.num_waited}" for p in report.policies)
+    return textwrap.fill(
+        "prefilled: prompt tokens the replicas computed (not found in their cache). TTFT:"
+        " simulated time from a round's start to a request's first token, on vLLM's step"
+        f" model with at most {s.max_running} requests running and {s.max_batched_tokens:,}"
+        f" tokens a step per replica. Requests that waited to be admitted: {waited}.",
+        width=80,
+    )
 
 
 # --- the fleet ----------------------------------------------------------------------------
@@ -204,8 +207,7 @@ class Fleet:
 
 @contextmanager
 def running_fleet(settings: DemoSettings) -> Iterator[Fleet]:
-    """Fresh sims, an indexer subscribed to all of them (synced and live), and the API on a
-    free loopback port; everything stopped on exit, in reverse order."""
+    """Fresh sims, an indexer synced with them and the API on loopback; stopped on exit."""
     with ExitStack() as stack:
         sims = [stack.enter_context(_sim(settings, f"r{i + 1}")) for i in range(settings.replicas)]
         specs = tuple(
@@ -242,8 +244,8 @@ def _sim(settings: DemoSettings, replica: str) -> Iterator[ReplicaSim]:
         events="tcp://127.0.0.1:*",
         replay="tcp://127.0.0.1:*",
         port=0,
-        prefill_tps=settings.prefill_tps,
-        decode_tps=settings.decode_tps,
+        prefill_tps=1 / STEP_PER_TOKEN_S,
+        decode_tps=1 / STEP_BASE_S,
         max_running=settings.max_running,
         speed=settings.speed,
         seed=settings.seed,
@@ -266,9 +268,8 @@ def _connected(service: IndexerService, sim: ReplicaSim) -> bool:
 
 
 def _sync(service: IndexerService, sims: Sequence[ReplicaSim]) -> None:
-    """Publish an empty batch per sim and wait until the indexer applied it, so every batch
-    before it is applied too (per-stream order; a batch lost to ZeroMQ's slow joiner comes
-    by replay)."""
+    """Wait until the indexer applied an empty batch from every sim, so every batch before
+    it too (streams are ordered; one lost to ZeroMQ's slow joiner comes by replay)."""
     fences = {}
     for sim in sims:
         assert sim.publisher is not None, "sim not started"
@@ -286,8 +287,7 @@ def _sync(service: IndexerService, sims: Sequence[ReplicaSim]) -> None:
 
 @contextmanager
 def _api_server(settings: DemoSettings, service: IndexerService) -> Iterator[str]:
-    """The API over the service's index and registry, in a thread on a free port; no load
-    scraper (the replay reports load itself, see :func:`_run_round`)."""
+    """The API over the service's index, in a thread; no load scraper (the replay reports it)."""
     api = ApiSettings(port=0, scrape_interval_s=0.0, seed=settings.seed)
     loads = MemoryLoadStore()
     deps = ApiDeps(api, service.index, service.registry, loads, blocking_store=False)
@@ -309,8 +309,6 @@ def _api_server(settings: DemoSettings, service: IndexerService) -> Iterator[str
 
 @dataclass(slots=True)
 class _Session:
-    """A session in flight: its next turn and, for a chat, the history so far."""
-
     session: UserSession
     history: list[int]
     turn: int = 0
@@ -322,8 +320,6 @@ class _Session:
 
 @dataclass(frozen=True, slots=True)
 class _Run:
-    """What every request of one policy's replay needs."""
-
     settings: DemoSettings
     fleet: Fleet
     policy: str
@@ -339,8 +335,8 @@ async def replay(
     sessions: Sequence[UserSession],
     on_done: Callable[[], None],
 ) -> list[Outcome]:
-    """Every session, ``concurrency`` at a time, in rounds (see the module doc), each
-    request routed by ``policy`` through ``POST /score``; the outcomes in a fixed order."""
+    """Every session, ``concurrency`` at a time, in rounds, routed by ``policy``; the
+    outcomes in a fixed order."""
     outcomes: list[Outcome] = []
     pending = collections.deque(sessions)
     active: list[_Session] = []
@@ -380,30 +376,86 @@ async def _run_round(run: _Run, active: Sequence[_Session]) -> list[Outcome]:
 
 
 async def _serve(run: _Run, replica: str, share: Sequence[_Session]) -> list[Outcome]:
-    """The replica's requests of one round, one after another in the order routed (so its
-    cache sees them in that order); each one's queue from the time model."""
+    """The replica's requests of one round, sent one after another in the order routed (so
+    its cache sees them in that order); their times from :func:`first_token_times`."""
     settings = run.settings
-    free_at = [0.0] * settings.max_running
-    outcomes = []
+    url = run.fleet.replica_urls[replica] + "/v1/completions"
+    served: list[tuple[int, int]] = []  # (prompt tokens, cached tokens)
     for session in share:
         prompt = session.prompt()
         body = {"model": settings.model, "prompt": prompt, "max_tokens": settings.max_tokens}
-        url = run.fleet.replica_urls[replica] + "/v1/completions"
         response = await run.http.post(url, json=body)
         if response.status_code != 200:
             raise DemoError(f"{replica} answered {response.status_code}: {response.text}")
         result = response.json()
-        cached = result["kvsim"]["cached_tokens"]
-        prefill_s, decode_s = service_times(
-            len(prompt) - cached, settings.max_tokens, settings.prefill_tps, settings.decode_tps
-        )
-        start_s = heapq.heappop(free_at)
-        heapq.heappush(free_at, start_s + prefill_s + decode_s)
-        outcomes.append(Outcome(replica, len(prompt), cached, start_s + prefill_s))
+        served.append((len(prompt), result["kvsim"]["cached_tokens"]))
         session.history = prompt + tokenize_text(result["choices"][0]["text"])
         session.turn += 1
         run.on_done()
-    return outcomes
+    timings = first_token_times(
+        [prompt - cached for prompt, cached in served],
+        settings.max_tokens,
+        settings.max_running,
+        settings.max_batched_tokens,
+    )
+    return [
+        Outcome(replica, prompt, cached, ttft_s, waited)
+        for (prompt, cached), (ttft_s, waited) in zip(served, timings, strict=True)
+    ]
+
+
+@dataclass(slots=True)
+class _Job:
+    index: int
+    prefill_left: int
+    outputs_left: int
+    ttft_s: float = 0.0
+    waited: bool = False
+    first_token: bool = False
+    """The last step completed its prefill."""
+
+    def advance(self, budget: int) -> int:
+        """A prefill chunk or one decode token within ``budget``; the tokens used."""
+        self.first_token = False
+        if budget <= 0:
+            return 0
+        if self.prefill_left == 0:
+            self.outputs_left -= 1
+            return 1
+        count = min(self.prefill_left, budget)
+        self.prefill_left -= count
+        if self.prefill_left == 0:
+            self.first_token = True
+            self.outputs_left -= 1
+        return count
+
+
+def first_token_times(
+    uncached_tokens: Sequence[int], max_tokens: int, max_running: int, max_batched_tokens: int
+) -> list[tuple[float, bool]]:
+    """(seconds to first token, waited) of requests reaching an idle replica together, on
+    vLLM's step as :class:`~kvindex.clients.fake_vllm.scheduler.StepScheduler` models it:
+    running requests first, then admissions in order while budget and slots allow."""
+    waiting = collections.deque(
+        _Job(i, max(1, n), max_tokens) for i, n in enumerate(uncached_tokens)
+    )
+    jobs = list(waiting)
+    running: list[_Job] = []
+    now = 0.0
+    while waiting or running:
+        budget = max_batched_tokens
+        for job in running:
+            budget -= job.advance(budget)
+        while waiting and budget > 0 and len(running) < max_running:
+            running.append(job := waiting.popleft())
+            job.waited = now > 0
+            budget -= job.advance(budget)
+        now += STEP_BASE_S + STEP_PER_TOKEN_S * (max_batched_tokens - budget)
+        for job in running:
+            if job.first_token:
+                job.ttft_s = now
+        running = [job for job in running if job.outputs_left > 0]
+    return [(job.ttft_s, job.waited) for job in jobs]
 
 
 # --- the whole demo -----------------------------------------------------------------------
@@ -411,7 +463,7 @@ async def _serve(run: _Run, replica: str, share: Sequence[_Session]) -> list[Out
 
 def run_demo(settings: DemoSettings, console: Console | None = None) -> DemoReport:
     """Replay the workload once per policy, each on a fresh fleet; a progress bar on
-    ``console`` (None: quiet). Everything started is stopped before returning."""
+    ``console`` (None: quiet)."""
     started = time.monotonic()
     sessions = build_workload(settings)
     reports: list[PolicyReport] = []
@@ -426,10 +478,10 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> DemoRepo
 
 
 def demo_main(settings: DemoSettings, json_path: Path | None, console: Console) -> DemoReport:
-    """The ``kvindex demo`` command: run (progress on stderr), print the table on
-    ``console``, write ``json_path`` if given."""
+    """The command: progress on stderr, the table on ``console``, then ``json_path``."""
     report = run_demo(settings, progress_console())
     console.print(report_table(report))
+    console.print(report_notes(report))
     console.print(
         f"wall time {report.wall_s:.1f} s; every other figure is the same on every run"
         f" with seed {settings.seed}"

@@ -1,5 +1,4 @@
-"""matplotlib for the ``--plot`` options, from the ``plot`` extra (``kvindex[plot]``): the
-service itself never needs it, so it is not a dependency of the package."""
+"""matplotlib for the ``--plot`` options, from the optional ``kvindex[plot]`` extra."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ INSTALL_HINT = "--plot needs matplotlib, which is not installed: pip install 'kv
 
 
 class PlotUnavailableError(KvIndexError):
-    """``--plot`` was asked for without the ``plot`` extra installed."""
+    """``--plot`` without the ``plot`` extra installed."""
 
 
 def pyplot() -> ModuleType:

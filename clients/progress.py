@@ -1,8 +1,5 @@
-"""Progress of a long run as plain lines on stderr, for a terminal and a log file alike.
-
-``label: 1,200/8,000 requests (15%) · kv_aware · 0:42 elapsed · ETA 3:58``: at most one line
-every ``every_s`` seconds (0: none), and one when the run ends if any was printed.
-"""
+"""Progress of a long run as plain lines on stderr, for a terminal and a log file alike:
+``label: 1,200/8,000 requests (15%) · kv_aware · 0:42 elapsed · ETA 3:58``."""
 
 from __future__ import annotations
 
@@ -20,8 +17,8 @@ def clock_text(seconds: float) -> str:
 
 
 class ProgressLog:
-    """Counts steps of ``total`` and prints a line when ``every_s`` has passed since the
-    last one. Not thread-safe: one thread advances it."""
+    """Counts steps of ``total``; a line at most every ``every_s`` (0: none), and one at
+    :meth:`finish` if any was printed. One thread advances it."""
 
     def __init__(
         self,
@@ -51,7 +48,6 @@ class ProgressLog:
             self._print(now)
 
     def finish(self) -> None:
-        """The last line, if the run was long enough to print any."""
         if self._printed:
             self._print(self._clock())
 

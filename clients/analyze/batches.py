@@ -1,9 +1,4 @@
-"""Logged requests tokenized in batches: one call of the local tokenizer for many prompts.
-
-A batch's templates are rendered on the event loop, its texts encoded in one worker thread
-(the library releases the GIL); the texts are the tokenizer layer's, so the ids are the
-same as one call per request. A batch the library rejects is retried one request at a time.
-"""
+"""Logged requests tokenized in batches: one call of the local tokenizer for many prompts."""
 
 from __future__ import annotations
 
@@ -26,7 +21,6 @@ from kvindex.clients.workloads.request_log import (
 )
 
 BATCH_REQUESTS = 64
-"""Requests per call of the tokenizer (64 prompts of 2,000 tokens: ~0.6 MB of text)."""
 
 _Answer = list[int] | TokenizerError
 
@@ -39,12 +33,9 @@ async def tokenized_in_batches(
     batch_size: int = BATCH_REQUESTS,
     limit: int | None = None,
 ) -> AsyncGenerator[TokenizedRequest]:
-    """``requests`` with their token ids, in order, as
-    :func:`~kvindex.clients.workloads.request_log.tokenized` gives them (a request that cannot be
-    tokenized, or has no tokens, goes to ``problems``), ``batch_size`` at a time; at most
-    ``limit`` of them, reading no request past the last one needed. Without a local
-    tokenizer (``--tokenizer-url``), or with ``batch_size`` 1, each batch goes through
-    ``tokenized`` (one call per request)."""
+    """``requests`` with their token ids, as
+    :func:`~kvindex.clients.workloads.request_log.tokenized` gives them; at most ``limit``,
+    reading no request past the last one needed."""
     local = tokenizer.local if batch_size > 1 else None
     remaining = limit
     while remaining is None or remaining > 0:
@@ -66,8 +57,7 @@ async def tokenized_in_batches(
 async def _encoded(
     batch: list[LoggedRequest], local: LocalTokenizer | None
 ) -> list[_Answer] | None:
-    """Each request's token ids or why it has none; None when the batch must be
-    tokenized one request at a time."""
+    """Each request's ids or why it has none; None: tokenize one request at a time."""
     if local is None:
         return None
     answers: list[_Answer] = [[] for _ in batch]

@@ -1,16 +1,5 @@
-"""The cache walk: every request, in log order, through one unbounded cache of blocks.
-
-For each request it keys the prompt's full blocks with
-:func:`kvindex.indexer.domain.keys.block_keys`
-(the index's own key function) and counts the leading blocks some earlier request already
-had: keys are chained, so a request's cached blocks are always a prefix of it. That is the
-single-cache ceiling: what any router could at best reuse. The walk hands each request to
-the :class:`~kvindex.clients.analyze.fragmentation.FragmentationFinder`, and keeps per block
-position the prompt tokens, the cached ones and the ones cached after the fix (the plot),
-and per request only its first tokens (to show a prefix), its model and its cached blocks:
-the cache itself is the :class:`~kvindex.clients.analyze.prefixes.PrefixTree` (every
-distinct key once), which also counts the shared prefixes.
-"""
+"""The cache walk: every request, in log order, through one unbounded cache of blocks (keyed
+as the index keys them): the single-cache ceiling, what any router could at best reuse."""
 
 from __future__ import annotations
 
@@ -33,7 +22,7 @@ Counts = npt.NDArray[np.int64]
 
 @dataclass(slots=True)
 class PositionProfile:
-    """Per block position: prompt tokens, tokens in cached blocks, and the same after the fix."""
+    """Per block position: prompt tokens, cached tokens, cached tokens after the fix."""
 
     tokens: Counts
     cached: Counts
@@ -66,12 +55,10 @@ class CacheWalk:
         self.recoverable_tokens = 0
         self.prefixes = PrefixTree()
         self.starts: list[array[int]] = []
-        """The first :data:`START_TOKENS` tokens of every request, packed (4 bytes a token)."""
         self.models: list[str] = []
         self.hit_blocks: list[int] = []
 
     def add(self, model: str, tokens: Sequence[int]) -> None:
-        """One request's prompt (token ids as the engine sees them)."""
         size = self.block_size
         keys = block_keys(model, tokens, size)
         hits = self.prefixes.add(keys)

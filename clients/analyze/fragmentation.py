@@ -1,12 +1,8 @@
 """The fragmentation finder: a short span that differs, before content many requests share.
 
-From each request's *break* (where the cache walk stopped matching), content-chosen windows
-(*anchors*) that an earlier request also had mark where shared content resumes; the tokens
-before it are the *span*. The fix (the span moved after the shared content) is keyed as the
-index would key it and looked up among earlier fixed prompts: the blocks found are
-*recoverable*. Requests resuming at the same anchor form a group, a finding once it is big
-enough. Conservative: a group's second request recovers nothing, and spans longer than
-:data:`MAX_SPAN_TOKENS` are not found.
+Past a request's break, an *anchor* (a content-chosen window) an earlier request had marks
+where shared content resumes. The fix moves the span after it; fixed blocks found among
+earlier fixed prompts are *recoverable*.
 """
 
 from __future__ import annotations
@@ -25,13 +21,11 @@ ANCHOR_EVERY = 8
 MAX_SPAN_TOKENS = 96
 """The longest differing span looked for (a timestamp, an id, a name: a few dozen tokens)."""
 SCAN_TOKENS = MAX_SPAN_TOKENS + 4 * WINDOW_TOKENS
-"""Tokens hashed from a request's break."""
 MIN_REQUESTS = 3
 """A finding needs this many requests resuming at the same shared content."""
 MIN_RECOVERABLE_FRACTION = 0.01
 """...and must make this share of all prompt tokens cacheable."""
 EXAMPLES_KEPT = 8
-"""Spans kept per group: the varying part is what they do not have in common."""
 
 _hash = xxhash.xxh3_64_intdigest
 _TOKEN_BYTES = 4
@@ -39,21 +33,16 @@ _TOKEN_BYTES = 4
 
 @dataclass(slots=True)
 class FragmentGroup:
-    """Requests that resumed at the same shared content after a span of their own."""
-
     base: int
-    """Where the group's spans start (its first member's break); the fix keeps
-    ``tokens[:base]`` in front."""
+    """Where the spans start (the first member's break); the fix keeps ``tokens[:base]``."""
     members: int = 0
-    """Requests that resumed at the content (the one that first had it is not one)."""
     recoverable_tokens: int = 0
     examples: list[tuple[int, list[int]]] = field(default_factory=list)
     """(request index, ``tokens[base:resume]``) of the first few members."""
 
 
 def anchors(tokens: Sequence[int], start: int) -> list[tuple[int, int]]:
-    """(offset from ``start``, hash) of the anchors among the windows of
-    ``tokens[start : start + SCAN_TOKENS]``."""
+    """(offset from ``start``, hash) of the anchors in ``tokens[start:][:SCAN_TOKENS]``."""
     data = tokens_to_bytes(tokens[start : start + SCAN_TOKENS])
     width = WINDOW_TOKENS * _TOKEN_BYTES
     found: list[tuple[int, int]] = []
@@ -76,8 +65,7 @@ class FragmentationFinder:
     def observe(
         self, index: int, model: str, tokens: Sequence[int], keys: Sequence[int], hit_blocks: int
     ) -> int:
-        """Record request ``index`` (its block ``keys``, the first ``hit_blocks`` of them
-        already cached); the tokens its fix would make cacheable (0: no fix found)."""
+        """Record request ``index``; the tokens its fix would make cacheable (0: none)."""
         if hit_blocks >= len(keys):
             return 0  # every full block is cached already
         start = hit_blocks * self.block_size
@@ -91,9 +79,7 @@ class FragmentationFinder:
         return recoverable
 
     def _resume(self, found: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
-        """Where shared content resumes: an anchor past the break that an earlier request
-        had, and the next one too (one straddling the span's end can match by chance); of
-        those, the largest group's, else the first."""
+        """(offset, hash) of the known anchor, followed by a known one, whose group is largest."""
         known, groups = self._anchors, self.groups
         best: tuple[int, int] | None = None
         best_members = -1
@@ -118,9 +104,7 @@ class FragmentationFinder:
         hit_blocks: int,
         resume: int,
     ) -> int:
-        """Key the prompt as ``tokens[:base] + tokens[resume:]`` (the span moved after the
-        rest) and look its blocks up among the earlier fixed prompts; the tokens that gains
-        over the prompt as it is (0 if none)."""
+        """Tokens gained by keying ``tokens[:base] + tokens[resume:]`` among earlier fixes."""
         size = self.block_size
         group = self.groups.get(anchor)
         if group is None:
@@ -144,7 +128,6 @@ class FragmentationFinder:
 
 
 def common_prefix(spans: Sequence[Sequence[int]]) -> int:
-    """Length of what every span starts with."""
     shortest = min((len(s) for s in spans), default=0)
     head = 0
     while head < shortest and all(s[head] == spans[0][head] for s in spans):
@@ -153,8 +136,7 @@ def common_prefix(spans: Sequence[Sequence[int]]) -> int:
 
 
 def varying_texts(texts: Sequence[str]) -> list[str]:
-    """Each text without what all of them start and end with, cut at whitespace (so a
-    timestamp or an id shows whole). One text alone is returned whole."""
+    """Each text without what all of them start and end with, cut at whitespace."""
     if len(texts) < 2:
         return [t.strip() for t in texts]
     head = len(_common_start(texts))

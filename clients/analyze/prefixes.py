@@ -1,10 +1,5 @@
-"""The shared prefixes: the longest prefixes that several requests have in common.
-
-Chained block keys make a log's distinct keys a tree, stored once (:class:`PrefixTree`: a
-request adds the keys no earlier request had and one *end* at its last key); the requests
-having a prefix are the ends under its key, counted level by level with numpy
-(:class:`PrefixCounts`). A prefix is *maximal* where the requests having it stop sharing.
-"""
+"""The longest prefixes several requests share: chained block keys as a tree, where the
+requests having a prefix are the request ends under its key."""
 
 from __future__ import annotations
 
@@ -25,34 +20,24 @@ class SharedPrefix:
     blocks: int
     requests: int
     example: int
-    """Index of a request that has it (the first one, in log order)."""
+    """The first request that has it."""
 
 
 class PrefixTree:
-    """Every distinct block key of the requests, fed in log order with :meth:`add`.
-
-    Also the walk's cache: :meth:`add` says how many leading blocks of a request some
-    earlier request had. Not thread-safe.
-    """
+    """Every distinct block key, fed in log order by :meth:`add`; the walk's cache."""
 
     def __init__(self) -> None:
         self.num_requests = 0
         self.num_keyless = 0
-        """Requests without a full block."""
         self._seen: set[int] = set()
         self._keys = array("Q")
-        self._parents = array("Q")
-        """The key before each key (0 at position 0, where there is none)."""
+        self._parents = array("Q")  # 0 at position 0
         self._positions = array("I")
-        self._owners = array("I")
-        """The request that first had each key."""
+        self._owners = array("I")  # the request that first had the key
         self._last_keys = array("Q")
-        """The last key of every request that has one."""
 
     def add(self, keys: Sequence[int]) -> int:
-        """Record the next request's block keys (chained, as
-        :func:`~kvindex.indexer.domain.keys.block_keys` makes them); the number of its leading
-        keys an earlier request had (they are always a prefix of them)."""
+        """Record the next request's chained block keys; how many leading ones were known."""
         index = self.num_requests
         self.num_requests += 1
         if not keys:
@@ -76,7 +61,6 @@ class PrefixTree:
         return hits
 
     def counts(self) -> PrefixCounts:
-        """How many requests share each prefix, as of now."""
         keys = np.frombuffer(self._keys, dtype=np.uint64)
         positions = np.frombuffer(self._positions, dtype=np.uint32).astype(np.int64)
         order = np.argsort(keys)
@@ -116,8 +100,7 @@ def _subtree_sums(ends: Ints, parents: Ints, positions: Ints) -> Ints:
 
 
 class PrefixCounts:
-    """Per distinct key of a :class:`PrefixTree`: its position, first request, parent and
-    the number of requests that have it."""
+    """Per key of a :class:`PrefixTree`: position, first request, parent, requests having it."""
 
     def __init__(
         self,
@@ -132,7 +115,6 @@ class PrefixCounts:
     ) -> None:
         self.num_requests = num_requests
         self.num_keyless = num_keyless
-        """Requests without a full block (``prefix_hash`` hashes them all alike)."""
         self._keys, self._positions, self._owners = keys, positions, owners
         self._requests = requests
         inner = parents >= 0
@@ -140,8 +122,7 @@ class PrefixCounts:
         np.maximum.at(self._most_shared_child, parents[inner], requests[inner])
 
     def shared_prefixes(self) -> list[SharedPrefix]:
-        """Every maximal prefix at least 2 requests share, most requests first, then
-        longest, then by key."""
+        """Maximal prefixes shared by 2 or more: most requests, then longest, then key first."""
         requests = self._requests
         maximal = np.nonzero((requests >= 2) & (requests > self._most_shared_child))[0]
         found = [
@@ -157,8 +138,7 @@ class PrefixCounts:
         return found
 
     def largest_group_by_blocks(self) -> list[float]:
-        """Entry ``n - 1``: the largest share of the requests that have the same first ``n``
-        blocks (those with none count as one group; shorter ones as their own)."""
+        """Entry ``n - 1``: the largest share of requests with the same first ``n`` blocks."""
         if not len(self._keys):
             return []
         largest = np.zeros(int(self._positions.max()) + 1, dtype=np.int64)

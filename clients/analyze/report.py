@@ -19,16 +19,12 @@ from kvindex.clients.analyze.verdict import Evidence, Verdict, decide
 from kvindex.clients.workloads.request_log import LogProblem
 
 TOP_PREFIXES = 10
-"""Shared prefixes listed."""
 TOP_FINDINGS = 10
-"""Fragmentation findings listed."""
 EXAMPLES_SHOWN = 3
-"""Decoded examples of the varying text per finding."""
 PROFILE_POINTS = 64
-"""Points of ``cacheable_by_position`` (block positions are merged into as many buckets)."""
+"""Buckets of block positions in ``cacheable_by_position``."""
 
-Decode = Callable[[str, list[int]], Awaitable[str]]
-"""(model, token ids) → text."""
+Decode = Callable[[str, list[int]], Awaitable[str]]  # (model, token ids) -> text
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,10 +72,9 @@ class AnalysisReport:
     cacheable_by_position: list[ProfilePoint]
     num_problems: int
     problems: list[str]
-    """The first skipped lines (by line number), each with its line number and why."""
+    """The first skipped lines, each with its number and why."""
     wall_s: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
-    """Seconds spent reading and tokenizing, in the cache walk, and building the report."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -18,6 +18,7 @@ from kvindex.clients.analyze.batches import BATCH_REQUESTS, tokenized_in_batches
 from kvindex.clients.analyze.cache_walk import CacheWalk
 from kvindex.clients.analyze.report import AnalysisReport, build_report
 from kvindex.clients.analyze.table import plot, print_report
+from kvindex.clients.plotting import pyplot
 from kvindex.clients.progress import ProgressLog
 from kvindex.clients.workloads.request_log import (
     LoggedRequest,
@@ -33,12 +34,9 @@ from kvindex.clients.workloads.request_log import (
 class AnalyzeSettings:
     tokenizer: TokenizerOptions
     block_size: int = 16
-    """Tokens per KV-cache block (vLLM's default)."""
     limit: int | None = None
-    """Read at most this many requests."""
     tokenize_batch: int = BATCH_REQUESTS
-    """Requests per call of a local tokenizer (1: one call per request; a
-    ``--tokenizer-url`` is always asked one request at a time)."""
+    """Requests per call of a local tokenizer (1: one call per request)."""
     progress_every_s: float = 0.0
     """Seconds between progress lines on stderr (0: none)."""
 
@@ -56,10 +54,8 @@ class AnalyzeSettings:
 async def analyze_log(
     path: Path, settings: AnalyzeSettings, client: httpx.AsyncClient | None = None
 ) -> AnalysisReport:
-    """The report of the log at ``path``. Bad lines are skipped and listed in the report
-    (the first :attr:`Problems.keep`, all counted); raises :class:`RequestLogError` when the
-    log or the tokenizer is unusable.
-    ``client``: the HTTP client of a ``--tokenizer-url`` (default: one of its own)."""
+    """The report of the log at ``path`` (bad lines skipped and listed); raises
+    :class:`RequestLogError` when the log or the tokenizer is unusable."""
     started = time.perf_counter()
     problems = Problems()
     walk = CacheWalk(settings.block_size)
@@ -91,7 +87,7 @@ async def analyze_log(
 
 
 def _progress(path: Path, settings: AnalyzeSettings) -> ProgressLog:
-    """Lines of the log read so far (counted first: cheap beside tokenizing them)."""
+    # counting the lines first is cheap beside tokenizing them
     total = count_lines(path) if settings.progress_every_s > 0 else 0
     if settings.limit is not None:
         total = min(total, settings.limit)
@@ -105,7 +101,6 @@ def _counted(requests: Iterator[LoggedRequest], progress: ProgressLog) -> Iterat
 
 
 def count_lines(path: Path) -> int:
-    """Lines of a plain or gzip file (told by its first bytes, as the log reader does)."""
     try:
         with path.open("rb") as probe:
             gzipped = probe.read(2) == b"\x1f\x8b"
@@ -127,6 +122,8 @@ def analyze_main(
     plot_path: Path | None = None,
 ) -> AnalysisReport:
     """The command: the tables, then ``--json`` and ``--plot``."""
+    if plot_path is not None:
+        pyplot()  # without the extra, say so before the run, not after it
     report = asyncio.run(analyze_log(path, settings))
     print_report(report, console)
     try:

@@ -1,11 +1,6 @@
-"""The verdict: which routing policy the traffic calls for, why, and what to do first.
-
-The practice's checklist, in order: fix the prompt structure first when that recovers more
-than routing could; skip cache-aware routing when prompts are short or mostly unique
-(``least_load``); start with ``prefix_hash`` when the reuse is a few shared prefixes that
-spread the load; use ``kv_aware`` when the reuse goes deeper (conversations, documents) or
-one shared prefix carries most of the traffic (hashing it would load one replica).
-"""
+"""The verdict: which routing policy the traffic calls for, why, and what to do first: the
+fix first when it recovers more than routing could; ``least_load`` for short or unique
+prompts; ``prefix_hash`` when a few shared prefixes spread the load; else ``kv_aware``."""
 
 from __future__ import annotations
 
@@ -17,17 +12,13 @@ MIN_CEILING = 0.2
 SHORT_PROMPT_TOKENS = 128
 """Prompts shorter than this on average prefill in a few milliseconds: ``least_load``."""
 PREFIX_HASH_SHARE = 0.8
-"""``prefix_hash`` needs a ``prefix_blocks`` that keeps this share of the reusable tokens
-(a request keeps its cached blocks when it has at least that many: it hashes like the
-request it shares them with)..."""
+"""``prefix_hash`` needs a ``prefix_blocks`` that keeps this share of the reusable tokens..."""
 MAX_GROUP_SHARE = 0.5
 """...and sends no more than this share of the requests to one replica."""
 
 
 @dataclass(frozen=True, slots=True)
 class Evidence:
-    """What the verdict is decided on."""
-
     num_requests: int
     prompt_tokens: int
     ceiling: float
@@ -35,11 +26,8 @@ class Evidence:
     best_fix: float
     """recoverable_fraction of the best fragmentation finding (0: none)."""
     best_fix_text: str
-    """Where that finding is and an example of what varies ("" if none)."""
     largest_group_by_blocks: Sequence[float]
-    """Entry ``n - 1``: the largest share of requests with the same first ``n`` blocks."""
     hit_blocks: Sequence[int]
-    """Per request: its blocks an earlier request had."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +36,7 @@ class Verdict:
     reason: str
     recommendations: list[str] = field(default_factory=list)
     prefix_blocks: int | None = None
-    """Blocks ``prefix_hash`` should hash: the most that keep :data:`PREFIX_HASH_SHARE` of
-    the reusable tokens (None: nothing is reusable)."""
+    """Blocks ``prefix_hash`` should hash (None: nothing is reusable)."""
 
 
 def decide(e: Evidence) -> Verdict:
@@ -65,15 +52,14 @@ def decide(e: Evidence) -> Verdict:
     if fix and e.best_fix <= e.ceiling:
         steps.append(fix)
     steps.append(
-        "measure the hit rate before and after each change: kvindex simulate --requests LOG"
+        "measure the hit rate before and after each change: kvindex simulate --request-log LOG"
     )
     return Verdict(policy, reason, steps, prefix_blocks)
 
 
 def _prefix_fit(e: Evidence) -> tuple[int, float, float] | None:
-    """(prefix_blocks, share of reusable tokens kept, largest group's share of requests):
-    the longest prefix_blocks that keeps :data:`PREFIX_HASH_SHARE` of the reusable tokens.
-    None when nothing is reusable."""
+    """(prefix_blocks, share kept, largest group's share) of the longest prefix_blocks that
+    keeps :data:`PREFIX_HASH_SHARE` of the reusable tokens."""
     total = sum(e.hit_blocks)
     if not total:
         return None

@@ -418,7 +418,12 @@ def replica_sim(
 @click.option("--requests", default=320, show_default=True, help="Requests per policy.")
 @click.option("--seed", default=0, show_default=True, help="Workload seed.")
 @click.option("--speed", default=20.0, show_default=True, help="Sim time compression.")
-@click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False))
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Also write the settings and every figure to this file, as JSON.",
+)
 def demo(replicas: int, requests: int, seed: int, speed: float, json_path: Path | None) -> None:
     """Replay a seeded workload on simulated replicas: round-robin vs kv_aware."""
     from kvindex.clients.demo import DemoSettings, demo_main  # noqa: PLC0415 (servers)
@@ -444,7 +449,7 @@ def _tokenizer_options(command: Callable[..., None]) -> Callable[..., None]:
             "chat_template_path",
             type=click.Path(path_type=Path, dir_okay=False, exists=True),
             help="A Jinja2 chat template or tokenizer_config.json (default: beside"
-            " --tokenizer; else a plain '<|role|>' rendering, see the README).",
+            " --tokenizer; else a plain '<|role|>' rendering).",
         ),
         click.option(
             "--tokenizer-url",
@@ -522,11 +527,11 @@ def _variants(_ctx: click.Context, _param: click.Parameter, values: tuple[str, .
     " timestamps, default 20/s without them).",
 )
 @click.option("--limit", type=int, help="Read at most this many trace or log requests.")
-@click.option("--replicas", default=8, show_default=True)
+@click.option("--replicas", default=8, show_default=True, help="Simulated replicas.")
 @click.option(
     "--capacity-blocks", default=16_384, show_default=True, help="KV-cache blocks per replica."
 )
-@click.option("--block-size", default=16, show_default=True)
+@click.option("--block-size", default=16, show_default=True, help="Tokens per KV-cache block.")
 @click.option(
     "--prefill-tps",
     default=12_000.0,
@@ -563,18 +568,28 @@ def _variants(_ctx: click.Context, _param: click.Parameter, values: tuple[str, .
     help="Seconds between load reports to the router (0: every request; scraper: 2).",
 )
 @click.option("--speed", default=1.0, show_default=True, help="Arrival-time compression.")
-@click.option("--seed", default=0, show_default=True)
+@click.option(
+    "--seed",
+    default=0,
+    show_default=True,
+    help="Seed of --workload, of log arrivals drawn at --rate, and of tie-breaks.",
+)
 @click.option(
     "--via-zmq",
     is_flag=True,
     help="Send events over real ZeroMQ (loopback) to an in-process indexer.",
 )
-@click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False))
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Also write the settings and each policy's figures to this file, as JSON.",
+)
 @click.option(
     "--plot",
     "plot_path",
     type=click.Path(path_type=Path, dir_okay=False),
-    help="PNG: hit rate and TTFT p90 per policy, hit rate over time.",
+    help="PNG: every figure per policy, and hit rate over time (needs kvindex[plot]).",
 )
 @_progress_option
 def simulate(
@@ -657,35 +672,50 @@ def _deprecated_log(workload: str | None, requests_arg: str | None) -> Path | No
             " (a request log is --request-log PATH)",
             param_hint="--requests",
         )
+    _warn_old_log_spelling(path, " (--requests is how many --workload generates)")
+    return path
+
+
+def _warn_old_log_spelling(path: Path, why: str = "") -> None:
     click.echo(
-        f"warning: --requests {requests_arg} reads a request log for the last release:"
-        f" use --request-log {requests_arg} (--requests is how many --workload generates)",
+        f"warning: --requests {path} reads a request log for the last release:"
+        f" use --request-log {path}{why}",
         err=True,
     )
-    return path
 
 
 @main.command()
 @click.option(
-    "--requests",
-    "requests_path",
-    required=True,
+    "--request-log",
     type=click.Path(path_type=Path, dir_okay=False, exists=True),
     help="Request log: one OpenAI request body a line (or {'body': ...}), plain or .gz.",
+)
+@click.option(
+    "--requests",
+    "requests_path",
+    type=click.Path(path_type=Path, dir_okay=False, exists=True),
+    help="The old spelling of --request-log, read this release with a warning.",
 )
 @_tokenizer_options
 @click.option("--block-size", default=16, show_default=True, help="Tokens per KV-cache block.")
 @click.option("--limit", type=int, help="Read at most this many requests.")
-@click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False))
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Also write the whole report to this file, as JSON.",
+)
 @click.option(
     "--plot",
     "plot_path",
     type=click.Path(path_type=Path, dir_okay=False),
-    help="PNG: share of prompt tokens cacheable by position, before and after the fix.",
+    help="PNG: share of prompt tokens cacheable by position, before and after the fix"
+    " (needs kvindex[plot]).",
 )
 @_progress_option
 def analyze(
-    requests_path: Path,
+    request_log: Path | None,
+    requests_path: Path | None,
     tokenizer_path: Path | None,
     chat_template_path: Path | None,
     tokenizer_url: str | None,
@@ -698,13 +728,19 @@ def analyze(
     """What a request log could reuse, what breaks its prefixes, and which policy fits."""
     from kvindex.clients.analyze.run import AnalyzeSettings, analyze_main  # noqa: PLC0415 (numpy)
 
+    if (request_log is None) == (requests_path is None):
+        raise click.UsageError("give the log once: --request-log LOG.jsonl")
+    if requests_path is not None:
+        _warn_old_log_spelling(requests_path)
+    log = request_log or requests_path
+    assert log is not None
     try:
         options = _tokenizer_choice(tokenizer_path, chat_template_path, tokenizer_url)
         settings = AnalyzeSettings(
             options, block_size=block_size, limit=limit, progress_every_s=progress_every_s
         )
         analyze_main(
-            requests_path,
+            log,
             settings,
             console=make_console(),
             json_path=json_path,

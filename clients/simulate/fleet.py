@@ -1,11 +1,7 @@
 """The discrete-event core of ``kvindex simulate``: N replicas, their caches, their queues.
 
-Each replica has a vLLM stand-in's block pool and this time model: a FIFO queue, head of line
-admitted when its prefill is free, fewer than ``max_running`` run and the pool holds the
-request (its hit: the longest cached prefix, all blocks but the last token's); prefill is
-serial (``uncached tokens / prefill_tps``, the first token at its end); decode runs in the
-batch (``output tokens / decode_tps``), then the blocks are released, the answer cached first.
-The router picks a replica at each arrival and sees every event the pools emit. Nothing
+A replica admits its FIFO head when its prefill is free, fewer than ``max_running`` run and
+its block pool holds the request; prefills run one after another, decodes together. Nothing
 sleeps: a run is a pure function of its inputs and the router.
 """
 
@@ -35,13 +31,12 @@ class FleetSettings:
     capacity_blocks: int = 16_384
     """KV-cache blocks per replica."""
     block_size: int = 16
-    """Tokens per block (vLLM's default)."""
     prefill_tps: float = 12_000.0
     """Prompt tokens per second one replica computes (prefills run one after another)."""
     decode_tps: float = 40.0
-    """Output tokens per second of one request (decodes run in parallel)."""
+    """Output tokens per second of one request (decodes run together)."""
     max_running: int = 64
-    """Batch limit: requests admitted at once per replica."""
+    """Requests admitted at once per replica."""
     model: str = "sim-model"
 
     def __post_init__(self) -> None:
@@ -58,13 +53,11 @@ class FleetSettings:
 
 @dataclass(slots=True)
 class Job:
-    """A request in flight: its prompt, block hashes and, once admitted, its timings."""
-
     index: int
     request: TraceRequest
     tokens: list[int]
     chain: list[int]
-    """Engine block hashes of the prompt's full blocks (chained; identify the prefix)."""
+    """Engine block hashes of the prompt's full blocks."""
     replica: str = ""
     admitted_s: float = 0.0
     hit_tokens: int = 0
@@ -84,9 +77,8 @@ class Outcome:
     queue_s: float
     rejected: bool = False
     output_tokens: int = 0
-    """Tokens decoded (0 for a rejected request)."""
     finish_s: float = 0.0
-    """When its last token came (its blocks were released); 0 for a rejected request."""
+    """When its last token came (0 for a rejected request)."""
 
     @property
     def admitted_s(self) -> float:
@@ -94,7 +86,6 @@ class Outcome:
 
     @property
     def prefill_s(self) -> float:
-        """Its prefill's duration (the replica computed nothing else meanwhile)."""
         return self.ttft_s - self.queue_s
 
 
@@ -121,7 +112,6 @@ class _Replica:
     waiting: collections.deque[Job] = field(default_factory=collections.deque)
     running: int = 0
     prefill_free_s: float = 0.0
-    """When its current prefill ends."""
 
 
 @dataclass
@@ -131,13 +121,11 @@ class FleetResult:
     """Waiting requests of every replica, sampled at every arrival."""
     requests_per_replica: dict[str, int]
     kv_usage_samples: list[float] = field(default_factory=list)
-    """KV-cache usage (blocks held by running requests / capacity) of every replica,
-    sampled with the queue."""
+    """Every replica's share of blocks held by running requests, sampled with the queue."""
 
 
 class Prompts:
-    """Each request's prompt tokens and engine block hashes, made on first use and kept
-    packed, so every policy of a run shares them."""
+    """Each request's prompt tokens and block hashes, made once for every policy of a run."""
 
     def __init__(self, requests: Sequence[TraceRequest], settings: FleetSettings) -> None:
         self.requests = requests
@@ -177,7 +165,6 @@ class FleetSim:
         publish: bool = True,
         progress: Callable[[int], None] | None = None,
     ) -> None:
-        """``publish=False``: the pools make no KV events (the router does not read them)."""
         self.settings = settings
         self._router = router
         self._requests = requests
@@ -254,7 +241,6 @@ class FleetSim:
         )
 
     def _admit(self, replica: _Replica) -> None:
-        """Start the head request's prefill if the replica can (see the module doc)."""
         settings = self.settings
         if not replica.waiting or replica.running >= settings.max_running:
             return

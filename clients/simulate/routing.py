@@ -1,14 +1,9 @@
 """Routers for ``kvindex simulate``: the real scorer over the real index, and the instant one.
 
-:class:`ScorerRouter` asks :class:`kvindex.api.score.Scorer` (the code behind ``POST /score``)
-for every request, with load pushed at every request or every ``load_interval_s``. Policies
-that read the index get the replicas' KV events ``event_delay_s`` late, in vLLM's wire
-format: :class:`IngestSink` hands them to the indexer's own
-:class:`~kvindex.indexer.ingest.pipeline.Pipeline`, :class:`ZmqSink` sends them over real
-ZeroMQ to an in-process :class:`~kvindex.indexer.service.IndexerService`.
-:class:`InstantRouter` (``kv_aware_instant``) makes the ``kv_aware`` decision with perfect,
-instant knowledge of every pool: greedy, so not a bound (the report's oracle is).
-A policy spec is a name with optional weight overrides: ``kv_aware:waiting=0.5,cache=2``.
+:class:`ScorerRouter` asks the code behind ``POST /score``; the index gets the replicas'
+KV events ``event_delay_s`` late, in vLLM's wire format, through the indexer's pipeline
+(:class:`IngestSink`) or real ZeroMQ (:class:`ZmqSink`). :class:`InstantRouter`
+(``kv_aware_instant``) reads every pool directly: greedy, so not a bound.
 """
 
 from __future__ import annotations
@@ -90,7 +85,7 @@ def parse_policy(text: str) -> PolicySpec:
 
 
 class SimClock:
-    """The simulation's 'now', for the registry, loads and scorer."""
+    """The simulation's 'now'."""
 
     def __init__(self) -> None:
         self.now = 0.0
@@ -137,10 +132,8 @@ class _Delayed:
 
 
 class IngestSink:
-    """Events encoded as a vLLM publisher would (frames ``[topic, seq, payload]``) and
-    handed to the indexer's :class:`~kvindex.indexer.ingest.pipeline.Pipeline` as the subscriber's
-    socket loop would: wire decoding, per-stream ordering, the
-    :class:`~kvindex.indexer.ingest.ingestor.Ingestor` and the registry's bookkeeping all run."""
+    """Events encoded as a vLLM publisher would, handed to the indexer's
+    :class:`~kvindex.indexer.ingest.pipeline.Pipeline` as its socket loop would."""
 
     def __init__(
         self, fleet: FleetSettings, clock: SimClock, *, event_delay_s: float, stale_after_s: float
@@ -250,9 +243,7 @@ class ScorerRouter:
         seed: int,
         load_interval_s: float = 0.0,
     ) -> None:
-        """``load_interval_s``: replicas' load is read this often (0: at every request), as
-        a scraper of ``/metrics`` or a periodic ``POST /load`` would; the scorer sees its
-        age."""
+        """``load_interval_s``: replicas' load is read this often (0: at every request)."""
         self._spec = spec
         self._model = fleet.model
         self._clock = clock
@@ -317,7 +308,6 @@ class InstantRouter:
         self._rng = random.Random(seed)
 
     def watch(self, cache_of: Callable[[str], BlockPool]) -> None:
-        """Read each replica's pool through ``cache_of`` (the fleet being simulated)."""
         self._cache_of = cache_of
 
     async def route(self, job: Job, now: float, loads: Sequence[ReplicaLoad]) -> str:
@@ -344,7 +334,7 @@ class InstantRouter:
         )
 
     def emitted(self, replica: str, events: list[Event], now: float) -> None:
-        """It reads the pools themselves."""
+        pass  # it reads the pools themselves
 
     def close(self) -> None:
-        """Nothing to release."""
+        pass

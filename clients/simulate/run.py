@@ -1,10 +1,5 @@
-"""``kvindex simulate``: the same requests through a simulated fleet under each policy.
-
-Each policy replays the requests on a fresh fleet (fleet.py) with its router (routing.py);
-then two references: the **oracle**, one unbounded cache seeing every request in arrival
-order (:func:`ceiling_hit_rate`: no policy can beat its hit rate), and **one LRU cache** of
-the fleet's capacity (:func:`single_cache_hit_rate`). Per policy, :class:`PolicyStats`.
-"""
+"""``kvindex simulate``: the same requests through a fresh simulated fleet under each policy,
+then two references: the oracle (:func:`ceiling_hit_rate`) and one LRU cache."""
 
 from __future__ import annotations
 
@@ -57,7 +52,6 @@ DEFAULT_POLICIES = (
     INSTANT,
 )
 TIMELINE_POINTS = 40
-"""Windows of the hit-rate-over-time series."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,10 +61,9 @@ class SimulateSettings:
     event_delay_s: float = 0.05
     """Lag between a replica emitting a KV event and the index applying it."""
     load_interval_s: float = 0.0
-    """How often the router learns the replicas' load (0: at every request; the API's
-    scraper default is 2 s). kv_aware_instant always knows it."""
+    """How often the router learns the replicas' load (0: at every request)."""
     stale_after_s: float = 300.0
-    """A replica silent this long is stale (its cache credit is reduced), as in the indexer."""
+    """A replica silent this long is stale, as in the indexer."""
     speed: float = 1.0
     """Arrival-time compression: 2 replays the trace twice as fast."""
     seed: int = 0
@@ -107,34 +100,26 @@ class PolicyStats:
     hit_rate_timeline: list[tuple[float, float]]
     """(window start, hit rate of the requests arriving in it)."""
     throughput_rps: float
-    """Requests served per second, from the first arrival to the last finish."""
+    """Requests per second from the first arrival to the last finish (tps: tokens)."""
     throughput_tps: float
-    """Tokens (prompt + output) served per second, over the same span."""
     output_tps: float
-    """Output tokens decoded per second, over the same span."""
     kv_usage_mean: float
-    """KV-cache usage (blocks held by running requests / capacity: VRAM pressure), mean
-    over every replica sampled at every arrival."""
+    """Share of blocks held by running requests, every replica sampled at every arrival."""
     kv_usage_p90: float
-    """The same samples' 90th percentile."""
     gpu_s_per_request: float
-    """Cost per task: replica-busy GPU-seconds per served request (prefill + decode)."""
+    """Replica-busy seconds per served request: the two below."""
     prefill_gpu_s_per_request: float
-    """Its prefill part: uncached prompt tokens / ``prefill_tps``, per served request."""
     decode_gpu_s_per_request: float
-    """Its decode part: seconds a replica decoded while computing no prefill, per served
-    request (a batch decodes together: its time is counted once, not per request)."""
+    """Busy seconds with no prefill running (a batch's decode counted once)."""
 
 
 @dataclass(frozen=True, slots=True)
 class SimReport:
     policies: list[PolicyStats]
     ceiling_hit_rate: float
-    """One unbounded cache: no policy can beat it (:func:`ceiling_hit_rate`)."""
     params: dict[str, Any]
     wall_s: float
     single_cache_hit_rate: float = 0.0
-    """One LRU pool of the fleet's capacity (:func:`single_cache_hit_rate`)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -191,8 +176,7 @@ def policy_stats(label: str, result: FleetResult, wall_s: float) -> PolicyStats:
 
 
 def throughput(served: Sequence[Outcome]) -> dict[str, float]:
-    """Requests, tokens and output tokens per second from the first arrival to the last
-    finish (an open-loop trace the fleet keeps up with runs at its arrival rate)."""
+    """Requests, tokens and output tokens per second from the first arrival to the last finish."""
     if not served:
         return {"throughput_rps": 0.0, "throughput_tps": 0.0, "output_tps": 0.0}
     span = max(o.finish_s for o in served) - min(o.arrival_s for o in served)
@@ -206,9 +190,8 @@ def throughput(served: Sequence[Outcome]) -> dict[str, float]:
 
 
 def gpu_cost(served: Sequence[Outcome]) -> dict[str, float]:
-    """GPU-seconds per served request: the time each replica was busy (some request in
-    prefill or decode: the union of its requests' admitted-to-finish spans), split into
-    prefill (serial: the sum of prefill durations) and decode (the rest)."""
+    """Busy seconds per served request (a replica's union of admitted-to-finish spans),
+    split into prefill (the sum of prefills, which run serially) and decode (the rest)."""
     if not served:
         keys = ("gpu_s_per_request", "prefill_gpu_s_per_request", "decode_gpu_s_per_request")
         return dict.fromkeys(keys, 0.0)
@@ -225,7 +208,6 @@ def gpu_cost(served: Sequence[Outcome]) -> dict[str, float]:
 
 
 def _union_length(spans: list[tuple[float, float]]) -> float:
-    """Length of the union of ``[start, end]`` intervals."""
     total, reach = 0.0, -math.inf
     for start, end in sorted(spans):
         if end <= reach:
@@ -254,11 +236,8 @@ def timeline(
 def ceiling_hit_rate(
     requests: Sequence[TraceRequest], fleet: FleetSettings, prompts: Prompts | None = None
 ) -> float:
-    """Hit rate of one unbounded cache, requests in arrival order: a prompt hits its leading
-    blocks that an earlier request's prompt or known answer had (at most all but the block
-    holding its last token, as a replica). A replica admits its requests in arrival order
-    and caches only prompts and answers, so every block any policy hits is one of these: no
-    policy can beat it, whatever the fleet's capacity."""
+    """Hit rate of one unbounded cache fed every prompt and known answer in arrival order.
+    Replicas cache only those, admitted in arrival order: no policy can beat it."""
     prompts = prompts if prompts is not None else Prompts(requests, fleet)
     seen: set[int] = set()
     hit = total = 0
@@ -278,10 +257,8 @@ def ceiling_hit_rate(
 def single_cache_hit_rate(
     requests: Sequence[TraceRequest], fleet: FleetSettings, prompts: Prompts | None = None
 ) -> float:
-    """Hit rate of one LRU pool of ``replicas * capacity_blocks`` blocks, requests in
-    arrival order, each finished at once (nothing pinned). An answer the workload knows is
-    cached with its prompt, as a replica caches it when the request ends (a chat's next
-    turn repeats it)."""
+    """Hit rate of one LRU pool of the fleet's blocks, requests in arrival order, each
+    finished at once (nothing pinned) and a known answer cached with its prompt."""
     prompts = prompts if prompts is not None else Prompts(requests, fleet)
     capacity = fleet.replicas * fleet.capacity_blocks
     cache = BlockPool(capacity, fleet.block_size, prompts.root, publish=False)
@@ -378,8 +355,7 @@ def run_simulation(
     progress: ProgressLog | None = None,
     source: str = "",
 ) -> SimReport:
-    """Every policy, then the references; ``progress`` counts every request of every
-    policy (``len(requests)`` times the policies)."""
+    """Every policy, then the references; ``progress`` counts each request once per policy."""
     started = time.perf_counter()
     requests = scaled(requests, settings.speed)
     prompts = Prompts(requests, settings.fleet)
@@ -405,7 +381,9 @@ def simulate_main(
     plot_path: Path | None = None,
     progress_every_s: float = 0.0,
 ) -> SimReport:
-    """The command: progress lines on stderr, the table, then ``--json`` and ``--plot``."""
+    """The command: progress on stderr, the table, then ``--json`` and ``--plot``."""
+    if plot_path is not None:
+        pyplot()  # without the extra, say so before the run, not after it
     total = len(requests) * len(settings.policies)
     progress = ProgressLog("simulate", total, every_s=progress_every_s)
     report = run_simulation(settings, requests, progress=progress, source=source)
@@ -487,19 +465,16 @@ POLICY_COLOURS = {
     "kv_aware": "tab:blue",
     INSTANT: "tab:green",
 }
-"""Each policy's colour in every panel (and in every plot: the same policy, the same colour)."""
 _VARIANT_COLOURS = ("tab:red", "tab:cyan", "tab:pink", "black", "gold", "navy")
 
 
 def policy_colours(labels: Sequence[str]) -> dict[str, str]:
-    """A colour per label: the policy's own, a variant (``kv_aware:waiting=1``) the next
-    spare one."""
+    """A colour per label: the policy's own, or the next spare one for a variant."""
     spare = iter(_VARIANT_COLOURS * (len(labels) // len(_VARIANT_COLOURS) + 1))
     return {label: POLICY_COLOURS.get(label) or next(spare) for label in labels}
 
 
 def fleet_caption(params: dict[str, Any]) -> str:
-    """The fleet's parameters in one line (the plot's subtitle)."""
     p = params
     return (
         f"{p.get('requests', 0):,} requests · {p.get('replicas')} replicas x"
@@ -512,8 +487,7 @@ def fleet_caption(params: dict[str, Any]) -> str:
 
 
 def plot(report: SimReport, path: Path) -> None:
-    """Per policy, one colour each: hit rate (and the references), TTFT p90 (and p50),
-    throughput, KV-cache usage, GPU-seconds per request, and hit rate over time (PNG)."""
+    """A PNG of six panels, one colour per policy throughout."""
     plt = pyplot()
     stats = report.policies
     colours = policy_colours([p.policy for p in stats])
@@ -544,8 +518,7 @@ def _bars(
     left: Sequence[float] | None = None,
     alpha: float = 1.0,
 ) -> None:
-    """One horizontal bar per policy, in its colour, ``labels`` written at their ends
-    (``left``: stacked after those values, hatched)."""
+    """A bar per policy, ``labels`` at their ends (``left``: stacked after those, hatched)."""
     names = [p.policy for p in stats]
     style: dict[str, Any] = {"alpha": alpha}
     if left is not None:
@@ -560,12 +533,10 @@ def _bars(
 
 
 def _ticks(ax: Any, values: Sequence[float], label: str | None = None) -> None:
-    """A black tick per policy at ``values`` (a second figure on the same bar)."""
     ax.scatter(values, range(len(values)), color="black", marker="|", s=300, zorder=3, label=label)
 
 
 def _hit_panel(ax: Any, report: SimReport, colours: dict[str, str]) -> None:
-    """Hit rate per policy; the oracle (dashed) and the single LRU cache (dotted)."""
     stats = report.policies
     hits = [p.hit_rate for p in stats]
     _bars(ax, stats, colours, hits, [f"{h:.1%}" for h in hits])
@@ -588,7 +559,6 @@ def _ttft_panel(ax: Any, stats: Sequence[PolicyStats], colours: dict[str, str]) 
 
 
 def _kv_panel(ax: Any, stats: Sequence[PolicyStats], colours: dict[str, str]) -> None:
-    """The p90 as a light bar (labelled), the mean as a solid one over it."""
     labels = [f"mean {p.kv_usage_mean:.1%} · p90 {p.kv_usage_p90:.1%}" for p in stats]
     p90s = [p.kv_usage_p90 for p in stats]
     _bars(ax, stats, colours, p90s, labels, alpha=0.35)
@@ -598,7 +568,6 @@ def _kv_panel(ax: Any, stats: Sequence[PolicyStats], colours: dict[str, str]) ->
 
 
 def _cost_panel(ax: Any, stats: Sequence[PolicyStats], colours: dict[str, str]) -> None:
-    """GPU-seconds per request: prefill (solid) + decode (hatched), the total written."""
     prefill = [p.prefill_gpu_s_per_request for p in stats]
     _bars(ax, stats, colours, prefill, [""] * len(stats))
     totals = [
@@ -611,8 +580,7 @@ def _cost_panel(ax: Any, stats: Sequence[PolicyStats], colours: dict[str, str]) 
 
 
 def _timeline_panel(ax: Any, stats: Sequence[PolicyStats], colours: dict[str, str]) -> None:
-    """Hit rate over time; kv_aware thick and kv_aware_instant thin and dashed over it,
-    so both stay visible where they agree."""
+    # kv_aware thick, kv_aware_instant dashed over it: both visible where they agree
     for p in stats:
         if not p.hit_rate_timeline:
             continue

@@ -30,7 +30,8 @@ def test_kv_aware_beats_round_robin_and_stops_everything() -> None:
         assert p.num_requests == SMALL.requests
         assert sum(p.requests_per_replica.values()) == SMALL.requests
         assert p.prefill_tokens == p.prompt_tokens - p.cached_tokens
-        assert p.ttft_mean_s > 0 and p.ttft_p90_s > 0
+        assert 0 < p.ttft_p50_s <= p.ttft_p90_s and p.ttft_mean_s > 0
+        assert 0 <= p.num_waited <= p.num_requests
     assert by_policy["kv_aware"].hit_rate > by_policy["round_robin"].hit_rate
     assert set(threading.enumerate()) <= before, "the demo left threads running"
 
@@ -54,6 +55,9 @@ def test_cli_demo_prints_the_table_and_writes_json(tmp_path: Path) -> None:
         cells = next(line for line in result.stdout.splitlines() if line.startswith(policy))
         assert "%" in cells and cells.count(" ms") == 2 and "r1:" in cells and "r2:" in cells
     assert "every other figure is the same on every run with seed 0" in result.stdout
+    words = " ".join(result.stdout.split())
+    assert "TTFT: simulated time from a round's start to a request's first token" in words
+    assert "Requests that waited to be admitted: round_robin " in words
     body = json.loads(out.read_text())
     assert set(body["policies"]) == set(POLICIES)
     assert set(threading.enumerate()) <= before, "the demo left threads running"

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from kvindex.clients.cli.main import main
 from kvindex.clients.plotting import INSTALL_HINT, PlotUnavailableError, pyplot
+from tests.support.request_logs import unique_prompts, write_log
 
 TRACE = Path(__file__).parents[3] / "bench/traces/mooncake_fast25_synthetic_trace.jsonl.gz"
 
@@ -43,3 +44,15 @@ def test_simulate_plot_without_matplotlib_is_one_line(tmp_path: Path) -> None:
     assert result.exit_code == 1, result.output
     assert result.stderr.strip().splitlines()[-1] == f"Error: {INSTALL_HINT}"
     assert "Traceback" not in result.output and not png.exists()
+    assert "kvindex simulate:" not in result.stdout, "it ran before saying so"
+
+
+@pytest.mark.usefixtures("without_matplotlib")
+def test_analyze_plot_without_matplotlib_stops_before_reading(tmp_path: Path) -> None:
+    log = write_log(tmp_path / "requests.jsonl", unique_prompts(3))
+    png = tmp_path / "analysis.png"
+    args = ["analyze", "--request-log", str(log), "--tokenizer-url", "http://127.0.0.1:9"]
+    result = CliRunner().invoke(main, [*args, "--plot", str(png)])
+    assert result.exit_code == 1, result.output
+    assert result.stderr.strip().splitlines()[-1] == f"Error: {INSTALL_HINT}"
+    assert not png.exists()
