@@ -68,8 +68,8 @@ class DemoSettings:
     block_size: int = 16
     capacity_blocks: int = 320
     """KV blocks per replica (few: the cache is the scarce resource)."""
-    max_running: int = 4
-    """Requests a replica runs at once (vLLM's ``max_num_seqs``); the rest wait."""
+    max_running: int = 8
+    """Requests a replica runs at once (vLLM's ``max_num_seqs``; the replica-sim's default)."""
     max_batched_tokens: int = 2_048
     """Tokens a replica computes per step (vLLM's ``max_num_batched_tokens``)."""
     max_tokens: int = 24
