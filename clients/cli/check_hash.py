@@ -1,22 +1,9 @@
 """``kvindex check-hash``: prove on a live replica that kvindex's keys match what it stores.
 
-The check sends one unique random prompt to a replica's OpenAI server, catches the
-``BlockStored`` events that carry its tokens (live on a SUB socket, or by replay if live
-events were missed) and compares, block by block:
-
-1. **block size**: the events' ``block_size`` against the expected one;
-2. **token ids**: the events cover the prompt's full blocks, in order, with its tokens;
-3. **chain**: the first block's parent is null and every parent is the previous block;
-4. **extra keys**: per block, what :func:`kvindex.indexer.domain.keys.request_extra_keys` gives for
-the
-   request's LoRA name and cache salt;
-5. **kvindex keys**: keys from the events through the indexer's own path (an
-   :class:`~kvindex.indexer.ingest.ingestor.Ingestor` over a
-   :class:`~kvindex.indexer.index.memory.MemoryIndex`, then
-   ``resolve``) equal :func:`kvindex.indexer.domain.keys.block_keys` of the request.
-
-:func:`compare` is pure (hand-made events in, :class:`CheckReport` out);
-:func:`run_check` does the I/O; :data:`check_hash_command` is the thin click shell.
+One unique random prompt is sent to the replica; the ``BlockStored`` events carrying its
+tokens (live, or replayed) are compared block by block with what kvindex computes: block
+size, token ids, the parent chain, the extra keys, and the keys through the indexer's own
+path. :func:`compare` is pure; :func:`run_check` does the I/O (its libraries loaded then).
 """
 
 from __future__ import annotations
@@ -27,11 +14,9 @@ import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import click
-import httpx
-import zmq
 
 from kvindex.indexer.domain.errors import KvIndexError, SettingsError
 from kvindex.indexer.domain.events import BlockStored, EventBatch, StreamId
@@ -39,8 +24,10 @@ from kvindex.indexer.domain.keys import block_keys, request_extra_keys
 from kvindex.indexer.fleet.replica import check_endpoint
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.ingest.ingestor import Ingestor
-from kvindex.indexer.ingest.replay import ReplayTimeoutError, fetch_replay
 from kvindex.indexer.ingest.wire import WireError, decode_live, payload_shape
+
+if TYPE_CHECKING:
+    import zmq
 
 PromptMode = Literal["tokens", "text"]
 _WARMUP_TOKENS = 257
@@ -410,6 +397,9 @@ class _Replica:
     """The replica's HTTP API and its KV-event SUB socket."""
 
     def __init__(self, settings: CheckSettings, context: zmq.Context[zmq.Socket[bytes]]) -> None:
+        import httpx  # noqa: PLC0415
+        import zmq  # noqa: PLC0415
+
         self.settings = settings
         self.http = httpx.Client(base_url=settings.url, timeout=max(settings.timeout_s, 10.0))
         self.sub: zmq.Socket[bytes] = context.socket(zmq.SUB)
@@ -433,6 +423,8 @@ class _Replica:
         return s.request_model or s.lora_name or s.model
 
     def post(self, path: str, body: dict[str, Any]) -> Any:
+        import httpx  # noqa: PLC0415
+
         try:
             response = self.http.post(path, json=body)
         except httpx.HTTPError as exc:
@@ -455,7 +447,7 @@ class _Replica:
         """Read every message arriving within ``wait_s``; returns how many came."""
         count = 0
         deadline = time.monotonic() + wait_s
-        while self.sub.poll(max(0, int((deadline - time.monotonic()) * 1000)), zmq.POLLIN):
+        while self.sub.poll(max(0, int((deadline - time.monotonic()) * 1000))):  # POLLIN
             frames = self.sub.recv_multipart()
             count += 1
             try:
@@ -506,6 +498,8 @@ def _replay(
     replica: _Replica, context: zmq.Context[zmq.Socket[bytes]], endpoint: str
 ) -> str | None:
     """Add replayed batches not seen live; returns a note when the replay failed."""
+    from kvindex.indexer.ingest.replay import ReplayTimeoutError, fetch_replay  # noqa: PLC0415
+
     seen = {b.seq for b in replica.batches}
     start = replica.first_seq or 0
     try:
@@ -521,6 +515,8 @@ def _replay(
 def run_check(settings: CheckSettings) -> CheckReport:
     """Run the whole check against a live replica. Raises :class:`CheckHashError` when the
     replica's HTTP API cannot be used; event problems are mismatches in the report."""
+    import zmq  # noqa: PLC0415
+
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
         replica = _Replica(settings, context)

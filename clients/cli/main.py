@@ -1,30 +1,24 @@
-"""The ``kvindex`` command line: a thin shell over the library."""
+"""The ``kvindex`` command line: a thin shell over the library.
+
+Each command imports what it runs, so that ``kvindex --version`` and the views start quickly.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import signal
 import sys
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 
-from kvindex.api.config.settings import ApiSettings, load_api_settings
-from kvindex.api.http.server import serve as run_server
-from kvindex.api.http.server import serve_api
 from kvindex.clients.cli.check_hash import check_hash_command
-from kvindex.clients.cli.log_format import LOG_FORMATS, LogFormat, configure_logging
-from kvindex.clients.cli.status import FleetStatus, StatusLog
+from kvindex.clients.cli.log_format import add_log_options, apply_log_options, log_options
+from kvindex.clients.cli.process import check_port, run_indexer, say, stop_event
 from kvindex.clients.cli.views import register_views
 from kvindex.clients.console import make_console
 from kvindex.clients.demo import DemoSettings, demo_main
-from kvindex.clients.fake_vllm.replica import ReplicaSim, ReplicaSimError, ReplicaSimSettings
-from kvindex.clients.proxy.service import serve_proxy
-from kvindex.clients.proxy.settings import load_proxy_settings
 from kvindex.clients.simulate.fleet import FleetSettings
 from kvindex.clients.simulate.routing import PolicySpec, parse_policy
 from kvindex.clients.simulate.run import DEFAULT_POLICIES, SimulateSettings, simulate_main
@@ -35,19 +29,19 @@ from kvindex.clients.workloads import (
     logged_trace,
     read_trace,
 )
-from kvindex.indexer.config.settings import IndexerSettings, load_settings, read_toml
 from kvindex.indexer.domain.errors import KvIndexError
-from kvindex.indexer.fleet.registry import Freshness, fleet_totals
-from kvindex.indexer.fleet.replica import ReplicaSpec
-from kvindex.indexer.service import IndexerService
 
-if TYPE_CHECKING:  # imported where used: `serve` must not pay for tokenizers and numpy
+if TYPE_CHECKING:
+    from kvindex.api.config.settings import ApiSettings
     from kvindex.clients.request_log import TokenizerOptions
+    from kvindex.indexer.fleet.replica import ReplicaSpec
 
 _DEMO = DemoSettings()
 
 
 def _replica_option(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> Any:
+    from kvindex.indexer.fleet.replica import ReplicaSpec  # noqa: PLC0415
+
     try:
         return tuple(ReplicaSpec.parse(v) for v in values)
     except KvIndexError as exc:
@@ -79,36 +73,25 @@ def _indexer_options(command: Callable[..., None]) -> Callable[..., None]:
     return command
 
 
-@click.group()
+class _Group(click.Group):
+    """Lists every command with its whole summary (wrapped, never cut short)."""
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = []
+        for name in self.list_commands(ctx):
+            command = self.get_command(ctx, name)
+            if command is not None and not command.hidden:
+                rows.append((name, command.get_short_help_str(limit=1_000)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+@click.group(cls=_Group, params=log_options(group=True))
 @click.version_option(package_name="kvindex", prog_name="kvindex")
-@click.option("-v", "--verbose", is_flag=True, help="Log at DEBUG level.")
-@click.option(
-    "--log-format",
-    type=click.Choice(LOG_FORMATS),
-    default="text",
-    show_default=True,
-    envvar="KVINDEX_LOG_FORMAT",
-    help="Log lines on stderr: text, or one JSON object per line (ts, level, logger,"
-    " message, extra fields). Env KVINDEX_LOG_FORMAT.",
-)
-@click.option(
-    "--log-repeat-s",
-    type=click.FloatRange(min=0),
-    default=10.0,
-    show_default=True,
-    envvar="KVINDEX_LOG_REPEAT_S",
-    help="Log the same kvindex warning at most once per this many seconds, then say how"
-    " many were held back (0: log every one).",
-)
-def main(verbose: bool, log_format: LogFormat, log_repeat_s: float) -> None:
+def main() -> None:
     """kvindex: where every KV-cache block of a vLLM fleet lives."""
-    configure_logging(
-        level=logging.DEBUG if verbose else logging.INFO,
-        log_format=log_format,
-        repeat_window_s=log_repeat_s,
-    )
-    if not verbose:  # httpx logs one line per request (the /metrics scraper: several a second)
-        logging.getLogger("httpx").setLevel(logging.WARNING)
+    apply_log_options(click.get_current_context())
 
 
 _ingest_workers_option = click.option(
@@ -147,6 +130,8 @@ def indexer(
     stats_every: float,
 ) -> None:
     """Run the write path: subscribe to replicas and keep the block index."""
+    from kvindex.indexer.config.settings import load_settings  # noqa: PLC0415
+
     try:
         settings = load_settings(
             config,
@@ -161,7 +146,7 @@ def indexer(
         )
     except KvIndexError as exc:
         raise click.ClickException(str(exc)) from exc
-    _run_indexer(settings, stats_every)
+    run_indexer(settings, stats_every)
 
 
 _token_file_option = click.option(
@@ -178,8 +163,10 @@ _access_log_option = click.option(
 
 
 def _api_settings(config: Path | None, overrides: dict[str, Any]) -> ApiSettings:
-    """The API's settings: ``[api]``/``[[models]]``/``[[rules]]`` of ``config`` < env <
-    ``overrides``."""
+    """``[api]``, ``[[models]]`` and ``[[rules]]`` of ``config`` < env < ``overrides``."""
+    from kvindex.api.config.settings import load_api_settings  # noqa: PLC0415
+    from kvindex.indexer.config.settings import read_toml  # noqa: PLC0415
+
     file_values = read_toml(config) if config is not None else {}
     return load_api_settings(
         file_values.get("api"),
@@ -211,6 +198,10 @@ def serve(
     stats_every: float,
 ) -> None:
     """Run the indexer and the scoring API in one process."""
+    from kvindex.api.http.server import serve as run_server  # noqa: PLC0415
+    from kvindex.clients.cli.status import StatusLog, fleet_status  # noqa: PLC0415
+    from kvindex.indexer.config.settings import load_settings  # noqa: PLC0415
+
     try:
         settings = load_settings(
             config,
@@ -228,12 +219,13 @@ def serve(
         )
     except KvIndexError as exc:
         raise click.ClickException(str(exc)) from exc
-    make_console().print(f"kvindex serve ({settings.store} store) on http://{api.host}:{api.port}")
+    check_port(api.host, api.port)
+    say(f"kvindex serve ({settings.store} store) on http://{api.host}:{api.port}")
     try:
         run_server(
             settings,
             api,
-            watch=lambda indexer: StatusLog(lambda: _fleet_status(indexer), stats_every),
+            watch=lambda indexer: StatusLog(lambda: fleet_status(indexer), stats_every),
         )
     except KvIndexError as exc:  # the indexer could not start (e.g. out of open files)
         raise click.ClickException(str(exc)) from exc
@@ -263,7 +255,10 @@ def api(
     token_file: Path | None,
     access_log: bool | None,
 ) -> None:
-    """Run the scoring API alone on the Redis a `kvindex indexer --store redis` writes."""
+    """Run the scoring API alone, on the Redis an indexer with --store redis writes."""
+    from kvindex.api.http.server import serve_api  # noqa: PLC0415
+    from kvindex.indexer.config.settings import load_settings  # noqa: PLC0415
+
     try:
         settings = load_settings(config, overrides={"store": "redis", "redis_url": redis_url})
         api_settings = _api_settings(
@@ -272,8 +267,9 @@ def api(
         )
     except KvIndexError as exc:
         raise click.ClickException(str(exc)) from exc
+    check_port(api_settings.host, api_settings.port)
     where = f"http://{api_settings.host}:{api_settings.port}"
-    make_console().print(f"kvindex api (redis fleet, index and load) on {where}")
+    say(f"kvindex api (redis fleet, index and load) on {where}")
     try:
         serve_api(settings.redis_url, settings, api_settings)
     except KvIndexError as exc:  # e.g. an index this version does not read
@@ -283,23 +279,15 @@ def api(
 @main.command()
 @_indexer_options
 @click.option("--host", help="Proxy listen address (default 127.0.0.1).")
-@click.option("--port", type=int, help="Proxy listen port (default 8000).")
+@click.option("--port", type=int, default=8080, show_default=True, help="Proxy listen port.")
 @click.option(
     "--max-attempts", type=int, help="Replicas tried per request before its first byte (3)."
 )
 @click.option("--connect-timeout-s", type=float, help="Connect timeout per replica (2).")
 @click.option("--first-byte-timeout-s", type=float, help="Wait for an answer to start (300).")
-@click.option(
-    "--stream-idle-timeout-s",
-    type=float,
-    help="Longest gap between two chunks of an answer (120).",
-)
+@click.option("--stream-idle-timeout-s", type=float, help="Longest gap between two chunks (120).")
 @click.option("--total-timeout-s", type=float, help="Whole request, stream included (900).")
-@click.option(
-    "--drain-timeout-s",
-    type=float,
-    help="On SIGTERM, let the requests being answered finish this long at most (30).",
-)
+@click.option("--drain-timeout-s", type=float, help="On SIGTERM, answers get this long to end (30).")
 @click.option(
     "--token-file",
     "auth_token_file",
@@ -325,6 +313,10 @@ def proxy(
     """Serve the OpenAI API and forward each request to the replica kvindex picks.
 
     Settings: [proxy] of --config < env KVINDEX_PROXY_<NAME> < these options."""
+    from kvindex.clients.proxy.service import serve_proxy  # noqa: PLC0415
+    from kvindex.clients.proxy.settings import load_proxy_settings  # noqa: PLC0415
+    from kvindex.indexer.config.settings import load_settings, read_toml  # noqa: PLC0415
+
     try:
         settings = load_settings(
             config,
@@ -336,8 +328,9 @@ def proxy(
         proxy_settings = load_proxy_settings(file_values.get("proxy"), overrides=forwarding)
     except KvIndexError as exc:
         raise click.ClickException(str(exc)) from exc
+    check_port(api_settings.host, api_settings.port)
     where = f"http://{api_settings.host}:{api_settings.port}"
-    make_console().print(f"kvindex proxy ({settings.store} store) on {where}/v1")
+    say(f"kvindex proxy ({settings.store} store) on {where}/v1")
     try:
         serve_proxy(settings, api_settings, proxy_settings)
     except KvIndexError as exc:  # e.g. an index this version does not read
@@ -371,15 +364,8 @@ def proxy(
 @click.option("--speed", default=1.0, show_default=True, help="Time compression factor.")
 @click.option("--seed", type=int, help="Block-hash root seed (default: random).")
 @click.option("--lora", "lora_names", multiple=True, help="A LoRA name served (repeatable).")
-@click.option(
-    "--send-hwm", default=0, show_default=True, help="PUB high-water mark (0: unbounded)."
-)
-@click.option(
-    "--send-buffer-bytes",
-    default=0,
-    show_default=True,
-    help="PUB kernel send buffer (0: the OS default).",
-)
+@click.option("--send-hwm", default=0, show_default=True, help="PUB high-water mark (0: none).")
+@click.option("--send-buffer-bytes", default=0, show_default=True, help="PUB buffer (0: OS's).")
 @click.option("--api-key", help="Require this bearer token on /v1 routes (vLLM's --api-key).")
 @click.option(
     "--fail-status",
@@ -396,28 +382,33 @@ def proxy(
 def replica_sim(
     replica_id: str, bind_events: bool, lora_names: tuple[str, ...], replay: str, **kw: Any
 ) -> None:
-    """Run a simulated vLLM replica (HTTP API + KV events) until SIGINT/SIGTERM."""
+    """Run a simulated vLLM replica (HTTP API and KV events) until SIGINT or SIGTERM."""
+    from kvindex.clients.fake_vllm import replica  # noqa: PLC0415 (fastapi)
+
     try:
-        settings = ReplicaSimSettings(
+        settings = replica.ReplicaSimSettings(
             id=replica_id,
             bind_events=True if bind_events else None,
             lora_names=lora_names,
             replay=replay or None,
             **kw,
         )
-    except ReplicaSimError as exc:
+    except replica.ReplicaSimError as exc:
         raise click.ClickException(str(exc)) from exc
-    sim = ReplicaSim(settings)
-    sim.start()
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    make_console().print(
-        f"replica-sim {settings.id} on {sim.base_url}, events {sim.events_endpoint} "
-        f"(topic {settings.topic}), replay {sim.replay_endpoint}"
+    check_port(settings.host, settings.port)
+    sim = replica.ReplicaSim(settings)
+    try:
+        sim.start()
+    except replica.EndpointInUseError as exc:
+        raise click.ClickException(f"{exc}: choose another with --{exc.setting}") from exc
+    stop = stop_event()
+    how = "binds" if settings.events_bound else "connects to"
+    say(
+        f"replica-sim {settings.id} on {sim.base_url}; events: {how} {sim.events_endpoint}"
+        f" (topic {settings.topic}); replay: {sim.replay_endpoint or 'none'}"
     )
     try:
-        while not stop.wait(1.0):
+        while not stop.wait(3600):
             pass
     finally:
         sim.stop()
@@ -703,39 +694,6 @@ def _logged_requests(
     return logged_trace(done, rate=rate, seed=seed)
 
 
-def _run_indexer(settings: IndexerSettings, stats_every: float) -> None:
-    service = IndexerService.build(settings, with_status=True)
-    try:
-        service.start()
-    except KvIndexError as exc:
-        service.stop()
-        raise click.ClickException(str(exc)) from exc
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    where = service.subscriber.bound_endpoint or "configured replicas"
-    status = ""
-    if service.status is not None:
-        status = f", status on {service.status.server.url}"
-    make_console().print(f"kvindex indexer ({settings.store} store) listening on {where}{status}")
-    try:
-        with StatusLog(lambda: _fleet_status(service), stats_every):
-            while not stop.wait(3600):
-                pass
-    finally:
-        service.stop()
-
-
-def _fleet_status(service: IndexerService) -> FleetStatus:
-    """The totals of ``service``'s registry and index now (one index read per stream)."""
-    statuses = service.registry.statuses()
-    names: dict[Freshness, list[str]] = {state: [] for state in Freshness}
-    for status in statuses:
-        names[status.freshness].append(str(status.stream))
-    lags = [s.health.lag_s for s in statuses if s.health.lag_s is not None]
-    totals = fleet_totals(service.registry, service.index, statuses=statuses)
-    return FleetStatus(totals, names, max(lags, default=None))
-
-
 register_views(main)  # residency, score, replicas, stats (clients/cli/views.py)
 main.add_command(check_hash_command)  # check-hash (clients/cli/check_hash.py)
+add_log_options(main)  # every command takes --log-format and --log-level after its name too
