@@ -287,7 +287,7 @@ def api(
 @click.option("--first-byte-timeout-s", type=float, help="Wait for an answer to start (300).")
 @click.option("--stream-idle-timeout-s", type=float, help="Longest gap between two chunks (120).")
 @click.option("--total-timeout-s", type=float, help="Whole request, stream included (900).")
-@click.option("--drain-timeout-s", type=float, help="On SIGTERM, answers get this long to end (30).")
+@click.option("--drain-timeout-s", type=float, help="On SIGTERM, answers get this long (30).")
 @click.option(
     "--token-file",
     "auth_token_file",
