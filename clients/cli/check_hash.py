@@ -307,10 +307,7 @@ def _check_keys(expected: Expected, from_events: list[int | None]) -> list[Misma
 
 
 def compare(expected: Expected, batches: Sequence[ObservedBatch]) -> CheckReport:
-    """Compare the request's expected blocks with the observed ``BlockStored`` events.
-
-    Every check runs; the report lists each mismatch, the most basic first.
-    """
+    """Every check of the expected blocks against the events; mismatches most basic first."""
     found = prompt_events(expected.tokens, batches)
     report = CheckReport(
         ok=False,
@@ -513,8 +510,7 @@ def _replay(
 
 
 def run_check(settings: CheckSettings) -> CheckReport:
-    """Run the whole check against a live replica. Raises :class:`CheckHashError` when the
-    replica's HTTP API cannot be used; event problems are mismatches in the report."""
+    """The whole check on a live replica (:class:`CheckHashError`: its HTTP API unusable)."""
     import zmq  # noqa: PLC0415
 
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()

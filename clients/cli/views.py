@@ -1,8 +1,7 @@
 """The operator views of a running kvindex API: ``residency``, ``score``, ``replicas``, ``stats``.
 
 Thin shells over :class:`kvindex.clients.http.KvIndexClient`, drawn by
-:mod:`kvindex.clients.cli.render` (or the API's body with ``--json``); a client failure is a
-one-line error. Each command imports what it runs, so that loading the CLI stays quick.
+:mod:`kvindex.clients.cli.render` (``--json``: the API's body); a failure is a one-line error.
 """
 
 from __future__ import annotations

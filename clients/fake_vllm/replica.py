@@ -1,9 +1,5 @@
-"""A simulated vLLM replica: a real prefix-cache block pool, KV events, an OpenAI-like API.
-
-No GPU and no model: a toy tokenizer, the block pool of :mod:`kvindex.clients.fake_vllm.block_pool`,
-vLLM's KV events through :class:`kvindex.clients.fake_vllm.publisher.EventPublisher`, and a
-time model that makes load real (``max_running`` run, the rest wait; a request takes
-``uncached prompt tokens / prefill_tps + max_tokens / decode_tps`` simulated seconds).
+"""A simulated vLLM replica: a real prefix-cache block pool, vLLM's KV events, an OpenAI-like
+API, and a time model that makes load real; no GPU, no model, a toy tokenizer.
 Layers: :class:`Engine` (one event loop), :func:`create_app` (routes), :class:`ReplicaSim`.
 """
 
@@ -72,8 +68,7 @@ class ReplicaSimSettings:
     capacity_blocks: int = 1024
     """Blocks in the pool; also bounds a request (``max_model_len = capacity * block_size``)."""
     events: str | None = None
-    """PUB endpoint; vLLM's rule: bind if it has ``*``/``::``, else connect. None: bind
-    :data:`LOOPBACK_EVENTS`."""
+    """PUB endpoint; vLLM's rule: bind with ``*``/``::``, else connect (None: bind loopback)."""
     replay: str | None = "tcp://127.0.0.1:5558"
     """Replay ROUTER endpoint (always bound); None disables replay."""
     bind_events: bool | None = None
@@ -235,9 +230,8 @@ class EngineCounters:
 
 
 class Engine:
-    """FIFO scheduler over a :class:`BlockPool`: admits while fewer than ``max_running``
-    run and the pool has room; publishes one batch per admission and per completion.
-    Use from one event loop only."""
+    """FIFO scheduler over a :class:`BlockPool` (one event loop): admits while fewer than
+    ``max_running`` run and the pool has room; one batch of events per admission and end."""
 
     def __init__(
         self,
@@ -260,8 +254,7 @@ class Engine:
         return len(self._waiting)
 
     async def run(self, request: SimRequest) -> SimResult:
-        """Queue, run and finish one request. Raises :class:`ReplicaSimError` when it can
-        never fit (longer than ``max_model_len``) or its prompt is empty."""
+        """Queue, run and finish one request (:class:`ReplicaSimError` when it can never fit)."""
         total = len(request.prompt) + request.max_tokens
         if not request.prompt or total > self.settings.max_model_len:
             raise ReplicaSimError(
@@ -449,8 +442,7 @@ def chat_response(settings: ReplicaSimSettings, prompt_len: int, result: SimResu
 
 
 def sse_chunks(answer: Any, *, chat: bool) -> list[bytes]:
-    """A finished answer as OpenAI server-sent events: one chunk per output word, then a
-    chunk with ``usage`` (cached tokens included) and no choices, then ``[DONE]``."""
+    """A finished answer as OpenAI server-sent events: a chunk per word, one with ``usage``."""
     kind = "chat.completion.chunk" if chat else "text_completion"
     head = {k: answer[k] for k in ("id", "created", "model")} | {"object": kind}
     text = answer["choices"][0]["message"]["content"] if chat else answer["choices"][0]["text"]
@@ -482,8 +474,7 @@ def _sse(chunks: list[bytes], stall_s: float = 0.0) -> Response:
 
 
 async def handle_completion(engine: Engine, raw: bytes, *, chat: bool = False) -> Response:
-    """``POST /v1/completions`` (``chat``: ``/v1/chat/completions``): decode, run through
-    the engine, answer OpenAI-style; ``stream`` answers as server-sent events."""
+    """``POST /v1/completions`` (``chat``: ``/v1/chat/completions``), OpenAI-style."""
     settings = engine.settings
     if settings.fail_status:
         return _error(settings.fail_status, "failure injected (fail_status)")
@@ -533,8 +524,7 @@ EMBEDDING_SIZE = 8
 
 
 def handle_embeddings(settings: ReplicaSimSettings, raw: bytes) -> Response:
-    """``POST /v1/embeddings`` (OpenAI's shape): each input's toy tokens folded into
-    :data:`EMBEDDING_SIZE` counts, normalised (deterministic everywhere)."""
+    """``POST /v1/embeddings``: each input's toy tokens folded into a normalised vector."""
     try:
         body = msgspec.json.decode(raw, type=EmbeddingBody)
     except msgspec.DecodeError as exc:
@@ -570,9 +560,8 @@ class CachedBody(msgspec.Struct):
 
 
 def handle_cached(engine: Engine, raw: bytes) -> Response:
-    """``POST /kvsim/cached`` (a test oracle, not vLLM's API): for each of ``prompts``, how
-    many of its leading full blocks the pool holds now (no LoRA, no cache salt); and how
-    many blocks it holds in all. Reads only: nothing is pinned, touched or published."""
+    """``POST /kvsim/cached`` (a test oracle): the leading full blocks of each prompt that the
+    pool holds, and its block count; reads only."""
     try:
         body = msgspec.json.decode(raw, type=CachedBody)
     except msgspec.DecodeError as exc:
@@ -587,9 +576,7 @@ def handle_cached(engine: Engine, raw: bytes) -> Response:
 
 
 def create_app(engine: Engine) -> FastAPI:
-    """The replica's HTTP API: ``/v1/completions``, ``/v1/chat/completions``,
-    ``/v1/embeddings``, ``/tokenize``, ``/metrics``, ``/health``, and ``/kvsim/cached``
-    (what its pool holds, for tests). ``/v1`` routes check ``api_key`` when set."""
+    """vLLM's routes (``/v1/*`` checking ``api_key``), ``/metrics``, and ``/kvsim/cached``."""
     app = FastAPI(title=f"kvindex replica simulator {engine.settings.id}")
     settings = engine.settings
 
