@@ -22,9 +22,6 @@ from kvindex.indexer.domain.errors import KvIndexError, SettingsError
 from kvindex.indexer.domain.events import BlockStored, EventBatch, StreamId
 from kvindex.indexer.domain.keys import block_keys, request_extra_keys
 from kvindex.indexer.fleet.replica import check_endpoint
-from kvindex.indexer.index.memory import MemoryIndex
-from kvindex.indexer.ingest.ingestor import Ingestor
-from kvindex.indexer.ingest.wire import WireError, decode_live, payload_shape
 
 if TYPE_CHECKING:
     import zmq
@@ -270,6 +267,9 @@ def _check_extras(expected: Expected, blocks: list[_Block]) -> list[Mismatch]:
 
 def event_keys(model: str, found: list[_PromptEvent], blocks: list[_Block]) -> list[int | None]:
     """kvindex keys of ``blocks`` computed from the events exactly as the indexer does."""
+    from kvindex.indexer.index.memory import MemoryIndex  # noqa: PLC0415 (loaded to check)
+    from kvindex.indexer.ingest.ingestor import Ingestor  # noqa: PLC0415
+
     index = MemoryIndex()
     ingestor = Ingestor(index)
     batches = [EventBatch(i + 1, 0.0, 0, (p.event,)) for i, p in enumerate(found)]
@@ -442,6 +442,8 @@ class _Replica:
 
     def receive(self, wait_s: float) -> int:
         """Read every message arriving within ``wait_s``; returns how many came."""
+        from kvindex.indexer.ingest.wire import WireError, decode_live, payload_shape  # noqa: PLC0415
+
         count = 0
         deadline = time.monotonic() + wait_s
         while self.sub.poll(max(0, int((deadline - time.monotonic()) * 1000))):  # POLLIN
