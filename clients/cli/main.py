@@ -77,11 +77,8 @@ class _Group(click.Group):
     """Lists every command with its whole summary (wrapped, never cut short)."""
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        rows = []
-        for name in self.list_commands(ctx):
-            command = self.get_command(ctx, name)
-            if command is not None and not command.hidden:
-                rows.append((name, command.get_short_help_str(limit=1_000)))
+        commands = [(name, self.get_command(ctx, name)) for name in self.list_commands(ctx)]
+        rows = [(n, c.get_short_help_str(limit=1_000)) for n, c in commands if c and not c.hidden]
         if rows:
             with formatter.section("Commands"):
                 formatter.write_dl(rows)
@@ -401,6 +398,8 @@ def replica_sim(
         sim.start()
     except replica.EndpointInUseError as exc:
         raise click.ClickException(f"{exc}: choose another with --{exc.setting}") from exc
+    except replica.ReplicaSimError as exc:  # e.g. the HTTP server failed at start-up
+        raise click.ClickException(str(exc)) from exc
     stop = stop_event()
     how = "binds" if settings.events_bound else "connects to"
     say(
