@@ -16,7 +16,6 @@ from typing import Literal, TextIO
 from rich import box
 from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.measure import Measurement
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.segment import Segment
 from rich.table import Column, Table
 
@@ -144,6 +143,14 @@ class ProgressBars:
     (told to stop but not joined, it could outlive the command)."""
 
     def __init__(self, console: Console | None, label_width: int) -> None:
+        from rich.progress import (  # noqa: PLC0415 (the views draw no bar)
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
         self._progress = Progress(
             TextColumn(f"{{task.description:>{label_width}}}"),
             BarColumn(),
