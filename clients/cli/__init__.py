@@ -1,1 +1,1 @@
-"""The ``kvindex`` command: main.py, with the views (views.py, render.py) and check-hash."""
+"""The ``kvindex`` command: main.py; the views (views.py, render.py); check-hash (key_check.py)."""

@@ -1,9 +1,9 @@
-"""``kvindex check-hash``: prove on a live replica that kvindex's keys match what it stores.
+"""What ``kvindex check-hash`` runs: prove on a live replica that kvindex's keys match its own.
 
 One unique random prompt is sent to the replica; the ``BlockStored`` events carrying its
 tokens (live, or replayed) are compared block by block with what kvindex computes: block
 size, token ids, the parent chain, the extra keys, and the keys through the indexer's own
-path. :func:`compare` is pure; :func:`run_check` does the I/O (its libraries loaded then).
+path. :func:`compare` is pure; :func:`run_check` does the I/O.
 """
 
 from __future__ import annotations
@@ -14,17 +14,19 @@ import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-import click
+import httpx
+import zmq
 
 from kvindex.indexer.domain.errors import KvIndexError, SettingsError
 from kvindex.indexer.domain.events import BlockStored, EventBatch, StreamId
 from kvindex.indexer.domain.keys import block_keys, request_extra_keys
 from kvindex.indexer.fleet.replica import check_endpoint
-
-if TYPE_CHECKING:
-    import zmq
+from kvindex.indexer.index.memory import MemoryIndex
+from kvindex.indexer.ingest.ingestor import Ingestor
+from kvindex.indexer.ingest.replay import ReplayTimeoutError, fetch_replay
+from kvindex.indexer.ingest.wire import WireError, decode_live, payload_shape
 
 PromptMode = Literal["tokens", "text"]
 _WARMUP_TOKENS = 257
@@ -267,9 +269,6 @@ def _check_extras(expected: Expected, blocks: list[_Block]) -> list[Mismatch]:
 
 def event_keys(model: str, found: list[_PromptEvent], blocks: list[_Block]) -> list[int | None]:
     """kvindex keys of ``blocks`` computed from the events exactly as the indexer does."""
-    from kvindex.indexer.index.memory import MemoryIndex  # noqa: PLC0415 (loaded to check)
-    from kvindex.indexer.ingest.ingestor import Ingestor  # noqa: PLC0415
-
     index = MemoryIndex()
     ingestor = Ingestor(index)
     batches = [EventBatch(i + 1, 0.0, 0, (p.event,)) for i, p in enumerate(found)]
@@ -394,9 +393,6 @@ class _Replica:
     """The replica's HTTP API and its KV-event SUB socket."""
 
     def __init__(self, settings: CheckSettings, context: zmq.Context[zmq.Socket[bytes]]) -> None:
-        import httpx  # noqa: PLC0415
-        import zmq  # noqa: PLC0415
-
         self.settings = settings
         self.http = httpx.Client(base_url=settings.url, timeout=max(settings.timeout_s, 10.0))
         self.sub: zmq.Socket[bytes] = context.socket(zmq.SUB)
@@ -420,8 +416,6 @@ class _Replica:
         return s.request_model or s.lora_name or s.model
 
     def post(self, path: str, body: dict[str, Any]) -> Any:
-        import httpx  # noqa: PLC0415
-
         try:
             response = self.http.post(path, json=body)
         except httpx.HTTPError as exc:
@@ -442,11 +436,9 @@ class _Replica:
 
     def receive(self, wait_s: float) -> int:
         """Read every message arriving within ``wait_s``; returns how many came."""
-        from kvindex.indexer.ingest.wire import WireError, decode_live, payload_shape  # noqa: PLC0415
-
         count = 0
         deadline = time.monotonic() + wait_s
-        while self.sub.poll(max(0, int((deadline - time.monotonic()) * 1000))):  # POLLIN
+        while self.sub.poll(max(0, int((deadline - time.monotonic()) * 1000)), zmq.POLLIN):
             frames = self.sub.recv_multipart()
             count += 1
             try:
@@ -497,8 +489,6 @@ def _replay(
     replica: _Replica, context: zmq.Context[zmq.Socket[bytes]], endpoint: str
 ) -> str | None:
     """Add replayed batches not seen live; returns a note when the replay failed."""
-    from kvindex.indexer.ingest.replay import ReplayTimeoutError, fetch_replay  # noqa: PLC0415
-
     seen = {b.seq for b in replica.batches}
     start = replica.first_seq or 0
     try:
@@ -513,8 +503,6 @@ def _replay(
 
 def run_check(settings: CheckSettings) -> CheckReport:
     """The whole check on a live replica (:class:`CheckHashError`: its HTTP API unusable)."""
-    import zmq  # noqa: PLC0415
-
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
         replica = _Replica(settings, context)
@@ -558,32 +546,3 @@ def _explain_missing(
         "events",
         f"no BlockStored events for the prompt within {settings.timeout_s:g} s{detail}: {_HINT}",
     )
-
-
-# --- the command ----------------------------------------------------------------------------
-
-
-@click.command("check-hash")
-@click.option("--url", required=True, help="Replica's OpenAI server, e.g. http://host:8000.")
-@click.option("--events", required=True, help="Replica's KV-event endpoint, tcp://host:5557.")
-@click.option("--model", required=True, help="Base model name (as the indexer keys it).")
-@click.option("--block-size", default=16, show_default=True, help="Block size kvindex expects.")
-@click.option("--lora-name", help="LoRA adapter of the request (sent as the request's model).")
-@click.option("--cache-salt", help="cache_salt of the request.")
-@click.option("--replay", help="Replica's replay endpoint, used if live events were missed.")
-@click.option("--topic", default="", help="SUB topic prefix (default: everything).")
-@click.option("--request-model", help="model sent in the request (default: LoRA or --model).")
-@click.option("--text", "text_mode", is_flag=True, help="Send text and learn tokens by /tokenize.")
-@click.option("--num-blocks", default=4, show_default=True, help="Full blocks in the prompt.")
-@click.option("--timeout", "timeout_s", default=5.0, show_default=True, help="Seconds to wait.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def check_hash_command(text_mode: bool, as_json: bool, **kw: Any) -> None:
-    """Check that kvindex's block keys agree with a live replica's BlockStored events."""
-    try:
-        settings = CheckSettings(mode="text" if text_mode else "tokens", **kw)
-        report = run_check(settings)
-    except CheckHashError as exc:
-        raise click.ClickException(str(exc)) from exc
-    click.echo(report.to_json() if as_json else report.render())
-    if not report.ok:
-        raise SystemExit(1)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from kvindex.clients.cli.key_check import check_hash_command
+from kvindex.clients.cli.check_hash import check_hash_command
 from kvindex.clients.cli.log_format import add_log_options, apply_log_options, log_options
 from kvindex.clients.cli.process import check_port, run_indexer, say, stop_event
 from kvindex.clients.cli.views import register_views
@@ -694,5 +694,5 @@ def _logged_requests(
 
 
 register_views(main)  # residency, score, replicas, stats (clients/cli/views.py)
-main.add_command(check_hash_command)  # check-hash (clients/cli/key_check.py)
+main.add_command(check_hash_command)  # check-hash (clients/cli/check_hash.py)
 add_log_options(main)  # every command takes --log-format and --log-level after its name too
