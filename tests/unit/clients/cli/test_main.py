@@ -115,6 +115,7 @@ def test_the_proxy_listens_on_its_own_port_by_default(monkeypatch: pytest.Monkey
         ports.append(api.port)
 
     monkeypatch.setattr(service, "serve_proxy", serve_proxy)
+    # and where an import at the top of main.py would have bound it (the proxy never runs)
     monkeypatch.setattr("kvindex.clients.cli.main.serve_proxy", serve_proxy, raising=False)
     monkeypatch.setattr("kvindex.clients.cli.main.check_port", lambda *_: None, raising=False)
     env = {"KVINDEX_API_PORT": None, "KVINDEX_API_HOST": None}
