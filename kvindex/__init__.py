@@ -11,9 +11,15 @@ An installed kvindex holds them under this package (``pyproject.toml`` maps each
 are links to the same folders, so tools that read the tree (mypy, pytest) see the same names.
 """
 
-from importlib.metadata import PackageNotFoundError, version
 
-try:
-    __version__ = version("kvindex")
-except PackageNotFoundError:  # a checkout used without installing it
-    __version__ = "0+unknown"
+def __getattr__(name: str) -> str:
+    # __version__ is read from the installed metadata on first use: importing
+    # importlib.metadata costs every CLI call tens of milliseconds.
+    if name != "__version__":
+        raise AttributeError(f"module 'kvindex' has no attribute {name!r}")
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+    try:
+        return version("kvindex")
+    except PackageNotFoundError:  # a checkout used without installing it
+        return "0+unknown"

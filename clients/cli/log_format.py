@@ -1,17 +1,8 @@
 """How a ``kvindex`` process logs: text or JSON lines on stderr, repeated warnings held back.
 
-:func:`configure_logging` (called once by the CLI group, before any command) installs one
-handler on the root logger:
-
-- ``text``: ``2026-12-01 21:50:17,123 WARNING kvindex.fleet: message``;
-- ``json``: one object per line, ``{"ts", "level", "logger", "message", ...}``, the record's
-  extra fields (``logger.info(..., extra={...})``: the access log's ``route``, ``status``,
-  ``duration_ms``) as further keys, and ``exc`` with the traceback when there is one.
-
-Warnings and errors of the ``kvindex`` loggers (the API's and the indexer's) pass a
-:class:`RepeatFilter`: the same logger and message template at most once per window (a
-store that is down is otherwise reported every time it is read), and the next one let
-through says how many were held back.
+One handler on the root logger: ``text`` lines, or one JSON object per line with the record's
+extra fields as keys. Warnings of the ``kvindex`` loggers pass a :class:`RepeatFilter`. The
+log options are taken before the command and after it (the command's win).
 """
 
 from __future__ import annotations
@@ -27,19 +18,19 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal, TextIO
 
+import click
+
 LogFormat = Literal["text", "json"]
 LOG_FORMATS: tuple[LogFormat, ...] = ("text", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 HANDLER_NAME = "kvindex"
-"""The name of the handler :func:`configure_logging` installs (a second call replaces it)."""
 
 _RECORD_FIELDS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {
     "message",
     "asctime",
     "color_message",  # uvicorn's copy of the message with terminal colours
 }
-"""Attributes every LogRecord has (and uvicorn's coloured copy): what is not among them
-came as ``extra``."""
 
 
 class JsonFormatter(logging.Formatter):
@@ -69,13 +60,8 @@ class _Seen:
 
 
 class RepeatFilter(logging.Filter):
-    """Lets through a record at ``min_level`` or above of a logger under ``prefix`` only if
-    the same logger and message template (the format string, not the formatted text: the
-    same warning about another replica is the same warning; the text when the format
-    string is only placeholders) has not passed in the last
-    ``window_s``. A record let through after others were held back gets ``num_suppressed``
-    (an extra field) and its message says how many and over how long. Lower levels and
-    other loggers always pass. Thread-safe."""
+    """Lets a ``kvindex`` warning through at most once per ``window_s`` for one logger and
+    message template; the next one says how many were held back. Thread-safe."""
 
     def __init__(
         self,
@@ -116,8 +102,7 @@ _PLACEHOLDER = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(?:\*|\d+)?(?:\.(?:\*|\d+))?[
 
 
 def _template_of(record: logging.LogRecord) -> str:
-    """What makes two records the same warning: the format string, or the formatted text
-    when the format string says nothing of its own (``log.warning("%s", why)``)."""
+    # The format string, unless it says nothing of its own (log.warning("%s", why)).
     template = str(record.msg)
     if not _PLACEHOLDER.sub("", template).strip():
         return record.getMessage()
@@ -129,8 +114,7 @@ def _under(name: str, prefix: str) -> bool:
 
 
 class _StderrHandler(logging.StreamHandler[TextIO]):
-    """Writes to whatever ``sys.stderr`` is at the time (as ``logging.lastResort`` does),
-    so a process that swaps it (a test runner) never logs into a closed stream."""
+    """Writes to whatever ``sys.stderr`` is at the time, as ``logging.lastResort`` does."""
 
     def __init__(self) -> None:
         super().__init__(sys.stderr)
@@ -145,9 +129,8 @@ class _StderrHandler(logging.StreamHandler[TextIO]):
 
 
 def configure_logging(*, level: int, log_format: LogFormat, repeat_window_s: float) -> None:
-    """The root logger at ``level`` with one stderr handler in ``log_format``, repeated
-    ``kvindex`` warnings held back for ``repeat_window_s`` (0: never). Replaces the handler
-    a previous call installed; leaves any other handler alone."""
+    """The root logger at ``level`` with one stderr handler in ``log_format`` (replacing the
+    one a previous call installed); repeated warnings held back for ``repeat_window_s``."""
     handler = _StderrHandler()
     handler.set_name(HANDLER_NAME)
     formatter = JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
@@ -159,3 +142,75 @@ def configure_logging(*, level: int, log_format: LogFormat, repeat_window_s: flo
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level)
+
+
+# --- the log options of the command line -----------------------------------------------------
+
+_GIVEN = "kvindex.log_options"
+"""Key, in the context's ``meta`` (shared by the group and its command), of the options given."""
+
+
+def _remember(ctx: click.Context, param: click.Parameter, value: object) -> None:
+    if value is None or value is False or param.name is None:
+        return
+    ctx.meta.setdefault(_GIVEN, {})[param.name] = value
+    if ctx.parent is not None:  # a command's own option: parsed after the group's took effect
+        apply_log_options(ctx)
+
+
+def apply_log_options(ctx: click.Context) -> None:
+    """Configure logging from the log options given so far (the command's over the group's)."""
+    given = ctx.meta.get(_GIVEN, {})
+    level = given.get("log_level") or ("debug" if given.get("verbose") else "info")
+    configure_logging(
+        level=logging.getLevelName(level.upper()),
+        log_format=given.get("log_format", "text"),
+        repeat_window_s=given.get("log_repeat_s", 10.0),
+    )
+    if level != "debug":  # httpx logs one line per request (the /metrics scraper: several a second)
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def log_options(*, group: bool) -> list[click.Option]:
+    """``--log-format`` and ``--log-level`` (the group's: with their environment variables
+    and defaults, ``-v`` and ``--log-repeat-s`` too)."""
+    common: dict[str, Any] = {"expose_value": False, "callback": _remember}
+    where = "" if group else " (also before the command)"
+    options = [
+        click.Option(
+            ["--log-format"],
+            type=click.Choice(LOG_FORMATS),
+            envvar="KVINDEX_LOG_FORMAT" if group else None,
+            help=f"Log lines on stderr: text, or one JSON object per line{where}"
+            + (" [env KVINDEX_LOG_FORMAT; default: text]" if group else ""),
+            **common,
+        ),
+        click.Option(
+            ["--log-level"],
+            type=click.Choice(LOG_LEVELS, case_sensitive=False),
+            envvar="KVINDEX_LOG_LEVEL" if group else None,
+            help=f"Least level logged{where}"
+            + (" [env KVINDEX_LOG_LEVEL; default: info, debug with -v]" if group else ""),
+            **common,
+        ),
+    ]
+    if not group:
+        return options
+    verbose = click.Option(["-v", "--verbose"], is_flag=True, help="Log at debug level.", **common)
+    repeat = click.Option(
+        ["--log-repeat-s"],
+        type=click.FloatRange(min=0),
+        default=10.0,
+        show_default=True,
+        envvar="KVINDEX_LOG_REPEAT_S",
+        help="Log the same kvindex warning at most once per this many seconds, then say how"
+        " many were held back (0: log every one).",
+        **common,
+    )
+    return [verbose, *options, repeat]
+
+
+def add_log_options(group: click.Group) -> None:
+    """Give every command of ``group`` its own ``--log-format`` and ``--log-level``."""
+    for command in group.commands.values():
+        command.params.extend(log_options(group=False))

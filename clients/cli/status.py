@@ -1,15 +1,5 @@
-"""The indexer's periodic status: one log line per period, for people reading its log.
-
-``kvindex indexer`` and ``kvindex serve`` log, every ``--stats-every`` seconds, one INFO
-record on the ``kvindex.status`` logger with the fleet's totals, e.g.::
-
-    3 streams: 2 live, 0 replaying, 1 stale (r3/0) · blocks gpu 1,204 cpu 16 other 0 ·
-    41.2 batches/s · lag max 0.012s · gaps 2 · replays 1 · restarts 0 · errors 0
-
-(one line in the log). Counters are totals since the process started; the rate is over the
-last period. Streams that are not live are named (the first :data:`MAX_NAMED`). The
-command computes the totals (:class:`FleetStatus`); this module words and logs them.
-"""
+"""The indexer's periodic status: every ``--stats-every`` seconds, one INFO record on the
+``kvindex.status`` logger with the fleet's totals, as one line and as fields (JSON logs)."""
 
 from __future__ import annotations
 
@@ -18,10 +8,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from kvindex.indexer.fleet.registry import FleetTotals, Freshness
+from kvindex.indexer.fleet.registry import FleetTotals, Freshness, fleet_totals
 
-__all__ = ["MAX_NAMED", "FleetStatus", "StatusLog", "status_line"]
+if TYPE_CHECKING:
+    from kvindex.indexer.service import IndexerService
+
+__all__ = ["MAX_NAMED", "FleetStatus", "StatusLog", "fleet_status", "status_fields", "status_line"]
 
 log = logging.getLogger("kvindex.status")
 
@@ -34,11 +28,21 @@ class FleetStatus:
     """The fleet's totals at one moment, with what a log line adds to them."""
 
     totals: FleetTotals
-    """Counters, streams and blocks added up (``fleet_totals``)."""
     streams_by_freshness: dict[Freshness, list[str]]
     """Every freshness state, each with its streams (``r1/0``), in stream order."""
     max_lag_s: float | None
     """The largest lag of a stream's last applied batch (None: no batch applied yet)."""
+
+
+def fleet_status(service: IndexerService) -> FleetStatus:
+    """The totals of ``service``'s registry and index now (one index read per stream)."""
+    statuses = service.registry.statuses()
+    names: dict[Freshness, list[str]] = {state: [] for state in Freshness}
+    for status in statuses:
+        names[status.freshness].append(str(status.stream))
+    lags = [s.health.lag_s for s in statuses if s.health.lag_s is not None]
+    totals = fleet_totals(service.registry, service.index, statuses=statuses)
+    return FleetStatus(totals, names, max(lags, default=None))
 
 
 def _named(state: Freshness, streams: list[str]) -> str:
@@ -49,17 +53,20 @@ def _named(state: Freshness, streams: list[str]) -> str:
     return f"{shown} ({', '.join(streams[:MAX_NAMED])}{more})"
 
 
+def _num_unrouted(totals: FleetTotals) -> int:
+    unrouted = totals.unrouted
+    return unrouted.num_undecodable + unrouted.num_unidentified + unrouted.num_refused
+
+
 def status_line(status: FleetStatus, batches_per_s: float | None) -> str:
-    """``status`` as one line (no newline); ``batches_per_s`` None: not known yet. Frames of
-    the bound SUB that reached no stream are shown only when there are some."""
+    """``status`` as one line; ``batches_per_s`` None: not known yet."""
     totals, counters = status.totals, status.totals.counters
     num = totals.num_streams
     states = ", ".join(_named(s, names) for s, names in status.streams_by_freshness.items())
     blocks = " ".join(f"{t.name.lower()} {n:,}" for t, n in totals.blocks_by_tier.items())
     rate = "-" if batches_per_s is None else f"{batches_per_s:.1f}"
     lag = "-" if status.max_lag_s is None else f"{status.max_lag_s:.3f}s"
-    unrouted = totals.unrouted
-    num_unrouted = unrouted.num_undecodable + unrouted.num_unidentified + unrouted.num_refused
+    num_unrouted = _num_unrouted(totals)
     return (
         f"{num} stream{'' if num == 1 else 's'}: {states} · blocks {blocks} · {rate} batches/s"
         f" · lag max {lag} · gaps {counters.num_gaps} · replays {counters.num_replays}"
@@ -67,12 +74,32 @@ def status_line(status: FleetStatus, batches_per_s: float | None) -> str:
     ) + (f" · unrouted {num_unrouted}" if num_unrouted else "")
 
 
+def status_fields(status: FleetStatus, batches_per_s: float | None) -> dict[str, Any]:
+    """What :func:`status_line` says, as the fields of the log record."""
+    totals, counters = status.totals, status.totals.counters
+    by_state = status.streams_by_freshness
+    return {
+        "num_streams": totals.num_streams,
+        "num_streams_by_freshness": {s.value: len(names) for s, names in by_state.items()},
+        "not_live": [
+            name for s, names in by_state.items() if s is not Freshness.LIVE for name in names
+        ],
+        "blocks_by_tier": {t.name.lower(): n for t, n in totals.blocks_by_tier.items()},
+        "batches_per_s": batches_per_s,
+        "max_lag_s": status.max_lag_s,
+        "num_gaps": counters.num_gaps,
+        "num_replays": counters.num_replays,
+        "num_restarts": counters.num_restarts,
+        "num_errors": counters.num_errors,
+        "num_unrouted": _num_unrouted(totals),
+    }
+
+
 @dataclass
 class StatusLog:
-    """Logs :func:`status_line` of ``read_status()`` every ``every_s`` seconds on a thread
-    of its own while entered as a context manager; ``every_s`` <= 0: never. Leaving the
-    context stops and joins the thread. A line's rate is over the time since the previous
-    line (the first: since the context was entered, as the indexer starts)."""
+    """While entered, logs the status of ``read_status()`` every ``every_s`` seconds on a
+    thread of its own (``every_s`` <= 0: never); leaving joins the thread. A line's rate is
+    over the time since the previous one."""
 
     read_status: Callable[[], FleetStatus]
     every_s: float
@@ -80,10 +107,9 @@ class StatusLog:
     _stop: threading.Event = field(default_factory=threading.Event, init=False)
     _thread: threading.Thread | None = field(default=None, init=False)
     _previous: tuple[float, int] | None = field(default=None, init=False)
-    """(time, batches) at the previous line."""
 
-    def line(self) -> str:
-        """The status now, its rate measured since the previous call (none on the first)."""
+    def record(self) -> tuple[str, dict[str, Any]]:
+        """The status now, as a line and as fields, its rate since the previous call."""
         status = self.read_status()
         now = self.clock()
         rate = None
@@ -92,12 +118,16 @@ class StatusLog:
                 now - self._previous[0]
             )
         self._previous = (now, status.totals.counters.num_batches)
-        return status_line(status, rate)
+        return status_line(status, rate), status_fields(status, rate)
+
+    def line(self) -> str:
+        return self.record()[0]
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
             try:
-                log.info("%s", self.line())
+                line, fields = self.record()
+                log.info("%s", line, extra=fields)
             except Exception as exc:  # a store that is down costs a line, not the status thread
                 log.warning("status unavailable: %s: %s", type(exc).__name__, exc)
 

@@ -1,23 +1,6 @@
-"""A simulated vLLM replica: a real prefix-cache block pool, KV events, an OpenAI-like API.
-
-No GPU and no model: requests are tokenized by a toy tokenizer, their prompt blocks go
-through the block pool of :mod:`kvindex.clients.fake_vllm.block_pool` (chained engine
-hashes, prefix hits, pinned blocks of running requests, LRU eviction of unreferenced
-blocks), and every store / eviction is published as vLLM's KV events through
-:class:`kvindex.clients.fake_vllm.publisher.EventPublisher` (PUB + replay ROUTER, either
-encoding). A simple
-time model makes load real: at most ``max_running`` requests run, the rest wait, and a
-request takes ``uncached prompt tokens / prefill_tps + max_tokens / decode_tps`` seconds
-(divided by ``speed``).
-
-Layers, each usable alone: :class:`~kvindex.clients.fake_vllm.block_pool.BlockPool` (pure,
-no I/O, not thread-safe), :class:`Engine` (asyncio scheduler over one pool; call it from one
-event loop only),
-:func:`create_app` (FastAPI routes) and :class:`ReplicaSim` (publisher + uvicorn in a
-background thread, ``start()`` / ``stop()``).
-
-Deliberate simplifications (beside the pool's own): one KV-cache group; the output tokens
-are a deterministic function of the prompt; no chunked prefill.
+"""A simulated vLLM replica: a real prefix-cache block pool, vLLM's KV events, an OpenAI-like
+API, and a time model that makes load real; no GPU, no model, a toy tokenizer.
+Layers: :class:`Engine` (one event loop), :func:`create_app` (routes), :class:`ReplicaSim`.
 """
 
 from __future__ import annotations
@@ -32,6 +15,7 @@ from typing import Annotated, Any, get_args
 
 import msgspec
 import xxhash
+import zmq
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
@@ -55,13 +39,20 @@ class ReplicaSimError(KvIndexError):
     """Invalid simulator settings or a request the simulated replica refuses."""
 
 
+class EndpointInUseError(ReplicaSimError):
+    """An endpoint the replica binds is taken; ``setting`` names the field that chose it."""
+
+    def __init__(self, setting: str, endpoint: str) -> None:
+        super().__init__(f"{endpoint} is in use")
+        self.setting = setting
+
+
 # --- settings -------------------------------------------------------------------------------
 
 
+_BOUND = ("ipc://", "inproc://")
 LOOPBACK_EVENTS = "tcp://127.0.0.1:5557"
-"""Where a replica-sim binds its PUB unless told: loopback, so a default run is not
-reachable from other hosts (vLLM's own default, ``tcp://*:5557``, listens on every
-interface)."""
+"""Where the PUB binds unless told (vLLM's own default, ``tcp://*:5557``, is every interface)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,11 +68,9 @@ class ReplicaSimSettings:
     capacity_blocks: int = 1024
     """Blocks in the pool; also bounds a request (``max_model_len = capacity * block_size``)."""
     events: str | None = None
-    """PUB endpoint; vLLM's rule: bind if it has ``*``/``::``, else connect. None: bind
-    :data:`LOOPBACK_EVENTS` (only this host; ``tcp://*:5557`` exposes it)."""
+    """PUB endpoint; vLLM's rule: bind with ``*``/``::``, else connect (None: bind loopback)."""
     replay: str | None = "tcp://127.0.0.1:5558"
-    """Replay ROUTER endpoint (always bound; loopback unless told, e.g. ``tcp://*:5558``);
-    None disables replay."""
+    """Replay ROUTER endpoint (always bound); None disables replay."""
     bind_events: bool | None = None
     """Override vLLM's bind/connect rule for ``events`` (True: bind exactly there)."""
     host: str = "127.0.0.1"
@@ -105,19 +94,15 @@ class ReplicaSimSettings:
     lora_names: tuple[str, ...] = ()
     """LoRA adapters served: a request whose ``model`` is one of these uses that adapter."""
     send_hwm: int = 0
-    """The PUB's high-water mark in messages (0: unbounded); past it a subscriber that does
-    not keep up loses frames (and sees a gap), as with vLLM's PUB."""
+    """The PUB's high-water mark in messages (0: unbounded); past it frames are dropped."""
     send_buffer_bytes: int = 0
     """The PUB's kernel send buffer per connection (0: the OS default)."""
     api_key: str | None = None
-    """As vLLM's ``--api-key``: every ``/v1`` route needs ``Authorization: Bearer <key>``
-    (401 otherwise); None: open."""
+    """As vLLM's ``--api-key``: every ``/v1`` route needs this bearer token; None: open."""
     fail_status: int = 0
-    """Test knob: answer every completion with this HTTP status before running it (0:
-    never), as an overloaded or failing replica does (429, 500, 503)."""
+    """Test knob: answer every completion with this HTTP status (0: never)."""
     stream_stall_s: float = 0.0
-    """Test knob: a stream waits this long (real seconds) after its first chunk, as a hung
-    replica does (0: never)."""
+    """Test knob: a stream waits this long (real seconds) after its first chunk (0: never)."""
 
     def __post_init__(self) -> None:
         self._check_test_knobs()
@@ -148,6 +133,15 @@ class ReplicaSimSettings:
     @property
     def topic(self) -> str:
         return f"kv@{self.id}@{self.model}"
+
+    @property
+    def events_bound(self) -> bool:
+        """Whether the PUB binds ``events`` (vLLM's rule, or ``bind_events``) or connects."""
+        if self.events is None:
+            return True
+        if self.bind_events is not None:
+            return self.bind_events
+        return "*" in self.events or "::" in self.events or self.events.startswith(_BOUND)
 
     @property
     def max_model_len(self) -> int:
@@ -236,9 +230,8 @@ class EngineCounters:
 
 
 class Engine:
-    """FIFO scheduler over a :class:`BlockPool`: admits while fewer than ``max_running``
-    run and the pool has room; publishes one batch per admission and per completion.
-    Use from one event loop only."""
+    """FIFO scheduler over a :class:`BlockPool` (one event loop): admits while fewer than
+    ``max_running`` run and the pool has room; one batch of events per admission and end."""
 
     def __init__(
         self,
@@ -261,8 +254,7 @@ class Engine:
         return len(self._waiting)
 
     async def run(self, request: SimRequest) -> SimResult:
-        """Queue, run and finish one request. Raises :class:`ReplicaSimError` when it can
-        never fit (longer than ``max_model_len``) or its prompt is empty."""
+        """Queue, run and finish one request (:class:`ReplicaSimError` when it can never fit)."""
         total = len(request.prompt) + request.max_tokens
         if not request.prompt or total > self.settings.max_model_len:
             raise ReplicaSimError(
@@ -450,8 +442,7 @@ def chat_response(settings: ReplicaSimSettings, prompt_len: int, result: SimResu
 
 
 def sse_chunks(answer: Any, *, chat: bool) -> list[bytes]:
-    """A finished answer as OpenAI server-sent events: one chunk per output word, then a
-    chunk with ``usage`` (cached tokens included) and no choices, then ``[DONE]``."""
+    """A finished answer as OpenAI server-sent events: a chunk per word, one with ``usage``."""
     kind = "chat.completion.chunk" if chat else "text_completion"
     head = {k: answer[k] for k in ("id", "created", "model")} | {"object": kind}
     text = answer["choices"][0]["message"]["content"] if chat else answer["choices"][0]["text"]
@@ -483,8 +474,7 @@ def _sse(chunks: list[bytes], stall_s: float = 0.0) -> Response:
 
 
 async def handle_completion(engine: Engine, raw: bytes, *, chat: bool = False) -> Response:
-    """``POST /v1/completions`` (``chat``: ``/v1/chat/completions``): decode, run through
-    the engine, answer OpenAI-style; ``stream`` answers as server-sent events."""
+    """``POST /v1/completions`` (``chat``: ``/v1/chat/completions``), OpenAI-style."""
     settings = engine.settings
     if settings.fail_status:
         return _error(settings.fail_status, "failure injected (fail_status)")
@@ -534,8 +524,7 @@ EMBEDDING_SIZE = 8
 
 
 def handle_embeddings(settings: ReplicaSimSettings, raw: bytes) -> Response:
-    """``POST /v1/embeddings`` (OpenAI's shape): each input's toy tokens folded into
-    :data:`EMBEDDING_SIZE` counts, normalised (deterministic everywhere)."""
+    """``POST /v1/embeddings``: each input's toy tokens folded into a normalised vector."""
     try:
         body = msgspec.json.decode(raw, type=EmbeddingBody)
     except msgspec.DecodeError as exc:
@@ -571,9 +560,8 @@ class CachedBody(msgspec.Struct):
 
 
 def handle_cached(engine: Engine, raw: bytes) -> Response:
-    """``POST /kvsim/cached`` (a test oracle, not vLLM's API): for each of ``prompts``, how
-    many of its leading full blocks the pool holds now (no LoRA, no cache salt); and how
-    many blocks it holds in all. Reads only: nothing is pinned, touched or published."""
+    """``POST /kvsim/cached`` (a test oracle): the leading full blocks of each prompt that the
+    pool holds, and its block count; reads only."""
     try:
         body = msgspec.json.decode(raw, type=CachedBody)
     except msgspec.DecodeError as exc:
@@ -588,9 +576,7 @@ def handle_cached(engine: Engine, raw: bytes) -> Response:
 
 
 def create_app(engine: Engine) -> FastAPI:
-    """The replica's HTTP API: ``/v1/completions``, ``/v1/chat/completions``,
-    ``/v1/embeddings``, ``/tokenize``, ``/metrics``, ``/health``, and ``/kvsim/cached``
-    (what its pool holds, for tests). ``/v1`` routes check ``api_key`` when set."""
+    """vLLM's routes (``/v1/*`` checking ``api_key``), ``/metrics``, and ``/kvsim/cached``."""
     app = FastAPI(title=f"kvindex replica simulator {engine.settings.id}")
     settings = engine.settings
 
@@ -632,11 +618,8 @@ def create_app(engine: Engine) -> FastAPI:
 
 @dataclass
 class ReplicaSim:
-    """A simulated replica: publisher + engine + uvicorn in a background thread.
-
-    ``start()`` returns once the HTTP server listens and the sockets are open; ``stop()``
-    stops the server, then closes the publisher. Use as a context manager in tests.
-    """
+    """A simulated replica: publisher + engine + uvicorn in a background thread; ``start()``
+    returns once it listens (:class:`EndpointInUseError` when an endpoint is taken)."""
 
     settings: ReplicaSimSettings
     publisher: EventPublisher | None = None
@@ -646,16 +629,25 @@ class ReplicaSim:
 
     def start(self) -> None:
         s = self.settings
-        self.publisher = EventPublisher(
-            LOOPBACK_EVENTS if s.events is None else s.events,
-            s.replay,
-            topic=s.topic,
-            encoding=s.encoding,
-            replay_layout=s.replay_layout,
-            bind=True if s.events is None else s.bind_events,
-            send_hwm=s.send_hwm,
-            send_buffer_bytes=s.send_buffer_bytes,
-        )
+        events = LOOPBACK_EVENTS if s.events is None else s.events
+        try:
+            self.publisher = EventPublisher(
+                events,
+                s.replay,
+                topic=s.topic,
+                encoding=s.encoding,
+                replay_layout=s.replay_layout,
+                bind=s.events_bound,
+                send_hwm=s.send_hwm,
+                send_buffer_bytes=s.send_buffer_bytes,
+            )
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE:
+                raise
+            taken = (
+                ("replay", s.replay) if s.replay and s.replay in str(exc) else ("events", events)
+            )
+            raise EndpointInUseError(*taken) from None
         cache = BlockPool(s.capacity_blocks, s.block_size, engine_root(s.seed))
         self.engine = Engine(s, cache, self.publisher.publish)
         try:

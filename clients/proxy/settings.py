@@ -58,6 +58,8 @@ class ProxySettings:
     header (vLLM's ``--api-key``); None: the client's ``Authorization`` passes through."""
     replica_api_keys: dict[str, str] = field(default_factory=dict, repr=False)
     """Replica id → the key sent to that replica, over ``upstream_api_key``."""
+    port: int = 8080
+    """Port the proxy listens on (its own default: the API's 8000 may run beside it)."""
 
     def __post_init__(self) -> None:
         _check_numbers(self)
@@ -98,10 +100,12 @@ def _check_numbers(settings: ProxySettings) -> None:
         if not (value >= 0 if low_ok else value > 0) or value == float("inf"):
             wanted = "a finite number >= 0" if low_ok else "a finite number > 0"
             raise SettingsError(f"proxy.{name} must be {wanted}, got {value!r}")
-    for name in ("max_attempts", "max_connections"):
+    for name in ("max_attempts", "max_connections", "port"):
         value = getattr(settings, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise SettingsError(f"proxy.{name} must be an integer >= 1, got {value!r}")
+    if settings.port > 65535:
+        raise SettingsError(f"proxy.port must be at most 65535, got {settings.port!r}")
 
 
 ENV_PREFIX = "KVINDEX_PROXY_"

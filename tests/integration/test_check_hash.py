@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 from click.testing import CliRunner
 
-from kvindex.clients.cli.check_hash import CheckSettings, run_check
+from kvindex.clients.cli.key_check import CheckSettings, run_check
 from kvindex.clients.cli.main import main
 from kvindex.clients.fake_vllm.replica import ReplicaSim, ReplicaSimSettings
 from kvindex.indexer.ingest.wire import Encoding

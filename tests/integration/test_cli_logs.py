@@ -41,10 +41,10 @@ def json_lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines]
 
 
-def test_serve_logs_json_lines_with_the_access_log(tmp_path: Path) -> None:
+def test_serve_logs_json_lines_with_the_access_log_and_status_fields(tmp_path: Path) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    args = ["--log-format", "json", "serve", "--port", str(port), "--access-log"]
+    args = ["serve", "--log-format", "json", "--port", str(port), "--access-log"]
     env = {"KVINDEX_API_SCRAPE_INTERVAL_S": "0", "KVINDEX_LOG_REPEAT_S": "10"}
     with running(
         stderr := tmp_path / "stderr.log",
@@ -65,7 +65,8 @@ def test_serve_logs_json_lines_with_the_access_log(tmp_path: Path) -> None:
         ("/replicas/{replica_id}", 404, "/replicas/nobody")
     ]
     assert any(e["route"] == "/healthz" and e["status"] == 200 for e in access)
-    assert any(e["logger"] == "kvindex.status" for e in entries)
+    status = [e for e in entries if e["logger"] == "kvindex.status"]
+    assert status and all(e["num_streams"] == 0 and "blocks_by_tier" in e for e in status)
 
 
 @pytest.mark.redis_server

@@ -146,6 +146,18 @@ def test_score_wide_shows_every_term(base_url: str, tokens_file: Path) -> None:
     assert "0.6667" in row(result.stdout, "r1")  # r1's cache term: 4 of 6 blocks on GPU
 
 
+def test_score_says_why_the_best_won_a_tie(base_url: str, tmp_path: Path) -> None:
+    """Both replicas hold the prompt's two blocks and report no load: a tie at score 1,
+    broken by chance, and the heading says so."""
+    path = tmp_path / "two_blocks.json"
+    path.write_text(json.dumps(PREFIX[: 2 * BLOCK]))
+    result = run("score", *score_args(base_url, path))
+    assert result.exit_code == 0, result.output
+    best, other = ("r1", "r2") if "★ r1" in result.stdout else ("r2", "r1")
+    heading = " ".join(result.stdout.split())
+    assert f"tie at score 1 ({best}, {other}): same load: {best} drawn by chance" in heading
+
+
 def test_score_at_100_columns_is_one_line_per_candidate(base_url: str, tokens_file: Path) -> None:
     with KvIndexClient(base_url) as client:  # a load with a routed count: the widest cell
         client.report_load("r1", running=3, waiting=1, kv_usage=0.5)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from kvindex.clients.cli.main import demo, main
+from kvindex.clients.cli.main import main
+from kvindex.clients.cli.offline import demo
 from kvindex.clients.demo import POLICIES, DemoSettings, build_workload, run_demo
 
 SMALL = DemoSettings(replicas=3, requests=60, speed=100.0, concurrency=8)

@@ -10,7 +10,8 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from kvindex.clients.cli.main import main, simulate
+from kvindex.clients.cli.main import main
+from kvindex.clients.cli.offline import simulate
 from kvindex.clients.simulate.fleet import FleetSettings
 from kvindex.clients.simulate.routing import parse_policy
 from kvindex.clients.simulate.run import DEFAULT_POLICIES, SimulateSettings, run_simulation

@@ -113,3 +113,19 @@ def test_a_failing_read_costs_a_line_not_the_thread(caplog: pytest.LogCaptureFix
     assert first.levelno == logging.WARNING
     assert first.getMessage() == "status unavailable: ConnectionError: redis down"
     assert second.levelno == logging.INFO
+
+
+def test_the_record_carries_the_totals_as_fields(caplog: pytest.LogCaptureFixture) -> None:
+    """For JSON logs: the line's numbers as fields, not only inside the message."""
+    caplog.set_level(logging.INFO, logger="kvindex.status")
+    with StatusLog(fleet, 0.02):
+        deadline = time.monotonic() + 5
+        while not caplog.records and time.monotonic() < deadline:
+            time.sleep(0.01)
+    fields = vars(caplog.records[0])
+    assert fields["num_streams"] == 3
+    assert fields["num_streams_by_freshness"] == {"live": 2, "replaying": 0, "stale": 1}
+    assert fields["not_live"] == ["r3/0"]
+    assert fields["blocks_by_tier"] == {"gpu": 1204, "cpu": 16, "other": 0}
+    assert (fields["max_lag_s"], fields["num_gaps"], fields["num_errors"]) == (0.0123, 2, 3)
+    assert fields["num_unrouted"] == 0 and "batches_per_s" in fields

@@ -199,3 +199,13 @@ def test_test_knobs_fail_a_completion_and_embeddings_answer_like_openai() -> Non
     vector = both["data"][0]["embedding"]
     assert len(vector) == 8 and sum(x * x for x in vector) == pytest.approx(1.0)
     assert handle_embeddings(eng.settings, b'{"model":"X","input":"a"}').status_code == 404
+
+
+def test_events_bind_by_vllms_rule_unless_told() -> None:
+    def bound(events: str | None, bind_events: bool | None = None) -> bool:
+        return ReplicaSimSettings(events=events, bind_events=bind_events).events_bound
+
+    assert bound(None) and bound("tcp://*:5557") and bound("tcp://[::]:5557")
+    assert bound("ipc:///tmp/kv") and bound("inproc://kv")
+    assert not bound("tcp://127.0.0.1:5557")  # connects: the subscriber has bound
+    assert bound("tcp://127.0.0.1:5557", bind_events=True)

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 from click.testing import CliRunner
 
-from kvindex.clients.cli.check_hash import (
+from kvindex.clients.cli.key_check import (
     CheckHashError,
     CheckSettings,
     Expected,
