@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from kvindex.api.config.settings import ApiSettings, ReadPathSettings
 from kvindex.api.runtime import open_stores
+from kvindex.clients.cli import main as cli_main
 from kvindex.clients.cli.main import main
 from kvindex.indexer.config.settings import IndexerSettings
 from kvindex.indexer.domain.events import StreamId, Tier
@@ -76,8 +77,11 @@ def test_an_api_with_the_indexers_count_starts_and_answers(
         deps.index.close()
 
 
-def test_the_cli_says_why_in_one_line(redis_server: RedisServer, redis_client: redis.Redis) -> None:
+def test_the_cli_says_why_in_one_line(
+    redis_server: RedisServer, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
     redis_client.sadd("kvindex:v2:streams", "r1/0")
+    monkeypatch.setattr(cli_main, "check_port", lambda host, port: None)  # the schema's turn
     with socket.socket() as taken:  # a port in use: were it not refused, it would not serve
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
