@@ -26,7 +26,7 @@ import httpx
 
 from kvindex.clients.fake_vllm.replica import tokenize_text
 from tests.support.processes import Child, http_ok, kvindex_child, redis_child
-from tests.support.redis_server import free_port
+from tests.support.redis_server import free_port, free_ports
 
 MODEL = "fault-model"
 BLOCK_SIZE = 16
@@ -108,7 +108,7 @@ class FaultFleet:
     @classmethod
     def build(cls, shape: FleetShape, workdir: Path) -> FaultFleet:
         """Choose ports and write the config; starts nothing (see :meth:`start`)."""
-        redis_port, api_port, status_port = free_port(), free_port(), free_port()
+        redis_port, api_port, status_port = free_ports(3)
         replicas = {rid: _replica(rid, shape, workdir) for rid in shape.replica_ids}
         config = workdir / "kvindex.toml"
         config.write_text(_config_toml(redis_port, api_port, status_port, replicas.values()))
@@ -269,8 +269,8 @@ class FaultFleet:
 
 
 def _replica(rid: str, shape: FleetShape, workdir: Path) -> Replica:
-    http_port, events_port = free_port(), free_port()
-    replay_port = free_port() if shape.replay else None
+    http_port, events_port, replay_free = free_ports(3)
+    replay_port = replay_free if shape.replay else None
     replay = f"tcp://127.0.0.1:{replay_port}" if replay_port else ""
     args = [
         "replica-sim", "--id", rid, "--model", MODEL, "--port", str(http_port),

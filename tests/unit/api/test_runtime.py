@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from kvindex.api.config.settings import ApiSettings, ReadPathSettings
 from kvindex.api.health.checker import HealthChecker
 from kvindex.api.http import app as app_module
+from kvindex.api.http import server as server_module
 from kvindex.api.load.store import MemoryLoadStore
 from kvindex.api.runtime import ApiDeps, Hooks, ReadPath, build_read_path, open_stores
 from kvindex.api.tokenize.choice import ModelTokenizers
@@ -82,7 +83,10 @@ def test_kvindex_api_is_built_from_the_store_settings_alone(tmp_path: Path) -> N
     config = tmp_path / "kvindex.toml"
     config.write_text('redis_prefix = "p"\ningest_workers = 2\n\n[api]\nport = 9001\n')
     seen: list[ReadPathSettings] = []
-    with patch.object(cli_module, "serve_api", seen.append):
+    with (
+        patch.object(server_module, "serve_api", seen.append),  # the command imports it when run
+        patch.object(cli_module, "check_port", lambda host, port: None),
+    ):
         result = CliRunner().invoke(
             cli_module.main, ["api", "--config", str(config), "--redis-url", "redis://h:1/0"]
         )
