@@ -1,8 +1,5 @@
-"""The FastAPI app, built by :func:`create_app` over one read path
-(:func:`~kvindex.api.runtime.build_read_path`); routes decode with msgspec, call the
-library and encode. Errors become HTTP in one place (:func:`_error_response`): 422, 404,
-413, 408, 401, 502, 503 (``/score`` answers from load alone instead).
-"""
+"""The FastAPI app over one read path: routes decode with msgspec, call the library and
+encode; errors become HTTP in one place (:func:`_error_response`)."""
 
 from __future__ import annotations
 
@@ -49,11 +46,9 @@ from kvindex.indexer.index.protocol import IndexUnavailableError, drop_replica
 T = TypeVar("T")
 _JSON = "application/json"
 _METRICS = "text/plain; version=0.0.4; charset=utf-8"
-"""The Prometheus text exposition format (with the charset, as served and documented)."""
 
 
 def create_app(deps: ApiDeps, *, lean_routes: bool = True) -> FastAPI:
-    """The app over ``deps``."""
     state = _AppState(deps)
 
     @asynccontextmanager
@@ -126,15 +121,13 @@ def create_app(deps: ApiDeps, *, lean_routes: bool = True) -> FastAPI:
 
 
 def hot_serving(app: FastAPI) -> HotServing | None:
-    """The hot routes of an app :func:`create_app` built, for its server (None: built with
-    ``lean_routes=False``)."""
+    """The hot routes of an app :func:`create_app` built (None: ``lean_routes=False``)."""
     serving: HotServing | None = getattr(app.state, "hot_serving", None)
     return serving
 
 
 class _AppState:
-    """Per-app objects: the read path (:func:`~kvindex.api.runtime.build_read_path`) and
-    the app's metrics, which observe it."""
+    """Per-app objects: the read path and the metrics observing it."""
 
     def __init__(self, deps: ApiDeps) -> None:
         circuit = deps.circuit
@@ -158,10 +151,9 @@ class _AppState:
         self.tokenizers, self.block_sizes = read_path.tokenizers, read_path.block_sizes
         self.url_policy = deps.settings.url_policy()
         self._score_latency: dict[str, Histogram] = {}
-        """Policy → its child of ``metrics.score_latency``."""
 
     async def score(self, body: bytes, headers: Headers) -> bytes:
-        """``POST /score``'s answer to ``body`` (for both routes, FastAPI's and the hot one)."""
+        """``POST /score``'s answer, for FastAPI's route and the hot ones."""
         started = time.perf_counter()
         request, packed = decode_score_request(body)
         answer = await self.scorer.score(request, headers, packed_tokens=packed)
@@ -178,8 +170,7 @@ class _AppState:
         self.check_token(request.headers)
 
     def check_token(self, headers: Headers) -> None:
-        """Raise :class:`UnauthorizedError` unless the bearer token is the configured one
-        (when one is)."""
+        """UnauthorizedError unless the bearer token is the configured one (if any)."""
         token = self.deps.settings.auth_token
         if token is None:
             return
@@ -391,7 +382,6 @@ async def _healthz(_body: bytes, _headers: Headers) -> bytes:
 
 
 def _hot_routes(state: _AppState, health: APIRouter, routes: APIRouter) -> list[HotRoute]:
-    """The routes :class:`HotRoutes` answers, each with its FastAPI twin's route object."""
     return [
         HotRoute(
             "GET", "/healthz", _route(health, "/healthz"), _healthz, guarded=False, reads_body=False
@@ -403,6 +393,5 @@ def _hot_routes(state: _AppState, health: APIRouter, routes: APIRouter) -> list[
 
 
 def _route(router: APIRouter, path: str) -> BaseRoute:
-    """The router's route with template ``path``."""
     (route,) = [r for r in router.routes if getattr(r, "path", None) == path]
     return route
