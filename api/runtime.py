@@ -122,7 +122,6 @@ class ReadPath:
     deps: ApiDeps
     off_loop: OffLoop
     index: BlockIndex
-    """The index as the process reads it (:attr:`Hooks.wrap_index` of the store's)."""
     http: httpx.AsyncClient
     tokenizers: ModelTokenizers | ProxyTokenizers
     scorer: Scorer

@@ -107,7 +107,6 @@ class Scorer:
         self._turns: defaultdict[str, itertools.count[int]] = defaultdict(itertools.count)
         self._last_loads: dict[str, Load] = {}
         self._last_read: dict[str, CountedLoad] = {}
-        """The last load read, folded into ``_last_loads`` only when an outage needs it."""
         self._streams_memo: tuple[int, list[str], RankedStreams] | None = None
         self._specs_memo: _Specs | None = None
         self._answers: list[str] = []

@@ -1,6 +1,5 @@
-"""The API process's frozen settings (TOML ``[api]``, ``[api.weights]``, ``[[models]]``,
-``[[rules]]``, ``KVINDEX_API_*``), validated when built: a bad value is a SettingsError naming
-its key (and the variable that set it)."""
+"""The API process's frozen settings (TOML ``[api]`` and its tables, ``KVINDEX_API_*``),
+validated when built: a bad value is a SettingsError naming its key (and variable)."""
 
 from __future__ import annotations
 

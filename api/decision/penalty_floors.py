@@ -71,7 +71,6 @@ class PenaltyFloors:
         self._args = penalty_weights(weights)
         self._floors = _compiled_floors(replicas, counted, self.until, *self._args)
         self._order = _compiled_ascending(self._floors)
-        """The positions in ascending order of floor (``_ordered``: the floors so)."""
         self._ordered = [self._floors[i] for i in self._order]
 
     def holds(self, replicas: list[str], now: float) -> bool:

@@ -47,7 +47,7 @@ class Weights:
     """Every knob of the scoring formulas (``[api.weights]``)."""
 
     cache: float = 1.0
-    """Weight of the cache term (1.0: the whole prompt cached on GPU is worth 1)."""
+    """Weight of the cache term (the whole prompt cached on GPU is worth this)."""
     gpu: float = 1.0
     """Credit of a block matched on GPU."""
     cpu: float = 0.8

@@ -51,7 +51,6 @@ class HealthChecker:
         self._store_failing = False
 
     async def start(self) -> None:
-        """Check in a task on the running loop, first round now (none if the interval is 0)."""
         if self._rounds is not None and not self._rounds.running:
             await self._rounds.start()
 

@@ -1,6 +1,5 @@
 """Passive ejection in the proxy: a circuit breaker per replica fed by forwarding outcomes,
-and the ejection series (``kvindex_proxy_ejections_total``,
-``kvindex_proxy_ejected_replicas``)."""
+written to the shared health records, and the ejection series."""
 
 from __future__ import annotations
 
@@ -21,8 +20,6 @@ logger = logging.getLogger("kvindex.proxy")
 
 
 class EjectionMetrics:
-    """The proxy's ejection series, on the proxy's metrics registry."""
-
     def __init__(
         self,
         registry: CollectorRegistry,
@@ -55,8 +52,6 @@ class EjectionMetrics:
 
 
 class ReplicaBreakers:
-    """One breaker per replica (see the module docstring)."""
-
     def __init__(
         self,
         settings: ApiSettings,
@@ -72,7 +67,6 @@ class ReplicaBreakers:
         self._clock = clock
         self._on_ejected = on_ejected
         self._failures: dict[str, int] = {}
-        """Consecutive failed forwards per replica, as this proxy saw them."""
         self._tasks: set[asyncio.Task[None]] = set()
 
     def outcome(self, replica: str, ok: bool, what: str) -> None:

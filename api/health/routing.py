@@ -42,8 +42,7 @@ def out_of_routing(
 
 
 def events_down(statuses: Sequence[StreamFreshness], after_s: float) -> str | None:
-    """Why a connect-mode replica's events are down (None: they are not): a stream never
-    connected nor heard from, or disconnected and silent for ``after_s``."""
+    """Why the events are down (None: not): a stream never heard, or silent for ``after_s``."""
     for status in statuses:
         if status.connected:
             continue
@@ -56,6 +55,5 @@ def events_down(statuses: Sequence[StreamFreshness], after_s: float) -> str | No
 
 
 def no_healthy(unhealthy: dict[str, str]) -> str:
-    """The degraded reason of an answer whose every candidate is out of routing."""
     whys = "; ".join(f"{replica}: {why}" for replica, why in sorted(unhealthy.items()))
     return f"no healthy candidate, every one ranked ({whys})"

@@ -121,14 +121,11 @@ def create_app(deps: ApiDeps, *, lean_routes: bool = True) -> FastAPI:
 
 
 def hot_serving(app: FastAPI) -> HotServing | None:
-    """The hot routes of an app :func:`create_app` built (None: ``lean_routes=False``)."""
     serving: HotServing | None = getattr(app.state, "hot_serving", None)
     return serving
 
 
 class _AppState:
-    """Per-app objects: the read path and the metrics observing it."""
-
     def __init__(self, deps: ApiDeps) -> None:
         circuit = deps.circuit
         metrics = self.metrics = ApiMetrics(
@@ -215,7 +212,6 @@ _STATUS_OF: tuple[tuple[tuple[type[BaseException], ...], int, str], ...] = (
 
 
 def _error_response(exc: Exception) -> Response:
-    """The one place errors become HTTP answers."""
     for kinds, status, name in _STATUS_OF:
         if isinstance(exc, kinds):
             response = _json(ErrorBody(name, str(exc)), status)

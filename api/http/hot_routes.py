@@ -33,7 +33,6 @@ class HotRoute:
     """The FastAPI route of the same method and path, set as ``scope["route"]``."""
     answer: Answer
     guarded: bool
-    """The bearer-token check runs first."""
     reads_body: bool
     """False: the body is passed as ``b""`` unread."""
 

@@ -57,9 +57,7 @@ class _HotCycle:
 
 class HotProtocol(HeadDeadlineProtocol):
     hot: HotServing | None = None
-    """Set per server by :func:`hot_protocol` (None: every request goes to the app)."""
     _pending: _HotCycle | None = None
-    """The hot request whose body is being read."""
     _idle_since: float | None = None
     """Loop time of the last answer with no request begun since (None: one is in hand)."""
     _idle_timer: asyncio.TimerHandle | None = None

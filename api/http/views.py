@@ -1,5 +1,4 @@
-"""The bodies of the read-only routes, built from fleet and store state (store calls: run
-them off the loop)."""
+"""The bodies of the read-only routes, from fleet and store state (store calls: off-loop)."""
 
 from __future__ import annotations
 

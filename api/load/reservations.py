@@ -35,7 +35,7 @@ class Reservation:
     id: str
     replica: str
     num_tokens: int
-    """Its prompt tokens the replica had not cached."""
+    """Prompt tokens the replica had not cached."""
 
 
 class Ledger(Protocol):
@@ -410,7 +410,6 @@ class LeaseKeeper:
         await self._rounds.start()
 
     async def stop(self) -> None:
-        """Cancel the task and wait until it is gone (idempotent)."""
         await self._rounds.stop()
 
     async def _renew(self) -> None:

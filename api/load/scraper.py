@@ -72,7 +72,6 @@ class MetricsScraper:
         await self._rounds.start()
 
     async def stop(self) -> None:
-        """Cancel the task and wait until it and its requests are gone (idempotent)."""
         await self._rounds.stop()
 
     def stats(self) -> dict[str, ScrapeStats]:
@@ -81,7 +80,6 @@ class MetricsScraper:
             return dict(self._replica_to_stats)
 
     async def scrape_once(self) -> None:
-        """One round: every target this process claims, concurrently."""
         targets = await self._claimed(self._current_targets())
         await asyncio.gather(*(self._scrape(r, url, model) for r, url, model in targets))
 
