@@ -25,7 +25,7 @@ from kvindex.api.decision.policies import (
     decide,
 )
 from kvindex.api.decision.routing_rules import WORKLOAD_HEADER, RoutingRule, RuleInput, first_match
-from kvindex.api.health.routing import no_healthy, out_of_routing
+from kvindex.api.health.routing import health_policy, no_healthy, out_of_routing
 from kvindex.api.load.model import CountedLoad, Load, is_newer_or_same
 from kvindex.api.load.store import LoadChanges, LoadStore
 from kvindex.api.lookup.matches import Lookup, RankedStreams, Streams, ranked_streams
@@ -111,7 +111,7 @@ class Scorer:
         self._specs_memo: _Specs | None = None
         self._answers: list[str] = []
         """Answers made since the last load read: counted in the store by the next read."""
-        self._health_policy = settings.health_policy()
+        self._health_policy = health_policy(settings)
         self._default_weights = settings.weights.as_dict()
         self._changes = loads if isinstance(loads, LoadChanges) else None
         self._kv_aware = FastKvAware(registry, self._changes)

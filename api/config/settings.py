@@ -16,7 +16,6 @@ from kvindex.api.decision.routing_rules import RoutingRule, rule_from_table
 from kvindex.indexer.config.loading import ConfigFile, from_env_text, layered, read_token
 from kvindex.indexer.config.store import StoreSettings
 from kvindex.indexer.domain.errors import SettingsError
-from kvindex.indexer.fleet.replica_health import HealthPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,18 +142,6 @@ class ApiSettings:
         path = self.health_check_path
         if not isinstance(path, str) or not path.startswith("/"):
             raise SettingsError(f"api.health_check_path must start with '/', got {path!r}")
-
-    def health_policy(self) -> HealthPolicy:
-        """The health thresholds; a verdict lasts three check rounds (at least 10 s)."""
-        return HealthPolicy(
-            unhealthy_threshold=self.unhealthy_threshold,
-            healthy_threshold=self.healthy_threshold,
-            breaker_failures=self.breaker_failures,
-            breaker_cooldown_s=self.breaker_cooldown_s,
-            verdict_ttl_s=max(
-                10.0, 3 * (self.health_check_interval_s + self.health_check_timeout_s)
-            ),
-        )
 
     def url_policy(self) -> UrlPolicy:
         """The replica URL policy of ``replica_networks`` (SettingsError names a bad one)."""

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import httpx
 
 from kvindex.api.config.settings import ApiSettings
+from kvindex.api.health.routing import health_policy
 from kvindex.api.loop.off_loop import OffLoop
 from kvindex.api.loop.periodic import Periodic
 from kvindex.indexer.fleet.registry import HealthChange, HealthUpdate, RegistryView
@@ -39,7 +40,7 @@ class HealthChecker:
         self._interval_s = settings.health_check_interval_s
         self._timeout_s = settings.health_check_timeout_s
         self._path = settings.health_check_path
-        self._policy = settings.health_policy()
+        self._policy = health_policy(settings)
         self._call = OffLoop(blocking_store)
         self._clock = clock
         self._on_ejected = on_ejected

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvindex.api.config.settings import ApiSettings
+from kvindex.api.health.routing import health_policy
 from kvindex.api.loop.off_loop import OffLoop
 from kvindex.indexer.fleet.registry import HealthChange, HealthUpdate, RegistryView
 from kvindex.indexer.fleet.replica_health import Ejection, ReplicaHealth
@@ -39,7 +40,7 @@ class EjectionMetrics:
             " shared fleet state says.",
             registry=registry,
         )
-        policy = settings.health_policy()
+        policy = health_policy(settings)
 
         def count() -> float:
             now = clock()
@@ -62,7 +63,7 @@ class ReplicaBreakers:
         on_ejected: Callable[[str, Ejection], None] = lambda _replica, _reason: None,
     ) -> None:
         self._fleet = fleet
-        self._policy = settings.health_policy()
+        self._policy = health_policy(settings)
         self._off_loop = OffLoop(blocking_store)
         self._clock = clock
         self._on_ejected = on_ejected

@@ -1,12 +1,27 @@
 """Which candidates are out of routing, and why: ejected (failed health checks, an open
-breaker), or a connect-mode replica whose events stream is down."""
+breaker, as the settings' :func:`health_policy` rules), or a connect-mode replica whose events
+stream is down."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 
+from kvindex.api.config.settings import ApiSettings
 from kvindex.indexer.fleet.registry import RegistryView, StreamFreshness
 from kvindex.indexer.fleet.replica_health import HealthPolicy
+
+
+def health_policy(settings: ApiSettings) -> HealthPolicy:
+    """A verdict holds three check rounds (at least 10 s): one no process renews stops ejecting."""
+    return HealthPolicy(
+        unhealthy_threshold=settings.unhealthy_threshold,
+        healthy_threshold=settings.healthy_threshold,
+        breaker_failures=settings.breaker_failures,
+        breaker_cooldown_s=settings.breaker_cooldown_s,
+        verdict_ttl_s=max(
+            10.0, 3 * (settings.health_check_interval_s + settings.health_check_timeout_s)
+        ),
+    )
 
 
 def out_of_routing(

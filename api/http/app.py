@@ -17,6 +17,7 @@ from starlette.datastructures import Headers
 from starlette.routing import BaseRoute
 
 from kvindex.api.config.url_policy import UntrustedUrlError
+from kvindex.api.health.routing import health_policy
 from kvindex.api.http.body_limit import BodyLimit, BodyTimeoutError, BodyTooLargeError
 from kvindex.api.http.hot_routes import HotRoute, HotRoutes, HotServing
 from kvindex.api.http.metrics import ApiMetrics, TimedIndex
@@ -301,7 +302,7 @@ def _replica_routes(router: APIRouter, state: _AppState) -> None:
             state.index,
             state.deps.loads,
             state.block_sizes,
-            state.deps.settings.health_policy(),
+            health_policy(state.deps.settings),
         )
         return _json(views)
 

@@ -11,6 +11,7 @@ from typing import Literal, get_args
 import httpx
 
 from kvindex.api.config.settings import ApiSettings
+from kvindex.api.health.routing import health_policy
 from kvindex.api.tokenize.cache import CachingTokenizer
 from kvindex.api.tokenize.protocol import Tokenizer, TokenizerError
 from kvindex.api.tokenize.replica import ReplicaTokenizer
@@ -102,7 +103,7 @@ class ModelTokenizers:
         self._model_to_tokenizer: dict[str, tuple[str | None, Tokenizer | None]] = {}
         """Per model: the replica its tokenizer asks (None: none asked), the tokenizer."""
         self._recheck_at: dict[str, float] = {}
-        self._policy = settings.health_policy()
+        self._policy = health_policy(settings)
 
     def tokenizer(self, model: str) -> Tokenizer | None:
         kept = self._model_to_tokenizer.get(model)

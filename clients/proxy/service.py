@@ -11,6 +11,7 @@ from starlette.applications import Starlette
 
 from kvindex.api.config.settings import ApiSettings, ReadPathSettings
 from kvindex.api.health.ejection import EjectionMetrics, ReplicaBreakers
+from kvindex.api.health.routing import health_policy
 from kvindex.api.http.server import Service, run_app
 from kvindex.api.load.reservations import LeaseKeeper, Reservations
 from kvindex.api.runtime import ApiDeps, Hooks, build_read_path, open_stores
@@ -33,7 +34,7 @@ def build_proxy_app(deps: ApiDeps, proxy: ProxySettings) -> Starlette:
         deps.registry,
         on_tokenize_failure=lambda model: metrics.tokenize_failures.labels(model).inc(),
         lora_base=api.lora_base,
-        health_policy=api.health_policy(),
+        health_policy=health_policy(api),
     )
     reservations = Reservations(
         deps.loads.ledger, proxy.lease_ttl_s, on_lost=metrics.reservations_lost.inc
