@@ -189,6 +189,7 @@ def build_read_path(deps: ApiDeps, hooks: Hooks | None = None) -> ReadPath:
             interval_s=settings.scrape_interval_s,
             timeout_s=settings.scrape_timeout_s,
             on_failure=hooks.on_scrape_failure,
+            off_loop=off_loop,
         )
     return runtime
 
