@@ -37,7 +37,7 @@ class ScoreRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     cache_salt: str | None = None
     session: str | None = None
     workload: str | None = None
-    """For ``[[rules]]``, as ``user`` and ``has_tools`` (default: ``x-kvindex-workload``)."""
+    """For ``[[rules]]``, as are the next two (default: the ``x-kvindex-workload`` header)."""
     user: str | None = None
     has_tools: bool = False
     candidates: Annotated[list[str], msgspec.Meta(max_length=MAX_CANDIDATES)] | None = None

@@ -49,8 +49,8 @@ def pays(num_candidates: int, top_k: int | None) -> bool:
 
 
 class PenaltyFloors:
-    """Floors under the penalties of ``replicas`` from a load read at store ``version``,
-    holding until ``until``; a changed replica's floor is remade (:meth:`note_changed`)."""
+    """Floors under the penalties of ``replicas`` from a load read at store ``version``, holding
+    until ``until``; changed floors are remade (:meth:`note_changed`). Not thread-safe."""
 
     __slots__ = ("_args", "_floors", "_order", "_ordered", "replicas", "until", "version")
 

@@ -21,6 +21,8 @@ from kvindex.indexer.service import IndexerService
 
 @dataclass
 class Service:
+    """``kvindex serve``'s indexer and the read path's stores on it; :meth:`stop` stops both."""
+
     indexer: IndexerService
     deps: ApiDeps
 
