@@ -263,7 +263,7 @@ class Scorer:
             or (spec.policy if spec else None)
             or self._settings.default_policy
         )
-        policy = _POLICY_OF.get(name)  # a dict lookup: an enum call costs a microsecond
+        policy = _POLICY_OF.get(name)  # a dict lookup: cheaper than an enum call
         if policy is None:
             raise RequestError(f"policy: {name!r} is not one of {[p.value for p in Policy]}")
         return policy
