@@ -1,5 +1,5 @@
-"""The parts of a ``/score`` answer made from what it read: an explained entry per ranked
-candidate, with its match by tier and its freshness."""
+"""A ``/score`` answer's entries: each ranked candidate explained, its match by tier and its
+freshness."""
 
 from __future__ import annotations
 
@@ -13,13 +13,10 @@ from kvindex.indexer.fleet.registry import Freshness, StreamFreshness
 from kvindex.indexer.index.protocol import NO_MATCH
 
 DEGRADED_REASONS = ("index_unavailable", "fleet_unreadable", "no_healthy_candidate")
-"""Why an answer can be ``degraded``: the index store could not be read (load alone
-decides), the fleet state could not be (the last one read serves), or every candidate is
-unhealthy (all of them are ranked)."""
+"""Why an answer can be ``degraded`` (the label of ``kvindex_degraded_answers``)."""
 
 
 def entry(seen: Seen, scored: Scored, block_size: int) -> ScoreEntry:
-    """The explained entry of a ranked candidate."""
     replica = scored.replica
     match = seen.lookup.matches.get(replica, NO_MATCH)
     load_view = None
@@ -47,7 +44,7 @@ _TIER_NAMES = tuple((tier, tier.name.lower()) for tier in Tier)
 
 
 def tier_counts(tiers: tuple[Tier, ...]) -> dict[str, int]:
-    """Matched blocks by tier name; one pass in the common case (all on GPU, or none)."""
+    """Matched blocks by tier name."""
     num_gpu = tiers.count(_GPU)
     if num_gpu == len(tiers):
         return {"gpu": num_gpu, "cpu": 0, "other": 0}
@@ -55,8 +52,7 @@ def tier_counts(tiers: tuple[Tier, ...]) -> dict[str, int]:
 
 
 def freshness_view(statuses: Sequence[StreamFreshness]) -> tuple[Freshness, FreshnessView]:
-    """A replica's freshness and its view: its least fresh stream's state, its largest
-    lag, its shortest silence."""
+    """Its least fresh stream's state, its largest lag, its shortest silence."""
     # ``_value_`` is ``value`` without the enum property's cost.
     if len(statuses) == 1:  # one stream (no data parallelism): the replica's view is its own
         status = statuses[0]

@@ -1,8 +1,6 @@
-"""The read path's one assembly: every process serving it (``kvindex api``, ``serve``,
-``proxy``) opens its stores with :func:`open_stores` and builds its runtime with
-:func:`build_read_path`; what a process adds (routes, metrics, forwarding) it passes in
-:class:`Hooks` or builds beside it.
-"""
+"""The read path's one assembly: ``kvindex api``, ``serve`` and ``proxy`` open their stores
+with :func:`open_stores` and build their runtime with :func:`build_read_path`, adding their
+own parts through :class:`Hooks`."""
 
 from __future__ import annotations
 
@@ -34,7 +32,6 @@ from kvindex.indexer.redis.connection import connect_bounded
 
 log = logging.getLogger("kvindex.api")
 BLOCK_SIZE_CHECK_S = 5.0
-"""How often the read path looks for streams whose block size is not their model's."""
 
 
 @dataclass
@@ -46,12 +43,10 @@ class ApiDeps:
     registry: RegistryView
     loads: LoadStore
     blocking_store: bool
-    """True when index and load calls do network I/O (Redis): run them off the loop."""
+    """Index and load calls do network I/O: run them off the loop."""
     runs_write_path: bool = True
-    """True when this process runs the indexer behind ``registry`` and ``index`` (its
-    /metrics then exports the write path's series)."""
+    """This process runs the indexer behind ``registry`` and ``index``."""
     circuit: StoreCircuit | None = None
-    """The circuit around the API's store calls (None: an in-process store, always up)."""
 
 
 class Writer(Protocol):
@@ -64,9 +59,8 @@ class Writer(Protocol):
 
 
 def open_stores(settings: ReadPathSettings, writer: Writer | None = None) -> ApiDeps:
-    """The read path's stores: the in-process ``writer``'s index and registry with a memory
-    load store, or on Redis the API's own bounded connection (:func:`bounded_stores`), its
-    fleet read from Redis unless a ``writer`` runs in the process."""
+    """The ``writer``'s memory stores, or the API's own bounded Redis connection (the fleet
+    read from Redis unless a ``writer`` runs here); ValueError: memory without a writer."""
     store, api = settings.store, settings.api
     if store.store == "redis":
         index, loads, fleet, circuit = bounded_stores(store, api)
@@ -80,9 +74,8 @@ def open_stores(settings: ReadPathSettings, writer: Writer | None = None) -> Api
 def bounded_stores(
     store: StoreSettings, api: ApiSettings
 ) -> tuple[BlockIndex, LoadStore, RegistryView, StoreCircuit]:
-    """The API's index, load and fleet on one connection whose every call times out after
-    ``api.redis_timeout_s``, behind one circuit (they share that connection and server: the
-    first call to find it down spares the others the wait)."""
+    """The API's index, load and fleet on one connection (every call bounded by
+    ``api.redis_timeout_s``), behind one shared circuit."""
     schema = store.redis_schema
     client = connect_bounded(
         store.redis_url, timeout_s=api.redis_timeout_s, cluster=store.redis_cluster
@@ -95,8 +88,7 @@ def bounded_stores(
 
 
 def _checked_index(index: RedisIndex) -> RedisIndex:
-    """``index`` once its schema is checked; a Redis down at start is not an error (the
-    answers are degraded meanwhile): the index then checks at its first lookup."""
+    """``index``, its schema checked now, or at its first lookup if Redis is down at start."""
     try:
         index.check_schema()
     except IndexUnavailableError as exc:
@@ -114,8 +106,7 @@ def _ignore(*_args: object) -> None:
 
 @dataclass(frozen=True)
 class Hooks:
-    """What a process adds to its read path: a wrapper of the index (metrics), what it is
-    told of, and whether a model tokenized by replicas fails over between them."""
+    """What a process adds to its read path: an index wrapper, callbacks, tokenizer failover."""
 
     wrap_index: Callable[[BlockIndex], BlockIndex] = _same
     on_degraded: Callable[[str], None] = _ignore
@@ -131,9 +122,7 @@ class ReadPath:
     deps: ApiDeps
     off_loop: OffLoop
     index: BlockIndex
-    """The index as the process reads it (:attr:`Hooks.wrap_index` of the store's)."""
     http: httpx.AsyncClient
-    """The client of scrapes, health checks and replicas' ``/tokenize``."""
     tokenizers: ModelTokenizers | ProxyTokenizers
     scorer: Scorer
     scraper: MetricsScraper | None
@@ -159,8 +148,6 @@ class ReadPath:
 
 
 def build_read_path(deps: ApiDeps, hooks: Hooks | None = None) -> ReadPath:
-    """The read path over ``deps``: scorer, tokenizers, scraper, health checker, block-size
-    check and the off-loop helper, on one HTTP client."""
     hooks = hooks or Hooks()
     settings, registry = deps.settings, deps.registry
     off_loop = OffLoop(deps.blocking_store)
@@ -202,13 +189,13 @@ def build_read_path(deps: ApiDeps, hooks: Hooks | None = None) -> ReadPath:
             interval_s=settings.scrape_interval_s,
             timeout_s=settings.scrape_timeout_s,
             on_failure=hooks.on_scrape_failure,
+            off_loop=off_loop,
         )
     return runtime
 
 
 def _check(off_loop: OffLoop, block_sizes: BlockSizeCheck) -> Callable[[], Awaitable[None]]:
-    """One round of the block-size check: each mismatch is logged when it appears, even if
-    nobody reads /replicas or /metrics."""
+    """One round of the block-size check (a mismatch is logged when it appears)."""
 
     async def check() -> None:
         await off_loop(block_sizes.mismatches)
@@ -217,9 +204,7 @@ def _check(off_loop: OffLoop, block_sizes: BlockSizeCheck) -> Callable[[], Await
 
 
 class _LazyTransport(httpx.AsyncBaseTransport):
-    """httpx's transport (certificates verified, no proxy from the environment), built on
-    the first request: a process whose replicas give no URL never loads httpcore and a TLS
-    context."""
+    """httpx's transport (no proxy from the environment), built on the first request."""
 
     def __init__(self) -> None:
         self._transport: httpx.AsyncHTTPTransport | None = None

@@ -1,5 +1,5 @@
-"""Request and response bodies of the HTTP API, as msgspec Structs (fast JSON both ways);
-the OpenAPI schema is generated from these same types."""
+"""The HTTP API's request and response bodies as msgspec Structs; the OpenAPI schema is
+generated from them, and a body they reject is a 422."""
 
 from __future__ import annotations
 
@@ -11,66 +11,50 @@ import msgspec
 from kvindex.api.tokenize.protocol import TokenId
 
 BlockKey = Annotated[int, msgspec.Meta(ge=0)]
-"""A block key (unsigned 64-bit; the upper bound is checked by the scorer, since msgspec
-constraints stop at int64)."""
+"""Unsigned 64-bit (the scorer checks the upper bound: msgspec constraints stop at int64)."""
 
 
+# Most ids, keys (MAX_TOKEN_IDS in blocks of vLLM's default 16) and candidates per request.
 MAX_TOKEN_IDS = 1 << 20
-"""Most ``token_ids`` in one ``/score`` request (past any model's context; 422 above)."""
 MAX_BLOCK_KEYS = MAX_TOKEN_IDS // 16
-"""Most ``block_keys`` in one ``/score`` request (as many blocks as MAX_TOKEN_IDS make in
-vLLM's default block size; 422 above)."""
 MAX_CANDIDATES = 1024
-"""Most ``candidates`` in one ``/score`` request (422 above)."""
 ALL_CANDIDATES = 0
 """``top_k`` value asking for an entry per candidate."""
 
 
 class ScoreRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Where should this request go? Give exactly one of token_ids, prompt, messages,
-    block_keys."""
+    """Where should this request go? Give exactly one of token_ids, prompt, messages, block_keys."""
 
     model: str
     token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_TOKEN_IDS)] | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
-    """OpenAI chat messages: the whole conversation (rendered with the model's template)."""
     block_keys: Annotated[list[BlockKey], msgspec.Meta(max_length=MAX_BLOCK_KEYS)] | None = None
-    """Keys precomputed with ``kvindex.indexer.domain.keys.block_keys`` (the router skips
-    tokenization)."""
+    """Keys precomputed with ``kvindex.indexer.domain.keys.block_keys`` (no tokenization)."""
     block_size: int | None = None
-    """The block size the keys (or tokens) were meant for; a mismatch with the model's is a
-    422 instead of a silent miss."""
+    """The block size the keys were meant for; a mismatch is a 422, not a silent miss."""
     lora_name: str | None = None
     cache_salt: str | None = None
     session: str | None = None
-    """Session key for the ``session_affinity`` policy."""
     workload: str | None = None
-    """The request's workload, for ``[[rules]]`` (default: the ``x-kvindex-workload``
-    header)."""
+    """For ``[[rules]]``, as are the next two (default: the ``x-kvindex-workload`` header)."""
     user: str | None = None
-    """Who sends the request (an OpenAI body's ``user``), for ``[[rules]]``."""
     has_tools: bool = False
-    """The request offers tools (an OpenAI body's ``tools``), for ``[[rules]]``."""
     candidates: Annotated[list[str], msgspec.Meta(max_length=MAX_CANDIDATES)] | None = None
-    """Replica ids to choose from (default: every replica serving the model)."""
+    """Default: every replica serving the model."""
     policy: str | None = None
     weights: dict[str, float] | None = None
-    """Per-request overrides of scoring weights (names as in ``GET /config``)."""
     top_k: Annotated[int, msgspec.Meta(ge=0)] | None = None
-    """Entries in the answer's ``scores``: the best ``top_k`` candidates (``0``: every
-    candidate; default: the API's ``default_top_k``). ``best`` is the same whatever it is."""
+    """Entries in ``scores`` (0: every candidate; default: ``default_top_k``); ``best`` is not."""
     dry_run: bool = False
-    """Ask without routing: the answer changes nothing (it is not counted as load, the
-    round-robin turn does not advance, random draws leave the seeded sequence alone)."""
+    """Ask without routing: no load counted, no round-robin turn, no seeded draw used."""
 
 
 _RAW_NULL = msgspec.Raw(b"null")
 
 
 def _raw_tokens_request() -> type[msgspec.Struct]:
-    """:class:`ScoreRequest` with ``token_ids`` kept as the raw JSON (every other field, its
-    type and constraints, the same)."""
+    """:class:`ScoreRequest` with ``token_ids`` kept as raw JSON."""
     fields: list[tuple[str, Any] | tuple[str, Any, Any]] = [
         (f.name, f.type)
         if f.required
@@ -87,10 +71,9 @@ def _raw_tokens_request() -> type[msgspec.Struct]:
 _RAW_TOKENS_DECODER = msgspec.json.Decoder(_raw_tokens_request())
 _REQUEST_DECODER = msgspec.json.Decoder(ScoreRequest)
 
+# The compiled token-array reader and finder (None: not built, every body decodes in full).
 _json_token_ids: Callable[[object, int], bytes | None] | None = None
-"""The compiled JSON token-array reader (None: not built, every body decodes in full)."""
 _json_token_span: Callable[[object, int], tuple[bytes, int, int] | None] | None = None
-"""The compiled finder of a body's ``"token_ids": [...]`` (None: not built)."""
 try:
     from kvindex.indexer.native import _lookup
 except ImportError:
@@ -99,15 +82,13 @@ else:
     _json_token_ids, _json_token_span = _lookup.json_token_ids, _lookup.json_token_span
 
 _MARKER = b'"kvindex:token_ids"'
-"""Put where a body's token array was: the decode then reads it back as ``token_ids``
-only if that array was the object's own field (a body holding it is read otherwise)."""
+"""Put in place of a body's token array: read back as ``token_ids`` only if it was its own."""
 _MARKER_RAW = msgspec.Raw(_MARKER)
 
 
 def decode_score_request(body: bytes) -> tuple[ScoreRequest, bytes | None]:
-    """A ``POST /score`` body as its request, and its ``token_ids`` as little-endian u32
-    bytes (what the block keys hash) when they were read that way: the request's
-    ``token_ids`` is then None."""
+    """The request, and its ``token_ids`` as little-endian u32 bytes if read that way (the
+    request's ``token_ids`` is then None); msgspec's errors for a bad body."""
     spliced = _spliced(body)
     if spliced is not None:
         return spliced
@@ -125,10 +106,8 @@ def decode_score_request(body: bytes) -> tuple[ScoreRequest, bytes | None]:
 
 
 def _spliced(body: bytes) -> tuple[ScoreRequest, bytes] | None:
-    """The request and its packed ids when the first ``"token_ids": [...]`` of the body is
-    its own field, read without the decoder walking the array (it gets the body with
-    :data:`_MARKER` in the array's place, and must read the marker back as ``token_ids``);
-    None: the body is to be read otherwise."""
+    """The request and packed ids, the array read apart from the body (:data:`_MARKER` in its
+    place); None: the body is to be read otherwise."""
     span = _json_token_span
     found = span(body, MAX_TOKEN_IDS) if span is not None else None
     if found is None:
@@ -155,7 +134,6 @@ def _spliced(body: bytes) -> tuple[ScoreRequest, bytes] | None:
 
 
 def _request_of(raw: msgspec.Struct) -> ScoreRequest:
-    """The request of a decoded :data:`_RAW_TOKENS_DECODER` body, without its ``token_ids``."""
     fields = msgspec.structs.asdict(raw)
     del fields["token_ids"]
     return ScoreRequest(**fields)
@@ -168,27 +146,22 @@ class LoadView(msgspec.Struct):
     age_s: float
     source: str
     routed: int = 0
-    """Answers with this replica as ``best`` since the load was stored, by every API
-    process sharing the load store (counted as load: ``weights.routed`` each)."""
+    """Answers naming it ``best`` since the load was stored, over every API process."""
 
 
 class FreshnessView(msgspec.Struct):
     state: str
     """``live``, ``replaying`` or ``stale``."""
     lag_s: float | None
-    """How far behind the engine the last applied batch was received."""
     silent_s: float | None
-    """Seconds since anything was heard from the replica."""
 
 
 class ScoreEntry(msgspec.Struct):
     replica: str
     rank: int
-    """Data-parallel rank holding the longest match."""
     matched_blocks: int
     matched_tokens: int
     tiers: dict[str, int]
-    """Matched blocks by tier (gpu, cpu, other)."""
     load: LoadView | None
     freshness: FreshnessView
     terms: dict[str, float]
@@ -204,21 +177,15 @@ class ScoreResponse(msgspec.Struct):
     policy: str
     weights: dict[str, float]
     scores: list[ScoreEntry]
-    """The best candidates, best first (as many as the request's ``top_k`` asks)."""
+    """Best first, as many as ``top_k`` asks; the counts below are over every candidate."""
     num_candidates: int
-    """Candidates scored, in ``scores`` or not."""
     num_matched: int
-    """Candidates holding at least the prompt's first block, in ``scores`` or not."""
     degraded: str | None = None
-    """Set when the answer was made without the index (e.g. Redis down: load only), or on
-    the last fleet state known (the fleet's store unreadable, or it lost the fleet), or
-    when every candidate is unhealthy (all of them are then ranked)."""
+    """Why the answer is degraded: no index, the last fleet state known, or none healthy."""
     unhealthy: dict[str, str] = {}
-    """Candidates left out of the ranking while another one is healthy, and why (ejected by
-    health checks or a breaker; events stream down)."""
+    """Candidates left out of the ranking while another one is healthy, and why."""
     rule: str | None = None
-    """Name of the ``[[rules]]`` entry that chose the policy and weights (the first that
-    matched); None when no rule matched."""
+    """The ``[[rules]]`` entry that matched first (None: none)."""
 
 
 class LoadReport(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -229,7 +196,6 @@ class LoadReport(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     waiting: float
     kv_usage: float = 0.0
     ts: float | None = None
-    """When measured (unix seconds); default: now."""
 
 
 class ReplicaIn(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -251,27 +217,21 @@ class StreamView(msgspec.Struct):
     blocks: dict[str, int]
     counters: dict[str, int]
     block_size: int | None = None
-    """Tokens per block in the stream's events (None until a store with tokens is seen)."""
     block_size_mismatch: bool = False
-    """The stream's block size is not its model's (``[[models]]`` ``block_size``, else the
-    fleet's most common): its blocks can never match a request."""
+    """Not its model's block size: its blocks can never match a request."""
     owner: str | None = None
-    """The sharded indexer keeping the stream (its ``indexer_id``); None: not sharded."""
+    """The sharded indexer keeping the stream (None: not sharded)."""
 
 
 class HealthView(msgspec.Struct):
     """A replica's health record as an operator reads it (``GET /replicas``)."""
 
     state: str
-    """``healthy`` or ``ejected``."""
+    """``healthy`` or ``ejected``; ``detail`` says why."""
     detail: str
-    """``healthy``, or why it is ejected (failed health checks, an open breaker)."""
     check_failures: int
-    """Consecutive failed health checks."""
     check_successes: int
-    """Consecutive passed health checks."""
     checked_s_ago: float | None
-    """Seconds since its last health check ended (None: never checked)."""
     breaker: str
     """``closed``, ``open`` or ``half-open``."""
     last_error: str | None
@@ -290,7 +250,6 @@ class ReplicaView(msgspec.Struct):
     streams: list[StreamView]
     load: LoadView | None
     health: HealthView | None = None
-    """Its health checks and breaker (None: never judged)."""
 
 
 class ErrorBody(msgspec.Struct):
@@ -311,7 +270,6 @@ class StatsView(msgspec.Struct):
     replicas: int
     streams: int
     blocks: dict[str, int]
-    """Resident blocks by tier (gpu, cpu, other)."""
     batches: int
     gaps: int
     replays: int
@@ -321,7 +279,6 @@ class StatsView(msgspec.Struct):
 
 class ModelView(msgspec.Struct):
     block_size: int
-    """Tokens per block: configured, else as the model's replicas publish it."""
 
 
 class ConfigView(msgspec.Struct):
@@ -331,5 +288,4 @@ class ConfigView(msgspec.Struct):
     weights: dict[str, float]
     models: dict[str, ModelView]
     rules: list[dict[str, Any]] = []
-    """The ``[[rules]]``, in the order they are tried (the first match wins), each as its
-    table: ``name``, the conditions it gives, ``policy`` and/or ``weights``."""
+    """The ``[[rules]]`` tables in the order they are tried."""

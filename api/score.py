@@ -1,7 +1,6 @@
-"""``POST /score`` as a library call, one request's steps in order: candidates (less those
-out of routing), tokens and block keys, the matching ``[[rules]]`` entry, one read of the
-index's holders and the loads, the decision (``kv_aware``:
-:class:`~kvindex.api.decision.fast_kv_aware.FastKvAware`), the answer's best ``top_k``."""
+"""``POST /score`` as a library call, one request's steps in order: candidates, block keys,
+the ``[[rules]]`` entry, one read of the index and the loads, the decision, the answer.
+RequestError is a 422, UnknownModelError a 404; a store outage answers ``degraded``."""
 
 from __future__ import annotations
 
@@ -26,7 +25,7 @@ from kvindex.api.decision.policies import (
     decide,
 )
 from kvindex.api.decision.routing_rules import WORKLOAD_HEADER, RoutingRule, RuleInput, first_match
-from kvindex.api.health.routing import no_healthy, out_of_routing
+from kvindex.api.health.routing import health_policy, no_healthy, out_of_routing
 from kvindex.api.load.model import CountedLoad, Load, is_newer_or_same
 from kvindex.api.load.store import LoadChanges, LoadStore
 from kvindex.api.lookup.matches import Lookup, RankedStreams, Streams, ranked_streams
@@ -70,7 +69,6 @@ class _Specs:
 
     specs: list[ReplicaSpec]
     serving: dict[str, list[str]]
-    """Per model, the replicas serving it, by id."""
     connecting: frozenset[str]
     """Replicas in connect mode (whose events stream can be down)."""
 
@@ -107,35 +105,29 @@ class Scorer:
         self._on_degraded = on_degraded
         self._rng = random.Random(settings.seed)
         self._turns: defaultdict[str, itertools.count[int]] = defaultdict(itertools.count)
-        """Per model, the next round-robin turn."""
         self._last_loads: dict[str, Load] = {}
         self._last_read: dict[str, CountedLoad] = {}
-        """The last load read, folded into ``_last_loads`` only when an outage needs it."""
         self._streams_memo: tuple[int, list[str], RankedStreams] | None = None
-        """The registry's streams version and the candidates the streams were made for."""
         self._specs_memo: _Specs | None = None
         self._answers: list[str] = []
         """Answers made since the last load read: counted in the store by the next read."""
-        self._health_policy = settings.health_policy()
+        self._health_policy = health_policy(settings)
         self._default_weights = settings.weights.as_dict()
         self._changes = loads if isinstance(loads, LoadChanges) else None
         self._kv_aware = FastKvAware(registry, self._changes)
 
     def note_load(self, replica: str, load: Load) -> None:
-        """Remember a load this process accepted (``POST /load``), so that an answer made
-        while the load store is unreachable still uses it; an older load changes nothing."""
+        """Remember an accepted load for answers made while the load store is unreachable."""
         if is_newer_or_same(load, self._last_loads.get(replica)):
             self._last_loads[replica] = load
 
     def forget(self, replica: str) -> None:
-        """Drop what is remembered of a removed replica."""
         self._last_loads.pop(replica, None)
         self._last_read.pop(replica, None)
         self._answers = [a for a in self._answers if a != replica]
 
     def _note_routed(self, best: str | None, loads: dict[str, CountedLoad]) -> None:
-        """Count an answer toward its replica's load (in the store, with the next read:
-        every API process sharing the store sees it, and it costs no round trip)."""
+        """Count an answer toward its replica's load (in the store, with the next read)."""
         counted = loads.get(best) if best is not None else None
         if best is not None and counted is not None and counted.load is not None:
             self._answers.append(best)
@@ -151,7 +143,6 @@ class Scorer:
         *,
         packed_tokens: bytes | None = None,
     ) -> ScoreResponse:
-        """The answer to ``request``: every candidate scored, the best :meth:`top_k` explained."""
         specs = self._registry.replicas()
         outage = self._registry.outage()
         candidates = self._candidates(request, specs, outage)
@@ -205,7 +196,6 @@ class Scorer:
     def _degraded(
         self, index_outage: str | None, fleet_outage: str | None, no_healthy: str | None
     ) -> str | None:
-        """Why the answer is degraded (None: it is not); each reason reported once."""
         whys = (index_outage, fleet_outage, no_healthy)
         degraded = {r: why for r, why in zip(DEGRADED_REASONS, whys, strict=True) if why}
         for reason in degraded:
@@ -213,8 +203,7 @@ class Scorer:
         return "; ".join(degraded.values()) or None
 
     def top_k(self, request: ScoreRequest) -> int | None:
-        """Entries the answer explains: the request's ``top_k``, else ``default_top_k``;
-        None for every candidate (a ``top_k`` of 0)."""
+        """The request's ``top_k``, else ``default_top_k``; None for every candidate."""
         top_k = request.top_k if request.top_k is not None else self._settings.default_top_k
         return top_k or None
 
@@ -223,9 +212,8 @@ class Scorer:
     def _candidates(
         self, request: ScoreRequest, specs: list[ReplicaSpec], outage: str | None
     ) -> list[str]:
-        """The replicas to rank (the model's serving list itself when the request names
-        none: shared while the specs stay the same, never to be changed, so that the stream
-        list made for it is found by identity)."""
+        """The replicas to rank: the model's serving list itself (never changed: the stream
+        memo finds it by identity) when the request names none."""
         serving = self._specs(specs).serving.get(request.model, [])
         if not serving and request.model not in self.known_models():
             if outage is not None:
@@ -243,8 +231,6 @@ class Scorer:
         return list(dict.fromkeys(request.candidates))
 
     def _specs(self, specs: list[ReplicaSpec]) -> _Specs:
-        """What the specs give, remembered while they are the same (compared item by item,
-        by identity first: the registry hands out the same specs until they change)."""
         memo = self._specs_memo
         if memo is not None and memo.specs == specs:
             memo.specs = specs  # equal but new objects (a re-read): compare by identity next
@@ -255,7 +241,6 @@ class Scorer:
     def _rule(
         self, request: ScoreRequest, num_tokens: int, headers: Mapping[str, str]
     ) -> RoutingRule | None:
-        """The first ``[[rules]]`` entry matching the request (None: none does)."""
         rules = self._settings.rules
         if not rules:
             return None
@@ -278,13 +263,12 @@ class Scorer:
             or (spec.policy if spec else None)
             or self._settings.default_policy
         )
-        policy = _POLICY_OF.get(name)  # a dict lookup: an enum call costs a microsecond
+        policy = _POLICY_OF.get(name)  # a dict lookup: cheaper than an enum call
         if policy is None:
             raise RequestError(f"policy: {name!r} is not one of {[p.value for p in Policy]}")
         return policy
 
     def _weights_view(self, weights: Weights) -> dict[str, float]:
-        """``weights.as_dict()``, the settings' own made once (a copy per answer)."""
         if weights is self._settings.weights:
             return dict(self._default_weights)
         return weights.as_dict()
@@ -310,7 +294,7 @@ class Scorer:
     async def _keys(
         self, request: ScoreRequest, block_size: int, packed: bytes | None = None
     ) -> tuple[int, list[int]]:
-        """(tokens in the prompt, its block keys); ``packed``: its token ids as u32 bytes."""
+        """(tokens in the prompt, its block keys); ``packed``: the token ids as u32 bytes."""
         given = [
             name
             for name in ("token_ids", "prompt", "messages", "block_keys")
@@ -366,9 +350,7 @@ class Scorer:
     async def _read(
         self, keys: list[int], streams: Streams, replicas: Sequence[str]
     ) -> tuple[Lookup, dict[str, CountedLoad], int | None]:
-        """The request's two store reads (index, then load with the answers made since the
-        last read counted first), in one worker-thread hop when the stores block (a hop
-        costs about as much as a Redis round trip on loopback)."""
+        """The index and load reads (answers since the last read counted first), in one hop."""
         answers, self._answers = self._answers, []
         found, loads, version = await self._off_loop(
             self._read_stores, keys, streams, replicas, answers
@@ -380,9 +362,7 @@ class Scorer:
     def _read_stores(
         self, keys: list[int], streams: Streams, replicas: Sequence[str], answers: list[str]
     ) -> tuple[HeldRuns | IndexUnavailableError, dict[str, CountedLoad] | None, int | None]:
-        """Both reads (and the load store's change version just before its read); an
-        unreachable store is returned as its error (index) or None (load) so that the other
-        read still happens."""
+        """Both reads and the load version; an unreachable store gives its error or None."""
         found: HeldRuns | IndexUnavailableError
         try:
             found = self._holders(keys, streams)
@@ -397,10 +377,7 @@ class Scorer:
         return found, loads, version
 
     def _streams(self, replicas: list[str]) -> RankedStreams:
-        """Every stream of the candidates (and of each one); remembered until the candidates
-        or the registry's :meth:`~kvindex.indexer.fleet.registry.RegistryView.streams_version`
-        change (the version is read first, so a list made from a later fleet is at worst
-        made again)."""
+        """The candidates' streams, remembered until they or the registry's streams change."""
         version = self._registry.streams_version()
         memo = self._streams_memo
         if memo is not None and memo[0] == version and (memo[1] is replicas or memo[1] == replicas):
@@ -413,8 +390,7 @@ class Scorer:
     def _loads_seen(
         self, loads: dict[str, CountedLoad] | None, replicas: Sequence[str]
     ) -> dict[str, CountedLoad]:
-        """Remember what was read; when the load store was unreachable, what was last read
-        (with no answers counted)."""
+        """What was read; when the store was unreachable, what was last read (no answers)."""
         if loads is not None:
             self._last_read = loads
             return loads
@@ -445,8 +421,7 @@ class Scorer:
         request: ScoreRequest,
         weights: Weights,
     ) -> Decision:
-        """The policy's decision (:func:`~kvindex.api.decision.policies.decide`); RequestError (422)
-        when the request lacks what the policy needs."""
+        """:func:`~kvindex.api.decision.policies.decide`; RequestError for what it lacks."""
         turns, rng = self._turns[request.model], self._rng
         if request.dry_run:  # decide on copies: the next real answer is as if none was asked
             turns, rng = copy.copy(turns), copy.copy(rng)
@@ -466,7 +441,6 @@ class Scorer:
 
 
 def _packed_keys(request: ScoreRequest, packed: bytes, block_size: int) -> list[int]:
-    """:func:`~kvindex.indexer.domain.keys.block_keys` of token ids given as u32 bytes."""
     num_blocks = len(packed) // 4 // block_size if block_size > 0 else 0
     extras = request_extra_keys(num_blocks, request.lora_name, request.cache_salt)
     try:

@@ -1,4 +1,5 @@
-"""The API process's typed settings (TOML ``[api]``, ``[api.weights]``, ``[[models]]``)."""
+"""The API process's frozen settings (TOML ``[api]`` and its tables, ``KVINDEX_API_*``),
+validated when built: a bad value is a SettingsError naming its key (and variable)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from kvindex.api.decision.routing_rules import RoutingRule, rule_from_table
 from kvindex.indexer.config.loading import ConfigFile, from_env_text, layered, read_token
 from kvindex.indexer.config.store import StoreSettings
 from kvindex.indexer.domain.errors import SettingsError
-from kvindex.indexer.fleet.replica_health import HealthPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,17 +23,15 @@ class ModelSpec:
     """Per-model routing settings."""
 
     name: str
+    """The model's name, as requests and the replicas' events give it."""
     block_size: int | None = None
     """Tokens per KV block; default: as seen in the replicas' events, else the API default."""
     policy: str | None = None
     """Routing policy for this model (a request may still choose its own)."""
     tokenizer: str | None = None
-    """Path of a ``tokenizer.json`` (chat template from a sibling ``tokenizer_config.json``),
-    or ``replica`` to use a replica's own ``POST /tokenize``."""
+    """A ``tokenizer.json`` path (template from its ``tokenizer_config.json``), or ``replica``."""
     loras: tuple[str, ...] = ()
-    """LoRA adapters the model's replicas serve under their own names (vLLM's
-    ``--lora-modules name=path``): the proxy sends a request naming one to this model's
-    replicas, its blocks keyed with that ``lora_name``."""
+    """LoRA adapters its replicas serve (``--lora-modules``), routed as this model's."""
 
     def __post_init__(self) -> None:
         loras = self.loras
@@ -52,27 +50,21 @@ class ApiSettings:
     port: int = 8000
     """Listen port."""
     auth_token: str | None = None
-    """Bearer token required on every endpoint but /healthz and /readyz (env
-    KVINDEX_API_AUTH_TOKEN or KVINDEX_API_TOKEN)."""
+    """Bearer token required on all but /healthz and /readyz (also env KVINDEX_API_TOKEN)."""
     auth_token_file: str | None = None
-    """A file holding the bearer token (env KVINDEX_API_AUTH_TOKEN_FILE or KVINDEX_API_TOKEN_FILE,
-    ``--token-file``); when
-    set, its content (stripped) is ``auth_token``, so the token need not be in argv or env."""
+    """A file holding ``auth_token`` (``--token-file``; also env KVINDEX_API_TOKEN_FILE)."""
     default_policy: str = "kv_aware"
     """Policy when neither the request nor the model's settings choose one."""
     default_block_size: int = 16
     """Block size when the events have not shown one yet (vLLM's default is 16)."""
     default_top_k: int = 16
-    """Candidates explained in a ``/score`` answer when the request sets no ``top_k``
-    (0: every candidate); the rest are only counted, so an answer stays small on a large
-    fleet."""
+    """Candidates a ``/score`` answer explains when the request sets no ``top_k`` (0: all)."""
     weights: Weights = field(default_factory=Weights)
     """Default scoring weights (``[api.weights]``)."""
     models: tuple[ModelSpec, ...] = ()
     """Per-model settings (``[[models]]``)."""
     rules: tuple[RoutingRule, ...] = ()
-    """Routing rules per workload (``[[rules]]``), first match wins
-    (:mod:`kvindex.api.decision.routing_rules`)."""
+    """Routing rules per workload (``[[rules]]``), first match wins."""
     scrape_interval_s: float = 2.0
     """Scrape every replica's vLLM /metrics this often (0: never; rely on POST /load)."""
     scrape_timeout_s: float = 1.0
@@ -82,45 +74,35 @@ class ApiSettings:
     seed: int | None = None
     """Seed of tie-breaks and random policies (tests); None: from the OS."""
     max_body_bytes: int = 8 * 1024 * 1024
-    """Largest request body; a larger one (declared or counted) is refused with 413 before
-    it is read whole."""
+    """Largest request body; a larger one is refused with 413 before it is read whole."""
     header_timeout_s: float = 10.0
-    """A request head (request line and headers) must arrive whole this long after the
-    connection opens or its first byte; else the connection is closed unanswered."""
+    """A request head must arrive whole this soon, else the connection is closed unanswered."""
     body_timeout_s: float = 10.0
     """A request body must arrive whole this long after the route starts reading it (408)."""
     replica_networks: tuple[str, ...] = ()
-    """Networks (CIDR) a replica URL from ``POST /replicas`` may resolve into; empty: any
-    address but a link-local one (169.254.0.0/16, fe80::/10)."""
+    """CIDRs a ``POST /replicas`` URL may resolve into; empty: any but link-local."""
     redis_timeout_s: float = 0.1
-    """Timeout of one Redis call of the API (connect, send, reply): with Redis stopped or
-    overloaded, /score answers ``degraded`` this much later than usual, never later."""
+    """Timeout of one Redis call; with Redis down, /score answers ``degraded`` this late."""
     redis_cooldown_s: float = 0.5
-    """After a failed Redis call, the API skips Redis this long (answering ``degraded``),
-    then lets one call probe it."""
+    """After a failed Redis call, skip Redis this long (``degraded``), then probe it."""
     access_log: bool = False
-    """Log one line per HTTP request (logger ``kvindex.access``: method, path, status,
-    milliseconds), in the process's log format (``--access-log``)."""
+    """Log one line per HTTP request (logger ``kvindex.access``)."""
     health_check_interval_s: float = 2.0
-    """Check every replica's ``health_check_path`` this often (0: never); processes sharing
-    a Redis check each replica once a round between them."""
+    """Check every replica's ``health_check_path`` this often (0: never), once per fleet."""
     health_check_timeout_s: float = 1.0
-    """Timeout of one health check (connect to last byte); a timeout is a failure."""
+    """Timeout of one health check; a timeout is a failure."""
     health_check_path: str = "/health"
-    """Path appended to a replica's ``url`` for its health check (vLLM serves ``/health``)."""
+    """Path appended to a replica's ``url`` for its health check."""
     unhealthy_threshold: int = 3
     """Consecutive failed health checks that eject a replica from routing."""
     healthy_threshold: int = 2
     """Consecutive passed health checks that restore an ejected replica."""
     breaker_failures: int = 5
-    """Consecutive failed forwards (connect error, 5xx) that open a replica's breaker in
-    ``kvindex proxy``: the replica is out of routing for ``breaker_cooldown_s``."""
+    """Consecutive failed forwards (connect error, 5xx) that open a replica's breaker."""
     breaker_cooldown_s: float = 10.0
-    """An open breaker's cool-down; then the replica takes requests again and the next
-    answer closes the breaker (success) or reopens it (failure)."""
+    """An open breaker's cool-down; the next answer then closes or reopens it."""
     events_down_after_s: float = 2.0
-    """A replica whose events stream (connect mode) has been disconnected this long, or
-    never connected, is out of routing while another candidate is healthy."""
+    """A replica whose events stream is down this long is out of routing (if others aren't)."""
 
     def __post_init__(self) -> None:
         _check_policy("api.default_policy", self.default_policy)
@@ -161,19 +143,6 @@ class ApiSettings:
         if not isinstance(path, str) or not path.startswith("/"):
             raise SettingsError(f"api.health_check_path must start with '/', got {path!r}")
 
-    def health_policy(self) -> HealthPolicy:
-        """The health thresholds; a check verdict is trusted for three intervals (at least
-        10 s), so one no process renews any more stops ejecting its replica."""
-        return HealthPolicy(
-            unhealthy_threshold=self.unhealthy_threshold,
-            healthy_threshold=self.healthy_threshold,
-            breaker_failures=self.breaker_failures,
-            breaker_cooldown_s=self.breaker_cooldown_s,
-            verdict_ttl_s=max(
-                10.0, 3 * (self.health_check_interval_s + self.health_check_timeout_s)
-            ),
-        )
-
     def url_policy(self) -> UrlPolicy:
         """The replica URL policy of ``replica_networks`` (SettingsError names a bad one)."""
         networks = self.replica_networks
@@ -194,8 +163,6 @@ class ApiSettings:
 
 @dataclass(frozen=True, slots=True)
 class _Range:
-    """What a numeric setting accepts, and how to say it in an error."""
-
     low: float
     high: float
     integer: bool
@@ -230,8 +197,7 @@ def _check_policy(key: str, value: str) -> None:
 
 
 ENV_PREFIX = "KVINDEX_API_"
-"""Every ApiSettings field ``f`` is read from ``KVINDEX_API_<F>``; every weight ``w`` from
-``KVINDEX_API_WEIGHTS_<W>``."""
+"""Field ``f`` is read from ``KVINDEX_API_<F>``, weight ``w`` from ``KVINDEX_API_WEIGHTS_<W>``."""
 _ENV_ALIASES = {"KVINDEX_API_TOKEN": "auth_token", "KVINDEX_API_TOKEN_FILE": "auth_token_file"}
 """Older names of ``KVINDEX_API_AUTH_TOKEN[_FILE]``, still read (the longer name wins)."""
 _WEIGHTS_ENV = ENV_PREFIX + "WEIGHTS_"
@@ -245,8 +211,7 @@ def load_api_settings(
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> ApiSettings:
-    """Defaults < a TOML ``[api]`` table, ``[[models]]`` and ``[[rules]]`` arrays <
-    ``KVINDEX_API_*`` env < ``overrides`` (None values ignored)."""
+    """Defaults < TOML tables < ``KVINDEX_API_*`` env < ``overrides`` (None ignored)."""
     raw = dict(values or {})
     weights = dict(raw.pop("weights", None) or {})
     unknown = sorted(set(raw) - _SCALAR_NAMES)
@@ -280,7 +245,7 @@ _SCALAR_NAMES = {f.name for f in fields(ApiSettings)} - {"weights", "models", "r
 
 @dataclass(slots=True)
 class _ApiEnv:
-    """What the ``KVINDEX_API_*`` variables set, coerced, and which variable set what."""
+    """What the ``KVINDEX_API_*`` variables set, and which variable set what."""
 
     values: dict[str, Any] = field(default_factory=dict)
     weights: dict[str, Any] = field(default_factory=dict)
@@ -290,8 +255,7 @@ class _ApiEnv:
 
     @classmethod
     def read(cls, environ: Mapping[str, str]) -> _ApiEnv:
-        """Every non-empty ``KVINDEX_API_*`` variable (aliases first, so the full names win);
-        SettingsError names the variable and its value when one cannot be taken."""
+        """Every non-empty ``KVINDEX_API_*`` variable (aliases first: the full names win)."""
         found = cls()
         names = sorted(n for n in environ if n.startswith(ENV_PREFIX) and environ[n])
         for name in sorted(names, key=lambda n: n not in _ENV_ALIASES):
@@ -325,7 +289,6 @@ class _ApiEnv:
         self.key_to_variable[f"api.{key}"] = variable
 
     def blamed(self, exc: SettingsError) -> SettingsError:
-        """``exc``, naming the variable that set the key it names (if one did)."""
         text = str(exc)
         for key, variable in self.key_to_variable.items():
             if key in text:
@@ -334,11 +297,9 @@ class _ApiEnv:
 
 
 _FIELD_TYPES = {f.name: str(f.type) for f in fields(ApiSettings) if f.name in _SCALAR_NAMES}
-"""Field name → its annotation (a string: this module uses postponed annotations)."""
 
 
 def _tables_of(variable: str, text: str, example: str) -> list[Mapping[str, Any]]:
-    """``KVINDEX_API_MODELS`` or ``KVINDEX_API_RULES``: a JSON array of tables."""
     try:
         tables = json.loads(text)
     except ValueError:
@@ -363,7 +324,6 @@ def _model(values: Mapping[str, Any]) -> ModelSpec:
 
 
 def _rules(tables: Sequence[Mapping[str, Any]] | None) -> tuple[RoutingRule, ...]:
-    """``[[rules]]`` in order (the first match wins); SettingsError names the bad one."""
     if tables is not None and not isinstance(tables, list | tuple):
         raise SettingsError(f"rules must be an array of tables ([[rules]]), got {tables!r}")
     try:
@@ -378,7 +338,6 @@ def api_settings_of(
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> ApiSettings:
-    """:func:`load_api_settings` of the file's ``[api]``, ``[[models]]`` and ``[[rules]]``."""
     return load_api_settings(
         file.table("api"),
         file.table("models"),

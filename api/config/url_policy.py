@@ -30,8 +30,7 @@ class UrlPolicy:
         return cls(tuple(ipaddress.ip_network(n, strict=False) for n in networks))
 
     def allows(self, address: Address) -> bool:
-        """Whether one address may be sent prompts (an IPv4-mapped IPv6 address is judged
-        as the IPv4 address it carries)."""
+        """Whether one address may be sent prompts (IPv4-mapped: as the IPv4 address)."""
         if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
             address = address.ipv4_mapped
         if self.networks:

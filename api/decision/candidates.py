@@ -25,7 +25,6 @@ class Seen:
     """The load store's change version before the loads were read (None: not the store's)."""
 
     def state(self, replica: str) -> Freshness:
-        """The replica's freshness: its least fresh stream's."""
         statuses = self.statuses.get(replica, ())
         return statuses[0].freshness if len(statuses) == 1 else freshness(statuses)
 
@@ -55,7 +54,6 @@ def freshness(statuses: Sequence[StreamFreshness]) -> Freshness:
 
 
 def states(statuses: Sequence[StreamFreshness]) -> dict[str, Freshness]:
-    """:func:`freshness` of each replica of ``statuses``, in one pass."""
     out: dict[str, Freshness] = {}
     worst, rank = out.get, _WORST.__getitem__
     for status in statuses:

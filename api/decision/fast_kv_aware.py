@@ -1,8 +1,7 @@
 """Reference: kvindex.api.decision.policies.decide; tests/unit/api/test_score_equivalence.py::test_the_lean_kv_aware_answer_equals_the_plain_one_on_random_fleets
 
-``kv_aware`` without a temperature at a cost per candidate of one load penalty at most: the
-cache term only for the holders that may rank, candidates and terms only for the ``top_k``
-explained, the penalties from kept floors on a large fleet.
+``kv_aware`` without a temperature, equal to it (``best``, scores, terms, draws) at one load
+penalty per candidate at most: cache terms for holders that may rank, terms for the ``top_k``.
 """  # noqa: E501
 
 from __future__ import annotations
@@ -19,21 +18,17 @@ from kvindex.indexer.fleet.registry import Freshness, RegistryView
 from kvindex.indexer.index.protocol import PrefixMatch
 
 MAX_FLOORS = 8
-"""Weights whose penalty floors are kept (the default, and rules' or requests')."""
+"""Weights whose penalty floors are kept."""
 _STALE = Freshness.STALE
 
 
 class FastKvAware:
-    """The ``kv_aware`` decision as :func:`~kvindex.api.decision.policies.decide` makes it
-    (``best``, each entry's score and terms, the draws), for one scorer's event loop.
-    ``changes``: the load store's change log (None: every penalty is computed).
-    """
+    """One scorer's ``kv_aware`` decisions, on its event loop (``changes`` None: no floors)."""
 
     def __init__(self, registry: RegistryView, changes: LoadChanges | None) -> None:
         self._registry = registry
         self._changes = changes
         self._floors: dict[Weights, PenaltyFloors] = {}
-        """Per weights, the floors of the last candidate list scored with them."""
         self._last_floors: tuple[Weights, PenaltyFloors] | None = None
 
     def decide(
@@ -97,9 +92,7 @@ class FastKvAware:
         weights: Weights,
         top_k: int | None,
     ) -> list[float] | Walk:
-        """Each candidate's load penalty as far as the answer needs them: from the floors
-        kept for these candidates and weights when floors pay (:func:`pays`, loads read
-        from a store that logs its changes), else every one."""
+        """The load penalties the answer needs: from kept floors when they pay, else all."""
         changes, version = self._changes, seen.version
         if changes is None or version is None or not pays(len(ranked), top_k):
             return load_penalties(ranked, seen.loads, seen.now, weights)
@@ -135,9 +128,8 @@ def _minus_scores(
     num_blocks: int,
     weights: Weights,
 ) -> list[float]:
-    """Each candidate's ``kv_aware`` score, negated: its penalty, less the cache credit of
-    its match at its freshness for the replicas in ``matches`` (no record: stale), whose
-    (credit, factor) go into ``credit_of``."""
+    """Each candidate's ``kv_aware`` score, negated; the holders' (credit, factor) go into
+    ``credit_of`` (no freshness record: stale)."""
     minus_scores = penalties.copy()
     # Credit per (match, freshness): the holders of one prefix share its match object, and
     # come one after another (the last pair is checked first: no hashing).

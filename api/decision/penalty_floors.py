@@ -1,4 +1,6 @@
-"""Load penalties kept per change of the loads, so that an answer computes few of them."""
+"""Floors under the load penalties, kept per change of the loads, so that an answer over many
+candidates computes few exact penalties; the result equals computing them all (the compiled
+loops in ``_lookup`` do the work; without them :func:`pays` is False)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,6 @@ _compiled_floors: _Floors | None = None
 _compiled_ascending: Callable[[list[float]], list[int]] | None = None
 _compiled_within: _Within | None = None
 _compiled_penalties: _Floors | None = None  # as _lookup.load_penalties
-"""The compiled loops (None: not built; the scorer then computes every penalty)."""
 try:
     from kvindex.indexer.native import _lookup
 except ImportError:
@@ -26,25 +27,19 @@ else:
     _compiled_penalties = _lookup.load_penalties
 
 WINDOW_OF_HALF_LIFE = 1 / 16
-"""How far ahead floors hold, in half-lives: a decaying penalty's floor is then within
-``1 - 0.5 ** (1 / 16)`` of it, so few replicas beyond the ``top_k`` are computed."""
+"""How far ahead floors hold, in half-lives (a floor is then within ``1 - 0.5 ** (1/16)``)."""
 MIN_CANDIDATES = 128
-"""Fewer candidates than this: every penalty is computed (cheaper than keeping floors;
-``bench/score.py`` measures both)."""
+"""Fewer candidates than this: every penalty is computed (``bench/score.py`` measures both)."""
 MAX_CHANGED = 256
-"""Changed replicas (whose penalties are computed every answer) before floors are made
-again; an eighth of the candidates when that is fewer."""
+"""Changed replicas (an eighth of the candidates if fewer) before floors are made again."""
 
 
 def available() -> bool:
-    """The compiled loops are built (without them every penalty is computed)."""
     return _compiled_within is not None
 
 
 def pays(num_candidates: int, top_k: int | None) -> bool:
-    """Whether floors pay for an answer explaining ``top_k`` of ``num_candidates``: the
-    compiled loops are built, the candidates are :data:`MIN_CANDIDATES` or more, and the
-    ``top_k`` leaves some out."""
+    """Floors pay: compiled loops, :data:`MIN_CANDIDATES` or more, a ``top_k`` leaving some out."""
     return (
         _compiled_within is not None
         and num_candidates >= MIN_CANDIDATES
@@ -54,10 +49,8 @@ def pays(num_candidates: int, top_k: int | None) -> bool:
 
 
 class PenaltyFloors:
-    """Floors under the load penalties of ``replicas`` (the scorer's ranked list, never
-    changed) under ``weights``, made from a load read at store version ``version`` (see
-    :class:`~kvindex.api.load.store.LoadChanges`) and holding until ``until``; a changed
-    replica's floor is made again and moved in the order (:meth:`note_changed`)."""
+    """Floors under the penalties of ``replicas`` from a load read at store ``version``, holding
+    until ``until``; changed floors are remade (:meth:`note_changed`). Not thread-safe."""
 
     __slots__ = ("_args", "_floors", "_order", "_ordered", "replicas", "until", "version")
 
@@ -77,14 +70,10 @@ class PenaltyFloors:
         self.version = version
         self._args = penalty_weights(weights)
         self._floors = _compiled_floors(replicas, counted, self.until, *self._args)
-        """Each replica's floor, by position."""
         self._order = _compiled_ascending(self._floors)
-        """The positions in ascending order of floor."""
         self._ordered = [self._floors[i] for i in self._order]
-        """The floors in that order (what a changed floor is found and placed by)."""
 
     def holds(self, replicas: list[str], now: float) -> bool:
-        """The floors are for ``replicas`` and hold at ``now``."""
         same = self.replicas is replicas or self.replicas == replicas
         return same and now <= self.until
 
@@ -95,10 +84,8 @@ class PenaltyFloors:
         counted: dict[str, CountedLoad],
         version: int,
     ) -> bool:
-        """Make the floors of the replicas whose load changed again from ``counted`` (the
-        store's ``changed_since`` the floors' version, read after ``counted`` was, which the
-        store's version was ``version`` before) and move them in the order; False, and
-        nothing changed, when so many changed that the floors should be made again."""
+        """Remake the ``changed`` replicas' floors from ``counted`` (read at ``version``);
+        False, nothing changed, when so many changed that all floors should be made again."""
         assert _compiled_floors is not None
         moved = [at for replica in changed if (at := position.get(replica)) is not None]
         if len(moved) > min(MAX_CHANGED, len(self.replicas) // 8 + 1):
@@ -128,8 +115,7 @@ class PenaltyFloors:
         floors[at] = floor
 
     def walk(self, counted: dict[str, CountedLoad], now: float, k: int) -> Walk:
-        """The exact penalties, as of ``now``, of every replica that can be among the ``k``
-        lowest (``1 <= k <= len(replicas)``): see :class:`Walk`."""
+        """The exact penalties at ``now`` of every replica that can be among the ``k`` lowest."""
         assert _compiled_within is not None
         penalties, positions, kth = _compiled_within(
             self.replicas, counted, now, self._order, self._floors, [], k, *self._args
@@ -138,9 +124,8 @@ class PenaltyFloors:
 
 
 class Walk:
-    """One answer's penalties from :class:`PenaltyFloors`: ``penalties`` by position (exact
-    where computed, ``inf`` elsewhere), ``positions`` computed, and ``kth``, the ``k``-th
-    lowest penalty of all; :meth:`complete` adds the holders the scorer needs."""
+    """One answer's ``penalties`` by position (``inf`` where not computed), the ``positions``
+    computed, and ``kth``, the ``k``-th lowest penalty of all."""
 
     __slots__ = ("_counted", "_floors", "_now", "kth", "penalties", "positions")
 
@@ -158,13 +143,11 @@ class Walk:
         self.penalties, self.positions, self.kth = penalties, positions, kth
 
     def bounds(self) -> list[float]:
-        """A floor under every penalty, by position (the floors' own list, not to be
-        changed: a copy would touch every replica's float, a cache line each)."""
+        """A floor under every penalty, by position (the floors' own list: not to be changed)."""
         return self._floors._floors
 
     def complete(self, wanted: Iterable[int]) -> None:
-        """Compute the exact penalties of the positions ``wanted`` not computed yet (the
-        holders that may rank among the ``top_k``, found from :meth:`bounds`)."""
+        """Compute the exact penalties of the positions ``wanted`` not computed yet."""
         assert _compiled_penalties is not None
         penalties, inf = self.penalties, math.inf
         missing = [at for at in wanted if penalties[at] == inf]

@@ -1,13 +1,13 @@
-"""Routing policies: pure functions from (matches, load, freshness) to ranked scores;
-:func:`decide` is the entry point. ``kv_aware`` (the default)::
+"""Routing policies: pure functions from (matches, load, freshness) to ranked scores, the
+reference of every fast copy; :func:`decide` is the entry point (ScoringError: a policy or
+weight that cannot be used). ``kv_aware`` (the default)::
 
     cache = w.cache · Σ tier_credit(tier) / num_blocks · freshness_factor
     queue = max((w.waiting · waiting + w.running · running) · recency + w.routed · routed,
                 w.in_flight · in_flight)
     score = cache - (queue + w.kv_usage · kv_usage · recency + w.in_flight_tokens · tokens)
 
-with ``recency = 0.5 ** (age / w.load_half_life_s)``; ties go to the lower load, then to
-chance; with ``w.temperature > 0`` the winner is drawn from a softmax over scores.
+with ``recency = 0.5 ** (age / w.load_half_life_s)``; ties go to the lower load, then chance.
 """
 
 from __future__ import annotations
@@ -39,15 +39,15 @@ class Policy(enum.StrEnum):
 
 
 class ScoringError(KvIndexError):
-    """A policy or weight that cannot be used (bad name, bad value)."""
+    """A policy or weight that cannot be used."""
 
 
 @dataclass(frozen=True, slots=True)
 class Weights:
-    """Every knob of the scoring formulas (see the module docstring)."""
+    """Every knob of the scoring formulas (``[api.weights]``)."""
 
     cache: float = 1.0
-    """Weight of the cache term (1.0: the whole prompt cached on GPU is worth 1)."""
+    """Weight of the cache term (the whole prompt cached on GPU is worth this)."""
     gpu: float = 1.0
     """Credit of a block matched on GPU."""
     cpu: float = 0.8
@@ -61,16 +61,11 @@ class Weights:
     kv_usage: float = 0.2
     """Penalty for a full KV cache (usage fraction 0..1)."""
     routed: float = 0.1
-    """Penalty per answer that chose the replica since its load was stored, counted by
-    every API process sharing the load store (load the report cannot show yet: without it,
-    every request between two load reports goes to the replica that looked idle at the
-    first)."""
+    """Penalty per answer naming the replica since its load was stored (load not yet shown)."""
     in_flight: float = 0.02
-    """Penalty per request in flight to the replica (reserved by the proxies sharing the
-    load store); the queue term is the larger of this and the report's (see the module)."""
+    """Penalty per request in flight to the replica (reserved by the proxies)."""
     in_flight_tokens: float = 0.00005
-    """Penalty per uncached prompt token of the requests in flight (prefill work sent to
-    the replica: 20 000 tokens cost as much as a whole prompt cached is worth)."""
+    """Penalty per uncached prompt token of the requests in flight (their prefill work)."""
     stale_factor: float = 0.5
     """Cache credit multiplier for a replica whose stream is stale."""
     replaying_factor: float = 0.8
@@ -98,7 +93,7 @@ class Weights:
         object.__setattr__(self, "prefix_blocks", int(self.prefix_blocks))
 
     def overridden(self, overrides: dict[str, Any] | None) -> Weights:
-        """A copy with some weights replaced (per request); unknown names are an error."""
+        """A copy with some weights replaced; ScoringError for an unknown name or bad value."""
         if not overrides:
             return self
         known = {f.name for f in fields(self)}
@@ -124,7 +119,6 @@ class LoadInput(msgspec.Struct, frozen=True):
     kv_usage: float
     age_s: float
     routed: float = 0.0
-    """Requests routed to the replica since this load was measured (see ``Weights.routed``)."""
 
 
 class Candidate(msgspec.Struct, frozen=True):
@@ -136,9 +130,7 @@ class Candidate(msgspec.Struct, frozen=True):
     freshness: Freshness
     load: LoadInput | None
     in_flight: float = 0.0
-    """Requests in flight to it (reserved by proxies; see ``Weights.in_flight``)."""
     in_flight_tokens: float = 0.0
-    """Their uncached prompt tokens (see ``Weights.in_flight_tokens``)."""
 
 
 class Scored(msgspec.Struct, frozen=True):
@@ -156,8 +148,7 @@ class Decision(msgspec.Struct, frozen=True):
 def load_penalty(
     load: LoadInput | None, w: Weights, in_flight: float = 0.0, in_flight_tokens: float = 0.0
 ) -> tuple[float, float]:
-    """(penalty, recency) of a replica's load and requests in flight (the module's ``load``);
-    an unknown load costs nothing but the requests in flight (its recency is 0)."""
+    """(penalty, recency); an unknown load costs only the requests in flight (recency 0)."""
     first_hand = w.in_flight * in_flight
     prefill = w.in_flight_tokens * in_flight_tokens
     if load is None:
@@ -173,20 +164,17 @@ def load_penalty(
 
 
 def candidate_penalty(c: Candidate, w: Weights) -> tuple[float, float]:
-    """:func:`load_penalty` of a candidate's load and requests in flight."""
     return load_penalty(c.load, w, c.in_flight, c.in_flight_tokens)
 
 
 def _in_flight_terms(c: Candidate, w: Weights) -> tuple[float, float]:
-    """The in-flight parts of the penalty, as (negative) terms of the answer."""
     return 0.0 - w.in_flight * c.in_flight, 0.0 - w.in_flight_tokens * c.in_flight_tokens
 
 
 def load_penalties(
     replicas: Sequence[str], counted: Mapping[str, CountedLoad], now: float, w: Weights
 ) -> list[float]:
-    """:func:`load_penalty` of each replica's counted load (aged as of ``now``), in the order
-    of ``replicas``, without building a candidate: one compiled loop (``_lookup``)."""
+    """:func:`load_penalty` of each replica's load as of ``now``, in order, in one compiled loop."""
     if type(replicas) is not list:
         replicas = list(replicas)
     if type(counted) is not dict:
@@ -195,7 +183,6 @@ def load_penalties(
 
 
 def penalty_weights(w: Weights) -> tuple[float, float, float, float, float, float, float]:
-    """The weights a compiled load penalty reads, in its arguments' order."""
     return (
         w.in_flight,
         w.in_flight_tokens,
@@ -215,7 +202,6 @@ def cache_credit(c: Candidate, num_blocks: int, w: Weights) -> tuple[float, floa
 def tier_credit(
     tiers: Sequence[Tier], freshness: Freshness, num_blocks: int, w: Weights
 ) -> tuple[float, float]:
-    """:func:`cache_credit` of a match's tiers and its replica's freshness."""
     factor = _freshness_factor(freshness, w)
     if num_blocks == 0 or not tiers:
         return 0.0, factor
@@ -247,9 +233,7 @@ def kv_aware(
     w: Weights,
     credits: Sequence[tuple[float, float] | None] | None = None,
 ) -> list[Scored]:
-    """Every candidate scored and explained. ``credits``: each candidate's
-    :func:`cache_credit` when the caller has it already (None: computed here), so a
-    match's tiers are counted once per answer."""
+    """Every candidate scored and explained; ``credits``: their :func:`cache_credit` if known."""
     out: list[Scored] = []
     append = out.append
     for i, c in enumerate(cands):
@@ -316,7 +300,7 @@ def rank(
     rng: random.Random,
     top_k: int | None = None,
 ) -> Decision:
-    """Order best first: by score, then lower load, then chance; softmax if temperature."""
+    """Best first: by score, then lower load, then chance; softmax draw if temperature."""
     if not scored:
         return Decision(None, [])
     if w.temperature > 0 and len(scored) > 1:  # the draw weighs every one, in order
@@ -345,10 +329,8 @@ def tie_order(
     top_k: int | None,
     positions: Sequence[int] | None = None,
 ) -> list[int]:
-    """Indices of the best ``top_k`` (None or 0: every one) of the rows at ``positions``
-    (None: every row), best first: ascending (minus score, penalty), a tie in both broken by
-    chance, one ``draw()`` per row of each tied group that the ``top_k`` reaches (the groups
-    in order, a group's rows in index order), the group then in (draw, index) order."""
+    """Indices of the best ``top_k`` (None or 0: all) rows at ``positions``, by (minus score,
+    penalty), ties by one ``draw()`` per row of each tied group reached, in index order."""
     picked: Sequence[int] = range(len(minus_scores)) if positions is None else positions
     rows = sorted((minus_scores[i], penalties[i], i) for i in picked)
     k = len(rows) if not top_k or top_k >= len(rows) else top_k
@@ -401,8 +383,7 @@ def decide(
     rng: random.Random,
     top_k: int | None = None,
 ) -> Decision:
-    """Every candidate scored by ``policy``, then ranked (:func:`rank`, which keeps the best
-    ``top_k``: None or 0 for every one)."""
+    """Every candidate scored by ``policy``, ranked, the best ``top_k`` kept (None or 0: all)."""
     if policy is Policy.KV_AWARE:
         scored = kv_aware(cands, len(keys), w)
     elif policy is Policy.LEAST_LOAD:

@@ -1,4 +1,5 @@
-"""Routing rules per workload (``[[rules]]``): which policy and weights a request gets."""
+"""Routing rules per workload (``[[rules]]``): which policy and weights a request gets; the
+first rule whose conditions all hold wins; a bad table is a SettingsError naming its key."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from kvindex.api.decision.policies import Policy, ScoringError, Weights
 from kvindex.indexer.domain.errors import SettingsError
 
 WORKLOAD_HEADER = "x-kvindex-workload"
-"""Request header naming the workload when the body does not (``/score``, the proxy)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,13 +19,11 @@ class RuleInput:
 
     model: str
     num_tokens: int
-    """Prompt length in tokens (for ``block_keys``: blocks times block size)."""
     workload: str | None = None
     user: str | None = None
     has_tools: bool = False
     headers: Mapping[str, str] = field(default_factory=dict)
-    """The request's headers; looked up by lower-case name (a case-insensitive mapping,
-    such as Starlette's, or a dict with lower-case keys)."""
+    """Looked up by lower-case name."""
 
 
 Values = tuple[str, ...]
@@ -37,20 +35,19 @@ class RoutingRule:
     """One ``[[rules]]`` table: conditions (all must hold) and what it chooses."""
 
     name: str
-    """Named in ``/score``'s answer (``rule``) and in errors."""
+    """Named in ``/score``'s answer and in errors."""
     model: Values = ()
     """Model names the rule applies to (empty: every model)."""
     workload: Values = ()
-    """The request's workload: ``/score``'s ``workload`` field, else the
-    ``x-kvindex-workload`` header."""
+    """The request's workload (``workload`` field, else the ``x-kvindex-workload`` header)."""
     user: Values = ()
-    """The request's ``user`` (``/score``'s field, an OpenAI body's ``user``)."""
+    """The request's ``user``."""
     headers: tuple[tuple[str, Values], ...] = ()
     """Request headers (lower-case name, accepted values), e.g. a tenant header."""
     min_prompt_tokens: int | None = None
-    """Shortest prompt the rule applies to (tokens, included)."""
+    """Shortest prompt the rule applies to (tokens)."""
     max_prompt_tokens: int | None = None
-    """Longest prompt the rule applies to (tokens, included)."""
+    """Longest prompt the rule applies to (tokens)."""
     tools: bool | None = None
     """True: only requests offering tools; False: only requests without; None: either."""
     policy: str | None = None
@@ -83,7 +80,6 @@ class RoutingRule:
             raise SettingsError(f"{key}: the rule chooses neither a policy nor weights")
 
     def matches(self, seen: RuleInput) -> bool:
-        """Every condition the rule gives holds for ``seen``."""
         if self.model and seen.model not in self.model:
             return False
         if self.workload and seen.workload not in self.workload:
@@ -102,8 +98,7 @@ class RoutingRule:
         return dict(self.weights)
 
     def as_table(self) -> dict[str, Any]:
-        """The rule as a ``[[rules]]`` table (``GET /config``): only the keys it gives,
-        conditions as lists; :func:`rule_from_table` reads it back to an equal rule."""
+        """The rule as its ``[[rules]]`` table, which :func:`rule_from_table` reads back equal."""
         table: dict[str, Any] = {"name": self.name}
         for condition in ("model", "workload", "user"):
             if values := getattr(self, condition):
@@ -119,7 +114,6 @@ class RoutingRule:
 
 
 def first_match(rules: Sequence[RoutingRule], seen: RuleInput) -> RoutingRule | None:
-    """The first rule (in configuration order) that matches ``seen``; None if none does."""
     return next((rule for rule in rules if rule.matches(seen)), None)
 
 
@@ -142,8 +136,7 @@ def _check_count(key: str, value: object) -> None:
 
 
 def rule_from_table(table: Mapping[str, Any], position: int) -> RoutingRule:
-    """A rule from its TOML (or JSON) table, the ``position``-th of ``[[rules]]`` (from 1);
-    :class:`SettingsError` names the rule, the key and the bad value."""
+    """The ``position``-th (from 1) ``[[rules]]`` table as a rule."""
     if not isinstance(table, Mapping):
         raise SettingsError(f"[[rules]] #{position}: a rule is a table, got {table!r}")
     name = table.get("name")
@@ -165,7 +158,6 @@ def rule_from_table(table: Mapping[str, Any], position: int) -> RoutingRule:
 
 
 def _values(key: str, value: object) -> Values:
-    """A string or a non-empty list of strings, as a tuple."""
     if isinstance(value, str):
         return (value,)
     if isinstance(value, list) and value and all(isinstance(v, str) for v in value):

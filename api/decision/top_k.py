@@ -21,9 +21,7 @@ def best(
     top_k: int | None,
     positions: list[int] | None = None,
 ) -> list[int]:
-    """Indices of the best ``top_k`` (None: every one), best first, in
-    :func:`~kvindex.api.decision.policies.rank`'s order (score, lower load, a draw from
-    ``rng`` per candidate of a tie the ``top_k`` reaches)."""
+    """Indices of the best ``top_k`` (None: all), in ``policies.rank``'s order."""
     return _best_tied(minus_scores, penalties, rng.random, top_k, positions)
 
 
@@ -37,8 +35,7 @@ def contenders(
     weights: Weights,
     threshold: float | None = None,
 ) -> Matches:
-    """The replicas that matched and may be among the best ``top_k`` whatever their
-    freshness (every one when ``top_k`` keeps them all), each with its best match."""
+    """The matched replicas that may be among the best ``top_k``, with their best match."""
     matches = lookup.matches
     if top_k is None or top_k >= len(penalties) or not matches or num_blocks <= 0:
         return matches

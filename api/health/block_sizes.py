@@ -17,8 +17,6 @@ logger = logging.getLogger("kvindex.api.health.block_sizes")
 
 @dataclass(frozen=True, slots=True)
 class BlockSizeMismatch:
-    """One stream publishing ``block_size`` where its model uses ``expected``."""
-
     stream: StreamId
     model: str
     block_size: int
@@ -26,8 +24,7 @@ class BlockSizeMismatch:
 
 
 class BlockSizeCheck:
-    """Compares every stream's published block size with its model's. Thread-safe (the
-    routes run it in worker threads); remembers which mismatches it has warned of."""
+    """Compares every stream's block size with its model's; thread-safe; warns once each."""
 
     def __init__(self, settings: ApiSettings, registry: RegistryView) -> None:
         self._settings = settings
@@ -36,7 +33,6 @@ class BlockSizeCheck:
         self._warned: set[tuple[StreamId, int, int]] = set()
 
     def models(self) -> list[str]:
-        """Every model configured or served (the gauge exports a 0 for each)."""
         configured = {m.name for m in self._settings.models}
         return sorted(configured | set(self._registry.models()))
 
@@ -52,8 +48,7 @@ class BlockSizeCheck:
         statuses: Iterable[StreamStatus] | None = None,
         specs: Iterable[ReplicaSpec] | None = None,
     ) -> dict[StreamId, BlockSizeMismatch]:
-        """Every stream whose published size (once seen) differs from its model's; reads
-        the registry for what is not given, and warns of each new mismatch once."""
+        """Every stream whose published size differs from its model's."""
         replica_to_model = {
             s.id: s.model for s in (specs if specs is not None else self._registry.replicas())
         }
@@ -90,5 +85,4 @@ class BlockSizeCheck:
 
 
 def _seen_as(mismatch: BlockSizeMismatch) -> tuple[StreamId, int, int]:
-    """A mismatch is warned of again only when the stream's or the model's size changes."""
     return mismatch.stream, mismatch.block_size, mismatch.expected

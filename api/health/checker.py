@@ -1,7 +1,5 @@
-"""The active health checker: ``GET <url><health_check_path>`` of every replica, every
-``api.health_check_interval_s``, folded into each replica's shared
-:class:`~kvindex.indexer.fleet.replica_health.ReplicaHealth` (``unhealthy_threshold``
-consecutive failures eject it, ``healthy_threshold`` consecutive passes restore it)."""
+"""The active health checker: ``GET <url><health_check_path>`` of every replica each
+interval, folded into its shared ``ReplicaHealth``; processes sharing a store split a round."""
 
 from __future__ import annotations
 
@@ -13,6 +11,7 @@ from collections.abc import Callable
 import httpx
 
 from kvindex.api.config.settings import ApiSettings
+from kvindex.api.health.routing import health_policy
 from kvindex.api.loop.off_loop import OffLoop
 from kvindex.api.loop.periodic import Periodic
 from kvindex.indexer.fleet.registry import HealthChange, HealthUpdate, RegistryView
@@ -21,15 +20,11 @@ from kvindex.indexer.index.protocol import IndexUnavailableError
 
 logger = logging.getLogger("kvindex.health")
 _CLAIM_SHARE = 0.8
-"""A check claim lasts this share of the interval: gone before the next round starts."""
 
 Outcome = tuple[bool, str | None]
-"""(passed, why it failed)."""
 
 
 class HealthChecker:
-    """Checks every replica with a ``url`` each interval (see the module docstring)."""
-
     def __init__(
         self,
         settings: ApiSettings,
@@ -45,7 +40,7 @@ class HealthChecker:
         self._interval_s = settings.health_check_interval_s
         self._timeout_s = settings.health_check_timeout_s
         self._path = settings.health_check_path
-        self._policy = settings.health_policy()
+        self._policy = health_policy(settings)
         self._call = OffLoop(blocking_store)
         self._clock = clock
         self._on_ejected = on_ejected
@@ -57,20 +52,16 @@ class HealthChecker:
         self._store_failing = False
 
     async def start(self) -> None:
-        """Check in a task on the running loop (first round right away), unless the
-        interval is 0; returns at once."""
         if self._rounds is not None and not self._rounds.running:
             await self._rounds.start()
 
     async def stop(self) -> None:
-        """Cancel the task and wait until it and its requests are gone (idempotent)."""
         if self._rounds is not None:
             await self._rounds.stop()
 
     async def check_once(self) -> dict[str, HealthUpdate]:
-        """One round: every replica this process claims, checked concurrently, then every
-        outcome applied to the shared records in one update; returns the updates (empty
-        when the store could not be reached)."""
+        """One round over the replicas this process claims, applied in one update; the
+        updates (empty when the store could not be reached)."""
         urls = {r.id: r.url for r in self._registry.replicas() if r.url}
         try:
             mine = await self._call(
@@ -124,7 +115,6 @@ class HealthChecker:
             logger.warning("replica %s restored: it passes its health checks again", replica)
 
     def _store(self, *, failing: str | None) -> None:
-        """Log once when the shared health state stops or starts being reachable."""
         if failing is not None and not self._store_failing:
             logger.warning("health checks skipped: the fleet state is unreachable (%s)", failing)
         elif failing is None and self._store_failing:

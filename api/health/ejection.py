@@ -1,6 +1,5 @@
 """Passive ejection in the proxy: a circuit breaker per replica fed by forwarding outcomes,
-and the ejection series (``kvindex_proxy_ejections_total``,
-``kvindex_proxy_ejected_replicas``)."""
+written to the shared health records, and the ejection series."""
 
 from __future__ import annotations
 
@@ -12,6 +11,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvindex.api.config.settings import ApiSettings
+from kvindex.api.health.routing import health_policy
 from kvindex.api.loop.off_loop import OffLoop
 from kvindex.indexer.fleet.registry import HealthChange, HealthUpdate, RegistryView
 from kvindex.indexer.fleet.replica_health import Ejection, ReplicaHealth
@@ -21,8 +21,6 @@ logger = logging.getLogger("kvindex.proxy")
 
 
 class EjectionMetrics:
-    """The proxy's ejection series, on the proxy's metrics registry."""
-
     def __init__(
         self,
         registry: CollectorRegistry,
@@ -42,7 +40,7 @@ class EjectionMetrics:
             " shared fleet state says.",
             registry=registry,
         )
-        policy = settings.health_policy()
+        policy = health_policy(settings)
 
         def count() -> float:
             now = clock()
@@ -55,8 +53,6 @@ class EjectionMetrics:
 
 
 class ReplicaBreakers:
-    """One breaker per replica (see the module docstring)."""
-
     def __init__(
         self,
         settings: ApiSettings,
@@ -67,12 +63,11 @@ class ReplicaBreakers:
         on_ejected: Callable[[str, Ejection], None] = lambda _replica, _reason: None,
     ) -> None:
         self._fleet = fleet
-        self._policy = settings.health_policy()
+        self._policy = health_policy(settings)
         self._off_loop = OffLoop(blocking_store)
         self._clock = clock
         self._on_ejected = on_ejected
         self._failures: dict[str, int] = {}
-        """Consecutive failed forwards per replica, as this proxy saw them."""
         self._tasks: set[asyncio.Task[None]] = set()
 
     def outcome(self, replica: str, ok: bool, what: str) -> None:

@@ -1,12 +1,27 @@
 """Which candidates are out of routing, and why: ejected (failed health checks, an open
-breaker), or a connect-mode replica whose events stream is down."""
+breaker, as the settings' :func:`health_policy` rules), or a connect-mode replica whose events
+stream is down."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 
+from kvindex.api.config.settings import ApiSettings
 from kvindex.indexer.fleet.registry import RegistryView, StreamFreshness
 from kvindex.indexer.fleet.replica_health import HealthPolicy
+
+
+def health_policy(settings: ApiSettings) -> HealthPolicy:
+    """A verdict holds three check rounds (at least 10 s): one no process renews stops ejecting."""
+    return HealthPolicy(
+        unhealthy_threshold=settings.unhealthy_threshold,
+        healthy_threshold=settings.healthy_threshold,
+        breaker_failures=settings.breaker_failures,
+        breaker_cooldown_s=settings.breaker_cooldown_s,
+        verdict_ttl_s=max(
+            10.0, 3 * (settings.health_check_interval_s + settings.health_check_timeout_s)
+        ),
+    )
 
 
 def out_of_routing(
@@ -42,8 +57,7 @@ def out_of_routing(
 
 
 def events_down(statuses: Sequence[StreamFreshness], after_s: float) -> str | None:
-    """Why a connect-mode replica's events are down (None: they are not): a stream never
-    connected nor heard from, or disconnected and silent for ``after_s``."""
+    """Why the events are down (None: not): a stream never heard, or silent for ``after_s``."""
     for status in statuses:
         if status.connected:
             continue
@@ -56,6 +70,5 @@ def events_down(statuses: Sequence[StreamFreshness], after_s: float) -> str | No
 
 
 def no_healthy(unhealthy: dict[str, str]) -> str:
-    """The degraded reason of an answer whose every candidate is out of routing."""
     whys = "; ".join(f"{replica}: {why}" for replica, why in sorted(unhealthy.items()))
     return f"no healthy candidate, every one ranked ({whys})"

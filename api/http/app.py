@@ -1,8 +1,5 @@
-"""The FastAPI app, built by :func:`create_app` over one read path
-(:func:`~kvindex.api.runtime.build_read_path`); routes decode with msgspec, call the
-library and encode. Errors become HTTP in one place (:func:`_error_response`): 422, 404,
-413, 408, 401, 502, 503 (``/score`` answers from load alone instead).
-"""
+"""The FastAPI app over one read path: routes decode with msgspec, call the library and
+encode; errors become HTTP in one place (:func:`_error_response`)."""
 
 from __future__ import annotations
 
@@ -20,6 +17,7 @@ from starlette.datastructures import Headers
 from starlette.routing import BaseRoute
 
 from kvindex.api.config.url_policy import UntrustedUrlError
+from kvindex.api.health.routing import health_policy
 from kvindex.api.http.body_limit import BodyLimit, BodyTimeoutError, BodyTooLargeError
 from kvindex.api.http.hot_routes import HotRoute, HotRoutes, HotServing
 from kvindex.api.http.metrics import ApiMetrics, TimedIndex
@@ -49,11 +47,9 @@ from kvindex.indexer.index.protocol import IndexUnavailableError, drop_replica
 T = TypeVar("T")
 _JSON = "application/json"
 _METRICS = "text/plain; version=0.0.4; charset=utf-8"
-"""The Prometheus text exposition format (with the charset, as served and documented)."""
 
 
 def create_app(deps: ApiDeps, *, lean_routes: bool = True) -> FastAPI:
-    """The app over ``deps``."""
     state = _AppState(deps)
 
     @asynccontextmanager
@@ -126,16 +122,11 @@ def create_app(deps: ApiDeps, *, lean_routes: bool = True) -> FastAPI:
 
 
 def hot_serving(app: FastAPI) -> HotServing | None:
-    """The hot routes of an app :func:`create_app` built, for its server (None: built with
-    ``lean_routes=False``)."""
     serving: HotServing | None = getattr(app.state, "hot_serving", None)
     return serving
 
 
 class _AppState:
-    """Per-app objects: the read path (:func:`~kvindex.api.runtime.build_read_path`) and
-    the app's metrics, which observe it."""
-
     def __init__(self, deps: ApiDeps) -> None:
         circuit = deps.circuit
         metrics = self.metrics = ApiMetrics(
@@ -158,10 +149,9 @@ class _AppState:
         self.tokenizers, self.block_sizes = read_path.tokenizers, read_path.block_sizes
         self.url_policy = deps.settings.url_policy()
         self._score_latency: dict[str, Histogram] = {}
-        """Policy → its child of ``metrics.score_latency``."""
 
     async def score(self, body: bytes, headers: Headers) -> bytes:
-        """``POST /score``'s answer to ``body`` (for both routes, FastAPI's and the hot one)."""
+        """``POST /score``'s answer, for FastAPI's route and the hot ones."""
         started = time.perf_counter()
         request, packed = decode_score_request(body)
         answer = await self.scorer.score(request, headers, packed_tokens=packed)
@@ -178,8 +168,7 @@ class _AppState:
         self.check_token(request.headers)
 
     def check_token(self, headers: Headers) -> None:
-        """Raise :class:`UnauthorizedError` unless the bearer token is the configured one
-        (when one is)."""
+        """UnauthorizedError unless the bearer token is the configured one (if any)."""
         token = self.deps.settings.auth_token
         if token is None:
             return
@@ -224,7 +213,6 @@ _STATUS_OF: tuple[tuple[tuple[type[BaseException], ...], int, str], ...] = (
 
 
 def _error_response(exc: Exception) -> Response:
-    """The one place errors become HTTP answers."""
     for kinds, status, name in _STATUS_OF:
         if isinstance(exc, kinds):
             response = _json(ErrorBody(name, str(exc)), status)
@@ -314,7 +302,7 @@ def _replica_routes(router: APIRouter, state: _AppState) -> None:
             state.index,
             state.deps.loads,
             state.block_sizes,
-            state.deps.settings.health_policy(),
+            health_policy(state.deps.settings),
         )
         return _json(views)
 
@@ -391,7 +379,6 @@ async def _healthz(_body: bytes, _headers: Headers) -> bytes:
 
 
 def _hot_routes(state: _AppState, health: APIRouter, routes: APIRouter) -> list[HotRoute]:
-    """The routes :class:`HotRoutes` answers, each with its FastAPI twin's route object."""
     return [
         HotRoute(
             "GET", "/healthz", _route(health, "/healthz"), _healthz, guarded=False, reads_body=False
@@ -403,6 +390,5 @@ def _hot_routes(state: _AppState, health: APIRouter, routes: APIRouter) -> list[
 
 
 def _route(router: APIRouter, path: str) -> BaseRoute:
-    """The router's route with template ``path``."""
     (route,) = [r for r in router.routes if getattr(r, "path", None) == path]
     return route

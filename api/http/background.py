@@ -60,7 +60,6 @@ class BackgroundServer:
         return self
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Ask the server to exit and join its thread."""
         self._server.should_exit = True
         if self._thread.is_alive():
             self._thread.join(timeout_s)

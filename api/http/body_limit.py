@@ -33,13 +33,10 @@ class BodyLimit:
 
 
 class _LimitedBody:
-    """The ``receive`` of one request, counting and timing its body."""
-
     def __init__(self, limit: BodyLimit, scope: Scope, receive: Receive) -> None:
         self.limit = limit
         self.receive = receive
         self.scope = scope
-        """Its headers are looked at by the first read (a route that reads no body pays nothing)."""
         self.num_bytes = 0
         self.deadline: float | None = None
 
@@ -63,8 +60,6 @@ class _LimitedBody:
 
 
 def body_timeout_error(timeout_s: float) -> BodyTimeoutError:
-    """The error of a body not received whole within ``timeout_s`` (also raised by the
-    server's hot path, :mod:`kvindex.api.http.server_protocol`, which reads bodies itself)."""
     return BodyTimeoutError(f"request body not received within {timeout_s} s (api.body_timeout_s)")
 
 

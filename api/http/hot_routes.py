@@ -1,9 +1,7 @@
 """Reference: kvindex.api.http.app._score_routes; tests/integration/test_hot_routes.py::test_a_valid_score_request_gets_the_same_answer
 
-The hot routes (``POST /score``, ``GET /healthz``) answered in plain ASGI by the innermost
-middleware, :class:`HotRoutes`, with FastAPI's route's answer function, token check and
-error mapping; every other request goes on to FastAPI. :class:`HotServing` hands the same
-routes to the server's protocol (:mod:`kvindex.api.http.server_protocol`).
+``POST /score`` and ``GET /healthz`` answered in plain ASGI with the FastAPI route's answer
+function, token check and error mapping; every other request goes on to FastAPI.
 """  # noqa: E501
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kvindex.indexer.domain.errors import KvIndexError
 
 Answer = Callable[[bytes, Headers], Awaitable[bytes]]
-"""A request's body and headers → the encoded JSON answer (raises what the app maps)."""
 
 MAPPED_ERRORS = (KvIndexError, msgspec.ValidationError, msgspec.DecodeError)
 """The errors the app's exception handlers map (others reach the server error middleware)."""
@@ -30,32 +27,24 @@ _JSON_HEAD = (b"content-type", b"application/json")
 
 @dataclass(frozen=True, slots=True)
 class HotRoute:
-    """One route answered in plain ASGI (status 200 with a JSON body, or a mapped error)."""
-
     method: str
     path: str
     route: Any
-    """The FastAPI route of the same method and path, stored as ``scope["route"]`` as the
-    router would (the traffic observer labels by its template)."""
+    """The FastAPI route of the same method and path, set as ``scope["route"]``."""
     answer: Answer
     guarded: bool
-    """The bearer-token check runs first (as the route's dependency does)."""
     reads_body: bool
-    """The body is read (and bounded by the body limit); False: passed as ``b""`` unread."""
+    """False: the body is passed as ``b""`` unread."""
 
 
 @dataclass(frozen=True, slots=True)
 class HotServing:
-    """What a server needs to answer the hot routes itself, as the app would
-    (:mod:`kvindex.api.http.server_protocol`): the same routes, token check and error mapping,
-    the traffic observer's count, the body limit's bounds."""
+    """What the server's protocol needs to answer the hot routes as the app would."""
 
     routes: dict[tuple[bytes, bytes], HotRoute]
-    """(method, path) as they come in the request line → the route."""
     authorize: Callable[[Headers], None]
     error_response: Callable[[Exception], Response]
     observe: Callable[[Scope, int, float], None]
-    """Counts an answered request (scope with its ``route``, status, seconds)."""
     max_body_bytes: int
     body_timeout_s: float
 
@@ -115,7 +104,6 @@ class HotRoutes:
 
 
 async def _body(receive: Receive) -> bytes:
-    """The whole request body (as ``Request.body()`` reads it)."""
     chunks: list[bytes] = []
     while True:
         message = await receive()

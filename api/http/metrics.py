@@ -28,14 +28,11 @@ from kvindex.indexer.metrics import IngestCollector
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 _HTTP_BUCKETS = (*_LATENCY_BUCKETS, 1.0, 2.5, 10.0)
-"""Whole requests: also the slow ones (a body read up to its timeout, a replica's /tokenize)."""
 UNMATCHED_ROUTE = "unmatched"
 """The ``route`` label of a request no route matched (its raw path would be unbounded)."""
 
 
 class ApiMetrics:
-    """Everything /metrics exposes for one app."""
-
     def __init__(
         self,
         registry: RegistryView,
@@ -69,7 +66,6 @@ class ApiMetrics:
             self.registry.register(IngestCollector(registry, index))
 
     def watch_block_sizes(self, check: BlockSizeCheck) -> None:
-        """Export ``check``'s mismatches (read at scrape time)."""
         self.registry.register(_BlockSizeCollector(check))
 
     def _request_series(self) -> None:
@@ -191,7 +187,6 @@ class TimedIndex:
             self._histogram.observe(time.perf_counter() - started)
 
     def holders(self, keys: Sequence[int], streams: Sequence[StreamId]) -> HeldRuns:
-        """The inner index's holders (``holders_of``), timed as a lookup."""
         started = time.perf_counter()
         try:
             return self._holders(keys, streams)

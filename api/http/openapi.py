@@ -22,8 +22,7 @@ _SCHEMA_TYPES: list[Any] = [
     schemas.StatsView,
     schemas.ConfigView,
 ]
-"""Every body a route decodes or encodes (the types they contain come along). The order is
-the order of the document's components."""
+"""Every body a route decodes or encodes, in the document's order."""
 _, _COMPONENTS = msgspec.json.schema_components(
     _SCHEMA_TYPES, ref_template="#/components/schemas/{name}"
 )
@@ -38,10 +37,8 @@ def operation(
     created: bool = False,
     text: str | None = None,
 ) -> dict[str, Any]:
-    """``openapi_extra`` for a route whose body and answer are msgspec types (``many``: the
-    answer is a list of them; ``created``: a new thing answers 201 with the same body;
-    ``text``: the answer is text of that media type instead); every error answers with an
-    ``ErrorBody``."""
+    """``openapi_extra`` for a route of msgspec bodies (``many``: a list; ``created``: also a
+    201; ``text``: a text answer instead); every error answers with an ``ErrorBody``."""
     extra: dict[str, Any] = {"summary": summary}
     if body is not None:
         extra["requestBody"] = {

@@ -14,7 +14,6 @@ class HeadDeadlineProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol; a request head must arrive within :attr:`timeout_s`."""
 
     timeout_s: float = 10.0
-    """Set per server by :func:`head_deadline_protocol`."""
     num_closed = 0
     """Connections closed for a late head, over every server of the process."""
     _head_timer: asyncio.TimerHandle | None = None
@@ -68,5 +67,4 @@ class HeadDeadlineProtocol(HttpToolsProtocol):
 
 
 def head_deadline_protocol(timeout_s: float) -> type[HeadDeadlineProtocol]:
-    """A protocol class whose request heads must arrive within ``timeout_s``."""
     return type("HeadDeadline", (HeadDeadlineProtocol,), {"timeout_s": timeout_s})

@@ -1,7 +1,5 @@
-"""Runs kvindex as a service: the indexer and the API in one process (``kvindex serve``),
-or the API alone on a Redis an indexer writes (``kvindex api``, the production layout);
-both open their stores and build their read path with :mod:`kvindex.api.runtime`.
-"""
+"""Runs kvindex as a service: indexer and API in one process (``kvindex serve``), or the API
+alone on a Redis an indexer writes (``kvindex api``); each runs until SIGINT/SIGTERM."""
 
 from __future__ import annotations
 
@@ -23,7 +21,7 @@ from kvindex.indexer.service import IndexerService
 
 @dataclass
 class Service:
-    """A running indexer plus the read path's stores next to it."""
+    """``kvindex serve``'s indexer and the read path's stores on it; :meth:`stop` stops both."""
 
     indexer: IndexerService
     deps: ApiDeps
@@ -43,7 +41,6 @@ def serve(
     api: ApiSettings,
     watch: Callable[[IndexerService], AbstractContextManager[object]] | None = None,
 ) -> None:
-    """Run until interrupted (SIGINT/SIGTERM stop uvicorn, then everything else)."""
     service = Service.build(settings, api)
     service.indexer.start()
     try:
@@ -54,7 +51,6 @@ def serve(
 
 
 def serve_api(settings: ReadPathSettings) -> None:
-    """Run the API alone on a shared Redis until interrupted."""
     deps = open_stores(settings)
     try:
         _run_uvicorn(deps, settings.api)
@@ -63,9 +59,7 @@ def serve_api(settings: ReadPathSettings) -> None:
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn's server, except that the SIGTERM or SIGINT that stopped it is not raised
-    again once it has: uvicorn re-raises it, so the process died of it at once and its
-    caller's cleanup (the indexer's threads, the store's connections) never ran."""
+    """uvicorn's server, without re-raising the signal that stopped it (so cleanup runs)."""
 
     @contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -82,11 +76,8 @@ def _run_uvicorn(deps: ApiDeps, api: ApiSettings) -> None:
 
 
 def run_app(app: Any, api: ApiSettings, *, hot: HotServing | None = None, **options: Any) -> None:
-    """Serve ``app`` on ``api.host:api.port`` until SIGINT/SIGTERM, as every kvindex HTTP
-    process does: request heads within ``api.header_timeout_s``, the signal not re-raised
-    (:class:`GracefulServer`), ``hot``'s routes answered by the server's protocol itself
-    (:mod:`kvindex.api.http.server_protocol`); ``options`` are further ``uvicorn.Config``
-    arguments."""
+    """Serve ``app`` on ``api.host:api.port`` until SIGINT/SIGTERM, with the head deadline
+    and ``hot``'s routes in the protocol; ``options`` go to ``uvicorn.Config``."""
     # log_config=None: uvicorn's loggers keep no handlers of their own and propagate to the
     # process's (its format, JSON or text, and its repeat filter); its access log stays off,
     # the app's own (``api.access_log``) labels requests by route.

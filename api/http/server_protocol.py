@@ -1,9 +1,7 @@
 """Reference: kvindex.api.http.app._score_routes; tests/integration/test_server_protocol.py::test_hot_answers_equal_the_apps
 
-:class:`HotProtocol`: uvicorn's protocol answering a plain ``POST /score`` or ``GET
-/healthz`` in the parser's callbacks (one write), with the app's answer function, error
-mapping, traffic metrics and body timeout; anything else (HTTP/1.0, ``Connection: close``,
-a chunked body, ``x-forwarded-for``, a bad token, ...) is left to the app.
+uvicorn's protocol answering a plain keep-alive ``POST /score`` or ``GET /healthz`` in its
+parser callbacks with the app's answer function and error mapping; the app answers the rest.
 """  # noqa: E501
 
 from __future__ import annotations
@@ -28,15 +26,12 @@ _SERVER_ERROR = (
     b"content-type: text/plain; charset=utf-8\r\ncontent-length: 21\r\nconnection: close\r\n"
     b"\r\nInternal Server Error"
 )
-"""What uvicorn sends when the app raised before answering."""
 _LEFT_TO_APP = frozenset((b"transfer-encoding", b"x-forwarded-for"))
-"""Headers that send a hot request to the app: a chunked body (the body limit counts it as
-it comes), a forwarded client address (the app's proxy-headers rewrite applies)."""
+"""Headers that leave a request to the app (its body limit, its proxy-headers rewrite)."""
 
 
 class _NoEvent:
-    """uvicorn sets its cycle's body event when the connection is lost; a hot request has
-    none."""
+    """The body event uvicorn sets on connection loss; a hot request has none."""
 
     def set(self) -> None:
         pass
@@ -47,8 +42,7 @@ _NO_EVENT = _NoEvent()
 
 @dataclass(slots=True)
 class _HotCycle:
-    """A hot request as uvicorn's connection bookkeeping sees it (its ``cycle``): the
-    attributes it reads and sets (shutdown, connection loss, pipelining)."""
+    """A hot request as uvicorn's connection bookkeeping sees it (its ``cycle``)."""
 
     route: HotRoute
     headers: Headers
@@ -62,20 +56,13 @@ class _HotCycle:
 
 
 class HotProtocol(HeadDeadlineProtocol):
-    """uvicorn's httptools protocol with the request-head deadline; the plain requests of
-    :attr:`hot`'s routes answered in its callbacks (the module docstring says which)."""
-
     hot: HotServing | None = None
-    """Set per server by :func:`hot_protocol` (None: every request goes to the app)."""
     _pending: _HotCycle | None = None
-    """The hot request whose body is being read."""
     _idle_since: float | None = None
     """Loop time of the last answer with no request begun since (None: one is in hand)."""
     _idle_timer: asyncio.TimerHandle | None = None
-    """The connection's one keep-alive timer (:meth:`on_response_complete`)."""
     _head_of: list[tuple[bytes, bytes]] | None = None
     _head: bytes = b""
-    """The server's default headers (``_head_of``) as they are written."""
 
     def data_received(self, data: bytes) -> None:
         self._idle_since = None
@@ -133,11 +120,8 @@ class HotProtocol(HeadDeadlineProtocol):
         super().connection_lost(exc)
 
     def on_response_complete(self) -> None:
-        """uvicorn's, but with one keep-alive timer per connection, not one per answer: an
-        answer notes the time; the timer, armed when none is, closes the connection when it
-        fires ``timeout_keep_alive`` after the last answer with no request begun since, and
-        else is armed again for when that will be (none while a request is in hand: the next
-        answer arms it)."""
+        """uvicorn's, with one keep-alive timer per connection (re-armed when it fires early)
+        instead of one per answer."""
         self.server_state.total_requests += 1
         if self.transport.is_closing():
             return
@@ -166,7 +150,6 @@ class HotProtocol(HeadDeadlineProtocol):
         return self.hot
 
     def _hot_cycle(self) -> _HotCycle | None:
-        """The hot request whose head just completed, or None: the app answers it."""
         hot = self.hot
         if hot is None:
             return None
@@ -187,8 +170,7 @@ class HotProtocol(HeadDeadlineProtocol):
         return _HotCycle(route, headers, time.perf_counter())
 
     def _plain(self) -> bool:
-        """A keep-alive HTTP/1.1 request, nothing asked beyond an answer, none before it
-        still unanswered."""
+        """A keep-alive HTTP/1.1 request asking only for an answer, none unanswered before."""
         parser, cycle = self.parser, self.cycle
         return (
             parser.get_http_version() == "1.1"
@@ -200,7 +182,6 @@ class HotProtocol(HeadDeadlineProtocol):
         )
 
     async def _respond(self, cycle: _HotCycle, body: bytes) -> None:
-        """Answer ``cycle`` (``body``: its whole body) and finish it."""
         try:
             payload = await cycle.route.answer(body, cycle.headers)
         except MAPPED_ERRORS as exc:
@@ -214,7 +195,6 @@ class HotProtocol(HeadDeadlineProtocol):
             self._finish(cycle, 200, b"".join(parts))  # the payload copied once
 
     def _send_error(self, cycle: _HotCycle, exc: Exception) -> None:
-        """The app's answer to ``exc`` (its one error mapping)."""
         response = self._serving().error_response(exc)
         lines = [STATUS_LINE[response.status_code], self._default_head()]
         for name, value in response.raw_headers:
@@ -225,8 +205,7 @@ class HotProtocol(HeadDeadlineProtocol):
         self._finish(cycle, response.status_code, b"".join(lines))
 
     def _default_head(self) -> bytes:
-        """The headers uvicorn puts on every answer (``date``, ``server``): written out once
-        per list (the server makes a new one when the date changes, once a second)."""
+        """uvicorn's ``date`` and ``server`` headers, written out once per list it makes."""
         headers = self.server_state.default_headers
         if headers is not self._head_of:
             self._head = b"".join(b"%s: %s\r\n" % pair for pair in headers)
@@ -234,8 +213,7 @@ class HotProtocol(HeadDeadlineProtocol):
         return self._head
 
     def _finish(self, cycle: _HotCycle, status: int, response: bytes) -> None:
-        """Write ``response`` (one write), count it, and go on as uvicorn does after an answer
-        (the keep-alive timer, the next pipelined request) or close."""
+        """Write ``response`` once, count it, then go on as uvicorn does after an answer."""
         cycle.response_complete = True
         self._observe(cycle, status)
         if cycle.disconnected or self.transport.is_closing():
@@ -252,7 +230,7 @@ class HotProtocol(HeadDeadlineProtocol):
         )
 
     def _body_too_late(self, cycle: _HotCycle) -> None:
-        """The body did not arrive whole in time: the app's 408, and the connection closed."""
+        """The body came too late: the app's 408, and the connection closed."""
         if self._pending is not cycle:
             return
         self._pending = None
@@ -262,9 +240,7 @@ class HotProtocol(HeadDeadlineProtocol):
 
 
 def _body_fits(route: HotRoute, raw: list[tuple[bytes, bytes]], max_bytes: int) -> bool:
-    """The body is declared by one length, within ``max_bytes`` (none on a route that reads
-    none), and no header asks for what the app does beyond the answer (``raw``: the
-    request's headers as uvicorn keeps them, names lowercased; one pass over them)."""
+    """One declared length within ``max_bytes`` (0 on a bodiless route), no header for the app."""
     declared: bytes | None = None
     for name, value in raw:
         if name == b"content-length":
@@ -283,8 +259,7 @@ def _body_fits(route: HotRoute, raw: list[tuple[bytes, bytes]], max_bytes: int) 
 def _run_eagerly(
     coro: Coroutine[Any, Any, None], loop: asyncio.AbstractEventLoop, tasks: set[Any]
 ) -> None:
-    """Run ``coro`` now, in this callback; if it waits, the rest in a task (kept in ``tasks``,
-    the server's, which shutdown waits for), as an eager task would."""
+    """Run ``coro`` now, as an eager task would; if it waits, the rest in a task in ``tasks``."""
     try:
         awaited = coro.send(None)
     except StopIteration:
@@ -295,9 +270,7 @@ def _run_eagerly(
 
 
 async def _resume(coro: Coroutine[Any, Any, None], awaited: Any) -> None:
-    """Drive ``coro`` on from the point where it yielded ``awaited`` (what a task does: wait
-    for the future it yielded, or a loop turn for a bare yield, then send it on; a
-    cancellation is thrown into it)."""
+    """Drive ``coro`` on from where it yielded ``awaited``, as a task does."""
     while True:
         cancelled: asyncio.CancelledError | None = None
         try:
@@ -318,6 +291,5 @@ async def _resume(coro: Coroutine[Any, Any, None], awaited: Any) -> None:
 
 
 def hot_protocol(timeout_s: float, hot: HotServing | None) -> type[HotProtocol]:
-    """A protocol class whose request heads must arrive within ``timeout_s`` and which
-    answers ``hot``'s plain requests itself (None: none)."""
+    """A protocol class with a ``timeout_s`` head deadline answering ``hot``'s plain requests."""
     return type("HotHeadDeadline", (HotProtocol,), {"timeout_s": timeout_s, "hot": hot})

@@ -16,16 +16,13 @@ _OTHER_METHOD = "other"
 
 
 class TrafficObserver:
-    """Counts (``kvindex_http_requests_total``) and times (``kvindex_http_request_seconds``)
-    every HTTP request once its answer is sent, and logs it when ``access_log`` is on."""
+    """Counts and times every HTTP request once answered; logs it if ``access_log``."""
 
     def __init__(self, app: ASGIApp, *, metrics: ApiMetrics, access_log: bool) -> None:
         self.app = app
         self._metrics = metrics
         self._access_log = access_log
         self._children: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
-        """(route, method, status) → its counter and histogram children (bounded: routes
-        are templates, methods a fixed set, statuses three digits)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -46,8 +43,7 @@ class TrafficObserver:
             self.observe(scope, status, time.perf_counter() - started)
 
     def observe(self, scope: Scope, status: int, elapsed_s: float) -> None:
-        """Count and time one answered request (``scope["route"]``: the route that answered;
-        also called by the server's hot path, :mod:`kvindex.api.http.server_protocol`)."""
+        """Count and time one answered request, by ``scope["route"]``'s template."""
         # The router stores the matched route in the scope (FastAPI and Starlette routes
         # both have the template as ``path``).
         route = getattr(scope.get("route"), "path", None) or UNMATCHED_ROUTE
@@ -64,7 +60,7 @@ class TrafficObserver:
 
 
 def _log_access(scope: Scope, route: str, status: int, elapsed_s: float) -> None:
-    """One line per request: method, path (without its query), status, milliseconds."""
+    """One line per request: method, path (no query), status, milliseconds."""
     client = scope.get("client")
     duration_ms = round(elapsed_s * 1000, 3)
     access_logger.info(

@@ -1,4 +1,4 @@
-"""The bodies of the read-only routes, built from fleet and store state."""
+"""The bodies of the read-only routes, from fleet and store state (store calls: off-loop)."""
 
 from __future__ import annotations
 
@@ -33,9 +33,7 @@ def replica_views(
     block_sizes: BlockSizeCheck,
     policy: HealthPolicy | None = None,
 ) -> list[ReplicaView]:
-    """``GET /replicas``: every replica with its streams (in the registry's order, each with
-    its block size, flagged when not its model's) and its load; a replica's state is its
-    worst stream's, ``stale`` when none was heard of."""
+    """``GET /replicas`` in the registry's order; a replica's state is its worst stream's."""
     specs = registry.replicas()
     replica_to_load = loads.get_many([r.id for r in specs])
     all_statuses = registry.statuses()
@@ -90,8 +88,6 @@ def _health_view(
 
 
 def stream_view(index: BlockIndex, status: StreamStatus, *, mismatch: bool = False) -> StreamView:
-    """One stream: its freshness, counters, blocks by tier (one index call) and block size
-    (``mismatch``: it is not the model's)."""
     stats = index.stats(status.stream)
     health = status.health
     return StreamView(
@@ -108,7 +104,6 @@ def stream_view(index: BlockIndex, status: StreamStatus, *, mismatch: bool = Fal
 
 
 def stats_view(registry: RegistryView, index: BlockIndex) -> StatsView:
-    """``GET /stats``: totals over every replica and stream. Does store calls (as above)."""
     totals = fleet_totals(registry, index)
     counters = totals.counters
     return StatsView(
@@ -124,15 +119,12 @@ def stats_view(registry: RegistryView, index: BlockIndex) -> StatsView:
 
 
 def config_view(settings: ApiSettings, scorer: Scorer) -> ConfigView:
-    """``GET /config``: the default policy and weights, every known model's block size,
-    the routing rules in order."""
     models = {m: ModelView(scorer.block_size(m)) for m in scorer.known_models()}
     rules = [rule.as_table() for rule in settings.rules]
     return ConfigView(settings.default_policy, settings.weights.as_dict(), models, rules)
 
 
 def _counters_view(counters: StreamCounters) -> dict[str, int]:
-    """The counters ``GET /replicas`` shows for a stream (names kept as first served)."""
     return {
         "num_batches": counters.num_batches,
         "num_gaps": counters.num_gaps,

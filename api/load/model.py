@@ -19,18 +19,14 @@ class LoadError(KvIndexError):
 
 
 class Load(msgspec.Struct, frozen=True):
-    """Checked on construction and decode: :class:`LoadError` names the bad field."""
+    """Requests running and waiting (summed over data-parallel engines), the busiest engine's
+    KV usage (0..1), when measured (unix s), how; checked on construction and decode."""
 
     running: float
-    """Requests being processed (summed over data-parallel engines)."""
     waiting: float
-    """Requests queued (summed over data-parallel engines)."""
     kv_usage: float
-    """Fraction of KV-cache blocks in use, 0..1 (the busiest engine's)."""
     ts: float
-    """When it was measured, unix seconds (the measurer's wall clock)."""
     source: str
-    """``"push"`` (``POST /load``) or ``"scrape"`` (:class:`MetricsScraper`)."""
 
     def __post_init__(self) -> None:
         self.validated()

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import threading
@@ -18,6 +17,7 @@ from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
 from kvindex.api.load.model import InFlight
+from kvindex.api.loop.off_loop import OffLoop
 from kvindex.api.loop.periodic import Periodic
 from kvindex.indexer.index.circuit import StoreCircuit
 from kvindex.indexer.index.redis import unavailable_on_connection_errors
@@ -35,7 +35,7 @@ class Reservation:
     id: str
     replica: str
     num_tokens: int
-    """Its prompt tokens the replica had not cached."""
+    """Prompt tokens the replica had not cached."""
 
 
 class Ledger(Protocol):
@@ -401,7 +401,7 @@ class LeaseKeeper:
         on_failure: Callable[[], None] = lambda: None,
     ) -> None:
         self._reservations = reservations
-        self._blocking = blocking
+        self._off_loop = OffLoop(blocking)
         self._on_failure = on_failure
         self._rounds = Periodic("the lease keeper", self._renew, reservations.lease_ttl_s / 3)
 
@@ -410,15 +410,11 @@ class LeaseKeeper:
         await self._rounds.start()
 
     async def stop(self) -> None:
-        """Cancel the task and wait until it is gone (idempotent)."""
         await self._rounds.stop()
 
     async def _renew(self) -> None:
         try:
-            if self._blocking:
-                await asyncio.to_thread(self._reservations.renew)
-            else:
-                self._reservations.renew()
+            await self._off_loop(self._reservations.renew)
         except Exception as exc:
             logger.warning("renewing the lease of %s failed: %s", self._reservations.holder, exc)
             self._on_failure()

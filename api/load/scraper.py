@@ -15,6 +15,7 @@ import httpx
 from kvindex.api.load.model import Load, LoadError
 from kvindex.api.load.store import LoadStore
 from kvindex.api.load.vllm_metrics import metrics_url, parse_vllm_metrics
+from kvindex.api.loop.off_loop import OffLoop
 from kvindex.api.loop.periodic import Periodic
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class MetricsScraper:
         timeout_s: float = 0.5,
         clock: Callable[[], float] = time.time,
         on_failure: Callable[[str], None] = lambda _replica: None,
+        off_loop: OffLoop | None = None,
     ) -> None:
         if not (interval_s > 0 and timeout_s > 0):
             raise ValueError(f"interval_s and timeout_s must be > 0, got {interval_s}, {timeout_s}")
@@ -63,6 +65,7 @@ class MetricsScraper:
         self._timeout_s = timeout_s
         self._clock = clock
         self._on_failure = on_failure
+        self._off_loop = off_loop or OffLoop(blocking=True)
         self._lock = threading.Lock()
         self._replica_to_stats: dict[str, ScrapeStats] = {}
         self._rounds = Periodic("the metrics scraper", self.scrape_once, interval_s)
@@ -72,7 +75,6 @@ class MetricsScraper:
         await self._rounds.start()
 
     async def stop(self) -> None:
-        """Cancel the task and wait until it and its requests are gone (idempotent)."""
         await self._rounds.stop()
 
     def stats(self) -> dict[str, ScrapeStats]:
@@ -81,7 +83,6 @@ class MetricsScraper:
             return dict(self._replica_to_stats)
 
     async def scrape_once(self) -> None:
-        """One round: every target this process claims, concurrently."""
         targets = await self._claimed(self._current_targets())
         await asyncio.gather(*(self._scrape(r, url, model) for r, url, model in targets))
 
@@ -94,7 +95,7 @@ class MetricsScraper:
         replicas = [r for r, _, _ in targets]
         hold_s = self._interval_s * _CLAIM_SHARE
         try:
-            mine = await asyncio.to_thread(self._store.claim_scrapes, replicas, hold_s)
+            mine = await self._off_loop(self._store.claim_scrapes, replicas, hold_s)
         except Exception:
             logger.debug("claiming this round's scrapes failed; scraping every replica")
             return targets
@@ -118,8 +119,7 @@ class MetricsScraper:
     async def _scrape(self, replica: str, base_url: str, model: str | None) -> None:
         try:
             load = await self._fetch(base_url, model)
-            # A thread: a Redis store must not block the loop (socket timeouts, retries).
-            await asyncio.to_thread(self._store.put, replica, load)
+            await self._off_loop(self._store.put, replica, load)
         except Exception as exc:
             self._record(replica, error=_describe(exc, self._timeout_s))
         else:

@@ -61,5 +61,4 @@ def _named(values: dict[str, list[float]], name: str) -> list[float]:
 
 
 def metrics_url(base_url: str) -> str:
-    """``{base_url}/metrics`` (one slash between them)."""
     return base_url.rstrip("/") + "/metrics"

@@ -1,5 +1,6 @@
 """Each candidate's streams, and the index's holders of a prompt resolved to each replica's
-best match (the longest over its ranks; a tie: the lowest rank)."""
+best match (the longest over its ranks; a tie: the lowest rank); an index outage is a
+``degraded`` lookup with no matches."""
 
 from __future__ import annotations
 
@@ -17,28 +18,22 @@ Streams = tuple[StreamId, ...]
 
 @dataclass(frozen=True, slots=True)
 class RankedStreams:
-    """Every stream of a ranked candidate list, sorted, with the indices the compiled loops
-    read; made once per candidate list and fleet (:func:`ranked_streams`)."""
+    """Every stream of a ranked candidate list, sorted; the ``*_of`` lists are by stream index
+    (``position_of``: its replica's index in the ranked list, as ``position``)."""
 
     streams: Streams
     position: dict[str, int]
-    """Each candidate's index in the ranked list."""
     streams_of: dict[str, Streams]
-    """Each candidate's streams (declared ranks and ranks heard of)."""
     replica_of: list[str]
-    """Each stream's replica, by its index in ``streams``."""
     rank_of: list[int]
-    """Each stream's rank, by its index in ``streams``."""
     position_of: list[int]
-    """Each stream's replica's index in the ranked list, by the stream's index."""
     unique: bool
-    """No replica has two streams (data parallelism): each holder is its replica's best."""
+    """No replica has two streams: each holder is its replica's best."""
 
 
 def ranked_streams(
     replicas: Sequence[str], specs: Sequence[ReplicaSpec], heard: Sequence[StreamId]
 ) -> RankedStreams:
-    """Every rank of every replica in ``replicas`` (declared or heard of), sorted."""
     wanted = set(replicas)
     streams = {StreamId(r.id, rank) for r in specs if r.id in wanted for rank in range(r.dp_size)}
     streams.update(s for s in heard if s.replica in wanted)
@@ -56,19 +51,16 @@ def ranked_streams(
 
 @dataclass(slots=True)
 class Lookup:
-    """What the index answered (its holders, by index in the streams asked); once
-    resolved (:meth:`resolve`), each replica's best match and the rank holding it."""
+    """The index's holders, and once resolved, each replica's best match and its rank."""
 
     runs: HeldRuns = field(default_factory=list)
     matches: Matches = field(default_factory=dict)
-    """Replicas holding at least the first block, with their best match."""
     ranks: dict[str, int] = field(default_factory=dict)
-    """The rank of a replica's best match when it is not 0 (absent: rank 0)."""
+    """The rank of a replica's best match when it is not 0."""
     degraded: str | None = None
 
     @classmethod
     def of(cls, found: HeldRuns | IndexUnavailableError) -> Lookup:
-        """The index's holders, or its outage as ``degraded``."""
         if isinstance(found, IndexUnavailableError):
             return cls(degraded=f"index store unavailable: {found}")
         return cls(found)
@@ -77,8 +69,7 @@ class Lookup:
         return len(self.matches)
 
     def resolve(self, streams: RankedStreams) -> None:
-        """Each replica's best match from the runs (indices into ``streams.streams``), in
-        one compiled pass (``_lookup.best_matches``)."""
+        """Each replica's best match from the runs, in one compiled pass."""
         if self.runs:
             self.matches, self.ranks = _best_matches(
                 self.runs, streams.replica_of, streams.rank_of, streams.unique

@@ -11,8 +11,7 @@ T = TypeVar("T")
 
 
 class OffLoop:
-    """Runs a call in a worker thread (``asyncio.to_thread``) when ``blocking`` (the stores
-    do network I/O: Redis), else inline on the event loop."""
+    """Runs a call in a worker thread when ``blocking`` (network stores), else inline."""
 
     __slots__ = ("blocking",)
 

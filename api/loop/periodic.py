@@ -1,5 +1,5 @@
-"""A round of work repeated on the running loop: the one lifecycle of the API processes'
-background workers (the load scraper, the health checker, the proxy's lease keeper)."""
+"""A round of work repeated on the running loop: the one lifecycle of the read path's
+background workers."""
 
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ logger = logging.getLogger(__name__)
 
 
 class Periodic:
-    """``work()`` every ``interval_s`` seconds on the running loop, from :meth:`start` (the
-    first round at once) until :meth:`stop`; a round starts ``interval_s`` after the last
-    one started, or at once when that one took longer."""
+    """``work()`` every ``interval_s`` (the first at :meth:`start`, the next at once if one
+    overran) until :meth:`stop`; a failed round is logged and the rounds go on."""
 
     def __init__(self, name: str, work: Callable[[], Awaitable[object]], interval_s: float) -> None:
         if not interval_s > 0:
@@ -28,8 +27,7 @@ class Periodic:
         return self._task is not None
 
     async def start(self) -> None:
-        """Start the rounds in a task of their own; returns at once. Raises RuntimeError
-        when already running."""
+        """Start the rounds in a task; RuntimeError when already running."""
         if self._task is not None:
             raise RuntimeError(f"{self._name} is already running")
         self._task = asyncio.get_running_loop().create_task(self._rounds(), name=self._name)

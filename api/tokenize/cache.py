@@ -44,15 +44,12 @@ class CachingTokenizer:
         self._in_flight: dict[str | bytes, asyncio.Task[_Packed]] = {}
 
     def __len__(self) -> int:
-        """Number of cached tokenizations."""
         return len(self._entries)
 
     async def encode_prompt(self, prompt: str) -> list[int]:
-        """``inner.encode_prompt(prompt)``, cached by the exact text."""
         return await self._cached(prompt, lambda: self.inner.encode_prompt(prompt))
 
     async def encode_messages(self, messages: list[dict[str, Any]]) -> list[int]:
-        """``inner.encode_messages(messages)``, cached by :func:`messages_key`."""
         key = messages_key(messages)
         return await self._cached(key, lambda: self.inner.encode_messages(messages))
 

@@ -67,8 +67,6 @@ def _chat_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
 
 
 class ChatTemplate:
-    """A compiled Hugging Face chat template and the special tokens it may reference."""
-
     def __init__(self, source: str, *, special_tokens: dict[str, str] | None = None) -> None:
         self.special_tokens: dict[str, str] = dict(special_tokens or {})
         try:
@@ -140,7 +138,6 @@ def _config_template(config: dict[str, Any], path: Path) -> str | None:
 def load_chat_template(
     tokenizer_path: Path, chat_template_path: Path | None = None
 ) -> ChatTemplate | None:
-    """The chat template of a model directory laid out like Hugging Face's."""
     config_path = tokenizer_path.parent / _TOKENIZER_CONFIG_FILE
     jinja_path: Path | None = tokenizer_path.parent / _CHAT_TEMPLATE_FILE
     if chat_template_path is not None:

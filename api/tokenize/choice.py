@@ -1,5 +1,5 @@
-"""Which tokenizer a model gets: the rule (:class:`ModelTokenizers`), the spec it picks
-(:class:`TokenizerSpec`) and the tokenizer a spec describes (:func:`build_tokenizer`)."""
+"""Which tokenizer a model gets: the configured ``tokenizer.json``, else a healthy replica's
+``/tokenize``, else none; a bad spec is a TokenizerError naming the field."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Literal, get_args
 import httpx
 
 from kvindex.api.config.settings import ApiSettings
+from kvindex.api.health.routing import health_policy
 from kvindex.api.tokenize.cache import CachingTokenizer
 from kvindex.api.tokenize.protocol import Tokenizer, TokenizerError
 from kvindex.api.tokenize.replica import ReplicaTokenizer
@@ -21,22 +22,16 @@ TokenizerKind = Literal["local", "replica"]
 
 @dataclass(frozen=True, slots=True)
 class TokenizerSpec:
-    """How to tokenize one model's requests. Validated on construction (errors name the field)."""
+    """How to tokenize one model's requests: ``local`` sets ``path`` (and a chat template:
+    default beside it), ``replica`` sets ``base_url`` and ``model``; 0 entries: no cache."""
 
     kind: TokenizerKind
-    """``local`` (a tokenizer.json in-process) or ``replica`` (the replica's ``/tokenize``)."""
     path: str | None = None
-    """local: path of the ``tokenizer.json``."""
     chat_template_path: str | None = None
-    """local: a Jinja2 chat template or a ``tokenizer_config.json`` (default: beside ``path``)."""
     base_url: str | None = None
-    """replica: the vLLM server root, ``http://host:port``."""
     model: str | None = None
-    """replica: the model name as served (the request's ``model``)."""
     timeout_s: float = 5.0
-    """replica: timeout of one ``/tokenize`` request, in seconds."""
     cache_entries: int = 4096
-    """Tokenizations kept in the LRU cache; 0 disables caching."""
 
     def __post_init__(self) -> None:
         if self.kind not in get_args(TokenizerKind):
@@ -66,14 +61,12 @@ class TokenizerSpec:
 
 
 def _forbid(spec: TokenizerSpec, names: tuple[str, ...], kind: str) -> None:
-    """A field set for the other kind is a configuration mistake worth reporting."""
     for name in names:
         if getattr(spec, name) is not None:
             raise TokenizerError(f"{name} is not used when kind is {kind!r}; remove it")
 
 
 def build_tokenizer(spec: TokenizerSpec, client: httpx.AsyncClient) -> Tokenizer:
-    """The Tokenizer a spec describes, cached unless ``cache_entries`` is 0."""
     inner: Tokenizer
     if spec.kind == "local":
         assert spec.path is not None  # checked by TokenizerSpec
@@ -91,11 +84,10 @@ def build_tokenizer(spec: TokenizerSpec, client: httpx.AsyncClient) -> Tokenizer
 
 
 _RECHECK_S = 1.0
-"""How often a model's tokenizer looks whether the replica it asks was ejected."""
 
 
 class ModelTokenizers:
-    """The tokenizer of each model, chosen by one rule and built on first use."""
+    """The tokenizer of each model, built on first use, another replica's once its is ejected."""
 
     def __init__(
         self,
@@ -111,11 +103,9 @@ class ModelTokenizers:
         self._model_to_tokenizer: dict[str, tuple[str | None, Tokenizer | None]] = {}
         """Per model: the replica its tokenizer asks (None: none asked), the tokenizer."""
         self._recheck_at: dict[str, float] = {}
-        """Per model: when to look again whether the replica asked was ejected."""
-        self._policy = settings.health_policy()
+        self._policy = health_policy(settings)
 
     def tokenizer(self, model: str) -> Tokenizer | None:
-        """The model's tokenizer by the rule, or None when it has none."""
         kept = self._model_to_tokenizer.get(model)
         if kept is not None and (kept[0] is None or self._clock() < self._recheck_at[model]):
             return kept[1]
@@ -130,18 +120,16 @@ class ModelTokenizers:
         return kept[1]
 
     def forget(self, model: str) -> None:
-        """Choose the model's tokenizer again at its next request (a no-op if never chosen)."""
+        """Choose the model's tokenizer again at its next request."""
         self._model_to_tokenizer.pop(model, None)
         self._recheck_at.pop(model, None)
 
     def _ejected(self) -> set[str]:
-        """Replicas ejected now (failed health checks, an open breaker)."""
         now = self._clock()
         health = self._registry.replica_health()
         return {r for r, h in health.items() if h.ejection(now, self._policy) is not None}
 
     def _replica_asked(self, model: str, ejected: set[str]) -> str | None:
-        """The replica whose ``/tokenize`` the rule picks for ``model`` (None: none)."""
         configured = self._settings.model(model)
         if configured is not None and configured.tokenizer not in (None, "replica"):
             return None
@@ -150,7 +138,7 @@ class ModelTokenizers:
         return next(iter(healthy or serving), None)
 
     def spec(self, model: str) -> TokenizerSpec | None:
-        """The spec the rule picks for ``model`` now, or None (nothing to tokenize with)."""
+        """The spec picked for ``model`` now (None: nothing to tokenize with)."""
         settings = self._settings
         configured = settings.model(model)
         entries = settings.tokenizer_cache_entries

@@ -1,6 +1,5 @@
-"""The proxy's tokenizers: the API's rule
-(:class:`~kvindex.api.tokenize.choice.ModelTokenizers`), with a failover when a model is
-tokenized by its replicas' ``/tokenize``."""
+"""The proxy's tokenizers: a model's configured ``tokenizer.json``, else its replicas'
+``/tokenize`` tried in turn (:data:`MAX_TRIES` at most) until one answers."""
 
 from __future__ import annotations
 
@@ -17,12 +16,10 @@ from kvindex.api.tokenize.replica import ReplicaTokenizer
 from kvindex.indexer.fleet.registry import RegistryView
 
 MAX_TRIES = 3
-"""Replicas asked at most for one tokenization (a dead fleet costs that many timeouts)."""
 
 
 class FailoverTokenizer:
-    """One model's tokens from the ``/tokenize`` of the first of its replicas that answers
-    (the registry is read at each call: replicas added or removed are seen at once)."""
+    """One model's tokens from the first of its current replicas that answers."""
 
     def __init__(
         self,
@@ -76,8 +73,7 @@ class FailoverTokenizer:
 
 
 class ProxyTokenizers:
-    """The tokenizer of each model (see the module docstring), built on first use and
-    kept. The caller owns ``client``."""
+    """The tokenizer of each model, built on first use; the caller owns ``client``."""
 
     def __init__(
         self, settings: ApiSettings, registry: RegistryView, client: httpx.AsyncClient
@@ -89,7 +85,6 @@ class ProxyTokenizers:
         self._model_to_tokenizer: dict[str, Tokenizer] = {}
 
     def tokenizer(self, model: str) -> Tokenizer | None:
-        """A local tokenizer when ``[[models]] tokenizer`` is a path, else the failover."""
         configured = self._settings.model(model)
         if configured is not None and configured.tokenizer not in (None, "replica"):
             return self._local.tokenizer(model)
@@ -100,7 +95,6 @@ class ProxyTokenizers:
         return tokenizer
 
     def forget(self, model: str) -> None:
-        """Choose the model's local tokenizer again at its next request."""
         self._local.forget(model)
 
     def _failover(self, model: str) -> Tokenizer:

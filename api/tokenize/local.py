@@ -27,8 +27,6 @@ def _encode_off_loop(
 
 
 class LocalTokenizer:
-    """Tokenizes in-process with a ``tokenizers.Tokenizer`` and an optional chat template."""
-
     def __init__(
         self,
         tokenizer: tokenizers.Tokenizer,
@@ -42,7 +40,6 @@ class LocalTokenizer:
 
     @classmethod
     def from_files(cls, path: str | Path, chat_template_path: str | Path | None = None) -> Self:
-        """Load ``tokenizer.json`` and the chat template (see :func:`load_chat_template`)."""
         path = Path(path)
         try:
             tokenizer = tokenizers.Tokenizer.from_file(str(path))

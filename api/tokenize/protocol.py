@@ -17,13 +17,12 @@ class TokenizerError(KvIndexError):
 
 
 class Tokenizer(Protocol):
-    """Turns a prompt or a chat conversation into the token ids one model's engine sees."""
+    """A prompt or a conversation → the token ids one model's engine sees; TokenizerError."""
 
     async def encode_prompt(self, prompt: str) -> list[int]:
         """Token ids of a completions prompt, special tokens (e.g. BOS) added."""
         ...
 
     async def encode_messages(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of the whole conversation rendered with the chat template, with the
-        generation prompt added and no special tokens beyond the template's own."""
+        """The conversation rendered by the chat template, generation prompt added."""
         ...

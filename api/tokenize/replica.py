@@ -14,13 +14,10 @@ _JSON_HEADERS = {"content-type": "application/json"}
 
 
 class _TokenizeResponse(msgspec.Struct):
-    """The part of vLLM's ``/tokenize`` response we rely on (other fields are ignored)."""
-
     tokens: list[TokenId]
 
 
 def _excerpt(text: str) -> str:
-    """A short one-line excerpt of a response body, for error messages."""
     flat = " ".join(text.split())
     return flat if len(flat) <= _EXCERPT_CHARS else flat[:_EXCERPT_CHARS] + "…"
 
@@ -37,13 +34,11 @@ class ReplicaTokenizer:
         self.timeout_s = timeout_s
 
     async def encode_prompt(self, prompt: str) -> list[int]:
-        """The replica's tokens for a completions prompt (``add_special_tokens`` true)."""
+        """Completions tokens (``add_special_tokens`` true); TokenizerError when it fails."""
         body = {"model": self.model, "prompt": prompt, "add_special_tokens": True}
         return await self._tokenize(body)
 
     async def encode_messages(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The replica's tokens for the conversation, generation prompt added and
-        ``add_special_tokens`` false (vLLM's chat defaults)."""
         body = {
             "model": self.model,
             "messages": messages,

@@ -1,4 +1,6 @@
-"""HTTP/1.1 to the replicas: keep-alive connections, one pool per replica, as an httpx transport."""
+"""HTTP/1.1 keep-alive pools to the replicas, as an httpx transport on httptools, with httpx's
+transport's contract: it returns at the answer's head; the raw body closed before its end
+closes the connection; errors are httpx's; no timeout past connecting; TLS goes to httpx's."""
 
 from __future__ import annotations
 
@@ -12,8 +14,7 @@ import httptools
 import httpx
 
 _MAX_BUFFERED = 1 << 18
-"""Body bytes read ahead of the forwarder before the connection stops reading (a client
-slower than its replica holds the replica back, not the proxy's memory)."""
+"""Body bytes read ahead of the forwarder before the connection stops reading."""
 
 
 class _Connection(asyncio.Protocol):
@@ -41,13 +42,11 @@ class _Connection(asyncio.Protocol):
     # --- the request, from the forwarder's side ---------------------------------------------
 
     def usable(self) -> bool:
-        """Idle and open: the next request may go on it."""
         transport = self._transport
         return not self.closed and transport is not None and not transport.is_closing()
 
     async def exchange(self, request: bytes, *, head_only: bool) -> None:
-        """Send ``request`` (head and body) and wait for the answer's head (``status``,
-        ``headers``); ``head_only``: the answer has no body (a HEAD request)."""
+        """Send ``request`` and wait for the answer's head (``head_only``: no body follows)."""
         assert self._transport is not None and not self._busy
         self._busy, self._head_only, self._complete, self._error = True, head_only, False, None
         self._keep_alive = False
@@ -92,7 +91,6 @@ class _Connection(asyncio.Protocol):
         )
 
     def done(self) -> None:
-        """The exchange is over (the connection is then idle, or closed by the caller)."""
         self._busy = False
 
     def close(self) -> None:
@@ -189,8 +187,7 @@ class _Connection(asyncio.Protocol):
 
 
 class _Pool:
-    """The connections to one replica: at most ``max_connections``, the idle ones reused
-    last-in first-out (the warmest first)."""
+    """At most ``max_connections`` to one replica, the idle reused last-in first-out."""
 
     def __init__(self, host: str, port: int, max_connections: int, connect_timeout_s: float):
         self._host, self._port = host, port
@@ -278,8 +275,7 @@ class AnswerBody(httpx.AsyncByteStream):
         self._connection: _Connection | None = connection
 
     def all_read(self) -> bool:
-        """Every byte of the body has been read: nothing more will come (the forwarder
-        then sends the end with the last chunk: one write to the client, not two)."""
+        """Every byte of the body has been read: nothing more will come."""
         connection = self._connection
         return connection is not None and connection.all_read()
 
@@ -295,7 +291,7 @@ class AnswerBody(httpx.AsyncByteStream):
 
 
 class ReplicaTransport(httpx.AsyncBaseTransport):
-    """The replicas' connections, one pool per host and port (see the module's contract)."""
+    """The replicas' connections, one pool per host and port."""
 
     def __init__(self, *, max_connections: int, connect_timeout_s: float) -> None:
         self._max_connections = max_connections

@@ -1,4 +1,12 @@
-"""The forwarder: one request sent to the chosen replica, its answer streamed back as is."""
+"""The forwarder: one request sent to the chosen replica, its answer streamed back as is.
+
+Attempts: a Choice's upstreams in order as :mod:`.retry_policy` says, the next only while
+nothing reached the client; any other failure is a 502 (504 on a timeout). Headers: the
+client's but hop-by-hop, ``host`` and ``content-length``; ``x-request-id`` kept or made and
+returned; ``Authorization`` replaced by the replica's key if it has one. The body goes on raw,
+chunk by chunk; a client gone closes the upstream connection (the replica sees an abort).
+Each attempt is reserved in the load store and released once; an unreachable store never
+fails a request."""
 
 from __future__ import annotations
 
@@ -25,7 +33,6 @@ from kvindex.indexer.domain.errors import KvIndexError
 logger = logging.getLogger("kvindex.proxy")
 REQUEST_ID = "x-request-id"
 REPLICA_HEADER = "x-kvindex-replica"
-"""Response header naming the replica that answered."""
 HOP_BY_HOP = frozenset(
     {
         "connection",
@@ -55,12 +62,10 @@ class ClientGoneError(KvIndexError):
 
 
 RELEASE_REASONS = ("done", "error", "disconnect", "shutdown")
-"""Why a request stopped being in flight: its last byte was sent, its attempt or stream
-failed, its client went away, or the proxy stopped with it still reserved."""
+"""Why a request stopped being in flight (last byte sent, failure, client gone, shutdown)."""
 
 
 def request_id_of(headers: Iterable[tuple[str, str]]) -> str:
-    """The client's ``x-request-id``, or a new one."""
     for name, value in headers:
         if name.lower() == REQUEST_ID and value:
             return value
@@ -68,7 +73,6 @@ def request_id_of(headers: Iterable[tuple[str, str]]) -> str:
 
 
 def forwarded_headers(headers: Iterable[tuple[str, str]], request_id: str) -> list[tuple[str, str]]:
-    """The headers sent upstream (see the module's contract)."""
     dropped = _NOT_FORWARDED | {REQUEST_ID}
     kept = [(n, v) for n, v in headers if n.lower() not in dropped]
     return [*kept, (REQUEST_ID, request_id)]
@@ -76,8 +80,7 @@ def forwarded_headers(headers: Iterable[tuple[str, str]], request_id: str) -> li
 
 @dataclass(slots=True)
 class Dispatch:
-    """One attempt's request in flight to ``replica``; ``reservation`` None: not in the
-    store (it could not be reached, or the proxy keeps none)."""
+    """One attempt's request in flight to ``replica`` (``reservation`` None: not stored)."""
 
     desk: ReservationDesk
     replica: str
@@ -90,8 +93,7 @@ class Dispatch:
 
 
 class ReservationDesk:
-    """Reserves each attempt's request on its replica and releases it once; keeps the
-    ``kvindex_proxy_in_flight`` gauge and the release counters."""
+    """Reserves each attempt's request on its replica and releases it once, counted."""
 
     def __init__(
         self, reservations: Reservations | None, metrics: ProxyMetrics, *, blocking: bool
@@ -151,15 +153,11 @@ class Opened:
     dispatch: Dispatch | None = None
     """The request in flight (released by the answer once its last byte is sent)."""
     watch: ClientWatch | None = None
-    """Its client's watch (:meth:`Forwarder.open` given a ``receive``), for the answer's
-    stream to go on with (and stop)."""
 
 
 class Forwarder:
-    """Sends requests upstream straight to a transport (no ``httpx.AsyncClient``: its
-    cookies, redirects, auth and default headers are a proxy's to leave alone), by default a
-    :class:`~.connections.ReplicaTransport` (one keep-alive pool per replica), owned
-    (:meth:`close`)."""
+    """Sends requests straight to a transport it owns (no client's cookies, redirects or
+    auth), by default a :class:`~.connections.ReplicaTransport`."""
 
     def __init__(
         self,
@@ -186,8 +184,7 @@ class Forwarder:
         )
         self._extensions = {"timeout": timeout.as_dict()}
         self._target_to_url: dict[tuple[str, str], httpx.URL] = {}
-        """(replica URL, path) → the parsed URL (parsing one is a good part of a request's
-        cost); bounded: cleared when full (pass-through paths vary with their queries)."""
+        """(replica URL, path) → the parsed URL; cleared when full."""
         self._upstream = transport or ReplicaTransport(
             max_connections=settings.max_connections,
             connect_timeout_s=settings.connect_timeout_s,
@@ -205,7 +202,6 @@ class Forwarder:
         return url
 
     def deadline(self) -> float:
-        """The loop time by which a request arriving now must be done."""
         return asyncio.get_running_loop().time() + self._settings.total_timeout_s
 
     async def open(
@@ -220,9 +216,8 @@ class Forwarder:
         route: str | None = None,
         receive: Receive | None = None,
     ) -> Opened:
-        """The first answer worth passing on (see the module's contract for the attempts);
-        ``path`` (with its query, if any) is appended to each replica's URL; ``route``
-        labels the retries (default: ``path``)."""
+        """The first answer worth passing on, ``path`` (and query) appended to each URL;
+        UpstreamFailedError, UpstreamTimeoutError or ClientGoneError when none is."""
         attempts = self._retry.attempts(upstreams)
         first = await self._desk.reserve(attempts[0]) if attempts else None
         watch = None if receive is None else ClientWatch(receive)
@@ -292,7 +287,6 @@ class Forwarder:
         *,
         dispatch: Dispatch,
     ) -> httpx.Response | None:
-        """:meth:`_send`, its request released when it fails (or the client went away)."""
         try:
             response = await self._send(request, upstream, deadline, failures)
         except asyncio.CancelledError:
@@ -312,7 +306,7 @@ class Forwarder:
         deadline: float,
         failures: list[str],
     ) -> httpx.Response | None:
-        """The answer's head, or None after a connect failure (the next replica may serve)."""
+        """The answer's head, or None after a connect failure."""
         first_byte = asyncio.get_running_loop().time() + self._settings.first_byte_timeout_s
         try:
             async with asyncio.timeout_at(min(deadline, first_byte)):
@@ -338,8 +332,7 @@ class Forwarder:
 
 
 def with_api_key(headers: list[tuple[str, str]], key: str | None) -> list[tuple[str, str]]:
-    """``headers`` with ``Authorization: Bearer <key>`` in place of the client's (None:
-    ``headers`` as they are)."""
+    """``headers`` with ``Authorization: Bearer <key>`` (None: as they are)."""
     if key is None:
         return headers
     kept = [(n, v) for n, v in headers if n.lower() != "authorization"]
@@ -347,7 +340,7 @@ def with_api_key(headers: list[tuple[str, str]], key: str | None) -> list[tuple[
 
 
 class StreamedAnswer:
-    """An ASGI response passing an opened answer on chunk by chunk (see the contract)."""
+    """An ASGI response passing an opened answer on chunk by chunk as it arrives."""
 
     def __init__(
         self,
@@ -406,8 +399,6 @@ class StreamedAnswer:
         ]
 
     async def _stream_watched(self, send: Send, watch: ClientWatch) -> None:
-        """:meth:`_stream`, ended if the client goes away first (the upstream connection
-        is then closed: the replica sees the request aborted)."""
         try:
             with watch.guard():
                 await self._stream(send)
@@ -415,8 +406,7 @@ class StreamedAnswer:
             self._reason = "disconnect"
 
     async def _stream(self, send: Send) -> None:
-        """Every chunk as it comes; a stream past the total deadline, idle too long or
-        broken upstream ends early (the client sees an incomplete body)."""
+        """Every chunk; past a deadline or broken upstream, the body ends early."""
         response = self.opened.response
         length = response.headers.get("content-length")
         whole = int(length) if length is not None and length.isdigit() else None
@@ -443,38 +433,31 @@ class StreamedAnswer:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _done(self) -> None:
-        """The replica has sent its last byte: no longer in flight, released before the
-        client sees the end (a client that asks again at once is never counted twice)."""
+        """Released before the client sees the end, so a request at once is not counted twice."""
         self._reason = "done"
         if self.opened.dispatch is not None:
             await self.opened.dispatch.release("done")
 
 
 def _all_read(response: httpx.Response) -> bool:
-    """The answer's body has all come with the chunk just read (known of an answer over
-    :class:`~.connections.ReplicaTransport`; of another, never: its end is sent alone)."""
+    """The body has all come with the chunk just read (known only over ReplicaTransport)."""
     stream = response.stream
     return isinstance(stream, AnswerBody) and stream.all_read()
 
 
 class ClientWatch:
-    """Notices a client going away, for one request, with one task and no wait: the task
-    reads the request's ``receive`` (its body read whole, so the next message says the
-    client left) and, while the request is inside :meth:`guard`, cancels the task serving
-    it; the guard turns that cancellation into :class:`ClientGoneError` (a client gone
-    before the guard is entered raises it at once)."""
+    """Notices a client going away (one task reading ``receive``): inside :meth:`guard` the
+    request's task is cancelled and the guard raises :class:`ClientGoneError`."""
 
     def __init__(self, receive: Receive) -> None:
         self._receive = receive
         self._task: asyncio.Task[None] | None = None
         self._owner: asyncio.Task[Any] | None = None
-        """The task serving the request, while it is inside a guard."""
         self._cancelled = False
         self._stopped = False
         self.gone = False
 
     def guard(self) -> ClientWatch:
-        """A context manager (``with watch.guard(): ...``), see the class's contract."""
         if self._task is None and not self._stopped:
             self._task = asyncio.ensure_future(self._watch())
         return self

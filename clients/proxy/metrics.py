@@ -10,7 +10,6 @@ _LATENCY_BUCKETS = (
 )  # fmt: skip
 _FRACTION_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 NO_REPLICA = "none"
-"""The ``replica`` label of an answer no replica made."""
 
 
 class ProxyMetrics:

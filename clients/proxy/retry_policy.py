@@ -1,4 +1,5 @@
-"""The retry policy: which failed attempts go to another replica, and how long to wait first."""
+"""The retry policy: at most ``max_attempts`` replicas, the next after a retried status or a
+connect error, after a jittered exponential back-off."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from typing import TypeVar
 from kvindex.clients.proxy.settings import ProxySettings
 
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
-"""Answers after which the request is sent to the next replica (before the first byte)."""
 T = TypeVar("T")
 
 
@@ -21,12 +21,10 @@ class RetryPolicy:
         self._rng = rng or random.Random()
 
     def attempts(self, upstreams: Sequence[T]) -> Sequence[T]:
-        """The upstreams to try, in order: the first ``max_attempts``."""
         return upstreams[: self._settings.max_attempts]
 
     @staticmethod
     def retries_status(status: int) -> bool:
-        """Whether an answer with ``status`` goes to the next replica (if one is left)."""
         return status in RETRY_STATUSES
 
     def backoff_s(self, number: int) -> float:

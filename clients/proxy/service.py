@@ -1,6 +1,5 @@
-"""The ``kvindex proxy`` process: the read path as every read-path process builds it
-(:mod:`kvindex.api.runtime`), the proxy's own parts on top (forwarder, breakers,
-reservations and their lease keeper), under uvicorn."""
+"""The ``kvindex proxy`` process: the read path (:mod:`kvindex.api.runtime`) and the proxy's
+own parts (forwarder, breakers, reservations and their lease keeper), under uvicorn."""
 
 from __future__ import annotations
 
@@ -12,6 +11,7 @@ from starlette.applications import Starlette
 
 from kvindex.api.config.settings import ApiSettings, ReadPathSettings
 from kvindex.api.health.ejection import EjectionMetrics, ReplicaBreakers
+from kvindex.api.health.routing import health_policy
 from kvindex.api.http.server import Service, run_app
 from kvindex.api.load.reservations import LeaseKeeper, Reservations
 from kvindex.api.runtime import ApiDeps, Hooks, build_read_path, open_stores
@@ -24,8 +24,7 @@ from kvindex.indexer.config.settings import IndexerSettings
 
 
 def build_proxy_app(deps: ApiDeps, proxy: ProxySettings) -> Starlette:
-    """The proxy's app on ``deps`` (the caller owns the stores behind them); its read path
-    and its own parts live as long as the app runs (its lifespan)."""
+    """The proxy's app on ``deps`` (the caller's stores); its parts live for its lifespan."""
     api = deps.settings
     metrics = ProxyMetrics()
     ejections = EjectionMetrics(metrics.registry, deps.registry, api)
@@ -35,7 +34,7 @@ def build_proxy_app(deps: ApiDeps, proxy: ProxySettings) -> Starlette:
         deps.registry,
         on_tokenize_failure=lambda model: metrics.tokenize_failures.labels(model).inc(),
         lora_base=api.lora_base,
-        health_policy=api.health_policy(),
+        health_policy=health_policy(api),
     )
     reservations = Reservations(
         deps.loads.ledger, proxy.lease_ttl_s, on_lost=metrics.reservations_lost.inc
@@ -80,9 +79,8 @@ def build_proxy_app(deps: ApiDeps, proxy: ProxySettings) -> Starlette:
 
 
 def serve_proxy(settings: IndexerSettings, api: ApiSettings, proxy: ProxySettings) -> None:
-    """Run until interrupted. SIGINT/SIGTERM drain: no new connection is accepted, the
-    requests being answered finish (``proxy.drain_timeout_s`` at most), then the read path
-    stops."""
+    """Run until SIGINT/SIGTERM, then drain: no new connection, requests finish (at most
+    ``proxy.drain_timeout_s``), then the read path stops."""
     if settings.store == "redis":
         deps = open_stores(ReadPathSettings(settings, api))
         try:

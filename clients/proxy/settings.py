@@ -1,4 +1,5 @@
-"""The proxy's typed settings: the ``[proxy]`` table of the config file."""
+"""The proxy's frozen settings (TOML ``[proxy]``, ``KVINDEX_PROXY_*``), validated when built:
+a bad value is a SettingsError naming its ``proxy.*`` key (and the variable that set it)."""
 
 from __future__ import annotations
 
@@ -14,48 +15,34 @@ from kvindex.indexer.domain.errors import SettingsError
 
 @dataclass(frozen=True, slots=True)
 class ProxySettings:
-    """How the proxy forwards; every field defaulted, validated on construction (errors
-    name the ``proxy.*`` key and the bad value)."""
+    """How the proxy forwards."""
 
     connect_timeout_s: float = 2.0
     """Longest wait for a connection to a replica; past it the next replica is tried."""
     first_byte_timeout_s: float = 300.0
-    """Longest wait for a replica's answer to start (its status line and headers; a
-    non-streaming vLLM answer starts when generation ends, so keep it generous). Past it
-    the request ends with 504."""
+    """Longest wait for an answer's head (a whole generation when not streamed); then 504."""
     stream_idle_timeout_s: float = 120.0
-    """Longest gap between two chunks of an answer's body once it has started (a stream
-    whose replica hangs); past it the body ends early (the client sees it incomplete)."""
+    """Longest gap between two chunks of an answer's body; past it the body ends early."""
     total_timeout_s: float = 900.0
-    """Longest time one request may take, attempts and stream included; a stream cut by
-    it ends early (the client sees an incomplete body)."""
+    """Longest time one request may take, attempts and stream included."""
     max_attempts: int = 3
     """Replicas tried at most per request (1: no retry), each a different one."""
     retry_backoff_s: float = 0.02
-    """Wait before the second attempt; doubled before each further one, capped by
-    ``retry_backoff_max_s``, and jittered (drawn uniformly between half of it and all of
-    it). 0: retry at once."""
+    """Wait before the second attempt, doubled for each next one, jittered (0: at once)."""
     retry_backoff_max_s: float = 0.5
     """Longest wait between two attempts."""
     max_connections: int = 1024
     """Connections to one replica at once (its HTTP client's pool)."""
     drain_timeout_s: float = 30.0
-    """On SIGTERM or SIGINT the proxy stops accepting connections and lets the requests it
-    is answering (streams included) finish for at most this long (rounded up to whole
-    seconds), then stops."""
+    """On SIGTERM or SIGINT, how long the requests being answered may finish (whole seconds)."""
     lease_ttl_s: float = 10.0
-    """Life of this proxy's lease on its requests in flight (reserved in the load store),
-    renewed every third of it while the proxy lives: a proxy killed without a goodbye
-    stops counting as load this long after its last renewal."""
+    """Life of this proxy's lease on its requests in flight, renewed every third of it."""
     auth_token: str | None = field(default=None, repr=False)
-    """Bearer token a client must send (``Authorization: Bearer <token>``) on every route
-    but ``/health``, ``/healthz`` and ``/readyz`` (401 otherwise); None: no token asked."""
+    """Bearer token a client must send on all but ``/health``, ``/healthz``, ``/readyz``."""
     auth_token_file: str | None = None
-    """A file holding ``auth_token`` (stripped; ``--token-file``): when set it replaces
-    any token given otherwise, so the token need not be in argv, env or the file."""
+    """A file holding ``auth_token`` (``--token-file``); it wins over a token given otherwise."""
     upstream_api_key: str | None = field(default=None, repr=False)
-    """Sent to every replica as ``Authorization: Bearer <key>`` in place of the client's
-    header (vLLM's ``--api-key``); None: the client's ``Authorization`` passes through."""
+    """Sent to replicas as the bearer token (vLLM's ``--api-key``); None: the client's."""
     replica_api_keys: dict[str, str] = field(default_factory=dict, repr=False)
     """Replica id → the key sent to that replica, over ``upstream_api_key``."""
     port: int = 8080
@@ -120,8 +107,7 @@ def load_proxy_settings(
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> ProxySettings:
-    """Defaults < a TOML ``[proxy]`` table < ``KVINDEX_PROXY_*`` env < ``overrides`` (None
-    values ignored)."""
+    """Defaults < TOML ``[proxy]`` < ``KVINDEX_PROXY_*`` env < ``overrides`` (None ignored)."""
     if values is not None and not isinstance(values, Mapping):
         raise SettingsError(f"[proxy] must be a table, got {values!r}")
     raw = dict(values or {})
@@ -145,7 +131,6 @@ def _env_names(values: Mapping[str, Any]) -> dict[str, str]:
 
 
 def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
-    """Every non-empty ``KVINDEX_PROXY_*`` variable, coerced to its field's type."""
     found: dict[str, Any] = {}
     for variable in sorted(n for n in environ if n.startswith(ENV_PREFIX) and environ[n]):
         key = variable.removeprefix(ENV_PREFIX).lower()
@@ -178,5 +163,4 @@ def proxy_settings_of(
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> ProxySettings:
-    """:func:`load_proxy_settings` of the file's ``[proxy]``."""
     return load_proxy_settings(file.table("proxy"), env=env, overrides=overrides)

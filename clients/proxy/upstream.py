@@ -1,4 +1,5 @@
-"""The upstream choice: which replicas a request should go to, best first."""
+"""The upstream choice: which replicas a request should go to, best first, as ``/score``
+ranks them (the unhealthy left out while one is healthy); used on the scorer's event loop."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from kvindex.indexer.fleet.replica_health import HealthPolicy
 
 logger = logging.getLogger("kvindex.proxy")
 SESSION_HEADER = "x-kvindex-session"
-"""Request header naming a session (for the ``session_affinity`` policy)."""
 
 
 class NoUpstreamError(KvIndexError):
@@ -30,11 +30,8 @@ class BadRequestBodyError(KvIndexError):
 
 @dataclass(frozen=True, slots=True)
 class Upstream:
-    """One replica requests can go to."""
-
     replica: str
     url: str
-    """Its HTTP root, ``http://host:port`` (the request path is appended)."""
     num_uncached_tokens: int = 0
     """The prompt's tokens it does not hold cached (0: the prompt was not tokenized)."""
 
@@ -49,8 +46,6 @@ class Choice:
 
 
 class UpstreamPicker:
-    """Turns a request body into a :class:`Choice`; use from the scorer's event loop."""
-
     def __init__(
         self,
         scorer: Scorer,
@@ -92,8 +87,7 @@ class UpstreamPicker:
         return Choice(upstreams, _matched_fraction(answer))
 
     def choose_any(self) -> Choice:
-        """Every replica with a ``url`` but the ejected ones (all of them when every one
-        is), starting one further each call (NoUpstreamError: none has one)."""
+        """Every replica with a ``url`` but the ejected (all if all are), one further each call."""
         upstreams = [Upstream(r.id, r.url) for r in self._registry.replicas() if r.url]
         if not upstreams:
             raise NoUpstreamError("no replica has a url to forward to")
@@ -133,8 +127,7 @@ class UpstreamPicker:
 
 
 def _prompt_of(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The ScoreRequest field that carries the body's prompt; none known: no keys (the
-    request is ranked on load alone)."""
+    """The ScoreRequest field carrying the body's prompt (none: ranked on load alone)."""
     messages = body.get("messages")
     if isinstance(messages, list) and all(isinstance(m, dict) for m in messages):
         return {"messages": messages}

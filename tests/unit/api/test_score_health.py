@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from kvindex.api.config.settings import ApiSettings
+from kvindex.api.health.routing import health_policy
 from kvindex.api.load.model import Load
 from kvindex.api.load.store import MemoryLoadStore
 from kvindex.api.schemas import ScoreRequest, ScoreResponse
@@ -65,7 +66,7 @@ class Fleet:
 
     def fail_check(self, replica: str) -> None:
         now = self.clock.now
-        policy = SETTINGS.health_policy()
+        policy = health_policy(SETTINGS)
         self.registry.update_health({replica: lambda h: h.after_check(False, "boom", now, policy)})
 
 
@@ -90,7 +91,7 @@ def test_an_ejected_replica_is_never_best_nor_ranked() -> None:
 
 def test_an_open_breaker_ejects_until_its_cooldown_ends() -> None:
     fleet = Fleet()
-    policy = SETTINGS.health_policy()
+    policy = health_policy(SETTINGS)
     now = fleet.clock.now
     fleet.registry.update_health({"hot": lambda h: h.breaker_opened(now, policy, "status 502")})
     assert fleet.answer().best != "hot"
@@ -165,4 +166,4 @@ def test_degraded_answers_report_the_reason() -> None:
 
 
 def test_records_of_unjudged_replicas_default_to_healthy() -> None:
-    assert ReplicaHealth().ejection(0.0, SETTINGS.health_policy()) is None
+    assert ReplicaHealth().ejection(0.0, health_policy(SETTINGS)) is None

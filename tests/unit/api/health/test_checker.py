@@ -11,6 +11,7 @@ import httpx
 
 from kvindex.api.config.settings import ApiSettings
 from kvindex.api.health.checker import HealthChecker
+from kvindex.api.health.routing import health_policy
 from kvindex.indexer.fleet.registry import Registry, RegistryView
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.fleet.replica_health import Ejection
@@ -69,7 +70,7 @@ def _rounds(
 
 
 def _ejected(registry: RegistryView, clock: Clock) -> set[str]:
-    policy = SETTINGS.health_policy()
+    policy = health_policy(SETTINGS)
     return {r for r, h in registry.replica_health().items() if h.ejection(clock.now, policy)}
 
 

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from kvindex.api.config.settings import ApiSettings
 from kvindex.api.health.ejection import EjectionMetrics, ReplicaBreakers
+from kvindex.api.health.routing import health_policy
 from kvindex.clients.proxy.forwarding import Forwarder
 from kvindex.clients.proxy.metrics import ProxyMetrics
 from kvindex.clients.proxy.settings import ProxySettings
@@ -20,7 +21,7 @@ from kvindex.indexer.fleet.replica_health import Ejection
 from tests.support.clock import Clock
 
 SETTINGS = ApiSettings(breaker_failures=3, breaker_cooldown_s=10.0)
-POLICY = SETTINGS.health_policy()
+POLICY = health_policy(SETTINGS)
 
 
 class Proxy:

@@ -11,6 +11,7 @@ import pytest
 import tokenizers
 
 from kvindex.api.config.settings import ApiSettings, ModelSpec
+from kvindex.api.health.routing import health_policy
 from kvindex.api.tokenize.cache import CachingTokenizer
 from kvindex.api.tokenize.choice import ModelTokenizers, TokenizerSpec, build_tokenizer
 from kvindex.api.tokenize.local import LocalTokenizer
@@ -196,7 +197,7 @@ def test_an_ejected_replica_is_not_asked_to_tokenize() -> None:
     assert chooser.spec("m") == TokenizerSpec(
         kind="replica", base_url="http://a:8000", model="m", timeout_s=1.0, cache_entries=4096
     )
-    policy = settings.health_policy()
+    policy = health_policy(settings)
     now = clock.now
     registry.update_health({"a": lambda h: h.after_check(False, "down", now, policy)})
     assert chooser.tokenizer("m") is first  # looked at again within a second at most
