@@ -31,9 +31,8 @@ from kvindex.indexer.index.protocol import (
 
 if TYPE_CHECKING:
     from kvindex.indexer.domain.health import NativeCounts
-    from kvindex.indexer.domain.keys import KeyCache
     from kvindex.indexer.native import _core as native_core
-    from kvindex.indexer.native._core import NativeBatch
+    from kvindex.indexer.native._core import KeyCache, NativeBatch
 
 HOLD_BLOCKS = 2048
 """Blocks a write applies per hold of the index lock before it lets a waiting thread in."""
@@ -128,17 +127,9 @@ class MemoryIndex:
     """In-process block index, thread-safe; ``tables`` default to the compiled ones."""
 
     def __init__(self, *, tables: Tables | None = None) -> None:
-        if tables is None:
-            if native.Tables is None:
-                raise ImportError("kvindex.indexer.native is not built: install the package")
-            tables = native.Tables()
-        self._tables = tables
-        self.compiled = native.Tables is not None and type(tables) is native.Tables
-        self.native_ingest = (
-            self.compiled
-            and native.NativeBatch is not None
-            and type(self).apply_many is MemoryIndex.apply_many
-        )
+        self._tables = native.Tables() if tables is None else tables
+        self.compiled = type(self._tables) is native.Tables
+        self.native_ingest = self.compiled and type(self).apply_many is MemoryIndex.apply_many
         """Whether :meth:`apply_native` serves (not for a subclass overriding apply_many)."""
         self._streams: dict[StreamId, _Stream] = {}
         self._state_of: list[_Stream | None] = []  # by stream number (None: free)
@@ -190,11 +181,10 @@ class MemoryIndex:
         """``Ingestor.apply_many`` for these batches, compiled; per piece of :data:`HOLD_BLOCKS`
         blocks, keys chained without the lock, then applied under it. Returns the counts."""
         tables: native_core.Tables = self._tables  # type: ignore[assignment]
-        own_cache: native_core.KeyCache = cache  # type: ignore[assignment]
         pieces = _pieces(batches) if len(batches) > 1 else [batches]
         totals = [0] * 9 + [-1]
         for piece in pieces:
-            own_cache.translate(piece, root)
+            cache.translate(piece, root)
             with self._lock:
                 state = self._state(stream)
                 out = tables.ingest(state.number, piece, cache, root, state.watermark)
