@@ -1,10 +1,6 @@
-"""Block keys, computed from token ids, never from an engine's own hashes.
-
-A key is XXH3-64 over ``parent key (u64) | token ids (u32 each) | msgpack(extra keys)``, all
-little-endian, chained from a root derived from the model name; extra keys follow vLLM's
-per-block ``extra_keys`` (LoRA name, multimodal items, the cache salt on the first block).
-Small and dependency-light: ``api/`` and ``clients/`` import it, and a router may vendor it.
-"""
+"""Block keys from token ids, never from an engine's hashes: XXH3-64 over ``parent key (u64) |
+token ids (u32 each) | msgpack(extra keys)``, little-endian, chained from the model's root; extra
+keys as vLLM's per-block ``extra_keys``. ``api/`` and ``clients/`` import it."""
 
 from __future__ import annotations
 
@@ -20,7 +16,7 @@ from kvindex.indexer import native
 from kvindex.indexer.domain.errors import KvIndexError
 
 KEY_SCHEME = "xxh3-64/v1"
-"""Name and version of this key function; stored beside the index so mismatches are loud."""
+"""Stored beside the index, so a change of key function is loud."""
 
 _ROOT_PREFIX = b"kvindex/" + KEY_SCHEME.encode() + b"\x00"
 _TOKEN_BYTES = 4
@@ -63,8 +59,7 @@ _MAX_LAYOUTS = 16
 
 
 def _block_layout(stride: int) -> tuple[str, Callable[[int, bytes], bytes]]:
-    """The ``struct`` format splitting ``stride`` token bytes per block, and the packer of
-    ``(parent key, block token bytes)`` (a plain dict: cheaper to read than ``lru_cache``)."""
+    # The block format and the (parent, block bytes) packer; a dict: cheaper than lru_cache.
     layout = _LAYOUTS.get(stride)
     if layout is None:
         if len(_LAYOUTS) >= _MAX_LAYOUTS:  # odd block sizes in bad input must not pile up
