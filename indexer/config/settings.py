@@ -29,7 +29,7 @@ class IndexerSettings(StoreSettings):
     """Everything an indexer process needs (the store's keys included), passed down explicitly."""
 
     bind: str | None = None
-    """Bind one SUB here for replicas that connect to us, registered by topic on first event."""
+    """Bind one SUB here for replicas that connect, registered by topic ``kv@<replica>@<model>``."""
     default_model: str | None = None
     """Model of a self-registering replica whose topic carries none."""
     max_self_registered: int = 1000

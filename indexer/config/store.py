@@ -31,7 +31,7 @@ class StoreSettings:
     redis_prefix: str = "kvindex"
     """Prefix of every Redis key (several deployments can share one Redis)."""
     redis_index_groups: int = TOPOLOGY_INDEX_GROUPS
-    """Stream groups of the Redis index, 1 to 1024 (0: 1 standalone, 16 on a cluster); all agree."""
+    """Redis index stream groups, 1-1024 (0: 1, 16 on a cluster); every process must agree."""
     stale_after_s: float = 300.0
     """A replica silent (or disconnected) this long is marked stale."""
 
