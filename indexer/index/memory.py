@@ -1,10 +1,6 @@
-"""The in-process :class:`~kvindex.indexer.index.protocol.BlockIndex`, the embedded default.
-
-The blocks live in the compiled ``native.Tables``: per stream, its blocks by key and by
-engine hash; fleet-wide, each block key's holders (one stream number, or a bitmap of them),
-so a lookup walks the prompt once and costs the holders alone. One :class:`IndexLock` over
-the tables; a write hands it to a waiting reader every :data:`HOLD_BLOCKS` blocks.
-"""
+"""The in-process :class:`~kvindex.indexer.index.protocol.BlockIndex`, the embedded default: the
+compiled ``native.Tables`` (per stream its blocks; per block key its holders) under one
+:class:`IndexLock`, which a write hands to a waiting reader every :data:`HOLD_BLOCKS` blocks."""
 
 from __future__ import annotations
 
@@ -35,7 +31,6 @@ if TYPE_CHECKING:
     from kvindex.indexer.native._core import KeyCache, NativeBatch
 
 HOLD_BLOCKS = 2048
-"""Blocks a write applies per hold of the index lock before it lets a waiting thread in."""
 _HAND_OVER_S = 0.005  # longest a writer waits, lock released, for a waiter to take it
 
 _TIERS = tuple(Tier)
@@ -178,8 +173,7 @@ class MemoryIndex:
     def apply_native(
         self, stream: StreamId, batches: list[NativeBatch], cache: KeyCache, root: int
     ) -> NativeCounts:
-        """``Ingestor.apply_many`` for these batches, compiled; per piece of :data:`HOLD_BLOCKS`
-        blocks, keys chained without the lock, then applied under it. Returns the counts."""
+        """``Ingestor.apply_many`` compiled: per piece, keys chained unlocked, applied locked."""
         tables: native_core.Tables = self._tables  # type: ignore[assignment]
         pieces = _pieces(batches) if len(batches) > 1 else [batches]
         totals = [0] * 9 + [-1]
