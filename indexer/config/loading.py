@@ -1,6 +1,4 @@
-"""How every process kind reads its settings: the config file read once
-(:class:`ConfigFile`), then the environment, then the command line, each layer over the one
-before (:func:`layered`); errors are :class:`SettingsError` naming the key or variable."""
+"""Settings layers of every process kind: file < env < command line; SettingsError names the key."""
 
 from __future__ import annotations
 
@@ -12,15 +10,11 @@ from typing import Any
 
 from kvindex.indexer.domain.errors import SettingsError
 
-SECTIONS = ("api", "models", "rules", "proxy")
-"""Tables of the read path's processes (``kvindex.api.config.settings``,
-``kvindex.clients.proxy.settings``); the file's other keys are the indexer's."""
+SECTIONS = ("api", "models", "rules", "proxy")  # the read path's tables; the rest is the indexer's
 
 
 @dataclass(frozen=True)
 class ConfigFile:
-    """A TOML config file's content (empty without a file)."""
-
     path: Path | None = None
     values: Mapping[str, Any] = field(default_factory=dict)
 
@@ -29,7 +23,6 @@ class ConfigFile:
         return cls(path, read_toml(path)) if path is not None else cls()
 
     def top_level(self) -> dict[str, Any]:
-        """The indexer's keys (every one but the read path's tables)."""
         return {k: v for k, v in self.values.items() if k not in SECTIONS}
 
     def table(self, name: str) -> Any:
@@ -37,7 +30,6 @@ class ConfigFile:
 
 
 def read_toml(path: Path) -> dict[str, Any]:
-    """A TOML file as a dict; :class:`SettingsError` naming the file when unreadable."""
     try:
         with path.open("rb") as handle:
             return tomllib.load(handle)
@@ -52,7 +44,6 @@ def layered(
     env_values: Mapping[str, Any],
     overrides: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
-    """Defaults < file < environment < command line (its None values are unset)."""
     values = dict(file_values)
     values.update(env_values)
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
@@ -60,8 +51,7 @@ def layered(
 
 
 def read_token(path: str, *, key: str) -> str:
-    """The token in a file, surrounding whitespace stripped; SettingsError names the key
-    and the file (never the token)."""
+    """The token in a file, stripped; SettingsError names the key and file, never the token."""
     try:
         with open(path, encoding="utf-8") as handle:
             token = handle.read().strip()
@@ -94,12 +84,9 @@ _PARSERS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
     ("bool", _boolean, "a boolean (true/false)"),
     ("str", str, "a string"),
 )
-"""How a variable is read, by the start of the field's annotation."""
 
 
 def from_env_text(variable: str, text: str, kind: str) -> Any:
-    """``text`` as the type ``kind`` (a field's annotation, as a string) names;
-    SettingsError names the variable and value."""
     for prefix, parse, wanted in _PARSERS:
         if kind.startswith(prefix):
             try:

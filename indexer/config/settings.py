@@ -1,23 +1,5 @@
-"""The indexer's one typed, frozen settings object, read from TOML, env and command line.
-
-Precedence: command line > environment (``KVINDEX_<FIELD>``) > TOML file > defaults.
-Every field has a default and a one-line doc (the README's configuration table mirrors
-them). :func:`load_settings` validates everything at start and raises
-:class:`SettingsError` naming the key and the bad value.
-
-TOML layout::
-
-    store = "redis"
-    redis_url = "redis://127.0.0.1:6379/0"
-
-    [[replicas]]
-    id = "r1"
-    model = "meta-llama/Llama-3.1-8B-Instruct"
-    events = "tcp://10.0.0.5:5557"
-    replay = "tcp://10.0.0.5:5558"
-    url = "http://10.0.0.5:8000"
-    dp_size = 1
-"""
+"""The indexer's one typed, frozen settings object: command line > ``KVINDEX_<FIELD>`` > TOML
+file (replicas as ``[[replicas]]``) > defaults, checked at start; SettingsError names the key."""
 
 from __future__ import annotations
 
@@ -38,28 +20,20 @@ __all__ = ["IndexerSettings", "StoreKind", "load_settings", "read_toml", "replac
 ShardMode = Literal["auto", "on", "off"]
 SHARD_MODES: tuple[str, ...] = get_args(ShardMode)
 ENV_PREFIX = "KVINDEX_"
-MAX_AUTO_INGEST_WORKERS = 2
-"""Most ingest workers ``ingest_workers = 0`` starts. What two workers can overlap is one's
-compiled ingest (without the GIL, under the index lock) with the other's receiving and
-decoding (under the GIL): the smaller of the two is a quarter to a third of a worker's
-time, so a third worker finds nothing left to overlap."""
+MAX_AUTO_INGEST_WORKERS = 2  # a third worker finds no compiled ingest left to overlap
 MAX_INGEST_WORKERS = 64
-"""Most ingest workers a setting may ask for."""
 
 
 @dataclass(frozen=True, slots=True)
 class IndexerSettings(StoreSettings):
-    """Everything an indexer process needs (the store's keys included); passed down
-    explicitly, never global."""
+    """Everything an indexer process needs (the store's keys included), passed down explicitly."""
 
     bind: str | None = None
-    """Bind one SUB here (e.g. ``tcp://10.0.0.2:5557``) for replicas that connect to us;
-    each is identified by its topic ``kv@<replica>@<model>`` and registered on first event."""
+    """Bind one SUB here for replicas that connect, registered by topic ``kv@<replica>@<model>``."""
     default_model: str | None = None
     """Model of a self-registering replica whose topic carries none."""
     max_self_registered: int = 1000
-    """Most replicas the bound SUB registers from topics; further new topics are refused
-    and counted (``unrouted.num_refused``)."""
+    """Most replicas the bound SUB registers from topics; further new topics are refused."""
     replicas: tuple[ReplicaSpec, ...] = ()
     """Replicas to subscribe to (connect mode)."""
     purge_after_s: float = 0.0
@@ -69,70 +43,44 @@ class IndexerSettings(StoreSettings):
     rebuild_cooldown_s: float = 60.0
     """At most one orphan-repair rebuild per stream per this many seconds."""
     probe_interval_s: float = 10.0
-    """Probe a stream with a replay endpoint that has been silent this long (a replay from
-    its last applied seq): a replica restarted quiet is then found and its old blocks
-    dropped within this interval plus two replays (``replay_timeout_s`` at worst). 0 = off."""
+    """Replay from a stream's last seq when silent this long, to find a quiet restart (0: off)."""
     store_cooldown_s: float = 1.0
-    """After a failed index-store call the write path skips the store this long (streams
-    are counted as store errors and resynced later), then lets one call probe it."""
+    """After a failed index-store call, skip the store this long, then let one call probe it."""
     reconnect_min_s: float = 0.1
     """First ZeroMQ reconnect back-off."""
     reconnect_max_s: float = 5.0
     """Longest ZeroMQ reconnect back-off."""
     key_cache_size: int = -1
-    """Recent engine hash → key mappings cached per stream to find a parent's key, beyond
-    the last two batches' (always at hand). On Redis they save index round trips; in memory
-    the index answers as fast, and a cache there would only cost memory (about 100 bytes an
-    entry, over twice the index's own). -1: 65,536 on Redis, 0 in memory
-    (:attr:`key_cache_entries`)."""
+    """Engine hash → key mappings cached per stream (-1: 65,536 on Redis, 0 in memory)."""
     max_open_files: int = 0
-    """Soft open-file limit (``RLIMIT_NOFILE``) the indexer raises itself to at start, never
-    above the hard limit nor lowered (0: the hard limit). A connect-mode stream needs about
-    4 open files, 2 more while it replays."""
+    """Soft open-file limit raised to at start, never above the hard one (0: the hard limit)."""
     log_level: str = "INFO"
     """Python logging level."""
     status_host: str = "127.0.0.1"
-    """Listen address of ``kvindex indexer``'s status port (``0.0.0.0``: every interface)."""
+    """Listen address of the status port (``0.0.0.0``: every interface)."""
     status_port: int = 8090
-    """``kvindex indexer``'s port for /metrics, /healthz, /readyz (0: any free one, logged;
-    -1: none)."""
+    """Port of /metrics, /healthz, /readyz (0: any free one, logged; -1: none)."""
     status_probe_s: float = 0.5
     """Seconds between two store probes, whose last answer /readyz reports."""
     status_timeout_s: float = 0.25
     """Socket timeout of the store probe and of the status port's index reads."""
     shard: ShardMode = "auto"
-    """Split the streams between the indexers on one Redis (leases, rendezvous hash, a
-    fence on every batch): ``auto`` = on with ``store = "redis"``, off in memory; ``off``:
-    one indexer per store, as before (two would fight over each stream)."""
+    """Split the streams between indexers on one Redis (``auto``: on with Redis, off in memory)."""
     indexer_id: str = ""
-    """This indexer's name among the sharded ones (shown as each stream's owner); "" = the
-    host name (kept across a restart). Several indexers on one host need one each."""
+    """This indexer's name among the sharded ones ("": the host name)."""
     lease_ttl_s: float = 10.0
-    """A sharded indexer that has not renewed its lease for this long (renewed every third
-    of it) loses its streams to the others: the takeover bound is this, plus a third of it,
-    plus one replay."""
+    """A sharded indexer that has not renewed its lease this long loses its streams."""
     ingest_workers: int = 0
-    """Subscriber loops of the memory store's write path, each owning the sockets and the
-    pipeline of its share of the connect-mode streams (a stream stays on one loop: its
-    batches keep their order); the bound SUB is read by the first. They overlap only where
-    the compiled ingest runs without the GIL (README, Performance). 0: one per two cores
-    available to the process (``os.sched_getaffinity``: a worker's core, and one for the
-    API and everything else that holds the GIL), at least 1, at most
-    :data:`MAX_AUTO_INGEST_WORKERS` (on 2 cores, 1).
-    On Redis one loop per process (run more sharded indexers to use more cores); a count
-    above 1 there is refused."""
+    """Memory store's subscriber loops (0: one per two cores, at most 2; Redis: 1 only)."""
 
     @property
     def key_cache_entries(self) -> int:
-        """``key_cache_size`` with -1 resolved for the store."""
         if self.key_cache_size >= 0:
             return self.key_cache_size
         return 65_536 if self.store == "redis" else 0
 
     @property
     def num_ingest_workers(self) -> int:
-        """``ingest_workers`` with 0 resolved: 1 on Redis, else one per two cores available
-        to the process, between 1 and :data:`MAX_AUTO_INGEST_WORKERS`."""
         if self.ingest_workers > 0:
             return self.ingest_workers
         if self.store == "redis":
@@ -141,7 +89,6 @@ class IndexerSettings(StoreSettings):
 
     @property
     def sharded(self) -> bool:
-        """Whether this process shares the streams with other indexers on its store."""
         return self.shard == "on" or (self.shard == "auto" and self.store == "redis")
 
     def __post_init__(self) -> None:
@@ -220,8 +167,6 @@ def load_settings(
     overrides: Mapping[str, Any] | None = None,
     extra_replicas: tuple[ReplicaSpec, ...] = (),
 ) -> IndexerSettings:
-    """Defaults < the config file's top level < ``KVINDEX_*`` env < ``overrides`` (None
-    values ignored); the file's replicas, then ``extra_replicas``."""
     file = source if isinstance(source, ConfigFile) else ConfigFile.read(source)
     file_values = _checked(file)
     replicas = _replicas_from_toml(file_values.pop("replicas", []), file.path)
@@ -238,8 +183,6 @@ def load_store_settings(
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> StoreSettings:
-    """The store keys alone, layered as :func:`load_settings` layers them (the file's other
-    indexer keys are checked as names, not read)."""
     file = source if isinstance(source, ConfigFile) else ConfigFile.read(source)
     file_values = {k: v for k, v in _checked(file).items() if k in _STORE_KEYS}
     env_values = _from_env(os.environ if env is None else env)
@@ -264,7 +207,6 @@ def _replicas_from_toml(raw: Any, path: Path | None) -> list[ReplicaSpec]:
 
 
 def _checked(file: ConfigFile) -> dict[str, Any]:
-    """The file's top level; SettingsError names the keys no indexer setting has."""
     values = file.top_level()
     unknown = set(values) - set(_SCALARS) - {"replicas"}
     if unknown:
@@ -308,5 +250,4 @@ def _to_int(name: str, value: Any) -> int:
 
 
 def replace(settings: IndexerSettings, **changes: Any) -> IndexerSettings:
-    """A copy with some fields changed (validated again)."""
     return dataclasses.replace(settings, **changes)

@@ -1,5 +1,4 @@
-"""Where a process's index, load and fleet live: the settings every process kind shares
-(top-level keys of the config file, ``KVINDEX_<FIELD>`` in the environment)."""
+"""The store settings every process kind shares (top-level keys, ``KVINDEX_<FIELD>``)."""
 
 from __future__ import annotations
 
@@ -28,22 +27,16 @@ class StoreSettings:
     redis_url: str = "redis://127.0.0.1:6379/0"
     """Redis URL when ``store = "redis"``; on Redis Cluster, any node's."""
     redis_cluster: ClusterMode = "auto"
-    """Redis Cluster or standalone: ``auto`` asks the node at start (``INFO cluster``),
-    ``on`` / ``off`` say it (``on`` for a cluster that may be down while kvindex starts)."""
+    """Redis Cluster or standalone: ``auto`` asks the node at start, ``on`` / ``off`` say it."""
     redis_prefix: str = "kvindex"
     """Prefix of every Redis key (several deployments can share one Redis)."""
     redis_index_groups: int = TOPOLOGY_INDEX_GROUPS
-    """Stream groups of the Redis block index, 1 to 1024; 0 = by topology: 1 on standalone
-    Redis (a lookup walks the prompt once), 16 on a cluster (the groups spread the index over
-    the masters). Every process of a deployment (indexers, API, proxies) must agree: one
-    that counts otherwise refuses to start (``redis_schema.SchemaVersionError``)."""
+    """Redis index stream groups, 1-1024 (0: 1, 16 on a cluster); every process must agree."""
     stale_after_s: float = 300.0
     """A replica silent (or disconnected) this long is marked stale."""
 
     @property
     def redis_schema(self) -> Schema:
-        """The Redis key names of ``redis_prefix`` and ``redis_index_groups`` (every process
-        builds its stores' schema here, so they all name the same keys)."""
         return Schema(self.redis_prefix, self.redis_index_groups)
 
     def __post_init__(self) -> None:
@@ -51,7 +44,6 @@ class StoreSettings:
 
 
 def check_store(settings: StoreSettings) -> None:
-    """:class:`SettingsError` naming the first bad store key."""
     if settings.store not in get_args(StoreKind):
         raise SettingsError(f"store must be one of {get_args(StoreKind)}, got {settings.store!r}")
     if settings.redis_cluster not in CLUSTER_MODES:

@@ -1,9 +1,8 @@
-"""The root of kvindex's exceptions, and :class:`SettingsError`, raised by every settings
-object and replica spec. Other errors are defined beside their raisers."""
+"""The root of kvindex's exceptions and :class:`SettingsError`; others live beside their raiser."""
 
 
 class KvIndexError(Exception):
-    """Base class of every error kvindex raises on purpose."""
+    """Every error kvindex raises on purpose."""
 
 
 class SettingsError(KvIndexError):

@@ -82,9 +82,8 @@ class StreamReport(StreamCounters):
 
 
 NativeCounts: TypeAlias = tuple[int, int, int, int, int, int, int, int, int, int]
-"""A report's counts from the compiled ingest path: batches applied, unknown removals,
-unresolved stores, blocks stored, removed, clears, other-group events, misaligned events,
-orphan stores, the last store's block size (-1: none)."""
+"""Compiled ingest counts: batches applied, unknown removals, unresolved stores, blocks stored and
+removed, clears, other-group, misaligned and orphan events, last block size (-1: none)."""
 
 
 @dataclass(slots=True)

@@ -1,10 +1,6 @@
-"""Block keys, computed from token ids, never from an engine's own hashes.
-
-A key is XXH3-64 over ``parent key (u64) | token ids (u32 each) | msgpack(extra keys)``, all
-little-endian, chained from a root derived from the model name; extra keys follow vLLM's
-per-block ``extra_keys`` (LoRA name, multimodal items, the cache salt on the first block).
-Small and dependency-light: ``api/`` and ``clients/`` import it, and a router may vendor it.
-"""
+"""Block keys from token ids, never from an engine's hashes: XXH3-64 over ``parent key (u64) |
+token ids (u32 each) | msgpack(extra keys)``, little-endian, chained from the model's root; extra
+keys as vLLM's per-block ``extra_keys``. ``api/`` and ``clients/`` import it."""
 
 from __future__ import annotations
 
@@ -12,7 +8,6 @@ import struct
 import sys
 from array import array
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import msgspec
 import xxhash
@@ -21,7 +16,7 @@ from kvindex.indexer import native
 from kvindex.indexer.domain.errors import KvIndexError
 
 KEY_SCHEME = "xxh3-64/v1"
-"""Name and version of this key function; stored beside the index so mismatches are loud."""
+"""Stored beside the index, so a change of key function is loud."""
 
 _ROOT_PREFIX = b"kvindex/" + KEY_SCHEME.encode() + b"\x00"
 _TOKEN_BYTES = 4
@@ -40,13 +35,9 @@ def model_root(model: str) -> int:
 def tokens_to_bytes(token_ids: Sequence[int]) -> bytes:
     """Token ids as little-endian u32. Raises :class:`BlockKeyError` for ids outside u32."""
     try:
-        if native.pack_tokens is not None and type(token_ids) in (list, tuple):
-            return native.pack_tokens(token_ids)  # compiled: one pass, no array
-        if isinstance(token_ids, list):
-            packed = array("I")
-            packed.fromlist(token_ids)  # a third faster than array("I", list), same checks
-        else:
-            packed = array("I", token_ids)
+        if type(token_ids) in (list, tuple):
+            return native.pack_tokens(token_ids)
+        packed = array("I", token_ids)
     except (OverflowError, TypeError) as exc:
         raise BlockKeyError(f"token ids must be integers in [0, 2**32): {exc}") from exc
     if sys.byteorder != "little":
@@ -68,8 +59,7 @@ _MAX_LAYOUTS = 16
 
 
 def _block_layout(stride: int) -> tuple[str, Callable[[int, bytes], bytes]]:
-    """The ``struct`` format splitting ``stride`` token bytes per block, and the packer of
-    ``(parent key, block token bytes)`` (a plain dict: cheaper to read than ``lru_cache``)."""
+    # The block format and the (parent, block bytes) packer; a dict: cheaper than lru_cache.
     layout = _LAYOUTS.get(stride)
     if layout is None:
         if len(_LAYOUTS) >= _MAX_LAYOUTS:  # odd block sizes in bad input must not pile up
@@ -92,24 +82,18 @@ def chain_keys(
     num_blocks = len(token_bytes) // stride
     if extra_keys is not None and len(extra_keys) < num_blocks:
         raise BlockKeyError(f"{len(extra_keys)} extra keys for {num_blocks} blocks")
-    if extra_keys is None and native.chain is not None and type(token_bytes) is bytes:
-        return native.chain(parent, token_bytes, block_size)  # compiled: 5x faster
-    # One C call splits the blocks and one packs each block's bytes: about a third faster
-    # than slicing and concatenating per block, for the same bytes.
+    if extra_keys is None:
+        as_bytes = token_bytes if type(token_bytes) is bytes else bytes(token_bytes)
+        return native.chain(parent, as_bytes, block_size)
+    # One C call splits the blocks and one packs each block's bytes and its parent.
     block_format, pack = _block_layout(stride)
     used = num_blocks * stride
     whole = token_bytes if used == len(token_bytes) else memoryview(token_bytes)[:used]
-    blocks = struct.iter_unpack(block_format, whole)
     keys: list[int] = []
-    append = keys.append
-    if extra_keys is None:  # the common case: one pack and one hash per block
-        for (chunk,) in blocks:
-            parent = _hash(pack(parent, chunk))
-            append(parent)
-        return keys
+    blocks = struct.iter_unpack(block_format, whole)
     for (chunk,), extra in zip(blocks, extra_keys, strict=False):
         parent = _hash(pack(parent, chunk) + _extra_bytes(extra))
-        append(parent)
+        keys.append(parent)
     return keys
 
 
@@ -141,8 +125,7 @@ def block_keys(
     """Keys of every full block of a prompt, as the index stores them (a router's one call)."""
     num_blocks = len(token_ids) // block_size if block_size > 0 else 0
     extras = request_extra_keys(num_blocks, lora_name, cache_salt)
-    if extras is None and native.chain_tokens is not None and block_size > 0:
-        # Compiled: the ids of whole blocks read and hashed in one loop, no bytes built.
+    if extras is None and block_size > 0:  # the ids of whole blocks hashed, no bytes built
         try:
             return native.chain_tokens(model_root(model), token_ids, block_size)
         except (OverflowError, TypeError) as exc:
@@ -151,17 +134,3 @@ def block_keys(
     # Only whole blocks are keyed (and checked); copy the ids only if some are left over.
     used = token_ids if num_used == len(token_ids) else token_ids[:num_used]
     return chain_keys(model_root(model), tokens_to_bytes(used), block_size, extras)
-
-
-class KeyCache(Protocol):
-    """A stream's engine hash → key cache: the ingestor's ``_KeyCache``, or the compiled
-    ``native.KeyCache`` when the core is built."""
-
-    @property
-    def capacity(self) -> int: ...
-
-    def get(self, engine_hash: int) -> int | None: ...
-
-    def put(self, engine_hash: int, key: int) -> None: ...
-
-    def age(self) -> None: ...

@@ -1,8 +1,5 @@
-"""The replicas kvindex knows, and the health record of each of their streams.
-
-The write path changes a stream's record only through :meth:`Registry.record`; any thread
-may read a consistent snapshot. :func:`fleet_totals` adds up the fleet.
-"""
+"""The replicas kvindex knows and each stream's health record; the write path changes a record
+only through :meth:`Registry.record`, any thread reads a consistent snapshot."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""One replica's serving health: the record every process reads, and the rules that change it.
-
-Two verdicts in one :class:`ReplicaHealth`, active checks and a circuit breaker fed by
-forwarding outcomes; records are values, every change a pure function.
-"""
+"""One replica's serving health (:class:`ReplicaHealth`): an active-check verdict and a circuit
+breaker fed by forwarding outcomes; records are values, every change a pure function."""
 
 from __future__ import annotations
 
@@ -50,8 +47,7 @@ class ReplicaHealth(msgspec.Struct, frozen=True, kw_only=True):
     # --- verdicts ------------------------------------------------------------------------
 
     def ejection(self, now: float, policy: HealthPolicy) -> Ejection | None:
-        """Why the replica is out of routing at ``now``, or None (a check verdict older than
-        ``verdict_ttl_s`` is ignored)."""
+        """Why the replica is out of routing at ``now``, or None."""
         if self.breaker_open_until is not None and now < self.breaker_open_until:
             return Ejection.BREAKER
         checked = self.checked_at
@@ -64,7 +60,6 @@ class ReplicaHealth(msgspec.Struct, frozen=True, kw_only=True):
         return self.breaker_open_until is not None and now >= self.breaker_open_until
 
     def describe(self, now: float, policy: HealthPolicy) -> str:
-        """``healthy``, or why it is out."""
         why = self.ejection(now, policy)
         error = f" ({self.last_error})" if self.last_error else ""
         if why is Ejection.BREAKER:

@@ -1,10 +1,5 @@
-"""The fleet state an indexer shares through Redis, so API processes see what it sees.
-
-Two hashes: replica id → :class:`ReplicaSpec`, and stream → :class:`StreamRecord`.
-:class:`FleetSync` writes the declared replicas, follows the hash's adds and removes in the
-in-process registry, and writes every stream's record each tick; a Redis error is counted
-and logged, never fatal.
-"""
+"""The fleet state an indexer shares through Redis (replica id → spec, stream → record), so API
+processes see what it sees; a Redis error is counted and logged, never fatal."""
 
 from __future__ import annotations
 

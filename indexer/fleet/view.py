@@ -1,11 +1,6 @@
-"""The fleet as an API process sees it: a :class:`RegistryView` over the Redis hashes an
-indexer's :class:`~kvindex.indexer.fleet.sync.FleetSync` writes.
-
-Reads come from one snapshot cached for ``cache_ttl_s``; when Redis cannot be read or lost
-the fleet, the last snapshot serves and :meth:`RedisFleetView.outage` says why. Reads never
-probe an open circuit; writes go through and drop the cache. Health records change in an
-optimistic transaction, so two processes never lose each other's change.
-"""
+"""The fleet as an API process sees it: a :class:`RegistryView` over the Redis hashes ``FleetSync``
+writes, read from a snapshot cached ``cache_ttl_s`` (the last one through an outage, which
+:meth:`RedisFleetView.outage` names); health records change in optimistic transactions."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The store circuit: skip a store that is down instead of waiting on it at every call.
-
-One :class:`StoreCircuit` guards every store of a process that shares one connection;
-:class:`CircuitIndex` puts it around a :class:`~kvindex.indexer.index.protocol.BlockIndex`.
-"""
+"""The store circuit: skip a store that is down instead of waiting on it at every call;
+:class:`CircuitIndex` puts one around a :class:`~kvindex.indexer.index.protocol.BlockIndex`."""
 
 from __future__ import annotations
 
@@ -107,8 +104,7 @@ class StoreCircuit:
 
 
 class CircuitIndex:
-    """A :class:`BlockIndex` whose every call goes through a :class:`StoreCircuit` (a
-    skipped call raises :class:`StoreSkippedError`, an ``IndexUnavailableError``)."""
+    """A :class:`BlockIndex` whose every call goes through a :class:`StoreCircuit`."""
 
     def __init__(self, inner: BlockIndex, circuit: StoreCircuit) -> None:
         self._inner = inner
@@ -145,7 +141,6 @@ class CircuitIndex:
         return self._circuit.call(self._inner.stats, stream)
 
     def intact(self) -> bool:
-        """The inner store's ``intact`` through the circuit; True for one without it."""
         inner = self._inner
         if not isinstance(inner, StoreIdentity):
             return True

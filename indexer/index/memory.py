@@ -1,10 +1,6 @@
-"""The in-process :class:`~kvindex.indexer.index.protocol.BlockIndex`, the embedded default.
-
-The blocks live in the compiled ``native.Tables``: per stream, its blocks by key and by
-engine hash; fleet-wide, each block key's holders (one stream number, or a bitmap of them),
-so a lookup walks the prompt once and costs the holders alone. One :class:`IndexLock` over
-the tables; a write hands it to a waiting reader every :data:`HOLD_BLOCKS` blocks.
-"""
+"""The in-process :class:`~kvindex.indexer.index.protocol.BlockIndex`, the embedded default: the
+compiled ``native.Tables`` (per stream its blocks; per block key its holders) under one
+:class:`IndexLock`, which a write hands to a waiting reader every :data:`HOLD_BLOCKS` blocks."""
 
 from __future__ import annotations
 
@@ -31,12 +27,10 @@ from kvindex.indexer.index.protocol import (
 
 if TYPE_CHECKING:
     from kvindex.indexer.domain.health import NativeCounts
-    from kvindex.indexer.domain.keys import KeyCache
     from kvindex.indexer.native import _core as native_core
-    from kvindex.indexer.native._core import NativeBatch
+    from kvindex.indexer.native._core import KeyCache, NativeBatch
 
 HOLD_BLOCKS = 2048
-"""Blocks a write applies per hold of the index lock before it lets a waiting thread in."""
 _HAND_OVER_S = 0.005  # longest a writer waits, lock released, for a waiter to take it
 
 _TIERS = tuple(Tier)
@@ -128,17 +122,9 @@ class MemoryIndex:
     """In-process block index, thread-safe; ``tables`` default to the compiled ones."""
 
     def __init__(self, *, tables: Tables | None = None) -> None:
-        if tables is None:
-            if native.Tables is None:
-                raise ImportError("kvindex.indexer.native is not built: install the package")
-            tables = native.Tables()
-        self._tables = tables
-        self.compiled = native.Tables is not None and type(tables) is native.Tables
-        self.native_ingest = (
-            self.compiled
-            and native.NativeBatch is not None
-            and type(self).apply_many is MemoryIndex.apply_many
-        )
+        self._tables = native.Tables() if tables is None else tables
+        self.compiled = type(self._tables) is native.Tables
+        self.native_ingest = self.compiled and type(self).apply_many is MemoryIndex.apply_many
         """Whether :meth:`apply_native` serves (not for a subclass overriding apply_many)."""
         self._streams: dict[StreamId, _Stream] = {}
         self._state_of: list[_Stream | None] = []  # by stream number (None: free)
@@ -187,14 +173,12 @@ class MemoryIndex:
     def apply_native(
         self, stream: StreamId, batches: list[NativeBatch], cache: KeyCache, root: int
     ) -> NativeCounts:
-        """``Ingestor.apply_many`` for these batches, compiled; per piece of :data:`HOLD_BLOCKS`
-        blocks, keys chained without the lock, then applied under it. Returns the counts."""
+        """``Ingestor.apply_many`` compiled: per piece, keys chained unlocked, applied locked."""
         tables: native_core.Tables = self._tables  # type: ignore[assignment]
-        own_cache: native_core.KeyCache = cache  # type: ignore[assignment]
         pieces = _pieces(batches) if len(batches) > 1 else [batches]
         totals = [0] * 9 + [-1]
         for piece in pieces:
-            own_cache.translate(piece, root)
+            cache.translate(piece, root)
             with self._lock:
                 state = self._state(stream)
                 out = tables.ingest(state.number, piece, cache, root, state.watermark)

@@ -1,10 +1,6 @@
-"""The block index: one Protocol, two backends (``memory.py``, ``redis.py``).
-
-Per stream: block key → its count per tier, engine hash → block key, and the watermark (last
-applied seq, exact). Every backend (``tests/contract``): a batch is atomic with the watermark
-and a no-op at or below it; a longest prefix stops at each stream's first miss; clearing a
-stream costs its own blocks, never a scan.
-"""
+"""The block index Protocol and its types; every backend (``tests/contract``) holds, per stream:
+a batch is atomic with the watermark (exact last seq) and a no-op at or below it, a longest prefix
+stops at the first miss, clearing costs the stream's own blocks, never a scan."""
 
 from __future__ import annotations
 
@@ -16,8 +12,7 @@ from typing import Protocol, TypeAlias, runtime_checkable
 from kvindex.indexer.domain.errors import KvIndexError
 from kvindex.indexer.domain.events import StreamId, Tier
 
-MAX_SEQ = 2**64
-"""Seqs are below this (the wire's 8-byte unsigned counter); backends store them exactly."""
+MAX_SEQ = 2**64  # the wire's 8-byte unsigned counter
 
 
 class IndexUnavailableError(KvIndexError):
@@ -25,8 +20,7 @@ class IndexUnavailableError(KvIndexError):
 
 
 class OpKind(enum.IntEnum):
-    """Index operations (values stable: the Redis script reads them); STORE_BY_HASH finds
-    its key through the engine-hash map (tokenless stores)."""
+    """Index operations (values stable: the Redis script reads them); STORE_BY_HASH: tokenless."""
 
     STORE = 0
     STORE_BY_HASH = 1
@@ -43,7 +37,7 @@ BatchOps: TypeAlias = tuple[int, float, Sequence[Op]]
 
 @dataclass(frozen=True, slots=True)
 class ApplyResult:
-    """What applying one batch did (REMOVEs of blocks not held, unknown hashes: counted)."""
+    """What applying one batch did, with what it could not (counted)."""
 
     applied: bool
     num_unknown_removals: int = 0
@@ -91,11 +85,11 @@ class BlockIndex(Protocol):
     """Where every cached block lives. Implementations are safe to call from any thread."""
 
     def apply(self, stream: StreamId, seq: int, ts: float, ops: Sequence[Op]) -> ApplyResult:
-        """Apply one batch atomically with the watermark; ``seq`` ≤ watermark is a no-op."""
+        """Atomically with the watermark; ``seq`` ≤ watermark is a no-op."""
         ...
 
     def apply_many(self, stream: StreamId, batches: Sequence[BatchOps]) -> list[ApplyResult]:
-        """Apply consecutive batches of one stream in order, each as :meth:`apply` would."""
+        """Consecutive batches of one stream, in order, each as :meth:`apply`."""
         ...
 
     def resolve(self, stream: StreamId, engine_hashes: Sequence[int]) -> list[int | None]:
@@ -117,8 +111,7 @@ class BlockIndex(Protocol):
     def longest_prefix(
         self, keys: Sequence[int], streams: Iterable[StreamId]
     ) -> dict[StreamId, PrefixMatch]:
-        """Per stream, the leading keys it holds, stopping at its first miss; every stream
-        asked is answered, in the order asked."""
+        """Per stream asked, in order: the leading keys it holds, up to its first miss."""
         ...
 
     def stats(self, stream: StreamId) -> StreamStats:
@@ -135,8 +128,7 @@ class StoreIdentity(Protocol):
     """An index that can tell whether its store still holds what was written to it."""
 
     def intact(self) -> bool:
-        """False once the store lost its data since the last call (a Redis restarted empty),
-        True again after; the first call adopts the store."""
+        """False once the store lost its data since the last call; the first call adopts it."""
         ...
 
 
@@ -146,8 +138,7 @@ HeldRuns: TypeAlias = list[tuple[PrefixMatch, list[int]]]
 
 @runtime_checkable
 class HolderLookup(Protocol):
-    """An index that answers a lookup with its holders alone, at a cost that follows them
-    rather than the streams asked."""
+    """An index whose lookup cost follows the holders, not the streams asked."""
 
     def holders(self, keys: Sequence[int], streams: Sequence[StreamId]) -> HeldRuns:
         """The ``streams`` (distinct) holding ``keys[0]``, as :meth:`BlockIndex.longest_prefix`."""
@@ -174,12 +165,10 @@ def holders_of(index: BlockIndex) -> Holders:
 def prefix_holders(
     index: BlockIndex, keys: Sequence[int], streams: Sequence[StreamId]
 ) -> dict[StreamId, PrefixMatch]:
-    """Each of ``streams`` that holds ``keys[0]`` → its longest prefix, on any index."""
     return {streams[i]: match for match, run in holders_of(index)(keys, streams) for i in run}
 
 
 def drop_replica(index: BlockIndex, replica: str) -> list[StreamId]:
-    """Drop every stream (data-parallel rank) of a replica; returns the streams dropped."""
     dropped = [s for s in index.streams() if s.replica == replica]
     for stream in dropped:
         index.drop(stream)

@@ -1,13 +1,8 @@
-"""The Redis :class:`~kvindex.indexer.index.protocol.BlockIndex`: the shared, production store.
+"""The Redis :class:`~kvindex.indexer.index.protocol.BlockIndex`, the shared production store.
 
-Layout (index v3, ``redis.schema``): streams fall into a fixed number of groups (one on
-standalone Redis, 16 on a cluster); each group keeps one hash, block → the packed records of
-its holders, and each stream its engine-hash map and meta, all under one hash tag. A batch
-is one ``apply_batch.lua`` call, atomic with the watermark (a retry is a no-op) and fenced by
-the writer's lease token when sharded. A lookup is one round trip: per group,
-``longest_prefix.lua`` walks the prompt once and stops at the first block no stream holds,
-returning the holders' runs with the group's numbering generation. Clearing or dropping a
-stream visits its own blocks only.
+Streams fall into groups (``redis.schema``), each a hash block → its holders' records under one
+hash tag. A batch is one ``apply_batch.lua`` call, atomic with the watermark and fenced by the
+writer's lease when sharded; a lookup is one round trip (``longest_prefix.lua`` per group).
 """
 
 from __future__ import annotations
@@ -73,8 +68,7 @@ _LONG_FORM = 3  # a holder record's form carrying its counts; forms 0-2: one blo
 
 @contextmanager
 def unavailable_on_connection_errors() -> Iterator[None]:
-    """Redis unreachable (after the client's retries) → :class:`IndexUnavailableError`: how
-    every Redis-backed store of kvindex reports an outage."""
+    """Redis unreachable (after the client's retries) → :class:`IndexUnavailableError`."""
     try:
         yield
     except STORE_ERRORS as exc:
@@ -433,8 +427,7 @@ class RedisIndex:
         )
 
     def check_schema(self) -> None:
-        """Raise :class:`SchemaVersionError` when Redis holds this prefix's index in an older
-        version or another number of groups. Every process opening the index runs it once."""
+        """:class:`SchemaVersionError` when Redis holds an older version or other group count."""
         with unavailable_on_connection_errors():
             found = [name for name in self._schema.old_index_keys() if self._client.exists(name)]
             stored = None if found else self._claim_groups()

@@ -1,8 +1,6 @@
 """Reference: kvindex.indexer.ingest.wire.decode_raw_batch; tests/unit/indexer/ingest/test_batch_walker.py::test_the_walker_reads_what_msgspec_reads
-
-A batch payload read without recursion, for one nested past msgspec's depth: only the deep
-event is lost, not the batch. Slow (Python, byte by byte), so bounded in size.
-"""  # noqa: E501
+A batch read without recursion (Python, bounded in size), for one nested past msgspec's depth:
+only the deep event is lost."""  # noqa: E501
 
 from __future__ import annotations
 
@@ -23,7 +21,6 @@ _CONTAINERS = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}
 
 
 def _head(buf: bytes, pos: int) -> tuple[int, int]:
-    """The msgpack head at ``pos``: where its bytes end, and how many items follow."""
     head = buf[pos]
     pos += 1
     if head < 0x80 or head >= 0xE0:  # fixint
@@ -45,7 +42,6 @@ def _head(buf: bytes, pos: int) -> tuple[int, int]:
 
 
 def _skip(buf: bytes, pos: int) -> int:
-    """Where the msgpack item at ``pos`` ends."""
     remaining = 1
     while remaining:
         pos, items = _head(buf, pos)
@@ -56,7 +52,6 @@ def _skip(buf: bytes, pos: int) -> int:
 
 
 def _items(buf: bytes, pos: int) -> list[bytes]:
-    """The elements of the msgpack array at ``pos``, each as its own bytes."""
     if not (0x90 <= buf[pos] <= 0x9F or buf[pos] in (0xDC, 0xDD)):
         raise ValueError("not an array")
     pos, count = _head(buf, pos)
@@ -69,8 +64,7 @@ def _items(buf: bytes, pos: int) -> list[bytes]:
 
 
 def walk_batch(payload: bytes) -> tuple[float, list[msgspec.Raw], int | None]:
-    """``(ts, events left raw, data_parallel_rank)``; raises ``ValueError``, ``IndexError``
-    or msgspec's errors for a bad batch, or one larger than :data:`MAX_WALKED_BYTES`."""
+    """``(ts, raw events, rank)``; ValueError, IndexError or msgspec's errors for a bad batch."""
     if len(payload) > MAX_WALKED_BYTES or _skip(payload, 0) != len(payload):
         raise ValueError("too large to walk, or trailing bytes")
     fields = _items(payload, 0)

@@ -9,7 +9,7 @@ in one call. ``native.NativeBatch`` es take the compiled path over an index that
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 import xxhash
@@ -23,17 +23,11 @@ from kvindex.indexer.domain.events import (
     StreamId,
 )
 from kvindex.indexer.domain.health import NativeCounts, StreamReport
-from kvindex.indexer.domain.keys import (
-    BlockKeyError,
-    KeyCache,
-    chain_keys,
-    model_root,
-    tokens_to_bytes,
-)
+from kvindex.indexer.domain.keys import BlockKeyError, chain_keys, model_root, tokens_to_bytes
 from kvindex.indexer.index.protocol import APPLIED, ApplyResult, BatchOps, BlockIndex, Op, OpKind
 
 if TYPE_CHECKING:
-    from kvindex.indexer.native._core import NativeBatch
+    from kvindex.indexer.native._core import KeyCache, NativeBatch
 
 AnyBatch: TypeAlias = "EventBatch | NativeBatch"
 
@@ -53,32 +47,6 @@ MAIN_GROUP = 0
 def orphan_root(parent_hash: int) -> int:
     """Parent key for blocks whose parent is unknown: off every real chain."""
     return xxhash.xxh3_64_intdigest(b"kvindex/orphan\x00" + parent_hash.to_bytes(8, "big"))
-
-
-@dataclass(slots=True)
-class _KeyCache:
-    """Recent engine hash → key mappings of one stream, in two generations: ``young`` becomes
-    ``old`` when half full, the previous ``old`` dropped whole; a hit in ``old`` moves back."""
-
-    capacity: int
-    young: dict[int, int] = field(default_factory=dict)
-    old: dict[int, int] = field(default_factory=dict)
-
-    def get(self, engine_hash: int) -> int | None:
-        key = self.young.get(engine_hash)
-        if key is None:
-            key = self.old.get(engine_hash)
-            if key is not None:
-                self.young[engine_hash] = key
-        return key
-
-    def put(self, engine_hash: int, key: int) -> None:
-        self.young[engine_hash] = key
-
-    def age(self) -> None:
-        if len(self.young) >= self.capacity // 2:
-            self.old = self.young
-            self.young = {}
 
 
 @dataclass(slots=True)
@@ -114,9 +82,7 @@ class Ingestor:
         self._pending: _Pending | None = None
         native_index: NativeIngest = index  # type: ignore[assignment]  # checked next
         self._apply_native: Callable[..., NativeCounts] | None = (
-            native_index.apply_native
-            if native.NativeBatch is not None and getattr(index, "native_ingest", False)
-            else None
+            native_index.apply_native if getattr(index, "native_ingest", False) else None
         )
 
     @property
@@ -186,8 +152,7 @@ class Ingestor:
     def _cache(self, stream: StreamId) -> KeyCache:
         cache = self._caches.get(stream)
         if cache is None:
-            new = _KeyCache if native.KeyCache is None else native.KeyCache
-            cache = self._caches[stream] = new(self._cache_size)
+            cache = self._caches[stream] = native.KeyCache(self._cache_size)
         return cache
 
     def _root(self, model: str) -> int:
@@ -263,8 +228,7 @@ class Ingestor:
         parent = self._parent_key(event.parent_hash, context)
         tier = event.tier
         cache = context.cache
-        if extras is None and native.store_chain is not None and type(cache) is native.KeyCache:
-            # compiled: keys, ops and the compiled cache's mappings in one call
+        if extras is None:  # compiled: keys, ops and the cache's mappings in one call
             num_blocks = native.store_chain(
                 ops, cache, _STORE, tier, hashes, parent, token_bytes, block_size
             )
@@ -298,10 +262,7 @@ def _remove_ops(event: BlockRemoved, ops: list[Op], report: StreamReport) -> Non
         return
     tier = event.tier
     hashes = event.block_hashes
-    if native.remove_ops is not None:
-        native.remove_ops(ops, _REMOVE, tier, hashes)
-    else:
-        ops.extend([(_REMOVE, tier, h, 0) for h in hashes])
+    native.remove_ops(ops, _REMOVE, tier, hashes)
     report.num_blocks_removed += len(hashes)
 
 

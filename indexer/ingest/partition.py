@@ -1,8 +1,5 @@
-"""Which ingest worker owns a stream, and the workers' shared unrouted totals.
-
-A stream is given to the worker owning the fewest when first asked about, and never moved,
-so one pipeline applies its batches in order and holds its state.
-"""
+"""Which ingest worker owns a stream (the one owning fewest when first asked, never moved: one
+pipeline applies its batches in order), and the workers' shared unrouted totals."""
 
 from __future__ import annotations
 

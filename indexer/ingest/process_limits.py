@@ -1,6 +1,4 @@
-"""The process's limits on open files and ZeroMQ sockets, raised at start for a large fleet:
-libzmq's socket limit per context (:func:`sized_context`) and the soft ``RLIMIT_NOFILE``
-(:func:`raise_file_limit`); :func:`describe_limits` names what is still out of reach."""
+"""The process's limits on open files and ZeroMQ sockets, raised at start for a large fleet."""
 
 from __future__ import annotations
 
@@ -38,8 +36,7 @@ def file_limit() -> FileLimit:
 
 
 def raise_file_limit(wanted: int = 0) -> tuple[FileLimit, FileLimit]:
-    """Raise the soft open-file limit to ``wanted`` (0: the hard limit), never lowering it;
-    returns (before, after)."""
+    """Soft open-file limit raised to ``wanted`` (0: hard limit), never lowered; (before, after)."""
     before = file_limit()
     ceiling = NR_OPEN_FALLBACK if before.hard == resource.RLIM_INFINITY else before.hard
     target = ceiling if wanted <= 0 else min(wanted, ceiling)
@@ -50,8 +47,7 @@ def raise_file_limit(wanted: int = 0) -> tuple[FileLimit, FileLimit]:
 
 
 def sized_context(num_files: int) -> Context:
-    """A new ZeroMQ context whose socket limit is what ``num_files`` files can hold, so the
-    open-file limit stays the only one to reach."""
+    """A ZeroMQ context whose socket limit is what ``num_files`` open files can hold."""
     context: Context = zmq.Context()
     ceiling = context.get(zmq.SOCKET_LIMIT)
     context.set(zmq.MAX_SOCKETS, max(ZMQ_DEFAULT_MAX_SOCKETS, min(num_files, ceiling)))

@@ -235,9 +235,11 @@ _unsigned = native.unsigned_hashes
 
 
 def _hashes(values: list[WireHash]) -> tuple[EngineHash, ...]:
-    # Fast path (C loops): non-negative ints are the common case and are already u64.
-    if _unsigned is not None and (unsigned := _unsigned(values)) is not None:
-        return unsigned
+    unsigned = _unsigned(values)  # compiled: a list of u64 ints, the common case, as they are
+    return _general_hashes(values) if unsigned is None else unsigned
+
+
+def _general_hashes(values: list[WireHash]) -> tuple[EngineHash, ...]:
     try:
         if not values or min(values) >= 0:  # type: ignore[operator]
             return tuple(values)  # type: ignore[arg-type]
@@ -265,7 +267,7 @@ def _to_domain(event: WireEvent) -> Event:
         tier = _TIER_OF_MEDIUM.get(event.medium)  # type: ignore[union-attr]
         tokens = event.token_ids  # type: ignore[union-attr]
         if type(tokens) is _Raw:
-            tokens = _pack(tokens)  # type: ignore[misc]  # set whenever Raw tokens are decoded
+            tokens = _pack(tokens)
             if tokens is None:
                 raise _NotPackedError
         return BlockStored(
@@ -299,11 +301,8 @@ _pack = native.packed_tokens
 def decode_payload(payload: bytes, seq: int) -> EventBatch:
     """One batch payload; bad events are skipped and counted, :class:`WireError` only for an
     unreadable batch. Token ids are ``native.PackedTokens`` when the core packs them."""
-    if native.packed_tokens is not None:
-        batch = _decode_packed(payload, seq)
-        if batch is not None:
-            return batch
-    return _decode_general(payload, seq)
+    batch = _decode_packed(payload, seq)
+    return _decode_general(payload, seq) if batch is None else batch
 
 
 def _decode_packed(payload: bytes, seq: int) -> EventBatch | None:
@@ -512,8 +511,6 @@ def decode_live(frames: list[bytes]) -> LiveMessage:
 def decode_live_native(frames: list[bytes]) -> NativeBatch | None:
     """A live message as a ``native.NativeBatch`` for the compiled ingest path; None for
     anything unusual, which the caller then decodes with :func:`decode_live`."""
-    if _native_live is None:
-        return None
     return _native_live(frames)
 
 

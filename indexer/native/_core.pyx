@@ -106,7 +106,7 @@ def chain_tokens(uint64_t parent, token_ids, Py_ssize_t block_size):
 
 
 def pack_tokens(token_ids):
-    """Reference: kvindex.indexer.domain.keys.tokens_to_bytes; tests/unit/indexer/native/test_core.py::test_pack_tokens_equal_the_python_packing
+    """Reference: tests.oracles.translation.pack_tokens; tests/unit/indexer/native/test_core.py::test_pack_tokens_equal_the_python_packing
 
     Token ids (a list or tuple of ints in [0, 2**32)) as little-endian u32 bytes."""
     cdef object seq = PySequence_Fast(token_ids, "token ids must be a sequence")
@@ -268,7 +268,7 @@ cdef object _packed(const unsigned char* p, Py_ssize_t size):
 
 
 def unsigned_hashes(values):
-    """Reference: kvindex.indexer.ingest.wire._hashes; tests/unit/indexer/native/test_core.py::test_compiled_hash_fast_path_agrees_with_python
+    """Reference: kvindex.indexer.ingest.wire._general_hashes; tests/unit/indexer/native/test_core.py::test_compiled_hash_fast_path_agrees_with_python
 
     ``tuple(values)`` for a list of ints in [0, 2**64), else None (the caller normalises)."""
     cdef Py_ssize_t i
@@ -287,7 +287,7 @@ def unsigned_hashes(values):
 
 def store_chain(list ops, KeyCache cache, object kind, object tier, engine_hashes,
                 uint64_t parent, bytes token_bytes, Py_ssize_t block_size):
-    """Reference: kvindex.indexer.ingest.ingestor.Ingestor.translate; tests/unit/indexer/native/test_core.py::test_compiled_translation_agrees_with_python
+    """Reference: tests.oracles.translation.store_chain; tests/unit/indexer/native/test_core.py::test_compiled_translation_agrees_with_python
 
     A store's ``(kind, tier, engine_hash, key)`` ops to ``ops``, each mapping cached; one engine
     hash per full block (ValueError). Returns the number of blocks."""
@@ -322,7 +322,7 @@ def store_chain(list ops, KeyCache cache, object kind, object tier, engine_hashe
 
 
 def remove_ops(list ops, object kind, object tier, engine_hashes):
-    """Reference: kvindex.indexer.ingest.ingestor.Ingestor.translate; tests/unit/indexer/native/test_core.py::test_compiled_translation_agrees_with_python
+    """Reference: tests.oracles.translation.remove_ops; tests/unit/indexer/native/test_core.py::test_compiled_translation_agrees_with_python
 
     ``(kind, tier, engine_hash, 0)`` to ``ops`` for each engine hash."""
     cdef object engine_hash
@@ -560,7 +560,7 @@ cdef Py_ssize_t _nbytes(const Table* t) noexcept nogil:
 
 
 cdef class KeyCache:
-    """Reference: kvindex.indexer.ingest.ingestor._KeyCache; tests/unit/indexer/native/test_native_ingest.py::test_the_compiled_key_cache_answers_as_the_python_one
+    """Reference: tests.oracles.key_cache.KeyCache; tests/unit/indexer/native/test_native_ingest.py::test_the_compiled_key_cache_answers_as_the_python_one
 
     Recent engine hash → key mappings of one stream in two generations: new ones go to the young;
     :meth:`age` makes a young one of ``capacity // 2`` the old, dropping the old whole; a hit in the

@@ -1,10 +1,6 @@
-"""The one place kvindex builds a Redis client: standalone Redis or Redis Cluster.
-
-``redis_cluster = "auto"`` asks the node given (``INFO cluster``); ``"on"`` / ``"off"`` skip
-the question. A standalone client connects lazily; a cluster client reads its slot map when
-built (:class:`StoreConnectError` if it cannot). "auto" that cannot reach the node builds a
-standalone client, with a warning.
-"""
+"""The one place kvindex builds a Redis client, standalone or Cluster (``redis_cluster``: ``auto``
+asks the node, falling back to standalone with a warning; a cluster client reads its slot map when
+built, else :class:`StoreConnectError`)."""
 
 from __future__ import annotations
 

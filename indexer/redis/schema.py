@@ -1,16 +1,8 @@
-"""Every Redis key kvindex uses, in one place, with its layout version. Tests import these too.
+"""Every Redis key kvindex uses, in one place, with its layout version; tests import these too.
 
-Keys are ``<prefix>:<version>:…``: the block index's carry :data:`INDEX_VERSION`, the load's
-:data:`LOAD_VERSION`, every other :data:`SCHEMA_VERSION`, so two layouts never share a key (an
-index opened beside an older one raises :class:`SchemaVersionError`). Keys changed together
-share a hash tag, so every multi-key change is one single-slot script, on Redis Cluster too:
-a stream's keys with its group's holders and members (``{ix<g>}``), the load (``{load}``), the
-in-flight reservations (``{inflight}``), the fleet (``{fleet}``). Clearing a stream visits its
-own keys, never a scan.
-
-A group's holders HASH maps a block field (the key's low 6 bytes) to its holders, sorted by
-number: 2 bytes ``number · 4 + form`` for one count on one tier (form 0 GPU, 1 CPU, 2 other),
-or 8 bytes with form 3 and three u16 counts (GPU, CPU, other) after it.
+Keys are ``<prefix>:<version>:…`` (:data:`INDEX_VERSION` for the block index, :data:`LOAD_VERSION`
+for the load, :data:`SCHEMA_VERSION` else), so two layouts never share a key. Keys changed together
+share a hash tag (``{ix<g>}``, ``{load}``, ``{inflight}``, ``{fleet}``): one slot, one script.
 """
 
 from __future__ import annotations
@@ -24,19 +16,14 @@ from kvindex.indexer.domain.events import StreamId
 
 SCHEMA_VERSION = "v1"
 INDEX_VERSION = "v3"
-"""The version of the block index's keys (its streams SET, marker, groups and streams)."""
 LOAD_VERSION = "v2"
 OLD_INDEX_VERSIONS = ("v1", "v2")
 _OLD_INDEX_STREAM_GLOBS = {"v1": "{*/*}:*", "v2": "{ix*}:*"}
-TOPOLOGY_INDEX_GROUPS = 0
-"""``Schema.index_groups`` meaning "by topology" (:meth:`Schema.for_topology`)."""
-STANDALONE_INDEX_GROUPS = 1
-"""Stream groups on standalone Redis (a lookup walks the prompt once per group)."""
-CLUSTER_INDEX_GROUPS = 16
-"""Stream groups on Redis Cluster: what spreads the index over the masters."""
+TOPOLOGY_INDEX_GROUPS = 0  # index groups chosen by Schema.for_topology
+STANDALONE_INDEX_GROUPS = 1  # a lookup walks the prompt once per group
+CLUSTER_INDEX_GROUPS = 16  # what spreads the index over the masters
 MAX_INDEX_GROUPS = 1024
-MAX_GROUP_STREAMS = 16384
-"""A holder record's number has 14 bits (``apply_batch.lua`` refuses a stream beyond)."""
+MAX_GROUP_STREAMS = 16384  # a holder record's number has 14 bits
 DEFAULT_PREFIX = "kvindex"
 
 _SAFE = re.compile(r"[A-Za-z0-9._:\-]+")
@@ -59,7 +46,7 @@ def check_name(kind: str, value: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class StreamKeys:
-    """A stream's own keys and its group's (one hash tag: one slot)."""
+    """A stream's own keys and its group's, under one hash tag."""
 
     meta: str
     hashes: str
@@ -78,8 +65,6 @@ class StreamKeys:
 class Schema:
     prefix: str = DEFAULT_PREFIX
     index_groups: int = TOPOLOGY_INDEX_GROUPS
-    """Stream groups of the block index; :data:`TOPOLOGY_INDEX_GROUPS`: chosen by the Redis.
-    Every process of a deployment must agree (the ``groups`` key says which wrote it)."""
 
     def __post_init__(self) -> None:
         check_name("key prefix", self.prefix)
@@ -115,7 +100,6 @@ class Schema:
 
     @property
     def index_marker(self) -> str:
-        """The STRING whose token identifies the index's data; absent or changed: lost."""
         return f"{self.index_root}:index"
 
     @property
@@ -124,7 +108,6 @@ class Schema:
 
     @property
     def load(self) -> str:
-        """The HASH replica id → latest load, its answer counts and the change log's fields."""
         return f"{self.prefix}:{LOAD_VERSION}:{{load}}:loads"
 
     @property
@@ -137,7 +120,6 @@ class Schema:
 
     @property
     def indexers(self) -> str:
-        """The ZSET of sharded indexers' leases: lease token → expiry (unix ms)."""
         return f"{self.root}:indexers"
 
     def scrape_claim(self, replica: str) -> str:
@@ -149,11 +131,9 @@ class Schema:
 
     @property
     def leases(self) -> str:
-        """The ZSET holder → when its lease lapses (ms, Redis' clock)."""
         return f"{self.root}:{{inflight}}:leases"
 
     def lease(self, holder: str) -> str:
-        """The HASH reservation id → "<replica> <tokens>" of one holder's lease."""
         check_name("lease holder", holder)
         return f"{self.root}:{{inflight}}:lease:{holder}"
 
@@ -181,7 +161,7 @@ class Schema:
         return [f"{root}:streams", f"{root}:index", f"{root}:{_OLD_INDEX_STREAM_GLOBS[version]}"]
 
     def group_of(self, stream: StreamId) -> int:
-        """The stream's group: CRC-32 of its name, so every process agrees with no lookup."""
+        # CRC-32 of the name: every process agrees with no lookup.
         return zlib.crc32(str(stream).encode()) % self.num_groups
 
     def group(self, group: int) -> tuple[str, str]:
@@ -201,11 +181,9 @@ def answers_field(replica: str) -> str:
     return f"{replica}{ANSWERS_SUFFIX}"
 
 
-LOAD_EPOCH = "#epoch"
-"""Load HASH field: the change log's identity (a random token); gone or changed: lost."""
+LOAD_EPOCH = "#epoch"  # the change log's identity; gone or changed: lost
 LOAD_SEQ = "#seq"
-LOAD_TRIMMED = "#trimmed"
-"""Load HASH field: the seq of the newest tombstone dropped (older readers read all)."""
+LOAD_TRIMMED = "#trimmed"  # the seq of the newest tombstone dropped
 MAX_LOAD_TOMBSTONES = 1024
 
 
@@ -216,14 +194,10 @@ def tokens_field(replica: str) -> str:
     return f"{replica}{TOKENS_SUFFIX}"
 
 
-FLEET_MARKER = "#fleet"
-"""Replicas HASH field an indexer sets; without it the hash was lost (not emptied)."""
-
-UNROUTED_FIELD = "#unrouted"
-"""Stream-status HASH field: the bound SUB's unrouted counters (JSON)."""
+FLEET_MARKER = "#fleet"  # set by an indexer; without it the hash was lost, not emptied
+UNROUTED_FIELD = "#unrouted"  # the bound SUB's unrouted counters (JSON)
 
 META_WATERMARK = "wm"
 META_TS = "ts"
-META_OWNER = "owner"
-"""Meta field: the lease token of the stream's owner (the fence the scripts read)."""
+META_OWNER = "owner"  # the lease token of the stream's owner: the fence the scripts read
 META_TIER_PREFIX = "n"

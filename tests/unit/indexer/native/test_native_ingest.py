@@ -2,8 +2,8 @@
 ``native.Tables.ingest``) against the Python path it stands in for.
 
 Two pipelines over compiled memory indexes get the same live messages, one with
-``native_ingest`` (the default) and one without, whose ingestor also keeps the pure-Python
-engine hash → key cache (the reference of the compiled one): every report they hand the registry
+``native_ingest`` (the default) and one without, whose ingestor translates with the Python
+oracles (``tests.oracles.translation``, the key cache included): every report they hand the registry
 (counters, block size, last seq and timestamp) and everything the two indexes hold
 (stats, engine hash → key, best tier of every key) must be the same. Inputs: the captured
 vLLM frames (``tests/fixtures``), hypothesis-fuzzed frames (valid and corrupt, with gaps,
@@ -47,7 +47,7 @@ from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index import memory
 from kvindex.indexer.index.memory import MemoryIndex
-from kvindex.indexer.ingest.ingestor import Ingestor, _KeyCache
+from kvindex.indexer.ingest.ingestor import Ingestor
 from kvindex.indexer.ingest.pipeline import Pipeline
 from kvindex.indexer.ingest.wire import (
     decode_live,
@@ -56,7 +56,9 @@ from kvindex.indexer.ingest.wire import (
     encode_live,
     encode_seq,
 )
+from tests.oracles.key_cache import KeyCache as PyKeyCache
 from tests.oracles.tables import python_index
+from tests.oracles.translation import python_translation
 from tests.support.frame_fuzz import Message, messages
 
 FIXTURES = Path(__file__).resolve().parents[3] / "fixtures"
@@ -138,7 +140,7 @@ def feed_both(
         for messages_ in deliveries:
             fast.pipeline.handle_frames(messages_, fast.stream)
     num_native = sum(counted)
-    with native_runs() as counted, patch.object(native, "KeyCache", None):
+    with native_runs() as counted, python_translation():
         for messages_ in deliveries:
             slow.pipeline.handle_frames(messages_, slow.stream)
     assert not counted, "the Python pipeline took the compiled path"
@@ -149,7 +151,6 @@ def feed_both(
 
 
 def test_the_install_built_the_compiled_ingest_path() -> None:
-    assert native.NativeBatch is not None
     assert MemoryIndex().native_ingest
     assert not python_index().native_ingest
     assert Ingestor(MemoryIndex()).native and not Ingestor(python_index()).native
@@ -449,8 +450,7 @@ _cache_op = st.one_of(
 def test_the_compiled_key_cache_answers_as_the_python_one(
     capacity: int, ops: list[tuple[Any, ...]]
 ) -> None:
-    assert native.KeyCache is not None
-    compiled, python = native.KeyCache(capacity), _KeyCache(capacity)
+    compiled, python = native.KeyCache(capacity), PyKeyCache(capacity)
     for op in ops:
         if op[0] == "get":
             assert compiled.get(op[1]) == python.get(op[1])
@@ -466,7 +466,6 @@ def test_the_compiled_key_cache_answers_as_the_python_one(
 
 
 def test_the_compiled_key_cache_takes_only_unsigned_64_bit_hashes() -> None:
-    assert native.KeyCache is not None
     cache = native.KeyCache(4)
     cache.put(0, 7)  # the empty slot's key, kept apart
     assert (cache.get(0), cache.get(2**64 - 1)) == (7, None)
@@ -594,7 +593,6 @@ def test_translating_ahead_then_ingesting_is_ingesting_alone(
     stream reset (a clear or a drop) between the two phases or not: the reference does
     the reset first. The run stops at a parent the cache lacks, translated on by the
     ingest."""
-    assert native.Tables is not None and native.KeyCache is not None
     ahead, alone = native.Tables(), native.Tables()
     ahead_cache, alone_cache = native.KeyCache(cache_size), native.KeyCache(cache_size)
     root = 12345
@@ -625,7 +623,6 @@ def test_a_translation_stops_at_a_parent_only_the_index_knows() -> None:
     """A store whose parent left the cache (capacity 0: aged out) but is in the stream's
     table: the translation stops there, before changing anything of it, and the ingest
     chains it from the table's key (no orphan)."""
-    assert native.Tables is not None and native.KeyCache is not None
     tables, cache = native.Tables(), native.KeyCache(0)
     first = BlockStored((1, 2), None, [1, 1, 2, 2], 2, Tier.GPU)
     second = BlockStored((3,), 2, [3, 3], 2, Tier.GPU)
@@ -646,7 +643,6 @@ def test_a_translation_stops_at_a_parent_only_the_index_knows() -> None:
 def test_ingest_refuses_a_translation_made_with_another_cache_or_out_of_order() -> None:
     """Refused before anything is applied, the translation given up (the batch can be
     translated again)."""
-    assert native.Tables is not None and native.KeyCache is not None
     tables, cache = native.Tables(), native.KeyCache(16)
     one, two = _native_batches([[BlockStored((1,), None, [1, 1], 2, Tier.GPU)]] * 2)
     cache.translate([two], 7)
@@ -667,7 +663,7 @@ def test_ingest_refuses_a_translation_made_with_another_cache_or_out_of_order() 
     assert tables.resolve(0, [1]) == [None]
 
 
-class _Hooked(native.KeyCache if native.KeyCache is not None else object):  # type: ignore[misc]
+class _Hooked(native.KeyCache):
     """A compiled key cache that runs ``hook`` after each translation (the first phase of
     ``MemoryIndex.apply_native``, outside the index lock)."""
 
@@ -712,7 +708,7 @@ def test_a_clear_or_drop_between_the_two_phases_is_one_before_the_ingest(
         index.drop(stream)
         if between == "drop-and-reuse":
             held = _native_batches([[BlockStored((4, 5), None, [9, 9, 8, 8], 2, Tier.GPU)]])
-            index.apply_native(other, held, native.KeyCache(16), 99)  # type: ignore[misc]
+            index.apply_native(other, held, native.KeyCache(16), 99)
 
     def run(*, hooked: bool) -> tuple[object, ...]:
         index = MemoryIndex()
@@ -732,7 +728,6 @@ def test_a_clear_or_drop_between_the_two_phases_is_one_before_the_ingest(
             index.resolve(stream, list(range(1, 10))), index.resolve(other, list(range(1, 10))),
         )  # fmt: skip
 
-    assert native.KeyCache is not None
     hooked = run(hooked=True)
     assert hooked == run(hooked=False)
     counts = hooked[1]
