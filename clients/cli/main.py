@@ -129,6 +129,13 @@ def indexer(
     run_indexer(settings, stats_every)
 
 
+def _api_overrides(
+    host: str | None, port: int | None, token_file: Path | None, access_log: bool | None
+) -> dict[str, Any]:
+    """The ``[api]`` keys ``serve`` and ``api`` take on their command line."""
+    return {"host": host, "port": port, "auth_token_file": token_file, "access_log": access_log}
+
+
 _token_file_option = click.option(
     "--token-file",
     type=click.Path(path_type=Path, dir_okay=False),
@@ -182,15 +189,7 @@ def serve(
             },
             extra_replicas=replicas,
         )
-        api = api_settings_of(
-            file,
-            overrides={
-                "host": host,
-                "port": port,
-                "auth_token_file": token_file,
-                "access_log": access_log,
-            },
-        )
+        api = api_settings_of(file, overrides=_api_overrides(host, port, token_file, access_log))
     except KvIndexError as exc:
         raise click.ClickException(str(exc)) from exc
     check_port(api.host, api.port)
@@ -239,13 +238,7 @@ def api(
         file = ConfigFile.read(config)
         store = load_store_settings(file, overrides={"store": "redis", "redis_url": redis_url})
         api_settings = api_settings_of(
-            file,
-            overrides={
-                "host": host,
-                "port": port,
-                "auth_token_file": token_file,
-                "access_log": access_log,
-            },
+            file, overrides=_api_overrides(host, port, token_file, access_log)
         )
     except KvIndexError as exc:
         raise click.ClickException(str(exc)) from exc
