@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import click
@@ -117,3 +118,17 @@ def test_the_proxy_listens_on_its_own_port_by_default(monkeypatch: pytest.Monkey
     result = CliRunner().invoke(main, ["proxy", "--store", "memory"], env=env)
     assert result.exit_code == 0, result.output
     assert ports == [8080]
+
+
+def test_the_proxy_port_is_a_proxy_setting(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``[proxy] port`` in the file, then ``KVINDEX_PROXY_PORT``, then ``--port``."""
+    ports: list[int] = []
+    monkeypatch.setattr(service, "serve_proxy", lambda _s, api, _p: ports.append(api.port))
+    monkeypatch.setattr("kvindex.clients.cli.main.check_port", lambda *_: None, raising=False)
+    config = tmp_path / "kvindex.toml"
+    config.write_text("[proxy]\nport = 9101\n")
+    args = ["proxy", "--store", "memory", "--config", str(config)]
+    for env, extra in (({}, []), ({"KVINDEX_PROXY_PORT": "9102"}, []), ({}, ["--port", "9103"])):
+        result = CliRunner().invoke(main, args + extra, env={"KVINDEX_PROXY_PORT": None, **env})
+        assert result.exit_code == 0, result.output
+    assert ports == [9101, 9102, 9103]
