@@ -294,7 +294,8 @@ class AnswerBody(httpx.AsyncByteStream):
 
 
 class ReplicaTransport(httpx.AsyncBaseTransport):
-    """The replicas' connections, one pool per host and port."""
+    """Reference: httpx.AsyncHTTPTransport; tests/integration/test_replica_transport.py::test_answers_equal_httpxs
+    The replicas' connections, one pool per host and port."""  # noqa: E501
 
     def __init__(self, *, max_connections: int, connect_timeout_s: float) -> None:
         self._max_connections = max_connections
