@@ -48,6 +48,8 @@ class _Connection(asyncio.Protocol):
     async def exchange(self, request: bytes, *, head_only: bool) -> None:
         """Send ``request`` and wait for the answer's head (``head_only``: no body follows)."""
         assert self._transport is not None and not self._busy
+        if self._head_only:  # the parser still waits for the body the last HEAD's head announced
+            self._parser = httptools.HttpResponseParser(self)
         self._busy, self._head_only, self._complete, self._error = True, head_only, False, None
         self._keep_alive = False
         self.status, self.headers = 0, []
@@ -141,6 +143,7 @@ class _Connection(asyncio.Protocol):
         self.status = status
         if self._head_only:
             self._complete = True
+            self._keep_alive = self._parser.should_keep_alive()
         if self._head is not None and not self._head.done():
             self._head.set_result(None)
 
@@ -291,7 +294,8 @@ class AnswerBody(httpx.AsyncByteStream):
 
 
 class ReplicaTransport(httpx.AsyncBaseTransport):
-    """The replicas' connections, one pool per host and port."""
+    """Reference: httpx.AsyncHTTPTransport; tests/integration/test_replica_transport.py::test_answers_equal_httpxs
+    The replicas' connections, one pool per host and port."""  # noqa: E501
 
     def __init__(self, *, max_connections: int, connect_timeout_s: float) -> None:
         self._max_connections = max_connections
