@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -126,7 +127,17 @@ def create_proxy_app(
             methods=PASSTHROUGH_METHODS,
         ),
     ]
-    return _ProxyApp(hot, routes=routes, lifespan=lifespan)
+    handlers = {HTTPException: _router_error}
+    return _ProxyApp(hot, routes=routes, lifespan=lifespan, exception_handlers=handlers)
+
+
+async def _router_error(request: Request, exc: Exception) -> Response:
+    """The router's own 404 and 405, in OpenAI's shape like every other error."""
+    assert isinstance(exc, HTTPException)
+    kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+    body = {"error": {"message": exc.detail, "type": kind, "code": exc.status_code}}
+    headers = {**(exc.headers or {}), REQUEST_ID: request_id_of(request.headers.items())}
+    return Response(msgspec.json.encode(body), exc.status_code, headers, media_type=_JSON)
 
 
 _STATUS_OF: tuple[tuple[tuple[type[BaseException], ...], int, str], ...] = (

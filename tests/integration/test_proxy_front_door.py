@@ -81,7 +81,7 @@ def test_no_spelling_of_dot_segments_leaves_v1(stack: ExitStack, tmp_path: Path)
     sim_port = _sim_port(sims, "r1")
     for route, body in (("/tokenize", ESCAPES[1][1]), ("/kvsim/cached", ESCAPES[0][1])):
         assert _post(sim_port, route, body).status == 200  # what reaching them would do
-    for path, body in ESCAPES:
+    for path, body in [*ESCAPES, ("/tokenize", {"prompt": "a"}), ("/kvsim/cached", {})]:
         _refused(proxy, path, body)
     inside = _post(proxy.port, "/v1/./chat//completions", CHAT)  # normalised, still /v1
     assert inside.status == 200 and inside.replica == "r1"
