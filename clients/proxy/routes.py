@@ -11,8 +11,8 @@ import re
 
 from kvindex.indexer.domain.errors import KvIndexError
 
+# Chat, completions and models are the proxy's own routes.
 PASSTHROUGH_ROUTES = frozenset({"/v1/embeddings", "/v1/responses"})
-"""Inference routes passed through as they are (chat, completions and models are the proxy's)."""
 CONFINED_TO = "/v1/"
 _SLASHES = re.compile(r"/{2,}")
 
