@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -31,6 +32,12 @@ from kvindex.clients.proxy.forwarding import (
     request_id_of,
 )
 from kvindex.clients.proxy.metrics import NO_REPLICA, ProxyMetrics
+from kvindex.clients.proxy.routes import (
+    PASSTHROUGH_ROUTES,
+    UnknownRouteError,
+    escapes,
+    normal_path,
+)
 from kvindex.clients.proxy.settings import ProxySettings
 from kvindex.clients.proxy.upstream import (
     BadRequestBodyError,
@@ -73,7 +80,8 @@ class ProxyParts:
 class _ProxyApp(Starlette):
     """Starlette, but the forwarded routes' requests (``POST`` to an exact path of ``hot``)
     go straight to their endpoint: the framework's middleware and router add nothing
-    there."""
+    there. Any other path is routed in its normal form (:mod:`.routes`), or refused with 404
+    when that leaves ``/v1/``."""
 
     def __init__(self, hot: Mapping[str, ASGIApp], **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -86,7 +94,20 @@ class _ProxyApp(Starlette):
                 scope["app"] = self
                 await endpoint(scope, receive, send)
                 return
+        if scope["type"] == "http":
+            path = scope["path"]
+            normal = normal_path(path)
+            if escapes(path, normal):
+                refused = UnknownRouteError(f"no such route: {path!r} leaves /v1/")
+                await _error_response(refused, request_id_of(_headers(scope)))(scope, receive, send)
+                return
+            if normal != path:
+                scope = {**scope, "path": normal, "raw_path": normal.encode()}
         await super().__call__(scope, receive, send)
+
+
+def _headers(scope: Scope) -> list[tuple[str, str]]:
+    return [(n.decode("latin-1"), v.decode("latin-1")) for n, v in scope["headers"]]
 
 
 def create_proxy_app(
@@ -106,7 +127,17 @@ def create_proxy_app(
             methods=PASSTHROUGH_METHODS,
         ),
     ]
-    return _ProxyApp(hot, routes=routes, lifespan=lifespan)
+    handlers = {HTTPException: _router_error}
+    return _ProxyApp(hot, routes=routes, lifespan=lifespan, exception_handlers=handlers)
+
+
+async def _router_error(request: Request, exc: Exception) -> Response:
+    """The router's own 404 and 405, in OpenAI's shape like every other error."""
+    assert isinstance(exc, HTTPException)
+    kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+    body = {"error": {"message": exc.detail, "type": kind, "code": exc.status_code}}
+    headers = {**(exc.headers or {}), REQUEST_ID: request_id_of(request.headers.items())}
+    return Response(msgspec.json.encode(body), exc.status_code, headers, media_type=_JSON)
 
 
 _STATUS_OF: tuple[tuple[tuple[type[BaseException], ...], int, str], ...] = (
@@ -114,6 +145,7 @@ _STATUS_OF: tuple[tuple[tuple[type[BaseException], ...], int, str], ...] = (
     ((UnauthorizedError,), 401, "unauthorized"),
     ((RequestError,), 400, "invalid_request_error"),
     ((UnknownModelError,), 404, "model_not_found"),
+    ((UnknownRouteError,), 404, "not_found"),
     ((BodyTimeoutError,), 408, "request_timeout"),
     ((BodyTooLargeError,), 413, "request_too_large"),
     ((ClientGoneError,), 499, "client_closed_request"),
@@ -141,12 +173,13 @@ def _error_response(exc: Exception, request_id: str) -> Response:
 
 class _Forwarded:
     """The ASGI endpoint of one forwarded route, or of the pass-through (``path`` is then
-    the ``route`` label; the request's own path is sent on)."""
+    the ``route`` label; the request's own path is sent on if allowed, else 404)."""
 
     def __init__(self, parts: ProxyParts, path: str, *, passthrough: bool = False) -> None:
         self.parts = parts
         self.path = path
         self.passthrough = passthrough
+        self.allowed = PASSTHROUGH_ROUTES | set(parts.proxy.extra_routes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
@@ -155,6 +188,8 @@ class _Forwarded:
         request_id = request_id_of(headers)
         try:
             self.parts.auth.check(scope["path"], request.headers)
+            if self.passthrough and scope["path"] not in self.allowed:
+                raise UnknownRouteError(f"no such route: {scope['path']}")
             answer = await self._answer(request, headers, request_id, started)
         except Exception as exc:
             response = _error_response(exc, request_id)
@@ -213,9 +248,8 @@ class _Forwarded:
 
 
 def _target(scope: Scope) -> str:
-    """The request's path and query as the client sent them (not decoded)."""
-    raw = scope.get("raw_path")
-    path = raw.decode("latin-1") if raw else scope["path"]
+    """The request's path (normal, allowed: plain ASCII) and query as the client sent it."""
+    path = scope["path"]
     query = scope.get("query_string", b"")
     return f"{path}?{query.decode('latin-1')}" if query else path
 

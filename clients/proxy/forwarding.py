@@ -3,7 +3,8 @@
 Attempts: a Choice's upstreams in order as :mod:`.retry_policy` says, the next only while
 nothing reached the client; any other failure is a 502 (504 on a timeout). Headers: the
 client's but hop-by-hop, ``host`` and ``content-length``; ``x-request-id`` kept or made and
-returned; ``Authorization`` replaced by the replica's key if it has one. The body goes on raw,
+returned; ``Authorization`` is the replica's key, or none (the client's only when
+``proxy.forward_client_authorization`` says so). The body goes on raw,
 chunk by chunk; a client gone closes the upstream connection (the replica sees an abort).
 Each attempt is reserved in the load store and released once; an unreachable store never
 fails a request."""
@@ -255,7 +256,11 @@ class Forwarder:
             if number > 1:
                 self._metrics.retries.labels(route or path).inc()
                 await asyncio.sleep(self._retry.backoff_s(number))
-            sent = with_api_key(headers, self._settings.api_key_of(upstream.replica))
+            sent = with_api_key(
+                headers,
+                self._settings.api_key_of(upstream.replica),
+                keep_client=self._settings.forward_client_authorization,
+            )
             request = httpx.Request(
                 method,
                 self._url(upstream.url, path),
@@ -331,11 +336,16 @@ class Forwarder:
         failures.append(f"{upstream.replica}: {kind}" + (f" ({exc!r})" if exc else ""))
 
 
-def with_api_key(headers: list[tuple[str, str]], key: str | None) -> list[tuple[str, str]]:
-    """``headers`` with ``Authorization: Bearer <key>`` (None: as they are)."""
-    if key is None:
+def with_api_key(
+    headers: list[tuple[str, str]], key: str | None, *, keep_client: bool = False
+) -> list[tuple[str, str]]:
+    """``headers`` with ``Authorization: Bearer <key>`` in place of the client's; without a
+    key, none (``keep_client``: the client's, as it is)."""
+    if key is None and keep_client:
         return headers
     kept = [(n, v) for n, v in headers if n.lower() != "authorization"]
+    if key is None:
+        return kept
     return [*kept, ("authorization", f"Bearer {key}")]
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvindex.clients.proxy.routes import normal_path
 from kvindex.indexer.config.loading import ConfigFile, from_env_text, layered, read_token
 from kvindex.indexer.domain.errors import SettingsError
 
@@ -42,28 +44,23 @@ class ProxySettings:
     auth_token_file: str | None = None
     """A file holding ``auth_token`` (``--token-file``); it wins over a token given otherwise."""
     upstream_api_key: str | None = field(default=None, repr=False)
-    """Sent to replicas as the bearer token (vLLM's ``--api-key``); None: the client's."""
+    """Sent to replicas as the bearer token (vLLM's ``--api-key``); None: no key is sent."""
     replica_api_keys: dict[str, str] = field(default_factory=dict, repr=False)
     """Replica id → the key sent to that replica, over ``upstream_api_key``."""
+    forward_client_authorization: bool = False
+    """Send a client's own ``Authorization`` to replicas without a key (never with auth_token)."""
+    extra_routes: tuple[str, ...] = ()
+    """More ``/v1/...`` paths passed through to replicas (e.g. ``/v1/load_lora_adapter``)."""
     port: int = 8080
     """Port the proxy listens on (its own default: the API's 8000 may run beside it)."""
 
     def __post_init__(self) -> None:
         _check_numbers(self)
-        for name in ("auth_token", "auth_token_file", "upstream_api_key"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise SettingsError(f"proxy.{name} must be a non-empty string")
-        keys = self.replica_api_keys
-        if not isinstance(keys, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) and v for k, v in keys.items()
-        ):
-            raise SettingsError(
-                "proxy.replica_api_keys must be a table of replica id = non-empty string"
-            )
+        _check_credentials(self)
+        _check_routes(self)
 
     def api_key_of(self, replica: str) -> str | None:
-        """The key sent to ``replica`` (None: the client's ``Authorization`` is kept)."""
+        """The key sent to ``replica`` (None: no ``Authorization``, or the client's if told)."""
         return self.replica_api_keys.get(replica, self.upstream_api_key)
 
 
@@ -93,6 +90,44 @@ def _check_numbers(settings: ProxySettings) -> None:
             raise SettingsError(f"proxy.{name} must be an integer >= 1, got {value!r}")
     if settings.port > 65535:
         raise SettingsError(f"proxy.port must be at most 65535, got {settings.port!r}")
+
+
+def _check_credentials(settings: ProxySettings) -> None:
+    for name in ("auth_token", "auth_token_file", "upstream_api_key"):
+        value = getattr(settings, name)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise SettingsError(f"proxy.{name} must be a non-empty string")
+    keys = settings.replica_api_keys
+    if not isinstance(keys, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and v for k, v in keys.items()
+    ):
+        raise SettingsError(
+            "proxy.replica_api_keys must be a table of replica id = non-empty string"
+        )
+    if not isinstance(settings.forward_client_authorization, bool):
+        raise SettingsError("proxy.forward_client_authorization must be true or false")
+    if settings.forward_client_authorization and settings.auth_token is not None:
+        raise SettingsError(
+            "proxy.forward_client_authorization would send the proxy's own auth_token on:"
+            " give replicas upstream_api_key instead"
+        )
+
+
+_ROUTE = re.compile(r"/v1/[A-Za-z0-9_.~-]+(/[A-Za-z0-9_.~-]+)*")
+
+
+def _check_routes(settings: ProxySettings) -> None:
+    routes = settings.extra_routes
+    if isinstance(routes, list):
+        routes = tuple(routes)
+        object.__setattr__(settings, "extra_routes", routes)
+    if not isinstance(routes, tuple):
+        raise SettingsError(f"proxy.extra_routes must be a list of paths, got {routes!r}")
+    for route in routes:
+        if not isinstance(route, str) or not _ROUTE.fullmatch(route) or normal_path(route) != route:
+            raise SettingsError(
+                f"proxy.extra_routes: {route!r} is not a plain /v1/... path (no dot segments)"
+            )
 
 
 ENV_PREFIX = "KVINDEX_PROXY_"

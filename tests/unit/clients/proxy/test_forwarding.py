@@ -298,23 +298,30 @@ def test_a_stream_idle_past_the_idle_timeout_ends_early_and_slow_chunks_within_i
     assert received == b"data: 1\n\ndata: [DONE]\n\n"
 
 
-def test_authorization_is_passed_through_or_replaced_per_replica() -> None:
+def test_authorization_is_the_replicas_key_never_the_clients_unless_told() -> None:
     fleet = Fleet(r1="down")
     settings = ProxySettings(upstream_api_key="every", replica_api_keys={"r1": "first"})
+    told = ProxySettings(forward_client_authorization=True)
     metrics = ProxyMetrics()
 
     async def run() -> None:
-        forwarder = Forwarder(settings, metrics, transport=httpx.MockTransport(fleet.handle))
         headers = [("Authorization", "Bearer client"), ("x-request-id", "abc")]
-        await forwarder.open(PATH, b"{}", headers, UPSTREAMS, forwarder.deadline())
-        await forwarder.close()
-        plain = Forwarder(DEFAULTS, metrics, transport=httpx.MockTransport(fleet.handle))
-        await plain.open(PATH, b"{}", headers, UPSTREAMS[1:], plain.deadline())
-        await plain.close()
+        for given, upstreams in ((settings, UPSTREAMS), (DEFAULTS, UPSTREAMS[1:])):
+            forwarder = Forwarder(given, metrics, transport=httpx.MockTransport(fleet.handle))
+            await forwarder.open(PATH, b"{}", headers, upstreams, forwarder.deadline())
+            await forwarder.close()
+        passing = Forwarder(told, metrics, transport=httpx.MockTransport(fleet.handle))
+        await passing.open(PATH, b"{}", headers, UPSTREAMS[1:], passing.deadline())
+        await passing.close()
 
     asyncio.run(run())
     sent = [(replica, seen.get_list("authorization")) for replica, seen, _ in fleet.seen]
-    assert sent == [("r1", ["Bearer first"]), ("r2", ["Bearer every"]), ("r2", ["Bearer client"])]
+    assert sent == [
+        ("r1", ["Bearer first"]),
+        ("r2", ["Bearer every"]),
+        ("r2", []),
+        ("r2", ["Bearer client"]),
+    ]
 
 
 def test_a_retry_waits_the_policys_back_off() -> None:

@@ -61,3 +61,21 @@ def test_tokens_and_keys_from_file_env_or_token_file_and_never_shown(tmp_path: P
         load_proxy_settings({"replica_api_keys": {"r1": 12345}}, env={})
     assert "12345" not in str(bad.value)
     assert load_proxy_settings(env={}).api_key_of("r1") is None
+
+
+def test_extra_routes_are_plain_v1_paths_from_the_file_or_env() -> None:
+    routes = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+    assert load_proxy_settings({"extra_routes": list(routes)}, env={}).extra_routes == routes
+    env = {"KVINDEX_PROXY_EXTRA_ROUTES": "/v1/load_lora_adapter, /v1/unload_lora_adapter"}
+    assert load_proxy_settings(env=env).extra_routes == routes
+    for bad in ("/tokenize", "/v1/../tokenize", "/v1//x", "/v1/a/", "/v1/%2e%2e", "/v1/a\\b"):
+        with pytest.raises(SettingsError, match=re.escape("proxy.extra_routes")):
+            load_proxy_settings({"extra_routes": [bad]}, env={})
+
+
+def test_the_clients_authorization_goes_on_only_when_told_and_never_with_a_token() -> None:
+    assert not ProxySettings().forward_client_authorization
+    env = {"KVINDEX_PROXY_FORWARD_CLIENT_AUTHORIZATION": "true"}
+    assert load_proxy_settings(env=env).forward_client_authorization
+    with pytest.raises(SettingsError, match="would send the proxy's own auth_token"):
+        load_proxy_settings({"auth_token": "t"}, env=env)
