@@ -106,17 +106,8 @@ class ApiSettings:
 
     def __post_init__(self) -> None:
         _check_policy("api.default_policy", self.default_policy)
-        _check_number("api.port", self.port, _PORT)
-        _check_number("api.default_block_size", self.default_block_size, _POSITIVE_INT)
-        _check_number("api.default_top_k", self.default_top_k, _COUNT)
-        _check_number("api.scrape_interval_s", self.scrape_interval_s, _NON_NEGATIVE)
-        _check_number("api.scrape_timeout_s", self.scrape_timeout_s, _POSITIVE)
-        _check_number("api.tokenizer_cache_entries", self.tokenizer_cache_entries, _COUNT)
-        _check_number("api.max_body_bytes", self.max_body_bytes, _POSITIVE_INT)
-        _check_number("api.body_timeout_s", self.body_timeout_s, _POSITIVE)
-        _check_number("api.header_timeout_s", self.header_timeout_s, _POSITIVE)
-        _check_number("api.redis_timeout_s", self.redis_timeout_s, _POSITIVE)
-        _check_number("api.redis_cooldown_s", self.redis_cooldown_s, _POSITIVE)
+        for name, wanted in _RANGES:
+            _check_number(f"api.{name}", getattr(self, name), wanted)
         self._check_health()
         if not isinstance(self.access_log, bool):
             raise SettingsError(f"api.access_log must be true or false, got {self.access_log!r}")
@@ -132,13 +123,6 @@ class ApiSettings:
         self.url_policy()
 
     def _check_health(self) -> None:
-        _check_number("api.health_check_interval_s", self.health_check_interval_s, _NON_NEGATIVE)
-        _check_number("api.health_check_timeout_s", self.health_check_timeout_s, _POSITIVE)
-        _check_number("api.unhealthy_threshold", self.unhealthy_threshold, _POSITIVE_INT)
-        _check_number("api.healthy_threshold", self.healthy_threshold, _POSITIVE_INT)
-        _check_number("api.breaker_failures", self.breaker_failures, _POSITIVE_INT)
-        _check_number("api.breaker_cooldown_s", self.breaker_cooldown_s, _POSITIVE)
-        _check_number("api.events_down_after_s", self.events_down_after_s, _NON_NEGATIVE)
         path = self.health_check_path
         if not isinstance(path, str) or not path.startswith("/"):
             raise SettingsError(f"api.health_check_path must start with '/', got {path!r}")
@@ -175,6 +159,29 @@ _POSITIVE_INT = _Range(0, math.inf, True, False, "an integer > 0")
 _COUNT = _Range(0, math.inf, True, True, "an integer >= 0")
 _NON_NEGATIVE = _Range(0, math.inf, False, True, "a finite number >= 0")
 _POSITIVE = _Range(0, math.inf, False, False, "a finite number > 0")
+
+
+# Each numeric [api] key and the values it accepts, checked in this order.
+_RANGES: tuple[tuple[str, _Range], ...] = (
+    ("port", _PORT),
+    ("default_block_size", _POSITIVE_INT),
+    ("default_top_k", _COUNT),
+    ("scrape_interval_s", _NON_NEGATIVE),
+    ("scrape_timeout_s", _POSITIVE),
+    ("tokenizer_cache_entries", _COUNT),
+    ("max_body_bytes", _POSITIVE_INT),
+    ("body_timeout_s", _POSITIVE),
+    ("header_timeout_s", _POSITIVE),
+    ("redis_timeout_s", _POSITIVE),
+    ("redis_cooldown_s", _POSITIVE),
+    ("health_check_interval_s", _NON_NEGATIVE),
+    ("health_check_timeout_s", _POSITIVE),
+    ("unhealthy_threshold", _POSITIVE_INT),
+    ("healthy_threshold", _POSITIVE_INT),
+    ("breaker_failures", _POSITIVE_INT),
+    ("breaker_cooldown_s", _POSITIVE),
+    ("events_down_after_s", _NON_NEGATIVE),
+)
 
 
 def _check_number(key: str, value: object, wanted: _Range) -> None:
