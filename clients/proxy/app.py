@@ -22,15 +22,13 @@ from kvindex.api.loop.off_loop import OffLoop
 from kvindex.api.score import RequestError, UnknownModelError
 from kvindex.clients.proxy.auth import InboundAuth, UnauthorizedError
 from kvindex.clients.proxy.forwarding import (
-    REQUEST_ID,
     ClientGoneError,
     Forwarder,
     StreamedAnswer,
     UpstreamFailedError,
     UpstreamTimeoutError,
-    forwarded_headers,
-    request_id_of,
 )
+from kvindex.clients.proxy.headers import REQUEST_ID, forwarded_headers, request_id_of
 from kvindex.clients.proxy.metrics import NO_REPLICA, ProxyMetrics
 from kvindex.clients.proxy.routes import (
     PASSTHROUGH_ROUTES,

@@ -14,8 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 from kvindex.api.load.reservations import Reservation, Reservations
 from kvindex.api.loop.off_loop import OffLoop
 from kvindex.clients.proxy.connections import AnswerBody, ReplicaTransport
+from kvindex.clients.proxy.headers import HOP_BY_HOP, REPLICA_HEADER, REQUEST_ID
 from kvindex.clients.proxy.metrics import ProxyMetrics
 from kvindex.clients.proxy.retry_policy import RetryPolicy
 from kvindex.clients.proxy.settings import ProxySettings
@@ -32,21 +32,6 @@ from kvindex.clients.proxy.upstream import Upstream
 from kvindex.indexer.domain.errors import KvIndexError
 
 logger = logging.getLogger("kvindex.proxy")
-REQUEST_ID = "x-request-id"
-REPLICA_HEADER = "x-kvindex-replica"
-HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-    }
-)
-_NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length"}
 _MAX_URLS = 4096
 
 
@@ -64,19 +49,6 @@ class ClientGoneError(KvIndexError):
 
 RELEASE_REASONS = ("done", "error", "disconnect", "shutdown")
 """Why a request stopped being in flight (last byte sent, failure, client gone, shutdown)."""
-
-
-def request_id_of(headers: Iterable[tuple[str, str]]) -> str:
-    for name, value in headers:
-        if name.lower() == REQUEST_ID and value:
-            return value
-    return uuid.uuid4().hex
-
-
-def forwarded_headers(headers: Iterable[tuple[str, str]], request_id: str) -> list[tuple[str, str]]:
-    dropped = _NOT_FORWARDED | {REQUEST_ID}
-    kept = [(n, v) for n, v in headers if n.lower() not in dropped]
-    return [*kept, (REQUEST_ID, request_id)]
 
 
 @dataclass(slots=True)

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import redis
 
-KVINDEX = Path(sys.executable).parent / "kvindex"
-"""The ``kvindex`` command of the interpreter running the tests."""
+KVINDEX = Path(os.environ.get("KVINDEX_UNDER_TEST") or Path(sys.executable).parent / "kvindex")
+"""The ``kvindex`` command black-box tests start: the test interpreter's, or the one
+``KVINDEX_UNDER_TEST`` names (to run a regression test against an older build)."""
 
 
 @contextmanager

@@ -14,7 +14,6 @@ from starlette.types import Message
 from kvindex.api.load.model import InFlight
 from kvindex.api.load.reservations import MemoryLedger, Reservation, Reservations
 from kvindex.clients.proxy.forwarding import (
-    REQUEST_ID,
     ClientGoneError,
     Forwarder,
     Opened,
@@ -22,9 +21,8 @@ from kvindex.clients.proxy.forwarding import (
     StreamedAnswer,
     UpstreamFailedError,
     UpstreamTimeoutError,
-    forwarded_headers,
-    request_id_of,
 )
+from kvindex.clients.proxy.headers import REQUEST_ID, forwarded_headers, request_id_of
 from kvindex.clients.proxy.metrics import ProxyMetrics
 from kvindex.clients.proxy.settings import ProxySettings
 from kvindex.clients.proxy.upstream import Upstream
