@@ -76,8 +76,9 @@ def _run_uvicorn(deps: ApiDeps, api: ApiSettings) -> None:
 
 
 def run_app(app: Any, api: ApiSettings, *, hot: HotServing | None = None, **options: Any) -> None:
-    """Serve ``app`` on ``api.host:api.port`` until SIGINT/SIGTERM, with the head deadline
-    and ``hot``'s routes in the protocol; ``options`` go to ``uvicorn.Config``."""
+    """Serve ``app`` on ``api.host:api.port`` until SIGINT/SIGTERM, with the head deadline,
+    the lingering close and ``hot``'s routes in the protocol; ``options`` go to
+    ``uvicorn.Config``."""
     # log_config=None: uvicorn's loggers keep no handlers of their own and propagate to the
     # process's (its format, JSON or text, and its repeat filter); its access log stays off,
     # the app's own (``api.access_log``) labels requests by route.
@@ -88,7 +89,8 @@ def run_app(app: Any, api: ApiSettings, *, hot: HotServing | None = None, **opti
         log_level="warning",
         access_log=False,
         log_config=None,
-        http=hot_protocol(api.header_timeout_s, hot),
+        ws="none",  # kvindex speaks no WebSocket: every Upgrade is ignored (request_head)
+        http=hot_protocol(api.header_timeout_s, hot, linger_s=api.body_timeout_s),
         **options,
     )
     GracefulServer(config).run()

@@ -19,7 +19,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
 from kvindex.api.http.body_limit import body_timeout_error
 from kvindex.api.http.hot_routes import MAPPED_ERRORS, HotRoute, HotServing
-from kvindex.api.http.request_head import HeadDeadlineProtocol
+from kvindex.api.http.lingering import LingeringProtocol
 
 log = logging.getLogger("kvindex.api")
 _SERVER_ERROR = (
@@ -55,7 +55,7 @@ class _HotCycle:
     message_event: _NoEvent = _NO_EVENT
 
 
-class HotProtocol(HeadDeadlineProtocol):
+class HotProtocol(LingeringProtocol):
     hot: HotServing | None = None
     _pending: _HotCycle | None = None
     _idle_since: float | None = None
@@ -101,6 +101,7 @@ class HotProtocol(HeadDeadlineProtocol):
             super().on_message_complete()
             return
         self._pending = None
+        self._in_message = False
         if cycle.timer is not None:
             cycle.timer.cancel()
         chunks = cycle.chunks
@@ -123,7 +124,7 @@ class HotProtocol(HeadDeadlineProtocol):
         """uvicorn's, with one keep-alive timer per connection (re-armed when it fires early)
         instead of one per answer."""
         self.server_state.total_requests += 1
-        if self.transport.is_closing():
+        if self.transport.is_closing() or self.lingering:
             return
         self.flow.resume_reading()
         if self.pipeline:
@@ -216,11 +217,11 @@ class HotProtocol(HeadDeadlineProtocol):
         """Write ``response`` once, count it, then go on as uvicorn does after an answer."""
         cycle.response_complete = True
         self._observe(cycle, status)
-        if cycle.disconnected or self.transport.is_closing():
+        if cycle.disconnected or self.transport.is_closing() or self.lingering:
             return
         self.transport.write(response)
         if status == 500 or not cycle.keep_alive:
-            self.transport.close()
+            self.end_connection()
             return
         self.on_response_complete()
 
@@ -290,6 +291,10 @@ async def _resume(coro: Coroutine[Any, Any, None], awaited: Any) -> None:
             return
 
 
-def hot_protocol(timeout_s: float, hot: HotServing | None) -> type[HotProtocol]:
-    """A protocol class with a ``timeout_s`` head deadline answering ``hot``'s plain requests."""
-    return type("HotHeadDeadline", (HotProtocol,), {"timeout_s": timeout_s, "hot": hot})
+def hot_protocol(
+    timeout_s: float, hot: HotServing | None, *, linger_s: float = LingeringProtocol.linger_s
+) -> type[HotProtocol]:
+    """A protocol class with a ``timeout_s`` head deadline answering ``hot``'s plain requests,
+    lingering at most ``linger_s`` on a close mid-body."""
+    fields = {"timeout_s": timeout_s, "hot": hot, "linger_s": linger_s}
+    return type("HotHeadDeadline", (HotProtocol,), fields)

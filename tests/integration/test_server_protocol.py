@@ -71,7 +71,8 @@ def _serve(stack: ExitStack, settings: ApiSettings, *, hot: bool, blocking: bool
     fleet.store("r2", tokens(1_000, 3))
     deps = ApiDeps(settings, fleet.index, fleet.registry, MemoryLoadStore(), blocking)
     app = create_app(deps)
-    protocol = hot_protocol(settings.header_timeout_s, hot_serving(app) if hot else None)
+    serving = hot_serving(app) if hot else None
+    protocol = hot_protocol(settings.header_timeout_s, serving, linger_s=settings.body_timeout_s)
     server = stack.enter_context(BackgroundServer(app, http=protocol))
     return server.port
 
@@ -423,3 +424,93 @@ def test_huge_token_arrays_are_answered_alike() -> None:
         assert same(twins, request("POST", "/score", too_many)).answers[0].status_line[9:12] == (
             b"422"
         )
+
+
+H2C = {"connection": "Upgrade, HTTP2-Settings", "upgrade": "h2c", "http2_settings": "AAMAAABkAAQ"}
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [
+        request("POST", "/score", VALID, **H2C),
+        request("POST", "/score", VALID, connection="upgrade", upgrade="websocket"),
+        request("POST", "/score", VALID, connection="keep-alive, Upgrade", upgrade="h2c"),
+        request("GET", "/healthz", connection="Upgrade", upgrade="websocket"),
+    ],
+    ids=["h2c", "websocket", "keep-alive", "healthz"],
+)
+def test_a_request_asking_to_upgrade_is_answered_as_a_plain_one(twins: Twins, sent: bytes) -> None:
+    """The ask ignored, the body read: both servers answer 200 and keep the connection, and
+    a request pipelined behind is answered too."""
+    exchanged = same(twins, sent + request("GET", "/healthz"), num_answers=2)
+    assert [a.status_line for a in exchanged.answers] == [b"HTTP/1.1 200 OK"] * 2
+    assert not exchanged.closed
+
+
+def test_a_request_asking_to_upgrade_is_answered_when_its_head_comes_in_pieces(
+    twins: Twins,
+) -> None:
+    sent = request("POST", "/score", VALID, **H2C)
+    cut = sent.index(b"\r\n\r\n")
+    for parts in (
+        (sent[:30], sent[30:]),
+        (sent[: cut + 4], sent[cut + 4 :]),
+        (sent[: cut + 9], sent[cut + 9 :]),
+    ):
+        answer = same(twins, *parts).answers[0]
+        assert answer.status_line == b"HTTP/1.1 200 OK"
+
+
+def _drained_after_the_answer(port: int, head: bytes, first: bytes, rest: bytes) -> bytes:
+    """Send ``head`` and ``first``, read the answer, then send ``rest`` (the server must
+    still read it: no reset) and read until the server's end of the stream."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(head + first)
+        answer = sock.recv(65536)
+        sock.sendall(rest)
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+@pytest.mark.parametrize("length", ["declared", "chunked"])
+def test_the_rest_of_a_body_too_large_is_read_after_the_413(twins: Twins, length: str) -> None:
+    """A client may send its whole body before it reads: after the 413 the server reads
+    on (and drops) what comes, then ends the connection without a reset."""
+    body = b"1" * (8 << 20)
+    if length == "declared":
+        head = request("POST", "/score").replace(
+            b"content-length: 0", b"content-length: %d" % len(body)
+        )
+        first, rest = b"", body
+    else:
+        head = request("POST", "/score").replace(
+            b"content-length: 0", b"transfer-encoding: chunked"
+        )
+        first, rest = (
+            b"%x\r\n%s\r\n" % (len(body), body),
+            b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body),
+        )
+    for port in twins.ports:
+        answer = _drained_after_the_answer(port, head, first, rest)
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+        assert answer.endswith(b'(api.max_body_bytes)"}'), answer[-200:]
+
+
+def test_the_rest_of_a_body_that_came_too_late_is_read_after_the_408(twins: Twins) -> None:
+    """The hot path's own 408 (the body not whole within ``body_timeout_s``) lingers too."""
+    body = score_body(token_ids=list(range(500)))
+    head = request("POST", "/score").replace(
+        b"content-length: 0", b"content-length: %d" % len(body)
+    )
+    for port in twins.ports:
+        answer = _drained_after_the_answer(port, head, body[:10], body[10:] * 1000)
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+
+
+def test_a_connect_is_answered_as_uvicorn_answers_it(twins: Twins) -> None:
+    """CONNECT, which the parser always takes as an upgrade, is not parsed again: its
+    authority-form target is no URL uvicorn parses (400), on either server."""
+    sent = b"CONNECT kvindex.test:443 HTTP/1.1\r\nhost: kvindex.test:443\r\n\r\n"
+    answer = same(twins, sent).answers[0]
+    assert answer.status_line == b"HTTP/1.1 400 Bad Request", answer
