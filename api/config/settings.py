@@ -78,7 +78,8 @@ class ApiSettings:
     header_timeout_s: float = 10.0
     """A request head must arrive whole this soon, else the connection is closed unanswered."""
     body_timeout_s: float = 10.0
-    """A request body must arrive whole this long after the route starts reading it (408)."""
+    """A request body must arrive whole this long after the route starts reading it (408);
+    also bounds how long the rest of a refused body is drained before the close."""
     replica_networks: tuple[str, ...] = ()
     """CIDRs a ``POST /replicas`` URL may resolve into; empty: any but link-local."""
     redis_timeout_s: float = 0.1
