@@ -71,6 +71,8 @@ class ApiSettings:
     """Timeout of one /metrics or /tokenize call."""
     tokenizer_cache_entries: int = 4096
     """Tokenizations of repeated prompts kept per model."""
+    tokenizer_cache_bytes: int = 32 * 1024 * 1024
+    """Bytes those tokenizations may take per model (4 per token id, the prompt never kept)."""
     seed: int | None = None
     """Seed of tie-breaks and random policies (tests); None: from the OS."""
     max_body_bytes: int = 8 * 1024 * 1024
@@ -170,6 +172,7 @@ _RANGES: tuple[tuple[str, _Range], ...] = (
     ("scrape_interval_s", _NON_NEGATIVE),
     ("scrape_timeout_s", _POSITIVE),
     ("tokenizer_cache_entries", _COUNT),
+    ("tokenizer_cache_bytes", _POSITIVE_INT),
     ("max_body_bytes", _POSITIVE_INT),
     ("body_timeout_s", _POSITIVE),
     ("header_timeout_s", _POSITIVE),

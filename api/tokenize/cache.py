@@ -1,8 +1,13 @@
-"""An LRU cache of tokenizations in front of any tokenizer."""
+"""An LRU cache of tokenizations in front of any tokenizer, bounded by entries and by bytes.
+
+Entries are keyed by a digest of the canonical input (BLAKE2b, 128 bits: a crafted prompt
+cannot take another's cached tokens), never by the input itself, so what one entry costs is
+its token ids (4 bytes each) and a fixed overhead, however long the prompt's text was."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -13,6 +18,10 @@ import msgspec
 from kvindex.api.tokenize.protocol import Tokenizer, TokenizerError
 
 _Packed: TypeAlias = "array[int]"  # token ids as u32: 4 bytes each, a list needs 8 + 28
+DEFAULT_MAX_BYTES = 32 * 1024 * 1024
+ENTRY_OVERHEAD_BYTES = 256
+"""What an entry costs besides its ids: the digest, the array's header, the LRU's node."""
+_DIGEST_BYTES = 16
 
 
 def _pack(tokens: list[int]) -> _Packed:
@@ -22,40 +31,64 @@ def _pack(tokens: list[int]) -> _Packed:
         raise TokenizerError(f"token ids must be integers in [0, 2**32): {exc}") from exc
 
 
+def _digest(kind: bytes, data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=_DIGEST_BYTES, person=kind).digest()
+
+
+def prompt_key(prompt: str) -> bytes:
+    """The cache key of a completions prompt (lone surrogates kept, as JSON may carry them)."""
+    return _digest(b"prompt", prompt.encode("utf-8", "surrogatepass"))
+
+
 def messages_key(messages: list[dict[str, Any]]) -> bytes:
-    """A canonical encoding of a conversation: JSON, object keys sorted, every message kept."""
+    """The cache key of a conversation: the digest of its canonical JSON (object keys
+    sorted, every message kept); TokenizerError when it is not JSON."""
     try:
-        return msgspec.json.encode(messages, order="sorted")
-    except (TypeError, ValueError) as exc:
+        encoded = msgspec.json.encode(messages, order="sorted")
+    except (TypeError, ValueError, RecursionError) as exc:
         raise TokenizerError(f"messages are not JSON-serializable: {exc}") from exc
+    return _digest(b"messages", encoded)
+
+
+def entry_bytes(packed: _Packed) -> int:
+    """What one entry counts against ``max_bytes``."""
+    return len(packed) * packed.itemsize + ENTRY_OVERHEAD_BYTES
 
 
 class CachingTokenizer:
-    """An LRU cache of at most ``max_entries`` tokenizations in front of another Tokenizer."""
+    """An LRU cache of at most ``max_entries`` tokenizations and ``max_bytes`` (as
+    :func:`entry_bytes` counts them) in front of another Tokenizer; a tokenization larger
+    than ``max_bytes`` alone is answered but not kept. Concurrent misses of one key share
+    one call of the inner tokenizer."""
 
-    def __init__(self, inner: Tokenizer, max_entries: int = 4096) -> None:
+    def __init__(
+        self, inner: Tokenizer, max_entries: int = 4096, max_bytes: int = DEFAULT_MAX_BYTES
+    ) -> None:
         if max_entries < 1:
             raise TokenizerError(f"max_entries must be >= 1, got {max_entries}")
+        if max_bytes < 1:
+            raise TokenizerError(f"max_bytes must be >= 1, got {max_bytes}")
         self.inner = inner
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
         self.num_hits = 0
         self.num_misses = 0
-        self._entries: OrderedDict[str | bytes, _Packed] = OrderedDict()
-        self._in_flight: dict[str | bytes, asyncio.Task[_Packed]] = {}
+        self.num_bytes = 0
+        """What the entries kept count against ``max_bytes`` now."""
+        self._entries: OrderedDict[bytes, _Packed] = OrderedDict()
+        self._in_flight: dict[bytes, asyncio.Task[_Packed]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
 
     async def encode_prompt(self, prompt: str) -> list[int]:
-        return await self._cached(prompt, lambda: self.inner.encode_prompt(prompt))
+        return await self._cached(prompt_key(prompt), lambda: self.inner.encode_prompt(prompt))
 
     async def encode_messages(self, messages: list[dict[str, Any]]) -> list[int]:
         key = messages_key(messages)
         return await self._cached(key, lambda: self.inner.encode_messages(messages))
 
-    async def _cached(
-        self, key: str | bytes, compute: Callable[[], Awaitable[list[int]]]
-    ) -> list[int]:
+    async def _cached(self, key: bytes, compute: Callable[[], Awaitable[list[int]]]) -> list[int]:
         packed = self._entries.get(key)
         if packed is not None:
             self._entries.move_to_end(key)
@@ -71,9 +104,20 @@ class CachingTokenizer:
             self.num_hits += 1
         return (await asyncio.shield(task)).tolist()
 
-    async def _fill(self, key: str | bytes, compute: Callable[[], Awaitable[list[int]]]) -> _Packed:
+    async def _fill(self, key: bytes, compute: Callable[[], Awaitable[list[int]]]) -> _Packed:
         packed = _pack(await compute())
-        self._entries[key] = packed
-        if len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        self._keep(key, packed)
         return packed
+
+    def _keep(self, key: bytes, packed: _Packed) -> None:
+        size = entry_bytes(packed)
+        if size > self.max_bytes:
+            return
+        kept = self._entries.pop(key, None)
+        if kept is not None:
+            self.num_bytes -= entry_bytes(kept)
+        self._entries[key] = packed
+        self.num_bytes += size
+        while self.num_bytes > self.max_bytes or len(self._entries) > self.max_entries:
+            _, evicted = self._entries.popitem(last=False)
+            self.num_bytes -= entry_bytes(evicted)

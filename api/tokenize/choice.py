@@ -12,7 +12,7 @@ import httpx
 
 from kvindex.api.config.settings import ApiSettings
 from kvindex.api.health.routing import health_policy
-from kvindex.api.tokenize.cache import CachingTokenizer
+from kvindex.api.tokenize.cache import DEFAULT_MAX_BYTES, CachingTokenizer
 from kvindex.api.tokenize.protocol import Tokenizer, TokenizerError
 from kvindex.api.tokenize.replica import ReplicaTokenizer
 from kvindex.indexer.fleet.registry import RegistryView
@@ -23,7 +23,8 @@ TokenizerKind = Literal["local", "replica"]
 @dataclass(frozen=True, slots=True)
 class TokenizerSpec:
     """How to tokenize one model's requests: ``local`` sets ``path`` (and a chat template:
-    default beside it), ``replica`` sets ``base_url`` and ``model``; 0 entries: no cache."""
+    default beside it), ``replica`` sets ``base_url`` and ``model``; 0 entries: no cache
+    (else at most ``cache_entries`` and ``cache_bytes``, :class:`.CachingTokenizer`)."""
 
     kind: TokenizerKind
     path: str | None = None
@@ -32,6 +33,7 @@ class TokenizerSpec:
     model: str | None = None
     timeout_s: float = 5.0
     cache_entries: int = 4096
+    cache_bytes: int = DEFAULT_MAX_BYTES
 
     def __post_init__(self) -> None:
         if self.kind not in get_args(TokenizerKind):
@@ -40,6 +42,8 @@ class TokenizerSpec:
             )
         if self.cache_entries < 0:
             raise TokenizerError(f"cache_entries must be >= 0, got {self.cache_entries!r}")
+        if self.cache_bytes < 1:
+            raise TokenizerError(f"cache_bytes must be >= 1, got {self.cache_bytes!r}")
         if self.kind == "local":
             self._check_local()
         else:
@@ -80,7 +84,7 @@ def build_tokenizer(spec: TokenizerSpec, client: httpx.AsyncClient) -> Tokenizer
         inner = ReplicaTokenizer(client, spec.base_url, spec.model, timeout_s=spec.timeout_s)
     if spec.cache_entries == 0:
         return inner
-    return CachingTokenizer(inner, spec.cache_entries)
+    return CachingTokenizer(inner, spec.cache_entries, spec.cache_bytes)
 
 
 _RECHECK_S = 1.0
@@ -141,9 +145,10 @@ class ModelTokenizers:
         """The spec picked for ``model`` now (None: nothing to tokenize with)."""
         settings = self._settings
         configured = settings.model(model)
-        entries = settings.tokenizer_cache_entries
+        entries, size = settings.tokenizer_cache_entries, settings.tokenizer_cache_bytes
         if configured is not None and configured.tokenizer not in (None, "replica"):
-            return TokenizerSpec(kind="local", path=configured.tokenizer, cache_entries=entries)
+            path = configured.tokenizer
+            return TokenizerSpec("local", path, cache_entries=entries, cache_bytes=size)
         replica = self._replica_asked(model, self._ejected())
         spec = None if replica is None else self._registry.get(replica)
         if spec is None or spec.url is None:
@@ -154,6 +159,7 @@ class ModelTokenizers:
             model=model,
             timeout_s=settings.scrape_timeout_s,
             cache_entries=entries,
+            cache_bytes=size,
         )
 
     def _build(self, model: str) -> Tokenizer | None:

@@ -104,4 +104,6 @@ class ProxyTokenizers:
         )
         if settings.tokenizer_cache_entries == 0:
             return inner
-        return CachingTokenizer(inner, settings.tokenizer_cache_entries)
+        return CachingTokenizer(
+            inner, settings.tokenizer_cache_entries, settings.tokenizer_cache_bytes
+        )

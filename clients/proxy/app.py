@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
@@ -28,7 +29,12 @@ from kvindex.clients.proxy.forwarding import (
     UpstreamFailedError,
     UpstreamTimeoutError,
 )
-from kvindex.clients.proxy.headers import REQUEST_ID, forwarded_headers, request_id_of
+from kvindex.clients.proxy.headers import (
+    REQUEST_ID,
+    BadHeaderError,
+    forwarded_headers,
+    request_id_of,
+)
 from kvindex.clients.proxy.metrics import NO_REPLICA, ProxyMetrics
 from kvindex.clients.proxy.routes import (
     PASSTHROUGH_ROUTES,
@@ -42,6 +48,7 @@ from kvindex.clients.proxy.upstream import (
     Choice,
     NoUpstreamError,
     UpstreamPicker,
+    decoded_body,
 )
 from kvindex.indexer.fleet.registry import RegistryView
 from kvindex.indexer.index.protocol import BlockIndex, IndexUnavailableError
@@ -81,9 +88,12 @@ class _ProxyApp(Starlette):
     there. Any other path is routed in its normal form (:mod:`.routes`), or refused with 404
     when that leaves ``/v1/``."""
 
-    def __init__(self, hot: Mapping[str, ASGIApp], **kwargs: Any) -> None:
+    def __init__(
+        self, hot: Mapping[str, ASGIApp], auth: InboundAuth | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self._hot = hot
+        self._auth = auth or InboundAuth(None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
@@ -95,6 +105,11 @@ class _ProxyApp(Starlette):
         if scope["type"] == "http":
             path = scope["path"]
             normal = normal_path(path)
+            try:  # before routing: no 404, 405 or redirect tells who lacks the token a thing
+                self._auth.check(normal, Headers(scope=scope))
+            except UnauthorizedError as exc:
+                await _error_response(exc, request_id_of(_headers(scope)))(scope, receive, send)
+                return
             if escapes(path, normal):
                 refused = UnknownRouteError(f"no such route: {path!r} leaves /v1/")
                 await _error_response(refused, request_id_of(_headers(scope)))(scope, receive, send)
@@ -125,8 +140,13 @@ def create_proxy_app(
             methods=PASSTHROUGH_METHODS,
         ),
     ]
+    outside = [r for r in parts.proxy.extra_routes if not r.startswith("/v1/")]  # /tokenize
+    passed = _Forwarded(parts, PASSTHROUGH_LABEL, passthrough=True)
+    routes += [Route(r, passed, methods=PASSTHROUGH_METHODS) for r in outside]
     handlers = {HTTPException: _router_error}
-    return _ProxyApp(hot, routes=routes, lifespan=lifespan, exception_handlers=handlers)
+    return _ProxyApp(
+        hot, auth=parts.auth, routes=routes, lifespan=lifespan, exception_handlers=handlers
+    )
 
 
 async def _router_error(request: Request, exc: Exception) -> Response:
@@ -139,7 +159,7 @@ async def _router_error(request: Request, exc: Exception) -> Response:
 
 
 _STATUS_OF: tuple[tuple[tuple[type[BaseException], ...], int, str], ...] = (
-    ((BadRequestBodyError, msgspec.DecodeError), 400, "invalid_request_error"),
+    ((BadRequestBodyError, BadHeaderError, msgspec.DecodeError), 400, "invalid_request_error"),
     ((UnauthorizedError,), 401, "unauthorized"),
     ((RequestError,), 400, "invalid_request_error"),
     ((UnknownModelError,), 404, "model_not_found"),
@@ -205,7 +225,10 @@ class _Forwarded:
         choice = await self._choice(body, dict(headers))
         if choice.matched_fraction is not None:
             parts.metrics.matched_fraction.observe(choice.matched_fraction)
-        upstream_headers = forwarded_headers(headers, request_id)
+        scope = request.scope
+        upstream_headers = forwarded_headers(
+            headers, request_id, scope.get("client"), scope["scheme"]
+        )
         opened = await parts.forwarder.open(
             _target(request.scope) if self.passthrough else self.path,
             body,
@@ -230,7 +253,7 @@ class _Forwarded:
         """The replicas to try: by the scorer for a JSON object naming a model (required on
         the OpenAI routes), else (pass-through only) any replica in turn."""
         if not self.passthrough:
-            decoded = msgspec.json.decode(body)
+            decoded = decoded_body(body)
             if not isinstance(decoded, dict):
                 raise BadRequestBodyError("the body must be a JSON object")
             return await self.parts.picker.choose(decoded, headers)
@@ -257,7 +280,7 @@ def _json_with_model(body: bytes, content_type: str) -> dict[str, Any] | None:
     if not body or "json" not in content_type.lower():
         return None
     try:
-        decoded = msgspec.json.decode(body)
+        decoded = decoded_body(body)
     except msgspec.DecodeError:
         return None
     if isinstance(decoded, dict) and isinstance(decoded.get("model"), str):

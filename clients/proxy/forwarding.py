@@ -24,7 +24,12 @@ from starlette.types import Receive, Scope, Send
 from kvindex.api.load.reservations import Reservation, Reservations
 from kvindex.api.loop.off_loop import OffLoop
 from kvindex.clients.proxy.connections import AnswerBody, ReplicaTransport
-from kvindex.clients.proxy.headers import HOP_BY_HOP, REPLICA_HEADER, REQUEST_ID
+from kvindex.clients.proxy.headers import (
+    HEADER_ENCODING,
+    HOP_BY_HOP,
+    REPLICA_HEADER,
+    REQUEST_ID,
+)
 from kvindex.clients.proxy.metrics import ProxyMetrics
 from kvindex.clients.proxy.retry_policy import RetryPolicy
 from kvindex.clients.proxy.settings import ProxySettings
@@ -237,7 +242,7 @@ class Forwarder:
                 method,
                 self._url(upstream.url, path),
                 content=body,
-                headers=sent,
+                headers=httpx.Headers(sent, encoding=HEADER_ENCODING),  # the client's bytes
                 extensions=self._extensions,
             )
             reserved = first if number == 1 else None

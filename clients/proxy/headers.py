@@ -1,26 +1,45 @@
-"""The headers of a forwarded request: the request id kept or made, and what is not
-forwarded to a replica (hop-by-hop, ``host``, ``content-length``)."""
+"""The headers of a forwarded request: the request id kept or made, what is not forwarded to
+a replica (hop-by-hop as RFC 9110 §7.6.1 defines them, ``host``, ``content-length``), and the
+client's address appended to ``X-Forwarded-For`` and ``Forwarded`` (RFC 7239).
+
+Values travel as the client sent them: the server decodes them as latin-1, and the forwarder
+encodes them back so, byte for byte (UTF-8 included: RFC 9110 §5.5 lets a field value carry
+such bytes, and a proxy is not stricter than the replica behind it). A value with a control
+character other than a tab cannot be sent on and is refused (400)."""
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Iterable
 
+from kvindex.indexer.domain.errors import KvIndexError
+
 REQUEST_ID = "x-request-id"
 REPLICA_HEADER = "x-kvindex-replica"
+FORWARDED_FOR = "x-forwarded-for"
+FORWARDED = "forwarded"
 HOP_BY_HOP = frozenset(
     {
         "connection",
         "keep-alive",
         "proxy-authenticate",
         "proxy-authorization",
+        "proxy-connection",
         "te",
         "trailer",
         "transfer-encoding",
         "upgrade",
     }
 )
-_NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length"}
+_NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", REQUEST_ID}
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+HEADER_ENCODING = "latin-1"
+"""How the forwarder turns the values back into the bytes the client sent."""
+
+
+class BadHeaderError(KvIndexError):
+    """A request header whose value holds a control character (400)."""
 
 
 def request_id_of(headers: Iterable[tuple[str, str]]) -> str:
@@ -30,7 +49,43 @@ def request_id_of(headers: Iterable[tuple[str, str]]) -> str:
     return uuid.uuid4().hex
 
 
-def forwarded_headers(headers: Iterable[tuple[str, str]], request_id: str) -> list[tuple[str, str]]:
-    dropped = _NOT_FORWARDED | {REQUEST_ID}
-    kept = [(n, v) for n, v in headers if n.lower() not in dropped]
-    return [*kept, (REQUEST_ID, request_id)]
+def forwarded_headers(
+    headers: Iterable[tuple[str, str]],
+    request_id: str,
+    client: tuple[str, int] | None = None,
+    scheme: str = "http",
+) -> list[tuple[str, str]]:
+    """What a replica is sent: ``headers`` less the hop-by-hop ones (those the
+    ``Connection`` header names too), the request id, and ``client`` (its address; None:
+    ``unknown``) appended to ``X-Forwarded-For`` and ``Forwarded``; BadHeaderError."""
+    received = list(headers)
+    for name, value in received:
+        if _CONTROL.search(value):
+            raise BadHeaderError(f"header {name!r}: a control character in its value")
+    dropped = _NOT_FORWARDED | _named_by_connection(received)
+    kept = [(n, v) for n, v in received if n.lower() not in dropped]
+    kept = [(n, v) for n, v in kept if n.lower() not in (FORWARDED_FOR, FORWARDED)]
+    address = "unknown" if client is None else client[0]
+    return [
+        *kept,
+        (FORWARDED_FOR, _appended(received, FORWARDED_FOR, address)),
+        (FORWARDED, _appended(received, FORWARDED, f"for={_node(address)};proto={scheme}")),
+        (REQUEST_ID, request_id),
+    ]
+
+
+def _named_by_connection(headers: list[tuple[str, str]]) -> set[str]:
+    """The header names the ``Connection`` headers list (RFC 9110 §7.6.1)."""
+    values = [v for n, v in headers if n.lower() in ("connection", "proxy-connection")]
+    return {token.strip().lower() for v in values for token in v.split(",") if token.strip()}
+
+
+def _appended(headers: list[tuple[str, str]], name: str, element: str) -> str:
+    """Every ``name`` header's elements as the client sent them, then ``element``."""
+    sent = [v.strip() for n, v in headers if n.lower() == name and v.strip()]
+    return ", ".join([*sent, element])
+
+
+def _node(address: str) -> str:
+    """An RFC 7239 node: an IPv6 address bracketed and quoted."""
+    return f'"[{address}]"' if ":" in address else address

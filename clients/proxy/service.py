@@ -103,5 +103,6 @@ def _run_uvicorn(app: Starlette, api: ApiSettings, proxy: ProxySettings) -> None
         api,
         server_header=False,
         date_header=False,
+        proxy_headers=False,  # the client is the peer: X-Forwarded-For is appended to, not read
         timeout_graceful_shutdown=math.ceil(proxy.drain_timeout_s),  # uvicorn: whole seconds
     )

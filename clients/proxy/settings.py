@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvindex.clients.proxy.routes import normal_path
+from kvindex.clients.proxy.routes import is_plain_route
 from kvindex.indexer.config.loading import ConfigFile, from_env_text, layered, read_token
 from kvindex.indexer.domain.errors import SettingsError
 
@@ -113,9 +112,6 @@ def _check_credentials(settings: ProxySettings) -> None:
         )
 
 
-_ROUTE = re.compile(r"/v1/[A-Za-z0-9_.~-]+(/[A-Za-z0-9_.~-]+)*")
-
-
 def _check_routes(settings: ProxySettings) -> None:
     routes = settings.extra_routes
     if isinstance(routes, list):
@@ -124,9 +120,10 @@ def _check_routes(settings: ProxySettings) -> None:
     if not isinstance(routes, tuple):
         raise SettingsError(f"proxy.extra_routes must be a list of paths, got {routes!r}")
     for route in routes:
-        if not isinstance(route, str) or not _ROUTE.fullmatch(route) or normal_path(route) != route:
+        if not isinstance(route, str) or not is_plain_route(route):
             raise SettingsError(
-                f"proxy.extra_routes: {route!r} is not a plain /v1/... path (no dot segments)"
+                f"proxy.extra_routes: {route!r} is not a plain path (no dot segments)"
+                " of a route the proxy does not answer itself"
             )
 
 

@@ -9,6 +9,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from kvindex.api.schemas import ScoreRequest, ScoreResponse
 from kvindex.api.score import Scorer, UnknownModelError
 from kvindex.api.tokenize.protocol import TokenizerError
@@ -18,6 +20,8 @@ from kvindex.indexer.fleet.replica_health import HealthPolicy
 
 logger = logging.getLogger("kvindex.proxy")
 SESSION_HEADER = "x-kvindex-session"
+MAX_DEPTH = 64
+"""Deepest nesting of arrays and objects a JSON body may have (OpenAI's bodies: under 20)."""
 
 
 class NoUpstreamError(KvIndexError):
@@ -25,7 +29,32 @@ class NoUpstreamError(KvIndexError):
 
 
 class BadRequestBodyError(KvIndexError):
-    """A body that is not a JSON object with a string ``model`` (400)."""
+    """A body that is not a JSON object with a string ``model``, or nests too deep (400)."""
+
+
+def decoded_body(body: bytes) -> Any:
+    """``body`` decoded, nested at most :data:`MAX_DEPTH` deep, so that nothing after (the
+    scorer, the tokenizer, a chat template) recurses further; msgspec.DecodeError when it
+    is not JSON, BadRequestBodyError when it nests deeper."""
+    try:
+        decoded = msgspec.json.decode(body)
+    except RecursionError:  # msgspec's own recursion guard, far deeper than MAX_DEPTH
+        raise BadRequestBodyError(f"the body nests deeper than {MAX_DEPTH} levels") from None
+    if _deeper_than(decoded, MAX_DEPTH):
+        raise BadRequestBodyError(f"the body nests deeper than {MAX_DEPTH} levels")
+    return decoded
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """An array or object nested more than ``limit`` deep in ``value`` (iterative)."""
+    pending: list[tuple[Any, int]] = [(value, 1)] if isinstance(value, dict | list) else []
+    while pending:
+        node, depth = pending.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        pending.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False
 
 
 @dataclass(frozen=True, slots=True)

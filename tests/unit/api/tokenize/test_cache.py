@@ -5,9 +5,15 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import msgspec
 import pytest
 
-from kvindex.api.tokenize.cache import CachingTokenizer, messages_key
+from kvindex.api.tokenize.cache import (
+    ENTRY_OVERHEAD_BYTES,
+    CachingTokenizer,
+    messages_key,
+    prompt_key,
+)
 from kvindex.api.tokenize.protocol import TokenizerError
 from tests.unit.api.tokenize.samples import CONVERSATION
 
@@ -108,7 +114,7 @@ def test_cache_key_is_canonical() -> None:
 def test_prompt_and_messages_keys_never_collide() -> None:
     inner = CountingTokenizer()
     cache = CachingTokenizer(inner)
-    text = messages_key(CONVERSATION).decode()
+    text = msgspec.json.encode(CONVERSATION, order="sorted").decode()  # the canonical form
 
     async def main() -> None:
         await cache.encode_messages(CONVERSATION)
@@ -179,3 +185,60 @@ def test_cache_rejects_ids_outside_u32() -> None:
 def test_cache_needs_room() -> None:
     with pytest.raises(TokenizerError, match="max_entries"):
         CachingTokenizer(CountingTokenizer(), max_entries=0)
+
+
+def test_cache_needs_bytes() -> None:
+    with pytest.raises(TokenizerError, match="max_bytes"):
+        CachingTokenizer(CountingTokenizer(), max_bytes=0)
+
+
+def test_keys_are_digests_not_the_input() -> None:
+    long_prompt = "word " * 100_000
+    conversation = [{"role": "user", "content": long_prompt}]
+    assert len(prompt_key(long_prompt)) == len(messages_key(conversation)) == 16
+    assert prompt_key(long_prompt) != prompt_key(long_prompt + "x")
+    assert prompt_key("\ud800 lone") != prompt_key("\udc00 lone")  # surrogates from JSON
+
+
+def test_cache_evicts_by_bytes() -> None:
+    inner = CountingTokenizer()
+    # Room for two 1,000-id entries (4,000 bytes of ids each), not for three.
+    cache = CachingTokenizer(inner, max_bytes=2 * (4_000 + ENTRY_OVERHEAD_BYTES))
+
+    async def main() -> None:
+        for prompt in ["a" * 1_000, "b" * 1_000, "a" * 1_000, "c" * 1_000]:
+            await cache.encode_prompt(prompt)
+        assert len(cache) == 2 and cache.num_bytes == cache.max_bytes
+        await cache.encode_prompt("b" * 1_000)  # "b" was the least recently used: gone
+
+    asyncio.run(main())
+    assert (cache.num_hits, cache.num_misses) == (1, 4)
+
+
+def test_cache_does_not_keep_what_exceeds_its_bytes() -> None:
+    inner = CountingTokenizer()
+    cache = CachingTokenizer(inner, max_bytes=4_000)
+
+    async def main() -> list[int]:
+        await cache.encode_prompt("small")
+        tokens = await cache.encode_prompt("x" * 2_000)  # answered, not kept
+        assert len(cache) == 1 and cache.num_bytes == 5 * 4 + ENTRY_OVERHEAD_BYTES
+        await cache.encode_prompt("small")
+        return tokens
+
+    assert asyncio.run(main()) == [ord("x")] * 2_000
+    assert (cache.num_hits, cache.num_misses) == (1, 2)
+
+
+def test_cache_bytes_are_the_sum_of_its_entries() -> None:
+    inner = CountingTokenizer()
+    cache = CachingTokenizer(inner, max_entries=3, max_bytes=10_000)
+
+    async def main() -> None:
+        for size in [10, 500, 900, 20, 1_500, 5, 700]:
+            await cache.encode_prompt("q" * size)
+            assert cache.num_bytes <= cache.max_bytes and len(cache) <= 3
+
+    asyncio.run(main())
+    # The last three, as each fits: 1,500 + 5 + 700 ids.
+    assert cache.num_bytes == (1_500 + 5 + 700) * 4 + 3 * ENTRY_OVERHEAD_BYTES

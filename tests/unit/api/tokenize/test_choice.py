@@ -32,6 +32,7 @@ from tests.unit.api.tokenize.samples import CONVERSATION, make_tokenizer, ok
         ({"kind": "local", "path": "t.json", "base_url": "http://h"}, "base_url"),
         ({"kind": "local", "path": "t.json", "model": "m"}, "model"),
         ({"kind": "local", "path": "t.json", "cache_entries": -1}, "cache_entries"),
+        ({"kind": "local", "path": "t.json", "cache_bytes": 0}, "cache_bytes"),
         ({"kind": "replica", "model": "m"}, "base_url"),
         ({"kind": "replica", "base_url": "tcp://h:1", "model": "m"}, "base_url"),
         ({"kind": "replica", "base_url": "http://h"}, "model"),
@@ -130,11 +131,16 @@ def test_a_configured_file_wins_over_replicas(model_dir: Path) -> None:
     path = str(model_dir / "tokenizer.json")
     registry = Registry((ReplicaSpec("a", "m", url="http://a:8000"),))
     chooser, client = model_tokenizers(
-        registry, ModelSpec("m", tokenizer=path), tokenizer_cache_entries=8
+        registry,
+        ModelSpec("m", tokenizer=path),
+        tokenizer_cache_entries=8,
+        tokenizer_cache_bytes=4096,
     )
-    assert chooser.spec("m") == TokenizerSpec(kind="local", path=path, cache_entries=8)
+    expected = TokenizerSpec(kind="local", path=path, cache_entries=8, cache_bytes=4096)
+    assert chooser.spec("m") == expected
     tok = chooser.tokenizer("m")
     assert isinstance(tok, CachingTokenizer)
+    assert (tok.max_entries, tok.max_bytes) == (8, 4096)
     assert isinstance(tok.inner, LocalTokenizer)
     assert chooser.tokenizer("m") is tok  # built once
     asyncio.run(client.aclose())

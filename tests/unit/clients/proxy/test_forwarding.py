@@ -141,6 +141,8 @@ def test_request_id_is_honoured_or_made_and_forwarded_with_traceparent() -> None
     assert sent == {
         "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
         "authorization": "Bearer t",
+        "x-forwarded-for": "unknown",
+        "forwarded": "for=unknown;proto=http",
         REQUEST_ID: "rid",
     }
     fleet = Fleet()

@@ -68,7 +68,11 @@ def test_extra_routes_are_plain_v1_paths_from_the_file_or_env() -> None:
     assert load_proxy_settings({"extra_routes": list(routes)}, env={}).extra_routes == routes
     env = {"KVINDEX_PROXY_EXTRA_ROUTES": "/v1/load_lora_adapter, /v1/unload_lora_adapter"}
     assert load_proxy_settings(env=env).extra_routes == routes
-    for bad in ("/tokenize", "/v1/../tokenize", "/v1//x", "/v1/a/", "/v1/%2e%2e", "/v1/a\\b"):
+    assert load_proxy_settings({"extra_routes": ["/tokenize"]}, env={}).extra_routes == (
+        "/tokenize",
+    )
+    own = ("/metrics", "/v1/models", "/v1/chat/completions", "/health")
+    for bad in ("/v1/../tokenize", "/v1//x", "/v1/a/", "/v1/%2e%2e", "/v1/a\\b", *own):
         with pytest.raises(SettingsError, match=re.escape("proxy.extra_routes")):
             load_proxy_settings({"extra_routes": [bad]}, env={})
 

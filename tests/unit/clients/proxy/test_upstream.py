@@ -6,6 +6,7 @@ import asyncio
 import time
 from typing import Any
 
+import msgspec
 import pytest
 
 from kvindex.api.config.settings import ApiSettings
@@ -14,10 +15,12 @@ from kvindex.api.load.store import MemoryLoadStore
 from kvindex.api.score import Scorer, UnknownModelError
 from kvindex.api.tokenize.protocol import Tokenizer, TokenizerError
 from kvindex.clients.proxy.upstream import (
+    MAX_DEPTH,
     BadRequestBodyError,
     Choice,
     NoUpstreamError,
     UpstreamPicker,
+    decoded_body,
 )
 from kvindex.indexer.domain.events import StreamId, Tier
 from kvindex.indexer.domain.health import StreamReport
@@ -252,3 +255,14 @@ def test_a_request_without_a_model_skips_ejected_replicas_unless_all_are() -> No
     _open_breaker(fleet, "a")
     _open_breaker(fleet, "c")
     assert {u.replica for u in fleet.picker.choose_any().upstreams} == {"a", "b", "c"}
+
+
+def test_a_body_nested_too_deep_is_refused_before_anything_recurses() -> None:
+    fits = b"[" * MAX_DEPTH + b"]" * MAX_DEPTH
+    assert decoded_body(fits) is not None
+    for depth in (MAX_DEPTH + 1, 100_000):  # past msgspec's own guard too
+        deep = b'{"model": "m", "messages": ' + b"[" * depth + b"]" * depth + b"}"
+        with pytest.raises(BadRequestBodyError, match="nests deeper"):
+            decoded_body(deep)
+    with pytest.raises(msgspec.DecodeError):
+        decoded_body(b"{")
