@@ -88,7 +88,20 @@ _MARKER_RAW = msgspec.Raw(_MARKER)
 
 def decode_score_request(body: bytes) -> tuple[ScoreRequest, bytes | None]:
     """The request, and its ``token_ids`` as little-endian u32 bytes if read that way (the
-    request's ``token_ids`` is then None); msgspec's errors for a bad body."""
+    request's ``token_ids`` is then None); msgspec's errors for a bad body (a body nested
+    past msgspec's depth guard too: :func:`nested_too_deep`)."""
+    try:
+        return _score_request_of(body)
+    except RecursionError:
+        raise nested_too_deep() from None
+
+
+def nested_too_deep() -> msgspec.DecodeError:
+    """What a body nested past msgspec's depth guard (its RecursionError) is answered with."""
+    return msgspec.DecodeError("JSON malformed: nested too deeply")
+
+
+def _score_request_of(body: bytes) -> tuple[ScoreRequest, bytes | None]:
     spliced = _spliced(body)
     if spliced is not None:
         return spliced

@@ -37,6 +37,7 @@ from kvindex.api.schemas import (
     StatsView,
     StatusBody,
     decode_score_request,
+    nested_too_deep,
 )
 from kvindex.api.score import RequestError, UnknownModelError
 from kvindex.api.tokenize.protocol import TokenizerError
@@ -187,7 +188,10 @@ def _json(value: Any, status: int = 200) -> Response:
 
 
 async def _decode(request: Request, kind: type[T]) -> T:
-    return msgspec.json.decode(await request.body(), type=kind)
+    try:
+        return msgspec.json.decode(await request.body(), type=kind)
+    except RecursionError:
+        raise nested_too_deep() from None
 
 
 _STATUS_OF: tuple[tuple[tuple[type[BaseException], ...], int, str], ...] = (

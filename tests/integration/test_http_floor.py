@@ -291,3 +291,28 @@ def test_a_client_that_never_stops_sending_is_cut_after_the_body_timeout(
             took = time.monotonic() - started
     assert answer.startswith(b"HTTP/1.1 413"), answer
     assert 0.7 < took < 4, took
+
+
+DEEP = 100_000
+"""The nesting the black-box probe sent (msgspec's depth guard stops far sooner)."""
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/score", b'{"model": "m", "token_ids": ' + b"[" * DEEP + b"]" * DEEP + b"}"),
+        ("/score", b'{"model": "m", "salt": ' + b"[" * DEEP + b"]" * DEEP + b"}"),
+        ("/load", b'{"replica": "r1", "running": ' + b"[" * DEEP + b"]" * DEEP + b"}"),
+        ("/replicas", b'{"id": ' + b"[" * DEEP + b"]" * DEEP + b"}"),
+    ],
+    ids=["score-token_ids", "score-field", "load", "replicas"],
+)
+def test_a_body_nested_too_deep_is_a_4xx_not_a_500(server: Server, path: str, body: bytes) -> None:
+    answer = httpx.post(
+        f"{server.base_url}{path}",
+        content=body,
+        headers={"content-type": "application/json"},
+        trust_env=False,
+    )
+    assert 400 <= answer.status_code < 500, (answer.status_code, answer.text[:300])
+    assert "error" in answer.json()
