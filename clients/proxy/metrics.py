@@ -1,8 +1,16 @@
-"""The proxy's Prometheus series (``kvindex_proxy_*``), on a registry of their own."""
+"""The proxy's Prometheus series (``kvindex_proxy_*``), on a registry of their own, beside
+its build, its index lookups and (when it runs the write path) its streams and index, as
+``kvindex serve`` shows them."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvindex.api.health.block_sizes import BlockSizeCheck
+from kvindex.api.http.metrics import BlockSizeCollector, lookup_latency
+from kvindex.indexer.fleet.registry import RegistryView
+from kvindex.indexer.index.protocol import BlockIndex
+from kvindex.indexer.metrics import BuildInfo, IngestCollector
 
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -18,6 +26,8 @@ class ProxyMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        r.register(BuildInfo("proxy"))
+        self.lookup_latency = lookup_latency(r)
         self.requests = Counter(
             "kvindex_proxy_requests",
             "Requests answered, by route template, HTTP status and answering replica.",
@@ -90,6 +100,13 @@ class ProxyMetrics:
             " failed for a whole lease TTL) while their requests were in flight.",
             registry=r,
         )
+
+    def watch_write_path(self, fleet: RegistryView, index: BlockIndex) -> None:
+        """Export the write path this process runs: stream counters and gauges, blocks."""
+        self.registry.register(IngestCollector(fleet, index))
+
+    def watch_block_sizes(self, check: BlockSizeCheck) -> None:
+        self.registry.register(BlockSizeCollector(check))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
