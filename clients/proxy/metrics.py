@@ -18,6 +18,8 @@ _LATENCY_BUCKETS = (
 )  # fmt: skip
 _FRACTION_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 NO_REPLICA = "none"
+RESERVATION_OPS = ("reserve", "release", "renew", "close")
+"""The load-store calls of the reservations (``op`` of ``kvindex_proxy_reservation_failures``)."""
 
 
 class ProxyMetrics:
@@ -94,6 +96,8 @@ class ProxyMetrics:
             ["op"],
             registry=r,
         )
+        for op in RESERVATION_OPS:  # present from the start, so rate() sees the first
+            self.reservation_failures.labels(op)
         self.reservations_lost = Counter(
             "kvindex_proxy_reservations_lost",
             "Reservations that stopped counting because this proxy's lease lapsed (renewals"
