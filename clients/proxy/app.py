@@ -405,7 +405,10 @@ def _ready(parts: ProxyParts) -> Callable[[Request], Awaitable[Response]]:
 def _metrics(parts: ProxyParts) -> Callable[[Request], Awaitable[Response]]:
     async def metrics(_: Request) -> Response:
         # The write path's series read the index: off the loop, as the API's /metrics.
-        return Response(await parts.off_loop(parts.metrics.render), media_type=_METRICS)
+        def render() -> bytes:
+            return parts.metrics.render(parts.registry.models())
+
+        return Response(await parts.off_loop(render), media_type=_METRICS)
 
     return metrics
 

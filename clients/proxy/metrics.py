@@ -4,6 +4,8 @@ its build, its index lookups and (when it runs the write path) its streams and i
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvindex.api.health.block_sizes import BlockSizeCheck
@@ -112,5 +114,9 @@ class ProxyMetrics:
     def watch_block_sizes(self, check: BlockSizeCheck) -> None:
         self.registry.register(BlockSizeCollector(check))
 
-    def render(self) -> bytes:
+    def render(self, models: Iterable[str] = ()) -> bytes:
+        """The text format; each of ``models`` (those served now) has its tokenize-failure
+        series from the start, so rate() sees the first."""
+        for model in models:
+            self.tokenize_failures.labels(model)
         return generate_latest(self.registry)
