@@ -3,7 +3,8 @@ time. ``kvindex indexer`` exports them on its status port, ``kvindex serve`` on 
 ``/metrics``; an API-only process does not (the fleet it reads is the indexer's). Series:
 ``kvindex_<counter>_total`` per stream counter, the stream gauges (lag, silence, connected,
 block size), ``kvindex_blocks``, ``kvindex_replicas``, ``kvindex_streams`` and
-``kvindex_unrouted_frames_total``; the indexer adds its store's state and build info.
+``kvindex_unrouted_frames_total``; the indexer adds its store's state, and every process
+its :class:`BuildInfo`.
 """
 
 from __future__ import annotations
@@ -168,13 +169,29 @@ def _unrouted(unrouted: UnroutedCounters) -> CounterMetricFamily:
     return family
 
 
+class BuildInfo(Collector):
+    """``kvindex_build_info{version, component}``, always 1: which build this process runs
+    (``component``: indexer, api or proxy). Every kvindex process registers one."""
+
+    def __init__(self, component: str, *, version: str = __version__) -> None:
+        self._component = component
+        self._version = version
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        info = GaugeMetricFamily(
+            "kvindex_build_info", "The running kvindex build", labels=["version", "component"]
+        )
+        info.add_metric([self._version, self._component], 1)
+        yield info
+
+
 class IndexerProcessCollector(Collector):
     """The indexer process's own series: its store's state (``store_up`` must not block)
     and its build."""
 
     def __init__(self, store_up: Callable[[], bool], *, version: str = __version__) -> None:
         self._store_up = store_up
-        self._version = version
+        self._build = BuildInfo("indexer", version=version)
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         yield GaugeMetricFamily(
@@ -182,8 +199,4 @@ class IndexerProcessCollector(Collector):
             "1 when the indexer's last probe of its index store succeeded, else 0",
             value=1 if self._store_up() else 0,
         )
-        info = GaugeMetricFamily(
-            "kvindex_build_info", "The running kvindex build", labels=["version", "component"]
-        )
-        info.add_metric([self._version, "indexer"], 1)
-        yield info
+        yield from self._build.collect()

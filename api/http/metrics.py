@@ -9,7 +9,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvindex import __version__
 from kvindex.api.answer import DEGRADED_REASONS
 from kvindex.api.health.block_sizes import BlockSizeCheck
 from kvindex.indexer.domain.events import StreamId
@@ -24,7 +23,7 @@ from kvindex.indexer.index.protocol import (
     StreamStats,
     holders_of,
 )
-from kvindex.indexer.metrics import IngestCollector
+from kvindex.indexer.metrics import BuildInfo, IngestCollector
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 _HTTP_BUCKETS = (*_LATENCY_BUCKETS, 1.0, 2.5, 10.0)
@@ -53,20 +52,14 @@ class ApiMetrics:
             registry=self.registry,
         )
         store.set_function(lambda: 1.0 if store_up() else 0.0)
-        build = Gauge(
-            "kvindex_build_info",
-            "Always 1: the version of this process",
-            ["version", "component"],
-            registry=self.registry,
-        )
-        build.labels(__version__, "api").set(1)
+        self.registry.register(BuildInfo("api"))
         if block_sizes is not None:
             self.watch_block_sizes(block_sizes)
         if runs_write_path:
             self.registry.register(IngestCollector(registry, index))
 
     def watch_block_sizes(self, check: BlockSizeCheck) -> None:
-        self.registry.register(_BlockSizeCollector(check))
+        self.registry.register(BlockSizeCollector(check))
 
     def _request_series(self) -> None:
         self.http_requests = Counter(
@@ -91,12 +84,7 @@ class ApiMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.lookup_latency = Histogram(
-            "kvindex_lookup_seconds",
-            "Time of one index longest-prefix lookup",
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
-        )
+        self.lookup_latency = lookup_latency(self.registry)
         self.degraded_answers = Counter(
             "kvindex_degraded_answers",
             "POST /score answers marked degraded, by reason",
@@ -131,7 +119,17 @@ class ApiMetrics:
         return generate_latest(self.registry)
 
 
-class _BlockSizeCollector(Collector):
+def lookup_latency(registry: CollectorRegistry) -> Histogram:
+    """``kvindex_lookup_seconds`` on ``registry``: the API's and the proxy's (via TimedIndex)."""
+    return Histogram(
+        "kvindex_lookup_seconds",
+        "Time of one index longest-prefix lookup",
+        buckets=_LATENCY_BUCKETS,
+        registry=registry,
+    )
+
+
+class BlockSizeCollector(Collector):
     """``kvindex_block_size_mismatch_streams{model}``, computed when Prometheus scrapes."""
 
     def __init__(self, check: BlockSizeCheck) -> None:

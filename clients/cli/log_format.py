@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import sys
 import threading
 import time
@@ -61,7 +60,9 @@ class _Seen:
 
 class RepeatFilter(logging.Filter):
     """Lets a ``kvindex`` warning through at most once per ``window_s`` for one logger and
-    message template; the next one says how many were held back. Thread-safe."""
+    message, its arguments included ("r2 ejected" is not a repeat of "r1 ejected"); the
+    next one says how many were held back. Thread-safe; remembers at most ``max_keys``
+    messages (the oldest forgotten first)."""
 
     def __init__(
         self,
@@ -70,43 +71,37 @@ class RepeatFilter(logging.Filter):
         prefix: str = "kvindex",
         min_level: int = logging.WARNING,
         clock: Callable[[], float] = time.monotonic,
+        max_keys: int = 4096,
     ) -> None:
         super().__init__()
         self._window_s = window_s
         self._prefix = prefix
         self._min_level = min_level
         self._clock = clock
+        self._max_keys = max_keys
         self._lock = threading.Lock()
         self._seen: dict[tuple[str, str], _Seen] = {}
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < self._min_level or not _under(record.name, self._prefix):
             return True
-        key = (record.name, _template_of(record))
+        key = (record.name, record.getMessage())
         now = self._clock()
         with self._lock:
-            seen = self._seen.get(key)
+            seen = self._seen.pop(key, None)  # put back last: the dict is oldest first
             if seen is not None and now - seen.last_passed < self._window_s:
                 seen.num_suppressed += 1
+                self._seen[key] = seen
                 return False
             held_back = seen.num_suppressed if seen is not None else 0
             since = now - seen.last_passed if seen is not None else 0.0
             self._seen[key] = _Seen(now)
+            while len(self._seen) > self._max_keys:
+                del self._seen[next(iter(self._seen))]
         if held_back:
             record.num_suppressed = held_back
             record.msg = f"{record.msg} [{held_back} more like this held back in {since:.0f} s]"
         return True
-
-
-_PLACEHOLDER = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(?:\*|\d+)?(?:\.(?:\*|\d+))?[a-zA-Z%]")
-
-
-def _template_of(record: logging.LogRecord) -> str:
-    # The format string, unless it says nothing of its own (log.warning("%s", why)).
-    template = str(record.msg)
-    if not _PLACEHOLDER.sub("", template).strip():
-        return record.getMessage()
-    return template
 
 
 def _under(name: str, prefix: str) -> bool:

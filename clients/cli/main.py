@@ -277,6 +277,27 @@ def api(
     type=float,
     help="A dead proxy's requests in flight stop counting as load after this long (10).",
 )
+@click.option("--retry-backoff-s", type=float, help="Wait before the second attempt (0.02).")
+@click.option("--retry-backoff-max-s", type=float, help="Longest wait between attempts (0.5).")
+@click.option("--max-connections", type=int, help="Connections to one replica at once (1024).")
+@click.option(
+    "--forward-client-authorization/--no-forward-client-authorization",
+    default=None,
+    help="Send a client's own Authorization to replicas that have no key (default: never).",
+)
+@click.option(
+    "--extra-route",
+    "extra_routes",
+    multiple=True,
+    help="Another /v1/... path passed through to replicas (repeatable; else [proxy]).",
+)
+@click.option(
+    "--access-log/--no-access-log",
+    default=None,
+    help="Log one line per OpenAI request: id, route, replica, status, time to first byte,"
+    " duration, matched fraction, retries (else env KVINDEX_API_ACCESS_LOG,"
+    " [api] access_log; default off).",
+)
 def proxy(
     config: Path | None,
     replicas: tuple[ReplicaSpec, ...],
@@ -285,11 +306,14 @@ def proxy(
     redis_url: str | None,
     host: str | None,
     port: int | None,
+    extra_routes: tuple[str, ...],
+    access_log: bool | None,
     **forwarding: Any,
 ) -> None:
     """Serve the OpenAI API and forward each request to the replica kvindex picks.
 
-    Settings: [proxy] of --config < env KVINDEX_PROXY_<NAME> < these options."""
+    Settings: [proxy] of --config < env KVINDEX_PROXY_<NAME> < these options; the keys
+    given to replicas (upstream_api_key, replica_api_keys) only by env or file."""
     from kvindex.api.config.settings import api_settings_of
     from kvindex.clients.proxy.service import serve_proxy
     from kvindex.clients.proxy.settings import proxy_settings_of
@@ -303,8 +327,10 @@ def proxy(
             overrides={"bind": bind, "store": store, "redis_url": redis_url},
             extra_replicas=replicas,
         )
-        proxy_settings = proxy_settings_of(file, overrides={**forwarding, "port": port})
-        listen = {"host": host, "port": proxy_settings.port}
+        routes = extra_routes or None  # none given: the file's or the env's
+        overrides = {**forwarding, "port": port, "extra_routes": routes}
+        proxy_settings = proxy_settings_of(file, overrides=overrides)
+        listen = {"host": host, "port": proxy_settings.port, "access_log": access_log}
         api_settings = api_settings_of(file, overrides=listen)
     except KvIndexError as exc:
         raise click.ClickException(str(exc)) from exc

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -18,9 +19,14 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvindex.api.config.settings import ApiSettings
+from kvindex.api.health.block_sizes import BlockSizeCheck
+from kvindex.api.health.routing import health_policy
 from kvindex.api.http.body_limit import BodyTimeoutError, BodyTooLargeError
+from kvindex.api.http.views import replica_views, stats_view
+from kvindex.api.load.store import LoadStore
 from kvindex.api.loop.off_loop import OffLoop
 from kvindex.api.score import RequestError, UnknownModelError
+from kvindex.clients.proxy.access_log import Exchange, log_exchange
 from kvindex.clients.proxy.auth import InboundAuth, UnauthorizedError
 from kvindex.clients.proxy.forwarding import (
     ClientGoneError,
@@ -53,6 +59,7 @@ from kvindex.clients.proxy.upstream import (
 from kvindex.indexer.fleet.registry import RegistryView
 from kvindex.indexer.index.protocol import BlockIndex, IndexUnavailableError
 
+logger = logging.getLogger("kvindex.proxy")
 _JSON = "application/json"
 _METRICS = "text/plain; version=0.0.4; charset=utf-8"
 FORWARDED_ROUTES = ("/v1/chat/completions", "/v1/completions")
@@ -75,6 +82,9 @@ class ProxyParts:
     off_loop: OffLoop
     """Runs the index and fleet reads (off the loop when they do network I/O)."""
     proxy: ProxySettings = field(default_factory=ProxySettings)
+    loads: LoadStore | None = None
+    """With ``block_sizes``: ``GET /replicas`` and ``GET /stats`` are served (as the API's)."""
+    block_sizes: BlockSizeCheck | None = None
     auth: InboundAuth = field(init=False)
     """The bearer-token check of ``proxy.auth_token``."""
 
@@ -134,6 +144,7 @@ def create_proxy_app(
         Route("/healthz", _ok, methods=["GET"]),
         Route("/readyz", _ready(parts), methods=["GET"]),
         Route("/metrics", _guarded(parts, _metrics(parts)), methods=["GET"]),
+        *_fleet_routes(parts),
         Route(
             PASSTHROUGH_ROUTE,
             _Forwarded(parts, PASSTHROUGH_LABEL, passthrough=True),
@@ -153,8 +164,9 @@ async def _router_error(request: Request, exc: Exception) -> Response:
     """The router's own 404 and 405, in OpenAI's shape like every other error."""
     assert isinstance(exc, HTTPException)
     kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
-    body = {"error": {"message": exc.detail, "type": kind, "code": exc.status_code}}
-    headers = {**(exc.headers or {}), REQUEST_ID: request_id_of(request.headers.items())}
+    request_id = request_id_of(request.headers.items())
+    body = _error_body(exc.detail, kind, exc.status_code, request_id)
+    headers = {**(exc.headers or {}), REQUEST_ID: request_id}
     return Response(msgspec.json.encode(body), exc.status_code, headers, media_type=_JSON)
 
 
@@ -173,20 +185,47 @@ _STATUS_OF: tuple[tuple[tuple[type[BaseException], ...], int, str], ...] = (
 )
 
 
-def _error_response(exc: Exception, request_id: str) -> Response:
-    """The one place the proxy's own errors become HTTP answers (others: 500)."""
+_SERVER_SIDE = {
+    500: "internal error",
+    502: "no replica could answer the request",
+    503: "no replica can take the request now",
+    504: "no replica answered in time",
+}
+"""A 5xx body's message: what went wrong on the replicas' side is for the log, not the client."""
+
+
+def _error_response(exc: Exception, request_id: str, *, route: str | None = None) -> Response:
+    """The one place the proxy's own errors become HTTP answers (others: 500). A 5xx says
+    only its request id; its detail (replicas, reasons) is one ``kvindex.proxy`` log line."""
     status, kind = 500, "internal_error"
     for kinds, code, name in _STATUS_OF:
         if isinstance(exc, kinds):
             status, kind = code, name
             break
-    body = {"error": {"message": str(exc), "type": kind, "code": status}}
+    message = _SERVER_SIDE.get(status)
+    if message is not None:
+        _log_failure(exc, request_id, route, status)
+    body = _error_body(message or str(exc), kind, status, request_id)
     headers = {REQUEST_ID: request_id}
     if status == 401:
         headers["www-authenticate"] = 'Bearer realm="kvindex proxy"'
     if status in (408, 413):  # the rest of the body is not read: end the connection
         headers["connection"] = "close"
     return Response(msgspec.json.encode(body), status, headers=headers, media_type=_JSON)
+
+
+def _error_body(message: str, kind: str, status: int, request_id: str) -> dict[str, Any]:
+    """OpenAI's error shape, with the request id (also the ``x-request-id`` header)."""
+    error = {"message": message, "type": kind, "code": status, "request_id": request_id}
+    return {"error": error}
+
+
+def _log_failure(exc: Exception, request_id: str, route: str | None, status: int) -> None:
+    detail = {"request_id": request_id, "route": route, "status": status}
+    if status == 500:
+        logger.error("request %s: %d: %r", request_id, status, exc, exc_info=exc, extra=detail)
+    else:
+        logger.warning("request %s: %d: %s", request_id, status, exc, extra=detail)
 
 
 class _Forwarded:
@@ -204,25 +243,27 @@ class _Forwarded:
         request = Request(scope, receive)
         headers = request.headers.items()
         request_id = request_id_of(headers)
+        exchange = Exchange(request_id, scope["method"], self.path, scope["path"], started)
         try:
             self.parts.auth.check(scope["path"], request.headers)
             if self.passthrough and scope["path"] not in self.allowed:
                 raise UnknownRouteError(f"no such route: {scope['path']}")
-            answer = await self._answer(request, headers, request_id, started)
+            answer = await self._answer(request, headers, exchange)
         except Exception as exc:
-            response = _error_response(exc, request_id)
-            self._count(response.status_code, NO_REPLICA, started)
+            response = _error_response(exc, request_id, route=self.path)
+            self._count(response.status_code, NO_REPLICA, exchange)
             await response(scope, receive, send)
             return
         await answer(scope, receive, send)
 
     async def _answer(
-        self, request: Request, headers: list[tuple[str, str]], request_id: str, started: float
+        self, request: Request, headers: list[tuple[str, str]], exchange: Exchange
     ) -> StreamedAnswer:
-        parts = self.parts
+        parts, request_id, started = self.parts, exchange.request_id, exchange.started
         deadline = parts.forwarder.deadline()
         body = await _body(request, parts.api)
         choice = await self._choice(body, dict(headers))
+        exchange.matched_fraction = choice.matched_fraction
         if choice.matched_fraction is not None:
             parts.metrics.matched_fraction.observe(choice.matched_fraction)
         scope = request.scope
@@ -240,11 +281,12 @@ class _Forwarded:
             receive=request.receive,
         )
         parts.metrics.first_byte.labels(self.path).observe(time.perf_counter() - started)
+        exchange.answered_by(opened.upstream.replica, choice.upstreams.index(opened.upstream))
         return StreamedAnswer(
             opened,
             request_id,
             deadline,
-            lambda status, r: self._count(status, r, started),
+            lambda status, r: self._count(status, r, exchange),
             first_chunk_timeout_s=parts.proxy.first_byte_timeout_s,
             idle_timeout_s=parts.proxy.stream_idle_timeout_s,
         )
@@ -262,10 +304,12 @@ class _Forwarded:
             return self.parts.picker.choose_any()
         return await self.parts.picker.choose(named, headers)
 
-    def _count(self, status: int, replica: str, started: float) -> None:
+    def _count(self, status: int, replica: str, exchange: Exchange) -> None:
         metrics = self.parts.metrics
         metrics.requests.labels(self.path, str(status), replica).inc()
-        metrics.duration.labels(self.path).observe(time.perf_counter() - started)
+        metrics.duration.labels(self.path).observe(time.perf_counter() - exchange.started)
+        if self.parts.api.access_log:
+            log_exchange(exchange, status)
 
 
 def _target(scope: Scope) -> str:
@@ -352,11 +396,30 @@ def _model_entry(name: str, parent: str | None = None) -> dict[str, Any]:
 
 
 def _ready(parts: ProxyParts) -> Callable[[Request], Awaitable[Response]]:
+    """200 while the index store answers and a replica is routable, else 503 saying why
+    (replica ids and reasons only: the route is open, so the store's error is logged)."""
+    policy = health_policy(parts.api)
+
+    def unroutable() -> str | None:
+        replicas = [r.id for r in parts.registry.replicas() if r.url]
+        if not replicas:
+            return "no replica with a url is registered"
+        now, health = time.time(), parts.registry.replica_health()
+        out = {r: health[r].ejection(now, policy) for r in replicas if r in health}
+        if len(replicas) > sum(1 for why in out.values() if why is not None):
+            return None
+        whys = ", ".join(f"{r} ({why.value})" for r, why in out.items() if why is not None)
+        return f"every replica is out of routing: {whys}"
+
     async def ready(_: Request) -> Response:
         try:
             await parts.off_loop(parts.index.streams)
         except IndexUnavailableError as exc:
-            return _json({"status": "unavailable", "detail": str(exc)}, 503)
+            logger.warning("not ready: the index store is unavailable: %s", exc)
+            return _json({"status": "unavailable", "detail": "the index store is unavailable"}, 503)
+        why = await parts.off_loop(unroutable)
+        if why is not None:
+            return _json({"status": "unavailable", "detail": why}, 503)
         return _json({"status": "ready"})
 
     return ready
@@ -364,6 +427,33 @@ def _ready(parts: ProxyParts) -> Callable[[Request], Awaitable[Response]]:
 
 def _metrics(parts: ProxyParts) -> Callable[[Request], Awaitable[Response]]:
     async def metrics(_: Request) -> Response:
-        return Response(parts.metrics.render(), media_type=_METRICS)
+        # The write path's series read the index: off the loop, as the API's /metrics.
+        def render() -> bytes:
+            return parts.metrics.render(parts.registry.models())
+
+        return Response(await parts.off_loop(render), media_type=_METRICS)
 
     return metrics
+
+
+def _fleet_routes(parts: ProxyParts) -> list[Route]:
+    """``GET /replicas`` and ``GET /stats`` as the API answers them (what ``kvindex
+    replicas`` and ``kvindex stats`` read), behind the token; none without the stores."""
+    loads, block_sizes = parts.loads, parts.block_sizes
+    if loads is None or block_sizes is None:
+        return []
+    policy = health_policy(parts.api)
+
+    async def replicas(_: Request) -> Response:
+        views = await parts.off_loop(
+            replica_views, parts.registry, parts.index, loads, block_sizes, policy
+        )
+        return _json(views)
+
+    async def stats(_: Request) -> Response:
+        return _json(await parts.off_loop(stats_view, parts.registry, parts.index))
+
+    return [
+        Route("/replicas", _guarded(parts, replicas), methods=["GET"]),
+        Route("/stats", _guarded(parts, stats), methods=["GET"]),
+    ]

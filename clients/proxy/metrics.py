@@ -1,8 +1,18 @@
-"""The proxy's Prometheus series (``kvindex_proxy_*``), on a registry of their own."""
+"""The proxy's Prometheus series (``kvindex_proxy_*``), on a registry of their own, beside
+its build, its index lookups and (when it runs the write path) its streams and index, as
+``kvindex serve`` shows them."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvindex.api.health.block_sizes import BlockSizeCheck
+from kvindex.api.http.metrics import BlockSizeCollector, lookup_latency
+from kvindex.indexer.fleet.registry import RegistryView
+from kvindex.indexer.index.protocol import BlockIndex
+from kvindex.indexer.metrics import BuildInfo, IngestCollector
 
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -10,6 +20,8 @@ _LATENCY_BUCKETS = (
 )  # fmt: skip
 _FRACTION_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 NO_REPLICA = "none"
+RESERVATION_OPS = ("reserve", "release", "renew", "close")
+"""The load-store calls of the reservations (``op`` of ``kvindex_proxy_reservation_failures``)."""
 
 
 class ProxyMetrics:
@@ -18,6 +30,8 @@ class ProxyMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        r.register(BuildInfo("proxy"))
+        self.lookup_latency = lookup_latency(r)
         self.requests = Counter(
             "kvindex_proxy_requests",
             "Requests answered, by route template, HTTP status and answering replica.",
@@ -84,6 +98,8 @@ class ProxyMetrics:
             ["op"],
             registry=r,
         )
+        for op in RESERVATION_OPS:  # present from the start, so rate() sees the first
+            self.reservation_failures.labels(op)
         self.reservations_lost = Counter(
             "kvindex_proxy_reservations_lost",
             "Reservations that stopped counting because this proxy's lease lapsed (renewals"
@@ -91,5 +107,16 @@ class ProxyMetrics:
             registry=r,
         )
 
-    def render(self) -> bytes:
+    def watch_write_path(self, fleet: RegistryView, index: BlockIndex) -> None:
+        """Export the write path this process runs: stream counters and gauges, blocks."""
+        self.registry.register(IngestCollector(fleet, index))
+
+    def watch_block_sizes(self, check: BlockSizeCheck) -> None:
+        self.registry.register(BlockSizeCollector(check))
+
+    def render(self, models: Iterable[str] = ()) -> bytes:
+        """The text format; each of ``models`` (those served now) has its tokenize-failure
+        series from the start, so rate() sees the first."""
+        for model in models:
+            self.tokenize_failures.labels(model)
         return generate_latest(self.registry)

@@ -12,6 +12,7 @@ from starlette.applications import Starlette
 from kvindex.api.config.settings import ApiSettings, ReadPathSettings
 from kvindex.api.health.ejection import EjectionMetrics, ReplicaBreakers
 from kvindex.api.health.routing import health_policy
+from kvindex.api.http.metrics import TimedIndex
 from kvindex.api.http.server import Service, run_app
 from kvindex.api.load.reservations import LeaseKeeper, Reservations
 from kvindex.api.runtime import ApiDeps, Hooks, build_read_path, open_stores
@@ -28,7 +29,15 @@ def build_proxy_app(deps: ApiDeps, proxy: ProxySettings) -> Starlette:
     api = deps.settings
     metrics = ProxyMetrics()
     ejections = EjectionMetrics(metrics.registry, deps.registry, api)
-    read_path = build_read_path(deps, Hooks(on_ejected=ejections.ejected, failover_tokenizers=True))
+    hooks = Hooks(
+        wrap_index=lambda index: TimedIndex(index, metrics.lookup_latency),
+        on_ejected=ejections.ejected,
+        failover_tokenizers=True,
+    )
+    read_path = build_read_path(deps, hooks)
+    metrics.watch_block_sizes(read_path.block_sizes)
+    if deps.runs_write_path:  # as `kvindex serve`: an indexer elsewhere exports its own
+        metrics.watch_write_path(deps.registry, deps.index)
     picker = UpstreamPicker(
         read_path.scorer,
         deps.registry,
@@ -72,6 +81,8 @@ def build_proxy_app(deps: ApiDeps, proxy: ProxySettings) -> Starlette:
         metrics,
         read_path.off_loop,
         proxy=proxy,
+        loads=deps.loads,
+        block_sizes=read_path.block_sizes,
     )
     app = create_proxy_app(parts, lifespan)
     app.state.read_path = read_path

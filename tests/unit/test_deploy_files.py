@@ -1,9 +1,11 @@
 """compose.yaml, the Dockerfile and the Prometheus and Grafana files under deploy/ agree with
 each other, read as files: every service is probed and starts after healthy dependencies,
 images are pinned, the image runs unprivileged with the compose probe as its HEALTHCHECK,
-and Prometheus scrapes the ports the kvindex commands listen on. ``docker compose config``
-checks the file too where the compose CLI is installed; the probes run against live
-processes in tests/integration/test_compose.py."""
+and Prometheus scrapes the ports the kvindex commands listen on; every series the dashboard
+and the alerts read is one the code declares, and every proxy series is on the dashboard.
+``docker compose config`` checks the file too where the compose CLI is installed; the probes
+run against live processes in tests/integration/test_compose.py (the series' labels against
+live pages in tests/integration/test_monitoring.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,20 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry
 
+from kvindex.api.config.settings import ApiSettings
+from kvindex.api.health.block_sizes import BlockSizeCheck
+from kvindex.api.health.ejection import EjectionMetrics
+from kvindex.api.http.metrics import ApiMetrics
+from kvindex.clients.proxy.metrics import ProxyMetrics
+from kvindex.indexer.domain.events import StreamId
+from kvindex.indexer.domain.health import StreamReport
+from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.index.memory import MemoryIndex
+from kvindex.indexer.metrics import IndexerProcessCollector, IngestCollector
+from tests.integration.test_monitoring import alert_expressions, dashboard_expressions, selectors
 from tests.support.paths import ROOT
 
 COMPOSE = ROOT / "compose.yaml"
@@ -164,3 +179,52 @@ def test_docker_compose_config_accepts_the_file() -> None:
         timeout=60,
     )
     assert checked.returncode == 0, checked.stderr
+
+
+# --- the dashboard and alerts read series the code declares -----------------------------
+
+
+def declared_series() -> set[str]:
+    """Every sample name a kvindex process can export (API, indexer, proxy), as declared in
+    code: collected from each process's registry, with a fleet of one replica and stream."""
+    fleet, index, settings = Registry((ReplicaSpec("r1", "m"),)), MemoryIndex(), ApiSettings()
+    fleet.record(StreamId("r1"), StreamReport(num_batches=1))
+    block_sizes = BlockSizeCheck(settings, fleet)
+    api = ApiMetrics(fleet, index, block_sizes=block_sizes)
+    indexer = CollectorRegistry()
+    indexer.register(IngestCollector(fleet, index))
+    indexer.register(IndexerProcessCollector(lambda: True))
+    proxy = ProxyMetrics()
+    EjectionMetrics(proxy.registry, fleet, settings)
+    proxy.watch_write_path(fleet, index)
+    proxy.watch_block_sizes(block_sizes)
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+    return {
+        family.name + suffix
+        for registry in (api.registry, indexer, proxy.registry)
+        for family in registry.collect()
+        for suffix in suffixes.get(family.type, ("",))
+    }
+
+
+def test_every_series_the_dashboard_and_alerts_read_is_declared() -> None:
+    declared = declared_series()
+    missing = [
+        f"{where}: {selector.name}"
+        for where, expr in dashboard_expressions() + alert_expressions()
+        for selector in selectors(where, expr)
+        if selector.name not in declared
+    ]
+    assert not missing, missing
+
+
+def test_every_proxy_series_is_on_the_dashboard() -> None:
+    """An operator sees each of the proxy's series somewhere (the alerts read a few more)."""
+    read = {s.name for where, expr in dashboard_expressions() for s in selectors(where, expr)}
+    proxy = {
+        family.name
+        for family in ProxyMetrics().registry.collect()
+        if family.name.startswith("kvindex_proxy_")
+    }
+    unread = [name for name in sorted(proxy) if not any(r.startswith(name) for r in read)]
+    assert not unread, unread

@@ -71,14 +71,24 @@ def test_a_repeated_warning_passes_once_per_window_then_says_how_many_were_held(
     passed = []
     for i in range(20):  # one every 0.7 s, as the fleet view warned while Redis was down
         clock.now = i * 0.7
-        entry = record(template, f"error {i}")
+        entry = record(template, "connection refused")
         if repeats.filter(entry):
             passed.append(entry)
     first, second = passed
-    assert first.getMessage() == "fleet state unreadable, serving the last one: error 0"
-    assert second.getMessage().startswith("fleet state unreadable, serving the last one: error 15")
+    assert first.getMessage() == "fleet state unreadable, serving the last one: connection refused"
+    assert second.getMessage().startswith(
+        "fleet state unreadable, serving the last one: connection refused"
+    )
     assert "[14 more like this held back in 10 s]" in second.getMessage()
     assert second.num_suppressed == 14  # type: ignore[attr-defined]
+
+
+def test_the_same_template_with_other_arguments_is_another_message() -> None:
+    repeats = RepeatFilter(10.0, clock=Clock())
+    assert repeats.filter(record("replica %s ejected: %s", "r1", "breaker"))
+    assert repeats.filter(record("replica %s ejected: %s", "r2", "breaker"))
+    assert repeats.filter(record("replica %s ejected: %s", "r3", "breaker"))
+    assert not repeats.filter(record("replica %s ejected: %s", "r2", "breaker"))
 
 
 def test_other_templates_loggers_and_levels_are_not_held() -> None:
@@ -89,7 +99,7 @@ def test_other_templates_loggers_and_levels_are_not_held() -> None:
     assert repeats.filter(record("one %s", 1, name="httpx"))
     assert repeats.filter(record("one %s", 1, name="httpx"))  # not a kvindex logger
     assert repeats.filter(record("one %s", 1, level=logging.INFO))  # below WARNING
-    assert not repeats.filter(record("one %s", 2))
+    assert not repeats.filter(record("one %s", 1))
 
 
 def test_a_template_of_placeholders_only_is_told_apart_by_its_text() -> None:
@@ -97,6 +107,15 @@ def test_a_template_of_placeholders_only_is_told_apart_by_its_text() -> None:
     assert repeats.filter(record("%s", "fleet state unreadable"))
     assert repeats.filter(record("%s", "fleet state lost by redis"))
     assert not repeats.filter(record("%s", "fleet state unreadable"))
+
+
+def test_the_filter_remembers_a_bounded_number_of_messages() -> None:
+    clock = Clock()
+    repeats = RepeatFilter(10.0, clock=clock, max_keys=3)
+    for name in ("a", "b", "c", "d"):  # "a", the oldest, is forgotten
+        assert repeats.filter(record("stream %s silent", name))
+    assert not repeats.filter(record("stream %s silent", "d"))
+    assert repeats.filter(record("stream %s silent", "a"))
 
 
 @pytest.fixture

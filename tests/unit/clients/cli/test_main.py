@@ -132,3 +132,30 @@ def test_the_proxy_port_is_a_proxy_setting(monkeypatch: pytest.MonkeyPatch, tmp_
         result = CliRunner().invoke(main, args + extra, env={"KVINDEX_PROXY_PORT": None, **env})
         assert result.exit_code == 0, result.output
     assert ports == [9101, 9102, 9103]
+
+
+def test_the_proxy_options_reach_its_settings(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Every forwarding option to its ``proxy.*`` key; ``--extra-route`` only when given
+    (else the file's); ``--access-log`` to ``api.access_log``, as for ``kvindex api``."""
+    seen: list[tuple[Any, Any]] = []
+    monkeypatch.setattr(service, "serve_proxy", lambda _s, api, proxy: seen.append((api, proxy)))
+    monkeypatch.setattr("kvindex.clients.cli.main.check_port", lambda *_: None, raising=False)
+    config = tmp_path / "kvindex.toml"
+    config.write_text('[proxy]\nextra_routes = ["/v1/load_lora_adapter"]\n')
+    base = ["proxy", "--store", "memory", "--config", str(config)]
+    given = [
+        "--retry-backoff-s", "0.1", "--retry-backoff-max-s", "2", "--max-connections", "7",
+        "--forward-client-authorization", "--extra-route", "/v1/a", "--extra-route", "/v1/b",
+        "--access-log",
+    ]  # fmt: skip
+    env = {"KVINDEX_API_ACCESS_LOG": None}
+    for args in (base, base + given):
+        result = CliRunner().invoke(main, args, env=env)
+        assert result.exit_code == 0, result.output
+    (api, proxy), (api_given, proxy_given) = seen
+    assert proxy.extra_routes == ("/v1/load_lora_adapter",) and not api.access_log
+    assert proxy_given.extra_routes == ("/v1/a", "/v1/b") and api_given.access_log
+    assert (proxy_given.retry_backoff_s, proxy_given.retry_backoff_max_s) == (0.1, 2.0)
+    assert proxy_given.max_connections == 7 and proxy_given.forward_client_authorization

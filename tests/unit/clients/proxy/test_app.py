@@ -1,16 +1,33 @@
-"""The proxy app's front: forwarded routes answered before Starlette, the rest by it."""
+"""The proxy app: forwarded routes answered before Starlette, the rest by it; /readyz, a
+5xx's body and log line, and the access log on memory stores."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import socket
+import time
+from typing import Any
 
 import httpx
+import msgspec
+import pytest
+from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from kvindex.api.config.settings import ApiSettings
+from kvindex.api.load.store import MemoryLoadStore
+from kvindex.api.runtime import ApiDeps
 from kvindex.clients.proxy.app import _ProxyApp
+from kvindex.clients.proxy.service import build_proxy_app
+from kvindex.clients.proxy.settings import ProxySettings
+from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.fleet.replica_health import ReplicaHealth
+from kvindex.indexer.index.memory import MemoryIndex
 
 
 class Endpoint:
@@ -53,3 +70,79 @@ def test_a_post_to_a_forwarded_path_skips_the_router_and_anything_else_takes_it(
     assert _ask(app, "POST", "/v1/completions", root_path="/under") == (200, "hot")
     assert "endpoint" in endpoint.scopes[-1]  # under a root path: through the router
     assert len(endpoint.scopes) == 2
+
+
+# --- the whole app on memory stores: /readyz, a 5xx's body and log line, the access log ---
+
+SETTINGS = ApiSettings(scrape_interval_s=0.0, health_check_interval_s=0.0, access_log=True)
+
+
+def _proxy_on(*replicas: ReplicaSpec) -> tuple[Starlette, Registry]:
+    registry = Registry(replicas)
+    deps = ApiDeps(SETTINGS, MemoryIndex(), registry, MemoryLoadStore(), blocking_store=False)
+    return build_proxy_app(deps, ProxySettings(max_attempts=2)), registry
+
+
+def _send(app: Starlette, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    async def run() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+            return await client.request(method, path, **kwargs)
+
+    return asyncio.run(run())
+
+
+def _dead_url() -> str:
+    with socket.socket() as probe:  # a port nothing listens on once closed
+        probe.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{probe.getsockname()[1]}"
+
+
+def _open_breaker(health: ReplicaHealth) -> ReplicaHealth:
+    return msgspec.structs.replace(health, breaker_open_until=time.time() + 60)
+
+
+def test_readyz_is_503_with_no_routable_replica_and_says_why() -> None:
+    app, _ = _proxy_on(ReplicaSpec("r1", "m"))  # registered, but no url to forward to
+    answer = _send(app, "GET", "/readyz")
+    assert answer.status_code == 503 and "no replica with a url" in answer.json()["detail"]
+    app, registry = _proxy_on(ReplicaSpec("r1", "m", url=_dead_url()), ReplicaSpec("r2", "m"))
+    assert _send(app, "GET", "/readyz").status_code == 200
+    registry.update_health({"r1": _open_breaker})
+    answer = _send(app, "GET", "/readyz")  # r2 has no url: it does not count
+    assert answer.json()["detail"] == "every replica is out of routing: r1 (breaker)"
+    app, registry = _proxy_on(*(ReplicaSpec(r, "m", url=_dead_url()) for r in ("r1", "r2")))
+    registry.update_health({"r1": _open_breaker})
+    assert _send(app, "GET", "/readyz").status_code == 200  # r2 still takes requests
+    registry.update_health({"r2": _open_breaker})
+    answer = _send(app, "GET", "/readyz")
+    assert answer.status_code == 503
+    assert answer.json()["detail"] == "every replica is out of routing: r1 (breaker), r2 (breaker)"
+
+
+def test_a_502_body_has_its_request_id_and_the_log_the_replicas_and_reasons(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    app, _ = _proxy_on(*(ReplicaSpec(r, "m", url=_dead_url()) for r in ("r1", "r2")))
+    body = {"model": "m", "prompt": "a b c", "max_tokens": 1}
+    headers = {"x-request-id": "req-7", "authorization": "Bearer client-secret"}
+    with caplog.at_level(logging.INFO):
+        answer = _send(app, "POST", "/v1/completions", json=body, headers=headers)
+    assert answer.status_code == 502 and answer.headers["x-request-id"] == "req-7"
+    assert answer.json() == {
+        "error": {
+            "message": "no replica could answer the request",
+            "type": "upstream_failed",
+            "code": 502,
+            "request_id": "req-7",
+        }
+    }
+    (failure,) = [r for r in caplog.records if r.name == "kvindex.proxy" and "req-7" in r.message]
+    assert "r1: connect" in failure.message and "r2: connect" in failure.message
+    assert failure.status == 502  # type: ignore[attr-defined]
+    (access,) = [r for r in caplog.records if r.name == "kvindex.access"]
+    fields = vars(access)
+    assert (fields["request_id"], fields["status"], fields["replica"]) == ("req-7", 502, "none")
+    assert fields["route"] == "/v1/completions" and fields["retries"] is None
+    assert fields["ttfb_ms"] is None and fields["duration_ms"] > 0
+    assert "client-secret" not in caplog.text
