@@ -116,8 +116,8 @@ class Membership:
         held, tokens = self._call(mode)
         if mode == "renew" and not held:
             log.warning(
-                "indexer lease of %s ran out (this process was paused or cut off): joining "
-                "again as a new member; its streams are claimed afresh",
+                "indexer lease %s ran out (this process paused or cut off, or redis lost "
+                "it): joining again as a new member; its streams are claimed afresh",
                 self.token,
             )
             self.token = new_token(self.member_id)

@@ -246,3 +246,19 @@ def test_a_rejoined_shard_fences_its_index_with_the_new_token(clock: Clock) -> N
     pipeline.handle_frames([frames(1)], R1)
     assert pipeline.num_fenced_batches == 0
     assert RedisIndex(client, SCHEMA).stats(R1).watermark == 1
+
+
+def test_a_stream_opened_after_the_lease_ran_out_is_handed_back_unrecorded(clock: Clock) -> None:
+    client = fakeredis.FakeRedis()
+    spec = ReplicaSpec("r1", MODEL)
+    membership = Membership(client, SCHEMA, "a", lease_ttl_s=TTL, clock=clock)
+    shard = Shard(membership, RedisIndex(client, SCHEMA))
+    shard.tick()
+    registry = Registry((spec,))
+    pipeline = Pipeline(
+        IndexerSettings(replicas=(spec,)), RedisIndex(client, SCHEMA), registry, claim=shard.claim
+    )
+    clock.now += TTL + 1.0
+    pipeline.track(R1, spec)
+    assert pipeline.take_fenced() == [R1]
+    assert registry.stream_ids() == []
