@@ -87,8 +87,14 @@ class IndexerService:
         written: BlockIndex = index
         if isinstance(index, RedisIndex):
             owner = None if membership is None else membership.member_id
+            lease = None if membership is None else (lambda: membership.token)
             fleet = FleetSync(
-                index.client, index.schema, registry, declared=settings.replicas, owner=owner
+                index.client,
+                index.schema,
+                registry,
+                declared=settings.replicas,
+                owner=owner,
+                lease=lease,
             )
             circuit = StoreCircuit(settings.store_cooldown_s, name="redis (write path)")
             written = CircuitIndex(

@@ -141,7 +141,7 @@ def _counters_view(counters: StreamCounters) -> dict[str, int]:
 
 
 def _worst(states: list[str]) -> str:
-    for state in ("stale", "replaying"):
+    for state in ("orphaned", "stale", "replaying"):
         if state in states:
             return state
     return "live" if states else "stale"

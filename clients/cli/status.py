@@ -62,7 +62,11 @@ def status_line(status: FleetStatus, batches_per_s: float | None) -> str:
     """``status`` as one line; ``batches_per_s`` None: not known yet."""
     totals, counters = status.totals, status.totals.counters
     num = totals.num_streams
-    states = ", ".join(_named(s, names) for s, names in status.streams_by_freshness.items())
+    states = ", ".join(
+        _named(s, names)
+        for s, names in status.streams_by_freshness.items()
+        if names or s is not Freshness.ORPHANED  # only a sharded fleet has orphans
+    )
     blocks = " ".join(f"{t.name.lower()} {n:,}" for t, n in totals.blocks_by_tier.items())
     rate = "-" if batches_per_s is None else f"{batches_per_s:.1f}"
     lag = "-" if status.max_lag_s is None else f"{status.max_lag_s:.3f}s"

@@ -28,6 +28,8 @@ class Freshness(enum.Enum):
     LIVE = "live"
     REPLAYING = "replaying"
     STALE = "stale"
+    ORPHANED = "orphaned"
+    """Sharded, and no live indexer keeps it (its owner's lease ran out): until taken over."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,6 @@
 """The fleet state an indexer shares through Redis (replica id → spec, stream → record), so API
-processes see what it sees; a Redis error is counted and logged, never fatal."""
+processes see what it sees; a Redis error is counted and logged, never fatal. A sharded
+indexer's records are fenced by its lease (``publish_status.lua``): none without one."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from kvindex.indexer.domain.health import StreamHealth, UnroutedCounters
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.redis.connection import RedisClient
+from kvindex.indexer.redis.lua import lua_script
 from kvindex.indexer.redis.schema import FLEET_MARKER, UNROUTED_FIELD, Schema
 
 log = logging.getLogger("kvindex.fleet")
@@ -91,7 +93,8 @@ def specs_of(raw: dict[bytes, bytes]) -> dict[str, ReplicaSpec]:
 
 class FleetSync:
     """Mirrors the in-process registry to and from Redis: ``tick`` is the whole job,
-    ``start`` runs it every ``period_s`` in a daemon thread. Not reentrant."""
+    ``start`` runs it every ``period_s`` in a daemon thread. Not reentrant. ``lease``: a
+    sharded indexer's current lease token, checked by every status write."""
 
     def __init__(
         self,
@@ -103,8 +106,12 @@ class FleetSync:
         period_s: float = 1.0,
         clock: Callable[[], float] = time.time,
         owner: str | None = None,
+        lease: Callable[[], str] | None = None,
     ) -> None:
         self._owner = owner
+        self._lease = lease
+        self._publish = client.register_script(lua_script(__name__, "publish_status.lua"))
+        self._refused = False
         self._client = client
         self._schema = schema
         self._registry = registry
@@ -193,6 +200,9 @@ class FleetSync:
         if self._owner is not None:  # a stream handed over: its new owner rewrites it
             gone = {f for f in gone if StreamId.parse(f).replica not in replicas}
         unrouted = encode_unrouted(self._registry.unrouted())
+        if self._lease is not None:
+            self._publish_fenced(self._lease(), unrouted, records, gone)
+            return
         with self._client.pipeline(transaction=True) as pipe:
             pipe.hset(self._schema.stream_status, UNROUTED_FIELD, unrouted)
             if records:
@@ -201,3 +211,18 @@ class FleetSync:
                 pipe.hdel(self._schema.stream_status, *gone)
             pipe.execute()
         self._written = set(records)
+
+    def _publish_fenced(
+        self, token: str, unrouted: bytes, records: dict[str, bytes], gone: set[str]
+    ) -> None:
+        keys = [self._schema.indexers, self._schema.stream_owners, self._schema.stream_status]
+        args: list[str | bytes | int] = [token, UNROUTED_FIELD, unrouted, len(records)]
+        for stream, record in records.items():
+            args += (stream, record)
+        args += sorted(gone)
+        refused = int(cast("int", self._publish(keys=keys, args=args))) < 0
+        if refused and records and not self._refused:
+            log.warning("stream records not published: lease %s not held", token)
+        self._refused = refused
+        if not refused:
+            self._written = set(records)

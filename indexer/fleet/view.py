@@ -1,6 +1,7 @@
 """The fleet as an API process sees it: a :class:`RegistryView` over the Redis hashes ``FleetSync``
 writes, read from a snapshot cached ``cache_ttl_s`` (the last one through an outage, which
-:meth:`RedisFleetView.outage` names); health records change in optimistic transactions."""
+:meth:`RedisFleetView.outage` names); health records change in optimistic transactions. A
+sharded stream whose claim is no live lease's reads orphaned (scored as stale)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from kvindex.indexer.fleet.registry import (
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.fleet.replica_health import HEALTHY, ReplicaHealth
 from kvindex.indexer.fleet.sync import (
+    StreamRecord,
     decode_record,
     decode_spec,
     decode_unrouted,
@@ -92,6 +94,7 @@ class RedisFleetView:
         self._cache_ttl_s = cache_ttl_s
         self._clock = clock
         self._remove = client.register_script(lua_script(__name__, "remove_replica.lua"))
+        self._kept = client.register_script(lua_script(__name__, "kept_streams.lua"))
         self._lock = threading.Lock()
         self._fleet = _Fleet()
         self._generation = 0
@@ -170,7 +173,7 @@ class RedisFleetView:
             by_stream = {s.stream: s for s in statuses}
             statuses = [by_stream[s] for s in streams if s in by_stream]
         return [
-            stream_freshness(s.stream, s.health, s.freshness, s.silent_s, fleet.now)
+            stream_freshness(s.stream, s.health, _scored(s.freshness), s.silent_s, fleet.now)
             for s in statuses
         ]
 
@@ -296,6 +299,15 @@ class RedisFleetView:
                 log.warning("%s", outage)
         self._outage = outage
 
+    def _kept_streams(self, records: dict[StreamId, StreamRecord | None]) -> set[StreamId]:
+        """The sharded streams a live indexer keeps (no round trip when none is sharded)."""
+        if all(r is None or r.owner is None for r in records.values()):
+            return set()
+        keys = [self._schema.indexers, self._schema.stream_owners]
+        with unavailable_on_connection_errors():
+            reply = cast("list[bytes]", self._kept(keys=keys))
+        return {StreamId.parse(name.decode()) for name in reply}
+
     def _read(self, now: float) -> _Fleet:
         with unavailable_on_connection_errors(), self._client.pipeline(False) as pipe:
             pipe.hgetall(self._schema.replicas)
@@ -304,20 +316,23 @@ class RedisFleetView:
             replies = cast("list[dict[bytes, bytes]]", pipe.execute())
         specs, raw = specs_of(replies[0]), replies[1]
         unrouted = decode_unrouted(raw.pop(UNROUTED_FIELD.encode(), None))
+        records = {StreamId.parse(k.decode()): decode_record(v) for k, v in raw.items()}
+        kept = self._kept_streams(records)
         statuses = []
-        for key, value in raw.items():
-            stream = StreamId.parse(key.decode())
-            record = decode_record(value)
+        for stream, record in records.items():
             if record is None or stream.replica not in specs:
                 continue
             expired = now - record.written_at > self._record_expiry_s
+            freshness = Freshness.STALE if expired else None
+            if record.owner is not None and stream not in kept:
+                freshness = Freshness.ORPHANED
             statuses.append(
                 snapshot(
                     stream,
                     record.health,
                     now=now,
                     stale_after_s=self._stale_after_s,
-                    freshness=Freshness.STALE if expired else None,
+                    freshness=freshness,
                     owner=record.owner,
                 )
             )
@@ -326,6 +341,11 @@ class RedisFleetView:
         health = {r: _health_of(value) for r, value in named.items() if r in specs}
         ordered = sorted(statuses, key=lambda s: s.stream)
         return _Fleet(specs, ordered, marked, unrouted, health, now)
+
+
+def _scored(freshness: Freshness) -> Freshness:
+    """What the scorer weighs: an orphaned stream's entries are as old as a stale one's."""
+    return Freshness.STALE if freshness is Freshness.ORPHANED else freshness
 
 
 def _health_of(raw: bytes | None) -> ReplicaHealth:

@@ -278,6 +278,10 @@ class RedisIndex:
         with unavailable_on_connection_errors():
             self._client.hset(self._keys(stream)[0], META_OWNER, self._owner)
 
+    def fence_with(self, owner: str) -> None:
+        """Fence this writer's later calls with ``owner`` (a sharded indexer's new lease)."""
+        self._owner = owner
+
     def owner(self, stream: StreamId) -> str | None:
         with unavailable_on_connection_errors():
             raw = cast("bytes | None", self._client.hget(self._keys(stream)[0], META_OWNER))

@@ -1,11 +1,13 @@
 """Sharded indexers: leases in Redis, and which indexer owns which stream.
 
-Each process renews a lease (its token in one ZSET, scored by expiry) every ``lease_ttl_s /
-3``. A stream belongs to the live member of highest rendezvous weight, so every member
-computes the same owner and a join or leave moves only its share. Ownership is enforced in
-the store: a new owner claims a stream (its token in the stream's meta) before reading its
-watermark, and every batch script checks the token, so a previous owner's batch is refused
-whole (``FencedError``): never two writers on one stream.
+Each process renews a lease (its token in one ZSET, scored by expiry on the server's clock)
+every ``lease_ttl_s / 3``. A stream belongs to the live member of highest rendezvous weight,
+so every member computes the same owner and a join or leave moves only its share. Ownership
+is enforced in the store: a new owner claims a stream (in the fleet's slot, only while its
+lease runs; then its token in the stream's meta) before reading its watermark, and every
+batch script checks the token, so a previous owner's batch is refused whole
+(``FencedError``): never two writers on one stream. A lease that ran out is never renewed:
+its holder joins again under a new token, with nothing of its old streams kept.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import xxhash
 
 from kvindex.indexer.domain.events import StreamId
 from kvindex.indexer.index.circuit import StoreCircuit
-from kvindex.indexer.index.protocol import IndexUnavailableError
+from kvindex.indexer.index.protocol import FencedError, IndexUnavailableError
 from kvindex.indexer.index.redis import RedisIndex, unavailable_on_connection_errors
 from kvindex.indexer.redis.connection import RedisClient
 from kvindex.indexer.redis.lua import lua_script
@@ -49,6 +51,10 @@ def member_of(token: str) -> str:
     return token.rpartition(TOKEN_SEPARATOR)[0] or token
 
 
+def new_token(member_id: str) -> str:
+    return f"{member_id}{TOKEN_SEPARATOR}{secrets.token_hex(4)}"
+
+
 class Membership:
     """This process's lease and its view of the live members. One thread; :attr:`members`
     may be read from any."""
@@ -63,7 +69,11 @@ class Membership:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.member_id = check_name("indexer_id", member_id)
-        self.token = f"{member_id}{TOKEN_SEPARATOR}{secrets.token_hex(4)}"
+        self.token = new_token(member_id)
+        self.epoch = 0
+        """Joins so far: a change means a new token, and nothing of the old one's kept."""
+        self.expiry_ms = 0
+        """The lease's expiry on the server's clock, as of the last renew."""
         self._client = client
         self._key = schema.indexers
         self._ttl_s = lease_ttl_s
@@ -99,13 +109,23 @@ class Membership:
         return True
 
     def renew(self, *, leave: bool = False) -> tuple[str, ...]:
-        """Extend this lease (or remove it: ``leave``); returns the live members' ids.
+        """Extend this lease (or remove it: ``leave``); returns the live members' ids. A
+        lease that ran out is not extended: a new token joins (``epoch`` moves on).
         Raises :class:`IndexUnavailableError` when Redis is down."""
-        now_ms, ttl_ms = int(self._clock() * 1000), int(self._ttl_s * 1000)
-        args: list[str | int] = [self.token, now_ms, ttl_ms, int(leave)]
-        with unavailable_on_connection_errors():
-            reply = cast("list[bytes]", self._renew(keys=[self._key], args=args))
-        tokens = [t.decode() for t in reply]
+        mode = "leave" if leave else ("renew" if self.epoch else "join")
+        held, tokens = self._call(mode)
+        if mode == "renew" and not held:
+            log.warning(
+                "indexer lease %s ran out (this process paused or cut off, or redis lost "
+                "it): joining again as a new member; its streams are claimed afresh",
+                self.token,
+            )
+            self.token = new_token(self.member_id)
+            self._namesakes.clear()
+            mode = "join"
+            held, tokens = self._call(mode)
+        if mode == "join":
+            self.epoch += 1
         members = tuple(sorted({member_of(t) for t in tokens}))
         if leave:
             return members  # this process is going: its view no longer matters
@@ -114,6 +134,15 @@ class Membership:
         self.members = members
         self._check_namesakes(tokens)
         return members
+
+    def _call(self, mode: str) -> tuple[bool, list[str]]:
+        args: list[str | int] = [self.token, int(self._ttl_s * 1000), mode]
+        with unavailable_on_connection_errors():
+            reply = cast("list[int | bytes]", self._renew(keys=[self._key], args=args))
+        held, expiry = int(reply[0]), int(reply[1])
+        if held:
+            self.expiry_ms = expiry
+        return bool(held), [cast("bytes", t).decode() for t in reply[2:]]
 
     def _check_namesakes(self, tokens: Sequence[str]) -> None:
         """A lease under this id still live past ``lease_ttl_s`` is a second indexer with
@@ -146,7 +175,7 @@ class Membership:
 
 class Shard:
     """What the subscriber asks about ownership: the view, and claims (through the write
-    path's circuit if given)."""
+    path's circuit if given). One thread."""
 
     def __init__(
         self, membership: Membership, index: RedisIndex, circuit: StoreCircuit | None = None
@@ -154,6 +183,12 @@ class Shard:
         self.membership = membership
         self._index = index
         self._circuit = circuit
+        client = index.client
+        self._leases, self._owners = index.schema.indexers, index.schema.stream_owners
+        self._claim_stream = client.register_script(lua_script(__name__, "claim_stream.lua"))
+        self._claim_fence = client.register_script(lua_script(__name__, "claim_fence.lua"))
+        self._epoch = membership.epoch
+        self._rejoined = False
 
     @property
     def member_id(self) -> str:
@@ -164,16 +199,39 @@ class Shard:
         return self.membership.token
 
     def tick(self) -> bool:
-        return self.membership.tick()
+        renewed = self.membership.tick()
+        if self.membership.epoch != self._epoch:
+            self._epoch = self.membership.epoch
+            self._index.fence_with(self.membership.token)
+            self._rejoined = self._epoch > 1
+        return renewed
+
+    def take_rejoined(self) -> bool:
+        """True once after this process joined again under a new token (its lease ran
+        out): every stream it kept must be dropped and claimed afresh."""
+        rejoined, self._rejoined = self._rejoined, False
+        return rejoined
 
     def owns(self, stream: StreamId) -> bool:
         return self.membership.owns(stream)
 
     def claim(self, stream: StreamId) -> None:
+        """Record the stream as this lease's, then take its index fence; raises
+        :class:`FencedError` (nothing written after) once the lease has run out."""
         if self._circuit is None:
-            self._index.claim(stream)
+            self._claim(stream)
         else:
-            self._circuit.call(self._index.claim, stream)
+            self._circuit.call(self._claim, stream)
+
+    def _claim(self, stream: StreamId) -> None:
+        token = self.membership.token
+        with unavailable_on_connection_errors():
+            keys = [self._leases, self._owners]
+            if not self._claim_stream(keys=keys, args=[token, str(stream)]):
+                raise FencedError(f"stream {stream}: not claimed, the lease ran out")
+            meta = self._index.schema.stream(stream).meta
+            if not self._claim_fence(keys=[meta], args=[token, self.membership.expiry_ms]):
+                raise FencedError(f"stream {stream}: not fenced, the lease ran out")
 
     def leave(self) -> None:
         self.membership.leave()

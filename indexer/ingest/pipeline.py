@@ -141,6 +141,12 @@ class Pipeline:
         self._ingestor.forget(stream)
         self._registry.forget(stream)
 
+    def release_all(self) -> None:
+        """Forget every stream (this process's lease ran out: nothing it kept is trusted)."""
+        for stream in list(self._runtimes):
+            self.release(stream)
+        self._fenced = []
+
     def take_fenced(self) -> list[StreamId]:
         fenced, self._fenced = self._fenced, []
         return fenced
@@ -321,15 +327,22 @@ class Pipeline:
         replay = None if self._replays is None else spec.replay_for_rank(stream.rank)
         can_replay = replay is not None
         report = StreamReport()
+        refused = False
         try:
             if self._claim is not None:
                 self._claim(stream)  # fence out the previous owner before reading its mark
             tracker = self._tracker_from_index(stream, can_replay=can_replay, report=report)
         except IndexUnavailableError:  # the first store call will fail too, and be counted
             tracker = StreamTracker(can_replay=can_replay, counters=report)
+        except FencedError:  # this process's lease ran out: no record, handed straight back
+            tracker = StreamTracker(can_replay=can_replay, counters=report)
+            refused = True
         runtime = _Runtime(stream, spec.model, tracker, replay, report, heard_at=self._clock())
         self._runtimes[stream] = runtime
-        self._registry.record(stream, report)  # an empty report: the record exists from now
+        if refused:
+            self._fenced_out(runtime, 0)
+        else:
+            self._registry.record(stream, report)  # an empty report: the record exists now
         return runtime
 
     def _tracker_from_index(

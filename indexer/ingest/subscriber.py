@@ -216,7 +216,17 @@ class SubscriberLoop:
             if stream.replica not in self._sockets_of:  # bind mode: no socket of its own
                 self.pipeline.release(stream)
         if self._shard.tick() or fenced:
+            if self._shard.take_rejoined():
+                self._drop_every_stream()
             self._rebalance()
+
+    def _drop_every_stream(self) -> None:
+        """A new lease: close and forget every stream, so each owned one is claimed afresh
+        (its mark read again from the index) and nothing of the old lease is published."""
+        for replica in {*self._ranks_of, *self._sockets_of}:
+            self._close_replica(replica)
+        self._excluded.clear()
+        self.pipeline.release_all()
 
     def _owned_ranks(self, spec: ReplicaSpec, every_worker: bool = False) -> tuple[int, ...]:
         """The replica's ranks this loop subscribes to (``every_worker``: the process's),

@@ -120,7 +120,13 @@ class Schema:
 
     @property
     def indexers(self) -> str:
-        return f"{self.root}:indexers"
+        """Sharded indexers' leases: in the fleet's slot, so a status write checks its lease."""
+        return f"{self.root}:{{fleet}}:indexers"
+
+    @property
+    def stream_owners(self) -> str:
+        """Stream → the lease token that claimed it (what a status write is checked against)."""
+        return f"{self.root}:{{fleet}}:owners"
 
     def scrape_claim(self, replica: str) -> str:
         return f"{self.root}:scrape:{replica}"

@@ -4,13 +4,18 @@ renew sees it, claims the streams, replays each from its stored watermark), and 
 replica's real cache is what the index credits (no block lost, none applied twice: pools
 small enough that traffic evicts, so a block counted twice would stay credited), every
 stored watermark is the replica's last seq, and every stream names the survivor as owner.
-And the other way: an indexer that joins takes its streams back, the handover fenced."""
+And the other way: an indexer that joins takes its streams back, the handover fenced. An
+indexer paused past its lease publishes nothing stale when it wakes, and a stream no live
+indexer keeps reads orphaned until one takes it over."""
 
 from __future__ import annotations
 
+import json
+import signal
 import threading
 import time
 from collections.abc import Iterator
+from typing import cast
 
 import pytest
 import redis
@@ -164,3 +169,109 @@ def assert_resumed_exactly(fleet: FaultFleet, store: RedisIndex, owner_of: dict[
         assert store.stats(stream).watermark == seqs[rid], rid
         owner = store.owner(stream)
         assert owner is not None and member_of(owner) == member, (rid, owner)
+
+
+def published(client: redis.Redis) -> dict[str, tuple[str | None, int]]:
+    """Each stream's record as stored for API processes: (owner, last_seq)."""
+    raw = cast("dict[bytes, bytes]", client.hgetall(Schema().stream_status))
+    out = {}
+    for field, value in raw.items():
+        if not field.startswith(b"#"):
+            record = json.loads(value)
+            out[field.decode()] = (record.get("owner"), record["live"]["last_seq"])
+    return out
+
+
+def test_a_paused_indexer_past_its_lease_publishes_nothing_stale_when_it_wakes(
+    fleet: FaultFleet, scale: Scale
+) -> None:
+    """SIGSTOP past the lease, SIGCONT: the woken indexer never republishes what it had
+    (no record of it going back in seq), and each stream changes owner at most once after
+    (the survivor, then the woken one as a new member)."""
+    split = {r: VICTIM if r in VICTIMS else SURVIVOR for r in REPLICAS}
+    wait_owners(fleet, split, timeout_s=2 * LEASE_TTL_S)
+    victim = fleet.more_indexers[VICTIM]
+    client = redis.Redis(port=fleet.redis_port)
+    stop = threading.Event()
+    driver = threading.Thread(target=_drive_until, args=(fleet, stop, scale.num_prompts))
+    driver.start()
+    try:
+        victim.signal(signal.SIGSTOP)
+        wait_owners(fleet, dict.fromkeys(REPLICAS, SURVIVOR), timeout_s=TAKEOVER_BOUND_S)
+        history = {s: [seen] for s, seen in _fallen_behind(client, timeout_s=5.0).items()}
+        victim.signal(signal.SIGCONT)
+        deadline = time.monotonic() + 3 * LEASE_TTL_S
+        while time.monotonic() < deadline:
+            now = published(client)
+            for stream, seen in history.items():
+                if now.get(stream) != seen[-1]:
+                    seen.append(now[stream])
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        driver.join()
+    client.close()
+    for stream, seen in history.items():
+        owners_seen = [
+            owner for i, (owner, _) in enumerate(seen) if i == 0 or owner != seen[i - 1][0]
+        ]
+        print(f"\n{stream}: owners after SIGCONT {owners_seen}, (owner, last_seq) {seen[:12]}")
+        assert owners_seen in ([SURVIVOR], [SURVIVOR, VICTIM]), (stream, seen)
+        top = -1
+        for owner, seq in seen:
+            assert seq < 0 or seq >= top, f"{stream}: {owner} republished seq {seq} < {top}"
+            top = max(top, seq)
+    wait_owners(fleet, split, timeout_s=TAKEOVER_BOUND_S)
+
+
+def _fallen_behind(client: redis.Redis, timeout_s: float) -> dict[str, tuple[str | None, int]]:
+    """The victims' streams once the survivor has published some batches past the paused
+    indexer's last ones (so a stale record would show)."""
+    streams = [f"{r}/0" for r in VICTIMS]
+    first = published(client)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = published(client)
+        if all(now[s][0] == SURVIVOR and now[s][1] >= first[s][1] + 20 for s in streams):
+            return {s: now[s] for s in streams}
+        assert time.monotonic() < deadline, f"the survivor publishes no progress: {now}"
+        time.sleep(0.05)
+
+
+def _drive_until(fleet: FaultFleet, stop: threading.Event, num_prompts: int) -> None:
+    """Traffic to every replica until ``stop``: each stream keeps publishing."""
+    round_ = 0
+    while not stop.is_set():
+        fleet.drive(prompts_of(f"ps{round_}", num_prompts))
+        round_ += 1
+
+
+def test_a_stream_no_live_indexer_keeps_reads_orphaned_until_taken_over(
+    fleet: FaultFleet,
+) -> None:
+    """The only live indexer paused: past its lease its streams read ``orphaned`` (never
+    ``live``) in the API, until a new indexer takes them over."""
+    keeper, joiner = fleet.indexer, fleet.more_indexers[VICTIM]
+    joiner.stop()  # a clean stop gives its lease up at once
+    wait_owners(fleet, dict.fromkeys(REPLICAS, SURVIVOR), timeout_s=2 * LEASE_TTL_S)
+    keeper.signal(signal.SIGSTOP)
+    try:
+        paused = time.monotonic()
+        states = _wait_states(fleet, {"orphaned"}, timeout_s=LEASE_TTL_S + 3.0)
+        print(f"\norphaned {time.monotonic() - paused:.2f} s after SIGSTOP: {states}")
+        joiner.spawn()
+        joiner.wait_ready(timeout_s=30.0)
+        wait_owners(fleet, dict.fromkeys(REPLICAS, VICTIM), timeout_s=TAKEOVER_BOUND_S)
+        _wait_states(fleet, {"live", "replaying"}, timeout_s=TAKEOVER_BOUND_S)
+    finally:
+        keeper.signal(signal.SIGCONT)
+
+
+def _wait_states(fleet: FaultFleet, wanted: set[str], timeout_s: float) -> dict[str, str]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = {r: v.get("freshness", {}).get("state") for r, v in fleet.streams().items()}
+        if set(states) == set(REPLICAS) and set(states.values()) <= wanted:
+            return cast("dict[str, str]", states)
+        assert time.monotonic() < deadline, f"streams not {wanted}: {states}"
+        time.sleep(0.1)

@@ -37,3 +37,13 @@ def test_the_indexer_settings_are_store_settings() -> None:
 def test_a_bad_value_names_its_key(env: dict[str, str], message: str) -> None:
     with pytest.raises(SettingsError, match=message):
         load_store_settings(env=env)
+
+
+def test_several_seed_urls_are_a_clusters_and_errors_hide_credentials() -> None:
+    seeds = "redis://:pw@a:7000/0, redis://:pw@b:7001/0"
+    assert StoreSettings(store="redis", redis_url=seeds).redis_url == seeds
+    with pytest.raises(SettingsError, match="several URLs") as off:
+        StoreSettings(store="redis", redis_url=seeds, redis_cluster="off")
+    with pytest.raises(SettingsError, match="redis://") as scheme:
+        StoreSettings(store="redis", redis_url="redis://:pw@a:7000, http://:pw@b:1")
+    assert "pw" not in str(off.value) + str(scheme.value)

@@ -58,7 +58,12 @@ def test_fleet_totals_add_up_every_stream_and_its_blocks() -> None:
     assert (totals.counters.num_batches, totals.counters.num_decode_errors) == (9, 1)
     assert totals.blocks_by_tier == {Tier.GPU: 2, Tier.CPU: 1, Tier.OTHER: 0}
     by_freshness = totals.num_streams_by_freshness
-    assert by_freshness == {Freshness.LIVE: 2, Freshness.REPLAYING: 1, Freshness.STALE: 0}
+    assert by_freshness == {
+        Freshness.LIVE: 2,
+        Freshness.REPLAYING: 1,
+        Freshness.STALE: 0,
+        Freshness.ORPHANED: 0,
+    }
 
 
 def test_fleet_totals_without_an_index_leave_blocks_out() -> None:

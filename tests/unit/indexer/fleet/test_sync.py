@@ -1,6 +1,7 @@
 """FleetSync and RedisFleetView specifics (the shared behaviour is the registry-view
 contract in ``tests/contract``): bind-mode replicas shared, errors counted, caching,
-expiry of an indexer's records, undecodable values skipped."""
+expiry of an indexer's records, undecodable values skipped, a sharded indexer's records
+fenced by its lease, and orphaned streams."""
 
 from __future__ import annotations
 
@@ -15,11 +16,15 @@ from kvindex.indexer.fleet.sync import FleetSync, StreamRecord, encode_record, e
 from kvindex.indexer.fleet.view import RedisFleetView
 from kvindex.indexer.index.circuit import StoreCircuit
 from kvindex.indexer.index.protocol import IndexUnavailableError
+from kvindex.indexer.index.redis import RedisIndex
+from kvindex.indexer.ingest.membership import Membership, Shard
 from kvindex.indexer.redis.schema import UNROUTED_FIELD, Schema
 from tests.support.clock import Clock
 
 SCHEMA = Schema("test")
 R1 = ReplicaSpec("r1", "m", events="tcp://127.0.0.1:5557")
+R2 = ReplicaSpec("r2", "m", events="tcp://127.0.0.1:5558")
+TTL = 9.0
 
 
 def test_declared_replicas_are_published_at_start() -> None:
@@ -201,3 +206,47 @@ def test_a_sharded_indexer_names_itself_and_leaves_a_handed_over_stream_to_its_o
     sync.tick()
     assert view.statuses() == []
     assert registry.replicas() == []
+
+
+def test_a_sharded_indexers_records_need_its_lease_and_its_claim(server_clock: Clock) -> None:
+    client, registry = fakeredis.FakeRedis(), Registry((R1, R2))
+    a = Membership(client, SCHEMA, "idx-a", lease_ttl_s=TTL, clock=server_clock)
+    shard = Shard(a, RedisIndex(client, SCHEMA))
+    shard.tick()
+    shard.claim(StreamId("r1"))  # r2 is another indexer's (never claimed here)
+    for replica in ("r1", "r2"):
+        registry.record(StreamId(replica), StreamReport(last_seq=4))
+    sync = FleetSync(client, SCHEMA, registry, owner="idx-a", lease=lambda: a.token)
+    sync.tick()
+    assert set(client.hkeys(SCHEMA.stream_status)) == {b"r1/0", UNROUTED_FIELD.encode()}
+    published = client.hgetall(SCHEMA.stream_status)
+    server_clock.now += TTL + 1.0  # paused past its lease
+    registry.record(StreamId("r1"), StreamReport(last_seq=9))
+    sync.tick()
+    assert client.hgetall(SCHEMA.stream_status) == published
+
+
+def test_a_sharded_stream_reads_orphaned_until_a_live_indexer_claims_it(
+    server_clock: Clock,
+) -> None:
+    client, stream = fakeredis.FakeRedis(), StreamId("r1")
+    view = RedisFleetView(client, SCHEMA, cache_ttl_s=0.0, clock=server_clock)
+    view.add(R1)
+    a, b = (
+        Membership(client, SCHEMA, i, lease_ttl_s=TTL, clock=server_clock)
+        for i in ("idx-a", "idx-b")
+    )
+    shard_a = Shard(a, RedisIndex(client, SCHEMA))
+    shard_a.tick()
+    shard_a.claim(stream)
+    health = StreamHealth(connected=True, last_heard=server_clock.now)
+    record = StreamRecord(health, server_clock.now, "idx-a")
+    client.hset(SCHEMA.stream_status, str(stream), encode_record(record))
+    assert [s.freshness for s in view.statuses()] == [Freshness.LIVE]
+    server_clock.now += TTL + 1.0
+    assert [s.freshness for s in view.statuses()] == [Freshness.ORPHANED]
+    assert [f.freshness for f in view.freshness()] == [Freshness.STALE]  # as scored
+    shard_b = Shard(b, RedisIndex(client, SCHEMA))
+    shard_b.tick()
+    shard_b.claim(stream)  # taken over: kept again, the record rewritten by its new owner
+    assert [s.freshness for s in view.statuses()] != [Freshness.ORPHANED]

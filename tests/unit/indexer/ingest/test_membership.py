@@ -1,9 +1,10 @@
-"""Membership: rendezvous assignment, leases over a fake Redis and a hand-set clock, and
-the pipeline's side of the fence (a batch another indexer's claim refuses)."""
+"""Membership: rendezvous assignment, leases over a fake Redis whose server clock is set by
+hand, and the pipeline's side of the fence (a batch another indexer's claim refuses)."""
 
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import fakeredis
 import pytest
@@ -12,7 +13,7 @@ from kvindex.indexer.config.settings import IndexerSettings
 from kvindex.indexer.domain.events import StreamId
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
-from kvindex.indexer.index.protocol import IndexUnavailableError
+from kvindex.indexer.index.protocol import FencedError, IndexUnavailableError
 from kvindex.indexer.index.redis import RedisIndex
 from kvindex.indexer.ingest.membership import (
     Membership,
@@ -28,6 +29,11 @@ from tests.unit.indexer.ingest.test_pipeline import MODEL, R1, frames
 SCHEMA = Schema("test")
 TTL = 9.0
 STREAMS = [StreamId(f"r{i}", rank) for i in range(300) for rank in range(2)]
+
+
+@pytest.fixture
+def clock(server_clock: Clock) -> Clock:
+    return server_clock
 
 
 def owners(members: list[str]) -> dict[StreamId, str | None]:
@@ -73,8 +79,26 @@ def members(client: fakeredis.FakeRedis, clock: Clock, *ids: str) -> list[Member
     return [Membership(client, SCHEMA, i, lease_ttl_s=TTL, clock=clock) for i in ids]
 
 
-def test_members_see_each_other_and_split_every_stream_once() -> None:
-    clock, client = Clock(), fakeredis.FakeRedis()
+def test_a_lapsed_lease_is_never_renewed_its_holder_joins_under_a_new_token(
+    caplog: pytest.LogCaptureFixture, clock: Clock
+) -> None:
+    client = fakeredis.FakeRedis()
+    a, b = members(client, clock, "a", "b")
+    a.renew()
+    b.renew()
+    first = a.token
+    clock.now += TTL + 1.0  # a paused past its lease; b renews first
+    assert b.renew() == ("b",)
+    assert a.renew() == ("a", "b")
+    assert a.token != first and member_of(a.token) == "a"
+    assert a.epoch == 2
+    leases = {t.decode() for t in cast("list[bytes]", client.zrange(SCHEMA.indexers, 0, -1))}
+    assert first not in leases and a.token in leases
+    assert "ran out" in caplog.text
+
+
+def test_members_see_each_other_and_split_every_stream_once(clock: Clock) -> None:
+    client = fakeredis.FakeRedis()
     a, b = members(client, clock, "a", "b")
     a.renew()
     b.renew()
@@ -84,8 +108,8 @@ def test_members_see_each_other_and_split_every_stream_once() -> None:
         assert a.owns(stream) != b.owns(stream)
 
 
-def test_a_member_that_stops_renewing_drops_out_after_its_ttl() -> None:
-    clock, client = Clock(), fakeredis.FakeRedis()
+def test_a_member_that_stops_renewing_drops_out_after_its_ttl(clock: Clock) -> None:
+    client = fakeredis.FakeRedis()
     a, b = members(client, clock, "a", "b")
     a.renew()
     b.renew()
@@ -96,8 +120,8 @@ def test_a_member_that_stops_renewing_drops_out_after_its_ttl() -> None:
     assert all(a.owns(s) for s in STREAMS)
 
 
-def test_leave_removes_the_lease_at_once() -> None:
-    clock, client = Clock(), fakeredis.FakeRedis()
+def test_leave_removes_the_lease_at_once(clock: Clock) -> None:
+    client = fakeredis.FakeRedis()
     a, b = members(client, clock, "a", "b")
     a.renew()
     b.renew()
@@ -105,8 +129,8 @@ def test_leave_removes_the_lease_at_once() -> None:
     assert a.renew() == ("a",)
 
 
-def test_tick_renews_once_a_third_of_the_ttl() -> None:
-    clock, client = Clock(), fakeredis.FakeRedis()
+def test_tick_renews_once_a_third_of_the_ttl(clock: Clock) -> None:
+    client = fakeredis.FakeRedis()
     a, b = members(client, clock, "a", "b")
     assert a.tick()
     b.renew()
@@ -118,8 +142,10 @@ def test_tick_renews_once_a_third_of_the_ttl() -> None:
     assert list(a.members) == ["a", "b"]
 
 
-def test_tick_keeps_the_last_view_while_redis_is_down(caplog: pytest.LogCaptureFixture) -> None:
-    clock, server = Clock(), fakeredis.FakeServer()
+def test_tick_keeps_the_last_view_while_redis_is_down(
+    caplog: pytest.LogCaptureFixture, clock: Clock
+) -> None:
+    server = fakeredis.FakeServer()
     a = Membership(fakeredis.FakeRedis(server=server), SCHEMA, "a", lease_ttl_s=TTL, clock=clock)
     assert a.tick()
     server.connected = False
@@ -131,8 +157,10 @@ def test_tick_keeps_the_last_view_while_redis_is_down(caplog: pytest.LogCaptureF
     assert "lease not renewed" in caplog.text
 
 
-def test_a_second_live_indexer_under_one_id_is_reported(caplog: pytest.LogCaptureFixture) -> None:
-    clock, client = Clock(), fakeredis.FakeRedis()
+def test_a_second_live_indexer_under_one_id_is_reported(
+    caplog: pytest.LogCaptureFixture, clock: Clock
+) -> None:
+    client = fakeredis.FakeRedis()
     a, twin = members(client, clock, "a", "a")
     caplog.set_level(logging.ERROR)
     for _ in range(5):  # both keep renewing for longer than a ttl
@@ -142,8 +170,10 @@ def test_a_second_live_indexer_under_one_id_is_reported(caplog: pytest.LogCaptur
     assert "give each indexer its own indexer_id" in caplog.text
 
 
-def test_a_restarted_indexer_predecessor_is_not_reported(caplog: pytest.LogCaptureFixture) -> None:
-    clock, client = Clock(), fakeredis.FakeRedis()
+def test_a_restarted_indexer_predecessor_is_not_reported(
+    caplog: pytest.LogCaptureFixture, clock: Clock
+) -> None:
+    client = fakeredis.FakeRedis()
     dead, restarted = members(client, clock, "a", "a")
     dead.renew()
     caplog.set_level(logging.ERROR)
@@ -156,10 +186,14 @@ def test_a_restarted_indexer_predecessor_is_not_reported(caplog: pytest.LogCaptu
 # --- the pipeline behind a fence ----------------------------------------------------------
 
 
-def fenced_pipeline(client: fakeredis.FakeRedis, member: str) -> tuple[Pipeline, Shard]:
-    membership = Membership(client, SCHEMA, member, lease_ttl_s=TTL, clock=Clock())
-    index = RedisIndex(client, SCHEMA, owner=membership.token)
+def fenced_pipeline(
+    client: fakeredis.FakeRedis, member: str, clock: Clock | None = None
+) -> tuple[Pipeline, Shard]:
+    clock = clock or Clock()
+    membership = Membership(client, SCHEMA, member, lease_ttl_s=TTL, clock=clock)
+    index = RedisIndex(client, SCHEMA)
     shard = Shard(membership, index)
+    shard.tick()  # joins: the index is fenced with the lease's token
     spec = ReplicaSpec("r1", MODEL)
     config = IndexerSettings(replicas=(spec,))
     pipeline = Pipeline(config, index, Registry(config.replicas), claim=shard.claim)
@@ -184,3 +218,47 @@ def test_a_batch_after_another_indexer_claimed_is_dropped_counted_and_handed_ove
     new.handle_frames([frames(2), frames(3)], R1)
     assert reader.stats(R1).watermark == 3
     assert new.num_fenced_batches == 0
+
+
+def test_a_claim_after_the_lease_ran_out_writes_nothing(clock: Clock) -> None:
+    client = fakeredis.FakeRedis()
+    pipeline, shard = fenced_pipeline(client, "a")
+    pipeline.handle_frames([frames(0)], R1)
+    other = StreamId("r2")
+    clock.now += TTL + 1.0
+    with pytest.raises(FencedError):
+        shard.claim(other)
+    assert client.hget(SCHEMA.stream_owners, str(other)) is None
+    assert RedisIndex(client, SCHEMA).owner(other) is None
+
+
+def test_a_rejoined_shard_fences_its_index_with_the_new_token(clock: Clock) -> None:
+    client = fakeredis.FakeRedis()
+    pipeline, shard = fenced_pipeline(client, "a", clock)
+    pipeline.handle_frames([frames(0)], R1)
+    clock.now += TTL + 1.0
+    assert shard.tick()
+    assert shard.take_rejoined() and not shard.take_rejoined()
+    pipeline.release_all()
+    assert pipeline.take_fenced() == []
+    pipeline.track(R1, ReplicaSpec("r1", MODEL))  # claimed afresh under the new token
+    assert RedisIndex(client, SCHEMA).owner(R1) == shard.token
+    pipeline.handle_frames([frames(1)], R1)
+    assert pipeline.num_fenced_batches == 0
+    assert RedisIndex(client, SCHEMA).stats(R1).watermark == 1
+
+
+def test_a_stream_opened_after_the_lease_ran_out_is_handed_back_unrecorded(clock: Clock) -> None:
+    client = fakeredis.FakeRedis()
+    spec = ReplicaSpec("r1", MODEL)
+    membership = Membership(client, SCHEMA, "a", lease_ttl_s=TTL, clock=clock)
+    shard = Shard(membership, RedisIndex(client, SCHEMA))
+    shard.tick()
+    registry = Registry((spec,))
+    pipeline = Pipeline(
+        IndexerSettings(replicas=(spec,)), RedisIndex(client, SCHEMA), registry, claim=shard.claim
+    )
+    clock.now += TTL + 1.0
+    pipeline.track(R1, spec)
+    assert pipeline.take_fenced() == [R1]
+    assert registry.stream_ids() == []

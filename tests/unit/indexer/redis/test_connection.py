@@ -1,4 +1,4 @@
-"""The one Redis client factory: standalone or cluster, told or found out from one node.
+"""The one Redis client factory: standalone or cluster, told or found out from its seeds.
 
 These use the session's private redis-server and 3-master cluster (``tests/conftest.py``):
 what is detected is what a real server answers."""
@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 
 import pytest
 import redis
 from redis.cluster import RedisCluster
 
 from kvindex.indexer.redis.connection import (
+    PendingCluster,
     StoreConnectError,
     connect,
     connect_bounded,
     is_cluster,
     ping,
+    safe_url,
 )
 from tests.support.redis_cluster import ClusterNodes
 from tests.support.redis_server import RedisServer, free_port
@@ -65,10 +68,64 @@ def test_an_unreachable_node_in_auto_mode_is_used_as_standalone_with_a_warning(
     client.close()
 
 
-def test_a_cluster_that_cannot_be_reached_is_a_named_error() -> None:
-    url = f"redis://127.0.0.1:{free_port()}/0"
-    with pytest.raises(StoreConnectError, match=r"^redis cluster at redis://127"):
-        connect(url, cluster="on", socket_timeout_s=0.2)
+def test_a_cluster_that_cannot_be_reached_is_pending_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    url = f"redis://user:s3cret@127.0.0.1:{free_port()}/0"
+    with caplog.at_level(logging.WARNING, logger="kvindex.redis"):
+        client = connect(url, cluster="on", socket_timeout_s=0.2)
+    assert isinstance(client, PendingCluster)
+    with pytest.raises(redis.ConnectionError):
+        client.ping()
+    assert "no seed answers" in caplog.text and "s3cret" not in caplog.text
+    client.close()
+
+
+def test_any_seed_that_answers_is_enough(redis_cluster: ClusterNodes) -> None:
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    for mode in ("auto", "on"):
+        client = connect_bounded(f"{dead}, {redis_cluster.url}", timeout_s=0.5, cluster=mode)
+        assert type(client) is RedisCluster
+        nodes = client.nodes_manager.nodes_cache.values()
+        assert {node.port for node in nodes} == set(redis_cluster.ports)
+        client.close()
+
+
+def test_several_dead_seeds_in_auto_mode_are_a_pending_cluster() -> None:
+    seeds = ",".join(f"redis://127.0.0.1:{port}/0" for port in (free_port(), free_port()))
+    client = connect_bounded(seeds, timeout_s=0.2)
+    assert isinstance(client, PendingCluster)
+    client.close()
+
+
+def test_a_pending_cluster_joins_once_its_seed_answers(redis_cluster: ClusterNodes) -> None:
+    seed = redis_cluster.processes[0]
+    seed.send_signal(signal.SIGSTOP)  # answers nothing (within its node timeout)
+    try:
+        client = connect_bounded(redis_cluster.url, timeout_s=0.3, cluster="on")
+        assert isinstance(client, PendingCluster)
+        with pytest.raises(redis.ConnectionError):
+            client.set("k", b"v")
+    finally:
+        seed.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + 10.0
+    while True:
+        try:
+            assert ping(client)
+            break
+        except redis.ConnectionError:
+            assert time.monotonic() < deadline, "never joined"
+            time.sleep(0.1)
+    assert client.set("k", b"v") and client.get("k") == b"v"
+    assert {node.port for node in client.nodes_manager.nodes_cache.values()} == set(
+        redis_cluster.ports
+    )
+    client.close()
+
+
+def test_credentials_never_show_in_a_safe_url() -> None:
+    url = "redis://u:pw1@a:1/0, rediss://:pw2@b:2"
+    assert safe_url(url) == "redis://a:1/0,rediss://b:2"
 
 
 def test_a_database_other_than_0_on_a_cluster_is_a_named_error(
