@@ -357,7 +357,9 @@ class Forwarder:
         failures.append(f"{upstream.replica}: {kind}" + (f" ({exc!r})" if exc else ""))
 
     def _counter(self, upstream: Upstream, kind: str) -> Callable[[], None]:
-        return self._metrics.upstream_errors.labels(upstream.replica, kind).inc
+        """Counts one ``kind`` failure of ``upstream`` when called (its series found then)."""
+        errors = self._metrics.upstream_errors
+        return lambda: errors.labels(upstream.replica, kind).inc()
 
 
 def _kind(exc: httpx.HTTPError) -> str:
