@@ -90,14 +90,15 @@ class ApiSettings:
     """After a failed Redis call, skip Redis this long (``degraded``), then probe it."""
     access_log: bool = False
     """Log one line per HTTP request (logger ``kvindex.access``)."""
-    health_check_interval_s: float = 2.0
+    health_check_interval_s: float = 1.0
     """Check every replica's ``health_check_path`` this often (0: never), once per fleet."""
-    health_check_timeout_s: float = 1.0
+    health_check_timeout_s: float = 0.5
     """Timeout of one health check; a timeout is a failure."""
     health_check_path: str = "/health"
     """Path appended to a replica's ``url`` for its health check."""
-    unhealthy_threshold: int = 3
-    """Consecutive failed health checks that eject a replica from routing."""
+    unhealthy_threshold: int = 2
+    """Consecutive failed health checks that eject a replica: a hung one is out within this
+    times ``health_check_interval_s`` + ``health_check_timeout_s`` (2.5 s by default)."""
     healthy_threshold: int = 2
     """Consecutive passed health checks that restore an ejected replica."""
     breaker_failures: int = 5

@@ -1,9 +1,11 @@
 """The active health checker: ``GET <url><health_check_path>`` of every replica each
-interval, folded into its shared ``ReplicaHealth``; processes sharing a store split a round."""
+interval, folded into its shared ``ReplicaHealth``; processes sharing a store split a round.
+A replica found silent by a proxy is checked at once (:meth:`HealthChecker.confirm_hang`)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -79,9 +81,33 @@ class HealthChecker:
             self._report(replica, *update)
         return updates
 
-    def _change(self, outcome: Outcome, now: float) -> HealthChange:
+    async def confirm_hang(self, replica: str, silent_s: float) -> bool:
+        """``replica`` owes answers and sent no byte for ``silent_s``: checked now, a failed
+        check ejects it at once (no further failures awaited). True: it failed (hung)."""
+        url = next((r.url for r in self._registry.replicas() if r.id == replica and r.url), None)
+        if url is None:
+            return False
+        ok, error = await self._check(url)
+        if ok:
+            return False
+        why = f"no byte for {silent_s:.1f}s with answers owed, then its check failed: {error}"
+        change = self._change((False, why), self._clock(), unhealthy_threshold=1)
+        try:
+            updates = await self._call(self._registry.update_health, {replica: change})
+        except IndexUnavailableError as exc:
+            self._store(failing=str(exc))
+            return True
+        for name, update in updates.items():
+            self._report(name, *update)
+        return True
+
+    def _change(
+        self, outcome: Outcome, now: float, *, unhealthy_threshold: int | None = None
+    ) -> HealthChange:
         ok, error = outcome
         policy = self._policy
+        if unhealthy_threshold is not None:
+            policy = dataclasses.replace(policy, unhealthy_threshold=unhealthy_threshold)
 
         def change(record: ReplicaHealth) -> ReplicaHealth:
             return record.after_check(ok, error, now, policy)

@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, cast
 
 from starlette.datastructures import Headers
@@ -22,6 +23,9 @@ from kvindex.api.http.hot_routes import MAPPED_ERRORS, HotRoute, HotServing
 from kvindex.api.http.lingering import LingeringProtocol
 
 log = logging.getLogger("kvindex.api")
+ABORT = "kvindex.abort"
+"""A scope extension: a callable ending the answer under way with the connection, its body
+unfinished (a proxy's replica broke off); the app then returns with nothing logged."""
 _SERVER_ERROR = (
     b"content-type: text/plain; charset=utf-8\r\ncontent-length: 21\r\nconnection: close\r\n"
     b"\r\nInternal Server Error"
@@ -85,6 +89,10 @@ class HotProtocol(LingeringProtocol):
         cycle = self._hot_cycle()
         if cycle is None:
             super().on_headers_complete()
+            answering = self.cycle
+            if answering is not None and answering.scope is self.scope:  # not an upgrade
+                extensions = cast(dict[str, Any], self.scope.setdefault("extensions", {}))
+                extensions[ABORT] = partial(self._abort, answering)
             return
         self.cycle = cycle  # type: ignore[assignment]  # uvicorn reads the few fields it has
         self._pending = cycle
@@ -134,6 +142,10 @@ class HotProtocol(LingeringProtocol):
         self._idle_since = now = self.loop.time()
         if self._idle_timer is None:
             self._idle_timer = self.loop.call_at(now + self.timeout_keep_alive, self._idle_due)
+
+    def _abort(self, cycle: Any) -> None:
+        cycle.disconnected = True  # uvicorn's cycle: an unfinished answer is then no error
+        self.transport.close()
 
     def _idle_due(self) -> None:
         self._idle_timer = None

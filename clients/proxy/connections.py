@@ -1,6 +1,8 @@
 """HTTP/1.1 keep-alive pools to the replicas, as an httpx transport on httptools, with httpx's
 transport's contract: it returns at the answer's head; the raw body closed before its end
-closes the connection; errors are httpx's; no timeout past connecting; TLS goes to httpx's."""
+closes the connection; errors are httpx's; no timeout past connecting; TLS goes to httpx's.
+A connection that ends before one byte of its answer raises :class:`NothingReceivedError`;
+each pool knows how long its replica has owed an answer without a byte (:meth:`silent_s`)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import asyncio
 import socket
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import cast
 
 import httptools
@@ -15,13 +18,47 @@ import httpx
 
 _MAX_BUFFERED = 1 << 18
 """Body bytes read ahead of the forwarder before the connection stops reading."""
+FRESH_CONNECTION = "kvindex.fresh_connection"
+"""A request extension: true sends the request on a new connection (when the pool has room)."""
+
+
+class NothingReceivedError(httpx.RemoteProtocolError):
+    """The connection ended before one byte of the answer came: the request may be sent
+    again. ``reused``: it had served an answer before (the replica may have closed it idle);
+    ``abandoned``: the proxy closed it (:meth:`ReplicaTransport.abandon`)."""
+
+    def __init__(self, message: str, *, reused: bool, abandoned: bool = False) -> None:
+        super().__init__(message)
+        self.reused = reused
+        self.abandoned = abandoned
+
+
+@dataclass(slots=True)
+class _Hearing:
+    """What one replica owes: its exchanges waiting for a head (→ loop time sent), and
+    whether a byte came from it since :meth:`silent_s` last looked."""
+
+    waiting: dict[_Connection, float] = field(default_factory=dict)
+    heard: bool = False
+    last_heard: float = 0.0
+
+    def silent_s(self, now: float) -> float:
+        """How long the replica has owed an answer with not one byte sent (0: it owes none)."""
+        if self.heard:
+            self.heard, self.last_heard = False, now
+        if not self.waiting:
+            return 0.0
+        return max(0.0, now - max(self.last_heard, min(self.waiting.values())))
 
 
 class _Connection(asyncio.Protocol):
     """One keep-alive connection: one request at a time, its answer parsed as it comes."""
 
-    def __init__(self, on_lost: Callable[[_Connection], None]) -> None:
+    def __init__(self, on_lost: Callable[[_Connection], None], hearing: _Hearing) -> None:
         self._on_lost = on_lost
+        self._hearing = hearing
+        self._num_exchanges = 0
+        self._received = False
         self._parser = httptools.HttpResponseParser(self)
         self._transport: asyncio.Transport | None = None
         self.closed = False
@@ -51,15 +88,30 @@ class _Connection(asyncio.Protocol):
         if self._head_only:  # the parser still waits for the body the last HEAD's head announced
             self._parser = httptools.HttpResponseParser(self)
         self._busy, self._head_only, self._complete, self._error = True, head_only, False, None
-        self._keep_alive = False
+        self._keep_alive, self._received = False, False
+        self._num_exchanges += 1
         self.status, self.headers = 0, []
-        head = self._head = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        head = self._head = loop.create_future()
+        self._hearing.waiting[self] = loop.time()
         self._transport.write(request)
         try:
             await head
         except BaseException:
             self.close()
             raise
+        finally:
+            self._hearing.waiting.pop(self, None)
+
+    def abandon(self, why: str) -> bool:
+        """Give up the exchange waiting for its head with no byte received: it raises
+        :class:`NothingReceivedError` and the connection closes (the replica sees an abort)."""
+        head = self._head
+        if not self._busy or self._received or head is None or head.done():
+            return False
+        self._fail(NothingReceivedError(why, reused=False, abandoned=True))
+        self.close()
+        return True
 
     async def body(self) -> AsyncIterator[bytes]:
         """The answer's body as it comes; raises ``RemoteProtocolError`` when it breaks."""
@@ -111,6 +163,7 @@ class _Connection(asyncio.Protocol):
         if not self._busy:
             self.close()  # nothing may come on an idle connection: it is not HTTP any more
             return
+        self._received = self._hearing.heard = True
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
@@ -124,6 +177,9 @@ class _Connection(asyncio.Protocol):
             if head is not None and head.done() and self._until_close():
                 self._complete = True  # an answer whose end is the connection's
                 self._wake()
+            elif not self._received:
+                why = f"the connection ended before any byte of the answer ({exc or 'closed'})"
+                self._fail(NothingReceivedError(why, reused=self._num_exchanges > 1))
             else:
                 why = "the replica closed the connection before the answer's end"
                 self._fail(httpx.RemoteProtocolError(why))
@@ -199,11 +255,13 @@ class _Pool:
         self._idle: list[_Connection] = []
         self._num_open = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
+        self.hearing = _Hearing()
 
-    async def acquire(self) -> _Connection:
-        """An idle connection, a new one, or the next one freed (``PoolTimeout``)."""
+    async def acquire(self, *, fresh: bool = False) -> _Connection:
+        """An idle connection, a new one, or the next one freed (``PoolTimeout``);
+        ``fresh``: a new one while there is room."""
         while True:
-            while self._idle:
+            while self._idle and not (fresh and self._num_open < self._max):
                 connection = self._idle.pop()
                 if connection.usable():
                     return connection
@@ -225,13 +283,17 @@ class _Pool:
         for connection in idle:
             connection.close()
 
+    def abandon(self, why: str) -> int:
+        """Abandon every exchange waiting with no byte received (:meth:`_Connection.abandon`)."""
+        return sum(connection.abandon(why) for connection in list(self.hearing.waiting))
+
     async def _connect(self) -> _Connection:
         self._num_open += 1
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self._connect_timeout_s):
                 _, connection = await loop.create_connection(
-                    lambda: _Connection(self._lost), self._host, self._port
+                    lambda: _Connection(self._lost, self.hearing), self._host, self._port
                 )
         except BaseException as exc:
             self._num_open -= 1
@@ -309,7 +371,7 @@ class ReplicaTransport(httpx.AsyncBaseTransport):
             return await self._tls_transport().handle_async_request(request)
         encoded = _encoded(request)
         pool = self._pool(url.host, url.port or 80)
-        connection = await pool.acquire()
+        connection = await pool.acquire(fresh=bool(request.extensions.get(FRESH_CONNECTION)))
         try:
             await connection.exchange(encoded, head_only=request.method == "HEAD")
         except BaseException:
@@ -322,6 +384,18 @@ class ReplicaTransport(httpx.AsyncBaseTransport):
             request=request,
             extensions={"http_version": b"HTTP/1.1"},
         )
+
+    def silent_s(self, host: str, port: int, now: float) -> float:
+        """How long the replica at ``host:port`` has owed an answer with not one byte sent
+        (0: it owes none); ``now`` in loop time."""
+        pool = self._address_to_pool.get((host, port))
+        return 0.0 if pool is None else pool.hearing.silent_s(now)
+
+    def abandon(self, host: str, port: int, why: str) -> int:
+        """Abandon the exchanges waiting on ``host:port`` with no byte received: each raises
+        :class:`NothingReceivedError` (``abandoned``) and its connection closes; how many."""
+        pool = self._address_to_pool.get((host, port))
+        return 0 if pool is None else pool.abandon(why)
 
     async def aclose(self) -> None:
         pools, self._address_to_pool = list(self._address_to_pool.values()), {}

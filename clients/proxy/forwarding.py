@@ -1,7 +1,9 @@
 """The forwarder: one request sent to the chosen replica, its answer streamed back as is.
 
 Attempts: a Choice's upstreams in order as :mod:`.retry_policy` says, the next only while
-nothing reached the client; any other failure is a 502 (504 on a timeout). Headers: the
+nothing reached the client; any other failure is a 502 (504 on a timeout); each retry is
+logged. A replica found hung (:mod:`.hang_watch`) has its requests with no byte yet sent
+elsewhere; an answer broken mid-body ends without its end (connection closed). Headers: the
 client's but hop-by-hop, ``host`` and ``content-length``; ``x-request-id`` kept or made and
 returned; ``Authorization`` is the replica's key, or none (the client's only when
 ``proxy.forward_client_authorization`` says so). The body goes on raw,
@@ -14,16 +16,23 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 from starlette.types import Receive, Scope, Send
 
+from kvindex.api.http.server_protocol import ABORT
 from kvindex.api.load.reservations import Reservation, Reservations
 from kvindex.api.loop.off_loop import OffLoop
-from kvindex.clients.proxy.connections import AnswerBody, ReplicaTransport
+from kvindex.clients.proxy.connections import (
+    FRESH_CONNECTION,
+    AnswerBody,
+    NothingReceivedError,
+    ReplicaTransport,
+)
+from kvindex.clients.proxy.hang_watch import Confirm, HangWatch
 from kvindex.clients.proxy.headers import (
     HEADER_ENCODING,
     HOP_BY_HOP,
@@ -131,6 +140,8 @@ class Opened:
     dispatch: Dispatch | None = None
     """The request in flight (released by the answer once its last byte is sent)."""
     watch: ClientWatch | None = None
+    on_cut: Callable[[], None] | None = None
+    """Called when the answer's body breaks before its end (counted)."""
 
 
 class Forwarder:
@@ -146,7 +157,10 @@ class Forwarder:
         *,
         desk: ReservationDesk | None = None,
         on_outcome: Callable[[str, bool, str], None] = lambda _replica, _ok, _what: None,
+        confirm_hang: Confirm | None = None,
     ) -> None:
+        """``confirm_hang``: the health probe of a silent replica; with it (and the default
+        transport) a :class:`~.hang_watch.HangWatch` runs while the forwarder is open."""
         self._settings = settings
         self._metrics = metrics
         self._retry = retry or RetryPolicy(settings)
@@ -167,9 +181,20 @@ class Forwarder:
             max_connections=settings.max_connections,
             connect_timeout_s=settings.connect_timeout_s,
         )
+        self._hangs = (
+            HangWatch(self._upstream, settings.hang_silence_s, confirm_hang)
+            if confirm_hang is not None and isinstance(self._upstream, ReplicaTransport)
+            else None
+        )
 
     async def close(self) -> None:
+        if self._hangs is not None:
+            await self._hangs.stop()
         await self._upstream.aclose()
+
+    def abandon(self, replica: str, why: str) -> int:
+        """Send elsewhere the requests waiting on ``replica`` with no byte yet; how many."""
+        return 0 if self._hangs is None else self._hangs.abandon(replica, why)
 
     def _url(self, root: str, path: str) -> httpx.URL:
         url = self._target_to_url.get((root, path))
@@ -197,6 +222,8 @@ class Forwarder:
         """The first answer worth passing on, ``path`` (and query) appended to each URL;
         UpstreamFailedError, UpstreamTimeoutError or ClientGoneError when none is."""
         attempts = self._retry.attempts(upstreams)
+        if self._hangs is not None and not self._hangs.running:
+            await self._hangs.start()
         first = await self._desk.reserve(attempts[0]) if attempts else None
         watch = None if receive is None else ClientWatch(receive)
         opening = self._attempts(
@@ -232,6 +259,7 @@ class Forwarder:
         for number, upstream in enumerate(attempts, start=1):
             if number > 1:
                 self._metrics.retries.labels(route or path).inc()
+                _log_retry(headers, upstream.replica, failures[-1])
                 await asyncio.sleep(self._retry.backoff_s(number))
             sent = with_api_key(
                 headers,
@@ -245,6 +273,8 @@ class Forwarder:
                 headers=httpx.Headers(sent, encoding=HEADER_ENCODING),  # the client's bytes
                 extensions=self._extensions,
             )
+            if self._hangs is not None:
+                self._hangs.note(upstream.replica, request.url)
             reserved = first if number == 1 else None
             dispatch = reserved or await self._desk.reserve(upstream)
             response = await self._sent(request, upstream, deadline, failures, dispatch=dispatch)
@@ -257,7 +287,7 @@ class Forwarder:
                 continue
             status = response.status_code
             self._on_outcome(upstream.replica, status < 500, f"status_{status}")
-            return Opened(upstream, response, dispatch)
+            return Opened(upstream, response, dispatch, on_cut=self._counter(upstream, "cut"))
         raise UpstreamFailedError(f"no replica answered: {'; '.join(failures) or 'none to try'}")
 
     async def _sent(
@@ -288,29 +318,66 @@ class Forwarder:
         deadline: float,
         failures: list[str],
     ) -> httpx.Response | None:
-        """The answer's head, or None after a connect failure."""
+        """The answer's head, or None after a failure the next replica may retry."""
         first_byte = asyncio.get_running_loop().time() + self._settings.first_byte_timeout_s
         try:
             async with asyncio.timeout_at(min(deadline, first_byte)):
-                return await self._upstream.handle_async_request(request)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            self._failed(upstream, "connect", failures, exc)
+                return await self._head(request, upstream)
+        except httpx.HTTPError as exc:
+            if not self._retry.retries_error(exc):
+                self._fatal(upstream, exc, failures)
+            self._failed(upstream, _kind(exc), failures, exc)
             return None
-        except (httpx.TimeoutException, TimeoutError) as exc:
+        except TimeoutError as exc:
+            self._fatal(upstream, exc, failures)
+
+    def _fatal(self, upstream: Upstream, exc: Exception, failures: list[str]) -> NoReturn:
+        """A failure no other replica may retry: 504 after a timeout, else 502."""
+        if isinstance(exc, httpx.TimeoutException | TimeoutError):
             self._failed(upstream, "timeout", failures, exc)
             late = f"replica {upstream.replica} did not answer in time"
             raise UpstreamTimeoutError(late) from exc
-        except httpx.HTTPError as exc:
-            self._failed(upstream, "protocol", failures, exc)
-            raise UpstreamFailedError(f"replica {upstream.replica} failed: {exc!r}") from exc
+        self._failed(upstream, "protocol", failures, exc)
+        raise UpstreamFailedError(f"replica {upstream.replica} failed: {exc!r}") from exc
+
+    async def _head(self, request: httpx.Request, upstream: Upstream) -> httpx.Response:
+        """The answer's head; sent once more on a new connection when a kept-alive one ended
+        before any byte (counted as ``stale``, logged, not against the replica)."""
+        try:
+            return await self._upstream.handle_async_request(request)
+        except NothingReceivedError as exc:
+            if not self._retry.again_on_new_connection(exc):
+                raise
+            self._metrics.upstream_errors.labels(upstream.replica, "stale").inc()
+            _log_retry(request.headers.items(), upstream.replica, f"stale connection ({exc})")
+        request.extensions = {**request.extensions, FRESH_CONNECTION: True}
+        return await self._upstream.handle_async_request(request)
 
     def _failed(
         self, upstream: Upstream, kind: str, failures: list[str], exc: Exception | None = None
     ) -> None:
         self._metrics.upstream_errors.labels(upstream.replica, kind).inc()
-        if kind in ("connect", "protocol") or kind.startswith("status_5"):
+        if kind in ("connect", "protocol", "dropped") or kind.startswith("status_5"):
             self._on_outcome(upstream.replica, False, kind)
         failures.append(f"{upstream.replica}: {kind}" + (f" ({exc!r})" if exc else ""))
+
+    def _counter(self, upstream: Upstream, kind: str) -> Callable[[], None]:
+        """Counts one ``kind`` failure of ``upstream`` when called (its series found then)."""
+        errors = self._metrics.upstream_errors
+        return lambda: errors.labels(upstream.replica, kind).inc()
+
+
+def _kind(exc: httpx.HTTPError) -> str:
+    """The ``kind`` label of a retried failure (abandoned: the replica is ejected as hung
+    already, so its breaker does not count it)."""
+    if isinstance(exc, NothingReceivedError):
+        return "abandoned" if exc.abandoned else "dropped"
+    return "connect"
+
+
+def _log_retry(headers: Iterable[tuple[str, str]], replica: str, why: str) -> None:
+    request_id = next((v for n, v in headers if n.lower() == REQUEST_ID), "-")
+    logger.warning("request %s: retry on replica %s after %s", request_id, replica, why)
 
 
 def with_api_key(
@@ -345,10 +412,12 @@ class StreamedAnswer:
         self.on_done = on_done
         self.first_chunk_timeout_s = first_chunk_timeout_s
         self.idle_timeout_s = idle_timeout_s
+        self._abort: Callable[[], None] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = self.opened.response
         self._reason = "error"  # until the last byte is sent
+        self._abort = scope.get("extensions", {}).get(ABORT)
         watch = self.opened.watch
         try:
             await send(
@@ -413,11 +482,20 @@ class StreamedAnswer:
         except (TimeoutError, httpx.HTTPError) as exc:
             why = "past the total deadline" if isinstance(exc, TimeoutError) else repr(exc)
             why = "no chunk within the idle timeout" if idle.expired() else why
-            logger.warning("answer from %s ended early: %s", self.opened.upstream.replica, why)
-            return  # the head is sent: all that is left to say is that the body ends here
+            self._cut(why)
+            return
         if not ended:
             await self._done()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _cut(self, why: str) -> None:
+        """The head is sent: the client learns that the body breaks off here the way HTTP/1.1
+        says it, by its connection closing before the body's end (the server's abort)."""
+        logger.warning("answer from %s cut: %s", self.opened.upstream.replica, why)
+        if self.opened.on_cut is not None:
+            self.opened.on_cut()
+        if self._abort is not None:
+            self._abort()
 
     async def _done(self) -> None:
         """Released before the client sees the end, so a request at once is not counted twice."""

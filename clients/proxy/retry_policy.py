@@ -1,5 +1,7 @@
-"""The retry policy: at most ``max_attempts`` replicas, the next after a retried status or a
-connect error, after a jittered exponential back-off."""
+"""The retry policy: at most ``max_attempts`` replicas, the next after a retried status, a
+connect error or a connection that ended before any byte of the answer, after a jittered
+exponential back-off; a kept-alive connection closed before any byte is first tried again
+on a new connection to the same replica (as nginx and Envoy do: the replica closed it idle)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,9 @@ import random
 from collections.abc import Sequence
 from typing import TypeVar
 
+import httpx
+
+from kvindex.clients.proxy.connections import NothingReceivedError
 from kvindex.clients.proxy.settings import ProxySettings
 
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
@@ -26,6 +31,18 @@ class RetryPolicy:
     @staticmethod
     def retries_status(status: int) -> bool:
         return status in RETRY_STATUSES
+
+    @staticmethod
+    def again_on_new_connection(exc: Exception) -> bool:
+        """A kept-alive connection that ended before any byte: the replica most likely
+        closed it idle as the request went out (it never ran it). Not the replica's fault."""
+        return isinstance(exc, NothingReceivedError) and exc.reused and not exc.abandoned
+
+    @staticmethod
+    def retries_error(exc: Exception) -> bool:
+        """A failure before the answer's head that the next replica may retry: no connection,
+        or one that ended before any byte of the answer (nothing can have reached the client)."""
+        return isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | NothingReceivedError)
 
     def backoff_s(self, number: int) -> float:
         """Seconds to wait before attempt ``number`` (1-based; 0 before the first)."""

@@ -22,6 +22,7 @@ from kvindex.clients.proxy.metrics import ProxyMetrics
 from kvindex.clients.proxy.settings import ProxySettings
 from kvindex.clients.proxy.upstream import UpstreamPicker
 from kvindex.indexer.config.settings import IndexerSettings
+from kvindex.indexer.fleet.replica_health import Ejection
 
 
 def build_proxy_app(deps: ApiDeps, proxy: ProxySettings) -> Starlette:
@@ -29,9 +30,15 @@ def build_proxy_app(deps: ApiDeps, proxy: ProxySettings) -> Starlette:
     api = deps.settings
     metrics = ProxyMetrics()
     ejections = EjectionMetrics(metrics.registry, deps.registry, api)
+
+    def ejected(replica: str, reason: Ejection) -> None:
+        ejections.ejected(replica, reason)
+        if reason is Ejection.HEALTH_CHECK:  # not answering: its waiting requests go elsewhere
+            forwarder.abandon(replica, "ejected: failed health checks")
+
     hooks = Hooks(
         wrap_index=lambda index: TimedIndex(index, metrics.lookup_latency),
-        on_ejected=ejections.ejected,
+        on_ejected=ejected,
         failover_tokenizers=True,
     )
     read_path = build_read_path(deps, hooks)
@@ -52,7 +59,13 @@ def build_proxy_app(deps: ApiDeps, proxy: ProxySettings) -> Starlette:
     breakers = ReplicaBreakers(
         api, deps.registry, blocking_store=deps.blocking_store, on_ejected=ejections.ejected
     )
-    forwarder = Forwarder(proxy, metrics, desk=desk, on_outcome=breakers.outcome)
+    forwarder = Forwarder(
+        proxy,
+        metrics,
+        desk=desk,
+        on_outcome=breakers.outcome,
+        confirm_hang=read_path.health_checker.confirm_hang,
+    )
     keeper = LeaseKeeper(
         reservations,
         blocking=deps.blocking_store,

@@ -52,6 +52,10 @@ class ProxySettings:
     """More ``/v1/...`` paths passed through to replicas (e.g. ``/v1/load_lora_adapter``)."""
     port: int = 8080
     """Port the proxy listens on (its own default: the API's 8000 may run beside it)."""
+    hang_silence_s: float = 1.0
+    """A replica owing answers that sends no byte this long gets a health probe; failing it
+    ejects it and sends its waiting requests elsewhere (at most 1.5 times this + the check's
+    timeout after they were sent: 2 s by default)."""
 
     def __post_init__(self) -> None:
         _check_numbers(self)
@@ -71,6 +75,7 @@ _POSITIVE = (
     "drain_timeout_s",
     "retry_backoff_max_s",
     "lease_ttl_s",
+    "hang_silence_s",
 )
 
 

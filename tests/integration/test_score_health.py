@@ -29,6 +29,7 @@ CONFIG = """
 [api]
 health_check_interval_s = 0.2
 health_check_timeout_s = 0.5
+unhealthy_threshold = 3
 events_down_after_s = 1.0
 """
 

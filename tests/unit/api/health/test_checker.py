@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import fakeredis
 import httpx
+import pytest
 
 from kvindex.api.config.settings import ApiSettings
 from kvindex.api.health.checker import HealthChecker
@@ -20,7 +21,7 @@ from kvindex.indexer.index.protocol import IndexUnavailableError
 from kvindex.indexer.redis.schema import Schema
 from tests.support.clock import Clock
 
-SETTINGS = ApiSettings(health_check_interval_s=1.0, health_check_timeout_s=0.5)
+SETTINGS = ApiSettings()  # checks every 1 s, 0.5 s timeout, 2 failures eject
 SPECS = (
     ReplicaSpec("up", "m", url="http://up:8000"),
     ReplicaSpec("down", "m", url="http://down:8000/"),
@@ -36,6 +37,7 @@ class Replicas:
     def __init__(self) -> None:
         self.refused = {"down"}
         self.paths: list[str] = []
+        self.ejected: list[tuple[str, Ejection]] = []
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         self.paths.append(f"{request.url.host}{request.url.path}")
@@ -74,10 +76,10 @@ def _ejected(registry: RegistryView, clock: Clock) -> set[str]:
     return {r for r, h in registry.replica_health().items() if h.ejection(clock.now, policy)}
 
 
-def test_the_third_failed_round_ejects_and_two_good_ones_restore() -> None:
+def test_the_second_failed_round_ejects_and_two_good_ones_restore() -> None:
     clock, replicas = Clock(), Replicas()
     registry = Registry(SPECS, clock=clock)
-    assert _rounds(registry, replicas, clock, 2) == []
+    assert _rounds(registry, replicas, clock, 1) == []
     assert _ejected(registry, clock) == set()
     ejected = _rounds(registry, replicas, clock, 1)
     assert sorted(ejected) == [("down", Ejection.HEALTH_CHECK), ("sick", Ejection.HEALTH_CHECK)]
@@ -145,3 +147,39 @@ def test_start_and_stop_on_a_zero_interval_do_nothing() -> None:
             await checker.stop()
 
     asyncio.run(main())
+
+
+def _confirm(registry: RegistryView, replicas: Replicas, clock: Clock, replica: str) -> bool:
+    """One hang confirmation of ``replica`` (silent 1.2 s); the ejections reported go to
+    ``replicas.ejected``."""
+
+    async def main() -> bool:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(replicas)) as client:
+            checker = HealthChecker(
+                SETTINGS,
+                registry,
+                client,
+                blocking_store=False,
+                clock=clock,
+                on_ejected=lambda r, why: replicas.ejected.append((r, why)),
+            )
+            return await checker.confirm_hang(replica, 1.2)
+
+    return asyncio.run(main())
+
+
+def test_a_silent_replica_failing_its_check_is_ejected_at_once_a_passing_one_is_left_alone(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock, replicas = Clock(), Replicas()
+    registry = Registry(SPECS, clock=clock)
+    assert not _confirm(registry, replicas, clock, "up")
+    assert not _confirm(registry, replicas, clock, "nourl")
+    assert registry.replica_health() == {} and _ejected(registry, clock) == set()
+    assert _confirm(registry, replicas, clock, "down")  # one failure is enough
+    assert _ejected(registry, clock) == {"down"}
+    assert replicas.ejected == [("down", Ejection.HEALTH_CHECK)]
+    assert "replica down ejected" in caplog.text and "no byte for 1.2s" in caplog.text
+    replicas.refused.clear()  # it answers again: the usual rounds restore it
+    _rounds(registry, replicas, clock, SETTINGS.healthy_threshold)
+    assert "down" not in _ejected(registry, clock)

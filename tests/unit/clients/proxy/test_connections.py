@@ -12,7 +12,11 @@ import httpx
 import pytest
 from starlette.types import Message
 
-from kvindex.clients.proxy.connections import ReplicaTransport
+from kvindex.clients.proxy.connections import (
+    FRESH_CONNECTION,
+    NothingReceivedError,
+    ReplicaTransport,
+)
 from kvindex.clients.proxy.forwarding import Forwarder, StreamedAnswer
 from kvindex.clients.proxy.metrics import ProxyMetrics
 from kvindex.clients.proxy.settings import ProxySettings
@@ -341,3 +345,84 @@ def test_the_end_of_an_answer_goes_to_the_client_with_its_last_chunk() -> None:
     _run(test)
     bodies = [(m["body"], m["more_body"]) for m in sent[1:]]
     assert bodies == [(b"data: 1\n\n", True), (b"data: 2\n\n", False)]
+
+
+def test_a_connection_ending_before_any_byte_says_so_and_whether_it_served_before() -> None:
+    async def once_then_close(
+        request: bytes, _: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        if b"first" in request:
+            writer.write(OK)
+            await writer.drain()
+        else:
+            writer.close()  # as a replica closing an idle connection as the request came
+
+    async def short(_: bytes, __: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-le")
+        await writer.drain()
+        writer.close()
+
+    async def test() -> None:
+        transport = _transport()
+        async with Replica(once_then_close) as replica:
+            assert await _get(transport, replica.url, body=b"first") == (200, b"hello")
+            with pytest.raises(NothingReceivedError) as stale:
+                await _get(transport, replica.url)
+            assert stale.value.reused and not stale.value.abandoned
+            with pytest.raises(NothingReceivedError) as dropped:
+                await _get(transport, replica.url)
+            assert not dropped.value.reused  # a new connection, closed at once
+        async with Replica(short) as replica:
+            with pytest.raises(httpx.RemoteProtocolError) as broken:
+                await _get(transport, replica.url)
+            assert not isinstance(broken.value, NothingReceivedError)  # a byte came
+        await transport.aclose()
+
+    _run(test)
+
+
+def test_a_request_asking_for_a_fresh_connection_gets_one() -> None:
+    async def test() -> None:
+        async with Replica(_answer(OK)) as replica:
+            transport = _transport()
+            assert await _get(transport, replica.url) == (200, b"hello")
+            fresh = httpx.Request("POST", replica.url, extensions={FRESH_CONNECTION: True})
+            response = await transport.handle_async_request(fresh)
+            await response.aread()
+            await response.aclose()
+            assert replica.num_connections == 2
+            await transport.aclose()
+
+    _run(test)
+
+
+def test_a_replica_owing_an_answer_grows_silent_until_a_byte_and_abandoning_ends_the_wait() -> None:
+    async def hangs(request: bytes, reader: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        if b"quick" in request:
+            w.write(OK)
+            await w.drain()
+        else:
+            await reader.read()  # never answers
+
+    async def test() -> None:
+        loop = asyncio.get_running_loop()
+        async with Replica(hangs) as replica:
+            transport = _transport()
+            assert transport.silent_s("127.0.0.1", replica.port, loop.time()) == 0.0
+            waiting = asyncio.ensure_future(_get(transport, replica.url))
+            while not replica.requests:
+                await asyncio.sleep(0.01)
+            assert await _get(transport, replica.url, body=b"quick") == (200, b"hello")
+            assert transport.silent_s("127.0.0.1", replica.port, loop.time()) == 0.0  # heard
+            await asyncio.sleep(0.1)
+            assert transport.silent_s("127.0.0.1", replica.port, loop.time()) >= 0.1
+            assert transport.abandon("127.0.0.1", replica.port, "hung") == 1
+            with pytest.raises(NothingReceivedError) as abandoned:
+                await waiting
+            assert abandoned.value.abandoned and str(abandoned.value) == "hung"
+            await asyncio.wait_for(replica.client_closed.wait(), 5)  # the replica sees it
+            assert transport.silent_s("127.0.0.1", replica.port, loop.time()) == 0.0
+            assert transport.abandon("127.0.0.1", replica.port, "hung") == 0
+            await transport.aclose()
+
+    _run(test)

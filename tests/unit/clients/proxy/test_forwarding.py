@@ -11,8 +11,10 @@ import httpx
 import pytest
 from starlette.types import Message
 
+from kvindex.api.http.server_protocol import ABORT
 from kvindex.api.load.model import InFlight
 from kvindex.api.load.reservations import MemoryLedger, Reservation, Reservations
+from kvindex.clients.proxy.connections import FRESH_CONNECTION, NothingReceivedError
 from kvindex.clients.proxy.forwarding import (
     ClientGoneError,
     Forwarder,
@@ -152,7 +154,13 @@ def test_request_id_is_honoured_or_made_and_forwarded_with_traceparent() -> None
 
 @pytest.mark.parametrize(
     "name",
-    ["connect_timeout_s", "first_byte_timeout_s", "stream_idle_timeout_s", "total_timeout_s"],
+    [
+        "connect_timeout_s",
+        "first_byte_timeout_s",
+        "stream_idle_timeout_s",
+        "total_timeout_s",
+        "hang_silence_s",
+    ],
 )
 def test_settings_name_the_bad_key(name: str) -> None:
     zero: dict[str, Any] = {name: 0}
@@ -620,3 +628,119 @@ def test_a_client_gone_at_once_leaves_nothing_reserved() -> None:
     asyncio.run(run())
     assert desk.in_flight() == {} and desk.released("disconnect") == 1
     assert desk.gauge("r1") == 0
+
+
+class Drops:
+    """A transport whose connections end before any byte as told: ``how[replica]`` is a list
+    of what each next request there meets (``stale``, ``dropped``, ``abandoned``, or 200)."""
+
+    def __init__(self, **how: list[str | int]) -> None:
+        self.how = how
+        self.seen: list[tuple[str, bool]] = []
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        replica = request.url.host.split(".")[0]
+        self.seen.append((replica, bool(request.extensions.get(FRESH_CONNECTION))))
+        plan = self.how.get(replica, [])
+        what = plan.pop(0) if plan else 200
+        if what == "stale":
+            raise NothingReceivedError("closed before any byte", reused=True)
+        if what == "dropped":
+            raise NothingReceivedError("reset before any byte", reused=False)
+        if what == "abandoned":
+            raise NothingReceivedError("hung", reused=False, abandoned=True)
+        assert isinstance(what, int)
+        return httpx.Response(what, content=replica.encode())
+
+
+def _open_over(drops: Drops) -> tuple[Opened | Exception, ProxyMetrics, list[tuple[str, bool]]]:
+    """The first answer worth passing on over ``drops``, and the breaker's outcomes."""
+    metrics, outcomes = ProxyMetrics(), []
+
+    async def run() -> Opened | Exception:
+        forwarder = Forwarder(
+            ProxySettings(retry_backoff_s=0),
+            metrics,
+            transport=httpx.MockTransport(drops.handle),
+            on_outcome=lambda replica, ok, _what: outcomes.append((replica, ok)),
+        )
+        try:
+            return await forwarder.open(PATH, b"{}", [], UPSTREAMS, forwarder.deadline())
+        except Exception as exc:
+            return exc
+        finally:
+            await forwarder.close()
+
+    return asyncio.run(run()), metrics, outcomes
+
+
+def test_a_kept_alive_connection_closed_before_any_byte_is_sent_again_on_a_new_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    drops = Drops(r1=["stale"])
+    opened, metrics, outcomes = _open_over(drops)
+    assert isinstance(opened, Opened) and opened.upstream.replica == "r1"
+    assert drops.seen == [("r1", False), ("r1", True)]  # the same replica, a new connection
+    assert outcomes == [("r1", True)]  # its breaker never heard of the stale connection
+    assert _sample(metrics, "kvindex_proxy_upstream_errors_total", replica="r1", kind="stale")
+    assert "retry on replica r1 after stale connection" in caplog.text
+
+
+def test_a_connection_that_ends_before_any_byte_is_retried_elsewhere() -> None:
+    drops = Drops(r1=["stale", "dropped"], r2=["dropped"])
+    opened, metrics, outcomes = _open_over(drops)
+    assert isinstance(opened, Opened) and opened.upstream.replica == "r3"
+    assert [r for r, _ in drops.seen] == ["r1", "r1", "r2", "r3"]
+    assert outcomes == [("r1", False), ("r2", False), ("r3", True)]
+    assert _sample(metrics, "kvindex_proxy_retries_total", route=PATH) == 2
+
+
+def test_a_request_abandoned_on_a_hung_replica_goes_elsewhere_not_against_its_breaker(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    opened, metrics, outcomes = _open_over(Drops(r1=["abandoned"]))
+    assert isinstance(opened, Opened) and opened.upstream.replica == "r2"
+    assert outcomes == [("r2", True)]
+    assert _sample(metrics, "kvindex_proxy_upstream_errors_total", replica="r1", kind="abandoned")
+    assert "retry on replica r2 after r1: abandoned" in caplog.text
+
+
+def test_every_connection_ending_before_any_byte_is_a_502() -> None:
+    opened, _, _ = _open_over(Drops(r1=["dropped"], r2=["dropped"], r3=["stale", "dropped"]))
+    assert isinstance(opened, UpstreamFailedError)
+    assert "r3: dropped" in str(opened)
+
+
+def test_an_answer_broken_mid_body_is_cut_by_the_servers_abort_and_counted() -> None:
+    sent: list[Message] = []
+    aborted: list[bool] = []
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b"data: 1\n\n"
+        raise httpx.RemoteProtocolError("the replica closed the connection")
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=body())
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    async def receive() -> Message:
+        await asyncio.sleep(10)
+        return {"type": "http.disconnect"}
+
+    metrics = ProxyMetrics()
+
+    async def run() -> None:
+        forwarder = Forwarder(DEFAULTS, metrics, transport=httpx.MockTransport(handle))
+        deadline = forwarder.deadline()
+        opened = await forwarder.open(PATH, b"{}", [], UPSTREAMS, deadline)
+        answer = StreamedAnswer(opened, "rid", deadline, lambda *a: None)
+        scope = {"type": "http", "extensions": {ABORT: lambda: aborted.append(True)}}
+        await asyncio.wait_for(answer(scope, receive, send), 5)
+        await forwarder.close()
+
+    asyncio.run(run())
+    assert aborted == [True]
+    assert [m.get("more_body") for m in sent[1:]] == [True]  # the end never sent
+    assert _sample(metrics, "kvindex_proxy_upstream_errors_total", replica="r1", kind="cut") == 1

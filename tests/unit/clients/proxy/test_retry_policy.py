@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import random
 
+import httpx
+
+from kvindex.clients.proxy.connections import NothingReceivedError
 from kvindex.clients.proxy.retry_policy import RetryPolicy
 from kvindex.clients.proxy.settings import ProxySettings
 
@@ -28,3 +31,28 @@ def test_backoff_doubles_is_capped_and_jittered() -> None:
         assert all(ceiling / 2 <= w <= ceiling for w in waits), (number, waits)
         assert len(waits) > 40  # drawn, not fixed: failed requests do not retry together
     assert RetryPolicy(ProxySettings(retry_backoff_s=0)).backoff_s(3) == 0.0
+
+
+def test_a_kept_alive_connection_ending_before_any_byte_is_tried_again_on_a_new_one() -> None:
+    stale = NothingReceivedError("closed", reused=True)
+    fresh = NothingReceivedError("closed", reused=False)
+    abandoned = NothingReceivedError("hung", reused=False, abandoned=True)
+    assert RetryPolicy.again_on_new_connection(stale)
+    assert not RetryPolicy.again_on_new_connection(fresh)
+    assert not RetryPolicy.again_on_new_connection(abandoned)
+    assert not RetryPolicy.again_on_new_connection(httpx.ConnectError("refused"))
+
+
+def test_failures_with_no_byte_of_the_answer_go_to_the_next_replica_others_do_not() -> None:
+    retried = [
+        httpx.ConnectError("refused"),
+        httpx.ConnectTimeout("slow"),
+        NothingReceivedError("reset", reused=False),
+        NothingReceivedError("hung", reused=False, abandoned=True),
+    ]
+    assert all(RetryPolicy.retries_error(exc) for exc in retried)
+    not_retried = [
+        httpx.RemoteProtocolError("the answer broke off"),  # bytes of it had come
+        httpx.ReadTimeout("no answer in time"),
+    ]
+    assert not any(RetryPolicy.retries_error(exc) for exc in not_retried)
