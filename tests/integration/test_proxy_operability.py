@@ -122,11 +122,13 @@ def test_a_failed_request_gives_the_client_its_id_and_the_log_the_replicas_and_r
     error = answer.json()["error"]
     assert error["request_id"] == answer.headers["x-request-id"] == "probe-502", answer.text
     lines = _until(
-        lambda: [line for line in fleet.log_lines() if "probe-502" in line], "the log line"
+        lambda: [line for line in fleet.log_lines() if "probe-502: 502:" in line], "the log line"
     )
     assert len(lines) == 1, lines
-    assert "kvindex.proxy" in lines[0] and "502" in lines[0], lines
+    assert "kvindex.proxy" in lines[0], lines
     assert "r1: connect" in lines[0] and "r2: connect" in lines[0], lines
+    retries = [line for line in fleet.log_lines() if "probe-502: retry on replica r2" in line]
+    assert len(retries) == 1, fleet.log_lines()
 
 
 def test_readyz_is_503_once_every_replica_is_dead_and_says_why(

@@ -137,7 +137,9 @@ def test_a_502_body_has_its_request_id_and_the_log_the_replicas_and_reasons(
             "request_id": "req-7",
         }
     }
-    (failure,) = [r for r in caplog.records if r.name == "kvindex.proxy" and "req-7" in r.message]
+    (failure,) = [
+        r for r in caplog.records if r.name == "kvindex.proxy" and "req-7: 502" in r.message
+    ]
     assert "r1: connect" in failure.message and "r2: connect" in failure.message
     assert failure.status == 502  # type: ignore[attr-defined]
     (access,) = [r for r in caplog.records if r.name == "kvindex.access"]
