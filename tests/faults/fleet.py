@@ -138,7 +138,7 @@ class FaultFleet:
             child.spawn()
         for child in children:  # they start together: a busy 2-core machine needs longer
             child.wait_ready(timeout_s=max(15.0, 4.0 * len(children)))
-        self.wait_live(self.replicas, timeout_s=15.0)
+        self.wait_live(self.replicas, timeout_s=30.0)  # a setup wait, not a bound under test
         for replica in self.replicas:
             self._warm_up(replica)
 
