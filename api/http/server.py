@@ -11,6 +11,7 @@ from typing import Any
 import uvicorn
 
 from kvindex.api.config.settings import ApiSettings, ReadPathSettings
+from kvindex.api.http.allocator import pin_allocator
 from kvindex.api.http.app import create_app, hot_serving
 from kvindex.api.http.hot_routes import HotServing
 from kvindex.api.http.server_protocol import hot_protocol
@@ -79,6 +80,7 @@ def run_app(app: Any, api: ApiSettings, *, hot: HotServing | None = None, **opti
     """Serve ``app`` on ``api.host:api.port`` until SIGINT/SIGTERM, with the head deadline,
     the lingering close and ``hot``'s routes in the protocol; ``options`` go to
     ``uvicorn.Config``."""
+    pin_allocator()
     # log_config=None: uvicorn's loggers keep no handlers of their own and propagate to the
     # process's (its format, JSON or text, and its repeat filter); its access log stays off,
     # the app's own (``api.access_log``) labels requests by route.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -48,28 +49,47 @@ class ReplicaTokenizer:
         return await self._tokenize(body)
 
     async def _tokenize(self, body: dict[str, Any]) -> list[int]:
-        response = await self._post(body)
-        if response.is_error:
-            raise TokenizerError(
-                f"{self.url}: HTTP {response.status_code}: {_excerpt(response.text)}"
-            )
+        status, answer = await self._post(body)
+        if status >= 400:
+            raise TokenizerError(f"{self.url}: HTTP {status}: {_excerpt(_text(answer))}")
         try:
-            return msgspec.json.decode(response.content, type=_TokenizeResponse).tokens
+            return msgspec.json.decode(answer, type=_TokenizeResponse).tokens
         except msgspec.DecodeError as exc:
             raise TokenizerError(
-                f"{self.url}: malformed response ({exc}): {_excerpt(response.text)}"
+                f"{self.url}: malformed response ({exc}): {_excerpt(_text(answer))}"
             ) from exc
 
-    async def _post(self, body: dict[str, Any]) -> httpx.Response:
+    async def _post(self, body: dict[str, Any]) -> tuple[int, bytes]:
+        """The answer's status and body. Neither the request's JSON nor the answer is left
+        to httpx: its Response and the Response's stream refer to each other, so what they
+        hold (a prompt's JSON, its tokens) would live on until the cycle collector ran."""
         try:
             content = msgspec.json.encode(body)
         except (TypeError, ValueError) as exc:
             raise TokenizerError(f"{self.url}: request is not JSON-serializable: {exc}") from exc
+        headers = {**_JSON_HEADERS, "content-length": str(len(content))}
+        request = self.client.build_request(
+            "POST", self.url, content=_sent_once(content), headers=headers, timeout=self.timeout_s
+        )
+        del content  # the generator holds it until sent
         try:
-            return await self.client.post(
-                self.url, content=content, headers=_JSON_HEADERS, timeout=self.timeout_s
-            )
+            response = await self.client.send(request, stream=True)
+            try:
+                chunks = [chunk async for chunk in response.aiter_bytes()]
+            finally:
+                await response.aclose()
         except httpx.TimeoutException as exc:
             raise TokenizerError(f"{self.url}: timed out after {self.timeout_s} s") from exc
         except httpx.RequestError as exc:
             raise TokenizerError(f"{self.url}: unreachable: {exc!r}") from exc
+        return response.status_code, b"".join(chunks)
+
+
+async def _sent_once(content: bytes) -> AsyncIterator[bytes]:
+    """``content`` as a request body that lets go of it once it is sent (the Content-Length
+    header is set beside it, so the body is not chunked)."""
+    yield content
+
+
+def _text(answer: bytes) -> str:
+    return answer.decode("utf-8", "replace")

@@ -40,6 +40,9 @@ def test_replica_prompt_request_shape() -> None:
     assert request.method == "POST"
     assert str(request.url) == "http://replica:8000/tokenize"
     assert request.headers["content-type"] == "application/json"
+    # sent from a generator that lets go of it, yet framed by its length, not chunked
+    assert request.headers["content-length"] == str(len(request.content))
+    assert "transfer-encoding" not in request.headers
     body = json.loads(request.content)
     assert body == {"model": "m1", "prompt": "hello world", "add_special_tokens": True}
 
