@@ -462,7 +462,7 @@ def encoded_post(
     head = b"\r\n".join(lines)
     if head.count(b"\n") != len(lines) - 1 or head.count(b"\r") != len(lines) - 1:
         raise httpx.LocalProtocolError("a request header holds a line break")
-    return head + b"\r\n\r\n" + body
+    return b"".join((head, b"\r\n\r\n", body))
 
 
 _HTTP11 = {"http_version": b"HTTP/1.1"}

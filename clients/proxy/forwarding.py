@@ -14,9 +14,8 @@ fails a request."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -243,7 +242,7 @@ class Forwarder:
                 return await opening
             with watch.guard():
                 opened = await opening
-            return dataclasses.replace(opened, watch=watch)
+            return Opened(opened.upstream, opened.response, opened.dispatch, watch, opened.on_cut)
         except BaseException as exc:
             if watch is not None:
                 watch.stop()
@@ -441,6 +440,7 @@ class StreamedAnswer:
         self.first_chunk_timeout_s = first_chunk_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self._abort: Callable[[], None] | None = None
+        self._length: bytes | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = self.opened.response
@@ -455,7 +455,8 @@ class StreamedAnswer:
                     "headers": self._headers(),
                 }
             )
-            if "content-length" in response.headers:
+            self._length = _content_length(response)
+            if self._length is not None:
                 if watch is not None:
                     watch.stop()  # a whole answer, already coming: nothing to abort
                 await self._stream(send)
@@ -489,17 +490,19 @@ class StreamedAnswer:
     async def _stream(self, send: Send) -> None:
         """Every chunk; past a deadline or broken upstream, the body ends early."""
         response = self.opened.response
-        length = response.headers.get("content-length")
+        length = self._length
         whole = int(length) if length is not None and length.isdigit() else None
+        num_bytes = 0
         idle_s, loop = self.idle_timeout_s, asyncio.get_running_loop()
         idle = asyncio.timeout(self.first_chunk_timeout_s)
         ended = False  # the client has been told the body ends
         try:
             async with asyncio.timeout_at(self.deadline), idle:
-                async for chunk in response.aiter_raw():
+                async for chunk in _raw(response):
+                    num_bytes += len(chunk)
                     idle.reschedule(None)  # a slow client is not an idle replica
                     ended = _all_read(response)  # then the end goes with this chunk
-                    if ended or (whole is not None and response.num_bytes_downloaded >= whole):
+                    if ended or (whole is not None and num_bytes >= whole):
                         await self._done()  # the client has it all with this chunk
                     message = {"type": "http.response.body", "body": chunk, "more_body": not ended}
                     await send(message)
@@ -527,6 +530,20 @@ class StreamedAnswer:
         self._reason = "done"
         if self.opened.dispatch is not None:
             await self.opened.dispatch.release("done")
+
+
+def _content_length(response: httpx.Response) -> bytes | None:
+    """The answer's ``Content-Length`` as sent (its values joined as httpx's ``get``
+    joins them; None: there is none)."""
+    values = [v for n, v in response.headers.raw if n.lower() == b"content-length"]
+    return None if not values else b", ".join(values)
+
+
+def _raw(response: httpx.Response) -> AsyncIterator[bytes]:
+    """The body's chunks as they come: straight from the connection over ReplicaTransport
+    (httpx's ``aiter_raw`` adds nothing there), else httpx's."""
+    stream = response.stream
+    return stream.__aiter__() if isinstance(stream, AnswerBody) else response.aiter_raw()
 
 
 def _all_read(response: httpx.Response) -> bool:
