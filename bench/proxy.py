@@ -13,7 +13,8 @@ workers over the three replicas, as the proxy does. One JSON line per (stream,
 concurrency), then one with the machine's load; quote them with the load beside them.
 ``--prompt-tokens`` sizes the chat prompts (the sims' toy tokenizer: a word a token),
 ``--unique`` gives every request a prompt never sent before (so each is tokenized by a
-replica), ``--workers`` runs ``kvindex proxy --workers N``; ``proxy_rps`` and
+replica), ``--workers`` runs ``kvindex proxy --workers N``, ``--store redis`` puts the index
+and the load on a private redis-server that a ``kvindex indexer`` fills; ``proxy_rps`` and
 ``direct_rps`` are the throughputs (the load generator shares the machine's cores).
 
     python bench/proxy.py [--requests 400] [--prompt-tokens 2000] [--unique] [--workers 2]
@@ -42,7 +43,7 @@ from machine import calibration_ms, host_load
 from score_http import process_cpu_s
 
 from tests.support.processes import Child, http_ok, kvindex_child
-from tests.support.redis_server import free_port
+from tests.support.redis_server import free_port, running_redis
 
 MODEL = "demo-model"
 NUM_PROMPTS = 64
@@ -197,6 +198,20 @@ def _measure(
     return figures
 
 
+def _store(store: str, specs: list[str], stack: ExitStack, workdir: Path) -> list[str]:
+    """The proxy's options for ``store``: the replicas its own subscriber reads (memory), or
+    a private redis-server that an indexer of the replicas fills (redis)."""
+    if store == "memory":
+        return [arg for spec in specs for arg in ("--replica", spec)]
+    redis = stack.enter_context(running_redis())
+    args = ["indexer", "--store", "redis", "--redis-url", redis.url, "--status-port", "-1"]
+    args += [arg for spec in specs for arg in ("--replica", spec)]
+    indexer = kvindex_child("indexer", args, workdir / "indexer.log", lambda: True)
+    stack.callback(indexer.stop)
+    indexer.spawn()
+    return ["--store", "redis", "--redis-url", redis.url]
+
+
 def _options() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=400, help="Requests per measurement.")
@@ -205,6 +220,9 @@ def _options() -> argparse.Namespace:
     )
     parser.add_argument("--unique", action="store_true", help="A new prompt every request.")
     parser.add_argument("--workers", type=int, default=1, help="The proxy's --workers.")
+    parser.add_argument(
+        "--store", choices=("memory", "redis"), default="memory", help="The proxy's store."
+    )
     parser.add_argument(
         "--concurrency", type=int, nargs="+", default=[1, 16], help="Client threads."
     )
@@ -227,17 +245,16 @@ def main() -> None:
         for child, _, _ in sims:
             child.wait_ready(60)
         port = free_port()
-        command = ["proxy", "--port", str(port)]
+        specs = [spec for _, _, spec in sims]
+        command = ["proxy", "--port", str(port), *_store(args.store, specs, stack, workdir)]
         if args.workers != 1:
             command += ["--workers", str(args.workers)]
-        for _, _, spec in sims:
-            command += ["--replica", spec]
         proxy = kvindex_child("proxy", command, workdir / "proxy.log", http_ok(port, "/readyz"))
         stack.callback(proxy.stop)
         proxy.start(60)
         sim_ports = [p for _, p, _ in sims]
         shape = {"prompt_tokens": prompts.num_tokens, "unique": prompts.unique}
-        shape["workers"] = args.workers
+        shape |= {"workers": args.workers, "store": args.store}
         for stream in streams:
             for concurrency in args.concurrency:
                 pid = proxy.process.pid if proxy.process is not None else None
