@@ -540,8 +540,9 @@ def _content_length(response: httpx.Response) -> bytes | None:
 
 
 def _raw(response: httpx.Response) -> AsyncIterator[bytes]:
-    """The body's chunks as they come: straight from the connection over ReplicaTransport
-    (httpx's ``aiter_raw`` adds nothing there), else httpx's."""
+    """Reference: httpx.Response.aiter_raw; tests/unit/clients/proxy/test_connections.py::test_the_end_of_an_answer_goes_to_the_client_with_its_last_chunk
+    The body's chunks as they come: straight from the connection over ReplicaTransport
+    (httpx's iterator only counts and wraps the same chunks there), else httpx's."""  # noqa: E501
     stream = response.stream
     return stream.__aiter__() if isinstance(stream, AnswerBody) else response.aiter_raw()
 
