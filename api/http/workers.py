@@ -1,10 +1,11 @@
 """Worker processes sharing one listening socket: the parent binds the port once, forks N
 workers that each serve it (the kernel hands each connection to one of them), and stays
 their supervisor. SIGTERM or SIGINT to the parent goes on to every worker as SIGTERM (each
-drains), the parent's copy of the socket closes at once, and the parent exits when all have,
-killing any still alive ``grace_s`` later. A worker that dies on its own is forked again,
-unless it lived less than :data:`MIN_UPTIME_S` (a crash loop): then all stop and the parent
-exits 1. A worker whose parent dies gets SIGTERM (Linux: ``PR_SET_PDEATHSIG``).
+drains; workers have their own process group, so a terminal's Ctrl-C is not sent twice),
+the parent's copy of the socket closes at once, and the parent exits when all have, killing
+any still alive ``grace_s`` later. A worker that dies on its own is forked again, unless it
+lived less than :data:`MIN_UPTIME_S` (a crash loop): then all stop and the parent exits 1.
+A worker whose parent dies gets SIGTERM (Linux: ``PR_SET_PDEATHSIG``).
 
 Fork, not spawn: the parent must run no thread when it forks (it only waits and signals),
 and a worker builds everything it serves with (stores, loops, threads) after the fork."""
@@ -91,6 +92,9 @@ class Workers:
         """In the child: its signals as a fresh process's, then ``serve``; the exit status."""
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, signal.SIG_DFL)
+        # Its own process group: a terminal's Ctrl-C reaches the parent alone, which passes
+        # on one SIGTERM (uvicorn takes a second signal as "exit now", not "drain").
+        os.setpgid(0, 0)
         _die_with_parent()
         try:
             self._serve(index)
