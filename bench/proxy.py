@@ -11,22 +11,31 @@ to the last byte read (``[DONE]`` for a stream), and the proxy's CPU time per re
 read from ``/proc`` (steadier than latency on a busy machine). Direct runs spread the
 workers over the three replicas, as the proxy does. One JSON line per (stream,
 concurrency), then one with the machine's load; quote them with the load beside them.
+``--prompt-tokens`` sizes the chat prompts (the sims' toy tokenizer: a word a token),
+``--unique`` gives every request a prompt never sent before (so each is tokenized by a
+replica), ``--workers`` runs ``kvindex proxy --workers N``, ``--store redis`` puts the index
+and the load on a private redis-server that a ``kvindex indexer`` fills; ``proxy_rps`` and
+``direct_rps`` are the throughputs (the load generator shares the machine's cores).
 
-    python bench/proxy.py [--requests 400]
+    python bench/proxy.py [--requests 400] [--prompt-tokens 2000] [--unique] [--workers 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import http.client
+import itertools
 import json
 import statistics
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -34,10 +43,12 @@ from machine import calibration_ms, host_load
 from score_http import process_cpu_s
 
 from tests.support.processes import Child, http_ok, kvindex_child
-from tests.support.redis_server import free_port
+from tests.support.redis_server import free_port, running_redis
 
 MODEL = "demo-model"
 NUM_PROMPTS = 64
+_SYSTEM_WORDS = 20 * 5
+"""Words (the sims' tokens) of the default system prompt; the user turn adds 60."""
 
 
 def _sim(rid: str, workdir: Path) -> tuple[Child, int, str]:
@@ -51,26 +62,53 @@ def _sim(rid: str, workdir: Path) -> tuple[Child, int, str]:
     return child, port, f"id={rid},model={MODEL},url=http://127.0.0.1:{port},events={events}"
 
 
-def _bodies(stream: bool) -> list[bytes]:
-    """Chat bodies: a shared system prompt and one of NUM_PROMPTS user turns."""
-    system = "You are a terse assistant. " * 20
-    return [
-        json.dumps(
-            {
-                "model": MODEL,
-                "messages": [
-                    {"role": "system", "content": system},
-                    {"role": "user", "content": f"question {i} " * 30},
-                ],
-                "max_tokens": 4,
-                "stream": stream,
-            }
-        ).encode()
-        for i in range(NUM_PROMPTS)
-    ]
+@dataclass(frozen=True)
+class Prompts:
+    """The chat bodies a run sends: ``num_tokens`` words a prompt (about: the template adds
+    a few), all different with ``unique`` (else cycling through NUM_PROMPTS)."""
+
+    num_tokens: int = _SYSTEM_WORDS + 60
+    unique: bool = False
+
+    def bodies(self, stream: bool) -> Sequence[bytes]:
+        if not self.unique:
+            return [self.body(stream, i) for i in range(NUM_PROMPTS)]
+        return _Fresh(self, stream)
+
+    def body(self, stream: bool, number: int | str) -> bytes:
+        """A shared system prompt and user turn ``number`` (60 words)."""
+        system = "You are a terse assistant. " * 20
+        filler = max(0, self.num_tokens - _SYSTEM_WORDS - 60)
+        system += "Context word. " * (filler // 2) + "more " * (filler % 2)
+        user = f"question {number} " * 30
+        chat = {
+            "model": MODEL,
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": user},
+            ],
+            "max_tokens": 4,
+            "stream": stream,
+        }
+        return json.dumps(chat).encode()
 
 
-def _worker(port: int, bodies: list[bytes], count: int, start: int, out: list[float]) -> None:
+class _Fresh(Sequence[bytes]):
+    """Bodies never sent before: each read makes a new one (its own user turn)."""
+
+    _serial = itertools.count()
+
+    def __init__(self, prompts: Prompts, stream: bool) -> None:
+        self._prompts, self._stream = prompts, stream
+
+    def __len__(self) -> int:
+        return NUM_PROMPTS
+
+    def __getitem__(self, _: Any) -> Any:
+        return self._prompts.body(self._stream, f"u{next(self._serial)}")
+
+
+def _worker(port: int, bodies: Sequence[bytes], count: int, start: int, out: list[float]) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     headers = {"content-type": "application/json"}
     try:
@@ -87,9 +125,11 @@ def _worker(port: int, bodies: list[bytes], count: int, start: int, out: list[fl
         conn.close()
 
 
-def _run(ports: list[int], bodies: list[bytes], concurrency: int, num_requests: int) -> list[float]:
-    """Latencies (s) of ``num_requests`` requests by ``concurrency`` workers; worker ``i``
-    talks to ``ports[i % len(ports)]``."""
+def _run(
+    ports: list[int], bodies: Sequence[bytes], concurrency: int, num_requests: int
+) -> tuple[list[float], float]:
+    """Latencies (s) of ``num_requests`` requests by ``concurrency`` workers, and the run's
+    wall time (s); worker ``i`` talks to ``ports[i % len(ports)]``."""
     per_worker = max(1, num_requests // concurrency)
     results: list[list[float]] = [[] for _ in range(concurrency)]
     threads = [
@@ -99,11 +139,12 @@ def _run(ports: list[int], bodies: list[bytes], concurrency: int, num_requests: 
         )
         for i in range(concurrency)
     ]
+    started = time.perf_counter()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    return [x for r in results for x in r]
+    return [x for r in results for x in r], time.perf_counter() - started
 
 
 def _quantile_ms(values: list[float], q: float) -> float:
@@ -111,25 +152,35 @@ def _quantile_ms(values: list[float], q: float) -> float:
     return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _tree_cpu_s(pid: int | None) -> float | None:
+    """CPU seconds of ``pid`` and its children (a proxy's workers) as they run now."""
+    if pid is None:
+        return None
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        children = []
+    own = process_cpu_s(pid)
+    return None if own is None else own + sum(process_cpu_s(int(c)) or 0.0 for c in children)
+
+
 def _measure(
     proxy: tuple[int, int | None],
     sim_ports: list[int],
-    stream: bool,
+    bodies: Sequence[bytes],
     concurrency: int,
     num_requests: int,
 ) -> dict[str, object]:
     """One JSON line's figures; ``proxy`` is the proxy's (port, pid)."""
     proxy_port, pid = proxy
-    bodies = _bodies(stream)
     _run([proxy_port], bodies, concurrency, NUM_PROMPTS * 2)  # warm: tokenizer cache, pools
     _run(sim_ports, bodies, concurrency, NUM_PROMPTS)
-    direct = _run(sim_ports, bodies, concurrency, num_requests)
-    cpu_before = process_cpu_s(pid)
-    proxied = _run([proxy_port], bodies, concurrency, num_requests)
-    cpu_after = process_cpu_s(pid)
-    figures = {
+    direct, direct_s = _run(sim_ports, bodies, concurrency, num_requests)
+    cpu_before = _tree_cpu_s(pid)
+    proxied, proxied_s = _run([proxy_port], bodies, concurrency, num_requests)
+    cpu_after = _tree_cpu_s(pid)
+    figures: dict[str, object] = {
         "bench": "proxy",
-        "stream": stream,
         "concurrency": concurrency,
         "num_requests": len(proxied),
     }
@@ -139,16 +190,52 @@ def _measure(
         figures[f"added_{name}_ms"] = round(p - d, 3)
     figures["direct_mean_ms"] = round(1000 * statistics.fmean(direct), 3)
     figures["proxy_mean_ms"] = round(1000 * statistics.fmean(proxied), 3)
+    figures["direct_rps"] = round(len(direct) / direct_s, 1)
+    figures["proxy_rps"] = round(len(proxied) / proxied_s, 1)
     if cpu_before is not None and cpu_after is not None:  # the proxy's own work per request
         cpu_ms = 1000 * (cpu_after - cpu_before) / len(proxied)
         figures["proxy_cpu_ms_per_request"] = round(cpu_ms, 3)
     return figures
 
 
-def main() -> None:
+def _store(store: str, specs: list[str], stack: ExitStack, workdir: Path) -> list[str]:
+    """The proxy's options for ``store``: the replicas its own subscriber reads (memory), or
+    a private redis-server that an indexer of the replicas fills (redis)."""
+    if store == "memory":
+        return [arg for spec in specs for arg in ("--replica", spec)]
+    redis = stack.enter_context(running_redis())
+    args = ["indexer", "--store", "redis", "--redis-url", redis.url, "--status-port", "-1"]
+    args += [arg for spec in specs for arg in ("--replica", spec)]
+    indexer = kvindex_child("indexer", args, workdir / "indexer.log", lambda: True)
+    stack.callback(indexer.stop)
+    indexer.spawn()
+    return ["--store", "redis", "--redis-url", redis.url]
+
+
+def _options() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=400, help="Requests per measurement.")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=Prompts.num_tokens, help="Tokens of a prompt."
+    )
+    parser.add_argument("--unique", action="store_true", help="A new prompt every request.")
+    parser.add_argument("--workers", type=int, default=1, help="The proxy's --workers.")
+    parser.add_argument(
+        "--store", choices=("memory", "redis"), default="memory", help="The proxy's store."
+    )
+    parser.add_argument(
+        "--concurrency", type=int, nargs="+", default=[1, 16], help="Client threads."
+    )
+    parser.add_argument(
+        "--stream", choices=("both", "yes", "no"), default="both", help="Streamed answers."
+    )
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = _options()
+    prompts = Prompts(args.prompt_tokens, args.unique)
+    streams = {"both": (False, True), "yes": (True,), "no": (False,)}[args.stream]
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         workdir = Path(tmp)
         sims = [_sim(f"r{i}", workdir) for i in (1, 2, 3)]
@@ -158,18 +245,22 @@ def main() -> None:
         for child, _, _ in sims:
             child.wait_ready(60)
         port = free_port()
-        command = ["proxy", "--port", str(port)]
-        for _, _, spec in sims:
-            command += ["--replica", spec]
+        specs = [spec for _, _, spec in sims]
+        command = ["proxy", "--port", str(port), *_store(args.store, specs, stack, workdir)]
+        if args.workers != 1:
+            command += ["--workers", str(args.workers)]
         proxy = kvindex_child("proxy", command, workdir / "proxy.log", http_ok(port, "/readyz"))
         stack.callback(proxy.stop)
         proxy.start(60)
         sim_ports = [p for _, p, _ in sims]
-        for stream in (False, True):
-            for concurrency in (1, 16):
+        shape = {"prompt_tokens": prompts.num_tokens, "unique": prompts.unique}
+        shape |= {"workers": args.workers, "store": args.store}
+        for stream in streams:
+            for concurrency in args.concurrency:
                 pid = proxy.process.pid if proxy.process is not None else None
-                figures = _measure((port, pid), sim_ports, stream, concurrency, args.requests)
-                print(json.dumps(figures), flush=True)
+                bodies = prompts.bodies(stream)
+                figures = _measure((port, pid), sim_ports, bodies, concurrency, args.requests)
+                print(json.dumps({**figures, "stream": stream, **shape}), flush=True)
     machine = {"load_1m": round(host_load(), 2), "calibration_ms": round(calibration_ms(), 2)}
     print(json.dumps({"bench": "proxy", "machine": machine}), flush=True)
 

@@ -3,6 +3,7 @@ alone on a Redis an indexer writes (``kvindex api``); each runs until SIGINT/SIG
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -76,10 +77,17 @@ def _run_uvicorn(deps: ApiDeps, api: ApiSettings) -> None:
     run_app(app, api, hot=hot_serving(app))
 
 
-def run_app(app: Any, api: ApiSettings, *, hot: HotServing | None = None, **options: Any) -> None:
-    """Serve ``app`` on ``api.host:api.port`` until SIGINT/SIGTERM, with the head deadline,
-    the lingering close and ``hot``'s routes in the protocol; ``options`` go to
-    ``uvicorn.Config``."""
+def run_app(
+    app: Any,
+    api: ApiSettings,
+    *,
+    hot: HotServing | None = None,
+    sockets: list[socket.socket] | None = None,
+    **options: Any,
+) -> None:
+    """Serve ``app`` on ``api.host:api.port`` (or on ``sockets``, bound already: a worker's)
+    until SIGINT/SIGTERM, with the head deadline, the lingering close and ``hot``'s routes
+    in the protocol; ``options`` go to ``uvicorn.Config``."""
     pin_allocator()
     # log_config=None: uvicorn's loggers keep no handlers of their own and propagate to the
     # process's (its format, JSON or text, and its repeat filter); its access log stays off,
@@ -95,4 +103,4 @@ def run_app(app: Any, api: ApiSettings, *, hot: HotServing | None = None, **opti
         http=hot_protocol(api.header_timeout_s, hot, linger_s=api.body_timeout_s),
         **options,
     )
-    GracefulServer(config).run()
+    GracefulServer(config).run(sockets=sockets)

@@ -280,6 +280,7 @@ def api(
 @click.option("--retry-backoff-s", type=float, help="Wait before the second attempt (0.02).")
 @click.option("--retry-backoff-max-s", type=float, help="Longest wait between attempts (0.5).")
 @click.option("--max-connections", type=int, help="Connections to one replica at once (1024).")
+@click.option("--workers", type=int, help="Processes serving the port, each its own read path (1).")
 @click.option(
     "--forward-client-authorization/--no-forward-client-authorization",
     default=None,

@@ -13,7 +13,7 @@ import msgspec
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -230,7 +230,8 @@ def _log_failure(exc: Exception, request_id: str, route: str | None, status: int
 
 class _Forwarded:
     """The ASGI endpoint of one forwarded route, or of the pass-through (``path`` is then
-    the ``route`` label; the request's own path is sent on if allowed, else 404)."""
+    the ``route`` label; the request's own path is sent on if allowed, else 404). It reads
+    the scope and ``receive`` itself: no framework request object is made per request."""
 
     def __init__(self, parts: ProxyParts, path: str, *, passthrough: bool = False) -> None:
         self.parts = parts
@@ -240,15 +241,14 @@ class _Forwarded:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
-        request = Request(scope, receive)
-        headers = request.headers.items()
+        headers = _headers(scope)
         request_id = request_id_of(headers)
         exchange = Exchange(request_id, scope["method"], self.path, scope["path"], started)
         try:
-            self.parts.auth.check(scope["path"], request.headers)
+            self.parts.auth.check(scope["path"], Headers(scope=scope))
             if self.passthrough and scope["path"] not in self.allowed:
                 raise UnknownRouteError(f"no such route: {scope['path']}")
-            answer = await self._answer(request, headers, exchange)
+            answer = await self._answer(scope, receive, headers, exchange)
         except Exception as exc:
             response = _error_response(exc, request_id, route=self.path)
             self._count(response.status_code, NO_REPLICA, exchange)
@@ -257,30 +257,34 @@ class _Forwarded:
         await answer(scope, receive, send)
 
     async def _answer(
-        self, request: Request, headers: list[tuple[str, str]], exchange: Exchange
+        self,
+        scope: Scope,
+        receive: Receive,
+        headers: list[tuple[str, str]],
+        exchange: Exchange,
     ) -> StreamedAnswer:
         parts, request_id, started = self.parts, exchange.request_id, exchange.started
         deadline = parts.forwarder.deadline()
-        body = await _body(request, parts.api)
+        body = await _body(scope, receive, parts.api)
         choice = await self._choice(body, dict(headers))
         exchange.matched_fraction = choice.matched_fraction
         if choice.matched_fraction is not None:
             parts.metrics.matched_fraction.observe(choice.matched_fraction)
-        scope = request.scope
         upstream_headers = forwarded_headers(
             headers, request_id, scope.get("client"), scope["scheme"]
         )
         opened = await parts.forwarder.open(
-            _target(request.scope) if self.passthrough else self.path,
+            _target(scope) if self.passthrough else self.path,
             body,
             upstream_headers,
             choice.upstreams,
             deadline,
-            method=request.method,
+            method=scope["method"],
             route=self.path,
-            receive=request.receive,
+            receive=receive,
         )
-        parts.metrics.first_byte.labels(self.path).observe(time.perf_counter() - started)
+        metrics = parts.metrics  # a route's series appear with its first request
+        metrics.child(metrics.first_byte, self.path).observe(time.perf_counter() - started)
         exchange.answered_by(opened.upstream.replica, choice.upstreams.index(opened.upstream))
         return StreamedAnswer(
             opened,
@@ -306,8 +310,8 @@ class _Forwarded:
 
     def _count(self, status: int, replica: str, exchange: Exchange) -> None:
         metrics = self.parts.metrics
-        metrics.requests.labels(self.path, str(status), replica).inc()
-        metrics.duration.labels(self.path).observe(time.perf_counter() - exchange.started)
+        metrics.child(metrics.requests, self.path, str(status), replica).inc()
+        metrics.child(metrics.duration, self.path).observe(time.perf_counter() - exchange.started)
         if self.parts.api.access_log:
             log_exchange(exchange, status)
 
@@ -347,26 +351,31 @@ def _guarded(
     return guarded
 
 
-async def _body(request: Request, api: ApiSettings) -> bytes:
+async def _body(scope: Scope, receive: Receive, api: ApiSettings) -> bytes:
     """The whole body, at most ``api.max_body_bytes``, within ``api.body_timeout_s``."""
-    declared = request.headers.get("content-length")
+    declared = next((v for n, v in scope["headers"] if n == b"content-length"), None)
     limit = api.max_body_bytes
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BodyTooLargeError(f"request body too large: Content-Length {declared}, limit {limit}")
+        raise BodyTooLargeError(
+            f"request body too large: Content-Length {declared.decode()}, limit {limit}"
+        )
     chunks: list[bytes] = []
     num_bytes = 0
     try:
         async with asyncio.timeout(api.body_timeout_s):
-            async for chunk in request.stream():
+            more = True
+            while more:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise BodyTimeoutError("the client went away before sending its body")
+                chunk, more = message.get("body", b""), message.get("more_body", False)
                 num_bytes += len(chunk)
                 if num_bytes > limit:
                     raise BodyTooLargeError(f"request body too large: over {limit} bytes")
                 chunks.append(chunk)
     except TimeoutError:
         raise BodyTimeoutError(f"request body not received within {api.body_timeout_s} s") from None
-    except ClientDisconnect:
-        raise BodyTimeoutError("the client went away before sending its body") from None
-    return b"".join(chunks)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _json(value: Any, status: int = 200) -> Response:

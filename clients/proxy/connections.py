@@ -11,7 +11,7 @@ import socket
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import httptools
 import httpx
@@ -369,11 +369,28 @@ class ReplicaTransport(httpx.AsyncBaseTransport):
         url = request.url
         if url.scheme != "http":
             return await self._tls_transport().handle_async_request(request)
-        encoded = _encoded(request)
+        fresh = bool(request.extensions.get(FRESH_CONNECTION))
+        head_only = request.method == "HEAD"
+        return await self._exchange(url, _encoded(request), head_only, fresh, request)
+
+    async def send_raw(self, request: RawRequest) -> httpx.Response:
+        """As :meth:`handle_async_request` for a ``POST`` already in its wire form (plain
+        ``http`` only): no httpx request is built, nor its headers parsed again."""
+        fresh = bool(request.extensions.get(FRESH_CONNECTION))
+        return await self._exchange(request.url, request.encoded, False, fresh, None)
+
+    async def _exchange(
+        self,
+        url: httpx.URL,
+        encoded: bytes,
+        head_only: bool,
+        fresh: bool,
+        request: httpx.Request | None,
+    ) -> httpx.Response:
         pool = self._pool(url.host, url.port or 80)
-        connection = await pool.acquire(fresh=bool(request.extensions.get(FRESH_CONNECTION)))
+        connection = await pool.acquire(fresh=fresh)
         try:
-            await connection.exchange(encoded, head_only=request.method == "HEAD")
+            await connection.exchange(encoded, head_only=head_only)
         except BaseException:
             pool.give_back(connection)  # closed by the failed exchange
             raise
@@ -382,7 +399,7 @@ class ReplicaTransport(httpx.AsyncBaseTransport):
             headers=connection.headers,
             stream=AnswerBody(pool, connection),
             request=request,
-            extensions={"http_version": b"HTTP/1.1"},
+            extensions=_HTTP11,
         )
 
     def silent_s(self, host: str, port: int, now: float) -> float:
@@ -419,6 +436,36 @@ class ReplicaTransport(httpx.AsyncBaseTransport):
             )
             self._tls = httpx.AsyncHTTPTransport(limits=limits, trust_env=False)
         return self._tls
+
+
+@dataclass(slots=True)
+class RawRequest:
+    """A ``POST`` with a body, in its wire form (:func:`encoded_post`), for
+    :meth:`ReplicaTransport.send_raw`."""
+
+    url: httpx.URL
+    encoded: bytes
+    headers: list[tuple[str, str]]
+    """What the head carries besides ``Host`` and ``Content-Length`` (as sent)."""
+    extensions: dict[str, Any] = field(default_factory=dict)
+
+
+def encoded_post(
+    url: httpx.URL, headers: list[tuple[str, str]], body: bytes, encoding: str
+) -> bytes:
+    """Reference: _encoded(httpx.Request("POST", url, content=body, headers=httpx.Headers(headers, encoding=encoding))); tests/unit/clients/proxy/test_connections.py::test_encoded_post_equals_httpxs
+    A ``POST`` of a non-empty ``body`` as one write, its head as httpx makes it (``Host``
+    first, ``Content-Length`` last); ``LocalProtocolError`` as :func:`_encoded`."""  # noqa: E501
+    lines = [b"POST %s HTTP/1.1" % url.raw_path, b"Host: " + url.netloc]
+    lines += [n.encode(encoding) + b": " + v.encode(encoding) for n, v in headers]
+    lines.append(b"Content-Length: %d" % len(body))
+    head = b"\r\n".join(lines)
+    if head.count(b"\n") != len(lines) - 1 or head.count(b"\r") != len(lines) - 1:
+        raise httpx.LocalProtocolError("a request header holds a line break")
+    return b"".join((head, b"\r\n\r\n", body))
+
+
+_HTTP11 = {"http_version": b"HTTP/1.1"}
 
 
 def _encoded(request: httpx.Request) -> bytes:

@@ -14,9 +14,8 @@ fails a request."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -30,7 +29,9 @@ from kvindex.clients.proxy.connections import (
     FRESH_CONNECTION,
     AnswerBody,
     NothingReceivedError,
+    RawRequest,
     ReplicaTransport,
+    encoded_post,
 )
 from kvindex.clients.proxy.hang_watch import Confirm, HangWatch
 from kvindex.clients.proxy.headers import (
@@ -47,6 +48,9 @@ from kvindex.indexer.domain.errors import KvIndexError
 
 logger = logging.getLogger("kvindex.proxy")
 _MAX_URLS = 4096
+_REQUEST_ID, _REPLICA = REQUEST_ID.encode(), REPLICA_HEADER.encode()
+_OURS = frozenset({*(n.encode() for n in HOP_BY_HOP), _REQUEST_ID, _REPLICA})
+"""An answer's headers not passed on: hop-by-hop, and those the proxy sets itself."""
 
 
 class UpstreamFailedError(KvIndexError):
@@ -90,7 +94,8 @@ class ReservationDesk:
         self._call = OffLoop(blocking).shielded
 
     async def reserve(self, upstream: Upstream) -> Dispatch:
-        self._metrics.in_flight.labels(upstream.replica).inc()
+        metrics = self._metrics
+        metrics.child(metrics.in_flight, upstream.replica).inc()
         reservations, reservation = self._reservations, None
         if reservations is not None:
             try:
@@ -105,8 +110,9 @@ class ReservationDesk:
         if dispatch.released:
             return
         dispatch.released = True
-        self._metrics.in_flight.labels(dispatch.replica).dec()
-        self._metrics.reservations_released.labels(reason).inc()
+        metrics = self._metrics
+        metrics.child(metrics.in_flight, dispatch.replica).dec()
+        metrics.child(metrics.reservations_released, reason).inc()
         if self._reservations is None or dispatch.reservation is None:
             return
         try:
@@ -181,6 +187,8 @@ class Forwarder:
             max_connections=settings.max_connections,
             connect_timeout_s=settings.connect_timeout_s,
         )
+        self._raw = isinstance(self._upstream, ReplicaTransport)
+        """Requests go as bytes (:meth:`ReplicaTransport.send_raw`) where they can."""
         self._hangs = (
             HangWatch(self._upstream, settings.hang_silence_s, confirm_hang)
             if confirm_hang is not None and isinstance(self._upstream, ReplicaTransport)
@@ -234,7 +242,7 @@ class Forwarder:
                 return await opening
             with watch.guard():
                 opened = await opening
-            return dataclasses.replace(opened, watch=watch)
+            return Opened(opened.upstream, opened.response, opened.dispatch, watch, opened.on_cut)
         except BaseException as exc:
             if watch is not None:
                 watch.stop()
@@ -266,13 +274,7 @@ class Forwarder:
                 self._settings.api_key_of(upstream.replica),
                 keep_client=self._settings.forward_client_authorization,
             )
-            request = httpx.Request(
-                method,
-                self._url(upstream.url, path),
-                content=body,
-                headers=httpx.Headers(sent, encoding=HEADER_ENCODING),  # the client's bytes
-                extensions=self._extensions,
-            )
+            request = self._request(method, self._url(upstream.url, path), body, sent)
             if self._hangs is not None:
                 self._hangs.note(upstream.replica, request.url)
             reserved = first if number == 1 else None
@@ -290,9 +292,25 @@ class Forwarder:
             return Opened(upstream, response, dispatch, on_cut=self._counter(upstream, "cut"))
         raise UpstreamFailedError(f"no replica answered: {'; '.join(failures) or 'none to try'}")
 
+    def _request(
+        self, method: str, url: httpx.URL, body: bytes, headers: list[tuple[str, str]]
+    ) -> httpx.Request | RawRequest:
+        """The request to send: a POST with a body to a plain-HTTP replica in its wire form
+        at once (the header values the client's bytes again), else httpx's."""
+        if self._raw and method == "POST" and body and url.scheme == "http":
+            encoded = encoded_post(url, headers, body, HEADER_ENCODING)
+            return RawRequest(url, encoded, headers, self._extensions)
+        return httpx.Request(
+            method,
+            url,
+            content=body,
+            headers=httpx.Headers(headers, encoding=HEADER_ENCODING),  # the client's bytes
+            extensions=self._extensions,
+        )
+
     async def _sent(
         self,
-        request: httpx.Request,
+        request: httpx.Request | RawRequest,
         upstream: Upstream,
         deadline: float,
         failures: list[str],
@@ -313,7 +331,7 @@ class Forwarder:
 
     async def _send(
         self,
-        request: httpx.Request,
+        request: httpx.Request | RawRequest,
         upstream: Upstream,
         deadline: float,
         failures: list[str],
@@ -340,17 +358,26 @@ class Forwarder:
         self._failed(upstream, "protocol", failures, exc)
         raise UpstreamFailedError(f"replica {upstream.replica} failed: {exc!r}") from exc
 
-    async def _head(self, request: httpx.Request, upstream: Upstream) -> httpx.Response:
+    async def _head(
+        self, request: httpx.Request | RawRequest, upstream: Upstream
+    ) -> httpx.Response:
         """The answer's head; sent once more on a new connection when a kept-alive one ended
         before any byte (counted as ``stale``, logged, not against the replica)."""
         try:
-            return await self._upstream.handle_async_request(request)
+            return await self._handled(request)
         except NothingReceivedError as exc:
             if not self._retry.again_on_new_connection(exc):
                 raise
             self._metrics.upstream_errors.labels(upstream.replica, "stale").inc()
-            _log_retry(request.headers.items(), upstream.replica, f"stale connection ({exc})")
+            sent = request.headers if isinstance(request, RawRequest) else request.headers.items()
+            _log_retry(sent, upstream.replica, f"stale connection ({exc})")
         request.extensions = {**request.extensions, FRESH_CONNECTION: True}
+        return await self._handled(request)
+
+    async def _handled(self, request: httpx.Request | RawRequest) -> httpx.Response:
+        if isinstance(request, RawRequest):
+            assert isinstance(self._upstream, ReplicaTransport)
+            return await self._upstream.send_raw(request)
         return await self._upstream.handle_async_request(request)
 
     def _failed(
@@ -413,6 +440,7 @@ class StreamedAnswer:
         self.first_chunk_timeout_s = first_chunk_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self._abort: Callable[[], None] | None = None
+        self._length: bytes | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = self.opened.response
@@ -427,7 +455,8 @@ class StreamedAnswer:
                     "headers": self._headers(),
                 }
             )
-            if "content-length" in response.headers:
+            self._length = _content_length(response)
+            if self._length is not None:
                 if watch is not None:
                     watch.stop()  # a whole answer, already coming: nothing to abort
                 await self._stream(send)
@@ -443,15 +472,12 @@ class StreamedAnswer:
                 await self.opened.dispatch.release(self._reason)
 
     def _headers(self) -> list[tuple[bytes, bytes]]:
-        kept = [
-            (n.encode("latin-1"), v.encode("latin-1"))
-            for n, v in self.opened.response.headers.multi_items()
-            if n.lower() not in HOP_BY_HOP and n.lower() not in (REQUEST_ID, REPLICA_HEADER)
-        ]
+        """The replica's header lines as it sent them, less the hop-by-hop ones and ours."""
+        kept = [(n, v) for n, v in self.opened.response.headers.raw if n.lower() not in _OURS]
         return [
             *kept,
-            (REQUEST_ID.encode(), self.request_id.encode("latin-1")),
-            (REPLICA_HEADER.encode(), self.opened.upstream.replica.encode("latin-1")),
+            (_REQUEST_ID, self.request_id.encode("latin-1")),
+            (_REPLICA, self.opened.upstream.replica.encode("latin-1")),
         ]
 
     async def _stream_watched(self, send: Send, watch: ClientWatch) -> None:
@@ -464,17 +490,19 @@ class StreamedAnswer:
     async def _stream(self, send: Send) -> None:
         """Every chunk; past a deadline or broken upstream, the body ends early."""
         response = self.opened.response
-        length = response.headers.get("content-length")
+        length = self._length
         whole = int(length) if length is not None and length.isdigit() else None
+        num_bytes = 0
         idle_s, loop = self.idle_timeout_s, asyncio.get_running_loop()
         idle = asyncio.timeout(self.first_chunk_timeout_s)
         ended = False  # the client has been told the body ends
         try:
             async with asyncio.timeout_at(self.deadline), idle:
-                async for chunk in response.aiter_raw():
+                async for chunk in _raw(response):
+                    num_bytes += len(chunk)
                     idle.reschedule(None)  # a slow client is not an idle replica
                     ended = _all_read(response)  # then the end goes with this chunk
-                    if ended or (whole is not None and response.num_bytes_downloaded >= whole):
+                    if ended or (whole is not None and num_bytes >= whole):
                         await self._done()  # the client has it all with this chunk
                     message = {"type": "http.response.body", "body": chunk, "more_body": not ended}
                     await send(message)
@@ -502,6 +530,21 @@ class StreamedAnswer:
         self._reason = "done"
         if self.opened.dispatch is not None:
             await self.opened.dispatch.release("done")
+
+
+def _content_length(response: httpx.Response) -> bytes | None:
+    """The answer's ``Content-Length`` as sent (its values joined as httpx's ``get``
+    joins them; None: there is none)."""
+    values = [v for n, v in response.headers.raw if n.lower() == b"content-length"]
+    return None if not values else b", ".join(values)
+
+
+def _raw(response: httpx.Response) -> AsyncIterator[bytes]:
+    """Reference: httpx.Response.aiter_raw; tests/unit/clients/proxy/test_connections.py::test_the_end_of_an_answer_goes_to_the_client_with_its_last_chunk
+    The body's chunks as they come: straight from the connection over ReplicaTransport
+    (httpx's iterator only counts and wraps the same chunks there), else httpx's."""  # noqa: E501
+    stream = response.stream
+    return stream.__aiter__() if isinstance(stream, AnswerBody) else response.aiter_raw()
 
 
 def _all_read(response: httpx.Response) -> bool:

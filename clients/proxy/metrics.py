@@ -4,9 +4,12 @@ its build, its index lookups and (when it runs the write path) its streams and i
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
+from typing import TypeVar, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 from kvindex.api.health.block_sizes import BlockSizeCheck
 from kvindex.api.http.metrics import BlockSizeCollector, lookup_latency
@@ -20,6 +23,7 @@ _LATENCY_BUCKETS = (
 )  # fmt: skip
 _FRACTION_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 NO_REPLICA = "none"
+M = TypeVar("M", bound=MetricWrapperBase)
 RESERVATION_OPS = ("reserve", "release", "renew", "close")
 """The load-store calls of the reservations (``op`` of ``kvindex_proxy_reservation_failures``)."""
 
@@ -27,8 +31,10 @@ RESERVATION_OPS = ("reserve", "release", "renew", "close")
 class ProxyMetrics:
     """Counters and histograms of forwarded requests; :meth:`render` is the text format."""
 
-    def __init__(self) -> None:
+    def __init__(self, worker: int = 0) -> None:
+        """``worker``: which of ``kvindex proxy --workers N`` this process is (0: the one)."""
         self.registry = CollectorRegistry()
+        self._children: dict[tuple[int, tuple[str, ...]], MetricWrapperBase] = {}
         r = self.registry
         r.register(BuildInfo("proxy"))
         self.lookup_latency = lookup_latency(r)
@@ -100,12 +106,29 @@ class ProxyMetrics:
         )
         for op in RESERVATION_OPS:  # present from the start, so rate() sees the first
             self.reservation_failures.labels(op)
+        self.worker = Gauge(
+            "kvindex_proxy_worker_info",
+            "The worker process that answered this scrape (1): with --workers N each serves"
+            " its own series, and a scrape reaches one of them.",
+            ["worker", "pid"],
+            registry=r,
+        )
+        self.worker.labels(str(worker), str(os.getpid())).set(1)
         self.reservations_lost = Counter(
             "kvindex_proxy_reservations_lost",
             "Reservations that stopped counting because this proxy's lease lapsed (renewals"
             " failed for a whole lease TTL) while their requests were in flight.",
             registry=r,
         )
+
+    def child(self, metric: M, *labels: str) -> M:
+        """``metric.labels(*labels)``, found once and then kept (prometheus' own lookup
+        locks, checks and joins the values on each call)."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return cast("M", found)
 
     def watch_write_path(self, fleet: RegistryView, index: BlockIndex) -> None:
         """Export the write path this process runs: stream counters and gauges, blocks."""

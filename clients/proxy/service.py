@@ -4,6 +4,7 @@ own parts (forwarder, breakers, reservations and their lease keeper), under uvic
 from __future__ import annotations
 
 import math
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -14,6 +15,7 @@ from kvindex.api.health.ejection import EjectionMetrics, ReplicaBreakers
 from kvindex.api.health.routing import health_policy
 from kvindex.api.http.metrics import TimedIndex
 from kvindex.api.http.server import Service, run_app
+from kvindex.api.http.workers import Workers, bound_socket
 from kvindex.api.load.reservations import LeaseKeeper, Reservations
 from kvindex.api.runtime import ApiDeps, Hooks, build_read_path, open_stores
 from kvindex.clients.proxy.app import ProxyParts, create_proxy_app
@@ -24,11 +26,15 @@ from kvindex.clients.proxy.upstream import UpstreamPicker
 from kvindex.indexer.config.settings import IndexerSettings
 from kvindex.indexer.fleet.replica_health import Ejection
 
+_STOP_MARGIN_S = 10
+"""After the drain, how long the read path's stop may take before a worker is killed."""
 
-def build_proxy_app(deps: ApiDeps, proxy: ProxySettings) -> Starlette:
-    """The proxy's app on ``deps`` (the caller's stores); its parts live for its lifespan."""
+
+def build_proxy_app(deps: ApiDeps, proxy: ProxySettings, worker: int = 0) -> Starlette:
+    """The proxy's app on ``deps`` (the caller's stores); its parts live for its lifespan;
+    ``worker``: which of ``proxy.workers`` processes serves it."""
     api = deps.settings
-    metrics = ProxyMetrics()
+    metrics = ProxyMetrics(worker)
     ejections = EjectionMetrics(metrics.registry, deps.registry, api)
 
     def ejected(replica: str, reason: Ejection) -> None:
@@ -104,27 +110,57 @@ def build_proxy_app(deps: ApiDeps, proxy: ProxySettings) -> Starlette:
 
 def serve_proxy(settings: IndexerSettings, api: ApiSettings, proxy: ProxySettings) -> None:
     """Run until SIGINT/SIGTERM, then drain: no new connection, requests finish (at most
-    ``proxy.drain_timeout_s``), then the read path stops."""
+    ``proxy.drain_timeout_s``), then the read path stops. With ``proxy.workers`` > 1 the
+    port is bound once and each worker process serves it (:mod:`kvindex.api.http.workers`)."""
+    if proxy.workers == 1:
+        _serve_one(settings, api, proxy)
+        return
+    listening = bound_socket(api.host, api.port)
+
+    def serve(worker: int) -> None:
+        _serve_one(settings, api, proxy, worker=worker, sockets=[listening])
+
+    grace_s = math.ceil(proxy.drain_timeout_s) + _STOP_MARGIN_S
+    code = Workers(proxy.workers, serve, listening, grace_s=grace_s).run()
+    if code:
+        raise SystemExit(code)
+
+
+def _serve_one(
+    settings: IndexerSettings,
+    api: ApiSettings,
+    proxy: ProxySettings,
+    *,
+    worker: int = 0,
+    sockets: list[socket.socket] | None = None,
+) -> None:
+    """One process's proxy: its stores (memory: its own subscriber and index), its app."""
     if settings.store == "redis":
         deps = open_stores(ReadPathSettings(settings, api))
         try:
-            _run_uvicorn(build_proxy_app(deps, proxy), api, proxy)
+            _run_uvicorn(build_proxy_app(deps, proxy, worker), api, proxy, sockets)
         finally:
             deps.loads.close()
         return
     service = Service.build(settings, api)
     service.indexer.start()
     try:
-        _run_uvicorn(build_proxy_app(service.deps, proxy), api, proxy)
+        _run_uvicorn(build_proxy_app(service.deps, proxy, worker), api, proxy, sockets)
     finally:
         service.stop()
 
 
-def _run_uvicorn(app: Starlette, api: ApiSettings, proxy: ProxySettings) -> None:
+def _run_uvicorn(
+    app: Starlette,
+    api: ApiSettings,
+    proxy: ProxySettings,
+    sockets: list[socket.socket] | None,
+) -> None:
     # The replicas' own Date and Server headers are passed on: uvicorn adds none.
     run_app(
         app,
         api,
+        sockets=sockets,
         server_header=False,
         date_header=False,
         proxy_headers=False,  # the client is the peer: X-Forwarded-For is appended to, not read

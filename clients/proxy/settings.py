@@ -49,9 +49,12 @@ class ProxySettings:
     forward_client_authorization: bool = False
     """Send a client's own ``Authorization`` to replicas without a key (never with auth_token)."""
     extra_routes: tuple[str, ...] = ()
-    """More ``/v1/...`` paths passed through to replicas (e.g. ``/v1/load_lora_adapter``)."""
+    """More paths passed through to replicas (e.g. ``/v1/load_lora_adapter``, ``/tokenize``)."""
     port: int = 8080
     """Port the proxy listens on (its own default: the API's 8000 may run beside it)."""
+    workers: int = 1
+    """Processes serving the port, each with its own read path and connections (memory
+    store: each its own subscriber and index; Redis: one shared index and load)."""
     hang_silence_s: float = 1.0
     """A replica owing answers that sends no byte this long gets a health probe; failing it
     ejects it and sends its waiting requests elsewhere (at most 1.5 times this + the check's
@@ -88,7 +91,7 @@ def _check_numbers(settings: ProxySettings) -> None:
         if not (value >= 0 if low_ok else value > 0) or value == float("inf"):
             wanted = "a finite number >= 0" if low_ok else "a finite number > 0"
             raise SettingsError(f"proxy.{name} must be {wanted}, got {value!r}")
-    for name in ("max_attempts", "max_connections", "port"):
+    for name in ("max_attempts", "max_connections", "port", "workers"):
         value = getattr(settings, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise SettingsError(f"proxy.{name} must be an integer >= 1, got {value!r}")

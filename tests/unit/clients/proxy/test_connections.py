@@ -16,6 +16,8 @@ from kvindex.clients.proxy.connections import (
     FRESH_CONNECTION,
     NothingReceivedError,
     ReplicaTransport,
+    _encoded,
+    encoded_post,
 )
 from kvindex.clients.proxy.forwarding import Forwarder, StreamedAnswer
 from kvindex.clients.proxy.metrics import ProxyMetrics
@@ -426,3 +428,26 @@ def test_a_replica_owing_an_answer_grows_silent_until_a_byte_and_abandoning_ends
             await transport.aclose()
 
     _run(test)
+
+
+@pytest.mark.parametrize(
+    ("url", "headers"),
+    [
+        ("http://127.0.0.1:8001/v1/chat/completions", [("content-type", "application/json")]),
+        ("http://replica/v1/completions?x=1", []),
+        (
+            "http://10.0.0.7:80/v1/x%20y",
+            [("X-Odd", "caf\u00e9 \u00ff"), ("authorization", "Bearer k"), ("a", "")],
+        ),
+    ],
+)
+def test_encoded_post_equals_httpxs(url: str, headers: list[tuple[str, str]]) -> None:
+    """The forwarder's own wire form of a POST is the bytes httpx's request would make."""
+    body = b'{"model": "m"}'
+    parsed = httpx.URL(url)
+    reference = httpx.Request(
+        "POST", parsed, content=body, headers=httpx.Headers(headers, encoding="latin-1")
+    )
+    assert encoded_post(parsed, headers, body, "latin-1") == _encoded(reference)
+    with pytest.raises(httpx.LocalProtocolError):
+        encoded_post(parsed, [("x", "a\r\nb: c")], body, "latin-1")

@@ -36,6 +36,9 @@ def test_unknown_keys_and_variables_and_bad_values_are_named() -> None:
     with pytest.raises(SettingsError, match=re.escape("[proxy] must be a table")):
         load_proxy_settings(3, env={})  # type: ignore[arg-type]
     assert load_proxy_settings({"retry_backoff_s": 0}, env={}).retry_backoff_s == 0
+    with pytest.raises(SettingsError, match=re.escape("proxy.workers must be an integer >= 1")):
+        load_proxy_settings({"workers": 0}, env={})
+    assert load_proxy_settings(env={"KVINDEX_PROXY_WORKERS": "2"}).workers == 2
 
 
 def test_tokens_and_keys_from_file_env_or_token_file_and_never_shown(tmp_path: Path) -> None:
