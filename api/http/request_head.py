@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 log = logging.getLogger("kvindex.api")
 _CONNECT = b"CONNECT"
@@ -30,6 +31,9 @@ class HeadDeadlineProtocol(HttpToolsProtocol):
     _head_timer: asyncio.TimerHandle | None = None
     _unupgraded: bytes | None = None
     """The head of a request that asked to upgrade, without the ask: to be parsed again."""
+    bad_request_body: Callable[[str], bytes] | None = None
+    """The JSON body of the 400 answering bytes the parser refuses, from uvicorn's message
+    (None: uvicorn's plain text); the server's other errors come in the same shape."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -63,6 +67,23 @@ class HeadDeadlineProtocol(HttpToolsProtocol):
 
     def _should_upgrade(self) -> bool:
         return False
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's 400 (then close), its body in :attr:`bad_request_body`'s shape."""
+        shape = self.bad_request_body
+        if shape is None:
+            super().send_400_response(msg)
+            return
+        body = shape(msg)
+        head = [STATUS_LINE[400]]
+        for name, value in self.server_state.default_headers:
+            head += [name, b": ", value, b"\r\n"]
+        head.append(
+            b"content-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n" % len(body)
+        )
+        self.transport.write(b"".join([*head, body]))
+        self.transport.close()
 
     def on_message_begin(self) -> None:
         self._in_head = True

@@ -9,6 +9,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import uvicorn
 
 from kvindex.api.config.settings import ApiSettings, ReadPathSettings
@@ -17,6 +18,7 @@ from kvindex.api.http.app import create_app, hot_serving
 from kvindex.api.http.hot_routes import HotServing
 from kvindex.api.http.server_protocol import hot_protocol
 from kvindex.api.runtime import ApiDeps, open_stores
+from kvindex.api.schemas import ErrorBody
 from kvindex.indexer.config.settings import IndexerSettings
 from kvindex.indexer.service import IndexerService
 
@@ -77,17 +79,24 @@ def _run_uvicorn(deps: ApiDeps, api: ApiSettings) -> None:
     run_app(app, api, hot=hot_serving(app))
 
 
+def api_bad_request(message: str) -> bytes:
+    """The API's error body (:class:`ErrorBody`) for a request the HTTP parser refuses."""
+    return msgspec.json.encode(ErrorBody("invalid_request", message))
+
+
 def run_app(
     app: Any,
     api: ApiSettings,
     *,
     hot: HotServing | None = None,
     sockets: list[socket.socket] | None = None,
+    bad_request_body: Callable[[str], bytes] = api_bad_request,
     **options: Any,
 ) -> None:
     """Serve ``app`` on ``api.host:api.port`` (or on ``sockets``, bound already: a worker's)
     until SIGINT/SIGTERM, with the head deadline, the lingering close and ``hot``'s routes
-    in the protocol; ``options`` go to ``uvicorn.Config``."""
+    in the protocol, a request the parser refuses answered 400 with ``bad_request_body``;
+    ``options`` go to ``uvicorn.Config``."""
     pin_allocator()
     # log_config=None: uvicorn's loggers keep no handlers of their own and propagate to the
     # process's (its format, JSON or text, and its repeat filter); its access log stays off,
@@ -100,7 +109,12 @@ def run_app(
         access_log=False,
         log_config=None,
         ws="none",  # kvindex speaks no WebSocket: every Upgrade is ignored (request_head)
-        http=hot_protocol(api.header_timeout_s, hot, linger_s=api.body_timeout_s),
+        http=hot_protocol(
+            api.header_timeout_s,
+            hot,
+            linger_s=api.body_timeout_s,
+            bad_request_body=bad_request_body,
+        ),
         **options,
     )
     GracefulServer(config).run(sockets=sockets)

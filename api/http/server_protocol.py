@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, cast
@@ -304,9 +304,19 @@ async def _resume(coro: Coroutine[Any, Any, None], awaited: Any) -> None:
 
 
 def hot_protocol(
-    timeout_s: float, hot: HotServing | None, *, linger_s: float = LingeringProtocol.linger_s
+    timeout_s: float,
+    hot: HotServing | None,
+    *,
+    linger_s: float = LingeringProtocol.linger_s,
+    bad_request_body: Callable[[str], bytes] | None = None,
 ) -> type[HotProtocol]:
     """A protocol class with a ``timeout_s`` head deadline answering ``hot``'s plain requests,
-    lingering at most ``linger_s`` on a close mid-body."""
-    fields = {"timeout_s": timeout_s, "hot": hot, "linger_s": linger_s}
+    lingering at most ``linger_s`` on a close mid-body, a request it cannot parse answered
+    400 with ``bad_request_body`` (None: uvicorn's plain text)."""
+    fields = {
+        "timeout_s": timeout_s,
+        "hot": hot,
+        "linger_s": linger_s,
+        "bad_request_body": staticmethod(bad_request_body) if bad_request_body else None,
+    }
     return type("HotHeadDeadline", (HotProtocol,), fields)

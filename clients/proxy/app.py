@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -218,6 +219,12 @@ def _error_body(message: str, kind: str, status: int, request_id: str) -> dict[s
     """OpenAI's error shape, with the request id (also the ``x-request-id`` header)."""
     error = {"message": message, "type": kind, "code": status, "request_id": request_id}
     return {"error": error}
+
+
+def unparsed_request_body(message: str) -> bytes:
+    """The 400 body of a request the HTTP parser refuses (before any route: a fresh id)."""
+    body = _error_body(message, "invalid_request_error", 400, uuid.uuid4().hex)
+    return msgspec.json.encode(body)
 
 
 def _log_failure(exc: Exception, request_id: str, route: str | None, status: int) -> None:

@@ -18,7 +18,7 @@ from kvindex.api.http.server import Service, run_app
 from kvindex.api.http.workers import Workers, bound_socket
 from kvindex.api.load.reservations import LeaseKeeper, Reservations
 from kvindex.api.runtime import ApiDeps, Hooks, build_read_path, open_stores
-from kvindex.clients.proxy.app import ProxyParts, create_proxy_app
+from kvindex.clients.proxy.app import ProxyParts, create_proxy_app, unparsed_request_body
 from kvindex.clients.proxy.forwarding import Forwarder, ReservationDesk
 from kvindex.clients.proxy.metrics import ProxyMetrics
 from kvindex.clients.proxy.settings import ProxySettings
@@ -161,6 +161,7 @@ def _run_uvicorn(
         app,
         api,
         sockets=sockets,
+        bad_request_body=unparsed_request_body,
         server_header=False,
         date_header=False,
         proxy_headers=False,  # the client is the peer: X-Forwarded-For is appended to, not read

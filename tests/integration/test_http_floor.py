@@ -316,3 +316,19 @@ def test_a_body_nested_too_deep_is_a_4xx_not_a_500(server: Server, path: str, bo
     )
     assert 400 <= answer.status_code < 500, (answer.status_code, answer.text[:300])
     assert "error" in answer.json()
+
+
+def test_a_request_the_parser_refuses_gets_the_apis_json_400(server: Server) -> None:
+    sent = b"POST /score HTTP/1.1\r\nhost: x\r\nx-bad: a\x00b\r\ncontent-length: 2\r\n\r\n{}"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(sent)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 "), answer[:300]
+    assert b"content-type: application/json" in head.lower(), head
+    assert json.loads(body) == {
+        "error": "invalid_request",
+        "detail": "Invalid HTTP request received.",
+    }
