@@ -33,6 +33,8 @@ HOP_BY_HOP = frozenset(
     }
 )
 _NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", REQUEST_ID}
+_REWRITTEN = frozenset({FORWARDED_FOR, FORWARDED})
+"""Sent on with the client appended (:func:`_appended`), in place of the client's own."""
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 HEADER_ENCODING = "latin-1"
 """How the forwarder turns the values back into the bytes the client sent."""
@@ -62,9 +64,8 @@ def forwarded_headers(
     for name, value in received:
         if _CONTROL.search(value):
             raise BadHeaderError(f"header {name!r}: a control character in its value")
-    dropped = _NOT_FORWARDED | _named_by_connection(received)
+    dropped = _NOT_FORWARDED | _REWRITTEN | _named_by_connection(received)
     kept = [(n, v) for n, v in received if n.lower() not in dropped]
-    kept = [(n, v) for n, v in kept if n.lower() not in (FORWARDED_FOR, FORWARDED)]
     address = "unknown" if client is None else client[0]
     return [
         *kept,

@@ -27,7 +27,7 @@ import pytest
 import requests
 
 from tests.integration.test_proxy_forwarding import _start as start_proxy
-from tests.support.processes import kvindex_child
+from tests.support.processes import http_ok, kvindex_child
 from tests.support.redis_server import free_port, running_redis
 
 MODEL = "demo-model"
@@ -63,18 +63,7 @@ class Server:
 
 def _scores(port: int) -> Callable[[], bool]:
     """Ready: ``/score`` answers 200 for MODEL (its replica is registered)."""
-
-    def ready() -> bool:
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=0.5)
-        try:
-            connection.request("POST", "/score", SCORE, {"content-type": "application/json"})
-            return connection.getresponse().status == 200
-        except OSError:
-            return False
-        finally:
-            connection.close()
-
-    return ready
+    return http_ok(port, "/score", "POST", SCORE)
 
 
 def _replica(events_port: int) -> str:

@@ -159,14 +159,18 @@ def _pings(port: int) -> Callable[[], bool]:
     return ready
 
 
-def http_ok(port: int, path: str) -> Callable[[], bool]:
-    """A readiness check: ``GET http://127.0.0.1:port/path`` answers 200 within 0.5 s
-    (plain ``http.client``: an httpx client per poll costs a TLS context each time)."""
+def http_ok(
+    port: int, path: str, method: str = "GET", body: bytes | None = None
+) -> Callable[[], bool]:
+    """A readiness check: ``method http://127.0.0.1:port/path`` (a JSON ``body`` if given)
+    answers 200 within 0.5 s (plain ``http.client``: an httpx client per poll costs a TLS
+    context each time)."""
+    headers = {} if body is None else {"content-type": "application/json"}
 
     def ready() -> bool:
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=0.5)
         try:
-            connection.request("GET", path)
+            connection.request(method, path, body, headers)
             return connection.getresponse().status == 200
         except OSError:
             return False
