@@ -228,6 +228,8 @@ GUARDED_PATHS = [
     ("GET", "/v1//models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/chat/completions/"),
     ("POST", "/v1/./completions"), ("POST", "/v1/embeddings"), ("POST", "/tokenize"),
     ("POST", "/tokenize/"), ("GET", "/nope"), ("POST", "/v1/unknown"), ("GET", "/"),
+    ("GET", "/replicas"), ("GET", "/replicas/"), ("GET", "/v1/../replicas"), ("GET", "/stats"),
+    ("GET", "//stats"), ("POST", "/replicas"), ("DELETE", "/replicas/r1"),
 ]  # fmt: skip
 WRONG_CREDENTIALS: list[list[tuple[str, bytes]]] = [
     [],
@@ -257,6 +259,25 @@ def test_the_token_opens_them_and_the_probes_need_none(guarded: Proxy) -> None:
     for value in (f"Bearer {TOKEN}", f"bearer {TOKEN}", f"Bearer  {TOKEN}", f"Bearer {TOKEN} "):
         # Whitespace around a value is not part of it (RFC 9110 §5.5): the same token.
         assert send(guarded.port, "GET", "/metrics", headers=_token(value)).status == 200, value
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("POST", "/replicas"), ("DELETE", "/replicas/r1"), ("PUT", "/stats"),
+     ("GET", "/replicas?x=%00%ff"), ("GET", "/stats/../../etc/passwd"), ("GET", "/replicas/r1")],
+)  # fmt: skip
+def test_the_proxys_read_routes_refuse_what_they_do_not_serve(
+    guarded: Proxy, method: str, path: str
+) -> None:
+    """``/replicas`` and ``/stats`` are read-only here: anything else is a 4xx in OpenAI's
+    shape, the proxy's own (no replica asked)."""
+    answer = send(guarded.port, method, path, b'{"id": "r9"}', _token())
+    if answer.status == 200:  # a query string the route ignores
+        assert path.startswith("/replicas?"), path
+        return
+    assert 400 <= answer.status < 500, (path, answer.status, answer.body[:200])
+    answer.error()
+    assert "x-kvindex-replica" not in answer.headers
 
 
 def test_tokenize_passes_through_when_listed(tmp_path: Path) -> None:
