@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import shutil
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ import httpx
 
 from kvindex.clients.fake_vllm.replica import tokenize_text
 from tests.support.processes import Child, http_ok, kvindex_child, redis_child
-from tests.support.redis_server import free_port, free_ports
+from tests.support.redis_server import free_ports
 
 MODEL = "fault-model"
 BLOCK_SIZE = 16
@@ -108,14 +108,16 @@ class FaultFleet:
     @classmethod
     def build(cls, shape: FleetShape, workdir: Path) -> FaultFleet:
         """Choose ports and write the config; starts nothing (see :meth:`start`)."""
-        redis_port, api_port, status_port = free_ports(3)
-        replicas = {rid: _replica(rid, shape, workdir) for rid in shape.replica_ids}
+        ids = shape.indexer_ids or ("",)
+        # Every port of the fleet in one choice: ports chosen call by call can repeat.
+        ports = iter(free_ports(3 + 3 * len(shape.replica_ids) + len(ids)))
+        redis_port, api_port, status_port = next(ports), next(ports), next(ports)
+        replicas = {rid: _replica(rid, shape, workdir, ports) for rid in shape.replica_ids}
         config = workdir / "kvindex.toml"
         config.write_text(_config_toml(redis_port, api_port, status_port, replicas.values()))
         redis_dir = workdir / "redis"
         redis_dir.mkdir()
-        ids = shape.indexer_ids or ("",)
-        indexers = [_indexer(i, config, workdir, shape.lease_ttl_s) for i in ids]
+        indexers = [_indexer(i, config, workdir, shape.lease_ttl_s, next(ports)) for i in ids]
         indexer, more = indexers[0], dict(zip(ids[1:], indexers[1:], strict=True))
         api = kvindex_child(
             "api",
@@ -268,8 +270,8 @@ class FaultFleet:
         return found
 
 
-def _replica(rid: str, shape: FleetShape, workdir: Path) -> Replica:
-    http_port, events_port, replay_free = free_ports(3)
+def _replica(rid: str, shape: FleetShape, workdir: Path, ports: Iterator[int]) -> Replica:
+    http_port, events_port, replay_free = next(ports), next(ports), next(ports)
     replay_port = replay_free if shape.replay else None
     replay = f"tcp://127.0.0.1:{replay_port}" if replay_port else ""
     args = [
@@ -285,13 +287,13 @@ def _replica(rid: str, shape: FleetShape, workdir: Path) -> Replica:
     return Replica(rid, child, http_port, events_port, replay_port)
 
 
-def _indexer(indexer_id: str, config: Path, workdir: Path, lease_ttl_s: float) -> Child:
+def _indexer(indexer_id: str, config: Path, workdir: Path, lease_ttl_s: float, free: int) -> Child:
     """``kvindex indexer`` on the fleet's config (``indexer_id`` "": the default one, on
-    the config's status port; else that id, on a status port of its own)."""
+    the config's status port; else that id, on a status port of its own, ``free``)."""
     args = ["indexer", "--config", str(config), "--store", "redis", "--stats-every", "0"]
     status_port = int(config.read_text().split("status_port = ")[1].split()[0])
     if indexer_id:
-        status_port = free_port()
+        status_port = free
         args += ["--status-port", str(status_port)]
     child = kvindex_child(
         f"indexer {indexer_id}".strip(),
