@@ -10,7 +10,7 @@ from typing import Any
 
 from kvindex.indexer.domain.errors import SettingsError
 
-SECTIONS = ("api", "models", "rules", "proxy")  # the read path's tables; the rest is the indexer's
+SECTIONS = ("api", "models", "rules", "proxy", "picker")  # the read path's tables; the rest is the indexer's
 
 
 @dataclass(frozen=True)
