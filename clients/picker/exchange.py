@@ -74,8 +74,10 @@ class Exchange:
         kind = request.WhichOneof("request")
         if request.HasField("protocol_config"):
             self._configure(request.protocol_config)
+        if self.finished:  # the stream owes nothing more (the servicer ends it)
+            return []
         handler = self._HANDLERS.get(kind or "")
-        if handler is None or self.finished:
+        if handler is None:
             return self._refuse(RefusalError(400, "bad_request", f"unexpected message {kind!r}"))
         try:
             return await handler(self, request)
