@@ -26,6 +26,7 @@ from kvindex.clients.picker.metrics import PickerMetrics
 logger = logging.getLogger("kvindex.picker")
 _FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 _STREAMED = processing_mode_pb2.ProcessingMode.STREAMED
+_NO_BODY = processing_mode_pb2.ProcessingMode.NONE
 
 Choose = Callable[[bytes, Mapping[str, str], frozenset[str] | None], Awaitable[Decision]]
 """An OpenAI body, the request's headers and the subset hint → the decision (or a RefusalError)."""
@@ -130,6 +131,8 @@ class Exchange:
             answers = await self._decide(in_body=not self._headers_wait, end=False)
             if self.finished:
                 return answers
+            if not self._headers_wait:  # all but the trailers answered: the metadata names it
+                return [messages.trailers_continue(response=False, like=answers[0])]
             return [*answers, messages.trailers_continue(response=False)]
         self._expect(Phase.SENT, "request trailers")
         return [messages.trailers_continue(response=False)]
@@ -143,7 +146,7 @@ class Exchange:
             headers.headers.headers
         ).get(SERVED_KEY)
         answers = [messages.response_headers_continue()]
-        if headers.end_of_stream:
+        if headers.end_of_stream or self._response_mode == _NO_BODY:
             await self._end()
         return answers
 

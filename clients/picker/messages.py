@@ -73,10 +73,14 @@ def body_streamed(body: bytes, end_of_stream: bool, *, response: bool) -> Respon
     return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
 
 
-def trailers_continue(*, response: bool) -> Response:
+def trailers_continue(*, response: bool, like: Response | None = None) -> Response:
+    """Trailers passed on; with the dynamic metadata of ``like`` when given."""
     if response:
         return pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
-    return pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+    answer = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+    if like is not None:
+        answer.dynamic_metadata.CopyFrom(like.dynamic_metadata)
+    return answer
 
 
 def immediate(status: int, message: str) -> Response:

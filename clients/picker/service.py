@@ -104,7 +104,9 @@ def build_picker(deps: ApiDeps, settings: PickerSettings) -> Picker:
 
 async def run_picker(picker: Picker, host: str, stopping: asyncio.Event) -> None:
     """Serve until ``stopping`` is set, then drain (at most ``drain_timeout_s``) and stop."""
-    server = grpc.aio.server()
+    # A buffered body comes in one message: room for the largest body and its framing.
+    size = picker.deps.settings.max_body_bytes + 2**20
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", size)])
     external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
         ExtProcServicer(picker.exchange, picker.admission), server
     )

@@ -127,6 +127,26 @@ def test_trailers_end_the_body() -> None:
     assert streamed.body == BODY and not streamed.end_of_stream
 
 
+def test_trailers_after_a_waiting_gateways_body_carry_the_metadata() -> None:
+    fleet = Fleet()
+    chunk = pb.ProcessingRequest(request_body=pb.HttpBody(body=BODY))
+    trailers = pb.ProcessingRequest(request_trailers=pb.HttpTrailers())
+    answers = _run(fleet.exchange(), _head(STREAMED), chunk, trailers)
+    assert _kinds(answers) == ["request_headers", "request_body", "request_trailers"]
+    assert Picked(answers).metadata == "10.0.0.1:8000,10.0.0.2:8000"
+
+
+def test_no_response_body_to_wait_for_ends_at_the_response_headers() -> None:
+    fleet = Fleet()
+    exchange = fleet.exchange()
+    head = headers_message({":method": "POST"}, mode=STREAMED, no_wait=True)
+    head.protocol_config.response_body_mode = 0  # NONE: no response body message will come
+    _run(exchange, head, *body_messages(BODY, 1))
+    assert fleet.in_flight() == {"r1": 1}
+    _run(exchange, response_headers_message())
+    assert fleet.in_flight() == {} and exchange.finished
+
+
 def _status(answers: list[Any]) -> int:
     (answer,) = answers
     return int(answer.immediate_response.status.code)
