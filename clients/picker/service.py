@@ -49,6 +49,8 @@ class Picker:
     chooser: EndpointChooser
     admission: Admission
     keeper: LeaseKeeper
+    serving: bool = False
+    """The ext_proc service answers (``/readyz`` says so)."""
 
     def exchange(self) -> Exchange:
         return Exchange(
@@ -121,10 +123,12 @@ async def run_picker(picker: Picker, host: str, stopping: asyncio.Event) -> None
     await server.start()
     for service in HEALTH_SERVICES:
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    picker.serving = True
     logger.info("picker serving ext_proc on %s", address)
     try:
         await stopping.wait()
     finally:
+        picker.serving = False
         for service in HEALTH_SERVICES:
             await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.stop(picker.settings.drain_timeout_s)
@@ -136,8 +140,12 @@ def status_server(picker: Picker, host: str) -> StatusServer | None:
     if picker.settings.metrics_port < 0:
         return None
     registry: CollectorRegistry = picker.metrics.registry
-    routes = status_routes(registry, lambda: Check(True), lambda: Check(True))
+    routes = status_routes(registry, lambda: Check(True), lambda: _readiness(picker))
     return StatusServer(host, picker.settings.metrics_port, routes)
+
+
+def _readiness(picker: Picker) -> Check:
+    return Check(True) if picker.serving else Check(False, ("ext_proc not serving",))
 
 
 def serve_picker(settings: IndexerSettings, api: ApiSettings, picker: PickerSettings) -> None:
