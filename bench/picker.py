@@ -4,10 +4,13 @@ by a local tokenizer (a byte-level BPE ``tokenizer.json`` trained here, with a c
 
 Three ``kvindex replica-sim``s and one ``kvindex picker`` (memory store, its own subscriber)
 run as subprocesses on free loopback ports; a gateway stand-in built from Envoy's ext_proc
-protos (``tests/support/gateway.py``) sends each request on its own ``Process`` stream: the
-headers, the body in 4 chunks (full-duplex streamed), then the response to its end. The
+protos (the messages of ``tests/support/gateway.py``, sent by an asyncio gRPC client so that
+the client's own thread hand-offs stay out of the figure) sends each request on its own
+``Process`` stream: the headers, the body in 4 chunks (full-duplex streamed), then the
+response to its end. The
 replica-sims tokenize by words, not with this tokenizer, so their KV events match no prompt
-here: the latency is a decision's cost, not a cache hit's. ``repeat`` sends one body again and
+here: the latency is a decision's cost, not a cache hit's. ``small`` sends a one-word prompt
+(the floor: gRPC and a decision with nothing to tokenize); ``repeat`` sends one body again and
 again (after the first, the picker's tokenizer cache answers, as for a fleet's recurring
 prompts); ``unique`` gives each request a body never sent (tokenized in full each time). One
 JSON line per mode (client-side p50/p90/p99 and the picker's own mean from its
@@ -19,6 +22,7 @@ JSON line per mode (client-side p50/p90/p99 and the picker's own mean from its
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import statistics
@@ -29,14 +33,21 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import tokenizers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from machine import calibration_ms, host_load
 
-from tests.support.gateway import Gateway, body_messages, headers_message
+from tests.support.gateway import (
+    body_messages,
+    headers_message,
+    response_body_message,
+    response_headers_message,
+)
 from tests.support.processes import Child, http_ok, kvindex_child
 from tests.support.redis_server import free_ports
 from tests.support.request_logs import make_tokenizer, text
@@ -92,16 +103,22 @@ def _fleet(stack: ExitStack, workdir: Path, tokenizer: Path) -> tuple[int, int]:
     return port, metrics_port
 
 
-def _decide(gateway: Gateway, raw: bytes) -> float:
+async def _decide(stub: Any, raw: bytes) -> float:
     """Seconds from the headers sent to the header mutation received; the stream finished."""
-    stream = gateway.open()
+    call = stub.Process()
     headers = {":method": "POST", ":path": "/v1/chat/completions"}
     started = time.perf_counter()
-    stream.send(headers_message(headers), *body_messages(raw, 4))
-    (named, _body) = stream.answers(2)
+    for message in (headers_message(headers), *body_messages(raw, 4)):
+        await call.write(message)
+    named = await call.read()
     elapsed = time.perf_counter() - started
     assert named.request_headers.response.header_mutation.set_headers, named
-    gateway.finish(stream)
+    await call.read()  # the body sent back
+    await call.write(response_headers_message())
+    await call.write(response_body_message(b"data: [DONE]\n\n", True))
+    await call.read()
+    await call.read()
+    await call.done_writing()
     return elapsed
 
 
@@ -117,10 +134,14 @@ def _server_mean_ms(metrics_port: int) -> tuple[float, float]:
     ]
 
 
-def _run(gateway: Gateway, bodies: list[bytes], metrics_port: int) -> dict[str, float]:
-    before = _server_mean_ms(metrics_port)
-    times = [_decide(gateway, body) for body in bodies]
-    after = _server_mean_ms(metrics_port)
+async def _run(port: int, bodies: list[bytes], metrics_port: int) -> dict[str, float]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.ExternalProcessorStub(channel)
+        for _ in range(20):  # warm: the connection, the tokenizer, the template
+            await _decide(stub, bodies[0])
+        before = _server_mean_ms(metrics_port)
+        times = [await _decide(stub, body) for body in bodies]
+        after = _server_mean_ms(metrics_port)
     cuts = statistics.quantiles(times, n=100)
     return {
         "p50_ms": round(statistics.median(times) * 1000, 3),
@@ -139,18 +160,21 @@ def main(argv: list[str] | None = None) -> None:
         workdir = Path(tmp)
         tokenizer = _tokenizer(workdir)
         port, metrics_port = _fleet(stack, workdir, tokenizer)
-        gateway = Gateway(port)
-        stack.callback(gateway.close)
         bodies = [
             json.dumps(_chat(tokenizer, args.prompt_tokens, seed)).encode()
             for seed in range(args.requests + 1)
         ]
-        for _ in range(20):  # warm: connections, the tokenizer, the template
-            _decide(gateway, bodies[0])
-        for mode, sent in (("repeat", [bodies[0]] * args.requests), ("unique", bodies[1:])):
-            row = {"bench": "picker", "mode": mode, "prompt_tokens": args.prompt_tokens}
+        small = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 1}).encode()
+        modes = (
+            ("small", [small] * args.requests),
+            ("repeat", [bodies[0]] * args.requests),
+            ("unique", bodies[1:]),
+        )
+        for mode, sent in modes:
+            tokens = 1 if mode == "small" else args.prompt_tokens
+            row = {"bench": "picker", "mode": mode, "prompt_tokens": tokens}
             row |= {"body_bytes": len(sent[0]), "requests": len(sent)}
-            print(json.dumps(row | _run(gateway, sent, metrics_port)), flush=True)
+            print(json.dumps(row | asyncio.run(_run(port, sent, metrics_port))), flush=True)
     print(json.dumps({"bench": "picker", "load": host_load(), "calibration_ms": calibration_ms()}))
 
 

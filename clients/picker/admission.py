@@ -46,7 +46,7 @@ class Admission:
 
     async def admit(self, replica: str, num_uncached_tokens: int) -> Ticket:
         self.num_in_flight += 1
-        self._metrics.in_flight.labels(replica).inc()
+        self._metrics.child(self._metrics.in_flight, replica).inc()
         reservation = None
         try:
             reservation = await self._call(self._reservations.reserve, replica, num_uncached_tokens)
@@ -59,8 +59,8 @@ class Admission:
             return
         ticket.released = True
         self.num_in_flight -= 1
-        self._metrics.in_flight.labels(ticket.replica).dec()
-        self._metrics.released.labels(reason).inc()
+        self._metrics.child(self._metrics.in_flight, ticket.replica).dec()
+        self._metrics.child(self._metrics.released, reason).inc()
         if ticket.reservation is None:
             return
         try:

@@ -192,7 +192,7 @@ class Exchange:
         self._decision = decision
         self.phase = Phase.SENT
         answers = self._answers(decision, body, in_body=in_body, end=end)
-        self._metrics.decisions.labels("routed").inc()
+        self._metrics.child(self._metrics.decisions, "routed").inc()
         self._metrics.decision_latency.observe(time.perf_counter() - started)
         return answers
 
@@ -229,7 +229,7 @@ class Exchange:
     def _refuse(self, refusal: RefusalError) -> list[Response]:
         self.finished = True
         self.phase = Phase.DONE
-        self._metrics.decisions.labels(refusal.outcome).inc()
+        self._metrics.child(self._metrics.decisions, refusal.outcome).inc()
         if refusal.outcome == "subset_miss":
             self._metrics.subset_misses.inc()
         return [messages.immediate(refusal.status, str(refusal))]

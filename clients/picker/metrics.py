@@ -3,7 +3,10 @@ its build and its index lookups; served on the metrics port."""
 
 from __future__ import annotations
 
+from typing import TypeVar, cast
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 from kvindex.api.http.metrics import lookup_latency
 from kvindex.indexer.metrics import BuildInfo
@@ -16,6 +19,7 @@ OUTCOMES = (
     "too_large", "error",
 )  # fmt: skip
 """``outcome`` of a decision: an endpoint named, or why the gateway answers itself."""
+M = TypeVar("M", bound=MetricWrapperBase)
 RELEASE_REASONS = ("done", "abandoned", "shutdown")
 """Why a request stopped counting: the response's end; the stream closed, reset or cancelled
 before it; the picker stopped."""
@@ -26,6 +30,7 @@ class PickerMetrics:
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
+        self._children: dict[tuple[int, str], MetricWrapperBase] = {}
         r.register(BuildInfo("picker"))
         self.lookup_latency = lookup_latency(r)
         self.decisions = Counter(
@@ -77,3 +82,11 @@ class PickerMetrics:
             ["op"],
             registry=r,
         )
+
+    def child(self, metric: M, label: str) -> M:
+        """``metric.labels(label)``, found once and then kept (prometheus' lookup locks)."""
+        key = (id(metric), label)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(label)
+        return cast("M", found)
