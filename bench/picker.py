@@ -13,8 +13,9 @@ here: the latency is a decision's cost, not a cache hit's. ``small`` sends a one
 (the floor: gRPC and a decision with nothing to tokenize); ``repeat`` sends one body again and
 again (after the first, the picker's tokenizer cache answers, as for a fleet's recurring
 prompts); ``unique`` gives each request a body never sent (tokenized in full each time). One
-JSON line per mode (client-side p50/p90/p99 and the picker's own mean from its
-``kvindex_picker_decision_seconds``), then one with the machine's load.
+JSON line per mode (client-side p50/p90/p99, the picker's own mean from its
+``kvindex_picker_decision_seconds``, and ``in_process_p50_ms``: the same request phase fed
+to a picker built in the bench's process, no gRPC), then one with the machine's load.
 
     python bench/picker.py [--requests 300] [--prompt-tokens 8000]
 """
@@ -42,6 +43,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from machine import calibration_ms, host_load
 
+from kvindex.api.config.settings import load_api_settings
+from kvindex.api.http.server import Service
+from kvindex.clients.picker.service import Picker, build_picker
+from kvindex.clients.picker.settings import PickerSettings
+from kvindex.indexer.config.settings import load_settings
+from kvindex.indexer.fleet.replica import ReplicaSpec
 from tests.support.gateway import (
     body_messages,
     headers_message,
@@ -151,6 +158,40 @@ async def _run(port: int, bodies: list[bytes], metrics_port: int) -> dict[str, f
     }
 
 
+async def _in_process(tokenizer: Path, bodies: list[bytes]) -> dict[str, float]:
+    """The request phase fed straight to a picker built here (no gRPC, no sockets): what the
+    picker's own work costs. Health checks off (no replica runs), the same tokenizer."""
+    specs = tuple(
+        ReplicaSpec.parse(
+            f"id=r{n},model={MODEL},url=http://127.0.0.1:{9 + n},events=tcp://127.0.0.1:{19 + n}"
+        )
+        for n in range(3)
+    )
+    api = load_api_settings(
+        {"health_check_interval_s": 0, "scrape_interval_s": 0},
+        [{"name": MODEL, "tokenizer": str(tokenizer)}],
+        env={},
+    )
+    service = Service.build(load_settings(extra_replicas=specs, env={}), api)
+    picker = build_picker(service.deps, PickerSettings())
+    try:
+        times = [await _feed(picker, body) for body in bodies[:20] + bodies]
+    finally:
+        service.stop()
+    return {"in_process_p50_ms": round(statistics.median(times[20:]) * 1000, 3)}
+
+
+async def _feed(picker: Picker, raw: bytes) -> float:
+    exchange = picker.exchange()
+    started = time.perf_counter()
+    for message in (headers_message({":method": "POST"}), *body_messages(raw, 4)):
+        await exchange.handle(message)
+    elapsed = time.perf_counter() - started
+    await exchange.handle(response_headers_message())
+    await exchange.handle(response_body_message(b"", True))
+    return elapsed
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=300)
@@ -174,7 +215,8 @@ def main(argv: list[str] | None = None) -> None:
             tokens = 1 if mode == "small" else args.prompt_tokens
             row = {"bench": "picker", "mode": mode, "prompt_tokens": tokens}
             row |= {"body_bytes": len(sent[0]), "requests": len(sent)}
-            print(json.dumps(row | asyncio.run(_run(port, sent, metrics_port))), flush=True)
+            row |= asyncio.run(_run(port, sent, metrics_port))
+            print(json.dumps(row | asyncio.run(_in_process(tokenizer, sent))), flush=True)
     print(json.dumps({"bench": "picker", "load": host_load(), "calibration_ms": calibration_ms()}))
 
 
