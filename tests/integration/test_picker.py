@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,8 +19,11 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvindex.api.load.store import RedisLoadStore
+from kvindex.indexer.redis.schema import Schema
 from tests.integration.test_proxy import MODEL, Sim
 from tests.support.gateway import (
     FULL_DUPLEX,
@@ -32,7 +35,7 @@ from tests.support.gateway import (
     response_headers_message,
 )
 from tests.support.processes import Child, http_ok, kvindex_child
-from tests.support.redis_server import free_ports
+from tests.support.redis_server import RedisServer, free_ports
 
 pytestmark = pytest.mark.timeout(90)
 CONFIG = """
@@ -83,8 +86,9 @@ def _sim(rid: str, workdir: Path, http_port: int, events_port: int) -> Sim:
     return Sim(rid, child, http_port, events_port)
 
 
-@pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[Fleet]:
+@contextmanager
+def _running(tmp_path: Path, *store: str) -> Iterator[Fleet]:
+    """Three replica-sims and a picker on ``store`` (memory unless given), stopped after."""
     config = tmp_path / "kvindex.toml"
     config.write_text(CONFIG)
     ports = free_ports(8)
@@ -98,11 +102,15 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
             sim.child.spawn()
         for sim in sims.values():
             sim.child.wait_ready(40)
+        replicas = [arg for sim in sims.values() for arg in ("--replica", sim.spec)]
+        if store:
+            args = ["indexer", *store, "--status-port", "-1", "--stats-every", "0", *replicas]
+            indexer = kvindex_child("indexer", args, tmp_path / "indexer.log", lambda: True)
+            stack.callback(indexer.stop)
+            indexer.spawn()
         port, metrics_port = ports[6], ports[7]
         args = ["picker", "--config", str(config), "--port", str(port)]
-        args += ["--metrics-port", str(metrics_port)]
-        for sim in sims.values():
-            args += ["--replica", sim.spec]
+        args += ["--metrics-port", str(metrics_port), *store, *replicas]
         log = tmp_path / "picker.log"
         picker = kvindex_child("picker", args, log, http_ok(metrics_port, "/readyz"))
         stack.callback(picker.stop)
@@ -110,6 +118,12 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
         gateway = Gateway(port)
         stack.callback(gateway.close)
         yield Fleet(sims, picker, port, metrics_port, gateway)
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    with _running(tmp_path) as running:
+        yield running
 
 
 def _chat(topic: str) -> dict[str, Any]:
@@ -137,6 +151,13 @@ def _route(fleet: Fleet, body: dict[str, Any], **pick: Any) -> tuple[str, int]:
     cached = _forward(fleet, primary, body)
     fleet.gateway.finish(stream)
     return primary, cached
+
+
+def _named(fleet: Fleet, body: dict[str, Any]) -> bool:
+    """Endpoints were named for ``body`` (the stream then closed, its request abandoned)."""
+    stream, picked = fleet.gateway.pick(body)
+    stream.half_close()
+    return picked.header is not None
 
 
 def _until(condition: Callable[[], object], timeout_s: float) -> None:
@@ -323,3 +344,24 @@ def test_the_grpc_port_refuses_no_connection_after_a_bad_stream(fleet: Fleet) ->
     with pytest.raises(grpc.RpcError):
         stream.answers(1)
     _route(fleet, _chat("next"))
+
+
+@pytest.mark.redis_server
+def test_on_redis_the_load_store_every_reader_shares_counts_the_request(
+    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """With ``--store redis`` the request in flight is in the load store the proxy and
+    ``/score`` read, from the pick to the response's end."""
+    store = RedisLoadStore(redis_server.client(), Schema())
+
+    def in_flight() -> dict[str, int]:
+        counted = store.get_counted(["r1", "r2", "r3"])
+        return {r: c.in_flight.num_requests for r, c in counted.items() if c.in_flight.num_requests}
+
+    with _running(tmp_path, "--store", "redis", "--redis-url", redis_server.url) as fleet:
+        _until(lambda: _named(fleet, _chat("warm")), 20)  # the indexer put the fleet in Redis
+        _until(lambda: in_flight() == {}, 10)
+        stream, picked = fleet.gateway.pick(_chat("shared"))
+        assert in_flight() == {fleet.replica(picked.endpoints[0]): 1}
+        fleet.gateway.finish(stream)
+        _until(lambda: in_flight() == {}, 10)
