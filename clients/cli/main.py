@@ -344,6 +344,51 @@ def proxy(
         raise click.ClickException(str(exc)) from exc
 
 
+@main.command()
+@_indexer_options
+@click.option("--host", help="Listen address of both ports (default: [api] host, 127.0.0.1).")
+@click.option("--port", type=int, help="gRPC port (else env KVINDEX_PICKER_PORT, [picker]; 9002).")
+@click.option(
+    "--metrics-port", type=int, help="/metrics, /healthz, /readyz port (9090; 0: any; -1: none)."
+)
+def picker(
+    config: Path | None,
+    replicas: tuple[ReplicaSpec, ...],
+    bind: str | None,
+    store: str | None,
+    redis_url: str | None,
+    host: str | None,
+    port: int | None,
+    metrics_port: int | None,
+) -> None:
+    """Serve a Gateway API Inference Extension endpoint picker (Envoy ext_proc over gRPC).
+
+    Settings: [picker] of --config < env KVINDEX_PICKER_<NAME> < these options."""
+    from kvindex.api.config.settings import api_settings_of
+    from kvindex.clients.picker.service import serve_picker
+    from kvindex.clients.picker.settings import picker_settings_of
+    from kvindex.indexer.config.loading import ConfigFile
+    from kvindex.indexer.config.settings import load_settings
+
+    try:
+        file = ConfigFile.read(config)
+        overrides = {"bind": bind, "store": store, "redis_url": redis_url}
+        settings = load_settings(file, overrides=overrides, extra_replicas=replicas)
+        ports = {"port": port, "metrics_port": metrics_port}
+        picker_settings = picker_settings_of(file, overrides=ports)
+        api_settings = api_settings_of(file, overrides={"host": host})
+    except KvIndexError as exc:
+        raise click.ClickException(str(exc)) from exc
+    for listen in (picker_settings.port, picker_settings.metrics_port):
+        if listen > 0:
+            check_port(api_settings.host, listen)
+    say(f"kvindex picker ({settings.store} store) on {api_settings.host}:{picker_settings.port}")
+    try:
+        serve_picker(settings, api_settings, picker_settings)
+    except KvIndexError as exc:  # e.g. an index this version does not read
+        raise click.ClickException(str(exc)) from exc
+
+
 @main.command("replica-sim")
 @click.option("--id", "replica_id", default="r1", show_default=True, help="Replica id.")
 @click.option("--model", default="demo-model", show_default=True, help="Served model name.")

@@ -103,6 +103,7 @@ TABLES: tuple[Table, ...] = (
         note="Tried in order; the first rule whose every condition holds wins.",
     ),
     Table("kvindex.clients.proxy.settings.ProxySettings", "proxy", "KVINDEX_PROXY_{FIELD}"),
+    Table("kvindex.clients.picker.settings.PickerSettings", "picker", "KVINDEX_PICKER_{FIELD}"),
 )
 """Every settings class the configuration reference shows, in page order."""
 

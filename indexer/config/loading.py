@@ -10,7 +10,8 @@ from typing import Any
 
 from kvindex.indexer.domain.errors import SettingsError
 
-SECTIONS = ("api", "models", "rules", "proxy")  # the read path's tables; the rest is the indexer's
+# The read path's tables; the rest is the indexer's.
+SECTIONS = ("api", "models", "rules", "proxy", "picker")
 
 
 @dataclass(frozen=True)

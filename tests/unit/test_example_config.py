@@ -1,6 +1,6 @@
 """examples/kvindex.toml: loads through both processes' loaders, shows every setting with
 its default. A field added to IndexerSettings, ApiSettings, Weights, ReplicaSpec,
-ModelSpec, RoutingRule or ProxySettings fails here until the example shows it."""
+ModelSpec, RoutingRule, ProxySettings or PickerSettings fails here until the example shows it."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 from kvindex.api.config.settings import ApiSettings, ModelSpec, load_api_settings
 from kvindex.api.decision.policies import Weights
 from kvindex.api.decision.routing_rules import RoutingRule
+from kvindex.clients.picker.settings import PickerSettings, load_picker_settings
 from kvindex.clients.proxy.settings import ProxySettings, load_proxy_settings
 from kvindex.indexer.config.settings import IndexerSettings, load_settings, read_toml
 from kvindex.indexer.fleet.replica import ReplicaSpec
@@ -59,9 +60,13 @@ def test_the_proxy_loads_it_and_every_active_value_is_the_default() -> None:
     assert load_proxy_settings(read_toml(EXAMPLE)["proxy"], env={}) == ProxySettings()
 
 
+def test_the_picker_loads_it_and_every_active_value_is_the_default() -> None:
+    assert load_picker_settings(read_toml(EXAMPLE)["picker"], env={}) == PickerSettings()
+
+
 def test_every_setting_of_both_processes_is_shown() -> None:
     doc = shown()
-    top = set(doc) - {"api", "models", "rules", "proxy"}
+    top = set(doc) - {"api", "models", "rules", "proxy", "picker"}
     assert field_names(IndexerSettings) - top == set()
     assert field_names(ReplicaSpec) - set(doc["replicas"][0]) == set()
     api = doc["api"]
@@ -70,6 +75,7 @@ def test_every_setting_of_both_processes_is_shown() -> None:
     assert field_names(ModelSpec) - set(doc["models"][0]) == set()
     assert field_names(RoutingRule) - set(doc["rules"][0]) == set()
     assert field_names(ProxySettings) - set(doc["proxy"]) == set()
+    assert field_names(PickerSettings) - set(doc["picker"]) == set()
     assert set(top) - field_names(IndexerSettings) == set()  # nothing the loaders refuse
 
 

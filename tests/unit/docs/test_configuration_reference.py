@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from kvindex.api.config.settings import load_api_settings
+from kvindex.clients.picker.settings import load_picker_settings
 from kvindex.clients.proxy.settings import load_proxy_settings
 from kvindex.indexer.config.settings import load_settings
 from tests.unit.docs.conftest import ROOT
@@ -124,6 +125,7 @@ LOADERS: dict[str, Loader] = {
     "ApiSettings": lambda env: load_api_settings(env=env),
     "Weights": lambda env: load_api_settings(env=env).weights,
     "ProxySettings": lambda env: load_proxy_settings(env=env),
+    "PickerSettings": lambda env: load_picker_settings(env=env),
 }
 """How each class whose fields are read from the environment one by one is loaded."""
 

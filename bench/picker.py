@@ -1,0 +1,224 @@
+"""``kvindex picker``'s decision latency: from a gateway's request headers sent to the header
+mutation naming the endpoints received, for an ~8,000-token chat body tokenized in the picker
+by a local tokenizer (a byte-level BPE ``tokenizer.json`` trained here, with a chat template).
+
+Three ``kvindex replica-sim``s and one ``kvindex picker`` (memory store, its own subscriber)
+run as subprocesses on free loopback ports; a gateway stand-in built from Envoy's ext_proc
+protos (the messages of ``tests/support/gateway.py``, sent by an asyncio gRPC client so that
+the client's own thread hand-offs stay out of the figure) sends each request on its own
+``Process`` stream: the headers, the body in 4 chunks (full-duplex streamed), then the
+response to its end. The
+replica-sims tokenize by words, not with this tokenizer, so their KV events match no prompt
+here: the latency is a decision's cost, not a cache hit's. ``small`` sends a one-word prompt
+(the floor: gRPC and a decision with nothing to tokenize); ``repeat`` sends one body again and
+again (after the first, the picker's tokenizer cache answers, as for a fleet's recurring
+prompts); ``unique`` gives each request a body never sent (tokenized in full each time). One
+JSON line per mode (client-side p50/p90/p99, the picker's own mean from its
+``kvindex_picker_decision_seconds``, and ``in_process_p50_ms``: the same request phase fed
+to a picker built in the bench's process, no gRPC), then one with the machine's load.
+
+    python bench/picker.py [--requests 300] [--prompt-tokens 8000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import tokenizers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from machine import calibration_ms, host_load
+
+from kvindex.api.config.settings import load_api_settings
+from kvindex.api.http.server import Service
+from kvindex.clients.picker.service import Picker, build_picker
+from kvindex.clients.picker.settings import PickerSettings
+from kvindex.indexer.config.settings import load_settings
+from kvindex.indexer.fleet.replica import ReplicaSpec
+from tests.support.gateway import (
+    body_messages,
+    headers_message,
+    response_body_message,
+    response_headers_message,
+)
+from tests.support.processes import Child, http_ok, kvindex_child
+from tests.support.redis_server import free_ports
+from tests.support.request_logs import make_tokenizer, text
+
+MODEL = "demo-model"
+TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}<|assistant|>"
+
+
+def _tokenizer(workdir: Path) -> Path:
+    path = make_tokenizer(workdir / "tokenizer.json")
+    (workdir / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    return path
+
+
+def _chat(tokenizer_path: Path, num_tokens: int, seed: int) -> dict[str, Any]:
+    """A system prompt and a question, ~``num_tokens`` tokens in all by this tokenizer."""
+    tok = tokenizers.Tokenizer.from_file(str(tokenizer_path))
+    rng = random.Random(seed)
+    words = text(rng, num_tokens)
+    per_word = len(tok.encode(words).ids) / num_tokens
+    system = text(rng, int(num_tokens / per_word) - 40)
+    question = f"request {seed}: " + text(rng, 30)
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    return {"model": MODEL, "messages": messages, "max_tokens": 1}
+
+
+def _fleet(stack: ExitStack, workdir: Path, tokenizer: Path) -> tuple[int, int]:
+    """Three sims and a picker; the picker's gRPC and metrics ports."""
+    ports = free_ports(8)
+    specs = []
+    for n, rid in enumerate(("r1", "r2", "r3")):
+        http_port, events = ports[2 * n], f"tcp://127.0.0.1:{ports[2 * n + 1]}"
+        args = [
+            "replica-sim", "--id", rid, "--model", MODEL, "--port", str(http_port),
+            "--events", events, "--bind-events", "--replay", "", "--speed", "1000000",
+        ]  # fmt: skip
+        sim = kvindex_child(rid, args, workdir / f"{rid}.log", http_ok(http_port, "/health"))
+        stack.callback(sim.stop)
+        sim.start(40)
+        specs.append(f"id={rid},model={MODEL},url=http://127.0.0.1:{http_port},events={events}")
+    config = workdir / "kvindex.toml"
+    config.write_text(f'[[models]]\nname = "{MODEL}"\ntokenizer = "{tokenizer}"\n')
+    port, metrics_port = ports[6], ports[7]
+    args = ["picker", "--config", str(config), "--port", str(port)]
+    args += ["--metrics-port", str(metrics_port)]
+    for spec in specs:
+        args += ["--replica", spec]
+    picker: Child = kvindex_child(
+        "picker", args, workdir / "picker.log", http_ok(metrics_port, "/readyz")
+    )
+    stack.callback(picker.stop)
+    picker.start(40)
+    return port, metrics_port
+
+
+async def _decide(stub: Any, raw: bytes) -> float:
+    """Seconds from the headers sent to the header mutation received; the stream finished."""
+    call = stub.Process()
+    headers = {":method": "POST", ":path": "/v1/chat/completions"}
+    started = time.perf_counter()
+    for message in (headers_message(headers), *body_messages(raw, 4)):
+        await call.write(message)
+    named = await call.read()
+    elapsed = time.perf_counter() - started
+    assert named.request_headers.response.header_mutation.set_headers, named
+    await call.read()  # the body sent back
+    await call.write(response_headers_message())
+    await call.write(response_body_message(b"data: [DONE]\n\n", True))
+    await call.read()
+    await call.read()
+    await call.done_writing()
+    return elapsed
+
+
+def _server_mean_ms(metrics_port: int) -> tuple[float, float]:
+    text_ = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", trust_env=False).text
+    values = {
+        line.split()[0]: float(line.split()[1])
+        for line in text_.splitlines()
+        if line.startswith("kvindex_picker_decision_seconds_")
+    }
+    return values["kvindex_picker_decision_seconds_sum"], values[
+        "kvindex_picker_decision_seconds_count"
+    ]
+
+
+async def _run(port: int, bodies: list[bytes], metrics_port: int) -> dict[str, float]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.ExternalProcessorStub(channel)
+        for _ in range(20):  # warm: the connection, the tokenizer, the template
+            await _decide(stub, bodies[0])
+        before = _server_mean_ms(metrics_port)
+        times = [await _decide(stub, body) for body in bodies]
+        after = _server_mean_ms(metrics_port)
+    cuts = statistics.quantiles(times, n=100)
+    return {
+        "p50_ms": round(statistics.median(times) * 1000, 3),
+        "p90_ms": round(cuts[89] * 1000, 3),
+        "p99_ms": round(cuts[98] * 1000, 3),
+        "server_mean_ms": round((after[0] - before[0]) / (after[1] - before[1]) * 1000, 3),
+    }
+
+
+async def _in_process(tokenizer: Path, bodies: list[bytes]) -> dict[str, float]:
+    """The request phase fed straight to a picker built here (no gRPC, no sockets): what the
+    picker's own work costs. Health checks off (no replica runs), the same tokenizer."""
+    specs = tuple(
+        ReplicaSpec.parse(
+            f"id=r{n},model={MODEL},url=http://127.0.0.1:{9 + n},events=tcp://127.0.0.1:{19 + n}"
+        )
+        for n in range(3)
+    )
+    api = load_api_settings(
+        {"health_check_interval_s": 0, "scrape_interval_s": 0},
+        [{"name": MODEL, "tokenizer": str(tokenizer)}],
+        env={},
+    )
+    service = Service.build(load_settings(extra_replicas=specs, env={}), api)
+    picker = build_picker(service.deps, PickerSettings())
+    try:
+        times = [await _feed(picker, body) for body in bodies[:20] + bodies]
+    finally:
+        service.stop()
+    return {"in_process_p50_ms": round(statistics.median(times[20:]) * 1000, 3)}
+
+
+async def _feed(picker: Picker, raw: bytes) -> float:
+    exchange = picker.exchange()
+    started = time.perf_counter()
+    for message in (headers_message({":method": "POST"}), *body_messages(raw, 4)):
+        await exchange.handle(message)
+    elapsed = time.perf_counter() - started
+    await exchange.handle(response_headers_message())
+    await exchange.handle(response_body_message(b"", True))
+    return elapsed
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--prompt-tokens", type=int, default=8000)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+        workdir = Path(tmp)
+        tokenizer = _tokenizer(workdir)
+        port, metrics_port = _fleet(stack, workdir, tokenizer)
+        bodies = [
+            json.dumps(_chat(tokenizer, args.prompt_tokens, seed)).encode()
+            for seed in range(args.requests + 1)
+        ]
+        small = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 1}).encode()
+        modes = (
+            ("small", [small] * args.requests),
+            ("repeat", [bodies[0]] * args.requests),
+            ("unique", bodies[1:]),
+        )
+        for mode, sent in modes:
+            tokens = 1 if mode == "small" else args.prompt_tokens
+            row = {"bench": "picker", "mode": mode, "prompt_tokens": tokens}
+            row |= {"body_bytes": len(sent[0]), "requests": len(sent)}
+            row |= asyncio.run(_run(port, sent, metrics_port))
+            print(json.dumps(row | asyncio.run(_in_process(tokenizer, sent))), flush=True)
+    print(json.dumps({"bench": "picker", "load": host_load(), "calibration_ms": calibration_ms()}))
+
+
+if __name__ == "__main__":
+    main()

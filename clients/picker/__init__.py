@@ -1,0 +1,1 @@
+"""``kvindex picker``: a Gateway API Inference Extension endpoint picker over Envoy ext_proc."""
