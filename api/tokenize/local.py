@@ -4,32 +4,20 @@ ids of a text's start that an earlier text shared (:mod:`.prefix_cache`)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from pathlib import Path
 from typing import Any, Self
 
 import tokenizers
 
 from kvindex.api.tokenize.chat_template import ChatTemplate, load_chat_template
-from kvindex.api.tokenize.cuts import Cut, Cuts
-from kvindex.api.tokenize.prefix_cache import KeptCut, PrefixCache, PrefixHit, cut_digests
+from kvindex.api.tokenize.cuts import Cuts
+from kvindex.api.tokenize.prefix_cache import KeptCut, PrefixCache, cut_digests
 from kvindex.api.tokenize.protocol import TokenizerError, pack_ids, unpack_ids
 
 INLINE_MAX_CHARS = 2048
 """Texts up to this long are encoded on the event loop; longer ones in a worker thread."""
 DEFAULT_PREFIX_CACHE_BYTES = 32 * 1024 * 1024
-
-
-def _encode_one(
-    tokenizer: tokenizers.Tokenizer, text: str, add_special_tokens: bool
-) -> tokenizers.Encoding:
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-
-def _encode_off_loop(
-    tokenizer: tokenizers.Tokenizer, text: str, add_special_tokens: bool
-) -> tokenizers.Encoding:
-    # encode_batch releases the GIL while it works (encode does not), so the loop keeps running.
-    return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
 
 def encode_whole(tokenizer: tokenizers.Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
@@ -89,7 +77,7 @@ class LocalTokenizer:
     async def packed_prompt(self, prompt: str) -> bytes:
         if self._prompt_reuse:
             return await self._packed(prompt)
-        return pack_ids((await self._encode(prompt, add_special_tokens=True)).ids)
+        return pack_ids(await self._encode(prompt, add_special_tokens=True))
 
     async def packed_messages(self, messages: list[dict[str, Any]]) -> bytes:
         if self.chat_template is None:
@@ -99,78 +87,60 @@ class LocalTokenizer:
     async def _packed(self, text: str) -> bytes:
         """Reference: kvindex.api.tokenize.local.encode_whole; tests/unit/api/tokenize/test_prefix_reuse.py::test_reuse_equals_whole_encode
 
-        The ids of ``text`` (no special tokens added), packed; encodes only what follows the
-        longest cut a kept text shares, and keeps this text for the next."""  # noqa: E501
+        The ids of ``text`` (no special tokens added), packed: those of the longest start a
+        kept text shares, then those of each part from one cut to the next (each encoded
+        alone, :mod:`.cuts`); this text is kept for the next."""  # noqa: E501
         prefixes = self.prefixes
         if self._cuts is None or prefixes is None:
-            return pack_ids((await self._encode(text, add_special_tokens=False)).ids)
+            return pack_ids(await self._encode(text, add_special_tokens=False))
         cuts = self._cuts.find(text)
         digests = cut_digests(text, [cut.position for cut in cuts])
         hit = prefixes.longest(digests)
-        if hit is not None:
-            found = await self._after(text, cuts, digests, hit)
-            if found is not None:
-                self.num_reused += 1
-                prefixes.keep(*found)
-                return found[0]
-        encoding = await self._encode(text, add_special_tokens=False)
-        ids = encoding.ids
-        packed = pack_ids(ids)
-        prefixes.keep(
-            packed, _kept(encoding, ids, offset=0, num_before=0, cuts=cuts, digests=digests)
-        )
+        first = 0 if hit is None else hit.index + 1  # the first cut in what is encoded
+        start = 0 if hit is None else cuts[hit.index].position
+        bounds = [start, *(cut.position for cut in cuts[first:]), len(text)]
+        parts = await self._encode_parts(text, bounds)
+        starts = cuts[first - 1 :] if hit is not None else [None, *cuts]
+        pairs = zip(starts, parts, strict=True)
+        if any(cut is not None and ids[:1] != [cut.token_id] for cut, ids in pairs):
+            # A part did not start with its cut's added token: this tokenizer is not cut so.
+            return pack_ids(await self._encode(text, add_special_tokens=False))
+        packed = b"".join([b"" if hit is None else hit.packed, *map(pack_ids, parts)])
+        num_tokens = 0 if hit is None else len(hit.packed) // 4
+        kept = [] if hit is None else list(hit.cuts)
+        for digest, ids in zip(digests[first:], parts, strict=False):
+            num_tokens += len(ids)
+            kept.append(KeptCut(digest, num_tokens))
+        prefixes.keep(packed, tuple(kept))
+        self.num_reused += hit is not None
         return packed
 
-    async def _after(
-        self, text: str, cuts: list[Cut], digests: list[bytes], hit: PrefixHit
-    ) -> tuple[bytes, tuple[KeptCut, ...]] | None:
-        """The ids of ``text`` with the hit's and those of the rest, and the cuts to keep
-        (None: the cut's added token is not the first token of the rest)."""
-        start = cuts[hit.index]
-        encoding = await self._encode(text[start.position :], add_special_tokens=False)
-        ids = encoding.ids
-        if not ids or ids[0] != start.token_id:
-            return None
-        num_before, after = len(hit.packed) // 4, hit.index + 1
-        later = _kept(
-            encoding,
-            ids,
-            offset=start.position,
-            num_before=num_before,
-            cuts=cuts[after:],
-            digests=digests[after:],
-        )
-        return hit.packed + pack_ids(ids), hit.cuts + later
-
-    async def _encode(self, text: str, *, add_special_tokens: bool) -> tokenizers.Encoding:
+    async def _encode_parts(
+        self, text: str, bounds: list[int], *, add_special_tokens: bool = False
+    ) -> list[list[int]]:
+        """The ids of ``text[bounds[i]:bounds[i + 1]]`` for each i: on the loop when that is
+        short (``inline_max_chars``), else in a worker thread (the GIL released meanwhile)."""
+        tokenizer = self.tokenizer
         try:
-            if len(text) <= self.inline_max_chars:
-                return _encode_one(self.tokenizer, text, add_special_tokens)
-            return await asyncio.to_thread(
-                _encode_off_loop, self.tokenizer, text, add_special_tokens
-            )
+            if bounds[-1] - bounds[0] <= self.inline_max_chars:
+                return _parts(tokenizer, text, bounds, add_special_tokens)
+            return await asyncio.to_thread(_parts, tokenizer, text, bounds, add_special_tokens)
         except Exception as exc:  # the Rust binding raises a bare Exception
             raise TokenizerError(f"tokenizer failed: {exc}") from exc
 
+    async def _encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """The ids of ``text`` encoded whole."""
+        bounds = [0, len(text)]
+        return (await self._encode_parts(text, bounds, add_special_tokens=add_special_tokens))[0]
 
-def _kept(
-    encoding: tokenizers.Encoding,
-    ids: list[int],
-    *,
-    offset: int,
-    num_before: int,
-    cuts: list[Cut],
-    digests: list[bytes],
-) -> tuple[KeptCut, ...]:
-    """The cuts of an encoding of ``text[offset:]`` (its ``ids`` following ``num_before``
-    others) where the cut's added token is the token starting there; others are not kept."""
-    kept = []
-    for cut, digest in zip(cuts, digests, strict=True):
-        position = cut.position - offset
-        index = encoding.char_to_token(position)
-        if index is None or ids[index] != cut.token_id:
-            continue
-        span = encoding.token_to_chars(index)
-        if span is not None and span[0] == position:  # the token starts at the cut
-            kept.append(KeptCut(digest, num_before + index))
-    return tuple(kept)
+
+def _parts(
+    tokenizer: tokenizers.Tokenizer, text: str, bounds: list[int], add_special_tokens: bool
+) -> list[list[int]]:
+    # One part a call: a batch of several costs more CPU (its threads); the fast batch skips
+    # the offsets nothing here reads, and releases the GIL while it works.
+    encode = tokenizer.encode_batch_fast
+    return [
+        encode([text[a:b]], add_special_tokens=add_special_tokens)[0].ids
+        for a, b in itertools.pairwise(bounds)
+    ]
