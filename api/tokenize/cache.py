@@ -10,7 +10,7 @@ import asyncio
 import hashlib
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
@@ -52,6 +52,15 @@ def entry_bytes(packed: bytes) -> int:
     return len(packed) + ENTRY_OVERHEAD_BYTES
 
 
+@runtime_checkable
+class _AnswersNow(Protocol):
+    """A tokenizer that may answer without awaiting (:class:`.LocalTokenizer`)."""
+
+    def prompt_now(self, prompt: str) -> bytes | None: ...
+
+    def messages_now(self, messages: list[dict[str, Any]]) -> bytes | None: ...
+
+
 class CachingTokenizer:
     """An LRU cache of at most ``max_entries`` tokenizations and ``max_bytes`` (as
     :func:`entry_bytes` counts them) in front of another Tokenizer; a tokenization larger
@@ -76,6 +85,7 @@ class CachingTokenizer:
         self._entries: OrderedDict[bytes, bytes] = OrderedDict()
         self._in_flight: dict[bytes, asyncio.Task[bytes]] = {}
         self._packed_inner = as_packed(inner)
+        self._now = inner if isinstance(inner, _AnswersNow) else None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -87,16 +97,38 @@ class CachingTokenizer:
         return unpack_ids(await self.packed_messages(messages))
 
     async def packed_prompt(self, prompt: str) -> bytes:
-        inner, packed = self.inner, self._packed_inner
+        key, inner, packed, now = prompt_key(prompt), self.inner, self._packed_inner, self._now
+        found = None if now is None else self._now_or_kept(key, lambda: now.prompt_now(prompt))
+        if found is not None:
+            return found
         if packed is not None:
-            return await self._cached(prompt_key(prompt), lambda: packed.packed_prompt(prompt))
-        return await self._cached(prompt_key(prompt), lambda: _packed(inner.encode_prompt(prompt)))
+            return await self._cached(key, lambda: packed.packed_prompt(prompt))
+        return await self._cached(key, lambda: _packed(inner.encode_prompt(prompt)))
 
     async def packed_messages(self, messages: list[dict[str, Any]]) -> bytes:
-        key, inner, packed = messages_key(messages), self.inner, self._packed_inner
+        key, inner, packed, now = messages_key(messages), self.inner, self._packed_inner, self._now
+        found = None if now is None else self._now_or_kept(key, lambda: now.messages_now(messages))
+        if found is not None:
+            return found
         if packed is not None:
             return await self._cached(key, lambda: packed.packed_messages(messages))
         return await self._cached(key, lambda: _packed(inner.encode_messages(messages)))
+
+    def _now_or_kept(self, key: bytes, compute: Callable[[], bytes | None]) -> bytes | None:
+        """A kept entry, else the inner tokenizer's answer when it has one at once (no task:
+        nothing can wait on it meanwhile); None: neither (ask :meth:`_cached`)."""
+        packed = self._entries.get(key)
+        if packed is not None:
+            self._entries.move_to_end(key)
+            self.num_hits += 1
+            return packed
+        if key in self._in_flight:
+            return None
+        packed = compute()
+        if packed is not None:
+            self.num_misses += 1
+            self._keep(key, packed)
+        return packed
 
     async def _cached(self, key: bytes, compute: Callable[[], Awaitable[bytes]]) -> bytes:
         packed = self._entries.get(key)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Self, cast
 
 import tokenizers
 
@@ -75,16 +76,30 @@ class LocalTokenizer:
         return unpack_ids(await self.packed_messages(messages))
 
     async def packed_prompt(self, prompt: str) -> bytes:
-        if self._prompt_reuse:
-            return await self._packed(prompt)
-        return pack_ids(await self._encode(prompt, add_special_tokens=True))
+        return await self._prompt(prompt, now=False)
 
     async def packed_messages(self, messages: list[dict[str, Any]]) -> bytes:
+        return await self._messages(messages, now=False)
+
+    def prompt_now(self, prompt: str) -> bytes | None:
+        """:meth:`packed_prompt` when it needs no worker thread, else None (call that)."""
+        return _run_now(self._prompt(prompt, now=True))
+
+    def messages_now(self, messages: list[dict[str, Any]]) -> bytes | None:
+        """:meth:`packed_messages` when it needs no worker thread, else None (call that)."""
+        return _run_now(self._messages(messages, now=True))
+
+    async def _prompt(self, prompt: str, *, now: bool) -> bytes:
+        if self._prompt_reuse:
+            return await self._packed(prompt, now=now)
+        return pack_ids(await self._encode(prompt, add_special_tokens=True, now=now))
+
+    async def _messages(self, messages: list[dict[str, Any]], *, now: bool) -> bytes:
         if self.chat_template is None:
             raise TokenizerError("no chat template for this model: messages cannot be encoded")
-        return await self._packed(self.chat_template.render(messages))
+        return await self._packed(self.chat_template.render(messages), now=now)
 
-    async def _packed(self, text: str) -> bytes:
+    async def _packed(self, text: str, *, now: bool) -> bytes:
         """Reference: kvindex.api.tokenize.local.encode_whole; tests/unit/api/tokenize/test_prefix_reuse.py::test_reuse_equals_whole_encode
 
         The ids of ``text`` (no special tokens added), packed: those of the longest start a
@@ -92,19 +107,19 @@ class LocalTokenizer:
         alone, :mod:`.cuts`); this text is kept for the next."""  # noqa: E501
         prefixes = self.prefixes
         if self._cuts is None or prefixes is None:
-            return pack_ids(await self._encode(text, add_special_tokens=False))
+            return pack_ids(await self._encode(text, add_special_tokens=False, now=now))
         cuts = self._cuts.find(text)
         digests = cut_digests(text, [cut.position for cut in cuts])
         hit = prefixes.longest(digests)
         first = 0 if hit is None else hit.index + 1  # the first cut in what is encoded
         start = 0 if hit is None else cuts[hit.index].position
         bounds = [start, *(cut.position for cut in cuts[first:]), len(text)]
-        parts = await self._encode_parts(text, bounds)
+        parts = await self._encode_parts(text, bounds, now=now)
         starts = cuts[first - 1 :] if hit is not None else [None, *cuts]
         pairs = zip(starts, parts, strict=True)
         if any(cut is not None and ids[:1] != [cut.token_id] for cut, ids in pairs):
             # A part did not start with its cut's added token: this tokenizer is not cut so.
-            return pack_ids(await self._encode(text, add_special_tokens=False))
+            return pack_ids(await self._encode(text, add_special_tokens=False, now=now))
         packed = b"".join([b"" if hit is None else hit.packed, *map(pack_ids, parts)])
         num_tokens = 0 if hit is None else len(hit.packed) // 4
         kept = [] if hit is None else list(hit.cuts)
@@ -116,22 +131,45 @@ class LocalTokenizer:
         return packed
 
     async def _encode_parts(
-        self, text: str, bounds: list[int], *, add_special_tokens: bool = False
+        self, text: str, bounds: list[int], *, now: bool, add_special_tokens: bool = False
     ) -> list[list[int]]:
         """The ids of ``text[bounds[i]:bounds[i + 1]]`` for each i: on the loop when that is
-        short (``inline_max_chars``), else in a worker thread (the GIL released meanwhile)."""
+        short (``inline_max_chars``), else in a worker thread (the GIL released meanwhile;
+        ``now``: raise :class:`_NotNow` instead)."""
         tokenizer = self.tokenizer
+        inline = bounds[-1] - bounds[0] <= self.inline_max_chars
+        if not inline and now:
+            raise _NotNow
         try:
-            if bounds[-1] - bounds[0] <= self.inline_max_chars:
+            if inline:
                 return _parts(tokenizer, text, bounds, add_special_tokens)
             return await asyncio.to_thread(_parts, tokenizer, text, bounds, add_special_tokens)
         except Exception as exc:  # the Rust binding raises a bare Exception
             raise TokenizerError(f"tokenizer failed: {exc}") from exc
 
-    async def _encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+    async def _encode(self, text: str, *, add_special_tokens: bool, now: bool) -> list[int]:
         """The ids of ``text`` encoded whole."""
         bounds = [0, len(text)]
-        return (await self._encode_parts(text, bounds, add_special_tokens=add_special_tokens))[0]
+        return (
+            await self._encode_parts(text, bounds, now=now, add_special_tokens=add_special_tokens)
+        )[0]
+
+
+class _NotNow(Exception):  # noqa: N818 (a signal, not an error)
+    """An encode asked for now would need a worker thread."""
+
+
+def _run_now(coroutine: Coroutine[Any, Any, bytes]) -> bytes | None:
+    """The value of a coroutine that never suspends (an encode asked for ``now``), got
+    without a task or a turn of the loop; None if it would need a worker thread."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return cast(bytes, done.value)
+    except _NotNow:
+        return None
+    coroutine.close()
+    raise AssertionError("an encode asked for now suspended")
 
 
 def _parts(

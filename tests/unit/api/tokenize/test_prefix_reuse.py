@@ -52,21 +52,29 @@ def _whole(name: str, messages: Conversation) -> list[int]:
 @given(
     conversations=st.lists(st.lists(_message, min_size=1, max_size=6), min_size=1, max_size=4),
     inline=st.booleans(),
+    now=st.booleans(),
 )
 def test_reuse_equals_whole_encode(
-    name: str, conversations: list[Conversation], inline: bool
+    name: str, conversations: list[Conversation], inline: bool, now: bool
 ) -> None:
     """Every turn of several conversations (each growing, sharing their starts), through one
-    tokenizer and its cache, equals the whole encode of its rendering."""
+    tokenizer and its cache, equals the whole encode of its rendering (asked for at once,
+    or awaited; on the loop, or in a thread)."""
     local = _local(name)
     local.inline_max_chars = 1 << 20 if inline else 0
     shared = conversations[0][:1]
+
+    async def ids(messages: Conversation) -> list[int]:
+        packed = local.messages_now(messages) if now else None
+        if packed is None:
+            return await local.encode_messages(messages)
+        return unpack_ids(packed)
 
     async def run() -> None:
         for conversation in conversations:
             for turn in range(1, len(conversation) + 1):
                 messages = shared + conversation[:turn]
-                assert await local.encode_messages(messages) == _whole(name, messages)
+                assert await ids(messages) == _whole(name, messages)
 
     asyncio.run(run())
 
@@ -171,3 +179,13 @@ def test_a_cut_kept_again_names_the_latest_text() -> None:
     cache.keep(bytes(range(40)), (_cut(2), _cut(7)))
     hit = cache.longest([_cut(2).digest])
     assert hit is not None and hit.packed == bytes(range(8))
+
+
+def test_at_once_only_what_needs_no_thread() -> None:
+    local = _local("byte_level_bpe")
+    messages = [{"role": "user", "content": "hello"}]
+    assert local.messages_now(messages) == asyncio.run(local.packed_messages(messages))
+    assert local.prompt_now("hello") == asyncio.run(local.packed_prompt("hello"))
+    local.inline_max_chars = 0
+    assert local.messages_now(messages + messages) is None
+    assert local.prompt_now("hello again") is None
