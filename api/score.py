@@ -31,7 +31,7 @@ from kvindex.api.load.store import LoadChanges, LoadStore
 from kvindex.api.lookup.matches import Lookup, RankedStreams, Streams, ranked_streams
 from kvindex.api.loop.off_loop import OffLoop
 from kvindex.api.schemas import ScoreRequest, ScoreResponse
-from kvindex.api.tokenize.protocol import Tokenizer
+from kvindex.api.tokenize.protocol import Tokenizer, as_packed
 from kvindex.indexer.domain.errors import KvIndexError
 from kvindex.indexer.domain.keys import (
     BlockKeyError,
@@ -315,11 +315,16 @@ class Scorer:
             if keys and max(keys) >= _KEY_LIMIT:  # one C pass (msgspec checked they are >= 0)
                 raise RequestError("block_keys: every key must be an unsigned 64-bit integer")
             return len(keys) * block_size, keys
+        tokens = request.token_ids
+        if tokens is None and packed is None:
+            tokenized = await self._tokenize(request)
+            if isinstance(tokenized, bytes):
+                packed = tokenized
+            else:
+                tokens = tokenized
         if packed is not None:
             return len(packed) // 4, _packed_keys(request, packed, block_size)
-        tokens = request.token_ids
-        if tokens is None:
-            tokens = await self._tokenize(request)
+        assert tokens is not None
         try:
             keys = block_keys(
                 request.model,
@@ -332,7 +337,8 @@ class Scorer:
             raise RequestError(f"token_ids: {exc}") from exc
         return len(tokens), keys
 
-    async def _tokenize(self, request: ScoreRequest) -> list[int]:
+    async def _tokenize(self, request: ScoreRequest) -> list[int] | bytes:
+        """The request's ids: packed u32 bytes when its tokenizer hands them out so."""
         tokenizer = self._tokenizers(request.model)
         field_name = "prompt" if request.prompt is not None else "messages"
         if tokenizer is None:
@@ -340,6 +346,12 @@ class Scorer:
                 f"{field_name}: no tokenizer for model {request.model!r}; send token_ids or"
                 " block_keys, or configure [[models]] tokenizer"
             )
+        packs = as_packed(tokenizer)
+        if packs is not None:
+            if request.prompt is not None:
+                return await packs.packed_prompt(request.prompt)
+            assert request.messages is not None
+            return await packs.packed_messages(request.messages)
         if request.prompt is not None:
             return await tokenizer.encode_prompt(request.prompt)
         assert request.messages is not None

@@ -11,18 +11,28 @@ to the last byte read (``[DONE]`` for a stream), and the proxy's CPU time per re
 read from ``/proc`` (steadier than latency on a busy machine). Direct runs spread the
 workers over the three replicas, as the proxy does. One JSON line per (stream,
 concurrency), then one with the machine's load; quote them with the load beside them.
-``--prompt-tokens`` sizes the chat prompts (the sims' toy tokenizer: a word a token),
-``--unique`` gives every request a prompt never sent before (so each is tokenized by a
-replica), ``--workers`` runs ``kvindex proxy --workers N``, ``--store redis`` puts the index
-and the load on a private redis-server that a ``kvindex indexer`` fills; ``proxy_rps`` and
-``direct_rps`` are the throughputs (the load generator shares the machine's cores).
+``--prompt-tokens`` sizes the chat prompts (the sims' toy tokenizer: a word a token; with
+``--tokenizer local`` the text is fitted to that many ids of the local tokenizer, and
+``prompt_ids`` says how many one prompt has). ``--unique`` gives every request a user turn
+never sent before after the shared system prompt, as production traffic is (the proxy's
+tokenizer cache cannot answer it: it is tokenized by a replica, or locally);
+``--unique-prefix`` makes the whole prompt new, system prompt included (nothing of it was
+seen). ``--tokenizer local`` writes a byte-level BPE ``tokenizer.json`` and a ChatML
+template into the run's directory, starts the sims with ``--tokenizer`` and gives the proxy
+``[[models]] tokenizer`` (``--no-prefix-reuse``: ``tokenizer_prefix_cache_bytes = 0``, every
+text encoded whole). ``--workers`` runs ``kvindex proxy --workers N``, ``--store redis``
+puts the index and the load on a private redis-server that a ``kvindex indexer`` fills;
+``proxy_rps`` and ``direct_rps`` are the throughputs (the load generator shares the
+machine's cores).
 
     python bench/proxy.py [--requests 400] [--prompt-tokens 2000] [--unique] [--workers 2]
+        [--tokenizer local] [--unique-prefix] [--no-prefix-reuse]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import http.client
 import itertools
 import json
@@ -33,7 +43,7 @@ import threading
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +52,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from machine import calibration_ms, host_load
 from score_http import process_cpu_s
 
+from kvindex.api.tokenize.local import LocalTokenizer
 from tests.support.processes import Child, http_ok, kvindex_child
 from tests.support.redis_server import free_port, running_redis
+from tests.support.tokenizer_kinds import write_model
 
 MODEL = "demo-model"
 NUM_PROMPTS = 64
@@ -51,13 +63,15 @@ _SYSTEM_WORDS = 20 * 5
 """Words (the sims' tokens) of the default system prompt; the user turn adds 60."""
 
 
-def _sim(rid: str, workdir: Path) -> tuple[Child, int, str]:
+def _sim(rid: str, workdir: Path, tokenizer: Path | None) -> tuple[Child, int, str]:
     port, events = free_port(), f"tcp://127.0.0.1:{free_port()}"
     args = [
         "replica-sim", "--id", rid, "--model", MODEL, "--port", str(port), "--events", events,
         "--bind-events", "--replay", "", "--speed", "1000000", "--max-running", "64",
         "--capacity-blocks", "8192",
     ]  # fmt: skip
+    if tokenizer is not None:
+        args += ["--tokenizer", str(tokenizer)]
     child = kvindex_child(rid, args, workdir / f"{rid}.log", http_ok(port, "/health"))
     return child, port, f"id={rid},model={MODEL},url=http://127.0.0.1:{port},events={events}"
 
@@ -65,20 +79,28 @@ def _sim(rid: str, workdir: Path) -> tuple[Child, int, str]:
 @dataclass(frozen=True)
 class Prompts:
     """The chat bodies a run sends: ``num_tokens`` words a prompt (about: the template adds
-    a few), all different with ``unique`` (else cycling through NUM_PROMPTS)."""
+    a few), all different with ``unique`` (else cycling through NUM_PROMPTS); with
+    ``unique_prefix`` the system prompt is new too. ``filler_words`` overrides the words
+    that size the system prompt (fitted to a tokenizer)."""
 
     num_tokens: int = _SYSTEM_WORDS + 60
     unique: bool = False
+    unique_prefix: bool = False
+    filler_words: int | None = None
 
     def bodies(self, stream: bool) -> Sequence[bytes]:
-        if not self.unique:
+        if not self.unique and not self.unique_prefix:
             return [self.body(stream, i) for i in range(NUM_PROMPTS)]
         return _Fresh(self, stream)
 
     def body(self, stream: bool, number: int | str) -> bytes:
-        """A shared system prompt and user turn ``number`` (60 words)."""
-        system = "You are a terse assistant. " * 20
+        """A shared system prompt (with ``unique_prefix``: one of its own) and user turn
+        ``number`` (60 words)."""
+        system = f"Session {number}. " if self.unique_prefix else ""
+        system += "You are a terse assistant. " * 20
         filler = max(0, self.num_tokens - _SYSTEM_WORDS - 60)
+        if self.filler_words is not None:
+            filler = self.filler_words
         system += "Context word. " * (filler // 2) + "more " * (filler % 2)
         user = f"question {number} " * 30
         chat = {
@@ -198,6 +220,29 @@ def _measure(
     return figures
 
 
+def _local_model(workdir: Path, reuse: bool) -> tuple[Path, Path]:
+    """A byte-level BPE model directory, and the proxy's config naming it."""
+    tokenizer = write_model(workdir / "model", "byte_level_bpe")
+    config = workdir / "kvindex.toml"
+    api = "" if reuse else "[api]\ntokenizer_prefix_cache_bytes = 0\n\n"
+    config.write_text(f'{api}[[models]]\nname = "{MODEL}"\ntokenizer = "{tokenizer}"\n')
+    return tokenizer, config
+
+
+def _fitted(prompts: Prompts, tokenizer: Path) -> tuple[Prompts, int]:
+    """``prompts`` with its system prompt sized so one prompt has about ``num_tokens`` ids
+    of ``tokenizer`` (its template included), and that number of ids."""
+    local = LocalTokenizer.from_files(tokenizer, prefix_cache_bytes=0)
+
+    def ids(filler: int) -> int:
+        chat = json.loads(replace(prompts, filler_words=filler).body(False, "u0"))
+        return len(asyncio.run(local.encode_messages(chat["messages"])))
+
+    base, per_100 = ids(0), ids(100) - ids(0)  # ids grow linearly with the filler's words
+    filler = max(0, round((prompts.num_tokens - base) * 100 / max(1, per_100)))
+    return replace(prompts, filler_words=filler), ids(filler)
+
+
 def _store(store: str, specs: list[str], stack: ExitStack, workdir: Path) -> list[str]:
     """The proxy's options for ``store``: the replicas its own subscriber reads (memory), or
     a private redis-server that an indexer of the replicas fills (redis)."""
@@ -218,7 +263,23 @@ def _options() -> argparse.Namespace:
     parser.add_argument(
         "--prompt-tokens", type=int, default=Prompts.num_tokens, help="Tokens of a prompt."
     )
-    parser.add_argument("--unique", action="store_true", help="A new prompt every request.")
+    parser.add_argument(
+        "--unique", action="store_true", help="A new user turn every request (shared system)."
+    )
+    parser.add_argument(
+        "--unique-prefix", action="store_true", help="A wholly new prompt every request."
+    )
+    parser.add_argument(
+        "--tokenizer",
+        choices=("replica", "local"),
+        default="replica",
+        help="The proxy's tokenizer: a replica's /tokenize, or a local tokenizer.json.",
+    )
+    parser.add_argument(
+        "--no-prefix-reuse",
+        action="store_true",
+        help="With --tokenizer local: encode every text whole (tokenizer_prefix_cache_bytes = 0).",
+    )
     parser.add_argument("--workers", type=int, default=1, help="The proxy's --workers.")
     parser.add_argument(
         "--store", choices=("memory", "redis"), default="memory", help="The proxy's store."
@@ -234,11 +295,17 @@ def _options() -> argparse.Namespace:
 
 def main() -> None:
     args = _options()
-    prompts = Prompts(args.prompt_tokens, args.unique)
+    prompts = Prompts(args.prompt_tokens, args.unique, args.unique_prefix)
     streams = {"both": (False, True), "yes": (True,), "no": (False,)}[args.stream]
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         workdir = Path(tmp)
-        sims = [_sim(f"r{i}", workdir) for i in (1, 2, 3)]
+        tokenizer = config = None
+        shape: dict[str, object] = {}
+        if args.tokenizer == "local":
+            tokenizer, config = _local_model(workdir, not args.no_prefix_reuse)
+            prompts, num_ids = _fitted(prompts, tokenizer)
+            shape |= {"prompt_ids": num_ids, "prefix_reuse": not args.no_prefix_reuse}
+        sims = [_sim(f"r{i}", workdir, tokenizer) for i in (1, 2, 3)]
         for child, _, _ in sims:
             stack.callback(child.stop)
             child.spawn()
@@ -249,12 +316,16 @@ def main() -> None:
         command = ["proxy", "--port", str(port), *_store(args.store, specs, stack, workdir)]
         if args.workers != 1:
             command += ["--workers", str(args.workers)]
+        if config is not None:
+            command += ["--config", str(config)]
         proxy = kvindex_child("proxy", command, workdir / "proxy.log", http_ok(port, "/readyz"))
         stack.callback(proxy.stop)
         proxy.start(60)
         sim_ports = [p for _, p, _ in sims]
-        shape = {"prompt_tokens": prompts.num_tokens, "unique": prompts.unique}
-        shape |= {"workers": args.workers, "store": args.store}
+        shape |= {"prompt_tokens": prompts.num_tokens, "unique": prompts.unique}
+        shape |= {"workers": args.workers, "store": args.store, "tokenizer": args.tokenizer}
+        if prompts.unique_prefix:
+            shape["unique_prefix"] = True
         for stream in streams:
             for concurrency in args.concurrency:
                 pid = proxy.process.pid if proxy.process is not None else None

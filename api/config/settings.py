@@ -73,6 +73,9 @@ class ApiSettings:
     """Tokenizations of repeated prompts kept per model."""
     tokenizer_cache_bytes: int = 32 * 1024 * 1024
     """Bytes those tokenizations may take per model (4 per token id, the prompt never kept)."""
+    tokenizer_prefix_cache_bytes: int = 32 * 1024 * 1024
+    """Bytes a local tokenizer keeps per model so a conversation's next turn encodes only its
+    new tail: ids of recent texts by the digests of their starts (0: encode every text whole)."""
     seed: int | None = None
     """Seed of tie-breaks and random policies (tests); None: from the OS."""
     max_body_bytes: int = 8 * 1024 * 1024
@@ -174,6 +177,7 @@ _RANGES: tuple[tuple[str, _Range], ...] = (
     ("scrape_timeout_s", _POSITIVE),
     ("tokenizer_cache_entries", _COUNT),
     ("tokenizer_cache_bytes", _POSITIVE_INT),
+    ("tokenizer_prefix_cache_bytes", _COUNT),
     ("max_body_bytes", _POSITIVE_INT),
     ("body_timeout_s", _POSITIVE),
     ("header_timeout_s", _POSITIVE),

@@ -8,27 +8,24 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeAlias
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
-from kvindex.api.tokenize.protocol import Tokenizer, TokenizerError
+from kvindex.api.tokenize.protocol import (
+    Tokenizer,
+    TokenizerError,
+    as_packed,
+    pack_ids,
+    unpack_ids,
+)
 
-_Packed: TypeAlias = "array[int]"  # token ids as u32: 4 bytes each, a list needs 8 + 28
 DEFAULT_MAX_BYTES = 32 * 1024 * 1024
 ENTRY_OVERHEAD_BYTES = 256
-"""What an entry costs besides its ids: the digest, the array's header, the LRU's node."""
+"""What an entry costs besides its ids: the digest, the bytes' header, the LRU's node."""
 _DIGEST_BYTES = 16
-
-
-def _pack(tokens: list[int]) -> _Packed:
-    try:
-        return array("I", tokens)
-    except (OverflowError, TypeError) as exc:
-        raise TokenizerError(f"token ids must be integers in [0, 2**32): {exc}") from exc
 
 
 def _digest(kind: bytes, data: bytes) -> bytes:
@@ -50,16 +47,26 @@ def messages_key(messages: list[dict[str, Any]]) -> bytes:
     return _digest(b"messages", encoded)
 
 
-def entry_bytes(packed: _Packed) -> int:
+def entry_bytes(packed: bytes) -> int:
     """What one entry counts against ``max_bytes``."""
-    return len(packed) * packed.itemsize + ENTRY_OVERHEAD_BYTES
+    return len(packed) + ENTRY_OVERHEAD_BYTES
+
+
+@runtime_checkable
+class _AnswersNow(Protocol):
+    """A tokenizer that may answer without awaiting (:class:`.LocalTokenizer`)."""
+
+    def prompt_now(self, prompt: str) -> bytes | None: ...
+
+    def messages_now(self, messages: list[dict[str, Any]]) -> bytes | None: ...
 
 
 class CachingTokenizer:
     """An LRU cache of at most ``max_entries`` tokenizations and ``max_bytes`` (as
     :func:`entry_bytes` counts them) in front of another Tokenizer; a tokenization larger
     than ``max_bytes`` alone is answered but not kept. Concurrent misses of one key share
-    one call of the inner tokenizer."""
+    one call of the inner tokenizer. Ids are kept packed (u32 bytes) and handed out so by
+    the ``packed_*`` methods: a hit copies nothing."""
 
     def __init__(
         self, inner: Tokenizer, max_entries: int = 4096, max_bytes: int = DEFAULT_MAX_BYTES
@@ -75,25 +82,60 @@ class CachingTokenizer:
         self.num_misses = 0
         self.num_bytes = 0
         """What the entries kept count against ``max_bytes`` now."""
-        self._entries: OrderedDict[bytes, _Packed] = OrderedDict()
-        self._in_flight: dict[bytes, asyncio.Task[_Packed]] = {}
+        self._entries: OrderedDict[bytes, bytes] = OrderedDict()
+        self._in_flight: dict[bytes, asyncio.Task[bytes]] = {}
+        self._packed_inner = as_packed(inner)
+        self._now = inner if isinstance(inner, _AnswersNow) else None
 
     def __len__(self) -> int:
         return len(self._entries)
 
     async def encode_prompt(self, prompt: str) -> list[int]:
-        return await self._cached(prompt_key(prompt), lambda: self.inner.encode_prompt(prompt))
+        return unpack_ids(await self.packed_prompt(prompt))
 
     async def encode_messages(self, messages: list[dict[str, Any]]) -> list[int]:
-        key = messages_key(messages)
-        return await self._cached(key, lambda: self.inner.encode_messages(messages))
+        return unpack_ids(await self.packed_messages(messages))
 
-    async def _cached(self, key: bytes, compute: Callable[[], Awaitable[list[int]]]) -> list[int]:
+    async def packed_prompt(self, prompt: str) -> bytes:
+        key, inner, packed, now = prompt_key(prompt), self.inner, self._packed_inner, self._now
+        found = None if now is None else self._now_or_kept(key, lambda: now.prompt_now(prompt))
+        if found is not None:
+            return found
+        if packed is not None:
+            return await self._cached(key, lambda: packed.packed_prompt(prompt))
+        return await self._cached(key, lambda: _packed(inner.encode_prompt(prompt)))
+
+    async def packed_messages(self, messages: list[dict[str, Any]]) -> bytes:
+        key, inner, packed, now = messages_key(messages), self.inner, self._packed_inner, self._now
+        found = None if now is None else self._now_or_kept(key, lambda: now.messages_now(messages))
+        if found is not None:
+            return found
+        if packed is not None:
+            return await self._cached(key, lambda: packed.packed_messages(messages))
+        return await self._cached(key, lambda: _packed(inner.encode_messages(messages)))
+
+    def _now_or_kept(self, key: bytes, compute: Callable[[], bytes | None]) -> bytes | None:
+        """A kept entry, else the inner tokenizer's answer when it has one at once (no task:
+        nothing can wait on it meanwhile); None: neither (ask :meth:`_cached`)."""
         packed = self._entries.get(key)
         if packed is not None:
             self._entries.move_to_end(key)
             self.num_hits += 1
-            return packed.tolist()
+            return packed
+        if key in self._in_flight:
+            return None
+        packed = compute()
+        if packed is not None:
+            self.num_misses += 1
+            self._keep(key, packed)
+        return packed
+
+    async def _cached(self, key: bytes, compute: Callable[[], Awaitable[bytes]]) -> bytes:
+        packed = self._entries.get(key)
+        if packed is not None:
+            self._entries.move_to_end(key)
+            self.num_hits += 1
+            return packed
         task = self._in_flight.get(key)
         if task is None:
             self.num_misses += 1
@@ -102,14 +144,14 @@ class CachingTokenizer:
             task.add_done_callback(lambda _: self._in_flight.pop(key, None))
         else:
             self.num_hits += 1
-        return (await asyncio.shield(task)).tolist()
+        return await asyncio.shield(task)
 
-    async def _fill(self, key: bytes, compute: Callable[[], Awaitable[list[int]]]) -> _Packed:
-        packed = _pack(await compute())
+    async def _fill(self, key: bytes, compute: Callable[[], Awaitable[bytes]]) -> bytes:
+        packed = await compute()
         self._keep(key, packed)
         return packed
 
-    def _keep(self, key: bytes, packed: _Packed) -> None:
+    def _keep(self, key: bytes, packed: bytes) -> None:
         size = entry_bytes(packed)
         if size > self.max_bytes:
             return
@@ -121,3 +163,7 @@ class CachingTokenizer:
         while self.num_bytes > self.max_bytes or len(self._entries) > self.max_entries:
             _, evicted = self._entries.popitem(last=False)
             self.num_bytes -= entry_bytes(evicted)
+
+
+async def _packed(ids: Awaitable[list[int]]) -> bytes:
+    return pack_ids(await ids)

@@ -74,12 +74,12 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as exc:
             raise TokenizerError(f"chat template: syntax error line {exc.lineno}: {exc}") from exc
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
-        """The conversation as text, generation prompt added (``add_generation_prompt``)."""
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The conversation as text, generation prompt added unless told."""
         try:
             return self._template.render(
                 messages=messages,
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
                 tools=None,
                 documents=None,
                 **self.special_tokens,

@@ -24,7 +24,8 @@ TokenizerKind = Literal["local", "replica"]
 class TokenizerSpec:
     """How to tokenize one model's requests: ``local`` sets ``path`` (and a chat template:
     default beside it), ``replica`` sets ``base_url`` and ``model``; 0 entries: no cache
-    (else at most ``cache_entries`` and ``cache_bytes``, :class:`.CachingTokenizer`)."""
+    (else at most ``cache_entries`` and ``cache_bytes``, :class:`.CachingTokenizer`); a local
+    one reuses shared prefixes in ``prefix_cache_bytes`` (0: none)."""
 
     kind: TokenizerKind
     path: str | None = None
@@ -34,6 +35,7 @@ class TokenizerSpec:
     timeout_s: float = 5.0
     cache_entries: int = 4096
     cache_bytes: int = DEFAULT_MAX_BYTES
+    prefix_cache_bytes: int = DEFAULT_MAX_BYTES
 
     def __post_init__(self) -> None:
         if self.kind not in get_args(TokenizerKind):
@@ -44,6 +46,10 @@ class TokenizerSpec:
             raise TokenizerError(f"cache_entries must be >= 0, got {self.cache_entries!r}")
         if self.cache_bytes < 1:
             raise TokenizerError(f"cache_bytes must be >= 1, got {self.cache_bytes!r}")
+        if self.prefix_cache_bytes < 0:
+            raise TokenizerError(
+                f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes!r}"
+            )
         if self.kind == "local":
             self._check_local()
         else:
@@ -78,7 +84,9 @@ def build_tokenizer(spec: TokenizerSpec, client: httpx.AsyncClient) -> Tokenizer
         # (most of them) memory.
         from kvindex.api.tokenize.local import LocalTokenizer  # noqa: PLC0415
 
-        inner = LocalTokenizer.from_files(spec.path, spec.chat_template_path)
+        inner = LocalTokenizer.from_files(
+            spec.path, spec.chat_template_path, prefix_cache_bytes=spec.prefix_cache_bytes
+        )
     else:
         assert spec.base_url is not None and spec.model is not None  # checked by TokenizerSpec
         inner = ReplicaTokenizer(client, spec.base_url, spec.model, timeout_s=spec.timeout_s)
@@ -148,7 +156,10 @@ class ModelTokenizers:
         entries, size = settings.tokenizer_cache_entries, settings.tokenizer_cache_bytes
         if configured is not None and configured.tokenizer not in (None, "replica"):
             path = configured.tokenizer
-            return TokenizerSpec("local", path, cache_entries=entries, cache_bytes=size)
+            prefix = settings.tokenizer_prefix_cache_bytes
+            return TokenizerSpec(
+                "local", path, cache_entries=entries, cache_bytes=size, prefix_cache_bytes=prefix
+            )
         replica = self._replica_asked(model, self._ejected())
         spec = None if replica is None else self._registry.get(replica)
         if spec is None or spec.url is None:

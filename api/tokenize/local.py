@@ -1,69 +1,184 @@
-"""In-process tokenization: a ``tokenizer.json`` and the model's chat template."""
+"""In-process tokenization: a ``tokenizer.json`` and the model's chat template, reusing the
+ids of a text's start that an earlier text shared (:mod:`.prefix_cache`)."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Self, cast
 
 import tokenizers
 
 from kvindex.api.tokenize.chat_template import ChatTemplate, load_chat_template
-from kvindex.api.tokenize.protocol import TokenizerError
+from kvindex.api.tokenize.cuts import Cuts
+from kvindex.api.tokenize.prefix_cache import KeptCut, PrefixCache, cut_digests
+from kvindex.api.tokenize.protocol import TokenizerError, pack_ids, unpack_ids
 
 INLINE_MAX_CHARS = 2048
 """Texts up to this long are encoded on the event loop; longer ones in a worker thread."""
+DEFAULT_PREFIX_CACHE_BYTES = 32 * 1024 * 1024
 
 
-def _encode_one(tokenizer: tokenizers.Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+def encode_whole(tokenizer: tokenizers.Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """The ids of ``text`` encoded at once: what the prefix reuse must equal."""
     return tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
 
-def _encode_off_loop(
-    tokenizer: tokenizers.Tokenizer, text: str, add_special_tokens: bool
-) -> list[int]:
-    # encode_batch releases the GIL while it works (encode does not), so the loop keeps running.
-    return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-
-
 class LocalTokenizer:
+    """A :class:`~.protocol.PackedTokenizer` in process. With ``prefix_cache_bytes`` > 0 a text
+    is encoded from the longest cut it shares with a text encoded before (the ids equal the
+    whole text's); 0 encodes every text whole. Used by one event loop."""
+
     def __init__(
         self,
         tokenizer: tokenizers.Tokenizer,
         chat_template: ChatTemplate | None = None,
         *,
         inline_max_chars: int = INLINE_MAX_CHARS,
+        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
     ) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.inline_max_chars = inline_max_chars
+        self.num_reused = 0
+        """Texts encoded from a kept prefix (the rest encoded whole)."""
+        cuts = Cuts.of(tokenizer) if prefix_cache_bytes > 0 else None
+        self._cuts = cuts
+        self.prefixes = PrefixCache(prefix_cache_bytes) if cuts is not None else None
+        # A prompt's ids are reused only when the post-processor adds none (no BOS, no EOS).
+        self._prompt_reuse = tokenizer.num_special_tokens_to_add(is_pair=False) == 0
 
     @classmethod
-    def from_files(cls, path: str | Path, chat_template_path: str | Path | None = None) -> Self:
+    def from_files(
+        cls,
+        path: str | Path,
+        chat_template_path: str | Path | None = None,
+        *,
+        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+    ) -> Self:
         path = Path(path)
         try:
             tokenizer = tokenizers.Tokenizer.from_file(str(path))
         except Exception as exc:  # the Rust binding raises a bare Exception
             raise TokenizerError(f"tokenizer file {path}: unreadable: {exc}") from exc
         template_path = None if chat_template_path is None else Path(chat_template_path)
-        return cls(tokenizer, load_chat_template(path, template_path))
+        template = load_chat_template(path, template_path)
+        return cls(tokenizer, template, prefix_cache_bytes=prefix_cache_bytes)
 
     async def encode_prompt(self, prompt: str) -> list[int]:
         """Token ids of ``prompt`` with the post-processor's special tokens (e.g. BOS)."""
-        return await self._encode(prompt, add_special_tokens=True)
+        return unpack_ids(await self.packed_prompt(prompt))
 
     async def encode_messages(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of the rendered conversation; no special tokens added on top of it."""
+        return unpack_ids(await self.packed_messages(messages))
+
+    async def packed_prompt(self, prompt: str) -> bytes:
+        return await self._prompt(prompt, now=False)
+
+    async def packed_messages(self, messages: list[dict[str, Any]]) -> bytes:
+        return await self._messages(messages, now=False)
+
+    def prompt_now(self, prompt: str) -> bytes | None:
+        """:meth:`packed_prompt` when it needs no worker thread, else None (call that)."""
+        return _run_now(self._prompt(prompt, now=True))
+
+    def messages_now(self, messages: list[dict[str, Any]]) -> bytes | None:
+        """:meth:`packed_messages` when it needs no worker thread, else None (call that)."""
+        return _run_now(self._messages(messages, now=True))
+
+    async def _prompt(self, prompt: str, *, now: bool) -> bytes:
+        if self._prompt_reuse:
+            return await self._packed(prompt, now=now)
+        return pack_ids(await self._encode(prompt, add_special_tokens=True, now=now))
+
+    async def _messages(self, messages: list[dict[str, Any]], *, now: bool) -> bytes:
         if self.chat_template is None:
             raise TokenizerError("no chat template for this model: messages cannot be encoded")
-        return await self._encode(self.chat_template.render(messages), add_special_tokens=False)
+        return await self._packed(self.chat_template.render(messages), now=now)
 
-    async def _encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+    async def _packed(self, text: str, *, now: bool) -> bytes:
+        """Reference: kvindex.api.tokenize.local.encode_whole; tests/unit/api/tokenize/test_prefix_reuse.py::test_reuse_equals_whole_encode
+
+        The ids of ``text`` (no special tokens added), packed: those of the longest start a
+        kept text shares, then those of each part from one cut to the next (each encoded
+        alone, :mod:`.cuts`); this text is kept for the next."""  # noqa: E501
+        prefixes = self.prefixes
+        if self._cuts is None or prefixes is None:
+            return pack_ids(await self._encode(text, add_special_tokens=False, now=now))
+        cuts = self._cuts.find(text)
+        digests = cut_digests(text, [cut.position for cut in cuts])
+        hit = prefixes.longest(digests)
+        first = 0 if hit is None else hit.index + 1  # the first cut in what is encoded
+        start = 0 if hit is None else cuts[hit.index].position
+        bounds = [start, *(cut.position for cut in cuts[first:]), len(text)]
+        parts = await self._encode_parts(text, bounds, now=now)
+        starts = cuts[first - 1 :] if hit is not None else [None, *cuts]
+        pairs = zip(starts, parts, strict=True)
+        if any(cut is not None and ids[:1] != [cut.token_id] for cut, ids in pairs):
+            # A part did not start with its cut's added token: this tokenizer is not cut so.
+            return pack_ids(await self._encode(text, add_special_tokens=False, now=now))
+        packed = b"".join([b"" if hit is None else hit.packed, *map(pack_ids, parts)])
+        num_tokens = 0 if hit is None else len(hit.packed) // 4
+        kept = [] if hit is None else list(hit.cuts)
+        for digest, ids in zip(digests[first:], parts, strict=False):
+            num_tokens += len(ids)
+            kept.append(KeptCut(digest, num_tokens))
+        prefixes.keep(packed, tuple(kept))
+        self.num_reused += hit is not None
+        return packed
+
+    async def _encode_parts(
+        self, text: str, bounds: list[int], *, now: bool, add_special_tokens: bool = False
+    ) -> list[list[int]]:
+        """The ids of ``text[bounds[i]:bounds[i + 1]]`` for each i: on the loop when that is
+        short (``inline_max_chars``), else in a worker thread (the GIL released meanwhile;
+        ``now``: raise :class:`_NotNow` instead)."""
+        tokenizer = self.tokenizer
+        inline = bounds[-1] - bounds[0] <= self.inline_max_chars
+        if not inline and now:
+            raise _NotNow
         try:
-            if len(text) <= self.inline_max_chars:
-                return _encode_one(self.tokenizer, text, add_special_tokens)
-            return await asyncio.to_thread(
-                _encode_off_loop, self.tokenizer, text, add_special_tokens
-            )
+            if inline:
+                return _parts(tokenizer, text, bounds, add_special_tokens)
+            return await asyncio.to_thread(_parts, tokenizer, text, bounds, add_special_tokens)
         except Exception as exc:  # the Rust binding raises a bare Exception
             raise TokenizerError(f"tokenizer failed: {exc}") from exc
+
+    async def _encode(self, text: str, *, add_special_tokens: bool, now: bool) -> list[int]:
+        """The ids of ``text`` encoded whole."""
+        bounds = [0, len(text)]
+        return (
+            await self._encode_parts(text, bounds, now=now, add_special_tokens=add_special_tokens)
+        )[0]
+
+
+class _NotNow(Exception):  # noqa: N818 (a signal, not an error)
+    """An encode asked for now would need a worker thread."""
+
+
+def _run_now(coroutine: Coroutine[Any, Any, bytes]) -> bytes | None:
+    """The value of a coroutine that never suspends (an encode asked for ``now``), got
+    without a task or a turn of the loop; None if it would need a worker thread."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return cast(bytes, done.value)
+    except _NotNow:
+        return None
+    coroutine.close()
+    raise AssertionError("an encode asked for now suspended")
+
+
+def _parts(
+    tokenizer: tokenizers.Tokenizer, text: str, bounds: list[int], add_special_tokens: bool
+) -> list[list[int]]:
+    # One part a call: a batch of several costs more CPU (its threads); the fast batch skips
+    # the offsets nothing here reads, and releases the GIL while it works.
+    encode = tokenizer.encode_batch_fast
+    return [
+        encode([text[a:b]], add_special_tokens=add_special_tokens)[0].ids
+        for a, b in itertools.pairwise(bounds)
+    ]

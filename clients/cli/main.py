@@ -445,6 +445,16 @@ def picker(
     show_default=True,
     help="Test knob: stall each stream this long after its first chunk (0: never).",
 )
+@click.option(
+    "--tokenizer",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Tokenize with this tokenizer.json, as vLLM with the model's (default: a toy one).",
+)
+@click.option(
+    "--chat-template",
+    type=click.Path(exists=True, dir_okay=False),
+    help="The chat template of --tokenizer (default: beside it, as Hugging Face lays it out).",
+)
 def replica_sim(
     replica_id: str, bind_events: bool, lora_names: tuple[str, ...], replay: str, **kw: Any
 ) -> None:

@@ -1,5 +1,6 @@
 """A simulated vLLM replica: a real prefix-cache block pool, vLLM's KV events, an OpenAI-like
-API, and a time model that makes load real; no GPU, no model, a toy tokenizer.
+API, and a time model that makes load real; no GPU, no model, a toy tokenizer (or a real
+``tokenizer.json``).
 Layers: :class:`Engine` (one event loop), :func:`create_app` (routes), :class:`ReplicaSim`.
 """
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -20,7 +22,8 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
 from kvindex.api.http.background import BackgroundServer, ServerStartError
-from kvindex.api.tokenize.protocol import TokenId
+from kvindex.api.tokenize.local import LocalTokenizer
+from kvindex.api.tokenize.protocol import TokenId, TokenizerError
 from kvindex.clients.fake_vllm.block_pool import Admission, BlockPool
 from kvindex.clients.fake_vllm.engine_hash import engine_root
 from kvindex.clients.fake_vllm.publisher import EventPublisher
@@ -103,9 +106,14 @@ class ReplicaSimSettings:
     """Test knob: answer every completion with this HTTP status (0: never)."""
     stream_stall_s: float = 0.0
     """Test knob: a stream waits this long (real seconds) after its first chunk (0: never)."""
+    tokenizer: str | None = None
+    """A ``tokenizer.json`` to tokenize with, as vLLM does with the model's (None: the toy one)."""
+    chat_template: str | None = None
+    """Its chat template (None: ``chat_template.jinja`` or ``tokenizer_config.json`` beside it)."""
 
     def __post_init__(self) -> None:
         self._check_test_knobs()
+        self._check_tokenizer()
         for name in ("send_hwm", "send_buffer_bytes"):
             if getattr(self, name) < 0:
                 raise ReplicaSimError(f"{name} must be >= 0, got {getattr(self, name)!r}")
@@ -123,6 +131,11 @@ class ReplicaSimSettings:
             )
         if not self.id or "@" in self.id or not self.model:
             raise ReplicaSimError(f"id and model must be non-empty, id without '@': {self.id!r}")
+
+    def _check_tokenizer(self) -> None:
+        if self.chat_template is not None and self.tokenizer is None:
+            raise ReplicaSimError("chat_template needs tokenizer")
+        sim_tokenizer(self.tokenizer, self.chat_template)  # an unreadable file fails here
 
     def _check_test_knobs(self) -> None:
         if self.fail_status and not 400 <= self.fail_status <= 599:
@@ -148,7 +161,7 @@ class ReplicaSimSettings:
         return self.capacity_blocks * self.block_size
 
 
-# --- the toy tokenizer ------------------------------------------------------
+# --- the tokenizer: the toy one, or a real tokenizer.json ------------------------------------
 
 
 def word_token(word: str) -> int:
@@ -166,6 +179,48 @@ def render_chat(messages: Sequence[dict[str, Any]], add_generation_prompt: bool 
     if add_generation_prompt:
         parts.append("<|assistant|>")
     return " ".join(parts)
+
+
+class SimTokenizer:
+    """What the sim tokenizes with: the toy tokenizer (``path`` None), or a ``tokenizer.json``
+    and its chat template as vLLM uses them (a prompt gets the special tokens its
+    post-processor adds, a rendered conversation none); ReplicaSimError when unreadable."""
+
+    def __init__(self, path: str | None = None, chat_template: str | None = None) -> None:
+        self.local: LocalTokenizer | None = None
+        if path is not None:
+            try:
+                self.local = LocalTokenizer.from_files(path, chat_template, prefix_cache_bytes=0)
+            except TokenizerError as exc:
+                raise ReplicaSimError(f"tokenizer: {exc}") from exc
+
+    def text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.local is None:
+            return tokenize_text(text)
+        return self.local.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """ReplicaSimError when the template refuses the messages."""
+        local = self.local
+        if local is None:
+            return tokenize_text(render_chat(messages, add_generation_prompt))
+        if local.chat_template is None:
+            raise ReplicaSimError("the model has no chat template: messages cannot be encoded")
+        try:
+            rendered = local.chat_template.render(messages, add_generation_prompt)
+        except TokenizerError as exc:
+            raise ReplicaSimError(str(exc)) from exc
+        return self.text(rendered, add_special_tokens=False)
+
+
+@functools.cache
+def sim_tokenizer(path: str | None, chat_template: str | None) -> SimTokenizer:
+    """The one SimTokenizer of a file (loaded once per process)."""
+    return SimTokenizer(path, chat_template)
+
+
+def settings_tokenizer(settings: ReplicaSimSettings) -> SimTokenizer:
+    return sim_tokenizer(settings.tokenizer, settings.chat_template)
 
 
 def output_words(prompt: Sequence[int], num_tokens: int) -> list[str]:
@@ -370,8 +425,12 @@ def _ok(body: object) -> Response:
     return Response(_json(body), media_type="application/json")
 
 
-def _tokens_of(prompt: str | list[int]) -> list[int]:
-    return tokenize_text(prompt) if isinstance(prompt, str) else list(prompt)
+def _tokens_of(
+    prompt: str | list[int], tokenizer: SimTokenizer | None = None, add_special_tokens: bool = True
+) -> list[int]:
+    if not isinstance(prompt, str):
+        return list(prompt)
+    return (tokenizer or sim_tokenizer(None, None)).text(prompt, add_special_tokens)
 
 
 def _lora_for(settings: ReplicaSimSettings, body: CompletionBody | ChatBody) -> str | None:
@@ -485,10 +544,14 @@ async def handle_completion(engine: Engine, raw: bytes, *, chat: bool = False) -
         return _error(400, str(exc))
     except ReplicaSimError as exc:
         return _error(404, str(exc))
-    if isinstance(body, ChatBody):
-        prompt = tokenize_text(render_chat(body.messages))
-    else:
-        prompt = _tokens_of(body.prompt)
+    tokenizer = settings_tokenizer(settings)
+    try:
+        if isinstance(body, ChatBody):
+            prompt = tokenizer.chat(body.messages)
+        else:
+            prompt = _tokens_of(body.prompt, tokenizer)
+    except ReplicaSimError as exc:
+        return _error(400, str(exc))
     try:
         result = await engine.run(SimRequest(prompt, body.max_tokens, lora, body.cache_salt))
     except ReplicaSimError as exc:
@@ -506,12 +569,16 @@ def handle_tokenize(settings: ReplicaSimSettings, raw: bytes) -> Response:
         body = msgspec.json.decode(raw, type=TokenizeBody)
     except msgspec.DecodeError as exc:
         return _error(400, str(exc))
-    if body.messages is not None:
-        tokens = tokenize_text(render_chat(body.messages, body.add_generation_prompt))
-    elif body.prompt is not None:
-        tokens = _tokens_of(body.prompt)
-    else:
-        return _error(400, "either prompt or messages is required")
+    tokenizer = settings_tokenizer(settings)
+    try:
+        if body.messages is not None:
+            tokens = tokenizer.chat(body.messages, body.add_generation_prompt)
+        elif body.prompt is not None:
+            tokens = _tokens_of(body.prompt, tokenizer, body.add_special_tokens)
+        else:
+            return _error(400, "either prompt or messages is required")
+    except ReplicaSimError as exc:
+        return _error(400, str(exc))
     return _ok({"count": len(tokens), "max_model_len": settings.max_model_len, "tokens": tokens})
 
 
@@ -534,7 +601,7 @@ def handle_embeddings(settings: ReplicaSimSettings, raw: bytes) -> Response:
     texts = [body.input] if isinstance(body.input, str) else body.input
     data, num_tokens = [], 0
     for i, text in enumerate(texts):
-        tokens = tokenize_text(text)
+        tokens = settings_tokenizer(settings).text(text)
         num_tokens += len(tokens)
         counts = [0.0] * EMBEDDING_SIZE
         for token in tokens:
@@ -569,7 +636,7 @@ def handle_cached(engine: Engine, raw: bytes) -> Response:
     cache = engine.cache
     counts = []
     for prompt in body.prompts:
-        chain = cache.chain(_tokens_of(prompt))
+        chain = cache.chain(_tokens_of(prompt, settings_tokenizer(engine.settings)))
         held = (i for i, block in enumerate(chain) if not cache.is_cached(block))
         counts.append(next(held, len(chain)))
     return _ok({"num_cached_blocks": counts, "num_pool_blocks": cache.num_cached_blocks})

@@ -1,0 +1,68 @@
+"""``kvindex proxy`` with a local ``tokenizer.json`` in front of replica-sims that tokenize with
+the same files (``--tokenizer``): the proxy's block keys are the engines', so a
+conversation's next turn is routed to the replica holding its start and matches there."""
+
+from __future__ import annotations
+
+import re
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+
+from tests.integration.test_proxy_forwarding import MODEL, Proxy, _start, stack
+from tests.support.tokenizer_kinds import write_model
+
+__all__ = ["stack"]
+
+
+def _matched(proxy: Proxy) -> tuple[float, float]:
+    """(requests, the sum of their matched fractions) the proxy has counted."""
+    metrics = proxy.metrics()
+    found = {
+        name: float(value)
+        for name, value in re.findall(
+            r"^kvindex_proxy_matched_fraction_(count|sum)(?:\{[^}]*\})? (\S+)$", metrics, re.M
+        )
+    }
+    return found.get("count", 0.0), found.get("sum", 0.0)
+
+
+def _next_turn_matched(proxy: Proxy, deadline_s: float) -> float:
+    """Three conversations, then one's next turn sent until it matches (the sims' events
+    reach the proxy's index meanwhile) or ``deadline_s`` passes; its matched fraction."""
+    system = "answer the customer about the order " * 20
+    with proxy.client() as client:
+        for topic in ("refund", "shipping", "invoice"):
+            turn = [
+                {"role": "system", "content": system + topic},
+                {"role": "user", "content": f"{topic} status please " * 8},
+            ]
+            client.chat.completions.create(model=MODEL, messages=turn, max_tokens=2)  # type: ignore[arg-type]
+        next_turn = [*turn, {"role": "assistant", "content": "w1 w2"}]
+        next_turn.append({"role": "user", "content": "and the refund"})
+        count, total = _matched(proxy)
+        matched, deadline = 0.0, time.monotonic() + deadline_s
+        while matched <= 0.5 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            client.chat.completions.create(model=MODEL, messages=next_turn, max_tokens=2)  # type: ignore[arg-type]
+            new_count, new_total = _matched(proxy)
+            matched = (new_total - total) / max(1.0, new_count - count)
+            count, total = new_count, new_total
+    return matched
+
+
+@pytest.mark.parametrize("sims_tokenize", ["same", "toy"])
+def test_a_next_turn_matches_what_the_engines_hold(
+    stack: ExitStack, tmp_path: Path, sims_tokenize: str
+) -> None:
+    """With the sims on the proxy's tokenizer the next turn matches most of its blocks; with
+    the sims on their toy one (the control) nothing matches."""
+    tokenizer = write_model(tmp_path / "model")
+    config = tmp_path / "kvindex.toml"
+    config.write_text(f'[[models]]\nname = "{MODEL}"\ntokenizer = "{tokenizer}"\n')
+    extra = ["--tokenizer", str(tokenizer)] if sims_tokenize == "same" else []
+    _, proxy = _start(stack, tmp_path, {"r1": extra, "r2": extra}, ("--config", str(config)))
+    matched = _next_turn_matched(proxy, 10.0 if sims_tokenize == "same" else 2.0)
+    assert (matched > 0.5) == (sims_tokenize == "same")

@@ -1,0 +1,191 @@
+"""kvindex.api.tokenize.local's prefix reuse, .cuts and .prefix_cache: the ids of a text
+encoded from a kept prefix equal its whole encode, on every tokenizer kind."""
+
+from __future__ import annotations
+
+import asyncio
+from functools import cache
+from typing import Any
+
+import pytest
+import tokenizers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvindex.api.tokenize.chat_template import ChatTemplate
+from kvindex.api.tokenize.cuts import Cuts
+from kvindex.api.tokenize.local import LocalTokenizer, encode_whole
+from kvindex.api.tokenize.prefix_cache import KeptCut, PrefixCache, entry_bytes
+from kvindex.api.tokenize.protocol import unpack_ids
+from tests.support.tokenizer_kinds import KINDS, MASK, WORDS
+
+Conversation = list[dict[str, Any]]
+
+_PIECES = [
+    *WORDS[:12], " ", "  ", "\n", "\n\n", "\t", "é", "漢", "Ü", "ﬁ", "'s", "123", ".",
+    "<|im_start|>", "<|im_end|>", "[INST]", "</s>", "<s>", "<|user|>", MASK, " " + MASK,
+]  # fmt: skip
+_content = st.lists(st.sampled_from(_PIECES), max_size=12).map("".join)
+_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant"]), "content": _content}
+)
+
+
+@cache
+def _kind(name: str) -> tuple[tokenizers.Tokenizer, ChatTemplate]:
+    tok, template, special_tokens = KINDS[name]()
+    return tok, ChatTemplate(template, special_tokens=special_tokens)
+
+
+def _local(name: str, prefix_cache_bytes: int = 1 << 20) -> LocalTokenizer:
+    tok, template = _kind(name)
+    return LocalTokenizer(tok, template, prefix_cache_bytes=prefix_cache_bytes)
+
+
+def _whole(name: str, messages: Conversation) -> list[int]:
+    tok, template = _kind(name)
+    return encode_whole(tok, template.render(messages), add_special_tokens=False)
+
+
+@pytest.mark.parametrize("name", sorted(KINDS))
+@settings(max_examples=60, deadline=None)
+@given(
+    conversations=st.lists(st.lists(_message, min_size=1, max_size=6), min_size=1, max_size=4),
+    inline=st.booleans(),
+    now=st.booleans(),
+)
+def test_reuse_equals_whole_encode(
+    name: str, conversations: list[Conversation], inline: bool, now: bool
+) -> None:
+    """Every turn of several conversations (each growing, sharing their starts), through one
+    tokenizer and its cache, equals the whole encode of its rendering (asked for at once,
+    or awaited; on the loop, or in a thread)."""
+    local = _local(name)
+    local.inline_max_chars = 1 << 20 if inline else 0
+    shared = conversations[0][:1]
+
+    async def ids(messages: Conversation) -> list[int]:
+        packed = local.messages_now(messages) if now else None
+        if packed is None:
+            return await local.encode_messages(messages)
+        return unpack_ids(packed)
+
+    async def run() -> None:
+        for conversation in conversations:
+            for turn in range(1, len(conversation) + 1):
+                messages = shared + conversation[:turn]
+                assert await ids(messages) == _whole(name, messages)
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("name", sorted(KINDS))
+def test_a_shared_system_prompt_is_encoded_once(name: str) -> None:
+    local = _local(name)
+    system = {"role": "system", "content": " ".join(WORDS * 4)}
+
+    async def run() -> None:
+        for i in range(5):
+            messages = [system, {"role": "user", "content": f"question {i} {WORDS[i]}"}]
+            assert await local.encode_messages(messages) == _whole(name, messages)
+
+    asyncio.run(run())
+    assert local.num_reused == 4
+
+
+def test_prompts_are_reused_only_without_added_special_tokens() -> None:
+    bpe, wordy = _local("byte_level_bpe"), _local("word_level")  # word_level adds a BOS
+    prompt = "<|im_start|>system\nthe rules<|im_end|>\n<|im_start|>user\n"
+
+    async def run() -> None:
+        for tail in ("a", "b"):
+            assert await bpe.encode_prompt(prompt + tail) == encode_whole(
+                bpe.tokenizer, prompt + tail, add_special_tokens=True
+            )
+            assert await wordy.encode_prompt(prompt + tail) == encode_whole(
+                wordy.tokenizer, prompt + tail, add_special_tokens=True
+            )
+
+    asyncio.run(run())
+    assert (bpe.num_reused, wordy.num_reused) == (1, 0)
+
+
+def test_prefix_cache_off_encodes_whole() -> None:
+    local = _local("byte_level_bpe", prefix_cache_bytes=0)
+    messages = [{"role": "user", "content": "hello"}]
+    assert asyncio.run(local.encode_messages(messages)) == _whole("byte_level_bpe", messages)
+    assert asyncio.run(local.encode_messages(messages)) == _whole("byte_level_bpe", messages)
+    assert local.prefixes is None and local.num_reused == 0
+
+
+def test_packed_ids_unpack_to_the_ids() -> None:
+    local = _local("byte_level_bpe")
+    messages = [{"role": "user", "content": "hello"}]
+    packed = asyncio.run(local.packed_messages(messages))
+    assert unpack_ids(packed) == _whole("byte_level_bpe", messages)
+
+
+# --- cuts -----------------------------------------------------------------------------------
+
+
+def test_no_cut_before_a_token_that_strips_its_left() -> None:
+    tok, _ = _kind("byte_level_bpe")
+    cuts = Cuts.of(tok)
+    assert cuts is not None
+    found = cuts.find(f"a<|im_start|>b {MASK} c<|im_end|>")
+    assert [c.position for c in found] == [1, 23]
+    assert found[0].token_id == tok.token_to_id("<|im_start|>")
+
+
+def test_a_truncating_tokenizer_has_no_cuts() -> None:
+    tok, _, _ = KINDS["byte_level_bpe"]()
+    tok.enable_truncation(16)
+    assert Cuts.of(tok) is None
+
+
+# --- the cache ------------------------------------------------------------------------------
+
+
+def _cut(n: int) -> KeptCut:
+    return KeptCut(bytes([n]) * 16, n)
+
+
+def test_longest_kept_cut_wins_and_hands_out_its_prefix() -> None:
+    cache = PrefixCache(1 << 20)
+    cache.keep(bytes(range(40)), (_cut(2), _cut(5)))
+    hit = cache.longest([_cut(2).digest, _cut(5).digest, b"x" * 16])
+    assert hit is not None and hit.index == 1 and hit.packed == bytes(range(20))
+    assert hit.cuts == (_cut(2), _cut(5))
+    assert cache.longest([b"y" * 16]) is None
+
+
+def test_cache_is_bounded_by_bytes_and_evicts_the_least_recent() -> None:
+    size = entry_bytes(bytes(40), 1)
+    cache = PrefixCache(2 * size)
+    for n in (1, 2, 3):
+        cache.keep(bytes(40), (_cut(n),))
+    assert len(cache) == 2 and cache.num_bytes == 2 * size
+    assert cache.longest([_cut(1).digest]) is None
+    assert cache.longest([_cut(2).digest]) is not None
+    cache.keep(bytes(40), (_cut(4),))  # 3 is now the least recent
+    assert cache.longest([_cut(3).digest]) is None
+    cache.keep(bytes(10 * size), (_cut(5),))  # larger than the cache: not kept
+    assert cache.longest([_cut(5).digest]) is None and cache.num_bytes <= 2 * size
+
+
+def test_a_cut_kept_again_names_the_latest_text() -> None:
+    cache = PrefixCache(1 << 20)
+    cache.keep(bytes(40), (_cut(2),))
+    cache.keep(bytes(range(40)), (_cut(2), _cut(7)))
+    hit = cache.longest([_cut(2).digest])
+    assert hit is not None and hit.packed == bytes(range(8))
+
+
+def test_at_once_only_what_needs_no_thread() -> None:
+    local = _local("byte_level_bpe")
+    messages = [{"role": "user", "content": "hello"}]
+    assert local.messages_now(messages) == asyncio.run(local.packed_messages(messages))
+    assert local.prompt_now("hello") == asyncio.run(local.packed_prompt("hello"))
+    local.inline_max_chars = 0
+    assert local.messages_now(messages + messages) is None
+    assert local.prompt_now("hello again") is None
