@@ -29,6 +29,7 @@ from kvindex.clients.proxy.connections import (
     FRESH_CONNECTION,
     AnswerBody,
     NothingReceivedError,
+    RawAnswer,
     RawRequest,
     ReplicaTransport,
     encoded_post,
@@ -51,6 +52,10 @@ _MAX_URLS = 4096
 _REQUEST_ID, _REPLICA = REQUEST_ID.encode(), REPLICA_HEADER.encode()
 _OURS = frozenset({*(n.encode() for n in HOP_BY_HOP), _REQUEST_ID, _REPLICA})
 """An answer's headers not passed on: hop-by-hop, and those the proxy sets itself."""
+
+
+Answer = httpx.Response | RawAnswer
+"""A replica's answer: a raw one over :class:`ReplicaTransport` (plain HTTP), else httpx's."""
 
 
 class UpstreamFailedError(KvIndexError):
@@ -142,7 +147,7 @@ class Opened:
     """A replica's answer whose headers have arrived; its body is not read yet."""
 
     upstream: Upstream
-    response: httpx.Response
+    response: Answer
     dispatch: Dispatch | None = None
     """The request in flight (released by the answer once its last byte is sent)."""
     watch: ClientWatch | None = None
@@ -316,7 +321,7 @@ class Forwarder:
         failures: list[str],
         *,
         dispatch: Dispatch,
-    ) -> httpx.Response | None:
+    ) -> Answer | None:
         try:
             response = await self._send(request, upstream, deadline, failures)
         except asyncio.CancelledError:
@@ -335,7 +340,7 @@ class Forwarder:
         upstream: Upstream,
         deadline: float,
         failures: list[str],
-    ) -> httpx.Response | None:
+    ) -> Answer | None:
         """The answer's head, or None after a failure the next replica may retry."""
         first_byte = asyncio.get_running_loop().time() + self._settings.first_byte_timeout_s
         try:
@@ -358,9 +363,7 @@ class Forwarder:
         self._failed(upstream, "protocol", failures, exc)
         raise UpstreamFailedError(f"replica {upstream.replica} failed: {exc!r}") from exc
 
-    async def _head(
-        self, request: httpx.Request | RawRequest, upstream: Upstream
-    ) -> httpx.Response:
+    async def _head(self, request: httpx.Request | RawRequest, upstream: Upstream) -> Answer:
         """The answer's head; sent once more on a new connection when a kept-alive one ended
         before any byte (counted as ``stale``, logged, not against the replica)."""
         try:
@@ -374,7 +377,7 @@ class Forwarder:
         request.extensions = {**request.extensions, FRESH_CONNECTION: True}
         return await self._handled(request)
 
-    async def _handled(self, request: httpx.Request | RawRequest) -> httpx.Response:
+    async def _handled(self, request: httpx.Request | RawRequest) -> Answer:
         if isinstance(request, RawRequest):
             assert isinstance(self._upstream, ReplicaTransport)
             return await self._upstream.send_raw(request)
@@ -473,7 +476,7 @@ class StreamedAnswer:
 
     def _headers(self) -> list[tuple[bytes, bytes]]:
         """The replica's header lines as it sent them, less the hop-by-hop ones and ours."""
-        kept = [(n, v) for n, v in self.opened.response.headers.raw if n.lower() not in _OURS]
+        kept = [(n, v) for n, v in _raw_headers(self.opened.response) if n.lower() not in _OURS]
         return [
             *kept,
             (_REQUEST_ID, self.request_id.encode("latin-1")),
@@ -532,22 +535,29 @@ class StreamedAnswer:
             await self.opened.dispatch.release("done")
 
 
-def _content_length(response: httpx.Response) -> bytes | None:
+def _raw_headers(response: Answer) -> list[tuple[bytes, bytes]]:
+    return response.raw_headers if isinstance(response, RawAnswer) else response.headers.raw
+
+
+def _content_length(response: Answer) -> bytes | None:
     """The answer's ``Content-Length`` as sent (its values joined as httpx's ``get``
     joins them; None: there is none)."""
-    values = [v for n, v in response.headers.raw if n.lower() == b"content-length"]
+    values = [v for n, v in _raw_headers(response) if n.lower() == b"content-length"]
     return None if not values else b", ".join(values)
 
 
-def _raw(response: httpx.Response) -> AsyncIterator[bytes]:
+def _raw(response: Answer) -> AsyncIterator[bytes]:
     """Reference: httpx.Response.aiter_raw; tests/unit/clients/proxy/test_connections.py::test_the_end_of_an_answer_goes_to_the_client_with_its_last_chunk
     The body's chunks as they come: straight from the connection over ReplicaTransport
     (httpx's iterator only counts and wraps the same chunks there), else httpx's."""  # noqa: E501
     stream = response.stream
-    return stream.__aiter__() if isinstance(stream, AnswerBody) else response.aiter_raw()
+    if isinstance(stream, AnswerBody):
+        return stream.__aiter__()
+    assert isinstance(response, httpx.Response)  # a RawAnswer's stream is an AnswerBody
+    return response.aiter_raw()
 
 
-def _all_read(response: httpx.Response) -> bool:
+def _all_read(response: Answer) -> bool:
     """The body has all come with the chunk just read (known only over ReplicaTransport)."""
     stream = response.stream
     return isinstance(stream, AnswerBody) and stream.all_read()
