@@ -193,7 +193,7 @@ class Scorer:
     ) -> Ranking:
         """:meth:`score`'s order and matches alone, the same decision (a router's need: no
         entry explained)."""
-        made = await self._decided(request, headers or {}, None)
+        made = await self._decided(request, headers or {}, None, explain=False)
         matches, block_size = made.seen.lookup.matches, made.block_size
         ranked = tuple(
             (s.replica, matches.get(s.replica, NO_MATCH).num_blocks * block_size)
@@ -202,9 +202,15 @@ class Scorer:
         return Ranking(made.num_tokens, ranked)
 
     async def _decided(
-        self, request: ScoreRequest, headers: Mapping[str, str], packed_tokens: bytes | None
+        self,
+        request: ScoreRequest,
+        headers: Mapping[str, str],
+        packed_tokens: bytes | None,
+        *,
+        explain: bool = True,
     ) -> _Decided:
-        """Every step of an answer but its assembly (the degraded reasons counted)."""
+        """Every step of an answer but its assembly (the degraded reasons counted);
+        ``explain`` False: no terms nor freshness gathered for the entries."""
         specs = self._registry.replicas()
         outage = self._registry.outage()
         candidates = self._candidates(request, specs, outage)
@@ -230,6 +236,7 @@ class Scorer:
                 top_k=self.top_k(request),
                 weights=weights,
                 rng=rng,
+                explain=explain,
             )
         else:
             seen = Seen(lookup, loads, by_replica(self._registry.freshness()), self._clock())
