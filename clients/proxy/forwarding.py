@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 import httpx
 from starlette.types import Receive, Scope, Send
 
-from kvindex.api.http.server_protocol import ABORT
+from kvindex.api.http.server_protocol import ABORT, ON_GONE
 from kvindex.api.load.reservations import Reservation, Reservations
 from kvindex.api.loop.off_loop import OffLoop
 from kvindex.clients.proxy.connections import (
@@ -231,14 +231,16 @@ class Forwarder:
         method: str = "POST",
         route: str | None = None,
         receive: Receive | None = None,
+        on_gone: OnGone | None = None,
     ) -> Opened:
         """The first answer worth passing on, ``path`` (and query) appended to each URL;
-        UpstreamFailedError, UpstreamTimeoutError or ClientGoneError when none is."""
+        UpstreamFailedError, UpstreamTimeoutError or ClientGoneError when none is (the
+        client watched through ``receive``, or ``on_gone`` when the server gives it)."""
         attempts = self._retry.attempts(upstreams)
         if self._hangs is not None and not self._hangs.running:
             await self._hangs.start()
         first = await self._desk.reserve(attempts[0]) if attempts else None
-        watch = None if receive is None else ClientWatch(receive)
+        watch = None if receive is None else ClientWatch(receive, on_gone)
         opening = self._attempts(
             path, body, headers, attempts, deadline, method=method, route=route, first=first
         )
@@ -464,7 +466,7 @@ class StreamedAnswer:
                     watch.stop()  # a whole answer, already coming: nothing to abort
                 await self._stream(send)
             else:
-                watch = watch or ClientWatch(receive)
+                watch = watch or ClientWatch(receive, on_gone_of(scope))
                 await self._stream_watched(send, watch)
         finally:
             if watch is not None:
@@ -563,12 +565,26 @@ def _all_read(response: Answer) -> bool:
     return isinstance(stream, AnswerBody) and stream.all_read()
 
 
-class ClientWatch:
-    """Notices a client going away (one task reading ``receive``): inside :meth:`guard` the
-    request's task is cancelled and the guard raises :class:`ClientGoneError`."""
+OnGone = Callable[[Callable[[], None]], Callable[[], None]]
+"""The server's :data:`~kvindex.api.http.server_protocol.ON_GONE`: a call on the client's
+going, and what forgets it."""
 
-    def __init__(self, receive: Receive) -> None:
+
+def on_gone_of(scope: Scope) -> OnGone | None:
+    """The server's way to learn that the client went, when it has one."""
+    extensions: dict[str, Any] = scope.get("extensions") or {}
+    return extensions.get(ON_GONE)
+
+
+class ClientWatch:
+    """Notices a client going away: inside :meth:`guard` the request's task is cancelled and
+    the guard raises :class:`ClientGoneError`. With the server's ``on_gone`` it is told;
+    else one task reads ``receive`` until ``http.disconnect``."""
+
+    def __init__(self, receive: Receive, on_gone: OnGone | None = None) -> None:
         self._receive = receive
+        self._on_gone = on_gone
+        self._forget: Callable[[], None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._owner: asyncio.Task[Any] | None = None
         self._cancelled = False
@@ -576,8 +592,11 @@ class ClientWatch:
         self.gone = False
 
     def guard(self) -> ClientWatch:
-        if self._task is None and not self._stopped:
-            self._task = asyncio.ensure_future(self._watch())
+        if self._task is None and self._forget is None and not self._stopped:
+            if self._on_gone is not None:
+                self._forget = self._on_gone(self._went)
+            else:
+                self._task = asyncio.ensure_future(self._watch())
         return self
 
     def __enter__(self) -> None:
@@ -597,6 +616,9 @@ class ClientWatch:
 
     def stop(self) -> None:
         self._stopped = True
+        forget, self._forget = self._forget, None
+        if forget is not None:
+            forget()
         if self._task is not None and not self._task.done():
             self._task.cancel()
 
@@ -606,6 +628,9 @@ class ClientWatch:
                 pass
         except Exception as exc:  # nobody left to read the answer either
             logger.debug("reading the client's messages failed: %r", exc)
+        self._went()
+
+    def _went(self) -> None:
         self.gone = True
         if self._owner is not None and not self._stopped:
             self._cancelled = True
