@@ -790,9 +790,8 @@ def test_a_client_watch_told_by_the_server_acts_as_one_reading_receive(told: boo
     async def run() -> None:
         during = watch()
         asyncio.get_running_loop().call_later(0.05, go)
-        with pytest.raises(ClientGoneError):
-            with during.guard():
-                await asyncio.sleep(5)
+        with pytest.raises(ClientGoneError), during.guard():
+            await asyncio.sleep(5)
         during.stop()
         with pytest.raises(ClientGoneError):
             after = watch()
