@@ -43,13 +43,14 @@ from kvindex.indexer.domain.keys import (
 from kvindex.indexer.fleet.registry import RegistryView
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.protocol import (
+    NO_MATCH,
     BlockIndex,
     HeldRuns,
     IndexUnavailableError,
     holders_of,
 )
 
-__all__ = ["DEGRADED_REASONS", "RequestError", "Scorer", "UnknownModelError"]
+__all__ = ["DEGRADED_REASONS", "Ranking", "RequestError", "Scorer", "UnknownModelError"]
 
 _KEY_LIMIT = 2**64
 _POLICY_OF: dict[object, Policy] = {p.value: p for p in Policy}
@@ -78,6 +79,32 @@ class _Specs:
         for r in specs:
             serving.setdefault(r.model, []).append(r.id)
         return cls(specs, serving, frozenset(r.id for r in specs if r.events is not None))
+
+
+@dataclass(frozen=True, slots=True)
+class Ranking:
+    """The candidates best first, each with the prompt's tokens it holds cached."""
+
+    num_tokens: int
+    ranked: tuple[tuple[str, int], ...]
+    """(replica, matched tokens), as :meth:`Scorer.score`'s ``scores`` list them."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Decided:
+    """One request's decision and what its answer is made of."""
+
+    decision: Decision
+    seen: Seen
+    policy: Policy
+    weights: Weights
+    rule: RoutingRule | None
+    unhealthy: dict[str, str]
+    degraded: str | None
+    block_size: int
+    num_tokens: int
+    num_blocks: int
+    num_candidates: int
 
 
 class Scorer:
@@ -143,12 +170,53 @@ class Scorer:
         *,
         packed_tokens: bytes | None = None,
     ) -> ScoreResponse:
+        made = await self._decided(request, headers or {}, packed_tokens)
+        seen, block_size, weights = made.seen, made.block_size, made.weights
+        return ScoreResponse(
+            model=request.model,
+            block_size=block_size,
+            num_tokens=made.num_tokens,
+            num_blocks=made.num_blocks,
+            best=made.decision.best,
+            policy=made.policy.value,
+            weights=self._weights_view(weights),
+            scores=[entry(seen, s, block_size) for s in made.decision.ranked],
+            num_candidates=made.num_candidates,
+            num_matched=seen.lookup.num_matched(),
+            degraded=made.degraded,
+            rule=made.rule.name if made.rule is not None else None,
+            unhealthy=made.unhealthy,
+        )
+
+    async def ranking(
+        self, request: ScoreRequest, headers: Mapping[str, str] | None = None
+    ) -> Ranking:
+        """:meth:`score`'s order and matches alone, the same decision (a router's need: no
+        entry explained)."""
+        made = await self._decided(request, headers or {}, None, explain=False)
+        matches, block_size = made.seen.lookup.matches, made.block_size
+        ranked = tuple(
+            (s.replica, matches.get(s.replica, NO_MATCH).num_blocks * block_size)
+            for s in made.decision.ranked
+        )
+        return Ranking(made.num_tokens, ranked)
+
+    async def _decided(
+        self,
+        request: ScoreRequest,
+        headers: Mapping[str, str],
+        packed_tokens: bytes | None,
+        *,
+        explain: bool = True,
+    ) -> _Decided:
+        """Every step of an answer but its assembly (the degraded reasons counted);
+        ``explain`` False: no terms nor freshness gathered for the entries."""
         specs = self._registry.replicas()
         outage = self._registry.outage()
         candidates = self._candidates(request, specs, outage)
         block_size = self.block_size(request.model)
         num_tokens, keys = await self._keys(request, block_size, packed_tokens)
-        rule = self._rule(request, num_tokens, headers or {})
+        rule = self._rule(request, num_tokens, headers)
         weights = self._weights(request, rule)
         policy = self._policy(request, rule)
         unhealthy = self._unhealthy(candidates, specs)
@@ -168,6 +236,7 @@ class Scorer:
                 top_k=self.top_k(request),
                 weights=weights,
                 rng=rng,
+                explain=explain,
             )
         else:
             seen = Seen(lookup, loads, by_replica(self._registry.freshness()), self._clock())
@@ -177,21 +246,11 @@ class Scorer:
         if not request.dry_run:
             self._note_routed(decision.best, loads)
         all_out = no_healthy(unhealthy) if unhealthy and ranked is candidates else None
-        return ScoreResponse(
-            model=request.model,
-            block_size=block_size,
-            num_tokens=num_tokens,
-            num_blocks=len(keys),
-            best=decision.best,
-            policy=policy.value,
-            weights=self._weights_view(weights),
-            scores=[entry(seen, s, block_size) for s in decision.ranked],
-            num_candidates=len(ranked),
-            num_matched=lookup.num_matched(),
-            degraded=self._degraded(lookup.degraded, outage, all_out),
-            rule=rule.name if rule is not None else None,
-            unhealthy=unhealthy,
-        )
+        degraded = self._degraded(lookup.degraded, outage, all_out)
+        return _Decided(
+            decision, seen, policy, weights, rule, unhealthy, degraded,
+            block_size, num_tokens, len(keys), len(ranked),
+        )  # fmt: skip
 
     def _degraded(
         self, index_outage: str | None, fleet_outage: str | None, no_healthy: str | None

@@ -10,7 +10,14 @@ import random
 
 from kvindex.api.decision.candidates import Seen, by_replica, states
 from kvindex.api.decision.penalty_floors import PenaltyFloors, Walk, pays
-from kvindex.api.decision.policies import Decision, Weights, kv_aware, load_penalties, tier_credit
+from kvindex.api.decision.policies import (
+    Decision,
+    Scored,
+    Weights,
+    kv_aware,
+    load_penalties,
+    tier_credit,
+)
 from kvindex.api.decision.top_k import best, contenders
 from kvindex.api.load.store import LoadChanges
 from kvindex.api.lookup.matches import Matches, RankedStreams
@@ -41,8 +48,10 @@ class FastKvAware:
         top_k: int | None,
         weights: Weights,
         rng: random.Random,
+        explain: bool = True,
     ) -> Decision:
-        """The decision over ``ranked``; fills ``seen.statuses`` for the ``top_k`` chosen."""
+        """The decision over ``ranked``; fills ``seen.statuses`` for the ``top_k`` chosen.
+        ``explain`` False: the same order and scores, no terms, ``seen.statuses`` left empty."""
         matches, streams_of = seen.lookup.matches, streams.streams_of
         walk = self._penalties(ranked, streams, seen, weights, top_k)
         if isinstance(walk, list):
@@ -75,6 +84,9 @@ class FastKvAware:
         )
         order = best(minus_scores, penalties, rng, top_k, positions)
         winners = [ranked[i] for i in order]
+        if not explain:
+            plain = [Scored(r, -minus_scores[i], {}) for r, i in zip(winners, order, strict=True)]
+            return Decision(winners[0] if winners else None, plain)
         chosen = set(winners)
         seen.statuses.update(by_replica([s for s in held if s.stream.replica in chosen]))
         rest = [s for r in winners if r not in matches for s in streams_of.get(r, ())]

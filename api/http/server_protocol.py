@@ -26,6 +26,10 @@ log = logging.getLogger("kvindex.api")
 ABORT = "kvindex.abort"
 """A scope extension: a callable ending the answer under way with the connection, its body
 unfinished (a proxy's replica broke off); the app then returns with nothing logged."""
+ON_GONE = "kvindex.on_gone"
+"""A scope extension: ``on_gone(callback)`` has ``callback()`` called once if the client's
+connection is lost before the answer is complete; it returns the call that forgets it
+(a client watched without a task reading ``receive``)."""
 _SERVER_ERROR = (
     b"content-type: text/plain; charset=utf-8\r\ncontent-length: 21\r\nconnection: close\r\n"
     b"\r\nInternal Server Error"
@@ -67,6 +71,8 @@ class HotProtocol(LingeringProtocol):
     _idle_timer: asyncio.TimerHandle | None = None
     _head_of: list[tuple[bytes, bytes]] | None = None
     _head: bytes = b""
+    _gone_calls: list[Callable[[], None]] | None = None
+    """What :data:`ON_GONE` asked to call when the request under way loses its client."""
 
     def data_received(self, data: bytes) -> None:
         self._idle_since = None
@@ -93,6 +99,7 @@ class HotProtocol(LingeringProtocol):
             if answering is not None and answering.scope is self.scope:  # not an upgrade
                 extensions = cast(dict[str, Any], self.scope.setdefault("extensions", {}))
                 extensions[ABORT] = partial(self._abort, answering)
+                extensions[ON_GONE] = partial(self._on_gone, answering)
             return
         self.cycle = cycle  # type: ignore[assignment]  # uvicorn reads the few fields it has
         self._pending = cycle
@@ -126,7 +133,27 @@ class HotProtocol(LingeringProtocol):
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
+        answering = self.cycle
+        unanswered = answering is not None and not answering.response_complete
         super().connection_lost(exc)
+        calls, self._gone_calls = self._gone_calls, None
+        for call in calls if unanswered and calls else ():
+            call()
+
+    def _on_gone(self, cycle: Any, call: Callable[[], None]) -> Callable[[], None]:
+        if cycle.disconnected:  # gone already: at once
+            call()
+            return _nothing
+        calls = self._gone_calls
+        if calls is None:
+            calls = self._gone_calls = []
+        calls.append(call)
+
+        def forget() -> None:
+            if call in calls:
+                calls.remove(call)
+
+        return forget
 
     def on_response_complete(self) -> None:
         """uvicorn's, with one keep-alive timer per connection (re-armed when it fires early)
@@ -250,6 +277,10 @@ class HotProtocol(LingeringProtocol):
         cycle.timer = None
         cycle.keep_alive = False
         self._send_error(cycle, body_timeout_error(self._serving().body_timeout_s))
+
+
+def _nothing() -> None:
+    pass
 
 
 def _body_fits(route: HotRoute, raw: list[tuple[bytes, bytes]], max_bytes: int) -> bool:

@@ -35,6 +35,7 @@ from kvindex.clients.proxy.forwarding import (
     StreamedAnswer,
     UpstreamFailedError,
     UpstreamTimeoutError,
+    on_gone_of,
 )
 from kvindex.clients.proxy.headers import (
     REQUEST_ID,
@@ -289,6 +290,7 @@ class _Forwarded:
             method=scope["method"],
             route=self.path,
             receive=receive,
+            on_gone=on_gone_of(scope),
         )
         metrics = parts.metrics  # a route's series appear with its first request
         metrics.child(metrics.first_byte, self.path).observe(time.perf_counter() - started)

@@ -371,29 +371,7 @@ class ReplicaTransport(httpx.AsyncBaseTransport):
             return await self._tls_transport().handle_async_request(request)
         fresh = bool(request.extensions.get(FRESH_CONNECTION))
         head_only = request.method == "HEAD"
-        return await self._exchange(url, _encoded(request), head_only, fresh, request)
-
-    async def send_raw(self, request: RawRequest) -> httpx.Response:
-        """As :meth:`handle_async_request` for a ``POST`` already in its wire form (plain
-        ``http`` only): no httpx request is built, nor its headers parsed again."""
-        fresh = bool(request.extensions.get(FRESH_CONNECTION))
-        return await self._exchange(request.url, request.encoded, False, fresh, None)
-
-    async def _exchange(
-        self,
-        url: httpx.URL,
-        encoded: bytes,
-        head_only: bool,
-        fresh: bool,
-        request: httpx.Request | None,
-    ) -> httpx.Response:
-        pool = self._pool(url.host, url.port or 80)
-        connection = await pool.acquire(fresh=fresh)
-        try:
-            await connection.exchange(encoded, head_only=head_only)
-        except BaseException:
-            pool.give_back(connection)  # closed by the failed exchange
-            raise
+        pool, connection = await self._exchange(url, _encoded(request), head_only, fresh)
         return httpx.Response(
             connection.status,
             headers=connection.headers,
@@ -401,6 +379,27 @@ class ReplicaTransport(httpx.AsyncBaseTransport):
             request=request,
             extensions=_HTTP11,
         )
+
+    async def send_raw(self, request: RawRequest) -> RawAnswer:
+        """As :meth:`handle_async_request` for a ``POST`` already in its wire form (plain
+        ``http`` only): no httpx request is built, nor its headers parsed again, and the
+        answer is a :class:`RawAnswer` (no httpx response either)."""
+        fresh = bool(request.extensions.get(FRESH_CONNECTION))
+        pool, connection = await self._exchange(request.url, request.encoded, False, fresh)
+        return RawAnswer(connection.status, connection.headers, AnswerBody(pool, connection))
+
+    async def _exchange(
+        self, url: httpx.URL, encoded: bytes, head_only: bool, fresh: bool
+    ) -> tuple[_Pool, _Connection]:
+        """The connection whose answer's head has come (its body is the caller's)."""
+        pool = self._pool(url.host, url.port or 80)
+        connection = await pool.acquire(fresh=fresh)
+        try:
+            await connection.exchange(encoded, head_only=head_only)
+        except BaseException:
+            pool.give_back(connection)  # closed by the failed exchange
+            raise
+        return pool, connection
 
     def silent_s(self, host: str, port: int, now: float) -> float:
         """How long the replica at ``host:port`` has owed an answer with not one byte sent
@@ -436,6 +435,21 @@ class ReplicaTransport(httpx.AsyncBaseTransport):
             )
             self._tls = httpx.AsyncHTTPTransport(limits=limits, trust_env=False)
         return self._tls
+
+
+@dataclass(slots=True)
+class RawAnswer:
+    """Reference: httpx.Response as ReplicaTransport.handle_async_request makes it; tests/integration/test_replica_transport.py::test_a_raw_answer_equals_httpxs_response
+    An answer's head and its body on the connection: what the forwarder reads of a
+    response, without building one."""  # noqa: E501
+
+    status_code: int
+    raw_headers: list[tuple[bytes, bytes]]
+    """The header lines as the replica sent them."""
+    stream: AnswerBody
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
 
 
 @dataclass(slots=True)

@@ -22,13 +22,14 @@ from typing import Any, NoReturn
 import httpx
 from starlette.types import Receive, Scope, Send
 
-from kvindex.api.http.server_protocol import ABORT
+from kvindex.api.http.server_protocol import ABORT, ON_GONE
 from kvindex.api.load.reservations import Reservation, Reservations
 from kvindex.api.loop.off_loop import OffLoop
 from kvindex.clients.proxy.connections import (
     FRESH_CONNECTION,
     AnswerBody,
     NothingReceivedError,
+    RawAnswer,
     RawRequest,
     ReplicaTransport,
     encoded_post,
@@ -51,6 +52,10 @@ _MAX_URLS = 4096
 _REQUEST_ID, _REPLICA = REQUEST_ID.encode(), REPLICA_HEADER.encode()
 _OURS = frozenset({*(n.encode() for n in HOP_BY_HOP), _REQUEST_ID, _REPLICA})
 """An answer's headers not passed on: hop-by-hop, and those the proxy sets itself."""
+
+
+Answer = httpx.Response | RawAnswer
+"""A replica's answer: a raw one over :class:`ReplicaTransport` (plain HTTP), else httpx's."""
 
 
 class UpstreamFailedError(KvIndexError):
@@ -142,7 +147,7 @@ class Opened:
     """A replica's answer whose headers have arrived; its body is not read yet."""
 
     upstream: Upstream
-    response: httpx.Response
+    response: Answer
     dispatch: Dispatch | None = None
     """The request in flight (released by the answer once its last byte is sent)."""
     watch: ClientWatch | None = None
@@ -226,14 +231,16 @@ class Forwarder:
         method: str = "POST",
         route: str | None = None,
         receive: Receive | None = None,
+        on_gone: OnGone | None = None,
     ) -> Opened:
         """The first answer worth passing on, ``path`` (and query) appended to each URL;
-        UpstreamFailedError, UpstreamTimeoutError or ClientGoneError when none is."""
+        UpstreamFailedError, UpstreamTimeoutError or ClientGoneError when none is (the
+        client watched through ``receive``, or ``on_gone`` when the server gives it)."""
         attempts = self._retry.attempts(upstreams)
         if self._hangs is not None and not self._hangs.running:
             await self._hangs.start()
         first = await self._desk.reserve(attempts[0]) if attempts else None
-        watch = None if receive is None else ClientWatch(receive)
+        watch = None if receive is None else ClientWatch(receive, on_gone)
         opening = self._attempts(
             path, body, headers, attempts, deadline, method=method, route=route, first=first
         )
@@ -316,7 +323,7 @@ class Forwarder:
         failures: list[str],
         *,
         dispatch: Dispatch,
-    ) -> httpx.Response | None:
+    ) -> Answer | None:
         try:
             response = await self._send(request, upstream, deadline, failures)
         except asyncio.CancelledError:
@@ -335,7 +342,7 @@ class Forwarder:
         upstream: Upstream,
         deadline: float,
         failures: list[str],
-    ) -> httpx.Response | None:
+    ) -> Answer | None:
         """The answer's head, or None after a failure the next replica may retry."""
         first_byte = asyncio.get_running_loop().time() + self._settings.first_byte_timeout_s
         try:
@@ -358,9 +365,7 @@ class Forwarder:
         self._failed(upstream, "protocol", failures, exc)
         raise UpstreamFailedError(f"replica {upstream.replica} failed: {exc!r}") from exc
 
-    async def _head(
-        self, request: httpx.Request | RawRequest, upstream: Upstream
-    ) -> httpx.Response:
+    async def _head(self, request: httpx.Request | RawRequest, upstream: Upstream) -> Answer:
         """The answer's head; sent once more on a new connection when a kept-alive one ended
         before any byte (counted as ``stale``, logged, not against the replica)."""
         try:
@@ -374,7 +379,7 @@ class Forwarder:
         request.extensions = {**request.extensions, FRESH_CONNECTION: True}
         return await self._handled(request)
 
-    async def _handled(self, request: httpx.Request | RawRequest) -> httpx.Response:
+    async def _handled(self, request: httpx.Request | RawRequest) -> Answer:
         if isinstance(request, RawRequest):
             assert isinstance(self._upstream, ReplicaTransport)
             return await self._upstream.send_raw(request)
@@ -461,7 +466,7 @@ class StreamedAnswer:
                     watch.stop()  # a whole answer, already coming: nothing to abort
                 await self._stream(send)
             else:
-                watch = watch or ClientWatch(receive)
+                watch = watch or ClientWatch(receive, on_gone_of(scope))
                 await self._stream_watched(send, watch)
         finally:
             if watch is not None:
@@ -473,7 +478,7 @@ class StreamedAnswer:
 
     def _headers(self) -> list[tuple[bytes, bytes]]:
         """The replica's header lines as it sent them, less the hop-by-hop ones and ours."""
-        kept = [(n, v) for n, v in self.opened.response.headers.raw if n.lower() not in _OURS]
+        kept = [(n, v) for n, v in _raw_headers(self.opened.response) if n.lower() not in _OURS]
         return [
             *kept,
             (_REQUEST_ID, self.request_id.encode("latin-1")),
@@ -532,33 +537,54 @@ class StreamedAnswer:
             await self.opened.dispatch.release("done")
 
 
-def _content_length(response: httpx.Response) -> bytes | None:
+def _raw_headers(response: Answer) -> list[tuple[bytes, bytes]]:
+    return response.raw_headers if isinstance(response, RawAnswer) else response.headers.raw
+
+
+def _content_length(response: Answer) -> bytes | None:
     """The answer's ``Content-Length`` as sent (its values joined as httpx's ``get``
     joins them; None: there is none)."""
-    values = [v for n, v in response.headers.raw if n.lower() == b"content-length"]
+    values = [v for n, v in _raw_headers(response) if n.lower() == b"content-length"]
     return None if not values else b", ".join(values)
 
 
-def _raw(response: httpx.Response) -> AsyncIterator[bytes]:
+def _raw(response: Answer) -> AsyncIterator[bytes]:
     """Reference: httpx.Response.aiter_raw; tests/unit/clients/proxy/test_connections.py::test_the_end_of_an_answer_goes_to_the_client_with_its_last_chunk
     The body's chunks as they come: straight from the connection over ReplicaTransport
     (httpx's iterator only counts and wraps the same chunks there), else httpx's."""  # noqa: E501
     stream = response.stream
-    return stream.__aiter__() if isinstance(stream, AnswerBody) else response.aiter_raw()
+    if isinstance(stream, AnswerBody):
+        return stream.__aiter__()
+    assert isinstance(response, httpx.Response)  # a RawAnswer's stream is an AnswerBody
+    return response.aiter_raw()
 
 
-def _all_read(response: httpx.Response) -> bool:
+def _all_read(response: Answer) -> bool:
     """The body has all come with the chunk just read (known only over ReplicaTransport)."""
     stream = response.stream
     return isinstance(stream, AnswerBody) and stream.all_read()
 
 
-class ClientWatch:
-    """Notices a client going away (one task reading ``receive``): inside :meth:`guard` the
-    request's task is cancelled and the guard raises :class:`ClientGoneError`."""
+OnGone = Callable[[Callable[[], None]], Callable[[], None]]
+"""The server's :data:`~kvindex.api.http.server_protocol.ON_GONE`: a call on the client's
+going, and what forgets it."""
 
-    def __init__(self, receive: Receive) -> None:
+
+def on_gone_of(scope: Scope) -> OnGone | None:
+    """The server's way to learn that the client went, when it has one."""
+    extensions: dict[str, Any] = scope.get("extensions") or {}
+    return extensions.get(ON_GONE)
+
+
+class ClientWatch:
+    """Notices a client going away: inside :meth:`guard` the request's task is cancelled and
+    the guard raises :class:`ClientGoneError`. With the server's ``on_gone`` it is told;
+    else one task reads ``receive`` until ``http.disconnect``."""
+
+    def __init__(self, receive: Receive, on_gone: OnGone | None = None) -> None:
         self._receive = receive
+        self._on_gone = on_gone
+        self._forget: Callable[[], None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._owner: asyncio.Task[Any] | None = None
         self._cancelled = False
@@ -566,8 +592,11 @@ class ClientWatch:
         self.gone = False
 
     def guard(self) -> ClientWatch:
-        if self._task is None and not self._stopped:
-            self._task = asyncio.ensure_future(self._watch())
+        if self._task is None and self._forget is None and not self._stopped:
+            if self._on_gone is not None:
+                self._forget = self._on_gone(self._went)
+            else:
+                self._task = asyncio.ensure_future(self._watch())
         return self
 
     def __enter__(self) -> None:
@@ -587,6 +616,9 @@ class ClientWatch:
 
     def stop(self) -> None:
         self._stopped = True
+        forget, self._forget = self._forget, None
+        if forget is not None:
+            forget()
         if self._task is not None and not self._task.done():
             self._task.cancel()
 
@@ -596,6 +628,9 @@ class ClientWatch:
                 pass
         except Exception as exc:  # nobody left to read the answer either
             logger.debug("reading the client's messages failed: %r", exc)
+        self._went()
+
+    def _went(self) -> None:
         self.gone = True
         if self._owner is not None and not self._stopped:
             self._cancelled = True

@@ -11,8 +11,8 @@ from typing import Any
 
 import msgspec
 
-from kvindex.api.schemas import ScoreRequest, ScoreResponse
-from kvindex.api.score import Scorer, UnknownModelError
+from kvindex.api.schemas import ScoreRequest
+from kvindex.api.score import Ranking, Scorer, UnknownModelError
 from kvindex.api.tokenize.protocol import TokenizerError
 from kvindex.indexer.domain.errors import KvIndexError
 from kvindex.indexer.fleet.registry import RegistryView
@@ -108,10 +108,11 @@ class UpstreamPicker:
             raise NoUpstreamError(f"no replica of {served!r} has a url to forward to")
         lora_name = None if base is None else model
         answer = await self._score(served, lora_name, body, headers, list(urls))
+        num_tokens = answer.num_tokens
         upstreams = tuple(
-            Upstream(e.replica, urls[e.replica], max(0, answer.num_tokens - e.matched_tokens))
-            for e in answer.scores
-            if e.replica in urls
+            Upstream(replica, urls[replica], max(0, num_tokens - matched))
+            for replica, matched in answer.ranked
+            if replica in urls
         )
         return Choice(upstreams, _matched_fraction(answer))
 
@@ -135,7 +136,7 @@ class UpstreamPicker:
         body: Mapping[str, Any],
         headers: Mapping[str, str],
         cands: list[str],
-    ) -> ScoreResponse:
+    ) -> Ranking:
         session = headers.get(SESSION_HEADER) or _string(body.get("user"))
         common: dict[str, Any] = {
             "model": model,
@@ -148,11 +149,11 @@ class UpstreamPicker:
             "has_tools": bool(body.get("tools") or body.get("functions")),
         }
         try:
-            return await self._scorer.score(ScoreRequest(**common, **_prompt_of(body)), headers)
+            return await self._scorer.ranking(ScoreRequest(**common, **_prompt_of(body)), headers)
         except TokenizerError as exc:
             logger.warning("routing %s on load alone: %s", model, exc)
             self._on_tokenize_failure(model)
-        return await self._scorer.score(ScoreRequest(**common, block_keys=[]), headers)
+        return await self._scorer.ranking(ScoreRequest(**common, block_keys=[]), headers)
 
 
 def _prompt_of(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -176,7 +177,7 @@ def _string(value: object) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _matched_fraction(answer: ScoreResponse) -> float | None:
-    if not answer.num_tokens or not answer.scores:
+def _matched_fraction(answer: Ranking) -> float | None:
+    if not answer.num_tokens or not answer.ranked:
         return None
-    return min(1.0, answer.scores[0].matched_tokens / answer.num_tokens)
+    return min(1.0, answer.ranked[0][1] / answer.num_tokens)

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from kvindex.api.http.background import BackgroundServer
-from kvindex.clients.proxy.connections import ReplicaTransport
+from kvindex.clients.proxy.connections import RawRequest, ReplicaTransport, encoded_post
 from kvindex.clients.proxy.settings import ProxySettings
 
 Headers = list[tuple[bytes, bytes]]
@@ -222,3 +222,38 @@ def test_only_httpx_times_a_slow_answer_out(replica: tuple[Replica, str]) -> Non
     with pytest.raises(httpx.ReadTimeout):
         asyncio.run(slow(httpx.AsyncHTTPTransport(trust_env=False)))
     assert asyncio.run(slow(_replica_transport())) == b"late"
+
+
+def test_a_raw_answer_equals_httpxs_response(replica: tuple[Replica, str]) -> None:
+    """A POST sent raw (the forwarder's way) and as an httpx request to the same route: the
+    raw answer's status, header lines and body are httpx's response's (but Date, Server and
+    the port), for a whole answer, a chunked one and an error."""
+    _, url = replica
+    body = b'{"prompt": "hi"}'
+    heads = [("content-type", "application/json"), ("x-tag", "a")]
+
+    async def both(path: str) -> None:
+        transport = _replica_transport()
+        target = httpx.URL(url + path)
+        try:
+            raw = await transport.send_raw(
+                RawRequest(target, encoded_post(target, heads, body, "latin-1"), heads)
+            )
+            raw_body = b"".join([chunk async for chunk in raw.stream])
+            await raw.aclose()
+            request = httpx.Request("POST", target, content=body, headers=heads)
+            response = await transport.handle_async_request(request)
+            response_body = await response.aread()
+            await response.aclose()
+        finally:
+            await transport.aclose()
+        assert raw.status_code == response.status_code
+        assert _compared(raw.raw_headers) == _compared(response.headers.raw)
+        assert raw_body == response_body
+
+    for path in ("/echo?q=1", "/busy", "/missing"):
+        asyncio.run(both(path))
+
+
+def _compared(headers: Headers) -> Headers:
+    return [(n.lower(), v) for n, v in headers if n.lower() not in UNCOMPARED]

@@ -423,6 +423,20 @@ def test_a_softmax_draw_picks_the_same_best_whatever_top_k() -> None:
     assert answers[2].scores[0].replica == answers[2].best
 
 
+@pytest.mark.parametrize("policy", ["kv_aware", "least_load", "round_robin", "random"])
+@pytest.mark.parametrize("top_k", [0, 1, 16])
+def test_a_ranking_is_the_answers_order_and_matches(policy: str, top_k: int) -> None:
+    """What the proxy reads (``Scorer.ranking``) is the answer's ``scores`` without the rest:
+    two scorers of one seed, one asked for answers and one for rankings, in turn."""
+    answers, rankings = BigFleet(40), BigFleet(40)
+    for _ in range(3):
+        request = ScoreRequest(model=MODEL, token_ids=TOKENS, top_k=top_k, policy=policy)
+        answer = asyncio.run(answers.scorer.score(request))
+        ranking = asyncio.run(rankings.scorer.ranking(request))
+        assert ranking.num_tokens == answer.num_tokens
+        assert ranking.ranked == tuple((e.replica, e.matched_tokens) for e in answer.scores)
+
+
 def test_entries_are_built_for_the_returned_candidates_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

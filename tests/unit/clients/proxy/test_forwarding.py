@@ -17,6 +17,7 @@ from kvindex.api.load.reservations import MemoryLedger, Reservation, Reservation
 from kvindex.clients.proxy.connections import FRESH_CONNECTION, NothingReceivedError
 from kvindex.clients.proxy.forwarding import (
     ClientGoneError,
+    ClientWatch,
     Forwarder,
     Opened,
     ReservationDesk,
@@ -744,3 +745,65 @@ def test_an_answer_broken_mid_body_is_cut_by_the_servers_abort_and_counted() -> 
     assert aborted == [True]
     assert [m.get("more_body") for m in sent[1:]] == [True]  # the end never sent
     assert _sample(metrics, "kvindex_proxy_upstream_errors_total", replica="r1", kind="cut") == 1
+
+
+class Server:
+    """The server's ``on_gone``: the calls it holds, made when the client goes."""
+
+    def __init__(self) -> None:
+        self.calls: list[Callable[[], None]] = []
+        self.gone = False
+
+    def on_gone(self, call: Callable[[], None]) -> Callable[[], None]:
+        if self.gone:
+            call()
+            return lambda: None
+        self.calls.append(call)
+        return lambda: self.calls.remove(call) if call in self.calls else None
+
+    def go(self) -> None:
+        self.gone = True
+        calls, self.calls = self.calls, []
+        for call in calls:
+            call()
+
+
+@pytest.mark.parametrize("told", [False, True], ids=["receive", "on_gone"])
+def test_a_client_watch_told_by_the_server_acts_as_one_reading_receive(told: bool) -> None:
+    """The two ways a watch learns of the client's going give the same outcomes: the guarded
+    wait ends with ClientGoneError, a watch made after the going raises at once, and a
+    stopped watch leaves nothing behind (no call held, no task)."""
+    server = Server()
+    went = asyncio.Event()
+
+    async def receive() -> Message:
+        await went.wait()
+        return {"type": "http.disconnect"}
+
+    def watch() -> ClientWatch:
+        return ClientWatch(receive, server.on_gone if told else None)
+
+    def go() -> None:
+        went.set()
+        server.go()
+
+    async def run() -> None:
+        during = watch()
+        asyncio.get_running_loop().call_later(0.05, go)
+        with pytest.raises(ClientGoneError), during.guard():
+            await asyncio.sleep(5)
+        during.stop()
+        with pytest.raises(ClientGoneError):
+            after = watch()
+            with after.guard():
+                await asyncio.sleep(0)  # the task reads its disconnect here
+                await asyncio.sleep(5)
+        after.stop()
+        quiet = Server()
+        kept = ClientWatch(asyncio.Event().wait, quiet.on_gone if told else None)  # type: ignore[arg-type]
+        with kept.guard():
+            await asyncio.sleep(0)
+        kept.stop()
+        assert quiet.calls == [] and not kept.gone
+
+    asyncio.run(asyncio.wait_for(run(), 3))
