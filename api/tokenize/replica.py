@@ -48,8 +48,9 @@ def _excerpt(text: str) -> str:
 
 
 class ReplicaTokenizer:
-    """Tokenizes through one vLLM replica at ``base_url`` by ``route``; not thread-safe (one
-    event loop). Every failure is a TokenizerError naming the URL asked."""
+    """Tokenizes through one vLLM replica at ``base_url`` by ``route`` (``tokenize`` unless
+    told: the read path's tokenizers ask for ``auto``); not thread-safe (one event loop).
+    Every failure is a TokenizerError naming the URL asked."""
 
     def __init__(
         self,
@@ -58,7 +59,7 @@ class ReplicaTokenizer:
         model: str,
         *,
         timeout_s: float = 5.0,
-        route: ReplicaRoute = "auto",
+        route: ReplicaRoute = "tokenize",
         reprobe_s: float = RENDER_REPROBE_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
