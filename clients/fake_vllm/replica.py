@@ -24,6 +24,7 @@ from kvindex.api.tokenize.protocol import TokenId
 from kvindex.clients.fake_vllm.block_pool import Admission, BlockPool
 from kvindex.clients.fake_vllm.engine_hash import engine_root
 from kvindex.clients.fake_vllm.publisher import EventPublisher
+from kvindex.clients.fake_vllm.render import add_render_routes
 from kvindex.indexer.domain.errors import KvIndexError
 from kvindex.indexer.domain.events import Event
 from kvindex.indexer.ingest.wire import Encoding, ReplayLayout
@@ -103,8 +104,7 @@ class ReplicaSimSettings:
     """Test knob: answer every completion with this HTTP status (0: never)."""
     stream_stall_s: float = 0.0
     """Test knob: a stream waits this long (real seconds) after its first chunk (0: never)."""
-    enable_scale_out: bool = False
-    """As vLLM's ``--enable-scale-out``: serve the render routes (else they answer 404)."""
+    enable_scale_out: bool = False  # vLLM's flag: the render routes served (else 404)
 
     def __post_init__(self) -> None:
         self._check_test_knobs()
@@ -517,41 +517,6 @@ def handle_tokenize(settings: ReplicaSimSettings, raw: bytes) -> Response:
     return _ok({"count": len(tokens), "max_model_len": settings.max_model_len, "tokens": tokens})
 
 
-def rendered(
-    settings: ReplicaSimSettings, body: CompletionBody | ChatBody, tokens: list[int]
-) -> Any:
-    """One of vLLM's GenerateRequest objects, as its render routes answer: the prompt's ids
-    and the request's sampling parameters; no inference."""
-    return {
-        "request_id": f"render-{uuid.uuid4().hex}",
-        "token_ids": tokens,
-        "features": None,
-        "sampling_params": {"max_tokens": body.max_tokens},
-        "model": settings.model,
-        "stream": False,
-        "stream_options": None,
-        "cache_salt": body.cache_salt,
-        "priority": 0,
-        "kv_transfer_params": None,
-    }
-
-
-def handle_render(settings: ReplicaSimSettings, raw: bytes, *, chat: bool) -> Response:
-    """``POST /v1/completions/render`` (a list of one GenerateRequest) or, ``chat``,
-    ``/v1/chat/completions/render`` (one): the ids inference would run for the same body."""
-    try:
-        body = msgspec.json.decode(raw, type=ChatBody if chat else CompletionBody)
-        _lora_for(settings, body)
-    except msgspec.DecodeError as exc:  # ValidationError included
-        return _error(400, str(exc))
-    except ReplicaSimError as exc:
-        return _error(404, str(exc))
-    if isinstance(body, ChatBody):
-        answer = rendered(settings, body, tokenize_text(render_chat(body.messages)))
-        return _ok(answer)
-    return _ok([rendered(settings, body, _tokens_of(body.prompt))])
-
-
 class EmbeddingBody(msgspec.Struct):
     model: str
     input: str | list[str]
@@ -612,24 +577,11 @@ def handle_cached(engine: Engine, raw: bytes) -> Response:
     return _ok({"num_cached_blocks": counts, "num_pool_blocks": cache.num_cached_blocks})
 
 
-def add_render_routes(app: FastAPI, settings: ReplicaSimSettings) -> None:
-    """vLLM's render routes (``--enable-scale-out``), behind ``api_key`` as its ``/v1`` are."""
-
-    @app.post("/v1/completions/render")
-    async def render(request: Request) -> Response:
-        refused = _refused(settings, request)
-        return refused or handle_render(settings, await request.body(), chat=False)
-
-    @app.post("/v1/chat/completions/render")
-    async def render_chat_route(request: Request) -> Response:
-        refused = _refused(settings, request)
-        return refused or handle_render(settings, await request.body(), chat=True)
-
-
 def create_app(engine: Engine) -> FastAPI:
     """vLLM's routes (``/v1/*`` checking ``api_key``), ``/metrics``, and ``/kvsim/cached``."""
     app = FastAPI(title=f"kvindex replica simulator {engine.settings.id}")
     settings = engine.settings
+    add_render_routes(app, settings, _tokens_of, render_chat, refused=_refused, error=_error)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -648,9 +600,6 @@ def create_app(engine: Engine) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         return handle_tokenize(engine.settings, await request.body())
-
-    if settings.enable_scale_out:  # as vLLM: without it, no such routes (404)
-        add_render_routes(app, settings)
 
     @app.post("/kvsim/cached")
     async def cached(request: Request) -> Response:
