@@ -29,7 +29,9 @@ class ModelSpec:
     policy: str | None = None
     """Routing policy for this model (a request may still choose its own)."""
     tokenizer: str | None = None
-    """A ``tokenizer.json`` path (template from its ``tokenizer_config.json``), or ``replica``."""
+    """A ``tokenizer.json`` path (template from its ``tokenizer_config.json``), or a replica's:
+    ``replica`` (its render route when served, vLLM's ``--enable-scale-out``, else
+    ``/tokenize``), ``render`` or ``tokenize`` (that route only); unset: as ``replica``."""
     loras: tuple[str, ...] = ()
     """LoRA adapters its replicas serve (``--lora-modules``), routed as this model's."""
 

@@ -1,5 +1,6 @@
 """Which tokenizer a model gets: the configured ``tokenizer.json``, else a healthy replica's
-``/tokenize``, else none; a bad spec is a TokenizerError naming the field."""
+render route or ``/tokenize`` (:mod:`.replica`), else none; a bad spec is a TokenizerError
+naming the field."""
 
 from __future__ import annotations
 
@@ -14,18 +15,30 @@ from kvindex.api.config.settings import ApiSettings
 from kvindex.api.health.routing import health_policy
 from kvindex.api.tokenize.cache import DEFAULT_MAX_BYTES, CachingTokenizer
 from kvindex.api.tokenize.protocol import Tokenizer, TokenizerError
-from kvindex.api.tokenize.replica import ReplicaTokenizer
+from kvindex.api.tokenize.replica import ReplicaRoute, ReplicaTokenizer
 from kvindex.indexer.fleet.registry import RegistryView
 
 TokenizerKind = Literal["local", "replica"]
+REPLICA_ROUTES: dict[str, ReplicaRoute] = {
+    "replica": "auto",
+    "render": "render",
+    "tokenize": "tokenize",
+}
+"""``[[models]] tokenizer`` values that name a replica route; any other value is a path."""
+
+
+def replica_route(tokenizer: str | None) -> ReplicaRoute | None:
+    """The replica route a model's ``tokenizer`` setting names (unset: ``auto``); None when it
+    is a ``tokenizer.json`` path."""
+    return "auto" if tokenizer is None else REPLICA_ROUTES.get(tokenizer)
 
 
 @dataclass(frozen=True, slots=True)
 class TokenizerSpec:
     """How to tokenize one model's requests: ``local`` sets ``path`` (and a chat template:
-    default beside it), ``replica`` sets ``base_url`` and ``model``; 0 entries: no cache
-    (else at most ``cache_entries`` and ``cache_bytes``, :class:`.CachingTokenizer`); a local
-    one reuses shared prefixes in ``prefix_cache_bytes`` (0: none)."""
+    default beside it), ``replica`` sets ``base_url``, ``model`` and ``route``; 0 entries: no
+    cache (else at most ``cache_entries`` and ``cache_bytes``, :class:`.CachingTokenizer`); a
+    local one reuses shared prefixes in ``prefix_cache_bytes`` (0: none)."""
 
     kind: TokenizerKind
     path: str | None = None
@@ -36,6 +49,7 @@ class TokenizerSpec:
     cache_entries: int = 4096
     cache_bytes: int = DEFAULT_MAX_BYTES
     prefix_cache_bytes: int = DEFAULT_MAX_BYTES
+    route: ReplicaRoute = "auto"
 
     def __post_init__(self) -> None:
         if self.kind not in get_args(TokenizerKind):
@@ -67,6 +81,10 @@ class TokenizerSpec:
             raise TokenizerError("model is required when kind is 'replica'")
         if not self.timeout_s > 0:
             raise TokenizerError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+        if self.route not in get_args(ReplicaRoute):
+            raise TokenizerError(
+                f"route must be one of {get_args(ReplicaRoute)}, got {self.route!r}"
+            )
         _forbid(self, ("path", "chat_template_path"), "replica")
 
 
@@ -89,7 +107,9 @@ def build_tokenizer(spec: TokenizerSpec, client: httpx.AsyncClient) -> Tokenizer
         )
     else:
         assert spec.base_url is not None and spec.model is not None  # checked by TokenizerSpec
-        inner = ReplicaTokenizer(client, spec.base_url, spec.model, timeout_s=spec.timeout_s)
+        inner = ReplicaTokenizer(
+            client, spec.base_url, spec.model, timeout_s=spec.timeout_s, route=spec.route
+        )
     if spec.cache_entries == 0:
         return inner
     return CachingTokenizer(inner, spec.cache_entries, spec.cache_bytes)
@@ -143,7 +163,7 @@ class ModelTokenizers:
 
     def _replica_asked(self, model: str, ejected: set[str]) -> str | None:
         configured = self._settings.model(model)
-        if configured is not None and configured.tokenizer not in (None, "replica"):
+        if configured is not None and replica_route(configured.tokenizer) is None:
             return None
         serving = [r.id for r in self._registry.replicas() if r.model == model and r.url]
         healthy = [r for r in serving if r not in ejected]
@@ -154,7 +174,9 @@ class ModelTokenizers:
         settings = self._settings
         configured = settings.model(model)
         entries, size = settings.tokenizer_cache_entries, settings.tokenizer_cache_bytes
-        if configured is not None and configured.tokenizer not in (None, "replica"):
+        route = replica_route(None if configured is None else configured.tokenizer)
+        if route is None:
+            assert configured is not None and configured.tokenizer is not None
             path = configured.tokenizer
             prefix = settings.tokenizer_prefix_cache_bytes
             return TokenizerSpec(
@@ -171,6 +193,7 @@ class ModelTokenizers:
             timeout_s=settings.scrape_timeout_s,
             cache_entries=entries,
             cache_bytes=size,
+            route=route,
         )
 
     def _build(self, model: str) -> Tokenizer | None:

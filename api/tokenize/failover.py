@@ -1,5 +1,6 @@
-"""The proxy's tokenizers: a model's configured ``tokenizer.json``, else its replicas'
-``/tokenize`` tried in turn (:data:`MAX_TRIES` at most) until one answers."""
+"""The proxy's tokenizers: a model's configured ``tokenizer.json``, else its replicas (render
+route or ``/tokenize``, :mod:`.replica`) tried in turn (:data:`MAX_TRIES` at most) until one
+answers; each replica keeps what it learnt of its routes while it serves the model."""
 
 from __future__ import annotations
 
@@ -10,16 +11,17 @@ import httpx
 
 from kvindex.api.config.settings import ApiSettings
 from kvindex.api.tokenize.cache import CachingTokenizer
-from kvindex.api.tokenize.choice import ModelTokenizers
+from kvindex.api.tokenize.choice import ModelTokenizers, replica_route
 from kvindex.api.tokenize.protocol import Tokenizer, TokenizerError
-from kvindex.api.tokenize.replica import ReplicaTokenizer
+from kvindex.api.tokenize.replica import ReplicaRoute, ReplicaTokenizer
 from kvindex.indexer.fleet.registry import RegistryView
 
 MAX_TRIES = 3
 
 
 class FailoverTokenizer:
-    """One model's tokens from the first of its current replicas that answers."""
+    """One model's tokens from the first of its current replicas that answers; the error when
+    none does names each replica asked and why."""
 
     def __init__(
         self,
@@ -28,11 +30,13 @@ class FailoverTokenizer:
         client: httpx.AsyncClient,
         *,
         timeout_s: float,
+        route: ReplicaRoute = "auto",
     ) -> None:
         self._model = model
         self._registry = registry
         self._client = client
         self._timeout_s = timeout_s
+        self._route = route
         self._url_to_tokenizer: dict[str, ReplicaTokenizer] = {}
         self._last_good: str | None = None
 
@@ -44,21 +48,26 @@ class FailoverTokenizer:
 
     def urls(self) -> list[str]:
         """The replicas to ask, in order: the last one that answered first."""
-        urls = [r.url for r in self._registry.replicas() if r.model == self._model and r.url]
-        return sorted(urls, key=lambda url: url != self._last_good)  # a stable sort
+        return [url for _, url in self._replicas()]
+
+    def _replicas(self) -> list[tuple[str, str]]:
+        """(id, url) of the replicas to ask, in order: the last one that answered first."""
+        serving = [(r.id, r.url) for r in self._registry.replicas() if r.model == self._model]
+        found = [(replica, url) for replica, url in serving if url]
+        return sorted(found, key=lambda pair: pair[1] != self._last_good)  # a stable sort
 
     async def _first_answer(
         self, call: Callable[[ReplicaTokenizer], Awaitable[list[int]]]
     ) -> list[int]:
-        urls = self.urls()
-        if not urls:
+        replicas = self._replicas()
+        if not replicas:
             raise TokenizerError(f"no replica of {self._model!r} has a url to tokenize with")
         errors: list[str] = []
-        for url in urls[:MAX_TRIES]:
+        for replica, url in replicas[:MAX_TRIES]:
             try:
                 tokens = await call(self._tokenizer(url))
             except TokenizerError as exc:
-                errors.append(str(exc))
+                errors.append(f"replica {replica}: {exc}")
                 continue
             self._last_good = url
             return tokens
@@ -67,7 +76,9 @@ class FailoverTokenizer:
     def _tokenizer(self, url: str) -> ReplicaTokenizer:
         tokenizer = self._url_to_tokenizer.get(url)
         if tokenizer is None:
-            tokenizer = ReplicaTokenizer(self._client, url, self._model, timeout_s=self._timeout_s)
+            tokenizer = ReplicaTokenizer(
+                self._client, url, self._model, timeout_s=self._timeout_s, route=self._route
+            )
             self._url_to_tokenizer[url] = tokenizer
         return tokenizer
 
@@ -86,21 +97,22 @@ class ProxyTokenizers:
 
     def tokenizer(self, model: str) -> Tokenizer | None:
         configured = self._settings.model(model)
-        if configured is not None and configured.tokenizer not in (None, "replica"):
+        route = replica_route(None if configured is None else configured.tokenizer)
+        if route is None:
             return self._local.tokenizer(model)
         tokenizer = self._model_to_tokenizer.get(model)
         if tokenizer is None:
-            tokenizer = self._failover(model)
+            tokenizer = self._failover(model, route)
             self._model_to_tokenizer[model] = tokenizer
         return tokenizer
 
     def forget(self, model: str) -> None:
         self._local.forget(model)
 
-    def _failover(self, model: str) -> Tokenizer:
+    def _failover(self, model: str, route: ReplicaRoute) -> Tokenizer:
         settings = self._settings
         inner = FailoverTokenizer(
-            model, self._registry, self._client, timeout_s=settings.scrape_timeout_s
+            model, self._registry, self._client, timeout_s=settings.scrape_timeout_s, route=route
         )
         if settings.tokenizer_cache_entries == 0:
             return inner

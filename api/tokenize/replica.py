@@ -1,21 +1,45 @@
-"""Tokenization by a vLLM replica's own ``POST /tokenize``: the engine's exact tokens."""
+"""Tokenization by a vLLM replica: its render routes (``POST /v1/completions/render``,
+``/v1/chat/completions/render``, served with ``--enable-scale-out``: the ids the engine
+itself would run, chat template and all) when it serves them, else its ``POST /tokenize``.
+
+Route ``auto`` learns per replica: the first call asks render; an answer in
+:data:`NOT_SERVED` sends that call and the next ones to ``/tokenize`` for
+:data:`RENDER_REPROBE_S`, then render is asked again (a replica restarted with the flag is
+found within that long)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Any
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal, get_args
 
 import httpx
 import msgspec
 
 from kvindex.api.tokenize.protocol import TokenId, TokenizerError
 
+ReplicaRoute = Literal["auto", "render", "tokenize"]
+"""``auto``: render when the replica serves it, else ``/tokenize``; the others: that one only."""
+RENDER_REPROBE_S = 60.0
+"""How long a replica found without render routes is sent to ``/tokenize`` before render is
+asked again."""
+NOT_SERVED = frozenset({401, 403, 404, 405, 501})
+"""A render answer that means the route is not there for us (vLLM without
+``--enable-scale-out``: 404; its route without a renderer: 501; behind ``--api-key``, which
+guards ``/v1`` but not ``/tokenize``: 401)."""
 _EXCERPT_CHARS = 200
 _JSON_HEADERS = {"content-type": "application/json"}
+_RENDER_PATHS = {False: "/v1/completions/render", True: "/v1/chat/completions/render"}
 
 
 class _TokenizeResponse(msgspec.Struct):
     tokens: list[TokenId]
+
+
+class _Rendered(msgspec.Struct):
+    """One GenerateRequest of a render answer; only its ids are read."""
+
+    token_ids: list[TokenId]
 
 
 def _excerpt(text: str) -> str:
@@ -24,20 +48,44 @@ def _excerpt(text: str) -> str:
 
 
 class ReplicaTokenizer:
-    """Tokenizes through a vLLM replica's ``POST {base_url}/tokenize``."""
+    """Tokenizes through one vLLM replica at ``base_url`` by ``route`` (``tokenize`` unless
+    told: the read path's tokenizers ask for ``auto``); not thread-safe (one event loop).
+    Every failure is a TokenizerError naming the URL asked."""
 
     def __init__(
-        self, client: httpx.AsyncClient, base_url: str, model: str, *, timeout_s: float = 5.0
+        self,
+        client: httpx.AsyncClient,
+        base_url: str,
+        model: str,
+        *,
+        timeout_s: float = 5.0,
+        route: ReplicaRoute = "tokenize",
+        reprobe_s: float = RENDER_REPROBE_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if route not in get_args(ReplicaRoute):
+            raise TokenizerError(f"route must be one of {get_args(ReplicaRoute)}, got {route!r}")
         self.client = client
-        self.url = base_url.rstrip("/") + "/tokenize"
+        self.base_url = base_url.rstrip("/")
+        self.url = self.base_url + "/tokenize"
         self.model = model
         self.timeout_s = timeout_s
+        self.route = route
+        self.reprobe_s = reprobe_s
+        self._clock = clock
+        self._render_off_until = 0.0
+        """Route ``auto``: until then (clock) render is not asked."""
+
+    def uses_render(self) -> bool:
+        """Whether the next call asks the render route first."""
+        if self.route != "auto":
+            return self.route == "render"
+        return self._clock() >= self._render_off_until
 
     async def encode_prompt(self, prompt: str) -> list[int]:
         """Completions tokens (``add_special_tokens`` true); TokenizerError when it fails."""
         body = {"model": self.model, "prompt": prompt, "add_special_tokens": True}
-        return await self._tokenize(body)
+        return await self._encode(body, chat=False)
 
     async def encode_messages(self, messages: list[dict[str, Any]]) -> list[int]:
         body = {
@@ -46,30 +94,30 @@ class ReplicaTokenizer:
             "add_generation_prompt": True,
             "add_special_tokens": False,
         }
-        return await self._tokenize(body)
+        return await self._encode(body, chat=True)
 
-    async def _tokenize(self, body: dict[str, Any]) -> list[int]:
-        status, answer = await self._post(body)
-        if status >= 400:
-            raise TokenizerError(f"{self.url}: HTTP {status}: {_excerpt(_text(answer))}")
-        try:
-            return msgspec.json.decode(answer, type=_TokenizeResponse).tokens
-        except msgspec.DecodeError as exc:
-            raise TokenizerError(
-                f"{self.url}: malformed response ({exc}): {_excerpt(_text(answer))}"
-            ) from exc
+    async def _encode(self, body: dict[str, Any], *, chat: bool) -> list[int]:
+        if self.uses_render():
+            url = self.base_url + _RENDER_PATHS[chat]
+            status, answer = await self._post(url, body)
+            if status not in NOT_SERVED or self.route == "render":
+                return _rendered_tokens(url, status, answer)
+            self._render_off_until = self._clock() + self.reprobe_s
+            del answer
+        status, answer = await self._post(self.url, body)
+        return _tokenize_tokens(self.url, status, answer)
 
-    async def _post(self, body: dict[str, Any]) -> tuple[int, bytes]:
+    async def _post(self, url: str, body: dict[str, Any]) -> tuple[int, bytes]:
         """The answer's status and body. Neither the request's JSON nor the answer is left
         to httpx: its Response and the Response's stream refer to each other, so what they
         hold (a prompt's JSON, its tokens) would live on until the cycle collector ran."""
         try:
             content = msgspec.json.encode(body)
         except (TypeError, ValueError) as exc:
-            raise TokenizerError(f"{self.url}: request is not JSON-serializable: {exc}") from exc
+            raise TokenizerError(f"{url}: request is not JSON-serializable: {exc}") from exc
         headers = {**_JSON_HEADERS, "content-length": str(len(content))}
         request = self.client.build_request(
-            "POST", self.url, content=_sent_once(content), headers=headers, timeout=self.timeout_s
+            "POST", url, content=_sent_once(content), headers=headers, timeout=self.timeout_s
         )
         del content  # the generator holds it until sent
         try:
@@ -79,10 +127,44 @@ class ReplicaTokenizer:
             finally:
                 await response.aclose()
         except httpx.TimeoutException as exc:
-            raise TokenizerError(f"{self.url}: timed out after {self.timeout_s} s") from exc
+            raise TokenizerError(f"{url}: timed out after {self.timeout_s} s") from exc
         except httpx.RequestError as exc:
-            raise TokenizerError(f"{self.url}: unreachable: {exc!r}") from exc
+            raise TokenizerError(f"{url}: unreachable: {exc!r}") from exc
         return response.status_code, b"".join(chunks)
+
+
+def _checked(url: str, status: int, answer: bytes) -> None:
+    if status >= 400:
+        hint = " (render is served with --enable-scale-out)" if status in NOT_SERVED else ""
+        raise TokenizerError(f"{url}: HTTP {status}{hint}: {_excerpt(_text(answer))}")
+
+
+def _tokenize_tokens(url: str, status: int, answer: bytes) -> list[int]:
+    """The ids of a ``/tokenize`` answer (``{"tokens": [...]}``); TokenizerError."""
+    _checked(url, status, answer)
+    try:
+        return msgspec.json.decode(answer, type=_TokenizeResponse).tokens
+    except msgspec.DecodeError as exc:
+        raise TokenizerError(
+            f"{url}: malformed response ({exc}): {_excerpt(_text(answer))}"
+        ) from exc
+
+
+def _rendered_tokens(url: str, status: int, answer: bytes) -> list[int]:
+    """The ids of a render answer: chat's one GenerateRequest, completions' list of one (an
+    object accepted for either); TokenizerError."""
+    _checked(url, status, answer)
+    try:
+        rendered = msgspec.json.decode(answer, type=_Rendered | list[_Rendered])
+    except msgspec.DecodeError as exc:
+        raise TokenizerError(
+            f"{url}: malformed response ({exc}): {_excerpt(_text(answer))}"
+        ) from exc
+    if isinstance(rendered, _Rendered):
+        return rendered.token_ids
+    if len(rendered) != 1:
+        raise TokenizerError(f"{url}: expected one rendered prompt, got {len(rendered)}")
+    return rendered[0].token_ids
 
 
 async def _sent_once(content: bytes) -> AsyncIterator[bytes]:

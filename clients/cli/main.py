@@ -440,6 +440,12 @@ def picker(
     help="Test knob: answer every completion with this status (0: never).",
 )
 @click.option(
+    "--enable-scale-out",
+    is_flag=True,
+    help="Serve the render routes /v1/completions/render and /v1/chat/completions/render"
+    " (vLLM's --enable-scale-out).",
+)
+@click.option(
     "--stream-stall-s",
     default=0.0,
     show_default=True,

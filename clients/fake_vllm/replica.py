@@ -27,6 +27,7 @@ from kvindex.api.tokenize.protocol import TokenId, TokenizerError
 from kvindex.clients.fake_vllm.block_pool import Admission, BlockPool
 from kvindex.clients.fake_vllm.engine_hash import engine_root
 from kvindex.clients.fake_vllm.publisher import EventPublisher
+from kvindex.clients.fake_vllm.render import add_render_routes
 from kvindex.indexer.domain.errors import KvIndexError
 from kvindex.indexer.domain.events import Event
 from kvindex.indexer.ingest.wire import Encoding, ReplayLayout
@@ -110,6 +111,7 @@ class ReplicaSimSettings:
     """A ``tokenizer.json`` to tokenize with, as vLLM does with the model's (None: the toy one)."""
     chat_template: str | None = None
     """Its chat template (None: ``chat_template.jinja`` or ``tokenizer_config.json`` beside it)."""
+    enable_scale_out: bool = False  # vLLM's flag: the render routes served (else 404)
 
     def __post_init__(self) -> None:
         self._check_test_knobs()
@@ -646,6 +648,7 @@ def create_app(engine: Engine) -> FastAPI:
     """vLLM's routes (``/v1/*`` checking ``api_key``), ``/metrics``, and ``/kvsim/cached``."""
     app = FastAPI(title=f"kvindex replica simulator {engine.settings.id}")
     settings = engine.settings
+    add_render_routes(app, settings, _tokens_of, render_chat, refused=_refused, error=_error)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

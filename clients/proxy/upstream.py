@@ -14,6 +14,7 @@ import msgspec
 from kvindex.api.schemas import ScoreRequest
 from kvindex.api.score import Ranking, Scorer, UnknownModelError
 from kvindex.api.tokenize.protocol import TokenizerError
+from kvindex.clients.proxy.untokenized import FailureLog, mark_untokenized
 from kvindex.indexer.domain.errors import KvIndexError
 from kvindex.indexer.fleet.registry import RegistryView
 from kvindex.indexer.fleet.replica_health import HealthPolicy
@@ -88,6 +89,7 @@ class UpstreamPicker:
         self._health_policy = health_policy or HealthPolicy()
         self._registry = registry
         self._on_tokenize_failure = on_tokenize_failure
+        self._failure_log = FailureLog(logger)
         self._lora_base = lora_base
         self._turn = 0
 
@@ -151,8 +153,9 @@ class UpstreamPicker:
         try:
             return await self._scorer.ranking(ScoreRequest(**common, **_prompt_of(body)), headers)
         except TokenizerError as exc:
-            logger.warning("routing %s on load alone: %s", model, exc)
+            self._failure_log.failed(model, str(exc))
             self._on_tokenize_failure(model)
+            mark_untokenized()
         return await self._scorer.ranking(ScoreRequest(**common, block_keys=[]), headers)
 
 

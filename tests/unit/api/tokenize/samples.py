@@ -72,5 +72,13 @@ Handler = Callable[[httpx.Request], httpx.Response]
 
 
 def ok(tokens: list[int]) -> Handler:
+    """A replica answering ``tokens`` at ``/tokenize``, without render routes (as vLLM without
+    ``--enable-scale-out``: 404 there)."""
     body = {"count": len(tokens), "max_model_len": 4096, "tokens": tokens, "token_strs": None}
-    return lambda _: httpx.Response(200, json=body)
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/render"):
+            return httpx.Response(404, json={"detail": "Not Found"})
+        return httpx.Response(200, json=body)
+
+    return answer

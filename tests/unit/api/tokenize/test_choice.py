@@ -13,7 +13,12 @@ import tokenizers
 from kvindex.api.config.settings import ApiSettings, ModelSpec
 from kvindex.api.health.routing import health_policy
 from kvindex.api.tokenize.cache import CachingTokenizer
-from kvindex.api.tokenize.choice import ModelTokenizers, TokenizerSpec, build_tokenizer
+from kvindex.api.tokenize.choice import (
+    ModelTokenizers,
+    TokenizerSpec,
+    build_tokenizer,
+    replica_route,
+)
 from kvindex.api.tokenize.local import LocalTokenizer
 from kvindex.api.tokenize.protocol import TokenizerError
 from kvindex.api.tokenize.replica import ReplicaTokenizer
@@ -215,3 +220,26 @@ def test_an_ejected_replica_is_not_asked_to_tokenize() -> None:
     clock.now += 1.0
     assert chooser.tokenizer("m") is second  # every one ejected: the one it has is kept
     asyncio.run(client.aclose())
+
+
+@pytest.mark.parametrize(
+    ("configured", "route"),
+    [(None, "auto"), ("replica", "auto"), ("render", "render"), ("tokenize", "tokenize")],
+)
+def test_the_tokenizer_setting_names_the_replica_route(configured: str | None, route: str) -> None:
+    assert replica_route(configured) == route
+    registry = Registry((ReplicaSpec("a", "m", url="http://a:8000"),))
+    chooser, client = model_tokenizers(registry, ModelSpec("m", tokenizer=configured))
+    spec = chooser.spec("m")
+    assert spec is not None and (spec.kind, spec.route) == ("replica", route)
+    tok = chooser.tokenizer("m")
+    assert isinstance(tok, CachingTokenizer) and isinstance(tok.inner, ReplicaTokenizer)
+    assert tok.inner.route == route
+    asyncio.run(client.aclose())
+
+
+def test_any_other_tokenizer_setting_is_a_path() -> None:
+    assert replica_route("/models/m/tokenizer.json") is None
+    assert replica_route("Render") is None
+    with pytest.raises(TokenizerError, match="route must be one of"):
+        TokenizerSpec(kind="replica", base_url="http://h", model="m", route="both")  # type: ignore[arg-type]

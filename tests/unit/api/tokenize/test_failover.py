@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from kvindex.api.config.settings import ApiSettings, ModelSpec
+from kvindex.api.tokenize.cache import CachingTokenizer
 from kvindex.api.tokenize.failover import FailoverTokenizer, ProxyTokenizers
 from kvindex.api.tokenize.protocol import TokenizerError
 from kvindex.indexer.fleet.registry import Registry
@@ -19,8 +20,8 @@ MODEL = "m"
 
 
 class Replicas:
-    """``/tokenize`` of r1..r4 (one token per word plus the replica's number); ``down``
-    ones refuse connections."""
+    """``/tokenize`` of r1..r4 (one token per word plus the replica's number), no render
+    routes (404, not counted in ``asked``); ``down`` ones refuse connections."""
 
     def __init__(self, *down: str) -> None:
         self.down = set(down)
@@ -28,9 +29,13 @@ class Replicas:
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         replica = request.url.host
-        self.asked.append(replica)
+        render = request.url.path.endswith("/render")
+        if replica in self.down or not render:
+            self.asked.append(replica)
         if replica in self.down:
             raise httpx.ConnectError("connection refused", request=request)
+        if render:
+            return httpx.Response(404, json={"detail": "Not Found"})
         words = json.loads(request.content)["prompt"].split()
         return httpx.Response(200, json={"tokens": [int(replica[1:])] * len(words)})
 
@@ -62,7 +67,7 @@ def test_at_most_three_replicas_are_asked_and_every_failure_is_named() -> None:
             tokenizer = FailoverTokenizer(MODEL, _registry(), client, timeout_s=1)
             await tokenizer.encode_prompt("a")
 
-    with pytest.raises(TokenizerError, match=r"r1:8000.*r2:8000.*r3:8000"):
+    with pytest.raises(TokenizerError, match=r"replica r1: .*r1:8000.*replica r2: .*r3:8000"):
         asyncio.run(run())
     assert replicas.asked == ["r1", "r2", "r3"]
 
@@ -83,3 +88,44 @@ def test_the_rule_local_file_or_failover_with_the_cache_in_front() -> None:
 
     asyncio.run(run())
     assert replicas.asked == ["r1", "r2"]
+
+
+def test_each_replica_keeps_its_route_and_the_configured_route_is_used() -> None:
+    """r1 serves render, r2 does not: each learns its own; ``tokenize`` never asks render."""
+    paths: list[str] = []
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        paths.append(f"{request.url.host}{request.url.path}")
+        if request.url.path.endswith("/render"):
+            if request.url.host != "r1":
+                return httpx.Response(404, json={"detail": "Not Found"})
+            return httpx.Response(200, json=[{"token_ids": [1], "sampling_params": {}}])
+        return httpx.Response(200, json={"tokens": [2]})
+
+    async def run(route: str) -> list[list[int]]:
+        settings = ApiSettings(models=(ModelSpec(MODEL, tokenizer=route),))
+        registry = Registry(
+            (
+                ReplicaSpec("r1", MODEL, url="http://r1:8000"),
+                ReplicaSpec("r2", MODEL, url="http://r2:8000"),
+            )
+        )
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handle)) as client:
+            tokenizer = ProxyTokenizers(settings, registry, client).tokenizer(MODEL)
+            assert isinstance(tokenizer, CachingTokenizer)
+            inner = tokenizer.inner
+            assert isinstance(inner, FailoverTokenizer)
+            first = await inner.encode_prompt("a")
+            registry.remove("r1")
+            return [first, await inner.encode_prompt("b"), await inner.encode_prompt("c")]
+
+    assert asyncio.run(run("replica")) == [[1], [2], [2]]
+    assert paths == [
+        "r1/v1/completions/render",
+        "r2/v1/completions/render",
+        "r2/tokenize",
+        "r2/tokenize",
+    ]
+    paths.clear()
+    assert asyncio.run(run("tokenize")) == [[2], [2], [2]]
+    assert paths == ["r1/tokenize", "r2/tokenize", "r2/tokenize"]

@@ -1,4 +1,5 @@
-"""kvindex.api.tokenize.replica: ReplicaTokenizer against an ``httpx.MockTransport``."""
+"""kvindex.api.tokenize.replica: ReplicaTokenizer against an ``httpx.MockTransport`` (its
+``/tokenize`` here; the render routes and the choice between them in test_replica_render)."""
 
 from __future__ import annotations
 
@@ -11,19 +12,26 @@ import httpx
 import pytest
 
 from kvindex.api.tokenize.protocol import TokenizerError
-from kvindex.api.tokenize.replica import ReplicaTokenizer
+from kvindex.api.tokenize.replica import ReplicaRoute, ReplicaTokenizer
 from tests.unit.api.tokenize.samples import CONVERSATION, Handler, ok
 
 T = TypeVar("T")
 
 
-def replica_call(handler: Handler, call: Callable[[ReplicaTokenizer], Awaitable[T]]) -> T:
+def replica_call(
+    handler: Handler,
+    call: Callable[[ReplicaTokenizer], Awaitable[T]],
+    route: ReplicaRoute = "tokenize",
+) -> T:
     """Run ``call`` against a ReplicaTokenizer whose client is served by ``handler``."""
 
     async def main() -> T:
         transport = httpx.MockTransport(handler)
         async with httpx.AsyncClient(transport=transport) as client:
-            return await call(ReplicaTokenizer(client, "http://replica:8000/", "m1", timeout_s=2))
+            tokenizer = ReplicaTokenizer(
+                client, "http://replica:8000/", "m1", timeout_s=2, route=route
+            )
+            return await call(tokenizer)
 
     return asyncio.run(main())
 
