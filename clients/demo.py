@@ -31,12 +31,14 @@ from kvindex.api.load.store import MemoryLoadStore
 from kvindex.api.runtime import ApiDeps
 from kvindex.clients.console import ProgressBars, column, make_table, progress_console
 from kvindex.clients.fake_vllm.replica import (
-    VOCAB_SIZE,
     ReplicaSim,
     ReplicaSimSettings,
-    tokenize_text,
 )
 from kvindex.clients.fake_vllm.scheduler import STEP_BASE_S, STEP_PER_TOKEN_S
+from kvindex.clients.fake_vllm.tokenizer import (
+    VOCAB_SIZE,
+    tokenize_text,
+)
 from kvindex.clients.http import AsyncKvIndexClient
 from kvindex.clients.workloads.generators import UserSession, user_sessions
 from kvindex.indexer.config.settings import IndexerSettings

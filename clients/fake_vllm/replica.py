@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -22,18 +21,28 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
 from kvindex.api.http.background import BackgroundServer, ServerStartError
-from kvindex.api.tokenize.local import LocalTokenizer
-from kvindex.api.tokenize.protocol import TokenId, TokenizerError
+from kvindex.api.tokenize.protocol import TokenId
 from kvindex.clients.fake_vllm.block_pool import Admission, BlockPool
 from kvindex.clients.fake_vllm.engine_hash import engine_root
 from kvindex.clients.fake_vllm.publisher import EventPublisher
 from kvindex.clients.fake_vllm.render import add_render_routes
+from kvindex.clients.fake_vllm.token_routes import (
+    error_answer,
+    handle_embeddings,
+    handle_tokenize,
+    ok_answer,
+    prompt_tokens,
+)
+from kvindex.clients.fake_vllm.tokenizer import (
+    SimTokenizer,
+    SimTokenizerError,
+    render_chat,
+    sim_tokenizer,
+    word_token,
+)
 from kvindex.indexer.domain.errors import KvIndexError
 from kvindex.indexer.domain.events import Event
 from kvindex.indexer.ingest.wire import Encoding, ReplayLayout
-
-VOCAB_SIZE = 50_000
-"""Toy vocabulary: a word's token id is a stable hash of it modulo this."""
 
 _encode = msgspec.msgpack.encode
 _json = msgspec.json.encode
@@ -137,7 +146,10 @@ class ReplicaSimSettings:
     def _check_tokenizer(self) -> None:
         if self.chat_template is not None and self.tokenizer is None:
             raise ReplicaSimError("chat_template needs tokenizer")
-        sim_tokenizer(self.tokenizer, self.chat_template)  # an unreadable file fails here
+        try:
+            sim_tokenizer(self.tokenizer, self.chat_template)  # an unreadable file fails here
+        except SimTokenizerError as exc:
+            raise ReplicaSimError(str(exc)) from exc
 
     def _check_test_knobs(self) -> None:
         if self.fail_status and not 400 <= self.fail_status <= 599:
@@ -161,64 +173,6 @@ class ReplicaSimSettings:
     @property
     def max_model_len(self) -> int:
         return self.capacity_blocks * self.block_size
-
-
-# --- the tokenizer: the toy one, or a real tokenizer.json ------------------------------------
-
-
-def word_token(word: str) -> int:
-    return xxhash.xxh3_64_intdigest(word.encode()) % VOCAB_SIZE
-
-
-def tokenize_text(text: str) -> list[int]:
-    """Toy tokenizer: one token per whitespace-separated word (deterministic everywhere)."""
-    return [word_token(word) for word in text.split()]
-
-
-def render_chat(messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-    """A minimal chat template over ALL messages: ``<|role|> content`` each."""
-    parts = [f"<|{m.get('role', 'user')}|> {m.get('content') or ''}" for m in messages]
-    if add_generation_prompt:
-        parts.append("<|assistant|>")
-    return " ".join(parts)
-
-
-class SimTokenizer:
-    """What the sim tokenizes with: the toy tokenizer (``path`` None), or a ``tokenizer.json``
-    and its chat template as vLLM uses them (a prompt gets the special tokens its
-    post-processor adds, a rendered conversation none); ReplicaSimError when unreadable."""
-
-    def __init__(self, path: str | None = None, chat_template: str | None = None) -> None:
-        self.local: LocalTokenizer | None = None
-        if path is not None:
-            try:
-                self.local = LocalTokenizer.from_files(path, chat_template, prefix_cache_bytes=0)
-            except TokenizerError as exc:
-                raise ReplicaSimError(f"tokenizer: {exc}") from exc
-
-    def text(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if self.local is None:
-            return tokenize_text(text)
-        return self.local.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-
-    def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """ReplicaSimError when the template refuses the messages."""
-        local = self.local
-        if local is None:
-            return tokenize_text(render_chat(messages, add_generation_prompt))
-        if local.chat_template is None:
-            raise ReplicaSimError("the model has no chat template: messages cannot be encoded")
-        try:
-            rendered = local.chat_template.render(messages, add_generation_prompt)
-        except TokenizerError as exc:
-            raise ReplicaSimError(str(exc)) from exc
-        return self.text(rendered, add_special_tokens=False)
-
-
-@functools.cache
-def sim_tokenizer(path: str | None, chat_template: str | None) -> SimTokenizer:
-    """The one SimTokenizer of a file (loaded once per process)."""
-    return SimTokenizer(path, chat_template)
 
 
 def settings_tokenizer(settings: ReplicaSimSettings) -> SimTokenizer:
@@ -409,32 +363,6 @@ class ChatBody(msgspec.Struct):
     stream: bool = False
 
 
-class TokenizeBody(msgspec.Struct):
-    model: str | None = None
-    prompt: str | list[TokenId] | None = None
-    messages: list[dict[str, Any]] | None = None
-    add_generation_prompt: bool = True
-    add_special_tokens: bool = True
-
-
-def _error(status: int, message: str) -> Response:
-    kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "InternalServerError")
-    body = {"object": "error", "message": message, "type": kind, "code": status}
-    return Response(_json(body), status_code=status, media_type="application/json")
-
-
-def _ok(body: object) -> Response:
-    return Response(_json(body), media_type="application/json")
-
-
-def _tokens_of(
-    prompt: str | list[int], tokenizer: SimTokenizer | None = None, add_special_tokens: bool = True
-) -> list[int]:
-    if not isinstance(prompt, str):
-        return list(prompt)
-    return (tokenizer or sim_tokenizer(None, None)).text(prompt, add_special_tokens)
-
-
 def _lora_for(settings: ReplicaSimSettings, body: CompletionBody | ChatBody) -> str | None:
     """The request's LoRA name; raises ReplicaSimError for an unknown model."""
     if body.model in settings.lora_names:
@@ -538,81 +466,31 @@ async def handle_completion(engine: Engine, raw: bytes, *, chat: bool = False) -
     """``POST /v1/completions`` (``chat``: ``/v1/chat/completions``), OpenAI-style."""
     settings = engine.settings
     if settings.fail_status:
-        return _error(settings.fail_status, "failure injected (fail_status)")
+        return error_answer(settings.fail_status, "failure injected (fail_status)")
     try:
         body = msgspec.json.decode(raw, type=ChatBody if chat else CompletionBody)
         lora = _lora_for(settings, body)
     except msgspec.DecodeError as exc:  # ValidationError included
-        return _error(400, str(exc))
+        return error_answer(400, str(exc))
     except ReplicaSimError as exc:
-        return _error(404, str(exc))
+        return error_answer(404, str(exc))
     tokenizer = settings_tokenizer(settings)
     try:
         if isinstance(body, ChatBody):
             prompt = tokenizer.chat(body.messages)
         else:
-            prompt = _tokens_of(body.prompt, tokenizer)
-    except ReplicaSimError as exc:
-        return _error(400, str(exc))
+            prompt = prompt_tokens(body.prompt, tokenizer)
+    except SimTokenizerError as exc:
+        return error_answer(400, str(exc))
     try:
         result = await engine.run(SimRequest(prompt, body.max_tokens, lora, body.cache_salt))
     except ReplicaSimError as exc:
-        return _error(400, str(exc))
+        return error_answer(400, str(exc))
     shape = chat_response if chat else completion_response
     answer = shape(settings, len(prompt), result)
     if body.stream:
         return _sse(sse_chunks(answer, chat=chat), settings.stream_stall_s)
-    return _ok(answer)
-
-
-def handle_tokenize(settings: ReplicaSimSettings, raw: bytes) -> Response:
-    """``POST /tokenize``: ``prompt`` or ``messages`` → ``{count, max_model_len, tokens}``."""
-    try:
-        body = msgspec.json.decode(raw, type=TokenizeBody)
-    except msgspec.DecodeError as exc:
-        return _error(400, str(exc))
-    tokenizer = settings_tokenizer(settings)
-    try:
-        if body.messages is not None:
-            tokens = tokenizer.chat(body.messages, body.add_generation_prompt)
-        elif body.prompt is not None:
-            tokens = _tokens_of(body.prompt, tokenizer, body.add_special_tokens)
-        else:
-            return _error(400, "either prompt or messages is required")
-    except ReplicaSimError as exc:
-        return _error(400, str(exc))
-    return _ok({"count": len(tokens), "max_model_len": settings.max_model_len, "tokens": tokens})
-
-
-class EmbeddingBody(msgspec.Struct):
-    model: str
-    input: str | list[str]
-
-
-EMBEDDING_SIZE = 8
-
-
-def handle_embeddings(settings: ReplicaSimSettings, raw: bytes) -> Response:
-    """``POST /v1/embeddings``: each input's toy tokens folded into a normalised vector."""
-    try:
-        body = msgspec.json.decode(raw, type=EmbeddingBody)
-    except msgspec.DecodeError as exc:
-        return _error(400, str(exc))
-    if body.model != settings.model:
-        return _error(404, f"The model `{body.model}` does not exist.")
-    texts = [body.input] if isinstance(body.input, str) else body.input
-    data, num_tokens = [], 0
-    for i, text in enumerate(texts):
-        tokens = settings_tokenizer(settings).text(text)
-        num_tokens += len(tokens)
-        counts = [0.0] * EMBEDDING_SIZE
-        for token in tokens:
-            counts[token % EMBEDDING_SIZE] += 1.0
-        norm = sum(c * c for c in counts) ** 0.5 or 1.0
-        vector = [c / norm for c in counts]
-        data.append({"object": "embedding", "index": i, "embedding": vector})
-    usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
-    return _ok({"object": "list", "data": data, "model": body.model, "usage": usage})
+    return ok_answer(answer)
 
 
 def _refused(settings: ReplicaSimSettings, request: Request) -> Response | None:
@@ -634,21 +512,23 @@ def handle_cached(engine: Engine, raw: bytes) -> Response:
     try:
         body = msgspec.json.decode(raw, type=CachedBody)
     except msgspec.DecodeError as exc:
-        return _error(400, str(exc))
+        return error_answer(400, str(exc))
     cache = engine.cache
     counts = []
     for prompt in body.prompts:
-        chain = cache.chain(_tokens_of(prompt, settings_tokenizer(engine.settings)))
+        chain = cache.chain(prompt_tokens(prompt, settings_tokenizer(engine.settings)))
         held = (i for i, block in enumerate(chain) if not cache.is_cached(block))
         counts.append(next(held, len(chain)))
-    return _ok({"num_cached_blocks": counts, "num_pool_blocks": cache.num_cached_blocks})
+    return ok_answer({"num_cached_blocks": counts, "num_pool_blocks": cache.num_cached_blocks})
 
 
 def create_app(engine: Engine) -> FastAPI:
     """vLLM's routes (``/v1/*`` checking ``api_key``), ``/metrics``, and ``/kvsim/cached``."""
     app = FastAPI(title=f"kvindex replica simulator {engine.settings.id}")
     settings = engine.settings
-    add_render_routes(app, settings, _tokens_of, render_chat, refused=_refused, error=_error)
+    add_render_routes(
+        app, settings, prompt_tokens, render_chat, refused=_refused, error=error_answer
+    )
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -24,7 +24,9 @@ from typing import Any
 
 import httpx
 
-from kvindex.clients.fake_vllm.replica import tokenize_text
+from kvindex.clients.fake_vllm.tokenizer import (
+    tokenize_text,
+)
 from tests.support.processes import Child, http_ok, kvindex_child, redis_child
 from tests.support.redis_server import free_ports
 

@@ -15,7 +15,9 @@ from typing import Any
 import pytest
 
 from kvindex.api.config.settings import ApiSettings
-from kvindex.clients.fake_vllm.replica import tokenize_text
+from kvindex.clients.fake_vllm.tokenizer import (
+    tokenize_text,
+)
 from tests.faults.convergence import Recorder
 from tests.faults.fleet import MODEL, FaultFleet, prompts_of, wait_agreement
 from tests.faults.scale import Scale

@@ -11,7 +11,10 @@ from click.testing import CliRunner
 
 from kvindex.clients.cli.key_check import CheckSettings, run_check
 from kvindex.clients.cli.main import main
-from kvindex.clients.fake_vllm.replica import ReplicaSim, ReplicaSimSettings
+from kvindex.clients.fake_vllm.replica import (
+    ReplicaSim,
+    ReplicaSimSettings,
+)
 from kvindex.indexer.ingest.wire import Encoding
 from tests.support.redis_server import free_port
 

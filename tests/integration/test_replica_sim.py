@@ -11,7 +11,11 @@ import pytest
 
 from kvindex.clients.cli.main import replica_sim as replica_sim_command
 from kvindex.clients.fake_vllm import replica as replica_module
-from kvindex.clients.fake_vllm.replica import LOOPBACK_EVENTS, ReplicaSim, ReplicaSimSettings
+from kvindex.clients.fake_vllm.replica import (
+    LOOPBACK_EVENTS,
+    ReplicaSim,
+    ReplicaSimSettings,
+)
 from kvindex.indexer.domain.events import StreamId
 from kvindex.indexer.domain.keys import block_keys
 from kvindex.indexer.fleet.replica import ReplicaSpec

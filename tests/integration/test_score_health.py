@@ -16,7 +16,9 @@ import pytest
 from click.testing import CliRunner
 
 from kvindex.clients.cli.main import main
-from kvindex.clients.fake_vllm.replica import tokenize_text
+from kvindex.clients.fake_vllm.tokenizer import (
+    tokenize_text,
+)
 from tests.support.processes import Child, http_ok, kvindex_child
 from tests.support.redis_server import free_port
 

@@ -21,11 +21,15 @@ from kvindex.clients.fake_vllm.replica import (
     SimResult,
     handle_cached,
     handle_completion,
+    metrics_text,
+    service_times,
+)
+from kvindex.clients.fake_vllm.token_routes import (
     handle_embeddings,
     handle_tokenize,
-    metrics_text,
+)
+from kvindex.clients.fake_vllm.tokenizer import (
     render_chat,
-    service_times,
     tokenize_text,
 )
 from kvindex.indexer.domain.events import Event

@@ -18,6 +18,8 @@ from kvindex.clients.fake_vllm.replica import (
     ReplicaSimError,
     ReplicaSimSettings,
     handle_completion,
+)
+from kvindex.clients.fake_vllm.token_routes import (
     handle_tokenize,
 )
 from tests.support.tokenizer_kinds import write_model
