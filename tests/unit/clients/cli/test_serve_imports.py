@@ -11,8 +11,9 @@ import sys
 HEAVY = ("numpy", "tokenizers", "jinja2", "transformers", "httpcore")
 """numpy: ``analyze``; tokenizers and jinja2: a model with a local tokenizer only;
 httpcore (and a TLS context): the first outgoing request (no replica here gives a URL)."""
-DEFERRED = ("fastapi", "pydantic")
-"""fastapi (and pydantic): built on the first request the hot routes leave to the app."""
+DEFERRED = ("fastapi", "pydantic", "redis")
+"""fastapi (and pydantic): built on the first request the hot routes leave to the app;
+redis: the Redis store only."""
 
 _SERVE_PATH = """
 import json, sys
@@ -47,6 +48,7 @@ def test_serve_on_the_memory_store_loads_no_tokenizer_nor_numpy() -> None:
     assert built.isdisjoint(HEAVY), sorted(built & set(HEAVY))
 
 
-def test_serve_is_ready_without_fastapi() -> None:
-    served, _built = _loaded()
+def test_serve_is_ready_without_fastapi_nor_redis() -> None:
+    served, built = _loaded()
     assert served.isdisjoint(DEFERRED), sorted(served & set(DEFERRED))
+    assert "redis" not in built
