@@ -31,6 +31,11 @@ class DeferredApp:
             app = self._app = self.build()
         await app(scope, receive, send)
 
+    @property
+    def built(self) -> bool:
+        """Whether a request has reached FastAPI's app (and so built it)."""
+        return self._app is not None
+
     def build(self) -> ASGIApp:
         """FastAPI's app over ``core`` (without a lifespan: this one runs the read path)."""
         from kvindex.api.http.app import app_of  # noqa: PLC0415 (the import is the cost deferred)
