@@ -9,6 +9,10 @@ BIN := $(VENV)/bin
 # dev extra (tests, linters, plots). Each step says what it does, and pip shows its own
 # progress. The compiled core (setup.py) is rebuilt by either install when its sources change.
 SOURCES := pyproject.toml setup.py $(wildcard indexer/native/*.pyx indexer/native/*.h)
+# The package's bytecode written at install, as installing a wheel does: a process started
+# with PYTHONDONTWRITEBYTECODE set (containers often set it) then reads it instead of
+# compiling every module at each start.
+COMPILE = $(BIN)/python -m compileall -q api indexer clients kvindex
 
 $(BIN)/pip:
 	@echo "==> creating the virtual environment $(VENV)"
@@ -19,11 +23,13 @@ $(BIN)/pip:
 $(VENV)/.run-installed: $(SOURCES) | $(BIN)/pip
 	@echo "==> installing kvindex and its runtime dependencies, compiling its core"
 	$(BIN)/pip install -e .
+	$(COMPILE)
 	touch $@
 
 $(VENV)/.dev-installed: $(SOURCES) | $(BIN)/pip
 	@echo "==> installing kvindex with its dev extra (tests, linters, plots), compiling its core"
 	$(BIN)/pip install -e '.[dev]'
+	$(COMPILE)
 	touch $@ $(VENV)/.run-installed
 
 install: $(VENV)/.dev-installed

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import httpx
 
@@ -15,7 +15,7 @@ from kvindex.api.config.settings import ApiSettings, ReadPathSettings
 from kvindex.api.health.block_sizes import BlockSizeCheck
 from kvindex.api.health.checker import HealthChecker
 from kvindex.api.load.scraper import MetricsScraper
-from kvindex.api.load.store import CircuitLoadStore, LoadStore, MemoryLoadStore, RedisLoadStore
+from kvindex.api.load.store import LoadStore, MemoryLoadStore
 from kvindex.api.loop.off_loop import OffLoop
 from kvindex.api.loop.periodic import Periodic
 from kvindex.api.score import Scorer
@@ -24,11 +24,11 @@ from kvindex.api.tokenize.failover import ProxyTokenizers
 from kvindex.indexer.config.store import StoreSettings
 from kvindex.indexer.fleet.registry import RegistryView
 from kvindex.indexer.fleet.replica_health import Ejection
-from kvindex.indexer.fleet.view import RedisFleetView
-from kvindex.indexer.index.circuit import CircuitIndex, StoreCircuit
+from kvindex.indexer.index.circuit import StoreCircuit
 from kvindex.indexer.index.protocol import BlockIndex, IndexUnavailableError
-from kvindex.indexer.index.redis import RedisIndex
-from kvindex.indexer.redis.connection import connect_bounded
+
+if TYPE_CHECKING:  # imported where used: a memory-store process loads no Redis client
+    from kvindex.indexer.index.redis import RedisIndex
 
 log = logging.getLogger("kvindex.api")
 BLOCK_SIZE_CHECK_S = 5.0
@@ -76,6 +76,12 @@ def bounded_stores(
 ) -> tuple[BlockIndex, LoadStore, RegistryView, StoreCircuit]:
     """The API's index, load and fleet on one connection (every call bounded by
     ``api.redis_timeout_s``), behind one shared circuit."""
+    from kvindex.api.load.store import CircuitLoadStore, RedisLoadStore  # noqa: PLC0415
+    from kvindex.indexer.fleet.view import RedisFleetView  # noqa: PLC0415
+    from kvindex.indexer.index.circuit import CircuitIndex  # noqa: PLC0415
+    from kvindex.indexer.index.redis import RedisIndex  # noqa: PLC0415
+    from kvindex.indexer.redis.connection import connect_bounded  # noqa: PLC0415
+
     schema = store.redis_schema
     client = connect_bounded(
         store.redis_url, timeout_s=api.redis_timeout_s, cluster=store.redis_cluster

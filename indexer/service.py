@@ -6,20 +6,22 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvindex.indexer.config.settings import IndexerSettings
 from kvindex.indexer.fleet.registry import Registry
-from kvindex.indexer.fleet.sync import FleetSync
-from kvindex.indexer.index.circuit import CircuitIndex, StoreCircuit
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import BlockIndex
-from kvindex.indexer.index.redis import RedisIndex
-from kvindex.indexer.ingest.membership import Membership, Shard
 from kvindex.indexer.ingest.process_limits import raise_file_limit
 from kvindex.indexer.ingest.subscriber import Subscriber
-from kvindex.indexer.redis.connection import connect
-from kvindex.indexer.status_server import IndexerStatus
+
+if TYPE_CHECKING:  # imported where used: a memory-store `serve` loads no Redis client
+    from kvindex.indexer.fleet.sync import FleetSync
+    from kvindex.indexer.index.redis import RedisIndex
+    from kvindex.indexer.ingest.membership import Membership, Shard
+    from kvindex.indexer.status_server import IndexerStatus
 
 log = logging.getLogger("kvindex.indexer")
 
@@ -33,6 +35,9 @@ def _raise_file_limit(settings: IndexerSettings) -> None:
 def open_index(settings: IndexerSettings, *, owner: str | None = None) -> BlockIndex:
     """The store the settings name (``owner``: the lease token fencing its writes)."""
     if settings.store == "redis":
+        from kvindex.indexer.index.redis import RedisIndex  # noqa: PLC0415
+        from kvindex.indexer.redis.connection import connect  # noqa: PLC0415
+
         client = connect(settings.redis_url, cluster=settings.redis_cluster)
         return RedisIndex(client, settings.redis_schema, owner=owner)
     return MemoryIndex()
@@ -52,10 +57,45 @@ def _membership(
 ) -> tuple[BlockIndex, Membership | None]:
     if not settings.sharded or index is not None:
         return (index if index is not None else open_index(settings)), None
+    from kvindex.indexer.index.redis import RedisIndex  # noqa: PLC0415
+    from kvindex.indexer.ingest.membership import Membership  # noqa: PLC0415
+    from kvindex.indexer.redis.connection import connect  # noqa: PLC0415
+
     client = connect(settings.redis_url, cluster=settings.redis_cluster)
     schema = settings.redis_schema
     membership = Membership(client, schema, indexer_id(settings), lease_ttl_s=settings.lease_ttl_s)
     return RedisIndex(client, schema, owner=membership.token), membership
+
+
+def _redis_index(index: BlockIndex) -> RedisIndex | None:
+    """``index`` if it is a :class:`RedisIndex` (whose module a memory store never loads)."""
+    module = sys.modules.get("kvindex.indexer.index.redis")
+    redis_index: RedisIndex | None = None
+    if module is not None and isinstance(index, module.RedisIndex):
+        redis_index = index
+    return redis_index
+
+
+def _redis_write_path(
+    settings: IndexerSettings,
+    index: RedisIndex,
+    registry: Registry,
+    membership: Membership | None,
+) -> tuple[FleetSync, Shard | None, BlockIndex]:
+    """The fleet sync, the shard (if sharded) and the index the subscriber writes, behind the
+    write path's circuit: a down store costs one wait, not one per stream."""
+    from kvindex.indexer.fleet.sync import FleetSync  # noqa: PLC0415
+    from kvindex.indexer.index.circuit import CircuitIndex, StoreCircuit  # noqa: PLC0415
+    from kvindex.indexer.ingest.membership import Shard  # noqa: PLC0415
+
+    owner = None if membership is None else membership.member_id
+    lease = None if membership is None else (lambda: membership.token)
+    fleet = FleetSync(
+        index.client, index.schema, registry, declared=settings.replicas, owner=owner, lease=lease
+    )
+    circuit = StoreCircuit(settings.store_cooldown_s, name="redis (write path)")
+    shard = None if membership is None else Shard(membership, index, circuit)
+    return fleet, shard, CircuitIndex(index, circuit)
 
 
 @dataclass
@@ -82,29 +122,15 @@ class IndexerService:
         _raise_file_limit(settings)  # before the subscriber sizes its context to it
         index, membership = _membership(settings, index)
         registry = Registry(settings.replicas, stale_after_s=settings.stale_after_s)
-        fleet = None
-        shard = None
-        written: BlockIndex = index
-        if isinstance(index, RedisIndex):
-            owner = None if membership is None else membership.member_id
-            lease = None if membership is None else (lambda: membership.token)
-            fleet = FleetSync(
-                index.client,
-                index.schema,
-                registry,
-                declared=settings.replicas,
-                owner=owner,
-                lease=lease,
-            )
-            circuit = StoreCircuit(settings.store_cooldown_s, name="redis (write path)")
-            written = CircuitIndex(
-                index, circuit
-            )  # a down store costs one wait, not one per stream
-            if membership is not None:
-                shard = Shard(membership, index, circuit)
+        fleet, shard, written = None, None, index
+        redis_index = _redis_index(index)
+        if redis_index is not None:
+            fleet, shard, written = _redis_write_path(settings, redis_index, registry, membership)
         subscriber = Subscriber(settings, written, registry, shard=shard)
         service = cls(settings, index, registry, subscriber, fleet, shard=shard)
         if with_status and settings.status_port != -1:
+            from kvindex.indexer.status_server import IndexerStatus  # noqa: PLC0415
+
             service.status = IndexerStatus.build(settings, registry, index, service.loop_alive)
         return service
 

@@ -1,31 +1,28 @@
-"""The FastAPI app over one read path: routes decode with msgspec, call the library and
-encode; errors become HTTP in one place (:func:`_error_response`)."""
+"""The FastAPI app over one read path (:class:`~kvindex.api.http.core.ApiCore`): routes
+decode with msgspec, call the library and encode; errors become HTTP in one place
+(:func:`~kvindex.api.http.core.error_response`)."""
 
 from __future__ import annotations
 
-import secrets
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import TypeVar
 
 import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import Histogram
 from starlette.datastructures import Headers
-from starlette.routing import BaseRoute
 
-from kvindex.api.config.url_policy import UntrustedUrlError
 from kvindex.api.health.routing import health_policy
-from kvindex.api.http.body_limit import BodyLimit, BodyTimeoutError, BodyTooLargeError
-from kvindex.api.http.hot_routes import HotRoute, HotRoutes, HotServing
-from kvindex.api.http.metrics import ApiMetrics, TimedIndex
+from kvindex.api.http.body_limit import BodyLimit
+from kvindex.api.http.core import ApiCore, error_response, healthz, json_response
+from kvindex.api.http.hot_routes import HotRoutes, HotServing
 from kvindex.api.http.openapi import document, operation
 from kvindex.api.http.traffic import TrafficObserver
 from kvindex.api.http.views import config_view, replica_views, stats_view
-from kvindex.api.load.model import Load, LoadError
-from kvindex.api.runtime import ApiDeps, Hooks, build_read_path
+from kvindex.api.load.model import Load
+from kvindex.api.runtime import ApiDeps
 from kvindex.api.schemas import (
     ConfigView,
     ErrorBody,
@@ -36,14 +33,12 @@ from kvindex.api.schemas import (
     ScoreResponse,
     StatsView,
     StatusBody,
-    decode_score_request,
     nested_too_deep,
 )
-from kvindex.api.score import RequestError, UnknownModelError
-from kvindex.api.tokenize.protocol import TokenizerError
-from kvindex.indexer.domain.errors import KvIndexError, SettingsError
+from kvindex.api.score import RequestError
+from kvindex.indexer.domain.errors import KvIndexError
 from kvindex.indexer.fleet.replica import ReplicaSpec
-from kvindex.indexer.index.protocol import IndexUnavailableError, drop_replica
+from kvindex.indexer.index.protocol import drop_replica
 
 T = TypeVar("T")
 _JSON = "application/json"
@@ -51,17 +46,29 @@ _METRICS = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def create_app(deps: ApiDeps, *, lean_routes: bool = True) -> FastAPI:
-    state = _AppState(deps)
+    """The FastAPI app over a new :class:`ApiCore` on ``deps``, its lifespan the read path's."""
+    core = ApiCore(deps)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await state.read_path.start()
+        await core.read_path.start()
         try:
             yield
         finally:
-            await state.read_path.stop()
+            await core.read_path.stop()
 
-    guarded = deps.settings.auth_token is not None
+    return app_of(core, lean_routes=lean_routes, lifespan=lifespan)
+
+
+def app_of(
+    core: ApiCore,
+    *,
+    lean_routes: bool = True,
+    lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None,
+) -> FastAPI:
+    """The FastAPI app answering with ``core`` (without ``lifespan``, whoever serves it
+    starts and stops ``core.read_path``)."""
+    guarded = core.deps.settings.auth_token is not None
     app = FastAPI(
         title="kvindex",
         version="0.1.0",
@@ -77,32 +84,26 @@ def create_app(deps: ApiDeps, *, lean_routes: bool = True) -> FastAPI:
         # floor (bench/http_floor.py).
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )
-    health, routes = _health_routes(state), _routes(state)
-    app.include_router(health)
-    app.include_router(routes, dependencies=[Depends(state.authorize)])
+    authorize = _authorize(core)
+    app.include_router(_health_routes(core))
+    app.include_router(_routes(core), dependencies=[Depends(authorize)])
+    settings = core.deps.settings
     if lean_routes:  # added first, so innermost: the body limit and the traffic see them
-        hot = _hot_routes(state, health, routes)
         app.add_middleware(
-            HotRoutes, routes=hot, authorize=state.check_token, error_response=_error_response
+            HotRoutes,
+            routes=core.hot_routes(),
+            authorize=core.check_token,
+            error_response=error_response,
         )
         # The same routes for a server that answers them itself (kvindex.api.http.server_protocol),
         # counted by an observer of the same metrics as the app's.
-        observer = TrafficObserver(app, metrics=state.metrics, access_log=deps.settings.access_log)
-        app.state.hot_serving = HotServing.build(
-            hot,
-            authorize=state.check_token,
-            error_response=_error_response,
-            observe=observer.observe,
-            max_body_bytes=deps.settings.max_body_bytes,
-            body_timeout_s=deps.settings.body_timeout_s,
-        )
+        observer = TrafficObserver(app, metrics=core.metrics, access_log=settings.access_log)
+        app.state.hot_serving = core.hot_serving(observer)
     app.add_middleware(
-        BodyLimit,
-        max_bytes=deps.settings.max_body_bytes,
-        timeout_s=deps.settings.body_timeout_s,
+        BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s
     )
     # Added last, so outermost: it sees every answer, the body limit's included.
-    app.add_middleware(TrafficObserver, metrics=state.metrics, access_log=deps.settings.access_log)
+    app.add_middleware(TrafficObserver, metrics=core.metrics, access_log=settings.access_log)
     app.add_exception_handler(KvIndexError, _error_handler)
     app.add_exception_handler(msgspec.ValidationError, _error_handler)
     app.add_exception_handler(msgspec.DecodeError, _error_handler)
@@ -116,9 +117,9 @@ def create_app(deps: ApiDeps, *, lean_routes: bool = True) -> FastAPI:
             "/openapi.json",
             openapi_document,
             include_in_schema=False,
-            dependencies=[Depends(state.authorize)],
+            dependencies=[Depends(authorize)],
         )
-    app.state.read_path = state.read_path
+    app.state.read_path = core.read_path
     return app
 
 
@@ -127,64 +128,11 @@ def hot_serving(app: FastAPI) -> HotServing | None:
     return serving
 
 
-class _AppState:
-    def __init__(self, deps: ApiDeps) -> None:
-        circuit = deps.circuit
-        metrics = self.metrics = ApiMetrics(
-            deps.registry,
-            deps.index,
-            runs_write_path=deps.runs_write_path,
-            store_up=lambda: circuit is None or not circuit.is_open,
-            rule_names=[rule.name for rule in deps.settings.rules],
-        )
-        hooks = Hooks(
-            wrap_index=lambda index: TimedIndex(index, metrics.lookup_latency),
-            on_degraded=lambda reason: metrics.degraded_answers.labels(reason).inc(),
-            on_scrape_failure=lambda replica: metrics.scrape_failures.labels(replica).inc(),
-        )
-        self.read_path = read_path = build_read_path(deps, hooks)
-        metrics.watch_block_sizes(read_path.block_sizes)
-        self.deps = deps
-        self.off_loop = read_path.off_loop
-        self.index, self.scorer = read_path.index, read_path.scorer
-        self.tokenizers, self.block_sizes = read_path.tokenizers, read_path.block_sizes
-        self.url_policy = deps.settings.url_policy()
-        self._score_latency: dict[str, Histogram] = {}
+def _authorize(core: ApiCore) -> Callable[[Request], Awaitable[None]]:
+    async def authorize(request: Request) -> None:
+        core.check_token(request.headers)
 
-    async def score(self, body: bytes, headers: Headers) -> bytes:
-        """``POST /score``'s answer, for FastAPI's route and the hot ones."""
-        started = time.perf_counter()
-        request, packed = decode_score_request(body)
-        answer = await self.scorer.score(request, headers, packed_tokens=packed)
-        latency = self._score_latency.get(answer.policy)
-        if latency is None:  # kept per policy: a few, and labels() costs a lock and a lookup
-            latency = self._score_latency[answer.policy] = self.metrics.score_latency.labels(
-                answer.policy
-            )
-        latency.observe(time.perf_counter() - started)
-        self.metrics.count_rule(answer.rule)
-        return msgspec.json.encode(answer)
-
-    async def authorize(self, request: Request) -> None:
-        self.check_token(request.headers)
-
-    def check_token(self, headers: Headers) -> None:
-        """UnauthorizedError unless the bearer token is the configured one (if any)."""
-        token = self.deps.settings.auth_token
-        if token is None:
-            return
-        given = headers.get("authorization", "").encode()
-        # Constant-time comparison: the answer time must not reveal a prefix of the token.
-        if not secrets.compare_digest(given, f"Bearer {token}".encode()):
-            raise UnauthorizedError("missing or wrong bearer token")
-
-
-class UnauthorizedError(KvIndexError):
-    pass
-
-
-def _json(value: Any, status: int = 200) -> Response:
-    return Response(msgspec.json.encode(value), status_code=status, media_type=_JSON)
+    return authorize
 
 
 async def _decode(request: Request, kind: type[T]) -> T:
@@ -194,74 +142,36 @@ async def _decode(request: Request, kind: type[T]) -> T:
         raise nested_too_deep() from None
 
 
-_STATUS_OF: tuple[tuple[tuple[type[BaseException], ...], int, str], ...] = (
-    (
-        (
-            msgspec.ValidationError,
-            msgspec.DecodeError,
-            RequestError,
-            SettingsError,
-            LoadError,
-            UntrustedUrlError,
-        ),
-        422,
-        "invalid_request",
-    ),
-    ((BodyTooLargeError,), 413, "body_too_large"),
-    ((BodyTimeoutError,), 408, "body_timeout"),
-    ((UnknownModelError,), 404, "unknown_model"),
-    ((UnauthorizedError,), 401, "unauthorized"),
-    ((TokenizerError,), 502, "tokenizer_failed"),
-    ((IndexUnavailableError,), 503, "store_unavailable"),
-)
-
-
-def _error_response(exc: Exception) -> Response:
-    for kinds, status, name in _STATUS_OF:
-        if isinstance(exc, kinds):
-            response = _json(ErrorBody(name, str(exc)), status)
-            if status == 401:  # RFC 6750: say which scheme to use
-                response.headers["www-authenticate"] = 'Bearer realm="kvindex"'
-            if status in (408, 413):  # the rest of the body is not read: end the connection
-                response.headers["connection"] = "close"
-            return response
-    return _json(ErrorBody("internal", str(exc)), 500)
-
-
 async def _error_handler(_: Request, exc: Exception) -> Response:
-    return _error_response(exc)
+    return error_response(exc)
 
 
 # --- routes -------------------------------------------------------------------------------
 
 
-def _health_routes(state: _AppState) -> APIRouter:
+def _health_routes(core: ApiCore) -> APIRouter:
     router = APIRouter(tags=["health"])
 
     @router.get("/healthz", summary="The process is up")
-    async def healthz() -> Response:
-        return Response(await _healthz(b"", _NO_HEADERS), media_type=_JSON)
+    async def healthz_route() -> Response:
+        return Response(await healthz(b"", _NO_HEADERS), media_type=_JSON)
 
     @router.get("/readyz", summary="The index store is reachable")
     async def readyz() -> Response:
-        try:
-            await state.off_loop(state.index.streams)
-        except IndexUnavailableError as exc:
-            return _json({"status": "unavailable", "detail": str(exc)}, 503)
-        return _json({"status": "ready"})
+        return Response(await core.readyz(b"", _NO_HEADERS), media_type=_JSON)
 
     return router
 
 
-def _routes(state: _AppState) -> APIRouter:
+def _routes(core: ApiCore) -> APIRouter:
     router = APIRouter()
-    _score_routes(router, state)
-    _replica_routes(router, state)
-    _info_routes(router, state)
+    _score_routes(router, core)
+    _replica_routes(router, core)
+    _info_routes(router, core)
     return router
 
 
-def _score_routes(router: APIRouter, state: _AppState) -> None:
+def _score_routes(router: APIRouter, core: ApiCore) -> None:
     @router.post(
         "/score",
         openapi_extra=operation(
@@ -269,7 +179,7 @@ def _score_routes(router: APIRouter, state: _AppState) -> None:
         ),
     )
     async def score(request: Request) -> Response:
-        answer = await state.score(await request.body(), request.headers)
+        answer = await core.score(await request.body(), request.headers)
         return Response(answer, media_type=_JSON)
 
     @router.post(
@@ -277,7 +187,7 @@ def _score_routes(router: APIRouter, state: _AppState) -> None:
     )
     async def load(request: Request) -> Response:
         report = await _decode(request, LoadReport)
-        if state.deps.registry.get(report.replica) is None:
+        if core.deps.registry.get(report.replica) is None:
             raise RequestError(f"replica: {report.replica!r} is not registered")
         now = time.time()
         measured = Load(
@@ -287,28 +197,28 @@ def _score_routes(router: APIRouter, state: _AppState) -> None:
             report.ts if report.ts is not None else now,
             "push",
         ).validated(now=now)
-        await state.off_loop(state.deps.loads.put, report.replica, measured)
-        state.scorer.note_load(report.replica, measured)
-        return _json(StatusBody("ok"))
+        await core.off_loop(core.deps.loads.put, report.replica, measured)
+        core.scorer.note_load(report.replica, measured)
+        return json_response(StatusBody("ok"))
 
 
-def _replica_routes(router: APIRouter, state: _AppState) -> None:
-    registry = state.deps.registry
+def _replica_routes(router: APIRouter, core: ApiCore) -> None:
+    registry = core.deps.registry
 
     @router.get(
         "/replicas",
         openapi_extra=operation(None, ReplicaView, "Replicas, streams and load", many=True),
     )
     async def replicas() -> Response:
-        views = await state.off_loop(
+        views = await core.off_loop(
             replica_views,
             registry,
-            state.index,
-            state.deps.loads,
-            state.block_sizes,
-            health_policy(state.deps.settings),
+            core.index,
+            core.deps.loads,
+            core.block_sizes,
+            health_policy(core.deps.settings),
         )
-        return _json(views)
+        return json_response(views)
 
     @router.post(
         "/replicas",
@@ -327,10 +237,10 @@ def _replica_routes(router: APIRouter, state: _AppState) -> None:
             dp_size=body.dp_size,
         )
         if spec.url is not None:
-            await state.url_policy.check(spec.url)
-        created = await state.off_loop(registry.add, spec)
-        state.tokenizers.forget(spec.model)
-        return _json(
+            await core.url_policy.check(spec.url)
+        created = await core.off_loop(registry.add, spec)
+        core.tokenizers.forget(spec.model)
+        return json_response(
             StatusBody("created" if created else "unchanged", spec.id), 201 if created else 200
         )
 
@@ -339,30 +249,30 @@ def _replica_routes(router: APIRouter, state: _AppState) -> None:
         openapi_extra=operation(None, StatusBody, "Remove a replica and purge its blocks"),
     )
     async def remove_replica(replica_id: str) -> Response:
-        spec = await state.off_loop(registry.get, replica_id)
+        spec = await core.off_loop(registry.get, replica_id)
         if spec is None:
-            return _json(ErrorBody("unknown_replica", f"no replica {replica_id!r}"), 404)
+            return json_response(ErrorBody("unknown_replica", f"no replica {replica_id!r}"), 404)
         # Store calls first: if the store is down (503) the replica is still registered and
         # the call can be retried. A subscriber that writes in between purges again once it
         # sees the replica gone.
-        await state.off_loop(drop_replica, state.index, replica_id)
-        await state.off_loop(state.deps.loads.remove, replica_id)
-        await state.off_loop(registry.remove, replica_id)
-        state.scorer.forget(replica_id)
-        state.tokenizers.forget(spec.model)
-        return _json(StatusBody("removed", replica_id))
+        await core.off_loop(drop_replica, core.index, replica_id)
+        await core.off_loop(core.deps.loads.remove, replica_id)
+        await core.off_loop(registry.remove, replica_id)
+        core.scorer.forget(replica_id)
+        core.tokenizers.forget(spec.model)
+        return json_response(StatusBody("removed", replica_id))
 
 
-def _info_routes(router: APIRouter, state: _AppState) -> None:
+def _info_routes(router: APIRouter, core: ApiCore) -> None:
     @router.get("/stats", openapi_extra=operation(None, StatsView, "Index and ingestion totals"))
     async def stats() -> Response:
-        return _json(await state.off_loop(stats_view, state.deps.registry, state.index))
+        return json_response(await core.off_loop(stats_view, core.deps.registry, core.index))
 
     @router.get(
         "/config", openapi_extra=operation(None, ConfigView, "Policies, default weights and models")
     )
     async def config() -> Response:
-        return _json(config_view(state.deps.settings, state.scorer))
+        return json_response(config_view(core.deps.settings, core.scorer))
 
     @router.get(
         "/metrics",
@@ -370,29 +280,8 @@ def _info_routes(router: APIRouter, state: _AppState) -> None:
         openapi_extra=operation(summary="Prometheus metrics", text=_METRICS),
     )
     async def metrics() -> Response:
-        body = await state.off_loop(state.metrics.render)
+        body = await core.off_loop(core.metrics.render)
         return Response(body, media_type=_METRICS)
 
 
-_HEALTHY = msgspec.json.encode({"status": "ok"})
 _NO_HEADERS = Headers()
-
-
-async def _healthz(_body: bytes, _headers: Headers) -> bytes:
-    return _HEALTHY
-
-
-def _hot_routes(state: _AppState, health: APIRouter, routes: APIRouter) -> list[HotRoute]:
-    return [
-        HotRoute(
-            "GET", "/healthz", _route(health, "/healthz"), _healthz, guarded=False, reads_body=False
-        ),
-        HotRoute(
-            "POST", "/score", _route(routes, "/score"), state.score, guarded=True, reads_body=True
-        ),
-    ]
-
-
-def _route(router: APIRouter, path: str) -> BaseRoute:
-    (route,) = [r for r in router.routes if getattr(r, "path", None) == path]
-    return route

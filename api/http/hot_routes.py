@@ -26,11 +26,18 @@ _JSON_HEAD = (b"content-type", b"application/json")
 
 
 @dataclass(frozen=True, slots=True)
+class RouteName:
+    """A hot request's ``scope["route"]``: its template, where a router's route has it."""
+
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
 class HotRoute:
     method: str
     path: str
     route: Any
-    """The FastAPI route of the same method and path, set as ``scope["route"]``."""
+    """Set as ``scope["route"]``: an object whose ``path`` is the route's template."""
     answer: Answer
     guarded: bool
     reads_body: bool

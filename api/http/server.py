@@ -3,6 +3,7 @@ alone on a Redis an indexer writes (``kvindex api``); each runs until SIGINT/SIG
 
 from __future__ import annotations
 
+import gc
 import socket
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -14,9 +15,11 @@ import uvicorn
 
 from kvindex.api.config.settings import ApiSettings, ReadPathSettings
 from kvindex.api.http.allocator import pin_allocator
-from kvindex.api.http.app import create_app, hot_serving
+from kvindex.api.http.core import ApiCore
+from kvindex.api.http.deferred_app import DeferredApp
 from kvindex.api.http.hot_routes import HotServing
 from kvindex.api.http.server_protocol import hot_protocol
+from kvindex.api.http.traffic import TrafficObserver
 from kvindex.api.runtime import ApiDeps, open_stores
 from kvindex.api.schemas import ErrorBody
 from kvindex.indexer.config.settings import IndexerSettings
@@ -63,7 +66,14 @@ def serve_api(settings: ReadPathSettings) -> None:
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn's server, without re-raising the signal that stopped it (so cleanup runs)."""
+    """uvicorn's server, without re-raising the signal that stopped it (so cleanup runs), its
+    start-up's objects out of the garbage collector's rounds once it listens."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        # What start-up built (modules, settings, the app) lives as long as the process:
+        # frozen, a collection no longer walks it (a forked worker no longer copies its pages).
+        gc.freeze()
 
     @contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -75,8 +85,17 @@ class GracefulServer(uvicorn.Server):
 
 
 def _run_uvicorn(deps: ApiDeps, api: ApiSettings) -> None:
-    app = create_app(deps)
-    run_app(app, api, hot=hot_serving(app))
+    app, hot = served_app(deps)
+    run_app(app, api, hot=hot)
+
+
+def served_app(deps: ApiDeps) -> tuple[DeferredApp, HotServing]:
+    """The app ``kvindex serve`` and ``kvindex api`` run, and the hot routes their protocol
+    answers (counted as the app counts its requests)."""
+    core = ApiCore(deps)
+    app = DeferredApp(core)
+    traffic = TrafficObserver(app, metrics=core.metrics, access_log=deps.settings.access_log)
+    return app, core.hot_serving(traffic)
 
 
 def api_bad_request(message: str) -> bytes:

@@ -9,23 +9,29 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
-
-import redis
-from redis.cluster import RedisCluster
-from redis.crc import key_slot
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from kvindex.api.load.model import InFlight
 from kvindex.api.loop.off_loop import OffLoop
 from kvindex.api.loop.periodic import Periodic
 from kvindex.indexer.index.circuit import StoreCircuit
-from kvindex.indexer.index.redis import unavailable_on_connection_errors
-from kvindex.indexer.redis.connection import RedisClient
 from kvindex.indexer.redis.lua import lua_script
 from kvindex.indexer.redis.schema import TOKENS_SUFFIX, Schema, check_name
 
+if TYPE_CHECKING:  # the Redis client is imported where used: not by a memory-store process
+    from kvindex.indexer.redis.connection import RedisClient
+
 logger = logging.getLogger(__name__)
+
+
+def unavailable_on_connection_errors() -> AbstractContextManager[None]:
+    """:func:`kvindex.indexer.index.redis.unavailable_on_connection_errors`, imported at the
+    first Redis call (a process on the memory store loads no Redis client)."""
+    from kvindex.indexer.index.redis import unavailable_on_connection_errors as guard  # noqa: PLC0415
+
+    return guard()
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +168,8 @@ class RedisLedger:
         self._client = client
         self._schema = schema or Schema()
         self._keys = [self._schema.in_flight, self._schema.leases]
+        from redis.crc import key_slot  # noqa: PLC0415 (see unavailable_on_connection_errors)
+
         self._slot = key_slot(self._keys[0].encode())  # every in-flight key's (one hash tag)
         self._reserve = client.register_script(_script("ledger_reserve.lua"))
         self._release = client.register_script(_script("ledger_release.lua"))
@@ -209,6 +217,8 @@ class RedisLedger:
         """Queue the read of :meth:`totals` in ``pipe``; its reply goes to :meth:`read_reply`."""
         # A raw EVALSHA: redis-py's cluster pipeline refuses evalsha; on a cluster it names
         # the master of the {inflight} slot (else redis-py would ask a node for the keys).
+        from redis.cluster import RedisCluster  # noqa: PLC0415
+
         route: dict[str, Any] = {}
         if isinstance(self._client, RedisCluster):
             node = self._client.nodes_manager.get_node_from_slot(self._slot)
@@ -216,8 +226,10 @@ class RedisLedger:
         pipe.execute_command("EVALSHA", self._read.sha, 2, *self._keys, **route)
 
     def read_reply(self, reply: Any) -> dict[str, InFlight]:
+        from redis.exceptions import NoScriptError  # noqa: PLC0415
+
         with unavailable_on_connection_errors():
-            if isinstance(reply, redis.exceptions.NoScriptError):
+            if isinstance(reply, NoScriptError):
                 return self._read_totals(None)
             if isinstance(reply, Exception):
                 raise reply

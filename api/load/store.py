@@ -7,12 +7,9 @@ import logging
 import threading
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 import msgspec
-import redis
-from redis.cluster import RedisCluster
-from redis.crc import key_slot
 
 from kvindex.api.load.model import (
     CountedLoad,
@@ -21,11 +18,15 @@ from kvindex.api.load.model import (
     LoadError,
     is_newer_or_same,
 )
-from kvindex.api.load.reservations import CircuitLedger, Ledger, MemoryLedger, RedisLedger
+from kvindex.api.load.reservations import (
+    CircuitLedger,
+    Ledger,
+    MemoryLedger,
+    RedisLedger,
+    unavailable_on_connection_errors,
+)
 from kvindex.indexer.index.circuit import StoreCircuit
 from kvindex.indexer.index.protocol import IndexUnavailableError
-from kvindex.indexer.index.redis import unavailable_on_connection_errors
-from kvindex.indexer.redis.connection import RedisClient
 from kvindex.indexer.redis.lua import lua_script
 from kvindex.indexer.redis.schema import (
     ANSWERS_SUFFIX,
@@ -33,6 +34,9 @@ from kvindex.indexer.redis.schema import (
     Schema,
     check_name,
 )
+
+if TYPE_CHECKING:  # the Redis client is imported where used: not by a memory-store process
+    from kvindex.indexer.redis.connection import RedisClient
 
 logger = logging.getLogger(__name__)
 
@@ -256,6 +260,8 @@ class RedisLoadStore(_Snapshotted):
         self._schema = schema or Schema()
         self._key = self._schema.load
         self._keys = [self._key, self._schema.load_changes, self._schema.load_removed]
+        from redis.crc import key_slot  # noqa: PLC0415 (see unavailable_on_connection_errors)
+
         self._slot = key_slot(self._key.encode())  # every load key's (one hash tag)
         self._token = uuid.uuid4().hex[:12]  # this process's part of a log's epoch
         self._put = client.register_script(_script("load_put.lua"))
@@ -307,6 +313,9 @@ class RedisLoadStore(_Snapshotted):
             return self._fleet.read(replicas, in_flight)
 
     def _read_changes(self, args: list[str | bytes | int]) -> tuple[Any, dict[str, InFlight]]:
+        from redis.cluster import RedisCluster  # noqa: PLC0415
+        from redis.exceptions import NoScriptError  # noqa: PLC0415
+
         route: dict[str, Any] = {}
         if isinstance(self._client, RedisCluster):
             route = {"target_nodes": self._client.nodes_manager.get_node_from_slot(self._slot)}
@@ -316,7 +325,7 @@ class RedisLoadStore(_Snapshotted):
                 pipe.execute_command("EVALSHA", self._read.sha, 3, *self._keys, *args, **route)
                 self._ledger.queue_read(pipe)
                 reply, totals = pipe.execute(raise_on_error=False)
-            if isinstance(reply, redis.exceptions.NoScriptError):  # it did not run: run it
+            if isinstance(reply, NoScriptError):  # it did not run: run it
                 reply = self._read(keys=self._keys, args=args)
             elif isinstance(reply, Exception):
                 raise reply

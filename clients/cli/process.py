@@ -38,9 +38,9 @@ def check_port(host: str, port: int, option: str = "--port") -> None:
 
 
 def say(line: str) -> None:
-    from kvindex.clients.console import make_console
-
-    make_console().print(line)
+    """``line`` on stdout as given: no console library loaded for it (a start-up's cost), and
+    none of its markup read in it (an IPv6 ``[::1]`` stays)."""
+    click.echo(line)
 
 
 def stop_event() -> threading.Event:

@@ -7,7 +7,6 @@ from typing import Literal, get_args
 from urllib.parse import urlsplit
 
 from kvindex.indexer.domain.errors import SettingsError
-from kvindex.indexer.redis.connection import CLUSTER_MODES, ClusterMode, safe_url, seeds_of
 from kvindex.indexer.redis.schema import (
     MAX_INDEX_GROUPS,
     TOPOLOGY_INDEX_GROUPS,
@@ -15,6 +14,7 @@ from kvindex.indexer.redis.schema import (
     SchemaError,
     check_name,
 )
+from kvindex.indexer.redis.urls import CLUSTER_MODES, ClusterMode, safe_url, seeds_of
 
 StoreKind = Literal["memory", "redis"]
 

@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -25,7 +26,6 @@ from kvindex.indexer.domain.health import UnroutedCounters
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.protocol import BlockIndex
-from kvindex.indexer.ingest.membership import Shard
 from kvindex.indexer.ingest.partition import StreamPartition, UnroutedTotals
 from kvindex.indexer.ingest.pipeline import Pipeline
 from kvindex.indexer.ingest.poller import ReadablePoller
@@ -36,6 +36,9 @@ from kvindex.indexer.ingest.process_limits import (
     sized_context,
 )
 from kvindex.indexer.ingest.replay import ReplaySession
+
+if TYPE_CHECKING:  # sharding runs on Redis: a memory-store indexer loads no Redis client
+    from kvindex.indexer.ingest.membership import Shard
 
 log = logging.getLogger("kvindex.subscriber")
 

@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Literal, TypeAlias, cast, get_args
+from typing import Any, TypeAlias, cast
 from urllib.parse import urlsplit
 
 import redis
@@ -19,13 +19,11 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
 from kvindex.indexer.domain.errors import KvIndexError
+from kvindex.indexer.redis.urls import ClusterMode, safe_url, seeds_of
 
 log = logging.getLogger("kvindex.redis")
 
 RedisClient: TypeAlias = redis.Redis | RedisCluster
-
-ClusterMode = Literal["auto", "on", "off"]
-CLUSTER_MODES: tuple[str, ...] = get_args(ClusterMode)
 
 STORE_ERRORS = (
     redis.ConnectionError,
@@ -43,11 +41,6 @@ CLUSTER_AS_STANDALONE = (
 
 class StoreConnectError(KvIndexError):
     """A Redis Cluster whose slot map could not be read when its client was built."""
-
-
-def seeds_of(url: str) -> list[str]:
-    """The URLs a ``redis_url`` names (comma-separated seeds of one cluster, or one URL)."""
-    return [part.strip() for part in url.split(",") if part.strip()]
 
 
 def is_cluster(url: str, *, timeout_s: float) -> bool:
@@ -78,16 +71,6 @@ def _wants_cluster(seeds: list[str], mode: ClusterMode, timeout_s: float) -> boo
         safe_url(seeds[0]),
     )
     return False
-
-
-def safe_url(url: str) -> str:
-    """``url`` (or comma-separated URLs) without credentials: what logs and errors show."""
-    return ",".join(_safe(seed) for seed in seeds_of(url))
-
-
-def _safe(url: str) -> str:
-    scheme, sep, rest = url.partition("://")
-    return f"{scheme}{sep}{rest.rpartition('@')[2]}" if sep else url
 
 
 def _cluster(seeds: list[str], retry: Retry, timeout_s: float) -> RedisCluster:

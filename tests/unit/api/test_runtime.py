@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from kvindex.api.config.settings import ApiSettings, ReadPathSettings
 from kvindex.api.health.checker import HealthChecker
 from kvindex.api.http import app as app_module
+from kvindex.api.http import core as core_module
 from kvindex.api.http import server as server_module
 from kvindex.api.load.store import MemoryLoadStore
 from kvindex.api.runtime import ApiDeps, Hooks, ReadPath, build_read_path, open_stores
@@ -49,12 +50,13 @@ class _Spy:
 def test_the_api_app_and_the_proxy_app_are_built_by_the_one_assembly() -> None:
     spy = _Spy()
     with (
-        patch.object(app_module, "build_read_path", spy),
+        patch.object(core_module, "build_read_path", spy),
         patch.object(proxy_module, "build_read_path", spy),
     ):
         api = app_module.create_app(_deps())
+        served, _ = server_module.served_app(_deps())
         proxy = proxy_module.build_proxy_app(_deps(), ProxySettings())
-    assert spy.built == [api.state.read_path, proxy.state.read_path]
+    assert spy.built == [api.state.read_path, served.core.read_path, proxy.state.read_path]
     assert isinstance(api.state.read_path.tokenizers, ModelTokenizers)
     assert isinstance(proxy.state.read_path.tokenizers, ProxyTokenizers)  # fails over
 

@@ -20,8 +20,8 @@ from kvindex.indexer.redis.connection import (
     connect_bounded,
     is_cluster,
     ping,
-    safe_url,
 )
+from kvindex.indexer.redis.urls import safe_url
 from tests.support.redis_cluster import ClusterNodes
 from tests.support.redis_server import RedisServer, free_port
 

@@ -1,0 +1,55 @@
+"""``kvindex serve`` and ``kvindex api``'s ASGI app: the read path started and stopped by
+the lifespan here, FastAPI's app imported and built on the first request that reaches it.
+
+The server's protocol answers the hot routes (``/score``, ``/healthz``, ``/readyz``) itself
+(:mod:`kvindex.api.http.server_protocol`), so a process is ready without FastAPI, whose
+import and routes are most of a start-up. The first other request (``/metrics``,
+``/replicas``, a ``/score`` behind a load balancer...) builds the app, in its own call on
+the event loop, once: it waits for it, as do requests on the loop meanwhile.
+"""
+
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvindex.api.http.core import ApiCore
+
+
+class DeferredApp:
+    """The app of ``core``: its lifespan runs ``core.read_path``; FastAPI's routes on first use."""
+
+    def __init__(self, core: ApiCore) -> None:
+        self.core = core
+        self._app: ASGIApp | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        app = self._app
+        if app is None:
+            app = self._app = self.build()
+        await app(scope, receive, send)
+
+    @property
+    def built(self) -> bool:
+        """Whether a request has reached FastAPI's app (and so built it)."""
+        return self._app is not None
+
+    def build(self) -> ASGIApp:
+        """FastAPI's app over ``core`` (without a lifespan: this one runs the read path)."""
+        from kvindex.api.http.app import app_of  # noqa: PLC0415 (the import is the cost deferred)
+
+        return app_of(self.core)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        await receive()  # lifespan.startup
+        try:
+            await self.core.read_path.start()
+        except Exception as exc:
+            await send({"type": "lifespan.startup.failed", "message": repr(exc)})
+            raise
+        await send({"type": "lifespan.startup.complete"})
+        await receive()  # lifespan.shutdown
+        await self.core.read_path.stop()
+        await send({"type": "lifespan.shutdown.complete"})

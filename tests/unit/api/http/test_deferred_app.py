@@ -1,0 +1,64 @@
+"""DeferredApp: the lifespan runs the read path; FastAPI's app is built on the first request
+that reaches it, once, and answers as ``create_app``'s does."""
+
+from __future__ import annotations
+
+from starlette.testclient import TestClient
+from starlette.types import ASGIApp
+
+from kvindex.api.config.settings import ApiSettings
+from kvindex.api.http.app import create_app
+from kvindex.api.http.server import served_app
+from kvindex.api.load.store import MemoryLoadStore
+from kvindex.api.runtime import ApiDeps
+from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.index.memory import MemoryIndex
+
+SETTINGS = ApiSettings(scrape_interval_s=0.0, health_check_interval_s=0.0)
+
+
+def _deps() -> ApiDeps:
+    registry = Registry((ReplicaSpec("r1", "m"),))
+    return ApiDeps(SETTINGS, MemoryIndex(), registry, MemoryLoadStore(), blocking_store=False)
+
+
+def test_the_lifespan_starts_and_stops_the_read_path() -> None:
+    app, _ = served_app(_deps())
+    with TestClient(app):
+        assert not app.core.read_path.http.is_closed
+    assert app.core.read_path.http.is_closed
+
+
+def test_the_app_is_built_once_on_first_use_and_answers_as_create_apps() -> None:
+    app, _ = served_app(_deps())
+    builds: list[ASGIApp] = []
+    build = app.build
+
+    def counted() -> ASGIApp:
+        builds.append(build())
+        return builds[-1]
+
+    app.build = counted  # type: ignore[method-assign]
+    with TestClient(app) as client, TestClient(create_app(_deps())) as reference:
+        assert builds == []  # the lifespan needs no app
+        assert client.get("/config").json() == reference.get("/config").json()
+        assert client.get("/replicas").json() == reference.get("/replicas").json()
+        assert (
+            client.get("/readyz").json() == reference.get("/readyz").json() == {"status": "ready"}
+        )
+        assert client.get("/nowhere").status_code == 404
+    assert len(builds) == 1
+
+
+def test_the_hot_routes_need_no_app() -> None:
+    app, hot = served_app(_deps())
+    assert {(m.decode(), p.decode()) for m, p in hot.routes} == {
+        ("GET", "/healthz"),
+        ("GET", "/readyz"),
+        ("POST", "/score"),
+    }
+    assert not app.built
+    with TestClient(app) as client:
+        assert client.get("/healthz").json() == {"status": "ok"}
+    assert app.built
