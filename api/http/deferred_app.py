@@ -5,10 +5,14 @@ The server's protocol answers the hot routes (``/score``, ``/healthz``, ``/ready
 (:mod:`kvindex.api.http.server_protocol`), so a process is ready without FastAPI, whose
 import and routes are most of a start-up. The first other request (``/metrics``,
 ``/replicas``, a ``/score`` behind a load balancer...) builds the app, in its own call on
-the event loop, once: it waits for it, as do requests on the loop meanwhile.
+the event loop, once. FastAPI's modules are imported on a thread as soon as the read path has
+started, so that request builds the routes but rarely waits for the import (the hot routes
+go on answering meanwhile, sharing the interpreter with the thread).
 """
 
 from __future__ import annotations
+
+import threading
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -50,6 +54,13 @@ class DeferredApp:
             await send({"type": "lifespan.startup.failed", "message": repr(exc)})
             raise
         await send({"type": "lifespan.startup.complete"})
+        threading.Thread(target=_import_app, name="kvindex-app-import", daemon=True).start()
         await receive()  # lifespan.shutdown
         await self.core.read_path.stop()
         await send({"type": "lifespan.shutdown.complete"})
+
+
+def _import_app() -> None:
+    """Imports what :meth:`DeferredApp.build` needs (Python's import lock makes a build that
+    starts meanwhile wait for this import rather than run a second one)."""
+    import kvindex.api.http.app  # noqa: F401, PLC0415

@@ -52,3 +52,48 @@ def test_serve_is_ready_without_fastapi_nor_redis() -> None:
     served, built = _loaded()
     assert served.isdisjoint(DEFERRED), sorted(served & set(DEFERRED))
     assert "redis" not in built
+
+
+_STARTED = """
+import asyncio, json, sys, threading
+from kvindex.api.http.server import Service, served_app
+from kvindex.api.config.settings import load_api_settings
+from kvindex.indexer.config.settings import load_settings
+
+settings = load_settings(None, env={}, overrides={"store": "memory"})
+service = Service.build(settings, load_api_settings(None, None, env={}))
+app, hot = served_app(service.deps)
+messages = [{"type": "lifespan.startup"}]
+sent = []
+
+async def receive():
+    if messages:
+        return messages.pop()
+    await asyncio.sleep(3600)
+
+async def send(message):
+    sent.append(message["type"])
+
+async def main():
+    task = asyncio.ensure_future(app({"type": "lifespan"}, receive, send))
+    while not sent:
+        await asyncio.sleep(0.01)
+    for thread in threading.enumerate():
+        if thread.name == "kvindex-app-import":
+            thread.join(30)
+    task.cancel()
+
+asyncio.run(main())
+print(json.dumps([sent, "kvindex.api.http.app" in sys.modules, "fastapi" in sys.modules, app.built]))
+"""
+
+
+def test_fastapi_is_imported_on_a_thread_once_the_read_path_has_started() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _STARTED], check=False, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    sent, app_module, fastapi, built = json.loads(done.stdout.splitlines()[-1])
+    assert sent == ["lifespan.startup.complete"]
+    assert app_module and fastapi  # imported, so a first non-hot request waits for no import
+    assert not built  # the routes are still built by that request
