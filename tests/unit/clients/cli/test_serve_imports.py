@@ -84,7 +84,8 @@ async def main():
     task.cancel()
 
 asyncio.run(main())
-print(json.dumps([sent, "kvindex.api.http.app" in sys.modules, "fastapi" in sys.modules, app.built]))
+loaded = ["kvindex.api.http.app" in sys.modules, "fastapi" in sys.modules]
+print(json.dumps([sent, *loaded, app.built]))
 """
 
 
