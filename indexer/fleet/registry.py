@@ -26,6 +26,9 @@ class Freshness(enum.Enum):
     """How far a stream's index entries can be trusted right now."""
 
     LIVE = "live"
+    PARTIAL = "partial"
+    """Live, but the replica may hold blocks the index never learnt (``StreamHealth.partial``
+    says why and since when): what the index holds is right, some of the rest is missing."""
     REPLAYING = "replaying"
     STALE = "stale"
     ORPHANED = "orphaned"
@@ -52,6 +55,8 @@ class StreamFreshness(NamedTuple):
     silent_s: float | None
     connected: bool = True  # connect mode's socket; bind-mode streams read False
     disconnected_s: float | None = None
+    partial: str | None = None  # why the view is partial (``StreamHealth.partial``)
+    partial_since: float | None = None
 
 
 HealthChange = Callable[[ReplicaHealth], ReplicaHealth]  # a pure change of a record
@@ -259,14 +264,14 @@ class Registry:
 
 def freshness_of(health: StreamHealth, silent_s: float | None, stale_after_s: float) -> Freshness:
     """Replaying during a replay; else stale if silent past ``stale_after_s``, disconnected,
-    or never connected nor heard from; else live."""
+    or never connected nor heard from; else partial while its view is; else live."""
     if health.replaying:
         return Freshness.REPLAYING
     if silent_s is not None and silent_s > stale_after_s:
         return Freshness.STALE
     if not health.connected and (health.disconnected_at is not None or silent_s is None):
         return Freshness.STALE
-    return Freshness.LIVE
+    return Freshness.LIVE if health.partial is None else Freshness.PARTIAL
 
 
 def stream_freshness(
@@ -280,7 +285,14 @@ def stream_freshness(
     gone = health.disconnected_at
     disconnected_s = None if health.connected or gone is None else max(0.0, now - gone)
     return StreamFreshness(
-        stream, freshness, health.lag_s, silent_s, health.connected, disconnected_s
+        stream,
+        freshness,
+        health.lag_s,
+        silent_s,
+        health.connected,
+        disconnected_s,
+        health.partial,
+        health.partial_since,
     )
 
 
