@@ -112,6 +112,9 @@ class ReplicaSimSettings:
     chat_template: str | None = None
     """Its chat template (None: ``chat_template.jinja`` or ``tokenizer_config.json`` beside it)."""
     enable_scale_out: bool = False  # vLLM's flag: the render routes served (else 404)
+    enable_prompt_tokens_details: bool = True
+    """As vLLM's ``--enable-prompt-tokens-details``: ``usage.prompt_tokens_details.cached_tokens``
+    in every answer (False: absent, as vLLM without the flag)."""
 
     def __post_init__(self) -> None:
         self._check_test_knobs()
@@ -343,7 +346,7 @@ class Engine:
     async def _execute(
         self, request_id: int, request: SimRequest, admission: Admission, queue_s: float
     ) -> SimResult:
-        cached = admission.num_hit_blocks * self.settings.block_size
+        cached = admission.num_hit_blocks * self.cache.block_size
         prefill_s, decode_s = service_times(
             len(request.prompt) - cached,
             request.max_tokens,
@@ -389,6 +392,11 @@ class Engine:
 # --- HTTP -------------------------------------------------------------------------------------
 
 
+class StreamOptions(msgspec.Struct):
+    include_usage: bool | None = None
+    """True: a last chunk (no choices) carries the ``usage`` (else no chunk does)."""
+
+
 class CompletionBody(msgspec.Struct):
     model: str
     prompt: str | list[TokenId]
@@ -396,6 +404,7 @@ class CompletionBody(msgspec.Struct):
     lora_name: str | None = None
     cache_salt: str | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
 
 
 class ChatBody(msgspec.Struct):
@@ -407,6 +416,7 @@ class ChatBody(msgspec.Struct):
     lora_name: str | None = None
     cache_salt: str | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
 
 
 class TokenizeBody(msgspec.Struct):
@@ -459,12 +469,7 @@ def completion_response(settings: ReplicaSimSettings, prompt_len: int, result: S
                 "finish_reason": "length",
             }
         ],
-        "usage": {
-            "prompt_tokens": prompt_len,
-            "completion_tokens": len(result.output_tokens),
-            "total_tokens": prompt_len + len(result.output_tokens),
-            "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
-        },
+        "usage": usage(settings, prompt_len, result),
         "kvsim": {
             "replica": settings.id,
             "cached_tokens": result.cached_tokens,
@@ -473,6 +478,20 @@ def completion_response(settings: ReplicaSimSettings, prompt_len: int, result: S
             "latency_s": result.latency_s,
         },
     }
+
+
+def usage(settings: ReplicaSimSettings, prompt_len: int, result: SimResult) -> dict[str, Any]:
+    """vLLM's ``usage``: token counts, and with ``enable_prompt_tokens_details`` the prompt
+    tokens the engine found in its prefix cache (whole blocks, the last prompt token never)."""
+    num_output = len(result.output_tokens)
+    out: dict[str, Any] = {
+        "prompt_tokens": prompt_len,
+        "completion_tokens": num_output,
+        "total_tokens": prompt_len + num_output,
+    }
+    if settings.enable_prompt_tokens_details:
+        out["prompt_tokens_details"] = {"cached_tokens": result.cached_tokens}
+    return out
 
 
 def metrics_text(engine: Engine) -> str:
@@ -502,8 +521,9 @@ def chat_response(settings: ReplicaSimSettings, prompt_len: int, result: SimResu
     return answer
 
 
-def sse_chunks(answer: Any, *, chat: bool) -> list[bytes]:
-    """A finished answer as OpenAI server-sent events: a chunk per word, one with ``usage``."""
+def sse_chunks(answer: Any, *, chat: bool, include_usage: bool = False) -> list[bytes]:
+    """A finished answer as OpenAI server-sent events: a chunk per word, then, as vLLM when
+    ``stream_options.include_usage`` is true, one without choices carrying ``usage``."""
     kind = "chat.completion.chunk" if chat else "text_completion"
     head = {k: answer[k] for k in ("id", "created", "model")} | {"object": kind}
     text = answer["choices"][0]["message"]["content"] if chat else answer["choices"][0]["text"]
@@ -520,7 +540,8 @@ def sse_chunks(answer: Any, *, chat: bool) -> list[bytes]:
         else:
             choice |= {"text": piece, "logprobs": None}
         events.append(head | {"choices": [choice]})
-    events.append(head | {"choices": [], "usage": answer["usage"], "kvsim": answer["kvsim"]})
+    if include_usage:
+        events.append(head | {"choices": [], "usage": answer["usage"], "kvsim": answer["kvsim"]})
     return [b"data: " + _json(e) + b"\n\n" for e in events] + [b"data: [DONE]\n\n"]
 
 
@@ -546,6 +567,8 @@ async def handle_completion(engine: Engine, raw: bytes, *, chat: bool = False) -
         return _error(400, str(exc))
     except ReplicaSimError as exc:
         return _error(404, str(exc))
+    if body.stream_options is not None and not body.stream:  # vLLM's own check
+        return _error(400, "Stream options can only be defined when `stream=True`.")
     tokenizer = settings_tokenizer(settings)
     try:
         if isinstance(body, ChatBody):
@@ -561,7 +584,9 @@ async def handle_completion(engine: Engine, raw: bytes, *, chat: bool = False) -
     shape = chat_response if chat else completion_response
     answer = shape(settings, len(prompt), result)
     if body.stream:
-        return _sse(sse_chunks(answer, chat=chat), settings.stream_stall_s)
+        include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
+        chunks = sse_chunks(answer, chat=chat, include_usage=include_usage)
+        return _sse(chunks, settings.stream_stall_s)
     return _ok(answer)
 
 
