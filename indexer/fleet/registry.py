@@ -59,6 +59,8 @@ class StreamFreshness(NamedTuple):
     partial_since: float | None = None
 
 
+PriorView = Callable[[StreamId], "tuple[str, float] | None"]
+"""The (reason, since) of a stream's view as another process last published it partial."""
 HealthChange = Callable[[ReplicaHealth], ReplicaHealth]  # a pure change of a record
 HealthUpdate = tuple[ReplicaHealth, ReplicaHealth]  # a record before and after a change
 
@@ -88,6 +90,7 @@ class Registry:
         self._sorted: tuple[ReplicaSpec, ...] | None = None
 
         self._model_to_block_size: dict[str, int | None] = {}
+        self._prior_view: PriorView | None = None
 
     # --- replicas ------------------------------------------------------------------------
 
@@ -177,6 +180,25 @@ class Registry:
                 self._disconnected.add(stream)
             if health.block_size != block_size:
                 self._model_to_block_size.clear()
+
+    def read_prior_views(self, lookup: PriorView) -> None:
+        """Where :meth:`resume_partial` finds what an earlier indexer published (Redis)."""
+        self._prior_view = lookup
+
+    def resume_partial(self, stream: StreamId) -> str | None:
+        """A stream resumed from a kept index (a restart, a takeover): the reason its view
+        was partial when last published, now its record's too (with its since); None: whole."""
+        prior = None if self._prior_view is None else self._prior_view(stream)
+        if prior is None:
+            return None
+        reason, since = prior
+        with self._lock:
+            health = self._health.get(stream)
+            if health is None:
+                health = self._health[stream] = StreamHealth()
+                self._streams_version += 1
+            health.partial, health.partial_since = reason, since
+        return reason
 
     def forget(self, stream: StreamId) -> None:
         """Drop one stream's record (another indexer keeps the stream now)."""

@@ -341,8 +341,10 @@ class Pipeline:
         self._runtimes[stream] = runtime
         if refused:
             self._fenced_out(runtime, 0)
-        else:
-            self._registry.record(stream, report)  # an empty report: the record exists now
+            return runtime
+        if tracker.last_seq >= 0:  # the index kept the stream: and its view's state
+            tracker.partial = self._registry.resume_partial(stream)
+        self._registry.record(stream, report)  # an empty report: the record exists now
         return runtime
 
     def _tracker_from_index(

@@ -4,7 +4,8 @@ next and reads ``partial`` (with its reason and since when) in ``/score``, ``/re
 ``kvindex replicas`` and the metrics while blocks the replica holds are unknown; only the
 replica's cache reset (``AllBlocksCleared``) makes it ``live`` again. On the memory store
 (``kvindex serve``: the restarted index is empty) and on Redis (``kvindex indexer`` and
-``kvindex api``: the index kept its blocks and watermark)."""
+``kvindex api``: the index kept its blocks and watermark, and a restarted indexer resumes the
+partial view the last one published)."""
 
 from __future__ import annotations
 
@@ -154,6 +155,15 @@ def test_a_gap_past_the_replay_buffer_reads_partial_until_the_cache_is_reset(
     fleet.publisher.publish([stored(last + 1)])  # what the replica stores now: still partial
     wait_until(lambda: _indexed(fleet, last + 1), 10, "a later store")
     assert fleet.score(0)["freshness"]["state"] == "partial"
+
+    fleet.indexer.stop()  # an indexer restarted: a partial view stays partial
+    fleet.indexer.start()
+    seq = fleet.publisher.publish([stored(last + 2)])
+    wait_until(lambda: fleet.replica_view()["streams"][0]["last_seq"] == seq, 20, "its record")
+    again = fleet.score(0)["freshness"]
+    assert (again["state"], again["partial"]) == ("partial", fleet.expected_reason)
+    if fleet.expected_reason == "replay_gap_past_buffer":  # Redis: resumed, since and all
+        assert again["partial_since"] == freshness["partial_since"]
 
     fleet.publisher.publish([AllBlocksCleared()])  # the cache reset: nothing unknown is held
     fleet.publisher.publish([stored(0)])

@@ -708,3 +708,21 @@ def test_a_store_back_after_an_outage_keeps_the_partial_view() -> None:
     r.pipeline.maintain()
     r.pipeline.on_replay(R1, replies(batch(5), batch(6), batch(7)))
     assert r.health().partial == "replay_gap_past_buffer"
+
+
+def test_a_stream_resumed_from_a_kept_index_resumes_its_published_partial_view() -> None:
+    r = rig()
+    synced(r, last=2)
+    spec = ReplicaSpec("r1", MODEL, replay=REPLAY)
+    config = IndexerSettings(replicas=(spec,))
+    for published, expected in ((("gap_unrepaired", 5.0), "gap_unrepaired"), (None, None)):
+        registry = Registry(config.replicas, clock=r.clock)
+        registry.read_prior_views(lambda _stream, p=published: p)  # type: ignore[misc]
+        Pipeline(config, r.index, registry, replays=Replays(), clock=r.clock).track(R1, spec)
+        status = registry.status(R1)
+        assert status is not None and status.health.partial == expected
+    fresh = Registry(config.replicas, clock=r.clock)  # an empty index: judged, not resumed
+    fresh.read_prior_views(lambda _stream: ("gap_unrepaired", 5.0))
+    Pipeline(config, FlakyIndex(), fresh, replays=Replays(), clock=r.clock).track(R1, spec)
+    status = fresh.status(R1)
+    assert status is not None and status.health.partial is None
