@@ -111,7 +111,6 @@ class FleetSync:
         self._owner = owner
         self._lease = lease
         self._publish = client.register_script(lua_script(__name__, "publish_status.lua"))
-        registry.read_prior_views(self.prior_view)
         self._refused = False
         self._client = client
         self._schema = schema
@@ -127,6 +126,7 @@ class FleetSync:
         self.num_errors = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        registry.read_prior_views(self.prior_view)
 
     def prior_view(self, stream: StreamId) -> tuple[str, float] | None:
         """(reason, since) if the stream's published record says its view is partial; None

@@ -70,11 +70,10 @@ class StreamTracker:
         last_ts: float | None = None,
         max_pending: int = 100_000,
         counters: StreamCounters | None = None,
-        partial: str | None = None,
     ) -> None:
         self.can_replay = can_replay
         self.last_seq = watermark
-        self.partial = partial
+        self.partial: str | None = None
         """A :class:`Partial` reason while the index may lack blocks the replica holds."""
         self._judge: str | None = None
         """The reason the next batch applied makes the view partial unless it is seq 0."""
