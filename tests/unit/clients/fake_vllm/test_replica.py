@@ -14,13 +14,13 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from kvindex.api.load.vllm_metrics import parse_vllm_metrics
+from kvindex.clients.fake_vllm.answers import SimResult
 from kvindex.clients.fake_vllm.block_pool import BlockPool
 from kvindex.clients.fake_vllm.replica import (
     Engine,
     ReplicaSimError,
     ReplicaSimSettings,
     SimRequest,
-    SimResult,
     handle_cached,
     handle_completion,
     handle_embeddings,
