@@ -52,18 +52,25 @@ def tier_counts(tiers: tuple[Tier, ...]) -> dict[str, int]:
 
 
 def freshness_view(statuses: Sequence[StreamFreshness]) -> tuple[Freshness, FreshnessView]:
-    """Its least fresh stream's state, its largest lag, its shortest silence."""
+    """Its least fresh stream's state, its largest lag, its shortest silence, and the view
+    partial longest (reason, since), if any."""
     # ``_value_`` is ``value`` without the enum property's cost.
     if len(statuses) == 1:  # one stream (no data parallelism): the replica's view is its own
         status = statuses[0]
         state = status.freshness
-        return state, FreshnessView(state._value_, status.lag_s, status.silent_s)
+        view = FreshnessView(state._value_, status.lag_s, status.silent_s)
+        if status.partial is not None:
+            view.partial, view.partial_since = status.partial, status.partial_since
+        return state, view
     state = freshness(statuses)
     lags = [s.lag_s for s in statuses if s.lag_s is not None]
     silent = [s.silent_s for s in statuses if s.silent_s is not None]
+    partial = sorted((s.partial_since or 0.0, s.partial) for s in statuses if s.partial)
     view = FreshnessView(
         state=state._value_,
         lag_s=max(lags) if lags else None,
         silent_s=min(silent) if silent else None,
+        partial=partial[0][1] if partial else None,
+        partial_since=partial[0][0] if partial else None,
     )
     return state, view

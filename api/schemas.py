@@ -162,11 +162,15 @@ class LoadView(msgspec.Struct):
     """Answers naming it ``best`` since the load was stored, over every API process."""
 
 
-class FreshnessView(msgspec.Struct):
+class FreshnessView(msgspec.Struct, omit_defaults=True):
     state: str
-    """``live``, ``replaying`` or ``stale``."""
+    """``live``, ``partial``, ``replaying``, ``stale`` or ``orphaned``."""
     lag_s: float | None
     silent_s: float | None
+    partial: str | None = None
+    """Why the index may lack blocks the replica holds (absent: its view is whole)."""
+    partial_since: float | None = None
+    """Since when (Unix time)."""
 
 
 class ScoreEntry(msgspec.Struct):

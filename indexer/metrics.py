@@ -2,7 +2,7 @@
 time. ``kvindex indexer`` exports them on its status port, ``kvindex serve`` on the API's
 ``/metrics``; an API-only process does not (the fleet it reads is the indexer's). Series:
 ``kvindex_<counter>_total`` per stream counter, the stream gauges (lag, silence, connected,
-block size), ``kvindex_blocks``, ``kvindex_replicas``, ``kvindex_streams`` and
+block size, partial), ``kvindex_blocks``, ``kvindex_replicas``, ``kvindex_streams`` and
 ``kvindex_unrouted_frames_total``; the indexer adds its store's state, and every process
 its :class:`BuildInfo`.
 """
@@ -91,6 +91,7 @@ class IngestCollector(Collector):
         labelled = [(status, _labels(status, model_of)) for status in statuses]
         yield from _counters(labelled)
         yield from _stream_gauges(labelled)
+        yield _partial(labelled)
         yield from _fleet(fleet_totals(self._registry, statuses=statuses))
         yield self._blocks(labelled)
 
@@ -142,6 +143,21 @@ def _stream_gauges(labelled: Labelled) -> Iterator[GaugeMetricFamily]:
         if health.block_size:
             block_size.add_metric(labels, health.block_size)
     yield from (lag, silent, connected, block_size)
+
+
+def _partial(labelled: Labelled) -> GaugeMetricFamily:
+    """The start time of each partial view, by reason; a whole one has no series."""
+    gauge = GaugeMetricFamily(
+        "kvindex_stream_partial_since_seconds",
+        "Unix time since which the stream's view is partial (blocks the replica holds may be"
+        " unknown), by reason",
+        labels=[*_STREAM_LABELS, "reason"],
+    )
+    for status, labels in labelled:
+        health = status.health
+        if health.partial is not None:
+            gauge.add_metric([*labels, health.partial], health.partial_since or 0.0)
+    return gauge
 
 
 def _gauge(name: str, doc: str) -> GaugeMetricFamily:

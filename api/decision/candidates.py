@@ -43,7 +43,7 @@ class Seen:
         return Candidate(replica, tiers, state, load_input, num_requests, num_tokens)
 
 
-_WORST = {Freshness.LIVE: 0, Freshness.REPLAYING: 1, Freshness.STALE: 2}
+_WORST = {Freshness.LIVE: 0, Freshness.PARTIAL: 1, Freshness.REPLAYING: 2, Freshness.STALE: 3}
 
 
 def freshness(statuses: Sequence[StreamFreshness]) -> Freshness:

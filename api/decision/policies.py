@@ -214,6 +214,7 @@ def tier_credit(
 
 
 def _freshness_factor(freshness: Freshness, w: Weights) -> float:
+    # Partial: the blocks it lacks are not matched, and the ones it holds are right: 1.0.
     if freshness is _STALE:
         return w.stale_factor
     if freshness is _REPLAYING:

@@ -92,7 +92,13 @@ def stream_view(index: BlockIndex, status: StreamStatus, *, mismatch: bool = Fal
     health = status.health
     return StreamView(
         rank=status.stream.rank,
-        freshness=FreshnessView(status.freshness.value, health.lag_s, status.silent_s),
+        freshness=FreshnessView(
+            status.freshness.value,
+            health.lag_s,
+            status.silent_s,
+            health.partial,
+            health.partial_since,
+        ),
         connected=health.connected,
         last_seq=health.last_seq,
         blocks={t.name.lower(): stats.blocks_by_tier.get(t, 0) for t in Tier},
@@ -141,7 +147,7 @@ def _counters_view(counters: StreamCounters) -> dict[str, int]:
 
 
 def _worst(states: list[str]) -> str:
-    for state in ("orphaned", "stale", "replaying"):
+    for state in ("orphaned", "stale", "replaying", "partial"):
         if state in states:
             return state
     return "live" if states else "stale"

@@ -461,6 +461,12 @@ def picker(
     type=click.Path(exists=True, dir_okay=False),
     help="The chat template of --tokenizer (default: beside it, as Hugging Face lays it out).",
 )
+@click.option(
+    "--enable-prompt-tokens-details/--disable-prompt-tokens-details",
+    default=True,
+    show_default=True,
+    help="Report usage.prompt_tokens_details.cached_tokens, as vLLM with this flag.",
+)
 def replica_sim(
     replica_id: str, bind_events: bool, lora_names: tuple[str, ...], replay: str, **kw: Any
 ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -81,7 +82,17 @@ def _number(value: float) -> str:
 
 
 def format_freshness(fresh: FreshnessView) -> str:
-    return fresh.state if fresh.lag_s is None else f"{fresh.state} lag {_seconds(fresh.lag_s)}"
+    text = fresh.state if fresh.lag_s is None else f"{fresh.state} lag {_seconds(fresh.lag_s)}"
+    return text + format_partial(fresh)
+
+
+def format_partial(fresh: FreshnessView) -> str:
+    """`` (partial: <reason> for 12s)``, or nothing while the view is whole."""
+    if fresh.partial is None:
+        return ""
+    since = fresh.partial_since
+    age = "" if since is None else f" for {max(0.0, time.time() - since):.0f}s"
+    return f" (partial: {fresh.partial}{age})"
 
 
 def format_load(load: LoadView | None) -> str:
@@ -235,7 +246,7 @@ def _streams_cell(view: ReplicaView, wide: bool) -> str:
 
 def _stream_line(stream: StreamView, wide: bool) -> str:
     line = f"{stream.rank}: seq {stream.last_seq}, {format_tiers(stream.blocks)}"
-    line += f", lag {_seconds(stream.freshness.lag_s)}"
+    line += f", lag {_seconds(stream.freshness.lag_s)}{format_partial(stream.freshness)}"
     if stream.block_size_mismatch:
         line += f", block size {stream.block_size} (not the model's: never matches)"
     elif wide and stream.block_size:

@@ -32,17 +32,23 @@ class FleetStatus:
     """Every freshness state, each with its streams (``r1/0``), in stream order."""
     max_lag_s: float | None
     """The largest lag of a stream's last applied batch (None: no batch applied yet)."""
+    partial: dict[str, tuple[str, float]] = field(default_factory=dict)
+    """Each stream whose view is partial: (reason, since), whatever its freshness."""
 
 
 def fleet_status(service: IndexerService) -> FleetStatus:
     """The totals of ``service``'s registry and index now (one index read per stream)."""
     statuses = service.registry.statuses()
     names: dict[Freshness, list[str]] = {state: [] for state in Freshness}
+    partial: dict[str, tuple[str, float]] = {}
     for status in statuses:
         names[status.freshness].append(str(status.stream))
+        health = status.health
+        if health.partial is not None:
+            partial[str(status.stream)] = (health.partial, health.partial_since or 0.0)
     lags = [s.health.lag_s for s in statuses if s.health.lag_s is not None]
     totals = fleet_totals(service.registry, service.index, statuses=statuses)
-    return FleetStatus(totals, names, max(lags, default=None))
+    return FleetStatus(totals, names, max(lags, default=None), partial)
 
 
 def _named(state: Freshness, streams: list[str]) -> str:
@@ -65,17 +71,34 @@ def status_line(status: FleetStatus, batches_per_s: float | None) -> str:
     states = ", ".join(
         _named(s, names)
         for s, names in status.streams_by_freshness.items()
-        if names or s is not Freshness.ORPHANED  # only a sharded fleet has orphans
+        if names or s not in _SHOWN_IF_ANY  # only a sharded fleet has orphans
     )
     blocks = " ".join(f"{t.name.lower()} {n:,}" for t, n in totals.blocks_by_tier.items())
     rate = "-" if batches_per_s is None else f"{batches_per_s:.1f}"
     lag = "-" if status.max_lag_s is None else f"{status.max_lag_s:.3f}s"
     num_unrouted = _num_unrouted(totals)
     return (
-        f"{num} stream{'' if num == 1 else 's'}: {states} · blocks {blocks} · {rate} batches/s"
-        f" · lag max {lag} · gaps {counters.num_gaps} · replays {counters.num_replays}"
-        f" · restarts {counters.num_restarts} · errors {counters.num_errors}"
-    ) + (f" · unrouted {num_unrouted}" if num_unrouted else "")
+        (
+            f"{num} stream{'' if num == 1 else 's'}: {states} · blocks {blocks} · {rate} batches/s"
+            f" · lag max {lag} · gaps {counters.num_gaps} · replays {counters.num_replays}"
+            f" · restarts {counters.num_restarts} · errors {counters.num_errors}"
+        )
+        + (f" · unrouted {num_unrouted}" if num_unrouted else "")
+        + _partial(status.partial)
+    )
+
+
+_SHOWN_IF_ANY = (Freshness.ORPHANED, Freshness.PARTIAL)
+
+
+def _partial(partial: dict[str, tuple[str, float]]) -> str:
+    """`` · partial r1/0 replay_gap_past_buffer for 12s, ...`` (empty when none is)."""
+    if not partial:
+        return ""
+    now = time.time()
+    named = [f"{s} {why} for {max(0.0, now - since):.0f}s" for s, (why, since) in partial.items()]
+    more = f", +{len(named) - MAX_NAMED}" if len(named) > MAX_NAMED else ""
+    return " · partial " + ", ".join(named[:MAX_NAMED]) + more
 
 
 def status_fields(status: FleetStatus, batches_per_s: float | None) -> dict[str, Any]:
@@ -96,6 +119,7 @@ def status_fields(status: FleetStatus, batches_per_s: float | None) -> dict[str,
         "num_restarts": counters.num_restarts,
         "num_errors": counters.num_errors,
         "num_unrouted": _num_unrouted(totals),
+        "partial": {s: {"reason": r, "since": t} for s, (r, t) in status.partial.items()},
     }
 
 

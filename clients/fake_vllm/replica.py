@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, get_args
@@ -22,6 +21,13 @@ from fastapi.responses import StreamingResponse
 
 from kvindex.api.http.background import BackgroundServer, ServerStartError
 from kvindex.api.tokenize.protocol import TokenId
+from kvindex.clients.fake_vllm.answers import (
+    SimResult,
+    StreamOptions,
+    chat_response,
+    completion_response,
+    sse_chunks,
+)
 from kvindex.clients.fake_vllm.block_pool import Admission, BlockPool
 from kvindex.clients.fake_vllm.engine_hash import engine_root
 from kvindex.clients.fake_vllm.publisher import EventPublisher
@@ -121,6 +127,9 @@ class ReplicaSimSettings:
     chat_template: str | None = None
     """Its chat template (None: ``chat_template.jinja`` or ``tokenizer_config.json`` beside it)."""
     enable_scale_out: bool = False  # vLLM's flag: the render routes served (else 404)
+    enable_prompt_tokens_details: bool = True
+    """As vLLM's ``--enable-prompt-tokens-details``: ``usage.prompt_tokens_details.cached_tokens``
+    in every answer (False: absent, as vLLM without the flag)."""
 
     def __post_init__(self) -> None:
         self._check_test_knobs()
@@ -203,26 +212,6 @@ class SimRequest:
     cache_salt: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class SimResult:
-    """One finished request; times in simulated seconds."""
-
-    output: list[str]
-    output_tokens: list[int]
-    cached_tokens: int
-    queue_s: float
-    prefill_s: float
-    decode_s: float
-
-    @property
-    def ttft_s(self) -> float:
-        return self.queue_s + self.prefill_s
-
-    @property
-    def latency_s(self) -> float:
-        return self.ttft_s + self.decode_s
-
-
 @dataclass
 class _Waiting:
     request_id: int
@@ -297,7 +286,7 @@ class Engine:
     async def _execute(
         self, request_id: int, request: SimRequest, admission: Admission, queue_s: float
     ) -> SimResult:
-        cached = admission.num_hit_blocks * self.settings.block_size
+        cached = admission.num_hit_blocks * self.cache.block_size
         prefill_s, decode_s = service_times(
             len(request.prompt) - cached,
             request.max_tokens,
@@ -350,6 +339,7 @@ class CompletionBody(msgspec.Struct):
     lora_name: str | None = None
     cache_salt: str | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
 
 
 class ChatBody(msgspec.Struct):
@@ -361,6 +351,7 @@ class ChatBody(msgspec.Struct):
     lora_name: str | None = None
     cache_salt: str | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
 
 
 def _lora_for(settings: ReplicaSimSettings, body: CompletionBody | ChatBody) -> str | None:
@@ -370,37 +361,6 @@ def _lora_for(settings: ReplicaSimSettings, body: CompletionBody | ChatBody) -> 
     if body.model != settings.model:
         raise ReplicaSimError(f"The model `{body.model}` does not exist.")
     return body.lora_name
-
-
-def completion_response(settings: ReplicaSimSettings, prompt_len: int, result: SimResult) -> Any:
-    """OpenAI completions shape, plus ``kvsim`` (simulated timings)."""
-    return {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": settings.model,
-        "choices": [
-            {
-                "index": 0,
-                "text": " " + " ".join(result.output),
-                "logprobs": None,
-                "finish_reason": "length",
-            }
-        ],
-        "usage": {
-            "prompt_tokens": prompt_len,
-            "completion_tokens": len(result.output_tokens),
-            "total_tokens": prompt_len + len(result.output_tokens),
-            "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
-        },
-        "kvsim": {
-            "replica": settings.id,
-            "cached_tokens": result.cached_tokens,
-            "queue_s": result.queue_s,
-            "ttft_s": result.ttft_s,
-            "latency_s": result.latency_s,
-        },
-    }
 
 
 def metrics_text(engine: Engine) -> str:
@@ -418,38 +378,6 @@ def metrics_text(engine: Engine) -> str:
     for name, kind, value in rows:
         lines += [f"# TYPE {name} {kind}", f"{name}{label} {float(value)}"]
     return "\n".join(lines) + "\n"
-
-
-def chat_response(settings: ReplicaSimSettings, prompt_len: int, result: SimResult) -> Any:
-    """OpenAI chat completions shape: :func:`completion_response` with a message."""
-    answer = completion_response(settings, prompt_len, result)
-    text = answer["choices"][0].pop("text")
-    answer["id"] = f"chatcmpl-{uuid.uuid4().hex}"
-    answer["object"] = "chat.completion"
-    answer["choices"][0]["message"] = {"role": "assistant", "content": text}
-    return answer
-
-
-def sse_chunks(answer: Any, *, chat: bool) -> list[bytes]:
-    """A finished answer as OpenAI server-sent events: a chunk per word, one with ``usage``."""
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    head = {k: answer[k] for k in ("id", "created", "model")} | {"object": kind}
-    text = answer["choices"][0]["message"]["content"] if chat else answer["choices"][0]["text"]
-    words = text.split(" ")[1:]
-    events = []
-    for i, word in enumerate(words):
-        piece = " " + word
-        last = i == len(words) - 1
-        choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if last else None}
-        if chat:
-            choice["delta"] = (
-                {"role": "assistant", "content": piece} if i == 0 else {"content": piece}
-            )
-        else:
-            choice |= {"text": piece, "logprobs": None}
-        events.append(head | {"choices": [choice]})
-    events.append(head | {"choices": [], "usage": answer["usage"], "kvsim": answer["kvsim"]})
-    return [b"data: " + _json(e) + b"\n\n" for e in events] + [b"data: [DONE]\n\n"]
 
 
 def _sse(chunks: list[bytes], stall_s: float = 0.0) -> Response:
@@ -474,6 +402,8 @@ async def handle_completion(engine: Engine, raw: bytes, *, chat: bool = False) -
         return error_answer(400, str(exc))
     except ReplicaSimError as exc:
         return error_answer(404, str(exc))
+    if body.stream_options is not None and not body.stream:  # vLLM's own check
+        return error_answer(400, "Stream options can only be defined when `stream=True`.")
     tokenizer = settings_tokenizer(settings)
     try:
         if isinstance(body, ChatBody):
@@ -489,7 +419,9 @@ async def handle_completion(engine: Engine, raw: bytes, *, chat: bool = False) -
     shape = chat_response if chat else completion_response
     answer = shape(settings, len(prompt), result)
     if body.stream:
-        return _sse(sse_chunks(answer, chat=chat), settings.stream_stall_s)
+        include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
+        chunks = sse_chunks(answer, chat=chat, include_usage=include_usage)
+        return _sse(chunks, settings.stream_stall_s)
     return ok_answer(answer)
 
 

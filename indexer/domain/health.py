@@ -3,8 +3,32 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import TypeAlias
+
+
+class Partial(enum.StrEnum):
+    """Why a stream's view is partial: the replica may hold blocks stored in batches the index
+    never applied. The view is whole again once every batch since the replica's cache was
+    last empty is applied: its engine's first batch (seq 0) or an ``AllBlocksCleared``."""
+
+    REPLAY_GAP_PAST_BUFFER = "replay_gap_past_buffer"
+    """A gap reached further back than the replica's replay buffer."""
+    GAP_UNREPAIRED = "gap_unrepaired"
+    """A gap no replay repaired (no replay endpoint, or the replay failed)."""
+    RESTART_PAST_BUFFER = "restart_past_buffer"
+    """The engine restarted, and its first batches were gone before the index read them."""
+    START_PAST_BUFFER = "start_past_buffer"
+    """The index began the stream empty after the replica's buffer had moved past seq 0."""
+    JOINED_WITHOUT_REPLAY = "joined_without_replay"
+    """The index began the stream empty past seq 0, with no replay endpoint to ask."""
+    PURGED = "purged_while_disconnected"
+    """The stream's blocks were purged while it was disconnected; it came back unchanged."""
+
+
+COMPLETE = ""
+"""A report's ``partial`` when the stream's view is whole again."""
 
 
 @dataclass(slots=True)
@@ -79,6 +103,8 @@ class StreamReport(StreamCounters):
     last_replayed: bool = False
     replaying: bool | None = None
     connected: bool | None = None
+    partial: str | None = None
+    """A :class:`Partial` reason, or :data:`COMPLETE`."""
 
 
 NativeCounts: TypeAlias = tuple[int, int, int, int, int, int, int, int, int, int]
@@ -99,6 +125,9 @@ class StreamHealth(StreamCounters):
     lag_s: float | None = None
     last_heard: float | None = None
     block_size: int = 0
+    partial: str | None = None
+    """Why the index may lack blocks the replica holds (a :class:`Partial`); None: whole."""
+    partial_since: float | None = None
 
     def update(self, report: StreamReport, now: float) -> None:
         self.add(report)
@@ -115,3 +144,13 @@ class StreamHealth(StreamCounters):
         if report.connected is not None:
             self.connected = report.connected
             self.disconnected_at = None if report.connected else now
+        if report.partial is not None:
+            self._set_partial(report.partial or None, now)
+
+    def _set_partial(self, reason: str | None, now: float) -> None:
+        """``since`` is when the view last went from whole to partial."""
+        if reason is None:
+            self.partial_since = None
+        elif self.partial is None:
+            self.partial_since = now
+        self.partial = reason

@@ -26,6 +26,9 @@ class Freshness(enum.Enum):
     """How far a stream's index entries can be trusted right now."""
 
     LIVE = "live"
+    PARTIAL = "partial"
+    """Live, but the replica may hold blocks the index never learnt (``StreamHealth.partial``
+    says why and since when): what the index holds is right, some of the rest is missing."""
     REPLAYING = "replaying"
     STALE = "stale"
     ORPHANED = "orphaned"
@@ -52,8 +55,12 @@ class StreamFreshness(NamedTuple):
     silent_s: float | None
     connected: bool = True  # connect mode's socket; bind-mode streams read False
     disconnected_s: float | None = None
+    partial: str | None = None  # why the view is partial (``StreamHealth.partial``)
+    partial_since: float | None = None
 
 
+PriorView = Callable[[StreamId], "tuple[str, float] | None"]
+"""The (reason, since) of a stream's view as another process last published it partial."""
 HealthChange = Callable[[ReplicaHealth], ReplicaHealth]  # a pure change of a record
 HealthUpdate = tuple[ReplicaHealth, ReplicaHealth]  # a record before and after a change
 
@@ -83,6 +90,7 @@ class Registry:
         self._sorted: tuple[ReplicaSpec, ...] | None = None
 
         self._model_to_block_size: dict[str, int | None] = {}
+        self._prior_view: PriorView | None = None
 
     # --- replicas ------------------------------------------------------------------------
 
@@ -173,6 +181,25 @@ class Registry:
             if health.block_size != block_size:
                 self._model_to_block_size.clear()
 
+    def read_prior_views(self, lookup: PriorView) -> None:
+        """Where :meth:`resume_partial` finds what an earlier indexer published (Redis)."""
+        self._prior_view = lookup
+
+    def resume_partial(self, stream: StreamId) -> str | None:
+        """A stream resumed from a kept index (a restart, a takeover): the reason its view
+        was partial when last published, now its record's too (with its since); None: whole."""
+        prior = None if self._prior_view is None else self._prior_view(stream)
+        if prior is None:
+            return None
+        reason, since = prior
+        with self._lock:
+            health = self._health.get(stream)
+            if health is None:
+                health = self._health[stream] = StreamHealth()
+                self._streams_version += 1
+            health.partial, health.partial_since = reason, since
+        return reason
+
     def forget(self, stream: StreamId) -> None:
         """Drop one stream's record (another indexer keeps the stream now)."""
         with self._lock:
@@ -259,14 +286,14 @@ class Registry:
 
 def freshness_of(health: StreamHealth, silent_s: float | None, stale_after_s: float) -> Freshness:
     """Replaying during a replay; else stale if silent past ``stale_after_s``, disconnected,
-    or never connected nor heard from; else live."""
+    or never connected nor heard from; else partial while its view is; else live."""
     if health.replaying:
         return Freshness.REPLAYING
     if silent_s is not None and silent_s > stale_after_s:
         return Freshness.STALE
     if not health.connected and (health.disconnected_at is not None or silent_s is None):
         return Freshness.STALE
-    return Freshness.LIVE
+    return Freshness.LIVE if health.partial is None else Freshness.PARTIAL
 
 
 def stream_freshness(
@@ -280,7 +307,14 @@ def stream_freshness(
     gone = health.disconnected_at
     disconnected_s = None if health.connected or gone is None else max(0.0, now - gone)
     return StreamFreshness(
-        stream, freshness, health.lag_s, silent_s, health.connected, disconnected_s
+        stream,
+        freshness,
+        health.lag_s,
+        silent_s,
+        health.connected,
+        disconnected_s,
+        health.partial,
+        health.partial_since,
     )
 
 

@@ -126,6 +126,21 @@ class FleetSync:
         self.num_errors = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        registry.read_prior_views(self.prior_view)
+
+    def prior_view(self, stream: StreamId) -> tuple[str, float] | None:
+        """(reason, since) if the stream's published record says its view is partial; None
+        when it is whole, absent or unreadable (a Redis error is counted and logged)."""
+        try:
+            raw = cast("bytes | None", self._client.hget(self._schema.stream_status, str(stream)))
+        except redis.RedisError as exc:
+            self.num_errors += 1
+            log.warning("stream %s: its published record could not be read: %s", stream, exc)
+            return None
+        record = None if raw is None else decode_record(raw)
+        if record is None or record.health.partial is None:
+            return None
+        return record.health.partial, record.health.partial_since or record.written_at
 
     def start(self) -> None:
         """Publish the declared replicas and sync once (now), then every period."""

@@ -19,7 +19,7 @@ from typing import Protocol
 from kvindex.indexer.config.settings import IndexerSettings
 from kvindex.indexer.domain.errors import SettingsError
 from kvindex.indexer.domain.events import EventBatch, StreamId, Topic
-from kvindex.indexer.domain.health import StreamReport, UnroutedCounters
+from kvindex.indexer.domain.health import COMPLETE, Partial, StreamReport, UnroutedCounters
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.protocol import (
@@ -224,9 +224,9 @@ class Pipeline:
         if runtime.tracker.accept_next(batch):
             runtime.pending.append(batch)
             return runtime
+        self._flush(runtime)  # before the step: a clear among them precedes a reset it makes
         step = runtime.tracker.on_live(batch)
         if step.clear or step.replay_from is not None:
-            self._flush(runtime)
             self._execute(runtime, step, live=True)
         else:
             runtime.pending.extend(step.batches)
@@ -341,8 +341,10 @@ class Pipeline:
         self._runtimes[stream] = runtime
         if refused:
             self._fenced_out(runtime, 0)
-        else:
-            self._registry.record(stream, report)  # an empty report: the record exists now
+            return runtime
+        if tracker.last_seq >= 0:  # the index kept the stream: and its view's state
+            tracker.partial = self._registry.resume_partial(stream)
+        self._registry.record(stream, report)  # an empty report: the record exists now
         return runtime
 
     def _tracker_from_index(
@@ -370,6 +372,7 @@ class Pipeline:
     def _record(self, runtime: _Runtime) -> None:
         report = runtime.report
         report.replaying = runtime.tracker.replaying
+        report.partial = runtime.tracker.partial or COMPLETE
         runtime.report = runtime.tracker.counters = StreamReport()
         self._registry.record(runtime.stream, report)
 
@@ -415,7 +418,7 @@ class Pipeline:
         if runtime.broken or runtime.fenced:
             return
         report = runtime.report
-        num_orphans = report.num_orphan_stores
+        num_orphans, num_clears = report.num_orphan_stores, report.num_clears
         try:
             self._ingestor.apply_many(runtime.stream, runtime.model, batches, report)
         except IndexUnavailableError as exc:
@@ -424,6 +427,8 @@ class Pipeline:
         except FencedError:
             self._fenced_out(runtime, len(batches))
             return
+        if report.num_clears > num_clears:
+            runtime.tracker.on_cleared()
         last = batches[-1]
         report.last_seq = last.seq
         report.last_event_ts = last.ts
@@ -630,6 +635,7 @@ class Pipeline:
             )
         except IndexUnavailableError:
             return
+        tracker.partial = runtime.tracker.partial  # the store kept what it had
         runtime.tracker = tracker
         runtime.broken = False
         self._ingestor.forget(runtime.stream)
@@ -652,5 +658,7 @@ class Pipeline:
             self._fenced_out(runtime, 1)
             return
         runtime.purged = True
+        runtime.tracker.lose_view(Partial.PURGED)
+        self._record(runtime)
         self._ingestor.forget(runtime.stream)
         log.warning("stream %s: disconnected %.0fs, blocks purged", runtime.stream, gone_for)

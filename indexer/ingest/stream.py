@@ -6,6 +6,10 @@ is not credited: the stream is cleared and rebuilt from what follows. A live ``s
 is a duplicate (same timestamp) or checked by a replay from 0 (without an endpoint: judged by
 the next batch); a restart clears the stream. A replay from 0 whose history ends below
 ``last``, or is empty, shows a restart; a probe of a silent stream replays from ``last``.
+
+:attr:`StreamTracker.partial` says whether the index may lack blocks the replica holds: set
+when the index starts or clears the stream and the next batch applied is not the engine's
+first (seq 0), cleared by that seq 0 after a clear or by an ``AllBlocksCleared`` applied.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 
 from kvindex.indexer.domain.events import EventBatch, Numbered
-from kvindex.indexer.domain.health import StreamCounters
+from kvindex.indexer.domain.health import Partial, StreamCounters
 
 _TS_MEMORY = 4096
 
@@ -69,6 +73,13 @@ class StreamTracker:
     ) -> None:
         self.can_replay = can_replay
         self.last_seq = watermark
+        self.partial: str | None = None
+        """A :class:`Partial` reason while the index may lack blocks the replica holds."""
+        self._judge: str | None = None
+        """The reason the next batch applied makes the view partial unless it is seq 0."""
+        if watermark < 0:
+            begun = Partial.START_PAST_BUFFER if can_replay else Partial.JOINED_WITHOUT_REPLAY
+            self._judge = begun.value
         self.mode = Mode.NEW
         self.counters = StreamCounters() if counters is None else counters
         self._seen: dict[int, float] = {}
@@ -81,6 +92,15 @@ class StreamTracker:
     @property
     def replaying(self) -> bool:
         return self._replay is not None and not self._replay.probe
+
+    def on_cleared(self) -> None:
+        """An ``AllBlocksCleared`` of this stream was applied: the replica's cache was empty
+        then, and every batch since is applied, so the view is whole."""
+        self.partial = None
+
+    def lose_view(self, reason: Partial) -> None:
+        """The index dropped the stream's blocks while the tracker kept its place (a purge)."""
+        self.partial = reason.value
 
     # --- triggers ------------------------------------------------------------------------
 
@@ -187,9 +207,9 @@ class StreamTracker:
         if seq > replay.start:
             self.counters.num_replay_truncated += 1
         if replay.rebuild and seq == 0:
-            self._reset(step)
+            self._reset(step, Partial.REPLAY_GAP_PAST_BUFFER)  # seq 0 follows: whole
         elif seq > self.last_seq + 1:
-            self._lose_history(step)
+            self._lose_history(step, Partial.REPLAY_GAP_PAST_BUFFER)
 
     def _probe_answer(self, replay: _Replay, batch: EventBatch) -> None:
         if replay.doubted:
@@ -201,11 +221,12 @@ class StreamTracker:
         else:
             replay.doubted = True
 
-    def _lose_history(self, step: Step) -> None:
+    def _lose_history(self, step: Step, reason: Partial) -> None:
         if self.last_seq < 0:
             return
         self.counters.num_history_lost += 1
-        self._reset(step)
+        self._reset(step, reason)
+        self.partial = reason.value  # the replica's cache was not empty at the gap
         step.history_lost = True
 
     def _live(
@@ -226,7 +247,7 @@ class StreamTracker:
                 self.counters.num_gaps += 1
             self.counters.num_unrepaired_gaps += 1
             step = Step()
-            self._lose_history(step)
+            self._lose_history(step, Partial.GAP_UNREPAIRED)
             self._apply(batch, step)
             return step
         step = Step()
@@ -263,7 +284,7 @@ class StreamTracker:
     def _restart(self) -> Step:
         self.counters.num_restarts += 1
         step = Step()
-        self._reset(step)
+        self._reset(step, Partial.RESTART_PAST_BUFFER)
         return step
 
     def _restart_with(self, replay: _Replay) -> Step:
@@ -273,17 +294,21 @@ class StreamTracker:
         replay.skipped.clear()
         return step
 
-    def _reset(self, step: Step) -> None:
+    def _reset(self, step: Step, reason: Partial) -> None:
         step.clear = True
         step.batches.clear()
         self.last_seq = -1
         self._seen.clear()
+        self._judge = reason.value
 
     def _apply(self, batch: EventBatch, step: Step) -> None:
         self._remember(batch)
         step.batches.append(batch)
 
     def _remember(self, batch: Numbered) -> None:
+        if self._judge is not None:  # the first batch since a start or a clear
+            self.partial = None if batch.seq == 0 else self._judge
+            self._judge = None
         self.last_seq = batch.seq
         self.counters.num_batches += 1
         seen = self._seen

@@ -147,7 +147,13 @@ def test_chat_and_completions_streaming_and_not(fleet: Fleet, client: openai.Ope
     done = client.completions.create(model=MODEL, prompt="alpha beta gamma", max_tokens=3)
     assert len(done.choices[0].text.split()) == 3
     chunks = list(
-        client.completions.create(model=MODEL, prompt="alpha beta gamma", max_tokens=3, stream=True)
+        client.completions.create(
+            model=MODEL,
+            prompt="alpha beta gamma",
+            max_tokens=3,
+            stream=True,
+            stream_options={"include_usage": True},  # a usage chunk only when asked, as vLLM
+        )
     )
     streamed = "".join(c.choices[0].text for c in chunks if c.choices)
     assert streamed == done.choices[0].text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import re
+import time
 from typing import Any
 
 from msgspec.structs import replace
@@ -129,6 +130,9 @@ def test_strip_styles_and_empty_prompt() -> None:
 def test_formatters() -> None:
     assert format_freshness(LIVE) == "live lag 0.25s"
     assert format_freshness(FreshnessView("stale", None, None)) == "stale"
+    partial = FreshnessView("partial", 0.25, 1.0, "replay_gap_past_buffer", time.time() - 90)
+    shown = "partial lag 0.25s (partial: replay_gap_past_buffer for 90s)"
+    assert format_freshness(partial) == shown
     assert format_load(None) == "-"
     assert format_load(LoadView(3, 1, 0.5, 1.25, "push")) == "run 3 wait 1 kv 50% (1.2s old, push)"
     routed = LoadView(3, 1, 0.5, 1.25, "scrape", routed=2)

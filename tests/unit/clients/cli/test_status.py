@@ -129,3 +129,14 @@ def test_the_record_carries_the_totals_as_fields(caplog: pytest.LogCaptureFixtur
     assert fields["blocks_by_tier"] == {"gpu": 1204, "cpu": 16, "other": 0}
     assert (fields["max_lag_s"], fields["num_gaps"], fields["num_errors"]) == (0.0123, 2, 3)
     assert fields["num_unrouted"] == 0 and "batches_per_s" in fields
+
+
+def test_partial_views_are_named_with_their_reason_and_age() -> None:
+    status = fleet(live=1, stale=())
+    names = {s: status.streams_by_freshness.get(s, []) for s in Freshness}  # as fleet_status
+    names[Freshness.PARTIAL] = ["r2/0"]
+    partial = {"r2/0": ("replay_gap_past_buffer", time.time() - 42)}
+    line = status_line(replace(status, streams_by_freshness=names, partial=partial), 1.0)
+    assert "1 live, 1 partial (r2/0), 0 replaying" in line
+    assert line.endswith(" · partial r2/0 replay_gap_past_buffer for 42s")
+    assert ", 0 partial" not in status_line(status, 1.0)  # named only when there is one

@@ -10,15 +10,17 @@ from typing import Any
 import pytest
 from fastapi import Response
 from fastapi.responses import StreamingResponse
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from kvindex.api.load.vllm_metrics import parse_vllm_metrics
+from kvindex.clients.fake_vllm.answers import SimResult
 from kvindex.clients.fake_vllm.block_pool import BlockPool
 from kvindex.clients.fake_vllm.replica import (
     Engine,
     ReplicaSimError,
     ReplicaSimSettings,
     SimRequest,
-    SimResult,
     handle_cached,
     handle_completion,
     metrics_text,
@@ -177,11 +179,11 @@ def test_chat_renders_the_whole_conversation_and_both_routes_stream() -> None:
     chunks = [json.loads(e.removeprefix(b"data: ")) for e in events[:-1]]
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens_details"]
-    assert len(chunks) == 16 + 1  # one per word (max_tokens defaults to 16), then usage
+    assert all("usage" not in c for c in chunks)  # not asked for (stream_options)
+    assert len(chunks) == 16  # one per word (max_tokens defaults to 16)
     prompt_body = json.dumps({"model": "M", "prompt": "a b c", "stream": True}).encode()
     plain = _events(asyncio.run(handle_completion(eng, prompt_body)))
-    text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in plain[:-2])
+    text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in plain[:-1])
     again = decoded(
         asyncio.run(handle_completion(eng, b'{"model":"M","prompt":"a b c","max_tokens":16}'))
     )
@@ -213,3 +215,79 @@ def test_events_bind_by_vllms_rule_unless_told() -> None:
     assert bound("ipc:///tmp/kv") and bound("inproc://kv")
     assert not bound("tcp://127.0.0.1:5557")  # connects: the subscriber has bound
     assert bound("tcp://127.0.0.1:5557", bind_events=True)
+
+
+# --- usage, as vLLM reports it ------------------------------------------------------------
+
+
+def _completion(eng: Engine, prompt: str, **fields: object) -> Response:
+    body = json.dumps({"model": "M", "prompt": prompt, "max_tokens": 2, **fields}).encode()
+    return asyncio.run(handle_completion(eng, body))
+
+
+def test_usage_reports_the_prefix_cache_hit_in_whole_blocks_parsed_by_openai() -> None:
+    eng, _ = engine(model="M", speed=1000.0)  # 2 tokens a block
+    prompt = " ".join(f"w{i}" for i in range(9))
+    first = Completion.model_validate(decoded(_completion(eng, prompt)))
+    assert first.usage is not None and first.usage.prompt_tokens_details is not None
+    assert (first.usage.prompt_tokens, first.usage.prompt_tokens_details.cached_tokens) == (9, 0)
+    # 10 tokens, 5 blocks: the first 4 were cached by the first request, its 5th differs
+    again = Completion.model_validate(decoded(_completion(eng, prompt + " x")))
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert (again.usage.prompt_tokens, again.usage.prompt_tokens_details.cached_tokens) == (10, 8)
+    whole = Completion.model_validate(decoded(_completion(eng, prompt + " x")))
+    assert whole.usage is not None and whole.usage.prompt_tokens_details is not None
+    assert whole.usage.prompt_tokens_details.cached_tokens == 8  # the last block is computed
+    assert whole.usage.completion_tokens == 2 and whole.usage.total_tokens == 12
+
+
+def test_without_prompt_tokens_details_usage_has_only_the_counts() -> None:
+    eng, _ = engine(model="M", speed=1000.0, enable_prompt_tokens_details=False)
+    answer = decoded(_completion(eng, "a b c"))
+    assert "prompt_tokens_details" not in answer["usage"]
+    parsed = Completion.model_validate(answer)
+    assert parsed.usage is not None and parsed.usage.prompt_tokens_details is None
+    assert parsed.usage.prompt_tokens == 3
+
+
+def test_a_stream_carries_usage_in_a_last_chunk_only_when_asked() -> None:
+    eng, _ = engine(model="M", speed=1000.0, block_size=2)
+    messages = [{"role": "user", "content": "a b c d e"}]
+    body: dict[str, object] = {"model": "M", "messages": messages, "max_tokens": 3, "stream": True}
+    asyncio.run(handle_completion(eng, json.dumps(body).encode(), chat=True))  # now cached
+    asked = body | {"stream_options": {"include_usage": True}}
+    events = _events(asyncio.run(handle_completion(eng, json.dumps(asked).encode(), chat=True)))
+    chunks = [ChatCompletionChunk.model_validate_json(e[6:]) for e in events[:-1]]
+    assert [c.usage is None for c in chunks] == [True, True, True, False]
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.prompt_tokens == len(tokenize_text(render_chat(messages)))
+    assert last.usage.prompt_tokens_details is not None
+    cached = last.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None and cached > 0 and cached % 2 == 0
+    unasked = body | {"stream_options": {"include_usage": False}}
+    events = _events(asyncio.run(handle_completion(eng, json.dumps(unasked).encode(), chat=True)))
+    assert all(b'"usage"' not in e for e in events) and len(events) == 3 + 1
+    plain = _events(_completion(eng, "a b c", stream=True, stream_options={"include_usage": True}))
+    usage_chunk = Completion.model_validate_json(plain[-2][6:])
+    assert usage_chunk.usage is not None and usage_chunk.usage.prompt_tokens == 3
+
+
+def test_stream_options_without_a_stream_are_refused_as_vllm_does() -> None:
+    eng, _ = engine(model="M", speed=1000.0)
+    refused = _completion(eng, "a b", stream_options={"include_usage": True})
+    assert refused.status_code == 400
+    chat = ChatCompletion.model_validate(
+        decoded(
+            asyncio.run(
+                handle_completion(
+                    eng,
+                    json.dumps(
+                        {"model": "M", "messages": [{"role": "user", "content": "a"}]}
+                    ).encode(),
+                    chat=True,
+                )
+            )
+        )
+    )
+    assert chat.usage is not None and chat.usage.prompt_tokens_details is not None

@@ -60,6 +60,7 @@ def test_fleet_totals_add_up_every_stream_and_its_blocks() -> None:
     by_freshness = totals.num_streams_by_freshness
     assert by_freshness == {
         Freshness.LIVE: 2,
+        Freshness.PARTIAL: 0,
         Freshness.REPLAYING: 1,
         Freshness.STALE: 0,
         Freshness.ORPHANED: 0,

@@ -250,3 +250,34 @@ def test_a_sharded_stream_reads_orphaned_until_a_live_indexer_claims_it(
     shard_b.tick()
     shard_b.claim(stream)  # taken over: kept again, the record rewritten by its new owner
     assert [s.freshness for s in view.statuses()] != [Freshness.ORPHANED]
+
+
+def test_a_partial_view_is_published_read_partial_and_resumed_by_the_next_indexer() -> None:
+    client = fakeredis.FakeRedis()
+    clock = Clock()
+    first = Registry((R1,), clock=clock)
+    FleetSync(client, SCHEMA, first, clock=clock).tick()
+    stream = StreamId("r1")
+    first.record(stream, StreamReport(connected=True, partial="replay_gap_past_buffer"))
+    since = clock.now
+    FleetSync(client, SCHEMA, first, clock=clock).tick()
+    view = RedisFleetView(client, SCHEMA, cache_ttl_s=0.0, clock=clock)
+    [status] = view.freshness()
+    assert (status.freshness, status.partial, status.partial_since) == (
+        Freshness.PARTIAL,
+        "replay_gap_past_buffer",
+        since,
+    )
+    clock.now += 60.0  # the indexer restarts
+    second = Registry((R1,), clock=clock)
+    FleetSync(client, SCHEMA, second, clock=clock)
+    assert second.resume_partial(stream) == "replay_gap_past_buffer"
+    health = second.records()[stream]
+    assert (health.partial, health.partial_since) == ("replay_gap_past_buffer", since)
+    assert second.resume_partial(StreamId("r1", 1)) is None  # never published
+    first.record(stream, StreamReport(partial=""))  # whole again
+    FleetSync(client, SCHEMA, first, clock=clock).tick()
+    assert Registry((R1,)).resume_partial(stream) is None  # no lookup: nothing resumed
+    third = Registry((R1,), clock=clock)
+    FleetSync(client, SCHEMA, third, clock=clock)
+    assert third.resume_partial(stream) is None

@@ -10,7 +10,14 @@ import pytest
 
 from kvindex.api.http.views import stats_view
 from kvindex.indexer.config.settings import IndexerSettings
-from kvindex.indexer.domain.events import BlockStored, Event, EventBatch, StreamId, Tier
+from kvindex.indexer.domain.events import (
+    AllBlocksCleared,
+    BlockStored,
+    Event,
+    EventBatch,
+    StreamId,
+    Tier,
+)
 from kvindex.indexer.domain.health import StreamHealth, UnroutedCounters
 from kvindex.indexer.domain.keys import block_keys
 from kvindex.indexer.fleet.registry import Freshness, Registry
@@ -465,7 +472,8 @@ def test_a_truncated_replay_drops_the_lost_history_and_cannot_loop_on_orphans() 
     assert r.blocks(0, 1, 2) == 0  # no longer credited: removals of them may be lost too
     health = r.health()
     assert (health.num_replay_truncated, health.num_history_lost) == (1, 1)
-    assert (health.last_seq, r.freshness()) == (6, Freshness.LIVE)
+    assert (health.last_seq, r.freshness()) == (6, Freshness.PARTIAL)
+    assert (health.partial, health.partial_since) == ("replay_gap_past_buffer", r.clock.now)
     num_replays = len(r.replays.started)
     r.pipeline.handle_live(frames(7), R1)  # orphans (parents lost with the history)
     assert r.health().num_orphan_stores > 0
@@ -612,3 +620,109 @@ def test_unrouted_totals_go_where_the_caller_says() -> None:
     pipeline.handle_frames([[b"only-one-frame"]], None)
     assert published == [UnroutedCounters(num_undecodable=1)]
     assert registry.unrouted() == UnroutedCounters()  # the sink sums the workers' for it
+
+
+# --- a partial view: blocks the replica holds that the index never learnt ---------------------
+
+
+def test_a_partial_view_is_whole_again_after_the_replicas_cache_reset() -> None:
+    r = rig()
+    synced(r, last=2)
+    r.pipeline.handle_live(frames(6), R1)
+    r.pipeline.on_replay(R1, replies(batch(5), batch(6)))  # 3 and 4 aged out of the buffer
+    since = r.clock.now
+    r.clock.now += 5.0
+    r.pipeline.handle_frames([frames(7), frames(8)], R1)  # more stores: still partial
+    health = r.health()
+    assert (r.freshness(), health.partial, health.partial_since) == (
+        Freshness.PARTIAL,
+        "replay_gap_past_buffer",
+        since,
+    )
+    r.pipeline.handle_frames([frames(9, events=[AllBlocksCleared()]), frames(10)], R1)
+    health = r.health()
+    assert (r.freshness(), health.partial, health.partial_since) == (Freshness.LIVE, None, None)
+
+
+def test_a_clear_applied_before_a_gap_leaves_the_view_partial() -> None:
+    """The reset's batch is applied before the tracker judges the gap that follows it."""
+    r = rig(replay=False)
+    r.pipeline.handle_frames([frames(0), frames(1, events=[AllBlocksCleared()]), frames(5)], R1)
+    assert (r.freshness(), r.health().partial) == (Freshness.PARTIAL, "gap_unrepaired")
+
+
+def test_a_stream_begun_past_the_buffer_is_partial_and_one_from_seq_0_is_not() -> None:
+    r = rig()
+    r.pipeline.on_connected(R1)
+    r.pipeline.on_replay(R1, replies(batch(4), batch(5)))  # the buffer starts at seq 4
+    assert (r.freshness(), r.health().partial) == (Freshness.PARTIAL, "start_past_buffer")
+    whole = rig()
+    synced(whole, last=2)
+    assert (whole.freshness(), whole.health().partial) == (Freshness.LIVE, None)
+    joined = rig(replay=False)
+    joined.pipeline.handle_frames([frames(3)], R1)
+    assert joined.health().partial == "joined_without_replay"
+
+
+def test_an_engine_restart_replayed_from_seq_0_makes_a_partial_view_whole() -> None:
+    r = rig()
+    synced(r, last=2)
+    r.pipeline.handle_live(frames(6), R1)
+    r.pipeline.on_replay(R1, replies(batch(5), batch(6)))
+    assert r.freshness() is Freshness.PARTIAL
+    r.pipeline.handle_live(frames(0, ts=500.0), R1)  # seq went back: a restart, replay from 0
+    assert r.replays.started[-1] == (R1, REPLAY, 0)
+    r.pipeline.on_replay(R1, replies(batch(0, ts=500.0), batch(1, ts=501.0)))
+    assert (r.health().num_restarts, r.freshness()) == (1, Freshness.LIVE)
+
+
+def test_an_engine_restart_past_its_buffer_is_partial() -> None:
+    r = rig()
+    synced(r, last=8)
+    r.pipeline.handle_live(frames(3, ts=500.0), R1)  # seq went back: a restart
+    r.pipeline.on_replay(R1, replies(batch(2, ts=499.0), batch(3, ts=500.0)))
+    health = r.health()
+    assert (health.num_restarts, health.partial) == (1, "restart_past_buffer")
+
+
+def test_a_purged_stream_back_unchanged_is_partial() -> None:
+    r = rig(purge_after_s=30.0)
+    synced(r, last=2)
+    r.pipeline.on_disconnected(R1)
+    r.clock.now += 31.0
+    r.pipeline.maintain()
+    assert r.blocks(0, 1, 2) == 0
+    r.pipeline.on_connected(R1)
+    r.pipeline.on_replay(R1, replies(batch(0), batch(1), batch(2)))  # the same engine
+    assert (r.freshness(), r.health().partial) == (Freshness.PARTIAL, "purged_while_disconnected")
+
+
+def test_a_store_back_after_an_outage_keeps_the_partial_view() -> None:
+    r = rig()
+    synced(r, last=2)
+    r.pipeline.handle_live(frames(6), R1)
+    r.pipeline.on_replay(R1, replies(batch(5), batch(6)))
+    r.index.down = True
+    r.pipeline.handle_live(frames(7), R1)
+    r.index.down = False
+    r.pipeline.maintain()
+    r.pipeline.on_replay(R1, replies(batch(5), batch(6), batch(7)))
+    assert r.health().partial == "replay_gap_past_buffer"
+
+
+def test_a_stream_resumed_from_a_kept_index_resumes_its_published_partial_view() -> None:
+    r = rig()
+    synced(r, last=2)
+    spec = ReplicaSpec("r1", MODEL, replay=REPLAY)
+    config = IndexerSettings(replicas=(spec,))
+    for published, expected in ((("gap_unrepaired", 5.0), "gap_unrepaired"), (None, None)):
+        registry = Registry(config.replicas, clock=r.clock)
+        registry.read_prior_views(lambda _stream, p=published: p)  # type: ignore[misc]
+        Pipeline(config, r.index, registry, replays=Replays(), clock=r.clock).track(R1, spec)
+        status = registry.status(R1)
+        assert status is not None and status.health.partial == expected
+    fresh = Registry(config.replicas, clock=r.clock)  # an empty index: judged, not resumed
+    fresh.read_prior_views(lambda _stream: ("gap_unrepaired", 5.0))
+    Pipeline(config, FlakyIndex(), fresh, replays=Replays(), clock=r.clock).track(R1, spec)
+    status = fresh.status(R1)
+    assert status is not None and status.health.partial is None

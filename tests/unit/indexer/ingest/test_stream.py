@@ -637,3 +637,39 @@ def test_replayed_gaps_reproduce_the_publisher_sequence(
 
 def _key(batch: EventBatch) -> tuple[int, float]:
     return (batch.seq, batch.ts)
+
+
+# --- the view: partial until every batch since an empty cache is applied --------------------
+
+
+def test_history_lost_makes_the_view_partial_at_once_and_a_reset_event_whole() -> None:
+    tracker = live_tracker(2)
+    tracker.on_live(b(6))
+    step = tracker.on_replay(b(5))  # 3 and 4 are gone from the buffer
+    assert step.clear and tracker.partial == "replay_gap_past_buffer"
+    tracker.on_replay(b(6))
+    tracker.on_replay_end()
+    assert tracker.partial == "replay_gap_past_buffer"
+    tracker.on_cleared()
+    assert tracker.partial is None
+
+
+def test_the_first_batch_after_a_restart_judges_the_view() -> None:
+    from_zero = live_tracker(4)
+    from_zero.on_live(b(0, NEW_TS))
+    from_zero.on_replay(b(0, NEW_TS))
+    assert from_zero.partial is None  # the new engine's history from its start
+    past = live_tracker(4)
+    past.on_live(b(2, NEW_TS))
+    past.on_replay(b(1, NEW_TS))
+    assert past.partial == "restart_past_buffer"
+
+
+def test_a_tracker_begun_on_a_watermark_is_whole_and_one_begun_empty_is_judged() -> None:
+    assert StreamTracker(can_replay=True, watermark=7, last_ts=OLD_TS + 7).partial is None
+    fresh = StreamTracker(can_replay=False)
+    fresh.on_live(b(0))
+    assert fresh.partial is None
+    joined = StreamTracker(can_replay=False)
+    joined.on_live(b(3))
+    assert joined.partial == "joined_without_replay"
