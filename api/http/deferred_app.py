@@ -1,14 +1,6 @@
-"""``kvindex serve`` and ``kvindex api``'s ASGI app: the read path started and stopped by
-the lifespan here, FastAPI's app imported and built on the first request that reaches it.
-
-The server's protocol answers the hot routes (``/score``, ``/healthz``, ``/readyz``) itself
-(:mod:`kvindex.api.http.server_protocol`), so a process is ready without FastAPI, whose
-import and routes are most of a start-up. The first other request (``/metrics``,
-``/replicas``, a ``/score`` behind a load balancer...) builds the app, in its own call on
-the event loop, once. FastAPI's modules are imported on a thread as soon as the read path has
-started, so that request builds the routes but rarely waits for the import (the hot routes
-go on answering meanwhile, sharing the interpreter with the thread).
-"""
+"""``kvindex serve``'s ASGI app: its lifespan runs the read path; the hot routes need no
+FastAPI, whose modules a thread imports once started and whose app the first other request
+builds, once, on the loop."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Where a text may be cut without changing its token ids: before an added token.
-
-A Hugging Face tokenizer splits its input at added tokens (a chat template's turn markers)
-before it normalizes or pre-tokenizes, so the ids of a text are those of the part before an
-added token followed by those of the part from it. An added token that strips the spaces on
-its left, matches only as a whole word or is matched after normalization sees past that
-edge: no cut is made before one. A tokenizer that truncates or pads gets no cuts."""
+"""Where a text may be cut without changing its ids: before an added token that sees no
+further than its edge (no lstrip, single_word or normalized), as HF tokenizers split there
+first; a tokenizer that truncates or pads gets no cuts."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Token ids of texts, found again by a later text that starts the same up to a cut.
-
-A conversation's next turn renders to its previous turns' text and a new tail: the ids of
-the shared part are taken from here and only the tail is encoded (:mod:`.cuts` says why the
-ids of a text up to a cut are those of the whole text's start). Each text is kept as its ids
-(u32 bytes) and, per cut, a 128-bit BLAKE2b digest of the text before it, never the text
-itself; the LRU is bounded by bytes (:func:`entry_bytes`)."""
+"""Token ids of texts, found again by a later text that starts the same up to a cut
+(:mod:`.cuts`): kept as u32 bytes under BLAKE2b digests of their starts, an LRU bounded by bytes."""
 
 from __future__ import annotations
 

@@ -32,8 +32,7 @@ class Tokenizer(Protocol):
 
 
 class PackedTokenizer(Tokenizer, Protocol):
-    """A Tokenizer that also answers with the ids as little-endian u32 bytes (what the block
-    keys are chained over), so a caller that keys them builds no list."""
+    """A Tokenizer that also answers with the ids as u32 bytes, which block keys chain over."""
 
     async def packed_prompt(self, prompt: str) -> bytes:
         """:meth:`encode_prompt`'s ids, packed (:func:`pack_ids`)."""
@@ -45,8 +44,8 @@ class PackedTokenizer(Tokenizer, Protocol):
 
 
 def as_packed(tokenizer: Tokenizer) -> PackedTokenizer | None:
-    """``tokenizer`` when it is a PackedTokenizer, else None (one attribute read: an
-    ``isinstance`` of a runtime-checkable Protocol costs tens of microseconds)."""
+    """``tokenizer`` when it is a PackedTokenizer, else None."""
+    # One attribute read: isinstance of a runtime-checkable Protocol costs tens of µs.
     if getattr(tokenizer, "packed_messages", None) is None:
         return None
     return cast(PackedTokenizer, tokenizer)

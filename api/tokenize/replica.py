@@ -1,11 +1,6 @@
-"""Tokenization by a vLLM replica: its render routes (``POST /v1/completions/render``,
-``/v1/chat/completions/render``, served with ``--enable-scale-out``: the ids the engine
-itself would run, chat template and all) when it serves them, else its ``POST /tokenize``.
-
-Route ``auto`` learns per replica: the first call asks render; an answer in
-:data:`NOT_SERVED` sends that call and the next ones to ``/tokenize`` for
-:data:`RENDER_REPROBE_S`, then render is asked again (a replica restarted with the flag is
-found within that long)."""
+"""Tokenization by a vLLM replica: its render routes (``--enable-scale-out``: the engine's own
+ids) when served, else ``POST /tokenize``; ``auto`` falls back per replica on
+:data:`NOT_SERVED` for :data:`RENDER_REPROBE_S`, then asks render again."""
 
 from __future__ import annotations
 

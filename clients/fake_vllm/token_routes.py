@@ -1,5 +1,4 @@
-"""The replica-sim's answers that need no engine: ``/tokenize`` and ``/v1/embeddings`` (the
-sim's tokenizer only), and the JSON and error answers every route uses (vLLM's error shape)."""
+"""The replica-sim's engine-free answers (``/tokenize``, ``/v1/embeddings``), vLLM's error shape."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""What a replica-sim tokenizes with: a toy tokenizer (a word a token, deterministic
-everywhere), or a real ``tokenizer.json`` and its chat template as vLLM uses them."""
+"""A replica-sim's tokenizer: a toy one (a word a token) or a real ``tokenizer.json``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Requests in flight through the picker: at most ``max_in_flight`` at once (past it a request
-is shed), each reserved on its replica in the shared load store (so the proxy, ``/score`` and
-every picker see it) and released exactly once; an unreachable store never fails a pick."""
+"""Requests in flight through the picker: at most ``max_in_flight`` (past it, shed), each
+reserved in the shared load store and released exactly once; a store down never fails a pick."""
 
 from __future__ import annotations
 

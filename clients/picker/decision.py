@@ -1,6 +1,5 @@
-"""The choice behind a pick: an OpenAI body → the proxy's :class:`UpstreamPicker` (the same
-tokenizing, scoring and LoRA names) → endpoints, best first, inside the gateway's subset, the
-ejected left out; one that cannot be served is a :class:`RefusalError` with its status."""
+"""The choice behind a pick: the proxy's :class:`UpstreamPicker` on an OpenAI body, endpoints
+best first inside the gateway's subset; one that cannot be served is a :class:`RefusalError`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Endpoints as a gateway names them: a replica's ``url`` as ``ip:port`` (a data-parallel rank
-is a port of its own), and the subset hint a gateway may send, read from ext_proc metadata."""
+"""Endpoints as a gateway names them (``ip:port`` of a replica's ``url``) and its subset hint."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""One ext_proc stream, one HTTP request: the messages a gateway sends, in order, and the
-answers owed. The body is buffered to its end (at most ``max_body_bytes``), then the choice is
-named. The request headers' answer waits for it when the gateway lets it wait (full-duplex
-streamed, or streamed with ``send_body_without_waiting_for_header_response``); else it goes at
-once and the choice rides on the last body chunk's answer. In full-duplex mode every body byte
-is sent back (the gateway forwards only what comes back). The reservation is released at the
-response's end of stream, or by the servicer when the stream ends first."""
+"""One ext_proc stream, one HTTP request: the body buffered to its end (at most
+``max_body_bytes``), then the choice named on the headers' answer when the gateway waits for
+it, else on the last body chunk's; in full-duplex mode every body byte is sent back. The
+reservation is released at the response's end of stream, or by the servicer."""
 
 from __future__ import annotations
 

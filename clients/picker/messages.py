@@ -1,6 +1,5 @@
-"""The ext_proc answers the picker sends, built from Envoy's generated protos (xds-protos):
-the endpoint as a header and as ``envoy.lb`` dynamic metadata (the same value), bodies passed
-on, and the gateway's own answer (an ImmediateResponse) when no endpoint is named."""
+"""The ext_proc answers, from Envoy's generated protos: the endpoint as a header and as
+``envoy.lb`` dynamic metadata (one value), bodies passed on, an ImmediateResponse otherwise."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The ``kvindex picker`` process: the read path (:mod:`kvindex.api.runtime`, the proxy's
-choice of upstreams on it), the ext_proc and gRPC health services on one port, and
-``/metrics``, ``/healthz``, ``/readyz`` on a plain-HTTP port."""
+"""The ``kvindex picker`` process: the read path, the ext_proc and gRPC health services on one
+port, ``/metrics``, ``/healthz`` and ``/readyz`` on another."""
 
 from __future__ import annotations
 

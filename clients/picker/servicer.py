@@ -1,6 +1,5 @@
-"""Envoy's ``ExternalProcessor`` service: each ``Process`` stream is one :class:`Exchange`;
-whatever ends the stream first (the response's end, the gateway closing or resetting it, a
-gRPC cancel) releases the request's reservation once."""
+"""Envoy's ``ExternalProcessor``: each ``Process`` stream is one :class:`Exchange`; whatever
+ends it first (the response's end, a close, reset or cancel) releases its reservation once."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""A request routed without its prompt's tokens says so: its answer carries
-``x-kvindex-tokenizer: failed`` (:class:`UntokenizedHeader`), and a warning naming the model
-and why (the replicas asked among it) is logged at most once per :data:`LOG_WINDOW_S` a model.
-
-The route that chose marks the request (:func:`mark_untokenized`) in its task's context; the
-header is added by the wrapper around the whole app, which made that context's note."""
+"""A request routed without its prompt's tokens says so: ``x-kvindex-tokenizer: failed`` on its
+answer (marked by :func:`mark_untokenized`), one warning a model per :data:`LOG_WINDOW_S`."""
 
 from __future__ import annotations
 

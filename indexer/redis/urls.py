@@ -1,5 +1,4 @@
-"""Redis URLs as the settings give them, without the Redis client: the seeds of a cluster,
-the cluster modes, a URL with its credentials left out (what logs and errors show)."""
+"""Redis URLs as the settings give them, without the Redis client (cluster seeds and modes)."""
 
 from __future__ import annotations
 
