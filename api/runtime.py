@@ -118,6 +118,7 @@ class Hooks:
     on_degraded: Callable[[str], None] = _ignore
     on_scrape_failure: Callable[[str], None] = _ignore
     on_ejected: Callable[[str, Ejection], None] = _ignore
+    on_check_stalled: Callable[[str], None] = _ignore
     failover_tokenizers: bool = False
 
 
@@ -181,6 +182,7 @@ def build_read_path(deps: ApiDeps, hooks: Hooks | None = None) -> ReadPath:
         http,
         blocking_store=deps.blocking_store,
         on_ejected=hooks.on_ejected,
+        on_stalled=hooks.on_check_stalled,
     )
     block_sizes = BlockSizeCheck(settings, registry)
     rounds = Periodic("the block-size check", _check(off_loop, block_sizes), BLOCK_SIZE_CHECK_S)

@@ -1,6 +1,7 @@
 """The active health checker: ``GET <url><health_check_path>`` of every replica each
 interval, folded into its shared ``ReplicaHealth``; processes sharing a store split a round.
-A replica found silent by a proxy is checked at once (:meth:`HealthChecker.confirm_hang`)."""
+A replica found silent by a proxy is checked at once (:meth:`HealthChecker.confirm_hang`).
+A check timed out while this process stalled (:data:`STALL_S`) is sent again; the second counts."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from kvindex.indexer.index.protocol import IndexUnavailableError
 
 logger = logging.getLogger("kvindex.health")
 _CLAIM_SHARE = 0.8
+STALL_S = 0.1
+"""A timed-out check's deadline fired this late: the process, not the replica, was slow."""
 
 Outcome = tuple[bool, str | None]
 
@@ -36,6 +39,7 @@ class HealthChecker:
         blocking_store: bool,
         clock: Callable[[], float] = time.time,
         on_ejected: Callable[[str, Ejection], None] = lambda _replica, _reason: None,
+        on_stalled: Callable[[str], None] = lambda _replica: None,
     ) -> None:
         self._registry = registry
         self._client = client
@@ -46,6 +50,7 @@ class HealthChecker:
         self._call = OffLoop(blocking_store)
         self._clock = clock
         self._on_ejected = on_ejected
+        self._on_stalled = on_stalled
         self._rounds = (
             Periodic("the health checker", self.check_once, self._interval_s)
             if self._interval_s > 0
@@ -69,7 +74,7 @@ class HealthChecker:
             mine = await self._call(
                 self._registry.claim_health_checks, list(urls), self._interval_s * _CLAIM_SHARE
             )
-            outcomes = await asyncio.gather(*(self._check(urls[r]) for r in sorted(mine)))
+            outcomes = await asyncio.gather(*(self._check(r, urls[r]) for r in sorted(mine)))
             now = self._clock()
             changes = {r: self._change(o, now) for r, o in zip(sorted(mine), outcomes, strict=True)}
             updates = await self._call(self._registry.update_health, changes)
@@ -87,7 +92,7 @@ class HealthChecker:
         url = next((r.url for r in self._registry.replicas() if r.id == replica and r.url), None)
         if url is None:
             return False
-        ok, error = await self._check(url)
+        ok, error = await self._check(replica, url)
         if ok:
             return False
         why = f"no byte for {silent_s:.1f}s with answers owed, then its check failed: {error}"
@@ -114,19 +119,37 @@ class HealthChecker:
 
         return change
 
-    async def _check(self, base_url: str) -> Outcome:
+    async def _check(self, replica: str, base_url: str) -> Outcome:
+        """The check's outcome; sent a second time when the first timed out on a stall."""
         url = base_url.rstrip("/") + self._path
+        outcome, late_s = await self._attempt(url)
+        if late_s > STALL_S:
+            logger.warning(
+                "health check of %s timed out while this process was stalled (its deadline"
+                " fired %.2fs late); checked again",
+                replica,
+                late_s,
+            )
+            self._on_stalled(replica)
+            outcome, _ = await self._attempt(url)
+        return outcome
+
+    async def _attempt(self, url: str) -> tuple[Outcome, float]:
+        """The outcome, and how late past its deadline a timeout was noticed (else 0)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout_s
         try:
             # httpx's timeout is per phase; this bounds the whole check (slow trickles too).
-            async with asyncio.timeout(self._timeout_s):
+            async with asyncio.timeout_at(deadline):
                 response = await self._client.get(url, timeout=self._timeout_s)
         except (TimeoutError, httpx.TimeoutException):
-            return False, f"timed out after {self._timeout_s:g}s"
+            late_s = max(0.0, loop.time() - deadline)
+            return (False, f"timed out after {self._timeout_s:g}s"), late_s
         except (httpx.HTTPError, httpx.InvalidURL, OSError) as exc:
-            return False, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            return (False, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__), 0.0
         if not response.is_success:
-            return False, f"HTTP {response.status_code}"
-        return True, None
+            return (False, f"HTTP {response.status_code}"), 0.0
+        return (True, None), 0.0
 
     def _report(self, replica: str, before: ReplicaHealth, after: ReplicaHealth) -> None:
         if after.check_ejected and not before.check_ejected:

@@ -34,6 +34,13 @@ class EjectionMetrics:
             ["replica", "reason"],
             registry=registry,
         )
+        self.stalled_checks = Counter(
+            "kvindex_proxy_health_checks_stalled",
+            "Health checks sent again because their deadline passed while this proxy itself was"
+            " stalled (a busy loop or CPU): not counted against the replica.",
+            ["replica"],
+            registry=registry,
+        )
         ejected = Gauge(
             "kvindex_proxy_ejected_replicas",
             "Replicas out of routing now (failed health checks or an open breaker), as the"
@@ -50,6 +57,9 @@ class EjectionMetrics:
 
     def ejected(self, replica: str, reason: Ejection) -> None:
         self.ejections.labels(replica, reason.value).inc()
+
+    def check_stalled(self, replica: str) -> None:
+        self.stalled_checks.labels(replica).inc()
 
 
 class ReplicaBreakers:

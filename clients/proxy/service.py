@@ -46,6 +46,7 @@ def build_proxy_app(deps: ApiDeps, proxy: ProxySettings, worker: int = 0) -> Sta
     hooks = Hooks(
         wrap_index=lambda index: TimedIndex(index, metrics.lookup_latency),
         on_ejected=ejected,
+        on_check_stalled=ejections.check_stalled,
         failover_tokenizers=True,
     )
     read_path = build_read_path(deps, hooks)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 
 import fakeredis
@@ -110,6 +111,54 @@ def test_a_slow_replica_fails_by_the_timeout() -> None:
 
     asyncio.run(main())
     assert registry.replica_health()["slow"].last_error == "timed out after 0.5s"
+
+
+def _checked_by(handler: object) -> tuple[Registry, list[str]]:
+    """One round on replica ``r`` answered by ``handler``; the registry and the stalls reported."""
+    clock = Clock()
+    registry = Registry((ReplicaSpec("r", "m", url="http://r"),), clock=clock)
+    stalled: list[str] = []
+
+    async def main() -> None:
+        transport = httpx.MockTransport(handler)  # type: ignore[arg-type]
+        async with httpx.AsyncClient(transport=transport) as client:
+            checker = HealthChecker(
+                SETTINGS, registry, client, blocking_store=False, clock=clock,
+                on_stalled=stalled.append,
+            )  # fmt: skip
+            await checker.check_once()
+
+    asyncio.run(main())
+    return registry, stalled
+
+
+def test_a_check_that_timed_out_while_the_process_stalled_is_sent_again_and_not_counted() -> None:
+    calls: list[float] = []
+
+    async def answered_while_stalled(request: httpx.Request) -> httpx.Response:
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            time.sleep(0.8)  # the process stalls past the 0.5 s deadline
+            await asyncio.sleep(5)
+        return httpx.Response(200)
+
+    registry, stalled = _checked_by(answered_while_stalled)
+    assert len(calls) == 2 and stalled == ["r"]
+    health = registry.replica_health()["r"]
+    assert health.check_failures == 0 and health.check_successes == 1
+
+
+def test_a_timeout_on_time_counts_against_the_replica_and_is_not_sent_again() -> None:
+    calls: list[float] = []
+
+    async def slow(request: httpx.Request) -> httpx.Response:
+        calls.append(time.monotonic())
+        await asyncio.sleep(5)
+        return httpx.Response(200)
+
+    registry, stalled = _checked_by(slow)
+    assert len(calls) == 1 and stalled == []
+    assert registry.replica_health()["r"].check_failures == 1
 
 
 def test_processes_sharing_redis_check_each_replica_once_a_round() -> None:
