@@ -1,10 +1,10 @@
 """``kvindex serve``'s ASGI app: its lifespan runs the read path; the hot routes need no
-FastAPI, whose modules a thread imports once started and whose app the first other request
-builds, once, on the loop."""
+FastAPI, which the first other request imports on a thread (the loop answering meanwhile)
+and builds, once."""
 
 from __future__ import annotations
 
-import threading
+import asyncio
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -17,14 +17,13 @@ class DeferredApp:
     def __init__(self, core: ApiCore) -> None:
         self.core = core
         self._app: ASGIApp | None = None
+        self._building = asyncio.Lock()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
             return
-        app = self._app
-        if app is None:
-            app = self._app = self.build()
+        app = self._app or await self._first_build()
         await app(scope, receive, send)
 
     @property
@@ -38,6 +37,13 @@ class DeferredApp:
 
         return app_of(self.core)
 
+    async def _first_build(self) -> ASGIApp:
+        async with self._building:
+            if self._app is None:
+                await asyncio.to_thread(_import_app)
+                self._app = self.build()
+        return self._app
+
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         await receive()  # lifespan.startup
         try:
@@ -46,13 +52,11 @@ class DeferredApp:
             await send({"type": "lifespan.startup.failed", "message": repr(exc)})
             raise
         await send({"type": "lifespan.startup.complete"})
-        threading.Thread(target=_import_app, name="kvindex-app-import", daemon=True).start()
         await receive()  # lifespan.shutdown
         await self.core.read_path.stop()
         await send({"type": "lifespan.shutdown.complete"})
 
 
 def _import_app() -> None:
-    """Imports what :meth:`DeferredApp.build` needs (Python's import lock makes a build that
-    starts meanwhile wait for this import rather than run a second one)."""
+    """Imports what :meth:`DeferredApp.build` needs (most of its cost)."""
     import kvindex.api.http.app  # noqa: F401, PLC0415

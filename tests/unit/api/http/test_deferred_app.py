@@ -3,6 +3,10 @@ that reaches it, once, and answers as ``create_app``'s does."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
+import pytest
 from starlette.testclient import TestClient
 from starlette.types import ASGIApp
 
@@ -62,3 +66,31 @@ def test_the_hot_routes_need_no_app() -> None:
     with TestClient(app) as client:
         assert client.get("/healthz").json() == {"status": "ok"}
     assert app.built
+
+
+def test_the_first_request_imports_fastapi_off_the_loop_and_concurrent_ones_build_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kvindex.api.http.deferred_app as deferred  # noqa: PLC0415
+
+    imported_on: list[bool] = []
+
+    def recorded() -> None:
+        imported_on.append(threading.current_thread() is threading.main_thread())
+
+    monkeypatch.setattr(deferred, "_import_app", recorded)
+    app, _ = served_app(_deps())
+    builds: list[ASGIApp] = []
+    build = app.build
+
+    def counted() -> ASGIApp:
+        builds.append(build())
+        return builds[-1]
+
+    app.build = counted  # type: ignore[method-assign]
+
+    async def first_requests() -> None:
+        await asyncio.gather(*(app._first_build() for _ in range(3)))
+
+    asyncio.run(first_requests())
+    assert imported_on == [False] and len(builds) == 1 and app.built
