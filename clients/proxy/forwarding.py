@@ -527,6 +527,8 @@ class StreamedAnswer:
                     chunk = read
                     if truth is not None:
                         chunk = truth.feed(read) + (truth.end() if ended else b"")
+                        if not chunk and not ended:
+                            continue  # all of it held, or the hidden usage chunk
                     if ended or (whole is not None and num_bytes >= whole):
                         await self._done()  # the client has it all with this chunk
                     message = {"type": "http.response.body", "body": chunk, "more_body": not ended}
