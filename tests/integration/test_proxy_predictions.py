@@ -1,8 +1,8 @@
 """The proxy's predictions held against what the engines report: three ``kvindex
 replica-sim``s behind the proxy (real processes, free loopback ports), the real ``openai``
 package as the client. Healthy sims: the index's predictions are exact; a sim on another
-tokenizer: its answers are ``token_mismatch``; streams with and without the client asking
-for usage."""
+tokenizer: its answers are ``token_mismatch``; one on another block size: ``under_predicted``;
+streams with and without the client asking for usage."""
 
 from __future__ import annotations
 
@@ -59,6 +59,7 @@ def test_predictions_on_healthy_sims_are_exact(stack: ExitStack, tmp_path: Path)
     rng = random.Random(3)
     replica_to_cached: Counter[str] = Counter()
     replica_to_requests: Counter[str] = Counter()
+    num_hits = 0  # answers with a cache hit: the predictions compared are not all zeros
     with httpx.Client(base_url=proxy.base_url, trust_env=False, timeout=30) as http:
         for _ in range(NUM_REQUESTS):
             body = {"model": MODEL, "prompt": _prompt(rng, 20), "max_tokens": 2}
@@ -66,13 +67,14 @@ def test_predictions_on_healthy_sims_are_exact(stack: ExitStack, tmp_path: Path)
             assert answer.status_code == 200, answer.text
             replica = answer.headers["x-kvindex-replica"]
             replica_to_requests[replica] += 1
-            replica_to_cached[replica] += answer.json()["usage"]["prompt_tokens_details"][
-                "cached_tokens"
-            ]
+            cached = answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            replica_to_cached[replica] += cached
+            num_hits += cached > 0
     outcomes = _outcomes(proxy)
     num_exact = sum(n for (_r, o), n in outcomes.items() if o == "exact")
     print(f"predictions of {NUM_REQUESTS} requests: {dict(outcomes)}")
-    print(f"exact: {num_exact}/{NUM_REQUESTS} = {num_exact / NUM_REQUESTS:.2%}")
+    print(f"exact: {num_exact}/{NUM_REQUESTS} = {num_exact / NUM_REQUESTS:.2%}; hits {num_hits}")
+    assert num_hits >= 0.9 * NUM_REQUESTS
     assert num_exact >= 0.99 * NUM_REQUESTS
     for rid in ("r1", "r2", "r3"):
         counted = sum(n for (r, _o), n in outcomes.items() if r == rid)
@@ -131,3 +133,26 @@ def test_a_stream_is_read_and_the_client_sees_only_the_usage_it_asked_for(
     print(f"streamed predictions (client asks usage: {client_asks}): {dict(outcomes)}")
     assert sum(outcomes.values()) == 10
     assert sum(n for (_r, o), n in outcomes.items() if o == "exact") >= 9
+
+
+def test_a_sim_on_another_block_size_is_mispredicted(stack: ExitStack, tmp_path: Path) -> None:
+    """r2 caches blocks of 32 tokens while the model's are 16: the index never matches its
+    blocks, so once r2 holds a prompt's start its answers are ``under_predicted``; the first
+    comes within r2's first 5 answers (r1 stays exact)."""
+    _, proxy = _start(stack, tmp_path, {"r1": [], "r2": ["--block-size", "32"]})
+    rng = random.Random(11)
+    num_on_r2, found_at = 0, None
+    with httpx.Client(base_url=proxy.base_url, trust_env=False, timeout=30) as http:
+        for _ in range(60):
+            body = {"model": MODEL, "prompt": _prompt(rng, 2), "max_tokens": 2}
+            answer = http.post("/v1/completions", json=body)
+            assert answer.status_code == 200
+            if answer.headers["x-kvindex-replica"] != "r2" or found_at is not None:
+                continue
+            num_on_r2 += 1
+            if _outcomes(proxy)[("r2", "under_predicted")]:
+                found_at = num_on_r2
+    outcomes = _outcomes(proxy)
+    print(f"predictions with r2 on 32-token blocks: {dict(outcomes)}; first on r2's {found_at}")
+    assert found_at is not None and found_at <= 5
+    assert outcomes[("r1", "under_predicted")] + outcomes[("r1", "over_predicted")] == 0
