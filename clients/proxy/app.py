@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -44,6 +45,14 @@ from kvindex.clients.proxy.headers import (
     request_id_of,
 )
 from kvindex.clients.proxy.metrics import NO_REPLICA, ProxyMetrics
+from kvindex.clients.proxy.predictions import (
+    Accuracy,
+    AnswerTruth,
+    BodyTruth,
+    Predictions,
+    StreamTruth,
+    with_usage_asked,
+)
 from kvindex.clients.proxy.routes import (
     PASSTHROUGH_ROUTES,
     UnknownRouteError,
@@ -89,9 +98,12 @@ class ProxyParts:
     block_sizes: BlockSizeCheck | None = None
     auth: InboundAuth = field(init=False)
     """The bearer-token check of ``proxy.auth_token``."""
+    predictions: Predictions = field(init=False)
+    """Each routed request's prediction against the engine's answer, counted per replica."""
 
     def __post_init__(self) -> None:
         self.auth = InboundAuth(self.proxy.auth_token)
+        self.predictions = Predictions(self.metrics.observe_prediction)
 
 
 class _ProxyApp(Starlette):
@@ -274,7 +286,8 @@ class _Forwarded:
         parts, request_id, started = self.parts, exchange.request_id, exchange.started
         deadline = parts.forwarder.deadline()
         body = await _body(scope, receive, parts.api)
-        choice = await self._choice(body, dict(headers))
+        choice, decoded = await self._choice(body, dict(headers))
+        truth, body = _truth_reader(choice, decoded, body)
         exchange.matched_fraction = choice.matched_fraction
         if choice.matched_fraction is not None:
             parts.metrics.matched_fraction.observe(choice.matched_fraction)
@@ -295,6 +308,7 @@ class _Forwarded:
         metrics = parts.metrics  # a route's series appear with its first request
         metrics.child(metrics.first_byte, self.path).observe(time.perf_counter() - started)
         exchange.answered_by(opened.upstream.replica, choice.upstreams.index(opened.upstream))
+        prediction = None if truth is None else choice.prediction(opened.upstream)
         return StreamedAnswer(
             opened,
             request_id,
@@ -302,20 +316,25 @@ class _Forwarded:
             lambda status, r: self._count(status, r, exchange),
             first_chunk_timeout_s=parts.proxy.first_byte_timeout_s,
             idle_timeout_s=parts.proxy.stream_idle_timeout_s,
+            truth=None if prediction is None else truth,
+            on_truth=None if prediction is None else partial(parts.predictions.record, prediction),
         )
 
-    async def _choice(self, body: bytes, headers: dict[str, str]) -> Choice:
+    async def _choice(
+        self, body: bytes, headers: dict[str, str]
+    ) -> tuple[Choice, dict[str, Any] | None]:
         """The replicas to try: by the scorer for a JSON object naming a model (required on
-        the OpenAI routes), else (pass-through only) any replica in turn."""
+        the OpenAI routes), else (pass-through only) any replica in turn; and the body
+        decoded on the OpenAI routes (None: a pass-through)."""
         if not self.passthrough:
             decoded = decoded_body(body)
             if not isinstance(decoded, dict):
                 raise BadRequestBodyError("the body must be a JSON object")
-            return await self.parts.picker.choose(decoded, headers)
+            return await self.parts.picker.choose(decoded, headers), decoded
         named = _json_with_model(body, headers.get("content-type", ""))
         if named is None:
-            return self.parts.picker.choose_any()
-        return await self.parts.picker.choose(named, headers)
+            return self.parts.picker.choose_any(), None
+        return await self.parts.picker.choose(named, headers), None
 
     def _count(self, status: int, replica: str, exchange: Exchange) -> None:
         metrics = self.parts.metrics
@@ -323,6 +342,20 @@ class _Forwarded:
         metrics.child(metrics.duration, self.path).observe(time.perf_counter() - exchange.started)
         if self.parts.api.access_log:
             log_exchange(exchange, status)
+
+
+def _truth_reader(
+    choice: Choice, decoded: dict[str, Any] | None, body: bytes
+) -> tuple[AnswerTruth | None, bytes]:
+    """How the answer to an OpenAI route's tokenized request is read for the engine's
+    ``usage``, and the body to send: a stream asks for its usage chunk (hidden from a
+    client that did not ask for it). None: no prediction to hold it to."""
+    if decoded is None or not choice.num_tokens:
+        return None, body
+    if decoded.get("stream") is not True:
+        return BodyTruth(), body
+    asked = with_usage_asked(body, decoded)
+    return StreamTruth(hide=asked is not None), body if asked is None else asked
 
 
 def _target(scope: Scope) -> str:
@@ -466,7 +499,12 @@ def _fleet_routes(parts: ProxyParts) -> list[Route]:
         views = await parts.off_loop(
             replica_views, parts.registry, parts.index, loads, block_sizes, policy
         )
-        return _json(views)
+        accuracy = parts.predictions.accuracy()
+        body = msgspec.to_builtins(views)
+        for view in body:  # the proxy's own: each replica's predictions against its answers
+            counts = accuracy.get(view["id"])
+            view["predictions"] = (counts or Accuracy({})).view()
+        return _json(body)
 
     async def stats(_: Request) -> Response:
         return _json(await parts.off_loop(stats_view, parts.registry, parts.index))

@@ -42,6 +42,7 @@ from kvindex.clients.proxy.headers import (
     REQUEST_ID,
 )
 from kvindex.clients.proxy.metrics import ProxyMetrics
+from kvindex.clients.proxy.predictions import AnswerTruth, StreamTruth, Truth
 from kvindex.clients.proxy.retry_policy import RetryPolicy
 from kvindex.clients.proxy.settings import ProxySettings
 from kvindex.clients.proxy.upstream import Upstream
@@ -437,13 +438,20 @@ class StreamedAnswer:
         *,
         first_chunk_timeout_s: float | None = None,
         idle_timeout_s: float | None = None,
+        truth: AnswerTruth | None = None,
+        on_truth: Callable[[Truth | None], object] | None = None,
     ) -> None:
+        """``truth`` reads the engine's ``usage`` from the chunks (a stream's usage chunk
+        dropped when it hides it); ``on_truth`` is given it once a 200 answer has all
+        been sent."""
         self.opened = opened
         self.request_id = request_id
         self.deadline = deadline
         self.on_done = on_done
         self.first_chunk_timeout_s = first_chunk_timeout_s
         self.idle_timeout_s = idle_timeout_s
+        self.truth = truth
+        self.on_truth = on_truth
         self._abort: Callable[[], None] | None = None
         self._length: bytes | None = None
 
@@ -461,6 +469,8 @@ class StreamedAnswer:
                 }
             )
             self._length = _content_length(response)
+            if self._length is not None and isinstance(self.truth, StreamTruth):
+                self.truth.hide = False  # the length is the client's: nothing dropped
             if self._length is not None:
                 if watch is not None:
                     watch.stop()  # a whole answer, already coming: nothing to abort
@@ -473,8 +483,14 @@ class StreamedAnswer:
                 watch.stop()
             await response.aclose()
             self.on_done(response.status_code, self.opened.upstream.replica)
+            if self.on_truth is not None and self.truth is not None and self._whole(response):
+                self.on_truth(self.truth.truth)
             if self.opened.dispatch is not None:
                 await self.opened.dispatch.release(self._reason)
+
+    def _whole(self, response: Answer) -> bool:
+        """A 200 answer sent to its end (one whose usage is worth reading)."""
+        return response.status_code == 200 and self._reason == "done"
 
     def _headers(self) -> list[tuple[bytes, bytes]]:
         """The replica's header lines as it sent them, less the hop-by-hop ones and ours."""
@@ -501,12 +517,18 @@ class StreamedAnswer:
         idle_s, loop = self.idle_timeout_s, asyncio.get_running_loop()
         idle = asyncio.timeout(self.first_chunk_timeout_s)
         ended = False  # the client has been told the body ends
+        truth = self.truth
         try:
             async with asyncio.timeout_at(self.deadline), idle:
-                async for chunk in _raw(response):
-                    num_bytes += len(chunk)
+                async for read in _raw(response):
+                    num_bytes += len(read)
                     idle.reschedule(None)  # a slow client is not an idle replica
                     ended = _all_read(response)  # then the end goes with this chunk
+                    chunk = read
+                    if truth is not None:
+                        chunk = truth.feed(read) + (truth.end() if ended else b"")
+                        if not chunk and not ended:
+                            continue  # all of it held, or the hidden usage chunk
                     if ended or (whole is not None and num_bytes >= whole):
                         await self._done()  # the client has it all with this chunk
                     message = {"type": "http.response.body", "body": chunk, "more_body": not ended}
@@ -519,7 +541,8 @@ class StreamedAnswer:
             return
         if not ended:
             await self._done()
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            rest = b"" if truth is None else truth.end()
+            await send({"type": "http.response.body", "body": rest, "more_body": False})
 
     def _cut(self, why: str) -> None:
         """The head is sent: the client learns that the body breaks off here the way HTTP/1.1

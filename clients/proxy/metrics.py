@@ -13,6 +13,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from kvindex.api.health.block_sizes import BlockSizeCheck
 from kvindex.api.http.metrics import BlockSizeCollector, lookup_latency
+from kvindex.clients.proxy.predictions import Prediction
 from kvindex.indexer.fleet.registry import RegistryView
 from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.metrics import BuildInfo, IngestCollector
@@ -22,6 +23,10 @@ _LATENCY_BUCKETS = (
     120.0, 300.0,
 )  # fmt: skip
 _FRACTION_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+_ERROR_BUCKETS = (
+    -16384.0, -4096.0, -1024.0, -256.0, -64.0, -16.0, -1.0, 0.0, 16.0, 64.0, 256.0, 1024.0,
+    4096.0, 16384.0,
+)  # fmt: skip
 NO_REPLICA = "none"
 M = TypeVar("M", bound=MetricWrapperBase)
 RESERVATION_OPS = ("reserve", "release", "renew", "close")
@@ -120,6 +125,30 @@ class ProxyMetrics:
             " failed for a whole lease TTL) while their requests were in flight.",
             registry=r,
         )
+
+        self.predictions = Counter(
+            "kvindex_proxy_predictions",
+            "Routed requests by how the index's prediction on the chosen replica compared with"
+            " the engine's reported cached tokens (exact, over_predicted, under_predicted,"
+            " token_mismatch, unreported).",
+            ["replica", "model", "outcome"],
+            registry=r,
+        )
+        self.prediction_error = Histogram(
+            "kvindex_proxy_prediction_error_tokens",
+            "Predicted cached tokens (capped as the engine caps them) minus the engine's"
+            " reported cached tokens, per compared request (positive: over-predicted).",
+            ["replica"],
+            buckets=_ERROR_BUCKETS,
+            registry=r,
+        )
+
+    def observe_prediction(self, prediction: Prediction, outcome: str, error: int | None) -> None:
+        """Count one classified request (see :mod:`.predictions`)."""
+        replica = prediction.replica
+        self.child(self.predictions, replica, prediction.model, outcome).inc()
+        if error is not None:
+            self.child(self.prediction_error, replica).observe(error)
 
     def child(self, metric: M, *labels: str) -> M:
         """``metric.labels(*labels)``, found once and then kept (prometheus' own lookup

@@ -14,6 +14,7 @@ import msgspec
 from kvindex.api.schemas import ScoreRequest
 from kvindex.api.score import Ranking, Scorer, UnknownModelError
 from kvindex.api.tokenize.protocol import TokenizerError
+from kvindex.clients.proxy.predictions import Prediction
 from kvindex.clients.proxy.untokenized import FailureLog, mark_untokenized
 from kvindex.indexer.domain.errors import KvIndexError
 from kvindex.indexer.fleet.registry import RegistryView
@@ -64,6 +65,8 @@ class Upstream:
     url: str
     num_uncached_tokens: int = 0
     """The prompt's tokens it does not hold cached (0: the prompt was not tokenized)."""
+    num_matched_tokens: int = 0
+    """The prompt's tokens the index says it holds cached (its matched blocks)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +76,22 @@ class Choice:
     upstreams: tuple[Upstream, ...]
     matched_fraction: float | None
     """The best replica's cached share of the prompt (None: the prompt was not tokenized)."""
+    model: str = ""
+    num_tokens: int = 0
+    """The router's count of the prompt's tokens (0: not tokenized, no prediction)."""
+    block_size: int = 0
+
+    def prediction(self, upstream: Upstream) -> Prediction | None:
+        """What the index predicted of ``upstream`` (None: the prompt was not tokenized)."""
+        if not self.num_tokens or not self.block_size:
+            return None
+        return Prediction(
+            upstream.replica,
+            self.model,
+            self.num_tokens,
+            upstream.num_matched_tokens,
+            self.block_size,
+        )
 
 
 class UpstreamPicker:
@@ -112,11 +131,12 @@ class UpstreamPicker:
         answer = await self._score(served, lora_name, body, headers, list(urls))
         num_tokens = answer.num_tokens
         upstreams = tuple(
-            Upstream(replica, urls[replica], max(0, num_tokens - matched))
+            Upstream(replica, urls[replica], max(0, num_tokens - matched), matched)
             for replica, matched in answer.ranked
             if replica in urls
         )
-        return Choice(upstreams, _matched_fraction(answer))
+        block_size = self._scorer.block_size(served)
+        return Choice(upstreams, _matched_fraction(answer), served, num_tokens, block_size)
 
     def choose_any(self) -> Choice:
         """Every replica with a ``url`` but the ejected (all if all are), one further each call."""

@@ -1,0 +1,158 @@
+"""The proxy's predictions held against what the engines report: three ``kvindex
+replica-sim``s behind the proxy (real processes, free loopback ports), the real ``openai``
+package as the client. Healthy sims: the index's predictions are exact; a sim on another
+tokenizer: its answers are ``token_mismatch``; one on another block size: ``under_predicted``;
+streams with and without the client asking for usage."""
+
+from __future__ import annotations
+
+import random
+import re
+from collections import Counter
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+from openai.types.chat import ChatCompletionStreamOptionsParam
+
+from tests.integration.test_proxy_forwarding import MODEL, Proxy, Sims, _start, stack
+from tests.support.tokenizer_kinds import write_model
+
+__all__ = ["stack"]
+pytestmark = pytest.mark.timeout(240)
+NUM_REQUESTS = 1000
+_SERIES = re.compile(
+    r'^kvindex_proxy_predictions_total\{model="([^"]*)",outcome="([^"]*)",replica="([^"]*)"\}'
+    r" (\S+)$",
+    re.M,
+)
+
+
+def _outcomes(proxy: Proxy) -> Counter[tuple[str, str]]:
+    """(replica, outcome) → requests, from the proxy's /metrics."""
+    found: Counter[tuple[str, str]] = Counter()
+    for _model, outcome, replica, value in _SERIES.findall(proxy.metrics()):
+        found[(replica, outcome)] += int(float(value))
+    return found
+
+
+def _sim_counter(sims: Sims, rid: str, name: str) -> float:
+    args = sims.children[rid].args
+    port = args[args.index("--port") + 1]
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", trust_env=False).text
+    match = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
+    assert match is not None, name
+    return float(match.group(1))
+
+
+def _prompt(rng: random.Random, num_prefixes: int) -> str:
+    """One of ``num_prefixes`` shared 40-word starts, then 8 words of its own."""
+    prefix = rng.randrange(num_prefixes)
+    shared = " ".join(f"p{prefix}w{i}" for i in range(40))
+    own = " ".join(f"u{rng.randrange(10**9)}" for _ in range(8))
+    return f"{shared} {own}"
+
+
+def test_predictions_on_healthy_sims_are_exact(stack: ExitStack, tmp_path: Path) -> None:
+    sims, proxy = _start(stack, tmp_path, {"r1": [], "r2": [], "r3": []})
+    rng = random.Random(3)
+    replica_to_cached: Counter[str] = Counter()
+    replica_to_requests: Counter[str] = Counter()
+    num_hits = 0  # answers with a cache hit: the predictions compared are not all zeros
+    with httpx.Client(base_url=proxy.base_url, trust_env=False, timeout=30) as http:
+        for _ in range(NUM_REQUESTS):
+            body = {"model": MODEL, "prompt": _prompt(rng, 20), "max_tokens": 2}
+            answer = http.post("/v1/completions", json=body)
+            assert answer.status_code == 200, answer.text
+            replica = answer.headers["x-kvindex-replica"]
+            replica_to_requests[replica] += 1
+            cached = answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            replica_to_cached[replica] += cached
+            num_hits += cached > 0
+    outcomes = _outcomes(proxy)
+    num_exact = sum(n for (_r, o), n in outcomes.items() if o == "exact")
+    print(f"predictions of {NUM_REQUESTS} requests: {dict(outcomes)}")
+    print(f"exact: {num_exact}/{NUM_REQUESTS} = {num_exact / NUM_REQUESTS:.2%}; hits {num_hits}")
+    assert num_hits >= 0.9 * NUM_REQUESTS
+    assert num_exact >= 0.99 * NUM_REQUESTS
+    for rid in ("r1", "r2", "r3"):
+        counted = sum(n for (r, _o), n in outcomes.items() if r == rid)
+        assert counted == replica_to_requests[rid]  # every answer of the replica classified
+        hits = _sim_counter(sims, rid, "vllm:prefix_cache_hits_total")
+        assert hits == replica_to_cached[rid]  # the usage read is the sim's own count
+    replicas = httpx.get(f"{proxy.base_url}/replicas", trust_env=False).json()
+    for view in replicas:
+        predictions = view["predictions"]
+        assert predictions["exact"] == outcomes[(view["id"], "exact")]
+        assert predictions["accuracy"] >= 0.95
+
+
+def test_a_sim_on_another_tokenizer_is_a_token_mismatch(stack: ExitStack, tmp_path: Path) -> None:
+    """r2 tokenizes with a real ``tokenizer.json`` while the proxy uses the toy one: every
+    answer of r2 is ``token_mismatch`` from its first (r1 stays exact)."""
+    tokenizer = write_model(tmp_path / "model")
+    _, proxy = _start(stack, tmp_path, {"r1": [], "r2": ["--tokenizer", str(tokenizer)]})
+    rng = random.Random(5)
+    with httpx.Client(base_url=proxy.base_url, trust_env=False, timeout=30) as http:
+        for _ in range(40):
+            body = {"model": MODEL, "prompt": _prompt(rng, 4), "max_tokens": 2}
+            assert http.post("/v1/completions", json=body).status_code == 200
+    outcomes = _outcomes(proxy)
+    print(f"predictions with r2 on another tokenizer: {dict(outcomes)}")
+    on_r2 = sum(n for (r, _o), n in outcomes.items() if r == "r2")
+    assert on_r2 > 0 and outcomes[("r2", "token_mismatch")] == on_r2
+    assert outcomes[("r1", "token_mismatch")] == 0
+
+
+@pytest.mark.parametrize("client_asks", [False, True])
+def test_a_stream_is_read_and_the_client_sees_only_the_usage_it_asked_for(
+    stack: ExitStack, tmp_path: Path, client_asks: bool
+) -> None:
+    _, proxy = _start(stack, tmp_path, {"r1": [], "r2": []})
+    rng = random.Random(7)
+    options: ChatCompletionStreamOptionsParam | None = (
+        {"include_usage": True} if client_asks else None
+    )
+    with proxy.client() as client:
+        for _ in range(10):
+            stream = client.completions.create(
+                model=MODEL,
+                prompt=_prompt(rng, 2),
+                max_tokens=4,
+                stream=True,
+                stream_options=options,
+            )
+            chunks = list(stream)
+            usages = [c.usage for c in chunks if c.usage is not None]
+            texts = [c.choices[0].text for c in chunks if c.choices]
+            assert len(texts) == 4
+            assert len(usages) == (1 if client_asks else 0)
+            assert all(c.choices for c in chunks) != client_asks  # the usage chunk has none
+    outcomes = _outcomes(proxy)
+    print(f"streamed predictions (client asks usage: {client_asks}): {dict(outcomes)}")
+    assert sum(outcomes.values()) == 10
+    assert sum(n for (_r, o), n in outcomes.items() if o == "exact") >= 9
+
+
+def test_a_sim_on_another_block_size_is_mispredicted(stack: ExitStack, tmp_path: Path) -> None:
+    """r2 caches blocks of 32 tokens while the model's are 16: the index never matches its
+    blocks, so once r2 holds a prompt's start its answers are ``under_predicted``; the first
+    comes within r2's first 5 answers (r1 stays exact)."""
+    _, proxy = _start(stack, tmp_path, {"r1": [], "r2": ["--block-size", "32"]})
+    rng = random.Random(11)
+    num_on_r2, found_at = 0, None
+    with httpx.Client(base_url=proxy.base_url, trust_env=False, timeout=30) as http:
+        for _ in range(60):
+            body = {"model": MODEL, "prompt": _prompt(rng, 2), "max_tokens": 2}
+            answer = http.post("/v1/completions", json=body)
+            assert answer.status_code == 200
+            if answer.headers["x-kvindex-replica"] != "r2" or found_at is not None:
+                continue
+            num_on_r2 += 1
+            if _outcomes(proxy)[("r2", "under_predicted")]:
+                found_at = num_on_r2
+    outcomes = _outcomes(proxy)
+    print(f"predictions with r2 on 32-token blocks: {dict(outcomes)}; first on r2's {found_at}")
+    assert found_at is not None and found_at <= 5
+    assert outcomes[("r1", "under_predicted")] + outcomes[("r1", "over_predicted")] == 0
