@@ -94,11 +94,16 @@ class IndexLock:
         if not self._waiting:
             return False
         self._lock.release()
+        self.let_waiters_in()
+        self.__enter__()
+        return True
+
+    def let_waiters_in(self) -> None:
+        """Called unlocked: a thread waiting for the lock takes it before the caller may (for
+        at most :data:`_HAND_OVER_S`)."""
         deadline = time.monotonic() + _HAND_OVER_S
         while self._waiting and time.monotonic() < deadline:
             time.sleep(0)  # gives up the GIL too: the waiter needs it to return
-        self.__enter__()
-        return True
 
 
 @dataclass(slots=True)
@@ -188,6 +193,7 @@ class MemoryIndex:
             if len(pieces) == 1:
                 return out[2:]
             _add_counts(totals, out[2:])
+            self._lock.let_waiters_in()  # a lock released is not handed over: Lock is unfair
         return tuple(totals)  # type: ignore[return-value]  # ten ints: NativeCounts
 
     def resolve(self, stream: StreamId, engine_hashes: Sequence[int]) -> list[int | None]:
