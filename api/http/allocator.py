@@ -1,13 +1,7 @@
-"""The C allocator pinned at process start, so a large request's buffers go back to the system.
-
-glibc's malloc serves a block over its mmap threshold with its own mapping, unmapped when
-freed; smaller ones come from heaps that keep what is freed for reuse. By default glibc
-raises that threshold (up to 32 MiB) each time a mapped block is freed, so after one large
-request the next ones' buffers (a body, its decoded text, a tokenizer's JSON and token ids)
-come from the heaps, and the heaps stay at their peak. Setting the thresholds explicitly
-stops that: blocks over :data:`MMAP_THRESHOLD_BYTES` are mapped and returned on free, and a
-heap's free top over :data:`TRIM_THRESHOLD_BYTES` is returned too. Without glibc: nothing.
-"""
+"""The C allocator pinned at process start, so a large request's buffers go back to the system:
+glibc's mmap and trim thresholds set explicitly (:data:`MMAP_THRESHOLD_BYTES`,
+:data:`TRIM_THRESHOLD_BYTES`), or else glibc raises the mmap threshold after one large
+request and the heaps stay at their peak. Without glibc: nothing."""
 
 from __future__ import annotations
 

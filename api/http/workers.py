@@ -1,14 +1,8 @@
-"""Worker processes sharing one listening socket: the parent binds the port once, forks N
-workers that each serve it (the kernel hands each connection to one of them), and stays
-their supervisor. SIGTERM or SIGINT to the parent goes on to every worker as SIGTERM (each
-drains; workers have their own process group, so a terminal's Ctrl-C is not sent twice),
-the parent's copy of the socket closes at once, and the parent exits when all have, killing
-any still alive ``grace_s`` later. A worker that dies on its own is forked again, unless it
-lived less than :data:`MIN_UPTIME_S` (a crash loop): then all stop and the parent exits 1.
-A worker whose parent dies gets SIGTERM (Linux: ``PR_SET_PDEATHSIG``).
-
-Fork, not spawn: the parent must run no thread when it forks (it only waits and signals),
-and a worker builds everything it serves with (stores, loops, threads) after the fork."""
+"""Worker processes sharing one listening socket: the parent binds once, forks N workers (each
+built after the fork; the parent runs no thread) and supervises them. SIGTERM or SIGINT goes
+on to every worker, which drains; one still alive ``grace_s`` later is killed. A worker that
+dies is forked again, unless it lived under :data:`MIN_UPTIME_S` (then all stop, exit 1).
+A worker whose parent dies gets SIGTERM (Linux: ``PR_SET_PDEATHSIG``)."""
 
 from __future__ import annotations
 

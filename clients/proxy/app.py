@@ -347,9 +347,8 @@ class _Forwarded:
 def _truth_reader(
     choice: Choice, decoded: dict[str, Any] | None, body: bytes
 ) -> tuple[AnswerTruth | None, bytes]:
-    """How the answer to an OpenAI route's tokenized request is read for the engine's
-    ``usage``, and the body to send: a stream asks for its usage chunk (hidden from a
-    client that did not ask for it). None: no prediction to hold it to."""
+    """How the answer is read for the engine's ``usage`` (None: nothing to compare), and the
+    body to send: a stream asks for its usage chunk, hidden from a client that did not."""
     if decoded is None or not choice.num_tokens:
         return None, body
     if decoded.get("stream") is not True:

@@ -1,15 +1,10 @@
 """The forwarder: one request sent to the chosen replica, its answer streamed back as is.
 
-Attempts: a Choice's upstreams in order as :mod:`.retry_policy` says, the next only while
-nothing reached the client; any other failure is a 502 (504 on a timeout); each retry is
-logged. A replica found hung (:mod:`.hang_watch`) has its requests with no byte yet sent
-elsewhere; an answer broken mid-body ends without its end (connection closed). Headers: the
-client's but hop-by-hop, ``host`` and ``content-length``; ``x-request-id`` kept or made and
-returned; ``Authorization`` is the replica's key, or none (the client's only when
-``proxy.forward_client_authorization`` says so). The body goes on raw,
-chunk by chunk; a client gone closes the upstream connection (the replica sees an abort).
-Each attempt is reserved in the load store and released once; an unreachable store never
-fails a request."""
+Attempts follow :mod:`.retry_policy` while nothing reached the client; else a 502 (504 on a
+timeout). Headers: the client's but hop-by-hop, ``host`` and ``content-length``;
+``x-request-id`` kept or made; ``Authorization`` the replica's key (the client's only by
+``proxy.forward_client_authorization``). A client gone closes the upstream connection. Each
+attempt is reserved in the load store and released once; a store down never fails a request."""
 
 from __future__ import annotations
 
@@ -441,9 +436,7 @@ class StreamedAnswer:
         truth: AnswerTruth | None = None,
         on_truth: Callable[[Truth | None], object] | None = None,
     ) -> None:
-        """``truth`` reads the engine's ``usage`` from the chunks (a stream's usage chunk
-        dropped when it hides it); ``on_truth`` is given it once a 200 answer has all
-        been sent."""
+        """``truth`` reads the engine's ``usage``; ``on_truth`` gets it once a 200 is sent."""
         self.opened = opened
         self.request_id = request_id
         self.deadline = deadline

@@ -1,12 +1,6 @@
-"""Predictions held against the engines' answers: what the index said the chosen replica had
-cached, against the ``usage`` the engine reports (``prompt_tokens`` and
-``prompt_tokens_details.cached_tokens``: vLLM with ``--enable-prompt-tokens-details``, SGLang
-with ``--enable-cache-report``), classified by :func:`outcome_of`.
-
-The rule of an exact prediction: an engine never serves the last prompt token from its cache
-and caches whole blocks only, so it can hit at most ``(prompt_tokens - 1) // block_size``
-blocks; the prediction it is held to is the index's matched tokens capped there.
-"""
+"""Predictions held against the engines' answers: the index's matched tokens on the chosen
+replica against the ``usage`` it reports (``prompt_tokens_details.cached_tokens``), classified
+by :func:`outcome_of` (the rule: :meth:`Prediction.expected_cached`)."""
 
 from __future__ import annotations
 
@@ -18,9 +12,7 @@ from typing import Any
 import msgspec
 
 OUTCOMES = ("exact", "over_predicted", "under_predicted", "token_mismatch", "unreported")
-"""``outcome`` of ``kvindex_proxy_predictions_total``: the index right; crediting blocks the
-engine did not have; missing blocks it had; the engine counting another prompt length (the
-router's tokenizer or chat template differs); no ``usage`` with cached tokens in the answer."""
+"""``outcome`` of ``kvindex_proxy_predictions_total`` (docs/guides/proxy.md says each)."""
 MAX_BODY_BYTES = 1 << 20
 """A whole answer read for its ``usage`` at most this long (longer: ``unreported``)."""
 
@@ -35,8 +27,7 @@ class _Usage(msgspec.Struct):
 
 
 class _Answer(msgspec.Struct):
-    """An answer or a stream chunk: only ``usage`` is read (every other field skipped)."""
-
+    # An answer or a stream chunk: only ``usage`` is read (every other field skipped).
     usage: _Usage | None = None
 
 
@@ -45,8 +36,6 @@ _decode = msgspec.json.Decoder(_Answer).decode
 
 @dataclass(frozen=True, slots=True)
 class Truth:
-    """What the engine reported of one request's prompt."""
-
     prompt_tokens: int
     cached_tokens: int
 
@@ -65,27 +54,22 @@ def truth_of(body: bytes) -> Truth | None:
 
 @dataclass(frozen=True, slots=True)
 class Prediction:
-    """What the router believed of one request on the replica it went to."""
-
     replica: str
     model: str
-    num_tokens: int
-    """The router's count of the prompt's tokens."""
-    matched_tokens: int
-    """The index's matched blocks on ``replica`` times the block size."""
+    num_tokens: int  # the router's count of the prompt's tokens
+    matched_tokens: int  # the index's matched blocks on ``replica`` times the block size
     block_size: int
 
     def expected_cached(self, prompt_tokens: int) -> int:
-        """The cached tokens an engine agreeing with the index reports (whole blocks, the
-        last prompt token never)."""
+        """The cached tokens an engine agreeing with the index reports (whole blocks only,
+        never the last prompt token: at most ``(prompt_tokens - 1) // block_size`` blocks)."""
         cap = max(0, prompt_tokens - 1) // self.block_size * self.block_size
         return min(self.matched_tokens, cap)
 
 
 def outcome_of(prediction: Prediction, truth: Truth | None) -> tuple[str, int | None]:
-    """The outcome (one of :data:`OUTCOMES`) and the error in tokens, expected minus the
-    engine's cached (positive: over-predicted; None: no comparison). A token-count mismatch
-    is named first: with another prompt the blocks cannot be compared."""
+    """The outcome and the error in tokens, expected minus cached (None: not compared); a
+    token-count mismatch first: with another prompt the blocks cannot be compared."""
     if truth is None:
         return "unreported", None
     if truth.prompt_tokens != prediction.num_tokens:
@@ -98,25 +82,20 @@ def outcome_of(prediction: Prediction, truth: Truth | None) -> tuple[str, int | 
 
 @dataclass(slots=True)
 class Accuracy:
-    """One replica's counts by outcome since the proxy started."""
-
     counts: dict[str, int]
 
     def view(self) -> dict[str, object]:
-        """``GET /replicas``' ``predictions``: the counts and the exact share of the compared
-        (None: none compared yet)."""
+        """``GET /replicas``' ``predictions``: the counts and the exact share of the compared."""
         compared = sum(n for o, n in self.counts.items() if o != "unreported")
         ratio = None if not compared else round(self.counts.get("exact", 0) / compared, 4)
         return {"accuracy": ratio, **{o: self.counts.get(o, 0) for o in OUTCOMES}}
 
 
 Observer = Callable[[Prediction, str, int | None], None]
-"""Told each classified request: its prediction, outcome and error (the metrics)."""
 
 
 class Predictions:
-    """Every request's outcome, counted per replica; thread-safe (the scrape and the views
-    read it off the loop)."""
+    """Every request's outcome, counted per replica; thread-safe."""
 
     def __init__(self, observe: Observer = lambda _p, _o, _e: None) -> None:
         self._observe = observe

@@ -99,8 +99,7 @@ class IndexLock:
         return True
 
     def let_waiters_in(self) -> None:
-        """Called unlocked: a thread waiting for the lock takes it before the caller may (for
-        at most :data:`_HAND_OVER_S`)."""
+        """Called unlocked: a waiting thread takes the lock first (within :data:`_HAND_OVER_S`)."""
         deadline = time.monotonic() + _HAND_OVER_S
         while self._waiting and time.monotonic() < deadline:
             time.sleep(0)  # gives up the GIL too: the waiter needs it to return
