@@ -476,14 +476,18 @@ class StreamedAnswer:
                 watch.stop()
             await response.aclose()
             self.on_done(response.status_code, self.opened.upstream.replica)
-            if self.on_truth is not None and self.truth is not None and self._whole(response):
-                self.on_truth(self.truth.truth)
+            if self.on_truth is not None and self.truth is not None:
+                self._tell_truth(response, self.on_truth, self.truth.truth)
             if self.opened.dispatch is not None:
                 await self.opened.dispatch.release(self._reason)
 
-    def _whole(self, response: Answer) -> bool:
-        """A 200 answer sent to its end (one whose usage is worth reading)."""
-        return response.status_code == 200 and self._reason == "done"
+    def _tell_truth(
+        self, response: Answer, on_truth: Callable[[Truth | None], object], truth: Truth | None
+    ) -> None:
+        """A 200 answer sent to its end, or one whose usage was read before the client left
+        (a stream's client may close at ``[DONE]``, before the body's last chunk)."""
+        if response.status_code == 200 and (self._reason == "done" or truth is not None):
+            on_truth(truth)
 
     def _headers(self) -> list[tuple[bytes, bytes]]:
         """The replica's header lines as it sent them, less the hop-by-hop ones and ours."""
