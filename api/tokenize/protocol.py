@@ -45,7 +45,7 @@ class PackedTokenizer(Tokenizer, Protocol):
 
 def as_packed(tokenizer: Tokenizer) -> PackedTokenizer | None:
     """``tokenizer`` when it is a PackedTokenizer, else None."""
-    # One attribute read: isinstance of a runtime-checkable Protocol costs tens of µs.
+    # One attribute read: an isinstance of a runtime-checkable Protocol walks its members.
     if getattr(tokenizer, "packed_messages", None) is None:
         return None
     return cast(PackedTokenizer, tokenizer)

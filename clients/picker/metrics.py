@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
 from kvindex.api.http.metrics import lookup_latency
+from kvindex.api.load.desk import DeskSeries
 from kvindex.indexer.metrics import BuildInfo
 
 _DECISION_BUCKETS = (
@@ -82,6 +83,9 @@ class PickerMetrics:
             ["op"],
             registry=r,
         )
+
+    def desk_series(self) -> DeskSeries:
+        return DeskSeries(self.in_flight, self.released, self.reservation_failures)
 
     def child(self, metric: M, label: str) -> M:
         """``metric.labels(label)``, found once and then kept (prometheus' lookup locks)."""

@@ -18,6 +18,7 @@ from kvindex.api.config.settings import ApiSettings, ReadPathSettings
 from kvindex.api.health.routing import health_policy
 from kvindex.api.http.metrics import TimedIndex
 from kvindex.api.http.server import Service
+from kvindex.api.load.desk import ReservationDesk
 from kvindex.api.load.reservations import LeaseKeeper, Reservations
 from kvindex.api.runtime import ApiDeps, Hooks, ReadPath, build_read_path, open_stores
 from kvindex.clients.picker.admission import Admission
@@ -89,12 +90,10 @@ def build_picker(deps: ApiDeps, settings: PickerSettings) -> Picker:
         upstreams_over, deps.registry, num_endpoints=settings.num_endpoints, health_policy=policy
     )
     reservations = Reservations(deps.loads.ledger, settings.lease_ttl_s)
-    admission = Admission(
-        reservations,
-        metrics,
-        max_in_flight=settings.max_in_flight,
-        blocking=deps.blocking_store,
+    desk = ReservationDesk(
+        reservations, metrics.desk_series(), blocking=deps.blocking_store, log=logger
     )
+    admission = Admission(desk, max_in_flight=settings.max_in_flight)
     keeper = LeaseKeeper(
         reservations,
         blocking=deps.blocking_store,

@@ -18,8 +18,7 @@ import httpx
 from starlette.types import Receive, Scope, Send
 
 from kvindex.api.http.server_protocol import ABORT, ON_GONE
-from kvindex.api.load.reservations import Reservation, Reservations
-from kvindex.api.loop.off_loop import OffLoop
+from kvindex.api.load.desk import Dispatch, ReservationDesk
 from kvindex.clients.proxy.connections import (
     FRESH_CONNECTION,
     AnswerBody,
@@ -70,74 +69,6 @@ RELEASE_REASONS = ("done", "error", "disconnect", "shutdown")
 """Why a request stopped being in flight (last byte sent, failure, client gone, shutdown)."""
 
 
-@dataclass(slots=True)
-class Dispatch:
-    """One attempt's request in flight to ``replica`` (``reservation`` None: not stored)."""
-
-    desk: ReservationDesk
-    replica: str
-    reservation: Reservation | None
-    released: bool = False
-
-    async def release(self, reason: str) -> None:
-        """No longer in flight, for ``reason`` (one of :data:`RELEASE_REASONS`); once."""
-        await self.desk.release(self, reason)
-
-
-class ReservationDesk:
-    """Reserves each attempt's request on its replica and releases it once, counted."""
-
-    def __init__(
-        self, reservations: Reservations | None, metrics: ProxyMetrics, *, blocking: bool
-    ) -> None:
-        self._reservations = reservations
-        self._metrics = metrics
-        self._call = OffLoop(blocking).shielded
-
-    async def reserve(self, upstream: Upstream) -> Dispatch:
-        metrics = self._metrics
-        metrics.child(metrics.in_flight, upstream.replica).inc()
-        reservations, reservation = self._reservations, None
-        if reservations is not None:
-            try:
-                reservation = await self._call(
-                    reservations.reserve, upstream.replica, upstream.num_uncached_tokens
-                )
-            except Exception as exc:
-                self._failed("reserve", exc)
-        return Dispatch(self, upstream.replica, reservation)
-
-    async def release(self, dispatch: Dispatch, reason: str) -> None:
-        if dispatch.released:
-            return
-        dispatch.released = True
-        metrics = self._metrics
-        metrics.child(metrics.in_flight, dispatch.replica).dec()
-        metrics.child(metrics.reservations_released, reason).inc()
-        if self._reservations is None or dispatch.reservation is None:
-            return
-        try:
-            await self._call(self._reservations.release, dispatch.reservation)
-        except Exception as exc:
-            self._failed("release", exc)  # Reservations tries it again at its next renewal
-
-    async def close(self) -> None:
-        """End the lease: whatever is still reserved is released (reason ``shutdown``)."""
-        if self._reservations is None:
-            return
-        try:
-            num_held = await self._call(self._reservations.close)
-        except Exception as exc:
-            self._failed("close", exc)  # the lease lapses on its own
-            return
-        if num_held:
-            self._metrics.reservations_released.labels("shutdown").inc(num_held)
-
-    def _failed(self, op: str, exc: Exception) -> None:
-        self._metrics.reservation_failures.labels(op).inc()
-        logger.warning("reservations: %s failed: %s", op, exc)
-
-
 @dataclass(frozen=True, slots=True)
 class Opened:
     """A replica's answer whose headers have arrived; its body is not read yet."""
@@ -171,7 +102,7 @@ class Forwarder:
         self._settings = settings
         self._metrics = metrics
         self._retry = retry or RetryPolicy(settings)
-        self._desk = desk or ReservationDesk(None, metrics, blocking=False)
+        self._desk = desk or ReservationDesk(None, metrics.desk_series())
         self._on_outcome = on_outcome
         # The head's and the chunks' waits are bounded on the loop (first byte, idle); the
         # transport's own timeouts (TLS: httpx's) are only the backstop of both.
@@ -216,6 +147,9 @@ class Forwarder:
     def deadline(self) -> float:
         return asyncio.get_running_loop().time() + self._settings.total_timeout_s
 
+    async def _reserve(self, upstream: Upstream) -> Dispatch:
+        return await self._desk.reserve(upstream.replica, upstream.num_uncached_tokens)
+
     async def open(
         self,
         path: str,
@@ -235,7 +169,7 @@ class Forwarder:
         attempts = self._retry.attempts(upstreams)
         if self._hangs is not None and not self._hangs.running:
             await self._hangs.start()
-        first = await self._desk.reserve(attempts[0]) if attempts else None
+        first = await self._reserve(attempts[0]) if attempts else None
         watch = None if receive is None else ClientWatch(receive, on_gone)
         opening = self._attempts(
             path, body, headers, attempts, deadline, method=method, route=route, first=first
@@ -281,7 +215,7 @@ class Forwarder:
             if self._hangs is not None:
                 self._hangs.note(upstream.replica, request.url)
             reserved = first if number == 1 else None
-            dispatch = reserved or await self._desk.reserve(upstream)
+            dispatch = reserved or await self._reserve(upstream)
             response = await self._sent(request, upstream, deadline, failures, dispatch=dispatch)
             if response is None:
                 continue

@@ -13,6 +13,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from kvindex.api.health.block_sizes import BlockSizeCheck
 from kvindex.api.http.metrics import BlockSizeCollector, lookup_latency
+from kvindex.api.load.desk import DeskSeries
 from kvindex.clients.proxy.predictions import Prediction
 from kvindex.indexer.fleet.registry import RegistryView
 from kvindex.indexer.index.protocol import BlockIndex
@@ -142,6 +143,9 @@ class ProxyMetrics:
             buckets=_ERROR_BUCKETS,
             registry=r,
         )
+
+    def desk_series(self) -> DeskSeries:
+        return DeskSeries(self.in_flight, self.reservations_released, self.reservation_failures)
 
     def observe_prediction(self, prediction: Prediction, outcome: str, error: int | None) -> None:
         """Count one classified request (see :mod:`.predictions`)."""

@@ -3,6 +3,7 @@ own parts (forwarder, breakers, reservations and their lease keeper), under uvic
 
 from __future__ import annotations
 
+import logging
 import math
 import socket
 from collections.abc import AsyncIterator
@@ -16,10 +17,11 @@ from kvindex.api.health.routing import health_policy
 from kvindex.api.http.metrics import TimedIndex
 from kvindex.api.http.server import Service, run_app
 from kvindex.api.http.workers import Workers, bound_socket
+from kvindex.api.load.desk import ReservationDesk
 from kvindex.api.load.reservations import LeaseKeeper, Reservations
 from kvindex.api.runtime import ApiDeps, Hooks, build_read_path, open_stores
 from kvindex.clients.proxy.app import ProxyParts, create_proxy_app, unparsed_request_body
-from kvindex.clients.proxy.forwarding import Forwarder, ReservationDesk
+from kvindex.clients.proxy.forwarding import Forwarder
 from kvindex.clients.proxy.metrics import ProxyMetrics
 from kvindex.clients.proxy.settings import ProxySettings
 from kvindex.clients.proxy.untokenized import UntokenizedHeader
@@ -29,6 +31,8 @@ from kvindex.indexer.fleet.replica_health import Ejection
 
 _STOP_MARGIN_S = 10
 """After the drain, how long the read path's stop may take before a worker is killed."""
+
+_LOG = logging.getLogger("kvindex.proxy")
 
 
 def build_proxy_app(deps: ApiDeps, proxy: ProxySettings, worker: int = 0) -> Starlette:
@@ -63,7 +67,12 @@ def build_proxy_app(deps: ApiDeps, proxy: ProxySettings, worker: int = 0) -> Sta
     reservations = Reservations(
         deps.loads.ledger, proxy.lease_ttl_s, on_lost=metrics.reservations_lost.inc
     )
-    desk = ReservationDesk(reservations, metrics, blocking=deps.blocking_store)
+    desk = ReservationDesk(
+        reservations,
+        metrics.desk_series(),
+        blocking=deps.blocking_store,
+        log=logging.getLogger("kvindex.proxy"),
+    )
     breakers = ReplicaBreakers(
         api, deps.registry, blocking_store=deps.blocking_store, on_ejected=ejections.ejected
     )

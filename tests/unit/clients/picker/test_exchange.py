@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from kvindex.api.load.desk import ReservationDesk
 from kvindex.api.load.reservations import MemoryLedger, Reservations
 from kvindex.clients.picker.admission import Admission
 from kvindex.clients.picker.decision import Decision, RefusalError
@@ -34,12 +35,8 @@ class Fleet:
     def __init__(self, *, max_in_flight: int = 8, fail: Exception | None = None) -> None:
         self.ledger = MemoryLedger()
         self.metrics = PickerMetrics()
-        self.admission = Admission(
-            Reservations(self.ledger, 10.0),
-            self.metrics,
-            max_in_flight=max_in_flight,
-            blocking=False,
-        )
+        desk = ReservationDesk(Reservations(self.ledger, 10.0), self.metrics.desk_series())
+        self.admission = Admission(desk, max_in_flight=max_in_flight)
         self.fail = fail
         self.seen: list[tuple[bytes, frozenset[str] | None]] = []
 

@@ -12,6 +12,7 @@ import pytest
 from starlette.types import Message
 
 from kvindex.api.http.server_protocol import ABORT
+from kvindex.api.load.desk import ReservationDesk
 from kvindex.api.load.model import InFlight
 from kvindex.api.load.reservations import MemoryLedger, Reservation, Reservations
 from kvindex.clients.proxy.connections import FRESH_CONNECTION, NothingReceivedError
@@ -20,7 +21,6 @@ from kvindex.clients.proxy.forwarding import (
     ClientWatch,
     Forwarder,
     Opened,
-    ReservationDesk,
     StreamedAnswer,
     UpstreamFailedError,
     UpstreamTimeoutError,
@@ -362,7 +362,7 @@ class Desk:
         self.metrics = ProxyMetrics()
         self.ledger = MemoryLedger()
         self.reservations = Reservations(self.ledger, 10.0, holder="proxy")
-        self.desk = ReservationDesk(self.reservations, self.metrics, blocking=False)
+        self.desk = ReservationDesk(self.reservations, self.metrics.desk_series())
         transport = httpx.MockTransport(handle)
         self.forwarder = Forwarder(DEFAULTS, self.metrics, transport=transport, desk=self.desk)
 
@@ -565,7 +565,7 @@ class _DownLedger(MemoryLedger):
 
 def test_an_unreachable_store_never_fails_a_request() -> None:
     desk = Desk(Fleet().handle)
-    desk.desk = ReservationDesk(Reservations(_DownLedger(), 10.0), desk.metrics, blocking=False)
+    desk.desk = ReservationDesk(Reservations(_DownLedger(), 10.0), desk.metrics.desk_series())
     desk.forwarder = Forwarder(
         DEFAULTS, desk.metrics, transport=httpx.MockTransport(Fleet().handle), desk=desk.desk
     )
