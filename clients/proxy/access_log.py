@@ -31,6 +31,8 @@ class Exchange:
     matched_fraction: float | None = None
     retries: int | None = None
     """Replicas tried before the one that answered (None: none answered)."""
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+    """Ours for its answer, whoever gives it (the replica's or the proxy's error)."""
 
     def answered_by(self, replica: str, position: int) -> None:
         """The replica whose head arrived, ``position`` (0-based) among those tried."""

@@ -60,6 +60,7 @@ from kvindex.clients.proxy.routes import (
     normal_path,
 )
 from kvindex.clients.proxy.settings import ProxySettings
+from kvindex.clients.proxy.untokenized import UNTOKENIZED
 from kvindex.clients.proxy.upstream import (
     BadRequestBodyError,
     Choice,
@@ -271,6 +272,7 @@ class _Forwarded:
             answer = await self._answer(scope, receive, headers, exchange)
         except Exception as exc:
             response = _error_response(exc, request_id, route=self.path)
+            response.raw_headers.extend(exchange.headers)
             self._count(response.status_code, NO_REPLICA, exchange)
             await response(scope, receive, send)
             return
@@ -289,6 +291,8 @@ class _Forwarded:
         choice, decoded = await self._choice(body, dict(headers))
         truth, body = _truth_reader(choice, decoded, body)
         exchange.matched_fraction = choice.matched_fraction
+        if choice.untokenized:
+            exchange.headers = (UNTOKENIZED,)
         if choice.matched_fraction is not None:
             parts.metrics.matched_fraction.observe(choice.matched_fraction)
         upstream_headers = forwarded_headers(
@@ -318,6 +322,7 @@ class _Forwarded:
             idle_timeout_s=parts.proxy.stream_idle_timeout_s,
             truth=None if prediction is None else truth,
             on_truth=None if prediction is None else partial(parts.predictions.record, prediction),
+            extra_headers=exchange.headers,
         )
 
     async def _choice(

@@ -369,8 +369,10 @@ class StreamedAnswer:
         idle_timeout_s: float | None = None,
         truth: AnswerTruth | None = None,
         on_truth: Callable[[Truth | None], object] | None = None,
+        extra_headers: Sequence[tuple[bytes, bytes]] = (),
     ) -> None:
-        """``truth`` reads the engine's ``usage``; ``on_truth`` gets it once a 200 is sent."""
+        """``truth`` reads the engine's ``usage``; ``on_truth`` gets it once a 200 is sent;
+        ``extra_headers`` go on the answer after the replica's."""
         self.opened = opened
         self.request_id = request_id
         self.deadline = deadline
@@ -379,6 +381,7 @@ class StreamedAnswer:
         self.idle_timeout_s = idle_timeout_s
         self.truth = truth
         self.on_truth = on_truth
+        self.extra_headers = extra_headers
         self._abort: Callable[[], None] | None = None
         self._length: bytes | None = None
 
@@ -430,6 +433,7 @@ class StreamedAnswer:
             *kept,
             (_REQUEST_ID, self.request_id.encode("latin-1")),
             (_REPLICA, self.opened.upstream.replica.encode("latin-1")),
+            *self.extra_headers,
         ]
 
     async def _stream_watched(self, send: Send, watch: ClientWatch) -> None:

@@ -24,7 +24,6 @@ from kvindex.clients.proxy.app import ProxyParts, create_proxy_app, unparsed_req
 from kvindex.clients.proxy.forwarding import Forwarder
 from kvindex.clients.proxy.metrics import ProxyMetrics
 from kvindex.clients.proxy.settings import ProxySettings
-from kvindex.clients.proxy.untokenized import UntokenizedHeader
 from kvindex.clients.proxy.upstream import UpstreamPicker
 from kvindex.indexer.config.settings import IndexerSettings
 from kvindex.indexer.fleet.replica_health import Ejection
@@ -169,7 +168,7 @@ def _run_uvicorn(
 ) -> None:
     # The replicas' own Date and Server headers are passed on: uvicorn adds none.
     run_app(
-        UntokenizedHeader(app),
+        app,
         api,
         sockets=sockets,
         bad_request_body=unparsed_request_body,

@@ -15,7 +15,7 @@ from kvindex.api.schemas import ScoreRequest
 from kvindex.api.score import Ranking, Scorer, UnknownModelError
 from kvindex.api.tokenize.protocol import TokenizerError
 from kvindex.clients.proxy.predictions import Prediction
-from kvindex.clients.proxy.untokenized import FailureLog, mark_untokenized
+from kvindex.clients.proxy.untokenized import FailureLog
 from kvindex.indexer.domain.errors import KvIndexError
 from kvindex.indexer.fleet.registry import RegistryView
 from kvindex.indexer.fleet.replica_health import HealthPolicy
@@ -80,6 +80,8 @@ class Choice:
     num_tokens: int = 0
     """The router's count of the prompt's tokens (0: not tokenized, no prediction)."""
     block_size: int = 0
+    untokenized: bool = False
+    """The prompt's tokenizer failed: ranked on load alone (the answer says so)."""
 
     def prediction(self, upstream: Upstream) -> Prediction | None:
         """What the index predicted of ``upstream`` (None: the prompt was not tokenized)."""
@@ -128,7 +130,7 @@ class UpstreamPicker:
                 )
             raise NoUpstreamError(f"no replica of {served!r} has a url to forward to")
         lora_name = None if base is None else model
-        answer = await self._score(served, lora_name, body, headers, list(urls))
+        answer, untokenized = await self._score(served, lora_name, body, headers, list(urls))
         num_tokens = answer.num_tokens
         upstreams = tuple(
             Upstream(replica, urls[replica], max(0, num_tokens - matched), matched)
@@ -136,7 +138,8 @@ class UpstreamPicker:
             if replica in urls
         )
         block_size = self._scorer.block_size(served)
-        return Choice(upstreams, _matched_fraction(answer), served, num_tokens, block_size)
+        fraction = _matched_fraction(answer)
+        return Choice(upstreams, fraction, served, num_tokens, block_size, untokenized)
 
     def choose_any(self) -> Choice:
         """Every replica with a ``url`` but the ejected (all if all are), one further each call."""
@@ -158,7 +161,8 @@ class UpstreamPicker:
         body: Mapping[str, Any],
         headers: Mapping[str, str],
         cands: list[str],
-    ) -> Ranking:
+    ) -> tuple[Ranking, bool]:
+        """The ranking, and whether it was made without the prompt's tokens."""
         session = headers.get(SESSION_HEADER) or _string(body.get("user"))
         common: dict[str, Any] = {
             "model": model,
@@ -171,12 +175,12 @@ class UpstreamPicker:
             "has_tools": bool(body.get("tools") or body.get("functions")),
         }
         try:
-            return await self._scorer.ranking(ScoreRequest(**common, **_prompt_of(body)), headers)
+            request = ScoreRequest(**common, **_prompt_of(body))
+            return await self._scorer.ranking(request, headers), False
         except TokenizerError as exc:
             self._failure_log.failed(model, str(exc))
             self._on_tokenize_failure(model)
-            mark_untokenized()
-        return await self._scorer.ranking(ScoreRequest(**common, block_keys=[]), headers)
+        return await self._scorer.ranking(ScoreRequest(**common, block_keys=[]), headers), True
 
 
 def _prompt_of(body: Mapping[str, Any]) -> dict[str, Any]:

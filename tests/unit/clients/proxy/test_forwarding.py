@@ -27,7 +27,9 @@ from kvindex.clients.proxy.forwarding import (
 )
 from kvindex.clients.proxy.headers import REQUEST_ID, forwarded_headers, request_id_of
 from kvindex.clients.proxy.metrics import ProxyMetrics
+from kvindex.clients.proxy.predictions import StreamTruth, Truth
 from kvindex.clients.proxy.settings import ProxySettings
+from kvindex.clients.proxy.untokenized import UNTOKENIZED
 from kvindex.clients.proxy.upstream import Upstream
 from kvindex.indexer.domain.errors import SettingsError
 from kvindex.indexer.index.protocol import IndexUnavailableError
@@ -807,3 +809,66 @@ def test_a_client_watch_told_by_the_server_acts_as_one_reading_receive(told: boo
         assert quiet.calls == [] and not kept.gone
 
     asyncio.run(asyncio.wait_for(run(), 3))
+
+
+def _told_truth(body: AsyncIterator[bytes], client_leaves_s: float) -> tuple[list[Any], bytes]:
+    """What ``on_truth`` was told of a streamed answer whose client leaves after
+    ``client_leaves_s``, and the head's header lines (the answer given ``UNTOKENIZED``)."""
+    told: list[Any] = []
+    sent: list[Message] = []
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body)
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    async def receive() -> Message:
+        await asyncio.sleep(client_leaves_s)
+        return {"type": "http.disconnect"}
+
+    async def run() -> None:
+        forwarder = Forwarder(DEFAULTS, ProxyMetrics(), transport=httpx.MockTransport(handle))
+        deadline = forwarder.deadline()
+        opened = await forwarder.open(PATH, b"{}", [], UPSTREAMS, deadline)
+        answer = StreamedAnswer(
+            opened,
+            "rid",
+            deadline,
+            lambda *a: None,
+            truth=StreamTruth(hide=False),
+            on_truth=told.append,
+            extra_headers=(UNTOKENIZED,),
+        )
+        await asyncio.wait_for(answer({"type": "http"}, receive, send), 5)
+        await forwarder.close()
+
+    asyncio.run(run())
+    return told, b"".join(v for n, v in sent[0]["headers"] if n == UNTOKENIZED[0])
+
+
+_USAGE = (
+    b'data: {"usage": {"prompt_tokens": 40, "prompt_tokens_details": {"cached_tokens": 32}}}\n\n'
+)
+
+
+def test_a_streams_usage_read_counts_though_its_client_left_at_done() -> None:
+    """The openai client closes at ``[DONE]``, before the body's last chunk."""
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b'data: {"choices": [{"text": "x"}]}\n\n' + _USAGE + b"data: [DONE]\n\n"
+        await asyncio.sleep(10)  # the chunk that ends the body comes late
+        yield b""
+
+    told, header = _told_truth(body(), client_leaves_s=0.05)
+    assert told == [Truth(40, 32)] and header == b"failed"
+
+
+def test_a_stream_left_before_its_usage_tells_nothing() -> None:
+    async def body() -> AsyncIterator[bytes]:
+        yield b'data: {"choices": [{"text": "x"}]}\n\n'
+        await asyncio.sleep(10)
+        yield _USAGE
+
+    told, _ = _told_truth(body(), client_leaves_s=0.05)
+    assert told == []
