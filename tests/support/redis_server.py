@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import shutil
 import socket
 import subprocess
@@ -19,17 +20,33 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
+_HANDED_OUT: collections.OrderedDict[int, None] = collections.OrderedDict()
+"""Ports this process handed out lately (oldest first), never handed out again while kept."""
+_NUM_REMEMBERED = 2048
+
+
 def free_ports(count: int) -> list[int]:
-    """``count`` distinct free loopback ports: each held until all are chosen (ports taken
-    one at a time can come back the same, the kernel handing out a port just released)."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    """``count`` distinct free loopback ports, none handed out lately by this process: a port
+    chosen and released before its server bound it could otherwise come back for another
+    (each call's sockets are held until all are chosen, the ones skipped too)."""
+    socks: list[socket.socket] = []
+    chosen: list[int] = []
     try:
-        for sock in socks:
+        while len(chosen) < count and len(socks) < count + _NUM_REMEMBERED:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(sock)
             sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in socks]
+            port = int(sock.getsockname()[1])
+            if port not in _HANDED_OUT:
+                chosen.append(port)
     finally:
         for sock in socks:
             sock.close()
+    for port in chosen:
+        _HANDED_OUT[port] = None
+        if len(_HANDED_OUT) > _NUM_REMEMBERED:
+            _HANDED_OUT.popitem(last=False)
+    return chosen
 
 
 @dataclass
