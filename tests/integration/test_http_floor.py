@@ -321,3 +321,31 @@ def test_a_request_the_parser_refuses_gets_the_apis_json_400(server: Server) -> 
         "error": "invalid_request",
         "detail": "Invalid HTTP request received.",
     }
+
+
+READYZ_SPELLINGS = [
+    ("GET", "/readyz", b""), ("HEAD", "/readyz", b""), ("POST", "/readyz", b"{}"),
+    ("DELETE", "/readyz", b""), ("GET", "/readyz/", b""), ("GET", "//readyz", b""),
+    ("GET", "/./readyz", b""), ("GET", "/x/../readyz", b""), ("GET", "/readyz?x=%zz", b""),
+    ("GET", "/readyz", b"{not json"), ("GET", "/readyz/../score", b""),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("method", "path", "body"), READYZ_SPELLINGS)
+def test_readyz_answered_by_the_server_protocol_is_never_a_5xx_nor_a_reset(
+    server: Server, method: str, path: str, body: bytes
+) -> None:
+    """``/readyz`` is answered in the server's protocol (no FastAPI): any method, spelling or
+    body gets an answer below 500 on a connection that goes on serving."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        connection.putrequest(method, path, skip_accept_encoding=True)
+        connection.putheader("content-length", str(len(body)))
+        connection.endheaders(body)
+        response = connection.getresponse()
+        status, _ = response.status, response.read()
+        connection.request("GET", "/healthz")
+        assert connection.getresponse().status == 200
+    finally:
+        connection.close()
+    assert status < 500

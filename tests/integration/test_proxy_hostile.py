@@ -220,6 +220,40 @@ def test_deep_nesting_is_a_400(guarded: Proxy, path: str, depth: int) -> None:
     assert "nests deeper" in answer.error()["message"]
 
 
+# --- the usage the proxy asks of a stream ----------------------------------------------
+
+ODD_STREAMS = [
+    b'{"model": "M", "prompt": "a b", "stream": true, "stream_options": "yes"}',
+    b'{"model": "M", "prompt": "a b", "stream": true, "stream_options": [1, 2]}',
+    b'{"model": "M", "prompt": "a b", "stream": true, "stream_options": null}',
+    b'{"model": "M", "prompt": "a b", "stream": true, "stream_options": {"include_usage": "x"}}',
+    b'{"model": "M", "prompt": "a b", "stream": "true", "stream_options": {}}',
+    b'{"model": "M", "prompt": "a b", "stream": 1}',
+    b' \n\t{"model": "M", "prompt": "a b", "stream": true}',
+    b'{"model": "M", "prompt": "a b", "stream": true, "stream": false}',
+    b'{"model": "M", "messages": [{"role": "user", "content": "a"}], "stream": true,'
+    b' "stream_options": {"include_usage": false, "continuous_usage_stats": true}}',
+]
+
+
+@pytest.mark.parametrize("body", ODD_STREAMS, ids=range(len(ODD_STREAMS)))
+def test_odd_stream_asks_get_an_answer_never_a_5xx(guarded: Proxy, body: bytes) -> None:
+    """The proxy splices ``stream_options`` into a stream's body to read its usage: a body
+    that asks oddly is passed on or refused with a 4xx (the replica's or the proxy's)."""
+    path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+    answer = send(guarded.port, "POST", path, body.replace(b'"M"', f'"{MODEL}"'.encode()), _token())
+    assert answer.status < 500, answer.body[:300]
+
+
+def test_a_client_cannot_forge_the_tokenizer_mark(guarded: Proxy) -> None:
+    """``x-kvindex-tokenizer`` on an answer is the proxy's: a client's own goes no further
+    than the request, and a tokenized route's answer carries none."""
+    body = {"model": MODEL, "prompt": "a b c", "max_tokens": 1}
+    headers = [*_token(), ("x-kvindex-tokenizer", b"failed")]
+    answer = post(guarded.port, "/v1/completions", body, headers)
+    assert answer.status == 200 and "x-kvindex-tokenizer" not in answer.headers
+
+
 # --- auth leftovers ---------------------------------------------------------------------
 
 GUARDED_PATHS = [
