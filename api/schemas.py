@@ -255,6 +255,18 @@ class HealthView(msgspec.Struct):
     num_ejections: int
 
 
+class PredictionsView(msgspec.Struct):
+    """A proxy's predictions held against one replica's answers: each outcome's count, and
+    ``accuracy``, the exact share of those compared (None: none compared yet)."""
+
+    accuracy: float | None
+    exact: int = 0
+    over_predicted: int = 0
+    under_predicted: int = 0
+    token_mismatch: int = 0
+    unreported: int = 0
+
+
 class ReplicaView(msgspec.Struct):
     id: str
     model: str
@@ -267,6 +279,8 @@ class ReplicaView(msgspec.Struct):
     streams: list[StreamView]
     load: LoadView | None
     health: HealthView | None = None
+    predictions: PredictionsView | None = None
+    """Only from a proxy (``kvindex proxy``'s ``/replicas``): the API makes no predictions."""
 
 
 class ErrorBody(msgspec.Struct):

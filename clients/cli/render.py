@@ -15,6 +15,7 @@ from kvindex.api.schemas import (
     FreshnessView,
     HealthView,
     LoadView,
+    PredictionsView,
     ReplicaView,
     ScoreEntry,
     ScoreResponse,
@@ -118,6 +119,26 @@ def format_health(health: HealthView | None) -> str:
     if health.state == "healthy" and health.breaker == "half-open":
         return "healthy (breaker half-open)"
     return health.detail
+
+
+_MISSES = (("over_predicted", "over"), ("under_predicted", "under"), ("token_mismatch", "tokens"))
+
+
+def format_predictions(predictions: PredictionsView | None) -> str:
+    """``99.9% exact of 1000``, then each kind of miss seen (``over 2``) and the unreported."""
+    if predictions is None:
+        return "-"
+    misses = [(short, getattr(predictions, outcome)) for outcome, short in _MISSES]
+    compared = predictions.exact + sum(n for _, n in misses)
+    parts = [
+        "none compared"
+        if predictions.accuracy is None
+        else f"{predictions.accuracy:.1%} exact of {compared}"
+    ]
+    parts += [f"{short} {n}" for short, n in misses if n]
+    if predictions.unreported:
+        parts.append(f"unreported {predictions.unreported}")
+    return ", ".join(parts)
 
 
 def format_tiers(tiers: dict[str, int]) -> str:
@@ -270,8 +291,9 @@ def render_replicas(views: list[ReplicaView], wide: bool = False) -> list[Any]:
 
 def _model_table(model: str, views: list[ReplicaView], wide: bool) -> Table:
     ends = ("dp", "url", "events", "replay") if wide else ()
+    judged = ("predictions",) if any(v.predictions is not None for v in views) else ()
     table = make_table(
-        *(column(name) for name in ("id", "state", "health", "streams", "load", *ends)),
+        *(column(name) for name in ("id", "state", "health", "streams", "load", *judged, *ends)),
         title=f"{model} · {len(views)} replica{'s' if len(views) > 1 else ''}",
     )
     for view in views:
@@ -282,6 +304,7 @@ def _model_table(model: str, views: list[ReplicaView], wide: bool) -> Table:
             format_health(view.health),
             _streams_cell(view, wide),
             format_load(view.load) if wide else format_load_short(view.load),
+            *([format_predictions(view.predictions)] if judged else []),
             *(endpoints if wide else []),
         )
     return table

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from click.testing import CliRunner
 from openai.types.chat import ChatCompletionStreamOptionsParam
 
+from kvindex.clients.cli.main import main
 from tests.integration.test_proxy_forwarding import MODEL, Proxy, Sims, _start, stack
 from tests.support.tokenizer_kinds import write_model
 
@@ -87,6 +89,11 @@ def test_predictions_on_healthy_sims_are_exact(stack: ExitStack, tmp_path: Path)
         predictions = view["predictions"]
         assert predictions["exact"] == outcomes[(view["id"], "exact")]
         assert predictions["accuracy"] >= 0.95
+    shown = CliRunner().invoke(main, ["replicas", "--url", proxy.base_url], env={"COLUMNS": "200"})
+    assert shown.exit_code == 0, shown.output
+    for rid in ("r1", "r2", "r3"):  # `kvindex replicas` at a proxy: each replica's accuracy
+        row = next(line for line in shown.output.splitlines() if line.startswith(f"{rid} "))
+        assert re.search(rf"\d+\.\d% exact of {replica_to_requests[rid]}\b", row), row
 
 
 def test_a_sim_on_another_tokenizer_is_a_token_mismatch(stack: ExitStack, tmp_path: Path) -> None:

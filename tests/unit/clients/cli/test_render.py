@@ -14,6 +14,7 @@ from kvindex.api.schemas import (
     FreshnessView,
     HealthView,
     LoadView,
+    PredictionsView,
     ReplicaView,
     ScoreEntry,
     ScoreResponse,
@@ -262,6 +263,23 @@ def test_render_replicas_shows_a_block_size_that_is_not_the_models() -> None:
     assert "block size" not in r1
     assert "block size 32 (not the model's: never matches)" in r2
     assert "block size 16" in plain(*render_replicas(views, wide=True))
+
+
+def test_render_replicas_shows_a_proxys_predictions() -> None:
+    """Only a proxy's views carry predictions: the column appears with them."""
+    judged = PredictionsView(0.9, exact=9, over_predicted=1, unreported=2)
+    views = [
+        ReplicaView("r1", "m", None, None, None, 1, "live", [], None, predictions=judged),
+        ReplicaView(
+            "r2", "m", None, None, None, 1, "live", [], None, predictions=PredictionsView(None)
+        ),
+    ]
+    lines = plain(*render_replicas(views)).splitlines()
+    assert "predictions" in lines[1]
+    assert "90.0% exact of 10, over 1, unreported 2" in row_of(lines, "r1")
+    assert "none compared" in row_of(lines, "r2")
+    plain_views = [ReplicaView("r1", "m", None, None, None, 1, "live", [], None)]
+    assert "predictions" not in plain(*render_replicas(plain_views))
 
 
 def test_render_stats() -> None:
