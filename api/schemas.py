@@ -29,6 +29,13 @@ class ScoreRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_TOKEN_IDS)] | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    """With ``messages``, as are the next four: what else of a chat request its template
+    renders (vLLM's chat completion fields of the same names)."""
+    documents: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     block_keys: Annotated[list[BlockKey], msgspec.Meta(max_length=MAX_BLOCK_KEYS)] | None = None
     """Keys precomputed with ``kvindex.indexer.domain.keys.block_keys`` (no tokenization)."""
     block_size: int | None = None

@@ -31,7 +31,7 @@ from kvindex.api.load.store import LoadChanges, LoadStore
 from kvindex.api.lookup.matches import Lookup, RankedStreams, Streams, ranked_streams
 from kvindex.api.loop.off_loop import OffLoop
 from kvindex.api.schemas import ScoreRequest, ScoreResponse
-from kvindex.api.tokenize.protocol import Tokenizer, as_packed
+from kvindex.api.tokenize.protocol import ChatOptions, Tokenizer, as_packed
 from kvindex.indexer.domain.errors import KvIndexError
 from kvindex.indexer.domain.keys import (
     BlockKeyError,
@@ -364,6 +364,8 @@ class Scorer:
                 "give exactly one of token_ids, prompt, messages, block_keys"
                 f" (got {given or 'none'})"
             )
+        if request.messages is None and _has_chat_options(request):
+            raise RequestError(f"{', '.join(ChatOptions.__struct_fields__)}: only with messages")
         if request.block_size is not None and request.block_size != block_size:
             raise RequestError(
                 f"block_size: the request assumes {request.block_size} but {request.model!r}"
@@ -410,11 +412,11 @@ class Scorer:
             if request.prompt is not None:
                 return await packs.packed_prompt(request.prompt)
             assert request.messages is not None
-            return await packs.packed_messages(request.messages)
+            return await packs.packed_messages(request.messages, _chat_options(request))
         if request.prompt is not None:
             return await tokenizer.encode_prompt(request.prompt)
         assert request.messages is not None
-        return await tokenizer.encode_messages(request.messages)
+        return await tokenizer.encode_messages(request.messages, _chat_options(request))
 
     # --- 3. lookup and load ------------------------------------------------------------------
 
@@ -509,6 +511,26 @@ class Scorer:
             )
         except ScoringError as exc:
             raise RequestError(str(exc)) from exc
+
+
+def _has_chat_options(request: ScoreRequest) -> bool:
+    return (
+        request.tools is not None
+        or request.documents is not None
+        or request.chat_template_kwargs is not None
+        or not request.add_generation_prompt
+        or request.continue_final_message
+    )
+
+
+def _chat_options(request: ScoreRequest) -> ChatOptions:
+    return ChatOptions(
+        request.tools,
+        request.documents,
+        request.chat_template_kwargs,
+        request.add_generation_prompt,
+        request.continue_final_message,
+    )
 
 
 def _packed_keys(request: ScoreRequest, packed: bytes, block_size: int) -> list[int]:

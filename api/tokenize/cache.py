@@ -15,6 +15,8 @@ from typing import Any, Protocol, runtime_checkable
 import msgspec
 
 from kvindex.api.tokenize.protocol import (
+    NO_OPTIONS,
+    ChatOptions,
     Tokenizer,
     TokenizerError,
     as_packed,
@@ -37,11 +39,13 @@ def prompt_key(prompt: str) -> bytes:
     return _digest(b"prompt", prompt.encode("utf-8", "surrogatepass"))
 
 
-def messages_key(messages: list[dict[str, Any]]) -> bytes:
+def messages_key(messages: list[dict[str, Any]], options: ChatOptions = NO_OPTIONS) -> bytes:
     """The cache key of a conversation: the digest of its canonical JSON (object keys
-    sorted, every message kept); TokenizerError when it is not JSON."""
+    sorted, every message kept; the options not at their default after them); TokenizerError
+    when it is not JSON."""
+    fields = options.fields()
     try:
-        encoded = msgspec.json.encode(messages, order="sorted")
+        encoded = msgspec.json.encode([messages, fields] if fields else messages, order="sorted")
     except (TypeError, ValueError, RecursionError) as exc:
         raise TokenizerError(f"messages are not JSON-serializable: {exc}") from exc
     return _digest(b"messages", encoded)
@@ -58,7 +62,9 @@ class _AnswersNow(Protocol):
 
     def prompt_now(self, prompt: str) -> bytes | None: ...
 
-    def messages_now(self, messages: list[dict[str, Any]]) -> bytes | None: ...
+    def messages_now(
+        self, messages: list[dict[str, Any]], options: ChatOptions = NO_OPTIONS
+    ) -> bytes | None: ...
 
 
 class CachingTokenizer:
@@ -93,8 +99,10 @@ class CachingTokenizer:
     async def encode_prompt(self, prompt: str) -> list[int]:
         return unpack_ids(await self.packed_prompt(prompt))
 
-    async def encode_messages(self, messages: list[dict[str, Any]]) -> list[int]:
-        return unpack_ids(await self.packed_messages(messages))
+    async def encode_messages(
+        self, messages: list[dict[str, Any]], options: ChatOptions = NO_OPTIONS
+    ) -> list[int]:
+        return unpack_ids(await self.packed_messages(messages, options))
 
     async def packed_prompt(self, prompt: str) -> bytes:
         key, inner, packed, now = prompt_key(prompt), self.inner, self._packed_inner, self._now
@@ -105,14 +113,21 @@ class CachingTokenizer:
             return await self._cached(key, lambda: packed.packed_prompt(prompt))
         return await self._cached(key, lambda: _packed(inner.encode_prompt(prompt)))
 
-    async def packed_messages(self, messages: list[dict[str, Any]]) -> bytes:
-        key, inner, packed, now = messages_key(messages), self.inner, self._packed_inner, self._now
-        found = None if now is None else self._now_or_kept(key, lambda: now.messages_now(messages))
+    async def packed_messages(
+        self, messages: list[dict[str, Any]], options: ChatOptions = NO_OPTIONS
+    ) -> bytes:
+        inner, packed, now = self.inner, self._packed_inner, self._now
+        key = messages_key(messages, options)
+        found = (
+            None
+            if now is None
+            else self._now_or_kept(key, lambda: now.messages_now(messages, options))
+        )
         if found is not None:
             return found
         if packed is not None:
-            return await self._cached(key, lambda: packed.packed_messages(messages))
-        return await self._cached(key, lambda: _packed(inner.encode_messages(messages)))
+            return await self._cached(key, lambda: packed.packed_messages(messages, options))
+        return await self._cached(key, lambda: _packed(inner.encode_messages(messages, options)))
 
     def _now_or_kept(self, key: bytes, compute: Callable[[], bytes | None]) -> bytes | None:
         """A kept entry, else the inner tokenizer's answer when it has one at once (no task:

@@ -13,7 +13,7 @@ import jinja2.nodes
 import jinja2.parser
 import jinja2.sandbox
 
-from kvindex.api.tokenize.protocol import TokenizerError
+from kvindex.api.tokenize.protocol import NO_OPTIONS, ChatOptions, TokenizerError
 
 _CHAT_TEMPLATE_FILE = "chat_template.jinja"
 _TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -74,20 +74,48 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as exc:
             raise TokenizerError(f"chat template: syntax error line {exc.lineno}: {exc}") from exc
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The conversation as text, generation prompt added unless told."""
-        try:
-            return self._template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                tools=None,
-                documents=None,
-                **self.special_tokens,
+    def render(self, messages: list[dict[str, Any]], options: ChatOptions = NO_OPTIONS) -> str:
+        """The conversation as text, as vLLM renders a chat request with these options: the
+        template's variables from ``chat_template_kwargs`` (its own names win), the text
+        cut after the last message's content when ``continue_final_message``."""
+        continued = options.continue_final_message
+        if continued and options.add_generation_prompt:
+            raise TokenizerError(
+                "continue_final_message and add_generation_prompt cannot both be true"
             )
+        variables = {
+            **(options.chat_template_kwargs or {}),
+            **self.special_tokens,
+            "messages": messages,
+            "add_generation_prompt": options.add_generation_prompt,
+            "tools": options.tools,
+            "documents": options.documents,
+        }
+        try:
+            text = self._template.render(**variables)
         except jinja2.TemplateError as exc:
             raise TokenizerError(f"chat template rejected the messages: {exc}") from exc
         except Exception as exc:  # a template may fail on any input (KeyError, TypeError, ...)
             raise TokenizerError(f"chat template failed on the messages: {exc!r}") from exc
+        return _continued(text, messages) if continued else text
+
+
+def _continued(text: str, messages: list[dict[str, Any]]) -> str:
+    """``text`` ending where the last message's content ends (the template's end-of-turn
+    cut off), so the engine goes on writing that message."""
+    content = messages[-1].get("content") if messages else None
+    if isinstance(content, list):  # parts: the last text part is what is continued
+        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        content = texts[-1] if texts else None
+    if not isinstance(content, str) or not content.strip():
+        raise TokenizerError("continue_final_message: the last message has no text to continue")
+    at = text.rfind(content.strip())
+    if at < 0:
+        raise TokenizerError("continue_final_message: the template dropped the last message")
+    kept = content.lstrip()  # the template may keep the content's trailing spaces, or not
+    if text[at : at + len(kept)] != kept:
+        kept = content.strip()
+    return text[: at + len(kept)]
 
 
 def _read_text(path: Path, what: str) -> str:

@@ -12,7 +12,7 @@ import httpx
 from kvindex.api.config.settings import ApiSettings
 from kvindex.api.tokenize.cache import CachingTokenizer
 from kvindex.api.tokenize.choice import ModelTokenizers, replica_route
-from kvindex.api.tokenize.protocol import Tokenizer, TokenizerError
+from kvindex.api.tokenize.protocol import NO_OPTIONS, ChatOptions, Tokenizer, TokenizerError
 from kvindex.api.tokenize.replica import ReplicaRoute, ReplicaTokenizer
 from kvindex.indexer.fleet.registry import RegistryView
 
@@ -43,8 +43,10 @@ class FailoverTokenizer:
     async def encode_prompt(self, prompt: str) -> list[int]:
         return await self._first_answer(lambda t: t.encode_prompt(prompt))
 
-    async def encode_messages(self, messages: list[dict[str, Any]]) -> list[int]:
-        return await self._first_answer(lambda t: t.encode_messages(messages))
+    async def encode_messages(
+        self, messages: list[dict[str, Any]], options: ChatOptions = NO_OPTIONS
+    ) -> list[int]:
+        return await self._first_answer(lambda t: t.encode_messages(messages, options))
 
     def urls(self) -> list[str]:
         """The replicas to ask, in order: the last one that answered first."""

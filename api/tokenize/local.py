@@ -14,7 +14,13 @@ import tokenizers
 from kvindex.api.tokenize.chat_template import ChatTemplate, load_chat_template
 from kvindex.api.tokenize.cuts import Cuts
 from kvindex.api.tokenize.prefix_cache import KeptCut, PrefixCache, cut_digests
-from kvindex.api.tokenize.protocol import TokenizerError, pack_ids, unpack_ids
+from kvindex.api.tokenize.protocol import (
+    NO_OPTIONS,
+    ChatOptions,
+    TokenizerError,
+    pack_ids,
+    unpack_ids,
+)
 
 INLINE_MAX_CHARS = 2048
 """Texts up to this long are encoded on the event loop; longer ones in a worker thread."""
@@ -71,33 +77,41 @@ class LocalTokenizer:
         """Token ids of ``prompt`` with the post-processor's special tokens (e.g. BOS)."""
         return unpack_ids(await self.packed_prompt(prompt))
 
-    async def encode_messages(self, messages: list[dict[str, Any]]) -> list[int]:
+    async def encode_messages(
+        self, messages: list[dict[str, Any]], options: ChatOptions = NO_OPTIONS
+    ) -> list[int]:
         """Token ids of the rendered conversation; no special tokens added on top of it."""
-        return unpack_ids(await self.packed_messages(messages))
+        return unpack_ids(await self.packed_messages(messages, options))
 
     async def packed_prompt(self, prompt: str) -> bytes:
         return await self._prompt(prompt, now=False)
 
-    async def packed_messages(self, messages: list[dict[str, Any]]) -> bytes:
-        return await self._messages(messages, now=False)
+    async def packed_messages(
+        self, messages: list[dict[str, Any]], options: ChatOptions = NO_OPTIONS
+    ) -> bytes:
+        return await self._messages(messages, options, now=False)
 
     def prompt_now(self, prompt: str) -> bytes | None:
         """:meth:`packed_prompt` when it needs no worker thread, else None (call that)."""
         return _run_now(self._prompt(prompt, now=True))
 
-    def messages_now(self, messages: list[dict[str, Any]]) -> bytes | None:
+    def messages_now(
+        self, messages: list[dict[str, Any]], options: ChatOptions = NO_OPTIONS
+    ) -> bytes | None:
         """:meth:`packed_messages` when it needs no worker thread, else None (call that)."""
-        return _run_now(self._messages(messages, now=True))
+        return _run_now(self._messages(messages, options, now=True))
 
     async def _prompt(self, prompt: str, *, now: bool) -> bytes:
         if self._prompt_reuse:
             return await self._packed(prompt, now=now)
         return pack_ids(await self._encode(prompt, add_special_tokens=True, now=now))
 
-    async def _messages(self, messages: list[dict[str, Any]], *, now: bool) -> bytes:
+    async def _messages(
+        self, messages: list[dict[str, Any]], options: ChatOptions, *, now: bool
+    ) -> bytes:
         if self.chat_template is None:
             raise TokenizerError("no chat template for this model: messages cannot be encoded")
-        return await self._packed(self.chat_template.render(messages), now=now)
+        return await self._packed(self.chat_template.render(messages, options), now=now)
 
     async def _packed(self, text: str, *, now: bool) -> bytes:
         """Reference: kvindex.api.tokenize.local.encode_whole; tests/unit/api/tokenize/test_prefix_reuse.py::test_reuse_equals_whole_encode

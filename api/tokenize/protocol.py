@@ -15,6 +15,33 @@ TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
 """A token id as engines hash it (unsigned 32-bit)."""
 
 
+class ChatOptions(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What of a chat request besides its messages changes the text its engine renders: the
+    fields of vLLM's chat completions and ``/tokenize`` of the same names."""
+
+    tools: list[dict[str, Any]] | None = None
+    documents: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def fields(self) -> dict[str, Any]:
+        """The members not at their default, as a request body carries them."""
+        return {name: getattr(self, name) for name in _OPTION_NAMES if _set(self, name)}
+
+
+_OPTION_NAMES = ChatOptions.__struct_fields__
+_DEFAULTS = ChatOptions()
+
+
+def _set(options: ChatOptions, name: str) -> bool:
+    return bool(getattr(options, name) != getattr(_DEFAULTS, name))
+
+
+NO_OPTIONS = _DEFAULTS
+"""A conversation rendered as its messages alone, the generation prompt added."""
+
+
 class TokenizerError(KvIndexError):
     """Text or messages could not be tokenized; the message says which model source and why."""
 
@@ -26,8 +53,10 @@ class Tokenizer(Protocol):
         """Token ids of a completions prompt, special tokens (e.g. BOS) added."""
         ...
 
-    async def encode_messages(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The conversation rendered by the chat template, generation prompt added."""
+    async def encode_messages(
+        self, messages: list[dict[str, Any]], options: ChatOptions = NO_OPTIONS
+    ) -> list[int]:
+        """The conversation rendered by the chat template as ``options`` say."""
         ...
 
 
@@ -38,7 +67,9 @@ class PackedTokenizer(Tokenizer, Protocol):
         """:meth:`encode_prompt`'s ids, packed (:func:`pack_ids`)."""
         ...
 
-    async def packed_messages(self, messages: list[dict[str, Any]]) -> bytes:
+    async def packed_messages(
+        self, messages: list[dict[str, Any]], options: ChatOptions = NO_OPTIONS
+    ) -> bytes:
         """:meth:`encode_messages`'s ids, packed (:func:`pack_ids`)."""
         ...
 

@@ -11,7 +11,7 @@ from typing import Any, Literal, get_args
 import httpx
 import msgspec
 
-from kvindex.api.tokenize.protocol import TokenId, TokenizerError
+from kvindex.api.tokenize.protocol import NO_OPTIONS, ChatOptions, TokenId, TokenizerError
 
 ReplicaRoute = Literal["auto", "render", "tokenize"]
 """``auto``: render when the replica serves it, else ``/tokenize``; the others: that one only."""
@@ -82,12 +82,15 @@ class ReplicaTokenizer:
         body = {"model": self.model, "prompt": prompt, "add_special_tokens": True}
         return await self._encode(body, chat=False)
 
-    async def encode_messages(self, messages: list[dict[str, Any]]) -> list[int]:
+    async def encode_messages(
+        self, messages: list[dict[str, Any]], options: ChatOptions = NO_OPTIONS
+    ) -> list[int]:
         body = {
             "model": self.model,
             "messages": messages,
             "add_generation_prompt": True,
             "add_special_tokens": False,
+            **options.fields(),
         }
         return await self._encode(body, chat=True)
 

@@ -15,10 +15,11 @@ from typing import Annotated, Any, Protocol
 import msgspec
 from fastapi import FastAPI, Request, Response
 
-from kvindex.api.tokenize.protocol import TokenId
+from kvindex.api.tokenize.protocol import ChatOptions, TokenId
+from kvindex.clients.fake_vllm.tokenizer import ChatFields, SimTokenizerError
 
 PromptTokens = Callable[[str | list[int]], list[int]]
-ChatText = Callable[[list[dict[str, Any]]], str]
+ChatTokens = Callable[[list[dict[str, Any]], ChatOptions], list[int]]
 Refused = Callable[[Any, Request], Response | None]
 ErrorAnswer = Callable[[int, str], Response]
 
@@ -41,7 +42,7 @@ class _Completion(msgspec.Struct):
     cache_salt: str | None = None
 
 
-class _Chat(msgspec.Struct):
+class _Chat(ChatFields, kw_only=True):
     model: str
     messages: list[dict[str, Any]]
     max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16
@@ -68,13 +69,13 @@ def add_render_routes(
     app: FastAPI,
     settings: Served,
     prompt_tokens: PromptTokens,
-    chat_text: ChatText,
+    chat_tokens: ChatTokens,
     *,
     refused: Refused,
     error: ErrorAnswer,
 ) -> None:
     """Both render routes on ``app`` when ``settings.enable_scale_out``; ids by
-    ``prompt_tokens`` (of the prompt, or of ``chat_text`` of the messages), as inference's."""
+    ``prompt_tokens`` or ``chat_tokens`` (a chat's other members too), as inference's."""
     if not settings.enable_scale_out:
         return
 
@@ -85,10 +86,14 @@ def add_render_routes(
             return error(400, str(exc))
         if body.model != settings.model and body.model not in settings.lora_names:
             return error(404, f"The model `{body.model}` does not exist.")
-        if isinstance(body, _Chat):
-            answer = generate_request(settings.model, body, prompt_tokens(chat_text(body.messages)))
-        else:
-            answer = [generate_request(settings.model, body, prompt_tokens(body.prompt))]
+        try:
+            if isinstance(body, _Chat):
+                tokens = chat_tokens(body.messages, body.options())
+                answer = generate_request(settings.model, body, tokens)
+            else:
+                answer = [generate_request(settings.model, body, prompt_tokens(body.prompt))]
+        except SimTokenizerError as exc:
+            return error(400, str(exc))
         return Response(msgspec.json.encode(answer), media_type="application/json")
 
     @app.post("/v1/completions/render")

@@ -40,9 +40,9 @@ from kvindex.clients.fake_vllm.token_routes import (
     prompt_tokens,
 )
 from kvindex.clients.fake_vllm.tokenizer import (
+    ChatFields,
     SimTokenizer,
     SimTokenizerError,
-    render_chat,
     sim_tokenizer,
     word_token,
 )
@@ -342,7 +342,7 @@ class CompletionBody(msgspec.Struct):
     stream_options: StreamOptions | None = None
 
 
-class ChatBody(msgspec.Struct):
+class ChatBody(ChatFields, kw_only=True):
     """``/v1/chat/completions``: the whole conversation is the prompt (:func:`render_chat`)."""
 
     model: str
@@ -407,7 +407,7 @@ async def handle_completion(engine: Engine, raw: bytes, *, chat: bool = False) -
     tokenizer = settings_tokenizer(settings)
     try:
         if isinstance(body, ChatBody):
-            prompt = tokenizer.chat(body.messages)
+            prompt = tokenizer.chat(body.messages, body.options())
         else:
             prompt = prompt_tokens(body.prompt, tokenizer)
     except SimTokenizerError as exc:
@@ -459,7 +459,12 @@ def create_app(engine: Engine) -> FastAPI:
     app = FastAPI(title=f"kvindex replica simulator {engine.settings.id}")
     settings = engine.settings
     add_render_routes(
-        app, settings, prompt_tokens, render_chat, refused=_refused, error=error_answer
+        app,
+        settings,
+        lambda prompt: prompt_tokens(prompt, settings_tokenizer(settings)),
+        lambda messages, options: settings_tokenizer(settings).chat(messages, options),
+        refused=_refused,
+        error=error_answer,
     )
 
     @app.post("/v1/completions")

@@ -8,7 +8,12 @@ import msgspec
 from fastapi import Response
 
 from kvindex.api.tokenize.protocol import TokenId
-from kvindex.clients.fake_vllm.tokenizer import SimTokenizer, SimTokenizerError, sim_tokenizer
+from kvindex.clients.fake_vllm.tokenizer import (
+    ChatFields,
+    SimTokenizer,
+    SimTokenizerError,
+    sim_tokenizer,
+)
 
 _json = msgspec.json.encode
 
@@ -26,11 +31,10 @@ class TokenSettings(Protocol):
     def chat_template(self) -> str | None: ...
 
 
-class TokenizeBody(msgspec.Struct):
+class TokenizeBody(ChatFields, kw_only=True):
     model: str | None = None
     prompt: str | list[TokenId] | None = None
     messages: list[dict[str, Any]] | None = None
-    add_generation_prompt: bool = True
     add_special_tokens: bool = True
 
 
@@ -61,7 +65,7 @@ def handle_tokenize(settings: TokenSettings, raw: bytes) -> Response:
     tokenizer = sim_tokenizer(settings.tokenizer, settings.chat_template)
     try:
         if body.messages is not None:
-            tokens = tokenizer.chat(body.messages, body.add_generation_prompt)
+            tokens = tokenizer.chat(body.messages, body.options())
         elif body.prompt is not None:
             tokens = prompt_tokens(body.prompt, tokenizer, body.add_special_tokens)
         else:

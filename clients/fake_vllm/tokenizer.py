@@ -6,10 +6,11 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import xxhash
 
 from kvindex.api.tokenize.local import LocalTokenizer
-from kvindex.api.tokenize.protocol import TokenizerError
+from kvindex.api.tokenize.protocol import NO_OPTIONS, ChatOptions, TokenizerError
 from kvindex.indexer.domain.errors import KvIndexError
 
 VOCAB_SIZE = 50_000
@@ -29,10 +30,36 @@ def tokenize_text(text: str) -> list[int]:
     return [word_token(word) for word in text.split()]
 
 
-def render_chat(messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-    """A minimal chat template over ALL messages: ``<|role|> content`` each."""
-    parts = [f"<|{m.get('role', 'user')}|> {m.get('content') or ''}" for m in messages]
-    if add_generation_prompt:
+class ChatFields(msgspec.Struct, kw_only=True):
+    """The members of a chat body (completions, ``/tokenize``, render) besides its messages
+    that its template renders, as vLLM reads them."""
+
+    tools: list[dict[str, Any]] | None = None
+    documents: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def options(self) -> ChatOptions:
+        return ChatOptions(
+            self.tools,
+            self.documents,
+            self.chat_template_kwargs,
+            self.add_generation_prompt,
+            self.continue_final_message,
+        )
+
+
+def render_chat(messages: Sequence[dict[str, Any]], options: ChatOptions = NO_OPTIONS) -> str:
+    """A minimal chat template over ALL messages: ``<|role|> content`` each, after the tools
+    and documents as JSON (the generation prompt last unless told)."""
+    parts = [
+        f"<|{name}|> {msgspec.json.encode(value).decode()}"
+        for name, value in (("tools", options.tools), ("documents", options.documents))
+        if value
+    ]
+    parts += [f"<|{m.get('role', 'user')}|> {m.get('content') or ''}" for m in messages]
+    if options.add_generation_prompt:
         parts.append("<|assistant|>")
     return " ".join(parts)
 
@@ -55,15 +82,15 @@ class SimTokenizer:
             return tokenize_text(text)
         return self.local.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def chat(self, messages: list[dict[str, Any]], options: ChatOptions = NO_OPTIONS) -> list[int]:
         """SimTokenizerError when the template refuses the messages."""
         local = self.local
         if local is None:
-            return tokenize_text(render_chat(messages, add_generation_prompt))
+            return tokenize_text(render_chat(messages, options))
         if local.chat_template is None:
             raise SimTokenizerError("the model has no chat template: messages cannot be encoded")
         try:
-            rendered = local.chat_template.render(messages, add_generation_prompt)
+            rendered = local.chat_template.render(messages, options)
         except TokenizerError as exc:
             raise SimTokenizerError(str(exc)) from exc
         return self.text(rendered, add_special_tokens=False)

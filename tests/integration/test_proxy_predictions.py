@@ -168,3 +168,48 @@ def test_a_sim_on_another_block_size_is_mispredicted(stack: ExitStack, tmp_path:
     print(f"predictions with r2 on 32-token blocks: {dict(outcomes)}; first on r2's {found_at}")
     assert found_at is not None and found_at <= 5
     assert outcomes[("r1", "under_predicted")] + outcomes[("r1", "over_predicted")] == 0
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_order",
+            "description": "look an order up",
+            "parameters": {"type": "object", "properties": {"id": {"type": "string"}}},
+        },
+    }
+]
+
+
+@pytest.mark.parametrize("tokenizer", ["local", "replica"])
+def test_chats_with_tools_and_template_kwargs_are_predicted_exactly(
+    stack: ExitStack, tmp_path: Path, tokenizer: str
+) -> None:
+    """The engines render each chat's tools and ``chat_template_kwargs`` into the prompt; so
+    does the proxy, with its own tokenizer or the replicas' (their render routes): the token
+    counts agree (no ``token_mismatch``) and predictions are exact."""
+    model_file = write_model(tmp_path / "model")
+    sim_args = ["--tokenizer", str(model_file), "--enable-scale-out"]
+    proxy_args: tuple[str, ...] = ()
+    if tokenizer == "local":
+        config = tmp_path / "kvindex.toml"
+        config.write_text(f'[[models]]\nname = "{MODEL}"\ntokenizer = "{model_file}"\n')
+        proxy_args = ("--config", str(config))
+    _, proxy = _start(stack, tmp_path, {"r1": sim_args, "r2": sim_args}, proxy_args)
+    system = {"role": "system", "content": "answer about the order " * 30}
+    with proxy.client() as client:
+        for i in range(12):
+            user = {"role": "user", "content": f"where is order {i % 3} please"}
+            client.chat.completions.create(
+                model=MODEL,
+                messages=[system, user],  # type: ignore[list-item]
+                tools=TOOLS,  # type: ignore[arg-type]
+                max_tokens=2,
+                extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+            )
+    outcomes = _outcomes(proxy)
+    print(f"chats with tools, {tokenizer} tokenizer: {dict(outcomes)}")
+    assert sum(outcomes.values()) == 12
+    assert not any(o == "token_mismatch" for (_r, o) in outcomes)
+    assert sum(n for (_r, o), n in outcomes.items() if o == "exact") >= 11

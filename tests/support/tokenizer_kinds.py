@@ -30,9 +30,13 @@ from tokenizers import (
 
 from tests.support.request_logs import WORDS, text
 
-CHATML = (
+CHATML = (  # tools and a template variable (``enable_thinking``) as Qwen's templates have
+    "{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n"
+    "{% endfor %}<|im_end|>\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
 )
 INST = (
     "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}"

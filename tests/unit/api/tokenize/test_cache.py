@@ -14,7 +14,7 @@ from kvindex.api.tokenize.cache import (
     messages_key,
     prompt_key,
 )
-from kvindex.api.tokenize.protocol import TokenizerError
+from kvindex.api.tokenize.protocol import NO_OPTIONS, ChatOptions, TokenizerError
 from tests.unit.api.tokenize.samples import CONVERSATION
 
 
@@ -31,7 +31,9 @@ class CountingTokenizer:
         await self._wait()
         return [ord(c) for c in prompt]
 
-    async def encode_messages(self, messages: list[dict[str, Any]]) -> list[int]:
+    async def encode_messages(
+        self, messages: list[dict[str, Any]], options: ChatOptions = NO_OPTIONS
+    ) -> list[int]:
         self.calls.append(messages)
         await self._wait()
         return [len(str(m.get("content"))) for m in messages]
@@ -60,6 +62,33 @@ def test_cache_counts_hits_and_misses() -> None:
     assert (cache.num_hits, cache.num_misses) == (2, 3)
     assert len(inner.calls) == 3
     assert len(cache) == 3
+
+
+def test_a_conversations_options_are_part_of_its_key() -> None:
+    """The same messages with tools (or any option off its default) are another entry; with
+    none the key is the messages' alone, as before options existed."""
+    plain = messages_key(CONVERSATION)
+    assert (
+        plain == messages_key(CONVERSATION, NO_OPTIONS) == messages_key(CONVERSATION, ChatOptions())
+    )
+    tools = ChatOptions(tools=[{"type": "function", "function": {"name": "f"}}])
+    keys = {
+        plain,
+        messages_key(CONVERSATION, tools),
+        messages_key(CONVERSATION, ChatOptions(add_generation_prompt=False)),
+        messages_key(CONVERSATION, ChatOptions(chat_template_kwargs={"enable_thinking": False})),
+    }
+    assert len(keys) == 4
+    inner = CountingTokenizer()
+    cache = CachingTokenizer(inner)
+
+    async def main() -> None:
+        await cache.encode_messages(CONVERSATION)
+        await cache.encode_messages(CONVERSATION, tools)
+        await cache.encode_messages(CONVERSATION, tools)
+
+    asyncio.run(main())
+    assert (cache.num_misses, cache.num_hits) == (2, 1)
 
 
 def test_cache_returns_copies() -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from kvindex.api.tokenize.chat_template import ChatTemplate, load_chat_template
-from kvindex.api.tokenize.protocol import TokenizerError
+from kvindex.api.tokenize.protocol import ChatOptions, TokenizerError
 
 
 def test_environment_matches_transformers() -> None:
@@ -89,3 +89,58 @@ def test_explicit_template_path_must_exist_and_have_a_template(tmp_path: Path) -
     (tmp_path / "empty.json").write_text("{}")
     with pytest.raises(TokenizerError, match="has no chat_template"):
         load_chat_template(tmp_path / "tokenizer.json", tmp_path / "empty.json")
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+
+
+def test_tools_documents_and_template_variables_are_rendered() -> None:
+    """A chat's other members reach the template as vLLM passes them: ``tools`` and
+    ``documents`` by name, ``chat_template_kwargs`` as variables (the template's own names
+    win over a kwarg of the same name)."""
+    template = ChatTemplate(
+        "{% if tools %}T:{{ tools[0]['function']['name'] }} {% endif %}"
+        "{% if documents %}D:{{ documents | length }} {% endif %}"
+        "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}>{% endif %}"
+        "{% if think is defined %}think={{ think }}{% endif %}"
+    )
+    hi = [{"role": "user", "content": "hi"}]
+    assert template.render(hi) == "hi >"
+    options = ChatOptions(
+        tools=TOOLS,
+        documents=[{"text": "a"}, {"text": "b"}],
+        chat_template_kwargs={"think": False, "messages": "ignored"},
+    )
+    assert template.render(hi, options) == "T:get_weather D:2 hi >think=False"
+    assert template.render(hi, ChatOptions(add_generation_prompt=False)) == "hi "
+
+
+def test_continue_final_message_cuts_after_its_content() -> None:
+    """The rendered text ends with the last message's content, the template's end of turn
+    cut off (whether the template keeps the content's trailing space or strips it)."""
+    keeps = ChatTemplate(
+        "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}</s>{% endfor %}"
+    )
+    strips = ChatTemplate(
+        "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] | trim }}</s>{% endfor %}"
+    )
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is "}]
+    go_on = ChatOptions(add_generation_prompt=False, continue_final_message=True)
+    assert keeps.render(chat, go_on) == "[user]hi</s>[assistant]The answer is "
+    assert strips.render(chat, go_on) == "[user]hi</s>[assistant]The answer is"
+    parts: list[dict[str, Any]] = [
+        *chat[:1],
+        {"role": "assistant", "content": [{"type": "text", "text": "Go"}]},
+    ]
+    by_parts = ChatTemplate(
+        "{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}"
+        "{% else %}{{ m['content'][0]['text'] }}{% endif %}|{% endfor %}"
+    )
+    assert by_parts.render(parts, go_on) == "hi|Go"
+    with pytest.raises(TokenizerError, match="cannot both be true"):
+        keeps.render(chat, ChatOptions(continue_final_message=True))
+    with pytest.raises(TokenizerError, match="no text to continue"):
+        keeps.render([{"role": "user", "content": ""}], go_on)
+    with pytest.raises(TokenizerError, match="dropped the last message"):
+        ChatTemplate("nothing").render(chat, go_on)

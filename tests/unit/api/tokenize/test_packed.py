@@ -16,7 +16,14 @@ from kvindex.api.score import Scorer
 from kvindex.api.tokenize.cache import CachingTokenizer
 from kvindex.api.tokenize.chat_template import ChatTemplate
 from kvindex.api.tokenize.local import LocalTokenizer
-from kvindex.api.tokenize.protocol import Tokenizer, as_packed, pack_ids, unpack_ids
+from kvindex.api.tokenize.protocol import (
+    NO_OPTIONS,
+    ChatOptions,
+    Tokenizer,
+    as_packed,
+    pack_ids,
+    unpack_ids,
+)
 from kvindex.api.tokenize.replica import ReplicaTokenizer
 from kvindex.indexer.domain.events import StreamId, Tier
 from kvindex.indexer.domain.health import StreamReport
@@ -41,7 +48,9 @@ class ListTokenizer:
         self.num_calls += 1
         return list(TOKENS)
 
-    async def encode_messages(self, messages: list[dict[str, Any]]) -> list[int]:
+    async def encode_messages(
+        self, messages: list[dict[str, Any]], options: ChatOptions = NO_OPTIONS
+    ) -> list[int]:
         self.num_calls += 1
         return list(TOKENS)
 

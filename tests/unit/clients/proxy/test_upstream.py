@@ -12,8 +12,9 @@ import pytest
 from kvindex.api.config.settings import ApiSettings
 from kvindex.api.decision.routing_rules import RoutingRule
 from kvindex.api.load.store import MemoryLoadStore
-from kvindex.api.score import Scorer, UnknownModelError
-from kvindex.api.tokenize.protocol import Tokenizer, TokenizerError
+from kvindex.api.schemas import ScoreRequest
+from kvindex.api.score import RequestError, Scorer, UnknownModelError
+from kvindex.api.tokenize.protocol import NO_OPTIONS, ChatOptions, Tokenizer, TokenizerError
 from kvindex.clients.proxy.upstream import (
     MAX_DEPTH,
     BadRequestBodyError,
@@ -46,8 +47,10 @@ class WordTokenizer:
         self.seen.append(prompt)
         return self._tokens(prompt)
 
-    async def encode_messages(self, messages: list[dict[str, Any]]) -> list[int]:
-        self.seen.append(messages)
+    async def encode_messages(
+        self, messages: list[dict[str, Any]], options: ChatOptions = NO_OPTIONS
+    ) -> list[int]:
+        self.seen.append((messages, options) if options.fields() else messages)
         return self._tokens(" ".join(str(m["content"]) for m in messages))
 
     def _tokens(self, text: str) -> list[int]:
@@ -66,7 +69,7 @@ class Fleet:
         self.index = MemoryIndex()
         self.tokenizer = WordTokenizer()
         tokenizer: Tokenizer = self.tokenizer
-        scorer = Scorer(
+        self.scorer = scorer = Scorer(
             ApiSettings(seed=1, default_policy=policy, rules=rules),
             self.index,
             self.registry,
@@ -116,6 +119,35 @@ def test_the_whole_conversation_decides_and_only_replicas_with_a_url_are_tried()
     assert {u.replica for u in choice.upstreams} == {"a", "b", "c"}  # d has no url
     assert choice.upstreams[0].url == "http://c:8000"
     assert choice.matched_fraction == 1.0
+
+
+def test_what_else_a_chat_body_renders_reaches_the_tokenizer() -> None:
+    """Tools, documents, template variables and the generation flags go with the messages;
+    a member of the wrong type is left out (the engine will refuse that body itself)."""
+    fleet = Fleet()
+    user = {"role": "user", "content": _words(8, "u")}
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    body = {
+        "model": MODEL,
+        "messages": [user],
+        "tools": tools,
+        "chat_template_kwargs": {"enable_thinking": False},
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "documents": "not a list",
+    }
+    fleet.choose(body)
+    wanted = ChatOptions(
+        tools=tools,
+        chat_template_kwargs={"enable_thinking": False},
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )
+    assert fleet.tokenizer.seen[-1] == ([user], wanted)
+    fleet.choose({"model": MODEL, "messages": [user], "tools": [1, 2]})
+    assert fleet.tokenizer.seen[-1:] == [[user]]
+    with pytest.raises(RequestError, match="only with messages"):  # /score's own check
+        asyncio.run(fleet.scorer.score(ScoreRequest(model=MODEL, prompt="a b", tools=tools), {}))
 
 
 def test_a_completion_prompt_string_or_token_ids_is_scored() -> None:
