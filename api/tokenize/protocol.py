@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from array import array
+from collections.abc import Mapping
 from typing import Annotated, Any, Protocol, cast
 
 import msgspec
@@ -40,6 +41,27 @@ def _set(options: ChatOptions, name: str) -> bool:
 
 NO_OPTIONS = _DEFAULTS
 """A conversation rendered as its messages alone, the generation prompt added."""
+
+_OPTION_TYPES = {
+    "tools": list,
+    "documents": list,
+    "chat_template_kwargs": dict,
+    "add_generation_prompt": bool,
+    "continue_final_message": bool,
+}
+
+
+def chat_options_of(body: Mapping[str, Any]) -> ChatOptions:
+    """The options of an OpenAI chat body; a member of another type is left out (its engine
+    answers that body with an error of its own)."""
+    found: dict[str, Any] = {}
+    for name, kind in _OPTION_TYPES.items():
+        value = body.get(name)
+        if isinstance(value, list) and not all(isinstance(v, dict) for v in value):
+            continue
+        if isinstance(value, kind):
+            found[name] = value
+    return ChatOptions(**found) if found else NO_OPTIONS
 
 
 class TokenizerError(KvIndexError):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Iterator
 from itertools import islice
-from typing import Any
 
 import tokenizers
 
@@ -67,7 +66,7 @@ async def _encoded(
             answers[i] = list(request.prompt_ids)
         elif request.messages is not None:
             try:
-                special_to_texts[False].append((i, _rendered(local, request.messages)))
+                special_to_texts[False].append((i, _rendered(local, request)))
             except TokenizerError as exc:
                 answers[i] = exc
         else:
@@ -87,9 +86,10 @@ async def _encoded(
     return answers
 
 
-def _rendered(local: LocalTokenizer, messages: list[dict[str, Any]]) -> str:
+def _rendered(local: LocalTokenizer, request: LoggedRequest) -> str:
     assert local.chat_template is not None  # LogTokenizer gives its local tokenizer one
-    return local.chat_template.render(messages)
+    assert request.messages is not None
+    return local.chat_template.render(request.messages, request.chat_options)
 
 
 def _encode(

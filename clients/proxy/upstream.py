@@ -13,7 +13,7 @@ import msgspec
 
 from kvindex.api.schemas import ScoreRequest
 from kvindex.api.score import Ranking, Scorer, UnknownModelError
-from kvindex.api.tokenize.protocol import TokenizerError
+from kvindex.api.tokenize.protocol import TokenizerError, chat_options_of
 from kvindex.clients.proxy.predictions import Prediction
 from kvindex.clients.proxy.untokenized import FailureLog
 from kvindex.indexer.domain.errors import KvIndexError
@@ -187,35 +187,13 @@ def _prompt_of(body: Mapping[str, Any]) -> dict[str, Any]:
     """The ScoreRequest field carrying the body's prompt (none: ranked on load alone)."""
     messages = body.get("messages")
     if isinstance(messages, list) and all(isinstance(m, dict) for m in messages):
-        return {"messages": messages, **_chat_options_of(body)}
+        return {"messages": messages, **chat_options_of(body).fields()}
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return {"prompt": prompt}
     if isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt):
         return {"token_ids": prompt}
     return {"block_keys": []}
-
-
-_CHAT_OPTION_TYPES = {
-    "tools": list,
-    "documents": list,
-    "chat_template_kwargs": dict,
-    "add_generation_prompt": bool,
-    "continue_final_message": bool,
-}
-
-
-def _chat_options_of(body: Mapping[str, Any]) -> dict[str, Any]:
-    """What else of a chat body its engine's template renders (tools, documents, ...); a
-    member of another type is left out (the engine answers that request with its error)."""
-    found = {}
-    for name, kind in _CHAT_OPTION_TYPES.items():
-        value = body.get(name)
-        if isinstance(value, list) and not all(isinstance(v, dict) for v in value):
-            continue
-        if isinstance(value, kind):
-            found[name] = value
-    return found
 
 
 def _is_token(value: object) -> bool:

@@ -19,7 +19,13 @@ import msgspec
 
 from kvindex.api.tokenize.chat_template import ChatTemplate
 from kvindex.api.tokenize.local import LocalTokenizer
-from kvindex.api.tokenize.protocol import Tokenizer, TokenizerError
+from kvindex.api.tokenize.protocol import (
+    NO_OPTIONS,
+    ChatOptions,
+    Tokenizer,
+    TokenizerError,
+    chat_options_of,
+)
 from kvindex.api.tokenize.replica import ReplicaTokenizer
 from kvindex.indexer.domain.errors import KvIndexError
 
@@ -56,6 +62,8 @@ class LoggedRequest:
     timestamp_s: float | None = None
     max_tokens: int | None = None
     user: str | None = None
+    chat_options: ChatOptions = NO_OPTIONS
+    """What else of a chat its template renders (tools, ...)."""
 
     def conversation(self) -> str:
         """``user`` if given, else a digest of the chat's first two messages, else of the line."""
@@ -157,7 +165,7 @@ def _prompt_fields(body: dict[str, Any]) -> dict[str, Any]:
     if messages is not None:
         if not isinstance(messages, list) or not messages:
             raise BadLineError("'messages' is not a non-empty list")
-        return {"messages": [_message(m) for m in messages]}
+        return {"messages": [_message(m) for m in messages], "chat_options": chat_options_of(body)}
     if isinstance(prompt, str):
         return {"prompt": prompt}
     if isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt):
@@ -276,7 +284,7 @@ class LogTokenizer:
             return list(request.prompt_ids)
         tokenizer = self._tokenizer(request.model)
         if request.messages is not None:
-            return await tokenizer.encode_messages(request.messages)
+            return await tokenizer.encode_messages(request.messages, request.chat_options)
         assert request.prompt is not None  # a LoggedRequest has one of the three
         return await tokenizer.encode_prompt(request.prompt)
 

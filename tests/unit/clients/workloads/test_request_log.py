@@ -185,6 +185,26 @@ def test_a_given_chat_template_is_used(tmp_path: Path) -> None:
     assert asyncio.run(LogTokenizer(options).decode("m", tokens)) == "[a][b]"
 
 
+def test_a_logged_chats_tools_and_template_variables_are_rendered(tmp_path: Path) -> None:
+    """A log's chat is tokenized as its engine rendered it: tools and kwargs included."""
+    tokenizer = make_tokenizer(tmp_path / "tokenizer.json")
+    template = tmp_path / "t.jinja"
+    template.write_text(
+        "{% for t in tools or [] %}<{{ t['function']['name'] }}>{% endfor %}"
+        "{% for m in messages %}[{{ m['content'] }}]{% endfor %}{{ mood | default('') }}"
+    )
+    with_tools = {
+        **chat("a", "b"),
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "chat_template_kwargs": {"mood": "!"},
+    }
+    log = write_log(tmp_path / "log.jsonl", [with_tools, chat("a", "b")])
+    options = TokenizerOptions(path=tokenizer, chat_template_path=template)
+    both, _ = tokenize_all(options, log)
+    texts = [asyncio.run(LogTokenizer(options).decode("m", tokens)) for tokens in both]
+    assert texts == ["<f>[a][b]!", "[a][b]"]
+
+
 def test_a_request_the_template_rejects_is_reported_and_skipped(tmp_path: Path) -> None:
     tokenizer = make_tokenizer(tmp_path / "tokenizer.json")
     template = tmp_path / "t.jinja"
