@@ -25,6 +25,7 @@ from kvindex.api.health.block_sizes import BlockSizeCheck
 from kvindex.api.health.routing import health_policy
 from kvindex.api.http.body_limit import BodyTimeoutError, BodyTooLargeError
 from kvindex.api.http.views import replica_views, stats_view
+from kvindex.api.http.worker_scrape import WorkerScrape
 from kvindex.api.load.store import LoadStore
 from kvindex.api.loop.off_loop import OffLoop
 from kvindex.api.score import RequestError, UnknownModelError
@@ -97,6 +98,8 @@ class ProxyParts:
     loads: LoadStore | None = None
     """With ``block_sizes``: ``GET /replicas`` and ``GET /stats`` are served (as the API's)."""
     block_sizes: BlockSizeCheck | None = None
+    scrape: WorkerScrape | None = None
+    """With ``--workers N``: ``/metrics`` shows every worker's series."""
     auth: InboundAuth = field(init=False)
     """The bearer-token check of ``proxy.auth_token``."""
     predictions: Predictions = field(init=False)
@@ -482,6 +485,9 @@ def _ready(parts: ProxyParts) -> Callable[[Request], Awaitable[Response]]:
 
 def _metrics(parts: ProxyParts) -> Callable[[Request], Awaitable[Response]]:
     async def metrics(_: Request) -> Response:
+        if parts.scrape is not None:
+            return Response(await parts.scrape.render(), media_type=_METRICS)
+
         # The write path's series read the index: off the loop, as the API's /metrics.
         def render() -> bytes:
             return parts.metrics.render(parts.registry.models())

@@ -114,12 +114,17 @@ class ProxyMetrics:
             self.reservation_failures.labels(op)
         self.worker = Gauge(
             "kvindex_proxy_worker_info",
-            "The worker process that answered this scrape (1): with --workers N each serves"
-            " its own series, and a scrape reaches one of them.",
+            "The worker processes (1 each): with --workers N a scrape shows every worker's"
+            " series, each labelled worker.",
             ["worker", "pid"],
             registry=r,
         )
         self.worker.labels(str(worker), str(os.getpid())).set(1)
+        self.worker_scrape_failures = Counter(
+            "kvindex_proxy_worker_scrape_failures",
+            "Sibling workers whose series a scrape left out (no answer on their socket in time).",
+            registry=r,
+        )
         self.reservations_lost = Counter(
             "kvindex_proxy_reservations_lost",
             "Reservations that stopped counting because this proxy's lease lapsed (renewals"

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from starlette.applications import Starlette
 
@@ -16,6 +18,7 @@ from kvindex.api.health.ejection import EjectionMetrics, ReplicaBreakers
 from kvindex.api.health.routing import health_policy
 from kvindex.api.http.metrics import TimedIndex
 from kvindex.api.http.server import Service, run_app
+from kvindex.api.http.worker_scrape import WorkerScrape, private_directory
 from kvindex.api.http.workers import Workers, bound_socket
 from kvindex.api.load.desk import ReservationDesk
 from kvindex.api.load.reservations import LeaseKeeper, Reservations
@@ -34,9 +37,12 @@ _STOP_MARGIN_S = 10
 _LOG = logging.getLogger("kvindex.proxy")
 
 
-def build_proxy_app(deps: ApiDeps, proxy: ProxySettings, worker: int = 0) -> Starlette:
+def build_proxy_app(
+    deps: ApiDeps, proxy: ProxySettings, worker: int = 0, sockets_dir: Path | None = None
+) -> Starlette:
     """The proxy's app on ``deps`` (the caller's stores); its parts live for its lifespan;
-    ``worker``: which of ``proxy.workers`` processes serves it."""
+    ``worker``: which of ``proxy.workers`` processes serves it, their series shared through
+    ``sockets_dir`` (:mod:`kvindex.api.http.worker_scrape`)."""
     api = deps.settings
     metrics = ProxyMetrics(worker)
     ejections = EjectionMetrics(metrics.registry, deps.registry, api)
@@ -88,13 +94,26 @@ def build_proxy_app(deps: ApiDeps, proxy: ProxySettings, worker: int = 0) -> Sta
         on_failure=metrics.reservation_failures.labels("renew").inc,
     )
 
+    scrape = None
+    if sockets_dir is not None:
+
+        async def own() -> bytes:  # the write path's series read the index: off the loop
+            return await read_path.off_loop(metrics.render, deps.registry.models())
+
+        on_failure = metrics.worker_scrape_failures.inc
+        scrape = WorkerScrape(sockets_dir, worker, proxy.workers, own, on_failure=on_failure)
+
     @asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         await read_path.start()
         await keeper.start()
+        if scrape is not None:
+            await scrape.start()
         try:
             yield
         finally:
+            if scrape is not None:
+                await scrape.stop()
             await keeper.stop()
             await desk.close()  # after the drain: what is still reserved is released
             await forwarder.close()
@@ -112,6 +131,7 @@ def build_proxy_app(deps: ApiDeps, proxy: ProxySettings, worker: int = 0) -> Sta
         proxy=proxy,
         loads=deps.loads,
         block_sizes=read_path.block_sizes,
+        scrape=scrape,
     )
     app = create_proxy_app(parts, lifespan)
     app.state.read_path = read_path
@@ -126,12 +146,18 @@ def serve_proxy(settings: IndexerSettings, api: ApiSettings, proxy: ProxySetting
         _serve_one(settings, api, proxy)
         return
     listening = bound_socket(api.host, api.port)
+    sockets_dir = private_directory()
 
     def serve(worker: int) -> None:
-        _serve_one(settings, api, proxy, worker=worker, sockets=[listening])
+        _serve_one(
+            settings, api, proxy, worker=worker, sockets=[listening], sockets_dir=sockets_dir
+        )
 
     grace_s = math.ceil(proxy.drain_timeout_s) + _STOP_MARGIN_S
-    code = Workers(proxy.workers, serve, listening, grace_s=grace_s).run()
+    try:
+        code = Workers(proxy.workers, serve, listening, grace_s=grace_s).run()
+    finally:
+        shutil.rmtree(sockets_dir, ignore_errors=True)
     if code:
         raise SystemExit(code)
 
@@ -143,19 +169,20 @@ def _serve_one(
     *,
     worker: int = 0,
     sockets: list[socket.socket] | None = None,
+    sockets_dir: Path | None = None,
 ) -> None:
     """One process's proxy: its stores (memory: its own subscriber and index), its app."""
     if settings.store == "redis":
         deps = open_stores(ReadPathSettings(settings, api))
         try:
-            _run_uvicorn(build_proxy_app(deps, proxy, worker), api, proxy, sockets)
+            _run_uvicorn(build_proxy_app(deps, proxy, worker, sockets_dir), api, proxy, sockets)
         finally:
             deps.loads.close()
         return
     service = Service.build(settings, api)
     service.indexer.start()
     try:
-        _run_uvicorn(build_proxy_app(service.deps, proxy, worker), api, proxy, sockets)
+        _run_uvicorn(build_proxy_app(service.deps, proxy, worker, sockets_dir), api, proxy, sockets)
     finally:
         service.stop()
 

@@ -1,7 +1,8 @@
 """``kvindex proxy --workers 2`` as a user meets it: chat completions through the real
-``openai`` package answered by both worker processes on one port, a killed worker forked
-again, and SIGTERM to the parent stopping every worker (no orphan, the port closed).
-Every part is a real process: ``kvindex replica-sim``s and the proxy (memory store)."""
+``openai`` package answered by both worker processes on one port, each scrape showing both
+workers' series, a killed worker forked again, and SIGTERM to the parent stopping every
+worker (no orphan, the port closed). Every part is a real process: ``kvindex replica-sim``s
+and the proxy (memory store)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from tests.integration.test_proxy_forwarding import MODEL, Proxy, _start
 pytestmark = pytest.mark.timeout(90)
 _WORKER = re.compile(r'kvindex_proxy_worker_info\{pid="(\d+)",worker="(\d+)"\} 1\.0')
 _CHATS = re.compile(
-    r'kvindex_proxy_requests_total\{replica="\w+",'
+    r'kvindex_proxy_requests_total\{worker="(\d+)",replica="\w+",'
     r'route="/v1/chat/completions",status="200"\} (\S+)'
 )
 
@@ -68,12 +69,13 @@ def _chat(proxy: Proxy, text: str, *, stream: bool = False) -> str:
 
 
 def _worker_chats(proxy: Proxy) -> dict[int, int]:
-    """Chat completions answered so far, by the pid of each worker a scrape reached."""
-    seen: dict[int, int] = {}
-    for _ in range(20):  # each scrape on a new connection: one worker's series
-        metrics = proxy.metrics()
-        pid = int(_WORKER.findall(metrics)[0][0])
-        seen[pid] = sum(int(float(n)) for n in _CHATS.findall(metrics))
+    """Chat completions answered so far by each worker's pid, read from one scrape (which
+    carries every worker's series, labelled ``worker``)."""
+    metrics = proxy.metrics()
+    pids = {worker: int(pid) for pid, worker in _WORKER.findall(metrics)}
+    seen = dict.fromkeys(pids.values(), 0)
+    for worker, count in _CHATS.findall(metrics):
+        seen[pids[worker]] += int(float(count))
     return seen
 
 
@@ -89,9 +91,14 @@ def test_two_workers_share_the_port_and_stop_together(stack: ExitStack, tmp_path
         assert _chat(proxy, f"question {number} " * 20, stream=number % 2 == 1)
         if number % 8 == 7:
             answered = _worker_chats(proxy)
-            if len(answered) == 2 and all(answered.values()):
+            assert set(answered) == workers  # any one scrape: both workers' series
+            if all(answered.values()):
                 break
-    assert set(answered) == workers and all(answered.values()), answered
+    assert all(answered.values()), answered
+    failures = re.search(
+        r"^kvindex_proxy_worker_scrape_failures_total\{worker=\"0\"\} (\S+)$", proxy.metrics(), re.M
+    )
+    assert failures is not None and float(failures.group(1)) == 0
 
     parent.send_signal(signal.SIGTERM)
     assert parent.wait(timeout=30) == 0
