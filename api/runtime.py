@@ -120,8 +120,7 @@ class Hooks:
     on_ejected: Callable[[str, Ejection], None] = _ignore
     on_check_stalled: Callable[[str], None] = _ignore
     failover_tokenizers: bool = False
-    distrusted: Callable[[], Collection[str]] = frozenset
-    """Replicas whose cache term is discounted now (the proxy's verdicts)."""
+    distrusted: Callable[[], Collection[str]] = frozenset  # discounted now (the proxy's)
 
 
 @dataclass

@@ -123,7 +123,6 @@ class Scorer:
         on_degraded: Callable[[str], None] = lambda _reason: None,
         distrusted: Callable[[], Collection[str]] = frozenset,
     ) -> None:
-        """``distrusted``: the replicas whose cache term is discounted now (``kv_aware``)."""
         self._settings = settings
         self._distrusted = distrusted
         self._holders = holders_of(index)

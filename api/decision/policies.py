@@ -72,8 +72,7 @@ class Weights:
     replaying_factor: float = 0.8
     """Cache credit multiplier while a replica's stream is being replayed."""
     over_predicted_factor: float = 0.25
-    """Cache credit multiplier of a replica the proxy found over-predicted, until its
-    predictions are exact again (the term ``prediction_factor``)."""
+    """Cache credit multiplier of a replica the proxy found over-predicted, until exact again."""
     load_half_life_s: float = 10.0
     """Load this old counts half."""
     temperature: float = 0.0
@@ -239,8 +238,7 @@ def kv_aware(
     credits: Sequence[tuple[float, float] | None] | None = None,
     distrusted: Collection[str] = (),
 ) -> list[Scored]:
-    """Every candidate scored and explained; ``credits``: their :func:`cache_credit` if known;
-    ``distrusted``: replicas whose cache term is discounted (:func:`distrusted_credit`)."""
+    """Every candidate scored and explained; ``credits``: their :func:`cache_credit` if known."""
     out: list[Scored] = []
     append = out.append
     for i, c in enumerate(cands):
@@ -264,7 +262,6 @@ def kv_aware(
 
 
 def distrusted_credit(cache: float, w: Weights) -> float:
-    """The cache term of a replica the proxy found over-predicted (the one formula)."""
     return cache * w.over_predicted_factor
 
 

@@ -1,17 +1,9 @@
-"""The ways a replica-sim can be told to lie (``--lie``), each a way real fleets go wrong,
-so tests can show the proxy's truth loop catch it:
-
-- ``drop-removals``: evicts blocks but publishes no ``BlockRemoved`` (a publisher dropping
-  frames past its high-water mark, a relay that loses messages): the index keeps blocks the
-  engine no longer has.
-- ``events-off-restart[=N]``: after its N-th answer (default 20) the engine restarts, its
-  cache emptied, with events off: nothing of the restart is published, nor anything after,
-  and no replay is answered (a pod restarted without ``--kv-events-config``).
-- ``block-size=N``: the engine caches in the configured blocks but its events are cut in
-  N-token blocks (an engine whose event block size differs from the fleet's setting).
-- ``tokenizer[=N]``: every prompt gets N more tokens (default 1) than the router counts (a
-  BOS token or a chat template the router's tokenizer lacks): ``prompt_tokens`` disagrees.
-"""
+"""``--lie``: a replica-sim lying as real fleets go wrong, for the proxy's truth loop to catch.
+``drop-removals``: evictions unpublished (a publisher past its high-water mark, a lossy relay);
+``events-off-restart[=N]``: after N answers (20) an empty cache, nothing published or replayed
+(a pod restarted without ``--kv-events-config``); ``block-size=N``: events cut in N-token blocks
+(an engine's event block size unlike the fleet's); ``tokenizer[=N]``: N more prompt tokens (1)
+than the router counts (a BOS token or chat template the router lacks)."""
 
 from __future__ import annotations
 
@@ -23,8 +15,7 @@ from kvindex.clients.fake_vllm.block_pool import Admission, BlockPool
 from kvindex.indexer.domain.errors import KvIndexError
 from kvindex.indexer.domain.events import BlockRemoved, Event
 
-EXTRA_TOKEN = 1
-"""The id the ``tokenizer`` lie puts before every prompt (the toy vocabulary's, as any)."""
+EXTRA_TOKEN = 1  # the id the ``tokenizer`` lie puts before every prompt
 
 
 class LieError(KvIndexError):
@@ -50,7 +41,6 @@ class Lie:
 
 
 def lie_of(text: str) -> Lie:
-    """``kind`` or ``kind=N`` (LieError names what is wrong)."""
     name, _, raw = text.partition("=")
     try:
         kind = LieKind(name.strip())
@@ -67,7 +57,7 @@ def lie_of(text: str) -> Lie:
 
 
 class Lies:
-    """A replica-sim's lies, applied where the engine publishes, tokenizes and finishes."""
+    """A replica-sim's lies, applied where its engine publishes, tokenizes and finishes."""
 
     def __init__(self, texts: Sequence[str] = ()) -> None:
         found = [lie_of(t) for t in texts]
@@ -81,14 +71,12 @@ class Lies:
         return kind in self.kind_to_value
 
     def pool(self, capacity_blocks: int, block_size: int, root: int) -> BlockPool:
-        """The engine's pool: its events recut for ``block-size``."""
         cut = self.kind_to_value.get(LieKind.BLOCK_SIZE)
         if cut is None or cut == block_size:
             return BlockPool(capacity_blocks, block_size, root)
         return RecutPool(capacity_blocks, block_size, root, cut)
 
     def published(self, events: list[Event]) -> list[Event]:
-        """What of ``events`` is published (nothing after an events-off restart)."""
         if self.restarted:
             return []
         if LieKind.DROP_REMOVALS in self:
@@ -96,7 +84,6 @@ class Lies:
         return events
 
     def prompt(self, tokens: list[int]) -> list[int]:
-        """The prompt the engine runs and counts (the ``tokenizer`` lie's extra tokens first)."""
         extra = self.kind_to_value.get(LieKind.TOKENIZER)
         return tokens if extra is None else [EXTRA_TOKEN] * extra + tokens
 
@@ -111,8 +98,7 @@ class Lies:
 
 
 class RecutPool(BlockPool):
-    """A pool caching in ``block_size`` blocks that publishes its stores as a pool of
-    ``cut``-token blocks would (a shadow pool that never evicts, so no removals)."""
+    """Caches in ``block_size`` blocks, publishes as a ``cut``-token pool that never evicts."""
 
     def __init__(self, capacity_blocks: int, block_size: int, root: int, cut: int) -> None:
         super().__init__(capacity_blocks, block_size, root, publish=False)

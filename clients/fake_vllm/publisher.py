@@ -67,7 +67,6 @@ class EventPublisher:
         self._outbox: queue.Queue[_Outgoing | None] = queue.Queue()
         self._next_seq = 0
         self.muted = False
-        """Events off: nothing is sent, no replay answered (:meth:`mute`)."""
         self._lock = threading.Lock()
         self._pub = self._context.socket(zmq.PUB)
         self._router: zmq.Socket[bytes] | None = None
@@ -117,8 +116,7 @@ class EventPublisher:
         self._outbox.put(_Outgoing(-1, b"", False, frames))
 
     def mute(self) -> None:
-        """From now on send nothing and answer no replay, the sockets left open (an engine
-        behind them restarted with events off)."""
+        """Send nothing and answer no replay from now on (the sockets stay open)."""
         self.muted = True
 
     def flush(self, timeout_s: float = 5.0) -> None:

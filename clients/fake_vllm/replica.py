@@ -250,7 +250,6 @@ class Engine:
         lies: Lies | None = None,
         on_restart: Callable[[], object] = lambda: None,
     ) -> None:
-        """``lies``' events-off restart empties the cache and calls ``on_restart``."""
         self.settings = settings
         self.cache = cache
         self._publish = publish
@@ -299,7 +298,6 @@ class Engine:
         self._admit()
 
     def _restart(self) -> None:
-        """The lie's restart: an empty cache, nothing published of it."""
         self._restart_due = False
         s, old = self.settings, self.cache
         self.cache = self.lies.pool(s.capacity_blocks, s.block_size, old.root)

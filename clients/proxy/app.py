@@ -103,7 +103,6 @@ class ProxyParts:
     predictions: Predictions = field(init=False)
     """Each routed request's prediction against the engine's answer, counted per replica."""
     verdicts: Verdicts = field(init=False)
-    """What the predictions' outcomes say of each replica and model, acted on."""
 
     def __post_init__(self) -> None:
         self.auth = InboundAuth(self.proxy.auth_token)

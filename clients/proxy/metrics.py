@@ -148,7 +148,6 @@ class ProxyMetrics:
         self._verdict_series(r)
 
     def _verdict_series(self, r: CollectorRegistry) -> None:
-        """The series of :mod:`.verdicts`, each present from the start."""
         self.verdicts = Counter(
             "kvindex_proxy_verdicts",
             "Verdicts on the predictions: over_predicted (a replica's streams cleared and its"

@@ -96,8 +96,7 @@ Judge = Callable[[Prediction, "Truth | None", str], None]
 
 
 class Predictions:
-    """Every request's outcome, counted per replica; thread-safe. ``judge`` gets each
-    outcome with its truth (:mod:`.verdicts`)."""
+    """Every request's outcome, counted per replica, told to ``judge``; thread-safe."""
 
     def __init__(
         self, observe: Observer = lambda _p, _o, _e: None, judge: Judge | None = None

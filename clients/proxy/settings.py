@@ -62,8 +62,7 @@ class ProxySettings:
     verdict_window: int = 10
     """A replica's last compared requests (exact, over- or under-predicted) judged together."""
     over_predicted_limit: int = 3
-    """Over-predictions among them that drop the replica's blocks (rebuilt from its next
-    events) and discount its cache term (``w.over_predicted_factor``)."""
+    """Over-predictions among them that drop the replica's blocks and discount its cache."""
     exact_to_trust: int = 5
     """Exact predictions since its last over-prediction that lift a replica's discount."""
 

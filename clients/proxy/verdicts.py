@@ -1,17 +1,9 @@
-"""Verdicts drawn from the predictions' outcomes (:mod:`.predictions` classifies each), and
-what the proxy does about them:
-
-- **over-predicted**: ``over_predicted_limit`` or more over-predictions among a replica's
-  last ``verdict_window`` compared requests (exact, over- or under-predicted): its streams'
-  blocks are dropped (``Registry.ask_clear``) and its cache term discounted
-  (``w.over_predicted_factor``) until ``exact_to_trust`` exact predictions since its last
-  over-prediction; the window starts afresh after each verdict.
-- **token mismatch**: the first on a model is logged once, with both counts and the route,
-  counted, and named by ``/readyz``.
-- **under-predicted**: counted by its likely reason (:data:`UNDER_REASONS`).
-
-Thread-safe.
-"""
+"""Verdicts on the predictions' outcomes (:mod:`.predictions`), acted on; thread-safe.
+Over-predicted: ``over_predicted_limit`` of a replica's last ``verdict_window`` compared
+requests drop its streams' blocks (``Registry.ask_clear``) and discount its cache term until
+``exact_to_trust`` exact since its last over-prediction (the window restarts after each).
+Token mismatch: a model's first is logged, counted, named by ``/readyz``. Under-predicted:
+counted by likely reason (:data:`UNDER_REASONS`)."""
 
 from __future__ import annotations
 
@@ -28,17 +20,13 @@ from kvindex.indexer.fleet.registry import Freshness, RegistryView
 
 logger = logging.getLogger("kvindex.proxy")
 VERDICTS = ("over_predicted", "token_mismatch")
-"""``verdict`` of ``kvindex_proxy_verdicts_total``."""
 UNDER_REASONS = ("partial_view", "lag", "lost_stores")
-"""``reason`` of ``kvindex_proxy_under_predictions_total``: a stream of the replica reads
-``partial``; one is replaying or stale; else the engine stored blocks the index never heard of."""
+# A stream of the replica reads partial; one is replaying or stale; else stores never heard.
 _COMPARED = frozenset({"exact", "over_predicted", "under_predicted"})
 
 
 @dataclass(frozen=True, slots=True)
 class VerdictRule:
-    """When persisting over-predictions become a verdict, and when it is lifted."""
-
     window: int = 10
     limit: int = 3
     exact_to_trust: int = 5
@@ -46,8 +34,6 @@ class VerdictRule:
 
 @dataclass(frozen=True, slots=True)
 class Mismatch:
-    """The first token-count mismatch seen on a model."""
-
     model: str
     replica: str
     router_tokens: int
@@ -71,8 +57,6 @@ class _Replica:
 
 
 class VerdictSeries(Protocol):
-    """Where the verdicts are counted (``ProxyMetrics`` is one)."""
-
     def verdict(self, verdict: str) -> None: ...
     def under_predicted(self, reason: str) -> None: ...
     def distrusted(self, num_replicas: int) -> None: ...
@@ -81,14 +65,10 @@ class VerdictSeries(Protocol):
 
 @runtime_checkable
 class ClearAsker(Protocol):
-    """A fleet that can ask the write path to drop a replica's blocks (``Registry``)."""
-
     def ask_clear(self, replica: str, at: float | None = None) -> None: ...
 
 
 class Verdicts:
-    """Each replica's recent outcomes and the verdicts on them (see the module)."""
-
     def __init__(
         self,
         rule: VerdictRule,
@@ -126,7 +106,6 @@ class Verdicts:
             self._series.distrusted(num_distrusted)
 
     def _judged(self, replica: str, outcome: str, reason: str | None) -> tuple[bool, bool, int]:
-        """(a verdict found, a discount lifted, replicas distrusted now), under the lock."""
         with self._lock:
             record = self._replicas.get(replica)
             if record is None:
@@ -194,7 +173,6 @@ class Verdicts:
             return sorted(self._model_to_mismatch.values(), key=lambda m: m.model)
 
     def view(self, replica: str) -> dict[str, object]:
-        """``GET /replicas``' ``verdict`` of one replica."""
         with self._lock:
             record = self._replicas.get(replica)
             if record is None:
@@ -207,7 +185,6 @@ class Verdicts:
 
 
 def under_reason_of(registry: RegistryView) -> Callable[[str], str]:
-    """The likely reason of an under-prediction on a replica, from its streams' freshness."""
 
     def reason(replica: str) -> str:
         streams = [s for s in registry.stream_ids() if s.replica == replica]
@@ -222,7 +199,6 @@ def under_reason_of(registry: RegistryView) -> Callable[[str], str]:
 
 
 def view_clearer(registry: RegistryView) -> Callable[[str], bool]:
-    """``clear_view`` of :class:`Verdicts` on ``registry`` (False when it cannot ask)."""
 
     def clear(replica: str) -> bool:
         if not isinstance(registry, ClearAsker):
@@ -234,7 +210,6 @@ def view_clearer(registry: RegistryView) -> Callable[[str], bool]:
 
 
 def verdicts_of(settings: ProxySettings, registry: RegistryView, series: VerdictSeries) -> Verdicts:
-    """The proxy's verdicts by its ``[proxy]`` rule, acting on ``registry``."""
     rule = VerdictRule(
         settings.verdict_window, settings.over_predicted_limit, settings.exact_to_trust
     )

@@ -26,9 +26,7 @@ class Partial(enum.StrEnum):
     PURGED = "purged_while_disconnected"
     """The stream's blocks were purged while it was disconnected; it came back unchanged."""
     OVER_PREDICTED = "cleared_on_over_predictions"
-    """The engine's answers showed the index crediting blocks it lacked, again and again
-    (lost removals, a silent restart): the blocks were dropped, the view rebuilt from what
-    follows."""
+    """The proxy saw the index credit blocks the engine lacked, again and again: dropped."""
 
 
 COMPLETE = ""

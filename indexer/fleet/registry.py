@@ -210,16 +210,14 @@ class Registry:
                 self._streams_version += 1
 
     def ask_clear(self, replica: str, at: float | None = None) -> None:
-        """Ask the pipelines keeping ``replica``'s streams to drop their blocks (a reader saw
-        the index credit blocks the engine lacked); each does once per ask, at its next
-        maintenance. ``at``: when asked (default now; an earlier one than kept is ignored)."""
+        """Ask the pipelines keeping ``replica``'s streams to drop their blocks, once (at their
+        next maintenance)."""
         at = self._clock() if at is None else at
         with self._lock:
             if at > self._replica_to_clear_asked.get(replica, float("-inf")):
                 self._replica_to_clear_asked[replica] = at
 
     def clear_asks(self) -> dict[str, float]:
-        """Replica → when its streams' blocks were last asked to be dropped."""
         with self._lock:
             return dict(self._replica_to_clear_asked) if self._replica_to_clear_asked else {}
 

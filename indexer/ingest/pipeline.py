@@ -462,6 +462,8 @@ class Pipeline:
         now = self._clock()
         if now - runtime.last_rebuild < self._settings.rebuild_cooldown_s:
             return
+        if runtime.tracker.partial == Partial.OVER_PREDICTED:
+            return  # its history was found lying: a replay would give the blocks back
         runtime.last_rebuild = now
         step = runtime.tracker.resync(rebuild=True)
         if step.replay_from is not None:
@@ -647,9 +649,8 @@ class Pipeline:
         self._record(runtime)
 
     def _clear_asked(self) -> None:
-        """Drop the blocks of the streams whose replica a reader asked to (``Registry.
-        ask_clear``), once per ask; not replayed (a replay would give the same blocks back),
-        the view partial until the engine's history is whole again."""
+        """Drop the blocks asked (``Registry.ask_clear``), once per ask; no replay: it would
+        give the same blocks back."""
         asks = self._registry.clear_asks()
         if not asks:
             return
