@@ -35,7 +35,10 @@ class Series:
         self.num_models = num_models
 
 
-def _verdicts(rule: VerdictRule = VerdictRule(10, 3, 5)) -> tuple[Verdicts, Series, list[str]]:
+RULE = VerdictRule(10, 3, 5)
+
+
+def _verdicts(rule: VerdictRule = RULE) -> tuple[Verdicts, Series, list[str]]:
     series, cleared = Series(), []
 
     def clear(replica: str) -> bool:
