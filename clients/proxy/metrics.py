@@ -159,7 +159,8 @@ class ProxyMetrics:
             self.verdicts.labels(verdict)
         self.under_predictions = Counter(
             "kvindex_proxy_under_predictions",
-            "Under-predicted requests by likely reason (partial_view, lag, lost_stores).",
+            "Under-predicted requests by likely reason (block_size, partial_view, lag,"
+            " lost_stores).",
             ["reason"],
             registry=r,
         )

@@ -20,8 +20,9 @@ from kvindex.indexer.fleet.registry import Freshness, RegistryView
 
 logger = logging.getLogger("kvindex.proxy")
 VERDICTS = ("over_predicted", "token_mismatch")
-UNDER_REASONS = ("partial_view", "lag", "lost_stores")
-# A stream of the replica reads partial; one is replaying or stale; else stores never heard.
+UNDER_REASONS = ("block_size", "partial_view", "lag", "lost_stores")
+# A stream's events in blocks of another size; one reads partial; one is replaying or stale;
+# else the engine stored blocks the index never heard of.
 _COMPARED = frozenset({"exact", "over_predicted", "under_predicted"})
 
 
@@ -75,7 +76,7 @@ class Verdicts:
         series: VerdictSeries,
         *,
         clear_view: Callable[[str], bool],
-        under_reason: Callable[[str], str] = lambda _replica: "lost_stores",
+        under_reason: Callable[[Prediction], str] = lambda _prediction: "lost_stores",
     ) -> None:
         """``clear_view(replica)``: ask its blocks dropped (False: nobody to ask here)."""
         self._rule = rule
@@ -94,7 +95,7 @@ class Verdicts:
         if outcome not in _COMPARED:
             return
         replica = prediction.replica
-        reason = self._under_reason(replica) if outcome == "under_predicted" else None
+        reason = self._under_reason(prediction) if outcome == "under_predicted" else None
         found, lifted, num_distrusted = self._judged(replica, outcome, reason)
         if reason is not None:
             self._series.under_predicted(reason)
@@ -184,11 +185,13 @@ class Verdicts:
             }
 
 
-def under_reason_of(registry: RegistryView) -> Callable[[str], str]:
-
-    def reason(replica: str) -> str:
-        streams = [s for s in registry.stream_ids() if s.replica == replica]
-        states = {f.freshness for f in registry.freshness(streams)}
+def under_reason_of(registry: RegistryView) -> Callable[[Prediction], str]:
+    def reason(prediction: Prediction) -> str:
+        replica, size = prediction.replica, prediction.block_size
+        statuses = [s for s in registry.statuses() if s.stream.replica == replica]
+        if any(s.health.block_size not in (0, size) for s in statuses):
+            return "block_size"
+        states = {s.freshness for s in statuses}
         if Freshness.PARTIAL in states:
             return "partial_view"
         if states & {Freshness.REPLAYING, Freshness.STALE, Freshness.ORPHANED}:

@@ -110,11 +110,14 @@ def test_a_token_mismatch_is_logged_once_per_model(caplog: pytest.LogCaptureFixt
 
 def test_an_under_prediction_is_named_by_the_replicas_streams() -> None:
     registry = Registry((ReplicaSpec("r1", "m"), ReplicaSpec("r2", "m")))
+    registry = Registry((*registry.replicas(), ReplicaSpec("r3", "m")))
     partial = StreamReport(last_seq=3, last_event_ts=1.0, partial="cleared_on_over_predictions")
     registry.record(StreamId("r1"), partial)
-    registry.record(StreamId("r2"), StreamReport(last_seq=3, last_event_ts=1.0))
+    registry.record(StreamId("r2"), StreamReport(last_seq=3, last_event_ts=1.0, block_size=16))
+    registry.record(StreamId("r3"), StreamReport(last_seq=3, last_event_ts=1.0, block_size=32))
     reason = under_reason_of(registry)
-    assert (reason("r1"), reason("r2")) == ("partial_view", "lost_stores")
+    found = [reason(Prediction(r, "m", 100, 0, 16)) for r in ("r1", "r2", "r3")]
+    assert found == ["partial_view", "lost_stores", "block_size"]
 
 
 def test_a_registry_is_asked_to_clear_a_replica() -> None:
