@@ -132,10 +132,10 @@ def test_another_block_size_in_the_events_is_named(stack: ExitStack, tmp_path: P
     _, proxy = _start(stack, tmp_path, {"r1": [], "r2": ["--lie", "block-size=32"]})
     rng = random.Random(19)
     with httpx.Client(base_url=proxy.base_url, trust_env=False, timeout=30) as http:
-        for sent in range(1, DETECT_WITHIN + 1):
+        sent = 0
+        while sent < DETECT_WITHIN and not _view(http, "r2")["verdict"]["under_predicted"]:
+            sent += 1
             _send(http, rng.randrange(3), rng)
-            if _view(http, "r2")["verdict"]["under_predicted"]:
-                break
         view = _view(http, "r2")
         print(f"block-size=32: named after {sent} requests: {view}")
         assert view["verdict"]["under_predicted"] == {"block_size": view["under_predicted"]}
