@@ -17,6 +17,7 @@ from typing import Protocol, runtime_checkable
 from kvindex.clients.proxy.predictions import Prediction, Truth
 from kvindex.clients.proxy.settings import ProxySettings
 from kvindex.indexer.fleet.registry import Freshness, RegistryView
+from kvindex.indexer.index.protocol import IndexUnavailableError
 
 logger = logging.getLogger("kvindex.proxy")
 VERDICTS = ("over_predicted", "token_mismatch")
@@ -206,7 +207,11 @@ def view_clearer(registry: RegistryView) -> Callable[[str], bool]:
     def clear(replica: str) -> bool:
         if not isinstance(registry, ClearAsker):
             return False
-        registry.ask_clear(replica)
+        try:
+            registry.ask_clear(replica)
+        except IndexUnavailableError as exc:
+            logger.warning("replica %s: its blocks could not be asked dropped: %s", replica, exc)
+            return False
         return True
 
     return clear
