@@ -1,6 +1,7 @@
 """Each ``replica-sim --lie`` caught by the proxy's verdicts, named by its reason, and, for
 lost removals and a restart with events off, healed: real replica-sims over ZeroMQ, the real
-proxy (memory store: it asks its own write path to drop the lying replica's blocks)."""
+proxy (memory store: it asks its own write path to drop the lying replica's blocks; Redis
+store: the ask goes through Redis to a ``kvindex indexer``)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,12 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 
+from kvindex.indexer.redis.schema import Schema
 from tests.integration.test_proxy_forwarding import MODEL, Proxy, _start, stack
+from tests.support.processes import Child, http_ok, kvindex_child
+from tests.support.redis_server import RedisServer, free_port
 
 __all__ = ["stack"]
 pytestmark = pytest.mark.timeout(120)
@@ -165,3 +170,50 @@ def test_a_tokenizer_counting_otherwise_is_named_once(stack: ExitStack, tmp_path
     lines = [line for line in log.splitlines() if "token-count mismatch" in line]
     print(f"logged: {lines}")
     assert len(lines) == 1 and "counts" in lines[0] and "(routed to r2)" in lines[0]
+
+
+def _sim(stack: ExitStack, workdir: Path, rid: str, extra: list[str]) -> tuple[Child, str]:
+    """A replica-sim started as ``_start`` starts them, and its ``--replica`` spec."""
+    http_port, events = free_port(), f"tcp://127.0.0.1:{free_port()}"
+    args = [
+        "replica-sim", "--id", rid, "--model", MODEL, "--port", str(http_port),
+        "--events", events, "--bind-events", "--replay", "", "--speed", "1000",
+        "--seed", "7", *extra,
+    ]  # fmt: skip
+    child = kvindex_child(f"sim {rid}", args, workdir / f"{rid}.log", http_ok(http_port, "/health"))
+    stack.callback(child.stop)
+    child.spawn()
+    return child, f"id={rid},model={MODEL},url=http://127.0.0.1:{http_port},events={events}"
+
+
+@pytest.mark.redis_server
+def test_on_redis_the_ask_to_clear_reaches_the_indexer(
+    stack: ExitStack, tmp_path: Path, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """The proxy on the Redis store, the indexer another process: r2's verdict is carried
+    through Redis, and the indexer drops r2's blocks (its stream reads partial, so said)."""
+    small = ["--capacity-blocks", "16"]
+    started = [_sim(stack, tmp_path, "r1", small)]
+    started.append(_sim(stack, tmp_path, "r2", [*small, "--lie", "drop-removals"]))
+    for child, _ in started:
+        child.wait_ready(40)
+    store = ["--store", "redis", "--redis-url", redis_server.url]
+    args = ["indexer", *store, "--status-port", "-1", "--stats-every", "0"]
+    for _, spec in started:
+        args += ["--replica", spec]
+    indexer = kvindex_child("indexer", args, tmp_path / "indexer.log", lambda: True)
+    stack.callback(indexer.stop)
+    indexer.spawn()
+    port = free_port()
+    proxy = kvindex_child(
+        "proxy", ["proxy", "--port", str(port), *store], tmp_path / "proxy.log",
+        http_ok(port, "/readyz"),
+    )  # fmt: skip
+    stack.callback(proxy.stop)
+    proxy.start(40)
+    rng = random.Random(29)
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=30) as http:
+        found_at = _until_verdict(http, "r2", range(20), rng)
+        print(f"redis: over-predicted verdict after {found_at} requests: {_view(http, 'r2')}")
+        print(f"redis: r2's blocks dropped {_until_cleared(http, 'r2'):.2f} s after")
+    assert redis_client.hexists(Schema().clear_asks, "r2")  # tests import the same names
