@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -25,6 +26,7 @@ UNDER_REASONS = ("block_size", "partial_view", "lag", "lost_stores")
 # A stream's events in blocks of another size; one reads partial; one is replaying or stale;
 # else the engine stored blocks the index never heard of.
 _COMPARED = frozenset({"exact", "over_predicted", "under_predicted"})
+_REASON_TTL_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,8 +188,22 @@ class Verdicts:
             }
 
 
-def under_reason_of(registry: RegistryView) -> Callable[[Prediction], str]:
+def under_reason_of(
+    registry: RegistryView, *, clock: Callable[[], float] = time.monotonic
+) -> Callable[[Prediction], str]:
+    """Read from the fleet's records at most once a second per replica (each under-predicted
+    request asks: every one, when a replica's block size is wrong)."""
+    replica_to_reason: dict[str, tuple[float, str]] = {}
+
     def reason(prediction: Prediction) -> str:
+        now, known = clock(), replica_to_reason.get(prediction.replica)
+        if known is not None and now - known[0] < _REASON_TTL_S:
+            return known[1]
+        found = read(prediction)
+        replica_to_reason[prediction.replica] = (now, found)
+        return found
+
+    def read(prediction: Prediction) -> str:
         replica, size = prediction.replica, prediction.block_size
         statuses = [s for s in registry.statuses() if s.stream.replica == replica]
         if any(s.health.block_size not in (0, size) for s in statuses):

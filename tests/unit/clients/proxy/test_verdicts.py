@@ -124,3 +124,16 @@ def test_a_registry_is_asked_to_clear_a_replica() -> None:
     registry = Registry((ReplicaSpec("r1", "m"),))
     assert view_clearer(registry)("r1") is True
     assert set(registry.clear_asks()) == {"r1"}
+
+
+def test_an_under_predictions_reason_is_read_at_most_once_a_second_per_replica() -> None:
+    registry, now = Registry((ReplicaSpec("r1", "m"),)), [0.0]
+    reason = under_reason_of(registry, clock=lambda: now[0])
+    prediction = Prediction("r1", "m", 100, 0, 16)
+    registry.record(StreamId("r1"), StreamReport(last_seq=3, last_event_ts=1.0, block_size=16))
+    assert reason(prediction) == "lost_stores"
+    registry.record(StreamId("r1"), StreamReport(block_size=32))
+    now[0] = 0.5
+    assert reason(prediction) == "lost_stores"
+    now[0] = 1.5
+    assert reason(prediction) == "block_size"
