@@ -5,7 +5,7 @@ own parts through :class:`Hooks`."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -120,6 +120,7 @@ class Hooks:
     on_ejected: Callable[[str, Ejection], None] = _ignore
     on_check_stalled: Callable[[str], None] = _ignore
     failover_tokenizers: bool = False
+    distrusted: Callable[[], Collection[str]] = frozenset  # discounted now (the proxy's)
 
 
 @dataclass
@@ -175,6 +176,7 @@ def build_read_path(deps: ApiDeps, hooks: Hooks | None = None) -> ReadPath:
         tokenizers=tokenizers.tokenizer,
         blocking_store=deps.blocking_store,
         on_degraded=hooks.on_degraded,
+        distrusted=hooks.distrusted,
     )
     checker = HealthChecker(
         settings,

@@ -9,7 +9,7 @@ import itertools
 import random
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvindex.api.answer import DEGRADED_REASONS, entry
@@ -121,8 +121,10 @@ class Scorer:
         blocking_store: bool,
         clock: Callable[[], float] = time.time,
         on_degraded: Callable[[str], None] = lambda _reason: None,
+        distrusted: Callable[[], Collection[str]] = frozenset,
     ) -> None:
         self._settings = settings
+        self._distrusted = distrusted
         self._holders = holders_of(index)
         self._registry = registry
         self._loads = loads
@@ -237,6 +239,7 @@ class Scorer:
                 weights=weights,
                 rng=rng,
                 explain=explain,
+                distrusted=self._distrusted(),
             )
         else:
             seen = Seen(lookup, loads, by_replica(self._registry.freshness()), self._clock())
@@ -508,6 +511,7 @@ class Scorer:
                 turns=turns,
                 rng=rng,
                 top_k=self.top_k(request),
+                distrusted=self._distrusted(),
             )
         except ScoringError as exc:
             raise RequestError(str(exc)) from exc

@@ -7,6 +7,7 @@ penalty per candidate at most: cache terms for holders that may rank, terms for 
 from __future__ import annotations
 
 import random
+from collections.abc import Collection
 
 from kvindex.api.decision.candidates import Seen, by_replica, states
 from kvindex.api.decision.penalty_floors import PenaltyFloors, Walk, pays
@@ -14,6 +15,7 @@ from kvindex.api.decision.policies import (
     Decision,
     Scored,
     Weights,
+    distrusted_credit,
     kv_aware,
     load_penalties,
     tier_credit,
@@ -49,6 +51,7 @@ class FastKvAware:
         weights: Weights,
         rng: random.Random,
         explain: bool = True,
+        distrusted: Collection[str] = (),
     ) -> Decision:
         """The decision over ``ranked``; fills ``seen.statuses`` for the ``top_k`` chosen.
         ``explain`` False: the same order and scores, no terms, ``seen.statuses`` left empty."""
@@ -81,6 +84,7 @@ class FastKvAware:
             credit_of=credit_of,
             num_blocks=num_blocks,
             weights=weights,
+            distrusted=distrusted,
         )
         order = best(minus_scores, penalties, rng, top_k, positions)
         winners = [ranked[i] for i in order]
@@ -92,7 +96,8 @@ class FastKvAware:
         rest = [s for r in winners if r not in matches for s in streams_of.get(r, ())]
         seen.statuses.update(by_replica(self._registry.freshness(rest)))
         cands = [seen.candidate(r) for r in winners]
-        scored = kv_aware(cands, num_blocks, weights, [credit_of.get(r) for r in winners])
+        credits = [credit_of.get(r) for r in winners]
+        scored = kv_aware(cands, num_blocks, weights, credits, distrusted)
         assert all(s.score == -minus_scores[i] for s, i in zip(scored, order, strict=True))
         return Decision(winners[0] if winners else None, scored)
 
@@ -139,9 +144,10 @@ def _minus_scores(
     credit_of: dict[str, tuple[float, float]],
     num_blocks: int,
     weights: Weights,
+    distrusted: Collection[str] = (),
 ) -> list[float]:
     """Each candidate's ``kv_aware`` score, negated; the holders' (credit, factor) go into
-    ``credit_of`` (no freshness record: stale)."""
+    ``credit_of`` (no freshness record: stale), undiscounted (``distrusted``: discounted here)."""
     minus_scores = penalties.copy()
     # Credit per (match, freshness): the holders of one prefix share its match object, and
     # come one after another (the last pair is checked first: no hashing).
@@ -160,5 +166,8 @@ def _minus_scores(
             credit = known
             last = (match, state, credit)
         credit_of[replica] = credit
-        minus_scores[i] = penalties[i] - credit[0]  # == -(credit - penalty), exactly
+        cache = credit[0]
+        if distrusted and replica in distrusted:
+            cache = distrusted_credit(cache, weights)
+        minus_scores[i] = penalties[i] - cache  # == -(credit - penalty), exactly
     return minus_scores

@@ -3,6 +3,7 @@ reference of every fast copy; :func:`decide` is the entry point (ScoringError: a
 weight that cannot be used). ``kv_aware`` (the default)::
 
     cache = w.cache · Σ tier_credit(tier) / num_blocks · freshness_factor
+            (· w.over_predicted_factor for a replica found over-predicted)
     queue = max((w.waiting · waiting + w.running · running) · recency + w.routed · routed,
                 w.in_flight · in_flight)
     score = cache - (queue + w.kv_usage · kv_usage · recency + w.in_flight_tokens · tokens)
@@ -15,7 +16,7 @@ from __future__ import annotations
 import enum
 import math
 import random
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -70,6 +71,8 @@ class Weights:
     """Cache credit multiplier for a replica whose stream is stale."""
     replaying_factor: float = 0.8
     """Cache credit multiplier while a replica's stream is being replayed."""
+    over_predicted_factor: float = 0.25
+    """Cache credit multiplier of a replica the proxy found over-predicted, until exact again."""
     load_half_life_s: float = 10.0
     """Load this old counts half."""
     temperature: float = 0.0
@@ -233,6 +236,7 @@ def kv_aware(
     num_blocks: int,
     w: Weights,
     credits: Sequence[tuple[float, float] | None] | None = None,
+    distrusted: Collection[str] = (),
 ) -> list[Scored]:
     """Every candidate scored and explained; ``credits``: their :func:`cache_credit` if known."""
     out: list[Scored] = []
@@ -250,8 +254,15 @@ def kv_aware(
             "in_flight": in_flight,
             "in_flight_tokens": tokens,
         }
+        if distrusted and c.replica in distrusted:
+            cache = terms["cache"] = distrusted_credit(cache, w)
+            terms["prediction_factor"] = w.over_predicted_factor
         append(Scored(c.replica, cache - load, terms))
     return out
+
+
+def distrusted_credit(cache: float, w: Weights) -> float:
+    return cache * w.over_predicted_factor
 
 
 def least_load(cands: Sequence[Candidate], w: Weights) -> list[Scored]:
@@ -383,10 +394,11 @@ def decide(
     turns: Iterator[int],
     rng: random.Random,
     top_k: int | None = None,
+    distrusted: Collection[str] = (),
 ) -> Decision:
     """Every candidate scored by ``policy``, ranked, the best ``top_k`` kept (None or 0: all)."""
     if policy is Policy.KV_AWARE:
-        scored = kv_aware(cands, len(keys), w)
+        scored = kv_aware(cands, len(keys), w, distrusted=distrusted)
     elif policy is Policy.LEAST_LOAD:
         scored = least_load(cands, w)
     elif policy is Policy.SESSION_AFFINITY:

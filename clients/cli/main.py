@@ -467,6 +467,13 @@ def picker(
     show_default=True,
     help="Report usage.prompt_tokens_details.cached_tokens, as vLLM with this flag.",
 )
+@click.option(
+    "--lie",
+    "lies",
+    multiple=True,
+    help="Test knob: lie as real fleets go wrong (repeatable): drop-removals,"
+    " events-off-restart[=N], block-size=N, tokenizer[=N].",
+)
 def replica_sim(
     replica_id: str, bind_events: bool, lora_names: tuple[str, ...], replay: str, **kw: Any
 ) -> None:

@@ -66,6 +66,7 @@ class EventPublisher:
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_steps)
         self._outbox: queue.Queue[_Outgoing | None] = queue.Queue()
         self._next_seq = 0
+        self.muted = False
         self._lock = threading.Lock()
         self._pub = self._context.socket(zmq.PUB)
         self._router: zmq.Socket[bytes] | None = None
@@ -114,6 +115,10 @@ class EventPublisher:
         """Send arbitrary frames on the PUB socket (malformed-input tests)."""
         self._outbox.put(_Outgoing(-1, b"", False, frames))
 
+    def mute(self) -> None:
+        """Send nothing and answer no replay from now on (the sockets stay open)."""
+        self.muted = True
+
     def flush(self, timeout_s: float = 5.0) -> None:
         """Wait until everything queued so far has been sent."""
         deadline = time.monotonic() + timeout_s
@@ -140,7 +145,7 @@ class EventPublisher:
     def _send(self, item: _Outgoing) -> None:
         if item.raw is not None:
             self._pub.send_multipart(item.raw)
-        elif item.seq >= 0:
+        elif item.seq >= 0 and not self.muted:
             self._buffer.append((item.seq, item.payload))
             if not item.drop:
                 self._pub.send_multipart(encode_live(self.topic, item.seq, item.payload))
@@ -151,6 +156,8 @@ class EventPublisher:
             return
         while router.poll(0, zmq.POLLIN):
             identity, *request = router.recv_multipart()
+            if self.muted:
+                continue
             try:
                 start = decode_replay_request(request)
             except WireError:

@@ -30,6 +30,7 @@ from kvindex.clients.fake_vllm.answers import (
 )
 from kvindex.clients.fake_vllm.block_pool import Admission, BlockPool
 from kvindex.clients.fake_vllm.engine_hash import engine_root
+from kvindex.clients.fake_vllm.lies import LieError, Lies
 from kvindex.clients.fake_vllm.publisher import EventPublisher
 from kvindex.clients.fake_vllm.render import add_render_routes
 from kvindex.clients.fake_vllm.token_routes import (
@@ -130,6 +131,8 @@ class ReplicaSimSettings:
     enable_prompt_tokens_details: bool = True
     """As vLLM's ``--enable-prompt-tokens-details``: ``usage.prompt_tokens_details.cached_tokens``
     in every answer (False: absent, as vLLM without the flag)."""
+    lies: tuple[str, ...] = ()
+    """Test knob: the ways it lies (:mod:`.lies`: ``drop-removals``, ``block-size=N``...)."""
 
     def __post_init__(self) -> None:
         self._check_test_knobs()
@@ -165,6 +168,10 @@ class ReplicaSimSettings:
             raise ReplicaSimError(f"fail_status must be 0 or 400..599, got {self.fail_status!r}")
         if self.stream_stall_s < 0:
             raise ReplicaSimError(f"stream_stall_s must be >= 0, got {self.stream_stall_s!r}")
+        try:
+            Lies(self.lies)
+        except LieError as exc:
+            raise ReplicaSimError(str(exc)) from exc
 
     @property
     def topic(self) -> str:
@@ -240,11 +247,16 @@ class Engine:
         publish: Callable[[list[Event]], object],
         *,
         clock: Callable[[], float] = time.monotonic,
+        lies: Lies | None = None,
+        on_restart: Callable[[], object] = lambda: None,
     ) -> None:
         self.settings = settings
         self.cache = cache
         self._publish = publish
         self._clock = clock
+        self.lies = Lies() if lies is None else lies
+        self._on_restart = on_restart
+        self._restart_due = False
         self._waiting: collections.deque[_Waiting] = collections.deque()
         self._next_id = 0
         self.counters = EngineCounters()
@@ -281,7 +293,15 @@ class Engine:
     def _finish(self, request_id: int) -> None:
         self.cache.release(request_id)
         self.counters.num_running -= 1
+        if self._restart_due and not self.counters.num_running:
+            self._restart()
         self._admit()
+
+    def _restart(self) -> None:
+        self._restart_due = False
+        s, old = self.settings, self.cache
+        self.cache = self.lies.pool(s.capacity_blocks, s.block_size, old.root)
+        self._on_restart()
 
     async def _execute(
         self, request_id: int, request: SimRequest, admission: Admission, queue_s: float
@@ -298,6 +318,7 @@ class Engine:
         output_tokens = [word_token(w) for w in words]
         self._emit(self.cache.cache_full_blocks(request_id, request.prompt + output_tokens))
         self.counters.num_finished += 1
+        self._restart_due = self.lies.restart_due() or self._restart_due
         return SimResult(words, output_tokens, cached, queue_s, prefill_s, decode_s)
 
     def _admit(self) -> None:
@@ -325,6 +346,7 @@ class Engine:
             head.future.set_result(admission)
 
     def _emit(self, events: list[Event]) -> None:
+        events = self.lies.published(events)
         if events:
             self._publish(events)
 
@@ -412,6 +434,7 @@ async def handle_completion(engine: Engine, raw: bytes, *, chat: bool = False) -
             prompt = prompt_tokens(body.prompt, tokenizer)
     except SimTokenizerError as exc:
         return error_answer(400, str(exc))
+    prompt = engine.lies.prompt(prompt)
     try:
         result = await engine.run(SimRequest(prompt, body.max_tokens, lora, body.cache_salt))
     except ReplicaSimError as exc:
@@ -448,7 +471,8 @@ def handle_cached(engine: Engine, raw: bytes) -> Response:
     cache = engine.cache
     counts = []
     for prompt in body.prompts:
-        chain = cache.chain(prompt_tokens(prompt, settings_tokenizer(engine.settings)))
+        tokens = prompt_tokens(prompt, settings_tokenizer(engine.settings))
+        chain = cache.chain(engine.lies.prompt(tokens))
         held = (i for i, block in enumerate(chain) if not cache.is_cached(block))
         counts.append(next(held, len(chain)))
     return ok_answer({"num_cached_blocks": counts, "num_pool_blocks": cache.num_cached_blocks})
@@ -535,8 +559,10 @@ class ReplicaSim:
                 ("replay", s.replay) if s.replay and s.replay in str(exc) else ("events", events)
             )
             raise EndpointInUseError(*taken) from None
-        cache = BlockPool(s.capacity_blocks, s.block_size, engine_root(s.seed))
-        self.engine = Engine(s, cache, self.publisher.publish)
+        lies = Lies(s.lies)
+        cache = lies.pool(s.capacity_blocks, s.block_size, engine_root(s.seed))
+        publisher = self.publisher
+        self.engine = Engine(s, cache, publisher.publish, lies=lies, on_restart=publisher.mute)
         try:
             self._serve(create_app(self.engine))
         except BaseException:

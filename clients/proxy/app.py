@@ -69,6 +69,7 @@ from kvindex.clients.proxy.upstream import (
     UpstreamPicker,
     decoded_body,
 )
+from kvindex.clients.proxy.verdicts import Verdicts, verdicts_of
 from kvindex.indexer.fleet.registry import RegistryView
 from kvindex.indexer.index.protocol import BlockIndex, IndexUnavailableError
 
@@ -104,10 +105,12 @@ class ProxyParts:
     """The bearer-token check of ``proxy.auth_token``."""
     predictions: Predictions = field(init=False)
     """Each routed request's prediction against the engine's answer, counted per replica."""
+    verdicts: Verdicts = field(init=False)
 
     def __post_init__(self) -> None:
         self.auth = InboundAuth(self.proxy.auth_token)
-        self.predictions = Predictions(self.metrics.observe_prediction)
+        self.verdicts = verdicts_of(self.proxy, self.registry, self.metrics)
+        self.predictions = Predictions(self.metrics.observe_prediction, self.verdicts.judge)
 
 
 class _ProxyApp(Starlette):
@@ -478,6 +481,9 @@ def _ready(parts: ProxyParts) -> Callable[[Request], Awaitable[Response]]:
         why = await parts.off_loop(unroutable)
         if why is not None:
             return _json({"status": "unavailable", "detail": why}, 503)
+        mismatches = parts.verdicts.mismatches()  # ready, but routing on miscounted prompts
+        if mismatches:
+            return _json({"status": "ready", "detail": "; ".join(m.describe() for m in mismatches)})
         return _json({"status": "ready"})
 
     return ready
@@ -514,6 +520,7 @@ def _fleet_routes(parts: ProxyParts) -> list[Route]:
         for view in body:  # the proxy's own: each replica's predictions against its answers
             counts = accuracy.get(view["id"])
             view["predictions"] = (counts or Accuracy({})).view()
+            view["predictions"]["verdict"] = parts.verdicts.view(view["id"])
         return _json(body)
 
     async def stats(_: Request) -> Response:

@@ -15,6 +15,7 @@ from kvindex.api.health.block_sizes import BlockSizeCheck
 from kvindex.api.http.metrics import BlockSizeCollector, lookup_latency
 from kvindex.api.load.desk import DeskSeries
 from kvindex.clients.proxy.predictions import Prediction
+from kvindex.clients.proxy.verdicts import UNDER_REASONS, VERDICTS
 from kvindex.indexer.fleet.registry import RegistryView
 from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.metrics import BuildInfo, IngestCollector
@@ -148,6 +149,50 @@ class ProxyMetrics:
             buckets=_ERROR_BUCKETS,
             registry=r,
         )
+
+        self._verdict_series(r)
+
+    def _verdict_series(self, r: CollectorRegistry) -> None:
+        self.verdicts = Counter(
+            "kvindex_proxy_verdicts",
+            "Verdicts on the predictions: over_predicted (a replica's streams cleared and its"
+            " cache term discounted), token_mismatch (the first on a model).",
+            ["verdict"],
+            registry=r,
+        )
+        for verdict in VERDICTS:
+            self.verdicts.labels(verdict)
+        self.under_predictions = Counter(
+            "kvindex_proxy_under_predictions",
+            "Under-predicted requests by likely reason (block_size, partial_view, lag,"
+            " lost_stores).",
+            ["reason"],
+            registry=r,
+        )
+        for reason in UNDER_REASONS:
+            self.under_predictions.labels(reason)
+        self.distrusted_replicas = Gauge(
+            "kvindex_proxy_distrusted_replicas",
+            "Replicas whose cache term is discounted now (over-predicted, not exact again yet).",
+            registry=r,
+        )
+        self.token_mismatch_models = Gauge(
+            "kvindex_proxy_token_mismatch_models",
+            "Models on which the engine's prompt_tokens differed from the router's count.",
+            registry=r,
+        )
+
+    def verdict(self, verdict: str) -> None:
+        self.child(self.verdicts, verdict).inc()
+
+    def under_predicted(self, reason: str) -> None:
+        self.child(self.under_predictions, reason).inc()
+
+    def distrusted(self, num_replicas: int) -> None:
+        self.distrusted_replicas.set(num_replicas)
+
+    def mismatched(self, num_models: int) -> None:
+        self.token_mismatch_models.set(num_models)
 
     def desk_series(self) -> DeskSeries:
         return DeskSeries(self.in_flight, self.reservations_released, self.reservation_failures)

@@ -92,13 +92,17 @@ class Accuracy:
 
 
 Observer = Callable[[Prediction, str, int | None], None]
+Judge = Callable[[Prediction, "Truth | None", str], None]
 
 
 class Predictions:
-    """Every request's outcome, counted per replica; thread-safe."""
+    """Every request's outcome, counted per replica, told to ``judge``; thread-safe."""
 
-    def __init__(self, observe: Observer = lambda _p, _o, _e: None) -> None:
+    def __init__(
+        self, observe: Observer = lambda _p, _o, _e: None, judge: Judge | None = None
+    ) -> None:
         self._observe = observe
+        self._judge = judge
         self._lock = threading.Lock()
         self._replica_to_counts: dict[str, dict[str, int]] = {}
 
@@ -109,6 +113,8 @@ class Predictions:
             counts = self._replica_to_counts.setdefault(prediction.replica, {})
             counts[outcome] = counts.get(outcome, 0) + 1
         self._observe(prediction, outcome, error)
+        if self._judge is not None:
+            self._judge(prediction, truth, outcome)
         return outcome
 
     def accuracy(self) -> dict[str, Accuracy]:

@@ -52,11 +52,15 @@ def build_proxy_app(
         if reason is Ejection.HEALTH_CHECK:  # not answering: its waiting requests go elsewhere
             forwarder.abandon(replica, "ejected: failed health checks")
 
+    def distrusted() -> frozenset[str]:  # ``parts`` is made below, before anything is scored
+        return parts.verdicts.distrusted()
+
     hooks = Hooks(
         wrap_index=lambda index: TimedIndex(index, metrics.lookup_latency),
         on_ejected=ejected,
         on_check_stalled=ejections.check_stalled,
         failover_tokenizers=True,
+        distrusted=distrusted,
     )
     read_path = build_read_path(deps, hooks)
     metrics.watch_block_sizes(read_path.block_sizes)

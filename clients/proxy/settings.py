@@ -59,6 +59,12 @@ class ProxySettings:
     """A replica owing answers that sends no byte this long gets a health probe; failing it
     ejects it and sends its waiting requests elsewhere (at most 1.5 times this + the check's
     timeout after they were sent: 2 s by default)."""
+    verdict_window: int = 10
+    """A replica's last compared requests (exact, over- or under-predicted) judged together."""
+    over_predicted_limit: int = 3
+    """Over-predictions among them that drop the replica's blocks and discount its cache."""
+    exact_to_trust: int = 5
+    """Exact predictions since its last over-prediction that lift a replica's discount."""
 
     def __post_init__(self) -> None:
         _check_numbers(self)
@@ -91,12 +97,18 @@ def _check_numbers(settings: ProxySettings) -> None:
         if not (value >= 0 if low_ok else value > 0) or value == float("inf"):
             wanted = "a finite number >= 0" if low_ok else "a finite number > 0"
             raise SettingsError(f"proxy.{name} must be {wanted}, got {value!r}")
-    for name in ("max_attempts", "max_connections", "port", "workers"):
+    whole = ("verdict_window", "over_predicted_limit", "exact_to_trust")
+    for name in ("max_attempts", "max_connections", "port", "workers", *whole):
         value = getattr(settings, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise SettingsError(f"proxy.{name} must be an integer >= 1, got {value!r}")
     if settings.port > 65535:
         raise SettingsError(f"proxy.port must be at most 65535, got {settings.port!r}")
+    if settings.over_predicted_limit > settings.verdict_window:
+        raise SettingsError(
+            f"proxy.over_predicted_limit ({settings.over_predicted_limit}) must be at most"
+            f" proxy.verdict_window ({settings.verdict_window})"
+        )
 
 
 def _check_credentials(settings: ProxySettings) -> None:

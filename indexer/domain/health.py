@@ -25,6 +25,8 @@ class Partial(enum.StrEnum):
     """The index began the stream empty past seq 0, with no replay endpoint to ask."""
     PURGED = "purged_while_disconnected"
     """The stream's blocks were purged while it was disconnected; it came back unchanged."""
+    OVER_PREDICTED = "cleared_on_over_predictions"
+    """The proxy saw the index credit blocks the engine lacked, again and again: dropped."""
 
 
 COMPLETE = ""

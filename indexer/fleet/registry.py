@@ -91,6 +91,7 @@ class Registry:
 
         self._model_to_block_size: dict[str, int | None] = {}
         self._prior_view: PriorView | None = None
+        self._replica_to_clear_asked: dict[str, float] = {}
 
     # --- replicas ------------------------------------------------------------------------
 
@@ -207,6 +208,18 @@ class Registry:
                 self._disconnected.discard(stream)
                 self._model_to_block_size.clear()
                 self._streams_version += 1
+
+    def ask_clear(self, replica: str, at: float | None = None) -> None:
+        """Ask the pipelines keeping ``replica``'s streams to drop their blocks, once (at their
+        next maintenance)."""
+        at = self._clock() if at is None else at
+        with self._lock:
+            if at > self._replica_to_clear_asked.get(replica, float("-inf")):
+                self._replica_to_clear_asked[replica] = at
+
+    def clear_asks(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._replica_to_clear_asked) if self._replica_to_clear_asked else {}
 
     def record_unrouted(self, totals: UnroutedCounters) -> None:
         with self._lock:

@@ -119,6 +119,7 @@ class FleetSync:
         self._period_s = period_s
         self._clock = clock
         self._known: set[str] = set()
+        self._asks_seen: dict[str, float] | None = None  # None: none read yet
 
         self._written: set[str] = set()
 
@@ -163,6 +164,7 @@ class FleetSync:
             if not self._declared_written:
                 self._write_declared()
             self._pull_replicas()
+            self._pull_clear_asks()
             self._push_statuses()
         except redis.RedisError as exc:
             self.num_errors += 1
@@ -194,6 +196,18 @@ class FleetSync:
                 self._client.hset(self._schema.replicas, spec.id, encode_spec(spec))
                 stored[spec.id] = spec
         self._known = set(stored)
+
+    def _pull_clear_asks(self) -> None:
+        """Hand the proxies' asks to drop a replica's blocks to the pipelines; those already
+        there at the first read are old news (an indexer restarted later must not act)."""
+        raw = cast("dict[bytes, bytes]", self._client.hgetall(self._schema.clear_asks))
+        asks = {k.decode(): _stamp(v) for k, v in raw.items()}
+        seen, self._asks_seen = self._asks_seen, asks
+        if seen is None:
+            return
+        for replica, at in asks.items():
+            if at > seen.get(replica, float("-inf")):
+                self._registry.ask_clear(replica, at)
 
     def _republish(self) -> None:
         """Redis lost the hash: our registry, merged with what is there, is the truth."""
@@ -241,3 +255,10 @@ class FleetSync:
         self._refused = refused
         if not refused:
             self._written = set(records)
+
+
+def _stamp(raw: bytes) -> float:
+    try:
+        return float(raw)
+    except ValueError:
+        return float("-inf")  # never acted on

@@ -220,6 +220,16 @@ class RedisFleetView:
                     continue
         raise IndexUnavailableError("replica health: too many concurrent writers, not updated")
 
+    def ask_clear(self, replica: str, at: float | None = None) -> None:
+        """``Registry.ask_clear`` through Redis (``FleetSync`` hands it to the indexer that
+        keeps the streams); IndexUnavailableError when Redis is down."""
+        stamp = time.time() if at is None else at
+        self._guarded(self._ask_clear, replica, stamp)
+
+    def _ask_clear(self, replica: str, stamp: float) -> None:
+        with unavailable_on_connection_errors():
+            self._client.hset(self._schema.clear_asks, replica, repr(stamp))
+
     def claim_health_checks(self, replicas: Sequence[str], hold_s: float) -> set[str]:
         """SET NX PX per replica (one round trip); Redis down: IndexUnavailableError."""
         wanted = list(dict.fromkeys(replicas))

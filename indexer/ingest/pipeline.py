@@ -74,6 +74,8 @@ class _Runtime:
     queued: bool = False
     logged: set[str] = field(default_factory=set)
     fenced: bool = False
+    clear_done: float = float("-inf")
+    """When the last ask to drop its blocks that was carried out was made."""
 
 
 class Pipeline:
@@ -460,6 +462,8 @@ class Pipeline:
         now = self._clock()
         if now - runtime.last_rebuild < self._settings.rebuild_cooldown_s:
             return
+        if runtime.tracker.partial == Partial.OVER_PREDICTED:
+            return  # its history was found lying: a replay would give the blocks back
         runtime.last_rebuild = now
         step = runtime.tracker.resync(rebuild=True)
         if step.replay_from is not None:
@@ -575,6 +579,7 @@ class Pipeline:
                 self._recover(runtime)
             self._maybe_probe(runtime, now)
             self._maybe_purge(runtime)
+        self._clear_asked()
 
     def _check_store(self) -> None:
         if self._identity is None:
@@ -642,6 +647,31 @@ class Pipeline:
         log.info("stream %s: index store reachable again; resyncing", runtime.stream)
         self._execute(runtime, tracker.resync())
         self._record(runtime)
+
+    def _clear_asked(self) -> None:
+        """Drop the blocks asked (``Registry.ask_clear``), once per ask; no replay: it would
+        give the same blocks back."""
+        asks = self._registry.clear_asks()
+        if not asks:
+            return
+        for runtime in list(self._runtimes.values()):
+            asked = asks.get(runtime.stream.replica)
+            if asked is None or asked <= runtime.clear_done:
+                continue
+            if runtime.fenced or runtime.broken or runtime.replay_open:
+                continue  # asked again at the next maintenance
+            try:
+                self._index.clear(runtime.stream)
+            except IndexUnavailableError:
+                continue
+            except FencedError:
+                self._fenced_out(runtime, 1)
+                continue
+            runtime.clear_done = asked
+            runtime.tracker.lose_view(Partial.OVER_PREDICTED)
+            self._ingestor.forget(runtime.stream)
+            self._record(runtime)
+            log.warning("stream %s: blocks dropped (over-predicted by the index)", runtime.stream)
 
     def _maybe_purge(self, runtime: _Runtime) -> None:
         limit = self._settings.purge_after_s

@@ -155,6 +155,11 @@ class Schema:
     def replica_health(self) -> str:
         return f"{self.root}:{{fleet}}:health"
 
+    @property
+    def clear_asks(self) -> str:
+        """Replica id → when a proxy last asked its streams' blocks dropped (wall clock)."""
+        return f"{self.root}:{{fleet}}:clear_asks"
+
     def health_claim(self, replica: str) -> str:
         return f"{self.root}:health:{replica}"
 

@@ -107,7 +107,12 @@ class RandomFleet:
         if rng.random() < 0.15:
             self.reservations.reserve(spec.id, rng.choice([0, 500]))
 
-    def scorer(self, seed: int, clock: Callable[[], float] = lambda: NOW) -> Scorer:
+    def scorer(
+        self,
+        seed: int,
+        clock: Callable[[], float] = lambda: NOW,
+        distrusted: frozenset[str] = frozenset(),
+    ) -> Scorer:
         settings = ApiSettings(seed=seed, weights=self.weights)
         return Scorer(
             settings,
@@ -117,6 +122,7 @@ class RandomFleet:
             tokenizers=lambda _: None,
             blocking_store=False,
             clock=clock,
+            distrusted=lambda: distrusted,
         )
 
 
@@ -127,6 +133,7 @@ def reference(
     *,
     now: float = NOW,
     weights: Weights | None = None,
+    distrusted: frozenset[str] = frozenset(),
 ) -> Decision:
     """The plain read path: every candidate built, scored and ranked (loads aged as of
     ``now``; ``weights``: the fleet's unless given)."""
@@ -165,6 +172,7 @@ def reference(
         turns=itertools.count(),
         rng=rng,
         top_k=top_k,
+        distrusted=distrusted,
     )
 
 
@@ -192,6 +200,25 @@ def test_the_lean_kv_aware_answer_equals_the_plain_one_on_random_fleets(seed: in
         (s.replica, s.score, s.terms) for s in expected.ranked
     ]
     assert got.num_candidates == len(fleet.specs)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_a_distrusted_replicas_discount_is_the_same_term_on_both_paths(seed: int) -> None:
+    """The proxy's over-predicted replicas: their cache term times ``over_predicted_factor``,
+    explained as ``prediction_factor``, alike on the lean path and the plain one."""
+    fleet = RandomFleet(seed)
+    distrusted = frozenset(s.id for s in fleet.specs[::2])
+    top_k = random.Random(seed).choice([None, 1, 3, 1_000])
+    got = answer(fleet.scorer(seed, distrusted=distrusted), 0 if top_k is None else top_k, True)
+    expected = reference(fleet, top_k, random.Random(seed), distrusted=distrusted)
+    assert [(e.replica, e.score, e.terms) for e in got.scores] == [
+        (s.replica, s.score, s.terms) for s in expected.ranked
+    ]
+    for entry in got.scores:
+        factor = entry.terms.get("prediction_factor")
+        assert factor == (
+            fleet.weights.over_predicted_factor if entry.replica in distrusted else None
+        )
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -73,6 +73,7 @@ def test_default_weights_are_documented_values() -> None:
         "in_flight_tokens": 0.00005,
         "stale_factor": 0.5,
         "replaying_factor": 0.8,
+        "over_predicted_factor": 0.25,
         "load_half_life_s": 10.0,
         "temperature": 0.0,
         "prefix_blocks": 8.0,

@@ -86,3 +86,12 @@ def test_the_clients_authorization_goes_on_only_when_told_and_never_with_a_token
     assert load_proxy_settings(env=env).forward_client_authorization
     with pytest.raises(SettingsError, match="would send the proxy's own auth_token"):
         load_proxy_settings({"auth_token": "t"}, env=env)
+
+
+def test_the_verdict_rule_is_whole_numbers_with_the_limit_inside_the_window() -> None:
+    settings = load_proxy_settings({"verdict_window": 4, "over_predicted_limit": 4}, env={})
+    assert (settings.verdict_window, settings.over_predicted_limit) == (4, 4)
+    with pytest.raises(SettingsError, match=r"over_predicted_limit \(5\) must be at most"):
+        load_proxy_settings({"verdict_window": 4, "over_predicted_limit": 5}, env={})
+    with pytest.raises(SettingsError, match="KVINDEX_PROXY_EXACT_TO_TRUST"):
+        load_proxy_settings(env={"KVINDEX_PROXY_EXACT_TO_TRUST": "0"})

@@ -281,3 +281,21 @@ def test_a_partial_view_is_published_read_partial_and_resumed_by_the_next_indexe
     third = Registry((R1,), clock=clock)
     FleetSync(client, SCHEMA, third, clock=clock)
     assert third.resume_partial(stream) is None
+
+
+def test_a_proxys_ask_to_clear_reaches_the_indexers_registry_once_and_new_only() -> None:
+    client = fakeredis.FakeRedis()
+    view = RedisFleetView(client, SCHEMA)
+    view.ask_clear("r1", at=100.0)  # made before this indexer started: old news
+    registry = Registry((R1, R2))
+    sync = FleetSync(client, SCHEMA, registry, declared=(R1, R2))
+    sync.tick()
+    assert registry.clear_asks() == {}
+    view.ask_clear("r2", at=200.0)
+    client.hset(SCHEMA.clear_asks, "r3", b"not a time")
+    sync.tick()
+    assert registry.clear_asks() == {"r2": 200.0}
+    view.ask_clear("r1", at=300.0)
+    sync.tick()
+    sync.tick()
+    assert registry.clear_asks() == {"r1": 300.0, "r2": 200.0}

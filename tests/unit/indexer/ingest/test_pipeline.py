@@ -697,6 +697,23 @@ def test_a_purged_stream_back_unchanged_is_partial() -> None:
     assert (r.freshness(), r.health().partial) == (Freshness.PARTIAL, "purged_while_disconnected")
 
 
+def test_a_clear_asked_drops_the_blocks_once_without_replay_and_the_view_is_partial() -> None:
+    r = rig()
+    synced(r, last=2)
+    num_replays = len(r.replays.started)
+    r.registry.ask_clear("r1", at=5.0)
+    r.pipeline.maintain()
+    assert r.blocks(0, 1, 2) == 0 and len(r.replays.started) == num_replays
+    assert (r.freshness(), r.health().partial) == (Freshness.PARTIAL, "cleared_on_over_predictions")
+    r.pipeline.handle_live(frames(3), R1)  # rebuilt from what follows, in order
+    r.pipeline.maintain()  # the same ask is not carried out twice
+    assert r.health().last_seq == 3 and r.blocks(0, 1, 2) == 0
+    assert len(r.replays.started) == num_replays  # its orphan asks no rebuild: it would lie
+    r.registry.ask_clear("r1", at=4.0)  # older than the one carried out
+    r.pipeline.maintain()
+    assert r.health().last_seq == 3
+
+
 def test_a_store_back_after_an_outage_keeps_the_partial_view() -> None:
     r = rig()
     synced(r, last=2)
