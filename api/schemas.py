@@ -262,6 +262,15 @@ class HealthView(msgspec.Struct):
     num_ejections: int
 
 
+class VerdictView(msgspec.Struct):
+    """What the proxy concluded of a replica's predictions (``docs/guides/proxy.md``)."""
+
+    distrusted: bool
+    """Its cache term discounted now (over-predictions persisted)."""
+    num_verdicts: int = 0
+    under_predicted: dict[str, int] = {}
+
+
 class PredictionsView(msgspec.Struct):
     """A proxy's predictions held against one replica's answers: each outcome's count, and
     ``accuracy``, the exact share of those compared (None: none compared yet)."""
@@ -272,6 +281,7 @@ class PredictionsView(msgspec.Struct):
     under_predicted: int = 0
     token_mismatch: int = 0
     unreported: int = 0
+    verdict: VerdictView | None = None
 
 
 class ReplicaView(msgspec.Struct):

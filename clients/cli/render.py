@@ -138,6 +138,9 @@ def format_predictions(predictions: PredictionsView | None) -> str:
     parts += [f"{short} {n}" for short, n in misses if n]
     if predictions.unreported:
         parts.append(f"unreported {predictions.unreported}")
+    verdict = predictions.verdict
+    if verdict is not None and verdict.distrusted:
+        parts.append(f"DISTRUSTED (cache term discounted, {verdict.num_verdicts} verdicts)")
     return ", ".join(parts)
 
 

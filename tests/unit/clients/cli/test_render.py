@@ -19,6 +19,7 @@ from kvindex.api.schemas import (
     ScoreEntry,
     ScoreResponse,
     StreamView,
+    VerdictView,
 )
 from kvindex.clients.cli.render import (
     block_kinds,
@@ -267,7 +268,9 @@ def test_render_replicas_shows_a_block_size_that_is_not_the_models() -> None:
 
 def test_render_replicas_shows_a_proxys_predictions() -> None:
     """Only a proxy's views carry predictions: the column appears with them."""
-    judged = PredictionsView(0.9, exact=9, over_predicted=1, unreported=2)
+    judged = PredictionsView(
+        0.9, exact=9, over_predicted=1, unreported=2, verdict=VerdictView(True, 2)
+    )
     views = [
         ReplicaView("r1", "m", None, None, None, 1, "live", [], None, predictions=judged),
         ReplicaView(
@@ -276,7 +279,9 @@ def test_render_replicas_shows_a_proxys_predictions() -> None:
     ]
     lines = plain(*render_replicas(views)).splitlines()
     assert "predictions" in lines[1]
-    assert "90.0% exact of 10, over 1, unreported 2" in row_of(lines, "r1")
+    assert "90.0% exact of 10, over 1, unreported 2, DISTRUSTED (cache term discounted, 2" in (
+        row_of(lines, "r1")
+    )
     assert "none compared" in row_of(lines, "r2")
     plain_views = [ReplicaView("r1", "m", None, None, None, 1, "live", [], None)]
     assert "predictions" not in plain(*render_replicas(plain_views))
