@@ -9,13 +9,15 @@ topic, seq, payload]``, told apart by frame count; the end has seq ``0xFF * 8``,
 
 Per event type a base Struct holds what kvindex reads (decoding); its ``Vllm*`` subclass is
 vLLM's whole struct (encoding, byte for byte as vLLM writes it, checked against captures).
+SGLang (≥ 0.5) sends the same frames and map events, with ``cache_salt`` and no
+``extra_keys``: those stores get the extra keys vLLM would have sent for the request.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeAlias
 
 import msgspec
 
@@ -60,15 +62,16 @@ class WireError(KvIndexError):
 # --- msgspec mirrors of vLLM's structs (vllm/distributed/kv_events.py) -------------------
 # The base Structs are what the indexer decodes: kvindex's fields only (msgspec skips the
 # others without building them), every field that vLLM versions or producers may leave out
-# defaulted. Their ``Vllm*`` subclasses are what is encoded: vLLM encodes map events with
+# defaulted (SGLang's ``cache_salt`` only in the map store's). Their ``Vllm*`` subclasses are
+# what is encoded: vLLM encodes map events with
 # ``omit_defaults``, so a field vLLM declares without a default is always written
 # (``"lora_id": null``) and a defaulted one only when set; the subclasses declare those
 # fields without a default again, and add vLLM's fields that kvindex never reads. Array
 # events are positional: every field is written, trailing extra ones are ignored.
 
 
-class BlockStoredMap(msgspec.Struct, tag="BlockStored", gc=False):
-    """vLLM ≥ 0.24's ``BlockStored`` as the indexer reads it: a map tagged by ``"type"``."""
+class _StoredMapFields(msgspec.Struct, tag="BlockStored", gc=False):
+    """The ``BlockStored`` map fields vLLM ≥ 0.24 and SGLang share, as the indexer reads them."""
 
     block_hashes: list[WireHash]
     parent_block_hash: WireHash | None = None
@@ -81,7 +84,13 @@ class BlockStoredMap(msgspec.Struct, tag="BlockStored", gc=False):
     group_idx: int | None = None
 
 
-class VllmBlockStoredMap(BlockStoredMap, omit_defaults=True):
+class BlockStoredMap(_StoredMapFields, tag="BlockStored"):
+    """A map ``BlockStored`` as the indexer reads it: vLLM ≥ 0.24's, or SGLang's."""
+
+    cache_salt: str | None = None
+
+
+class VllmBlockStoredMap(_StoredMapFields, omit_defaults=True):
     parent_block_hash: WireHash | None
     token_ids: list[int]
     block_size: int
@@ -124,6 +133,7 @@ class BlockStoredArray(msgspec.Struct, tag="BlockStored", array_like=True, gc=Fa
     lora_name: str | None = None
     extra_keys: WireExtraKeys = None
     group_idx: int | None = None
+    cache_salt: ClassVar[str | None] = None  # only map events carry it (SGLang's)
 
 
 class VllmBlockStoredArray(BlockStoredArray):
@@ -185,8 +195,15 @@ def _with_raw_tokens(base: type[msgspec.Struct], tag: str) -> type[msgspec.Struc
         else:
             fields.append((info.name, info.type))
     config = base.__struct_config__
+    names = {info.name for info in msgspec.structs.fields(base)}
+    namespace = {} if "cache_salt" in names else {"cache_salt": None}
     return msgspec.defstruct(
-        f"_Raw{base.__name__}", fields, tag=tag, array_like=config.array_like, gc=False
+        f"_Raw{base.__name__}",
+        fields,
+        tag=tag,
+        array_like=config.array_like,
+        gc=False,
+        namespace=namespace,
     )
 
 
@@ -248,7 +265,8 @@ def _general_hashes(values: list[WireHash]) -> tuple[EngineHash, ...]:
     return tuple(normalize_hash(v) for v in values)
 
 
-_TIER_OF_MEDIUM = {None: Tier.GPU, "GPU": Tier.GPU, "CPU": Tier.CPU}
+_TIER_OF_MEDIUM = {None: Tier.GPU, "GPU": Tier.GPU, "CPU": Tier.CPU, "CPU_PINNED": Tier.CPU}
+"""vLLM's media and SGLang's host memory; the others (``DISK``, ``STORAGE``...) by name."""
 
 
 def _tier(medium: str | None) -> Tier:
@@ -264,6 +282,8 @@ def _to_domain(event: WireEvent) -> Event:
         if parent is not None and (type(parent) is not int or parent < 0):
             parent = normalize_hash(parent)
         extra = event.extra_keys  # type: ignore[union-attr]
+        if extra is None and event.cache_salt is not None:  # type: ignore[union-attr]
+            extra = salted_extra_keys(event)  # type: ignore[arg-type]
         tier = _TIER_OF_MEDIUM.get(event.medium)  # type: ignore[union-attr]
         tokens = event.token_ids  # type: ignore[union-attr]
         if type(tokens) is _Raw:
@@ -288,6 +308,20 @@ def _to_domain(event: WireEvent) -> Event:
             event.group_idx,  # type: ignore[union-attr]
         )
     return AllBlocksCleared()
+
+
+def salted_extra_keys(event: BlockStoredMap) -> WireExtraKeys:
+    """An SGLang store's extra keys as vLLM sends them: the LoRA name on every block, the
+    salt on the request's first (no parent); None when no block has any."""
+    num_blocks = len(event.block_hashes)
+    lora, salt = event.lora_name, event.cache_salt
+    first: tuple[Any, ...] = (lora,) if lora is not None else ()
+    if salt is not None and event.parent_block_hash is None:
+        first = (*first, salt)
+    if not first:
+        return None
+    rest = None if lora is None else (lora,)
+    return [first] + [rest] * (num_blocks - 1) if num_blocks else None
 
 
 class _NotPackedError(Exception):
@@ -412,8 +446,12 @@ _StoredFields: TypeAlias = tuple[
     str | None,
     WireExtraKeys,
     int | None,
-    str | None,
 ]
+
+
+def _spec_kind(event: BlockStored) -> str | None:
+    # A plain model has one full-attention group; vLLM's CPU placeholders name none.
+    return None if event.is_placeholder else "full_attention"
 
 
 def _stored_fields(event: BlockStored) -> _StoredFields:
@@ -428,8 +466,6 @@ def _stored_fields(event: BlockStored) -> _StoredFields:
         event.lora_name,
         None if extra_keys is None else list(extra_keys),
         event.group_idx,
-        # A plain model has one full-attention group; vLLM's CPU placeholders name none.
-        None if event.is_placeholder else "full_attention",
     )
 
 
@@ -439,7 +475,11 @@ def _locality(tier: Tier) -> str | None:
 
 def _to_map(event: Event) -> VllmMapEvent:
     if isinstance(event, BlockStored):
-        return VllmBlockStoredMap(*_stored_fields(event), locality=_locality(event.tier))
+        return VllmBlockStoredMap(
+            *_stored_fields(event),
+            kv_cache_spec_kind=_spec_kind(event),
+            locality=_locality(event.tier),
+        )
     if isinstance(event, BlockRemoved):
         hashes: list[WireHash] = list(event.block_hashes)
         medium = _MEDIUM_OF_TIER[event.tier]
@@ -449,7 +489,7 @@ def _to_map(event: Event) -> VllmMapEvent:
 
 def _to_array(event: Event) -> VllmArrayEvent:
     if isinstance(event, BlockStored):
-        return VllmBlockStoredArray(*_stored_fields(event))
+        return VllmBlockStoredArray(*_stored_fields(event), kv_cache_spec_kind=_spec_kind(event))
     if isinstance(event, BlockRemoved):
         medium = _MEDIUM_OF_TIER[event.tier]
         return BlockRemovedArray(list(event.block_hashes), medium, event.group_idx)
