@@ -153,14 +153,22 @@ class AllBlocksClearedArray(msgspec.Struct, tag="AllBlocksCleared", array_like=T
 
 MapEvent: TypeAlias = BlockStoredMap | BlockRemovedMap | AllBlocksClearedMap
 ArrayEvent: TypeAlias = BlockStoredArray | BlockRemovedArray | AllBlocksClearedArray
-WireEvent: TypeAlias = MapEvent | ArrayEvent
 VllmMapEvent: TypeAlias = VllmBlockStoredMap | VllmBlockRemovedMap | AllBlocksClearedMap
+WireEvent: TypeAlias = MapEvent | ArrayEvent | VllmBlockStoredMap
 VllmArrayEvent: TypeAlias = VllmBlockStoredArray | BlockRemovedArray | AllBlocksClearedArray
 
 
 class EventBatchMap(msgspec.Struct, array_like=True, gc=False):
     ts: float
     events: list[MapEvent]
+    data_parallel_rank: int | None = None
+
+
+class VllmEventBatchMap(msgspec.Struct, array_like=True, gc=False):
+    """A map batch as vLLM encodes it (:func:`encode_batch`)."""
+
+    ts: float
+    events: list[VllmMapEvent]
     data_parallel_rank: int | None = None
 
 
@@ -318,10 +326,10 @@ def salted_extra_keys(event: BlockStoredMap) -> WireExtraKeys:
     first: tuple[Any, ...] = (lora,) if lora is not None else ()
     if salt is not None and event.parent_block_hash is None:
         first = (*first, salt)
-    if not first:
+    if not first or not num_blocks:
         return None
-    rest = None if lora is None else (lora,)
-    return [first] + [rest] * (num_blocks - 1) if num_blocks else None
+    rest: tuple[Any, ...] | None = None if lora is None else (lora,)
+    return [first, *[rest] * (num_blocks - 1)]
 
 
 class _NotPackedError(Exception):
@@ -427,6 +435,36 @@ def payload_shape(payload: bytes) -> tuple[str, str]:
     return "unknown", "unknown"
 
 
+_VLLM_ONLY = frozenset(("extra_keys", "group_idx", "kv_cache_spec_kind", "locality"))
+_SGLANG_MEDIA = frozenset(("CPU_PINNED", "DISK", "EXTERNAL"))
+
+
+def payload_producer(payload: bytes) -> str:
+    """Whose publisher wrote a payload, from its first store: ``SGLang`` (a ``cache_salt``, a
+    signed hash, SGLang's media, or no ``lora_name``, which vLLM's map stores always carry),
+    ``vLLM``, or ``unknown``. Never raises."""
+    try:
+        raw_batch = decode_raw_batch(payload)
+        events = [msgspec.msgpack.decode(item) for item in raw_batch.events]
+    except (*_DECODE_ERRORS, TypeError):
+        return "unknown"
+    for event in events:
+        if isinstance(event, list) and event[:1] == ["BlockStored"]:
+            return "vLLM"  # SGLang sends maps only
+        if isinstance(event, dict) and event.get("type") == "BlockStored":
+            return "SGLang" if _sglang_store(event) else "vLLM"
+    return "unknown"
+
+
+def _sglang_store(event: dict[Any, Any]) -> bool:
+    if "cache_salt" in event or event.get("medium") in _SGLANG_MEDIA:
+        return True
+    hashes = event.get("block_hashes")
+    if isinstance(hashes, list) and any(isinstance(h, int) and h < 0 for h in hashes):
+        return True
+    return "lora_name" not in event and not _VLLM_ONLY.intersection(event)
+
+
 def _hash_form(hashes: list[WireHash]) -> str:
     if not hashes:
         return "unknown"
@@ -506,7 +544,7 @@ def encode_batch(events: Sequence[Event], *, ts: float, rank: int, encoding: Enc
     """One batch payload as vLLM encodes it: the inverse of :func:`decode_payload`."""
     if encoding == "array":
         return _encoder.encode(EventBatchArray(ts, [_to_array(e) for e in events], rank))
-    return _encoder.encode(EventBatchMap(ts, [_to_map(e) for e in events], rank))
+    return _encoder.encode(VllmEventBatchMap(ts, [_to_map(e) for e in events], rank))
 
 
 # --- frames ----------------------------------------------------------------------------

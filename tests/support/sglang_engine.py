@@ -145,7 +145,7 @@ class Engine:
         """Register an adapter as the scheduler does for its requests; its ``extra_key``."""
         request = types.SimpleNamespace(extra_key=f"adapter:{lora_id}", lora_id=lora_id)
         self.recorder.lora_names.register(request, lora_name)
-        return request.extra_key
+        return str(request.extra_key)
 
     def store(self, node: Node, *, medium: str = "GPU", session_id: str | None = None) -> None:
         medium_value = self.kv_events.StorageMedium(medium)
@@ -169,7 +169,8 @@ class Engine:
 
 def serve(config: dict[str, Any], page_size: int) -> None:
     """One engine per DP rank, driven by JSON lines on stdin (``store``, ``remove``,
-    ``clear``: a node and its rank; ``step``; ``quit``), each answered ``ok`` on stdout."""
+    ``clear``: a node, named per rank, and its rank; ``step``; ``quit``), each answered ``ok``
+    on stdout."""
     engines = [Engine(config, rank, page_size) for rank in range(int(config.pop("dp_size")))]
     nodes: dict[str, Node] = {}
     print("ready", flush=True)
@@ -182,7 +183,8 @@ def serve(config: dict[str, Any], page_size: int) -> None:
             for engine in engines:
                 engine.step()
         else:
-            _apply(engines[command["rank"]], nodes, command)
+            rank = command["rank"]
+            _apply(engines[rank], nodes, {**command, "node": f"{rank}/{command.get('node')}"})
         print("ok", flush=True)
     for engine in engines:
         engine.close()
@@ -196,7 +198,8 @@ def _apply(engine: Engine, nodes: dict[str, Node], command: dict[str, Any]) -> N
         engine.remove(nodes[name], medium=command.get("medium", "GPU"))
     elif op == "store":
         if name not in nodes:
-            parent = nodes[command["parent"]] if command.get("parent") else engine.root
+            parent_name = f"{command['rank']}/{command['parent']}" if command.get("parent") else ""
+            parent = nodes[parent_name] if parent_name else engine.root
             lora = command.get("lora_name")
             extra_key = engine.lora(lora, command["lora_id"]) if lora else None
             salt = command.get("cache_salt")

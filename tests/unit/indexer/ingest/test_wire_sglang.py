@@ -21,6 +21,7 @@ from kvindex.indexer.ingest.wire import (
     decode_live_native,
     decode_replay,
     encode_replay_request,
+    payload_producer,
     salted_extra_keys,
 )
 from tests.support.paths import FIXTURES
@@ -201,3 +202,18 @@ def test_a_salt_that_is_not_text_costs_only_its_event() -> None:
     payload = msgspec.msgpack.encode([1.0, [bad, good], 0])
     batch = decode_live([b"t", (0).to_bytes(8, "big"), payload]).batch
     assert (len(batch.events), batch.num_bad_events) == (1, 1)
+
+
+@pytest.mark.parametrize("name", [NAME, "vllm-0.33.0-kv-events.json", "vllm-0.23.0-kv-events.json"])
+def test_the_producer_is_told_from_any_captured_store(name: str) -> None:
+    vectors = json.loads((FIXTURES / name).read_text(encoding="utf-8"))["vectors"]
+    found = set()
+    for vector in vectors:
+        if vector["channel"] == "pub":
+            payload = base64.b64decode(vector["frames_b64"][2])
+            stores = [e for e in vector["event_types"] if e == "BlockStored"]
+            producer = payload_producer(payload)
+            assert producer == ("unknown" if not stores else producer)
+            found.add(producer)
+    assert found - {"unknown"} == {"SGLang" if name == NAME else "vLLM"}
+    assert payload_producer(b"\xc1") == "unknown"
