@@ -55,8 +55,7 @@ class ObservedBatch:
     hash_form: str = "int"
     """``int`` or ``bytes`` (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``), or ``unknown``."""
     source: str = "live"
-    producer: str = "vLLM"
-    """Whose publisher: ``vLLM``, ``SGLang`` or ``unknown`` (:func:`wire.payload_producer`)."""
+    producer: str = "vLLM"  # or SGLang, unknown: wire.payload_producer
 
 
 # --- the comparison (pure) ------------------------------------------------------------------

@@ -164,9 +164,7 @@ class EventBatchMap(msgspec.Struct, array_like=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class VllmEventBatchMap(msgspec.Struct, array_like=True, gc=False):
-    """A map batch as vLLM encodes it (:func:`encode_batch`)."""
-
+class VllmEventBatchMap(msgspec.Struct, array_like=True, gc=False):  # what encode_batch writes
     ts: float
     events: list[VllmMapEvent]
     data_parallel_rank: int | None = None
@@ -273,8 +271,8 @@ def _general_hashes(values: list[WireHash]) -> tuple[EngineHash, ...]:
     return tuple(normalize_hash(v) for v in values)
 
 
+# vLLM's media and SGLang's host memory; the others (DISK, STORAGE...) by name.
 _TIER_OF_MEDIUM = {None: Tier.GPU, "GPU": Tier.GPU, "CPU": Tier.CPU, "CPU_PINNED": Tier.CPU}
-"""vLLM's media and SGLang's host memory; the others (``DISK``, ``STORAGE``...) by name."""
 
 
 def _tier(medium: str | None) -> Tier:
@@ -440,9 +438,8 @@ _SGLANG_MEDIA = frozenset(("CPU_PINNED", "DISK", "EXTERNAL"))
 
 
 def payload_producer(payload: bytes) -> str:
-    """Whose publisher wrote a payload, from its first store: ``SGLang`` (a ``cache_salt``, a
-    signed hash, SGLang's media, or no ``lora_name``, which vLLM's map stores always carry),
-    ``vLLM``, or ``unknown``. Never raises."""
+    """``SGLang``, ``vLLM`` or ``unknown``: whose publisher wrote a payload, told from its
+    first store (SGLang's fields, signed hashes, media). Never raises."""
     try:
         raw_batch = decode_raw_batch(payload)
         events = [msgspec.msgpack.decode(item) for item in raw_batch.events]
@@ -457,6 +454,7 @@ def payload_producer(payload: bytes) -> str:
 
 
 def _sglang_store(event: dict[Any, Any]) -> bool:
+    # vLLM's map stores always carry lora_name; SGLang's omit it when None.
     if "cache_salt" in event or event.get("medium") in _SGLANG_MEDIA:
         return True
     hashes = event.get("block_hashes")
