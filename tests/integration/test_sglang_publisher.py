@@ -72,7 +72,7 @@ class SGLangEngine:
 @pytest.fixture
 def sglang(tmp_path: Path) -> Iterator[tuple[SGLangEngine, str, str]]:
     """(the engine, its rank-0 events endpoint, its rank-0 replay endpoint)."""
-    if not SGLANG_PYTHON.exists():
+    if not (ROOT / ".venv-sglang/.installed").exists():
         pytest.skip("no .venv-sglang: `make sglang-venv` could not install sglang 0.5.23")
     events, replay = consecutive_free_ports(2), consecutive_free_ports(2)
     config = {
