@@ -49,9 +49,23 @@ lint: install
 bench: install
 	$(BIN)/python bench/ingest.py --quick
 
+# SGLang's own KV-event publisher for tests/integration/test_sglang_publisher.py: sglang
+# without its dependencies (no torch, no GPU) and the four its event modules import.
+SGLANG_VENV ?= .venv-sglang
+
+$(SGLANG_VENV)/.installed:
+	@echo "==> SGLang 0.5.23's KV-event publisher in $(SGLANG_VENV) (CPU only, no torch)"
+	$(PY) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install --no-deps sglang==0.5.23
+	$(SGLANG_VENV)/bin/pip install pyzmq msgspec pydantic psutil
+	touch $@
+
+.PHONY: sglang-venv
+sglang-venv: $(SGLANG_VENV)/.installed
+
 .PHONY: docs
 docs: install ## the docs site into site/ (strict: a broken link or a missing page fails)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .mypy_cache .ruff_cache

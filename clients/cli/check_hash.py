@@ -23,7 +23,7 @@ import click
 @click.option("--timeout", "timeout_s", default=5.0, show_default=True, help="Seconds to wait.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def check_hash_command(text_mode: bool, as_json: bool, **kw: Any) -> None:
-    """Check that kvindex's block keys agree with a live replica's BlockStored events."""
+    """Check that kvindex's block keys agree with a live vLLM or SGLang replica's events."""
     from kvindex.clients.cli.key_check import CheckHashError, CheckSettings, run_check
 
     try:

@@ -26,7 +26,7 @@ from kvindex.indexer.fleet.replica import check_endpoint
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.ingest.ingestor import Ingestor
 from kvindex.indexer.ingest.replay import ReplayTimeoutError, fetch_replay
-from kvindex.indexer.ingest.wire import WireError, decode_live, payload_shape
+from kvindex.indexer.ingest.wire import WireError, decode_live, payload_producer, payload_shape
 
 PromptMode = Literal["tokens", "text"]
 _WARMUP_TOKENS = 257
@@ -55,6 +55,7 @@ class ObservedBatch:
     hash_form: str = "int"
     """``int`` or ``bytes`` (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``), or ``unknown``."""
     source: str = "live"
+    producer: str = "vLLM"  # or SGLang, unknown: wire.payload_producer
 
 
 # --- the comparison (pure) ------------------------------------------------------------------
@@ -90,6 +91,7 @@ class CheckReport:
     hash_forms: list[str] = field(default_factory=list)
     encodings: list[str] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)
+    producers: list[str] = field(default_factory=list)
     lora_name: str | None = None
     cache_salt: str | None = None
     mismatches: list[Mismatch] = field(default_factory=list)
@@ -103,7 +105,8 @@ class CheckReport:
             return (
                 f"check-hash OK: {self.num_blocks} blocks checked, block size "
                 f"{self.block_size}, hash form {'/'.join(self.hash_forms)}, encoding "
-                f"{'/'.join(self.encodings)} ({'/'.join(self.sources)} events; {extras}); "
+                f"{'/'.join(self.encodings)}, producer {'/'.join(self.producers)} "
+                f"({'/'.join(self.sources)} events; {extras}); "
                 "kvindex keys agree with the replica's BlockStored events"
             )
         lines = [f"check-hash FAILED: {self.mismatches[0].message}"]
@@ -325,6 +328,7 @@ def compare(expected: Expected, batches: Sequence[ObservedBatch]) -> CheckReport
     report.hash_forms = sorted({p.batch.hash_form for p in found})
     report.encodings = sorted({p.batch.encoding for p in found})
     report.sources = sorted({p.batch.source for p in found})
+    report.producers = sorted({p.batch.producer for p in found})
     report.mismatches = [
         *_check_block_size(expected, found),
         *_check_tokens(expected, blocks, size),
@@ -448,7 +452,8 @@ class _Replica:
             if self.first_seq is None:
                 self.first_seq = live.batch.seq
             encoding, form = payload_shape(frames[2])
-            self.batches.append(_observed(live.batch, encoding, form, "live"))
+            producer = payload_producer(frames[2])
+            self.batches.append(_observed(live.batch, encoding, form, "live", producer))
             if time.monotonic() >= deadline:
                 break
         return count
@@ -463,9 +468,11 @@ class _Replica:
         return False
 
 
-def _observed(batch: EventBatch, encoding: str, form: str, source: str) -> ObservedBatch:
+def _observed(
+    batch: EventBatch, encoding: str, form: str, source: str, producer: str = "unknown"
+) -> ObservedBatch:
     stored = tuple(e for e in batch.events if isinstance(e, BlockStored))
-    return ObservedBatch(batch.seq, stored, encoding, form, source)
+    return ObservedBatch(batch.seq, stored, encoding, form, source, producer)
 
 
 def _prompt(replica: _Replica) -> tuple[str | list[int], list[int]]:

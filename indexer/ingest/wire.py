@@ -9,13 +9,15 @@ topic, seq, payload]``, told apart by frame count; the end has seq ``0xFF * 8``,
 
 Per event type a base Struct holds what kvindex reads (decoding); its ``Vllm*`` subclass is
 vLLM's whole struct (encoding, byte for byte as vLLM writes it, checked against captures).
+SGLang (≥ 0.5) sends the same frames and map events, with ``cache_salt`` and no
+``extra_keys``: those stores get the extra keys vLLM would have sent for the request.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeAlias
 
 import msgspec
 
@@ -60,15 +62,16 @@ class WireError(KvIndexError):
 # --- msgspec mirrors of vLLM's structs (vllm/distributed/kv_events.py) -------------------
 # The base Structs are what the indexer decodes: kvindex's fields only (msgspec skips the
 # others without building them), every field that vLLM versions or producers may leave out
-# defaulted. Their ``Vllm*`` subclasses are what is encoded: vLLM encodes map events with
+# defaulted (SGLang's ``cache_salt`` only in the map store's). Their ``Vllm*`` subclasses are
+# what is encoded: vLLM encodes map events with
 # ``omit_defaults``, so a field vLLM declares without a default is always written
 # (``"lora_id": null``) and a defaulted one only when set; the subclasses declare those
 # fields without a default again, and add vLLM's fields that kvindex never reads. Array
 # events are positional: every field is written, trailing extra ones are ignored.
 
 
-class BlockStoredMap(msgspec.Struct, tag="BlockStored", gc=False):
-    """vLLM ≥ 0.24's ``BlockStored`` as the indexer reads it: a map tagged by ``"type"``."""
+class _StoredMapFields(msgspec.Struct, tag="BlockStored", gc=False):
+    """The ``BlockStored`` map fields vLLM ≥ 0.24 and SGLang share, as the indexer reads them."""
 
     block_hashes: list[WireHash]
     parent_block_hash: WireHash | None = None
@@ -81,7 +84,13 @@ class BlockStoredMap(msgspec.Struct, tag="BlockStored", gc=False):
     group_idx: int | None = None
 
 
-class VllmBlockStoredMap(BlockStoredMap, omit_defaults=True):
+class BlockStoredMap(_StoredMapFields, tag="BlockStored"):
+    """A map ``BlockStored`` as the indexer reads it: vLLM ≥ 0.24's, or SGLang's."""
+
+    cache_salt: str | None = None
+
+
+class VllmBlockStoredMap(_StoredMapFields, omit_defaults=True):
     parent_block_hash: WireHash | None
     token_ids: list[int]
     block_size: int
@@ -124,6 +133,7 @@ class BlockStoredArray(msgspec.Struct, tag="BlockStored", array_like=True, gc=Fa
     lora_name: str | None = None
     extra_keys: WireExtraKeys = None
     group_idx: int | None = None
+    cache_salt: ClassVar[str | None] = None  # only map events carry it (SGLang's)
 
 
 class VllmBlockStoredArray(BlockStoredArray):
@@ -143,14 +153,20 @@ class AllBlocksClearedArray(msgspec.Struct, tag="AllBlocksCleared", array_like=T
 
 MapEvent: TypeAlias = BlockStoredMap | BlockRemovedMap | AllBlocksClearedMap
 ArrayEvent: TypeAlias = BlockStoredArray | BlockRemovedArray | AllBlocksClearedArray
-WireEvent: TypeAlias = MapEvent | ArrayEvent
 VllmMapEvent: TypeAlias = VllmBlockStoredMap | VllmBlockRemovedMap | AllBlocksClearedMap
+WireEvent: TypeAlias = MapEvent | ArrayEvent | VllmBlockStoredMap
 VllmArrayEvent: TypeAlias = VllmBlockStoredArray | BlockRemovedArray | AllBlocksClearedArray
 
 
 class EventBatchMap(msgspec.Struct, array_like=True, gc=False):
     ts: float
     events: list[MapEvent]
+    data_parallel_rank: int | None = None
+
+
+class VllmEventBatchMap(msgspec.Struct, array_like=True, gc=False):  # what encode_batch writes
+    ts: float
+    events: list[VllmMapEvent]
     data_parallel_rank: int | None = None
 
 
@@ -185,8 +201,15 @@ def _with_raw_tokens(base: type[msgspec.Struct], tag: str) -> type[msgspec.Struc
         else:
             fields.append((info.name, info.type))
     config = base.__struct_config__
+    names = {info.name for info in msgspec.structs.fields(base)}
+    namespace = {} if "cache_salt" in names else {"cache_salt": None}
     return msgspec.defstruct(
-        f"_Raw{base.__name__}", fields, tag=tag, array_like=config.array_like, gc=False
+        f"_Raw{base.__name__}",
+        fields,
+        tag=tag,
+        array_like=config.array_like,
+        gc=False,
+        namespace=namespace,
     )
 
 
@@ -248,7 +271,8 @@ def _general_hashes(values: list[WireHash]) -> tuple[EngineHash, ...]:
     return tuple(normalize_hash(v) for v in values)
 
 
-_TIER_OF_MEDIUM = {None: Tier.GPU, "GPU": Tier.GPU, "CPU": Tier.CPU}
+# vLLM's media and SGLang's host memory; the others (DISK, STORAGE...) by name.
+_TIER_OF_MEDIUM = {None: Tier.GPU, "GPU": Tier.GPU, "CPU": Tier.CPU, "CPU_PINNED": Tier.CPU}
 
 
 def _tier(medium: str | None) -> Tier:
@@ -264,6 +288,8 @@ def _to_domain(event: WireEvent) -> Event:
         if parent is not None and (type(parent) is not int or parent < 0):
             parent = normalize_hash(parent)
         extra = event.extra_keys  # type: ignore[union-attr]
+        if extra is None and event.cache_salt is not None:  # type: ignore[union-attr]
+            extra = salted_extra_keys(event)  # type: ignore[arg-type]
         tier = _TIER_OF_MEDIUM.get(event.medium)  # type: ignore[union-attr]
         tokens = event.token_ids  # type: ignore[union-attr]
         if type(tokens) is _Raw:
@@ -288,6 +314,20 @@ def _to_domain(event: WireEvent) -> Event:
             event.group_idx,  # type: ignore[union-attr]
         )
     return AllBlocksCleared()
+
+
+def salted_extra_keys(event: BlockStoredMap) -> WireExtraKeys:
+    """An SGLang store's extra keys as vLLM sends them: the LoRA name on every block, the
+    salt on the request's first (no parent); None when no block has any."""
+    num_blocks = len(event.block_hashes)
+    lora, salt = event.lora_name, event.cache_salt
+    first: tuple[Any, ...] = (lora,) if lora is not None else ()
+    if salt is not None and event.parent_block_hash is None:
+        first = (*first, salt)
+    if not first or not num_blocks:
+        return None
+    rest: tuple[Any, ...] | None = None if lora is None else (lora,)
+    return [first, *[rest] * (num_blocks - 1)]
 
 
 class _NotPackedError(Exception):
@@ -393,6 +433,36 @@ def payload_shape(payload: bytes) -> tuple[str, str]:
     return "unknown", "unknown"
 
 
+_VLLM_ONLY = frozenset(("extra_keys", "group_idx", "kv_cache_spec_kind", "locality"))
+_SGLANG_MEDIA = frozenset(("CPU_PINNED", "DISK", "EXTERNAL"))
+
+
+def payload_producer(payload: bytes) -> str:
+    """``SGLang``, ``vLLM`` or ``unknown``: whose publisher wrote a payload, told from its
+    first store (SGLang's fields, signed hashes, media). Never raises."""
+    try:
+        raw_batch = decode_raw_batch(payload)
+        events = [msgspec.msgpack.decode(item) for item in raw_batch.events]
+    except (*_DECODE_ERRORS, TypeError):
+        return "unknown"
+    for event in events:
+        if isinstance(event, list) and event[:1] == ["BlockStored"]:
+            return "vLLM"  # SGLang sends maps only
+        if isinstance(event, dict) and event.get("type") == "BlockStored":
+            return "SGLang" if _sglang_store(event) else "vLLM"
+    return "unknown"
+
+
+def _sglang_store(event: dict[Any, Any]) -> bool:
+    # vLLM's map stores always carry lora_name; SGLang's omit it when None.
+    if "cache_salt" in event or event.get("medium") in _SGLANG_MEDIA:
+        return True
+    hashes = event.get("block_hashes")
+    if isinstance(hashes, list) and any(isinstance(h, int) and h < 0 for h in hashes):
+        return True
+    return "lora_name" not in event and not _VLLM_ONLY.intersection(event)
+
+
 def _hash_form(hashes: list[WireHash]) -> str:
     if not hashes:
         return "unknown"
@@ -412,8 +482,12 @@ _StoredFields: TypeAlias = tuple[
     str | None,
     WireExtraKeys,
     int | None,
-    str | None,
 ]
+
+
+def _spec_kind(event: BlockStored) -> str | None:
+    # A plain model has one full-attention group; vLLM's CPU placeholders name none.
+    return None if event.is_placeholder else "full_attention"
 
 
 def _stored_fields(event: BlockStored) -> _StoredFields:
@@ -428,8 +502,6 @@ def _stored_fields(event: BlockStored) -> _StoredFields:
         event.lora_name,
         None if extra_keys is None else list(extra_keys),
         event.group_idx,
-        # A plain model has one full-attention group; vLLM's CPU placeholders name none.
-        None if event.is_placeholder else "full_attention",
     )
 
 
@@ -439,7 +511,11 @@ def _locality(tier: Tier) -> str | None:
 
 def _to_map(event: Event) -> VllmMapEvent:
     if isinstance(event, BlockStored):
-        return VllmBlockStoredMap(*_stored_fields(event), locality=_locality(event.tier))
+        return VllmBlockStoredMap(
+            *_stored_fields(event),
+            kv_cache_spec_kind=_spec_kind(event),
+            locality=_locality(event.tier),
+        )
     if isinstance(event, BlockRemoved):
         hashes: list[WireHash] = list(event.block_hashes)
         medium = _MEDIUM_OF_TIER[event.tier]
@@ -449,7 +525,7 @@ def _to_map(event: Event) -> VllmMapEvent:
 
 def _to_array(event: Event) -> VllmArrayEvent:
     if isinstance(event, BlockStored):
-        return VllmBlockStoredArray(*_stored_fields(event))
+        return VllmBlockStoredArray(*_stored_fields(event), kv_cache_spec_kind=_spec_kind(event))
     if isinstance(event, BlockRemoved):
         medium = _MEDIUM_OF_TIER[event.tier]
         return BlockRemovedArray(list(event.block_hashes), medium, event.group_idx)
@@ -466,7 +542,7 @@ def encode_batch(events: Sequence[Event], *, ts: float, rank: int, encoding: Enc
     """One batch payload as vLLM encodes it: the inverse of :func:`decode_payload`."""
     if encoding == "array":
         return _encoder.encode(EventBatchArray(ts, [_to_array(e) for e in events], rank))
-    return _encoder.encode(EventBatchMap(ts, [_to_map(e) for e in events], rank))
+    return _encoder.encode(VllmEventBatchMap(ts, [_to_map(e) for e in events], rank))
 
 
 # --- frames ----------------------------------------------------------------------------

@@ -1532,7 +1532,7 @@ cdef int _store_ops(Buffer* ops, Buffer* scratch, Table* young, long tier,
 cdef enum:
     REJECT = -1
     MAX_SKIP_DEPTH = 32
-    NUM_FIELDS = 10
+    NUM_FIELDS = 11
     F_TYPE = 0
     F_HASHES = 1
     F_PARENT = 2
@@ -1543,6 +1543,7 @@ cdef enum:
     F_LORA_NAME = 7
     F_EXTRA_KEYS = 8
     F_GROUP = 9
+    F_CACHE_SALT = 10
     K_STORED = 1
     K_REMOVED = 2
     K_CLEARED = 3
@@ -1555,7 +1556,7 @@ cdef struct Reader:
 cdef const char* _FIELD_NAMES[NUM_FIELDS]
 _FIELD_NAMES[:] = [
     b"type", b"block_hashes", b"parent_block_hash", b"token_ids", b"block_size", b"lora_id",
-    b"medium", b"lora_name", b"extra_keys", b"group_idx",
+    b"medium", b"lora_name", b"extra_keys", b"group_idx", b"cache_salt",
 ]
 cdef Py_ssize_t _FIELD_LENGTHS[NUM_FIELDS]
 for _f in range(NUM_FIELDS):
@@ -1927,7 +1928,8 @@ cdef int _optional_int(const Reader* r, Py_ssize_t pos, bint* is_zero) noexcept 
 
 
 cdef int _medium(const Reader* r, Py_ssize_t pos, long* tier) noexcept nogil:
-    """``medium``: absent, nil or ``"GPU"`` (tier 0), ``"CPU"`` (1); REJECT otherwise."""
+    """``medium``: absent, nil or ``"GPU"`` (tier 0), ``"CPU"`` or SGLang's ``"CPU_PINNED"``
+    (1); REJECT otherwise."""
     cdef Reader sub
     cdef const unsigned char* text
     cdef Py_ssize_t n
@@ -1937,7 +1939,12 @@ cdef int _medium(const Reader* r, Py_ssize_t pos, long* tier) noexcept nogil:
     sub = _at(r, pos)
     if _is_nil(&sub):
         return 0
-    if _str(&sub, &text, &n) < 0 or n != 3:
+    if _str(&sub, &text, &n) < 0:
+        return REJECT
+    if n == 10 and memcmp(text, b"CPU_PINNED", 10) == 0:
+        tier[0] = 1
+        return 0
+    if n != 3:
         return REJECT
     if memcmp(text, b"GPU", 3) == 0:
         return 0
@@ -1947,12 +1954,18 @@ cdef int _medium(const Reader* r, Py_ssize_t pos, long* tier) noexcept nogil:
     return REJECT
 
 
-cdef int _no_extras_at(const Reader* r, Py_ssize_t lora_name, Py_ssize_t extra_keys) noexcept nogil:
-    """No LoRA name (absent or nil); extra keys absent, nil, or nil for every block."""
+cdef int _no_extras_at(const Reader* r, Py_ssize_t lora_name, Py_ssize_t extra_keys,
+                       Py_ssize_t cache_salt) noexcept nogil:
+    """No LoRA name nor SGLang's cache salt (absent or nil); extra keys absent, nil, or nil
+    for every block."""
     cdef Reader sub
     cdef Py_ssize_t n, i
     if lora_name >= 0:
         sub = _at(r, lora_name)
+        if not _is_nil(&sub):
+            return REJECT
+    if cache_salt >= 0:
+        sub = _at(r, cache_salt)
         if not _is_nil(&sub):
             return REJECT
     if extra_keys >= 0:
@@ -2002,7 +2015,7 @@ cdef int _block_size(const Reader* r, Py_ssize_t pos, long long* size) noexcept 
 
 cdef int _read_stored(NativeBatch batch, const Reader* r, const Fields* f) except -2:
     """A store's record; REJECT for what the Python path must take (a LoRA name, extra keys,
-    an uncommon medium, token ids not all u32) or msgspec might decode otherwise."""
+    a cache salt, an uncommon medium, token ids not all u32) or msgspec might decode otherwise."""
     cdef long tier
     cdef bint main, lora_zero
     cdef long long block_size
@@ -2015,7 +2028,7 @@ cdef int _read_stored(NativeBatch batch, const Reader* r, const Fields* f) excep
         return REJECT
     if _optional_int(r, f.at[F_LORA_ID], &lora_zero) < 0:
         return REJECT
-    if _no_extras_at(r, f.at[F_LORA_NAME], f.at[F_EXTRA_KEYS]) < 0:
+    if _no_extras_at(r, f.at[F_LORA_NAME], f.at[F_EXTRA_KEYS], f.at[F_CACHE_SALT]) < 0:
         return REJECT
     if _block_size(r, f.at[F_BLOCK_SIZE], &block_size) < 0:
         return REJECT

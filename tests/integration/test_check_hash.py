@@ -59,6 +59,7 @@ def test_plain_request_agrees(sim: ReplicaSim) -> None:
     assert report.hash_forms == ["int"]
     assert report.encodings == [sim.settings.encoding]
     assert report.sources == ["live"]
+    assert report.producers == ["vLLM"]
     assert report.render().startswith("check-hash OK: 4 blocks checked, block size 16")
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import json
 from dataclasses import replace
 
 import msgspec
@@ -19,6 +21,8 @@ from kvindex.clients.cli.key_check import (
 from kvindex.clients.cli.main import main
 from kvindex.clients.fake_vllm.block_pool import BlockPool
 from kvindex.indexer.domain.events import BlockStored
+from kvindex.indexer.ingest.wire import decode_payload, payload_producer, payload_shape
+from tests.support.paths import FIXTURES
 
 MODEL = "m"
 SIZE = 4
@@ -166,3 +170,26 @@ def test_check_hash_with_a_bad_endpoint_says_so_in_one_line(events: str, named: 
     assert result.output.strip().splitlines() == [f"Error: {result.output.strip()[7:]}"]
     assert named in result.output
     assert "Traceback" not in result.output
+
+
+def test_sglangs_captured_salted_stores_agree_and_name_sglang() -> None:
+    """SGLang 0.5.23's own frames (the golden capture): the salted chain and its child
+    page, read as check-hash reads live frames, agree with the request's keys."""
+    capture = json.loads((FIXTURES / "sglang-0.5.23-kv-events.json").read_text())
+    vectors = {v["id"]: v for v in capture["vectors"]}
+    batches = []
+    for name, at in (("pub-rank0-seq1", 1), ("pub-rank0-seq3", 1)):
+        payload = base64.b64decode(vectors[name]["frames_b64"][2])
+        decoded = decode_payload(payload, vectors[name]["seq"])
+        salted = decoded.events[at]
+        assert isinstance(salted, BlockStored)
+        encoding, form = payload_shape(payload)
+        producer = payload_producer(payload)
+        batches.append(ObservedBatch(decoded.seq, (salted,), encoding, form, "live", producer))
+    tokens = tuple(t for b in batches for t in b.events[0].token_ids)
+    page = capture["meta"]["page_size"]
+    report = compare(Expected(MODEL, tokens, page, cache_salt="tenant-a"), batches)
+    assert report.ok, report.render()
+    assert (report.num_blocks, report.producers) == (3, ["SGLang"])
+    assert ", producer SGLang (live events;" in report.render()
+    assert not compare(Expected(MODEL, tokens, page), batches).ok  # the salt is checked

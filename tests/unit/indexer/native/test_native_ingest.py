@@ -324,10 +324,13 @@ _PLAUSIBLE: dict[str, st.SearchStrategy[object]] = {
     | st.lists(st.integers(0, 9) | st.integers(-1, 2**32), max_size=9),
     "block_size": st.sampled_from([0, 1, 1, 2, 2, 3, -2, 2**31, 2**63]) | _int,
     "lora_id": st.none() | _int,
-    "medium": st.sampled_from([None, "GPU", "GPU", "CPU", "CPU", None, "cpu", "DISK", b"GPU"]),
+    "medium": st.sampled_from(
+        [None, "GPU", "GPU", "CPU", "CPU", None, "cpu", "DISK", b"GPU", "CPU_PINNED"]
+    ),
     "lora_name": st.sampled_from([None] * 8 + ["x"]),
     "extra_keys": st.none() | st.lists(st.sampled_from([None] * 8 + [["salt"]]), max_size=3),
     "group_idx": st.sampled_from([None, None, 0, 0, 1, -1, "0"]),
+    "cache_salt": st.sampled_from([None] * 6 + ["tenant-a", 5]),  # SGLang's (maps only)
 }
 _TAGS = st.sampled_from(["BlockStored"] * 9 + ["BlockRemoved"] * 6 + ["AllBlocksCleared", "X", 5])
 
