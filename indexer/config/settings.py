@@ -10,11 +10,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from kvindex.indexer.config.discovery import DiscoverySettings, load_discovery_settings
+from kvindex.indexer.config.discovery import load_discovery_settings
 from kvindex.indexer.config.loading import ConfigFile, layered, read_toml
 from kvindex.indexer.config.store import StoreKind, StoreSettings, check_store
 from kvindex.indexer.domain.errors import SettingsError
 from kvindex.indexer.fleet.replica import ReplicaSpec, check_endpoint, replica_from_mapping
+from kvindex.indexer.fleet.settings import DiscoverySettings
 from kvindex.indexer.redis.schema import SchemaError, check_name
 
 __all__ = ["IndexerSettings", "StoreKind", "load_settings", "read_toml", "replace"]

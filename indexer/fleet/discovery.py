@@ -1,8 +1,6 @@
-"""``Discovery``: the replicas of the target's routable pods kept registered in a
-:class:`RegistryView` (``add`` / ``remove``), alongside the declared ones. The pod watch
-(:mod:`~kvindex.indexer.fleet.pod_watch`) changes what is wanted; one thread of its own
-writes the difference, so a store that is down delays writes (retried each second) but never
-the watch. Only the replicas it added are ever removed, by id (``<pod>``, ``<pod>-<rank>``)."""
+"""``Discovery``: the routable pods' replicas kept registered in a :class:`RegistryView`; a
+thread of its own writes (a store down is retried each second, the watch never waits), and
+removes only what it added."""
 
 from __future__ import annotations
 
@@ -10,19 +8,18 @@ import logging
 import threading
 from typing import Any
 
-from kvindex.indexer.config.discovery import DiscoverySettings
 from kvindex.indexer.fleet.pod_watch import PodWatch, api_client
 from kvindex.indexer.fleet.pods import Pod, PodError, Target, replicas_of
 from kvindex.indexer.fleet.registry import RegistryView
 from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.fleet.settings import DiscoverySettings
 
 log = logging.getLogger("kvindex.discovery")
 RETRY_S = 1.0
 
 
 class Discovery:
-    """The :class:`~kvindex.indexer.fleet.pod_watch.PodSink` of a watch, writing to ``view``.
-    Thread-safe: the watch calls the sink, its own thread writes the view."""
+    """A watch's ``PodSink``, thread-safe; :meth:`apply` writes to ``view``."""
 
     def __init__(self, settings: DiscoverySettings, view: RegistryView) -> None:
         self._settings = settings
@@ -74,7 +71,6 @@ class Discovery:
         return specs
 
     def wanted(self) -> dict[str, ReplicaSpec]:
-        """Replica id → spec of every routable pod's replicas now."""
         with self._lock:
             return {s.id: s for specs in self._wanted.values() for s in specs}
 

@@ -1,7 +1,5 @@
-"""``PodWatch``: the target's pods from the Kubernetes API, with the official ``kubernetes``
-client in one thread: list, then watch from the list's resourceVersion; re-list on 410 Gone;
-resume from the last resourceVersion when a watch ends or drops; a jittered, bounded back-off
-after API errors. Every pod seen goes to a :class:`PodSink`, from this thread alone."""
+"""``PodWatch``: the target's pods listed, then watched from the list's resourceVersion, with
+the ``kubernetes`` client in a thread; 410 Gone lists again, a dropped watch resumes."""
 
 from __future__ import annotations
 
@@ -16,7 +14,6 @@ from typing import Any, Protocol
 
 import msgspec
 
-from kvindex.indexer.config.discovery import DiscoverySettings
 from kvindex.indexer.domain.errors import KvIndexError
 from kvindex.indexer.fleet.pods import (
     InferencePool,
@@ -28,6 +25,7 @@ from kvindex.indexer.fleet.pods import (
     WatchEvent,
     pool_target,
 )
+from kvindex.indexer.fleet.settings import DiscoverySettings
 
 log = logging.getLogger("kvindex.discovery")
 
@@ -49,11 +47,10 @@ class _GoneError(Exception):
 
 
 class PodSink(Protocol):
-    """What the watch tells (one thread): the whole set after a list, then each change."""
+    """What the watch tells, from its thread: every pod after a list (target None: the pool
+    is gone), then each change."""
 
-    def reset(self, pods: list[Pod], target: Target | None) -> None:
-        """Every pod of ``target`` now (None: no target, e.g. the pool is gone)."""
-        ...
+    def reset(self, pods: list[Pod], target: Target | None) -> None: ...
 
     def update(self, pod: Pod) -> None: ...
 
@@ -61,7 +58,7 @@ class PodSink(Protocol):
 
 
 class Backoff:
-    """Exponential from ``BACKOFF_S[0]`` to ``BACKOFF_S[1]``, each wait jittered to 50-100%."""
+    """Doubling from ``bounds[0]`` to ``bounds[1]``, each wait jittered down to half."""
 
     def __init__(self, bounds: tuple[float, float] = BACKOFF_S) -> None:
         self._low, self._high = bounds
@@ -172,10 +169,7 @@ class PodWatch:
                 self._stop.wait(wait)
 
     def run_once(self) -> None:
-        """One round: the target (re-read), a list if needed, then one watch to its end."""
         target = self._read_target()
-        if target is None:
-            return
         if target != self._target or self._version is None:
             self._list(target)
         try:
@@ -187,7 +181,7 @@ class PodWatch:
 
     # --- the target --------------------------------------------------------------------
 
-    def _read_target(self) -> Target | None:
+    def _read_target(self) -> Target:
         if not self._settings.pool:
             return Target(self._settings.selector, self._settings.ports)
         try:
@@ -260,7 +254,6 @@ class PodWatch:
 
 
 def _body(response: Any) -> bytes:
-    """A whole answer's body, its connection back in the pool."""
     try:
         return bytes(response.data)
     finally:
@@ -268,7 +261,6 @@ def _body(response: Any) -> bytes:
 
 
 def _lines(response: Any) -> Iterator[str]:
-    """A watch's lines, as the client library splits them (blank ones skipped)."""
     from kubernetes.watch.watch import iter_resp_lines  # noqa: PLC0415
 
     for line in iter_resp_lines(response):
@@ -277,7 +269,7 @@ def _lines(response: Any) -> Iterator[str]:
 
 
 def _cut(response: Any) -> None:
-    """Wake the thread blocked reading ``response``: shut its socket down."""
+    # Wakes the thread blocked reading it.
     shutdown: Callable[[], None] | None = getattr(response, "shutdown", None)
     try:
         if shutdown is not None:

@@ -1,6 +1,5 @@
-"""Pods as replicas: the parts of the Kubernetes objects kvindex reads (msgspec structs, unknown
-fields ignored) and :func:`replicas_of`, a routable pod's ports → one :class:`ReplicaSpec` each.
-No I/O; a pod that cannot be mapped raises :class:`PodError` naming what is wrong."""
+"""Pods as replicas: the Kubernetes objects' fields kvindex reads (msgspec, the rest ignored)
+and :func:`replicas_of`, a routable pod's ports → one :class:`ReplicaSpec` each. No I/O."""
 
 from __future__ import annotations
 
@@ -12,14 +11,10 @@ import msgspec
 from kvindex.indexer.domain.errors import KvIndexError
 from kvindex.indexer.fleet.replica import ReplicaSpec
 
-MODEL_KEY = "kvindex.io/model"
-"""Annotation (or label) naming the pod's served model."""
-EVENTS_PORT_KEY = "kvindex.io/events-port"
-"""Annotation: the KV-events PUB port of rank 0 (rank r publishes on it + r, as vLLM does)."""
-REPLAY_PORT_KEY = "kvindex.io/replay-port"
-"""Annotation: the replay ROUTER port of rank 0 (rank r: it + r); absent, no gap repair."""
-DEFAULT_EVENTS_PORT = 5557
-"""vLLM's ``KVEventsConfig.endpoint`` port (``tcp://*:5557``); vLLM has no default replay port."""
+MODEL_KEY = "kvindex.io/model"  # annotation (or label): the served model
+EVENTS_PORT_KEY = "kvindex.io/events-port"  # annotation: rank 0's PUB port, rank r's is it + r
+REPLAY_PORT_KEY = "kvindex.io/replay-port"  # annotation: rank 0's replay port (absent: none)
+DEFAULT_EVENTS_PORT = 5557  # vLLM's KVEventsConfig.endpoint; vLLM has no default replay port
 
 
 class PodError(KvIndexError):
@@ -60,16 +55,12 @@ class PodList(msgspec.Struct, frozen=True):
     items: list[Pod] = []
 
 
-class WatchEvent(msgspec.Struct, frozen=True):
-    """One line of a watch: ADDED, MODIFIED, DELETED, BOOKMARK (a Pod) or ERROR (a Status)."""
-
+class WatchEvent(msgspec.Struct, frozen=True):  # ADDED, MODIFIED, DELETED, BOOKMARK; ERROR
     type: str
     object: msgspec.Raw = msgspec.Raw(b"{}")
 
 
-class Status(msgspec.Struct, frozen=True):
-    """The API's error object (an ERROR event's, a failed call's body)."""
-
+class Status(msgspec.Struct, frozen=True):  # an ERROR event's object
     code: int = 0
     reason: str = ""
     message: str = ""
@@ -93,9 +84,7 @@ class InferencePool(msgspec.Struct, frozen=True):
 
 
 @dataclass(frozen=True, slots=True)
-class Target:
-    """Which pods are replicas (a label selector) and their serving ports, rank by rank."""
-
+class Target:  # the pods (a label selector) and their serving ports, rank by rank
     selector: str
     ports: tuple[int, ...]
 

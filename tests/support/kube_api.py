@@ -92,7 +92,10 @@ class KubeApi:
             "clusters": [{"name": "test", "cluster": {"server": self.url}}],
             "users": [{"name": "test", "user": {}}],
             "contexts": [
-                {"name": "test", "context": {"cluster": "test", "user": "test", "namespace": namespace}}
+                {
+                    "name": "test",
+                    "context": {"cluster": "test", "user": "test", "namespace": namespace},
+                }
             ],
             "current-context": "test",
         }
@@ -115,10 +118,16 @@ class KubeApi:
 
     # --- the state a test changes ------------------------------------------------------
 
-    def put_pool(self, name: str, labels: dict[str, str], ports: list[int], ns: str = "default") -> None:
+    def put_pool(
+        self, name: str, labels: dict[str, str], ports: list[int], ns: str = "default"
+    ) -> None:
         spec = {"selector": {"matchLabels": labels}, "targetPorts": [{"number": p} for p in ports]}
         with self._cond:
-            self._pools[(ns, name)] = {"kind": "InferencePool", "metadata": {"name": name}, "spec": spec}
+            self._pools[(ns, name)] = {
+                "kind": "InferencePool",
+                "metadata": {"name": name},
+                "spec": spec,
+            }
 
     def put_pod(self, obj: dict[str, Any]) -> None:
         """Create or replace a pod (ADDED or MODIFIED to the watches)."""
@@ -142,7 +151,7 @@ class KubeApi:
 
     def _record(self, kind: str, obj: dict[str, Any]) -> dict[str, Any]:
         self._version += 1
-        stored = json.loads(json.dumps(obj))
+        stored: dict[str, Any] = json.loads(json.dumps(obj))
         stored["metadata"]["resourceVersion"] = str(self._version)
         self._events.append(_Event(self._version, kind, stored))
         self._cond.notify_all()
@@ -175,13 +184,21 @@ class KubeApi:
 
     def list_pods(self, ns: str, selector: str) -> dict[str, Any]:
         with self._cond:
-            items = [p for (n, _), p in sorted(self._pods.items()) if n == ns and _selects(selector, p)]
+            items = [
+                p for (n, _), p in sorted(self._pods.items()) if n == ns and _selects(selector, p)
+            ]
             version = self._version
-        return {"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": str(version)}, "items": items}
+        return {
+            "kind": "PodList",
+            "apiVersion": "v1",
+            "metadata": {"resourceVersion": str(version)},
+            "items": items,
+        }
 
     def pool(self, ns: str, name: str) -> dict[str, Any] | None:
         with self._cond:
-            return self._pools.get((ns, name))
+            found: dict[str, Any] | None = self._pools.get((ns, name))
+            return found
 
     def watch(
         self, ns: str, selector: str, since: int, seconds: float, gone: Callable[[], bool]
@@ -217,7 +234,14 @@ class KubeApi:
 
 def _gone(since: int, oldest: int) -> dict[str, Any]:
     message = f"too old resource version: {since} ({oldest})"
-    status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message, "reason": "Expired", "code": 410}
+    status = {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "status": "Failure",
+        "message": message,
+        "reason": "Expired",
+        "code": 410,
+    }
     return {"type": "ERROR", "object": status}
 
 
@@ -228,78 +252,86 @@ def _selects(selector: str, obj: dict[str, Any]) -> bool:
 
 
 def _handler(api: KubeApi) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    return type("Handler", (_Handler,), {"api": api})
 
-        def setup(self) -> None:
-            super().setup()
-            with api._cond:
-                api.num_open += 1
 
-        def finish(self) -> None:
-            try:
-                super().finish()
-            finally:
-                with api._cond:
-                    api.num_open -= 1
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    api: KubeApi  # set by _handler
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
-            return None
+    def setup(self) -> None:
+        super().setup()
+        with self.api._cond:
+            self.api.num_open += 1
 
-        def do_GET(self) -> None:
-            parts = urlsplit(self.path)
-            query = parse_qs(parts.query)
-            path = parts.path.strip("/").split("/")
-            selector = query.get("labelSelector", [""])[0]
-            if self.path.startswith(POOLS) and len(path) == 7 and path[5] == "inferencepools":
-                api.requests.append(("pool", query))
-                found = api.pool(path[4], path[6])
-                if found is None:
-                    self._json(404, {"kind": "Status", "code": 404, "reason": "NotFound"})
-                else:
-                    self._json(200, found)
-            elif path[:3] == ["api", "v1", "namespaces"] and len(path) == 5 and path[4] == "pods":
-                if query.get("watch", [""])[0] in ("true", "1"):
-                    api.requests.append(("watch", query))
-                    since = int(query.get("resourceVersion", ["0"])[0] or 0)
-                    seconds = float(query.get("timeoutSeconds", ["30"])[0])
-                    self._stream(api.watch(path[3], selector, since, seconds, self._gone))
-                else:
-                    api.requests.append(("list", query))
-                    self._json(200, api.list_pods(path[3], selector))
-            else:
-                self._json(404, {"kind": "Status", "code": 404, "reason": "NotFound"})
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            with self.api._cond:
+                self.api.num_open -= 1
 
-        def _gone(self) -> bool:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            return bool(readable) and not self.connection.recv(1, socket.MSG_PEEK)
+    def log_message(self, format: str, *args: Any) -> None:
+        return None
 
-        def _json(self, status: int, body: dict[str, Any]) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def do_GET(self) -> None:
+        parts = urlsplit(self.path)
+        query = parse_qs(parts.query)
+        path = parts.path.strip("/").split("/")
+        if self.path.startswith(POOLS) and len(path) == 7 and path[5] == "inferencepools":
+            self._pool(path[4], path[6])
+        elif path[:3] == ["api", "v1", "namespaces"] and len(path) == 5 and path[4] == "pods":
+            self._pods(path[3], query)
+        else:
+            self._json(404, {"kind": "Status", "code": 404, "reason": "NotFound"})
 
-        def _stream(self, events: Iterator[dict[str, Any] | None]) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Transfer-Encoding", "chunked")
-            self.end_headers()
-            self.wfile.flush()
-            try:
-                for event in events:
-                    if event is None:  # dropped: no last chunk, the connection cut
-                        self.connection.shutdown(socket.SHUT_RDWR)
-                        self.close_connection = True
-                        return
-                    line = json.dumps(event).encode() + b"\n"
-                    self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
-                    self.wfile.flush()
-                self.wfile.write(b"0\r\n\r\n")
+    def _pool(self, ns: str, name: str) -> None:
+        self.api.requests.append(("pool", {}))
+        found = self.api.pool(ns, name)
+        if found is None:
+            self._json(404, {"kind": "Status", "code": 404, "reason": "NotFound"})
+        else:
+            self._json(200, found)
+
+    def _pods(self, ns: str, query: dict[str, list[str]]) -> None:
+        selector = query.get("labelSelector", [""])[0]
+        if query.get("watch", [""])[0] not in ("true", "1"):
+            self.api.requests.append(("list", query))
+            self._json(200, self.api.list_pods(ns, selector))
+            return
+        self.api.requests.append(("watch", query))
+        since = int(query.get("resourceVersion", ["0"])[0] or 0)
+        seconds = float(query.get("timeoutSeconds", ["30"])[0])
+        self._stream(self.api.watch(ns, selector, since, seconds, self._gone))
+
+    def _gone(self) -> bool:
+        readable, _, _ = select.select([self.connection], [], [], 0)
+        return bool(readable) and not self.connection.recv(1, socket.MSG_PEEK)
+
+    def _json(self, status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _stream(self, events: Iterator[dict[str, Any] | None]) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        self.wfile.flush()
+        try:
+            for event in events:
+                if event is None:  # dropped: no last chunk, the connection cut
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    self.close_connection = True
+                    return
+                line = json.dumps(event).encode() + b"\n"
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
                 self.wfile.flush()
-            except OSError:  # the client went away
-                self.close_connection = True
-
-    return Handler
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        except OSError:  # the client went away
+            self.close_connection = True
