@@ -25,12 +25,14 @@ from typing import Any
 import pytest
 
 from kvindex.indexer.config.settings import load_settings
+from kvindex.indexer.fleet.view import RedisFleetView
+from kvindex.indexer.redis.connection import connect
 from kvindex.indexer.service import IndexerService
 from tests.integration.test_proxy import MODEL
 from tests.support.gateway import Gateway
 from tests.support.kube_api import KubeApi, pod
 from tests.support.processes import Child, http_ok, kvindex_child
-from tests.support.redis_server import free_ports
+from tests.support.redis_server import RedisServer, free_ports
 
 pytestmark = pytest.mark.timeout(150)
 HOSTS = {"pod-a": "127.0.0.2", "pod-b": "127.0.0.3"}
@@ -254,3 +256,42 @@ def test_the_indexer_follows_the_pods_through_410_and_a_drop_and_leaks_nothing(
         names = {t.name for t in threading.enumerate()}
         assert not {"kvindex-pod-watch", "kvindex-discovery"} & names
         _until(lambda: api.num_open == 0 and _open_to(api_port) == 0, 5)
+
+
+@pytest.mark.redis_server
+def test_on_redis_the_shared_fleet_follows_the_pods(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """An indexer on Redis writes the pods' replicas to the shared fleet, which every API
+    process reads, and its own subscriber follows the shared fleet (the fleet sync)."""
+    api = KubeApi()
+    with api.running():
+        api.put_pool("vllm", {"app": "vllm"}, [8000])
+        discovery = {
+            "pool": "vllm",
+            "kubeconfig": str(api.kubeconfig(tmp_path / "kc")),
+            "model": MODEL,
+        }
+        overrides = {"status_port": -1, "store": "redis", "redis_url": redis_server.url}
+        settings = load_settings(env={}, overrides=overrides, discovery=discovery)
+        redis_server.client().flushall()
+        service = IndexerService.build(settings)
+        service.start()
+        view = RedisFleetView(connect(redis_server.url, cluster="off"), settings.redis_schema)
+        try:
+
+            def fleet_is(*ids: str) -> Callable[[], bool]:
+                def check() -> bool:
+                    shared = {r.id for r in view.replicas()}
+                    own = set(service.subscriber.subscribed_replicas)
+                    return shared == set(ids) == own == {r.id for r in service.registry.replicas()}
+
+                return check
+
+            api.put_pod(pod("pod-a", "127.0.0.2"))
+            api.put_pod(pod("pod-b", "127.0.0.3"))
+            _until(fleet_is("pod-a", "pod-b"), 5)  # the fleet sync's period is 1 s
+            api.delete_pod("pod-a")
+            _until(fleet_is("pod-b"), 5)
+        finally:
+            service.stop()
