@@ -230,7 +230,12 @@ class PodWatch:
             if self._stop.is_set():
                 return
             for line in _lines(response):
-                self._on_event(msgspec.json.decode(line, type=WatchEvent))
+                try:
+                    event = msgspec.json.decode(line, type=WatchEvent)
+                    self._on_event(event)
+                except msgspec.DecodeError:  # (ValidationError is one) the stream can't be trusted
+                    self._version = None  # so list again, after the back-off
+                    raise
         finally:
             with self._open_lock:
                 self._open = None

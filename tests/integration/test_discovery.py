@@ -249,10 +249,18 @@ def test_the_indexer_follows_the_pods_through_410_and_a_drop_and_leaks_nothing(
             assert api.num_requests("list") == 2
             versions = [q["resourceVersion"][0] for kind, q in api.requests if kind == "watch"]
             assert versions[-1] == versions[-2]  # the same version watched again after the drop
+
+            # An undecodable event: the watch is not trusted after it, the pods are listed again.
+            api.send_raw(b'{"type": "ADDED", "object": ["not", "a", "pod"]}')
+            _until(lambda: api.num_requests("list") == 3, 5)
+            api.put_pod(pod("pod-c", "127.0.0.4"))
+            took.append(_until(has("pod-b", "pod-b-1", "pod-c", "pod-c-1"), ROUTED_WITHIN_S))
             print(f"registry changed after {', '.join(f'{t:.2f}' for t in took)} s")
             assert _open_to(api_port) >= 1
         finally:
             service.stop()
+        assert service.discovery is not None and service.discovery.watch is not None
+        assert service.discovery.watch.running is False
         names = {t.name for t in threading.enumerate()}
         assert not {"kvindex-pod-watch", "kvindex-discovery"} & names
         _until(lambda: api.num_open == 0 and _open_to(api_port) == 0, 5)

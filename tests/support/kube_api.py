@@ -27,6 +27,7 @@ class _Event:
     version: int
     type: str
     pod: dict[str, Any]
+    raw: bytes | None = None  # sent as is instead of the event (a line no decoder reads)
 
 
 def pod(
@@ -157,6 +158,12 @@ class KubeApi:
         self._cond.notify_all()
         return stored
 
+    def send_raw(self, line: bytes) -> None:
+        """Send ``line`` to the open watches as if it were an event."""
+        with self._cond:
+            self._events.append(_Event(self._version, "RAW", {}, line))
+            self._cond.notify_all()
+
     def hold(self, held: bool) -> None:
         """While held, open watches send nothing (a watcher falling behind)."""
         with self._cond:
@@ -202,7 +209,7 @@ class KubeApi:
 
     def watch(
         self, ns: str, selector: str, since: int, seconds: float, gone: Callable[[], bool]
-    ) -> Iterator[dict[str, Any] | None]:
+    ) -> Iterator[dict[str, Any] | bytes | None]:
         """The watch's events in order; None last if it is to be dropped, not ended. ``gone``:
         the client closed its end (checked while waiting, as a write would find it)."""
         deadline = time.monotonic() + seconds
@@ -213,23 +220,36 @@ class KubeApi:
                 return
         sent = since
         while True:
-            with self._cond:
-                while True:
-                    new = [] if self._held else [e for e in self._events if e.version > sent]
-                    if new or self._closing or self._generation != generation:
-                        break
-                    left = deadline - time.monotonic()
-                    if left <= 0 or gone():
-                        return
-                    self._cond.wait(min(left, 0.05))
-                if not new:
-                    if self._drop and not self._closing:
-                        yield None
-                    return
+            new = self._wait_events(sent, generation, deadline, gone)
+            if new is None:
+                return
+            if not new:  # ended by end_watches
+                if self._drop and not self._closing:
+                    yield None
+                return
             for event in new:
+                if event.raw is not None:
+                    yield event.raw
+                    continue
                 sent = event.version
                 if event.pod["metadata"]["namespace"] == ns and _selects(selector, event.pod):
                     yield {"type": event.type, "object": event.pod}
+
+    def _wait_events(
+        self, sent: int, generation: int, deadline: float, gone: Callable[[], bool]
+    ) -> list[_Event] | None:
+        """The events after ``sent`` (a raw line taken: it goes to one watch only); [] when
+        the watches are ended; None at the watch's timeout or once its client is gone."""
+        with self._cond:
+            while True:
+                new = [] if self._held else [e for e in self._events if e.version > sent or e.raw]
+                if new or self._closing or self._generation != generation:
+                    self._events = [e for e in self._events if e.raw is None]
+                    return new
+                left = deadline - time.monotonic()
+                if left <= 0 or gone():
+                    return None
+                self._cond.wait(min(left, 0.05))
 
 
 def _gone(since: int, oldest: int) -> dict[str, Any]:
@@ -316,7 +336,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def _stream(self, events: Iterator[dict[str, Any] | None]) -> None:
+    def _stream(self, events: Iterator[dict[str, Any] | bytes | None]) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Transfer-Encoding", "chunked")
@@ -328,7 +348,7 @@ class _Handler(BaseHTTPRequestHandler):
                     self.connection.shutdown(socket.SHUT_RDWR)
                     self.close_connection = True
                     return
-                line = json.dumps(event).encode() + b"\n"
+                line = (event if isinstance(event, bytes) else json.dumps(event).encode()) + b"\n"
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
                 self.wfile.flush()
             self.wfile.write(b"0\r\n\r\n")
