@@ -8,6 +8,7 @@ import os
 import random
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -36,6 +37,7 @@ CONNECT_TIMEOUT_S = 5.0
 LIST_TIMEOUT_S = 30.0
 WATCH_S = (60, 120)  # a watch's server-side timeout is drawn in this range (spreads re-watches)
 BACKOFF_S = (0.5, 30.0)
+SHORT_WATCH_S = 1.0  # a watch ended this soon without an event is waited out as an error
 
 
 class DiscoveryError(KvIndexError):
@@ -148,6 +150,7 @@ class PodWatch:
             if self._thread.is_alive():
                 log.warning("the pod watch did not stop within %.0f s", timeout_s)
         self._client.close()
+        self._client.rest_client.pool_manager.clear()  # older clients' close leaves it open
 
     @property
     def running(self) -> bool:
@@ -226,16 +229,20 @@ class PodWatch:
         )  # fmt: skip
         with self._open_lock:
             self._open = response
+        started, num_events = time.monotonic(), 0
         try:
             if self._stop.is_set():
                 return
             for line in _lines(response):
+                num_events += 1
                 try:
                     event = msgspec.json.decode(line, type=WatchEvent)
                     self._on_event(event)
                 except msgspec.DecodeError:  # (ValidationError is one) the stream can't be trusted
                     self._version = None  # so list again, after the back-off
                     raise
+            if not num_events and time.monotonic() - started < SHORT_WATCH_S:
+                raise KvIndexError("the watch ended at once, with no event")  # not a busy loop
         finally:
             with self._open_lock:
                 self._open = None

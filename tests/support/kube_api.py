@@ -315,7 +315,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _pods(self, ns: str, query: dict[str, list[str]]) -> None:
         selector = query.get("labelSelector", [""])[0]
-        if query.get("watch", [""])[0] not in ("true", "1"):
+        if query.get("watch", [""])[0].lower() not in ("true", "t", "1"):  # Go's ParseBool
             self.api.requests.append(("list", query))
             self._json(200, self.api.list_pods(ns, selector))
             return
