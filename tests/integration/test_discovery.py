@@ -8,7 +8,8 @@ version, watches ended and dropped mid-stream.
   is not named, named within 2 s of becoming Ready, no longer named within 2 s of its deletion.
 - The indexer in process: its registry and subscriber follow the pods through a 410 Gone (a
   new list) and a dropped watch (resumed from its resourceVersion, no new list); once stopped,
-  no thread, watch or connection to the API is left."""
+  no thread, watch or connection to the API is left.
+- On Redis, an indexer's or a picker's discovery writes the shared fleet every process reads."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import pytest
 from kvindex.indexer.config.settings import load_settings
 from kvindex.indexer.fleet.view import RedisFleetView
 from kvindex.indexer.redis.connection import connect
+from kvindex.indexer.redis.schema import Schema
 from kvindex.indexer.service import IndexerService
 from tests.integration.test_proxy import MODEL
 from tests.support.gateway import Gateway
@@ -303,3 +305,32 @@ def test_on_redis_the_shared_fleet_follows_the_pods(
             _until(fleet_is("pod-b"), 5)
         finally:
             service.stop()
+
+
+@pytest.mark.redis_server
+def test_a_picker_on_redis_writes_the_pods_to_the_shared_fleet(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """``kvindex picker --store redis`` runs no indexer: its discovery writes the fleet that
+    the indexers subscribe from; the API server sees no connection once it stopped."""
+    api = KubeApi()
+    with api.running():
+        api.put_pool("vllm", {"app": "vllm"}, [8000])
+        redis_server.client().flushall()
+        view = RedisFleetView(connect(redis_server.url, cluster="off"), Schema())
+        port, metrics_port = free_ports(2)
+        args = ["picker", "--port", str(port), "--metrics-port", str(metrics_port)]
+        args += ["--store", "redis", "--redis-url", redis_server.url, "--k8s-pool", "vllm"]
+        args += ["--k8s-model", MODEL, "--kubeconfig", str(api.kubeconfig(tmp_path / "kc"))]
+        log = tmp_path / "picker.log"
+        picker = kvindex_child("picker", args, log, http_ok(metrics_port, "/readyz"))
+        try:
+            picker.start(40)
+            api.put_pod(pod("pod-a", "127.0.0.2"))
+            _until(lambda: [r.id for r in view.replicas()] == ["pod-a"], ROUTED_WITHIN_S)
+            assert view.get("pod-a") is not None
+            api.delete_pod("pod-a")
+            _until(lambda: view.replicas() == [], ROUTED_WITHIN_S)
+        finally:
+            picker.stop()
+        _until(lambda: api.num_open == 0, 5)
