@@ -68,3 +68,12 @@ def test_an_unreadable_kubeconfig_stops_the_start_with_its_reason(tmp_path: Path
     settings = DiscoverySettings(pool="p", kubeconfig=str(tmp_path / "absent"))
     with pytest.raises(DiscoveryError, match="no usable Kubernetes config"):
         api_client(settings)
+
+
+def test_in_a_pod_the_service_account_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No kubeconfig and KUBERNETES_SERVICE_HOST set: the in-cluster config (here its token
+    file is missing, and the error says so)."""
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+    with pytest.raises(DiscoveryError, match="(?i)token"):
+        api_client(DiscoverySettings(pool="p"))
