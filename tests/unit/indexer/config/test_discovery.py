@@ -75,5 +75,5 @@ def test_in_a_pod_the_service_account_is_read(monkeypatch: pytest.MonkeyPatch) -
     file is missing, and the error says so)."""
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
-    with pytest.raises(DiscoveryError, match="(?i)token"):
+    with pytest.raises(DiscoveryError, match=r"(?i)token"):
         api_client(DiscoverySettings(pool="p"))
