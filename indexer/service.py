@@ -18,6 +18,8 @@ from kvindex.indexer.ingest.process_limits import raise_file_limit
 from kvindex.indexer.ingest.subscriber import Subscriber
 
 if TYPE_CHECKING:  # imported where used: a memory-store `serve` loads no Redis client
+    from kvindex.indexer.fleet.discovery import Discovery
+    from kvindex.indexer.fleet.registry import RegistryView
     from kvindex.indexer.fleet.sync import FleetSync
     from kvindex.indexer.index.redis import RedisIndex
     from kvindex.indexer.ingest.membership import Membership, Shard
@@ -98,6 +100,14 @@ def _redis_write_path(
     return fleet, shard, CircuitIndex(index, circuit)
 
 
+def _fleet_view(index: RedisIndex) -> RegistryView:
+    """On Redis, discovery changes the shared fleet (as ``POST /replicas`` does): the fleet
+    sync brings each change into this registry, and every other process sees it."""
+    from kvindex.indexer.fleet.view import RedisFleetView  # noqa: PLC0415
+
+    return RedisFleetView(index.client, index.schema)
+
+
 @dataclass
 class IndexerService:
     """A running write path. ``start`` opens sockets; ``stop`` closes everything."""
@@ -109,6 +119,8 @@ class IndexerService:
     fleet: FleetSync | None = None
     status: IndexerStatus | None = None
     shard: Shard | None = None
+    discovery: Discovery | None = None
+    _discovered: RegistryView | None = None  # where discovery writes (None: no discovery)
 
     @classmethod
     def build(
@@ -128,6 +140,8 @@ class IndexerService:
             fleet, shard, written = _redis_write_path(settings, redis_index, registry, membership)
         subscriber = Subscriber(settings, written, registry, shard=shard)
         service = cls(settings, index, registry, subscriber, fleet, shard=shard)
+        if settings.discovery.enabled:
+            service._discovered = registry if redis_index is None else _fleet_view(redis_index)
         if with_status and settings.status_port != -1:
             from kvindex.indexer.status_server import IndexerStatus  # noqa: PLC0415
 
@@ -146,8 +160,14 @@ class IndexerService:
             self.shard.tick()
             log.info("sharded indexer %s (lease %s)", self.shard.member_id, self.shard.token)
         self.subscriber.start()
+        if self._discovered is not None:
+            from kvindex.indexer.fleet.discovery import start_discovery  # noqa: PLC0415
+
+            self.discovery = start_discovery(self.settings.discovery, self._discovered)
 
     def stop(self) -> None:
+        if self.discovery is not None:
+            self.discovery.stop()
         if self.status is not None:
             self.status.stop()
         if self.fleet is not None:

@@ -5,6 +5,7 @@ Each command imports what it runs, so that ``kvindex --version`` and the views s
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,9 +32,12 @@ def _replica_option(_ctx: click.Context, _param: click.Parameter, values: tuple[
         raise click.BadParameter(str(exc)) from exc
 
 
+Decorator = Callable[[Callable[..., None]], Callable[..., None]]
+
+
 def _indexer_options(command: Callable[..., None]) -> Callable[..., None]:
     """The write-path options every process that runs an indexer takes."""
-    options = [
+    options: list[Decorator] = [
         click.option(
             "--config",
             "config",
@@ -50,10 +54,61 @@ def _indexer_options(command: Callable[..., None]) -> Callable[..., None]:
         click.option("--bind", help="Bind one SUB here for replicas that connect to us."),
         click.option("--store", type=click.Choice(["memory", "redis"]), help="Index store."),
         click.option("--redis-url", help="Redis URL (with --store redis)."),
+        *_discovery_options(),
     ]
+    folded = _fold_discovery(command)
     for option in reversed(options):
-        command = option(command)
-    return command
+        folded = option(folded)
+    return folded
+
+
+_DISCOVERY_KEYS = (
+    ("k8s_pool", "pool"),
+    ("k8s_selector", "selector"),
+    ("k8s_ports", "ports"),
+    ("k8s_namespace", "namespace"),
+    ("k8s_model", "model"),
+    ("kubeconfig", "kubeconfig"),
+)
+
+
+def _discovery_options() -> list[Decorator]:
+    """The ``[discovery]`` keys on the command line (docs/kubernetes.md, "Discovery")."""
+    return [
+        click.option("--k8s-pool", help="Replicas: the pods of this InferencePool (Kubernetes)."),
+        click.option(
+            "--k8s-selector",
+            help="Replicas: the pods with these labels (app=vllm), with --k8s-port.",
+        ),
+        click.option(
+            "--k8s-port",
+            "k8s_ports",
+            type=click.IntRange(1, 65535),
+            multiple=True,
+            help="With --k8s-selector: a serving port of each pod, one per DP rank (repeatable).",
+        ),
+        click.option(
+            "--k8s-namespace", help="Namespace of the pool and pods (default: this pod's own)."
+        ),
+        click.option("--k8s-model", help="Model of a pod without a kvindex.io/model annotation."),
+        click.option(
+            "--kubeconfig",
+            type=click.Path(dir_okay=False),
+            help="Kubeconfig file (default: the service account in a pod, else ~/.kube/config).",
+        ),
+    ]
+
+
+def _fold_discovery(command: Callable[..., None]) -> Callable[..., None]:
+    """``command`` taking the discovery options as one ``discovery`` mapping (None: unset)."""
+
+    @functools.wraps(command)
+    def folded(**kwargs: Any) -> None:
+        found = {key: kwargs.pop(name) for name, key in _DISCOVERY_KEYS}
+        found["ports"] = found["ports"] or None  # a repeatable option gives () when absent
+        command(discovery=found, **kwargs)
+
+    return folded
 
 
 class _Group(click.Group):
@@ -100,6 +155,7 @@ _stats_every_option = click.option(
 @_ingest_workers_option
 @_stats_every_option
 def indexer(
+    discovery: dict[str, Any],
     config: Path | None,
     replicas: tuple[ReplicaSpec, ...],
     bind: str | None,
@@ -123,6 +179,7 @@ def indexer(
                 "ingest_workers": ingest_workers,
             },
             extra_replicas=replicas,
+            discovery=discovery,
         )
     except KvIndexError as exc:
         raise click.ClickException(str(exc)) from exc
@@ -158,6 +215,7 @@ _access_log_option = click.option(
 @_ingest_workers_option
 @_stats_every_option
 def serve(
+    discovery: dict[str, Any],
     config: Path | None,
     replicas: tuple[ReplicaSpec, ...],
     bind: str | None,
@@ -188,6 +246,7 @@ def serve(
                 "ingest_workers": ingest_workers,
             },
             extra_replicas=replicas,
+            discovery=discovery,
         )
         api = api_settings_of(file, overrides=_api_overrides(host, port, token_file, access_log))
     except KvIndexError as exc:
@@ -300,6 +359,7 @@ def api(
     " [api] access_log; default off).",
 )
 def proxy(
+    discovery: dict[str, Any],
     config: Path | None,
     replicas: tuple[ReplicaSpec, ...],
     bind: str | None,
@@ -327,6 +387,7 @@ def proxy(
             file,
             overrides={"bind": bind, "store": store, "redis_url": redis_url},
             extra_replicas=replicas,
+            discovery=discovery,
         )
         routes = extra_routes or None  # none given: the file's or the env's
         overrides = {**forwarding, "port": port, "extra_routes": routes}
@@ -352,6 +413,7 @@ def proxy(
     "--metrics-port", type=int, help="/metrics, /healthz, /readyz port (9090; 0: any; -1: none)."
 )
 def picker(
+    discovery: dict[str, Any],
     config: Path | None,
     replicas: tuple[ReplicaSpec, ...],
     bind: str | None,
@@ -373,7 +435,9 @@ def picker(
     try:
         file = ConfigFile.read(config)
         overrides = {"bind": bind, "store": store, "redis_url": redis_url}
-        settings = load_settings(file, overrides=overrides, extra_replicas=replicas)
+        settings = load_settings(
+            file, overrides=overrides, extra_replicas=replicas, discovery=discovery
+        )
         ports = {"port": port, "metrics_port": metrics_port}
         picker_settings = picker_settings_of(file, overrides=ports)
         api_settings = api_settings_of(file, overrides={"host": host})

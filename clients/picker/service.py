@@ -29,6 +29,7 @@ from kvindex.clients.picker.servicer import ExtProcServicer
 from kvindex.clients.picker.settings import PickerSettings
 from kvindex.clients.proxy.upstream import UpstreamPicker
 from kvindex.indexer.config.settings import IndexerSettings
+from kvindex.indexer.fleet.discovery import start_discovery
 from kvindex.indexer.fleet.registry import RegistryView
 from kvindex.indexer.status_server import Check, StatusServer, status_routes
 
@@ -150,9 +151,12 @@ def serve_picker(settings: IndexerSettings, api: ApiSettings, picker: PickerSett
     """Run until SIGINT/SIGTERM: the memory store runs its own indexer here; Redis is read."""
     if settings.store == "redis":
         deps = open_stores(ReadPathSettings(settings, api))
+        discovery = start_discovery(settings.discovery, deps.registry)
         try:
             _serve(build_picker(deps, picker), api.host)
         finally:
+            if discovery is not None:
+                discovery.stop()
             deps.loads.close()
         return
     service = Service.build(settings, api)

@@ -29,6 +29,7 @@ from kvindex.clients.proxy.metrics import ProxyMetrics
 from kvindex.clients.proxy.settings import ProxySettings
 from kvindex.clients.proxy.upstream import UpstreamPicker
 from kvindex.indexer.config.settings import IndexerSettings
+from kvindex.indexer.fleet.discovery import start_discovery
 from kvindex.indexer.fleet.replica_health import Ejection
 
 _STOP_MARGIN_S = 10
@@ -178,9 +179,12 @@ def _serve_one(
     """One process's proxy: its stores (memory: its own subscriber and index), its app."""
     if settings.store == "redis":
         deps = open_stores(ReadPathSettings(settings, api))
+        discovery = start_discovery(settings.discovery, deps.registry)
         try:
             _run_uvicorn(build_proxy_app(deps, proxy, worker, sockets_dir), api, proxy, sockets)
         finally:
+            if discovery is not None:
+                discovery.stop()
             deps.loads.close()
         return
     service = Service.build(settings, api)

@@ -74,7 +74,7 @@ TABLES: tuple[Table, ...] = (
         "kvindex.indexer.config.settings.IndexerSettings",
         "",
         "KVINDEX_{FIELD}",
-        env_notes={"replicas": "— (`--replica`)"},
+        env_notes={"replicas": "— (`--replica`)", "discovery": "— (`[discovery]`)"},
         note="Read by `kvindex indexer`, `serve`, `api` and `proxy` from the file's top level.",
     ),
     Table(
@@ -104,6 +104,13 @@ TABLES: tuple[Table, ...] = (
     ),
     Table("kvindex.clients.proxy.settings.ProxySettings", "proxy", "KVINDEX_PROXY_{FIELD}"),
     Table("kvindex.clients.picker.settings.PickerSettings", "picker", "KVINDEX_PICKER_{FIELD}"),
+    Table(
+        "kvindex.indexer.fleet.settings.DiscoverySettings",
+        "discovery",
+        "KVINDEX_DISCOVERY_{FIELD}",
+        note="Read by `kvindex indexer`, `serve`, `proxy` and `picker` (`--k8s-*` options);"
+        " see the Kubernetes page.",
+    ),
 )
 """Every settings class the configuration reference shows, in page order."""
 

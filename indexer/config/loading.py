@@ -11,7 +11,7 @@ from typing import Any
 from kvindex.indexer.domain.errors import SettingsError
 
 # The read path's tables; the rest is the indexer's.
-SECTIONS = ("api", "models", "rules", "proxy", "picker")
+SECTIONS = ("api", "models", "rules", "proxy", "picker", "discovery")
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from kvindex.indexer.config.discovery import load_discovery_settings
 from kvindex.indexer.config.loading import ConfigFile, layered, read_toml
 from kvindex.indexer.config.store import StoreKind, StoreSettings, check_store
 from kvindex.indexer.domain.errors import SettingsError
 from kvindex.indexer.fleet.replica import ReplicaSpec, check_endpoint, replica_from_mapping
+from kvindex.indexer.fleet.settings import DiscoverySettings
 from kvindex.indexer.redis.schema import SchemaError, check_name
 
 __all__ = ["IndexerSettings", "StoreKind", "load_settings", "read_toml", "replace"]
@@ -72,6 +74,8 @@ class IndexerSettings(StoreSettings):
     """A sharded indexer that has not renewed its lease this long loses its streams."""
     ingest_workers: int = 0
     """Memory store's subscriber loops (0: one per two cores, at most 2; Redis: 1 only)."""
+    discovery: DiscoverySettings = DiscoverySettings()  # noqa: RUF009 (frozen: one shared value)
+    """Replicas read from Kubernetes (the ``[discovery]`` table), beside ``replicas``."""
 
     @property
     def key_cache_entries(self) -> int:
@@ -156,7 +160,7 @@ def _check_status(settings: IndexerSettings) -> None:
             raise SettingsError(f"{name} must be > 0, got {getattr(settings, name)!r}")
 
 
-_SCALARS = {f.name: f for f in fields(IndexerSettings) if f.name != "replicas"}
+_SCALARS = {f.name: f for f in fields(IndexerSettings) if f.name not in ("replicas", "discovery")}
 _STORE_KEYS = frozenset(f.name for f in fields(StoreSettings))
 
 
@@ -166,13 +170,19 @@ def load_settings(
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
     extra_replicas: tuple[ReplicaSpec, ...] = (),
+    discovery: Mapping[str, Any] | None = None,
 ) -> IndexerSettings:
+    """``discovery``: the ``[discovery]`` keys the command line sets (None values ignored)."""
     file = source if isinstance(source, ConfigFile) else ConfigFile.read(source)
     file_values = _checked(file)
     replicas = _replicas_from_toml(file_values.pop("replicas", []), file.path)
-    values = layered(file_values, _from_env(os.environ if env is None else env), overrides)
+    environ = os.environ if env is None else env
+    values = layered(file_values, _from_env(environ), overrides)
+    found = load_discovery_settings(file.table("discovery"), env=environ, overrides=discovery)
     try:
-        return IndexerSettings(**_coerce(values), replicas=(*replicas, *extra_replicas))
+        return IndexerSettings(
+            **_coerce(values), replicas=(*replicas, *extra_replicas), discovery=found
+        )
     except TypeError as exc:
         raise SettingsError(str(exc)) from exc
 

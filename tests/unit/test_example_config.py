@@ -17,6 +17,7 @@ from kvindex.clients.picker.settings import PickerSettings, load_picker_settings
 from kvindex.clients.proxy.settings import ProxySettings, load_proxy_settings
 from kvindex.indexer.config.settings import IndexerSettings, load_settings, read_toml
 from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.fleet.settings import DiscoverySettings
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "kvindex.toml"
 _COMMENTED_KEY = re.compile(r"^# ([a-z_]+ = .*)$", re.MULTILINE)
@@ -66,7 +67,9 @@ def test_the_picker_loads_it_and_every_active_value_is_the_default() -> None:
 
 def test_every_setting_of_both_processes_is_shown() -> None:
     doc = shown()
-    top = set(doc) - {"api", "models", "rules", "proxy", "picker"}
+    top = set(doc) - {"api", "models", "rules", "proxy", "picker", "discovery"}
+    assert field_names(DiscoverySettings) - set(doc["discovery"]) == set()
+    top |= {"discovery"}  # IndexerSettings.discovery: the [discovery] table
     assert field_names(IndexerSettings) - top == set()
     assert field_names(ReplicaSpec) - set(doc["replicas"][0]) == set()
     api = doc["api"]

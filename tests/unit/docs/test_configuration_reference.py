@@ -126,6 +126,7 @@ LOADERS: dict[str, Loader] = {
     "Weights": lambda env: load_api_settings(env=env).weights,
     "ProxySettings": lambda env: load_proxy_settings(env=env),
     "PickerSettings": lambda env: load_picker_settings(env=env),
+    "DiscoverySettings": lambda env: load_settings(env=env).discovery,
 }
 """How each class whose fields are read from the environment one by one is loaded."""
 

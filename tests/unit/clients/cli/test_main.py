@@ -159,3 +159,12 @@ def test_the_proxy_options_reach_its_settings(
     assert proxy_given.extra_routes == ("/v1/a", "/v1/b") and api_given.access_log
     assert (proxy_given.retry_backoff_s, proxy_given.retry_backoff_max_s) == (0.1, 2.0)
     assert proxy_given.max_connections == 7 and proxy_given.forward_client_authorization
+
+
+@pytest.mark.parametrize("command", ["indexer", "serve", "proxy", "picker"])
+def test_a_bad_discovery_option_stops_the_command_with_the_key_named(command: str) -> None:
+    result = CliRunner().invoke(main, [command, "--k8s-selector", "app=vllm"])
+    assert result.exit_code == 1
+    assert "discovery.selector needs 1 to 8 discovery.ports" in result.output
+    result = CliRunner().invoke(main, [command, "--k8s-pool", "p", "--k8s-selector", "a=b"])
+    assert "exclude each other" in result.output
