@@ -170,11 +170,13 @@ def _has_option(command: click.Command, option: str) -> bool:
     return any(option in p.opts for p in command.params)
 
 
-def test_static_replicas_reach_the_indexer_picker_and_proxy() -> None:
+def test_static_replicas_reach_the_indexer() -> None:
+    """The picker and the proxy read the fleet the indexers keep in Redis."""
     docs = render({**STATIC, "proxy": {"enabled": True}})
     for name in ("kvindex-indexer", "kvindex-picker", "kvindex-proxy"):
         [container] = one(docs, "Deployment", name)["spec"]["template"]["spec"]["containers"]
-        assert container["args"][-2:] == ["--replica", STATIC["replicas"][0]], name
+        replicas = ["--replica", STATIC["replicas"][0]]
+        assert (container["args"][-2:] == replicas) == (name == "kvindex-indexer"), name
     assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding")]
 
 

@@ -57,8 +57,8 @@ app.kubernetes.io/component: {{ .component }}
 {{- if or .Values.discovery.pool .Values.discovery.selector }}true{{ end }}
 {{- end }}
 
-{{/* The replica options of the indexer, picker and proxy: discovery, else the static list. */}}
-{{- define "kvindex.replicaArgs" -}}
+{{/* Discovery's options (none without discovery): the indexer's, the picker's, the proxy's. */}}
+{{- define "kvindex.discoveryArgs" -}}
 {{- $d := .Values.discovery }}
 {{- if $d.pool }}
 - --k8s-pool
@@ -78,6 +78,14 @@ app.kubernetes.io/component: {{ .component }}
 - --k8s-model
 - {{ . | quote }}
 {{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The indexer's replicas: discovery, else the static list (the picker and the proxy read
+the fleet the indexers keep in Redis). */}}
+{{- define "kvindex.replicaArgs" -}}
+{{- if include "kvindex.discovers" . }}
+{{- include "kvindex.discoveryArgs" . }}
 {{- else if .Values.replicas }}
 {{- range .Values.replicas }}
 - --replica
