@@ -2,7 +2,8 @@
 kind): written from the published API references (GIE's inference.networking.k8s.io/v1, Gateway
 API v1, Prometheus Operator monitoring.coreos.com/v1), for the fields kvindex uses plus their
 siblings. Structural: required fields, types, enums, bounds; a field not listed is refused, so
-a misspelt one fails. Not the CRDs' own schemas (no registry package here ships them)."""
+a misspelt one fails (the CRDs' own schemas prune unknown fields instead). The published
+schemas are checked too where a package ships them (tests/support/crds); InferencePool's, none."""
 
 from __future__ import annotations
 

@@ -1,17 +1,20 @@
 """deploy/helm/kvindex renders with Helm's own engine (the Helm Go SDK that helm-python-sdk
 bundles) and every manifest validates: the built-in kinds against the Kubernetes schemas that
 kubernetes-validate bundles (strict: no unknown field), at the oldest Kubernetes the chart
-supports and the newest; the CRD kinds (InferencePool, HTTPRoute, ServiceMonitor,
-PrometheusRule) against the structural schemas in tests/support/crd_schemas.py, written from
-their published API references (no registry package here ships those CRDs). The containers'
-options and variables are ones the kvindex commands and settings take; the dashboard and the
-rules in the chart are copies of deploy/'s; every value is documented in values.yaml and in
-docs/kubernetes.md."""
+supports and the newest; HTTPRoute, ServiceMonitor and PrometheusRule against their CRDs'
+published schemas too (the npm kubernetes-models packages, tests/support/crds, run by node);
+every custom resource, InferencePool included (no package ships its CRD), against the
+structural schemas of tests/support/crd_schemas.py. The containers' options and variables are
+ones the kvindex commands and settings take; the dashboard and the rules in the chart are
+copies of deploy/'s; every value is documented in values.yaml and in docs/kubernetes.md."""
 
 from __future__ import annotations
 
+import copy
 import json
 import re
+import shutil
+import subprocess
 from collections.abc import Iterator
 from dataclasses import fields
 from typing import Any
@@ -111,6 +114,38 @@ def test_every_manifest_validates(rendered: dict[str, list[dict[str, Any]]], ver
     for path in sorted(EXAMPLES.glob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text()):
             validate(doc, version)
+
+
+CRDS = ROOT / "tests" / "support" / "crds"
+
+
+def published_schema_errors(objects: list[dict[str, Any]]) -> dict[tuple[str, str], str | None]:
+    """(kind, name) → the error of the CRD's published schema (None: valid), run by node."""
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed: custom resources get the structural check only")
+    assert (CRDS / "node_modules").is_dir(), "the CRD schemas are not installed: make install"
+    done = subprocess.run(
+        [node, str(CRDS / "validate.mjs")],
+        input=json.dumps(objects), capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    results = [json.loads(line) for line in done.stdout.splitlines()]
+    return {(r["kind"], r["name"]): r["error"] for r in results}
+
+
+def test_custom_resources_validate_against_published_schemas(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    objects = [d for d in rendered["everything"] if "monitoring.coreos.com" in d["apiVersion"]]
+    for path in sorted(EXAMPLES.glob("*.yaml")):
+        objects += [d for d in yaml.safe_load_all(path.read_text()) if d["kind"] == "HTTPRoute"]
+    wrong = copy.deepcopy(next(d for d in objects if d["kind"] == "HTTPRoute"))
+    wrong["metadata"]["name"] = "wrong"
+    wrong["spec"]["rules"][0]["timeouts"]["request"] = "5 minutes"
+    errors = published_schema_errors([*objects, wrong])
+    assert {kind for kind, _ in errors} == {"HTTPRoute", "ServiceMonitor", "PrometheusRule"}
+    assert errors.pop(("HTTPRoute", "wrong")) is not None
+    assert {key: error for key, error in errors.items() if error} == {}
 
 
 def test_validation_can_fail() -> None:
@@ -358,8 +393,8 @@ def test_dashboard_and_rules_are_copies_of_deploy() -> None:
         (CHART / "dashboards" / "kvindex.json", ROOT / "deploy" / "grafana" / "kvindex.json"),
         (CHART / "rules" / "alerts.yaml", ROOT / "deploy" / "prometheus" / "alerts.yaml"),
     ]
-    for copy, source in pairs:
-        assert copy.read_bytes() == source.read_bytes(), f"cp {source} {copy}"
+    for in_chart, source in pairs:
+        assert in_chart.read_bytes() == source.read_bytes(), f"cp {source} {in_chart}"
 
 
 def test_dashboard_configmap(rendered: dict[str, list[dict[str, Any]]]) -> None:
