@@ -431,12 +431,26 @@ def documented_values() -> dict[str, bool]:
     return found
 
 
+def _shown(value: Any) -> str:
+    """A default as the docs' values table shows it."""
+    if isinstance(value, str):
+        return f"`{value}`" if value else '`""`'
+    return f"`{json.dumps(value)}`"
+
+
 def test_every_value_is_documented() -> None:
+    """Each value has its comment in values.yaml and its row in the docs, with its default."""
     values = documented_values()
     assert [path for path, commented in values.items() if not commented] == []
-    table = set(re.findall(r"^\| `([\w.]+)` \|", DOCS.read_text(), re.MULTILINE))
+    rows = re.findall(r"^\| `([\w.]+)` \| (`.*?`) \|", DOCS.read_text(), re.MULTILINE)
     sections = {p for p in values if any(q.startswith(p + ".") for q in values)}
-    assert table == set(values) - sections
+    assert {path for path, _ in rows} == set(values) - sections
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    for path, shown in rows:
+        value = defaults
+        for key in path.split("."):
+            value = value[key]
+        assert shown == _shown(value), path
 
 
 def test_values_file_is_the_charts_defaults() -> None:
