@@ -227,7 +227,11 @@ def test_discovery_options(rendered: dict[str, list[dict[str, Any]]]) -> None:
     [picker] = one(rendered["pool"], "Deployment", "kvindex-picker")["spec"]["template"]["spec"][
         "containers"
     ]
-    assert picker["args"][-4:] == ["--k8s-pool", "llama", "--k8s-namespace", NAMESPACE]
+    assert not [a for a in picker["args"] if a.startswith("--k8s-")]  # it reads Redis's fleet
+    [indexer] = one(rendered["pool"], "Deployment", "kvindex-indexer")["spec"]["template"]["spec"][
+        "containers"
+    ]
+    assert indexer["args"][-4:] == ["--k8s-pool", "llama", "--k8s-namespace", NAMESPACE]
 
 
 def test_variables_are_settings(rendered: dict[str, list[dict[str, Any]]]) -> None:

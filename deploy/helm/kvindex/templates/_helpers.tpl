@@ -57,7 +57,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- if or .Values.discovery.pool .Values.discovery.selector }}true{{ end }}
 {{- end }}
 
-{{/* Discovery's options (none without discovery): the indexer's, the picker's, the proxy's. */}}
+{{/* Discovery's options (none without discovery). */}}
 {{- define "kvindex.discoveryArgs" -}}
 {{- $d := .Values.discovery }}
 {{- if $d.pool }}
@@ -81,8 +81,8 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end }}
 
-{{/* The indexer's replicas: discovery, else the static list (the picker and the proxy read
-the fleet the indexers keep in Redis). */}}
+{{/* The indexers' replicas: discovery, else the static list. The indexers write them to the
+fleet in Redis, which the API, the picker and the proxy read. */}}
 {{- define "kvindex.replicaArgs" -}}
 {{- if include "kvindex.discovers" . }}
 {{- include "kvindex.discoveryArgs" . }}
