@@ -17,6 +17,7 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from dataclasses import fields
+from importlib.metadata import version
 from typing import Any
 
 import click
@@ -164,8 +165,11 @@ def test_validation_can_fail() -> None:
         validate(pool, KUBE_VERSIONS[0])
 
 
-def test_lint_is_clean() -> None:
-    report = helm.lint(CHART, POOL, strict=True, namespace=NAMESPACE)
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_lint_is_clean(scenario: str) -> None:
+    """``helm lint --strict``: no error, no warning (an info, such as "icon is recommended",
+    is allowed)."""
+    report = helm.lint(CHART, SCENARIOS[scenario], strict=True, namespace=NAMESPACE)
     assert not report["errors"], report
     assert [m for m in report["messages"] if m["severity"] >= 2] == [], report
 
@@ -461,3 +465,5 @@ def test_values_file_is_the_charts_defaults() -> None:
     with helm.Chart.load(CHART) as chart:
         assert chart.values == yaml.safe_load((CHART / "values.yaml").read_text())
         assert chart.name == "kvindex"
+        # The default image tag is the appVersion: the package's own version.
+        assert chart.metadata["appVersion"] == version("kvindex")
