@@ -396,7 +396,8 @@ def test_examples_point_the_gateway_at_the_picker(
 
 
 def test_dashboard_and_rules_are_copies_of_deploy() -> None:
-    """Helm reads files inside the chart only: these copies must equal the originals."""
+    """Helm reads files inside the chart only: the chart links to deploy/'s dashboard and rules
+    (a copy, were the links replaced, must equal them)."""
     pairs = [
         (CHART / "dashboards" / "kvindex.json", ROOT / "deploy" / "grafana" / "kvindex.json"),
         (CHART / "rules" / "alerts.yaml", ROOT / "deploy" / "prometheus" / "alerts.yaml"),
