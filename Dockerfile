@@ -14,7 +14,8 @@ RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM python:3.11-slim
 COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels \
+# [k8s]: the Kubernetes client of --k8s-pool / --k8s-selector (the Helm chart's discovery).
+RUN pip install --no-cache-dir "$(ls /wheels/*.whl)[k8s]" && rm -rf /wheels \
     && useradd --system --uid 10001 --user-group --create-home kvindex
 USER 10001:10001
 WORKDIR /home/kvindex

@@ -32,7 +32,16 @@ $(VENV)/.dev-installed: $(SOURCES) | $(BIN)/pip
 	$(COMPILE)
 	touch $@ $(VENV)/.run-installed
 
-install: $(VENV)/.dev-installed
+# The published schemas of the custom resources the Helm chart writes, from the npm registry
+# (tests/unit/test_helm_chart.py; without npm, that check is skipped).
+CRDS := tests/support/crds
+$(CRDS)/node_modules/.installed: $(CRDS)/package.json $(CRDS)/package-lock.json
+	@if command -v npm >/dev/null 2>&1; then \
+		echo "==> installing the custom resources' schemas (npm ci in $(CRDS))"; \
+		npm ci --prefix $(CRDS) --no-audit --no-fund && touch $@; \
+	else echo "==> npm not found: the chart's custom resources get structural checks only"; fi
+
+install: $(VENV)/.dev-installed $(CRDS)/node_modules/.installed
 
 run: $(VENV)/.run-installed ## the main job on the embedded store: the demo (replica-sims, indexer, API)
 	@echo "==> kvindex demo"
