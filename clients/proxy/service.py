@@ -22,6 +22,7 @@ from kvindex.api.load.reservations import LeaseKeeper, Reservations
 from kvindex.api.runtime import ApiDeps, Hooks, build_read_path, open_stores
 from kvindex.clients.proxy.app import ProxyParts, create_proxy_app, unparsed_request_body
 from kvindex.clients.proxy.forwarding import Forwarder
+from kvindex.clients.proxy.journal import ReceiptSink
 from kvindex.clients.proxy.metrics import ProxyMetrics
 from kvindex.clients.proxy.settings import ProxySettings
 from kvindex.clients.proxy.upstream import UpstreamPicker
@@ -34,9 +35,12 @@ _STOP_MARGIN_S = 10
 _LOG = logging.getLogger("kvindex.proxy")
 
 
-def build_proxy_app(deps: ApiDeps, proxy: ProxySettings, worker: int = 0) -> Starlette:
+def build_proxy_app(
+    deps: ApiDeps, proxy: ProxySettings, worker: int = 0, receipts: ReceiptSink | None = None
+) -> Starlette:
     """The proxy's app on ``deps`` (the caller's stores); its parts live for its lifespan;
-    ``worker``: which of ``proxy.workers`` processes serves it."""
+    ``worker``: which of ``proxy.workers`` processes serves it; ``receipts``: where the
+    journal is shared."""
     api = deps.settings
     metrics = ProxyMetrics(worker)
     ejections = EjectionMetrics(metrics.registry, deps.registry, api)
@@ -62,6 +66,7 @@ def build_proxy_app(deps: ApiDeps, proxy: ProxySettings, worker: int = 0) -> Sta
         on_tokenize_failure=lambda model: metrics.tokenize_failures.labels(model).inc(),
         lora_base=api.lora_base,
         health_policy=health_policy(api),
+        explain=proxy.journal_entries > 0,
     )
     reservations = Reservations(
         deps.loads.ledger, proxy.lease_ttl_s, on_lost=metrics.reservations_lost.inc
@@ -95,6 +100,7 @@ def build_proxy_app(deps: ApiDeps, proxy: ProxySettings, worker: int = 0) -> Sta
         try:
             yield
         finally:
+            await parts.journal.close()
             await keeper.stop()
             await desk.close()  # after the drain: what is still reserved is released
             await forwarder.close()
@@ -112,6 +118,8 @@ def build_proxy_app(deps: ApiDeps, proxy: ProxySettings, worker: int = 0) -> Sta
         proxy=proxy,
         loads=deps.loads,
         block_sizes=read_path.block_sizes,
+        receipts=receipts,
+        tokenizers=read_path.tokenizers.tokenizer,
     )
     app = create_proxy_app(parts, lifespan)
     app.state.read_path = read_path
@@ -147,8 +155,9 @@ def _serve_one(
     """One process's proxy: its stores (memory: its own subscriber and index), its app."""
     if settings.store == "redis":
         deps = open_stores(ReadPathSettings(settings, api))
+        receipts = _receipt_stream(settings, api, proxy)
         try:
-            _run_uvicorn(build_proxy_app(deps, proxy, worker), api, proxy, sockets)
+            _run_uvicorn(build_proxy_app(deps, proxy, worker, receipts), api, proxy, sockets)
         finally:
             deps.loads.close()
         return
@@ -158,6 +167,21 @@ def _serve_one(
         _run_uvicorn(build_proxy_app(service.deps, proxy, worker), api, proxy, sockets)
     finally:
         service.stop()
+
+
+def _receipt_stream(
+    settings: IndexerSettings, api: ApiSettings, proxy: ProxySettings
+) -> ReceiptSink | None:
+    """The journal's shared Stream on the Redis store, on its own bounded connection."""
+    if not proxy.journal_entries or not proxy.journal_stream_maxlen:
+        return None
+    from kvindex.clients.proxy.receipt_stream import ReceiptStream  # noqa: PLC0415
+    from kvindex.indexer.redis.connection import connect_bounded  # noqa: PLC0415
+
+    client = connect_bounded(
+        settings.redis_url, timeout_s=api.redis_timeout_s, cluster=settings.redis_cluster
+    )
+    return ReceiptStream(client, settings.redis_schema.receipts, proxy.journal_stream_maxlen)
 
 
 def _run_uvicorn(
