@@ -1,6 +1,4 @@
-"""``kvindex why <id>``: a request's route explained from the proxy's journal (``GET
-/decisions/{id}``); ``--export FILE``: the newest receipts as JSON lines, for ``kvindex
-simulate --requests``."""
+"""``kvindex why <id>``: a route explained from the proxy's journal; ``--export``: its receipts."""
 
 from __future__ import annotations
 
@@ -79,7 +77,6 @@ def _client(url: str, token: str | None) -> httpx.Client:
 
 
 def _get(http: httpx.Client, path: str) -> httpx.Response:
-    """The proxy's 200 answer; any other is a one-line error with the proxy's message."""
     import httpx
 
     try:

@@ -1,6 +1,5 @@
-"""The journal's routes: ``GET /decisions/{id}``, one request's receipt (404: unknown), and
-``GET /decisions?limit=N``, the newest N receipts oldest first (the shared Stream's on the
-Redis store), what ``kvindex why --export`` saves and ``kvindex simulate --requests`` replays."""
+"""The journal's routes: ``GET /decisions/{id}``, one receipt (404: unknown), and ``GET
+/decisions?limit=N``, the newest N oldest first (the shared Stream's on the Redis store)."""
 
 from __future__ import annotations
 
@@ -13,8 +12,7 @@ from starlette.responses import Response
 from kvindex.clients.proxy.journal import Journal
 from kvindex.indexer.domain.errors import KvIndexError
 
-MAX_ID_CHARS = 4096
-"""Longest request id looked up (a longer one: 400)."""
+MAX_ID_CHARS = 4096  # longest request id looked up (longer: 400)
 DEFAULT_LIMIT = 100
 MAX_LIMIT = 100_000
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")

@@ -1,8 +1,6 @@
-"""The route journal: a receipt per routed request — its candidates as the scorer explained
-them, the choice and its fallbacks, the prediction and the engine's answer — kept in memory
-(the newest ``proxy.journal_entries``, by id) and, given a :class:`ReceiptSink`, in a store
-every proxy shares. A receipt is made once its request ends and written by one background
-task in batches: no store call on a request's path. An id sent twice keeps its last receipt."""
+"""The route journal: a receipt per routed request, the newest ``proxy.journal_entries`` in
+memory by id (an id sent twice keeps its last) and, given a sink, in a store every proxy shares;
+written once the request ends, in batches, by one background task: no store call on its path."""
 
 from __future__ import annotations
 
@@ -23,8 +21,7 @@ from kvindex.clients.proxy.settings import ProxySettings
 from kvindex.clients.proxy.upstream import Choice
 
 logger = logging.getLogger("kvindex.proxy")
-FLUSH_DELAY_S = 0.05
-"""A finished request waits this long at most for its receipt's batch to be written."""
+FLUSH_DELAY_S = 0.05  # a finished request's receipt waits this long for its batch
 _WARN_EVERY_S = 10.0
 
 
@@ -44,7 +41,6 @@ class Ticket:
     time: float
     choice: Choice | None = None
     body: dict[str, Any] | None = None
-    """The request's body, kept only when receipts keep token ids."""
     max_tokens: int | None = None
     session: str | None = None
     truth: Truth | None = None
@@ -62,8 +58,6 @@ class Ticket:
             self.max_tokens = limit if type(limit) is int else None
 
     def telling(self, on_truth: Callable[[Truth | None], object]) -> Callable[[Truth | None], None]:
-        """``on_truth``, the engine's answer noted on the way."""
-
         def told(truth: Truth | None) -> None:
             self.truth, self.told = truth, True
             on_truth(truth)
@@ -94,15 +88,13 @@ class Journal:
         self._wake: asyncio.Event | None = None
         self._lock: asyncio.Lock | None = None
         self._warned = 0.0
-        self.num_dropped = 0
-        """Receipts the shared store did not take (written in memory only)."""
+        self.num_dropped = 0  # receipts the shared store did not take (kept in memory only)
 
     def ticket(self, exchange: Exchange) -> Ticket:
         return Ticket(exchange, time.time())
 
     @property
     def keeps_bodies(self) -> bool:
-        """Receipts keep token ids: a ticket needs its request's body until it is written."""
         return self._max_ids > 0
 
     def record(self, ticket: Ticket) -> None:
@@ -119,7 +111,6 @@ class Journal:
         self._wake.set()
 
     async def close(self) -> None:
-        """Write what is pending and stop the writer."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -197,7 +188,7 @@ class Journal:
         return receipt
 
     async def _token_ids(self, model: str, body: dict[str, Any]) -> list[int] | None:
-        """The prompt's ids as the router counted them (its tokenizer caches recent texts)."""
+        # The router's tokenizer again: it caches recent texts, so this is mostly a lookup.
         prompt, messages = body.get("prompt"), body.get("messages")
         if isinstance(prompt, list) and all(type(t) is int and 0 <= t < 2**32 for t in prompt):
             return prompt
@@ -246,7 +237,6 @@ def receipt_of(ticket: Ticket, num_candidates: int, max_attempts: int) -> Receip
 
 
 def _answered(receipt: Receipt, ticket: Ticket) -> None:
-    """The answering replica's part: who, when, what was predicted of it and the outcome."""
     exchange, choice = ticket.exchange, ticket.choice
     assert choice is not None
     if exchange.first_byte_s is None:
@@ -269,7 +259,6 @@ def _compared(receipt: Receipt, prediction: Prediction, truth: Truth | None) -> 
 
 
 def session_digest(session: str | None) -> str | None:
-    """What a receipt keeps of a session: enough to group its requests, not the value."""
     if session is None:
         return None
     return hashlib.blake2b(session.encode(), digest_size=8).hexdigest()

@@ -21,8 +21,7 @@ class Receipt(msgspec.Struct, kw_only=True):
     time: float
     route: str
     model: str
-    num_tokens: int
-    """The router's count of the prompt's tokens (0: not tokenized)."""
+    num_tokens: int  # the router's count (0: not tokenized)
     block_size: int
     num_blocks: int
     policy: str
@@ -35,13 +34,10 @@ class Receipt(msgspec.Struct, kw_only=True):
     """The best first, at most ``proxy.journal_candidates``, as ``/score`` explains them."""
     chosen: str | None
     fallbacks: list[str] = []
-    """The replicas tried next had the chosen one failed, in order."""
     answered_by: str | None = None
     retries: int | None = None
-    predicted_tokens: int | None = None
-    """The index's matched tokens on the replica that answered."""
-    prompt_tokens: int | None = None
-    """The engine's ``usage``: its count of the prompt, and of it found cached."""
+    predicted_tokens: int | None = None  # the index's matched tokens on the replica
+    prompt_tokens: int | None = None  # the engine's usage
     cached_tokens: int | None = None
     outcome: str | None = None
     """The prediction's outcome (``kvindex_proxy_predictions_total``; None: not compared)."""
@@ -51,8 +47,7 @@ class Receipt(msgspec.Struct, kw_only=True):
     duration_ms: float
     untokenized: bool = False
     max_tokens: int | None = None
-    session: str | None = None
-    """A digest of the request's session (``x-kvindex-session`` or ``user``), not the value."""
+    session: str | None = None  # a digest of x-kvindex-session or user, not the value
     token_ids: str | None = None
     """The prompt's leading ids, base64 of little-endian u32 (``proxy.journal_token_bytes``)."""
 
@@ -67,7 +62,6 @@ def packed_ids(ids: Sequence[int]) -> str:
 
 
 def unpacked_ids(text: str) -> list[int]:
-    """:func:`packed_ids`' ids back; ValueError when ``text`` is not such a list."""
     data = base64.b64decode(text, validate=True)
     if len(data) % 4:
         raise ValueError("token_ids: not a whole number of u32")

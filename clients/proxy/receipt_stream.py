@@ -1,6 +1,5 @@
-"""The route journal on Redis: one Stream every proxy appends its receipts to (``XADD``
-trimmed by ``MAXLEN ~``: Redis trims whole nodes, so it holds at least ``maxlen`` and a
-little more), read newest first. Calls block: the journal runs them off the event loop."""
+"""The route journal on Redis: one Stream every proxy appends to (``XADD … MAXLEN ~``: at
+least ``maxlen``, a node more at most), read newest first. Calls block: run them off the loop."""
 
 from __future__ import annotations
 
@@ -9,8 +8,7 @@ from typing import Any
 
 from kvindex.indexer.redis.connection import RedisClient
 
-PAGE = 256
-"""Entries read per call while looking for one id."""
+PAGE = 256  # entries read per call while looking for one id
 _ID, _RECEIPT = b"id", b"receipt"
 
 
@@ -23,7 +21,6 @@ class ReceiptStream:
         self._maxlen = maxlen
 
     def append(self, receipts: Sequence[tuple[str, bytes]]) -> None:
-        """Every receipt in one round trip, each entry ``{id, receipt}``."""
         pipe = self._client.pipeline(transaction=False)
         for request_id, data in receipts:
             fields = {_ID: request_id.encode(), _RECEIPT: data}
@@ -31,8 +28,7 @@ class ReceiptStream:
         pipe.execute()
 
     def find(self, request_id: str) -> bytes | None:
-        """The newest receipt of ``request_id``, read back from the newest a page at a time
-        (a lookup costs the entries written since; None: not in the Stream)."""
+        """The newest receipt of ``request_id``, read from the newest back a page at a time."""
         wanted = request_id.encode()
         end = "+"
         while True:
@@ -45,7 +41,6 @@ class ReceiptStream:
             end = "(" + _text(page[-1][0])
 
     def newest(self, count: int) -> list[bytes]:
-        """The newest ``count`` receipts, newest first."""
         page: Any = self._client.xrevrange(self.key, max="+", min="-", count=count)
         return [bytes(fields[_RECEIPT]) for _entry, fields in page if _RECEIPT in fields]
 

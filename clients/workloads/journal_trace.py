@@ -1,8 +1,5 @@
-"""A route journal's export (``kvindex why --export``: JSON lines; or ``GET /decisions``' JSON
-array) as a trace for ``kvindex simulate --requests``. A receipt replays at its time, with the
-prompt ids it kept (``proxy.journal_token_bytes``); the rest of a longer prompt is made of ids
-no other request shares, so only the kept start can hit a cache. A receipt without ids
-cannot be replayed: it is skipped, and counted."""
+"""A journal export (JSON lines, or ``GET /decisions``' array) as a trace: each receipt at its
+time with the ids it kept, the rest of its prompt ids of its own; receipts without ids skipped."""
 
 from __future__ import annotations
 
@@ -25,10 +22,8 @@ _MARKER = b'"receipt"'
 @dataclass(frozen=True, slots=True)
 class JournalTrace:
     requests: list[TraceRequest]
-    num_skipped: int
-    """Receipts without token ids (or no tokens), not replayed."""
-    block_sizes: frozenset[int]
-    """The block sizes the receipts were routed with."""
+    num_skipped: int  # receipts without token ids (or tokens), not replayed
+    block_sizes: frozenset[int]  # what the receipts were routed with
 
 
 def is_journal(path: Path) -> bool:

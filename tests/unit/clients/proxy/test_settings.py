@@ -86,3 +86,13 @@ def test_the_clients_authorization_goes_on_only_when_told_and_never_with_a_token
     assert load_proxy_settings(env=env).forward_client_authorization
     with pytest.raises(SettingsError, match="would send the proxy's own auth_token"):
         load_proxy_settings({"auth_token": "t"}, env=env)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["journal_entries", "journal_candidates", "journal_stream_maxlen", "journal_token_bytes"],
+)
+@pytest.mark.parametrize("value", [-1, 1.5, True, "10"])
+def test_journal_bounds_are_whole_numbers_at_least_zero(name: str, value: object) -> None:
+    with pytest.raises(SettingsError, match=f"proxy.{name} must be an integer >= 0"):
+        ProxySettings(**{name: value})  # type: ignore[arg-type]
