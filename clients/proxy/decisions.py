@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kvindex.clients.proxy.journal import Journal
+from kvindex.clients.proxy.journal import Journal, JournalUnavailableError
 from kvindex.indexer.domain.errors import KvIndexError
 
 MAX_ID_CHARS = 4096  # longest request id looked up (longer: 400)
@@ -39,7 +39,10 @@ def decision(journal: Journal) -> Endpoint:
             )
         if not journal.enabled:
             raise UnknownDecisionError("no receipts are kept (proxy.journal_entries = 0)")
-        found = await journal.find(request_id)
+        try:
+            found = await journal.find(request_id)
+        except JournalUnavailableError as exc:  # this proxy's own were looked at first
+            raise UnknownDecisionError(f"no receipt of request {request_id!r} here; {exc}") from exc
         if found is None:
             raise UnknownDecisionError(f"no receipt of request {request_id!r} is kept")
         return Response(found, media_type=_JSON)

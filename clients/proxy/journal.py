@@ -19,10 +19,15 @@ from kvindex.clients.proxy.predictions import Prediction, Truth, outcome_of
 from kvindex.clients.proxy.receipt import Receipt, encode_receipt, packed_ids
 from kvindex.clients.proxy.settings import ProxySettings
 from kvindex.clients.proxy.upstream import Choice
+from kvindex.indexer.domain.errors import KvIndexError
 
 logger = logging.getLogger("kvindex.proxy")
 FLUSH_DELAY_S = 0.05  # a finished request's receipt waits this long for its batch
 _WARN_EVERY_S = 10.0
+
+
+class JournalUnavailableError(KvIndexError):
+    """The shared store of receipts cannot be read."""
 
 
 class ReceiptSink(Protocol):
@@ -111,6 +116,7 @@ class Journal:
         self._wake.set()
 
     async def close(self) -> None:
+        await self.flush()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -123,7 +129,7 @@ class Journal:
             await self._wake.wait()
             self._wake.clear()
             await asyncio.sleep(FLUSH_DELAY_S)
-            await self.flush()
+            await asyncio.shield(self.flush())  # a batch taken is written, even at close
 
     async def flush(self) -> None:
         """Every pending receipt made, kept in memory, then sent to the sink in one batch."""
@@ -167,7 +173,11 @@ class Journal:
                 return encode_receipt(await self._made(ticket))
         if self._sink is None:
             return None
-        return await asyncio.to_thread(self._sink.find, request_id)
+        try:
+            return await asyncio.to_thread(self._sink.find, request_id)
+        except Exception as exc:
+            logger.warning("journal: the store's receipts unreadable: %r", exc)
+            raise JournalUnavailableError("the shared journal cannot be read now") from exc
 
     async def newest(self, count: int) -> list[bytes]:
         """The newest ``count`` receipts, oldest first: the shared store's when there is one."""
@@ -212,7 +222,7 @@ def receipt_of(ticket: Ticket, num_candidates: int, max_attempts: int) -> Receip
     receipt = Receipt(
         id=exchange.request_id,
         time=ticket.time,
-        route=exchange.route,
+        route=exchange.path,
         model=answer.model,
         num_tokens=answer.num_tokens,
         block_size=answer.block_size,

@@ -14,7 +14,13 @@ import pytest
 from kvindex.api.schemas import FreshnessView, ScoreEntry, ScoreResponse
 from kvindex.api.tokenize.protocol import Tokenizer
 from kvindex.clients.proxy.access_log import Exchange
-from kvindex.clients.proxy.journal import Journal, Ticket, receipt_of, session_digest
+from kvindex.clients.proxy.journal import (
+    Journal,
+    JournalUnavailableError,
+    Ticket,
+    receipt_of,
+    session_digest,
+)
 from kvindex.clients.proxy.predictions import Truth
 from kvindex.clients.proxy.receipt import decode_receipt, packed_ids, unpacked_ids
 from kvindex.clients.proxy.settings import ProxySettings
@@ -166,6 +172,8 @@ class _Sink:
         self.batches.append(list(receipts))
 
     def find(self, request_id: str) -> bytes | None:
+        if self.fail:
+            raise ConnectionError("store down")
         return next((d for b in self.batches for i, d in b if i == request_id), None)
 
     def newest(self, count: int) -> list[bytes]:
@@ -202,6 +210,8 @@ async def test_a_failing_sink_keeps_receipts_in_memory_and_counts_them(
     assert journal.num_dropped == 2 and await journal.find("a") is not None
     assert "2 receipts not written to the store" in caplog.text
     assert [decode_receipt(r).id for r in await journal.newest(5)] == ["a", "b"]
+    with pytest.raises(JournalUnavailableError):  # not here, and the store cannot say
+        await journal.find("elsewhere")
 
 
 class _Words:
