@@ -66,7 +66,7 @@ def build_proxy_app(
         on_tokenize_failure=lambda model: metrics.tokenize_failures.labels(model).inc(),
         lora_base=api.lora_base,
         health_policy=health_policy(api),
-        explain=proxy.journal_entries > 0,
+        explain=max(proxy.journal_candidates, proxy.max_attempts) if proxy.journal_entries else 0,
     )
     reservations = Reservations(
         deps.loads.ledger, proxy.lease_ttl_s, on_lost=metrics.reservations_lost.inc

@@ -107,10 +107,11 @@ class UpstreamPicker:
         on_tokenize_failure: Any = lambda _model: None,
         lora_base: Callable[[str], str | None] = lambda _name: None,
         health_policy: HealthPolicy | None = None,
-        explain: bool = False,
+        explain: int = 0,
     ) -> None:
-        """``explain``: each choice carries the scorer's explained answer (its ``score``,
-        the same decision as its ``ranking``)."""
+        """``explain`` > 0: each choice carries the scorer's answer (its ``score``, the same
+        decision as its ``ranking``) for at most that many best candidates (fewer upstreams
+        than that many: no retry is lost), the cost of explaining bounded by it."""
         self._scorer = scorer
         self._explain = explain
         self._health_policy = health_policy or HealthPolicy()
@@ -198,6 +199,9 @@ class UpstreamPicker:
     ) -> tuple[Ranking, ScoreResponse | None]:
         if not self._explain:
             return await self._scorer.ranking(request, headers), None
+        top_k = self._scorer.top_k(request)
+        explained = self._explain if top_k is None else min(top_k, self._explain)
+        request = msgspec.structs.replace(request, top_k=explained)
         answer = await self._scorer.score(request, headers)
         ranked = tuple((s.replica, s.matched_tokens) for s in answer.scores)
         return Ranking(answer.num_tokens, ranked), answer
