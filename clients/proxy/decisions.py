@@ -9,10 +9,9 @@ from collections.abc import Awaitable, Callable
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kvindex.clients.proxy.journal import Journal, JournalUnavailableError
+from kvindex.clients.proxy.journal import MAX_ID_CHARS, Journal, JournalUnavailableError
 from kvindex.indexer.domain.errors import KvIndexError
 
-MAX_ID_CHARS = 4096  # longest request id looked up (longer: 400)
 DEFAULT_LIMIT = 100
 MAX_LIMIT = 100_000
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")

@@ -22,6 +22,7 @@ from kvindex.clients.proxy.upstream import Choice
 from kvindex.indexer.domain.errors import KvIndexError
 
 logger = logging.getLogger("kvindex.proxy")
+MAX_ID_CHARS = 4096  # a longer request id gets no receipt (nor can it be asked for)
 FLUSH_DELAY_S = 0.05  # a finished request's receipt waits this long for its batch
 _WARN_EVERY_S = 10.0
 
@@ -105,6 +106,8 @@ class Journal:
     def record(self, ticket: Ticket) -> None:
         """Keep ``ticket``'s receipt (a request the scorer routed; others are ignored)."""
         if not self.enabled or ticket.choice is None or ticket.choice.answer is None:
+            return
+        if len(ticket.exchange.request_id) > MAX_ID_CHARS:
             return
         self._pending.append(ticket)
         if len(self._pending) > self._entries:  # the writer is behind: the oldest go

@@ -154,6 +154,7 @@ async def test_requests_not_scored_and_a_journal_off_keep_nothing() -> None:
     journal = _journal()
     exchange = Exchange("x", "GET", "/v1/{path}", "/v1/models", time.perf_counter())
     journal.record(Ticket(exchange, time.time()))  # a 400 before any choice
+    journal.record(_ticket("i" * 4097))  # an id no one could ask for
     off = _journal(entries=0)
     off.record(_ticket("y"))
     await journal.flush()
