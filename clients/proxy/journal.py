@@ -132,7 +132,10 @@ class Journal:
             await self._wake.wait()
             self._wake.clear()
             await asyncio.sleep(FLUSH_DELAY_S)
-            await asyncio.shield(self.flush())  # a batch taken is written, even at close
+            try:
+                await asyncio.shield(self.flush())  # a batch taken is written, even at close
+            except Exception:  # a bug here must not stop the receipts that follow
+                logger.exception("journal: a batch of receipts was lost")
 
     async def flush(self) -> None:
         """Every pending receipt made, kept in memory, then sent to the sink in one batch."""
@@ -211,7 +214,7 @@ class Journal:
                 return await tokenizer.encode_prompt(prompt)
             if tokenizer is not None and isinstance(messages, list):
                 return await tokenizer.encode_messages(messages)
-        except TokenizerError:
+        except (TokenizerError, ValueError, OSError):
             return None
         return None
 

@@ -269,3 +269,34 @@ def test_packed_ids_round_trip_and_refuse_what_is_not_u32() -> None:
         unpacked_ids("AAA=")  # two bytes
     with pytest.raises(ValueError):
         unpacked_ids("not base64!")
+
+
+class _Broken:
+    async def encode_prompt(self, prompt: str) -> list[int]:
+        raise RuntimeError("a bug")
+
+    async def encode_messages(self, messages: list[dict[str, Any]]) -> list[int]:
+        raise RuntimeError("a bug")
+
+
+@_sync
+async def test_a_batch_that_fails_is_logged_and_the_writer_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    broken: Any = _Broken()
+    sink = _Sink()
+    journal = Journal(
+        ProxySettings(journal_entries=4, journal_token_bytes=64),
+        sink=sink,
+        tokenizers=lambda _m: broken,
+    )
+    journal.record(_ticket("lost", body={"prompt": "some words"}))
+    async with asyncio.timeout(5):
+        while "a batch of receipts was lost" not in caplog.text:
+            await asyncio.sleep(0.01)
+    journal.record(_ticket("kept", body={"prompt": [1, 2, 3]}))  # ids in the body: no tokenizer
+    async with asyncio.timeout(5):
+        while not sink.batches:
+            await asyncio.sleep(0.01)
+    assert [i for i, _ in sink.batches[0]] == ["kept"]
+    await journal.close()
