@@ -17,6 +17,7 @@ from kvindex.clients.cli.log_format import add_log_options, apply_log_options, l
 from kvindex.clients.cli.offline import register_offline
 from kvindex.clients.cli.process import check_port, run_indexer, say, stop_event
 from kvindex.clients.cli.views import register_views
+from kvindex.clients.cli.why import why as why_command
 from kvindex.indexer.domain.errors import KvIndexError
 
 if TYPE_CHECKING:  # imported where used: a command loads only what it runs
@@ -578,4 +579,5 @@ def replica_sim(
 register_views(main)  # residency, score, replicas, stats (clients/cli/views.py)
 register_offline(main)  # demo, simulate, analyze (clients/cli/offline.py)
 main.add_command(check_hash_command)  # check-hash (clients/cli/check_hash.py)
+main.add_command(why_command)  # why (clients/cli/why.py)
 add_log_options(main)  # every command takes --log-format and --log-level after its name too

@@ -122,7 +122,8 @@ def _variants(_ctx: click.Context, _param: click.Parameter, values: tuple[str, .
 @click.option(
     "--requests",
     "requests_arg",
-    help=f"How many requests --workload generates ({_DEFAULT_REQUESTS}).",
+    help=f"How many requests --workload generates ({_DEFAULT_REQUESTS}); or a route journal"
+    " exported by kvindex why --export, replayed (its receipts need token ids).",
 )
 @click.option(
     "--request-log",
@@ -233,14 +234,19 @@ def simulate(
     from kvindex.clients.workloads.generators import WORKLOADS, GeneratorSettings
     from kvindex.clients.workloads.trace import read_trace
 
-    request_log = request_log or _deprecated_log(workload, requests_arg)
-    if sum(x is not None for x in (trace, workload, request_log)) != 1:
+    journal = _journal_of(workload, requests_arg)
+    if journal is None:
+        request_log = request_log or _deprecated_log(workload, requests_arg)
+    if sum(x is not None for x in (trace, workload, request_log, journal)) != 1:
         raise click.UsageError(
-            "give exactly one of --trace FILE, --request-log LOG.jsonl or --workload NAME"
+            "give exactly one of --trace FILE, --request-log LOG.jsonl, --requests JOURNAL"
+            " or --workload NAME"
         )
     try:
         if trace is not None:
             reqs, source = read_trace(trace, limit=limit), trace.name
+        elif journal is not None:
+            reqs, source = _journal_requests(journal, limit, fleet["block_size"]), journal.name
         elif request_log is not None:
             options = _tokenizer_choice(tokenizer_path, chat_template_path, tokenizer_url)
             reqs = _logged_requests(request_log, options, limit, rate, seed)
@@ -270,6 +276,32 @@ def simulate(
         )
     except KvIndexError as exc:
         raise click.ClickException(str(exc)) from exc
+
+
+def _journal_of(workload: str | None, requests_arg: str | None) -> Path | None:
+    """``--requests FILE`` naming a route journal's export (without ``--workload``)."""
+    from kvindex.clients.workloads.journal_trace import is_journal
+
+    if workload is not None or requests_arg is None or requests_arg.strip().isdigit():
+        return None
+    path = Path(requests_arg)
+    return path if path.is_file() and is_journal(path) else None
+
+
+def _journal_requests(path: Path, limit: int | None, block_size: int) -> list[TraceRequest]:
+    """The export's replayable receipts; what was skipped, and a block size not the
+    journal's, said on stderr."""
+    from kvindex.clients.console import make_console
+    from kvindex.clients.workloads.journal_trace import read_journal
+
+    journal = read_journal(path, limit=limit)
+    stderr = make_console(sys.stderr)
+    if journal.num_skipped:
+        stderr.print(f"{path.name}: skipped {journal.num_skipped} receipts without token ids")
+    if journal.block_sizes - {block_size}:
+        sizes = ", ".join(str(s) for s in sorted(journal.block_sizes))
+        stderr.print(f"{path.name}: routed with block size {sizes}; simulated with {block_size}")
+    return journal.requests
 
 
 def _deprecated_log(workload: str | None, requests_arg: str | None) -> Path | None:

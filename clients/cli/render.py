@@ -22,6 +22,7 @@ from kvindex.api.schemas import (
     StreamView,
 )
 from kvindex.clients.console import column, make_table
+from kvindex.clients.proxy.receipt import Receipt
 
 TIERS = ("gpu", "cpu", "other")
 MISS = "miss"
@@ -323,3 +324,90 @@ def render_stats(stats: dict[str, Any]) -> Table:
         )
         table.add_row(name, shown)
     return table
+
+
+# --- a route's receipt (kvindex why) ---------------------------------------------------------
+
+_OUTCOME_WORDS = {
+    "exact": "the index was right",
+    "over_predicted": "the index credited {error} tokens the engine did not have cached"
+    " (a stale index, lost removals, hash drift)",
+    "under_predicted": "the engine had {missed} more tokens cached than the index knew"
+    " (lost stores, event lag, a partial stream)",
+    "token_mismatch": "the engine counted {prompt} prompt tokens, the router {num_tokens}"
+    " (tokenizer or chat-template drift): the blocks cannot be compared",
+    "unreported": "the engine reported no cached tokens (vLLM: --enable-prompt-tokens-details)",
+}
+
+
+def render_receipt(receipt: Receipt) -> list[Any]:
+    """A route in words: the request, the choice and what came of it, the candidates with
+    each term of the policy's formula, and the prediction against the engine's answer."""
+    return [_receipt_heading(receipt), _candidates_table(receipt), _prediction_text(receipt)]
+
+
+def _receipt_heading(r: Receipt) -> Text:
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(r.time))
+    title = (
+        f"request {r.id} · {r.route} · {r.model} · {r.num_tokens} tokens · {r.num_blocks}"
+        f" blocks of {r.block_size} · policy {r.policy}"
+        + (f" (rule {r.rule})" if r.rule is not None else "")
+        + f" · {when}"
+    )
+    chose = f"chose {r.chosen or 'none'} of {r.num_candidates} candidates"
+    if r.fallbacks:
+        chose += f" (then {', '.join(r.fallbacks)})"
+    if r.answered_by is None:
+        chose += f"; no replica answered · status {r.status}"
+    else:
+        retried = f" after {r.retries} retr{'y' if r.retries == 1 else 'ies'}" if r.retries else ""
+        chose += f"; answered by {r.answered_by}{retried} · status {r.status}"
+        chose += f" · first byte {r.ttfb_ms:.1f} ms" if r.ttfb_ms is not None else ""
+    chose += f" · {r.duration_ms:.1f} ms in all"
+    lines = [title, chose]
+    if r.untokenized:
+        lines.append("the prompt's tokenizer failed: ranked on load alone")
+    if r.unhealthy:
+        lines.append(
+            "left out, unhealthy: " + ", ".join(f"{k} ({v})" for k, v in r.unhealthy.items())
+        )
+    if r.degraded is not None:
+        lines.append(f"DEGRADED: {r.degraded}")
+    return Text("\n".join(lines))
+
+
+def _candidates_table(r: Receipt) -> Table:
+    terms = list(dict.fromkeys(name for entry in r.candidates for name in entry.terms))
+    table = make_table(
+        *(column(name) for name in ("replica", "matched", "fresh", "load")),
+        *(column(f"{name}", justify="right") for name in terms),
+        column("score", justify="right"),
+        title=f"top {len(r.candidates)} of {r.num_candidates} candidates, best first",
+    )
+    for entry in r.candidates:
+        table.add_row(
+            _marked(entry, r.chosen),
+            f"{entry.matched_blocks} blk / {entry.matched_tokens} tok",
+            format_freshness(entry.freshness),
+            format_load_short(entry.load),
+            *(_number(entry.terms[name]) if name in entry.terms else "-" for name in terms),
+            _number(entry.score),
+        )
+    return table
+
+
+def _prediction_text(r: Receipt) -> Text:
+    if r.predicted_tokens is None:
+        return Text("prediction: none (no replica answered, or the prompt was not tokenized)")
+    head = f"prediction: the index matched {r.predicted_tokens} tokens on {r.answered_by}"
+    if r.outcome is None:
+        return Text(f"{head}; not compared (the answer was not a whole 200)")
+    if r.cached_tokens is not None:
+        head += f"; the engine reported {r.cached_tokens} of {r.prompt_tokens} cached"
+    words = _OUTCOME_WORDS[r.outcome].format(
+        error=r.error_tokens,
+        missed=-(r.error_tokens or 0),
+        prompt=r.prompt_tokens,
+        num_tokens=r.num_tokens,
+    )
+    return Text(f"{head}\noutcome: {r.outcome}: {words}")

@@ -29,8 +29,15 @@ from kvindex.api.http.worker_scrape import WorkerScrape
 from kvindex.api.load.store import LoadStore
 from kvindex.api.loop.off_loop import OffLoop
 from kvindex.api.score import RequestError, UnknownModelError
+from kvindex.api.tokenize.protocol import Tokenizer
 from kvindex.clients.proxy.access_log import Exchange, log_exchange
 from kvindex.clients.proxy.auth import InboundAuth, UnauthorizedError
+from kvindex.clients.proxy.decisions import (
+    BadDecisionQueryError,
+    UnknownDecisionError,
+    decision,
+    decisions,
+)
 from kvindex.clients.proxy.forwarding import (
     ClientGoneError,
     Forwarder,
@@ -45,6 +52,7 @@ from kvindex.clients.proxy.headers import (
     forwarded_headers,
     request_id_of,
 )
+from kvindex.clients.proxy.journal import Journal, ReceiptSink, Ticket
 from kvindex.clients.proxy.metrics import NO_REPLICA, ProxyMetrics
 from kvindex.clients.proxy.predictions import (
     Accuracy,
@@ -63,6 +71,7 @@ from kvindex.clients.proxy.routes import (
 from kvindex.clients.proxy.settings import ProxySettings
 from kvindex.clients.proxy.untokenized import UNTOKENIZED
 from kvindex.clients.proxy.upstream import (
+    SESSION_HEADER,
     BadRequestBodyError,
     Choice,
     NoUpstreamError,
@@ -106,11 +115,18 @@ class ProxyParts:
     predictions: Predictions = field(init=False)
     """Each routed request's prediction against the engine's answer, counted per replica."""
     verdicts: Verdicts = field(init=False)
+    receipts: ReceiptSink | None = None
+    """Where the journal's receipts are shared (the Redis store's Stream; None: memory only)."""
+    tokenizers: Callable[[str], Tokenizer | None] = lambda _model: None
+    """The read path's tokenizers (receipts keeping token ids tokenize with them)."""
+    journal: Journal = field(init=False)
+    """Every routed request's receipt (explained when the picker explains)."""
 
     def __post_init__(self) -> None:
         self.auth = InboundAuth(self.proxy.auth_token)
         self.verdicts = verdicts_of(self.proxy, self.registry, self.metrics)
         self.predictions = Predictions(self.metrics.observe_prediction, self.verdicts.judge)
+        self.journal = Journal(self.proxy, sink=self.receipts, tokenizers=self.tokenizers)
 
 
 class _ProxyApp(Starlette):
@@ -165,6 +181,8 @@ def create_proxy_app(
         Route("/healthz", _ok, methods=["GET"]),
         Route("/readyz", _ready(parts), methods=["GET"]),
         Route("/metrics", _guarded(parts, _metrics(parts)), methods=["GET"]),
+        Route("/decisions", _guarded(parts, decisions(parts.journal)), methods=["GET"]),
+        Route("/decisions/{request_id}", _guarded(parts, decision(parts.journal)), methods=["GET"]),
         *_fleet_routes(parts),
         Route(
             PASSTHROUGH_ROUTE,
@@ -194,9 +212,9 @@ async def _router_error(request: Request, exc: Exception) -> Response:
 _STATUS_OF: tuple[tuple[tuple[type[BaseException], ...], int, str], ...] = (
     ((BadRequestBodyError, BadHeaderError, msgspec.DecodeError), 400, "invalid_request_error"),
     ((UnauthorizedError,), 401, "unauthorized"),
-    ((RequestError,), 400, "invalid_request_error"),
+    ((RequestError, BadDecisionQueryError), 400, "invalid_request_error"),
     ((UnknownModelError,), 404, "model_not_found"),
-    ((UnknownRouteError,), 404, "not_found"),
+    ((UnknownRouteError, UnknownDecisionError), 404, "not_found"),
     ((BodyTimeoutError,), 408, "request_timeout"),
     ((BodyTooLargeError,), 413, "request_too_large"),
     ((ClientGoneError,), 499, "client_closed_request"),
@@ -271,18 +289,25 @@ class _Forwarded:
         headers = _headers(scope)
         request_id = request_id_of(headers)
         exchange = Exchange(request_id, scope["method"], self.path, scope["path"], started)
+        ticket = self.parts.journal.ticket(exchange)
         try:
             self.parts.auth.check(scope["path"], Headers(scope=scope))
             if self.passthrough and scope["path"] not in self.allowed:
                 raise UnknownRouteError(f"no such route: {scope['path']}")
-            answer = await self._answer(scope, receive, headers, exchange)
+            answer = await self._answer(scope, receive, headers, exchange, ticket)
         except Exception as exc:
             response = _error_response(exc, request_id, route=self.path)
             response.raw_headers.extend(exchange.headers)
             self._count(response.status_code, NO_REPLICA, exchange)
+            ticket.status = response.status_code
             await response(scope, receive, send)
+            self.parts.journal.record(ticket)
             return
-        await answer(scope, receive, send)
+        try:
+            await answer(scope, receive, send)
+        finally:
+            ticket.status = answer.opened.response.status_code
+            self.parts.journal.record(ticket)
 
     async def _answer(
         self,
@@ -290,11 +315,16 @@ class _Forwarded:
         receive: Receive,
         headers: list[tuple[str, str]],
         exchange: Exchange,
+        ticket: Ticket,
     ) -> StreamedAnswer:
         parts, request_id, started = self.parts, exchange.request_id, exchange.started
         deadline = parts.forwarder.deadline()
         body = await _body(scope, receive, parts.api)
-        choice, decoded = await self._choice(body, dict(headers))
+        named = dict(headers)
+        choice, decoded = await self._choice(body, named)
+        session = named.get(SESSION_HEADER) or (decoded or {}).get("user")
+        keep = parts.journal.keeps_bodies
+        ticket.chose(choice, decoded, session if isinstance(session, str) else None, keep=keep)
         truth, body = _truth_reader(choice, decoded, body)
         exchange.matched_fraction = choice.matched_fraction
         if choice.untokenized:
@@ -319,6 +349,7 @@ class _Forwarded:
         metrics.child(metrics.first_byte, self.path).observe(time.perf_counter() - started)
         exchange.answered_by(opened.upstream.replica, choice.upstreams.index(opened.upstream))
         prediction = None if truth is None else choice.prediction(opened.upstream)
+        on_truth = None if prediction is None else partial(parts.predictions.record, prediction)
         return StreamedAnswer(
             opened,
             request_id,
@@ -327,7 +358,7 @@ class _Forwarded:
             first_chunk_timeout_s=parts.proxy.first_byte_timeout_s,
             idle_timeout_s=parts.proxy.stream_idle_timeout_s,
             truth=None if prediction is None else truth,
-            on_truth=None if prediction is None else partial(parts.predictions.record, prediction),
+            on_truth=None if on_truth is None else ticket.telling(on_truth),
             extra_headers=exchange.headers,
         )
 
@@ -391,14 +422,14 @@ def _json_with_model(body: bytes, content_type: str) -> dict[str, Any] | None:
 def _guarded(
     parts: ProxyParts, endpoint: Callable[[Request], Awaitable[Response]]
 ) -> Callable[[Request], Awaitable[Response]]:
-    """``endpoint`` behind the bearer token (:mod:`.auth`)."""
+    """``endpoint`` behind the bearer token (:mod:`.auth`); the journal's refusals as 4xx."""
 
     async def guarded(request: Request) -> Response:
         try:
             parts.auth.check(request.url.path, request.headers)
-        except UnauthorizedError as exc:
+            return await endpoint(request)
+        except (UnauthorizedError, UnknownDecisionError, BadDecisionQueryError) as exc:
             return _error_response(exc, request_id_of(request.headers.items()))
-        return await endpoint(request)
 
     return guarded
 

@@ -25,6 +25,7 @@ from kvindex.api.load.reservations import LeaseKeeper, Reservations
 from kvindex.api.runtime import ApiDeps, Hooks, build_read_path, open_stores
 from kvindex.clients.proxy.app import ProxyParts, create_proxy_app, unparsed_request_body
 from kvindex.clients.proxy.forwarding import Forwarder
+from kvindex.clients.proxy.journal import ReceiptSink
 from kvindex.clients.proxy.metrics import ProxyMetrics
 from kvindex.clients.proxy.settings import ProxySettings
 from kvindex.clients.proxy.upstream import UpstreamPicker
@@ -39,11 +40,16 @@ _LOG = logging.getLogger("kvindex.proxy")
 
 
 def build_proxy_app(
-    deps: ApiDeps, proxy: ProxySettings, worker: int = 0, sockets_dir: Path | None = None
+    deps: ApiDeps,
+    proxy: ProxySettings,
+    worker: int = 0,
+    sockets_dir: Path | None = None,
+    receipts: ReceiptSink | None = None,
 ) -> Starlette:
     """The proxy's app on ``deps`` (the caller's stores); its parts live for its lifespan;
     ``worker``: which of ``proxy.workers`` processes serves it, their series shared through
-    ``sockets_dir`` (:mod:`kvindex.api.http.worker_scrape`)."""
+    ``sockets_dir`` (:mod:`kvindex.api.http.worker_scrape`); ``receipts``: where the journal
+    is shared."""
     api = deps.settings
     metrics = ProxyMetrics(worker)
     ejections = EjectionMetrics(metrics.registry, deps.registry, api)
@@ -73,6 +79,7 @@ def build_proxy_app(
         on_tokenize_failure=lambda model: metrics.tokenize_failures.labels(model).inc(),
         lora_base=api.lora_base,
         health_policy=health_policy(api),
+        explain=max(proxy.journal_candidates, proxy.max_attempts) if proxy.journal_entries else 0,
     )
     reservations = Reservations(
         deps.loads.ledger, proxy.lease_ttl_s, on_lost=metrics.reservations_lost.inc
@@ -119,6 +126,7 @@ def build_proxy_app(
         finally:
             if scrape is not None:
                 await scrape.stop()
+            await parts.journal.close()
             await keeper.stop()
             await desk.close()  # after the drain: what is still reserved is released
             await forwarder.close()
@@ -137,6 +145,8 @@ def build_proxy_app(
         loads=deps.loads,
         block_sizes=read_path.block_sizes,
         scrape=scrape,
+        receipts=receipts,
+        tokenizers=read_path.tokenizers.tokenizer,
     )
     app = create_proxy_app(parts, lifespan)
     app.state.read_path = read_path
@@ -180,8 +190,10 @@ def _serve_one(
     if settings.store == "redis":
         deps = open_stores(ReadPathSettings(settings, api))
         discovery = start_discovery(settings.discovery, deps.registry)
+        receipts = _receipt_stream(settings, api, proxy)
         try:
-            _run_uvicorn(build_proxy_app(deps, proxy, worker, sockets_dir), api, proxy, sockets)
+            app = build_proxy_app(deps, proxy, worker, sockets_dir, receipts)
+            _run_uvicorn(app, api, proxy, sockets)
         finally:
             if discovery is not None:
                 discovery.stop()
@@ -193,6 +205,21 @@ def _serve_one(
         _run_uvicorn(build_proxy_app(service.deps, proxy, worker, sockets_dir), api, proxy, sockets)
     finally:
         service.stop()
+
+
+def _receipt_stream(
+    settings: IndexerSettings, api: ApiSettings, proxy: ProxySettings
+) -> ReceiptSink | None:
+    """The journal's shared Stream on the Redis store, on its own bounded connection."""
+    if not proxy.journal_entries or not proxy.journal_stream_maxlen:
+        return None
+    from kvindex.clients.proxy.receipt_stream import ReceiptStream  # noqa: PLC0415
+    from kvindex.indexer.redis.connection import connect_bounded  # noqa: PLC0415
+
+    client = connect_bounded(
+        settings.redis_url, timeout_s=api.redis_timeout_s, cluster=settings.redis_cluster
+    )
+    return ReceiptStream(client, settings.redis_schema.receipts, proxy.journal_stream_maxlen)
 
 
 def _run_uvicorn(

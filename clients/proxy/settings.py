@@ -65,6 +65,15 @@ class ProxySettings:
     """Over-predictions among them that drop the replica's blocks and discount its cache."""
     exact_to_trust: int = 5
     """Exact predictions since its last over-prediction that lift a replica's discount."""
+    journal_entries: int = 4096
+    """Receipts of routed requests kept in memory, newest (``GET /decisions``); 0: none made."""
+    journal_candidates: int = 4
+    """Candidates a receipt explains (the best first, as ``/score`` explains them)."""
+    journal_stream_maxlen: int = 100_000
+    """On the Redis store, the shared Stream of receipts is trimmed to about this many (0: none)."""
+    journal_token_bytes: int = 0
+    """A receipt keeps its prompt's leading token ids, at most this many bytes (4 an id), for
+    ``kvindex simulate --requests``; 0: none (the ids are the prompt: keep them knowingly)."""
 
     def __post_init__(self) -> None:
         _check_numbers(self)
@@ -87,6 +96,13 @@ _POSITIVE = (
     "hang_silence_s",
 )
 
+_JOURNAL = (
+    "journal_entries",
+    "journal_candidates",
+    "journal_stream_maxlen",
+    "journal_token_bytes",
+)
+
 
 def _check_numbers(settings: ProxySettings) -> None:
     for name in (*_POSITIVE, "retry_backoff_s"):
@@ -102,6 +118,10 @@ def _check_numbers(settings: ProxySettings) -> None:
         value = getattr(settings, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise SettingsError(f"proxy.{name} must be an integer >= 1, got {value!r}")
+    for name in _JOURNAL:
+        value = getattr(settings, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise SettingsError(f"proxy.{name} must be an integer >= 0, got {value!r}")
     if settings.port > 65535:
         raise SettingsError(f"proxy.port must be at most 65535, got {settings.port!r}")
     if settings.over_predicted_limit > settings.verdict_window:

@@ -163,6 +163,11 @@ class Schema:
     def health_claim(self, replica: str) -> str:
         return f"{self.root}:health:{replica}"
 
+    @property
+    def receipts(self) -> str:
+        """The proxies' route journal: a Stream trimmed to ``proxy.journal_stream_maxlen``."""
+        return f"{self.root}:{{receipts}}:journal"
+
     def old_index_keys(self) -> list[str]:
         old = [f"{self.prefix}:{v}" for v in OLD_INDEX_VERSIONS]
         return [name for root in old for name in (f"{root}:streams", f"{root}:index")]

@@ -148,3 +148,33 @@ def test_a_502_body_has_its_request_id_and_the_log_the_replicas_and_reasons(
     assert fields["route"] == "/v1/completions" and fields["retries"] is None
     assert fields["ttfb_ms"] is None and fields["duration_ms"] > 0
     assert "client-secret" not in caplog.text
+
+
+def test_a_routed_request_that_failed_has_its_receipt_behind_the_token() -> None:
+    replicas = tuple(ReplicaSpec(r, "m", url=_dead_url()) for r in ("r1", "r2"))
+    deps = ApiDeps(SETTINGS, MemoryIndex(), Registry(replicas), MemoryLoadStore(), False)
+    app = build_proxy_app(deps, ProxySettings(max_attempts=2, auth_token="t"))
+    body = {"model": "m", "prompt": list(range(40)), "max_tokens": 3}
+
+    async def run() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        token = {"authorization": "Bearer t"}
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+            sent = await client.post(
+                "/v1/completions", json=body, headers={**token, "x-request-id": "dead-1"}
+            )
+            return [
+                sent,
+                await client.get("/decisions/dead-1", headers=token),
+                await client.get("/decisions/dead-1"),
+                await client.get("/decisions", headers=token),
+            ]
+
+    sent, found, anonymous, listed = asyncio.run(run())
+    assert sent.status_code == 502 and anonymous.status_code == 401
+    receipt = found.json()
+    assert receipt["id"] == "dead-1" and receipt["status"] == 502
+    assert receipt["num_tokens"] == 40 and receipt["max_tokens"] == 3
+    assert receipt["answered_by"] is None and receipt["outcome"] is None
+    assert {receipt["chosen"], *receipt["fallbacks"]} == {"r1", "r2"}
+    assert [r["id"] for r in listed.json()] == ["dead-1"]

@@ -95,3 +95,13 @@ def test_the_verdict_rule_is_whole_numbers_with_the_limit_inside_the_window() ->
         load_proxy_settings({"verdict_window": 4, "over_predicted_limit": 5}, env={})
     with pytest.raises(SettingsError, match="KVINDEX_PROXY_EXACT_TO_TRUST"):
         load_proxy_settings(env={"KVINDEX_PROXY_EXACT_TO_TRUST": "0"})
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["journal_entries", "journal_candidates", "journal_stream_maxlen", "journal_token_bytes"],
+)
+@pytest.mark.parametrize("value", [-1, 1.5, True, "10"])
+def test_journal_bounds_are_whole_numbers_at_least_zero(name: str, value: object) -> None:
+    with pytest.raises(SettingsError, match=f"proxy.{name} must be an integer >= 0"):
+        ProxySettings(**{name: value})  # type: ignore[arg-type]

@@ -298,3 +298,23 @@ def test_a_body_nested_too_deep_is_refused_before_anything_recurses() -> None:
             decoded_body(deep)
     with pytest.raises(msgspec.DecodeError):
         decoded_body(b"{")
+
+
+@pytest.mark.parametrize("explain", [1, 2, 8])
+def test_an_explaining_picker_makes_the_same_choice_and_explains_at_most_its_bound(
+    explain: int,
+) -> None:
+    plain, told = Fleet(), Fleet()
+    told.picker = UpstreamPicker(told.picker._scorer, told.registry, explain=explain)
+    prompt = _words(64, "e")
+    tokens = asyncio.run(plain.tokenizer.encode_prompt(prompt))
+    for fleet in (plain, told):
+        fleet.hold("b", tokens[:48])
+        fleet.hold("c", tokens[:16])
+    body = {"model": MODEL, "prompt": prompt}
+    chosen, explained = plain.choose(body), told.choose(body)
+    assert plain.choose(body).answer is None
+    assert explained.answer is not None and len(explained.answer.scores) == min(explain, 3)
+    assert explained.upstreams == chosen.upstreams[:explain]
+    best = explained.answer.scores[0]
+    assert best.replica == "b" and best.matched_tokens == 48 and "cache" in best.terms
