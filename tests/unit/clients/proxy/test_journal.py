@@ -12,7 +12,7 @@ from typing import Any, ParamSpec
 import pytest
 
 from kvindex.api.schemas import FreshnessView, ScoreEntry, ScoreResponse
-from kvindex.api.tokenize.protocol import Tokenizer
+from kvindex.api.tokenize.protocol import NO_OPTIONS, ChatOptions, Tokenizer
 from kvindex.clients.proxy.access_log import Exchange
 from kvindex.clients.proxy.journal import (
     Journal,
@@ -219,7 +219,9 @@ class _Words:
     async def encode_prompt(self, prompt: str) -> list[int]:
         return [len(word) for word in prompt.split()]
 
-    async def encode_messages(self, messages: list[dict[str, Any]]) -> list[int]:
+    async def encode_messages(
+        self, messages: list[dict[str, Any]], options: ChatOptions = NO_OPTIONS
+    ) -> list[int]:
         return [len(str(m.get("content", ""))) for m in messages]
 
 
@@ -275,7 +277,9 @@ class _Broken:
     async def encode_prompt(self, prompt: str) -> list[int]:
         raise RuntimeError("a bug")
 
-    async def encode_messages(self, messages: list[dict[str, Any]]) -> list[int]:
+    async def encode_messages(
+        self, messages: list[dict[str, Any]], options: ChatOptions = NO_OPTIONS
+    ) -> list[int]:
         raise RuntimeError("a bug")
 
 
