@@ -1,0 +1,146 @@
+"""Dynamo's standalone-indexer routes at its own paths (``/register``, ``/unregister``,
+``/workers``, ``/query``, ``/query_by_hash``) over a
+:class:`~kvindex.api.dynamo.front.DynamoFront`. A refusal answers as Dynamo's do,
+``{"error": ...}`` with its status: bad bodies 422, unknown instances and models 404,
+duplicates 409, an index store down 503."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgspec
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from prometheus_client import Counter
+
+from kvindex.api.dynamo import schemas
+from kvindex.api.dynamo.front import DynamoApiError, DynamoFront
+from kvindex.api.http.core import ApiCore, json_response
+from kvindex.api.http.openapi import operation
+from kvindex.indexer.domain.errors import SettingsError
+from kvindex.indexer.domain.keys import BlockKeyError
+from kvindex.indexer.index.protocol import IndexUnavailableError
+
+T = TypeVar("T")
+_ROUTES = ("/register", "/unregister", "/workers", "/query", "/query_by_hash")
+log = logging.getLogger(__name__)
+_OK = schemas.Status("ok")
+
+
+def dynamo_router(core: ApiCore) -> APIRouter:
+    """The routes, tagged ``dynamo``; refusals counted in ``kvindex_dynamo_refusals_total``."""
+    front = DynamoFront(core)
+    refusals = Counter(
+        "kvindex_dynamo_refusals",
+        "Calls to Dynamo's indexer routes refused (4xx, 503), by route",
+        ["route"],
+        registry=core.metrics.registry,
+    )
+    for route in _ROUTES:
+        refusals.labels(route)
+    router = APIRouter(tags=["dynamo"])
+
+    def answer(route: str, call: Callable[[], Awaitable[Any]]) -> Callable[[], Awaitable[Response]]:
+        async def run() -> Response:
+            try:
+                return await call()  # type: ignore[no-any-return]
+            except _REFUSED as exc:
+                status, message = _refusal(exc)
+            refusals.labels(route).inc()
+            log.info("dynamo %s refused (%d): %s", route, status, message)
+            return json_response(schemas.Error(message), status)
+
+        return run
+
+    _fleet_routes(router, front, answer)
+    _query_routes(router, front, answer)
+    return router
+
+
+Answer = Callable[[str, Callable[[], Awaitable[Any]]], Callable[[], Awaitable[Response]]]
+
+
+def _fleet_routes(router: APIRouter, front: DynamoFront, answer: Answer) -> None:
+    @router.post(
+        "/register",
+        openapi_extra=operation(schemas.RegisterRequest, schemas.Status, "Register one rank"),
+    )
+    async def register(request: Request) -> Response:
+        async def call() -> Response:
+            await front.register(await _decode(request, schemas.RegisterRequest))
+            return json_response(_OK, 201)
+
+        return await answer("/register", call)()
+
+    @router.post(
+        "/unregister",
+        openapi_extra=operation(schemas.UnregisterRequest, schemas.Status, "Drop an instance"),
+    )
+    async def unregister(request: Request) -> Response:
+        async def call() -> Response:
+            await front.unregister(await _decode(request, schemas.UnregisterRequest))
+            return json_response(_OK)
+
+        return await answer("/unregister", call)()
+
+    @router.get(
+        "/workers",
+        openapi_extra=operation(None, schemas.Worker, "Instances, ranks, endpoints", many=True),
+    )
+    async def workers() -> Response:
+        async def call() -> Response:
+            return json_response(await front.workers())
+
+        return await answer("/workers", call)()
+
+
+def _query_routes(router: APIRouter, front: DynamoFront, answer: Answer) -> None:
+    @router.post(
+        "/query",
+        openapi_extra=operation(schemas.QueryRequest, schemas.Overlap, "Matched tokens"),
+    )
+    async def query(request: Request) -> Response:
+        async def call() -> Response:
+            return json_response(await front.query(await _decode(request, schemas.QueryRequest)))
+
+        return await answer("/query", call)()
+
+    @router.post(
+        "/query_by_hash",
+        openapi_extra=operation(
+            schemas.QueryByHashRequest, schemas.Overlap, "Matched tokens of kvindex block keys"
+        ),
+    )
+    async def query_by_hash(request: Request) -> Response:
+        async def call() -> Response:
+            body = await _decode(request, schemas.QueryByHashRequest)
+            return json_response(await front.query_by_hash(body))
+
+        return await answer("/query_by_hash", call)()
+
+
+_REFUSED = (
+    DynamoApiError,
+    msgspec.ValidationError,
+    msgspec.DecodeError,
+    SettingsError,
+    BlockKeyError,
+    IndexUnavailableError,
+)
+
+
+def _refusal(exc: Exception) -> tuple[int, str]:
+    if isinstance(exc, DynamoApiError):
+        return exc.status, str(exc)
+    if isinstance(exc, IndexUnavailableError):
+        return 503, f"index store unavailable: {exc}"
+    return 422, f"invalid body: {exc}"
+
+
+async def _decode(request: Request, kind: type[T]) -> T:
+    try:
+        return msgspec.json.decode(await request.body(), type=kind)
+    except RecursionError:
+        raise msgspec.DecodeError("JSON nested too deep") from None
