@@ -4,9 +4,10 @@ query reads the index once. Refusals raise :class:`DynamoApiError` with Dynamo's
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
+from kvindex.api.config.settings import ApiSettings
 from kvindex.api.dynamo.instances import instance_of_name, rank_of, registered, replica_id
 from kvindex.api.dynamo.overlap import overlap
 from kvindex.api.dynamo.schemas import (
@@ -18,14 +19,13 @@ from kvindex.api.dynamo.schemas import (
     UnregisterRequest,
     Worker,
 )
+from kvindex.api.loop.off_loop import OffLoop
 from kvindex.indexer.domain.errors import KvIndexError, SettingsError
 from kvindex.indexer.domain.events import StreamId
 from kvindex.indexer.domain.keys import block_keys
+from kvindex.indexer.fleet.registry import RegistryView
 from kvindex.indexer.fleet.replica import ReplicaSpec, check_endpoint
-from kvindex.indexer.index.protocol import prefix_holders
-
-if TYPE_CHECKING:
-    from kvindex.api.http.core import ApiCore
+from kvindex.indexer.index.protocol import BlockIndex, prefix_holders
 
 GROUP = "default"
 """kvindex keeps one routing group per model."""
@@ -40,12 +40,24 @@ class DynamoApiError(KvIndexError):
         self.status = status
 
 
+@dataclass(frozen=True, slots=True)
+class ReadPathParts:
+    """What the front uses of a read path (``ApiCore``'s)."""
+
+    settings: ApiSettings
+    registry: RegistryView
+    index: BlockIndex
+    off_loop: OffLoop
+    remove_replica: Callable[[ReplicaSpec], Awaitable[None]]  # purges, then unregisters
+    forget_model: Callable[[str], None]  # the model's replicas changed
+
+
 class DynamoFront:
     """Dynamo's calls over one read path; block sizes registered here are this process's."""
 
-    def __init__(self, core: ApiCore) -> None:
-        self._core = core
-        self._registry = core.deps.registry
+    def __init__(self, parts: ReadPathParts) -> None:
+        self._parts = parts
+        self._registry = parts.registry
         self._registered_block_size: dict[str, int] = {}
 
     # --- the fleet ---------------------------------------------------------------------------
@@ -65,29 +77,29 @@ class DynamoFront:
                 f"existing={known}, requested={request.block_size}",
             )
         rid = replica_id(request.instance_id, request.dp_rank)
-        if await self._core.off_loop(self._registry.get, rid) is not None:
+        if await self._parts.off_loop(self._registry.get, rid) is not None:
             raise DynamoApiError(
                 409, f"instance {request.instance_id} dp_rank {request.dp_rank} already registered"
             )
         spec = ReplicaSpec(id=rid, model=model, events=request.endpoint)
-        await self._core.off_loop(self._registry.add, spec)
+        await self._parts.off_loop(self._registry.add, spec)
         self._registered_block_size.setdefault(model, request.block_size)
-        self._core.tokenizers.forget(model)
+        self._parts.forget_model(model)
 
     async def unregister(self, request: UnregisterRequest) -> None:
         """Every rank of the instance (or the one named) purged and unregistered; 404 if none."""
         _check_group(request.routing_group, 404)
-        specs = await self._core.off_loop(self._registry.replicas)
+        specs = await self._parts.off_loop(self._registry.replicas)
         chosen = [s for s in specs if s.model == request.model_name and _is_instance(s, request)]
         if not chosen:
             raise DynamoApiError(404, f"instance {request.instance_id} not found")
         for spec in chosen:
-            await self._core.remove_replica(spec)
+            await self._parts.remove_replica(spec)
 
     async def workers(self) -> list[Worker]:
         """Every replica as Dynamo's instances, ordered by instance id."""
-        specs = await self._core.off_loop(self._registry.replicas)
-        down = set(await self._core.off_loop(self._registry.disconnected))
+        specs = await self._parts.off_loop(self._registry.replicas)
+        down = set(await self._parts.off_loop(self._registry.disconnected))
         workers: dict[int, Worker] = {}
         for spec in specs:
             for rank in range(spec.dp_size):
@@ -125,33 +137,33 @@ class DynamoFront:
 
     async def _streams(self, model: str, group: str | None) -> list[StreamId]:
         _check_group(group, 404, model)
-        specs = [s for s in await self._core.off_loop(self._registry.replicas) if s.model == model]
+        specs = [s for s in await self._parts.off_loop(self._registry.replicas) if s.model == model]
         if not specs:
             raise DynamoApiError(404, f"no indexer for model={model} routing_group={GROUP}")
         streams = {StreamId(s.id, r) for s in specs for r in range(s.dp_size)}
         ids = {s.id for s in specs}
-        heard = await self._core.off_loop(self._registry.stream_ids)
+        heard = await self._parts.off_loop(self._registry.stream_ids)
         streams.update(s for s in heard if s.replica in ids)
         return sorted(streams)
 
     async def _overlap(self, keys: list[int], streams: Sequence[StreamId], size: int) -> Overlap:
         if not keys:
             return overlap({}, size)
-        matches = await self._core.off_loop(prefix_holders, self._core.index, keys, streams)
+        matches = await self._parts.off_loop(prefix_holders, self._parts.index, keys, streams)
         return overlap(matches, size)
 
     # --- block sizes -------------------------------------------------------------------------
 
     def known_block_size(self, model: str) -> int | None:
         """The model's configured block size, else its streams', else the one registered here."""
-        spec = self._core.deps.settings.model(model)
+        spec = self._parts.settings.model(model)
         if spec is not None and spec.block_size:
             return spec.block_size
         return self._registry.block_size(model) or self._registered_block_size.get(model)
 
     def block_size(self, model: str) -> int:
         known = self.known_block_size(model)
-        return known if known is not None else self._core.deps.settings.default_block_size
+        return known if known is not None else self._parts.settings.default_block_size
 
 
 def _check_group(group: str | None, status: int, model: str | None = None) -> None:

@@ -1,9 +1,6 @@
-"""Dynamo's numeric ``instance_id`` and data-parallel rank ↔ kvindex's replica ids.
-
-A rank registered through ``POST /register`` becomes its own replica, ``dynamo-<id>`` (rank 0)
-or ``dynamo-<id>.dp<rank>``, with one stream. Any other replica shows as instance
-:func:`instance_of_name` (53 bits of XXH3-64 over its id: stable across processes and
-restarts), its streams as its ranks."""
+"""Dynamo's ``instance_id`` and rank ↔ replica ids: a registered rank is replica ``dynamo-<id>``
+(rank 0) or ``dynamo-<id>.dp<rank>``; any other replica is :func:`instance_of_name`, its streams
+its ranks."""
 
 from __future__ import annotations
 
@@ -33,7 +30,7 @@ def replica_id(instance_id: int, dp_rank: int) -> str:
 
 
 def registered(replica: str) -> Rank | None:
-    """The (instance, rank) a replica was registered as through Dynamo's API; None if not."""
+    """The (instance, rank) a replica was registered as; None if not."""
     found = _REGISTERED.fullmatch(replica)
     if found is None or int(found.group(1)) >= 1 << 64:
         return None
@@ -41,7 +38,7 @@ def registered(replica: str) -> Rank | None:
 
 
 def instance_of_name(replica: str) -> int:
-    """The instance id shown for a replica not registered through Dynamo's API."""
+    """53 bits of XXH3-64 over the id: stable across processes, exact in a JSON double."""
     return xxhash.xxh3_64_intdigest(_SEED + replica.encode()) & _NAME_BITS
 
 

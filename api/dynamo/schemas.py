@@ -10,12 +10,10 @@ from kvindex.api.schemas import MAX_BLOCK_KEYS, MAX_TOKEN_IDS
 from kvindex.api.tokenize.protocol import TokenId
 from kvindex.indexer.fleet.replica import MAX_DP_SIZE
 
-InstanceId = Annotated[int, msgspec.Meta(ge=0)]
-"""A u64: msgspec reads no integer past it."""
+InstanceId = Annotated[int, msgspec.Meta(ge=0)]  # a u64, checked: msgspec's bounds stop at i64
 DpRank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_DP_SIZE)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-BlockHash = Annotated[int, msgspec.Meta(ge=-(2**63))]
-"""Dynamo sends its hashes as i64; a u64 is read as the same 64 bits."""
+BlockHash = Annotated[int, msgspec.Meta(ge=-(2**63))]  # i64 as Dynamo sends, or u64: same bits
 
 
 class RegisterRequest(msgspec.Struct, kw_only=True):
@@ -48,8 +46,9 @@ class QueryRequest(msgspec.Struct, kw_only=True):
 
 
 class QueryByHashRequest(msgspec.Struct, kw_only=True):
-    block_hashes: Annotated[list[BlockHash], msgspec.Meta(max_length=MAX_BLOCK_KEYS)]
-    """kvindex's block keys (``kvindex.indexer.domain.keys.block_keys``), not Dynamo's hashes."""
+    block_hashes: Annotated[
+        list[BlockHash], msgspec.Meta(max_length=MAX_BLOCK_KEYS)
+    ]  # kvindex keys
     model_name: Name
     lora_name: Name | None = None
     routing_group: Name | None = None
@@ -65,8 +64,6 @@ class Listener(msgspec.Struct):
 
 
 class Worker(msgspec.Struct):
-    """One instance of ``GET /workers``: its ranks' endpoints and listeners by rank."""
-
     instance_id: int
     source: str
     status: str
@@ -89,8 +86,6 @@ class InstanceOverlap(msgspec.Struct):
 
 
 class Overlap(msgspec.Struct):
-    """``POST /query``'s answer: GPU-matched tokens by instance and rank (ranks matched on GPU)."""
-
     scores: dict[str, dict[str, int]]
     frequencies: list[int]
     instances: dict[str, InstanceOverlap]

@@ -1,8 +1,5 @@
-"""Dynamo's standalone-indexer routes at its own paths (``/register``, ``/unregister``,
-``/workers``, ``/query``, ``/query_by_hash``) over a
-:class:`~kvindex.api.dynamo.front.DynamoFront`. A refusal answers as Dynamo's do,
-``{"error": ...}`` with its status: bad bodies 422, unknown instances and models 404,
-duplicates 409, an index store down 503."""
+"""Dynamo's standalone-indexer routes at its paths over a :class:`DynamoFront`; a refusal
+answers as Dynamo's, ``{"error": ...}``: bad bodies 422, unknown 404, duplicates 409, store 503."""
 
 from __future__ import annotations
 
@@ -16,7 +13,7 @@ from fastapi.responses import Response
 from prometheus_client import Counter
 
 from kvindex.api.dynamo import schemas
-from kvindex.api.dynamo.front import DynamoApiError, DynamoFront
+from kvindex.api.dynamo.front import DynamoApiError, DynamoFront, ReadPathParts
 from kvindex.api.http.core import ApiCore, json_response
 from kvindex.api.http.openapi import operation
 from kvindex.indexer.domain.errors import SettingsError
@@ -31,7 +28,15 @@ _OK = schemas.Status("ok")
 
 def dynamo_router(core: ApiCore) -> APIRouter:
     """The routes, tagged ``dynamo``; refusals counted in ``kvindex_dynamo_refusals_total``."""
-    front = DynamoFront(core)
+    parts = ReadPathParts(
+        core.deps.settings,
+        core.deps.registry,
+        core.index,
+        core.off_loop,
+        core.remove_replica,
+        core.tokenizers.forget,
+    )
+    front = DynamoFront(parts)
     refusals = Counter(
         "kvindex_dynamo_refusals",
         "Calls to Dynamo's indexer routes refused (4xx, 503), by route",

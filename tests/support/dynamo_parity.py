@@ -118,7 +118,9 @@ class Fleet:
         out = {}
         for k, stream in enumerate(STREAMS):
             tokens = [60000 + 97 * self.num_sentinels + 11 * k + i for i in range(BS)]
-            self.send(stream, [BlockStored([engine_hash(None, tokens, None)], None, tokens, BS, Tier.GPU)])
+            self.send(
+                stream, [BlockStored([engine_hash(None, tokens, None)], None, tokens, BS, Tier.GPU)]
+            )
             out[stream] = tokens
         return out
 
@@ -136,7 +138,9 @@ def wait_seen(ports: list[int], tokens_of: dict[Stream, list[int]], timeout_s: f
                 if answer.get("scores", {}).get(str(instance), {}).get(str(rank)) == BS:
                     break
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"port {port}: block on {instance}/{rank} never seen: {answer}")
+                    raise RuntimeError(
+                        f"port {port}: block on {instance}/{rank} never seen: {answer}"
+                    )
                 time.sleep(0.02)
 
 
@@ -153,11 +157,16 @@ def matched(answer: Any) -> Any:
 def tiers(answer: Any) -> Any:
     """The lower tiers' matches (``cpu``, ``disk``, ``longest_matched``), compared apart."""
     instances = answer.get("instances") or {} if isinstance(answer, dict) else {}
-    return {i: (v.get("cpu"), v.get("disk"), v.get("longest_matched")) for i, v in instances.items()}
+    return {
+        i: (v.get("cpu"), v.get("disk"), v.get("longest_matched")) for i, v in instances.items()
+    }
 
 
-def compare_queries(ports: list[int], prompts: list[tuple[list[int], str | None]]) -> dict[str, Any]:
-    agree, differ, nonempty, tiers_agree = 0, [], 0, 0
+def compare_queries(
+    ports: list[int], prompts: list[tuple[list[int], str | None]]
+) -> dict[str, Any]:
+    agree, nonempty, tiers_agree = 0, 0, 0
+    differ: list[dict[str, Any]] = []
     for tokens, lora in prompts:
         body: dict[str, Any] = {"token_ids": tokens, "model_name": MODEL}
         if lora is not None:
@@ -169,8 +178,13 @@ def compare_queries(ports: list[int], prompts: list[tuple[list[int], str | None]
             nonempty += bool(isinstance(kv[1], dict) and kv[1].get("instances"))
         elif len(differ) < 3:
             differ.append({"tokens": len(tokens), "lora": lora, "kvindex": kv, "dynamo": dyn})
-    return {"prompts": len(prompts), "agree": agree, "nonempty": nonempty, "differ": differ,
-            "lower_tiers_agree": tiers_agree}
+    return {
+        "prompts": len(prompts),
+        "agree": agree,
+        "nonempty": nonempty,
+        "differ": differ,
+        "lower_tiers_agree": tiers_agree,
+    }
 
 
 def compare_workers(ports: list[int]) -> dict[str, Any]:
@@ -237,18 +251,41 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {}
     with ExitStack() as stack:
         dyn_env = {"DYN_LOG": "warn"}
-        dynamo = Child("dynamo", [args.dynamo_python, "-m", "dynamo.indexer", "--port", str(dyn_port),
-                                  "--threads", "2"], out_dir / "dynamo.log", http_ok(dyn_port, "/health"), env=dyn_env)
-        kvindex = Child("kvindex", [str(KVINDEX), "serve", "--host", "127.0.0.1", "--port", str(kv_port),
-                                    "--stats-every", "0"], out_dir / "kvindex.log", http_ok(kv_port, "/healthz"))
+        dynamo = Child(
+            "dynamo",
+            [args.dynamo_python, "-m", "dynamo.indexer", "--port", str(dyn_port), "--threads", "2"],
+            out_dir / "dynamo.log",
+            http_ok(dyn_port, "/health"),
+            env=dyn_env,
+        )
+        kvindex = Child(
+            "kvindex",
+            [
+                str(KVINDEX),
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(kv_port),
+                "--stats-every",
+                "0",
+            ],
+            out_dir / "kvindex.log",
+            http_ok(kv_port, "/healthz"),
+        )
         for child in (dynamo, kvindex):
             stack.callback(child.stop)
             child.start(30)
         fleet = Fleet(rng)
         stack.callback(fleet.close)
         for instance, rank in STREAMS:
-            body = {"instance_id": instance, "endpoint": fleet.endpoints[(instance, rank)],
-                    "model_name": MODEL, "block_size": BS, "dp_rank": rank}
+            body = {
+                "instance_id": instance,
+                "endpoint": fleet.endpoints[(instance, rank)],
+                "model_name": MODEL,
+                "block_size": BS,
+                "dp_rank": rank,
+            }
             statuses = [call(port, "POST", "/register", body)[0] for port in ports]
             if statuses != [201, 201]:
                 raise RuntimeError(f"register {instance}/{rank}: {statuses}")
@@ -278,18 +315,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def try_peers(args: argparse.Namespace, kv_port: int, port: int, prompts: list[tuple[list[int], str | None]],
-              out_dir: Path) -> dict[str, Any]:
+def try_peers(
+    args: argparse.Namespace,
+    kv_port: int,
+    port: int,
+    prompts: list[tuple[list[int], str | None]],
+    out_dir: Path,
+) -> dict[str, Any]:
     """A Dynamo indexer started with ``--peers`` kvindex: does it answer as kvindex does?"""
-    peer = Child("dynamo-peer", [args.dynamo_python, "-m", "dynamo.indexer", "--port", str(port),
-                                 "--peers", f"http://127.0.0.1:{kv_port}"], out_dir / "peer.log",
-                 http_ok(port, "/health"), env={"DYN_LOG": "info"})
+    peer = Child(
+        "dynamo-peer",
+        [
+            args.dynamo_python,
+            "-m",
+            "dynamo.indexer",
+            "--port",
+            str(port),
+            "--peers",
+            f"http://127.0.0.1:{kv_port}",
+        ],
+        out_dir / "peer.log",
+        http_ok(port, "/health"),
+        env={"DYN_LOG": "info"},
+    )
     try:
         peer.start(30)
         time.sleep(1.0)
-        return {"started": True, "queries": compare_queries([kv_port, port], prompts),
-                "workers": compare_workers([kv_port, port])["dynamo"], "log": peer.tail(1500)}
-    except Exception as exc:  # noqa: BLE001 - what happened is the result
+        return {
+            "started": True,
+            "queries": compare_queries([kv_port, port], prompts),
+            "workers": compare_workers([kv_port, port])["dynamo"],
+            "log": peer.tail(1500),
+        }
+    except Exception as exc:
         return {"started": False, "error": str(exc)[-1500:]}
     finally:
         peer.stop()

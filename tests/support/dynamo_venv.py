@@ -15,14 +15,16 @@ DYNAMO_RUNTIME = "ai-dynamo-runtime==1.6.1"
 VENV = ROOT / "build" / "dynamo-venv"
 
 
-class Unavailable(Exception):
+class UnavailableError(Exception):
     """Why Dynamo's indexer cannot run here."""
 
 
 def _works(python: Path) -> bool:
     if not python.exists():
         return False
-    probe = subprocess.run([str(python), "-c", "import dynamo.indexer"], capture_output=True)
+    probe = subprocess.run(
+        [str(python), "-c", "import dynamo.indexer"], capture_output=True, check=False
+    )
     return probe.returncode == 0
 
 
@@ -38,13 +40,13 @@ def dynamo_python() -> Path:
     ]
     for step in steps:
         try:
-            done = subprocess.run(step, capture_output=True, text=True, timeout=900)
+            done = subprocess.run(step, capture_output=True, text=True, timeout=900, check=False)
         except (OSError, subprocess.TimeoutExpired) as exc:
-            raise Unavailable(f"{' '.join(step[-2:])}: {exc}") from None
+            raise UnavailableError(f"{' '.join(step[-2:])}: {exc}") from None
         if done.returncode != 0:
-            raise Unavailable(f"{' '.join(step[-2:])} failed: {done.stderr.strip()[-400:]}")
+            raise UnavailableError(f"{' '.join(step[-2:])} failed: {done.stderr.strip()[-400:]}")
     if not _works(python):
-        raise Unavailable(f"{DYNAMO_RUNTIME} installed but `import dynamo.indexer` fails")
+        raise UnavailableError(f"{DYNAMO_RUNTIME} installed but `import dynamo.indexer` fails")
     return python
 
 
@@ -52,10 +54,12 @@ def private_network() -> list[str]:
     """The command prefix running a child in a network namespace of its own."""
     unshare = shutil.which("unshare")
     if unshare is None:
-        raise Unavailable("no `unshare`: Dynamo's indexer binds 0.0.0.0, run only in a private netns")
-    probe = subprocess.run([unshare, "-n", "true"], capture_output=True, text=True)
+        raise UnavailableError(
+            "no `unshare`: Dynamo's indexer binds 0.0.0.0, run only in a private netns"
+        )
+    probe = subprocess.run([unshare, "-n", "true"], capture_output=True, text=True, check=False)
     if probe.returncode != 0:
-        raise Unavailable(
+        raise UnavailableError(
             "`unshare -n` refused (needs root or CAP_SYS_ADMIN): Dynamo's indexer binds 0.0.0.0, "
             f"run only in a private netns: {probe.stderr.strip()[-200:]}"
         )
