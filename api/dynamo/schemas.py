@@ -91,11 +91,11 @@ class Overlap(msgspec.Struct):
     instances: dict[str, InstanceOverlap]
 
 
-class Status(msgspec.Struct):
+class DynamoStatus(msgspec.Struct):
     status: str
 
 
-class Error(msgspec.Struct):
+class DynamoError(msgspec.Struct):
     error: str
 
 

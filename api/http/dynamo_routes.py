@@ -15,7 +15,7 @@ from prometheus_client import Counter
 from kvindex.api.dynamo import schemas
 from kvindex.api.dynamo.front import DynamoApiError, DynamoFront, ReadPathParts
 from kvindex.api.http.core import ApiCore, json_response
-from kvindex.api.http.openapi import operation
+from kvindex.api.http.openapi import dynamo_operation
 from kvindex.indexer.domain.errors import SettingsError
 from kvindex.indexer.domain.keys import BlockKeyError
 from kvindex.indexer.index.protocol import IndexUnavailableError
@@ -23,7 +23,7 @@ from kvindex.indexer.index.protocol import IndexUnavailableError
 T = TypeVar("T")
 _ROUTES = ("/register", "/unregister", "/workers", "/query", "/query_by_hash")
 log = logging.getLogger(__name__)
-_OK = schemas.Status("ok")
+_OK = schemas.DynamoStatus("ok")
 
 
 def dynamo_router(core: ApiCore) -> APIRouter:
@@ -55,7 +55,7 @@ def dynamo_router(core: ApiCore) -> APIRouter:
                 status, message = _refusal(exc)
             refusals.labels(route).inc()
             log.info("dynamo %s refused (%d): %s", route, status, message)
-            return json_response(schemas.Error(message), status)
+            return json_response(schemas.DynamoError(message), status)
 
         return run
 
@@ -70,7 +70,9 @@ Answer = Callable[[str, Callable[[], Awaitable[Any]]], Callable[[], Awaitable[Re
 def _fleet_routes(router: APIRouter, front: DynamoFront, answer: Answer) -> None:
     @router.post(
         "/register",
-        openapi_extra=operation(schemas.RegisterRequest, schemas.Status, "Register one rank"),
+        openapi_extra=dynamo_operation(
+            schemas.RegisterRequest, schemas.DynamoStatus, "Register one rank"
+        ),
     )
     async def register(request: Request) -> Response:
         async def call() -> Response:
@@ -81,7 +83,9 @@ def _fleet_routes(router: APIRouter, front: DynamoFront, answer: Answer) -> None
 
     @router.post(
         "/unregister",
-        openapi_extra=operation(schemas.UnregisterRequest, schemas.Status, "Drop an instance"),
+        openapi_extra=dynamo_operation(
+            schemas.UnregisterRequest, schemas.DynamoStatus, "Drop an instance"
+        ),
     )
     async def unregister(request: Request) -> Response:
         async def call() -> Response:
@@ -92,7 +96,9 @@ def _fleet_routes(router: APIRouter, front: DynamoFront, answer: Answer) -> None
 
     @router.get(
         "/workers",
-        openapi_extra=operation(None, schemas.Worker, "Instances, ranks, endpoints", many=True),
+        openapi_extra=dynamo_operation(
+            None, schemas.Worker, "Instances, ranks, endpoints", many=True
+        ),
     )
     async def workers() -> Response:
         async def call() -> Response:
@@ -104,7 +110,7 @@ def _fleet_routes(router: APIRouter, front: DynamoFront, answer: Answer) -> None
 def _query_routes(router: APIRouter, front: DynamoFront, answer: Answer) -> None:
     @router.post(
         "/query",
-        openapi_extra=operation(schemas.QueryRequest, schemas.Overlap, "Matched tokens"),
+        openapi_extra=dynamo_operation(schemas.QueryRequest, schemas.Overlap, "Matched tokens"),
     )
     async def query(request: Request) -> Response:
         async def call() -> Response:
@@ -114,7 +120,7 @@ def _query_routes(router: APIRouter, front: DynamoFront, answer: Answer) -> None
 
     @router.post(
         "/query_by_hash",
-        openapi_extra=operation(
+        openapi_extra=dynamo_operation(
             schemas.QueryByHashRequest, schemas.Overlap, "Matched tokens of kvindex block keys"
         ),
     )
