@@ -13,11 +13,13 @@ from fastapi.responses import Response
 from prometheus_client import Counter
 
 from kvindex.api.dynamo import schemas
+from kvindex.api.dynamo.dump import dump
 from kvindex.api.dynamo.front import DynamoApiError, DynamoFront, ReadPathParts
 from kvindex.api.http.core import ApiCore, json_response
 from kvindex.api.http.openapi import dynamo_operation
 from kvindex.indexer.domain.errors import SettingsError
 from kvindex.indexer.domain.keys import BlockKeyError
+from kvindex.indexer.index.journal import BlockJournal, JournaledIndex
 from kvindex.indexer.index.protocol import IndexUnavailableError
 
 T = TypeVar("T")
@@ -61,6 +63,8 @@ def dynamo_router(core: ApiCore) -> APIRouter:
 
     _fleet_routes(router, front, answer)
     _query_routes(router, front, answer)
+    if isinstance(core.deps.index, JournaledIndex):
+        _dump_route(router, core, core.deps.index.journal, front)
     return router
 
 
@@ -130,6 +134,20 @@ def _query_routes(router: APIRouter, front: DynamoFront, answer: Answer) -> None
             return json_response(await front.query_by_hash(body))
 
         return await answer("/query_by_hash", call)()
+
+
+def _dump_route(
+    router: APIRouter, core: ApiCore, journal: BlockJournal, front: DynamoFront
+) -> None:
+    registry = core.deps.registry
+
+    def model_of(replica: str) -> str | None:
+        spec = registry.get(replica)
+        return None if spec is None else spec.model
+
+    @router.get("/dump", openapi_extra=dynamo_operation(None, None, "The index as stored events"))
+    async def dump_route() -> Response:
+        return json_response(await core.off_loop(dump, journal, model_of, front.block_size))
 
 
 _REFUSED = (

@@ -70,7 +70,7 @@ def operation(
 
 
 def dynamo_operation(
-    body: type | None, response: type, summary: str, *, many: bool = False
+    body: type | None, response: type | None, summary: str, *, many: bool = False
 ) -> dict[str, Any]:
     """``openapi_extra`` of a Dynamo route: its errors are ``{"error": ...}``, a 201 on register."""
     created = body is dynamo.RegisterRequest

@@ -1,5 +1,6 @@
 """kvindex answers Dynamo's standalone-indexer API as Dynamo's own indexer (ai-dynamo-runtime
-1.6.1) does, on the same event streams: ``tests/support/dynamo_parity.py`` runs both."""
+1.6.1) does, on the same event streams (``tests/support/dynamo_parity.py`` runs both): with the
+default compiled ingest path, and with ``api.dynamo_dump`` (the journal, ``GET /dump``)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,7 @@ from tests.support.paths import ROOT
 PHASES = ("stores_and_removals", "after_clear", "after_unregister")
 
 
-@pytest.fixture(scope="module")
-def parity(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def _run(tmp_path_factory: pytest.TempPathFactory, *flags: str) -> dict[str, Any]:
     try:
         python, prefix = dynamo_python(), private_network()
     except UnavailableError as exc:
@@ -34,12 +34,22 @@ def parity(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "--out",
         str(out),
         "--peers",
+        *flags,
     ]
     done = subprocess.run(
         command, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
+@pytest.fixture(scope="module", params=["compiled", "journal"])
+def parity(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    result = _run(tmp_path_factory, *(["--dump"] if request.param == "journal" else []))
+    result["mode"] = request.param
     return result
 
 
@@ -60,9 +70,16 @@ def test_workers_agree_before_and_after_unregistering(parity: dict[str, Any]) ->
 
 
 @pytest.mark.timeout(900)
-def test_a_dynamo_peer_cannot_recover_from_kvindex(parity: dict[str, Any]) -> None:
-    """kvindex serves no ``GET /dump`` (docs/guides/dynamo-indexer-api.md says why): Dynamo
-    started with ``--peers`` kvindex finds a 404 and starts empty."""
+def test_a_dynamo_peer_recovers_from_kvindex_only_with_the_dump(parity: dict[str, Any]) -> None:
+    """``--peers`` kvindex: with ``api.dynamo_dump`` Dynamo recovers kvindex's state and answers
+    every prompt as kvindex does; without it, ``GET /dump`` is a 404 and Dynamo starts empty."""
     peer = parity["peers"]
     assert peer["started"], peer
-    assert "404" in peer["log"] and peer["workers"] == [], peer["log"]
+    found = peer["queries"]
+    if parity["mode"] == "journal":
+        assert "recovery from peer succeeded" in peer["log"], peer["log"]
+        assert found["agree"] == found["prompts"], found["differ"]
+        assert found["nonempty"] >= found["prompts"] * 0.8
+    else:
+        assert "404" in peer["log"] and peer["workers"] == [], peer["log"]
+        assert found["agree"] < found["prompts"] * 0.2

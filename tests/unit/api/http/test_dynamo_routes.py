@@ -12,10 +12,11 @@ from kvindex.api.config.settings import ApiSettings
 from kvindex.api.http.app import create_app
 from kvindex.api.load.store import MemoryLoadStore
 from kvindex.api.runtime import ApiDeps
-from kvindex.indexer.domain.events import StreamId, Tier
+from kvindex.indexer.domain.events import BlockStored, StreamId, Tier
 from kvindex.indexer.domain.keys import block_keys
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.index.journal import BlockJournal, JournaledIndex, tokens_hash
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import OpKind
 
@@ -199,3 +200,34 @@ def test_bad_bodies_are_4xx_with_an_error(
     )
     assert 400 <= sent.status_code < 500, sent.text
     assert isinstance(sent.json()["error"], str)
+
+
+def test_dump_answers_in_dynamos_format_only_with_the_journal() -> None:
+    journal = BlockJournal()
+    index, registry = JournaledIndex(MemoryIndex(), journal), Registry()
+    deps = ApiDeps(SETTINGS, index, registry, MemoryLoadStore(), blocking_store=False)
+    client = TestClient(create_app(deps))
+    _register(client, 5, 1)
+    index.observe_event(
+        StreamId("dynamo-5.dp1"), BlockStored([7, 8], None, TOKENS[:32], 16, Tier.GPU)
+    )
+    index.observe_event(StreamId("gone"), BlockStored([9], None, TOKENS[:16], 16, Tier.GPU))
+    dumped = client.get("/dump").json()
+    HASHED = tokens_hash(TOKENS[:16])  # noqa: N806
+    assert list(dumped) == ["m:default"] and dumped["m:default"]["block_size"] == 16
+    first, second = dumped["m:default"]["events"]
+    assert first == {
+        "worker_id": 5, "storage_tier": "device", "residency_domain": "worker", "event": {
+            "event_id": 0, "dp_rank": 1, "data": {"stored": {
+                "parent_hash": None, "start_position": None,
+                "blocks": [{"block_hash": 7, "tokens_hash": HASHED, "mm_extra_info": None}],
+            }},
+        },
+    }  # fmt: skip
+    assert second["event"]["data"]["stored"]["parent_hash"] == 7
+    without = TestClient(
+        create_app(
+            ApiDeps(SETTINGS, MemoryIndex(), Registry(), MemoryLoadStore(), blocking_store=False)
+        )
+    )
+    assert without.get("/dump").status_code == 404
