@@ -9,6 +9,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from kvindex.api.config.settings import ApiSettings
+from kvindex.api.dynamo.instances import instance_of_name
 from kvindex.api.http.app import create_app
 from kvindex.api.load.store import MemoryLoadStore
 from kvindex.api.runtime import ApiDeps
@@ -200,6 +201,8 @@ def test_bad_bodies_are_4xx_with_an_error(
     )
     assert 400 <= sent.status_code < 500, sent.text
     assert isinstance(sent.json()["error"], str)
+    route = f'kvindex_dynamo_refusals_total{{route="{path}"}} 1.0'
+    assert route in client.get("/metrics").text
 
 
 def test_dump_answers_in_dynamos_format_only_with_the_journal() -> None:
@@ -231,3 +234,20 @@ def test_dump_answers_in_dynamos_format_only_with_the_journal() -> None:
         )
     )
     assert without.get("/dump").status_code == 404
+
+
+def test_kvindex_replicas_show_and_unregister_under_their_numeric_id(
+    parts: tuple[TestClient, MemoryIndex, Registry],
+) -> None:
+    client, _, registry = parts
+    registry.add(ReplicaSpec("r2", "m", events="tcp://127.0.0.1:5700", dp_size=2))
+    workers = {w["instance_id"]: w for w in client.get("/workers").json()}
+    r1, r2 = instance_of_name("r1"), instance_of_name("r2")
+    assert workers[r2]["endpoints"] == {"0": "tcp://127.0.0.1:5700", "1": "tcp://127.0.0.1:5701"}
+    assert workers[r1]["endpoints"] == {"0": None}
+    one_rank = client.post("/unregister", json={"instance_id": r2, "model_name": "m", "dp_rank": 1})
+    assert one_rank.status_code == 422 and "omit dp_rank" in one_rank.json()["error"]
+    assert (
+        client.post("/unregister", json={"instance_id": r2, "model_name": "m"}).status_code == 200
+    )
+    assert registry.get("r2") is None
