@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import msgspec
 from fastapi import APIRouter, Request
@@ -49,17 +49,14 @@ def dynamo_router(core: ApiCore) -> APIRouter:
         refusals.labels(route)
     router = APIRouter(tags=["dynamo"])
 
-    def answer(route: str, call: Callable[[], Awaitable[Any]]) -> Callable[[], Awaitable[Response]]:
-        async def run() -> Response:
-            try:
-                return await call()  # type: ignore[no-any-return]
-            except _REFUSED as exc:
-                status, message = _refusal(exc)
-            refusals.labels(route).inc()
-            log.info("dynamo %s refused (%d): %s", route, status, message)
-            return json_response(schemas.DynamoError(message), status)
-
-        return run
+    async def answer(route: str, call: Callable[[], Awaitable[Response]]) -> Response:
+        try:
+            return await call()
+        except _REFUSED as exc:
+            status, message = _refusal(exc)
+        refusals.labels(route).inc()
+        log.info("dynamo %s refused (%d): %s", route, status, message)
+        return json_response(schemas.DynamoError(message), status)
 
     _fleet_routes(router, front, answer)
     _query_routes(router, front, answer)
@@ -68,7 +65,8 @@ def dynamo_router(core: ApiCore) -> APIRouter:
     return router
 
 
-Answer = Callable[[str, Callable[[], Awaitable[Any]]], Callable[[], Awaitable[Response]]]
+Answer = Callable[[str, Callable[[], Awaitable[Response]]], Awaitable[Response]]
+"""A route's call run, a refusal answered as Dynamo's and counted."""
 
 
 def _fleet_routes(router: APIRouter, front: DynamoFront, answer: Answer) -> None:
@@ -83,7 +81,7 @@ def _fleet_routes(router: APIRouter, front: DynamoFront, answer: Answer) -> None
             await front.register(await _decode(request, schemas.RegisterRequest))
             return json_response(_OK, 201)
 
-        return await answer("/register", call)()
+        return await answer("/register", call)
 
     @router.post(
         "/unregister",
@@ -96,7 +94,7 @@ def _fleet_routes(router: APIRouter, front: DynamoFront, answer: Answer) -> None
             await front.unregister(await _decode(request, schemas.UnregisterRequest))
             return json_response(_OK)
 
-        return await answer("/unregister", call)()
+        return await answer("/unregister", call)
 
     @router.get(
         "/workers",
@@ -108,7 +106,7 @@ def _fleet_routes(router: APIRouter, front: DynamoFront, answer: Answer) -> None
         async def call() -> Response:
             return json_response(await front.workers())
 
-        return await answer("/workers", call)()
+        return await answer("/workers", call)
 
 
 def _query_routes(router: APIRouter, front: DynamoFront, answer: Answer) -> None:
@@ -120,7 +118,7 @@ def _query_routes(router: APIRouter, front: DynamoFront, answer: Answer) -> None
         async def call() -> Response:
             return json_response(await front.query(await _decode(request, schemas.QueryRequest)))
 
-        return await answer("/query", call)()
+        return await answer("/query", call)
 
     @router.post(
         "/query_by_hash",
@@ -133,7 +131,7 @@ def _query_routes(router: APIRouter, front: DynamoFront, answer: Answer) -> None
             body = await _decode(request, schemas.QueryByHashRequest)
             return json_response(await front.query_by_hash(body))
 
-        return await answer("/query_by_hash", call)()
+        return await answer("/query_by_hash", call)
 
 
 def _dump_route(
