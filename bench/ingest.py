@@ -106,6 +106,7 @@ from kvindex.indexer.config.settings import IndexerSettings
 from kvindex.indexer.domain.events import EventBatch, StreamId, Topic
 from kvindex.indexer.fleet.registry import Registry, fleet_totals
 from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.index.journal import BlockJournal, JournaledIndex
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.index.redis import RedisIndex
@@ -117,7 +118,7 @@ from kvindex.indexer.redis.connection import RedisClient, connect
 from kvindex.indexer.redis.schema import Schema
 from tests.oracles.tables import python_index
 
-_BACKENDS = ("memory", "memory-python", "redis")
+_BACKENDS = ("memory", "memory-python", "memory-dump", "redis")
 FULL_ENTRIES = 1_000_000
 QUICK_ENTRIES = 131_072
 CAPACITY_MARGIN = 1.1
@@ -444,11 +445,21 @@ def result(backend: str, workload: Workload, seconds: float, **extra: Any) -> di
 # --- backends -------------------------------------------------------------------------------
 
 
-def memory_index_bytes(workload: Workload, plan: list[Delivery], *, compiled: bool = True) -> int:
+def new_memory_index(backend: str) -> BlockIndex:
+    """``memory``, ``memory-python`` (the tables' Python oracle) or ``memory-dump`` (with the
+    journal ``api.dynamo_dump`` keeps, the compiled ingest path off)."""
+    if backend == "memory-python":
+        return python_index()
+    if backend == "memory-dump":
+        return JournaledIndex(MemoryIndex(), BlockJournal())
+    return MemoryIndex()
+
+
+def memory_index_bytes(workload: Workload, plan: list[Delivery], backend: str) -> int:
     """Bytes a memory index filled by ``plan`` holds: what dropping it frees (traced)."""
     tracemalloc.start()
     try:
-        index = MemoryIndex() if compiled else python_index()
+        index = new_memory_index(backend)
         pipeline, registry = new_pipeline(index, workload)
         drive(pipeline, plan)
         del pipeline, registry
@@ -466,7 +477,7 @@ def run_memory(
     plan: list[Delivery],
     repeat: int,
     *,
-    python: bool = False,
+    backend: str = "memory",
     lookup_wait: bool = False,
 ) -> dict[str, Any]:
     """``repeat`` runs on fresh indexes; the median time is reported, the last one checked,
@@ -475,13 +486,12 @@ def run_memory(
     runs' together)."""
     times: list[float] = []
     checked: dict[str, Any] = {}
-    backend = "memory-python" if python else "memory"
-    compiled = not python
+    compiled = backend != "memory-python"
     latencies: list[float] = []
     for i in range(repeat):
-        index = python_index() if python else MemoryIndex()
+        index = new_memory_index(backend)
         pipeline, registry = new_pipeline(index, workload)
-        with collected(), probed(index, workload, lookup_wait) as probe:
+        with collected(), probed(index, workload, lookup_wait) as probe:  # type: ignore[arg-type]
             times.append(drive(pipeline, plan))
         if probe is not None:
             latencies += probe.latencies_s
@@ -490,7 +500,7 @@ def run_memory(
             checked = check(index, registry, workload)
         del index, pipeline, registry
     seconds = statistics.median(times)
-    num_bytes = memory_index_bytes(workload, plan, compiled=not python)
+    num_bytes = memory_index_bytes(workload, plan, backend)
     per_entry = num_bytes / max(checked["entries"], 1)
     log.info("%s index: %.1f MB, %.1f bytes per entry", backend, num_bytes / 1e6, per_entry)
     waits = lookup_summary(latencies) if lookup_wait else {}
@@ -794,7 +804,9 @@ def run_backends(args: BenchArgs, workload: Workload) -> list[dict[str, Any]]:
     if "memory" in args.backends:
         results.append(run_memory(workload, plan, args.repeat, lookup_wait=args.lookup_wait))
     if "memory-python" in args.backends:
-        results.append(run_memory(workload, plan, args.repeat, python=True))
+        results.append(run_memory(workload, plan, args.repeat, backend="memory-python"))
+    if "memory-dump" in args.backends:
+        results.append(run_memory(workload, plan, args.repeat, backend="memory-dump"))
     if "redis" in args.backends:
         if args.redis_url is not None:
             url, private = args.redis_url, False

@@ -112,14 +112,20 @@ class ApiSettings:
     """An open breaker's cool-down; the next answer then closes or reopens it."""
     events_down_after_s: float = 2.0
     """A replica whose events stream is down this long is out of routing (if others aren't)."""
+    dynamo_dump: bool = False
+    """Serve Dynamo's ``GET /dump`` (``kvindex serve``, memory store): keeps each stored block's
+    parent and a hash of its tokens beside the index, and turns the compiled ingest path off."""
 
     def __post_init__(self) -> None:
         _check_policy("api.default_policy", self.default_policy)
         for name, wanted in _RANGES:
             _check_number(f"api.{name}", getattr(self, name), wanted)
         self._check_health()
-        if not isinstance(self.access_log, bool):
-            raise SettingsError(f"api.access_log must be true or false, got {self.access_log!r}")
+        for flag in ("access_log", "dynamo_dump"):
+            if not isinstance(getattr(self, flag), bool):
+                raise SettingsError(
+                    f"api.{flag} must be true or false, got {getattr(self, flag)!r}"
+                )
         names = [m.name for m in self.models]
         if len(names) != len(set(names)):
             raise SettingsError(f"models: duplicate names in {names}")

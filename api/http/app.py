@@ -17,6 +17,7 @@ from starlette.datastructures import Headers
 from kvindex.api.health.routing import health_policy
 from kvindex.api.http.body_limit import BodyLimit
 from kvindex.api.http.core import ApiCore, error_response, healthz, json_response
+from kvindex.api.http.dynamo_routes import dynamo_router
 from kvindex.api.http.hot_routes import HotRoutes, HotServing
 from kvindex.api.http.openapi import document, operation
 from kvindex.api.http.traffic import TrafficObserver
@@ -38,7 +39,6 @@ from kvindex.api.schemas import (
 from kvindex.api.score import RequestError
 from kvindex.indexer.domain.errors import KvIndexError
 from kvindex.indexer.fleet.replica import ReplicaSpec
-from kvindex.indexer.index.protocol import drop_replica
 
 T = TypeVar("T")
 _JSON = "application/json"
@@ -87,6 +87,7 @@ def app_of(
     authorize = _authorize(core)
     app.include_router(_health_routes(core))
     app.include_router(_routes(core), dependencies=[Depends(authorize)])
+    app.include_router(dynamo_router(core), dependencies=[Depends(authorize)])
     settings = core.deps.settings
     if lean_routes:  # added first, so innermost: the body limit and the traffic see them
         app.add_middleware(
@@ -252,14 +253,7 @@ def _replica_routes(router: APIRouter, core: ApiCore) -> None:
         spec = await core.off_loop(registry.get, replica_id)
         if spec is None:
             return json_response(ErrorBody("unknown_replica", f"no replica {replica_id!r}"), 404)
-        # Store calls first: if the store is down (503) the replica is still registered and
-        # the call can be retried. A subscriber that writes in between purges again once it
-        # sees the replica gone.
-        await core.off_loop(drop_replica, core.index, replica_id)
-        await core.off_loop(core.deps.loads.remove, replica_id)
-        await core.off_loop(registry.remove, replica_id)
-        core.scorer.forget(replica_id)
-        core.tokenizers.forget(spec.model)
+        await core.remove_replica(spec)
         return json_response(StatusBody("removed", replica_id))
 
 

@@ -25,7 +25,8 @@ from kvindex.api.schemas import ErrorBody, decode_score_request
 from kvindex.api.score import RequestError, UnknownModelError
 from kvindex.api.tokenize.protocol import TokenizerError
 from kvindex.indexer.domain.errors import KvIndexError, SettingsError
-from kvindex.indexer.index.protocol import IndexUnavailableError
+from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.index.protocol import IndexUnavailableError, drop_replica
 
 _JSON = "application/json"
 _HEALTHY = msgspec.json.encode({"status": "ok"})
@@ -79,6 +80,16 @@ class ApiCore:
         latency.observe(time.perf_counter() - started)
         self.metrics.count_rule(answer.rule)
         return msgspec.json.encode(answer)
+
+    async def remove_replica(self, spec: ReplicaSpec) -> None:
+        """Purge a replica's blocks and load, then unregister it. Store calls first: if the
+        store is down (503) it stays registered, to retry; a subscriber writing in between
+        purges again once it sees the replica gone."""
+        await self.off_loop(drop_replica, self.index, spec.id)
+        await self.off_loop(self.deps.loads.remove, spec.id)
+        await self.off_loop(self.deps.registry.remove, spec.id)
+        self.scorer.forget(spec.id)
+        self.tokenizers.forget(spec.model)
 
     async def readyz(self, _body: bytes, _headers: Headers) -> bytes:
         """``GET /readyz``: ready once the index store answers; NotReadyError if it does not."""

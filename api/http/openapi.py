@@ -8,6 +8,7 @@ import msgspec
 from fastapi import FastAPI
 
 from kvindex.api import schemas
+from kvindex.api.dynamo import schemas as dynamo
 
 _JSON = "application/json"
 
@@ -21,6 +22,14 @@ _SCHEMA_TYPES: list[Any] = [
     schemas.StatusBody,
     schemas.StatsView,
     schemas.ConfigView,
+    dynamo.RegisterRequest,
+    dynamo.UnregisterRequest,
+    dynamo.QueryRequest,
+    dynamo.QueryByHashRequest,
+    dynamo.Worker,
+    dynamo.Overlap,
+    dynamo.DynamoStatus,
+    dynamo.DynamoError,
 ]
 """Every body a route decodes or encodes, in the document's order."""
 _, _COMPONENTS = msgspec.json.schema_components(
@@ -36,9 +45,10 @@ def operation(
     many: bool = False,
     created: bool = False,
     text: str | None = None,
+    error: type = schemas.ErrorBody,
 ) -> dict[str, Any]:
     """``openapi_extra`` for a route of msgspec bodies (``many``: a list; ``created``: also a
-    201; ``text``: a text answer instead); every error answers with an ``ErrorBody``."""
+    201; ``text``: a text answer instead); every error answers with an ``error``."""
     extra: dict[str, Any] = {"summary": summary}
     if body is not None:
         extra["requestBody"] = {
@@ -46,7 +56,7 @@ def operation(
             "content": {_JSON: {"schema": _ref(body)}},
         }
     responses: dict[str, Any] = {
-        "default": {"description": "Error", "content": {_JSON: {"schema": _ref(schemas.ErrorBody)}}}
+        "default": {"description": "Error", "content": {_JSON: {"schema": _ref(error)}}}
     }
     if response is not None:
         schema = {"type": "array", "items": _ref(response)} if many else _ref(response)
@@ -57,6 +67,14 @@ def operation(
         responses["200"] = {"description": "OK", "content": {text: {"schema": {"type": "string"}}}}
     extra["responses"] = responses
     return extra
+
+
+def dynamo_operation(
+    body: type | None, response: type | None, summary: str, *, many: bool = False
+) -> dict[str, Any]:
+    """``openapi_extra`` of a Dynamo route: its errors are ``{"error": ...}``, a 201 on register."""
+    created = body is dynamo.RegisterRequest
+    return operation(body, response, summary, many=many, created=created, error=dynamo.DynamoError)
 
 
 def _ref(kind: type) -> dict[str, str]:

@@ -23,6 +23,10 @@ from kvindex.api.http.traffic import TrafficObserver
 from kvindex.api.runtime import ApiDeps, open_stores
 from kvindex.api.schemas import ErrorBody
 from kvindex.indexer.config.settings import IndexerSettings
+from kvindex.indexer.domain.errors import SettingsError
+from kvindex.indexer.index.journal import BlockJournal, JournaledIndex
+from kvindex.indexer.index.memory import MemoryIndex
+from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.service import IndexerService
 
 
@@ -35,12 +39,21 @@ class Service:
 
     @classmethod
     def build(cls, settings: IndexerSettings, api: ApiSettings) -> Service:
-        indexer = IndexerService.build(settings)
+        indexer = IndexerService.build(settings, dump_index(settings, api))
         return cls(indexer, open_stores(ReadPathSettings(settings, api), writer=indexer))
 
     def stop(self) -> None:
         self.indexer.stop()
         self.deps.loads.close()
+
+
+def dump_index(settings: IndexerSettings, api: ApiSettings) -> BlockIndex | None:
+    """With ``api.dynamo_dump``, the memory index kept with a journal (None: the default)."""
+    if not api.dynamo_dump:
+        return None
+    if settings.store != "memory":
+        raise SettingsError("api.dynamo_dump needs the memory store (kvindex serve)")
+    return JournaledIndex(MemoryIndex(), BlockJournal())
 
 
 def serve(
@@ -58,6 +71,8 @@ def serve(
 
 
 def serve_api(settings: ReadPathSettings) -> None:
+    if settings.api.dynamo_dump:
+        raise SettingsError("api.dynamo_dump: the API process keeps no journal (kvindex serve)")
     deps = open_stores(settings)
     try:
         _run_uvicorn(deps, settings.api)

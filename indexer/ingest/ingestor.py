@@ -19,6 +19,7 @@ from kvindex.indexer.domain.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    Event,
     EventBatch,
     StreamId,
 )
@@ -83,6 +84,10 @@ class Ingestor:
         native_index: NativeIngest = index  # type: ignore[assignment]  # checked next
         self._apply_native: Callable[..., NativeCounts] | None = (
             native_index.apply_native if getattr(index, "native_ingest", False) else None
+        )
+        # An index keeping a journal of events (JournaledIndex) is handed each one.
+        self._observe: Callable[[StreamId, Event], None] | None = getattr(
+            index, "observe_event", None
         )
 
     @property
@@ -181,6 +186,8 @@ class Ingestor:
         ops: list[Op] = []
         context = _Context(stream, model, cache, ops, report)
         for event in batch.events:
+            if self._observe is not None:
+                self._observe(stream, event)
             kind = type(event)
             if kind is BlockStored:
                 self._store_ops(event, context)  # type: ignore[arg-type]

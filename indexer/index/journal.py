@@ -1,0 +1,182 @@
+"""``BlockJournal``: what each stream holds per tier as its engine said it (block hash, parent
+hash, a hash of the block's tokens), for a replay of the index as stored events (Dynamo's
+``/dump``); ``JournaledIndex`` keeps one beside an index. LoRA and tokenless blocks are not kept."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple
+
+import xxhash
+
+from kvindex.indexer import native
+from kvindex.indexer.domain.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    StreamId,
+    Tier,
+)
+from kvindex.indexer.domain.keys import BlockKeyError, tokens_to_bytes
+from kvindex.indexer.index.protocol import (
+    ApplyResult,
+    BatchOps,
+    BlockIndex,
+    HeldRuns,
+    Op,
+    PrefixMatch,
+    StreamStats,
+    holders_of,
+)
+
+TOKENS_SEED = 1337
+"""The seed of Dynamo's hash of a block's tokens (XXH3-64 over them as little-endian u32)."""
+_SEED = TOKENS_SEED
+_hash = xxhash.xxh3_64_intdigest
+_LOW = (1 << 64) - 1
+
+
+class Held(NamedTuple):
+    """One block a stream holds: its engine hash, its parent's (None: a root), its tokens' hash."""
+
+    block_hash: int
+    parent_hash: int | None
+    tokens_hash: int
+
+
+def tokens_hash(tokens: Sequence[int]) -> int:
+    return _hash(tokens_to_bytes(tokens), _SEED)
+
+
+class BlockJournal:
+    """Thread-safe; per (stream, tier) engine hash → parent and tokens hash, in arrival order."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # engine hash → (parent hash + 1, 0 for none) << 64 | tokens hash
+        self._held: dict[StreamId, dict[Tier, dict[int, int]]] = {}
+        self._block_size: dict[StreamId, int] = {}
+
+    def observe(self, stream: StreamId, event: Event) -> None:
+        """Apply one event of the stream, in the stream's order."""
+        kind = type(event)
+        if kind is BlockStored:
+            self._store(stream, event)  # type: ignore[arg-type]
+        elif kind is BlockRemoved:
+            self._remove(stream, event)  # type: ignore[arg-type]
+        elif kind is AllBlocksCleared:
+            self.clear(stream)
+
+    def _store(self, stream: StreamId, event: BlockStored) -> None:
+        size, tokens, hashes = event.block_size, event.token_ids, event.block_hashes
+        extra = event.extra_keys
+        if (extra is not None and extra.count(None) != len(extra)) or event.lora_name is not None:
+            return
+        if event.group_idx not in (None, 0):
+            return
+        if size <= 0 or len(tokens) != len(hashes) * size:
+            return
+        try:
+            packed = (
+                tokens.packed if type(tokens) is native.PackedTokens else tokens_to_bytes(tokens)
+            )
+        except BlockKeyError:
+            return
+        view, stride = memoryview(packed), size * 4
+        hashed = [_hash(view[i : i + stride], _SEED) for i in range(0, len(packed), stride)]
+        parent = 0 if event.parent_hash is None else event.parent_hash + 1
+        with self._lock:
+            held = self._held.setdefault(stream, {}).setdefault(event.tier, {})
+            self._block_size[stream] = size
+            for block_hash, tokens_hashed in zip(hashes, hashed, strict=True):
+                held[block_hash] = parent << 64 | tokens_hashed  # one int: the least memory
+                parent = block_hash + 1
+
+    def _remove(self, stream: StreamId, event: BlockRemoved) -> None:
+        with self._lock:
+            held = self._held.get(stream, {}).get(event.tier)
+            if held is not None:
+                for block_hash in event.block_hashes:
+                    held.pop(block_hash, None)
+
+    def clear(self, stream: StreamId) -> None:
+        with self._lock:
+            self._held.pop(stream, None)
+
+    def streams(self) -> list[StreamId]:
+        with self._lock:
+            return sorted(self._held)
+
+    def block_size(self, stream: StreamId) -> int | None:
+        with self._lock:
+            return self._block_size.get(stream)
+
+    def held(self, stream: StreamId) -> dict[Tier, list[Held]]:
+        """Each tier's blocks, a parent before its children (a copy)."""
+        with self._lock:
+            tiers = {tier: dict(blocks) for tier, blocks in self._held.get(stream, {}).items()}
+        return {tier: list(_parents_first(blocks)) for tier, blocks in tiers.items() if blocks}
+
+
+def _parents_first(blocks: dict[int, int]) -> Iterator[Held]:
+    done: set[int] = set()
+    for first in blocks:
+        chain = []
+        block: int | None = first
+        while block is not None and block in blocks and block not in done:
+            chain.append(block)
+            done.add(block)
+            block = (blocks[block] >> 64) - 1 if blocks[block] >> 64 else None
+        for block in reversed(chain):
+            packed = blocks[block]
+            parent = (packed >> 64) - 1 if packed >> 64 else None
+            yield Held(block, parent, packed & _LOW)
+
+
+class JournaledIndex:
+    """A BlockIndex whose stores, removals and clears a :class:`BlockJournal` follows too; the
+    ingestor hands it each event (:meth:`observe_event`), so the compiled ingest path is off."""
+
+    native_ingest = False
+
+    def __init__(self, inner: BlockIndex, journal: BlockJournal) -> None:
+        self._inner = inner
+        self._holders = holders_of(inner)
+        self.journal = journal
+        self.observe_event = journal.observe
+
+    def apply(self, stream: StreamId, seq: int, ts: float, ops: Sequence[Op]) -> ApplyResult:
+        return self._inner.apply(stream, seq, ts, ops)
+
+    def apply_many(self, stream: StreamId, batches: Sequence[BatchOps]) -> list[ApplyResult]:
+        return self._inner.apply_many(stream, batches)
+
+    def resolve(self, stream: StreamId, engine_hashes: Sequence[int]) -> list[int | None]:
+        return self._inner.resolve(stream, engine_hashes)
+
+    def clear(self, stream: StreamId) -> None:
+        self._inner.clear(stream)
+        self.journal.clear(stream)
+
+    def drop(self, stream: StreamId) -> None:
+        self._inner.drop(stream)
+        self.journal.clear(stream)
+
+    def streams(self) -> list[StreamId]:
+        return self._inner.streams()
+
+    def longest_prefix(
+        self, keys: Sequence[int], streams: Iterable[StreamId]
+    ) -> dict[StreamId, PrefixMatch]:
+        return self._inner.longest_prefix(keys, streams)
+
+    def holders(self, keys: Sequence[int], streams: Sequence[StreamId]) -> HeldRuns:
+        return self._holders(keys, streams)
+
+    def stats(self, stream: StreamId) -> StreamStats:
+        return self._inner.stats(stream)
+
+    def close(self) -> None:
+        self._inner.close()
