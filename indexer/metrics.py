@@ -10,7 +10,7 @@ its :class:`BuildInfo`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -20,6 +20,9 @@ from kvindex.indexer.domain.events import Tier
 from kvindex.indexer.domain.health import UnroutedCounters
 from kvindex.indexer.fleet.registry import FleetTotals, RegistryView, StreamStatus, fleet_totals
 from kvindex.indexer.index.protocol import BlockIndex
+
+if TYPE_CHECKING:
+    from kvindex.indexer.fleet.discovery import DiscoveryCounts
 
 Family = CounterMetricFamily | GaugeMetricFamily
 
@@ -202,17 +205,45 @@ class BuildInfo(Collector):
 
 
 class IndexerProcessCollector(Collector):
-    """The indexer process's own series: its store's state (``store_up`` must not block)
-    and its build."""
+    """The indexer process's own series: its store's state (``store_up`` must not block),
+    its build, and what discovery has done (zeros without discovery)."""
 
-    def __init__(self, store_up: Callable[[], bool], *, version: str = __version__) -> None:
+    def __init__(
+        self,
+        store_up: Callable[[], bool],
+        *,
+        version: str = __version__,
+        discovered: Callable[[], DiscoveryCounts | None] = lambda: None,
+    ) -> None:
         self._store_up = store_up
         self._build = BuildInfo("indexer", version=version)
+        self._discovered = discovered
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Family]:
         yield GaugeMetricFamily(
             "kvindex_indexer_store_up",
             "1 when the indexer's last probe of its index store succeeded, else 0",
             value=1 if self._store_up() else 0,
         )
         yield from self._build.collect()
+        yield from _discovery(self._discovered())
+
+
+_DISCOVERY_COUNTERS = (
+    ("lists", "Pod lists from the Kubernetes API (the first, then after a 410)"),
+    ("api_errors", "Kubernetes API calls that failed (backed off)"),
+    ("skipped_pods", "Pods that make no replica (no model, bad port)"),
+    ("write_errors", "Fleet changes that failed (retried each second)"),
+)
+
+
+def _discovery(counts: DiscoveryCounts | None) -> Iterator[Family]:
+    """Zeros without discovery (None)."""
+    yield GaugeMetricFamily(
+        "kvindex_discovery_replicas",
+        "Replicas this process's discovery keeps registered (the Ready pods' ports)",
+        value=0 if counts is None else counts.replicas,
+    )
+    for name, doc in _DISCOVERY_COUNTERS:
+        value = 0 if counts is None else getattr(counts, name)
+        yield CounterMetricFamily(f"kvindex_discovery_{name}", doc, value=value)

@@ -18,7 +18,7 @@ from kvindex.indexer.ingest.process_limits import raise_file_limit
 from kvindex.indexer.ingest.subscriber import Subscriber
 
 if TYPE_CHECKING:  # imported where used: a memory-store `serve` loads no Redis client
-    from kvindex.indexer.fleet.discovery import Discovery
+    from kvindex.indexer.fleet.discovery import Discovery, DiscoveryCounts
     from kvindex.indexer.fleet.registry import RegistryView
     from kvindex.indexer.fleet.sync import FleetSync
     from kvindex.indexer.index.redis import RedisIndex
@@ -145,8 +145,13 @@ class IndexerService:
         if with_status and settings.status_port != -1:
             from kvindex.indexer.status_server import IndexerStatus  # noqa: PLC0415
 
-            service.status = IndexerStatus.build(settings, registry, index, service.loop_alive)
+            service.status = IndexerStatus.build(
+                settings, registry, index, service.loop_alive, service.discovered
+            )
         return service
+
+    def discovered(self) -> DiscoveryCounts | None:
+        return None if self.discovery is None else self.discovery.counts()
 
     def start(self) -> None:
         """Open the status port first (a port in use fails before anything runs), then the

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
@@ -28,6 +28,9 @@ from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.index.redis import RedisIndex
 from kvindex.indexer.metrics import IndexerProcessCollector, IngestCollector
 from kvindex.indexer.redis.connection import connect_bounded, ping
+
+if TYPE_CHECKING:
+    from kvindex.indexer.fleet.discovery import DiscoveryCounts
 
 log = logging.getLogger("kvindex.status_server")
 
@@ -310,6 +313,7 @@ class IndexerStatus:
         registry: RegistryView,
         index: BlockIndex,
         loop_alive: Callable[[], bool],
+        discovered: Callable[[], DiscoveryCounts | None] = lambda: None,
     ) -> IndexerStatus:
         scrape_index = None
         probe = StoreProbe(None, interval_s=settings.status_probe_s)
@@ -324,7 +328,7 @@ class IndexerStatus:
         read_index = index if scrape_index is None else scrape_index
         metrics = CollectorRegistry(auto_describe=False)
         metrics.register(IngestCollector(registry, read_index, store_up=probe.is_up))
-        metrics.register(IndexerProcessCollector(probe.is_up))
+        metrics.register(IndexerProcessCollector(probe.is_up, discovered=discovered))
         routes = status_routes(
             metrics, lambda: liveness(loop_alive), lambda: readiness(loop_alive, probe)
         )

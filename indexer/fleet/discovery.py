@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvindex.indexer.fleet.pod_watch import PodWatch, api_client
 from kvindex.indexer.fleet.pods import Pod, PodError, Target, replicas_of
@@ -16,6 +16,16 @@ from kvindex.indexer.fleet.settings import DiscoverySettings
 
 log = logging.getLogger("kvindex.discovery")
 RETRY_S = 1.0
+
+
+class DiscoveryCounts(NamedTuple):
+    """What discovery has done so far (the indexer's ``kvindex_discovery_*``)."""
+
+    replicas: int
+    skipped_pods: int
+    write_errors: int
+    api_errors: int
+    lists: int
 
 
 class Discovery:
@@ -69,6 +79,16 @@ class Discovery:
             return ()
         self._refused.pop(name, None)
         return specs
+
+    def counts(self) -> DiscoveryCounts:
+        watch = self.watch
+        return DiscoveryCounts(
+            replicas=len(self._applied),
+            skipped_pods=self.num_skipped_pods,
+            write_errors=self.num_write_errors,
+            api_errors=0 if watch is None else watch.num_errors,
+            lists=0 if watch is None else watch.num_lists,
+        )
 
     def wanted(self) -> dict[str, ReplicaSpec]:
         with self._lock:

@@ -259,6 +259,9 @@ def test_the_indexer_follows_the_pods_through_410_and_a_drop_and_leaks_nothing(
             took.append(_until(has("pod-b", "pod-b-1", "pod-c", "pod-c-1"), ROUTED_WITHIN_S))
             print(f"registry changed after {', '.join(f'{t:.2f}' for t in took)} s")
             assert _open_to(api_port) >= 1
+            counts = service.discovered()  # what kvindex_discovery_* export
+            assert counts is not None
+            assert (counts.replicas, counts.lists, counts.write_errors) == (4, 3, 0)
         finally:
             service.stop()
         assert service.discovery is not None and service.discovery.watch is not None

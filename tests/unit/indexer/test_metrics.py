@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvindex import __version__
 from kvindex.indexer.domain.events import StreamId, Tier
 from kvindex.indexer.domain.health import StreamCounters, StreamReport, UnroutedCounters
+from kvindex.indexer.fleet.discovery import DiscoveryCounts
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.memory import MemoryIndex
@@ -165,3 +166,16 @@ def test_the_indexer_process_reports_its_store_and_its_build() -> None:
     assert samples(collector)[("kvindex_indexer_store_up", ())] == 1
     up[0] = False
     assert samples(collector)[("kvindex_indexer_store_up", ())] == 0
+
+
+def test_the_indexer_reports_discovery_zeros_without_it_and_its_counts_with_it() -> None:
+    found = samples(IndexerProcessCollector(lambda: True))
+    assert found[("kvindex_discovery_replicas", ())] == 0
+    assert found[("kvindex_discovery_lists_total", ())] == 0
+    counts = DiscoveryCounts(replicas=4, skipped_pods=1, write_errors=2, api_errors=3, lists=5)
+    found = samples(IndexerProcessCollector(lambda: True, discovered=lambda: counts))
+    assert [
+        found[(f"kvindex_discovery_{name}", ())]
+        for name in ("replicas", "skipped_pods_total", "write_errors_total", "api_errors_total")
+    ] == [4, 1, 2, 3]
+    assert found[("kvindex_discovery_lists_total", ())] == 5
