@@ -36,8 +36,7 @@ _HAND_OVER_S = 0.005  # longest a writer waits, lock released, for a waiter to t
 
 _TIERS = tuple(Tier)
 _ON_GPU = (Tier.GPU,)
-_GPU_MATCHES_BLOCKS = 1 << 18
-"""Most blocks the all-GPU matches kept for reuse hold together (then they are dropped)."""
+_GPU_MATCHES_BLOCKS = 1 << 18  # most blocks the all-GPU matches kept for reuse hold
 
 
 class Tables(Protocol):
