@@ -10,7 +10,7 @@ from kvindex.api.decision.policies import Scored
 from kvindex.api.schemas import FreshnessView, LoadView, ScoreEntry
 from kvindex.indexer.domain.events import Tier
 from kvindex.indexer.fleet.registry import Freshness, StreamFreshness
-from kvindex.indexer.index.protocol import NO_MATCH
+from kvindex.indexer.index.protocol import NO_MATCH, gpu_count
 
 DEGRADED_REASONS = ("index_unavailable", "fleet_unreadable", "no_healthy_candidate")
 """Why an answer can be ``degraded`` (the label of ``kvindex_degraded_answers``)."""
@@ -39,13 +39,12 @@ def entry(seen: Seen, scored: Scored, block_size: int) -> ScoreEntry:
     )
 
 
-_GPU = Tier.GPU  # an enum member read through its class costs an attribute lookup more
 _TIER_NAMES = tuple((tier, tier.name.lower()) for tier in Tier)
 
 
 def tier_counts(tiers: tuple[Tier, ...]) -> dict[str, int]:
     """Matched blocks by tier name."""
-    num_gpu = tiers.count(_GPU)
+    num_gpu = gpu_count(tiers)
     if num_gpu == len(tiers):
         return {"gpu": num_gpu, "cpu": 0, "other": 0}
     return {name: tiers.count(tier) for tier, name in _TIER_NAMES}

@@ -211,8 +211,7 @@ class Scorer:
         *,
         explain: bool = True,
     ) -> _Decided:
-        """Every step of an answer but its assembly (the degraded reasons counted);
-        ``explain`` False: no terms nor freshness gathered for the entries."""
+        """Every step of an answer but its assembly; ``explain`` False: no terms, no freshness."""
         specs = self._registry.replicas()
         outage = self._registry.outage()
         candidates = self._candidates(request, specs, outage)
@@ -274,8 +273,8 @@ class Scorer:
     def _candidates(
         self, request: ScoreRequest, specs: list[ReplicaSpec], outage: str | None
     ) -> list[str]:
-        """The replicas to rank: the model's serving list itself (never changed: the stream
-        memo finds it by identity) when the request names none."""
+        """The replicas to rank: the model's serving list itself when the request names none
+        (never changed: the stream memo finds it by identity)."""
         serving = self._specs(specs).serving.get(request.model, [])
         if not serving and request.model not in self.known_models():
             if outage is not None:

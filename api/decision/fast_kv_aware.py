@@ -24,11 +24,11 @@ from kvindex.api.decision.top_k import best, contenders
 from kvindex.api.load.store import LoadChanges
 from kvindex.api.lookup.matches import Matches, RankedStreams
 from kvindex.indexer.fleet.registry import Freshness, RegistryView
-from kvindex.indexer.index.protocol import PrefixMatch
+from kvindex.indexer.index.protocol import OnGpu, PrefixMatch
 
 MAX_FLOORS = 8
 """Weights whose penalty floors are kept."""
-_STALE = Freshness.STALE
+_STALE, _LIVE, _PARTIAL = Freshness.STALE, Freshness.LIVE, Freshness.PARTIAL
 
 
 class FastKvAware:
@@ -154,10 +154,16 @@ def _minus_scores(
     credits: dict[tuple[int, str], tuple[float, float]] = {}
     last: tuple[PrefixMatch, Freshness, tuple[float, float]] | None = None
     state_of = freshness_of.get
+    no_cpu, no_other = weights.cpu * 0, weights.other * 0  # tier_credit's zero terms
     for replica, match in matches.items():
         i, state = position[replica], state_of(replica, _STALE)
         if last is not None and last[0] is match and last[1] is state:
             credit = last[2]
+        elif type(match.tiers) is OnGpu and (state is _LIVE or state is _PARTIAL) and num_blocks:
+            # tier_credit's arithmetic for tiers all on GPU at a factor of 1.0, inlined
+            weighted = (weights.gpu * len(match.tiers) + no_cpu + no_other) / num_blocks
+            credit = (weights.cache * weighted * 1.0, 1.0)
+            last = (match, state, credit)
         else:  # keyed by the state's value: an enum member hashes in Python
             key = (id(match), state._value_)  # the matches live until the answer is made
             known = credits.get(key)

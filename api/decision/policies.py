@@ -27,6 +27,7 @@ from kvindex.api.load.model import CountedLoad
 from kvindex.indexer.domain.errors import KvIndexError
 from kvindex.indexer.domain.events import Tier
 from kvindex.indexer.fleet.registry import Freshness
+from kvindex.indexer.index.protocol import gpu_count
 from kvindex.indexer.native import _lookup
 
 
@@ -208,7 +209,7 @@ def tier_credit(
     factor = _freshness_factor(freshness, w)
     if num_blocks == 0 or not tiers:
         return 0.0, factor
-    num_gpu = tiers.count(_GPU)
+    num_gpu = gpu_count(tiers)
     # All on GPU is the common case: one pass (the zero terms below add nothing).
     num_cpu = 0 if num_gpu == len(tiers) else tiers.count(_CPU)
     num_other = len(tiers) - num_gpu - num_cpu
@@ -227,7 +228,7 @@ def _freshness_factor(freshness: Freshness, w: Weights) -> float:
 
 # Reading an enum member through its class (``Tier.GPU``) is an attribute lookup more: the
 # functions above run per candidate per request, so they use these aliases.
-_GPU, _CPU = Tier.GPU, Tier.CPU
+_CPU = Tier.CPU
 _STALE, _REPLAYING = Freshness.STALE, Freshness.REPLAYING
 
 

@@ -10,7 +10,6 @@ import time
 from typing import Any
 
 import msgspec
-from prometheus_client import Histogram
 from starlette.datastructures import Headers
 from starlette.responses import Response
 
@@ -18,6 +17,7 @@ from kvindex.api.config.url_policy import UntrustedUrlError
 from kvindex.api.http.body_limit import BodyTimeoutError, BodyTooLargeError
 from kvindex.api.http.hot_routes import Answer, HotRoute, HotServing, RouteName
 from kvindex.api.http.metrics import ApiMetrics, TimedIndex
+from kvindex.api.http.tally import Timings
 from kvindex.api.http.traffic import TrafficObserver
 from kvindex.api.load.model import LoadError
 from kvindex.api.runtime import ApiDeps, Hooks, build_read_path
@@ -54,7 +54,9 @@ class ApiCore:
             rule_names=[rule.name for rule in deps.settings.rules],
         )
         hooks = Hooks(
-            wrap_index=lambda index: TimedIndex(index, metrics.lookup_latency),
+            wrap_index=lambda index: TimedIndex(
+                index, metrics.tally.timings(metrics.lookup_latency)
+            ),
             on_degraded=lambda reason: metrics.degraded_answers.labels(reason).inc(),
             on_scrape_failure=lambda replica: metrics.scrape_failures.labels(replica).inc(),
         )
@@ -65,7 +67,7 @@ class ApiCore:
         self.index, self.scorer = read_path.index, read_path.scorer
         self.tokenizers, self.block_sizes = read_path.tokenizers, read_path.block_sizes
         self.url_policy = deps.settings.url_policy()
-        self._score_latency: dict[str, Histogram] = {}
+        self._score_latency: dict[str, Timings] = {}
 
     async def score(self, body: bytes, headers: Headers) -> bytes:
         """``POST /score``'s answer, for FastAPI's route and the hot ones."""
@@ -74,9 +76,8 @@ class ApiCore:
         answer = await self.scorer.score(request, headers, packed_tokens=packed)
         latency = self._score_latency.get(answer.policy)
         if latency is None:  # kept per policy: a few, and labels() costs a lock and a lookup
-            latency = self._score_latency[answer.policy] = self.metrics.score_latency.labels(
-                answer.policy
-            )
+            series = self.metrics.score_latency.labels(answer.policy)
+            latency = self._score_latency[answer.policy] = self.metrics.tally.timings(series)
         latency.observe(time.perf_counter() - started)
         self.metrics.count_rule(answer.rule)
         return msgspec.json.encode(answer)

@@ -11,6 +11,7 @@ from prometheus_client.registry import Collector
 
 from kvindex.api.answer import DEGRADED_REASONS
 from kvindex.api.health.block_sizes import BlockSizeCheck
+from kvindex.api.http.tally import Tally, Timings
 from kvindex.indexer.domain.events import StreamId
 from kvindex.indexer.fleet.registry import RegistryView
 from kvindex.indexer.index.protocol import (
@@ -43,6 +44,8 @@ class ApiMetrics:
         rule_names: Sequence[str] = (),
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
+        self.tally = Tally()  # registered first: collected before the series it adds to
+        self.registry.register(self.tally)
         self._request_series()
         self._score_series()
         self._rule_series(rule_names)
@@ -152,7 +155,7 @@ class BlockSizeCollector(Collector):
 class TimedIndex:
     """A BlockIndex that times lookups; everything else passes through."""
 
-    def __init__(self, inner: BlockIndex, histogram: Histogram) -> None:
+    def __init__(self, inner: BlockIndex, histogram: Histogram | Timings) -> None:
         self._inner = inner
         self._holders = holders_of(inner)
         self._histogram = histogram

@@ -255,19 +255,19 @@ class HotProtocol(LingeringProtocol):
     def _finish(self, cycle: _HotCycle, status: int, response: bytes) -> None:
         """Write ``response`` once, count it, then go on as uvicorn does after an answer."""
         cycle.response_complete = True
-        self._observe(cycle, status)
-        if cycle.disconnected or self.transport.is_closing() or self.lingering:
-            return
-        self.transport.write(response)
-        if status == 500 or not cycle.keep_alive:
-            self.end_connection()
-            return
-        self.on_response_complete()
+        elapsed_s = time.perf_counter() - cycle.started
+        if not (cycle.disconnected or self.transport.is_closing() or self.lingering):
+            self.transport.write(response)  # first: the client waits for nothing else
+            if status == 500 or not cycle.keep_alive:
+                self.end_connection()
+            else:
+                self.on_response_complete()
+        self._observe(cycle, status, elapsed_s)
 
-    def _observe(self, cycle: _HotCycle, status: int) -> None:
-        self._serving().observe(
-            cast(Scope, self.scope), status, time.perf_counter() - cycle.started
-        )
+    def _observe(self, cycle: _HotCycle, status: int, elapsed_s: float | None = None) -> None:
+        if elapsed_s is None:
+            elapsed_s = time.perf_counter() - cycle.started
+        self._serving().observe(cast(Scope, self.scope), status, elapsed_s)
 
     def _body_too_late(self, cycle: _HotCycle) -> None:
         """The body came too late: the app's 408, and the connection closed."""

@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 import time
 
-from prometheus_client import Counter, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvindex.api.http.metrics import UNMATCHED_ROUTE, ApiMetrics
+from kvindex.api.http.tally import Timings
 
 access_logger = logging.getLogger("kvindex.access")
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
@@ -22,7 +22,7 @@ class TrafficObserver:
         self.app = app
         self._metrics = metrics
         self._access_log = access_log
-        self._children: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
+        self._timings: dict[tuple[str, str, int], Timings] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -49,12 +49,13 @@ class TrafficObserver:
         route = getattr(scope.get("route"), "path", None) or UNMATCHED_ROUTE
         method = scope["method"] if scope["method"] in _METHODS else _OTHER_METHOD
         key = (route, method, status)
-        children = self._children.get(key)
-        if children is None:
-            counter = self._metrics.http_requests.labels(route, method, str(status))
-            children = self._children[key] = (counter, self._metrics.http_latency.labels(route))
-        children[0].inc()
-        children[1].observe(elapsed_s)
+        timings = self._timings.get(key)
+        if timings is None:
+            metrics = self._metrics
+            counter = metrics.http_requests.labels(route, method, str(status))
+            latency = metrics.http_latency.labels(route)
+            timings = self._timings[key] = metrics.tally.timings(latency, counter)
+        timings.observe(elapsed_s)
         if self._access_log:
             _log_access(scope, route, status, elapsed_s)
 

@@ -19,6 +19,7 @@ from kvindex.indexer.index.protocol import (
     ApplyResult,
     BatchOps,
     HeldRuns,
+    OnGpu,
     Op,
     PrefixMatch,
     StreamStats,
@@ -35,6 +36,7 @@ _HAND_OVER_S = 0.005  # longest a writer waits, lock released, for a waiter to t
 
 _TIERS = tuple(Tier)
 _ON_GPU = (Tier.GPU,)
+_GPU_MATCHES_BLOCKS = 1 << 18  # most blocks the all-GPU matches kept for reuse hold
 
 
 class Tables(Protocol):
@@ -135,6 +137,8 @@ class MemoryIndex:
         self._free: list[int] = []
         self._numbering = 0  # changes whenever a stream gets or gives up its number
         self._asked: _Asked | None = None  # the last lookup's streams, prepared
+        self._gpu_matches: dict[int, PrefixMatch] = {}  # by length, reused across lookups
+        self._gpu_blocks = 0
         self._lock = IndexLock()
 
     def _state(self, stream: StreamId) -> _Stream:
@@ -250,11 +254,22 @@ class MemoryIndex:
                 continue
             on_gpu, mixed = tables.split_holders(asked_leavers, index_of)
             if on_gpu:
-                runs.append((PrefixMatch(_ON_GPU * num_blocks), on_gpu))
+                runs.append((self._on_gpu(num_blocks), on_gpu))
             for number in mixed:
                 tiers = tables.best_tiers(number, keys, num_blocks)
                 runs.append((PrefixMatch(tuple(map(Tier, tiers))), [index_of[number]]))
         return runs
+
+    def _on_gpu(self, num_blocks: int) -> PrefixMatch:
+        """An all-GPU match of ``num_blocks``, one object per length (called locked)."""
+        match = self._gpu_matches.get(num_blocks)
+        if match is None:
+            if self._gpu_blocks + num_blocks > _GPU_MATCHES_BLOCKS:
+                self._gpu_matches.clear()
+                self._gpu_blocks = 0
+            match = self._gpu_matches[num_blocks] = PrefixMatch(OnGpu(_ON_GPU * num_blocks))
+            self._gpu_blocks += num_blocks
+        return match
 
     def _asked_for(self, streams: tuple[StreamId, ...]) -> _Asked:
         """The prepared lookup of ``streams``: the last call's while nothing changed."""

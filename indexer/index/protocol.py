@@ -68,6 +68,17 @@ class PrefixMatch:
 NO_MATCH = PrefixMatch()
 
 
+class OnGpu(tuple[Tier, ...]):
+    """A match's tiers known to be all GPU (the common case): counted without a scan."""
+
+    __slots__ = ()
+
+
+def gpu_count(tiers: Sequence[Tier]) -> int:
+    """How many of ``tiers`` are on GPU (an :class:`OnGpu` by its length)."""
+    return len(tiers) if type(tiers) is OnGpu else tiers.count(Tier.GPU)
+
+
 @dataclass(frozen=True, slots=True)
 class StreamStats:
     stream: StreamId

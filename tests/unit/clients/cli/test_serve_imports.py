@@ -8,9 +8,10 @@ import json
 import subprocess
 import sys
 
-HEAVY = ("numpy", "tokenizers", "jinja2", "transformers", "httpcore")
+HEAVY = ("numpy", "tokenizers", "jinja2", "transformers", "httpcore", "rich", "pygments")
 """numpy: ``analyze``; tokenizers and jinja2: a model with a local tokenizer only;
-httpcore (and a TLS context): the first outgoing request (no replica here gives a URL)."""
+httpcore (and a TLS context): the first outgoing request (no replica here gives a URL);
+rich and pygments: httpx's command line, which a server refuses."""
 DEFERRED = ("fastapi", "pydantic", "redis")
 """fastapi (and pydantic): built on the first request the hot routes leave to the app;
 redis: the Redis store only."""

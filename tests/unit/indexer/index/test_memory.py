@@ -16,7 +16,15 @@ import pytest
 from kvindex.indexer.domain.events import StreamId, Tier
 from kvindex.indexer.index import memory
 from kvindex.indexer.index.memory import IndexLock, MemoryIndex
-from kvindex.indexer.index.protocol import NO_MATCH, HolderLookup, Op, OpKind, PrefixMatch
+from kvindex.indexer.index.protocol import (
+    NO_MATCH,
+    HolderLookup,
+    OnGpu,
+    Op,
+    OpKind,
+    PrefixMatch,
+    gpu_count,
+)
 from tests.oracles.tables import PyTables, python_index
 
 S = StreamId("r1")
@@ -247,3 +255,20 @@ def test_native_pieces_cover_the_batches_in_order_and_hold_about_hold_blocks() -
     memory._add_counts(totals, (1, 0, 0, 5, 0, 0, 0, 0, 0, 16))
     memory._add_counts(totals, (2, 1, 0, 0, 3, 0, 0, 0, 0, -1))
     assert totals == [3, 1, 0, 5, 3, 0, 0, 0, 0, 16]
+
+
+def test_all_gpu_matches_are_counted_by_length_and_reused_within_a_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    index = MemoryIndex()
+    index.apply(S, 0, 1.0, [store(1, 101), store(2, 102)])
+    off_gpu = StreamId("r2")
+    index.apply(off_gpu, 0, 1.0, [store(1, 101), store(2, 102, CPU), store(3, 103)])
+    gpu_run = index.longest_prefix(KEYS[:2], [S])[S]
+    assert type(gpu_run.tiers) is OnGpu and gpu_run == PrefixMatch((GPU, GPU))
+    assert index.longest_prefix(KEYS[:2], [S])[S] is gpu_run  # one object per length
+    mixed = index.longest_prefix(KEYS, [off_gpu])[off_gpu].tiers
+    assert type(mixed) is tuple and gpu_count(mixed) == 2 == gpu_count(gpu_run.tiers)
+    monkeypatch.setattr(memory, "_GPU_MATCHES_BLOCKS", 2)
+    assert index.longest_prefix(KEYS[:1], [S])[S] == PrefixMatch((GPU,))  # past the bound
+    assert index.longest_prefix(KEYS[:2], [S])[S] is not gpu_run  # dropped, made again
