@@ -1,6 +1,7 @@
 """``kvindex picker``'s decision latency: from a gateway's request headers sent to the header
 mutation naming the endpoints received, for an ~8,000-token chat body tokenized in the picker
-by a local tokenizer (a byte-level BPE ``tokenizer.json`` trained here, with a chat template).
+by a local tokenizer (a byte-level BPE ``tokenizer.json`` trained here, with a ChatML template
+whose turn markers are special tokens, as a chat model's are).
 
 Three ``kvindex replica-sim``s and one ``kvindex picker`` (memory store, its own subscriber)
 run as subprocesses on free loopback ports; a gateway stand-in built from Envoy's ext_proc
@@ -12,12 +13,16 @@ replica-sims tokenize by words, not with this tokenizer, so their KV events matc
 here: the latency is a decision's cost, not a cache hit's. ``small`` sends a one-word prompt
 (the floor: gRPC and a decision with nothing to tokenize); ``repeat`` sends one body again and
 again (after the first, the picker's tokenizer cache answers, as for a fleet's recurring
-prompts); ``unique`` gives each request a body never sent (tokenized in full each time). One
-JSON line per mode (client-side p50/p90/p99, the picker's own mean from its
+prompts); ``unique`` gives each request a body never sent (tokenized in full each time);
+``turns`` makes each request a conversation's next turn (the last one's messages, an assistant
+answer and a new user question: what a gateway mostly sends), ``--conversations`` of them in
+turn, their first turns sent unmeasured before (the tokenizer encodes the new turn only, from
+the kept prefix). One JSON line per mode (client-side p50/p90/p99, ``after_body_p50_ms``: from
+the body's last chunk written to the header mutation received, the picker's own mean from its
 ``kvindex_picker_decision_seconds``, and ``in_process_p50_ms``: the same request phase fed
 to a picker built in the bench's process, no gRPC), then one with the machine's load.
 
-    python bench/picker.py [--requests 300] [--prompt-tokens 8000]
+    python bench/picker.py [--requests 300] [--prompt-tokens 8000] [--conversations 30]
 """
 
 from __future__ import annotations
@@ -57,16 +62,16 @@ from tests.support.gateway import (
 )
 from tests.support.processes import Child, http_ok, kvindex_child
 from tests.support.redis_server import free_ports
-from tests.support.request_logs import make_tokenizer, text
+from tests.support.request_logs import text
+from tests.support.tokenizer_kinds import write_model
 
 MODEL = "demo-model"
-TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}<|assistant|>"
+TURN_WORDS = (60, 30)
+"""An assistant answer's and a user question's words in each next turn."""
 
 
 def _tokenizer(workdir: Path) -> Path:
-    path = make_tokenizer(workdir / "tokenizer.json")
-    (workdir / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
-    return path
+    return write_model(workdir / "model", "byte_level_bpe")
 
 
 def _chat(tokenizer_path: Path, num_tokens: int, seed: int) -> dict[str, Any]:
@@ -79,6 +84,28 @@ def _chat(tokenizer_path: Path, num_tokens: int, seed: int) -> dict[str, Any]:
     question = f"request {seed}: " + text(rng, 30)
     messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
     return {"model": MODEL, "messages": messages, "max_tokens": 1}
+
+
+def _turns(
+    tokenizer_path: Path, num_tokens: int, num_conversations: int, num_turns: int
+) -> tuple[list[bytes], list[bytes]]:
+    """Each conversation's first turn, then its next ``num_turns`` turns, conversations in
+    turn; sized to grow through ``num_tokens`` (about 120 tokens a turn)."""
+    rng = random.Random(1)
+    chats = [
+        _chat(tokenizer_path, num_tokens - 60 * num_turns, 10_000 + n)
+        for n in range(num_conversations)
+    ]
+    first = [json.dumps(chat).encode() for chat in chats]
+    later: list[bytes] = []
+    for _ in range(num_turns):
+        for chat in chats:
+            chat["messages"] += [
+                {"role": "assistant", "content": text(rng, TURN_WORDS[0])},
+                {"role": "user", "content": text(rng, TURN_WORDS[1])},
+            ]
+            later.append(json.dumps(chat).encode())
+    return first, later
 
 
 def _fleet(stack: ExitStack, workdir: Path, tokenizer: Path) -> tuple[int, int]:
@@ -110,15 +137,17 @@ def _fleet(stack: ExitStack, workdir: Path, tokenizer: Path) -> tuple[int, int]:
     return port, metrics_port
 
 
-async def _decide(stub: Any, raw: bytes) -> float:
-    """Seconds from the headers sent to the header mutation received; the stream finished."""
+async def _decide(stub: Any, raw: bytes) -> tuple[float, float]:
+    """Seconds from the headers sent, and from the body's end written, to the header
+    mutation received; the stream finished."""
     call = stub.Process()
     headers = {":method": "POST", ":path": "/v1/chat/completions"}
     started = time.perf_counter()
     for message in (headers_message(headers), *body_messages(raw, 4)):
         await call.write(message)
+    written = time.perf_counter()
     named = await call.read()
-    elapsed = time.perf_counter() - started
+    received = time.perf_counter()
     assert named.request_headers.response.header_mutation.set_headers, named
     await call.read()  # the body sent back
     await call.write(response_headers_message())
@@ -126,7 +155,7 @@ async def _decide(stub: Any, raw: bytes) -> float:
     await call.read()
     await call.read()
     await call.done_writing()
-    return elapsed
+    return received - started, received - written
 
 
 def _server_mean_ms(metrics_port: int) -> tuple[float, float]:
@@ -141,24 +170,31 @@ def _server_mean_ms(metrics_port: int) -> tuple[float, float]:
     ]
 
 
-async def _run(port: int, bodies: list[bytes], metrics_port: int) -> dict[str, float]:
+async def _run(
+    port: int, warm: list[bytes], bodies: list[bytes], metrics_port: int
+) -> dict[str, float]:
+    """``warm`` sent first, unmeasured (the connection, the tokenizer, the template)."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = pb_grpc.ExternalProcessorStub(channel)
-        for _ in range(20):  # warm: the connection, the tokenizer, the template
-            await _decide(stub, bodies[0])
+        for body in warm:
+            await _decide(stub, body)
         before = _server_mean_ms(metrics_port)
-        times = [await _decide(stub, body) for body in bodies]
+        pairs = [await _decide(stub, body) for body in bodies]
         after = _server_mean_ms(metrics_port)
+    times = [whole for whole, _ in pairs]
     cuts = statistics.quantiles(times, n=100)
     return {
         "p50_ms": round(statistics.median(times) * 1000, 3),
         "p90_ms": round(cuts[89] * 1000, 3),
         "p99_ms": round(cuts[98] * 1000, 3),
+        "after_body_p50_ms": round(statistics.median(tail for _, tail in pairs) * 1000, 3),
         "server_mean_ms": round((after[0] - before[0]) / (after[1] - before[1]) * 1000, 3),
     }
 
 
-async def _in_process(tokenizer: Path, bodies: list[bytes]) -> dict[str, float]:
+async def _in_process(
+    tokenizer: Path, warm: list[bytes], bodies: list[bytes]
+) -> dict[str, float]:
     """The request phase fed straight to a picker built here (no gRPC, no sockets): what the
     picker's own work costs. Health checks off (no replica runs), the same tokenizer."""
     specs = tuple(
@@ -175,10 +211,12 @@ async def _in_process(tokenizer: Path, bodies: list[bytes]) -> dict[str, float]:
     service = Service.build(load_settings(extra_replicas=specs, env={}), api)
     picker = build_picker(service.deps, PickerSettings())
     try:
-        times = [await _feed(picker, body) for body in bodies[:20] + bodies]
+        for body in warm:
+            await _feed(picker, body)
+        times = [await _feed(picker, body) for body in bodies]
     finally:
         service.stop()
-    return {"in_process_p50_ms": round(statistics.median(times[20:]) * 1000, 3)}
+    return {"in_process_p50_ms": round(statistics.median(times) * 1000, 3)}
 
 
 async def _feed(picker: Picker, raw: bytes) -> float:
@@ -196,6 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--prompt-tokens", type=int, default=8000)
+    parser.add_argument("--conversations", type=int, default=30)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         workdir = Path(tmp)
@@ -206,17 +245,21 @@ def main(argv: list[str] | None = None) -> None:
             for seed in range(args.requests + 1)
         ]
         small = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 1}).encode()
+        num_turns = max(1, args.requests // args.conversations)
+        first, later = _turns(tokenizer, args.prompt_tokens, args.conversations, num_turns)
         modes = (
-            ("small", [small] * args.requests),
-            ("repeat", [bodies[0]] * args.requests),
-            ("unique", bodies[1:]),
+            ("small", [small] * 20, [small] * args.requests),
+            ("repeat", [bodies[0]] * 20, [bodies[0]] * args.requests),
+            ("unique", [bodies[0]] * 20, bodies[1:]),
+            ("turns", first, later),
         )
-        for mode, sent in modes:
+        for mode, warm, sent in modes:
             tokens = 1 if mode == "small" else args.prompt_tokens
             row = {"bench": "picker", "mode": mode, "prompt_tokens": tokens}
-            row |= {"body_bytes": len(sent[0]), "requests": len(sent)}
-            row |= asyncio.run(_run(port, sent, metrics_port))
-            print(json.dumps(row | asyncio.run(_in_process(tokenizer, sent))), flush=True)
+            row |= {"body_bytes": round(statistics.mean(map(len, sent))), "requests": len(sent)}
+            row |= asyncio.run(_run(port, warm, sent, metrics_port))
+            row |= asyncio.run(_in_process(tokenizer, warm, sent))
+            print(json.dumps(row), flush=True)
     print(json.dumps({"bench": "picker", "load": host_load(), "calibration_ms": calibration_ms()}))
 
 
