@@ -192,9 +192,7 @@ async def _run(
     }
 
 
-async def _in_process(
-    tokenizer: Path, warm: list[bytes], bodies: list[bytes]
-) -> dict[str, float]:
+async def _in_process(tokenizer: Path, warm: list[bytes], bodies: list[bytes]) -> dict[str, float]:
     """The request phase fed straight to a picker built here (no gRPC, no sockets): what the
     picker's own work costs. Health checks off (no replica runs), the same tokenizer."""
     specs = tuple(
