@@ -19,7 +19,8 @@ answer and a new user question: what a gateway mostly sends), ``--conversations`
 turn, their first turns sent unmeasured before (the tokenizer encodes the new turn only, from
 the kept prefix). One JSON line per mode (client-side p50/p90/p99, ``after_body_p50_ms``: from
 the body's last chunk written to the header mutation received, the picker's own mean from its
-``kvindex_picker_decision_seconds``, and ``in_process_p50_ms``: the same request phase fed
+``kvindex_picker_decision_seconds``, ``picker_cpu_ms``: its process's CPU a request, and
+``in_process_p50_ms``: the same request phase fed
 to a picker built in the bench's process, no gRPC), then one with the machine's load.
 
     python bench/picker.py [--requests 300] [--prompt-tokens 8000] [--conversations 30]
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -108,8 +110,8 @@ def _turns(
     return first, later
 
 
-def _fleet(stack: ExitStack, workdir: Path, tokenizer: Path) -> tuple[int, int]:
-    """Three sims and a picker; the picker's gRPC and metrics ports."""
+def _fleet(stack: ExitStack, workdir: Path, tokenizer: Path) -> tuple[int, int, int]:
+    """Three sims and a picker; the picker's gRPC and metrics ports and its process id."""
     ports = free_ports(8)
     specs = []
     for n, rid in enumerate(("r1", "r2", "r3")):
@@ -134,7 +136,14 @@ def _fleet(stack: ExitStack, workdir: Path, tokenizer: Path) -> tuple[int, int]:
     )
     stack.callback(picker.stop)
     picker.start(40)
-    return port, metrics_port
+    assert picker.process is not None
+    return port, metrics_port, picker.process.pid
+
+
+def _cpu_s(pid: int) -> float:
+    """The CPU seconds (user and system) process ``pid`` has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _decide(stub: Any, raw: bytes) -> tuple[float, float]:
@@ -171,16 +180,17 @@ def _server_mean_ms(metrics_port: int) -> tuple[float, float]:
 
 
 async def _run(
-    port: int, warm: list[bytes], bodies: list[bytes], metrics_port: int
+    port: int, warm: list[bytes], bodies: list[bytes], metrics_port: int, pid: int
 ) -> dict[str, float]:
-    """``warm`` sent first, unmeasured (the connection, the tokenizer, the template)."""
+    """``warm`` sent first, unmeasured (the connection, the tokenizer, the template); the
+    picker's CPU a request from ``/proc``."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = pb_grpc.ExternalProcessorStub(channel)
         for body in warm:
             await _decide(stub, body)
-        before = _server_mean_ms(metrics_port)
+        before, cpu_before = _server_mean_ms(metrics_port), _cpu_s(pid)
         pairs = [await _decide(stub, body) for body in bodies]
-        after = _server_mean_ms(metrics_port)
+        after, cpu_after = _server_mean_ms(metrics_port), _cpu_s(pid)
     times = [whole for whole, _ in pairs]
     cuts = statistics.quantiles(times, n=100)
     return {
@@ -189,6 +199,7 @@ async def _run(
         "p99_ms": round(cuts[98] * 1000, 3),
         "after_body_p50_ms": round(statistics.median(tail for _, tail in pairs) * 1000, 3),
         "server_mean_ms": round((after[0] - before[0]) / (after[1] - before[1]) * 1000, 3),
+        "picker_cpu_ms": round((cpu_after - cpu_before) / len(bodies) * 1000, 3),
     }
 
 
@@ -237,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         workdir = Path(tmp)
         tokenizer = _tokenizer(workdir)
-        port, metrics_port = _fleet(stack, workdir, tokenizer)
+        port, metrics_port, pid = _fleet(stack, workdir, tokenizer)
         bodies = [
             json.dumps(_chat(tokenizer, args.prompt_tokens, seed)).encode()
             for seed in range(args.requests + 1)
@@ -255,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
             tokens = 1 if mode == "small" else args.prompt_tokens
             row = {"bench": "picker", "mode": mode, "prompt_tokens": tokens}
             row |= {"body_bytes": round(statistics.mean(map(len, sent))), "requests": len(sent)}
-            row |= asyncio.run(_run(port, warm, sent, metrics_port))
+            row |= asyncio.run(_run(port, warm, sent, metrics_port, pid))
             row |= asyncio.run(_in_process(tokenizer, warm, sent))
             print(json.dumps(row), flush=True)
     print(json.dumps({"bench": "picker", "load": host_load(), "calibration_ms": calibration_ms()}))
