@@ -92,7 +92,7 @@ def _turns(
     tokenizer_path: Path, num_tokens: int, num_conversations: int, num_turns: int
 ) -> tuple[list[bytes], list[bytes]]:
     """Each conversation's first turn, then its next ``num_turns`` turns, conversations in
-    turn; sized to grow through ``num_tokens`` (about 120 tokens a turn)."""
+    turn; sized to grow through ``num_tokens`` (about 100 tokens a turn)."""
     rng = random.Random(1)
     chats = [
         _chat(tokenizer_path, num_tokens - 60 * num_turns, 10_000 + n)
