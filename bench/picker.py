@@ -19,7 +19,9 @@ answer and a new user question: what a gateway mostly sends), ``--conversations`
 turn, their first turns sent unmeasured before (the tokenizer encodes the new turn only, from
 the kept prefix). One JSON line per mode (client-side p50/p90/p99, ``after_body_p50_ms``: from
 the body's last chunk written to the header mutation received, the picker's own mean from its
-``kvindex_picker_decision_seconds``, ``picker_cpu_ms``: its process's CPU a request, and
+``kvindex_picker_decision_seconds``, ``picker_cpu_ms``: its process's CPU a request,
+``gateway_p50_ms``: the requests of the same kind (bodies of their own) from a client that
+writes each phase's messages at once over plain HTTP/2, as Envoy does, and
 ``in_process_p50_ms``: the same request phase fed
 to a picker built in the bench's process, no gRPC), then one with the machine's load.
 
@@ -33,6 +35,7 @@ import asyncio
 import json
 import os
 import random
+import socket
 import statistics
 import sys
 import tempfile
@@ -42,6 +45,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import h2.config
+import h2.connection
+import h2.events
 import httpx
 import tokenizers
 
@@ -89,13 +95,13 @@ def _chat(tokenizer_path: Path, num_tokens: int, seed: int) -> dict[str, Any]:
 
 
 def _turns(
-    tokenizer_path: Path, num_tokens: int, num_conversations: int, num_turns: int
+    tokenizer_path: Path, num_tokens: int, num_conversations: int, num_turns: int, seed: int = 0
 ) -> tuple[list[bytes], list[bytes]]:
     """Each conversation's first turn, then its next ``num_turns`` turns, conversations in
     turn; sized to grow through ``num_tokens`` (about 100 tokens a turn)."""
-    rng = random.Random(1)
+    rng = random.Random(1 + seed)
     chats = [
-        _chat(tokenizer_path, num_tokens - 60 * num_turns, 10_000 + n)
+        _chat(tokenizer_path, num_tokens - 60 * num_turns, 10_000 + 1_000 * seed + n)
         for n in range(num_conversations)
     ]
     first = [json.dumps(chat).encode() for chat in chats]
@@ -165,6 +171,113 @@ async def _decide(stub: Any, raw: bytes) -> tuple[float, float]:
     await call.read()
     await call.done_writing()
     return received - started, received - written
+
+
+PROCESS_PATH = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+
+
+class RawGateway:
+    """A gateway's side of ``Process`` streams written as Envoy's C++ client writes them: each
+    phase's messages framed and sent in one write over plain HTTP/2 (``h2``), no gRPC library,
+    so that no client-side pacing between messages is timed."""
+
+    def __init__(self, port: int) -> None:
+        self._sock = socket.create_connection(("127.0.0.1", port))
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        config = h2.config.H2Configuration(client_side=True, header_encoding="utf-8")
+        self._conn = h2.connection.H2Connection(config)
+        self._conn.initiate_connection()
+        self._conn.increment_flow_control_window(2**30)
+        self._flush()
+        self._received: dict[int, bytearray] = {}
+        self._ended: set[int] = set()
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def decide(self, raw: bytes) -> float:
+        """Seconds from the request phase written to the header mutation read."""
+        stream = self._conn.get_next_available_stream_id()
+        self._conn.send_headers(stream, _grpc_headers())
+        messages = (headers_message({":method": "POST"}), *body_messages(raw, 4))
+        started = time.perf_counter()
+        self._send(stream, b"".join(map(_framed, messages)))
+        named = self._message(stream)
+        elapsed = time.perf_counter() - started
+        assert b"x-gateway-destination-endpoint" in named, named
+        self._message(stream)  # the body sent back
+        response = (response_headers_message(), response_body_message(b"data: [DONE]", True))
+        self._send(stream, b"".join(map(_framed, response)), end=True)
+        while stream not in self._ended:
+            self._read()
+        del self._received[stream]
+        return elapsed
+
+    def _send(self, stream: int, data: bytes, *, end: bool = False) -> None:
+        """``data`` in DATA frames of the largest size allowed, written at once."""
+        while self._conn.local_flow_control_window(stream) < len(data):
+            self._read()
+        size = self._conn.max_outbound_frame_size
+        for start in range(0, len(data), size):
+            last = start + size >= len(data)
+            self._conn.send_data(stream, data[start : start + size], end_stream=end and last)
+        self._flush()
+
+    def _message(self, stream: int) -> bytes:
+        """The next gRPC message on ``stream`` (its bytes, not parsed)."""
+        while True:
+            buffer = self._received.setdefault(stream, bytearray())
+            if len(buffer) >= 5:
+                size = int.from_bytes(buffer[1:5], "big")
+                if len(buffer) >= 5 + size:
+                    message = bytes(buffer[5 : 5 + size])
+                    del buffer[: 5 + size]
+                    return message
+            self._read()
+
+    def _read(self) -> None:
+        data = self._sock.recv(1 << 20)
+        if not data:
+            raise ConnectionError("the picker closed the connection")
+        for event in self._conn.receive_data(data):
+            if isinstance(event, h2.events.DataReceived) and event.stream_id is not None:
+                self._received.setdefault(event.stream_id, bytearray()).extend(event.data or b"")
+                self._conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            elif isinstance(event, h2.events.StreamEnded | h2.events.StreamReset):
+                assert event.stream_id is not None
+                self._ended.add(event.stream_id)
+        self._flush()
+
+    def _flush(self) -> None:
+        self._sock.sendall(self._conn.data_to_send())
+
+
+def _grpc_headers() -> list[tuple[str, str]]:
+    return [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", PROCESS_PATH),
+        (":authority", "127.0.0.1"),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+    ]
+
+
+def _framed(message: Any) -> bytes:
+    data: bytes = message.SerializeToString()
+    return b"\x00" + len(data).to_bytes(4, "big") + data
+
+
+def _raw_p50_ms(port: int, warm: list[bytes], bodies: list[bytes]) -> dict[str, float]:
+    """``gateway_p50_ms``: the same requests from a :class:`RawGateway`."""
+    gateway = RawGateway(port)
+    try:
+        for body in warm:
+            gateway.decide(body)
+        times = [gateway.decide(body) for body in bodies]
+    finally:
+        gateway.close()
+    return {"gateway_p50_ms": round(statistics.median(times) * 1000, 3)}
 
 
 def _server_mean_ms(metrics_port: int) -> tuple[float, float]:
@@ -239,6 +352,27 @@ async def _feed(picker: Picker, raw: bytes) -> float:
     return elapsed
 
 
+def _modes(
+    tokenizer: Path, args: argparse.Namespace, client: int
+) -> list[tuple[str, list[bytes], list[bytes]]]:
+    """Each mode's (name, warm-up bodies, measured bodies); ``client`` 1 (the raw gateway's)
+    gets bodies of its own where the picker must not have seen client 0's."""
+    start = 1 + client * args.requests
+    bodies = [
+        json.dumps(_chat(tokenizer, args.prompt_tokens, seed)).encode()
+        for seed in (0, *range(start, start + args.requests))
+    ]
+    small = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 1}).encode()
+    num_turns = max(1, args.requests // args.conversations)
+    first, later = _turns(tokenizer, args.prompt_tokens, args.conversations, num_turns, client)
+    return [
+        ("small", [small] * 20, [small] * args.requests),
+        ("repeat", [bodies[0]] * 20, [bodies[0]] * args.requests),
+        ("unique", [bodies[0]] * 20, bodies[1:]),
+        ("turns", first, later),
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=300)
@@ -249,24 +383,13 @@ def main(argv: list[str] | None = None) -> None:
         workdir = Path(tmp)
         tokenizer = _tokenizer(workdir)
         port, metrics_port, pid = _fleet(stack, workdir, tokenizer)
-        bodies = [
-            json.dumps(_chat(tokenizer, args.prompt_tokens, seed)).encode()
-            for seed in range(args.requests + 1)
-        ]
-        small = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 1}).encode()
-        num_turns = max(1, args.requests // args.conversations)
-        first, later = _turns(tokenizer, args.prompt_tokens, args.conversations, num_turns)
-        modes = (
-            ("small", [small] * 20, [small] * args.requests),
-            ("repeat", [bodies[0]] * 20, [bodies[0]] * args.requests),
-            ("unique", [bodies[0]] * 20, bodies[1:]),
-            ("turns", first, later),
-        )
-        for mode, warm, sent in modes:
+        modes = [_modes(tokenizer, args, client) for client in range(2)]
+        for (mode, warm, sent), (_, raw_warm, raw_sent) in zip(*modes, strict=True):
             tokens = 1 if mode == "small" else args.prompt_tokens
             row = {"bench": "picker", "mode": mode, "prompt_tokens": tokens}
             row |= {"body_bytes": round(statistics.mean(map(len, sent))), "requests": len(sent)}
             row |= asyncio.run(_run(port, warm, sent, metrics_port, pid))
+            row |= _raw_p50_ms(port, raw_warm, raw_sent)
             row |= asyncio.run(_in_process(tokenizer, warm, sent))
             print(json.dumps(row), flush=True)
     print(json.dumps({"bench": "picker", "load": host_load(), "calibration_ms": calibration_ms()}))
