@@ -5,11 +5,9 @@ whose turn markers are special tokens, as a chat model's are).
 
 Three ``kvindex replica-sim``s and one ``kvindex picker`` (memory store, its own subscriber)
 run as subprocesses on free loopback ports; a gateway stand-in built from Envoy's ext_proc
-protos (the messages of ``tests/support/gateway.py``, sent by an asyncio gRPC client so that
-the client's own thread hand-offs stay out of the figure) sends each request on its own
-``Process`` stream: the headers, the body in 4 chunks (full-duplex streamed), then the
-response to its end. The
-replica-sims tokenize by words, not with this tokenizer, so their KV events match no prompt
+protos (the messages of ``tests/support/gateway.py``, sent by an asyncio gRPC client, each
+write awaited) sends each request on its own ``Process`` stream: the headers, the body in 4
+chunks (full-duplex streamed), then the response to its end. The replica-sims tokenize by words, not with this tokenizer, so their KV events match no prompt
 here: the latency is a decision's cost, not a cache hit's. ``small`` sends a one-word prompt
 (the floor: gRPC and a decision with nothing to tokenize); ``repeat`` sends one body again and
 again (after the first, the picker's tokenizer cache answers, as for a fleet's recurring
