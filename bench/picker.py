@@ -7,21 +7,22 @@ Three ``kvindex replica-sim``s and one ``kvindex picker`` (memory store, its own
 run as subprocesses on free loopback ports; a gateway stand-in built from Envoy's ext_proc
 protos (the messages of ``tests/support/gateway.py``, sent by an asyncio gRPC client, each
 write awaited) sends each request on its own ``Process`` stream: the headers, the body in 4
-chunks (full-duplex streamed), then the response to its end. The replica-sims tokenize by words, not with this tokenizer, so their KV events match no prompt
-here: the latency is a decision's cost, not a cache hit's. ``small`` sends a one-word prompt
-(the floor: gRPC and a decision with nothing to tokenize); ``repeat`` sends one body again and
-again (after the first, the picker's tokenizer cache answers, as for a fleet's recurring
-prompts); ``unique`` gives each request a body never sent (tokenized in full each time);
-``turns`` makes each request a conversation's next turn (the last one's messages, an assistant
-answer and a new user question: what a gateway mostly sends), ``--conversations`` of them in
-turn, their first turns sent unmeasured before (the tokenizer encodes the new turn only, from
-the kept prefix). One JSON line per mode (client-side p50/p90/p99, ``after_body_p50_ms``: from
-the body's last chunk written to the header mutation received, the picker's own mean from its
+chunks (full-duplex streamed), then the response to its end. The replica-sims tokenize by
+words, not with this tokenizer, so their KV events match no prompt here: the latency is a
+decision's cost, not a cache hit's. ``small`` sends a one-word prompt (the floor: gRPC and a
+decision with nothing to tokenize); ``repeat`` sends one body again and again (after the first,
+the picker's tokenizer cache answers, as for a fleet's recurring prompts); ``unique`` gives
+each request a body never sent (tokenized in full each time); ``turns`` makes each request a
+conversation's next turn (the last one's messages, an assistant answer and a new user question:
+what a gateway mostly sends), ``--conversations`` of them in turn, their first turns sent
+unmeasured before (the tokenizer encodes the new turn only, from the kept prefix). One JSON
+line per mode (client-side p50/p90/p99, ``after_body_p50_ms``: from the body's last chunk
+written to the header mutation received, the picker's own mean from its
 ``kvindex_picker_decision_seconds``, ``picker_cpu_ms``: its process's CPU a request,
 ``gateway_p50_ms``: the requests of the same kind (bodies of their own) from a client that
 writes each phase's messages at once over plain HTTP/2, as Envoy does, and
-``in_process_p50_ms``: the same request phase fed
-to a picker built in the bench's process, no gRPC), then one with the machine's load.
+``in_process_p50_ms``: the same request phase fed to a picker built in the bench's process, no
+gRPC), then one with the machine's load.
 
     python bench/picker.py [--requests 300] [--prompt-tokens 8000] [--conversations 30]
 """
