@@ -73,6 +73,7 @@ from tests.support.request_logs import text
 from tests.support.tokenizer_kinds import write_model
 
 MODEL = "demo-model"
+REQUEST_HEADERS = {":method": "POST", ":path": "/v1/chat/completions"}
 TURN_WORDS = (60, 30)
 """An assistant answer's and a user question's words in each next turn."""
 
@@ -155,9 +156,8 @@ async def _decide(stub: Any, raw: bytes) -> tuple[float, float]:
     """Seconds from the headers sent, and from the body's end written, to the header
     mutation received; the stream finished."""
     call = stub.Process()
-    headers = {":method": "POST", ":path": "/v1/chat/completions"}
     started = time.perf_counter()
-    for message in (headers_message(headers), *body_messages(raw, 4)):
+    for message in (headers_message(REQUEST_HEADERS), *body_messages(raw, 4)):
         await call.write(message)
     written = time.perf_counter()
     named = await call.read()
@@ -198,7 +198,7 @@ class RawGateway:
         """Seconds from the request phase written to the header mutation read."""
         stream = self._conn.get_next_available_stream_id()
         self._conn.send_headers(stream, _grpc_headers())
-        messages = (headers_message({":method": "POST"}), *body_messages(raw, 4))
+        messages = (headers_message(REQUEST_HEADERS), *body_messages(raw, 4))
         started = time.perf_counter()
         self._send(stream, b"".join(map(_framed, messages)))
         named = self._message(stream)
