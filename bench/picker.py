@@ -1,23 +1,30 @@
 """``kvindex picker``'s decision latency: from a gateway's request headers sent to the header
 mutation naming the endpoints received, for an ~8,000-token chat body tokenized in the picker
-by a local tokenizer (a byte-level BPE ``tokenizer.json`` trained here, with a chat template).
+by a local tokenizer (a byte-level BPE ``tokenizer.json`` trained here, with a ChatML template
+whose turn markers are special tokens, as a chat model's are).
 
 Three ``kvindex replica-sim``s and one ``kvindex picker`` (memory store, its own subscriber)
 run as subprocesses on free loopback ports; a gateway stand-in built from Envoy's ext_proc
-protos (the messages of ``tests/support/gateway.py``, sent by an asyncio gRPC client so that
-the client's own thread hand-offs stay out of the figure) sends each request on its own
-``Process`` stream: the headers, the body in 4 chunks (full-duplex streamed), then the
-response to its end. The
-replica-sims tokenize by words, not with this tokenizer, so their KV events match no prompt
-here: the latency is a decision's cost, not a cache hit's. ``small`` sends a one-word prompt
-(the floor: gRPC and a decision with nothing to tokenize); ``repeat`` sends one body again and
-again (after the first, the picker's tokenizer cache answers, as for a fleet's recurring
-prompts); ``unique`` gives each request a body never sent (tokenized in full each time). One
-JSON line per mode (client-side p50/p90/p99, the picker's own mean from its
-``kvindex_picker_decision_seconds``, and ``in_process_p50_ms``: the same request phase fed
-to a picker built in the bench's process, no gRPC), then one with the machine's load.
+protos (the messages of ``tests/support/gateway.py``, sent by an asyncio gRPC client, each
+write awaited) sends each request on its own ``Process`` stream: the headers, the body in 4
+chunks (full-duplex streamed), then the response to its end. The replica-sims tokenize by
+words, not with this tokenizer, so their KV events match no prompt here: the latency is a
+decision's cost, not a cache hit's. ``small`` sends a one-word prompt (the floor: gRPC and a
+decision with nothing to tokenize); ``repeat`` sends one body again and again (after the first,
+the picker's tokenizer cache answers, as for a fleet's recurring prompts); ``unique`` gives
+each request a body never sent (tokenized in full each time); ``turns`` makes each request a
+conversation's next turn (the last one's messages, an assistant answer and a new user question:
+what a gateway mostly sends), ``--conversations`` of them in turn, their first turns sent
+unmeasured before (the tokenizer encodes the new turn only, from the kept prefix). One JSON
+line per mode (client-side p50/p90/p99, ``after_body_p50_ms``: from the body's last chunk
+written to the header mutation received, the picker's own mean from its
+``kvindex_picker_decision_seconds``, ``picker_cpu_ms``: its process's CPU a request,
+``gateway_p50_ms``: the requests of the same kind (bodies of their own) from a client that
+writes each phase's messages at once over plain HTTP/2, as Envoy does, and
+``in_process_p50_ms``: the same request phase fed to a picker built in the bench's process, no
+gRPC), then one with the machine's load.
 
-    python bench/picker.py [--requests 300] [--prompt-tokens 8000]
+    python bench/picker.py [--requests 300] [--prompt-tokens 8000] [--conversations 30]
 """
 
 from __future__ import annotations
@@ -25,7 +32,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import socket
 import statistics
 import sys
 import tempfile
@@ -35,6 +44,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import h2.config
+import h2.connection
+import h2.events
 import httpx
 import tokenizers
 
@@ -57,16 +69,17 @@ from tests.support.gateway import (
 )
 from tests.support.processes import Child, http_ok, kvindex_child
 from tests.support.redis_server import free_ports
-from tests.support.request_logs import make_tokenizer, text
+from tests.support.request_logs import text
+from tests.support.tokenizer_kinds import write_model
 
 MODEL = "demo-model"
-TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}<|assistant|>"
+REQUEST_HEADERS = {":method": "POST", ":path": "/v1/chat/completions"}
+TURN_WORDS = (60, 30)
+"""An assistant answer's and a user question's words in each next turn."""
 
 
 def _tokenizer(workdir: Path) -> Path:
-    path = make_tokenizer(workdir / "tokenizer.json")
-    (workdir / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
-    return path
+    return write_model(workdir / "model", "byte_level_bpe")
 
 
 def _chat(tokenizer_path: Path, num_tokens: int, seed: int) -> dict[str, Any]:
@@ -81,8 +94,30 @@ def _chat(tokenizer_path: Path, num_tokens: int, seed: int) -> dict[str, Any]:
     return {"model": MODEL, "messages": messages, "max_tokens": 1}
 
 
-def _fleet(stack: ExitStack, workdir: Path, tokenizer: Path) -> tuple[int, int]:
-    """Three sims and a picker; the picker's gRPC and metrics ports."""
+def _turns(
+    tokenizer_path: Path, num_tokens: int, num_conversations: int, num_turns: int, seed: int = 0
+) -> tuple[list[bytes], list[bytes]]:
+    """Each conversation's first turn, then its next ``num_turns`` turns, conversations in
+    turn; sized to grow through ``num_tokens`` (about 100 tokens a turn)."""
+    rng = random.Random(1 + seed)
+    chats = [
+        _chat(tokenizer_path, num_tokens - 60 * num_turns, 10_000 + 1_000 * seed + n)
+        for n in range(num_conversations)
+    ]
+    first = [json.dumps(chat).encode() for chat in chats]
+    later: list[bytes] = []
+    for _ in range(num_turns):
+        for chat in chats:
+            chat["messages"] += [
+                {"role": "assistant", "content": text(rng, TURN_WORDS[0])},
+                {"role": "user", "content": text(rng, TURN_WORDS[1])},
+            ]
+            later.append(json.dumps(chat).encode())
+    return first, later
+
+
+def _fleet(stack: ExitStack, workdir: Path, tokenizer: Path) -> tuple[int, int, int]:
+    """Three sims and a picker; the picker's gRPC and metrics ports and its process id."""
     ports = free_ports(8)
     specs = []
     for n, rid in enumerate(("r1", "r2", "r3")):
@@ -107,18 +142,26 @@ def _fleet(stack: ExitStack, workdir: Path, tokenizer: Path) -> tuple[int, int]:
     )
     stack.callback(picker.stop)
     picker.start(40)
-    return port, metrics_port
+    assert picker.process is not None
+    return port, metrics_port, picker.process.pid
 
 
-async def _decide(stub: Any, raw: bytes) -> float:
-    """Seconds from the headers sent to the header mutation received; the stream finished."""
+def _cpu_s(pid: int) -> float:
+    """The CPU seconds (user and system) process ``pid`` has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _decide(stub: Any, raw: bytes) -> tuple[float, float]:
+    """Seconds from the headers sent, and from the body's end written, to the header
+    mutation received; the stream finished."""
     call = stub.Process()
-    headers = {":method": "POST", ":path": "/v1/chat/completions"}
     started = time.perf_counter()
-    for message in (headers_message(headers), *body_messages(raw, 4)):
+    for message in (headers_message(REQUEST_HEADERS), *body_messages(raw, 4)):
         await call.write(message)
+    written = time.perf_counter()
     named = await call.read()
-    elapsed = time.perf_counter() - started
+    received = time.perf_counter()
     assert named.request_headers.response.header_mutation.set_headers, named
     await call.read()  # the body sent back
     await call.write(response_headers_message())
@@ -126,7 +169,114 @@ async def _decide(stub: Any, raw: bytes) -> float:
     await call.read()
     await call.read()
     await call.done_writing()
-    return elapsed
+    return received - started, received - written
+
+
+PROCESS_PATH = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+
+
+class RawGateway:
+    """A gateway's side of ``Process`` streams written as Envoy's C++ client writes them: each
+    phase's messages framed and sent in one write over plain HTTP/2 (``h2``), no gRPC library,
+    so that no client-side pacing between messages is timed."""
+
+    def __init__(self, port: int) -> None:
+        self._sock = socket.create_connection(("127.0.0.1", port))
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        config = h2.config.H2Configuration(client_side=True, header_encoding="utf-8")
+        self._conn = h2.connection.H2Connection(config)
+        self._conn.initiate_connection()
+        self._conn.increment_flow_control_window(2**30)
+        self._flush()
+        self._received: dict[int, bytearray] = {}
+        self._ended: set[int] = set()
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def decide(self, raw: bytes) -> float:
+        """Seconds from the request phase written to the header mutation read."""
+        stream = self._conn.get_next_available_stream_id()
+        self._conn.send_headers(stream, _grpc_headers())
+        messages = (headers_message(REQUEST_HEADERS), *body_messages(raw, 4))
+        started = time.perf_counter()
+        self._send(stream, b"".join(map(_framed, messages)))
+        named = self._message(stream)
+        elapsed = time.perf_counter() - started
+        assert b"x-gateway-destination-endpoint" in named, named
+        self._message(stream)  # the body sent back
+        response = (response_headers_message(), response_body_message(b"data: [DONE]", True))
+        self._send(stream, b"".join(map(_framed, response)), end=True)
+        while stream not in self._ended:
+            self._read()
+        del self._received[stream]
+        return elapsed
+
+    def _send(self, stream: int, data: bytes, *, end: bool = False) -> None:
+        """``data`` in DATA frames of the largest size allowed, written at once."""
+        while self._conn.local_flow_control_window(stream) < len(data):
+            self._read()
+        size = self._conn.max_outbound_frame_size
+        for start in range(0, len(data), size):
+            last = start + size >= len(data)
+            self._conn.send_data(stream, data[start : start + size], end_stream=end and last)
+        self._flush()
+
+    def _message(self, stream: int) -> bytes:
+        """The next gRPC message on ``stream`` (its bytes, not parsed)."""
+        while True:
+            buffer = self._received.setdefault(stream, bytearray())
+            if len(buffer) >= 5:
+                size = int.from_bytes(buffer[1:5], "big")
+                if len(buffer) >= 5 + size:
+                    message = bytes(buffer[5 : 5 + size])
+                    del buffer[: 5 + size]
+                    return message
+            self._read()
+
+    def _read(self) -> None:
+        data = self._sock.recv(1 << 20)
+        if not data:
+            raise ConnectionError("the picker closed the connection")
+        for event in self._conn.receive_data(data):
+            if isinstance(event, h2.events.DataReceived) and event.stream_id is not None:
+                self._received.setdefault(event.stream_id, bytearray()).extend(event.data or b"")
+                self._conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            elif isinstance(event, h2.events.StreamEnded | h2.events.StreamReset):
+                assert event.stream_id is not None
+                self._ended.add(event.stream_id)
+        self._flush()
+
+    def _flush(self) -> None:
+        self._sock.sendall(self._conn.data_to_send())
+
+
+def _grpc_headers() -> list[tuple[str, str]]:
+    return [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", PROCESS_PATH),
+        (":authority", "127.0.0.1"),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+    ]
+
+
+def _framed(message: Any) -> bytes:
+    data: bytes = message.SerializeToString()
+    return b"\x00" + len(data).to_bytes(4, "big") + data
+
+
+def _raw_p50_ms(port: int, warm: list[bytes], bodies: list[bytes]) -> dict[str, float]:
+    """``gateway_p50_ms``: the same requests from a :class:`RawGateway`."""
+    gateway = RawGateway(port)
+    try:
+        for body in warm:
+            gateway.decide(body)
+        times = [gateway.decide(body) for body in bodies]
+    finally:
+        gateway.close()
+    return {"gateway_p50_ms": round(statistics.median(times) * 1000, 3)}
 
 
 def _server_mean_ms(metrics_port: int) -> tuple[float, float]:
@@ -141,24 +291,31 @@ def _server_mean_ms(metrics_port: int) -> tuple[float, float]:
     ]
 
 
-async def _run(port: int, bodies: list[bytes], metrics_port: int) -> dict[str, float]:
+async def _run(
+    port: int, warm: list[bytes], bodies: list[bytes], metrics_port: int, pid: int
+) -> dict[str, float]:
+    """``warm`` sent first, unmeasured (the connection, the tokenizer, the template); the
+    picker's CPU a request from ``/proc``."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = pb_grpc.ExternalProcessorStub(channel)
-        for _ in range(20):  # warm: the connection, the tokenizer, the template
-            await _decide(stub, bodies[0])
-        before = _server_mean_ms(metrics_port)
-        times = [await _decide(stub, body) for body in bodies]
-        after = _server_mean_ms(metrics_port)
+        for body in warm:
+            await _decide(stub, body)
+        before, cpu_before = _server_mean_ms(metrics_port), _cpu_s(pid)
+        pairs = [await _decide(stub, body) for body in bodies]
+        after, cpu_after = _server_mean_ms(metrics_port), _cpu_s(pid)
+    times = [whole for whole, _ in pairs]
     cuts = statistics.quantiles(times, n=100)
     return {
         "p50_ms": round(statistics.median(times) * 1000, 3),
         "p90_ms": round(cuts[89] * 1000, 3),
         "p99_ms": round(cuts[98] * 1000, 3),
+        "after_body_p50_ms": round(statistics.median(tail for _, tail in pairs) * 1000, 3),
         "server_mean_ms": round((after[0] - before[0]) / (after[1] - before[1]) * 1000, 3),
+        "picker_cpu_ms": round((cpu_after - cpu_before) / len(bodies) * 1000, 3),
     }
 
 
-async def _in_process(tokenizer: Path, bodies: list[bytes]) -> dict[str, float]:
+async def _in_process(tokenizer: Path, warm: list[bytes], bodies: list[bytes]) -> dict[str, float]:
     """The request phase fed straight to a picker built here (no gRPC, no sockets): what the
     picker's own work costs. Health checks off (no replica runs), the same tokenizer."""
     specs = tuple(
@@ -175,10 +332,12 @@ async def _in_process(tokenizer: Path, bodies: list[bytes]) -> dict[str, float]:
     service = Service.build(load_settings(extra_replicas=specs, env={}), api)
     picker = build_picker(service.deps, PickerSettings())
     try:
-        times = [await _feed(picker, body) for body in bodies[:20] + bodies]
+        for body in warm:
+            await _feed(picker, body)
+        times = [await _feed(picker, body) for body in bodies]
     finally:
         service.stop()
-    return {"in_process_p50_ms": round(statistics.median(times[20:]) * 1000, 3)}
+    return {"in_process_p50_ms": round(statistics.median(times) * 1000, 3)}
 
 
 async def _feed(picker: Picker, raw: bytes) -> float:
@@ -192,31 +351,46 @@ async def _feed(picker: Picker, raw: bytes) -> float:
     return elapsed
 
 
+def _modes(
+    tokenizer: Path, args: argparse.Namespace, client: int
+) -> list[tuple[str, list[bytes], list[bytes]]]:
+    """Each mode's (name, warm-up bodies, measured bodies); ``client`` 1 (the raw gateway's)
+    gets bodies of its own where the picker must not have seen client 0's."""
+    start = 1 + client * args.requests
+    bodies = [
+        json.dumps(_chat(tokenizer, args.prompt_tokens, seed)).encode()
+        for seed in (0, *range(start, start + args.requests))
+    ]
+    small = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 1}).encode()
+    num_turns = max(1, args.requests // args.conversations)
+    first, later = _turns(tokenizer, args.prompt_tokens, args.conversations, num_turns, client)
+    return [
+        ("small", [small] * 20, [small] * args.requests),
+        ("repeat", [bodies[0]] * 20, [bodies[0]] * args.requests),
+        ("unique", [bodies[0]] * 20, bodies[1:]),
+        ("turns", first, later),
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--prompt-tokens", type=int, default=8000)
+    parser.add_argument("--conversations", type=int, default=30)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         workdir = Path(tmp)
         tokenizer = _tokenizer(workdir)
-        port, metrics_port = _fleet(stack, workdir, tokenizer)
-        bodies = [
-            json.dumps(_chat(tokenizer, args.prompt_tokens, seed)).encode()
-            for seed in range(args.requests + 1)
-        ]
-        small = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 1}).encode()
-        modes = (
-            ("small", [small] * args.requests),
-            ("repeat", [bodies[0]] * args.requests),
-            ("unique", bodies[1:]),
-        )
-        for mode, sent in modes:
+        port, metrics_port, pid = _fleet(stack, workdir, tokenizer)
+        modes = [_modes(tokenizer, args, client) for client in range(2)]
+        for (mode, warm, sent), (_, raw_warm, raw_sent) in zip(*modes, strict=True):
             tokens = 1 if mode == "small" else args.prompt_tokens
             row = {"bench": "picker", "mode": mode, "prompt_tokens": tokens}
-            row |= {"body_bytes": len(sent[0]), "requests": len(sent)}
-            row |= asyncio.run(_run(port, sent, metrics_port))
-            print(json.dumps(row | asyncio.run(_in_process(tokenizer, sent))), flush=True)
+            row |= {"body_bytes": round(statistics.mean(map(len, sent))), "requests": len(sent)}
+            row |= asyncio.run(_run(port, warm, sent, metrics_port, pid))
+            row |= _raw_p50_ms(port, raw_warm, raw_sent)
+            row |= asyncio.run(_in_process(tokenizer, warm, sent))
+            print(json.dumps(row), flush=True)
     print(json.dumps({"bench": "picker", "load": host_load(), "calibration_ms": calibration_ms()}))
 
 

@@ -9,7 +9,6 @@ from typing import Any
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
 
 from kvindex.clients.picker.endpoints import DESTINATION_KEY, DESTINATION_NAMESPACE
 
@@ -22,21 +21,21 @@ def destination(endpoints: tuple[str, ...], num_body_bytes: int, *, in_body: boo
     and ``envoy.lb`` metadata, on the request headers' answer (``in_body``: on the body's, for
     a gateway that waits for the headers' answer before sending the body)."""
     value = ",".join(endpoints)
-    headers = [_header(DESTINATION_KEY, value)]
+    answer = pb.ProcessingResponse()
+    # Set in place: nested keyword messages would each be built, then copied in.
+    common = (answer.request_body if in_body else answer.request_headers).response
+    common.clear_route_cache = True
+    _set_header(common.header_mutation.set_headers.add(), DESTINATION_KEY, value)
     if num_body_bytes:
-        headers.append(_header("content-length", str(num_body_bytes)))
-    common = pb.CommonResponse(
-        header_mutation=pb.HeaderMutation(set_headers=headers), clear_route_cache=True
-    )
-    metadata = struct_pb2.Struct()
-    metadata.fields[DESTINATION_NAMESPACE].struct_value.fields[DESTINATION_KEY].string_value = value
-    if in_body:
-        return pb.ProcessingResponse(
-            request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata
-        )
-    return pb.ProcessingResponse(
-        request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata
-    )
+        _set_header(common.header_mutation.set_headers.add(), "content-length", str(num_body_bytes))
+    lb = answer.dynamic_metadata.fields[DESTINATION_NAMESPACE].struct_value
+    lb.fields[DESTINATION_KEY].string_value = value
+    return answer
+
+
+def _set_header(option: Any, key: str, value: str) -> None:
+    option.header.key = key
+    option.header.raw_value = value.encode()
 
 
 def _header(key: str, value: str) -> Any:
@@ -62,14 +61,12 @@ def body_continue(*, response: bool) -> Response:
 
 def body_streamed(body: bytes, end_of_stream: bool, *, response: bool) -> Response:
     """``body`` sent back to the gateway (full-duplex mode: what is not sent back is lost)."""
-    common = pb.CommonResponse(
-        body_mutation=pb.BodyMutation(
-            streamed_response=pb.StreamedBodyResponse(body=body, end_of_stream=end_of_stream)
-        )
-    )
-    if response:
-        return pb.ProcessingResponse(response_body=pb.BodyResponse(response=common))
-    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
+    answer = pb.ProcessingResponse()
+    common = (answer.response_body if response else answer.request_body).response
+    streamed = common.body_mutation.streamed_response
+    streamed.body = body
+    streamed.end_of_stream = end_of_stream
+    return answer
 
 
 def trailers_continue(*, response: bool, like: Response | None = None) -> Response:
