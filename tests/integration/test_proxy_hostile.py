@@ -112,7 +112,13 @@ def _big_chat(number: int) -> bytes:
 
 def test_distinct_large_bodies_do_not_grow_the_proxy(tmp_path: Path) -> None:
     with ExitStack() as stack:
-        _, proxy = _start(stack, tmp_path, {"r1": ["--capacity-blocks", "16384"]})
+        # The sim tokenizes each 7 MB body on its event loop, silent meanwhile: on a loaded
+        # host that can outlast hang_silence_s and its one replica be taken for hung (a 502
+        # once in CI). What is measured here is memory, not hang detection.
+        config = tmp_path / "kvindex.toml"
+        config.write_text("[proxy]\nhang_silence_s = 30.0\n")
+        sims = {"r1": ["--capacity-blocks", "16384"]}
+        _, proxy = _start(stack, tmp_path, sims, ("--config", str(config)))
         assert proxy.child.process is not None
         pid = proxy.child.process.pid
         for _ in range(8):  # warm: pools, arenas, the first tokenizations
