@@ -73,7 +73,8 @@ def _until_cleared(http: httpx.Client, rid: str) -> float:
     started = time.monotonic()
     while time.monotonic() - started < 10:
         views = {v["id"]: v for v in http.get("/replicas").json()}
-        if views[rid]["streams"][0]["freshness"].get("partial") == "cleared_on_over_predictions":
+        streams = views[rid]["streams"]  # none until the fleet sync publishes the stream
+        if streams and streams[0]["freshness"].get("partial") == "cleared_on_over_predictions":
             return time.monotonic() - started
         time.sleep(0.05)
     raise AssertionError(f"{rid}'s blocks not dropped: {views[rid]['streams']}")
