@@ -1,5 +1,6 @@
 """The server's own cost of a forwarded route's request: one ASGI endpoint answering a fixed
-body (as the proxy's answer is passed on: a start message, one body message), served by
+body (as the proxy passes an answer on: a start message, one body message; ``--stream``:
+six parts, chunked), served by
 uvicorn's request cycle (the API's protocol, no hot routes) or by the proxy's
 :class:`~kvindex.clients.proxy.front_protocol.FrontProtocol`, alternated in rounds.
 
@@ -8,7 +9,7 @@ Each server is a subprocess on a free loopback port; one client thread sends ``-
 server's CPU time per request is read from ``/proc``. One JSON line per (round, protocol),
 then one with the machine's load.
 
-    python bench/proxy_floor.py [--requests 4000] [--rounds 4] [--body-bytes 11000]
+    python bench/proxy_floor.py [--requests 4000] [--rounds 4] [--body-bytes 11000] [--stream]
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ from kvindex.api.http.server_protocol import hot_protocol
 from kvindex.clients.proxy.front_protocol import front_protocol
 
 ANSWER = %r
-HEADERS = [(b"content-type", b"application/json"), (b"content-length", b"%%d" %% len(ANSWER))]
+STREAM = sys.argv[3] == "stream"
+HEADERS = [(b"content-type", b"application/json")]
+if not STREAM:
+    HEADERS.append((b"content-length", b"%%d" %% len(ANSWER)))
 
 
 async def endpoint(scope, receive, send):
@@ -49,7 +53,12 @@ async def endpoint(scope, receive, send):
         message = await receive()
         more = message.get("more_body", False)
     await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
-    await send({"type": "http.response.body", "body": ANSWER, "more_body": False})
+    if STREAM:  # six events, then the end
+        part = len(ANSWER) // 6 + 1
+        for at in range(0, len(ANSWER), part):
+            more = {"type": "http.response.body", "body": ANSWER[at : at + part], "more_body": True}
+            await send(more)
+    await send({"type": "http.response.body", "body": b"" if STREAM else ANSWER})
 
 
 protocol = hot_protocol(5.0, None)
@@ -62,10 +71,11 @@ uvicorn.run(
 """
 
 
-def _serve(kind: str) -> tuple[subprocess.Popen[bytes], int]:
+def _serve(kind: str, stream: bool) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
     code = _SERVER % (ANSWER, ROUTE)
-    server = subprocess.Popen([sys.executable, "-c", code, str(port), kind])
+    shape = "stream" if stream else "whole"
+    server = subprocess.Popen([sys.executable, "-c", code, str(port), kind, shape])
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
@@ -99,14 +109,20 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4000, help="Requests a measurement.")
     parser.add_argument("--rounds", type=int, default=4, help="Alternated rounds.")
     parser.add_argument("--body-bytes", type=int, default=11000, help="The request's body.")
+    parser.add_argument("--stream", action="store_true", help="A chunked answer, six parts.")
     args = parser.parse_args()
     body = b'{"messages": "' + b"x" * max(0, args.body_bytes - 16) + b'"}'
-    servers = {kind: _serve(kind) for kind in ("uvicorn", "front")}
+    servers = {kind: _serve(kind, args.stream) for kind in ("uvicorn", "front")}
     try:
         for number in range(args.rounds):
             for kind, (server, port) in servers.items():
                 ms = _cpu_per_request_ms(port, server.pid, body, args.requests)
-                line = {"bench": "proxy_floor", "round": number, "cycle": kind}
+                line = {
+                    "bench": "proxy_floor",
+                    "round": number,
+                    "cycle": kind,
+                    "stream": args.stream,
+                }
                 print(json.dumps(line | {"server_cpu_ms_per_request": round(ms, 4)}), flush=True)
     finally:
         for server, _ in servers.values():
