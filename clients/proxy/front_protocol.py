@@ -12,7 +12,7 @@ from functools import partial
 from typing import Any, cast
 
 from starlette.types import ASGIApp, Message, Scope
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE
+from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
 
 from kvindex.api.http.server_protocol import ABORT, ON_GONE, HotProtocol
 
@@ -119,6 +119,8 @@ class _FrontCycle:
         lines = [STATUS_LINE[status], self.protocol.default_head()]
         length = False
         for name, value in headers:
+            if HEADER_RE.search(name) or HEADER_VALUE_RE.search(value):
+                raise RuntimeError(f"invalid HTTP header {name!r}: {value!r}")  # as uvicorn
             lower = name.lower()
             if lower == b"content-length":
                 length = True

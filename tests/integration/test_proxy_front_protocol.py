@@ -45,7 +45,18 @@ async def _body(receive: Receive) -> bytes:
     return b"".join(chunks)
 
 
-def _app(served: Served) -> Any:  # noqa: C901  # one endpoint, one case a body word
+def _headers(what: bytes, length: int) -> list[tuple[bytes, bytes]]:
+    headers = [(b"content-type", b"text/plain"), (b"x-what", what)]
+    if what == b"close":
+        headers.append((b"connection", b"close"))
+    if what == b"smuggle":  # a line break in a header value: refused, 500
+        headers.append((b"x-smuggled", b"a\r\nset-cookie: b"))
+    if what != b"stream":
+        headers.append((b"content-length", b"%d" % length))
+    return headers
+
+
+def _app(served: Served) -> Any:
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
@@ -61,11 +72,7 @@ def _app(served: Served) -> Any:  # noqa: C901  # one endpoint, one case a body 
             await asyncio.wait_for(told.wait(), 5)
             served.gone.set()
             return
-        headers = [(b"content-type", b"text/plain"), (b"x-what", what)]
-        if what == b"close":
-            headers.append((b"connection", b"close"))
-        if what != b"stream":
-            headers.append((b"content-length", b"%d" % len(echo)))
+        headers = _headers(what, len(echo))
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         if what == b"stream":
             for part in (b"one ", b"", b"two ", echo):
@@ -164,6 +171,7 @@ CASES: list[tuple[bytes, ...]] = [
     (_post(b"stream hello"),),
     (_post(b"close hello"),),
     (_post(b"raise"),),
+    (_post(b"smuggle"),),
     (_post(b"short"),),
     (_post(b"length split")[:-4], _post(b"length split")[-4:]),  # the body in two reads
     (_post(b"length head")[:20], _post(b"length head")[20:]),  # the head in two reads
