@@ -18,7 +18,7 @@ from kvindex.api.http.allocator import pin_allocator
 from kvindex.api.http.core import ApiCore
 from kvindex.api.http.deferred_app import DeferredApp
 from kvindex.api.http.hot_routes import HotServing
-from kvindex.api.http.server_protocol import hot_protocol
+from kvindex.api.http.server_protocol import HotProtocol, hot_protocol
 from kvindex.api.http.traffic import TrafficObserver
 from kvindex.api.runtime import ApiDeps, open_stores
 from kvindex.api.schemas import ErrorBody
@@ -125,12 +125,13 @@ def run_app(
     hot: HotServing | None = None,
     sockets: list[socket.socket] | None = None,
     bad_request_body: Callable[[str], bytes] = api_bad_request,
+    protocol: Callable[[type[HotProtocol]], type[HotProtocol]] | None = None,
     **options: Any,
 ) -> None:
     """Serve ``app`` on ``api.host:api.port`` (or on ``sockets``, bound already: a worker's)
     until SIGINT/SIGTERM, with the head deadline, the lingering close and ``hot``'s routes
     in the protocol, a request the parser refuses answered 400 with ``bad_request_body``;
-    ``options`` go to ``uvicorn.Config``."""
+    ``protocol`` makes the protocol class from that one; ``options`` go to ``uvicorn.Config``."""
     pin_allocator()
     # log_config=None: uvicorn's loggers keep no handlers of their own and propagate to the
     # process's (its format, JSON or text, and its repeat filter); its access log stays off,
@@ -143,12 +144,18 @@ def run_app(
         access_log=False,
         log_config=None,
         ws="none",  # kvindex speaks no WebSocket: every Upgrade is ignored (request_head)
-        http=hot_protocol(
-            api.header_timeout_s,
-            hot,
-            linger_s=api.body_timeout_s,
-            bad_request_body=bad_request_body,
+        http=(protocol or _same)(
+            hot_protocol(
+                api.header_timeout_s,
+                hot,
+                linger_s=api.body_timeout_s,
+                bad_request_body=bad_request_body,
+            )
         ),
         **options,
     )
     GracefulServer(config).run(sockets=sockets)
+
+
+def _same(protocol: type[HotProtocol]) -> type[HotProtocol]:
+    return protocol

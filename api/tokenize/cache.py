@@ -1,7 +1,8 @@
 """An LRU cache of tokenizations in front of any tokenizer, bounded by entries and by bytes.
 
-Entries are keyed by a digest of the canonical input (BLAKE2b, 128 bits: a crafted prompt
-cannot take another's cached tokens), never by the input itself, so what one entry costs is
+Entries are keyed by a digest of the canonical input (SHA-256, hardware-assisted on most
+CPUs, cut to 128 bits after a tag per kind: a crafted prompt cannot take another's cached
+tokens), never by the input itself, so what one entry costs is
 its token ids (4 bytes each) and a fixed overhead, however long the prompt's text was."""
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ _DIGEST_BYTES = 16
 
 
 def _digest(kind: bytes, data: bytes) -> bytes:
-    return hashlib.blake2b(data, digest_size=_DIGEST_BYTES, person=kind).digest()
+    running = hashlib.sha256(kind)
+    running.update(data)
+    return running.digest()[:_DIGEST_BYTES]
 
 
 def prompt_key(prompt: str) -> bytes:
     """The cache key of a completions prompt (lone surrogates kept, as JSON may carry them)."""
-    return _digest(b"prompt", prompt.encode("utf-8", "surrogatepass"))
+    return _digest(b"kvindex prompt\0", prompt.encode("utf-8", "surrogatepass"))
 
 
 def messages_key(messages: list[dict[str, Any]], options: ChatOptions = NO_OPTIONS) -> bytes:
@@ -48,7 +51,7 @@ def messages_key(messages: list[dict[str, Any]], options: ChatOptions = NO_OPTIO
         encoded = msgspec.json.encode([messages, fields] if fields else messages, order="sorted")
     except (TypeError, ValueError, RecursionError) as exc:
         raise TokenizerError(f"messages are not JSON-serializable: {exc}") from exc
-    return _digest(b"messages", encoded)
+    return _digest(b"kvindex messages\0", encoded)
 
 
 def entry_bytes(packed: bytes) -> int:

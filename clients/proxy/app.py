@@ -166,6 +166,11 @@ class _ProxyApp(Starlette):
         await super().__call__(scope, receive, send)
 
 
+def forwarded_endpoints(app: Starlette) -> Mapping[str, ASGIApp]:
+    """The forwarded routes' endpoints of a proxy app, by exact path (none: another app)."""
+    return app._hot if isinstance(app, _ProxyApp) else {}
+
+
 def _headers(scope: Scope) -> list[tuple[str, str]]:
     return [(n.decode("latin-1"), v.decode("latin-1")) for n, v in scope["headers"]]
 

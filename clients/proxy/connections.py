@@ -130,6 +130,10 @@ class _Connection(asyncio.Protocol):
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
 
+    def whole(self) -> bool:
+        """The answer has all come, unbroken (its chunks may be unread)."""
+        return self._complete and self._error is None
+
     def all_read(self) -> bool:
         """The answer is complete and every chunk of it has been read."""
         return self._complete and self._error is None and not self._chunks
@@ -338,6 +342,11 @@ class AnswerBody(httpx.AsyncByteStream):
     def __init__(self, pool: _Pool, connection: _Connection) -> None:
         self._pool = pool
         self._connection: _Connection | None = connection
+
+    def whole(self) -> bool:
+        """The body has all come: reading it waits for nothing."""
+        connection = self._connection
+        return connection is not None and connection.whole()
 
     def all_read(self) -> bool:
         """Every byte of the body has been read: nothing more will come."""

@@ -404,7 +404,7 @@ class StreamedAnswer:
             if self._length is not None:
                 if watch is not None:
                     watch.stop()  # a whole answer, already coming: nothing to abort
-                await self._stream(send)
+                await (self._send_whole(send) if _whole(response) else self._stream(send))
             else:
                 watch = watch or ClientWatch(receive, on_gone_of(scope))
                 await self._stream_watched(send, watch)
@@ -479,6 +479,17 @@ class StreamedAnswer:
             rest = b"" if truth is None else truth.end()
             await send({"type": "http.response.body", "body": rest, "more_body": False})
 
+    async def _send_whole(self, send: Send) -> None:
+        """A body that has all come, in one message: nothing is awaited from the replica
+        (the one write is buffered whole), so no timeout is armed."""
+        chunks = [read async for read in _raw(self.opened.response)]
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        truth = self.truth
+        if truth is not None:
+            body = truth.feed(body) + truth.end()
+        await self._done()
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
     def _cut(self, why: str) -> None:
         """The head is sent: the client learns that the body breaks off here the way HTTP/1.1
         says it, by its connection closing before the body's end (the server's abort)."""
@@ -515,6 +526,12 @@ def _raw(response: Answer) -> AsyncIterator[bytes]:
         return stream.__aiter__()
     assert isinstance(response, httpx.Response)  # a RawAnswer's stream is an AnswerBody
     return response.aiter_raw()
+
+
+def _whole(response: Answer) -> bool:
+    """The body has all come (known only over ReplicaTransport)."""
+    stream = response.stream
+    return isinstance(stream, AnswerBody) and stream.whole()
 
 
 def _all_read(response: Answer) -> bool:

@@ -9,8 +9,9 @@ character other than a tab cannot be sent on and is refused (400)."""
 
 from __future__ import annotations
 
+import os
+import random
 import re
-import uuid
 from collections.abc import Iterable
 
 from kvindex.indexer.domain.errors import KvIndexError
@@ -35,6 +36,10 @@ HOP_BY_HOP = frozenset(
 _NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", REQUEST_ID}
 _REWRITTEN = frozenset({FORWARDED_FOR, FORWARDED})
 """Sent on with the client appended (:func:`_appended`), in place of the client's own."""
+_random = random.Random()
+os.register_at_fork(after_in_child=_random.seed)  # a worker's ids are not its parent's
+_UUID4_CLEAR = ~((0xF000 << 64) | (0xC000 << 48)) & ((1 << 128) - 1)
+_UUID4_SET = (0x4000 << 64) | (0x8000 << 48)
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 HEADER_ENCODING = "latin-1"
 """How the forwarder turns the values back into the bytes the client sent."""
@@ -48,7 +53,15 @@ def request_id_of(headers: Iterable[tuple[str, str]]) -> str:
     for name, value in headers:
         if name.lower() == REQUEST_ID and value:
             return value
-    return uuid.uuid4().hex
+    return new_request_id()
+
+
+def new_request_id() -> str:
+    """A version-4 UUID's hex from a generator seeded from the OS once a process (no system
+    call a request, as :func:`uuid.uuid4` makes; unique, not secret: a client may send its
+    own id anyway)."""
+    bits = _random.getrandbits(128) & _UUID4_CLEAR | _UUID4_SET
+    return f"{bits:032x}"
 
 
 def forwarded_headers(

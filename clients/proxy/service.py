@@ -9,6 +9,7 @@ import shutil
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -23,8 +24,14 @@ from kvindex.api.http.workers import Workers, bound_socket
 from kvindex.api.load.desk import ReservationDesk
 from kvindex.api.load.reservations import LeaseKeeper, Reservations
 from kvindex.api.runtime import ApiDeps, Hooks, build_read_path, open_stores
-from kvindex.clients.proxy.app import ProxyParts, create_proxy_app, unparsed_request_body
+from kvindex.clients.proxy.app import (
+    ProxyParts,
+    create_proxy_app,
+    forwarded_endpoints,
+    unparsed_request_body,
+)
 from kvindex.clients.proxy.forwarding import Forwarder
+from kvindex.clients.proxy.front_protocol import front_protocol
 from kvindex.clients.proxy.journal import ReceiptSink
 from kvindex.clients.proxy.metrics import ProxyMetrics
 from kvindex.clients.proxy.settings import ProxySettings
@@ -229,10 +236,12 @@ def _run_uvicorn(
     sockets: list[socket.socket] | None,
 ) -> None:
     # The replicas' own Date and Server headers are passed on: uvicorn adds none.
+    forwarded = forwarded_endpoints(app)
     run_app(
         app,
         api,
         sockets=sockets,
+        protocol=partial(front_protocol, front=forwarded, max_body_bytes=api.max_body_bytes),
         bad_request_body=unparsed_request_body,
         server_header=False,
         date_header=False,

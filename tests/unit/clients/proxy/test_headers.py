@@ -3,6 +3,9 @@ to X-Forwarded-For and Forwarded, values kept byte for byte, control characters 
 
 from __future__ import annotations
 
+import os
+import uuid
+
 import pytest
 
 from kvindex.clients.proxy.headers import (
@@ -10,6 +13,7 @@ from kvindex.clients.proxy.headers import (
     REQUEST_ID,
     BadHeaderError,
     forwarded_headers,
+    request_id_of,
 )
 
 
@@ -51,3 +55,24 @@ def test_values_keep_the_clients_bytes() -> None:
 def test_control_characters_are_refused(value: str) -> None:
     with pytest.raises(BadHeaderError, match="x-bad"):
         forwarded_headers([("x-bad", value)], "rid")
+
+
+def test_a_made_request_id_is_a_fresh_uuid4() -> None:
+    made = [request_id_of([]) for _ in range(1000)]
+    assert len(set(made)) == len(made)
+    for value in made:
+        parsed = uuid.UUID(hex=value)
+        assert parsed.version == 4 and parsed.variant == uuid.RFC_4122 and parsed.hex == value
+
+
+def test_a_forked_worker_makes_other_request_ids_than_its_parent() -> None:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next id, to the parent
+        os.write(write, request_id_of([]).encode())
+        os._exit(0)
+    os.close(write)
+    child = os.read(read, 64).decode()
+    os.waitpid(pid, 0)
+    os.close(read)
+    assert child != request_id_of([])
