@@ -111,7 +111,8 @@ def test_a_local_miss_on_the_loop_is_answered_without_a_task(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     tok, template, special_tokens = KINDS["byte_level_bpe"]()
-    local = LocalTokenizer(tok, ChatTemplate(template, special_tokens=special_tokens))
+    template_ = ChatTemplate(template, special_tokens=special_tokens)
+    local = LocalTokenizer(tok, template_, fast=False)  # the fast path never needs a thread
     cache = CachingTokenizer(local)
     expected = asyncio.run(local.packed_messages(MESSAGES))
     tasks: list[object] = []

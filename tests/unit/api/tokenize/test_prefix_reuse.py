@@ -37,9 +37,9 @@ def _kind(name: str) -> tuple[tokenizers.Tokenizer, ChatTemplate]:
     return tok, ChatTemplate(template, special_tokens=special_tokens)
 
 
-def _local(name: str, prefix_cache_bytes: int = 1 << 20) -> LocalTokenizer:
+def _local(name: str, prefix_cache_bytes: int = 1 << 20, fast: bool = True) -> LocalTokenizer:
     tok, template = _kind(name)
-    return LocalTokenizer(tok, template, prefix_cache_bytes=prefix_cache_bytes)
+    return LocalTokenizer(tok, template, prefix_cache_bytes=prefix_cache_bytes, fast=fast)
 
 
 def _whole(name: str, messages: Conversation) -> list[int]:
@@ -53,14 +53,15 @@ def _whole(name: str, messages: Conversation) -> list[int]:
     conversations=st.lists(st.lists(_message, min_size=1, max_size=6), min_size=1, max_size=4),
     inline=st.booleans(),
     now=st.booleans(),
+    fast=st.booleans(),
 )
 def test_reuse_equals_whole_encode(
-    name: str, conversations: list[Conversation], inline: bool, now: bool
+    name: str, conversations: list[Conversation], inline: bool, now: bool, fast: bool
 ) -> None:
     """Every turn of several conversations (each growing, sharing their starts), through one
     tokenizer and its cache, equals the whole encode of its rendering (asked for at once,
-    or awaited; on the loop, or in a thread)."""
-    local = _local(name)
+    or awaited; on the loop, or in a thread; by the fast path where it applies, or not)."""
+    local = _local(name, fast=fast)
     local.inline_max_chars = 1 << 20 if inline else 0
     shared = conversations[0][:1]
 
@@ -182,7 +183,7 @@ def test_a_cut_kept_again_names_the_latest_text() -> None:
 
 
 def test_at_once_only_what_needs_no_thread() -> None:
-    local = _local("byte_level_bpe")
+    local = _local("byte_level_bpe", fast=False)  # the fast path needs none up to 64 kB
     messages = [{"role": "user", "content": "hello"}]
     assert local.messages_now(messages) == asyncio.run(local.packed_messages(messages))
     assert local.prompt_now("hello") == asyncio.run(local.packed_prompt("hello"))
