@@ -9,7 +9,7 @@ from kvindex.indexer.domain.events import (
     StreamId,
     Tier,
 )
-from kvindex.indexer.index.journal import BlockJournal, Held, JournaledIndex, tokens_hash
+from kvindex.indexer.index.block_journal import BlockJournal, Held, JournaledIndex, tokens_hash
 from kvindex.indexer.index.memory import MemoryIndex
 
 S = StreamId("r1")
