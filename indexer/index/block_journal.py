@@ -5,7 +5,7 @@ hash, a hash of the block's tokens), for a replay of the index as stored events 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import xxhash
@@ -20,16 +20,8 @@ from kvindex.indexer.domain.events import (
     Tier,
 )
 from kvindex.indexer.domain.keys import BlockKeyError, tokens_to_bytes
-from kvindex.indexer.index.protocol import (
-    ApplyResult,
-    BatchOps,
-    BlockIndex,
-    HeldRuns,
-    Op,
-    PrefixMatch,
-    StreamStats,
-    holders_of,
-)
+from kvindex.indexer.index.protocol import BlockIndex
+from kvindex.indexer.index.wrapper import IndexWrapper
 
 TOKENS_SEED = 1337
 """The seed of Dynamo's hash of a block's tokens (XXH3-64 over them as little-endian u32)."""
@@ -135,26 +127,16 @@ def _parents_first(blocks: dict[int, int]) -> Iterator[Held]:
             yield Held(block, parent, packed & _LOW)
 
 
-class JournaledIndex:
+class JournaledIndex(IndexWrapper):
     """A BlockIndex whose stores, removals and clears a :class:`BlockJournal` follows too; the
     ingestor hands it each event (:meth:`observe_event`), so the compiled ingest path is off."""
 
     native_ingest = False
 
     def __init__(self, inner: BlockIndex, journal: BlockJournal) -> None:
-        self._inner = inner
-        self._holders = holders_of(inner)
+        super().__init__(inner)
         self.journal = journal
         self.observe_event = journal.observe
-
-    def apply(self, stream: StreamId, seq: int, ts: float, ops: Sequence[Op]) -> ApplyResult:
-        return self._inner.apply(stream, seq, ts, ops)
-
-    def apply_many(self, stream: StreamId, batches: Sequence[BatchOps]) -> list[ApplyResult]:
-        return self._inner.apply_many(stream, batches)
-
-    def resolve(self, stream: StreamId, engine_hashes: Sequence[int]) -> list[int | None]:
-        return self._inner.resolve(stream, engine_hashes)
 
     def clear(self, stream: StreamId) -> None:
         self._inner.clear(stream)
@@ -163,20 +145,3 @@ class JournaledIndex:
     def drop(self, stream: StreamId) -> None:
         self._inner.drop(stream)
         self.journal.clear(stream)
-
-    def streams(self) -> list[StreamId]:
-        return self._inner.streams()
-
-    def longest_prefix(
-        self, keys: Sequence[int], streams: Iterable[StreamId]
-    ) -> dict[StreamId, PrefixMatch]:
-        return self._inner.longest_prefix(keys, streams)
-
-    def holders(self, keys: Sequence[int], streams: Sequence[StreamId]) -> HeldRuns:
-        return self._holders(keys, streams)
-
-    def stats(self, stream: StreamId) -> StreamStats:
-        return self._inner.stats(stream)
-
-    def close(self) -> None:
-        self._inner.close()
