@@ -1,6 +1,8 @@
 """``BlockJournal``: what each stream holds per tier as its engine said it (block hash, parent
 hash, a hash of the block's tokens), for a replay of the index as stored events (Dynamo's
-``/dump``); ``JournaledIndex`` keeps one beside an index. LoRA and tokenless blocks are not kept."""
+``/dump``); ``JournaledIndex`` keeps one beside an index. A LoRA block's tokens hash is Dynamo's
+LoRA-aware one; blocks with other extra keys (a cache salt, multimodal hashes) and tokenless ones
+are not kept."""
 
 from __future__ import annotations
 
@@ -38,8 +40,28 @@ class Held(NamedTuple):
     tokens_hash: int
 
 
-def tokens_hash(tokens: Sequence[int]) -> int:
-    return _hash(tokens_to_bytes(tokens), _SEED)
+def lora_seed(lora_name: str | None) -> int:
+    """The seed of Dynamo's tokens hash of a block stored under ``lora_name``: ai-dynamo-runtime
+    1.6.1's :data:`TOKENS_SEED` plus the name's XXH3-64 (kept to 64 bits); without a name, the
+    plain seed."""
+    if lora_name is None:
+        return TOKENS_SEED
+    return (TOKENS_SEED + _hash(lora_name.encode())) & _LOW
+
+
+def tokens_hash(tokens: Sequence[int], lora_name: str | None = None) -> int:
+    return _hash(tokens_to_bytes(tokens), lora_seed(lora_name))
+
+
+def _seed_of(event: BlockStored) -> int | None:
+    """The event's tokens-hash seed; None when Dynamo's hash of its blocks is not known: extra
+    keys other than the LoRA name (as vLLM puts on each block of a LoRA request)."""
+    extra, lora = event.extra_keys, event.lora_name
+    if extra is None or extra.count(None) == len(extra):
+        return lora_seed(lora)
+    if lora is None or any(keys is not None and keys != (lora,) for keys in extra):
+        return None
+    return lora_seed(lora)
 
 
 class BlockJournal:
@@ -63,10 +85,8 @@ class BlockJournal:
 
     def _store(self, stream: StreamId, event: BlockStored) -> None:
         size, tokens, hashes = event.block_size, event.token_ids, event.block_hashes
-        extra = event.extra_keys
-        if (extra is not None and extra.count(None) != len(extra)) or event.lora_name is not None:
-            return
-        if event.group_idx not in (None, 0):
+        seed = _SEED if event.lora_name is None and event.extra_keys is None else _seed_of(event)
+        if seed is None or event.group_idx not in (None, 0):
             return
         if size <= 0 or len(tokens) != len(hashes) * size:
             return
@@ -77,7 +97,7 @@ class BlockJournal:
         except BlockKeyError:
             return
         view, stride = memoryview(packed), size * 4
-        hashed = [_hash(view[i : i + stride], _SEED) for i in range(0, len(packed), stride)]
+        hashed = [_hash(view[i : i + stride], seed) for i in range(0, len(packed), stride)]
         parent = 0 if event.parent_hash is None else event.parent_hash + 1
         with self._lock:
             held = self._held.setdefault(stream, {}).setdefault(event.tier, {})
