@@ -96,11 +96,19 @@ _MARKER_RAW = msgspec.Raw(_MARKER)
 def decode_score_request(body: bytes) -> tuple[ScoreRequest, bytes | None]:
     """The request, and its ``token_ids`` as little-endian u32 bytes if read that way (the
     request's ``token_ids`` is then None); msgspec's errors for a bad body (a body nested
-    past msgspec's depth guard too: :func:`nested_too_deep`)."""
+    past msgspec's depth guard too: :func:`nested_too_deep`), and a ValidationError for chat
+    options that exclude each other (vLLM answers such a chat a 400)."""
     try:
-        return _score_request_of(body)
+        request, packed = _score_request_of(body)
     except RecursionError:
         raise nested_too_deep() from None
+    chat = request.messages is not None
+    if chat and request.continue_final_message and request.add_generation_prompt:
+        raise msgspec.ValidationError(
+            "continue_final_message and add_generation_prompt cannot both be true"
+            " (add_generation_prompt defaults to true: set it to false)"
+        )
+    return request, packed
 
 
 def nested_too_deep() -> msgspec.DecodeError:

@@ -106,7 +106,7 @@ from kvindex.indexer.config.settings import IndexerSettings
 from kvindex.indexer.domain.events import EventBatch, StreamId, Topic
 from kvindex.indexer.fleet.registry import Registry, fleet_totals
 from kvindex.indexer.fleet.replica import ReplicaSpec
-from kvindex.indexer.index.journal import BlockJournal, JournaledIndex
+from kvindex.indexer.index.block_journal import BlockJournal, JournaledIndex
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.index.redis import RedisIndex

@@ -9,7 +9,7 @@ import msgspec
 
 from kvindex.api.dynamo.instances import rank_of
 from kvindex.indexer.domain.events import StreamId, Tier
-from kvindex.indexer.index.journal import BlockJournal
+from kvindex.indexer.index.block_journal import BlockJournal
 
 TIER_NAMES = {Tier.GPU: "device", Tier.CPU: "host_pinned", Tier.OTHER: "disk"}
 

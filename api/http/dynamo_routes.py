@@ -19,7 +19,7 @@ from kvindex.api.http.core import ApiCore, json_response
 from kvindex.api.http.openapi import dynamo_operation
 from kvindex.indexer.domain.errors import SettingsError
 from kvindex.indexer.domain.keys import BlockKeyError
-from kvindex.indexer.index.journal import BlockJournal, JournaledIndex
+from kvindex.indexer.index.block_journal import BlockJournal, JournaledIndex
 from kvindex.indexer.index.protocol import IndexUnavailableError
 
 T = TypeVar("T")

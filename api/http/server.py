@@ -24,7 +24,7 @@ from kvindex.api.runtime import ApiDeps, open_stores
 from kvindex.api.schemas import ErrorBody
 from kvindex.indexer.config.settings import IndexerSettings
 from kvindex.indexer.domain.errors import SettingsError
-from kvindex.indexer.index.journal import BlockJournal, JournaledIndex
+from kvindex.indexer.index.block_journal import BlockJournal, JournaledIndex
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.service import IndexerService

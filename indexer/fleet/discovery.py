@@ -1,6 +1,8 @@
 """``Discovery``: the routable pods' replicas kept registered in a :class:`RegistryView`; a
 thread of its own writes (a store down is retried each second, the watch never waits), and
-removes only what it added."""
+removes only what it added. On a view that keeps a :class:`DiscoveryLedger` (Redis), what it
+added outlives the process: the first full list after a start removes the replicas the same
+discovery (namespace, pool or selector) added whose pods went away while it was not running."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Any, NamedTuple
 
 from kvindex.indexer.fleet.pod_watch import PodWatch, api_client
 from kvindex.indexer.fleet.pods import Pod, PodError, Target, replicas_of
-from kvindex.indexer.fleet.registry import RegistryView
+from kvindex.indexer.fleet.registry import DiscoveryLedger, RegistryView
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.fleet.settings import DiscoverySettings
 
@@ -39,6 +41,9 @@ class Discovery:
         self._ports: tuple[int, ...] = ()
         self._refused: dict[str, str] = {}  # pod name → why it makes no replicas
         self._applied: dict[str, ReplicaSpec] = {}  # what this process wrote (its thread's)
+        self._ledger = view if isinstance(view, DiscoveryLedger) else None
+        self._listed = False  # a full list came (the sink's)
+        self._swept = self._ledger is None  # the ledger's gone replicas removed (the writer's)
         self._changed = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -50,6 +55,7 @@ class Discovery:
 
     def reset(self, pods: list[Pod], target: Target | None) -> None:
         with self._lock:
+            self._listed = True
             self._ports = () if target is None else target.ports
             self._wanted = {}
             for pod in pods:
@@ -94,13 +100,24 @@ class Discovery:
         with self._lock:
             return {s.id: s for specs in self._wanted.values() for s in specs}
 
+    @property
+    def source(self) -> str:
+        """This discovery in a shared fleet's ledger: its namespace, then its pool or selector."""
+        settings, watch = self._settings, self.watch
+        namespace = settings.namespace if watch is None else watch.namespace
+        if settings.pool:
+            return f"{namespace}/pool/{settings.pool}"
+        return f"{namespace}/selector/{settings.selector}"
+
     # --- the writer (its own thread) ---------------------------------------------------
 
     def apply(self) -> bool:
         """Write what changed since the last call; False if a write failed (retried later)."""
         self._changed.clear()
+        with self._lock:
+            listed = self._listed
         wanted = self.wanted()
-        ok = True
+        ok = self._swept or not listed or self._write(self._sweep, wanted)
         for replica in [r for r in self._applied if r not in wanted]:
             ok = self._write(self._remove, replica) and ok
         for spec in wanted.values():
@@ -108,12 +125,26 @@ class Discovery:
                 ok = self._write(self._add, spec) and ok
         return ok
 
+    def _sweep(self, wanted: dict[str, ReplicaSpec]) -> None:
+        """Remove what this discovery added before this process and is not wanted now."""
+        assert self._ledger is not None
+        for replica in sorted(self._ledger.discovered(self.source) - wanted.keys()):
+            if replica not in self._applied:
+                self._view.remove(replica)
+                self._ledger.unmark_discovered(replica)
+                log.info("replica %s removed: its pod went away while discovery was off", replica)
+        self._swept = True
+
     def _remove(self, replica: str) -> None:
         self._view.remove(replica)
+        if self._ledger is not None:  # after the removal: a failure between retries it
+            self._ledger.unmark_discovered(replica)
         del self._applied[replica]
         log.info("replica %s removed: its pod is gone or not ready", replica)
 
     def _add(self, spec: ReplicaSpec) -> None:
+        if self._ledger is not None:  # before the spec: a failure between is swept later
+            self._ledger.mark_discovered(spec.id, self.source)
         if spec.id in self._applied:  # removed first: its sockets open again on the new spec
             self._view.remove(spec.id)
         self._view.add(spec)
@@ -150,7 +181,7 @@ class Discovery:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the watch and the writer; the replicas added stay registered (a restart
-        lists the pods again and corrects them)."""
+        lists the pods again and corrects them: with a ledger, those of pods gone removed)."""
         if self.watch is not None:
             self.watch.stop(timeout_s)
         self._stopping.set()

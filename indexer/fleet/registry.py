@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from kvindex.indexer.domain.events import StreamId, Tier
 from kvindex.indexer.domain.health import (
@@ -442,3 +442,17 @@ class RegistryView(Protocol):
     def claim_health_checks(self, replicas: Sequence[str], hold_s: float) -> set[str]:
         """The replicas no other process sharing the fleet claimed in the last ``hold_s``."""
         ...
+
+
+@runtime_checkable
+class DiscoveryLedger(Protocol):
+    """A view that keeps which discovery registered each replica, across restarts (Redis): a
+    discovery started later removes the replicas of its ``source`` whose pods went away."""
+
+    def discovered(self, source: str) -> set[str]:
+        """The replicas ``source`` registered and did not remove since."""
+        ...
+
+    def mark_discovered(self, replica: str, source: str) -> None: ...
+
+    def unmark_discovered(self, replica: str) -> None: ...

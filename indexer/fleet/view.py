@@ -137,6 +137,31 @@ class RedisFleetView:
         with unavailable_on_connection_errors():
             return cast("bytes | None", self._remove(keys=keys, args=[replica]))
 
+    # --- discovery's ledger (a DiscoveryLedger) --------------------------------------------
+
+    def discovered(self, source: str) -> set[str]:
+        raw = self._guarded(self._hgetall, self._schema.discovered)
+        owner = source.encode()
+        return {replica.decode() for replica, by in raw.items() if by == owner}
+
+    def _hgetall(self, key: str) -> dict[bytes, bytes]:
+        with unavailable_on_connection_errors():
+            return cast("dict[bytes, bytes]", self._client.hgetall(key))
+
+    def mark_discovered(self, replica: str, source: str) -> None:
+        self._guarded(self._hset, self._schema.discovered, replica, source)
+
+    def _hset(self, key: str, field: str, value: str) -> None:
+        with unavailable_on_connection_errors():
+            self._client.hset(key, field, value)
+
+    def unmark_discovered(self, replica: str) -> None:
+        self._guarded(self._hdel, self._schema.discovered, replica)
+
+    def _hdel(self, key: str, field: str) -> None:
+        with unavailable_on_connection_errors():
+            self._client.hdel(key, field)
+
     def _guarded(self, fn: Callable[..., T], *args: Any, probe: bool = True) -> T:
         """Through the circuit when there is one (reads never as its probe)."""
         if self._circuit is None:

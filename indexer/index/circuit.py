@@ -18,10 +18,9 @@ from kvindex.indexer.index.protocol import (
     IndexUnavailableError,
     Op,
     PrefixMatch,
-    StoreIdentity,
     StreamStats,
-    holders_of,
 )
+from kvindex.indexer.index.wrapper import IndexWrapper
 
 T = TypeVar("T")
 log = logging.getLogger("kvindex.store")
@@ -103,12 +102,12 @@ class StoreCircuit:
             log.warning("%s reachable again", self._name)
 
 
-class CircuitIndex:
-    """A :class:`BlockIndex` whose every call goes through a :class:`StoreCircuit`."""
+class CircuitIndex(IndexWrapper):
+    """A :class:`BlockIndex` whose every call goes through a :class:`StoreCircuit` (but
+    :meth:`close`, which releases connections whatever the store's state)."""
 
     def __init__(self, inner: BlockIndex, circuit: StoreCircuit) -> None:
-        self._inner = inner
-        self._holders = holders_of(inner)
+        super().__init__(inner)
         self._circuit = circuit
 
     def apply(self, stream: StreamId, seq: int, ts: float, ops: Sequence[Op]) -> ApplyResult:
@@ -141,10 +140,4 @@ class CircuitIndex:
         return self._circuit.call(self._inner.stats, stream)
 
     def intact(self) -> bool:
-        inner = self._inner
-        if not isinstance(inner, StoreIdentity):
-            return True
-        return self._circuit.call(inner.intact)
-
-    def close(self) -> None:
-        self._inner.close()
+        return self._circuit.call(super().intact)

@@ -156,6 +156,11 @@ class Schema:
         return f"{self.root}:{{fleet}}:health"
 
     @property
+    def discovered(self) -> str:
+        """Replica id → the discovery that registered it (namespace, then pool or selector)."""
+        return f"{self.root}:{{fleet}}:discovered"
+
+    @property
     def clear_asks(self) -> str:
         """Replica id → when a proxy last asked its streams' blocks dropped (wall clock)."""
         return f"{self.root}:{{fleet}}:clear_asks"

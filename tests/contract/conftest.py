@@ -4,8 +4,10 @@ Backends: ``memory`` (:class:`MemoryIndex` on its compiled tables when built),
 ``memory-python`` (on the Python oracle ``tests.oracles.tables.PyTables``), ``fakeredis``
 (:class:`RedisIndex` over an in-process fake whose Lua runs in lupa), ``redis``
 (:class:`RedisIndex` over the private redis-server of ``tests/conftest.py``) and ``cluster``
-(over its private 3-master Redis Cluster); ``memory-python`` only for the index suite. None
-is ever skipped. :func:`redis_store_client` gives the Redis-backed suites
+(over its private 3-master Redis Cluster); the index suite also runs on ``memory-python``
+and on the memory index wrapped (``circuit``: :class:`CircuitIndex`, ``journaled``:
+:class:`JournaledIndex`), which must keep every promise of what they wrap. None is ever
+skipped. :func:`redis_store_client` gives the Redis-backed suites
 (load, registry view) the same backends.
 """
 
@@ -16,6 +18,8 @@ from collections.abc import Callable, Iterator
 import fakeredis
 import pytest
 
+from kvindex.indexer.index.block_journal import BlockJournal, JournaledIndex
+from kvindex.indexer.index.circuit import CircuitIndex, StoreCircuit
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.index.redis import RedisIndex
@@ -25,8 +29,10 @@ from tests.oracles.tables import python_index
 
 REDIS_BACKENDS = ("fakeredis", "redis", "cluster")
 BACKENDS = ("memory", *REDIS_BACKENDS)
-INDEX_BACKENDS = ("memory", "memory-python", *REDIS_BACKENDS)
-"""The index suite's: the memory index on its compiled tables and on the pure-Python ones."""
+WRAPPED_BACKENDS = ("circuit", "journaled")
+INDEX_BACKENDS = ("memory", "memory-python", *WRAPPED_BACKENDS, *REDIS_BACKENDS)
+"""The index suite's: the memory index on its compiled tables, on the pure-Python ones, and
+inside each index wrapper."""
 
 IndexFactory = Callable[[], BlockIndex]
 """Returns a fresh, empty index; on a shared server each call first wipes the server."""
@@ -35,6 +41,15 @@ IndexFactory = Callable[[], BlockIndex]
 def _memory_factory(*, compiled: bool) -> IndexFactory:
     def make() -> BlockIndex:
         return MemoryIndex() if compiled else python_index()
+
+    return make
+
+
+def _wrapped_factory(wrapper: str) -> IndexFactory:
+    def make() -> BlockIndex:
+        if wrapper == "circuit":
+            return CircuitIndex(MemoryIndex(), StoreCircuit(cooldown_s=1.0))
+        return JournaledIndex(MemoryIndex(), BlockJournal())
 
     return make
 
@@ -73,6 +88,8 @@ def make_index(request: pytest.FixtureRequest) -> Iterator[IndexFactory]:
     backend: str = request.param
     if backend in ("memory", "memory-python"):
         factory = _memory_factory(compiled=backend == "memory")
+    elif backend in WRAPPED_BACKENDS:
+        factory = _wrapped_factory(backend)
     elif backend == "fakeredis":
         factory = _fakeredis_factory()
     else:

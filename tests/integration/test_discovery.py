@@ -25,7 +25,8 @@ from typing import Any
 
 import pytest
 
-from kvindex.indexer.config.settings import load_settings
+from kvindex.indexer.config.settings import IndexerSettings, load_settings
+from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.fleet.view import RedisFleetView
 from kvindex.indexer.redis.connection import connect
 from kvindex.indexer.redis.schema import Schema
@@ -308,6 +309,56 @@ def test_on_redis_the_shared_fleet_follows_the_pods(
             _until(fleet_is("pod-b"), 5)
         finally:
             service.stop()
+
+
+@pytest.mark.redis_server
+def test_a_restarted_indexer_removes_its_replicas_whose_pods_went_away_while_it_was_down(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Discovery's replicas live on in Redis after its indexer stops; the next one's first list
+    removes those whose pods are gone, and only those: a declared replica and another
+    discovery's stay."""
+    api = KubeApi()
+    with api.running():
+        api.put_pool("vllm", {"app": "vllm"}, [8000])
+        discovery = {
+            "pool": "vllm",
+            "kubeconfig": str(api.kubeconfig(tmp_path / "kc")),
+            "model": MODEL,
+        }
+        overrides = {"status_port": -1, "store": "redis", "redis_url": redis_server.url}
+        static = ReplicaSpec("static", MODEL, events="tcp://127.0.0.9:5557")
+        settings = load_settings(
+            env={}, overrides=overrides, discovery=discovery, extra_replicas=(static,)
+        )
+        redis_server.client().flushall()
+        view = RedisFleetView(
+            connect(redis_server.url, cluster="off"), settings.redis_schema, cache_ttl_s=0.0
+        )
+        api.put_pod(pod("pod-a", "127.0.0.2"))
+        api.put_pod(pod("pod-b", "127.0.0.3"))
+        with _indexer(settings):
+            _until(lambda: {r.id for r in view.replicas()} == {"pod-a", "pod-b", "static"}, 5)
+        view.add(ReplicaSpec("elsewhere", MODEL, events="tcp://127.0.0.8:5557"))
+        view.mark_discovered("elsewhere", "default/pool/another")
+        api.delete_pod("pod-a")  # while no indexer runs
+        assert {r.id for r in view.replicas()} == {"elsewhere", "pod-a", "pod-b", "static"}
+        with _indexer(settings) as service:
+            kept = {"elsewhere", "pod-b", "static"}
+            _until(lambda: {r.id for r in view.replicas()} == kept, 5)
+            _until(lambda: {r.id for r in service.registry.replicas()} == kept, 5)
+            assert view.discovered("default/pool/vllm") == {"pod-b"}
+            assert view.discovered("default/pool/another") == {"elsewhere"}
+
+
+@contextmanager
+def _indexer(settings: IndexerSettings) -> Iterator[IndexerService]:
+    service = IndexerService.build(settings)
+    service.start()
+    try:
+        yield service
+    finally:
+        service.stop()
 
 
 @pytest.mark.redis_server

@@ -319,9 +319,8 @@ def try_peers(
     prompts: list[tuple[list[int], str | None]],
     out_dir: Path,
 ) -> dict[str, Any]:
-    """A Dynamo indexer started with ``--peers`` kvindex: does it answer as kvindex does? (Not
-    asked of LoRA prompts: kvindex's ``/dump`` leaves LoRA blocks out.)"""
-    prompts = [p for p in prompts if p[1] is None]
+    """A Dynamo indexer started with ``--peers`` kvindex: does it answer as kvindex does, LoRA
+    prompts included (kvindex's ``/dump`` carries a LoRA block in its tokens hash, as Dynamo's)?"""
     peer = Child(
         "dynamo-peer",
         [

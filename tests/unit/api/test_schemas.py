@@ -195,3 +195,16 @@ async def _answer(scorer: Scorer, request: ScoreRequest, packed: bytes | None) -
     except Exception as exc:  # the same error, whichever way the ids came
         return f"{type(exc).__name__}: {exc}"
     return msgspec.structs.replace(answer, scores=[s.replica for s in answer.scores])
+
+
+@pytest.mark.parametrize("generation_prompt", [None, True])
+def test_a_chat_continued_with_a_generation_prompt_is_refused_naming_both(
+    generation_prompt: bool | None,
+) -> None:
+    fields = {} if generation_prompt is None else {"add_generation_prompt": generation_prompt}
+    body = {"model": "m", "messages": [], "continue_final_message": True, **fields}
+    with pytest.raises(msgspec.ValidationError, match="add_generation_prompt defaults to true"):
+        decode_score_request(msgspec.json.encode(body))
+    body["add_generation_prompt"] = False
+    request, _ = decode_score_request(msgspec.json.encode(body))
+    assert request.continue_final_message and not request.add_generation_prompt

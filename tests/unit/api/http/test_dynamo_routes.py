@@ -17,7 +17,7 @@ from kvindex.indexer.domain.events import BlockStored, StreamId, Tier
 from kvindex.indexer.domain.keys import block_keys
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
-from kvindex.indexer.index.journal import BlockJournal, JournaledIndex, tokens_hash
+from kvindex.indexer.index.block_journal import BlockJournal, JournaledIndex, tokens_hash
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import OpKind
 

@@ -8,7 +8,7 @@ from kvindex.api.config.settings import ApiSettings
 from kvindex.api.http.server import dump_index
 from kvindex.indexer.config.settings import IndexerSettings
 from kvindex.indexer.domain.errors import SettingsError
-from kvindex.indexer.index.journal import JournaledIndex
+from kvindex.indexer.index.block_journal import JournaledIndex
 
 
 def test_the_journal_is_kept_only_when_asked_and_only_in_memory() -> None:

@@ -112,3 +112,74 @@ def test_a_pod_that_cannot_be_mapped_is_skipped_once_per_reason(
 
 def test_nothing_starts_without_a_pool_or_selector() -> None:
     assert start_discovery(DiscoverySettings(), Registry()) is None
+
+
+class Ledger(Registry):
+    """An in-process registry that keeps a :class:`DiscoveryLedger` too, as Redis does (it
+    outlives a :class:`Discovery`); ``down``: every ledger call fails as a store down."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by: dict[str, str] = {}
+        self.down = False
+
+    def discovered(self, source: str) -> set[str]:
+        self._check()
+        return {replica for replica, by in self.by.items() if by == source}
+
+    def mark_discovered(self, replica: str, source: str) -> None:
+        self._check()
+        self.by[replica] = source
+
+    def unmark_discovered(self, replica: str) -> None:
+        self._check()
+        self.by.pop(replica, None)
+
+    def _check(self) -> None:
+        if self.down:
+            raise IndexUnavailableError("redis down")
+
+
+def test_the_ledger_names_what_discovery_added_and_forgets_what_it_removed() -> None:
+    ledger = Ledger()
+    discovery = Discovery(SETTINGS, ledger)
+    assert discovery.source == "/selector/app=vllm"
+    discovery.reset([_pod("a", "10.0.0.1"), _pod("b", "10.0.0.2")], TARGET)
+    discovery.apply()
+    discovery.delete(_pod("a", "10.0.0.1"))
+    discovery.apply()
+    assert ledger.by == {"b": discovery.source, "b-1": discovery.source}
+
+
+def test_a_restart_s_first_list_removes_its_replicas_whose_pods_went_away_meanwhile() -> None:
+    ledger = Ledger()
+    before = Discovery(SETTINGS, ledger)
+    before.reset([_pod("a", "10.0.0.1"), _pod("b", "10.0.0.2")], TARGET)
+    before.apply()
+    ledger.add(ReplicaSpec("static", "m", events="tcp://10.9.9.9:5557"))  # not discovery's
+    other = Discovery(DiscoverySettings(pool="other", model="m"), ledger)  # another target's
+    other.reset([_pod("c", "10.0.0.3")], Target("app=other", (8000,)))
+    other.apply()
+    after = Discovery(SETTINGS, ledger)  # the process restarted: pod a went away meanwhile
+    assert after.apply()  # no list yet: nothing removed
+    assert _ids(ledger) == ["a", "a-1", "b", "b-1", "c", "static"]
+    after.reset([_pod("b", "10.0.0.2")], TARGET)
+    assert after.apply()
+    assert _ids(ledger) == ["b", "b-1", "c", "static"]
+    assert ledger.discovered(after.source) == {"b", "b-1"}
+    assert ledger.discovered(other.source) == {"c"}
+
+
+def test_a_sweep_that_fails_is_retried_until_it_is_done() -> None:
+    ledger = Ledger()
+    before = Discovery(SETTINGS, ledger)
+    before.reset([_pod("a", "10.0.0.1")], TARGET)
+    before.apply()
+    after = Discovery(SETTINGS, ledger)
+    after.reset([], TARGET)
+    ledger.down = True
+    assert not after.apply()
+    assert _ids(ledger) == ["a", "a-1"]
+    ledger.down = False
+    assert after.apply()
+    assert _ids(ledger) == [] and ledger.by == {}

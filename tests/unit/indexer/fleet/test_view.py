@@ -8,7 +8,7 @@ import pytest
 
 from kvindex.indexer.domain.events import StreamId
 from kvindex.indexer.domain.health import StreamReport
-from kvindex.indexer.fleet.registry import Registry
+from kvindex.indexer.fleet.registry import DiscoveryLedger, Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.fleet.replica_health import HealthPolicy, ReplicaHealth
 from kvindex.indexer.fleet.sync import FleetSync
@@ -99,3 +99,15 @@ def test_the_streams_version_stays_while_refreshes_read_the_same_fleet() -> None
     assert view.disconnected() == [StreamId("r1", 1)]
     view.add(ReplicaSpec("r2", "m"))
     assert view.streams_version() != second
+
+
+def test_the_discovery_ledger_is_shared_and_kept_per_source() -> None:
+    first, second = _views()
+    assert isinstance(first, DiscoveryLedger)
+    first.mark_discovered("r1", "ns/pool/a")
+    first.mark_discovered("r2", "ns/pool/b")
+    assert second.discovered("ns/pool/a") == {"r1"} and second.discovered("ns/pool/b") == {"r2"}
+    second.unmark_discovered("r1")
+    second.unmark_discovered("never")
+    assert first.discovered("ns/pool/a") == set() and first.discovered("ns/pool/b") == {"r2"}
+    assert not isinstance(Registry(), DiscoveryLedger)  # in process: nothing outlives it

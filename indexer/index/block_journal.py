@@ -1,11 +1,13 @@
 """``BlockJournal``: what each stream holds per tier as its engine said it (block hash, parent
 hash, a hash of the block's tokens), for a replay of the index as stored events (Dynamo's
-``/dump``); ``JournaledIndex`` keeps one beside an index. LoRA and tokenless blocks are not kept."""
+``/dump``); ``JournaledIndex`` keeps one beside an index. A LoRA block's tokens hash is Dynamo's
+LoRA-aware one; blocks with other extra keys (a cache salt, multimodal hashes) and tokenless ones
+are not kept."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import xxhash
@@ -20,16 +22,8 @@ from kvindex.indexer.domain.events import (
     Tier,
 )
 from kvindex.indexer.domain.keys import BlockKeyError, tokens_to_bytes
-from kvindex.indexer.index.protocol import (
-    ApplyResult,
-    BatchOps,
-    BlockIndex,
-    HeldRuns,
-    Op,
-    PrefixMatch,
-    StreamStats,
-    holders_of,
-)
+from kvindex.indexer.index.protocol import BlockIndex
+from kvindex.indexer.index.wrapper import IndexWrapper
 
 TOKENS_SEED = 1337
 """The seed of Dynamo's hash of a block's tokens (XXH3-64 over them as little-endian u32)."""
@@ -46,8 +40,28 @@ class Held(NamedTuple):
     tokens_hash: int
 
 
-def tokens_hash(tokens: Sequence[int]) -> int:
-    return _hash(tokens_to_bytes(tokens), _SEED)
+def lora_seed(lora_name: str | None) -> int:
+    """The seed of Dynamo's tokens hash of a block stored under ``lora_name``: ai-dynamo-runtime
+    1.6.1's :data:`TOKENS_SEED` plus the name's XXH3-64 (kept to 64 bits); without a name, the
+    plain seed."""
+    if lora_name is None:
+        return TOKENS_SEED
+    return (TOKENS_SEED + _hash(lora_name.encode())) & _LOW
+
+
+def tokens_hash(tokens: Sequence[int], lora_name: str | None = None) -> int:
+    return _hash(tokens_to_bytes(tokens), lora_seed(lora_name))
+
+
+def _seed_of(event: BlockStored) -> int | None:
+    """The event's tokens-hash seed; None when Dynamo's hash of its blocks is not known: extra
+    keys other than the LoRA name (as vLLM puts on each block of a LoRA request)."""
+    extra, lora = event.extra_keys, event.lora_name
+    if extra is None or extra.count(None) == len(extra):
+        return lora_seed(lora)
+    if lora is None or any(keys is not None and keys != (lora,) for keys in extra):
+        return None
+    return lora_seed(lora)
 
 
 class BlockJournal:
@@ -71,10 +85,8 @@ class BlockJournal:
 
     def _store(self, stream: StreamId, event: BlockStored) -> None:
         size, tokens, hashes = event.block_size, event.token_ids, event.block_hashes
-        extra = event.extra_keys
-        if (extra is not None and extra.count(None) != len(extra)) or event.lora_name is not None:
-            return
-        if event.group_idx not in (None, 0):
+        seed = _SEED if event.lora_name is None and event.extra_keys is None else _seed_of(event)
+        if seed is None or event.group_idx not in (None, 0):
             return
         if size <= 0 or len(tokens) != len(hashes) * size:
             return
@@ -85,7 +97,7 @@ class BlockJournal:
         except BlockKeyError:
             return
         view, stride = memoryview(packed), size * 4
-        hashed = [_hash(view[i : i + stride], _SEED) for i in range(0, len(packed), stride)]
+        hashed = [_hash(view[i : i + stride], seed) for i in range(0, len(packed), stride)]
         parent = 0 if event.parent_hash is None else event.parent_hash + 1
         with self._lock:
             held = self._held.setdefault(stream, {}).setdefault(event.tier, {})
@@ -135,26 +147,16 @@ def _parents_first(blocks: dict[int, int]) -> Iterator[Held]:
             yield Held(block, parent, packed & _LOW)
 
 
-class JournaledIndex:
+class JournaledIndex(IndexWrapper):
     """A BlockIndex whose stores, removals and clears a :class:`BlockJournal` follows too; the
     ingestor hands it each event (:meth:`observe_event`), so the compiled ingest path is off."""
 
     native_ingest = False
 
     def __init__(self, inner: BlockIndex, journal: BlockJournal) -> None:
-        self._inner = inner
-        self._holders = holders_of(inner)
+        super().__init__(inner)
         self.journal = journal
         self.observe_event = journal.observe
-
-    def apply(self, stream: StreamId, seq: int, ts: float, ops: Sequence[Op]) -> ApplyResult:
-        return self._inner.apply(stream, seq, ts, ops)
-
-    def apply_many(self, stream: StreamId, batches: Sequence[BatchOps]) -> list[ApplyResult]:
-        return self._inner.apply_many(stream, batches)
-
-    def resolve(self, stream: StreamId, engine_hashes: Sequence[int]) -> list[int | None]:
-        return self._inner.resolve(stream, engine_hashes)
 
     def clear(self, stream: StreamId) -> None:
         self._inner.clear(stream)
@@ -163,20 +165,3 @@ class JournaledIndex:
     def drop(self, stream: StreamId) -> None:
         self._inner.drop(stream)
         self.journal.clear(stream)
-
-    def streams(self) -> list[StreamId]:
-        return self._inner.streams()
-
-    def longest_prefix(
-        self, keys: Sequence[int], streams: Iterable[StreamId]
-    ) -> dict[StreamId, PrefixMatch]:
-        return self._inner.longest_prefix(keys, streams)
-
-    def holders(self, keys: Sequence[int], streams: Sequence[StreamId]) -> HeldRuns:
-        return self._holders(keys, streams)
-
-    def stats(self, stream: StreamId) -> StreamStats:
-        return self._inner.stats(stream)
-
-    def close(self) -> None:
-        self._inner.close()
