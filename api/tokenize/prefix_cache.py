@@ -23,7 +23,7 @@ def cut_digests(text: str, positions: Sequence[int]) -> list[bytes]:
     digests, start = [], 0
     for position in positions:
         running.update(text[start:position].encode("utf-8", "surrogatepass"))
-        digests.append(running.copy().digest()[:_DIGEST_BYTES])
+        digests.append(running.digest()[:_DIGEST_BYTES])  # digest() leaves the state as it was
         start = position
     return digests
 
