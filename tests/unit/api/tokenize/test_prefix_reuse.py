@@ -138,7 +138,7 @@ def test_no_cut_before_a_token_that_strips_its_left() -> None:
 
 
 _OVERLAPPING = {"<|a|>": 1, "|>x": 2, "<|a": 3, "<": 4, "[b]": 5, "]": 6}
-"""Contents that overlap and prefix each other, two first characters shared."""
+"""Contents that overlap and prefix each other, three of them starting with ``<``."""
 _cut_text = st.lists(
     st.sampled_from([*_OVERLAPPING, "<|", "|", "x", "a", " ", "[", "b", "漢"]), max_size=40
 ).map("".join)
@@ -152,7 +152,8 @@ def test_find_equals_find_by_regex(text: str) -> None:
     assert cuts.find(text) == cuts.find_by_regex(text)
 
 
-def test_a_text_of_many_first_characters_is_scanned_by_the_regex() -> None:
+def test_a_text_of_many_first_characters_finds_the_same_cuts() -> None:
+    """Over MAX_CANDIDATES starting characters: the regex's scan, the same answer."""
     cuts = Cuts(_OVERLAPPING)
     text = "<|a|>x[b]" * (MAX_CANDIDATES // 2)
     assert len(cuts.find(text)) == 2 * (MAX_CANDIDATES // 2) - 1
