@@ -1,5 +1,6 @@
 """Token ids of texts, found again by a later text that starts the same up to a cut
-(:mod:`.cuts`): kept as u32 bytes under BLAKE2b digests of their starts, an LRU bounded by bytes."""
+(:mod:`.cuts`): kept as u32 bytes under digests of their starts (SHA-256 cut to 128 bits,
+hardware-assisted on most CPUs), an LRU bounded by bytes."""
 
 from __future__ import annotations
 
@@ -18,11 +19,11 @@ _DIGEST_BYTES = 16
 
 def cut_digests(text: str, positions: Sequence[int]) -> list[bytes]:
     """The digest of ``text[:p]`` for each of ``positions`` (ascending), in one pass."""
-    running = hashlib.blake2b(digest_size=_DIGEST_BYTES, person=b"prefix")
+    running = hashlib.sha256(b"kvindex prefix\0")
     digests, start = [], 0
     for position in positions:
         running.update(text[start:position].encode("utf-8", "surrogatepass"))
-        digests.append(running.copy().digest())
+        digests.append(running.digest()[:_DIGEST_BYTES])  # digest() leaves the state as it was
         start = position
     return digests
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvindex.api.tokenize.chat_template import ChatTemplate
-from kvindex.api.tokenize.cuts import Cuts
+from kvindex.api.tokenize.cuts import MAX_CANDIDATES, Cuts
 from kvindex.api.tokenize.local import LocalTokenizer, encode_whole
 from kvindex.api.tokenize.prefix_cache import KeptCut, PrefixCache, entry_bytes
 from kvindex.api.tokenize.protocol import unpack_ids
@@ -136,6 +136,29 @@ def test_no_cut_before_a_token_that_strips_its_left() -> None:
     found = cuts.find(f"a<|im_start|>b {MASK} c<|im_end|>")
     assert [c.position for c in found] == [1, 23]
     assert found[0].token_id == tok.token_to_id("<|im_start|>")
+
+
+_OVERLAPPING = {"<|a|>": 1, "|>x": 2, "<|a": 3, "<": 4, "[b]": 5, "]": 6}
+"""Contents that overlap and prefix each other, three of them starting with ``<``."""
+_cut_text = st.lists(
+    st.sampled_from([*_OVERLAPPING, "<|", "|", "x", "a", " ", "[", "b", "漢"]), max_size=40
+).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=_cut_text)
+def test_find_equals_find_by_regex(text: str) -> None:
+    """The memchr walk finds the cuts the regex's scan finds, overlaps and position 0 alike."""
+    cuts = Cuts(_OVERLAPPING)
+    assert cuts.find(text) == cuts.find_by_regex(text)
+
+
+def test_a_text_of_many_first_characters_finds_the_same_cuts() -> None:
+    """Over MAX_CANDIDATES starting characters: the regex's scan, the same answer."""
+    cuts = Cuts(_OVERLAPPING)
+    text = "<|a|>x[b]" * (MAX_CANDIDATES // 2)
+    assert len(cuts.find(text)) == 2 * (MAX_CANDIDATES // 2) - 1
+    assert cuts.find(text) == cuts.find_by_regex(text)
 
 
 def test_a_truncating_tokenizer_has_no_cuts() -> None:
