@@ -8,6 +8,7 @@ from itertools import islice
 
 import tokenizers
 
+from kvindex.api.tokenize.fast_bpe import FastBpe
 from kvindex.api.tokenize.local import LocalTokenizer
 from kvindex.api.tokenize.protocol import TokenizerError
 from kvindex.clients.workloads.request_log import (
@@ -77,7 +78,7 @@ async def _encoded(
             continue
         try:
             ids = await asyncio.to_thread(
-                _encode, local.tokenizer, [t for _, t in texts], add_special_tokens
+                _encode, local.tokenizer, local.fast, [t for _, t in texts], add_special_tokens
             )
         except Exception:  # the Rust binding raises a bare Exception
             return None
@@ -93,6 +94,22 @@ def _rendered(local: LocalTokenizer, request: LoggedRequest) -> str:
 
 
 def _encode(
+    tokenizer: tokenizers.Tokenizer,
+    fast: FastBpe | None,
+    texts: list[str],
+    add_special_tokens: bool,
+) -> list[list[int]]:
+    """Each text's ids: by the fast path where it applies (no special tokens added, or none
+    to add), the rest in one batch of the tokenizer's."""
+    if fast is None or (add_special_tokens and tokenizer.num_special_tokens_to_add(False)):
+        return _batch(tokenizer, texts, add_special_tokens)
+    found = [fast.encode(text) for text in texts]
+    rest = [text for text, one in zip(texts, found, strict=True) if one is None]
+    slow = iter(_batch(tokenizer, rest, add_special_tokens) if rest else [])
+    return [next(slow) if one is None else one for one in found]
+
+
+def _batch(
     tokenizer: tokenizers.Tokenizer, texts: list[str], add_special_tokens: bool
 ) -> list[list[int]]:
     encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # >= 0.20
