@@ -275,8 +275,11 @@ class Forwarder:
     ) -> Answer | None:
         """The answer's head, or None after a failure the next replica may retry."""
         first_byte = asyncio.get_running_loop().time() + self._settings.first_byte_timeout_s
+        until = min(deadline, first_byte)
         try:
-            async with asyncio.timeout_at(min(deadline, first_byte)):
+            if isinstance(request, RawRequest):  # the transport keeps the time (one timer)
+                return await self._head(request, upstream, until)
+            async with asyncio.timeout_at(until):
                 return await self._head(request, upstream)
         except httpx.HTTPError as exc:
             if not self._retry.retries_error(exc):
@@ -295,11 +298,14 @@ class Forwarder:
         self._failed(upstream, "protocol", failures, exc)
         raise UpstreamFailedError(f"replica {upstream.replica} failed: {exc!r}") from exc
 
-    async def _head(self, request: httpx.Request | RawRequest, upstream: Upstream) -> Answer:
-        """The answer's head; sent once more on a new connection when a kept-alive one ended
-        before any byte (counted as ``stale``, logged, not against the replica)."""
+    async def _head(
+        self, request: httpx.Request | RawRequest, upstream: Upstream, until: float | None = None
+    ) -> Answer:
+        """The answer's head (a raw request's by ``until``, loop time: else TimeoutError);
+        sent once more on a new connection when a kept-alive one ended before any byte
+        (counted as ``stale``, logged, not against the replica)."""
         try:
-            return await self._handled(request)
+            return await self._handled(request, until)
         except NothingReceivedError as exc:
             if not self._retry.again_on_new_connection(exc):
                 raise
@@ -307,12 +313,14 @@ class Forwarder:
             sent = request.headers if isinstance(request, RawRequest) else request.headers.items()
             _log_retry(sent, upstream.replica, f"stale connection ({exc})")
         request.extensions = {**request.extensions, FRESH_CONNECTION: True}
-        return await self._handled(request)
+        return await self._handled(request, until)
 
-    async def _handled(self, request: httpx.Request | RawRequest) -> Answer:
+    async def _handled(
+        self, request: httpx.Request | RawRequest, until: float | None = None
+    ) -> Answer:
         if isinstance(request, RawRequest):
             assert isinstance(self._upstream, ReplicaTransport)
-            return await self._upstream.send_raw(request)
+            return await self._upstream.send_raw(request, until)
         return await self._upstream.handle_async_request(request)
 
     def _failed(
@@ -482,8 +490,11 @@ class StreamedAnswer:
     async def _send_whole(self, send: Send) -> None:
         """A body that has all come, in one message: nothing is awaited from the replica
         (the one write is buffered whole), so no timeout is armed."""
-        chunks = [read async for read in _raw(self.opened.response)]
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        stream = self.opened.response.stream
+        body = stream.take_whole() if isinstance(stream, AnswerBody) else None
+        if body is None:
+            chunks = [read async for read in _raw(self.opened.response)]
+            body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         truth = self.truth
         if truth is not None:
             body = truth.feed(body) + truth.end()

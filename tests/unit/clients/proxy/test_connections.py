@@ -14,6 +14,7 @@ from starlette.types import Message
 
 from kvindex.clients.proxy.connections import (
     FRESH_CONNECTION,
+    AnswerBody,
     NothingReceivedError,
     ReplicaTransport,
     _encoded,
@@ -168,6 +169,43 @@ def test_chunks_that_arrived_together_are_read_as_one_piece() -> None:
             await response.aclose()
             await transport.aclose()
         assert chunks == [b"".join(b"data: %d\n\n" % i for i in range(5)), b"data: 5\n\n"]
+
+    _run(test)
+
+
+def test_a_whole_body_taken_at_once_equals_its_chunks() -> None:
+    """``take_whole`` gives what iterating the body would, once it has all come (before
+    that None, and nothing is taken); taken, the rest is empty."""
+
+    async def script(_: bytes, __: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        events = b"".join(b"9\r\ndata: %d\n\n\r\n" % i for i in range(3))
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + events)
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.write(b"9\r\ndata: 3\n\n\r\n0\r\n\r\n")
+        await writer.drain()
+
+    async def test() -> None:
+        async with Replica(script) as replica:
+            transport = _transport()
+            bodies: list[bytes] = []
+            for _ in range(2):
+                request = httpx.Request("POST", replica.url, content=b"{}")
+                response = await transport.handle_async_request(request)
+                stream = response.stream
+                assert isinstance(stream, AnswerBody)
+                await asyncio.sleep(0.05)  # three events in, the fourth not
+                assert stream.take_whole() is None
+                if bodies:
+                    await asyncio.sleep(0.2)  # all in now
+                    assert stream.take_whole() == bodies[0]
+                    assert stream.take_whole() == b""  # nothing left: an empty rest
+                else:
+                    bodies.append(b"".join([c async for c in response.aiter_raw()]))
+                await response.aclose()
+            assert replica.num_connections == 1  # taken whole, the connection serves again
+            await transport.aclose()
+        assert bodies == [b"".join(b"data: %d\n\n" % i for i in range(4))]
 
     _run(test)
 
