@@ -140,6 +140,19 @@ class _Connection(asyncio.Protocol):
         """The answer has all come, unbroken (its chunks may be unread)."""
         return self._complete and self._error is None
 
+    async def arrival(self, until: float) -> None:
+        """Return once a chunk unread, the answer's end or its break is here (at once if one
+        is); ``TimeoutError`` when none is by ``until`` (loop time)."""
+        if self._chunks or self._complete or self._error is not None:
+            return
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        late = loop.call_at(until, _late, waiter)
+        try:
+            await waiter
+        finally:
+            late.cancel()
+
     def take_whole(self) -> bytes | None:
         """Every chunk :meth:`body` has still to give, at once, when the answer has all come
         unbroken (None: else, and nothing is taken)."""
@@ -266,11 +279,11 @@ class _Connection(asyncio.Protocol):
             waiter.set_result(None)
 
 
-def _late(head: asyncio.Future[None]) -> None:
-    """The head's wait is over: TimeoutError (a cheaper :func:`asyncio.timeout_at` for one
+def _late(waiter: asyncio.Future[None]) -> None:
+    """The wait is over: TimeoutError (a cheaper :func:`asyncio.timeout_at` for one
     future: nothing cancelled, no context entered)."""
-    if not head.done():
-        head.set_exception(TimeoutError())
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
 
 
 class _Pool:
@@ -384,6 +397,13 @@ class AnswerBody(httpx.AsyncByteStream):
         """Every byte of the body has been read: nothing more will come."""
         connection = self._connection
         return connection is not None and connection.all_read()
+
+    async def arrival(self, until: float) -> None:
+        """Return once more of the body, its end or its break is here; ``TimeoutError``
+        when none is by ``until`` (loop time)."""
+        connection = self._connection
+        if connection is not None:
+            await connection.arrival(until)
 
     def take_whole(self) -> bytes | None:
         """Reference: b"".join of the chunks of ``__aiter__``; tests/unit/clients/proxy/test_connections.py::test_a_whole_body_taken_at_once_equals_its_chunks

@@ -412,7 +412,7 @@ class StreamedAnswer:
             if self._length is not None:
                 if watch is not None:
                     watch.stop()  # a whole answer, already coming: nothing to abort
-                await (self._send_whole(send) if _whole(response) else self._stream(send))
+                await self._send_known(send)
             else:
                 watch = watch or ClientWatch(receive, on_gone_of(scope))
                 await self._stream_watched(send, watch)
@@ -486,6 +486,24 @@ class StreamedAnswer:
             await self._done()
             rest = b"" if truth is None else truth.end()
             await send({"type": "http.response.body", "body": rest, "more_body": False})
+
+    async def _send_known(self, send: Send) -> None:
+        """A body of known length: whole when its rest comes in the first wait (one timer,
+        as :meth:`_stream`'s first chunk is awaited), else chunk by chunk."""
+        response = self.opened.response
+        stream = response.stream
+        if isinstance(stream, AnswerBody) and not stream.whole():
+            idle_s = self.first_chunk_timeout_s
+            until = self.deadline
+            if idle_s is not None:
+                until = min(until, asyncio.get_running_loop().time() + idle_s)
+            try:
+                await stream.arrival(until)
+            except TimeoutError:
+                late = until >= self.deadline
+                self._cut("past the total deadline" if late else "no chunk within the idle timeout")
+                return
+        await (self._send_whole(send) if _whole(response) else self._stream(send))
 
     async def _send_whole(self, send: Send) -> None:
         """A body that has all come, in one message: nothing is awaited from the replica

@@ -12,6 +12,7 @@ import httpx
 import pytest
 from starlette.types import Message
 
+from kvindex.api.http.server_protocol import ABORT
 from kvindex.clients.proxy.connections import (
     FRESH_CONNECTION,
     AnswerBody,
@@ -385,6 +386,49 @@ def test_the_end_of_an_answer_goes_to_the_client_with_its_last_chunk() -> None:
     _run(test)
     bodies = [(m["body"], m["more_body"]) for m in sent[1:]]
     assert bodies == [(b"data: 1\n\n", True), (b"data: 2\n\n", False)]
+
+
+@pytest.mark.parametrize("late_s", [0.05, 3.0])
+def test_a_body_of_known_length_after_its_head_goes_whole_or_is_cut_at_the_first_chunk_timeout(
+    late_s: float,
+) -> None:
+    """A body that follows its head within the first-chunk timeout goes to the client in one
+    message; one that does not comes to nothing and the answer is cut (the server's abort)."""
+    sent: list[Message] = []
+    aborted: list[bool] = []
+
+    async def script(_: bytes, __: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(late_s)
+        writer.write(b"hello")
+        await writer.drain()
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    async def stays() -> Message:
+        await asyncio.sleep(10)
+        return {"type": "http.disconnect"}
+
+    async def test() -> None:
+        async with Replica(script) as replica:
+            forwarder = Forwarder(ProxySettings(), ProxyMetrics())
+            upstreams = (Upstream("r1", replica.url),)
+            opened = await forwarder.open("/", b"{}", [], upstreams, forwarder.deadline())
+            answer = StreamedAnswer(
+                opened, "rid", forwarder.deadline(), lambda *a: None, first_chunk_timeout_s=0.5
+            )
+            scope = {"type": "http", "extensions": {ABORT: lambda: aborted.append(True)}}
+            await answer(scope, stays, send)
+            await forwarder.close()
+
+    _run(test)
+    bodies = [(m["body"], m["more_body"]) for m in sent[1:]]
+    if late_s < 0.5:
+        assert bodies == [(b"hello", False)] and not aborted
+    else:
+        assert bodies == [] and aborted == [True]
 
 
 def test_a_connection_ending_before_any_byte_says_so_and_whether_it_served_before() -> None:
