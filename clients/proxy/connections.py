@@ -121,20 +121,28 @@ class _Connection(asyncio.Protocol):
 
     async def body(self) -> AsyncIterator[bytes]:
         """The answer's body as it comes; raises ``RemoteProtocolError`` when it breaks."""
-        while True:
-            if self._chunks:
-                chunks = self._chunks
-                chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
-                chunks.clear()
-                self._drained(len(chunk))
-                yield chunk
-                continue
+        while (chunk := await self.read()) is not None:
+            yield chunk
+
+    async def read(self, until: float | None = None) -> bytes | None:
+        """The body's bytes come since the last read, joined (None: its end); raises
+        ``RemoteProtocolError`` when it breaks, ``TimeoutError`` when nothing comes by
+        ``until`` (loop time; None: no limit)."""
+        while not self._chunks:
             if self._error is not None:
                 raise self._error
             if self._complete:
-                return
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
+                return None
+            if until is None:
+                self._waiter = asyncio.get_running_loop().create_future()
+                await self._waiter
+            else:
+                await self.arrival(until)
+        chunks = self._chunks
+        chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._drained(len(chunk))
+        return chunk
 
     def whole(self) -> bool:
         """The answer has all come, unbroken (its chunks may be unread)."""
@@ -404,6 +412,14 @@ class AnswerBody(httpx.AsyncByteStream):
         connection = self._connection
         if connection is not None:
             await connection.arrival(until)
+
+    async def read(self, until: float | None = None) -> bytes | None:
+        """Reference: the next chunk of ``__aiter__``; tests/unit/clients/proxy/test_connections.py::test_reads_with_a_time_limit_equal_the_bodys_chunks
+        The body's bytes come since the last read (None: its end), ``TimeoutError`` when
+        nothing comes by ``until`` (loop time)."""  # noqa: E501
+        if self._connection is None:
+            raise httpx.StreamClosed()
+        return await self._connection.read(until)
 
     def take_whole(self) -> bytes | None:
         """Reference: b"".join of the chunks of ``__aiter__``; tests/unit/clients/proxy/test_connections.py::test_a_whole_body_taken_at_once_equals_its_chunks

@@ -392,6 +392,10 @@ class StreamedAnswer:
         self.extra_headers = extra_headers
         self._abort: Callable[[], None] | None = None
         self._length: bytes | None = None
+        self._num_bytes = 0
+        """Body bytes read from the replica so far."""
+        self._num_whole: int | None = None
+        """The body's length, when the replica said it (a number)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = self.opened.response
@@ -453,39 +457,80 @@ class StreamedAnswer:
 
     async def _stream(self, send: Send) -> None:
         """Every chunk; past a deadline or broken upstream, the body ends early."""
-        response = self.opened.response
         length = self._length
-        whole = int(length) if length is not None and length.isdigit() else None
-        num_bytes = 0
+        self._num_bytes, self._num_whole = 0, None
+        if length is not None and length.isdigit():
+            self._num_whole = int(length)
+        stream = self.opened.response.stream
+        ended = await (
+            self._stream_raw(send, stream)
+            if isinstance(stream, AnswerBody)
+            else self._stream_httpx(send)
+        )
+        if ended is False:
+            await self._done()
+            rest = b"" if self.truth is None else self.truth.end()
+            await send({"type": "http.response.body", "body": rest, "more_body": False})
+
+    async def _stream_raw(self, send: Send, stream: AnswerBody) -> bool | None:
+        """:meth:`_stream_httpx` on the connection: each wait bounded by one timer of its
+        own (first chunk, then idle), the total deadline by one context; whether the end
+        went with the last chunk (None: cut)."""
+        loop = asyncio.get_running_loop()
+        deadline, idle_s = self.deadline, self.first_chunk_timeout_s
+        ended = False
+        try:
+            async with asyncio.timeout_at(deadline):  # a send held by a slow client too
+                while not ended:
+                    until = deadline if idle_s is None else min(deadline, loop.time() + idle_s)
+                    read = await stream.read(until)
+                    if read is None:
+                        return False
+                    ended = await self._pass_on(read, send)
+                    idle_s = self.idle_timeout_s
+        except (TimeoutError, httpx.HTTPError) as exc:
+            why = "past the total deadline" if isinstance(exc, TimeoutError) else repr(exc)
+            if isinstance(exc, TimeoutError) and loop.time() < deadline:
+                why = "no chunk within the idle timeout"
+            self._cut(why)
+            return None
+        return True
+
+    async def _stream_httpx(self, send: Send) -> bool | None:
+        """Every chunk of an httpx answer (TLS), within the deadline and idle timeouts;
+        whether the end went with the last chunk (None: cut)."""
         idle_s, loop = self.idle_timeout_s, asyncio.get_running_loop()
         idle = asyncio.timeout(self.first_chunk_timeout_s)
         ended = False  # the client has been told the body ends
-        truth = self.truth
         try:
             async with asyncio.timeout_at(self.deadline), idle:
-                async for read in _raw(response):
-                    num_bytes += len(read)
+                async for read in _raw(self.opened.response):
                     idle.reschedule(None)  # a slow client is not an idle replica
-                    ended = _all_read(response)  # then the end goes with this chunk
-                    chunk = read
-                    if truth is not None:
-                        chunk = truth.feed(read) + (truth.end() if ended else b"")
-                        if not chunk and not ended:
-                            continue  # all of it held, or the hidden usage chunk
-                    if ended or (whole is not None and num_bytes >= whole):
-                        await self._done()  # the client has it all with this chunk
-                    message = {"type": "http.response.body", "body": chunk, "more_body": not ended}
-                    await send(message)
+                    ended = await self._pass_on(read, send)
                     idle.reschedule(None if idle_s is None else loop.time() + idle_s)
         except (TimeoutError, httpx.HTTPError) as exc:
             why = "past the total deadline" if isinstance(exc, TimeoutError) else repr(exc)
             why = "no chunk within the idle timeout" if idle.expired() else why
             self._cut(why)
-            return
-        if not ended:
-            await self._done()
-            rest = b"" if truth is None else truth.end()
-            await send({"type": "http.response.body", "body": rest, "more_body": False})
+            return None
+        return ended
+
+    async def _pass_on(self, read: bytes, send: Send) -> bool:
+        """``read`` sent on (what the usage reader leaves of it: maybe nothing); whether
+        the body's end went with it."""
+        self._num_bytes += len(read)
+        ended = _all_read(self.opened.response)  # then the end goes with this chunk
+        chunk = read
+        truth = self.truth
+        if truth is not None:
+            chunk = truth.feed(read) + (truth.end() if ended else b"")
+            if not chunk and not ended:
+                return False  # all of it held, or the hidden usage chunk
+        whole = self._num_whole
+        if ended or (whole is not None and self._num_bytes >= whole):
+            await self._done()  # the client has it all with this chunk
+        await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
+        return ended
 
     async def _send_known(self, send: Send) -> None:
         """A body of known length: whole when its rest comes in the first wait (one timer,

@@ -211,6 +211,55 @@ def test_a_whole_body_taken_at_once_equals_its_chunks() -> None:
     _run(test)
 
 
+def test_reads_with_a_time_limit_equal_the_bodys_chunks() -> None:
+    """``read`` gives what iterating the body gives, chunk for chunk, then None; a wait
+    past its limit raises TimeoutError and the next read goes on where it left off."""
+
+    async def script(_: bytes, __: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        events = b"".join(b"9\r\ndata: %d\n\n\r\n" % i for i in range(3))
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + events)
+        await writer.drain()
+        await asyncio.sleep(0.3)
+        writer.write(b"9\r\ndata: 3\n\n\r\n0\r\n\r\n")
+        await writer.drain()
+
+    async def chunks(transport: ReplicaTransport, url: str, limit_s: float) -> list[Any]:
+        response = await transport.handle_async_request(httpx.Request("GET", url))
+        stream = response.stream
+        assert isinstance(stream, AnswerBody)
+        loop = asyncio.get_running_loop()
+        read: list[Any] = []
+        await asyncio.sleep(0.05)  # three events in
+        while True:
+            try:
+                chunk = await stream.read(loop.time() + limit_s)
+            except TimeoutError:
+                read.append("timeout")
+                continue
+            read.append(chunk)
+            if chunk is None:
+                break
+        await response.aclose()
+        return read
+
+    async def test() -> None:
+        async with Replica(script) as replica:
+            transport = _transport()
+            patient = await chunks(transport, replica.url, 2.0)
+            hasty = await chunks(transport, replica.url, 0.1)
+            response = await transport.handle_async_request(httpx.Request("GET", replica.url))
+            iterated = [c async for c in response.aiter_raw()]
+            await response.aclose()
+            await transport.aclose()
+        three = b"".join(b"data: %d\n\n" % i for i in range(3))
+        assert patient == [three, b"data: 3\n\n", None]
+        assert hasty[0] == three and hasty[-2:] == [b"data: 3\n\n", None]
+        assert set(hasty[1:-2]) == {"timeout"}
+        assert iterated == [three, b"data: 3\n\n"]
+
+    _run(test)
+
+
 def test_an_answer_closed_before_its_end_closes_its_connection() -> None:
     async def script(_: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n")
