@@ -23,10 +23,12 @@ template into the run's directory, starts the sims with ``--tokenizer`` and give
 text encoded whole). ``--workers`` runs ``kvindex proxy --workers N``, ``--store redis``
 puts the index and the load on a private redis-server that a ``kvindex indexer`` fills;
 ``proxy_rps`` and ``direct_rps`` are the throughputs (the load generator shares the
-machine's cores).
+machine's cores). ``--profile PATH`` runs the proxy's loop under cProfile on CPU time
+(its CPU figures then count the profiler's cost) and writes its stats to ``PATH`` when it
+stops.
 
     python bench/proxy.py [--requests 400] [--prompt-tokens 2000] [--unique] [--workers 2]
-        [--tokenizer local] [--unique-prefix] [--no-prefix-reuse]
+        [--tokenizer local] [--unique-prefix] [--no-prefix-reuse] [--profile PATH]
 """
 
 from __future__ import annotations
@@ -128,6 +130,19 @@ class _Fresh(Sequence[bytes]):
 
     def __getitem__(self, _: Any) -> Any:
         return self._prompts.body(self._stream, f"u{next(self._serial)}")
+
+
+_PROFILED = """
+import cProfile, runpy, sys, time
+out, sys.argv = sys.argv[1], sys.argv[2:]
+profile = cProfile.Profile(time.thread_time)
+try:
+    profile.runcall(runpy.run_path, sys.argv[0], run_name="__main__")
+finally:
+    profile.dump_stats(out)
+"""
+"""``python -c`` this, the stats' path and a command: the command's main thread under
+cProfile on its own CPU time (a wait for a write's reader is not counted)."""
 
 
 def _worker(port: int, bodies: Sequence[bytes], count: int, start: int, out: list[float]) -> None:
@@ -290,6 +305,9 @@ def _options() -> argparse.Namespace:
     parser.add_argument(
         "--stream", choices=("both", "yes", "no"), default="both", help="Streamed answers."
     )
+    parser.add_argument(
+        "--profile", type=Path, help="Run the proxy under cProfile; its stats written here."
+    )
     return parser.parse_args()
 
 
@@ -319,6 +337,9 @@ def main() -> None:
         if config is not None:
             command += ["--config", str(config)]
         proxy = kvindex_child("proxy", command, workdir / "proxy.log", http_ok(port, "/readyz"))
+        if args.profile is not None:  # the whole run's calls, written when the proxy stops
+            profiled = [sys.executable, "-c", _PROFILED, str(args.profile.resolve())]
+            proxy.args = [*profiled, *proxy.args]
         stack.callback(proxy.stop)
         proxy.start(60)
         sim_ports = [p for _, p, _ in sims]

@@ -54,6 +54,7 @@ class ReservationDesk:
         self.series = series
         self.log = log
         self.num_in_flight = 0
+        self._blocking = blocking
         self._call = OffLoop(blocking).shielded
         self._in_flight_of: dict[str, Gauge] = {}
         self._released_by: dict[str, Counter] = {}
@@ -64,9 +65,12 @@ class ReservationDesk:
         reservation = None
         if self.reservations is not None:
             try:
-                reservation = await self._call(
-                    self.reservations.reserve, replica, num_uncached_tokens
-                )
+                if self._blocking:
+                    reservation = await self._call(
+                        self.reservations.reserve, replica, num_uncached_tokens
+                    )
+                else:  # inline, as OffLoop would call it (no coroutine made)
+                    reservation = self.reservations.reserve(replica, num_uncached_tokens)
             except Exception as exc:
                 self._failed("reserve", exc)
         return Dispatch(self, replica, reservation)
@@ -81,7 +85,10 @@ class ReservationDesk:
         if self.reservations is None or dispatch.reservation is None:
             return
         try:
-            await self._call(self.reservations.release, dispatch.reservation)
+            if self._blocking:
+                await self._call(self.reservations.release, dispatch.reservation)
+            else:
+                self.reservations.release(dispatch.reservation)
         except Exception as exc:
             self._failed("release", exc)  # Reservations tries it again at its next renewal
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import threading
 import time
 import uuid
@@ -314,6 +315,10 @@ class CircuitLedger:
         return self._circuit.call(self._inner.totals)
 
 
+_ids = random.Random()
+os.register_at_fork(after_in_child=_ids.seed)  # a worker's ids are not its parent's
+
+
 def new_holder() -> str:
     return f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
@@ -342,7 +347,8 @@ class Reservations:
 
     def reserve(self, replica: str, num_tokens: int) -> Reservation:
         """Reserve one request of ``num_tokens`` uncached prompt tokens on ``replica``."""
-        reservation = Reservation(uuid.uuid4().hex, replica, max(0, int(num_tokens)))
+        # 128 random bits from a generator seeded once (uuid4 reads os.urandom each call)
+        reservation = Reservation(f"{_ids.getrandbits(128):032x}", replica, max(0, int(num_tokens)))
         live = self.ledger.reserve(self.holder, self.lease_ttl_s, reservation)
         with self._lock:
             lost = self._held if not live else set()

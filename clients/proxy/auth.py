@@ -33,6 +33,8 @@ def is_open(path: str) -> bool:
 class InboundAuth:
     def __init__(self, token: str | None) -> None:
         self._expected = None if token is None else token.encode()
+        self.guards = token is not None
+        """A token is asked for (False: :meth:`check` lets everything through)."""
 
     def check(self, path: str, headers: Mapping[str, str]) -> None:
         """UnauthorizedError unless ``path`` is open or ``headers`` (lower case; starlette's

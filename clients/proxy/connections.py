@@ -82,8 +82,11 @@ class _Connection(asyncio.Protocol):
         transport = self._transport
         return not self.closed and transport is not None and not transport.is_closing()
 
-    async def exchange(self, request: bytes, *, head_only: bool) -> None:
-        """Send ``request`` and wait for the answer's head (``head_only``: no body follows)."""
+    async def exchange(
+        self, request: bytes, *, head_only: bool, until: float | None = None
+    ) -> None:
+        """Send ``request`` and wait for the answer's head (``head_only``: no body follows);
+        ``TimeoutError`` when it has not come by ``until`` (loop time; None: no limit)."""
         assert self._transport is not None and not self._busy
         if self._head_only:  # the parser still waits for the body the last HEAD's head announced
             self._parser = httptools.HttpResponseParser(self)
@@ -95,6 +98,7 @@ class _Connection(asyncio.Protocol):
         head = self._head = loop.create_future()
         self._hearing.waiting[self] = loop.time()
         self._transport.write(request)
+        late = None if until is None else loop.call_at(until, _late, head)
         try:
             await head
         except BaseException:
@@ -102,6 +106,8 @@ class _Connection(asyncio.Protocol):
             raise
         finally:
             self._hearing.waiting.pop(self, None)
+            if late is not None:
+                late.cancel()
 
     def abandon(self, why: str) -> bool:
         """Give up the exchange waiting for its head with no byte received: it raises
@@ -115,24 +121,56 @@ class _Connection(asyncio.Protocol):
 
     async def body(self) -> AsyncIterator[bytes]:
         """The answer's body as it comes; raises ``RemoteProtocolError`` when it breaks."""
-        while True:
-            if self._chunks:
-                chunks = self._chunks
-                chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
-                chunks.clear()
-                self._drained(len(chunk))
-                yield chunk
-                continue
+        while (chunk := await self.read()) is not None:
+            yield chunk
+
+    async def read(self, until: float | None = None) -> bytes | None:
+        """The body's bytes come since the last read, joined (None: its end); raises
+        ``RemoteProtocolError`` when it breaks, ``TimeoutError`` when nothing comes by
+        ``until`` (loop time; None: no limit)."""
+        while not self._chunks:
             if self._error is not None:
                 raise self._error
             if self._complete:
-                return
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
+                return None
+            if until is None:
+                self._waiter = asyncio.get_running_loop().create_future()
+                await self._waiter
+            else:
+                await self.arrival(until)
+        chunks = self._chunks
+        chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._drained(len(chunk))
+        return chunk
 
     def whole(self) -> bool:
         """The answer has all come, unbroken (its chunks may be unread)."""
         return self._complete and self._error is None
+
+    async def arrival(self, until: float) -> None:
+        """Return once a chunk unread, the answer's end or its break is here (at once if one
+        is); ``TimeoutError`` when none is by ``until`` (loop time)."""
+        if self._chunks or self._complete or self._error is not None:
+            return
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        late = loop.call_at(until, _late, waiter)
+        try:
+            await waiter
+        finally:
+            late.cancel()
+
+    def take_whole(self) -> bytes | None:
+        """Every chunk :meth:`body` has still to give, at once, when the answer has all come
+        unbroken (None: else, and nothing is taken)."""
+        if not (self._complete and self._error is None):
+            return None
+        chunks = self._chunks
+        taken = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._drained(len(taken))
+        return taken
 
     def all_read(self) -> bool:
         """The answer is complete and every chunk of it has been read."""
@@ -249,6 +287,13 @@ class _Connection(asyncio.Protocol):
             waiter.set_result(None)
 
 
+def _late(waiter: asyncio.Future[None]) -> None:
+    """The wait is over: TimeoutError (a cheaper :func:`asyncio.timeout_at` for one
+    future: nothing cancelled, no context entered)."""
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
+
+
 class _Pool:
     """At most ``max_connections`` to one replica, the idle reused last-in first-out."""
 
@@ -261,14 +306,22 @@ class _Pool:
         self._waiters: deque[asyncio.Future[None]] = deque()
         self.hearing = _Hearing()
 
+    def idle(self, *, fresh: bool = False) -> _Connection | None:
+        """An idle connection to use at once, as :meth:`acquire` would take it (None:
+        :meth:`acquire` must open one or wait)."""
+        while self._idle and not (fresh and self._num_open < self._max):
+            connection = self._idle.pop()
+            if connection.usable():
+                return connection
+        return None
+
     async def acquire(self, *, fresh: bool = False) -> _Connection:
         """An idle connection, a new one, or the next one freed (``PoolTimeout``);
         ``fresh``: a new one while there is room."""
         while True:
-            while self._idle and not (fresh and self._num_open < self._max):
-                connection = self._idle.pop()
-                if connection.usable():
-                    return connection
+            connection = self.idle(fresh=fresh)
+            if connection is not None:
+                return connection
             if self._num_open < self._max:
                 return await self._connect()
             await self._freed()
@@ -353,6 +406,27 @@ class AnswerBody(httpx.AsyncByteStream):
         connection = self._connection
         return connection is not None and connection.all_read()
 
+    async def arrival(self, until: float) -> None:
+        """Return once more of the body, its end or its break is here; ``TimeoutError``
+        when none is by ``until`` (loop time)."""
+        connection = self._connection
+        if connection is not None:
+            await connection.arrival(until)
+
+    async def read(self, until: float | None = None) -> bytes | None:
+        """Reference: the next chunk of ``__aiter__``; tests/unit/clients/proxy/test_connections.py::test_reads_with_a_time_limit_equal_the_bodys_chunks
+        The body's bytes come since the last read (None: its end), ``TimeoutError`` when
+        nothing comes by ``until`` (loop time)."""  # noqa: E501
+        if self._connection is None:
+            raise httpx.StreamClosed()
+        return await self._connection.read(until)
+
+    def take_whole(self) -> bytes | None:
+        """Reference: b"".join of the chunks of ``__aiter__``; tests/unit/clients/proxy/test_connections.py::test_a_whole_body_taken_at_once_equals_its_chunks
+        The body's bytes not read yet, at once, when it has all come (None: else)."""  # noqa: E501
+        connection = self._connection
+        return None if connection is None else connection.take_whole()
+
     def __aiter__(self) -> AsyncIterator[bytes]:
         if self._connection is None:
             raise httpx.StreamClosed()
@@ -389,22 +463,34 @@ class ReplicaTransport(httpx.AsyncBaseTransport):
             extensions=_HTTP11,
         )
 
-    async def send_raw(self, request: RawRequest) -> RawAnswer:
+    async def send_raw(self, request: RawRequest, until: float | None = None) -> RawAnswer:
         """As :meth:`handle_async_request` for a ``POST`` already in its wire form (plain
         ``http`` only): no httpx request is built, nor its headers parsed again, and the
-        answer is a :class:`RawAnswer` (no httpx response either)."""
+        answer is a :class:`RawAnswer` (no httpx response either); ``TimeoutError`` when
+        its head has not come by ``until`` (loop time), as ``asyncio.timeout_at`` would."""
         fresh = bool(request.extensions.get(FRESH_CONNECTION))
-        pool, connection = await self._exchange(request.url, request.encoded, False, fresh)
+        url = request.url
+        pool, connection = await self._exchange(url, request.encoded, False, fresh, until)
         return RawAnswer(connection.status, connection.headers, AnswerBody(pool, connection))
 
     async def _exchange(
-        self, url: httpx.URL, encoded: bytes, head_only: bool, fresh: bool
+        self,
+        url: httpx.URL,
+        encoded: bytes,
+        head_only: bool,
+        fresh: bool,
+        until: float | None = None,
     ) -> tuple[_Pool, _Connection]:
         """The connection whose answer's head has come (its body is the caller's)."""
         pool = self._pool(url.host, url.port or 80)
-        connection = await pool.acquire(fresh=fresh)
+        connection = pool.idle(fresh=fresh)
+        if connection is None and until is None:
+            connection = await pool.acquire(fresh=fresh)
+        elif connection is None:
+            async with asyncio.timeout_at(until):  # a new connection, or one freed
+                connection = await pool.acquire(fresh=fresh)
         try:
-            await connection.exchange(encoded, head_only=head_only)
+            await connection.exchange(encoded, head_only=head_only, until=until)
         except BaseException:
             pool.give_back(connection)  # closed by the failed exchange
             raise
@@ -479,11 +565,14 @@ def encoded_post(
     """Reference: _encoded(httpx.Request("POST", url, content=body, headers=httpx.Headers(headers, encoding=encoding))); tests/unit/clients/proxy/test_connections.py::test_encoded_post_equals_httpxs
     A ``POST`` of a non-empty ``body`` as one write, its head as httpx makes it (``Host``
     first, ``Content-Length`` last); ``LocalProtocolError`` as :func:`_encoded`."""  # noqa: E501
+    fields = "\r\n".join([f"{n}: {v}" for n, v in headers]).encode(encoding)  # one encode
     lines = [b"POST %s HTTP/1.1" % url.raw_path, b"Host: " + url.netloc]
-    lines += [n.encode(encoding) + b": " + v.encode(encoding) for n, v in headers]
+    if headers:
+        lines.append(fields)
     lines.append(b"Content-Length: %d" % len(body))
     head = b"\r\n".join(lines)
-    if head.count(b"\n") != len(lines) - 1 or head.count(b"\r") != len(lines) - 1:
+    num_breaks = 2 + len(headers)  # between the request line, Host, each header, length
+    if head.count(b"\n") != num_breaks or head.count(b"\r") != num_breaks:
         raise httpx.LocalProtocolError("a request header holds a line break")
     return b"".join((head, b"\r\n\r\n", body))
 

@@ -275,8 +275,11 @@ class Forwarder:
     ) -> Answer | None:
         """The answer's head, or None after a failure the next replica may retry."""
         first_byte = asyncio.get_running_loop().time() + self._settings.first_byte_timeout_s
+        until = min(deadline, first_byte)
         try:
-            async with asyncio.timeout_at(min(deadline, first_byte)):
+            if isinstance(request, RawRequest):  # the transport keeps the time (one timer)
+                return await self._head(request, upstream, until)
+            async with asyncio.timeout_at(until):
                 return await self._head(request, upstream)
         except httpx.HTTPError as exc:
             if not self._retry.retries_error(exc):
@@ -295,11 +298,14 @@ class Forwarder:
         self._failed(upstream, "protocol", failures, exc)
         raise UpstreamFailedError(f"replica {upstream.replica} failed: {exc!r}") from exc
 
-    async def _head(self, request: httpx.Request | RawRequest, upstream: Upstream) -> Answer:
-        """The answer's head; sent once more on a new connection when a kept-alive one ended
-        before any byte (counted as ``stale``, logged, not against the replica)."""
+    async def _head(
+        self, request: httpx.Request | RawRequest, upstream: Upstream, until: float | None = None
+    ) -> Answer:
+        """The answer's head (a raw request's by ``until``, loop time: else TimeoutError);
+        sent once more on a new connection when a kept-alive one ended before any byte
+        (counted as ``stale``, logged, not against the replica)."""
         try:
-            return await self._handled(request)
+            return await self._handled(request, until)
         except NothingReceivedError as exc:
             if not self._retry.again_on_new_connection(exc):
                 raise
@@ -307,12 +313,14 @@ class Forwarder:
             sent = request.headers if isinstance(request, RawRequest) else request.headers.items()
             _log_retry(sent, upstream.replica, f"stale connection ({exc})")
         request.extensions = {**request.extensions, FRESH_CONNECTION: True}
-        return await self._handled(request)
+        return await self._handled(request, until)
 
-    async def _handled(self, request: httpx.Request | RawRequest) -> Answer:
+    async def _handled(
+        self, request: httpx.Request | RawRequest, until: float | None = None
+    ) -> Answer:
         if isinstance(request, RawRequest):
             assert isinstance(self._upstream, ReplicaTransport)
-            return await self._upstream.send_raw(request)
+            return await self._upstream.send_raw(request, until)
         return await self._upstream.handle_async_request(request)
 
     def _failed(
@@ -384,6 +392,10 @@ class StreamedAnswer:
         self.extra_headers = extra_headers
         self._abort: Callable[[], None] | None = None
         self._length: bytes | None = None
+        self._num_bytes = 0
+        """Body bytes read from the replica so far."""
+        self._num_whole: int | None = None
+        """The body's length, when the replica said it (a number)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = self.opened.response
@@ -404,7 +416,7 @@ class StreamedAnswer:
             if self._length is not None:
                 if watch is not None:
                     watch.stop()  # a whole answer, already coming: nothing to abort
-                await (self._send_whole(send) if _whole(response) else self._stream(send))
+                await self._send_known(send)
             else:
                 watch = watch or ClientWatch(receive, on_gone_of(scope))
                 await self._stream_watched(send, watch)
@@ -445,45 +457,107 @@ class StreamedAnswer:
 
     async def _stream(self, send: Send) -> None:
         """Every chunk; past a deadline or broken upstream, the body ends early."""
-        response = self.opened.response
         length = self._length
-        whole = int(length) if length is not None and length.isdigit() else None
-        num_bytes = 0
+        self._num_bytes, self._num_whole = 0, None
+        if length is not None and length.isdigit():
+            self._num_whole = int(length)
+        stream = self.opened.response.stream
+        ended = await (
+            self._stream_raw(send, stream)
+            if isinstance(stream, AnswerBody)
+            else self._stream_httpx(send)
+        )
+        if ended is False:
+            await self._done()
+            rest = b"" if self.truth is None else self.truth.end()
+            await send({"type": "http.response.body", "body": rest, "more_body": False})
+
+    async def _stream_raw(self, send: Send, stream: AnswerBody) -> bool | None:
+        """:meth:`_stream_httpx` on the connection: each wait bounded by one timer of its
+        own (first chunk, then idle), the total deadline by one context; whether the end
+        went with the last chunk (None: cut)."""
+        loop = asyncio.get_running_loop()
+        deadline, idle_s = self.deadline, self.first_chunk_timeout_s
+        ended = False
+        try:
+            async with asyncio.timeout_at(deadline):  # a send held by a slow client too
+                while not ended:
+                    until = deadline if idle_s is None else min(deadline, loop.time() + idle_s)
+                    read = await stream.read(until)
+                    if read is None:
+                        return False
+                    ended = await self._pass_on(read, send)
+                    idle_s = self.idle_timeout_s
+        except (TimeoutError, httpx.HTTPError) as exc:
+            why = "past the total deadline" if isinstance(exc, TimeoutError) else repr(exc)
+            if isinstance(exc, TimeoutError) and loop.time() < deadline:
+                why = "no chunk within the idle timeout"
+            self._cut(why)
+            return None
+        return True
+
+    async def _stream_httpx(self, send: Send) -> bool | None:
+        """Every chunk of an httpx answer (TLS), within the deadline and idle timeouts;
+        whether the end went with the last chunk (None: cut)."""
         idle_s, loop = self.idle_timeout_s, asyncio.get_running_loop()
         idle = asyncio.timeout(self.first_chunk_timeout_s)
         ended = False  # the client has been told the body ends
-        truth = self.truth
         try:
             async with asyncio.timeout_at(self.deadline), idle:
-                async for read in _raw(response):
-                    num_bytes += len(read)
+                async for read in _raw(self.opened.response):
                     idle.reschedule(None)  # a slow client is not an idle replica
-                    ended = _all_read(response)  # then the end goes with this chunk
-                    chunk = read
-                    if truth is not None:
-                        chunk = truth.feed(read) + (truth.end() if ended else b"")
-                        if not chunk and not ended:
-                            continue  # all of it held, or the hidden usage chunk
-                    if ended or (whole is not None and num_bytes >= whole):
-                        await self._done()  # the client has it all with this chunk
-                    message = {"type": "http.response.body", "body": chunk, "more_body": not ended}
-                    await send(message)
+                    ended = await self._pass_on(read, send)
                     idle.reschedule(None if idle_s is None else loop.time() + idle_s)
         except (TimeoutError, httpx.HTTPError) as exc:
             why = "past the total deadline" if isinstance(exc, TimeoutError) else repr(exc)
             why = "no chunk within the idle timeout" if idle.expired() else why
             self._cut(why)
-            return
-        if not ended:
-            await self._done()
-            rest = b"" if truth is None else truth.end()
-            await send({"type": "http.response.body", "body": rest, "more_body": False})
+            return None
+        return ended
+
+    async def _pass_on(self, read: bytes, send: Send) -> bool:
+        """``read`` sent on (what the usage reader leaves of it: maybe nothing); whether
+        the body's end went with it."""
+        self._num_bytes += len(read)
+        ended = _all_read(self.opened.response)  # then the end goes with this chunk
+        chunk = read
+        truth = self.truth
+        if truth is not None:
+            chunk = truth.feed(read) + (truth.end() if ended else b"")
+            if not chunk and not ended:
+                return False  # all of it held, or the hidden usage chunk
+        whole = self._num_whole
+        if ended or (whole is not None and self._num_bytes >= whole):
+            await self._done()  # the client has it all with this chunk
+        await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
+        return ended
+
+    async def _send_known(self, send: Send) -> None:
+        """A body of known length: whole when its rest comes in the first wait (one timer,
+        as :meth:`_stream`'s first chunk is awaited), else chunk by chunk."""
+        response = self.opened.response
+        stream = response.stream
+        if isinstance(stream, AnswerBody) and not stream.whole():
+            idle_s = self.first_chunk_timeout_s
+            until = self.deadline
+            if idle_s is not None:
+                until = min(until, asyncio.get_running_loop().time() + idle_s)
+            try:
+                await stream.arrival(until)
+            except TimeoutError:
+                late = until >= self.deadline
+                self._cut("past the total deadline" if late else "no chunk within the idle timeout")
+                return
+        await (self._send_whole(send) if _whole(response) else self._stream(send))
 
     async def _send_whole(self, send: Send) -> None:
         """A body that has all come, in one message: nothing is awaited from the replica
         (the one write is buffered whole), so no timeout is armed."""
-        chunks = [read async for read in _raw(self.opened.response)]
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        stream = self.opened.response.stream
+        body = stream.take_whole() if isinstance(stream, AnswerBody) else None
+        if body is None:
+            chunks = [read async for read in _raw(self.opened.response)]
+            body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         truth = self.truth
         if truth is not None:
             body = truth.feed(body) + truth.end()

@@ -23,6 +23,9 @@ _SERVER_ERROR = (
     b"\r\nInternal Server Error"
 )
 _DISCONNECT: Message = {"type": "http.disconnect"}
+WHOLE_BODY = "kvindex.whole_body"
+"""A scope extension of the front cycle: ``take()`` is the request's body when it has all
+come (read: ``receive`` then gives no ``http.request``), else None (read it by ``receive``)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -56,6 +59,14 @@ class _FrontCycle:
         waiter, self.waiter = self.waiter, None
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    def take_body(self) -> bytes | None:
+        """The body, when it has come whole and not been read yet (None: else)."""
+        if not self.complete or self.given:
+            return None
+        self.given = True
+        chunks, self.chunks = self.chunks, []
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def receive(self) -> Message:
         while not self.given:
@@ -118,9 +129,10 @@ class _FrontCycle:
     def _head(self, status: int, headers: Any) -> bytes:
         lines = [STATUS_LINE[status], self.protocol.default_head()]
         length = False
+        if not isinstance(headers, list | tuple):
+            headers = list(headers)  # iterated twice
+        _check(headers)
         for name, value in headers:
-            if HEADER_RE.search(name) or HEADER_VALUE_RE.search(value):
-                raise RuntimeError(f"invalid HTTP header {name!r}: {value!r}")  # as uvicorn
             lower = name.lower()
             if lower == b"content-length":
                 length = True
@@ -195,7 +207,11 @@ class FrontProtocol(HotProtocol):
         scope["query_string"] = b""
         cycle = _FrontCycle(self, endpoint, scope)
         on_gone = partial(self._on_gone, cycle)
-        scope["extensions"] = {ABORT: partial(self._abort, cycle), ON_GONE: on_gone}
+        scope["extensions"] = {
+            ABORT: partial(self._abort, cycle),
+            ON_GONE: on_gone,
+            WHOLE_BODY: cycle.take_body,
+        }
         self.cycle = cycle  # type: ignore[assignment]  # uvicorn reads the few fields it has
         self._front_pending = cycle
 
@@ -266,6 +282,18 @@ class FrontProtocol(HotProtocol):
         if declared is None or not declared.isdigit() or int(declared) > self.max_body_bytes:
             return None
         return endpoint
+
+
+def _check(headers: Any) -> None:
+    """RuntimeError on a header uvicorn refuses (all names searched at once, joined by a
+    byte their pattern allows, and all values so)."""
+    names = b"-".join([name for name, _ in headers])
+    values = b"\t".join([value for _, value in headers])
+    if not (HEADER_RE.search(names) or HEADER_VALUE_RE.search(values)):
+        return
+    for name, value in headers:
+        if HEADER_RE.search(name) or HEADER_VALUE_RE.search(value):
+            raise RuntimeError(f"invalid HTTP header {name!r}: {value!r}")  # as uvicorn
 
 
 async def _run(cycle: _FrontCycle) -> None:

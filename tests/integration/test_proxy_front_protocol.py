@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -21,7 +21,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvindex.api.http.background import BackgroundServer
 from kvindex.api.http.server_protocol import ON_GONE, hot_protocol
-from kvindex.clients.proxy.front_protocol import front_protocol
+from kvindex.clients.proxy.front_protocol import WHOLE_BODY, front_protocol
 
 ROUTE = "/v1/chat/completions"
 MAX_BODY = 4096
@@ -32,6 +32,8 @@ class Served:
     front: list[bool]
     """Per request of the route: whether the front cycle ran it."""
     gone: threading.Event
+    taken: list[bool] = field(default_factory=list)
+    """Per request of the route: whether its body was taken whole (:data:`WHOLE_BODY`)."""
 
 
 async def _body(receive: Receive) -> bytes:
@@ -61,7 +63,10 @@ def _app(served: Served) -> Any:
         if scope["type"] != "http":
             return
         served.front.append(type(getattr(receive, "__self__", None)).__name__ == "_FrontCycle")
-        body = await _body(receive)
+        take = scope["extensions"].get(WHOLE_BODY)
+        taken = take() if take is not None and (b"x-take", b"1") in scope["headers"] else None
+        served.taken.append(taken is not None)
+        body = await _body(receive) if taken is None else taken
         what = body.split(b" ")[0]
         echo = b"%s %s %s" % (scope["method"].encode(), scope["raw_path"], body)
         if what == b"raise":
@@ -208,6 +213,25 @@ def test_pipelined_requests_are_answered_in_order(twins: Any) -> None:
     assert mine == theirs
     assert mine[0][0][2].endswith(b"first")
     assert served.front[0]
+
+
+def test_a_body_taken_whole_answers_as_one_received(twins: Any) -> None:
+    """The endpoint takes a body that has all come at once (no ``receive``); one still
+    coming is read by ``receive``, as on uvicorn's cycle."""
+    (front, served), (plain, _) = twins
+    split = _post(b"length split", x_take="1")
+    cases = [
+        (_post(b"length hello", x_take="1"),),
+        (_post(b"stream hello", x_take="1"),),
+        (_post(b"close hello", x_take="1"),),
+        (split[:-4], split[-4:]),
+    ]
+    for parts in cases:
+        mine, theirs = _exchange(front, *parts), _exchange(plain, *parts)
+        assert mine == theirs, parts
+        assert mine[0][0][2].endswith(b"hello") or mine[0][0][2].endswith(b"split")
+    assert served.front == [True] * len(cases)
+    assert served.taken == [True, True, True, False]
 
 
 def test_other_requests_go_to_uvicorns_cycle(twins: Any) -> None:

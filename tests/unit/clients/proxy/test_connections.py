@@ -12,8 +12,10 @@ import httpx
 import pytest
 from starlette.types import Message
 
+from kvindex.api.http.server_protocol import ABORT
 from kvindex.clients.proxy.connections import (
     FRESH_CONNECTION,
+    AnswerBody,
     NothingReceivedError,
     ReplicaTransport,
     _encoded,
@@ -168,6 +170,92 @@ def test_chunks_that_arrived_together_are_read_as_one_piece() -> None:
             await response.aclose()
             await transport.aclose()
         assert chunks == [b"".join(b"data: %d\n\n" % i for i in range(5)), b"data: 5\n\n"]
+
+    _run(test)
+
+
+def test_a_whole_body_taken_at_once_equals_its_chunks() -> None:
+    """``take_whole`` gives what iterating the body would, once it has all come (before
+    that None, and nothing is taken); taken, the rest is empty."""
+
+    async def script(_: bytes, __: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        events = b"".join(b"9\r\ndata: %d\n\n\r\n" % i for i in range(3))
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + events)
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.write(b"9\r\ndata: 3\n\n\r\n0\r\n\r\n")
+        await writer.drain()
+
+    async def test() -> None:
+        async with Replica(script) as replica:
+            transport = _transport()
+            bodies: list[bytes] = []
+            for _ in range(2):
+                request = httpx.Request("POST", replica.url, content=b"{}")
+                response = await transport.handle_async_request(request)
+                stream = response.stream
+                assert isinstance(stream, AnswerBody)
+                await asyncio.sleep(0.05)  # three events in, the fourth not
+                assert stream.take_whole() is None
+                if bodies:
+                    await asyncio.sleep(0.2)  # all in now
+                    assert stream.take_whole() == bodies[0]
+                    assert stream.take_whole() == b""  # nothing left: an empty rest
+                else:
+                    bodies.append(b"".join([c async for c in response.aiter_raw()]))
+                await response.aclose()
+            assert replica.num_connections == 1  # taken whole, the connection serves again
+            await transport.aclose()
+        assert bodies == [b"".join(b"data: %d\n\n" % i for i in range(4))]
+
+    _run(test)
+
+
+def test_reads_with_a_time_limit_equal_the_bodys_chunks() -> None:
+    """``read`` gives what iterating the body gives, chunk for chunk, then None; a wait
+    past its limit raises TimeoutError and the next read goes on where it left off."""
+
+    async def script(_: bytes, __: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        events = b"".join(b"9\r\ndata: %d\n\n\r\n" % i for i in range(3))
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + events)
+        await writer.drain()
+        await asyncio.sleep(0.3)
+        writer.write(b"9\r\ndata: 3\n\n\r\n0\r\n\r\n")
+        await writer.drain()
+
+    async def chunks(transport: ReplicaTransport, url: str, limit_s: float) -> list[Any]:
+        response = await transport.handle_async_request(httpx.Request("GET", url))
+        stream = response.stream
+        assert isinstance(stream, AnswerBody)
+        loop = asyncio.get_running_loop()
+        read: list[Any] = []
+        await asyncio.sleep(0.05)  # three events in
+        while True:
+            try:
+                chunk = await stream.read(loop.time() + limit_s)
+            except TimeoutError:
+                read.append("timeout")
+                continue
+            read.append(chunk)
+            if chunk is None:
+                break
+        await response.aclose()
+        return read
+
+    async def test() -> None:
+        async with Replica(script) as replica:
+            transport = _transport()
+            patient = await chunks(transport, replica.url, 2.0)
+            hasty = await chunks(transport, replica.url, 0.1)
+            response = await transport.handle_async_request(httpx.Request("GET", replica.url))
+            iterated = [c async for c in response.aiter_raw()]
+            await response.aclose()
+            await transport.aclose()
+        three = b"".join(b"data: %d\n\n" % i for i in range(3))
+        assert patient == [three, b"data: 3\n\n", None]
+        assert hasty[0] == three and hasty[-2:] == [b"data: 3\n\n", None]
+        assert set(hasty[1:-2]) == {"timeout"}
+        assert iterated == [three, b"data: 3\n\n"]
 
     _run(test)
 
@@ -347,6 +435,49 @@ def test_the_end_of_an_answer_goes_to_the_client_with_its_last_chunk() -> None:
     _run(test)
     bodies = [(m["body"], m["more_body"]) for m in sent[1:]]
     assert bodies == [(b"data: 1\n\n", True), (b"data: 2\n\n", False)]
+
+
+@pytest.mark.parametrize("late_s", [0.05, 3.0])
+def test_a_body_of_known_length_after_its_head_goes_whole_or_is_cut_at_the_first_chunk_timeout(
+    late_s: float,
+) -> None:
+    """A body that follows its head within the first-chunk timeout goes to the client in one
+    message; one that does not comes to nothing and the answer is cut (the server's abort)."""
+    sent: list[Message] = []
+    aborted: list[bool] = []
+
+    async def script(_: bytes, __: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(late_s)
+        writer.write(b"hello")
+        await writer.drain()
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    async def stays() -> Message:
+        await asyncio.sleep(10)
+        return {"type": "http.disconnect"}
+
+    async def test() -> None:
+        async with Replica(script) as replica:
+            forwarder = Forwarder(ProxySettings(), ProxyMetrics())
+            upstreams = (Upstream("r1", replica.url),)
+            opened = await forwarder.open("/", b"{}", [], upstreams, forwarder.deadline())
+            answer = StreamedAnswer(
+                opened, "rid", forwarder.deadline(), lambda *a: None, first_chunk_timeout_s=0.5
+            )
+            scope = {"type": "http", "extensions": {ABORT: lambda: aborted.append(True)}}
+            await answer(scope, stays, send)
+            await forwarder.close()
+
+    _run(test)
+    bodies = [(m["body"], m["more_body"]) for m in sent[1:]]
+    if late_s < 0.5:
+        assert bodies == [(b"hello", False)] and not aborted
+    else:
+        assert bodies == [] and aborted == [True]
 
 
 def test_a_connection_ending_before_any_byte_says_so_and_whether_it_served_before() -> None:
