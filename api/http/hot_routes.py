@@ -45,6 +45,9 @@ class HotRoute:
     bare: bool = False
     """Answered from its path alone (a ``GET``: no body, no header read, no token): a whole
     plain request for it may be answered before the parser sees it, with no headers."""
+    constant: bytes | None = None
+    """What ``answer`` always returns, if it never changes (a bare route's 200 is then
+    written without calling it)."""
 
 
 @dataclass(frozen=True, slots=True)

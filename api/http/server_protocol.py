@@ -85,6 +85,9 @@ class HotProtocol(LingeringProtocol):
     _gone_calls: list[Callable[[], None]] | None = None
     """What :data:`ON_GONE` asked to call when the request under way loses its client."""
     _bare_scopes: dict[str, Any] | None = None
+    _constant_head: bytes | None = None
+    _constant_payload: bytes | None = None
+    _constant = b""
 
     def data_received(self, data: bytes) -> None:
         self._idle_since = None
@@ -126,10 +129,25 @@ class HotProtocol(LingeringProtocol):
         if scope is None:
             scope = self._bare_scope(route)
         self.scope = scope
+        if route.constant is not None:  # as ``_respond`` answers it, with no coroutine
+            started = time.perf_counter()
+            self.transport.write(self._constant_answer(route.constant))
+            self.on_response_complete()
+            self._serving().observe(scope, 200, time.perf_counter() - started)
+            return True
         answering = _HotCycle(route, _NO_HEADERS, time.perf_counter())
         self.cycle = answering  # type: ignore[assignment]  # uvicorn reads the few fields it has
         _run_eagerly(self._respond(answering, b""), self.loop, self.tasks)
         return True
+
+    def _constant_answer(self, payload: bytes) -> bytes:
+        """``_respond``'s 200 of ``payload``, made again when the default head changes."""
+        head = self._default_head()
+        if head is not self._constant_head or payload is not self._constant_payload:
+            length = b"content-length: %d\r\ncontent-type: application/json\r\n\r\n" % len(payload)
+            self._constant = b"".join((STATUS_LINE[200], head, length, payload))
+            self._constant_head, self._constant_payload = head, payload
+        return self._constant
 
     def _bare_scope(self, route: HotRoute) -> Any:
         """What a bare route's answer and count read of a scope, kept per connection."""
