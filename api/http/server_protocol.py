@@ -107,22 +107,12 @@ class HotProtocol(LingeringProtocol):
         ``data`` a whole plain ``GET`` of a bare route and nothing else, between requests:
         answered here, without the parser's callbacks; False: ``data`` is the parser's."""  # noqa: E501
         hot = self.hot
-        if hot is None or not hot.bare or self._in_message or self._unupgraded is not None:
+        if hot is None or not hot.bare or not self._between_requests():
             return False
-        cycle = self.cycle
-        if cycle is not None and not cycle.response_complete:
+        if not data.startswith(b"GET "):  # a body's bytes are never hashed below
             return False
-        if self.pipeline or self.lingering or self.limit_concurrency is not None:
-            return False
-        route = hot.bare_heads.get(data)
-        if route is None:
-            head = _BARE_GET.fullmatch(data)
-            route = hot.bare.get(head[1]) if head is not None else None
-            if route is None:
-                return False
-            if len(data) <= _KEPT_HEAD_BYTES and len(hot.bare_heads) < _KEPT_HEADS:
-                hot.bare_heads[data] = route  # a client sends the same head every time
-        if self.transport.is_closing():
+        route = _bare_route(hot, data)
+        if route is None or self.transport.is_closing():
             return False
         self._disarm()
         scope = self._bare_scopes.get(route.path) if self._bare_scopes is not None else None
@@ -139,6 +129,15 @@ class HotProtocol(LingeringProtocol):
         self.cycle = answering  # type: ignore[assignment]  # uvicorn reads the few fields it has
         _run_eagerly(self._respond(answering, b""), self.loop, self.tasks)
         return True
+
+    def _between_requests(self) -> bool:
+        """No request begun or unanswered, none queued, the connection plain and reading."""
+        if self._in_message or self._unupgraded is not None:
+            return False
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            return False
+        return not (self.pipeline or self.lingering or self.limit_concurrency is not None)
 
     def _constant_answer(self, payload: bytes) -> bytes:
         """``_respond``'s 200 of ``payload``, made again when the default head changes."""
@@ -356,6 +355,21 @@ class HotProtocol(LingeringProtocol):
 
 def _nothing() -> None:
     pass
+
+
+def _bare_route(hot: HotServing, data: bytes) -> HotRoute | None:
+    """The bare route ``data`` is a whole plain ``GET`` of (its head kept when short), or None."""
+    route = hot.bare_heads.get(data) if len(data) <= _KEPT_HEAD_BYTES else None
+    if route is None:
+        head = _BARE_GET.fullmatch(data)
+        route = hot.bare.get(head[1]) if head is not None else None
+        if (
+            route is not None
+            and len(data) <= _KEPT_HEAD_BYTES
+            and len(hot.bare_heads) < _KEPT_HEADS
+        ):
+            hot.bare_heads[data] = route  # a client sends the same head every time
+    return route
 
 
 def _body_fits(route: HotRoute, raw: list[tuple[bytes, bytes]], max_bytes: int) -> bool:

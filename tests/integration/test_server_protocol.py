@@ -247,6 +247,11 @@ def test_bare_gets_pipelined_or_in_pieces_are_answered_in_order(twins: Twins) ->
     assert [a.status_line.split()[1] for a in answers] == [b"200"] * 4
     assert same(twins, health[:10], health[10:], health).answers[0].body == b'{"status":"ok"}'
     assert same(twins, score, health, pause_s=0.2, num_answers=2).answers[1].body.endswith(b"}")
+    # A body that reads as a bare GET is the body still: the POST's (a 422), no health answer.
+    posted = request("POST", "/score", health)
+    head_end = posted.index(b"\r\n\r\n") + 4
+    answer = same(twins, posted[:head_end], posted[head_end:], pause_s=0.2).answers[0]
+    assert answer.status_line.split()[1] == b"422"
 
 
 def test_a_body_sent_in_pieces_is_read_whole(twins: Twins) -> None:
