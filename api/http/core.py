@@ -113,8 +113,8 @@ class ApiCore:
     def hot_routes(self) -> list[HotRoute]:
         """The routes answered without the framework, each its FastAPI route's answer."""
         return [
-            _hot("GET", "/healthz", healthz, guarded=False, reads_body=False),
-            _hot("GET", "/readyz", self.readyz, guarded=False, reads_body=False),
+            _hot("GET", "/healthz", healthz, guarded=False, reads_body=False, bare=_HEALTHY),
+            _hot("GET", "/readyz", self.readyz, guarded=False, reads_body=False, bare=True),
             _hot("POST", "/score", self.score, guarded=True, reads_body=True),
         ]
 
@@ -131,8 +131,27 @@ class ApiCore:
         )
 
 
-def _hot(method: str, path: str, answer: Answer, *, guarded: bool, reads_body: bool) -> HotRoute:
-    return HotRoute(method, path, RouteName(path), answer, guarded=guarded, reads_body=reads_body)
+def _hot(
+    method: str,
+    path: str,
+    answer: Answer,
+    *,
+    guarded: bool,
+    reads_body: bool,
+    bare: bool | bytes = False,
+) -> HotRoute:
+    """``bare``: a bare route (bytes: its constant answer, what ``answer`` returns)."""
+    constant = bare if isinstance(bare, bytes) else None
+    return HotRoute(
+        method,
+        path,
+        RouteName(path),
+        answer,
+        guarded=guarded,
+        reads_body=reads_body,
+        bare=bool(bare),
+        constant=constant,
+    )
 
 
 async def healthz(_body: bytes, _headers: Headers) -> bytes:

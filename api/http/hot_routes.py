@@ -7,7 +7,7 @@ function, token check and error mapping; every other request goes on to FastAPI.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -42,6 +42,12 @@ class HotRoute:
     guarded: bool
     reads_body: bool
     """False: the body is passed as ``b""`` unread."""
+    bare: bool = False
+    """Answered from its path alone (a ``GET``: no body, no header read, no token): a whole
+    plain request for it may be answered before the parser sees it, with no headers."""
+    constant: bytes | None = None
+    """What ``answer`` always returns, if it never changes (a bare route's 200 is then
+    written without calling it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +60,11 @@ class HotServing:
     observe: Callable[[Scope, int, float], None]
     max_body_bytes: int
     body_timeout_s: float
+    bare: dict[bytes, HotRoute] = field(default_factory=dict)
+    """The :attr:`HotRoute.bare` routes by path."""
+    bare_heads: dict[bytes, HotRoute] = field(default_factory=dict)
+    """Whole requests (their bytes) found to be plain ``GET`` s of a bare route: the server's
+    protocol fills it, bounded."""
 
     @classmethod
     def build(
@@ -67,7 +78,9 @@ class HotServing:
         body_timeout_s: float,
     ) -> HotServing:
         table = {(r.method.encode(), r.path.encode()): r for r in routes}
-        return cls(table, authorize, error_response, observe, max_body_bytes, body_timeout_s)
+        bare = {r.path.encode(): r for r in routes if r.bare}
+        assert all(r.method == "GET" and not (r.guarded or r.reads_body) for r in bare.values())
+        return cls(table, authorize, error_response, observe, max_body_bytes, body_timeout_s, bare)
 
 
 class HotRoutes:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
@@ -36,6 +37,16 @@ _SERVER_ERROR = (
 )
 _LEFT_TO_APP = frozenset((b"transfer-encoding", b"x-forwarded-for"))
 """Headers that leave a request to the app (its body limit, its proxy-headers rewrite)."""
+_BARE_GET = re.compile(
+    rb"GET (/[!-~]*) HTTP/1\.1\r\n"
+    rb"(?:(?!(?i:content-length|transfer-encoding|connection|upgrade|expect|x-forwarded-for):)"
+    rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+:[\t\x20-\x7e]*\r\n)*\r\n"
+)
+"""A whole plain ``GET`` head, each header a plain token and text: none that asks for
+anything (a body, a close, an upgrade, a ``100 Continue``) or that leaves it to the app."""
+_NO_HEADERS = Headers(raw=[])
+_KEPT_HEADS, _KEPT_HEAD_BYTES = 256, 512
+"""The most bare heads kept as matched, and the longest (128 kB at most in all)."""
 
 
 class _NoEvent:
@@ -73,9 +84,15 @@ class HotProtocol(LingeringProtocol):
     _head: bytes = b""
     _gone_calls: list[Callable[[], None]] | None = None
     """What :data:`ON_GONE` asked to call when the request under way loses its client."""
+    _bare_scopes: dict[str, Any] | None = None
+    _constant_head: bytes | None = None
+    _constant_payload: bytes | None = None
+    _constant = b""
 
     def data_received(self, data: bytes) -> None:
         self._idle_since = None
+        if self._answered_bare(data):
+            return
         super().data_received(data)
         cycle = self._pending
         if cycle is not None and cycle.timer is None and cycle.route.reads_body:
@@ -83,6 +100,63 @@ class HotProtocol(LingeringProtocol):
             # here, once the bytes read are parsed, so that a whole request costs no timer).
             timeout_s = self._serving().body_timeout_s
             cycle.timer = self.loop.call_later(timeout_s, self._body_too_late, cycle)
+
+    def _answered_bare(self, data: bytes) -> bool:
+        """Reference: the parser's path (``on_headers_complete``'s hot cycle); tests/integration/test_server_protocol.py::test_bare_gets_are_answered_as_the_parser_answers_them
+
+        ``data`` a whole plain ``GET`` of a bare route and nothing else, between requests:
+        answered here, without the parser's callbacks; False: ``data`` is the parser's."""  # noqa: E501
+        hot = self.hot
+        if hot is None or not hot.bare or not self._between_requests():
+            return False
+        if not data.startswith(b"GET "):  # a body's bytes are never hashed below
+            return False
+        route = _bare_route(hot, data)
+        if route is None or self.transport.is_closing():
+            return False
+        self._disarm()
+        scope = self._bare_scopes.get(route.path) if self._bare_scopes is not None else None
+        if scope is None:
+            scope = self._bare_scope(route)
+        self.scope = scope
+        if route.constant is not None:  # as ``_respond`` answers it, with no coroutine
+            started = time.perf_counter()
+            self.transport.write(self._constant_answer(route.constant))
+            self.on_response_complete()
+            self._serving().observe(scope, 200, time.perf_counter() - started)
+            return True
+        answering = _HotCycle(route, _NO_HEADERS, time.perf_counter())
+        self.cycle = answering  # type: ignore[assignment]  # uvicorn reads the few fields it has
+        _run_eagerly(self._respond(answering, b""), self.loop, self.tasks)
+        return True
+
+    def _between_requests(self) -> bool:
+        """No request begun or unanswered, none queued, the connection plain and reading."""
+        if self._in_message or self._unupgraded is not None:
+            return False
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            return False
+        return not (self.pipeline or self.lingering or self.limit_concurrency is not None)
+
+    def _constant_answer(self, payload: bytes) -> bytes:
+        """``_respond``'s 200 of ``payload``, made again when the default head changes."""
+        head = self._default_head()
+        if head is not self._constant_head or payload is not self._constant_payload:
+            length = b"content-length: %d\r\ncontent-type: application/json\r\n\r\n" % len(payload)
+            self._constant = b"".join((STATUS_LINE[200], head, length, payload))
+            self._constant_head, self._constant_payload = head, payload
+        return self._constant
+
+    def _bare_scope(self, route: HotRoute) -> Any:
+        """What a bare route's answer and count read of a scope, kept per connection."""
+        scope: dict[str, Any] = {"type": "http", "http_version": "1.1", "method": route.method}
+        scope |= {"path": route.path, "route": route.route, "headers": []}
+        scope |= {"server": self.server, "client": self.client, "scheme": self.scheme}
+        if self._bare_scopes is None:
+            self._bare_scopes = {}
+        self._bare_scopes[route.path] = scope
+        return scope
 
     def on_message_begin(self) -> None:
         # Not idle from here (a request pipelined behind an answer comes with no new read).
@@ -281,6 +355,21 @@ class HotProtocol(LingeringProtocol):
 
 def _nothing() -> None:
     pass
+
+
+def _bare_route(hot: HotServing, data: bytes) -> HotRoute | None:
+    """The bare route ``data`` is a whole plain ``GET`` of (its head kept when short), or None."""
+    route = hot.bare_heads.get(data) if len(data) <= _KEPT_HEAD_BYTES else None
+    if route is None:
+        head = _BARE_GET.fullmatch(data)
+        route = hot.bare.get(head[1]) if head is not None else None
+        if (
+            route is not None
+            and len(data) <= _KEPT_HEAD_BYTES
+            and len(hot.bare_heads) < _KEPT_HEADS
+        ):
+            hot.bare_heads[data] = route  # a client sends the same head every time
+    return route
 
 
 def _body_fits(route: HotRoute, raw: list[tuple[bytes, bytes]], max_bytes: int) -> bool:

@@ -8,7 +8,7 @@ import heapq
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 from kvindex.indexer import native
@@ -274,12 +274,12 @@ class MemoryIndex:
     def _asked_for(self, streams: tuple[StreamId, ...]) -> _Asked:
         """The prepared lookup of ``streams``: the last call's while nothing changed."""
         last = self._asked
-        if (
-            last is not None
-            and last.numbering == self._numbering
-            and (last.streams is streams or last.streams == streams)
-        ):
-            return last
+        if last is not None and last.numbering == self._numbering:
+            if last.streams is streams:
+                return last
+            if last.streams == streams:  # a caller's new tuple: kept, so its next call is an `is`
+                self._asked = replace(last, streams=streams)
+                return self._asked
         wanted = 0
         index_of = [-1] * len(self._state_of)
         for i, stream in enumerate(streams):

@@ -207,6 +207,53 @@ def test_what_the_hot_path_leaves_to_the_app_is_answered_alike(twins: Twins, sen
     same(twins, sent)
 
 
+_BROWSER = "accept: */*\r\naccept-encoding: gzip, deflate\r\nuser-agent: Python/3.11 aiohttp\r\n"
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [
+        request("GET", "/healthz"),
+        request("GET", "/readyz"),
+        b"GET /healthz HTTP/1.1\r\n\r\n",
+        f"GET /healthz HTTP/1.1\r\nHost: kvindex.test\r\n{_BROWSER}\r\n".encode(),
+        request("GET", "/healthz", connection="keep-alive"),
+        request("GET", "/healthz", Connection="close"),
+        request("GET", "/healthz", content_length="0"),
+        request("GET", "/healthz", expect="100-continue"),
+        request("GET", "/healthz", upgrade="h2c", connection="Upgrade"),
+        request("GET", "/healthz", x_forwarded_for="10.0.0.1"),
+        request("GET", "/healthz?x=1"),
+        request("GET", "/healthz", version="1.0"),
+        b"get /healthz HTTP/1.1\r\nhost: kvindex.test\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nhost : kvindex.test\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nx-odd: caf\xc3\xa9\r\n\r\n",
+        b"GET /healthz HTTP/1.1\nhost: kvindex.test\n\n",
+    ],
+    ids=[
+        "health", "ready", "no-header", "aiohttp", "keep-alive", "close", "length-0", "expect",
+        "upgrade", "fwd", "query", "http10", "lower-method", "space-colon", "obs-text", "bare-lf",
+    ],
+)  # fmt: skip
+def test_bare_gets_are_answered_as_the_parser_answers_them(twins: Twins, sent: bytes) -> None:
+    """Those the protocol answers before its parser, and those it leaves to the parser."""
+    if not same(twins, sent).closed and b"pgrade" not in sent:  # then once more, on one connection
+        same(twins, sent, sent, num_answers=2)
+
+
+def test_bare_gets_pipelined_or_in_pieces_are_answered_in_order(twins: Twins) -> None:
+    health, score = request("GET", "/healthz"), request("POST", "/score", VALID)
+    answers = same(twins, health + health + score + health, num_answers=4).answers
+    assert [a.status_line.split()[1] for a in answers] == [b"200"] * 4
+    assert same(twins, health[:10], health[10:], health).answers[0].body == b'{"status":"ok"}'
+    assert same(twins, score, health, pause_s=0.2, num_answers=2).answers[1].body.endswith(b"}")
+    # A body that reads as a bare GET is the body still: the POST's (a 422), no health answer.
+    posted = request("POST", "/score", health)
+    head_end = posted.index(b"\r\n\r\n") + 4
+    answer = same(twins, posted[:head_end], posted[head_end:], pause_s=0.2).answers[0]
+    assert answer.status_line.split()[1] == b"422"
+
+
 def test_a_body_sent_in_pieces_is_read_whole(twins: Twins) -> None:
     sent = request("POST", "/score", VALID)
     answer = same(twins, sent[:40], sent[40:300], sent[300:]).answers[0]

@@ -15,7 +15,7 @@ import pytest
 from starlette.datastructures import Headers
 
 from kvindex.api.http.hot_routes import HotRoute
-from kvindex.api.http.server_protocol import _body_fits, _run_eagerly
+from kvindex.api.http.server_protocol import _BARE_GET, _body_fits, _run_eagerly
 
 
 def _eagerly(coro: Any) -> set[asyncio.Task[None]]:
@@ -121,3 +121,32 @@ def test_a_hot_request_is_one_whose_body_is_declared_within_the_limit(
     route = HotRoute("POST", "/score", None, answer, guarded=False, reads_body=reads_body)
     raw = [(name.encode(), value.encode()) for name, value in headers.items()]
     assert _body_fits(route, raw, 10) is fits
+
+
+@pytest.mark.parametrize(
+    ("sent", "bare"),
+    [
+        (b"GET /healthz HTTP/1.1\r\n\r\n", True),
+        (b"GET /healthz HTTP/1.1\r\nHost: a:1\r\nAccept: */*\r\nUser-Agent: x/1 (y)\r\n\r\n", True),
+        (b"GET /healthz HTTP/1.1\r\nx-empty:\r\nx-tab:\ta\tb\r\n\r\n", True),
+        (b"GET /healthz HTTP/1.1\r\nContent-Length: 0\r\n\r\n", False),
+        (b"GET /healthz HTTP/1.1\r\nTRANSFER-ENCODING: chunked\r\n\r\n", False),
+        (b"GET /healthz HTTP/1.1\r\nConnection: keep-alive\r\n\r\n", False),
+        (b"GET /healthz HTTP/1.1\r\nupgrade: h2c\r\n\r\n", False),
+        (b"GET /healthz HTTP/1.1\r\nExpect: 100-continue\r\n\r\n", False),
+        (b"GET /healthz HTTP/1.1\r\nX-Forwarded-For: 10.0.0.1\r\n\r\n", False),
+        (b"GET /healthz HTTP/1.1\r\nhost : a\r\n\r\n", False),
+        (b"GET /healthz HTTP/1.1\r\n host: a\r\n\r\n", False),
+        (b"GET /healthz HTTP/1.1\r\nx: \xc3\xa9\r\n\r\n", False),
+        (b"GET /healthz HTTP/1.1\r\nx: a\x00\r\n\r\n", False),
+        (b"GET /healthz HTTP/1.1\nhost: a\n\n", False),
+        (b"GET /healthz HTTP/1.0\r\n\r\n", False),
+        (b"get /healthz HTTP/1.1\r\n\r\n", False),
+        (b"GET /healthz HTTP/1.1\r\n\r\nGET /healthz HTTP/1.1\r\n\r\n", False),
+        (b"GET /healthz HTTP/1.1\r\n\r\n{}", False),
+        (b"GET /healthz HTTP/1.1\r\nhost: a\r\n", False),
+    ],
+)  # fmt: skip
+def test_a_bare_head_is_one_plain_get_asking_for_nothing_more(sent: bytes, bare: bool) -> None:
+    """What the protocol answers before its parser (the rest is the parser's)."""
+    assert (_BARE_GET.fullmatch(sent) is not None) is bare

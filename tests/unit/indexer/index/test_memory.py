@@ -170,6 +170,24 @@ def test_holders_answer_the_holders_alone_in_runs_of_one_match() -> None:
         }
 
 
+def test_an_equal_tuple_of_streams_reuses_the_prepared_lookup_and_is_kept() -> None:
+    index = MemoryIndex()
+    streams = [StreamId(f"r{i}") for i in range(4)]
+    for i, stream in enumerate(streams):
+        index.apply(stream, 0, 1.0, [store(1, 101)] + ([store(2, 102)] if i == 2 else []))
+    first = tuple(streams)
+    runs = index.holders(KEYS, first)
+    prepared = index._asked
+    again = tuple(StreamId(f"r{i}") for i in range(4))  # equal, not the same objects
+    assert index.holders(KEYS, again) == runs
+    assert index._asked is not None and index._asked.streams is again  # next time: an `is`
+    assert prepared is not None and index._asked.index_of == prepared.index_of
+    assert index.longest_prefix(KEYS, again) == index.longest_prefix(KEYS, first)
+    index.drop(streams[0])  # the numbering changes: prepared again
+    after = {m.tiers: sorted(run) for m, run in index.holders(KEYS, again[1:])}
+    assert after == {(GPU,): [0, 2], (GPU, GPU): [1]}
+
+
 def test_holders_read_the_matched_prefix_not_the_streams() -> None:
     index = python_index()
     holders = _counting(index)
