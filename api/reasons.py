@@ -75,6 +75,8 @@ class Reasons(msgspec.Struct, frozen=True):
 
     model: str
     made: Decided
+    weights: dict[str, float] | None = None
+    """``made.weights`` as a dict when the scorer has it made already (never changed)."""
 
     def answer(self) -> ScoreResponse:
         """The answer :meth:`~kvindex.api.score.Scorer.score` gives of the same decision."""
@@ -83,7 +85,8 @@ class Reasons(msgspec.Struct, frozen=True):
         if not made.worded:  # the lean kv_aware path: its terms are kv_aware's (held equal)
             cands = [made.seen.candidate(s.replica) for s in scored]
             scored = kv_aware(cands, made.num_blocks, made.weights, None, made.distrusted)
-        return response_of(self.model, made, scored, made.weights.as_dict())
+        weights = made.weights.as_dict() if self.weights is None else dict(self.weights)
+        return response_of(self.model, made, scored, weights)
 
 
 def kept_reads(seen: Seen, scored: Sequence[Scored]) -> Seen:

@@ -189,7 +189,8 @@ class Scorer:
         )
         if not explain:
             return Ranking(made.num_tokens, ranked)
-        return Ranking(made.num_tokens, ranked, Reasons(request.model, made))
+        view = self._default_weights if made.weights is self._settings.weights else None
+        return Ranking(made.num_tokens, ranked, Reasons(request.model, made, view))
 
     async def _decided(
         self,

@@ -14,7 +14,7 @@ import msgspec
 from kvindex.api.reasons import Explains
 from kvindex.api.schemas import ScoreRequest
 from kvindex.api.score import Ranking, Scorer, UnknownModelError
-from kvindex.api.tokenize.protocol import TokenizerError, chat_options_of
+from kvindex.api.tokenize.protocol import NO_OPTIONS, TokenizerError, chat_options_of
 from kvindex.clients.proxy.predictions import Prediction
 from kvindex.clients.proxy.untokenized import FailureLog
 from kvindex.indexer.domain.errors import KvIndexError
@@ -198,7 +198,12 @@ def _prompt_of(body: Mapping[str, Any]) -> dict[str, Any]:
     """The ScoreRequest field carrying the body's prompt (none: ranked on load alone)."""
     messages = body.get("messages")
     if isinstance(messages, list) and all(isinstance(m, dict) for m in messages):
-        return {"messages": messages, **chat_options_of(body).fields()}
+        options = chat_options_of(body)
+        return (
+            {"messages": messages}
+            if options is NO_OPTIONS
+            else {"messages": messages, **options.fields()}
+        )
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return {"prompt": prompt}
