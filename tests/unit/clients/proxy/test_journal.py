@@ -22,6 +22,7 @@ from kvindex.clients.proxy.journal import (
     receipt_of,
     session_digest,
 )
+from kvindex.clients.proxy.metrics import ProxyMetrics
 from kvindex.clients.proxy.predictions import Truth
 from kvindex.clients.proxy.receipt import decode_receipt, packed_ids, unpacked_ids
 from kvindex.clients.proxy.settings import ProxySettings
@@ -249,6 +250,21 @@ async def test_an_outage_of_the_sink_is_logged_once_and_its_end_once(
     assert caplog.text.count("the store takes receipts again (5 not taken)") == 1
     assert [i for b in sink.batches for i, _ in b] == ["up-0", "up-1", "up-2"]
     await journal.close()
+
+
+@_sync
+async def test_receipts_the_store_did_not_take_are_a_metric_shown_from_zero() -> None:
+    metrics = ProxyMetrics()
+    series = b"kvindex_proxy_receipt_write_failures_total"
+    assert series + b" 0.0" in metrics.render()  # present before any failure
+    failures = metrics.receipt_write_failures
+    journal = Journal(
+        ProxySettings(journal_entries=4), sink=_Sink(fail=True), on_dropped=failures.inc
+    )
+    for request_id in ("a", "b", "c"):
+        journal.record(_ticket(request_id))
+    await journal.flush()
+    assert series + b" 3.0" in metrics.render()
 
 
 @_sync
