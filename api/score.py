@@ -12,7 +12,7 @@ from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvindex.api.answer import DEGRADED_REASONS, entry
+from kvindex.api.answer import DEGRADED_REASONS
 from kvindex.api.config.settings import ApiSettings
 from kvindex.api.decision.candidates import Seen, by_replica
 from kvindex.api.decision.fast_kv_aware import FastKvAware
@@ -30,6 +30,7 @@ from kvindex.api.load.model import CountedLoad, Load, is_newer_or_same
 from kvindex.api.load.store import LoadChanges, LoadStore
 from kvindex.api.lookup.matches import Lookup, RankedStreams, Streams, ranked_streams
 from kvindex.api.loop.off_loop import OffLoop
+from kvindex.api.reasons import Decided, Reasons, kept_reads, response_of
 from kvindex.api.schemas import ScoreRequest, ScoreResponse
 from kvindex.api.tokenize.protocol import ChatOptions, Tokenizer, as_packed
 from kvindex.indexer.domain.errors import KvIndexError
@@ -50,7 +51,14 @@ from kvindex.indexer.index.protocol import (
     holders_of,
 )
 
-__all__ = ["DEGRADED_REASONS", "Ranking", "RequestError", "Scorer", "UnknownModelError"]
+__all__ = [
+    "DEGRADED_REASONS",
+    "Ranking",
+    "Reasons",
+    "RequestError",
+    "Scorer",
+    "UnknownModelError",
+]
 
 _KEY_LIMIT = 2**64
 _POLICY_OF: dict[object, Policy] = {p.value: p for p in Policy}
@@ -88,23 +96,8 @@ class Ranking:
     num_tokens: int
     ranked: tuple[tuple[str, int], ...]
     """(replica, matched tokens), as :meth:`Scorer.score`'s ``scores`` list them."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Decided:
-    """One request's decision and what its answer is made of."""
-
-    decision: Decision
-    seen: Seen
-    policy: Policy
-    weights: Weights
-    rule: RoutingRule | None
-    unhealthy: dict[str, str]
-    degraded: str | None
-    block_size: int
-    num_tokens: int
-    num_blocks: int
-    num_candidates: int
+    reasons: Reasons | None = None
+    """What :meth:`Scorer.score` would explain of them (``ranking``'s ``explain``)."""
 
 
 class Scorer:
@@ -172,36 +165,32 @@ class Scorer:
         *,
         packed_tokens: bytes | None = None,
     ) -> ScoreResponse:
-        made = await self._decided(request, headers or {}, packed_tokens)
-        seen, block_size, weights = made.seen, made.block_size, made.weights
-        return ScoreResponse(
-            model=request.model,
-            block_size=block_size,
-            num_tokens=made.num_tokens,
-            num_blocks=made.num_blocks,
-            best=made.decision.best,
-            policy=made.policy.value,
-            weights=self._weights_view(weights),
-            scores=[entry(seen, s, block_size) for s in made.decision.ranked],
-            num_candidates=made.num_candidates,
-            num_matched=seen.lookup.num_matched(),
-            degraded=made.degraded,
-            rule=made.rule.name if made.rule is not None else None,
-            unhealthy=made.unhealthy,
-        )
+        top_k = self.top_k(request)
+        made = await self._decided(request, headers or {}, packed_tokens, top_k=top_k)
+        weights = self._weights_view(made.weights)
+        return response_of(request.model, made, made.decision.ranked, weights)
 
     async def ranking(
-        self, request: ScoreRequest, headers: Mapping[str, str] | None = None
+        self, request: ScoreRequest, headers: Mapping[str, str] | None = None, *, explain: int = 0
     ) -> Ranking:
         """:meth:`score`'s order and matches alone, the same decision (a router's need: no
-        entry explained)."""
-        made = await self._decided(request, headers or {}, None, explain=False)
+        entry explained). ``explain`` > 0: at most that many ranked (``top_k`` lowered to it),
+        with the :class:`Reasons` that :meth:`score` would word for them, worded when read."""
+        top_k = self.top_k(request)
+        if explain:
+            top_k = explain if top_k is None else min(top_k, explain)
+        made = await self._decided(
+            request, headers or {}, None, top_k=top_k, explain=False, gather=explain > 0
+        )
         matches, block_size = made.seen.lookup.matches, made.block_size
         ranked = tuple(
             (s.replica, matches.get(s.replica, NO_MATCH).num_blocks * block_size)
             for s in made.decision.ranked
         )
-        return Ranking(made.num_tokens, ranked)
+        if not explain:
+            return Ranking(made.num_tokens, ranked)
+        view = self._default_weights if made.weights is self._settings.weights else None
+        return Ranking(made.num_tokens, ranked, Reasons(request.model, made, view))
 
     async def _decided(
         self,
@@ -209,9 +198,13 @@ class Scorer:
         headers: Mapping[str, str],
         packed_tokens: bytes | None,
         *,
+        top_k: int | None,
         explain: bool = True,
-    ) -> _Decided:
-        """Every step of an answer but its assembly; ``explain`` False: no terms, no freshness."""
+        gather: bool = False,
+    ) -> Decided:
+        """Every step of an answer but its assembly, the best ``top_k`` kept; ``explain``
+        False: no terms, and no freshness unless ``gather`` (a ranking's reasons: then the
+        reads kept are the ranked candidates' alone)."""
         specs = self._registry.replicas()
         outage = self._registry.outage()
         candidates = self._candidates(request, specs, outage)
@@ -226,7 +219,9 @@ class Scorer:
         streams = self._streams(ranked)
         lookup, loads, version = await self._read(keys, streams.streams, ranked)
         lookup.resolve(streams)
-        if policy is Policy.KV_AWARE and not weights.temperature:
+        distrusted = self._distrusted()
+        lean = policy is Policy.KV_AWARE and not weights.temperature
+        if lean:
             seen = Seen(lookup, loads, {}, self._clock(), version)
             rng = copy.copy(self._rng) if request.dry_run else self._rng
             decision = self._kv_aware.decide(
@@ -234,24 +229,29 @@ class Scorer:
                 streams,
                 seen,
                 num_blocks=len(keys),
-                top_k=self.top_k(request),
+                top_k=top_k,
                 weights=weights,
                 rng=rng,
                 explain=explain,
-                distrusted=self._distrusted(),
+                distrusted=distrusted,
+                gather=gather,
             )
         else:
             seen = Seen(lookup, loads, by_replica(self._registry.freshness()), self._clock())
+            cands = [seen.candidate(r) for r in ranked]
             decision = self._decide(
-                policy, [seen.candidate(r) for r in ranked], keys, request, weights
+                policy, cands, keys, request, weights, top_k=top_k, distrusted=distrusted
             )
         if not request.dry_run:
             self._note_routed(decision.best, loads)
         all_out = no_healthy(unhealthy) if unhealthy and ranked is candidates else None
         degraded = self._degraded(lookup.degraded, outage, all_out)
-        return _Decided(
-            decision, seen, policy, weights, rule, unhealthy, degraded,
-            block_size, num_tokens, len(keys), len(ranked),
+        num_matched = lookup.num_matched()
+        if gather:
+            seen = kept_reads(seen, decision.ranked)
+        return Decided(
+            decision, seen, policy, weights, rule, unhealthy, degraded, block_size,
+            num_tokens, len(keys), len(ranked), num_matched, distrusted, explain or not lean,
         )  # fmt: skip
 
     def _degraded(
@@ -495,6 +495,9 @@ class Scorer:
         keys: list[int],
         request: ScoreRequest,
         weights: Weights,
+        *,
+        top_k: int | None,
+        distrusted: Collection[str],
     ) -> Decision:
         """:func:`~kvindex.api.decision.policies.decide`; RequestError for what it lacks."""
         turns, rng = self._turns[request.model], self._rng
@@ -509,8 +512,8 @@ class Scorer:
                 session=request.session,
                 turns=turns,
                 rng=rng,
-                top_k=self.top_k(request),
-                distrusted=self._distrusted(),
+                top_k=top_k,
+                distrusted=distrusted,
             )
         except ScoringError as exc:
             raise RequestError(str(exc)) from exc

@@ -52,9 +52,11 @@ class FastKvAware:
         rng: random.Random,
         explain: bool = True,
         distrusted: Collection[str] = (),
+        gather: bool = False,
     ) -> Decision:
         """The decision over ``ranked``; fills ``seen.statuses`` for the ``top_k`` chosen.
-        ``explain`` False: the same order and scores, no terms, ``seen.statuses`` left empty."""
+        ``explain`` False: the same order and scores, no terms, ``seen.statuses`` left empty
+        unless ``gather`` (what would explain the chosen, read now: :mod:`kvindex.api.reasons`)."""
         matches, streams_of = seen.lookup.matches, streams.streams_of
         walk = self._penalties(ranked, streams, seen, weights, top_k)
         if isinstance(walk, list):
@@ -74,7 +76,12 @@ class FastKvAware:
         )
         if not isinstance(walk, list):
             walk.complete(map(streams.position.__getitem__, held_by))
-        held = self._registry.freshness([s for r in held_by for s in streams_of.get(r, ())])
+        # Gathering for every candidate (each one ranks): all their streams read at once.
+        everyone = gather and not explain and (top_k is None or top_k >= len(ranked))
+        if everyone:
+            held = self._registry.freshness(streams.streams)
+        else:
+            held = self._registry.freshness([s for r in held_by for s in streams_of.get(r, ())])
         credit_of: dict[str, tuple[float, float]] = {}
         minus_scores = _minus_scores(
             penalties,
@@ -88,13 +95,16 @@ class FastKvAware:
         )
         order = best(minus_scores, penalties, rng, top_k, positions)
         winners = [ranked[i] for i in order]
+        if everyone:
+            seen.statuses.update(by_replica(held))
+        elif explain or gather:
+            chosen = set(winners)
+            seen.statuses.update(by_replica([s for s in held if s.stream.replica in chosen]))
+            rest = [s for r in winners if r not in matches for s in streams_of.get(r, ())]
+            seen.statuses.update(by_replica(self._registry.freshness(rest)))
         if not explain:
             plain = [Scored(r, -minus_scores[i], {}) for r, i in zip(winners, order, strict=True)]
             return Decision(winners[0] if winners else None, plain)
-        chosen = set(winners)
-        seen.statuses.update(by_replica([s for s in held if s.stream.replica in chosen]))
-        rest = [s for r in winners if r not in matches for s in streams_of.get(r, ())]
-        seen.statuses.update(by_replica(self._registry.freshness(rest)))
         cands = [seen.candidate(r) for r in winners]
         credits = [credit_of.get(r) for r in winners]
         scored = kv_aware(cands, num_blocks, weights, credits, distrusted)

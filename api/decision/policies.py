@@ -114,10 +114,11 @@ class Weights:
 
 
 # The per-request types below are frozen msgspec Structs rather than frozen dataclasses: a
-# request builds one of each per candidate, and a Struct is built much faster.
+# request builds one of each per candidate, and a Struct is built much faster. They hold
+# no object that could refer back to them (no cycle): the collector does not track them.
 
 
-class LoadInput(msgspec.Struct, frozen=True):
+class LoadInput(msgspec.Struct, frozen=True, gc=False):
     running: float
     waiting: float
     kv_usage: float
@@ -125,7 +126,7 @@ class LoadInput(msgspec.Struct, frozen=True):
     routed: float = 0.0
 
 
-class Candidate(msgspec.Struct, frozen=True):
+class Candidate(msgspec.Struct, frozen=True, gc=False):
     """What the scorer knows of one replica for one request."""
 
     replica: str
@@ -137,13 +138,13 @@ class Candidate(msgspec.Struct, frozen=True):
     in_flight_tokens: float = 0.0
 
 
-class Scored(msgspec.Struct, frozen=True):
+class Scored(msgspec.Struct, frozen=True, gc=False):
     replica: str
     score: float
     terms: dict[str, float]
 
 
-class Decision(msgspec.Struct, frozen=True):
+class Decision(msgspec.Struct, frozen=True, gc=False):
     best: str | None
     ranked: list[Scored]
     """Best first."""

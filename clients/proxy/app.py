@@ -127,7 +127,12 @@ class ProxyParts:
         self.auth = InboundAuth(self.proxy.auth_token)
         self.verdicts = verdicts_of(self.proxy, self.registry, self.metrics)
         self.predictions = Predictions(self.metrics.observe_prediction, self.verdicts.judge)
-        self.journal = Journal(self.proxy, sink=self.receipts, tokenizers=self.tokenizers)
+        self.journal = Journal(
+            self.proxy,
+            sink=self.receipts,
+            tokenizers=self.tokenizers,
+            on_dropped=self.metrics.receipt_write_failures.inc,
+        )
 
 
 class _ProxyApp(Starlette):

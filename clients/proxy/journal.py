@@ -1,6 +1,8 @@
 """The route journal: a receipt per routed request, the newest ``proxy.journal_entries`` in
 memory by id (an id sent twice keeps its last) and, given a sink, in a store every proxy shares;
-written once the request ends, in batches, by one background task: no store call on its path."""
+written once the request ends, in batches, by one background task: no store call on its path.
+Without a sink (nor token ids to keep) a request's ticket is kept as it ended and its receipt
+made only when read: the same receipt, no work for receipts nobody reads."""
 
 from __future__ import annotations
 
@@ -24,7 +26,6 @@ from kvindex.indexer.domain.errors import KvIndexError
 logger = logging.getLogger("kvindex.proxy")
 MAX_ID_CHARS = 4096  # a longer request id gets no receipt (nor can it be asked for)
 FLUSH_DELAY_S = 0.05  # a finished request's receipt waits this long for its batch
-_WARN_EVERY_S = 10.0
 
 
 class JournalUnavailableError(KvIndexError):
@@ -52,6 +53,8 @@ class Ticket:
     truth: Truth | None = None
     told: bool = False
     status: int = 0
+    ended: float = 0.0
+    """``time.perf_counter()`` when the request ended (recorded)."""
 
     def chose(
         self, choice: Choice, body: dict[str, Any] | None, session: str | None, *, keep: bool
@@ -80,20 +83,25 @@ class Journal:
         *,
         sink: ReceiptSink | None = None,
         tokenizers: Callable[[str], Tokenizer | None] = lambda _model: None,
+        on_dropped: Callable[[int], object] = lambda _count: None,
     ) -> None:
+        """``on_dropped``: told how many receipts the sink did not take, each time."""
         self.enabled = settings.journal_entries > 0
         self._entries = settings.journal_entries
         self._num_candidates = settings.journal_candidates
         self._max_attempts = settings.max_attempts
         self._max_ids = settings.journal_token_bytes // 4
         self._sink = sink
+        self._lazy = sink is None and not self._max_ids
         self._tokenizers = tokenizers
-        self._kept: OrderedDict[str, bytes] = OrderedDict()
+        self._on_dropped = on_dropped
+        self._kept: OrderedDict[str, bytes | Ticket] = OrderedDict()
+        """Receipts as JSON, or (lazy) the tickets they are made of when read."""
         self._pending: list[Ticket] = []
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._lock: asyncio.Lock | None = None
-        self._warned = 0.0
+        self._outage = False  # the sink failed last: logged once, until a write succeeds
         self.num_dropped = 0  # receipts the shared store did not take (kept in memory only)
 
     def ticket(self, exchange: Exchange) -> Ticket:
@@ -105,9 +113,14 @@ class Journal:
 
     def record(self, ticket: Ticket) -> None:
         """Keep ``ticket``'s receipt (a request the scorer routed; others are ignored)."""
-        if not self.enabled or ticket.choice is None or ticket.choice.answer is None:
+        if not self.enabled or ticket.choice is None or ticket.choice.reasons is None:
             return
-        if len(ticket.exchange.request_id) > MAX_ID_CHARS:
+        request_id = ticket.exchange.request_id
+        if len(request_id) > MAX_ID_CHARS:
+            return
+        ticket.ended = time.perf_counter()
+        if self._lazy:
+            self._keep(request_id, ticket)
             return
         self._pending.append(ticket)
         if len(self._pending) > self._entries:  # the writer is behind: the oldest go
@@ -148,7 +161,7 @@ class Journal:
             if self._sink is not None and batch:
                 await self._sent(batch)
 
-    def _keep(self, request_id: str, data: bytes) -> None:
+    def _keep(self, request_id: str, data: bytes | Ticket) -> None:
         kept = self._kept
         kept.pop(request_id, None)
         kept[request_id] = data
@@ -161,10 +174,19 @@ class Journal:
             await asyncio.to_thread(self._sink.append, batch)
         except Exception as exc:  # the store is down: the receipts stay in memory
             self.num_dropped += len(batch)
-            now = time.monotonic()
-            if now - self._warned >= _WARN_EVERY_S:
-                self._warned = now
-                logger.warning("journal: %d receipts not written to the store: %r", len(batch), exc)
+            self._on_dropped(len(batch))
+            if not self._outage:
+                self._outage = True
+                logger.warning(
+                    "journal: the store takes no receipts (kept in memory only until it does): %r",
+                    exc,
+                )
+            return
+        if self._outage:
+            self._outage = False
+            logger.warning(
+                "journal: the store takes receipts again (%d not taken)", self.num_dropped
+            )
 
     def __len__(self) -> int:
         return len(self._kept) + len(self._pending)
@@ -172,6 +194,8 @@ class Journal:
     async def find(self, request_id: str) -> bytes | None:
         """The receipt of ``request_id``: this process's, else the shared store's (None)."""
         data = self._kept.get(request_id)
+        if isinstance(data, Ticket):
+            return encode_receipt(await self._made(data))
         if data is not None:
             return data
         for ticket in reversed(self._pending):
@@ -194,7 +218,10 @@ class Journal:
             except Exception as exc:
                 logger.warning("journal: the store's receipts unreadable, this proxy's: %r", exc)
         kept = list(self._kept.values())
-        return kept[max(0, len(kept) - count) :]
+        return [await self._encoded(k) for k in kept[max(0, len(kept) - count) :]]
+
+    async def _encoded(self, kept: bytes | Ticket) -> bytes:
+        return encode_receipt(await self._made(kept)) if isinstance(kept, Ticket) else kept
 
     async def _made(self, ticket: Ticket) -> Receipt:
         receipt = receipt_of(ticket, self._num_candidates, self._max_attempts)
@@ -222,8 +249,8 @@ class Journal:
 def receipt_of(ticket: Ticket, num_candidates: int, max_attempts: int) -> Receipt:
     """``ticket``'s receipt (its choice explained: the picker's ``explain``)."""
     choice, exchange = ticket.choice, ticket.exchange
-    assert choice is not None and choice.answer is not None
-    answer = choice.answer
+    assert choice is not None and choice.reasons is not None
+    answer = choice.reasons.answer()
     upstreams = choice.upstreams
     receipt = Receipt(
         id=exchange.request_id,
@@ -243,7 +270,7 @@ def receipt_of(ticket: Ticket, num_candidates: int, max_attempts: int) -> Receip
         chosen=upstreams[0].replica if upstreams else None,
         fallbacks=[u.replica for u in upstreams[1:max_attempts]],
         status=ticket.status,
-        duration_ms=round((time.perf_counter() - exchange.started) * 1000, 3),
+        duration_ms=round(((ticket.ended or time.perf_counter()) - exchange.started) * 1000, 3),
         untokenized=choice.untokenized,
         max_tokens=ticket.max_tokens,
         session=ticket.session,

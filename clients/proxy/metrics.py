@@ -126,6 +126,12 @@ class ProxyMetrics:
             "Sibling workers whose series a scrape left out (no answer on their socket in time).",
             registry=r,
         )
+        self.receipt_write_failures = Counter(
+            "kvindex_proxy_receipt_write_failures",
+            "Receipts the shared journal store (the Redis Stream) did not take: kept in this"
+            " proxy's memory only.",
+            registry=r,
+        )
         self.reservations_lost = Counter(
             "kvindex_proxy_reservations_lost",
             "Reservations that stopped counting because this proxy's lease lapsed (renewals"

@@ -11,9 +11,10 @@ from typing import Any
 
 import msgspec
 
-from kvindex.api.schemas import ScoreRequest, ScoreResponse
+from kvindex.api.reasons import Explains
+from kvindex.api.schemas import ScoreRequest
 from kvindex.api.score import Ranking, Scorer, UnknownModelError
-from kvindex.api.tokenize.protocol import TokenizerError, chat_options_of
+from kvindex.api.tokenize.protocol import NO_OPTIONS, TokenizerError, chat_options_of
 from kvindex.clients.proxy.predictions import Prediction
 from kvindex.clients.proxy.untokenized import FailureLog
 from kvindex.indexer.domain.errors import KvIndexError
@@ -82,8 +83,9 @@ class Choice:
     block_size: int = 0
     untokenized: bool = False
     """The prompt's tokenizer failed: ranked on load alone (the answer says so)."""
-    answer: ScoreResponse | None = None
-    """The scorer's explained answer (the picker's ``explain``: what a receipt shows)."""
+    reasons: Explains | None = None
+    """What explains the best upstreams (the picker's ``explain``: what a receipt shows),
+    worded when read (:meth:`~kvindex.api.reasons.Reasons.answer`)."""
 
     def prediction(self, upstream: Upstream) -> Prediction | None:
         """What the index predicted of ``upstream`` (None: the prompt was not tokenized)."""
@@ -109,9 +111,8 @@ class UpstreamPicker:
         health_policy: HealthPolicy | None = None,
         explain: int = 0,
     ) -> None:
-        """``explain`` > 0: each choice carries the scorer's answer (its ``score``, the same
-        decision as its ``ranking``) for at most that many best candidates (fewer upstreams
-        than that many: no retry is lost), the cost of explaining bounded by it."""
+        """``explain`` > 0: each choice carries the reasons of at most that many best
+        candidates (the upstreams are as many: no retry is lost), worded when read."""
         self._scorer = scorer
         self._explain = explain
         self._health_policy = health_policy or HealthPolicy()
@@ -137,9 +138,7 @@ class UpstreamPicker:
                 )
             raise NoUpstreamError(f"no replica of {served!r} has a url to forward to")
         lora_name = None if base is None else model
-        answer, untokenized, explained = await self._score(
-            served, lora_name, body, headers, list(urls)
-        )
+        answer, untokenized = await self._score(served, lora_name, body, headers, list(urls))
         num_tokens = answer.num_tokens
         upstreams = tuple(
             Upstream(replica, urls[replica], max(0, num_tokens - matched), matched)
@@ -148,7 +147,8 @@ class UpstreamPicker:
         )
         block_size = self._scorer.block_size(served)
         fraction = _matched_fraction(answer)
-        return Choice(upstreams, fraction, served, num_tokens, block_size, untokenized, explained)
+        reasons = answer.reasons
+        return Choice(upstreams, fraction, served, num_tokens, block_size, untokenized, reasons)
 
     def choose_any(self) -> Choice:
         """Every replica with a ``url`` but the ejected (all if all are), one further each call."""
@@ -170,9 +170,9 @@ class UpstreamPicker:
         body: Mapping[str, Any],
         headers: Mapping[str, str],
         cands: list[str],
-    ) -> tuple[Ranking, bool, ScoreResponse | None]:
-        """The ranking, whether it was made without the prompt's tokens, and the explained
-        answer when the picker explains."""
+    ) -> tuple[Ranking, bool]:
+        """The ranking (its reasons when the picker explains), and whether it was made
+        without the prompt's tokens."""
         session = headers.get(SESSION_HEADER) or _string(body.get("user"))
         common: dict[str, Any] = {
             "model": model,
@@ -186,32 +186,24 @@ class UpstreamPicker:
         }
         try:
             request = ScoreRequest(**common, **_prompt_of(body))
-            ranking, explained = await self._ranked(request, headers)
-            return ranking, False, explained
+            return await self._scorer.ranking(request, headers, explain=self._explain), False
         except TokenizerError as exc:
             self._failure_log.failed(model, str(exc))
             self._on_tokenize_failure(model)
-        ranking, explained = await self._ranked(ScoreRequest(**common, block_keys=[]), headers)
-        return ranking, True, explained
-
-    async def _ranked(
-        self, request: ScoreRequest, headers: Mapping[str, str]
-    ) -> tuple[Ranking, ScoreResponse | None]:
-        if not self._explain:
-            return await self._scorer.ranking(request, headers), None
-        top_k = self._scorer.top_k(request)
-        explained = self._explain if top_k is None else min(top_k, self._explain)
-        request = msgspec.structs.replace(request, top_k=explained)
-        answer = await self._scorer.score(request, headers)
-        ranked = tuple((s.replica, s.matched_tokens) for s in answer.scores)
-        return Ranking(answer.num_tokens, ranked), answer
+        request = ScoreRequest(**common, block_keys=[])
+        return await self._scorer.ranking(request, headers, explain=self._explain), True
 
 
 def _prompt_of(body: Mapping[str, Any]) -> dict[str, Any]:
     """The ScoreRequest field carrying the body's prompt (none: ranked on load alone)."""
     messages = body.get("messages")
     if isinstance(messages, list) and all(isinstance(m, dict) for m in messages):
-        return {"messages": messages, **chat_options_of(body).fields()}
+        options = chat_options_of(body)
+        return (
+            {"messages": messages}
+            if options is NO_OPTIONS
+            else {"messages": messages, **options.fields()}
+        )
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return {"prompt": prompt}

@@ -7,6 +7,7 @@ import asyncio
 import functools
 import time
 from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from typing import Any, ParamSpec
 
 import pytest
@@ -21,6 +22,7 @@ from kvindex.clients.proxy.journal import (
     receipt_of,
     session_digest,
 )
+from kvindex.clients.proxy.metrics import ProxyMetrics
 from kvindex.clients.proxy.predictions import Truth
 from kvindex.clients.proxy.receipt import decode_receipt, packed_ids, unpacked_ids
 from kvindex.clients.proxy.settings import ProxySettings
@@ -64,7 +66,17 @@ def _choice(num_candidates: int = 3) -> Choice:
         Upstream(e.replica, f"http://{e.replica}", 64 - e.matched_tokens, e.matched_tokens)
         for e in entries
     )
-    return Choice(upstreams, 0.5, "m", 64, 16, answer=answer)
+    return Choice(upstreams, 0.5, "m", 64, 16, reasons=_Answered(answer))
+
+
+@dataclass(frozen=True)
+class _Answered:
+    """Reasons worded already (the scorer's own are held to its answers elsewhere)."""
+
+    response: ScoreResponse
+
+    def answer(self) -> ScoreResponse:
+        return self.response
 
 
 def _ticket(
@@ -204,15 +216,73 @@ async def test_the_writer_sends_batches_in_the_background() -> None:
 async def test_a_failing_sink_keeps_receipts_in_memory_and_counts_them(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    journal = Journal(ProxySettings(journal_entries=4), sink=_Sink(fail=True))
+    dropped: list[int] = []
+    journal = Journal(
+        ProxySettings(journal_entries=4), sink=_Sink(fail=True), on_dropped=dropped.append
+    )
     journal.record(_ticket("a"))
     journal.record(_ticket("b"))
     await journal.flush()
-    assert journal.num_dropped == 2 and await journal.find("a") is not None
-    assert "2 receipts not written to the store" in caplog.text
+    assert journal.num_dropped == 2 and dropped == [2] and await journal.find("a") is not None
+    assert caplog.text.count("the store takes no receipts") == 1
     assert [decode_receipt(r).id for r in await journal.newest(5)] == ["a", "b"]
     with pytest.raises(JournalUnavailableError):  # not here, and the store cannot say
         await journal.find("elsewhere")
+
+
+@_sync
+async def test_an_outage_of_the_sink_is_logged_once_and_its_end_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every receipt the store did not take is counted; the log says when it stopped taking
+    them and when it took them again, not once per batch."""
+    sink, dropped = _Sink(fail=True), list[int]()
+    journal = Journal(ProxySettings(journal_entries=8), sink=sink, on_dropped=dropped.append)
+    for number in range(5):
+        journal.record(_ticket(f"down-{number}"))
+        await journal.flush()
+    sink.fail = False
+    for number in range(3):
+        journal.record(_ticket(f"up-{number}"))
+        await journal.flush()
+    assert dropped == [1] * 5 and journal.num_dropped == 5
+    assert caplog.text.count("the store takes no receipts") == 1
+    assert caplog.text.count("the store takes receipts again (5 not taken)") == 1
+    assert [i for b in sink.batches for i, _ in b] == ["up-0", "up-1", "up-2"]
+    await journal.close()
+
+
+@_sync
+async def test_receipts_the_store_did_not_take_are_a_metric_shown_from_zero() -> None:
+    metrics = ProxyMetrics()
+    series = b"kvindex_proxy_receipt_write_failures_total"
+    assert series + b" 0.0" in metrics.render()  # present before any failure
+    failures = metrics.receipt_write_failures
+    journal = Journal(
+        ProxySettings(journal_entries=4), sink=_Sink(fail=True), on_dropped=failures.inc
+    )
+    for request_id in ("a", "b", "c"):
+        journal.record(_ticket(request_id))
+    await journal.flush()
+    assert series + b" 3.0" in metrics.render()
+
+
+@_sync
+async def test_without_a_sink_a_receipt_is_made_when_read_and_equals_the_eager_one() -> None:
+    """Memory only: the ticket is kept as the request ended, and the receipt read from it is
+    the one the writer would have made then (its duration ends when the request did)."""
+    lazy = _journal(entries=4)
+    eager = Journal(ProxySettings(journal_entries=4), sink=_Sink())
+    ticket = _ticket("a")
+    lazy.record(ticket)
+    eager.record(ticket)
+    await eager.flush()
+    await asyncio.sleep(0.02)  # a lazily made receipt's duration is not the reading's time
+    made_late = await lazy.find("a")
+    assert made_late is not None and made_late == await eager.find("a")
+    assert [r for r in await lazy.newest(5)] == [made_late]
+    assert decode_receipt(made_late).duration_ms < 20
+    await eager.close()
 
 
 class _Words:

@@ -3,6 +3,8 @@ across pages newest first, the newest read back in order."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import fakeredis
 import pytest
 
@@ -44,3 +46,16 @@ def test_an_id_is_found_across_pages_and_its_newest_receipt_wins(
     assert stream.find("x0") == b"{}"
     assert stream.find("never") is None
     assert stream.find("\u00e9\x00 odd") is None  # any text is only compared
+
+
+def test_a_batch_longer_than_a_chunk_is_appended_whole_and_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(receipt_stream, "CHUNK", 3)
+    stream, client = _stream()
+    stream.append([(f"r{n}", f'{{"n":{n}}}'.encode()) for n in range(8)])
+    entries: Any = client.xrange(KEY)
+    assert [fields[b"id"] for _, fields in entries] == [f"r{n}".encode() for n in range(8)]
+    assert stream.newest(1) == [b'{"n":7}']
+    stream.append([])  # nothing to send: no error
+    assert client.xlen(KEY) == 8

@@ -313,8 +313,10 @@ def test_an_explaining_picker_makes_the_same_choice_and_explains_at_most_its_bou
         fleet.hold("c", tokens[:16])
     body = {"model": MODEL, "prompt": prompt}
     chosen, explained = plain.choose(body), told.choose(body)
-    assert plain.choose(body).answer is None
-    assert explained.answer is not None and len(explained.answer.scores) == min(explain, 3)
+    assert plain.choose(body).reasons is None
+    assert explained.reasons is not None
+    answer = explained.reasons.answer()
+    assert len(answer.scores) == min(explain, 3)
     assert explained.upstreams == chosen.upstreams[:explain]
-    best = explained.answer.scores[0]
+    best = answer.scores[0]
     assert best.replica == "b" and best.matched_tokens == 48 and "cache" in best.terms
