@@ -80,6 +80,13 @@ def serve_api(settings: ReadPathSettings) -> None:
         deps.loads.close()
 
 
+GC_THRESHOLDS = (10_000, 20, 20)
+"""The collector's thresholds once a server listens (Python's are 700, 10, 10): a request
+allocates hundreds of containers that die by reference count, so the young generation is
+walked every few requests at the defaults, and the kept ones (journals, caches, the index)
+are walked again by every older round. Cycles wait longer to be freed, bounded the same way."""
+
+
 class GracefulServer(uvicorn.Server):
     """uvicorn's server, without re-raising the signal that stopped it (so cleanup runs), its
     start-up's objects out of the garbage collector's rounds once it listens."""
@@ -89,6 +96,7 @@ class GracefulServer(uvicorn.Server):
         # What start-up built (modules, settings, the app) lives as long as the process:
         # frozen, a collection no longer walks it (a forked worker no longer copies its pages).
         gc.freeze()
+        gc.set_threshold(*GC_THRESHOLDS)
 
     @contextmanager
     def capture_signals(self) -> Iterator[None]:
