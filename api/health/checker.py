@@ -20,6 +20,7 @@ from kvindex.api.config.settings import ApiSettings
 from kvindex.api.health.routing import health_policy
 from kvindex.api.loop.off_loop import OffLoop
 from kvindex.api.loop.periodic import Periodic
+from kvindex.api.loop.probe import Getter
 from kvindex.indexer.fleet.registry import HealthChange, HealthUpdate, RegistryView
 from kvindex.indexer.fleet.replica_health import Ejection, ReplicaHealth
 from kvindex.indexer.index.protocol import IndexUnavailableError
@@ -40,7 +41,7 @@ class HealthChecker:
         self,
         settings: ApiSettings,
         registry: RegistryView,
-        client: httpx.AsyncClient,
+        client: Getter,
         *,
         blocking_store: bool,
         clock: Callable[[], float] = time.time,
