@@ -131,6 +131,7 @@ class Probes:
 
     def _park(self, host: str, port: int, exchange: _Exchange) -> None:
         idle = self._idle.setdefault((host, port), [])
+        idle[:] = [e for e in idle if e.usable()]  # closed by the replica while idle
         if len(idle) < _MAX_IDLE:
             idle.append(exchange)
         else:

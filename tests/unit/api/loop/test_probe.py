@@ -243,3 +243,17 @@ def test_other_urls_go_to_the_fallback_client() -> None:
 
     asyncio.run(main())
     assert seen == ["https://r:8443/health", "http://user:pw@r/health"]
+
+
+def test_bytes_past_the_answer_close_the_connection_and_the_answer_stands() -> None:
+    async def main() -> None:
+        raw = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokJUNK\r\n\r\n"
+        async with _server(_answer(raw)) as (url, accepted), httpx.AsyncClient() as client:
+            probes = Probes(client)
+            for _ in range(2):
+                answer = await _get(probes, url)
+                assert (answer.status_code, answer.text) == (200, "ok")
+            assert accepted == [2]  # the first connection was not reused
+            await probes.aclose()
+
+    asyncio.run(main())
