@@ -18,6 +18,7 @@ from kvindex.api.load.scraper import MetricsScraper
 from kvindex.api.load.store import LoadStore, MemoryLoadStore
 from kvindex.api.loop.off_loop import OffLoop
 from kvindex.api.loop.periodic import Periodic
+from kvindex.api.loop.probe import Probes
 from kvindex.api.score import Scorer
 from kvindex.api.tokenize.choice import ModelTokenizers
 from kvindex.api.tokenize.failover import ProxyTokenizers
@@ -131,6 +132,7 @@ class ReadPath:
     off_loop: OffLoop
     index: BlockIndex
     http: httpx.AsyncClient
+    probes: Probes
     tokenizers: ModelTokenizers | ProxyTokenizers
     scorer: Scorer
     scraper: MetricsScraper | None
@@ -149,6 +151,7 @@ class ReadPath:
         if self.scraper is not None:
             await self.scraper.stop()
         await self.health_checker.stop()
+        await self.probes.aclose()
         await self.http.aclose()
 
     def scrape_targets(self) -> list[tuple[str, str, str]]:
@@ -178,10 +181,11 @@ def build_read_path(deps: ApiDeps, hooks: Hooks | None = None) -> ReadPath:
         on_degraded=hooks.on_degraded,
         distrusted=hooks.distrusted,
     )
+    probes = Probes(http)  # the checks' and scrapes' GETs
     checker = HealthChecker(
         settings,
         registry,
-        http,
+        probes,
         blocking_store=deps.blocking_store,
         on_ejected=hooks.on_ejected,
         on_stalled=hooks.on_check_stalled,
@@ -189,12 +193,12 @@ def build_read_path(deps: ApiDeps, hooks: Hooks | None = None) -> ReadPath:
     block_sizes = BlockSizeCheck(settings, registry)
     rounds = Periodic("the block-size check", _check(off_loop, block_sizes), BLOCK_SIZE_CHECK_S)
     runtime = ReadPath(
-        deps, off_loop, index, http, tokenizers, scorer, None, checker, block_sizes, rounds
+        deps, off_loop, index, http, probes, tokenizers, scorer, None, checker, block_sizes, rounds
     )
     if settings.scrape_interval_s > 0:
         runtime.scraper = MetricsScraper(
             deps.loads,
-            http,
+            probes,
             runtime.scrape_targets,
             interval_s=settings.scrape_interval_s,
             timeout_s=settings.scrape_timeout_s,

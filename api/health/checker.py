@@ -1,5 +1,8 @@
 """The active health checker: ``GET <url><health_check_path>`` of every replica each
 interval, folded into its shared ``ReplicaHealth``; processes sharing a store split a round.
+Traffic counts as health: a replica whose latest forward through this proxy answered within the
+interval, not ejected and with no failed check pending, passes the round without a GET
+(:meth:`HealthChecker.count_traffic`, ``health_check_skip_on_traffic``).
 A replica found silent by a proxy is checked at once (:meth:`HealthChecker.confirm_hang`).
 A check timed out while this process stalled (:data:`STALL_S`) is sent again; the second counts."""
 
@@ -17,6 +20,7 @@ from kvindex.api.config.settings import ApiSettings
 from kvindex.api.health.routing import health_policy
 from kvindex.api.loop.off_loop import OffLoop
 from kvindex.api.loop.periodic import Periodic
+from kvindex.api.loop.probe import Getter
 from kvindex.indexer.fleet.registry import HealthChange, HealthUpdate, RegistryView
 from kvindex.indexer.fleet.replica_health import Ejection, ReplicaHealth
 from kvindex.indexer.index.protocol import IndexUnavailableError
@@ -27,6 +31,9 @@ STALL_S = 0.1
 """A timed-out check's deadline fired this late: the process, not the replica, was slow."""
 
 Outcome = tuple[bool, str | None]
+Answered = Callable[[str, float], bool]
+"""Whether a replica's latest forward outcome is a success at most so many seconds ago."""
+_PASSED: Outcome = (True, None)
 
 
 class HealthChecker:
@@ -34,7 +41,7 @@ class HealthChecker:
         self,
         settings: ApiSettings,
         registry: RegistryView,
-        client: httpx.AsyncClient,
+        client: Getter,
         *,
         blocking_store: bool,
         clock: Callable[[], float] = time.time,
@@ -57,6 +64,12 @@ class HealthChecker:
             else None
         )
         self._store_failing = False
+        self._skip_on_traffic = settings.health_check_skip_on_traffic
+        self._answered: Answered | None = None
+
+    def count_traffic(self, answered: Answered) -> None:
+        """Count a recent answered forward as a passed check (the proxy's breakers say)."""
+        self._answered = answered
 
     async def start(self) -> None:
         if self._rounds is not None and not self._rounds.running:
@@ -74,9 +87,12 @@ class HealthChecker:
             mine = await self._call(
                 self._registry.claim_health_checks, list(urls), self._interval_s * _CLAIM_SHARE
             )
-            outcomes = await asyncio.gather(*(self._check(r, urls[r]) for r in sorted(mine)))
+            passed = await self._answered_lately(mine)
+            sent = sorted(mine - passed)
+            outcomes = await asyncio.gather(*(self._check(r, urls[r]) for r in sent))
             now = self._clock()
-            changes = {r: self._change(o, now) for r, o in zip(sorted(mine), outcomes, strict=True)}
+            outcome_of = dict(zip(sent, outcomes, strict=True)) | dict.fromkeys(passed, _PASSED)
+            changes = {r: self._change(outcome_of[r], now) for r in sorted(mine)}
             updates = await self._call(self._registry.update_health, changes)
         except IndexUnavailableError as exc:
             self._store(failing=str(exc))
@@ -85,6 +101,18 @@ class HealthChecker:
         for replica, update in updates.items():
             self._report(replica, *update)
         return updates
+
+    async def _answered_lately(self, replicas: set[str]) -> set[str]:
+        """The replicas that pass this round on their traffic: their latest forward answered
+        within the interval, and their record holds no ejection and no failed check."""
+        answered = self._answered
+        if answered is None or not self._skip_on_traffic:
+            return set()
+        recent = {r for r in replicas if answered(r, self._interval_s)}
+        if not recent:
+            return recent
+        health = await self._call(self._registry.replica_health)
+        return {r for r in recent if r not in health or _clean(health[r])}
 
     async def confirm_hang(self, replica: str, silent_s: float) -> bool:
         """``replica`` owes answers and sent no byte for ``silent_s``: checked now, a failed
@@ -169,3 +197,9 @@ class HealthChecker:
         elif failing is None and self._store_failing:
             logger.warning("health checks resumed: the fleet state is reachable again")
         self._store_failing = failing is not None
+
+
+def _clean(record: ReplicaHealth) -> bool:
+    """Neither ejected (by checks or a breaker, even half-open) nor failing its checks."""
+    ejected = record.check_ejected or record.breaker_open_until is not None
+    return not ejected and record.check_failures == 0

@@ -62,6 +62,8 @@ class EjectionMetrics:
 
 
 class ReplicaBreakers:
+    """The breakers of one proxy, and when each replica last answered one of its forwards."""
+
     def __init__(
         self,
         settings: ApiSettings,
@@ -77,6 +79,7 @@ class ReplicaBreakers:
         self._clock = clock
         self._on_ejected = on_ejected
         self._failures: dict[str, int] = {}
+        self._answered: dict[str, float] = {}  # replica -> its latest outcome, when a success
         self._tasks: set[asyncio.Task[None]] = set()
 
     def outcome(self, replica: str, ok: bool, what: str) -> None:
@@ -85,10 +88,12 @@ class ReplicaBreakers:
         record = self._fleet.replica_health().get(replica)
         half_open = record is not None and record.half_open(now)
         if ok:
+            self._answered[replica] = now
             self._failures.pop(replica, None)
             if half_open:
                 self._change(replica, ReplicaHealth.breaker_closed)
             return
+        self._answered.pop(replica, None)
         if record is not None and record.ejection(now, self._policy) is Ejection.BREAKER:
             return  # already open: answers of requests sent before it opened
         failures = self._failures[replica] = self._failures.get(replica, 0) + 1
@@ -96,6 +101,11 @@ class ReplicaBreakers:
             self._failures.pop(replica, None)
             policy = self._policy
             self._change(replica, lambda h: h.breaker_opened(now, policy, what))
+
+    def answered_within(self, replica: str, within_s: float) -> bool:
+        """``replica``'s latest forward outcome is a success, at most ``within_s`` ago."""
+        at = self._answered.get(replica)
+        return at is not None and self._clock() - at <= within_s
 
     def _change(self, replica: str, change: HealthChange) -> None:
         if not self._off_loop.blocking:

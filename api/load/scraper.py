@@ -17,6 +17,7 @@ from kvindex.api.load.store import LoadStore
 from kvindex.api.load.vllm_metrics import metrics_url, parse_vllm_metrics
 from kvindex.api.loop.off_loop import OffLoop
 from kvindex.api.loop.periodic import Periodic
+from kvindex.api.loop.probe import Getter
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class MetricsScraper:
     def __init__(
         self,
         store: LoadStore,
-        client: httpx.AsyncClient,
+        client: Getter,
         targets: Callable[[], Iterable[ScrapeTarget]],
         *,
         interval_s: float = 1.0,

@@ -100,6 +100,7 @@ def build_proxy_app(
     breakers = ReplicaBreakers(
         api, deps.registry, blocking_store=deps.blocking_store, on_ejected=ejections.ejected
     )
+    read_path.health_checker.count_traffic(breakers.answered_within)
     forwarder = Forwarder(
         proxy,
         metrics,

@@ -232,3 +232,82 @@ def test_a_silent_replica_failing_its_check_is_ejected_at_once_a_passing_one_is_
     replicas.refused.clear()  # it answers again: the usual rounds restore it
     _rounds(registry, replicas, clock, SETTINGS.healthy_threshold)
     assert "down" not in _ejected(registry, clock)
+
+
+def _traffic_rounds(
+    registry: Registry, replicas: Replicas, clock: Clock, answered: set[str], num_rounds: int
+) -> list[tuple[str, Ejection]]:
+    """Rounds as :func:`_rounds`, the replicas in ``answered`` having just answered a forward."""
+    ejected: list[tuple[str, Ejection]] = []
+
+    async def main() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(replicas)) as client:
+            checker = HealthChecker(
+                SETTINGS, registry, client, blocking_store=False, clock=clock,
+                on_ejected=lambda r, why: ejected.append((r, why)),
+            )  # fmt: skip
+            checker.count_traffic(lambda replica, within_s: replica in answered and within_s > 0)
+            for _ in range(num_rounds):
+                clock.now += 1.0
+                await checker.check_once()
+
+    asyncio.run(main())
+    return ejected
+
+
+def test_a_replica_that_answered_traffic_passes_the_round_without_a_check() -> None:
+    clock, replicas = Clock(), Replicas()
+    registry = Registry(SPECS, clock=clock)
+    ejected = _traffic_rounds(registry, replicas, clock, {"up", "sick"}, 2)
+    assert ejected == [("down", Ejection.HEALTH_CHECK)]
+    assert sorted(replicas.paths) == ["down/health", "down/health"]  # no traffic: checked
+    health = registry.replica_health()
+    assert health["up"].check_successes == 2 and health["up"].checked_at == clock.now
+    assert health["sick"].check_successes == 2 and not health["sick"].check_ejected
+    assert _ejected(registry, clock) == {"down"}
+
+
+def test_traffic_does_not_spare_an_ejected_or_failing_replica_its_check() -> None:
+    clock, replicas = Clock(), Replicas()
+    registry = Registry(SPECS, clock=clock)
+    _rounds(registry, replicas, clock, 1)  # down and sick fail once
+    replicas.paths.clear()
+    _traffic_rounds(registry, replicas, clock, {"up", "down", "sick"}, 2)
+    assert sorted(replicas.paths) == ["down/health"] * 2 + ["sick/health"] * 2
+    assert _ejected(registry, clock) == {"down", "sick"}
+    replicas.paths.clear()
+    replicas.refused.clear()  # down answers again: restored by real checks only
+    _traffic_rounds(registry, replicas, clock, {"down"}, 2)
+    assert replicas.paths.count("down/health") == 2
+    assert "down" not in _ejected(registry, clock)
+    replicas.paths.clear()
+    _traffic_rounds(registry, replicas, clock, {"down"}, 1)
+    assert "down/health" not in replicas.paths  # clean again: its traffic counts
+
+
+def test_the_setting_off_checks_every_replica() -> None:
+    settings = ApiSettings(health_check_skip_on_traffic=False)
+    clock, replicas = Clock(), Replicas()
+    registry = Registry(SPECS, clock=clock)
+
+    async def main() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(replicas)) as client:
+            checker = HealthChecker(settings, registry, client, blocking_store=False, clock=clock)
+            checker.count_traffic(lambda _replica, _within_s: True)
+            await checker.check_once()
+
+    asyncio.run(main())
+    assert sorted(replicas.paths) == ["down/health", "sick/health", "up/health"]
+
+
+def test_a_hang_is_confirmed_by_a_real_check_whatever_the_traffic() -> None:
+    clock, replicas = Clock(), Replicas()
+    registry = Registry(SPECS, clock=clock)
+
+    async def main() -> bool:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(replicas)) as client:
+            checker = HealthChecker(SETTINGS, registry, client, blocking_store=False, clock=clock)
+            checker.count_traffic(lambda _replica, _within_s: True)
+            return await checker.confirm_hang("down", 1.2)
+
+    assert asyncio.run(main()) and replicas.paths == ["down/health"]

@@ -121,3 +121,15 @@ def test_the_forwarder_reports_each_attempt() -> None:
         ("busy", False, "status_503"),
         ("ok", True, "status_200"),
     ]
+
+
+def test_a_success_is_remembered_for_its_interval_a_failure_forgets_it() -> None:
+    proxy = Proxy()
+    assert not proxy.breakers.answered_within("r1", 1.0)
+    proxy.feed("r1", "+")
+    assert proxy.breakers.answered_within("r1", 1.0)
+    assert not proxy.breakers.answered_within("r2", 1.0)
+    proxy.clock.now += 1.5
+    assert not proxy.breakers.answered_within("r1", 1.0)  # too long ago
+    proxy.feed("r1", "+-")
+    assert not proxy.breakers.answered_within("r1", 1.0)  # its latest outcome failed
