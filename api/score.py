@@ -13,7 +13,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvindex.api.answer import DEGRADED_REASONS
-from kvindex.api.config.settings import ApiSettings
+from kvindex.api.config.settings import ApiSettings, ModelSpec
 from kvindex.api.decision.candidates import Seen, by_replica
 from kvindex.api.decision.fast_kv_aware import FastKvAware
 from kvindex.api.decision.policies import (
@@ -32,7 +32,7 @@ from kvindex.api.lookup.matches import Lookup, RankedStreams, Streams, ranked_st
 from kvindex.api.loop.off_loop import OffLoop
 from kvindex.api.reasons import Decided, Reasons, kept_reads, response_of
 from kvindex.api.schemas import ScoreRequest, ScoreResponse
-from kvindex.api.tokenize.protocol import ChatOptions, Tokenizer, as_packed
+from kvindex.api.tokenize.protocol import NO_OPTIONS, ChatOptions, Tokenizer, as_packed
 from kvindex.indexer.domain.errors import KvIndexError
 from kvindex.indexer.domain.keys import (
     BlockKeyError,
@@ -135,6 +135,9 @@ class Scorer:
         """Answers made since the last load read: counted in the store by the next read."""
         self._health_policy = health_policy(settings)
         self._default_weights = settings.weights.as_dict()
+        self._model_specs: dict[str, ModelSpec] = {}
+        for spec in settings.models:  # the first of a name, as ``ApiSettings.model`` finds it
+            self._model_specs.setdefault(spec.name, spec)
         self._changes = loads if isinstance(loads, LoadChanges) else None
         self._kv_aware = FastKvAware(registry, self._changes)
 
@@ -257,6 +260,8 @@ class Scorer:
     def _degraded(
         self, index_outage: str | None, fleet_outage: str | None, no_healthy: str | None
     ) -> str | None:
+        if index_outage is None and fleet_outage is None and no_healthy is None:
+            return None  # the common answer: no dict, no join
         whys = (index_outage, fleet_outage, no_healthy)
         degraded = {r: why for r, why in zip(DEGRADED_REASONS, whys, strict=True) if why}
         for reason in degraded:
@@ -317,7 +322,7 @@ class Scorer:
 
     def _policy(self, request: ScoreRequest, rule: RoutingRule | None) -> Policy:
         """The request's policy, else the rule's, the model's, the API's default."""
-        spec = self._settings.model(request.model)
+        spec = self._model_specs.get(request.model)
         name = (
             request.policy
             or (rule.policy if rule else None)
@@ -345,7 +350,7 @@ class Scorer:
             raise RequestError(f"weights: {exc}") from exc
 
     def block_size(self, model: str) -> int:
-        spec = self._settings.model(model)
+        spec = self._model_specs.get(model)
         if spec is not None and spec.block_size:
             return spec.block_size
         return self._registry.block_size(model) or self._settings.default_block_size
@@ -356,16 +361,7 @@ class Scorer:
         self, request: ScoreRequest, block_size: int, packed: bytes | None = None
     ) -> tuple[int, list[int]]:
         """(tokens in the prompt, its block keys); ``packed``: the token ids as u32 bytes."""
-        given = [
-            name
-            for name in ("token_ids", "prompt", "messages", "block_keys")
-            if getattr(request, name) is not None or (name == "token_ids" and packed is not None)
-        ]
-        if len(given) != 1:
-            raise RequestError(
-                "give exactly one of token_ids, prompt, messages, block_keys"
-                f" (got {given or 'none'})"
-            )
+        _check_one_input(request, packed)
         if request.messages is None and _has_chat_options(request):
             raise RequestError(f"{', '.join(ChatOptions.__struct_fields__)}: only with messages")
         if request.block_size is not None and request.block_size != block_size:
@@ -519,6 +515,24 @@ class Scorer:
             raise RequestError(str(exc)) from exc
 
 
+def _check_one_input(request: ScoreRequest, packed: bytes | None) -> None:
+    """RequestError unless exactly one of the prompt's forms is given (four checks: no list)."""
+    num_given = (
+        (request.token_ids is not None or packed is not None)
+        + (request.prompt is not None)
+        + (request.messages is not None)
+        + (request.block_keys is not None)
+    )
+    if num_given != 1:
+        names = ("token_ids", "prompt", "messages", "block_keys")
+        given = [n for n in names if getattr(request, n) is not None]
+        if packed is not None and "token_ids" not in given:
+            given.insert(0, "token_ids")
+        raise RequestError(
+            f"give exactly one of token_ids, prompt, messages, block_keys (got {given or 'none'})"
+        )
+
+
 def _has_chat_options(request: ScoreRequest) -> bool:
     return (
         request.tools is not None
@@ -530,6 +544,8 @@ def _has_chat_options(request: ScoreRequest) -> bool:
 
 
 def _chat_options(request: ScoreRequest) -> ChatOptions:
+    if not _has_chat_options(request):
+        return NO_OPTIONS  # the tokenizer cache's key skips their fields for this one
     return ChatOptions(
         request.tools,
         request.documents,

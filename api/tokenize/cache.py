@@ -46,7 +46,7 @@ def messages_key(messages: list[dict[str, Any]], options: ChatOptions = NO_OPTIO
     """The cache key of a conversation: the digest of its canonical JSON (object keys
     sorted, every message kept; the options not at their default after them); TokenizerError
     when it is not JSON."""
-    fields = options.fields()
+    fields = {} if options is NO_OPTIONS else options.fields()  # most chats: no options
     try:
         encoded = msgspec.json.encode([messages, fields] if fields else messages, order="sorted")
     except (TypeError, ValueError, RecursionError) as exc:

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import random
+
 from kvindex.indexer.domain.events import StreamId, Tier
 from kvindex.indexer.domain.health import StreamReport
-from kvindex.indexer.fleet.registry import Freshness, Registry, fleet_totals
+from kvindex.indexer.fleet.registry import (
+    Freshness,
+    Registry,
+    StreamFreshness,
+    fleet_totals,
+    freshness_of,
+    stream_freshness,
+)
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import OpKind
@@ -135,3 +144,36 @@ def test_the_streams_down_are_kept_as_records_change() -> None:
     assert registry.disconnected() == [A1]
     registry.remove("a")
     assert registry.disconnected() == []
+
+
+def test_freshness_equals_its_reference() -> None:
+    """``Registry.freshness`` (inlined) equals ``freshness_of`` + ``stream_freshness`` per
+    stream, over random records and clock moves (silent, stale, replaying, partial, down)."""
+    rng = random.Random(7)
+    clock = Clock()
+    registry = Registry(stale_after_s=30.0, clock=clock)
+    streams = [StreamId(f"r{i}", rank) for i in range(12) for rank in range(2)]
+    for _ in range(400):
+        stream = rng.choice(streams)
+        report = StreamReport(
+            last_seq=rng.choice([None, rng.randrange(100)]),
+            last_event_ts=clock.now - rng.random(),
+            replaying=rng.choice([None, True, False]),
+            connected=rng.choice([None, None, True, False]),
+            partial=rng.choice([None, None, "", "gap"]),
+        )
+        registry.record(stream, report)
+        clock.now += rng.choice([0.0, 0.5, 20.0, 45.0])
+        asked = [*rng.sample(streams, 5), StreamId("nobody")]
+        now, records = clock.now, registry.records()
+        for got in (registry.freshness(), registry.freshness(asked)):
+            want = []
+            for view in got:
+                health = records[view.stream]
+                heard = health.last_heard
+                silent = None if heard is None else now - heard
+                fresh = freshness_of(health, silent, 30.0)
+                want.append(stream_freshness(view.stream, health, fresh, silent, now))
+            assert got == want
+            assert all(type(view) is StreamFreshness for view in got)
+        assert [v.stream for v in registry.freshness(asked)] == [s for s in asked if s in records]
