@@ -14,16 +14,8 @@ from kvindex.api.health.block_sizes import BlockSizeCheck
 from kvindex.api.http.tally import Tally, Timings
 from kvindex.indexer.domain.events import StreamId
 from kvindex.indexer.fleet.registry import RegistryView
-from kvindex.indexer.index.protocol import (
-    ApplyResult,
-    BatchOps,
-    BlockIndex,
-    HeldRuns,
-    Op,
-    PrefixMatch,
-    StreamStats,
-    holders_of,
-)
+from kvindex.indexer.index.protocol import BlockIndex, HeldRuns, PrefixMatch
+from kvindex.indexer.index.wrapper import IndexWrapper
 from kvindex.indexer.metrics import BuildInfo, IngestCollector
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
@@ -152,31 +144,12 @@ class BlockSizeCollector(Collector):
         yield gauge
 
 
-class TimedIndex:
+class TimedIndex(IndexWrapper):
     """A BlockIndex that times lookups; everything else passes through."""
 
     def __init__(self, inner: BlockIndex, histogram: Histogram | Timings) -> None:
-        self._inner = inner
-        self._holders = holders_of(inner)
+        super().__init__(inner)
         self._histogram = histogram
-
-    def apply(self, stream: StreamId, seq: int, ts: float, ops: Sequence[Op]) -> ApplyResult:
-        return self._inner.apply(stream, seq, ts, ops)
-
-    def apply_many(self, stream: StreamId, batches: Sequence[BatchOps]) -> list[ApplyResult]:
-        return self._inner.apply_many(stream, batches)
-
-    def resolve(self, stream: StreamId, engine_hashes: Sequence[int]) -> list[int | None]:
-        return self._inner.resolve(stream, engine_hashes)
-
-    def clear(self, stream: StreamId) -> None:
-        self._inner.clear(stream)
-
-    def drop(self, stream: StreamId) -> None:
-        self._inner.drop(stream)
-
-    def streams(self) -> list[StreamId]:
-        return self._inner.streams()
 
     def longest_prefix(
         self, keys: Sequence[int], streams: Iterable[StreamId]
@@ -193,9 +166,3 @@ class TimedIndex:
             return self._holders(keys, streams)
         finally:
             self._histogram.observe(time.perf_counter() - started)
-
-    def stats(self, stream: StreamId) -> StreamStats:
-        return self._inner.stats(stream)
-
-    def close(self) -> None:
-        self._inner.close()

@@ -6,7 +6,8 @@ Backends: ``memory`` (:class:`MemoryIndex` on its compiled tables when built),
 (:class:`RedisIndex` over the private redis-server of ``tests/conftest.py``) and ``cluster``
 (over its private 3-master Redis Cluster); the index suite also runs on ``memory-python``
 and on the memory index wrapped (``circuit``: :class:`CircuitIndex`, ``journaled``:
-:class:`JournaledIndex`), which must keep every promise of what they wrap. None is ever
+:class:`JournaledIndex`, ``timed``: the API's :class:`TimedIndex`), which must keep every
+promise of what they wrap. None is ever
 skipped. :func:`redis_store_client` gives the Redis-backed suites
 (load, registry view) the same backends.
 """
@@ -17,7 +18,9 @@ from collections.abc import Callable, Iterator
 
 import fakeredis
 import pytest
+from prometheus_client import CollectorRegistry, Histogram
 
+from kvindex.api.http.metrics import TimedIndex
 from kvindex.indexer.index.block_journal import BlockJournal, JournaledIndex
 from kvindex.indexer.index.circuit import CircuitIndex, StoreCircuit
 from kvindex.indexer.index.memory import MemoryIndex
@@ -29,7 +32,7 @@ from tests.oracles.tables import python_index
 
 REDIS_BACKENDS = ("fakeredis", "redis", "cluster")
 BACKENDS = ("memory", *REDIS_BACKENDS)
-WRAPPED_BACKENDS = ("circuit", "journaled")
+WRAPPED_BACKENDS = ("circuit", "journaled", "timed")
 INDEX_BACKENDS = ("memory", "memory-python", *WRAPPED_BACKENDS, *REDIS_BACKENDS)
 """The index suite's: the memory index on its compiled tables, on the pure-Python ones, and
 inside each index wrapper."""
@@ -49,6 +52,9 @@ def _wrapped_factory(wrapper: str) -> IndexFactory:
     def make() -> BlockIndex:
         if wrapper == "circuit":
             return CircuitIndex(MemoryIndex(), StoreCircuit(cooldown_s=1.0))
+        if wrapper == "timed":
+            timings = Histogram("lookup_seconds", "lookups", registry=CollectorRegistry())
+            return TimedIndex(MemoryIndex(), timings)
         return JournaledIndex(MemoryIndex(), BlockJournal())
 
     return make
