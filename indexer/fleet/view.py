@@ -99,6 +99,8 @@ class RedisFleetView:
         self._fleet = _Fleet()
         self._generation = 0
         self._down: tuple[_Fleet, list[StreamId]] | None = None
+        self._fresh: tuple[_Fleet, dict[StreamId, StreamFreshness]] | None = None
+        """Each stream's freshness in the snapshot it was made from (made once a snapshot)."""
         self._expires = float("-inf")
         self._outage: str | None = None
         self.num_errors = 0
@@ -193,14 +195,13 @@ class RedisFleetView:
 
     def freshness(self, streams: Collection[StreamId] | None = None) -> list[StreamFreshness]:
         fleet = self._current()
-        statuses: Sequence[StreamStatus] = fleet.statuses
-        if streams is not None:
-            by_stream = {s.stream: s for s in statuses}
-            statuses = [by_stream[s] for s in streams if s in by_stream]
-        return [
-            stream_freshness(s.stream, s.health, _scored(s.freshness), s.silent_s, fleet.now)
-            for s in statuses
-        ]
+        fresh = self._fresh
+        if fresh is None or fresh[0] is not fleet:
+            fresh = self._fresh = (fleet, _freshness_of(fleet.statuses, fleet.now))
+        of_stream = fresh[1]
+        if streams is None:
+            return list(of_stream.values())
+        return [of_stream[s] for s in streams if s in of_stream]
 
     def disconnected(self) -> list[StreamId]:
         fleet = self._current()
@@ -392,3 +393,11 @@ def _health_of(raw: bytes | None) -> ReplicaHealth:
     except msgspec.DecodeError as exc:
         log.warning("ignoring an undecodable stored replica health record: %s", exc)
         return HEALTHY
+
+
+def _freshness_of(statuses: Sequence[StreamStatus], now: float) -> dict[StreamId, StreamFreshness]:
+    """Each stream's freshness at ``now``, in the statuses' order."""
+    return {
+        s.stream: stream_freshness(s.stream, s.health, _scored(s.freshness), s.silent_s, now)
+        for s in statuses
+    }
