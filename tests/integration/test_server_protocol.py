@@ -595,3 +595,6 @@ def test_a_connect_is_answered_as_uvicorn_answers_it(twins: Twins) -> None:
     sent = b"CONNECT kvindex.test:443 HTTP/1.1\r\nhost: kvindex.test:443\r\n\r\n"
     answer = same(twins, sent).answers[0]
     assert answer.status_line == b"HTTP/1.1 400 Bad Request", answer
+    # After a hot answer on the connection too (the cycle in hand is then a hot one).
+    answers = same(twins, request("POST", "/score", VALID), sent, num_answers=2).answers
+    assert [a.status_line.split()[1] for a in answers] == [b"200", b"400"]
