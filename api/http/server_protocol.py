@@ -168,9 +168,12 @@ class HotProtocol(LingeringProtocol):
         self._disarm()
         cycle = self._hot_cycle()
         if cycle is None:
+            before = self.cycle
             super().on_headers_complete()
             answering = self.cycle
-            if answering is not None and answering.scope is self.scope:  # not an upgrade
+            # No cycle is begun for a head asking to upgrade (it is parsed again): the one in
+            # hand is then the last request's, answered already, perhaps a hot one (no scope).
+            if answering is not None and answering is not before:
                 extensions = cast(dict[str, Any], self.scope.setdefault("extensions", {}))
                 extensions[ABORT] = partial(self._abort, answering)
                 extensions[ON_GONE] = partial(self._on_gone, answering)
