@@ -1,6 +1,5 @@
-"""A decision and what its ``/score`` answer is made of (:class:`Decided`), and a ranking's
-reasons (:class:`Reasons`): a decision kept as it was read (the kept candidates' matches,
-loads and stream freshness) and worded only when asked, as :meth:`Scorer.score` words it.
+"""A decision and its ``/score`` answer's parts (:class:`Decided`), and a ranking's reasons
+(:class:`Reasons`): kept as read, worded only when asked, as :meth:`Scorer.score` words it.
 
 Reference: :meth:`kvindex.api.score.Scorer.score`;
 tests/unit/api/test_reasons.py::test_reasons_answer_as_the_scorer_on_random_fleets"""
@@ -21,8 +20,7 @@ from kvindex.api.schemas import ScoreResponse
 
 
 class Decided(msgspec.Struct, frozen=True, gc=False):
-    """One request's decision and what its answer is made of (a Struct: made per request,
-    several times faster than a frozen dataclass; in no cycle, so not tracked by the GC)."""
+    """One request's decision and what its answer is made of (a Struct, not tracked by the GC)."""
 
     decision: Decision
     seen: Seen

@@ -94,10 +94,9 @@ _MARKER_RAW = msgspec.Raw(_MARKER)
 
 
 def decode_score_request(body: bytes) -> tuple[ScoreRequest, bytes | None]:
-    """The request, and its ``token_ids`` as little-endian u32 bytes if read that way (the
-    request's ``token_ids`` is then None); msgspec's errors for a bad body (a body nested
-    past msgspec's depth guard too: :func:`nested_too_deep`), and a ValidationError for chat
-    options that exclude each other (vLLM answers such a chat a 400)."""
+    """The request, and its ``token_ids`` as little-endian u32 bytes if read that way (then the
+    request's is None); msgspec's errors for a bad body (one nested too deep too:
+    :func:`nested_too_deep`), a ValidationError for chat options that exclude each other."""
     try:
         request, packed = _score_request_of(body)
     except RecursionError:
@@ -134,8 +133,7 @@ def _score_request_of(body: bytes) -> tuple[ScoreRequest, bytes | None]:
 
 
 def _spliced(body: bytes) -> tuple[ScoreRequest, bytes] | None:
-    """The request and packed ids, the array read apart from the body (:data:`_MARKER` in its
-    place); None: the body is to be read otherwise."""
+    """The request and packed ids, the array read apart from the body (None: read otherwise)."""
     span = _json_token_span
     found = span(body, MAX_TOKEN_IDS) if span is not None else None
     if found is None:

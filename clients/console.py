@@ -1,10 +1,5 @@
-"""The one console every ``kvindex`` command prints its output for people on.
-
-On a terminal, rich measures the width and tables wrap their cells at spaces; anywhere else
-(a pipe, a file) there is no colour and no width limit, so every row is one line of whole
-values. ``--wide`` gives that width on a terminal too. A word longer than its column folds
-rather than ending in ``…``.
-"""
+"""The one console every ``kvindex`` command prints on for people: on a terminal, tables wrap
+at spaces to its width; elsewhere (or ``--wide``) no colour and no width limit, a row a line."""
 
 from __future__ import annotations
 
@@ -35,8 +30,7 @@ REDRAW_S = 0.1  # progress bars are redrawn at most this often (and when one com
 
 
 def make_console(file: TextIO | None = None, *, wide: bool = False) -> Console:
-    """A console on ``file`` (default: the current ``sys.stdout``, so call it when printing),
-    laid out for where it goes, or ``wide``."""
+    """A console on ``file`` (default: ``sys.stdout`` now), laid out for where it goes or wide."""
     out = sys.stdout if file is None else file
     if not Console(file=out).is_terminal:
         return Console(file=out, width=PIPE_WIDTH, no_color=True, highlight=False)
@@ -74,9 +68,8 @@ def natural_width(console: Console, renderable: RenderableType) -> int:
 
 
 def fit_columns(console: Console, table: Table, width: int) -> None:
-    """Cap ``table``'s columns so that it fits ``width``: the widest narrows first, none below
-    its longest word until the words alone are too wide (rich alone breaks numbers and ids
-    while prose keeps spaces to spare)."""
+    """Cap ``table``'s columns to fit ``width``: the widest narrows first, none below its longest
+    word until the words alone are too wide (a word longer than its column folds)."""
     for col in table.columns:
         col.max_width = None
     natural = natural_width(console, table)
@@ -99,8 +92,7 @@ def _span(console: Console, col: Column) -> tuple[int, int]:
 
 
 def _narrow(widths: list[int], floors: list[int], target: int) -> list[int]:
-    """``widths`` narrowed one at a time, the widest (leftmost) first, none below its floor,
-    until their sum is ``target``."""
+    """``widths`` narrowed, widest (leftmost) first, none below its floor, to sum ``target``."""
     out = list(widths)
     excess = sum(out) - target
     while excess > 0:
@@ -139,8 +131,7 @@ def _unpadded(line: list[Segment]) -> list[Segment]:
 
 class ProgressBars:
     """One bar per task on ``console`` (None: nothing drawn), a context manager around the
-    work. Redrawn by the one thread that advances them, never by rich's refresh thread
-    (told to stop but not joined, it could outlive the command)."""
+    work; redrawn by the thread that advances them, never by rich's (it could outlive us)."""
 
     def __init__(self, console: Console | None, label_width: int) -> None:
         from rich.progress import (  # noqa: PLC0415 (the views draw no bar)

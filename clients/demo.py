@@ -1,8 +1,6 @@
-"""``kvindex demo``: the same seeded workload routed round-robin and by ``POST /score``.
-
-Replica sims, indexer and API in this process on loopback, a fresh fleet per policy, replayed
-in rounds; TTFT comes from vLLM's step model (:func:`first_token_times`), not from a clock.
-"""
+"""``kvindex demo``: the same seeded workload routed round-robin and by ``POST /score``, replica
+sims, indexer and API in this process (loopback), a fresh fleet per policy, replayed in rounds;
+TTFT comes from vLLM's step model (:func:`first_token_times`), not from a clock."""
 
 from __future__ import annotations
 
@@ -464,8 +462,7 @@ def first_token_times(
 
 
 def run_demo(settings: DemoSettings, console: Console | None = None) -> DemoReport:
-    """Replay the workload once per policy, each on a fresh fleet; a progress bar on
-    ``console`` (None: quiet)."""
+    """Replay the workload per policy, each on a fresh fleet; a progress bar on ``console``."""
     started = time.monotonic()
     sessions = build_workload(settings)
     reports: list[PolicyReport] = []

@@ -1,5 +1,4 @@
 """kvindex write path: vLLM KV events → ordered, gap-aware ingestion → block index.
 
 Rooms, each importing only from those before it: ``native`` (compiled loops), ``domain``, ``redis``,
-``index``, ``fleet``, ``config``, ``ingest``; then the process (``service``, ``status_server``).
-"""
+``index``, ``fleet``, ``config``, ``ingest``; then the process (``service``, ``status_server``)."""

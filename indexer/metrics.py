@@ -1,11 +1,6 @@
-"""The write path's Prometheus series, read whole from the registry and the index at scrape
-time. ``kvindex indexer`` exports them on its status port, ``kvindex serve`` on the API's
-``/metrics``; an API-only process does not (the fleet it reads is the indexer's). Series:
-``kvindex_<counter>_total`` per stream counter, the stream gauges (lag, silence, connected,
-block size, partial), ``kvindex_blocks``, ``kvindex_replicas``, ``kvindex_streams`` and
-``kvindex_unrouted_frames_total``; the indexer adds its store's state, and every process
-its :class:`BuildInfo`.
-"""
+"""The write path's Prometheus series, read from the registry and the index at scrape time;
+exported by ``kvindex indexer`` (status port) and ``kvindex serve`` (``/metrics``), not by an
+API-only process (the fleet it reads is the indexer's)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The indexer's status port, plain HTTP: ``/metrics`` (Prometheus text), ``/healthz`` (200
 while the subscriber's loop runs; never touches the store), ``/readyz`` (200 when it runs
 and the store answered its cached probe, else 503 with ``reasons``). A daemon thread per
-connection with a socket timeout, at most ``max_connections`` at once.
-"""
+connection with a socket timeout, at most ``max_connections`` at once."""
 
 from __future__ import annotations
 

@@ -8,8 +8,7 @@ weight that cannot be used). ``kv_aware`` (the default)::
                 w.in_flight · in_flight)
     score = cache - (queue + w.kv_usage · kv_usage · recency + w.in_flight_tokens · tokens)
 
-with ``recency = 0.5 ** (age / w.load_half_life_s)``; ties go to the lower load, then chance.
-"""
+with ``recency = 0.5 ** (age / w.load_half_life_s)``; ties go to the lower load, then chance."""
 
 from __future__ import annotations
 

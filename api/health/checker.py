@@ -1,10 +1,8 @@
-"""The active health checker: ``GET <url><health_check_path>`` of every replica each
-interval, folded into its shared ``ReplicaHealth``; processes sharing a store split a round.
-Traffic counts as health: a replica whose latest forward through this proxy answered within the
-interval, not ejected and with no failed check pending, passes the round without a GET
-(:meth:`HealthChecker.count_traffic`, ``health_check_skip_on_traffic``).
-A replica found silent by a proxy is checked at once (:meth:`HealthChecker.confirm_hang`).
-A check timed out while this process stalled (:data:`STALL_S`) is sent again; the second counts."""
+"""The active health checker: ``GET <url><health_check_path>`` of every replica each interval,
+folded into its shared ``ReplicaHealth``; processes sharing a store split a round. Traffic
+counts as health (:meth:`HealthChecker.count_traffic`); a replica a proxy finds silent is
+checked at once (:meth:`HealthChecker.confirm_hang`); a check timed out while this process
+stalled (:data:`STALL_S`) is sent again, and the second counts."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """Reference: ``httpx.AsyncClient.get``; tests/unit/api/loop/test_probe.py::test_as_httpx.
-Probes: the background GETs of the health checks and load scrapes, over kept-alive HTTP/1.1
-connections parsed by httptools, a fraction of ``httpx.AsyncClient.get``'s CPU a GET.
-Contract: one deadline bounds the whole GET (connect, head, body: a trickle too) and raises
-TimeoutError; a body over ``max_body_bytes`` raises; errors are httpx's (the same messages);
-a URL other than plain ``http://host[:port]/path`` goes to the ``fallback`` httpx client."""
+Probes: the health checks' and load scrapes' GETs, on kept-alive HTTP/1.1 read by httptools.
+One deadline bounds the whole GET (connect, head, body: a trickle too): TimeoutError; a body
+over ``max_body_bytes`` raises; errors are httpx's (the same messages); a URL other than plain
+``http://host[:port]/path`` goes to the ``fallback`` httpx client."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """An LRU cache of tokenizations in front of any tokenizer, bounded by entries and by bytes.
-
-Entries are keyed by a digest of the canonical input (SHA-256, hardware-assisted on most
-CPUs, cut to 128 bits after a tag per kind: a crafted prompt cannot take another's cached
-tokens), never by the input itself, so what one entry costs is
-its token ids (4 bytes each) and a fixed overhead, however long the prompt's text was."""
+Keys are 128-bit SHA-256 digests of the canonical input after a tag per kind (a crafted prompt
+cannot take another's cached tokens), never the input: an entry costs its token ids (4 bytes
+each) and a fixed overhead, however long the prompt's text was."""
 
 from __future__ import annotations
 

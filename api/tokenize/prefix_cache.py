@@ -1,6 +1,5 @@
-"""Token ids of texts, found again by a later text that starts the same up to a cut
-(:mod:`.cuts`): kept as u32 bytes under digests of their starts (SHA-256 cut to 128 bits,
-hardware-assisted on most CPUs), an LRU bounded by bytes."""
+"""Token ids of texts, found again by a later text starting the same up to a cut (:mod:`.cuts`):
+u32 bytes under 128-bit SHA-256 digests of their starts, an LRU bounded by bytes."""
 
 from __future__ import annotations
 

@@ -52,8 +52,7 @@ _OPTION_TYPES = {
 
 
 def chat_options_of(body: Mapping[str, Any]) -> ChatOptions:
-    """The options of an OpenAI chat body; a member of another type is left out (its engine
-    answers that body with an error of its own)."""
+    """An OpenAI chat body's options; a member of another type is left out (its engine refuses)."""
     found: dict[str, Any] = {}
     for name, kind in _OPTION_TYPES.items():
         value = body.get(name)

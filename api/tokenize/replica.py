@@ -16,8 +16,7 @@ from kvindex.api.tokenize.protocol import NO_OPTIONS, ChatOptions, TokenId, Toke
 ReplicaRoute = Literal["auto", "render", "tokenize"]
 """``auto``: render when the replica serves it, else ``/tokenize``; the others: that one only."""
 RENDER_REPROBE_S = 60.0
-"""How long a replica found without render routes is sent to ``/tokenize`` before render is
-asked again."""
+"""How long a replica without render routes is sent to ``/tokenize`` before render is retried."""
 NOT_SERVED = frozenset({401, 403, 404, 405, 501})
 """A render answer that means the route is not there for us (vLLM without
 ``--enable-scale-out``: 404; its route without a renderer: 501; behind ``--api-key``, which
@@ -106,9 +105,8 @@ class ReplicaTokenizer:
         return _tokenize_tokens(self.url, status, answer)
 
     async def _post(self, url: str, body: dict[str, Any]) -> tuple[int, bytes]:
-        """The answer's status and body. Neither the request's JSON nor the answer is left
-        to httpx: its Response and the Response's stream refer to each other, so what they
-        hold (a prompt's JSON, its tokens) would live on until the cycle collector ran."""
+        """The answer's status and body, not left to httpx (its Response and stream form a
+        cycle: the prompt and its tokens would live until the cycle collector ran)."""
         try:
             content = msgspec.json.encode(body)
         except (TypeError, ValueError) as exc:
@@ -166,8 +164,7 @@ def _rendered_tokens(url: str, status: int, answer: bytes) -> list[int]:
 
 
 async def _sent_once(content: bytes) -> AsyncIterator[bytes]:
-    """``content`` as a request body that lets go of it once it is sent (the Content-Length
-    header is set beside it, so the body is not chunked)."""
+    """``content`` as a body let go of once sent (Content-Length set beside it: not chunked)."""
     yield content
 
 

@@ -2,8 +2,7 @@
 
 Past a request's break, an *anchor* (a content-chosen window) an earlier request had marks
 where shared content resumes. The fix moves the span after it; fixed blocks found among
-earlier fixed prompts are *recoverable*.
-"""
+earlier fixed prompts are *recoverable*."""
 
 from __future__ import annotations
 

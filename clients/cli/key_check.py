@@ -1,10 +1,7 @@
 """What ``kvindex check-hash`` runs: prove on a live replica that kvindex's keys match its own.
-
-One unique random prompt is sent to the replica; the ``BlockStored`` events carrying its
-tokens (live, or replayed) are compared block by block with what kvindex computes: block
-size, token ids, the parent chain, the extra keys, and the keys through the indexer's own
-path. :func:`compare` is pure; :func:`run_check` does the I/O.
-"""
+The ``BlockStored`` events of one unique random prompt (live or replayed) are compared block by
+block with what kvindex computes: block size, token ids, parent chain, extra keys, and the keys
+through the indexer's own path. :func:`compare` is pure; :func:`run_check` does the I/O."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 One handler on the root logger: ``text`` lines, or one JSON object per line with the record's
 extra fields as keys. Warnings of the ``kvindex`` loggers pass a :class:`RepeatFilter`. The
-log options are taken before the command and after it (the command's win).
-"""
+log options are taken before the command and after it (the command's win)."""
 
 from __future__ import annotations
 

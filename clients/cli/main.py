@@ -1,7 +1,6 @@
 """The ``kvindex`` command line: a thin shell over the library.
 
-Each command imports what it runs, so that ``kvindex --version`` and the views start quickly.
-"""
+Each command imports what it runs, so that ``kvindex --version`` and the views start quickly."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The operator views of a running kvindex API: ``residency``, ``score``, ``replicas``, ``stats``.
 
 Thin shells over :class:`kvindex.clients.http.KvIndexClient`, drawn by
-:mod:`kvindex.clients.cli.render` (``--json``: the API's body); a failure is a one-line error.
-"""
+:mod:`kvindex.clients.cli.render` (``--json``: the API's body); a failure is a one-line error."""
 
 from __future__ import annotations
 
@@ -198,8 +197,7 @@ def residency(
     """Which replicas hold which of the prompt's blocks.
 
     One strip per replica, one cell per block or group of blocks: █ matched (green GPU,
-    yellow CPU, blue other), ▌ partly, · a miss; ★ marks the best replica.
-    """
+    yellow CPU, blue other), ▌ partly, · a miss; ★ marks the best replica."""
     from kvindex.clients.cli.render import render_residency
 
     fields = prompt_fields(text, tokens_file, messages_file)
@@ -240,8 +238,7 @@ def score(
     """The routing decision for a prompt: the best candidates, one line each.
 
     The heading names the policy (and the rule that chose it) and why the best won a tie;
-    --wide adds each term of the policy's formula.
-    """
+    --wide adds each term of the policy's formula."""
     from kvindex.clients.cli.render import render_score
 
     fields = prompt_fields(text, tokens_file, messages_file)

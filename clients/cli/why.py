@@ -56,8 +56,7 @@ def why(
 
     REQUEST_ID is the request's x-request-id (the proxy keeps the client's or makes one, and
     sends it back). The proxy keeps its newest receipts (proxy.journal_entries); on the
-    Redis store every proxy also shares them (proxy.journal_stream_maxlen).
-    """
+    Redis store every proxy also shares them (proxy.journal_stream_maxlen)."""
     if (request_id is None) == (export_path is None):
         raise click.UsageError("give a request id, or --export FILE")
     with _client(proxy_url, token) as http:

@@ -1,8 +1,7 @@
 """A simulated vLLM replica: a real prefix-cache block pool, vLLM's KV events, an OpenAI-like
-API, and a time model that makes load real; no GPU, no model, a toy tokenizer (or a real
-``tokenizer.json``).
-Layers: :class:`Engine` (one event loop), :func:`create_app` (routes), :class:`ReplicaSim`.
-"""
+API and a time model that makes load real; no GPU, no model, a toy tokenizer (or a real
+``tokenizer.json``). Layers: :class:`Engine` (one event loop), :func:`create_app` (routes),
+:class:`ReplicaSim`."""
 
 from __future__ import annotations
 

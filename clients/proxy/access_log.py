@@ -1,7 +1,6 @@
-"""The proxy's access log: one line per request to an OpenAI route (logger ``kvindex.access``,
-as the API's), in the process's log format. A line names the request id, method, route,
-path, replica, status, time to first byte, duration, matched fraction and retries; never a
-header or a body (no ``Authorization``, no prompt)."""
+"""The proxy's access log (logger ``kvindex.access``): one line per OpenAI-route request, in
+the process's log format, naming its id, method, route, path, replica, status, time to first
+byte, duration, matched fraction and retries; never a header or a body."""
 
 from __future__ import annotations
 

@@ -136,10 +136,9 @@ class ProxyParts:
 
 
 class _ProxyApp(Starlette):
-    """Starlette, but the forwarded routes' requests (``POST`` to an exact path of ``hot``)
-    go straight to their endpoint: the framework's middleware and router add nothing
-    there. Any other path is routed in its normal form (:mod:`.routes`), or refused with 404
-    when that leaves ``/v1/``."""
+    """Starlette, but a ``POST`` to an exact path of ``hot`` goes straight to its endpoint
+    (middleware and router add nothing there); any other path is routed in its normal form
+    (:mod:`.routes`), or refused with 404 when that leaves ``/v1/``."""
 
     def __init__(
         self, hot: Mapping[str, ASGIApp], auth: InboundAuth | None = None, **kwargs: Any

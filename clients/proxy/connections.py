@@ -1,8 +1,7 @@
 """HTTP/1.1 keep-alive pools to the replicas, as an httpx transport on httptools, with httpx's
 transport's contract: it returns at the answer's head; the raw body closed before its end
 closes the connection; errors are httpx's; no timeout past connecting; TLS goes to httpx's.
-A connection that ends before one byte of its answer raises :class:`NothingReceivedError`;
-each pool knows how long its replica has owed an answer without a byte (:meth:`silent_s`)."""
+A connection that ends before one byte of its answer raises :class:`NothingReceivedError`."""
 
 from __future__ import annotations
 
@@ -23,9 +22,8 @@ FRESH_CONNECTION = "kvindex.fresh_connection"
 
 
 class NothingReceivedError(httpx.RemoteProtocolError):
-    """The connection ended before one byte of the answer came: the request may be sent
-    again. ``reused``: it had served an answer before (the replica may have closed it idle);
-    ``abandoned``: the proxy closed it (:meth:`ReplicaTransport.abandon`)."""
+    """The connection ended before one byte of the answer: the request may be sent again.
+    ``reused``: it had served an answer before; ``abandoned``: the proxy closed it."""
 
     def __init__(self, message: str, *, reused: bool, abandoned: bool = False) -> None:
         super().__init__(message)
@@ -162,8 +160,7 @@ class _Connection(asyncio.Protocol):
             late.cancel()
 
     def take_whole(self) -> bytes | None:
-        """Every chunk :meth:`body` has still to give, at once, when the answer has all come
-        unbroken (None: else, and nothing is taken)."""
+        """The chunks :meth:`body` has yet to give, once all came unbroken (None: nothing taken)."""
         if not (self._complete and self._error is None):
             return None
         chunks = self._chunks
@@ -288,8 +285,7 @@ class _Connection(asyncio.Protocol):
 
 
 def _late(waiter: asyncio.Future[None]) -> None:
-    """The wait is over: TimeoutError (a cheaper :func:`asyncio.timeout_at` for one
-    future: nothing cancelled, no context entered)."""
+    """The wait is over: TimeoutError (:func:`asyncio.timeout_at` for one future, no context)."""
     if not waiter.done():
         waiter.set_exception(TimeoutError())
 
@@ -307,8 +303,7 @@ class _Pool:
         self.hearing = _Hearing()
 
     def idle(self, *, fresh: bool = False) -> _Connection | None:
-        """An idle connection to use at once, as :meth:`acquire` would take it (None:
-        :meth:`acquire` must open one or wait)."""
+        """An idle connection as :meth:`acquire` would take it (None: it must open or wait)."""
         while self._idle and not (fresh and self._num_open < self._max):
             connection = self._idle.pop()
             if connection.usable():
@@ -464,10 +459,9 @@ class ReplicaTransport(httpx.AsyncBaseTransport):
         )
 
     async def send_raw(self, request: RawRequest, until: float | None = None) -> RawAnswer:
-        """As :meth:`handle_async_request` for a ``POST`` already in its wire form (plain
-        ``http`` only): no httpx request is built, nor its headers parsed again, and the
-        answer is a :class:`RawAnswer` (no httpx response either); ``TimeoutError`` when
-        its head has not come by ``until`` (loop time), as ``asyncio.timeout_at`` would."""
+        """As :meth:`handle_async_request` for a ``POST`` in wire form (plain ``http``), with
+        no httpx request or response built: a :class:`RawAnswer`; ``TimeoutError`` when its
+        head has not come by ``until`` (loop time)."""
         fresh = bool(request.extensions.get(FRESH_CONNECTION))
         url = request.url
         pool, connection = await self._exchange(url, request.encoded, False, fresh, until)
@@ -497,8 +491,7 @@ class ReplicaTransport(httpx.AsyncBaseTransport):
         return pool, connection
 
     def silent_s(self, host: str, port: int, now: float) -> float:
-        """How long the replica at ``host:port`` has owed an answer with not one byte sent
-        (0: it owes none); ``now`` in loop time."""
+        """How long ``host:port`` has owed an answer without a byte (0: none); loop time."""
         pool = self._address_to_pool.get((host, port))
         return 0.0 if pool is None else pool.hearing.silent_s(now)
 
@@ -549,8 +542,7 @@ class RawAnswer:
 
 @dataclass(slots=True)
 class RawRequest:
-    """A ``POST`` with a body, in its wire form (:func:`encoded_post`), for
-    :meth:`ReplicaTransport.send_raw`."""
+    """A ``POST`` with a body in wire form (:func:`encoded_post`), for ``send_raw``."""
 
     url: httpx.URL
     encoded: bytes

@@ -1,10 +1,9 @@
 """The forwarder: one request sent to the chosen replica, its answer streamed back as is.
 
-Attempts follow :mod:`.retry_policy` while nothing reached the client; else a 502 (504 on a
-timeout). Headers: the client's but hop-by-hop, ``host`` and ``content-length``;
-``x-request-id`` kept or made; ``Authorization`` the replica's key (the client's only by
-``proxy.forward_client_authorization``). A client gone closes the upstream connection. Each
-attempt is reserved in the load store and released once; a store down never fails a request."""
+Attempts follow :mod:`.retry_policy` while nothing reached the client, else a 502 (504: a
+timeout); headers as :mod:`.headers` makes them, ``Authorization`` the replica's key (the
+client's by ``proxy.forward_client_authorization``). A client gone closes the upstream; each
+attempt is reserved in the load store and released once (a store down never fails a request)."""
 
 from __future__ import annotations
 
@@ -585,8 +584,7 @@ def _raw_headers(response: Answer) -> list[tuple[bytes, bytes]]:
 
 
 def _content_length(response: Answer) -> bytes | None:
-    """The answer's ``Content-Length`` as sent (its values joined as httpx's ``get``
-    joins them; None: there is none)."""
+    """The answer's ``Content-Length`` as sent, joined as httpx's ``get`` does (None: none)."""
     values = [v for n, v in _raw_headers(response) if n.lower() == b"content-length"]
     return None if not values else b", ".join(values)
 
@@ -615,8 +613,7 @@ def _all_read(response: Answer) -> bool:
 
 
 OnGone = Callable[[Callable[[], None]], Callable[[], None]]
-"""The server's :data:`~kvindex.api.http.server_protocol.ON_GONE`: a call on the client's
-going, and what forgets it."""
+"""The server's :data:`~kvindex.api.http.server_protocol.ON_GONE`: a call, and its forgetter."""
 
 
 def on_gone_of(scope: Scope) -> OnGone | None:

@@ -1,11 +1,7 @@
-"""The headers of a forwarded request: the request id kept or made, what is not forwarded to
-a replica (hop-by-hop as RFC 9110 §7.6.1 defines them, ``host``, ``content-length``), and the
-client's address appended to ``X-Forwarded-For`` and ``Forwarded`` (RFC 7239).
-
-Values travel as the client sent them: the server decodes them as latin-1, and the forwarder
-encodes them back so, byte for byte (UTF-8 included: RFC 9110 §5.5 lets a field value carry
-such bytes, and a proxy is not stricter than the replica behind it). A value with a control
-character other than a tab cannot be sent on and is refused (400)."""
+"""The headers of a forwarded request: the request id kept or made, hop-by-hop ones (RFC 9110
+§7.6.1), ``host`` and ``content-length`` dropped, the client's address appended to
+``X-Forwarded-For`` and ``Forwarded`` (RFC 7239). Values go on byte for byte as sent (UTF-8
+included, RFC 9110 §5.5); one with a control character other than a tab is refused (400)."""
 
 from __future__ import annotations
 
@@ -58,9 +54,7 @@ def request_id_of(headers: Iterable[tuple[str, str]]) -> str:
 
 
 def new_request_id() -> str:
-    """A version-4 UUID's hex from a generator seeded from the OS once a process (no system
-    call a request, as :func:`uuid.uuid4` makes; unique, not secret: a client may send its
-    own id anyway)."""
+    """A version-4 UUID's hex from a generator the OS seeds once a process: unique, not secret."""
     bits = _random.getrandbits(128) & _UUID4_CLEAR | _UUID4_SET
     return f"{bits:032x}"
 

@@ -128,12 +128,9 @@ _DATA = b"data:"
 
 
 class StreamTruth:
-    """Reads a server-sent-events answer for its usage chunk, and drops that chunk from what
-    the client gets when ``hide`` (the proxy asked for it, the client did not).
-
-    Chunks pass through untouched but for a tail that ends mid-event, held until the next
-    chunk (engines write whole events per chunk: the usual chunk is checked with one search
-    for ``"usage"``)."""
+    """Reads a server-sent-events answer for its usage chunk, dropped from what the client gets
+    when ``hide`` (the proxy asked for it, the client did not). Chunks pass through untouched
+    but for a tail ending mid-event, held until the next chunk."""
 
     def __init__(self, *, hide: bool) -> None:
         self.hide = hide
@@ -201,9 +198,8 @@ AnswerTruth = StreamTruth | BodyTruth
 
 
 def with_usage_asked(body: bytes, decoded: Mapping[str, Any]) -> bytes | None:
-    """``body`` (``decoded``: a JSON object with ``"stream": true``) asking for the usage
-    chunk, when the client did not (None: it did). Without ``stream_options`` the member is
-    put in front of the others, the rest of the body unchanged; with one, it is re-encoded."""
+    """``body`` (``decoded``: a JSON object with ``"stream": true``) asking for the usage chunk
+    (None: the client did); the rest of the body unchanged unless ``stream_options`` was set."""
     options = decoded.get("stream_options", _ABSENT)
     if options is _ABSENT:
         start = body.index(b"{") + 1

@@ -1,7 +1,6 @@
 """The retry policy: at most ``max_attempts`` replicas, the next after a retried status, a
-connect error or a connection that ended before any byte of the answer, after a jittered
-exponential back-off; a kept-alive connection closed before any byte is first tried again
-on a new connection to the same replica (as nginx and Envoy do: the replica closed it idle)."""
+connect error or a connection that ended before any byte, after a jittered exponential
+back-off; a kept-alive one closed before any byte is first retried on a new one, same replica."""
 
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ class RetryPolicy:
 
     @staticmethod
     def again_on_new_connection(exc: Exception) -> bool:
-        """A kept-alive connection that ended before any byte: the replica most likely
-        closed it idle as the request went out (it never ran it). Not the replica's fault."""
+        """Kept-alive, ended before any byte (most likely closed idle): not the replica's fault."""
         return isinstance(exc, NothingReceivedError) and exc.reused and not exc.abandoned
 
     @staticmethod

@@ -36,9 +36,8 @@ class BadRequestBodyError(KvIndexError):
 
 
 def decoded_body(body: bytes) -> Any:
-    """``body`` decoded, nested at most :data:`MAX_DEPTH` deep, so that nothing after (the
-    scorer, the tokenizer, a chat template) recurses further; msgspec.DecodeError when it
-    is not JSON, BadRequestBodyError when it nests deeper."""
+    """``body`` decoded, nested at most :data:`MAX_DEPTH` deep (nothing after recurses further);
+    msgspec.DecodeError when it is not JSON, BadRequestBodyError when it nests deeper."""
     try:
         decoded = msgspec.json.decode(body)
     except RecursionError:  # msgspec's own recursion guard, far deeper than MAX_DEPTH
@@ -171,8 +170,7 @@ class UpstreamPicker:
         headers: Mapping[str, str],
         cands: list[str],
     ) -> tuple[Ranking, bool]:
-        """The ranking (its reasons when the picker explains), and whether it was made
-        without the prompt's tokens."""
+        """The ranking (reasons if explained), and whether made without the prompt's tokens."""
         session = headers.get(SESSION_HEADER) or _string(body.get("user"))
         common: dict[str, Any] = {
             "model": model,

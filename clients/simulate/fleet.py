@@ -2,8 +2,7 @@
 
 A replica admits its FIFO head when its prefill is free, fewer than ``max_running`` run and
 its block pool holds the request; prefills run one after another, decodes together. Nothing
-sleeps: a run is a pure function of its inputs and the router.
-"""
+sleeps: a run is a pure function of its inputs and the router."""
 
 from __future__ import annotations
 

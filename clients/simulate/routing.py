@@ -1,10 +1,6 @@
-"""Routers for ``kvindex simulate``: the real scorer over the real index, and the instant one.
-
-:class:`ScorerRouter` asks the code behind ``POST /score``; the index gets the replicas'
-KV events ``event_delay_s`` late, in vLLM's wire format, through the indexer's pipeline
-(:class:`IngestSink`) or real ZeroMQ (:class:`ZmqSink`). :class:`InstantRouter`
-(``kv_aware_instant``) reads every pool directly: greedy, so not a bound.
-"""
+"""Routers for ``kvindex simulate``: :class:`ScorerRouter`, ``POST /score``'s code over an index
+fed ``event_delay_s`` late (:class:`IngestSink`, :class:`ZmqSink`), and :class:`InstantRouter`
+(``kv_aware_instant``), which reads every pool directly: greedy, so not a bound."""
 
 from __future__ import annotations
 

@@ -9,9 +9,8 @@ from typing import TypeAlias
 
 
 class Partial(enum.StrEnum):
-    """Why a stream's view is partial: the replica may hold blocks stored in batches the index
-    never applied. The view is whole again once every batch since the replica's cache was
-    last empty is applied: its engine's first batch (seq 0) or an ``AllBlocksCleared``."""
+    """Why a stream's view is partial (the replica may hold blocks of batches never applied);
+    whole again from its engine's first batch (seq 0) or an ``AllBlocksCleared`` applied."""
 
     REPLAY_GAP_PAST_BUFFER = "replay_gap_past_buffer"
     """A gap reached further back than the replica's replay buffer."""

@@ -214,8 +214,7 @@ class Registry:
                 self._streams_version += 1
 
     def ask_clear(self, replica: str, at: float | None = None) -> None:
-        """Ask the pipelines keeping ``replica``'s streams to drop their blocks, once (at their
-        next maintenance)."""
+        """Have the pipelines of ``replica``'s streams drop their blocks once (next maintenance)."""
         at = self._clock() if at is None else at
         with self._lock:
             if at > self._replica_to_clear_asked.get(replica, float("-inf")):
@@ -455,8 +454,7 @@ class RegistryView(Protocol):
         ...
 
     def update_health(self, changes: dict[str, HealthChange]) -> dict[str, HealthUpdate]:
-        """Apply each change atomically to its registered replica's record (no concurrent
-        change lost); (before, after) per replica changed."""
+        """Apply each change atomically to its replica's record; (before, after) of each changed."""
         ...
 
     def claim_health_checks(self, replicas: Sequence[str], hold_s: float) -> set[str]:

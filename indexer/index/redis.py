@@ -2,8 +2,7 @@
 
 Streams fall into groups (``redis.schema``), each a hash block → its holders' records under one
 hash tag. A batch is one ``apply_batch.lua`` call, atomic with the watermark and fenced by the
-writer's lease when sharded; a lookup is one round trip (``longest_prefix.lua`` per group).
-"""
+writer's lease when sharded; a lookup is one round trip (``longest_prefix.lua`` per group)."""
 
 from __future__ import annotations
 

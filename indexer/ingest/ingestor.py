@@ -1,10 +1,6 @@
-"""Domain events → index operations, applied in order per stream, from one thread.
-
-A store's parent key comes from the same batch, the stream's key cache, or the index; a
-store whose parent is unknown everywhere is an orphan, chained from a root off every real
-chain and counted, for the pipeline to repair by replay. Consecutive batches go to the index
-in one call. ``native.NativeBatch`` es take the compiled path over an index that offers it.
-"""
+"""Domain events → index operations, applied in order per stream, from one thread. A store's
+parent key comes from the batch, the stream's key cache or the index; one unknown everywhere
+is an orphan, chained from a root off every real chain and counted, for a replay to repair."""
 
 from __future__ import annotations
 
@@ -107,8 +103,8 @@ class Ingestor:
         batches: Sequence[AnyBatch],
         report: StreamReport | None = None,
     ) -> StreamReport:
-        """Translate consecutive batches of a stream and apply them in order, adding what
-        was done to ``report`` (a fresh one when None), which is returned."""
+        """Apply a stream's consecutive batches in order, in one index call (compiled when the
+        index offers it); what was done is added to ``report`` (None: a new one), returned."""
         if report is None:
             report = StreamReport()
         self._pending = pending = _Pending(stream, [], report)

@@ -1,14 +1,11 @@
 """Sharded indexers: leases in Redis, and which indexer owns which stream.
 
 Each process renews a lease (its token in one ZSET, scored by expiry on the server's clock)
-every ``lease_ttl_s / 3``. A stream belongs to the live member of highest rendezvous weight,
-so every member computes the same owner and a join or leave moves only its share. Ownership
-is enforced in the store: a new owner claims a stream (in the fleet's slot, only while its
-lease runs; then its token in the stream's meta) before reading its watermark, and every
-batch script checks the token, so a previous owner's batch is refused whole
-(``FencedError``): never two writers on one stream. A lease that ran out is never renewed:
-its holder joins again under a new token, with nothing of its old streams kept.
-"""
+every ``lease_ttl_s / 3``; one that ran out is never renewed (its holder joins again under a
+new token, keeping none of its streams). A stream belongs to the live member of highest
+rendezvous weight, so all agree and a join or leave moves only its share. A new owner claims a
+stream in the store (while its lease runs) before reading its watermark, and every batch
+script checks the token: a previous owner's batch is refused whole (``FencedError``)."""
 
 from __future__ import annotations
 

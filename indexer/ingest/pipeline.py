@@ -1,12 +1,9 @@
-"""The socket-free core of the write path: frames in, index and stream records updated.
-
-A :class:`Pipeline` decodes, orders (a :class:`~kvindex.indexer.ingest.stream.StreamTracker`
-per stream) and applies live frames and replay replies, reports each stream to the registry
-once per call, and decides replays, restarts, purges and resyncs after store failures. Its
-caller owns the sockets and carries out its :class:`ReplayRequests`. Nothing it receives
-kills it: bad frames and events are counted. Not thread-safe: one thread calls it; several
-pipelines may share one (thread-safe) index and registry, each keeping its own streams.
-"""
+"""The socket-free core of the write path: frames in, index and stream records updated. A
+:class:`Pipeline` decodes, orders (a :class:`~kvindex.indexer.ingest.stream.StreamTracker` per
+stream) and applies live frames and replay replies, reports each stream once a call, and decides
+replays, restarts, purges and resyncs; its caller owns the sockets and :class:`ReplayRequests`.
+Bad frames and events are counted, never fatal. One thread calls it; pipelines may share one
+(thread-safe) index and registry, each keeping its own streams."""
 
 from __future__ import annotations
 
@@ -43,8 +40,7 @@ class ReplayRequests(Protocol):
     """Replays the pipeline asks its socket owner for (at most one open per stream)."""
 
     def start_replay(self, stream: StreamId, endpoint: str, start_seq: int) -> None:
-        """Ask ``endpoint`` for every batch from ``start_seq`` on (replies come back through
-        :meth:`Pipeline.on_replay`)."""
+        """Ask ``endpoint`` for every batch from ``start_seq`` on (answered to ``on_replay``)."""
         ...
 
     def end_replay(self, stream: StreamId) -> int:
@@ -84,8 +80,7 @@ class Pipeline:
     Without ``replays`` no stream replays. ``claim`` fences a stream's previous owner out
     before its watermark is read (sharded); a write refused by the fence is counted and the
     stream handed to the caller (:meth:`take_fenced`). ``native_ingest``: a known stream's
-    next batch of common events takes the compiled path when the index offers it.
-    """
+    next batch of common events takes the compiled path when the index offers it."""
 
     def __init__(
         self,
@@ -649,8 +644,7 @@ class Pipeline:
         self._record(runtime)
 
     def _clear_asked(self) -> None:
-        """Drop the blocks asked (``Registry.ask_clear``), once per ask; no replay: it would
-        give the same blocks back."""
+        """Drop the blocks asked (``Registry.ask_clear``) once per ask; no replay (same blocks)."""
         asks = self._registry.clear_asks()
         if not asks:
             return

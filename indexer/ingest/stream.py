@@ -6,11 +6,8 @@ is not credited: the stream is cleared and rebuilt from what follows. A live ``s
 is a duplicate (same timestamp) or checked by a replay from 0 (without an endpoint: judged by
 the next batch); a restart clears the stream. A replay from 0 whose history ends below
 ``last``, or is empty, shows a restart; a probe of a silent stream replays from ``last``.
-
-:attr:`StreamTracker.partial` says whether the index may lack blocks the replica holds: set
-when the index starts or clears the stream and the next batch applied is not the engine's
-first (seq 0), cleared by that seq 0 after a clear or by an ``AllBlocksCleared`` applied.
-"""
+:attr:`StreamTracker.partial`: the index may lack blocks (set after a start or clear unless the
+next batch is seq 0; cleared by a seq 0 after a clear or an ``AllBlocksCleared`` applied)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""ZeroMQ side of the write path: sockets, topologies, reconnects, ingest workers.
-
-Connect mode: one SUB per (replica, rank) on its endpoint, a monitor telling connects from
-disconnects. Bind mode: one SUB on ``settings.bind``, each stream named by its topic and rank.
-Each worker (:class:`SubscriberLoop`, a thread) owns its share of the streams and its own
-pipeline, so a stream's batches apply in order; the first also reads the bound SUB. Sharded,
-a loop subscribes only to the streams its process owns. A dead worker is restarted.
-"""
+"""ZeroMQ side of the write path: sockets, topologies, reconnects, ingest workers. Connect mode:
+a SUB per (replica, rank), a monitor telling connects from disconnects; bind mode: one SUB on
+``settings.bind``, streams named by topic and rank. Each worker thread owns its streams and
+pipeline (a stream's batches apply in order); sharded, only the streams its process owns."""
 
 from __future__ import annotations
 
@@ -232,8 +228,7 @@ class SubscriberLoop:
         self.pipeline.release_all()
 
     def _owned_ranks(self, spec: ReplicaSpec, every_worker: bool = False) -> tuple[int, ...]:
-        """The replica's ranks this loop subscribes to (``every_worker``: the process's),
-        the owned ones when sharded."""
+        """The replica's ranks this loop (``every_worker``: the process) takes; sharded, owned."""
         ranks: list[int] | range = range(spec.dp_size)
         if self._partition is not None and not every_worker:
             worker_of = self._partition.worker_of

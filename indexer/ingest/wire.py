@@ -10,8 +10,7 @@ topic, seq, payload]``, told apart by frame count; the end has seq ``0xFF * 8``,
 Per event type a base Struct holds what kvindex reads (decoding); its ``Vllm*`` subclass is
 vLLM's whole struct (encoding, byte for byte as vLLM writes it, checked against captures).
 SGLang (≥ 0.5) sends the same frames and map events, with ``cache_salt`` and no
-``extra_keys``: those stores get the extra keys vLLM would have sent for the request.
-"""
+``extra_keys``: those stores get the extra keys vLLM would have sent for the request."""
 
 from __future__ import annotations
 

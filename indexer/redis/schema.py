@@ -2,8 +2,7 @@
 
 Keys are ``<prefix>:<version>:…`` (:data:`INDEX_VERSION` for the block index, :data:`LOAD_VERSION`
 for the load, :data:`SCHEMA_VERSION` else), so two layouts never share a key. Keys changed together
-share a hash tag (``{ix<g>}``, ``{load}``, ``{inflight}``, ``{fleet}``): one slot, one script.
-"""
+share a hash tag (``{ix<g>}``, ``{load}``, ``{inflight}``, ``{fleet}``): one slot, one script."""
 
 from __future__ import annotations
 
