@@ -1,11 +1,7 @@
 """Reference: kvindex.api.tokenize.local.encode_whole; tests/unit/api/tokenize/test_fast_bpe.py::test_fast_ids_equal_the_tokenizers_own
 
-A byte-level BPE ``tokenizer.json``'s ids by tiktoken's encoder, several times faster than
-``tokenizers``' own. Built only for the shapes it reproduces id for id: a BPE model whose
-vocabulary holds every byte and whose ids rise with its merges' order, the GPT-2 or a
-``Split`` regex pre-tokenizer before a byte-level one, no normalizer but NFC; texts holding an
-added token that strips, an unpaired surrogate or a character NFC changes are left to the
-tokenizer (:meth:`FastBpe.encode` answers None).
+A byte-level BPE ``tokenizer.json``'s ids by tiktoken's encoder, for the shapes it reproduces
+id for id (see :func:`_shape`); texts it cannot vouch for are left to the tokenizer.
 """  # noqa: E501
 
 from __future__ import annotations
@@ -57,8 +53,7 @@ class FastBpe:
 
     @classmethod
     def of(cls, tokenizer: tokenizers.Tokenizer) -> FastBpe | None:
-        """The fast path for ``tokenizer``, or None (logged) when its shape is not one this
-        reproduces or its ids differ on :data:`SELF_TEST`."""
+        """The fast path, or None (logged): a shape not reproduced, or ids off on the sample."""
         config = json.loads(tokenizer.to_str())
         shape = _shape(config)
         if isinstance(shape, str):
@@ -81,8 +76,8 @@ class FastBpe:
         return fast
 
     def encode(self, text: str) -> list[int] | None:
-        """``text``'s ids as its tokenizer encodes them without special tokens added; None
-        when this cannot say (see the module's docstring)."""
+        """The tokenizer's ids of ``text`` (none added); None: a stripping added token, an
+        unpaired surrogate or text NFC would change."""
         if not text.isascii() and (
             _SURROGATE.search(text) or (self._nfc and not unicodedata.is_normalized("NFC", text))
         ):
@@ -106,7 +101,8 @@ class FastBpe:
 
 
 def _shape(config: dict[str, Any]) -> _Shape | str:
-    """The encoder's pattern, normalizer and ranks for ``config``, or why there are none."""
+    """Pattern, NFC and ranks: a BPE holding every byte, ids rising with its merges, a GPT-2
+    or ``Split`` regex before a byte-level pre-tokenizer, no normalizer but NFC; else why not."""
     if config.get("truncation") is not None or config.get("padding") is not None:
         return "it truncates or pads"
     normalizer = config.get("normalizer")
