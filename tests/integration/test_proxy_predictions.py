@@ -150,7 +150,8 @@ def test_a_stream_is_read_and_the_client_sees_only_the_usage_it_asked_for(
 def test_a_sim_on_another_block_size_is_mispredicted(stack: ExitStack, tmp_path: Path) -> None:
     """r2 caches blocks of 32 tokens while the model's are 16: the index never matches its
     blocks, so once r2 holds a prompt's start its answers are ``under_predicted``; the first
-    comes within r2's first 5 answers (r1 stays exact)."""
+    comes within r2's first 5 answers. r1 stays exact, but for at most two requests that
+    reached it before its last answer's blocks were indexed (seen once on a loaded host)."""
     _, proxy = _start(stack, tmp_path, {"r1": [], "r2": ["--block-size", "32"]})
     rng = random.Random(11)
     num_on_r2, found_at = 0, None
@@ -167,7 +168,9 @@ def test_a_sim_on_another_block_size_is_mispredicted(stack: ExitStack, tmp_path:
     outcomes = _outcomes(proxy)
     print(f"predictions with r2 on 32-token blocks: {dict(outcomes)}; first on r2's {found_at}")
     assert found_at is not None and found_at <= 5
-    assert outcomes[("r1", "under_predicted")] + outcomes[("r1", "over_predicted")] == 0
+    assert outcomes[("r1", "over_predicted")] == 0
+    assert outcomes[("r1", "under_predicted")] <= 2
+    assert outcomes[("r1", "exact")] >= 10 * outcomes[("r1", "under_predicted")]
 
 
 TOOLS = [
