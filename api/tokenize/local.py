@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 INLINE_MAX_CHARS = 2048
 """Texts up to this long are encoded on the event loop; longer ones in a worker thread."""
 FAST_INLINE_MAX_CHARS = 65536
-"""The same bound when the fast path encodes (:mod:`.fast_bpe`: 64 kB in about 3 ms)."""
+"""The same bound when the fast path (:mod:`.fast_bpe`) encodes."""
 CHECK_EVERY = 256
 """One text in this many that the fast path encodes is encoded by the tokenizer as well."""
 DEFAULT_PREFIX_CACHE_BYTES = 32 * 1024 * 1024

@@ -403,18 +403,10 @@ def test_a_head_answer_has_no_body_and_a_bad_header_is_refused() -> None:
     _run(test)
 
 
-def test_the_end_of_an_answer_goes_to_the_client_with_its_last_chunk() -> None:
-    """One write less to the client: the forwarder sends the last chunk as the body's end
-    when the connection says nothing more will come; a chunk still followed by others is
-    sent on its own, at once."""
+def _streamed(script: Script, scope: dict[str, Any], **answer: Any) -> list[Message]:
+    """The messages a client is sent for one request forwarded to a replica running
+    ``script`` (a client that never leaves)."""
     sent: list[Message] = []
-
-    async def script(_: bytes, __: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n9\r\ndata: 1\n\n\r\n")
-        await writer.drain()
-        await asyncio.sleep(0.1)
-        writer.write(b"9\r\ndata: 2\n\n\r\n0\r\n\r\n")
-        await writer.drain()
 
     async def send(message: Message) -> None:
         sent.append(message)
@@ -428,11 +420,25 @@ def test_the_end_of_an_answer_goes_to_the_client_with_its_last_chunk() -> None:
             forwarder = Forwarder(ProxySettings(), ProxyMetrics())
             upstreams = (Upstream("r1", replica.url),)
             opened = await forwarder.open("/", b"{}", [], upstreams, forwarder.deadline())
-            answer = StreamedAnswer(opened, "rid", forwarder.deadline(), lambda *a: None)
-            await answer({"type": "http"}, stays, send)
+            streamed = StreamedAnswer(
+                opened, "rid", forwarder.deadline(), lambda *a: None, **answer
+            )
+            await streamed(scope, stays, send)
             await forwarder.close()
 
     _run(test)
+    return sent
+
+
+def test_the_end_of_an_answer_goes_to_the_client_with_its_last_chunk() -> None:
+    async def script(_: bytes, __: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n9\r\ndata: 1\n\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.write(b"9\r\ndata: 2\n\n\r\n0\r\n\r\n")
+        await writer.drain()
+
+    sent = _streamed(script, {"type": "http"})
     bodies = [(m["body"], m["more_body"]) for m in sent[1:]]
     assert bodies == [(b"data: 1\n\n", True), (b"data: 2\n\n", False)]
 
@@ -443,7 +449,6 @@ def test_a_body_of_known_length_after_its_head_goes_whole_or_is_cut_at_the_first
 ) -> None:
     """A body that follows its head within the first-chunk timeout goes to the client in one
     message; one that does not comes to nothing and the answer is cut (the server's abort)."""
-    sent: list[Message] = []
     aborted: list[bool] = []
 
     async def script(_: bytes, __: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -453,26 +458,8 @@ def test_a_body_of_known_length_after_its_head_goes_whole_or_is_cut_at_the_first
         writer.write(b"hello")
         await writer.drain()
 
-    async def send(message: Message) -> None:
-        sent.append(message)
-
-    async def stays() -> Message:
-        await asyncio.sleep(10)
-        return {"type": "http.disconnect"}
-
-    async def test() -> None:
-        async with Replica(script) as replica:
-            forwarder = Forwarder(ProxySettings(), ProxyMetrics())
-            upstreams = (Upstream("r1", replica.url),)
-            opened = await forwarder.open("/", b"{}", [], upstreams, forwarder.deadline())
-            answer = StreamedAnswer(
-                opened, "rid", forwarder.deadline(), lambda *a: None, first_chunk_timeout_s=0.5
-            )
-            scope = {"type": "http", "extensions": {ABORT: lambda: aborted.append(True)}}
-            await answer(scope, stays, send)
-            await forwarder.close()
-
-    _run(test)
+    scope = {"type": "http", "extensions": {ABORT: lambda: aborted.append(True)}}
+    sent = _streamed(script, scope, first_chunk_timeout_s=0.5)
     bodies = [(m["body"], m["more_body"]) for m in sent[1:]]
     if late_s < 0.5:
         assert bodies == [(b"hello", False)] and not aborted
