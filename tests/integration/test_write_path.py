@@ -349,6 +349,10 @@ def test_a_replica_restarted_quiet_in_bind_mode_is_found_by_the_probe(index: Blo
             bound = settings.probe_interval_s + 1.0 + 2 * 0.5  # tick + two local replays
             print(f"quiet restart found by the probe in {took:.2f} s (bound {bound:.1f} s)")
             assert took < bound
+            # The restart is counted as the stream is cleared: read it once both are done.
+            wait_until(
+                lambda: ix.status(R1).health.num_restarts >= 1, timeout_s=2, what="restart counted"
+            )
             health = ix.status(R1).health
             assert health.num_probes >= 1 and health.num_restarts == 1
         finally:
