@@ -17,6 +17,7 @@ from kvindex.api.decision.policies import Decision, Policy, Scored, Weights, kv_
 from kvindex.api.decision.routing_rules import RoutingRule
 from kvindex.api.lookup.matches import Lookup
 from kvindex.api.schemas import ScoreResponse
+from kvindex.api.tokenize.protocol import Head
 
 
 class Decided(msgspec.Struct, frozen=True, gc=False):
@@ -37,6 +38,8 @@ class Decided(msgspec.Struct, frozen=True, gc=False):
     distrusted: Collection[str]
     worded: bool
     """The decision's entries carry their terms (False: the lean ``kv_aware``'s scores alone)."""
+    head: Head | None = None
+    """Decided on the prompt's head: ``num_tokens`` estimated, the whole owed."""
 
 
 def response_of(

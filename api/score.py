@@ -9,8 +9,9 @@ import itertools
 import random
 import time
 from collections import defaultdict
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvindex.api.answer import DEGRADED_REASONS
 from kvindex.api.config.settings import ApiSettings, ModelSpec
@@ -32,7 +33,14 @@ from kvindex.api.lookup.matches import Lookup, RankedStreams, Streams, ranked_st
 from kvindex.api.loop.off_loop import OffLoop
 from kvindex.api.reasons import Decided, Reasons, kept_reads, response_of
 from kvindex.api.schemas import ScoreRequest, ScoreResponse
-from kvindex.api.tokenize.protocol import NO_OPTIONS, ChatOptions, Tokenizer, as_packed
+from kvindex.api.tokenize.protocol import (
+    NO_OPTIONS,
+    ChatOptions,
+    Head,
+    Tokenizer,
+    as_heading,
+    as_packed,
+)
 from kvindex.indexer.domain.errors import KvIndexError
 from kvindex.indexer.domain.keys import (
     BlockKeyError,
@@ -61,6 +69,8 @@ __all__ = [
 ]
 
 _KEY_LIMIT = 2**64
+HEAD_CHARS_PER_TOKEN = 16
+"""A prompt's head holds at least this many characters per token of a block (~3 blocks)."""
 _POLICY_OF: dict[object, Policy] = {p.value: p for p in Policy}
 
 
@@ -98,6 +108,9 @@ class Ranking:
     """(replica, matched tokens), as :meth:`Scorer.score`'s ``scores`` list them."""
     reasons: Reasons | None = None
     """What :meth:`Scorer.score` would explain of them (``ranking``'s ``explain``)."""
+    rest: Callable[[], Coroutine[Any, Any, bytes]] | None = None
+    """Decided on the prompt's head (``num_tokens`` estimated): its whole tokenization, owed
+    once the answer is out (it keeps the ids for the prompt's next turn)."""
 
 
 class Scorer:
@@ -117,6 +130,10 @@ class Scorer:
         distrusted: Callable[[], Collection[str]] = frozenset,
     ) -> None:
         self._settings = settings
+        self._heads = not any(
+            r.min_prompt_tokens is not None or r.max_prompt_tokens is not None
+            for r in settings.rules
+        )  # a rule on the prompt's tokens needs them all
         self._distrusted = distrusted
         self._holders = holders_of(index)
         self._registry = registry
@@ -174,26 +191,40 @@ class Scorer:
         return response_of(request.model, made, made.decision.ranked, weights)
 
     async def ranking(
-        self, request: ScoreRequest, headers: Mapping[str, str] | None = None, *, explain: int = 0
+        self,
+        request: ScoreRequest,
+        headers: Mapping[str, str] | None = None,
+        *,
+        explain: int = 0,
+        head_first: bool = False,
     ) -> Ranking:
         """:meth:`score`'s order and matches alone, the same decision (a router's need: no
         entry explained). ``explain`` > 0: at most that many ranked (``top_k`` lowered to it),
-        with the :class:`Reasons` that :meth:`score` would word for them, worded when read."""
+        with the :class:`Reasons` that :meth:`score` would word for them, worded when read.
+        ``head_first``: a long prompt no replica holds the start of may be decided on its
+        head (:meth:`_head_decided`), the rest tokenized later (``Ranking.rest``)."""
         top_k = self.top_k(request)
         if explain:
             top_k = explain if top_k is None else min(top_k, explain)
         made = await self._decided(
-            request, headers or {}, None, top_k=top_k, explain=False, gather=explain > 0
+            request,
+            headers or {},
+            None,
+            top_k=top_k,
+            explain=False,
+            gather=explain > 0,
+            head_first=head_first,
         )
         matches, block_size = made.seen.lookup.matches, made.block_size
         ranked = tuple(
             (s.replica, matches.get(s.replica, NO_MATCH).num_blocks * block_size)
             for s in made.decision.ranked
         )
+        rest = made.head.rest if made.head is not None else None
         if not explain:
-            return Ranking(made.num_tokens, ranked)
+            return Ranking(made.num_tokens, ranked, rest=rest)
         view = self._default_weights if made.weights is self._settings.weights else None
-        return Ranking(made.num_tokens, ranked, Reasons(request.model, made, view))
+        return Ranking(made.num_tokens, ranked, Reasons(request.model, made, view), rest)
 
     async def _decided(
         self,
@@ -204,6 +235,7 @@ class Scorer:
         top_k: int | None,
         explain: bool = True,
         gather: bool = False,
+        head_first: bool = False,
     ) -> Decided:
         """Every step of an answer but its assembly, the best ``top_k`` kept; ``explain``
         False: no terms, and no freshness unless ``gather`` (a ranking's reasons: then the
@@ -212,16 +244,23 @@ class Scorer:
         outage = self._registry.outage()
         candidates = self._candidates(request, specs, outage)
         block_size = self.block_size(request.model)
-        num_tokens, keys = await self._keys(request, block_size, packed_tokens)
+        head_chars = HEAD_CHARS_PER_TOKEN * block_size if head_first and self._heads else 0
+        num_tokens, keys, head = await self._keys(request, block_size, packed_tokens, head_chars)
         rule = self._rule(request, num_tokens, headers)
         weights = self._weights(request, rule)
         policy = self._policy(request, rule)
+        if head is not None and policy is not Policy.KV_AWARE:
+            num_tokens, keys, head = *await self._whole(request, head, block_size), None
         unhealthy = self._unhealthy(candidates, specs)
         ranked = [r for r in candidates if r not in unhealthy] if unhealthy else candidates
         ranked = ranked or candidates
         streams = self._streams(ranked)
         lookup, loads, version = await self._read(keys, streams.streams, ranked)
         lookup.resolve(streams)
+        if head is not None and lookup.num_matched():  # its start is held: the whole decides
+            num_tokens, keys, head = *await self._whole(request, head, block_size), None
+            lookup, loads, version = await self._read(keys, streams.streams, ranked)
+            lookup.resolve(streams)
         distrusted = self._distrusted()
         lean = policy is Policy.KV_AWARE and not weights.temperature
         if lean:
@@ -255,7 +294,15 @@ class Scorer:
         return Decided(
             decision, seen, policy, weights, rule, unhealthy, degraded, block_size,
             num_tokens, len(keys), len(ranked), num_matched, distrusted, explain or not lean,
+            head,
         )  # fmt: skip
+
+    async def _whole(
+        self, request: ScoreRequest, head: Head, block_size: int
+    ) -> tuple[int, list[int]]:
+        """A head's prompt tokenized whole: its tokens and block keys."""
+        packed = await head.rest()
+        return len(packed) // 4, _packed_keys(request, packed, block_size)
 
     def _degraded(
         self, index_outage: str | None, fleet_outage: str | None, no_healthy: str | None
@@ -358,31 +405,31 @@ class Scorer:
     # --- 2. tokens and keys ------------------------------------------------------------------
 
     async def _keys(
-        self, request: ScoreRequest, block_size: int, packed: bytes | None = None
-    ) -> tuple[int, list[int]]:
-        """(tokens in the prompt, its block keys); ``packed``: the token ids as u32 bytes."""
-        _check_one_input(request, packed)
-        if request.messages is None and _has_chat_options(request):
-            raise RequestError(f"{', '.join(ChatOptions.__struct_fields__)}: only with messages")
-        if request.block_size is not None and request.block_size != block_size:
-            raise RequestError(
-                f"block_size: the request assumes {request.block_size} but {request.model!r}"
-                f" uses {block_size} tokens per block"
-            )
+        self, request: ScoreRequest, block_size: int, packed: bytes | None, head_chars: int
+    ) -> tuple[int, list[int], Head | None]:
+        """(tokens in the prompt, its block keys, None); ``packed``: the token ids as u32
+        bytes. ``head_chars`` > 0: a prompt or conversation may be tokenized only as far as
+        its :class:`Head` (then given last, the tokens estimated and the keys the head's)."""
+        _check_fields(request, packed, block_size)
         if request.block_keys is not None:
             keys = request.block_keys
             if keys and max(keys) >= _KEY_LIMIT:  # one C pass (msgspec checked they are >= 0)
                 raise RequestError("block_keys: every key must be an unsigned 64-bit integer")
-            return len(keys) * block_size, keys
+            return len(keys) * block_size, keys, None
         tokens = request.token_ids
         if tokens is None and packed is None:
-            tokenized = await self._tokenize(request)
+            tokenized = await self._tokenize(request, head_chars)
+            if isinstance(tokenized, Head):
+                keys = _packed_keys(request, tokenized.packed, block_size)
+                if keys:
+                    return tokenized.num_tokens, keys, tokenized
+                tokenized = await tokenized.rest()
             if isinstance(tokenized, bytes):
                 packed = tokenized
             else:
                 tokens = tokenized
         if packed is not None:
-            return len(packed) // 4, _packed_keys(request, packed, block_size)
+            return len(packed) // 4, _packed_keys(request, packed, block_size), None
         assert tokens is not None
         try:
             keys = block_keys(
@@ -394,10 +441,11 @@ class Scorer:
             )
         except BlockKeyError as exc:
             raise RequestError(f"token_ids: {exc}") from exc
-        return len(tokens), keys
+        return len(tokens), keys, None
 
-    async def _tokenize(self, request: ScoreRequest) -> list[int] | bytes:
-        """The request's ids: packed u32 bytes when its tokenizer hands them out so."""
+    async def _tokenize(self, request: ScoreRequest, head_chars: int) -> list[int] | bytes | Head:
+        """The request's ids: packed u32 bytes when its tokenizer hands them out so; with
+        ``head_chars``, a Head when its tokenizer makes one."""
         tokenizer = self._tokenizers(request.model)
         field_name = "prompt" if request.prompt is not None else "messages"
         if tokenizer is None:
@@ -405,6 +453,12 @@ class Scorer:
                 f"{field_name}: no tokenizer for model {request.model!r}; send token_ids or"
                 " block_keys, or configure [[models]] tokenizer"
             )
+        heads = as_heading(tokenizer) if head_chars else None
+        if heads is not None:
+            if request.prompt is not None:
+                return await heads.prompt_head(request.prompt, head_chars)
+            assert request.messages is not None
+            return await heads.messages_head(request.messages, _chat_options(request), head_chars)
         packs = as_packed(tokenizer)
         if packs is not None:
             if request.prompt is not None:
@@ -513,6 +567,19 @@ class Scorer:
             )
         except ScoringError as exc:
             raise RequestError(str(exc)) from exc
+
+
+def _check_fields(request: ScoreRequest, packed: bytes | None, block_size: int) -> None:
+    """RequestError for a prompt's forms mixed, chat options without messages, or a block
+    size the model does not use."""
+    _check_one_input(request, packed)
+    if request.messages is None and _has_chat_options(request):
+        raise RequestError(f"{', '.join(ChatOptions.__struct_fields__)}: only with messages")
+    if request.block_size is not None and request.block_size != block_size:
+        raise RequestError(
+            f"block_size: the request assumes {request.block_size} but {request.model!r}"
+            f" uses {block_size} tokens per block"
+        )
 
 
 def _check_one_input(request: ScoreRequest, packed: bytes | None) -> None:

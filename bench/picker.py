@@ -22,7 +22,10 @@ written to the header mutation received, the picker's own mean from its
 ``gateway_p50_ms``: the requests of the same kind (bodies of their own) from a client that
 writes each phase's messages at once over plain HTTP/2, as Envoy does, and
 ``in_process_p50_ms``: the same request phase fed to a picker built in the bench's process, no
-gRPC), then one with the machine's load.
+gRPC, each phase settled as the servicer settles it; ``in_process_whole_first_p50_ms``: the
+same with ``[picker] head_first = false``), then ``unique_start_held`` (in process: each
+``unique`` body's first 64 blocks held by a replica first, so a head finds its start held and
+the whole decides), then one with the machine's load.
 
     python bench/picker.py [--requests 300] [--prompt-tokens 8000] [--conversations 30]
 """
@@ -57,10 +60,14 @@ from machine import calibration_ms, host_load
 
 from kvindex.api.config.settings import load_api_settings
 from kvindex.api.http.server import Service
+from kvindex.api.tokenize.local import LocalTokenizer
 from kvindex.clients.picker.service import Picker, build_picker
 from kvindex.clients.picker.settings import PickerSettings
 from kvindex.indexer.config.settings import load_settings
+from kvindex.indexer.domain.events import StreamId, Tier
+from kvindex.indexer.domain.keys import chain_keys, model_root
 from kvindex.indexer.fleet.replica import ReplicaSpec
+from kvindex.indexer.index.protocol import OpKind
 from tests.support.gateway import (
     body_messages,
     headers_message,
@@ -73,7 +80,10 @@ from tests.support.request_logs import text
 from tests.support.tokenizer_kinds import write_model
 
 MODEL = "demo-model"
+STORE, GPU = OpKind.STORE, Tier.GPU
 REQUEST_HEADERS = {":method": "POST", ":path": "/v1/chat/completions"}
+HELD_BLOCKS = 64
+"""``unique_start_held``: the blocks of each body's start a replica holds (1,024 tokens)."""
 TURN_WORDS = (60, 30)
 """An assistant answer's and a user question's words in each next turn."""
 
@@ -315,9 +325,8 @@ async def _run(
     }
 
 
-async def _in_process(tokenizer: Path, warm: list[bytes], bodies: list[bytes]) -> dict[str, float]:
-    """The request phase fed straight to a picker built here (no gRPC, no sockets): what the
-    picker's own work costs. Health checks off (no replica runs), the same tokenizer."""
+def _in_process_picker(tokenizer: Path, head_first: bool = True) -> tuple[Service, Picker]:
+    """A picker built here on a memory store (stop the service after)."""
     specs = tuple(
         ReplicaSpec.parse(
             f"id=r{n},model={MODEL},url=http://127.0.0.1:{9 + n},events=tcp://127.0.0.1:{19 + n}"
@@ -330,25 +339,53 @@ async def _in_process(tokenizer: Path, warm: list[bytes], bodies: list[bytes]) -
         env={},
     )
     service = Service.build(load_settings(extra_replicas=specs, env={}), api)
-    picker = build_picker(service.deps, PickerSettings())
+    return service, build_picker(service.deps, PickerSettings(head_first=head_first))
+
+
+async def _in_process(
+    tokenizer: Path, warm: list[bytes], bodies: list[bytes], head_first: bool = True
+) -> float:
+    """The request phase fed straight to a picker built here (no gRPC, no sockets): what the
+    picker's own work costs. Health checks off (no replica runs), the same tokenizer."""
+    service, picker = _in_process_picker(tokenizer, head_first)
     try:
         for body in warm:
             await _feed(picker, body)
         times = [await _feed(picker, body) for body in bodies]
     finally:
         service.stop()
-    return {"in_process_p50_ms": round(statistics.median(times) * 1000, 3)}
+    return round(statistics.median(times) * 1000, 3)
 
 
 async def _feed(picker: Picker, raw: bytes) -> float:
+    """One request's phases, each settled as the servicer settles it; the request phase timed."""
     exchange = picker.exchange()
     started = time.perf_counter()
     for message in (headers_message({":method": "POST"}), *body_messages(raw, 4)):
         await exchange.handle(message)
     elapsed = time.perf_counter() - started
+    await exchange.settle()
     await exchange.handle(response_headers_message())
     await exchange.handle(response_body_message(b"", True))
     return elapsed
+
+
+async def _held_start(tokenizer: Path, bodies: list[bytes], head_first: bool) -> float:
+    """``unique``'s bodies in process, each one's first :data:`HELD_BLOCKS` blocks held by r0
+    first (a shared system prompt's): a head then finds its start held, so the whole decides."""
+    service, picker = _in_process_picker(tokenizer, head_first)
+    local = LocalTokenizer.from_files(tokenizer, prefix_cache_bytes=0)
+    root, stream = model_root(MODEL), StreamId("r0", 0)
+    try:
+        times = []
+        for seq, body in enumerate(bodies):
+            packed = await local.packed_messages(json.loads(body)["messages"])
+            keys = chain_keys(root, packed[: 4 * 16 * HELD_BLOCKS], 16, None)
+            service.deps.index.apply(stream, seq, time.time(), [(STORE, GPU, k, k) for k in keys])
+            times.append(await _feed(picker, body))
+    finally:
+        service.stop()
+    return round(statistics.median(times) * 1000, 3)
 
 
 def _modes(
@@ -389,8 +426,16 @@ def main(argv: list[str] | None = None) -> None:
             row |= {"body_bytes": round(statistics.mean(map(len, sent))), "requests": len(sent)}
             row |= asyncio.run(_run(port, warm, sent, metrics_port, pid))
             row |= _raw_p50_ms(port, raw_warm, raw_sent)
-            row |= asyncio.run(_in_process(tokenizer, warm, sent))
+            row["in_process_p50_ms"] = asyncio.run(_in_process(tokenizer, warm, sent))
+            whole = asyncio.run(_in_process(tokenizer, warm, sent, head_first=False))
+            row["in_process_whole_first_p50_ms"] = whole
             print(json.dumps(row), flush=True)
+            if mode == "unique":
+                row = {"bench": "picker", "mode": "unique_start_held", "requests": len(sent)}
+                row["in_process_p50_ms"] = asyncio.run(_held_start(tokenizer, sent, True))
+                whole = asyncio.run(_held_start(tokenizer, sent, False))
+                row["in_process_whole_first_p50_ms"] = whole
+                print(json.dumps(row), flush=True)
     print(json.dumps({"bench": "picker", "load": host_load(), "calibration_ms": calibration_ms()}))
 
 

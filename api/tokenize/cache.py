@@ -16,8 +16,10 @@ import msgspec
 from kvindex.api.tokenize.protocol import (
     NO_OPTIONS,
     ChatOptions,
+    Head,
     Tokenizer,
     TokenizerError,
+    as_heading,
     as_packed,
     pack_ids,
     unpack_ids,
@@ -93,6 +95,7 @@ class CachingTokenizer:
         self._in_flight: dict[bytes, asyncio.Task[bytes]] = {}
         self._packed_inner = as_packed(inner)
         self._now = inner if isinstance(inner, _AnswersNow) else None
+        self._heads = as_heading(inner)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -106,7 +109,10 @@ class CachingTokenizer:
         return unpack_ids(await self.packed_messages(messages, options))
 
     async def packed_prompt(self, prompt: str) -> bytes:
-        key, inner, packed, now = prompt_key(prompt), self.inner, self._packed_inner, self._now
+        return await self._packed_prompt(prompt_key(prompt), prompt)
+
+    async def _packed_prompt(self, key: bytes, prompt: str) -> bytes:
+        inner, packed, now = self.inner, self._packed_inner, self._now
         found = None if now is None else self._now_or_kept(key, lambda: now.prompt_now(prompt))
         if found is not None:
             return found
@@ -117,8 +123,12 @@ class CachingTokenizer:
     async def packed_messages(
         self, messages: list[dict[str, Any]], options: ChatOptions = NO_OPTIONS
     ) -> bytes:
+        return await self._packed_messages(messages_key(messages, options), messages, options)
+
+    async def _packed_messages(
+        self, key: bytes, messages: list[dict[str, Any]], options: ChatOptions
+    ) -> bytes:
         inner, packed, now = self.inner, self._packed_inner, self._now
-        key = messages_key(messages, options)
         found = (
             None
             if now is None
@@ -129,6 +139,46 @@ class CachingTokenizer:
         if packed is not None:
             return await self._cached(key, lambda: packed.packed_messages(messages, options))
         return await self._cached(key, lambda: _packed(inner.encode_messages(messages, options)))
+
+    async def prompt_head(self, prompt: str, min_chars: int) -> bytes | Head:
+        heads, key = self._heads, prompt_key(prompt)
+        return await self._head(
+            key,
+            None if heads is None else lambda: heads.prompt_head(prompt, min_chars),
+            lambda: self._packed_prompt(key, prompt),
+        )
+
+    async def messages_head(
+        self, messages: list[dict[str, Any]], options: ChatOptions, min_chars: int
+    ) -> bytes | Head:
+        heads, key = self._heads, messages_key(messages, options)
+        return await self._head(
+            key,
+            None if heads is None else lambda: heads.messages_head(messages, options, min_chars),
+            lambda: self._packed_messages(key, messages, options),
+        )
+
+    async def _head(
+        self,
+        key: bytes,
+        head: Callable[[], Awaitable[bytes | Head]] | None,
+        whole: Callable[[], Awaitable[bytes]],
+    ) -> bytes | Head:
+        """A kept entry, else the inner tokenizer's head (its rest kept once made), else
+        the whole ids as ``packed_*`` make them."""
+        packed = self._entries.get(key)
+        if packed is not None:
+            self._entries.move_to_end(key)
+            self.num_hits += 1
+            return packed
+        if head is None or key in self._in_flight:
+            return await whole()
+        got = await head()
+        if isinstance(got, bytes):
+            self.num_misses += 1
+            self._keep(key, got)
+            return got
+        return Head(got.packed, got.num_tokens, lambda: self._cached(key, got.rest))
 
     def _now_or_kept(self, key: bytes, compute: Callable[[], bytes | None]) -> bytes | None:
         """A kept entry, else the inner tokenizer's answer when it has one at once (no task:

@@ -50,6 +50,8 @@ class FastBpe:
         ordered = sorted(added, key=len, reverse=True)  # the longest first, as the matcher
         self._added_pattern = re.compile("|".join(map(re.escape, ordered))) if added else None
         self._nfc = nfc
+        # A split at a space would cut an added token that holds one: such tokenizers get none.
+        self.splits = not any(" " in content for content in added)
 
     @classmethod
     def of(cls, tokenizer: tokenizers.Tokenizer) -> FastBpe | None:
@@ -73,7 +75,34 @@ class FastBpe:
         if fast.encode(SELF_TEST) != expected:
             logger.warning("the tokenizer's fast path differs from it on a sample: not used")
             return None
+        if fast.splits and not fast.splits_hold(SELF_TEST, expected):
+            logger.warning("the tokenizer's regex splits inside words: texts are not split")
+            fast.splits = False
         return fast
+
+    def split_point(self, text: str, start: int) -> int | None:
+        """Reference: encode(text); tests/unit/api/tokenize/test_fast_bpe.py::test_split_encodes_equal_the_whole
+
+        The first index at or after ``start`` where ``text`` splits into two texts whose ids,
+        encoded apart, are the whole text's: a space between two letters, which every
+        reproduced regex ends a piece before (None: none, or this tokenizer is not split)."""  # noqa: E501
+        if not self.splits:
+            return None
+        at = text.find(" ", max(start, 1))
+        while 0 < at < len(text) - 1:
+            if text[at - 1].isalpha() and text[at + 1].isalpha():
+                return at
+            at = text.find(" ", at + 1)
+        return None
+
+    def splits_hold(self, text: str, expected: list[int]) -> bool:
+        """Whether every split point of ``text`` parts its ids as ``expected`` (the whole's)."""
+        at = self.split_point(text, 0)
+        while at is not None:
+            if (self.encode(text[:at]) or []) + (self.encode(text[at:]) or []) != expected:
+                return False
+            at = self.split_point(text, at + 1)
+        return True
 
     def encode(self, text: str) -> list[int] | None:
         """The tokenizer's ids of ``text`` (none added); None: a stripping added token, an

@@ -7,18 +7,20 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self, cast
 
 import tokenizers
 
 from kvindex.api.tokenize.chat_template import ChatTemplate, load_chat_template
-from kvindex.api.tokenize.cuts import Cuts
+from kvindex.api.tokenize.cuts import Cut, Cuts
 from kvindex.api.tokenize.fast_bpe import FastBpe
-from kvindex.api.tokenize.prefix_cache import KeptCut, PrefixCache, cut_digests
+from kvindex.api.tokenize.prefix_cache import KeptCut, PrefixCache, PrefixHit, cut_digests
 from kvindex.api.tokenize.protocol import (
     NO_OPTIONS,
     ChatOptions,
+    Head,
     TokenizerError,
     pack_ids,
     unpack_ids,
@@ -65,6 +67,10 @@ class LocalTokenizer:
         """Texts the fast path encoded."""
         self.num_fast_mismatches = 0
         """Checked texts whose fast ids differed from the tokenizer's (the first drops it)."""
+        self.heads = self.fast is not None and self.fast.splits
+        """:meth:`messages_head` and :meth:`prompt_head` may answer with a Head."""
+        self.num_heads = 0
+        self.num_head_mismatches = 0
         cuts = Cuts.of(tokenizer) if prefix_cache_bytes > 0 else None
         self._cuts = cuts
         self.prefixes = PrefixCache(prefix_cache_bytes) if cuts is not None else None
@@ -128,18 +134,68 @@ class LocalTokenizer:
             raise TokenizerError("no chat template for this model: messages cannot be encoded")
         return await self._packed(self.chat_template.render(messages, options), now=now)
 
-    async def _packed(self, text: str, *, now: bool) -> bytes:
+    async def prompt_head(self, prompt: str, min_chars: int) -> bytes | Head:
+        if not self._prompt_reuse:
+            return await self.packed_prompt(prompt)
+        return await self._head(prompt, min_chars)
+
+    async def messages_head(
+        self, messages: list[dict[str, Any]], options: ChatOptions, min_chars: int
+    ) -> bytes | Head:
+        if self.chat_template is None:
+            raise TokenizerError("no chat template for this model: messages cannot be encoded")
+        return await self._head(self.chat_template.render(messages, options), min_chars)
+
+    async def _head(self, text: str, min_chars: int) -> bytes | Head:
+        """A :class:`Head` of ``text`` split by the fast path after ``min_chars`` (at most
+        half of it) when no kept text shares a cut with it; else its whole ids."""
+        fast = self.fast
+        if fast is None or not self.heads or len(text) < 2 * min_chars:
+            return await self._packed(text, now=False)
+        plan = self._plan(text)
+        if plan is not None and plan.hit is not None:
+            return await self._packed(text, now=False, plan=plan)
+        split = fast.split_point(text, min_chars)
+        ids = None if split is None or 2 * split > len(text) else fast.encode(text[:split])
+        if not ids or split is None:
+            return await self._packed(text, now=False, plan=plan)
+        self.num_heads += 1
+        head = pack_ids(ids)
+        estimate = max(len(ids), round(len(ids) * len(text) / split))
+        return Head(head, estimate, lambda: self._rest(text, head, plan))
+
+    async def _rest(self, text: str, head: bytes, plan: _Plan | None) -> bytes:
+        """The whole ids of a text whose :class:`Head` was handed out (``plan``: its cuts, no
+        kept start then); a head they do not start with turns heads off, logged and counted."""
+        packed = await self._packed(text, now=False, plan=plan)
+        if not packed.startswith(head) and self.heads:
+            self.heads = False
+            self.num_head_mismatches += 1
+            logger.error(
+                "a text's head (%d ids) differed from the start of its whole ids: texts are "
+                "now encoded whole before a decision", len(head) // 4
+            )  # fmt: skip
+        return packed
+
+    def _plan(self, text: str) -> _Plan | None:
+        """Its cuts, their digests, the longest kept start (None: no prefix reuse)."""
+        if self._cuts is None or self.prefixes is None:
+            return None
+        cuts = self._cuts.find(text)
+        digests = cut_digests(text, [cut.position for cut in cuts])
+        return _Plan(cuts, digests, self.prefixes.longest(digests))
+
+    async def _packed(self, text: str, *, now: bool, plan: _Plan | None = None) -> bytes:
         """Reference: kvindex.api.tokenize.local.encode_whole; tests/unit/api/tokenize/test_prefix_reuse.py::test_reuse_equals_whole_encode
 
         The ids of ``text`` (no special tokens added), packed: those of the longest start a
         kept text shares, then those of each part from one cut to the next (each encoded
         alone, :mod:`.cuts`); this text is kept for the next."""  # noqa: E501
         prefixes = self.prefixes
-        if self._cuts is None or prefixes is None:
+        plan = plan or self._plan(text)
+        if plan is None or prefixes is None:
             return pack_ids(await self._encode(text, add_special_tokens=False, now=now))
-        cuts = self._cuts.find(text)
-        digests = cut_digests(text, [cut.position for cut in cuts])
-        hit = prefixes.longest(digests)
+        cuts, digests, hit = plan.cuts, plan.digests, plan.hit
         first = 0 if hit is None else hit.index + 1  # the first cut in what is encoded
         start = 0 if hit is None else cuts[hit.index].position
         bounds = [start, *(cut.position for cut in cuts[first:]), len(text)]
@@ -218,6 +274,13 @@ class LocalTokenizer:
         return (
             await self._encode_parts(text, bounds, now=now, add_special_tokens=add_special_tokens)
         )[0]
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    cuts: list[Cut]
+    digests: list[bytes]
+    hit: PrefixHit | None
 
 
 class _NotNow(Exception):  # noqa: N818 (a signal, not an error)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Mapping
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass
 from typing import Annotated, Any, Protocol, cast
 
 import msgspec
@@ -93,6 +94,36 @@ class PackedTokenizer(Tokenizer, Protocol):
     ) -> bytes:
         """:meth:`encode_messages`'s ids, packed (:func:`pack_ids`)."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    """The ids of a long text's start, exactly the whole text's first ids, when no kept text
+    starts as it does: enough to ask the index whether any replica holds its first block."""
+
+    packed: bytes
+    num_tokens: int
+    """The whole text's tokens, estimated (the head's tokens per character)."""
+    rest: Callable[[], Coroutine[Any, Any, bytes]]
+    """The whole text's ids, packed (and kept for the next text, as any encode's)."""
+
+
+class HeadTokenizer(PackedTokenizer, Protocol):
+    """A PackedTokenizer that can answer with a :class:`Head` of a text whose start it has
+    not seen (longer than ``min_chars`` twice over); the whole ids otherwise."""
+
+    async def prompt_head(self, prompt: str, min_chars: int) -> bytes | Head: ...
+
+    async def messages_head(
+        self, messages: list[dict[str, Any]], options: ChatOptions, min_chars: int
+    ) -> bytes | Head: ...
+
+
+def as_heading(tokenizer: Tokenizer) -> HeadTokenizer | None:
+    """``tokenizer`` when it is a HeadTokenizer, else None."""
+    if getattr(tokenizer, "messages_head", None) is None:
+        return None
+    return cast(HeadTokenizer, tokenizer)
 
 
 def as_packed(tokenizer: Tokenizer) -> PackedTokenizer | None:

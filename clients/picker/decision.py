@@ -4,7 +4,7 @@ best first inside the gateway's subset; one that cannot be served is a :class:`R
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -43,6 +43,8 @@ class Decision:
     replicas: tuple[str, ...]
     num_uncached_tokens: int
     """The prompt's tokens the primary does not hold cached (0: not tokenized)."""
+    rest: Callable[[], Coroutine[Any, Any, bytes]] | None = None
+    """Chosen on the prompt's head: its whole tokenization, owed once the answer is sent."""
 
 
 class _SubsetView:
@@ -125,6 +127,7 @@ class EndpointChooser:
             tuple(e for _, e in named),
             tuple(u.replica for u, _ in named),
             named[0][0].num_uncached_tokens,
+            choice.rest,
         )
 
     def _ejected(self) -> set[str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any, ClassVar
 
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -58,6 +58,7 @@ class Exchange:
         self.ticket: Ticket | None = None
         self.served: str | None = None
         self._decision: Decision | None = None
+        self._owed: Callable[[], Coroutine[Any, Any, bytes]] | None = None
         self._headers: dict[str, str] = {}
         self._subset: frozenset[str] | None = None
         self._chunks: list[bytes] = []
@@ -187,6 +188,9 @@ class Exchange:
             decision.replicas[0], decision.num_uncached_tokens
         )
         self._decision = decision
+        self._owed = decision.rest
+        if decision.rest is not None:
+            self._metrics.head_decisions.inc()
         self.phase = Phase.SENT
         answers = self._answers(decision, body, in_body=in_body, end=end)
         self._metrics.child(self._metrics.decisions, "routed").inc()
@@ -206,6 +210,18 @@ class Exchange:
             answers += [messages.body_continue(response=False)] * (self._num_held + int(end))
         self._num_held = 0
         return answers
+
+    async def settle(self) -> None:
+        """What is owed once the answers are sent: a head's prompt tokenized whole (kept for
+        its next turn); a failure is logged and counted, the stream goes on."""
+        rest, self._owed = self._owed, None
+        if rest is None:
+            return
+        try:
+            await rest()
+        except Exception:  # the tokenizer's own failure: the decision stands
+            self._metrics.head_rest_failures.inc()
+            logger.exception("tokenizing the rest of a prompt decided on its head failed")
 
     async def _end(self) -> None:
         """The response ended: the request no longer counts as in flight."""

@@ -51,6 +51,17 @@ class PickerMetrics:
             buckets=_DECISION_BUCKETS,
             registry=r,
         )
+        self.head_decisions = Counter(
+            "kvindex_picker_head_decisions",
+            "Requests decided on their prompt's head: no replica held its start, so the rest"
+            " was tokenized after the answer (the reservation counts estimated tokens).",
+            registry=r,
+        )
+        self.head_rest_failures = Counter(
+            "kvindex_picker_head_rest_failures",
+            "Heads whose rest failed to tokenize after the answer (logged; nothing is kept).",
+            registry=r,
+        )
         self.subset_misses = Counter(
             "kvindex_picker_subset_misses",
             "Requests whose subset hint named no endpoint able to serve (answered 503).",

@@ -84,7 +84,11 @@ def build_picker(deps: ApiDeps, settings: PickerSettings) -> Picker:
 
     def upstreams_over(registry: RegistryView) -> UpstreamPicker:
         return UpstreamPicker(
-            read_path.scorer, registry, lora_base=api.lora_base, health_policy=policy
+            read_path.scorer,
+            registry,
+            lora_base=api.lora_base,
+            health_policy=policy,
+            head_first=settings.head_first,
         )
 
     chooser = EndpointChooser(

@@ -26,6 +26,7 @@ class ExtProcServicer(external_processor_pb2_grpc.ExternalProcessorServicer):  #
             async for request in requests:
                 for answer in await exchange.handle(request):
                     yield answer
+                await exchange.settle()  # the answers are written: owed work waits no one
                 if exchange.finished:
                     return
         finally:  # closed, reset or cancelled before the response's end (a cancel can look

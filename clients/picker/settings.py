@@ -28,6 +28,9 @@ class PickerSettings:
     """Life of this picker's lease on its requests in flight, renewed every third of it."""
     drain_timeout_s: float = 30.0
     """On SIGTERM or SIGINT, how long the streams open may finish."""
+    head_first: bool = True
+    """A long prompt whose start no replica holds is chosen for once its head (a few blocks)
+    is tokenized, the rest after the answer; false: every prompt is tokenized whole first."""
 
     def __post_init__(self) -> None:
         for name in ("lease_ttl_s", "drain_timeout_s"):
@@ -39,6 +42,8 @@ class PickerSettings:
         for name, low in (("port", 1), ("metrics_port", -1), ("num_endpoints", 1)):
             _check_int(name, getattr(self, name), low, 65535)
         _check_int("max_in_flight", self.max_in_flight, 1, 2**31)
+        if not isinstance(self.head_first, bool):
+            raise SettingsError(f"picker.head_first must be true or false, got {self.head_first!r}")
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +85,9 @@ class Choice:
     reasons: Explains | None = None
     """What explains the best upstreams (the picker's ``explain``: what a receipt shows),
     worded when read (:meth:`~kvindex.api.reasons.Reasons.answer`)."""
+    rest: Callable[[], Coroutine[Any, Any, bytes]] | None = None
+    """Chosen on the prompt's head (``head_first``): its whole tokenization, owed once the
+    choice is sent (``num_tokens`` is estimated meanwhile)."""
 
     def prediction(self, upstream: Upstream) -> Prediction | None:
         """What the index predicted of ``upstream`` (None: the prompt was not tokenized)."""
@@ -109,11 +112,14 @@ class UpstreamPicker:
         lora_base: Callable[[str], str | None] = lambda _name: None,
         health_policy: HealthPolicy | None = None,
         explain: int = 0,
+        head_first: bool = False,
     ) -> None:
         """``explain`` > 0: each choice carries the reasons of at most that many best
-        candidates (the upstreams are as many: no retry is lost), worded when read."""
+        candidates (the upstreams are as many: no retry is lost), worded when read;
+        ``head_first``: see :meth:`~kvindex.api.score.Scorer.ranking`."""
         self._scorer = scorer
         self._explain = explain
+        self._head_first = head_first
         self._health_policy = health_policy or HealthPolicy()
         self._registry = registry
         self._on_tokenize_failure = on_tokenize_failure
@@ -146,8 +152,10 @@ class UpstreamPicker:
         )
         block_size = self._scorer.block_size(served)
         fraction = _matched_fraction(answer)
-        reasons = answer.reasons
-        return Choice(upstreams, fraction, served, num_tokens, block_size, untokenized, reasons)
+        reasons, rest = answer.reasons, answer.rest
+        return Choice(
+            upstreams, fraction, served, num_tokens, block_size, untokenized, reasons, rest
+        )
 
     def choose_any(self) -> Choice:
         """Every replica with a ``url`` but the ejected (all if all are), one further each call."""
@@ -184,7 +192,11 @@ class UpstreamPicker:
         }
         try:
             request = ScoreRequest(**common, **_prompt_of(body))
-            return await self._scorer.ranking(request, headers, explain=self._explain), False
+            explain, head_first = self._explain, self._head_first
+            ranking = await self._scorer.ranking(
+                request, headers, explain=explain, head_first=head_first
+            )
+            return ranking, False
         except TokenizerError as exc:
             self._failure_log.failed(model, str(exc))
             self._on_tokenize_failure(model)

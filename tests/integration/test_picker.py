@@ -9,6 +9,7 @@ in gateway-api-inference-extension's ``conformance/tests``)."""
 from __future__ import annotations
 
 import json
+import random
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -36,6 +37,8 @@ from tests.support.gateway import (
 )
 from tests.support.processes import Child, http_ok, kvindex_child
 from tests.support.redis_server import RedisServer, free_ports
+from tests.support.request_logs import text
+from tests.support.tokenizer_kinds import write_model
 
 pytestmark = pytest.mark.timeout(90)
 CONFIG = """
@@ -87,10 +90,10 @@ def _sim(rid: str, workdir: Path, http_port: int, events_port: int) -> Sim:
 
 
 @contextmanager
-def _running(tmp_path: Path, *store: str) -> Iterator[Fleet]:
+def _running(tmp_path: Path, *store: str, config_text: str = CONFIG) -> Iterator[Fleet]:
     """Three replica-sims and a picker on ``store`` (memory unless given), stopped after."""
     config = tmp_path / "kvindex.toml"
-    config.write_text(CONFIG)
+    config.write_text(config_text)
     ports = free_ports(8)
     with ExitStack() as stack:
         sims = {
@@ -365,3 +368,21 @@ def test_on_redis_the_load_store_every_reader_shares_counts_the_request(
         assert in_flight() == {fleet.replica(picked.endpoints[0]): 1}
         fleet.gateway.finish(stream)
         _until(lambda: in_flight() == {}, 10)
+
+
+def test_a_long_prompt_no_replica_holds_is_chosen_for_on_its_head(tmp_path: Path) -> None:
+    """With a local tokenizer, a long never-seen chat is chosen for once its head is
+    tokenized; its rest, tokenized after the answer, is kept: the same chat again needs none."""
+    tokenizer = write_model(tmp_path / "model", "byte_level_bpe")
+    config = CONFIG + f'\n[[models]]\nname = "{MODEL}"\ntokenizer = "{tokenizer}"\n'
+    rng = random.Random(5)
+    body = _chat("heads")
+    body["messages"][0]["content"] = text(rng, 600)
+    with _running(tmp_path, config_text=config) as fleet:
+        first, _ = _route(fleet, body)
+        assert fleet.metric("kvindex_picker_head_decisions_total") == 1
+        again, _ = _route(fleet, body)
+        assert fleet.metric("kvindex_picker_head_decisions_total") == 1
+        assert fleet.metric("kvindex_picker_head_rest_failures_total") == 0
+        assert {first, again} <= {fleet.endpoint(rid) for rid in fleet.sims}
+        _until(lambda: fleet.in_flight() == 0, 5)

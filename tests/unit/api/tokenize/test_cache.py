@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import msgspec
@@ -14,7 +15,7 @@ from kvindex.api.tokenize.cache import (
     messages_key,
     prompt_key,
 )
-from kvindex.api.tokenize.protocol import NO_OPTIONS, ChatOptions, TokenizerError
+from kvindex.api.tokenize.protocol import NO_OPTIONS, ChatOptions, Head, TokenizerError, pack_ids
 from tests.unit.api.tokenize.samples import CONVERSATION
 
 
@@ -271,3 +272,48 @@ def test_cache_bytes_are_the_sum_of_its_entries() -> None:
     asyncio.run(main())
     # The last three, as each fits: 1,500 + 5 + 700 ids.
     assert cache.num_bytes == (1_500 + 5 + 700) * 4 + 3 * ENTRY_OVERHEAD_BYTES
+
+
+class HeadingTokenizer(CountingTokenizer):
+    """The fake, answering a head (its first two ids) for prompts over ``min_chars``."""
+
+    async def packed_prompt(self, prompt: str) -> bytes:
+        return pack_ids(await self.encode_prompt(prompt))
+
+    async def packed_messages(
+        self, messages: list[dict[str, Any]], options: ChatOptions = NO_OPTIONS
+    ) -> bytes:
+        return pack_ids(await self.encode_messages(messages, options))
+
+    async def prompt_head(self, prompt: str, min_chars: int) -> bytes | Head:
+        if len(prompt) <= min_chars:
+            return await self.packed_prompt(prompt)
+        return Head(pack_ids([ord(c) for c in prompt[:2]]), len(prompt), self._rest(prompt))
+
+    async def messages_head(
+        self, messages: list[dict[str, Any]], options: ChatOptions, min_chars: int
+    ) -> bytes | Head:
+        return await self.packed_messages(messages, options)
+
+    def _rest(self, prompt: str) -> Callable[[], Coroutine[Any, Any, bytes]]:
+        return lambda: self.packed_prompt(prompt)
+
+
+def test_a_heads_rest_is_kept_and_a_kept_entry_is_no_head() -> None:
+    inner = HeadingTokenizer()
+    cache = CachingTokenizer(inner)
+
+    async def run() -> None:
+        head = await cache.prompt_head("a long prompt", 4)
+        assert isinstance(head, Head) and head.packed == pack_ids([ord("a"), ord(" ")])
+        assert inner.calls == []  # the head alone: nothing encoded whole yet
+        whole = await head.rest()
+        assert whole == pack_ids([ord(c) for c in "a long prompt"])
+        assert await cache.prompt_head("a long prompt", 4) == whole
+        assert await cache.messages_head(
+            CONVERSATION, NO_OPTIONS, 4
+        ) == await cache.packed_messages(CONVERSATION)
+
+    asyncio.run(run())
+    assert inner.calls == ["a long prompt", CONVERSATION]
+    assert (cache.num_hits, cache.num_misses) == (2, 2)

@@ -158,3 +158,40 @@ def test_a_mismatch_at_run_time_drops_the_fast_path(caplog: pytest.LogCaptureFix
     assert (local.fast, local.num_fast_mismatches) == (None, 1)
     assert "differed" in caplog.text
     assert CHECK_EVERY > 1
+
+
+@pytest.mark.parametrize("shape", sorted(_SHAPES))
+@settings(max_examples=150, deadline=None)
+@given(text=_texts)
+def test_split_encodes_equal_the_whole(shape: str, text: str) -> None:
+    """At every split point the two sides encoded apart are the whole text's ids."""
+    tok = _SHAPES[shape]()
+    fast = FastBpe.of(tok)
+    assert fast is not None and fast.splits
+    whole = fast.encode(text)
+    if whole is None:
+        return
+    assert whole == tok.encode(text, add_special_tokens=False).ids
+    at = fast.split_point(text, 0)
+    while at is not None:
+        assert text[at - 1].isalpha() and text[at] == " " and text[at + 1].isalpha()
+        assert (fast.encode(text[:at]) or []) + (fast.encode(text[at:]) or []) == whole
+        at = fast.split_point(text, at + 1)
+
+
+def test_a_regex_that_keeps_spaces_with_words_is_not_split() -> None:
+    """A ``Split`` regex whose pieces end in a space: the fast path encodes, but its sample's
+    splits differ from the whole, so texts are never split."""
+    split = pre_tokenizers.Split(Regex(r"\S+ ?|\s+"), behavior="isolated", invert=False)
+    level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    fast = FastBpe.of(_trained(pre_tokenizers.Sequence([split, level])))
+    assert fast is not None
+    assert not fast.splits
+    assert fast.split_point("hello brave new world", 0) is None
+
+
+def test_an_added_token_with_a_space_turns_splits_off() -> None:
+    tok = _trained(pre_tokenizers.ByteLevel(add_prefix_space=False))
+    tok.add_special_tokens(["<|a b|>"])
+    fast = FastBpe.of(tok)
+    assert fast is not None and not fast.splits

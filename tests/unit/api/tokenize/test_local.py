@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import random
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import tokenizers
 
+from kvindex.api.tokenize.chat_template import ChatTemplate
+from kvindex.api.tokenize.fast_bpe import FastBpe
 from kvindex.api.tokenize.local import LocalTokenizer
-from kvindex.api.tokenize.protocol import TokenizerError
+from kvindex.api.tokenize.protocol import NO_OPTIONS, Head, TokenizerError, pack_ids
+from tests.support.request_logs import text
+from tests.support.tokenizer_kinds import KINDS
 from tests.unit.api.tokenize.samples import (
     BOS,
     CONVERSATION,
@@ -108,3 +115,72 @@ def test_long_text_off_loop_equals_inline(model_dir: Path) -> None:
     assert asyncio.run(threaded.encode_messages(CONVERSATION)) == asyncio.run(
         inline.encode_messages(CONVERSATION)
     )
+
+
+def _chatml() -> tuple[LocalTokenizer, tokenizers.Tokenizer]:
+    tok, template, specials = KINDS["byte_level_bpe"]()
+    return LocalTokenizer(tok, ChatTemplate(template, special_tokens=specials)), tok
+
+
+def _long_chat(seed: int, num_words: int = 400) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    return [
+        {"role": "system", "content": text(rng, num_words)},
+        {"role": "user", "content": text(rng, 20)},
+    ]
+
+
+def test_a_long_unseen_text_gets_a_head_of_its_whole_ids() -> None:
+    """The head is the whole ids' start; its estimate is near their count; its rest is the
+    whole ids, kept: the same text next gets them at once, and a next turn reuses them."""
+    local, tok = _chatml()
+    chat = _long_chat(1)
+    head = asyncio.run(local.messages_head(chat, NO_OPTIONS, 256))
+    assert isinstance(head, Head)
+    rendered = local.chat_template.render(chat) if local.chat_template else ""
+    expected = pack_ids(tok.encode(rendered, add_special_tokens=False).ids)
+    assert len(head.packed) // 4 >= 16 and expected.startswith(head.packed)
+    assert len(head.packed) < len(expected) // 2
+    assert 0.7 < head.num_tokens / (len(expected) // 4) < 1.3
+    assert asyncio.run(head.rest()) == expected
+    assert asyncio.run(local.messages_head(chat, NO_OPTIONS, 256)) == expected
+    later = [*chat, {"role": "assistant", "content": "yes"}, {"role": "user", "content": "and"}]
+    assert isinstance(asyncio.run(local.messages_head(later, NO_OPTIONS, 256)), bytes)
+    assert (local.num_heads, local.num_reused, local.num_head_mismatches) == (1, 2, 0)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_short_texts_and_no_fast_path_get_their_whole_ids(fast: bool) -> None:
+    tok, template, specials = KINDS["byte_level_bpe"]()
+    local = LocalTokenizer(tok, ChatTemplate(template, special_tokens=specials), fast=fast)
+    chat = _long_chat(2, 400 if not fast else 20)
+    got = asyncio.run(local.messages_head(chat, NO_OPTIONS, 256))
+    assert got == asyncio.run(
+        LocalTokenizer(tok, ChatTemplate(template, special_tokens=specials)).packed_messages(chat)
+    )
+    prompt = asyncio.run(local.prompt_head("a short prompt", 256))
+    assert prompt == pack_ids(tok.encode("a short prompt").ids)
+
+
+def test_a_head_its_whole_ids_do_not_start_with_turns_heads_off(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    local, _ = _chatml()
+    real = cast(FastBpe, local.fast)
+
+    class ShortWrong:
+        splits = True
+        split_point = real.split_point
+
+        def encode(self, text: str) -> list[int] | None:
+            ids = real.encode(text)
+            return None if ids is None else ids + [0] * (len(text) < 1024)
+
+    local.fast = ShortWrong()  # type: ignore[assignment]
+    head = asyncio.run(local.messages_head(_long_chat(3), NO_OPTIONS, 256))
+    assert isinstance(head, Head)
+    with caplog.at_level(logging.ERROR):
+        asyncio.run(head.rest())
+    assert (local.heads, local.num_head_mismatches) == (False, 1)
+    assert "differed" in caplog.text
+    assert isinstance(asyncio.run(local.messages_head(_long_chat(4), NO_OPTIONS, 256)), bytes)

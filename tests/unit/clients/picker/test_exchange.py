@@ -4,6 +4,8 @@ chooser stand-in and the real admission over an in-memory ledger."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,6 +14,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from kvindex.api.load.desk import ReservationDesk
 from kvindex.api.load.reservations import MemoryLedger, Reservations
+from kvindex.api.tokenize.protocol import TokenizerError
 from kvindex.clients.picker.admission import Admission
 from kvindex.clients.picker.decision import Decision, RefusalError
 from kvindex.clients.picker.exchange import Exchange
@@ -194,3 +197,36 @@ def test_a_reported_fallback_carries_the_reservation_until_the_end() -> None:
     _run(exchange, response_body_message(b"", True))
     assert fleet.in_flight() == {}
     assert fleet.metrics.served_elsewhere._value.get() == 1.0
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_choice_made_on_a_head_owes_its_rest_until_settled(
+    fails: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The rest runs once, when the servicer settles after the answers are written; a rest
+    that fails is logged and counted, and the stream goes on to its end."""
+    calls: list[int] = []
+
+    async def rest() -> bytes:
+        calls.append(1)
+        if fails:
+            raise TokenizerError("the tokenizer broke")
+        return b""
+
+    fleet = Fleet()
+
+    async def on_head(body: bytes, headers: Mapping[str, str], subset: Any) -> Decision:
+        return dataclasses.replace(await fleet.choose(body, headers, subset), rest=rest)
+
+    exchange = Exchange(on_head, fleet.admission, fleet.metrics, max_body_bytes=1024)
+    _run(exchange, _head(FULL_DUPLEX), *body_messages(BODY, 2))
+    assert calls == []
+    with caplog.at_level(logging.ERROR):
+        asyncio.run(exchange.settle())
+        asyncio.run(exchange.settle())
+    assert calls == [1]
+    assert fleet.metrics.head_decisions._value.get() == 1
+    assert fleet.metrics.head_rest_failures._value.get() == int(fails)
+    assert ("the tokenizer broke" in caplog.text) == fails
+    _run(exchange, response_headers_message(), response_body_message(b"{}", True))
+    assert exchange.finished and fleet.in_flight() == {}
