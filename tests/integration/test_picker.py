@@ -79,25 +79,31 @@ class Fleet:
         return sum(float(line.split()[-1]) for line in lines)
 
 
-def _sim(rid: str, workdir: Path, http_port: int, events_port: int) -> Sim:
+def _sim(rid: str, workdir: Path, http_port: int, events_port: int, *more: str) -> Sim:
     args = [
         "replica-sim", "--id", rid, "--model", MODEL, "--port", str(http_port),
         "--events", f"tcp://127.0.0.1:{events_port}", "--bind-events", "--replay", "",
-        "--speed", "1000", "--seed", "7",
+        "--speed", "1000", "--seed", "7", *more,
     ]  # fmt: skip
     child = kvindex_child(f"sim {rid}", args, workdir / f"{rid}.log", http_ok(http_port, "/health"))
     return Sim(rid, child, http_port, events_port)
 
 
 @contextmanager
-def _running(tmp_path: Path, *store: str, config_text: str = CONFIG) -> Iterator[Fleet]:
-    """Three replica-sims and a picker on ``store`` (memory unless given), stopped after."""
+def _running(tmp_path: Path, *store: str, tokenizer: Path | None = None) -> Iterator[Fleet]:
+    """Three replica-sims and a picker on ``store`` (memory unless given), stopped after;
+    ``tokenizer``: a ``tokenizer.json`` the sims and the picker both tokenize with."""
     config = tmp_path / "kvindex.toml"
-    config.write_text(config_text)
+    config.write_text(
+        CONFIG
+        if tokenizer is None
+        else CONFIG + f'\n[[models]]\nname = "{MODEL}"\ntokenizer = "{tokenizer}"\n'
+    )
+    more = () if tokenizer is None else ("--tokenizer", str(tokenizer))
     ports = free_ports(8)
     with ExitStack() as stack:
         sims = {
-            rid: _sim(rid, tmp_path, ports[2 * n], ports[2 * n + 1])
+            rid: _sim(rid, tmp_path, ports[2 * n], ports[2 * n + 1], *more)
             for n, rid in enumerate(("r1", "r2", "r3"))
         }
         for sim in sims.values():
@@ -161,6 +167,13 @@ def _named(fleet: Fleet, body: dict[str, Any]) -> bool:
     stream, picked = fleet.gateway.pick(body)
     stream.half_close()
     return picked.header is not None
+
+
+def _primary(fleet: Fleet, body: dict[str, Any]) -> str:
+    """The endpoint named first for ``body`` (the stream then closed, its request abandoned)."""
+    stream, picked = fleet.gateway.pick(body)
+    stream.half_close()
+    return picked.endpoints[0]
 
 
 def _until(condition: Callable[[], object], timeout_s: float) -> None:
@@ -370,19 +383,42 @@ def test_on_redis_the_load_store_every_reader_shares_counts_the_request(
         _until(lambda: in_flight() == {}, 10)
 
 
+def _long_chat(seed: int) -> dict[str, Any]:
+    body = _chat(f"heads{seed}")
+    body["messages"][0]["content"] = text(random.Random(seed), 600)
+    return body
+
+
 def test_a_long_prompt_no_replica_holds_is_chosen_for_on_its_head(tmp_path: Path) -> None:
     """With a local tokenizer, a long never-seen chat is chosen for once its head is
-    tokenized; its rest, tokenized after the answer, is kept: the same chat again needs none."""
+    tokenized; its rest, tokenized after the answer, is kept: the same chat again is not
+    chosen for on a head, and goes to the replica that now holds it."""
     tokenizer = write_model(tmp_path / "model", "byte_level_bpe")
-    config = CONFIG + f'\n[[models]]\nname = "{MODEL}"\ntokenizer = "{tokenizer}"\n'
-    rng = random.Random(5)
-    body = _chat("heads")
-    body["messages"][0]["content"] = text(rng, 600)
-    with _running(tmp_path, config_text=config) as fleet:
-        first, _ = _route(fleet, body)
+    body = _long_chat(5)
+    with _running(tmp_path, tokenizer=tokenizer) as fleet:
+        first, cached = _route(fleet, body)
+        assert cached == 0
         assert fleet.metric("kvindex_picker_head_decisions_total") == 1
-        again, _ = _route(fleet, body)
+        for _ in range(40):  # until the picker has heard of the first answer's blocks
+            again, cached = _route(fleet, body)
+            if cached:
+                break
+        assert (again, cached > 0) == (first, True)
         assert fleet.metric("kvindex_picker_head_decisions_total") == 1
         assert fleet.metric("kvindex_picker_head_rest_failures_total") == 0
-        assert {first, again} <= {fleet.endpoint(rid) for rid in fleet.sims}
         _until(lambda: fleet.in_flight() == 0, 5)
+
+
+def test_a_prompt_a_replica_holds_but_the_picker_never_saw_goes_to_that_replica(
+    tmp_path: Path,
+) -> None:
+    """The head finds its start held, so the whole prompt is tokenized and decides."""
+    tokenizer = write_model(tmp_path / "model", "byte_level_bpe")
+    body = _long_chat(6)
+    with _running(tmp_path, tokenizer=tokenizer) as fleet:
+        holder = fleet.endpoint("r2")
+        assert _forward(fleet, holder, body) == 0  # sent to r2 past the picker
+        # Each pick counts as load on its replica: on load alone three would not agree.
+        _until(lambda: {_primary(fleet, body) for _ in range(3)} == {holder}, 10)
+        assert _route(fleet, body)[1] > 0
+        assert fleet.metric("kvindex_picker_head_decisions_total") == 0  # the whole decided
