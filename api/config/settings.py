@@ -102,8 +102,8 @@ class ApiSettings:
     health_check_path: str = "/health"
     """Path appended to a replica's ``url`` for its health check."""
     health_check_skip_on_traffic: bool = True
-    """A proxy does not check a replica that answered one of its forwards in the round's
-    interval (it counts as a pass); false when ``health_check_path`` says more than alive."""
+    """A proxy or picker does not check a replica that answered one of its requests in the
+    round's interval (a pass); false when ``health_check_path`` says more than alive."""
     unhealthy_threshold: int = 2
     """Consecutive failed health checks that eject a replica: a hung one is out within this
     times ``health_check_interval_s`` + ``health_check_timeout_s`` (2.5 s by default)."""

@@ -62,7 +62,8 @@ class EjectionMetrics:
 
 
 class ReplicaBreakers:
-    """The breakers of one proxy, and when each replica last answered one of its forwards."""
+    """The breakers of one proxy, and when each replica last answered one of its forwards (a
+    picker reports answers alone: the gateway acts on failures)."""
 
     def __init__(
         self,

@@ -48,8 +48,11 @@ class Exchange:
         metrics: PickerMetrics,
         *,
         max_body_bytes: int,
+        on_answered: Callable[[str], None] = lambda _replica: None,
     ) -> None:
+        """``on_answered``: told the replica that answered (a response status under 500)."""
         self._choose = choose
+        self._on_answered = on_answered
         self._admission = admission
         self._metrics = metrics
         self._max_body_bytes = max_body_bytes
@@ -140,9 +143,9 @@ class Exchange:
             self._expect(Phase.SENT, "response headers")
         self.phase = Phase.RESPONSE
         headers = request.response_headers
-        self.served = served_in(request.metadata_context) or _header_map(
-            headers.headers.headers
-        ).get(SERVED_KEY)
+        found = _header_map(headers.headers.headers)
+        self.served = served_in(request.metadata_context) or found.get(SERVED_KEY)
+        self._answered(found.get(":status", ""))
         answers = [messages.response_headers_continue()]
         if headers.end_of_stream or self._response_mode == _NO_BODY:
             await self._end()
@@ -210,6 +213,15 @@ class Exchange:
             answers += [messages.body_continue(response=False)] * (self._num_held + int(end))
         self._num_held = 0
         return answers
+
+    def _answered(self, status: str) -> None:
+        """Tell ``on_answered`` of the replica that served, when its status says it is up."""
+        decision = self._decision
+        if decision is None or not status.isdigit() or int(status) >= 500:
+            return
+        endpoints, served = decision.endpoints, self.served
+        at = endpoints.index(served) if served in endpoints else 0
+        self._on_answered(decision.replicas[at])
 
     async def settle(self) -> None:
         """What is owed once the answers are sent: a head's prompt tokenized whole (kept for

@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from kvindex.api.config.settings import ApiSettings, ReadPathSettings
+from kvindex.api.health.ejection import ReplicaBreakers
 from kvindex.api.health.routing import health_policy
 from kvindex.api.http.metrics import TimedIndex
 from kvindex.api.http.server import Service
@@ -50,6 +51,9 @@ class Picker:
     chooser: EndpointChooser
     admission: Admission
     keeper: LeaseKeeper
+    breakers: ReplicaBreakers
+    """When each replica last answered: a health check passes on that (its failures are
+    the gateway's to act on)."""
     serving: bool = False
     """The ext_proc service answers (``/readyz`` says so)."""
 
@@ -59,7 +63,11 @@ class Picker:
             self.admission,
             self.metrics,
             max_body_bytes=self.deps.settings.max_body_bytes,
+            on_answered=self._answered,
         )
+
+    def _answered(self, replica: str) -> None:
+        self.breakers.outcome(replica, True, "answered through the gateway")
 
     async def start(self) -> None:
         await self.read_path.start()
@@ -68,6 +76,7 @@ class Picker:
     async def stop(self) -> None:
         await self.keeper.stop()
         await self.admission.close()
+        await self.breakers.close()
         await self.read_path.stop()
 
 
@@ -104,7 +113,9 @@ def build_picker(deps: ApiDeps, settings: PickerSettings) -> Picker:
         blocking=deps.blocking_store,
         on_failure=metrics.reservation_failures.labels("renew").inc,
     )
-    return Picker(deps, settings, metrics, read_path, chooser, admission, keeper)
+    breakers = ReplicaBreakers(api, deps.registry, blocking_store=deps.blocking_store)
+    read_path.health_checker.count_traffic(breakers.answered_within)
+    return Picker(deps, settings, metrics, read_path, chooser, admission, keeper, breakers)
 
 
 async def run_picker(picker: Picker, host: str, stopping: asyncio.Event) -> None:

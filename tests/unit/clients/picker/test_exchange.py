@@ -230,3 +230,26 @@ def test_a_choice_made_on_a_head_owes_its_rest_until_settled(
     assert ("the tokenizer broke" in caplog.text) == fails
     _run(exchange, response_headers_message(), response_body_message(b"{}", True))
     assert exchange.finished and fleet.in_flight() == {}
+
+
+@pytest.mark.parametrize(
+    ("status", "served", "answered"),
+    [
+        (200, None, ["r1"]),
+        (429, "10.0.0.2:8000", ["r2"]),
+        (200, "10.9.9.9:1", ["r1"]),  # an endpoint it did not name: the primary's
+        (503, None, []),
+        (504, "10.0.0.2:8000", []),
+    ],
+)
+def test_a_response_under_500_tells_which_replica_answered(
+    status: int, served: str | None, answered: list[str]
+) -> None:
+    fleet = Fleet()
+    told: list[str] = []
+    exchange = Exchange(
+        fleet.choose, fleet.admission, fleet.metrics, max_body_bytes=1024, on_answered=told.append
+    )
+    _run(exchange, _head(FULL_DUPLEX), *body_messages(BODY, 1))
+    _run(exchange, response_headers_message(status, served=served))
+    assert told == answered
