@@ -92,6 +92,24 @@ class ReservationDesk:
         except Exception as exc:
             self._failed("release", exc)  # Reservations tries it again at its next renewal
 
+    async def recount(self, dispatch: Dispatch, num_uncached_tokens: int) -> None:
+        """Reserve ``dispatch`` again at ``num_uncached_tokens`` (its count was an estimate):
+        the new reservation made before the old is released, no release counted."""
+        old, reservations = dispatch.reservation, self.reservations
+        if dispatch.released or old is None or reservations is None:
+            return
+        if old.num_tokens == num_uncached_tokens:
+            return
+        try:
+            new = await self._call(reservations.reserve, dispatch.replica, num_uncached_tokens)
+            if dispatch.released:  # released meanwhile: the old one with it
+                await self._call(reservations.release, new)
+                return
+            dispatch.reservation = new
+            await self._call(reservations.release, old)
+        except Exception as exc:
+            self._failed("recount", exc)  # the estimate stands
+
     async def close(self) -> None:
         """End the lease: whatever is still reserved is released (reason ``shutdown``)."""
         if self.reservations is None:

@@ -38,6 +38,10 @@ class Admission:
         await self.release(ticket, "done")
         return await self.admit(replica, num_tokens)
 
+    async def recount(self, ticket: Ticket, num_uncached_tokens: int) -> None:
+        """The request's uncached tokens, counted now (they were estimated)."""
+        await self.desk.recount(ticket, num_uncached_tokens)
+
     async def close(self) -> None:
         """End the lease: whatever is still reserved is released (reason ``shutdown``)."""
         await self.desk.close()

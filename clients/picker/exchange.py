@@ -225,15 +225,19 @@ class Exchange:
 
     async def settle(self) -> None:
         """What is owed once the answers are sent: a head's prompt tokenized whole (kept for
-        its next turn); a failure is logged and counted, the stream goes on."""
+        its next turn, its reservation recounted); a failure is logged and counted."""
         rest, self._owed = self._owed, None
         if rest is None:
             return
         try:
-            await rest()
+            packed = await rest()
         except Exception:  # the tokenizer's own failure: the decision stands
             self._metrics.head_rest_failures.inc()
             logger.exception("tokenizing the rest of a prompt decided on its head failed")
+            return
+        ticket = self.ticket  # no replica held any of it: every token is uncached
+        if ticket is not None and not ticket.released:
+            await self._admission.recount(ticket, len(packed) // 4)
 
     async def _end(self) -> None:
         """The response ended: the request no longer counts as in flight."""

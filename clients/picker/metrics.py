@@ -54,7 +54,7 @@ class PickerMetrics:
         self.head_decisions = Counter(
             "kvindex_picker_head_decisions",
             "Requests decided on their prompt's head: no replica held its start, so the rest"
-            " was tokenized after the answer (the reservation counts estimated tokens).",
+            " was tokenized after the answer, its reservation then recounted.",
             registry=r,
         )
         self.head_rest_failures = Counter(

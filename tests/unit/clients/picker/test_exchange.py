@@ -14,7 +14,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from kvindex.api.load.desk import ReservationDesk
 from kvindex.api.load.reservations import MemoryLedger, Reservations
-from kvindex.api.tokenize.protocol import TokenizerError
+from kvindex.api.tokenize.protocol import TokenizerError, pack_ids
 from kvindex.clients.picker.admission import Admission
 from kvindex.clients.picker.decision import Decision, RefusalError
 from kvindex.clients.picker.exchange import Exchange
@@ -211,7 +211,7 @@ def test_a_choice_made_on_a_head_owes_its_rest_until_settled(
         calls.append(1)
         if fails:
             raise TokenizerError("the tokenizer broke")
-        return b""
+        return pack_ids(list(range(7)))
 
     fleet = Fleet()
 
@@ -228,6 +228,7 @@ def test_a_choice_made_on_a_head_owes_its_rest_until_settled(
     assert fleet.metrics.head_decisions._value.get() == 1
     assert fleet.metrics.head_rest_failures._value.get() == int(fails)
     assert ("the tokenizer broke" in caplog.text) == fails
+    assert fleet.ledger.totals()["r1"].num_tokens == (4 if fails else 7)  # recounted
     _run(exchange, response_headers_message(), response_body_message(b"{}", True))
     assert exchange.finished and fleet.in_flight() == {}
 
