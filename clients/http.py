@@ -424,6 +424,7 @@ class KvIndexClient:
             weights=weights,
             top_k=top_k,
             dry_run=dry_run,
+            workload=workload,
         )
         call = _score_tokens_call(request, block_size=block_size, compute_keys=compute_keys)
         return self._run(call)
@@ -595,6 +596,7 @@ class AsyncKvIndexClient:
             weights=weights,
             top_k=top_k,
             dry_run=dry_run,
+            workload=workload,
         )
         call = _score_tokens_call(request, block_size=block_size, compute_keys=compute_keys)
         return await self._run(call)

@@ -212,12 +212,15 @@ def test_score_sends_every_field(mode: str) -> None:
 
 def test_score_tokens_sends_the_indexers_block_keys(mode: str) -> None:
     fake = Fake(answer(SCORE))
-    result = invoke(mode, fake, "score_tokens", MODEL, TOKENS, block_size=BLOCK, session="s1")
+    result = invoke(
+        mode, fake, "score_tokens", MODEL, TOKENS, block_size=BLOCK, session="s1", workload="rag"
+    )
     assert fake.body == {
         "model": MODEL,
         "block_keys": block_keys(MODEL, TOKENS, BLOCK),
         "block_size": BLOCK,
         "session": "s1",
+        "workload": "rag",
     }
     assert len(fake.body["block_keys"]) == 3
     assert result == SCORE
