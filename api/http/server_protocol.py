@@ -44,6 +44,17 @@ _BARE_GET = re.compile(
 )
 """A whole plain ``GET`` head, each header a plain token and text: none that asks for
 anything (a body, a close, an upgrade, a ``100 Continue``) or that leaves it to the app."""
+_POSTED_HEAD = re.compile(
+    rb"POST (/[!-~]*) HTTP/1\.1\r\n"
+    rb"((?:(?!(?i:transfer-encoding|connection|upgrade|expect|x-forwarded-for):)"
+    rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+:[\t\x20-\x7e]*\r\n)*)"
+)
+"""A whole plain ``POST`` head but its last CRLF, each header a plain token and text: none that
+asks for anything (a close, an upgrade, a ``100 Continue``, a chunked body) or that leaves
+the request to the app."""
+_Posted = tuple[HotRoute, list[tuple[bytes, bytes]], int]
+_POSTED_HEAD_BYTES = 8192
+"""The longest head looked for (a longer one is the parser's)."""
 _NO_HEADERS = Headers(raw=[])
 _KEPT_HEADS, _KEPT_HEAD_BYTES = 256, 512
 """The most bare heads kept as matched, and the longest (128 kB at most in all)."""
@@ -91,7 +102,7 @@ class HotProtocol(LingeringProtocol):
 
     def data_received(self, data: bytes) -> None:
         self._idle_since = None
-        if self._answered_bare(data):
+        if self._answered_bare(data) or self._answered_posted(data):
             return
         super().data_received(data)
         cycle = self._pending
@@ -128,6 +139,38 @@ class HotProtocol(LingeringProtocol):
         answering = _HotCycle(route, _NO_HEADERS, time.perf_counter())
         self.cycle = answering  # type: ignore[assignment]  # uvicorn reads the few fields it has
         _run_eagerly(self._respond(answering, b""), self.loop, self.tasks)
+        return True
+
+    def _answered_posted(self, data: bytes) -> bool:
+        """Reference: the parser's path (``on_headers_complete``'s hot cycle); tests/integration/test_server_protocol.py::test_plain_posts_are_answered_as_the_parser_answers_them
+
+        ``data`` one whole plain ``POST`` of a hot route that reads a body, its body exactly
+        what its one ``content-length`` declares, between requests: answered here, without
+        the parser's callbacks; False: ``data`` is the parser's."""  # noqa: E501
+        hot = self.hot
+        if hot is None or not data.startswith(b"POST "):
+            return False
+        end = data.find(b"\r\n\r\n", 0, _POSTED_HEAD_BYTES)
+        posted = _posted(hot, data[: end + 2]) if end > 0 else None
+        if posted is None or len(data) - end - 4 != posted[2] or not self._between_requests():
+            return False
+        route, raw, _length = posted
+        headers = Headers(raw=raw)
+        if route.guarded:
+            try:
+                hot.authorize(headers)
+            except MAPPED_ERRORS:  # the app answers it (401), as it would have
+                return False
+        if self.transport.is_closing():
+            return False
+        self._disarm()
+        scope: dict[str, Any] = {"type": "http", "http_version": "1.1", "method": route.method}
+        scope |= {"path": route.path, "route": route.route, "headers": raw}
+        scope |= {"server": self.server, "client": self.client, "scheme": self.scheme}
+        self.scope = scope  # type: ignore[assignment]  # what the count and the log read
+        answering = _HotCycle(route, headers, time.perf_counter())
+        self.cycle = answering  # type: ignore[assignment]  # uvicorn reads the few fields it has
+        _run_eagerly(self._respond(answering, data[end + 4 :]), self.loop, self.tasks)
         return True
 
     def _between_requests(self) -> bool:
@@ -373,6 +416,28 @@ def _bare_route(hot: HotServing, data: bytes) -> HotRoute | None:
         ):
             hot.bare_heads[data] = route  # a client sends the same head every time
     return route
+
+
+def _posted(hot: HotServing, head: bytes) -> _Posted | None:
+    """The hot route, headers (as uvicorn lists them) and declared length of ``head``, a
+    whole plain ``POST`` head up to its last header's CRLF, or None."""
+    match = _POSTED_HEAD.fullmatch(head)
+    route = hot.routes.get((b"POST", match[1])) if match is not None else None
+    if match is None or route is None or not route.reads_body:
+        return None
+    raw: list[tuple[bytes, bytes]] = []
+    declared: bytes | None = None
+    for line in match[2].split(b"\r\n")[:-1]:
+        name, _, value = line.partition(b":")
+        name, value = name.lower(), value.strip(b" \t")
+        if name == b"content-length":
+            if declared is not None:
+                return None
+            declared = value
+        raw.append((name, value))
+    if declared is None or not declared.isdigit() or int(declared) > hot.max_body_bytes:
+        return None
+    return route, raw, int(declared)
 
 
 def _body_fits(route: HotRoute, raw: list[tuple[bytes, bytes]], max_bytes: int) -> bool:

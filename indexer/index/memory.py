@@ -247,6 +247,15 @@ class MemoryIndex:
             return self._held(keys, self._asked_for(asked))
 
     def _held(self, keys: list[int], asked: _Asked) -> HeldRuns:
+        if not self.compiled:
+            return self._held_reference(keys, asked)
+        tables: native_core.Tables = self._tables  # type: ignore[assignment]
+        return tables.held(
+            keys, asked.wanted, asked.index_of, self._gpu_matches, self._on_gpu, _mixed_match
+        )
+
+    def _held_reference(self, keys: list[int], asked: _Asked) -> HeldRuns:
+        """The holders of ``keys``' prefixes among those ``asked``, run by run (locked)."""
         runs: HeldRuns = []
         tables, index_of, wanted = self._tables, asked.index_of, asked.wanted
         for leavers, num_blocks in tables.matched(keys):
@@ -257,7 +266,7 @@ class MemoryIndex:
                 runs.append((self._on_gpu(num_blocks), on_gpu))
             for number in mixed:
                 tiers = tables.best_tiers(number, keys, num_blocks)
-                runs.append((PrefixMatch(tuple(map(Tier, tiers))), [index_of[number]]))
+                runs.append((_mixed_match(tiers), [index_of[number]]))
         return runs
 
     def _on_gpu(self, num_blocks: int) -> PrefixMatch:
@@ -305,6 +314,10 @@ class MemoryIndex:
 
     def close(self) -> None:
         pass
+
+
+def _mixed_match(tiers: list[int]) -> PrefixMatch:
+    return PrefixMatch(tuple(map(Tier, tiers)))
 
 
 def _pieces(batches: list[NativeBatch]) -> list[list[NativeBatch]]:

@@ -1,6 +1,6 @@
 """Types of the compiled ``_core`` (see ``_core.pyx``)."""
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, overload
 
 def chain(parent: int, token_bytes: bytes, block_size: int) -> list[int]: ...
@@ -63,6 +63,15 @@ class Tables:
     def matched(self, keys: list[int]) -> list[tuple[int, int]]: ...
     def best_tiers(self, number: int, keys: list[int], num_blocks: int) -> list[int]: ...
     def split_holders(self, bitmap: int, index_of: list[int]) -> tuple[list[int], list[int]]: ...
+    def held(
+        self,
+        keys: list[int],
+        wanted: int,
+        index_of: list[int],
+        gpu_matches: dict[int, Any],
+        on_gpu: Callable[[int], Any],
+        mixed_match: Callable[[list[int]], Any],
+    ) -> list[tuple[Any, list[int]]]: ...
     def nbytes(self) -> int: ...
     def ingest(
         self, number: int, batches: list[NativeBatch], cache: KeyCache, root: int, watermark: int

@@ -21,6 +21,7 @@ cdef extern from "vendor/xxhash.h":
 
 cdef extern from "kv_inline.h":
     Py_ssize_t kv_home(uint64_t key, uint64_t capacity) nogil
+    void kv_prefetch(const void* slots, Py_ssize_t entry_size, uint64_t key, uint64_t capacity) nogil
     void kv_store_le32(unsigned char* out, uint32_t value) nogil
 
 cdef extern from "Python.h":
@@ -346,6 +347,8 @@ cdef struct Table:
 
 cdef enum:
     MIN_CAPACITY = 16
+    PREFETCH_AHEAD = 8  # keys a lookup's walk asks for ahead of its probe
+    PREFETCH_ABOVE = 65536  # slots (1 MiB) from which a lookup's walk prefetches
     DOUBLING_BELOW = 4096  # small tables double; large ones grow by a quarter
 
 cdef inline Py_ssize_t _home(const Table* t, uint64_t key) noexcept nogil:
@@ -395,6 +398,25 @@ cdef bint _get(const Table* t, uint64_t key, uint64_t* value) noexcept nogil:
         return False
     value[0] = t.slots[i].value
     return True
+
+cdef struct KeyWalk:
+    uint64_t* keys  # keys[:read] converted from the caller's list
+    Py_ssize_t n
+    Py_ssize_t read
+
+cdef inline uint64_t _key(KeyWalk* w, list keys, Py_ssize_t i, const Table* t) except? 0:
+    # keys[i]; in a table past the caches, each key's home slot is asked for PREFETCH_AHEAD
+    # keys before its probe (a lookup's keys are known in advance; its probes miss).
+    if t.capacity < PREFETCH_ABOVE:
+        return keys[i]
+    cdef Py_ssize_t last = min(i + PREFETCH_AHEAD, w.n - 1)
+    cdef uint64_t key
+    while w.read <= last:
+        key = keys[w.read]
+        w.keys[w.read] = key
+        kv_prefetch(t.slots, sizeof(Entry), key, <uint64_t> t.capacity)
+        w.read += 1
+    return w.keys[i]
 
 cdef void _place(Table* t, Entry entry) noexcept nogil:
     """Insert an absent ``key`` (not 0) before the first entry of its run whose home lies past
@@ -1186,12 +1208,23 @@ cdef class Tables:
     # lookup
 
     def matched(self, list keys):
-        cdef Py_ssize_t n = len(keys), num_blocks = 1, lone
+        cdef KeyWalk w
+        w.n, w.read = len(keys), 0
+        w.keys = <uint64_t*> PyMem_Malloc(max(w.n, 1) * sizeof(uint64_t))
+        if w.keys == NULL:
+            raise MemoryError()
+        try:
+            return self._matched(&w, keys)
+        finally:
+            PyMem_Free(w.keys)
+
+    cdef list _matched(self, KeyWalk* w, list keys):
+        cdef Py_ssize_t n = w.n, num_blocks = 1, lone
         cdef uint64_t entry = 0
         cdef list out = []
         cdef object matching, still, shared
         cdef bint several = False
-        if n == 0 or not _get(&self._holders, keys[0], &entry):
+        if n == 0 or not _get(&self._holders, _key(w, keys, 0, &self._holders), &entry):
             return out
         if entry & LONE:  # one holder: no bitmaps at all
             lone = _holder(entry)
@@ -1200,7 +1233,7 @@ cdef class Tables:
             matching = self._shared[<Py_ssize_t> (entry >> 1)]
             several = (matching & (matching - 1)) != 0
             while num_blocks < n and several:
-                if not _get(&self._holders, keys[num_blocks], &entry):
+                if not _get(&self._holders, _key(w, keys, num_blocks, &self._holders), &entry):
                     still = 0
                 elif entry & LONE:
                     still = matching & (_ONE << _holder(entry))
@@ -1217,17 +1250,18 @@ cdef class Tables:
                 num_blocks += 1
             lone = matching.bit_length() - 1
         if num_blocks < n and not several:
-            num_blocks = self._held_from(lone, keys, num_blocks)
+            num_blocks = self._held_from(lone, w, keys, num_blocks)
         out.append((matching, num_blocks))
         return out
 
-    cdef Py_ssize_t _held_from(self, Py_ssize_t number, list keys, Py_ssize_t start) except -1:
+    cdef Py_ssize_t _held_from(self, Py_ssize_t number, KeyWalk* w, list keys,
+                               Py_ssize_t start) except -1:
         cdef Stream* s = self._stream(number)
         cdef Py_ssize_t i
-        for i in range(start, len(keys)):
-            if self._counts(s, number, keys[i]) == 0:
+        for i in range(start, w.n):
+            if self._counts(s, number, _key(w, keys, i, &self._holders)) == 0:
                 return i
-        return len(keys)
+        return w.n
 
     def best_tiers(self, Py_ssize_t number, list keys, Py_ssize_t num_blocks):
         cdef Stream* s = self._stream(number)
@@ -1269,6 +1303,42 @@ cdef class Tables:
                 else:
                     indices.append(index_of[number])
         return indices, mixed
+
+    def held(self, list keys, object wanted, list index_of, dict gpu_matches, object on_gpu,
+             object mixed_match):
+        """Reference: kvindex.indexer.index.memory.MemoryIndex._held_reference; tests/unit/indexer/index/test_memory.py::test_compiled_runs_equal_the_reference
+
+        :meth:`matched`'s runs of the ``wanted`` streams, in its order, as ``(match, indices)``:
+        the run's streams all on GPU together (``gpu_matches[num_blocks]``, else
+        ``on_gpu(num_blocks)``), then each other one alone (``mixed_match(best_tiers)``)."""
+        cdef list runs = [], all_gpu, mixed
+        cdef object asked, match
+        cdef Py_ssize_t num_blocks, number
+        for run in self.matched(keys):
+            asked = run[0] & wanted
+            if not asked:
+                continue
+            num_blocks = run[1]
+            all_gpu, mixed = self._split(asked, index_of)
+            if all_gpu:
+                match = gpu_matches.get(num_blocks)
+                runs.append((on_gpu(num_blocks) if match is None else match, all_gpu))
+            for number in mixed:
+                match = mixed_match(self.best_tiers(number, keys, num_blocks))
+                runs.append((match, [index_of[number]]))
+        return runs
+
+    cdef tuple _split(self, object bitmap, list index_of):
+        # split_holders, a lone stream (most runs past a shared prefix) without its bytes.
+        if bitmap & (bitmap - 1):
+            return self.split_holders(bitmap, index_of)
+        cdef Py_ssize_t number = bitmap.bit_length() - 1
+        if number >= len(index_of) or number >= self._num_streams:
+            raise IndexError(f"stream number {number} has no index")
+        cdef Stream* s = &self._streams[number]
+        if s.blocks_by_tier[1] or s.blocks_by_tier[2]:
+            return [], [number]
+        return [index_of[number]], []
 
     def nbytes(self):
         """Bytes the tables hold (slots allocated, not only those in use)."""

@@ -13,6 +13,12 @@ static inline void kv_store_le32(unsigned char* out, uint32_t value) {
 #else
     out[0] = value & 0xFF; out[1] = (value >> 8) & 0xFF;
     out[2] = (value >> 16) & 0xFF; out[3] = (value >> 24) & 0xFF;
+/* Ask for a key's home slot ahead of its probe (a lookup walks keys known in advance). */
+static inline void kv_prefetch(const void* slots, Py_ssize_t entry_size, uint64_t key,
+                               uint64_t capacity) {
+    if (capacity) __builtin_prefetch((const char*)slots + kv_home(key, capacity) * entry_size);
+}
+
 #endif
 }
 
@@ -21,6 +27,12 @@ static inline void kv_store_le32(unsigned char* out, uint32_t value) {
 static inline Py_ssize_t kv_home(uint64_t key, uint64_t capacity) {
     uint64_t mixed = key * 0x9E3779B97F4A7C15ULL;
     return (Py_ssize_t)(((unsigned __int128)(mixed ^ (mixed >> 29)) * capacity) >> 64);
+}
+
+/* Ask for a key's home slot ahead of its probe (a lookup walks keys known in advance). */
+static inline void kv_prefetch(const void* slots, Py_ssize_t entry_size, uint64_t key,
+                               uint64_t capacity) {
+    if (capacity) __builtin_prefetch((const char*)slots + kv_home(key, capacity) * entry_size);
 }
 
 #endif

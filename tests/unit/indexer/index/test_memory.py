@@ -7,6 +7,7 @@ of one match."""
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from typing import Any
@@ -290,3 +291,29 @@ def test_all_gpu_matches_are_counted_by_length_and_reused_within_a_bound(
     monkeypatch.setattr(memory, "_GPU_MATCHES_BLOCKS", 2)
     assert index.longest_prefix(KEYS[:1], [S])[S] == PrefixMatch((GPU,))  # past the bound
     assert index.longest_prefix(KEYS[:2], [S])[S] is not gpu_run  # dropped, made again
+
+
+def test_compiled_runs_equal_the_reference() -> None:
+    # Tables past the size from which a lookup prefetches: chains sharing prefixes on many
+    # streams, some blocks off GPU, every stream or a part asked, prompts stopping anywhere.
+    rng = random.Random(7)
+    index, python = MemoryIndex(), python_index()
+    streams = [StreamId(f"r{i}") for i in range(40)]
+    shared = [[rng.getrandbits(64) for _ in range(rng.randint(0, 40))] for _ in range(6)]
+    prompts: list[list[int]] = []
+    for seq in range(60):
+        chain = shared[seq % 6] + [rng.getrandbits(64) for _ in range(rng.randint(600, 1800))]
+        tier = CPU if seq % 9 == 0 else GPU
+        ops = [store(rng.getrandbits(64), k, tier if i % 5 else GPU) for i, k in enumerate(chain)]
+        for each in (index, python):
+            each.apply(streams[seq % 40], seq, 1.0, ops)
+        prompts.append([*chain[: rng.randint(1, len(chain))], rng.getrandbits(64)])
+    prompts += [[rng.getrandbits(64), *chain] for chain in prompts[:3]]
+    prompts += [[], shared[0]]
+    for asked in (tuple(streams), tuple(streams[::3]), tuple(streams[5:6])):
+        for keys in prompts:
+            runs = index.holders(keys, asked)
+            assert runs == python.holders(keys, asked)
+            assert runs == index._held_reference(keys, index._asked_for(asked))
+    with pytest.raises(OverflowError):
+        index.holders([-1, *prompts[0]], streams)
