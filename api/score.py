@@ -157,6 +157,7 @@ class Scorer:
             self._model_specs.setdefault(spec.name, spec)
         self._changes = loads if isinstance(loads, LoadChanges) else None
         self._kv_aware = FastKvAware(registry, self._changes)
+        self._keys_memo = KeysMemo()
 
     def note_load(self, replica: str, load: Load) -> None:
         """Remember an accepted load for answers made while the load store is unreachable."""
@@ -429,7 +430,7 @@ class Scorer:
             else:
                 tokens = tokenized
         if packed is not None:
-            return len(packed) // 4, _packed_keys(request, packed, block_size), None
+            return len(packed) // 4, self._keys_memo.keys(request, packed, block_size), None
         assert tokens is not None
         try:
             keys = block_keys(
@@ -620,6 +621,36 @@ def _chat_options(request: ScoreRequest) -> ChatOptions:
         request.add_generation_prompt,
         request.continue_final_message,
     )
+
+
+class KeysMemo:
+    """Block keys of packed ids handed in again as the same object (a tokenizer cache's hit):
+    made once, equal to :func:`_packed_keys`. Holds at most ``max_keys`` keys (an entry
+    counts one more; the ids they were made of kept too), the oldest dropped first; a list
+    handed out is shared: never changed."""
+
+    def __init__(self, max_keys: int = 32_768) -> None:
+        self.max_keys = max_keys
+        self._num_kept = 0
+        self._id_to_entry: dict[int, tuple[bytes, tuple[object, ...], list[int]]] = {}
+        """``id(packed)`` → (packed: alive while kept, so its id is not reused; the keys'
+        other inputs; the keys)."""
+
+    def keys(self, request: ScoreRequest, packed: bytes, block_size: int) -> list[int]:
+        inputs = (request.model, request.lora_name, request.cache_salt, block_size)
+        entries = self._id_to_entry
+        entry = entries.get(id(packed))
+        if entry is not None and entry[0] is packed and entry[1] == inputs:
+            return entry[2]
+        keys = _packed_keys(request, packed, block_size)
+        if entry is not None:  # the same ids under other inputs: the newest kept
+            self._num_kept -= len(entries.pop(id(packed))[2]) + 1
+        if len(keys) < self.max_keys:
+            entries[id(packed)] = (packed, inputs, keys)
+            self._num_kept += len(keys) + 1
+        while self._num_kept > self.max_keys:
+            self._num_kept -= len(entries.pop(next(iter(entries)))[2]) + 1
+        return keys
 
 
 def _packed_keys(request: ScoreRequest, packed: bytes, block_size: int) -> list[int]:

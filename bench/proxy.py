@@ -25,10 +25,14 @@ puts the index and the load on a private redis-server that a ``kvindex indexer``
 ``proxy_rps`` and ``direct_rps`` are the throughputs (the load generator shares the
 machine's cores). ``--profile PATH`` runs the proxy's loop under cProfile on CPU time
 (its CPU figures then count the profiler's cost) and writes its stats to ``PATH`` when it
-stops.
+stops. ``--against KVINDEX`` starts a second proxy from another build's ``kvindex`` before
+the same sims and measures both in ``--windows`` alternating windows of ``--requests`` (the
+order flipped each window; CPU from each thread's ``schedstat``): an A/B in the same
+seconds, whatever the host's drift (``paired_ratio``: the other's CPU over this one's).
 
     python bench/proxy.py [--requests 400] [--prompt-tokens 2000] [--unique] [--workers 2]
         [--tokenizer local] [--unique-prefix] [--no-prefix-reuse] [--profile PATH]
+        [--against OTHER_KVINDEX] [--windows 10]
 """
 
 from __future__ import annotations
@@ -235,6 +239,64 @@ def _measure(
     return figures
 
 
+def _threads_cpu_s(pid: int) -> float:
+    """CPU seconds of ``pid``'s threads and its children's (a proxy's workers), from each
+    thread's ``schedstat`` (nanoseconds: no ticks)."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        children = []
+    total = 0
+    for process in (pid, *map(int, children)):
+        for task in Path(f"/proc/{process}/task").glob("*/schedstat"):
+            try:
+                total += int(task.read_text().split()[0])
+            except (OSError, ValueError, IndexError):  # a thread gone meanwhile
+                continue
+    return total / 1e9
+
+
+def _paired(
+    proxies: dict[str, tuple[int, int]],
+    bodies: Sequence[bytes],
+    concurrency: int,
+    windows: int,
+    per_window: int,
+) -> dict[str, object]:
+    """Each proxy's CPU ms a request (``proxies``: label → (port, pid)) in ``windows``
+    alternating windows of ``per_window`` requests; medians, the paired ratio's median
+    (``against`` over ``this``) and in how many windows ``this`` used less."""
+    for port, _ in proxies.values():  # warm: tokenizer caches, pools
+        _run([port], bodies, concurrency, NUM_PROMPTS * 2)
+    labels = list(proxies)
+    got: dict[str, list[float]] = {label: [] for label in labels}
+    for window in range(windows):
+        for label in labels if window % 2 == 0 else labels[::-1]:
+            port, pid = proxies[label]
+            before = _threads_cpu_s(pid)
+            done, _ = _run([port], bodies, concurrency, per_window)
+            got[label].append(1000 * (_threads_cpu_s(pid) - before) / len(done))
+    ratios = [a / t for t, a in zip(got["this"], got["against"], strict=True)]
+    figures: dict[str, object] = {"bench": "proxy", "concurrency": concurrency}
+    for label in labels:
+        figures[f"{label}_cpu_ms_per_request"] = [round(x, 3) for x in got[label]]
+        figures[f"{label}_median_ms"] = round(statistics.median(got[label]), 4)
+    figures["paired_ratio"] = round(statistics.median(ratios), 4)
+    figures["this_lower_in"] = f"{sum(r > 1 for r in ratios)} of {windows}"
+    return figures
+
+
+def _sims(workdir: Path, tokenizer: Path | None, stack: ExitStack) -> list[tuple[Child, int, str]]:
+    """Three replica-sims, ready (stopped with ``stack``)."""
+    sims = [_sim(f"r{i}", workdir, tokenizer) for i in (1, 2, 3)]
+    for child, _, _ in sims:
+        stack.callback(child.stop)
+        child.spawn()
+    for child, _, _ in sims:
+        child.wait_ready(60)
+    return sims
+
+
 def _local_model(workdir: Path, reuse: bool) -> tuple[Path, Path]:
     """A byte-level BPE model directory, and the proxy's config naming it."""
     tokenizer = write_model(workdir / "model", "byte_level_bpe")
@@ -270,6 +332,31 @@ def _store(store: str, specs: list[str], stack: ExitStack, workdir: Path) -> lis
     stack.callback(indexer.stop)
     indexer.spawn()
     return ["--store", "redis", "--redis-url", redis.url]
+
+
+def _against(kvindex: Path, command: list[str], stack: ExitStack, workdir: Path) -> tuple[int, int]:
+    """The same proxy ``command`` run by another build's ``kvindex`` on its own port (stopped
+    with ``stack``): its (port, pid)."""
+    port = free_port()
+    args = [str(kvindex), *command[:2], str(port), *command[3:]]  # "proxy", "--port", port
+    other = Child("against", args, workdir / "against.log", http_ok(port, "/readyz"))
+    stack.callback(other.stop)
+    other.start(60)
+    assert other.process is not None
+    return port, other.process.pid
+
+
+def _figures(
+    args: argparse.Namespace,
+    proxies: dict[str, tuple[int, int]],
+    sim_ports: list[int],
+    bodies: Sequence[bytes],
+    concurrency: int,
+) -> dict[str, object]:
+    """One JSON line's figures: paired with ``--against``, else against the sims direct."""
+    if "against" in proxies:
+        return _paired(proxies, bodies, concurrency, args.windows, args.requests)
+    return _measure(proxies["this"], sim_ports, bodies, concurrency, args.requests)
 
 
 def _options() -> argparse.Namespace:
@@ -308,6 +395,12 @@ def _options() -> argparse.Namespace:
     parser.add_argument(
         "--profile", type=Path, help="Run the proxy under cProfile; its stats written here."
     )
+    parser.add_argument(
+        "--against", type=Path, help="Another build's kvindex: a second proxy, measured paired."
+    )
+    parser.add_argument(
+        "--windows", type=int, default=10, help="With --against: windows of --requests each."
+    )
     return parser.parse_args()
 
 
@@ -323,12 +416,7 @@ def main() -> None:
             tokenizer, config = _local_model(workdir, not args.no_prefix_reuse)
             prompts, num_ids = _fitted(prompts, tokenizer)
             shape |= {"prompt_ids": num_ids, "prefix_reuse": not args.no_prefix_reuse}
-        sims = [_sim(f"r{i}", workdir, tokenizer) for i in (1, 2, 3)]
-        for child, _, _ in sims:
-            stack.callback(child.stop)
-            child.spawn()
-        for child, _, _ in sims:
-            child.wait_ready(60)
+        sims = _sims(workdir, tokenizer, stack)
         port = free_port()
         specs = [spec for _, _, spec in sims]
         command = ["proxy", "--port", str(port), *_store(args.store, specs, stack, workdir)]
@@ -347,11 +435,14 @@ def main() -> None:
         shape |= {"workers": args.workers, "store": args.store, "tokenizer": args.tokenizer}
         if prompts.unique_prefix:
             shape["unique_prefix"] = True
+        assert proxy.process is not None
+        proxies = {"this": (port, proxy.process.pid)}
+        if args.against is not None:
+            proxies["against"] = _against(args.against, command, stack, workdir)
         for stream in streams:
             for concurrency in args.concurrency:
-                pid = proxy.process.pid if proxy.process is not None else None
                 bodies = prompts.bodies(stream)
-                figures = _measure((port, pid), sim_ports, bodies, concurrency, args.requests)
+                figures = _figures(args, proxies, sim_ports, bodies, concurrency)
                 print(json.dumps({**figures, "stream": stream, **shape}), flush=True)
     machine = {"load_1m": round(host_load(), 2), "calibration_ms": round(calibration_ms(), 2)}
     print(json.dumps({"bench": "proxy", "machine": machine}), flush=True)

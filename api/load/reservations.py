@@ -350,11 +350,14 @@ class Reservations:
         # 128 random bits from a generator seeded once (uuid4 reads os.urandom each call)
         reservation = Reservation(f"{_ids.getrandbits(128):032x}", replica, max(0, int(num_tokens)))
         live = self.ledger.reserve(self.holder, self.lease_ttl_s, reservation)
-        with self._lock:
-            lost = self._held if not live else set()
-            self._held = (self._held - lost) | {reservation.id}
-        if lost:
-            self._lost(len(lost))
+        num_lost = 0
+        with self._lock:  # the held ids change in place: no new sets a request
+            if live:
+                self._held.add(reservation.id)
+            else:
+                num_lost, self._held = len(self._held), {reservation.id}
+        if num_lost:
+            self._lost(num_lost)
         return reservation
 
     def release(self, reservation: Reservation) -> bool:

@@ -48,14 +48,20 @@ def decoded_body(body: bytes) -> Any:
 
 
 def _deeper_than(value: Any, limit: int) -> bool:
-    """An array or object nested more than ``limit`` deep in ``value`` (iterative)."""
-    pending: list[tuple[Any, int]] = [(value, 1)] if isinstance(value, dict | list) else []
-    while pending:
-        node, depth = pending.pop()
+    """An array or object nested more than ``limit`` deep in ``value`` (decoded JSON: plain
+    dicts and lists), one level at a time."""
+    level = [value] if type(value) is dict or type(value) is list else []
+    depth = 0
+    while level:
+        depth += 1
         if depth > limit:
             return True
-        children = node.values() if isinstance(node, dict) else node
-        pending.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+        deeper = []
+        for node in level:
+            for child in node.values() if type(node) is dict else node:
+                if type(child) is dict or type(child) is list:
+                    deeper.append(child)
+        level = deeper
     return False
 
 
@@ -135,7 +141,14 @@ class UpstreamPicker:
             raise BadRequestBodyError("model: a string is required")
         base = self._lora_base(model)
         served = model if base is None else base
-        urls = {r.id: r.url for r in self._registry.replicas() if r.model == served and r.url}
+        urls: dict[str, str] = {}
+        all_have_urls = True
+        for r in self._registry.replicas():
+            if r.model == served:
+                if r.url:
+                    urls[r.id] = r.url
+                else:
+                    all_have_urls = False
         if not urls:
             if served not in self._scorer.known_models():
                 raise UnknownModelError(
@@ -143,7 +156,9 @@ class UpstreamPicker:
                 )
             raise NoUpstreamError(f"no replica of {served!r} has a url to forward to")
         lora_name = None if base is None else model
-        answer, untokenized = await self._score(served, lora_name, body, headers, list(urls))
+        # Every replica of the model: the scorer's own list of them (the same, made once).
+        cands = None if all_have_urls else list(urls)
+        answer, untokenized = await self._score(served, lora_name, body, headers, cands)
         num_tokens = answer.num_tokens
         upstreams = tuple(
             Upstream(replica, urls[replica], max(0, num_tokens - matched), matched)
@@ -176,7 +191,7 @@ class UpstreamPicker:
         lora_name: str | None,
         body: Mapping[str, Any],
         headers: Mapping[str, str],
-        cands: list[str],
+        cands: list[str] | None,
     ) -> tuple[Ranking, bool]:
         """The ranking (reasons if explained), and whether made without the prompt's tokens."""
         session = headers.get(SESSION_HEADER) or _string(body.get("user"))

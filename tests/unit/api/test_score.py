@@ -25,7 +25,8 @@ from kvindex.api.schemas import (
     ScoreRequest,
     ScoreResponse,
 )
-from kvindex.api.score import Scorer
+from kvindex.api.score import KeysMemo, Scorer
+from kvindex.api.tokenize.protocol import pack_ids
 from kvindex.indexer.domain.events import StreamId, Tier
 from kvindex.indexer.domain.health import StreamReport
 from kvindex.indexer.domain.keys import block_keys
@@ -474,3 +475,25 @@ def test_during_a_load_store_outage_the_newest_of_read_and_pushed_loads_is_used(
     entries = fleet.score()
     running = {r: e.load.running for r, e in entries.items() if e.load is not None}
     assert running == {"b": 9.0, "c": 1.0}
+
+
+def test_block_keys_of_ids_handed_in_again_are_made_once_and_equal_the_plain_ones() -> None:
+    memo = KeysMemo(max_keys=10)  # two entries of 4 keys (each counts one more)
+    ids = [[i * 7 + n for i in range(64)] for n in range(3)]
+    packed = [pack_ids(i) for i in ids]
+    plain = ScoreRequest(model="m", block_keys=[])
+    salted = ScoreRequest(model="m", block_keys=[], lora_name="l", cache_salt="s")
+    first = memo.keys(plain, packed[0], 16)
+    assert first == block_keys("m", ids[0], 16)
+    assert memo.keys(plain, packed[0], 16) is first  # the same ids object: kept keys
+    assert memo.keys(plain, pack_ids(ids[0]), 16) == first  # equal ids, another object
+    assert memo.keys(salted, packed[0], 16) == block_keys(
+        "m", ids[0], 16, lora_name="l", cache_salt="s"
+    )
+    assert memo.keys(plain, packed[0], 8) == block_keys("m", ids[0], 8)
+    again = memo.keys(plain, packed[0], 16)
+    assert again == first and again is not first  # replaced by the other inputs' keys
+    memo.keys(plain, packed[1], 16)
+    memo.keys(plain, packed[2], 16)  # past max_keys: the oldest entry goes
+    assert memo.keys(plain, packed[2], 16) == block_keys("m", ids[2], 16)
+    assert memo.keys(plain, packed[0], 16) is not again

@@ -21,6 +21,7 @@ from kvindex.clients.proxy.upstream import (
     Choice,
     NoUpstreamError,
     UpstreamPicker,
+    _deeper_than,
     decoded_body,
 )
 from kvindex.indexer.domain.events import StreamId, Tier
@@ -119,6 +120,24 @@ def test_the_whole_conversation_decides_and_only_replicas_with_a_url_are_tried()
     assert {u.replica for u in choice.upstreams} == {"a", "b", "c"}  # d has no url
     assert choice.upstreams[0].url == "http://c:8000"
     assert choice.matched_fraction == 1.0
+
+
+def test_a_model_whose_replicas_all_have_urls_is_ranked_as_its_candidates_listed() -> None:
+    """The picker then leaves ``candidates`` out (the scorer's own list): the same rankings,
+    request after request, as a twin fleet's scorer asked with every replica listed."""
+    picked, listed = Fleet(), Fleet()
+    system = {"role": "system", "content": _words(32, "s")}
+    whole = asyncio.run(picked.tokenizer.encode_messages([system]))
+    for fleet in (picked, listed):
+        fleet.registry.remove("d")
+        fleet.hold("b", whole)
+        fleet.hold("c", whole[:16])
+    request = ScoreRequest(model=MODEL, candidates=["a", "b", "c"], messages=[system])
+    for _ in range(4):  # each answer counts as load: the rankings change
+        choice = picked.choose({"model": MODEL, "messages": [system]})
+        ranking = asyncio.run(listed.scorer.ranking(request))
+        ranked = tuple((u.replica, u.num_matched_tokens) for u in choice.upstreams)
+        assert ranked == ranking.ranked
 
 
 def test_what_else_a_chat_body_renders_reaches_the_tokenizer() -> None:
@@ -287,6 +306,23 @@ def test_a_request_without_a_model_skips_ejected_replicas_unless_all_are() -> No
     _open_breaker(fleet, "a")
     _open_breaker(fleet, "c")
     assert {u.replica for u in fleet.picker.choose_any().upstreams} == {"a", "b", "c"}
+
+
+def _depth(value: Any) -> int:
+    """The nesting of arrays and objects in ``value`` (the reference, recursive)."""
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+def test_a_body_is_refused_exactly_when_it_nests_past_the_limit() -> None:
+    deepest = {"model": "m", "messages": [{"content": [{"type": "text"}]}], "n": [[[[1]]], 2]}
+    shapes: list[Any] = [1, "s", [], {}, [[]], deepest, [deepest, [deepest]], {"a": deepest}]
+    for shape in shapes:
+        for limit in range(7):
+            assert _deeper_than(shape, limit) == (_depth(shape) > limit), (shape, limit)
 
 
 def test_a_body_nested_too_deep_is_refused_before_anything_recurses() -> None:
