@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import subprocess
+import time
 from contextlib import ExitStack
 from pathlib import Path
 from urllib.parse import quote
@@ -44,6 +45,14 @@ def _send(http: httpx.Client, request_id: str, prompt: str) -> httpx.Response:
     return answer
 
 
+def _until_indexed(http: httpx.Client, num_blocks: int, timeout_s: float = 10.0) -> None:
+    """Wait until the proxy's index holds at least ``num_blocks`` blocks (its ``/stats``)."""
+    deadline = time.monotonic() + timeout_s
+    while sum(http.get("/stats").json()["blocks"].values()) < num_blocks:
+        assert time.monotonic() < deadline, f"fewer than {num_blocks} blocks after {timeout_s} s"
+        time.sleep(0.02)
+
+
 def _receipt(proxy: Proxy, request_id: str) -> Receipt:
     url = f"{proxy.base_url}/decisions/{quote(request_id, safe='')}"
     answer = httpx.get(url, trust_env=False)
@@ -70,6 +79,7 @@ def test_why_explains_a_request_sent_through_the_proxy(fleet: Proxy) -> None:
     rng = random.Random(1)
     with httpx.Client(base_url=fleet.base_url, trust_env=False, timeout=30) as http:
         _send(http, "warm-1", _prompt(rng, 1))
+        _until_indexed(http, 2)  # its events are in (else the next may go out before them)
         answer = _send(http, "second-1", _prompt(rng, 1))  # the shared start is cached
     usage = answer.json()["usage"]
     receipt = _receipt(fleet, "second-1")
