@@ -425,12 +425,15 @@ class Scorer:
                 if keys:
                     return tokenized.num_tokens, keys, tokenized
                 tokenized = await tokenized.rest()
-            if isinstance(tokenized, bytes):
-                packed = tokenized
-            else:
-                tokens = tokenized
-        if packed is not None:
-            return len(packed) // 4, self._keys_memo.keys(request, packed, block_size), None
+            if isinstance(tokenized, bytes):  # a tokenizer cache hands a hit out as one object
+                return (
+                    len(tokenized) // 4,
+                    self._keys_memo.keys(request, tokenized, block_size),
+                    None,
+                )
+            tokens = tokenized
+        if packed is not None:  # the caller's bytes, new each request: nothing to remember
+            return len(packed) // 4, _packed_keys(request, packed, block_size), None
         assert tokens is not None
         try:
             keys = block_keys(

@@ -497,3 +497,11 @@ def test_block_keys_of_ids_handed_in_again_are_made_once_and_equal_the_plain_one
     memo.keys(plain, packed[2], 16)  # past max_keys: the oldest entry goes
     assert memo.keys(plain, packed[2], 16) == block_keys("m", ids[2], 16)
     assert memo.keys(plain, packed[0], 16) is not again
+
+
+def test_a_callers_packed_ids_are_not_remembered(fleet: Fleet) -> None:
+    """The hot route's bytes are new each request: keeping them would hold memory for no
+    hit (a 64-entry memo of 8,192-token queries is ~3 MiB)."""
+    for _ in range(3):
+        asyncio.run(fleet.scorer.score(ScoreRequest(model=MODEL), packed_tokens=pack_ids(TOKENS)))
+    assert fleet.scorer._keys_memo._num_kept == 0
