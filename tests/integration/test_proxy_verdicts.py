@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 import re
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,9 @@ def _series(proxy: Proxy, name: str) -> dict[str, float]:
     return {labels: float(v) for labels, v in re.findall(pattern, proxy.metrics(), re.M)}
 
 
-def _until_verdict(http: httpx.Client, rid: str, prefixes: range, rng: random.Random) -> int:
+def _until_verdict(
+    http: httpx.Client, rid: str, prefixes: Sequence[int], rng: random.Random
+) -> int:
     """Requests over ``prefixes`` until ``rid`` is found over-predicted: how many."""
     for sent in range(1, DETECT_WITHIN + 1):
         _send(http, rng.choice(prefixes), rng)
@@ -113,23 +116,23 @@ def test_lost_removals_are_found_cleared_and_healed(stack: ExitStack, tmp_path: 
 def test_a_restart_with_events_off_is_found_cleared_and_healed(
     stack: ExitStack, tmp_path: Path
 ) -> None:
-    """r2 restarts empty after its 8th answer and says nothing: the prefixes the index still
-    credits it with come back over-predicted; once its blocks are dropped, the same prefixes
-    and new ones make it exact again."""
+    """r2 restarts empty after its 8th answer and says nothing: the 8 prefixes the index
+    credits it alone with come back over-predicted; once its blocks are dropped, the same
+    prefixes and new ones make it exact again."""
     sims = {"r1": [], "r2": ["--lie", "events-off-restart=8"]}
     _, proxy = _start(stack, tmp_path, sims)
     rng = random.Random(17)
     with httpx.Client(base_url=proxy.base_url, trust_env=False, timeout=30) as http:
-        num_on_r2 = 0
-        while num_on_r2 < 8:  # 12 prefixes, each twice: both replicas hold some
-            prefix = rng.randrange(12)
-            num_on_r2 += _send(http, prefix, rng) == "r2"
-        assert _view(http, "r2")["over_predicted"] == 0
-        found_at = _until_verdict(http, "r2", range(12), rng)
+        on_r2: list[int] = []  # new prefixes, each once: r2's are its alone
+        for prefix in range(40):
+            if len(on_r2) < 8 and _send(http, prefix, rng) == "r2":
+                on_r2.append(prefix)
+        assert len(on_r2) == 8 and _view(http, "r2")["over_predicted"] == 0
+        found_at = _until_verdict(http, "r2", on_r2, rng)
         view = _view(http, "r2")
         print(f"events-off restart: over-predicted verdict {found_at} requests after it: {view}")
         print(f"events-off restart: r2's blocks dropped {_until_cleared(http, 'r2'):.2f} s after")
-        healed_at = _until_trusted(http, "r2", range(40), rng)  # its 12, and new ones
+        healed_at = _until_trusted(http, "r2", range(40), rng)  # its 8, r1's, new ones
         print(f"events-off restart: exact again {healed_at} requests after: {_view(http, 'r2')}")
 
 
