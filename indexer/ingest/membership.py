@@ -5,7 +5,9 @@ every ``lease_ttl_s / 3``; one that ran out is never renewed (its holder joins a
 new token, keeping none of its streams). A stream belongs to the live member of highest
 rendezvous weight, so all agree and a join or leave moves only its share. A new owner claims a
 stream in the store (while its lease runs) before reading its watermark, and every batch
-script checks the token: a previous owner's batch is refused whole (``FencedError``)."""
+script checks the token: a previous owner's batch is refused whole (``FencedError``). At each
+renew the claims are read back (:meth:`Shard.lost_claims`): one taken since by an owner whose
+view lagged a join is let go, and claimed again once the views agree."""
 
 from __future__ import annotations
 
@@ -229,6 +231,26 @@ class Shard:
             meta = self._index.schema.stream(stream).meta
             if not self._claim_fence(keys=[meta], args=[token, self.membership.expiry_ms]):
                 raise FencedError(f"stream {stream}: not fenced, the lease ran out")
+
+    def lost_claims(self, streams: Sequence[StreamId]) -> list[StreamId]:
+        """Of ``streams`` (claimed under this lease), those another token claimed since: an
+        owner whose view lagged a join can claim after the joiner. [] when Redis is down."""
+        if not streams:
+            return []
+        names = [str(stream) for stream in streams]
+        try:
+            if self._circuit is None:
+                claims = self._claims(names)
+            else:
+                claims = self._circuit.call_if_closed(self._claims, names)
+        except IndexUnavailableError:
+            return []
+        token = self.membership.token.encode()
+        return [s for s, c in zip(streams, claims, strict=True) if c not in (None, token)]
+
+    def _claims(self, names: list[str]) -> list[bytes | None]:
+        with unavailable_on_connection_errors():
+            return cast("list[bytes | None]", self._index.client.hmget(self._owners, names))
 
     def leave(self) -> None:
         self.membership.leave()

@@ -144,6 +144,15 @@ class Pipeline:
             self.release(stream)
         self._fenced = []
 
+    def claimed(self) -> list[StreamId]:
+        """The streams this pipeline writes: claimed, not handed over."""
+        return [stream for stream, runtime in self._runtimes.items() if not runtime.fenced]
+
+    def hand_over(self, stream: StreamId) -> None:
+        """Another indexer claimed ``stream`` (seen without a refused batch): as if fenced."""
+        if (runtime := self._runtimes.get(stream)) is not None:
+            self._fenced_out(runtime, 0)
+
     def take_fenced(self) -> list[StreamId]:
         fenced, self._fenced = self._fenced, []
         return fenced

@@ -208,15 +208,19 @@ class SubscriberLoop:
 
     def _shard_turn(self) -> None:
         assert self._shard is not None
+        renewed = self._shard.tick()
+        if self._shard.take_rejoined():
+            self._drop_every_stream()
+        elif renewed:  # a claim taken since (its owner's view lagged a join): handed over too
+            for stream in self._shard.lost_claims(self.pipeline.claimed()):
+                self.pipeline.hand_over(stream)
         fenced = self.pipeline.take_fenced()
         hold_off = self._clock() + self._shard.membership.renew_period_s
         for stream in fenced:
             self._excluded[stream] = hold_off
             if stream.replica not in self._sockets_of:  # bind mode: no socket of its own
                 self.pipeline.release(stream)
-        if self._shard.tick() or fenced:
-            if self._shard.take_rejoined():
-                self._drop_every_stream()
+        if renewed or fenced:
             self._rebalance()
 
     def _drop_every_stream(self) -> None:

@@ -5,8 +5,9 @@ replica's real cache is what the index credits (no block lost, none applied twic
 small enough that traffic evicts, so a block counted twice would stay credited), every
 stored watermark is the replica's last seq, and every stream names the survivor as owner.
 And the other way: an indexer that joins takes its streams back, the handover fenced. An
-indexer paused past its lease publishes nothing stale when it wakes, and a stream no live
-indexer keeps reads orphaned until one takes it over."""
+indexer paused past its lease publishes nothing stale when it wakes, a stream no live
+indexer keeps reads orphaned until one takes it over, and a claim made after its owner's is
+found and taken back."""
 
 from __future__ import annotations
 
@@ -275,3 +276,36 @@ def _wait_states(fleet: FaultFleet, wanted: set[str], timeout_s: float) -> dict[
             return cast("dict[str, str]", states)
         assert time.monotonic() < deadline, f"streams not {wanted}: {states}"
         time.sleep(0.1)
+
+
+def test_a_quiet_stream_claimed_since_by_another_token_is_claimed_back(
+    fleet: FaultFleet, store: RedisIndex
+) -> None:
+    """A claim made after its owner's (as an indexer whose view lagged a join makes one):
+    with no batch to be refused, the owner's next renew finds the claim lost, lets the
+    stream go and claims it back a renew period later; the API reads it live again."""
+    split = {r: VICTIM if r in VICTIMS else SURVIVOR for r in REPLICAS}
+    wait_owners(fleet, split, timeout_s=2 * LEASE_TTL_S)
+    stream = StreamId(VICTIMS[0])
+    client = redis.Redis(port=fleet.redis_port)
+    late = f"{SURVIVOR}#late"
+    try:
+        client.hset(Schema().stream_owners, str(stream), late)
+        since = time.monotonic()
+        while (claim := _claim_of(client, stream)) == late:
+            assert time.monotonic() < since + 2 * LEASE_TTL_S, f"{stream}: the late claim stands"
+            time.sleep(0.05)
+    finally:
+        client.close()
+    print(f"\n{stream} claimed back in {time.monotonic() - since:.2f} s")
+    assert member_of(claim) == VICTIM
+    owner = store.owner(stream)
+    assert owner is not None and member_of(owner) == VICTIM
+    _wait_states(fleet, {"live"}, timeout_s=2 * LEASE_TTL_S)
+    assert f"stream {stream}: owned by another indexer now" in fleet.more_indexers[VICTIM].tail(
+        20_000
+    )
+
+
+def _claim_of(client: redis.Redis, stream: StreamId) -> str:
+    return cast("bytes", client.hget(Schema().stream_owners, str(stream))).decode()

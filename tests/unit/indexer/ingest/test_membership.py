@@ -262,3 +262,23 @@ def test_a_stream_opened_after_the_lease_ran_out_is_handed_back_unrecorded(clock
     pipeline.track(R1, spec)
     assert pipeline.take_fenced() == [R1]
     assert registry.stream_ids() == []
+
+
+def test_a_claim_taken_after_this_ones_is_found_without_a_batch_and_handed_over() -> None:
+    """An owner whose view lagged a join claims after the joiner: the joiner's next renew
+    finds the claim lost (no batch needed) and hands the stream over; the late one keeps it."""
+    client = fakeredis.FakeRedis()
+    joiner, joiner_shard = fenced_pipeline(client, "a")
+    late, late_shard = fenced_pipeline(client, "b")  # claims r1 after the joiner did
+    assert joiner_shard.lost_claims(joiner.claimed()) == [R1]
+    assert late_shard.lost_claims(late.claimed()) == []
+    joiner.hand_over(R1)
+    assert joiner.take_fenced() == [R1] and joiner.claimed() == []
+    assert joiner_shard.lost_claims([StreamId("r9")]) == []  # unclaimed: nobody's to lose
+
+
+def test_lost_claims_are_none_while_redis_is_down() -> None:
+    server = fakeredis.FakeServer()
+    pipeline, shard = fenced_pipeline(fakeredis.FakeRedis(server=server), "a")
+    server.connected = False
+    assert shard.lost_claims(pipeline.claimed()) == []

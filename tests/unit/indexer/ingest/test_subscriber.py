@@ -186,6 +186,37 @@ def test_a_sharded_subscriber_opens_the_streams_it_owns_and_takes_over_a_leaver(
         subscriber.stop()
 
 
+def test_a_claim_another_indexer_took_is_handed_over_then_claimed_back() -> None:
+    """A stream claimed since by another token (an owner whose view lagged this one's join)
+    is let go at the next renew, quiet as it is, and claimed back after one renew period."""
+    clock, client = Clock(), fakeredis.FakeRedis()
+    schema = Schema("test")
+    mine = Membership(client, schema, "a", lease_ttl_s=3.0, clock=clock)
+    index = RedisIndex(client, schema, owner=mine.token)
+    specs = _replicas(3)
+    subscriber = Subscriber(
+        IndexerSettings(replicas=specs),
+        index,
+        Registry(specs),
+        clock=clock,
+        shard=Shard(mine, index),
+    )
+    mine.tick()
+    try:
+        subscriber.run_once(timeout_ms=1)
+        assert subscriber.subscribed_replicas == ["r0", "r1", "r2"]
+        client.hset(schema.stream_owners, str(StreamId("r0")), "b#late")
+        clock.now += mine.renew_period_s
+        subscriber.run_once(timeout_ms=1)
+        assert subscriber.subscribed_replicas == ["r1", "r2"]
+        clock.now += mine.renew_period_s
+        subscriber.run_once(timeout_ms=1)
+        assert subscriber.subscribed_replicas == ["r0", "r1", "r2"]
+        assert client.hget(schema.stream_owners, str(StreamId("r0"))) == mine.token.encode()
+    finally:
+        subscriber.stop()
+
+
 # --- ingest workers ------------------------------------------------------------------------
 
 
