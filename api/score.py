@@ -203,7 +203,7 @@ class Scorer:
         entry explained). ``explain`` > 0: at most that many ranked (``top_k`` lowered to it),
         with the :class:`Reasons` that :meth:`score` would word for them, worded when read.
         ``head_first``: a long prompt no replica holds the start of may be decided on its
-        head (:meth:`_head_decided`), the rest tokenized later (``Ranking.rest``)."""
+        :class:`Head` (see :meth:`_keys`), the rest tokenized later (``Ranking.rest``)."""
         top_k = self.top_k(request)
         if explain:
             top_k = explain if top_k is None else min(top_k, explain)

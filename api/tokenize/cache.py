@@ -166,10 +166,8 @@ class CachingTokenizer:
     ) -> bytes | Head:
         """A kept entry, else the inner tokenizer's head (its rest kept once made), else
         the whole ids as ``packed_*`` make them."""
-        packed = self._entries.get(key)
+        packed = self._hit(key)
         if packed is not None:
-            self._entries.move_to_end(key)
-            self.num_hits += 1
             return packed
         if head is None or key in self._in_flight:
             return await whole()
@@ -180,13 +178,19 @@ class CachingTokenizer:
             return got
         return Head(got.packed, got.num_tokens, lambda: self._cached(key, got.rest))
 
-    def _now_or_kept(self, key: bytes, compute: Callable[[], bytes | None]) -> bytes | None:
-        """A kept entry, else the inner tokenizer's answer when it has one at once (no task:
-        nothing can wait on it meanwhile); None: neither (ask :meth:`_cached`)."""
+    def _hit(self, key: bytes) -> bytes | None:
+        """A kept entry (counted, made the newest), or None."""
         packed = self._entries.get(key)
         if packed is not None:
             self._entries.move_to_end(key)
             self.num_hits += 1
+        return packed
+
+    def _now_or_kept(self, key: bytes, compute: Callable[[], bytes | None]) -> bytes | None:
+        """A kept entry, else the inner tokenizer's answer when it has one at once (no task:
+        nothing can wait on it meanwhile); None: neither (ask :meth:`_cached`)."""
+        packed = self._hit(key)
+        if packed is not None:
             return packed
         if key in self._in_flight:
             return None
@@ -197,10 +201,8 @@ class CachingTokenizer:
         return packed
 
     async def _cached(self, key: bytes, compute: Callable[[], Awaitable[bytes]]) -> bytes:
-        packed = self._entries.get(key)
+        packed = self._hit(key)
         if packed is not None:
-            self._entries.move_to_end(key)
-            self.num_hits += 1
             return packed
         task = self._in_flight.get(key)
         if task is None:
