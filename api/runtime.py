@@ -166,10 +166,11 @@ def build_read_path(deps: ApiDeps, hooks: Hooks | None = None) -> ReadPath:
     http = httpx.AsyncClient(
         timeout=settings.scrape_timeout_s, trust_env=False, transport=_LazyTransport()
     )
+    probes = Probes(http)  # the checks' and scrapes' GETs, the replica tokenizers' POSTs
     tokenizers: ModelTokenizers | ProxyTokenizers = (
-        ProxyTokenizers(settings, registry, http)
+        ProxyTokenizers(settings, registry, probes)
         if hooks.failover_tokenizers
-        else ModelTokenizers(settings, registry, http)
+        else ModelTokenizers(settings, registry, probes)
     )
     scorer = Scorer(
         settings,
@@ -181,7 +182,6 @@ def build_read_path(deps: ApiDeps, hooks: Hooks | None = None) -> ReadPath:
         on_degraded=hooks.on_degraded,
         distrusted=hooks.distrusted,
     )
-    probes = Probes(http)  # the checks' and scrapes' GETs
     checker = HealthChecker(
         settings,
         registry,

@@ -1,7 +1,8 @@
-"""Reference: ``httpx.AsyncClient.get``; tests/unit/api/loop/test_probe.py::test_as_httpx.
-Probes: the health checks' and load scrapes' GETs, on kept-alive HTTP/1.1 read by httptools.
-One deadline bounds the whole GET (connect, head, body: a trickle too): TimeoutError; a body
-over ``max_body_bytes`` raises; errors are httpx's (the same messages); a URL other than plain
+"""Reference: ``httpx.AsyncClient.get`` and ``.post``; tests/unit/api/loop/test_probe.py::
+test_as_httpx and test_a_post_as_httpx. Probes: the health checks' and load scrapes' GETs and
+the replica tokenizers' POSTs, on kept-alive HTTP/1.1 read by httptools. One deadline bounds
+the whole call (connect, head, body: a trickle too): TimeoutError; a body over
+``max_body_bytes`` raises; errors are httpx's (the same messages); a URL other than plain
 ``http://host[:port]/path`` goes to the ``fallback`` httpx client."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import httptools
 import httpx
 
 MAX_BODY_BYTES = 1 << 24
-_MAX_IDLE = 2  # kept-alive connections per replica (a check and a scrape may overlap)
+_MAX_IDLE = 16  # kept-alive connections a replica (checks, scrapes, tokenizer calls overlap)
 
 
 class Answer(Protocol):
@@ -31,6 +32,9 @@ class Answer(Protocol):
 
     @property
     def text(self) -> str: ...
+
+    @property
+    def content(self) -> bytes: ...
 
 
 class Getter(Protocol):
@@ -52,25 +56,48 @@ class ProbeAnswer:
     def text(self) -> str:
         return self.body.decode("utf-8", errors="replace")
 
+    @property
+    def content(self) -> bytes:
+        return self.body
 
-_Address = tuple[str, int, bytes]  # host, port, the request's bytes minus its path
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    host: str
+    port: int
+    get: bytes
+    """The whole GET."""
+    post: bytes
+    """A JSON POST's head up to its ``Content-Length`` value."""
 
 
 class Probes:
-    """Kept-alive connections to the replicas, one GET at a time on each (closed by aclose)."""
+    """Kept-alive connections to the replicas, one call at a time on each (closed by aclose)."""
 
     def __init__(self, fallback: httpx.AsyncClient, *, max_body_bytes: int = MAX_BODY_BYTES):
         self._fallback = fallback
         self._max_body_bytes = max_body_bytes
         self._idle: dict[tuple[str, int], list[_Exchange]] = {}
-        self._url_to_request: dict[str, tuple[str, int, bytes] | None] = {}
+        self._url_to_target: dict[str, _Target | None] = {}
 
     async def get(self, url: str, *, timeout: float) -> Answer:
         """The answer to ``GET url``, within ``timeout`` seconds in all."""
         target = self._target(url)
         if target is None:
             return await self._fallback.get(url, timeout=timeout)
-        host, port, request = target
+        return await self._exchanged(target.host, target.port, target.get, timeout)
+
+    async def post(self, url: str, body: bytes, *, timeout: float) -> Answer:
+        """The answer to ``POST url`` of the JSON ``body``, as :meth:`get`: for a call that
+        may be made twice (one on a kept-alive connection closed while idle is sent again)."""
+        target = self._target(url)
+        if target is None:
+            headers = {"content-type": "application/json"}
+            return await self._fallback.post(url, content=body, headers=headers, timeout=timeout)
+        request = b"%s%d\r\n\r\n%s" % (target.post, len(body), body)
+        return await self._exchanged(target.host, target.port, request, timeout)
+
+    async def _exchanged(self, host: str, port: int, request: bytes, timeout: float) -> ProbeAnswer:
         async with asyncio.timeout(timeout):
             exchange, reused = await self._connection(host, port)
             try:
@@ -92,9 +119,9 @@ class Probes:
                 exchange.close()
         self._idle.clear()
 
-    def _target(self, url: str) -> tuple[str, int, bytes] | None:
-        if url in self._url_to_request:
-            return self._url_to_request[url]
+    def _target(self, url: str) -> _Target | None:
+        if url in self._url_to_target:
+            return self._url_to_target[url]
         parts = urlsplit(url)
         target = None
         if parts.scheme == "http" and parts.hostname and "@" not in parts.netloc:
@@ -104,10 +131,13 @@ class Probes:
                 port = None
             path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
             if port is not None and path.isascii() and " " not in path:
-                head = f"GET {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nAccept: */*\r\n\r\n"
-                target = (parts.hostname, port, head.encode())
-        if len(self._url_to_request) < 10_000:
-            self._url_to_request[url] = target
+                host = f"Host: {parts.netloc}\r\nAccept: */*\r\n"
+                get = f"GET {path} HTTP/1.1\r\n{host}\r\n"
+                post = f"POST {path} HTTP/1.1\r\n{host}Content-Type: application/json\r\n"
+                post += "Content-Length: "
+                target = _Target(parts.hostname, port, get.encode(), post.encode())
+        if len(self._url_to_target) < 10_000:
+            self._url_to_target[url] = target
         return target
 
     async def _connection(self, host: str, port: int) -> tuple[_Exchange, bool]:

@@ -9,13 +9,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-import httpx
-
 from kvindex.api.config.settings import ApiSettings
 from kvindex.api.health.routing import health_policy
 from kvindex.api.tokenize.cache import DEFAULT_MAX_BYTES, CachingTokenizer
 from kvindex.api.tokenize.protocol import Tokenizer, TokenizerError
-from kvindex.api.tokenize.replica import ReplicaRoute, ReplicaTokenizer
+from kvindex.api.tokenize.replica import ReplicaRoute, ReplicaTokenizer, TokenizeClient
 from kvindex.indexer.fleet.registry import RegistryView
 
 TokenizerKind = Literal["local", "replica"]
@@ -94,7 +92,7 @@ def _forbid(spec: TokenizerSpec, names: tuple[str, ...], kind: str) -> None:
             raise TokenizerError(f"{name} is not used when kind is {kind!r}; remove it")
 
 
-def build_tokenizer(spec: TokenizerSpec, client: httpx.AsyncClient) -> Tokenizer:
+def build_tokenizer(spec: TokenizerSpec, client: TokenizeClient) -> Tokenizer:
     inner: Tokenizer
     if spec.kind == "local":
         assert spec.path is not None  # checked by TokenizerSpec
@@ -125,7 +123,7 @@ class ModelTokenizers:
         self,
         settings: ApiSettings,
         registry: RegistryView,
-        client: httpx.AsyncClient,
+        client: TokenizeClient,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._clock = clock

@@ -7,13 +7,11 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import httpx
-
 from kvindex.api.config.settings import ApiSettings
 from kvindex.api.tokenize.cache import CachingTokenizer
 from kvindex.api.tokenize.choice import ModelTokenizers, replica_route
 from kvindex.api.tokenize.protocol import NO_OPTIONS, ChatOptions, Tokenizer, TokenizerError
-from kvindex.api.tokenize.replica import ReplicaRoute, ReplicaTokenizer
+from kvindex.api.tokenize.replica import ReplicaRoute, ReplicaTokenizer, TokenizeClient
 from kvindex.indexer.fleet.registry import RegistryView
 
 MAX_TRIES = 3
@@ -27,7 +25,7 @@ class FailoverTokenizer:
         self,
         model: str,
         registry: RegistryView,
-        client: httpx.AsyncClient,
+        client: TokenizeClient,
         *,
         timeout_s: float,
         route: ReplicaRoute = "auto",
@@ -89,7 +87,7 @@ class ProxyTokenizers:
     """The tokenizer of each model, built on first use; the caller owns ``client``."""
 
     def __init__(
-        self, settings: ApiSettings, registry: RegistryView, client: httpx.AsyncClient
+        self, settings: ApiSettings, registry: RegistryView, client: TokenizeClient
     ) -> None:
         self._settings = settings
         self._registry = registry

@@ -11,6 +11,7 @@ from typing import Any, Literal, get_args
 import httpx
 import msgspec
 
+from kvindex.api.loop.probe import Probes
 from kvindex.api.tokenize.protocol import NO_OPTIONS, ChatOptions, TokenId, TokenizerError
 
 ReplicaRoute = Literal["auto", "render", "tokenize"]
@@ -24,6 +25,9 @@ guards ``/v1`` but not ``/tokenize``: 401)."""
 _EXCERPT_CHARS = 200
 _JSON_HEADERS = {"content-type": "application/json"}
 _RENDER_PATHS = {False: "/v1/completions/render", True: "/v1/chat/completions/render"}
+TokenizeClient = httpx.AsyncClient | Probes
+"""What the calls go through: :class:`Probes` (kept-alive, httptools) where the process has
+them, else httpx."""
 
 
 class _TokenizeResponse(msgspec.Struct):
@@ -48,7 +52,7 @@ class ReplicaTokenizer:
 
     def __init__(
         self,
-        client: httpx.AsyncClient,
+        client: TokenizeClient,
         base_url: str,
         model: str,
         *,
@@ -111,6 +115,8 @@ class ReplicaTokenizer:
             content = msgspec.json.encode(body)
         except (TypeError, ValueError) as exc:
             raise TokenizerError(f"{url}: request is not JSON-serializable: {exc}") from exc
+        if isinstance(self.client, Probes):
+            return await self._probed(self.client, url, content)
         headers = {**_JSON_HEADERS, "content-length": str(len(content))}
         request = self.client.build_request(
             "POST", url, content=_sent_once(content), headers=headers, timeout=self.timeout_s
@@ -127,6 +133,15 @@ class ReplicaTokenizer:
         except httpx.RequestError as exc:
             raise TokenizerError(f"{url}: unreachable: {exc!r}") from exc
         return response.status_code, b"".join(chunks)
+
+    async def _probed(self, probes: Probes, url: str, content: bytes) -> tuple[int, bytes]:
+        try:
+            answer = await probes.post(url, content, timeout=self.timeout_s)
+        except (TimeoutError, httpx.TimeoutException) as exc:
+            raise TokenizerError(f"{url}: timed out after {self.timeout_s} s") from exc
+        except httpx.RequestError as exc:
+            raise TokenizerError(f"{url}: unreachable: {exc!r}") from exc
+        return answer.status_code, answer.content
 
 
 def _checked(url: str, status: int, answer: bytes) -> None:

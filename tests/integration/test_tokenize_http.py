@@ -11,7 +11,7 @@ import asyncio
 import socket
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import httpx
 import pytest
@@ -19,10 +19,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from kvindex.api.http.background import BackgroundServer
+from kvindex.api.loop.probe import Probes
 from kvindex.api.tokenize.cache import CachingTokenizer
 from kvindex.api.tokenize.choice import TokenizerSpec, build_tokenizer
 from kvindex.api.tokenize.protocol import Tokenizer, TokenizerError
-from kvindex.api.tokenize.replica import ReplicaTokenizer
+from kvindex.api.tokenize.replica import ReplicaTokenizer, TokenizeClient
 
 T = TypeVar("T")
 MODEL = "demo-model"
@@ -87,12 +88,28 @@ def replica() -> Iterator[FakeReplica]:
     assert not server.running, "the fake replica did not stop"
 
 
-def with_client(call: Callable[[httpx.AsyncClient], Awaitable[T]]) -> T:
-    async def main() -> T:
-        async with httpx.AsyncClient() as client:
-            return await call(client)
+class WithClient(Protocol):
+    def __call__(self, call: Callable[[TokenizeClient], Awaitable[T]]) -> T: ...
 
-    return asyncio.run(main())
+
+@pytest.fixture(params=["httpx", "probes"])
+def with_client(request: pytest.FixtureRequest) -> WithClient:
+    """Runs ``call`` with httpx's client, or with :class:`Probes` (the processes' own)."""
+
+    def run(call: Callable[[TokenizeClient], Awaitable[T]]) -> T:
+        async def main() -> T:
+            async with httpx.AsyncClient() as http:
+                if request.param == "httpx":
+                    return await call(http)
+                probes = Probes(http)
+                try:
+                    return await call(probes)
+                finally:
+                    await probes.aclose()
+
+        return asyncio.run(main())
+
+    return run
 
 
 CONVERSATION: list[dict[str, Any]] = [
@@ -103,16 +120,16 @@ CONVERSATION: list[dict[str, Any]] = [
 ]
 
 
-def test_prompt_end_to_end(replica: FakeReplica) -> None:
-    async def call(client: httpx.AsyncClient) -> list[int]:
+def test_prompt_end_to_end(replica: FakeReplica, with_client: WithClient) -> None:
+    async def call(client: TokenizeClient) -> list[int]:
         return await ReplicaTokenizer(client, replica.base_url, MODEL).encode_prompt("5 6 7")
 
     assert with_client(call) == [BOS, 5, 6, 7]
     assert replica.bodies == [{"model": MODEL, "prompt": "5 6 7", "add_special_tokens": True}]
 
 
-def test_messages_end_to_end(replica: FakeReplica) -> None:
-    async def call(client: httpx.AsyncClient) -> list[int]:
+def test_messages_end_to_end(replica: FakeReplica, with_client: WithClient) -> None:
+    async def call(client: TokenizeClient) -> list[int]:
         tok = ReplicaTokenizer(client, replica.base_url, MODEL)
         return await tok.encode_messages(CONVERSATION)
 
@@ -123,10 +140,10 @@ def test_messages_end_to_end(replica: FakeReplica) -> None:
     assert body["add_special_tokens"] is False
 
 
-def test_cache_avoids_second_request(replica: FakeReplica) -> None:
+def test_cache_avoids_second_request(replica: FakeReplica, with_client: WithClient) -> None:
     spec = TokenizerSpec(kind="replica", base_url=replica.base_url, model=MODEL)
 
-    async def call(client: httpx.AsyncClient) -> CachingTokenizer:
+    async def call(client: TokenizeClient) -> CachingTokenizer:
         tok = build_tokenizer(spec, client)
         assert isinstance(tok, CachingTokenizer)
         first = [await tok.encode_prompt("1 2"), await tok.encode_messages(CONVERSATION)]
@@ -141,10 +158,12 @@ def test_cache_avoids_second_request(replica: FakeReplica) -> None:
     assert (tok.num_misses, tok.num_hits) == (3, 6)
 
 
-def test_later_message_change_is_a_new_request(replica: FakeReplica) -> None:
+def test_later_message_change_is_a_new_request(
+    replica: FakeReplica, with_client: WithClient
+) -> None:
     changed = [*CONVERSATION[:-1], {"role": "user", "content": "44"}]
 
-    async def call(client: httpx.AsyncClient) -> list[list[int]]:
+    async def call(client: TokenizeClient) -> list[list[int]]:
         tok: Tokenizer = CachingTokenizer(ReplicaTokenizer(client, replica.base_url, MODEL))
         return [await tok.encode_messages(CONVERSATION), await tok.encode_messages(changed)]
 
@@ -154,24 +173,24 @@ def test_later_message_change_is_a_new_request(replica: FakeReplica) -> None:
     assert len(replica.bodies) == 2
 
 
-def test_unknown_model_is_a_tokenizer_error(replica: FakeReplica) -> None:
-    async def call(client: httpx.AsyncClient) -> list[int]:
+def test_unknown_model_is_a_tokenizer_error(replica: FakeReplica, with_client: WithClient) -> None:
+    async def call(client: TokenizeClient) -> list[int]:
         return await ReplicaTokenizer(client, replica.base_url, "other").encode_prompt("1")
 
     with pytest.raises(TokenizerError, match=r"HTTP 404.*`other` does not exist"):
         with_client(call)
 
 
-def test_wrong_path_is_a_tokenizer_error(replica: FakeReplica) -> None:
-    async def call(client: httpx.AsyncClient) -> list[int]:
+def test_wrong_path_is_a_tokenizer_error(replica: FakeReplica, with_client: WithClient) -> None:
+    async def call(client: TokenizeClient) -> list[int]:
         return await ReplicaTokenizer(client, replica.base_url + "/v1", MODEL).encode_prompt("1")
 
     with pytest.raises(TokenizerError, match="HTTP 404"):
         with_client(call)
 
 
-def test_timeout_is_a_tokenizer_error(replica: FakeReplica) -> None:
-    async def call(client: httpx.AsyncClient) -> list[int]:
+def test_timeout_is_a_tokenizer_error(replica: FakeReplica, with_client: WithClient) -> None:
+    async def call(client: TokenizeClient) -> list[int]:
         tok = ReplicaTokenizer(client, replica.base_url, SLOW_MODEL, timeout_s=0.1)
         return await tok.encode_prompt("1")
 
@@ -179,12 +198,12 @@ def test_timeout_is_a_tokenizer_error(replica: FakeReplica) -> None:
         with_client(call)
 
 
-def test_unreachable_is_a_tokenizer_error() -> None:
+def test_unreachable_is_a_tokenizer_error(with_client: WithClient) -> None:
     with socket.socket() as sock:  # a port nobody listens on: bound, never listening
         sock.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"
 
-        async def call(client: httpx.AsyncClient) -> list[int]:
+        async def call(client: TokenizeClient) -> list[int]:
             return await ReplicaTokenizer(client, url, MODEL, timeout_s=2).encode_prompt("1")
 
         with pytest.raises(TokenizerError, match="unreachable"):

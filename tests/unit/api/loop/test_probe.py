@@ -96,6 +96,58 @@ def test_as_httpx(name: str) -> None:
     asyncio.run(main())
 
 
+def _echo(received: list[tuple[bytes, bytes]]) -> Handler:
+    """A server that reads each request (its head, then ``Content-Length`` bytes), keeps
+    (head, body) and answers with the body, upper-cased."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                length = next(
+                    int(line.split(b":", 1)[1])
+                    for line in head.lower().split(b"\r\n")
+                    if line.startswith(b"content-length:")
+                )
+                body = await reader.readexactly(length)
+                received.append((head, body))
+                answer = body.upper()
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(answer), answer)
+                )
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    return handle
+
+
+def test_a_post_as_httpx() -> None:
+    """The same answer as httpx's POST, on one kept-alive connection; the request a JSON POST
+    of the body to the path."""
+
+    async def main() -> None:
+        received: list[tuple[bytes, bytes]] = []
+        async with _server(_echo(received)) as (url, accepted), httpx.AsyncClient() as client:
+            probes = Probes(client)
+            for body in (b'{"prompt": "a"}', b"{}", '{"é": 1}'.encode() * 5000):
+                mine = await probes.post(url + "/v1/completions/render", body, timeout=0.5)
+                headers = {"content-type": "application/json"}
+                theirs = await client.post(
+                    url + "/v1/completions/render", content=body, headers=headers, timeout=0.5
+                )
+                assert (mine.status_code, mine.content) == (theirs.status_code, theirs.content)
+                assert mine.content == body.upper()
+            await probes.aclose()
+        heads = [head for head, _ in received[::2]]
+        assert all(h.startswith(b"POST /v1/completions/render HTTP/1.1\r\n") for h in heads)
+        assert all(b"content-type: application/json" in h.lower() for h in heads)
+        assert accepted == [2]  # one connection each: Probes' and httpx's
+
+    asyncio.run(main())
+
+
 def test_a_body_until_close_is_read_to_the_close() -> None:
     async def close(_writer: asyncio.StreamWriter) -> None:
         return None
@@ -240,9 +292,11 @@ def test_other_urls_go_to_the_fallback_client() -> None:
             probes = Probes(client)
             assert (await probes.get("https://r:8443/health", timeout=0.5)).text == "tls"
             await probes.get("http://user:pw@r/health", timeout=0.5)
+            answer = await probes.post("https://r:8443/tokenize", b"{}", timeout=0.5)
+            assert answer.content == b"tls"
 
     asyncio.run(main())
-    assert seen == ["https://r:8443/health", "http://user:pw@r/health"]
+    assert seen == ["https://r:8443/health", "http://user:pw@r/health", "https://r:8443/tokenize"]
 
 
 def test_bytes_past_the_answer_close_the_connection_and_the_answer_stands() -> None:
