@@ -217,7 +217,7 @@ class Exchange:
     def _answered(self, status: str) -> None:
         """Tell ``on_answered`` of the replica that served, when its status says it is up."""
         decision = self._decision
-        if decision is None or not status.isdigit() or int(status) >= 500:
+        if decision is None or not (status.isascii() and status.isdigit()) or int(status) >= 500:
             return
         endpoints, served = decision.endpoints, self.served
         at = endpoints.index(served) if served in endpoints else 0

@@ -66,7 +66,7 @@ def body_messages(body: bytes, num_chunks: int) -> list[Any]:
     ]
 
 
-def response_headers_message(status: int = 200, served: str | None = None) -> Any:
+def response_headers_message(status: int | str = 200, served: str | None = None) -> Any:
     metadata = base_pb2.Metadata()
     if served is not None:
         metadata.filter_metadata["envoy.lb"].fields[

@@ -241,10 +241,14 @@ def test_a_choice_made_on_a_head_owes_its_rest_until_settled(
         (200, "10.9.9.9:1", ["r1"]),  # an endpoint it did not name: the primary's
         (503, None, []),
         (504, "10.0.0.2:8000", []),
+        ("", None, []),  # garbage in the gateway's :status: no outcome either way
+        ("2OO", None, []),
+        ("²00", None, []),  # a digit to str.isdigit, not to int()
+        ("-1", None, []),
     ],
 )
 def test_a_response_under_500_tells_which_replica_answered(
-    status: int, served: str | None, answered: list[str]
+    status: int | str, served: str | None, answered: list[str]
 ) -> None:
     fleet = Fleet()
     told: list[str] = []
@@ -252,5 +256,6 @@ def test_a_response_under_500_tells_which_replica_answered(
         fleet.choose, fleet.admission, fleet.metrics, max_body_bytes=1024, on_answered=told.append
     )
     _run(exchange, _head(FULL_DUPLEX), *body_messages(BODY, 1))
-    _run(exchange, response_headers_message(status, served=served))
+    kinds = _kinds(_run(exchange, response_headers_message(status, served=served)))
     assert told == answered
+    assert kinds == ["response_headers"]  # the replica's answer goes on, whatever its status
