@@ -51,7 +51,7 @@ def lie_of(text: str) -> Lie:
         if kind in _NEEDS_VALUE:
             raise LieError(f"lie {text!r}: needs a value ({kind.value}=N)")
         return Lie(kind, _DEFAULTS.get(kind, 0))
-    if kind in _NO_VALUE or not raw.strip().isdigit() or int(raw) < 1:
+    if kind in _NO_VALUE or not (raw.isascii() and raw.strip().isdigit()) or int(raw) < 1:
         raise LieError(f"lie {text!r}: the value must be a whole number >= 1 ({kind.value}=N)")
     return Lie(kind, int(raw))
 

@@ -37,7 +37,14 @@ def _run(eng: Engine, prompt: list[int]) -> int:
 def test_lies_are_parsed_with_their_values_and_bad_ones_refused() -> None:
     assert lie_of("events-off-restart").value == 20
     assert lie_of("block-size=32").value == 32 and lie_of("tokenizer").value == 1
-    for bad in ("nonsense", "block-size", "block-size=0", "drop-removals=2", "tokenizer=x"):
+    for bad in (
+        "nonsense",
+        "block-size",
+        "block-size=0",
+        "drop-removals=2",
+        "tokenizer=x",
+        "tokenizer=²",
+    ):
         with pytest.raises(LieError):
             lie_of(bad)
     with pytest.raises(ReplicaSimError, match="at most once"):
