@@ -19,10 +19,20 @@ OK_BODY = b"vllm:num_requests_running 1.0\n"
 def _answer(raw: bytes) -> Handler:
     """A server that reads each request's head and writes ``raw``, while the client stays."""
 
+    async def reply(_head: bytes, _reader: asyncio.StreamReader) -> bytes:
+        return raw
+
+    return _each_request(reply)
+
+
+def _each_request(reply: Callable[[bytes, asyncio.StreamReader], Awaitable[bytes]]) -> Handler:
+    """A server that reads each request's head and writes what ``reply`` makes of it (the
+    reader given to read a body), while the client stays."""
+
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            while await reader.readuntil(b"\r\n\r\n"):
-                writer.write(raw)
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                writer.write(await reply(head, reader))
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
@@ -100,27 +110,18 @@ def _echo(received: list[tuple[bytes, bytes]]) -> Handler:
     """A server that reads each request (its head, then ``Content-Length`` bytes), keeps
     (head, body) and answers with the body, upper-cased."""
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while head := await reader.readuntil(b"\r\n\r\n"):
-                length = next(
-                    int(line.split(b":", 1)[1])
-                    for line in head.lower().split(b"\r\n")
-                    if line.startswith(b"content-length:")
-                )
-                body = await reader.readexactly(length)
-                received.append((head, body))
-                answer = body.upper()
-                writer.write(
-                    b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(answer), answer)
-                )
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+    async def reply(head: bytes, reader: asyncio.StreamReader) -> bytes:
+        length = next(
+            int(line.split(b":", 1)[1])
+            for line in head.lower().split(b"\r\n")
+            if line.startswith(b"content-length:")
+        )
+        body = await reader.readexactly(length)
+        received.append((head, body))
+        answer = body.upper()
+        return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(answer), answer)
 
-    return handle
+    return _each_request(reply)
 
 
 def test_a_post_as_httpx() -> None:
