@@ -151,6 +151,7 @@ class ReadPath:
         if self.scraper is not None:
             await self.scraper.stop()
         await self.health_checker.stop()
+        await self.tokenizers.aclose()
         await self.probes.aclose()
         await self.http.aclose()
 

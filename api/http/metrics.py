@@ -6,12 +6,13 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvindex.api.answer import DEGRADED_REASONS
 from kvindex.api.health.block_sizes import BlockSizeCheck
 from kvindex.api.http.tally import Tally, Timings
+from kvindex.api.tokenize.renderers import Renderers
 from kvindex.indexer.domain.events import StreamId
 from kvindex.indexer.fleet.registry import RegistryView
 from kvindex.indexer.index.protocol import BlockIndex, HeldRuns, PrefixMatch
@@ -142,6 +143,34 @@ class BlockSizeCollector(Collector):
         for model, count in sorted(model_to_count.items()):
             gauge.add_metric([model], count)
         yield gauge
+
+
+class TokenizerCollector(Collector):
+    """The replicas that tokenize each model: how many agree with the reference, differ or
+    are not vetted yet, and the calls each answered (:mod:`kvindex.api.tokenize.renderers`)."""
+
+    def __init__(self, renderers: Callable[[], Iterable[Renderers]]) -> None:
+        self._renderers = renderers
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        replicas = GaugeMetricFamily(
+            "kvindex_tokenizer_replicas",
+            "Replicas of a replica-tokenized model by verdict: agrees (asked in turn), differs"
+            " (its probe ids are not the reference's: never asked), unvetted (asked last).",
+            labels=["model", "verdict"],
+        )
+        answers = CounterMetricFamily(
+            "kvindex_tokenizer_answers",
+            "Tokenize or render calls a replica answered for the router.",
+            labels=["model", "replica"],
+        )
+        for renderers in self._renderers():
+            for verdict, count in sorted(renderers.verdicts().items()):
+                replicas.add_metric([renderers.model, verdict], count)
+            for replica, count in sorted(renderers.num_answers.items()):
+                answers.add_metric([renderers.model, replica], count)
+        yield replicas
+        yield answers
 
 
 class TimedIndex(IndexWrapper):

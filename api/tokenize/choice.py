@@ -149,6 +149,9 @@ class ModelTokenizers:
             kept = self._model_to_tokenizer[model] = (replica, self._build(model))
         return kept[1]
 
+    async def aclose(self) -> None:
+        """Nothing of it runs in the background: nothing to stop."""
+
     def forget(self, model: str) -> None:
         """Choose the model's tokenizer again at its next request."""
         self._model_to_tokenizer.pop(model, None)

@@ -1,6 +1,7 @@
 """The proxy's tokenizers: a model's configured ``tokenizer.json``, else its replicas (render
-route or ``/tokenize``, :mod:`.replica`) tried in turn (:data:`MAX_TRIES` at most) until one
-answers; each replica keeps what it learnt of its routes while it serves the model."""
+route or ``/tokenize``, :mod:`.replica`), those that tokenize as the reference in turn
+(:mod:`.renderers`), tried (:data:`MAX_TRIES` at most) until one answers; each replica keeps
+what it learnt of its routes while it serves the model."""
 
 from __future__ import annotations
 
@@ -11,6 +12,14 @@ from kvindex.api.config.settings import ApiSettings
 from kvindex.api.tokenize.cache import CachingTokenizer
 from kvindex.api.tokenize.choice import ModelTokenizers, replica_route
 from kvindex.api.tokenize.protocol import NO_OPTIONS, ChatOptions, Tokenizer, TokenizerError
+from kvindex.api.tokenize.renderers import (
+    PROBE_MESSAGES,
+    PROBE_PROMPT,
+    Ids,
+    ProbeAnswer,
+    Renderers,
+    Replica,
+)
 from kvindex.api.tokenize.replica import ReplicaRoute, ReplicaTokenizer, TokenizeClient
 from kvindex.indexer.fleet.registry import RegistryView
 
@@ -18,8 +27,9 @@ MAX_TRIES = 3
 
 
 class FailoverTokenizer:
-    """One model's tokens from the first of its current replicas that answers; the error when
-    none does names each replica asked and why."""
+    """One model's tokens from the first of its current replicas that answers, the replicas
+    that agree with the reference asked in turn; the error when none does names each replica
+    asked and why. :meth:`aclose` stops its vetting."""
 
     def __init__(
         self,
@@ -29,14 +39,17 @@ class FailoverTokenizer:
         *,
         timeout_s: float,
         route: ReplicaRoute = "auto",
+        vetting: dict[str, Any] | None = None,
     ) -> None:
+        """``vetting``: :class:`.Renderers`' keyword arguments (its clock and periods)."""
         self._model = model
         self._registry = registry
         self._client = client
         self._timeout_s = timeout_s
         self._route = route
         self._url_to_tokenizer: dict[str, ReplicaTokenizer] = {}
-        self._last_good: str | None = None
+        self.renderers = Renderers(model, self._probe, **(vetting or {}))
+        self._serving: tuple[int, list[Replica]] | None = None
 
     async def encode_prompt(self, prompt: str) -> list[int]:
         return await self._first_answer(lambda t: t.encode_prompt(prompt))
@@ -46,15 +59,24 @@ class FailoverTokenizer:
     ) -> list[int]:
         return await self._first_answer(lambda t: t.encode_messages(messages, options))
 
-    def urls(self) -> list[str]:
-        """The replicas to ask, in order: the last one that answered first."""
-        return [url for _, url in self._replicas()]
+    async def aclose(self) -> None:
+        await self.renderers.aclose()
 
-    def _replicas(self) -> list[tuple[str, str]]:
-        """(id, url) of the replicas to ask, in order: the last one that answered first."""
-        serving = [(r.id, r.url) for r in self._registry.replicas() if r.model == self._model]
-        found = [(replica, url) for replica, url in serving if url]
-        return sorted(found, key=lambda pair: pair[1] != self._last_good)  # a stable sort
+    def _replicas(self) -> list[Replica]:
+        """(id, url) of the model's replicas with a URL, in registry order: one list object
+        while the registry does not change."""
+        version = self._registry.streams_version()
+        serving = self._serving
+        if serving is None or serving[0] != version:
+            replicas = self._registry.replicas()
+            found = [(r.id, r.url) for r in replicas if r.model == self._model and r.url]
+            if serving is None or serving[1] != found:
+                urls = {url for _, url in found}  # the tokenizers of replicas gone are dropped
+                kept = self._url_to_tokenizer.items()
+                self._url_to_tokenizer = {u: t for u, t in kept if u in urls}
+                serving = (version, found)
+            serving = self._serving = (version, serving[1])
+        return serving[1]
 
     async def _first_answer(
         self, call: Callable[[ReplicaTokenizer], Awaitable[list[int]]]
@@ -63,15 +85,22 @@ class FailoverTokenizer:
         if not replicas:
             raise TokenizerError(f"no replica of {self._model!r} has a url to tokenize with")
         errors: list[str] = []
-        for replica, url in replicas[:MAX_TRIES]:
+        for replica in self.renderers.order(replicas, MAX_TRIES):
             try:
-                tokens = await call(self._tokenizer(url))
+                tokens = await call(self._tokenizer(replica[1]))
             except TokenizerError as exc:
-                errors.append(f"replica {replica}: {exc}")
+                errors.append(f"replica {replica[0]}: {exc}")
                 continue
-            self._last_good = url
+            self.renderers.answered(replica)
             return tokens
+        if not errors:
+            raise TokenizerError(f"every replica of {self._model!r} tokenizes unlike the reference")
         raise TokenizerError("; ".join(errors))
+
+    async def _probe(self, url: str) -> ProbeAnswer:
+        tokenizer = self._tokenizer(url)
+        prompt = await _ids(tokenizer.encode_prompt(PROBE_PROMPT))
+        return prompt, await _ids(tokenizer.encode_messages(PROBE_MESSAGES))
 
     def _tokenizer(self, url: str) -> ReplicaTokenizer:
         tokenizer = self._url_to_tokenizer.get(url)
@@ -94,6 +123,7 @@ class ProxyTokenizers:
         self._client = client
         self._local = ModelTokenizers(settings, registry, client)
         self._model_to_tokenizer: dict[str, Tokenizer] = {}
+        self._failovers: list[FailoverTokenizer] = []
 
     def tokenizer(self, model: str) -> Tokenizer | None:
         configured = self._settings.model(model)
@@ -109,13 +139,29 @@ class ProxyTokenizers:
     def forget(self, model: str) -> None:
         self._local.forget(model)
 
+    def renderers(self) -> list[Renderers]:
+        """Each replica-tokenized model's :class:`.Renderers` (for its metrics)."""
+        return [failover.renderers for failover in self._failovers]
+
+    async def aclose(self) -> None:
+        for failover in self._failovers:
+            await failover.aclose()
+
     def _failover(self, model: str, route: ReplicaRoute) -> Tokenizer:
         settings = self._settings
         inner = FailoverTokenizer(
             model, self._registry, self._client, timeout_s=settings.scrape_timeout_s, route=route
         )
+        self._failovers.append(inner)
         if settings.tokenizer_cache_entries == 0:
             return inner
         return CachingTokenizer(
             inner, settings.tokenizer_cache_entries, settings.tokenizer_cache_bytes
         )
+
+
+async def _ids(call: Awaitable[list[int]]) -> Ids | None:
+    try:
+        return tuple(await call)
+    except TokenizerError:
+        return None

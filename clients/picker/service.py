@@ -17,11 +17,12 @@ from prometheus_client import CollectorRegistry
 from kvindex.api.config.settings import ApiSettings, ReadPathSettings
 from kvindex.api.health.ejection import ReplicaBreakers
 from kvindex.api.health.routing import health_policy
-from kvindex.api.http.metrics import TimedIndex
+from kvindex.api.http.metrics import TimedIndex, TokenizerCollector
 from kvindex.api.http.server import Service
 from kvindex.api.load.desk import ReservationDesk
 from kvindex.api.load.reservations import LeaseKeeper, Reservations
 from kvindex.api.runtime import ApiDeps, Hooks, ReadPath, build_read_path, open_stores
+from kvindex.api.tokenize.failover import ProxyTokenizers
 from kvindex.clients.picker.admission import Admission
 from kvindex.clients.picker.decision import EndpointChooser
 from kvindex.clients.picker.exchange import Exchange
@@ -89,6 +90,8 @@ def build_picker(deps: ApiDeps, settings: PickerSettings) -> Picker:
         failover_tokenizers=True,
     )
     read_path = build_read_path(deps, hooks)
+    assert isinstance(read_path.tokenizers, ProxyTokenizers)  # failover_tokenizers asks it
+    metrics.registry.register(TokenizerCollector(read_path.tokenizers.renderers))
     policy = health_policy(api)
 
     def upstreams_over(registry: RegistryView) -> UpstreamPicker:

@@ -97,8 +97,9 @@ def test_predictions_on_healthy_sims_are_exact(stack: ExitStack, tmp_path: Path)
 
 
 def test_a_sim_on_another_tokenizer_is_a_token_mismatch(stack: ExitStack, tmp_path: Path) -> None:
-    """r2 tokenizes with a real ``tokenizer.json`` while the proxy uses the toy one: every
-    answer of r2 is ``token_mismatch`` from its first (r1 stays exact)."""
+    """r2 tokenizes with a real ``tokenizer.json`` while r1 (the reference, the first to
+    answer) uses the toy one: r2's probe differs, so it never tokenizes for the proxy, and
+    every answer of r2 is ``token_mismatch`` from its first (r1 stays exact)."""
     tokenizer = write_model(tmp_path / "model")
     _, proxy = _start(stack, tmp_path, {"r1": [], "r2": ["--tokenizer", str(tokenizer)]})
     rng = random.Random(5)
@@ -111,6 +112,12 @@ def test_a_sim_on_another_tokenizer_is_a_token_mismatch(stack: ExitStack, tmp_pa
     on_r2 = sum(n for (r, _o), n in outcomes.items() if r == "r2")
     assert on_r2 > 0 and outcomes[("r2", "token_mismatch")] == on_r2
     assert outcomes[("r1", "token_mismatch")] == 0
+    text = proxy.metrics()
+    assert f'kvindex_tokenizer_replicas{{model="{MODEL}",verdict="differs"}} 1.0' in text
+    answered = re.findall(
+        rf'^kvindex_tokenizer_answers_total\{{model="{MODEL}",replica="(\w+)"', text, re.M
+    )
+    assert answered == ["r1"]
 
 
 @pytest.mark.parametrize("client_asks", [False, True])

@@ -7,6 +7,7 @@ header, the failure counter, a warning naming the model and the replicas."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -154,3 +155,36 @@ def test_a_failing_tokenizer_routes_on_load_and_says_so(tmp_path: Path, stack: E
     assert len(warnings) == 1, log[-3000:]  # one line for the three: held back for a while
     assert "replica r1" in warnings[0] and "replica r2" in warnings[0]
     assert "HTTP 404" in warnings[0] and "--enable-scale-out" in warnings[0]
+
+
+def _series(http: httpx.Client, fleet: Fleet, name: str, label: str) -> dict[str, float]:
+    """One tokenizer series of the model, by its ``label``'s value."""
+    pattern = re.compile(rf'^{name}\{{model="{MODEL}",{label}="([^"]+)"\}} (\S+)$', re.M)
+    text = http.get(f"{fleet.base_url}/metrics").text
+    return {value: float(count) for value, count in pattern.findall(text)}
+
+
+@pytest.mark.parametrize("scale_out", [True, False], ids=["render", "tokenize"])
+def test_both_replicas_tokenize_in_turn_once_found_to_agree(
+    tmp_path: Path, stack: ExitStack, scale_out: bool
+) -> None:
+    """Unique conversations are tokenized by r1 and r2 in turn, not all by the first to answer
+    (the other is vetted by a probe in the background first); repeats still land on their
+    holder."""
+    fleet = _fleet(stack, tmp_path, scale_out=scale_out, tokenizer="replica")
+    with httpx.Client(timeout=30, trust_env=False) as http:
+        _ask(http, fleet, _conversation("first"))
+        deadline = time.monotonic() + 10
+        verdicts: dict[str, float] = {}
+        while verdicts.get("agrees") != 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            verdicts = _series(http, fleet, "kvindex_tokenizer_replicas", "verdict")
+        assert verdicts == {"agrees": 2, "differs": 0, "unvetted": 0}
+        for i in range(20):
+            _ask(http, fleet, _conversation(f"topic{i}"))
+        answers = _series(http, fleet, "kvindex_tokenizer_answers_total", "replica")
+        assert sum(answers.values()) == 21
+        assert min(answers.get("r1", 0), answers.get("r2", 0)) >= 9, answers
+        repeated = _conversation("topic3")
+        _ask(http, fleet, repeated)
+        assert _cached(_ask(http, fleet, repeated)) > 0

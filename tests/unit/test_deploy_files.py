@@ -198,6 +198,7 @@ def declared_series() -> set[str]:
     EjectionMetrics(proxy.registry, fleet, settings)
     proxy.watch_write_path(fleet, index)
     proxy.watch_block_sizes(block_sizes)
+    proxy.watch_tokenizers(tuple)
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
     return {
         family.name + suffix

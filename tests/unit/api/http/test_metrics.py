@@ -3,12 +3,16 @@ write path's series themselves: tests/unit/indexer/test_metrics.py)."""
 
 from __future__ import annotations
 
+import asyncio
+
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvindex
 from kvindex.api.config.settings import ApiSettings
 from kvindex.api.health.block_sizes import BlockSizeCheck
-from kvindex.api.http.metrics import ApiMetrics, TimedIndex
+from kvindex.api.http.metrics import ApiMetrics, TimedIndex, TokenizerCollector
+from kvindex.api.tokenize.renderers import ProbeAnswer, Renderers
 from kvindex.indexer.domain.events import StreamId, Tier
 from kvindex.indexer.domain.health import StreamReport
 from kvindex.indexer.fleet.registry import Registry
@@ -98,3 +102,25 @@ def test_the_timed_index_times_a_holders_lookup_and_answers_the_inner_holders() 
     timed = TimedIndex(index, metrics.lookup_latency)
     assert timed.holders([101, 102], [StreamId("r0"), stream]) == [(PrefixMatch((Tier.GPU,)), [1])]
     assert samples(metrics)[("kvindex_lookup_seconds_count", ())] == 1
+
+
+def test_the_tokenizer_collector_shows_each_models_verdicts_and_answers() -> None:
+    async def probe(_url: str) -> ProbeAnswer:
+        return ((1,), None)
+
+    async def run() -> bytes:
+        renderers = Renderers("m", probe)
+        replicas = [("r1", "http://r1:8000"), ("r2", "http://r2:8000")]
+        renderers.order(replicas, 1)
+        renderers.answered(replicas[1])
+        renderers.answered(replicas[1])
+        await renderers.aclose()
+        registry = CollectorRegistry()
+        registry.register(TokenizerCollector(lambda: [renderers]))
+        return generate_latest(registry)
+
+    text = asyncio.run(run()).decode()
+    assert 'kvindex_tokenizer_replicas{model="m",verdict="agrees"} 1.0' in text
+    assert 'kvindex_tokenizer_replicas{model="m",verdict="unvetted"} 1.0' in text
+    assert 'kvindex_tokenizer_answers_total{model="m",replica="r2"} 2.0' in text
+    assert 'replica="r1"' not in text

@@ -20,11 +20,12 @@ MODEL = "m"
 
 
 class Replicas:
-    """``/tokenize`` of r1..r4 (one token per word plus the replica's number), no render
-    routes (404, not counted in ``asked``); ``down`` ones refuse connections."""
+    """``/tokenize`` of r1..r4 (a token a word, or a message: 1, 9 on the ``odd`` ones), no
+    render routes (404, not counted in ``asked``); ``down`` ones refuse connections."""
 
-    def __init__(self, *down: str) -> None:
+    def __init__(self, *down: str, odd: tuple[str, ...] = ()) -> None:
         self.down = set(down)
+        self.odd = set(odd)
         self.asked: list[str] = []
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
@@ -36,8 +37,9 @@ class Replicas:
             raise httpx.ConnectError("connection refused", request=request)
         if render:
             return httpx.Response(404, json={"detail": "Not Found"})
-        words = json.loads(request.content)["prompt"].split()
-        return httpx.Response(200, json={"tokens": [int(replica[1:])] * len(words)})
+        body = json.loads(request.content)
+        parts = body["prompt"].split() if "prompt" in body else body["messages"]
+        return httpx.Response(200, json={"tokens": [9 if replica in self.odd else 1] * len(parts)})
 
 
 def _registry() -> Registry:
@@ -45,18 +47,30 @@ def _registry() -> Registry:
     return Registry((*specs, ReplicaSpec("other", "n", url="http://other:8000")))
 
 
-def test_a_dead_first_replica_is_skipped_and_the_one_that_answered_is_asked_first() -> None:
-    replicas = Replicas("r1")
+def test_a_dead_first_replica_is_skipped_and_the_others_are_asked_in_turn_once_vetted() -> None:
+    """r1 is down: r2 answers first and is the reference; r3 and r4 agree with it, r1's probe
+    fails (unvetted: asked only after them), and the odd r4 is never asked again."""
+    replicas = Replicas("r1", odd=("r4",))
 
-    async def run() -> list[list[int]]:
+    async def run() -> FailoverTokenizer:
         async with httpx.AsyncClient(transport=httpx.MockTransport(replicas.handle)) as client:
             tokenizer = FailoverTokenizer(MODEL, _registry(), client, timeout_s=1)
-            first = await tokenizer.encode_prompt("a b")
-            second = await tokenizer.encode_prompt("c d e")
-            return [first, second]
+            assert await tokenizer.encode_prompt("a b") == [1, 1]
+            assert replicas.asked == ["r1", "r2"]
+            assert await tokenizer.encode_prompt("c") == [1]  # r2 again: the others unvetted
+            round_ = tokenizer.renderers._round
+            assert round_ is not None
+            await round_
+            replicas.asked.clear()
+            for _ in range(4):
+                assert await tokenizer.encode_prompt("d e f") == [1, 1, 1]
+            await tokenizer.aclose()
+            return tokenizer
 
-    assert asyncio.run(run()) == [[2, 2], [2, 2, 2]]
-    assert replicas.asked == ["r1", "r2", "r2"]  # r2 answered: asked first from then on
+    tokenizer = asyncio.run(run())
+    assert sorted(replicas.asked) == ["r2", "r2", "r3", "r3"]
+    assert tokenizer.renderers.verdicts() == {"agrees": 2, "differs": 1, "unvetted": 1}
+    assert tokenizer.renderers.num_answers == {"r2": 4, "r3": 2}
 
 
 def test_at_most_three_replicas_are_asked_and_every_failure_is_named() -> None:
@@ -81,13 +95,16 @@ def test_the_rule_local_file_or_failover_with_the_cache_in_front() -> None:
             tokenizers = ProxyTokenizers(settings, _registry(), client)
             tokenizer = tokenizers.tokenizer(MODEL)
             assert tokenizer is not None and tokenizers.tokenizer(MODEL) is tokenizer
-            assert await tokenizer.encode_prompt("x y") == [2, 2]
-            assert await tokenizer.encode_prompt("x y") == [2, 2]  # cached: not asked again
+            assert await tokenizer.encode_prompt("x y") == [1, 1]
+            assert await tokenizer.encode_prompt("x y") == [1, 1]  # cached: not asked again
             with pytest.raises(TokenizerError, match=re.escape("tokenizer.json")):
                 tokenizers.tokenizer("n")  # a local file, built as the API does
+            (renderers,) = tokenizers.renderers()
+            assert renderers.num_answers == {"r2": 1}  # the second from the cache
+            await tokenizers.aclose()
 
     asyncio.run(run())
-    assert replicas.asked == ["r1", "r2"]
+    assert replicas.asked[:2] == ["r1", "r2"]
 
 
 def test_each_replica_keeps_its_route_and_the_configured_route_is_used() -> None:

@@ -1,0 +1,253 @@
+"""Which replicas tokenize a model's requests: the reference (the first that answered) and each
+replica whose ids for a fixed probe equal the reference's, asked in turn, so no one replica
+renders for the whole fleet. One not yet vetted is vetted in the background and asked only
+after those; one that differs is not asked (a warning names it) until a later vetting finds
+it agreeing. Each is vetted again :data:`RECHECK_S` after its last vetting. One event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+RECHECK_S = 300.0
+"""How long a verdict holds before the replica is vetted again (a redeploy may change it)."""
+RETRY_S = 10.0
+"""How soon a replica whose probe failed is vetted again."""
+VETTING_AT_ONCE = 8
+"""Replicas probed at the same time in a round."""
+
+PROBE_PROMPT = "kvindex probe: Ünïcödé, 数字 12345 and <tags>\n\ttabs… 🦊 done."
+PROBE_MESSAGES: list[dict[str, Any]] = [
+    {"role": "system", "content": "You are the kvindex tokenizer probe."},
+    {"role": "user", "content": "Ünïcödé, 数字 12345 🦊?"},
+    {"role": "assistant", "content": "Noted."},
+    {"role": "user", "content": "Again, with <tags>\n\ttabs."},
+]
+"""What every replica renders to be vetted: a completions prompt and a chat (its template)."""
+
+Verdict = Literal["agrees", "differs", "unvetted"]
+Ids = tuple[int, ...]
+ProbeAnswer = tuple[Ids | None, Ids | None]
+"""A replica's ids for :data:`PROBE_PROMPT` and :data:`PROBE_MESSAGES` (None: that call failed)."""
+Probe = Callable[[str], Awaitable[ProbeAnswer]]
+Replica = tuple[str, str]
+"""(id, url)."""
+
+logger = logging.getLogger("kvindex.tokenize")
+
+
+@dataclass(slots=True)
+class _Vetting:
+    verdict: Verdict
+    due: float
+    """When (clock) it is vetted next."""
+
+
+class Renderers:
+    """One model's tokenizing replicas, keyed by URL; ``probe`` answers for one URL (never
+    raises). :meth:`aclose` stops a round in flight."""
+
+    def __init__(
+        self,
+        model: str,
+        probe: Probe,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        recheck_s: float = RECHECK_S,
+        retry_s: float = RETRY_S,
+    ) -> None:
+        self.model = model
+        self._probe = probe
+        self._clock = clock
+        self._recheck_s = recheck_s
+        self._retry_s = retry_s
+        self._reference: Replica | None = None
+        self._expected: ProbeAnswer | None = None
+        """The reference's answer: what agreeing means (None: not taken yet)."""
+        self._vettings: dict[str, _Vetting] = {}
+        self._generation = 0
+        """Moves on when the reference changes: a round's late results are then dropped."""
+        self._turn = 0
+        self._next_round = 0.0
+        self._round: asyncio.Task[None] | None = None
+        self._followed: Sequence[Replica] | None = None
+        self._agreeing: list[Replica] | None = None
+        self.num_answers: Counter[str] = Counter()
+        """Calls answered, by replica id (of the replicas still here)."""
+
+    def order(self, replicas: Sequence[Replica], limit: int) -> list[Replica]:
+        """Up to ``limit`` of ``replicas`` (the model's, in registry order; pass the same
+        object while they do not change) to ask: those that agree from this call's turn on,
+        then the unvetted; none that differs. Starts a vetting round when one is due."""
+        if replicas is not self._followed:
+            self._follow(replicas)
+        self._maybe_vet(replicas)
+        if self._reference is None:
+            return list(replicas[:limit])
+        agreeing = self._agreeing_of(replicas)
+        num_agreeing = len(agreeing)
+        self._turn += 1
+        turn = self._turn
+        chosen = [agreeing[(turn + i) % num_agreeing] for i in range(min(limit, num_agreeing))]
+        if len(chosen) < limit:
+            unvetted = [r for r in replicas if self._verdict(r[1]) == "unvetted"]
+            chosen += unvetted[: limit - len(chosen)]
+        return chosen
+
+    def answered(self, replica: Replica) -> None:
+        """``replica`` answered a request: counted; the reference if there was none (the
+        others are vetted against it from now)."""
+        self.num_answers[replica[0]] += 1
+        if self._reference is None:
+            self._reference = replica
+            self._vettings = {replica[1]: _Vetting("agrees", self._clock())}
+            self._agreeing = None
+            self._next_round = 0.0
+            self._maybe_vet(self._followed or [replica])
+
+    def verdicts(self) -> Counter[Verdict]:
+        """How many of the replicas last ordered are in each state."""
+        counts: Counter[Verdict] = Counter({"agrees": 0, "differs": 0, "unvetted": 0})
+        for _, url in self._followed or ():
+            counts[self._verdict(url)] += 1
+        return counts
+
+    async def aclose(self) -> None:
+        task, self._round = self._round, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    def _verdict(self, url: str) -> Verdict:
+        vetting = self._vettings.get(url)
+        return "unvetted" if vetting is None else vetting.verdict
+
+    def _agreeing_of(self, replicas: Sequence[Replica]) -> list[Replica]:
+        if self._agreeing is None:
+            self._agreeing = [r for r in replicas if self._verdict(r[1]) == "agrees"]
+        return self._agreeing
+
+    def _follow(self, replicas: Sequence[Replica]) -> None:
+        """Verdicts kept for the replicas still here; a reference gone is replaced by a
+        replica that agrees with it, else by the next one to answer (all vetted again)."""
+        self._followed, self._agreeing = replicas, None
+        urls = {url for _, url in replicas}
+        self._vettings = {u: v for u, v in self._vettings.items() if u in urls}
+        ids = {replica for replica, _ in replicas}
+        self.num_answers = Counter({r: n for r, n in self.num_answers.items() if r in ids})
+        if len(self._vettings) < len(urls):  # a replica never vetted: a round at once
+            self._next_round = 0.0
+        if self._reference is None or self._reference[1] in urls:
+            return
+        self._generation += 1
+        successor = next((r for r in replicas if self._verdict(r[1]) == "agrees"), None)
+        if successor is None:
+            self._reference, self._expected, self._vettings = None, None, {}
+        else:
+            self._reference = successor
+        self._next_round = 0.0
+
+    def _maybe_vet(self, replicas: Sequence[Replica]) -> None:
+        if self._round is not None or self._reference is None:
+            return
+        if self._clock() >= self._next_round:
+            self._round = asyncio.create_task(self._run_round(replicas, self._generation))
+
+    async def _run_round(self, replicas: Sequence[Replica], generation: int) -> None:
+        """Vet what is due, again while replicas never vetted came meanwhile."""
+        try:
+            await self._vet_all(replicas, generation)
+            while generation == self._generation and self._next_round_at() == 0.0:
+                await self._vet_all(self._followed or replicas, generation)
+        except Exception:  # a bug must not end vetting for good: logged, retried
+            logger.exception("model %s: vetting its tokenizing replicas failed", self.model)
+        finally:
+            self._round = None
+            self._next_round = self._next_round_at()
+
+    def _next_round_at(self) -> float:
+        """At once for a replica never vetted (once the reference's answer is known), else
+        when the first verdict falls due."""
+        known = self._expected is not None
+        if known and any(url not in self._vettings for _, url in self._followed or ()):
+            return 0.0
+        due = [v.due for v in self._vettings.values()]
+        return min(due, default=self._clock() + self._retry_s)
+
+    async def _vet_all(self, replicas: Sequence[Replica], generation: int) -> None:
+        reference = self._reference
+        assert reference is not None
+        if self._clock() >= self._vettings[reference[1]].due or self._expected is None:
+            await self._vet_reference(reference, generation)
+        if self._expected is None or generation != self._generation:
+            return
+        now = self._clock()
+        due = [r for r in replicas if r != reference and self._due(r[1], now)]
+        for i in range(0, len(due), VETTING_AT_ONCE):
+            batch = due[i : i + VETTING_AT_ONCE]
+            answers = await asyncio.gather(*(self._probe(url) for _, url in batch))
+            if generation != self._generation:
+                return
+            for replica, answer in zip(batch, answers, strict=True):
+                self._judge(replica, answer)
+
+    def _due(self, url: str, now: float) -> bool:
+        vetting = self._vettings.get(url)
+        return vetting is None or now >= vetting.due
+
+    async def _vet_reference(self, reference: Replica, generation: int) -> None:
+        answer = await self._probe(reference[1])
+        if generation != self._generation:
+            return
+        expected, now = self._expected, self._clock()
+        failed = answer[0] is None or (expected is not None and _lost_chat(expected, answer))
+        if failed:
+            self._vettings[reference[1]] = _Vetting("agrees", now + self._retry_s)
+            return
+        if expected is not None and answer != expected:
+            logger.warning(
+                "model %s: replica %s (the reference) now tokenizes the probe differently:"
+                " every other replica is vetted again",
+                self.model,
+                reference[0],
+            )
+            self._vettings = {}
+            self._agreeing = None
+        self._expected = answer
+        self._vettings[reference[1]] = _Vetting("agrees", now + self._recheck_s)
+
+    def _judge(self, replica: Replica, answer: ProbeAnswer) -> None:
+        expected, now = self._expected, self._clock()
+        assert expected is not None and self._reference is not None
+        before = self._verdict(replica[1])
+        if answer[0] is None or _lost_chat(expected, answer):
+            self._vettings[replica[1]] = _Vetting(before, now + self._retry_s)
+            return
+        agrees = answer[0] == expected[0] and (expected[1] is None or answer[1] == expected[1])
+        verdict: Verdict = "agrees" if agrees else "differs"
+        self._vettings[replica[1]] = _Vetting(verdict, now + self._recheck_s)
+        if verdict != before:
+            self._agreeing = None
+        if verdict == "differs" and before != "differs":
+            logger.warning(
+                "model %s: replica %s tokenizes the probe differently from replica %s (the"
+                " reference): it is not asked to tokenize; its answers will show as"
+                " token_mismatch",
+                self.model,
+                replica[0],
+                self._reference[0],
+            )
+        elif verdict == "agrees" and before == "differs":
+            logger.info(
+                "model %s: replica %s tokenizes as the reference again", self.model, replica[0]
+            )
+
+
+def _lost_chat(expected: ProbeAnswer, answer: ProbeAnswer) -> bool:
+    """The chat call failed where the reference's answered (a failure, not a difference)."""
+    return expected[1] is not None and answer[1] is None
