@@ -37,6 +37,10 @@ class Dispatch:
         """No longer in flight, for ``reason``; once."""
         await self.desk.release(self, reason)
 
+    async def recount(self, num_uncached_tokens: int) -> None:
+        """Its uncached tokens, counted now (they were estimated)."""
+        await self.desk.recount(self, num_uncached_tokens)
+
 
 class ReservationDesk:
     """Reserves and releases on one event loop (``num_in_flight`` is not locked); without

@@ -8,7 +8,6 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import msgspec
@@ -26,6 +25,7 @@ from kvindex.api.health.routing import health_policy
 from kvindex.api.http.body_limit import BodyTimeoutError, BodyTooLargeError
 from kvindex.api.http.views import replica_views, stats_view
 from kvindex.api.http.worker_scrape import WorkerScrape
+from kvindex.api.load.desk import Dispatch
 from kvindex.api.load.store import LoadStore
 from kvindex.api.loop.off_loop import OffLoop
 from kvindex.api.score import RequestError, UnknownModelError
@@ -55,12 +55,14 @@ from kvindex.clients.proxy.headers import (
 )
 from kvindex.clients.proxy.journal import Journal, ReceiptSink, Ticket
 from kvindex.clients.proxy.metrics import NO_REPLICA, ProxyMetrics
+from kvindex.clients.proxy.owed_tokens import OwedTokens
 from kvindex.clients.proxy.predictions import (
     Accuracy,
     AnswerTruth,
     BodyTruth,
     Predictions,
     StreamTruth,
+    Truth,
     with_usage_asked,
 )
 from kvindex.clients.proxy.routes import (
@@ -76,6 +78,7 @@ from kvindex.clients.proxy.upstream import (
     BadRequestBodyError,
     Choice,
     NoUpstreamError,
+    Upstream,
     UpstreamPicker,
     decoded_body,
 )
@@ -293,6 +296,8 @@ class _Forwarded:
         self.path = path
         self.passthrough = passthrough
         self.allowed = PASSTHROUGH_ROUTES | set(parts.proxy.extra_routes)
+        self._owed: set[asyncio.Task[Any]] = set()
+        """The whole tokenizations heads still owe (:class:`OwedTokens`), held till done."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
@@ -359,8 +364,9 @@ class _Forwarded:
         metrics = parts.metrics  # a route's series appear with its first request
         metrics.child(metrics.first_byte, self.path).observe(time.perf_counter() - started)
         exchange.answered_by(opened.upstream.replica, choice.upstreams.index(opened.upstream))
+        owed = self._owed_tokens(choice, opened.dispatch)
         prediction = None if truth is None else choice.prediction(opened.upstream)
-        on_truth = None if prediction is None else partial(parts.predictions.record, prediction)
+        on_truth = None if prediction is None else self._judged(choice, opened.upstream, owed)
         return StreamedAnswer(
             opened,
             request_id,
@@ -372,6 +378,36 @@ class _Forwarded:
             on_truth=None if on_truth is None else ticket.telling(on_truth),
             extra_headers=exchange.headers,
         )
+
+    def _owed_tokens(self, choice: Choice, dispatch: Dispatch | None) -> OwedTokens | None:
+        """A head's whole tokenization, started now that its request is sent (None: none)."""
+        if choice.rest is None:
+            return None
+        metrics = self.parts.metrics
+        metrics.head_decisions.inc()
+        failed = metrics.head_rest_failures.inc
+        return OwedTokens(choice.rest, dispatch, self._owed, on_failure=failed)
+
+    def _judged(
+        self, choice: Choice, upstream: Upstream, owed: OwedTokens | None
+    ) -> Callable[[Truth | None], object]:
+        """What records the request's prediction against the engine's truth: with the
+        prompt's exact count, once a head's whole is counted (never if it failed)."""
+        record = self.parts.predictions.record
+        if owed is None:
+            prediction = choice.prediction(upstream)
+            assert prediction is not None
+            return lambda truth: record(prediction, truth)
+
+        def told(truth: Truth | None) -> None:
+            def counted(num_tokens: int) -> None:
+                prediction = choice.prediction(upstream, num_tokens)
+                if prediction is not None:
+                    record(prediction, truth)
+
+            owed.then(counted)
+
+        return told
 
     async def _choice(
         self, body: bytes, headers: dict[str, str]

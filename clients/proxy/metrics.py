@@ -84,6 +84,17 @@ class ProxyMetrics:
             buckets=_FRACTION_BUCKETS,
             registry=r,
         )
+        self.head_decisions = Counter(
+            "kvindex_proxy_head_decisions",
+            "Requests chosen for on their prompt's head: no replica held its start, so the rest"
+            " was tokenized while the replica answered, the reservation then recounted.",
+            registry=r,
+        )
+        self.head_rest_failures = Counter(
+            "kvindex_proxy_head_rest_failures",
+            "Heads whose rest failed to tokenize (logged; no prediction is made of the request).",
+            registry=r,
+        )
         self.tokenize_failures = Counter(
             "kvindex_proxy_tokenize_failures",
             "Requests routed on load alone because their prompt could not be tokenized.",

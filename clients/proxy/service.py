@@ -90,6 +90,7 @@ def build_proxy_app(
         lora_base=api.lora_base,
         health_policy=health_policy(api),
         explain=max(proxy.journal_candidates, proxy.max_attempts) if proxy.journal_entries else 0,
+        head_first=proxy.head_first,
     )
     reservations = Reservations(
         deps.loads.ledger, proxy.lease_ttl_s, on_lost=metrics.reservations_lost.inc

@@ -74,6 +74,10 @@ class ProxySettings:
     journal_token_bytes: int = 0
     """A receipt keeps its prompt's leading token ids, at most this many bytes (4 an id), for
     ``kvindex simulate --requests``; 0: none (the ids are the prompt: keep them knowingly)."""
+    head_first: bool = True
+    """A long prompt whose start no replica holds is chosen for once its head (a few blocks)
+    is tokenized (local tokenizers), the rest while the replica answers; false: every prompt
+    is tokenized whole first."""
 
     def __post_init__(self) -> None:
         _check_numbers(self)
@@ -143,8 +147,9 @@ def _check_credentials(settings: ProxySettings) -> None:
         raise SettingsError(
             "proxy.replica_api_keys must be a table of replica id = non-empty string"
         )
-    if not isinstance(settings.forward_client_authorization, bool):
-        raise SettingsError("proxy.forward_client_authorization must be true or false")
+    for name in ("forward_client_authorization", "head_first"):
+        if not isinstance(getattr(settings, name), bool):
+            raise SettingsError(f"proxy.{name} must be true or false")
     if settings.forward_client_authorization and settings.auth_token is not None:
         raise SettingsError(
             "proxy.forward_client_authorization would send the proxy's own auth_token on:"

@@ -95,16 +95,14 @@ class Choice:
     """Chosen on the prompt's head (``head_first``): its whole tokenization, owed once the
     choice is sent (``num_tokens`` is estimated meanwhile)."""
 
-    def prediction(self, upstream: Upstream) -> Prediction | None:
-        """What the index predicted of ``upstream`` (None: the prompt was not tokenized)."""
-        if not self.num_tokens or not self.block_size:
+    def prediction(self, upstream: Upstream, num_tokens: int = 0) -> Prediction | None:
+        """What the index predicted of ``upstream`` (None: the prompt was not tokenized);
+        ``num_tokens``: the prompt's count when it is known since (a head's whole)."""
+        num_tokens = num_tokens or self.num_tokens
+        if not num_tokens or not self.block_size:
             return None
         return Prediction(
-            upstream.replica,
-            self.model,
-            self.num_tokens,
-            upstream.num_matched_tokens,
-            self.block_size,
+            upstream.replica, self.model, num_tokens, upstream.num_matched_tokens, self.block_size
         )
 
 

@@ -66,3 +66,54 @@ def test_a_next_turn_matches_what_the_engines_hold(
     _, proxy = _start(stack, tmp_path, {"r1": extra, "r2": extra}, ("--config", str(config)))
     matched = _next_turn_matched(proxy, 10.0 if sims_tokenize == "same" else 2.0)
     assert (matched > 0.5) == (sims_tokenize == "same")
+
+
+def _counter(text: str, name: str, labels: str = "") -> float:
+    """The sum of ``name``'s samples whose labels hold ``labels``."""
+    pattern = rf"^{name}(?:\{{([^}}]*)\}})? (\S+)$"
+    found = re.findall(pattern, text, re.M)
+    return sum(float(value) for held, value in found if labels in held)
+
+
+@pytest.mark.parametrize("head_first", [True, False])
+def test_a_long_prompt_no_replica_holds_is_chosen_for_on_its_head_and_predicted_exactly(
+    stack: ExitStack, tmp_path: Path, head_first: bool
+) -> None:
+    """Never-seen long chats are chosen for on their heads (counted), the rest tokenized while
+    the replica answers: each prediction has the exact count (``exact``, no
+    ``token_mismatch``), and each chat sent again lands where its whole is held."""
+    tokenizer = write_model(tmp_path / "model")
+    config = tmp_path / "kvindex.toml"
+    flag = "true" if head_first else "false"
+    config.write_text(
+        f'[proxy]\nhead_first = {flag}\n[[models]]\nname = "{MODEL}"\ntokenizer = "{tokenizer}"\n'
+    )
+    extra = ["--tokenizer", str(tokenizer)]
+    _, proxy = _start(stack, tmp_path, {"r1": extra, "r2": extra}, ("--config", str(config)))
+    chats = [
+        [{"role": "user", "content": f"case {n}: " + f"the parcel {n} went missing " * 80}]
+        for n in range(4)
+    ]
+    with proxy.client() as client:
+        for chat in chats:
+            client.chat.completions.create(model=MODEL, messages=chat, max_tokens=2)  # type: ignore[arg-type]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the first answers' blocks reach the index
+            text = proxy.metrics()
+            if _counter(text, "kvindex_proxy_predictions_total") == len(chats):
+                break
+            time.sleep(0.1)
+        assert _counter(text, "kvindex_proxy_head_decisions_total") == (4 if head_first else 0)
+        assert _counter(text, "kvindex_proxy_predictions_total", 'outcome="exact"') == 4, text
+        count, total = _matched(proxy)
+        matched, deadline = 0.0, time.monotonic() + 10
+        while matched <= 0.9 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            client.chat.completions.create(model=MODEL, messages=chats[2], max_tokens=2)  # type: ignore[arg-type]
+            new_count, new_total = _matched(proxy)
+            matched = (new_total - total) / max(1.0, new_count - count)
+            count, total = new_count, new_total
+    assert matched > 0.9
+    text = proxy.metrics()
+    assert _counter(text, "kvindex_proxy_predictions_total", 'outcome="token_mismatch"') == 0
+    assert _counter(text, "kvindex_proxy_head_rest_failures_total") == 0

@@ -56,6 +56,17 @@ async def _vetted(renderers: Renderers, replicas: list[Replica]) -> None:
     await _until(lambda: renderers._round is None)
 
 
+async def _started(n: int, **answers: ProbeAnswer) -> tuple[Fleet, Renderers, list[Replica]]:
+    """``n`` replicas (``answers``: the probe answers that are not ``SAME``), r1 the
+    reference, the first round over."""
+    fleet, replicas = Fleet(), _replicas(n)
+    fleet.answers.update(answers)
+    renderers = fleet.renderers()
+    renderers.answered(replicas[0])
+    await _vetted(renderers, replicas)
+    return fleet, renderers, replicas
+
+
 def _firsts(renderers: Renderers, replicas: list[Replica], n: int) -> Counter[str]:
     return Counter(renderers.order(replicas, 1)[0][0] for _ in range(n))
 
@@ -90,11 +101,7 @@ def test_a_replica_that_differs_is_never_asked_and_a_warning_names_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     async def run() -> None:
-        fleet, replicas = Fleet(), _replicas(3)
-        fleet.answers["r3"] = OTHER
-        renderers = fleet.renderers()
-        renderers.answered(replicas[0])
-        await _vetted(renderers, replicas)
+        _fleet, renderers, replicas = await _started(3, r3=OTHER)
         assert renderers.verdicts() == {"agrees": 2, "differs": 1, "unvetted": 0}
         assert _firsts(renderers, replicas, 6) == {"r1": 3, "r2": 3}
         assert all(replicas[2] not in renderers.order(replicas, 3) for _ in range(3))
@@ -107,11 +114,7 @@ def test_a_replica_that_differs_is_never_asked_and_a_warning_names_it(
 
 def test_a_replica_whose_probe_failed_is_asked_after_those_that_agree_and_vetted_again() -> None:
     async def run() -> None:
-        fleet, replicas = Fleet(), _replicas(3)
-        fleet.answers["r2"] = FAILED
-        renderers = fleet.renderers()
-        renderers.answered(replicas[0])
-        await _vetted(renderers, replicas)
+        fleet, renderers, replicas = await _started(3, r2=FAILED)
         assert renderers.verdicts() == {"agrees": 2, "differs": 0, "unvetted": 1}
         assert renderers.order(replicas, 3)[-1] == replicas[1]
         fleet.now = 9.0
@@ -128,11 +131,7 @@ def test_a_replica_whose_probe_failed_is_asked_after_those_that_agree_and_vetted
 
 def test_a_chat_the_reference_cannot_render_is_left_out_of_the_comparison() -> None:
     async def run() -> None:
-        fleet, replicas = Fleet(), _replicas(2)
-        fleet.answers["r1"] = (SAME[0], None)
-        renderers = fleet.renderers()
-        renderers.answered(replicas[0])
-        await _vetted(renderers, replicas)
+        _, renderers, _ = await _started(2, r1=(SAME[0], None))
         assert renderers.verdicts()["agrees"] == 2
 
     asyncio.run(run())
@@ -140,10 +139,7 @@ def test_a_chat_the_reference_cannot_render_is_left_out_of_the_comparison() -> N
 
 def test_a_reference_gone_is_followed_by_one_that_agrees_without_vetting_again() -> None:
     async def run() -> None:
-        fleet, replicas = Fleet(), _replicas(3)
-        renderers = fleet.renderers()
-        renderers.answered(replicas[0])
-        await _vetted(renderers, replicas)
+        fleet, renderers, replicas = await _started(3)
         num_probed = len(fleet.probed)
         rest = replicas[1:]
         await _vetted(renderers, rest)
@@ -156,11 +152,7 @@ def test_a_reference_gone_is_followed_by_one_that_agrees_without_vetting_again()
 
 def test_a_reference_gone_with_none_agreeing_makes_the_next_to_answer_the_reference() -> None:
     async def run() -> None:
-        fleet, replicas = Fleet(), _replicas(3)
-        fleet.answers["r2"] = fleet.answers["r3"] = OTHER
-        renderers = fleet.renderers()
-        renderers.answered(replicas[0])
-        await _vetted(renderers, replicas)
+        _fleet, renderers, replicas = await _started(3, r2=OTHER, r3=OTHER)
         assert renderers.verdicts()["differs"] == 2
         rest = replicas[1:]
         assert renderers.order(rest, 3) == rest  # all unvetted again, no reference
@@ -173,10 +165,7 @@ def test_a_reference_gone_with_none_agreeing_makes_the_next_to_answer_the_refere
 
 def test_a_verdict_is_vetted_again_once_due() -> None:
     async def run() -> None:
-        fleet, replicas = Fleet(), _replicas(2)
-        renderers = fleet.renderers()
-        renderers.answered(replicas[0])
-        await _vetted(renderers, replicas)
+        fleet, renderers, replicas = await _started(2)
         fleet.answers["r2"] = OTHER  # redeployed with another tokenizer
         fleet.now = 299.0
         await _vetted(renderers, replicas)
@@ -192,10 +181,7 @@ def test_a_reference_that_changed_its_ids_has_every_replica_vetted_again(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     async def run() -> None:
-        fleet, replicas = Fleet(), _replicas(3)
-        renderers = fleet.renderers()
-        renderers.answered(replicas[0])
-        await _vetted(renderers, replicas)
+        fleet, renderers, replicas = await _started(3)
         fleet.answers["r1"] = fleet.answers["r2"] = OTHER  # r1 and r2 redeployed; r3 not yet
         fleet.now = 300.0
         await _vetted(renderers, replicas)
@@ -209,10 +195,7 @@ def test_a_reference_that_changed_its_ids_has_every_replica_vetted_again(
 
 def test_a_new_replica_is_vetted_at_once() -> None:
     async def run() -> None:
-        fleet, replicas = Fleet(), _replicas(2)
-        renderers = fleet.renderers()
-        renderers.answered(replicas[0])
-        await _vetted(renderers, replicas)
+        fleet, renderers, _ = await _started(2)
         more = _replicas(3)
         await _vetted(renderers, more)
         assert fleet.probed[-1] == "r3"

@@ -105,3 +105,10 @@ def test_the_verdict_rule_is_whole_numbers_with_the_limit_inside_the_window() ->
 def test_journal_bounds_are_whole_numbers_at_least_zero(name: str, value: object) -> None:
     with pytest.raises(SettingsError, match=f"proxy.{name} must be an integer >= 0"):
         ProxySettings(**{name: value})  # type: ignore[arg-type]
+
+
+def test_head_first_is_on_unless_turned_off_and_only_a_boolean() -> None:
+    assert ProxySettings().head_first
+    assert not load_proxy_settings(env={"KVINDEX_PROXY_HEAD_FIRST": "false"}).head_first
+    with pytest.raises(SettingsError, match=re.escape("proxy.head_first must be true or false")):
+        load_proxy_settings({"head_first": "yes"}, env={})
