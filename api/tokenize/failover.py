@@ -90,6 +90,7 @@ class FailoverTokenizer:
                 tokens = await call(self._tokenizer(replica[1]))
             except TokenizerError as exc:
                 errors.append(f"replica {replica[0]}: {exc}")
+                self.renderers.failed(replica)
                 continue
             self.renderers.answered(replica)
             return tokens

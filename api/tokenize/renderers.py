@@ -1,8 +1,9 @@
 """Which replicas tokenize a model's requests: the reference (the first that answered) and each
 replica whose ids for a fixed probe equal the reference's, asked in turn, so no one replica
 renders for the whole fleet. One not yet vetted is vetted in the background and asked only
-after those; one that differs is not asked (a warning names it) until a later vetting finds
-it agreeing. Each is vetted again :data:`RECHECK_S` after its last vetting. One event loop."""
+after those, as is one that failed a call until a probe of it answers again; one that
+differs is not asked (a warning names it) until a later vetting finds it agreeing. Each is
+vetted again :data:`RECHECK_S` after its last vetting. One event loop."""
 
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ class _Vetting:
     verdict: Verdict
     due: float
     """When (clock) it is vetted next."""
+    num_failures: int = 0
+    """Calls and probes failed in a row (each doubles the wait, up to ``recheck_s``)."""
 
 
 class Renderers:
@@ -109,6 +112,12 @@ class Renderers:
             self._agreeing = None
             self._next_round = 0.0
             self._maybe_vet(self._followed or [replica])
+
+    def failed(self, replica: Replica) -> None:
+        """``replica`` failed a request: asked only after those that agree until a probe
+        of it answers again."""
+        self._failing(replica[1], "unvetted")
+        self._next_round = min(self._next_round, self._vettings[replica[1]].due)
 
     def verdicts(self) -> Counter[Verdict]:
         """How many of the replicas last ordered are in each state."""
@@ -206,8 +215,8 @@ class Renderers:
             return
         expected, now = self._expected, self._clock()
         failed = answer[0] is None or (expected is not None and _lost_chat(expected, answer))
-        if failed:
-            self._vettings[reference[1]] = _Vetting("agrees", now + self._retry_s)
+        if failed:  # still the reference: what agreeing means is kept
+            self._failing(reference[1], "unvetted")
             return
         if expected is not None and answer != expected:
             logger.warning(
@@ -221,12 +230,21 @@ class Renderers:
         self._expected = answer
         self._vettings[reference[1]] = _Vetting("agrees", now + self._recheck_s)
 
+    def _failing(self, url: str, verdict: Verdict) -> None:
+        """A call or probe of ``url`` failed: ``verdict`` until it is vetted again, after
+        ``retry_s`` doubled for each failure in a row (at most ``recheck_s``)."""
+        kept = self._vettings.get(url)
+        num_failures = 1 if kept is None else kept.num_failures + 1
+        wait = min(self._recheck_s, self._retry_s * 2 ** min(num_failures - 1, 30))
+        self._vettings[url] = _Vetting(verdict, self._clock() + wait, num_failures)
+        self._agreeing = None
+
     def _judge(self, replica: Replica, answer: ProbeAnswer) -> None:
         expected, now = self._expected, self._clock()
         assert expected is not None and self._reference is not None
         before = self._verdict(replica[1])
         if answer[0] is None or _lost_chat(expected, answer):
-            self._vettings[replica[1]] = _Vetting(before, now + self._retry_s)
+            self._failing(replica[1], "differs" if before == "differs" else "unvetted")
             return
         agrees = answer[0] == expected[0] and (expected[1] is None or answer[1] == expected[1])
         verdict: Verdict = "agrees" if agrees else "differs"

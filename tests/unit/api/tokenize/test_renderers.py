@@ -230,3 +230,48 @@ def test_aclose_stops_a_round_in_flight() -> None:
         assert round_.cancelled() and renderers._round is None
 
     asyncio.run(run())
+
+
+def test_a_replica_that_fails_a_call_is_asked_last_until_a_probe_of_it_answers() -> None:
+    async def run() -> None:
+        fleet, renderers, replicas = await _started(3)
+        renderers.failed(replicas[1])
+        assert renderers.verdicts() == {"agrees": 2, "differs": 0, "unvetted": 1}
+        assert renderers.order(replicas, 3)[-1] == replicas[1]
+        assert set(_firsts(renderers, replicas, 4)) == {"r1", "r3"}
+        fleet.now = 10.0
+        await _vetted(renderers, replicas)
+        assert renderers.verdicts()["agrees"] == 3
+
+    asyncio.run(run())
+
+
+def test_a_replica_that_keeps_failing_is_probed_ever_less_often() -> None:
+    async def run() -> list[float]:
+        fleet, renderers, replicas = await _started(2, r2=FAILED)
+        probed_at = []
+        for now in range(0, 100):
+            fleet.now = float(now)
+            before = fleet.probed.count("r2")
+            await _vetted(renderers, replicas)
+            if fleet.probed.count("r2") > before:
+                probed_at.append(fleet.now)
+        return probed_at
+
+    assert asyncio.run(run()) == [10.0, 30.0, 70.0]  # 10 s, then 20, then 40
+
+
+def test_a_reference_that_fails_stays_the_reference_while_the_others_agree() -> None:
+    async def run() -> None:
+        fleet, renderers, replicas = await _started(3)
+        renderers.failed(replicas[0])
+        assert set(_firsts(renderers, replicas, 4)) == {"r2", "r3"}
+        fleet.answers["r4"] = SAME
+        more = _replicas(4)
+        await _vetted(renderers, more)  # vetted against the reference's answer, kept
+        assert renderers.verdicts() == {"agrees": 3, "differs": 0, "unvetted": 1}
+        fleet.now = 10.0
+        await _vetted(renderers, more)
+        assert renderers.verdicts()["agrees"] == 4
+
+    asyncio.run(run())
