@@ -297,6 +297,22 @@ def _sims(workdir: Path, tokenizer: Path | None, stack: ExitStack) -> list[tuple
     return sims
 
 
+def _fixed(workdir: Path, stack: ExitStack) -> list[tuple[Child, int, str]]:
+    """Three replicas of ``bench/fixed_upstream.py`` in one process (stopped with
+    ``stack``): each spec's events endpoint has no publisher."""
+    ports = [free_port() for _ in range(3)]
+    script = Path(__file__).with_name("fixed_upstream.py")
+    args = [sys.executable, str(script), MODEL, *map(str, ports)]
+    child = Child("fixed", args, workdir / "fixed.log", http_ok(ports[-1], "/health"))
+    stack.callback(child.stop)
+    child.start(30)
+    return [
+        (child, port, f"id=r{i},model={MODEL},url=http://127.0.0.1:{port},"
+         f"events=tcp://127.0.0.1:{free_port()}")
+        for i, port in enumerate(ports, start=1)
+    ]  # fmt: skip
+
+
 def _local_model(workdir: Path, reuse: bool) -> tuple[Path, Path]:
     """A byte-level BPE model directory, and the proxy's config naming it."""
     tokenizer = write_model(workdir / "model", "byte_level_bpe")
@@ -384,6 +400,13 @@ def _options() -> argparse.Namespace:
     )
     parser.add_argument("--workers", type=int, default=1, help="The proxy's --workers.")
     parser.add_argument(
+        "--upstream",
+        choices=("sims", "fixed"),
+        default="sims",
+        help="Three replica-sims, or three fixed answers from one cheap process (no KV"
+        " events; needs --tokenizer local).",
+    )
+    parser.add_argument(
         "--store", choices=("memory", "redis"), default="memory", help="The proxy's store."
     )
     parser.add_argument(
@@ -406,6 +429,8 @@ def _options() -> argparse.Namespace:
 
 def main() -> None:
     args = _options()
+    if args.upstream == "fixed" and args.tokenizer != "local":
+        raise SystemExit("--upstream fixed answers no /tokenize: give --tokenizer local")
     prompts = Prompts(args.prompt_tokens, args.unique, args.unique_prefix)
     streams = {"both": (False, True), "yes": (True,), "no": (False,)}[args.stream]
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
@@ -416,7 +441,9 @@ def main() -> None:
             tokenizer, config = _local_model(workdir, not args.no_prefix_reuse)
             prompts, num_ids = _fitted(prompts, tokenizer)
             shape |= {"prompt_ids": num_ids, "prefix_reuse": not args.no_prefix_reuse}
-        sims = _sims(workdir, tokenizer, stack)
+        sims = (
+            _fixed(workdir, stack) if args.upstream == "fixed" else _sims(workdir, tokenizer, stack)
+        )
         port = free_port()
         specs = [spec for _, _, spec in sims]
         command = ["proxy", "--port", str(port), *_store(args.store, specs, stack, workdir)]
@@ -433,6 +460,7 @@ def main() -> None:
         sim_ports = [p for _, p, _ in sims]
         shape |= {"prompt_tokens": prompts.num_tokens, "unique": prompts.unique}
         shape |= {"workers": args.workers, "store": args.store, "tokenizer": args.tokenizer}
+        shape["upstream"] = args.upstream
         if prompts.unique_prefix:
             shape["unique_prefix"] = True
         assert proxy.process is not None
