@@ -20,8 +20,7 @@ from kvindex.api.loop.off_loop import OffLoop
 from kvindex.api.loop.periodic import Periodic
 from kvindex.api.loop.probe import Probes
 from kvindex.api.score import Scorer
-from kvindex.api.tokenize.choice import ModelTokenizers
-from kvindex.api.tokenize.failover import ProxyTokenizers
+from kvindex.api.tokenize.failover import FleetTokenizers
 from kvindex.indexer.config.store import StoreSettings
 from kvindex.indexer.fleet.registry import RegistryView
 from kvindex.indexer.fleet.replica_health import Ejection
@@ -120,7 +119,6 @@ class Hooks:
     on_scrape_failure: Callable[[str], None] = _ignore
     on_ejected: Callable[[str, Ejection], None] = _ignore
     on_check_stalled: Callable[[str], None] = _ignore
-    failover_tokenizers: bool = False
     distrusted: Callable[[], Collection[str]] = frozenset  # discounted now (the proxy's)
 
 
@@ -133,7 +131,7 @@ class ReadPath:
     index: BlockIndex
     http: httpx.AsyncClient
     probes: Probes
-    tokenizers: ModelTokenizers | ProxyTokenizers
+    tokenizers: FleetTokenizers
     scorer: Scorer
     scraper: MetricsScraper | None
     health_checker: HealthChecker
@@ -168,11 +166,7 @@ def build_read_path(deps: ApiDeps, hooks: Hooks | None = None) -> ReadPath:
         timeout=settings.scrape_timeout_s, trust_env=False, transport=_LazyTransport()
     )
     probes = Probes(http)  # the checks' and scrapes' GETs, the replica tokenizers' POSTs
-    tokenizers: ModelTokenizers | ProxyTokenizers = (
-        ProxyTokenizers(settings, registry, probes)
-        if hooks.failover_tokenizers
-        else ModelTokenizers(settings, registry, probes)
-    )
+    tokenizers = FleetTokenizers(settings, registry, probes)
     scorer = Scorer(
         settings,
         index,

@@ -4,6 +4,7 @@ stream is down."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Collection, Sequence
 
 from kvindex.api.config.settings import ApiSettings
@@ -22,6 +23,30 @@ def health_policy(settings: ApiSettings) -> HealthPolicy:
             10.0, 3 * (settings.health_check_interval_s + settings.health_check_timeout_s)
         ),
     )
+
+
+def ejected_now(
+    registry: RegistryView,
+    policy: HealthPolicy,
+    *,
+    clock: Callable[[], float] = time.time,
+    period_s: float = 1.0,
+) -> Callable[[], frozenset[str]]:
+    """The replicas ejected now (failed health checks, an open breaker), read from the
+    registry at most once per ``period_s``."""
+    kept: tuple[float, frozenset[str]] = (-period_s, frozenset())
+
+    def ejected() -> frozenset[str]:
+        nonlocal kept
+        now = clock()
+        if now - kept[0] < period_s:
+            return kept[1]
+        health = registry.replica_health()
+        found = frozenset(r for r, h in health.items() if h.ejection(now, policy) is not None)
+        kept = (now, found)
+        return found
+
+    return ejected
 
 
 def out_of_routing(

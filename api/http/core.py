@@ -16,7 +16,7 @@ from starlette.responses import Response
 from kvindex.api.config.url_policy import UntrustedUrlError
 from kvindex.api.http.body_limit import BodyTimeoutError, BodyTooLargeError
 from kvindex.api.http.hot_routes import Answer, HotRoute, HotServing, RouteName
-from kvindex.api.http.metrics import ApiMetrics, TimedIndex
+from kvindex.api.http.metrics import ApiMetrics, TimedIndex, TokenizerCollector
 from kvindex.api.http.tally import Timings
 from kvindex.api.http.traffic import TrafficObserver
 from kvindex.api.load.model import LoadError
@@ -62,6 +62,7 @@ class ApiCore:
         )
         self.read_path = read_path = build_read_path(deps, hooks)
         metrics.watch_block_sizes(read_path.block_sizes)
+        metrics.registry.register(TokenizerCollector(read_path.tokenizers.renderers))
         self.deps = deps
         self.off_loop = read_path.off_loop
         self.index, self.scorer = read_path.index, read_path.scorer

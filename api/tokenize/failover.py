@@ -5,12 +5,13 @@ what it learnt of its routes while it serves the model."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 from kvindex.api.config.settings import ApiSettings
+from kvindex.api.health.routing import ejected_now, health_policy
 from kvindex.api.tokenize.cache import CachingTokenizer
-from kvindex.api.tokenize.choice import ModelTokenizers, replica_route
+from kvindex.api.tokenize.choice import LocalTokenizers, replica_route
 from kvindex.api.tokenize.protocol import NO_OPTIONS, ChatOptions, Tokenizer, TokenizerError
 from kvindex.api.tokenize.renderers import (
     PROBE_MESSAGES,
@@ -39,9 +40,12 @@ class FailoverTokenizer:
         *,
         timeout_s: float,
         route: ReplicaRoute = "auto",
+        ejected: Callable[[], Collection[str]] = frozenset,
         vetting: dict[str, Any] | None = None,
     ) -> None:
-        """``vetting``: :class:`.Renderers`' keyword arguments (its clock and periods)."""
+        """``ejected``: the replicas out of routing now (asked after all the others);
+        ``vetting``: :class:`.Renderers`' keyword arguments (its clock and periods)."""
+        self._ejected = ejected
         self._model = model
         self._registry = registry
         self._client = client
@@ -58,6 +62,10 @@ class FailoverTokenizer:
         self, messages: list[dict[str, Any]], options: ChatOptions = NO_OPTIONS
     ) -> list[int]:
         return await self._first_answer(lambda t: t.encode_messages(messages, options))
+
+    def serving(self) -> bool:
+        """Whether some replica of the model has a URL to tokenize with."""
+        return bool(self._replicas())
 
     async def aclose(self) -> None:
         await self.renderers.aclose()
@@ -85,7 +93,7 @@ class FailoverTokenizer:
         if not replicas:
             raise TokenizerError(f"no replica of {self._model!r} has a url to tokenize with")
         errors: list[str] = []
-        for replica in self.renderers.order(replicas, MAX_TRIES):
+        for replica in self.renderers.order(replicas, MAX_TRIES, self._ejected()):
             try:
                 tokens = await call(self._tokenizer(replica[1]))
             except TokenizerError as exc:
@@ -113,8 +121,10 @@ class FailoverTokenizer:
         return tokenizer
 
 
-class ProxyTokenizers:
-    """The tokenizer of each model, built on first use; the caller owns ``client``."""
+class FleetTokenizers:
+    """Every read path's tokenizer of each model (the API's, the proxy's, the picker's): its
+    ``tokenizer.json`` when configured, else its replicas in turn; built on first use; the
+    caller owns ``client``."""
 
     def __init__(
         self, settings: ApiSettings, registry: RegistryView, client: TokenizeClient
@@ -122,43 +132,46 @@ class ProxyTokenizers:
         self._settings = settings
         self._registry = registry
         self._client = client
-        self._local = ModelTokenizers(settings, registry, client)
-        self._model_to_tokenizer: dict[str, Tokenizer] = {}
-        self._failovers: list[FailoverTokenizer] = []
+        self._local = LocalTokenizers(settings)
+        self._ejected = ejected_now(registry, health_policy(settings))
+        self._model_to_tokenizer: dict[str, tuple[Tokenizer, FailoverTokenizer]] = {}
 
     def tokenizer(self, model: str) -> Tokenizer | None:
+        """None: no ``tokenizer.json`` and no replica of the model with a URL."""
         configured = self._settings.model(model)
         route = replica_route(None if configured is None else configured.tokenizer)
         if route is None:
             return self._local.tokenizer(model)
-        tokenizer = self._model_to_tokenizer.get(model)
-        if tokenizer is None:
-            tokenizer = self._failover(model, route)
-            self._model_to_tokenizer[model] = tokenizer
-        return tokenizer
+        kept = self._model_to_tokenizer.get(model)
+        if kept is None:
+            kept = self._model_to_tokenizer[model] = self._failover(model, route)
+        return kept[0] if kept[1].serving() else None
 
     def forget(self, model: str) -> None:
         self._local.forget(model)
 
     def renderers(self) -> list[Renderers]:
         """Each replica-tokenized model's :class:`.Renderers` (for its metrics)."""
-        return [failover.renderers for failover in self._failovers]
+        return [failover.renderers for _, failover in self._model_to_tokenizer.values()]
 
     async def aclose(self) -> None:
-        for failover in self._failovers:
+        for _, failover in self._model_to_tokenizer.values():
             await failover.aclose()
 
-    def _failover(self, model: str, route: ReplicaRoute) -> Tokenizer:
+    def _failover(self, model: str, route: ReplicaRoute) -> tuple[Tokenizer, FailoverTokenizer]:
         settings = self._settings
         inner = FailoverTokenizer(
-            model, self._registry, self._client, timeout_s=settings.scrape_timeout_s, route=route
+            model,
+            self._registry,
+            self._client,
+            timeout_s=settings.scrape_timeout_s,
+            route=route,
+            ejected=self._ejected,
         )
-        self._failovers.append(inner)
         if settings.tokenizer_cache_entries == 0:
-            return inner
-        return CachingTokenizer(
-            inner, settings.tokenizer_cache_entries, settings.tokenizer_cache_bytes
-        )
+            return inner, inner
+        entries, size = settings.tokenizer_cache_entries, settings.tokenizer_cache_bytes
+        return CachingTokenizer(inner, entries, size), inner
 
 
 async def _ids(call: Awaitable[list[int]]) -> Ids | None:

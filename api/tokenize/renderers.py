@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -83,19 +83,26 @@ class Renderers:
         self.num_answers: Counter[str] = Counter()
         """Calls answered, by replica id (of the replicas still here)."""
 
-    def order(self, replicas: Sequence[Replica], limit: int) -> list[Replica]:
+    def order(
+        self, replicas: Sequence[Replica], limit: int, avoid: Collection[str] = ()
+    ) -> list[Replica]:
         """Up to ``limit`` of ``replicas`` (the model's, in registry order; pass the same
         object while they do not change) to ask: those that agree from this call's turn on,
-        then the unvetted; none that differs. Starts a vetting round when one is due."""
+        then the unvetted; none that differs; the ids in ``avoid`` (ejected) after all the
+        others. Starts a vetting round when one is due."""
         if replicas is not self._followed:
             self._follow(replicas)
         self._maybe_vet(replicas)
         if self._reference is None:
-            return list(replicas[:limit])
+            return _avoiding(replicas, avoid)[:limit]
         agreeing = self._agreeing_of(replicas)
         num_agreeing = len(agreeing)
         self._turn += 1
         turn = self._turn
+        if avoid:  # the healthy that agree, the healthy unvetted, then the avoided
+            rotated = [agreeing[(turn + i) % num_agreeing] for i in range(num_agreeing)]
+            unvetted = [r for r in replicas if self._verdict(r[1]) == "unvetted"]
+            return _avoiding(rotated + unvetted, avoid)[:limit]
         chosen = [agreeing[(turn + i) % num_agreeing] for i in range(min(limit, num_agreeing))]
         if len(chosen) < limit:
             unvetted = [r for r in replicas if self._verdict(r[1]) == "unvetted"]
@@ -264,6 +271,13 @@ class Renderers:
             logger.info(
                 "model %s: replica %s tokenizes as the reference again", self.model, replica[0]
             )
+
+
+def _avoiding(replicas: Sequence[Replica], avoid: Collection[str]) -> list[Replica]:
+    """``replicas`` in order, those whose id is in ``avoid`` moved last."""
+    if not avoid:
+        return list(replicas)
+    return [r for r in replicas if r[0] not in avoid] + [r for r in replicas if r[0] in avoid]
 
 
 def _lost_chat(expected: ProbeAnswer, answer: ProbeAnswer) -> bool:

@@ -22,7 +22,6 @@ from kvindex.api.http.server import Service
 from kvindex.api.load.desk import ReservationDesk
 from kvindex.api.load.reservations import LeaseKeeper, Reservations
 from kvindex.api.runtime import ApiDeps, Hooks, ReadPath, build_read_path, open_stores
-from kvindex.api.tokenize.failover import ProxyTokenizers
 from kvindex.clients.picker.admission import Admission
 from kvindex.clients.picker.decision import EndpointChooser
 from kvindex.clients.picker.exchange import Exchange
@@ -87,10 +86,8 @@ def build_picker(deps: ApiDeps, settings: PickerSettings) -> Picker:
     metrics = PickerMetrics()
     hooks = Hooks(
         wrap_index=lambda index: TimedIndex(index, metrics.lookup_latency),
-        failover_tokenizers=True,
     )
     read_path = build_read_path(deps, hooks)
-    assert isinstance(read_path.tokenizers, ProxyTokenizers)  # failover_tokenizers asks it
     metrics.registry.register(TokenizerCollector(read_path.tokenizers.renderers))
     policy = health_policy(api)
 

@@ -24,7 +24,6 @@ from kvindex.api.http.workers import Workers, bound_socket
 from kvindex.api.load.desk import ReservationDesk
 from kvindex.api.load.reservations import LeaseKeeper, Reservations
 from kvindex.api.runtime import ApiDeps, Hooks, build_read_path, open_stores
-from kvindex.api.tokenize.failover import ProxyTokenizers
 from kvindex.clients.proxy.app import (
     ProxyParts,
     create_proxy_app,
@@ -74,12 +73,10 @@ def build_proxy_app(
         wrap_index=lambda index: TimedIndex(index, metrics.lookup_latency),
         on_ejected=ejected,
         on_check_stalled=ejections.check_stalled,
-        failover_tokenizers=True,
         distrusted=distrusted,
     )
     read_path = build_read_path(deps, hooks)
     metrics.watch_block_sizes(read_path.block_sizes)
-    assert isinstance(read_path.tokenizers, ProxyTokenizers)  # failover_tokenizers asks it
     metrics.watch_tokenizers(read_path.tokenizers.renderers)
     if deps.runs_write_path:  # as `kvindex serve`: an indexer elsewhere exports its own
         metrics.watch_write_path(deps.registry, deps.index)

@@ -21,7 +21,6 @@ from fastapi.responses import JSONResponse
 from kvindex.api.http.background import BackgroundServer
 from kvindex.api.loop.probe import Probes
 from kvindex.api.tokenize.cache import CachingTokenizer
-from kvindex.api.tokenize.choice import TokenizerSpec, build_tokenizer
 from kvindex.api.tokenize.protocol import Tokenizer, TokenizerError
 from kvindex.api.tokenize.replica import ReplicaTokenizer, TokenizeClient
 
@@ -141,11 +140,8 @@ def test_messages_end_to_end(replica: FakeReplica, with_client: WithClient) -> N
 
 
 def test_cache_avoids_second_request(replica: FakeReplica, with_client: WithClient) -> None:
-    spec = TokenizerSpec(kind="replica", base_url=replica.base_url, model=MODEL)
-
     async def call(client: TokenizeClient) -> CachingTokenizer:
-        tok = build_tokenizer(spec, client)
-        assert isinstance(tok, CachingTokenizer)
+        tok = CachingTokenizer(ReplicaTokenizer(client, replica.base_url, MODEL))
         first = [await tok.encode_prompt("1 2"), await tok.encode_messages(CONVERSATION)]
         again = [await tok.encode_prompt("1 2"), await tok.encode_messages(CONVERSATION)]
         assert first == again

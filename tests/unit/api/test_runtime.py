@@ -17,8 +17,7 @@ from kvindex.api.http import core as core_module
 from kvindex.api.http import server as server_module
 from kvindex.api.load.store import MemoryLoadStore
 from kvindex.api.runtime import ApiDeps, Hooks, ReadPath, build_read_path, open_stores
-from kvindex.api.tokenize.choice import ModelTokenizers
-from kvindex.api.tokenize.failover import ProxyTokenizers
+from kvindex.api.tokenize.failover import FleetTokenizers
 from kvindex.clients.cli import main as cli_module
 from kvindex.clients.proxy import service as proxy_module
 from kvindex.clients.proxy.settings import ProxySettings
@@ -57,8 +56,8 @@ def test_the_api_app_and_the_proxy_app_are_built_by_the_one_assembly() -> None:
         served, _ = server_module.served_app(_deps())
         proxy = proxy_module.build_proxy_app(_deps(), ProxySettings())
     assert spy.built == [api.state.read_path, served.core.read_path, proxy.state.read_path]
-    assert isinstance(api.state.read_path.tokenizers, ModelTokenizers)
-    assert isinstance(proxy.state.read_path.tokenizers, ProxyTokenizers)  # fails over
+    assert isinstance(api.state.read_path.tokenizers, FleetTokenizers)  # the same kind
+    assert isinstance(proxy.state.read_path.tokenizers, FleetTokenizers)
 
 
 def test_the_runtime_starts_and_stops_its_parts() -> None:

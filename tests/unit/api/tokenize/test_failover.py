@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 
 import httpx
 import pytest
 
 from kvindex.api.config.settings import ApiSettings, ModelSpec
+from kvindex.api.health.routing import health_policy
 from kvindex.api.tokenize.cache import CachingTokenizer
-from kvindex.api.tokenize.failover import FailoverTokenizer, ProxyTokenizers
+from kvindex.api.tokenize.failover import FailoverTokenizer, FleetTokenizers
 from kvindex.api.tokenize.protocol import TokenizerError
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
@@ -92,7 +94,7 @@ def test_the_rule_local_file_or_failover_with_the_cache_in_front() -> None:
 
     async def run() -> None:
         async with httpx.AsyncClient(transport=httpx.MockTransport(replicas.handle)) as client:
-            tokenizers = ProxyTokenizers(settings, _registry(), client)
+            tokenizers = FleetTokenizers(settings, _registry(), client)
             tokenizer = tokenizers.tokenizer(MODEL)
             assert tokenizer is not None and tokenizers.tokenizer(MODEL) is tokenizer
             assert await tokenizer.encode_prompt("x y") == [1, 1]
@@ -128,7 +130,7 @@ def test_each_replica_keeps_its_route_and_the_configured_route_is_used() -> None
             )
         )
         async with httpx.AsyncClient(transport=httpx.MockTransport(handle)) as client:
-            tokenizer = ProxyTokenizers(settings, registry, client).tokenizer(MODEL)
+            tokenizer = FleetTokenizers(settings, registry, client).tokenizer(MODEL)
             assert isinstance(tokenizer, CachingTokenizer)
             inner = tokenizer.inner
             assert isinstance(inner, FailoverTokenizer)
@@ -146,3 +148,58 @@ def test_each_replica_keeps_its_route_and_the_configured_route_is_used() -> None
     paths.clear()
     assert asyncio.run(run("tokenize")) == [[2], [2], [2]]
     assert paths == ["r1/tokenize", "r2/tokenize", "r2/tokenize"]
+
+
+def test_an_ejected_replica_is_asked_only_after_the_others() -> None:
+    replicas = Replicas()
+
+    async def run() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(replicas.handle)) as client:
+            tokenizer = FailoverTokenizer(
+                MODEL, _registry(), client, timeout_s=1, ejected=lambda: {"r1"}
+            )
+            for _ in range(3):
+                assert await tokenizer.encode_prompt("a") == [1]
+            await tokenizer.aclose()
+
+    asyncio.run(run())
+    assert replicas.asked[0] == "r2" and "r1" not in replicas.asked[:3]
+
+
+@pytest.mark.parametrize(
+    ("configured", "route"),
+    [(None, "auto"), ("replica", "auto"), ("render", "render"), ("tokenize", "tokenize")],
+)
+def test_a_model_without_a_file_is_tokenized_by_its_replicas_on_the_route_named(
+    configured: str | None, route: str
+) -> None:
+    async def run() -> None:
+        settings = ApiSettings(models=(ModelSpec(MODEL, tokenizer=configured),))
+        async with httpx.AsyncClient(transport=httpx.MockTransport(Replicas().handle)) as client:
+            tokenizers = FleetTokenizers(settings, _registry(), client)
+            tokenizer = tokenizers.tokenizer(MODEL)
+            assert isinstance(tokenizer, CachingTokenizer)
+            assert isinstance(tokenizer.inner, FailoverTokenizer)
+            assert tokenizer.inner._route == route
+            assert tokenizers.tokenizer(MODEL) is tokenizer
+            await tokenizers.aclose()
+
+    asyncio.run(run())
+
+
+def test_a_replica_the_health_checks_ejected_is_asked_after_the_others() -> None:
+    replicas = Replicas()
+    settings = ApiSettings(unhealthy_threshold=1)
+    registry, policy, now = _registry(), health_policy(settings), time.time()
+    registry.update_health({"r1": lambda h: h.after_check(False, "down", now, policy)})
+
+    async def run() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(replicas.handle)) as client:
+            tokenizers = FleetTokenizers(settings, registry, client)
+            tokenizer = tokenizers.tokenizer(MODEL)
+            assert tokenizer is not None
+            assert await tokenizer.encode_prompt("a b") == [1, 1]
+            await tokenizers.aclose()
+
+    asyncio.run(run())
+    assert replicas.asked[0] == "r2"

@@ -275,3 +275,17 @@ def test_a_reference_that_fails_stays_the_reference_while_the_others_agree() -> 
         assert renderers.verdicts()["agrees"] == 4
 
     asyncio.run(run())
+
+
+def test_the_avoided_are_asked_after_every_other_replica() -> None:
+    async def run() -> None:
+        _, renderers, replicas = await _started(4)
+        renderers.failed(replicas[3])  # r4 unvetted: still before the avoided
+        for _ in range(4):
+            order = renderers.order(replicas, 4, avoid={"r2"})
+            assert order[-2:] == [replicas[3], replicas[1]]
+            assert set(order[:2]) == {replicas[0], replicas[2]}
+        before = renderers.order([replicas[1], replicas[0]], 2, avoid={"r2"})
+        assert before[-1] == replicas[1]
+
+    asyncio.run(run())
