@@ -367,6 +367,8 @@ def _receipt_heading(r: Receipt) -> Text:
     lines = [title, chose]
     if r.untokenized:
         lines.append("the prompt's tokenizer failed: ranked on load alone")
+    if r.head:
+        lines.append("chosen on the prompt's head: no replica held its start")
     if r.unhealthy:
         lines.append(
             "left out, unhealthy: " + ", ".join(f"{k} ({v})" for k, v in r.unhealthy.items())

@@ -365,6 +365,8 @@ class _Forwarded:
         metrics.child(metrics.first_byte, self.path).observe(time.perf_counter() - started)
         exchange.answered_by(opened.upstream.replica, choice.upstreams.index(opened.upstream))
         owed = self._owed_tokens(choice, opened.dispatch)
+        if owed is not None:
+            owed.then(ticket.counted)
         prediction = None if truth is None else choice.prediction(opened.upstream)
         on_truth = None if prediction is None else self._judged(choice, opened.upstream, owed)
         return StreamedAnswer(

@@ -53,6 +53,8 @@ class Ticket:
     truth: Truth | None = None
     told: bool = False
     status: int = 0
+    num_tokens: int = 0
+    """The prompt's tokens once a head's whole is counted (0: the choice's count holds)."""
     ended: float = 0.0
     """``time.perf_counter()`` when the request ended (recorded)."""
 
@@ -65,6 +67,10 @@ class Ticket:
             self.body = body if keep else None
             limit = body.get("max_tokens", body.get("max_completion_tokens"))
             self.max_tokens = limit if type(limit) is int else None
+
+    def counted(self, num_tokens: int) -> None:
+        """The prompt's tokens, counted since the choice (a head's whole)."""
+        self.num_tokens = num_tokens
 
     def telling(self, on_truth: Callable[[Truth | None], object]) -> Callable[[Truth | None], None]:
         def told(truth: Truth | None) -> None:
@@ -257,7 +263,7 @@ def receipt_of(ticket: Ticket, num_candidates: int, max_attempts: int) -> Receip
         time=ticket.time,
         route=exchange.path,
         model=answer.model,
-        num_tokens=answer.num_tokens,
+        num_tokens=ticket.num_tokens or answer.num_tokens,
         block_size=answer.block_size,
         num_blocks=answer.num_blocks,
         policy=answer.policy,
@@ -272,6 +278,7 @@ def receipt_of(ticket: Ticket, num_candidates: int, max_attempts: int) -> Receip
         status=ticket.status,
         duration_ms=round(((ticket.ended or time.perf_counter()) - exchange.started) * 1000, 3),
         untokenized=choice.untokenized,
+        head=choice.rest is not None,
         max_tokens=ticket.max_tokens,
         session=ticket.session,
     )

@@ -9,6 +9,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.integration.test_proxy_forwarding import MODEL, Proxy, _start, stack
@@ -114,6 +115,12 @@ def test_a_long_prompt_no_replica_holds_is_chosen_for_on_its_head_and_predicted_
             matched = (new_total - total) / max(1.0, new_count - count)
             count, total = new_count, new_total
     assert matched > 0.9
+    (last,) = httpx.get(f"{proxy.base_url}/decisions?limit=1", trust_env=False).json()
+    assert not last["head"]  # matched: its start was held, the whole decided
+    first_times = httpx.get(f"{proxy.base_url}/decisions?limit=100", trust_env=False).json()
+    for receipt in first_times[:4]:  # the exact count, estimated or not
+        assert receipt["head"] == head_first
+        assert receipt["num_tokens"] == receipt["prompt_tokens"], receipt
     text = proxy.metrics()
     assert _counter(text, "kvindex_proxy_predictions_total", 'outcome="token_mismatch"') == 0
     assert _counter(text, "kvindex_proxy_head_rest_failures_total") == 0

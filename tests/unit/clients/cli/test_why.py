@@ -67,6 +67,7 @@ def test_a_receipt_in_words() -> None:
         ({"retries": 1, "answered_by": "r1"}, "answered by r1 after 1 retry"),
         ({"unhealthy": {"r3": "ejected"}}, "left out, unhealthy: r3 (ejected)"),
         ({"untokenized": True}, "ranked on load alone"),
+        ({"head": True}, "chosen on the prompt's head"),
     ],
 )
 def test_each_outcome_and_detail_is_said(changes: dict[str, object], words: str) -> None:
