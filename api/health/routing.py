@@ -32,8 +32,7 @@ def ejected_now(
     clock: Callable[[], float] = time.time,
     period_s: float = 1.0,
 ) -> Callable[[], frozenset[str]]:
-    """The replicas ejected now (failed health checks, an open breaker), read from the
-    registry at most once per ``period_s``."""
+    """The replicas ejected now, read from the registry at most once per ``period_s``."""
     kept: tuple[float, frozenset[str]] = (-period_s, frozenset())
 
     def ejected() -> frozenset[str]:

@@ -146,8 +146,7 @@ class BlockSizeCollector(Collector):
 
 
 class TokenizerCollector(Collector):
-    """The replicas that tokenize each model: how many agree with the reference, differ or
-    are not vetted yet, and the calls each answered (:mod:`kvindex.api.tokenize.renderers`)."""
+    """The replicas that tokenize each model by verdict, and the calls each answered."""
 
     def __init__(self, renderers: Callable[[], Iterable[Renderers]]) -> None:
         self._renderers = renderers

@@ -1,6 +1,5 @@
-"""Which tokenizer a model's setting names: a replica route (:func:`replica_route`, asked of
-the replicas by :mod:`.failover`) or a ``tokenizer.json`` path, built here with its chat
-template, its caches and prefix reuse; a bad spec is a TokenizerError naming the field."""
+"""A model's ``tokenizer`` setting: a replica route (:mod:`.failover` asks them) or a
+``tokenizer.json`` built here; a bad spec is a TokenizerError naming the field."""
 
 from __future__ import annotations
 
@@ -27,9 +26,8 @@ def replica_route(tokenizer: str | None) -> ReplicaRoute | None:
 
 @dataclass(frozen=True, slots=True)
 class TokenizerSpec:
-    """A ``tokenizer.json`` (and a chat template: default beside it); 0 entries: no cache
-    (else at most ``cache_entries`` and ``cache_bytes``, :class:`.CachingTokenizer`); shared
-    prefixes reused in ``prefix_cache_bytes`` (0: none)."""
+    """A ``tokenizer.json`` (its chat template beside it by default); 0 ``cache_entries``: no
+    :class:`.CachingTokenizer`; 0 ``prefix_cache_bytes``: no prefix reuse."""
 
     path: str
     chat_template_path: str | None = None
@@ -64,8 +62,7 @@ def build_tokenizer(spec: TokenizerSpec) -> Tokenizer:
 
 
 class LocalTokenizers:
-    """The tokenizer of each model configured with a ``tokenizer.json``, built on first use
-    (a build that failed is tried again at the next request)."""
+    """Each model's ``tokenizer.json``, built on first use (a failed build tried again)."""
 
     def __init__(self, settings: ApiSettings) -> None:
         self._settings = settings

@@ -43,8 +43,7 @@ class FailoverTokenizer:
         ejected: Callable[[], Collection[str]] = frozenset,
         vetting: dict[str, Any] | None = None,
     ) -> None:
-        """``ejected``: the replicas out of routing now (asked after all the others);
-        ``vetting``: :class:`.Renderers`' keyword arguments (its clock and periods)."""
+        """``ejected``: those out of routing now; ``vetting``: :class:`.Renderers`' options."""
         self._ejected = ejected
         self._model = model
         self._registry = registry
@@ -71,8 +70,7 @@ class FailoverTokenizer:
         await self.renderers.aclose()
 
     def _replicas(self) -> list[Replica]:
-        """(id, url) of the model's replicas with a URL, in registry order: one list object
-        while the registry does not change."""
+        """(id, url) of the model's replicas with a URL: one list while they do not change."""
         version = self._registry.streams_version()
         serving = self._serving
         if serving is None or serving[0] != version:
@@ -122,9 +120,8 @@ class FailoverTokenizer:
 
 
 class FleetTokenizers:
-    """Every read path's tokenizer of each model (the API's, the proxy's, the picker's): its
-    ``tokenizer.json`` when configured, else its replicas in turn; built on first use; the
-    caller owns ``client``."""
+    """Every read path's tokenizer of each model: its ``tokenizer.json`` when configured, else
+    its replicas in turn; built on first use; the caller owns ``client``."""
 
     def __init__(
         self, settings: ApiSettings, registry: RegistryView, client: TokenizeClient

@@ -1,9 +1,7 @@
-"""Which replicas tokenize a model's requests: the reference (the first that answered) and each
-replica whose ids for a fixed probe equal the reference's, asked in turn, so no one replica
-renders for the whole fleet. One not yet vetted is vetted in the background and asked only
-after those, as is one that failed a call until a probe of it answers again; one that
-differs is not asked (a warning names it) until a later vetting finds it agreeing. Each is
-vetted again :data:`RECHECK_S` after its last vetting. One event loop."""
+"""Which replicas tokenize a model: the reference (the first to answer) and those whose ids for
+a fixed probe equal its own, in turn; the unvetted (vetted in the background) and those that
+failed a call after them; one that differs never (a warning names it). Each is vetted again
+:data:`RECHECK_S` after its last vetting. One event loop."""
 
 from __future__ import annotations
 
@@ -17,10 +15,8 @@ from typing import Any, Literal
 
 RECHECK_S = 300.0
 """How long a verdict holds before the replica is vetted again (a redeploy may change it)."""
-RETRY_S = 10.0
-"""How soon a replica whose probe failed is vetted again."""
+RETRY_S = 10.0  # a failed replica's first wait before its next probe
 VETTING_AT_ONCE = 8
-"""Replicas probed at the same time in a round."""
 
 PROBE_PROMPT = "kvindex probe: Ünïcödé, 数字 12345 and <tags>\n\ttabs… 🦊 done."
 PROBE_MESSAGES: list[dict[str, Any]] = [
@@ -36,8 +32,7 @@ Ids = tuple[int, ...]
 ProbeAnswer = tuple[Ids | None, Ids | None]
 """A replica's ids for :data:`PROBE_PROMPT` and :data:`PROBE_MESSAGES` (None: that call failed)."""
 Probe = Callable[[str], Awaitable[ProbeAnswer]]
-Replica = tuple[str, str]
-"""(id, url)."""
+Replica = tuple[str, str]  # (id, url)
 
 logger = logging.getLogger("kvindex.tokenize")
 
@@ -45,15 +40,12 @@ logger = logging.getLogger("kvindex.tokenize")
 @dataclass(slots=True)
 class _Vetting:
     verdict: Verdict
-    due: float
-    """When (clock) it is vetted next."""
-    num_failures: int = 0
-    """Calls and probes failed in a row (each doubles the wait, up to ``recheck_s``)."""
+    due: float  # when (clock) it is vetted next
+    num_failures: int = 0  # in a row: each doubles the wait, up to recheck_s
 
 
 class Renderers:
-    """One model's tokenizing replicas, keyed by URL; ``probe`` answers for one URL (never
-    raises). :meth:`aclose` stops a round in flight."""
+    """One model's tokenizing replicas; ``probe`` answers for one URL and never raises."""
 
     def __init__(
         self,
@@ -70,26 +62,22 @@ class Renderers:
         self._recheck_s = recheck_s
         self._retry_s = retry_s
         self._reference: Replica | None = None
-        self._expected: ProbeAnswer | None = None
-        """The reference's answer: what agreeing means (None: not taken yet)."""
+        self._expected: ProbeAnswer | None = None  # the reference's answer: what agreeing is
         self._vettings: dict[str, _Vetting] = {}
-        self._generation = 0
-        """Moves on when the reference changes: a round's late results are then dropped."""
+        self._generation = 0  # moves on with the reference: a round's late results dropped
         self._turn = 0
         self._next_round = 0.0
         self._round: asyncio.Task[None] | None = None
         self._followed: Sequence[Replica] | None = None
         self._agreeing: list[Replica] | None = None
-        self.num_answers: Counter[str] = Counter()
-        """Calls answered, by replica id (of the replicas still here)."""
+        self.num_answers: Counter[str] = Counter()  # calls answered, by replica still here
 
     def order(
         self, replicas: Sequence[Replica], limit: int, avoid: Collection[str] = ()
     ) -> list[Replica]:
-        """Up to ``limit`` of ``replicas`` (the model's, in registry order; pass the same
-        object while they do not change) to ask: those that agree from this call's turn on,
-        then the unvetted; none that differs; the ids in ``avoid`` (ejected) after all the
-        others. Starts a vetting round when one is due."""
+        """Up to ``limit`` of ``replicas`` (registry order; the same object while unchanged)
+        to ask: those that agree from this turn on, then the unvetted, the ids in ``avoid``
+        last; none that differs. Starts a vetting round when one is due."""
         if replicas is not self._followed:
             self._follow(replicas)
         self._maybe_vet(replicas)
@@ -110,8 +98,7 @@ class Renderers:
         return chosen
 
     def answered(self, replica: Replica) -> None:
-        """``replica`` answered a request: counted; the reference if there was none (the
-        others are vetted against it from now)."""
+        """``replica`` answered a request: counted; the reference if there was none."""
         self.num_answers[replica[0]] += 1
         if self._reference is None:
             self._reference = replica
@@ -121,8 +108,7 @@ class Renderers:
             self._maybe_vet(self._followed or [replica])
 
     def failed(self, replica: Replica) -> None:
-        """``replica`` failed a request: asked only after those that agree until a probe
-        of it answers again."""
+        """``replica`` failed a request: out of the turns until a probe of it answers."""
         self._failing(replica[1], "unvetted")
         self._next_round = min(self._next_round, self._vettings[replica[1]].due)
 
@@ -149,8 +135,7 @@ class Renderers:
         return self._agreeing
 
     def _follow(self, replicas: Sequence[Replica]) -> None:
-        """Verdicts kept for the replicas still here; a reference gone is replaced by a
-        replica that agrees with it, else by the next one to answer (all vetted again)."""
+        """A reference gone is followed by one that agreed, else by the next to answer."""
         self._followed, self._agreeing = replicas, None
         urls = {url for _, url in replicas}
         self._vettings = {u: v for u, v in self._vettings.items() if u in urls}
@@ -187,8 +172,7 @@ class Renderers:
             self._next_round = self._next_round_at()
 
     def _next_round_at(self) -> float:
-        """At once for a replica never vetted (once the reference's answer is known), else
-        when the first verdict falls due."""
+        """At once for a replica never vetted, else when the first verdict falls due."""
         known = self._expected is not None
         if known and any(url not in self._vettings for _, url in self._followed or ()):
             return 0.0
@@ -238,8 +222,7 @@ class Renderers:
         self._vettings[reference[1]] = _Vetting("agrees", now + self._recheck_s)
 
     def _failing(self, url: str, verdict: Verdict) -> None:
-        """A call or probe of ``url`` failed: ``verdict`` until it is vetted again, after
-        ``retry_s`` doubled for each failure in a row (at most ``recheck_s``)."""
+        """A call or probe of ``url`` failed: ``verdict`` until vetted again, after a wait."""
         kept = self._vettings.get(url)
         num_failures = 1 if kept is None else kept.num_failures + 1
         wait = min(self._recheck_s, self._retry_s * 2 ** min(num_failures - 1, 30))

@@ -296,8 +296,7 @@ class _Forwarded:
         self.path = path
         self.passthrough = passthrough
         self.allowed = PASSTHROUGH_ROUTES | set(parts.proxy.extra_routes)
-        self._owed: set[asyncio.Task[Any]] = set()
-        """The whole tokenizations heads still owe (:class:`OwedTokens`), held till done."""
+        self._owed: set[asyncio.Task[Any]] = set()  # heads' whole tokenizations, till done
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
@@ -393,8 +392,7 @@ class _Forwarded:
     def _judged(
         self, choice: Choice, upstream: Upstream, owed: OwedTokens | None
     ) -> Callable[[Truth | None], object]:
-        """What records the request's prediction against the engine's truth: with the
-        prompt's exact count, once a head's whole is counted (never if it failed)."""
+        """What records the prediction against the engine's truth (a head's: once counted)."""
         record = self.parts.predictions.record
         if owed is None:
             prediction = choice.prediction(upstream)

@@ -53,8 +53,7 @@ class Ticket:
     truth: Truth | None = None
     told: bool = False
     status: int = 0
-    num_tokens: int = 0
-    """The prompt's tokens once a head's whole is counted (0: the choice's count holds)."""
+    num_tokens: int = 0  # a head's whole prompt, once counted (0: the choice's count holds)
     ended: float = 0.0
     """``time.perf_counter()`` when the request ended (recorded)."""
 

@@ -1,7 +1,6 @@
-"""A request chosen for on its prompt's head (no replica held its start): the whole prompt's
-tokenization it still owes, run once the request is sent, while the replica answers; then its
-reservation is recounted and its prediction made with the exact count. A failure is logged and
-counted: the choice stands, and no prediction is made of the request."""
+"""A request chosen for on its prompt's head: the whole prompt's tokenization it owes, run while
+the replica answers; then its reservation recounted, its prediction made with the exact count.
+A failure is logged and counted: the choice stands, with no prediction."""
 
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ class OwedTokens:
         self._task.add_done_callback(pending.discard)
 
     def then(self, call: Callable[[int], object]) -> None:
-        """``call`` with the prompt's tokens once counted (at once if they are); never if
-        the rest failed."""
+        """``call`` with the prompt's tokens once counted; never if the rest failed."""
         if self._task.done():
             self._with(call, self._task)
         else:

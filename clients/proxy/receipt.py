@@ -47,8 +47,7 @@ class Receipt(msgspec.Struct, kw_only=True):
     duration_ms: float
     untokenized: bool = False
     head: bool = False
-    """Chosen on the prompt's head (no replica held its start); ``num_tokens`` is the whole
-    prompt's count once tokenized, the head's estimate if the receipt was made before."""
+    """Chosen on the prompt's head; ``num_tokens`` is its estimate until the whole is counted."""
     max_tokens: int | None = None
     session: str | None = None  # a digest of x-kvindex-session or user, not the value
     token_ids: str | None = None

@@ -75,9 +75,8 @@ class ProxySettings:
     """A receipt keeps its prompt's leading token ids, at most this many bytes (4 an id), for
     ``kvindex simulate --requests``; 0: none (the ids are the prompt: keep them knowingly)."""
     head_first: bool = True
-    """A long prompt whose start no replica holds is chosen for once its head (a few blocks)
-    is tokenized (local tokenizers), the rest while the replica answers; false: every prompt
-    is tokenized whole first."""
+    """A long prompt no replica holds the start of is chosen for on its head (local tokenizers),
+    the rest tokenized while the replica answers; false: every prompt tokenized whole first."""
 
     def __post_init__(self) -> None:
         _check_numbers(self)
