@@ -25,6 +25,14 @@ def health_policy(settings: ApiSettings) -> HealthPolicy:
     )
 
 
+def ejected_at(registry: RegistryView, now: float, policy: HealthPolicy) -> frozenset[str]:
+    """The replicas out of routing at ``now`` (failed health checks, an open breaker)."""
+    health = registry.replica_health()
+    if not health:
+        return frozenset()
+    return frozenset(r for r, h in health.items() if h.ejection(now, policy) is not None)
+
+
 def ejected_now(
     registry: RegistryView,
     policy: HealthPolicy,
@@ -40,10 +48,8 @@ def ejected_now(
         now = clock()
         if now - kept[0] < period_s:
             return kept[1]
-        health = registry.replica_health()
-        found = frozenset(r for r, h in health.items() if h.ejection(now, policy) is not None)
-        kept = (now, found)
-        return found
+        kept = (now, ejected_at(registry, now, policy))
+        return kept[1]
 
     return ejected
 

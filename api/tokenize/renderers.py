@@ -9,8 +9,9 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any, Literal
 
 RECHECK_S = 300.0
@@ -82,20 +83,16 @@ class Renderers:
             self._follow(replicas)
         self._maybe_vet(replicas)
         if self._reference is None:
-            return _avoiding(replicas, avoid)[:limit]
+            return _first(lambda: iter(replicas), limit, avoid)
         agreeing = self._agreeing_of(replicas)
-        num_agreeing = len(agreeing)
         self._turn += 1
-        turn = self._turn
-        if avoid:  # the healthy that agree, the healthy unvetted, then the avoided
-            rotated = [agreeing[(turn + i) % num_agreeing] for i in range(num_agreeing)]
-            unvetted = [r for r in replicas if self._verdict(r[1]) == "unvetted"]
-            return _avoiding(rotated + unvetted, avoid)[:limit]
-        chosen = [agreeing[(turn + i) % num_agreeing] for i in range(min(limit, num_agreeing))]
-        if len(chosen) < limit:
-            unvetted = [r for r in replicas if self._verdict(r[1]) == "unvetted"]
-            chosen += unvetted[: limit - len(chosen)]
-        return chosen
+        turn, num_agreeing = self._turn, len(agreeing)
+
+        def candidates() -> Iterator[Replica]:  # walked only as far as the answer needs
+            yield from (agreeing[(turn + i) % num_agreeing] for i in range(num_agreeing))
+            yield from (r for r in replicas if self._verdict(r[1]) == "unvetted")
+
+        return _first(candidates, limit, avoid)
 
     def answered(self, replica: Replica) -> None:
         """``replica`` answered a request: counted; the reference if there was none."""
@@ -256,11 +253,14 @@ class Renderers:
             )
 
 
-def _avoiding(replicas: Sequence[Replica], avoid: Collection[str]) -> list[Replica]:
-    """``replicas`` in order, those whose id is in ``avoid`` moved last."""
-    if not avoid:
-        return list(replicas)
-    return [r for r in replicas if r[0] not in avoid] + [r for r in replicas if r[0] in avoid]
+def _first(
+    candidates: Callable[[], Iterator[Replica]], limit: int, avoid: Collection[str]
+) -> list[Replica]:
+    """The first ``limit`` of ``candidates()``, those whose id is in ``avoid`` after the rest."""
+    chosen = list(islice((r for r in candidates() if r[0] not in avoid), limit))
+    if avoid and len(chosen) < limit:
+        chosen += islice((r for r in candidates() if r[0] in avoid), limit - len(chosen))
+    return chosen
 
 
 def _lost_chat(expected: ProbeAnswer, answer: ProbeAnswer) -> bool:

@@ -10,6 +10,7 @@ from typing import Any, cast
 
 import msgspec
 
+from kvindex.api.health.routing import ejected_at
 from kvindex.api.score import RequestError, UnknownModelError
 from kvindex.clients.picker.endpoints import EndpointBook
 from kvindex.clients.proxy.upstream import (
@@ -130,12 +131,8 @@ class EndpointChooser:
             choice.rest,
         )
 
-    def _ejected(self) -> set[str]:
-        health = self._registry.replica_health()
-        if not health:
-            return set()
-        now, policy = time.time(), self._health_policy
-        return {r for r, h in health.items() if h.ejection(now, policy) is not None}
+    def _ejected(self) -> frozenset[str]:
+        return ejected_at(self._registry, time.time(), self._health_policy)
 
 
 def _decoded(body: bytes) -> Mapping[str, Any]:

@@ -7,7 +7,8 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -60,6 +61,7 @@ from kvindex.clients.proxy.predictions import (
     Accuracy,
     AnswerTruth,
     BodyTruth,
+    Prediction,
     Predictions,
     StreamTruth,
     Truth,
@@ -78,7 +80,6 @@ from kvindex.clients.proxy.upstream import (
     BadRequestBodyError,
     Choice,
     NoUpstreamError,
-    Upstream,
     UpstreamPicker,
     decoded_body,
 )
@@ -367,7 +368,7 @@ class _Forwarded:
         if owed is not None:
             owed.then(ticket.counted)
         prediction = None if truth is None else choice.prediction(opened.upstream)
-        on_truth = None if prediction is None else self._judged(choice, opened.upstream, owed)
+        on_truth = None if prediction is None else self._judged(prediction, choice, owed)
         return StreamedAnswer(
             opened,
             request_id,
@@ -390,20 +391,17 @@ class _Forwarded:
         return OwedTokens(choice.rest, dispatch, self._owed, on_failure=failed)
 
     def _judged(
-        self, choice: Choice, upstream: Upstream, owed: OwedTokens | None
+        self, prediction: Prediction, choice: Choice, owed: OwedTokens | None
     ) -> Callable[[Truth | None], object]:
-        """What records the prediction against the engine's truth (a head's: once counted)."""
+        """What records ``prediction`` against the engine's truth (a head's: with the prompt's
+        count once known)."""
         record = self.parts.predictions.record
         if owed is None:
-            prediction = choice.prediction(upstream)
-            assert prediction is not None
-            return lambda truth: record(prediction, truth)
+            return partial(record, prediction)
 
         def told(truth: Truth | None) -> None:
             def counted(num_tokens: int) -> None:
-                prediction = choice.prediction(upstream, num_tokens)
-                if prediction is not None:
-                    record(prediction, truth)
+                record(replace(prediction, num_tokens=num_tokens), truth)
 
             owed.then(counted)
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from kvindex.api.health.routing import ejected_at
 from kvindex.api.reasons import Explains
 from kvindex.api.schemas import ScoreRequest
 from kvindex.api.score import Ranking, Scorer, UnknownModelError
@@ -95,14 +96,16 @@ class Choice:
     """Chosen on the prompt's head (``head_first``): its whole tokenization, owed once the
     choice is sent (``num_tokens`` is estimated meanwhile)."""
 
-    def prediction(self, upstream: Upstream, num_tokens: int = 0) -> Prediction | None:
-        """What the index predicted of ``upstream`` (None: the prompt was not tokenized);
-        ``num_tokens``: the prompt's count when it is known since (a head's whole)."""
-        num_tokens = num_tokens or self.num_tokens
-        if not num_tokens or not self.block_size:
+    def prediction(self, upstream: Upstream) -> Prediction | None:
+        """What the index predicted of ``upstream`` (None: the prompt was not tokenized)."""
+        if not self.num_tokens or not self.block_size:
             return None
         return Prediction(
-            upstream.replica, self.model, num_tokens, upstream.num_matched_tokens, self.block_size
+            upstream.replica,
+            self.model,
+            self.num_tokens,
+            upstream.num_matched_tokens,
+            self.block_size,
         )
 
 
@@ -175,9 +178,7 @@ class UpstreamPicker:
         upstreams = [Upstream(r.id, r.url) for r in self._registry.replicas() if r.url]
         if not upstreams:
             raise NoUpstreamError("no replica has a url to forward to")
-        now, health = time.time(), self._registry.replica_health()
-        policy = self._health_policy
-        ejected = {r for r, h in health.items() if h.ejection(now, policy) is not None}
+        ejected = ejected_at(self._registry, time.time(), self._health_policy)
         upstreams = [u for u in upstreams if u.replica not in ejected] or upstreams
         start = self._turn % len(upstreams)
         self._turn += 1
