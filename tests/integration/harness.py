@@ -125,12 +125,25 @@ def warm_up(ix: Indexer, pub: EventPublisher, stream: StreamId) -> None:
         return status is not None and status.health.connected
 
     wait_until(connected, what=f"{stream} connected")
-    seq = pub.publish([])
-    wait_until(ix.applied(stream, seq), what=f"{stream} warm-up batch")
+    _first_batch_applied(ix, pub, stream)
     probe = ix.status(stream).health.num_replays
     seq = pub.publish([])
     wait_until(ix.applied(stream, seq), what=f"{stream} live")
     assert ix.status(stream).health.num_replays == probe, "warm-up batch was not live"
+
+
+def _first_batch_applied(ix: Indexer, pub: EventPublisher, stream: StreamId) -> None:
+    """Empty batches published until one is applied: a subscription that has just joined
+    may miss the first (slow joiner), which nothing recovers without a replay endpoint."""
+    deadline = time.monotonic() + 10.0
+    while True:
+        seq = pub.publish([])
+        try:
+            wait_until(ix.applied(stream, seq), timeout_s=0.5, what=f"{stream} warm-up batch")
+            return
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
 
 
 def consecutive_free_ports(count: int = 2, attempts: int = 50) -> int:
