@@ -1,9 +1,12 @@
 """Shared fixtures: a real redis-server and a real 3-master Redis Cluster per test session
-(the cluster started on first use), each flushed between the tests that use it; and the
-cyclic garbage collector paused for tests marked ``latency_bound`` (``support/collector``)."""
+(the cluster started on first use), each flushed between the tests that use it; the
+cyclic garbage collector paused for tests marked ``latency_bound`` (``support/collector``);
+and an empty Hugging Face hub cache for every process of the run (no test reads this
+machine's)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import nullcontext
 
@@ -23,6 +26,19 @@ def _collector_paused_if_latency_bound(request: pytest.FixtureRequest) -> Iterat
     marked = request.node.get_closest_marker("latency_bound") is not None
     with collector_paused() if marked else nullcontext():
         yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _empty_hub_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Models with no ``tokenizer`` set find none in the hub cache, in this process and in
+    every one it starts (they inherit the environment)."""
+    before = os.environ.get("HF_HUB_CACHE")
+    os.environ["HF_HUB_CACHE"] = str(tmp_path_factory.mktemp("hf-hub"))
+    yield
+    if before is None:
+        os.environ.pop("HF_HUB_CACHE", None)
+    else:
+        os.environ["HF_HUB_CACHE"] = before
 
 
 @pytest.fixture(scope="session")

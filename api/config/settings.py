@@ -31,7 +31,8 @@ class ModelSpec:
     tokenizer: str | None = None
     """A ``tokenizer.json`` path (template from its ``tokenizer_config.json``), or a replica's:
     ``replica`` (its render route when served, vLLM's ``--enable-scale-out``, else
-    ``/tokenize``), ``render`` or ``tokenize`` (that route only); unset: as ``replica``."""
+    ``/tokenize``), ``render`` or ``tokenize`` (that route only); unset: the model's
+    ``tokenizer.json`` in the Hugging Face hub cache (``api.hf_hub_cache``), else ``replica``."""
     loras: tuple[str, ...] = ()
     """LoRA adapters its replicas serve (``--lora-modules``), routed as this model's."""
 
@@ -78,6 +79,9 @@ class ApiSettings:
     tokenizer_prefix_cache_bytes: int = 32 * 1024 * 1024
     """Bytes a local tokenizer keeps per model so a conversation's next turn encodes only its
     new tail: ids of recent texts by the digests of their starts (0: encode every text whole)."""
+    hf_hub_cache: str | None = None
+    """The Hugging Face hub cache a model with no ``tokenizer`` set is looked up in (read only;
+    "": none); default: as ``huggingface_hub`` finds it (``HF_HUB_CACHE``, ``HF_HOME``)."""
     seed: int | None = None
     """Seed of tie-breaks and random policies (tests); None: from the OS."""
     max_body_bytes: int = 8 * 1024 * 1024

@@ -1,12 +1,15 @@
 """A model's ``tokenizer`` setting: a replica route (:mod:`.failover` asks them) or a
-``tokenizer.json`` built here; a bad spec is a TokenizerError naming the field."""
+``tokenizer.json`` built here (unset: the hub cache's, :mod:`.hf_cache`); a bad spec is a
+TokenizerError naming the field."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from kvindex.api.config.settings import ApiSettings
 from kvindex.api.tokenize.cache import DEFAULT_MAX_BYTES, CachingTokenizer
+from kvindex.api.tokenize.hf_cache import cached_tokenizer, hub_dir
 from kvindex.api.tokenize.protocol import Tokenizer, TokenizerError
 from kvindex.api.tokenize.replica import ReplicaRoute
 
@@ -16,6 +19,7 @@ REPLICA_ROUTES: dict[str, ReplicaRoute] = {
     "tokenize": "tokenize",
 }
 """``[[models]] tokenizer`` values that name a replica route; any other value is a path."""
+logger = logging.getLogger(__name__)
 
 
 def replica_route(tokenizer: str | None) -> ReplicaRoute | None:
@@ -62,37 +66,60 @@ def build_tokenizer(spec: TokenizerSpec) -> Tokenizer:
 
 
 class LocalTokenizers:
-    """Each model's ``tokenizer.json``, built on first use (a failed build tried again)."""
+    """Each model's ``tokenizer.json``, configured or found in the hub cache, built on first
+    use (a failed build of a configured one tried again; of a found one: not used)."""
 
     def __init__(self, settings: ApiSettings) -> None:
         self._settings = settings
         self._model_to_tokenizer: dict[str, Tokenizer] = {}
+        self._hub = hub_dir(settings.hf_hub_cache)
+        self._found: dict[str, str | None] = {}  # the hub cache's file of a model naming none
 
     def tokenizer(self, model: str) -> Tokenizer | None:
-        """None: the model names no ``tokenizer.json``; TokenizerError: it cannot be read."""
+        """None: none configured or found; TokenizerError: the configured one is unreadable."""
         kept = self._model_to_tokenizer.get(model)
         if kept is not None:
             return kept
         spec = self.spec(model)
         if spec is None:
             return None
-        built = self._model_to_tokenizer[model] = build_tokenizer(spec)
+        try:
+            built = build_tokenizer(spec)
+        except TokenizerError as exc:
+            if self._found.get(model) is None:
+                raise
+            logger.warning("%s: the hub cache's %s is not used: %s", model, spec.path, exc)
+            self._found[model] = None
+            return None
+        self._model_to_tokenizer[model] = built
         return built
 
     def forget(self, model: str) -> None:
-        """Build the model's tokenizer again at its next request."""
+        """Build the model's tokenizer again at its next request (and look it up again)."""
         self._model_to_tokenizer.pop(model, None)
+        self._found.pop(model, None)
 
     def spec(self, model: str) -> TokenizerSpec | None:
-        """The spec of ``model``'s ``tokenizer.json`` (None: it names a replica route)."""
+        """The spec of ``model``'s ``tokenizer.json`` (None: a replica route, or none found)."""
         settings = self._settings
         configured = settings.model(model)
-        if configured is None or replica_route(configured.tokenizer) is not None:
+        path = None if configured is None else configured.tokenizer
+        if path is None:
+            path = self._in_hub(model)
+        if path is None or replica_route(path) is not None:
             return None
-        assert configured.tokenizer is not None
         return TokenizerSpec(
-            configured.tokenizer,
+            path,
             cache_entries=settings.tokenizer_cache_entries,
             cache_bytes=settings.tokenizer_cache_bytes,
             prefix_cache_bytes=settings.tokenizer_prefix_cache_bytes,
         )
+
+    def _in_hub(self, model: str) -> str | None:
+        if model in self._found:
+            return self._found[model]
+        found = None if self._hub is None else cached_tokenizer(model, self._hub)
+        path = self._found[model] = None if found is None else str(found)
+        if path is not None:
+            logger.info("%s: tokenized by %s (the Hugging Face hub cache)", model, path)
+        return path

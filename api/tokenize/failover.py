@@ -1,7 +1,7 @@
-"""The proxy's tokenizers: a model's configured ``tokenizer.json``, else its replicas (render
-route or ``/tokenize``, :mod:`.replica`), those that tokenize as the reference in turn
-(:mod:`.renderers`), tried (:data:`MAX_TRIES` at most) until one answers; each replica keeps
-what it learnt of its routes while it serves the model."""
+"""The proxy's tokenizers: a model's ``tokenizer.json`` (configured, or in the hub cache),
+else its replicas (render route or ``/tokenize``, :mod:`.replica`), those that tokenize as
+the reference in turn (:mod:`.renderers`), tried (:data:`MAX_TRIES` at most) until one
+answers; each replica keeps what it learnt of its routes while it serves the model."""
 
 from __future__ import annotations
 
@@ -136,9 +136,12 @@ class FleetTokenizers:
     def tokenizer(self, model: str) -> Tokenizer | None:
         """None: no ``tokenizer.json`` and no replica of the model with a URL."""
         configured = self._settings.model(model)
-        route = replica_route(None if configured is None else configured.tokenizer)
-        if route is None:
-            return self._local.tokenizer(model)
+        setting = None if configured is None else configured.tokenizer
+        route = replica_route(setting)
+        if route is None or setting is None:  # a path; unset: the hub cache's, when there
+            local = self._local.tokenizer(model)
+            if local is not None or route is None:
+                return local
         kept = self._model_to_tokenizer.get(model)
         if kept is None:
             kept = self._model_to_tokenizer[model] = self._failover(model, route)

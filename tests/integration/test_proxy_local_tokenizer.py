@@ -5,6 +5,7 @@ conversation's next turn is routed to the replica holding its start and matches 
 from __future__ import annotations
 
 import re
+import shutil
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -54,19 +55,42 @@ def _next_turn_matched(proxy: Proxy, deadline_s: float) -> float:
     return matched
 
 
-@pytest.mark.parametrize("sims_tokenize", ["same", "toy"])
+@pytest.mark.parametrize(
+    ("sims_tokenize", "found"), [("same", "configured"), ("toy", "configured"), ("same", "hub")]
+)
 def test_a_next_turn_matches_what_the_engines_hold(
-    stack: ExitStack, tmp_path: Path, sims_tokenize: str
+    stack: ExitStack,
+    tmp_path: Path,
+    sims_tokenize: str,
+    found: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """With the sims on the proxy's tokenizer the next turn matches most of its blocks; with
-    the sims on their toy one (the control) nothing matches."""
+    the sims on their toy one (the control) nothing matches. The proxy's files are named by
+    the config, or (no ``tokenizer`` set) found in the Hugging Face hub cache."""
     tokenizer = write_model(tmp_path / "model")
     config = tmp_path / "kvindex.toml"
-    config.write_text(f'[[models]]\nname = "{MODEL}"\ntokenizer = "{tokenizer}"\n')
+    if found == "configured":
+        config.write_text(f'[[models]]\nname = "{MODEL}"\ntokenizer = "{tokenizer}"\n')
+    else:
+        config.write_text(f'[[models]]\nname = "{MODEL}"\n')
+        monkeypatch.setenv("HF_HUB_CACHE", str(_hub_of(tmp_path / "hub", tokenizer.parent)))
     extra = ["--tokenizer", str(tokenizer)] if sims_tokenize == "same" else []
     _, proxy = _start(stack, tmp_path, {"r1": extra, "r2": extra}, ("--config", str(config)))
     matched = _next_turn_matched(proxy, 10.0 if sims_tokenize == "same" else 2.0)
     assert (matched > 0.5) == (sims_tokenize == "same")
+    if found == "hub":  # tokenized in process: no replica was asked
+        assert "(the Hugging Face hub cache)" in proxy.child.log.read_text()
+        assert "kvindex_tokenizer_answers_total{" not in proxy.metrics()
+
+
+def _hub_of(hub: Path, files: Path) -> Path:
+    """A hub cache holding ``files`` as the current snapshot of ``MODEL``."""
+    root = hub / f"models--{MODEL}"
+    shutil.copytree(files, root / "snapshots" / "abc")
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text("abc")
+    return hub
 
 
 def _counter(text: str, name: str, labels: str = "") -> float:

@@ -99,6 +99,52 @@ def test_a_model_tokenized_by_its_replicas_has_no_local_tokenizer(configured: st
     assert local.tokenizer("unconfigured") is None
 
 
+def _in_hub(hub: Path, repo: str, model_dir: Path) -> Path:
+    """``model_dir``'s files as the hub cache's current snapshot of ``repo``."""
+    root = hub / ("models--" + repo.replace("/", "--"))
+    snapshot = root / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (snapshot / name).write_bytes((model_dir / name).read_bytes())
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text("abc")
+    return snapshot / "tokenizer.json"
+
+
+def test_a_model_with_no_tokenizer_set_is_tokenized_by_the_hub_caches_file(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    hub = tmp_path / "hub"
+    path = _in_hub(hub, "org/m", model_dir)
+    settings = ApiSettings(models=(ModelSpec("org/m"),), hf_hub_cache=str(hub))
+    local = LocalTokenizers(settings)
+    assert local.spec("org/m") == TokenizerSpec(str(path))
+    assert local.spec("org/unconfigured") is None
+    tok = local.tokenizer("org/m")
+    assert isinstance(tok, CachingTokenizer) and isinstance(tok.inner, LocalTokenizer)
+    assert asyncio.run(tok.encode_messages(CONVERSATION))  # its chat template came along
+    named = ApiSettings(models=(ModelSpec("org/m", tokenizer="replica"),), hf_hub_cache=str(hub))
+    assert LocalTokenizers(named).tokenizer("org/m") is None  # replicas named: not looked up
+    off = ApiSettings(models=(ModelSpec("org/m"),), hf_hub_cache="")
+    assert LocalTokenizers(off).tokenizer("org/m") is None
+
+
+def test_a_hub_file_that_cannot_be_read_is_not_used_until_forgotten(
+    tmp_path: Path, model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    hub = tmp_path / "hub"
+    path = _in_hub(hub, "org/m", model_dir)
+    good = path.read_bytes()
+    path.write_text("{}")
+    local = LocalTokenizers(ApiSettings(hf_hub_cache=str(hub), tokenizer_cache_entries=0))
+    assert local.tokenizer("org/m") is None
+    assert "the hub cache's" in caplog.text and "is not used" in caplog.text
+    path.write_bytes(good)
+    assert local.tokenizer("org/m") is None  # remembered until forgotten
+    local.forget("org/m")
+    assert isinstance(local.tokenizer("org/m"), LocalTokenizer)
+
+
 def test_a_failed_build_is_tried_again(tmp_path: Path) -> None:
     path = tmp_path / "tokenizer.json"
     settings = ApiSettings(models=(ModelSpec("m", tokenizer=str(path)),), tokenizer_cache_entries=0)

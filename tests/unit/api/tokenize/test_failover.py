@@ -6,6 +6,7 @@ import asyncio
 import json
 import re
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -14,6 +15,7 @@ from kvindex.api.config.settings import ApiSettings, ModelSpec
 from kvindex.api.health.routing import health_policy
 from kvindex.api.tokenize.cache import CachingTokenizer
 from kvindex.api.tokenize.failover import FailoverTokenizer, FleetTokenizers
+from kvindex.api.tokenize.local import LocalTokenizer
 from kvindex.api.tokenize.protocol import TokenizerError
 from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
@@ -107,6 +109,31 @@ def test_the_rule_local_file_or_failover_with_the_cache_in_front() -> None:
 
     asyncio.run(run())
     assert replicas.asked[:2] == ["r1", "r2"]
+
+
+def test_a_model_with_no_tokenizer_set_uses_the_hub_caches_file_before_its_replicas(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """``m`` is in the hub cache: tokenized in process, no replica asked; ``n`` is not: its
+    replicas tokenize it as before."""
+    snapshot = tmp_path / "hub" / "models--m" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    replicas = Replicas()
+    settings = ApiSettings(hf_hub_cache=str(tmp_path / "hub"))
+
+    async def run() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(replicas.handle)) as client:
+            tokenizers = FleetTokenizers(settings, _registry(), client)
+            local = tokenizers.tokenizer(MODEL)
+            assert isinstance(local, CachingTokenizer) and isinstance(local.inner, LocalTokenizer)
+            assert await local.encode_prompt("x y")
+            replicated = tokenizers.tokenizer("n")
+            assert replicated is not None and await replicated.encode_prompt("x y") == [1, 1]
+            await tokenizers.aclose()
+
+    asyncio.run(run())
+    assert replicas.asked and set(replicas.asked) == {"other"}  # m's replicas never asked
 
 
 def test_each_replica_keeps_its_route_and_the_configured_route_is_used() -> None:
