@@ -58,6 +58,7 @@ EVERYTHING: dict[str, Any] = {
     "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
     "prometheusRule": {"enabled": True},
     "imagePullSecrets": [{"name": "regcred"}],
+    "hubCache": {"existingClaim": "vllm-models", "subPath": "hub"},
 }
 EXTERNAL = {
     **POOL,
@@ -248,6 +249,33 @@ def test_variables_are_settings(rendered: dict[str, list[dict[str, Any]]]) -> No
             for var in container.get("env", []):
                 if var["name"].startswith("KVINDEX_"):
                     assert var["name"] in known, (deployment, var["name"])
+
+
+def test_the_read_path_reads_tokenizers_from_the_hub_cache_it_mounts_read_only(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    """api, picker and proxy mount the claim read only and are told where; the indexer, and
+    a release without ``hubCache``, mount nothing; a hostPath validates; both at once fail."""
+    for deployment, container in containers(rendered["everything"]):
+        env = {v["name"]: v.get("value") for v in container.get("env", [])}
+        mounts = {m["name"]: m for m in container.get("volumeMounts", [])}
+        if deployment.endswith(("-api", "-picker", "-proxy")):
+            assert env["KVINDEX_API_HF_HUB_CACHE"] == "/hf-hub", deployment
+            assert mounts["hf-hub"] == {
+                "name": "hf-hub", "mountPath": "/hf-hub", "readOnly": True, "subPath": "hub"
+            }  # fmt: skip
+        else:
+            assert "hf-hub" not in mounts and "KVINDEX_API_HF_HUB_CACHE" not in env, deployment
+    pod = one(rendered["everything"], "Deployment", "kvindex-api")["spec"]["template"]["spec"]
+    claim = {"claimName": "vllm-models", "readOnly": True}
+    assert {"name": "hf-hub", "persistentVolumeClaim": claim} in pod["volumes"]
+    for _, container in containers(rendered["pool"]):
+        assert "hf-hub" not in json.dumps(container)
+    on_nodes = render({**POOL, "hubCache": {"hostPath": "/var/lib/hf/hub"}})
+    for doc in on_nodes:
+        validate(doc, KUBE_VERSIONS[-1])
+    with pytest.raises(Exception, match=r"one of hubCache\.existingClaim and hubCache\.hostPath"):
+        render({**POOL, "hubCache": {"existingClaim": "c", "hostPath": "/h"}})
 
 
 def test_indexers_are_sharded_on_redis(rendered: dict[str, list[dict[str, Any]]]) -> None:

@@ -162,6 +162,43 @@ fleet in Redis, which the API, the picker and the proxy read. */}}
 {{- end }}
 {{- end }}
 
+{{/* The hub cache of the read path's pods (api, picker, proxy): its volume, its read-only
+mount and the setting naming it; each empty without hubCache.existingClaim or .hostPath. */}}
+{{- define "kvindex.hubCacheVolume" -}}
+{{- $h := .Values.hubCache }}
+{{- if and $h.existingClaim $h.hostPath }}
+{{- fail "kvindex: set one of hubCache.existingClaim and hubCache.hostPath" }}
+{{- else if $h.existingClaim }}
+- name: hf-hub
+  persistentVolumeClaim:
+    claimName: {{ $h.existingClaim }}
+    readOnly: true
+{{- else if $h.hostPath }}
+- name: hf-hub
+  hostPath:
+    path: {{ $h.hostPath }}
+    type: Directory
+{{- end }}
+{{- end }}
+
+{{- define "kvindex.hubCacheMount" -}}
+{{- if or .Values.hubCache.existingClaim .Values.hubCache.hostPath }}
+- name: hf-hub
+  mountPath: /hf-hub
+  readOnly: true
+  {{- with .Values.hubCache.subPath }}
+  subPath: {{ . }}
+  {{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "kvindex.hubCacheEnv" -}}
+{{- if or .Values.hubCache.existingClaim .Values.hubCache.hostPath }}
+- name: KVINDEX_API_HF_HUB_CACHE
+  value: /hf-hub
+{{- end }}
+{{- end }}
+
 {{/* The pod-level fields one component's values give (.values: that component's). */}}
 {{- define "kvindex.podScheduling" -}}
 {{- with .root.Values.imagePullSecrets }}
