@@ -20,6 +20,8 @@ REPLICA_ROUTES: dict[str, ReplicaRoute] = {
 }
 """``[[models]] tokenizer`` values that name a replica route; any other value is a path."""
 logger = logging.getLogger(__name__)
+MAX_LOOKUPS_KEPT = 1024
+"""Models whose hub cache lookup is remembered (a store outage lets unknown names through)."""
 
 
 def replica_route(tokenizer: str | None) -> ReplicaRoute | None:
@@ -118,6 +120,8 @@ class LocalTokenizers:
     def _in_hub(self, model: str) -> str | None:
         if model in self._found:
             return self._found[model]
+        if len(self._found) >= MAX_LOOKUPS_KEPT:  # names a request made up: looked up again
+            self._found.clear()
         found = None if self._hub is None else cached_tokenizer(model, self._hub)
         path = self._found[model] = None if found is None else str(found)
         if path is not None:

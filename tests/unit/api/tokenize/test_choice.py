@@ -11,6 +11,7 @@ import pytest
 import tokenizers
 
 from kvindex.api.config.settings import ApiSettings, ModelSpec
+from kvindex.api.tokenize import choice as choice_module
 from kvindex.api.tokenize.cache import CachingTokenizer
 from kvindex.api.tokenize.choice import (
     LocalTokenizers,
@@ -142,6 +143,18 @@ def test_a_hub_file_that_cannot_be_read_is_not_used_until_forgotten(
     path.write_bytes(good)
     assert local.tokenizer("org/m") is None  # remembered until forgotten
     local.forget("org/m")
+    assert isinstance(local.tokenizer("org/m"), LocalTokenizer)
+
+
+def test_the_hub_lookups_kept_are_bounded(
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(choice_module, "MAX_LOOKUPS_KEPT", 4)
+    _in_hub(tmp_path, "org/m", model_dir)
+    local = LocalTokenizers(ApiSettings(hf_hub_cache=str(tmp_path), tokenizer_cache_entries=0))
+    for i in range(50):
+        assert local.spec(f"made-up-{i}") is None
+        assert len(local._found) <= 4
     assert isinstance(local.tokenizer("org/m"), LocalTokenizer)
 
 
