@@ -20,8 +20,8 @@ REPLICA_ROUTES: dict[str, ReplicaRoute] = {
 }
 """``[[models]] tokenizer`` values that name a replica route; any other value is a path."""
 logger = logging.getLogger(__name__)
+# Models whose hub cache lookup is remembered (a store outage lets unknown names through).
 MAX_LOOKUPS_KEPT = 1024
-"""Models whose hub cache lookup is remembered (a store outage lets unknown names through)."""
 
 
 def replica_route(tokenizer: str | None) -> ReplicaRoute | None:
