@@ -12,6 +12,7 @@ from kvindex.api.config.settings import ApiSettings
 from kvindex.api.health.routing import ejected_now, health_policy
 from kvindex.api.tokenize.cache import CachingTokenizer
 from kvindex.api.tokenize.choice import LocalTokenizers, replica_route
+from kvindex.api.tokenize.hub_check import HubCheck
 from kvindex.api.tokenize.protocol import NO_OPTIONS, ChatOptions, Tokenizer, TokenizerError
 from kvindex.api.tokenize.renderers import (
     PROBE_MESSAGES,
@@ -130,6 +131,7 @@ class FleetTokenizers:
         self._registry = registry
         self._client = client
         self._local = LocalTokenizers(settings)
+        self._hub = HubCheck()
         self._ejected = ejected_now(registry, health_policy(settings))
         self._model_to_tokenizer: dict[str, tuple[Tokenizer, FailoverTokenizer]] = {}
 
@@ -140,23 +142,33 @@ class FleetTokenizers:
         route = replica_route(setting)
         if route is None or setting is None:  # a path; unset: the hub cache's, when there
             local = self._local.tokenizer(model)
-            if local is not None or route is None:
+            if route is None:
                 return local
-        kept = self._model_to_tokenizer.get(model)
-        if kept is None:
-            kept = self._model_to_tokenizer[model] = self._failover(model, route)
-        return kept[0] if kept[1].serving() else None
+            if local is not None:
+                replicas, failover = self._replicas(model, route)
+                if not failover.serving() or self._hub.trusted(model, local, replicas):
+                    return local
+        replicas, failover = self._replicas(model, route)
+        return replicas if failover.serving() else None
 
     def forget(self, model: str) -> None:
         self._local.forget(model)
+        self._hub.forget(model)
 
     def renderers(self) -> list[Renderers]:
         """Each replica-tokenized model's :class:`.Renderers` (for its metrics)."""
         return [failover.renderers for _, failover in self._model_to_tokenizer.values()]
 
     async def aclose(self) -> None:
+        await self._hub.aclose()
         for _, failover in self._model_to_tokenizer.values():
             await failover.aclose()
+
+    def _replicas(self, model: str, route: ReplicaRoute) -> tuple[Tokenizer, FailoverTokenizer]:
+        kept = self._model_to_tokenizer.get(model)
+        if kept is None:
+            kept = self._model_to_tokenizer[model] = self._failover(model, route)
+        return kept
 
     def _failover(self, model: str, route: ReplicaRoute) -> tuple[Tokenizer, FailoverTokenizer]:
         settings = self._settings

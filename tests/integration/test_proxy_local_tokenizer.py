@@ -79,9 +79,11 @@ def test_a_next_turn_matches_what_the_engines_hold(
     _, proxy = _start(stack, tmp_path, {"r1": extra, "r2": extra}, ("--config", str(config)))
     matched = _next_turn_matched(proxy, 10.0 if sims_tokenize == "same" else 2.0)
     assert (matched > 0.5) == (sims_tokenize == "same")
-    if found == "hub":  # tokenized in process: no replica was asked
-        assert "(the Hugging Face hub cache)" in proxy.child.log.read_text()
-        assert "kvindex_tokenizer_answers_total{" not in proxy.metrics()
+    if found == "hub":  # tokenized in process: the replicas answered the check's probe alone
+        log = proxy.child.log.read_text()
+        assert "(the Hugging Face hub cache)" in log
+        assert "the hub cache's tokenizer tokenizes as the replicas do" in log
+        assert _counter(proxy.metrics(), "kvindex_tokenizer_answers_total") == 2  # prompt, chat
 
 
 def _hub_of(hub: Path, files: Path) -> Path:

@@ -111,29 +111,54 @@ def test_the_rule_local_file_or_failover_with_the_cache_in_front() -> None:
     assert replicas.asked[:2] == ["r1", "r2"]
 
 
-def test_a_model_with_no_tokenizer_set_uses_the_hub_caches_file_before_its_replicas(
-    tmp_path: Path, model_dir: Path
+@pytest.mark.parametrize("replicas_tokenize", ["alike", "otherwise"])
+def test_a_model_with_no_tokenizer_set_uses_the_hub_caches_file_while_its_replicas_agree(
+    tmp_path: Path, model_dir: Path, replicas_tokenize: str
 ) -> None:
-    """``m`` is in the hub cache: tokenized in process, no replica asked; ``n`` is not: its
-    replicas tokenize it as before."""
+    """``m`` is in the hub cache: tokenized in process at once, its replicas asked the probe
+    once; if they tokenize otherwise, they tokenize ``m`` from then on. ``n`` is not in the
+    hub: its replicas tokenize it as before."""
     snapshot = tmp_path / "hub" / "models--m" / "snapshots" / "abc"
     snapshot.mkdir(parents=True)
-    (snapshot / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (snapshot / name).write_bytes((model_dir / name).read_bytes())
+    files = LocalTokenizer.from_files(snapshot / "tokenizer.json", prefix_cache_bytes=0)
     replicas = Replicas()
-    settings = ApiSettings(hf_hub_cache=str(tmp_path / "hub"))
+    asked: list[str] = []
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "other" or replicas_tokenize == "otherwise":
+            return await replicas.handle(request)
+        asked.append(request.url.host)
+        if request.url.path.endswith("/render"):
+            return httpx.Response(404, json={"detail": "Not Found"})
+        body = json.loads(request.content)
+        if "prompt" in body:
+            return httpx.Response(200, json={"tokens": await files.encode_prompt(body["prompt"])})
+        return httpx.Response(200, json={"tokens": await files.encode_messages(body["messages"])})
 
     async def run() -> None:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(replicas.handle)) as client:
-            tokenizers = FleetTokenizers(settings, _registry(), client)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handle)) as client:
+            tokenizers = FleetTokenizers(
+                ApiSettings(hf_hub_cache=str(tmp_path / "hub")), _registry(), client
+            )
             local = tokenizers.tokenizer(MODEL)
             assert isinstance(local, CachingTokenizer) and isinstance(local.inner, LocalTokenizer)
             assert await local.encode_prompt("x y")
+            for _ in range(100):  # the check's calls answer at once
+                if tokenizers.tokenizer(MODEL) is not local:
+                    break
+                await asyncio.sleep(0.01)
+            now = tokenizers.tokenizer(MODEL)
+            assert (now is local) == (replicas_tokenize == "alike")
             replicated = tokenizers.tokenizer("n")
             assert replicated is not None and await replicated.encode_prompt("x y") == [1, 1]
             await tokenizers.aclose()
 
     asyncio.run(run())
-    assert replicas.asked and set(replicas.asked) == {"other"}  # m's replicas never asked
+    if replicas_tokenize == "alike":  # the probe, once (a prompt and a chat), from m's replicas
+        assert len([h for h in asked if h.startswith("r")]) >= 2
+    assert "other" in replicas.asked
 
 
 def test_each_replica_keeps_its_route_and_the_configured_route_is_used() -> None:
