@@ -62,7 +62,7 @@ class ApiCore:
         )
         self.read_path = read_path = build_read_path(deps, hooks)
         metrics.watch_block_sizes(read_path.block_sizes)
-        metrics.registry.register(TokenizerCollector(read_path.tokenizers.renderers))
+        metrics.registry.register(TokenizerCollector(read_path.tokenizers))
         self.deps = deps
         self.off_loop = read_path.off_loop
         self.index, self.scorer = read_path.index, read_path.scorer

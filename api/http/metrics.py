@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -145,11 +146,18 @@ class BlockSizeCollector(Collector):
         yield gauge
 
 
-class TokenizerCollector(Collector):
-    """The replicas that tokenize each model by verdict, and the calls each answered."""
+class TokenizerViews(Protocol):
+    """What :class:`TokenizerCollector` reads (``FleetTokenizers``)."""
 
-    def __init__(self, renderers: Callable[[], Iterable[Renderers]]) -> None:
-        self._renderers = renderers
+    def renderers(self) -> Iterable[Renderers]: ...
+    def hub_verdicts(self) -> dict[str, str]: ...
+
+
+class TokenizerCollector(Collector):
+    """Replica tokenizers by verdict, the calls each answered, hub tokenizers' checks."""
+
+    def __init__(self, tokenizers: TokenizerViews) -> None:
+        self._tokenizers = tokenizers
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         replicas = GaugeMetricFamily(
@@ -163,13 +171,22 @@ class TokenizerCollector(Collector):
             "Tokenize or render calls a replica answered for the router.",
             labels=["model", "replica"],
         )
-        for renderers in self._renderers():
+        hub = GaugeMetricFamily(
+            "kvindex_tokenizer_hub",
+            "A model tokenized by its tokenizer.json from the Hugging Face hub cache, by its"
+            " check against a replica: agrees, differs (its replicas tokenize it), unchecked.",
+            labels=["model", "verdict"],
+        )
+        for renderers in self._tokenizers.renderers():
             for verdict, count in sorted(renderers.verdicts().items()):
                 replicas.add_metric([renderers.model, verdict], count)
             for replica, count in sorted(renderers.num_answers.items()):
                 answers.add_metric([renderers.model, replica], count)
+        for model, checked in sorted(self._tokenizers.hub_verdicts().items()):
+            hub.add_metric([model, checked], 1)
         yield replicas
         yield answers
+        yield hub
 
 
 class TimedIndex(IndexWrapper):

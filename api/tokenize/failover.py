@@ -155,6 +155,9 @@ class FleetTokenizers:
         self._local.forget(model)
         self._hub.forget(model)
 
+    def hub_verdicts(self) -> dict[str, str]:
+        return self._hub.verdicts()
+
     def renderers(self) -> list[Renderers]:
         """Each replica-tokenized model's :class:`.Renderers` (for its metrics)."""
         return [failover.renderers for _, failover in self._model_to_tokenizer.values()]

@@ -39,6 +39,14 @@ class HubCheck:
             self._start(model, local, replicas)
         return True
 
+    def verdicts(self) -> dict[str, str]:
+        """Each model found in the hub: ``agrees``, ``differs`` or ``unchecked``."""
+        agrees = self._agrees
+        return {
+            m: "unchecked" if m not in agrees else "agrees" if agrees[m] else "differs"
+            for m in self._asked_at
+        }
+
     def forget(self, model: str) -> None:
         self._agrees.pop(model, None)
         self._asked_at.pop(model, None)

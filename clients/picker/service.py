@@ -88,7 +88,7 @@ def build_picker(deps: ApiDeps, settings: PickerSettings) -> Picker:
         wrap_index=lambda index: TimedIndex(index, metrics.lookup_latency),
     )
     read_path = build_read_path(deps, hooks)
-    metrics.registry.register(TokenizerCollector(read_path.tokenizers.renderers))
+    metrics.registry.register(TokenizerCollector(read_path.tokenizers))
     policy = health_policy(api)
 
     def upstreams_over(registry: RegistryView) -> UpstreamPicker:

@@ -5,16 +5,20 @@ its build, its index lookups and (when it runs the write path) its streams and i
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TypeVar, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
 from kvindex.api.health.block_sizes import BlockSizeCheck
-from kvindex.api.http.metrics import BlockSizeCollector, TokenizerCollector, lookup_latency
+from kvindex.api.http.metrics import (
+    BlockSizeCollector,
+    TokenizerCollector,
+    TokenizerViews,
+    lookup_latency,
+)
 from kvindex.api.load.desk import DeskSeries
-from kvindex.api.tokenize.renderers import Renderers
 from kvindex.clients.proxy.predictions import Prediction
 from kvindex.clients.proxy.verdicts import UNDER_REASONS, VERDICTS
 from kvindex.indexer.fleet.registry import RegistryView
@@ -238,8 +242,8 @@ class ProxyMetrics:
     def watch_block_sizes(self, check: BlockSizeCheck) -> None:
         self.registry.register(BlockSizeCollector(check))
 
-    def watch_tokenizers(self, renderers: Callable[[], Iterable[Renderers]]) -> None:
-        self.registry.register(TokenizerCollector(renderers))
+    def watch_tokenizers(self, tokenizers: TokenizerViews) -> None:
+        self.registry.register(TokenizerCollector(tokenizers))
 
     def render(self, models: Iterable[str] = ()) -> bytes:
         """The text format; each of ``models`` (those served now) has its tokenize-failure

@@ -77,7 +77,7 @@ def build_proxy_app(
     )
     read_path = build_read_path(deps, hooks)
     metrics.watch_block_sizes(read_path.block_sizes)
-    metrics.watch_tokenizers(read_path.tokenizers.renderers)
+    metrics.watch_tokenizers(read_path.tokenizers)
     if deps.runs_write_path:  # as `kvindex serve`: an indexer elsewhere exports its own
         metrics.watch_write_path(deps.registry, deps.index)
     picker = UpstreamPicker(

@@ -83,7 +83,9 @@ def test_a_next_turn_matches_what_the_engines_hold(
         log = proxy.child.log.read_text()
         assert "(the Hugging Face hub cache)" in log
         assert "the hub cache's tokenizer tokenizes as the replicas do" in log
-        assert _counter(proxy.metrics(), "kvindex_tokenizer_answers_total") == 2  # prompt, chat
+        metrics = proxy.metrics()
+        assert _counter(metrics, "kvindex_tokenizer_answers_total") == 2  # prompt, chat
+        assert f'kvindex_tokenizer_hub{{model="{MODEL}",verdict="agrees"}} 1.0' in metrics
 
 
 def _hub_of(hub: Path, files: Path) -> Path:

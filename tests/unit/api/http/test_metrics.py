@@ -4,6 +4,7 @@ write path's series themselves: tests/unit/indexer/test_metrics.py)."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -104,6 +105,20 @@ def test_the_timed_index_times_a_holders_lookup_and_answers_the_inner_holders() 
     assert samples(metrics)[("kvindex_lookup_seconds_count", ())] == 1
 
 
+@dataclass
+class _Views:
+    """What the collector reads of ``FleetTokenizers``."""
+
+    kept: list[Renderers]
+    hub: dict[str, str]
+
+    def renderers(self) -> list[Renderers]:
+        return self.kept
+
+    def hub_verdicts(self) -> dict[str, str]:
+        return self.hub
+
+
 def test_the_tokenizer_collector_shows_each_models_verdicts_and_answers() -> None:
     async def probe(_url: str) -> ProbeAnswer:
         return ((1,), None)
@@ -116,10 +131,11 @@ def test_the_tokenizer_collector_shows_each_models_verdicts_and_answers() -> Non
         renderers.answered(replicas[1])
         await renderers.aclose()
         registry = CollectorRegistry()
-        registry.register(TokenizerCollector(lambda: [renderers]))
+        registry.register(TokenizerCollector(_Views([renderers], {"org/h": "differs"})))
         return generate_latest(registry)
 
     text = asyncio.run(run()).decode()
+    assert 'kvindex_tokenizer_hub{model="org/h",verdict="differs"} 1.0' in text
     assert 'kvindex_tokenizer_replicas{model="m",verdict="agrees"} 1.0' in text
     assert 'kvindex_tokenizer_replicas{model="m",verdict="unvetted"} 1.0' in text
     assert 'kvindex_tokenizer_answers_total{model="m",replica="r2"} 2.0' in text
