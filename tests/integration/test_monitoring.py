@@ -11,6 +11,7 @@ ejection).
 from __future__ import annotations
 
 import json
+import os
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from kvindex.indexer.domain.events import BlockStored, Tier
 from tests.support.paths import ROOT
 from tests.support.processes import http_ok, kvindex_child, running
 from tests.support.redis_server import free_port
+from tests.support.tokenizer_kinds import write_model
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvindex.json"
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yaml"
@@ -126,13 +128,16 @@ def live_metrics(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[str]
 
 
 def _routing_and_ingest_pages(logs: Path) -> tuple[str, str]:
-    """/metrics of a ``kvindex serve`` and a ``kvindex indexer``, each fed one stream."""
+    """/metrics of a ``kvindex serve`` (the model's tokenizer in its hub cache) and a
+    ``kvindex indexer``, each fed one stream."""
     serve_events, indexer_events = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
     api_port, status_port = free_port(), free_port()
     serve_args = ["serve", "--bind", serve_events, "--port", str(api_port)]
     indexer_args = ["indexer", "--bind", indexer_events, "--status-port", str(status_port)]
+    write_model(logs / "hub" / f"models--{MODEL}" / "snapshots" / "abc")
+    hub = {**os.environ, "HF_HUB_CACHE": str(logs / "hub")}
     with (
-        running(logs / "serve.log", *serve_args),
+        running(logs / "serve.log", *serve_args, env=hub),
         running(logs / "indexer.log", *indexer_args),
         httpx.Client(trust_env=False, timeout=5) as http,
     ):
@@ -152,6 +157,9 @@ def _routing_and_ingest_pages(logs: Path) -> tuple[str, str]:
                 in http.get(f"{api}/metrics").text
             )
         )  # a replica whose vLLM /metrics cannot be scraped
+        # the hub's tokenizer, checked against a replica (the dead one: unchecked)
+        http.post(f"{api}/score", json={"model": MODEL, "prompt": "a hub-tokenized prompt"})
+        _until(lambda: "kvindex_tokenizer_hub{" in http.get(f"{api}/metrics").text)
         return http.get(f"{api}/metrics").text, http.get(f"{status}/metrics").text
 
 
