@@ -20,7 +20,7 @@ REPLICA_ROUTES: dict[str, ReplicaRoute] = {
 }
 """``[[models]] tokenizer`` values that name a replica route; any other value is a path."""
 logger = logging.getLogger(__name__)
-# Models whose hub cache lookup is remembered (a store outage lets unknown names through).
+# Models whose resolved spec is remembered (a store outage lets unknown names through).
 MAX_LOOKUPS_KEPT = 1024
 
 
@@ -75,6 +75,7 @@ class LocalTokenizers:
         self._settings = settings
         self._model_to_tokenizer: dict[str, Tokenizer] = {}
         self._hub = hub_dir(settings.hf_hub_cache)
+        self._specs: dict[str, TokenizerSpec | None] = {}  # each model's, resolved once
         self._found: dict[str, str | None] = {}  # the hub cache's file of a model naming none
 
     def tokenizer(self, model: str) -> Tokenizer | None:
@@ -91,7 +92,7 @@ class LocalTokenizers:
             if self._found.get(model) is None:
                 raise
             logger.warning("%s: the hub cache's %s is not used: %s", model, spec.path, exc)
-            self._found[model] = None
+            self._found[model] = self._specs[model] = None
             return None
         self._model_to_tokenizer[model] = built
         return built
@@ -99,10 +100,21 @@ class LocalTokenizers:
     def forget(self, model: str) -> None:
         """Build the model's tokenizer again at its next request (and look it up again)."""
         self._model_to_tokenizer.pop(model, None)
+        self._specs.pop(model, None)
         self._found.pop(model, None)
 
     def spec(self, model: str) -> TokenizerSpec | None:
         """The spec of ``model``'s ``tokenizer.json`` (None: a replica route, or none found)."""
+        specs = self._specs
+        if model in specs:
+            return specs[model]
+        if len(specs) >= MAX_LOOKUPS_KEPT:  # names a request made up: resolved again
+            specs.clear()
+            self._found.clear()
+        spec = specs[model] = self._resolved(model)
+        return spec
+
+    def _resolved(self, model: str) -> TokenizerSpec | None:
         settings = self._settings
         configured = settings.model(model)
         path = None if configured is None else configured.tokenizer
@@ -118,10 +130,6 @@ class LocalTokenizers:
         )
 
     def _in_hub(self, model: str) -> str | None:
-        if model in self._found:
-            return self._found[model]
-        if len(self._found) >= MAX_LOOKUPS_KEPT:  # names a request made up: looked up again
-            self._found.clear()
         found = None if self._hub is None else cached_tokenizer(model, self._hub)
         path = self._found[model] = None if found is None else str(found)
         if path is not None:

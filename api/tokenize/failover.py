@@ -140,16 +140,15 @@ class FleetTokenizers:
         configured = self._settings.model(model)
         setting = None if configured is None else configured.tokenizer
         route = replica_route(setting)
-        if route is None or setting is None:  # a path; unset: the hub cache's, when there
-            local = self._local.tokenizer(model)
-            if route is None:
-                return local
-            if local is not None:
-                replicas, failover = self._replicas(model, route)
-                if not failover.serving() or self._hub.trusted(model, local, replicas):
-                    return local
+        if route is None:  # a path
+            return self._local.tokenizer(model)
         replicas, failover = self._replicas(model, route)
-        return replicas if failover.serving() else None
+        serving = failover.serving()
+        if setting is None:  # unset: the hub cache's, when there and not found to differ
+            local = self._local.tokenizer(model)
+            if local is not None and (not serving or self._hub.trusted(model, local, replicas)):
+                return local
+        return replicas if serving else None
 
     def forget(self, model: str) -> None:
         self._local.forget(model)

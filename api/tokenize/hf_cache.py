@@ -45,7 +45,7 @@ def _snapshot(repo: Path) -> Path | None:
         revision = ""
     if revision:
         named = repo / "snapshots" / revision
-        return named if named.is_dir() and "/" not in revision else None
+        return named if "/" not in revision and named.is_dir() else None
     try:
         snapshots = [p for p in (repo / "snapshots").iterdir() if p.is_dir()]
     except OSError:
