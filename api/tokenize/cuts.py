@@ -15,10 +15,11 @@ MAX_CANDIDATES = 256
 
 @dataclass(frozen=True, slots=True)
 class Cut:
-    """A cut: the text's character ``position`` where added token ``token_id`` starts."""
+    """A cut: the text's character ``position`` where added token ``token_id`` starts (None:
+    an anchor, a split point of the fast path's, with no token of its own)."""
 
     position: int
-    token_id: int
+    token_id: int | None
 
 
 class Cuts:

@@ -15,7 +15,7 @@ import tokenizers
 
 from kvindex.api.tokenize.chat_template import ChatTemplate, load_chat_template
 from kvindex.api.tokenize.cuts import Cut, Cuts
-from kvindex.api.tokenize.fast_bpe import FastBpe
+from kvindex.api.tokenize.fast_bpe import SELF_TEST, FastBpe
 from kvindex.api.tokenize.prefix_cache import KeptCut, PrefixCache, PrefixHit, cut_digests
 from kvindex.api.tokenize.protocol import (
     NO_OPTIONS,
@@ -35,6 +35,9 @@ FAST_INLINE_MAX_CHARS = 65536
 CHECK_EVERY = 256
 """One text in this many that the fast path encodes is encoded by the tokenizer as well."""
 DEFAULT_PREFIX_CACHE_BYTES = 32 * 1024 * 1024
+ANCHOR_CHARS = 1024
+"""A prompt is cut about this often, at the fast path's split points (its anchors), so that a
+prompt starting as a kept one is encoded from there: a prompt's text may hold no added token."""
 
 
 def encode_whole(tokenizer: tokenizers.Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
@@ -71,11 +74,14 @@ class LocalTokenizer:
         """:meth:`messages_head` and :meth:`prompt_head` may answer with a Head."""
         self.num_heads = 0
         self.num_head_mismatches = 0
+        self.anchor_chars = ANCHOR_CHARS
+        self.num_anchored = 0  # prompts cut at anchors (one in CHECK_EVERY checked whole)
         cuts = Cuts.of(tokenizer) if prefix_cache_bytes > 0 else None
         self._cuts = cuts
-        self.prefixes = PrefixCache(prefix_cache_bytes) if cuts is not None else None
-        # A prompt's ids are reused only when the post-processor adds none (no BOS, no EOS).
-        self._prompt_reuse = tokenizer.num_special_tokens_to_add(is_pair=False) == 0
+        reusing = prefix_cache_bytes > 0 and (cuts is not None or self.heads)
+        self.prefixes = PrefixCache(prefix_cache_bytes) if reusing else None
+        # A prompt's ids are reused when the post-processor adds the same ids around each.
+        self._wrap = special_wrap(tokenizer)
 
     @classmethod
     def from_files(
@@ -123,9 +129,11 @@ class LocalTokenizer:
         return _run_now(self._messages(messages, options, now=True))
 
     async def _prompt(self, prompt: str, *, now: bool) -> bytes:
-        if self._prompt_reuse:
-            return await self._packed(prompt, now=now)
-        return pack_ids(await self._encode(prompt, add_special_tokens=True, now=now))
+        wrap = self._wrap
+        if wrap is None:
+            return pack_ids(await self._encode(prompt, add_special_tokens=True, now=now))
+        plan = self._plan(prompt, anchored=True)
+        return _wrapped(await self._packed(prompt, now=now, plan=plan), wrap)
 
     async def _messages(
         self, messages: list[dict[str, Any]], options: ChatOptions, *, now: bool
@@ -135,9 +143,20 @@ class LocalTokenizer:
         return await self._packed(self.chat_template.render(messages, options), now=now)
 
     async def prompt_head(self, prompt: str, min_chars: int) -> bytes | Head:
-        if not self._prompt_reuse:
+        wrap = self._wrap
+        if wrap is None:
             return await self.packed_prompt(prompt)
-        return await self._head(prompt, min_chars)
+        got = await self._head(prompt, min_chars, anchored=True)
+        if isinstance(got, bytes):
+            return _wrapped(got, wrap)
+        if not (wrap[0] or wrap[1]):
+            return got
+        rest, extra = got.rest, (len(wrap[0]) + len(wrap[1])) // 4
+
+        async def whole() -> bytes:
+            return _wrapped(await rest(), wrap)
+
+        return Head(wrap[0] + got.packed, got.num_tokens + extra, whole)
 
     async def messages_head(
         self, messages: list[dict[str, Any]], options: ChatOptions, min_chars: int
@@ -146,13 +165,13 @@ class LocalTokenizer:
             raise TokenizerError("no chat template for this model: messages cannot be encoded")
         return await self._head(self.chat_template.render(messages, options), min_chars)
 
-    async def _head(self, text: str, min_chars: int) -> bytes | Head:
+    async def _head(self, text: str, min_chars: int, *, anchored: bool = False) -> bytes | Head:
         """A :class:`Head` of ``text`` split by the fast path after ``min_chars`` (at most
         half of it) when no kept text shares a cut with it; else its whole ids."""
         fast = self.fast
+        plan = self._plan(text, anchored=anchored)
         if fast is None or not self.heads or len(text) < 2 * min_chars:
-            return await self._packed(text, now=False)
-        plan = self._plan(text)
+            return await self._packed(text, now=False, plan=plan)
         if plan is not None and plan.hit is not None:
             return await self._packed(text, now=False, plan=plan)
         split = fast.split_point(text, min_chars)
@@ -177,13 +196,34 @@ class LocalTokenizer:
             )  # fmt: skip
         return packed
 
-    def _plan(self, text: str) -> _Plan | None:
-        """Its cuts, their digests, the longest kept start (None: no prefix reuse)."""
-        if self._cuts is None or self.prefixes is None:
+    def _plan(self, text: str, *, anchored: bool = False) -> _Plan | None:
+        """Its cuts (``anchored``: with its anchors), their digests, the longest kept start
+        (None: no prefix reuse)."""
+        if self.prefixes is None:
             return None
-        cuts = self._cuts.find(text)
+        cuts = [] if self._cuts is None else self._cuts.find(text)
+        if anchored and self.heads and len(text) > self.anchor_chars:
+            cuts = self._anchored(text, cuts)
         digests = cut_digests(text, [cut.position for cut in cuts])
         return _Plan(cuts, digests, self.prefixes.longest(digests))
+
+    def _anchored(self, text: str, cuts: list[Cut]) -> list[Cut]:
+        """``cuts`` and the anchors of ``text``: each the fast path's first split point
+        ``anchor_chars`` past the last, so two texts alike up to one find it alike."""
+        fast, step = self.fast, self.anchor_chars
+        anchors: list[Cut] = []
+        at = fast.split_point(text, step) if fast is not None else None
+        while at is not None and fast is not None:
+            anchors.append(Cut(at, None))
+            at = fast.split_point(text, at + step)
+        if not anchors:
+            return cuts
+        self.num_anchored += 1
+        if self.num_anchored % CHECK_EVERY == 1 and not self._anchors_hold(text, anchors):
+            return cuts
+        taken = {cut.position for cut in cuts}
+        merged = cuts + [a for a in anchors if a.position not in taken]
+        return sorted(merged, key=_position) if cuts else merged
 
     async def _packed(self, text: str, *, now: bool, plan: _Plan | None = None) -> bytes:
         """Reference: kvindex.api.tokenize.local.encode_whole; tests/unit/api/tokenize/test_prefix_reuse.py::test_reuse_equals_whole_encode
@@ -202,7 +242,8 @@ class LocalTokenizer:
         parts = await self._encode_parts(text, bounds, now=now)
         starts = cuts[first - 1 :] if hit is not None else [None, *cuts]
         pairs = zip(starts, parts, strict=True)
-        if any(cut is not None and ids[:1] != [cut.token_id] for cut, ids in pairs):
+        if any(cut is not None and cut.token_id is not None and ids[:1] != [cut.token_id]
+               for cut, ids in pairs):  # fmt: skip
             # A part did not start with its cut's added token: this tokenizer is not cut so.
             return pack_ids(await self._encode(text, add_special_tokens=False, now=now))
         packed = b"".join([b"" if hit is None else hit.packed, *map(pack_ids, parts)])
@@ -253,6 +294,27 @@ class LocalTokenizer:
             self._check(text, bounds, parts)
         return parts if self.fast is not None else None
 
+    def _anchors_hold(self, text: str, anchors: list[Cut]) -> bool:
+        # Whether the parts between the anchors encode as the whole does (unknown: yes); if
+        # not, heads and anchors are dropped (logged, counted).
+        fast = self.fast
+        if fast is None or len(text) > FAST_INLINE_MAX_CHARS:
+            return True
+        bounds = [0, *(a.position for a in anchors), len(text)]
+        parts = [fast.encode(text[a:b]) for a, b in itertools.pairwise(bounds)]
+        whole = fast.encode(text)
+        if whole is None or any(ids is None for ids in parts):
+            return True
+        if list(itertools.chain.from_iterable(p for p in parts if p is not None)) == whole:
+            return True
+        self.heads = False
+        self.num_head_mismatches += 1
+        logger.error(
+            "a prompt cut at the fast path's split points differed from its whole ids: texts "
+            "are no longer cut there"
+        )  # fmt: skip
+        return False
+
     def _check(self, text: str, bounds: list[int], parts: list[list[int]]) -> None:
         """Drop the fast path when its ``parts`` differ from the tokenizer's."""
         try:
@@ -285,6 +347,35 @@ class _Plan:
 
 class _NotNow(Exception):  # noqa: N818 (a signal, not an error)
     """An encode asked for now would need a worker thread."""
+
+
+def special_wrap(tokenizer: tokenizers.Tokenizer) -> tuple[bytes, bytes] | None:
+    """The ids (packed) the post-processor puts before and after every single text, when
+    it adds the same ones around each (checked on samples); None: it does otherwise."""
+    if tokenizer.num_special_tokens_to_add(is_pair=False) == 0:
+        return b"", b""
+    if tokenizer.truncation is not None or tokenizer.padding is not None:
+        return None
+    samples = (SELF_TEST, "", "a", "hello world")
+    plain = [tokenizer.encode(s, add_special_tokens=False).ids for s in samples]
+    whole = [tokenizer.encode(s, add_special_tokens=True).ids for s in samples]
+    extra = len(whole[0]) - len(plain[0])
+    start = next((i for i in range(extra + 1) if whole[0][i : i + len(plain[0])] == plain[0]), None)
+    if extra < 0 or start is None:
+        return None
+    before, after = whole[0][:start], whole[0][start + len(plain[0]) :]
+    if any(w != before + p + after for p, w in zip(plain, whole, strict=True)):
+        return None
+    return pack_ids(before), pack_ids(after)
+
+
+def _wrapped(packed: bytes, wrap: tuple[bytes, bytes]) -> bytes:
+    before, after = wrap
+    return before + packed + after if before or after else packed
+
+
+def _position(cut: Cut) -> int:
+    return cut.position
 
 
 def _run_now(coroutine: Coroutine[Any, Any, bytes]) -> bytes | None:

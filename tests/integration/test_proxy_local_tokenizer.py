@@ -12,6 +12,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+import tokenizers
+from tokenizers import processors
 
 from tests.integration.test_proxy_forwarding import MODEL, Proxy, _start, stack
 from tests.support.tokenizer_kinds import write_model
@@ -152,3 +154,45 @@ def test_a_long_prompt_no_replica_holds_is_chosen_for_on_its_head_and_predicted_
     text = proxy.metrics()
     assert _counter(text, "kvindex_proxy_predictions_total", 'outcome="token_mismatch"') == 0
     assert _counter(text, "kvindex_proxy_head_rest_failures_total") == 0
+
+
+def test_a_prompt_that_starts_as_an_earlier_one_is_predicted_exactly_with_its_bos(
+    stack: ExitStack, tmp_path: Path
+) -> None:
+    """A byte-level BPE tokenizer that adds a BOS (Llama 3's shape) before a completions
+    prompt with no added token: a prompt starting as an earlier one (a long document, then a
+    question) is encoded from its last anchor, lands where the document is held, and each
+    prediction counts the engine's own tokens (``exact``, no ``token_mismatch``)."""
+    tokenizer = write_model(tmp_path / "model")
+    with_bos = tokenizers.Tokenizer.from_file(str(tokenizer))
+    bos = with_bos.token_to_id("<|endoftext|>")
+    with_bos.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)]
+    )
+    with_bos.save(str(tokenizer))
+    config = tmp_path / "kvindex.toml"
+    config.write_text(f'[[models]]\nname = "{MODEL}"\ntokenizer = "{tokenizer}"\n')
+    extra = ["--tokenizer", str(tokenizer)]
+    _, proxy = _start(stack, tmp_path, {"r1": extra, "r2": extra}, ("--config", str(config)))
+    document = " ".join(f"clause {n} of the lease says the tenant pays" for n in range(80))
+    with proxy.client() as client:
+        client.completions.create(model=MODEL, prompt=document, max_tokens=2)
+        count, total = _matched(proxy)
+        matched, deadline, sent = 0.0, time.monotonic() + 10, 1
+        while matched <= 0.9 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            question = f"{document} question {sent}: who pays"
+            client.completions.create(model=MODEL, prompt=question, max_tokens=2)
+            sent += 1
+            new_count, new_total = _matched(proxy)
+            matched = (new_total - total) / max(1.0, new_count - count)
+            count, total = new_count, new_total
+    assert matched > 0.9
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # every answer's prediction is judged
+        text = proxy.metrics()
+        if _counter(text, "kvindex_proxy_predictions_total") == sent:
+            break
+        time.sleep(0.1)
+    assert _counter(text, "kvindex_proxy_predictions_total", 'outcome="exact"') == sent, text
+    assert _counter(text, "kvindex_proxy_predictions_total", 'outcome="token_mismatch"') == 0

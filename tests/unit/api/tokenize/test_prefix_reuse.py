@@ -11,12 +11,13 @@ import pytest
 import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import processors
 
 from kvindex.api.tokenize.chat_template import ChatTemplate
 from kvindex.api.tokenize.cuts import MAX_CANDIDATES, Cuts
-from kvindex.api.tokenize.local import LocalTokenizer, encode_whole
+from kvindex.api.tokenize.local import LocalTokenizer, encode_whole, special_wrap
 from kvindex.api.tokenize.prefix_cache import KeptCut, PrefixCache, entry_bytes
-from kvindex.api.tokenize.protocol import unpack_ids
+from kvindex.api.tokenize.protocol import pack_ids, unpack_ids
 from tests.support.tokenizer_kinds import KINDS, MASK, WORDS
 
 Conversation = list[dict[str, Any]]
@@ -94,21 +95,128 @@ def test_a_shared_system_prompt_is_encoded_once(name: str) -> None:
     assert local.num_reused == 4
 
 
-def test_prompts_are_reused_only_without_added_special_tokens() -> None:
+def test_prompts_are_reused_with_the_special_tokens_the_post_processor_adds() -> None:
     bpe, wordy = _local("byte_level_bpe"), _local("word_level")  # word_level adds a BOS
-    prompt = "<|im_start|>system\nthe rules<|im_end|>\n<|im_start|>user\n"
+    prompts = {
+        bpe: "<|im_start|>system\nthe rules<|im_end|>\n<|im_start|>user\n",
+        wordy: "<|system|> the rules <|user|> ",
+    }
 
     async def run() -> None:
-        for tail in ("a", "b"):
-            assert await bpe.encode_prompt(prompt + tail) == encode_whole(
-                bpe.tokenizer, prompt + tail, add_special_tokens=True
-            )
-            assert await wordy.encode_prompt(prompt + tail) == encode_whole(
-                wordy.tokenizer, prompt + tail, add_special_tokens=True
-            )
+        for local, prompt in prompts.items():
+            for tail in ("a", "b"):
+                assert await local.encode_prompt(prompt + tail) == encode_whole(
+                    local.tokenizer, prompt + tail, add_special_tokens=True
+                )
 
     asyncio.run(run())
-    assert (bpe.num_reused, wordy.num_reused) == (1, 0)
+    assert (bpe.num_reused, wordy.num_reused) == (1, 1)
+
+
+_prompt = st.lists(st.sampled_from([*_PIECES, " ", " ", "a", "b"]), max_size=40).map("".join)
+
+
+@pytest.mark.parametrize("name", sorted(KINDS))
+@settings(max_examples=60, deadline=None)
+@given(starts=st.lists(_prompt, min_size=1, max_size=3), tails=st.lists(_prompt, max_size=4))
+def test_prompt_reuse_equals_whole_encode(name: str, starts: list[str], tails: list[str]) -> None:
+    """Prompts growing from shared starts, cut at anchors every few characters, equal their
+    whole encode with the post-processor's tokens: at once, awaited, or as a head."""
+    local = _local(name)
+    local.anchor_chars = 5
+    tok = local.tokenizer
+
+    async def run() -> None:
+        for start in starts:
+            prompt = start
+            for tail in ["", *tails]:
+                prompt += tail
+                whole = encode_whole(tok, prompt, add_special_tokens=True)
+                now = local.prompt_now(prompt)
+                assert now is None or unpack_ids(now) == whole
+                assert await local.encode_prompt(prompt) == whole
+                head = await local.prompt_head(prompt + " x", 4)
+                whole_x = encode_whole(tok, prompt + " x", add_special_tokens=True)
+                if isinstance(head, bytes):
+                    assert unpack_ids(head) == whole_x
+                else:
+                    assert unpack_ids(await head.rest()) == whole_x
+                    assert whole_x[: len(head.packed) // 4] == unpack_ids(head.packed)
+
+    asyncio.run(run())
+    assert local.num_head_mismatches == 0
+
+
+def test_a_long_prompt_is_encoded_from_its_last_anchor() -> None:
+    """A prompt with no added token, its start kept: only its end is encoded again."""
+    local = _local("byte_level_bpe")
+    assert local.fast is not None
+    encoded: list[int] = []
+    encode = local.fast.encode
+
+    def counted(text: str) -> list[int] | None:
+        encoded.append(len(text))
+        return encode(text)
+
+    local.fast.encode = counted  # type: ignore[method-assign]
+    document = " ".join(WORDS * 40)
+    assert len(document) > 3 * local.anchor_chars
+
+    async def run() -> None:
+        for question in ("", " what does it say", " and then what"):
+            prompt = document + question
+            expected = encode_whole(local.tokenizer, prompt, add_special_tokens=True)
+            assert await local.encode_prompt(prompt) == expected
+
+    encoded.clear()
+    asyncio.run(run())
+    assert local.num_reused == 2
+    first, later = encoded[: len(encoded) - 2], encoded[-2:]
+    assert sum(first) >= len(document) and max(later) < local.anchor_chars + 20
+
+
+def test_anchors_that_do_not_hold_are_dropped() -> None:
+    local = _local("byte_level_bpe")
+    assert local.fast is not None
+    local.fast.split_point = lambda text, start: start if start < len(text) - 1 else None  # type: ignore[method-assign]
+    local.anchor_chars = 3
+    prompt = "abcdefghij" * 10
+
+    async def run() -> None:
+        for tail in ("", "xyz"):
+            expected = encode_whole(local.tokenizer, prompt + tail, add_special_tokens=True)
+            assert await local.encode_prompt(prompt + tail) == expected
+
+    asyncio.run(run())
+    assert (local.heads, local.num_head_mismatches, local.num_reused) == (False, 1, 0)
+
+
+@pytest.mark.parametrize(
+    ("name", "before", "after"),
+    [("byte_level_bpe", [], []), ("word_level", ["<s>"], []), ("metaspace_bpe", [], [])],
+)
+def test_the_special_tokens_around_a_prompt(name: str, before: list[str], after: list[str]) -> None:
+    tok = _kind(name)[0]
+    wrap = special_wrap(tok)
+    ids = [unpack_ids(part) for part in wrap] if wrap is not None else None
+    assert ids == [[tok.token_to_id(t) for t in before], [tok.token_to_id(t) for t in after]]
+
+
+def test_the_special_tokens_around_a_prompt_when_they_close_it_or_may_be_cut() -> None:
+    tok = tokenizers.Tokenizer.from_str(_kind("word_level")[0].to_str())
+    bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+    assert bos is not None and eos is not None
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", bos), ("</s>", eos)]
+    )
+    assert special_wrap(tok) == (pack_ids([bos]), pack_ids([eos]))
+    local = LocalTokenizer(tok, prefix_cache_bytes=1 << 20)
+    for prompt in ("<|system|> a rule <|user|> hi", "<|system|> a rule <|user|> ho"):
+        expected = encode_whole(tok, prompt, add_special_tokens=True)
+        assert asyncio.run(local.encode_prompt(prompt)) == expected
+    assert local.num_reused == 1
+    tok.enable_truncation(8)
+    assert special_wrap(tok) is None
 
 
 def test_prefix_cache_off_encodes_whole() -> None:
