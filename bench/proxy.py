@@ -17,21 +17,24 @@ concurrency), then one with the machine's load; quote them with the load beside 
 never sent before after the shared system prompt, as production traffic is (the proxy's
 tokenizer cache cannot answer it: it is tokenized by a replica, or locally);
 ``--unique-prefix`` makes the whole prompt new, system prompt included (nothing of it was
-seen). ``--tokenizer local`` writes a byte-level BPE ``tokenizer.json`` and a ChatML
-template into the run's directory, starts the sims with ``--tokenizer`` and gives the proxy
-``[[models]] tokenizer`` (``--no-prefix-reuse``: ``tokenizer_prefix_cache_bytes = 0``, every
-text encoded whole). ``--workers`` runs ``kvindex proxy --workers N``, ``--store redis``
-puts the index and the load on a private redis-server that a ``kvindex indexer`` fills;
-``proxy_rps`` and ``direct_rps`` are the throughputs (the load generator shares the
-machine's cores). ``--profile PATH`` runs the proxy's loop under cProfile on CPU time
-(its CPU figures then count the profiler's cost) and writes its stats to ``PATH`` when it
-stops. ``--against KVINDEX`` starts a second proxy from another build's ``kvindex`` before
-the same sims and measures both in ``--windows`` alternating windows of ``--requests`` (the
-order flipped each window; CPU from each thread's ``schedstat``): an A/B in the same
-seconds, whatever the host's drift (``paired_ratio``: the other's CPU over this one's).
+seen). ``--completions`` sends the same text as one completions ``prompt``. ``--tokenizer
+local`` writes a byte-level BPE ``tokenizer.json`` and a ChatML template into the run's
+directory, starts the sims with ``--tokenizer`` and gives the proxy ``[[models]] tokenizer``
+(``--no-prefix-reuse``: ``tokenizer_prefix_cache_bytes = 0``, every text encoded whole;
+``--bos``: the tokenizer adds a BOS before a prompt). ``--workers`` runs ``kvindex proxy
+--workers N``, ``--store redis`` puts the index and the load on a private redis-server that
+a ``kvindex indexer`` fills; ``proxy_rps`` and ``direct_rps`` are the throughputs (the load
+generator shares the machine's cores). ``--profile PATH`` runs the proxy's loop under
+cProfile on CPU time (its CPU figures then count the profiler's cost) and writes its stats
+to ``PATH`` when it stops. ``--against KVINDEX`` starts a second proxy from another build's
+``kvindex`` before the same sims and measures both in ``--windows`` alternating windows of
+``--requests`` (the order flipped each window; CPU from each thread's ``schedstat``): an A/B
+in the same seconds, whatever the host's drift (``paired_ratio``: the other's CPU over this
+one's).
 
     python bench/proxy.py [--requests 400] [--prompt-tokens 2000] [--unique] [--workers 2]
         [--tokenizer local] [--unique-prefix] [--no-prefix-reuse] [--profile PATH]
+        [--completions] [--bos]
         [--against OTHER_KVINDEX] [--windows 10]
 """
 
@@ -52,6 +55,9 @@ from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+import tokenizers
+from tokenizers import processors
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -93,10 +99,16 @@ class Prompts:
     unique: bool = False
     unique_prefix: bool = False
     filler_words: int | None = None
+    completions: bool = False
+    """Completions bodies: the same text as one ``prompt`` (system, a blank line, user)."""
 
-    def bodies(self, stream: bool) -> Sequence[bytes]:
+    @property
+    def path(self) -> str:
+        return "/v1/completions" if self.completions else "/v1/chat/completions"
+
+    def bodies(self, stream: bool) -> Bodies:
         if not self.unique and not self.unique_prefix:
-            return [self.body(stream, i) for i in range(NUM_PROMPTS)]
+            return _Cycled(self.path, [self.body(stream, i) for i in range(NUM_PROMPTS)])
         return _Fresh(self, stream)
 
     def body(self, stream: bool, number: int | str) -> bytes:
@@ -109,6 +121,9 @@ class Prompts:
             filler = self.filler_words
         system += "Context word. " * (filler // 2) + "more " * (filler % 2)
         user = f"question {number} " * 30
+        if self.completions:
+            prompt = {"model": MODEL, "prompt": f"{system}\n\n{user}", "max_tokens": 4}
+            return json.dumps({**prompt, "stream": stream}).encode()
         chat = {
             "model": MODEL,
             "messages": [
@@ -121,13 +136,31 @@ class Prompts:
         return json.dumps(chat).encode()
 
 
-class _Fresh(Sequence[bytes]):
+class Bodies(Sequence[bytes]):
+    """The bodies a run sends, all to ``path``."""
+
+    path: str
+
+
+class _Cycled(Bodies):
+    def __init__(self, path: str, bodies: list[bytes]) -> None:
+        self.path, self._bodies = path, bodies
+
+    def __len__(self) -> int:
+        return len(self._bodies)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._bodies[index]
+
+
+class _Fresh(Bodies):
     """Bodies never sent before: each read makes a new one (its own user turn)."""
 
     _serial = itertools.count()
 
     def __init__(self, prompts: Prompts, stream: bool) -> None:
         self._prompts, self._stream = prompts, stream
+        self.path = prompts.path
 
     def __len__(self) -> int:
         return NUM_PROMPTS
@@ -149,13 +182,13 @@ finally:
 cProfile on its own CPU time (a wait for a write's reader is not counted)."""
 
 
-def _worker(port: int, bodies: Sequence[bytes], count: int, start: int, out: list[float]) -> None:
+def _worker(port: int, bodies: Bodies, count: int, start: int, out: list[float]) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     headers = {"content-type": "application/json"}
     try:
         for i in range(count):
             started = time.perf_counter()
-            conn.request("POST", "/v1/chat/completions", bodies[(start + i) % len(bodies)], headers)
+            conn.request("POST", bodies.path, bodies[(start + i) % len(bodies)], headers)
             response = conn.getresponse()
             body = response.read()
             elapsed = time.perf_counter() - started
@@ -167,7 +200,7 @@ def _worker(port: int, bodies: Sequence[bytes], count: int, start: int, out: lis
 
 
 def _run(
-    ports: list[int], bodies: Sequence[bytes], concurrency: int, num_requests: int
+    ports: list[int], bodies: Bodies, concurrency: int, num_requests: int
 ) -> tuple[list[float], float]:
     """Latencies (s) of ``num_requests`` requests by ``concurrency`` workers, and the run's
     wall time (s); worker ``i`` talks to ``ports[i % len(ports)]``."""
@@ -208,7 +241,7 @@ def _tree_cpu_s(pid: int | None) -> float | None:
 def _measure(
     proxy: tuple[int, int | None],
     sim_ports: list[int],
-    bodies: Sequence[bytes],
+    bodies: Bodies,
     concurrency: int,
     num_requests: int,
 ) -> dict[str, object]:
@@ -258,7 +291,7 @@ def _threads_cpu_s(pid: int) -> float:
 
 def _paired(
     proxies: dict[str, tuple[int, int]],
-    bodies: Sequence[bytes],
+    bodies: Bodies,
     concurrency: int,
     windows: int,
     per_window: int,
@@ -313,9 +346,17 @@ def _fixed(workdir: Path, stack: ExitStack) -> list[tuple[Child, int, str]]:
     ]  # fmt: skip
 
 
-def _local_model(workdir: Path, reuse: bool) -> tuple[Path, Path]:
-    """A byte-level BPE model directory, and the proxy's config naming it."""
+def _local_model(workdir: Path, reuse: bool, bos: bool) -> tuple[Path, Path]:
+    """A byte-level BPE model directory (``bos``: its post-processor adds a BOS before a
+    prompt, as Llama 3's does), and the proxy's config naming it."""
     tokenizer = write_model(workdir / "model", "byte_level_bpe")
+    if bos:
+        model = tokenizers.Tokenizer.from_file(str(tokenizer))
+        token = "<|endoftext|>"
+        model.post_processor = processors.TemplateProcessing(
+            single=f"{token} $A", special_tokens=[(token, model.token_to_id(token))]
+        )
+        model.save(str(tokenizer))
     config = workdir / "kvindex.toml"
     api = "" if reuse else "[api]\ntokenizer_prefix_cache_bytes = 0\n\n"
     config.write_text(f'{api}[[models]]\nname = "{MODEL}"\ntokenizer = "{tokenizer}"\n')
@@ -328,8 +369,10 @@ def _fitted(prompts: Prompts, tokenizer: Path) -> tuple[Prompts, int]:
     local = LocalTokenizer.from_files(tokenizer, prefix_cache_bytes=0)
 
     def ids(filler: int) -> int:
-        chat = json.loads(replace(prompts, filler_words=filler).body(False, "u0"))
-        return len(asyncio.run(local.encode_messages(chat["messages"])))
+        body = json.loads(replace(prompts, filler_words=filler).body(False, "u0"))
+        if prompts.completions:
+            return len(asyncio.run(local.encode_prompt(body["prompt"])))
+        return len(asyncio.run(local.encode_messages(body["messages"])))
 
     base, per_100 = ids(0), ids(100) - ids(0)  # ids grow linearly with the filler's words
     filler = max(0, round((prompts.num_tokens - base) * 100 / max(1, per_100)))
@@ -366,7 +409,7 @@ def _figures(
     args: argparse.Namespace,
     proxies: dict[str, tuple[int, int]],
     sim_ports: list[int],
-    bodies: Sequence[bytes],
+    bodies: Bodies,
     concurrency: int,
 ) -> dict[str, object]:
     """One JSON line's figures: paired with ``--against``, else against the sims direct."""
@@ -400,6 +443,12 @@ def _options() -> argparse.Namespace:
     )
     parser.add_argument("--workers", type=int, default=1, help="The proxy's --workers.")
     parser.add_argument(
+        "--completions", action="store_true", help="Completions prompts instead of chats."
+    )
+    parser.add_argument(
+        "--bos", action="store_true", help="With --tokenizer local: it adds a BOS (Llama 3)."
+    )
+    parser.add_argument(
         "--upstream",
         choices=("sims", "fixed"),
         default="sims",
@@ -424,21 +473,25 @@ def _options() -> argparse.Namespace:
     parser.add_argument(
         "--windows", type=int, default=10, help="With --against: windows of --requests each."
     )
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.upstream == "fixed" and args.tokenizer != "local":
+        parser.error("--upstream fixed answers no /tokenize: give --tokenizer local")
+    if args.bos and args.tokenizer != "local":
+        parser.error("--bos is a local tokenizer's: give --tokenizer local")
+    return args
 
 
 def main() -> None:
     args = _options()
-    if args.upstream == "fixed" and args.tokenizer != "local":
-        raise SystemExit("--upstream fixed answers no /tokenize: give --tokenizer local")
     prompts = Prompts(args.prompt_tokens, args.unique, args.unique_prefix)
+    prompts = replace(prompts, completions=args.completions)
     streams = {"both": (False, True), "yes": (True,), "no": (False,)}[args.stream]
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         workdir = Path(tmp)
         tokenizer = config = None
         shape: dict[str, object] = {}
         if args.tokenizer == "local":
-            tokenizer, config = _local_model(workdir, not args.no_prefix_reuse)
+            tokenizer, config = _local_model(workdir, not args.no_prefix_reuse, args.bos)
             prompts, num_ids = _fitted(prompts, tokenizer)
             shape |= {"prompt_ids": num_ids, "prefix_reuse": not args.no_prefix_reuse}
         sims = (
@@ -463,6 +516,8 @@ def main() -> None:
         shape["upstream"] = args.upstream
         if prompts.unique_prefix:
             shape["unique_prefix"] = True
+        if prompts.completions or args.bos:
+            shape |= {"completions": prompts.completions, "bos": args.bos}
         assert proxy.process is not None
         proxies = {"this": (port, proxy.process.pid)}
         if args.against is not None:
