@@ -23,6 +23,11 @@ GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
 """The regex of ``ByteLevel(use_regex=True)``, as ``tokenizers`` writes it."""
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_SPACE_BETWEEN_LETTERS = re.compile(r"[^\W\d_] [^\W\d_]")
+MAX_SPLIT_CANDIDATES = 64
+"""Spaces between word characters :meth:`FastBpe.split_point` checks at most (None past)."""
+MAX_SPLIT_SCAN = 65536
+"""Characters past its start :meth:`FastBpe.split_point` looks through at most."""
 SELF_TEST = (
     "Hello world! It's 2026-12-06T18:30:00Z; we'll see.  Tabs\tand\nnew\r\nlines   end \n\n"
     'def f(x):\n    return x ** 2  # a comment\n{"k": [1, 22, 333, 4444]}\n'
@@ -85,14 +90,23 @@ class FastBpe:
 
         The first index at or after ``start`` where ``text`` splits into two texts whose ids,
         encoded apart, are the whole text's: a space between two letters, which every
-        reproduced regex ends a piece before (None: none, or this tokenizer is not split)."""  # noqa: E501
+        reproduced regex ends a piece before (None: none within the search's bounds, or this
+        tokenizer is not split)."""  # noqa: E501
         if not self.splits:
             return None
-        at = text.find(" ", max(start, 1))
-        while 0 < at < len(text) - 1:
-            if text[at - 1].isalpha() and text[at + 1].isalpha():
-                return at
-            at = text.find(" ", at + 1)
+        # The regex finds each space between two word characters that are not digits in C
+        # (a superset of the letters), within MAX_SPLIT_SCAN characters: a text of spaces is
+        # neither walked a character at a time nor scanned to its end.
+        search, at = _SPACE_BETWEEN_LETTERS.search, max(start, 1) - 1
+        end = at + MAX_SPLIT_SCAN
+        for _ in range(MAX_SPLIT_CANDIDATES):
+            found = search(text, at, end)
+            if found is None:
+                return None
+            space = found.start() + 1
+            if text[space - 1].isalpha() and text[space + 1].isalpha():
+                return space
+            at = space
         return None
 
     def splits_hold(self, text: str, expected: list[int]) -> bool:

@@ -179,6 +179,37 @@ def test_split_encodes_equal_the_whole(shape: str, text: str) -> None:
         at = fast.split_point(text, at + 1)
 
 
+def _first_split(text: str, start: int) -> int | None:
+    """split_point's definition, walked a character at a time."""
+    for at in range(max(start, 1), len(text) - 1):
+        if text[at] == " " and text[at - 1].isalpha() and text[at + 1].isalpha():
+            return at
+    return None
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="ab ²1_é漢\u0301 ", max_size=60), start=st.integers(0, 70))
+def test_split_point_is_its_definition(text: str, start: int) -> None:
+    """Within its bounds (fewer spaces between word characters than it checks, a text
+    shorter than it scans) the regex's search finds what the walk does."""
+    fast = FastBpe.of(_SHAPES["gpt2"]())
+    assert fast is not None
+    assert fast.split_point(text, start) == _first_split(text, start)
+
+
+def test_split_point_is_bounded_on_hostile_text() -> None:
+    """A body of spaces, or of spaces between word characters that are not letters, gets no
+    split past the bounds (so no walk of megabytes on the loop): such a text is encoded
+    whole."""
+    fast = FastBpe.of(_SHAPES["gpt2"]())
+    assert fast is not None
+    far = " " * fast_bpe.MAX_SPLIT_SCAN + "ab cd"
+    assert _first_split(far, 0) is not None and fast.split_point(far, 0) is None
+    crowded = "² " * (fast_bpe.MAX_SPLIT_CANDIDATES + 1) + "²ab cd"
+    assert _first_split(crowded, 0) is not None and fast.split_point(crowded, 0) is None
+    assert fast.split_point("² " * 10 + "²ab cd", 0) == len("² " * 10 + "²ab")
+
+
 def test_a_regex_that_keeps_spaces_with_words_is_not_split() -> None:
     """A ``Split`` regex whose pieces end in a space: the fast path encodes, but its sample's
     splits differ from the whole, so texts are never split."""
