@@ -24,10 +24,8 @@ GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _SPACE_BETWEEN_LETTERS = re.compile(r"[^\W\d_] [^\W\d_]")
-MAX_SPLIT_CANDIDATES = 64
-"""Spaces between word characters :meth:`FastBpe.split_point` checks at most (None past)."""
-MAX_SPLIT_SCAN = 65536
-"""Characters past its start :meth:`FastBpe.split_point` looks through at most."""
+MAX_SPLIT_CANDIDATES = 64  # spaces between word characters a split point's search checks
+MAX_SPLIT_SCAN = 65536  # characters past its start it looks through
 SELF_TEST = (
     "Hello world! It's 2026-12-06T18:30:00Z; we'll see.  Tabs\tand\nnew\r\nlines   end \n\n"
     'def f(x):\n    return x ** 2  # a comment\n{"k": [1, 22, 333, 4444]}\n'
