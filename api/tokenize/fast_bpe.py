@@ -10,7 +10,7 @@ import json
 import logging
 import re
 import unicodedata
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,35 +86,12 @@ class FastBpe:
     def split_point(self, text: str, start: int) -> int | None:
         """Reference: encode(text); tests/unit/api/tokenize/test_fast_bpe.py::test_split_encodes_equal_the_whole
 
-        The first index at or after ``start`` where ``text`` splits into two texts whose ids,
-        encoded apart, are the whole text's: a space between two letters, which every
-        reproduced regex ends a piece before (None: none within the search's bounds, or this
+        :func:`split_point`, where every reproduced regex ends a piece (None: also when this
         tokenizer is not split)."""  # noqa: E501
-        if not self.splits:
-            return None
-        # The regex finds each space between two word characters that are not digits in C
-        # (a superset of the letters), within MAX_SPLIT_SCAN characters: a text of spaces is
-        # neither walked a character at a time nor scanned to its end.
-        search, at = _SPACE_BETWEEN_LETTERS.search, max(start, 1) - 1
-        end = at + MAX_SPLIT_SCAN
-        for _ in range(MAX_SPLIT_CANDIDATES):
-            found = search(text, at, end)
-            if found is None:
-                return None
-            space = found.start() + 1
-            if text[space - 1].isalpha() and text[space + 1].isalpha():
-                return space
-            at = space
-        return None
+        return split_point(text, start) if self.splits else None
 
     def splits_hold(self, text: str, expected: list[int]) -> bool:
-        """Whether every split point of ``text`` parts its ids as ``expected`` (the whole's)."""
-        at = self.split_point(text, 0)
-        while at is not None:
-            if (self.encode(text[:at]) or []) + (self.encode(text[at:]) or []) != expected:
-                return False
-            at = self.split_point(text, at + 1)
-        return True
+        return splits_hold(self.encode, text, expected)
 
     def encode(self, text: str) -> list[int] | None:
         """The tokenizer's ids of ``text`` (none added); None: a stripping added token, an
@@ -139,6 +116,36 @@ class FastBpe:
         if start < len(text):
             ids += self._encode(text[start:])
         return ids
+
+
+def split_point(text: str, start: int) -> int | None:
+    """The first index at or after ``start`` where ``text`` may split into two texts whose
+    ids, encoded apart, are the whole text's: a space between two letters (None: none within
+    the search's bounds)."""
+    # The regex finds each space between two word characters that are not digits in C (a
+    # superset of the letters), within MAX_SPLIT_SCAN characters: a text of spaces is neither
+    # walked a character at a time nor scanned to its end.
+    search, at = _SPACE_BETWEEN_LETTERS.search, max(start, 1) - 1
+    end = at + MAX_SPLIT_SCAN
+    for _ in range(MAX_SPLIT_CANDIDATES):
+        found = search(text, at, end)
+        if found is None:
+            return None
+        space = found.start() + 1
+        if text[space - 1].isalpha() and text[space + 1].isalpha():
+            return space
+        at = space
+    return None
+
+
+def splits_hold(encode: Callable[[str], list[int] | None], text: str, expected: list[int]) -> bool:
+    # Whether the text cut at each of its split points encodes (by encode) as expected.
+    at = split_point(text, 0)
+    while at is not None:
+        if (encode(text[:at]) or []) + (encode(text[at:]) or []) != expected:
+            return False
+        at = split_point(text, at + 1)
+    return True
 
 
 def _shape(config: dict[str, Any]) -> _Shape | str:

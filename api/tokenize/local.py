@@ -8,6 +8,7 @@ import itertools
 import logging
 from collections.abc import Coroutine
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Self, cast
 
@@ -15,7 +16,7 @@ import tokenizers
 
 from kvindex.api.tokenize.chat_template import ChatTemplate, load_chat_template
 from kvindex.api.tokenize.cuts import Cut, Cuts
-from kvindex.api.tokenize.fast_bpe import SELF_TEST, FastBpe
+from kvindex.api.tokenize.fast_bpe import SELF_TEST, FastBpe, split_point, splits_hold
 from kvindex.api.tokenize.prefix_cache import KeptCut, PrefixCache, PrefixHit, cut_digests
 from kvindex.api.tokenize.protocol import (
     NO_OPTIONS,
@@ -36,8 +37,9 @@ CHECK_EVERY = 256
 """One text in this many that the fast path encodes is encoded by the tokenizer as well."""
 DEFAULT_PREFIX_CACHE_BYTES = 32 * 1024 * 1024
 ANCHOR_CHARS = 1024
-"""A prompt is cut about this often, at the fast path's split points (its anchors), so that a
-prompt starting as a kept one is encoded from there: a prompt's text may hold no added token."""
+"""A prompt is cut about this often, at split points (its anchors, :func:`.split_point`), so
+that a prompt starting as a kept one is encoded from there: it may hold no added token."""
+CHECK_MAX_CHARS = 8192  # the longest anchored prompt tokenizers (no fast path) check whole
 
 
 def encode_whole(tokenizer: tokenizers.Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
@@ -75,10 +77,12 @@ class LocalTokenizer:
         self.num_heads = 0
         self.num_head_mismatches = 0
         self.anchor_chars = ANCHOR_CHARS
+        # A prompt is cut at its anchors too; dropped at a mismatch.
+        self.anchors = prefix_cache_bytes > 0 and cuts_between_words(tokenizer)
         self.num_anchored = 0  # prompts cut at anchors (one in CHECK_EVERY checked whole)
         cuts = Cuts.of(tokenizer) if prefix_cache_bytes > 0 else None
         self._cuts = cuts
-        reusing = prefix_cache_bytes > 0 and (cuts is not None or self.heads)
+        reusing = prefix_cache_bytes > 0 and (cuts is not None or self.anchors)
         self.prefixes = PrefixCache(prefix_cache_bytes) if reusing else None
         # A prompt's ids are reused when the post-processor adds the same ids around each.
         self._wrap = special_wrap(tokenizer)
@@ -202,20 +206,20 @@ class LocalTokenizer:
         if self.prefixes is None:
             return None
         cuts = [] if self._cuts is None else self._cuts.find(text)
-        if anchored and self.heads and len(text) > self.anchor_chars:
+        if anchored and self.anchors and len(text) > self.anchor_chars:
             cuts = self._anchored(text, cuts)
         digests = cut_digests(text, [cut.position for cut in cuts])
         return _Plan(cuts, digests, self.prefixes.longest(digests))
 
     def _anchored(self, text: str, cuts: list[Cut]) -> list[Cut]:
-        """``cuts`` and the anchors of ``text``: each the fast path's first split point
-        ``anchor_chars`` past the last, so two texts alike up to one find it alike."""
-        fast, step = self.fast, self.anchor_chars
+        """``cuts`` and the anchors of ``text``: each the first split point ``anchor_chars``
+        past the last, so two texts alike up to one find it alike."""
+        step = self.anchor_chars
         anchors: list[Cut] = []
-        at = fast.split_point(text, step) if fast is not None else None
-        while at is not None and fast is not None:
+        at = split_point(text, step)
+        while at is not None:
             anchors.append(Cut(at, None))
-            at = fast.split_point(text, at + step)
+            at = split_point(text, at + step)
         if not anchors:
             return cuts
         self.num_anchored += 1
@@ -297,17 +301,18 @@ class LocalTokenizer:
     def _anchors_hold(self, text: str, anchors: list[Cut]) -> bool:
         # Whether the parts between the anchors encode as the whole does (unknown: yes); if
         # not, heads and anchors are dropped (logged, counted).
-        fast = self.fast
-        if fast is None or len(text) > FAST_INLINE_MAX_CHARS:
+        fast, tokenizer = self.fast, self.tokenizer
+        if len(text) > (CHECK_MAX_CHARS if fast is None else FAST_INLINE_MAX_CHARS):
             return True
+        encode = fast.encode if fast is not None else partial(_plain, tokenizer)
         bounds = [0, *(a.position for a in anchors), len(text)]
-        parts = [fast.encode(text[a:b]) for a, b in itertools.pairwise(bounds)]
-        whole = fast.encode(text)
+        parts = [encode(text[a:b]) for a, b in itertools.pairwise(bounds)]
+        whole = encode(text)
         if whole is None or any(ids is None for ids in parts):
             return True
         if list(itertools.chain.from_iterable(p for p in parts if p is not None)) == whole:
             return True
-        self.heads = False
+        self.heads = self.anchors = False
         self.num_head_mismatches += 1
         logger.error(
             "a prompt cut at the fast path's split points differed from its whole ids: texts "
@@ -347,6 +352,21 @@ class _Plan:
 
 class _NotNow(Exception):  # noqa: N818 (a signal, not an error)
     """An encode asked for now would need a worker thread."""
+
+
+def cuts_between_words(tokenizer: tokenizers.Tokenizer) -> bool:
+    """Whether texts may be cut at split points with the same ids: no added token holds a
+    space, nothing truncates, and a sample text so cut encodes as it does whole."""
+    if tokenizer.truncation is not None or tokenizer.padding is not None:
+        return False
+    if any(" " in token.content for token in tokenizer.get_added_tokens_decoder().values()):
+        return False
+    encode = partial(_plain, tokenizer)
+    return splits_hold(encode, SELF_TEST, encode(SELF_TEST))
+
+
+def _plain(tokenizer: tokenizers.Tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False).ids
 
 
 def special_wrap(tokenizer: tokenizers.Tokenizer) -> tuple[bytes, bytes] | None:

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import processors
 
+from kvindex.api.tokenize import local as local_module
 from kvindex.api.tokenize.chat_template import ChatTemplate
 from kvindex.api.tokenize.cuts import MAX_CANDIDATES, Cuts
 from kvindex.api.tokenize.local import LocalTokenizer, encode_whole, special_wrap
@@ -175,10 +176,16 @@ def test_a_long_prompt_is_encoded_from_its_last_anchor() -> None:
     assert sum(first) >= len(document) and max(later) < local.anchor_chars + 20
 
 
-def test_anchors_that_do_not_hold_are_dropped() -> None:
-    local = _local("byte_level_bpe")
-    assert local.fast is not None
-    local.fast.split_point = lambda text, start: start if start < len(text) - 1 else None  # type: ignore[method-assign]
+@pytest.mark.parametrize("name", ["byte_level_bpe", "word_level"])
+def test_anchors_that_do_not_hold_are_dropped(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Anchors inside words (a split rule gone wrong): the first prompt cut at them is checked
+    whole, found to differ, and encoded without them; heads and anchors are off from then."""
+
+    def anywhere(text: str, start: int) -> int | None:
+        return start if start < len(text) - 1 else None
+
+    monkeypatch.setattr(local_module, "split_point", anywhere)
+    local = _local(name)
     local.anchor_chars = 3
     prompt = "abcdefghij" * 10
 
@@ -188,7 +195,38 @@ def test_anchors_that_do_not_hold_are_dropped() -> None:
             assert await local.encode_prompt(prompt + tail) == expected
 
     asyncio.run(run())
-    assert (local.heads, local.num_head_mismatches, local.num_reused) == (False, 1, 0)
+    assert (local.heads, local.anchors, local.num_head_mismatches) == (False, False, 1)
+    assert local.num_reused == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "anchors"),
+    [
+        ("byte_level_bpe", True),
+        ("metaspace_bpe", True),
+        ("word_level", True),
+        ("prepend_bpe", False),
+    ],
+)
+def test_tokenizers_are_cut_between_words_where_their_ids_allow(name: str, anchors: bool) -> None:
+    """Llama 2's shape (a normalizer prepends "▁" to every text) would encode a text's end
+    apart otherwise: no anchors; the others, with or without the fast path, are cut there."""
+    assert _local(name).anchors is anchors
+    assert _local(name, fast=False).anchors is anchors
+
+
+def test_a_long_prompt_without_the_fast_path_is_encoded_from_its_last_anchor() -> None:
+    local = _local("word_level")
+    assert local.fast is None and local.anchors
+    document = " ".join(WORDS * 40)
+
+    async def run() -> None:
+        for question in ("", " what does it say", " and then what"):
+            expected = encode_whole(local.tokenizer, document + question, add_special_tokens=True)
+            assert await local.encode_prompt(document + question) == expected
+
+    asyncio.run(run())
+    assert local.num_reused == 2
 
 
 @pytest.mark.parametrize(
