@@ -11,7 +11,7 @@ import pytest
 import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import processors
+from tokenizers import models, pre_tokenizers, processors
 
 from kvindex.api.tokenize import local as local_module
 from kvindex.api.tokenize.chat_template import ChatTemplate
@@ -359,3 +359,13 @@ def test_at_once_only_what_needs_no_thread() -> None:
     local.inline_max_chars = 0
     assert local.messages_now(messages + messages) is None
     assert local.prompt_now("hello again") is None
+
+
+def test_a_tokenizer_that_fails_on_the_sample_is_not_cut() -> None:
+    """A model whose encode raises (WordPiece without its unknown token) still loads: no
+    anchors; its failures are reported where texts are encoded."""
+    tok = tokenizers.Tokenizer(models.WordPiece(vocab={"a": 0}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    local = LocalTokenizer(tok, prefix_cache_bytes=1 << 20)
+    assert not local.anchors
+    assert asyncio.run(local.encode_prompt("a a")) == [0, 0]
