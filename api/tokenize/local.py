@@ -72,13 +72,14 @@ class LocalTokenizer:
         """Texts the fast path encoded."""
         self.num_fast_mismatches = 0
         """Checked texts whose fast ids differed from the tokenizer's (the first drops it)."""
-        self.heads = self.fast is not None and self.fast.splits
+        between_words = cuts_between_words(tokenizer)
+        self.heads = between_words and (self.fast is None or self.fast.splits)
         """:meth:`messages_head` and :meth:`prompt_head` may answer with a Head."""
         self.num_heads = 0
         self.num_head_mismatches = 0
         self.anchor_chars = ANCHOR_CHARS
         # A prompt is cut at its anchors too; dropped at a mismatch.
-        self.anchors = prefix_cache_bytes > 0 and cuts_between_words(tokenizer)
+        self.anchors = prefix_cache_bytes > 0 and between_words
         self.num_anchored = 0  # prompts cut at anchors (one in CHECK_EVERY checked whole)
         cuts = Cuts.of(tokenizer) if prefix_cache_bytes > 0 else None
         self._cuts = cuts
@@ -170,22 +171,34 @@ class LocalTokenizer:
         return await self._head(self.chat_template.render(messages, options), min_chars)
 
     async def _head(self, text: str, min_chars: int, *, anchored: bool = False) -> bytes | Head:
-        """A :class:`Head` of ``text`` split by the fast path after ``min_chars`` (at most
-        half of it) when no kept text shares a cut with it; else its whole ids."""
-        fast = self.fast
+        """A :class:`Head` of ``text`` split after ``min_chars`` (at most half of it; without
+        the fast path, at most CHECK_MAX_CHARS) when no kept text shares a cut with it; else
+        its whole ids."""
         plan = self._plan(text, anchored=anchored)
-        if fast is None or not self.heads or len(text) < 2 * min_chars:
+        if not self.heads or len(text) < 2 * min_chars:
             return await self._packed(text, now=False, plan=plan)
         if plan is not None and plan.hit is not None:
             return await self._packed(text, now=False, plan=plan)
-        split = fast.split_point(text, min_chars)
-        ids = None if split is None or 2 * split > len(text) else fast.encode(text[:split])
+        split = split_point(text, min_chars)
+        ids = None if split is None or 2 * split > len(text) else self._head_ids(text[:split])
         if not ids or split is None:
             return await self._packed(text, now=False, plan=plan)
         self.num_heads += 1
         head = pack_ids(ids)
         estimate = max(len(ids), round(len(ids) * len(text) / split))
         return Head(head, estimate, lambda: self._rest(text, head, plan))
+
+    def _head_ids(self, head: str) -> list[int] | None:
+        """The ids of a head, on the loop: the fast path's, else the tokenizer's when short."""
+        fast = self.fast
+        if fast is not None:
+            return fast.encode(head)
+        if len(head) > CHECK_MAX_CHARS:
+            return None
+        try:
+            return _plain(self.tokenizer, head)
+        except Exception:  # the Rust binding raises a bare Exception: the whole then
+            return None
 
     async def _rest(self, text: str, head: bytes, plan: _Plan | None) -> bytes:
         """The whole ids of a text whose :class:`Head` was handed out (``plan``: its cuts, no

@@ -150,16 +150,22 @@ def test_a_long_unseen_text_gets_a_head_of_its_whole_ids() -> None:
 
 
 @pytest.mark.parametrize("fast", [True, False])
-def test_short_texts_and_no_fast_path_get_their_whole_ids(fast: bool) -> None:
+def test_short_texts_get_their_whole_ids_long_ones_a_head_with_or_without_the_fast_path(
+    fast: bool,
+) -> None:
     tok, template, specials = KINDS["byte_level_bpe"]()
     local = LocalTokenizer(tok, ChatTemplate(template, special_tokens=specials), fast=fast)
-    chat = _long_chat(2, 400 if not fast else 20)
-    got = asyncio.run(local.messages_head(chat, NO_OPTIONS, 256))
-    assert got == asyncio.run(
-        LocalTokenizer(tok, ChatTemplate(template, special_tokens=specials)).packed_messages(chat)
-    )
+    whole = LocalTokenizer(tok, ChatTemplate(template, special_tokens=specials), fast=False)
+    short, long = _long_chat(2, 20), _long_chat(3)
+    got = asyncio.run(local.messages_head(short, NO_OPTIONS, 256))
+    assert got == asyncio.run(whole.packed_messages(short))
+    head = asyncio.run(local.messages_head(long, NO_OPTIONS, 256))
+    expected = asyncio.run(whole.packed_messages(long))
+    assert isinstance(head, Head) and expected.startswith(head.packed)
+    assert asyncio.run(head.rest()) == expected
     prompt = asyncio.run(local.prompt_head("a short prompt", 256))
     assert prompt == pack_ids(tok.encode("a short prompt").ids)
+    assert (local.num_heads, local.num_head_mismatches) == (1, 0)
 
 
 def test_a_head_its_whole_ids_do_not_start_with_turns_heads_off(
