@@ -437,9 +437,11 @@ def run_load(api: Api, request: bytes, plan: LoadPlan) -> LoadResult:
 def py_spy(pid: int | None, output: Path | None) -> Iterator[None]:
     """Sample the API process with py-spy (raw collapsed stacks) while the block runs."""
     binary = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    if output is None or pid is None or not Path(binary).exists():
+    if output is None or pid is None:
         yield
         return
+    if not Path(binary).exists():
+        raise SystemExit("--server-profile needs py-spy on PATH or beside this python")
     # Sampling pauses the API (py-spy's default): exact stacks, slower answers meanwhile.
     command = [binary, "record", "--pid", str(pid), "--format", "raw", "--rate", "100"]
     command += ["--output", str(output)]
