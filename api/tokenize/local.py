@@ -328,7 +328,7 @@ class LocalTokenizer:
         self.heads = self.anchors = False
         self.num_head_mismatches += 1
         logger.error(
-            "a prompt cut at the fast path's split points differed from its whole ids: texts "
+            "a prompt cut between words (at its anchors) differed from its whole ids: texts "
             "are no longer cut there"
         )  # fmt: skip
         return False
