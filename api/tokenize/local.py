@@ -72,8 +72,10 @@ class LocalTokenizer:
         """Texts the fast path encoded."""
         self.num_fast_mismatches = 0
         """Checked texts whose fast ids differed from the tokenizer's (the first drops it)."""
-        between_words = cuts_between_words(tokenizer)
-        self.heads = between_words and (self.fast is None or self.fast.splits)
+        # The fast path has checked its split points already (FastBpe.of), with the same ids.
+        fast_splits = None if self.fast is None else self.fast.splits
+        between_words = cuts_between_words(tokenizer) if fast_splits is None else fast_splits
+        self.heads = between_words
         """:meth:`messages_head` and :meth:`prompt_head` may answer with a Head."""
         self.num_heads = 0
         self.num_head_mismatches = 0

@@ -176,7 +176,6 @@ def test_a_head_its_whole_ids_do_not_start_with_turns_heads_off(
 
     class ShortWrong:
         splits = True
-        split_point = real.split_point
 
         def encode(self, text: str) -> list[int] | None:
             ids = real.encode(text)
