@@ -198,7 +198,7 @@ class LocalTokenizer:
         if len(head) > CHECK_MAX_CHARS:
             return None
         try:
-            return _plain(self.tokenizer, head)
+            return encode_whole(self.tokenizer, head, add_special_tokens=False)
         except Exception:  # the Rust binding raises a bare Exception: the whole then
             return None
 
@@ -319,7 +319,11 @@ class LocalTokenizer:
         fast, tokenizer = self.fast, self.tokenizer
         if len(text) > (CHECK_MAX_CHARS if fast is None else FAST_INLINE_MAX_CHARS):
             return True
-        encode = fast.encode if fast is not None else partial(_plain, tokenizer)
+        encode = (
+            fast.encode
+            if fast is not None
+            else partial(encode_whole, tokenizer, add_special_tokens=False)
+        )
         bounds = [0, *(a.position for a in anchors), len(text)]
         parts = [encode(text[a:b]) for a, b in itertools.pairwise(bounds)]
         whole = encode(text)
@@ -376,15 +380,11 @@ def cuts_between_words(tokenizer: tokenizers.Tokenizer) -> bool:
         return False
     if any(" " in token.content for token in tokenizer.get_added_tokens_decoder().values()):
         return False
-    encode = partial(_plain, tokenizer)
+    encode = partial(encode_whole, tokenizer, add_special_tokens=False)
     try:
         return splits_hold(encode, SELF_TEST, encode(SELF_TEST))
     except Exception:  # the Rust binding raises a bare Exception: then no cuts
         return False
-
-
-def _plain(tokenizer: tokenizers.Tokenizer, text: str) -> list[int]:
-    return tokenizer.encode(text, add_special_tokens=False).ids
 
 
 def special_wrap(tokenizer: tokenizers.Tokenizer) -> tuple[bytes, bytes] | None:
