@@ -56,9 +56,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import tokenizers
-from tokenizers import processors
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from machine import calibration_ms, host_load
@@ -349,14 +346,7 @@ def _fixed(workdir: Path, stack: ExitStack) -> list[tuple[Child, int, str]]:
 def _local_model(workdir: Path, reuse: bool, bos: bool) -> tuple[Path, Path]:
     """A byte-level BPE model directory (``bos``: its post-processor adds a BOS before a
     prompt, as Llama 3's does), and the proxy's config naming it."""
-    tokenizer = write_model(workdir / "model", "byte_level_bpe")
-    if bos:
-        model = tokenizers.Tokenizer.from_file(str(tokenizer))
-        token = "<|endoftext|>"
-        model.post_processor = processors.TemplateProcessing(
-            single=f"{token} $A", special_tokens=[(token, model.token_to_id(token))]
-        )
-        model.save(str(tokenizer))
+    tokenizer = write_model(workdir / "model", "byte_level_bpe", bos=bos)
     config = workdir / "kvindex.toml"
     api = "" if reuse else "[api]\ntokenizer_prefix_cache_bytes = 0\n\n"
     config.write_text(f'{api}[[models]]\nname = "{MODEL}"\ntokenizer = "{tokenizer}"\n')

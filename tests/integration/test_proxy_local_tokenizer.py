@@ -12,8 +12,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import tokenizers
-from tokenizers import processors
 
 from tests.integration.test_proxy_forwarding import MODEL, Proxy, _start, stack
 from tests.support.tokenizer_kinds import write_model
@@ -163,13 +161,7 @@ def test_a_prompt_that_starts_as_an_earlier_one_is_predicted_exactly_with_its_bo
     prompt with no added token: a prompt starting as an earlier one (a long document, then a
     question) is encoded from its last anchor, lands where the document is held, and each
     prediction counts the engine's own tokens (``exact``, no ``token_mismatch``)."""
-    tokenizer = write_model(tmp_path / "model")
-    with_bos = tokenizers.Tokenizer.from_file(str(tokenizer))
-    bos = with_bos.token_to_id("<|endoftext|>")
-    with_bos.post_processor = processors.TemplateProcessing(
-        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)]
-    )
-    with_bos.save(str(tokenizer))
+    tokenizer = write_model(tmp_path / "model", bos=True)
     config = tmp_path / "kvindex.toml"
     config.write_text(f'[[models]]\nname = "{MODEL}"\ntokenizer = "{tokenizer}"\n')
     extra = ["--tokenizer", str(tokenizer)]

@@ -118,10 +118,16 @@ KINDS: dict[str, Callable[[], tuple[tokenizers.Tokenizer, str, dict[str, str]]]]
 """Each kind: (the tokenizer, its chat template, its special tokens by config name)."""
 
 
-def write_model(directory: Path, kind: str = "byte_level_bpe") -> Path:
+def write_model(directory: Path, kind: str = "byte_level_bpe", *, bos: bool = False) -> Path:
     """``tokenizer.json``, ``chat_template.jinja`` and ``tokenizer_config.json`` of ``kind``
-    in ``directory``; the tokenizer's path."""
+    in ``directory``; the tokenizer's path. ``bos``: its post-processor puts the kind's EOS
+    token before every text, as Llama 3's puts its BOS."""
     tok, template, special_tokens = KINDS[kind]()
+    if bos:
+        token = special_tokens["eos_token"]
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{token} $A", special_tokens=[(token, tok.token_to_id(token))]
+        )
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "tokenizer.json"
     tok.save(str(path))
