@@ -10,12 +10,14 @@ import json
 import logging
 import re
 import unicodedata
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import tiktoken
 import tokenizers
+
+from kvindex.api.tokenize.split_points import NONE, rules_holding, split_point
 
 logger = logging.getLogger(__name__)
 
@@ -23,9 +25,6 @@ GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
 """The regex of ``ByteLevel(use_regex=True)``, as ``tokenizers`` writes it."""
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
-_SPACE_BETWEEN_LETTERS = re.compile(r"[^\W\d_] [^\W\d_]")
-MAX_SPLIT_CANDIDATES = 64  # spaces between word characters a split point's search checks
-MAX_SPLIT_SCAN = 65536  # characters past its start it looks through
 SELF_TEST = (
     "Hello world! It's 2026-12-06T18:30:00Z; we'll see.  Tabs\tand\nnew\r\nlines   end \n\n"
     'def f(x):\n    return x ** 2  # a comment\n{"k": [1, 22, 333, 4444]}\n'
@@ -53,8 +52,8 @@ class FastBpe:
         ordered = sorted(added, key=len, reverse=True)  # the longest first, as the matcher
         self._added_pattern = re.compile("|".join(map(re.escape, ordered))) if added else None
         self._nfc = nfc
-        # A split at a space would cut an added token that holds one: such tokenizers get none.
-        self.splits = not any(" " in content for content in added)
+        self.splits = NONE
+        """Where texts may be cut (:meth:`of` finds the rules that hold)."""
 
     @classmethod
     def of(cls, tokenizer: tokenizers.Tokenizer) -> FastBpe | None:
@@ -78,20 +77,17 @@ class FastBpe:
         if fast.encode(SELF_TEST) != expected:
             logger.warning("the tokenizer's fast path differs from it on a sample: not used")
             return None
-        if fast.splits and not fast.splits_hold(SELF_TEST, expected):
-            logger.warning("the tokenizer's regex splits inside words: texts are not split")
-            fast.splits = False
+        fast.splits = rules_holding(fast.encode, [SELF_TEST], list(added))
+        if not fast.splits.words:
+            logger.info("the tokenizer's ids change when a text is cut between words: not cut")
         return fast
 
     def split_point(self, text: str, start: int) -> int | None:
         """Reference: encode(text); tests/unit/api/tokenize/test_fast_bpe.py::test_split_encodes_equal_the_whole
 
-        :func:`split_point`, where every reproduced regex ends a piece (None: also when this
-        tokenizer is not split)."""  # noqa: E501
-        return split_point(text, start) if self.splits else None
-
-    def splits_hold(self, text: str, expected: list[int]) -> bool:
-        return splits_hold(self.encode, text, expected)
+        :func:`.split_point` by the rules that hold, where every reproduced regex ends a
+        piece (None: also when no rule holds)."""  # noqa: E501
+        return split_point(text, start, self.splits)
 
     def encode(self, text: str) -> list[int] | None:
         """The tokenizer's ids of ``text`` (none added); None: a stripping added token, an
@@ -116,36 +112,6 @@ class FastBpe:
         if start < len(text):
             ids += self._encode(text[start:])
         return ids
-
-
-def split_point(text: str, start: int) -> int | None:
-    """The first index at or after ``start`` where ``text`` may split into two texts whose
-    ids, encoded apart, are the whole text's: a space between two letters (None: none within
-    the search's bounds)."""
-    # The regex finds each space between two word characters that are not digits in C (a
-    # superset of the letters), within MAX_SPLIT_SCAN characters: a text of spaces is neither
-    # walked a character at a time nor scanned to its end.
-    search, at = _SPACE_BETWEEN_LETTERS.search, max(start, 1) - 1
-    end = at + MAX_SPLIT_SCAN
-    for _ in range(MAX_SPLIT_CANDIDATES):
-        found = search(text, at, end)
-        if found is None:
-            return None
-        space = found.start() + 1
-        if text[space - 1].isalpha() and text[space + 1].isalpha():
-            return space
-        at = space
-    return None
-
-
-def splits_hold(encode: Callable[[str], list[int] | None], text: str, expected: list[int]) -> bool:
-    # Whether the text cut at each of its split points encodes (by encode) as expected.
-    at = split_point(text, 0)
-    while at is not None:
-        if (encode(text[:at]) or []) + (encode(text[at:]) or []) != expected:
-            return False
-        at = split_point(text, at + 1)
-    return True
 
 
 def _shape(config: dict[str, Any]) -> _Shape | str:

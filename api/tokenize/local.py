@@ -16,7 +16,7 @@ import tokenizers
 
 from kvindex.api.tokenize.chat_template import ChatTemplate, load_chat_template
 from kvindex.api.tokenize.cuts import Cut, Cuts
-from kvindex.api.tokenize.fast_bpe import SELF_TEST, FastBpe, split_point, splits_hold
+from kvindex.api.tokenize.fast_bpe import SELF_TEST, FastBpe
 from kvindex.api.tokenize.prefix_cache import KeptCut, PrefixCache, PrefixHit, cut_digests
 from kvindex.api.tokenize.protocol import (
     NO_OPTIONS,
@@ -26,6 +26,7 @@ from kvindex.api.tokenize.protocol import (
     pack_ids,
     unpack_ids,
 )
+from kvindex.api.tokenize.split_points import NONE, SplitRules, rules_holding, split_point
 
 logger = logging.getLogger(__name__)
 
@@ -73,15 +74,15 @@ class LocalTokenizer:
         self.num_fast_mismatches = 0
         """Checked texts whose fast ids differed from the tokenizer's (the first drops it)."""
         # The fast path has checked its split points already (FastBpe.of), with the same ids.
-        fast_splits = None if self.fast is None else self.fast.splits
-        between_words = cuts_between_words(tokenizer) if fast_splits is None else fast_splits
-        self.heads = between_words
+        rules = split_rules(tokenizer) if self.fast is None else self.fast.splits
+        self.split_rules = rules  # where heads and anchors cut texts (.split_points)
+        self.heads = bool(rules)
         """:meth:`messages_head` and :meth:`prompt_head` may answer with a Head."""
         self.num_heads = 0
         self.num_head_mismatches = 0
         self.anchor_chars = ANCHOR_CHARS
         # A prompt is cut at its anchors too; dropped at a mismatch.
-        self.anchors = prefix_cache_bytes > 0 and between_words
+        self.anchors = prefix_cache_bytes > 0 and bool(rules)
         self.num_anchored = 0  # prompts cut at anchors (one in CHECK_EVERY checked whole)
         cuts = Cuts.of(tokenizer) if prefix_cache_bytes > 0 else None
         self._cuts = cuts
@@ -181,7 +182,7 @@ class LocalTokenizer:
             return await self._packed(text, now=False, plan=plan)
         if plan is not None and plan.hit is not None:
             return await self._packed(text, now=False, plan=plan)
-        split = split_point(text, min_chars)
+        split = split_point(text, min_chars, self.split_rules)
         ids = None if split is None or 2 * split > len(text) else self._head_ids(text[:split])
         if not ids or split is None:
             return await self._packed(text, now=False, plan=plan)
@@ -229,12 +230,12 @@ class LocalTokenizer:
     def _anchored(self, text: str, cuts: list[Cut]) -> list[Cut]:
         """``cuts`` and the anchors of ``text``: each the first split point ``anchor_chars``
         past the last, so two texts alike up to one find it alike."""
-        step = self.anchor_chars
+        step, rules = self.anchor_chars, self.split_rules
         anchors: list[Cut] = []
-        at = split_point(text, step)
+        at = split_point(text, step, rules)
         while at is not None:
             anchors.append(Cut(at, None))
-            at = split_point(text, at + step)
+            at = split_point(text, at + step, rules)
         if not anchors:
             return cuts
         self.num_anchored += 1
@@ -373,18 +374,16 @@ class _NotNow(Exception):  # noqa: N818 (a signal, not an error)
     """An encode asked for now would need a worker thread."""
 
 
-def cuts_between_words(tokenizer: tokenizers.Tokenizer) -> bool:
-    """Whether texts may be cut at split points with the same ids: no added token holds a
-    space, nothing truncates, and a sample text so cut encodes as it does whole."""
+def split_rules(tokenizer: tokenizers.Tokenizer) -> SplitRules:
+    """The split rules the tokenizer's ids allow on samples (none: it truncates, or raises)."""
     if tokenizer.truncation is not None or tokenizer.padding is not None:
-        return False
-    if any(" " in token.content for token in tokenizer.get_added_tokens_decoder().values()):
-        return False
+        return NONE
+    added = [token.content for token in tokenizer.get_added_tokens_decoder().values()]
     encode = partial(encode_whole, tokenizer, add_special_tokens=False)
     try:
-        return splits_hold(encode, SELF_TEST, encode(SELF_TEST))
+        return rules_holding(encode, [SELF_TEST], added)
     except Exception:  # the Rust binding raises a bare Exception: then no cuts
-        return False
+        return NONE
 
 
 def special_wrap(tokenizer: tokenizers.Tokenizer) -> tuple[bytes, bytes] | None:

@@ -52,7 +52,12 @@ MASK = "<mask>"
 
 def _corpus() -> list[str]:
     rng = random.Random(7)
-    return [text(rng, 30) for _ in range(200)] + ["0123456789:-TZ é漢 Ünïcödé"]
+    chinese = "第{}条租约规定\uff0c租户支付费用。今天天气很好\uff0c我们去公园散步\uff1f"
+    return (
+        [text(rng, 30) for _ in range(200)]
+        + ["0123456789:-TZ é漢 Ünïcödé"]
+        + [chinese.format(n) for n in range(20)]  # merges inside Chinese words
+    )
 
 
 def _specials(tok: tokenizers.Tokenizer, names: list[str]) -> None:

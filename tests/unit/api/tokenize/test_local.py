@@ -15,6 +15,7 @@ from kvindex.api.tokenize.chat_template import ChatTemplate
 from kvindex.api.tokenize.fast_bpe import FastBpe
 from kvindex.api.tokenize.local import LocalTokenizer
 from kvindex.api.tokenize.protocol import NO_OPTIONS, Head, TokenizerError, pack_ids
+from kvindex.api.tokenize.split_points import WORDS
 from tests.support.request_logs import text
 from tests.support.tokenizer_kinds import KINDS
 from tests.unit.api.tokenize.samples import (
@@ -175,7 +176,7 @@ def test_a_head_its_whole_ids_do_not_start_with_turns_heads_off(
     real = cast(FastBpe, local.fast)
 
     class ShortWrong:
-        splits = True
+        splits = WORDS
 
         def encode(self, text: str) -> list[int] | None:
             ids = real.encode(text)

@@ -26,6 +26,7 @@ Conversation = list[dict[str, Any]]
 _PIECES = [
     *WORDS[:12], " ", "  ", "\n", "\n\n", "\t", "é", "漢", "Ü", "ﬁ", "'s", "123", ".",
     "<|im_start|>", "<|im_end|>", "[INST]", "</s>", "<s>", "<|user|>", MASK, " " + MASK,
+    "你好", "天气", "\uff0c", "。", "「",
 ]  # fmt: skip
 _content = st.lists(st.sampled_from(_PIECES), max_size=12).map("".join)
 _message = st.fixed_dictionaries(
@@ -148,8 +149,13 @@ def test_prompt_reuse_equals_whole_encode(name: str, starts: list[str], tails: l
     assert local.num_head_mismatches == 0
 
 
-def test_a_long_prompt_is_encoded_from_its_last_anchor() -> None:
-    """A prompt with no added token, its start kept: only its end is encoded again."""
+_CHINESE = "今天天气很好\uff0c我们去公园散步。明天呢\uff1f"  # no space between two letters
+
+
+@pytest.mark.parametrize("document", [" ".join(WORDS * 40), _CHINESE * 200])
+def test_a_long_prompt_is_encoded_from_its_last_anchor(document: str) -> None:
+    """A prompt with no added token, its start kept: only its end is encoded again (Chinese
+    prose too, cut before its punctuation)."""
     local = _local("byte_level_bpe")
     assert local.fast is not None
     encoded: list[int] = []
@@ -160,7 +166,6 @@ def test_a_long_prompt_is_encoded_from_its_last_anchor() -> None:
         return encode(text)
 
     local.fast.encode = counted  # type: ignore[method-assign]
-    document = " ".join(WORDS * 40)
     assert len(document) > 3 * local.anchor_chars
 
     async def run() -> None:
@@ -181,7 +186,7 @@ def test_anchors_that_do_not_hold_are_dropped(name: str, monkeypatch: pytest.Mon
     """Anchors inside words (a split rule gone wrong): the first prompt cut at them is checked
     whole, found to differ, and encoded without them; heads and anchors are off from then."""
 
-    def anywhere(text: str, start: int) -> int | None:
+    def anywhere(text: str, start: int, *_: object) -> int | None:
         return start if start < len(text) - 1 else None
 
     monkeypatch.setattr(local_module, "split_point", anywhere)
