@@ -13,6 +13,7 @@ from prometheus_client.registry import Collector
 from kvindex.api.answer import DEGRADED_REASONS
 from kvindex.api.health.block_sizes import BlockSizeCheck
 from kvindex.api.http.tally import Tally, Timings
+from kvindex.api.tokenize.protocol import Tallied
 from kvindex.api.tokenize.renderers import Renderers
 from kvindex.indexer.domain.events import StreamId
 from kvindex.indexer.fleet.registry import RegistryView
@@ -151,6 +152,7 @@ class TokenizerViews(Protocol):
 
     def renderers(self) -> Iterable[Renderers]: ...
     def hub_verdicts(self) -> dict[str, str]: ...
+    def locals(self) -> Iterable[tuple[str, Tallied]]: ...
 
 
 class TokenizerCollector(Collector):
@@ -187,6 +189,32 @@ class TokenizerCollector(Collector):
         yield replicas
         yield answers
         yield hub
+        yield from _local_tallies(self._tokenizers.locals())
+
+
+def _local_tallies(
+    locals_: Iterable[tuple[str, Tallied]],
+) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    texts = CounterMetricFamily(
+        "kvindex_tokenizer_local_texts",
+        "Texts a tokenizer in process answered, by how: cached (whole, from its cache), reused"
+        " (encoded from a kept start), anchored (a prompt cut at anchors), head (a head handed"
+        " out first), fast (by the fast path); mismatch: checks that found ids differing.",
+        labels=["model", "kind"],
+    )
+    features = GaugeMetricFamily(
+        "kvindex_tokenizer_local_features",
+        "1 when a tokenizer in process has a shortcut on: fast_path, heads, anchors, split_words,"
+        " split_punctuation (a mismatch turns the first three off for good).",
+        labels=["model", "feature"],
+    )
+    for model, tallied in sorted(locals_, key=lambda pair: pair[0]):
+        for kind, count in tallied.tallies().items():
+            texts.add_metric([model, kind], count)
+        for feature, on in tallied.features().items():
+            features.add_metric([model, feature], int(on))
+    yield texts
+    yield features
 
 
 class TimedIndex(IndexWrapper):

@@ -21,6 +21,7 @@ from kvindex.api.tokenize.protocol import (
     TokenizerError,
     as_heading,
     as_packed,
+    as_tallied,
     pack_ids,
     unpack_ids,
 )
@@ -99,6 +100,14 @@ class CachingTokenizer:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def tallies(self) -> dict[str, int]:
+        inner = as_tallied(self.inner)
+        return {"cached": self.num_hits, **({} if inner is None else inner.tallies())}
+
+    def features(self) -> dict[str, bool]:
+        inner = as_tallied(self.inner)
+        return {} if inner is None else inner.features()
 
     async def encode_prompt(self, prompt: str) -> list[int]:
         return unpack_ids(await self.packed_prompt(prompt))

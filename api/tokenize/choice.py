@@ -97,6 +97,10 @@ class LocalTokenizers:
         self._model_to_tokenizer[model] = built
         return built
 
+    def built(self) -> list[tuple[str, Tokenizer]]:
+        """Each model's tokenizer built so far."""
+        return list(self._model_to_tokenizer.items())
+
     def forget(self, model: str) -> None:
         """Build the model's tokenizer again at its next request (and look it up again)."""
         self._model_to_tokenizer.pop(model, None)

@@ -13,7 +13,14 @@ from kvindex.api.health.routing import ejected_now, health_policy
 from kvindex.api.tokenize.cache import CachingTokenizer
 from kvindex.api.tokenize.choice import LocalTokenizers, replica_route
 from kvindex.api.tokenize.hub_check import HubCheck
-from kvindex.api.tokenize.protocol import NO_OPTIONS, ChatOptions, Tokenizer, TokenizerError
+from kvindex.api.tokenize.protocol import (
+    NO_OPTIONS,
+    ChatOptions,
+    Tallied,
+    Tokenizer,
+    TokenizerError,
+    as_tallied,
+)
 from kvindex.api.tokenize.renderers import (
     PROBE_MESSAGES,
     PROBE_PROMPT,
@@ -156,6 +163,11 @@ class FleetTokenizers:
 
     def hub_verdicts(self) -> dict[str, str]:
         return self._hub.verdicts()
+
+    def locals(self) -> list[tuple[str, Tallied]]:
+        """Each model's tokenizer in process that counts what it did (for its metrics)."""
+        built = [(model, as_tallied(tokenizer)) for model, tokenizer in self._local.built()]
+        return [(model, tallied) for model, tallied in built if tallied is not None]
 
     def renderers(self) -> list[Renderers]:
         """Each replica-tokenized model's :class:`.Renderers` (for its metrics)."""

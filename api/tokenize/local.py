@@ -91,6 +91,28 @@ class LocalTokenizer:
         # A prompt's ids are reused when the post-processor adds the same ids around each.
         self._wrap = special_wrap(tokenizer)
 
+    def tallies(self) -> dict[str, int]:
+        # Texts encoded from a kept start, prompts cut at anchors, heads handed out, texts
+        # the fast path encoded, and the checks that found ids differing.
+        mismatches = self.num_fast_mismatches + self.num_head_mismatches
+        return {
+            "reused": self.num_reused,
+            "anchored": self.num_anchored,
+            "head": self.num_heads,
+            "fast": self.num_fast,
+            "mismatch": mismatches,
+        }
+
+    def features(self) -> dict[str, bool]:
+        rules = self.split_rules
+        return {
+            "fast_path": self.fast is not None,
+            "heads": self.heads,
+            "anchors": self.anchors,
+            "split_words": rules.words,
+            "split_punctuation": rules.punctuation,
+        }
+
     @classmethod
     def from_files(
         cls,

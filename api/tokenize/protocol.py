@@ -126,6 +126,20 @@ def as_heading(tokenizer: Tokenizer) -> HeadTokenizer | None:
     return cast(HeadTokenizer, tokenizer)
 
 
+class Tallied(Protocol):
+    """A tokenizer in process that counts what it did (its metrics)."""
+
+    def tallies(self) -> dict[str, int]: ...  # texts by how they were encoded, since start
+    def features(self) -> dict[str, bool]: ...  # which of its shortcuts are on now
+
+
+def as_tallied(tokenizer: Tokenizer) -> Tallied | None:
+    """``tokenizer`` when it is Tallied, else None."""
+    if getattr(tokenizer, "tallies", None) is None:
+        return None
+    return cast(Tallied, tokenizer)
+
+
 def as_packed(tokenizer: Tokenizer) -> PackedTokenizer | None:
     """``tokenizer`` when it is a PackedTokenizer, else None."""
     # One attribute read: an isinstance of a runtime-checkable Protocol walks its members.

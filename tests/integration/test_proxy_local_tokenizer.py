@@ -154,26 +154,36 @@ def test_a_long_prompt_no_replica_holds_is_chosen_for_on_its_head_and_predicted_
     assert _counter(text, "kvindex_proxy_head_rest_failures_total") == 0
 
 
+_DOCUMENTS = {
+    "english": (" ".join(f"clause {n} of the lease says the tenant pays" for n in range(80)),
+                " question {}: who pays"),
+    "chinese": ("".join(f"第{n}条租约规定\uff0c租户支付费用。" for n in range(120)),
+                "问题{}\uff1a谁付钱\uff1f"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("language", sorted(_DOCUMENTS))
 def test_a_prompt_that_starts_as_an_earlier_one_is_predicted_exactly_with_its_bos(
-    stack: ExitStack, tmp_path: Path
+    stack: ExitStack, tmp_path: Path, language: str
 ) -> None:
     """A byte-level BPE tokenizer that adds a BOS (Llama 3's shape) before a completions
     prompt with no added token: a prompt starting as an earlier one (a long document, then a
-    question) is encoded from its last anchor, lands where the document is held, and each
-    prediction counts the engine's own tokens (``exact``, no ``token_mismatch``)."""
+    question; Chinese prose is cut before its punctuation) is encoded from its last anchor,
+    lands where the document is held, and each prediction counts the engine's own tokens
+    (``exact``, no ``token_mismatch``)."""
     tokenizer = write_model(tmp_path / "model", bos=True)
     config = tmp_path / "kvindex.toml"
     config.write_text(f'[[models]]\nname = "{MODEL}"\ntokenizer = "{tokenizer}"\n')
     extra = ["--tokenizer", str(tokenizer)]
     _, proxy = _start(stack, tmp_path, {"r1": extra, "r2": extra}, ("--config", str(config)))
-    document = " ".join(f"clause {n} of the lease says the tenant pays" for n in range(80))
+    document, asked = _DOCUMENTS[language]
     with proxy.client() as client:
         client.completions.create(model=MODEL, prompt=document, max_tokens=2)
         count, total = _matched(proxy)
         matched, deadline, sent = 0.0, time.monotonic() + 10, 1
         while matched <= 0.9 and time.monotonic() < deadline:
             time.sleep(0.2)
-            question = f"{document} question {sent}: who pays"
+            question = document + asked.format(sent)
             client.completions.create(model=MODEL, prompt=question, max_tokens=2)
             sent += 1
             new_count, new_total = _matched(proxy)
@@ -188,3 +198,5 @@ def test_a_prompt_that_starts_as_an_earlier_one_is_predicted_exactly_with_its_bo
         time.sleep(0.1)
     assert _counter(text, "kvindex_proxy_predictions_total", 'outcome="exact"') == sent, text
     assert _counter(text, "kvindex_proxy_predictions_total", 'outcome="token_mismatch"') == 0
+    reused = _counter(text, "kvindex_tokenizer_local_texts_total", 'kind="reused"')
+    assert reused >= sent - 1, text  # each question encoded from the document's last anchor

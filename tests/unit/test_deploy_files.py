@@ -25,6 +25,7 @@ from kvindex.api.config.settings import ApiSettings
 from kvindex.api.health.block_sizes import BlockSizeCheck
 from kvindex.api.health.ejection import EjectionMetrics
 from kvindex.api.http.metrics import ApiMetrics
+from kvindex.api.tokenize.protocol import Tallied
 from kvindex.api.tokenize.renderers import Renderers
 from kvindex.clients.proxy.metrics import ProxyMetrics
 from kvindex.indexer.domain.events import StreamId
@@ -240,3 +241,6 @@ class _NoTokenizers:
 
     def hub_verdicts(self) -> dict[str, str]:
         return {}
+
+    def locals(self) -> list[tuple[str, Tallied]]:
+        return []

@@ -4,7 +4,7 @@ write path's series themselves: tests/unit/indexer/test_metrics.py)."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -13,6 +13,10 @@ import kvindex
 from kvindex.api.config.settings import ApiSettings
 from kvindex.api.health.block_sizes import BlockSizeCheck
 from kvindex.api.http.metrics import ApiMetrics, TimedIndex, TokenizerCollector
+from kvindex.api.tokenize.cache import CachingTokenizer
+from kvindex.api.tokenize.chat_template import ChatTemplate
+from kvindex.api.tokenize.local import LocalTokenizer
+from kvindex.api.tokenize.protocol import Tallied
 from kvindex.api.tokenize.renderers import ProbeAnswer, Renderers
 from kvindex.indexer.domain.events import StreamId, Tier
 from kvindex.indexer.domain.health import StreamReport
@@ -20,6 +24,7 @@ from kvindex.indexer.fleet.registry import Registry
 from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.memory import MemoryIndex
 from kvindex.indexer.index.protocol import OpKind, PrefixMatch
+from tests.support.tokenizer_kinds import KINDS
 
 
 def samples(metrics: ApiMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -111,12 +116,16 @@ class _Views:
 
     kept: list[Renderers]
     hub: dict[str, str]
+    local: list[tuple[str, Tallied]] = field(default_factory=list)
 
     def renderers(self) -> list[Renderers]:
         return self.kept
 
     def hub_verdicts(self) -> dict[str, str]:
         return self.hub
+
+    def locals(self) -> list[tuple[str, Tallied]]:
+        return self.local
 
 
 def test_the_tokenizer_collector_shows_each_models_verdicts_and_answers() -> None:
@@ -140,3 +149,24 @@ def test_the_tokenizer_collector_shows_each_models_verdicts_and_answers() -> Non
     assert 'kvindex_tokenizer_replicas{model="m",verdict="unvetted"} 1.0' in text
     assert 'kvindex_tokenizer_answers_total{model="m",replica="r2"} 2.0' in text
     assert 'replica="r1"' not in text
+
+
+def test_the_tokenizer_collector_shows_how_a_local_tokenizer_answered() -> None:
+    """A tokenizer in process behind its cache: each text counted by how it was encoded, and
+    which of its shortcuts are on (Chinese prose is cut before its punctuation)."""
+    tok, template, specials = KINDS["byte_level_bpe"]()
+    cached = CachingTokenizer(LocalTokenizer(tok, ChatTemplate(template, special_tokens=specials)))
+    document = "今天天气很好\uff0c我们去公园散步。" * 200
+
+    async def run() -> None:
+        for prompt in (document, document + "明天呢", document + "明天呢", document + "后天"):
+            await cached.encode_prompt(prompt)
+
+    asyncio.run(run())
+    registry = CollectorRegistry()
+    registry.register(TokenizerCollector(_Views([], {}, [("m", cached)])))
+    text = generate_latest(registry).decode()
+    for kind, count in {"cached": 1, "reused": 2, "anchored": 3, "fast": 3, "mismatch": 0}.items():
+        assert f'kvindex_tokenizer_local_texts_total{{kind="{kind}",model="m"}} {count}.0' in text
+    for feature in ("fast_path", "heads", "anchors", "split_words", "split_punctuation"):
+        assert f'kvindex_tokenizer_local_features{{feature="{feature}",model="m"}} 1.0' in text
