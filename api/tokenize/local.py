@@ -211,7 +211,9 @@ class LocalTokenizer:
         self.num_heads += 1
         head = pack_ids(ids)
         estimate = max(len(ids), round(len(ids) * len(text) / split))
-        return Head(head, estimate, lambda: self._rest(text, head, plan))
+        # The rest is encoded from the head's end; one head in CHECK_EVERY is encoded whole.
+        known = None if self.num_heads % CHECK_EVERY == 1 else (split, head)
+        return Head(head, estimate, lambda: self._rest(text, head, plan, known))
 
     def _head_ids(self, head: str) -> list[int] | None:
         """The ids of a head, on the loop: the fast path's, else the tokenizer's when short."""
@@ -225,10 +227,13 @@ class LocalTokenizer:
         except Exception:  # the Rust binding raises a bare Exception: the whole then
             return None
 
-    async def _rest(self, text: str, head: bytes, plan: _Plan | None) -> bytes:
+    async def _rest(
+        self, text: str, head: bytes, plan: _Plan | None, known: tuple[int, bytes] | None
+    ) -> bytes:
         """The whole ids of a text whose :class:`Head` was handed out (``plan``: its cuts, no
-        kept start then); a head they do not start with turns heads off, logged and counted."""
-        packed = await self._packed(text, now=False, plan=plan)
+        kept start then; ``known``: encoded from there on); a head they do not start with
+        turns heads off, logged and counted."""
+        packed = await self._packed(text, now=False, plan=plan, known=known)
         if not packed.startswith(head) and self.heads:
             self.heads = False
             self.num_head_mismatches += 1
@@ -267,29 +272,44 @@ class LocalTokenizer:
         merged = cuts + [a for a in anchors if a.position not in taken]
         return sorted(merged, key=_position) if cuts else merged
 
-    async def _packed(self, text: str, *, now: bool, plan: _Plan | None = None) -> bytes:
+    async def _packed(
+        self,
+        text: str,
+        *,
+        now: bool,
+        plan: _Plan | None = None,
+        known: tuple[int, bytes] | None = None,
+    ) -> bytes:
         """Reference: kvindex.api.tokenize.local.encode_whole; tests/unit/api/tokenize/test_prefix_reuse.py::test_reuse_equals_whole_encode
 
         The ids of ``text`` (no special tokens added), packed: those of the longest start a
         kept text shares, then those of each part from one cut to the next (each encoded
-        alone, :mod:`.cuts`); this text is kept for the next."""  # noqa: E501
+        alone, :mod:`.cuts`); this text is kept for the next. ``known``: a split point and
+        the ids before it (a head's), encoded from there when no kept start is longer."""  # noqa: E501
         prefixes = self.prefixes
         plan = plan or self._plan(text)
         if plan is None or prefixes is None:
+            if known is not None:
+                tail = await self._encode_parts(text, [known[0], len(text)], now=now)
+                return known[1] + pack_ids(tail[0])
             return pack_ids(await self._encode(text, add_special_tokens=False, now=now))
         cuts, digests, hit = plan.cuts, plan.digests, plan.hit
-        first = 0 if hit is None else hit.index + 1  # the first cut in what is encoded
-        start = 0 if hit is None else cuts[hit.index].position
+        first, start, before = 0, 0, b""  # the first cut in what is encoded, where, the ids before
+        if hit is not None:
+            first, start, before = hit.index + 1, cuts[hit.index].position, hit.packed
+        elif known is not None:
+            start, before = known
+            first = next((i for i, cut in enumerate(cuts) if cut.position > start), len(cuts))
         bounds = [start, *(cut.position for cut in cuts[first:]), len(text)]
         parts = await self._encode_parts(text, bounds, now=now)
-        starts = cuts[first - 1 :] if hit is not None else [None, *cuts]
+        starts = [cuts[first - 1] if hit is not None else None, *cuts[first:]]
         pairs = zip(starts, parts, strict=True)
         if any(cut is not None and cut.token_id is not None and ids[:1] != [cut.token_id]
                for cut, ids in pairs):  # fmt: skip
             # A part did not start with its cut's added token: this tokenizer is not cut so.
             return pack_ids(await self._encode(text, add_special_tokens=False, now=now))
-        packed = b"".join([b"" if hit is None else hit.packed, *map(pack_ids, parts)])
-        num_tokens = 0 if hit is None else len(hit.packed) // 4
+        packed = b"".join([before, *map(pack_ids, parts)])
+        num_tokens = len(before) // 4
         kept = [] if hit is None else list(hit.cuts)
         for digest, ids in zip(digests[first:], parts, strict=False):
             num_tokens += len(ids)

@@ -59,14 +59,16 @@ def split_point(text: str, start: int, rules: SplitRules = WORDS) -> int | None:
     pattern = rules.pattern
     if pattern is None:
         return None
-    search, at = pattern.search, max(start, 1) - 1
+    search, at, last = pattern.search, max(start, 1) - 1, len(text) - 1
     end = at + MAX_SPLIT_SCAN
     for _ in range(MAX_SPLIT_CANDIDATES):
         found = search(text, at, end)
         if found is None:
             return None
         cut = found.start() + 1
-        if text[cut - 1].isalpha() and (text[cut] != " " or text[cut + 1 : cut + 2].isalpha()):
+        if text[cut - 1].isalpha() and (
+            text[cut] != " " or (cut < last and text[cut + 1].isalpha())
+        ):
             return cut
         at = cut
     return None

@@ -18,7 +18,7 @@ from kvindex.api.tokenize.chat_template import ChatTemplate
 from kvindex.api.tokenize.cuts import MAX_CANDIDATES, Cuts
 from kvindex.api.tokenize.local import LocalTokenizer, encode_whole, special_wrap
 from kvindex.api.tokenize.prefix_cache import KeptCut, PrefixCache, entry_bytes
-from kvindex.api.tokenize.protocol import pack_ids, unpack_ids
+from kvindex.api.tokenize.protocol import Head, pack_ids, unpack_ids
 from tests.support.tokenizer_kinds import KINDS, MASK, WORDS
 
 Conversation = list[dict[str, Any]]
@@ -374,3 +374,33 @@ def test_a_tokenizer_that_fails_on_the_sample_is_not_cut() -> None:
     local = LocalTokenizer(tok, prefix_cache_bytes=1 << 20)
     assert not local.anchors
     assert asyncio.run(local.encode_prompt("a a")) == [0, 0]
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_a_heads_rest_is_encoded_from_the_heads_end(reuse: bool) -> None:
+    """A head's rest encodes only the text past the head (one head in CHECK_EVERY, the
+    first, is encoded whole and compared), and equals the whole encode."""
+    local = _local("byte_level_bpe", prefix_cache_bytes=(1 << 20) if reuse else 0)
+    assert local.fast is not None
+    encoded: list[int] = []
+    encode = local.fast.encode
+
+    def counted(text: str) -> list[int] | None:
+        encoded.append(len(text))
+        return encode(text)
+
+    local.fast.encode = counted  # type: ignore[method-assign]
+
+    async def run() -> None:
+        for n in range(3):
+            prompt = f"Session {n}: " + " ".join(WORDS[n:] * 30)
+            head = await local.prompt_head(prompt, 256)
+            assert isinstance(head, Head)
+            encoded.clear()
+            whole = encode_whole(local.tokenizer, prompt, add_special_tokens=True)
+            assert unpack_ids(await head.rest()) == whole
+            rest = len(prompt) - len(local.tokenizer.decode(unpack_ids(head.packed)))
+            assert sum(encoded) == (len(prompt) if n == 0 else rest), (n, encoded)
+
+    asyncio.run(run())
+    assert (local.num_heads, local.num_head_mismatches) == (3, 0)
