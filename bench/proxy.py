@@ -98,6 +98,8 @@ class Prompts:
     filler_words: int | None = None
     completions: bool = False
     """Completions bodies: the same text as one ``prompt`` (system, a blank line, user)."""
+    chinese: bool = False
+    """Chinese prose (no spaces, full-width punctuation) instead of English words."""
 
     @property
     def path(self) -> str:
@@ -111,13 +113,14 @@ class Prompts:
     def body(self, stream: bool, number: int | str) -> bytes:
         """A shared system prompt (with ``unique_prefix``: one of its own) and user turn
         ``number`` (60 words)."""
-        system = f"Session {number}. " if self.unique_prefix else ""
-        system += "You are a terse assistant. " * 20
+        words = _CHINESE if self.chinese else _ENGLISH
+        system = words["session"].format(number) if self.unique_prefix else ""
+        system += words["system"] * 20
         filler = max(0, self.num_tokens - _SYSTEM_WORDS - 60)
         if self.filler_words is not None:
             filler = self.filler_words
-        system += "Context word. " * (filler // 2) + "more " * (filler % 2)
-        user = f"question {number} " * 30
+        system += words["filler"] * (filler // 2) + words["odd"] * (filler % 2)
+        user = words["user"].format(number) * 30
         if self.completions:
             prompt = {"model": MODEL, "prompt": f"{system}\n\n{user}", "max_tokens": 4}
             return json.dumps({**prompt, "stream": stream}).encode()
@@ -131,6 +134,22 @@ class Prompts:
             "stream": stream,
         }
         return json.dumps(chat).encode()
+
+
+_ENGLISH = {
+    "session": "Session {}. ",
+    "system": "You are a terse assistant. ",
+    "filler": "Context word. ",
+    "odd": "more ",
+    "user": "question {} ",
+}
+_CHINESE = {
+    "session": "第{}次会话\uff0c",
+    "system": "你是一个简洁的助手。",
+    "filler": "上下文词语\uff0c",
+    "odd": "更多",
+    "user": "问题{}\uff1f",
+}
 
 
 class Bodies(Sequence[bytes]):
@@ -439,6 +458,9 @@ def _options() -> argparse.Namespace:
         "--bos", action="store_true", help="With --tokenizer local: it adds a BOS (Llama 3)."
     )
     parser.add_argument(
+        "--chinese", action="store_true", help="Chinese prose (no spaces) instead of English."
+    )
+    parser.add_argument(
         "--upstream",
         choices=("sims", "fixed"),
         default="sims",
@@ -471,10 +493,24 @@ def _options() -> argparse.Namespace:
     return args
 
 
+def _shape(args: argparse.Namespace, prompts: Prompts) -> dict[str, object]:
+    """What a run's lines say of its prompts and proxy."""
+    shape: dict[str, object] = {"prompt_tokens": prompts.num_tokens, "unique": prompts.unique}
+    shape |= {"workers": args.workers, "store": args.store, "tokenizer": args.tokenizer}
+    shape["upstream"] = args.upstream
+    if prompts.unique_prefix:
+        shape["unique_prefix"] = True
+    if prompts.completions or args.bos:
+        shape |= {"completions": prompts.completions, "bos": args.bos}
+    if prompts.chinese:
+        shape["chinese"] = True
+    return shape
+
+
 def main() -> None:
     args = _options()
     prompts = Prompts(args.prompt_tokens, args.unique, args.unique_prefix)
-    prompts = replace(prompts, completions=args.completions)
+    prompts = replace(prompts, completions=args.completions, chinese=args.chinese)
     streams = {"both": (False, True), "yes": (True,), "no": (False,)}[args.stream]
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         workdir = Path(tmp)
@@ -501,13 +537,7 @@ def main() -> None:
         stack.callback(proxy.stop)
         proxy.start(60)
         sim_ports = [p for _, p, _ in sims]
-        shape |= {"prompt_tokens": prompts.num_tokens, "unique": prompts.unique}
-        shape |= {"workers": args.workers, "store": args.store, "tokenizer": args.tokenizer}
-        shape["upstream"] = args.upstream
-        if prompts.unique_prefix:
-            shape["unique_prefix"] = True
-        if prompts.completions or args.bos:
-            shape |= {"completions": prompts.completions, "bos": args.bos}
+        shape |= _shape(args, prompts)
         assert proxy.process is not None
         proxies = {"this": (port, proxy.process.pid)}
         if args.against is not None:
