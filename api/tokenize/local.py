@@ -289,10 +289,9 @@ class LocalTokenizer:
         prefixes = self.prefixes
         plan = plan or self._plan(text)
         if plan is None or prefixes is None:
-            if known is not None:
-                tail = await self._encode_parts(text, [known[0], len(text)], now=now)
-                return known[1] + pack_ids(tail[0])
-            return pack_ids(await self._encode(text, add_special_tokens=False, now=now))
+            start, before = known or (0, b"")
+            tail = await self._encode_parts(text, [start, len(text)], now=now)
+            return before + pack_ids(tail[0])
         cuts, digests, hit = plan.cuts, plan.digests, plan.hit
         first, start, before = 0, 0, b""  # the first cut in what is encoded, where, the ids before
         if hit is not None:

@@ -50,6 +50,21 @@ def _whole(name: str, messages: Conversation) -> list[int]:
     return encode_whole(tok, template.render(messages), add_special_tokens=False)
 
 
+def _counted(local: LocalTokenizer) -> list[int]:
+    """The lengths of the texts ``local``'s fast path encodes from now on, as they come."""
+    fast = local.fast
+    assert fast is not None
+    encoded: list[int] = []
+    encode = fast.encode
+
+    def counted(text: str) -> list[int] | None:
+        encoded.append(len(text))
+        return encode(text)
+
+    fast.encode = counted  # type: ignore[method-assign]
+    return encoded
+
+
 @pytest.mark.parametrize("name", sorted(KINDS))
 @settings(max_examples=60, deadline=None)
 @given(
@@ -157,15 +172,7 @@ def test_a_long_prompt_is_encoded_from_its_last_anchor(document: str) -> None:
     """A prompt with no added token, its start kept: only its end is encoded again (Chinese
     prose too, cut before its punctuation)."""
     local = _local("byte_level_bpe")
-    assert local.fast is not None
-    encoded: list[int] = []
-    encode = local.fast.encode
-
-    def counted(text: str) -> list[int] | None:
-        encoded.append(len(text))
-        return encode(text)
-
-    local.fast.encode = counted  # type: ignore[method-assign]
+    encoded = _counted(local)
     assert len(document) > 3 * local.anchor_chars
 
     async def run() -> None:
@@ -381,15 +388,7 @@ def test_a_heads_rest_is_encoded_from_the_heads_end(reuse: bool) -> None:
     """A head's rest encodes only the text past the head (one head in CHECK_EVERY, the
     first, is encoded whole and compared), and equals the whole encode."""
     local = _local("byte_level_bpe", prefix_cache_bytes=(1 << 20) if reuse else 0)
-    assert local.fast is not None
-    encoded: list[int] = []
-    encode = local.fast.encode
-
-    def counted(text: str) -> list[int] | None:
-        encoded.append(len(text))
-        return encode(text)
-
-    local.fast.encode = counted  # type: ignore[method-assign]
+    encoded = _counted(local)
 
     async def run() -> None:
         for n in range(3):
