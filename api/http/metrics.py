@@ -205,7 +205,7 @@ def _local_tallies(
     features = GaugeMetricFamily(
         "kvindex_tokenizer_local_features",
         "1 when a tokenizer in process has a shortcut on: fast_path, heads, anchors, split_words,"
-        " split_punctuation (a mismatch turns the first three off for good).",
+        " split_punctuation, word_heads (a mismatch turns the first three off for good).",
         labels=["model", "feature"],
     )
     for model, tallied in sorted(locals_, key=lambda pair: pair[0]):

@@ -27,6 +27,7 @@ from kvindex.api.tokenize.protocol import (
     unpack_ids,
 )
 from kvindex.api.tokenize.split_points import NONE, SplitRules, rules_holding, split_point
+from kvindex.api.tokenize.word_heads import WordHeads
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,9 @@ class LocalTokenizer:
         # The fast path has checked its split points already (FastBpe.of), with the same ids.
         rules = split_rules(tokenizer) if self.fast is None else self.fast.splits
         self.split_rules = rules  # where heads and anchors cut texts (.split_points)
-        self.heads = bool(rules)
+        # Where heads cut a text no rule cuts: at a word's start the tokenizer shows.
+        self.word_heads = WordHeads.of(tokenizer, [SELF_TEST])
+        self.heads = bool(rules) or self.word_heads is not None
         """:meth:`messages_head` and :meth:`prompt_head` may answer with a Head."""
         self.num_heads = 0
         self.num_head_mismatches = 0
@@ -111,6 +114,7 @@ class LocalTokenizer:
             "anchors": self.anchors,
             "split_words": rules.words,
             "split_punctuation": rules.punctuation,
+            "word_heads": self.heads and self.word_heads is not None,
         }
 
     @classmethod
@@ -204,9 +208,8 @@ class LocalTokenizer:
             return await self._packed(text, now=False, plan=plan)
         if plan is not None and plan.hit is not None:
             return await self._packed(text, now=False, plan=plan)
-        split = split_point(text, min_chars, self.split_rules)
-        ids = None if split is None or 2 * split > len(text) else self._head_ids(text[:split])
-        if not ids or split is None:
+        split, ids = self._head_split(text, min_chars)
+        if not ids or split is None or 2 * split > len(text):
             return await self._packed(text, now=False, plan=plan)
         self.num_heads += 1
         head = pack_ids(ids)
@@ -214,6 +217,19 @@ class LocalTokenizer:
         # The rest is encoded from the head's end; one head in CHECK_EVERY is encoded whole.
         known = None if self.num_heads % CHECK_EVERY == 1 else (split, head)
         return Head(head, estimate, lambda: self._rest(text, head, plan, known))
+
+    def _head_split(self, text: str, min_chars: int) -> tuple[int | None, list[int] | None]:
+        # Where a head of the text ends and its ids: at a split point, else at a word head.
+        split = split_point(text, min_chars, self.split_rules)
+        if split is not None and 2 * split <= len(text):
+            return split, self._head_ids(text[:split])
+        words = self.word_heads
+        if words is None:
+            return None, None
+        try:
+            return words.head(text, min_chars) or (None, None)
+        except Exception:  # the Rust binding raises a bare Exception: the whole then
+            return None, None
 
     def _head_ids(self, head: str) -> list[int] | None:
         """The ids of a head, on the loop: the fast path's, else the tokenizer's when short."""

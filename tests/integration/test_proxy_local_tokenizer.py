@@ -4,6 +4,7 @@ conversation's next turn is routed to the replica holding its start and matches 
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import time
@@ -104,13 +105,26 @@ def _counter(text: str, name: str, labels: str = "") -> float:
     return sum(float(value) for held, value in found if labels in held)
 
 
+def _minified(n: int) -> str:  # JSON with no space: no split point, word heads
+    items = [{"parcel": f"p{n}-{k}", "status": "missing"} for k in range(40)]
+    return json.dumps({"case": n, "items": items}, separators=(",", ":"))
+
+
+_CONTENTS = {
+    "words": lambda n: f"case {n}: " + f"the parcel {n} went missing " * 80,
+    "json": _minified,
+}
+
+
+@pytest.mark.parametrize("content", sorted(_CONTENTS))
 @pytest.mark.parametrize("head_first", [True, False])
 def test_a_long_prompt_no_replica_holds_is_chosen_for_on_its_head_and_predicted_exactly(
-    stack: ExitStack, tmp_path: Path, head_first: bool
+    stack: ExitStack, tmp_path: Path, head_first: bool, content: str
 ) -> None:
-    """Never-seen long chats are chosen for on their heads (counted), the rest tokenized while
-    the replica answers: each prediction has the exact count (``exact``, no
-    ``token_mismatch``), and each chat sent again lands where its whole is held."""
+    """Never-seen long chats (of words; of minified JSON, which no split rule cuts) are
+    chosen for on their heads (counted), the rest tokenized while the replica answers: each
+    prediction has the exact count (``exact``, no ``token_mismatch``), and each chat sent
+    again lands where its whole is held."""
     tokenizer = write_model(tmp_path / "model")
     config = tmp_path / "kvindex.toml"
     flag = "true" if head_first else "false"
@@ -119,10 +133,7 @@ def test_a_long_prompt_no_replica_holds_is_chosen_for_on_its_head_and_predicted_
     )
     extra = ["--tokenizer", str(tokenizer)]
     _, proxy = _start(stack, tmp_path, {"r1": extra, "r2": extra}, ("--config", str(config)))
-    chats = [
-        [{"role": "user", "content": f"case {n}: " + f"the parcel {n} went missing " * 80}]
-        for n in range(4)
-    ]
+    chats = [[{"role": "user", "content": _CONTENTS[content](n)}] for n in range(4)]
     with proxy.client() as client:
         for chat in chats:
             client.chat.completions.create(model=MODEL, messages=chat, max_tokens=2)  # type: ignore[arg-type]

@@ -168,5 +168,6 @@ def test_the_tokenizer_collector_shows_how_a_local_tokenizer_answered() -> None:
     text = generate_latest(registry).decode()
     for kind, count in {"cached": 1, "reused": 2, "anchored": 3, "fast": 3, "mismatch": 0}.items():
         assert f'kvindex_tokenizer_local_texts_total{{kind="{kind}",model="m"}} {count}.0' in text
-    for feature in ("fast_path", "heads", "anchors", "split_words", "split_punctuation"):
+    features = ("fast_path", "heads", "anchors", "split_words", "split_punctuation", "word_heads")
+    for feature in features:
         assert f'kvindex_tokenizer_local_features{{feature="{feature}",model="m"}} 1.0' in text

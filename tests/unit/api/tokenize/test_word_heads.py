@@ -1,0 +1,159 @@
+"""kvindex.api.tokenize.word_heads: heads cut where the tokenizer's own words start."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import tokenizers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Regex, models, pre_tokenizers
+
+from kvindex.api.tokenize.fast_bpe import SELF_TEST
+from kvindex.api.tokenize.local import LocalTokenizer
+from kvindex.api.tokenize.protocol import Head, pack_ids
+from kvindex.api.tokenize.word_heads import WINDOW_SLACK, WordHeads
+from tests.support.tokenizer_kinds import KINDS, MASK
+
+HEX = "0123456789abcdef"
+
+
+def hex_pairs() -> tokenizers.Tokenizer:
+    """A word model over pairs of hex digits, cut every two characters (no space anywhere):
+    the shape of the router replay's tokenizer, small."""
+    vocab = {a + b: 1 + 16 * i + j for i, a in enumerate(HEX) for j, b in enumerate(HEX)}
+    tok = tokenizers.Tokenizer(models.WordLevel({**vocab, "[UNK]": 0}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(".{1,2}"), behavior="isolated")
+    tok.add_special_tokens(["<|sep|>"])
+    return tok
+
+
+def hex_text(rng: random.Random, num_chars: int) -> str:
+    return "".join(rng.choice(HEX) for _ in range(num_chars))
+
+
+def json_text(rng: random.Random, num_items: int) -> str:
+    items = ",".join(
+        f'{{"k{i}":"v{rng.randrange(999)}","n":[{i},{i * 7}]}}' for i in range(num_items)
+    )
+    return f'{{"id":{rng.randrange(10**6)},"items":[{items}],"ok":true}}'
+
+
+HOLDING = [*(name for name in KINDS if name != "prepend_bpe"), "hex_pairs"]
+
+
+def _tokenizer(name: str) -> tokenizers.Tokenizer:
+    return hex_pairs() if name == "hex_pairs" else KINDS[name]()[0]
+
+
+def _ids(tok: tokenizers.Tokenizer, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False).ids
+
+
+@pytest.mark.parametrize("name", HOLDING)
+def test_a_head_and_its_rest_encode_as_the_whole(name: str) -> None:
+    """For texts with no space between two letters and texts with spaces, at every least
+    position, a head's ids then the rest's from its cut are the whole text's."""
+    tok = _tokenizer(name)
+    heads = WordHeads.of(tok, [SELF_TEST])
+    assert heads is not None
+    rng = random.Random(3)
+    texts = [hex_text(rng, 900), json_text(rng, 30), SELF_TEST * 4, "漢字かなカナ" * 80]
+    found = 0
+    for text in texts:
+        whole = _ids(tok, text)
+        for min_chars in range(1, len(text) - WINDOW_SLACK, 37):
+            got = heads.head(text, min_chars)
+            if got is None:
+                continue
+            cut, ids = got
+            assert min_chars <= cut < min_chars + WINDOW_SLACK
+            assert ids + _ids(tok, text[cut:]) == whole
+            found += 1
+    assert found > 20
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    pieces=st.lists(
+        st.sampled_from(["ab", "3f", "{", '"k":', ",", " ", "  ", "\n", "漢", "\uff0c", "<|sep|>"]),
+        min_size=40,
+        max_size=200,
+    ),
+    min_chars=st.integers(1, 120),
+)
+def test_a_word_head_of_any_text_is_the_whole_ids_start(pieces: list[str], min_chars: int) -> None:
+    tok = hex_pairs()
+    heads = WordHeads.of(tok, [SELF_TEST])
+    assert heads is not None
+    text = "".join(pieces)
+    got = heads.head(text, min_chars)
+    if got is not None:
+        cut, ids = got
+        assert ids + _ids(tok, text[cut:]) == _ids(tok, text)
+
+
+def test_only_tokenizers_whose_ids_allow_it_get_word_heads() -> None:
+    """Llama 2's shape (no pre-tokenizer: a text is one word) gets none, nor a tokenizer that
+    puts a space before every text, nor one that truncates."""
+    assert WordHeads.of(KINDS["prepend_bpe"]()[0], [SELF_TEST]) is None
+    prefixed = tokenizers.Tokenizer(models.BPE())
+    prefixed.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    prefixed.train_from_iterator(
+        [SELF_TEST] * 3,
+        tokenizers.trainers.BpeTrainer(
+            vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
+    assert WordHeads.of(prefixed, [SELF_TEST]) is None
+    truncating = hex_pairs()
+    truncating.enable_truncation(64)
+    assert WordHeads.of(truncating, [SELF_TEST]) is None
+
+
+@pytest.mark.parametrize("added", ["<|sep|>", MASK])
+def test_no_cut_inside_or_beside_an_added_token(added: str) -> None:
+    """A window that ends inside an added token shows its content as plain words: the cut
+    is never inside it, nor at the whitespace a token that strips its side would take."""
+    tok = KINDS["byte_level_bpe"]()[0] if added == MASK else hex_pairs()
+    heads = WordHeads.of(tok, [SELF_TEST])
+    assert heads is not None
+    rng = random.Random(5)
+    base = hex_text(rng, 600)
+    for at in range(200, 300, 3):
+        text = f"{base[:at]}  {added}{base[at:]}"
+        whole = _ids(tok, text)
+        for min_chars in range(at - WINDOW_SLACK - 10, at + 10):
+            got = heads.head(text, min_chars)
+            if got is None:
+                continue
+            cut, ids = got
+            assert not at <= cut <= at + 2 + len(added)
+            assert ids + _ids(tok, text[cut:]) == whole
+
+
+def test_no_head_in_one_long_word_nor_when_the_window_is_the_text() -> None:
+    heads = WordHeads.of(KINDS["byte_level_bpe"]()[0], [SELF_TEST])
+    assert heads is not None
+    assert heads.head("a" * 2000, 256) is None
+    assert heads.head("ab " * 100, 256) is None
+
+
+def test_a_long_text_no_split_point_cuts_is_decided_on_a_word_head() -> None:
+    """A prompt of hex (no space, no punctuation) gets a Head; its rest is its whole ids."""
+    tok = hex_pairs()
+    local = LocalTokenizer(tok)
+    assert local.features()["word_heads"] and not local.features()["split_words"]
+    prompt = hex_text(random.Random(9), 2000)
+    head = asyncio.run(local.prompt_head(prompt, 256))
+    expected = pack_ids(tok.encode(prompt).ids)
+    assert isinstance(head, Head) and expected.startswith(head.packed)
+    assert len(head.packed) // 4 >= 128 and 0.9 < head.num_tokens / (len(expected) // 4) < 1.1
+    assert asyncio.run(head.rest()) == expected
+    assert (local.num_heads, local.num_head_mismatches) == (1, 0)
+    second = hex_text(random.Random(10), 2000)
+    head = asyncio.run(local.prompt_head(second, 256))  # encoded from the head's end
+    assert isinstance(head, Head)
+    assert asyncio.run(head.rest()) == pack_ids(tok.encode(second).ids)
