@@ -47,8 +47,11 @@ run: $(VENV)/.run-installed ## the main job on the embedded store: the demo (rep
 	@echo "==> kvindex demo"
 	$(BIN)/kvindex demo
 
+# Three test files at a time (the suite mostly waits on the processes it starts; each worker
+# hands out its own loopback ports), then the tests that bound a latency, alone.
 test: install ## the whole test suite (starts its own redis-server and Redis Cluster on loopback)
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n 3 --dist loadfile -m "not latency_bound"
+	$(BIN)/pytest -q -m latency_bound
 
 lint: install
 	$(BIN)/ruff check .

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import os
 import shutil
 import socket
 import subprocess
@@ -25,19 +26,28 @@ _HANDED_OUT: collections.OrderedDict[int, None] = collections.OrderedDict()
 _NUM_REMEMBERED = 2048
 
 
+def _share() -> tuple[int, int]:
+    # (this test process's index, how many run at once): under pytest-xdist a worker hands
+    # out only the ports its index is modulo their count, so no two hand out the same one.
+    index = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    return int(index), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+
+
 def free_ports(count: int) -> list[int]:
-    """``count`` distinct free loopback ports, none handed out lately by this process: a port
-    chosen and released before its server bound it could otherwise come back for another
-    (each call's sockets are held until all are chosen, the ones skipped too)."""
+    """``count`` distinct free loopback ports, none handed out lately by this process (nor
+    ever by another worker of the run): a port chosen and released before its server bound
+    it could otherwise come back for another (each call's sockets are held until all are
+    chosen, the ones skipped too)."""
     socks: list[socket.socket] = []
     chosen: list[int] = []
+    index, num_workers = _share()
     try:
-        while len(chosen) < count and len(socks) < count + _NUM_REMEMBERED:
+        while len(chosen) < count and len(socks) < num_workers * (count + _NUM_REMEMBERED):
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             socks.append(sock)
             sock.bind(("127.0.0.1", 0))
             port = int(sock.getsockname()[1])
-            if port not in _HANDED_OUT:
+            if port not in _HANDED_OUT and port % num_workers == index:
                 chosen.append(port)
     finally:
         for sock in socks:
