@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -18,7 +17,7 @@ from kvindex.indexer.fleet.replica import ReplicaSpec
 from kvindex.indexer.index.protocol import BlockIndex
 from kvindex.indexer.ingest.wire import Encoding, ReplayLayout
 from kvindex.indexer.service import IndexerService
-from tests.support.redis_server import free_port
+from tests.support.redis_server import free_ports
 
 MODEL = "demo-model"
 
@@ -147,20 +146,10 @@ def _first_batch_applied(ix: Indexer, pub: EventPublisher, stream: StreamId) -> 
 
 
 def consecutive_free_ports(count: int = 2, attempts: int = 50) -> int:
-    """A base port p with p .. p+count-1 all free on loopback (data-parallel rank r uses
-    base + r, as vLLM does)."""
+    """A base port p with p .. p+count-1 all free on loopback and handed out (data-parallel
+    rank r uses base + r, as vLLM does)."""
     for _ in range(attempts):
-        base = free_port()
-        held: list[socket.socket] = []
-        try:
-            for offset in range(count):
-                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                held.append(sock)
-                sock.bind(("127.0.0.1", base + offset))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in held:
-                sock.close()
+        ports = free_ports(count)  # in turn from this process's share: mostly a run
+        if ports == list(range(ports[0], ports[0] + count)):
+            return ports[0]
     raise RuntimeError("no run of consecutive free loopback ports found")

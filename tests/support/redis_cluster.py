@@ -27,6 +27,7 @@ from tests.support.redis_server import stop_process
 NUM_MASTERS = 3
 BUS_OFFSET = 10_000
 MAX_PORT = 65_535 - BUS_OFFSET
+EPHEMERAL_LOW = 32_768
 
 
 def _bindable(port: int) -> bool:
@@ -41,7 +42,7 @@ def _bindable(port: int) -> bool:
 def free_cluster_port(taken: set[int], *, attempts: int = 200) -> int:
     """A loopback port ≤ :data:`MAX_PORT` that is free, and whose bus port (+10000) is too."""
     for _ in range(attempts):
-        port = random.randint(20_000, MAX_PORT)
+        port = random.randint(EPHEMERAL_LOW, MAX_PORT)  # not among the tests' own ports
         if port in taken or port + BUS_OFFSET in taken:
             continue
         if _bindable(port) and _bindable(port + BUS_OFFSET):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import os
 import shutil
 import socket
@@ -21,41 +20,45 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
-_HANDED_OUT: collections.OrderedDict[int, None] = collections.OrderedDict()
-"""Ports this process handed out lately (oldest first), never handed out again while kept."""
-_NUM_REMEMBERED = 2048
+PORTS_PER_RUN = 12000
+"""Loopback ports the tests hand out lie in this many below the kernel's ephemeral range:
+no port the kernel hands out (a bind to port 0, a connection's own port) is among them."""
+_DEFAULT_EPHEMERAL_LOW = 32768
+_cursor: list[int] = []  # the next port this process tries, once its share is known
 
 
-def _share() -> tuple[int, int]:
-    # (this test process's index, how many run at once): under pytest-xdist a worker hands
-    # out only the ports its index is modulo their count, so no two hand out the same one.
-    index = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
-    return int(index), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+def _share() -> range:
+    # This process's ports: the run's, cut in as many shares as pytest-xdist runs workers
+    # (one share when it runs none), so no two workers hand out the same port.
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = _DEFAULT_EPHEMERAL_LOW
+    first = max(1024, low - PORTS_PER_RUN)
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    size = (low - first) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return range(first + index * size, first + (index + 1) * size)
 
 
 def free_ports(count: int) -> list[int]:
-    """``count`` distinct free loopback ports, none handed out lately by this process (nor
-    ever by another worker of the run): a port chosen and released before its server bound
-    it could otherwise come back for another (each call's sockets are held until all are
-    chosen, the ones skipped too)."""
-    socks: list[socket.socket] = []
+    """``count`` distinct free loopback ports, taken in turn from this process's share
+    (:func:`_share`), each bound and released to check it is free: a port is handed out
+    again only after the whole share has been."""
+    share = _share()
+    if not _cursor:
+        _cursor.append(share.start)
     chosen: list[int] = []
-    index, num_workers = _share()
-    try:
-        while len(chosen) < count and len(socks) < num_workers * (count + _NUM_REMEMBERED):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            socks.append(sock)
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
-            if port not in _HANDED_OUT and port % num_workers == index:
-                chosen.append(port)
-    finally:
-        for sock in socks:
-            sock.close()
-    for port in chosen:
-        _HANDED_OUT[port] = None
-        if len(_HANDED_OUT) > _NUM_REMEMBERED:
-            _HANDED_OUT.popitem(last=False)
+    for _ in range(len(share)):
+        if len(chosen) == count:
+            break
+        port = _cursor[0]
+        _cursor[0] = share.start if port + 1 >= share.stop else port + 1
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:  # something listens there, or a connection is closing on it
+                continue
+        chosen.append(port)
     return chosen
 
 
