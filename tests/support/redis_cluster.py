@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import random
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -22,30 +21,20 @@ from pathlib import Path
 import redis
 from redis.cluster import RedisCluster
 
-from tests.support.redis_server import stop_process
+from tests.support.redis_server import bindable, ephemeral_low, stop_process
 
 NUM_MASTERS = 3
 BUS_OFFSET = 10_000
 MAX_PORT = 65_535 - BUS_OFFSET
-EPHEMERAL_LOW = 32_768
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def free_cluster_port(taken: set[int], *, attempts: int = 200) -> int:
     """A loopback port ≤ :data:`MAX_PORT` that is free, and whose bus port (+10000) is too."""
     for _ in range(attempts):
-        port = random.randint(EPHEMERAL_LOW, MAX_PORT)  # not among the tests' own ports
+        port = random.randint(ephemeral_low(), MAX_PORT)  # not among the tests' own ports
         if port in taken or port + BUS_OFFSET in taken:
             continue
-        if _bindable(port) and _bindable(port + BUS_OFFSET):
+        if bindable(port) and bindable(port + BUS_OFFSET):
             return port
     raise RuntimeError("no free port pair (port, port + 10000) on loopback")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import socket
@@ -27,13 +28,30 @@ _DEFAULT_EPHEMERAL_LOW = 32768
 _cursor: list[int] = []  # the next port this process tries, once its share is known
 
 
+@functools.cache
+def ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (what a bind to port 0 may get)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _DEFAULT_EPHEMERAL_LOW
+
+
+def bindable(port: int) -> bool:
+    """Whether a socket can bind ``port`` on loopback now (bound and released at once)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:  # something listens there, or a connection is closing on it
+            return False
+    return True
+
+
+@functools.cache
 def _share() -> range:
     # This process's ports: the run's, cut in as many shares as pytest-xdist runs workers
     # (one share when it runs none), so no two workers hand out the same port.
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = _DEFAULT_EPHEMERAL_LOW
+    low = ephemeral_low()
     first = max(1024, low - PORTS_PER_RUN)
     index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
     size = (low - first) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
@@ -53,12 +71,8 @@ def free_ports(count: int) -> list[int]:
             break
         port = _cursor[0]
         _cursor[0] = share.start if port + 1 >= share.stop else port + 1
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:  # something listens there, or a connection is closing on it
-                continue
-        chosen.append(port)
+        if bindable(port):
+            chosen.append(port)
     return chosen
 
 
