@@ -46,12 +46,24 @@ def test_split_point_is_its_definition(name: str, text: str, start: int) -> None
     assert split_point(text, start, rules) == _first_split(text, start, rules)
 
 
+@pytest.mark.parametrize("name", sorted(_RULES))
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(alphabet="ab Z1_.", max_size=60), start=st.integers(0, 70))
+def test_an_ascii_text_is_searched_as_its_definition(name: str, text: str, start: int) -> None:
+    """An ASCII text is searched for spaces alone (no CJK punctuation can be in it)."""
+    rules = _RULES[name]
+    assert split_point(text, start, rules) == _first_split(text, start, rules)
+
+
 def test_split_point_is_bounded_on_hostile_text() -> None:
     """A body of spaces, or of spaces between word characters that are not letters, gets no
     split past the bounds (so no walk of megabytes on the loop): such a text is encoded
     whole."""
     far = " " * split_points.MAX_SPLIT_SCAN + "ab cd"
     assert _first_split(far, 0, WORDS) is not None and split_point(far, 0) is None
+    for letters in ("a" * split_points.MAX_SPLIT_SCAN, "漢" * split_points.MAX_SPLIT_SCAN):
+        assert split_point(letters + " b", 0, BOTH) is None  # past the scan
+        assert split_point(letters[:-2] + " b", 0, BOTH) == len(letters) - 2
     crowded = "² " * (split_points.MAX_SPLIT_CANDIDATES + 1) + "²ab cd"
     assert _first_split(crowded, 0, WORDS) is not None and split_point(crowded, 0) is None
     assert split_point("² " * 10 + "²ab cd", 0) == len("² " * 10 + "²ab")
