@@ -17,7 +17,13 @@ import tokenizers
 from kvindex.api.tokenize.chat_template import ChatTemplate, load_chat_template
 from kvindex.api.tokenize.cuts import Cut, Cuts
 from kvindex.api.tokenize.fast_bpe import SELF_TEST, FastBpe
-from kvindex.api.tokenize.prefix_cache import KeptCut, PrefixCache, PrefixHit, cut_digests
+from kvindex.api.tokenize.prefix_cache import (
+    WORD_ANCHORS,
+    KeptCut,
+    PrefixCache,
+    PrefixHit,
+    cut_digests,
+)
 from kvindex.api.tokenize.protocol import (
     NO_OPTIONS,
     ChatOptions,
@@ -27,7 +33,7 @@ from kvindex.api.tokenize.protocol import (
     unpack_ids,
 )
 from kvindex.api.tokenize.split_points import NONE, SplitRules, rules_holding, split_point
-from kvindex.api.tokenize.word_heads import WordHeads
+from kvindex.api.tokenize.word_heads import WINDOW_SLACK, WordHeads
 
 logger = logging.getLogger(__name__)
 
@@ -87,9 +93,12 @@ class LocalTokenizer:
         # A prompt is cut at its anchors too; dropped at a mismatch.
         self.anchors = prefix_cache_bytes > 0 and bool(rules)
         self.num_anchored = 0  # prompts cut at anchors (one in CHECK_EVERY checked whole)
+        # A prompt nothing else cuts is cut at word heads, one window after another.
+        self.word_anchors = prefix_cache_bytes > 0 and self.word_heads is not None
         cuts = Cuts.of(tokenizer) if prefix_cache_bytes > 0 else None
         self._cuts = cuts
-        reusing = prefix_cache_bytes > 0 and (cuts is not None or self.anchors)
+        anchoring = self.anchors or self.word_anchors
+        reusing = prefix_cache_bytes > 0 and (cuts is not None or anchoring)
         self.prefixes = PrefixCache(prefix_cache_bytes) if reusing else None
         # A prompt's ids are reused when the post-processor adds the same ids around each.
         self._wrap = special_wrap(tokenizer)
@@ -111,7 +120,7 @@ class LocalTokenizer:
         return {
             "fast_path": self.fast is not None,
             "heads": self.heads,
-            "anchors": self.anchors,
+            "anchors": self.anchors or self.word_anchors,
             "split_words": rules.words,
             "split_punctuation": rules.punctuation,
             "word_heads": self.heads and self.word_heads is not None,
@@ -267,6 +276,12 @@ class LocalTokenizer:
         cuts = [] if self._cuts is None else self._cuts.find(text)
         if anchored and self.anchors and len(text) > self.anchor_chars:
             cuts = self._anchored(text, cuts)
+        step = self.anchor_chars
+        if not cuts and anchored and self.word_anchors and len(text) > step + WINDOW_SLACK:
+            # Each window's end names it: the text up to there makes its cut and ids.
+            ends = list(range(step + WINDOW_SLACK, len(text), step))
+            digests = cut_digests(text, ends, WORD_ANCHORS)
+            return _Plan([], digests, self.prefixes.longest(digests), ends)
         digests = cut_digests(text, [cut.position for cut in cuts])
         return _Plan(cuts, digests, self.prefixes.longest(digests))
 
@@ -304,6 +319,8 @@ class LocalTokenizer:
         the ids before it (a head's), encoded from there when no kept start is longer."""  # noqa: E501
         prefixes = self.prefixes
         plan = plan or self._plan(text)
+        if plan is not None and plan.ends is not None and self.word_anchors:
+            return await self._word_packed(text, plan, now=now, known=known)
         if plan is None or prefixes is None:
             start, before = known or (0, b"")
             tail = await self._encode_parts(text, [start, len(text)], now=now)
@@ -332,6 +349,64 @@ class LocalTokenizer:
         prefixes.keep(packed, tuple(kept))
         self.num_reused += hit is not None
         return packed
+
+    async def _word_packed(
+        self, text: str, plan: _Plan, *, now: bool, known: tuple[int, bytes] | None
+    ) -> bytes:
+        """Reference: kvindex.api.tokenize.local.encode_whole; tests/unit/api/tokenize/test_word_heads.py::test_word_anchored_prompts_reuse_their_kept_starts
+
+        :meth:`_packed` for a text cut at word anchors: the ids of the longest kept start
+        up to its anchor's cut, then a head a window (:meth:`.WordHeads.anchors`), then the
+        tail; kept under each window's end. One in :data:`CHECK_EVERY` is checked whole."""  # noqa: E501
+        assert plan.ends is not None and self.prefixes is not None
+        hit, start, before, kept = plan.hit, 0, b"", []
+        if hit is not None and hit.cuts[-1].resume is not None:
+            start, before, kept = hit.cuts[-1].resume, hit.packed, list(hit.cuts)
+        elif known is not None:
+            hit, (start, before) = None, known
+        else:
+            hit = None
+        first = 0 if hit is None else hit.index + 1
+        self.num_anchored += 1
+        check = self.num_anchored % CHECK_EVERY == 1
+        inline = len(text) - start <= self.inline_max_chars
+        if not inline and now:
+            raise _NotNow
+        run = partial(self._word_pieces, text, start, plan.ends[first:], not inline, check)
+        try:
+            anchors, tail, whole = run() if inline else await asyncio.to_thread(run)
+        except Exception as exc:  # the Rust binding raises a bare Exception
+            raise TokenizerError(f"tokenizer failed: {exc}") from exc
+        packed = b"".join([before, *(pack_ids(ids) for _, _, ids in anchors), pack_ids(tail)])
+        if whole is not None and whole != packed:
+            self._word_anchors_failed(len(text))
+            return whole
+        num_tokens = len(before) // 4
+        for index, cut, ids in anchors:
+            num_tokens += len(ids)
+            kept.append(KeptCut(plan.digests[first + index], num_tokens, cut))
+        self.prefixes.keep(packed, tuple(kept))
+        self.num_reused += hit is not None
+        return packed
+
+    def _word_pieces(
+        self, text: str, start: int, ends: list[int], released: bool, check: bool
+    ) -> tuple[list[tuple[int, int, list[int]]], list[int], bytes | None]:
+        # The word anchors from ``start``, the tail's ids, and (``check``) the whole's ids.
+        assert self.word_heads is not None
+        anchors = self.word_heads.anchors(text, start, ends, released=released)
+        at = anchors[-1][1] if anchors else start
+        tail = _parts(self.tokenizer, text, [at, len(text)], False)[0]
+        whole = _parts(self.tokenizer, text, [0, len(text)], False)[0] if check else None
+        return anchors, tail, None if whole is None else pack_ids(whole)
+
+    def _word_anchors_failed(self, num_chars: int) -> None:
+        self.word_anchors = False
+        self.num_head_mismatches += 1
+        logger.error(
+            "a prompt of %d characters cut at word anchors differed from its whole ids: texts "
+            "are no longer cut there", num_chars
+        )  # fmt: skip
 
     async def _encode_parts(
         self, text: str, bounds: list[int], *, now: bool, add_special_tokens: bool = False
@@ -425,6 +500,7 @@ class _Plan:
     cuts: list[Cut]
     digests: list[bytes]
     hit: PrefixHit | None
+    ends: list[int] | None = None  # word anchors' window ends (the digests'), not cuts
 
 
 class _NotNow(Exception):  # noqa: N818 (a signal, not an error)

@@ -16,9 +16,14 @@ CUT_OVERHEAD_BYTES = 160
 _DIGEST_BYTES = 16
 
 
-def cut_digests(text: str, positions: Sequence[int]) -> list[bytes]:
+# The digests' seeds: a word anchor's names the text up to its window's end, not its cut.
+CUTS = b"kvindex prefix\0"
+WORD_ANCHORS = b"kvindex word anchors\0"
+
+
+def cut_digests(text: str, positions: Sequence[int], seed: bytes = CUTS) -> list[bytes]:
     """The digest of ``text[:p]`` for each of ``positions`` (ascending), in one pass."""
-    running = hashlib.sha256(b"kvindex prefix\0")
+    running = hashlib.sha256(seed)
     digests, start = [], 0
     for position in positions:
         running.update(text[start:position].encode("utf-8", "surrogatepass"))
@@ -33,6 +38,7 @@ class KeptCut:
 
     digest: bytes
     num_tokens: int
+    resume: int | None = None  # a word anchor's cut (its digest: up to its window's end)
 
 
 @dataclass(frozen=True, slots=True)

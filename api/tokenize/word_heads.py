@@ -4,7 +4,7 @@ split rule cuts (:mod:`.split_points`), held for a tokenizer when its ids on sam
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import tokenizers
 
@@ -17,6 +17,9 @@ SAMPLES = (  # texts with few or no spaces, besides the English and CJK samples
     '{"id":42,"items":[{"k":"v","n":[1,22,333]},{"k":"w"}],"ok":true,"s":"a\\"b"}' * 2,
     "aGVsbG8gd29ybGQhIGJhc2U2NCBibG9iczpwbHVzKy9zbGFzaD09" * 2,
 )
+
+
+Encode = Callable[[str], tokenizers.Encoding]
 
 
 class WordHeads:
@@ -51,19 +54,60 @@ class WordHeads:
         is near the cut."""  # noqa: E501
         return self._head(text, min_chars + WINDOW_SLACK, min_chars)
 
-    def _head(self, text: str, end: int, min_chars: int) -> tuple[int, list[int]] | None:
+    def anchors(
+        self, text: str, start: int, ends: Sequence[int], *, released: bool = False
+    ) -> list[tuple[int, int, list[int]]]:
+        """Reference: encode(text); tests/unit/api/tokenize/test_word_heads.py::test_anchors_and_the_tail_encode_as_the_whole
+
+        Heads taken one after another from ``start`` (a word's start): for each window end
+        of ``ends`` past it, in order, (its index, the cut, the ids from the last cut to
+        it), the cut at or after ``end - WINDOW_SLACK``; they stop at the first window
+        without one. ``released``: encoded with the GIL released (a worker thread's)."""  # noqa: E501
+        encode = self._released if released else self._encode
+        found: list[tuple[int, int, list[int]]] = []
+        at = start
+        for index, end in enumerate(ends):
+            least = end - WINDOW_SLACK
+            if least <= at:
+                continue
+            got = self._head(text, end, least, start=at, encode=encode)
+            if got is None:
+                break
+            at, ids = got
+            found.append((index, at, ids))
+        return found
+
+    def _encode(self, text: str) -> tokenizers.Encoding:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _released(self, text: str) -> tokenizers.Encoding:
+        # The batch call releases the GIL while it works; the single one does not.
+        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0]
+
+    def _head(
+        self,
+        text: str,
+        end: int,
+        min_chars: int,
+        *,
+        start: int = 0,
+        encode: Encode | None = None,
+    ) -> tuple[int, list[int]] | None:
+        # The window is text[start:end], ``start`` a word's start; the cut is text's index.
         if end >= len(text):
             return None
-        encoding = self.tokenizer.encode(text[:end], add_special_tokens=False)
+        encoding = (encode or self._encode)(text[start:end])
         num_ids = len(encoding.ids)
         last = encoding.token_to_word(num_ids - 1) if num_ids else None
         if last is None:
             return None
         cut = encoding.word_to_chars(last)
         first = encoding.word_to_tokens(last)
-        if cut is None or first is None or cut[0] < min_chars or self._near_added(text, cut[0]):
+        if cut is None or first is None or start + cut[0] < min_chars:
             return None
-        return cut[0], encoding.ids[: first[0]]
+        if self._near_added(text, start + cut[0]):
+            return None
+        return start + cut[0], encoding.ids[: first[0]]
 
     def _near_added(self, text: str, cut: int) -> bool:
         # Whether an added token's content spans the cut, or touches the whitespace around

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from typing import Any
 
 import pytest
 import tokenizers
@@ -157,3 +158,86 @@ def test_a_long_text_no_split_point_cuts_is_decided_on_a_word_head() -> None:
     head = asyncio.run(local.prompt_head(second, 256))  # encoded from the head's end
     assert isinstance(head, Head)
     assert asyncio.run(head.rest()) == pack_ids(tok.encode(second).ids)
+
+
+@pytest.mark.parametrize("released", [False, True])
+@pytest.mark.parametrize("name", HOLDING)
+def test_anchors_and_the_tail_encode_as_the_whole(name: str, released: bool) -> None:
+    """Heads taken one window after another from a word's start, then the tail from the
+    last cut: their ids are the whole text's."""
+    tok = _tokenizer(name)
+    heads = WordHeads.of(tok, [SELF_TEST])
+    assert heads is not None
+    rng = random.Random(11)
+    texts = [hex_text(rng, 3000), json_text(rng, 80), SELF_TEST * 6, "漢字かな交じり文" * 200]
+    for text in texts:
+        whole = _ids(tok, text)
+        for step in (100, 257):
+            ends = list(range(step + WINDOW_SLACK, len(text), step))
+            found = heads.anchors(text, 0, ends, released=released)
+            cuts = [cut for _, cut, _ in found]
+            assert cuts == sorted(cuts) and all(c >= ends[i] - WINDOW_SLACK for i, c, _ in found)
+            at = cuts[-1] if cuts else 0
+            ids = [i for _, _, piece in found for i in piece] + _ids(tok, text[at:])
+            assert ids == whole
+
+
+def _word_local(prefix_cache_bytes: int = 1 << 22) -> tuple[tokenizers.Tokenizer, LocalTokenizer]:
+    tok = hex_pairs()
+    return tok, LocalTokenizer(tok, prefix_cache_bytes=prefix_cache_bytes, fast=False)
+
+
+def test_word_anchored_prompts_reuse_their_kept_starts() -> None:
+    """A prompt no split point cuts is kept at word anchors: a later prompt starting as it
+    does is encoded from the last anchor both share, and every prompt's ids are whole."""
+    tok, local = _word_local()
+    assert local.features()["anchors"] and local.word_anchors
+    rng = random.Random(12)
+    base = hex_text(rng, 6000)
+    prompts = [base, base[:4500] + hex_text(rng, 900), base[:1500] + hex_text(rng, 3000)]
+    prompts += [hex_text(rng, 2500), prompts[1][:3000] + "<|sep|>" + hex_text(rng, 500)]
+    starts: list[int] = []
+    pieces = local._word_pieces
+
+    def recorded(text: str, start: int, *rest: Any) -> Any:
+        starts.append(start)
+        return pieces(text, start, *rest)
+
+    local._word_pieces = recorded  # type: ignore[method-assign,assignment]
+    for number, prompt in enumerate(prompts):
+        packed = asyncio.run(local.packed_prompt(prompt))
+        assert packed == pack_ids(tok.encode(prompt).ids), number
+    # Encoded from: the start; the last anchor before 4,500 (window end 4,160); before 1,500.
+    assert starts[0] == 0 and 4096 <= starts[1] < 4160 and 1024 <= starts[2] < 1088
+    assert local.num_reused == 2  # the second and third (the fifth has a cut: its own plan)
+    assert local.num_head_mismatches == 0
+
+
+def test_a_held_word_head_is_encoded_from_its_kept_start() -> None:
+    """A long prompt whose start is kept is answered whole (no head), from the kept ids."""
+    tok, local = _word_local()
+    rng = random.Random(13)
+    first = hex_text(rng, 5000)
+    head = asyncio.run(local.prompt_head(first, 256))
+    assert isinstance(head, Head)
+    assert asyncio.run(head.rest()) == pack_ids(tok.encode(first).ids)
+    second = first[:4000] + hex_text(rng, 1000)
+    got = asyncio.run(local.prompt_head(second, 256))
+    assert got == pack_ids(tok.encode(second).ids)
+    assert local.num_reused == 1
+
+
+def test_word_anchors_that_do_not_hold_are_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first word-anchored prompt is checked whole: anchors that differ from it are
+    dropped (counted), and the whole ids answered."""
+    tok, local = _word_local()
+    real = WordHeads.anchors
+
+    def shifted(self: WordHeads, *args: Any, **kwargs: Any) -> list[tuple[int, int, list[int]]]:
+        return [(i, cut, ids[:-1]) for i, cut, ids in real(self, *args, **kwargs)]
+
+    monkeypatch.setattr(WordHeads, "anchors", shifted)
+    prompt = hex_text(random.Random(14), 3000)
+    assert asyncio.run(local.packed_prompt(prompt)) == pack_ids(tok.encode(prompt).ids)
+    assert not local.word_anchors and local.num_head_mismatches == 1
+    assert asyncio.run(local.packed_prompt(prompt)) == pack_ids(tok.encode(prompt).ids)
