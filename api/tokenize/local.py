@@ -48,6 +48,7 @@ ANCHOR_CHARS = 1024
 """A prompt is cut about this often, at split points (its anchors, :func:`.split_point`), so
 that a prompt starting as a kept one is encoded from there: it may hold no added token."""
 CHECK_MAX_CHARS = 8192  # the longest anchored prompt tokenizers (no fast path) check whole
+WORD_ANCHORS_MAX_CHARS = 262144  # longer: encoded whole (a window at a time costs twice)
 
 
 def encode_whole(tokenizer: tokenizers.Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
@@ -277,7 +278,8 @@ class LocalTokenizer:
         if anchored and self.anchors and len(text) > self.anchor_chars:
             cuts = self._anchored(text, cuts)
         step = self.anchor_chars
-        if not cuts and anchored and self.word_anchors and len(text) > step + WINDOW_SLACK:
+        long = step + WINDOW_SLACK < len(text) <= WORD_ANCHORS_MAX_CHARS
+        if not cuts and anchored and self.word_anchors and long:
             # Each window's end names it: the text up to there makes its cut and ids.
             ends = list(range(step + WINDOW_SLACK, len(text), step))
             digests = cut_digests(text, ends, WORD_ANCHORS)

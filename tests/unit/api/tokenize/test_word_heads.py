@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Regex, models, pre_tokenizers
 
+from kvindex.api.tokenize import local as local_module
 from kvindex.api.tokenize.fast_bpe import SELF_TEST
 from kvindex.api.tokenize.local import LocalTokenizer
 from kvindex.api.tokenize.protocol import Head, pack_ids
@@ -241,3 +242,21 @@ def test_word_anchors_that_do_not_hold_are_dropped(monkeypatch: pytest.MonkeyPat
     assert asyncio.run(local.packed_prompt(prompt)) == pack_ids(tok.encode(prompt).ids)
     assert not local.word_anchors and local.num_head_mismatches == 1
     assert asyncio.run(local.packed_prompt(prompt)) == pack_ids(tok.encode(prompt).ids)
+
+
+def test_a_prompt_past_the_word_anchors_bound_is_encoded_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Word anchors cost twice a whole encode: a prompt longer than their bound is not cut."""
+    monkeypatch.setattr(local_module, "WORD_ANCHORS_MAX_CHARS", 3000)
+    tok, local = _word_local()
+    rng = random.Random(15)
+    first = hex_text(rng, 3001)
+    for prompt in (first, first[:2500] + hex_text(rng, 501)):
+        assert asyncio.run(local.packed_prompt(prompt)) == pack_ids(tok.encode(prompt).ids)
+    assert local.num_reused == 0
+    assert asyncio.run(local.packed_prompt(first[:2999])) == pack_ids(tok.encode(first[:2999]).ids)
+    assert asyncio.run(local.packed_prompt(first[:2990] + "ab")) == pack_ids(
+        tok.encode(first[:2990] + "ab").ids
+    )
+    assert local.num_reused == 1
