@@ -369,11 +369,11 @@ class LocalTokenizer:
         else:
             hit = None
         first = 0 if hit is None else hit.index + 1
-        self.num_anchored += 1
-        check = self.num_anchored % CHECK_EVERY == 1
         inline = len(text) - start <= self.inline_max_chars
         if not inline and now:
             raise _NotNow
+        self.num_anchored += 1
+        check = self.num_anchored % CHECK_EVERY == 1
         run = partial(self._word_pieces, text, start, plan.ends[first:], not inline, check)
         try:
             anchors, tail, whole = run() if inline else await asyncio.to_thread(run)

@@ -260,3 +260,15 @@ def test_a_prompt_past_the_word_anchors_bound_is_encoded_whole(
         tok.encode(first[:2990] + "ab").ids
     )
     assert local.num_reused == 1
+
+
+def test_a_long_word_anchored_prompt_is_not_encoded_at_once() -> None:
+    """Past the inline bound a word-anchored prompt needs the worker thread: at once gives
+    None (the caller awaits instead), counting nothing; within it, the whole ids."""
+    tok, local = _word_local()
+    rng = random.Random(16)
+    long, short = hex_text(rng, 3000), hex_text(rng, 1500)
+    assert local.prompt_now(long) is None and local.num_anchored == 0
+    assert asyncio.run(local.packed_prompt(long)) == pack_ids(tok.encode(long).ids)
+    assert local.prompt_now(short) == pack_ids(tok.encode(short).ids)
+    assert local.num_anchored == 2
