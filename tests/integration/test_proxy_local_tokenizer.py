@@ -170,6 +170,7 @@ _DOCUMENTS = {
                 " question {}: who pays"),
     "chinese": ("".join(f"第{n}条租约规定\uff0c租户支付费用。" for n in range(120)),
                 "问题{}\uff1a谁付钱\uff1f"),
+    "json": ("".join(_minified(n) for n in range(3)), ',"q{}":"who_pays"'),  # word anchors
 }  # fmt: skip
 
 
