@@ -14,7 +14,7 @@ from tokenizers import Regex, models, pre_tokenizers
 
 from kvindex.api.tokenize import local as local_module
 from kvindex.api.tokenize.fast_bpe import SELF_TEST
-from kvindex.api.tokenize.local import LocalTokenizer
+from kvindex.api.tokenize.local import LocalTokenizer, special_wrap
 from kvindex.api.tokenize.protocol import Head, pack_ids
 from kvindex.api.tokenize.word_heads import WINDOW_SLACK, WordHeads
 from tests.support.tokenizer_kinds import KINDS, MASK
@@ -272,3 +272,28 @@ def test_a_long_word_anchored_prompt_is_not_encoded_at_once() -> None:
     assert asyncio.run(local.packed_prompt(long)) == pack_ids(tok.encode(long).ids)
     assert local.prompt_now(short) == pack_ids(tok.encode(short).ids)
     assert local.num_anchored == 2
+
+
+@pytest.mark.parametrize("name", HOLDING)
+def test_every_holding_kind_reuses_word_anchors_from_a_head_as_the_whole(name: str) -> None:
+    """For each tokenizer kind word heads hold for: a new prompt decided on its head, its
+    rest (anchored from the head's cut), then prompts sharing its start, all encode as
+    their whole ids."""
+    tok = _tokenizer(name)
+    local = LocalTokenizer(tok, prefix_cache_bytes=1 << 22, fast=False)
+    rng = random.Random(17)
+    document = json_text(rng, 120) if name != "hex_pairs" else hex_text(rng, 4000)
+    head = asyncio.run(local.prompt_head(document, 256))
+    whole = asyncio.run(head.rest()) if isinstance(head, Head) else head
+    assert whole == pack_ids(tok.encode(document).ids)
+    for cut in (len(document) - 10, len(document) // 2, 1500):
+        prompt = document[:cut] + document[:300]
+        assert asyncio.run(local.packed_prompt(prompt)) == pack_ids(tok.encode(prompt).ids)
+    assert local.num_head_mismatches == 0
+    # Reused where the document has word anchors (Metaspace's words end at spaces alone: a
+    # JSON text is one word) and its prompts are reused at all (an even post-processor).
+    ends = list(range(1024 + WINDOW_SLACK, len(document), 1024))
+    assert local.word_heads is not None
+    anchored = bool(local.word_heads.anchors(document, 0, ends))
+    reusing = anchored and special_wrap(tok) is not None
+    assert local.num_reused >= 2 if reusing else local.num_reused == 0
