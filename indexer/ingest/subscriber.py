@@ -555,13 +555,14 @@ class Subscriber:
             for worker, thread in enumerate(self._threads):
                 if thread is None or thread.is_alive() or self._stop.is_set():
                     continue
-                self.num_restarts += 1
+                # Logged before it is counted: whoever sees the count finds the line.
                 log.error(
                     "ingest worker %d stopped unexpectedly: restarted, its streams resync"
                     " from the index (%d restarts)",
                     worker,
-                    self.num_restarts,
+                    self.num_restarts + 1,
                 )
+                self.num_restarts += 1
                 self.loops[worker].pipeline.restart()
                 self._start_worker(worker)
 
