@@ -48,7 +48,7 @@ ANCHOR_CHARS = 1024
 """A prompt is cut about this often, at split points (its anchors, :func:`.split_point`), so
 that a prompt starting as a kept one is encoded from there: it may hold no added token."""
 CHECK_MAX_CHARS = 8192  # the longest anchored prompt tokenizers (no fast path) check whole
-WORD_ANCHORS_MAX_CHARS = 262144  # longer: encoded whole (a window at a time costs twice)
+WORD_ANCHORS_MAX_CHARS = 262144  # longer: encoded whole (windows cost more than one encode)
 
 
 def encode_whole(tokenizer: tokenizers.Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
@@ -361,11 +361,10 @@ class LocalTokenizer:
         up to its anchor's cut, then a head a window (:meth:`.WordHeads.anchors`), then the
         tail; kept under each window's end. One in :data:`CHECK_EVERY` is checked whole."""  # noqa: E501
         assert plan.ends is not None and self.prefixes is not None
-        hit, start, before, kept = plan.hit, 0, b"", []
+        hit, kept = plan.hit, []
+        start, before = known or (0, b"")
         if hit is not None and hit.cuts[-1].resume is not None:
             start, before, kept = hit.cuts[-1].resume, hit.packed, list(hit.cuts)
-        elif known is not None:
-            hit, (start, before) = None, known
         else:
             hit = None
         first = 0 if hit is None else hit.index + 1
