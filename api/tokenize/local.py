@@ -321,8 +321,10 @@ class LocalTokenizer:
         the ids before it (a head's), encoded from there when no kept start is longer."""  # noqa: E501
         prefixes = self.prefixes
         plan = plan or self._plan(text)
-        if plan is not None and plan.ends is not None and self.word_anchors:
-            return await self._word_packed(text, plan, now=now, known=known)
+        if plan is not None and plan.ends is not None:
+            if self.word_anchors:
+                return await self._word_packed(text, plan, now=now, known=known)
+            plan = self._plan(text)  # word anchors dropped since the plan: cut as any text
         if plan is None or prefixes is None:
             start, before = known or (0, b"")
             tail = await self._encode_parts(text, [start, len(text)], now=now)

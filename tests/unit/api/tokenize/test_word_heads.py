@@ -297,3 +297,18 @@ def test_every_holding_kind_reuses_word_anchors_from_a_head_as_the_whole(name: s
     anchored = bool(local.word_heads.anchors(document, 0, ends))
     reusing = anchored and special_wrap(tok) is not None
     assert local.num_reused >= 2 if reusing else local.num_reused == 0
+
+
+def test_a_word_plan_made_before_word_anchors_were_dropped_encodes_as_the_whole() -> None:
+    """A plan made with a kept start, then word anchors dropped (another prompt's check
+    failed) before it is encoded: the text is cut as any other, its ids whole."""
+    tok, local = _word_local()
+    rng = random.Random(18)
+    document = hex_text(rng, 5000)
+    asyncio.run(local.packed_prompt(document))
+    later = document[:4000] + hex_text(rng, 500)
+    plan = local._plan(later, anchored=True)
+    assert plan is not None and plan.ends is not None and plan.hit is not None
+    local.word_anchors = False
+    got = asyncio.run(local._packed(later, now=False, plan=plan))
+    assert got == pack_ids(tok.encode(later).ids)
