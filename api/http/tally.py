@@ -1,6 +1,7 @@
 """Reference: prometheus_client's Counter.inc and Histogram.observe; tests/unit/api/http/test_tally.py::test_a_collection_shows_what_direct_observations_show
 
-Request-path observations kept as sums under one lock, added to their series at collection.
+Request-path observations and increments kept as sums under one lock, added to their series
+at collection.
 """  # noqa: E501
 
 from __future__ import annotations
@@ -46,16 +47,43 @@ class Timings:
             self._counter.inc(observed)
 
 
+class Counts:
+    """A counter series' increments until collected."""
+
+    __slots__ = ("_counter", "_lock", "_total")
+
+    def __init__(self, lock: threading.Lock, counter: Counter) -> None:
+        self._lock, self._counter = lock, counter
+        self._total = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        with self._lock:
+            self._total += amount
+
+    def flush(self) -> None:
+        if self._total:
+            self._counter.inc(self._total)
+            self._total = 0.0
+
+
 class Tally:
-    """A collector adding its :class:`Timings` to their series: registered before them."""
+    """A collector adding its :class:`Timings` and :class:`Counts` to their series:
+    registered before them."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._timings: list[Timings] = []
+        self._timings: list[Timings | Counts] = []
 
     def timings(self, histogram: Histogram, counter: Counter | None = None) -> Timings:
         """Observations of ``histogram`` (a child when labelled), each one ``counter``'s too."""
         made = Timings(self._lock, histogram, counter)
+        with self._lock:
+            self._timings.append(made)
+        return made
+
+    def counts(self, counter: Counter) -> Counts:
+        """Increments of ``counter`` (a child when labelled)."""
+        made = Counts(self._lock, counter)
         with self._lock:
             self._timings.append(made)
         return made

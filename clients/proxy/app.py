@@ -345,8 +345,9 @@ class _Forwarded:
         exchange.matched_fraction = choice.matched_fraction
         if choice.untokenized:
             exchange.headers = (UNTOKENIZED,)
+        metrics = parts.metrics  # a route's series appear with its first request
         if choice.matched_fraction is not None:
-            parts.metrics.matched_fraction.observe(choice.matched_fraction)
+            metrics.timed(metrics.matched_fraction).observe(choice.matched_fraction)
         upstream_headers = forwarded_headers(
             headers, request_id, scope.get("client"), scope["scheme"]
         )
@@ -361,8 +362,7 @@ class _Forwarded:
             receive=receive,
             on_gone=on_gone_of(scope),
         )
-        metrics = parts.metrics  # a route's series appear with its first request
-        metrics.child(metrics.first_byte, self.path).observe(time.perf_counter() - started)
+        metrics.timed(metrics.first_byte, self.path).observe(time.perf_counter() - started)
         exchange.answered_by(opened.upstream.replica, choice.upstreams.index(opened.upstream))
         owed = self._owed_tokens(choice, opened.dispatch)
         if owed is not None:
@@ -386,7 +386,7 @@ class _Forwarded:
         if choice.rest is None:
             return None
         metrics = self.parts.metrics
-        metrics.head_decisions.inc()
+        metrics.counted(metrics.head_decisions).inc()
         failed = metrics.head_rest_failures.inc
         return OwedTokens(choice.rest, dispatch, self._owed, on_failure=failed)
 
@@ -425,8 +425,8 @@ class _Forwarded:
 
     def _count(self, status: int, replica: str, exchange: Exchange) -> None:
         metrics = self.parts.metrics
-        metrics.child(metrics.requests, self.path, str(status), replica).inc()
-        metrics.child(metrics.duration, self.path).observe(time.perf_counter() - exchange.started)
+        metrics.counted(metrics.requests, self.path, str(status), replica).inc()
+        metrics.timed(metrics.duration, self.path).observe(time.perf_counter() - exchange.started)
         if self.parts.api.access_log:
             log_exchange(exchange, status)
 

@@ -18,6 +18,7 @@ from kvindex.api.http.metrics import (
     TokenizerViews,
     lookup_latency,
 )
+from kvindex.api.http.tally import Counts, Tally, Timings
 from kvindex.api.load.desk import DeskSeries
 from kvindex.clients.proxy.predictions import Prediction
 from kvindex.clients.proxy.verdicts import UNDER_REASONS, VERDICTS
@@ -47,7 +48,10 @@ class ProxyMetrics:
         """``worker``: which of ``kvindex proxy --workers N`` this process is (0: the one)."""
         self.registry = CollectorRegistry()
         self._children: dict[tuple[int, tuple[str, ...]], MetricWrapperBase] = {}
+        self._tallied: dict[tuple[int, tuple[str, ...]], Timings | Counts] = {}
         r = self.registry
+        self.tally = Tally()  # registered first: collected before the series it adds to
+        r.register(self.tally)
         r.register(BuildInfo("proxy"))
         self.lookup_latency = lookup_latency(r)
         self.requests = Counter(
@@ -222,9 +226,9 @@ class ProxyMetrics:
     def observe_prediction(self, prediction: Prediction, outcome: str, error: int | None) -> None:
         """Count one classified request (see :mod:`.predictions`)."""
         replica = prediction.replica
-        self.child(self.predictions, replica, prediction.model, outcome).inc()
+        self.counted(self.predictions, replica, prediction.model, outcome).inc()
         if error is not None:
-            self.child(self.prediction_error, replica).observe(error)
+            self.timed(self.prediction_error, replica).observe(error)
 
     def child(self, metric: M, *labels: str) -> M:
         """``metric.labels(*labels)``, found once and then kept (prometheus' own lookup
@@ -234,6 +238,25 @@ class ProxyMetrics:
         if found is None:
             found = self._children[key] = metric.labels(*labels)
         return cast("M", found)
+
+    def timed(self, metric: Histogram, *labels: str) -> Timings:
+        """The request path's observations of ``metric.labels(*labels)`` (of ``metric`` when
+        none), kept until a scrape adds them; found once and then kept."""
+        key = (id(metric), labels)
+        found = self._tallied.get(key)
+        if found is None:
+            series = self.child(metric, *labels) if labels else metric
+            found = self._tallied[key] = self.tally.timings(series)
+        return cast("Timings", found)
+
+    def counted(self, metric: Counter, *labels: str) -> Counts:
+        """:meth:`timed` for a counter's increments."""
+        key = (id(metric), labels)
+        found = self._tallied.get(key)
+        if found is None:
+            series = self.child(metric, *labels) if labels else metric
+            found = self._tallied[key] = self.tally.counts(series)
+        return cast("Counts", found)
 
     def watch_write_path(self, fleet: RegistryView, index: BlockIndex) -> None:
         """Export the write path this process runs: stream counters and gauges, blocks."""

@@ -70,7 +70,7 @@ def build_proxy_app(
         return parts.verdicts.distrusted()
 
     hooks = Hooks(
-        wrap_index=lambda index: TimedIndex(index, metrics.lookup_latency),
+        wrap_index=lambda index: TimedIndex(index, metrics.timed(metrics.lookup_latency)),
         on_ejected=ejected,
         on_check_stalled=ejections.check_stalled,
         distrusted=distrusted,

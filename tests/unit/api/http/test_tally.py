@@ -72,3 +72,17 @@ def test_observations_from_threads_during_collections_are_all_counted() -> None:
         thread.join()
     assert _samples(registry)[("t_requests_total", "[('route', 'a')]")] == 15000
     assert seen == sorted(seen)
+
+
+def test_counted_increments_show_once_collected_as_direct_ones() -> None:
+    direct, _, _, counter = _series(tallied=False)
+    tallied, tally, _, t_counter = _series(tallied=True)
+    assert tally is not None
+    counts = {r: tally.counts(t_counter.labels(r)) for r in "ab"}
+    for i, amount in enumerate((1.0, 2.0, 0.5, 1.0, 3.0)):
+        counter.labels("ab"[i % 2]).inc(amount)
+        counts["ab"[i % 2]].inc(amount)
+    assert _samples(tallied) == _samples(direct)
+    assert _samples(tallied) == _samples(direct)  # a second collection adds nothing more
+    counts["b"].inc()
+    assert _samples(tallied)[("t_requests_total", "[('route', 'b')]")] == 4.0  # 3 before
