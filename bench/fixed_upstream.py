@@ -3,9 +3,11 @@ each of the given ports, so a proxy in front of them is the bottleneck (``bench/
 --upstream fixed``). ``POST`` of any path: the chat completion below (a body with
 ``"stream": true``: the same as six server-sent events and ``[DONE]``, chunked); ``GET
 /metrics``: vLLM's load gauges at zero; any other ``GET``: 200 and an empty JSON object.
-Requests are read by httptools, kept alive; no KV event is published (routing on load alone).
+Requests are read by httptools, kept alive. ``PORT,EVENTS``: a ZeroMQ PUB socket bound on
+``EVENTS`` as well, which publishes nothing: the proxy's events stream is connected and its
+replica routed as a healthy one, on load alone (no block is ever cached).
 
-    python bench/fixed_upstream.py MODEL PORT [PORT ...]
+    python bench/fixed_upstream.py MODEL PORT[,EVENTS] [PORT[,EVENTS] ...]
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import cast
 
 import httptools
 import uvloop
+import zmq
 
 ANSWER = json.dumps(
     {
@@ -101,13 +104,25 @@ class Fixed(asyncio.Protocol):
             self.transport.write(_EMPTY)
 
 
-async def serve(model: str, ports: list[int]) -> None:
+async def serve(model: str, ports: list[str]) -> None:
     loop = asyncio.get_running_loop()
     metrics = _metrics_answer(model)
-    for port in ports:
-        await loop.create_server(lambda: Fixed(metrics), "127.0.0.1", port, backlog=1024)
-    await asyncio.Event().wait()
+    context = zmq.Context()
+    publishers = []  # kept open while serving: a subscriber stays connected
+    for spec in ports:
+        port, _, events = spec.partition(",")
+        await loop.create_server(lambda: Fixed(metrics), "127.0.0.1", int(port), backlog=1024)
+        if events:
+            publisher = context.socket(zmq.PUB)
+            publisher.bind(f"tcp://127.0.0.1:{int(events)}")
+            publishers.append(publisher)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        for publisher in publishers:
+            publisher.close(linger=0)
+        context.term()
 
 
 if __name__ == "__main__":
-    uvloop.run(serve(sys.argv[1], [int(p) for p in sys.argv[2:]]))
+    uvloop.run(serve(sys.argv[1], sys.argv[2:]))

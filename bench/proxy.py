@@ -348,17 +348,18 @@ def _sims(workdir: Path, tokenizer: Path | None, stack: ExitStack) -> list[tuple
 
 def _fixed(workdir: Path, stack: ExitStack) -> list[tuple[Child, int, str]]:
     """Three replicas of ``bench/fixed_upstream.py`` in one process (stopped with
-    ``stack``): each spec's events endpoint has no publisher."""
-    ports = [free_port() for _ in range(3)]
+    ``stack``): each spec's events endpoint a publisher that sends nothing (the streams
+    connected: each replica healthy, routed on load alone)."""
+    ports = [(free_port(), free_port()) for _ in range(3)]
     script = Path(__file__).with_name("fixed_upstream.py")
-    args = [sys.executable, str(script), MODEL, *map(str, ports)]
-    child = Child("fixed", args, workdir / "fixed.log", http_ok(ports[-1], "/health"))
+    args = [sys.executable, str(script), MODEL, *(f"{port},{events}" for port, events in ports)]
+    child = Child("fixed", args, workdir / "fixed.log", http_ok(ports[-1][0], "/health"))
     stack.callback(child.stop)
     child.start(30)
     return [
         (child, port, f"id=r{i},model={MODEL},url=http://127.0.0.1:{port},"
-         f"events=tcp://127.0.0.1:{free_port()}")
-        for i, port in enumerate(ports, start=1)
+         f"events=tcp://127.0.0.1:{events}")
+        for i, (port, events) in enumerate(ports, start=1)
     ]  # fmt: skip
 
 
