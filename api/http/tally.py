@@ -67,8 +67,7 @@ class Counts:
 
 
 class Tally:
-    """A collector adding its :class:`Timings` and :class:`Counts` to their series:
-    registered before them."""
+    """A collector adding its timings and counts to their series: registered before them."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -82,7 +81,6 @@ class Tally:
         return made
 
     def counts(self, counter: Counter) -> Counts:
-        """Increments of ``counter`` (a child when labelled)."""
         made = Counts(self._lock, counter)
         with self._lock:
             self._timings.append(made)

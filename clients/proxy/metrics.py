@@ -240,8 +240,7 @@ class ProxyMetrics:
         return cast("M", found)
 
     def timed(self, metric: Histogram, *labels: str) -> Timings:
-        """The request path's observations of ``metric.labels(*labels)`` (of ``metric`` when
-        none), kept until a scrape adds them; found once and then kept."""
+        # The request path's observations of the series, added to it at a scrape; kept.
         key = (id(metric), labels)
         found = self._tallied.get(key)
         if found is None:
@@ -250,7 +249,7 @@ class ProxyMetrics:
         return cast("Timings", found)
 
     def counted(self, metric: Counter, *labels: str) -> Counts:
-        """:meth:`timed` for a counter's increments."""
+        # :meth:`timed` for a counter's increments.
         key = (id(metric), labels)
         found = self._tallied.get(key)
         if found is None:

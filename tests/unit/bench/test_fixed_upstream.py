@@ -20,7 +20,7 @@ from tests.support.redis_server import free_port
 
 @pytest.fixture
 def ports() -> Iterator[list[int]]:
-    """The answering ports, then the events port of the last."""
+    # The answering ports, then the events port of the last.
     ports = [free_port(), free_port(), free_port()]
     script = ROOT / "bench" / "fixed_upstream.py"
     specs = [str(ports[0]), f"{ports[1]},{ports[2]}"]
