@@ -71,19 +71,19 @@ class Tally:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._timings: list[Timings | Counts] = []
+        self._kept: list[Timings | Counts] = []
 
     def timings(self, histogram: Histogram, counter: Counter | None = None) -> Timings:
         """Observations of ``histogram`` (a child when labelled), each one ``counter``'s too."""
         made = Timings(self._lock, histogram, counter)
         with self._lock:
-            self._timings.append(made)
+            self._kept.append(made)
         return made
 
     def counts(self, counter: Counter) -> Counts:
         made = Counts(self._lock, counter)
         with self._lock:
-            self._timings.append(made)
+            self._kept.append(made)
         return made
 
     def describe(self) -> list[Metric]:
@@ -91,6 +91,6 @@ class Tally:
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
-            for timings in self._timings:
-                timings.flush()
+            for kept in self._kept:
+                kept.flush()
         return iter(())

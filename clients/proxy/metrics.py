@@ -5,7 +5,7 @@ its build, its index lookups and (when it runs the write path) its streams and i
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TypeVar, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -241,21 +241,21 @@ class ProxyMetrics:
 
     def timed(self, metric: Histogram, *labels: str) -> Timings:
         # The request path's observations of the series, added to it at a scrape; kept.
-        key = (id(metric), labels)
-        found = self._tallied.get(key)
-        if found is None:
-            series = self.child(metric, *labels) if labels else metric
-            found = self._tallied[key] = self.tally.timings(series)
-        return cast("Timings", found)
+        return cast("Timings", self._kept(metric, labels, self.tally.timings))
 
     def counted(self, metric: Counter, *labels: str) -> Counts:
         # :meth:`timed` for a counter's increments.
+        return cast("Counts", self._kept(metric, labels, self.tally.counts))
+
+    def _kept(
+        self, metric: M, labels: tuple[str, ...], make: Callable[[M], Timings | Counts]
+    ) -> Timings | Counts:
         key = (id(metric), labels)
         found = self._tallied.get(key)
         if found is None:
             series = self.child(metric, *labels) if labels else metric
-            found = self._tallied[key] = self.tally.counts(series)
-        return cast("Counts", found)
+            found = self._tallied[key] = make(series)
+        return found
 
     def watch_write_path(self, fleet: RegistryView, index: BlockIndex) -> None:
         """Export the write path this process runs: stream counters and gauges, blocks."""
